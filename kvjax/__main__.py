@@ -1,0 +1,7 @@
+"""``python -m kvjax``: see ``kvjax.cli``."""
+
+import sys
+
+from kvjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,344 @@
+"""`MHAKVPool`: the paged K/V pool of full-attention (MHA/GQA/MQA) layers, as an immutable pytree.
+
+Layout (one array per layer, tpu-inference's ragged-paged-attention layout)::
+
+    kv[layer] : [num_pages + 1, page_size, 2 * num_kv_heads, head_dim_padded]   (storage dtype)
+
+* Page 0 is the trash page: padded tokens write there and allocators never hand it out, so the
+  array has ``num_pages + 1`` pages and token slot ``loc`` lives at ``(loc // page_size, loc % page_size)``.
+* Along the combined head axis, index ``2h`` is K of KV head ``h`` and ``2h + 1`` is V of head ``h``.
+  Sharding that axis over a mesh keeps each head's K and V on one device.
+* ``head_dim_padded`` is ``max(head_dim, v_head_dim)`` rounded up to the platform's alignment
+  (128 on TPU, 1 elsewhere); K and V are zero-padded to it.
+* The storage dtype may be the bit pattern of the logical dtype (see ``kvjax.pools.dtypes``).
+* fp8 pools keep a per-layer f32 scale for K and for V: stored = value / scale.
+
+Every update returns a new pool. Under ``jax.jit`` with the pool donated the update is in place:
+its cost grows with the tokens written, never with the pool.
+
+Slot ids given as concrete arrays are checked on the host (``InvalidSlotError`` naming them);
+inside a trace they cannot be, and any slot outside ``[0, (num_pages + 1) * page_size)`` is routed
+to the trash page on the device, never clamped onto a live slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.errors import InvalidSlotError
+from kvjax.pools import dtypes
+
+
+def _static(**kwargs: Any) -> Any:
+    """A dataclass field that is pytree metadata (static under ``jit``), not a leaf."""
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_slots(loc: Any, num_slots: int, *, name: str = "loc") -> None:
+    """Reject concrete slot ids outside ``[0, num_slots)`` on the host; traced ids pass through.
+
+    Raises ``InvalidSlotError`` naming the first offending ids and how many there are.
+    """
+    if _is_traced(loc):
+        return
+    ids = np.asarray(loc)
+    if ids.dtype.kind not in "iu":
+        raise InvalidSlotError(f"{name} must be integer slot ids, got dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= num_slots)]
+    if bad.size:
+        raise InvalidSlotError(
+            f"{name}: {bad.size} slot id(s) outside [0, {num_slots}): {bad[:8].tolist()}"
+            f"{' ...' if bad.size > 8 else ''}; pass slot ids from this pool's allocator"
+        )
+
+
+def _route_out_of_range_to_trash(loc: jax.Array, num_slots: int) -> jax.Array:
+    """Device-side guard: slots outside the pool go to slot 0 (the trash page)."""
+    loc = loc.astype(jnp.int32)
+    return jnp.where((loc >= 0) & (loc < num_slots), loc, 0)
+
+
+def _write_slots(layer: jax.Array, new_kv: jax.Array, loc: jax.Array) -> jax.Array:
+    """Scatter ``new_kv[i]`` (``[n, C, D]``) into token slot ``loc[i]`` of one layer array.
+
+    ``loc`` has already been routed into range. Duplicate slots: the last write wins only when
+    they hit the trash page; live slots are never written twice by a valid caller.
+    """
+    pages, page_size, heads, dim = layer.shape
+    flat = layer.reshape(pages * page_size, heads, dim)
+    flat = flat.at[loc].set(new_kv, mode="promise_in_bounds", unique_indices=False)
+    return flat.reshape(pages, page_size, heads, dim)
+
+
+def _copy_slots(layers: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """Copy token slots ``src[i] -> dst[i]`` in every layer; all reads happen before all writes."""
+    out = []
+    for layer in layers:
+        pages, page_size, heads, dim = layer.shape
+        flat = layer.reshape(pages * page_size, heads, dim)
+        rows = flat[src]
+        flat = flat.at[dst].set(rows, mode="promise_in_bounds")
+        out.append(flat.reshape(pages, page_size, heads, dim))
+    return tuple(out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MHAKVPool:
+    """Paged K/V of the full-attention layers of one pipeline stage (see module docstring).
+
+    Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays), ``k_scale`` and ``v_scale``
+    (f32 ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
+    """
+
+    kv: tuple[jax.Array, ...]
+    k_scale: jax.Array
+    v_scale: jax.Array
+    page_size: int = _static()
+    num_kv_heads: int = _static()
+    head_dim: int = _static()
+    v_head_dim: int = _static()
+    dtype: str = _static()
+    start_layer: int = _static(default=0)
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        dtype: str = "bfloat16",
+        platform: str = "cpu",
+        head_dim_alignment: int | None = None,
+        start_layer: int = 0,
+        sharding: jax.sharding.Sharding | None = None,
+    ) -> "MHAKVPool":
+        """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
+
+        ``head_dim_alignment`` defaults to 128 on TPU and 1 elsewhere. Each layer is created
+        directly on its device(s) (no host staging), one at a time.
+        """
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        align = head_dim_alignment or (128 if platform == "tpu" else 1)
+        padded = _round_up(max(head_dim, v_head_dim), align)
+        store = dtypes.storage_dtype(dtype, platform)
+        shape = (num_pages + 1, page_size, 2 * num_kv_heads, padded)
+        zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
+        kv = tuple(zeros() for _ in range(num_layers))
+        return cls(
+            kv=kv,
+            k_scale=jnp.ones((num_layers,), jnp.float32),
+            v_scale=jnp.ones((num_layers,), jnp.float32),
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+            dtype=dtype,
+            start_layer=start_layer,
+        )
+
+    # --- static facts ---------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    @property
+    def num_pages(self) -> int:
+        """Allocatable pages (the trash page excluded)."""
+        return self.kv[0].shape[0] - 1
+
+    @property
+    def size(self) -> int:
+        """Allocatable token slots: ``num_pages * page_size`` (SGLang's pool ``size``)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def num_slots(self) -> int:
+        """All token slots including the trash page: valid slot ids are ``[0, num_slots)``."""
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def head_dim_padded(self) -> int:
+        return self.kv[0].shape[-1]
+
+    @property
+    def store_dtype(self) -> np.dtype:
+        return self.kv[0].dtype
+
+    @property
+    def logical_dtype(self) -> np.dtype:
+        return dtypes.logical_dtype(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers of this pool (padding included)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim_padded * self.store_dtype.itemsize
+
+    def nbytes(self) -> int:
+        """Bytes of all layer arrays (trash page included)."""
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.kv)
+
+    def _layer_index(self, layer_id: int) -> int:
+        index = layer_id - self.start_layer
+        if not 0 <= index < self.num_layers:
+            raise InvalidSlotError(
+                f"layer_id={layer_id} is not in this pool (layers {self.start_layer}.."
+                f"{self.start_layer + self.num_layers - 1})"
+            )
+        return index
+
+    # --- writes ---------------------------------------------------------------------------------
+
+    def _pack(self, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> jax.Array:
+        """``[n, H, Dk]`` and ``[n, H, Dv]`` -> interleaved, padded, quantised ``[n, 2H, Dp]`` storage."""
+        n = k.shape[0]
+        want_k = (n, self.num_kv_heads, self.head_dim)
+        want_v = (n, self.num_kv_heads, self.v_head_dim)
+        if k.shape != want_k:
+            raise ValueError(f"k has shape {k.shape}; expected {want_k} ([tokens, kv_heads, head_dim])")
+        if v.shape != want_v:
+            raise ValueError(f"v has shape {v.shape}; expected {want_v} ([tokens, kv_heads, v_head_dim])")
+        logical = self.logical_dtype
+        if dtypes.is_fp8(self.dtype):
+            k = k.astype(jnp.float32) / k_scale
+            v = v.astype(jnp.float32) / v_scale
+        pad = self.head_dim_padded
+        k = jnp.pad(k.astype(logical), ((0, 0), (0, 0), (0, pad - self.head_dim)))
+        v = jnp.pad(v.astype(logical), ((0, 0), (0, 0), (0, pad - self.v_head_dim)))
+        kv = jnp.stack([k, v], axis=2).reshape(n, 2 * self.num_kv_heads, pad)
+        return dtypes.to_storage(kv, self.store_dtype)
+
+    def set_kv_buffer(
+        self,
+        layer_id: int,
+        loc: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        k_scale: float | jax.Array | None = None,
+        v_scale: float | jax.Array | None = None,
+    ) -> "MHAKVPool":
+        """Write ``k[i]``, ``v[i]`` into token slot ``loc[i]`` of layer ``layer_id``; return the new pool.
+
+        ``k``: ``[n, num_kv_heads, head_dim]``, ``v``: ``[n, num_kv_heads, v_head_dim]``, any float
+        dtype (cast to the pool's). For fp8 pools the values are divided by ``k_scale``/``v_scale``
+        (default: the layer's stored scale) before the cast, as SGLang does. Padded tokens may use
+        slots of page 0.
+        """
+        index = self._layer_index(layer_id)
+        check_slots(loc, self.num_slots)
+        ks = self.k_scale[index] if k_scale is None else jnp.asarray(k_scale, jnp.float32)
+        vs = self.v_scale[index] if v_scale is None else jnp.asarray(v_scale, jnp.float32)
+        packed = self._pack(jnp.asarray(k), jnp.asarray(v), ks, vs)
+        slots = _route_out_of_range_to_trash(jnp.asarray(loc), self.num_slots)
+        if slots.shape != (packed.shape[0],):
+            raise ValueError(f"loc has shape {slots.shape}; expected ({packed.shape[0]},), one slot per token")
+        layers = list(self.kv)
+        layers[index] = _write_slots(layers[index], packed, slots)
+        return self.replace(kv=tuple(layers))
+
+    def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> "MHAKVPool":
+        """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled."""
+        index = self._layer_index(layer_id)
+        return self.replace(
+            k_scale=self.k_scale.at[index].set(jnp.float32(k_scale)),
+            v_scale=self.v_scale.at[index].set(jnp.float32(v_scale)),
+        )
+
+    def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> "MHAKVPool":
+        """Copy token slots ``src_loc[i] -> tgt_loc[i]`` in every layer; return the new pool.
+
+        All sources are read before any target is written (a chain ``1->2, 2->3`` copies the old
+        slot 2 into 3).
+        """
+        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
+        check_slots(src_loc, self.num_slots, name="src_loc")
+        tgt = _route_out_of_range_to_trash(jnp.asarray(tgt_loc), self.num_slots)
+        src = _route_out_of_range_to_trash(jnp.asarray(src_loc), self.num_slots)
+        if tgt.shape != src.shape or tgt.ndim != 1:
+            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
+        return self.replace(kv=_copy_slots(self.kv, src, tgt))
+
+    def replace(self, **changes: Any) -> "MHAKVPool":
+        """A copy with some fields changed (the pytree analogue of an in-place update)."""
+        return dataclasses.replace(self, **changes)
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def kv_buffer(self, layer_id: int) -> jax.Array:
+        """The raw combined layer array in the logical dtype: ``[pages + 1, page_size, 2H, Dp]``.
+
+        This is what paged-attention kernels read; it is a bit-cast, not a copy.
+        """
+        return dtypes.from_storage(self.kv[self._layer_index(layer_id)], self.logical_dtype)
+
+    def get_key_buffer(self, layer_id: int) -> jax.Array:
+        """K of one layer per token slot: ``[num_slots, num_kv_heads, head_dim]`` (stored values).
+
+        A strided copy out of the interleaved layout (JAX has no views); prefer ``kv_buffer``
+        inside kernels.
+        """
+        layer = self.kv_buffer(layer_id)
+        return layer[:, :, 0::2, : self.head_dim].reshape(self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def get_value_buffer(self, layer_id: int) -> jax.Array:
+        """V of one layer per token slot: ``[num_slots, num_kv_heads, v_head_dim]`` (stored values)."""
+        layer = self.kv_buffer(layer_id)
+        return layer[:, :, 1::2, : self.v_head_dim].reshape(self.num_slots, self.num_kv_heads, self.v_head_dim)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
+        """``(get_key_buffer(layer_id), get_value_buffer(layer_id))``."""
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def get_kv(self, layer_id: int, loc: jax.Array, *, dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array]:
+        """Dequantised K and V of the given slots: ``[n, H, head_dim]``, ``[n, H, v_head_dim]`` in ``dtype``.
+
+        Reads only the requested slots (O(n)); fp8 values are multiplied back by the layer's scale.
+        """
+        index = self._layer_index(layer_id)
+        check_slots(loc, self.num_slots)
+        slots = _route_out_of_range_to_trash(jnp.asarray(loc), self.num_slots)
+        layer = self.kv_buffer(layer_id)
+        rows = layer.reshape(self.num_slots, 2 * self.num_kv_heads, self.head_dim_padded)[slots]
+        k = rows[:, 0::2, : self.head_dim].astype(dtype)
+        v = rows[:, 1::2, : self.v_head_dim].astype(dtype)
+        if dtypes.is_fp8(self.dtype):
+            k = k * self.k_scale[index].astype(dtype)
+            v = v * self.v_scale[index].astype(dtype)
+        return k, v
+
+    def get_cpu_copy(self, loc: np.ndarray) -> list[np.ndarray]:
+        """Host copies of the given slots of every layer (retraction with the ``cpu_tensor`` backup)."""
+        check_slots(loc, self.num_slots)
+        slots = jnp.asarray(loc, jnp.int32)
+        return [
+            np.asarray(jax.device_get(a.reshape(self.num_slots, *a.shape[2:])[slots])) for a in self.kv
+        ]
+
+    def load_cpu_copy(self, copy: list[np.ndarray], loc: np.ndarray) -> "MHAKVPool":
+        """Write host copies made by ``get_cpu_copy`` back into the given slots; return the new pool."""
+        check_slots(loc, self.num_slots)
+        if len(copy) != self.num_layers:
+            raise ValueError(f"copy has {len(copy)} layers; this pool has {self.num_layers}")
+        slots = jnp.asarray(loc, jnp.int32)
+        layers = tuple(_write_slots(a, jnp.asarray(c, a.dtype), slots) for a, c in zip(self.kv, copy))
+        return self.replace(kv=layers)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple

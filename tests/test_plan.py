@@ -1,0 +1,471 @@
+"""The planner: one test per decision of the seed, named after it, plus sizes and rendering."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from kvjax import ConfigError
+from kvjax.config import CacheConfig
+from kvjax.plan import plan_kv_cache
+from tests.specs import F, R, S, dense, mla, ssm, swa
+
+GiB = 2**30
+
+
+def plan(spec, **kw):
+    kw.setdefault("memory_budget_bytes", GiB)
+    return plan_kv_cache(spec, CacheConfig(**kw))
+
+
+# --- 1. model kind ------------------------------------------------------------------------------
+
+
+def test_is_hybrid_swa_detected_for_sliding_layers():
+    p = plan(swa())
+    assert p.is_hybrid_swa and not p.is_hybrid_ssm
+    assert p.sliding_window_size == 1024
+    assert p.kv_pool_kind == "swa"
+
+
+def test_disable_hybrid_swa_memory_sizes_sliding_layers_as_full():
+    p = plan(swa(), disable_hybrid_swa_memory=True)
+    assert not p.is_hybrid_swa
+    assert p.sliding_window_size is None and p.full_tokens_per_layer is None
+    assert p.kv_pool_kind == "mha"
+
+
+def test_is_hybrid_ssm_detected_for_recurrent_layers():
+    p = plan(ssm())
+    assert p.is_hybrid_ssm and not p.is_hybrid_swa
+    assert p.kv_pool_kind == "hybrid_linear"
+    assert p.num_kv_layers == 1 and p.num_recurrent_layers == 3
+
+
+def test_is_dsa_marked_for_indexer_models():
+    assert plan(mla(dsa=True)).is_dsa
+    assert not plan(mla()).is_dsa
+
+
+def test_non_hybrid_model_leaves_swa_fields_none():
+    p = plan(dense())
+    assert (p.sliding_window_size, p.full_tokens_per_layer, p.swa_tokens_per_layer) == (None, None, None)
+
+
+# --- 2. sizes -----------------------------------------------------------------------------------
+
+
+def test_bytes_per_token_mha_counts_k_and_v_of_every_layer():
+    p = plan(dense(layers=4, kv_heads=8, head_dim=128), platform="cpu")
+    assert p.bytes_per_token == 4 * 2 * 8 * 128 * 2
+
+
+def test_bytes_per_token_pads_head_dim_to_128_on_tpu():
+    on_tpu = plan(dense(layers=2, kv_heads=2, head_dim=64), platform="tpu")
+    on_cpu = plan(dense(layers=2, kv_heads=2, head_dim=64), platform="cpu")
+    assert on_tpu.head_dim_padded == 128 and on_cpu.head_dim_padded == 64
+    assert on_tpu.bytes_per_token == 2 * on_cpu.bytes_per_token
+
+
+def test_bytes_per_token_pads_k_and_v_to_the_larger_head_dim():
+    p = plan(dense(layers=1, kv_heads=1, head_dim=192, v_head_dim=128), platform="cpu")
+    assert p.head_dim_padded == 192
+    assert p.bytes_per_token == 2 * 192 * 2
+
+
+def test_bytes_per_token_fp8_is_one_byte_per_element():
+    p = plan(dense(layers=4), kv_cache_dtype="fp8_e4m3", platform="cpu")
+    assert p.storage_dtype == "uint8"
+    assert p.bytes_per_token == 4 * 2 * 8 * 128
+
+
+def test_bf16_stored_as_uint16_on_cpu_only():
+    assert plan(dense(), platform="cpu").storage_dtype == "uint16"
+    assert plan(dense(), platform="tpu").storage_dtype == "bfloat16"
+
+
+def test_bytes_per_token_mla_is_one_latent_row_per_layer():
+    p = plan(mla(layers=4), platform="cpu")
+    assert p.bytes_per_token == 4 * (512 + 64) * 2
+    assert plan(mla(layers=4), platform="tpu").head_dim_padded == 640
+
+
+def test_bytes_per_token_dsa_adds_indexer_keys_and_scales():
+    plain = plan(mla(layers=2), platform="cpu")
+    dsa = plan(mla(layers=2, dsa=True), platform="cpu")
+    assert dsa.bytes_per_token - plain.bytes_per_token == 2 * (128 + 128 // 128 * 4)
+
+
+def test_max_total_tokens_from_budget_page_aligned():
+    p = plan(dense(layers=4), platform="cpu", memory_budget_bytes=GiB + 12345, page_size=16)
+    per_token = 4 * 2 * 8 * 128 * 2
+    assert p.max_total_tokens == (GiB + 12345) // per_token // 16 * 16
+    assert p.num_pages == p.max_total_tokens // 16
+
+
+def test_max_total_tokens_caps_the_budget():
+    p = plan(dense(), max_total_tokens=1000, page_size=16)
+    assert p.max_total_tokens == 992  # page aligned down
+
+
+def test_max_total_tokens_above_budget_warns_and_uses_budget():
+    p = plan(dense(layers=4), platform="cpu", memory_budget_bytes=2**20, max_total_tokens=10**9)
+    assert p.max_total_tokens == 2**20 // (4 * 2 * 8 * 128 * 2) // 16 * 16
+    assert any("exceeds" in w for w in p.warnings)
+
+
+def test_max_total_tokens_alone_sizes_the_pool():
+    p = plan_kv_cache(dense(), CacheConfig(max_total_tokens=4096))
+    assert p.max_total_tokens == 4096 and p.kv_budget_bytes is None
+
+
+def test_mem_fraction_static_uses_device_memory_minus_reserved():
+    config = CacheConfig(mem_fraction_static=0.5, reserved_memory_bytes=GiB, platform="cpu")
+    p = plan_kv_cache(dense(layers=4), config, device_memory_bytes=4 * GiB)
+    assert p.kv_budget_bytes == GiB
+    with pytest.raises(ConfigError, match="device_memory_bytes"):
+        plan_kv_cache(dense(), config)
+
+
+def test_nothing_sizes_the_cache_is_a_config_error():
+    with pytest.raises(ConfigError, match="memory_budget_bytes"):
+        plan_kv_cache(dense(), CacheConfig())
+
+
+def test_budget_too_small_for_one_page_names_the_bytes_needed():
+    with pytest.raises(ConfigError, match="at least"):
+        plan(dense(), memory_budget_bytes=1000)
+
+
+def test_max_total_tokens_is_the_minimum_across_pipeline_stages():
+    spec = dense(layers=5)
+    p0 = plan(spec, pp_size=2, pp_rank=0, platform="cpu")
+    p1 = plan(spec, pp_size=2, pp_rank=1, platform="cpu")
+    assert (p0.start_layer, p0.end_layer, p1.start_layer, p1.end_layer) == (0, 3, 3, 5)
+    per_layer = 2 * 8 * 128 * 2
+    assert p0.max_total_tokens == p1.max_total_tokens == GiB // (3 * per_layer) // 16 * 16
+
+
+def test_kv_heads_split_over_tensor_parallel_ranks_and_replicated_below_one():
+    assert plan(dense(kv_heads=8), tp_size=4).num_kv_heads_per_rank == 2
+    assert plan(dense(kv_heads=8), tp_size=16).num_kv_heads_per_rank == 1
+
+
+def test_req_to_token_width_is_context_plus_4_plus_draft_tokens():
+    assert plan(dense(context=4096)).req_to_token_width == 4100
+    p = plan(dense(context=4096), speculative_algorithm="EAGLE", speculative_num_draft_tokens=8, page_size=1)
+    assert p.req_to_token_width == 4096 + 4 + 8
+
+
+def test_req_to_token_width_reserves_a_decode_double_buffer_on_pages_with_speculation():
+    p = plan(dense(context=4096), speculative_algorithm="EAGLE", speculative_num_draft_tokens=4,
+             speculative_num_steps=3, speculative_eagle_topk=4, page_size=16)
+    assert p.req_to_token_width == 4096 + max(4 + 4, 2 * 12 + 16 - 1)
+
+
+def test_max_running_requests_default_formula():
+    # clamp(int(tokens / context * 512), 2048, 4096)
+    assert plan(dense(context=4096), max_total_tokens=4096 * 2).max_running_requests == 2048
+    assert plan(dense(context=4096), max_total_tokens=4096 * 6).max_running_requests == 3072
+    assert plan(dense(context=4096), max_total_tokens=4096 * 100).max_running_requests == 4096
+
+
+def test_max_running_requests_given_is_kept():
+    assert plan(dense(), max_running_requests=7).max_running_requests == 7
+
+
+def test_swa_split_by_swa_full_tokens_ratio():
+    p = plan(swa((S, S, S, F)), platform="cpu", page_size=1)
+    per_layer = 2 * 4 * 128 * 2
+    total = GiB // (4 * per_layer) * 4
+    full = int(total / (0.8 * 3 + 1))
+    assert p.full_tokens_per_layer == full
+    assert p.swa_tokens_per_layer == int(full * 0.8)
+    assert p.max_total_tokens == p.full_tokens_per_layer
+
+
+def test_swa_split_page_aligns_both_pools():
+    p = plan(swa(), page_size=16, swa_full_tokens_ratio=0.5)
+    assert p.full_tokens_per_layer % 16 == 0 and p.swa_tokens_per_layer % 16 == 0
+
+
+def test_swa_all_layers_sliding_is_pure_swa():
+    p = plan(swa((S, S, S, S)), page_size=16)
+    assert p.full_tokens_per_layer == 0
+    assert p.swa_tokens_per_layer == p.max_total_tokens > 0
+
+
+def test_ssm_state_memory_set_aside_by_mamba_full_memory_ratio():
+    spec = ssm()
+    p = plan(spec, platform="cpu", page_size=1)
+    per_req = 3 * spec.recurrent.bytes_per_slot()
+    mamba_mem = int(GiB * 0.9 / 1.9)
+    assert p.mamba_state_bytes_per_req == per_req
+    assert p.max_mamba_cache_size == mamba_mem // per_req
+    assert p.max_total_tokens == (GiB - mamba_mem) // p.bytes_per_token
+
+
+def test_ssm_state_with_radix_disabled_sized_by_running_requests():
+    p = plan(ssm(), disable_radix_cache=True, max_running_requests=64)
+    assert p.max_mamba_cache_size == 64
+    assert p.max_running_requests == 64  # one state per request with radix off
+
+
+def test_ssm_caps_running_requests_by_state_slots():
+    p = plan(ssm(), max_mamba_cache_size=30)
+    assert p.max_running_requests == 10  # 3 states per request with the radix cache
+    p = plan(ssm(), max_mamba_cache_size=30, enable_mamba_extra_buffer=True)
+    assert p.max_running_requests == 6  # + 2 ping-pong buffers without speculation
+
+
+def test_ssm_state_sharded_over_tensor_parallel():
+    one = plan(ssm(), tp_size=1).mamba_state_bytes_per_req
+    assert plan(ssm(), tp_size=2).mamba_state_bytes_per_req == one // 2
+
+
+# --- 3. retraction backup and hicache_ratio ------------------------------------------------------
+
+
+def decode(spec=None, **kw):
+    return plan(spec or dense(), disaggregation_mode="decode", **kw)
+
+
+def test_retraction_backup_host_pool_for_plain_decode_server():
+    p = decode()
+    assert p.decode_retraction_backup == "host_pool" and p.hicache_ratio == 1.0
+    assert p.attach_host_tier and p.tree_cache_kind == "unified"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(dcp_size=2),
+        dict(disaggregation_decode_enable_radix_cache=True),
+        dict(disaggregation_decode_enable_offload_kvcache=True),
+        dict(enable_priority_scheduling=True),
+    ],
+    ids=["dcp", "decode_radix_cache", "kv_offload", "priority_preemption"],
+)
+def test_retraction_backup_cpu_tensor_when_a_condition_fails(kw):
+    p = decode(**kw)
+    assert p.decode_retraction_backup == "cpu_tensor" and p.hicache_ratio == 2.0
+
+
+def test_retraction_backup_priority_scheduling_without_preemption_keeps_host_pool():
+    p = decode(enable_priority_scheduling=True, disable_priority_preemption=True)
+    assert p.decode_retraction_backup == "host_pool"
+
+
+def test_retraction_backup_cpu_tensor_outside_decode_mode():
+    assert plan(dense()).decode_retraction_backup == "cpu_tensor"
+    assert plan(dense(), disaggregation_mode="prefill").decode_retraction_backup == "cpu_tensor"
+
+
+@pytest.mark.parametrize("spec", [mla(), ssm(), swa((S, S, S, S))], ids=["mla", "ssm", "pure_swa"])
+def test_retraction_backup_cpu_tensor_when_pool_has_no_host_copy(spec):
+    assert decode(spec).decode_retraction_backup == "cpu_tensor"
+
+
+def test_retraction_backup_host_pool_for_swa_with_full_layers():
+    assert decode(swa()).decode_retraction_backup == "host_pool"
+
+
+def test_retraction_backup_explicit_setting_kept():
+    p = decode(disaggregation_decode_retraction_backup="cpu_tensor")
+    assert p.decode_retraction_backup == "cpu_tensor" and p.hicache_ratio == 2.0
+    p = plan(dense(), disaggregation_decode_retraction_backup="host_pool")
+    assert p.decode_retraction_backup == "host_pool" and p.hicache_ratio == 1.0
+
+
+def test_hicache_ratio_explicit_setting_kept():
+    assert decode(hicache_ratio=3.0).hicache_ratio == 3.0
+
+
+def test_host_pool_requires_a_tree_that_holds_a_host_tier():
+    with pytest.raises(ConfigError, match="requires UnifiedRadixCache"):
+        plan(swa((S, S, S, S)), disaggregation_decode_retraction_backup="host_pool")
+
+
+def test_host_pool_rejected_for_ssm_models():
+    with pytest.raises(ConfigError, match="Mamba/SSM"):
+        plan(ssm(), disaggregation_decode_retraction_backup="host_pool")
+
+
+# --- 4. radix cache on or off ------------------------------------------------------------------
+
+
+def test_radix_cache_disabled_when_asked():
+    p = plan(dense(), disable_radix_cache=True)
+    assert p.disable_radix_cache and p.tree_cache_kind == "chunk"
+
+
+def test_radix_cache_disabled_for_multimodal_on_transformers_backend_with_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvjax.plan"):
+        p = plan(dense(multimodal=True), model_impl="transformers")
+    assert p.disable_radix_cache
+    assert "multimodal" in caplog.text and any("Transformers backend" in w for w in p.warnings)
+
+
+def test_multimodal_on_transformers_backend_turns_chunked_prefill_off():
+    p = plan(dense(multimodal=True), model_impl="transformers")
+    assert p.chunked_prefill_size is None
+    assert p.tree_cache_kind == "unified"  # row 1 needs chunked prefill: a disabled tree instead
+
+
+def test_multimodal_on_native_backend_keeps_radix_cache():
+    p = plan(dense(multimodal=True))
+    assert not p.disable_radix_cache and not p.warnings
+    assert p.chunked_prefill_size == 8192
+
+
+# --- 5. decode-side radix cache ------------------------------------------------------------------
+
+
+def test_decode_radix_cache_rejected_for_swa_models():
+    with pytest.raises(ValueError, match="incompatible with sliding window attention"):
+        decode(swa(), disaggregation_decode_enable_radix_cache=True)
+
+
+def test_decode_radix_cache_rejected_for_ssm_models():
+    with pytest.raises(ValueError, match="incompatible with Mamba/SSM models"):
+        decode(ssm(), disaggregation_decode_enable_radix_cache=True)
+
+
+def test_decode_radix_cache_allowed_for_dense_models():
+    assert decode(disaggregation_decode_enable_radix_cache=True).tree_cache_kind == "unified"
+
+
+# --- 6. tree cache kind --------------------------------------------------------------------------
+
+
+def test_tree_row0_radix_disabled_with_host_pool_is_disabled_unified_tree():
+    p = decode(disable_radix_cache=True)
+    assert p.tree_cache_kind == "unified" and p.disable_radix_cache and p.attach_host_tier
+
+
+def test_tree_row1_chunk_cache():
+    assert plan(dense(), disable_radix_cache=True).tree_cache_kind == "chunk"
+
+
+def test_tree_row1_swa_chunk_cache():
+    assert plan(swa(), disable_radix_cache=True).tree_cache_kind == "swa_chunk"
+
+
+def test_tree_row1_pure_swa_chunk_cache():
+    p = plan(swa((S, S)), disable_radix_cache=True)
+    assert p.tree_cache_kind == "pure_swa_chunk" and p.tree_components == ("swa",)
+
+
+def test_tree_disabled_radix_without_chunked_prefill_is_disabled_unified_tree():
+    p = plan(dense(), disable_radix_cache=True, chunked_prefill_size=None)
+    assert p.tree_cache_kind == "unified" and p.disable_radix_cache
+
+
+def test_tree_row4_pure_swa_radix():
+    assert plan(swa((S, S, S))).tree_cache_kind == "pure_swa_radix"
+
+
+@pytest.mark.parametrize(
+    "spec,components",
+    [(dense(), ("full",)), (swa(), ("full", "swa")), (ssm(), ("full", "mamba")), (mla(dsa=True), ("full",))],
+    ids=["plain", "swa", "ssm", "dsa"],
+)
+def test_tree_row7_unified_with_components(spec, components):
+    p = plan(spec)
+    assert p.tree_cache_kind == "unified" and p.tree_components == components
+
+
+def test_tree_hierarchical_cache_attaches_host_tier_to_unified_tree():
+    p = plan(dense(), enable_hierarchical_cache=True)
+    assert p.attach_host_tier and p.host_pool_tokens == (p.max_total_tokens * 2 // 16 + 1) * 16
+
+
+def test_tree_hierarchical_cache_ignored_with_chunk_cache():
+    p = plan(dense(), enable_hierarchical_cache=True, disable_radix_cache=True)
+    assert not p.attach_host_tier and any("ignored" in w for w in p.warnings)
+
+
+def test_host_tier_sized_by_hicache_size_in_gb():
+    p = plan(dense(layers=4), enable_hierarchical_cache=True, hicache_size=1, platform="cpu")
+    tokens = 10**9 // p.bytes_per_token
+    assert p.host_pool_tokens == (-(-tokens // 16) + 1) * 16
+
+
+def test_session_radix_cache_requires_unified_tree():
+    with pytest.raises(ConfigError, match="enable_session_radix_cache"):
+        plan(dense(), enable_session_radix_cache=True, disable_radix_cache=True)
+    assert plan(dense(), enable_session_radix_cache=True).enable_session_radix_cache
+
+
+def test_tree_page_size_under_decode_context_parallelism():
+    p = plan(dense(), page_size=16, dcp_size=4)
+    assert p.alloc_page_size == 64 and p.tree_page_size == 64
+    assert p.max_total_tokens % 64 == 0
+    assert plan(dense(), page_size=16).tree_page_size == 16
+
+
+def test_tree_settings_passed_through():
+    p = plan(dense(), radix_eviction_policy="lfu", enable_kv_cache_events=True, speculative_algorithm="EAGLE3")
+    assert p.radix_eviction_policy == "lfu" and p.enable_kv_cache_events and p.is_eagle
+    assert not plan(dense(), speculative_algorithm="STANDALONE").is_eagle
+
+
+def test_need_sort_under_disaggregation():
+    assert plan(dense(), disaggregation_mode="prefill").need_sort
+    assert not plan(dense()).need_sort
+
+
+# --- 7. drafts, multimodal ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        (dict(enable_hierarchical_cache=True, speculative_algorithm="EAGLE"), True),
+        (dict(disaggregation_mode="decode", speculative_algorithm="EAGLE"), True),
+        (dict(enable_hierarchical_cache=True, speculative_algorithm="NGRAM"), False),
+        (dict(speculative_algorithm="EAGLE"), False),
+        (dict(enable_hierarchical_cache=True), False),
+    ],
+    ids=["hicache_eagle", "host_pool_eagle", "ngram_has_no_draft_model", "no_host_tier", "no_draft"],
+)
+def test_draft_host_pools(kw, expected):
+    assert plan(dense(), **kw).draft_host_pools is expected
+
+
+def test_mm_embedding_cache_size_from_vlm_cache_size_mb():
+    assert plan(dense(), vlm_cache_size_mb=7).mm_embedding_cache_bytes == 7 * 2**20
+
+
+# --- the plan object -----------------------------------------------------------------------------
+
+
+def test_plan_is_pure_and_deterministic():
+    spec, config = swa(), CacheConfig(memory_budget_bytes=GiB)
+    assert plan_kv_cache(spec, config) == plan_kv_cache(spec, config)
+
+
+def test_plan_to_dict_is_json_able_and_complete():
+    p = plan(ssm(), enable_hierarchical_cache=True)
+    d = json.loads(json.dumps(p.to_dict()))
+    for key in ("is_hybrid_swa", "is_hybrid_ssm", "sliding_window_size", "full_tokens_per_layer",
+                "swa_tokens_per_layer", "max_total_tokens", "num_pages", "bytes_per_token",
+                "disable_radix_cache", "tree_cache_kind", "decode_retraction_backup", "hicache_ratio"):
+        assert key in d
+    assert {pool["name"] for pool in d["pools"]} >= {"kv", "conv_state_0", "ssm_state", "req_to_token", "host_kv"}
+
+
+def test_plan_str_is_a_table_of_pools():
+    text = str(plan(dense(layers=4), platform="cpu"))
+    assert "pool" in text and "kv " in text and "req_to_token" in text and "uint16" in text
+
+
+def test_plan_pool_bytes_match_shapes():
+    p = plan(dense(layers=4), platform="cpu")
+    kv = p.pool("kv")
+    assert kv.count == 4 and kv.shape == (p.num_pages + 1, 16, 16, 128)
+    assert kv.nbytes == 4 * (p.num_pages + 1) * 16 * 16 * 128 * 2
+    with pytest.raises(KeyError, match="kv_swa"):
+        p.pool("kv_swa")
