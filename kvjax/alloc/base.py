@@ -1,0 +1,661 @@
+"""Common machinery of the host-side KV slot allocators.
+
+Units and ids
+-------------
+* A *slot* (token slot, "loc" in SGLang) is an index into the KV pool's token axis.
+* A *page* holds ``page_size`` consecutive slots: slot ``page * page_size + offset``.
+* Pages ``1..num_pages`` are allocatable; page 0 (slots ``0..page_size-1``) is the trash
+  page, where padded tokens write. It is never handed out and can never be freed.
+
+Invariants (checked by :meth:`BaseTokenToKVPoolAllocator.check_invariants`)
+------------------------------------------------------------------------
+* ``available_size() + used_size() == size`` (all in tokens), where pages buffered by an
+  open free group still count as used.
+* Every page is in exactly one of: the free list, the release list (``need_sort``), the
+  open free group's buffer, or in use.
+* ``_is_free[page]`` is True exactly for the pages of the free and release lists, and
+  ``_is_pending[page]`` exactly for those of the open free group; so a double free is
+  found in O(len(indices)) without scanning the lists.
+
+Every public call that raises leaves the allocator unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
+
+__all__ = [
+    "AllocatorState",
+    "BaseTokenToKVPoolAllocator",
+    "FifoFreeList",
+    "LifoFreeList",
+]
+
+_INT32_MAX = np.iinfo(np.int32).max
+_SHOWN_IDS = 8
+
+
+def format_ids(ids: np.ndarray) -> str:
+    """``[a, b, ...] (N ids)``: the first few ids and the count, for error messages."""
+    ids = np.asarray(ids).ravel()
+    head = ", ".join(str(int(i)) for i in ids[:_SHOWN_IDS])
+    more = ", ..." if ids.size > _SHOWN_IDS else ""
+    return f"[{head}{more}] ({ids.size} id{'s' if ids.size != 1 else ''})"
+
+
+def as_index_array(values: Any, what: str) -> np.ndarray:
+    """``values`` (list, numpy or jax array, scalar) as a 1-D int64 numpy array.
+
+    Raises InvalidSlotError when the values are not integers.
+    """
+    arr = np.asarray(values)
+    if arr.dtype == object:
+        try:
+            arr = arr.astype(np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidSlotError(f"{what}: expected integer ids, got {values!r}") from e
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidSlotError(f"{what}: expected integer ids, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False).ravel()
+
+
+class FifoFreeList:
+    """A queue of int32 ids in a ring buffer: take from the head, append at the tail.
+
+    ``take(k)`` and ``append(ids)`` cost O(k) / O(len(ids)), never O(capacity).
+    Holds at most ``capacity`` ids.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._buf = np.zeros(max(capacity, 1), np.int32)
+        self._head = 0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _span(self, start: int, n: int) -> np.ndarray:
+        cap = self._buf.size
+        start %= cap
+        if start + n <= cap:
+            return self._buf[start : start + n].copy()
+        return np.concatenate([self._buf[start:], self._buf[: start + n - cap]])
+
+    def take(self, k: int) -> np.ndarray:
+        """Remove and return the first ``k`` ids (caller checked ``k <= len(self)``)."""
+        out = self._span(self._head, k)
+        self._head = (self._head + k) % self._buf.size
+        self._len -= k
+        return out
+
+    def give(self, ids: np.ndarray) -> None:
+        """Append ``ids`` at the tail, in the given order."""
+        n = ids.size
+        cap = self._buf.size
+        tail = (self._head + self._len) % cap
+        first = min(n, cap - tail)
+        self._buf[tail : tail + first] = ids[:first]
+        self._buf[: n - first] = ids[first:]
+        self._len += n
+
+    def to_array(self) -> np.ndarray:
+        """The ids head first (a copy)."""
+        return self._span(self._head, self._len)
+
+    def set(self, ids: np.ndarray) -> None:
+        """Replace the content by ``ids`` (head first)."""
+        self._buf[: ids.size] = ids
+        self._head = 0
+        self._len = ids.size
+
+
+class LifoFreeList:
+    """A stack of int32 ids: take from the head, *prepend* given ids before the head.
+
+    The head is stored at the end of the buffer, so both ends cost O(k).
+    ``give(ids)`` puts ``ids[0]`` at the head, as SGLang's ``cat((ids, free_pages))``.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._buf = np.zeros(max(capacity, 1), np.int32)
+        self._top = 0
+
+    def __len__(self) -> int:
+        return self._top
+
+    def take(self, k: int) -> np.ndarray:
+        """Remove and return the first ``k`` ids (caller checked ``k <= len(self)``)."""
+        out = self._buf[self._top - k : self._top][::-1].copy()
+        self._top -= k
+        return out
+
+    def give(self, ids: np.ndarray) -> None:
+        """Prepend ``ids`` (``ids[0]`` becomes the head)."""
+        n = ids.size
+        self._buf[self._top : self._top + n] = ids[::-1]
+        self._top += n
+
+    def to_array(self) -> np.ndarray:
+        """The ids head first (a copy)."""
+        return self._buf[: self._top][::-1].copy()
+
+    def set(self, ids: np.ndarray) -> None:
+        """Replace the content by ``ids`` (head first)."""
+        self._buf[: ids.size] = ids[::-1]
+        self._top = ids.size
+
+
+@dataclass(frozen=True)
+class AllocatorState:
+    """A snapshot from :meth:`BaseTokenToKVPoolAllocator.backup_state` (read-only arrays).
+
+    ``free_pages`` and ``release_pages`` are head first; ``is_free`` is the page bitmap.
+    """
+
+    page_size: int
+    num_pages: int
+    free_pages: np.ndarray
+    release_pages: np.ndarray
+    is_free: np.ndarray
+
+
+class BaseTokenToKVPoolAllocator:
+    """Hands out and takes back KV slots, a page at a time, on the host (numpy).
+
+    Subclasses choose the free-list discipline: :class:`~kvjax.alloc.TokenToKVPoolAllocator`
+    (page_size 1, FIFO reuse) and :class:`~kvjax.alloc.PagedTokenToKVPoolAllocator` (LIFO
+    reuse of pages). Returned slot ids are int32 numpy arrays.
+
+    Attributes:
+        page_size: slots per page.
+        num_pages: allocatable pages (ids ``1..num_pages``).
+        size: allocatable slots, ``num_pages * page_size``.
+        need_sort: frees go to a release list that is merged into the free list, sorted,
+            only when an allocation needs more pages than the free list holds (SGLang's
+            PD-disaggregation mode: sorted pages make transfers contiguous).
+
+    Unlike SGLang, which validates frees only in a debug mode, every free is checked: ids
+    out of range, slots of the trash page, ids already free, and (token allocator) the same
+    id twice in one call raise InvalidSlotError / DoubleFreeError, naming the ids.
+    """
+
+    _free_list_cls: type[FifoFreeList] | type[LifoFreeList]
+
+    def __init__(self, size: int, page_size: int, *, need_sort: bool = False) -> None:
+        if type(self) is BaseTokenToKVPoolAllocator:
+            raise TypeError("BaseTokenToKVPoolAllocator is abstract: use make_allocator(size, page_size)")
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ConfigError("page_size", page_size, "use a positive integer number of slots per page")
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+            raise ConfigError("size", size, "use a non-negative integer number of token slots")
+        page_size = int(page_size)
+        num_pages = int(size) // page_size
+        if (num_pages + 1) * page_size - 1 > _INT32_MAX:
+            raise ConfigError(
+                "size", size, f"slot ids must fit int32: use at most {_INT32_MAX // page_size - 1} pages"
+            )
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.size = num_pages * page_size
+        self.need_sort = bool(need_sort)
+        self._num_slots = (num_pages + 1) * page_size  # trash page included
+        self._free = self._free_list_cls(num_pages)
+        self._release = self._free_list_cls(num_pages)
+        self._is_free = np.zeros(num_pages + 1, bool)
+        self._is_pending = np.zeros(num_pages + 1, bool)
+        # Scratch for O(n) duplicate detection; only entries just written are ever read.
+        self._scratch = np.zeros(num_pages + 1, np.int32)
+        self._offsets = np.arange(page_size, dtype=np.int32)
+        self._group: list[np.ndarray] | None = None
+        self._num_used = 0
+        self.clear()
+
+    # ------------------------------------------------------------------ sizes
+
+    def available_size(self) -> int:
+        """Allocatable tokens now: free plus release pages, times ``page_size``."""
+        return (len(self._free) + len(self._release)) * self.page_size
+
+    def used_size(self) -> int:
+        """Tokens handed out and not yet returned (open free-group frees still count)."""
+        return self._num_used * self.page_size
+
+    @property
+    def free_pages(self) -> np.ndarray:
+        """The free list, head (next to be handed out) first. A copy: O(free pages)."""
+        return self._free.to_array()
+
+    @property
+    def release_pages(self) -> np.ndarray:
+        """Pages freed under ``need_sort`` and not yet merged, in SGLang's order. A copy."""
+        return self._release.to_array()
+
+    # ------------------------------------------------------------------ state
+
+    def clear(self) -> None:
+        """Free everything: free list ``1..num_pages`` in order, release list and group empty."""
+        self._free.set(np.arange(1, self.num_pages + 1, dtype=np.int32))
+        self._release.set(np.zeros(0, np.int32))
+        self._is_free[:] = True
+        self._is_free[0] = False
+        self._is_pending[:] = False
+        self._group = None
+        self._num_used = 0
+
+    def merge_and_sort_free(self) -> None:
+        """Move the release list into the free list and sort it ascending."""
+        if len(self._release) == 0:
+            return
+        merged = np.concatenate([self._free.to_array(), self._release.to_array()])
+        merged.sort()
+        self._free.set(merged)
+        self._release.set(np.zeros(0, np.int32))
+
+    def backup_state(self) -> AllocatorState:
+        """Snapshot the free lists and bitmap (copies: O(num_pages) time and memory).
+
+        Frees buffered by an open free group are not part of the snapshot: those pages are
+        still in use until the group ends.
+        """
+        def frozen(a: np.ndarray) -> np.ndarray:
+            a.flags.writeable = False
+            return a
+
+        return AllocatorState(
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            free_pages=frozen(self._free.to_array()),
+            release_pages=frozen(self._release.to_array()),
+            is_free=frozen(self._is_free.copy()),
+        )
+
+    def restore_state(self, state: AllocatorState) -> None:
+        """Return to a snapshot from :meth:`backup_state` (speculative-decoding rollback).
+
+        Raises:
+            RuntimeError: a free group is open (its buffered pages would be freed twice).
+            InvalidSlotError: the snapshot comes from an allocator of another shape.
+        """
+        if not isinstance(state, AllocatorState):
+            raise InvalidSlotError(f"restore_state: expected an AllocatorState, got {type(state).__name__}")
+        if (state.page_size, state.num_pages) != (self.page_size, self.num_pages):
+            raise InvalidSlotError(
+                f"restore_state: snapshot of page_size={state.page_size}, num_pages={state.num_pages} "
+                f"given to an allocator of page_size={self.page_size}, num_pages={self.num_pages}"
+            )
+        if self._group is not None:
+            raise RuntimeError("restore_state inside a free group: call free_group_end() first")
+        self._free.set(state.free_pages)
+        self._release.set(state.release_pages)
+        np.copyto(self._is_free, state.is_free)
+        self._num_used = self.num_pages - len(self._free) - len(self._release)
+
+    # ------------------------------------------------------------------ alloc
+
+    def _take_pages(self, k: int) -> np.ndarray | None:
+        """``k`` pages from the head of the free list (merging releases if needed), or None.
+
+        On None nothing changes, not even the merge SGLang performs before giving up.
+        """
+        if k > len(self._free) + len(self._release):
+            return None
+        if k > len(self._free):
+            self.merge_and_sort_free()
+        pages = self._free.take(k)
+        self._is_free[pages] = False
+        self._num_used += k
+        return pages
+
+    def _expand(self, pages: np.ndarray) -> np.ndarray:
+        """All slots of ``pages``, page by page (int32)."""
+        if self.page_size == 1:
+            return pages
+        return (pages[:, None] * self.page_size + self._offsets).ravel()
+
+    def alloc(self, need_size: int) -> np.ndarray | None:
+        """``need_size`` slots (int32, page by page from the head of the free list), or None.
+
+        Returns None, with the allocator unchanged, when fewer slots are available.
+
+        Raises:
+            InvalidSlotError: ``need_size`` negative, or not a multiple of ``page_size``.
+        """
+        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or need_size < 0:
+            raise InvalidSlotError(f"alloc: need_size must be a non-negative integer, got {need_size!r}")
+        if need_size % self.page_size:
+            raise InvalidSlotError(
+                f"alloc: need_size={need_size} is not a multiple of page_size={self.page_size}; "
+                "use alloc_extend for unaligned requests"
+            )
+        pages = self._take_pages(int(need_size) // self.page_size)
+        if pages is None:
+            return None
+        return self._expand(pages)
+
+    def _check_last_loc(self, prefix: np.ndarray, last_loc: np.ndarray, what: str) -> None:
+        """Validate ``last_loc`` against ``prefix`` (lengths in tokens), per request."""
+        ps = self.page_size
+        # One combined test on the hot path; the detailed checks below only name the culprit.
+        page = last_loc // ps
+        in_use = ~(self._is_free.take(page, mode="clip") | self._is_pending.take(page, mode="clip"))
+        ok = np.where(
+            prefix == 0,
+            last_loc == -1,
+            (last_loc >= ps) & (last_loc < self._num_slots) & ((last_loc + 1) % ps == prefix % ps) & in_use,
+        )
+        if ok.all():
+            return
+        empty = prefix == 0
+        bad = empty & (last_loc != -1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidSlotError(
+                f"{what}: request {i} has an empty prefix, so last_loc must be -1, got {int(last_loc[i])}"
+            )
+        has = ~empty
+        bad = has & ((last_loc < ps) | (last_loc >= self._num_slots))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidSlotError(
+                f"{what}: request {i} has last_loc={int(last_loc[i])}, outside the allocatable "
+                f"slots [{ps}, {self._num_slots})"
+            )
+        bad = has & ((last_loc + 1) % ps != prefix % ps)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidSlotError(
+                f"{what}: request {i}: (last_loc + 1) % page_size = {(int(last_loc[i]) + 1) % ps} but "
+                f"prefix_len % page_size = {int(prefix[i]) % ps} (prefix_len={int(prefix[i])}, "
+                f"last_loc={int(last_loc[i])}, page_size={ps})"
+            )
+        pages = last_loc[has] // ps
+        bad_pages = self._is_free[pages] | self._is_pending[pages]
+        if bad_pages.any():
+            i = int(np.flatnonzero(has)[np.flatnonzero(bad_pages)[0]])
+            raise InvalidSlotError(
+                f"{what}: request {i} has last_loc={int(last_loc[i])} on page {int(last_loc[i]) // ps}, "
+                "which is free: its prefix was freed"
+            )
+
+    def alloc_extend(
+        self,
+        prefix_lens: Any,
+        seq_lens: Any,
+        last_loc: Any,
+        extend_num_tokens: int | None = None,
+    ) -> np.ndarray | None:
+        """Slots for ``seq_lens - prefix_lens`` new tokens per request, concatenated (int32).
+
+        Semantics of SGLang's ``alloc_extend`` (its ``alloc_extend_naive`` reference), per
+        request, in request order:
+
+        1. keep filling the request's last partial page from ``last_loc + 1``;
+        2. then whole new pages;
+        3. then one new partial page.
+
+        A request needs ``ceil(seq/ps) - ceil(prefix/ps)`` new pages, taken from the head of
+        the free list in request order. A request whose tokens all fit its old partial page
+        takes no page (the triton kernel's behaviour; SGLang's Python reference overwrites
+        them in that case).
+
+        Args:
+            prefix_lens: tokens already cached per request (int, ``[B]``).
+            seq_lens: tokens after the extend (``>= prefix_lens``).
+            last_loc: slot of each request's last prefix token; -1 for an empty prefix.
+            extend_num_tokens: optional cross-check of ``sum(seq_lens - prefix_lens)``.
+
+        Returns:
+            The slots, or None, with the allocator unchanged, when too few pages are free.
+
+        Raises:
+            InvalidSlotError: shapes differ, lengths are negative or decreasing, or
+                ``last_loc`` is inconsistent: not -1 for an empty prefix, out of range, on a
+                free page, or ``(last_loc + 1) % ps != prefix_len % ps``. Names the request.
+
+        On the token allocator (page_size 1) SGLang raises NotImplementedError; kvjax
+        supports it for uniformity: the result is the next ``sum(extend)`` free slots.
+        """
+        prefix = as_index_array(prefix_lens, "alloc_extend prefix_lens")
+        seq = as_index_array(seq_lens, "alloc_extend seq_lens")
+        last = as_index_array(last_loc, "alloc_extend last_loc")
+        if not (prefix.size == seq.size == last.size):
+            raise InvalidSlotError(
+                f"alloc_extend: prefix_lens, seq_lens and last_loc must have one entry per request, "
+                f"got {prefix.size}, {seq.size}, {last.size}"
+            )
+        bad = (prefix < 0) | (seq < prefix)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidSlotError(
+                f"alloc_extend: request {i} has prefix_len={int(prefix[i])}, seq_len={int(seq[i])}; "
+                "need 0 <= prefix_len <= seq_len"
+            )
+        ext = seq - prefix
+        total = int(ext.sum())
+        if extend_num_tokens is not None and int(extend_num_tokens) != total:
+            raise InvalidSlotError(
+                f"alloc_extend: extend_num_tokens={extend_num_tokens} but sum(seq_lens - prefix_lens)={total}"
+            )
+        self._check_last_loc(prefix, last, "alloc_extend")
+        ps = self.page_size
+        if ps == 1:
+            pages = self._take_pages(total)
+            return pages
+        return self._extend_paged(prefix, seq, last, ext, total)
+
+    def _extend_paged(
+        self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, ext: np.ndarray, total: int
+    ) -> np.ndarray | None:
+        # Each request's new tokens run over its "rows": its old partial page (if the extend
+        # reaches into it), then its new pages. Within a row the slots are consecutive, so the
+        # output is a running sum of ones with one jump at the start of every row: O(tokens)
+        # with no per-token index arithmetic and no per-request Python work.
+        ps = self.page_size
+        pre_pages = -(-prefix // ps)
+        n_new = -(-seq // ps) - pre_pages
+        pages = self._take_pages(int(n_new.sum()))
+        if pages is None:
+            return None
+        if total == 0:
+            return np.zeros(0, np.int32)
+        has_old = np.minimum(seq, pre_pages * ps) > prefix
+        n_rows = n_new + has_old
+        row_end = np.cumsum(n_rows)
+        if has_old.any():
+            is_old = np.zeros(int(row_end[-1]), bool)
+            is_old[(row_end - n_rows)[has_old]] = True
+            rows = np.empty(is_old.size, np.int32)
+            rows[is_old] = (last[has_old] + 1) // ps
+            rows[~is_old] = pages
+        else:
+            rows = pages
+        live = ext > 0
+        row_end = row_end[live]
+        first_row = row_end - n_rows[live]
+        last_row = row_end - 1
+        lo = (prefix[live] % ps).astype(np.int32)  # first used offset in a request's first row
+        tail = (ps - 1 - (seq[live] - 1) % ps).astype(np.int32)  # unused offsets of its last row
+        count = np.full(rows.size, ps, np.int32)  # used slots per row
+        count[first_row] -= lo
+        count[last_row] -= tail
+        # Jump from the last slot of row k-1 to the first of row k: ps*(page step) - (ps-1),
+        # plus the unused head of row k and the unused tail of row k-1.
+        jump = np.diff(rows)
+        jump *= ps
+        jump -= ps - 1
+        jump[first_row[1:] - 1] += lo[1:]
+        jump[last_row[:-1]] += tail[:-1]
+        out = np.ones(total, np.int32)
+        out[0] = rows[0] * ps + lo[0]
+        out[np.cumsum(count[:-1])] = jump
+        np.cumsum(out, out=out)
+        return out
+
+    def alloc_decode(self, seq_lens: Any, last_loc: Any) -> np.ndarray | None:
+        """One slot per request for its new token at position ``seq_len - 1`` (int32, ``[B]``).
+
+        A request whose new token starts a page (``(seq_len - 1) % ps == 0``) gets a fresh
+        page from the head of the free list (in request order) and slot ``page * ps``; the
+        others get ``last_loc + 1``. Equivalent to ``alloc_extend(seq_lens - 1, seq_lens,
+        last_loc)``, with the same validation.
+
+        Returns None, with the allocator unchanged, when too few pages are free.
+        On the token allocator SGLang raises NotImplementedError; kvjax supports it.
+        """
+        seq = as_index_array(seq_lens, "alloc_decode seq_lens")
+        last = as_index_array(last_loc, "alloc_decode last_loc")
+        if seq.size != last.size:
+            raise InvalidSlotError(
+                f"alloc_decode: seq_lens and last_loc must have one entry per request, got {seq.size}, {last.size}"
+            )
+        bad = seq < 1
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidSlotError(f"alloc_decode: request {i} has seq_len={int(seq[i])}; need seq_len >= 1")
+        self._check_last_loc(seq - 1, last, "alloc_decode")
+        ps = self.page_size
+        new_page = (seq - 1) % ps == 0
+        pages = self._take_pages(int(np.count_nonzero(new_page)))
+        if pages is None:
+            return None
+        out = (last + 1).astype(np.int32)
+        out[new_page] = pages * ps
+        return out
+
+    # ------------------------------------------------------------------ free
+
+    def _pages_to_free(self, idx: np.ndarray) -> np.ndarray:
+        """Validated page ids for token ids ``idx`` (non-empty); raises, changing nothing."""
+        raise NotImplementedError
+
+    def _validate_slots(self, idx: np.ndarray) -> np.ndarray:
+        """Range and trash-page checks; returns the page of each id."""
+        bad = (idx < 0) | (idx >= self._num_slots)
+        if bad.any():
+            raise InvalidSlotError(
+                f"free: ids out of range [0, {self._num_slots}): {format_ids(idx[bad])}"
+            )
+        pages = idx // self.page_size
+        bad = pages == 0
+        if bad.any():
+            raise InvalidSlotError(
+                f"free: ids of the trash page 0 (slots 0..{self.page_size - 1}) are never allocated: "
+                f"{format_ids(idx[bad])}"
+            )
+        return pages
+
+    def _check_not_free(self, pages: np.ndarray) -> None:
+        """Raise DoubleFreeError if any of the (distinct) ``pages`` is free or pending."""
+        bad = self._is_free[pages] | self._is_pending[pages]
+        if bad.any():
+            what = "slots" if self.page_size == 1 else "pages"
+            raise DoubleFreeError(
+                f"free: {what} already free (double free): {format_ids(pages[bad])}"
+            )
+
+    def _has_duplicates(self, pages: np.ndarray) -> np.ndarray:
+        """Mask of the entries of ``pages`` that repeat an earlier-or-later entry (O(n))."""
+        n = pages.size
+        pos = np.arange(n, dtype=np.int32)
+        self._scratch[pages] = pos
+        # Whichever position won the write, every other position of a repeated page differs.
+        return self._scratch[pages] != pos
+
+    def free(self, free_index: Any) -> None:
+        """Return slots. Token allocator: appended to the free list (FIFO). Paged: the
+        distinct pages of the ids, ascending, prepended (LIFO); several ids of one page free
+        it once, and an id frees its whole page.
+
+        With ``need_sort`` the pages go to the release list instead; inside a free group
+        they are checked now and returned at :meth:`free_group_end`. Empty input is a no-op.
+
+        Raises:
+            InvalidSlotError: ids out of range or on the trash page.
+            DoubleFreeError: ids already free (or pending in the open group), or, on the
+                token allocator, the same id twice in this call.
+        """
+        idx = as_index_array(free_index, "free")
+        if idx.size == 0:
+            return
+        pages = self._pages_to_free(idx)
+        if self._group is not None:
+            self._is_pending[pages] = True
+            self._group.append(pages)
+            return
+        self._release_pages(pages)
+
+    def _release_pages(self, pages: np.ndarray) -> None:
+        """Return validated, distinct pages to the free (or release) list."""
+        self._is_free[pages] = True
+        self._num_used -= pages.size
+        (self._release if self.need_sort else self._free).give(pages)
+
+    def free_group_begin(self) -> None:
+        """Start buffering frees until :meth:`free_group_end` (checked at ``free()`` time).
+
+        Raises RuntimeError when a group is already open (groups do not nest).
+        """
+        if self._group is not None:
+            raise RuntimeError("free_group_begin: a free group is already open; groups do not nest")
+        self._group = []
+
+    def free_group_end(self) -> None:
+        """Return every page freed since :meth:`free_group_begin`, in one free.
+
+        Raises RuntimeError when no group is open.
+        """
+        if self._group is None:
+            raise RuntimeError("free_group_end without free_group_begin")
+        group, self._group = self._group, None
+        if not group:
+            return
+        pages = self._group_pages(group)
+        self._is_pending[pages] = False
+        self._release_pages(pages)
+
+    def _group_pages(self, group: list[np.ndarray]) -> np.ndarray:
+        """The pages of a group's buffered frees, in the order one ``free`` would return them."""
+        return np.concatenate(group)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the counters, lists and bitmaps disagree. O(num_pages)."""
+        def fail(msg: str) -> None:
+            raise AssertionError(f"{type(self).__name__}: {msg}")
+
+        free = self._free.to_array()
+        release = self._release.to_array()
+        pending = np.concatenate(self._group) if self._group else np.zeros(0, np.int32)
+        listed = np.concatenate([free, release, pending]).astype(np.int64)
+        if listed.size and (listed.min() < 1 or listed.max() > self.num_pages):
+            fail(f"page ids outside 1..{self.num_pages} in the free lists")
+        counts = np.bincount(listed, minlength=self.num_pages + 1)
+        if (counts > 1).any():
+            fail(f"pages listed twice: {format_ids(np.flatnonzero(counts > 1))}")
+        expect_free = np.zeros(self.num_pages + 1, bool)
+        expect_free[free] = True
+        expect_free[release] = True
+        if not np.array_equal(expect_free, self._is_free):
+            fail("free bitmap disagrees with the free and release lists")
+        expect_pending = np.zeros(self.num_pages + 1, bool)
+        expect_pending[pending] = True
+        if not np.array_equal(expect_pending, self._is_pending):
+            fail("pending bitmap disagrees with the open free group")
+        if self._num_used != self.num_pages - free.size - release.size:
+            fail(f"used counter {self._num_used} != pages not free {self.num_pages - free.size - release.size}")
+        if self.available_size() + self.used_size() != self.size:
+            fail(f"available {self.available_size()} + used {self.used_size()} != size {self.size}")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "
+            f"available={self.available_size()}, need_sort={self.need_sort})"
+        )

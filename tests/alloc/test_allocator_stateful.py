@@ -1,0 +1,301 @@
+"""Hypothesis state machines: every allocator call against an exact model of the free lists.
+
+The model keeps SGLang's free list and release list as Python lists (head first) and replays
+each operation's documented semantics; after every step the allocator's lists must equal the
+model's, its invariants must hold, and no slot may be handed out while live.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax.alloc import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvjax.errors import DoubleFreeError, InvalidSlotError
+from tests.alloc.naive_reference import naive_alloc_decode, naive_alloc_extend
+
+NUM_PAGES = 24
+MAX_REQ_PAGES = 6
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    page_size = 1
+    paged = False
+
+    @initialize(need_sort=st.booleans())
+    def setup(self, need_sort: bool) -> None:
+        ps = self.page_size
+        if self.paged:
+            self.a = PagedTokenToKVPoolAllocator(NUM_PAGES * ps, ps, need_sort=need_sort)
+        else:
+            self.a = TokenToKVPoolAllocator(NUM_PAGES, need_sort=need_sort)
+        self.need_sort = need_sort
+        self.free = list(range(1, NUM_PAGES + 1))
+        self.release: list[int] = []
+        self.group: list[list[int]] | None = None
+        self.reqs: dict[int, list[int]] = {}  # request id -> its slots, position order
+        self.pending: set[int] = set()  # slots freed inside the open group
+        self.stale: list[np.ndarray] = []  # slot arrays freed earlier
+        self.next_id = 0
+        self.backups: list[tuple] = []
+
+    # ------------------------------------------------------------------ model helpers
+
+    def live_slots(self) -> set[int]:
+        return {s for slots in self.reqs.values() for s in slots} | self.pending
+
+    def model_take(self, k: int) -> list[int] | None:
+        if k > len(self.free) + len(self.release):
+            return None  # kvjax does not merge when the allocation fails anyway
+        if self.need_sort and k > len(self.free):
+            self.free = sorted(self.free + self.release)
+            self.release = []
+        taken, self.free = self.free[:k], self.free[k:]
+        return taken
+
+    def model_give(self, pages: list[int]) -> None:
+        target = "release" if self.need_sort else "free"
+        lst = getattr(self, target)
+        setattr(self, target, lst + pages if not self.paged else pages + lst)
+
+    def pages_of(self, slots) -> list[int]:
+        pages = [int(s) // self.page_size for s in slots]
+        return sorted(set(pages)) if self.paged else pages
+
+    def record_new(self, out: np.ndarray) -> None:
+        new = out.tolist()
+        assert len(set(new)) == len(new)
+        assert not set(new) & self.live_slots(), "slot handed out while live"
+        assert min(new, default=self.page_size) >= self.page_size, "trash page handed out"
+
+    def state(self) -> tuple:
+        return (self.a.free_pages.tolist(), self.a.release_pages.tolist(), self.a.available_size())
+
+    def new_req(self, slots: list[int]) -> None:
+        self.reqs[self.next_id] = slots
+        self.next_id += 1
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(n_pages=st.integers(0, 4))
+    def alloc(self, n_pages: int) -> None:
+        ps = self.page_size
+        out = self.a.alloc(n_pages * ps)
+        taken = self.model_take(n_pages)
+        if taken is None:
+            assert out is None
+            return
+        assert out.tolist() == [p * ps + o for p in taken for o in range(ps)]
+        self.record_new(out)
+        if n_pages:
+            self.new_req(out.tolist())
+
+    @rule(data=st.data())
+    def alloc_extend(self, data: st.DataObject) -> None:
+        ps = self.page_size
+        ids = sorted(self.reqs)
+        chosen = data.draw(st.lists(st.sampled_from(ids), max_size=3, unique=True)) if ids else []
+        n_new = data.draw(st.integers(0, 2))
+        batch = [(rid, self.reqs[rid]) for rid in chosen] + [(None, []) for _ in range(n_new)]
+        prefix = [len(s) for _, s in batch]
+        room = [MAX_REQ_PAGES * ps - p for p in prefix]
+        ext = [data.draw(st.integers(0, max(0, min(r, 3 * ps + 1)))) for r in room]
+        seq = [p + e for p, e in zip(prefix, ext)]
+        last = [s[-1] if s else -1 for _, s in batch]
+        free_view = self.free if not (self.need_sort and self._pages_needed(prefix, seq) > len(self.free)) else sorted(
+            self.free + self.release
+        )
+        expected = naive_alloc_extend(prefix, seq, last, free_view, ps)
+        out = self.a.alloc_extend(np.array(prefix, np.int64), np.array(seq, np.int64), np.array(last, np.int64))
+        if expected is None:
+            assert out is None
+            return
+        ref, used = expected
+        assert self.model_take(used) is not None
+        assert out.tolist() == ref.tolist()
+        self.record_new(out)
+        cursor = 0
+        for (rid, slots), e in zip(batch, ext):
+            part = out[cursor : cursor + e].tolist()
+            cursor += e
+            if rid is None:
+                if part:
+                    self.new_req(part)
+            else:
+                self.reqs[rid] = slots + part
+
+    def _pages_needed(self, prefix: list[int], seq: list[int]) -> int:
+        ps = self.page_size
+        return sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix, seq))
+
+    @rule(data=st.data())
+    def alloc_decode(self, data: st.DataObject) -> None:
+        ps = self.page_size
+        ids = [rid for rid, s in sorted(self.reqs.items()) if len(s) < MAX_REQ_PAGES * ps]
+        chosen = data.draw(st.lists(st.sampled_from(ids), max_size=4, unique=True)) if ids else []
+        fresh = data.draw(st.booleans())
+        batch = [(rid, self.reqs[rid]) for rid in chosen] + ([(None, [])] if fresh else [])
+        seq = [len(s) + 1 for _, s in batch]
+        last = [s[-1] if s else -1 for _, s in batch]
+        need = sum((q - 1) % ps == 0 for q in seq)
+        free_view = sorted(self.free + self.release) if self.need_sort and need > len(self.free) else self.free
+        expected = naive_alloc_decode(seq, last, free_view, ps)
+        out = self.a.alloc_decode(seq, last)
+        if expected is None:
+            assert out is None
+            return
+        ref, used = expected
+        assert self.model_take(used) is not None
+        assert out.tolist() == ref.tolist()
+        self.record_new(out)
+        for (rid, slots), s in zip(batch, out.tolist()):
+            if rid is None:
+                self.new_req([s])
+            else:
+                self.reqs[rid] = slots + [s]
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def free_request(self, data: st.DataObject) -> None:
+        """Free a whole request, or its tail from a page boundary (speculative rollback)."""
+        ps = self.page_size
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        slots = self.reqs[rid]
+        n_pages = -(-len(slots) // ps)
+        keep_pages = data.draw(st.integers(0, n_pages))
+        keep = keep_pages * ps
+        gone = np.array(slots[keep:], np.int64)
+        if data.draw(st.booleans()):
+            gone = gone[::-1].copy()  # any order within the call
+        self.a.free(gone)
+        if keep:
+            self.reqs[rid] = slots[:keep]
+        else:
+            del self.reqs[rid]
+        if gone.size:
+            self.stale.append(gone)
+        pages = self.pages_of(gone)
+        if not pages:
+            return
+        if self.group is not None:
+            self.group.append(pages)
+            self.pending |= set(gone.tolist())
+        else:
+            self.model_give(pages)
+
+    @rule(kind=st.sampled_from(["trash", "negative", "beyond", "stale", "duplicate"]), data=st.data())
+    def bad_free(self, kind: str, data: st.DataObject) -> None:
+        ps = self.page_size
+        before = self.state()
+        if kind == "trash":
+            bad, err = [data.draw(st.integers(0, ps - 1))], InvalidSlotError
+        elif kind == "negative":
+            bad, err = [-1], InvalidSlotError
+        elif kind == "beyond":
+            bad, err = [(NUM_PAGES + 1) * ps], InvalidSlotError
+        elif kind == "stale":
+            live = self.live_slots()
+            # Only arrays some of whose pages are free now (else the free would be legal).
+            live_pages = {s // ps for s in live}
+            cands = [g for g in self.stale if any(int(s) // ps not in live_pages for s in g)]
+            if not cands:
+                return
+            bad, err = data.draw(st.sampled_from(cands)).tolist(), DoubleFreeError
+        else:
+            if self.paged or not self.reqs:
+                return
+            slots = self.reqs[data.draw(st.sampled_from(sorted(self.reqs)))]
+            bad, err = slots + slots[:1], DoubleFreeError
+        live_before = {k: list(v) for k, v in self.reqs.items()}
+        with pytest.raises(err):
+            self.a.free(np.array(bad, np.int64))
+        assert self.state() == before
+        assert self.reqs == live_before
+
+    @precondition(lambda self: self.group is None)
+    @rule()
+    def group_begin(self) -> None:
+        self.a.free_group_begin()
+        self.group = []
+
+    @precondition(lambda self: self.group is not None)
+    @rule()
+    def group_end(self) -> None:
+        self.a.free_group_end()
+        group, self.group = self.group, None
+        pages = [p for g in group for p in g]
+        if self.paged:
+            pages = sorted(pages)
+        if pages:
+            self.model_give(pages)
+        self.pending = set()
+
+    @precondition(lambda self: self.group is None and len(self.backups) < 3)
+    @rule()
+    def backup(self) -> None:
+        model = (list(self.free), list(self.release), {k: list(v) for k, v in self.reqs.items()})
+        self.backups.append((self.a.backup_state(), model))
+
+    @precondition(lambda self: self.group is None and self.backups)
+    @rule(data=st.data())
+    def restore(self, data: st.DataObject) -> None:
+        state, (free, release, reqs) = data.draw(st.sampled_from(self.backups))
+        self.a.restore_state(state)
+        self.free, self.release = list(free), list(release)
+        self.reqs = {k: list(v) for k, v in reqs.items()}
+
+    @rule()
+    def merge(self) -> None:
+        self.a.merge_and_sort_free()
+        if self.release:
+            self.free = sorted(self.free + self.release)
+            self.release = []
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def matches_model(self) -> None:
+        if not hasattr(self, "a"):
+            return
+        ps = self.page_size
+        self.a.check_invariants()
+        assert self.a.free_pages.tolist() == self.free
+        assert self.a.release_pages.tolist() == self.release
+        assert self.a.available_size() == (len(self.free) + len(self.release)) * ps
+        assert self.a.available_size() + self.a.used_size() == self.a.size
+        live_pages = {s // ps for s in self.live_slots()}
+        assert self.a.used_size() == len(live_pages) * ps
+        for slots in self.reqs.values():
+            for pos, s in enumerate(slots):
+                assert s % ps == pos % ps, "slot offset must follow the token position"
+
+
+SETTINGS = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+class TokenMachine(AllocatorMachine):
+    page_size = 1
+    paged = False
+
+
+class Paged4Machine(AllocatorMachine):
+    page_size = 4
+    paged = True
+
+
+class Paged16Machine(AllocatorMachine):
+    page_size = 16
+    paged = True
+
+
+TestTokenAllocatorStateful = TokenMachine.TestCase
+TestTokenAllocatorStateful.settings = SETTINGS
+TestPaged4AllocatorStateful = Paged4Machine.TestCase
+TestPaged4AllocatorStateful.settings = SETTINGS
+TestPaged16AllocatorStateful = Paged16Machine.TestCase
+TestPaged16AllocatorStateful.settings = SETTINGS

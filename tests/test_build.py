@@ -1,0 +1,160 @@
+"""build_kv_cache: the plan executed — pools, allocator, request table, errors for what is not built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import CacheConfig, ModelSpec, build_kv_cache
+from tests.specs import dense, mla, ssm, swa
+
+
+def tiny_cache(**kw):
+    kw.setdefault("max_total_tokens", 1024)
+    kw.setdefault("max_running_requests", 8)
+    kw.setdefault("context_length", 256)
+    return build_kv_cache(ModelSpec.preset("tiny"), CacheConfig(**kw))
+
+
+def test_build_fills_the_seed_result_fields_plus_plan_and_pools():
+    cache = tiny_cache()
+    assert isinstance(cache, kvjax.KVCache)
+    assert (cache.is_hybrid_swa, cache.is_hybrid_ssm, cache.sliding_window_size) == (False, False, None)
+    assert (cache.full_tokens_per_layer, cache.swa_tokens_per_layer) == (None, None)
+    assert cache.disable_radix_cache is False
+    assert cache.plan.platform == "cpu" and cache.plan.max_total_tokens == 1024
+    assert cache.allocator is cache.token_to_kv_pool_allocator
+
+
+def test_build_allocates_what_the_plan_lists():
+    cache = tiny_cache(page_size=16)
+    kv, planned = cache.pools.kv, cache.plan.pool("kv")
+    assert kv.num_layers == planned.count
+    assert kv.kv[0].shape == planned.shape
+    assert str(kv.store_dtype) == planned.dtype
+    assert kv.nbytes() == planned.nbytes
+    assert not any(np.asarray(layer).any() for layer in kv.kv), "pools start zeroed"
+    rows = cache.req_to_token_pool
+    assert rows.req_to_token.shape == cache.plan.pool("req_to_token").shape
+
+
+def test_build_allocator_matches_pool_and_never_hands_out_page_zero():
+    cache = tiny_cache(page_size=16)
+    alloc = cache.allocator
+    assert alloc.page_size == 16 and alloc.size == cache.pools.kv.size == 1024
+    slots = alloc.alloc(1024)
+    assert slots is not None and slots.min() >= 16 and slots.max() < cache.pools.kv.num_slots
+    assert alloc.alloc(16) is None
+
+
+def test_build_page_size_one_uses_token_allocator():
+    cache = tiny_cache(page_size=1)
+    assert type(cache.allocator).__name__ == "TokenToKVPoolAllocator"
+    assert cache.pools.kv.kv[0].shape[:2] == (1025, 1)
+
+
+def test_build_bf16_pool_stored_as_uint16_on_cpu():
+    spec = dense(layers=2, kv_heads=2, head_dim=16, context=256, dtype="bfloat16")
+    cache = build_kv_cache(spec, CacheConfig(max_total_tokens=256, max_running_requests=4))
+    assert cache.pools.kv.store_dtype == np.uint16 and cache.plan.storage_dtype == "uint16"
+
+
+def test_build_fp8_pool():
+    cache = tiny_cache(kv_cache_dtype="fp8_e5m2")
+    assert cache.pools.kv.store_dtype == np.uint8 and cache.pools.kv.dtype == "fp8_e5m2"
+
+
+def test_built_pools_update_in_place_in_a_donated_step():
+    cache = tiny_cache()
+    kv = cache.pools.kv
+    loc = cache.allocator.alloc_extend(np.array([0]), np.array([5]), np.array([-1]))
+    k = np.ones((5, kv.num_kv_heads, kv.head_dim), np.float32)
+    step = jax.jit(lambda pools, loc, k: pools.replace(kv=pools.kv.set_kv_buffer(1, loc, k, k)), donate_argnums=0)
+    old = cache.pools.kv.kv[1]
+    cache = cache.with_pools(step(cache.pools, loc, k))
+    assert old.is_deleted()
+    np.testing.assert_array_equal(cache.pools.kv.get_kv(1, loc)[0], k)
+
+
+@pytest.mark.parametrize(
+    "spec,capability",
+    [(mla(), "MLA"), (swa(), "sliding-window"), (ssm(), "recurrent-state")],
+    ids=["mla", "swa", "ssm"],
+)
+def test_build_raises_not_implemented_naming_the_capability(spec, capability):
+    with pytest.raises(NotImplementedError, match=capability):
+        build_kv_cache(spec, CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
+
+
+def test_build_host_tier_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="host-memory tier"):
+        tiny_cache(enable_hierarchical_cache=True)
+
+
+def test_build_bad_config_raises_config_error_before_allocating():
+    with pytest.raises(kvjax.ConfigError, match="memory_budget_bytes"):
+        build_kv_cache(ModelSpec.preset("tiny"), CacheConfig())
+
+
+def test_build_mem_fraction_needs_device_memory_on_cpu():
+    # The CPU device reports no memory limit: the error says what to pass instead.
+    try:
+        cache = build_kv_cache(ModelSpec.preset("tiny"),
+                               CacheConfig(mem_fraction_static=0.001, max_running_requests=4, context_length=256))
+    except kvjax.ConfigError as e:
+        assert "device_memory_bytes" in str(e)
+    else:
+        assert cache.plan.kv_budget_bytes > 0
+    cache = build_kv_cache(ModelSpec.preset("tiny"),
+                           CacheConfig(mem_fraction_static=0.5, max_running_requests=4, context_length=256),
+                           device_memory_bytes=2**24)
+    assert cache.plan.kv_budget_bytes == 2**23
+
+
+def test_build_shards_kv_heads_over_a_tp_mesh():
+    """Run in a subprocess: the host platform must be split into 8 devices before JAX starts."""
+    code = textwrap.dedent(
+        """
+        import json, jax, numpy as np
+        from jax.sharding import Mesh
+        from kvjax import CacheConfig, build_kv_cache
+        from tests.specs import dense
+        mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+        spec = dense(layers=2, kv_heads=8, head_dim=16, context=256, dtype="float32")
+        cache = build_kv_cache(spec, CacheConfig(max_total_tokens=256, tp_size=4, max_running_requests=4), mesh=mesh)
+        layer = cache.pools.kv.kv[0]
+        shard = layer.addressable_shards[0].data.shape
+        print(json.dumps({"global": list(layer.shape), "shard": list(shard), "heads_per_rank": cache.plan.num_kv_heads_per_rank}))
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["global"] == [17, 16, 16, 16]  # 8 KV heads -> 16 combined K/V heads
+    assert result["shard"] == [17, 16, 4, 16]  # 2 heads per rank: K0 V0 K1 V1
+    assert result["heads_per_rank"] == 2
+
+
+def test_build_rejects_a_mesh_that_disagrees_with_tp_size():
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    with pytest.raises(kvjax.ConfigError, match="tp_size"):
+        build_kv_cache(ModelSpec.preset("tiny"), CacheConfig(max_total_tokens=256, tp_size=2), mesh=mesh)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    with pytest.raises(kvjax.ConfigError, match="'tp'"):
+        build_kv_cache(ModelSpec.preset("tiny"), CacheConfig(max_total_tokens=256), mesh=mesh)
+
+
+def test_plan_of_a_built_cache_is_json_able():
+    json.dumps(tiny_cache().plan.to_dict())
