@@ -3,7 +3,7 @@
 The build is the only place that touches devices. It plans first (every decision and error
 happens in ``plan_kv_cache``), then allocates what the plan lists: the device pools (zeros, created
 directly on their devices, sharded over the mesh when one is given), the request→token table, the
-token allocator and the tree cache.
+token allocator and the tree cache (``kvjax.radix.create_tree_cache`` picks it from the plan).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.pools import CachePools, MHAKVPool
+from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 
@@ -62,12 +63,14 @@ def build_kv_cache(
     *,
     mesh: Mesh | None = None,
     device_memory_bytes: int | None = None,
+    event_sink: Any = None,
 ) -> KVCache:
     """Plan and build the KV cache of ``spec`` under ``config``.
 
     ``mesh``: KV heads are sharded over its ``"tp"`` axis (whose size must equal ``config.tp_size``);
     without a mesh the pools live on the default device. ``device_memory_bytes`` defaults to what
     the device reports, and is only needed when the budget is ``mem_fraction_static``.
+    ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
     whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier).
@@ -96,6 +99,9 @@ def build_kv_cache(
     )
     allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     req_to_token_pool = ReqToTokenPool(plan.max_running_requests, plan.req_to_token_width)
+    tree_cache = create_tree_cache(
+        plan, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, event_sink=event_sink
+    )
     return KVCache(
         is_hybrid_swa=plan.is_hybrid_swa,
         is_hybrid_ssm=plan.is_hybrid_ssm,
@@ -105,7 +111,7 @@ def build_kv_cache(
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         disable_radix_cache=plan.disable_radix_cache,
-        tree_cache=None,
+        tree_cache=tree_cache,
         plan=plan,
         pools=CachePools(kv=kv),
     )

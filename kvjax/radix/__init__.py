@@ -1,0 +1,40 @@
+"""The radix prefix cache: one pure-Python tree core, components, and the familiar presets.
+
+``RadixCache`` (full KV) and ``ChunkCache`` (radix cache disabled) keep SGLang's method names;
+``create_tree_cache(plan)`` picks one from a cache plan.
+"""
+
+from kvjax.radix.chunk_cache import ChunkCache
+from kvjax.radix.component import FullKVComponent, TreeComponent
+from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
+from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
+from kvjax.radix.lock import LockError, LockReceipt
+from kvjax.radix.match import MatchResult
+from kvjax.radix.node import TreeNode
+from kvjax.radix.radix_cache import RadixCache
+from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
+from kvjax.radix.stats import CacheStats
+from kvjax.radix.tree import RadixTree, TreeInvariantError
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheStats",
+    "ChunkCache",
+    "EVICTION_POLICIES",
+    "EvictionPolicy",
+    "FullKVComponent",
+    "LockError",
+    "LockReceipt",
+    "MatchResult",
+    "PageHasher",
+    "RadixCache",
+    "RadixTree",
+    "TREE_CACHE_KINDS",
+    "TreeComponent",
+    "TreeInvariantError",
+    "TreeNode",
+    "create_tree_cache",
+    "get_eviction_policy",
+]

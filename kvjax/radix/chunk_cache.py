@@ -1,0 +1,125 @@
+"""`ChunkCache`: the prefix cache used when the radix cache is disabled.
+
+Nothing is ever shared: ``match_prefix`` returns nothing, ``insert`` caches nothing, locks and
+eviction are no-ops. It only carries the request lifecycle: between prefill chunks it hands the
+request its own slots back (``prefix_indices``), and at finish it frees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from kvjax.radix.lock import LockReceipt
+from kvjax.radix.match import MatchResult
+from kvjax.radix.stats import CacheStats
+
+
+def request_row(req_to_token_pool: Any, req: Any, what: str) -> np.ndarray:
+    """The request's row of ``req_to_token`` (a view)."""
+    if req_to_token_pool is None:
+        raise ValueError(f"{what}: this cache has no req_to_token_pool; pass one to use the request lifecycle")
+    if req.req_pool_idx is None:
+        raise ValueError(f"{what}: request {req.rid!r} has no req_pool_idx")
+    return req_to_token_pool.req_to_token[req.req_pool_idx]
+
+
+def free_slots(allocator: Any, slots: np.ndarray) -> None:
+    """Free ``slots`` into ``allocator`` (no-op for none or an empty array)."""
+    if allocator is not None and slots.size:
+        allocator.free(slots)
+
+
+def chunk_finished(req_to_token_pool: Any, allocator: Any, req: Any) -> None:
+    """Free the request's own slots ``[cache_protected_len, kv_len)``; the protected prefix
+    (if a caller set one) is not the request's to free."""
+    row = request_row(req_to_token_pool, req, "cache_finished_req")
+    free_slots(allocator, row[req.cache_protected_len : req.kv_len()].copy())
+    req.last_node = None
+    req.lock_receipt = None
+
+
+def chunk_unfinished(req_to_token_pool: Any, req: Any) -> None:
+    """``prefix_indices`` = an int32 copy of the request's slots so far (the row is reused)."""
+    row = request_row(req_to_token_pool, req, "cache_unfinished_req")
+    req.prefix_indices = np.array(row[: req.fill_len()], dtype=np.int32)
+
+
+class ChunkCache:
+    """No prefix sharing; frees a request's slots when it finishes. Same interface as
+    ``RadixCache``.
+
+    Args:
+        req_to_token_pool: the request → token-slot table (needed by the lifecycle methods).
+        token_to_kv_pool_allocator: where finished requests' slots are freed.
+        page_size: kept for interface parity.
+    """
+
+    disable = True
+
+    def __init__(
+        self,
+        req_to_token_pool: Optional[Any] = None,
+        token_to_kv_pool_allocator: Optional[Any] = None,
+        page_size: int = 1,
+        **_: Any,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.stats = CacheStats()
+        self.force_miss = False
+
+    def is_chunk_cache(self) -> bool:
+        return True
+
+    def is_tree_cache(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        """Nothing to drop."""
+
+    def match_prefix(self, token_ids: Any, extra_key: Any = None) -> MatchResult:
+        """Always empty (int32), with no node."""
+        self.stats.num_matches += 1
+        return MatchResult(np.empty(0, dtype=np.int32), None)
+
+    def insert(self, token_ids: Any, indices: Any = None, extra_key: Any = None, priority: int = 0) -> int:
+        """Caches nothing; returns 0."""
+        return 0
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def inc_lock_ref(self, node: Any) -> LockReceipt:
+        return LockReceipt(None, 0)
+
+    def dec_lock_ref(self, node_or_receipt: Any) -> int:
+        return 0
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def pretty_print(self) -> str:
+        return ""
+
+    def sanity_check(self) -> None:
+        """Nothing to check."""
+
+    def take_events(self) -> list:
+        return []
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        """Free ``req_to_token[row, cache_protected_len : kv_len]``."""
+        chunk_finished(self.req_to_token_pool, self.token_to_kv_pool_allocator, req)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """Set ``req.prefix_indices`` to a copy of ``req_to_token[row, :len(fill_ids)]``."""
+        chunk_unfinished(self.req_to_token_pool, req)

@@ -1,0 +1,123 @@
+"""KV cache events for cache-aware routers: ``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared`` (the vLLM/SGLang event vocabulary), and the chained page hash.
+
+Block hashes. Page ``j`` of a path hashes ``(hash of page j-1, page tokens)`` with SHA-256,
+truncated to a signed int64. The chain starts from a seed mixed with the key's namespace
+(``extra_key``), so equal tokens under different namespaces hash differently, and a page's hash
+depends on its position in the sequence. A node stores its pages' hashes when it is created;
+a split cuts that list at the page boundary, so hashes never change across splits.
+
+One ``BlockStored`` is emitted per new node and carries all of its pages (``block_hashes``,
+``token_ids`` of ``block_size * len(block_hashes)`` tokens); one ``BlockRemoved`` per evicted node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional, Union
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Pages newly cached on the device.
+
+    Attributes:
+        block_hashes: one chained hash per page, in order.
+        parent_block_hash: hash of the page before the first one (None at the start of a key).
+        token_ids: the pages' tokens (key elements; bigram keys list the covered tokens).
+        block_size: tokens per page.
+        extra_key: the key namespace (LoRA id / cache salt), None for the default one.
+        medium: where the blocks live ("GPU" in SGLang's vocabulary; "device" here).
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    extra_key: Hashable = None
+    medium: str = "device"
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Pages evicted from the device (their hashes, as stored)."""
+
+    block_hashes: list[int]
+    medium: str = "device"
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole cache was reset."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+EventSink = Union[Callable[[KVEvent], Any], list]
+
+
+def _to_int64(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+class PageHasher:
+    """Chained, seeded page hashes.
+
+    Args:
+        seed: mixed into the first page's hash of every key (same seed, same hashes across
+            processes: routers can compare them).
+    """
+
+    def __init__(self, seed: Union[int, bytes, str] = 0) -> None:
+        if isinstance(seed, int):
+            seed = seed.to_bytes(16, "little", signed=True)
+        elif isinstance(seed, str):
+            seed = seed.encode()
+        self._seed = bytes(seed)
+        self._roots: dict[Hashable, bytes] = {}
+
+    def root(self, extra_key: Hashable) -> bytes:
+        """The chain's starting value for namespace ``extra_key``."""
+        r = self._roots.get(extra_key)
+        if r is None:
+            r = hashlib.sha256(self._seed + b"\x00" + repr(extra_key).encode()).digest()[:8]
+            self._roots[extra_key] = r
+        return r
+
+    def chain(self, prior: bytes, data: bytes, page_bytes: int, stride_bytes: int, n_pages: int) -> list[int]:
+        """Hashes of ``n_pages`` pages of ``data``; page ``j`` is
+        ``data[j * stride_bytes : j * stride_bytes + page_bytes]`` (``page_bytes`` exceeds the
+        stride by one token for bigram keys). Returns int64 hashes."""
+        out = []
+        sha = hashlib.sha256
+        for j in range(n_pages):
+            s = j * stride_bytes
+            prior = sha(prior + data[s : s + page_bytes]).digest()[:8]
+            out.append(_to_int64(prior))
+        return out
+
+    @staticmethod
+    def as_bytes(h: int) -> bytes:
+        """The chain value of a stored hash (inverse of the int64 truncation)."""
+        return h.to_bytes(8, "little", signed=True)
+
+
+@dataclass
+class EventQueue:
+    """Delivers events to ``sink`` (a callable or a list), or queues them for ``take()``."""
+
+    sink: Optional[EventSink] = None
+    pending: list = field(default_factory=list)
+
+    def emit(self, event: KVEvent) -> None:
+        sink = self.sink
+        if sink is None:
+            self.pending.append(event)
+        elif isinstance(sink, list):
+            sink.append(event)
+        else:
+            sink(event)
+
+    def take(self) -> list:
+        out, self.pending = self.pending, []
+        return out

@@ -1,0 +1,35 @@
+"""Lock receipts: what a lock took, so that releasing it replays exactly that."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class LockError(RuntimeError):
+    """An unlock that does not match a lock: below zero, released twice, or on a node that no
+    longer belongs to the tree. The tree is unchanged when this is raised."""
+
+
+class LockReceipt:
+    """Returned by ``inc_lock_ref``; hand it (or the node) back to ``dec_lock_ref``.
+
+    Attributes:
+        node: the locked node (every ancestor up to the root is locked too); None for a no-op
+            lock (root, chunk cache, disabled tree).
+        delta: change in evictable tokens caused by the lock (<= 0), as SGLang returns.
+        parts: per extra component, what that component locked (replayed on release).
+        released: True once handed back; a second release raises :class:`LockError`.
+    """
+
+    __slots__ = ("node", "delta", "parts", "released", "owner")
+
+    def __init__(self, node: Any, delta: int, parts: Optional[tuple] = None, owner: object = None) -> None:
+        self.node = node
+        self.delta = delta
+        self.parts = parts
+        self.released = False
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        nid = None if self.node is None else getattr(self.node, "id", None)
+        return f"LockReceipt(node={nid}, delta={self.delta}, released={self.released})"

@@ -1,0 +1,120 @@
+"""`TreeNode`: one edge of the radix tree (a run of whole pages) and its bookkeeping.
+
+Key representation (measured, see ``keys.py``): a node's edge is kept in up to two forms,
+each built once, lazily, from the other: ``klist`` (a ``list[int]``, what list inputs compare
+against with one C-level list compare) and ``key`` (native int32 ``bytes``, what numpy inputs
+compare against with a memcmp). Requests are never copied; they are walked by offsets and only
+the window of one edge is sliced out per node.
+
+Invariants (checked by ``RadixCache.sanity_check``):
+  * ``klen`` is a multiple of the page size and ``len(value) == klen`` while cached;
+  * with bigram (EAGLE) keys the edge covers ``klen + 1`` tokens (element ``i`` is the pair of
+    tokens ``i, i + 1``); otherwise ``klen`` tokens; at least one of ``key`` / ``klist`` is set;
+  * ``depth`` = key elements from the root through the end of this node;
+  * ``parent.children[ckey] is self``; ``ckey`` is SGLang's child key: the first token for
+    page size 1, else the tuple of the first page's tokens (bigram: the ``page + 1`` tokens the
+    first page's pairs cover), as ``(extra_key, ckey)`` under the root when ``extra_key`` is set;
+  * ``parent.lock_ref >= sum(child.lock_ref for child in children)``;
+  * ``value is None`` iff the node was evicted (it is then detached from the tree).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+_ids = itertools.count()
+
+
+class TreeNode:
+    """A radix-tree node. Plain slots: the tree's hot loops read and write them directly.
+
+    Attributes:
+        id: unique, increasing id (for printing and stable tie-breaking).
+        parent: the parent node (None for the root and for evicted nodes).
+        children: child nodes by child key (see module docstring).
+        key: native int32 bytes of this edge's tokens, or None until first needed.
+        klist: this edge's tokens as a list, or None until first needed.
+        ckey: this node's key in ``parent.children``.
+        klen: key elements (= KV slots) on this edge.
+        depth: key elements from the root to the end of this edge.
+        value: int32 KV slot ids, one per key element (owned; never mutated in place, splits
+            take views); None once evicted.
+        lock_ref: how many locks pass through this node (a lock on a node counts on every
+            ancestor up to, not including, the root).
+        last_access: logical time of the last match/insert through this node.
+        creation: logical time the node was created.
+        hit_count: inserts that reused this node (SGLang counts at insert, not chunked).
+        priority: max priority over the requests that inserted through this node.
+        extra_key: the namespace (LoRA id, cache salt) of the key; None for the default one.
+        hashes: per-page chained block hashes (int64), computed when KV events are on.
+        heap_seq: sequence number of this node's live entry in the eviction heap.
+        owner: token of the tree generation that created the node (reset invalidates it).
+        comp: per-component data (dict component name -> object), or None.
+    """
+
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "klist",
+        "ckey",
+        "klen",
+        "depth",
+        "value",
+        "lock_ref",
+        "last_access",
+        "creation",
+        "hit_count",
+        "priority",
+        "extra_key",
+        "hashes",
+        "heap_seq",
+        "owner",
+        "comp",
+    )
+
+    def __init__(self, owner: object, t: int) -> None:
+        self.id = next(_ids)
+        self.parent: Optional[TreeNode] = None
+        self.children: dict[Hashable, TreeNode] = {}
+        self.key: Optional[bytes] = None
+        self.klist: Optional[list] = None
+        self.ckey: Hashable = None
+        self.klen = 0
+        self.depth = 0
+        self.value: Optional[np.ndarray] = None
+        self.lock_ref = 0
+        self.last_access = t
+        self.creation = t
+        self.hit_count = 0
+        self.priority = 0
+        self.extra_key: Hashable = None
+        self.hashes: Optional[list[int]] = None
+        self.heap_seq = -1
+        self.owner = owner
+        self.comp: Optional[dict[str, Any]] = None
+
+    @property
+    def evicted(self) -> bool:
+        """True once the node's KV slots were freed (the node is detached)."""
+        return self.value is None
+
+    def token_ids(self) -> list[int]:
+        """The tokens of this edge (``klen`` tokens, ``klen + 1`` with bigram keys)."""
+        if self.klist is not None:
+            return list(self.klist)
+        return np.frombuffer(self.key or b"", dtype=np.int32).tolist()
+
+    def __lt__(self, other: "TreeNode") -> bool:
+        # SGLang orders nodes by access time for heap tie-breaks; kept for compatibility.
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+    def __repr__(self) -> str:
+        toks = self.token_ids()
+        more = "..." if len(toks) > 10 else ""
+        state = "evicted" if self.value is None else f"lock_ref={self.lock_ref}"
+        return f"TreeNode(id={self.id}, len={self.klen}, tokens={toks[:10]}{more}, {state})"

@@ -1,0 +1,92 @@
+"""`create_tree_cache`: the prefix cache a plan asks for.
+
+Mirrors SGLang's newest default chain (everything is one tree with components), restricted to
+what is built: the chunk cache and the full-KV radix tree. Kinds that need a component not built
+yet raise ``NotImplementedError`` naming it, never a silent fallback.
+
+=====================  ==========================================================
+plan                   tree
+=====================  ==========================================================
+``chunk``              :class:`ChunkCache`
+``unified``, full only :class:`RadixCache` (``disable=True`` when the radix cache is
+                       disabled: SGLang builds a disabled tree that behaves like a
+                       chunk cache when chunked prefill is off)
+``unified`` + swa      NotImplementedError: SWA radix component
+``unified`` + mamba    NotImplementedError: Mamba state component
+host tier attached     NotImplementedError: host-memory tier
+``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
+``pure_swa_chunk``
+``pure_swa_radix``     NotImplementedError: SWA radix component
+=====================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvjax.errors import ConfigError
+from kvjax.radix.chunk_cache import ChunkCache
+from kvjax.radix.events import EventSink
+from kvjax.radix.radix_cache import RadixCache
+
+TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
+
+_MISSING = {
+    "swa": "SWA radix component",
+    "mamba": "Mamba state component",
+}
+
+
+def create_tree_cache(
+    plan: Any,
+    *,
+    req_to_token_pool: Optional[Any] = None,
+    token_to_kv_pool_allocator: Optional[Any] = None,
+    event_sink: Optional[EventSink] = None,
+) -> ChunkCache | RadixCache:
+    """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
+    attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
+    ``attach_host_tier``, ``tree_page_size``, ``radix_eviction_policy``, ``is_eagle``,
+    ``enable_kv_cache_events``, ``enable_metrics``).
+
+    Raises:
+        ConfigError: an unknown ``tree_cache_kind`` or eviction policy.
+        NotImplementedError: a kind or component that is not built yet (named).
+    """
+    kind = getattr(plan, "tree_cache_kind")
+    page_size = int(getattr(plan, "tree_page_size", 1) or 1)
+    if kind not in TREE_CACHE_KINDS:
+        raise ConfigError("tree_cache_kind", kind, f"use one of {', '.join(TREE_CACHE_KINDS)}")
+    if kind == "chunk":
+        return ChunkCache(
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            page_size=page_size,
+        )
+    if kind in ("swa_chunk", "pure_swa_chunk"):
+        raise NotImplementedError(
+            f"tree_cache_kind={kind!r} needs the SWA chunk cache (SWAChunkCache over the SWA allocator), which is not built yet"
+        )
+    if kind == "pure_swa_radix":
+        raise NotImplementedError("tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet")
+    components = tuple(getattr(plan, "tree_components", ("full",)) or ("full",))
+    for comp in components:
+        if comp == "full":
+            continue
+        what = _MISSING.get(comp)
+        if what is None:
+            raise ConfigError("tree_components", components, "components are 'full', 'swa' and 'mamba'")
+        raise NotImplementedError(f"tree_components={components!r} needs the {what}, which is not built yet")
+    if getattr(plan, "attach_host_tier", False):
+        raise NotImplementedError("the plan attaches a host-memory tier (HiCache), which is not built yet")
+    return RadixCache(
+        page_size=page_size,
+        eviction_policy=getattr(plan, "radix_eviction_policy", "lru") or "lru",
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        disable=bool(getattr(plan, "disable_radix_cache", False)),
+        is_eagle=bool(getattr(plan, "is_eagle", False)),
+        enable_kv_cache_events=bool(getattr(plan, "enable_kv_cache_events", False)),
+        event_sink=event_sink,
+        enable_metrics=bool(getattr(plan, "enable_metrics", False)),
+    )

@@ -1,0 +1,785 @@
+"""The radix tree core: one pure-Python tree of page-granular edges (see keys.py for how keys
+are represented and why).
+
+This module owns structure and accounting; presets (``RadixCache``) add the public contract,
+input checks and the request lifecycle. Components (``component.py``) attach further state.
+
+Costs (n = key elements of the call, d = depth of the path, L = evictable leaves):
+  * match / insert from the root: per node on the path, one dict lookup and one C-level compare
+    of that node's edge (a list slice compare, or a memcmp for numpy inputs packed once). No
+    Python loop over tokens; the request is never copied or re-sliced as a whole.
+  * resumed insert (request lifecycle): O(new tokens + nodes below the resume point); nothing
+    proportional to the already-cached prefix is copied or compared.
+  * lock / unlock: O(d). evict: O(k log L) for k evicted nodes (a persistent heap, see
+    ``eviction.py``), never a rebuild over all leaves per call.
+  * sizes: O(1) counters with ``evictable + protected == total``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+import sys
+from typing import Any, Hashable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from kvjax.errors import ConfigError
+from kvjax.radix.component import FullKVComponent, TreeComponent
+from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, EventSink, PageHasher
+from kvjax.radix.eviction import EvictionPolicy, get_eviction_policy
+from kvjax.radix.keys import INT32, decode_tokens
+from kvjax.radix.lock import LockError, LockReceipt
+from kvjax.radix.node import TreeNode
+
+_pack = struct.pack
+from kvjax.radix.stats import CacheStats
+
+
+class TreeInvariantError(RuntimeError):
+    """``sanity_check`` found the tree inconsistent (a bug, never bad input)."""
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+class RadixTree:
+    """The tree core. See ``RadixCache`` for the public, checked API.
+
+    Args:
+        page_size: tokens per page (>= 1); edges and matches are whole pages.
+        eviction_policy: a name from ``eviction.EVICTION_POLICIES`` or a policy object.
+        allocator: where evicted slot ids are freed (None: free nothing, for simulation).
+        is_eagle: bigram keys (EAGLE): key element ``i`` is the token pair ``(i, i + 1)``, so a
+            key has one element fewer than its tokens.
+        components: extra :class:`TreeComponent` objects (none are built yet).
+        enable_kv_cache_events / event_sink: emit KV events (to the sink, else queued for
+            ``take_events``). A sink alone turns events on.
+        hash_seed: seed of the chained page hashes in events.
+        eviction_policy_config: keyword arguments for the policy (``slru``: protected_threshold).
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: str | EvictionPolicy = "lru",
+        *,
+        allocator: Optional[Any] = None,
+        is_eagle: bool = False,
+        components: Sequence[TreeComponent] = (),
+        enable_kv_cache_events: bool = False,
+        event_sink: Optional[EventSink] = None,
+        hash_seed: int | bytes | str = 0,
+        eviction_policy_config: Optional[dict] = None,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ConfigError("page_size", page_size, "use an integer >= 1")
+        self.page_size = int(page_size)
+        self.is_eagle = bool(is_eagle)
+        self._ex = 1 if self.is_eagle else 0
+        # A child key covers the first page's tokens (one more token for bigram pages); for
+        # page size 1 without bigrams it is the bare first token, as in SGLang.
+        self._ck_len = self.page_size + self._ex
+        self._simple_ck = self._ck_len == 1
+        self._ck_struct = struct.Struct(f"{self._ck_len}i")
+        self.policy = get_eviction_policy(eviction_policy, **(eviction_policy_config or {}))
+        self.eviction_policy = self.policy.name
+        self._prio = self.policy.priority
+        self._eager = not self.policy.monotone
+        self._full = FullKVComponent(allocator)
+        self._full.attach(self)
+        self._extra: tuple[TreeComponent, ...] = tuple(components)
+        for c in self._extra:
+            c.attach(self)
+        self.components: tuple[TreeComponent, ...] = (self._full,) + self._extra
+        events_on = bool(enable_kv_cache_events) or event_sink is not None
+        self.enable_kv_cache_events = events_on
+        self._events: Optional[EventQueue] = EventQueue(event_sink) if events_on else None
+        self._hasher = PageHasher(hash_seed)
+        self.stats = CacheStats()
+        # Measurement switch: every match walks (and splits) as usual but reports no hit.
+        self.force_miss = False
+        self._sim_next = self.page_size  # synthesized slot ids (simulation inserts) skip page 0
+        self._evicting = False
+        self._clear()
+
+    # ------------------------------------------------------------------ state
+
+    def _clear(self) -> None:
+        # A fresh owner token: nodes (and receipts) of the previous generation are rejected.
+        self._owner = object()
+        self._clock = 0
+        root = TreeNode(self._owner, 0)
+        root.lock_ref = 1
+        root.value = _frozen(np.empty(0, dtype=INT32))
+        root.priority = -sys.maxsize
+        root.hashes = []
+        self.root = root
+        self._evictable = 0
+        self._protected = 0
+        self._leaves: set[TreeNode] = set()
+        self._heap: list = []
+        self._seq = 0
+
+    @property
+    def root_node(self) -> TreeNode:
+        """SGLang's name for :attr:`root`."""
+        return self.root
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ------------------------------------------------------------------ heap
+
+    def _push(self, node: TreeNode) -> None:
+        self._seq += 1
+        node.heap_seq = self._seq
+        heapq.heappush(self._heap, (self._prio(node), self._seq, node))
+        if not self._evicting and len(self._heap) > 4 * len(self._leaves) + 1024:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Drop dead entries: rebuild the heap from the evictable leaves (O(L))."""
+        heap = []
+        prio = self._prio
+        for node in self._leaves:
+            self._seq += 1
+            node.heap_seq = self._seq
+            heap.append((prio(node), self._seq, node))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    # ------------------------------------------------------------------ walking
+    #
+    # A request is walked in one of two forms: a list of ints (``is_bytes`` False; lists are
+    # never copied, only one edge's window is sliced per node) or native int32 bytes (numpy
+    # inputs, packed once for free). Each node keeps the matching form of its edge.
+
+    def _klist(self, node: TreeNode) -> list:
+        kl = node.klist
+        if kl is None:
+            kl = node.klist = decode_tokens(node.key)
+        return kl
+
+    def _kbytes(self, node: TreeNode) -> bytes:
+        kb = node.key
+        if kb is None:
+            kl = node.klist
+            kb = node.key = _pack(f"{len(kl)}i", *kl)
+        return kb
+
+    def _child_key(self, src: Any, is_bytes: bool, off: int) -> Any:
+        """SGLang's child key of the page starting at key element ``off`` of ``src``."""
+        if is_bytes:
+            if self._simple_ck:
+                return self._ck_struct.unpack_from(src, off * 4)[0]
+            return self._ck_struct.unpack_from(src, off * 4)
+        if self._simple_ck:
+            return src[off]
+        return tuple(src[off : off + self._ck_len])
+
+    def _node_child_key(self, node: TreeNode) -> Any:
+        """The child key of ``node``'s own edge (without the root namespace)."""
+        if node.klist is not None:
+            return self._child_key(node.klist, False, 0)
+        return self._child_key(node.key, True, 0)
+
+    def _common(self, node: TreeNode, src: Any, is_bytes: bool, off: int, lim: int) -> int:
+        """Page-aligned count of leading key elements shared by ``node``'s edge and ``src``
+        from element ``off``, at most ``lim`` (itself page-aligned)."""
+        ex = self._ex
+        nt = lim + ex  # tokens covered by lim key elements
+        if is_bytes:
+            kb = self._kbytes(node)
+            b = off * 4
+            if src[b : b + nt * 4] == kb[: nt * 4]:
+                return lim
+            a1 = np.frombuffer(src, dtype=INT32, count=nt, offset=b)
+            a2 = np.frombuffer(kb, dtype=INT32, count=nt)
+            first = int(np.argmax(a1 != a2))  # first differing token; one exists here
+        else:
+            kl = self._klist(node)
+            if src[off : off + nt] == kl[:nt]:
+                return lim
+            # Bisect with C-level slice compares (~2 * nt element compares in all), then scan.
+            lo, hi = 0, nt
+            while hi - lo > 8:
+                mid = (lo + hi) >> 1
+                if src[off + lo : off + mid] == kl[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            while lo < hi and src[off + lo] == kl[lo]:
+                lo += 1
+            first = lo
+        k = first - ex  # element i needs tokens i .. i + ex to match
+        if k < 0:
+            k = 0
+        return k - k % self.page_size
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut ``child`` after ``k`` key elements; returns the new parent holding them.
+
+        Sizes do not change (tokens move between two nodes with the same lock count), the
+        new parent inherits lock_ref, priority and hit_count, and page hashes are cut at the
+        page boundary so they stay what they were.
+        """
+        ex = self._ex
+        new = TreeNode(self._owner, self._tick())
+        parent = child.parent
+        new.parent = parent
+        if child.klist is not None:
+            kl = child.klist
+            new.klist = kl[: k + ex]
+            child.klist = kl[k:]
+        if child.key is not None:
+            kb = child.key
+            new.key = kb[: (k + ex) * 4]
+            child.key = kb[k * 4 :]
+        new.klen = k
+        new.depth = child.depth - child.klen + k
+        new.value = child.value[:k]
+        new.lock_ref = child.lock_ref
+        new.priority = child.priority
+        new.hit_count = child.hit_count
+        new.extra_key = child.extra_key
+        new.ckey = child.ckey
+        parent.children[new.ckey] = new
+        child.klen -= k
+        child.value = child.value[k:]
+        ck = self._node_child_key(child)
+        child.ckey = ck
+        child.parent = new
+        new.children = {ck: child}
+        if child.hashes is not None:
+            p = k // self.page_size
+            new.hashes = child.hashes[:p]
+            child.hashes = child.hashes[p:]
+        if self._eager and child in self._leaves:
+            self._push(child)  # it was just touched: a non-monotone priority moved
+        for c in self._extra:
+            c.on_split(new, child, k)
+        return new
+
+    def _match_walk(self, src: Any, is_bytes: bool, n: int, extra_key: Hashable, t: int) -> tuple[TreeNode, int, list]:
+        """Longest cached prefix of key elements ``[0, n)`` of ``src`` (n page-aligned).
+
+        Touches the nodes on the path with time ``t`` and splits the last one if the match
+        ends inside it. Returns ``(last node, matched elements, list of value arrays)``.
+        """
+        node = self.root
+        off = 0
+        vals: list = []
+        ex = self._ex
+        simple = self._simple_ck
+        ckl = self._ck_len
+        if is_bytes:
+            ck = self._child_key(src, True, 0)
+        else:
+            ck = src[0] if simple else tuple(src[0:ckl])
+        if extra_key is not None:
+            ck = (extra_key, ck)
+        children = node.children
+        while True:
+            child = children.get(ck)
+            if child is None:
+                break
+            child.last_access = t
+            m = child.klen
+            rem = n - off
+            if m <= rem:
+                if is_bytes:
+                    kb = child.key
+                    if kb is None:
+                        kb = self._kbytes(child)
+                    b = off * 4
+                    same = src[b : b + (m + ex) * 4] == kb
+                else:
+                    kl = child.klist
+                    if kl is None:
+                        kl = self._klist(child)
+                    same = src[off : off + m + ex] == kl
+                if same:
+                    vals.append(child.value)
+                    off += m
+                    node = child
+                    if off >= n:
+                        break
+                    if is_bytes:
+                        ck = self._child_key(src, True, off)
+                    else:
+                        ck = src[off] if simple else tuple(src[off : off + ckl])
+                    children = child.children
+                    continue
+            k = self._common(child, src, is_bytes, off, m if m < rem else rem)
+            node = self._split(child, k)
+            vals.append(node.value)
+            off += k
+            break
+        return node, off, vals
+
+    def _insert_walk(
+        self,
+        start: TreeNode,
+        src: Any,
+        is_bytes: bool,
+        n: int,
+        values: Optional[np.ndarray],
+        extra_key: Hashable,
+        priority: int,
+        t: int,
+        count_hit: bool,
+        collect: bool,
+    ) -> tuple[TreeNode, int, Optional[list]]:
+        """Insert key elements ``[0, n)`` of ``src`` below ``start``, whose path must be the
+        prefix of the key that precedes ``src``.
+
+        ``values[i]`` is the slot of element ``i`` (None: synthesize ids, simulation only).
+        Returns ``(node covering element n - 1, elements already cached, value arrays of the
+        cached part if collect)``.
+        """
+        root = self.root
+        node = start
+        off = 0
+        vals: Optional[list] = [] if collect else None
+        ex = self._ex
+        ck: Any = None
+        simple = self._simple_ck
+        ckl = self._ck_len
+        children = node.children
+        while off < n:
+            if is_bytes:
+                ck = self._child_key(src, True, off)
+            else:
+                ck = src[off] if simple else tuple(src[off : off + ckl])
+            if node is root and extra_key is not None:
+                ck = (extra_key, ck)
+            child = children.get(ck)
+            if child is None:
+                break
+            child.last_access = t
+            m = child.klen
+            rem = n - off
+            if m <= rem and (
+                src[off * 4 : (off + m + ex) * 4] == (child.key if child.key is not None else self._kbytes(child))
+                if is_bytes
+                else src[off : off + m + ex] == (child.klist if child.klist is not None else self._klist(child))
+            ):
+                k = m
+            else:
+                k = self._common(child, src, is_bytes, off, m if m < rem else rem)
+                child = self._split(child, k)
+            if priority > child.priority:
+                child.priority = priority
+            if count_hit:
+                child.hit_count += 1
+            if collect:
+                vals.append(child.value)
+            off += k
+            node = child
+            children = child.children
+        if off >= n:
+            if self._eager and node in self._leaves:
+                self._push(node)
+            return node, off, vals
+        # Unmatched remainder: one new leaf.
+        klen = n - off
+        if values is None:
+            v = np.arange(self._sim_next, self._sim_next + klen, dtype=INT32)
+            self._sim_next += klen
+        else:
+            v = values[off:n].copy()  # owned copy: callers reuse their rows
+        self._clock += 1
+        leaf = TreeNode(self._owner, self._clock)
+        leaf.parent = node
+        if is_bytes:
+            leaf.key = src[off * 4 : (n + ex) * 4]
+        else:
+            leaf.klist = src[off : n + ex]
+        leaf.klen = klen
+        leaf.depth = node.depth + klen
+        leaf.value = v
+        leaf.priority = priority
+        leaf.hit_count = 1 if count_hit else 0
+        leaf.extra_key = extra_key
+        leaf.ckey = ck
+        node.children[ck] = leaf
+        self._evictable += klen
+        self._leaves.discard(node)  # it has a child now
+        self._leaves.add(leaf)
+        self._push(leaf)
+        self.stats.inserted_tokens += klen
+        if self._events is not None:
+            self._emit_stored(leaf)
+        for c in self._extra:
+            c.on_new_leaf(leaf)
+        return leaf, off, vals
+
+    def _touch_path(self, node: TreeNode, t: int, priority: int, count_hit: bool) -> None:
+        """Give ``node`` and its ancestors what an insert from the root would: access time,
+        max priority, one hit. O(depth), no token work."""
+        root = self.root
+        if self._eager and node in self._leaves:
+            node.last_access = t
+            self._push(node)
+        while node is not root:
+            node.last_access = t
+            if priority > node.priority:
+                node.priority = priority
+            if count_hit:
+                node.hit_count += 1
+            node = node.parent
+
+    # ------------------------------------------------------------------ events
+
+    def _emit_stored(self, leaf: TreeNode) -> None:
+        ps = self.page_size
+        parent = leaf.parent
+        if parent is self.root:
+            prior = self._hasher.root(leaf.extra_key)
+            parent_hash = None
+        else:
+            parent_hash = parent.hashes[-1]
+            prior = PageHasher.as_bytes(parent_hash)
+        kb = self._kbytes(leaf)
+        leaf.hashes = self._hasher.chain(prior, kb, self._ck_len * 4, ps * 4, leaf.klen // ps)
+        self._events.emit(
+            BlockStored(
+                block_hashes=list(leaf.hashes),
+                parent_block_hash=parent_hash,
+                token_ids=leaf.token_ids(),
+                block_size=ps,
+                extra_key=leaf.extra_key,
+            )
+        )
+
+    def take_events(self) -> list:
+        """Drain queued KV events (those not delivered to a sink)."""
+        return self._events.take() if self._events is not None else []
+
+    # ------------------------------------------------------------------ locks
+
+    def _check_node(self, node: Any, what: str) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{what}: expected a TreeNode or LockReceipt, got {type(node).__name__}")
+        if node.owner is not self._owner:
+            raise LockError(f"{what}: node {node.id} does not belong to this tree (another tree, or before reset())")
+        if node.value is None:
+            raise LockError(f"{what}: node {node.id} was evicted; lock a node before it can be evicted")
+
+    def inc_lock_ref(self, node: Any) -> LockReceipt:
+        """Lock ``node`` and every ancestor (the node itself included) against eviction.
+
+        Each node whose lock count goes 0 -> 1 moves its tokens from evictable to protected.
+        Returns a receipt for ``dec_lock_ref`` (its ``delta`` is SGLang's return value).
+        """
+        root = self.root
+        if node is None or node is root:
+            return LockReceipt(node, 0, None, self._owner)
+        if type(node) is not TreeNode or node.owner is not self._owner or node.value is None:
+            self._check_node(node, "inc_lock_ref")  # raises the precise error
+        leaves = self._leaves
+        delta = 0
+        n = node
+        while n is not root:
+            if n.lock_ref == 0:
+                delta -= n.klen
+                leaves.discard(n)
+            n.lock_ref += 1
+            n = n.parent
+        self._evictable += delta
+        self._protected -= delta
+        parts = tuple(c.lock(node) for c in self._extra) if self._extra else None
+        return LockReceipt(node, delta, parts, self._owner)
+
+    def dec_lock_ref(self, node_or_receipt: Any) -> int:
+        """Release a lock taken by ``inc_lock_ref`` (pass its receipt, or the node).
+
+        Returns the tokens that became evictable. Raises :class:`LockError` — leaving the
+        tree unchanged — for a receipt released twice, a node not locked (unlock below zero),
+        an evicted node, or a node of another tree or of a tree generation before ``reset``.
+        """
+        receipt = None
+        parts = None
+        x = node_or_receipt
+        if isinstance(x, LockReceipt):
+            if x.released:
+                raise LockError(f"dec_lock_ref: {x!r} was already released")
+            if x.node is not None and x.node is not self.root and x.owner is not self._owner:
+                raise LockError(f"dec_lock_ref: {x!r} belongs to another tree or to one before reset()")
+            receipt, parts, x = x, x.parts, x.node
+        root = self.root
+        if x is None or x is root:
+            if receipt is not None:
+                receipt.released = True
+            return 0
+        if type(x) is not TreeNode or x.owner is not self._owner or x.value is None:
+            self._check_node(x, "dec_lock_ref")  # raises the precise error
+        n = x
+        while n is not root:  # check first: an error must leave every count as it was
+            if n.lock_ref <= 0:
+                where = "" if n is x else f" (ancestor {n.id} of node {x.id})"
+                raise LockError(
+                    f"dec_lock_ref: node {n.id}{where} is not locked (lock_ref would go below zero)"
+                )
+            n = n.parent
+        delta = 0
+        n = x
+        while n is not root:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                delta += n.klen
+                if not n.children:
+                    self._leaves.add(n)
+                    self._push(n)
+            n = n.parent
+        self._evictable += delta
+        self._protected -= delta
+        if self._extra:
+            for i, c in enumerate(self._extra):
+                c.unlock(x, parts[i] if parts else None)
+        if receipt is not None:
+            receipt.released = True
+        return delta
+
+    def _move_lock(self, old: Any, new_node: TreeNode) -> LockReceipt:
+        """Move a request's lock from ``old`` (receipt or node) to ``new_node``.
+
+        When the old node is an ancestor-or-self of ``new_node`` (always so in the request
+        lifecycle) only the nodes in between are touched: O(new nodes), not O(depth).
+        """
+        if isinstance(old, LockReceipt):
+            if old.released:
+                raise LockError(f"the request's lock {old!r} was already released")
+            old_node = old.node
+        else:
+            old_node = old
+        if old_node is None:
+            old_node = self.root
+        if old_node is not self.root:
+            self._check_node(old_node, "move lock")
+            if old_node.lock_ref <= 0:
+                raise LockError(f"the request's last node {old_node.id} is not locked")
+        if new_node is old_node:
+            if isinstance(old, LockReceipt):
+                return old
+            return LockReceipt(new_node, 0, None, self._owner)
+        if self._extra:
+            new = self.inc_lock_ref(new_node)
+            self.dec_lock_ref(old)
+            return new
+        path = []
+        root = self.root
+        n = new_node
+        while n is not old_node and n is not root:
+            path.append(n)
+            n = n.parent
+        if n is not old_node:  # not an ancestor: lock the new path, then release the old one
+            new = self.inc_lock_ref(new_node)
+            self.dec_lock_ref(old)
+            return new
+        delta = 0
+        leaves = self._leaves
+        for n in path:
+            if n.lock_ref == 0:
+                delta -= n.klen
+                leaves.discard(n)
+            n.lock_ref += 1
+        self._evictable += delta
+        self._protected -= delta
+        if isinstance(old, LockReceipt):
+            old.released = True
+        return LockReceipt(new_node, delta, None, self._owner)
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict unlocked leaves, most evictable first by the policy, until at least
+        ``num_tokens`` tokens are freed or nothing evictable is left.
+
+        May free more than asked (whole nodes). Parents that become unlocked leaves join the
+        candidates. Slot ids go to the allocator in one ``free`` call. Returns tokens evicted.
+        """
+        num_tokens = int(num_tokens)
+        if num_tokens <= 0 or not self._leaves:
+            return 0
+        heap = self._heap
+        leaves = self._leaves
+        prio = self._prio
+        root = self.root
+        evicted = 0
+        nodes: list[TreeNode] = []
+        vals: list[np.ndarray] = []
+        self._evicting = True
+        try:
+            while evicted < num_tokens and heap:
+                p, seq, node = heapq.heappop(heap)
+                if node.heap_seq != seq or node not in leaves:
+                    continue  # dead entry: node changed state or was re-pushed since
+                cur = prio(node)
+                if cur != p:  # stale (monotone policies only grow): requeue at its true place
+                    self._push(node)
+                    continue
+                parent = node.parent
+                del parent.children[node.ckey]
+                leaves.discard(node)
+                self._evictable -= node.klen
+                evicted += node.klen
+                vals.append(node.value)
+                nodes.append(node)
+                node.value = None
+                node.heap_seq = -1
+                if parent is not root and parent.lock_ref == 0 and not parent.children:
+                    leaves.add(parent)
+                    self._push(parent)
+        finally:
+            self._evicting = False
+        if nodes:
+            for c in self.components:
+                c.on_evict(nodes, vals)
+            if self._events is not None:
+                emit = self._events.emit
+                for node in nodes:
+                    emit(BlockRemoved(block_hashes=list(node.hashes or ())))
+            self.stats.evicted_tokens += evicted
+            self.stats.num_evictions += len(nodes)
+        return evicted
+
+    # ------------------------------------------------------------------ sizes
+
+    def evictable_size(self) -> int:
+        """Tokens cached in unlocked nodes (O(1))."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Tokens cached in locked nodes (O(1))."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Tokens cached (O(1)); ``evictable_size() + protected_size()``."""
+        return self._evictable + self._protected
+
+    # ------------------------------------------------------------------ whole-tree
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every node below the root (DFS, pre-order)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_values_flatten(self) -> np.ndarray:
+        """Every cached slot id (int32), in DFS order."""
+        vals = [n.value for n in self._nodes()]
+        return np.concatenate(vals) if vals else np.empty(0, dtype=INT32)
+
+    def reset(self) -> None:
+        """Drop every cached prefix, free its slots into the allocator, emit AllBlocksCleared.
+
+        Nodes and receipts from before the reset are rejected afterwards. Raises
+        :class:`LockError` (tree unchanged) while any prefix is locked: requests still use
+        those slots; finish or release them first (SGLang flushes only when idle).
+        """
+        if self._protected:
+            raise LockError(
+                f"reset: {self._protected} tokens are locked by running requests or receipts; release them first"
+            )
+        vals = [n.value for n in self._nodes()]
+        for c in self.components:
+            c.on_reset(vals)
+        self._clear()
+        if self._events is not None:
+            self._events.emit(AllBlocksCleared())
+
+    def pretty_print(self) -> str:
+        """The tree as indented text: per node its length, first tokens and lock count."""
+        lines = []
+        stack = [(c, 1) for c in reversed(list(self.root.children.values()))]
+        while stack:
+            node, depth = stack.pop()
+            toks = node.klist[:10] if node.klist is not None else decode_tokens(node.key[: 10 * 4])
+            more = "..." if node.klen + self._ex > 10 else ""
+            ek = "" if node.extra_key is None or node.parent is not self.root else f" extra_key={node.extra_key!r}"
+            lines.append(f"{'  ' * depth}[{node.klen}] {toks}{more} lock_ref={node.lock_ref}{ek}")
+            stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
+        lines.append(
+            f"#tokens: {self.total_size()} (evictable {self._evictable}, protected {self._protected})"
+        )
+        return "\n".join(lines)
+
+    def sanity_check(self) -> None:
+        """Walk the whole tree and check every invariant (O(tree)); raise TreeInvariantError.
+
+        Checks: parent/child links and child keys, page-aligned edges with one slot per key
+        element, depths, lock counts (never negative; a parent holds at least its children's),
+        the evictable-leaf set, both size counters, and that no slot id is cached twice.
+        """
+        ps, ex = self.page_size, self._ex
+
+        def fail(msg: str) -> None:
+            raise TreeInvariantError(f"sanity_check: {msg}\n{self.pretty_print()}")
+
+        evictable = protected = 0
+        leaves = set()
+        vals = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for ck, child in node.children.items():
+                if child.parent is not node:
+                    fail(f"node {child.id} has a wrong parent")
+                if child.value is None or child.owner is not self._owner:
+                    fail(f"node {child.id} is evicted or stale but still linked")
+                if child.key is None and child.klist is None:
+                    fail(f"node {child.id} has no key")
+                if child.key is not None and child.klist is not None and decode_tokens(child.key) != list(child.klist):
+                    fail(f"node {child.id}: its two key forms differ")
+                expect = self._node_child_key(child)
+                if node is self.root and child.extra_key is not None:
+                    expect = (child.extra_key, expect)
+                if ck != expect or child.ckey != ck:
+                    fail(f"node {child.id} is filed under a wrong child key")
+                if child.klen <= 0 or child.klen % ps or len(child.value) != child.klen:
+                    fail(f"node {child.id}: klen {child.klen}, {len(child.value)} slots, page {ps}")
+                if len(child.token_ids()) != child.klen + ex:
+                    fail(f"node {child.id}: {len(child.token_ids())} key tokens for klen {child.klen}")
+                if child.depth != node.depth + child.klen:
+                    fail(f"node {child.id}: depth {child.depth} != {node.depth} + {child.klen}")
+                if node is not self.root and child.extra_key != node.extra_key:
+                    fail(f"node {child.id}: namespace differs from its parent's")
+                if ex and node is not self.root and node.token_ids()[-1] != child.token_ids()[0]:
+                    fail(f"node {child.id}: bigram edge does not overlap its parent's last token")
+                if child.lock_ref < 0:
+                    fail(f"node {child.id}: lock_ref {child.lock_ref} < 0")
+                if self._events is not None and (child.hashes is None or len(child.hashes) != child.klen // ps):
+                    fail(f"node {child.id}: {child.hashes and len(child.hashes)} page hashes for {child.klen // ps} pages")
+                child_locks += child.lock_ref
+                if child.lock_ref:
+                    protected += child.klen
+                else:
+                    evictable += child.klen
+                    if not child.children:
+                        leaves.add(child)
+                vals.append(child.value)
+                stack.append(child)
+            if node is not self.root and node.lock_ref < child_locks:
+                fail(f"node {node.id}: lock_ref {node.lock_ref} < its children's {child_locks}")
+        if evictable != self._evictable or protected != self._protected:
+            fail(
+                f"counters evictable={self._evictable} protected={self._protected}, "
+                f"tree has evictable={evictable} protected={protected}"
+            )
+        if leaves != self._leaves:
+            fail(f"evictable-leaf set differs: {len(self._leaves)} tracked, {len(leaves)} in the tree")
+        live = {id(n) for _, s, n in self._heap if n.heap_seq == s}
+        if any(id(n) not in live for n in leaves):
+            fail("an evictable leaf has no live heap entry")
+        if vals:
+            allv = np.concatenate(vals)
+            if np.unique(allv).size != allv.size:
+                fail("a slot id is cached in two places")

@@ -1,0 +1,99 @@
+"""Shared fixtures for the radix tests: a recording allocator and a small request harness."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.alloc import make_allocator
+from kvjax.radix import RadixCache
+from kvjax.req_pool import ReqToTokenPool
+from kvjax.request import Req
+
+
+class RecordingAllocator:
+    """Forwards to a real allocator and records each ``free`` call's ids."""
+
+    def __init__(self, size: int, page_size: int) -> None:
+        self.inner = make_allocator(size, page_size)
+        self.freed: list[list[int]] = []
+
+    def free(self, idx) -> None:
+        ids = np.asarray(idx).reshape(-1).tolist()
+        self.inner.free(idx)
+        if ids:
+            self.freed.append(ids)
+
+    def take(self) -> list[int]:
+        """Every id freed since the last call, in order, flattened."""
+        out = [i for call in self.freed for i in call]
+        self.freed = []
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Harness:
+    """A tree with real pools plus helpers to run requests through it."""
+
+    def __init__(self, page_size: int = 1, size: int = 64, rows: int = 4, width: int = 64, **tree_kwargs) -> None:
+        self.ps = page_size
+        self.alloc = RecordingAllocator(size, page_size)
+        self.pool = ReqToTokenPool(rows, width)
+        self.tree = RadixCache(
+            page_size=page_size,
+            token_to_kv_pool_allocator=self.alloc,
+            req_to_token_pool=self.pool,
+            **tree_kwargs,
+        )
+        self.capacity = self.alloc.available_size()
+        self.held: dict[int, int] = {}
+
+    def start(self, prompt, extra_key=None, priority=0) -> Req:
+        """Match + lock the prompt, take a row, give the rest of the prompt fresh slots."""
+        tree = self.tree
+        row = self.pool.alloc(1)[0]
+        req = Req(rid=f"r{row}", origin_input_ids=list(prompt), extra_key=extra_key, priority=priority, req_pool_idx=row)
+        m = tree.match_and_lock(req)
+        self.pool.write(row, 0, m.indices)
+        self.extend(req, len(prompt) - m.prefix_len, start=m.prefix_len)
+        return req
+
+    def extend(self, req: Req, n: int, start: int | None = None) -> np.ndarray:
+        """Give ``n`` more tokens of ``req`` KV slots (continuing its last partial page)."""
+        ps = self.ps
+        pos = req.kv_len() - n if start is None else start
+        row = self.pool.req_to_token[req.req_pool_idx]
+        room = (-pos) % ps
+        first = [int(row[pos - 1]) + 1 + i for i in range(min(room, n))] if room else []
+        need = n - len(first)
+        fresh = self.alloc.alloc(-(-need // ps) * ps) if need > 0 else np.zeros(0, np.int32)
+        assert fresh is not None, "test pool too small"
+        slots = np.concatenate([np.asarray(first, np.int32), np.asarray(fresh, np.int32)[:need]])
+        self.pool.write(req.req_pool_idx, pos, slots)
+        return slots
+
+    def decode(self, req: Req, tokens) -> np.ndarray:
+        """Append generated tokens (with KV) to ``req``."""
+        req.output_ids.extend(tokens)
+        return self.extend(req, len(tokens))
+
+    def row(self, req: Req) -> list[int]:
+        return self.pool.req_to_token[req.req_pool_idx, : req.kv_len()].tolist()
+
+    def finish(self, req: Req) -> list[int]:
+        """``cache_finished_req`` then free the row; returns the ids the tree freed."""
+        self.alloc.take()
+        self.tree.cache_finished_req(req)
+        self.pool.free(req.req_pool_idx)
+        return self.alloc.take()
+
+    def check(self) -> None:
+        """Tree invariants, and no slot lost or double-owned given the live requests."""
+        t = self.tree
+        t.sanity_check()
+        assert t.evictable_size() + t.protected_size() == t.total_size()
+
+
+def sizes(tree) -> tuple[int, int, int]:
+    return tree.evictable_size(), tree.protected_size(), tree.total_size()

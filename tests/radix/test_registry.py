@@ -1,0 +1,101 @@
+"""`create_tree_cache`: which tree a plan gets (duck-typed plans), and the kinds that are not
+built yet."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.radix import ChunkCache, RadixCache, create_tree_cache
+from tests.radix._helpers import RecordingAllocator
+
+
+def plan(**kw):
+    base = dict(
+        tree_cache_kind="unified",
+        tree_components=("full",),
+        disable_radix_cache=False,
+        attach_host_tier=False,
+        tree_page_size=1,
+        radix_eviction_policy="lru",
+        is_eagle=False,
+        enable_kv_cache_events=False,
+        enable_metrics=False,
+        chunked_prefill_size=8192,
+        sliding_window_size=None,
+    )
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_chunk_kind_gives_chunk_cache():
+    alloc = RecordingAllocator(16, 1)
+    c = create_tree_cache(plan(tree_cache_kind="chunk", disable_radix_cache=True), token_to_kv_pool_allocator=alloc)
+    assert isinstance(c, ChunkCache) and c.token_to_kv_pool_allocator is alloc
+
+
+def test_unified_full_gives_radix_cache_with_plan_settings():
+    alloc = RecordingAllocator(64, 16)
+    sink = []
+    t = create_tree_cache(
+        plan(tree_page_size=16, radix_eviction_policy="slru", is_eagle=True, enable_kv_cache_events=True),
+        token_to_kv_pool_allocator=alloc,
+        event_sink=sink,
+    )
+    assert isinstance(t, RadixCache) and not t.disable
+    assert t.page_size == 16 and t.eviction_policy == "slru" and t.is_eagle and t.enable_kv_cache_events
+    t.insert(list(range(17)), np.arange(16, 33))
+    assert len(sink) == 1
+
+
+def test_disabled_unified_tree_behaves_like_chunk_cache():
+    t = create_tree_cache(plan(disable_radix_cache=True, chunked_prefill_size=None))
+    assert isinstance(t, RadixCache) and t.disable and t.is_chunk_cache()
+    assert t.insert([1, 2], np.array([1, 2])) == 0
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(tree_components=("full", "swa")), "SWA radix component"),
+        (dict(tree_components=("full", "mamba")), "Mamba state component"),
+        (dict(attach_host_tier=True), "host-memory tier"),
+        (dict(tree_cache_kind="pure_swa_radix"), "SWA radix component"),
+        (dict(tree_cache_kind="swa_chunk"), "SWA chunk cache"),
+        (dict(tree_cache_kind="pure_swa_chunk"), "SWA chunk cache"),
+    ],
+)
+def test_unbuilt_components_raise_naming_them(kw, name):
+    with pytest.raises(NotImplementedError, match=name):
+        create_tree_cache(plan(**kw))
+
+
+def test_unknown_kind_and_policy_are_config_errors():
+    with pytest.raises(kvjax.ConfigError, match="tree_cache_kind"):
+        create_tree_cache(plan(tree_cache_kind="lmcache"))
+    with pytest.raises(kvjax.ConfigError, match="lru"):
+        create_tree_cache(plan(radix_eviction_policy="nope"))
+    with pytest.raises(kvjax.ConfigError, match="tree_components"):
+        create_tree_cache(plan(tree_components=("full", "c128")))
+
+
+def test_real_plans_route_as_documented():
+    plan_mod = pytest.importorskip("kvjax.plan")
+    config_mod = pytest.importorskip("kvjax.config")
+    specs = pytest.importorskip("tests.specs")
+
+    def real(spec, **kw):
+        kw.setdefault("memory_budget_bytes", 2**30)
+        return plan_mod.plan_kv_cache(spec, config_mod.CacheConfig(**kw))
+
+    p = real(specs.dense(), page_size=16)
+    t = create_tree_cache(p)
+    assert isinstance(t, RadixCache) and t.page_size == p.tree_page_size and not t.disable
+    p = real(specs.dense(), disable_radix_cache=True)
+    assert isinstance(create_tree_cache(p), (ChunkCache, RadixCache)) and create_tree_cache(p).is_chunk_cache()
+    p = real(specs.swa())
+    with pytest.raises(NotImplementedError, match="SWA"):
+        create_tree_cache(p)

@@ -1,0 +1,158 @@
+"""Regression tests for the bug classes peers shipped in full-KV prefix trees
+(user-needs §3.5): each test reproduces the scenario and checks the invariant that broke."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.radix import LockError, RadixCache
+from tests.radix._helpers import Harness, RecordingAllocator, sizes
+
+
+def test_split_does_not_double_count_pages():
+    """sglang#35270: evictable_size counted pages shared after a split twice, so
+    available + evictable + protected exceeded the pool."""
+    h = Harness(page_size=4, size=128)
+    a = h.start(list(range(1, 17)))
+    h.finish(a)
+    b = h.start(list(range(1, 9)) + [99] * 8)  # shares two pages: the cached node splits
+    h.finish(b)
+    c = h.start(list(range(1, 5)) + [77] * 4)  # splits again, at the first page
+    lock_sizes = sizes(h.tree)
+    assert lock_sizes[0] + lock_sizes[1] == lock_sizes[2] == 24
+    h.finish(c)
+    t = h.tree
+    assert t.evictable_size() + t.protected_size() == t.total_size() == 28
+    assert h.alloc.available_size() + t.total_size() == h.capacity
+    h.alloc.take()
+    assert t.evict(10**6) == 28
+    freed = h.alloc.take()
+    assert len(freed) == len(set(freed)) == 28  # every page freed once, none twice
+    assert h.alloc.available_size() == h.capacity
+    h.check()
+
+
+def test_lock_covers_the_locked_node_itself():
+    """mini-sglang#52: the lock walk started at the parent, leaving the handle's own node
+    evictable while a request still used it."""
+    t = RadixCache()
+    t.insert([1, 2, 3], np.array([1, 2, 3]))
+    t.insert([1, 2, 3, 4, 5], np.array([1, 2, 3, 4, 5]))
+    leaf = t.match_prefix([1, 2, 3, 4, 5]).last_node
+    t.inc_lock_ref(leaf)
+    assert leaf.lock_ref == 1 and t.evictable_size() == 0
+    assert t.evict(100) == 0
+    assert t.match_prefix([1, 2, 3, 4, 5]).prefix_len == 5
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_key_shorter_than_a_page(page_size):
+    """sglang#24371 / #10637: a key shorter than one page was indexed past its end; after
+    page alignment it is empty and must match and cache nothing."""
+    h = Harness(page_size=page_size, size=8 * page_size)
+    short = list(range(1, page_size))
+    assert h.tree.match_prefix(short).prefix_len == 0
+    assert h.tree.insert(short, np.arange(page_size, 2 * page_size - 1)) == 0
+    req = h.start(short)
+    h.tree.cache_unfinished_req(req)
+    assert req.cache_protected_len == 0 and req.prefix_indices.tolist() == h.row(req)
+    freed = h.finish(req)
+    assert freed == list(range(page_size, 2 * page_size - 1))  # the whole tail, once
+    assert h.tree.total_size() == 0 and h.alloc.available_size() == h.capacity
+    e = RadixCache(is_eagle=True)
+    assert e.match_prefix([5]).prefix_len == 0 and e.insert([5], np.array([1])) == 0
+    h.check()
+
+
+def test_generated_tokens_are_part_of_the_key():
+    """sglang#16521: the cache key omitted output tokens, so turn 2 reused only the prompt."""
+    h = Harness(page_size=2, size=64)
+    turn1 = h.start([1, 2, 3, 4])
+    h.decode(turn1, [5, 6, 7, 8])
+    h.finish(turn1)
+    turn2 = h.start([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert turn2.cache_protected_len == 8
+    h.finish(turn2)
+    h.check()
+
+
+def test_unlock_below_zero_is_rejected():
+    """mllm#656: dec_lock_ref below zero was tolerated and evictable_size went negative."""
+    t = RadixCache()
+    t.insert([1, 2], np.array([1, 2]))
+    node = t.match_prefix([1, 2]).last_node
+    r = t.inc_lock_ref(node)
+    t.dec_lock_ref(node)  # released by node...
+    with pytest.raises(LockError):
+        t.dec_lock_ref(r)  # ...so the receipt would go below zero
+    with pytest.raises(LockError):
+        t.dec_lock_ref(node)
+    assert sizes(t) == (2, 0, 2) and node.lock_ref == 0
+    t.sanity_check()
+
+
+def test_row_never_points_at_freed_duplicates():
+    """mini-sglang#142: the page table kept pointing at duplicate slots that had been freed
+    and reused."""
+    h = Harness(page_size=2, size=64)
+    a = h.start([1, 2, 3, 4, 5, 6])
+    b = h.start([1, 2, 3, 4, 5, 6, 7])
+    h.finish(a)
+    h.tree.cache_unfinished_req(b)
+    freed = set(h.alloc.take())
+    row = h.row(b)
+    assert freed and not freed & set(row)
+    assert row[:6] == h.tree.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist()
+    h.finish(b)
+    h.check()
+
+
+def test_out_of_range_slot_rejected_before_it_reaches_the_device():
+    """tpu-inference#2366: JAX clamps out-of-range ids silently; the tree must refuse them."""
+    alloc = RecordingAllocator(32, 1)
+    t = RadixCache(token_to_kv_pool_allocator=alloc)
+    with pytest.raises(kvjax.InvalidSlotError):
+        t.insert([1, 2], np.array([1, 33]))
+    with pytest.raises(kvjax.InvalidSlotError):
+        t.insert([1, 2], np.array([-1, 3]))
+    assert t.total_size() == 0
+
+
+def test_evicted_node_cannot_be_unlocked_or_locked():
+    """sglang#29291: unlocking a detached node walked an invalid parent chain."""
+    t = RadixCache()
+    t.insert([1, 2], np.array([1, 2]))
+    node = t.match_prefix([1, 2]).last_node
+    t.evict(10)
+    with pytest.raises(LockError, match="evicted"):
+        t.dec_lock_ref(node)
+    with pytest.raises(LockError, match="evicted"):
+        t.inc_lock_ref(node)
+    assert sizes(t) == (0, 0, 0)
+
+
+def test_eviction_frees_each_page_once_per_call():
+    """vllm#42571: the same block reached the free list twice."""
+    h = Harness(page_size=4, size=256)
+    for i in range(6):
+        r = h.start([100 + i] * 4 + list(range(i * 8, i * 8 + 8)))
+        h.finish(r)
+    h.alloc.freed.clear()
+    h.tree.evict(10**6)
+    assert len(h.alloc.freed) == 1  # one free call per evict
+    ids = h.alloc.freed[0]
+    assert len(ids) == len(set(ids)) == 72
+    assert h.alloc.available_size() == h.capacity
+
+
+def test_full_hit_leaves_one_token_to_compute():
+    """tpu-inference#860: a prompt fully cached left nothing to run the forward on."""
+    h = Harness(page_size=1)
+    a = h.start([1, 2, 3, 4])
+    h.finish(a)
+    b = h.start([1, 2, 3, 4])
+    assert b.cache_protected_len == 3 and h.row(b)[:3] == [1, 2, 3] and h.row(b)[3] != 4
+    h.finish(b)
+    h.check()
