@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from kvjax.alloc import make_allocator
 from kvjax.config import CacheConfig
@@ -83,7 +83,8 @@ def build_kv_cache(
     plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
     _require_built_capabilities(plan)
 
-    sharding = _kv_sharding(mesh, config) if mesh is not None else None
+    if mesh is not None:
+        _check_mesh(mesh, config)
     kv = MHAKVPool.create(
         num_pages=plan.num_pages,
         page_size=plan.alloc_page_size,
@@ -95,7 +96,8 @@ def build_kv_cache(
         platform=plan.platform,
         head_dim_alignment=128 if plan.platform == "tpu" else 1,
         start_layer=plan.start_layer,
-        sharding=sharding,
+        mesh=mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
     )
     allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     req_to_token_pool = ReqToTokenPool(plan.max_running_requests, plan.req_to_token_width)
@@ -133,8 +135,8 @@ def _require_built_capabilities(plan: CachePlan) -> None:
         )
 
 
-def _kv_sharding(mesh: Mesh, config: CacheConfig) -> NamedSharding:
-    """KV heads (the combined K/V head axis) over the mesh's ``"tp"`` axis."""
+def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:
+    """KV heads (the combined K/V head axis) go over the mesh's ``"tp"`` axis, of ``attn_tp_size`` devices."""
     if KV_HEAD_MESH_AXIS not in mesh.axis_names:
         raise ConfigError("mesh", tuple(mesh.axis_names), f"name the KV-head axis {KV_HEAD_MESH_AXIS!r}")
     if mesh.shape[KV_HEAD_MESH_AXIS] != config.attn_tp_size:
@@ -143,7 +145,6 @@ def _kv_sharding(mesh: Mesh, config: CacheConfig) -> NamedSharding:
             config.tp_size,
             f"the mesh's {KV_HEAD_MESH_AXIS!r} axis has {mesh.shape[KV_HEAD_MESH_AXIS]} devices; make them equal",
         )
-    return NamedSharding(mesh, PartitionSpec(None, None, KV_HEAD_MESH_AXIS, None))
 
 
 def _device_memory_bytes(device: jax.Device) -> int:

@@ -132,7 +132,17 @@ def test_build_shards_kv_heads_over_a_tp_mesh():
         cache = build_kv_cache(spec, CacheConfig(max_total_tokens=256, tp_size=4, max_running_requests=4), mesh=mesh)
         layer = cache.pools.kv.kv[0]
         shard = layer.addressable_shards[0].data.shape
-        print(json.dumps({"global": list(layer.shape), "shard": list(shard), "heads_per_rank": cache.plan.num_kv_heads_per_rank}))
+        # A donated write and a move through the sharded pool: each device updates its own heads.
+        loc = cache.allocator.alloc_extend(np.array([0]), np.array([3]), np.array([-1]))
+        k = np.arange(3 * 8 * 16, dtype=np.float32).reshape(3, 8, 16)
+        step = jax.jit(lambda kv, loc, k: kv.set_kv_buffer(1, loc, k, -k).move_kv_cache(loc + 32, loc),
+                       donate_argnums=0)
+        kv = step(cache.pools.kv, loc, k)
+        got_k, got_v = kv.get_kv(1, loc + 32)
+        ok = bool(np.array_equal(got_k, k) and np.array_equal(got_v, -k))
+        sharded = str(kv.kv[1].sharding.spec)
+        print(json.dumps({"global": list(layer.shape), "shard": list(shard), "heads_per_rank": cache.plan.num_kv_heads_per_rank,
+                          "roundtrip": ok, "spec": sharded}))
         """
     )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -143,6 +153,8 @@ def test_build_shards_kv_heads_over_a_tp_mesh():
     assert result["global"] == [17, 16, 16, 16]  # 8 KV heads -> 16 combined K/V heads
     assert result["shard"] == [17, 16, 4, 16]  # 2 heads per rank: K0 V0 K1 V1
     assert result["heads_per_rank"] == 2
+    assert result["roundtrip"], "write + move through the sharded pool must round-trip"
+    assert "tp" in result["spec"], "the updated layer stays sharded over the KV-head axis"
 
 
 def test_build_rejects_a_mesh_that_disagrees_with_tp_size():

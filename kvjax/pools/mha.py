@@ -30,9 +30,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.page_copy import copy_slots
 
 
 def _static(**kwargs: Any) -> Any:
@@ -71,25 +75,20 @@ def _route_out_of_range_to_trash(loc: jax.Array, num_slots: int) -> jax.Array:
 def _write_slots(layer: jax.Array, new_kv: jax.Array, loc: jax.Array) -> jax.Array:
     """Scatter ``new_kv[i]`` (``[n, C, D]``) into token slot ``loc[i]`` of one layer array.
 
-    ``loc`` has already been routed into range. Duplicate slots: the last write wins only when
-    they hit the trash page; live slots are never written twice by a valid caller.
+    ``loc`` has already been routed into range. Rows aimed at the trash page are dropped (the
+    page is left as it was); live slots are never written twice by a valid caller. Pallas
+    kernel when lowered for TPU, its jnp reference elsewhere (``pallas_kernels.kv_write``).
     """
-    pages, page_size, heads, dim = layer.shape
-    flat = layer.reshape(pages * page_size, heads, dim)
-    flat = flat.at[loc].set(new_kv, mode="promise_in_bounds", unique_indices=False)
-    return flat.reshape(pages, page_size, heads, dim)
+    return write_kv(layer, new_kv, loc)
 
 
 def _copy_slots(layers: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
-    """Copy token slots ``src[i] -> dst[i]`` in every layer; all reads happen before all writes."""
-    out = []
-    for layer in layers:
-        pages, page_size, heads, dim = layer.shape
-        flat = layer.reshape(pages * page_size, heads, dim)
-        rows = flat[src]
-        flat = flat.at[dst].set(rows, mode="promise_in_bounds")
-        out.append(flat.reshape(pages, page_size, heads, dim))
-    return tuple(out)
+    """Copy token slots ``src[i] -> dst[i]`` in every layer; all reads happen before all writes.
+
+    Targets on the trash page are dropped. Pallas kernel when lowered for TPU, its jnp
+    reference elsewhere (``pallas_kernels.page_copy``).
+    """
+    return copy_slots(layers, src, dst)
 
 
 @jax.tree_util.register_dataclass
@@ -110,6 +109,8 @@ class MHAKVPool:
     v_head_dim: int = _static()
     dtype: str = _static()
     start_layer: int = _static(default=0)
+    mesh: Mesh | None = _static(default=None)  # set when the layers are sharded over KV heads
+    kv_head_axis: str | None = _static(default=None)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -127,18 +128,23 @@ class MHAKVPool:
         platform: str = "cpu",
         head_dim_alignment: int | None = None,
         start_layer: int = 0,
-        sharding: jax.sharding.Sharding | None = None,
+        mesh: Mesh | None = None,
+        kv_head_axis: str = "tp",
     ) -> "MHAKVPool":
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
         ``head_dim_alignment`` defaults to 128 on TPU and 1 elsewhere. Each layer is created
-        directly on its device(s) (no host staging), one at a time.
+        directly on its device(s) (no host staging), one at a time. With a ``mesh``, the combined
+        K/V head axis is sharded over its ``kv_head_axis`` (each device holds whole heads, K and V
+        together) and updates run per device under ``shard_map``: the Pallas kernels are not
+        partitioned automatically.
         """
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         align = head_dim_alignment or (128 if platform == "tpu" else 1)
         padded = _round_up(max(head_dim, v_head_dim), align)
         store = dtypes.storage_dtype(dtype, platform)
         shape = (num_pages + 1, page_size, 2 * num_kv_heads, padded)
+        sharding = None if mesh is None else NamedSharding(mesh, _HEAD_SPEC(kv_head_axis))
         zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
         kv = tuple(zeros() for _ in range(num_layers))
         return cls(
@@ -151,6 +157,8 @@ class MHAKVPool:
             v_head_dim=v_head_dim,
             dtype=dtype,
             start_layer=start_layer,
+            mesh=mesh,
+            kv_head_axis=kv_head_axis if mesh is not None else None,
         )
 
     # --- static facts ---------------------------------------------------------------------------
@@ -249,7 +257,12 @@ class MHAKVPool:
         if slots.shape != (packed.shape[0],):
             raise ValueError(f"loc has shape {slots.shape}; expected ({packed.shape[0]},), one slot per token")
         layers = list(self.kv)
-        layers[index] = _write_slots(layers[index], packed, slots)
+        write = _write_slots
+        if self.mesh is not None:
+            axis = self.kv_head_axis
+            write = jax.shard_map(write, mesh=self.mesh, in_specs=(_HEAD_SPEC(axis), P(None, axis, None), P()),
+                                  out_specs=_HEAD_SPEC(axis))
+        layers[index] = write(layers[index], packed, slots)
         return self.replace(kv=tuple(layers))
 
     def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> "MHAKVPool":
@@ -272,7 +285,11 @@ class MHAKVPool:
         src = _route_out_of_range_to_trash(jnp.asarray(src_loc), self.num_slots)
         if tgt.shape != src.shape or tgt.ndim != 1:
             raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
-        return self.replace(kv=_copy_slots(self.kv, src, tgt))
+        copy = _copy_slots
+        if self.mesh is not None:
+            specs = tuple(_HEAD_SPEC(self.kv_head_axis) for _ in self.kv)
+            copy = jax.shard_map(copy, mesh=self.mesh, in_specs=(specs, P(), P()), out_specs=specs)
+        return self.replace(kv=copy(self.kv, src, tgt))
 
     def replace(self, **changes: Any) -> "MHAKVPool":
         """A copy with some fields changed (the pytree analogue of an in-place update)."""
@@ -338,6 +355,11 @@ class MHAKVPool:
         slots = jnp.asarray(loc, jnp.int32)
         layers = tuple(_write_slots(a, jnp.asarray(c, a.dtype), slots) for a, c in zip(self.kv, copy))
         return self.replace(kv=layers)
+
+
+def _HEAD_SPEC(axis: str) -> P:  # noqa: N802 - reads as a constant spec
+    """Layer arrays sharded over the combined K/V head axis."""
+    return P(None, None, axis, None)
 
 
 def _round_up(x: int, multiple: int) -> int:
