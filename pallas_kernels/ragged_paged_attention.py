@@ -1,0 +1,691 @@
+"""Ragged paged attention: one call for a mixed batch of decode tokens and prefill/extend chunks.
+
+The queries of all sequences are packed along one token axis; each sequence reads its K/V from
+the pool's pages through its row of the page table. The new tokens' K/V must already be in the
+pool (``MHAKVPool.set_kv_buffer``) before the call.
+
+Arguments (``S = max_seqs``, ``T = total_q_tokens``):
+
+* ``q``: ``[T, num_q_heads, head_dim]``. Sequence ``s`` owns tokens ``[cu_q_lens[s], cu_q_lens[s+1])``;
+  tokens at or after ``cu_q_lens[num_seqs]`` are padding (their output is 0).
+* ``kv_pages``: one layer of the pool, ``[num_pages + 1, page_size, 2 * num_kv_heads, head_dim_padded]``
+  in the logical dtype (``MHAKVPool.kv_buffer(layer_id)``). Combined head ``2h`` is K of KV head
+  ``h``, ``2h + 1`` is V. Page 0 is the trash page. ``head_dim <= head_dim_padded``; the padding of
+  K and V is zero, so zero-padding ``q`` keeps ``q . k`` exact.
+* ``kv_lens``: int32 ``[S]``, the KV length of each sequence INCLUDING its new tokens.
+* ``page_indices``: int32 ``[S, pages_per_seq]``, the page table: token position ``p`` of sequence
+  ``s`` lives at ``kv_pages[page_indices[s, p // page_size], p % page_size]``.
+* ``cu_q_lens``: int32 ``[S + 1]``, non-decreasing over the first ``num_seqs + 1`` entries.
+* ``num_seqs``: int32 ``[1]``, live sequences (``<= S``); rows of the tables beyond it are ignored.
+* Output: ``[T, num_q_heads, head_dim]`` in q's dtype; V is read at q's ``head_dim`` (K and V of
+  one head dim, as in the pool's MHA/GQA layouts).
+
+Semantics (kernel and reference agree):
+
+* Causal: query ``i`` of a sequence with ``q_len`` new tokens and ``kv_len`` keys sits at position
+  ``kv_len - q_len + i`` and sees keys at positions up to its own.
+* Sliding window ``w``: a query at position ``p`` sees keys in ``(p - w, p]``.
+* Logits: ``sm_scale * q . k``, then ``soft_cap * tanh(logits / soft_cap)`` if ``soft_cap``.
+* GQA/MQA: query head ``j`` reads KV head ``j // (num_q_heads // num_kv_heads)``.
+* Page ids outside ``[1, num_pages]`` (0 = the trash page, padding of the table) are never read
+  as data: their keys are masked. A query with no visible key (padding, or only masked keys)
+  outputs 0.
+* ``kv_lens`` is clamped to ``[0, pages_per_seq * page_size]``.
+
+Kernel design (``_rpa_kernel``):
+
+* The wrapper regroups queries per KV head: ``[T, Hq, D] -> [Hkv, T * G, Dp]`` (``G`` query heads
+  per KV head, ``Dp`` = the pool's padded head dim), so row ``r`` of a block is token ``r // G``,
+  query head ``h * G + r % G``, and one KV head's attention is one ``[rows, Dp] x [Dp, keys]``
+  matmul. The inverse reshapes the output. These reshapes live in the wrapper because neither
+  CPU interpreter runs ``ref.reshape`` inside a kernel.
+* Grid: one step per block of ``block_q`` consecutive tokens (``"parallel"``: steps are
+  independent). q and out move by BlockSpec (pipelined by Pallas). A block may hold several short
+  sequences (a decode batch packs ``block_q`` sequences per block) or part of a long one; the
+  wrapper precomputes, per block, the range of sequences overlapping it (scalar prefetch).
+* Per overlapping sequence the kernel computes the key range the block's rows can see (causal end,
+  sliding-window start), then walks it in KV blocks of ``block_kv_pages`` pages. Each page is one
+  fixed-size DMA (``[page_size, 2 * Hkv, Dp]``, all heads: one contiguous page of HBM) from the pool
+  (``memory_space=pl.ANY``) into a VMEM double buffer. The buffer is one stream across the
+  sequences of a grid step: while block ``k`` is computed, block ``k + 1`` is in flight, or after a
+  sequence's last block the first block of the next sequence. Pages outside the visible range or
+  with an invalid id are skipped (no DMA) and masked. Every started DMA is waited exactly once
+  under the same condition. DMA bounds checks are off in compiled code (ids are clamped in the
+  wrapper); the TPU interpreter still checks every DMA.
+* K/V de-interleave (``_split_kv``): the block is copied once into a staging buffer of 32-bit rows
+  (16-bit pools are bit-cast as values, pairing K and V of a head in one word) and each head's K/V
+  is read with one sublane-strided load. Reading ``buf[:, 2h, :]`` directly compiled to ~4x more
+  bundles per block (sublane gathers and shuffles) in the static schedule.
+* Online softmax per KV head with f32 state (running max ``m``, sum ``l``, accumulator ``acc``) in
+  VMEM scratch, initialised once per grid step and normalised at its end. Rows of different
+  sequences never mix: every update is masked by the row's sequence, and ``p`` is zeroed (not just
+  its logits) where masked, so fully masked rows stay at 0. V rows of skipped pages hold whatever
+  VMEM held (maybe NaN in the TPU interpreter), so V is masked too before ``p @ v``.
+* Interpreters: only static-size DMAs (whole pages), no ref reshape/bitcast, so both CPU
+  interpreters run it: ``interpret=True`` (HLO interpreter) and
+  ``interpret=pltpu.InterpretParams(...)`` (TPU interpreter, with race and bounds checks).
+* dtypes: the kernel reads bf16 and f32 pools; others (fp8, f16) go through the reference on
+  every platform (``NotImplementedError`` from the kernel itself).
+* Under ``shard_map`` (KV heads sharded over a mesh axis, the pool's combined head axis with them)
+  each device runs the kernel on its heads; no collective is needed.
+
+Public entry point: ``ragged_paged_attention``. With ``interpret=None`` the choice is made when
+lowering: compiled Pallas for TPU (also in an ahead-of-time TPU compile from a CPU host), the jnp
+reference (``ragged_paged_attention_reference``) for every other platform.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+#: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere (decided at lowering).
+#: ``True``: the HLO interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
+Interpret = Union[None, bool, pltpu.InterpretParams]
+
+# Logit of a masked (query, key) pair and the initial running max. Finite on purpose: with
+# -inf, a row that has seen no key yet would compute exp(-inf - -inf) = NaN when rescaling.
+_MASK_VALUE = -1e30
+
+# Test hook, never False in use: False prefetches into the buffer half being computed (a
+# deliberate race), so the tests can check that the TPU interpreter's race detector sees this
+# kernel's DMAs at all.
+_DOUBLE_BUFFER = True
+
+# Target KV tokens per KV block: 256 tokens x 8 KV heads x 2 x 128 x 2 B = 1 MiB per buffer
+# half for Llama-3-8B in bf16: enough keys per block to amortise its fixed work (masks, loop
+# control, the pipeline drain at the end of a grid step).
+_TARGET_KV_TOKENS = 256
+# Target query rows (tokens x query heads per KV head) per grid step for prefill-shaped batches.
+_TARGET_Q_ROWS = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks and the shared per-token / per-sequence quantities
+# --------------------------------------------------------------------------------------------
+
+
+def _check_args(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                cu_q_lens: jax.Array, num_seqs: jax.Array) -> tuple[int, int, int]:
+    """Trace-time shape/dtype checks; returns ``(num_kv_heads, q_per_kv, pages_per_seq)``."""
+    if q.ndim != 3:
+        raise ValueError(f"q has shape {list(q.shape)}; expected [total_q_tokens, num_q_heads, head_dim]")
+    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
+        raise ValueError(
+            f"kv_pages has shape {list(kv_pages.shape)}; expected "
+            "[num_pages + 1, page_size, 2 * num_kv_heads, head_dim_padded]"
+        )
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_pages.shape[2] // 2
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim > kv_pages.shape[3]:
+        raise ValueError(f"q head_dim={head_dim} exceeds the pool's head_dim_padded={kv_pages.shape[3]}")
+    if jnp.dtype(q.dtype) != jnp.dtype(kv_pages.dtype):
+        raise TypeError(
+            f"q is {jnp.dtype(q.dtype)} but kv_pages is {jnp.dtype(kv_pages.dtype)}; pass the pool's "
+            "logical-dtype view (MHAKVPool.kv_buffer) and queries of the same dtype"
+        )
+    if page_indices.ndim != 2:
+        raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
+    max_seqs = page_indices.shape[0]
+    for name, x, shape in (("kv_lens", kv_lens, (max_seqs,)), ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
+                           ("num_seqs", num_seqs, (1,))):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
+                    ("num_seqs", num_seqs)):
+        if jnp.dtype(x.dtype).kind not in "iu":
+            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
+    return num_kv_heads, num_q_heads // num_kv_heads, page_indices.shape[1]
+
+
+def _kernel_reads(dtype: Any) -> bool:
+    """Pool dtypes the kernel takes: bf16 (split from 32-bit words) and 32-bit floats."""
+    return jnp.dtype(dtype) == jnp.bfloat16 or jnp.dtype(dtype).itemsize == 4
+
+
+def _default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def _live_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """bool ``[S]``: sequence ``s`` is live (``s < num_seqs``)."""
+    max_seqs = cu_q_lens.shape[0] - 1
+    return jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (pure jnp): the spec, and the non-TPU path
+# --------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    token_batch: int = 8,
+) -> jax.Array:
+    """Pure-jnp ragged paged attention (module docstring); returns ``[T, num_q_heads, head_dim]``.
+
+    Works per query token: each token gathers its own sequence's pages (``lax.map`` over batches
+    of ``token_batch`` tokens bounds the memory to ``token_batch * pages_per_seq`` pages) and runs
+    a masked softmax in f32. Simple rather than fast: it is the spec and the CPU path. (On XLA:CPU
+    batches of 8 tokens ran ~6x faster than 64 on a small mixed batch: the working set stays in
+    cache.) V is read at q's head_dim: ``v_head_dim == head_dim`` is assumed, as in the kernel.
+    """
+    num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    total, num_q_heads, head_dim = q.shape
+    num_pool_pages, page_size, _, dim_padded = kv_pages.shape
+    max_seqs = page_indices.shape[0]
+    max_kv = pages_per_seq * page_size
+    scale = _default_sm_scale(head_dim, sm_scale)
+    if total == 0:
+        return jnp.zeros_like(q)
+
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    page_indices = page_indices.astype(jnp.int32)
+    live = _live_seqs(cu_q_lens, num_seqs.astype(jnp.int32))
+
+    # Token -> sequence: the number of live sequences that end at or before the token. Padding
+    # tokens (after the last live sequence) get max_seqs' worth of "no sequence".
+    token = jnp.arange(total, dtype=jnp.int32)
+    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    tok_seq = jnp.sum(ends[None, :] <= token[:, None], axis=1, dtype=jnp.int32)
+    tok_live = (tok_seq < num_seqs[0]) & (token >= cu_q_lens[0])
+    tok_seq = jnp.minimum(tok_seq, max_seqs - 1)
+    q_start = cu_q_lens[tok_seq]
+    q_len = cu_q_lens[tok_seq + 1] - q_start
+    tok_pos = kv_lens[tok_seq] - q_len + (token - q_start)
+
+    page_ok = (page_indices >= 1) & (page_indices < num_pool_pages)
+    safe_pages = jnp.where(page_ok, page_indices, 0)
+    q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
+    key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+
+    def attend(xs: tuple[jax.Array, ...]) -> jax.Array:
+        qt, seq, pos, is_live = xs  # [H, G, D], scalars
+        pages = kv_pages[safe_pages[seq]].reshape(max_kv, 2 * num_kv_heads, dim_padded)
+        k = pages[:, 0::2, :head_dim].astype(jnp.float32)  # [L, Hkv, D]
+        v = pages[:, 1::2, :head_dim].astype(jnp.float32)
+        logits = jnp.einsum("hgd,lhd->hgl", qt, k) * scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        visible = (key_pos <= pos) & jnp.repeat(page_ok[seq], page_size) & is_live
+        if sliding_window is not None:
+            visible &= key_pos > pos - sliding_window
+        logits = jnp.where(visible, logits, -jnp.inf)
+        peak = jnp.max(logits, axis=-1, keepdims=True)
+        peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+        weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)
+        denom = jnp.sum(weights, axis=-1, keepdims=True)
+        out = jnp.einsum("hgl,lhd->hgd", weights, jnp.where(visible[:, None, None], v, 0.0))
+        return out / jnp.where(denom > 0, denom, 1.0)
+
+    out = jax.lax.map(attend, (q32, tok_seq, tok_pos, tok_live), batch_size=min(token_batch, total))
+    return out.reshape(total, num_q_heads, head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+class _SeqView(NamedTuple):
+    """What one q block needs of one sequence (traced scalars; see ``_rpa_kernel``)."""
+
+    t_lo: Any  # first token of the sequence in the block
+    t_hi: Any  # one past its last token in the block
+    first_pos: Any  # position of token t_lo
+    kv_start: Any  # keys [kv_start, kv_end) are visible to some row of the block
+    kv_end: Any
+    k_lo: Any  # KV blocks [k_lo, k_hi) cover them
+    k_hi: Any
+    page_base: Any  # offset of the sequence's row in the flat page table
+    active: Any  # bool: there is something to compute
+
+
+def _split_kv(stage_ref: Any, h: int, num_kv_heads: int, block_kv: int, v_ok: Any, packed: bool,
+              dtype: Any) -> tuple[Any, Any]:
+    """K and V of KV head ``h`` (``[bkv, Dp]`` each, ``dtype``) from the staged KV block.
+
+    Why staging: in the pool's tiled layout one token's combined heads fill the sublanes of a tile,
+    so K of one head is one sublane of every token's tile. Reading it with a plain ``ref[:, 2h, :]``
+    makes Mosaic gather and shuffle sublane by sublane (about 4x the bundles per KV block in the
+    compiler's static schedule). A sublane-strided load gathers 8 tokens per instruction, but Mosaic
+    only has it for 32-bit data, so a 16-bit block is first bit-cast (as a value; neither
+    interpreter nor Mosaic needs a ref bit-cast) to 32-bit words, which pairs rows ``2h`` and
+    ``2h + 1``, i.e. K and V of head ``h``, in one word: K in the low half, V in the high half.
+
+    ``stage_ref``: ``[bkv * Hkv, Dp]`` uint32 words (``packed``) or ``[bkv * 2 * Hkv, Dp]`` rows of a
+    32-bit dtype. ``v_ok``: bool ``[bkv, 1]``; V (and K) rows outside it are zeroed so that stale or
+    uninitialised VMEM (NaN) cannot reach ``p @ v``.
+    """
+    if packed:
+        words = stage_ref[pl.ds(h, block_kv, stride=num_kv_heads), :]
+        words = jnp.where(v_ok, words, jnp.uint32(0))
+        # bf16 is the high half of an f32: a bf16's bits moved into the high half of a word are
+        # that value as f32 (exact), so the split is two bit operations and a cast.
+        keys = pltpu.bitcast(words << 16, jnp.float32).astype(dtype)
+        values = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32).astype(dtype)
+        return keys, values
+    stride = 2 * num_kv_heads
+    keys = stage_ref[pl.ds(2 * h, block_kv, stride=stride), :]
+    values = stage_ref[pl.ds(2 * h + 1, block_kv, stride=stride), :]
+    return keys, jnp.where(v_ok, values, jnp.zeros((), values.dtype))
+
+
+def _rpa_kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref: Any,  # i32[S], clamped to [0, pages_per_seq * page_size]
+    page_ids_ref: Any,  # i32[S * padded_pages_per_seq], the flattened page table (0 = invalid id)
+    cu_q_lens_ref: Any,  # i32[S + 1]
+    seq_lo_ref: Any,  # i32[num_q_blocks]: first sequence overlapping each q block
+    seq_hi_ref: Any,  # i32[num_q_blocks]: one past the last
+    # inputs
+    row_token_ref: Any,  # VMEM i32[R, 1]: token of row r within the block (r // G)
+    q_ref: Any,  # VMEM [Hkv, R, Dp], R = block_q * G
+    kv_hbm_ref: Any,  # ANY [num_pages + 1, page_size, 2 * Hkv, Dp]
+    # outputs
+    o_ref: Any,  # VMEM [Hkv, R, Dp]
+    # scratch
+    kv_buf: Any,  # VMEM [2, block_kv, 2 * Hkv, Dp]: double buffer of KV blocks
+    sems: Any,  # DMA semaphores [2], one per buffer half
+    m_ref: Any,  # VMEM f32[Hkv, R, 1]: running max
+    l_ref: Any,  # VMEM f32[Hkv, R, 1]: running sum of exp
+    acc_ref: Any,  # VMEM f32[Hkv, R, Dp]: running sum of p @ v
+    stage_ref: Any,  # VMEM staging of one KV block as 32-bit rows (see _split_kv)
+    *,
+    block_q: int,
+    block_kv_pages: int,
+    page_size: int,
+    padded_pages_per_seq: int,
+    num_kv_heads: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> None:
+    """One grid step: all query rows of token block ``b`` against the KV of every overlapping sequence."""
+    b = pl.program_id(0)
+    block_kv = block_kv_pages * page_size
+    blk_start = b * block_q
+    blk_end = blk_start + block_q
+
+    m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    row_token = blk_start + row_token_ref[...]  # [R, 1] absolute token of each row
+    max_seqs = kv_lens_ref.shape[0]
+
+    def view(s: Any) -> _SeqView:
+        """What this q block needs of sequence ``s`` (``s < max_seqs``)."""
+        q_start = cu_q_lens_ref[s]
+        q_end = cu_q_lens_ref[s + 1]
+        kv_len = kv_lens_ref[s]
+        # The rows of this block that belong to sequence s: tokens [t_lo, t_hi).
+        t_lo = jnp.maximum(q_start, blk_start)
+        t_hi = jnp.minimum(q_end, blk_end)
+        first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)  # position of token t_lo
+        last_pos = first_pos + (t_hi - 1 - t_lo)
+        # Keys visible to any of these rows: [kv_start, kv_end).
+        kv_end = jnp.clip(last_pos + 1, 0, kv_len)
+        if sliding_window is None:
+            kv_start = jnp.int32(0)
+        else:
+            kv_start = jnp.clip(first_pos - sliding_window + 1, 0, kv_end)
+        # lax.div, not //: floor division of signed scalars lowers through sign(), which the
+        # interpreters only run with a TPU device kind. All operands are >= 0 here.
+        k_lo = jax.lax.div(kv_start, block_kv)
+        k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)
+        return _SeqView(t_lo, t_hi, first_pos, kv_start, kv_end, k_lo, k_hi, s * padded_pages_per_seq,
+                        (t_lo < t_hi) & (k_lo < k_hi))
+
+    def page_range(seq: _SeqView, k: Any) -> tuple[Any, Any]:
+        """Pages ``[j_lo, j_hi)`` of KV block k (block-local numbers) that hold visible keys."""
+        base = k * block_kv_pages
+        g_lo = jax.lax.div(seq.kv_start, page_size)
+        g_hi = jax.lax.div(seq.kv_end + page_size - 1, page_size)
+        return (jnp.clip(g_lo - base, 0, block_kv_pages), jnp.clip(g_hi - base, 0, block_kv_pages))
+
+    def page_id(seq: _SeqView, k: Any, j: Any) -> Any:
+        """Pool page of page j of KV block k; 0 (never fetched) where the table had an invalid id."""
+        return page_ids_ref[seq.page_base + k * block_kv_pages + j]
+
+    def fetch(seq: _SeqView, k: Any, slot: Any, action: str) -> None:
+        """Start (or wait for) the page DMAs of KV block k of ``seq`` into buffer half ``slot``.
+
+        One fixed-size DMA per page holding visible keys (static sizes: both interpreters run
+        them). Start and wait evaluate the same conditions, so each started DMA is waited exactly
+        once with a descriptor of its own size."""
+        j_lo, j_hi = page_range(seq, k)
+
+        @pl.loop(j_lo, j_hi)
+        def _(j: Any) -> None:
+            page = page_id(seq, k, j)
+
+            @pl.when(page != 0)
+            def _() -> None:
+                copy = pltpu.make_async_copy(
+                    kv_hbm_ref.at[page], kv_buf.at[slot, pl.ds(j * page_size, page_size)], sems.at[slot]
+                )
+                getattr(copy, action)()
+
+    def key_mask(seq: _SeqView, k: Any, shape: tuple[int, int], axis: int) -> tuple[Any, Any]:
+        """(bool mask of the keys of block k that are fetched and visible to some row, their
+        positions), laid out along ``axis`` of ``shape``."""
+        offset = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+        pos = k * block_kv + offset
+        ok = (pos >= seq.kv_start) & (pos < seq.kv_end)  # implies the page is in page_range
+        # Keys on pages the table marks invalid were not fetched: hide them.
+        for j in range(block_kv_pages):  # static: a few vector ops per page
+            in_page = (offset >= j * page_size) & (offset < (j + 1) * page_size)
+            ok = ok & jnp.logical_not(in_page & (page_id(seq, k, j) == 0))
+        return ok, pos
+
+    def compute(seq: _SeqView, k: Any, slot: Any) -> None:
+        """Online-softmax update of this block's rows of ``seq`` with KV block k (in ``slot``)."""
+        col_ok, col_pos = key_mask(seq, k, (1, block_kv), 1)  # [1, bkv]
+        v_ok, _ = key_mask(seq, k, (block_kv, 1), 0)  # [bkv, 1]: the same mask along sublanes
+        row_pos = seq.first_pos + (row_token - seq.t_lo)  # [R, 1]
+        row_ok = (row_token >= seq.t_lo) & (row_token < seq.t_hi)
+        mask = row_ok & col_ok & (col_pos <= row_pos)
+        if sliding_window is not None:
+            mask = mask & (col_pos > row_pos - sliding_window)
+        # De-interleave K and V through the staging buffer (see _split_kv): one copy of the
+        # block, then one sublane-strided load per head.
+        block = kv_buf[slot]  # [bkv, 2 * Hkv, Dp]
+        packed = jnp.dtype(block.dtype).itemsize == 2  # bf16 (the only 16-bit dtype taken)
+        if packed:
+            block = pltpu.bitcast(block, jnp.uint32)  # [bkv, Hkv, Dp]: word = (K_h low, V_h high)
+        stage_ref[...] = block.reshape(stage_ref.shape)
+        for h in range(num_kv_heads):  # static: one [R, Dp] x [Dp, bkv] matmul per KV head
+            q = q_ref[h]
+            keys, values = _split_kv(stage_ref, h, num_kv_heads, block_kv, v_ok, packed, kv_buf.dtype)
+            logits = jax.lax.dot_general(
+                q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            ) * sm_scale
+            if soft_cap is not None:
+                logits = soft_cap * jnp.tanh(logits / soft_cap)
+            logits = jnp.where(mask, logits, _MASK_VALUE)
+            m_prev = m_ref[h]
+            m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            m_ref[h] = m_new
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+            pv = jax.lax.dot_general(
+                p.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc_ref[h] = alpha * acc_ref[h] + pv
+
+    seq_lo, seq_hi = seq_lo_ref[b], seq_hi_ref[b]
+    halves = 2 if _DOUBLE_BUFFER else 1  # 1: a deliberate race, for the tests only
+
+    def seq_step(s: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        """All KV blocks of sequence s. One DMA stream runs across sequences: while the last
+        block of s is computed, the first block of the next sequence is already in flight."""
+        slot0, prefetched = carry  # buffer half of s's first block; whether it is in flight
+        cur = view(s)
+        nxt = view(jnp.minimum(s + 1, max_seqs - 1))
+        next_active = (s + 1 < seq_hi) & nxt.active
+
+        @pl.when(cur.active & (prefetched == 0))
+        def _() -> None:
+            fetch(cur, cur.k_lo, slot0, "start")
+
+        @pl.when(cur.active)
+        def _() -> None:
+            @pl.loop(cur.k_lo, cur.k_hi)
+            def _(k: Any) -> None:
+                slot = jax.lax.rem(slot0 + (k - cur.k_lo), halves)
+                last = k + 1 == cur.k_hi
+                # Prefetch into the other half while block k is computed: the next block of s, or
+                # after the last one the first block of the next sequence. One call site keeps
+                # the loop body (and the scalar work per page) small.
+                target = jax.tree.map(functools.partial(jnp.where, last), nxt, cur)
+                target_k = jnp.where(last, nxt.k_lo, k + 1)
+
+                @pl.when(jnp.logical_not(last) | next_active)
+                def _() -> None:
+                    fetch(target, target_k, jax.lax.rem(slot + 1, halves), "start")
+
+                fetch(cur, k, slot, "wait")
+                compute(cur, k, slot)
+
+        blocks = jnp.where(cur.active, cur.k_hi - cur.k_lo, 0)
+        return jax.lax.rem(slot0 + blocks, halves), (cur.active & next_active).astype(jnp.int32)
+
+    jax.lax.fori_loop(seq_lo, seq_hi, seq_step, (jnp.int32(0), jnp.int32(0)))
+
+    for h in range(num_kv_heads):
+        l = l_ref[h]
+        o_ref[h] = (acc_ref[h] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def default_block_sizes(total_q_tokens: int, max_seqs: int, q_per_kv: int, page_size: int,
+                        pages_per_seq: int) -> tuple[int, int]:
+    """``(block_q, block_kv_pages)`` heuristics; both are static (they shape the compiled kernel).
+
+    * ``block_q`` (tokens per grid step, a multiple of 8; rows ``block_q * q_per_kv`` a multiple
+      of 16 so bf16 blocks tile): 8 (16 for odd ``q_per_kv``) for a decode-shaped batch
+      (``total_q_tokens <= max_seqs``), where every extra row is wasted work on other sequences'
+      keys; else about ``_TARGET_Q_ROWS`` rows, so each KV block fetched feeds a full matmul.
+    * ``block_kv_pages``: about ``_TARGET_KV_TOKENS`` keys per KV block, at most the table width.
+    """
+    unit = 8 if q_per_kv % 2 == 0 else 16
+    if total_q_tokens <= max_seqs:
+        block_q = unit
+    else:
+        block_q = max(unit, (_TARGET_Q_ROWS // q_per_kv) // unit * unit)
+        block_q = min(block_q, _round_up(max(total_q_tokens, 1), unit))
+    block_kv_pages = max(1, min(pages_per_seq, _TARGET_KV_TOKENS // page_size))
+    return block_q, block_kv_pages
+
+
+def ragged_paged_attention_kernel(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = False,
+) -> jax.Array:
+    """The Pallas kernel (compiled when ``interpret`` is False: TPU only). Same contract as the reference.
+
+    ``block_q``: tokens per grid step (a multiple of 8); ``block_kv_pages``: pages per KV block.
+    Defaults: ``default_block_sizes``.
+    """
+    num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    total, num_q_heads, head_dim = q.shape
+    num_pool_pages, page_size, combined, dim_padded = kv_pages.shape
+    max_seqs = page_indices.shape[0]
+    scale = _default_sm_scale(head_dim, sm_scale)
+    if total == 0:
+        return jnp.zeros_like(q)
+    default_q, default_kv = default_block_sizes(total, max_seqs, group, page_size, pages_per_seq)
+    block_q = default_q if block_q is None else int(block_q)
+    block_kv_pages = default_kv if block_kv_pages is None else int(block_kv_pages)
+    if block_q <= 0 or block_q % 8 or block_kv_pages <= 0:
+        raise ValueError(
+            f"block_q={block_q} must be a positive multiple of 8 and block_kv_pages={block_kv_pages} positive"
+        )
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window={sliding_window} must be positive")
+
+    num_blocks = -(-total // block_q)
+    total_padded = num_blocks * block_q
+    rows = block_q * group
+
+    # Queries per KV head: [T, Hq, D] -> [Hkv, T_pad * G, Dp] (zero padding of tokens and dims).
+    qp = jnp.pad(q, ((0, total_padded - total), (0, 0), (0, dim_padded - head_dim)))
+    qp = qp.reshape(total_padded, num_kv_heads, group, dim_padded).transpose(1, 0, 2, 3)
+    qp = qp.reshape(num_kv_heads, total_padded * group, dim_padded)
+
+    # Scalars. The page table is padded to whole KV blocks so that a block's page ids are always
+    # in bounds of the SMEM table, and flattened (a 2-D SMEM array would pad its rows).
+    max_kv = pages_per_seq * page_size
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    padded_pages = _round_up(pages_per_seq, block_kv_pages)
+    page_ids = page_indices.astype(jnp.int32)
+    page_ids = jnp.where((page_ids >= 1) & (page_ids < num_pool_pages), page_ids, 0)  # 0: never read
+    page_ids = jnp.pad(page_ids, ((0, 0), (0, padded_pages - pages_per_seq))).reshape(-1)
+    live = _live_seqs(cu_q_lens, num_seqs.astype(jnp.int32))
+    blk_start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    # Sequences overlapping block b: live, starting before its end and ending after its start.
+    # cu_q_lens is sorted over the live sequences, so they form the range [seq_lo, seq_hi).
+    seq_lo = jnp.sum(live[None, :] & (cu_q_lens[None, 1:] <= blk_start[:, None]), axis=1, dtype=jnp.int32)
+    seq_hi = jnp.sum(live[None, :] & (cu_q_lens[None, :-1] < blk_start[:, None] + block_q), axis=1, dtype=jnp.int32)
+    seq_hi = jnp.maximum(seq_hi, seq_lo)
+    row_token = (jnp.arange(rows, dtype=jnp.int32) // group).reshape(rows, 1)
+
+    kernel = functools.partial(
+        _rpa_kernel,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+        page_size=page_size,
+        padded_pages_per_seq=padded_pages,
+        num_kv_heads=num_kv_heads,
+        sm_scale=scale,
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+    )
+    block_kv = block_kv_pages * page_size
+    itemsize = jnp.dtype(q.dtype).itemsize
+    if jnp.dtype(q.dtype) == jnp.bfloat16:  # K/V pairs as 32-bit words
+        stage = pltpu.VMEM((block_kv * num_kv_heads, dim_padded), jnp.uint32)
+    elif itemsize == 4:
+        stage = pltpu.VMEM((block_kv * combined, dim_padded), kv_pages.dtype)
+    else:
+        raise NotImplementedError(
+            f"the kernel reads bfloat16 and 32-bit pools, not {jnp.dtype(q.dtype)}; use the reference"
+        )
+    q_block = pl.BlockSpec((num_kv_heads, rows, dim_padded), lambda b, *_: (0, b, 0))
+    # Rough cost for XLA's scheduler: the keys actually read depend on the batch, unknown when
+    # tracing; state the page table's capacity read once (the decode case).
+    kv_bytes = max_seqs * max_kv * combined * dim_padded * itemsize
+    cost = pl.CostEstimate(
+        flops=4 * total_padded * num_q_heads * max_kv * dim_padded,
+        transcendentals=total_padded * num_q_heads * max_kv,
+        bytes_accessed=kv_bytes + 2 * qp.size * itemsize,
+    )
+    # VMEM: double-buffered q/out blocks, the KV double buffer and its staging copy, the f32
+    # state (m and l pad to 128 lanes) and the logits temporaries.
+    vmem = (4 * num_kv_heads * rows * dim_padded * itemsize + 3 * block_kv * combined * dim_padded * itemsize
+            + num_kv_heads * rows * (dim_padded + 2 * 128) * 4 + 4 * rows * block_kv * 4 + rows * 128 * 4)
+    # Bounds checks off (as in tpu-inference): they double the scalar work of issuing a page DMA,
+    # and every DMA is in bounds by construction: page ids were clamped into [0, num_pages] above
+    # (0 is never fetched) and a destination is page j < block_kv_pages of its buffer half. The
+    # TPU interpreter still checks every DMA in the tests.
+    params = dict(dimension_semantics=("parallel",), disable_bounds_checks=True)
+    if vmem > 12 * 2**20:  # above the smallest default scoped limit: ask for what we need
+        params["vmem_limit_bytes"] = int(min(2 * vmem, 100 * 2**20))
+    out = pl.pallas_call(
+        kernel,
+        # Inside shard_map the output varies over the same mesh axes as the queries.
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype, manual_axis_type=jax.typeof(qp).manual_axis_type),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(num_blocks,),
+            in_specs=[
+                pl.BlockSpec((rows, 1), lambda b, *_: (0, 0)),
+                q_block,
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=q_block,
+            scratch_shapes=[
+                pltpu.VMEM((2, block_kv, combined, dim_padded), kv_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+                pltpu.VMEM((num_kv_heads, rows, dim_padded), jnp.float32),
+                stage,
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(**params),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, qp, kv_pages)
+
+    out = out.reshape(num_kv_heads, total_padded, group, dim_padded).transpose(1, 0, 2, 3)
+    return out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = None,
+) -> jax.Array:
+    """Attention of a ragged batch of queries over the paged KV pool (see the module docstring).
+
+    Args:
+      q: ``[total_q_tokens, num_q_heads, head_dim]`` (padding tokens at the end).
+      kv_pages: one pool layer in the logical dtype (``MHAKVPool.kv_buffer(layer_id)``), q's dtype.
+      kv_lens, page_indices, cu_q_lens, num_seqs: int32 ``[S]``, ``[S, pages_per_seq]``,
+        ``[S + 1]``, ``[1]``.
+      sm_scale: logit scale (default ``1 / sqrt(head_dim)``).
+      sliding_window: a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
+      soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
+      block_q, block_kv_pages: kernel tiling (``default_block_sizes``); ignored by the reference.
+      interpret: ``None`` (default) or ``False``: compiled kernel when lowering for TPU, the jnp
+        reference elsewhere. ``True``: the kernel under the HLO interpreter.
+        ``pltpu.InterpretParams(...)``: the kernel under the TPU interpreter.
+
+    Returns:
+      ``[total_q_tokens, num_q_heads, head_dim]`` in q's dtype; padding tokens are 0.
+    """
+    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
+        raise TypeError(f"interpret must be None, a bool or pltpu.InterpretParams, got {type(interpret).__name__}")
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    reference = functools.partial(ragged_paged_attention_reference, **options)
+    kernel = functools.partial(ragged_paged_attention_kernel, block_q=block_q, block_kv_pages=block_kv_pages, **options)
+    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    _check_args(*args)
+    if not _kernel_reads(kv_pages.dtype) and not interpret:
+        return reference(*args)  # e.g. fp8 or f16 pools: the kernel reads bf16 and 32-bit pools
+    if interpret is None or interpret is False:
+        # Decided when lowering for a platform: an AOT compile for TPU from a CPU host gets the kernel.
+        return jax.lax.platform_dependent(*args, tpu=functools.partial(kernel, interpret=False), default=reference)
+    return kernel(*args, interpret=interpret)

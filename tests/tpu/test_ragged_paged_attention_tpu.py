@@ -1,0 +1,99 @@
+"""Ahead-of-time TPU compiles of the ragged paged attention kernel, from a host without a TPU.
+
+Needs libtpu (the project's ``tpu`` extra, in an environment of its own): without it these tests
+fail, they do not skip. Each case builds a deviceless topology (``v5e:2x2``, ``v6e:2x2``), traces
+the public wrapper with ``jax.ShapeDtypeStruct`` arguments placed on it, and compiles: lowering for
+TPU must select the Pallas kernel (a ``tpu_custom_call``) and Mosaic must accept it. Shapes are
+Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, bf16, page size 16, 2k context):
+
+* one chip: decode (64 sequences x 1 token), prefill (4 x 512 tokens), a mixed batch, and decode
+  with a sliding window and a logit soft cap;
+* the 2x2 slice as a tensor-parallel group: KV heads sharded 4 ways under ``shard_map`` (2 KV
+  heads and 8 query heads per chip), the way the pool is sharded.
+
+Nothing here runs a kernel: it proves the kernel compiles for those chips, not its speed.
+Run it in a process of its own (libtpu locks a file per process); with no TPU in use on the
+host, ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` lets it run next to other JAX processes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+pytestmark = pytest.mark.timeout(300)
+
+TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
+
+# Llama-3-8B attention.
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, CONTEXT = 32, 8, 128, 16, 2048
+
+# name -> (max_seqs, total_q_tokens, options)
+SHAPES = {
+    "decode_64x1": (64, 64, {}),
+    "prefill_4x512": (4, 2048, {}),
+    "mixed_32seqs_512tokens": (32, 512, {}),
+    "decode_64x1_window_softcap": (64, 64, dict(sliding_window=1024, soft_cap=50.0)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(name: str):
+    return topologies.get_topology_desc(platform="tpu", topology_name=name)
+
+
+def _args(mesh: Mesh, max_seqs: int, tokens: int, specs: tuple) -> tuple[jax.ShapeDtypeStruct, ...]:
+    pages_per_seq = CONTEXT // PAGE_SIZE
+    num_pages = max_seqs * pages_per_seq
+    shapes = [
+        ((tokens, Q_HEADS, HEAD_DIM), jnp.bfloat16),
+        ((num_pages + 1, PAGE_SIZE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16),
+        ((max_seqs,), jnp.int32),
+        ((max_seqs, pages_per_seq), jnp.int32),
+        ((max_seqs + 1,), jnp.int32),
+        ((1,), jnp.int32),
+    ]
+    return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+                 for (shape, dtype), spec in zip(shapes, specs))
+
+
+def _check(compiled: jax.stages.Compiled) -> None:
+    assert "tpu_custom_call" in compiled.as_text() or "ragged_paged_attention" in compiled.as_text()
+    memory = compiled.memory_analysis()
+    assert memory is None or memory.temp_size_in_bytes >= 0
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_compiles_on_one_chip(topology: str, shape: str) -> None:
+    max_seqs, tokens, options = SHAPES[shape]
+    devices = np.asarray(_topology(topology).devices).reshape(-1)
+    mesh = Mesh(devices[:1], ("x",))
+    args = _args(mesh, max_seqs, tokens, (P(),) * 6)
+    fn = functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, **options)
+    lowered = jax.jit(fn).trace(*args).lower()
+    assert "tpu_custom_call" in lowered.as_text()  # the TPU lowering picked the kernel
+    _check(lowered.compile())
+
+
+@pytest.mark.parametrize("shape", ["decode_64x1", "prefill_4x512"])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_compiles_with_kv_heads_sharded(topology: str, shape: str) -> None:
+    """Tensor parallel over the 4 chips: queries split by head, the pool by its combined head axis
+    (K/V interleaved per head, so each chip holds whole heads), tables replicated."""
+    max_seqs, tokens, options = SHAPES[shape]
+    devices = np.asarray(_topology(topology).devices).reshape(-1)
+    mesh = Mesh(devices, ("tp",))
+    specs = (P(None, "tp", None), P(None, None, "tp", None), P(), P(), P(), P())
+    args = _args(mesh, max_seqs, tokens, specs)
+    attend = functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, **options)
+    fn = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=P(None, "tp", None))
+    _check(jax.jit(fn).trace(*args).lower().compile())
