@@ -11,6 +11,7 @@ from typing import Sequence
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import plan_kv_cache
+from kvjax.serve.workload import Workload
 from kvjax.spec import ModelSpec
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -46,12 +47,21 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
-    demo = sub.add_parser("demo", help="build a cache for the tiny model and run a small workload through it")
+    demo = sub.add_parser("demo", help="serve a reuse-heavy workload with the tiny model, cold and warm")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    demo.add_argument("--requests", type=int, default=32, help="number of requests in the workload")
+    w = Workload()
+    demo.add_argument("--groups", type=int, default=w.groups, help="groups of requests sharing a system prompt")
+    demo.add_argument("--prompts-per-group", type=int, default=w.prompts_per_group)
+    demo.add_argument("--system-tokens", type=int, default=w.system_tokens)
+    demo.add_argument("--chats", type=int, default=w.chats, help="multi-turn conversations")
+    demo.add_argument("--turns", type=int, default=w.turns)
+    demo.add_argument("--output-tokens", type=int, default=w.output_tokens, help="tokens generated per request")
+    demo.add_argument("--seed", type=int, default=w.seed)
     demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--max-total-tokens", type=int, default=8192, help="pool size in tokens")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--max-total-tokens", type=int, default=16384,
+                      help="pool size in tokens (make it small to force eviction and retraction)")
+    demo.add_argument("--chunked-prefill-size", type=int, default=512)
+    demo.add_argument("--radix-eviction-policy", default="lru")
     return parser
 
 
@@ -79,11 +89,14 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from kvjax.demo import run_demo
 
+    workload = Workload(groups=args.groups, prompts_per_group=args.prompts_per_group, system_tokens=args.system_tokens,
+                        chats=args.chats, turns=args.turns, output_tokens=args.output_tokens, seed=args.seed)
     report = run_demo(
-        num_requests=args.requests,
+        workload=workload,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
-        seed=args.seed,
+        chunked_prefill_size=args.chunked_prefill_size,
+        eviction_policy=args.radix_eviction_policy,
         progress=not args.json,
     )
     if args.json:

@@ -1,13 +1,14 @@
-"""The main job (``python -m kvjax demo``): plan and build a KV cache for the tiny model, then drive it.
+"""The main job (``python -m kvjax demo``): serve a reuse-heavy workload with the tiny model.
 
-The workload runs batches of requests through the same steps a serving loop takes: a request
-row, ``alloc_extend`` for the prompt, K/V written into every layer by one jitted step with the
-pools donated (in place), ``alloc_decode`` and a write per generated token, a read-back of every
-token's K/V from the pages the request table points at, and the release of everything at the end.
-The report checks that every value read back is the value written and that nothing leaked.
+It builds a KV cache for the built-in tiny model on the default device (CPU here, the TPU when
+present), runs the built-in workload (shared system prompts and multi-turn chats) through the
+continuous-batching loop twice — once with the radix cache disabled (cold), once enabled (warm) —
+and reports what the cache did: hit rate, evictions, retractions, throughput, the leak check
+(``available + evictable + protected == capacity`` once all requests are done) and whether the warm
+run produced exactly the cold run's greedy tokens.
 
-K/V values are a pure function of (layer, token position, request), so they can be checked
-without keeping copies.
+The cold run goes first so that it also compiles the step for every batch shape; the warm run,
+which the throughput figure comes from, then runs on compiled code.
 """
 
 from __future__ import annotations
@@ -16,208 +17,160 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from kvjax.build import KVCache, build_kv_cache
 from kvjax.config import CacheConfig
-from kvjax.pools import CachePools
+from kvjax.serve.model import init_params
+from kvjax.serve.scheduler import Scheduler, ServeStats
+from kvjax.serve.workload import Workload, run_workload
 from kvjax.spec import ModelSpec
 
 DEMO_MODEL = "tiny"
-BATCH = 8
-DECODE_STEPS = 16
+MAX_BATCH = 8
+CONTEXT_LENGTH = 1024
 
 
 @dataclass
 class DemoReport:
-    """What the demo did and whether it held together. Token counts are totals over the workload."""
+    """What the warm run did, and whether it held together. Tokens are totals over the workload."""
 
     model: str
     platform: str
     requests: int
     prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    prefill_tokens_computed: int
+    cold_prefill_tokens_computed: int
     generated_tokens: int
-    kv_tokens_written: int
     tokens_per_second: float
     peak_pool_occupancy: float
     pool_tokens: int
-    pool_bytes: int
-    readback_ok: bool
+    evicted_tokens: int
+    retractions: int
     leak_free: bool
-    plan_text: str
+    cold_equals_warm: bool
+    seconds: float
+    plan_text: str = dataclasses.field(repr=False)
+    tree_text: str = dataclasses.field(repr=False)
 
     @property
     def ok(self) -> bool:
-        return self.readback_ok and self.leak_free
+        return self.leak_free and self.cold_equals_warm
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("plan_text")
-        d["ok"] = self.ok
+        d.pop("tree_text")
         return d
 
     def __str__(self) -> str:
+        check = lambda ok: "ok" if ok else "FAILED"  # noqa: E731
         return "\n".join(
             [
                 self.plan_text,
                 "",
-                f"workload on {self.platform}: {self.requests} requests, {self.prompt_tokens:,} prompt tokens, "
-                f"{self.generated_tokens:,} generated tokens",
-                f"  K/V written: {self.kv_tokens_written:,} tokens x all layers, {self.tokens_per_second:,.0f} tokens/s",
-                f"  peak pool occupancy: {self.peak_pool_occupancy:.1%} of {self.pool_tokens:,} tokens "
-                f"({self.pool_bytes / 2**20:.1f} MiB)",
-                f"  read-back of every token's K/V: {'ok' if self.readback_ok else 'MISMATCH'}",
-                f"  leak check (available == capacity, request rows all free): {'ok' if self.leak_free else 'LEAK'}",
+                f"served {self.requests} requests on {self.platform} ({self.model} model), warm radix cache:",
+                f"  prompt tokens      {self.prompt_tokens:>10,}",
+                f"  cached tokens      {self.cached_tokens:>10,}   hit rate {self.hit_rate:.1%}",
+                f"  prefill computed   {self.prefill_tokens_computed:>10,}   (cold run: {self.cold_prefill_tokens_computed:,})",
+                f"  generated tokens   {self.generated_tokens:>10,}   {self.tokens_per_second:,.0f} tokens/s",
+                f"  peak pool use      {self.peak_pool_occupancy:>10.1%}   of {self.pool_tokens:,} tokens",
+                f"  evicted tokens     {self.evicted_tokens:>10,}",
+                f"  retractions        {self.retractions:>10,}",
+                f"  leak check (available + evictable + protected == capacity): {check(self.leak_free)}",
+                f"  cold == warm (same greedy tokens with the radix cache off): {check(self.cold_equals_warm)}",
             ]
         )
 
 
-def _kv_values(spec: ModelSpec, layer: int, positions: jax.Array, rid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Deterministic K and V for tokens at ``positions`` of requests ``rid`` (a scalar or one per token).
-
-    Values are small integers, exact in every float dtype the tiny model may use.
-    """
-    h = jnp.arange(spec.num_kv_heads, dtype=jnp.float32)[None, :, None]
-    dk = jnp.arange(spec.head_dim, dtype=jnp.float32)[None, None, :]
-    dv = jnp.arange(spec.v_head_dim, dtype=jnp.float32)[None, None, :]
-    base = (positions.astype(jnp.float32) + 256.0 * rid.astype(jnp.float32))[:, None, None]
-    k = jnp.fmod(base + 7.0 * h + dk + 3.0 * layer, 251.0)
-    v = -jnp.fmod(base + 5.0 * h + dv + 11.0 * layer, 241.0)
-    return k, v
-
-
-def _make_write_step(spec: ModelSpec):
-    """One jitted step writing K/V of a token bucket into every layer, with the pools donated."""
-
-    def step(pools: CachePools, loc: jax.Array, positions: jax.Array, rids: jax.Array) -> CachePools:
-        kv = pools.kv
-        for layer in range(kv.num_layers):
-            k, v = _kv_values(spec, layer, positions, rids)
-            kv = kv.set_kv_buffer(kv.start_layer + layer, loc, k, v)
-        return pools.replace(kv=kv)
-
-    return jax.jit(step, donate_argnums=0)
-
-
-def _bucket(n: int) -> int:
-    """Pad token counts to powers of two so the step compiles a handful of times."""
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def run_demo(
-    *, num_requests: int = 32, page_size: int = 16, max_total_tokens: int = 8192, seed: int = 0, progress: bool = True
-) -> DemoReport:
-    """Build the tiny model's cache on the default device and run the workload; see the module docstring."""
-    cache = demo_cache(page_size=page_size, max_total_tokens=max_total_tokens)
-    spec = ModelSpec.preset(DEMO_MODEL)
-    rng = np.random.default_rng(seed)
-    write = _make_write_step(spec)
-    alloc, rows = cache.allocator, cache.req_to_token_pool
-    pools = cache.pools
-
-    prompt_tokens = generated = written = 0
-    peak_used = 0
-    readback_ok = True
-    elapsed = 0.0
-    batches = [list(range(i, min(i + BATCH, num_requests))) for i in range(0, num_requests, BATCH)]
-    bar = _progress(progress, len(batches))
-    for batch in batches:
-        lens = rng.integers(16, 300, size=len(batch))
-        req_rows = rows.alloc(len(batch))
-        if req_rows is None:
-            raise RuntimeError("request table full: lower the batch or raise max_running_requests")
-        zeros = np.zeros(len(batch), np.int64)
-        loc = alloc.alloc_extend(zeros, lens, np.full(len(batch), -1))
-        if loc is None:
-            raise RuntimeError(
-                f"pool of {alloc.size} tokens cannot hold the prompts ({int(lens.sum())} tokens): "
-                "raise --max-total-tokens"
-            )
-        offsets = np.concatenate([[0], np.cumsum(lens)])
-        for i, r in enumerate(req_rows):
-            rows.write(r, 0, loc[offsets[i] : offsets[i + 1]])
-        positions = np.concatenate([np.arange(n) for n in lens])
-        rids = np.repeat(np.asarray(batch), lens)
-        t0 = time.perf_counter()
-        pools = _write(write, pools, loc, positions, rids)
-        seq = lens.copy()
-        for _ in range(DECODE_STEPS):
-            last = np.array([rows.req_to_token[r, s - 1] for r, s in zip(req_rows, seq)])
-            seq = seq + 1
-            new = alloc.alloc_decode(seq, last)
-            if new is None:
-                raise RuntimeError("pool exhausted during decode: raise --max-total-tokens")
-            for r, s, slot in zip(req_rows, seq, new):
-                rows.write(r, int(s) - 1, np.array([slot]))
-            pools = _write(write, pools, new, seq - 1, np.asarray(batch))
-        jax.block_until_ready(pools)
-        elapsed += time.perf_counter() - t0
-        prompt_tokens += int(lens.sum())
-        generated += DECODE_STEPS * len(batch)
-        written += int(seq.sum())
-        peak_used = max(peak_used, alloc.size - alloc.available_size())
-
-        for r, rid, s in zip(req_rows, batch, seq):
-            slots = rows.read(r, 0, int(s))
-            readback_ok &= _check_readback(spec, pools, slots, rid)
-            alloc.free(slots)
-        rows.free(req_rows)
-        bar.advance()
-    bar.close()
-
-    cache = cache.with_pools(pools)
-    leak_free = alloc.available_size() == alloc.size and rows.available_size() == cache.plan.max_running_requests
-    return DemoReport(
-        model=spec.name,
-        platform=cache.plan.platform,
-        requests=num_requests,
-        prompt_tokens=prompt_tokens,
-        generated_tokens=generated,
-        kv_tokens_written=written,
-        tokens_per_second=written / elapsed if elapsed else 0.0,
-        peak_pool_occupancy=peak_used / alloc.size,
-        pool_tokens=alloc.size,
-        pool_bytes=cache.pools.kv.nbytes(),
-        readback_ok=bool(readback_ok),
-        leak_free=bool(leak_free),
-        plan_text=str(cache.plan),
+def demo_config(*, page_size: int = 16, max_total_tokens: int = 16384, disable_radix_cache: bool = False,
+                chunked_prefill_size: int = 512, eviction_policy: str = "lru") -> CacheConfig:
+    """The demo's cache settings."""
+    return CacheConfig(
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_running_requests=2 * MAX_BATCH,
+        context_length=CONTEXT_LENGTH,
+        disable_radix_cache=disable_radix_cache,
+        chunked_prefill_size=chunked_prefill_size,
+        radix_eviction_policy=eviction_policy,
     )
 
 
-def _write(step, pools: CachePools, loc: np.ndarray, positions: np.ndarray, rids: np.ndarray) -> CachePools:
-    """Pad a token batch to its bucket (padding writes go to slot 0, the trash page) and run the step."""
-    n = len(loc)
-    size = _bucket(n)
-    pad = size - n
-    loc = np.concatenate([loc, np.zeros(pad, loc.dtype)]).astype(np.int32)
-    positions = np.concatenate([positions, np.zeros(pad, np.int64)]).astype(np.int32)
-    rids = np.concatenate([rids, np.zeros(pad, np.int64)]).astype(np.int32)
-    return step(pools, jnp.asarray(loc), jnp.asarray(positions), jnp.asarray(rids))
+def demo_cache(**config_kwargs) -> KVCache:
+    """The cache the demo builds (``demo_config`` settings), for notebooks and tests."""
+    return build_kv_cache(ModelSpec.preset(DEMO_MODEL), demo_config(**config_kwargs))
 
 
-def _check_readback(spec: ModelSpec, pools: CachePools, slots: np.ndarray, rid: int) -> bool:
-    positions = jnp.arange(len(slots))
-    for layer in range(pools.kv.num_layers):
-        k, v = pools.kv.get_kv(pools.kv.start_layer + layer, slots)
-        want_k, want_v = _kv_values(spec, layer, positions, jnp.int32(rid))
-        if not (np.array_equal(np.asarray(k), np.asarray(want_k)) and np.array_equal(np.asarray(v), np.asarray(want_v))):
-            return False
-    return True
+def serve(
+    workload: Workload, *, progress: bool = False, seed: int = 0, force_miss: bool = False, **config_kwargs
+) -> tuple[Scheduler, dict]:
+    """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
+
+    ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
+    """
+    spec = ModelSpec.preset(DEMO_MODEL)
+    cache = demo_cache(**config_kwargs)
+    cache.tree_cache.force_miss = force_miss
+    scheduler = Scheduler(spec, cache, init_params(spec, seed=seed), max_batch_size=MAX_BATCH)
+    bar = _Progress(progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on")
+    outputs = run_workload(scheduler, workload, on_finish=lambda _: bar.advance())
+    bar.close()
+    return scheduler, outputs
 
 
-class _progress:
-    """A rich progress bar when asked for, else nothing."""
+def run_demo(
+    *,
+    workload: Workload | None = None,
+    page_size: int = 16,
+    max_total_tokens: int = 16384,
+    chunked_prefill_size: int = 512,
+    eviction_policy: str = "lru",
+    progress: bool = True,
+) -> DemoReport:
+    """Serve the workload cold then warm and compare; see the module docstring."""
+    workload = workload or Workload()
+    settings = dict(page_size=page_size, max_total_tokens=max_total_tokens, chunked_prefill_size=chunked_prefill_size,
+                    eviction_policy=eviction_policy, progress=progress)
+    cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
+    start = time.perf_counter()
+    warm, warm_out = serve(workload, **settings)
+    seconds = time.perf_counter() - start
+    stats: ServeStats = warm.stats
+    return DemoReport(
+        model=DEMO_MODEL,
+        platform=warm.cache.plan.platform,
+        requests=len(warm_out),
+        prompt_tokens=stats.prompt_tokens,
+        cached_tokens=stats.cached_tokens,
+        hit_rate=round(stats.hit_rate, 4),
+        prefill_tokens_computed=stats.prefill_tokens_computed,
+        cold_prefill_tokens_computed=cold.stats.prefill_tokens_computed,
+        generated_tokens=stats.generated_tokens,
+        tokens_per_second=round(stats.generated_tokens / seconds, 1),
+        peak_pool_occupancy=round(max(stats.occupancy, default=0.0), 4),
+        pool_tokens=warm.alloc.size,
+        evicted_tokens=stats.evicted_tokens,
+        retractions=stats.retractions,
+        leak_free=warm.leak_free() and cold.leak_free(),
+        cold_equals_warm=cold_out == warm_out,
+        seconds=round(seconds, 2),
+        plan_text=str(warm.cache.plan),
+        tree_text=warm.tree.pretty_print(),
+    )
 
-    def __init__(self, enabled: bool, total: int) -> None:
+
+class _Progress:
+    """A rich progress bar over finished requests when asked for, else nothing."""
+
+    def __init__(self, enabled: bool, total: int, label: str) -> None:
         self._bar = None
         if enabled:
             from rich.progress import Progress
 
             self._bar = Progress(transient=True)
             self._bar.start()
-            self._task = self._bar.add_task("demo workload", total=total)
+            self._task = self._bar.add_task(f"demo ({label})", total=total)
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -226,10 +179,3 @@ class _progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def demo_cache(page_size: int = 16, max_total_tokens: int = 8192) -> KVCache:
-    """The cache the demo builds, for notebooks and tests."""
-    config = CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens, max_running_requests=BATCH * 2,
-                         context_length=1024)
-    return build_kv_cache(ModelSpec.preset(DEMO_MODEL), config)

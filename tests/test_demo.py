@@ -7,23 +7,31 @@ import subprocess
 import sys
 
 from kvjax.demo import run_demo
+from kvjax.serve.workload import Workload
+
+SMALL = Workload(groups=2, prompts_per_group=3, system_tokens=64, question_tokens=8, chats=2, turns=2,
+                 turn_tokens=16, output_tokens=4)
 
 
 def test_demo_report_is_consistent():
-    report = run_demo(num_requests=10, page_size=16, max_total_tokens=4096, progress=False)
-    assert report.ok and report.readback_ok and report.leak_free
-    assert report.requests == 10
-    assert report.kv_tokens_written == report.prompt_tokens + report.generated_tokens
-    assert 0 < report.peak_pool_occupancy <= 1
+    report = run_demo(workload=SMALL, progress=False)
+    assert report.ok and report.leak_free and report.cold_equals_warm
+    assert report.requests == SMALL.num_requests
+    assert report.cached_tokens > 0 and 0 < report.hit_rate < 1
+    assert report.prefill_tokens_computed + report.cached_tokens == report.prompt_tokens
+    assert report.cold_prefill_tokens_computed == report.prompt_tokens
+    assert report.generated_tokens == SMALL.num_requests * SMALL.output_tokens
 
 
-def test_demo_page_size_one():
-    assert run_demo(num_requests=4, page_size=1, max_total_tokens=2048, progress=False).ok
-
-
-def test_python_dash_m_kvjax_demo_json():
-    out = subprocess.run([sys.executable, "-m", "kvjax", "demo", "--json", "--requests", "8"],
-                         capture_output=True, text=True, timeout=300)
+def test_python_dash_m_kvjax_demo_json_has_the_documented_keys():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax", "demo", "--json", "--groups", "1", "--prompts-per-group", "2",
+         "--system-tokens", "48", "--chats", "1", "--turns", "2", "--output-tokens", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["ok"] and report["requests"] == 8 and report["leak_free"]
+    for key in ("requests", "prompt_tokens", "cached_tokens", "hit_rate", "generated_tokens", "tokens_per_second",
+                "evicted_tokens", "retractions", "leak_free", "cold_equals_warm"):
+        assert key in report
+    assert report["requests"] == 4 and report["leak_free"] and report["cold_equals_warm"]

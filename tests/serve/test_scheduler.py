@@ -1,0 +1,80 @@
+"""The serving loop: prefix reuse without changing results, eviction and retraction without leaks,
+and a step that updates the pool in place."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax import ModelSpec
+from kvjax.demo import demo_cache, serve
+from kvjax.serve.model import init_params
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.step import make_step, pack_batch
+from kvjax.serve.workload import Workload
+
+REUSE = Workload(groups=2, prompts_per_group=4, system_tokens=80, question_tokens=8, chats=2, turns=3,
+                 turn_tokens=12, output_tokens=6)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cold_equals_warm_on_a_reuse_heavy_workload(page_size):
+    cold, cold_out = serve(REUSE, page_size=page_size, disable_radix_cache=True, chunked_prefill_size=64)
+    warm, warm_out = serve(REUSE, page_size=page_size, chunked_prefill_size=64)
+    assert warm_out == cold_out
+    assert warm.stats.cached_tokens > 0 and cold.stats.cached_tokens == 0
+    assert warm.stats.prefill_tokens_computed < cold.stats.prefill_tokens_computed
+    assert warm.leak_free() and cold.leak_free()
+    warm.tree.sanity_check()
+
+
+def test_small_pool_forces_eviction_and_retraction_and_finishes_without_leak():
+    _, reference = serve(REUSE, disable_radix_cache=True, chunked_prefill_size=64)
+    tight, out = serve(REUSE, max_total_tokens=256, chunked_prefill_size=64)
+    assert tight.stats.evicted_tokens > 0
+    assert tight.stats.retractions > 0
+    assert len(out) == REUSE.num_requests and out == reference
+    assert tight.leak_free()
+
+
+def test_chunked_prefill_of_a_long_prompt_matches_one_shot_prefill():
+    spec = ModelSpec.preset("tiny")
+    prompt = list(np.random.default_rng(1).integers(0, 256, 300))
+    outs = []
+    for chunk in (32, 512):
+        cache = demo_cache(chunked_prefill_size=chunk)
+        sched = Scheduler(spec, cache, init_params(spec), max_batch_size=4, chunked_prefill_size=chunk)
+        [req] = sched.run([ServingReq("long", prompt, max_new_tokens=5)])
+        assert sched.leak_free()
+        outs.append(req.output_ids)
+    assert outs[0] == outs[1]
+
+
+def test_step_donates_the_pools_and_updates_in_place():
+    spec = ModelSpec.preset("tiny")
+    cache = demo_cache()
+    params = init_params(spec)
+    slots = cache.allocator.alloc_extend(np.array([0]), np.array([5]), np.array([-1]))
+    row = cache.req_to_token_pool.alloc(1)[0]
+    cache.req_to_token_pool.write(row, 0, slots)
+    table = cache.req_to_token_pool.page_table_numpy([row], [5], 16, 64)
+    tokens, meta = pack_batch(tokens=[np.arange(5, dtype=np.int32)], starts=[0], slots=slots, page_table=table, max_seqs=8)
+    before = cache.pools.kv.kv[0]
+    pointer = before.unsafe_buffer_pointer()
+    pools, next_tokens = make_step(spec)(cache.pools, params, tokens, meta)
+    assert before.is_deleted(), "the old pool state must be consumed"
+    assert pools.kv.kv[0].unsafe_buffer_pointer() == pointer, "no copy of the pool"
+    k, _ = pools.kv.get_kv(0, slots)
+    assert np.abs(np.asarray(k)).sum() > 0
+    assert next_tokens.shape == (8,)
+
+
+def test_submit_rejects_requests_longer_than_the_context():
+    spec = ModelSpec.preset("tiny")
+    cache = demo_cache()
+    sched = Scheduler(spec, cache, init_params(spec))
+    with pytest.raises(ValueError, match="exceed the context"):
+        sched.submit([ServingReq("x", [1] * 1020, max_new_tokens=10)])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        ServingReq("y", [1], max_new_tokens=0)
