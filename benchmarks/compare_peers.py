@@ -1,0 +1,420 @@
+"""kvjax's RadixCache side by side with SGLang's and sglang-jax's, on the same request streams.
+
+    python benchmarks/compare_peers.py --sglang-path DIR --sglang-jax-path DIR \
+        [--sglang-python EXE] [--sglang-jax-python EXE] [--quick] [--repeats N]
+
+``--sglang-path`` is a directory that holds the ``sglang`` package (an SGLang checkout's
+``python/`` folder, or an unpacked wheel); ``--sglang-jax-path`` one that holds ``sgl_jax``.
+Nothing of theirs is part of kvjax: this script imports only their radix-cache modules and
+the few modules those import for their dataclasses; every other peer module they name is
+replaced, for this process only, by an inert placeholder module (see ``_PeerImporter``).
+SGLang's tree needs ``torch`` (``--sglang-python`` picks an interpreter that has it);
+sglang-jax's needs ``jax`` and ``numpy``.
+
+Each implementation runs in a process of its own (this script, called with ``--worker``) over
+the streams of `radix_workloads.py`, at page sizes 1 and 16, LRU, built without pools as
+SGLang's ``create_simulated`` does (a mock allocator that only counts frees). Per request:
+match -> lock -> insert(prompt + output, page-aligned, with slot ids) -> unlock -> evict back
+to 200,000 tokens; ``shared_prefix_tight`` replays the shared-prefix stream at 40,000 tokens,
+where system prompts are evicted too and the hit count depends on the exact LRU order.
+Prints one JSON object: µs per request for each, kvjax's speedup over sglang-jax and SGLang,
+hit / evicted token counts for each and whether they equal SGLang's.
+
+Timing covers the calls only: token lists are converted to each implementation's key type
+(``array('q')`` for SGLang) and slot ids to its value type before the clock starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+import types
+from array import array
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+
+import numpy as np  # noqa: E402
+import radix_workloads as wl  # noqa: E402
+
+CAPACITY = 200_000
+PAGE_SIZES = (1, 16)
+SPEED_TARGET = 5.0
+IMPLS = ("kvjax", "sglang", "sglang_jax")
+COUNT_KEYS = ("hit_tokens", "evicted_tokens", "inserted_new_tokens", "final_cached_tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# Importing one module of a large package without the rest of it.
+
+
+class _Inert(type):
+    """A placeholder class: any attribute is another placeholder, calling it makes an
+    instance (or, used as a decorator, returns the decorated function), subclassing works."""
+
+    def __new__(mcls, name, bases=(), namespace=None, **_kwargs):
+        return super().__new__(mcls, name, bases, dict(namespace or {}))
+
+    def __init__(cls, name, bases=(), namespace=None, **_kwargs):
+        super().__init__(name, bases, dict(namespace or {}))
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert(name)
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return type.__call__(cls)
+
+    def __getitem__(cls, _item):
+        return cls
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Inert(name)
+        setattr(self, name, value)
+        return value
+
+
+class _PeerImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """For names under ``top``: packages become empty namespaces (their ``__init__`` is not
+    run), modules in ``real`` load from ``root`` as usual, every other one is inert."""
+
+    def __init__(self, root: str, top: str, real: set[str]):
+        self.root, self.top, self.real = root, top, real
+        self.placeholders: list[str] = []
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] != self.top or fullname in self.real:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        folder = os.path.join(self.root, *spec.name.split("."))
+        needed = any(r.startswith(spec.name + ".") for r in self.real)
+        if needed and os.path.isdir(folder):
+            module = types.ModuleType(spec.name)
+            module.__path__ = [folder]
+            return module
+        self.placeholders.append(spec.name)
+        module = _InertModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _import_peer(root: str, top: str, real: set[str]):
+    root = os.path.abspath(root)
+    if not os.path.isdir(os.path.join(root, top)):
+        raise SystemExit(f"{root} has no '{top}' package folder: pass the folder that contains it")
+    importer = _PeerImporter(root, top, real)
+    sys.meta_path.insert(0, importer)
+    sys.path.insert(0, root)
+    modules = {name: importlib.import_module(name) for name in sorted(real)}
+    return modules, importer.placeholders
+
+
+class _CountingAllocator:
+    """The mock allocator of a simulated tree: frees are counted, nothing else."""
+
+    device = "cpu"
+    page_size = 1
+
+    def __init__(self):
+        self.freed = 0
+
+    def free(self, index, *_args, **_kwargs):
+        self.freed += len(index)
+
+    def free_segment(self, index, *_args, **_kwargs):
+        self.freed += len(index)
+
+
+# ---------------------------------------------------------------------------------------------
+# One factory of TreeOps per implementation.
+
+
+def _kvjax_factory(_path):
+    sys.path.insert(0, os.path.dirname(_HERE))
+    from kvjax.radix import RadixCache
+
+    def make(page_size):
+        tree = RadixCache(page_size=page_size, eviction_policy="lru")
+        return wl.kvjax_ops(tree), tree
+
+    return make, {"placeholders": []}
+
+
+_SGLANG_REAL = {
+    "sglang.srt.mem_cache.radix_cache",
+    "sglang.srt.mem_cache.base_prefix_cache",
+    "sglang.srt.mem_cache.cache_init_params",
+    "sglang.srt.mem_cache.events",
+    "sglang.srt.mem_cache.utils",
+    "sglang.srt.mem_cache.evict_policy",
+    "sglang.srt.mem_cache.unified_cache.component_type",
+}
+
+
+def _sglang_factory(path):
+    import torch
+
+    real = {m for m in _SGLANG_REAL if _module_file(path, m)}
+    mods, placeholders = _import_peer(path, "sglang", real)
+    rc = mods["sglang.srt.mem_cache.radix_cache"]
+    bp = mods["sglang.srt.mem_cache.base_prefix_cache"]
+    has_prefix_len = "device_prefix_len" in getattr(bp.MatchResult, "_fields", ())
+
+    def make(page_size):
+        allocator = _CountingAllocator()
+        tree = rc.RadixCache.create_simulated(mock_allocator=allocator, page_size=page_size)
+        RadixKey, MatchPrefixParams, InsertParams, EvictParams = (
+            rc.RadixKey, bp.MatchPrefixParams, bp.InsertParams, bp.EvictParams,
+        )
+
+        def match(tokens):
+            r = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+            n = r.device_prefix_len if has_prefix_len else len(r.device_indices)
+            return n, r.last_device_node
+
+        def insert(tokens, values):
+            r = tree.insert(InsertParams(key=RadixKey(tokens), value=values))
+            return r if isinstance(r, int) else r.prefix_len
+
+        def evict(n):
+            return tree.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+        ops = wl.TreeOps(
+            match=match,
+            lock=tree.inc_lock_ref,
+            unlock=lambda node, _h: tree.dec_lock_ref(node),
+            insert=insert,
+            evict=evict,
+            cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+            prepare_tokens=lambda tokens: array("q", tokens),
+            prepare_values=lambda values: torch.from_numpy(values.astype(np.int64)),
+        )
+        return ops, tree
+
+    return make, {"placeholders": placeholders, "torch": torch.__version__}
+
+
+_SGLANG_JAX_REAL = {
+    "sgl_jax.srt.mem_cache.radix_cache",
+    "sgl_jax.srt.mem_cache.base_prefix_cache",
+}
+
+
+def _sglang_jax_factory(path):
+    import jax
+
+    real = {m for m in _SGLANG_JAX_REAL if _module_file(path, m)}
+    mods, placeholders = _import_peer(path, "sgl_jax", real)
+    rc = mods["sgl_jax.srt.mem_cache.radix_cache"]
+    bp = mods["sgl_jax.srt.mem_cache.base_prefix_cache"]
+
+    def make(page_size):
+        allocator = _CountingAllocator()
+        tree = rc.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size)
+        RadixKey, MatchPrefixParams, InsertParams, EvictParams = (
+            rc.RadixKey, bp.MatchPrefixParams, bp.InsertParams, bp.EvictParams,
+        )
+
+        def match(tokens):
+            r = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+            return len(r.device_indices), r.last_device_node
+
+        def insert(tokens, values):
+            r = tree.insert(InsertParams(key=RadixKey(tokens), value=values))
+            return r if isinstance(r, int) else r.prefix_len
+
+        def evict(n):
+            return tree.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+        ops = wl.TreeOps(
+            match=match,
+            lock=tree.inc_lock_ref,
+            unlock=lambda node, _h: tree.dec_lock_ref(node),
+            insert=insert,
+            evict=evict,
+            cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+        )
+        return ops, tree
+
+    return make, {"placeholders": placeholders, "jax": jax.__version__}
+
+
+FACTORIES = {"kvjax": _kvjax_factory, "sglang": _sglang_factory, "sglang_jax": _sglang_jax_factory}
+
+
+def _module_file(root, name):
+    base = os.path.join(os.path.abspath(root), *name.split("."))
+    return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_worker(impl: str, path: str | None, quick: bool, repeats: int) -> dict:
+    make, info = FACTORIES[impl](path)
+    out = {"impl": impl, "python": sys.version.split()[0], **info, "workloads": {}}
+    warmup = wl.multi_turn(conversations=4, turns=2)
+    for ps in PAGE_SIZES:  # first calls pay for imports, caches and allocator growth
+        ops, _ = make(ps)
+        wl.replay(ops, warmup, capacity=CAPACITY, page_size=ps)
+    for name, stream, capacity in wl.comparison_runs(quick, CAPACITY):
+        per_page = {"capacity_tokens": capacity}
+        for ps in PAGE_SIZES:
+            best = None
+            for _ in range(repeats):
+                ops, tree = make(ps)
+                gc.collect()
+                gc.disable()
+                try:
+                    result = wl.replay(ops, stream, capacity=capacity, page_size=ps)
+                finally:
+                    gc.enable()
+                del tree
+                if best is None:
+                    best = result
+                    continue
+                for k in COUNT_KEYS:
+                    if result[k] != best[k]:
+                        best.setdefault("unstable_counts", []).append(k)
+                best["us_per_request"] = min(best["us_per_request"], result["us_per_request"])
+            per_page[f"page_{ps}"] = best
+        out["workloads"][name] = per_page
+    return out
+
+
+def _spawn(impl, python, path, quick, repeats):
+    cmd = [python, os.path.abspath(__file__), "--worker", impl, "--repeats", str(repeats)]
+    if path:
+        cmd += ["--path", path]
+    if quick:
+        cmd.append("--quick")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"impl": impl, "error": proc.stderr.strip().splitlines()[-20:]}
+    return json.loads(proc.stdout)
+
+
+def _merge(best: dict, run: dict) -> dict:
+    """Keeps the faster time of two runs of one implementation; flags counts that differ."""
+    if "error" in run:
+        return run
+    for name, pages in run["workloads"].items():
+        for page, r in pages.items():
+            if not page.startswith("page_"):
+                continue
+            b = best["workloads"][name][page]
+            for k in COUNT_KEYS:
+                if r[k] != b[k]:
+                    b.setdefault("unstable_counts", []).append(k)
+            b["us_per_request"] = min(b["us_per_request"], r["us_per_request"])
+    return best
+
+
+def compare(results: dict) -> dict:
+    table = {}
+    speedups_jax, all_equal = [], True
+    for name in results["kvjax"]["workloads"]:
+        table[name] = {}
+        for page in results["kvjax"]["workloads"][name]:
+            if not page.startswith("page_"):
+                table[name][page] = results["kvjax"]["workloads"][name][page]
+                continue
+            row = {impl: results[impl]["workloads"][name][page] for impl in IMPLS if "workloads" in results[impl]}
+            entry = {
+                "us_per_request": {impl: r["us_per_request"] for impl, r in row.items()},
+                "hit_tokens": {impl: r["hit_tokens"] for impl, r in row.items()},
+                "evicted_tokens": {impl: r["evicted_tokens"] for impl, r in row.items()},
+            }
+            kv = row["kvjax"]["us_per_request"]
+            if "sglang_jax" in row:
+                s = round(row["sglang_jax"]["us_per_request"] / kv, 2)
+                entry["speedup_vs_sglang_jax"] = s
+                speedups_jax.append(s)
+            if "sglang" in row:
+                entry["speedup_vs_sglang"] = round(row["sglang"]["us_per_request"] / kv, 2)
+                ref = row["sglang"]
+                eq = {
+                    impl: all(r[k] == ref[k] for k in ("hit_tokens", "evicted_tokens"))
+                    for impl, r in row.items() if impl != "sglang"
+                }
+                entry["counts_equal_sglang"] = eq
+                all_equal = all_equal and eq["kvjax"]
+            table[name][page] = entry
+    summary = {"kvjax_counts_equal_sglang_everywhere": all_equal if "workloads" in results["sglang"] else None}
+    if speedups_jax:
+        summary["min_speedup_vs_sglang_jax"] = min(speedups_jax)
+        summary["speed_target_vs_sglang_jax"] = SPEED_TARGET
+        summary["speed_target_met"] = min(speedups_jax) >= SPEED_TARGET
+    return {"comparison": table, "summary": summary}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sglang-path", help="folder holding the 'sglang' package")
+    ap.add_argument("--sglang-jax-path", help="folder holding the 'sgl_jax' package")
+    ap.add_argument("--sglang-python", default=sys.executable, help="interpreter with torch for SGLang")
+    ap.add_argument("--sglang-jax-python", default=sys.executable, help="interpreter with jax for sglang-jax")
+    ap.add_argument("--kvjax-python", default=sys.executable)
+    ap.add_argument("--quick", action="store_true", help="quarter-size streams")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (a fresh process per implementation each), best time kept")
+    ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args.path, args.quick, args.repeats)))
+        return
+
+    plan = {
+        "kvjax": (args.kvjax_python, None),
+        "sglang": (args.sglang_python, args.sglang_path),
+        "sglang_jax": (args.sglang_jax_python, args.sglang_jax_path),
+    }
+    # Rounds: every implementation once per round, each run in a fresh process, best time
+    # kept. Interleaving spreads the load of a shared machine over all of them alike.
+    results = {}
+    for impl, (python, path) in plan.items():
+        if impl != "kvjax" and not path:
+            results[impl] = {"impl": impl, "error": f"--{impl.replace('_', '-')}-path not given"}
+    for _ in range(args.repeats):
+        for impl, (python, path) in plan.items():
+            if "error" in results.get(impl, {}):
+                continue
+            run = _spawn(impl, python, path, args.quick, 1)
+            results[impl] = run if impl not in results else _merge(results[impl], run)
+    if "workloads" not in results["kvjax"]:
+        print(json.dumps({"error": results["kvjax"]}, indent=2))
+        sys.exit(1)
+    out = {
+        "benchmark": "radix_compare_peers",
+        "quick": args.quick,
+        "eviction_policy": "lru",
+        "capacity_tokens": CAPACITY,
+        "repeats": args.repeats,
+        **compare(results),
+        "runs": results,
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
