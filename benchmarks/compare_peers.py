@@ -329,9 +329,13 @@ def _merge(best: dict, run: dict) -> dict:
     return best
 
 
+# The workloads the speed target is defined on (the shared-prefix and multi-turn streams).
+TARGET_WORKLOADS = ("shared_prefix", "multi_turn")
+
+
 def compare(results: dict) -> dict:
     table = {}
-    speedups_jax, all_equal = [], True
+    speedups_jax, speedups_extra, all_equal = [], [], True
     for name in results["kvjax"]["workloads"]:
         table[name] = {}
         for page in results["kvjax"]["workloads"][name]:
@@ -348,7 +352,7 @@ def compare(results: dict) -> dict:
             if "sglang_jax" in row:
                 s = round(row["sglang_jax"]["us_per_request"] / kv, 2)
                 entry["speedup_vs_sglang_jax"] = s
-                speedups_jax.append(s)
+                (speedups_jax if name in TARGET_WORKLOADS else speedups_extra).append(s)
             if "sglang" in row:
                 entry["speedup_vs_sglang"] = round(row["sglang"]["us_per_request"] / kv, 2)
                 ref = row["sglang"]
@@ -364,6 +368,8 @@ def compare(results: dict) -> dict:
         summary["min_speedup_vs_sglang_jax"] = min(speedups_jax)
         summary["speed_target_vs_sglang_jax"] = SPEED_TARGET
         summary["speed_target_met"] = min(speedups_jax) >= SPEED_TARGET
+    if speedups_extra:  # extra streams check LRU counts under eviction; the speed target is not theirs
+        summary["min_speedup_vs_sglang_jax_extra_workloads"] = min(speedups_extra)
     return {"comparison": table, "summary": summary}
 
 

@@ -36,7 +36,6 @@ from kvjax.errors import InvalidSlotError
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 INT32 = np.dtype(np.int32)
-_umax = np.maximum.reduce  # skips ndarray.max's Python-level wrapper
 
 
 def encode_tokens(tokens: Any, n: int | None = None) -> bytes:
@@ -83,12 +82,20 @@ def as_slot_array(indices: Any, n: int, limit: int | None) -> np.ndarray:
         InvalidSlotError: a negative slot, or one >= ``limit``.
     """
     if type(indices) is np.ndarray and indices.dtype == INT32 and indices.ndim == 1 and indices.shape[0] == n:
-        # Fast path (the common case): one reduction bounds both ends, since negative ids
-        # viewed as unsigned are huge.
-        if n and int(_umax(indices.view(np.uint32))) >= (limit if limit is not None else _I32_MAX + 1):
-            bad = indices[(indices < 0) | (indices >= (limit if limit is not None else _I32_MAX))]
-            rng = f"[0, {limit})" if limit is not None else "[0, 2**31)"
-            raise InvalidSlotError(f"insert: slot ids out of range {rng}: {bad[:8].tolist()}")
+        # Fast path (the common case). ``argmin`` / ``argmax`` are plain array methods, ~0.2 µs
+        # on 1,200 ids against ~0.85 µs for a ufunc reduction's call overhead. With a limit,
+        # one ``argmax`` over the unsigned view bounds both ends (negative ids become huge).
+        if n:
+            if limit is None:
+                bad_found = indices.item(indices.argmin()) < 0
+            else:
+                u = indices.view(np.uint32)
+                bad_found = u.item(u.argmax()) >= limit
+            if bad_found:
+                bound = limit if limit is not None else _I32_MAX
+                bad = indices[(indices < 0) | (indices >= bound)]
+                rng = f"[0, {limit})" if limit is not None else "[0, 2**31)"
+                raise InvalidSlotError(f"insert: slot ids out of range {rng}: {bad[:8].tolist()}")
         return indices
     v = indices if isinstance(indices, np.ndarray) else np.asarray(indices)
     if v.ndim != 1 or v.shape[0] != n:

@@ -14,6 +14,9 @@ Invariants (checked by ``RadixCache.sanity_check``):
   * ``parent.children[ckey] is self``; ``ckey`` is SGLang's child key: the first token for
     page size 1, else the tuple of the first page's tokens (bigram: the ``page + 1`` tokens the
     first page's pairs cover), as ``(extra_key, ckey)`` under the root when ``extra_key`` is set;
+  * with tuple child keys, ``first`` maps the first token of each child's edge to that child,
+    or to the tree's shared-first-token marker when several children (now or earlier) began
+    with it; the root indexes only its children of the default namespace (``extra_key`` None);
   * ``parent.lock_ref >= sum(child.lock_ref for child in children)``;
   * ``value is None`` iff the node was evicted (it is then detached from the tree).
 """
@@ -35,6 +38,9 @@ class TreeNode:
         id: unique, increasing id (for printing and stable tie-breaking).
         parent: the parent node (None for the root and for evicted nodes).
         children: child nodes by child key (see module docstring).
+        first: children by the first token of their edge (tuple child keys only; None until
+            the node has a child): a walk finds the candidate child without building and
+            hashing a page tuple, then its edge compare confirms the whole page.
         key: native int32 bytes of this edge's tokens, or None until first needed.
         klist: this edge's tokens as a list, or None until first needed.
         ckey: this node's key in ``parent.children``.
@@ -50,7 +56,8 @@ class TreeNode:
         priority: max priority over the requests that inserted through this node.
         extra_key: the namespace (LoRA id, cache salt) of the key; None for the default one.
         hashes: per-page chained block hashes (int64), computed when KV events are on.
-        heap_seq: sequence number of this node's live entry in the eviction heap.
+        heap_seq: sequence number of this node's live entry in the eviction heap (-1: none,
+            -2: queued for a push).
         owner: token of the tree generation that created the node (reset invalidates it).
         comp: per-component data (dict component name -> object), or None.
     """
@@ -59,6 +66,7 @@ class TreeNode:
         "id",
         "parent",
         "children",
+        "first",
         "key",
         "klist",
         "ckey",
@@ -81,6 +89,7 @@ class TreeNode:
         self.id = next(_ids)
         self.parent: Optional[TreeNode] = None
         self.children: dict[Hashable, TreeNode] = {}
+        self.first: Optional[dict[int, Any]] = None
         self.key: Optional[bytes] = None
         self.klist: Optional[list] = None
         self.ckey: Hashable = None

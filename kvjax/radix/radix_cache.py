@@ -148,16 +148,13 @@ class RadixCache(RadixTree):
         for c in self._extra:
             node, matched = c.limit_match(node, matched)
         if self._eager and node in self._leaves:
-            self._push(node)
+            self._defer_push(node)
         if self.force_miss or matched == 0:
             st.last_hit_tokens = 0
             return MatchResult(np.empty(0, dtype=INT32), self.root)
         st.hit_tokens += matched
         st.last_hit_tokens = matched
-        indices = vals[0].copy() if len(vals) == 1 else np.concatenate(vals)
-        if indices.shape[0] != matched:
-            indices = indices[:matched].copy()
-        return MatchResult(indices, node, matched)
+        return MatchResult.from_parts(vals, node, matched)
 
     def insert(
         self,
