@@ -159,6 +159,36 @@ def _kvjax_factory(_path):
     return make, {"placeholders": []}
 
 
+def _params_tree_ops(tree, rc, bp, *, has_prefix_len, **prepare):
+    """``TreeOps`` over a peer tree with SGLang's params-object API (``MatchPrefixParams``,
+    ``InsertParams``, ``EvictParams`` from ``bp``; ``RadixKey`` from ``rc``)."""
+    RadixKey, MatchPrefixParams, InsertParams, EvictParams = (
+        rc.RadixKey, bp.MatchPrefixParams, bp.InsertParams, bp.EvictParams,
+    )
+
+    def match(tokens):
+        r = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+        n = r.device_prefix_len if has_prefix_len else len(r.device_indices)
+        return n, r.last_device_node
+
+    def insert(tokens, values):
+        r = tree.insert(InsertParams(key=RadixKey(tokens), value=values))
+        return r if isinstance(r, int) else r.prefix_len
+
+    def evict(n):
+        return tree.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+    return wl.TreeOps(
+        match=match,
+        lock=tree.inc_lock_ref,
+        unlock=lambda node, _h: tree.dec_lock_ref(node),
+        insert=insert,
+        evict=evict,
+        cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+        **prepare,
+    )
+
+
 _SGLANG_REAL = {
     "sglang.srt.mem_cache.radix_cache",
     "sglang.srt.mem_cache.base_prefix_cache",
@@ -182,29 +212,8 @@ def _sglang_factory(path):
     def make(page_size):
         allocator = _CountingAllocator()
         tree = rc.RadixCache.create_simulated(mock_allocator=allocator, page_size=page_size)
-        RadixKey, MatchPrefixParams, InsertParams, EvictParams = (
-            rc.RadixKey, bp.MatchPrefixParams, bp.InsertParams, bp.EvictParams,
-        )
-
-        def match(tokens):
-            r = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-            n = r.device_prefix_len if has_prefix_len else len(r.device_indices)
-            return n, r.last_device_node
-
-        def insert(tokens, values):
-            r = tree.insert(InsertParams(key=RadixKey(tokens), value=values))
-            return r if isinstance(r, int) else r.prefix_len
-
-        def evict(n):
-            return tree.evict(EvictParams(num_tokens=n)).num_tokens_evicted
-
-        ops = wl.TreeOps(
-            match=match,
-            lock=tree.inc_lock_ref,
-            unlock=lambda node, _h: tree.dec_lock_ref(node),
-            insert=insert,
-            evict=evict,
-            cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+        ops = _params_tree_ops(
+            tree, rc, bp, has_prefix_len=has_prefix_len,
             prepare_tokens=lambda tokens: array("q", tokens),
             prepare_values=lambda values: torch.from_numpy(values.astype(np.int64)),
         )
@@ -230,30 +239,7 @@ def _sglang_jax_factory(path):
     def make(page_size):
         allocator = _CountingAllocator()
         tree = rc.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size)
-        RadixKey, MatchPrefixParams, InsertParams, EvictParams = (
-            rc.RadixKey, bp.MatchPrefixParams, bp.InsertParams, bp.EvictParams,
-        )
-
-        def match(tokens):
-            r = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
-            return len(r.device_indices), r.last_device_node
-
-        def insert(tokens, values):
-            r = tree.insert(InsertParams(key=RadixKey(tokens), value=values))
-            return r if isinstance(r, int) else r.prefix_len
-
-        def evict(n):
-            return tree.evict(EvictParams(num_tokens=n)).num_tokens_evicted
-
-        ops = wl.TreeOps(
-            match=match,
-            lock=tree.inc_lock_ref,
-            unlock=lambda node, _h: tree.dec_lock_ref(node),
-            insert=insert,
-            evict=evict,
-            cached_size=lambda: tree.evictable_size() + tree.protected_size(),
-        )
-        return ops, tree
+        return _params_tree_ops(tree, rc, bp, has_prefix_len=False), tree
 
     return make, {"placeholders": placeholders, "jax": jax.__version__}
 
