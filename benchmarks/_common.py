@@ -6,7 +6,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def median_seconds(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3) -> float:

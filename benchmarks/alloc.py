@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -107,25 +107,29 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         alloc_us[str(pages)] = round(float(np.median(times)) * 1e6, 1)
 
-    print(json.dumps({
-        "page_size": PAGE,
-        "batch": BATCH,
-        "alloc_extend": {
-            "tokens": int((seq - prefix).sum()),
-            "vectorised_us": round(ext_vec, 1),
-            "naive_us": round(ext_naive, 1),
-            "speedup": round(ext_ratio, 1),
-            "identical": bool(np.array_equal(vec_out, naive_out)),
-        },
-        "alloc_decode": {
-            "new_pages": int(np.count_nonzero((dec_seq - 1) % PAGE == 0)),
-            "vectorised_us": round(dec_vec, 1),
-            "naive_us": round(dec_naive, 1),
-            "speedup": round(dec_ratio, 1),
-            "identical": bool(np.array_equal(dec_vec_out, dec_naive_out)),
-        },
-        "alloc_256_pages_us_by_pool_pages": alloc_us,
-    }))
+    print(
+        json.dumps(
+            {
+                "page_size": PAGE,
+                "batch": BATCH,
+                "alloc_extend": {
+                    "tokens": int((seq - prefix).sum()),
+                    "vectorised_us": round(ext_vec, 1),
+                    "naive_us": round(ext_naive, 1),
+                    "speedup": round(ext_ratio, 1),
+                    "identical": bool(np.array_equal(vec_out, naive_out)),
+                },
+                "alloc_decode": {
+                    "new_pages": int(np.count_nonzero((dec_seq - 1) % PAGE == 0)),
+                    "vectorised_us": round(dec_vec, 1),
+                    "naive_us": round(dec_naive, 1),
+                    "speedup": round(dec_ratio, 1),
+                    "identical": bool(np.array_equal(dec_vec_out, dec_naive_out)),
+                },
+                "alloc_256_pages_us_by_pool_pages": alloc_us,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -89,8 +89,13 @@ def expected_decode(chip: str, batch: int, context: int, bundles: int) -> dict[s
     for step in range(steps):
         seqs = min(block_q, batch - step * block_q)
         n = seqs * blocks_per_seq
-        step_time += (ASSUMED["dma_latency_s"] + dma_block + (n - 1) * max(dma_block, compute_block)
-                      + compute_block + ASSUMED["grid_step_overhead_s"])
+        step_time += (
+            ASSUMED["dma_latency_s"]
+            + dma_block
+            + (n - 1) * max(dma_block, compute_block)
+            + compute_block
+            + ASSUMED["grid_step_overhead_s"]
+        )
     roofline = batch * context * layer_bytes_per_token / bandwidth
     return {
         "expected_fraction": round(roofline / step_time, 3),
@@ -106,8 +111,10 @@ def decode_roofline(bundles: dict[str, int]) -> list[dict[str, Any]]:
             kv_bytes = batch * context * kv_bytes_per_token()
             row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes_per_step": kv_bytes}
             for chip, bandwidth in HBM_BYTES_PER_S.items():
-                row[chip] = {"roofline_ms_per_step": round(kv_bytes / bandwidth * 1e3, 3),
-                             **expected_decode(chip, batch, context, bundles[chip])}
+                row[chip] = {
+                    "roofline_ms_per_step": round(kv_bytes / bandwidth * 1e3, 3),
+                    **expected_decode(chip, batch, context, bundles[chip]),
+                }
             rows.append(row)
     return rows
 
@@ -143,8 +150,17 @@ def cpu_timings() -> dict[str, Any]:
     kernel_s = median_seconds(lambda: kernel(*args).block_until_ready(), repeats=5, warmup=1)
     err = float(jnp.max(jnp.abs(kernel(*args).astype(jnp.float32) - reference(*args).astype(jnp.float32))))
     return {
-        "shape": {"q_tokens": total, "live_tokens": sum(q_lens), "seqs": len(q_lens), "kv_tokens": sum(kv_lens),
-                  "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": dim, "page_size": ps, "dtype": "bfloat16"},
+        "shape": {
+            "q_tokens": total,
+            "live_tokens": sum(q_lens),
+            "seqs": len(q_lens),
+            "kv_tokens": sum(kv_lens),
+            "q_heads": q_heads,
+            "kv_heads": kv_heads,
+            "head_dim": dim,
+            "page_size": ps,
+            "dtype": "bfloat16",
+        },
         "reference_ms": round(ref_s * 1e3, 3),
         "kernel_hlo_interpreter_ms": round(kernel_s * 1e3, 3),
         "kernel_vs_reference_max_abs_err": err,
@@ -155,13 +171,18 @@ def cpu_timings() -> dict[str, Any]:
 def _shape_args(mesh: Any, max_seqs: int, tokens: int, context: int) -> tuple[Any, ...]:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     pages_per_seq = context // PAGE_SIZE
-    shapes = [((tokens, Q_HEADS, HEAD_DIM), jnp.bfloat16),
-              ((max_seqs * pages_per_seq + 1, PAGE_SIZE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16),
-              ((max_seqs,), jnp.int32), ((max_seqs, pages_per_seq), jnp.int32),
-              ((max_seqs + 1,), jnp.int32), ((1,), jnp.int32)]
+    shapes = [
+        ((tokens, Q_HEADS, HEAD_DIM), jnp.bfloat16),
+        ((max_seqs * pages_per_seq + 1, PAGE_SIZE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16),
+        ((max_seqs,), jnp.int32),
+        ((max_seqs, pages_per_seq), jnp.int32),
+        ((max_seqs + 1,), jnp.int32),
+        ((1,), jnp.int32),
+    ]
     return tuple(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in shapes)
 
 
@@ -190,8 +211,11 @@ def tpu_compiles() -> dict[str, Any]:
                 ok, detail = True, "tpu_custom_call" in compiled.as_text()
             except Exception as e:  # report, don't crash: the JSON says what failed
                 ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            out[f"{topology} {name}"] = {"compiled": ok, "seconds": round(time.perf_counter() - start, 2),
-                                         **({"kernel_in_hlo": detail} if ok else {"error": detail})}
+            out[f"{topology} {name}"] = {
+                "compiled": ok,
+                "seconds": round(time.perf_counter() - start, 2),
+                **({"kernel_in_hlo": detail} if ok else {"error": detail}),
+            }
     return out
 
 
@@ -215,12 +239,12 @@ def kv_block_loop_bundles(bundles_text: str, inner_trips: int) -> int | None:
 
     def end_of(k: int) -> tuple[int, int] | None:
         depth = marks[k][3]
-        return next(((ln, a) for ln, a, _, d in marks[k + 1:] if d < depth), None)
+        return next(((ln, a) for ln, a, _, d in marks[k + 1 :] if d < depth), None)
 
     best: tuple[int, int] | None = None  # (depth, index into marks)
     for k, (line_no, _, kind, depth) in enumerate(marks):
         end = end_of(k) if kind == "LB" else None
-        if end is None or not any("vmatpush" in line or ".mxu" in line for line in lines[line_no:end[0]]):
+        if end is None or not any("vmatpush" in line or ".mxu" in line for line in lines[line_no : end[0]]):
             continue
         if best is None or depth > best[0]:
             best = (depth, k)
@@ -242,15 +266,21 @@ def kv_block_loop_bundles(bundles_text: str, inner_trips: int) -> int | None:
 def static_bundles(chip: str) -> int | None:
     """Compile the decode shape in a child process with the compiler's schedule dump on; parse it."""
     with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true "
-                                                "--xla_jf_dump_llo_pass_label_regex=final_bundles")
-        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
-                "from benchmarks.attention import _compile, DECODE_SHAPE; "
-                f"_compile({TOPOLOGIES[chip]!r}, DECODE_SHAPE)")
+        env = dict(
+            os.environ,
+            LIBTPU_INIT_ARGS=f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true "
+            "--xla_jf_dump_llo_pass_label_regex=final_bundles",
+        )
+        code = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
+            "from benchmarks.attention import _compile, DECODE_SHAPE; "
+            f"_compile({TOPOLOGIES[chip]!r}, DECODE_SHAPE)"
+        )
         subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=600, check=False)
         pattern = os.path.join(dump, "**", "*ragged_paged_attention*final_bundles*")
-        files = [f for f in glob.glob(pattern, recursive=True)
-                 if "schedule-analysis" not in os.path.basename(f)]  # the bundles, not the summary
+        files = [
+            f for f in glob.glob(pattern, recursive=True) if "schedule-analysis" not in os.path.basename(f)
+        ]  # the bundles, not the summary
         if not files:
             return None
         with open(files[0]) as f:
@@ -271,12 +301,21 @@ def main() -> None:
     result: dict[str, Any] = {
         "benchmark": "ragged_paged_attention",
         "ran_on_tpu": False,
-        "note": ("Roofline and expected fractions are figures on paper: nothing ran on a TPU. Expected fraction = "
-                 "roofline time / modelled kernel time, with the kernel's compute per KV block taken from the "
-                 "compiled static schedule and the assumptions listed."),
-        "model": {"name": "Llama-3-8B", "layers": LAYERS, "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
-                  "head_dim": HEAD_DIM, "dtype": "bfloat16", "page_size": PAGE_SIZE,
-                  "kv_bytes_per_token_all_layers": kv_bytes_per_token()},
+        "note": (
+            "Roofline and expected fractions are figures on paper: nothing ran on a TPU. Expected fraction = "
+            "roofline time / modelled kernel time, with the kernel's compute per KV block taken from the "
+            "compiled static schedule and the assumptions listed."
+        ),
+        "model": {
+            "name": "Llama-3-8B",
+            "layers": LAYERS,
+            "q_heads": Q_HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "page_size": PAGE_SIZE,
+            "kv_bytes_per_token_all_layers": kv_bytes_per_token(),
+        },
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
         "kernel_decode_tiling": {"block_q_tokens": 8, "block_kv_tokens": 256, "kv_block_bytes_per_layer": 256 * 4096},
         "static_bundles_per_kv_block": {"value": bundles, "source": source},

@@ -163,7 +163,10 @@ def _params_tree_ops(tree, rc, bp, *, has_prefix_len, **prepare):
     """``TreeOps`` over a peer tree with SGLang's params-object API (``MatchPrefixParams``,
     ``InsertParams``, ``EvictParams`` from ``bp``; ``RadixKey`` from ``rc``)."""
     RadixKey, MatchPrefixParams, InsertParams, EvictParams = (
-        rc.RadixKey, bp.MatchPrefixParams, bp.InsertParams, bp.EvictParams,
+        rc.RadixKey,
+        bp.MatchPrefixParams,
+        bp.InsertParams,
+        bp.EvictParams,
     )
 
     def match(tokens):
@@ -213,7 +216,10 @@ def _sglang_factory(path):
         allocator = _CountingAllocator()
         tree = rc.RadixCache.create_simulated(mock_allocator=allocator, page_size=page_size)
         ops = _params_tree_ops(
-            tree, rc, bp, has_prefix_len=has_prefix_len,
+            tree,
+            rc,
+            bp,
+            has_prefix_len=has_prefix_len,
             prepare_tokens=lambda tokens: array("q", tokens),
             prepare_values=lambda values: torch.from_numpy(values.astype(np.int64)),
         )
@@ -344,7 +350,8 @@ def compare(results: dict) -> dict:
                 ref = row["sglang"]
                 eq = {
                     impl: all(r[k] == ref[k] for k in ("hit_tokens", "evicted_tokens"))
-                    for impl, r in row.items() if impl != "sglang"
+                    for impl, r in row.items()
+                    if impl != "sglang"
                 }
                 entry["counts_equal_sglang"] = eq
                 all_equal = all_equal and eq["kvjax"]
@@ -367,7 +374,9 @@ def main(argv=None):
     ap.add_argument("--sglang-jax-python", default=sys.executable, help="interpreter with jax for sglang-jax")
     ap.add_argument("--kvjax-python", default=sys.executable)
     ap.add_argument("--quick", action="store_true", help="quarter-size streams")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds (a fresh process per implementation each), best time kept")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="rounds (a fresh process per implementation each), best time kept"
+    )
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -108,8 +108,13 @@ def _pool_method(rng: np.random.Generator) -> dict[str, Any]:
     steps, states = {}, {}
     for pages in POOL_PAGES:
         pool = MHAKVPool.create(
-            num_pages=pages, page_size=PAGE_SIZE, num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-            dtype="bfloat16", platform=jax.default_backend(),
+            num_pages=pages,
+            page_size=PAGE_SIZE,
+            num_layers=1,
+            num_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            dtype="bfloat16",
+            platform=jax.default_backend(),
         )
         loc = jnp.asarray(rng.choice(np.arange(PAGE_SIZE, pool.num_slots), TOKENS, replace=False), jnp.int32)
         states[pages] = pool

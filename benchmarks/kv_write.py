@@ -28,8 +28,15 @@ HEAD_DIM = 128
 
 def make_writer(num_pages: int, *, donate: bool):
     """A zero-argument callable doing one blocking write of TOKENS tokens into a fresh pool."""
-    pool = MHAKVPool.create(num_pages=num_pages, page_size=PAGE_SIZE, num_layers=1, num_kv_heads=KV_HEADS,
-                            head_dim=HEAD_DIM, dtype="bfloat16", platform=jax.default_backend())
+    pool = MHAKVPool.create(
+        num_pages=num_pages,
+        page_size=PAGE_SIZE,
+        num_layers=1,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        platform=jax.default_backend(),
+    )
     rng = np.random.default_rng(0)
     pages = rng.choice(np.arange(1, num_pages + 1), size=TOKENS // PAGE_SIZE, replace=False)
     loc = jnp.asarray((pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).ravel().astype(np.int32))
@@ -63,19 +70,24 @@ def main() -> None:
     donated = time_pair(small, large, donate=True, rounds=15)
     copied = time_pair(small, large, donate=False, rounds=3)
     bytes_per_page = PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 2
-    print(json.dumps({
-        "benchmark": "kv_write",
-        "tokens": TOKENS,
-        "page_size": PAGE_SIZE,
-        "pool_bytes": {str(n): (n + 1) * bytes_per_page for n in (small, large)},
-        "donated_us": {str(n): round(t * 1e6, 1) for n, t in donated.items()},
-        "donated_ratio_large_over_small": round(donated[large] / donated[small], 3),
-        "target_ratio": 1.3,
-        "meets_target": donated[large] / donated[small] <= 1.3,
-        "not_donated_us": {str(n): round(t * 1e6, 1) for n, t in copied.items()},
-        "not_donated_ratio_large_over_small": round(copied[large] / copied[small], 3),
-        "machine": machine(),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "kv_write",
+                "tokens": TOKENS,
+                "page_size": PAGE_SIZE,
+                "pool_bytes": {str(n): (n + 1) * bytes_per_page for n in (small, large)},
+                "donated_us": {str(n): round(t * 1e6, 1) for n, t in donated.items()},
+                "donated_ratio_large_over_small": round(donated[large] / donated[small], 3),
+                "target_ratio": 1.3,
+                "meets_target": donated[large] / donated[small] <= 1.3,
+                "not_donated_us": {str(n): round(t * 1e6, 1) for n, t in copied.items()},
+                "not_donated_ratio_large_over_small": round(copied[large] / copied[small], 3),
+                "machine": machine(),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

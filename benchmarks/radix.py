@@ -162,9 +162,7 @@ def main(argv=None) -> dict:
         "workloads": {},
     }
     for name, stream in wl.workloads(args.quick).items():
-        out["workloads"][name] = {
-            f"page_{ps}": bench_stream(stream, ps, repeats) for ps in PAGE_SIZES
-        }
+        out["workloads"][name] = {f"page_{ps}": bench_stream(stream, ps, repeats) for ps in PAGE_SIZES}
     if not args.skip_long:
         total = LONG_TOTAL // 8 if args.quick else LONG_TOTAL
         out["long_context"] = bench_long_context(total, LONG_CHUNK, LONG_PAGE)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -153,7 +154,12 @@ def replay(ops: TreeOps, stream: list[Request], *, capacity: int, page_size: int
         values.append(ops.prepare_values(np.arange(next_slot, next_slot + aligned, dtype=np.int32)))
         next_slot += aligned
     match, lock, unlock, insert, evict, cached_size = (
-        ops.match, ops.lock, ops.unlock, ops.insert, ops.evict, ops.cached_size,
+        ops.match,
+        ops.lock,
+        ops.unlock,
+        ops.insert,
+        ops.evict,
+        ops.cached_size,
     )
     hit = evicted = inserted_new = 0
     start = time.perf_counter()

@@ -83,10 +83,13 @@ def main() -> None:
             for mode in MODES
         },
         "prefill_saved_fraction": round(
-            1 - runs["warm"][0]["prefill_tokens_computed"] / runs["disabled"][0]["prefill_tokens_computed"], 4),
+            1 - runs["warm"][0]["prefill_tokens_computed"] / runs["disabled"][0]["prefill_tokens_computed"], 4
+        ),
         "forced_miss_over_disabled_step_time": round(med("forced_miss", "step_ms") / med("disabled", "step_ms"), 4),
         "target_forced_miss_over_disabled": 1.05,
-        "warm_over_cold_tokens_per_second": round(med("warm", "tokens_per_second") / med("disabled", "tokens_per_second"), 3),
+        "warm_over_cold_tokens_per_second": round(
+            med("warm", "tokens_per_second") / med("disabled", "tokens_per_second"), 3
+        ),
         "outputs_identical": outputs["warm"] == outputs["disabled"] == outputs["forced_miss"],
         "machine": machine(),
     }

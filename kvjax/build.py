@@ -52,7 +52,7 @@ class KVCache:
         """The token/page allocator (SGLang's ``token_to_kv_pool_allocator``)."""
         return self.token_to_kv_pool_allocator
 
-    def with_pools(self, pools: CachePools) -> "KVCache":
+    def with_pools(self, pools: CachePools) -> KVCache:
         """The same cache holding the device state returned by a step."""
         return dataclasses.replace(self, pools=pools)
 
@@ -127,7 +127,9 @@ def _require_built_capabilities(plan: CachePlan) -> None:
         "hybrid_linear": "the recurrent-state pool of hybrid SSM / linear-attention models (kv_pool_kind='hybrid_linear')",
     }.get(plan.kv_pool_kind)
     if missing:
-        raise NotImplementedError(f"kvjax cannot build {missing} yet for {plan.model}; the plan is available from plan_kv_cache")
+        raise NotImplementedError(
+            f"kvjax cannot build {missing} yet for {plan.model}; the plan is available from plan_kv_cache"
+        )
     if plan.attach_host_tier:
         raise NotImplementedError(
             "kvjax cannot build the host-memory tier yet (enable_hierarchical_cache or retraction backup "

@@ -6,7 +6,7 @@ import argparse
 import json
 import re
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
 from kvjax.errors import ConfigError
@@ -14,8 +14,22 @@ from kvjax.plan import plan_kv_cache
 from kvjax.serve.workload import Workload
 from kvjax.spec import ModelSpec
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -32,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="plan a KV cache: tokens that fit, per-pool bytes, decisions")
     plan.add_argument("--model", required=True, help=f"a preset ({', '.join(ModelSpec.presets())}) or a config.json")
-    plan.add_argument("--memory", type=parse_bytes, default=None,
-                      help="KV-cache budget per device, e.g. 16GiB (memory_budget_bytes)")
+    plan.add_argument(
+        "--memory", type=parse_bytes, default=None, help="KV-cache budget per device, e.g. 16GiB (memory_budget_bytes)"
+    )
     plan.add_argument("--max-total-tokens", type=int, default=None)
     plan.add_argument("--page-size", type=int, default=16)
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
@@ -58,8 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-tokens", type=int, default=w.output_tokens, help="tokens generated per request")
     demo.add_argument("--seed", type=int, default=w.seed)
     demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--max-total-tokens", type=int, default=16384,
-                      help="pool size in tokens (make it small to force eviction and retraction)")
+    demo.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=16384,
+        help="pool size in tokens (make it small to force eviction and retraction)",
+    )
     demo.add_argument("--chunked-prefill-size", type=int, default=512)
     demo.add_argument("--radix-eviction-policy", default="lru")
     return parser
@@ -89,8 +108,15 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from kvjax.demo import run_demo
 
-    workload = Workload(groups=args.groups, prompts_per_group=args.prompts_per_group, system_tokens=args.system_tokens,
-                        chats=args.chats, turns=args.turns, output_tokens=args.output_tokens, seed=args.seed)
+    workload = Workload(
+        groups=args.groups,
+        prompts_per_group=args.prompts_per_group,
+        system_tokens=args.system_tokens,
+        chats=args.chats,
+        turns=args.turns,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
     report = run_demo(
         workload=workload,
         page_size=args.page_size,

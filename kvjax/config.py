@@ -152,7 +152,7 @@ class CacheConfig:
             raise ConfigError("hicache_size", self.hicache_size, "use a size in GB >= 0 (0 sizes by hicache_ratio)")
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise ConfigError("swa_full_tokens_ratio", self.swa_full_tokens_ratio, "use a ratio in (0, 1]")
-        if not 0 < self.mamba_full_memory_ratio:
+        if not self.mamba_full_memory_ratio > 0:
             raise ConfigError("mamba_full_memory_ratio", self.mamba_full_memory_ratio, "use a ratio > 0")
         _positive_int(self, "max_mamba_cache_size", optional=True)
         if self.mamba_ssm_dtype is not None:
@@ -198,7 +198,7 @@ class CacheConfig:
         """Allocators keep sorted free lists under PD disaggregation (contiguous transfers)."""
         return self.disaggregation_mode in ("prefill", "decode")
 
-    def replace(self, **changes: Any) -> "CacheConfig":
+    def replace(self, **changes: Any) -> CacheConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
@@ -219,4 +219,3 @@ def _one_of(cfg: CacheConfig, name: str, allowed: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in allowed:
         raise ConfigError(name, value, f"use one of {list(allowed)}")
-

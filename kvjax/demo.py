@@ -83,8 +83,14 @@ class DemoReport:
         )
 
 
-def demo_config(*, page_size: int = 16, max_total_tokens: int = 16384, disable_radix_cache: bool = False,
-                chunked_prefill_size: int = 512, eviction_policy: str = "lru") -> CacheConfig:
+def demo_config(
+    *,
+    page_size: int = 16,
+    max_total_tokens: int = 16384,
+    disable_radix_cache: bool = False,
+    chunked_prefill_size: int = 512,
+    eviction_policy: str = "lru",
+) -> CacheConfig:
     """The demo's cache settings."""
     return CacheConfig(
         page_size=page_size,
@@ -113,7 +119,9 @@ def serve(
     cache = demo_cache(**config_kwargs)
     cache.tree_cache.force_miss = force_miss
     scheduler = Scheduler(spec, cache, init_params(spec, seed=seed), max_batch_size=MAX_BATCH)
-    bar = _Progress(progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on")
+    bar = _Progress(
+        progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
+    )
     outputs = run_workload(scheduler, workload, on_finish=lambda _: bar.advance())
     bar.close()
     return scheduler, outputs
@@ -130,8 +138,13 @@ def run_demo(
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring."""
     workload = workload or Workload()
-    settings = dict(page_size=page_size, max_total_tokens=max_total_tokens, chunked_prefill_size=chunked_prefill_size,
-                    eviction_policy=eviction_policy, progress=progress)
+    settings = dict(
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        chunked_prefill_size=chunked_prefill_size,
+        eviction_policy=eviction_policy,
+        progress=progress,
+    )
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
     start = time.perf_counter()
     warm, warm_out = serve(workload, **settings)

@@ -24,7 +24,8 @@ Units: dims in elements, window and context lengths in tokens.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from kvjax.errors import ConfigError
 from kvjax.spec import LayerKind, ModelSpec, RecurrentStateSpec
@@ -382,8 +383,7 @@ _ARCHITECTURE_TYPES = {
 _UNSUPPORTED = {
     "falcon_h1": "every Falcon-H1 layer runs attention and Mamba2 side by side, so a layer needs both a KV "
     "cache and a recurrent state; LayerKind has no kind for that yet",
-    "nemotron_h": "Nemotron-H interleaves MLP/MoE-only layers that cache nothing; LayerKind has no kind for "
-    "that yet",
+    "nemotron_h": "Nemotron-H interleaves MLP/MoE-only layers that cache nothing; LayerKind has no kind for that yet",
 }
 
 

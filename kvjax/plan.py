@@ -204,7 +204,9 @@ class CachePlan:
                 f"  {p.name:<16} {p.kind:<16} {p.memory:<7} {p.count:>5}  {shape:<34} {p.dtype:<9} "
                 f"{_fmt_bytes(p.nbytes):>11}{mark}"
             )
-        lines.append(f"  {'total device':<16} {'':<16} {'':<7} {'':>5}  {'':<34} {'':<9} {_fmt_bytes(self.device_bytes):>11}")
+        lines.append(
+            f"  {'total device':<16} {'':<16} {'':<7} {'':>5}  {'':<34} {'':<9} {_fmt_bytes(self.device_bytes):>11}"
+        )
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
@@ -240,9 +242,7 @@ def plan_kv_cache(spec: ModelSpec, config: CacheConfig, *, device_memory_bytes: 
 
     # 2. Sizes: every pipeline stage sized, the minimum taken (SGLang all-reduces MIN) ------------
     budget = _kv_budget(config, device_memory_bytes)
-    stage_sizes = [
-        _stage_tokens(spec, config, stage, per_layer_bytes, budget) for stage in range(config.pp_size)
-    ]
+    stage_sizes = [_stage_tokens(spec, config, stage, per_layer_bytes, budget) for stage in range(config.pp_size)]
     stage = stage_sizes[config.pp_rank]
     max_total_tokens = min(s.tokens for s in stage_sizes)
     if config.max_total_tokens is not None:
@@ -251,7 +251,9 @@ def plan_kv_cache(spec: ModelSpec, config: CacheConfig, *, device_memory_bytes: 
                 f"max_total_tokens={config.max_total_tokens} exceeds what the budget holds "
                 f"({max_total_tokens}); using {max_total_tokens}"
             )
-        max_total_tokens = min(max_total_tokens, config.max_total_tokens) if budget is not None else config.max_total_tokens
+        max_total_tokens = (
+            min(max_total_tokens, config.max_total_tokens) if budget is not None else config.max_total_tokens
+        )
     max_total_tokens = max_total_tokens // ps * ps
     if max_total_tokens <= 0:
         need = stage.bytes_per_token * ps + stage.mamba_bytes
@@ -324,7 +326,7 @@ def plan_kv_cache(spec: ModelSpec, config: CacheConfig, *, device_memory_bytes: 
     tree_cache_kind = _tree_cache_kind(disable_radix_cache, backup, chunked_prefill_size, is_hybrid_swa, pure_swa)
     components = ("full",) + (("swa",) if is_hybrid_swa else ()) + (("mamba",) if is_hybrid_ssm else ())
     if tree_cache_kind in ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix"):
-        components = (("swa",) if pure_swa else ("full",) + (("swa",) if is_hybrid_swa else ()))
+        components = ("swa",) if pure_swa else ("full",) + (("swa",) if is_hybrid_swa else ())
     if backup == "host_pool":
         if tree_cache_kind != "unified":
             raise ConfigError(
@@ -499,7 +501,9 @@ def _stage_layers(num_layers: int, pp_size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def _stage_tokens(spec: ModelSpec, config: CacheConfig, rank: int, per_layer_bytes: int, budget: int | None) -> _StageSize:
+def _stage_tokens(
+    spec: ModelSpec, config: CacheConfig, rank: int, per_layer_bytes: int, budget: int | None
+) -> _StageSize:
     start, end = _stage_layers(spec.num_hidden_layers, config.pp_size, rank)
     kinds = spec.layer_kinds[start:end]
     sliding_as_swa = not config.disable_hybrid_swa_memory
@@ -524,8 +528,16 @@ def _stage_tokens(spec: ModelSpec, config: CacheConfig, rank: int, per_layer_byt
     else:
         tokens = max(0, rest) // bytes_per_token
     return _StageSize(
-        start, end, full_layers, swa_layers, recurrent_layers, bytes_per_token,
-        mamba_bytes_per_req, mamba_slots, mamba_bytes, tokens,
+        start,
+        end,
+        full_layers,
+        swa_layers,
+        recurrent_layers,
+        bytes_per_token,
+        mamba_bytes_per_req,
+        mamba_slots,
+        mamba_bytes,
+        tokens,
     )
 
 
@@ -644,7 +656,9 @@ def _pool_plans(
 
     def kv_pool(name: str, kind: str, tokens: int, layers: int, built: bool) -> PoolPlan:
         shape = (tokens // ps + 1, ps, heads_axis, head_dim_padded)
-        return PoolPlan(name, kind, shape, store, layers, layers * (tokens // ps + 1) * ps * per_layer_bytes, built=built)
+        return PoolPlan(
+            name, kind, shape, store, layers, layers * (tokens // ps + 1) * ps * per_layer_bytes, built=built
+        )
 
     pools: list[PoolPlan] = []
     if is_hybrid_swa:
@@ -659,16 +673,43 @@ def _pool_plans(
         slots = stage.mamba_slots + 1  # slot 0 is the padding slot
         for i, shape in enumerate(rec.conv_state_shapes):
             n = stage.recurrent_layers * slots * math.prod(shape)
-            pools.append(PoolPlan(f"conv_state_{i}", "recurrent", (stage.recurrent_layers, slots, *shape),
-                                  rec.conv_dtype, 1, n * dtype_bytes(rec.conv_dtype), built=False))
+            pools.append(
+                PoolPlan(
+                    f"conv_state_{i}",
+                    "recurrent",
+                    (stage.recurrent_layers, slots, *shape),
+                    rec.conv_dtype,
+                    1,
+                    n * dtype_bytes(rec.conv_dtype),
+                    built=False,
+                )
+            )
         n = stage.recurrent_layers * slots * math.prod(rec.ssm_state_shape)
-        pools.append(PoolPlan("ssm_state", "recurrent", (stage.recurrent_layers, slots, *rec.ssm_state_shape),
-                              rec.ssm_dtype, 1, n * dtype_bytes(rec.ssm_dtype), built=False))
+        pools.append(
+            PoolPlan(
+                "ssm_state",
+                "recurrent",
+                (stage.recurrent_layers, slots, *rec.ssm_state_shape),
+                rec.ssm_dtype,
+                1,
+                n * dtype_bytes(rec.ssm_dtype),
+                built=False,
+            )
+        )
     pools.append(PoolPlan("req_to_token", "request_table", (rows, width), "int32", 1, rows * width * 4, memory="host"))
     if host_pool_tokens:
-        pools.append(PoolPlan("host_kv", "host_tier", (host_pool_tokens // ps, ps, heads_axis, head_dim_padded),
-                              store, stage.kv_layers, host_pool_tokens * stage.bytes_per_token, memory="host",
-                              built=False))
+        pools.append(
+            PoolPlan(
+                "host_kv",
+                "host_tier",
+                (host_pool_tokens // ps, ps, heads_axis, head_dim_padded),
+                store,
+                stage.kv_layers,
+                host_pool_tokens * stage.bytes_per_token,
+                memory="host",
+                built=False,
+            )
+        )
     return tuple(pools)
 
 

@@ -177,9 +177,7 @@ class ReqToTokenPool:
         table[np.arange(max_pages)[None, :] >= n_pages[:, None]] = 0
         return table
 
-    def page_table(
-        self, req_indices: Any, seq_lens: Any, page_size: int, max_pages: int | None = None
-    ) -> jax.Array:
+    def page_table(self, req_indices: Any, seq_lens: Any, page_size: int, max_pages: int | None = None) -> jax.Array:
         """Page ids per request for paged attention: int32 ``[B, max_pages]`` on device.
 
         Entry ``[b, j]`` is ``req_to_token[req_indices[b], j * page_size] // page_size`` for

@@ -8,7 +8,8 @@ O(chunk), not O(request).
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,16 +66,16 @@ class Req:
         self,
         rid: Hashable,
         origin_input_ids: Sequence[int] | np.ndarray,
-        output_ids: Optional[list[int]] = None,
+        output_ids: list[int] | None = None,
         *,
         extra_key: Hashable = None,
         priority: int = 0,
-        req_pool_idx: Optional[int] = None,
-        prefix_indices: Optional[np.ndarray] = None,
+        req_pool_idx: int | None = None,
+        prefix_indices: np.ndarray | None = None,
         last_node: Any = None,
         lock_receipt: Any = None,
         cache_protected_len: int = 0,
-        kv_committed_len: Optional[int] = None,
+        kv_committed_len: int | None = None,
         finished: bool = False,
         cached_tokens: int = 0,
         fill_ids: Any = _UNSET,

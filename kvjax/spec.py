@@ -16,10 +16,11 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from kvjax.errors import ConfigError
 
@@ -119,9 +120,7 @@ class ModelSpec:
                 "recurrent", self.recurrent, "recurrent layers need a RecurrentStateSpec, and only they do"
             )
         if LayerKind.MLA in self.layer_kinds and not (self.kv_lora_rank and self.qk_rope_head_dim):
-            raise ConfigError(
-                "kv_lora_rank", self.kv_lora_rank, "MLA layers need kv_lora_rank and qk_rope_head_dim"
-            )
+            raise ConfigError("kv_lora_rank", self.kv_lora_rank, "MLA layers need kv_lora_rank and qk_rope_head_dim")
         for name in ("num_kv_heads", "head_dim", "v_head_dim", "context_length"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be a positive integer")
@@ -158,14 +157,14 @@ class ModelSpec:
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any], *, name: str | None = None) -> "ModelSpec":
+    def from_hf_config(cls, config: Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
         """Parse a Hugging Face ``config.json`` dict (see ``kvjax.hf_config`` for the families)."""
         from kvjax.hf_config import parse_hf_config
 
         return parse_hf_config(config, name=name)
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelSpec":
+    def from_json_file(cls, path: str | Path) -> ModelSpec:
         """Parse a ``config.json`` file; the spec is named after the file's folder."""
         path = Path(path)
         try:
@@ -176,7 +175,7 @@ class ModelSpec:
         return cls.from_hf_config(config, name=stem or None)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelSpec":
+    def preset(cls, name: str) -> ModelSpec:
         """A shipped preset by name (``ModelSpec.presets()`` lists them)."""
         names = cls.presets()
         if name not in names:
@@ -191,7 +190,7 @@ class ModelSpec:
         return tuple(sorted(f.name[: -len(".json")] for f in files if f.name.endswith(".json")))
 
     @classmethod
-    def resolve(cls, model: str) -> "ModelSpec":
+    def resolve(cls, model: str) -> ModelSpec:
         """A preset name or a path to a ``config.json`` (what the command line accepts)."""
         if model in cls.presets():
             return cls.preset(model)

@@ -111,8 +111,14 @@ _TARGET_Q_ROWS = 256
 # --------------------------------------------------------------------------------------------
 
 
-def _check_args(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
-                cu_q_lens: jax.Array, num_seqs: jax.Array) -> tuple[int, int, int]:
+def _check_args(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+) -> tuple[int, int, int]:
     """Trace-time shape/dtype checks; returns ``(num_kv_heads, q_per_kv, pages_per_seq)``."""
     if q.ndim != 3:
         raise ValueError(f"q has shape {list(q.shape)}; expected [total_q_tokens, num_q_heads, head_dim]")
@@ -135,12 +141,19 @@ def _check_args(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indi
     if page_indices.ndim != 2:
         raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
     max_seqs = page_indices.shape[0]
-    for name, x, shape in (("kv_lens", kv_lens, (max_seqs,)), ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
-                           ("num_seqs", num_seqs, (1,))):
+    for name, x, shape in (
+        ("kv_lens", kv_lens, (max_seqs,)),
+        ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
+        ("num_seqs", num_seqs, (1,)),
+    ):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-                    ("num_seqs", num_seqs)):
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
         if jnp.dtype(x.dtype).kind not in "iu":
             raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
     return num_kv_heads, num_q_heads // num_kv_heads, page_indices.shape[1]
@@ -259,8 +272,9 @@ class _SeqView(NamedTuple):
     active: Any  # bool: there is something to compute
 
 
-def _split_kv(stage_ref: Any, h: int, num_kv_heads: int, block_kv: int, v_ok: Any, packed: bool,
-              dtype: Any) -> tuple[Any, Any]:
+def _split_kv(
+    stage_ref: Any, h: int, num_kv_heads: int, block_kv: int, v_ok: Any, packed: bool, dtype: Any
+) -> tuple[Any, Any]:
     """K and V of KV head ``h`` (``[bkv, Dp]`` each, ``dtype``) from the staged KV block.
 
     Why staging: in the pool's tiled layout one token's combined heads fill the sublanes of a tile,
@@ -352,8 +366,9 @@ def _rpa_kernel(
         # interpreters only run with a TPU device kind. All operands are >= 0 here.
         k_lo = jax.lax.div(kv_start, block_kv)
         k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)
-        return _SeqView(t_lo, t_hi, first_pos, kv_start, kv_end, k_lo, k_hi, s * padded_pages_per_seq,
-                        (t_lo < t_hi) & (k_lo < k_hi))
+        return _SeqView(
+            t_lo, t_hi, first_pos, kv_start, kv_end, k_lo, k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_lo < k_hi)
+        )
 
     def page_range(seq: _SeqView, k: Any) -> tuple[Any, Any]:
         """Pages ``[j_lo, j_hi)`` of KV block k (block-local numbers) that hold visible keys."""
@@ -416,9 +431,9 @@ def _rpa_kernel(
         for h in range(num_kv_heads):  # static: one [R, Dp] x [Dp, bkv] matmul per KV head
             q = q_ref[h]
             keys, values = _split_kv(stage_ref, h, num_kv_heads, block_kv, v_ok, packed, kv_buf.dtype)
-            logits = jax.lax.dot_general(
-                q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            ) * sm_scale
+            logits = (
+                jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+            )
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             logits = jnp.where(mask, logits, _MASK_VALUE)
@@ -481,8 +496,9 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def default_block_sizes(total_q_tokens: int, max_seqs: int, q_per_kv: int, page_size: int,
-                        pages_per_seq: int) -> tuple[int, int]:
+def default_block_sizes(
+    total_q_tokens: int, max_seqs: int, q_per_kv: int, page_size: int, pages_per_seq: int
+) -> tuple[int, int]:
     """``(block_q, block_kv_pages)`` heuristics; both are static (they shape the compiled kernel).
 
     * ``block_q`` (tokens per grid step, a multiple of 8; rows ``block_q * q_per_kv`` a multiple
@@ -597,8 +613,13 @@ def ragged_paged_attention_kernel(
     )
     # VMEM: double-buffered q/out blocks, the KV double buffer and its staging copy, the f32
     # state (m and l pad to 128 lanes) and the logits temporaries.
-    vmem = (4 * num_kv_heads * rows * dim_padded * itemsize + 3 * block_kv * combined * dim_padded * itemsize
-            + num_kv_heads * rows * (dim_padded + 2 * 128) * 4 + 4 * rows * block_kv * 4 + rows * 128 * 4)
+    vmem = (
+        4 * num_kv_heads * rows * dim_padded * itemsize
+        + 3 * block_kv * combined * dim_padded * itemsize
+        + num_kv_heads * rows * (dim_padded + 2 * 128) * 4
+        + 4 * rows * block_kv * 4
+        + rows * 128 * 4
+    )
     # Bounds checks off (as in tpu-inference): they double the scalar work of issuing a page DMA,
     # and every DMA is in bounds by construction: page ids were clamped into [0, num_pages] above
     # (0 is never fetched) and a destination is page j < block_kv_pages of its buffer half. The

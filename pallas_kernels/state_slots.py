@@ -190,9 +190,7 @@ def copy_state_slots_kernel(states: States, src: jax.Array, dst: jax.Array, *, i
     s = jnp.where((src >= 0) & (src < num_slots), src, 0)
     d = _kept(dst, num_slots)
     starts, num_runs = _engine.contiguous_runs(s, d)
-    kernel = functools.partial(
-        _copy_kernel, num_arrays=num_arrays, dynamic=_engine.uses_dynamic_dma(interpret)
-    )
+    kernel = functools.partial(_copy_kernel, num_arrays=num_arrays, dynamic=_engine.uses_dynamic_dma(interpret))
     moved = 2 * n * sum(a.size // num_slots * a.dtype.itemsize for a in states)
     outs = pl.pallas_call(
         kernel,

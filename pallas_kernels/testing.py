@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 # Private module: the only place jax 0.10.2 exposes the TPU interpreter's race flag.
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 from jax.experimental.pallas import tpu as pltpu

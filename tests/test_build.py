@@ -107,15 +107,18 @@ def test_build_bad_config_raises_config_error_before_allocating():
 def test_build_mem_fraction_needs_device_memory_on_cpu():
     # The CPU device reports no memory limit: the error says what to pass instead.
     try:
-        cache = build_kv_cache(ModelSpec.preset("tiny"),
-                               CacheConfig(mem_fraction_static=0.001, max_running_requests=4, context_length=256))
+        cache = build_kv_cache(
+            ModelSpec.preset("tiny"), CacheConfig(mem_fraction_static=0.001, max_running_requests=4, context_length=256)
+        )
     except kvjax.ConfigError as e:
         assert "device_memory_bytes" in str(e)
     else:
         assert cache.plan.kv_budget_bytes > 0
-    cache = build_kv_cache(ModelSpec.preset("tiny"),
-                           CacheConfig(mem_fraction_static=0.5, max_running_requests=4, context_length=256),
-                           device_memory_bytes=2**24)
+    cache = build_kv_cache(
+        ModelSpec.preset("tiny"),
+        CacheConfig(mem_fraction_static=0.5, max_running_requests=4, context_length=256),
+        device_memory_bytes=2**24,
+    )
     assert cache.plan.kv_budget_bytes == 2**23
 
 

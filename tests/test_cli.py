@@ -57,8 +57,12 @@ def test_plan_bad_input_exits_2_with_the_field_named(capsys):
 
 
 def test_python_dash_m_kvjax_plan_runs():
-    out = subprocess.run([sys.executable, "-m", "kvjax", "plan", "--model", "deepseek-v3", "--memory", "80GiB",
-                          "--tp", "8", "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax", "plan", "--model", "deepseek-v3", "--memory", "80GiB", "--tp", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["is_mla"] and plan["kv_pool_kind"] == "mla"

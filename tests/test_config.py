@@ -12,15 +12,43 @@ from kvjax import CacheConfig, ConfigError
 def test_defaults_are_valid_and_use_sglang_names():
     config = CacheConfig()
     names = {f.name for f in dataclasses.fields(config)}
-    for name in ("page_size", "kv_cache_dtype", "max_total_tokens", "max_running_requests", "context_length",
-                 "disable_radix_cache", "chunked_prefill_size", "radix_eviction_policy", "enable_hierarchical_cache",
-                 "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_mem_layout", "disaggregation_mode",
-                 "disaggregation_decode_enable_radix_cache", "disaggregation_decode_retraction_backup",
-                 "disaggregation_decode_enable_offload_kvcache", "enable_priority_scheduling",
-                 "disable_priority_preemption", "speculative_algorithm", "speculative_num_draft_tokens",
-                 "enable_session_radix_cache", "enable_kv_cache_events", "enable_metrics", "model_impl",
-                 "swa_full_tokens_ratio", "mamba_full_memory_ratio", "enable_mamba_extra_buffer", "tp_size",
-                 "pp_size", "pp_rank", "dp_size", "enable_dp_attention", "dcp_size", "vlm_cache_size_mb"):
+    for name in (
+        "page_size",
+        "kv_cache_dtype",
+        "max_total_tokens",
+        "max_running_requests",
+        "context_length",
+        "disable_radix_cache",
+        "chunked_prefill_size",
+        "radix_eviction_policy",
+        "enable_hierarchical_cache",
+        "hicache_ratio",
+        "hicache_size",
+        "hicache_write_policy",
+        "hicache_mem_layout",
+        "disaggregation_mode",
+        "disaggregation_decode_enable_radix_cache",
+        "disaggregation_decode_retraction_backup",
+        "disaggregation_decode_enable_offload_kvcache",
+        "enable_priority_scheduling",
+        "disable_priority_preemption",
+        "speculative_algorithm",
+        "speculative_num_draft_tokens",
+        "enable_session_radix_cache",
+        "enable_kv_cache_events",
+        "enable_metrics",
+        "model_impl",
+        "swa_full_tokens_ratio",
+        "mamba_full_memory_ratio",
+        "enable_mamba_extra_buffer",
+        "tp_size",
+        "pp_size",
+        "pp_rank",
+        "dp_size",
+        "enable_dp_attention",
+        "dcp_size",
+        "vlm_cache_size_mb",
+    ):
         assert name in names
     assert config.radix_eviction_policy == "lru" and config.swa_full_tokens_ratio == 0.8
     assert config.mamba_full_memory_ratio == 0.9 and config.hicache_write_policy == "write_through"
@@ -74,8 +102,15 @@ def test_chunked_prefill_minus_one_disables_it():
 
 
 def test_derived_facts():
-    config = CacheConfig(page_size=16, dcp_size=4, tp_size=8, dp_size=2, enable_dp_attention=True,
-                         disaggregation_mode="decode", enable_priority_scheduling=True)
+    config = CacheConfig(
+        page_size=16,
+        dcp_size=4,
+        tp_size=8,
+        dp_size=2,
+        enable_dp_attention=True,
+        disaggregation_mode="decode",
+        enable_priority_scheduling=True,
+    )
     assert config.dcp_enabled and config.alloc_page_size == 64
     assert config.attn_tp_size == 4
     assert config.need_sort and config.priority_preemption

@@ -9,8 +9,16 @@ import sys
 from kvjax.demo import run_demo
 from kvjax.serve.workload import Workload
 
-SMALL = Workload(groups=2, prompts_per_group=3, system_tokens=64, question_tokens=8, chats=2, turns=2,
-                 turn_tokens=16, output_tokens=4)
+SMALL = Workload(
+    groups=2,
+    prompts_per_group=3,
+    system_tokens=64,
+    question_tokens=8,
+    chats=2,
+    turns=2,
+    turn_tokens=16,
+    output_tokens=4,
+)
 
 
 def test_demo_report_is_consistent():
@@ -25,13 +33,42 @@ def test_demo_report_is_consistent():
 
 def test_python_dash_m_kvjax_demo_json_has_the_documented_keys():
     out = subprocess.run(
-        [sys.executable, "-m", "kvjax", "demo", "--json", "--groups", "1", "--prompts-per-group", "2",
-         "--system-tokens", "48", "--chats", "1", "--turns", "2", "--output-tokens", "3"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "kvjax",
+            "demo",
+            "--json",
+            "--groups",
+            "1",
+            "--prompts-per-group",
+            "2",
+            "--system-tokens",
+            "48",
+            "--chats",
+            "1",
+            "--turns",
+            "2",
+            "--output-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    for key in ("requests", "prompt_tokens", "cached_tokens", "hit_rate", "generated_tokens", "tokens_per_second",
-                "evicted_tokens", "retractions", "leak_free", "cold_equals_warm"):
+    for key in (
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "hit_rate",
+        "generated_tokens",
+        "tokens_per_second",
+        "evicted_tokens",
+        "retractions",
+        "leak_free",
+        "cold_equals_warm",
+    ):
         assert key in report
     assert report["requests"] == 4 and report["leak_free"] and report["cold_equals_warm"]

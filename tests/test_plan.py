@@ -10,7 +10,7 @@ import pytest
 from kvjax import ConfigError
 from kvjax.config import CacheConfig
 from kvjax.plan import plan_kv_cache
-from tests.specs import F, R, S, dense, mla, ssm, swa
+from tests.specs import F, S, dense, mla, ssm, swa
 
 GiB = 2**30
 
@@ -160,8 +160,14 @@ def test_req_to_token_width_is_context_plus_4_plus_draft_tokens():
 
 
 def test_req_to_token_width_reserves_a_decode_double_buffer_on_pages_with_speculation():
-    p = plan(dense(context=4096), speculative_algorithm="EAGLE", speculative_num_draft_tokens=4,
-             speculative_num_steps=3, speculative_eagle_topk=4, page_size=16)
+    p = plan(
+        dense(context=4096),
+        speculative_algorithm="EAGLE",
+        speculative_num_draft_tokens=4,
+        speculative_num_steps=3,
+        speculative_eagle_topk=4,
+        page_size=16,
+    )
     assert p.req_to_token_width == 4096 + max(4 + 4, 2 * 12 + 16 - 1)
 
 
@@ -450,9 +456,20 @@ def test_plan_is_pure_and_deterministic():
 def test_plan_to_dict_is_json_able_and_complete():
     p = plan(ssm(), enable_hierarchical_cache=True)
     d = json.loads(json.dumps(p.to_dict()))
-    for key in ("is_hybrid_swa", "is_hybrid_ssm", "sliding_window_size", "full_tokens_per_layer",
-                "swa_tokens_per_layer", "max_total_tokens", "num_pages", "bytes_per_token",
-                "disable_radix_cache", "tree_cache_kind", "decode_retraction_backup", "hicache_ratio"):
+    for key in (
+        "is_hybrid_swa",
+        "is_hybrid_ssm",
+        "sliding_window_size",
+        "full_tokens_per_layer",
+        "swa_tokens_per_layer",
+        "max_total_tokens",
+        "num_pages",
+        "bytes_per_token",
+        "disable_radix_cache",
+        "tree_cache_kind",
+        "decode_retraction_backup",
+        "hicache_ratio",
+    ):
         assert key in d
     assert {pool["name"] for pool in d["pools"]} >= {"kv", "conv_state_0", "ssm_state", "req_to_token", "host_kv"}
 

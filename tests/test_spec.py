@@ -285,8 +285,13 @@ def test_qwen3_next_layer_types_and_ssm_dtype():
 
 def test_recurrent_state_with_unequal_head_dims():
     config = raw_preset("qwen3-next-80b-a3b")
-    config.update(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-                  linear_value_head_dim=64, linear_conv_kernel_dim=3)
+    config.update(
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=3,
+    )
     state = parse_hf_config(config).recurrent
     assert state == RecurrentStateSpec(((2 * 4 * 32 + 8 * 64, 2),), "bfloat16", (8, 64, 32), "float32")
 
@@ -307,8 +312,12 @@ def test_defaults_for_head_dim_kv_heads_dtype_and_rope():
 
 @pytest.mark.parametrize(
     "entry, dtype",
-    [({"torch_dtype": "float16"}, "float16"), ({"torch_dtype": "torch.bfloat16"}, "bfloat16"),
-     ({"dtype": "float32", "torch_dtype": "float16"}, "float32"), ({"torch_dtype": "auto"}, "bfloat16")],
+    [
+        ({"torch_dtype": "float16"}, "float16"),
+        ({"torch_dtype": "torch.bfloat16"}, "bfloat16"),
+        ({"dtype": "float32", "torch_dtype": "float16"}, "float32"),
+        ({"torch_dtype": "auto"}, "bfloat16"),
+    ],
 )
 def test_dtype_mapping(entry, dtype):
     config = {**raw_preset("tiny"), **entry}
@@ -357,9 +366,15 @@ def test_no_model_type_and_no_known_architecture():
 
 @pytest.mark.parametrize(
     "preset, key",
-    [("llama-3-8b", "num_hidden_layers"), ("llama-3-8b", "max_position_embeddings"),
-     ("mistral-7b", "vocab_size"), ("deepseek-v3", "kv_lora_rank"), ("deepseek-v3", "qk_rope_head_dim"),
-     ("qwen3-next-80b-a3b", "linear_num_key_heads"), ("qwen3-next-80b-a3b", "linear_conv_kernel_dim")],
+    [
+        ("llama-3-8b", "num_hidden_layers"),
+        ("llama-3-8b", "max_position_embeddings"),
+        ("mistral-7b", "vocab_size"),
+        ("deepseek-v3", "kv_lora_rank"),
+        ("deepseek-v3", "qk_rope_head_dim"),
+        ("qwen3-next-80b-a3b", "linear_num_key_heads"),
+        ("qwen3-next-80b-a3b", "linear_conv_kernel_dim"),
+    ],
 )
 def test_missing_required_key_is_named(preset, key):
     config = raw_preset(preset)

@@ -198,9 +198,7 @@ class BaseTokenToKVPoolAllocator:
         page_size = int(page_size)
         num_pages = int(size) // page_size
         if (num_pages + 1) * page_size - 1 > _INT32_MAX:
-            raise ConfigError(
-                "size", size, f"slot ids must fit int32: use at most {_INT32_MAX // page_size - 1} pages"
-            )
+            raise ConfigError("size", size, f"slot ids must fit int32: use at most {_INT32_MAX // page_size - 1} pages")
         self.page_size = page_size
         self.num_pages = num_pages
         self.size = num_pages * page_size
@@ -265,6 +263,7 @@ class BaseTokenToKVPoolAllocator:
         Frees buffered by an open free group are not part of the snapshot: those pages are
         still in use until the group ends.
         """
+
         def frozen(a: np.ndarray) -> np.ndarray:
             a.flags.writeable = False
             return a
@@ -543,9 +542,7 @@ class BaseTokenToKVPoolAllocator:
         """Range and trash-page checks; returns the page of each id."""
         bad = (idx < 0) | (idx >= self._num_slots)
         if bad.any():
-            raise InvalidSlotError(
-                f"free: ids out of range [0, {self._num_slots}): {format_ids(idx[bad])}"
-            )
+            raise InvalidSlotError(f"free: ids out of range [0, {self._num_slots}): {format_ids(idx[bad])}")
         pages = idx // self.page_size
         bad = pages == 0
         if bad.any():
@@ -560,9 +557,7 @@ class BaseTokenToKVPoolAllocator:
         bad = self._is_free[pages] | self._is_pending[pages]
         if bad.any():
             what = "slots" if self.page_size == 1 else "pages"
-            raise DoubleFreeError(
-                f"free: {what} already free (double free): {format_ids(pages[bad])}"
-            )
+            raise DoubleFreeError(f"free: {what} already free (double free): {format_ids(pages[bad])}")
 
     def _has_duplicates(self, pages: np.ndarray) -> np.ndarray:
         """Mask of the entries of ``pages`` that repeat an earlier-or-later entry (O(n))."""
@@ -632,6 +627,7 @@ class BaseTokenToKVPoolAllocator:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the counters, lists and bitmaps disagree. O(num_pages)."""
+
         def fail(msg: str) -> None:
             raise AssertionError(f"{type(self).__name__}: {msg}")
 

@@ -22,7 +22,7 @@ class CachePools:
 
     kv: MHAKVPool
 
-    def replace(self, **changes: Any) -> "CachePools":
+    def replace(self, **changes: Any) -> CachePools:
         """A copy with some pools replaced."""
         return dataclasses.replace(self, **changes)
 

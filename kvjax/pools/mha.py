@@ -130,7 +130,7 @@ class MHAKVPool:
         start_layer: int = 0,
         mesh: Mesh | None = None,
         kv_head_axis: str = "tp",
-    ) -> "MHAKVPool":
+    ) -> MHAKVPool:
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
         ``head_dim_alignment`` defaults to 128 on TPU and 1 elsewhere. Each layer is created
@@ -240,7 +240,7 @@ class MHAKVPool:
         v: jax.Array,
         k_scale: float | jax.Array | None = None,
         v_scale: float | jax.Array | None = None,
-    ) -> "MHAKVPool":
+    ) -> MHAKVPool:
         """Write ``k[i]``, ``v[i]`` into token slot ``loc[i]`` of layer ``layer_id``; return the new pool.
 
         ``k``: ``[n, num_kv_heads, head_dim]``, ``v``: ``[n, num_kv_heads, v_head_dim]``, any float
@@ -260,12 +260,13 @@ class MHAKVPool:
         write = _write_slots
         if self.mesh is not None:
             axis = self.kv_head_axis
-            write = jax.shard_map(write, mesh=self.mesh, in_specs=(_HEAD_SPEC(axis), P(None, axis, None), P()),
-                                  out_specs=_HEAD_SPEC(axis))
+            write = jax.shard_map(
+                write, mesh=self.mesh, in_specs=(_HEAD_SPEC(axis), P(None, axis, None), P()), out_specs=_HEAD_SPEC(axis)
+            )
         layers[index] = write(layers[index], packed, slots)
         return self.replace(kv=tuple(layers))
 
-    def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> "MHAKVPool":
+    def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> MHAKVPool:
         """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled."""
         index = self._layer_index(layer_id)
         return self.replace(
@@ -273,7 +274,7 @@ class MHAKVPool:
             v_scale=self.v_scale.at[index].set(jnp.float32(v_scale)),
         )
 
-    def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> "MHAKVPool":
+    def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> MHAKVPool:
         """Copy token slots ``src_loc[i] -> tgt_loc[i]`` in every layer; return the new pool.
 
         All sources are read before any target is written (a chain ``1->2, 2->3`` copies the old
@@ -291,7 +292,7 @@ class MHAKVPool:
             copy = jax.shard_map(copy, mesh=self.mesh, in_specs=(specs, P(), P()), out_specs=specs)
         return self.replace(kv=copy(self.kv, src, tgt))
 
-    def replace(self, **changes: Any) -> "MHAKVPool":
+    def replace(self, **changes: Any) -> MHAKVPool:
         """A copy with some fields changed (the pytree analogue of an in-place update)."""
         return dataclasses.replace(self, **changes)
 
@@ -343,11 +344,9 @@ class MHAKVPool:
         """Host copies of the given slots of every layer (retraction with the ``cpu_tensor`` backup)."""
         check_slots(loc, self.num_slots)
         slots = jnp.asarray(loc, jnp.int32)
-        return [
-            np.asarray(jax.device_get(a.reshape(self.num_slots, *a.shape[2:])[slots])) for a in self.kv
-        ]
+        return [np.asarray(jax.device_get(a.reshape(self.num_slots, *a.shape[2:])[slots])) for a in self.kv]
 
-    def load_cpu_copy(self, copy: list[np.ndarray], loc: np.ndarray) -> "MHAKVPool":
+    def load_cpu_copy(self, copy: list[np.ndarray], loc: np.ndarray) -> MHAKVPool:
         """Write host copies made by ``get_cpu_copy`` back into the given slots; return the new pool."""
         check_slots(loc, self.num_slots)
         if len(copy) != self.num_layers:

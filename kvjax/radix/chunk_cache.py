@@ -7,7 +7,7 @@ request its own slots back (``prefix_indices``), and at finish it frees them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -60,8 +60,8 @@ class ChunkCache:
 
     def __init__(
         self,
-        req_to_token_pool: Optional[Any] = None,
-        token_to_kv_pool_allocator: Optional[Any] = None,
+        req_to_token_pool: Any | None = None,
+        token_to_kv_pool_allocator: Any | None = None,
         page_size: int = 1,
         **_: Any,
     ) -> None:

@@ -19,7 +19,8 @@ interface on its hot paths.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,27 +37,27 @@ class TreeComponent:
         """Called once by the tree that owns this component."""
         self.tree = tree
 
-    def limit_match(self, node: "TreeNode", length: int) -> tuple["TreeNode", int]:
+    def limit_match(self, node: TreeNode, length: int) -> tuple[TreeNode, int]:
         """Given the deepest full-KV match ``(node, length)``, return the deepest acceptable
         ``(ancestor_or_self, its depth)``. Default: accept everything."""
         return node, length
 
-    def on_new_leaf(self, node: "TreeNode") -> None:
+    def on_new_leaf(self, node: TreeNode) -> None:
         """A node was created by an insert (its ``value`` is set)."""
 
-    def on_split(self, parent: "TreeNode", child: "TreeNode", split_len: int) -> None:
+    def on_split(self, parent: TreeNode, child: TreeNode, split_len: int) -> None:
         """``child`` was cut at ``split_len``: ``parent`` now holds its first ``split_len``
         key elements and ``child`` the rest."""
 
-    def lock(self, node: "TreeNode") -> Any:
+    def lock(self, node: TreeNode) -> Any:
         """Lock what this component needs for a request ending at ``node``; the return value
         is stored in the receipt and handed back to :meth:`unlock`."""
         return None
 
-    def unlock(self, node: "TreeNode", part: Any) -> None:
+    def unlock(self, node: TreeNode, part: Any) -> None:
         """Release what :meth:`lock` returned ``part`` for."""
 
-    def on_evict(self, nodes: Sequence["TreeNode"], values: Sequence[np.ndarray]) -> None:
+    def on_evict(self, nodes: Sequence[TreeNode], values: Sequence[np.ndarray]) -> None:
         """``nodes`` were evicted (detached); ``values`` are their full-KV slot ids."""
 
     def on_reset(self, values: Sequence[np.ndarray]) -> None:
@@ -79,7 +80,7 @@ class FullKVComponent(TreeComponent):
 
     name = "full"
 
-    def __init__(self, allocator: Optional[Any] = None) -> None:
+    def __init__(self, allocator: Any | None = None) -> None:
         self.allocator = allocator
 
     def _free(self, values: Sequence[np.ndarray]) -> None:
@@ -90,7 +91,7 @@ class FullKVComponent(TreeComponent):
             # One free per evict call: the allocator's per-call checks dominate small frees.
             self.allocator.free(arr)
 
-    def on_evict(self, nodes: Sequence["TreeNode"], values: Sequence[np.ndarray]) -> None:
+    def on_evict(self, nodes: Sequence[TreeNode], values: Sequence[np.ndarray]) -> None:
         self._free(values)
 
     def on_reset(self, values: Sequence[np.ndarray]) -> None:

@@ -14,8 +14,9 @@ One ``BlockStored`` is emitted per new node and carries all of its pages (``bloc
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Union
+from typing import Any, Union
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class BlockStored:
     """
 
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     extra_key: Hashable = None
@@ -68,7 +69,7 @@ class PageHasher:
             processes: routers can compare them).
     """
 
-    def __init__(self, seed: Union[int, bytes, str] = 0) -> None:
+    def __init__(self, seed: int | bytes | str = 0) -> None:
         if isinstance(seed, int):
             seed = seed.to_bytes(16, "little", signed=True)
         elif isinstance(seed, str):
@@ -106,7 +107,7 @@ class PageHasher:
 class EventQueue:
     """Delivers events to ``sink`` (a callable or a list), or queues them for ``take()``."""
 
-    sink: Optional[EventSink] = None
+    sink: EventSink | None = None
     pending: list = field(default_factory=list)
 
     def emit(self, event: KVEvent) -> None:

@@ -18,7 +18,8 @@ number. ``fifo``/``filo`` never change after creation; ``lru``, ``lfu``, ``prior
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
 
@@ -41,7 +42,7 @@ class EvictionPolicy:
     monotone: bool = True
     uses_hit_count: bool = False
 
-    def priority(self, node: "TreeNode") -> Any:  # pragma: no cover - abstract
+    def priority(self, node: TreeNode) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -53,7 +54,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def priority(self, node: "TreeNode") -> int:
+    def priority(self, node: TreeNode) -> int:
         return node.last_access
 
 
@@ -63,7 +64,7 @@ class LFUPolicy(EvictionPolicy):
     name = "lfu"
     uses_hit_count = True
 
-    def priority(self, node: "TreeNode") -> tuple[int, int]:
+    def priority(self, node: TreeNode) -> tuple[int, int]:
         return (node.hit_count, node.last_access)
 
 
@@ -72,7 +73,7 @@ class FIFOPolicy(EvictionPolicy):
 
     name = "fifo"
 
-    def priority(self, node: "TreeNode") -> int:
+    def priority(self, node: TreeNode) -> int:
         return node.creation
 
 
@@ -83,7 +84,7 @@ class MRUPolicy(EvictionPolicy):
     name = "mru"
     monotone = False
 
-    def priority(self, node: "TreeNode") -> int:
+    def priority(self, node: TreeNode) -> int:
         return -node.last_access
 
 
@@ -92,7 +93,7 @@ class FILOPolicy(EvictionPolicy):
 
     name = "filo"
 
-    def priority(self, node: "TreeNode") -> int:
+    def priority(self, node: TreeNode) -> int:
         return -node.creation
 
 
@@ -105,7 +106,7 @@ class PriorityPolicy(EvictionPolicy):
 
     name = "priority"
 
-    def priority(self, node: "TreeNode") -> tuple[int, int]:
+    def priority(self, node: TreeNode) -> tuple[int, int]:
         return (node.priority, node.last_access)
 
 
@@ -125,7 +126,7 @@ class SLRUPolicy(EvictionPolicy):
             )
         self.protected_threshold = int(protected_threshold)
 
-    def priority(self, node: "TreeNode") -> tuple[int, int]:
+    def priority(self, node: TreeNode) -> tuple[int, int]:
         return (1 if node.hit_count >= self.protected_threshold else 0, node.last_access)
 
     def __repr__(self) -> str:

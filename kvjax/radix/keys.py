@@ -28,7 +28,8 @@ builds the other lazily, once. Mismatch positions are found by bisecting slice c
 from __future__ import annotations
 
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -105,7 +106,11 @@ def as_slot_array(indices: Any, n: int, limit: int | None) -> np.ndarray:
     if n:
         # One reduction: viewed as unsigned, negative ids become huge, so a single max bounds
         # both ends (int64 views as uint64 the same way).
-        u = v.view(np.uint32 if v.dtype.itemsize == 4 else np.uint64) if v.dtype.kind == "i" and v.dtype.itemsize in (4, 8) else v
+        u = (
+            v.view(np.uint32 if v.dtype.itemsize == 4 else np.uint64)
+            if v.dtype.kind == "i" and v.dtype.itemsize in (4, 8)
+            else v
+        )
         bound = limit if limit is not None else _I32_MAX + 1
         if int(u.max()) >= bound:
             bad = v[(v < 0) | (v >= bound)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 
 class LockError(RuntimeError):
@@ -23,7 +23,7 @@ class LockReceipt:
 
     __slots__ = ("node", "delta", "parts", "released", "owner")
 
-    def __init__(self, node: Any, delta: int, parts: Optional[tuple] = None, owner: object = None) -> None:
+    def __init__(self, node: Any, delta: int, parts: tuple | None = None, owner: object = None) -> None:
         self.node = node
         self.delta = delta
         self.parts = parts

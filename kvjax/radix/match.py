@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,14 +30,14 @@ class MatchResult:
 
     __slots__ = ("_indices", "_parts", "last_node", "prefix_len")
 
-    def __init__(self, indices: np.ndarray, last_node: Any, prefix_len: Optional[int] = None) -> None:
+    def __init__(self, indices: np.ndarray, last_node: Any, prefix_len: int | None = None) -> None:
         self._indices = indices
-        self._parts: Optional[Sequence[np.ndarray]] = None
+        self._parts: Sequence[np.ndarray] | None = None
         self.last_node = last_node
         self.prefix_len = int(indices.shape[0]) if prefix_len is None else prefix_len
 
     @classmethod
-    def from_parts(cls, parts: Sequence[np.ndarray], last_node: Any, prefix_len: int) -> "MatchResult":
+    def from_parts(cls, parts: Sequence[np.ndarray], last_node: Any, prefix_len: int) -> MatchResult:
         """A result whose ``indices`` are the first ``prefix_len`` ids of ``parts`` (int32
         arrays, never written to afterwards), concatenated on first access."""
         r = cls.__new__(cls)

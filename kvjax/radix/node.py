@@ -24,7 +24,8 @@ Invariants (checked by ``RadixCache.sanity_check``):
 from __future__ import annotations
 
 import itertools
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -87,25 +88,25 @@ class TreeNode:
 
     def __init__(self, owner: object, t: int) -> None:
         self.id = next(_ids)
-        self.parent: Optional[TreeNode] = None
+        self.parent: TreeNode | None = None
         self.children: dict[Hashable, TreeNode] = {}
-        self.first: Optional[dict[int, Any]] = None
-        self.key: Optional[bytes] = None
-        self.klist: Optional[list] = None
+        self.first: dict[int, Any] | None = None
+        self.key: bytes | None = None
+        self.klist: list | None = None
         self.ckey: Hashable = None
         self.klen = 0
         self.depth = 0
-        self.value: Optional[np.ndarray] = None
+        self.value: np.ndarray | None = None
         self.lock_ref = 0
         self.last_access = t
         self.creation = t
         self.hit_count = 0
         self.priority = 0
         self.extra_key: Hashable = None
-        self.hashes: Optional[list[int]] = None
+        self.hashes: list[int] | None = None
         self.heap_seq = -1
         self.owner = owner
-        self.comp: Optional[dict[str, Any]] = None
+        self.comp: dict[str, Any] | None = None
 
     @property
     def evicted(self) -> bool:
@@ -118,7 +119,7 @@ class TreeNode:
             return list(self.klist)
         return np.frombuffer(self.key or b"", dtype=np.int32).tolist()
 
-    def __lt__(self, other: "TreeNode") -> bool:
+    def __lt__(self, other: TreeNode) -> bool:
         # SGLang orders nodes by access time for heap tie-breaks; kept for compatibility.
         return (self.last_access, self.id) < (other.last_access, other.id)
 

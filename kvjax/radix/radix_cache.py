@@ -18,7 +18,8 @@ flat in the request's length.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -55,15 +56,15 @@ class RadixCache(RadixTree):
         page_size: int = 1,
         eviction_policy: str | EvictionPolicy = "lru",
         *,
-        req_to_token_pool: Optional[Any] = None,
-        token_to_kv_pool_allocator: Optional[Any] = None,
+        req_to_token_pool: Any | None = None,
+        token_to_kv_pool_allocator: Any | None = None,
         disable: bool = False,
         is_eagle: bool = False,
         enable_kv_cache_events: bool = False,
-        event_sink: Optional[EventSink] = None,
+        event_sink: EventSink | None = None,
         enable_metrics: bool = False,
         hash_seed: int | bytes | str = 0,
-        eviction_policy_config: Optional[dict] = None,
+        eviction_policy_config: dict | None = None,
         components: tuple = (),
     ) -> None:
         super().__init__(
@@ -184,7 +185,9 @@ class RadixCache(RadixTree):
         n_tok = len(token_ids) if type(token_ids) is list else int(token_ids.shape[0])
         if indices is None:
             if self._full.allocator is not None:
-                raise ValueError("insert: indices=None only for standalone trees; pass the slot ids when an allocator is attached")
+                raise ValueError(
+                    "insert: indices=None only for standalone trees; pass the slot ids when an allocator is attached"
+                )
             values = None
         else:
             values = as_slot_array(indices, n_tok, self._slot_limit)
@@ -198,7 +201,16 @@ class RadixCache(RadixTree):
         src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
         self._clock += 1
         _, matched, _ = self._insert_walk(
-            self.root, src, is_bytes, n, values, extra_key, int(priority) if priority else 0, self._clock, not chunked, False
+            self.root,
+            src,
+            is_bytes,
+            n,
+            values,
+            extra_key,
+            int(priority) if priority else 0,
+            self._clock,
+            not chunked,
+            False,
         )
         return matched
 

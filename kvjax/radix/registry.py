@@ -22,7 +22,7 @@ host tier attached     NotImplementedError: host-memory tier
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
@@ -40,9 +40,9 @@ _MISSING = {
 def create_tree_cache(
     plan: Any,
     *,
-    req_to_token_pool: Optional[Any] = None,
-    token_to_kv_pool_allocator: Optional[Any] = None,
-    event_sink: Optional[EventSink] = None,
+    req_to_token_pool: Any | None = None,
+    token_to_kv_pool_allocator: Any | None = None,
+    event_sink: EventSink | None = None,
 ) -> ChunkCache | RadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
     attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
@@ -53,7 +53,7 @@ def create_tree_cache(
         ConfigError: an unknown ``tree_cache_kind`` or eviction policy.
         NotImplementedError: a kind or component that is not built yet (named).
     """
-    kind = getattr(plan, "tree_cache_kind")
+    kind = plan.tree_cache_kind
     page_size = int(getattr(plan, "tree_page_size", 1) or 1)
     if kind not in TREE_CACHE_KINDS:
         raise ConfigError("tree_cache_kind", kind, f"use one of {', '.join(TREE_CACHE_KINDS)}")
@@ -68,7 +68,9 @@ def create_tree_cache(
             f"tree_cache_kind={kind!r} needs the SWA chunk cache (SWAChunkCache over the SWA allocator), which is not built yet"
         )
     if kind == "pure_swa_radix":
-        raise NotImplementedError("tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet")
+        raise NotImplementedError(
+            "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
+        )
     components = tuple(getattr(plan, "tree_components", ("full",)) or ("full",))
     for comp in components:
         if comp == "full":

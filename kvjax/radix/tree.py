@@ -23,7 +23,8 @@ from __future__ import annotations
 import heapq
 import struct
 import sys
-from typing import Any, Hashable, Iterator, Optional, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,6 @@ from kvjax.radix.eviction import EvictionPolicy, get_eviction_policy
 from kvjax.radix.keys import INT32, decode_tokens
 from kvjax.radix.lock import LockError, LockReceipt
 from kvjax.radix.node import TreeNode
-
 from kvjax.radix.stats import CacheStats
 
 _pack = struct.pack
@@ -75,13 +75,13 @@ class RadixTree:
         page_size: int = 1,
         eviction_policy: str | EvictionPolicy = "lru",
         *,
-        allocator: Optional[Any] = None,
+        allocator: Any | None = None,
         is_eagle: bool = False,
         components: Sequence[TreeComponent] = (),
         enable_kv_cache_events: bool = False,
-        event_sink: Optional[EventSink] = None,
+        event_sink: EventSink | None = None,
         hash_seed: int | bytes | str = 0,
-        eviction_policy_config: Optional[dict] = None,
+        eviction_policy_config: dict | None = None,
     ) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ConfigError("page_size", page_size, "use an integer >= 1")
@@ -108,7 +108,7 @@ class RadixTree:
         self.components: tuple[TreeComponent, ...] = (self._full,) + self._extra
         events_on = bool(enable_kv_cache_events) or event_sink is not None
         self.enable_kv_cache_events = events_on
-        self._events: Optional[EventQueue] = EventQueue(event_sink) if events_on else None
+        self._events: EventQueue | None = EventQueue(event_sink) if events_on else None
         self._hasher = PageHasher(hash_seed)
         self.stats = CacheStats()
         # Measurement switch: every match walks (and splits) as usual but reports no hit.
@@ -226,7 +226,7 @@ class RadixTree:
             return self._child_key(node.klist, False, 0)
         return self._child_key(node.key, True, 0)
 
-    def _find_child(self, node: TreeNode, src: Any, is_bytes: bool, off: int, extra_key: Hashable) -> Optional[TreeNode]:
+    def _find_child(self, node: TreeNode, src: Any, is_bytes: bool, off: int, extra_key: Hashable) -> TreeNode | None:
         """The child of ``node`` whose edge may continue ``src`` at element ``off``.
 
         Exact (the child keyed by the page at ``off``) except for list sources in a tree with
@@ -380,13 +380,13 @@ class RadixTree:
         src: Any,
         is_bytes: bool,
         n: int,
-        values: Optional[np.ndarray],
+        values: np.ndarray | None,
         extra_key: Hashable,
         priority: int,
         t: int,
         count_hit: bool,
         collect: bool,
-    ) -> tuple[TreeNode, int, Optional[list]]:
+    ) -> tuple[TreeNode, int, list | None]:
         """Insert key elements ``[0, n)`` of ``src`` below ``start``, whose path must be the
         prefix of the key that precedes ``src``.
 
@@ -396,7 +396,7 @@ class RadixTree:
         """
         node = start
         off = 0
-        vals: Optional[list] = [] if collect else None
+        vals: list | None = [] if collect else None
         ex = self._ex
         simple = self._simple_ck
         ckl = self._ck_len
@@ -600,9 +600,7 @@ class RadixTree:
                     u.lock_ref += 1
                     u = u.parent
                 where = "" if n is x else f" (ancestor {n.id} of node {x.id})"
-                raise LockError(
-                    f"dec_lock_ref: node {n.id}{where} is not locked (lock_ref would go below zero)"
-                )
+                raise LockError(f"dec_lock_ref: node {n.id}{where} is not locked (lock_ref would go below zero)")
             n.lock_ref = lr - 1
             if lr == 1:
                 delta += n.klen
@@ -782,9 +780,7 @@ class RadixTree:
             ek = "" if node.extra_key is None or node.parent is not self.root else f" extra_key={node.extra_key!r}"
             lines.append(f"{'  ' * depth}[{node.klen}] {toks}{more} lock_ref={node.lock_ref}{ek}")
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
-        lines.append(
-            f"#tokens: {self.total_size()} (evictable {self._evictable}, protected {self._protected})"
-        )
+        lines.append(f"#tokens: {self.total_size()} (evictable {self._evictable}, protected {self._protected})")
         return "\n".join(lines)
 
     def sanity_check(self) -> None:
@@ -833,7 +829,9 @@ class RadixTree:
                 if child.lock_ref < 0:
                     fail(f"node {child.id}: lock_ref {child.lock_ref} < 0")
                 if self._events is not None and (child.hashes is None or len(child.hashes) != child.klen // ps):
-                    fail(f"node {child.id}: {child.hashes and len(child.hashes)} page hashes for {child.klen // ps} pages")
+                    fail(
+                        f"node {child.id}: {child.hashes and len(child.hashes)} page hashes for {child.klen // ps} pages"
+                    )
                 child_locks += child.lock_ref
                 if child.lock_ref:
                     protected += child.klen

@@ -128,8 +128,15 @@ def init_params(spec: ModelSpec, *, seed: int = 0) -> dict:
     Initialising traces one padding token through a one-page pool of the model's shape, so the
     weights do not depend on any cache the model is later used with.
     """
-    kv = MHAKVPool.create(num_pages=1, page_size=1, num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_kv_heads,
-                          head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype)
+    kv = MHAKVPool.create(
+        num_pages=1,
+        page_size=1,
+        num_layers=spec.num_hidden_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        v_head_dim=spec.v_head_dim,
+        dtype=spec.dtype,
+    )
     meta = BatchMetadata(
         positions=jnp.zeros((1,), jnp.int32),
         out_loc=jnp.zeros((1,), jnp.int32),

@@ -31,7 +31,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -332,11 +333,13 @@ class Scheduler:
             self.tree.cache_unfinished_req(req, chunked=False)
             self.running.append(req)
 
-    def _forward(self, tokens: list[np.ndarray], starts: list[int], slots: np.ndarray, rows: list[int],
-                 seq_lens: np.ndarray) -> np.ndarray:
+    def _forward(
+        self, tokens: list[np.ndarray], starts: list[int], slots: np.ndarray, rows: list[int], seq_lens: np.ndarray
+    ) -> np.ndarray:
         table = self.rows.page_table_numpy(rows, seq_lens, self.page_size, self.pages_per_seq)
-        flat, meta = pack_batch(tokens=tokens, starts=starts, slots=slots, page_table=table,
-                                max_seqs=self.max_batch_size)
+        flat, meta = pack_batch(
+            tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size
+        )
         start = time.perf_counter()
         self.pools, next_tokens = self.step_fn(self.pools, self.params, flat, meta)
         out = np.asarray(jax.device_get(next_tokens))[: len(tokens)]

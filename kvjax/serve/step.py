@@ -12,7 +12,7 @@ to a power-of-two bucket (so the step compiles a handful of times), sequence row
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ MIN_TOKEN_BUCKET = 8
 StepFn = Callable[[CachePools, dict, jax.Array, BatchMetadata], tuple[CachePools, jax.Array]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_step(spec: ModelSpec) -> StepFn:
     """The model's forward plus greedy sampling, jitted with the pools donated.
 

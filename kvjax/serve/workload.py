@@ -15,7 +15,7 @@ Token ids are drawn from a seeded generator, so a workload is a pure function of
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class Workload:
     vocab_size: int = 256
     seed: int = 0
 
-    def scaled(self, factor: float) -> "Workload":
+    def scaled(self, factor: float) -> Workload:
         """The same shape with ``factor`` times the requests (at least one of each kind)."""
         return dataclasses.replace(
             self,

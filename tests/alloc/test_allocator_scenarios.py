@@ -143,6 +143,7 @@ def test_token_allocator_extend_and_decode_work():
 
 # --------------------------------------------------------------------------- token allocator
 
+
 def test_token_alloc_basic_and_fifo_reuse():
     a = TokenToKVPoolAllocator(8)
     assert (a.size, a.page_size, a.num_pages) == (8, 1, 8)
@@ -189,7 +190,7 @@ def test_merge_and_sort_free_noop_and_sorted():
     assert snapshot(a) == before
     x = a.alloc(8 * PS)
     a.free(x[5 * PS :])
-    a.free(x[: PS])
+    a.free(x[:PS])
     assert a.release_pages.tolist() == [1, 6, 7, 8]
     a.merge_and_sort_free()
     assert a.free_pages.tolist() == [1, 6, 7, 8] and a.release_pages.tolist() == []
@@ -205,6 +206,7 @@ def test_free_empty_is_noop():
 
 
 # --------------------------------------------------------------------------- paged allocator
+
 
 def test_paged_alloc_alignment_and_lifo_reuse():
     a = PagedTokenToKVPoolAllocator(8 * PS, PS)
@@ -243,6 +245,7 @@ def test_make_allocator_picks_class():
 
 
 # --------------------------------------------------------------------------- errors
+
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_bad_frees_raise_and_leave_state_unchanged(kind):
@@ -285,6 +288,7 @@ def test_error_message_lists_few_ids_and_count():
 
 # --------------------------------------------------------------------------- groups, backup
 
+
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_free_group_defers(kind):
     a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
@@ -297,7 +301,7 @@ def test_free_group_defers(kind):
     with pytest.raises(RuntimeError):
         a.free_group_begin()
     a.free(x[4 * ps :])
-    a.free(x[: ps])
+    a.free(x[:ps])
     assert a.available_size() == avail
     a.check_invariants()
     with pytest.raises(DoubleFreeError):
@@ -317,8 +321,10 @@ def test_free_group_defers(kind):
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_backup_restore_is_a_snapshot(kind):
-    a = TokenToKVPoolAllocator(16, need_sort=True) if kind == "token" else PagedTokenToKVPoolAllocator(
-        16 * PS, PS, need_sort=True
+    a = (
+        TokenToKVPoolAllocator(16, need_sort=True)
+        if kind == "token"
+        else PagedTokenToKVPoolAllocator(16 * PS, PS, need_sort=True)
     )
     ps = a.page_size
     x = a.alloc(4 * ps)

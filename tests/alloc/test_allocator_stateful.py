@@ -105,8 +105,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         ext = [data.draw(st.integers(0, max(0, min(r, 3 * ps + 1)))) for r in room]
         seq = [p + e for p, e in zip(prefix, ext)]
         last = [s[-1] if s else -1 for _, s in batch]
-        free_view = self.free if not (self.need_sort and self._pages_needed(prefix, seq) > len(self.free)) else sorted(
-            self.free + self.release
+        free_view = (
+            self.free
+            if not (self.need_sort and self._pages_needed(prefix, seq) > len(self.free))
+            else sorted(self.free + self.release)
         )
         expected = naive_alloc_extend(prefix, seq, last, free_view, ps)
         out = self.a.alloc_extend(np.array(prefix, np.int64), np.array(seq, np.int64), np.array(last, np.int64))

@@ -95,8 +95,14 @@ class Batch:
     num_seqs: np.ndarray
 
     def args(self, dtype=jnp.float32) -> tuple[jax.Array, ...]:
-        return (jnp.asarray(self.q, dtype), jnp.asarray(self.kv_pages, dtype), jnp.asarray(self.kv_lens),
-                jnp.asarray(self.page_indices), jnp.asarray(self.cu_q_lens), jnp.asarray(self.num_seqs))
+        return (
+            jnp.asarray(self.q, dtype),
+            jnp.asarray(self.kv_pages, dtype),
+            jnp.asarray(self.kv_lens),
+            jnp.asarray(self.page_indices),
+            jnp.asarray(self.cu_q_lens),
+            jnp.asarray(self.num_seqs),
+        )
 
 
 def make_batch(cfg: Config, mix: str, *, seed: int = 0, poison: float | None = np.nan) -> Batch:
@@ -110,25 +116,25 @@ def make_batch(cfg: Config, mix: str, *, seed: int = 0, poison: float | None = n
     ps, n = cfg.page_size, len(q_lens)
     assert n <= cfg.max_seqs and sum(q_lens) <= cfg.total_tokens and max(kv_lens) <= cfg.max_kv
     kv = rng.standard_normal((cfg.num_pages + 1, ps, 2 * cfg.num_kv_heads, cfg.dim_padded)).astype(np.float32)
-    kv[..., cfg.head_dim:] = 0.0  # the pool zero-pads K and V
+    kv[..., cfg.head_dim :] = 0.0  # the pool zero-pads K and V
     table = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
     order = rng.permutation(np.arange(1, cfg.num_pages + 1))
     used = np.zeros(cfg.num_pages + 1, bool)
     k = 0
     for s, length in enumerate(kv_lens):
         need = -(-length // ps)
-        table[s, :need] = order[k:k + need]
-        used[order[k:k + need]] = True
+        table[s, :need] = order[k : k + need]
+        used[order[k : k + need]] = True
         k += need
     if poison is not None:
         kv[~used] = poison  # trash page 0 and free pages
         for s, length in enumerate(kv_lens):
             if length % ps:
-                kv[table[s, length // ps], length % ps:] = poison
+                kv[table[s, length // ps], length % ps :] = poison
     q = rng.standard_normal((cfg.total_tokens, cfg.num_q_heads, cfg.head_dim)).astype(np.float32)
     cu = np.zeros(cfg.max_seqs + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
     lens = np.zeros(cfg.max_seqs, np.int32)
     lens[:n] = kv_lens
     return Batch(q, kv, lens, table, cu, np.array([n], np.int32))
@@ -179,8 +185,13 @@ def _jitted(cfg: Config, interpret) -> object:
         if interpret == "reference":
             fn = functools.partial(ragged_paged_attention_reference, **options)
         else:
-            fn = functools.partial(ragged_paged_attention, block_q=cfg.block_q, block_kv_pages=cfg.block_kv_pages,
-                                   interpret=interpret, **options)
+            fn = functools.partial(
+                ragged_paged_attention,
+                block_q=cfg.block_q,
+                block_kv_pages=cfg.block_kv_pages,
+                interpret=interpret,
+                **options,
+            )
         _JITTED[key] = jax.jit(fn)
     return _JITTED[key]
 
@@ -246,8 +257,9 @@ def test_race_detector_sees_a_single_buffer(monkeypatch: pytest.MonkeyPatch) -> 
     cfg = BY_NAME["gqa_ps16"]
     batch = make_batch(cfg, "decode")
     monkeypatch.setattr(rpa, "_DOUBLE_BUFFER", False)
-    fn = functools.partial(ragged_paged_attention, block_q=cfg.block_q, block_kv_pages=cfg.block_kv_pages,
-                           interpret=TPU)
+    fn = functools.partial(
+        ragged_paged_attention, block_q=cfg.block_q, block_kv_pages=cfg.block_kv_pages, interpret=TPU
+    )
     jax.block_until_ready(jax.jit(fn)(*batch.args()))  # a fresh jit: traced with the hook set
     assert tpu_interpreter.races.races_found
     pltpu.reset_tpu_interpret_mode_state()
@@ -292,7 +304,7 @@ def test_padding_tokens_and_spare_sequences() -> None:
     batch = make_batch(cfg, "mixed")
     live_seqs = int(batch.num_seqs[0])
     live_tokens = int(batch.cu_q_lens[live_seqs])
-    batch.cu_q_lens[live_seqs + 1:] = 0  # garbage past num_seqs
+    batch.cu_q_lens[live_seqs + 1 :] = 0  # garbage past num_seqs
     batch.kv_lens[live_seqs:] = 999
     want = naive_attention(cfg, batch)
     for interpret in ("reference", HLO):
@@ -353,8 +365,15 @@ def test_reads_what_the_pool_wrote() -> None:
 
     rng = np.random.default_rng(3)
     page_size, kv_heads, head_dim, q_heads = 4, 2, 16, 4
-    pool = MHAKVPool.create(num_pages=12, page_size=page_size, num_layers=2, num_kv_heads=kv_heads,
-                            head_dim=head_dim, dtype="bfloat16", platform="cpu")
+    pool = MHAKVPool.create(
+        num_pages=12,
+        page_size=page_size,
+        num_layers=2,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype="bfloat16",
+        platform="cpu",
+    )
     # Two sequences: 7 tokens on pages (3, 5), 2 tokens on page (9,). Layer 1.
     tables = [[3, 5], [9]]
     kv_lens = [7, 2]
@@ -364,15 +383,24 @@ def test_reads_what_the_pool_wrote() -> None:
         slots.append(np.asarray(pages)[pos // page_size] * page_size + pos % page_size)
         k_all.append(rng.standard_normal((length, kv_heads, head_dim)))
         v_all.append(rng.standard_normal((length, kv_heads, head_dim)))
-    pool = pool.set_kv_buffer(1, jnp.asarray(np.concatenate(slots), jnp.int32),
-                              jnp.asarray(np.concatenate(k_all), jnp.bfloat16),
-                              jnp.asarray(np.concatenate(v_all), jnp.bfloat16))
+    pool = pool.set_kv_buffer(
+        1,
+        jnp.asarray(np.concatenate(slots), jnp.int32),
+        jnp.asarray(np.concatenate(k_all), jnp.bfloat16),
+        jnp.asarray(np.concatenate(v_all), jnp.bfloat16),
+    )
     # Sequence 0 prefills its last 3 tokens, sequence 1 decodes one.
     q_lens = [3, 1]
     q = jnp.asarray(rng.standard_normal((sum(q_lens), q_heads, head_dim)), jnp.bfloat16)
     table = jnp.asarray([[3, 5], [9, 0], [0, 0]], jnp.int32)
-    args = (q, pool.kv_buffer(1), jnp.asarray(kv_lens + [0], jnp.int32), table,
-            jnp.asarray([0, 3, 4, 4], jnp.int32), jnp.asarray([2], jnp.int32))
+    args = (
+        q,
+        pool.kv_buffer(1),
+        jnp.asarray(kv_lens + [0], jnp.int32),
+        table,
+        jnp.asarray([0, 3, 4, 4], jnp.int32),
+        jnp.asarray([2], jnp.int32),
+    )
     got_ref = np.asarray(jax.jit(ragged_paged_attention)(*args).astype(jnp.float32))
     got_hlo = np.asarray(jax.jit(functools.partial(ragged_paged_attention, interpret=True))(*args).astype(jnp.float32))
     # Oracle from the K/V as written (rounded to bf16 like the pool).

@@ -12,8 +12,16 @@ from kvjax.pools import MHAKVPool
 
 
 def make_pool(dtype="float32", page_size=4, num_pages=8, layers=2, heads=2, head_dim=8, v_head_dim=6, platform="cpu"):
-    return MHAKVPool.create(num_pages=num_pages, page_size=page_size, num_layers=layers, num_kv_heads=heads,
-                            head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, platform=platform)
+    return MHAKVPool.create(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype=dtype,
+        platform=platform,
+    )
 
 
 def kv(n, heads=2, head_dim=8, v_head_dim=6, seed=0):
@@ -23,8 +31,7 @@ def kv(n, heads=2, head_dim=8, v_head_dim=6, seed=0):
     return jnp.asarray(k), jnp.asarray(v)
 
 
-write = jax.jit(lambda pool, layer, loc, k, v: pool.set_kv_buffer(layer, loc, k, v),
-                static_argnums=1, donate_argnums=0)
+write = jax.jit(lambda pool, layer, loc, k, v: pool.set_kv_buffer(layer, loc, k, v), static_argnums=1, donate_argnums=0)
 
 
 def test_layout_interleaves_k_and_v_per_head_with_trash_page():
@@ -116,7 +123,9 @@ def test_fp8_storage_with_per_layer_scale(dtype):
 
 def test_fp8_explicit_scale_argument_overrides_stored_scale():
     pool = make_pool(dtype="fp8_e4m3")
-    pool = pool.set_kv_buffer(0, np.array([4]), jnp.full((1, 2, 8), 6.0), jnp.full((1, 2, 6), 6.0), k_scale=2.0, v_scale=3.0)
+    pool = pool.set_kv_buffer(
+        0, np.array([4]), jnp.full((1, 2, 8), 6.0), jnp.full((1, 2, 6), 6.0), k_scale=2.0, v_scale=3.0
+    )
     np.testing.assert_array_equal(np.asarray(pool.get_key_buffer(0)[4].astype(jnp.float32)), 3.0)
     np.testing.assert_array_equal(np.asarray(pool.get_value_buffer(0)[4].astype(jnp.float32)), 2.0)
 

@@ -53,7 +53,9 @@ class Harness:
         """Match + lock the prompt, take a row, give the rest of the prompt fresh slots."""
         tree = self.tree
         row = self.pool.alloc(1)[0]
-        req = Req(rid=f"r{row}", origin_input_ids=list(prompt), extra_key=extra_key, priority=priority, req_pool_idx=row)
+        req = Req(
+            rid=f"r{row}", origin_input_ids=list(prompt), extra_key=extra_key, priority=priority, req_pool_idx=row
+        )
         m = tree.match_and_lock(req)
         self.pool.write(row, 0, m.indices)
         self.extend(req, len(prompt) - m.prefix_len, start=m.prefix_len)

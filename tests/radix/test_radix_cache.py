@@ -80,7 +80,16 @@ def test_numpy_and_list_inputs_share_the_tree():
     t.insert(np.array([1, 2, 3, 4, 5, 6], np.int64), np.arange(10, 16))
     assert t.match_prefix([1, 2, 3, 4, 7, 7]).indices.tolist() == [10, 11, 12, 13]
     assert t.insert([1, 2, 3, 4, 5, 6, 7, 8], np.arange(20, 28)) == 6
-    assert t.match_prefix(np.array([1, 2, 3, 4, 5, 6, 7, 8], np.int32)).indices.tolist() == [10, 11, 12, 13, 14, 15, 26, 27]
+    assert t.match_prefix(np.array([1, 2, 3, 4, 5, 6, 7, 8], np.int32)).indices.tolist() == [
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+        26,
+        27,
+    ]
     assert t.match_prefix((1, 2, 3, 9)).indices.tolist() == [10, 11]
     t.sanity_check()
 

@@ -616,10 +616,16 @@ class RadixMachine(RuleBasedStateMachine):
         assert total == self.model.tokens(), (total, self.model.tokens())
         covered = self.model.covered(self._locked_prefixes())
         assert tree.protected_size() == len(covered) * self.page_size, (
-            tree.protected_size(), len(covered) * self.page_size)
+            tree.protected_size(),
+            len(covered) * self.page_size,
+        )
         if self.alloc is not None:
             assert self.alloc.available_size() + total + self.held == self.capacity, (
-                self.alloc.available_size(), total, self.held, self.capacity)
+                self.alloc.available_size(),
+                total,
+                self.held,
+                self.capacity,
+            )
         slots = [s for page in self.model.pages.values() for s in page]
         assert len(slots) == len(set(slots)), "two cached prefixes share a slot"
 

@@ -3,7 +3,6 @@ and a step that updates the pool in place."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -14,8 +13,16 @@ from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.step import make_step, pack_batch
 from kvjax.serve.workload import Workload
 
-REUSE = Workload(groups=2, prompts_per_group=4, system_tokens=80, question_tokens=8, chats=2, turns=3,
-                 turn_tokens=12, output_tokens=6)
+REUSE = Workload(
+    groups=2,
+    prompts_per_group=4,
+    system_tokens=80,
+    question_tokens=8,
+    chats=2,
+    turns=3,
+    turn_tokens=12,
+    output_tokens=6,
+)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -59,7 +66,9 @@ def test_step_donates_the_pools_and_updates_in_place():
     row = cache.req_to_token_pool.alloc(1)[0]
     cache.req_to_token_pool.write(row, 0, slots)
     table = cache.req_to_token_pool.page_table_numpy([row], [5], 16, 64)
-    tokens, meta = pack_batch(tokens=[np.arange(5, dtype=np.int32)], starts=[0], slots=slots, page_table=table, max_seqs=8)
+    tokens, meta = pack_batch(
+        tokens=[np.arange(5, dtype=np.int32)], starts=[0], slots=slots, page_table=table, max_seqs=8
+    )
     before = cache.pools.kv.kv[0]
     pointer = before.unsafe_buffer_pointer()
     pools, next_tokens = make_step(spec)(cache.pools, params, tokens, meta)

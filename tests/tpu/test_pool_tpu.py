@@ -19,12 +19,22 @@ PAGES = (1 << 30) // (PAGE * 2 * KV_HEADS * HEAD_DIM * 2) - 1  # a 1 GiB bf16 la
 
 def pool_struct(mesh: Mesh, sharded: bool) -> MHAKVPool:
     spec = P(None, None, "tp", None) if sharded else P()
-    layer = jax.ShapeDtypeStruct((PAGES + 1, PAGE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16,
-                                 sharding=NamedSharding(mesh, spec))
+    layer = jax.ShapeDtypeStruct(
+        (PAGES + 1, PAGE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16, sharding=NamedSharding(mesh, spec)
+    )
     scale = jax.ShapeDtypeStruct((LAYERS,), jnp.float32, sharding=NamedSharding(mesh, P()))
-    return MHAKVPool(kv=(layer,) * LAYERS, k_scale=scale, v_scale=scale, page_size=PAGE, num_kv_heads=KV_HEADS,
-                     head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, dtype="bfloat16",
-                     mesh=mesh if sharded else None, kv_head_axis="tp" if sharded else None)
+    return MHAKVPool(
+        kv=(layer,) * LAYERS,
+        k_scale=scale,
+        v_scale=scale,
+        page_size=PAGE,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        mesh=mesh if sharded else None,
+        kv_head_axis="tp" if sharded else None,
+    )
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -45,7 +46,7 @@ SHAPES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _topology(name: str):
     return topologies.get_topology_desc(platform="tpu", topology_name=name)
 
@@ -61,8 +62,10 @@ def _args(mesh: Mesh, max_seqs: int, tokens: int, specs: tuple) -> tuple[jax.Sha
         ((max_seqs + 1,), jnp.int32),
         ((1,), jnp.int32),
     ]
-    return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-                 for (shape, dtype), spec in zip(shapes, specs))
+    return tuple(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        for (shape, dtype), spec in zip(shapes, specs)
+    )
 
 
 def _check(compiled: jax.stages.Compiled) -> None:
