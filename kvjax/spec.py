@@ -136,6 +136,17 @@ class ModelSpec:
         """Global ids of the layers of one kind, ascending."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == kind)
 
+    def attention_layer_ids(self, kind: LayerKind) -> tuple[int, ...]:
+        """Global ids of the layers whose per-token attention cache is of ``kind`` (FULL, SLIDING or
+        MLA), ascending. The planner and the build ask this, never ``layer_kinds`` directly, so a
+        layer kind that caches attention *and* a recurrent state counts here and in
+        :meth:`recurrent_layer_ids`."""
+        return self.layer_ids(kind)
+
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        """Global ids of the layers that hold a per-request recurrent state, ascending."""
+        return self.layer_ids(LayerKind.RECURRENT)
+
     @property
     def is_mla(self) -> bool:
         return LayerKind.MLA in self.layer_kinds

@@ -1,17 +1,12 @@
-"""The command line: ``python -m kvjax plan`` (capacity planning) and ``python -m kvjax demo`` (the main job)."""
+"""``python -m kvjax plan``: capacity planning from a preset or a ``config.json``, without jax."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
-from collections.abc import Sequence
 
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
-from kvjax.errors import ConfigError
 from kvjax.plan import plan_kv_cache
-from kvjax.serve.workload import Workload
 from kvjax.spec import ModelSpec
 
 _UNITS = {
@@ -40,10 +35,8 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``plan`` sub-command."""
     plan = sub.add_parser("plan", help="plan a KV cache: tokens that fit, per-pool bytes, decisions")
     plan.add_argument("--model", required=True, help=f"a preset ({', '.join(ModelSpec.presets())}) or a config.json")
     plan.add_argument(
@@ -62,29 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
-    demo = sub.add_parser("demo", help="serve a reuse-heavy workload with the tiny model, cold and warm")
-    demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    w = Workload()
-    demo.add_argument("--groups", type=int, default=w.groups, help="groups of requests sharing a system prompt")
-    demo.add_argument("--prompts-per-group", type=int, default=w.prompts_per_group)
-    demo.add_argument("--system-tokens", type=int, default=w.system_tokens)
-    demo.add_argument("--chats", type=int, default=w.chats, help="multi-turn conversations")
-    demo.add_argument("--turns", type=int, default=w.turns)
-    demo.add_argument("--output-tokens", type=int, default=w.output_tokens, help="tokens generated per request")
-    demo.add_argument("--seed", type=int, default=w.seed)
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=16384,
-        help="pool size in tokens (make it small to force eviction and retraction)",
-    )
-    demo.add_argument("--chunked-prefill-size", type=int, default=512)
-    demo.add_argument("--radix-eviction-policy", default="lru")
-    return parser
 
-
-def _plan_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     spec = ModelSpec.resolve(args.model)
     config = CacheConfig(
         page_size=args.page_size,
@@ -103,42 +75,3 @@ def _plan_command(args: argparse.Namespace) -> int:
     plan = plan_kv_cache(spec, config)
     print(plan.to_json(indent=2) if args.json else plan)
     return 0
-
-
-def _demo_command(args: argparse.Namespace) -> int:
-    from kvjax.demo import run_demo
-
-    workload = Workload(
-        groups=args.groups,
-        prompts_per_group=args.prompts_per_group,
-        system_tokens=args.system_tokens,
-        chats=args.chats,
-        turns=args.turns,
-        output_tokens=args.output_tokens,
-        seed=args.seed,
-    )
-    report = run_demo(
-        workload=workload,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        eviction_policy=args.radix_eviction_policy,
-        progress=not args.json,
-    )
-    if args.json:
-        print(json.dumps(report.to_dict()))
-    else:
-        print(report)
-    return 0 if report.ok else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for a configuration error)."""
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "plan":
-            return _plan_command(args)
-        return _demo_command(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2

@@ -1,0 +1,58 @@
+"""``python -m kvjax demo``: the main job, a reuse-heavy workload served cold and warm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvjax.serve.workload import Workload
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``demo`` sub-command."""
+    demo = sub.add_parser("demo", help="serve a reuse-heavy workload with the tiny model, cold and warm")
+    demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    w = Workload()
+    demo.add_argument("--groups", type=int, default=w.groups, help="groups of requests sharing a system prompt")
+    demo.add_argument("--prompts-per-group", type=int, default=w.prompts_per_group)
+    demo.add_argument("--system-tokens", type=int, default=w.system_tokens)
+    demo.add_argument("--chats", type=int, default=w.chats, help="multi-turn conversations")
+    demo.add_argument("--turns", type=int, default=w.turns)
+    demo.add_argument("--output-tokens", type=int, default=w.output_tokens, help="tokens generated per request")
+    demo.add_argument("--seed", type=int, default=w.seed)
+    demo.add_argument("--page-size", type=int, default=16)
+    demo.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=16384,
+        help="pool size in tokens (make it small to force eviction and retraction)",
+    )
+    demo.add_argument("--chunked-prefill-size", type=int, default=512)
+    demo.add_argument("--radix-eviction-policy", default="lru")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvjax.demo import run_demo
+
+    workload = Workload(
+        groups=args.groups,
+        prompts_per_group=args.prompts_per_group,
+        system_tokens=args.system_tokens,
+        chats=args.chats,
+        turns=args.turns,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
+    report = run_demo(
+        workload=workload,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        eviction_policy=args.radix_eviction_policy,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(report)
+    return 0 if report.ok else 1
