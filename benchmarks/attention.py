@@ -203,7 +203,7 @@ def _compile(topology: str, shape: dict[str, int]) -> Any:
 def tpu_compiles() -> dict[str, Any]:
     """Compile decode and prefill for each chip (one chip of the 2x2 slice); record success and time."""
     out: dict[str, Any] = {}
-    for chip, topology in TOPOLOGIES.items():
+    for _chip, topology in TOPOLOGIES.items():
         for name, shape in (("decode_64x1_ctx2048", DECODE_SHAPE), ("prefill_4x512_ctx2048", PREFILL_SHAPE)):
             start = time.perf_counter()
             try:

@@ -21,7 +21,7 @@ interpreter's compile time, which the CPU test budget cares about more.)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 #: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere (decided at lowering).
 #: ``True``: the HLO interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
-Interpret = Union[None, bool, pltpu.InterpretParams]
+Interpret = bool | pltpu.InterpretParams | None
 
 #: DMAs (runs) kept in flight before the kernel waits for them; bounded because each
 #: outstanding DMA holds descriptor state and the per-run bookkeeping lives in scalar memory.
@@ -177,7 +177,7 @@ def check_array(name: str, x: Any, shape: Sequence[int | None], dtype: Any = Non
     shape and what its axes mean (``what``).
     """
     got = tuple(getattr(x, "shape", ()))
-    if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
+    if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got, strict=True)):
         want = "[" + ", ".join("?" if w is None else str(w) for w in shape) + "]"
         raise ValueError(f"{name} has shape {list(got)}; expected {want} ({what})")
     if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):

@@ -15,6 +15,7 @@ multi-device sharding would not compile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,15 @@ def _state_bytes(per_slot: bool) -> int:
     return slot if per_slot else slot * (STATE_SLOTS + 1)
 
 
+def _write_args(sharding: Any, *, page_size: int, tokens: int) -> tuple[Any, ...]:
+    """Arguments of a KV write of ``tokens`` tokens into one layer of ``page_size``-token pages."""
+    return (
+        _layers(sharding, 1, page_size)[0],
+        jax.ShapeDtypeStruct((tokens, COMBINED, HEAD_DIM), DTYPE, sharding=sharding),
+        _ids(sharding, tokens),
+    )
+
+
 def cases() -> list[Case]:
     """The compile cases: decode-step KV writes, copies, a 1 GiB offload gather, state ops."""
     out = []
@@ -101,11 +111,7 @@ def cases() -> list[Case]:
                 f"write_kv/page{ps}/decode{decode_tokens}",
                 pk.write_kv,
                 pk.write_kv_reference,
-                lambda s, ps=ps: (
-                    _layers(s, 1, ps)[0],
-                    jax.ShapeDtypeStruct((decode_tokens, COMBINED, HEAD_DIM), DTYPE, sharding=s),
-                    _ids(s, decode_tokens),
-                ),
+                functools.partial(_write_args, page_size=ps, tokens=decode_tokens),
                 (0,),
                 _layer_nbytes(ps),
                 2 * decode_tokens * TOKEN_BYTES,

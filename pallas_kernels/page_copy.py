@@ -110,11 +110,11 @@ def _copy_kernel(
         dst_of = _indexed(unit_view, layer, dst_ref)
 
         @pl.when(overlap_ref[0] == 0)
-        def _() -> None:
+        def _(src_of: Any = src_of, dst_of: Any = dst_of) -> None:
             runs(src_of, dst_of)
 
         @pl.when(overlap_ref[0] != 0)
-        def _() -> None:
+        def _(src_of: Any = src_of, dst_of: Any = dst_of) -> None:
             runs(src_of, staged)  # every read of this layer completes here ...
             runs(staged, dst_of)  # ... before the first write
 
@@ -154,7 +154,8 @@ def _copy_pallas(layers: Layers, src: jax.Array, dst: jax.Array, *, unit: str, i
     if unit == "slot":
         src, dst = _route(src, dst, pages * page_size, page_size)
         starts, num_runs = _engine.contiguous_runs(src, dst, src_group=page_size, dst_group=page_size)
-        view, staging_shape = _slot_view(page_size), (n, heads, dim)
+        view = _slot_view(page_size)
+        staging_shape: tuple[int, ...] = (n, heads, dim)
     else:
         src, dst = _route(src, dst, pages, 1)
         starts, num_runs = _engine.contiguous_runs(src, dst)

@@ -64,7 +64,7 @@ def scatter_pages_reference(layers: Layers, buffer: jax.Array, pages: jax.Array)
     num_pages = layers[0].shape[0]
     dst = _dst_pages(pages, num_pages)
     dst = jnp.where(dst < 0, num_pages, dst)  # out of bounds: mode="drop" discards it
-    return tuple(layer.at[dst].set(buffer[l], mode="drop") for l, layer in enumerate(layers))
+    return tuple(layer.at[dst].set(buffer[i], mode="drop") for i, layer in enumerate(layers))
 
 
 def _runs_kernel(
@@ -84,9 +84,9 @@ def _runs_kernel(
         buffer, layers = refs[0], refs[1 + num_layers : 1 + 2 * num_layers]
     sem = refs[-1]
 
-    for l, layer in enumerate(layers):
+    for layer_index, layer in enumerate(layers):
 
-        def issue(r: Any, action: str, layer: Any = layer, l: int = l) -> None:
+        def issue(r: Any, action: str, layer: Any = layer, layer_index: int = layer_index) -> None:
             start = starts_ref[r]
             length = starts_ref[r + 1] - start
             page = src_ref[start] if gather else dst_ref[start]
@@ -95,7 +95,7 @@ def _runs_kernel(
             def _() -> None:
                 def make(o: Any, size: Any) -> Any:
                     in_pool = layer.at[pl.ds(page + o, size)]
-                    in_buffer = buffer.at[l, pl.ds(start + o, size)]
+                    in_buffer = buffer.at[layer_index, pl.ds(start + o, size)]
                     if gather:
                         return pltpu.make_async_copy(in_pool, in_buffer, sem.at[0])
                     return pltpu.make_async_copy(in_buffer, in_pool, sem.at[0])
@@ -249,5 +249,6 @@ def scatter_pages_from_host(
     bytes), then scattered in place.
     """
     target = _buffer_sharding(layers[0].sharding)
-    device_buffer = jax.device_put(buffer, target.with_memory_kind(layers[0].sharding.memory_kind))
+    memory_kind = layers[0].sharding.memory_kind
+    device_buffer = jax.device_put(buffer, target if memory_kind is None else target.with_memory_kind(memory_kind))
     return _scatter_donated(tuple(layers), device_buffer, jnp.asarray(pages, jnp.int32), interpret)

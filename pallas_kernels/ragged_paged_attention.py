@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 #: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere (decided at lowering).
 #: ``True``: the HLO interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
-Interpret = Union[None, bool, pltpu.InterpretParams]
+Interpret = bool | pltpu.InterpretParams | None
 
 # Logit of a masked (query, key) pair and the initial running max. Finite on purpose: with
 # -inf, a row that has seen no key yet would compute exp(-inf - -inf) = NaN when rescaling.
@@ -358,10 +358,8 @@ def _rpa_kernel(
         last_pos = first_pos + (t_hi - 1 - t_lo)
         # Keys visible to any of these rows: [kv_start, kv_end).
         kv_end = jnp.clip(last_pos + 1, 0, kv_len)
-        if sliding_window is None:
-            kv_start = jnp.int32(0)
-        else:
-            kv_start = jnp.clip(first_pos - sliding_window + 1, 0, kv_end)
+        window_start = None if sliding_window is None else first_pos - sliding_window + 1
+        kv_start = jnp.int32(0) if window_start is None else jnp.clip(window_start, 0, kv_end)
         # lax.div, not //: floor division of signed scalars lowers through sign(), which the
         # interpreters only run with a TPU device kind. All operands are >= 0 here.
         k_lo = jax.lax.div(kv_start, block_kv)
@@ -488,8 +486,8 @@ def _rpa_kernel(
     jax.lax.fori_loop(seq_lo, seq_hi, seq_step, (jnp.int32(0), jnp.int32(0)))
 
     for h in range(num_kv_heads):
-        l = l_ref[h]
-        o_ref[h] = (acc_ref[h] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
+        denom = l_ref[h]
+        o_ref[h] = (acc_ref[h] / jnp.where(denom > 0.0, denom, 1.0)).astype(o_ref.dtype)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -624,9 +622,8 @@ def ragged_paged_attention_kernel(
     # and every DMA is in bounds by construction: page ids were clamped into [0, num_pages] above
     # (0 is never fetched) and a destination is page j < block_kv_pages of its buffer half. The
     # TPU interpreter still checks every DMA in the tests.
-    params = dict(dimension_semantics=("parallel",), disable_bounds_checks=True)
-    if vmem > 12 * 2**20:  # above the smallest default scoped limit: ask for what we need
-        params["vmem_limit_bytes"] = int(min(2 * vmem, 100 * 2**20))
+    # Above the smallest default scoped limit: ask for what we need.
+    vmem_limit = int(min(2 * vmem, 100 * 2**20)) if vmem > 12 * 2**20 else None
     out = pl.pallas_call(
         kernel,
         # Inside shard_map the output varies over the same mesh axes as the queries.
@@ -649,7 +646,9 @@ def ragged_paged_attention_kernel(
                 stage,
             ],
         ),
-        compiler_params=pltpu.CompilerParams(**params),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), disable_bounds_checks=True, vmem_limit_bytes=vmem_limit
+        ),
         cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention",
@@ -699,9 +698,17 @@ def ragged_paged_attention(
     """
     if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
         raise TypeError(f"interpret must be None, a bool or pltpu.InterpretParams, got {type(interpret).__name__}")
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    reference = functools.partial(ragged_paged_attention_reference, **options)
-    kernel = functools.partial(ragged_paged_attention_kernel, block_q=block_q, block_kv_pages=block_kv_pages, **options)
+    reference = functools.partial(
+        ragged_paged_attention_reference, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    kernel = functools.partial(
+        ragged_paged_attention_kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+    )
     args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     _check_args(*args)
     if not _kernel_reads(kv_pages.dtype) and not interpret:

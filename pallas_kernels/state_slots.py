@@ -113,7 +113,7 @@ def _zero_kernel(slots_ref: Any, *refs: Any, num_arrays: int, chunks: tuple[int,
 
         @pl.when(slot >= 0)
         def _() -> None:
-            for out, zbuf, chunk in zip(outs, zbufs, chunks):
+            for out, zbuf, chunk in zip(outs, zbufs, chunks, strict=True):
                 num_layers = out.shape[0]
                 for lo in range(0, num_layers, chunk):
                     size = min(chunk, num_layers - lo)
@@ -139,7 +139,7 @@ def zero_slots_kernel(states: States, slots: jax.Array, *, interpret: Interpret 
             grid=(1,),
             in_specs=[_engine.any_memory()] * num_arrays,
             out_specs=[_engine.any_memory()] * num_arrays,
-            scratch_shapes=[pltpu.VMEM((c, *a.shape[2:]), a.dtype) for a, c in zip(states, chunks)]
+            scratch_shapes=[pltpu.VMEM((c, *a.shape[2:]), a.dtype) for a, c in zip(states, chunks, strict=True)]
             + [pltpu.SemaphoreType.DMA((1,))],
         ),
         input_output_aliases={1 + i: i for i in range(num_arrays)},

@@ -84,7 +84,7 @@ def test_chained_and_swapped_copies_read_everything_before_writing(interpret) ->
     layers = _layers(1, Heads("gqa", 1, 8, 4), num_pages=8, num_layers=2)
     src, dst = np.array([1, 2, 5, 6], np.int32), np.array([2, 3, 6, 5], np.int32)
     got = jit_interpreted(copy_slots, interpret=interpret)(layers, src, dst)
-    for before, after in zip(layers, got):
+    for before, after in zip(layers, got, strict=False):
         before, after = np.asarray(before), np.asarray(after)
         for s, d in [(1, 2), (2, 3), (5, 6), (6, 5)]:
             np.testing.assert_array_equal(after[d], before[s])

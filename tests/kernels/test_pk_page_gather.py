@@ -71,7 +71,7 @@ def test_offload_round_trip_through_pinned_host_memory() -> None:
     host = gather_pages_to_host(layers, pages)
     assert isinstance(host, jax.Array) and host.sharding.memory_kind == "pinned_host"
     restored = scatter_pages_from_host(tuple(jnp.zeros_like(x) for x in layers), host, np.array([4, 5, 6], np.int32))
-    for before, after in zip(layers, restored):
+    for before, after in zip(layers, restored, strict=False):
         np.testing.assert_array_equal(np.asarray(after[4:7]), np.asarray(before)[pages])
 
 

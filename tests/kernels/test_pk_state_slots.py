@@ -53,7 +53,7 @@ def test_fork_matches_reference_in_place(interpret) -> None:
     assert all(a.is_deleted() for a in states)
     assert [a.unsafe_buffer_pointer() for a in got] == pointers
     assert_same(got, want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=False):
         np.testing.assert_array_equal(np.asarray(a[:, 4:7]), np.asarray(b[:, 1:4]))
     assert_no_race()
 

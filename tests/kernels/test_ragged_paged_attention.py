@@ -378,7 +378,7 @@ def test_reads_what_the_pool_wrote() -> None:
     tables = [[3, 5], [9]]
     kv_lens = [7, 2]
     k_all, v_all, slots = [], [], []
-    for pages, length in zip(tables, kv_lens):
+    for pages, length in zip(tables, kv_lens, strict=False):
         pos = np.arange(length)
         slots.append(np.asarray(pages)[pos // page_size] * page_size + pos % page_size)
         k_all.append(rng.standard_normal((length, kv_heads, head_dim)))
@@ -407,7 +407,7 @@ def test_reads_what_the_pool_wrote() -> None:
     q32 = np.asarray(q.astype(jnp.float32))
     want = np.zeros_like(got_ref)
     token = 0
-    for s, (length, n_new) in enumerate(zip(kv_lens, q_lens)):
+    for s, (length, n_new) in enumerate(zip(kv_lens, q_lens, strict=False)):
         keys = np.asarray(jnp.asarray(k_all[s], jnp.bfloat16).astype(jnp.float32))
         values = np.asarray(jnp.asarray(v_all[s], jnp.bfloat16).astype(jnp.float32))
         for i in range(n_new):
