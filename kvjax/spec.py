@@ -7,15 +7,21 @@ comparable, and safe to share between plans.
 Invariants (checked in ``__post_init__``):
   * ``len(layer_kinds) == num_hidden_layers``;
   * ``sliding_window`` is set iff some layer is ``LayerKind.SLIDING``;
-  * ``recurrent`` is set iff some layer is ``LayerKind.RECURRENT``;
+  * ``recurrent`` is set iff some layer keeps a recurrent state (``RECURRENT`` or
+    ``FULL_AND_RECURRENT``);
   * MLA layers need ``kv_lora_rank`` and ``qk_rope_head_dim``.
+
+Consumers ask :meth:`ModelSpec.attention_layer_ids` and :meth:`ModelSpec.recurrent_layer_ids`,
+never ``layer_kinds`` directly: a Falcon-H1 layer is in both, a Nemotron-H MLP layer in neither.
+
+The parsing lives in ``kvjax.hf`` (one module per family group), which returns plain keyword
+arguments; this module imports it, never the reverse, so there is no import cycle.
 """
 
 from __future__ import annotations
 
-import enum
+import copy
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -23,45 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from kvjax.errors import ConfigError
+from kvjax.hf import parse_hf_fields
+from kvjax.layer_kinds import LayerKind, RecurrentStateSpec, dtype_bytes
 
-
-class LayerKind(str, enum.Enum):
-    """What one decoder layer keeps between steps."""
-
-    FULL = "full_attention"  # K and V for every token
-    SLIDING = "sliding_attention"  # K and V for the last ``sliding_window`` tokens
-    MLA = "mla"  # one latent row per token: kv_lora_rank + qk_rope_head_dim
-    RECURRENT = "recurrent"  # a fixed-size conv + SSM state per request (Mamba, GDN, linear attention)
-
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype named as kvjax names them (``"bfloat16"``, ``"fp8_e4m3"``, ...)."""
-    try:
-        return _DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ConfigError("dtype", dtype, f"use one of {sorted(_DTYPE_BYTES)}") from None
-
-
-@dataclass(frozen=True)
-class RecurrentStateSpec:
-    """Per-request state of one recurrent (SSM / linear-attention) layer.
-
-    Shapes exclude the leading ``[num_layers, num_slots]`` axes of the state pool.
-    ``conv_state_shapes`` holds one shape per conv tensor (Mamba2 has one, GDN may have several).
-    """
-
-    conv_state_shapes: tuple[tuple[int, ...], ...]
-    conv_dtype: str
-    ssm_state_shape: tuple[int, ...]
-    ssm_dtype: str
-
-    def bytes_per_slot(self) -> int:
-        """Bytes of one request's state in one layer (all conv tensors plus the SSM tensor)."""
-        conv = sum(math.prod(s) for s in self.conv_state_shapes) * dtype_bytes(self.conv_dtype)
-        return conv + math.prod(self.ssm_state_shape) * dtype_bytes(self.ssm_dtype)
+__all__ = ["LayerKind", "ModelSpec", "RecurrentStateSpec", "dtype_bytes"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +42,11 @@ class ModelSpec:
     Units: head dims and hidden sizes in elements; ``sliding_window`` and ``context_length`` in tokens.
     ``head_dim`` is the K head dim and ``v_head_dim`` the V head dim (they differ for some models).
     For MLA layers the cached row is ``kv_lora_rank + qk_rope_head_dim`` elements and ``num_kv_heads`` is 1.
+    ``attention_sinks``: the attention layers add a learned per-head sink logit (gpt-oss); it is a
+    weight, so it changes no cache size. Linear attention is recorded in ``recurrent.mixer``
+    (``"lightning"``). ``warnings`` are the assumptions the parser made (a missing
+    ``num_key_value_heads`` planned as MHA, an unknown ``model_type`` read from the standard keys);
+    the planner copies them into the plan. They do not take part in equality.
     """
 
     name: str
@@ -97,11 +73,14 @@ class ModelSpec:
     attn_logit_softcapping: float | None = None
     rope_theta: float = 10000.0
     intermediate_size: int = 0
+    attention_sinks: bool = False
+    warnings: tuple[str, ...] = field(default=(), compare=False)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_kinds", tuple(LayerKind(k) for k in self.layer_kinds))
         object.__setattr__(self, "architectures", tuple(self.architectures))
+        object.__setattr__(self, "warnings", tuple(self.warnings))
         if self.num_hidden_layers <= 0:
             raise ConfigError("num_hidden_layers", self.num_hidden_layers, "a model needs at least one layer")
         if len(self.layer_kinds) != self.num_hidden_layers:
@@ -115,7 +94,7 @@ class ModelSpec:
             raise ConfigError("sliding_window", self.sliding_window, "sliding layers need a positive window size")
         if not has_sliding and self.sliding_window is not None:
             raise ConfigError("sliding_window", self.sliding_window, "set it only when some layer is sliding")
-        if (LayerKind.RECURRENT in self.layer_kinds) != (self.recurrent is not None):
+        if bool(self.recurrent_layer_ids()) != (self.recurrent is not None):
             raise ConfigError(
                 "recurrent", self.recurrent, "recurrent layers need a RecurrentStateSpec, and only they do"
             )
@@ -139,13 +118,16 @@ class ModelSpec:
     def attention_layer_ids(self, kind: LayerKind) -> tuple[int, ...]:
         """Global ids of the layers whose per-token attention cache is of ``kind`` (FULL, SLIDING or
         MLA), ascending. The planner and the build ask this, never ``layer_kinds`` directly, so a
-        layer kind that caches attention *and* a recurrent state counts here and in
-        :meth:`recurrent_layer_ids`."""
-        return self.layer_ids(kind)
+        layer that caches attention *and* a recurrent state (``FULL_AND_RECURRENT``) counts here
+        under FULL and in :meth:`recurrent_layer_ids`; a ``NONE`` layer counts nowhere."""
+        kind = LayerKind(kind)
+        if kind.attention is not kind:
+            raise ConfigError("kind", kind.value, "ask for an attention kind: full_attention, sliding_attention or mla")
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k.attention is kind)
 
     def recurrent_layer_ids(self) -> tuple[int, ...]:
         """Global ids of the layers that hold a per-request recurrent state, ascending."""
-        return self.layer_ids(LayerKind.RECURRENT)
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k.has_recurrent_state)
 
     @property
     def is_mla(self) -> bool:
@@ -158,30 +140,59 @@ class ModelSpec:
     @property
     def uses_ssm_state(self) -> bool:
         """True for hybrid SSM / linear-attention models (SGLang's ``is_hybrid_ssm``)."""
-        return LayerKind.RECURRENT in self.layer_kinds
+        return self.recurrent is not None
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers that cache per-token K/V (full, sliding or MLA)."""
-        return self.num_hidden_layers - self.count(LayerKind.RECURRENT)
+        """Layers that cache per-token K/V (full, sliding or MLA; Falcon-H1's hybrid layers included)."""
+        return sum(1 for k in self.layer_kinds if k.attention is not None)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        """Layers that keep a per-request recurrent state."""
+        return len(self.recurrent_layer_ids())
+
+    @property
+    def uses_linear_attention(self) -> bool:
+        """True when the recurrent layers are lightning (linear) attention (MiniMax)."""
+        return self.recurrent is not None and self.recurrent.mixer == "lightning"
 
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, name: str | None = None) -> ModelSpec:
-        """Parse a Hugging Face ``config.json`` dict (see ``kvjax.hf_config`` for the families)."""
-        from kvjax.hf_config import parse_hf_config
+        """Parse a Hugging Face ``config.json`` dict (``kvjax.hf`` lists the families).
 
-        return parse_hf_config(config, name=name)
+        ``name`` defaults to the config's ``_name_or_path``, else its ``model_type``. The raw config
+        is kept, deep-copied, in ``spec.extra``. Raises `ConfigError` naming the key for an unusable
+        config (every missing required key at once) or a family kvjax cannot describe.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError("config", type(config).__name__, "pass the parsed config.json as a dict")
+        model_type, fields = parse_hf_fields(config)
+        spec_name = name or config.get("_name_or_path") or model_type
+        return cls(name=str(spec_name), model_type=model_type, extra=copy.deepcopy(dict(config)), **fields)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelSpec:
         """Parse a ``config.json`` file; the spec is named after the file's folder."""
         path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError("model", str(path), "no such file; pass a preset name or the path of a config.json")
         try:
             config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError("model", str(path), f"pass a readable Hugging Face config.json ({e})") from None
+        except OSError as e:
+            raise ConfigError(
+                "model", str(path), f"cannot read the file ({e.strerror}); check its permissions"
+            ) from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                "model", str(path), f"not valid JSON (line {e.lineno}: {e.msg}); pass a Hugging Face config.json"
+            ) from None
+        if not isinstance(config, dict):
+            raise ConfigError("model", str(path), "the file holds no JSON object; pass a Hugging Face config.json")
         stem = path.parent.name if path.name == "config.json" else path.stem
         return cls.from_hf_config(config, name=stem or None)
 
@@ -205,14 +216,18 @@ class ModelSpec:
         """A preset name or a path to a ``config.json`` (what the command line accepts)."""
         if model in cls.presets():
             return cls.preset(model)
-        if Path(model).exists():
-            return cls.from_json_file(model)
-        raise ConfigError("model", model, f"use a preset name from {list(cls.presets())} or a path to a config.json")
+        path = Path(model)
+        if path.exists() or path.suffix == ".json" or len(path.parts) > 1:
+            return cls.from_json_file(path)
+        raise ConfigError(
+            "model", model, f"no such preset or file; use a preset from {list(cls.presets())} or a config.json path"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (layer kinds as strings)."""
         d = asdict(self)
         d.pop("extra")
+        d["warnings"] = list(self.warnings)
         d["layer_kinds"] = [k.value for k in self.layer_kinds]
         d["architectures"] = list(self.architectures)
         return d

@@ -13,7 +13,7 @@ import json
 import pytest
 
 import kvjax
-from kvjax import ConfigError, LayerKind, ModelSpec, RecurrentStateSpec
+from kvjax import ConfigError, LayerKind, ModelSpec
 from kvjax.hf_config import parse_hf_config, supported_model_types
 
 FULL, SLIDING, MLA, RECURRENT = LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA, LayerKind.RECURRENT
@@ -293,7 +293,9 @@ def test_recurrent_state_with_unequal_head_dims():
         linear_conv_kernel_dim=3,
     )
     state = parse_hf_config(config).recurrent
-    assert state == RecurrentStateSpec(((2 * 4 * 32 + 8 * 64, 2),), "bfloat16", (8, 64, 32), "float32")
+    assert state.conv_state_shapes == ((2 * 4 * 32 + 8 * 64, 2),)
+    assert (state.conv_dtype, state.ssm_state_shape, state.ssm_dtype) == ("bfloat16", (8, 64, 32), "float32")
+    assert (state.mixer, state.num_heads, state.n_groups, state.state_size) == ("gated_delta_net", 8, 4, 32)
 
 
 def test_dispatch_by_architecture_when_model_type_is_absent():
@@ -354,10 +356,11 @@ def test_unknown_model_type_is_named():
         assert family in str(err) and family in supported_model_types()
 
 
-@pytest.mark.parametrize("model_type", ["falcon_h1", "nemotron_h"])
-def test_known_but_unsupported_hybrids_say_why(model_type):
-    err = assert_config_error("model_type", ModelSpec.from_hf_config, {"model_type": model_type})
-    assert model_type in str(err) and "LayerKind" in str(err)
+@pytest.mark.parametrize("model_type", ["jamba", "bamba"])
+def test_unknown_hybrids_are_refused_not_planned_as_attention(model_type):
+    config = {**raw_preset("tiny"), "model_type": model_type, "mamba_d_state": 16, "attn_layer_period": 8}
+    err = assert_config_error("model_type", ModelSpec.from_hf_config, config)
+    assert model_type in str(err) and "mamba_d_state" in str(err)
 
 
 def test_no_model_type_and_no_known_architecture():
