@@ -8,19 +8,29 @@ Each ``step()`` runs one batch:
   ``match_and_lock`` (match the prefix, lock it); memory is *evict, then allocate*
   (``tree.evict`` of what is missing, then one vectorised ``alloc_extend`` for the batch). The
   last admitted request may be cut to the budget: it becomes the chunked request and is cached
-  with ``cache_unfinished_req`` after its chunk. A request whose prompt is done samples its first
-  token, is cached with ``cache_unfinished_req`` (so later requests can share its prompt) and
-  joins the decode batch;
+  with ``cache_unfinished_req(chunked=True)`` after its chunk. A request whose prompt is done
+  samples its first token, is cached with ``cache_unfinished_req`` (so later requests can share
+  its prompt, as SGLang's prefill result processing does) and joins the decode batch;
 * **decode** otherwise: one token for every running request via ``alloc_decode``, again after
   evicting what is missing. When even eviction cannot make room, requests are **retracted** (the
   most recently admitted first): their KV is released (``cache_finished_req(is_insert=False)``),
   their row freed, and they go back to the front of the queue with the tokens they generated,
   to be re-prefilled later.
 
-A request finishes after ``max_new_tokens`` tokens; ``cache_finished_req`` inserts its prompt and
-output into the tree and releases its lock, and its row is freed.
+Decode steps do not touch the tree (as in SGLang): a request's generated tokens enter it when
+it finishes. A request finishes after ``max_new_tokens`` tokens or on one of its
+``stop_token_ids``; ``cache_finished_req`` inserts its prompt and output into the tree and
+releases its lock, and its row is freed.
 
-The step function is jitted with the pools donated; the host reads back only the sampled tokens.
+Device state: the step function is jitted with the pools donated, and every step's new pools are
+stored back into the cache the scheduler was given (``KVCache.set_pools``), so ``cache.pools`` is
+always the current state, never a donated (deleted) array. The host reads back only the sampled
+tokens (and, with ``record_logits``, the logits).
+
+Host time per step is split in ``ServeStats``: ``bookkeeping_seconds`` (match, evict, allocate,
+table writes, cache, free: kvjax's host work), ``pack_seconds`` (page table and batch packing) and
+``step_seconds`` (the jitted step until its tokens are on the host); the ``decode_*`` fields count
+decode steps only.
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
@@ -38,7 +48,10 @@ import jax
 import numpy as np
 
 from kvjax.build import KVCache
+from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
+from kvjax.serve.model import as_model_config
+from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.step import make_step, pack_batch
 from kvjax.spec import ModelSpec
 
@@ -46,22 +59,34 @@ from kvjax.spec import ModelSpec
 class ServingReq(Req):
     """A request of the serving loop: a ``Req`` plus its generation limit and bookkeeping."""
 
-    __slots__ = ("max_new_tokens", "admitted_at", "first_cached_tokens", "retracted")
+    __slots__ = ("max_new_tokens", "stop_token_ids", "admitted_at", "first_cached_tokens", "retracted", "logits")
 
-    def __init__(self, rid: Any, prompt: Sequence[int], *, max_new_tokens: int, extra_key: Any = None) -> None:
+    def __init__(
+        self,
+        rid: Any,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        extra_key: Any = None,
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
         if max_new_tokens <= 0:
             raise ValueError(f"request {rid!r}: max_new_tokens={max_new_tokens} must be positive")
         if len(prompt) == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
         super().__init__(rid, list(prompt), extra_key=extra_key)
         self.max_new_tokens = int(max_new_tokens)
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.admitted_at = -1
         self.first_cached_tokens: int | None = None
         self.retracted = 0
+        self.logits: list[np.ndarray] = []  # one float32 [vocab] row per output token, with record_logits
 
     @property
     def done(self) -> bool:
-        return len(self.output_ids) >= self.max_new_tokens
+        """``max_new_tokens`` generated, or the last one is a stop token (it is kept in the output)."""
+        out = self.output_ids
+        return len(out) >= self.max_new_tokens or (bool(out) and out[-1] in self.stop_token_ids)
 
 
 @dataclasses.dataclass
@@ -78,6 +103,11 @@ class ServeStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     step_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    bookkeeping_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
+    decode_pack_seconds: float = 0.0
+    decode_bookkeeping_seconds: float = 0.0
     peak_used_tokens: int = 0
     occupancy: list[float] = dataclasses.field(default_factory=list)
     hit_rate_history: list[float] = dataclasses.field(default_factory=list)
@@ -91,42 +121,49 @@ class Scheduler:
     """Runs requests to completion on a built ``KVCache`` and a model's weights.
 
     Args:
-        spec: the model (its layers must match the cache's pool).
-        cache: a built cache; its ``tree_cache`` decides whether prefixes are shared.
-        params: the model's weights (``kvjax.serve.model.init_params``).
+        spec: the model (its layers must match the cache's pool), or its serving `ModelConfig`
+            (then the config's family and dtype decide the model).
+        cache: a built cache; its ``tree_cache`` decides whether prefixes are shared. The
+            scheduler keeps ``cache.pools`` current (see the module docstring).
+        params: the model's weights (``kvjax.serve.model.init_params``, or a checkpoint's).
         max_batch_size: sequence rows per step (the step is compiled for this many).
         chunked_prefill_size: prefill token budget per step (default: the plan's, else 2048).
+        record_logits: keep each output token's float32 logits on its request (``req.logits``).
     """
 
     def __init__(
         self,
-        spec: ModelSpec,
+        spec: ModelSpec | ModelConfig,
         cache: KVCache,
         params: dict,
         *,
         max_batch_size: int = 16,
         chunked_prefill_size: int | None = None,
+        record_logits: bool = False,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
+        self.model_config = as_model_config(spec)
         self.spec = spec
         self.cache = cache
         self.params = params
-        self.tree = cache.tree_cache
-        self.alloc = cache.allocator
-        self.rows = cache.req_to_token_pool
-        self.pools = cache.pools
+        self.tree: TreeCacheProtocol = cache.tree_cache
+        self.alloc: AllocatorProtocol = cache.allocator
+        self.rows: ReqToTokenPoolProtocol = cache.req_to_token_pool
         self.page_size = self.alloc.page_size
         self.max_batch_size = min(max_batch_size, self.rows.size)
         self.budget = chunked_prefill_size or cache.plan.chunked_prefill_size or 2048
         self.pages_per_seq = -(-self.rows.max_context_len // self.page_size)
-        self.step_fn = make_step(spec)
+        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * self.page_size, self.rows.max_context_len - 1)
+        self.record_logits = record_logits
+        self.step_fn = make_step(self.model_config, with_logits=record_logits)
         self.waiting: collections.deque[ServingReq] = collections.deque()
         self.running: list[ServingReq] = []
         self.chunked: ServingReq | None = None
         self.finished: list[ServingReq] = []
         self.stats = ServeStats()
         self._admissions = 0
+        self._last_logits: np.ndarray | None = None
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -148,21 +185,32 @@ class Scheduler:
     def step(self) -> list[ServingReq]:
         """Run one batch; return the requests that finished in it."""
         done: list[ServingReq] = []
-        ran = False
+        st = self.stats
+        start = time.perf_counter()
+        step_before, pack_before = st.step_seconds, st.pack_seconds
+        ran = decoded = False
         if self.chunked is not None or self.waiting:
             ran = self._prefill(done)
         if not ran and self.running:
             self._decode(done)
-            ran = True
+            ran = decoded = True
         if not ran and (self.waiting or self.chunked):
             raise RuntimeError(
                 f"no progress: {len(self.waiting)} waiting requests fit neither the pool ({self.alloc.size} tokens) "
                 f"nor the request table ({self.rows.size} rows); raise max_total_tokens"
             )
-        used = self.alloc.size - self.alloc.available_size() - self.tree.evictable_size()
-        self.stats.peak_used_tokens = max(self.stats.peak_used_tokens, used)
-        self.stats.occupancy.append((self.alloc.size - self.alloc.available_size()) / self.alloc.size)
-        self.stats.hit_rate_history.append(self.stats.hit_rate)
+        stepped, packed = st.step_seconds - step_before, st.pack_seconds - pack_before
+        bookkeeping = time.perf_counter() - start - stepped - packed
+        st.bookkeeping_seconds += bookkeeping
+        if decoded:
+            st.decode_step_seconds += stepped
+            st.decode_pack_seconds += packed
+            st.decode_bookkeeping_seconds += bookkeeping
+        available = self.alloc.available_size()
+        used = self.alloc.size - available - self.tree.evictable_size()
+        st.peak_used_tokens = max(st.peak_used_tokens, used)
+        st.occupancy.append((self.alloc.size - available) / self.alloc.size)
+        st.hit_rate_history.append(st.hit_rate)
         self.finished.extend(done)
         return done
 
@@ -247,13 +295,17 @@ class Scheduler:
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens_computed += int((seq - prefix).sum())
 
-        for (req, _, end), token in zip(batch, next_tokens):
+        for i, ((req, _, end), token) in enumerate(zip(batch, next_tokens, strict=True)):
             req.kv_committed_len = int(end)
             if end < req.seqlen():
-                self.tree.cache_unfinished_req(req)
+                self.tree.cache_unfinished_req(req, chunked=True)
                 self.chunked = req
                 continue
-            self._append_token(req, int(token), done)
+            self._record_logits(req, i)
+            if not self._append_token(req, int(token), done):
+                # The prompt is computed: share it with later requests (SGLang's prefill result step).
+                self.tree.cache_unfinished_req(req)
+                self.running.append(req)
         return True
 
     def _match_and_lock(self, req: ServingReq) -> int:
@@ -299,15 +351,16 @@ class Scheduler:
         slots = self.alloc.alloc_decode(kv_len + 1, last)
         if slots is None:
             raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
-        for req, n, slot in zip(self.running, kv_len, slots):
-            self.rows.write(req.req_pool_idx, int(n), slot.reshape(1))
+        self.rows.req_to_token[rows, kv_len] = slots
         tokens = [np.asarray([r.output_ids[-1]], np.int32) for r in self.running]
-        next_tokens = self._forward(tokens, list(kv_len), slots, rows, kv_len + 1)
+        next_tokens = self._forward(tokens, kv_len, slots, rows, kv_len + 1)
         self.stats.decode_steps += 1
         running, self.running = self.running, []
-        for req, n, token in zip(running, kv_len, next_tokens):
-            req.kv_committed_len = int(n) + 1
-            self._append_token(req, int(token), done)
+        for i, (req, n, token) in enumerate(zip(running, kv_len.tolist(), next_tokens.tolist(), strict=True)):
+            req.kv_committed_len = n + 1
+            self._record_logits(req, i)
+            if not self._append_token(req, token, done):
+                self.running.append(req)
 
     def _retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
@@ -319,29 +372,52 @@ class Scheduler:
 
     # --- shared -----------------------------------------------------------------------------------
 
-    def _append_token(self, req: ServingReq, token: int, done: list[ServingReq]) -> None:
+    def _append_token(self, req: ServingReq, token: int, done: list[ServingReq]) -> bool:
+        """Append a sampled token; finish the request when it is done. Returns whether it finished."""
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
-        if req.done:
-            self.tree.cache_finished_req(req)
-            self.rows.free(req.req_pool_idx)
-            req.req_pool_idx = None
-            req.finished = True
-            self.stats.requests_finished += 1
-            done.append(req)
-        else:
-            self.tree.cache_unfinished_req(req, chunked=False)
-            self.running.append(req)
+        if not req.done:
+            return False
+        self.tree.cache_finished_req(req)
+        self.rows.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.finished = True
+        self.stats.requests_finished += 1
+        done.append(req)
+        return True
+
+    def _record_logits(self, req: ServingReq, row: int) -> None:
+        if self._last_logits is not None:
+            req.logits.append(self._last_logits[row])
 
     def _forward(
-        self, tokens: list[np.ndarray], starts: list[int], slots: np.ndarray, rows: list[int], seq_lens: np.ndarray
+        self, tokens: list[np.ndarray], starts: Any, slots: np.ndarray, rows: list[int], seq_lens: np.ndarray
     ) -> np.ndarray:
-        table = self.rows.page_table_numpy(rows, seq_lens, self.page_size, self.pages_per_seq)
+        """Run the jitted step on the batch, store the new pools in the cache, return the sampled
+        tokens (one per sequence). Page-table and packing time go to ``pack_seconds``, the step
+        (until its tokens are on the host) to ``step_seconds``."""
+        start = time.perf_counter()
+        table = self.rows.req_to_token[np.asarray(rows)[:, None], self._page_columns[None, :]] // self.page_size
+        n_pages = -(-np.asarray(seq_lens) // self.page_size)
+        table[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
         flat, meta = pack_batch(
             tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size
         )
-        start = time.perf_counter()
-        self.pools, next_tokens = self.step_fn(self.pools, self.params, flat, meta)
-        out = np.asarray(jax.device_get(next_tokens))[: len(tokens)]
-        self.stats.step_seconds += time.perf_counter() - start
-        return out
+        packed = time.perf_counter()
+        out = self.step_fn(self.cache.pools, self.params, flat, meta)
+        _store_pools(self.cache, out[0])
+        next_tokens = np.asarray(jax.device_get(out[1]))[: len(tokens)]
+        self._last_logits = np.asarray(jax.device_get(out[2]))[: len(tokens)] if self.record_logits else None
+        end = time.perf_counter()
+        self.stats.pack_seconds += packed - start
+        self.stats.step_seconds += end - packed
+        return next_tokens
+
+
+def _store_pools(cache: KVCache, pools: Any) -> None:
+    """Make ``pools`` (a step's result) the cache's current device state."""
+    set_pools = getattr(cache, "set_pools", None)
+    if set_pools is not None:
+        set_pools(pools)
+    else:  # caches built before KVCache.set_pools existed (frozen dataclass)
+        object.__setattr__(cache, "pools", pools)

@@ -1,8 +1,9 @@
 """The jitted serving step: one forward of a ragged batch with the pools donated, greedy sampling.
 
-``make_step(spec)`` returns ``step(pools, params, tokens, meta) -> (pools, next_tokens)``. The pools
-are donated, so every KV write happens in place; the only value the host reads back is
-``next_tokens`` (one int32 per sequence row).
+``make_step(model)`` returns ``step(pools, params, tokens, meta) -> (pools, next_tokens)``; with
+``with_logits=True`` it returns ``(pools, next_tokens, logits)`` (``[S, vocab]`` float32). The
+pools are donated, so every KV write happens in place; the host reads back ``next_tokens`` (one
+int32 per sequence row) and, only when asked, the logits.
 
 ``pack_batch`` turns host-side per-sequence facts into fixed-shape device inputs: tokens padded
 to a power-of-two bucket (so the step compiles a handful of times), sequence rows padded to a fixed
@@ -13,31 +14,40 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.pools import CachePools
-from kvjax.serve.model import BatchMetadata, TinyTransformer
+from kvjax.serve.layers import BatchMetadata
+from kvjax.serve.model import as_model_config, build_model
+from kvjax.serve.model_config import ModelConfig
 from kvjax.spec import ModelSpec
 
 MIN_TOKEN_BUCKET = 8
 
-StepFn = Callable[[CachePools, dict, jax.Array, BatchMetadata], tuple[CachePools, jax.Array]]
+StepFn = Callable[[CachePools, dict, jax.Array, BatchMetadata], tuple[Any, ...]]
+
+
+def make_step(model: ModelSpec | ModelConfig, *, with_logits: bool = False) -> StepFn:
+    """The model's forward plus greedy sampling, jitted with the pools donated.
+
+    Cached per model config, so schedulers of the same model share compiled code.
+    """
+    return _make_step(as_model_config(model), with_logits)
 
 
 @functools.cache
-def make_step(spec: ModelSpec) -> StepFn:
-    """The model's forward plus greedy sampling, jitted with the pools donated.
+def _make_step(config: ModelConfig, with_logits: bool) -> StepFn:
+    module = build_model(config)
 
-    Cached per spec, so schedulers of the same model share compiled code.
-    """
-    model = TinyTransformer(spec)
-
-    def step(pools: CachePools, params: dict, tokens: jax.Array, meta: BatchMetadata) -> tuple[CachePools, jax.Array]:
-        logits, kv = model.apply({"params": params}, tokens, pools.kv, meta)
-        return pools.replace(kv=kv), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    def step(pools: CachePools, params: dict, tokens: jax.Array, meta: BatchMetadata) -> tuple[Any, ...]:
+        logits, kv = module.apply({"params": params}, tokens, pools.kv, meta)
+        next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        new_pools = pools.replace(kv=kv)
+        return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
 
     return jax.jit(step, donate_argnums=0)
 
@@ -63,21 +73,27 @@ def pack_batch(
     n_seqs = len(tokens)
     if n_seqs > max_seqs:
         raise ValueError(f"{n_seqs} sequences in one batch; the step is compiled for at most {max_seqs}")
-    q_lens = np.array([len(t) for t in tokens], np.int32)
+    q_lens = np.fromiter((len(t) for t in tokens), np.int32, n_seqs)
+    starts_arr = np.asarray(starts, np.int32)
     total = int(q_lens.sum())
     size = token_bucket(total)
     flat = np.zeros(size, np.int32)
     positions = np.zeros(size, np.int32)
     out_loc = np.zeros(size, np.int32)  # padding writes to slot 0: the trash page
+    cu = np.zeros(max_seqs + 1, np.int32)
+    np.cumsum(q_lens, out=cu[1 : n_seqs + 1])
+    cu[n_seqs + 1 :] = total
     if total:
         flat[:total] = np.concatenate(tokens)
-        positions[:total] = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, q_lens)])
+        if total == n_seqs:  # a decode batch: one token per sequence, at its start
+            positions[:total] = starts_arr
+        else:
+            # position of token i of sequence s = starts[s] + (i - cu[s])
+            seq_of = np.repeat(np.arange(n_seqs), q_lens)
+            positions[:total] = np.arange(total, dtype=np.int32) - cu[seq_of] + starts_arr[seq_of]
         out_loc[:total] = slots
-    cu = np.zeros(max_seqs + 1, np.int32)
-    cu[1 : n_seqs + 1] = np.cumsum(q_lens)
-    cu[n_seqs + 1 :] = total
     kv_lens = np.zeros(max_seqs, np.int32)
-    kv_lens[:n_seqs] = np.asarray(starts, np.int32) + q_lens
+    kv_lens[:n_seqs] = starts_arr + q_lens
     table = np.zeros((max_seqs, page_table.shape[1]), np.int32)
     table[:n_seqs] = page_table
     logits_idx = np.zeros(max_seqs, np.int32)
@@ -88,7 +104,7 @@ def pack_batch(
         kv_lens=jnp.asarray(kv_lens),
         page_indices=jnp.asarray(table),
         cu_q_lens=jnp.asarray(cu),
-        num_seqs=jnp.asarray([n_seqs], jnp.int32),
+        num_seqs=jnp.asarray(np.array([n_seqs], np.int32)),
         logits_indices=jnp.asarray(logits_idx),
     )
     return jnp.asarray(flat), meta

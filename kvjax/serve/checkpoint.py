@@ -1,0 +1,222 @@
+"""Load a Hugging Face checkpoint directory into the serving model (and write one, for tests).
+
+A checkpoint directory holds ``config.json`` and its weights as ``*.safetensors`` files: one
+``model.safetensors``, or shards listed by ``model.safetensors.index.json`` (its ``weight_map``
+names the file of every tensor). Optional: ``tokenizer.json`` (prompts as text) and
+``generation_config.json`` (end-of-sequence ids).
+
+Loading is checked before anything is built: the family must be servable, and every tensor the
+model expects (``kvjax.serve.model.param_shapes``) must be present with its exact shape. Tensor
+names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``); the parameter path is the
+name split at dots, with ``layers.N`` as ``layers_N``. Tensors the model does not use (e.g. old
+``rotary_emb.inv_freq`` buffers, or ``lm_head.weight`` when the head is tied) are ignored.
+
+Tensors are read with ``safetensors``' numpy API (no torch), and cast to the checkpoint's dtype
+or the ``dtype`` override. Every problem is a `ConfigError` naming what is wrong and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy API needs)
+import numpy as np
+
+from kvjax.errors import ConfigError
+from kvjax.serve.model import Params, param_shapes
+from kvjax.serve.model_config import DTYPES, SERVABLE_FAMILIES, ModelConfig, model_config_from_spec
+from kvjax.spec import ModelSpec
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to serve: its cache spec, serving config, weights, and optional extras.
+
+    ``spec.dtype`` is the serving dtype (the KV pool's); ``stop_token_ids`` are the config's (and
+    ``generation_config.json``'s) end-of-sequence ids; ``tokenizer_file`` is ``tokenizer.json``
+    when the directory has one.
+    """
+
+    name: str
+    spec: ModelSpec
+    config: ModelConfig
+    params: Params
+    stop_token_ids: tuple[int, ...] = ()
+    tokenizer_file: Path | None = None
+
+
+def param_name(path: tuple[str, ...]) -> str:
+    """A parameter path as the checkpoint's tensor name (``layers_3`` -> ``layers.3``)."""
+    return ".".join(p.replace("layers_", "layers.", 1) if p.startswith("layers_") else p for p in path)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def read_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory and its parsed ``config.json``; `ConfigError` if either is unusable."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigError("model", str(directory), "not a directory; pass a checkpoint directory or a preset name")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(
+            "model", str(directory), "has no config.json; pass a Hugging Face checkpoint directory (config.json + weights)"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("model", str(config_file), f"is not readable JSON ({e}); re-download config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError("model", str(config_file), "must hold a JSON object; re-download config.json")
+    family = config.get("model_type")
+    if family not in SERVABLE_FAMILIES:
+        raise ConfigError(
+            "model_type",
+            family,
+            f"kvjax serves {list(SERVABLE_FAMILIES)} checkpoints; plan other families with `python -m kvjax plan`",
+        )
+    return path, config
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from the shard index or by opening every ``*.safetensors``."""
+    from safetensors import safe_open
+
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError("model", str(index), f"is not a valid shard index ({e}); re-download it") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise ConfigError("model", str(file), f"is listed in {INDEX_FILE} but missing; download every shard")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {other[:3]}: convert them to safetensors)" if other else ""
+        raise ConfigError(
+            "model", str(path), f"has no *.safetensors weights{hint}; save with save_pretrained or download them"
+        )
+    files = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="np") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a Mapping)
+                files[name] = shard
+    return files
+
+
+def _stop_token_ids(path: Path, config: Mapping[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [config]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()))
+        except (OSError, json.JSONDecodeError):
+            pass
+    for source in sources:
+        eos = source.get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+def load_checkpoint(directory: str | Path, *, dtype: str | None = None) -> LoadedModel:
+    """Read ``directory`` (see the module docstring) into a `LoadedModel`.
+
+    ``dtype``: serve in this dtype (``float32``, ``bfloat16``, ``float16``) instead of the
+    checkpoint's. Raises `ConfigError` (nothing is kept) for a missing ``config.json`` or weights,
+    a family kvjax cannot serve, and a missing or mis-shaped tensor.
+    """
+    from safetensors import safe_open
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, f"use one of {list(DTYPES)}")
+    path, raw = read_config(directory)
+    spec = ModelSpec.from_hf_config(raw, name=path.name)
+    if dtype is not None:
+        spec = dataclasses.replace(spec, dtype=dtype)
+    config = model_config_from_spec(spec)
+    files = _weight_files(path)
+
+    expected = dict(_flatten(param_shapes(config)))
+    by_file: dict[Path, list[tuple[str, ...]]] = {}
+    for param_path, want in expected.items():
+        name = param_name(param_path)
+        if name not in files:
+            raise ConfigError(
+                "tensor",
+                name,
+                f"missing from {path} (expected shape {tuple(want.shape)}); the weights do not match config.json",
+            )
+        by_file.setdefault(files[name], []).append(param_path)
+
+    # Check every shape before reading any data.
+    for file, paths in by_file.items():
+        with safe_open(str(file), framework="np") as f:
+            for param_path in paths:
+                name = param_name(param_path)
+                got = tuple(f.get_slice(name).get_shape())
+                want = tuple(expected[param_path].shape)
+                if got != want:
+                    raise ConfigError(
+                        "tensor",
+                        name,
+                        f"has shape {got} in {file.name} but config.json implies {want}; "
+                        "the weights do not match config.json",
+                    )
+
+    target = jnp.dtype(config.dtype)
+    params: dict[str, Any] = {}
+    for file, paths in by_file.items():
+        with safe_open(str(file), framework="np") as f:
+            for param_path in paths:
+                _set(params, param_path, jnp.asarray(f.get_tensor(param_name(param_path)), dtype=target))
+    tokenizer = path / "tokenizer.json"
+    return LoadedModel(
+        name=path.name,
+        spec=spec,
+        config=config,
+        params=params,
+        stop_token_ids=_stop_token_ids(path, raw),
+        tokenizer_file=tokenizer if tokenizer.is_file() else None,
+    )
+
+
+def save_checkpoint(directory: str | Path, spec: ModelSpec, params: Params) -> Path:
+    """Write ``spec``'s ``config.json`` and ``params`` as ``model.safetensors`` (numpy API) into
+    ``directory`` (created). The inverse of `load_checkpoint`; used by tests and benchmarks."""
+    from safetensors.numpy import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(spec.extra)
+    config.setdefault("torch_dtype", spec.dtype)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {param_name(p): np.asarray(jax.device_get(v)) for p, v in _flatten(params)}
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

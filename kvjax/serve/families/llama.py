@@ -1,0 +1,109 @@
+"""Llama (2 and 3), and the families that differ from it only by configuration: Mistral (no
+window) and Qwen2/2.5 (q/k/v biases, ``ModelConfig.qkv_bias``).
+
+Architecture (Hugging Face's ``LlamaForCausalLM``, parameter names included): ``model.embed_tokens``;
+``num_hidden_layers`` x [``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``,
+RoPE, paged attention, ``o_proj``), residual, ``post_attention_layernorm``, ``mlp``, residual];
+``model.norm``; ``lm_head`` (or the embedding, tied).
+
+A forward takes one flat ragged batch (``T`` tokens of up to ``S`` sequences, ``BatchMetadata``)
+and returns float32 logits for the last token of each sequence row, and the updated pool.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.pools import MHAKVPool
+from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm, apply_rope, paged_attention
+from kvjax.serve.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention whose K/V go through the paged pool. ``normalize_qk`` is the hook that
+    families with q/k norms override (identity here)."""
+
+    config: ModelConfig
+    layer_id: int
+
+    def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return q, k
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        t = x.shape[0]
+        q = Linear(c.num_attention_heads * c.head_dim, c.qkv_bias, dt, name="q_proj")(x)
+        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="k_proj")(x)
+        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="v_proj")(x)
+        q = q.reshape(t, c.num_attention_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        q, k = self.normalize_qk(q, k)
+        inv_freq = c.rope.inverse_frequencies(c.head_dim)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        out, kv = paged_attention(q, k, v, kv, self.layer_id, meta)
+        out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
+        return out, kv
+
+
+class LlamaDecoderLayer(nn.Module):
+    config: ModelConfig
+    layer_id: int
+    attention: type[LlamaAttention] = LlamaAttention
+
+    @nn.compact
+    def __call__(self, x: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
+        h, kv = self.attention(c, self.layer_id, name="self_attn")(h, kv, meta)
+        x = x + h
+        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        return x + MLP(c, name="mlp")(h), kv
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack (``model.*`` in checkpoints); returns the final-normed hidden states of
+    each sequence's last token, ``[S, hidden]``."""
+
+    config: ModelConfig
+    attention: type[LlamaAttention] = LlamaAttention
+
+    def setup(self) -> None:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
+        self.layers = [LlamaDecoderLayer(c, i, self.attention, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, dt)
+
+    def __call__(self, tokens: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x, kv = layer(x, kv, meta)
+        return self.norm(x[meta.logits_indices]), kv
+
+    def lm_head_tied(self, x: jax.Array) -> jax.Array:
+        return self.embed_tokens.attend(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``(tokens [T], pool, metadata) -> (logits [S, vocab] float32, new pool)``."""
+
+    config: ModelConfig
+    attention: type[LlamaAttention] = LlamaAttention
+
+    def setup(self) -> None:
+        c = self.config
+        self.model = LlamaModel(c, self.attention)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
+
+    def __call__(self, tokens: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+        x, kv = self.model(tokens, kv, meta)
+        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32), kv

@@ -1,0 +1,153 @@
+"""The pieces every served family shares: linear layers and embeddings in Hugging Face's weight
+layout, RMSNorm, rotary embeddings, the SwiGLU MLP, and attention through kvjax's paged pool.
+
+Weights keep Hugging Face's layout and names (a linear layer's ``weight`` is ``[out, in]``), so a
+checkpoint tensor ``model.layers.3.mlp.up_proj.weight`` is the parameter at path
+``("model", "layers_3", "mlp", "up_proj", "weight")`` with no transpose (``kvjax.serve.checkpoint``).
+
+Numerics follow the reference implementations: RMSNorm in float32 then cast back, RoPE angles
+in float32, attention softmax in float32 (inside ragged paged attention), logits in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.pools import MHAKVPool
+from kvjax.serve.model_config import ModelConfig
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+WEIGHT_INIT_STDDEV = 0.02  # random weights (presets without a checkpoint), as Transformers' initializer_range
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BatchMetadata:
+    """Where a ragged batch's tokens live. ``T`` tokens (padded), ``S`` sequence rows (padded).
+
+    Fields (all int32 device arrays):
+      positions: ``[T]`` position of each token in its sequence (0 for padding).
+      out_loc: ``[T]`` KV slot each token's K/V is written to (0, the trash page, for padding).
+      kv_lens: ``[S]`` KV length of each sequence including this batch's tokens.
+      page_indices: ``[S, pages_per_seq]`` page table (0 = padding).
+      cu_q_lens: ``[S + 1]`` token offsets of the sequences in the batch.
+      num_seqs: ``[1]`` live sequences.
+      logits_indices: ``[S]`` index of each sequence's last token (0 for padded rows).
+    """
+
+    positions: jax.Array
+    out_loc: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    logits_indices: jax.Array
+
+
+def _dtype(config: ModelConfig) -> jnp.dtype:
+    return jnp.dtype(config.dtype)
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T (+ bias)`` with ``weight: [features, in]`` (Hugging Face's ``nn.Linear``)."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param(
+            "weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (self.features, x.shape[-1]), self.dtype
+        )
+        y = jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class Embedding(nn.Module):
+    """Token embedding ``weight: [vocab, hidden]``; ``attend`` is the tied LM head."""
+
+    vocab_size: int
+    hidden_size: int
+    dtype: jnp.dtype
+
+    def setup(self) -> None:
+        self.weight = self.param(
+            "weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (self.vocab_size, self.hidden_size), self.dtype
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight, tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return jax.lax.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, computed in float32."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight * normed.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x: [T, heads, head_dim]`` at ``positions: [T]`` (rotate-half convention).
+
+    ``inv_freq``: ``[head_dim // 2]`` float32 (``RopeConfig.inverse_frequencies``). Angles and
+    their cos/sin are float32, cast to x's dtype before the rotation, as in the reference.
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos = jnp.cos(angles).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(angles).astype(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dt = _dtype(c)
+        gate = Linear(c.intermediate_size, c.mlp_bias, dt, name="gate_proj")(x)
+        up = Linear(c.intermediate_size, c.mlp_bias, dt, name="up_proj")(x)
+        return Linear(c.hidden_size, c.mlp_bias, dt, name="down_proj")(nn.silu(gate) * up)
+
+
+def paged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, kv: MHAKVPool, layer_id: int, meta: BatchMetadata
+) -> tuple[jax.Array, MHAKVPool]:
+    """Write the batch's ``k, v: [T, kv_heads, head_dim]`` into the pool, then attend ``q: [T, heads,
+    head_dim]`` causally over each sequence's pages. Returns ``([T, heads, head_dim] in q's dtype, pool)``.
+
+    Scale ``1 / sqrt(head_dim)``, softmax in float32 (``ragged_paged_attention``).
+    """
+    kv = kv.set_kv_buffer(layer_id, meta.out_loc, k, v)
+    out = ragged_paged_attention(
+        q.astype(kv.logical_dtype),
+        kv.kv_buffer(layer_id),
+        meta.kv_lens,
+        meta.page_indices,
+        meta.cu_q_lens,
+        meta.num_seqs,
+    )
+    return out.astype(q.dtype), kv

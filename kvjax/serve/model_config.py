@@ -1,0 +1,201 @@
+"""The serving model's hyperparameters, read from a Hugging Face ``config.json``.
+
+The planner's `ModelSpec` holds what the *cache* needs (layers, KV heads, head dims). Running the
+model needs a few more facts: the RMSNorm epsilon, the RoPE variant and its parameters, whether
+the LM head is tied to the embedding, the projection biases of the family, and q/k norms. This
+module reads them, from configs saved by any Transformers version:
+
+* RoPE: ``rope_theta`` + ``rope_scaling`` (older) or ``rope_parameters`` (Transformers 5, which
+  also holds ``rope_theta``); ``rope_type`` or the older ``type`` key.
+* dtype: ``dtype`` (Transformers 5) or ``torch_dtype`` (older).
+
+Supported RoPE types: ``default``, ``linear`` and ``llama3`` (Llama 3.1+). Others raise
+`ConfigError` naming the type. Families: ``llama``, ``mistral``, ``qwen2``, ``qwen3``.
+
+A `ModelConfig` is frozen and hashable: compiled steps and random weights are cached per config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvjax.errors import ConfigError
+from kvjax.spec import LayerKind, ModelSpec
+
+SERVABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding of the full head dim.
+
+    ``rope_type``: ``"default"`` (inverse frequencies ``theta ** (-2i / head_dim)``), ``"linear"``
+    (all divided by ``factor``) or ``"llama3"`` (long wavelengths divided by ``factor``, short ones
+    kept, a smooth blend between; ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` as in Llama 3.1's config).
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        """The ``head_dim // 2`` inverse frequencies (radians per position), float32.
+
+        Computed in float32 the way Transformers computes them, so positions rotate by the same
+        angles as in the reference implementation.
+        """
+        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        base = (np.float32(1.0) / (np.float32(self.theta) ** exponent)).astype(np.float32)
+        if self.rope_type == "default":
+            return base
+        factor = np.float32(self.factor)
+        if self.rope_type == "linear":
+            return (base / factor).astype(np.float32)
+        # llama3: the rule of Llama 3.1's reference implementation.
+        old = np.float32(self.original_max_position_embeddings)
+        low, high = np.float32(self.low_freq_factor), np.float32(self.high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / base
+        scaled = np.where(wavelen > old / low, base / factor, base).astype(np.float32)
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, blended, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What the serving model needs to run one checkpoint (dims in elements).
+
+    ``dtype`` is the dtype of the weights and activations (the checkpoint's, or an override);
+    logits are always float32. ``qkv_bias``/``o_bias``: biases of the attention projections;
+    ``mlp_bias``: of the MLP projections. The family (``kvjax.serve.model.MODEL_CLASSES``) decides
+    the rest of the architecture (Qwen3's q/k norms).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    dtype: str = "float32"
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _number(config: Mapping[str, Any], key: str, default: float) -> float:
+    value = config.get(key)
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, value, f"'{key}' in config.json must be a number")
+    return float(value)
+
+
+def read_rope(config: Mapping[str, Any]) -> RopeConfig:
+    """The RoPE settings from either config layout (see the module docstring)."""
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    source = "rope_parameters"
+    if not isinstance(params, Mapping):
+        params = scaling if isinstance(scaling, Mapping) else {}
+        source = "rope_scaling"
+    theta = config.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta", 10000.0)
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{source}.rope_type",
+            rope_type,
+            f"kvjax serves RoPE types {list(ROPE_TYPES)}; this checkpoint's RoPE variant is not built yet",
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(
+            f"{source}.partial_rotary_factor", params["partial_rotary_factor"], "kvjax rotates the full head dim only"
+        )
+    theta_value = _number({"rope_theta": theta}, "rope_theta", 10000.0)
+    if rope_type == "default":
+        return RopeConfig(theta=theta_value)
+    factor = _number(params, "factor", 1.0)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta_value, rope_type="linear", factor=factor)
+    original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 8192
+    return RopeConfig(
+        theta=theta_value,
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=_number(params, "low_freq_factor", 1.0),
+        high_freq_factor=_number(params, "high_freq_factor", 4.0),
+        original_max_position_embeddings=int(original),
+    )
+
+
+def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> ModelConfig:
+    """The serving hyperparameters of ``spec`` (its raw ``config.json`` is ``spec.extra``).
+
+    Raises `ConfigError` for a family kvjax cannot serve, sliding-window layers, an activation
+    other than SiLU, or an unsupported RoPE variant.
+    """
+    raw: Mapping[str, Any] = spec.extra
+    family = spec.model_type
+    if family not in SERVABLE_FAMILIES:
+        raise ConfigError(
+            "model_type",
+            family,
+            f"kvjax serves {list(SERVABLE_FAMILIES)} checkpoints; plan this one with `python -m kvjax plan`",
+        )
+    if any(kind != LayerKind.FULL for kind in spec.layer_kinds):
+        raise ConfigError(
+            "sliding_window",
+            spec.sliding_window,
+            "kvjax serves full-attention checkpoints only; set sliding_window to null (or use_sliding_window "
+            "to false) if the window is not needed",
+        )
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError("hidden_act", act, "kvjax's serving MLP is SwiGLU; only 'silu' is supported")
+    dtype = dtype or spec.dtype
+    if dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, f"serve in one of {list(DTYPES)}")
+    if spec.intermediate_size <= 0:
+        raise ConfigError("intermediate_size", spec.intermediate_size, "config.json needs a positive intermediate_size")
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        family=family,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
+        rope=read_rope(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases (no config key); Llama, Mistral and Qwen3 follow attention_bias.
+        qkv_bias=True if family == "qwen2" else bias,
+        o_bias=False if family == "qwen2" else bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if family == "llama" else False,
+        dtype=dtype,
+    )
