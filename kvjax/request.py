@@ -51,6 +51,9 @@ class Req:
             ``last_node``), not to the request; the lifecycle frees only slots at or after it.
             With page_size > 1 it is page-aligned, while ``prefix_indices`` may also hold a
             partial page that the request still owns.
+        cache_inserted_len: the longest (page-aligned) key this request has inserted into the
+            tree so far; a node counts one hit per request, when it ends past this (SGLang
+            0.5.23's ``req.kv.cache_inserted_len``). The tree resets it to 0 on release.
         kv_committed_len: tokens of ``origin_input_ids + output_ids`` whose KV slots are written
             in the request's row. None: all of them. (In a real loop the last sampled token
             has no KV yet; the loop sets this.)
@@ -75,6 +78,7 @@ class Req:
         last_node: Any = None,
         lock_receipt: Any = None,
         cache_protected_len: int = 0,
+        cache_inserted_len: int = 0,
         kv_committed_len: int | None = None,
         finished: bool = False,
         cached_tokens: int = 0,
@@ -90,6 +94,7 @@ class Req:
         self.last_node = last_node
         self.lock_receipt = lock_receipt
         self.cache_protected_len = int(cache_protected_len)
+        self.cache_inserted_len = int(cache_inserted_len)
         self.kv_committed_len = kv_committed_len
         self.finished = finished
         self.cached_tokens = cached_tokens

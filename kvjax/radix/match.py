@@ -20,6 +20,12 @@ class MatchResult:
 
     SGLang's names are aliases: ``device_indices``, ``last_device_node``, ``last_host_node``.
 
+    Component results (SGLang 0.5.23's extra ``MatchResult`` fields). Components may shorten a
+    match (``shorten_to``) and add results under their name in :attr:`extras` (a state slot to
+    copy on write, a host-hit length). :attr:`full_kv_hit_length` is the FULL-only device match
+    before any component shortened it; :attr:`walk_node` the deepest node the walk reached,
+    host-only nodes included (``last_node`` without host-only nodes).
+
     Lazy indices. A tree match builds the result from the matched nodes' slot arrays and only
     concatenates them when ``indices`` is first read: callers that just lock ``last_node``
     (about 1 µs of a ~15 µs request on 1,000-token prefixes) never pay for the copy. The
@@ -28,13 +34,16 @@ class MatchResult:
     ids they held at match time even if the tree changes before ``indices`` is read.
     """
 
-    __slots__ = ("_indices", "_parts", "last_node", "prefix_len")
+    __slots__ = ("_indices", "_parts", "last_node", "prefix_len", "_extras", "_full", "_walk")
 
     def __init__(self, indices: np.ndarray, last_node: Any, prefix_len: int | None = None) -> None:
-        self._indices = indices
+        self._indices: np.ndarray | None = indices
         self._parts: Sequence[np.ndarray] | None = None
         self.last_node = last_node
         self.prefix_len = int(indices.shape[0]) if prefix_len is None else prefix_len
+        self._extras: dict[str, Any] | None = None
+        self._full: int | None = None
+        self._walk: Any = None
 
     @classmethod
     def from_parts(cls, parts: Sequence[np.ndarray], last_node: Any, prefix_len: int) -> MatchResult:
@@ -45,14 +54,52 @@ class MatchResult:
         r._parts = parts
         r.last_node = last_node
         r.prefix_len = prefix_len
+        r._extras = None
+        r._full = None
+        r._walk = None
         return r
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Per-component results, by component name (empty for a FULL-only tree)."""
+        e = self._extras
+        if e is None:
+            e = self._extras = {}
+        return e
+
+    @property
+    def full_kv_hit_length(self) -> int:
+        """Key elements the FULL component matched on device, before components shortened it."""
+        return self.prefix_len if self._full is None else self._full
+
+    @property
+    def walk_node(self) -> Any:
+        """The deepest node the match walked (host-only nodes included); ``last_node`` when the
+        walk met no host-only node."""
+        return self.last_node if self._walk is None else self._walk
+
+    def shorten_to(self, node: Any, root: Any) -> None:
+        """Make the match end at ``node`` (an ancestor-or-self of ``last_node``, or ``root``):
+        ``prefix_len`` becomes its depth and ``indices`` its path's slots."""
+        if self._full is None:
+            self._full = self.prefix_len
+        depth = 0 if node is root else int(node.depth)
+        if depth > self.prefix_len:
+            raise ValueError(f"shorten_to: node at depth {depth} is below the match ({self.prefix_len})")
+        if self._indices is not None:
+            self._indices = self._indices[:depth].copy()
+        self.last_node = node
+        self.prefix_len = depth
 
     @property
     def indices(self) -> np.ndarray:
         a = self._indices
         if a is None:
             parts = self._parts
-            a = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+            if not parts or self.prefix_len == 0:
+                a = np.empty(0, dtype=np.int32)
+            else:
+                a = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
             if a.shape[0] != self.prefix_len:
                 a = a[: self.prefix_len].copy()
             self._indices = a

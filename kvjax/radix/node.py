@@ -18,7 +18,13 @@ Invariants (checked by ``RadixCache.sanity_check``):
     or to the tree's shared-first-token marker when several children (now or earlier) began
     with it; the root indexes only its children of the default namespace (``extra_key`` None);
   * ``parent.lock_ref >= sum(child.lock_ref for child in children)``;
-  * ``value is None`` iff the node was evicted (it is then detached from the tree).
+  * residency (``residency``): ``DEVICE`` — in the tree, ``value`` holds its device slots;
+    ``HOST_ONLY`` — in the tree with its device copy gone (``value is None``) because a component
+    (a host tier) still holds a copy or it has host-only children; ``DELETED`` — detached, every
+    component's data released. Device-resident nodes form a root-closed subtree: a host-only
+    node has only host-only descendants, and is never locked (``lock_ref == 0``);
+  * ``comp`` holds per-component data keyed by component name; a component whose key is absent
+    on a node has a *tombstone* there (its data was never there or was evicted).
 """
 
 from __future__ import annotations
@@ -30,6 +36,17 @@ from typing import Any
 import numpy as np
 
 _ids = itertools.count()
+
+# ``TreeNode.residency`` values.
+DELETED = 0
+"""Detached from the tree: its KV (and every component's data on it) was released."""
+DEVICE = 1
+"""In the tree with its device copy: ``value`` holds the node's device slot ids."""
+HOST_ONLY = 2
+"""In the tree without a device copy (``value is None``): kept by a component's copy (a host
+tier) or by host-only children. A match's device part ends above it; an insert over it makes
+it device-resident again from the incoming slots."""
+RESIDENCY_NAMES = {DELETED: "deleted", DEVICE: "device", HOST_ONLY: "host-only"}
 
 
 class TreeNode:
@@ -47,8 +64,9 @@ class TreeNode:
         ckey: this node's key in ``parent.children``.
         klen: key elements (= KV slots) on this edge.
         depth: key elements from the root to the end of this edge.
-        value: int32 KV slot ids, one per key element (owned; never mutated in place, splits
-            take views); None once evicted.
+        value: int32 device KV slot ids, one per key element (owned; never mutated in place,
+            splits take views); None unless ``residency == DEVICE``.
+        residency: ``DEVICE``, ``HOST_ONLY`` or ``DELETED`` (module constants).
         lock_ref: how many locks pass through this node (a lock on a node counts on every
             ancestor up to, not including, the root).
         last_access: logical time of the last match/insert through this node.
@@ -60,7 +78,8 @@ class TreeNode:
         heap_seq: sequence number of this node's live entry in the eviction heap (-1: none,
             -2: queued for a push).
         owner: token of the tree generation that created the node (reset invalidates it).
-        comp: per-component data (dict component name -> object), or None.
+        comp: per-component data (dict component name -> that component's object), or None
+            when no component has data here; an absent name is that component's tombstone.
     """
 
     __slots__ = (
@@ -74,6 +93,7 @@ class TreeNode:
         "klen",
         "depth",
         "value",
+        "residency",
         "lock_ref",
         "last_access",
         "creation",
@@ -97,6 +117,7 @@ class TreeNode:
         self.klen = 0
         self.depth = 0
         self.value: np.ndarray | None = None
+        self.residency = DEVICE
         self.lock_ref = 0
         self.last_access = t
         self.creation = t
@@ -110,8 +131,19 @@ class TreeNode:
 
     @property
     def evicted(self) -> bool:
-        """True once the node's KV slots were freed (the node is detached)."""
+        """True once the node's device KV slots were freed (SGLang's ``value is None``): the
+        node is either detached (``deleted``) or still in the tree host-only."""
         return self.value is None
+
+    @property
+    def deleted(self) -> bool:
+        """True once the node is detached from the tree."""
+        return self.residency == DELETED
+
+    @property
+    def host_only(self) -> bool:
+        """True while the node is in the tree without a device copy."""
+        return self.residency == HOST_ONLY
 
     def token_ids(self) -> list[int]:
         """The tokens of this edge (``klen`` tokens, ``klen + 1`` with bigram keys)."""
@@ -126,5 +158,5 @@ class TreeNode:
     def __repr__(self) -> str:
         toks = self.token_ids()
         more = "..." if len(toks) > 10 else ""
-        state = "evicted" if self.value is None else f"lock_ref={self.lock_ref}"
+        state = RESIDENCY_NAMES[self.residency] if self.residency != DEVICE else f"lock_ref={self.lock_ref}"
         return f"TreeNode(id={self.id}, len={self.klen}, tokens={toks[:10]}{more}, {state})"

@@ -9,27 +9,54 @@ bigram with EAGLE); slots the request computed for tokens the tree already holds
 duplicates and are freed, the request's row is pointed at the tree's slots, the unaligned
 tail is the request's until it finishes, and the request's lock moves to its new last node.
 
-Unlike SGLang, which re-walks the whole key from the root (twice, in ``cache_unfinished_req``),
-the lifecycle resumes at the request's locked ``last_node``: the tree under a locked node cannot
-change except by splits, which keep the node object and its depth, so the path to it is still
-the request's first ``cache_protected_len`` tokens. Caching a chunk costs O(chunk + new nodes),
-flat in the request's length.
+SGLang 0.5.23's rules, followed here (``docs/architecture.md``, "Request lifecycle"):
+
+* prompt/output split: once a request's key reaches past its page-aligned prompt, the node
+  holding the prompt boundary is split there and the prompt path gets priority ``+ 1`` (0.5.23
+  re-inserts the prompt part with ``priority + 1``), so eviction can drop a request's output KV
+  before its prompt;
+* hits (``lfu``/``slru``): a request counts each node once — a node counts a hit when its end
+  depth exceeds ``req.cache_inserted_len``, the longest key the request inserted so far —
+  chunked steps included;
+* frees: duplicates in row order, then the unaligned tail; a request released without insert
+  (retraction) frees its own slots ``[cache_protected_len, kv_len)`` as one range; eviction
+  frees node by node in eviction order;
+* 0.5.23's names ``match_kv_cache``, ``checkpoint_kv_cache`` and
+  ``release_kv_cache(checkpoint=...)`` sit beside ``match_and_lock``, ``cache_unfinished_req``
+  and ``cache_finished_req``.
+
+Unlike SGLang, which re-walks the whole key from the root (twice per checkpoint, plus the
+prompt re-insert), the lifecycle resumes at the request's locked ``last_node``: the tree under a
+locked node cannot change except by splits, which keep the node object and its depth, so the
+path to it is still the request's first ``cache_protected_len`` tokens. Caching a chunk costs
+O(chunk + new nodes), flat in the request's length; the path above the resume point is walked
+only where 0.5.23's walk would change something observable (hits not yet counted, the prompt
+split once per request, access times and priorities at finish).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+import sys
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.radix.chunk_cache import chunk_finished, chunk_unfinished, free_slots, request_row
+from kvjax.radix.component import TreeComponent
 from kvjax.radix.events import EventSink
 from kvjax.radix.eviction import EvictionPolicy
+from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.keys import INT32, as_slot_array, encode_tokens
 from kvjax.radix.match import MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.tree import RadixTree
+
+if TYPE_CHECKING:
+    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.request import Req
+
+_NO_HITS = sys.maxsize  # ``hit_from`` that counts no hit
 
 
 class RadixCache(RadixTree):
@@ -56,8 +83,8 @@ class RadixCache(RadixTree):
         page_size: int = 1,
         eviction_policy: str | EvictionPolicy = "lru",
         *,
-        req_to_token_pool: Any | None = None,
-        token_to_kv_pool_allocator: Any | None = None,
+        req_to_token_pool: ReqToTokenPoolProtocol | None = None,
+        token_to_kv_pool_allocator: AllocatorProtocol | None = None,
         disable: bool = False,
         is_eagle: bool = False,
         enable_kv_cache_events: bool = False,
@@ -65,7 +92,7 @@ class RadixCache(RadixTree):
         enable_metrics: bool = False,
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
-        components: tuple = (),
+        components: Sequence[TreeComponent] = (),
     ) -> None:
         super().__init__(
             page_size,
@@ -84,7 +111,7 @@ class RadixCache(RadixTree):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         alloc = token_to_kv_pool_allocator
         # Slot ids live in [0, size + page_size): page 0 is the trash page.
-        self._slot_limit = None if alloc is None else int(alloc.size) + int(getattr(alloc, "page_size", self.page_size))
+        self._slot_limit = None if alloc is None else int(alloc.size) + int(alloc.page_size)
 
     def is_chunk_cache(self) -> bool:
         """True when disabled (a disabled tree behaves like a chunk cache)."""
@@ -117,8 +144,9 @@ class RadixCache(RadixTree):
 
         Splits the node where the match ends, so the returned node's boundary is exact, and
         refreshes access times along the path. ``token_ids`` shorter than a page (or than 2
-        tokens with bigram keys) match nothing. With :attr:`force_miss` the walk still runs
-        but nothing is reported as a hit.
+        tokens with bigram keys) match nothing. The device match stops above host-only nodes;
+        components then finalise it (``MatchResult.extras``, ``full_kv_hit_length``). With
+        :attr:`force_miss` the walk still runs but nothing is reported as a hit.
         """
         if self.disable:
             return MatchResult(np.empty(0, dtype=INT32), self.root)
@@ -146,8 +174,8 @@ class RadixCache(RadixTree):
             src = encode_tokens(token_ids, n + self._ex)
         self._clock += 1
         node, matched, vals = self._match_walk(src, is_bytes, n, extra_key, self._clock)
-        for c in self._extra:
-            node, matched = c.limit_match(node, matched)
+        if self._extra:
+            return self._finalize_match(node, matched, vals)
         if self._eager and node in self._leaves:
             self._defer_push(node)
         if self.force_miss or matched == 0:
@@ -157,6 +185,33 @@ class RadixCache(RadixTree):
         st.last_hit_tokens = matched
         return MatchResult.from_parts(vals, node, matched)
 
+    def _finalize_match(self, node: TreeNode, matched: int, vals: list) -> MatchResult:
+        """The match with components: cut the device part above host-only nodes, then let each
+        component shorten it and add its results."""
+        root = self.root
+        walk = None
+        if self._host_only and vals and vals[-1] is None:
+            walk = node
+            while node is not root and node.value is None:
+                node = node.parent
+            matched = 0 if node is root else node.depth
+            vals = [v for v in vals if v is not None]
+        result = MatchResult.from_parts(vals, node, matched)
+        result._walk = walk
+        result._full = matched
+        for c in self._extra:
+            c.finalize_match(result)
+        node = result.last_node
+        if self._eager and node in self._leaves:
+            self._defer_push(node)
+        st = self.stats
+        if self.force_miss:
+            st.last_hit_tokens = 0
+            return MatchResult(np.empty(0, dtype=INT32), root)
+        st.hit_tokens += result.prefix_len
+        st.last_hit_tokens = result.prefix_len
+        return result
+
     def insert(
         self,
         token_ids: Any,
@@ -165,6 +220,8 @@ class RadixCache(RadixTree):
         priority: int = 0,
         *,
         chunked: bool = False,
+        inserted_len: int = 0,
+        payloads: Mapping[str, Any] | None = None,
     ) -> int:
         """Cache ``token_ids`` → ``indices`` (one KV slot per token); return the length that was
         already cached (key elements). The caller owns — and must free — its slots for that
@@ -172,14 +229,46 @@ class RadixCache(RadixTree):
 
         Only the page-aligned part is cached (one element fewer with bigram keys). Priority is
         propagated as a max along the path. ``indices=None`` (standalone trees only) caches
-        synthesized slot ids. ``chunked`` inserts do not count as hits (SGLang).
+        synthesized slot ids. Hits (``lfu``, ``slru``): every node ending past ``inserted_len``
+        counts one (SGLang 0.5.23); ``chunked=True`` counts none (the older rule). ``payloads``
+        are per-component insert payloads by name (see :meth:`insert_with` for their results).
 
         Raises (tree unchanged): ValueError for indices of the wrong length, shape or dtype,
-        or None with an allocator attached; ``kvjax.InvalidSlotError`` for negative slots or
-        slots >= allocator size + page size.
+        or None with an allocator attached, or a payload for an unknown component;
+        ``kvjax.InvalidSlotError`` for negative slots or slots >= allocator size + page size.
         """
+        return self.insert_with(
+            token_ids,
+            indices,
+            extra_key,
+            priority,
+            chunked=chunked,
+            inserted_len=inserted_len,
+            payloads=payloads,
+        ).prefix_len
+
+    def insert_with(
+        self,
+        token_ids: Any,
+        indices: Any = None,
+        extra_key: Hashable = None,
+        priority: int = 0,
+        *,
+        chunked: bool = False,
+        inserted_len: int = 0,
+        payloads: Mapping[str, Any] | None = None,
+    ) -> InsertResult:
+        """:meth:`insert`, returning the whole :class:`InsertResult` (prefix length, last node,
+        per-component results). Same arguments and errors."""
         if self.disable:
-            return 0
+            return InsertResult(0, self.root)
+        if payloads:
+            for name in payloads:
+                if name not in self._by_name or name == self._full.name:
+                    raise ValueError(
+                        f"insert: payload for {name!r}, which is not a component of this tree "
+                        f"(components with payloads: {', '.join(c.name for c in self._extra) or 'none'})"
+                    )
         if type(token_ids) is not list and not isinstance(token_ids, np.ndarray):
             token_ids = list(token_ids)
         n_tok = len(token_ids) if type(token_ids) is list else int(token_ids.shape[0])
@@ -196,11 +285,11 @@ class RadixCache(RadixTree):
             n -= n % self.page_size
         self.stats.num_inserts += 1
         if n <= 0:
-            return 0
+            return InsertResult(0, self.root, self._commit(self.root, payloads))
         is_bytes = type(token_ids) is not list
         src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
         self._clock += 1
-        _, matched, _ = self._insert_walk(
+        node, matched, _ = self._insert_walk(
             self.root,
             src,
             is_bytes,
@@ -209,14 +298,19 @@ class RadixCache(RadixTree):
             extra_key,
             int(priority) if priority else 0,
             self._clock,
-            not chunked,
+            _NO_HITS if chunked else int(inserted_len),
             False,
+            payloads,
         )
-        return matched
+        return InsertResult(matched, node, self._commit(node, payloads) if self._extra else {})
+
+    def _commit(self, node: TreeNode, payloads: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Each component's ``commit_insert`` on the insert's end node, by name."""
+        return {c.name: c.commit_insert(node, payloads.get(c.name) if payloads else None) for c in self._extra}
 
     # ------------------------------------------------------------------ request lifecycle
 
-    def _resume_point(self, req: Any) -> tuple[TreeNode, int]:
+    def _resume_point(self, req: Req) -> tuple[TreeNode, int]:
         """Where the request's key can be continued: its locked ``last_node`` at
         ``cache_protected_len`` when that is consistent, else the root at 0."""
         node = req.last_node
@@ -233,11 +327,10 @@ class RadixCache(RadixTree):
             return node, cpl
         return self.root, 0
 
-    def _insert_req(
-        self, req: Any, row: np.ndarray, n: int, tokens_fn: Any, count_hit: bool
-    ) -> tuple[TreeNode, TreeNode, int]:
-        """Insert the request's key elements ``[0, n)`` (resumed), free its duplicates and
-        point its row at the tree's slots. Returns (resume node, last node, time)."""
+    def _insert_req(self, req: Req, row: np.ndarray, n: int, tokens_fn: Any) -> tuple[TreeNode, TreeNode, int]:
+        """Insert the request's key elements ``[0, n)`` (resumed), free its duplicates (row
+        order) and point its row at the tree's slots. A node ending past
+        ``req.cache_inserted_len`` counts one hit. Returns (resume node, last node, time)."""
         start, s = self._resume_point(req)
         t = self._tick()
         self.stats.num_inserts += 1
@@ -245,7 +338,7 @@ class RadixCache(RadixTree):
             return start, start, t
         src, is_bytes = self._source(tokens_fn(s, n + self._ex), n + self._ex - s)
         node, m_rel, vals = self._insert_walk(
-            start, src, is_bytes, n - s, row[s:n], req.extra_key, req.priority, t, count_hit, True
+            start, src, is_bytes, n - s, row[s:n], req.extra_key, req.priority, t, req.cache_inserted_len, True
         )
         matched = s + m_rel
         cpl = req.cache_protected_len
@@ -261,54 +354,89 @@ class RadixCache(RadixTree):
                     self._write_row(req, cpl, tree_slots)
         return start, node, t
 
-    def _write_row(self, req: Any, start: int, values: np.ndarray) -> None:
-        pool = self.req_to_token_pool
-        write = getattr(pool, "write", None)
-        if write is not None:
-            write(req.req_pool_idx, start, values)
-        else:
-            pool.req_to_token[req.req_pool_idx, start : start + len(values)] = values
+    def _prompt_len(self, req: Req) -> int:
+        """Key elements of the request's page-aligned prompt."""
+        inp = req.origin_input_ids
+        return self._key_len(int(inp.shape[0]) if isinstance(inp, np.ndarray) else len(inp))
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        """Cache a finished request's KV and release it.
+    def _split_prompt(self, req: Req, last: TreeNode, n: int, prompt_len: int, t_prompt: int) -> None:
+        """SGLang 0.5.23's prompt re-insert (``_insert_cache(split_prompt=True)``) for a key of
+        ``n`` elements whose page-aligned prompt is ``prompt_len`` (``0 < prompt_len < n``):
+        split the node holding the prompt boundary there and give the prompt path time
+        ``t_prompt`` and priority ``+ 1``. While the request runs this is done once (once the
+        boundary exists, 0.5.23's repeated re-inserts only refresh a path the request keeps
+        locked); at its finish once more."""
+        node = last
+        root = self.root
+        while node is not root and node.depth - node.klen >= prompt_len:
+            node = node.parent
+        if node is root:
+            return
+        if node.depth > prompt_len:
+            node = self._split(node, prompt_len - (node.depth - node.klen))
+        self._touch_path(node, t_prompt, req.priority, _NO_HITS, prompt_len, t_prompt)
+
+    def _write_row(self, req: Req, start: int, values: np.ndarray) -> None:
+        pool = self.req_to_token_pool
+        if pool is None:
+            raise ValueError("this cache has no req_to_token_pool; pass one to use the request lifecycle")
+        pool.write(req.req_pool_idx, start, values)
+
+    def _lock_of(self, req: Req) -> Any:
+        return req.lock_receipt if req.lock_receipt is not None else req.last_node
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """Cache a finished request's KV and release it (0.5.23: ``release_kv_cache``).
 
         Key: ``(origin_input_ids + output_ids)[:kv_len]`` (bigram with EAGLE), page-aligned.
         With ``is_insert``: insert it, free the request's duplicates of what the tree already
-        held in ``[cache_protected_len, already cached)``; without: free
-        ``[cache_protected_len, aligned length)``. Then free the unaligned tail
-        ``[aligned length, kv_len)`` and release the request's lock. The request's row is not
-        freed (the caller returns it to the request pool).
+        held in ``[cache_protected_len, already cached)`` (row order), split at the prompt
+        boundary (prompt priority + 1), then free the unaligned tail ``[aligned length, kv_len)``.
+        Without (a retracted or aborted request): free ``[cache_protected_len, kv_len)`` as one
+        range. Then release the request's lock and reset ``cache_inserted_len`` to 0. The
+        request's row is not freed (the caller returns it to the request pool).
         """
         if self.disable:
             chunk_finished(self.req_to_token_pool, self._full.allocator, req)
             return
         row = request_row(self.req_to_token_pool, req, "cache_finished_req")
         kv_len = req.kv_len()
-        n = self._key_len(kv_len)
         alloc = self._full.allocator
         if is_insert:
-            start, _, t = self._insert_req(req, row, n, req.token_range, True)
-            self._touch_path(start, t, req.priority, True)
+            n = self._key_len(kv_len)
+            inserted_before = req.cache_inserted_len
+            start, last, t = self._insert_req(req, row, n, req.token_range)
+            prompt_len = self._prompt_len(req)
+            t_prompt = self._tick()
+            if not 0 < prompt_len < n:
+                prompt_len = -1
+            else:
+                self._split_prompt(req, last, n, prompt_len, t_prompt)
+            self._touch_path(start, t, req.priority, inserted_before, prompt_len, t_prompt)
+            if kv_len > n:
+                free_slots(alloc, row[n:kv_len].copy())
         else:
-            free_slots(alloc, row[req.cache_protected_len : n].copy())
-        if kv_len > n:
-            free_slots(alloc, row[n:kv_len].copy())
-        self.dec_lock_ref(req.lock_receipt if req.lock_receipt is not None else req.last_node)
+            free_slots(alloc, row[req.cache_protected_len : kv_len].copy())
+        self.dec_lock_ref(self._lock_of(req))
         req.lock_receipt = None
         req.last_node = None
+        req.cache_inserted_len = 0
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        """Cache the KV a running request has so far (chunked prefill) and keep it locked.
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Cache the KV a running request has so far and keep it locked (0.5.23:
+        ``checkpoint_kv_cache``).
 
         Key: ``fill_ids`` (bigram with EAGLE), page-aligned. Inserts it, frees the request's
         duplicates in ``[cache_protected_len, already cached)`` and points the row there at the
-        tree's slots, sets ``cache_protected_len`` to the aligned length, moves the lock to the
-        new last node, and sets ``prefix_indices`` to the row's first ``len(fill_ids)`` slots
-        (a read-only view: the tree's slots, then the request's partial page / last token).
+        tree's slots, splits at the prompt boundary once the key passes it, sets
+        ``cache_protected_len`` (and ``cache_inserted_len``) to the aligned length, moves the
+        lock to the new last node, and sets ``prefix_indices`` to the row's first
+        ``len(fill_ids)`` slots (a read-only view: the tree's slots, then the request's partial
+        page / last token).
 
-        ``chunked`` (a chunked-prefill step, as SGLang's scheduler passes it): the step does not
-        count as a hit. The cost is O(chunk + new nodes) at any request length, plus O(depth)
-        for a non-chunked call under a hit-counting policy (lfu, slru).
+        Hits: each node once per request, chunked steps included (0.5.23); ``chunked`` is kept
+        for callers and changes nothing. The cost is O(chunk + new nodes) at any request
+        length, plus O(depth) once per request (first hits, the prompt split).
         """
         if self.disable:
             chunk_unfinished(self.req_to_token_pool, req)
@@ -316,23 +444,25 @@ class RadixCache(RadixTree):
         row = request_row(self.req_to_token_pool, req, "cache_unfinished_req")
         fill_len = req.fill_len()
         n = self._key_len(fill_len)
-        start, node, t = self._insert_req(req, row, n, req.fill_range, not chunked)
-        if not chunked and self.policy.uses_hit_count:
-            # SGLang's insert walks from the root and counts a hit on every node of the path.
-            # Only hit-count policies can observe that: the path above the request's node is
-            # locked by the request, so its access times and priorities cannot matter before
-            # cache_finished_req refreshes them. Chunked steps never count (SGLang), so a
-            # chunked-prefill step stays O(chunk + new nodes) at any length.
-            self._touch_path(start, t, req.priority, True)
-        old = req.lock_receipt if req.lock_receipt is not None else req.last_node
-        req.lock_receipt = self._move_lock(old, node)
+        inserted_before = req.cache_inserted_len
+        start, node, t = self._insert_req(req, row, n, req.fill_range)
+        if self.policy.uses_hit_count and start.depth > inserted_before and start is not self.root:
+            # Nodes above the resume point not counted yet for this request (its first insert
+            # after a match): 0.5.23's walk from the root counts them now.
+            self._touch_path(start, t, req.priority, inserted_before)
+        prompt_len = self._prompt_len(req)
+        if 0 < prompt_len < n and inserted_before < prompt_len:
+            self._split_prompt(req, node, n, prompt_len, self._tick())
+        req.lock_receipt = self._move_lock(self._lock_of(req), node)
         req.last_node = node
         req.cache_protected_len = node.depth if node is not self.root else 0
+        if n > req.cache_inserted_len:
+            req.cache_inserted_len = n
         view = row[:fill_len]
         view.flags.writeable = False
         req.prefix_indices = view
 
-    def match_and_lock(self, req: Any) -> MatchResult:
+    def match_and_lock(self, req: Req) -> MatchResult:
         """Match the request's tokens, lock the prefix and record it on the request
         (``prefix_indices``, ``last_node``, ``lock_receipt``, ``cache_protected_len``,
         ``cached_tokens``): the scheduler's usual first step.
@@ -341,10 +471,40 @@ class RadixCache(RadixTree):
         to compute the next token's logits (a full hit would leave nothing to run).
         """
         n = req.fill_len() - 1
-        m = self.match_prefix(req.fill_range(0, n) if n > 0 else [], req.extra_key)
+        return self._adopt(req, self.match_prefix(req.fill_range(0, n) if n > 0 else [], req.extra_key))
+
+    def _adopt(self, req: Req, m: MatchResult) -> MatchResult:
         req.prefix_indices = m.indices
         req.last_node = m.last_node
         req.lock_receipt = self.inc_lock_ref(m.last_node)
         req.cache_protected_len = m.prefix_len
         req.cached_tokens = m.prefix_len
         return m
+
+    # ------------------------------------------------------------------ SGLang 0.5.23 names
+
+    def match_kv_cache(self, req: Req, token_ids: Any = None, *, max_prefix_len: int | None = None) -> MatchResult:
+        """0.5.23's ``match_kv_cache``: match ``token_ids`` (default: the request's
+        ``origin_input_ids + output_ids``, at most all but the last token) and adopt the hit as
+        the request's prefix. Unlike 0.5.23, which locks in the scheduling policy afterwards,
+        the lock is taken here (kvjax's lifecycle needs it from adoption on), as
+        :meth:`match_and_lock` does."""
+        if token_ids is None:
+            total = req.seqlen()
+            limit = total - 1 if max_prefix_len is None else min(total - 1, int(max_prefix_len))
+            tokens = req.token_range(0, limit) if limit > 0 else []
+        else:
+            n_tok = int(token_ids.shape[0]) if isinstance(token_ids, np.ndarray) else len(token_ids)
+            limit = n_tok if max_prefix_len is None else min(n_tok, int(max_prefix_len))
+            tokens = token_ids[:limit] if limit > 0 else []
+        return self._adopt(req, self.match_prefix(tokens, req.extra_key))
+
+    def checkpoint_kv_cache(self, req: Req) -> None:
+        """0.5.23's ``checkpoint_kv_cache``: publish what the running request has computed so
+        far (:meth:`cache_unfinished_req`)."""
+        self.cache_unfinished_req(req)
+
+    def release_kv_cache(self, req: Req, *, checkpoint: bool) -> None:
+        """0.5.23's ``release_kv_cache``: give the request's KV back; with ``checkpoint`` the
+        tree first keeps what it can key (:meth:`cache_finished_req` with ``is_insert``)."""
+        self.cache_finished_req(req, is_insert=checkpoint)

@@ -15,7 +15,11 @@ Costs (n = key elements of the call, d = depth of the path, L = evictable leaves
     ``eviction.py``), never a rebuild over all leaves per call.
   * below the root (and for the default namespace at the root) a list walk finds a child by
     its first token (``TreeNode.first``), not by building and hashing a page tuple.
-  * sizes: O(1) counters with ``evictable + protected == total``.
+  * sizes: O(1) counters with ``evictable + protected == total``, per component.
+
+Components (``component.py``) plug further kinds of state into the same tree; with none the
+hot paths call no hook. Host-only nodes (a component kept a node whose device copy was evicted)
+are handled off the fast paths too: the walks check for them only while some exist.
 """
 
 from __future__ import annotations
@@ -23,19 +27,22 @@ from __future__ import annotations
 import heapq
 import struct
 import sys
-from collections.abc import Hashable, Iterator, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
 from kvjax.errors import ConfigError
-from kvjax.radix.component import FullKVComponent, TreeComponent
+from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, EventSink, PageHasher
 from kvjax.radix.eviction import EvictionPolicy, get_eviction_policy
 from kvjax.radix.keys import INT32, decode_tokens
 from kvjax.radix.lock import LockError, LockReceipt
-from kvjax.radix.node import TreeNode
+from kvjax.radix.node import DELETED, DEVICE, HOST_ONLY, RESIDENCY_NAMES, TreeNode
 from kvjax.radix.stats import CacheStats
+
+if TYPE_CHECKING:
+    from kvjax.protocols import AllocatorProtocol
 
 _pack = struct.pack
 # ``heap_seq`` of a node queued for a heap push (see ``_defer_push``); -1: no entry.
@@ -43,6 +50,8 @@ _PENDING = -2
 # ``node.first`` value for a first token that several children's edges begin with: the walk
 # then looks the child up by its full child key.
 _SHARED_FIRST = object()
+# SGLang clamps the prompt re-insert's ``priority + 1`` to int64.
+_PRIORITY_MAX = 2**63 - 1
 
 
 class TreeInvariantError(RuntimeError):
@@ -63,7 +72,8 @@ class RadixTree:
         allocator: where evicted slot ids are freed (None: free nothing, for simulation).
         is_eagle: bigram keys (EAGLE): key element ``i`` is the token pair ``(i, i + 1)``, so a
             key has one element fewer than its tokens.
-        components: extra :class:`TreeComponent` objects (none are built yet).
+        components: extra :class:`TreeComponent` objects beside FULL (SWA, recurrent state,
+            host tier; none ships yet — see ``docs/architecture.md``), each with a unique name.
         enable_kv_cache_events / event_sink: emit KV events (to the sink, else queued for
             ``take_events``). A sink alone turns events on.
         hash_seed: seed of the chained page hashes in events.
@@ -75,7 +85,7 @@ class RadixTree:
         page_size: int = 1,
         eviction_policy: str | EvictionPolicy = "lru",
         *,
-        allocator: Any | None = None,
+        allocator: AllocatorProtocol | None = None,
         is_eagle: bool = False,
         components: Sequence[TreeComponent] = (),
         enable_kv_cache_events: bool = False,
@@ -103,9 +113,15 @@ class RadixTree:
         self._full = FullKVComponent(allocator)
         self._full.attach(self)
         self._extra: tuple[TreeComponent, ...] = tuple(components)
+        names = [self._full.name] + [c.name for c in self._extra]
+        if len(set(names)) != len(names):
+            raise ConfigError("components", names, "give every component a unique name ('full' is FULL's)")
         for c in self._extra:
             c.attach(self)
-        self.components: tuple[TreeComponent, ...] = (self._full,) + self._extra
+        self.components: tuple[TreeComponent, ...] = (self._full, *self._extra)
+        self._by_name: dict[str, TreeComponent] = {c.name: c for c in self.components}
+        # Per-component counts of what an ``evict({...})`` call freed by cascade (None outside).
+        self._tracker: dict[str, int] | None = None
         events_on = bool(enable_kv_cache_events) or event_sink is not None
         self.enable_kv_cache_events = events_on
         self._events: EventQueue | None = EventQueue(event_sink) if events_on else None
@@ -134,6 +150,24 @@ class RadixTree:
         self._heap: list = []
         self._pending: list[TreeNode] = []
         self._seq = 0
+        self._host_only = 0  # nodes in the tree without a device copy
+
+    @property
+    def has_components(self) -> bool:
+        """True when components beside FULL are attached (their hooks are then called)."""
+        return bool(self._extra)
+
+    def component(self, name: str) -> TreeComponent:
+        """The component called ``name`` (``"full"`` for FULL). Raises KeyError naming the valid ones."""
+        c = self._by_name.get(name)
+        if c is None:
+            raise KeyError(f"no component {name!r}; this tree has {', '.join(self._by_name)}")
+        return c
+
+    @property
+    def host_only_count(self) -> int:
+        """Nodes in the tree whose device copy is gone (kept by a component)."""
+        return self._host_only
 
     @property
     def root_node(self) -> TreeNode:
@@ -281,8 +315,9 @@ class RadixTree:
         """Cut ``child`` after ``k`` key elements; returns the new parent holding them.
 
         Sizes do not change (tokens move between two nodes with the same lock count), the
-        new parent inherits lock_ref, priority and hit_count, and page hashes are cut at the
-        page boundary so they stay what they were.
+        new parent inherits lock_ref, priority, hit_count and residency, and page hashes are cut
+        at the page boundary so they stay what they were. Components redistribute their data
+        in ``on_split``.
         """
         ex = self._ex
         new = TreeNode(self._owner, self._tick())
@@ -298,7 +333,13 @@ class RadixTree:
             child.key = kb[k * 4 :]
         new.klen = k
         new.depth = child.depth - child.klen + k
-        new.value = child.value[:k]
+        cv = child.value
+        if cv is not None:
+            new.value = cv[:k]
+            child.value = cv[k:]
+        else:  # a host-only node: both parts stay host-only
+            new.residency = HOST_ONLY
+            self._host_only += 1
         new.lock_ref = child.lock_ref
         new.priority = child.priority
         new.hit_count = child.hit_count
@@ -306,7 +347,6 @@ class RadixTree:
         new.ckey = child.ckey
         parent.children[new.ckey] = new
         child.klen -= k
-        child.value = child.value[k:]
         ck = self._node_child_key(child)
         child.ckey = ck
         child.parent = new
@@ -384,13 +424,18 @@ class RadixTree:
         extra_key: Hashable,
         priority: int,
         t: int,
-        count_hit: bool,
+        hit_from: int,
         collect: bool,
+        payloads: Mapping[str, Any] | None = None,
     ) -> tuple[TreeNode, int, list | None]:
         """Insert key elements ``[0, n)`` of ``src`` below ``start``, whose path must be the
         prefix of the key that precedes ``src``.
 
         ``values[i]`` is the slot of element ``i`` (None: synthesize ids, simulation only).
+        A node on the path counts one hit when its end depth (from the root) exceeds
+        ``hit_from`` (SGLang 0.5.23's ``inserted_len``: a request counts each node once). A
+        host-only node on the path becomes device-resident from the incoming slots and counts
+        as already cached. ``payloads`` are the components' insert payloads, by name.
         Returns ``(node covering element n - 1, elements already cached, value arrays of the
         cached part if collect)``.
         """
@@ -400,6 +445,8 @@ class RadixTree:
         ex = self._ex
         simple = self._simple_ck
         ckl = self._ck_len
+        extra = self._extra
+        host = self._host_only
         child = self._find_child(node, src, is_bytes, 0, extra_key)
         while child is not None:
             m = child.klen
@@ -419,8 +466,15 @@ class RadixTree:
                 child = self._split(child, k)
             if priority > child.priority:
                 child.priority = priority
-            if count_hit:
+            if child.depth > hit_from:
                 child.hit_count += 1
+            revived = False
+            if host and child.value is None:
+                self._revive(node, child, values, off, k)
+                revived = True
+            if extra:
+                for c in extra:
+                    c.on_insert_overlap(child, payloads.get(c.name) if payloads else None, revived)
             if collect:
                 vals.append(child.value)
             off += k
@@ -459,7 +513,7 @@ class RadixTree:
         leaf.depth = node.depth + klen
         leaf.value = v
         leaf.priority = priority
-        leaf.hit_count = 1 if count_hit else 0
+        leaf.hit_count = 1 if leaf.depth > hit_from else 0
         leaf.extra_key = extra_key
         if is_bytes:
             ck = self._child_key(src, True, off)
@@ -484,22 +538,59 @@ class RadixTree:
         self.stats.inserted_tokens += klen
         if self._events is not None:
             self._emit_stored(leaf)
-        for c in self._extra:
-            c.on_new_leaf(leaf)
+        if extra:
+            for c in extra:
+                c.on_new_node(leaf, payloads.get(c.name) if payloads else None)
         return leaf, off, vals
 
-    def _touch_path(self, node: TreeNode, t: int, priority: int, count_hit: bool) -> None:
-        """Give ``node`` and its ancestors what an insert from the root would: access time,
-        max priority, one hit. O(depth), no token work."""
+    def _revive(self, parent: TreeNode, node: TreeNode, values: np.ndarray | None, off: int, k: int) -> None:
+        """Make the host-only ``node`` (``k`` key elements, ``values[off:off + k]`` incoming)
+        device-resident again, keeping what components hold on it (a host copy)."""
+        if values is None:
+            v = np.arange(self._sim_next, self._sim_next + k, dtype=INT32)
+            self._sim_next += k
+        else:
+            v = values[off : off + k].copy()
+        node.value = v
+        node.residency = DEVICE
+        self._host_only -= 1
+        self._evictable += k  # host-only nodes are never locked
+        leaves = self._leaves
+        leaves.discard(parent)  # it has a device child now
+        if node.lock_ref == 0 and not self._has_device_child(node):
+            leaves.add(node)
+            self._defer_push(node)
+        if self._events is not None:
+            self._emit_stored(node)
+
+    def _has_device_child(self, node: TreeNode) -> bool:
+        """Whether ``node`` has a device-resident child (any child, while no node is host-only)."""
+        if not self._host_only:
+            return bool(node.children)
+        return any(c.value is not None for c in node.children.values())
+
+    def _touch_path(
+        self, node: TreeNode, t: int, priority: int, hit_from: int, prompt_len: int = -1, t_prompt: int = 0
+    ) -> None:
+        """Give ``node`` and its ancestors what an insert from the root would: access time
+        ``t``, max priority, one hit on each node whose end depth exceeds ``hit_from``. Nodes
+        ending at or above ``prompt_len`` also get what SGLang 0.5.23's prompt re-insert gives
+        them: time ``t_prompt`` and priority ``priority + 1``. O(depth), no token work."""
         root = self.root
         if self._eager and node in self._leaves:
             node.last_access = t
             self._defer_push(node)
+        prompt_priority = priority + 1 if priority < _PRIORITY_MAX else priority
         while node is not root:
-            node.last_access = t
-            if priority > node.priority:
-                node.priority = priority
-            if count_hit:
+            if node.depth <= prompt_len:
+                node.last_access = t_prompt
+                if prompt_priority > node.priority:
+                    node.priority = prompt_priority
+            else:
+                node.last_access = t
+                if priority > node.priority:
+                    node.priority = priority
+            if node.depth > hit_from:
                 node.hit_count += 1
             node = node.parent
 
@@ -537,14 +628,22 @@ class RadixTree:
             raise TypeError(f"{what}: expected a TreeNode or LockReceipt, got {type(node).__name__}")
         if node.owner is not self._owner:
             raise LockError(f"{what}: node {node.id} does not belong to this tree (another tree, or before reset())")
+        if node.residency == HOST_ONLY:
+            raise LockError(
+                f"{what}: node {node.id} is host-only (its device copy was evicted); "
+                "lock a device-resident node (the match's last_node), or bring it back first"
+            )
         if node.value is None:
             raise LockError(f"{what}: node {node.id} was evicted; lock a node before it can be evicted")
 
     def inc_lock_ref(self, node: Any) -> LockReceipt:
         """Lock ``node`` and every ancestor (the node itself included) against eviction.
 
-        Each node whose lock count goes 0 -> 1 moves its tokens from evictable to protected.
-        Returns a receipt for ``dec_lock_ref`` (its ``delta`` is SGLang's return value).
+        FULL's scope is the path to the root: each node whose lock count goes 0 -> 1 moves its
+        tokens from evictable to protected. Each component then locks its own scope and its
+        part goes into the receipt. Returns a receipt for ``dec_lock_ref`` (its ``delta`` is
+        SGLang's return value, FULL tokens). Raises :class:`LockError` for a host-only, evicted
+        or foreign node.
         """
         root = self.root
         if node is None or node is root:
@@ -605,8 +704,8 @@ class RadixTree:
             if lr == 1:
                 delta += n.klen
             n = n.parent
-        # Only x can become an evictable leaf: every ancestor has x as a child.
-        if x.lock_ref == 0 and not x.children:
+        # Only x can become an evictable leaf: every ancestor has x as a device child.
+        if x.lock_ref == 0 and (not x.children or (self._host_only and not self._has_device_child(x))):
             self._leaves.add(x)
             self._defer_push(x)
         self._evictable += delta
@@ -669,12 +768,53 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_tokens: int) -> int:
-        """Evict unlocked leaves, most evictable first by the policy, until at least
-        ``num_tokens`` tokens are freed or nothing evictable is left.
+    @overload
+    def evict(self, num_tokens: int) -> int: ...
 
-        May free more than asked (whole nodes). Parents that become unlocked leaves join the
-        candidates. Slot ids go to the allocator in one ``free`` call. Returns tokens evicted.
+    @overload
+    def evict(self, num_tokens: Mapping[str, int]) -> dict[str, int]: ...
+
+    def evict(self, num_tokens: int | Mapping[str, int]) -> int | dict[str, int]:
+        """Free cached state until the asked amounts are freed or nothing evictable is left.
+
+        ``evict(n)`` (SGLang's plain ``RadixCache``): FULL eviction of ``n`` tokens; returns
+        the tokens evicted. ``evict({"full": n, "swa": m, ...})``: per-component amounts, in
+        that component's own units, run in the tree's component order (FULL first); returns
+        per-component counts of what was freed, cascades included (every component is listed).
+        May free more than asked (whole nodes). The cascade rules are in ``component.py``.
+
+        Raises (tree unchanged): ValueError for an unknown component name or a negative or
+        non-integer amount.
+        """
+        if not isinstance(num_tokens, Mapping):
+            return self.evict_full(num_tokens)
+        amounts: dict[str, int] = {}
+        for name, amount in num_tokens.items():
+            if name not in self._by_name:
+                raise ValueError(f"evict: no component {name!r}; this tree has {', '.join(self._by_name)}")
+            if isinstance(amount, bool) or not isinstance(amount, (int, np.integer)) or amount < 0:
+                raise ValueError(f"evict: amount for {name!r} must be an integer >= 0, got {amount!r}")
+            amounts[name] = int(amount)
+        counts = {c.name: 0 for c in self.components}
+        self._tracker = counts
+        try:
+            for c in self.components:
+                amount = amounts.get(c.name, 0)
+                if amount > 0:
+                    counts[c.name] += c.evict(amount)
+        finally:
+            self._tracker = None
+        return counts
+
+    def evict_full(self, num_tokens: int) -> int:
+        """FULL eviction: unlocked device leaves, most evictable first by the policy, until at
+        least ``num_tokens`` tokens are freed or none is left.
+
+        Each evicted node's slot ids go to the allocator in one ``free``, node by node in
+        eviction order (as SGLang 0.5.23). A leaf some component keeps (or with host-only
+        children) loses its device copy and stays host-only; any other is deleted with every
+        component's data on it. Parents that become unlocked device leaves join the
+        candidates. Returns the FULL tokens evicted.
         """
         num_tokens = int(num_tokens)
         if num_tokens <= 0 or not self._leaves:
@@ -686,9 +826,12 @@ class RadixTree:
         push = self._push
         by_first = self._by_first
         root = self.root
+        # Host-only nodes need a component that keeps them: without components, none appear.
+        generic = bool(self._extra) or self._host_only > 0
+        free = self._full.free if self._full.allocator is not None else None
+        emit = self._events.emit if self._events is not None else None
         evicted = 0
-        nodes: list[TreeNode] = []
-        vals: list[np.ndarray] = []
+        num_nodes = 0
         while evicted < num_tokens and heap:
             p, seq, node = heapq.heappop(heap)
             if node.heap_seq != seq or node not in leaves:
@@ -697,44 +840,150 @@ class RadixTree:
             if cur != p:  # stale (monotone policies only grow): requeue at its true place
                 push(node)
                 continue
+            evicted += node.klen
+            num_nodes += 1
+            if generic:
+                self._evict_device_leaf(node)
+                continue
             parent = node.parent
             del parent.children[node.ckey]
             if by_first and (parent is not root or node.extra_key is None) and parent.first.get(node.ckey[0]) is node:
                 del parent.first[node.ckey[0]]
             leaves.discard(node)
             self._evictable -= node.klen
-            evicted += node.klen
-            vals.append(node.value)
-            nodes.append(node)
+            if free is not None:
+                free(node.value)
             node.value = None
+            node.residency = DELETED
             node.heap_seq = -1
+            if emit is not None:
+                emit(BlockRemoved(block_hashes=list(node.hashes or ())))
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 leaves.add(parent)
                 push(parent)
-        if nodes:
-            for c in self.components:
-                c.on_evict(nodes, vals)
-            if self._events is not None:
-                emit = self._events.emit
-                for node in nodes:
-                    emit(BlockRemoved(block_hashes=list(node.hashes or ())))
-            self.stats.evicted_tokens += evicted
-            self.stats.num_evictions += len(nodes)
+        self.stats.evicted_tokens += evicted
+        self.stats.num_evictions += num_nodes
         return evicted
+
+    def _drop_device_copy(self, node: TreeNode) -> None:
+        """Free a device node's slots (FULL) and take it out of FULL's sizes and candidates."""
+        self._leaves.discard(node)
+        if node.lock_ref:
+            raise LockError(f"node {node.id} is locked; a locked node's device copy cannot be dropped")
+        self._evictable -= node.klen
+        self._full.free(node.value)
+        node.value = None
+        node.heap_seq = -1
+        if self._events is not None:
+            self._events.emit(BlockRemoved(block_hashes=list(node.hashes or ())))
+
+    def _evict_device_leaf(self, node: TreeNode) -> None:
+        """FULL eviction of one candidate leaf, with components: demote or delete, cascade."""
+        parent = node.parent
+        keep = bool(node.children) or any(c.keeps_node(node) for c in self._extra)
+        self._drop_device_copy(node)
+        if keep:
+            node.residency = HOST_ONLY
+            self._host_only += 1
+            for c in self._extra:
+                c.on_demote(node)
+        else:
+            self._detach(node)
+        self._after_child_change(parent)
+
+    def _detach(self, node: TreeNode) -> None:
+        """Take a childless node (device copy already gone) out of the tree; components free
+        their data on it (counted as cascade in an ``evict({...})`` call)."""
+        parent = node.parent
+        del parent.children[node.ckey]
+        if self._by_first and (parent is not self.root or node.extra_key is None):
+            idx = parent.first
+            if idx is not None and idx.get(node.ckey[0]) is node:
+                del idx[node.ckey[0]]
+        if node.residency == HOST_ONLY:
+            self._host_only -= 1
+        node.residency = DELETED
+        tracker = self._tracker
+        for c in self._extra:
+            freed = c.on_delete(node)
+            if tracker is not None and freed:
+                tracker[c.name] += freed
+
+    def _after_child_change(self, parent: TreeNode) -> None:
+        """A child of ``parent`` was deleted or demoted: delete childless host-only ancestors no
+        component keeps (iteratively), or make a device parent an eviction candidate."""
+        root = self.root
+        while parent is not root:
+            if parent.residency == HOST_ONLY:
+                if parent.children or any(c.keeps_node(parent) for c in self._extra):
+                    return
+                grand = parent.parent
+                self._detach(parent)
+                parent = grand
+                continue
+            if parent.lock_ref == 0 and not self._has_device_child(parent) and parent not in self._leaves:
+                self._leaves.add(parent)
+                self._push(parent)
+            return
+
+    def delete_leaf(self, node: TreeNode) -> None:
+        """Delete a childless, FULL-unlocked node outright (for components' own eviction: e.g.
+        Mamba state eviction on a leaf, SWA eviction of an unlocked leaf).
+
+        Its device slots, if any, are freed (counted as ``full`` in an ``evict({...})`` call),
+        every component's ``on_delete`` frees its data (the calling component clears its own
+        first), and the ancestors cascade as in FULL eviction.
+
+        Raises (tree unchanged): LockError for a node that is locked, has children, or is not
+        in this tree.
+        """
+        if not isinstance(node, TreeNode) or node.owner is not self._owner or node.residency == DELETED:
+            raise LockError(f"delete_leaf: {node!r} is not a node of this tree")
+        if node is self.root or node.children or node.lock_ref:
+            raise LockError(f"delete_leaf: node {node.id} is the root, has children or is locked")
+        parent = node.parent
+        if node.value is not None:
+            tokens = node.klen
+            self._drop_device_copy(node)
+            if self._tracker is not None:
+                self._tracker[self._full.name] += tokens
+            self.stats.evicted_tokens += tokens
+            self.stats.num_evictions += 1
+        self._detach(node)
+        self._after_child_change(parent)
+
+    def split_node(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut ``node`` after ``k`` key elements (``0 < k < node.klen``, a page multiple); returns
+        the new parent. For components that need a node boundary (an SWA window edge)."""
+        if node is self.root or node.residency == DELETED or node.owner is not self._owner:
+            raise ValueError(f"split_node: {node!r} is not a splittable node of this tree")
+        if not 0 < k < node.klen or k % self.page_size:
+            raise ValueError(f"split_node: k={k} must be a page multiple strictly inside the node's {node.klen}")
+        return self._split(node, k)
 
     # ------------------------------------------------------------------ sizes
 
-    def evictable_size(self) -> int:
-        """Tokens cached in unlocked nodes (O(1))."""
-        return self._evictable
+    def evictable_size(self, component: str = "full") -> int:
+        """Unlocked cached units of ``component`` (FULL: device tokens in unlocked nodes; O(1))."""
+        if component == "full":
+            return self._evictable
+        return self.component(component).sizes().evictable
 
-    def protected_size(self) -> int:
-        """Tokens cached in locked nodes (O(1))."""
-        return self._protected
+    def protected_size(self, component: str = "full") -> int:
+        """Locked cached units of ``component`` (FULL: device tokens in locked nodes; O(1))."""
+        if component == "full":
+            return self._protected
+        return self.component(component).sizes().protected
 
-    def total_size(self) -> int:
-        """Tokens cached (O(1)); ``evictable_size() + protected_size()``."""
-        return self._evictable + self._protected
+    def total_size(self, component: str = "full") -> int:
+        """Cached units of ``component``; ``evictable_size() + protected_size()`` (O(1))."""
+        if component == "full":
+            return self._evictable + self._protected
+        return self.component(component).sizes().total
+
+    def sizes(self) -> dict[str, ComponentSizes]:
+        """Every component's sizes, by name (FULL first)."""
+        return {c.name: c.sizes() for c in self.components}
 
     # ------------------------------------------------------------------ whole-tree
 
@@ -746,31 +995,46 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node below the root, host-only ones included (DFS, pre-order)."""
+        return self._nodes()
+
+    def eviction_candidates(self) -> list[TreeNode]:
+        """FULL's current eviction candidates: unlocked device leaves (no device child)."""
+        return list(self._leaves)
+
+    def eviction_queue_size(self) -> int:
+        """Entries in FULL's lazy eviction heap plus queued pushes (bounded by a constant times
+        the candidates; see ``eviction.py``)."""
+        return len(self._heap) + len(self._pending)
+
     def all_values_flatten(self) -> np.ndarray:
-        """Every cached slot id (int32), in DFS order."""
-        vals = [n.value for n in self._nodes()]
+        """Every cached device slot id (int32), in DFS order."""
+        vals = [n.value for n in self._nodes() if n.value is not None]
         return np.concatenate(vals) if vals else np.empty(0, dtype=INT32)
 
     def reset(self) -> None:
-        """Drop every cached prefix, free its slots into the allocator, emit AllBlocksCleared.
+        """Drop every cached prefix, free its slots into the allocator (and every component's
+        data into its own), emit AllBlocksCleared.
 
         Nodes and receipts from before the reset are rejected afterwards. Raises
         :class:`LockError` (tree unchanged) while any prefix is locked: requests still use
         those slots; finish or release them first (SGLang flushes only when idle).
         """
-        if self._protected:
-            raise LockError(
-                f"reset: {self._protected} tokens are locked by running requests or receipts; release them first"
-            )
-        vals = [n.value for n in self._nodes()]
-        for c in self.components:
-            c.on_reset(vals)
+        locked = {c.name: c.sizes().protected for c in self.components}
+        if any(locked.values()):
+            held = ", ".join(f"{name}: {n}" for name, n in locked.items() if n)
+            raise LockError(f"reset: locked by running requests or receipts ({held}); release them first")
+        vals = [n.value for n in self._nodes() if n.value is not None]
+        self._full.free_all(vals)
+        for c in self._extra:
+            c.on_reset()
         self._clear()
         if self._events is not None:
             self._events.emit(AllBlocksCleared())
 
     def pretty_print(self) -> str:
-        """The tree as indented text: per node its length, first tokens and lock count."""
+        """The tree as indented text: per node its length, first tokens, lock count, residency."""
         lines = []
         stack = [(c, 1) for c in reversed(list(self.root.children.values()))]
         while stack:
@@ -778,35 +1042,50 @@ class RadixTree:
             toks = node.klist[:10] if node.klist is not None else decode_tokens(node.key[: 10 * 4])
             more = "..." if node.klen + self._ex > 10 else ""
             ek = "" if node.extra_key is None or node.parent is not self.root else f" extra_key={node.extra_key!r}"
-            lines.append(f"{'  ' * depth}[{node.klen}] {toks}{more} lock_ref={node.lock_ref}{ek}")
+            res = "" if node.residency == DEVICE else f" {RESIDENCY_NAMES[node.residency]}"
+            comp = "" if not node.comp else f" comp={sorted(node.comp)}"
+            lines.append(f"{'  ' * depth}[{node.klen}] {toks}{more} lock_ref={node.lock_ref}{ek}{res}{comp}")
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
         lines.append(f"#tokens: {self.total_size()} (evictable {self._evictable}, protected {self._protected})")
         return "\n".join(lines)
 
+    def check_invariants(self) -> None:
+        """Every invariant of the core and of every component (O(tree)); raises
+        :class:`TreeInvariantError`."""
+        for c in self.components:
+            c.check_invariants()
+
     def sanity_check(self) -> None:
-        """Walk the whole tree and check every invariant (O(tree)); raise TreeInvariantError.
+        """SGLang's name for :meth:`check_invariants`."""
+        self.check_invariants()
+
+    def check_full_invariants(self) -> None:
+        """Walk the whole tree and check the core's and FULL's invariants (O(tree)).
 
         Checks: parent/child links and child keys, page-aligned edges with one slot per key
-        element, depths, lock counts (never negative; a parent holds at least its children's),
-        the evictable-leaf set, both size counters, and that no slot id is cached twice.
+        element on device nodes, depths, residency (device nodes root-closed; host-only nodes
+        unlocked, slot-less, and childless only while a component keeps them), lock counts
+        (never negative; a parent holds at least its children's), the evictable-leaf set, both
+        size counters, the host-only count, and that no slot id is cached twice.
         """
         ps, ex = self.page_size, self._ex
 
         def fail(msg: str) -> None:
-            raise TreeInvariantError(f"sanity_check: {msg}\n{self.pretty_print()}")
+            raise TreeInvariantError(f"check_invariants: {msg}\n{self.pretty_print()}")
 
-        evictable = protected = 0
+        evictable = protected = host_only = 0
         leaves = set()
         vals = []
         stack = [self.root]
         while stack:
             node = stack.pop()
             child_locks = 0
+            device_children = 0
             for ck, child in node.children.items():
                 if child.parent is not node:
                     fail(f"node {child.id} has a wrong parent")
-                if child.value is None or child.owner is not self._owner:
-                    fail(f"node {child.id} is evicted or stale but still linked")
+                if child.owner is not self._owner or child.residency == DELETED:
+                    fail(f"node {child.id} is deleted or stale but still linked")
                 if child.key is None and child.klist is None:
                     fail(f"node {child.id} has no key")
                 if child.key is not None and child.klist is not None and decode_tokens(child.key) != list(child.klist):
@@ -816,8 +1095,20 @@ class RadixTree:
                     expect = (child.extra_key, expect)
                 if ck != expect or child.ckey != ck:
                     fail(f"node {child.id} is filed under a wrong child key")
-                if child.klen <= 0 or child.klen % ps or len(child.value) != child.klen:
-                    fail(f"node {child.id}: klen {child.klen}, {len(child.value)} slots, page {ps}")
+                if child.klen <= 0 or child.klen % ps:
+                    fail(f"node {child.id}: klen {child.klen}, page {ps}")
+                if child.residency == DEVICE:
+                    if child.value is None or len(child.value) != child.klen:
+                        fail(f"node {child.id}: device node with {child.value!r} slots for klen {child.klen}")
+                    if node is not self.root and node.residency != DEVICE:
+                        fail(f"node {child.id}: device node under host-only node {node.id}")
+                    device_children += 1
+                else:
+                    host_only += 1
+                    if child.value is not None or child.lock_ref:
+                        fail(f"node {child.id}: host-only node with slots or locks")
+                    if not child.children and not any(c.keeps_node(child) for c in self._extra):
+                        fail(f"node {child.id}: childless host-only node that no component keeps")
                 if len(child.token_ids()) != child.klen + ex:
                     fail(f"node {child.id}: {len(child.token_ids())} key tokens for klen {child.klen}")
                 if child.depth != node.depth + child.klen:
@@ -833,14 +1124,15 @@ class RadixTree:
                         f"node {child.id}: {child.hashes and len(child.hashes)} page hashes for {child.klen // ps} pages"
                     )
                 child_locks += child.lock_ref
-                if child.lock_ref:
-                    protected += child.klen
-                else:
-                    evictable += child.klen
-                    if not child.children:
-                        leaves.add(child)
-                vals.append(child.value)
+                if child.residency == DEVICE:
+                    if child.lock_ref:
+                        protected += child.klen
+                    else:
+                        evictable += child.klen
+                    vals.append(child.value)
                 stack.append(child)
+            if node is not self.root and node.residency == DEVICE and not node.lock_ref and not device_children:
+                leaves.add(node)
             if self._by_first and (node.children or node.first):
                 idx = node.first or {}
                 # Root children of a namespace (``(extra_key, page)`` keys) are not indexed.
@@ -864,6 +1156,8 @@ class RadixTree:
                 f"counters evictable={self._evictable} protected={self._protected}, "
                 f"tree has evictable={evictable} protected={protected}"
             )
+        if host_only != self._host_only:
+            fail(f"host-only count {self._host_only}, tree has {host_only}")
         if leaves != self._leaves:
             fail(f"evictable-leaf set differs: {len(self._leaves)} tracked, {len(leaves)} in the tree")
         live = {id(n) for _, s, n in self._heap if n.heap_seq == s}

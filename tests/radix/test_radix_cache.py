@@ -612,24 +612,33 @@ def test_chunked_step_does_not_walk_the_cached_prefix():
     stamp = (first.last_access, first.hit_count)
     assert [n.depth for n in nodes] == [64 * (i + 1) for i in range(8)]
     assert all(nodes[i + 1].parent is nodes[i] for i in range(7))
-    assert stamp == (nodes[0].last_access, 0)  # untouched by later steps
+    # Counted once, by the step that created it (0.5.23 counts chunked steps too); untouched since.
+    assert stamp == (nodes[0].last_access, 1)
     assert h.tree.protected_size() == 512
     assert h.finish(req) == []
     assert first.hit_count == 1 and first.last_access == nodes[-1].last_access  # finish refreshed the path
     h.check()
 
 
-def test_unchunked_unfinished_counts_hits_for_lfu():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_request_counts_each_node_once(chunked):
+    """SGLang 0.5.23: a node counts one hit per request (``cache_inserted_len``), whether the
+    request's steps are chunked or not; another request through the same node counts again."""
     h = Harness(page_size=1, size=256, width=256, eviction_policy="lfu")
     reqs = _chunked_request(h, 3, 8)
     req = next(reqs)
-    h.tree.cache_unfinished_req(req)  # not chunked: counts like an insert from the root
+    h.tree.cache_unfinished_req(req, chunked=chunked)
     first = req.last_node
-    req = next(reqs)
-    h.tree.cache_unfinished_req(req)
-    assert first.hit_count == 2
-    req = next(reqs)
-    h.tree.cache_unfinished_req(req, chunked=True)
-    assert first.hit_count == 2
+    assert first.hit_count == 1 and req.cache_inserted_len == 8
+    for req in reqs:
+        h.tree.cache_unfinished_req(req, chunked=chunked)
+    assert first.hit_count == 1
     h.finish(req)
+    assert first.hit_count == 1 and req.cache_inserted_len == 0
+    other = h.start(list(range(1, 13)))
+    assert other.cache_protected_len == 11
+    h.tree.cache_unfinished_req(other, chunked=chunked)  # its first insert counts the matched path
+    assert first.hit_count == 2
+    h.finish(other)
+    assert first.hit_count == 2
     h.check()

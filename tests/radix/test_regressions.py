@@ -133,16 +133,19 @@ def test_evicted_node_cannot_be_unlocked_or_locked():
     assert sizes(t) == (0, 0, 0)
 
 
-def test_eviction_frees_each_page_once_per_call():
-    """vllm#42571: the same block reached the free list twice."""
+def test_eviction_frees_each_page_once_node_by_node():
+    """vllm#42571: the same block reached the free list twice. SGLang 0.5.23 frees evicted
+    nodes one ``free`` each, in eviction order (LRU: the oldest request's first)."""
     h = Harness(page_size=4, size=256)
+    rows = []
     for i in range(6):
         r = h.start([100 + i] * 4 + list(range(i * 8, i * 8 + 8)))
+        rows.append(h.row(r))
         h.finish(r)
     h.alloc.freed.clear()
     h.tree.evict(10**6)
-    assert len(h.alloc.freed) == 1  # one free call per evict
-    ids = h.alloc.freed[0]
+    assert h.alloc.freed == rows  # one call per node, oldest first, each node's slots in order
+    ids = [i for call in h.alloc.freed for i in call]
     assert len(ids) == len(set(ids)) == 72
     assert h.alloc.available_size() == h.capacity
 
