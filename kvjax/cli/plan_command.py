@@ -1,12 +1,30 @@
-"""``python -m kvjax plan``: capacity planning from a preset or a ``config.json``, without jax."""
+"""``python -m kvjax plan``: capacity planning from a preset or a ``config.json``, without jax.
+
+Sizing, one of:
+  * ``--memory 16GiB``: the KV-cache budget of one device, as is;
+  * ``--tpu v5e [--chips 8] [--weights-bytes 16GB]``: the chip's HBM times ``--mem-fraction-static``
+    (SGLang's 0.9 by default), minus the chip's share of the weights when their size is given
+    (kvjax does not guess it); ``--chips`` sets ``--tp`` when that is not given;
+  * ``--max-total-tokens N``: a pool of N tokens, whatever it costs.
+
+Answers: ``--context N`` (how many requests of N tokens fit), ``--concurrency M`` (the longest
+context M requests can each have), ``--sweep`` (a table over page sizes, KV dtypes and TP).
+
+Every bad input is one line on stderr naming the flag, the value and the fix, exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import re
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from kvjax.chips import TPU_CHIPS, tpu_chip, weights_per_chip
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
-from kvjax.plan import plan_kv_cache
+from kvjax.errors import ConfigError
 from kvjax.spec import ModelSpec
 
 _UNITS = {
@@ -26,44 +44,177 @@ _UNITS = {
     "tib": 2**40,
 }
 
+# CacheConfig / planner names -> the flag a user types. Errors are rewritten with these.
+FLAG_FOR_OPTION = {
+    "memory_budget_bytes": "--memory",
+    "mem_fraction_static": "--mem-fraction-static",
+    "device_memory_bytes": "--tpu",
+    "reserved_memory_bytes": "--weights-bytes",
+    "weights_bytes": "--weights-bytes",
+    "max_total_tokens": "--max-total-tokens",
+    "page_size": "--page-size",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "tp_size": "--tp",
+    "attn_tp_size": "--tp",
+    "pp_size": "--pp",
+    "context_length": "--context-length",
+    "max_running_requests": "--max-running-requests",
+    "platform": "--platform",
+    "disable_radix_cache": "--disable-radix-cache",
+    "enable_hierarchical_cache": "--enable-hierarchical-cache",
+    "disaggregation_mode": "--disaggregation-mode",
+    "tokens_per_request": "--context",
+    "num_requests": "--concurrency",
+    "tpu": "--tpu",
+    "model": "--model",
+}
+
+SWEEP_PAGE_SIZES = (16, 32, 64, 128)
+SWEEP_KV_DTYPES = ("auto", "fp8_e4m3")
+SWEEP_TP_SIZES = (1, 2, 4, 8)
+
+
+class UsageError(Exception):
+    """A command-line mistake: printed as one ``error:`` line, exit status 2."""
+
 
 def parse_bytes(text: str) -> int:
-    """``"16GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1073741824"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"memory {text!r}: write a size such as 16GiB, 512MiB or 1073741824")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"16GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1073741824"`` -> bytes (> 0).
+
+    Raises `argparse.ArgumentTypeError` saying what a size looks like; a negative or zero size
+    says that sizes are positive.
+    """
+    m = re.fullmatch(r"\s*([-+]?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(3).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write one such as 16GiB, 512MiB or 1073741824")
+    value = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
+    if m.group(1) == "-" or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive; write one such as 16GiB")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction of the chip's memory must be in (0, 1]")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``plan`` sub-command."""
-    plan = sub.add_parser("plan", help="plan a KV cache: tokens that fit, per-pool bytes, decisions")
-    plan.add_argument("--model", required=True, help=f"a preset ({', '.join(ModelSpec.presets())}) or a config.json")
-    plan.add_argument(
-        "--memory", type=parse_bytes, default=None, help="KV-cache budget per device, e.g. 16GiB (memory_budget_bytes)"
+    plan = sub.add_parser(
+        "plan",
+        help="plan a KV cache: tokens that fit, per-pool bytes, decisions",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("--max-total-tokens", type=int, default=None)
-    plan.add_argument("--page-size", type=int, default=16)
+    plan.add_argument("--model", required=True, help=f"a preset ({', '.join(ModelSpec.presets())}) or a config.json")
+    size = plan.add_argument_group("sizing (one of --memory, --tpu, --max-total-tokens)")
+    size.add_argument("--memory", type=parse_bytes, default=None, help="KV-cache budget per device, e.g. 16GiB")
+    size.add_argument("--tpu", choices=sorted(TPU_CHIPS), default=None, help="size from one chip's HBM")
+    size.add_argument("--chips", type=_positive_int, default=None, help="chips in the slice (default: --tp x --pp)")
+    size.add_argument("--mem-fraction-static", type=_fraction, default=None, help="share of HBM for weights + KV (0.9)")
+    size.add_argument(
+        "--weights-bytes", type=parse_bytes, default=None, help="checkpoint size, split over tp x pp chips (with --tpu)"
+    )
+    size.add_argument("--max-total-tokens", type=_positive_int, default=None)
+    plan.add_argument("--page-size", type=_positive_int, default=16)
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads are split over it)")
-    plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (layers are split over it)")
-    plan.add_argument("--context-length", type=int, default=None)
-    plan.add_argument("--max-running-requests", type=int, default=None)
+    plan.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel size (KV heads split over it)")
+    plan.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (layers split over it)")
+    plan.add_argument("--context-length", type=_positive_int, default=None)
+    plan.add_argument("--max-running-requests", type=_positive_int, default=None)
     plan.add_argument("--platform", choices=PLATFORMS, default="tpu", help="storage layout target (default tpu)")
     plan.add_argument("--disable-radix-cache", action="store_true")
     plan.add_argument("--enable-hierarchical-cache", action="store_true")
     plan.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
+    ask = plan.add_argument_group("questions")
+    ask.add_argument("--context", type=_positive_int, default=None, help="how many requests of N tokens fit")
+    ask.add_argument("--concurrency", type=_positive_int, default=None, help="the longest context for M requests")
+    ask.add_argument("--sweep", action="store_true", help="a table over page sizes, KV dtypes and TP")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
-def run(args: argparse.Namespace) -> int:
-    spec = ModelSpec.resolve(args.model)
-    config = CacheConfig(
-        page_size=args.page_size,
-        kv_cache_dtype=args.kv_cache_dtype,
+# --- sizing -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """How one device's budget was set, for the report and the planner call."""
+
+    device_memory_bytes: int | None
+    chips: int
+    replicas: int
+    note: str
+
+
+def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
+    model_parallel = tp * args.pp
+    chips = args.chips if args.chips is not None else model_parallel
+    if args.tpu is None:
+        for flag, value in (("--chips", args.chips), ("--weights-bytes", args.weights_bytes)):
+            if value is not None:
+                raise UsageError(f"{flag} {value}: it needs --tpu (the chip whose HBM is split); or drop it")
+        if args.mem_fraction_static is not None:
+            raise UsageError(
+                f"--mem-fraction-static {args.mem_fraction_static}: it is a share of a chip's HBM; add --tpu"
+            )
+        if args.memory is None and args.max_total_tokens is None:
+            raise UsageError(
+                "--memory is missing: give the KV-cache budget per device (e.g. --memory 16GiB), "
+                "a chip (--tpu v5e --chips 8) or a pool size (--max-total-tokens 100000)"
+            )
+        return Sizing(None, chips, 1, "")
+    if args.memory is not None:
+        raise UsageError(f"--memory {args.memory} and --tpu {args.tpu} both set the budget; give one of them")
+    if chips % model_parallel:
+        raise UsageError(
+            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp} = {model_parallel}; "
+            "use a chip count that the model-parallel group divides"
+        )
+    chip = tpu_chip(args.tpu)
+    fraction = args.mem_fraction_static or 0.9
+    if args.weights_bytes is None:
+        weights = "weights not subtracted (pass --weights-bytes with the checkpoint size)"
+    else:
+        share = weights_per_chip(args.weights_bytes, model_parallel)
+        weights = f"minus weights {_gib(share)} per chip ({_gib(args.weights_bytes)} over {model_parallel} chips)"
+    note = (
+        f"{chip.slice_name(chips)}: {chips} chips x {_gib(chip.hbm_bytes)} HBM; tp {tp} x pp {args.pp}, "
+        f"{chips // model_parallel} replica(s); budget per chip = {_gib(chip.hbm_bytes)} x {fraction} {weights}"
+    )
+    return Sizing(chip.hbm_bytes, chips, chips // model_parallel, note)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int) -> CacheConfig:
+    reserved = 0
+    if args.tpu is not None and args.weights_bytes is not None:
+        reserved = weights_per_chip(args.weights_bytes, tp * args.pp)
+    return CacheConfig(
+        page_size=page_size,
+        kv_cache_dtype=kv_dtype,
         memory_budget_bytes=args.memory,
+        mem_fraction_static=(args.mem_fraction_static or 0.9) if args.tpu is not None else None,
+        reserved_memory_bytes=reserved,
         max_total_tokens=args.max_total_tokens,
-        tp_size=args.tp,
+        tp_size=tp,
         pp_size=args.pp,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
@@ -72,6 +223,150 @@ def run(args: argparse.Namespace) -> int:
         enable_hierarchical_cache=args.enable_hierarchical_cache,
         disaggregation_mode=args.disaggregation_mode,
     )
-    plan = plan_kv_cache(spec, config)
-    print(plan.to_json(indent=2) if args.json else plan)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+# Only snake_case field names are rewritten in a message: plain words such as "model" stay words.
+_OPTION_WORDS = re.compile(
+    r"\b(" + "|".join(sorted((k for k in FLAG_FOR_OPTION if "_" in k), key=len, reverse=True)) + r")\b"
+)
+
+
+def cli_message(error: ConfigError, args: argparse.Namespace) -> str:
+    """A `ConfigError` in command-line words: the flag and the value the user typed, then the fix,
+    with library field names replaced by their flags and Python's ``None`` left out."""
+    flag = FLAG_FOR_OPTION.get(error.option)
+    fix = _OPTION_WORDS.sub(lambda m: FLAG_FOR_OPTION[m.group(1)], error.fix)
+    fix = re.sub(r",? or None\b", "", fix).replace("None", "not set")
+    if flag is None:
+        # A key of the model's config.json (or another library field): name the file it came from.
+        value = "not set" if error.value is None else repr(error.value)
+        return f"--model {args.model}: {error.option}={value}: {fix}"
+    typed = _typed_value(args, flag)
+    shown = typed if typed is not None else ("not set" if error.value is None else str(error.value))
+    return f"{flag} {shown}: {fix}"
+
+
+def _typed_value(args: argparse.Namespace, flag: str) -> str | None:
+    value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+    if value is None or value is False:
+        return None
+    return str(value)
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def _answers(plan: Any, args: argparse.Namespace) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if args.context is not None:
+        out["requests_that_fit"] = _ask(plan, "requests_that_fit", args.context)
+    if args.concurrency is not None:
+        out["max_context"] = _ask(plan, "max_context_for", args.concurrency)
+    return out
+
+
+def _ask(plan: Any, method: str, value: int) -> int:
+    fn: Callable[[int], int] | None = getattr(plan, method, None)
+    if fn is None:
+        raise NotImplementedError(f"this planner has no CachePlan.{method}; update kvjax")
+    return int(fn(value))
+
+
+def _answer_lines(answers: dict[str, int], args: argparse.Namespace, sizing: Sizing, context_length: int) -> list[str]:
+    lines = []
+    per = "" if sizing.replicas == 1 else f" per replica, {sizing.replicas} replicas"
+    if "requests_that_fit" in answers:
+        n = answers["requests_that_fit"]
+        why = ""
+        if args.context > context_length:
+            why = f" (longer than the context length {context_length:,}; raise --context-length if the model allows)"
+        lines.append(f"requests of {args.context:,} tokens that fit at once: {n:,}{per}{why}")
+    if "max_context" in answers:
+        t = answers["max_context"]
+        lines.append(f"longest context for {args.concurrency:,} concurrent requests: {t:,} tokens{per}")
+    return lines
+
+
+def _sweep_rows(spec: ModelSpec, args: argparse.Namespace, plan_fn: Callable[..., Any]) -> list[dict[str, Any]]:
+    rows = []
+    tps: Iterable[int] = (args.tp,) if args.tp is not None else SWEEP_TP_SIZES
+    for tp in tps:
+        for page in SWEEP_PAGE_SIZES:
+            for dtype in SWEEP_KV_DTYPES:
+                row: dict[str, Any] = {"tp": tp, "page_size": page, "kv_cache_dtype": dtype}
+                try:
+                    sizing = _sizing(args, tp)
+                    plan = plan_fn(
+                        spec,
+                        _config(args, page_size=page, kv_dtype=dtype, tp=tp),
+                        device_memory_bytes=sizing.device_memory_bytes,
+                    )
+                except ConfigError as e:
+                    row["refused"] = cli_message(e, args)
+                except UsageError as e:
+                    row["refused"] = str(e)
+                else:
+                    row.update(
+                        max_total_tokens=plan.max_total_tokens,
+                        bytes_per_token=plan.bytes_per_token,
+                        device_bytes=plan.device_bytes,
+                        **_answers(plan, args),
+                    )
+                rows.append(row)
+    return rows
+
+
+def _sweep_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    head = f"{'tp':>3} {'page':>5} {'kv dtype':<9} {'tokens/device':>14} {'bytes/token':>12} {'device':>11}"
+    if args.context is not None:
+        head += f" {'fit@' + str(args.context):>12}"
+    if args.concurrency is not None:
+        head += f" {'ctx@' + str(args.concurrency):>12}"
+    lines = [head]
+    for r in rows:
+        line = f"{r['tp']:>3} {r['page_size']:>5} {r['kv_cache_dtype']:<9}"
+        if "refused" in r:
+            lines.append(f"{line} refused: {r['refused']}")
+            continue
+        line += f" {r['max_total_tokens']:>14,} {r['bytes_per_token']:>12,} {_gib(r['device_bytes']):>11}"
+        if "requests_that_fit" in r:
+            line += f" {r['requests_that_fit']:>12,}"
+        if "max_context" in r:
+            line += f" {r['max_context']:>12,}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# --- entry ----------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print; raises `UsageError` or `ConfigError` (the dispatcher prints them)."""
+    from kvjax.plan import plan_kv_cache
+
+    spec = ModelSpec.resolve(args.model)
+    if args.sweep:
+        rows = _sweep_rows(spec, args, plan_kv_cache)
+        print(json.dumps({"model": spec.name, "rows": rows}) if args.json else _sweep_table(rows, args))
+        return 0
+    tp = args.tp if args.tp is not None else max(1, (args.chips or 1) // args.pp) if args.tpu else 1
+    sizing = _sizing(args, tp)
+    config = _config(args, page_size=args.page_size, kv_dtype=args.kv_cache_dtype, tp=tp)
+    plan = plan_kv_cache(spec, config, device_memory_bytes=sizing.device_memory_bytes)
+    answers = _answers(plan, args)
+    if args.json:
+        out = plan.to_dict()
+        out["answers"] = answers
+        if sizing.note:
+            out["sizing"] = {"note": sizing.note, "chips": sizing.chips, "replicas": sizing.replicas}
+        print(json.dumps(out, indent=2))
+        return 0
+    lines = [str(plan)]
+    if sizing.note:
+        lines.append(f"  sizing: {sizing.note}")
+    lines += _answer_lines(answers, args, sizing, plan.context_length)
+    print("\n".join(lines))
     return 0

@@ -48,7 +48,8 @@ def require(config: Mapping[str, Any], keys: Iterable[str], family: str) -> None
     missing = [k for k in keys if config.get(k) is None]
     if missing:
         names = ", ".join(f"'{k}'" for k in missing)
-        raise ConfigError(", ".join(missing), None, f"a {where(family)} needs {names}; add them to config.json")
+        them = "it" if len(missing) == 1 else "them"
+        raise ConfigError(", ".join(missing), None, f"a {where(family)} needs {names}; add {them} to config.json")
 
 
 def get(config: Mapping[str, Any], key: str, family: str, default: Any = MISSING) -> Any:
