@@ -1,15 +1,22 @@
 """`build_kv_cache`: execute a plan — allocate the device pools and the host bookkeeping.
 
 The build is the only place that touches devices. It plans first (every decision and error
-happens in ``plan_kv_cache``), then allocates what the plan lists: the device pools (zeros, created
-directly on their devices, sharded over the mesh when one is given), the request→token table, the
-token allocator and the tree cache (``kvjax.radix.create_tree_cache`` picks it from the plan).
+happens in ``plan_kv_cache``), checks that every pool of the plan has a builder in the pool kind
+registry (``kvjax.pools.registry``; a kind not built yet raises ``NotImplementedError`` naming its
+capability, before anything is allocated), then loops over ``plan.pools`` and builds each through
+its kind: device pools (zeros, created directly on their devices, sharded over the mesh when one is
+given) and the request→token table; then the token allocator and the tree cache
+(``kvjax.radix.create_tree_cache`` picks it from the plan).
+
+Ownership of device state: a ``KVCache`` owns the *current* device state of its pools.
+``cache.pools`` always reads live arrays as long as whoever runs a donated step stores its result
+back with ``cache.set_pools(new_pools)`` (the serving scheduler does, after every step).
+``cache.with_pools(new_pools)`` is the functional alternative: a new holder sharing the same host
+objects (allocator, request table, tree), after which the old holder's pools may be stale.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -19,7 +26,9 @@ from kvjax.alloc import make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
-from kvjax.pools import CachePools, MHAKVPool
+from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.registry import BuildContext, pool_kind
+from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
@@ -27,34 +36,112 @@ from kvjax.spec import ModelSpec
 KV_HEAD_MESH_AXIS = "tp"
 
 
-@dataclass(frozen=True, kw_only=True)
 class KVCache:
-    """A built KV cache: the fields of SGLang's ``KVCacheBuildResult`` plus ``plan`` and ``pools``.
+    """A built KV cache: its plan, its device pools and its host bookkeeping.
 
-    ``pools`` is device state (a pytree, replaced by every update); the allocator, request table
-    and tree cache are host objects mutated in place.
+    SGLang's ``KVCacheBuildResult`` names read from the plan (``is_hybrid_swa``, ``is_hybrid_ssm``,
+    ``sliding_window_size``, ``full_tokens_per_layer``, ``swa_tokens_per_layer``,
+    ``disable_radix_cache``) or are the host objects (``req_to_token_pool``,
+    ``token_to_kv_pool_allocator``, ``tree_cache``).
+
+    Ownership rule: the cache owns the current device state. ``pools`` is replaced, never mutated:
+    a donated step consumes the arrays it is given, so store what it returns with
+    :meth:`set_pools` (this mutates the holder: every reference to this ``KVCache`` sees the new
+    state). The allocator, request table and tree cache are host objects mutated in place.
     """
 
-    is_hybrid_swa: bool
-    is_hybrid_ssm: bool
-    sliding_window_size: int | None
-    full_tokens_per_layer: int | None
-    swa_tokens_per_layer: int | None
-    req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool_allocator: Any
-    disable_radix_cache: bool
-    tree_cache: Any
-    plan: CachePlan
-    pools: CachePools
+    __slots__ = ("_pools", "plan", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache")
+
+    def __init__(
+        self,
+        *,
+        plan: CachePlan,
+        pools: CachePools,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: AllocatorProtocol,
+        tree_cache: TreeCacheProtocol | Any,
+    ) -> None:
+        self.plan = plan
+        self._pools = pools
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+
+    # --- device state ---------------------------------------------------------------------------
 
     @property
-    def allocator(self) -> Any:
+    def pools(self) -> CachePools:
+        """The current device state (a pytree; donate it into a step, then :meth:`set_pools`)."""
+        return self._pools
+
+    def set_pools(self, pools: CachePools) -> None:
+        """Store the device state a (donated) step returned: mutates this holder.
+
+        Raises ``TypeError`` (the cache unchanged) unless ``pools`` is a ``CachePools`` with the
+        same pools and array structure as the current state.
+        """
+        self._check_same_structure(pools, "set_pools")
+        self._pools = pools
+
+    def with_pools(self, pools: CachePools) -> KVCache:
+        """A new holder of ``pools`` sharing this cache's plan and host objects (functional form
+        of :meth:`set_pools`; this holder is left as it is)."""
+        self._check_same_structure(pools, "with_pools")
+        return KVCache(
+            plan=self.plan,
+            pools=pools,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+        )
+
+    def _check_same_structure(self, pools: Any, what: str) -> None:
+        if not isinstance(pools, CachePools):
+            raise TypeError(f"{what}: expected CachePools, got {type(pools).__name__}")
+        old = jax.tree_util.tree_structure(self._pools)
+        new = jax.tree_util.tree_structure(pools)
+        if old != new:
+            raise TypeError(
+                f"{what}: the new pools {pools.names} do not have the structure of the cache's {self._pools.names} "
+                "(pass what the step returned for cache.pools)"
+            )
+
+    # --- SGLang's KVCacheBuildResult names --------------------------------------------------------
+
+    @property
+    def is_hybrid_swa(self) -> bool:
+        return self.plan.is_hybrid_swa
+
+    @property
+    def is_hybrid_ssm(self) -> bool:
+        return self.plan.is_hybrid_ssm
+
+    @property
+    def sliding_window_size(self) -> int | None:
+        return self.plan.sliding_window_size
+
+    @property
+    def full_tokens_per_layer(self) -> int | None:
+        return self.plan.full_tokens_per_layer
+
+    @property
+    def swa_tokens_per_layer(self) -> int | None:
+        return self.plan.swa_tokens_per_layer
+
+    @property
+    def disable_radix_cache(self) -> bool:
+        return self.plan.disable_radix_cache
+
+    @property
+    def allocator(self) -> AllocatorProtocol:
         """The token/page allocator (SGLang's ``token_to_kv_pool_allocator``)."""
         return self.token_to_kv_pool_allocator
 
-    def with_pools(self, pools: CachePools) -> KVCache:
-        """The same cache holding the device state returned by a step."""
-        return dataclasses.replace(self, pools=pools)
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(model={self.plan.model!r}, pools={self._pools!r}, tokens={self.plan.max_total_tokens}, "
+            f"tree={type(self.tree_cache).__name__})"
+        )
 
 
 def build_kv_cache(
@@ -73,7 +160,8 @@ def build_kv_cache(
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
-    whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier).
+    whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier), before
+    allocating anything.
     """
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
@@ -81,60 +169,36 @@ def build_kv_cache(
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
         device_memory_bytes = _device_memory_bytes(devices[0])
     plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
-    _require_built_capabilities(plan)
-
+    for pool in plan.pools:
+        pool_kind(pool.kind).require_built(plan.model)
     if mesh is not None:
         _check_mesh(mesh, config)
-    kv = MHAKVPool.create(
-        num_pages=plan.num_pages,
-        page_size=plan.alloc_page_size,
-        num_layers=plan.num_kv_layers,
-        num_kv_heads=plan.num_kv_heads_per_rank * (config.attn_tp_size if mesh is not None else 1),
-        head_dim=spec.head_dim,
-        v_head_dim=spec.v_head_dim,
-        dtype=plan.kv_cache_dtype,
-        platform=plan.platform,
-        head_dim_alignment=128 if plan.platform == "tpu" else 1,
-        start_layer=plan.start_layer,
-        mesh=mesh,
-        kv_head_axis=KV_HEAD_MESH_AXIS,
+
+    context = BuildContext(
+        platform=plan.platform, mesh=mesh, kv_head_axis=KV_HEAD_MESH_AXIS, tp_size=config.attn_tp_size
     )
+    device: dict[str, Any] = {}
+    req_to_token_pool: ReqToTokenPool | None = None
+    for pool in plan.pools:
+        built = pool_kind(pool.kind).create(pool, context)
+        if pool.memory == "device":
+            device[pool.name] = built
+        elif isinstance(built, ReqToTokenPool):
+            req_to_token_pool = built
+    if req_to_token_pool is None or not device:
+        raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
+    assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
     allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
-    req_to_token_pool = ReqToTokenPool(plan.max_running_requests, plan.req_to_token_width)
     tree_cache = create_tree_cache(
         plan, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, event_sink=event_sink
     )
     return KVCache(
-        is_hybrid_swa=plan.is_hybrid_swa,
-        is_hybrid_ssm=plan.is_hybrid_ssm,
-        sliding_window_size=plan.sliding_window_size,
-        full_tokens_per_layer=plan.full_tokens_per_layer,
-        swa_tokens_per_layer=plan.swa_tokens_per_layer,
+        plan=plan,
+        pools=CachePools(device),
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
-        disable_radix_cache=plan.disable_radix_cache,
         tree_cache=tree_cache,
-        plan=plan,
-        pools=CachePools(kv=kv),
     )
-
-
-def _require_built_capabilities(plan: CachePlan) -> None:
-    """Raise ``NotImplementedError`` for any pool of the plan that kvjax cannot build yet."""
-    missing = {
-        "mla": "the MLA latent KV pool (kv_pool_kind='mla')",
-        "swa": "the hybrid sliding-window pools (kv_pool_kind='swa': full + SWA pools and the SWA allocator)",
-        "hybrid_linear": "the recurrent-state pool of hybrid SSM / linear-attention models (kv_pool_kind='hybrid_linear')",
-    }.get(plan.kv_pool_kind)
-    if missing:
-        raise NotImplementedError(
-            f"kvjax cannot build {missing} yet for {plan.model}; the plan is available from plan_kv_cache"
-        )
-    if plan.attach_host_tier:
-        raise NotImplementedError(
-            "kvjax cannot build the host-memory tier yet (enable_hierarchical_cache or retraction backup "
-            f"'host_pool' on {plan.model}); plan without them, or use plan_kv_cache to size it"
-        )
 
 
 def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:

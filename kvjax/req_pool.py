@@ -13,16 +13,20 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.alloc.base import FifoFreeList, as_index_array, format_ids
 from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
 
-__all__ = ["ReqToTokenPool"]
+if TYPE_CHECKING:
+    import jax
+
+    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.pools.registry import BuildContext
+
+__all__ = ["ReqToTokenPool", "create_pool"]
 
 
 class ReqToTokenPool:
@@ -187,6 +191,8 @@ class ReqToTokenPool:
         Raises InvalidSlotError for free or out-of-range rows, lengths outside
         ``[0, max_context_len]``, or a request needing more than ``max_pages`` pages.
         """
+        import jax.numpy as jnp  # the table is host state; only this device copy needs jax
+
         return jnp.asarray(self.page_table_numpy(req_indices, seq_lens, page_size, max_pages))
 
     def check_invariants(self) -> None:
@@ -203,3 +209,9 @@ class ReqToTokenPool:
             f"ReqToTokenPool(size={self.size}, max_context_len={self.max_context_len}, "
             f"available={self.available_size()})"
         )
+
+
+def create_pool(pool: PoolPlan, context: BuildContext) -> ReqToTokenPool:
+    """The pool kind registry's builder for ``"request_table"``: ``pool.shape`` is ``(rows, width)``."""
+    rows, width = pool.shape
+    return ReqToTokenPool(rows, width)

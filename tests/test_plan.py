@@ -101,7 +101,8 @@ def test_bytes_per_token_dsa_adds_indexer_keys_and_scales():
 def test_max_total_tokens_from_budget_page_aligned():
     p = plan(dense(layers=4), platform="cpu", memory_budget_bytes=GiB + 12345, page_size=16)
     per_token = 4 * 2 * 8 * 128 * 2
-    assert p.max_total_tokens == (GiB + 12345) // per_token // 16 * 16
+    # The trash page is paid out of the budget first.
+    assert p.max_total_tokens == (GiB + 12345 - 16 * per_token) // per_token // 16 * 16
     assert p.num_pages == p.max_total_tokens // 16
 
 
@@ -112,7 +113,8 @@ def test_max_total_tokens_caps_the_budget():
 
 def test_max_total_tokens_above_budget_warns_and_uses_budget():
     p = plan(dense(layers=4), platform="cpu", memory_budget_bytes=2**20, max_total_tokens=10**9)
-    assert p.max_total_tokens == 2**20 // (4 * 2 * 8 * 128 * 2) // 16 * 16
+    per_token = 4 * 2 * 8 * 128 * 2
+    assert p.max_total_tokens == (2**20 - 16 * per_token) // per_token // 16 * 16
     assert any("exceeds" in w for w in p.warnings)
 
 
@@ -145,7 +147,7 @@ def test_max_total_tokens_is_the_minimum_across_pipeline_stages():
     p1 = plan(spec, pp_size=2, pp_rank=1, platform="cpu")
     assert (p0.start_layer, p0.end_layer, p1.start_layer, p1.end_layer) == (0, 3, 3, 5)
     per_layer = 2 * 8 * 128 * 2
-    assert p0.max_total_tokens == p1.max_total_tokens == GiB // (3 * per_layer) // 16 * 16
+    assert p0.max_total_tokens == p1.max_total_tokens == (GiB - 16 * 3 * per_layer) // (3 * per_layer) // 16 * 16
 
 
 def test_kv_heads_split_over_tensor_parallel_ranks_and_replicated_below_one():
@@ -155,7 +157,9 @@ def test_kv_heads_split_over_tensor_parallel_ranks_and_replicated_below_one():
 
 def test_req_to_token_width_is_context_plus_4_plus_draft_tokens():
     assert plan(dense(context=4096)).req_to_token_width == 4100
-    p = plan(dense(context=4096), speculative_algorithm="EAGLE", speculative_num_draft_tokens=8, page_size=1)
+    p = plan(
+        dense(context=4096), speculative_algorithm="EAGLE", speculative_num_draft_tokens=8, page_size=1, platform="cpu"
+    )
     assert p.req_to_token_width == 4096 + 4 + 8
 
 
@@ -172,10 +176,25 @@ def test_req_to_token_width_reserves_a_decode_double_buffer_on_pages_with_specul
 
 
 def test_max_running_requests_default_formula():
-    # clamp(int(tokens / context * 512), 2048, 4096)
-    assert plan(dense(context=4096), max_total_tokens=4096 * 2).max_running_requests == 2048
-    assert plan(dense(context=4096), max_total_tokens=4096 * 6).max_running_requests == 3072
-    assert plan(dense(context=4096), max_total_tokens=4096 * 100).max_running_requests == 4096
+    # clamp(int(tokens / context * 512), 2048, 4096), on pages of one token so the page cap is not hit
+    def rows(tokens):
+        return plan(dense(context=4096), max_total_tokens=tokens, page_size=1, platform="cpu").max_running_requests
+
+    assert rows(4096 * 2) == 2048
+    assert rows(4096 * 6) == 3072
+    assert rows(4096 * 100) == 4096
+
+
+def test_max_running_requests_default_is_capped_by_the_pages():
+    # 8192 tokens in pages of 16: at most 512 requests can hold a page each (SGLang would plan 2048 rows).
+    p = plan(dense(context=4096), max_total_tokens=4096 * 2, page_size=16)
+    assert p.num_pages == 512 and p.max_running_requests == 512
+
+
+def test_max_running_requests_given_above_the_pages_warns():
+    p = plan(dense(), max_total_tokens=160, page_size=16, max_running_requests=64)
+    assert p.max_running_requests == 64
+    assert any("max_running_requests=64 exceeds the 10 pages" in w for w in p.warnings)
 
 
 def test_max_running_requests_given_is_kept():
@@ -185,7 +204,7 @@ def test_max_running_requests_given_is_kept():
 def test_swa_split_by_swa_full_tokens_ratio():
     p = plan(swa((S, S, S, F)), platform="cpu", page_size=1)
     per_layer = 2 * 4 * 128 * 2
-    total = GiB // (4 * per_layer) * 4
+    total = (GiB - 4 * per_layer) // (4 * per_layer) * 4  # one trash page (of one token) in each pool
     full = int(total / (0.8 * 3 + 1))
     assert p.full_tokens_per_layer == full
     assert p.swa_tokens_per_layer == int(full * 0.8)
@@ -209,8 +228,8 @@ def test_ssm_state_memory_set_aside_by_mamba_full_memory_ratio():
     per_req = 3 * spec.recurrent.bytes_per_slot()
     mamba_mem = int(GiB * 0.9 / 1.9)
     assert p.mamba_state_bytes_per_req == per_req
-    assert p.max_mamba_cache_size == mamba_mem // per_req
-    assert p.max_total_tokens == (GiB - mamba_mem) // p.bytes_per_token
+    assert p.max_mamba_cache_size == mamba_mem // per_req - 1  # the padding slot is paid for
+    assert p.max_total_tokens == (GiB - mamba_mem - p.bytes_per_token) // p.bytes_per_token
 
 
 def test_ssm_state_with_radix_disabled_sized_by_running_requests():

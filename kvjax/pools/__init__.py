@@ -1,6 +1,31 @@
-"""Device state: the pools of a KV cache, as immutable pytrees (see ``docs/architecture.md``)."""
+"""Device state: the pools of a KV cache, as immutable pytrees (see ``docs/architecture.md``).
 
-from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.mha import MHAKVPool
+Importing this package is jax-free: the layouts (``mha_layout``, ``mla_layout``,
+``recurrent_layout``), ``PoolPlan`` and the kind registry are plain Python for the planner; the
+jax pytrees ``CachePools`` and ``MHAKVPool`` load on first access.
+"""
 
-__all__ = ["CachePools", "MHAKVPool"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.registry import POOL_KINDS, BuildContext, PoolKind, pool_kind
+
+if TYPE_CHECKING:
+    from kvjax.pools.cache_pools import CachePools
+    from kvjax.pools.mha import MHAKVPool
+
+__all__ = ["POOL_KINDS", "BuildContext", "CachePools", "MHAKVPool", "PoolKind", "PoolPlan", "pool_kind"]
+
+_LAZY = {"CachePools": "kvjax.pools.cache_pools", "MHAKVPool": "kvjax.pools.mha"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvjax.pools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

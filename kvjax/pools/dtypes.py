@@ -1,4 +1,4 @@
-"""Logical KV dtypes, their storage dtypes, and the conversions between them.
+"""Logical KV dtypes, their storage dtypes, and the conversions between them (jax side).
 
 A pool is *logically* bf16, f32 or fp8, but on some backends it is *stored* as the unsigned
 integer of the same width and bit-cast on every read and write:
@@ -8,7 +8,9 @@ integer of the same width and bit-cast on every read and write:
 * fp8 is stored as uint8 on CPU for the same reason (SGLang does the same on GPU because
   ``index_put`` lacks fp8).
 
-Bit-casting between types of the same width is free in XLA (no data movement).
+Which dtype is stored where is decided by name in ``kvjax.pools.storage`` (jax-free, for the
+planner); this module only turns those names into jax dtypes. Bit-casting between types of the
+same width is free in XLA (no data movement).
 """
 
 from __future__ import annotations
@@ -16,44 +18,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.errors import ConfigError
+from kvjax.pools import storage
+from kvjax.pools.storage import is_fp8
 
-LOGICAL_DTYPES: dict[str, np.dtype] = {
-    "float32": jnp.dtype(jnp.float32),
-    "bfloat16": jnp.dtype(jnp.bfloat16),
-    "float16": jnp.dtype(jnp.float16),
-    "fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn),
-    "fp8_e5m2": jnp.dtype(jnp.float8_e5m2),
-}
-
-_BITS_DTYPE = {1: jnp.dtype(jnp.uint8), 2: jnp.dtype(jnp.uint16), 4: jnp.dtype(jnp.uint32)}
-
-# Backends on which an in-place update of a sub-32-bit float buffer is not in place.
-_STORE_AS_BITS_PLATFORMS = frozenset({"cpu"})
+__all__ = ["from_storage", "is_fp8", "logical_dtype", "storage_dtype", "to_storage"]
 
 
 def logical_dtype(name: str) -> np.dtype:
     """The JAX dtype of a kvjax dtype name (``"bfloat16"``, ``"fp8_e4m3"``, ...)."""
-    try:
-        return LOGICAL_DTYPES[name]
-    except KeyError:
-        raise ConfigError("kv_cache_dtype", name, f"use one of {sorted(LOGICAL_DTYPES)}") from None
+    return jnp.dtype(storage.logical_dtype_name(name))
 
 
 def storage_dtype(name: str, platform: str) -> np.dtype:
-    """The dtype a pool of logical dtype ``name`` is stored as on ``platform``.
-
-    On CPU, floats narrower than 32 bits are stored as their unsigned-integer bit pattern;
-    everywhere else the logical dtype is stored as is.
-    """
-    dtype = logical_dtype(name)
-    if platform in _STORE_AS_BITS_PLATFORMS and dtype.itemsize < 4:
-        return _BITS_DTYPE[dtype.itemsize]
-    return dtype
-
-
-def is_fp8(name: str) -> bool:
-    return name.startswith("fp8")
+    """The dtype a pool of logical dtype ``name`` is stored as on ``platform``."""
+    return jnp.dtype(storage.storage_dtype_name(name, platform))
 
 
 def to_storage(x: jnp.ndarray, store: np.dtype) -> jnp.ndarray:

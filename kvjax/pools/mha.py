@@ -1,6 +1,7 @@
 """`MHAKVPool`: the paged K/V pool of full-attention (MHA/GQA/MQA) layers, as an immutable pytree.
 
-Layout (one array per layer, tpu-inference's ragged-paged-attention layout)::
+Layout (one array per layer, tpu-inference's ragged-paged-attention layout; the shape and the
+padding rule are written once, in ``kvjax.pools.mha_layout`` and ``kvjax.pools.alignment``)::
 
     kv[layer] : [num_pages + 1, page_size, 2 * num_kv_heads, head_dim_padded]   (storage dtype)
 
@@ -35,6 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
+from kvjax.pools.mha_layout import MHALayout
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.registry import BuildContext
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.page_copy import copy_slots
 
@@ -133,17 +137,25 @@ class MHAKVPool:
     ) -> MHAKVPool:
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
-        ``head_dim_alignment`` defaults to 128 on TPU and 1 elsewhere. Each layer is created
+        ``head_dim_alignment`` defaults to the platform's (``kvjax.pools.alignment``: 128 on TPU,
+        1 elsewhere). Each layer is created
         directly on its device(s) (no host staging), one at a time. With a ``mesh``, the combined
         K/V head axis is sharded over its ``kv_head_axis`` (each device holds whole heads, K and V
         together) and updates run per device under ``shard_map``: the Pallas kernels are not
         partitioned automatically.
         """
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        align = head_dim_alignment or (128 if platform == "tpu" else 1)
-        padded = _round_up(max(head_dim, v_head_dim), align)
-        store = dtypes.storage_dtype(dtype, platform)
-        shape = (num_pages + 1, page_size, 2 * num_kv_heads, padded)
+        layout = MHALayout.for_platform(
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            platform=platform,
+            head_dim_alignment_override=head_dim_alignment,
+        )
+        v_head_dim = layout.v_head_dim
+        store = jnp.dtype(layout.storage_dtype)
+        shape = layout.shape(num_pages)
         sharding = None if mesh is None else NamedSharding(mesh, _HEAD_SPEC(kv_head_axis))
         zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
         kv = tuple(zeros() for _ in range(num_layers))
@@ -356,10 +368,40 @@ class MHAKVPool:
         return self.replace(kv=layers)
 
 
-def _HEAD_SPEC(axis: str) -> P:  # noqa: N802 - reads as a constant spec
+def create_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
+    """The pool kind registry's builder for ``"mha"``: allocate the pool ``pool`` plans.
+
+    The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
+    sharded over ``context.kv_head_axis``. The layers must be consecutive (the pool indexes them
+    from ``layer_ids[0]``).
+    """
+    layout = pool.layout
+    if not isinstance(layout, MHALayout):
+        raise TypeError(f"pool {pool.name!r} of kind 'mha' needs an MHALayout, got {type(layout).__name__}")
+    ids = pool.layer_ids
+    start = ids[0] if ids else 0
+    if list(ids) != list(range(start, start + len(ids))):
+        raise NotImplementedError(
+            f"pool {pool.name!r} serves layers {list(ids)}, which are not consecutive; an MHA pool over "
+            "interleaved layers (hybrid models) is not built yet"
+        )
+    heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
+    return MHAKVPool.create(
+        num_pages=pool.shape[0] - 1,
+        page_size=layout.page_size,
+        num_layers=pool.count,
+        num_kv_heads=heads,
+        head_dim=layout.head_dim,
+        v_head_dim=layout.v_head_dim,
+        dtype=layout.dtype,
+        platform=context.platform,
+        head_dim_alignment=layout.head_dim_padded,  # rounds max(head_dim, v_head_dim) up to exactly it
+        start_layer=start,
+        mesh=context.mesh,
+        kv_head_axis=context.kv_head_axis,
+    )
+
+
+def _HEAD_SPEC(axis: str | None) -> P:  # noqa: N802 - reads as a constant spec
     """Layer arrays sharded over the combined K/V head axis."""
     return P(None, None, axis, None)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple

@@ -1,0 +1,387 @@
+"""`CachePlan`: the decided KV cache, as sub-records with SGLang's flat names on top.
+
+A plan holds one record per planner stage (``kind``, ``target``, ``sizes``, ``tree``, ``host``) and
+the pools to allocate. Every field of those records reads under its flat name too
+(``plan.max_total_tokens``, ``plan.tree_cache_kind``, ...), and ``to_dict()`` keeps the flat keys.
+Two pure questions a capacity planner asks: :meth:`CachePlan.requests_that_fit` and
+:meth:`CachePlan.max_context_for`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvjax.plan.records import HostTier, ModelKind, Sizes, Target, TreeChoice
+from kvjax.pools.pool_plan import PoolPlan
+
+FLAT_FIELDS = (
+    "model",
+    "platform",
+    "kv_cache_dtype",
+    "storage_dtype",
+    "is_hybrid_swa",
+    "is_hybrid_ssm",
+    "is_dsa",
+    "is_mla",
+    "kv_pool_kind",
+    "sliding_window_size",
+    "page_size",
+    "alloc_page_size",
+    "head_dim_padded",
+    "num_kv_heads_per_rank",
+    "num_kv_layers",
+    "num_full_layers",
+    "num_swa_layers",
+    "num_recurrent_layers",
+    "start_layer",
+    "end_layer",
+    "bytes_per_token",
+    "kv_budget_bytes",
+    "max_total_tokens",
+    "num_pages",
+    "full_tokens_per_layer",
+    "swa_tokens_per_layer",
+    "max_mamba_cache_size",
+    "mamba_state_bytes_per_req",
+    "max_running_requests",
+    "context_length",
+    "req_to_token_width",
+    "need_sort",
+    "disable_radix_cache",
+    "chunked_prefill_size",
+    "tree_cache_kind",
+    "tree_components",
+    "tree_page_size",
+    "radix_eviction_policy",
+    "is_eagle",
+    "enable_kv_cache_events",
+    "enable_metrics",
+    "enable_session_radix_cache",
+    "decode_retraction_backup",
+    "hicache_ratio",
+    "attach_host_tier",
+    "host_pool_tokens",
+    "draft_host_pools",
+    "mm_embedding_cache_bytes",
+    "kv_head_replicas",
+    "padding",
+)
+"""The flat names of ``to_dict()``, in order (``pools``, ``warnings``, ``device_bytes`` and
+``host_bytes`` follow)."""
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The decided KV cache. Token counts are per layer; bytes are per device (per TP/PP rank).
+
+    Invariant: ``device_bytes <= kv_budget_bytes`` whenever a budget sized the plan (the trash
+    page and the recurrent padding slot included).
+    """
+
+    model: str
+    kind: ModelKind
+    target: Target
+    sizes: Sizes
+    tree: TreeChoice
+    host: HostTier
+    pools: tuple[PoolPlan, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    # --- the flat names (SGLang's and kvjax's first release) ------------------------------------
+
+    # --- target ---
+    @property
+    def platform(self) -> str:
+        return self.target.platform
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.target.kv_cache_dtype
+
+    @property
+    def storage_dtype(self) -> str:
+        return self.target.storage_dtype
+
+    @property
+    def head_dim_padded(self) -> int:
+        return self.target.head_dim_padded
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.target.num_kv_heads_per_rank
+
+    # --- kind ---
+    @property
+    def is_hybrid_swa(self) -> bool:
+        return self.kind.is_hybrid_swa
+
+    @property
+    def is_hybrid_ssm(self) -> bool:
+        return self.kind.is_hybrid_ssm
+
+    @property
+    def is_dsa(self) -> bool:
+        return self.kind.is_dsa
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kind.is_mla
+
+    @property
+    def kv_pool_kind(self) -> str:
+        return self.kind.kv_pool_kind
+
+    @property
+    def sliding_window_size(self) -> int | None:
+        return self.kind.sliding_window_size
+
+    # --- sizes ---
+    @property
+    def page_size(self) -> int:
+        return self.sizes.page_size
+
+    @property
+    def alloc_page_size(self) -> int:
+        return self.sizes.alloc_page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.sizes.bytes_per_token
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        return self.sizes.kv_budget_bytes
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.sizes.max_total_tokens
+
+    @property
+    def num_pages(self) -> int:
+        return self.sizes.num_pages
+
+    @property
+    def full_tokens_per_layer(self) -> int | None:
+        return self.sizes.full_tokens_per_layer
+
+    @property
+    def swa_tokens_per_layer(self) -> int | None:
+        return self.sizes.swa_tokens_per_layer
+
+    @property
+    def max_mamba_cache_size(self) -> int | None:
+        return self.sizes.max_mamba_cache_size
+
+    @property
+    def mamba_state_bytes_per_req(self) -> int:
+        return self.sizes.mamba_state_bytes_per_req
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.sizes.max_running_requests
+
+    @property
+    def context_length(self) -> int:
+        return self.sizes.context_length
+
+    @property
+    def req_to_token_width(self) -> int:
+        return self.sizes.req_to_token_width
+
+    @property
+    def need_sort(self) -> bool:
+        return self.sizes.need_sort
+
+    # --- tree ---
+    @property
+    def disable_radix_cache(self) -> bool:
+        return self.tree.disable_radix_cache
+
+    @property
+    def chunked_prefill_size(self) -> int | None:
+        return self.tree.chunked_prefill_size
+
+    @property
+    def tree_cache_kind(self) -> str:
+        return self.tree.tree_cache_kind
+
+    @property
+    def tree_components(self) -> tuple[str, ...]:
+        return self.tree.tree_components
+
+    @property
+    def tree_page_size(self) -> int:
+        return self.tree.tree_page_size
+
+    @property
+    def radix_eviction_policy(self) -> str:
+        return self.tree.radix_eviction_policy
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.tree.is_eagle
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        return self.tree.enable_kv_cache_events
+
+    @property
+    def enable_metrics(self) -> bool:
+        return self.tree.enable_metrics
+
+    @property
+    def enable_session_radix_cache(self) -> bool:
+        return self.tree.enable_session_radix_cache
+
+    # --- host ---
+    @property
+    def decode_retraction_backup(self) -> str:
+        return self.host.decode_retraction_backup
+
+    @property
+    def hicache_ratio(self) -> float:
+        return self.host.hicache_ratio
+
+    @property
+    def attach_host_tier(self) -> bool:
+        return self.host.attach_host_tier
+
+    @property
+    def host_pool_tokens(self) -> int:
+        return self.host.host_pool_tokens
+
+    @property
+    def draft_host_pools(self) -> bool:
+        return self.host.draft_host_pools
+
+    @property
+    def mm_embedding_cache_bytes(self) -> int:
+        return self.host.mm_embedding_cache_bytes
+
+    @property
+    def kv_head_replicas(self) -> int:
+        """Ranks holding a copy of each KV head (> 1 when the TP size exceeds the KV heads)."""
+        return self.target.kv_head_replicas
+
+    @property
+    def padding(self) -> tuple[str, ...]:
+        """What the layout pads on this platform, in words (``"head_dim 64 -> 128 (TPU lane width)"``)."""
+        return self.target.padding
+
+    # --- stage layers ---
+    @property
+    def num_full_layers(self) -> int:
+        """Full-attention and MLA layers of this pipeline stage."""
+        return len(self.sizes.stage.full)
+
+    @property
+    def num_swa_layers(self) -> int:
+        return len(self.sizes.stage.swa)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.sizes.stage.kv_layers
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return len(self.sizes.stage.recurrent)
+
+    @property
+    def start_layer(self) -> int:
+        return self.sizes.stage.start
+
+    @property
+    def end_layer(self) -> int:
+        return self.sizes.stage.end
+
+    # --- totals -----------------------------------------------------------------------------------
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of all device buffers in the plan (per device)."""
+        return sum(p.nbytes for p in self.pools if p.memory == "device")
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of all host buffers in the plan (request table, host KV tier)."""
+        return sum(p.nbytes for p in self.pools if p.memory == "host")
+
+    def pool(self, name: str) -> PoolPlan:
+        """The planned buffer called ``name`` (``KeyError`` naming the choices otherwise)."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pool {name!r} in this plan; pools: {[p.name for p in self.pools]}")
+
+    # --- capacity questions -------------------------------------------------------------------
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.alloc_page_size)
+
+    def requests_that_fit(self, tokens_per_request: int) -> int:
+        """How many requests of ``tokens_per_request`` tokens (prompt + output) can run at once.
+
+        The minimum of: request rows (``max_running_requests``); full-attention pages over the
+        pages one request needs (``ceil(tokens / page)``, no prefix shared); for hybrid SWA, SWA
+        pages over the pages one request's window needs (``min(ceil(tokens / page),
+        ceil(window / page) + 1)``: the window plus the page being filled). 0 when the request is
+        longer than ``context_length``. Recurrent-state slots already cap the rows.
+        """
+        _check_positive("tokens_per_request", tokens_per_request)
+        if tokens_per_request > self.context_length:
+            return 0
+        limits = [self.max_running_requests]
+        need = self._pages(tokens_per_request)
+        ps = self.alloc_page_size
+        if self.is_hybrid_swa:
+            if self.full_tokens_per_layer:
+                limits.append(self.full_tokens_per_layer // ps // need)
+            window = self.sliding_window_size or tokens_per_request
+            limits.append((self.swa_tokens_per_layer or 0) // ps // min(need, self._pages(window) + 1))
+        else:
+            limits.append(self.num_pages // need)
+        return max(0, min(limits))
+
+    def max_context_for(self, num_requests: int) -> int:
+        """The longest request (tokens) of which ``num_requests`` fit at once; 0 when not even
+        ``num_requests`` one-token requests fit. At most ``context_length``. The largest ``t`` with
+        ``requests_that_fit(t) >= num_requests`` (that count never grows with ``t``)."""
+        _check_positive("num_requests", num_requests)
+        if self.requests_that_fit(1) < num_requests:
+            return 0
+        lo, hi = 1, self.context_length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.requests_that_fit(mid) >= num_requests:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # --- output -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every flat field, the pools, the warnings and the byte totals."""
+        d: dict[str, Any] = {name: getattr(self, name) for name in FLAT_FIELDS}
+        d["tree_components"] = list(self.tree_components)
+        d["padding"] = list(self.padding)
+        d["pools"] = [p.to_dict() for p in self.pools]
+        d["warnings"] = list(self.warnings)
+        d["device_bytes"] = self.device_bytes
+        d["host_bytes"] = self.host_bytes
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        from kvjax.plan.render import render_plan
+
+        return render_plan(self)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r}: use a positive integer")

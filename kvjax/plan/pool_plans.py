@@ -1,0 +1,75 @@
+"""Step 8 of the planner: the buffers to allocate, asked of each pool kind's layout (pure).
+
+Every pool is tagged with its kind from ``kvjax.pools.registry`` (``built`` says whether kvjax can
+build it today). KV pools hold one trash page, recurrent state one padding slot; the request
+table and the host tier live in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.plan.records import HostTier, ModelKind, Sizes, Target
+from kvjax.pools.mla_layout import MLALayout
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.registry import is_built
+
+REQ_TO_TOKEN_ITEMSIZE = 4  # int32 slot ids
+
+
+def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) -> tuple[PoolPlan, ...]:
+    """The ``PoolPlan`` s of this rank, device pools first."""
+    stage = sizes.stage
+    ps = sizes.alloc_page_size
+    attention = target.attention
+    pools: list[PoolPlan] = []
+    if isinstance(attention, MLALayout):
+        layer_ids = tuple(sorted(stage.full + stage.swa))
+        if layer_ids:
+            pools += attention.pool_plans(num_pages=sizes.num_pages, layer_ids=layer_ids, built=is_built("mla"))
+    elif kind.is_hybrid_swa:
+        if stage.full:
+            full_pages = (sizes.full_tokens_per_layer or 0) // ps
+            pools.append(
+                attention.pool_plan("kv_full", "mha", num_pages=full_pages, layer_ids=stage.full, built=is_built("mha"))
+            )
+        swa_pages = (sizes.swa_tokens_per_layer or 0) // ps
+        pools.append(
+            attention.pool_plan("kv_swa", "swa", num_pages=swa_pages, layer_ids=stage.swa, built=is_built("swa"))
+        )
+    elif stage.kv_layers:
+        pools.append(
+            attention.pool_plan("kv", "mha", num_pages=sizes.num_pages, layer_ids=stage.full, built=is_built("mha"))
+        )
+    if target.recurrent is not None and stage.recurrent:
+        pools += target.recurrent.pool_plans(
+            num_slots=sizes.max_mamba_cache_size or 0, layer_ids=stage.recurrent, built=is_built("recurrent")
+        )
+    rows, width = sizes.max_running_requests, sizes.req_to_token_width
+    pools.append(
+        PoolPlan(
+            "req_to_token",
+            "request_table",
+            (rows, width),
+            "int32",
+            1,
+            rows * width * REQ_TO_TOKEN_ITEMSIZE,
+            memory="host",
+            built=is_built("request_table"),
+        )
+    )
+    if host.host_pool_tokens and pools[0].memory == "device" and pools[0].layer_ids:
+        pools.append(_host_tier_pool(target, sizes, host.host_pool_tokens))
+    return tuple(pools)
+
+
+def _host_tier_pool(target: Target, sizes: Sizes, host_tokens: int) -> PoolPlan:
+    """The host KV tier: the attention layout over every KV layer of the stage, in host memory."""
+    layer_ids = tuple(sorted(sizes.stage.full + sizes.stage.swa))
+    num_pages = host_tokens // sizes.alloc_page_size - 1
+    attention = target.attention
+    if isinstance(attention, MLALayout):
+        device = attention.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=False)[0]
+    else:
+        device = attention.pool_plan("host_kv", "host_tier", num_pages=num_pages, layer_ids=layer_ids)
+    return dataclasses.replace(device, name="host_kv", kind="host_tier", memory="host", built=is_built("host_tier"))

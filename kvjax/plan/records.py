@@ -1,0 +1,130 @@
+"""The small records the planner's decisions produce, one per stage of the pipeline.
+
+Each is frozen and plain (no jax): ``ModelKind`` (what the model needs cached), ``Target`` (the
+layout on the platform: dtype, heads per rank, padding), ``StageLayers`` (the layers of this
+pipeline stage, by kind), ``Sizes`` (tokens, pages, rows, state slots), ``TreeChoice`` (the prefix
+cache) and ``HostTier`` (retraction backup, host tier, drafts, multimodal cache). ``CachePlan``
+holds them and shows their fields under the flat names SGLang users know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvjax.pools.mha_layout import MHALayout
+from kvjax.pools.mla_layout import MLALayout
+from kvjax.pools.recurrent_layout import RecurrentLayout
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """Step 1: the model's kind (SGLang's ``is_hybrid_swa`` / ``is_hybrid_ssm`` / ``is_dsa``).
+
+    ``kv_pool_kind``: ``"mha"``, ``"mla"``, ``"swa"`` (full + sliding pools) or ``"hybrid_linear"``
+    (KV + recurrent state).
+    """
+
+    is_hybrid_swa: bool
+    is_hybrid_ssm: bool
+    is_dsa: bool
+    is_mla: bool
+    kv_pool_kind: str
+    sliding_window_size: int | None
+
+
+@dataclass(frozen=True)
+class Target:
+    """Step 2: how the cache is laid out on the platform it is planned for.
+
+    ``num_kv_heads_per_rank`` is ``max(1, heads // attn_tp)``; ``kv_head_replicas`` is how many
+    ranks hold a copy of each KV head (> 1 when the TP size exceeds the KV heads). ``padding``
+    lists what the layout pads, in words. ``attention_bytes_per_token_per_layer`` covers every
+    per-token array of one attention layer (K/V or latent, plus DSA indexer keys), per rank.
+    """
+
+    platform: str
+    kv_cache_dtype: str
+    storage_dtype: str
+    num_kv_heads_per_rank: int
+    kv_head_replicas: int
+    head_dim_padded: int
+    attention: MHALayout | MLALayout
+    recurrent: RecurrentLayout | None
+    attention_bytes_per_token_per_layer: int
+    padding: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """The layers ``[start, end)`` of one pipeline stage, by what they cache (global ids).
+
+    ``full``: full-attention and MLA layers (and sliding layers when hybrid SWA memory is off);
+    ``swa``: sliding layers in their own pool; ``recurrent``: layers with a recurrent state.
+    """
+
+    start: int
+    end: int
+    full: tuple[int, ...]
+    swa: tuple[int, ...]
+    recurrent: tuple[int, ...]
+
+    @property
+    def kv_layers(self) -> int:
+        return len(self.full) + len(self.swa)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Step 3: every size, per rank. Tokens are per layer; bytes per device.
+
+    ``max_total_tokens`` is the allocator's size (for hybrid SWA the full pool's, or the SWA pool's
+    when no layer is full); ``num_pages = max_total_tokens // alloc_page_size``. Each device pool
+    also holds one trash page (one padding slot for recurrent state): the budget pays for it.
+    """
+
+    page_size: int
+    alloc_page_size: int
+    stage: StageLayers
+    bytes_per_token: int
+    kv_budget_bytes: int | None
+    max_total_tokens: int
+    num_pages: int
+    full_tokens_per_layer: int | None
+    swa_tokens_per_layer: int | None
+    max_mamba_cache_size: int | None
+    mamba_state_bytes_per_req: int
+    max_running_requests: int
+    context_length: int
+    req_to_token_width: int
+    need_sort: bool
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """Steps 4-6: the prefix cache (see the decision table in ``kvjax.plan``)."""
+
+    disable_radix_cache: bool
+    chunked_prefill_size: int | None
+    tree_cache_kind: str
+    tree_components: tuple[str, ...]
+    tree_page_size: int
+    radix_eviction_policy: str
+    is_eagle: bool
+    enable_kv_cache_events: bool
+    enable_metrics: bool
+    enable_session_radix_cache: bool
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """Steps 3 and 7: the decode retraction backup, the host tier, draft host pools, the
+    multimodal embedding cache."""
+
+    decode_retraction_backup: str
+    hicache_ratio: float
+    attach_host_tier: bool
+    host_pool_tokens: int
+    draft_host_pools: bool
+    mm_embedding_cache_bytes: int

@@ -1,0 +1,260 @@
+"""Step 3 of the planner: tokens, pages, request rows and recurrent-state slots (pure).
+
+SGLang's sizing (``model_runner_kv_cache_mixin``), with one deliberate difference: every device
+array the plan lists fits the budget. SGLang sizes the token pool as ``budget // bytes_per_token``
+and then allocates one more page (the trash page) and one more state slot (the padding slot);
+kvjax pays for both out of the budget, so ``plan.device_bytes <= plan.kv_budget_bytes`` always.
+
+Rows: SGLang's default ``clamp(tokens / context * 512, 2048, 4096)``, then (kvjax) at most one per
+allocatable page, since every running request holds at least one page of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.plan.records import ModelKind, Sizes, StageLayers, Target
+from kvjax.spec import LayerKind, ModelSpec
+
+DEFAULT_MEM_FRACTION_STATIC = 0.9
+REQ_TABLE_EXTRA_TOKENS = 4
+DEFAULT_MAMBA_CACHE_SIZE = 512
+MAMBA_STATES_PER_REQ_WITH_RADIX = 3
+MAMBA_EXTRA_BUFFER_STATES = {False: 2, True: 1}  # keyed by "speculative decoding on"
+MIN_ROWS, MAX_ROWS, ROWS_PER_CONTEXT = 2048, 4096, 512
+
+
+@dataclass(frozen=True)
+class _StageBudget:
+    """One pipeline stage: its layers, bytes per token, recurrent set-aside and tokens."""
+
+    layers: StageLayers
+    bytes_per_token: int
+    mamba_bytes_per_req: int
+    mamba_slots: int
+    mamba_bytes: int
+    tokens: int
+
+
+def kv_budget(config: CacheConfig, device_memory_bytes: int | None) -> int | None:
+    """Bytes for KV and recurrent state on one device, or None when only ``max_total_tokens`` sizes the pool."""
+    if config.memory_budget_bytes is not None:
+        return config.memory_budget_bytes
+    if device_memory_bytes is not None:
+        if device_memory_bytes <= 0:
+            raise ConfigError("device_memory_bytes", device_memory_bytes, "pass the device's memory in bytes (> 0)")
+        fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        budget = int(device_memory_bytes * fraction) - config.reserved_memory_bytes
+        if budget <= 0:
+            raise ConfigError(
+                "reserved_memory_bytes",
+                config.reserved_memory_bytes,
+                f"it leaves nothing of {fraction} x {device_memory_bytes} bytes for the KV cache; lower it",
+            )
+        return budget
+    if config.mem_fraction_static is not None:
+        raise ConfigError(
+            "mem_fraction_static",
+            config.mem_fraction_static,
+            "a fraction needs the device memory: pass device_memory_bytes to the planner, or set memory_budget_bytes",
+        )
+    if config.max_total_tokens is None:
+        raise ConfigError(
+            "memory_budget_bytes",
+            None,
+            "size the cache: set memory_budget_bytes, mem_fraction_static (with device memory) or max_total_tokens",
+        )
+    return None
+
+
+def stage_bounds(num_layers: int, pp_size: int, rank: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of pipeline stage ``rank``: an even split, earlier stages one larger."""
+    base, extra = divmod(num_layers, pp_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def stage_layers(spec: ModelSpec, config: CacheConfig, rank: int) -> StageLayers:
+    """The layers of stage ``rank`` by pool (asked through ``attention_layer_ids``/``recurrent_layer_ids``)."""
+    start, end = stage_bounds(spec.num_hidden_layers, config.pp_size, rank)
+
+    def within(ids: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i for i in ids if start <= i < end)
+
+    sliding = within(spec.attention_layer_ids(LayerKind.SLIDING))
+    full = within(spec.attention_layer_ids(LayerKind.FULL)) + within(spec.attention_layer_ids(LayerKind.MLA))
+    if config.disable_hybrid_swa_memory:
+        full, sliding = full + sliding, ()
+    return StageLayers(start, end, tuple(sorted(full)), sliding, within(spec.recurrent_layer_ids()))
+
+
+def _mamba_set_aside(config: CacheConfig, per_req: int, budget: int | None) -> tuple[int, int]:
+    """SGLang's ``handle_max_mamba_cache``: (state slots, bytes set aside for recurrent state).
+
+    The bytes include the padding slot (slot 0) the state arrays also hold.
+    """
+    speculative = config.speculative_algorithm is not None
+    spec_bytes = 0
+    if speculative and config.speculative_num_draft_tokens and config.max_running_requests:
+        spec_bytes = per_req * config.max_running_requests * config.speculative_num_draft_tokens
+    if config.disable_radix_cache or config.max_mamba_cache_size is not None or budget is None:
+        slots = config.max_mamba_cache_size or config.max_running_requests or DEFAULT_MAMBA_CACHE_SIZE
+        if config.enable_dp_attention:
+            slots = max(1, slots // config.dp_size)
+        return slots, (slots + 1) * per_req + spec_bytes
+    rest = budget - spec_bytes
+    r = config.mamba_full_memory_ratio
+    mamba_mem = max(0, int(rest * r / (1 + r)))
+    slots = max(0, mamba_mem // per_req - 1) if per_req else 0
+    return slots, mamba_mem + spec_bytes
+
+
+def _stage_budget(config: CacheConfig, target: Target, layers: StageLayers, budget: int | None) -> _StageBudget:
+    per_layer = target.attention_bytes_per_token_per_layer
+    bytes_per_token = max(1, layers.kv_layers * per_layer)
+    per_req = slots = mamba_bytes = 0
+    rest = budget
+    if target.recurrent is not None and layers.recurrent:
+        per_req = target.recurrent.bytes_per_slot_per_layer * len(layers.recurrent)
+        slots, mamba_bytes = _mamba_set_aside(config, per_req, budget)
+        rest = None if budget is None else budget - mamba_bytes
+    if rest is None:
+        tokens = config.max_total_tokens or 0
+    else:
+        # Every KV pool of the stage also holds one trash page: pay for it first.
+        trash = config.alloc_page_size * bytes_per_token if layers.kv_layers else 0
+        tokens = max(0, rest - trash) // bytes_per_token
+    return _StageBudget(layers, bytes_per_token, per_req, slots, mamba_bytes, tokens)
+
+
+def _split_hybrid_swa(max_total: int, stage: StageLayers, ratio: float, ps: int) -> tuple[int, int]:
+    """SGLang's ``set_num_tokens_hybrid_swa``: (full tokens per layer, SWA tokens per layer).
+
+    The budget counted every KV layer at ``max_total`` tokens; it is re-split so that each SWA
+    layer holds ``ratio`` times the tokens of a full layer (never more bytes than before).
+    """
+    if not stage.full:
+        return 0, max_total // ps * ps
+    total = max_total * stage.kv_layers
+    full = int(total / (ratio * len(stage.swa) + len(stage.full)))
+    swa = int(full * ratio)
+    return full // ps * ps, swa // ps * ps
+
+
+def _mamba_states_per_request(config: CacheConfig) -> int:
+    if config.disable_radix_cache:
+        return 1
+    per_req = MAMBA_STATES_PER_REQ_WITH_RADIX
+    if config.enable_mamba_extra_buffer:
+        per_req += MAMBA_EXTRA_BUFFER_STATES[config.speculative_algorithm is not None]
+    return per_req
+
+
+def req_to_token_width(config: CacheConfig, context_length: int) -> int:
+    """Request-table width: ``context + 4 + draft tokens``; with speculation on pages, room for a decode reservation."""
+    extra = REQ_TABLE_EXTRA_TOKENS + (config.speculative_num_draft_tokens or 0)
+    if config.speculative_algorithm is not None and config.page_size > 1:
+        steps = config.speculative_num_steps or 1
+        topk = config.speculative_eagle_topk or 1
+        per_decode = max(steps * topk, config.speculative_num_draft_tokens or 0)
+        extra = max(extra, 2 * per_decode + config.page_size - 1)
+    return context_length + extra
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def decide_sizes(
+    spec: ModelSpec, config: CacheConfig, kind: ModelKind, target: Target, *, device_memory_bytes: int | None
+) -> Sizes:
+    """Bytes per token, the token budget of every pipeline stage (the minimum taken, as SGLang
+    all-reduces MIN), the SWA split, request rows, the request-table width and state slots."""
+    warnings: list[str] = []
+    ps = config.alloc_page_size
+    context_length = config.context_length or spec.context_length
+    budget = kv_budget(config, device_memory_bytes)
+    stages = [_stage_budget(config, target, stage_layers(spec, config, r), budget) for r in range(config.pp_size)]
+    stage = stages[config.pp_rank]
+    max_total = min(s.tokens for s in stages)
+    if config.max_total_tokens is not None:
+        if budget is not None and config.max_total_tokens > max_total:
+            warnings.append(
+                f"max_total_tokens={config.max_total_tokens} exceeds what the budget holds ({max_total}); using {max_total}"
+            )
+        max_total = min(max_total, config.max_total_tokens) if budget is not None else config.max_total_tokens
+    max_total = max_total // ps * ps
+    if max_total <= 0:
+        need = stage.bytes_per_token * 2 * ps + stage.mamba_bytes
+        raise ConfigError(
+            "memory_budget_bytes",
+            budget,
+            f"the budget holds no page of {ps} tokens besides the trash page ({_fmt(stage.bytes_per_token)} "
+            f"bytes/token, {_fmt(stage.mamba_bytes)} bytes of recurrent state); give at least {_fmt(need)} bytes",
+        )
+
+    full_tokens: int | None = None
+    swa_tokens: int | None = None
+    if kind.is_hybrid_swa:
+        full_tokens, swa_tokens = _split_hybrid_swa(max_total, stage.layers, config.swa_full_tokens_ratio, ps)
+        max_total = full_tokens if stage.layers.full else swa_tokens
+        if max_total <= 0:
+            raise ConfigError(
+                "memory_budget_bytes",
+                budget,
+                f"after the sliding-window split (swa_full_tokens_ratio={config.swa_full_tokens_ratio}) a pool holds "
+                f"no page of {ps} tokens; raise the budget",
+            )
+    pages = max_total // ps
+
+    rows = config.max_running_requests
+    if rows is None:
+        rows = min(max(int(max_total / context_length * ROWS_PER_CONTEXT), MIN_ROWS), MAX_ROWS)
+        rows = min(rows, pages)
+    elif rows > pages:
+        warnings.append(
+            f"max_running_requests={rows} exceeds the {pages:,} pages of {ps} tokens; at most {pages:,} requests "
+            "can run at once (each holds a page of its own)"
+        )
+    if kind.is_hybrid_ssm:
+        per_req = _mamba_states_per_request(config)
+        cap = stage.mamba_slots // per_req
+        if cap <= 0:
+            raise ConfigError(
+                "mamba_full_memory_ratio",
+                config.mamba_full_memory_ratio,
+                f"the budget holds {stage.mamba_slots} recurrent-state slots, fewer than the {per_req} one request "
+                "needs; raise the memory budget or mamba_full_memory_ratio",
+            )
+        rows = min(rows, cap)
+
+    if kind.is_hybrid_swa and not stage.layers.full:
+        held, need = max_total, min(context_length, spec.sliding_window or context_length)
+    else:
+        held, need = max_total, context_length
+    if held < need:
+        warnings.append(
+            f"the pool holds {held:,} tokens, fewer than one request of context_length={context_length:,}: requests "
+            f"are limited to {held - 1:,} tokens (SGLang's max_req_input_len); raise the budget or lower context_length"
+        )
+
+    return Sizes(
+        page_size=config.page_size,
+        alloc_page_size=ps,
+        stage=stage.layers,
+        bytes_per_token=stage.bytes_per_token,
+        kv_budget_bytes=budget,
+        max_total_tokens=max_total,
+        num_pages=pages,
+        full_tokens_per_layer=full_tokens,
+        swa_tokens_per_layer=swa_tokens,
+        max_mamba_cache_size=stage.mamba_slots if kind.is_hybrid_ssm else None,
+        mamba_state_bytes_per_req=stage.mamba_bytes_per_req,
+        max_running_requests=rows,
+        context_length=context_length,
+        req_to_token_width=req_to_token_width(config, context_length),
+        need_sort=config.need_sort,
+        warnings=tuple(warnings),
+    )

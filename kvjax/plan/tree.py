@@ -1,0 +1,159 @@
+"""Steps 3-7 of the planner past sizing: the retraction backup, radix on/off, the tree cache and
+the host tier (pure). The decision table is in the ``kvjax.plan`` docstring."""
+
+from __future__ import annotations
+
+import logging
+
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
+from kvjax.spec import ModelSpec
+
+logger = logging.getLogger("kvjax.plan")
+
+HICACHE_RATIO_WITH_HOST_POOL = 1.0
+HICACHE_RATIO_DEFAULT = 2.0
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+MULTIMODAL_TRANSFORMERS_WARNING = (
+    "Radix cache is disabled for multimodal models with the Transformers backend "
+    "to avoid multimodal prefix-cache mismatches."
+)
+
+
+def decide_retraction_backup(config: CacheConfig, kind: ModelKind, sizes: Sizes) -> tuple[str, float]:
+    """SGLang's ``resolve_decode_retraction_backup`` and the ``hicache_ratio`` default."""
+    supports_host_pool = (
+        not kind.is_hybrid_ssm and not kind.is_mla and (not kind.is_hybrid_swa or bool(sizes.full_tokens_per_layer))
+    )
+    backup = config.disaggregation_decode_retraction_backup
+    if backup is None:
+        backup = (
+            "host_pool"
+            if config.disaggregation_mode == "decode"
+            and not config.dcp_enabled
+            and not config.disaggregation_decode_enable_radix_cache
+            and not config.disaggregation_decode_enable_offload_kvcache
+            and not config.priority_preemption
+            and supports_host_pool
+            else "cpu_tensor"
+        )
+    ratio = config.hicache_ratio
+    if ratio is None:
+        ratio = HICACHE_RATIO_WITH_HOST_POOL if backup == "host_pool" else HICACHE_RATIO_DEFAULT
+    return backup, ratio
+
+
+def _tree_cache_kind(
+    disable_radix_cache: bool, backup: str, chunked_prefill_size: int | None, is_hybrid_swa: bool, pure_swa: bool
+) -> str:
+    """The decision table of the ``kvjax.plan`` docstring."""
+    if disable_radix_cache and backup == "host_pool":
+        return "unified"
+    if chunked_prefill_size is not None and disable_radix_cache:
+        if not is_hybrid_swa:
+            return "chunk"
+        return "pure_swa_chunk" if pure_swa else "swa_chunk"
+    if pure_swa:
+        return "pure_swa_radix"
+    return "unified"
+
+
+def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Sizes, backup: str) -> TreeChoice:
+    """Radix cache on or off, the decode-side radix checks, the tree kind, its components and page."""
+    warnings: list[str] = []
+    mm_on_transformers = spec.is_multimodal and config.model_impl == "transformers"
+    disable_radix_cache = config.disable_radix_cache or mm_on_transformers
+    if disable_radix_cache and not config.disable_radix_cache:
+        logger.warning(MULTIMODAL_TRANSFORMERS_WARNING)
+        warnings.append(MULTIMODAL_TRANSFORMERS_WARNING)
+    chunked_prefill_size = None if mm_on_transformers else config.chunked_prefill_size
+
+    if config.disaggregation_decode_enable_radix_cache and config.disaggregation_mode == "decode":
+        if kind.is_hybrid_swa:
+            raise ConfigError(
+                "disaggregation_decode_enable_radix_cache",
+                True,
+                "--disaggregation-decode-enable-radix-cache is incompatible with sliding window "
+                "attention (SWA) models; turn it off for this model",
+            )
+        if kind.is_hybrid_ssm:
+            raise ConfigError(
+                "disaggregation_decode_enable_radix_cache",
+                True,
+                "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; "
+                "turn it off for this model",
+            )
+
+    pure_swa = kind.is_hybrid_swa and not sizes.full_tokens_per_layer
+    tree_kind = _tree_cache_kind(disable_radix_cache, backup, chunked_prefill_size, kind.is_hybrid_swa, pure_swa)
+    components = ("full",) + (("swa",) if kind.is_hybrid_swa else ()) + (("mamba",) if kind.is_hybrid_ssm else ())
+    if tree_kind in ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix"):
+        components = ("swa",) if pure_swa else ("full",) + (("swa",) if kind.is_hybrid_swa else ())
+    if backup == "host_pool":
+        if tree_kind != "unified":
+            raise ConfigError(
+                "disaggregation_decode_retraction_backup",
+                backup,
+                "--disaggregation-decode-retraction-backup=host_pool requires UnifiedRadixCache with HiCache "
+                f"attached, and this configuration selects a {tree_kind!r} tree; use 'cpu_tensor'",
+            )
+        if kind.is_hybrid_ssm:
+            raise ConfigError(
+                "disaggregation_decode_retraction_backup",
+                backup,
+                "host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
+            )
+    if config.enable_session_radix_cache and tree_kind != "unified":
+        raise ConfigError(
+            "enable_session_radix_cache",
+            True,
+            f"session radix cache needs the unified radix tree, and this configuration selects {tree_kind!r}; "
+            "turn it off or enable the radix cache",
+        )
+    if config.enable_hierarchical_cache and not _attaches_host_tier(config, tree_kind, backup):
+        warnings.append(f"enable_hierarchical_cache is ignored: a {tree_kind!r} tree has no host tier")
+    return TreeChoice(
+        disable_radix_cache=disable_radix_cache,
+        chunked_prefill_size=chunked_prefill_size,
+        tree_cache_kind=tree_kind,
+        tree_components=components,
+        tree_page_size=sizes.alloc_page_size if config.dcp_enabled else config.page_size,
+        radix_eviction_policy=config.radix_eviction_policy,
+        is_eagle=config.speculative_algorithm in EAGLE_ALGORITHMS,
+        enable_kv_cache_events=config.enable_kv_cache_events,
+        enable_metrics=config.enable_metrics,
+        enable_session_radix_cache=config.enable_session_radix_cache,
+        warnings=tuple(warnings),
+    )
+
+
+def _attaches_host_tier(config: CacheConfig, tree_kind: str, backup: str) -> bool:
+    return tree_kind == "unified" and (config.enable_hierarchical_cache or backup == "host_pool")
+
+
+def decide_host_tier(
+    config: CacheConfig, kind: ModelKind, sizes: Sizes, tree: TreeChoice, backup: str, hicache_ratio: float
+) -> HostTier:
+    """The host tier (attached to a unified tree under HiCache or host-pool retraction) and its
+    size, draft host pools and the multimodal embedding cache."""
+    attach = _attaches_host_tier(config, tree.tree_cache_kind, backup)
+    has_draft_model = config.speculative_algorithm in DRAFT_MODEL_ALGORITHMS
+    host_tokens = 0
+    if attach:
+        ps = sizes.alloc_page_size
+        device_tokens = sizes.full_tokens_per_layer if kind.is_hybrid_swa else sizes.max_total_tokens
+        if config.hicache_size > 0:
+            host_tokens = int(config.hicache_size * 1e9) // sizes.bytes_per_token
+        else:
+            host_tokens = int((device_tokens or 0) * hicache_ratio)
+        host_tokens = (-(-host_tokens // ps) + 1) * ps  # whole pages plus one (the trash page)
+    return HostTier(
+        decode_retraction_backup=backup,
+        hicache_ratio=hicache_ratio,
+        attach_host_tier=attach,
+        host_pool_tokens=host_tokens,
+        draft_host_pools=has_draft_model and (config.enable_hierarchical_cache or backup == "host_pool"),
+        mm_embedding_cache_bytes=config.vlm_cache_size_mb * 1024 * 1024,
+    )
