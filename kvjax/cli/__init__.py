@@ -62,17 +62,17 @@ def _parser(command: str | None) -> argparse.ArgumentParser:
 def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> list[str]:
     """``--memory -1GiB`` -> ``--memory=-1GiB``, so a negative value reaches its flag's own check
     instead of argparse reading it as an unknown option."""
-    actions = {}
-    for action in parser._subparsers._group_actions if parser._subparsers else ():  # noqa: SLF001
-        sub = getattr(action, "choices", {}).get(command) if command else None
+    actions: dict[str, argparse.Action] = {}
+    for group_action in parser._subparsers._group_actions if parser._subparsers else ():  # noqa: SLF001
+        sub = getattr(group_action, "choices", {}).get(command) if command else None
         if sub is not None:
             actions = {s: a for a in sub._actions for s in a.option_strings}  # noqa: SLF001
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
-        action = actions.get(token)
-        takes_value = action is not None and action.nargs is None and action.option_strings and action.const is None
+        found = actions.get(token)
+        takes_value = found is not None and found.nargs is None and bool(found.option_strings) and found.const is None
         if takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in actions:
             out.append(f"{token}={argv[i + 1]}")
             i += 2
