@@ -299,15 +299,19 @@ class BaseTokenToKVPoolAllocator:
 
     # ------------------------------------------------------------------ alloc
 
-    def _take_pages(self, k: int) -> np.ndarray | None:
-        """``k`` pages from the head of the free list (merging releases if needed), or None.
+    def _take_pages(self, k: int, merge_estimate: int | None = None) -> np.ndarray | None:
+        """``k`` pages from the head of the free list, or None when fewer are free.
 
-        On None nothing changes, not even the merge SGLang performs before giving up.
+        Under ``need_sort``, SGLang 0.5.23's timing: the release list is merged into the free list
+        (sorted) first whenever ``merge_estimate`` (default ``k``; the callers' estimates are in
+        :meth:`alloc_extend` and :meth:`alloc_decode`) exceeds the free list, even when the call
+        then returns None: the merge moves no page in or out of use, only their order.
         """
-        if k > len(self._free) + len(self._release):
-            return None
-        if k > len(self._free):
+        estimate = k if merge_estimate is None else merge_estimate
+        if self.need_sort and estimate > len(self._free):
             self.merge_and_sort_free()
+        if k > len(self._free):
+            return None
         pages = self._free.take(k)
         self._is_free[pages] = False
         self._num_used += k
@@ -322,7 +326,8 @@ class BaseTokenToKVPoolAllocator:
     def alloc(self, need_size: int) -> np.ndarray | None:
         """``need_size`` slots (int32, page by page from the head of the free list), or None.
 
-        Returns None, with the allocator unchanged, when fewer slots are available.
+        Returns None, handing out nothing, when fewer slots are available (under ``need_sort`` the
+        release list is merged first, as SGLang 0.5.23 does).
 
         Raises:
             InvalidSlotError: ``need_size`` negative, or not a multiple of ``page_size``.
@@ -412,7 +417,10 @@ class BaseTokenToKVPoolAllocator:
             extend_num_tokens: optional cross-check of ``sum(seq_lens - prefix_lens)``.
 
         Returns:
-            The slots, or None, with the allocator unchanged, when too few pages are free.
+            The slots, or None, handing out nothing, when too few pages are free. Under
+            ``need_sort`` the release list is merged first whenever SGLang 0.5.23's estimate
+            ``extend_tokens // page_size + batch + 1`` exceeds the free list, even if the call then
+            returns None.
 
         Raises:
             InvalidSlotError: shapes differ, lengths are negative or decreasing, or
@@ -445,13 +453,13 @@ class BaseTokenToKVPoolAllocator:
             )
         self._check_last_loc(prefix, last, "alloc_extend")
         ps = self.page_size
+        estimate = total // ps + prefix.size + 1  # SGLang 0.5.23's merge trigger
         if ps == 1:
-            pages = self._take_pages(total)
-            return pages
-        return self._extend_paged(prefix, seq, last, ext, total)
+            return self._take_pages(total, estimate)
+        return self._extend_paged(prefix, seq, last, ext, total, estimate)
 
     def _extend_paged(
-        self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, ext: np.ndarray, total: int
+        self, prefix: np.ndarray, seq: np.ndarray, last: np.ndarray, ext: np.ndarray, total: int, estimate: int
     ) -> np.ndarray | None:
         # Each request's new tokens run over its "rows": its old partial page (if the extend
         # reaches into it), then its new pages. Within a row the slots are consecutive, so the
@@ -459,7 +467,7 @@ class BaseTokenToKVPoolAllocator:
         ps = self.page_size
         pre_pages = -(-prefix // ps)
         n_new = -(-seq // ps) - pre_pages
-        pages = self._take_pages(int(n_new.sum()))
+        pages = self._take_pages(int(n_new.sum()), estimate)
         if pages is None:
             return None
         if total == 0:
@@ -509,7 +517,9 @@ class BaseTokenToKVPoolAllocator:
         others get ``last_loc + 1``. Equivalent to ``alloc_extend(seq_lens - 1, seq_lens,
         last_loc)``, with the same validation.
 
-        Returns None, with the allocator unchanged, when too few pages are free.
+        Returns None, handing out nothing, when too few pages are free. Under ``need_sort`` the
+        release list is merged first whenever the batch size exceeds the free list (SGLang 0.5.23),
+        even if the call then returns None.
         On the token allocator SGLang raises NotImplementedError; kvjax supports it.
         """
         seq = as_index_array(seq_lens, "alloc_decode seq_lens")
@@ -525,7 +535,7 @@ class BaseTokenToKVPoolAllocator:
         self._check_last_loc(seq - 1, last, "alloc_decode")
         ps = self.page_size
         new_page = (seq - 1) % ps == 0
-        pages = self._take_pages(int(np.count_nonzero(new_page)))
+        pages = self._take_pages(int(np.count_nonzero(new_page)), seq.size)
         if pages is None:
             return None
         out = (last + 1).astype(np.int32)

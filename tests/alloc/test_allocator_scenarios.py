@@ -371,13 +371,45 @@ def test_alloc_cost_does_not_grow_with_pool():
     assert a.free_pages[:2].tolist() == [1, 2]
 
 
-def test_failed_alloc_with_need_sort_does_not_merge():
+def test_need_sort_merges_before_returning_none_as_sglang_0_5_23():
+    """0.5.23 merges the release list into the free list before giving up, in every alloc path."""
     a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
-    x = a.alloc(6 * PS)
-    a.free(x[:PS])
-    before = snapshot(a)
-    assert a.alloc(4 * PS) is None
-    assert a.alloc_extend([0], [3 * PS + 1], [-1]) is None
-    assert a.alloc_decode([1] * 4, [-1] * 4) is None
-    assert snapshot(a) == before
-    assert a.alloc(3 * PS).tolist() == list(range(1 * PS, 2 * PS)) + list(range(7 * PS, 9 * PS))
+    x = a.alloc(6 * PS)  # pages 1..6; free: 7, 8
+    a.free(x[:PS])  # page 1 to the release list
+    assert a.alloc(4 * PS) is None  # 4 > 2 free pages: merged, then still too few
+    assert a.free_pages.tolist() == [1, 7, 8] and a.release_pages.tolist() == []
+    assert a.available_size() == 3 * PS
+    a.check_invariants()
+
+
+def test_need_sort_alloc_decode_merges_when_the_batch_exceeds_the_free_pages():
+    a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
+    x = a.alloc(7 * PS)  # pages 1..7; free: 8
+    a.free(x[2 * PS : 3 * PS])  # page 3 released
+    # Two requests mid-page need no new page, but the batch (2) exceeds the free list (1): merged.
+    out = a.alloc_decode([2, 2], [int(x[0]), int(x[PS])])
+    assert out.tolist() == [int(x[0]) + 1, int(x[PS]) + 1]
+    assert a.free_pages.tolist() == [3, 8] and a.release_pages.tolist() == []
+    # A batch of one within the free list does not merge.
+    a.free(x[3 * PS : 4 * PS])  # page 4 released
+    a.alloc_decode([1], [-1])
+    assert a.release_pages.tolist() == [4] and a.free_pages.tolist() == [8]
+    a.check_invariants()
+
+
+def test_need_sort_alloc_extend_merges_on_the_sglang_estimate():
+    a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
+    x = a.alloc(5 * PS)  # pages 1..5; free: 6, 7, 8
+    a.free(x[:PS])  # page 1 released
+    # One new page needed (3 free), but extend // page + batch + 1 = 1 + 1 + 1 = 3 is not > 3: no merge.
+    out = a.alloc_extend([0], [PS], [-1])
+    assert out.tolist() == list(range(6 * PS, 7 * PS)) and a.release_pages.tolist() == [1]
+    # Now 2 free: the same call's estimate 3 > 2 merges, and the sorted head (page 1) is used.
+    out = a.alloc_extend([0], [PS], [-1])
+    assert out.tolist() == list(range(1 * PS, 2 * PS))
+    assert a.free_pages.tolist() == [7, 8] and a.release_pages.tolist() == []
+    # Too few pages (4 > 3): the merge still happens before None.
+    a.free(x[PS : 2 * PS])  # page 2 released
+    assert a.alloc_extend([0], [4 * PS], [-1]) is None
+    assert a.free_pages.tolist() == [2, 7, 8] and a.release_pages.tolist() == []
+    a.check_invariants()

@@ -47,12 +47,16 @@ class AllocatorMachine(RuleBasedStateMachine):
     def live_slots(self) -> set[int]:
         return {s for slots in self.reqs.values() for s in slots} | self.pending
 
-    def model_take(self, k: int) -> list[int] | None:
-        if k > len(self.free) + len(self.release):
-            return None  # kvjax does not merge when the allocation fails anyway
-        if self.need_sort and k > len(self.free):
+    def model_merge(self, estimate: int) -> None:
+        """SGLang 0.5.23: under need_sort, merge (sorted) when the call's estimate exceeds the free list."""
+        if self.need_sort and estimate > len(self.free):
             self.free = sorted(self.free + self.release)
             self.release = []
+
+    def model_take(self, k: int, estimate: int | None = None) -> list[int] | None:
+        self.model_merge(k if estimate is None else estimate)  # even when the call then fails
+        if k > len(self.free):
+            return None
         taken, self.free = self.free[:k], self.free[k:]
         return taken
 
@@ -105,18 +109,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         ext = [data.draw(st.integers(0, max(0, min(r, 3 * ps + 1)))) for r in room]
         seq = [p + e for p, e in zip(prefix, ext)]
         last = [s[-1] if s else -1 for _, s in batch]
-        free_view = (
-            self.free
-            if not (self.need_sort and self._pages_needed(prefix, seq) > len(self.free))
-            else sorted(self.free + self.release)
-        )
-        expected = naive_alloc_extend(prefix, seq, last, free_view, ps)
+        estimate = sum(ext) // ps + len(batch) + 1  # SGLang 0.5.23's merge trigger
+        self.model_merge(estimate)
+        expected = naive_alloc_extend(prefix, seq, last, self.free, ps)
         out = self.a.alloc_extend(np.array(prefix, np.int64), np.array(seq, np.int64), np.array(last, np.int64))
         if expected is None:
             assert out is None
+            assert self.state() == (self.free, self.release, self.a.available_size())
             return
         ref, used = expected
-        assert self.model_take(used) is not None
+        assert self.model_take(used, estimate) is not None
         assert out.tolist() == ref.tolist()
         self.record_new(out)
         cursor = 0
@@ -142,15 +144,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         batch = [(rid, self.reqs[rid]) for rid in chosen] + ([(None, [])] if fresh else [])
         seq = [len(s) + 1 for _, s in batch]
         last = [s[-1] if s else -1 for _, s in batch]
-        need = sum((q - 1) % ps == 0 for q in seq)
-        free_view = sorted(self.free + self.release) if self.need_sort and need > len(self.free) else self.free
-        expected = naive_alloc_decode(seq, last, free_view, ps)
+        self.model_merge(len(batch))  # SGLang 0.5.23: merge when the batch exceeds the free pages
+        expected = naive_alloc_decode(seq, last, self.free, ps)
         out = self.a.alloc_decode(seq, last)
         if expected is None:
             assert out is None
+            assert self.state() == (self.free, self.release, self.a.available_size())
             return
         ref, used = expected
-        assert self.model_take(used) is not None
+        assert self.model_take(used, len(batch)) is not None
         assert out.tolist() == ref.tolist()
         self.record_new(out)
         for (rid, slots), s in zip(batch, out.tolist()):
