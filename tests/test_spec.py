@@ -452,3 +452,57 @@ def test_layer_kinds_accept_strings():
 
 def test_public_names():
     assert kvjax.ModelSpec is ModelSpec and kvjax.ConfigError is ConfigError
+
+
+# --- recurrent state per tensor-parallel rank -----------------------------------------------------
+
+
+def test_recurrent_state_per_rank_splits_heads_and_conv_channels():
+    state = ModelSpec.preset("qwen3-next-80b-a3b").recurrent
+    # 32 value heads and 8192 conv channels (16 key groups of 128, divisible by 4) over 4 ranks.
+    rank = state.per_rank(4)
+    assert rank.ssm_state_shape == (8, 128, 128) and rank.conv_state_shapes == ((2048, 3),)
+    assert rank.bytes_per_slot() * 4 == state.bytes_per_slot()
+    assert state.per_rank(1) is state
+    assert_config_error("tp_size", state.per_rank, 64)  # 32 heads do not split over 64 ranks
+
+
+def test_a_single_mamba2_group_is_replicated_to_every_rank():
+    from kvjax.layer_kinds import mamba2_state
+
+    # Falcon-H1-7B: width 3072, 1 group of state 256 -> conv 3072 + 2 * 256 = 3584 channels unsharded.
+    state = mamba2_state(intermediate_size=3072, n_groups=1, num_heads=24, head_dim=128, state_size=256, conv_kernel=4)
+    assert state.conv_state_shapes == ((3584, 3),)
+    # Over 2 ranks the group is copied: (3072 + 2 * 2 * 256) / 2 = 2048 channels per rank.
+    assert state.per_rank(2).conv_state_shapes == ((2048, 3),)
+    assert state.per_rank(2).ssm_state_shape == (12, 128, 256)
+
+
+def test_layer_kind_queries_for_hybrid_and_cache_free_layers():
+    spec = dataclasses.replace(
+        ModelSpec.preset("qwen3-next-80b-a3b"),
+        num_hidden_layers=4,
+        layer_kinds=(LayerKind.FULL_AND_RECURRENT, LayerKind.NONE, RECURRENT, FULL),
+    )
+    assert spec.attention_layer_ids(FULL) == (0, 3)
+    assert spec.recurrent_layer_ids() == (0, 2)
+    assert spec.num_kv_layers == 2 and spec.num_recurrent_layers == 2
+    assert_config_error("kind", spec.attention_layer_ids, LayerKind.NONE)
+    no_state = dataclasses.replace(spec, layer_kinds=(FULL, LayerKind.NONE, FULL, FULL), recurrent=None)
+    assert no_state.recurrent_layer_ids() == () and not no_state.uses_ssm_state
+
+
+def test_missing_kv_heads_is_mha_with_a_warning():
+    config = raw_preset("llama-3-8b")
+    del config["num_key_value_heads"]
+    spec = parse_hf_config(config)
+    assert spec.num_kv_heads == 32
+    assert any("num_key_value_heads" in w and "multi-head" in w for w in spec.warnings)
+    assert not ModelSpec.preset("llama-3-8b").warnings
+
+
+def test_every_missing_key_is_named_at_once():
+    config = raw_preset("llama-3-8b")
+    del config["num_hidden_layers"], config["vocab_size"]
+    err = assert_config_error("num_hidden_layers, vocab_size", parse_hf_config, config)
+    assert "'num_hidden_layers', 'vocab_size'" in str(err)
