@@ -173,3 +173,61 @@ def test_build_rejects_a_mesh_that_disagrees_with_tp_size():
 
 def test_plan_of_a_built_cache_is_json_able():
     json.dumps(tiny_cache().plan.to_dict())
+
+
+def test_set_pools_after_a_donated_step_keeps_cache_pools_readable():
+    cache = tiny_cache()
+    holder = cache  # another reference to the same cache (the scheduler's, the user's)
+    kv = cache.pools.kv
+    loc = cache.allocator.alloc_extend(np.array([0]), np.array([3]), np.array([-1]))
+    k = np.full((3, kv.num_kv_heads, kv.head_dim), 2.0, np.float32)
+    step = jax.jit(lambda pools, loc, k: pools.replace(kv=pools.kv.set_kv_buffer(0, loc, k, -k)), donate_argnums=0)
+    old_layer = cache.pools.kv.kv[0]
+    cache.set_pools(step(cache.pools, loc, k))
+    assert old_layer.is_deleted(), "the step was donated"
+    got_k, got_v = holder.pools.kv.get_kv(0, loc)  # the same holder reads live arrays
+    np.testing.assert_array_equal(got_k, k)
+    np.testing.assert_array_equal(got_v, -k)
+    assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(holder.pools))
+
+
+def test_set_pools_rejects_other_state_and_leaves_the_cache_unchanged():
+    cache = tiny_cache()
+    before = cache.pools
+    with pytest.raises(TypeError, match="expected CachePools"):
+        cache.set_pools(before.kv)
+    other = tiny_cache(kv_cache_dtype="fp8_e5m2").pools  # same names, other static fields
+    with pytest.raises(TypeError, match="structure"):
+        cache.set_pools(other)
+    assert cache.pools is before
+
+
+def test_with_pools_is_a_new_holder_sharing_the_host_objects():
+    cache = tiny_cache()
+    copy = cache.with_pools(cache.pools.replace(kv=cache.pools.kv))
+    assert copy is not cache and copy.plan is cache.plan
+    assert copy.allocator is cache.allocator and copy.tree_cache is cache.tree_cache
+    assert copy.req_to_token_pool is cache.req_to_token_pool
+
+
+def test_kv_cache_reads_the_build_result_names_from_its_plan():
+    cache = tiny_cache()
+    for name in ("is_hybrid_swa", "is_hybrid_ssm", "sliding_window_size", "full_tokens_per_layer"):
+        assert getattr(cache, name) == getattr(cache.plan, name)
+    assert cache.swa_tokens_per_layer is cache.plan.swa_tokens_per_layer
+    assert cache.disable_radix_cache is cache.plan.disable_radix_cache
+
+
+def test_build_makes_one_device_pool_per_planned_device_pool():
+    cache = tiny_cache()
+    planned = [p.name for p in cache.plan.pools if p.memory == "device"]
+    assert list(cache.pools.names) == planned == ["kv"]
+    assert cache.pools["kv"] is cache.pools.kv
+
+
+def test_not_built_kinds_raise_from_their_registry_entry_before_allocating():
+    from kvjax.pools.registry import POOL_KINDS
+
+    with pytest.raises(NotImplementedError, match=r"pool kind 'recurrent'") as e:
+        build_kv_cache(ssm(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
+    assert POOL_KINDS["recurrent"].capability in str(e.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -10,6 +11,7 @@ import pytest
 from kvjax import ConfigError
 from kvjax.config import CacheConfig
 from kvjax.plan import plan_kv_cache
+from kvjax.spec import ModelSpec
 from tests.specs import F, S, dense, mla, ssm, swa
 
 GiB = 2**30
@@ -505,3 +507,155 @@ def test_plan_pool_bytes_match_shapes():
     assert kv.nbytes == 4 * (p.num_pages + 1) * 16 * 16 * 128 * 2
     with pytest.raises(KeyError, match="kv_swa"):
         p.pool("kv_swa")
+
+
+# --- the budget is never exceeded ------------------------------------------------------------------
+
+PRESETS = ModelSpec.presets()
+# What SGLang refuses among the presets: query heads that do not split over the TP ranks.
+REFUSED_TP = {("qwen2.5-7b", 8): "28 attention heads", ("tiny", 8): "4 attention heads"}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("model", PRESETS)
+def test_device_bytes_never_exceed_the_budget_for_every_preset(model, tp):
+    spec = ModelSpec.preset(model)
+    for budget in (16 * GiB, 80 * GiB):
+        config = CacheConfig(memory_budget_bytes=budget, tp_size=tp)
+        if (model, tp) in REFUSED_TP:
+            with pytest.raises(ConfigError, match=REFUSED_TP[model, tp]):
+                plan_kv_cache(spec, config)
+            continue
+        p = plan_kv_cache(spec, config)
+        assert p.device_bytes <= p.kv_budget_bytes == budget
+        assert p.device_bytes > 0.9 * budget, "the budget is used, not wasted"
+
+
+def test_recurrent_state_is_sized_and_laid_out_per_rank():
+    # qwen3-next: 32 value heads and 8,192 conv channels per layer, split over 8 ranks.
+    spec = ModelSpec.preset("qwen3-next-80b-a3b")
+    p = plan_kv_cache(spec, CacheConfig(memory_budget_bytes=80 * GiB, tp_size=8))
+    conv, ssm_state = p.pool("conv_state_0"), p.pool("ssm_state")
+    assert conv.shape[2:] == (8192 // 8, 3) and ssm_state.shape[2:] == (32 // 8, 128, 128)
+    assert p.device_bytes <= 80 * GiB
+    slots = p.max_mamba_cache_size
+    assert ssm_state.shape[:2] == (36, slots + 1)
+    per_rank = 36 * ((8192 // 8) * 3 * 2 + (32 // 8) * 128 * 128 * 4)
+    assert p.mamba_state_bytes_per_req == per_rank
+    assert conv.nbytes + ssm_state.nbytes == (slots + 1) * per_rank
+
+
+def test_a_budget_of_one_page_is_refused_since_the_trash_page_needs_one_too():
+    per_page = 16 * 4 * 2 * 8 * 128 * 2
+    with pytest.raises(ConfigError, match="no page of 16 tokens besides the trash page"):
+        plan(dense(), memory_budget_bytes=per_page, platform="cpu")
+    p = plan(dense(), memory_budget_bytes=2 * per_page, platform="cpu")
+    assert p.num_pages == 1 and p.max_running_requests == 1
+    assert p.device_bytes == 2 * per_page
+
+
+def test_a_pool_shorter_than_the_context_says_so():
+    p = plan(dense(context=4096), memory_budget_bytes=64 * 16 * 4 * 2 * 8 * 128 * 2, platform="cpu")
+    assert p.max_total_tokens < 4096
+    assert any("fewer than one request of context_length=4,096" in w for w in p.warnings)
+    assert not plan(dense(context=4096)).warnings
+
+
+# --- parallel and page validation ------------------------------------------------------------------
+
+
+def test_tp_that_does_not_split_the_kv_heads_is_refused_with_the_fix():
+    spec = dense(kv_heads=8)
+    spec = dataclasses.replace(spec, num_attention_heads=24)  # 24 query heads split over 3
+    with pytest.raises(
+        ConfigError, match=r"tp_size=3: the model's 8 KV heads cannot be split evenly over 3 ranks"
+    ) as e:
+        plan(spec, tp_size=3)
+    assert "--tp 1, 2, 4, 8" in str(e.value)
+
+
+def test_tp_above_the_kv_heads_replicates_them_or_is_refused():
+    p = plan(dense(kv_heads=8), tp_size=16)
+    assert (p.num_kv_heads_per_rank, p.kv_head_replicas) == (1, 2)
+    assert any("replicated 2x" in note for note in p.padding)
+    spec = dataclasses.replace(dense(kv_heads=8), num_attention_heads=24)
+    with pytest.raises(ConfigError, match="must be a multiple of 8; use --tp 8 or 16") as e:
+        plan(spec, tp_size=12)
+    assert e.value.option == "tp_size"
+
+
+def test_tp_that_does_not_split_the_attention_heads_is_refused():
+    with pytest.raises(ConfigError, match="32 attention heads cannot be split evenly over 3 ranks"):
+        plan(dense(kv_heads=8), tp_size=3)
+
+
+def test_tpu_page_size_must_be_a_multiple_of_the_packing():
+    with pytest.raises(ConfigError, match=r"page_size=3: .*packs 2 bfloat16 tokens.*multiple of 2"):
+        plan(dense(), page_size=3)
+    with pytest.raises(ConfigError, match=r"packs 4 fp8_e4m3 tokens"):
+        plan(dense(), page_size=2, kv_cache_dtype="fp8_e4m3")
+    assert plan(dense(), page_size=3, platform="cpu").alloc_page_size == 3
+    assert plan(dense(), page_size=4, kv_cache_dtype="fp8_e4m3").page_size == 4
+
+
+# --- readable numbers --------------------------------------------------------------------------------
+
+
+def test_pools_report_bytes_per_token_separately_for_full_and_sliding_layers():
+    p = plan(swa((S, S, S, F)), platform="cpu")
+    per_layer = 2 * 4 * 128 * 2
+    assert p.pool("kv_full").bytes_per_token == 1 * per_layer
+    assert p.pool("kv_swa").bytes_per_token == 3 * per_layer
+    assert p.pool("kv_full").layer_ids == (3,) and p.pool("kv_swa").layer_ids == (0, 1, 2)
+    assert p.bytes_per_token == 4 * per_layer
+    assert p.pool("req_to_token").bytes_per_token == 0
+
+
+def test_plan_records_the_platform_and_the_padding_it_applied():
+    p = plan(dense(layers=2, kv_heads=2, head_dim=64))
+    assert p.platform == "tpu" and p.padding == ("head_dim 64 -> 128 (TPU lane width)",)
+    assert "planned for tpu" in str(p) and "padding: head_dim 64 -> 128 (TPU lane width)" in str(p)
+    assert p.to_dict()["padding"] == ["head_dim 64 -> 128 (TPU lane width)"]
+    assert plan(dense(layers=2, kv_heads=2, head_dim=64), platform="cpu").padding == ()
+    assert plan(mla(), platform="tpu").padding == (
+        "MLA row kv_lora_rank 512 + qk_rope_head_dim 64 = 576 -> 640 (TPU lane width)",
+    )
+
+
+def test_requests_that_fit_counts_pages_and_rows():
+    p = plan(dense(context=4096), max_total_tokens=1600, page_size=16, max_running_requests=8)
+    assert p.num_pages == 100
+    assert p.requests_that_fit(16) == 8  # rows bind
+    assert p.requests_that_fit(17 * 16) == 100 // 17  # pages bind
+    assert p.requests_that_fit(17 * 16 + 1) == 100 // 18
+    assert p.requests_that_fit(4097) == 0  # beyond the context length
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tokens_per_request"):
+            p.requests_that_fit(bad)
+
+
+def test_max_context_for_is_the_longest_request_that_still_fits():
+    p = plan(dense(context=4096), max_total_tokens=1600, page_size=16, max_running_requests=8)
+    assert p.max_context_for(1) == 1600
+    assert p.max_context_for(8) == 12 * 16  # 8 requests of 12 pages = 96 <= 100 pages
+    assert p.requests_that_fit(p.max_context_for(8)) >= 8 > p.requests_that_fit(p.max_context_for(8) + 1)
+    assert p.max_context_for(9) == 0  # only 8 request rows
+    with pytest.raises(ValueError, match="num_requests"):
+        p.max_context_for(0)
+
+
+def test_requests_that_fit_honours_the_swa_split():
+    p = plan(swa((S, S, S, F), window=64), memory_budget_bytes=GiB // 64, platform="cpu")
+    full_pages, swa_pages = p.full_tokens_per_layer // 16, p.swa_tokens_per_layer // 16
+    # A long request needs its whole length in the full pool, only window + one page in the SWA pool.
+    t = 1024
+    assert p.requests_that_fit(t) == min(p.max_running_requests, full_pages // 64, swa_pages // (64 // 16 + 1))
+    pure = plan(swa((S, S, S, S), window=64), memory_budget_bytes=GiB // 64, platform="cpu")
+    assert pure.requests_that_fit(t) == min(pure.max_running_requests, pure.swa_tokens_per_layer // 16 // 5)
+
+
+def test_plan_of_a_sharded_ssm_model_prints_per_rank_state():
+    text = str(
+        plan_kv_cache(ModelSpec.preset("qwen3-next-80b-a3b"), CacheConfig(memory_budget_bytes=80 * GiB, tp_size=8))
+    )
+    assert "[36, " in text and "1,024, 3]" in text and "4, 128, 128]" in text

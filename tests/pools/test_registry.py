@@ -1,0 +1,60 @@
+"""The pool kind registry: every kind names its capability; unbuilt kinds refuse; builders dispatch."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvjax import ConfigError
+from kvjax.pools.mha_layout import MHALayout
+from kvjax.pools.registry import POOL_KINDS, BuildContext, is_built, pool_kind
+
+
+def test_every_planned_kind_has_an_entry():
+    assert set(POOL_KINDS) == {"mha", "mla", "swa", "recurrent", "host_tier", "request_table"}
+    for kind in POOL_KINDS.values():
+        assert kind.capability and kind.memory in ("device", "host")
+
+
+@pytest.mark.parametrize("name", ["mla", "swa", "recurrent", "host_tier"])
+def test_kinds_not_built_yet_raise_naming_their_capability(name):
+    kind = pool_kind(name)
+    assert not is_built(name)
+    with pytest.raises(NotImplementedError, match="kvjax cannot build") as e:
+        kind.require_built("some-model")
+    assert kind.capability in str(e.value) and "some-model" in str(e.value)
+
+
+def test_unknown_kind_is_a_config_error_listing_the_kinds():
+    with pytest.raises(ConfigError, match="'mha'"):
+        pool_kind("paged_mla_v2")
+
+
+def test_mha_builder_creates_the_pool_the_plan_describes():
+    layout = MHALayout.for_platform(
+        num_kv_heads=2, head_dim=8, v_head_dim=8, page_size=4, dtype="float32", platform="cpu"
+    )
+    planned = layout.pool_plan("kv", "mha", num_pages=3, layer_ids=(0, 1))
+    pool = pool_kind("mha").create(planned, BuildContext(platform="cpu"))
+    assert pool.num_layers == 2 and pool.kv[0].shape == planned.shape == (4, 4, 4, 8)
+    assert pool.nbytes() == planned.nbytes
+
+
+def test_mha_builder_refuses_interleaved_layers():
+    layout = MHALayout.for_platform(
+        num_kv_heads=1, head_dim=8, v_head_dim=8, page_size=4, dtype="float32", platform="cpu"
+    )
+    planned = layout.pool_plan("kv_full", "mha", num_pages=3, layer_ids=(1, 3))
+    with pytest.raises(NotImplementedError, match="not consecutive"):
+        pool_kind("mha").create(planned, BuildContext(platform="cpu"))
+
+
+def test_request_table_builder():
+    from kvjax.plan import plan_kv_cache
+    from kvjax.config import CacheConfig
+    from tests.specs import dense
+
+    planned = plan_kv_cache(dense(), CacheConfig(max_total_tokens=256, max_running_requests=3, context_length=60)).pool(
+        "req_to_token"
+    )
+    table = pool_kind("request_table").create(planned, BuildContext(platform="cpu"))
+    assert table.req_to_token.shape == planned.shape == (3, 64)
