@@ -194,7 +194,7 @@ def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
         weights = f"minus weights {_gib(share)} per chip ({_gib(args.weights_bytes)} over {model_parallel} chips)"
     note = (
         f"{chip.slice_name(chips)}: {chips} chips x {_gib(chip.hbm_bytes)} HBM; tp {tp} x pp {args.pp}, "
-        f"{chips // model_parallel} replica(s); budget per chip = {_gib(chip.hbm_bytes)} x {fraction} {weights}"
+        f"{chips // model_parallel} replica(s); budget per chip = {_gib(chip.hbm_bytes)} x {fraction}, {weights}"
     )
     return Sizing(chip.hbm_bytes, chips, chips // model_parallel, note)
 
@@ -246,13 +246,20 @@ def cli_message(error: ConfigError, args: argparse.Namespace) -> str:
         return f"--model {args.model}: {error.option}={value}: {fix}"
     typed = _typed_value(args, flag)
     shown = typed if typed is not None else ("not set" if error.value is None else str(error.value))
+    if error.option == "reserved_memory_bytes" and isinstance(error.value, int):
+        shown += f", {_gib(error.value)} per chip"
     return f"{flag} {shown}: {fix}"
+
+
+_BYTE_FLAGS = ("--memory", "--weights-bytes")
 
 
 def _typed_value(args: argparse.Namespace, flag: str) -> str | None:
     value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
     if value is None or value is False:
         return None
+    if flag in _BYTE_FLAGS:
+        return f"{value} ({_gib(value)})"
     return str(value)
 
 
@@ -286,7 +293,8 @@ def _answer_lines(answers: dict[str, int], args: argparse.Namespace, sizing: Siz
         lines.append(f"requests of {args.context:,} tokens that fit at once: {n:,}{per}{why}")
     if "max_context" in answers:
         t = answers["max_context"]
-        lines.append(f"longest context for {args.concurrency:,} concurrent requests: {t:,} tokens{per}")
+        why = " (not even one token each fits; lower --concurrency or raise the budget)" if t == 0 else ""
+        lines.append(f"longest context for {args.concurrency:,} concurrent requests: {t:,} tokens{per}{why}")
     return lines
 
 
