@@ -506,3 +506,9 @@ def test_every_missing_key_is_named_at_once():
     del config["num_hidden_layers"], config["vocab_size"]
     err = assert_config_error("num_hidden_layers, vocab_size", parse_hf_config, config)
     assert "'num_hidden_layers', 'vocab_size'" in str(err)
+
+
+def test_an_unknown_wrapper_says_its_decoder_is_under_text_config():
+    config = {"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 64, "layer_types": ["linear_attention"]}}
+    err = assert_config_error("model_type", parse_hf_config, config)
+    assert "text_config" in str(err) and "num_hidden_layers" in str(err)

@@ -134,8 +134,11 @@ def _unknown_family(config: Mapping[str, Any], model_type: str) -> Fields:
         )
     missing = [k for k in STANDARD_ATTENTION_KEYS if config.get(k) is None]
     if missing:
+        nested = ""
+        if isinstance(config.get("text_config"), Mapping):
+            nested = " (its decoder keys sit under text_config, a wrapper kvjax reads only for gemma3)"
         fix = (
-            f"unsupported model family without the standard attention keys (missing {missing}); "
+            f"unsupported model family without the standard attention keys (missing {missing}){nested}; "
             f"use one of {families} or add those keys"
         )
         raise ConfigError("model_type", model_type, fix)
