@@ -1,6 +1,7 @@
 """The main job (``python -m kvjax demo``): serve a reuse-heavy workload with the tiny model.
 
-It builds a KV cache for the built-in tiny model on the default device (CPU here, the TPU when
+It builds a KV cache for the built-in tiny model (random weights), or for a Hugging Face
+checkpoint directory (``--model DIR``, ``kvjax.serve.checkpoint``), on the default device (CPU here, the TPU when
 present), runs the built-in workload (shared system prompts and multi-turn chats) through the
 continuous-batching loop twice — once with the radix cache disabled (cold), once enabled (warm) —
 and reports what the cache did: hit rate, evictions, retractions, throughput, the leak check
@@ -16,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
 from kvjax.config import CacheConfig
+from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
+from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.scheduler import Scheduler, ServeStats
 from kvjax.serve.workload import Workload, run_workload
 from kvjax.spec import ModelSpec
@@ -72,7 +76,8 @@ class DemoReport:
                 f"served {self.requests} requests on {self.platform} ({self.model} model), warm radix cache:",
                 f"  prompt tokens      {self.prompt_tokens:>10,}",
                 f"  cached tokens      {self.cached_tokens:>10,}   hit rate {self.hit_rate:.1%}",
-                f"  prefill computed   {self.prefill_tokens_computed:>10,}   (cold run: {self.cold_prefill_tokens_computed:,})",
+                f"  prefill computed   {self.prefill_tokens_computed:>10,}   "
+                f"(cold run: {self.cold_prefill_tokens_computed:,})",
                 f"  generated tokens   {self.generated_tokens:>10,}   {self.tokens_per_second:,.0f} tokens/s",
                 f"  peak pool use      {self.peak_pool_occupancy:>10.1%}   of {self.pool_tokens:,} tokens",
                 f"  evicted tokens     {self.evicted_tokens:>10,}",
@@ -90,35 +95,54 @@ def demo_config(
     disable_radix_cache: bool = False,
     chunked_prefill_size: int = 512,
     eviction_policy: str = "lru",
+    context_length: int = CONTEXT_LENGTH,
 ) -> CacheConfig:
     """The demo's cache settings."""
     return CacheConfig(
         page_size=page_size,
         max_total_tokens=max_total_tokens,
         max_running_requests=2 * MAX_BATCH,
-        context_length=CONTEXT_LENGTH,
+        context_length=context_length,
         disable_radix_cache=disable_radix_cache,
         chunked_prefill_size=chunked_prefill_size,
         radix_eviction_policy=eviction_policy,
     )
 
 
-def demo_cache(**config_kwargs) -> KVCache:
-    """The cache the demo builds (``demo_config`` settings), for notebooks and tests."""
-    return build_kv_cache(ModelSpec.preset(DEMO_MODEL), demo_config(**config_kwargs))
+def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
+    """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
+    model), for notebooks and tests."""
+    spec = spec or ModelSpec.preset(DEMO_MODEL)
+    config_kwargs.setdefault("context_length", min(CONTEXT_LENGTH, spec.context_length))
+    return build_kv_cache(spec, demo_config(**config_kwargs))
 
 
 def serve(
-    workload: Workload, *, progress: bool = False, seed: int = 0, force_miss: bool = False, **config_kwargs
+    workload: Workload,
+    *,
+    model: LoadedModel | None = None,
+    progress: bool = False,
+    seed: int = 0,
+    force_miss: bool = False,
+    **config_kwargs,
 ) -> tuple[Scheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
 
+    ``model``: a loaded checkpoint (default: the tiny model with weights from ``seed``); the
+    workload's token ids are drawn below ``min(workload.vocab_size, the model's vocab)``.
     ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
     """
-    spec = ModelSpec.preset(DEMO_MODEL)
-    cache = demo_cache(**config_kwargs)
-    cache.tree_cache.force_miss = force_miss
-    scheduler = Scheduler(spec, cache, init_params(spec, seed=seed), max_batch_size=MAX_BATCH)
+    serving: ModelSpec | ModelConfig
+    if model is None:
+        spec = ModelSpec.preset(DEMO_MODEL)
+        weights, serving = init_params(spec, seed=seed), spec
+    else:
+        spec, weights, serving = model.spec, model.params, model.config
+        workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
+    cache = demo_cache(spec=spec, **config_kwargs)
+    tree: Any = cache.tree_cache  # RadixCache and ChunkCache both have force_miss
+    tree.force_miss = force_miss
+    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH)
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
@@ -135,10 +159,13 @@ def run_demo(
     chunked_prefill_size: int = 512,
     eviction_policy: str = "lru",
     progress: bool = True,
+    model: LoadedModel | None = None,
 ) -> DemoReport:
-    """Serve the workload cold then warm and compare; see the module docstring."""
+    """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
+    loaded checkpoint instead of the tiny model."""
     workload = workload or Workload()
-    settings = dict(
+    settings: dict = dict(
+        model=model,
         page_size=page_size,
         max_total_tokens=max_total_tokens,
         chunked_prefill_size=chunked_prefill_size,
@@ -151,7 +178,7 @@ def run_demo(
     seconds = time.perf_counter() - start
     stats: ServeStats = warm.stats
     return DemoReport(
-        model=DEMO_MODEL,
+        model=DEMO_MODEL if model is None else model.name,
         platform=warm.cache.plan.platform,
         requests=len(warm_out),
         prompt_tokens=stats.prompt_tokens,
@@ -169,8 +196,12 @@ def run_demo(
         cold_equals_warm=cold_out == warm_out,
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
-        tree_text=warm.tree.pretty_print(),
+        tree_text=_tree_text(warm.cache.tree_cache),
     )
+
+
+def _tree_text(tree: Any) -> str:
+    return str(tree.pretty_print())
 
 
 class _Progress:

@@ -10,8 +10,10 @@ from kvjax.serve.workload import Workload
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``demo`` sub-command."""
-    demo = sub.add_parser("demo", help="serve a reuse-heavy workload with the tiny model, cold and warm")
+    demo = sub.add_parser("demo", help="serve a reuse-heavy workload (tiny model or a checkpoint), cold and warm")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    demo.add_argument("--model", help="a Hugging Face checkpoint directory (default: the built-in tiny model)")
+    demo.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serve the checkpoint in this dtype")
     w = Workload()
     demo.add_argument("--groups", type=int, default=w.groups, help="groups of requests sharing a system prompt")
     demo.add_argument("--prompts-per-group", type=int, default=w.prompts_per_group)
@@ -33,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvjax.demo import run_demo
+    from kvjax.serve.checkpoint import load_checkpoint
+
+    model = load_checkpoint(args.model, dtype=args.dtype) if args.model else None
 
     workload = Workload(
         groups=args.groups,
@@ -50,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         chunked_prefill_size=args.chunked_prefill_size,
         eviction_policy=args.radix_eviction_policy,
         progress=not args.json,
+        model=model,
     )
     if args.json:
         print(json.dumps(report.to_dict()))

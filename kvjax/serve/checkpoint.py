@@ -17,6 +17,7 @@ or the ``dtype`` override. Every problem is a `ConfigError` naming what is wrong
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator, Mapping
@@ -80,7 +81,9 @@ def read_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(
-            "model", str(directory), "has no config.json; pass a Hugging Face checkpoint directory (config.json + weights)"
+            "model",
+            str(directory),
+            "has no config.json; pass a Hugging Face checkpoint directory (config.json + weights)",
         )
     try:
         config = json.loads(config_file.read_text())
@@ -98,10 +101,20 @@ def read_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, config
 
 
+def _safe_open() -> Any:
+    """``safetensors.safe_open``, or a `ConfigError` saying how to install it."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ConfigError(
+            "model", "safetensors", "reading checkpoints needs the safetensors package: pip install safetensors"
+        ) from None
+    return safe_open
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it, from the shard index or by opening every ``*.safetensors``."""
-    from safetensors import safe_open
-
+    safe_open = _safe_open()
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -133,10 +146,8 @@ def _stop_token_ids(path: Path, config: Mapping[str, Any]) -> tuple[int, ...]:
     sources = [config]
     gen = path / "generation_config.json"
     if gen.is_file():
-        try:
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # an unreadable one adds nothing
             sources.append(json.loads(gen.read_text()))
-        except (OSError, json.JSONDecodeError):
-            pass
     for source in sources:
         eos = source.get("eos_token_id")
         for token in eos if isinstance(eos, list) else [eos]:
@@ -152,8 +163,6 @@ def load_checkpoint(directory: str | Path, *, dtype: str | None = None) -> Loade
     checkpoint's. Raises `ConfigError` (nothing is kept) for a missing ``config.json`` or weights,
     a family kvjax cannot serve, and a missing or mis-shaped tensor.
     """
-    from safetensors import safe_open
-
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"use one of {list(DTYPES)}")
     path, raw = read_config(directory)
@@ -162,6 +171,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str | None = None) -> Loade
         spec = dataclasses.replace(spec, dtype=dtype)
     config = model_config_from_spec(spec)
     files = _weight_files(path)
+    safe_open = _safe_open()
 
     expected = dict(_flatten(param_shapes(config)))
     by_file: dict[Path, list[tuple[str, ...]]] = {}

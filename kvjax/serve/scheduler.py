@@ -283,15 +283,21 @@ class Scheduler:
 
         prefix = np.array([s for _, s, _ in batch])
         seq = np.array([e for _, _, e in batch])
-        last = np.array([self.rows.req_to_token[r.req_pool_idx, s - 1] if s else -1 for r, s, _ in batch])
+        batch_rows = [_row(r) for r, _, _ in batch]
+        last = np.array(
+            [
+                self.rows.req_to_token[row, s - 1] if s else -1
+                for row, s in zip(batch_rows, prefix.tolist(), strict=True)
+            ]
+        )
         slots = self.alloc.alloc_extend(prefix, seq, last)
         if slots is None:  # _make_room guaranteed the pages; this is a bookkeeping bug
             raise RuntimeError(f"alloc_extend failed with {self.alloc.available_size()} free tokens for {need}")
         offsets = np.concatenate([[0], np.cumsum(seq - prefix)])
-        for i, (req, s, e) in enumerate(batch):
-            self.rows.write(req.req_pool_idx, s, slots[offsets[i] : offsets[i + 1]])
+        for i, (row, (_, s, _)) in enumerate(zip(batch_rows, batch, strict=True)):
+            self.rows.write(row, s, slots[offsets[i] : offsets[i + 1]])
         tokens = [np.asarray(req.token_range(s, e), np.int32) for req, s, e in batch]
-        next_tokens = self._forward(tokens, list(prefix), slots, [r.req_pool_idx for r, _, _ in batch], seq)
+        next_tokens = self._forward(tokens, list(prefix), slots, batch_rows, seq)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens_computed += int((seq - prefix).sum())
 
@@ -318,7 +324,7 @@ class Scheduler:
         req.lock_receipt = self.tree.inc_lock_ref(match.last_node)
         req.cache_protected_len = len(match.indices)
         if len(match.indices):
-            self.rows.write(req.req_pool_idx, 0, match.indices)
+            self.rows.write(_row(req), 0, match.indices)
         return len(match.indices)
 
     def _unadmit(self, req: ServingReq) -> None:
@@ -346,7 +352,7 @@ class Scheduler:
             self._retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
             if not self.running:
                 return
-        rows = [r.req_pool_idx for r in self.running]
+        rows = [_row(r) for r in self.running]
         last = self.rows.req_to_token[rows, kv_len - 1]
         slots = self.alloc.alloc_decode(kv_len + 1, last)
         if slots is None:
@@ -412,6 +418,13 @@ class Scheduler:
         self.stats.pack_seconds += packed - start
         self.stats.step_seconds += end - packed
         return next_tokens
+
+
+def _row(req: Req) -> int:
+    """The request-table row of an admitted request."""
+    if req.req_pool_idx is None:
+        raise RuntimeError(f"request {req.rid!r} has no request-table row; it is not admitted")
+    return req.req_pool_idx
 
 
 def _store_pools(cache: KVCache, pools: Any) -> None:

@@ -59,7 +59,10 @@ def run_workload(
     across groups; each chat's next turn is submitted when its previous turn finishes.
     """
     rng = np.random.default_rng(workload.seed)
-    draw = lambda n: rng.integers(0, workload.vocab_size, n).tolist()  # noqa: E731
+
+    def draw(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(0, workload.vocab_size, n)]
+
     systems = [draw(workload.system_tokens) for _ in range(workload.groups)]
     first: list[ServingReq] = []
     for i in range(workload.prompts_per_group):
@@ -75,11 +78,12 @@ def run_workload(
     scheduler.submit(first)
     while not scheduler.idle:
         for req in scheduler.step():
-            outputs[req.rid] = list(req.output_ids)
+            rid = str(req.rid)
+            outputs[rid] = list(req.output_ids)
             if on_finish is not None:
                 on_finish(req)
-            if req.rid.startswith("c"):
-                chat, turn = (int(x) for x in req.rid[1:].split("."))
+            if rid.startswith("c"):
+                chat, turn = (int(x) for x in rid[1:].split("."))
                 if turn + 1 < workload.turns:
                     prompt = list(req.origin_input_ids) + list(req.output_ids) + chat_turns[chat][turn + 1]
                     scheduler.submit([ServingReq(f"c{chat}.{turn + 1}", prompt, max_new_tokens=workload.output_tokens)])

@@ -87,3 +87,33 @@ def test_submit_rejects_requests_longer_than_the_context():
         sched.submit([ServingReq("x", [1] * 1020, max_new_tokens=10)])
     with pytest.raises(ValueError, match="max_new_tokens"):
         ServingReq("y", [1], max_new_tokens=0)
+
+
+def test_the_cache_holds_the_current_pools_after_run():
+    """The step donates the pools; the scheduler stores each step's result back in the cache, so
+    the caller's handle reads the state the run left (issue 8, ownership of device state)."""
+    spec = ModelSpec.preset("tiny")
+    cache = demo_cache(chunked_prefill_size=64)
+    first = cache.pools.kv.kv[0]
+    sched = Scheduler(spec, cache, init_params(spec), max_batch_size=4)
+    [req] = sched.run([ServingReq("r", list(range(1, 40)), max_new_tokens=4)])
+    assert first.is_deleted(), "the pools passed to the first step were donated"
+    assert not cache.pools.kv.kv[0].is_deleted()
+    # The request's prompt and output are in the tree; their K/V are readable through the cache.
+    match = cache.tree_cache.match_prefix(req.origin_input_ids + req.output_ids[:-1])
+    assert len(match.indices) >= 32
+    k, v = cache.pools.kv.get_kv(0, match.indices)
+    assert np.abs(np.asarray(k)).sum() > 0 and np.abs(np.asarray(v)).sum() > 0
+
+
+def test_a_stop_token_ends_a_request_and_is_kept():
+    spec = ModelSpec.preset("tiny")
+    params = init_params(spec)
+    prompt = list(range(5, 25))
+    [free] = Scheduler(spec, demo_cache(), params, max_batch_size=4).run([ServingReq("a", prompt, max_new_tokens=6)])
+    stop = free.output_ids[2]
+    expected = free.output_ids[: free.output_ids.index(stop) + 1]
+    sched = Scheduler(spec, demo_cache(), params, max_batch_size=4)
+    [req] = sched.run([ServingReq("b", prompt, max_new_tokens=6, stop_token_ids=[stop])])
+    assert req.output_ids == expected
+    assert sched.leak_free()
