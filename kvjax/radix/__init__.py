@@ -1,13 +1,16 @@
 """The radix prefix cache: one pure-Python tree core, components, and the familiar presets.
 
 ``RadixCache`` (full KV) and ``ChunkCache`` (radix cache disabled) keep SGLang's method names;
-``create_tree_cache(plan)`` picks one from a cache plan.
+``create_tree_cache(plan)`` picks one from a cache plan. Further kinds of state plug in as
+components (``TreeComponent``; see ``component.py``). Importing this package imports neither
+jax nor the Pallas kernels.
 """
 
 from kvjax.radix.chunk_cache import ChunkCache
-from kvjax.radix.component import FullKVComponent, TreeComponent
+from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
+from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
 from kvjax.radix.match import MatchResult
 from kvjax.radix.node import TreeNode
@@ -21,10 +24,12 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CacheStats",
+    "ComponentSizes",
     "ChunkCache",
     "EVICTION_POLICIES",
     "EvictionPolicy",
     "FullKVComponent",
+    "InsertResult",
     "LockError",
     "LockReceipt",
     "MatchResult",

@@ -169,6 +169,8 @@ class RadixCache(RadixTree):
         st.last_query_tokens = n
         if n == 0:
             st.last_hit_tokens = 0
+            if self._extra:
+                return self._finalize_match(self.root, 0, [])
             return MatchResult(np.empty(0, dtype=INT32), self.root)
         if is_bytes:
             src = encode_tokens(token_ids, n + self._ex)

@@ -1,0 +1,193 @@
+"""A test component that uses every hook of the component interface: per-node state slots.
+
+``StateSlotComponent`` ("state") is shaped like SGLang 0.5.23's recurrent-state (Mamba)
+component with a host tier's residency folded in, so one component exercises every rule that
+the real SWA, Mamba and host-tier components will need (``docs/architecture.md`` maps them):
+
+* data: a node may hold one *state slot* from :class:`StatePool` (the state after the node's
+  last token); absent = this component's tombstone;
+* insert payload: a donated slot for the insert's end node (``commit_insert``); an end node that
+  already holds one keeps it and the donated slot is handed back (the caller frees it);
+* overlap: an insert walking over a node refreshes that node's state recency;
+* own recency: an LRU over the nodes holding a state (refreshed by inserts walking over them,
+  by commits, and by matches that end on them), independent of FULL's;
+* match finalisation: a match ends at the deepest device node holding a state; results:
+  that slot (to copy on write) and the host-hit length (host-only tokens past the device match);
+* lock scope: the node itself (if it holds a state);
+* own eviction (``evict({"state": k})``): least recent unlocked states first; on a node with
+  children, or whose FULL part is locked, only the slot is freed (tombstone); on a childless
+  FULL-unlocked node the node is deleted outright, FULL KV included;
+* residency: a node holding a state is kept host-only when FULL evicts its device copy (the
+  state plays the host copy).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from kvjax.radix import ComponentSizes, MatchResult, TreeComponent, TreeInvariantError, TreeNode
+
+
+class StatePool:
+    """Slots ``0 .. capacity - 1``; records every free in order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free = list(range(capacity))
+        self.freed: list[int] = []
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop(0) if self._free else None
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.capacity:
+            raise AssertionError(f"state slot {slot} freed twice or out of range")
+        self._free.append(slot)
+        self.freed.append(slot)
+
+    def take(self) -> list[int]:
+        out, self.freed = self.freed, []
+        return out
+
+
+class StateData:
+    """What the component keeps on a node: its slot and how many locks hold it."""
+
+    __slots__ = ("slot", "lock_ref")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.lock_ref = 0
+
+
+class StateSlotComponent(TreeComponent):
+    """See the module docstring. ``pool`` is where state slots come from and go back to."""
+
+    name = "state"
+
+    def __init__(self, pool: StatePool) -> None:
+        self.pool = pool
+        self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # oldest first
+        self._evictable = 0
+        self._protected = 0
+
+    # -- helpers
+
+    def _touch(self, node: TreeNode) -> None:
+        if node in self._lru:
+            self._lru.move_to_end(node)
+
+    def _drop(self, node: TreeNode, data: StateData) -> None:
+        del self._lru[node]
+        self.set_data(node, None)
+        self._evictable -= 1
+        self.pool.free(data.slot)
+
+    # -- insert
+
+    def on_insert_overlap(self, node: TreeNode, payload: Any, revived: bool) -> None:
+        self._touch(node)
+
+    def commit_insert(self, node: TreeNode, payload: Any) -> Any:
+        if payload is None:
+            return None
+        if node is self.tree.root or self.data(node) is not None:
+            self._touch(node)
+            return payload  # the end node keeps its state: the donated slot goes back
+        self.set_data(node, StateData(int(payload)))
+        self._lru[node] = None
+        self._evictable += 1
+        return None
+
+    # on_split: the state belongs to the node's end, which stays with ``child`` (the same
+    # object); the new parent gets none. Nothing to do.
+
+    # -- match
+
+    def finalize_match(self, result: MatchResult) -> None:
+        root = self.tree.root
+        host_hit = result.walk_node.depth - result.prefix_len if result.walk_node is not root else 0
+        node = result.last_node
+        while node is not root and self.data(node) is None:
+            node = node.parent
+        if node is not result.last_node:
+            result.shorten_to(node, root)
+        data = None if node is root else self.data(node)
+        if data is not None:
+            self._touch(node)
+        result.extras[self.name] = {"slot": None if data is None else data.slot, "host_hit_length": host_hit}
+
+    # -- locks
+
+    def lock(self, node: TreeNode) -> Any:
+        data = self.data(node)
+        if data is None:
+            return None
+        data.lock_ref += 1
+        if data.lock_ref == 1:
+            self._evictable -= 1
+            self._protected += 1
+        return node
+
+    def unlock(self, node: TreeNode, part: Any) -> None:
+        if part is None:
+            return
+        data = self.data(part)
+        data.lock_ref -= 1
+        if data.lock_ref == 0:
+            self._evictable += 1
+            self._protected -= 1
+
+    # -- eviction and residency
+
+    def evict(self, amount: int) -> int:
+        freed = 0
+        for node in list(self._lru):
+            if freed >= amount:
+                break
+            data = self.data(node)
+            if data.lock_ref:
+                continue
+            self._drop(node, data)
+            freed += 1
+            if not node.children and not node.lock_ref:
+                self.tree.delete_leaf(node)  # a leaf: deleted outright, FULL KV included
+        return freed
+
+    def keeps_node(self, node: TreeNode) -> bool:
+        return self.data(node) is not None
+
+    def on_delete(self, node: TreeNode) -> int:
+        data = self.data(node)
+        if data is None:
+            return 0
+        if data.lock_ref:
+            raise TreeInvariantError(f"node {node.id} deleted while its state is locked")
+        self._drop(node, data)
+        return 1
+
+    def on_reset(self) -> None:
+        for node in self._lru:
+            self.pool.free(self.data(node).slot)
+        self._lru.clear()
+        self._evictable = self._protected = 0
+
+    # -- sizes and checks
+
+    def sizes(self) -> ComponentSizes:
+        return ComponentSizes(self._evictable, self._protected)
+
+    def check_invariants(self) -> None:
+        holders = {n for n in self.tree.nodes() if self.data(n) is not None}
+        if holders != set(self._lru):
+            raise TreeInvariantError("state: the LRU and the nodes holding a state differ")
+        locked = sum(1 for n in holders if self.data(n).lock_ref)
+        if (self._evictable, self._protected) != (len(holders) - locked, locked):
+            raise TreeInvariantError(f"state: sizes {self._evictable}/{self._protected}, tree {len(holders)}/{locked}")
+        for n in holders:
+            if self.data(n).lock_ref > n.lock_ref:
+                raise TreeInvariantError(f"state: node {n.id} locked more for state than for FULL")

@@ -1,0 +1,369 @@
+"""Stateful property test: a tree with FULL and the test state component against a naive model.
+
+``StateSlotComponent`` (``state_component.py``) uses every hook of the component interface:
+its own tombstones, its own recency, insert payloads, the insert-overlap and commit hooks,
+match finalisation, its own lock scope and node residency (host-only nodes). Hypothesis drives
+inserts (with or without a donated state slot), matches, locks, unlocks, FULL eviction, state
+eviction and reset in random orders. The model knows nothing of nodes:
+
+* ``pages``: every cached page-aligned prefix ``(extra_key, elems[:k * page])`` -> the slots of
+  its last page, or None while host-only (device copy evicted, kept because of a state);
+* ``states``: prefix -> state slot; ``recency``: prefix -> the model's clock when the state was
+  last refreshed (inserts walking over it, commits, matches ending on it).
+
+From it follow, exactly: every match (device length, state-limited length, slots, the state
+slot, the host-hit length, ``full_kv_hit_length``), every insert (already-cached length, the
+slots the tree takes, whether the donated slot comes back), which states a state eviction frees
+and in which order (least recent unlocked first), and what each eviction does to the pages (the
+FULL allocator is freed one call per node, so each call names one node: it is deleted or kept
+host-only by the cascade rules of ``component.py``). After every step: ``check_invariants``, sizes
+per component against the model, and ``available + evictable + protected == capacity`` for both
+resources (FULL slots and state slots).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax.alloc import make_allocator
+from kvjax.radix import RadixCache
+from tests.radix.state_component import StatePool, StateSlotComponent
+
+PALETTE = {
+    1: [(0,), (1,), (2,), (3,)],
+    2: [(0, 0), (0, 1), (1, 1), (2, 3)],
+}
+CAPACITY_PAGES = 32
+STATE_CAPACITY = 6
+KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
+EMPTY_OR_KEYS = st.one_of(st.just([]), KEYS)
+EXTRA_KEYS = st.sampled_from([None, None, "ns"])
+CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
+
+SETTINGS = settings(
+    max_examples=50,
+    stateful_step_count=50,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class Recorder:
+    """Forwards to an allocator and records each ``free`` call's slots."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.page_size = inner.page_size
+        self.size = inner.size
+        self.calls: list[list[int]] = []
+
+    def free(self, idx) -> None:
+        self.calls.append(np.asarray(idx).reshape(-1).tolist())
+        self.inner.free(idx)
+
+    def alloc(self, n: int):
+        return self.inner.alloc(n)
+
+    def available_size(self) -> int:
+        return self.inner.available_size()
+
+    def take(self) -> list[list[int]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+class ComponentMachine(RuleBasedStateMachine):
+    page_size = 1
+
+    @initialize()
+    def setup(self):
+        ps = self.page_size
+        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
+        self.capacity = self.alloc.available_size()
+        self.pool = StatePool(STATE_CAPACITY)
+        self.tree = RadixCache(
+            page_size=ps, token_to_kv_pool_allocator=self.alloc, components=[StateSlotComponent(self.pool)]
+        )
+        self.pages: dict[tuple, tuple[int, ...] | None] = {}
+        self.states: dict[tuple, int] = {}
+        self.recency: dict[tuple, int] = {}
+        self.clock = 0
+        self.locks: list[tuple] = []  # (extra_key, locked prefix, receipt, state position or None)
+        self.seen: list[tuple] = [(None, [0])]  # (extra_key, page list) of inserted keys
+
+    # -- model helpers ---------------------------------------------------------------------------
+
+    def _key(self, pages) -> list[int]:
+        return [t for p in pages for t in PALETTE[self.page_size][p]]
+
+    def _prefixes(self, ek, key):
+        ps = self.page_size
+        return [(ek, tuple(key[:end])) for end in range(ps, len(key) // ps * ps + 1, ps)]
+
+    def _touch(self, pos) -> None:
+        self.clock += 1
+        self.recency[pos] = self.clock
+
+    def _extends(self, pos) -> bool:
+        ek, prefix = pos
+        n = len(prefix) + self.page_size
+        return any(k[0] == ek and len(k[1]) == n and k[1][: len(prefix)] == prefix for k in self.pages)
+
+    def _covered(self) -> set:
+        out = set()
+        for ek, prefix, _, _ in self.locks:
+            out.update(self._prefixes(ek, list(prefix)))
+        return out
+
+    def _state_locked(self) -> set:
+        return {pos for _, _, _, pos in self.locks if pos is not None}
+
+    def _walk(self, ek, key):
+        """(cached length incl. host-only, device length) along ``key``."""
+        walk = dev = 0
+        for pos in self._prefixes(ek, key):
+            if pos not in self.pages:
+                break
+            walk = len(pos[1])
+            if self.pages[pos] is not None and dev == walk - self.page_size:
+                dev = walk
+        return walk, dev
+
+    def _page_owner(self) -> dict[int, tuple]:
+        return {v[0] // self.page_size: k for k, v in self.pages.items() if v is not None}
+
+    def _drop_host_leaves(self) -> None:
+        """Host-only prefixes no longer extended and holding no state leave (the cascade)."""
+        changed = True
+        while changed:
+            changed = False
+            for pos in [k for k, v in self.pages.items() if v is None]:
+                if pos not in self.states and not self._extends(pos):
+                    del self.pages[pos]
+                    changed = True
+
+    def _apply_full_frees(self, calls, *, deleting: list | None = None) -> int:
+        """Apply the FULL frees of an eviction: one call = one node, whole pages, unlocked."""
+        owner = self._page_owner()
+        covered = self._covered()
+        freed = 0
+        for call in calls:
+            pages = sorted({s // self.page_size for s in call})
+            chain = sorted((owner[p] for p in pages), key=lambda k: len(k[1]))
+            end = chain[-1]
+            assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
+            assert len(call) == len(chain) * self.page_size
+            for a, b in zip(chain, chain[1:], strict=False):
+                assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + self.page_size, "not one node"
+            if deleting is not None:
+                assert end == deleting.pop(0), "state eviction deleted another node"
+                keep = False
+            else:
+                keep = end in self.states or self._extends(end)
+            for e in chain:
+                if keep:
+                    self.pages[e] = None
+                else:
+                    del self.pages[e]
+            freed += len(call)
+        return freed
+
+    def _fresh(self, n: int):
+        short = n - self.alloc.available_size()
+        if short > 0:
+            self._evict_full(short)
+        got = self.alloc.alloc(n)
+        return None if got is None else np.asarray(got, np.int32)
+
+    def _evict_full(self, n: int) -> None:
+        evictable = self.tree.evictable_size()
+        self.alloc.take()
+        counts = self.tree.evict({"full": n})
+        freed = self._apply_full_frees(self.alloc.take())
+        assert counts == {"full": freed, "state": 0}, counts
+        assert freed >= min(n, evictable) and freed <= evictable
+        assert not self.pool.take(), "FULL eviction freed a state"
+
+    # -- rules -----------------------------------------------------------------------------------
+
+    def _seen(self, which, cut, more):
+        """A key near an inserted one: its first ``cut`` pages, then ``more``."""
+        ek, pages = self.seen[which % len(self.seen)]
+        return ek, pages[: cut % (len(pages) + 1)] + more
+
+    @rule(pages=EMPTY_OR_KEYS, ek=EXTRA_KEYS, with_state=st.sampled_from([True, True, True, False]))
+    def insert(self, pages, ek, with_state):
+        self._insert(pages, ek, with_state)
+
+    @rule(which=st.integers(0, 100), cut=st.integers(0, 5), more=KEYS, with_state=st.booleans())
+    def insert_near_seen(self, which, cut, more, with_state):
+        ek, pages = self._seen(which, cut, more[:2])
+        self._insert(pages, ek, with_state)
+
+    def _insert(self, pages, ek, with_state):
+        self.seen.append((ek, list(pages)))
+        key = self._key(pages)
+        n = len(key)
+        values = self._fresh(n)
+        if values is None:
+            return
+        slot = self.pool.alloc() if with_state else None
+        prefixes = self._prefixes(ek, key)
+        walk, _ = self._walk(ek, key)
+        result = self.tree.insert_with(key, values, extra_key=ek, payloads={"state": slot} if with_state else None)
+        assert result.prefix_len == walk
+        # Model: host-only pages on the path come back to device with the incoming slots;
+        # states on the walked path are refreshed top-down; the end commits the donated slot.
+        taken = set()
+        for pos in prefixes:
+            end = len(pos[1])
+            if end <= walk:
+                if self.pages[pos] is None:
+                    self.pages[pos] = tuple(values[end - self.page_size : end].tolist())
+                    taken.update(range(end - self.page_size, end))
+                if pos in self.states:
+                    self._touch(pos)
+            else:
+                self.pages[pos] = tuple(values[end - self.page_size : end].tolist())
+        handed_back = result.results["state"]
+        if with_state:
+            end = prefixes[-1] if prefixes else None
+            if end is None or end in self.states:
+                assert handed_back == slot, "an end node with a state keeps it and hands the slot back"
+                if end is not None:
+                    self._touch(end)
+                if slot is not None:
+                    self.pool.free(slot)
+                    self.pool.take()
+            else:
+                assert handed_back is None
+                if slot is not None:
+                    self.states[end] = slot
+                    self._touch(end)
+        dup = [int(values[i]) for i in range(walk) if i not in taken]
+        assert not self.alloc.take(), "insert freed FULL slots: duplicates are the caller's"
+        if dup:
+            self.alloc.free(np.asarray(dup, np.int32))
+            self.alloc.take()
+
+    def _match(self, key, ek):
+        m = self.tree.match_prefix(key, extra_key=ek)
+        walk, dev = self._walk(ek, key)
+        best = 0
+        for pos in self._prefixes(ek, key):
+            if len(pos[1]) <= dev and pos in self.states:
+                best = len(pos[1])
+        extras = m.extras["state"]
+        assert m.full_kv_hit_length == dev, (m.full_kv_hit_length, dev)
+        assert m.prefix_len == best, (m.prefix_len, best, dev)
+        assert extras["host_hit_length"] == walk - dev
+        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos]]
+        assert m.indices.tolist() == expected
+        if best:
+            pos = (ek, tuple(key[:best]))
+            assert extras["slot"] == self.states[pos]
+            self._touch(pos)
+        else:
+            assert extras["slot"] is None and m.last_node is self.tree.root
+        return m, best
+
+    @rule(pages=KEYS, ek=EXTRA_KEYS)
+    def match(self, pages, ek):
+        self._match(self._key(pages), ek)
+
+    @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
+    def match_near_seen(self, which, cut, more):
+        ek, pages = self._seen(which, cut, more[:1])
+        self._match(self._key(pages), ek)
+
+    @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
+    def lock(self, which, cut, more):
+        ek, pages = self._seen(which, cut, more[:1])
+        key = self._key(pages)
+        m, best = self._match(key, ek)
+        receipt = self.tree.inc_lock_ref(m.last_node)
+        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+
+    @precondition(lambda self: self.locks)
+    @rule(which=st.integers(0, 100))
+    def unlock(self, which):
+        _, _, receipt, _ = self.locks.pop(which % len(self.locks))
+        self.tree.dec_lock_ref(receipt)
+
+    @precondition(lambda self: len(self.pages) >= 6)
+    @rule(n=st.integers(1, 8))
+    def evict_full(self, n):
+        self._evict_full(n * self.page_size)
+
+    @precondition(lambda self: len(self.states) >= 3)
+    @rule(k=st.integers(1, 3))
+    def evict_states(self, k):
+        locked = self._state_locked()
+        order = sorted((pos for pos in self.states if pos not in locked), key=self.recency.__getitem__)
+        expected = order[:k]
+        self.alloc.take()
+        counts = self.tree.evict({"state": k})
+        assert self.pool.take() == [self.states[pos] for pos in expected], "not least recent first"
+        calls = self.alloc.take()
+        freed = 0
+        for pos in expected:  # in the component's order: each decision sees the earlier ones
+            del self.states[pos]
+            if self._extends(pos) or pos in self._covered():
+                continue  # a tombstone: only the state slot is freed
+            if self.pages[pos] is not None:  # a device leaf: deleted outright, FULL KV included
+                assert calls, f"state eviction of the leaf {pos} freed no FULL slots"
+                freed += self._apply_full_frees([calls.pop(0)], deleting=[pos])
+            self._drop_host_leaves()  # a host-only leaf goes, with host-only parents it leaves bare
+        assert not calls, "state eviction freed FULL slots of nodes it did not delete"
+        assert counts == {"full": freed, "state": len(expected)}, counts
+
+    @rule(how=st.sampled_from(["name", "negative"]))
+    def bad_evict_raises(self, how):
+        before = self.tree.sizes()
+        with pytest.raises(ValueError):
+            self.tree.evict({"swa": 1} if how == "name" else {"state": -1})
+        assert self.tree.sizes() == before
+
+    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
+    @rule()
+    def reset(self):
+        self.alloc.take()
+        self.tree.reset()
+        freed = sorted(s for call in self.alloc.take() for s in call)
+        assert freed == sorted(s for v in self.pages.values() if v is not None for s in v)
+        assert sorted(self.pool.take()) == sorted(self.states.values())
+        self.pages.clear()
+        self.states.clear()
+        self.recency.clear()
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self):
+        if not hasattr(self, "tree"):
+            return
+        tree = self.tree
+        tree.check_invariants()
+        ps = self.page_size
+        device = [k for k, v in self.pages.items() if v is not None]
+        covered = self._covered()
+        full, state = tree.sizes()["full"], tree.sizes()["state"]
+        assert full.total == len(device) * ps == tree.total_size()
+        assert full.protected == len(covered) * ps == tree.protected_size()
+        assert self.alloc.available_size() + full.evictable + full.protected == self.capacity
+        assert state.total == len(self.states) == tree.total_size("state")
+        assert state.protected == len(self._state_locked()) == tree.protected_size("state")
+        assert self.pool.available_size() + state.evictable + state.protected == self.pool.capacity
+        assert (tree.host_only_count > 0) == any(v is None for v in self.pages.values())
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_component_tree_matches_model(page_size):
+    machine = type(f"ComponentMachine_p{page_size}", (ComponentMachine,), {"page_size": page_size})
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
