@@ -83,7 +83,8 @@ def cpu_kv_write() -> dict[str, Any]:
     variants = (("uint16_bits_of_bf16", jnp.uint16, 15, 20), ("raw_bf16", jnp.bfloat16, 3, 1))
     for storage, dtype, samples, calls in variants:
         new_kv = new_bf16.view(dtype) if dtype == jnp.uint16 else new_bf16
-        steps, states = {}, {}
+        steps: dict[int, Callable[[Any], Any]] = {}
+        states: dict[int, Any] = {}
         for pages in POOL_PAGES:
             num_slots = (pages + 1) * PAGE_SIZE
             loc = jnp.asarray(rng.choice(np.arange(PAGE_SIZE, num_slots), TOKENS, replace=False), jnp.int32)
@@ -105,7 +106,8 @@ def _pool_method(rng: np.random.Generator) -> dict[str, Any]:
 
     k = jnp.asarray(rng.standard_normal((TOKENS, KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((TOKENS, KV_HEADS, HEAD_DIM)), jnp.bfloat16)
-    steps, states = {}, {}
+    steps: dict[int, Callable[[Any], Any]] = {}
+    states: dict[int, Any] = {}
     for pages in POOL_PAGES:
         pool = MHAKVPool.create(
             num_pages=pages,
@@ -129,7 +131,7 @@ def tpu_report() -> Any:
         return "libtpu not installed"
     from pallas_kernels import aot
 
-    rows = []
+    rows: list[Any] = []
     for generation, topology in aot.TOPOLOGIES.items():
         sharding = aot.topology_sharding(topology)
         rows.extend(aot.report(case, generation, sharding) for case in aot.cases())
@@ -144,8 +146,8 @@ def tpu_report() -> Any:
     }
 
 
-def _interpret_cost(fn: Callable[..., Any], args: tuple[Any, ...], interpret: Any) -> dict[str, float]:
-    jitted = testing.jit_interpreted(fn, interpret=interpret)
+def _interpret_cost(fn: Any, args: tuple[Any, ...], interpret: Any) -> dict[str, float]:
+    jitted: Any = testing.jit_interpreted(fn, interpret=interpret)
     t0 = time.perf_counter()
     compiled = jitted.trace(*args).lower().compile()
     t1 = time.perf_counter()

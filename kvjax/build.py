@@ -98,8 +98,8 @@ class KVCache:
     def _check_same_structure(self, pools: Any, what: str) -> None:
         if not isinstance(pools, CachePools):
             raise TypeError(f"{what}: expected CachePools, got {type(pools).__name__}")
-        old = jax.tree_util.tree_structure(self._pools)
-        new = jax.tree_util.tree_structure(pools)
+        old: Any = jax.tree_util.tree_structure(self._pools)  # PyTreeDef: equal iff same structure and
+        new: Any = jax.tree_util.tree_structure(pools)  # static metadata (names, page size, dtype, ...)
         if old != new:
             raise TypeError(
                 f"{what}: the new pools {pools.names} do not have the structure of the cache's {self._pools.names} "

@@ -113,7 +113,7 @@ def test_build_mem_fraction_needs_device_memory_on_cpu():
     except kvjax.ConfigError as e:
         assert "device_memory_bytes" in str(e)
     else:
-        assert cache.plan.kv_budget_bytes > 0
+        assert (cache.plan.kv_budget_bytes or 0) > 0
     cache = build_kv_cache(
         ModelSpec.preset("tiny"),
         CacheConfig(mem_fraction_static=0.5, max_running_requests=4, context_length=256),
@@ -144,8 +144,8 @@ def test_build_shards_kv_heads_over_a_tp_mesh():
         got_k, got_v = kv.get_kv(1, loc + 32)
         ok = bool(np.array_equal(got_k, k) and np.array_equal(got_v, -k))
         sharded = str(kv.kv[1].sharding.spec)
-        print(json.dumps({"global": list(layer.shape), "shard": list(shard), "heads_per_rank": cache.plan.num_kv_heads_per_rank,
-                          "roundtrip": ok, "spec": sharded}))
+        print(json.dumps({"global": list(layer.shape), "shard": list(shard),
+                          "heads_per_rank": cache.plan.num_kv_heads_per_rank, "roundtrip": ok, "spec": sharded}))
         """
     )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")

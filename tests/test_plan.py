@@ -227,6 +227,7 @@ def test_swa_all_layers_sliding_is_pure_swa():
 def test_ssm_state_memory_set_aside_by_mamba_full_memory_ratio():
     spec = ssm()
     p = plan(spec, platform="cpu", page_size=1)
+    assert spec.recurrent is not None
     per_req = 3 * spec.recurrent.bytes_per_slot()
     mamba_mem = int(GiB * 0.9 / 1.9)
     assert p.mamba_state_bytes_per_req == per_req
@@ -527,7 +528,7 @@ def test_device_bytes_never_exceed_the_budget_for_every_preset(model, tp):
                 plan_kv_cache(spec, config)
             continue
         p = plan_kv_cache(spec, config)
-        assert p.device_bytes <= p.kv_budget_bytes == budget
+        assert p.kv_budget_bytes == budget and p.device_bytes <= budget
         assert p.device_bytes > 0.9 * budget, "the budget is used, not wasted"
 
 
@@ -539,6 +540,7 @@ def test_recurrent_state_is_sized_and_laid_out_per_rank():
     assert conv.shape[2:] == (8192 // 8, 3) and ssm_state.shape[2:] == (32 // 8, 128, 128)
     assert p.device_bytes <= 80 * GiB
     slots = p.max_mamba_cache_size
+    assert slots is not None
     assert ssm_state.shape[:2] == (36, slots + 1)
     per_rank = 36 * ((8192 // 8) * 3 * 2 + (32 // 8) * 128 * 128 * 4)
     assert p.mamba_state_bytes_per_req == per_rank

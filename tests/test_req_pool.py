@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +12,14 @@ from hypothesis import strategies as st
 
 from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
 from kvjax.req_pool import ReqToTokenPool
+
+T = TypeVar("T")
+
+
+def allocated(result: T | None) -> T:
+    """An allocation's result, failing the test when it returned None."""
+    assert result is not None, "the allocation returned None"
+    return result
 
 
 def state(p: ReqToTokenPool) -> tuple:
@@ -36,7 +46,7 @@ def test_init_and_alloc_fifo():
 
 def test_free_errors_leave_state_unchanged():
     p = ReqToTokenPool(4, 8)
-    rows = p.alloc(3)
+    rows = allocated(p.alloc(3))
     p.free(rows[0])
     before = state(p)
     with pytest.raises(DoubleFreeError, match=r"\[0\]"):
@@ -62,7 +72,7 @@ def test_free_errors_leave_state_unchanged():
 
 def test_write_and_read():
     p = ReqToTokenPool(2, 8)
-    (r,) = p.alloc(1)
+    (r,) = allocated(p.alloc(1))
     p.write(r, 2, np.array([40, 41, 42]))
     p.write(r, 5, [43])
     assert p.read(r, 0, 6).tolist() == [0, 0, 40, 41, 42, 43]
@@ -88,7 +98,7 @@ def test_write_and_read():
 def test_page_table_exact():
     ps = 4
     p = ReqToTokenPool(3, 16)
-    a, b, c = p.alloc(3)
+    a, b, c = allocated(p.alloc(3))
     p.write(a, 0, np.arange(12, 22))  # pages 3, 4, 5 (10 tokens)
     p.write(b, 0, np.array([29, 30]))  # page 7, mid-page start (offset 1)
     t = p.page_table([a, b, c], [10, 2, 0], ps)
@@ -115,11 +125,11 @@ def test_page_table_exact():
 def test_page_table_matches_per_request_loop(ps, lens, seed):
     rng = np.random.default_rng(seed)
     p = ReqToTokenPool(len(lens) + 1, 40)
-    rows = p.alloc(len(lens))
-    for r, n in zip(rows, lens):
+    rows = allocated(p.alloc(len(lens)))
+    for r, n in zip(rows, lens, strict=True):
         p.write(r, 0, rng.integers(ps, 10_000, n))
     got = p.page_table_numpy(rows, lens, ps)
     width = max(-(-n // ps) for n in lens)
-    for i, (r, n) in enumerate(zip(rows, lens)):
+    for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
         pages = [int(p.req_to_token[r, j * ps]) // ps for j in range(-(-n // ps))]
         assert got[i].tolist() == pages + [0] * (width - len(pages))

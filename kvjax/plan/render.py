@@ -34,7 +34,8 @@ def render_plan(plan: CachePlan) -> str:
         lines.append(f"  padding: {note}")
     if plan.is_hybrid_swa:
         lines.append(
-            f"  per layer: full={plan.full_tokens_per_layer or 0:,} tokens, swa={plan.swa_tokens_per_layer or 0:,} tokens"
+            f"  per layer: full={plan.full_tokens_per_layer or 0:,} tokens, "
+            f"swa={plan.swa_tokens_per_layer or 0:,} tokens"
         )
     lines += [
         f"  requests: {plan.max_running_requests:,} rows x {plan.req_to_token_width:,} tokens "

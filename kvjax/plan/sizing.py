@@ -182,7 +182,8 @@ def decide_sizes(
     if config.max_total_tokens is not None:
         if budget is not None and config.max_total_tokens > max_total:
             warnings.append(
-                f"max_total_tokens={config.max_total_tokens} exceeds what the budget holds ({max_total}); using {max_total}"
+                f"max_total_tokens={config.max_total_tokens} exceeds what the budget holds ({max_total}); "
+                f"using {max_total}"
             )
         max_total = min(max_total, config.max_total_tokens) if budget is not None else config.max_total_tokens
     max_total = max_total // ps * ps

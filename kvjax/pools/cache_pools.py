@@ -93,5 +93,5 @@ class CachePools:
     @classmethod
     def tree_unflatten(cls, names: tuple[str, ...], children: Any) -> CachePools:
         obj = object.__new__(cls)
-        object.__setattr__(obj, "_pools", dict(zip(names, children)))
+        object.__setattr__(obj, "_pools", dict(zip(names, children, strict=True)))
         return obj

@@ -364,7 +364,7 @@ class MHAKVPool:
         if len(copy) != self.num_layers:
             raise ValueError(f"copy has {len(copy)} layers; this pool has {self.num_layers}")
         slots = jnp.asarray(loc, jnp.int32)
-        layers = tuple(_write_slots(a, jnp.asarray(c, a.dtype), slots) for a, c in zip(self.kv, copy))
+        layers = tuple(_write_slots(a, jnp.asarray(c, a.dtype), slots) for a, c in zip(self.kv, copy, strict=True))
         return self.replace(kv=layers)
 
 

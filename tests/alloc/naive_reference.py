@@ -17,7 +17,7 @@ def naive_alloc_extend(
     prefix_lens: Sequence[int],
     seq_lens: Sequence[int],
     last_loc: Sequence[int],
-    free_pages: Sequence[int],
+    free_pages: Sequence[int] | np.ndarray,
     page_size: int,
 ) -> tuple[np.ndarray, int] | None:
     """Slots for the new tokens of each request, and pages used; None if too few pages."""
@@ -25,7 +25,7 @@ def naive_alloc_extend(
     offsets = np.arange(ps, dtype=np.int64)
     chunks: list[np.ndarray] = []
     next_page = 0
-    for prefix, seq, last in zip(prefix_lens, seq_lens, last_loc):
+    for prefix, seq, last in zip(prefix_lens, seq_lens, last_loc, strict=True):
         prefix, seq, last = int(prefix), int(seq), int(last)
         old_end = min(seq, -(-prefix // ps) * ps)
         n_old = old_end - prefix
@@ -53,13 +53,13 @@ def naive_alloc_extend(
 def naive_alloc_decode(
     seq_lens: Sequence[int],
     last_loc: Sequence[int],
-    free_pages: Sequence[int],
+    free_pages: Sequence[int] | np.ndarray,
     page_size: int,
 ) -> tuple[np.ndarray, int] | None:
     """One slot per request for its token at position ``seq_len - 1``, and pages used."""
     out = []
     next_page = 0
-    for seq, last in zip(seq_lens, last_loc):
+    for seq, last in zip(seq_lens, last_loc, strict=True):
         if (int(seq) - 1) % page_size == 0:
             if next_page >= len(free_pages):
                 return None

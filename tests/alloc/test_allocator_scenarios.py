@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,14 @@ from kvjax.alloc import (
     make_allocator,
 )
 from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
+
+T = TypeVar("T")
+
+
+def got(result: T | None) -> T:
+    """An allocation's result, failing the test when it returned None."""
+    assert result is not None, "the allocation returned None"
+    return result
 
 
 def snapshot(a: BaseTokenToKVPoolAllocator) -> tuple:
@@ -62,7 +72,7 @@ def test_alloc_extend_sglang_vectors(prefix, seq, last_loc, free, expected):
     a = PagedTokenToKVPoolAllocator(16 * PS, PS)
     arrange_free_list(a, free)
     last = last_loc if last_loc < 0 else shift([last_loc])[0]
-    out = a.alloc_extend(np.array([prefix]), np.array([seq]), np.array([last]))
+    out = got(a.alloc_extend(np.array([prefix]), np.array([seq]), np.array([last])))
     assert out.dtype == np.int32
     assert out.tolist() == shift(expected)
     assert a.free_pages.tolist() == []
@@ -72,16 +82,16 @@ def test_alloc_extend_sglang_vectors(prefix, seq, last_loc, free, expected):
 def test_alloc_extend_within_partial_page_takes_no_page():
     a = PagedTokenToKVPoolAllocator(16 * PS, PS)
     a.alloc(PS)  # page 1
-    out = a.alloc_extend([1], [3], [PS])
+    out = got(a.alloc_extend([1], [3], [PS]))
     assert out.tolist() == [5, 6]
     assert a.free_pages.tolist() == list(range(2, 17))
 
 
 def test_alloc_extend_zero_extend_and_several_requests():
     a = PagedTokenToKVPoolAllocator(16 * PS, PS)
-    p = a.alloc(2 * PS)  # pages 1, 2
-    assert a.alloc_extend([0], [0], [-1]).tolist() == []
-    out = a.alloc_extend([0, 5, 3, 8], [6, 5, 9, 9], [-1, int(p[4]), int(p[2]), int(p[7])])
+    p = got(a.alloc(2 * PS))  # pages 1, 2
+    assert got(a.alloc_extend([0], [0], [-1])).tolist() == []
+    out = got(a.alloc_extend([0, 5, 3, 8], [6, 5, 9, 9], [-1, int(p[4]), int(p[2]), int(p[7])]))
     # request 0: pages 3 (full) + 4 (2 slots); request 1: nothing; request 2: slot 3 of page 1,
     # then page 5 (full) + page 6 (1 slot); request 3: page 7 (1 slot).
     assert out.tolist() == [12, 13, 14, 15, 16, 17, 7, 20, 21, 22, 23, 24, 28]
@@ -93,12 +103,12 @@ def test_alloc_extend_out_of_pages_leaves_state_unchanged():
     before = snapshot(a)
     assert a.alloc_extend([0, 0], [8, 9], [-1, -1]) is None
     assert snapshot(a) == before
-    assert a.alloc_extend([0], [16], [-1]).tolist() == list(range(4, 20))
+    assert got(a.alloc_extend([0], [16], [-1])).tolist() == list(range(4, 20))
 
 
 def test_alloc_extend_rejects_inconsistent_last_loc():
     a = PagedTokenToKVPoolAllocator(16 * PS, PS)
-    p = a.alloc(PS)
+    p = got(a.alloc(PS))
     before = snapshot(a)
     with pytest.raises(InvalidSlotError, match="request 1"):
         a.alloc_extend([0, 2], [4, 5], [-1, int(p[2])])  # (last+1) % 4 = 3 != 2
@@ -119,9 +129,9 @@ def test_alloc_extend_rejects_inconsistent_last_loc():
 
 def test_alloc_decode():
     a = PagedTokenToKVPoolAllocator(16 * PS, PS)
-    p = a.alloc(2 * PS)  # pages 1, 2
+    p = got(a.alloc(2 * PS))  # pages 1, 2
     # seq 5: token 4 starts a page; seq 3: continues page 1 after slot 5; seq 1: empty prefix.
-    out = a.alloc_decode([5, 3, 1], [int(p[3]), int(p[1]), -1])
+    out = got(a.alloc_decode([5, 3, 1], [int(p[3]), int(p[1]), -1]))
     assert out.tolist() == [12, 6, 16]
     assert a.free_pages.tolist()[:1] == [5]
     before = snapshot(a)
@@ -135,9 +145,9 @@ def test_alloc_decode():
 
 def test_token_allocator_extend_and_decode_work():
     a = TokenToKVPoolAllocator(16)
-    first = a.alloc(3)
-    assert a.alloc_extend([0, 3], [2, 5], [-1, int(first[-1])]).tolist() == [4, 5, 6, 7]
-    assert a.alloc_decode([6, 1], [7, -1]).tolist() == [8, 9]
+    first = got(a.alloc(3))
+    assert got(a.alloc_extend([0, 3], [2, 5], [-1, int(first[-1])])).tolist() == [4, 5, 6, 7]
+    assert got(a.alloc_decode([6, 1], [7, -1])).tolist() == [8, 9]
     a.check_invariants()
 
 
@@ -147,12 +157,12 @@ def test_token_allocator_extend_and_decode_work():
 def test_token_alloc_basic_and_fifo_reuse():
     a = TokenToKVPoolAllocator(8)
     assert (a.size, a.page_size, a.num_pages) == (8, 1, 8)
-    x = a.alloc(3)
+    x = got(a.alloc(3))
     assert x.dtype == np.int32 and x.tolist() == [1, 2, 3]
     assert a.available_size() == 5 and a.used_size() == 3
     a.free(np.array([2, 1]))
     assert a.free_pages.tolist() == [4, 5, 6, 7, 8, 2, 1]  # appended at the end: FIFO
-    assert a.alloc(6).tolist() == [4, 5, 6, 7, 8, 2]
+    assert got(a.alloc(6)).tolist() == [4, 5, 6, 7, 8, 2]
     a.check_invariants()
 
 
@@ -160,9 +170,9 @@ def test_token_exact_capacity_then_none_and_alloc_zero():
     for need_sort in (False, True):
         a = TokenToKVPoolAllocator(8, need_sort=need_sort)
         before = snapshot(a)
-        assert a.alloc(0).tolist() == []
+        assert got(a.alloc(0)).tolist() == []
         assert snapshot(a) == before
-        x = a.alloc(8)
+        x = got(a.alloc(8))
         assert sorted(x.tolist()) == list(range(1, 9)) and 0 not in x
         assert a.alloc(1) is None
         a.free(x[:2])
@@ -177,8 +187,8 @@ def test_token_need_sort_release_and_merge():
     assert a.release_pages.tolist() == [5, 2, 4]
     assert a.free_pages.tolist() == [7, 8]
     assert a.available_size() == 5
-    assert a.alloc(2).tolist() == [7, 8]  # enough in the free list: no merge
-    assert a.alloc(2).tolist() == [2, 4]  # merged and sorted
+    assert got(a.alloc(2)).tolist() == [7, 8]  # enough in the free list: no merge
+    assert got(a.alloc(2)).tolist() == [2, 4]  # merged and sorted
     assert a.release_pages.tolist() == [] and a.free_pages.tolist() == [5]
     a.check_invariants()
 
@@ -188,7 +198,7 @@ def test_merge_and_sort_free_noop_and_sorted():
     before = snapshot(a)
     a.merge_and_sort_free()
     assert snapshot(a) == before
-    x = a.alloc(8 * PS)
+    x = got(a.alloc(8 * PS))
     a.free(x[5 * PS :])
     a.free(x[:PS])
     assert a.release_pages.tolist() == [1, 6, 7, 8]
@@ -211,7 +221,7 @@ def test_free_empty_is_noop():
 def test_paged_alloc_alignment_and_lifo_reuse():
     a = PagedTokenToKVPoolAllocator(8 * PS, PS)
     assert (a.size, a.num_pages) == (32, 8)
-    x = a.alloc(3 * PS)
+    x = got(a.alloc(3 * PS))
     assert x.tolist() == list(range(4, 16))
     assert x[0] % PS == 0 and x[PS] % PS == 0 and 0 not in x
     with pytest.raises(InvalidSlotError, match="multiple of page_size"):
@@ -219,7 +229,7 @@ def test_paged_alloc_alignment_and_lifo_reuse():
     a.free(x[PS : 2 * PS])  # page 2
     a.free(np.array([15, 4, 13]))  # pages 3 and 1, several ids per page
     assert a.free_pages.tolist() == [1, 3, 2, 4, 5, 6, 7, 8]  # prepended: LIFO
-    assert a.alloc(PS).tolist() == [4, 5, 6, 7]
+    assert got(a.alloc(PS)).tolist() == [4, 5, 6, 7]
     a.check_invariants()
 
 
@@ -227,7 +237,7 @@ def test_paged_exact_capacity_then_none():
     for need_sort in (False, True):
         a = PagedTokenToKVPoolAllocator(4 * PS + 3, PS, need_sort=need_sort)
         assert a.size == 4 * PS
-        x = a.alloc(4 * PS)
+        x = got(a.alloc(4 * PS))
         assert x.min() >= PS
         assert a.alloc(PS) is None
         a.free(x)
@@ -251,7 +261,7 @@ def test_make_allocator_picks_class():
 def test_bad_frees_raise_and_leave_state_unchanged(kind):
     a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
     ps = a.page_size
-    x = a.alloc(4 * ps)
+    x = got(a.alloc(4 * ps))
     a.free(x[:ps])
     before = snapshot(a)
     with pytest.raises(DoubleFreeError, match=str(int(x[0]) // ps)):
@@ -293,7 +303,7 @@ def test_error_message_lists_few_ids_and_count():
 def test_free_group_defers(kind):
     a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
     ps = a.page_size
-    x = a.alloc(6 * ps)
+    x = got(a.alloc(6 * ps))
     avail = a.available_size()
     a.free_group_begin()
     a.free_group_end()  # empty group
@@ -327,11 +337,11 @@ def test_backup_restore_is_a_snapshot(kind):
         else PagedTokenToKVPoolAllocator(16 * PS, PS, need_sort=True)
     )
     ps = a.page_size
-    x = a.alloc(4 * ps)
+    x = got(a.alloc(4 * ps))
     a.free(x[:ps])
     state = a.backup_state()
     before = snapshot(a)
-    y = a.alloc(10 * ps)
+    y = got(a.alloc(10 * ps))
     a.free(x[ps:])
     a.free(y)
     assert snapshot(a) != before
@@ -350,7 +360,7 @@ def test_backup_restore_is_a_snapshot(kind):
 
 def test_clear_resets_everything():
     a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
-    x = a.alloc(4 * PS)
+    x = got(a.alloc(4 * PS))
     a.free(x[:PS])
     a.free_group_begin()
     a.free(x[PS:])
@@ -365,7 +375,7 @@ def test_clear_resets_everything():
 def test_alloc_cost_does_not_grow_with_pool():
     """Functional side of the O(k) claim: a 1M-page pool allocates from its head quickly."""
     a = PagedTokenToKVPoolAllocator((1 << 20) * 16, 16)
-    x = a.alloc(256 * 16)
+    x = got(a.alloc(256 * 16))
     assert x[:3].tolist() == [16, 17, 18] and x.size == 4096
     a.free(x)
     assert a.free_pages[:2].tolist() == [1, 2]
@@ -374,7 +384,7 @@ def test_alloc_cost_does_not_grow_with_pool():
 def test_need_sort_merges_before_returning_none_as_sglang_0_5_23():
     """0.5.23 merges the release list into the free list before giving up, in every alloc path."""
     a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
-    x = a.alloc(6 * PS)  # pages 1..6; free: 7, 8
+    x = got(a.alloc(6 * PS))  # pages 1..6; free: 7, 8
     a.free(x[:PS])  # page 1 to the release list
     assert a.alloc(4 * PS) is None  # 4 > 2 free pages: merged, then still too few
     assert a.free_pages.tolist() == [1, 7, 8] and a.release_pages.tolist() == []
@@ -384,10 +394,10 @@ def test_need_sort_merges_before_returning_none_as_sglang_0_5_23():
 
 def test_need_sort_alloc_decode_merges_when_the_batch_exceeds_the_free_pages():
     a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
-    x = a.alloc(7 * PS)  # pages 1..7; free: 8
+    x = got(a.alloc(7 * PS))  # pages 1..7; free: 8
     a.free(x[2 * PS : 3 * PS])  # page 3 released
     # Two requests mid-page need no new page, but the batch (2) exceeds the free list (1): merged.
-    out = a.alloc_decode([2, 2], [int(x[0]), int(x[PS])])
+    out = got(a.alloc_decode([2, 2], [int(x[0]), int(x[PS])]))
     assert out.tolist() == [int(x[0]) + 1, int(x[PS]) + 1]
     assert a.free_pages.tolist() == [3, 8] and a.release_pages.tolist() == []
     # A batch of one within the free list does not merge.
@@ -399,13 +409,13 @@ def test_need_sort_alloc_decode_merges_when_the_batch_exceeds_the_free_pages():
 
 def test_need_sort_alloc_extend_merges_on_the_sglang_estimate():
     a = PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
-    x = a.alloc(5 * PS)  # pages 1..5; free: 6, 7, 8
+    x = got(a.alloc(5 * PS))  # pages 1..5; free: 6, 7, 8
     a.free(x[:PS])  # page 1 released
     # One new page needed (3 free), but extend // page + batch + 1 = 1 + 1 + 1 = 3 is not > 3: no merge.
-    out = a.alloc_extend([0], [PS], [-1])
+    out = got(a.alloc_extend([0], [PS], [-1]))
     assert out.tolist() == list(range(6 * PS, 7 * PS)) and a.release_pages.tolist() == [1]
     # Now 2 free: the same call's estimate 3 > 2 merges, and the sorted head (page 1) is used.
-    out = a.alloc_extend([0], [PS], [-1])
+    out = got(a.alloc_extend([0], [PS], [-1]))
     assert out.tolist() == list(range(1 * PS, 2 * PS))
     assert a.free_pages.tolist() == [7, 8] and a.release_pages.tolist() == []
     # Too few pages (4 > 3): the merge still happens before None.

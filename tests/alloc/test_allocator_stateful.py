@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvjax.alloc import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvjax.alloc import BaseTokenToKVPoolAllocator, PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvjax.errors import DoubleFreeError, InvalidSlotError
 from tests.alloc.naive_reference import naive_alloc_decode, naive_alloc_extend
 
@@ -28,6 +28,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @initialize(need_sort=st.booleans())
     def setup(self, need_sort: bool) -> None:
         ps = self.page_size
+        self.a: BaseTokenToKVPoolAllocator
         if self.paged:
             self.a = PagedTokenToKVPoolAllocator(NUM_PAGES * ps, ps, need_sort=need_sort)
         else:
@@ -92,6 +93,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if taken is None:
             assert out is None
             return
+        assert out is not None
         assert out.tolist() == [p * ps + o for p in taken for o in range(ps)]
         self.record_new(out)
         if n_pages:
@@ -103,11 +105,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids = sorted(self.reqs)
         chosen = data.draw(st.lists(st.sampled_from(ids), max_size=3, unique=True)) if ids else []
         n_new = data.draw(st.integers(0, 2))
-        batch = [(rid, self.reqs[rid]) for rid in chosen] + [(None, []) for _ in range(n_new)]
+        batch: list[tuple[int | None, list[int]]] = [(rid, self.reqs[rid]) for rid in chosen]
+        batch += [(None, []) for _ in range(n_new)]
         prefix = [len(s) for _, s in batch]
         room = [MAX_REQ_PAGES * ps - p for p in prefix]
         ext = [data.draw(st.integers(0, max(0, min(r, 3 * ps + 1)))) for r in room]
-        seq = [p + e for p, e in zip(prefix, ext)]
+        seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         last = [s[-1] if s else -1 for _, s in batch]
         estimate = sum(ext) // ps + len(batch) + 1  # SGLang 0.5.23's merge trigger
         self.model_merge(estimate)
@@ -117,12 +120,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert out is None
             assert self.state() == (self.free, self.release, self.a.available_size())
             return
+        assert out is not None
         ref, used = expected
         assert self.model_take(used, estimate) is not None
         assert out.tolist() == ref.tolist()
         self.record_new(out)
         cursor = 0
-        for (rid, slots), e in zip(batch, ext):
+        for (rid, slots), e in zip(batch, ext, strict=True):
             part = out[cursor : cursor + e].tolist()
             cursor += e
             if rid is None:
@@ -133,7 +137,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def _pages_needed(self, prefix: list[int], seq: list[int]) -> int:
         ps = self.page_size
-        return sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix, seq))
+        return sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix, seq, strict=True))
 
     @rule(data=st.data())
     def alloc_decode(self, data: st.DataObject) -> None:
@@ -141,7 +145,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids = [rid for rid, s in sorted(self.reqs.items()) if len(s) < MAX_REQ_PAGES * ps]
         chosen = data.draw(st.lists(st.sampled_from(ids), max_size=4, unique=True)) if ids else []
         fresh = data.draw(st.booleans())
-        batch = [(rid, self.reqs[rid]) for rid in chosen] + ([(None, [])] if fresh else [])
+        batch: list[tuple[int | None, list[int]]] = [(rid, self.reqs[rid]) for rid in chosen]
+        batch += [(None, [])] if fresh else []
         seq = [len(s) + 1 for _, s in batch]
         last = [s[-1] if s else -1 for _, s in batch]
         self.model_merge(len(batch))  # SGLang 0.5.23: merge when the batch exceeds the free pages
@@ -151,11 +156,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert out is None
             assert self.state() == (self.free, self.release, self.a.available_size())
             return
+        assert out is not None
         ref, used = expected
         assert self.model_take(used, len(batch)) is not None
         assert out.tolist() == ref.tolist()
         self.record_new(out)
-        for (rid, slots), s in zip(batch, out.tolist()):
+        for (rid, slots), s in zip(batch, out.tolist(), strict=True):
             if rid is None:
                 self.new_req([s])
             else:
@@ -230,6 +236,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def group_end(self) -> None:
         self.a.free_group_end()
         group, self.group = self.group, None
+        assert group is not None
         pages = [p for g in group for p in g]
         if self.paged:
             pages = sorted(pages)
