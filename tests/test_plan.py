@@ -7,6 +7,8 @@ import json
 import logging
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvjax import ConfigError
 from kvjax.config import CacheConfig
@@ -661,3 +663,24 @@ def test_plan_of_a_sharded_ssm_model_prints_per_rank_state():
         plan_kv_cache(ModelSpec.preset("qwen3-next-80b-a3b"), CacheConfig(memory_budget_bytes=80 * GiB, tp_size=8))
     )
     assert "[36, " in text and "1,024, 3]" in text and "4, 128, 128]" in text
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.sampled_from(["dense", "swa", "pure_swa", "ssm", "mla"]),
+    budget=st.integers(2**20, 2**34),
+    page=st.sampled_from([2, 16, 64]),
+    tp=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([0.25, 0.8, 1.0]),
+)
+def test_device_bytes_never_exceed_any_budget(which, budget, page, tp, ratio):
+    spec = {"dense": dense(), "swa": swa(), "pure_swa": swa((S, S)), "ssm": ssm(), "mla": mla()}[which]
+    config = CacheConfig(memory_budget_bytes=budget, page_size=page, tp_size=tp, swa_full_tokens_ratio=ratio)
+    try:
+        p = plan_kv_cache(spec, config)
+    except ConfigError as e:  # too small a budget: refused, naming what to raise
+        assert e.option in ("memory_budget_bytes", "mamba_full_memory_ratio"), e
+        return
+    assert p.device_bytes <= budget
+    assert p.max_running_requests <= max(1, p.num_pages)
+    assert p.requests_that_fit(1) >= 1 and p.max_context_for(1) >= 1
