@@ -7,7 +7,7 @@ request its own slots back (``prefix_indices``), and at finish it frees them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,8 +15,12 @@ from kvjax.radix.lock import LockReceipt
 from kvjax.radix.match import MatchResult
 from kvjax.radix.stats import CacheStats
 
+if TYPE_CHECKING:
+    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.request import Req
 
-def request_row(req_to_token_pool: Any, req: Any, what: str) -> np.ndarray:
+
+def request_row(req_to_token_pool: ReqToTokenPoolProtocol | None, req: Req, what: str) -> np.ndarray:
     """The request's row of ``req_to_token`` (a view)."""
     if req_to_token_pool is None:
         raise ValueError(f"{what}: this cache has no req_to_token_pool; pass one to use the request lifecycle")
@@ -25,13 +29,15 @@ def request_row(req_to_token_pool: Any, req: Any, what: str) -> np.ndarray:
     return req_to_token_pool.req_to_token[req.req_pool_idx]
 
 
-def free_slots(allocator: Any, slots: np.ndarray) -> None:
+def free_slots(allocator: AllocatorProtocol | None, slots: np.ndarray) -> None:
     """Free ``slots`` into ``allocator`` (no-op for none or an empty array)."""
     if allocator is not None and slots.size:
         allocator.free(slots)
 
 
-def chunk_finished(req_to_token_pool: Any, allocator: Any, req: Any) -> None:
+def chunk_finished(
+    req_to_token_pool: ReqToTokenPoolProtocol | None, allocator: AllocatorProtocol | None, req: Req
+) -> None:
     """Free the request's own slots ``[cache_protected_len, kv_len)``; the protected prefix
     (if a caller set one) is not the request's to free."""
     row = request_row(req_to_token_pool, req, "cache_finished_req")
@@ -40,7 +46,7 @@ def chunk_finished(req_to_token_pool: Any, allocator: Any, req: Any) -> None:
     req.lock_receipt = None
 
 
-def chunk_unfinished(req_to_token_pool: Any, req: Any) -> None:
+def chunk_unfinished(req_to_token_pool: ReqToTokenPoolProtocol | None, req: Req) -> None:
     """``prefix_indices`` = an int32 copy of the request's slots so far (the row is reused)."""
     row = request_row(req_to_token_pool, req, "cache_unfinished_req")
     req.prefix_indices = np.array(row[: req.fill_len()], dtype=np.int32)
@@ -60,8 +66,8 @@ class ChunkCache:
 
     def __init__(
         self,
-        req_to_token_pool: Any | None = None,
-        token_to_kv_pool_allocator: Any | None = None,
+        req_to_token_pool: ReqToTokenPoolProtocol | None = None,
+        token_to_kv_pool_allocator: AllocatorProtocol | None = None,
         page_size: int = 1,
         **_: Any,
     ) -> None:
@@ -116,10 +122,32 @@ class ChunkCache:
     def take_events(self) -> list:
         return []
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Free ``req_to_token[row, cache_protected_len : kv_len]``."""
         chunk_finished(self.req_to_token_pool, self.token_to_kv_pool_allocator, req)
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Set ``req.prefix_indices`` to a copy of ``req_to_token[row, :len(fill_ids)]``."""
         chunk_unfinished(self.req_to_token_pool, req)
+
+    def check_invariants(self) -> None:
+        """Nothing to check."""
+
+    # SGLang 0.5.23's names.
+
+    def match_kv_cache(self, req: Req, token_ids: Any = None, *, max_prefix_len: int | None = None) -> MatchResult:
+        """No prefix is ever shared: adopts an empty prefix (``cache_protected_len`` 0)."""
+        req.prefix_indices = np.empty(0, dtype=np.int32)
+        req.last_node = None
+        req.lock_receipt = None
+        req.cache_protected_len = 0
+        req.cached_tokens = 0
+        return self.match_prefix(token_ids)
+
+    def checkpoint_kv_cache(self, req: Req) -> None:
+        """:meth:`cache_unfinished_req`."""
+        self.cache_unfinished_req(req)
+
+    def release_kv_cache(self, req: Req, *, checkpoint: bool) -> None:
+        """:meth:`cache_finished_req` (nothing is ever kept)."""
+        self.cache_finished_req(req, is_insert=checkpoint)

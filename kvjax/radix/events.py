@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class AllBlocksCleared:
     """The whole cache was reset."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-EventSink = Union[Callable[[KVEvent], Any], list]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+EventSink = Callable[[KVEvent], Any] | list
 
 
 def _to_int64(digest: bytes) -> int:

@@ -106,14 +106,20 @@ class TreeNode:
         "comp",
     )
 
+    # The root's ``parent`` is None; every other node's is set before it is linked, so the
+    # tree's walks read it as a node.
+    parent: TreeNode
+    # SGLang's child key: a token (page size 1) or a tuple of tokens, ``(extra_key, ...)`` at the root.
+    ckey: Any
+
     def __init__(self, owner: object, t: int) -> None:
         self.id = next(_ids)
-        self.parent: TreeNode | None = None
-        self.children: dict[Hashable, TreeNode] = {}
+        self.parent = None  # type: ignore[assignment]
+        self.children: dict[Any, TreeNode] = {}
         self.first: dict[int, Any] | None = None
         self.key: bytes | None = None
         self.klist: list | None = None
-        self.ckey: Hashable = None
+        self.ckey = None
         self.klen = 0
         self.depth = 0
         self.value: np.ndarray | None = None

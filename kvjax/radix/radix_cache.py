@@ -151,6 +151,7 @@ class RadixCache(RadixTree):
         if self.disable:
             return MatchResult(np.empty(0, dtype=INT32), self.root)
         # Inlined _source/_key_len: this is the hottest public call.
+        src: Any
         if type(token_ids) is list:
             src, is_bytes, n = token_ids, False, len(token_ids) - self._ex
         elif isinstance(token_ids, np.ndarray):
@@ -344,7 +345,7 @@ class RadixCache(RadixTree):
         )
         matched = s + m_rel
         cpl = req.cache_protected_len
-        if matched > cpl and m_rel:
+        if matched > cpl and m_rel and vals is not None:
             tree_slots = np.concatenate(vals)[cpl - s :] if cpl >= s else None
             if tree_slots is not None:
                 dup = row[cpl:matched]
@@ -382,6 +383,8 @@ class RadixCache(RadixTree):
         pool = self.req_to_token_pool
         if pool is None:
             raise ValueError("this cache has no req_to_token_pool; pass one to use the request lifecycle")
+        if req.req_pool_idx is None:
+            raise ValueError(f"request {req.rid!r} has no req_pool_idx")
         pool.write(req.req_pool_idx, start, values)
 
     def _lock_of(self, req: Req) -> Any:

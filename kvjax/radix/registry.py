@@ -22,12 +22,15 @@ host tier attached     NotImplementedError: host-memory tier
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
 from kvjax.radix.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
 
 TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
 
@@ -37,11 +40,44 @@ _MISSING = {
 }
 
 
+class TreeCachePlan(Protocol):
+    """The attributes of a cache plan (``kvjax.plan.CachePlan``) that pick and configure a tree;
+    any object with them works (the plan types are not imported here: ``kvjax.radix`` stays
+    free of jax)."""
+
+    @property
+    def tree_cache_kind(self) -> str: ...
+
+    @property
+    def tree_components(self) -> tuple[str, ...]: ...
+
+    @property
+    def disable_radix_cache(self) -> bool: ...
+
+    @property
+    def attach_host_tier(self) -> bool: ...
+
+    @property
+    def tree_page_size(self) -> int: ...
+
+    @property
+    def radix_eviction_policy(self) -> str: ...
+
+    @property
+    def is_eagle(self) -> bool: ...
+
+    @property
+    def enable_kv_cache_events(self) -> bool: ...
+
+    @property
+    def enable_metrics(self) -> bool: ...
+
+
 def create_tree_cache(
-    plan: Any,
+    plan: TreeCachePlan,
     *,
-    req_to_token_pool: Any | None = None,
-    token_to_kv_pool_allocator: Any | None = None,
+    req_to_token_pool: ReqToTokenPoolProtocol | None = None,
+    token_to_kv_pool_allocator: AllocatorProtocol | None = None,
     event_sink: EventSink | None = None,
 ) -> ChunkCache | RadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
@@ -54,7 +90,7 @@ def create_tree_cache(
         NotImplementedError: a kind or component that is not built yet (named).
     """
     kind = plan.tree_cache_kind
-    page_size = int(getattr(plan, "tree_page_size", 1) or 1)
+    page_size = int(plan.tree_page_size or 1)
     if kind not in TREE_CACHE_KINDS:
         raise ConfigError("tree_cache_kind", kind, f"use one of {', '.join(TREE_CACHE_KINDS)}")
     if kind == "chunk":
@@ -65,13 +101,14 @@ def create_tree_cache(
         )
     if kind in ("swa_chunk", "pure_swa_chunk"):
         raise NotImplementedError(
-            f"tree_cache_kind={kind!r} needs the SWA chunk cache (SWAChunkCache over the SWA allocator), which is not built yet"
+            f"tree_cache_kind={kind!r} needs the SWA chunk cache (SWAChunkCache over the SWA allocator), "
+            "which is not built yet"
         )
     if kind == "pure_swa_radix":
         raise NotImplementedError(
             "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
         )
-    components = tuple(getattr(plan, "tree_components", ("full",)) or ("full",))
+    components = tuple(plan.tree_components or ("full",))
     for comp in components:
         if comp == "full":
             continue
@@ -79,16 +116,16 @@ def create_tree_cache(
         if what is None:
             raise ConfigError("tree_components", components, "components are 'full', 'swa' and 'mamba'")
         raise NotImplementedError(f"tree_components={components!r} needs the {what}, which is not built yet")
-    if getattr(plan, "attach_host_tier", False):
+    if plan.attach_host_tier:
         raise NotImplementedError("the plan attaches a host-memory tier (HiCache), which is not built yet")
     return RadixCache(
         page_size=page_size,
-        eviction_policy=getattr(plan, "radix_eviction_policy", "lru") or "lru",
+        eviction_policy=plan.radix_eviction_policy or "lru",
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        disable=bool(getattr(plan, "disable_radix_cache", False)),
-        is_eagle=bool(getattr(plan, "is_eagle", False)),
-        enable_kv_cache_events=bool(getattr(plan, "enable_kv_cache_events", False)),
+        disable=bool(plan.disable_radix_cache),
+        is_eagle=bool(plan.is_eagle),
+        enable_kv_cache_events=bool(plan.enable_kv_cache_events),
         event_sink=event_sink,
-        enable_metrics=bool(getattr(plan, "enable_metrics", False)),
+        enable_metrics=bool(plan.enable_metrics),
     )

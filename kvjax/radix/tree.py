@@ -234,13 +234,16 @@ class RadixTree:
     def _klist(self, node: TreeNode) -> list:
         kl = node.klist
         if kl is None:
-            kl = node.klist = decode_tokens(node.key)
+            key = node.key
+            assert key is not None, "a node keeps at least one form of its key"
+            kl = node.klist = decode_tokens(key)
         return kl
 
     def _kbytes(self, node: TreeNode) -> bytes:
         kb = node.key
         if kb is None:
             kl = node.klist
+            assert kl is not None, "a node keeps at least one form of its key"
             kb = node.key = _pack(f"{len(kl)}i", *kl)
         return kb
 
@@ -441,7 +444,7 @@ class RadixTree:
         """
         node = start
         off = 0
-        vals: list | None = [] if collect else None
+        vals: list = []
         ex = self._ex
         simple = self._simple_ck
         ckl = self._ck_len
@@ -494,7 +497,7 @@ class RadixTree:
         if off >= n:
             if self._eager and node in self._leaves:
                 self._defer_push(node)
-            return node, off, vals
+            return node, off, vals if collect else None
         # Unmatched remainder: one new leaf.
         klen = n - off
         if values is None:
@@ -517,8 +520,10 @@ class RadixTree:
         leaf.extra_key = extra_key
         if is_bytes:
             ck = self._child_key(src, True, off)
+        elif simple:
+            ck = src[off]
         else:
-            ck = src[off] if simple else tuple(src[off : off + ckl])
+            ck = tuple(src[off : off + ckl])
         if node is self.root and extra_key is not None:
             ck = (extra_key, ck)
         leaf.ckey = ck
@@ -541,7 +546,7 @@ class RadixTree:
         if extra:
             for c in extra:
                 c.on_new_node(leaf, payloads.get(c.name) if payloads else None)
-        return leaf, off, vals
+        return leaf, off, vals if collect else None
 
     def _revive(self, parent: TreeNode, node: TreeNode, values: np.ndarray | None, off: int, k: int) -> None:
         """Make the host-only ``node`` (``k`` key elements, ``values[off:off + k]`` incoming)
@@ -603,10 +608,12 @@ class RadixTree:
             prior = self._hasher.root(leaf.extra_key)
             parent_hash = None
         else:
+            assert parent.hashes is not None, "with events on, every node has its page hashes"
             parent_hash = parent.hashes[-1]
             prior = PageHasher.as_bytes(parent_hash)
         kb = self._kbytes(leaf)
         leaf.hashes = self._hasher.chain(prior, kb, self._ck_len * 4, ps * 4, leaf.klen // ps)
+        assert self._events is not None
         self._events.emit(
             BlockStored(
                 block_hashes=list(leaf.hashes),
@@ -1039,7 +1046,7 @@ class RadixTree:
         stack = [(c, 1) for c in reversed(list(self.root.children.values()))]
         while stack:
             node, depth = stack.pop()
-            toks = node.klist[:10] if node.klist is not None else decode_tokens(node.key[: 10 * 4])
+            toks = node.klist[:10] if node.klist is not None else decode_tokens((node.key or b"")[: 10 * 4])
             more = "..." if node.klen + self._ex > 10 else ""
             ek = "" if node.extra_key is None or node.parent is not self.root else f" extra_key={node.extra_key!r}"
             res = "" if node.residency == DEVICE else f" {RESIDENCY_NAMES[node.residency]}"
@@ -1075,7 +1082,7 @@ class RadixTree:
 
         evictable = protected = host_only = 0
         leaves = set()
-        vals = []
+        vals: list[np.ndarray] = []
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -1120,16 +1127,16 @@ class RadixTree:
                 if child.lock_ref < 0:
                     fail(f"node {child.id}: lock_ref {child.lock_ref} < 0")
                 if self._events is not None and (child.hashes is None or len(child.hashes) != child.klen // ps):
-                    fail(
-                        f"node {child.id}: {child.hashes and len(child.hashes)} page hashes for {child.klen // ps} pages"
-                    )
+                    got = None if child.hashes is None else len(child.hashes)
+                    fail(f"node {child.id}: {got} page hashes for {child.klen // ps} pages")
                 child_locks += child.lock_ref
                 if child.residency == DEVICE:
                     if child.lock_ref:
                         protected += child.klen
                     else:
                         evictable += child.klen
-                    vals.append(child.value)
+                    if child.value is not None:
+                        vals.append(child.value)
                 stack.append(child)
             if node is not self.root and node.residency == DEVICE and not node.lock_ref and not device_children:
                 leaves.add(node)

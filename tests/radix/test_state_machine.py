@@ -39,20 +39,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
-
-try:  # written concurrently; the machine falls back to small pools of its own.
-    from kvjax.alloc import make_allocator
-except ImportError:  # pragma: no cover
-    make_allocator = None
-try:
-    from kvjax.req_pool import ReqToTokenPool
-except ImportError:  # pragma: no cover
-    ReqToTokenPool = None
-try:
-    from kvjax.request import Req
-except ImportError:  # pragma: no cover
-    Req = None
+from kvjax.req_pool import ReqToTokenPool
+from kvjax.request import Req
 
 MAX_LIVE_REQUESTS = 4
 MAX_PAGES_PER_KEY = 6
@@ -82,53 +72,6 @@ SETTINGS = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Fallback host bookkeeping, used only while kvjax.alloc / kvjax.req_pool are not there.
-
-
-class _FallbackAllocator:
-    """Page free list: slot ids ``page * page_size + offset``, page 0 never handed out."""
-
-    def __init__(self, size: int, page_size: int):
-        self.size, self.page_size = size, page_size
-        self._free = list(range(1, size // page_size + 1))
-
-    def available_size(self) -> int:
-        return len(self._free) * self.page_size
-
-    def alloc(self, n: int):
-        pages = n // self.page_size
-        if n % self.page_size or pages > len(self._free):
-            return None
-        got, self._free = self._free[:pages], self._free[pages:]
-        ps = self.page_size
-        return (np.asarray(got, np.int64)[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32)
-
-    def free(self, idx) -> None:
-        pages = sorted({int(s) // self.page_size for s in np.asarray(idx).reshape(-1)})
-        assert not set(pages) & set(self._free) and 0 not in pages, pages
-        self._free.extend(pages)
-
-
-class _FallbackReqPool:
-    def __init__(self, rows: int, width: int):
-        self.req_to_token = np.zeros((rows, width), np.int32)
-        self._free = list(range(rows))
-
-    def alloc(self, n: int):
-        if n > len(self._free):
-            return None
-        got, self._free = self._free[:n], self._free[n:]
-        return got
-
-    def free(self, idx) -> None:
-        self._free.append(int(idx))
-
-    def write(self, req_idx, start, values) -> None:
-        values = np.asarray(values)
-        self.req_to_token[req_idx, start : start + len(values)] = values
 
 
 class RecordingAllocator:
@@ -231,11 +174,11 @@ class RadixMachine(RuleBasedStateMachine):
             kwargs["is_eagle"] = True
         if self.with_pools:
             size = CAPACITY_TOKENS[ps]
-            inner = make_allocator(size, ps) if make_allocator else _FallbackAllocator(size, ps)
+            inner = make_allocator(size, ps)
             self.alloc = RecordingAllocator(inner)
             width = (MAX_PAGES_PER_KEY + 1) * ps * 3
             rows = MAX_LIVE_REQUESTS + 1
-            self.req_pool = ReqToTokenPool(rows, width) if ReqToTokenPool else _FallbackReqPool(rows, width)
+            self.req_pool = ReqToTokenPool(rows, width)
             self.capacity = self.alloc.available_size()
             kwargs.update(token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.req_pool)
         else:
@@ -253,7 +196,7 @@ class RadixMachine(RuleBasedStateMachine):
     def _elems(self, tokens) -> list:
         """Key elements of ``tokens``: the tokens, or their bigrams with EAGLE."""
         tokens = list(tokens)
-        return list(zip(tokens, tokens[1:])) if self.is_eagle else tokens
+        return list(zip(tokens, tokens[1:], strict=False)) if self.is_eagle else tokens
 
     def _aligned_len(self, n_tokens: int) -> int:
         """Key elements the tree caches for ``n_tokens`` tokens."""
@@ -648,8 +591,6 @@ CASES = [
 
 @pytest.mark.parametrize(("page_size", "policy", "with_pools", "is_eagle"), CASES)
 def test_radix_cache_matches_model(page_size, policy, with_pools, is_eagle):
-    if with_pools and Req is None:
-        pytest.skip("kvjax.request.Req is not there yet")
     name = f"Radix_p{page_size}_{policy}_{'pools' if with_pools else 'standalone'}{'_eagle' if is_eagle else ''}"
     machine = type(
         name,
