@@ -65,13 +65,16 @@ def test_import_kvjax_keeps_the_jax_names_reachable_lazily():
 
 
 def test_plan_command_imports_neither_jax_nor_the_kernels():
+    """``python -m kvjax plan --model tiny --memory 1GiB --json``, run as ``-m`` runs it."""
     statement = (
-        "import contextlib, io\n"
-        "from kvjax.cli import main\n"
+        "import contextlib, io, runpy\n"
+        "sys.argv = ['kvjax', 'plan', '--model', 'tiny', '--memory', '1GiB', '--json']\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf):\n"
-        "    rc = main(['plan', '--model', 'tiny', '--memory', '1GiB', '--json'])\n"
-        "assert rc in (0, None), rc\n"
+        "    try:\n"
+        "        runpy.run_module('kvjax', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), e.code\n"
         "assert json.loads(buf.getvalue())['max_total_tokens'] > 0"
     )
     loaded = _loaded_heavy_modules_after(statement)
