@@ -14,7 +14,7 @@ from kvjax import ConfigError
 from kvjax.config import CacheConfig
 from kvjax.plan import plan_kv_cache
 from kvjax.spec import ModelSpec
-from tests.specs import F, S, dense, mla, ssm, swa
+from tests.specs import F, R, S, dense, mla, ssm, swa
 
 GiB = 2**30
 
@@ -684,3 +684,18 @@ def test_device_bytes_never_exceed_any_budget(which, budget, page, tp, ratio):
     assert p.device_bytes <= budget
     assert p.max_running_requests <= max(1, p.num_pages)
     assert p.requests_that_fit(1) >= 1 and p.max_context_for(1) >= 1
+
+
+def test_a_pipeline_stage_of_only_recurrent_layers_does_not_size_the_pool():
+    spec = ssm((R, R, F, F))
+    p0 = plan(spec, pp_size=2, pp_rank=0)
+    p1 = plan(spec, pp_size=2, pp_rank=1)
+    assert p0.num_kv_layers == 0 and p1.num_kv_layers == 2
+    assert p0.max_total_tokens == p1.max_total_tokens > 0
+    assert p0.max_running_requests == p1.max_running_requests  # capped by stage 0's state slots
+    assert p0.device_bytes <= GiB and p1.device_bytes <= GiB
+
+
+def test_a_model_without_attention_layers_is_refused():
+    with pytest.raises(ConfigError, match="no layer caches per-token attention"):
+        plan(ssm((R, R)))

@@ -178,7 +178,15 @@ def decide_sizes(
     budget = kv_budget(config, device_memory_bytes)
     stages = [_stage_budget(config, target, stage_layers(spec, config, r), budget) for r in range(config.pp_size)]
     stage = stages[config.pp_rank]
-    max_total = min(s.tokens for s in stages)
+    sized = [s for s in stages if s.layers.kv_layers]  # a stage of only recurrent layers holds no tokens
+    if not sized:
+        raise ConfigError(
+            "model",
+            spec.name,
+            "no layer caches per-token attention (K/V or MLA), so there is no token pool to size; kvjax plans "
+            "models with at least one attention layer",
+        )
+    max_total = min(s.tokens for s in sized)
     if config.max_total_tokens is not None:
         if budget is not None and config.max_total_tokens > max_total:
             warnings.append(
@@ -219,17 +227,19 @@ def decide_sizes(
             f"max_running_requests={rows} exceeds the {pages:,} pages of {ps} tokens; at most {pages:,} requests "
             "can run at once (each holds a page of its own)"
         )
-    if kind.is_hybrid_ssm:
+    with_state = [s for s in stages if s.layers.recurrent]
+    if kind.is_hybrid_ssm and with_state:
+        # Every stage runs the same requests: the stage with the fewest state slots caps the rows.
         per_req = _mamba_states_per_request(config)
-        cap = stage.mamba_slots // per_req
-        if cap <= 0:
+        slots = min(s.mamba_slots for s in with_state)
+        if slots // per_req <= 0:
             raise ConfigError(
                 "mamba_full_memory_ratio",
                 config.mamba_full_memory_ratio,
-                f"the budget holds {stage.mamba_slots} recurrent-state slots, fewer than the {per_req} one request "
+                f"the budget holds {slots} recurrent-state slots, fewer than the {per_req} one request "
                 "needs; raise the memory budget or mamba_full_memory_ratio",
             )
-        rows = min(rows, cap)
+        rows = min(rows, slots // per_req)
 
     if kind.is_hybrid_swa and not stage.layers.full:
         held, need = max_total, min(context_length, spec.sliding_window or context_length)
