@@ -699,3 +699,9 @@ def test_a_pipeline_stage_of_only_recurrent_layers_does_not_size_the_pool():
 def test_a_model_without_attention_layers_is_refused():
     with pytest.raises(ConfigError, match="no layer caches per-token attention"):
         plan(ssm((R, R)))
+
+
+def test_swa_split_that_leaves_a_pool_without_a_page_is_refused():
+    # 1 MiB, pages of 64: the full pool gets 2 pages and the SWA pool 0.25 x 128 = 32 tokens, no page.
+    with pytest.raises(ConfigError, match="after the sliding-window split"):
+        plan(swa(), memory_budget_bytes=2**20, page_size=64, swa_full_tokens_ratio=0.25)

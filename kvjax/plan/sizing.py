@@ -209,7 +209,7 @@ def decide_sizes(
     if kind.is_hybrid_swa:
         full_tokens, swa_tokens = _split_hybrid_swa(max_total, stage.layers, config.swa_full_tokens_ratio, ps)
         max_total = full_tokens if stage.layers.full else swa_tokens
-        if max_total <= 0:
+        if (stage.layers.full and full_tokens <= 0) or (stage.layers.swa and swa_tokens <= 0):
             raise ConfigError(
                 "memory_budget_bytes",
                 budget,
