@@ -30,7 +30,7 @@ WEIGHT_INIT_STDDEV = 0.02  # random weights (presets without a checkpoint), as T
 class BatchMetadata:
     """Where a ragged batch's tokens live. ``T`` tokens (padded), ``S`` sequence rows (padded).
 
-    Fields (all int32 device arrays):
+    Fields (int32; numpy on the host, device arrays inside the step):
       positions: ``[T]`` position of each token in its sequence (0 for padding).
       out_loc: ``[T]`` KV slot each token's K/V is written to (0, the trash page, for padding).
       kv_lens: ``[S]`` KV length of each sequence including this batch's tokens.

@@ -29,8 +29,11 @@ tokens (and, with ``record_logits``, the logits).
 
 Host time per step is split in ``ServeStats``: ``bookkeeping_seconds`` (match, evict, allocate,
 table writes, cache, free: kvjax's host work), ``pack_seconds`` (page table and batch packing) and
-``step_seconds`` (the jitted step until its tokens are on the host); the ``decode_*`` fields count
-decode steps only.
+``step_seconds`` (the jitted step until its tokens are on the host); ``finish_seconds`` is the
+part of bookkeeping spent finishing requests (``cache_finished_req`` and freeing the row); the
+``decode_*`` fields count decode steps only. A decode step whose new tokens all continue pages
+the requests already own skips the allocator (the slot is ``last + 1``, what ``alloc_decode``
+returns), and finished requests free their slots in one allocator call (a free group, as SGLang).
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
@@ -108,6 +111,8 @@ class ServeStats:
     decode_step_seconds: float = 0.0
     decode_pack_seconds: float = 0.0
     decode_bookkeeping_seconds: float = 0.0
+    finish_seconds: float = 0.0
+    decode_finish_seconds: float = 0.0
     peak_used_tokens: int = 0
     occupancy: list[float] = dataclasses.field(default_factory=list)
     hit_rate_history: list[float] = dataclasses.field(default_factory=list)
@@ -187,7 +192,7 @@ class Scheduler:
         done: list[ServingReq] = []
         st = self.stats
         start = time.perf_counter()
-        step_before, pack_before = st.step_seconds, st.pack_seconds
+        step_before, pack_before, finish_before = st.step_seconds, st.pack_seconds, st.finish_seconds
         ran = decoded = False
         if self.chunked is not None or self.waiting:
             ran = self._prefill(done)
@@ -206,6 +211,7 @@ class Scheduler:
             st.decode_step_seconds += stepped
             st.decode_pack_seconds += packed
             st.decode_bookkeeping_seconds += bookkeeping
+            st.decode_finish_seconds += st.finish_seconds - finish_before
         available = self.alloc.available_size()
         used = self.alloc.size - available - self.tree.evictable_size()
         st.peak_used_tokens = max(st.peak_used_tokens, used)
@@ -345,28 +351,41 @@ class Scheduler:
 
     def _decode(self, done: list[ServingReq]) -> None:
         while True:
-            kv_len = np.array([r.kv_len() for r in self.running])
+            # Running requests always have kv_committed_len set (after their prefill / last decode).
+            kv_len = np.fromiter((r.kv_committed_len for r in self.running), np.int64, len(self.running))
             need = int(((kv_len % self.page_size) == 0).sum()) * self.page_size
             if self._make_room(need):
                 break
             self._retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
             if not self.running:
                 return
-        rows = [_row(r) for r in self.running]
+        rows = np.fromiter((r.req_pool_idx for r in self.running), np.int64, len(self.running))
         last = self.rows.req_to_token[rows, kv_len - 1]
-        slots = self.alloc.alloc_decode(kv_len + 1, last)
-        if slots is None:
-            raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
+        if need == 0 and self.page_size > 1:
+            # Every new token continues its request's last page, a page the request already owns:
+            # the slot is last + 1, exactly what alloc_decode would return, without the call.
+            slots = (last + 1).astype(np.int32)
+        else:
+            slots = self.alloc.alloc_decode(kv_len + 1, last)
+            if slots is None:
+                raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
         self.rows.req_to_token[rows, kv_len] = slots
-        tokens = [np.asarray([r.output_ids[-1]], np.int32) for r in self.running]
+        tokens = np.fromiter((r.output_ids[-1] for r in self.running), np.int32, len(self.running))
         next_tokens = self._forward(tokens, kv_len, slots, rows, kv_len + 1)
         self.stats.decode_steps += 1
         running, self.running = self.running, []
-        for i, (req, n, token) in enumerate(zip(running, kv_len.tolist(), next_tokens.tolist(), strict=True)):
-            req.kv_committed_len = n + 1
-            self._record_logits(req, i)
-            if not self._append_token(req, token, done):
-                self.running.append(req)
+        logits = self._last_logits
+        # Finished requests return their slots in one allocator call (SGLang's free group).
+        self.alloc.free_group_begin()
+        try:
+            for i, (req, n, token) in enumerate(zip(running, kv_len.tolist(), next_tokens.tolist(), strict=True)):
+                req.kv_committed_len = n + 1
+                if logits is not None:
+                    req.logits.append(logits[i])
+                if not self._append_token(req, token, done):
+                    self.running.append(req)
+        finally:
+            self.alloc.free_group_end()
 
     def _retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
@@ -380,12 +399,15 @@ class Scheduler:
 
     def _append_token(self, req: ServingReq, token: int, done: list[ServingReq]) -> bool:
         """Append a sampled token; finish the request when it is done. Returns whether it finished."""
-        req.output_ids.append(token)
+        out = req.output_ids
+        out.append(token)
         self.stats.generated_tokens += 1
-        if not req.done:
+        if len(out) < req.max_new_tokens and token not in req.stop_token_ids:
             return False
+        start = time.perf_counter()
         self.tree.cache_finished_req(req)
         self.rows.free(req.req_pool_idx)
+        self.stats.finish_seconds += time.perf_counter() - start
         req.req_pool_idx = None
         req.finished = True
         self.stats.requests_finished += 1
@@ -397,7 +419,12 @@ class Scheduler:
             req.logits.append(self._last_logits[row])
 
     def _forward(
-        self, tokens: list[np.ndarray], starts: Any, slots: np.ndarray, rows: list[int], seq_lens: np.ndarray
+        self,
+        tokens: list[np.ndarray] | np.ndarray,
+        starts: Any,
+        slots: np.ndarray,
+        rows: list[int] | np.ndarray,
+        seq_lens: np.ndarray,
     ) -> np.ndarray:
         """Run the jitted step on the batch, store the new pools in the cache, return the sampled
         tokens (one per sequence). Page-table and packing time go to ``pack_seconds``, the step

@@ -5,9 +5,11 @@
 pools are donated, so every KV write happens in place; the host reads back ``next_tokens`` (one
 int32 per sequence row) and, only when asked, the logits.
 
-``pack_batch`` turns host-side per-sequence facts into fixed-shape device inputs: tokens padded
-to a power-of-two bucket (so the step compiles a handful of times), sequence rows padded to a fixed
-``max_seqs``, the page table padded to a fixed width.
+``pack_batch`` turns host-side per-sequence facts into fixed-shape inputs: tokens padded to a
+power-of-two bucket (so the step compiles a handful of times), sequence rows padded to a fixed
+``max_seqs``, the page table padded to a fixed width. They stay numpy arrays: the jitted call
+moves them to the device in one go, which costs far less than one ``jnp.asarray`` per array
+(measured ~1 ms per step for seven arrays on a loaded 2-core CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvjax.spec import ModelSpec
 
 MIN_TOKEN_BUCKET = 8
 
-StepFn = Callable[[CachePools, dict, jax.Array, BatchMetadata], tuple[Any, ...]]
+StepFn = Callable[[CachePools, dict, Any, BatchMetadata], tuple[Any, ...]]
 
 
 def make_step(model: ModelSpec | ModelConfig, *, with_logits: bool = False) -> StepFn:
@@ -59,21 +61,27 @@ def token_bucket(n: int) -> int:
 
 def pack_batch(
     *,
-    tokens: Sequence[np.ndarray],
-    starts: Sequence[int],
+    tokens: Sequence[np.ndarray] | np.ndarray,
+    starts: Sequence[int] | np.ndarray,
     slots: np.ndarray,
     page_table: np.ndarray,
     max_seqs: int,
-) -> tuple[jax.Array, BatchMetadata]:
-    """Device inputs for sequences whose new tokens are ``tokens[i]`` at positions ``starts[i]...``.
+) -> tuple[np.ndarray, BatchMetadata]:
+    """Step inputs for sequences whose new tokens are ``tokens[i]`` at positions ``starts[i]...``.
 
-    ``slots`` are the KV slots of all new tokens, concatenated in sequence order; ``page_table`` is
-    ``[len(tokens), pages_per_seq]`` (page ids, 0-padded). Returns ``(tokens [T], metadata)``.
+    ``tokens``: one array per sequence, or (a decode batch) one flat int array with one token per
+    sequence. ``slots`` are the KV slots of all new tokens, concatenated in sequence order;
+    ``page_table`` is ``[len(tokens), pages_per_seq]`` (page ids, 0-padded). Returns
+    ``(tokens [T], metadata)`` as int32 numpy arrays.
     """
     n_seqs = len(tokens)
     if n_seqs > max_seqs:
         raise ValueError(f"{n_seqs} sequences in one batch; the step is compiled for at most {max_seqs}")
-    q_lens = np.fromiter((len(t) for t in tokens), np.int32, n_seqs)
+    if isinstance(tokens, np.ndarray):
+        q_lens = np.ones(n_seqs, np.int32)
+        tokens = [tokens.astype(np.int32, copy=False)]
+    else:
+        q_lens = np.fromiter((len(t) for t in tokens), np.int32, n_seqs)
     starts_arr = np.asarray(starts, np.int32)
     total = int(q_lens.sum())
     size = token_bucket(total)
@@ -99,12 +107,12 @@ def pack_batch(
     logits_idx = np.zeros(max_seqs, np.int32)
     logits_idx[:n_seqs] = cu[1 : n_seqs + 1] - 1
     meta = BatchMetadata(
-        positions=jnp.asarray(positions),
-        out_loc=jnp.asarray(out_loc),
-        kv_lens=jnp.asarray(kv_lens),
-        page_indices=jnp.asarray(table),
-        cu_q_lens=jnp.asarray(cu),
-        num_seqs=jnp.asarray(np.array([n_seqs], np.int32)),
-        logits_indices=jnp.asarray(logits_idx),
+        positions=positions,
+        out_loc=out_loc,
+        kv_lens=kv_lens,
+        page_indices=table,
+        cu_q_lens=cu,
+        num_seqs=np.array([n_seqs], np.int32),
+        logits_indices=logits_idx,
     )
-    return jnp.asarray(flat), meta
+    return flat, meta
