@@ -49,8 +49,8 @@ def test_mha_builder_refuses_interleaved_layers():
 
 
 def test_request_table_builder():
-    from kvjax.plan import plan_kv_cache
     from kvjax.config import CacheConfig
+    from kvjax.plan import plan_kv_cache
     from tests.specs import dense
 
     planned = plan_kv_cache(dense(), CacheConfig(max_total_tokens=256, max_running_requests=3, context_length=60)).pool(
