@@ -361,9 +361,10 @@ class Scheduler:
                 return
         rows = np.fromiter((r.req_pool_idx for r in self.running), np.int64, len(self.running))
         last = self.rows.req_to_token[rows, kv_len - 1]
-        if need == 0 and self.page_size > 1:
+        if need == 0 and self.page_size > 1 and not getattr(self.alloc, "need_sort", False):
             # Every new token continues its request's last page, a page the request already owns:
-            # the slot is last + 1, exactly what alloc_decode would return, without the call.
+            # the slot is last + 1, exactly what alloc_decode would return, without the call (under
+            # need_sort the call may merge the release list, so it is kept there).
             slots = (last + 1).astype(np.int32)
         else:
             slots = self.alloc.alloc_decode(kv_len + 1, last)
