@@ -12,7 +12,7 @@ from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, Page
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
-from kvjax.radix.match import MatchResult
+from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
@@ -24,6 +24,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CacheStats",
+    "ComponentMatchResult",
     "ComponentSizes",
     "ChunkCache",
     "EVICTION_POLICIES",

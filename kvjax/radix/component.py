@@ -74,7 +74,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol
-    from kvjax.radix.match import MatchResult
+    from kvjax.radix.match import ComponentMatchResult
     from kvjax.radix.node import TreeNode
     from kvjax.radix.tree import RadixTree
 
@@ -149,7 +149,7 @@ class TreeComponent:
 
     # -- match ----------------------------------------------------------------------------------
 
-    def finalize_match(self, result: MatchResult) -> None:
+    def finalize_match(self, result: ComponentMatchResult) -> None:
         """A match walked: ``result.last_node`` / ``prefix_len`` are the device match so far
         (``result.walk_node`` the deepest node walked, host-only nodes included). Shorten it with
         ``result.shorten_to(ancestor)``, add ``result.extras[self.name]``, refresh recency."""

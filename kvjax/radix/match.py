@@ -34,16 +34,13 @@ class MatchResult:
     ids they held at match time even if the tree changes before ``indices`` is read.
     """
 
-    __slots__ = ("_indices", "_parts", "last_node", "prefix_len", "_extras", "_full", "_walk")
+    __slots__ = ("_indices", "_parts", "last_node", "prefix_len")
 
     def __init__(self, indices: np.ndarray, last_node: Any, prefix_len: int | None = None) -> None:
         self._indices: np.ndarray | None = indices
         self._parts: Sequence[np.ndarray] | None = None
         self.last_node = last_node
         self.prefix_len = int(indices.shape[0]) if prefix_len is None else prefix_len
-        self._extras: dict[str, Any] | None = None
-        self._full: int | None = None
-        self._walk: Any = None
 
     @classmethod
     def from_parts(cls, parts: Sequence[np.ndarray], last_node: Any, prefix_len: int) -> MatchResult:
@@ -54,42 +51,22 @@ class MatchResult:
         r._parts = parts
         r.last_node = last_node
         r.prefix_len = prefix_len
-        r._extras = None
-        r._full = None
-        r._walk = None
         return r
 
     @property
     def extras(self) -> dict[str, Any]:
-        """Per-component results, by component name (empty for a FULL-only tree)."""
-        e = self._extras
-        if e is None:
-            e = self._extras = {}
-        return e
+        """Per-component results, by component name (none for a FULL-only tree)."""
+        return {}
 
     @property
     def full_kv_hit_length(self) -> int:
         """Key elements the FULL component matched on device, before components shortened it."""
-        return self.prefix_len if self._full is None else self._full
+        return self.prefix_len
 
     @property
     def walk_node(self) -> Any:
-        """The deepest node the match walked (host-only nodes included); ``last_node`` when the
-        walk met no host-only node."""
-        return self.last_node if self._walk is None else self._walk
-
-    def shorten_to(self, node: Any, root: Any) -> None:
-        """Make the match end at ``node`` (an ancestor-or-self of ``last_node``, or ``root``):
-        ``prefix_len`` becomes its depth and ``indices`` its path's slots."""
-        if self._full is None:
-            self._full = self.prefix_len
-        depth = 0 if node is root else int(node.depth)
-        if depth > self.prefix_len:
-            raise ValueError(f"shorten_to: node at depth {depth} is below the match ({self.prefix_len})")
-        if self._indices is not None:
-            self._indices = self._indices[:depth].copy()
-        self.last_node = node
-        self.prefix_len = depth
+        """The deepest node the match walked (host-only nodes included)."""
+        return self.last_node
 
     @property
     def indices(self) -> np.ndarray:
@@ -130,3 +107,55 @@ class MatchResult:
 
     def __repr__(self) -> str:
         return f"MatchResult(prefix_len={self.prefix_len}, last_node={self.last_node!r})"
+
+
+class ComponentMatchResult(MatchResult):
+    """A match in a tree with components: they may shorten it (:meth:`shorten_to`) and add
+    results (:attr:`extras`). A subclass so that the FULL-only hot path builds no more than
+    :class:`MatchResult`."""
+
+    __slots__ = ("_extras", "_full", "_walk")
+    _extras: dict[str, Any]
+    _full: int
+    _walk: Any
+
+    @classmethod
+    def from_walk(
+        cls, parts: Sequence[np.ndarray], last_node: Any, prefix_len: int, walk_node: Any
+    ) -> ComponentMatchResult:
+        """The device match ``(parts, last_node, prefix_len)``; ``walk_node``: the deepest node
+        walked when it lies below ``last_node`` (host-only nodes), else None."""
+        r = cls.__new__(cls)
+        r._indices = None
+        r._parts = parts
+        r.last_node = last_node
+        r.prefix_len = prefix_len
+        r._extras = {}
+        r._full = prefix_len
+        r._walk = walk_node
+        return r
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return self._extras
+
+    @property
+    def full_kv_hit_length(self) -> int:
+        return self._full
+
+    @property
+    def walk_node(self) -> Any:
+        return self.last_node if self._walk is None else self._walk
+
+    def shorten_to(self, node: Any, root: Any) -> None:
+        """Make the match end at ``node`` (an ancestor-or-self of ``last_node``, or ``root``):
+        ``prefix_len`` becomes its depth and ``indices`` its path's slots."""
+        depth = 0 if node is root else int(node.depth)
+        if depth > self.prefix_len:
+            raise ValueError(f"shorten_to: node at depth {depth} is below the match ({self.prefix_len})")
+        if self._walk is None:
+            self._walk = self.last_node
+        if self._indices is not None:
+            self._indices = self._indices[:depth].copy()
+        self.last_node = node
+        self.prefix_len = depth

@@ -48,7 +48,7 @@ from kvjax.radix.events import EventSink
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.keys import INT32, as_slot_array, encode_tokens
-from kvjax.radix.match import MatchResult
+from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.tree import RadixTree
 
@@ -199,9 +199,7 @@ class RadixCache(RadixTree):
                 node = node.parent
             matched = 0 if node is root else node.depth
             vals = [v for v in vals if v is not None]
-        result = MatchResult.from_parts(vals, node, matched)
-        result._walk = walk
-        result._full = matched
+        result = ComponentMatchResult.from_walk(vals, node, matched, walk)
         for c in self._extra:
             c.finalize_match(result)
         node = result.last_node
@@ -234,21 +232,20 @@ class RadixCache(RadixTree):
         propagated as a max along the path. ``indices=None`` (standalone trees only) caches
         synthesized slot ids. Hits (``lfu``, ``slru``): every node ending past ``inserted_len``
         counts one (SGLang 0.5.23); ``chunked=True`` counts none (the older rule). ``payloads``
-        are per-component insert payloads by name (see :meth:`insert_with` for their results).
+        are per-component insert payloads by name; use :meth:`insert_with` to receive the
+        components' results (e.g. a donated slot handed back, which the caller must free).
 
         Raises (tree unchanged): ValueError for indices of the wrong length, shape or dtype,
         or None with an allocator attached, or a payload for an unknown component;
         ``kvjax.InvalidSlotError`` for negative slots or slots >= allocator size + page size.
         """
-        return self.insert_with(
-            token_ids,
-            indices,
-            extra_key,
-            priority,
-            chunked=chunked,
-            inserted_len=inserted_len,
-            payloads=payloads,
-        ).prefix_len
+        if self._extra:  # components commit (and may hand slots back): see insert_with
+            return self.insert_with(
+                token_ids, indices, extra_key, priority, chunked=chunked, inserted_len=inserted_len, payloads=payloads
+            ).prefix_len
+        return self._insert(
+            token_ids, indices, extra_key, priority, _NO_HITS if chunked else int(inserted_len), payloads
+        )[0]
 
     def insert_with(
         self,
@@ -263,8 +260,24 @@ class RadixCache(RadixTree):
     ) -> InsertResult:
         """:meth:`insert`, returning the whole :class:`InsertResult` (prefix length, last node,
         per-component results). Same arguments and errors."""
+        matched, node = self._insert(
+            token_ids, indices, extra_key, priority, _NO_HITS if chunked else int(inserted_len), payloads
+        )
+        return InsertResult(matched, node, self._commit(node, payloads) if self._extra else {})
+
+    def _insert(
+        self,
+        token_ids: Any,
+        indices: Any,
+        extra_key: Hashable,
+        priority: int,
+        hit_from: int,
+        payloads: Mapping[str, Any] | None,
+    ) -> tuple[int, TreeNode]:
+        """The insert: validate, walk, add the leaf; components commit unless the caller
+        (:meth:`insert_with`) collects their results. Returns (already cached, last node)."""
         if self.disable:
-            return InsertResult(0, self.root)
+            return 0, self.root
         if payloads:
             for name in payloads:
                 if name not in self._by_name or name == self._full.name:
@@ -288,7 +301,7 @@ class RadixCache(RadixTree):
             n -= n % self.page_size
         self.stats.num_inserts += 1
         if n <= 0:
-            return InsertResult(0, self.root, self._commit(self.root, payloads))
+            return 0, self.root
         is_bytes = type(token_ids) is not list
         src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
         self._clock += 1
@@ -301,11 +314,11 @@ class RadixCache(RadixTree):
             extra_key,
             int(priority) if priority else 0,
             self._clock,
-            _NO_HITS if chunked else int(inserted_len),
+            hit_from,
             False,
             payloads,
         )
-        return InsertResult(matched, node, self._commit(node, payloads) if self._extra else {})
+        return matched, node
 
     def _commit(self, node: TreeNode, payloads: Mapping[str, Any] | None) -> dict[str, Any]:
         """Each component's ``commit_insert`` on the insert's end node, by name."""
