@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,7 +46,7 @@ TARGET_BOOKKEEPING_OVER_STEP = 0.10
 
 
 def warm_vs_cold(model: LoadedModel, workload: Workload, repeats: int) -> dict:
-    settings = dict(page_size=16, max_total_tokens=16384, chunked_prefill_size=512)
+    settings: dict[str, Any] = dict(page_size=16, max_total_tokens=16384, chunked_prefill_size=512)
     serve(workload, model=model, disable_radix_cache=True, **settings)  # compile every step shape
     serve(workload, model=model, **settings)  # and the warm run's (prefix hits give other shapes)
     rates: dict[str, list[float]] = {"cold": [], "warm": []}

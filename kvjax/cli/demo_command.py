@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvjax.cli.plan_command import UsageError
 from kvjax.serve.workload import Workload
 
 
@@ -12,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``demo`` sub-command."""
     demo = sub.add_parser("demo", help="serve a reuse-heavy workload (tiny model or a checkpoint), cold and warm")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    demo.add_argument("--model", help="a Hugging Face checkpoint directory (default: the built-in tiny model)")
+    demo.add_argument("--model", help="a Hugging Face checkpoint directory or a small preset (default: tiny)")
     demo.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serve the checkpoint in this dtype")
     w = Workload()
     demo.add_argument("--groups", type=int, default=w.groups, help="groups of requests sharing a system prompt")
@@ -35,9 +36,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvjax.demo import run_demo
-    from kvjax.serve.checkpoint import load_checkpoint
+    from kvjax.serve.generate import resolve_model
 
-    model = load_checkpoint(args.model, dtype=args.dtype) if args.model else None
+    if args.dtype and not args.model:
+        raise UsageError(f"--dtype {args.dtype} applies to a checkpoint: pass --model DIR with it")
+    model = resolve_model(args.model, dtype=args.dtype) if args.model else None
 
     workload = Workload(
         groups=args.groups,

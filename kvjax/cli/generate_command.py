@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvjax.cli.plan_command import UsageError
 from kvjax.errors import ConfigError
 
 
@@ -55,13 +56,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_ids(text: str, index: int) -> list[int]:
-    """``"1,2, 3"`` -> ``[1, 2, 3]``; `ConfigError` naming the prompt otherwise."""
+    """``"1,2, 3"`` -> ``[1, 2, 3]``; a `UsageError` naming the prompt otherwise."""
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError:
-        raise ConfigError(f"prompt {index}", text, "write token ids as comma-separated integers, e.g. 1,2,3") from None
+        raise UsageError(
+            f"--prompt-ids {text!r} (prompt {index}): write token ids as comma-separated integers, e.g. 1,2,3"
+        ) from None
     if not ids:
-        raise ConfigError(f"prompt {index}", text, "is empty; give at least one token id")
+        raise UsageError(f"--prompt-ids {text!r} (prompt {index}) is empty; give at least one token id")
     return ids
 
 
@@ -73,13 +76,13 @@ def _tokenizer_file(model: str) -> Path | None:
 def run(args: argparse.Namespace) -> int:
     raw_prompts: list[tuple[str, str]] = args.prompts or []
     if not raw_prompts:
-        raise ConfigError("prompt", None, "give at least one --prompt-ids 1,2,3 or --prompt TEXT")
+        raise UsageError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
     tokenizer_file = _tokenizer_file(args.model)
     if any(kind == "text" for kind, _ in raw_prompts) and tokenizer_file is None:
-        raise ConfigError(
-            "prompt",
-            next(text for kind, text in raw_prompts if kind == "text")[:40],
-            f"{args.model} has no tokenizer.json; pass token ids with --prompt-ids, or add tokenizer.json",
+        text = next(text for kind, text in raw_prompts if kind == "text")
+        raise UsageError(
+            f"--prompt {text[:40]!r}: {args.model} has no tokenizer.json; pass token ids with --prompt-ids, "
+            "or add the model's tokenizer.json to the directory"
         )
     tokenizer = None
     if tokenizer_file is not None:

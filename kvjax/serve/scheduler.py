@@ -365,11 +365,11 @@ class Scheduler:
             # Every new token continues its request's last page, a page the request already owns:
             # the slot is last + 1, exactly what alloc_decode would return, without the call (under
             # need_sort the call may merge the release list, so it is kept there).
-            slots = (last + 1).astype(np.int32)
+            slots: np.ndarray | None = (last + 1).astype(np.int32)
         else:
             slots = self.alloc.alloc_decode(kv_len + 1, last)
-            if slots is None:
-                raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
+        if slots is None:
+            raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
         self.rows.req_to_token[rows, kv_len] = slots
         tokens = np.fromiter((r.output_ids[-1] for r in self.running), np.int32, len(self.running))
         next_tokens = self._forward(tokens, kv_len, slots, rows, kv_len + 1)

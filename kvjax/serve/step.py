@@ -106,7 +106,9 @@ def pack_batch(
     table[:n_seqs] = page_table
     logits_idx = np.zeros(max_seqs, np.int32)
     logits_idx[:n_seqs] = cu[1 : n_seqs + 1] - 1
-    meta = BatchMetadata(
+    # numpy leaves on the host (the field types are what the jitted step sees: device arrays)
+    make_meta: Any = BatchMetadata
+    meta: BatchMetadata = make_meta(
         positions=positions,
         out_loc=out_loc,
         kv_lens=kv_lens,

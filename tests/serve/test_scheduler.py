@@ -8,6 +8,7 @@ import pytest
 
 from kvjax import ModelSpec
 from kvjax.demo import demo_cache, serve
+from kvjax.radix import RadixCache
 from kvjax.serve.model import init_params
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.step import make_step, pack_batch
@@ -33,7 +34,8 @@ def test_cold_equals_warm_on_a_reuse_heavy_workload(page_size):
     assert warm.stats.cached_tokens > 0 and cold.stats.cached_tokens == 0
     assert warm.stats.prefill_tokens_computed < cold.stats.prefill_tokens_computed
     assert warm.leak_free() and cold.leak_free()
-    warm.tree.sanity_check()
+    assert isinstance(warm.cache.tree_cache, RadixCache)
+    warm.cache.tree_cache.sanity_check()
 
 
 def test_small_pool_forces_eviction_and_retraction_and_finishes_without_leak():
@@ -63,7 +65,9 @@ def test_step_donates_the_pools_and_updates_in_place():
     cache = demo_cache()
     params = init_params(spec)
     slots = cache.allocator.alloc_extend(np.array([0]), np.array([5]), np.array([-1]))
-    row = cache.req_to_token_pool.alloc(1)[0]
+    rows = cache.req_to_token_pool.alloc(1)
+    assert slots is not None and rows is not None
+    row = rows[0]
     cache.req_to_token_pool.write(row, 0, slots)
     table = cache.req_to_token_pool.page_table_numpy([row], [5], 16, 64)
     tokens, meta = pack_batch(
@@ -100,7 +104,7 @@ def test_the_cache_holds_the_current_pools_after_run():
     assert first.is_deleted(), "the pools passed to the first step were donated"
     assert not cache.pools.kv.kv[0].is_deleted()
     # The request's prompt and output are in the tree; their K/V are readable through the cache.
-    match = cache.tree_cache.match_prefix(req.origin_input_ids + req.output_ids[:-1])
+    match = cache.tree_cache.match_prefix(list(req.origin_input_ids) + req.output_ids[:-1])
     assert len(match.indices) >= 32
     k, v = cache.pools.kv.get_kv(0, match.indices)
     assert np.abs(np.asarray(k)).sum() > 0 and np.abs(np.asarray(v)).sum() > 0
