@@ -46,7 +46,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
 import numpy as np  # noqa: E402
-import radix_workloads as wl  # noqa: E402
+import radix_workloads as wl  # type: ignore[import-not-found]  # noqa: E402
 
 CAPACITY = 200_000
 PAGE_SIZES = (1, 16)
@@ -330,8 +330,10 @@ TARGET_WORKLOADS = ("shared_prefix", "multi_turn")
 
 
 def compare(results: dict) -> dict:
-    table = {}
-    speedups_jax, speedups_extra, all_equal = [], [], True
+    table: dict[str, dict] = {}
+    speedups_jax: list[float] = []
+    speedups_extra: list[float] = []
+    all_equal = True
     for name in results["kvjax"]["workloads"]:
         table[name] = {}
         for page in results["kvjax"]["workloads"][name]:
@@ -360,7 +362,9 @@ def compare(results: dict) -> dict:
                 entry["counts_equal_sglang"] = eq
                 all_equal = all_equal and eq["kvjax"]
             table[name][page] = entry
-    summary = {"kvjax_counts_equal_sglang_everywhere": all_equal if "workloads" in results["sglang"] else None}
+    summary: dict[str, object] = {
+        "kvjax_counts_equal_sglang_everywhere": all_equal if "workloads" in results["sglang"] else None
+    }
     if speedups_jax:
         summary["min_speedup_vs_sglang_jax"] = min(speedups_jax)
         summary["speed_target_vs_sglang_jax"] = SPEED_TARGET
@@ -404,7 +408,7 @@ def main(argv=None):
     # Rounds: every implementation once per round, each run in a fresh process, best time
     # kept. Interleaving spreads the load of a shared machine over all of them alike.
     results = {}
-    for impl, (python, path) in plan.items():
+    for impl, (_python, path) in plan.items():
         if impl != "kvjax" and not path:
             results[impl] = {"impl": impl, "error": f"--{impl.replace('_', '-')}-path not given"}
     for _ in range(args.repeats):

@@ -38,7 +38,7 @@ sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))
 
 import numpy as np  # noqa: E402
-import radix_workloads as wl  # noqa: E402
+import radix_workloads as wl  # type: ignore[import-not-found]  # noqa: E402
 
 from kvjax.radix import RadixCache  # noqa: E402
 
@@ -50,7 +50,7 @@ LONG_PAGE = 16
 
 
 def bench_stream(stream, page_size: int, repeats: int) -> dict:
-    best = None
+    best: dict | None = None
     for _ in range(repeats):
         tree = RadixCache(page_size=page_size, eviction_policy="lru")
         gc.collect()
@@ -67,6 +67,7 @@ def bench_stream(stream, page_size: int, repeats: int) -> dict:
             if result[k] != best[k]:
                 raise AssertionError(f"{k} differs between repeats: {result[k]} != {best[k]}")
         best["us_per_request"] = min(best["us_per_request"], result["us_per_request"])
+    assert best is not None, "repeats must be >= 1"
     return best
 
 
@@ -85,7 +86,9 @@ def bench_long_context(total: int, chunk: int, page_size: int) -> dict:
     )
     rng = random.Random(2)
     tokens = [rng.randrange(wl.VOCAB) for _ in range(total)]
-    row = req_pool.alloc(1)[0]
+    rows = req_pool.alloc(1)
+    assert rows is not None
+    row = rows[0]
     m = tree.match_prefix(tokens[:chunk])
     tree.inc_lock_ref(m.last_node)
     # The chunk's end is given as kv_committed_len, so no caller-side copy of the growing

@@ -163,7 +163,7 @@ def replay(ops: TreeOps, stream: list[Request], *, capacity: int, page_size: int
     )
     hit = evicted = inserted_new = 0
     start = time.perf_counter()
-    for prompt, key, value in zip(prompts, keys, values):
+    for prompt, key, value in zip(prompts, keys, values, strict=True):
         prefix_len, node = match(prompt)
         hit += prefix_len
         handle = lock(node)

@@ -49,10 +49,25 @@ class Harness:
         self.capacity = self.alloc.available_size()
         self.held: dict[int, int] = {}
 
+    def new_row(self) -> int:
+        """A free row of the request pool."""
+        rows = self.pool.alloc(1)
+        assert rows is not None, "test request pool too small"
+        return rows[0]
+
+    def free_row(self, req: Req) -> None:
+        assert req.req_pool_idx is not None
+        self.pool.free(req.req_pool_idx)
+
+    @staticmethod
+    def row_of(req: Req) -> int:
+        assert req.req_pool_idx is not None, f"request {req.rid!r} has no row"
+        return req.req_pool_idx
+
     def start(self, prompt, extra_key=None, priority=0) -> Req:
         """Match + lock the prompt, take a row, give the rest of the prompt fresh slots."""
         tree = self.tree
-        row = self.pool.alloc(1)[0]
+        row = self.new_row()
         req = Req(
             rid=f"r{row}", origin_input_ids=list(prompt), extra_key=extra_key, priority=priority, req_pool_idx=row
         )
@@ -72,7 +87,7 @@ class Harness:
         fresh = self.alloc.alloc(-(-need // ps) * ps) if need > 0 else np.zeros(0, np.int32)
         assert fresh is not None, "test pool too small"
         slots = np.concatenate([np.asarray(first, np.int32), np.asarray(fresh, np.int32)[:need]])
-        self.pool.write(req.req_pool_idx, pos, slots)
+        self.pool.write(self.row_of(req), pos, slots)
         return slots
 
     def decode(self, req: Req, tokens) -> np.ndarray:
@@ -87,7 +102,7 @@ class Harness:
         """``cache_finished_req`` then free the row; returns the ids the tree freed."""
         self.alloc.take()
         self.tree.cache_finished_req(req)
-        self.pool.free(req.req_pool_idx)
+        self.free_row(req)
         return self.alloc.take()
 
     def check(self) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from kvjax.radix import ComponentSizes, MatchResult, TreeComponent, TreeInvariantError, TreeNode
+from kvjax.radix import ComponentMatchResult, ComponentSizes, TreeComponent, TreeInvariantError, TreeNode
 
 
 class StatePool:
@@ -108,7 +108,7 @@ class StateSlotComponent(TreeComponent):
 
     # -- match
 
-    def finalize_match(self, result: MatchResult) -> None:
+    def finalize_match(self, result: ComponentMatchResult) -> None:
         root = self.tree.root
         host_hit = result.walk_node.depth - result.prefix_len if result.walk_node is not root else 0
         node = result.last_node

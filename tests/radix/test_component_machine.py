@@ -23,6 +23,8 @@ resources (FULL slots and state slots).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -33,14 +35,14 @@ from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
 from tests.radix.state_component import StatePool, StateSlotComponent
 
-PALETTE = {
+PALETTE: dict[int, list[tuple[int, ...]]] = {
     1: [(0,), (1,), (2,), (3,)],
     2: [(0, 0), (0, 1), (1, 1), (2, 3)],
 }
 CAPACITY_PAGES = 32
 STATE_CAPACITY = 6
 KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
-EMPTY_OR_KEYS = st.one_of(st.just([]), KEYS)
+EMPTY_OR_KEYS: st.SearchStrategy[list[int]] = st.one_of(st.just([]), KEYS)
 EXTRA_KEYS = st.sampled_from([None, None, "ns"])
 CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
 
@@ -75,6 +77,18 @@ class Recorder:
     def take(self) -> list[list[int]]:
         out, self.calls = self.calls, []
         return out
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens=None):
+        return self.inner.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
+
+    def alloc_decode(self, seq_lens, last_loc):
+        return self.inner.alloc_decode(seq_lens, last_loc)
+
+    def free_group_begin(self) -> None:
+        self.inner.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.inner.free_group_end()
 
 
 class ComponentMachine(RuleBasedStateMachine):
@@ -219,7 +233,7 @@ class ComponentMachine(RuleBasedStateMachine):
         assert result.prefix_len == walk
         # Model: host-only pages on the path come back to device with the incoming slots;
         # states on the walked path are refreshed top-down; the end commits the donated slot.
-        taken = set()
+        taken: set[int] = set()
         for pos in prefixes:
             end = len(pos[1])
             if end <= walk:
@@ -232,19 +246,19 @@ class ComponentMachine(RuleBasedStateMachine):
                 self.pages[pos] = tuple(values[end - self.page_size : end].tolist())
         handed_back = result.results["state"]
         if with_state:
-            end = prefixes[-1] if prefixes else None
-            if end is None or end in self.states:
+            tail: tuple | None = prefixes[-1] if prefixes else None
+            if tail is None or tail in self.states:
                 assert handed_back == slot, "an end node with a state keeps it and hands the slot back"
-                if end is not None:
-                    self._touch(end)
+                if tail is not None:
+                    self._touch(tail)
                 if slot is not None:
                     self.pool.free(slot)
                     self.pool.take()
             else:
                 assert handed_back is None
                 if slot is not None:
-                    self.states[end] = slot
-                    self._touch(end)
+                    self.states[tail] = slot
+                    self._touch(tail)
         dup = [int(values[i]) for i in range(walk) if i not in taken]
         assert not self.alloc.take(), "insert freed FULL slots: duplicates are the caller's"
         if dup:
@@ -262,7 +276,7 @@ class ComponentMachine(RuleBasedStateMachine):
         assert m.full_kv_hit_length == dev, (m.full_kv_hit_length, dev)
         assert m.prefix_len == best, (m.prefix_len, best, dev)
         assert extras["host_hit_length"] == walk - dev
-        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos]]
+        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos] or ()]
         assert m.indices.tolist() == expected
         if best:
             pos = (ek, tuple(key[:best]))
@@ -364,6 +378,6 @@ class ComponentMachine(RuleBasedStateMachine):
 
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_component_tree_matches_model(page_size):
-    machine = type(f"ComponentMachine_p{page_size}", (ComponentMachine,), {"page_size": page_size})
+    machine: Any = type(f"ComponentMachine_p{page_size}", (ComponentMachine,), {"page_size": page_size})
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()

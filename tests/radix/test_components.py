@@ -117,7 +117,8 @@ def test_evict_rejects_unknown_components_and_bad_amounts_unchanged():
     tr = Tree()
     tr.put([1, 2, 3])
     before = tr.t.sizes()
-    for bad in ({"swa": 1}, {"state": -1}, {"full": 1.5}):
+    bads: list[dict] = [{"swa": 1}, {"state": -1}, {"full": 1.5}]
+    for bad in bads:
         with pytest.raises(ValueError):
             tr.t.evict(bad)
     with pytest.raises(ValueError, match="payload"):

@@ -76,11 +76,11 @@ def test_reset_emits_all_blocks_cleared():
 
 
 def test_sinks_list_and_callable():
-    got = []
+    got: list = []
     t = RadixCache(event_sink=got)  # a sink alone turns events on
     t.insert([1, 2], np.arange(2))
     assert len(got) == 1 and t.take_events() == []
-    seen = []
+    seen: list = []
     t = RadixCache(event_sink=seen.append)
     t.insert([1, 2], np.arange(2))
     t.evict(5)

@@ -11,6 +11,7 @@ import pytest
 
 import kvjax
 from kvjax.radix import EVICTION_POLICIES, RadixCache, get_eviction_policy
+from kvjax.radix.eviction import SLRUPolicy
 
 POLICIES = ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]
 
@@ -33,7 +34,8 @@ def test_unknown_policy_is_a_config_error_listing_names():
 
 
 def test_slru_threshold_config():
-    assert get_eviction_policy("slru", protected_threshold=3).protected_threshold == 3
+    policy = get_eviction_policy("slru", protected_threshold=3)
+    assert isinstance(policy, SLRUPolicy) and policy.protected_threshold == 3
     with pytest.raises(kvjax.ConfigError):
         get_eviction_policy("slru", protected_threshold=0)
     with pytest.raises(kvjax.ConfigError):
@@ -49,7 +51,7 @@ def _three_leaves(policy):
     t.insert([3], np.array([3]), priority=1)
     t.insert([1], np.array([9]))  # hit on A
     t.match_prefix([2])  # access B
-    order = []
+    order: list = []
     for _ in range(3):
         before = {k: v for k, v in t.root.children.items()}
         t.evict(1)

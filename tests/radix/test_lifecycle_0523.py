@@ -84,8 +84,8 @@ def test_newer_names_follow_the_familiar_ones():
     h = Harness(page_size=1, size=64)
     a = h.start([1, 2, 3, 4])
     h.tree.release_kv_cache(a, checkpoint=True)
-    h.pool.free(a.req_pool_idx)
-    row = h.pool.alloc(1)[0]
+    h.free_row(a)
+    row = h.new_row()
     b = Req("b", [1, 2, 3, 4, 9], req_pool_idx=row)
     m = h.tree.match_kv_cache(b)
     assert m.prefix_len == 4 and b.cache_protected_len == 4 and b.last_node is m.last_node
@@ -96,10 +96,10 @@ def test_newer_names_follow_the_familiar_ones():
     assert b.cache_protected_len == 5 and b.cache_inserted_len == 5
     h.tree.release_kv_cache(b, checkpoint=True)
     assert h.tree.protected_size() == 0 and h.tree.total_size() == 5
-    c = Req("c", [1, 2, 3, 4, 9], req_pool_idx=h.pool.alloc(1)[0])
+    c = Req("c", [1, 2, 3, 4, 9], req_pool_idx=h.new_row())
     assert h.tree.match_kv_cache(c, [1, 2, 3, 4, 9]).prefix_len == 5  # given tokens: all of them
     h.tree.dec_lock_ref(c.lock_receipt)
-    d = Req("d", [1, 2, 3, 4, 9], req_pool_idx=h.pool.alloc(1)[0])
+    d = Req("d", [1, 2, 3, 4, 9], req_pool_idx=h.new_row())
     assert h.tree.match_kv_cache(d, max_prefix_len=2).prefix_len == 2
     assert d.cache_protected_len == 2 and h.tree.protected_size() == 2
     h.tree.dec_lock_ref(d.lock_receipt)

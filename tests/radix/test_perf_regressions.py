@@ -157,7 +157,7 @@ def test_eviction_order_follows_the_policy_after_deferred_pushes(policy):
         "fifo": [10, 20, 30, 40],
         "lfu": [10, 20, 40, 30],  # hit counts: 10, 20, 40 once; 30 twice
     }[policy]
-    order = []
+    order: list = []
     for _ in range(4):
         before = {c for c in t.root.children}
         assert t.evict(1) == 1

@@ -503,7 +503,7 @@ def test_finished_without_insert_frees_own_slots():
 def test_chunked_prefill_exact_ids_and_lock_moves():
     h = Harness(page_size=4, size=64)
     prompt = list(range(1, 15))  # 14 tokens, prefilled in chunks of 6
-    row = h.pool.alloc(1)[0]
+    row = h.new_row()
     req = Req("c", prompt, req_pool_idx=row)
     m = h.tree.match_and_lock(req)
     assert m.prefix_len == 0
@@ -579,7 +579,7 @@ def test_node_repr_and_tokens():
 
 def test_lifecycle_with_numpy_tokens_then_list_match():
     h = Harness(page_size=2, size=64)
-    row = h.pool.alloc(1)[0]
+    row = h.new_row()
     req = Req("np", np.array([5, 6, 7, 8, 9], np.int32), req_pool_idx=row)
     h.tree.match_and_lock(req)
     h.pool.write(row, 0, h.alloc.alloc(6)[:5])
@@ -590,7 +590,7 @@ def test_lifecycle_with_numpy_tokens_then_list_match():
 
 
 def _chunked_request(h, n_chunks, chunk):
-    row = h.pool.alloc(1)[0]
+    row = h.new_row()
     prompt = list(range(1, n_chunks * chunk + 1))
     req = Req("long", prompt, req_pool_idx=row)
     h.tree.match_and_lock(req)

@@ -39,7 +39,7 @@ def test_chunk_kind_gives_chunk_cache():
 
 def test_unified_full_gives_radix_cache_with_plan_settings():
     alloc = RecordingAllocator(64, 16)
-    sink = []
+    sink: list = []
     t = create_tree_cache(
         plan(tree_page_size=16, radix_eviction_policy="slru", is_eagle=True, enable_kv_cache_events=True),
         token_to_kv_pool_allocator=alloc,

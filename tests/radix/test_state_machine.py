@@ -26,6 +26,7 @@ so prefixes collide, nodes split, and partial pages must not match.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,11 +46,19 @@ from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
 
 MAX_LIVE_REQUESTS = 4
+
+
+def rows_of(req: Req) -> int:
+    """The request's row (every live request of the machine has one)."""
+    assert req.req_pool_idx is not None
+    return req.req_pool_idx
+
+
 MAX_PAGES_PER_KEY = 6
 
 # A page of tokens is drawn from this palette. At page size 16, pages 0 and 1 share their first
 # 8 tokens, so a key that diverges inside a page must stop matching at the page before.
-PALETTE = {
+PALETTE: dict[int, list[tuple[int, ...]]] = {
     1: [(0,), (1,), (2,), (3,)],
     16: [(0,) * 16, (0,) * 8 + (1,) * 8, (1,) * 16, (2, 3) * 8],
 }
@@ -108,7 +117,8 @@ class PrefixModel:
         self.pages: dict[tuple, tuple[int, ...]] = {}
 
     def match(self, extra_key, elems) -> tuple[int, list[int]]:
-        ps, slots, length = self.ps, [], 0
+        ps, length = self.ps, 0
+        slots: list[int] = []
         for end in range(ps, len(elems) // ps * ps + 1, ps):
             page = self.pages.get((extra_key, tuple(elems[:end])))
             if page is None:
@@ -169,7 +179,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.held = 0  # slots allocated to live requests and not (yet) owned by the tree
         self.next_page = 1  # standalone mode: fresh page ids for inserted values
         self.rid = 0
-        kwargs = {"page_size": ps, "eviction_policy": self.policy}
+        kwargs: dict[str, Any] = {"page_size": ps, "eviction_policy": self.policy}
         if self.is_eagle:
             kwargs["is_eagle"] = True
         if self.with_pools:
@@ -182,7 +192,7 @@ class RadixMachine(RuleBasedStateMachine):
             self.capacity = self.alloc.available_size()
             kwargs.update(token_to_kv_pool_allocator=self.alloc, req_to_token_pool=self.req_pool)
         else:
-            self.alloc = self.req_pool = None
+            self.alloc = self.req_pool = None  # type: ignore[assignment]  # standalone: no pools
         self.tree = RadixCache(**kwargs)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -210,7 +220,7 @@ class RadixMachine(RuleBasedStateMachine):
     def _freed_pages(self) -> Counter:
         """Pages the tree freed since the last look, each ``free`` call counting a page once
         (several slots of one page free it once); a slot twice in one call is an error."""
-        out = Counter()
+        out: Counter = Counter()
         for arr in self.alloc.take():
             slots = arr.tolist()
             assert len(slots) == len(set(slots)), f"one free() call names a slot twice: {sorted(slots)}"
@@ -431,12 +441,12 @@ class RadixMachine(RuleBasedStateMachine):
         if fresh is None:
             return False
         row = self._req_row(lv)
-        slots = []
+        head: list[int] = []
         if room:
             base = int(row[n // ps * ps])
-            slots = [base + (n + i) % ps for i in range(min(room, k))]
-        slots = np.concatenate([np.asarray(slots, np.int32), fresh]).astype(np.int32)
-        self.req_pool.write(lv.req.req_pool_idx, n, slots[:k])
+            head = [base + (n + i) % ps for i in range(min(room, k))]
+        slots = np.concatenate([np.asarray(head, np.int32), fresh]).astype(np.int32)
+        self.req_pool.write(int(rows_of(lv.req)), n, slots[:k])
         self.held += len(fresh)
         lv.n_kv += k
         return True
@@ -477,11 +487,11 @@ class RadixMachine(RuleBasedStateMachine):
         )
         lv = _Live(req, extra_key, prompt, length)
         self.live.append(lv)  # its lock is counted from here on
-        self.req_pool.write(req.req_pool_idx, 0, m.indices)
+        self.req_pool.write(rows_of(req), 0, m.indices)
         if not self._give_kv(lv, len(prompt) - length):
             self.live.pop()
             self.tree.dec_lock_ref(m.last_node)
-            self.req_pool.free(req.req_pool_idx)
+            self.req_pool.free(rows_of(req))
             return
         req.kv_committed_len = lv.n_kv
 
@@ -592,7 +602,7 @@ CASES = [
 @pytest.mark.parametrize(("page_size", "policy", "with_pools", "is_eagle"), CASES)
 def test_radix_cache_matches_model(page_size, policy, with_pools, is_eagle):
     name = f"Radix_p{page_size}_{policy}_{'pools' if with_pools else 'standalone'}{'_eagle' if is_eagle else ''}"
-    machine = type(
+    machine: Any = type(
         name,
         (RadixMachine,),
         {"page_size": page_size, "policy": policy, "with_pools": with_pools, "is_eagle": is_eagle},
