@@ -33,7 +33,9 @@ table writes, cache, free: kvjax's host work), ``pack_seconds`` (page table and 
 part of bookkeeping spent finishing requests (``cache_finished_req`` and freeing the row); the
 ``decode_*`` fields count decode steps only. A decode step whose new tokens all continue pages
 the requests already own skips the allocator (the slot is ``last + 1``, what ``alloc_decode``
-returns), and finished requests free their slots in one allocator call (a free group, as SGLang).
+returns), finished requests free their slots in one allocator call (a free group, as SGLang),
+and the running requests' lengths, rows and next input tokens are kept as arrays between decode
+steps while the running set does not change.
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
@@ -169,6 +171,7 @@ class Scheduler:
         self.stats = ServeStats()
         self._admissions = 0
         self._last_logits: np.ndarray | None = None
+        self._running_cache: tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -349,19 +352,36 @@ class Scheduler:
 
     # --- decode -----------------------------------------------------------------------------------
 
+    def _running_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(kv_len, rows, next input token)`` of the running requests, int arrays in their order.
+
+        Kept from the previous decode step while the running set is the same requests in the same
+        order (checked by identity), so a steady decode step reads no per-request fields.
+        """
+        key = tuple(map(id, self.running))
+        cached = self._running_cache
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2], cached[3]
+        n = len(self.running)
+        # Running requests always have kv_committed_len set (after their prefill / last decode).
+        kv_len = np.fromiter((r.kv_committed_len for r in self.running), np.int64, n)
+        rows = np.fromiter((r.req_pool_idx for r in self.running), np.int64, n)
+        tokens = np.fromiter((r.output_ids[-1] for r in self.running), np.int32, n)
+        self._running_cache = (key, kv_len, rows, tokens)
+        return kv_len, rows, tokens
+
     def _decode(self, done: list[ServingReq]) -> None:
+        ps = self.page_size
         while True:
-            # Running requests always have kv_committed_len set (after their prefill / last decode).
-            kv_len = np.fromiter((r.kv_committed_len for r in self.running), np.int64, len(self.running))
-            need = int(((kv_len % self.page_size) == 0).sum()) * self.page_size
+            kv_len, rows, tokens = self._running_arrays()
+            need = int(np.count_nonzero(kv_len % ps == 0)) * ps
             if self._make_room(need):
                 break
             self._retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
             if not self.running:
                 return
-        rows = np.fromiter((r.req_pool_idx for r in self.running), np.int64, len(self.running))
         last = self.rows.req_to_token[rows, kv_len - 1]
-        if need == 0 and self.page_size > 1 and not getattr(self.alloc, "need_sort", False):
+        if need == 0 and ps > 1 and not getattr(self.alloc, "need_sort", False):
             # Every new token continues its request's last page, a page the request already owns:
             # the slot is last + 1, exactly what alloc_decode would return, without the call (under
             # need_sort the call may merge the release list, so it is kept there).
@@ -371,22 +391,35 @@ class Scheduler:
         if slots is None:
             raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
         self.rows.req_to_token[rows, kv_len] = slots
-        tokens = np.fromiter((r.output_ids[-1] for r in self.running), np.int32, len(self.running))
-        next_tokens = self._forward(tokens, kv_len, slots, rows, kv_len + 1)
-        self.stats.decode_steps += 1
+        new_len = kv_len + 1
+        next_tokens = self._forward(tokens, kv_len, slots, rows, new_len)
+        st = self.stats
+        st.decode_steps += 1
+        st.generated_tokens += len(next_tokens)
         running, self.running = self.running, []
         logits = self._last_logits
+        keep = []
         # Finished requests return their slots in one allocator call (SGLang's free group).
         self.alloc.free_group_begin()
         try:
-            for i, (req, n, token) in enumerate(zip(running, kv_len.tolist(), next_tokens.tolist(), strict=True)):
-                req.kv_committed_len = n + 1
+            for i, (req, n, token) in enumerate(zip(running, new_len.tolist(), next_tokens.tolist(), strict=True)):
+                req.kv_committed_len = n
+                out = req.output_ids
+                out.append(token)
                 if logits is not None:
                     req.logits.append(logits[i])
-                if not self._append_token(req, token, done):
+                if len(out) < req.max_new_tokens and token not in req.stop_token_ids:
                     self.running.append(req)
+                    keep.append(i)
+                else:
+                    self._finish(req, done)
         finally:
             self.alloc.free_group_end()
+        if len(keep) == len(running):
+            self._running_cache = (tuple(map(id, self.running)), new_len, rows, next_tokens.astype(np.int32))
+        else:
+            idx = np.asarray(keep, np.int64)
+            self._running_cache = (tuple(map(id, self.running)), new_len[idx], rows[idx], next_tokens[idx])
 
     def _retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
@@ -405,6 +438,11 @@ class Scheduler:
         self.stats.generated_tokens += 1
         if len(out) < req.max_new_tokens and token not in req.stop_token_ids:
             return False
+        self._finish(req, done)
+        return True
+
+    def _finish(self, req: ServingReq, done: list[ServingReq]) -> None:
+        """Cache a done request's prompt and output in the tree, unlock it, free its row."""
         start = time.perf_counter()
         self.tree.cache_finished_req(req)
         self.rows.free(req.req_pool_idx)
@@ -413,7 +451,6 @@ class Scheduler:
         req.finished = True
         self.stats.requests_finished += 1
         done.append(req)
-        return True
 
     def _record_logits(self, req: ServingReq, row: int) -> None:
         if self._last_logits is not None:
