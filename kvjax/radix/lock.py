@@ -19,9 +19,12 @@ class LockReceipt:
         delta: change in evictable tokens caused by the lock (<= 0), as SGLang returns.
         parts: per extra component, what that component locked (replayed on release).
         released: True once handed back; a second release raises :class:`LockError`.
+        touch: ``(time, prompt time, prompt length)`` of the holder's last checkpoint
+            (``cache_unfinished_req``), or None: what SGLang 0.5.23's walk from the root gave
+            the locked path then, replayed if the holder is released without an insert.
     """
 
-    __slots__ = ("node", "delta", "parts", "released", "owner")
+    __slots__ = ("node", "delta", "parts", "released", "owner", "touch")
 
     def __init__(self, node: Any, delta: int, parts: tuple | None = None, owner: object = None) -> None:
         self.node = node
@@ -29,6 +32,7 @@ class LockReceipt:
         self.parts = parts
         self.released = False
         self.owner = owner
+        self.touch: tuple[int, int, int] | None = None
 
     def __repr__(self) -> str:
         nid = None if self.node is None else getattr(self.node, "id", None)

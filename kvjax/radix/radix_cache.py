@@ -30,8 +30,9 @@ prompt re-insert), the lifecycle resumes at the request's locked ``last_node``: 
 locked node cannot change except by splits, which keep the node object and its depth, so the
 path to it is still the request's first ``cache_protected_len`` tokens. Caching a chunk costs
 O(chunk + new nodes), flat in the request's length; the path above the resume point is walked
-only where 0.5.23's walk would change something observable (hits not yet counted, the prompt
-split once per request, access times and priorities at finish).
+only where 0.5.23's walk changes something observable: the first checkpoint after a match
+(priority, hits), the first time the key passes the prompt (split, prompt priority + 1), the
+finish, and a release without insert (the receipt replays the last checkpoint's access times).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kvjax.radix.events import EventSink
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.keys import INT32, as_slot_array, encode_tokens
+from kvjax.radix.lock import LockReceipt
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.tree import RadixTree
@@ -356,6 +358,10 @@ class RadixCache(RadixTree):
         node, m_rel, vals = self._insert_walk(
             start, src, is_bytes, n - s, row[s:n], req.extra_key, req.priority, t, req.cache_inserted_len, True
         )
+        if self._extra:
+            # The lifecycle has no per-component payloads yet (0.5.23's prepare_for_caching_req
+            # comes with the components that need one); components still see the commit.
+            self._commit(node, None)
         matched = s + m_rel
         cpl = req.cache_protected_len
         if matched > cpl and m_rel and vals is not None:
@@ -391,6 +397,20 @@ class RadixCache(RadixTree):
         if node.depth > prompt_len:
             node = self._split(node, prompt_len - (node.depth - node.klen))
         self._touch_path(node, t_prompt, req.priority, _NO_HITS, prompt_len, t_prompt)
+
+    def _replay_touch(self, lock: LockReceipt) -> None:
+        """A request released without an insert (retraction): give its locked path the access
+        times 0.5.23's walks from the root gave it at its last checkpoint (the path, then the
+        prompt part later), which the resumed lifecycle skipped. O(depth), once per release."""
+        assert lock.touch is not None
+        t, t_prompt, prompt_len = lock.touch
+        node = lock.node
+        root = self.root
+        while isinstance(node, TreeNode) and node is not root:
+            stamp = t_prompt if t_prompt >= 0 and node.depth <= prompt_len else t
+            if node.last_access < stamp:
+                node.last_access = stamp
+            node = node.parent
 
     def _write_row(self, req: Req, start: int, values: np.ndarray) -> None:
         pool = self.req_to_token_pool
@@ -435,6 +455,9 @@ class RadixCache(RadixTree):
                 free_slots(alloc, row[n:kv_len].copy())
         else:
             free_slots(alloc, row[req.cache_protected_len : kv_len].copy())
+            lock = self._lock_of(req)
+            if isinstance(lock, LockReceipt) and lock.touch is not None and not lock.released:
+                self._replay_touch(lock)
         self.dec_lock_ref(self._lock_of(req))
         req.lock_receipt = None
         req.last_node = None
@@ -464,14 +487,20 @@ class RadixCache(RadixTree):
         n = self._key_len(fill_len)
         inserted_before = req.cache_inserted_len
         start, node, t = self._insert_req(req, row, n, req.fill_range)
-        if self.policy.uses_hit_count and start.depth > inserted_before and start is not self.root:
-            # Nodes above the resume point not counted yet for this request (its first insert
-            # after a match): 0.5.23's walk from the root counts them now.
+        if start is not self.root and start.depth > inserted_before:
+            # The request's first insert after a match: 0.5.23's walk from the root gives the
+            # matched path its priority (a max) and one hit per node now. Afterwards that path is
+            # the request's own locked path and already has both.
             self._touch_path(start, t, req.priority, inserted_before)
         prompt_len = self._prompt_len(req)
-        if 0 < prompt_len < n and inserted_before < prompt_len:
-            self._split_prompt(req, node, n, prompt_len, self._tick())
-        req.lock_receipt = self._move_lock(self._lock_of(req), node)
+        t_prompt = -1
+        if 0 < prompt_len < n:
+            t_prompt = self._tick()  # 0.5.23 re-inserts the prompt part after the key
+            if inserted_before <= prompt_len:
+                # The key passes the prompt for the first time (before, it ended at or above it).
+                self._split_prompt(req, node, n, prompt_len, t_prompt)
+        req.lock_receipt = receipt = self._move_lock(self._lock_of(req), node)
+        receipt.touch = (t, t_prompt, prompt_len)
         req.last_node = node
         req.cache_protected_len = node.depth if node is not self.root else 0
         if n > req.cache_inserted_len:

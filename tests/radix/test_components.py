@@ -154,3 +154,22 @@ def test_full_only_tree_calls_no_hook():
     t.insert([1, 2, 3], np.array([1, 2, 3], np.int32))
     m = t.match_prefix([1, 2, 3])
     assert m.extras == {} and m.full_kv_hit_length == 3 and m.walk_node is m.last_node
+
+
+def test_request_lifecycle_runs_through_the_hooks():
+    """Chunked prefill, decode and finish on a tree with a component: the lifecycle inserts call
+    the hooks (no payloads yet), the match is state-limited, every invariant holds."""
+    from tests.radix._helpers import Harness
+
+    pool = StatePool(4)
+    h = Harness(page_size=2, size=64, components=[StateSlotComponent(pool)])
+    a = h.start([1, 2, 3, 4, 5])
+    h.tree.cache_unfinished_req(a)
+    h.decode(a, [6, 7])
+    h.tree.cache_unfinished_req(a)
+    h.finish(a)
+    m = h.tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert (m.prefix_len, m.full_kv_hit_length) == (0, 6)  # no state donated: nothing usable
+    assert h.tree.sizes()["state"] == ComponentSizes(0, 0) and pool.available_size() == 4
+    h.check()
+    assert h.alloc.available_size() + h.tree.total_size() == h.capacity

@@ -115,3 +115,20 @@ def test_lfu_counts_each_request_once_across_its_steps():
     assert node.hit_count == 1
     t.insert([1, 2, 3, 4], np.arange(1, 5, dtype=np.int32))  # another request
     assert node.hit_count == 2
+
+
+def test_retracted_request_keeps_the_access_times_of_its_last_checkpoint():
+    """0.5.23 refreshes a running request's path at every checkpoint; the resumed lifecycle
+    replays the last one when the request is released without an insert, so LRU order agrees."""
+    h = Harness(page_size=2, size=64)
+    a = h.start([1, 2, 3, 4, 5])
+    h.finish(a)  # caches [1, 2, 3, 4]
+    b = h.start([1, 2, 3, 4, 5])  # matches [1, 2, 3, 4]
+    h.tree.cache_unfinished_req(b)  # its first checkpoint walks (and refreshes) the path
+    h.tree.insert([7, 8], h.alloc.alloc(2))
+    h.tree.cache_unfinished_req(b)  # nothing new to cache: 0.5.23 only refreshes b's path
+    h.tree.release_kv_cache(b, checkpoint=False)
+    h.alloc.take()
+    assert h.tree.evict(1) == 2 and h.tree.match_prefix([7, 8]).prefix_len == 0  # [7, 8] is older
+    assert h.tree.match_prefix([1, 2, 3, 4]).prefix_len == 4
+    h.check()
