@@ -22,7 +22,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.model import init_params, param_shapes
-from kvjax.serve.model_config import model_config_from_spec
+from kvjax.serve.model_config import ModelConfig, model_config_from_spec
 from kvjax.serve.scheduler import Scheduler, ServeStats, ServingReq
 from kvjax.spec import ModelSpec
 
@@ -59,7 +59,7 @@ def resolve_model(model: str, *, dtype: str | None = None) -> LoadedModel:
     if dtype is not None:
         spec = dataclasses.replace(spec, dtype=dtype)
     config = model_config_from_spec(spec)
-    count = sum(math.prod(leaf.shape) for leaf in _leaves(param_shapes(config)))
+    count = parameter_count(config)
     if count > MAX_RANDOM_PARAMS:
         raise ConfigError(
             "model",
@@ -70,10 +70,16 @@ def resolve_model(model: str, *, dtype: str | None = None) -> LoadedModel:
     return LoadedModel(name=model, spec=spec, config=config, params=init_params(config))
 
 
-def _leaves(tree: object) -> list:
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of the model, from 1- and 2-layer shapes (layers are identical; nothing allocated)."""
     import jax
 
-    return jax.tree_util.tree_leaves(tree)
+    def count(layers: int) -> int:
+        shapes = param_shapes(config.replace(num_hidden_layers=layers))
+        return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+
+    one, two = count(1), count(2)
+    return one + (config.num_hidden_layers - 1) * (two - one)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
