@@ -72,3 +72,24 @@ def test_python_dash_m_kvjax_demo_json_has_the_documented_keys():
     ):
         assert key in report
     assert report["requests"] == 4 and report["leak_free"] and report["cold_equals_warm"]
+
+
+def test_demo_on_a_checkpoint_directory_matches_the_built_in_model(tmp_path, capsys):
+    """``demo --model DIR`` serves the checkpoint's weights: the tiny preset saved to a directory
+    gives the built-in model's greedy tokens, and the command reports a consistent run."""
+    from kvjax import ModelSpec
+    from kvjax.cli import main
+    from kvjax.demo import serve
+    from kvjax.serve.checkpoint import load_checkpoint, save_checkpoint
+    from kvjax.serve.model import init_params
+
+    spec = ModelSpec.preset("tiny")
+    directory = save_checkpoint(tmp_path / "tiny", spec, init_params(spec))
+    _, built_in = serve(SMALL)
+    _, from_dir = serve(SMALL, model=load_checkpoint(directory))
+    assert from_dir == built_in
+    flags = ["--json", "--groups", "1", "--prompts-per-group", "2", "--system-tokens", "48", "--chats", "1"]
+    assert main(["demo", *flags, "--turns", "2", "--output-tokens", "3", "--model", str(directory)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "tiny" and report["leak_free"] and report["cold_equals_warm"]
+    assert report["requests"] == 4 and report["cached_tokens"] > 0
