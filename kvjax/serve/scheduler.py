@@ -399,7 +399,9 @@ class Scheduler:
         running, self.running = self.running, []
         logits = self._last_logits
         keep = []
-        # Finished requests return their slots in one allocator call (SGLang's free group).
+        freed_rows: list[int] = []
+        # Finished requests return their slots in one allocator call (SGLang's free group), and
+        # their rows in one request-table call.
         self.alloc.free_group_begin()
         try:
             for i, (req, n, token) in enumerate(zip(running, new_len.tolist(), next_tokens.tolist(), strict=True)):
@@ -412,9 +414,13 @@ class Scheduler:
                     self.running.append(req)
                     keep.append(i)
                 else:
-                    self._finish(req, done)
+                    self._finish(req, done, freed_rows)
         finally:
             self.alloc.free_group_end()
+            if freed_rows:
+                start = time.perf_counter()
+                self.rows.free(freed_rows)
+                st.finish_seconds += time.perf_counter() - start
         if len(keep) == len(running):
             self._running_cache = (tuple(map(id, self.running)), new_len, rows, next_tokens.astype(np.int32))
         else:
@@ -441,11 +447,15 @@ class Scheduler:
         self._finish(req, done)
         return True
 
-    def _finish(self, req: ServingReq, done: list[ServingReq]) -> None:
-        """Cache a done request's prompt and output in the tree, unlock it, free its row."""
+    def _finish(self, req: ServingReq, done: list[ServingReq], freed_rows: list[int] | None = None) -> None:
+        """Cache a done request's prompt and output in the tree, unlock it, free its row (or, with
+        ``freed_rows``, leave the row to the caller's one ``free`` call for the whole batch)."""
         start = time.perf_counter()
         self.tree.cache_finished_req(req)
-        self.rows.free(req.req_pool_idx)
+        if freed_rows is None:
+            self.rows.free(_row(req))
+        else:
+            freed_rows.append(_row(req))
         self.stats.finish_seconds += time.perf_counter() - start
         req.req_pool_idx = None
         req.finished = True
