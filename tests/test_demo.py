@@ -93,3 +93,15 @@ def test_demo_on_a_checkpoint_directory_matches_the_built_in_model(tmp_path, cap
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "tiny" and report["leak_free"] and report["cold_equals_warm"]
     assert report["requests"] == 4 and report["cached_tokens"] > 0
+
+
+def test_workloads_and_the_serving_commands_import_no_jax():
+    """The CLI imports command modules to build its parser: building workloads and registering
+    ``demo``/``generate`` must not pull in jax (that happens inside ``run``)."""
+    code = (
+        "import sys; import kvjax.serve.workload, kvjax.cli.demo_command, kvjax.cli.generate_command; "
+        "print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

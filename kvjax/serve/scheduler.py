@@ -46,7 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -57,41 +57,11 @@ from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCache
 from kvjax.request import Req
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.serving_req import ServingReq
 from kvjax.serve.step import make_step, pack_batch
 from kvjax.spec import ModelSpec
 
-
-class ServingReq(Req):
-    """A request of the serving loop: a ``Req`` plus its generation limit and bookkeeping."""
-
-    __slots__ = ("max_new_tokens", "stop_token_ids", "admitted_at", "first_cached_tokens", "retracted", "logits")
-
-    def __init__(
-        self,
-        rid: Any,
-        prompt: Sequence[int],
-        *,
-        max_new_tokens: int,
-        extra_key: Any = None,
-        stop_token_ids: Iterable[int] = (),
-    ) -> None:
-        if max_new_tokens <= 0:
-            raise ValueError(f"request {rid!r}: max_new_tokens={max_new_tokens} must be positive")
-        if len(prompt) == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
-        super().__init__(rid, list(prompt), extra_key=extra_key)
-        self.max_new_tokens = int(max_new_tokens)
-        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
-        self.admitted_at = -1
-        self.first_cached_tokens: int | None = None
-        self.retracted = 0
-        self.logits: list[np.ndarray] = []  # one float32 [vocab] row per output token, with record_logits
-
-    @property
-    def done(self) -> bool:
-        """``max_new_tokens`` generated, or the last one is a stop token (it is kept in the output)."""
-        out = self.output_ids
-        return len(out) >= self.max_new_tokens or (bool(out) and out[-1] in self.stop_token_ids)
+__all__ = ["Scheduler", "ServeStats", "ServingReq"]
 
 
 @dataclasses.dataclass

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.serving_req import ServingReq
+
+if TYPE_CHECKING:  # the scheduler imports jax; workloads are built without it
+    from kvjax.serve.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
