@@ -2,6 +2,7 @@
 
     python benchmarks/compare_peers.py --sglang-path DIR --sglang-jax-path DIR \
         [--sglang-python EXE] [--sglang-jax-python EXE] [--quick] [--repeats N] [--passes N]
+    python benchmarks/compare_peers.py --sglang-path DIR --lifecycle STREAMS
 
 ``--sglang-path`` is a directory that holds the ``sglang`` package (an SGLang checkout's
 ``python/`` folder, or an unpacked wheel); ``--sglang-jax-path`` one that holds ``sgl_jax``.
@@ -19,6 +20,12 @@ to 200,000 tokens; ``shared_prefix_tight`` replays the shared-prefix stream at 4
 where system prompts are evicted too and the hit count depends on the exact LRU order.
 Prints one JSON object: µs per request for each, kvjax's speedup over sglang-jax and SGLang,
 hit / evicted token counts for each and whether they equal SGLang's.
+
+``--lifecycle STREAMS`` times nothing: it replays random request streams (admissions, chunked
+and decode checkpoints, finishes, retractions) through SGLang's ``RadixCache`` lifecycle
+(``checkpoint`` / ``release_kv_cache`` driven as SGLang 0.5.23's ``mem_cache/common.py`` does)
+and kvjax's, and reports, per policy and page size, the streams on which every free (in order),
+the final tree (node boundaries, slots, priorities, hit counts) and the eviction order agree.
 
 Rounds (``--repeats``) run every implementation once each, interleaved, in fresh processes; each
 process replays every stream ``--passes`` times on fresh trees. The best time per cell is kept,
@@ -41,12 +48,16 @@ import subprocess
 import sys
 import types
 from array import array
+from typing import TYPE_CHECKING, cast
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
 import numpy as np  # noqa: E402
 import radix_workloads as wl  # type: ignore[import-not-found]  # noqa: E402
+
+if TYPE_CHECKING:
+    from kvjax.protocols import AllocatorProtocol
 
 CAPACITY = 200_000
 PAGE_SIZES = (1, 16)
@@ -257,6 +268,199 @@ def _sglang_jax_factory(path):
 FACTORIES = {"kvjax": _kvjax_factory, "sglang": _sglang_factory, "sglang_jax": _sglang_jax_factory}
 
 
+# ---------------------------------------------------------------------------------------------
+# The request lifecycle next to SGLang's (``--lifecycle``): not timed, compared.
+
+
+class _SgRows:
+    """SGLang's request table as its ``RadixCache`` uses it."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        import torch
+
+        self.req_to_token = torch.zeros((rows, width), dtype=torch.int64)
+
+    def write(self, idx, values) -> None:
+        self.req_to_token[idx] = values
+
+
+class _FreeLog:
+    """An allocator that only records what is freed, call by call (SGLang's and kvjax's calls)."""
+
+    device = "cpu"
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.size = 1 << 30
+        self.calls: list[list[int]] = []
+
+    def free(self, idx) -> None:
+        ids = idx.tolist()
+        if ids:
+            self.calls.append(ids)
+
+    def free_segment(self, idx, start_pos=0) -> None:
+        self.free(idx)
+
+
+def _lifecycle_stream(sglang_path: str, policy: str, page_size: int, seed: int) -> str | None:
+    """Replays one random stream of admissions, chunked and decode checkpoints, finishes and
+    retractions through SGLang 0.5.23's ``RadixCache`` (``checkpoint`` / ``release_kv_cache`` as
+    ``mem_cache/common.py`` drives them) and kvjax's lifecycle. Returns None when every free,
+    the final tree and the eviction order agree, else what differed first."""
+    import random
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(_HERE))
+    from kvjax.radix import RadixCache
+    from kvjax.req_pool import ReqToTokenPool
+    from kvjax.request import Req
+
+    real = {m for m in _SGLANG_REAL | {"sglang.srt.mem_cache.cache_init_params"} if _module_file(sglang_path, m)}
+    mods, _ = _import_peer(sglang_path, "sglang", real)
+    rc, bp = mods["sglang.srt.mem_cache.radix_cache"], mods["sglang.srt.mem_cache.base_prefix_cache"]
+    params = mods["sglang.srt.mem_cache.cache_init_params"].CacheInitParams
+    rng = random.Random(seed)
+    rows, width = 8, 512
+    sg_free, kv_free = _FreeLog(page_size), _FreeLog(page_size)
+    sg_rows, kv_rows = _SgRows(rows, width), ReqToTokenPool(rows, width)
+    sg = rc.RadixCache(
+        params(
+            disable=False,
+            req_to_token_pool=sg_rows,
+            token_to_kv_pool_allocator=sg_free,
+            page_size=page_size,
+            eviction_policy=policy,
+        )
+    )
+    kv = RadixCache(
+        page_size=page_size,
+        eviction_policy=policy,
+        # A log of frees: freeing is all the tree calls on its allocator.
+        token_to_kv_pool_allocator=cast("AllocatorProtocol", kv_free),
+        req_to_token_pool=kv_rows,
+    )
+    next_slot = [page_size]
+
+    def fresh(n):
+        out = list(range(next_slot[0], next_slot[0] + n))
+        next_slot[0] += n
+        return out
+
+    def checkpoint(s, k, up_to):
+        s.full_untruncated_fill_ids = array("q", s.tokens[:up_to])
+        sg.checkpoint(s, up_to=up_to)
+
+    def release(s, k, insert):
+        n = len(s.tokens)
+        if insert:
+            checkpoint(s, k, n)
+        sg_free.free_segment(sg_rows.req_to_token[s.kv.req_pool_idx][s.kv.cache_protected_len : n])
+        sg.unlock(s.lock)
+        kv.cache_finished_req(k, is_insert=insert)
+        kv_rows.free(s.kv.req_pool_idx)
+
+    systems = [[rng.randrange(50) for _ in range(rng.choice([8, 16, 24]))] for _ in range(3)]
+    live: list = []
+    for step in range(40):
+        if live and (rng.random() < 0.4 or len(live) >= 4):
+            s, k = live[rng.randrange(len(live))]
+            act = rng.random()
+            if act < 0.5:  # decode 1-3 tokens, a checkpoint after each
+                for _ in range(rng.randrange(1, 4)):
+                    tok = rng.randrange(50)
+                    s.tokens.append(tok)
+                    k.output_ids.append(tok)
+                    n = len(s.tokens)
+                    slot = fresh(1)[0]
+                    sg_rows.req_to_token[s.kv.req_pool_idx, n - 1] = slot
+                    kv_rows.req_to_token[k.req_pool_idx, n - 1] = slot
+                    checkpoint(s, k, n)
+                    k.kv_committed_len = n
+                    kv.cache_unfinished_req(k)
+            else:  # finish (insert) or retract
+                release(s, k, insert=act < 0.9)
+                live.remove((s, k))
+        else:
+            prompt = rng.choice(systems) + [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
+            got_rows = kv_rows.alloc(1)
+            assert got_rows is not None, "the request table is sized for the live requests"
+            row = int(got_rows[0])
+            priority = rng.randrange(3)
+            m = sg.match_prefix(bp.MatchPrefixParams(key=rc.RadixKey(array("q", prompt[:-1]))))
+            hit = m.device_prefix_len
+            s = types.SimpleNamespace(
+                tokens=list(prompt),
+                origin_input_ids=list(prompt),
+                extra_key=None,
+                cache_salt=None,
+                priority=priority,
+                kv=types.SimpleNamespace(
+                    req_pool_idx=row, cache_inserted_len=0, cache_protected_len=hit, swa_evict_floor=0
+                ),
+                lock=sg.lock(m.last_device_node),
+                last_node=m.last_device_node,
+            )
+            k = Req(f"r{step}", list(prompt), req_pool_idx=row, priority=priority)
+            km = kv.match_and_lock(k)
+            prefix = sg.path_device_indices(m.last_device_node)
+            if km.prefix_len != hit or km.indices.tolist() != prefix.tolist():
+                return f"step {step}: match {km.prefix_len} vs SGLang {hit}"
+            slots = fresh(len(prompt) - hit)
+            sg_rows.req_to_token[row, :hit] = prefix
+            sg_rows.req_to_token[row, hit : len(prompt)] = torch.tensor(slots)
+            kv_rows.write(row, 0, km.indices)
+            kv_rows.write(row, hit, np.array(slots, np.int32))
+            cut = rng.randrange(hit, len(prompt)) + 1  # a chunked-prefill checkpoint, then the rest
+            checkpoint(s, k, cut)
+            k.fill_ids = list(prompt[:cut])
+            kv.cache_unfinished_req(k)
+            k.fill_ids = None
+            k.kv_committed_len = len(prompt)
+            checkpoint(s, k, len(prompt))
+            kv.cache_unfinished_req(k)
+            live.append((s, k))
+        if sg_free.calls != kv_free.calls:
+            return f"step {step}: frees differ: SGLang {sg_free.calls[-2:]}, kvjax {kv_free.calls[-2:]}"
+    for s, k in live:
+        release(s, k, insert=True)
+
+    def sg_nodes(node, depth, out):
+        for c in node.children.values():
+            out.append((depth + len(c.key), len(c.key), c.priority, c.hit_count, tuple(c.value.tolist())))
+            sg_nodes(c, depth + len(c.key), out)
+        return out
+
+    theirs = sorted(sg_nodes(sg.root_node, 0, []))
+    ours = sorted((n.depth, n.klen, n.priority, n.hit_count, tuple(np.asarray(n.value).tolist())) for n in kv.nodes())
+    if theirs != ours:
+        only_theirs, only_ours = sorted(set(theirs) - set(ours))[:3], sorted(set(ours) - set(theirs))[:3]
+        return f"trees differ: SGLang only {only_theirs}, kvjax only {only_ours}"
+    sg_free.calls.clear()
+    kv_free.calls.clear()
+    while True:
+        got = kv.evict(1)
+        if sg.evict(bp.EvictParams(num_tokens=1)).num_tokens_evicted != got:
+            return "eviction sizes differ"
+        if not got:
+            break
+    return None if sg_free.calls == kv_free.calls else "eviction order differs"
+
+
+def lifecycle_check(sglang_path: str, seeds: int) -> dict:
+    """``{policy/page: {"streams": n, "same": n, "first_difference": ...}}`` for every policy."""
+    out = {}
+    for policy in ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru"):
+        for page_size in (1, 4):
+            diffs = [d for d in (_lifecycle_stream(sglang_path, policy, page_size, seed) for seed in range(seeds)) if d]
+            entry: dict[str, object] = {"streams": seeds, "same": seeds - len(diffs)}
+            if diffs:
+                entry["first_difference"] = diffs[0]
+            out[f"{policy}/page_{page_size}"] = entry
+    return out
+
+
 def _module_file(root, name):
     base = os.path.join(os.path.abspath(root), *name.split("."))
     return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))
@@ -392,12 +596,26 @@ def main(argv=None):
         help="replays of each stream per process (fresh trees), best kept: one preemption on a shared "
         "machine can double a short replay, and the fastest implementation's replays are the shortest",
     )
+    ap.add_argument(
+        "--lifecycle",
+        type=int,
+        metavar="STREAMS",
+        help="instead of timing: replay STREAMS random request streams per policy and page size "
+        "through SGLang's RadixCache lifecycle and kvjax's, and report where they differ",
+    )
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.path, args.quick, args.repeats)))
+        return
+    if args.lifecycle:
+        if not args.sglang_path:
+            ap.error("--lifecycle needs --sglang-path")
+        checks = lifecycle_check(args.sglang_path, args.lifecycle)
+        same = all(e["same"] == e["streams"] for e in checks.values())
+        print(json.dumps({"benchmark": "radix_lifecycle_vs_sglang", "all_same": same, "checks": checks}, indent=2))
         return
 
     plan = {

@@ -108,6 +108,10 @@ class RadixCache(RadixTree):
             eviction_policy_config=eviction_policy_config,
         )
         self.disable = bool(disable)
+        # The node the latest ``insert`` ended at, and the components' results of that insert
+        # (what ``insert_with`` returns); kept on the tree so ``insert`` builds no result object.
+        self.last_insert_node: TreeNode = self.root
+        self._last_insert_results: dict[str, Any] = {}
         self.enable_metrics = bool(enable_metrics)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
@@ -236,50 +240,14 @@ class RadixCache(RadixTree):
         counts one (SGLang 0.5.23); ``chunked=True`` counts none (the older rule). ``payloads``
         are per-component insert payloads by name; use :meth:`insert_with` to receive the
         components' results (e.g. a donated slot handed back, which the caller must free).
+        :attr:`last_insert_node` is the node the insert ended at.
 
         Raises (tree unchanged): ValueError for indices of the wrong length, shape or dtype,
         or None with an allocator attached, or a payload for an unknown component;
         ``kvjax.InvalidSlotError`` for negative slots or slots >= allocator size + page size.
         """
-        if self._extra:  # components commit (and may hand slots back): see insert_with
-            return self.insert_with(
-                token_ids, indices, extra_key, priority, chunked=chunked, inserted_len=inserted_len, payloads=payloads
-            ).prefix_len
-        return self._insert(
-            token_ids, indices, extra_key, priority, _NO_HITS if chunked else int(inserted_len), payloads
-        )[0]
-
-    def insert_with(
-        self,
-        token_ids: Any,
-        indices: Any = None,
-        extra_key: Hashable = None,
-        priority: int = 0,
-        *,
-        chunked: bool = False,
-        inserted_len: int = 0,
-        payloads: Mapping[str, Any] | None = None,
-    ) -> InsertResult:
-        """:meth:`insert`, returning the whole :class:`InsertResult` (prefix length, last node,
-        per-component results). Same arguments and errors."""
-        matched, node = self._insert(
-            token_ids, indices, extra_key, priority, _NO_HITS if chunked else int(inserted_len), payloads
-        )
-        return InsertResult(matched, node, self._commit(node, payloads) if self._extra else {})
-
-    def _insert(
-        self,
-        token_ids: Any,
-        indices: Any,
-        extra_key: Hashable,
-        priority: int,
-        hit_from: int,
-        payloads: Mapping[str, Any] | None,
-    ) -> tuple[int, TreeNode]:
-        """The insert: validate, walk, add the leaf; components commit unless the caller
-        (:meth:`insert_with`) collects their results. Returns (already cached, last node)."""
         if self.disable:
-            return 0, self.root
+            return 0
         if payloads:
             for name in payloads:
                 if name not in self._by_name or name == self._full.name:
@@ -303,24 +271,48 @@ class RadixCache(RadixTree):
             n -= n % self.page_size
         self.stats.num_inserts += 1
         if n <= 0:
-            return 0, self.root
-        is_bytes = type(token_ids) is not list
-        src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
-        self._clock += 1
-        node, matched, _ = self._insert_walk(
-            self.root,
-            src,
-            is_bytes,
-            n,
-            values,
-            extra_key,
-            int(priority) if priority else 0,
-            self._clock,
-            hit_from,
-            False,
-            payloads,
+            node, matched = self.root, 0
+        else:
+            is_bytes = type(token_ids) is not list
+            src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
+            self._clock += 1
+            node, matched, _ = self._insert_walk(
+                self.root,
+                src,
+                is_bytes,
+                n,
+                values,
+                extra_key,
+                int(priority) if priority else 0,
+                self._clock,
+                _NO_HITS if chunked else inserted_len,
+                False,
+                payloads,
+            )
+        self.last_insert_node = node
+        if self._extra:
+            self._last_insert_results = self._commit(node, payloads)
+        return matched
+
+    def insert_with(
+        self,
+        token_ids: Any,
+        indices: Any = None,
+        extra_key: Hashable = None,
+        priority: int = 0,
+        *,
+        chunked: bool = False,
+        inserted_len: int = 0,
+        payloads: Mapping[str, Any] | None = None,
+    ) -> InsertResult:
+        """:meth:`insert`, returning the whole :class:`InsertResult` (prefix length, last node,
+        per-component results). Same arguments and errors."""
+        matched = self.insert(
+            token_ids, indices, extra_key, priority, chunked=chunked, inserted_len=inserted_len, payloads=payloads
         )
-        return matched, node
+        if self.disable:
+            return InsertResult(0, self.root)
+        return InsertResult(matched, self.last_insert_node, self._last_insert_results if self._extra else {})
 
     def _commit(self, node: TreeNode, payloads: Mapping[str, Any] | None) -> dict[str, Any]:
         """Each component's ``commit_insert`` on the insert's end node, by name."""
