@@ -66,7 +66,9 @@ __all__ = ["Scheduler", "ServeStats", "ServingReq"]
 
 @dataclasses.dataclass
 class ServeStats:
-    """Counters of one run. Tokens are counts over all requests; seconds are wall time of steps."""
+    """Counters of one run. Tokens are counts over all requests; seconds are host wall time, split
+    as the module docstring says (``bookkeeping + pack + step`` is the time of all steps;
+    ``finish`` is part of ``bookkeeping``; ``decode_*`` the same over decode steps only)."""
 
     requests_finished: int = 0
     prompt_tokens: int = 0
