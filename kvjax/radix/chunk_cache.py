@@ -7,7 +7,8 @@ request its own slots back (``prefix_indices``), and at finish it frees them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -95,8 +96,15 @@ class ChunkCache:
         """Caches nothing; returns 0."""
         return 0
 
-    def evict(self, num_tokens: int) -> int:
-        return 0
+    @overload
+    def evict(self, num_tokens: int) -> int: ...
+
+    @overload
+    def evict(self, num_tokens: Mapping[str, int]) -> dict[str, int]: ...
+
+    def evict(self, num_tokens: int | Mapping[str, int]) -> int | dict[str, int]:
+        """Nothing is cached: 0, or ``{"full": 0}`` for per-component amounts."""
+        return {"full": 0} if isinstance(num_tokens, Mapping) else 0
 
     def inc_lock_ref(self, node: Any) -> LockReceipt:
         return LockReceipt(None, 0)

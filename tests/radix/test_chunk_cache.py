@@ -32,6 +32,7 @@ def test_flags_and_no_ops():
     c = ChunkCache()
     assert c.is_chunk_cache() and not c.is_tree_cache() and c.disable
     c.reset()  # a no-op that must not raise
+    assert c.evict(5) == 0 and c.evict({"full": 5}) == {"full": 0}
     assert c.protected_size() == 0 and c.evictable_size() == 0 and c.total_size() == 0
     assert c.pretty_print() == ""
     c.sanity_check()
