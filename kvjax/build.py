@@ -59,7 +59,7 @@ class KVCache:
         pools: CachePools,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: AllocatorProtocol,
-        tree_cache: TreeCacheProtocol | Any,
+        tree_cache: TreeCacheProtocol,
     ) -> None:
         self.plan = plan
         self._pools = pools
@@ -189,11 +189,8 @@ def build_kv_cache(
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
     allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
-    # The plan's tree settings are read-only properties; the tree registry's plan protocol declares
-    # them as plain (settable) attributes, which a type checker cannot match to properties.
-    tree_plan: Any = plan
     tree_cache = create_tree_cache(
-        tree_plan, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, event_sink=event_sink
+        plan, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, event_sink=event_sink
     )
     return KVCache(
         plan=plan,
