@@ -15,3 +15,14 @@ def _fresh_tpu_interpreter() -> Iterator[None]:
     pltpu.reset_tpu_interpret_mode_state()
     yield
     pltpu.reset_tpu_interpret_mode_state()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The TPU interpreter (race detection, every DMA simulated) is the slow one: the cases of a
+    parametrized matrix that run under it form the ``slow`` stage, which ``.ci/run`` runs after
+    the main suite (``python -m pytest -m slow``). Single tests that use it on purpose (the
+    provoked race and out-of-bounds checks) stay in the main suite."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and any(isinstance(v, pltpu.InterpretParams) for v in callspec.params.values()):
+            item.add_marker(pytest.mark.slow)

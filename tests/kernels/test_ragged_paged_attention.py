@@ -240,6 +240,7 @@ def test_kernel_hlo_interpreter(cfg: Config) -> None:
 TPU_CONFIGS = ["gqa_ps16", "window_ps1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TPU_CONFIGS)
 def test_kernel_tpu_interpreter_no_races(name: str) -> None:
     cfg = BY_NAME[name]
