@@ -50,7 +50,7 @@ class KVCache:
     state). The allocator, request table and tree cache are host objects mutated in place.
     """
 
-    __slots__ = ("_pools", "plan", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache")
+    __slots__ = ("_pools", "_pools_structure", "plan", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache")
 
     def __init__(
         self,
@@ -62,7 +62,12 @@ class KVCache:
         tree_cache: TreeCacheProtocol,
     ) -> None:
         self.plan = plan
+        if not isinstance(pools, CachePools):
+            raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         self._pools = pools
+        # Fixed for the holder's life (set_pools only accepts the same structure): computed once,
+        # so the check on every serving step flattens only the new pools.
+        self._pools_structure: Any = jax.tree_util.tree_structure(pools)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
@@ -98,9 +103,8 @@ class KVCache:
     def _check_same_structure(self, pools: Any, what: str) -> None:
         if not isinstance(pools, CachePools):
             raise TypeError(f"{what}: expected CachePools, got {type(pools).__name__}")
-        old: Any = jax.tree_util.tree_structure(self._pools)  # PyTreeDef: equal iff same structure and
-        new: Any = jax.tree_util.tree_structure(pools)  # static metadata (names, page size, dtype, ...)
-        if old != new:
+        # PyTreeDefs are equal iff same structure and static metadata (names, page size, dtype, ...).
+        if jax.tree_util.tree_structure(pools) != self._pools_structure:
             raise TypeError(
                 f"{what}: the new pools {pools.names} do not have the structure of the cache's {self._pools.names} "
                 "(pass what the step returned for cache.pools)"
