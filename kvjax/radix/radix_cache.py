@@ -347,13 +347,22 @@ class RadixCache(RadixTree):
         if n <= s:
             return start, start, t
         src, is_bytes = self._source(tokens_fn(s, n + self._ex), n + self._ex - s)
+        payloads = self._caching_payloads(req, row, s, n) if self._extra else None
         node, m_rel, vals = self._insert_walk(
-            start, src, is_bytes, n - s, row[s:n], req.extra_key, req.priority, t, req.cache_inserted_len, True
+            start,
+            src,
+            is_bytes,
+            n - s,
+            row[s:n],
+            req.extra_key,
+            req.priority,
+            t,
+            req.cache_inserted_len,
+            True,
+            payloads,
         )
         if self._extra:
-            # The lifecycle has no per-component payloads yet (0.5.23's prepare_for_caching_req
-            # comes with the components that need one); components still see the commit.
-            self._commit(node, None)
+            self._commit(node, payloads)
         matched = s + m_rel
         cpl = req.cache_protected_len
         if matched > cpl and m_rel and vals is not None:
@@ -367,6 +376,12 @@ class RadixCache(RadixTree):
                     free_slots(self._full.allocator, dup[differ])
                     self._write_row(req, cpl, tree_slots)
         return start, node, t
+
+    def _caching_payloads(self, req: Req, row: np.ndarray, start: int, n: int) -> Mapping[str, Any] | None:
+        """The components' insert payloads for caching key elements ``[start, n)`` of ``req``
+        (``row[start:n]`` are the incoming slots): SGLang 0.5.23's ``prepare_for_caching_req``.
+        None here; presets with components that need one (SWA's evicted-prefix length) override it."""
+        return None
 
     def _prompt_len(self, req: Req) -> int:
         """Key elements of the request's page-aligned prompt."""
