@@ -171,6 +171,37 @@ class SWATokenToKVPoolAllocator:
         self._mapping[full] = swa
         self._version += 1
 
+    def move_swa_pairing(self, src_full: Any, dst_full: Any) -> None:
+        """Give full slots ``dst_full`` (unpaired: their SWA part was freed) the SWA slots paired
+        with ``src_full``, and unpair ``src_full`` (a freshly computed copy of the same tokens),
+        so that freeing ``src_full`` afterwards frees only its full part. SGLang's
+        ``RecoverSWAWithLockedFull``: a tree node whose full slots are locked by another request
+        takes the SWA slots of an insert's duplicate instead of its full slots.
+
+        Raises (unchanged): InvalidSlotError for different lengths or page offsets, slots not in
+        use, ``src_full`` not all paired or ``dst_full`` not all unpaired.
+        """
+        src = as_index_array(src_full, "move_swa_pairing src")
+        dst = as_index_array(dst_full, "move_swa_pairing dst")
+        if src.size != dst.size:
+            raise InvalidSlotError(f"move_swa_pairing: {src.size} source slots but {dst.size} destination slots")
+        if src.size == 0:
+            return
+        full_side = self.full_attn_allocator
+        self._check_in_use(full_side, src, "move_swa_pairing (source)")
+        self._check_in_use(full_side, dst, "move_swa_pairing (destination)")
+        if (src % self.page_size != dst % self.page_size).any():
+            raise InvalidSlotError("move_swa_pairing: source and destination slots differ in page offset")
+        swa = self._mapping[src]
+        if (swa == 0).any():
+            raise InvalidSlotError(f"move_swa_pairing: source slots without an SWA slot: {format_ids(src[swa == 0])}")
+        taken = self._mapping[dst] != 0
+        if taken.any():
+            raise InvalidSlotError(f"move_swa_pairing: destination slots already paired: {format_ids(dst[taken])}")
+        self._mapping[dst] = swa
+        self._mapping[src] = 0
+        self._version += 1
+
     # ------------------------------------------------------------------ state
 
     def clear(self) -> None:

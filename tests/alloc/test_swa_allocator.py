@@ -307,3 +307,21 @@ SWAAllocatorMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestSWAAllocatorMachine = SWAAllocatorMachine.TestCase
+
+
+def test_move_swa_pairing_for_locked_full_recovery():
+    a = SWATokenToKVPoolAllocator(16, 8, 1)
+    old = got(a.alloc(2))  # the tree's locked full slots 1, 2 ...
+    a.free_swa(old)  # ... whose SWA part was evicted (a tombstone)
+    new = got(a.alloc(2))  # an insert's fresh copy: full 3, 4 paired with SWA 3, 4
+    before = snapshot(a)
+    with pytest.raises(InvalidSlotError, match="without an SWA slot"):
+        a.move_swa_pairing(old, new)
+    with pytest.raises(InvalidSlotError, match="already paired"):
+        a.move_swa_pairing(new, new)
+    assert snapshot(a) == before
+    a.move_swa_pairing(new, old)
+    assert a.translate_loc_from_full_to_swa(old).tolist() == [3, 4]
+    a.free(new)  # only the full part goes
+    assert a.swa_available_size() == 6 and a.full_available_size() == 14
+    a.check_invariants()
