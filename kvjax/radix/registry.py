@@ -1,8 +1,8 @@
 """`create_tree_cache`: the prefix cache a plan asks for.
 
 Mirrors SGLang's newest default chain (everything is one tree with components), restricted to
-what is built: the chunk cache and the full-KV radix tree. Kinds that need a component not built
-yet raise ``NotImplementedError`` naming it, never a silent fallback.
+what is built: the chunk caches, the full-KV radix tree and the SWA tree. Kinds that need a
+component not built yet raise ``NotImplementedError`` naming it, never a silent fallback.
 
 =====================  ==========================================================
 plan                   tree
@@ -11,12 +11,13 @@ plan                   tree
 ``unified``, full only :class:`RadixCache` (``disable=True`` when the radix cache is
                        disabled: SGLang builds a disabled tree that behaves like a
                        chunk cache when chunked prefill is off)
-``unified`` + swa      NotImplementedError: SWA radix component
+``unified`` + swa      :class:`SWARadixCache` (radix disabled: :class:`SWAChunkCache`, which
+                       behaves as SGLang's disabled tree)
 ``unified`` + mamba    NotImplementedError: Mamba state component
 host tier attached     NotImplementedError: host-memory tier
-``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
-``pure_swa_chunk``
-``pure_swa_radix``     NotImplementedError: SWA radix component
+``swa_chunk``          :class:`SWAChunkCache` (needs the SWA allocator)
+``pure_swa_chunk``     :class:`PureSWAChunkCache`
+``pure_swa_radix``     NotImplementedError: pure-SWA radix tree
 =====================  ==========================================================
 """
 
@@ -28,6 +29,8 @@ from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
 from kvjax.radix.radix_cache import RadixCache
+from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
+from kvjax.radix.swa_radix_cache import SWARadixCache
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
@@ -35,7 +38,6 @@ if TYPE_CHECKING:
 TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
 
 _MISSING = {
-    "swa": "SWA radix component",
     "mamba": "Mamba state component",
 }
 
@@ -72,6 +74,9 @@ class TreeCachePlan(Protocol):
     @property
     def enable_metrics(self) -> bool: ...
 
+    @property
+    def sliding_window_size(self) -> int | None: ...
+
 
 def create_tree_cache(
     plan: TreeCachePlan,
@@ -100,24 +105,49 @@ def create_tree_cache(
             page_size=page_size,
         )
     if kind in ("swa_chunk", "pure_swa_chunk"):
-        raise NotImplementedError(
-            f"tree_cache_kind={kind!r} needs the SWA chunk cache (SWAChunkCache over the SWA allocator), "
-            "which is not built yet"
+        cls = SWAChunkCache if kind == "swa_chunk" else PureSWAChunkCache
+        return cls(
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            page_size=page_size,
+            sliding_window_size=plan.sliding_window_size,
         )
     if kind == "pure_swa_radix":
         raise NotImplementedError(
-            "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
+            "tree_cache_kind='pure_swa_radix' (every layer sliding, radix cache on) needs the pure-SWA radix "
+            "tree, which is not built yet; run it with disable_radix_cache and chunked prefill (PureSWAChunkCache)"
         )
     components = tuple(plan.tree_components or ("full",))
     for comp in components:
         if comp == "full":
             continue
         what = _MISSING.get(comp)
+        if comp == "swa":
+            continue
         if what is None:
             raise ConfigError("tree_components", components, "components are 'full', 'swa' and 'mamba'")
         raise NotImplementedError(f"tree_components={components!r} needs the {what}, which is not built yet")
     if plan.attach_host_tier:
         raise NotImplementedError("the plan attaches a host-memory tier (HiCache), which is not built yet")
+    if "swa" in components:
+        if plan.disable_radix_cache:
+            return SWAChunkCache(
+                req_to_token_pool=req_to_token_pool,
+                token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                page_size=page_size,
+                sliding_window_size=plan.sliding_window_size,
+            )
+        return SWARadixCache(
+            page_size=page_size,
+            sliding_window_size=plan.sliding_window_size,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            req_to_token_pool=req_to_token_pool,
+            allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]
+            is_eagle=bool(plan.is_eagle),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
     return RadixCache(
         page_size=page_size,
         eviction_policy=plan.radix_eviction_policy or "lru",
