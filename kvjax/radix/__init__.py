@@ -10,6 +10,8 @@ from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
+from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
 from kvjax.radix.match import ComponentMatchResult, MatchResult
@@ -30,6 +32,8 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicy",
     "FullKVComponent",
+    "HiRadixCache",
+    "HostTierComponent",
     "InsertResult",
     "LockError",
     "LockReceipt",
