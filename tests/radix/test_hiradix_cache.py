@@ -31,7 +31,8 @@ def put(tree, alloc, engine, tokens):
     for s, t in zip(slots, tokens, strict=True):
         engine.device[int(s)] = t
     prefix = tree.insert(list(tokens), slots)
-    alloc.free(slots[:prefix])
+    held = tree.match_prefix(list(tokens)).indices[:prefix]  # a revived node takes its slots
+    alloc.free(slots[:prefix][slots[:prefix] != held])
     return slots
 
 
