@@ -13,7 +13,8 @@ plan                   tree
                        chunk cache when chunked prefill is off)
 ``unified`` + swa      NotImplementedError: SWA radix component
 ``unified`` + mamba    NotImplementedError: Mamba state component
-host tier attached     NotImplementedError: host-memory tier
+host tier attached     :class:`HiRadixCache` (full only; the host allocator and copy
+                       engine come from the build, else a simulated one)
 ``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
 ``pure_swa_chunk``
 ``pure_swa_radix``     NotImplementedError: SWA radix component
@@ -27,10 +28,12 @@ from typing import TYPE_CHECKING, Protocol
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
+from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.tiers import CopyEngine, HostSlotAllocator
 
 TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
 
@@ -79,11 +82,15 @@ def create_tree_cache(
     req_to_token_pool: ReqToTokenPoolProtocol | None = None,
     token_to_kv_pool_allocator: AllocatorProtocol | None = None,
     event_sink: EventSink | None = None,
+    host_allocator: HostSlotAllocator | None = None,
+    copy_engine: CopyEngine | None = None,
 ) -> ChunkCache | RadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
     attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
     ``attach_host_tier``, ``tree_page_size``, ``radix_eviction_policy``, ``is_eagle``,
-    ``enable_kv_cache_events``, ``enable_metrics``).
+    ``enable_kv_cache_events``, ``enable_metrics``; with a host tier also ``host_pool_tokens``
+    and ``hicache_write_policy``, read when present). ``host_allocator`` / ``copy_engine``: the
+    host pool's slot allocator and the transfers (defaults: sized from the plan, simulated).
 
     Raises:
         ConfigError: an unknown ``tree_cache_kind`` or eviction policy.
@@ -117,7 +124,21 @@ def create_tree_cache(
             raise ConfigError("tree_components", components, "components are 'full', 'swa' and 'mamba'")
         raise NotImplementedError(f"tree_components={components!r} needs the {what}, which is not built yet")
     if plan.attach_host_tier:
-        raise NotImplementedError("the plan attaches a host-memory tier (HiCache), which is not built yet")
+        return HiRadixCache(
+            page_size=page_size,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            host_allocator=host_allocator,
+            host_pool_tokens=int(getattr(plan, "host_pool_tokens", 0)) or None,
+            copy_engine=copy_engine,
+            write_policy=getattr(plan, "hicache_write_policy", "write_through"),
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            disable=bool(plan.disable_radix_cache),
+            is_eagle=bool(plan.is_eagle),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
     return RadixCache(
         page_size=page_size,
         eviction_policy=plan.radix_eviction_policy or "lru",
