@@ -12,6 +12,7 @@ in float32, attention softmax in float32 (inside ragged paged attention), logits
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,6 +39,9 @@ class BatchMetadata:
       cu_q_lens: ``[S + 1]`` token offsets of the sequences in the batch.
       num_seqs: ``[1]`` live sequences.
       logits_indices: ``[S]`` index of each sequence's last token (0 for padded rows).
+      extras: per-kind inputs by name, for the pools beyond full attention (e.g. a sliding-window
+        pool's page table, recurrent-state slots of the sequence rows); empty for MHA models.
+        Each kind documents its keys where it produces them (the scheduler's ``step_extras``).
     """
 
     positions: jax.Array
@@ -47,6 +51,7 @@ class BatchMetadata:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _dtype(config: ModelConfig) -> jnp.dtype:
