@@ -27,6 +27,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
@@ -183,12 +184,21 @@ def build_kv_cache(
     )
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None
+    groups: dict[str, list[PoolPlan]] = {}
     for pool in plan.pools:
-        built = pool_kind(pool.kind).create(pool, context)
+        kind = pool_kind(pool.kind)
+        if kind.group_builder is not None:  # built together below, under the kind's name
+            groups.setdefault(kind.name, []).append(pool)
+            continue
+        built = kind.create(pool, context)
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
             req_to_token_pool = built
+    for name, members in groups.items():
+        device[name] = pool_kind(name).create_group(tuple(members), context)
+    if req_to_token_pool is not None and plan.is_hybrid_ssm:
+        req_to_token_pool = _with_state_slots(req_to_token_pool, plan)
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
@@ -202,6 +212,19 @@ def build_kv_cache(
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         tree_cache=tree_cache,
+    )
+
+
+def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:
+    """Hybrid SSM: the request table with a state slot per request (``HybridReqToTokenPool``)
+    over the plan's ``max_mamba_cache_size`` slots."""
+    from kvjax.hybrid_req_pool import HybridReqToTokenPool
+
+    return HybridReqToTokenPool(
+        table.size,
+        table.max_context_len,
+        mamba_size=int(plan.max_mamba_cache_size or 0),
+        enable_mamba_extra_buffer=plan.enable_mamba_extra_buffer,
     )
 
 
