@@ -156,6 +156,17 @@ class HybridReqToTokenPool(ReqToTokenPool):
         req.mamba_last_track_idx = None
         req.mamba_last_track_seqlen = None
 
+    def detach_mamba_slot(self, req: Req) -> int:
+        """The request's state slot now belongs to someone else (the tree took it as a checkpoint):
+        clear it from the request and the table without freeing it. Returns the slot."""
+        if req.mamba_pool_idx is None:
+            raise InvalidSlotError(f"detach_mamba_slot: request {req.rid!r} holds no state slot")
+        slot = int(req.mamba_pool_idx)
+        if req.req_pool_idx is not None and 0 <= int(req.req_pool_idx) < self.size:
+            self.req_index_to_mamba_index_mapping[int(req.req_pool_idx)] = 0
+        req.mamba_pool_idx = None
+        return slot
+
     def free_req(self, req: Req) -> None:
         """Free the request's row (not its state slots: :meth:`free_mamba_cache` does) and clear
         ``req.req_pool_idx``."""

@@ -12,7 +12,8 @@ plan                   tree
                        disabled: SGLang builds a disabled tree that behaves like a
                        chunk cache when chunked prefill is off)
 ``unified`` + swa      NotImplementedError: SWA radix component
-``unified`` + mamba    NotImplementedError: Mamba state component
+``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
+                       ``mamba_allocator``; extra buffer and per-path cap from the plan)
 host tier attached     NotImplementedError: host-memory tier
 ``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
 ``pure_swa_chunk``
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.radix.radix_cache import RadixCache
 
 if TYPE_CHECKING:
@@ -79,7 +81,7 @@ def create_tree_cache(
     req_to_token_pool: ReqToTokenPoolProtocol | None = None,
     token_to_kv_pool_allocator: AllocatorProtocol | None = None,
     event_sink: EventSink | None = None,
-) -> ChunkCache | RadixCache:
+) -> ChunkCache | RadixCache | MambaRadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
     attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
     ``attach_host_tier``, ``tree_page_size``, ``radix_eviction_policy``, ``is_eagle``,
@@ -109,8 +111,21 @@ def create_tree_cache(
             "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
         )
     components = tuple(plan.tree_components or ("full",))
+    if components == ("full", "mamba") and not plan.attach_host_tier:
+        return MambaRadixCache(
+            page_size=page_size,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            enable_mamba_extra_buffer=bool(getattr(plan, "enable_mamba_extra_buffer", False)),
+            mamba_max_states_per_path=int(getattr(plan, "mamba_max_states_per_path", -1)),
+            disable=bool(plan.disable_radix_cache),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
     for comp in components:
-        if comp == "full":
+        if comp == "full" or (comp == "mamba" and "swa" not in components):
             continue
         what = _MISSING.get(comp)
         if what is None:

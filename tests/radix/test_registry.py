@@ -61,7 +61,7 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
     "kw,name",
     [
         (dict(tree_components=("full", "swa")), "SWA radix component"),
-        (dict(tree_components=("full", "mamba")), "Mamba state component"),
+        (dict(tree_components=("full", "swa", "mamba")), "SWA radix component"),
         (dict(attach_host_tier=True), "host-memory tier"),
         (dict(tree_cache_kind="pure_swa_radix"), "SWA radix component"),
         (dict(tree_cache_kind="swa_chunk"), "SWA chunk cache"),
@@ -71,6 +71,13 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
 def test_unbuilt_components_raise_naming_them(kw, name):
     with pytest.raises(NotImplementedError, match=name):
         create_tree_cache(plan(**kw))
+
+
+def test_full_and_mamba_components_build_the_mamba_tree():
+    from kvjax.radix import MambaRadixCache
+
+    tree = create_tree_cache(plan(tree_components=("full", "mamba")))
+    assert isinstance(tree, MambaRadixCache) and tree.supports_mamba()
 
 
 def test_unknown_kind_and_policy_are_config_errors():
