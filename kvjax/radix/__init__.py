@@ -1,6 +1,7 @@
 """The radix prefix cache: one pure-Python tree core, components, and the familiar presets.
 
-``RadixCache`` (full KV) and ``ChunkCache`` (radix cache disabled) keep SGLang's method names;
+``RadixCache`` (full KV), ``MambaRadixCache`` (full KV + recurrent-state checkpoints) and
+``ChunkCache`` (radix cache disabled) keep SGLang's method names;
 ``create_tree_cache(plan)`` picks one from a cache plan. Further kinds of state plug in as
 components (``TreeComponent``; see ``component.py``). Importing this package imports neither
 jax nor the Pallas kernels.
@@ -14,6 +15,8 @@ from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
+from kvjax.radix.mamba_component import MambaComponent, MambaMatch
+from kvjax.radix.mamba_radix_cache import MambaEvictResult, MambaInsertResult, MambaRadixCache
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.radix_cache import RadixCache
@@ -37,6 +40,11 @@ __all__ = [
     "InsertResult",
     "LockError",
     "LockReceipt",
+    "MambaComponent",
+    "MambaEvictResult",
+    "MambaInsertResult",
+    "MambaMatch",
+    "MambaRadixCache",
     "MatchResult",
     "PageHasher",
     "RadixCache",

@@ -12,9 +12,11 @@ plan                   tree
                        disabled: SGLang builds a disabled tree that behaves like a
                        chunk cache when chunked prefill is off)
 ``unified`` + swa      NotImplementedError: SWA radix component
-``unified`` + mamba    NotImplementedError: Mamba state component
+``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
+                       ``mamba_allocator``; extra buffer and per-path cap from the plan)
 host tier attached     :class:`HiRadixCache` (full only; the host allocator and copy
-                       engine come from the build, else a simulated one)
+                       engine come from the build, else a simulated one); with a Mamba
+                       component: NotImplementedError
 ``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
 ``pure_swa_chunk``
 ``pure_swa_radix``     NotImplementedError: SWA radix component
@@ -29,6 +31,7 @@ from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
 from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.radix.radix_cache import RadixCache
 
 if TYPE_CHECKING:
@@ -84,7 +87,7 @@ def create_tree_cache(
     event_sink: EventSink | None = None,
     host_allocator: HostSlotAllocator | None = None,
     copy_engine: CopyEngine | None = None,
-) -> ChunkCache | RadixCache:
+) -> ChunkCache | RadixCache | MambaRadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
     attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
     ``attach_host_tier``, ``tree_page_size``, ``radix_eviction_policy``, ``is_eagle``,
@@ -116,8 +119,26 @@ def create_tree_cache(
             "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
         )
     components = tuple(plan.tree_components or ("full",))
+    if "mamba" in components and plan.attach_host_tier:
+        raise NotImplementedError(
+            f"tree_components={components!r} with the host tier needs a host copy of recurrent-state "
+            "checkpoints, which is not built yet; turn off enable_hierarchical_cache for this model"
+        )
+    if components == ("full", "mamba"):
+        return MambaRadixCache(
+            page_size=page_size,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            enable_mamba_extra_buffer=bool(getattr(plan, "enable_mamba_extra_buffer", False)),
+            mamba_max_states_per_path=int(getattr(plan, "mamba_max_states_per_path", -1)),
+            disable=bool(plan.disable_radix_cache),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
     for comp in components:
-        if comp == "full":
+        if comp == "full" or (comp == "mamba" and "swa" not in components):
             continue
         what = _MISSING.get(comp)
         if what is None:

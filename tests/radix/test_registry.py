@@ -61,7 +61,8 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
     "kw,name",
     [
         (dict(tree_components=("full", "swa")), "SWA radix component"),
-        (dict(tree_components=("full", "mamba")), "Mamba state component"),
+        (dict(tree_components=("full", "swa", "mamba")), "SWA radix component"),
+        (dict(tree_components=("full", "mamba"), attach_host_tier=True), "host copy of recurrent-state"),
         (dict(tree_cache_kind="pure_swa_radix"), "SWA radix component"),
         (dict(tree_cache_kind="swa_chunk"), "SWA chunk cache"),
         (dict(tree_cache_kind="pure_swa_chunk"), "SWA chunk cache"),
@@ -81,6 +82,13 @@ def test_host_tier_builds_a_hiradix_cache_sized_by_the_plan():
     given = HostSlotAllocator(8, 1)
     t = create_tree_cache(plan(attach_host_tier=True), host_allocator=given)
     assert t.host_allocator is given and t.host.write_policy == "write_through"
+
+
+def test_full_and_mamba_components_build_the_mamba_tree():
+    from kvjax.radix import MambaRadixCache
+
+    tree = create_tree_cache(plan(tree_components=("full", "mamba")))
+    assert isinstance(tree, MambaRadixCache) and tree.supports_mamba()
 
 
 def test_unknown_kind_and_policy_are_config_errors():
