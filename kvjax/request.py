@@ -66,6 +66,18 @@ class Req:
         fill_ids: tokens whose KV exists after the current forward (``cache_unfinished_req``
             caches these). Defaults to ``(origin_input_ids + output_ids)[:kv_committed_len]``;
             chunked prefill assigns the chunk's end explicitly, as SGLang does.
+
+    Recurrent state (hybrid SSM models; ``kvjax.hybrid_req_pool``, ``kvjax.radix.mamba_radix_cache``):
+        mamba_pool_idx: the request's state slot (None until the request table or a
+            copy-on-write match gives it one); it holds the state after the request's last
+            processed token.
+        mamba_cow_src_index: the tree checkpoint slot the request's state was forked from at its
+            match (None: the request starts from no state).
+        mamba_ping_pong_track_buffer: with the extra buffer, the request's ping-pong slots
+            (int32 numpy), where the model tracks states at checkpoint positions.
+        mamba_last_track_idx / mamba_last_track_seqlen: with the extra buffer, which ping-pong
+            slot holds the last tracked state and after how many tokens (set by the model
+            runner; None: nothing tracked yet).
     """
 
     def __init__(
@@ -104,6 +116,11 @@ class Req:
         self.cached_tokens = cached_tokens
         self._fill_ids = None if fill_ids is _UNSET else fill_ids
         self.swa_evicted_seqlen = int(swa_evicted_seqlen)
+        self.mamba_pool_idx: int | None = None
+        self.mamba_cow_src_index: int | None = None
+        self.mamba_ping_pong_track_buffer: np.ndarray | None = None
+        self.mamba_last_track_idx: int | None = None
+        self.mamba_last_track_seqlen: int | None = None
 
     # -- token views ---------------------------------------------------------------------------
 

@@ -86,17 +86,42 @@ def test_built_pools_update_in_place_in_a_donated_step():
 
 @pytest.mark.parametrize(
     "spec,capability",
-    [(mla(), "MLA"), (swa(), "sliding-window"), (ssm(), "recurrent-state")],
-    ids=["mla", "swa", "ssm"],
+    [(mla(), "MLA"), (swa(), "sliding-window")],
+    ids=["mla", "swa"],
 )
 def test_build_raises_not_implemented_naming_the_capability(spec, capability):
     with pytest.raises(NotImplementedError, match=capability):
         build_kv_cache(spec, CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
 
 
-def test_build_host_tier_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="host-memory tier"):
-        tiny_cache(enable_hierarchical_cache=True)
+def test_build_host_tier_backs_up_and_loads_back_real_kv():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.radix import HiRadixCache
+
+    cache = tiny_cache(enable_hierarchical_cache=True, hicache_mem_layout="page_first")
+    tree = cache.tree_cache
+    assert isinstance(tree, HiRadixCache) and cache.host_pool.size == cache.plan.host_pool_tokens
+    assert cache.host_pool.layout.name == "page_first"
+    ps = cache.plan.alloc_page_size
+    alloc = cache.token_to_kv_pool_allocator
+    slots = alloc.alloc(2 * ps)
+    pool = cache.pools.kv
+    marked = tuple(a.at[1:3].set(jnp.asarray(7 + i, a.dtype)) for i, a in enumerate(pool.kv))  # pages 1, 2
+    cache.set_pools(cache.pools.replace(kv=pool.replace(kv=marked)))
+    assert slots.tolist() == list(range(ps, 3 * ps))
+    tree.insert(list(range(2 * ps)), slots)
+    tree.check_transfers(wait=True)
+    assert tree.evict(2 * ps) == 2 * ps
+    blank = tuple(a.at[1:3].set(0) for a in cache.pools.kv.kv)
+    cache.set_pools(cache.pools.replace(kv=cache.pools.kv.replace(kv=blank)))
+    m = tree.init_load_back(tree.match_prefix(list(range(2 * ps))))
+    assert m.prefix_len == 2 * ps
+    tree.check_transfers(wait=True)
+    pages = np.unique(m.indices // ps)
+    for i, layer in enumerate(cache.pools.kv.kv):
+        assert (np.asarray(layer)[pages] == 7 + i).all()  # the KV came back from the host
 
 
 def test_build_bad_config_raises_config_error_before_allocating():
@@ -228,6 +253,30 @@ def test_build_makes_one_device_pool_per_planned_device_pool():
 def test_not_built_kinds_raise_from_their_registry_entry_before_allocating():
     from kvjax.pools.registry import POOL_KINDS
 
-    with pytest.raises(NotImplementedError, match=r"pool kind 'recurrent'") as e:
-        build_kv_cache(ssm(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
-    assert POOL_KINDS["recurrent"].capability in str(e.value)
+    with pytest.raises(NotImplementedError, match=r"pool kind 'mla'") as e:
+        build_kv_cache(mla(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
+    assert POOL_KINDS["mla"].capability in str(e.value)
+
+
+def test_build_hybrid_ssm_state_pool_and_request_table():
+    from kvjax.hybrid_req_pool import HybridReqToTokenPool
+    from tests.specs import F, R
+
+    config = CacheConfig(
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=64,
+        page_size=1,
+        disable_radix_cache=True,
+        max_mamba_cache_size=5,
+    )
+    cache = build_kv_cache(ssm((R, F, R, F)), config)
+    assert cache.is_hybrid_ssm and set(cache.pools.names) == {"kv", "recurrent"}
+    state = cache.pools.recurrent
+    assert state.layer_ids == (0, 2) and state.num_slots == 5
+    assert state.nbytes() == sum(p.nbytes for p in cache.plan.pools if p.kind == "recurrent")
+    assert cache.pools.kv.layer_ids == (1, 3)
+    with pytest.raises(Exception, match="layer_id=2 not in full attention layers"):
+        cache.pools.kv.get_kv(2, np.array([1]))
+    table = cache.req_to_token_pool
+    assert isinstance(table, HybridReqToTokenPool) and table.mamba_pool_size == 5

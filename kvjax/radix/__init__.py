@@ -1,8 +1,8 @@
 """The radix prefix cache: one pure-Python tree core, components, and the familiar presets.
 
-``RadixCache`` (full KV), ``SWARadixCache`` (hybrid sliding window: FULL + SWA components) and
-``ChunkCache`` / ``SWAChunkCache`` / ``PureSWAChunkCache`` (radix cache disabled) keep SGLang's
-method names;
+``RadixCache`` (full KV), ``MambaRadixCache`` (full KV + recurrent-state checkpoints),
+``SWARadixCache`` (hybrid sliding window: FULL + SWA components) and ``ChunkCache`` /
+``SWAChunkCache`` / ``PureSWAChunkCache`` (radix cache disabled) keep SGLang's method names;
 ``create_tree_cache(plan)`` picks one from a cache plan. Further kinds of state plug in as
 components (``TreeComponent``; see ``component.py``). Importing this package imports neither
 jax nor the Pallas kernels.
@@ -12,8 +12,12 @@ from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
+from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
+from kvjax.radix.mamba_component import MambaComponent, MambaMatch
+from kvjax.radix.mamba_radix_cache import MambaEvictResult, MambaInsertResult, MambaRadixCache
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.radix_cache import RadixCache
@@ -35,9 +39,16 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicy",
     "FullKVComponent",
+    "HiRadixCache",
+    "HostTierComponent",
     "InsertResult",
     "LockError",
     "LockReceipt",
+    "MambaComponent",
+    "MambaEvictResult",
+    "MambaInsertResult",
+    "MambaMatch",
+    "MambaRadixCache",
     "MatchResult",
     "PageHasher",
     "PureSWAChunkCache",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.radix.chunk_cache import request_row
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.keys import as_slot_array
 from kvjax.radix.lock import LockError, LockReceipt
@@ -208,9 +209,17 @@ class SWARadixCache(RadixCache):
             return np.empty(0, np.int32)
         return np.concatenate(parts[::-1])[:upto]
 
-    def _caching_payloads(self, req: Req, row: np.ndarray, start: int, n: int) -> Mapping[str, Any] | None:
-        e = self._check_evicted(getattr(req, "swa_evicted_seqlen", 0), n, f"caching request {req.rid!r}")
-        return {"swa": SWAInsertPayload(e, row[start:n], start, start)}
+    def prepare_for_caching_req(self, req: Req, key_len: int, is_finished: bool) -> tuple[int, dict[str, Any] | None]:
+        """0.5.23's ``prepare_for_caching_req``: the SWA payload of the lifecycle insert is the
+        request's ``swa_evicted_seqlen``, its row (the incoming slots, by key position) and its
+        protected prefix. The cacheable length is kept.
+
+        Raises ValueError (nothing changed) for a ``swa_evicted_seqlen`` not page aligned or
+        reaching the end of the key.
+        """
+        e = self._check_evicted(getattr(req, "swa_evicted_seqlen", 0), key_len, f"caching request {req.rid!r}")
+        row = request_row(self.req_to_token_pool, req, "caching")
+        return key_len, {"swa": SWAInsertPayload(e, row, 0, req.cache_protected_len)}
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """:meth:`RadixCache.cache_finished_req` with the request's ``swa_evicted_seqlen`` as the

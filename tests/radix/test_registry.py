@@ -61,8 +61,9 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
 @pytest.mark.parametrize(
     "kw,name",
     [
-        (dict(tree_components=("full", "mamba")), "Mamba state component"),
-        (dict(attach_host_tier=True), "host-memory tier"),
+        (dict(tree_components=("full", "swa", "mamba")), "SWA \\+ Mamba tree"),
+        (dict(tree_components=("full", "mamba"), attach_host_tier=True), "host copy of recurrent-state"),
+        (dict(tree_components=("full", "swa"), attach_host_tier=True, sliding_window_size=4), "host copies of the SWA"),
         (dict(tree_cache_kind="pure_swa_radix"), "pure-SWA radix tree"),
     ],
 )
@@ -99,6 +100,24 @@ def test_swa_kinds_give_the_swa_caches():
             plan(tree_components=("full", "swa"), sliding_window_size=4),
             token_to_kv_pool_allocator=make_allocator(16, 1),
         )
+
+
+def test_host_tier_builds_a_hiradix_cache_sized_by_the_plan():
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers import HostSlotAllocator
+
+    t = create_tree_cache(plan(attach_host_tier=True, host_pool_tokens=132, hicache_write_policy="write_back"))
+    assert isinstance(t, HiRadixCache) and t.host_allocator.size == 132 and t.host.write_policy == "write_back"
+    given = HostSlotAllocator(8, 1)
+    t = create_tree_cache(plan(attach_host_tier=True), host_allocator=given)
+    assert t.host_allocator is given and t.host.write_policy == "write_through"
+
+
+def test_full_and_mamba_components_build_the_mamba_tree():
+    from kvjax.radix import MambaRadixCache
+
+    tree = create_tree_cache(plan(tree_components=("full", "mamba")))
+    assert isinstance(tree, MambaRadixCache) and tree.supports_mamba()
 
 
 def test_unknown_kind_and_policy_are_config_errors():
