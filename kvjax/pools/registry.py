@@ -94,6 +94,7 @@ POOL_KINDS: dict[str, PoolKind] = {
             "swa",
             "device",
             "the hybrid sliding-window pools (kv_pool_kind='swa': full + SWA pools and the SWA allocator)",
+            group_builder="kvjax.pools.swa:create_pool_group",
         ),
         PoolKind(
             "recurrent",
