@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from kvjax.alloc import make_allocator
+from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -220,7 +220,14 @@ def build_kv_cache(
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
-    allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
+    allocator: AllocatorProtocol
+    if plan.is_hybrid_swa and plan.full_tokens_per_layer:
+        # Full layers' slots, each paired with a sliding layers' slot (pure SWA: one plain allocator).
+        allocator = SWATokenToKVPoolAllocator(
+            plan.full_tokens_per_layer, plan.swa_tokens_per_layer or 0, plan.alloc_page_size, need_sort=plan.need_sort
+        )
+    else:
+        allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     tree_cache = create_tree_cache(
         plan,
         req_to_token_pool=req_to_token_pool,
