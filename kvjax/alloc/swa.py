@@ -269,8 +269,32 @@ class SWATokenToKVPoolAllocator:
         )
 
     def _pair(self, full: np.ndarray, swa: np.ndarray) -> None:
-        self._mapping[full] = swa
+        """Pair newly handed-out full slots with SWA slots, whole pages at a time: a full page
+        maps every offset to the same offset of its SWA page, so a later token continuing the
+        page (``last_loc + 1``) is paired before it is written."""
+        ps = self.page_size
+        if ps == 1:
+            self._mapping[full] = swa
+        elif full.size:
+            fp = full // ps
+            first = np.ones(fp.size, bool)
+            first[1:] = fp[1:] != fp[:-1]
+            offsets = np.arange(ps, dtype=np.int32)
+            self._mapping[(fp[first][:, None] * ps + offsets).ravel()] = (
+                (swa[first] // ps)[:, None] * ps + offsets
+            ).ravel()
         self._version += 1
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> int:
+        """Evict from ``tree_cache`` until ``num_tokens`` can be allocated on both sides (SGLang's
+        allocator-side scheduler hook): FULL eviction for what the full side lacks, SWA eviction for
+        what the SWA side still lacks. Returns the full tokens evicted (cascades included)."""
+        full_missing = max(0, int(num_tokens) - self.full_available_size())
+        swa_missing = max(0, int(num_tokens) - self.swa_available_size())
+        if not full_missing and not swa_missing:
+            return 0
+        counts = tree_cache.evict({"full": full_missing, "swa": swa_missing})
+        return int(counts.get("full", 0))
 
     def alloc(self, need_size: int) -> np.ndarray | None:
         """``need_size`` full slots (a multiple of ``page_size``), each paired with a new SWA slot;
@@ -485,7 +509,10 @@ class SWATokenToKVPoolAllocator:
         if not swa_in_use[swa // ps].all():
             fail("mapped SWA slots not in use")
         if ps > 1:
-            # Pages pair whole: every mapped slot of a full page maps into one SWA page.
+            per_page = np.bincount(full_pages, minlength=full_side.num_pages + 1)
+            if ((per_page != 0) & (per_page != ps)).any():
+                fail("a full page is partly paired (pages pair whole)")
+            # Every mapped slot of a full page maps into one SWA page.
             pairs = np.unique(full_pages.astype(np.int64) * (swa_side.num_pages + 1) + swa // ps)
             if pairs.size != np.unique(full_pages).size or pairs.size != np.unique(swa // ps).size:
                 fail("a full page is paired with several SWA pages, or an SWA page with several full pages")

@@ -325,3 +325,29 @@ def test_move_swa_pairing_for_locked_full_recovery():
     a.free(new)  # only the full part goes
     assert a.swa_available_size() == 6 and a.full_available_size() == 14
     a.check_invariants()
+
+
+def test_pages_pair_whole_so_a_continued_page_is_paired_before_its_write():
+    a = SWATokenToKVPoolAllocator(8 * 4, 4 * 4, 4)
+    a.alloc(4)  # SWA page 1 taken by another request: the sides now differ
+    a.free_swa(np.arange(4, 8))
+    x = got(a.alloc_extend([0], [6], [-1]))  # full pages 2, 3 / SWA pages 1, 2
+    assert x.tolist() == [8, 9, 10, 11, 12, 13]
+    # slots 14, 15 (the rest of full page 3) are paired already: decode may write at last + 1
+    assert a.translate_loc_from_full_to_swa([14, 15]).tolist() == [10, 11]
+    a.check_invariants()
+
+
+def test_evict_to_free_tokens_asks_the_tree_per_side():
+    class Tree:
+        asked: list = []
+
+        def evict(self, amounts):
+            self.asked.append(dict(amounts))
+            return {"full": 0, "swa": 0}
+
+    a = SWATokenToKVPoolAllocator(16, 4, 1)
+    got(a.alloc(3))
+    t = Tree()
+    assert a.evict_to_free_tokens(t, 2) == 0 and t.asked == [{"full": 0, "swa": 1}]
+    assert a.evict_to_free_tokens(t, 1) == 0 and len(t.asked) == 1  # enough room: nothing asked
