@@ -183,3 +183,16 @@ def test_page_1_with_pools_small_enough_to_evict_and_retract(gemma3):
     assert evicted["full"] > 0 and evicted["swa"] > 0, f"both pools should be evicted from, got {evicted}"
     assert sched.stats.retractions > 0, "the pools should be small enough to force retraction"
     _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.slow  # the same scheduler as above, through the command's entry point
+def test_served_through_generate(gemma3):
+    from kvjax.serve.generate import generate
+
+    hf, model = gemma3
+    p = _prompts()
+    prompts = [p["a"], p["b"]]
+    result, sched = generate(model, prompts, max_new_tokens=MAX_NEW, page_size=4, chunked_prefill_size=CHUNK)
+    assert sched.leak_free()
+    for prompt, out in zip(prompts, result.outputs, strict=True):
+        assert out == _hf_greedy(hf, prompt)[0]
