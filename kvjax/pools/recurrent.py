@@ -28,6 +28,7 @@ a free slot) is the allocator's to check: :func:`fork_live_slots`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -44,7 +45,7 @@ from kvjax.pools.registry import BuildContext
 from pallas_kernels import validate
 from pallas_kernels.state_slots import copy_state_slots, zero_slots
 
-__all__ = ["RecurrentStatePool", "create_pool_group", "fork_live_slots"]
+__all__ = ["RecurrentStatePool", "apply_state_copies", "create_pool_group", "fork_live_slots"]
 
 
 def _static(**kwargs: Any) -> Any:
@@ -181,24 +182,17 @@ class RecurrentStatePool:
         check_slots(slots, self.num_slots + 1, name="slots")
         if len(conv) != len(self.conv):
             raise ValueError(f"conv: {len(conv)} tensors given; this pool has {len(self.conv)}")
-        loc = jnp.asarray(slots, jnp.int32)
-        loc = jnp.where((loc >= 0) & (loc <= self.num_slots), loc, 0)
-        n = loc.shape[0]
-        new_conv = []
+        n = int(np.shape(slots)[0])
         for i, (a, x) in enumerate(zip(self.conv, conv, strict=True)):
             want = (n, *a.shape[2:])
             if tuple(x.shape) != want:
                 raise ValueError(f"conv[{i}] has shape {tuple(x.shape)}; expected {want}")
-            new_conv.append(a.at[index, loc].set(self._store(x, self.conv_dtype, a.dtype)))
         want = (n, *self.ssm.shape[2:])
         if tuple(ssm.shape) != want:
             raise ValueError(f"ssm has shape {tuple(ssm.shape)}; expected {want}")
-        new_ssm = self.ssm.at[index, loc].set(self._store(ssm, self.ssm_dtype, self.ssm.dtype))
-        return dataclasses.replace(self, conv=tuple(new_conv), ssm=new_ssm)
-
-    @staticmethod
-    def _store(x: jax.Array, name: str, store: Any) -> jax.Array:
-        return dtypes.to_storage(jnp.asarray(x).astype(dtypes.logical_dtype(name)), store)
+        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
+        arrays = _write_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), (*conv, ssm), logical)
+        return self._with_arrays(arrays)
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -209,11 +203,33 @@ class RecurrentStatePool:
         """
         index = self.layer_index(layer_id)
         check_slots(slots, self.num_slots + 1, name="slots")
-        loc = jnp.asarray(slots, jnp.int32)
-        loc = jnp.where((loc >= 0) & (loc <= self.num_slots), loc, 0)
-        conv = tuple(dtypes.from_storage(a[index, loc], dtypes.logical_dtype(self.conv_dtype)) for a in self.conv)
-        ssm = dtypes.from_storage(self.ssm[index, loc], dtypes.logical_dtype(self.ssm_dtype))
-        return conv, ssm
+        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
+        out = _read_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), logical)
+        return tuple(out[:-1]), out[-1]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _write_layer(
+    arrays: tuple[jax.Array, ...], index: int, slots: jax.Array, new: tuple[jax.Array, ...], logical: tuple[Any, ...]
+) -> tuple[jax.Array, ...]:
+    """Scatter one layer's new states (cast to the logical dtype, stored as the storage dtype);
+    slots outside ``[0, num_slots]`` go to the padding slot 0."""
+    rows = arrays[0].shape[1]
+    loc = jnp.where((slots >= 0) & (slots < rows), slots, 0)
+    return tuple(
+        a.at[index, loc].set(dtypes.to_storage(jnp.asarray(x).astype(dt), a.dtype))
+        for a, x, dt in zip(arrays, new, logical, strict=True)
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _read_layer(
+    arrays: tuple[jax.Array, ...], index: int, slots: jax.Array, logical: tuple[Any, ...]
+) -> tuple[jax.Array, ...]:
+    """One layer's states of ``slots`` in their logical dtypes (out of range: slot 0)."""
+    rows = arrays[0].shape[1]
+    loc = jnp.where((slots >= 0) & (slots < rows), slots, 0)
+    return tuple(dtypes.from_storage(a[index, loc], dt) for a, dt in zip(arrays, logical, strict=True))
 
 
 def fork_live_slots(pool: RecurrentStatePool, allocator: Any, src: Any, dst: Any) -> RecurrentStatePool:
@@ -225,6 +241,31 @@ def fork_live_slots(pool: RecurrentStatePool, allocator: Any, src: Any, dst: Any
     allocator.check_live(src, "fork src")
     allocator.check_live(dst, "fork dst")
     return pool.fork(src, dst)
+
+
+def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) -> RecurrentStatePool:
+    """Apply queued slot copies ``(src, dst)`` in order (a tree's ``take_state_copies``: forks of
+    matched checkpoints into request slots, request states into new checkpoint slots).
+
+    Consecutive copies are batched into one :meth:`RecurrentStatePool.fork` while no destination
+    repeats and none is read or written by another copy of the batch, so the result equals the
+    copies done one by one. ``src == dst`` is skipped. Donate the pool for in-place copies.
+    """
+    out = pool
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for src, dst in copies:
+        src, dst = int(src), int(dst)
+        if src == dst:
+            continue
+        if dst in dsts or dst in srcs or src in dsts:
+            out = out.fork(np.asarray(srcs, np.int32), np.asarray(dsts, np.int32))
+            srcs, dsts = [], []
+        srcs.append(src)
+        dsts.append(dst)
+    if srcs:
+        out = out.fork(np.asarray(srcs, np.int32), np.asarray(dsts, np.int32))
+    return out
 
 
 def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> RecurrentStatePool:
