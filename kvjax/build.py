@@ -51,7 +51,15 @@ class KVCache:
     state). The allocator, request table and tree cache are host objects mutated in place.
     """
 
-    __slots__ = ("_pools", "_pools_structure", "plan", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache")
+    __slots__ = (
+        "_pools",
+        "_pools_structure",
+        "host_pool",
+        "plan",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+    )
 
     def __init__(
         self,
@@ -61,8 +69,10 @@ class KVCache:
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: AllocatorProtocol,
         tree_cache: TreeCacheProtocol,
+        host_pool: Any = None,
     ) -> None:
         self.plan = plan
+        self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         self._pools = pools
@@ -99,6 +109,7 @@ class KVCache:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             tree_cache=self.tree_cache,
+            host_pool=self.host_pool,
         )
 
     def _check_same_structure(self, pools: Any, what: str) -> None:
@@ -180,10 +191,15 @@ def build_kv_cache(
         _check_mesh(mesh, config)
 
     context = BuildContext(
-        platform=plan.platform, mesh=mesh, kv_head_axis=KV_HEAD_MESH_AXIS, tp_size=config.attn_tp_size
+        platform=plan.platform,
+        mesh=mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
+        tp_size=config.attn_tp_size,
+        host_layout=plan.hicache_mem_layout,
     )
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None
+    host_pool: Any = None
     groups: dict[str, list[PoolPlan]] = {}
     for pool in plan.pools:
         kind = pool_kind(pool.kind)
@@ -195,6 +211,8 @@ def build_kv_cache(
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
             req_to_token_pool = built
+        elif pool.kind == "host_tier":
+            host_pool = built
     for name, members in groups.items():
         device[name] = pool_kind(name).create_group(tuple(members), context)
     if req_to_token_pool is not None and plan.is_hybrid_ssm:
@@ -204,15 +222,35 @@ def build_kv_cache(
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
     allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     tree_cache = create_tree_cache(
-        plan, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, event_sink=event_sink
+        plan,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        event_sink=event_sink,
+        host_allocator=None if host_pool is None else host_pool.allocator,
     )
-    return KVCache(
+    cache = KVCache(
         plan=plan,
         pools=CachePools(device),
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         tree_cache=tree_cache,
+        host_pool=host_pool,
     )
+    if host_pool is not None:
+        attach_host_transfers(cache)
+    return cache
+
+
+def attach_host_transfers(cache: KVCache) -> None:
+    """Give the cache's host tier the page transfer engine over ``cache`` (the holder whose
+    ``set_pools`` a load updates) and its host pool."""
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers.transfer import PageTransferEngine
+
+    tree = cache.tree_cache
+    if isinstance(tree, HiRadixCache):
+        device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
+        tree.host.engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
 
 
 def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:

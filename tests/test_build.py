@@ -94,9 +94,34 @@ def test_build_raises_not_implemented_naming_the_capability(spec, capability):
         build_kv_cache(spec, CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
 
 
-def test_build_host_tier_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="host-memory tier"):
-        tiny_cache(enable_hierarchical_cache=True)
+def test_build_host_tier_backs_up_and_loads_back_real_kv():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.radix import HiRadixCache
+
+    cache = tiny_cache(enable_hierarchical_cache=True, hicache_mem_layout="page_first")
+    tree = cache.tree_cache
+    assert isinstance(tree, HiRadixCache) and cache.host_pool.size == cache.plan.host_pool_tokens
+    assert cache.host_pool.layout.name == "page_first"
+    ps = cache.plan.alloc_page_size
+    alloc = cache.token_to_kv_pool_allocator
+    slots = alloc.alloc(2 * ps)
+    pool = cache.pools.kv
+    marked = tuple(a.at[1:3].set(jnp.asarray(7 + i, a.dtype)) for i, a in enumerate(pool.kv))  # pages 1, 2
+    cache.set_pools(cache.pools.replace(kv=pool.replace(kv=marked)))
+    assert slots.tolist() == list(range(ps, 3 * ps))
+    tree.insert(list(range(2 * ps)), slots)
+    tree.check_transfers(wait=True)
+    assert tree.evict(2 * ps) == 2 * ps
+    blank = tuple(a.at[1:3].set(0) for a in cache.pools.kv.kv)
+    cache.set_pools(cache.pools.replace(kv=cache.pools.kv.replace(kv=blank)))
+    m = tree.init_load_back(tree.match_prefix(list(range(2 * ps))))
+    assert m.prefix_len == 2 * ps
+    tree.check_transfers(wait=True)
+    pages = np.unique(m.indices // ps)
+    for i, layer in enumerate(cache.pools.kv.kv):
+        assert (np.asarray(layer)[pages] == 7 + i).all()  # the KV came back from the host
 
 
 def test_build_bad_config_raises_config_error_before_allocating():

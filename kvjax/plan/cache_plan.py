@@ -65,6 +65,8 @@ FLAT_FIELDS = (
     "host_pool_tokens",
     "draft_host_pools",
     "mm_embedding_cache_bytes",
+    "hicache_write_policy",
+    "hicache_mem_layout",
     "kv_head_replicas",
     "padding",
 )
@@ -267,6 +269,14 @@ class CachePlan:
     @property
     def mm_embedding_cache_bytes(self) -> int:
         return self.host.mm_embedding_cache_bytes
+
+    @property
+    def hicache_write_policy(self) -> str:
+        return self.host.hicache_write_policy
+
+    @property
+    def hicache_mem_layout(self) -> str:
+        return self.host.hicache_mem_layout
 
     @property
     def kv_head_replicas(self) -> int:

@@ -130,3 +130,5 @@ class HostTier:
     host_pool_tokens: int
     draft_host_pools: bool
     mm_embedding_cache_bytes: int
+    hicache_write_policy: str = "write_through"
+    hicache_mem_layout: str = "layer_first"

@@ -41,6 +41,7 @@ from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.page_copy import copy_slots
+from pallas_kernels.validate import check_kv_scale
 
 
 def _static(**kwargs: Any) -> Any:
@@ -294,8 +295,14 @@ class MHAKVPool:
         return self.replace(kv=tuple(layers))
 
     def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> MHAKVPool:
-        """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled."""
+        """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled.
+
+        Concrete scales that are zero, negative or not finite raise ``ValueError`` (the pool is
+        unchanged); traced scales cannot be checked.
+        """
         index = self._layer_index(layer_id)
+        check_kv_scale("k_scale", k_scale)
+        check_kv_scale("v_scale", v_scale)
         return self.replace(
             k_scale=self.k_scale.at[index].set(jnp.float32(k_scale)),
             v_scale=self.v_scale.at[index].set(jnp.float32(v_scale)),

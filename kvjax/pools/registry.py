@@ -25,13 +25,15 @@ class BuildContext:
 
     ``mesh``: a ``jax.sharding.Mesh`` or None; ``kv_head_axis``: its axis for KV heads;
     ``tp_size``: ranks along that axis (the planned per-rank heads are multiplied by it when a
-    mesh shards the global array); ``platform``: where the arrays live.
+    mesh shards the global array); ``platform``: where the arrays live; ``host_layout``: the host
+    tier's memory layout (``hicache_mem_layout``).
     """
 
     platform: str
     mesh: Any = None
     kv_head_axis: str = "tp"
     tp_size: int = 1
+    host_layout: str = "layer_first"
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,12 @@ POOL_KINDS: dict[str, PoolKind] = {
             "the recurrent-state pool of hybrid SSM / linear-attention models (kv_pool_kind='hybrid_linear')",
             group_builder="kvjax.pools.recurrent:create_pool_group",
         ),
-        PoolKind("host_tier", "host", "the host-memory tier (HiCache: enable_hierarchical_cache or host_pool backup)"),
+        PoolKind(
+            "host_tier",
+            "host",
+            "the host-memory tier (HiCache: enable_hierarchical_cache or host_pool backup)",
+            "kvjax.tiers.host_pool:create_host_pool",
+        ),
         PoolKind("request_table", "host", "the request -> token-slot table", "kvjax.req_pool:create_pool"),
     )
 }

@@ -11,6 +11,8 @@ from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
+from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
 from kvjax.radix.mamba_component import MambaComponent, MambaMatch
@@ -33,6 +35,8 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicy",
     "FullKVComponent",
+    "HiRadixCache",
+    "HostTierComponent",
     "InsertResult",
     "LockError",
     "LockReceipt",

@@ -32,8 +32,9 @@ hook                                   when
                                         in this component's own recency order; may delete
                                         leaves through ``tree.delete_leaf`` (cascade)
 ``keeps_node(node)``                    residency: the core is about to drop ``node``'s
-                                        device copy (or ``node`` is a childless host-only
-                                        node); True keeps it in the tree host-only
+                                        device copy (every component is asked, before the
+                                        copy is freed), or ``node`` is a childless host-only
+                                        node; True keeps it in the tree host-only
 ``on_demote(node)``                     ``node``'s device copy was freed; it stays host-only
 ``on_delete(node)``                     ``node`` leaves the tree; free this component's data
                                         on it, return the units freed (counted as cascade)

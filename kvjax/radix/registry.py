@@ -14,7 +14,9 @@ plan                   tree
 ``unified`` + swa      NotImplementedError: SWA radix component
 ``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
                        ``mamba_allocator``; extra buffer and per-path cap from the plan)
-host tier attached     NotImplementedError: host-memory tier
+host tier attached     :class:`HiRadixCache` (full only; the host allocator and copy
+                       engine come from the build, else a simulated one); with a Mamba
+                       component: NotImplementedError
 ``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
 ``pure_swa_chunk``
 ``pure_swa_radix``     NotImplementedError: SWA radix component
@@ -28,11 +30,13 @@ from typing import TYPE_CHECKING, Protocol
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
+from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.radix.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.tiers import CopyEngine, HostSlotAllocator
 
 TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
 
@@ -81,11 +85,15 @@ def create_tree_cache(
     req_to_token_pool: ReqToTokenPoolProtocol | None = None,
     token_to_kv_pool_allocator: AllocatorProtocol | None = None,
     event_sink: EventSink | None = None,
+    host_allocator: HostSlotAllocator | None = None,
+    copy_engine: CopyEngine | None = None,
 ) -> ChunkCache | RadixCache | MambaRadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
     attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
     ``attach_host_tier``, ``tree_page_size``, ``radix_eviction_policy``, ``is_eagle``,
-    ``enable_kv_cache_events``, ``enable_metrics``).
+    ``enable_kv_cache_events``, ``enable_metrics``; with a host tier also ``host_pool_tokens``
+    and ``hicache_write_policy``, read when present). ``host_allocator`` / ``copy_engine``: the
+    host pool's slot allocator and the transfers (defaults: sized from the plan, simulated).
 
     Raises:
         ConfigError: an unknown ``tree_cache_kind`` or eviction policy.
@@ -111,7 +119,12 @@ def create_tree_cache(
             "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
         )
     components = tuple(plan.tree_components or ("full",))
-    if components == ("full", "mamba") and not plan.attach_host_tier:
+    if "mamba" in components and plan.attach_host_tier:
+        raise NotImplementedError(
+            f"tree_components={components!r} with the host tier needs a host copy of recurrent-state "
+            "checkpoints, which is not built yet; turn off enable_hierarchical_cache for this model"
+        )
+    if components == ("full", "mamba"):
         return MambaRadixCache(
             page_size=page_size,
             eviction_policy=plan.radix_eviction_policy or "lru",
@@ -132,7 +145,21 @@ def create_tree_cache(
             raise ConfigError("tree_components", components, "components are 'full', 'swa' and 'mamba'")
         raise NotImplementedError(f"tree_components={components!r} needs the {what}, which is not built yet")
     if plan.attach_host_tier:
-        raise NotImplementedError("the plan attaches a host-memory tier (HiCache), which is not built yet")
+        return HiRadixCache(
+            page_size=page_size,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            host_allocator=host_allocator,
+            host_pool_tokens=int(getattr(plan, "host_pool_tokens", 0)) or None,
+            copy_engine=copy_engine,
+            write_policy=getattr(plan, "hicache_write_policy", "write_through"),
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            disable=bool(plan.disable_radix_cache),
+            is_eagle=bool(plan.is_eagle),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
     return RadixCache(
         page_size=page_size,
         eviction_policy=plan.radix_eviction_policy or "lru",

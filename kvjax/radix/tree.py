@@ -916,7 +916,10 @@ class RadixTree:
     def _evict_device_leaf(self, node: TreeNode) -> None:
         """FULL eviction of one candidate leaf, with components: demote or delete, cascade."""
         parent = node.parent
-        keep = bool(node.children) or any(c.keeps_node(node) for c in self._extra)
+        # Every component is asked (a host tier backs the node up in ``keeps_node`` under
+        # write-back, even when host-only children would keep it anyway).
+        kept = [c.keeps_node(node) for c in self._extra]
+        keep = bool(node.children) or any(kept)
         self._drop_device_copy(node)
         if keep:
             node.residency = HOST_ONLY
@@ -987,6 +990,32 @@ class RadixTree:
             self.stats.num_evictions += 1
         self._detach(node)
         self._after_child_change(parent)
+
+    def synthesize_slots(self, n: int) -> np.ndarray:
+        """``n`` fresh slot ids as a simulation insert would synthesize them (a tree without an
+        allocator); for components that bring nodes back in simulation."""
+        v = np.arange(self._sim_next, self._sim_next + n, dtype=INT32)
+        self._sim_next += n
+        return v
+
+    def revive_node(self, node: TreeNode, values: np.ndarray) -> None:
+        """Make the host-only ``node`` device-resident from ``values`` (its ``klen`` slot ids),
+        for a component that brought its data back (a host tier's load-back). Its parent must
+        be device-resident (or the root): revive a host-only chain from the top. Calls no
+        hook; the component keeps its data on the node.
+
+        Raises (tree unchanged): ValueError for a node that is not host-only in this tree, a
+        host-only parent, or a wrong number of slots.
+        """
+        if not isinstance(node, TreeNode) or node.owner is not self._owner or node.residency != HOST_ONLY:
+            raise ValueError(f"revive_node: {node!r} is not a host-only node of this tree")
+        parent = node.parent
+        if parent is not self.root and parent.residency != DEVICE:
+            raise ValueError(f"revive_node: node {node.id}'s parent {parent.id} is host-only; revive it first")
+        v = np.asarray(values)
+        if v.shape != (node.klen,):
+            raise ValueError(f"revive_node: {v.shape} slot ids for node {node.id} of {node.klen} key elements")
+        self._revive(parent, node, v.astype(INT32), 0, node.klen)
 
     def split_node(self, node: TreeNode, k: int) -> TreeNode:
         """Cut ``node`` after ``k`` key elements (``0 < k < node.klen``, a page multiple); returns

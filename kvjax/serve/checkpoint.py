@@ -8,8 +8,9 @@ names the file of every tensor). Optional: ``tokenizer.json`` (prompts as text) 
 Loading is checked before anything is built: the family must be servable, and every tensor the
 model expects (``kvjax.serve.model.param_shapes``) must be present with its exact shape. Tensor
 names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``); the parameter path is the
-name split at dots, with ``layers.N`` as ``layers_N``. Tensors the model does not use (e.g. old
-``rotary_emb.inv_freq`` buffers, or ``lm_head.weight`` when the head is tied) are ignored.
+name split at dots, with a list item ``name.N`` (``layers.N``, ``experts.N``) as ``name_N``.
+Tensors the model does not use (e.g. old ``rotary_emb.inv_freq`` buffers, or ``lm_head.weight``
+when the head is tied) are ignored.
 
 Tensors are read with ``safetensors``' numpy API (no torch), and cast to the checkpoint's dtype
 or the ``dtype`` override. Every problem is a `ConfigError` naming what is wrong and the fix.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,13 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensor
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.serve.families import family
 from kvjax.serve.model import Params, param_shapes
-from kvjax.serve.model_config import DTYPES, SERVABLE_FAMILIES, ModelConfig, model_config_from_spec
+from kvjax.serve.model_config import DTYPES, ModelConfig, model_config_from_spec
 from kvjax.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
+_LIST_ITEM = re.compile(r"^(.+)_(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,10 @@ class LoadedModel:
 
 
 def param_name(path: tuple[str, ...]) -> str:
-    """A parameter path as the checkpoint's tensor name (``layers_3`` -> ``layers.3``)."""
-    return ".".join(p.replace("layers_", "layers.", 1) if p.startswith("layers_") else p for p in path)
+    """A parameter path as the checkpoint's tensor name: flax names the ``i``-th module of a list
+    attribute ``name_i`` where the checkpoint says ``name.i`` (``layers_3`` -> ``layers.3``,
+    ``experts_7`` -> ``experts.7``)."""
+    return ".".join(_LIST_ITEM.sub(r"\1.\2", p) for p in path)
 
 
 def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -91,13 +97,7 @@ def read_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
         raise ConfigError("model", str(config_file), f"is not readable JSON ({e}); re-download config.json") from None
     if not isinstance(config, dict):
         raise ConfigError("model", str(config_file), "must hold a JSON object; re-download config.json")
-    family = config.get("model_type")
-    if family not in SERVABLE_FAMILIES:
-        raise ConfigError(
-            "model_type",
-            family,
-            f"kvjax serves {list(SERVABLE_FAMILIES)} checkpoints; plan other families with `python -m kvjax plan`",
-        )
+    family(config.get("model_type"))  # a ConfigError naming the servable families
     return path, config
 
 

@@ -12,6 +12,7 @@ in float32, attention softmax in float32 (inside ragged paged attention), logits
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,6 +39,9 @@ class BatchMetadata:
       cu_q_lens: ``[S + 1]`` token offsets of the sequences in the batch.
       num_seqs: ``[1]`` live sequences.
       logits_indices: ``[S]`` index of each sequence's last token (0 for padded rows).
+      extras: per-kind inputs by name, for the pools beyond full attention (e.g. a sliding-window
+        pool's page table, recurrent-state slots of the sequence rows); empty for MHA models.
+        Each kind documents its keys where it produces them (the scheduler's ``step_extras``).
     """
 
     positions: jax.Array
@@ -47,6 +51,7 @@ class BatchMetadata:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     logits_indices: jax.Array
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _dtype(config: ModelConfig) -> jnp.dtype:
@@ -139,15 +144,19 @@ def paged_attention(
     """Write the batch's ``k, v: [T, kv_heads, head_dim]`` into the pool, then attend ``q: [T, heads,
     head_dim]`` causally over each sequence's pages. Returns ``([T, heads, head_dim] in q's dtype, pool)``.
 
-    Scale ``1 / sqrt(head_dim)``, softmax in float32 (``ragged_paged_attention``).
+    Scale ``1 / sqrt(head_dim)``, softmax in float32 (``ragged_paged_attention``). The query stays
+    in the compute dtype; an fp8 pool is dequantised inside attention with the layer's scales.
     """
     kv = kv.set_kv_buffer(layer_id, meta.out_loc, k, v)
+    index = layer_id - kv.start_layer
     out = ragged_paged_attention(
-        q.astype(kv.logical_dtype),
+        q,
         kv.kv_buffer(layer_id),
         meta.kv_lens,
         meta.page_indices,
         meta.cu_q_lens,
         meta.num_seqs,
+        k_scale=kv.k_scale[index],
+        v_scale=kv.v_scale[index],
     )
-    return out.astype(q.dtype), kv
+    return out, kv

@@ -10,7 +10,9 @@ module reads them, from configs saved by any Transformers version:
 * dtype: ``dtype`` (Transformers 5) or ``torch_dtype`` (older).
 
 Supported RoPE types: ``default``, ``linear`` and ``llama3`` (Llama 3.1+). Others raise
-`ConfigError` naming the type. Families: ``llama``, ``mistral``, ``qwen2``, ``qwen3``.
+`ConfigError` naming the type. Families are the entries of ``kvjax.serve.families.FAMILIES``; a
+family's own hyperparameters (beyond the fields below) are read by its ``read_config`` into
+``ModelConfig.family_config``.
 
 A `ModelConfig` is frozen and hashable: compiled steps and random weights are cached per config.
 """
@@ -25,9 +27,11 @@ from typing import Any
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.serve.families import SERVABLE_FAMILIES, family
 from kvjax.spec import LayerKind, ModelSpec
 
-SERVABLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = ["DTYPES", "ROPE_TYPES", "SERVABLE_FAMILIES", "ModelConfig", "RopeConfig", "model_config_from_spec"]
+
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -79,8 +83,9 @@ class ModelConfig:
 
     ``dtype`` is the dtype of the weights and activations (the checkpoint's, or an override);
     logits are always float32. ``qkv_bias``/``o_bias``: biases of the attention projections;
-    ``mlp_bias``: of the MLP projections. The family (``kvjax.serve.model.MODEL_CLASSES``) decides
-    the rest of the architecture (Qwen3's q/k norms).
+    ``mlp_bias``: of the MLP projections. The family (``kvjax.serve.families.FAMILIES``) decides
+    the rest of the architecture (Qwen3's q/k norms); ``family_config`` holds what its
+    ``read_config`` read (None for families that need nothing more), frozen and hashable.
     """
 
     family: str
@@ -98,6 +103,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     dtype: str = "float32"
+    family_config: Any = None
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -154,24 +160,27 @@ def read_rope(config: Mapping[str, Any]) -> RopeConfig:
 def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> ModelConfig:
     """The serving hyperparameters of ``spec`` (its raw ``config.json`` is ``spec.extra``).
 
-    Raises `ConfigError` for a family kvjax cannot serve, sliding-window layers, an activation
-    other than SiLU, or an unsupported RoPE variant.
+    Raises `ConfigError` for a family kvjax cannot serve, layer kinds its model does not run
+    (e.g. sliding-window layers in a full-attention family), an activation other than SiLU, or an
+    unsupported RoPE variant.
     """
     raw: Mapping[str, Any] = spec.extra
-    family = spec.model_type
-    if family not in SERVABLE_FAMILIES:
+    entry = family(spec.model_type)
+    unsupported = sorted({kind.value for kind in spec.layer_kinds} - {kind.value for kind in entry.layer_kinds})
+    if unsupported:
+        if unsupported == [LayerKind.SLIDING.value]:
+            raise ConfigError(
+                "sliding_window",
+                spec.sliding_window,
+                f"kvjax serves {entry.name} with full-attention layers only; set sliding_window to null "
+                "(or use_sliding_window to false) if the window is not needed",
+            )
         raise ConfigError(
-            "model_type",
-            family,
-            f"kvjax serves {list(SERVABLE_FAMILIES)} checkpoints; plan this one with `python -m kvjax plan`",
+            "layer_types",
+            unsupported,
+            f"kvjax's {entry.name} model runs {sorted(k.value for k in entry.layer_kinds)} layers only",
         )
-    if any(kind != LayerKind.FULL for kind in spec.layer_kinds):
-        raise ConfigError(
-            "sliding_window",
-            spec.sliding_window,
-            "kvjax serves full-attention checkpoints only; set sliding_window to null (or use_sliding_window "
-            "to false) if the window is not needed",
-        )
+    family_name = entry.name
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError("hidden_act", act, "kvjax's serving MLP is SwiGLU; only 'silu' is supported")
@@ -181,8 +190,9 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
     if spec.intermediate_size <= 0:
         raise ConfigError("intermediate_size", spec.intermediate_size, "config.json needs a positive intermediate_size")
     bias = bool(raw.get("attention_bias", False))
+    family_config = entry.load("read_config")(spec, raw) if entry.read_config else None
     return ModelConfig(
-        family=family,
+        family=family_name,
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -194,8 +204,9 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
         rope=read_rope(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (no config key); Llama, Mistral and Qwen3 follow attention_bias.
-        qkv_bias=True if family == "qwen2" else bias,
-        o_bias=False if family == "qwen2" else bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)) if family == "llama" else False,
+        qkv_bias=True if family_name == "qwen2" else bias,
+        o_bias=False if family_name == "qwen2" else bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if family_name == "llama" else False,
         dtype=dtype,
+        family_config=family_config,
     )

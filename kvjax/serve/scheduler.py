@@ -27,6 +27,10 @@ stored back into the cache the scheduler was given (``KVCache.set_pools``), so `
 always the current state, never a donated (deleted) array. The host reads back only the sampled
 tokens (and, with ``record_logits``, the logits).
 
+Kinds of cached state beyond full attention plug into the loop as ``ServingExtension`` objects
+(``extension.py``: admission, decode, release and polling hooks, and per-kind step inputs in
+``BatchMetadata.extras``); a full-attention cache has none.
+
 Host time per step is split in ``ServeStats``: ``bookkeeping_seconds`` (match, evict, allocate,
 table writes, cache, free: kvjax's host work), ``pack_seconds`` (page table and batch packing) and
 ``step_seconds`` (the jitted step until its tokens are on the host); ``finish_seconds`` is the
@@ -46,7 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -55,6 +59,7 @@ import numpy as np
 from kvjax.build import KVCache
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
+from kvjax.serve.extension import ServingExtension, StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.serving_req import ServingReq
@@ -108,6 +113,8 @@ class Scheduler:
         max_batch_size: sequence rows per step (the step is compiled for this many).
         chunked_prefill_size: prefill token budget per step (default: the plan's, else 2048).
         record_logits: keep each output token's float32 logits on its request (``req.logits``).
+        extensions: the per-kind serving hooks of the cache's other state (``extension.py``);
+            default: those the cache's kinds need (none for a full-attention cache).
     """
 
     def __init__(
@@ -119,6 +126,7 @@ class Scheduler:
         max_batch_size: int = 16,
         chunked_prefill_size: int | None = None,
         record_logits: bool = False,
+        extensions: Sequence[ServingExtension] | None = None,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
@@ -144,6 +152,9 @@ class Scheduler:
         self._admissions = 0
         self._last_logits: np.ndarray | None = None
         self._running_cache: tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.extensions: tuple[ServingExtension, ...] = tuple(
+            default_extensions(cache) if extensions is None else extensions
+        )
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -169,6 +180,8 @@ class Scheduler:
         start = time.perf_counter()
         step_before, pack_before, finish_before = st.step_seconds, st.pack_seconds, st.finish_seconds
         ran = decoded = False
+        for ext in self.extensions:
+            ext.poll()
         if self.chunked is not None or self.waiting:
             ran = self._prefill(done)
         if not ran and self.running:
@@ -245,6 +258,8 @@ class Scheduler:
             req.req_pool_idx = rows[0]
             req.kv_committed_len = None
             start = self._match_and_lock(req)
+            for ext in self.extensions:
+                ext.after_admit(req)
             end = min(req.seqlen(), start + budget)
             extra = self._pages_needed(start, end)
             if not self._make_room(need + extra):
@@ -278,7 +293,8 @@ class Scheduler:
         for i, (row, (_, s, _)) in enumerate(zip(batch_rows, batch, strict=True)):
             self.rows.write(row, s, slots[offsets[i] : offsets[i + 1]])
         tokens = [np.asarray(req.token_range(s, e), np.int32) for req, s, e in batch]
-        next_tokens = self._forward(tokens, list(prefix), slots, batch_rows, seq)
+        reqs = [r for r, _, _ in batch]
+        next_tokens = self._forward(tokens, prefix, slots, np.asarray(batch_rows), seq, reqs)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens_computed += int((seq - prefix).sum())
 
@@ -352,6 +368,8 @@ class Scheduler:
             self._retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
             if not self.running:
                 return
+        for ext in self.extensions:
+            ext.before_decode(self.running)
         last = self.rows.req_to_token[rows, kv_len - 1]
         if need == 0 and ps > 1 and not getattr(self.alloc, "need_sort", False):
             # Every new token continues its request's last page, a page the request already owns:
@@ -364,7 +382,7 @@ class Scheduler:
             raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
         self.rows.req_to_token[rows, kv_len] = slots
         new_len = kv_len + 1
-        next_tokens = self._forward(tokens, kv_len, slots, rows, new_len)
+        next_tokens = self._forward(tokens, kv_len, slots, rows, new_len, self.running)
         st = self.stats
         st.decode_steps += 1
         st.generated_tokens += len(next_tokens)
@@ -401,6 +419,8 @@ class Scheduler:
 
     def _retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
+        for ext in self.extensions:
+            ext.before_release(req, False)
         self.tree.cache_finished_req(req, is_insert=False)
         self._reset(req)
         req.retracted += 1
@@ -423,6 +443,8 @@ class Scheduler:
         """Cache a done request's prompt and output in the tree, unlock it, free its row (or, with
         ``freed_rows``, leave the row to the caller's one ``free`` call for the whole batch)."""
         start = time.perf_counter()
+        for ext in self.extensions:
+            ext.before_release(req, True)
         self.tree.cache_finished_req(req)
         if freed_rows is None:
             self.rows.free(_row(req))
@@ -441,20 +463,35 @@ class Scheduler:
     def _forward(
         self,
         tokens: list[np.ndarray] | np.ndarray,
-        starts: Any,
+        starts: np.ndarray,
         slots: np.ndarray,
-        rows: list[int] | np.ndarray,
+        rows: np.ndarray,
         seq_lens: np.ndarray,
+        reqs: Sequence[ServingReq],
     ) -> np.ndarray:
         """Run the jitted step on the batch, store the new pools in the cache, return the sampled
         tokens (one per sequence). Page-table and packing time go to ``pack_seconds``, the step
         (until its tokens are on the host) to ``step_seconds``."""
         start = time.perf_counter()
-        table = self.rows.req_to_token[np.asarray(rows)[:, None], self._page_columns[None, :]] // self.page_size
-        n_pages = -(-np.asarray(seq_lens) // self.page_size)
+        table = self.rows.req_to_token[rows[:, None], self._page_columns[None, :]] // self.page_size
+        n_pages = -(-seq_lens // self.page_size)
         table[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
+        batch = None
+        extras: dict[str, np.ndarray] = {}
+        if self.extensions:
+            batch = StepBatch(
+                rows=rows,
+                starts=np.asarray(starts),
+                seq_lens=seq_lens,
+                slots=slots,
+                reqs=list(reqs),
+                max_seqs=self.max_batch_size,
+                is_decode=isinstance(tokens, np.ndarray),
+            )
+            for ext in self.extensions:
+                extras.update(ext.step_extras(batch))
         flat, meta = pack_batch(
-            tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size
+            tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size, extras=extras
         )
         packed = time.perf_counter()
         out = self.step_fn(self.cache.pools, self.params, flat, meta)
@@ -462,9 +499,17 @@ class Scheduler:
         self._last_logits = np.asarray(jax.device_get(out[2]))[: len(tokens)] if self.record_logits else None
         end = time.perf_counter()
         _store_pools(self.cache, out[0])  # host bookkeeping: counted outside the step's time
+        if batch is not None:
+            for ext in self.extensions:
+                ext.after_step(batch)
         self.stats.pack_seconds += packed - start
         self.stats.step_seconds += end - packed
         return next_tokens
+
+
+def default_extensions(cache: KVCache) -> list[ServingExtension]:
+    """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
+    return []
 
 
 def _row(req: Req) -> int:

@@ -46,9 +46,8 @@ def _make_step(config: ModelConfig, with_logits: bool) -> StepFn:
     module = build_model(config)
 
     def step(pools: CachePools, params: dict, tokens: jax.Array, meta: BatchMetadata) -> tuple[Any, ...]:
-        logits, kv = module.apply({"params": params}, tokens, pools.kv, meta)
+        logits, new_pools = module.apply({"params": params}, tokens, pools, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        new_pools = pools.replace(kv=kv)
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
 
     return jax.jit(step, donate_argnums=0)
@@ -66,13 +65,15 @@ def pack_batch(
     slots: np.ndarray,
     page_table: np.ndarray,
     max_seqs: int,
+    extras: dict[str, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, BatchMetadata]:
     """Step inputs for sequences whose new tokens are ``tokens[i]`` at positions ``starts[i]...``.
 
     ``tokens``: one array per sequence, or (a decode batch) one flat int array with one token per
     sequence. ``slots`` are the KV slots of all new tokens, concatenated in sequence order;
-    ``page_table`` is ``[len(tokens), pages_per_seq]`` (page ids, 0-padded). Returns
-    ``(tokens [T], metadata)`` as int32 numpy arrays.
+    ``page_table`` is ``[len(tokens), pages_per_seq]`` (page ids, 0-padded). ``extras``: per-kind
+    inputs passed through as ``BatchMetadata.extras`` (already padded to fixed shapes by their
+    producer). Returns ``(tokens [T], metadata)`` as numpy arrays.
     """
     n_seqs = len(tokens)
     if n_seqs > max_seqs:
@@ -116,5 +117,6 @@ def pack_batch(
         cu_q_lens=cu,
         num_seqs=np.array([n_seqs], np.int32),
         logits_indices=logits_idx,
+        extras=dict(extras or {}),
     )
     return flat, meta

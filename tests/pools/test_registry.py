@@ -15,7 +15,7 @@ def test_every_planned_kind_has_an_entry():
         assert kind.capability and kind.memory in ("device", "host")
 
 
-@pytest.mark.parametrize("name", ["mla", "swa", "host_tier"])
+@pytest.mark.parametrize("name", ["mla", "swa"])
 def test_kinds_not_built_yet_raise_naming_their_capability(name):
     kind = pool_kind(name)
     assert not is_built(name)
@@ -60,3 +60,17 @@ def test_request_table_builder():
     )
     table = pool_kind("request_table").create(planned, BuildContext(platform="cpu"))
     assert table.req_to_token.shape == planned.shape == (3, 64)
+
+
+def test_host_tier_builder_creates_the_planned_host_pool():
+    from kvjax.config import CacheConfig
+    from kvjax.plan import plan_kv_cache
+    from tests.specs import dense
+
+    config = CacheConfig(enable_hierarchical_cache=True, max_total_tokens=64, page_size=4, platform="cpu")
+    plan = plan_kv_cache(dense(layers=2), config)
+    planned = next(p for p in plan.pools if p.kind == "host_tier")
+    host = pool_kind("host_tier").create(planned, BuildContext(platform="cpu", host_layout="page_first"))
+    assert host.size == plan.host_pool_tokens == 132  # 64 tokens, ratio 2, page 4
+    assert host.layout.name == "page_first" and host.num_layers == 2
+    assert host.nbytes == planned.nbytes  # the plan's host bytes are what the build allocates

@@ -62,7 +62,7 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
     [
         (dict(tree_components=("full", "swa")), "SWA radix component"),
         (dict(tree_components=("full", "swa", "mamba")), "SWA radix component"),
-        (dict(attach_host_tier=True), "host-memory tier"),
+        (dict(tree_components=("full", "mamba"), attach_host_tier=True), "host copy of recurrent-state"),
         (dict(tree_cache_kind="pure_swa_radix"), "SWA radix component"),
         (dict(tree_cache_kind="swa_chunk"), "SWA chunk cache"),
         (dict(tree_cache_kind="pure_swa_chunk"), "SWA chunk cache"),
@@ -71,6 +71,17 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
 def test_unbuilt_components_raise_naming_them(kw, name):
     with pytest.raises(NotImplementedError, match=name):
         create_tree_cache(plan(**kw))
+
+
+def test_host_tier_builds_a_hiradix_cache_sized_by_the_plan():
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers import HostSlotAllocator
+
+    t = create_tree_cache(plan(attach_host_tier=True, host_pool_tokens=132, hicache_write_policy="write_back"))
+    assert isinstance(t, HiRadixCache) and t.host_allocator.size == 132 and t.host.write_policy == "write_back"
+    given = HostSlotAllocator(8, 1)
+    t = create_tree_cache(plan(attach_host_tier=True), host_allocator=given)
+    assert t.host_allocator is given and t.host.write_policy == "write_through"
 
 
 def test_full_and_mamba_components_build_the_mamba_tree():

@@ -1,3 +1,84 @@
-"""One small model file per family where the architecture differs; shared pieces live in
+"""The servable families: one entry per Hugging Face ``model_type`` (jax-free; the model class and
+the family's config reader are imported only when used).
+
+One small model file per family where the architecture differs; shared pieces live in
 ``kvjax.serve.layers``. ``llama`` also serves Mistral and Qwen2 (their differences are projection
-biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k."""
+biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k.
+
+Adding a family is one model module and one entry here: the module's flax class takes
+``(tokens [T], pools: CachePools, meta: BatchMetadata)`` and returns ``(logits [S, vocab] float32,
+new pools)``; ``layer_kinds`` says which cached layer kinds it runs (a spec with others is refused
+by name); ``read_config`` (optional) reads the family's own hyperparameters from the raw
+``config.json`` into a frozen, hashable object stored as ``ModelConfig.family_config``;
+``trace_state`` (optional) builds the smallest ``CachePools`` of the family's pool kinds and the
+``BatchMetadata.extras`` its model reads, used to trace the weights' shapes (default: a one-page
+MHA pool, no extras).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from kvjax.errors import ConfigError
+from kvjax.layer_kinds import LayerKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One servable family.
+
+    Attributes:
+        name: the ``model_type`` of its ``config.json``.
+        model: ``"module:Class"`` of its flax model.
+        layer_kinds: the layer kinds its model runs (``ModelSpec.layer_kinds`` must be a subset).
+        read_config: ``"module:function"`` taking ``(spec, raw config dict)`` and returning the
+            family's frozen hyperparameters (``ModelConfig.family_config``), or None.
+        trace_state: ``"module:function"`` taking a ``ModelConfig`` and returning
+            ``(CachePools, extras)``: the smallest pools its model runs on and the
+            ``BatchMetadata.extras`` of a one-token batch (for tracing weights), or None for a
+            one-page MHA pool and no extras.
+    """
+
+    name: str
+    model: str
+    layer_kinds: frozenset[LayerKind] = frozenset({LayerKind.FULL})
+    read_config: str | None = None
+    trace_state: str | None = None
+
+    def load(self, what: str) -> Callable[..., Any]:
+        """Import ``model``, ``read_config`` or ``trace_state`` (named by attribute)."""
+        target = getattr(self, what)
+        if target is None:
+            raise AttributeError(f"family {self.name!r} has no {what}")
+        module, _, name = str(target).partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_LLAMA = "kvjax.serve.families.llama:LlamaForCausalLM"
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family("llama", _LLAMA),
+        Family("mistral", _LLAMA),
+        Family("qwen2", _LLAMA),
+        Family("qwen3", "kvjax.serve.families.qwen3:Qwen3ForCausalLM"),
+    )
+}
+
+SERVABLE_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def family(name: Any) -> Family:
+    """The entry of ``model_type`` ``name``; a `ConfigError` naming the servable ones otherwise."""
+    entry = FAMILIES.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ConfigError(
+            "model_type",
+            name,
+            f"kvjax serves {list(SERVABLE_FAMILIES)} checkpoints; plan other families with `python -m kvjax plan`",
+        )
+    return entry

@@ -7,7 +7,8 @@ RoPE, paged attention, ``o_proj``), residual, ``post_attention_layernorm``, ``ml
 ``model.norm``; ``lm_head`` (or the embedding, tied).
 
 A forward takes one flat ragged batch (``T`` tokens of up to ``S`` sequences, ``BatchMetadata``)
-and returns float32 logits for the last token of each sequence row, and the updated pool.
+and the cache's pools (``CachePools``; these families use ``pools.kv``, an ``MHAKVPool``), and
+returns float32 logits for the last token of each sequence row, and the updated pools.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax.pools import MHAKVPool
+from kvjax.pools import CachePools
 from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm, apply_rope, paged_attention
 from kvjax.serve.model_config import ModelConfig
 
@@ -32,7 +33,7 @@ class LlamaAttention(nn.Module):
         return q, k
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         dt = jnp.dtype(c.dtype)
         t = x.shape[0]
@@ -46,9 +47,9 @@ class LlamaAttention(nn.Module):
         inv_freq = c.rope.inverse_frequencies(c.head_dim)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        out, kv = paged_attention(q, k, v, kv, self.layer_id, meta)
+        out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
         out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
-        return out, kv
+        return out, pools.replace(kv=kv)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -57,14 +58,14 @@ class LlamaDecoderLayer(nn.Module):
     attention: type[LlamaAttention] = LlamaAttention
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         dt = jnp.dtype(c.dtype)
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        h, kv = self.attention(c, self.layer_id, name="self_attn")(h, kv, meta)
+        h, pools = self.attention(c, self.layer_id, name="self_attn")(h, pools, meta)
         x = x + h
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        return x + MLP(c, name="mlp")(h), kv
+        return x + MLP(c, name="mlp")(h), pools
 
 
 class LlamaModel(nn.Module):
@@ -81,18 +82,18 @@ class LlamaModel(nn.Module):
         self.layers = [LlamaDecoderLayer(c, i, self.attention, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dt)
 
-    def __call__(self, tokens: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x, kv = layer(x, kv, meta)
-        return self.norm(x[meta.logits_indices]), kv
+            x, pools = layer(x, pools, meta)
+        return self.norm(x[meta.logits_indices]), pools
 
     def lm_head_tied(self, x: jax.Array) -> jax.Array:
         return self.embed_tokens.attend(x)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``(tokens [T], pool, metadata) -> (logits [S, vocab] float32, new pool)``."""
+    """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
     config: ModelConfig
     attention: type[LlamaAttention] = LlamaAttention
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
 
-    def __call__(self, tokens: jax.Array, kv: MHAKVPool, meta: BatchMetadata) -> tuple[jax.Array, MHAKVPool]:
-        x, kv = self.model(tokens, kv, meta)
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        x, pools = self.model(tokens, pools, meta)
         logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), kv
+        return logits.astype(jnp.float32), pools

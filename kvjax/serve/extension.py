@@ -1,0 +1,81 @@
+"""`ServingExtension`: what a kind of cached state beyond full attention adds to the serving loop.
+
+The scheduler (``scheduler.py``) runs SGLang's loop over the full-attention KV (match and lock,
+evict then allocate, ``cache_unfinished_req`` / ``cache_finished_req``). Other kinds of state need
+a little more at fixed points of that loop: a sliding-window pool frees the slots that left each
+request's window and reads through its own page table; a recurrent-state pool gives each request a
+state slot, forks the matched checkpoint into it and hands the step the slots of its sequence
+rows; a host tier polls its transfers and loads matched host prefixes back. Each such kind is one
+extension object (in its own module) built from the cache; the scheduler calls every extension's
+hooks in order, and an MHA-only cache has none, so its loop pays nothing.
+
+Hooks, in the order the scheduler calls them (every default does nothing):
+
+=========================  ==================================================================
+hook                       when
+=========================  ==================================================================
+``after_admit(req)``       a waiting request was matched and locked (``req.prefix_indices``,
+                           ``req.last_node``) and got its request-table row; before memory for
+                           its new tokens is made
+``step_extras(batch)``     the batch is packed: return ``BatchMetadata.extras`` entries (numpy,
+                           fixed shapes, padded to ``batch.max_seqs`` rows)
+``after_step(batch)``      the step ran and its pools are stored in the cache
+``before_decode(reqs)``    a decode batch of ``reqs`` is about to allocate its new tokens
+``before_release(req,``    the request's KV is about to go to the tree (``finished``: finished;
+``finished)``              else retracted, released without insert)
+``poll()``                 once per scheduler step, before the batch is formed (transfers)
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvjax.serve.serving_req import ServingReq
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's sequences as the scheduler packs them (``n`` live rows, in batch order).
+
+    ``rows``: request-table rows ``[n]``; ``starts``: KV length before this step's tokens ``[n]``;
+    ``seq_lens``: KV length after them ``[n]``; ``slots``: the new tokens' KV slots, concatenated;
+    ``reqs``: the requests; ``max_seqs``: the step's padded row count; ``is_decode``: one token
+    per sequence.
+    """
+
+    rows: np.ndarray
+    starts: np.ndarray
+    seq_lens: np.ndarray
+    slots: np.ndarray
+    reqs: Sequence[ServingReq]
+    max_seqs: int
+    is_decode: bool
+
+
+class ServingExtension:
+    """Base class of the per-kind serving hooks (see the module docstring); every hook is a no-op."""
+
+    def poll(self) -> None:
+        """Once per scheduler step, before the batch is formed."""
+
+    def after_admit(self, req: ServingReq) -> None:
+        """``req`` was matched, locked and given a request-table row."""
+
+    def before_decode(self, reqs: Sequence[ServingReq]) -> None:
+        """A decode batch of ``reqs`` is about to allocate one token each."""
+
+    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        """``BatchMetadata.extras`` entries for this batch (numpy, fixed shapes)."""
+        return {}
+
+    def after_step(self, batch: StepBatch) -> None:
+        """The step ran; the cache holds its new pools."""
+
+    def before_release(self, req: ServingReq, finished: bool) -> None:
+        """``req``'s KV is about to be cached (``finished``) or released without insert (retraction)."""
