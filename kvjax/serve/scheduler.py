@@ -509,7 +509,12 @@ class Scheduler:
 
 def default_extensions(cache: KVCache) -> list[ServingExtension]:
     """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
-    return []
+    extensions: list[ServingExtension] = []
+    if "recurrent" in cache.pools:
+        from kvjax.serve.recurrent_extension import RecurrentStateExtension
+
+        extensions.append(RecurrentStateExtension(cache))
+    return extensions
 
 
 def _row(req: Req) -> int:
