@@ -240,6 +240,11 @@ class MambaRadixCache(RadixCache):
             self.cow_into_request(req, result)
         return result
 
+    def queue_state_copy(self, src: int, dst: int) -> None:
+        """Queue a device copy ``src -> dst`` behind the tree's own (a caller's fork that must see
+        the copies queued before it, e.g. a checkpoint donated in the same step)."""
+        self._copies.append((int(src), int(dst)))
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The queued device copies ``(src slot, dst slot)``, oldest first; the queue is emptied.
         Apply them in order before the next forward (``apply_state_copies``)."""
