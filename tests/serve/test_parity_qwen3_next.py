@@ -170,3 +170,16 @@ def test_cold_equals_warm(model):
     )
     assert sched.stats.cached_tokens == 0
     assert {n: r.output_ids for n, r in cold.items()} == {n: r.output_ids for n, r in warm.items()}
+
+
+def test_generate_serves_the_checkpoint(model):
+    from kvjax.serve.generate import generate
+
+    hf, loaded = model
+    p = _prompts()
+    result, sched = generate(loaded, [p["a"], p["b"]], max_new_tokens=MAX_NEW, page_size=1, chunked_prefill_size=CHUNK)
+    assert sched.stats.cached_tokens >= 16, "the second prompt starts from a checkpoint of the first"
+    for prompt, tokens in zip([p["a"], p["b"]], result.outputs, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
+        assert tokens == want.tolist()
