@@ -52,9 +52,20 @@ def _checkpoint(tree: MambaRadixCache, states: StateSlotAllocator, key: list[int
 
 
 def simulate_policy(
-    stream: list[Request], policy: CheckpointPolicy | None, *, capacity: int, state_slots: int, chunk: int
+    stream: list[Request],
+    policy: CheckpointPolicy | None,
+    *,
+    capacity: int,
+    state_slots: int,
+    chunk: int,
+    branch_points: bool = False,
 ) -> dict[str, Any]:
-    """Hit rate of ``stream`` under ``policy`` (None: the full-attention tree, no states)."""
+    """Hit rate of ``stream`` under ``policy`` (None: the full-attention tree, no states).
+
+    ``branch_points``: also checkpoint where the FULL hit goes past the reusable checkpoint
+    (SGLang's ``mamba_branching_seqlen``): the first chunk ends there and donates a state, so the
+    next request branching at the same point (a shared system prompt) reuses it. kvjax's scheduler
+    does not split the first chunk there; this simulates what doing so buys."""
     prompt_tokens = hit = 0
     if policy is None:
         full = RadixCache(page_size=1)
@@ -80,8 +91,13 @@ def simulate_policy(
         prompt_tokens += len(prompt)
         receipt = tree.inc_lock_ref(m.last_node)
         pos = m.prefix_len
+        branch = m.extras["mamba"].branching_seqlen if branch_points else None
         while pos < len(prompt):  # chunked prefill from the hit
             end = min(pos + chunk, len(prompt))
+            if branch is not None and pos < branch < end:
+                _checkpoint(tree, states, prompt[:branch], True)
+                pos = branch
+                continue
             point = "prompt_end" if end == len(prompt) else "chunk_ends"
             _checkpoint(tree, states, prompt[:end], policy.keeps(point))
             pos = end
@@ -212,6 +228,20 @@ def main() -> None:
     }
     for name, policy in POLICIES.items():
         hit[name] = simulate_policy(stream, policy, capacity=capacity, state_slots=state_slots, chunk=chunk)
+    branching = {
+        name: {
+            "without_branch_points": simulate_policy(
+                stream_, POLICIES["all"], capacity=capacity, state_slots=state_slots, chunk=chunk
+            )["hit_rate"],
+            "with_branch_points": simulate_policy(
+                stream_, POLICIES["all"], capacity=capacity, state_slots=state_slots, chunk=chunk, branch_points=True
+            )["hit_rate"],
+            "full_attention_upper_bound": simulate_policy(stream_, None, capacity=capacity, state_slots=0, chunk=chunk)[
+                "hit_rate"
+            ],
+        }
+        for name, stream_ in workloads(quick).items()
+    }
     tight = {
         name: simulate_policy(stream, POLICIES[name], capacity=capacity, state_slots=conversations, chunk=chunk)
         for name in ("all", "turn_end", "prompt_and_turn_end")
@@ -226,6 +256,7 @@ def main() -> None:
             "state_slots": state_slots,
             "policies": hit,
             "state_slots_one_per_conversation": tight,
+            "branch_point_checkpoints": branching,
         },
         "per_request_cost": per_request_cost(quick, capacity=capacity, state_slots=4 * conversations),
         "fork_cost": fork_cost(64, 1024 if quick else 4096),
