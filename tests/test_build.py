@@ -280,3 +280,49 @@ def test_build_hybrid_ssm_state_pool_and_request_table():
         cache.pools.kv.get_kv(2, np.array([1]))
     table = cache.req_to_token_pool
     assert isinstance(table, HybridReqToTokenPool) and table.mamba_pool_size == 5
+
+
+def test_build_shards_the_recurrent_state_over_a_tp_mesh():
+    """In a subprocess (8 host devices): the state is sharded as SGLang shards it (conv channels and
+    SSM heads over the ranks, whole slots per device); fork and zero run per device, in place."""
+    code = textwrap.dedent(
+        """
+        import json, jax, numpy as np
+        from jax.sharding import Mesh
+        from kvjax import CacheConfig, build_kv_cache
+        from tests.specs import F, R, ssm
+        mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+        config = CacheConfig(max_total_tokens=64, tp_size=2, max_running_requests=2, context_length=32,
+                             page_size=1, disable_radix_cache=True, max_mamba_cache_size=4)
+        cache = build_kv_cache(ssm((R, F)), config, mesh=mesh)
+        state = cache.pools.recurrent
+        rng = np.random.default_rng(0)
+        conv = [rng.standard_normal((5, *a.shape[2:])).astype(np.float32) for a in state.conv]
+        ssm_new = rng.standard_normal((5, *state.ssm.shape[2:])).astype(np.float32)
+        state = state.set_states(0, np.arange(5), conv, ssm_new)
+        before = np.asarray(state.ssm)
+        pointer = state.ssm.addressable_shards[0].data.unsafe_buffer_pointer()
+        fork = jax.jit(lambda p, s, d: p.fork(s, d).zero_slots(s), donate_argnums=0)
+        state = fork(state, np.array([1]), np.array([3]))
+        after = np.asarray(state.ssm)
+        print(json.dumps({
+            "conv": [list(a.shape) for a in state.conv],
+            "conv_shard": list(state.conv[0].addressable_shards[0].data.shape),
+            "ssm": list(state.ssm.shape), "ssm_shard": list(state.ssm.addressable_shards[0].data.shape),
+            "forked": bool(np.array_equal(after[:, 3], before[:, 1])), "zeroed": not after[:, 1].any(),
+            "others": bool(np.array_equal(after[:, [0, 2, 4]], before[:, [0, 2, 4]])),
+            "in_place": state.ssm.addressable_shards[0].data.unsafe_buffer_pointer() == pointer,
+            "spec": str(state.ssm.sharding.spec)}))
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # tests.specs.ssm: conv [256, 3] and SSM [4, 64, 64] per layer unsharded; 2 ranks hold half each.
+    assert r["conv"] == [[1, 5, 256, 3]] and r["conv_shard"] == [1, 5, 128, 3]
+    assert r["ssm"] == [1, 5, 4, 64, 64] and r["ssm_shard"] == [1, 5, 2, 64, 64]
+    assert r["forked"] and r["zeroed"] and r["others"], r
+    assert r["in_place"], "the donated shards must be reused"
+    assert "tp" in r["spec"]

@@ -90,6 +90,12 @@ class StateSlotAllocator:
         Raises (allocator unchanged): ``InvalidSlotError`` for slot 0 or a slot outside
         ``[1, size]``; ``DoubleFreeError`` for a slot already free or given twice.
         """
+        if type(slots) is list and len(slots) == 1 and type(slots[0]) is int:
+            s = slots[0]  # the tree's one-checkpoint frees: no numpy validation round trip
+            if 1 <= s <= self.size and not self._is_free[s]:
+                self._is_free[s] = True
+                self._free.give(np.array(slots, np.int32))
+                return
         ids = self._checked(slots, "StateSlotAllocator.free")
         if ids.size == 0:
             return
@@ -105,6 +111,10 @@ class StateSlotAllocator:
             )
         self._is_free[ids] = True
         self._free.give(ids.astype(np.int32))
+
+    def is_live_slot(self, slot: int) -> bool:
+        """Whether the one slot ``slot`` is live (O(1), no numpy conversion)."""
+        return 1 <= slot <= self.size and not self._is_free[slot]
 
     def is_live(self, slots: Any) -> np.ndarray:
         """Per slot: handed out and not freed since (bool array; out-of-range slots are False)."""

@@ -223,6 +223,11 @@ class MHAKVPool:
         """Bytes of all layer arrays (trash page included)."""
         return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.kv)
 
+    def layer_index(self, layer_id: int) -> int:
+        """The array index of global layer ``layer_id`` (``InvalidSlotError`` naming this pool's
+        layers otherwise)."""
+        return self._layer_index(layer_id)
+
     def _layer_index(self, layer_id: int) -> int:
         if self.layer_ids is not None:
             try:

@@ -122,6 +122,7 @@ class MambaComponent(TreeComponent):
         self.checkpoint_grid = max(int(grid), 1)
         self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # least recent first
         self._held: dict[int, TreeNode] = {}  # checkpoint slot -> its node
+        self.num_evicted = 0  # checkpoints freed by eviction (own, FULL cascade, per-path cap)
         self._evictable = 0
         self._protected = 0
 
@@ -199,6 +200,7 @@ class MambaComponent(TreeComponent):
             if node is tail or data.lock_ref or len(node.children) != 1:
                 continue
             self._drop(node, data)
+            self.num_evicted += 1
             excess -= 1
 
     # -- match ------------------------------------------------------------------------------------
@@ -254,6 +256,7 @@ class MambaComponent(TreeComponent):
                 continue  # None: dropped by an earlier deletion in this walk
             self._drop(node, data)
             freed += 1
+            self.num_evicted += 1
             if not node.children and not node.lock_ref:
                 self.tree.delete_leaf(node)  # a leaf goes, FULL KV included
         return freed
@@ -265,6 +268,7 @@ class MambaComponent(TreeComponent):
         if data.lock_ref:
             raise TreeInvariantError(f"mamba: node {node.id} deleted while its checkpoint is locked")
         self._drop(node, data)
+        self.num_evicted += 1
         return 1
 
     def on_reset(self) -> None:

@@ -240,6 +240,11 @@ class MambaRadixCache(RadixCache):
             self.cow_into_request(req, result)
         return result
 
+    def queue_state_copy(self, src: int, dst: int) -> None:
+        """Queue a device copy ``src -> dst`` behind the tree's own (a caller's fork that must see
+        the copies queued before it, e.g. a checkpoint donated in the same step)."""
+        self._copies.append((int(src), int(dst)))
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The queued device copies ``(src slot, dst slot)``, oldest first; the queue is emptied.
         Apply them in order before the next forward (``apply_state_copies``)."""
@@ -257,14 +262,18 @@ class MambaRadixCache(RadixCache):
 
     def _check_donated(self, slot: Any) -> int:
         """A donated checkpoint slot: one live slot id, not already a checkpoint in the tree."""
-        arr = np.asarray(slot).ravel()
-        if arr.size != 1 or arr.dtype.kind not in "iu":
-            raise InvalidSlotError(f"mamba_value must be one integer state slot, got {slot!r}")
-        s = int(arr[0])
+        if isinstance(slot, (int, np.integer)) and not isinstance(slot, bool):
+            s = int(slot)
+        else:
+            arr = np.asarray(slot).ravel()
+            if arr.size != 1 or arr.dtype.kind not in "iu":
+                raise InvalidSlotError(f"mamba_value must be one integer state slot, got {slot!r}")
+            s = int(arr[0])
         if s < 1:
             raise InvalidSlotError(f"mamba_value={s}: state slots start at 1 (slot 0 is the padding slot)")
-        if self.mamba_allocator is not None:
-            self.mamba_allocator.check_live([s], "mamba_value")
+        alloc = self.mamba_allocator
+        if alloc is not None and not alloc.is_live_slot(s):
+            alloc.check_live([s], "mamba_value")  # raises, naming the slot
         if self.mamba.holds_slot(s):
             raise InvalidSlotError(
                 f"mamba_value={s} is already a checkpoint in this tree; donate a slot of your own (fork into a new one)"

@@ -517,9 +517,14 @@ class Scheduler:
 
 def default_extensions(cache: KVCache) -> list[ServingExtension]:
     """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
+    extensions: list[ServingExtension] = []
     if isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
-        return [SWAServing(cache)]
-    return []
+        extensions.append(SWAServing(cache))
+    if "recurrent" in cache.pools:
+        from kvjax.serve.recurrent_extension import RecurrentStateExtension
+
+        extensions.append(RecurrentStateExtension(cache))
+    return extensions
 
 
 def _row(req: Req) -> int:

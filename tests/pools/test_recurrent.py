@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,18 +28,15 @@ def make_pool(num_slots: int = 6) -> RecurrentStatePool:
 
 
 def filled(pool: RecurrentStatePool, seed: int = 0) -> RecurrentStatePool:
-    """Every slot of every layer gets distinct values (slot s, layer l: around 100 * l + s)."""
+    """Every slot of every layer gets distinct random values (bf16 conv as its bit pattern)."""
     rng = np.random.default_rng(seed)
-    n = pool.num_slots + 1
-    for lid in pool.layer_ids:
-        conv = [jnp.asarray(rng.integers(-50, 50, (n, *s)), jnp.float32) for s in pool.conv_state_shapes]
-        ssm = jnp.asarray(rng.standard_normal((n, *pool.ssm_state_shape)), jnp.float32)
-        pool = pool.set_states(lid, np.arange(n), conv, ssm)
-    return pool
+    conv = tuple(jnp.asarray(rng.integers(-50, 50, a.shape), jnp.bfloat16).view(a.dtype) for a in pool.conv)
+    ssm = jnp.asarray(rng.standard_normal(pool.ssm.shape), jnp.float32)
+    return dataclasses.replace(pool, conv=conv, ssm=ssm)
 
 
 def snapshot(pool: RecurrentStatePool) -> list[np.ndarray]:
-    return [np.asarray(a) for a in pool.arrays()]
+    return [np.array(a) for a in pool.arrays()]
 
 
 def test_layout_dtypes_and_padding_slot():
@@ -164,3 +163,48 @@ def test_registry_builds_one_pool_from_the_planned_tensors():
     assert isinstance(pool, RecurrentStatePool)
     assert pool.nbytes() == sum(p.nbytes for p in plans)
     assert pool.layer_ids == (0, 2) and pool.num_slots == 5
+
+
+def test_apply_state_copies_equals_copies_one_by_one():
+    from kvjax.pools.recurrent import apply_state_copies
+
+    pool = filled(make_pool())
+    copies = [(1, 2), (2, 3), (4, 5), (5, 1), (6, 6)]
+    want = snapshot(pool)
+    for src, dst in copies:
+        for a in want:
+            a[:, dst] = a[:, src]
+    for w, a in zip(want, snapshot(apply_state_copies(pool, copies)), strict=True):
+        np.testing.assert_array_equal(a, w)
+
+
+def test_built_cache_forks_the_matched_checkpoint_into_the_request_slot():
+    """The lifecycle with a built cache: a finished request donates its state as a checkpoint;
+    the next request's match forks it into the request's own slot (the queued copy applied)."""
+    from kvjax import CacheConfig, build_kv_cache
+    from kvjax.pools.recurrent import apply_state_copies
+    from kvjax.radix import MambaRadixCache
+    from kvjax.request import Req
+    from tests.specs import F, R, ssm
+
+    config = CacheConfig(max_total_tokens=64, max_running_requests=2, context_length=32, page_size=1)
+    cache = build_kv_cache(ssm((R, F)), config.replace(max_mamba_cache_size=4))
+    tree, table, kv = cache.tree_cache, cache.req_to_token_pool, cache.allocator
+    assert isinstance(tree, MambaRadixCache) and tree.mamba_allocator is table.mamba_allocator
+    a = Req("a", [5, 6, 7, 8])
+    tree.match_and_lock(a)
+    table.alloc_reqs([a])
+    table.write(a.req_pool_idx, 0, kv.alloc(4))
+    state = cache.pools.recurrent  # "run the model": a's state after 4 tokens
+    conv = [jnp.full((1, *s), 3.0) for s in state.conv_state_shapes]
+    state = state.set_states(0, [a.mamba_pool_idx], conv, jnp.full((1, *state.ssm_state_shape), 0.25))
+    cache.set_pools(cache.pools.replace(recurrent=state))
+    tree.cache_finished_req(a)
+    table.free_req(a)
+    b = Req("b", [5, 6, 7, 8, 9])
+    m = tree.match_and_lock(b)
+    assert m.prefix_len == 4 and b.mamba_cow_src_index == 1 and b.mamba_pool_idx == 2
+    state = apply_state_copies(cache.pools.recurrent, tree.take_state_copies())
+    conv_b, ssm_b = state.get_states(0, [b.mamba_pool_idx])
+    np.testing.assert_array_equal(np.asarray(ssm_b), 0.25)
+    np.testing.assert_array_equal(np.asarray(conv_b[0], np.float32), 3.0)

@@ -41,6 +41,8 @@ class Family:
             ``(CachePools, extras)``: the smallest pools its model runs on and the
             ``BatchMetadata.extras`` of a one-token batch (for tracing weights), or None for a
             one-page MHA pool and no extras.
+        partial_rotary: the model rotates part of the head dim itself (RoPE's
+            ``partial_rotary_factor`` is then the family's to read, not refused).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Family:
     layer_kinds: frozenset[LayerKind] = frozenset({LayerKind.FULL})
     read_config: str | None = None
     trace_state: str | None = None
+    partial_rotary: bool = False
 
     def load(self, what: str) -> Callable[..., Any]:
         """Import ``model``, ``read_config`` or ``trace_state`` (named by attribute)."""
@@ -73,6 +76,14 @@ FAMILIES: dict[str, Family] = {
             layer_kinds=frozenset({LayerKind.FULL, LayerKind.SLIDING}),
             read_config="kvjax.serve.families.gemma3:read_gemma3_config",
             trace_state="kvjax.serve.families.gemma3:gemma3_trace_state",
+        ),
+        Family(
+            "qwen3_next",
+            "kvjax.serve.families.qwen3_next:Qwen3NextForCausalLM",
+            layer_kinds=frozenset({LayerKind.FULL, LayerKind.RECURRENT}),
+            read_config="kvjax.serve.families.qwen3_next:read_config",
+            trace_state="kvjax.serve.families.qwen3_next:trace_state",
+            partial_rotary=True,
         ),
     )
 }
