@@ -155,6 +155,11 @@ class Scheduler:
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
+        # Tokens promised to the requests already in the prefill batch being formed (extensions
+        # that take memory at admission, such as a host tier's load-back, must leave them free).
+        self.reserved_tokens = 0
+        for ext in self.extensions:
+            ext.attach(self)
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -258,8 +263,11 @@ class Scheduler:
             req.req_pool_idx = rows[0]
             req.kv_committed_len = None
             start = self._match_and_lock(req)
+            self.reserved_tokens = need
             for ext in self.extensions:
                 ext.after_admit(req)
+            if self.extensions:
+                start = req.cache_protected_len  # an extension may lengthen the match (host load-back)
             end = min(req.seqlen(), start + budget)
             extra = self._pages_needed(start, end)
             if not self._make_room(need + extra):
@@ -509,7 +517,12 @@ class Scheduler:
 
 def default_extensions(cache: KVCache) -> list[ServingExtension]:
     """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
-    return []
+    extensions: list[ServingExtension] = []
+    if getattr(cache, "host_pool", None) is not None:
+        from kvjax.serve.host_tier import HostTierExtension
+
+        extensions.append(HostTierExtension(cache))
+    return extensions
 
 
 def _row(req: Req) -> int:
