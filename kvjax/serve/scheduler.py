@@ -267,7 +267,9 @@ class Scheduler:
             for ext in self.extensions:
                 ext.after_admit(req)
             if self.extensions:
-                start = req.cache_protected_len  # an extension may lengthen the match (host load-back)
+                # An extension may lengthen the match (host load-back) or restore the request's
+                # own KV (retraction backup: ``kv_committed_len`` set past the tree's prefix).
+                start = req.cache_protected_len if req.kv_committed_len is None else req.kv_committed_len
             end = min(req.seqlen(), start + budget)
             extra = self._pages_needed(start, end)
             if not self._make_room(need + extra):
