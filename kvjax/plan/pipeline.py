@@ -10,7 +10,7 @@ from kvjax.plan.sizing import decide_sizes
 from kvjax.plan.target import decide_target
 from kvjax.plan.tree import decide_host_tier, decide_retraction_backup, decide_tree
 from kvjax.spec import ModelSpec
-from kvjax.tiers.host_sizing import check_host_memory
+from kvjax.tiers.host_sizing import check_host_memory, validate_retraction_host_capacity
 
 
 def plan_kv_cache(
@@ -39,6 +39,8 @@ def plan_kv_cache(
     host_tier_bytes = sum(p.nbytes for p in pools if p.kind == "host_tier")
     if host_tier_bytes and host_memory_bytes is not None:
         check_host_memory(host_tier_bytes, host_memory_bytes)
+    if backup == "host_pool" and host.attach_host_tier:
+        validate_retraction_host_capacity(host.host_pool_tokens, sizes.context_length, sizes.alloc_page_size)
     host_warnings: tuple[str, ...] = ()
     if host.attach_host_tier and host.host_pool_tokens <= (sizes.full_tokens_per_layer or sizes.max_total_tokens):
         host_warnings = (

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvjax.radix import HiRadixCache
 from kvjax.serve.extension import ServingExtension
+from kvjax.tiers.retraction_backup import RetractionBackup
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
@@ -37,6 +38,9 @@ class HostTierExtension(ServingExtension):
         self.loaded_tokens = 0
         self.loads = 0
         self.scheduler: Any = None
+        self.retraction: RetractionBackup | None = None
+        if cache.plan.decode_retraction_backup == "host_pool":
+            self.retraction = RetractionBackup("host_pool", cache.token_to_kv_pool_allocator.page_size, host=tree.host)
 
     def attach(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -45,6 +49,11 @@ class HostTierExtension(ServingExtension):
         self.tree.check_transfers()
 
     def after_admit(self, req: ServingReq) -> None:
+        self._load_back(req)
+        if self.retraction is not None and req.rid in self.retraction:
+            self._restore(req)
+
+    def _load_back(self, req: ServingReq) -> None:
         tree = self.tree
         if not tree.host_only_count or req.req_pool_idx is None:
             return
@@ -67,6 +76,46 @@ class HostTierExtension(ServingExtension):
         req.cache_protected_len = loaded.prefix_len
         self.cache.req_to_token_pool.write(req.req_pool_idx, 0, loaded.indices)
 
+    def before_release(self, req: ServingReq, finished: bool) -> None:
+        if self.retraction is None:
+            return
+        if finished or req.req_pool_idx is None:
+            self.retraction.discard(req.rid)
+            return
+        end = req.kv_len()
+        row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.retraction.backup(req.rid, row[:end], 0, end)
+
+    def _restore(self, req: ServingReq) -> None:
+        """Bring a retracted request's own KV back when its tree prefix is the one it had."""
+        retraction = self.retraction
+        assert retraction is not None
+        kept = retraction.peek(req.rid)
+        assert kept is not None
+        prefix = req.cache_protected_len
+        if prefix >= kept.end or kept.end > req.seqlen() - 1 or req.req_pool_idx is None:
+            retraction.discard(req.rid)  # the tree holds it all now, or the request changed
+            return
+        alloc = self.cache.token_to_kv_pool_allocator
+        ps = alloc.page_size
+        need = retraction.pages_from(req.rid, prefix) * ps
+        reserved = self.scheduler.reserved_tokens if self.scheduler is not None else 0
+        rest = (-(-(req.seqlen() - kept.end) // ps) + 1) * ps
+        slots = None
+        if need <= alloc.available_size() + self.tree.evictable_size() - reserved - rest:
+            if alloc.available_size() < need:
+                self.tree.evict(need - alloc.available_size())
+            slots = alloc.alloc(need)
+        if slots is None:
+            # No room now: keep the backup for a later admission (this one will likely not fit
+            # either; if it does, the request recomputes and its release replaces the backup).
+            return
+        if not retraction.restore(req.rid, slots, prefix):
+            alloc.free(slots)
+            return
+        self.cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: kept.end - prefix])
+        req.kv_committed_len = kept.end
+
     def _quota(self, req: ServingReq, match: Any) -> int:
         """Device tokens a load-back may take: free + evictable, less what the batch already
         promised (``scheduler.reserved_tokens``) and what this request still computes after the
@@ -79,7 +128,7 @@ class HostTierExtension(ServingExtension):
         return alloc.available_size() + self.tree.evictable_size() - reserved - rest
 
     def host_balanced(self) -> bool:
-        """``available + evictable + protected == capacity`` for the host pool."""
+        """``available + evictable + protected + held == capacity`` for the host pool."""
         host = self.tree.host_allocator
         s = self.tree.sizes()["host"]
-        return host.available_size() + s.evictable + s.protected == host.size
+        return host.available_size() + s.evictable + s.protected + self.tree.host.held_tokens == host.size
