@@ -17,6 +17,7 @@ objects (allocator, request table, tree), after which the old holder's pools may
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -184,7 +185,12 @@ def build_kv_cache(
         config = config.replace(platform=devices[0].platform)
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
         device_memory_bytes = _device_memory_bytes(devices[0])
-    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
+    host_memory = (
+        host_memory_bytes()
+        if config.enable_hierarchical_cache or config.disaggregation_decode_retraction_backup == "host_pool"
+        else None
+    )
+    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory)
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
     if mesh is not None:
@@ -271,6 +277,22 @@ def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:
         mamba_size=int(plan.max_mamba_cache_size or 0),
         enable_mamba_extra_buffer=plan.enable_mamba_extra_buffer,
     )
+
+
+def host_memory_bytes() -> int | None:
+    """The host memory available now (``MemAvailable`` of ``/proc/meminfo``, else the physical
+    memory), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:

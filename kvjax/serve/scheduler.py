@@ -157,6 +157,11 @@ class Scheduler:
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
+        # Tokens promised to the requests already in the prefill batch being formed (extensions
+        # that take memory at admission, such as a host tier's load-back, must leave them free).
+        self.reserved_tokens = 0
+        for ext in self.extensions:
+            ext.attach(self)
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -266,8 +271,13 @@ class Scheduler:
             req.req_pool_idx = rows[0]
             req.kv_committed_len = None
             start = self._match_and_lock(req)
+            self.reserved_tokens = need
             for ext in self.extensions:
                 ext.after_admit(req)
+            if self.extensions:
+                # An extension may lengthen the match (host load-back) or restore the request's
+                # own KV (retraction backup: ``kv_committed_len`` set past the tree's prefix).
+                start = req.cache_protected_len if req.kv_committed_len is None else req.kv_committed_len
             end = min(req.seqlen(), start + budget)
             extra = self._pages_needed(start, end)
             if not self._make_room(need + extra):
@@ -524,6 +534,10 @@ def default_extensions(cache: KVCache) -> list[ServingExtension]:
         from kvjax.serve.recurrent_extension import RecurrentStateExtension
 
         extensions.append(RecurrentStateExtension(cache))
+    if cache.host_pool is not None:
+        from kvjax.serve.host_tier import HostTierExtension
+
+        extensions.append(HostTierExtension(cache))
     return extensions
 
 
