@@ -14,7 +14,7 @@ import pytest
 
 import kvjax
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
-from tests.specs import dense, mla, ssm, swa
+from tests.specs import dense, ssm, swa
 
 
 def tiny_cache(**kw):
@@ -86,8 +86,8 @@ def test_built_pools_update_in_place_in_a_donated_step():
 
 @pytest.mark.parametrize(
     "spec,capability",
-    [(mla(), "MLA"), (swa(), "sliding-window"), (ssm(), "recurrent-state")],
-    ids=["mla", "swa", "ssm"],
+    [(swa(), "sliding-window"), (ssm(), "recurrent-state")],
+    ids=["swa", "ssm"],
 )
 def test_build_raises_not_implemented_naming_the_capability(spec, capability):
     with pytest.raises(NotImplementedError, match=capability):

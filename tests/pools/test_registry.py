@@ -15,7 +15,7 @@ def test_every_planned_kind_has_an_entry():
         assert kind.capability and kind.memory in ("device", "host")
 
 
-@pytest.mark.parametrize("name", ["mla", "swa", "recurrent", "host_tier"])
+@pytest.mark.parametrize("name", ["swa", "recurrent", "host_tier"])
 def test_kinds_not_built_yet_raise_naming_their_capability(name):
     kind = pool_kind(name)
     assert not is_built(name)
