@@ -177,7 +177,7 @@ def build_kv_cache(
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
-    whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier), before
+    whose capability is not built yet, before
     allocating anything.
     """
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
