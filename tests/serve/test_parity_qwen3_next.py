@@ -3,14 +3,16 @@ state pool, checkpoints in ``MambaRadixCache``) gives Transformers' greedy token
 
 A tiny random-weight ``Qwen3NextForCausalLM`` (float32, 3 gated-delta-net layers and 1 full
 attention layer, dense MLPs: ``mlp_only_layers`` covers every layer) is saved with
-``save_pretrained`` and loaded by kvjax. Served at page size 1 with chunked prefill of 8 tokens:
+``save_pretrained`` and loaded by kvjax. Served (page size 1 unless said) with chunked prefill of
+8 tokens:
 
 * round 1: three prompts sharing a 24-token system prompt and a chat's first turn; round 2: the
   chat's second turn (turn 1 + its output + new tokens) and another system-prompt prompt. Later
   prompts start from a checkpoint forked into their own state slot (prefix reuse: the state
   restored, then continued), asserted;
 * the same rounds with a pool small enough to evict KV and checkpoints and to retract requests
-  (asserted), and with the radix cache off (cold == warm).
+  (asserted), at page size 4 with the extra buffer (states tracked at page boundaries into
+  ping-pong slots, donated as checkpoints), and with the radix cache off (cold == warm).
 
 Each request is compared with Transformers' own greedy ``generate`` on its full prompt: the same
 tokens, logits within ``LOGIT_ATOL``, and Transformers' top-2 margin at least ``MIN_MARGIN`` at
@@ -94,10 +96,8 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _serve(model: LoadedModel, **config) -> tuple[Scheduler, dict[str, ServingReq]]:
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(page_size=1, context_length=124, chunked_prefill_size=CHUNK, **config),
-    )
+    config.setdefault("page_size", 1)
+    cache = build_kv_cache(model.spec, CacheConfig(context_length=124, chunked_prefill_size=CHUNK, **config))
     sched = Scheduler(
         model.config, cache, model.params, max_batch_size=2, chunked_prefill_size=CHUNK, record_logits=True
     )
@@ -159,6 +159,22 @@ def test_eviction_of_kv_and_checkpoints_and_retraction(model):
     assert sched.stats.evicted_tokens > 0, "the pool should be small enough to evict KV"
     assert tree.mamba.num_evicted > 0, "the state pool should be small enough to evict checkpoints"
     assert sched.stats.retractions > 0, "the pool should be small enough to force retraction"
+    _assert_matches_transformers(hf, done)
+
+
+def test_page_4_with_the_extra_buffer_tracks_checkpoints_at_page_boundaries(model):
+    hf, loaded = model
+    sched, done = _serve(
+        loaded,
+        page_size=4,
+        enable_mamba_extra_buffer=True,
+        max_total_tokens=1024,
+        max_running_requests=4,
+        max_mamba_cache_size=48,
+    )
+    assert sched.cache.tree_cache.page_size == 4
+    assert all((done[n].first_cached_tokens or 0) >= 16 for n in ("b", "c", "d"))
+    assert (done["chat2"].first_cached_tokens or 0) >= 16, "turn 2 resumes from a tracked checkpoint of turn 1"
     _assert_matches_transformers(hf, done)
 
 

@@ -14,7 +14,10 @@ except the gated one scales by ``1 + weight``. MLPs are dense SwiGLU: kvjax serv
 Recurrent state per sequence row (``BatchMetadata.extras``, from ``RecurrentStateExtension``):
 ``state_slots [S]`` (the row's state slot, 0 for padding) and ``has_initial_state [S]`` (0: the
 sequence starts here, from zero state; 1: continue from the slot: a chunk continuation, a decode
-step, or a checkpoint forked at the match). The step reads the rows' states, runs the tokens of
+step, or a checkpoint forked at the match); with the extra buffer also ``track_slots [S]`` and
+``track_at [S]``: the state after the row's ``track_at``-th token of this step (its last page
+boundary) is written to its ping-pong slot ``track_slots`` too (0 / 0: nothing tracked).
+The step reads the rows' states, runs the tokens of
 each sequence through the conv and the delta rule one token at a time (``lax.scan`` over the
 batch's tokens: a per-token recurrence, fine on CPU; the chunked form is a kernel's job), and
 writes the rows' final states back into their slots.
@@ -137,7 +140,12 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
             conv_dtype=config.dtype,
             ssm_dtype="float32",
         )
-    extras = {"state_slots": jnp.ones((1,), jnp.int32), "has_initial_state": jnp.zeros((1,), jnp.int32)}
+    extras = {
+        "state_slots": jnp.ones((1,), jnp.int32),
+        "has_initial_state": jnp.zeros((1,), jnp.int32),
+        "track_slots": jnp.zeros((1,), jnp.int32),
+        "track_at": jnp.zeros((1,), jnp.int32),
+    }
     return CachePools(pools), extras
 
 
@@ -244,12 +252,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         pos = jnp.arange(t, dtype=jnp.int32)
         seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens[1:], pos, side="right"), 0, slots.shape[0] - 1)
         live = pos < meta.cu_q_lens[meta.num_seqs[0]]
+        # Extra buffer: after its track_at-th token of this step a row's state is also kept
+        # (a page-aligned checkpoint candidate), written to its track slot after the scan.
+        track_at = meta.extras["track_at"]
+        track = live & (pos - meta.cu_q_lens[seq] + 1 == track_at[seq])
         w32 = conv_w.astype(jnp.float32)
         scale = dk**-0.5
 
-        def token(carry: tuple[jax.Array, jax.Array], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
-            conv, ssm = carry
-            x_t, g_t, beta_t, s, ok = inp
+        def token(carry: tuple[jax.Array, ...], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
+            conv, ssm, conv_kept, ssm_kept = carry
+            x_t, g_t, beta_t, s, ok, keep_t = inp
             window = jnp.concatenate([conv[s], x_t.astype(jnp.float32)[:, None]], axis=-1)  # [conv_dim, K]
             y = jax.nn.silu(jnp.sum(window * w32, axis=-1)).astype(dt).astype(jnp.float32)
             q_t = _l2norm(jnp.repeat(y[: hk * dk].reshape(hk, dk), per, axis=0)) * scale
@@ -261,12 +273,17 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             out = jnp.einsum("hvk,hk->hv", st, q_t)
             conv = jnp.where(ok, conv.at[s].set(window[:, 1:]), conv)
             ssm = jnp.where(ok, ssm.at[s].set(st), ssm)
-            return (conv, ssm), out
+            conv_kept = jnp.where(keep_t, conv_kept.at[s].set(window[:, 1:]), conv_kept)
+            ssm_kept = jnp.where(keep_t, ssm_kept.at[s].set(st), ssm_kept)
+            return (conv, ssm, conv_kept, ssm_kept), out
 
-        (conv1, ssm1), core = jax.lax.scan(token, (conv0, ssm0), (mixed, g, beta, seq, live))
+        carry = (conv0, ssm0, jnp.zeros_like(conv0), jnp.zeros_like(ssm0))
+        (conv1, ssm1, conv_kept, ssm_kept), core = jax.lax.scan(token, carry, (mixed, g, beta, seq, live, track))
         core = GatedRMSNorm(c.rms_norm_eps, name="norm")(core.astype(dt), z)
         out = Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv))
         state = state.set_states(self.layer_id, slots, (conv1,), ssm1)
+        # Rows without a track point write their (zero) track state to the padding slot 0.
+        state = state.set_states(self.layer_id, meta.extras["track_slots"], (conv_kept,), ssm_kept)
         return out, pools.replace(recurrent=state)
 
 
