@@ -306,7 +306,8 @@ def test_build_shards_the_recurrent_state_over_a_tp_mesh():
         state = fork(state, np.array([1]), np.array([3]))
         after = np.asarray(state.ssm)
         print(json.dumps({
-            "conv": [list(a.shape) for a in state.conv], "conv_shard": list(state.conv[0].addressable_shards[0].data.shape),
+            "conv": [list(a.shape) for a in state.conv],
+            "conv_shard": list(state.conv[0].addressable_shards[0].data.shape),
             "ssm": list(state.ssm.shape), "ssm_shard": list(state.ssm.addressable_shards[0].data.shape),
             "forked": bool(np.array_equal(after[:, 3], before[:, 1])), "zeroed": not after[:, 1].any(),
             "others": bool(np.array_equal(after[:, [0, 2, 4]], before[:, [0, 2, 4]])),

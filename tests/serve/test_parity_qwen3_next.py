@@ -162,6 +162,7 @@ def test_eviction_of_kv_and_checkpoints_and_retraction(model):
     _assert_matches_transformers(hf, done)
 
 
+@pytest.mark.slow  # the suite's time budget: the second CI stage runs it
 def test_page_4_with_the_extra_buffer_tracks_checkpoints_at_page_boundaries(model):
     hf, loaded = model
     sched, done = _serve(
