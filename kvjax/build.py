@@ -17,12 +17,13 @@ objects (allocator, request table, tree), after which the old holder's pools may
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from kvjax.alloc import make_allocator
+from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -176,7 +177,7 @@ def build_kv_cache(
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
-    whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier), before
+    whose capability is not built yet, before
     allocating anything.
     """
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
@@ -184,7 +185,12 @@ def build_kv_cache(
         config = config.replace(platform=devices[0].platform)
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
         device_memory_bytes = _device_memory_bytes(devices[0])
-    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
+    host_memory = (
+        host_memory_bytes()
+        if config.enable_hierarchical_cache or config.disaggregation_decode_retraction_backup == "host_pool"
+        else None
+    )
+    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory)
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
     if mesh is not None:
@@ -220,7 +226,14 @@ def build_kv_cache(
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
-    allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
+    allocator: AllocatorProtocol
+    if plan.is_hybrid_swa and plan.full_tokens_per_layer:
+        # Full layers' slots, each paired with a sliding layers' slot (pure SWA: one plain allocator).
+        allocator = SWATokenToKVPoolAllocator(
+            plan.full_tokens_per_layer, plan.swa_tokens_per_layer or 0, plan.alloc_page_size, need_sort=plan.need_sort
+        )
+    else:
+        allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     tree_cache = create_tree_cache(
         plan,
         req_to_token_pool=req_to_token_pool,
@@ -264,6 +277,22 @@ def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:
         mamba_size=int(plan.max_mamba_cache_size or 0),
         enable_mamba_extra_buffer=plan.enable_mamba_extra_buffer,
     )
+
+
+def host_memory_bytes() -> int | None:
+    """The host memory available now (``MemAvailable`` of ``/proc/meminfo``, else the physical
+    memory), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:

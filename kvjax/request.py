@@ -60,6 +60,9 @@ class Req:
         finished: set by the serving loop when the request is done.
         cached_tokens: prompt tokens served from the cache (per-request hit count, for usage
             reports); set by whoever matched the request.
+        swa_evicted_seqlen: hybrid sliding-window models: leading tokens whose SWA slots the
+            request already freed (they left the window while decoding); page-aligned, grows
+            monotonically, starts at ``cache_protected_len`` (SGLang's ``req.swa_evicted_seqlen``).
         fill_ids: tokens whose KV exists after the current forward (``cache_unfinished_req``
             caches these). Defaults to ``(origin_input_ids + output_ids)[:kv_committed_len]``;
             chunked prefill assigns the chunk's end explicitly, as SGLang does.
@@ -95,6 +98,7 @@ class Req:
         finished: bool = False,
         cached_tokens: int = 0,
         fill_ids: Any = _UNSET,
+        swa_evicted_seqlen: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -111,6 +115,7 @@ class Req:
         self.finished = finished
         self.cached_tokens = cached_tokens
         self._fill_ids = None if fill_ids is _UNSET else fill_ids
+        self.swa_evicted_seqlen = int(swa_evicted_seqlen)
         self.mamba_pool_idx: int | None = None
         self.mamba_cow_src_index: int | None = None
         self.mamba_ping_pong_track_buffer: np.ndarray | None = None

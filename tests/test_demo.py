@@ -105,3 +105,12 @@ def test_workloads_and_the_serving_commands_import_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_demo_with_the_host_tier_on_a_pool_smaller_than_the_working_set():
+    report = run_demo(workload=SMALL, progress=False, max_total_tokens=128, enable_hierarchical_cache=True)
+    assert report.ok and report.cold_equals_warm and report.leak_free and report.host_balanced
+    assert report.host_pool_tokens == (128 * 2 // 16 + 1) * 16
+    assert report.host_loaded_tokens is not None and report.cached_tokens_without_host_tier is not None
+    assert report.cached_tokens >= report.cached_tokens_without_host_tier
+    assert "host tier" in str(report)

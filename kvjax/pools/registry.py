@@ -89,11 +89,17 @@ POOL_KINDS: dict[str, PoolKind] = {
     kind.name: kind
     for kind in (
         PoolKind("mha", "device", "the full-attention paged K/V pool", "kvjax.pools.mha:create_pool"),
-        PoolKind("mla", "device", "the MLA latent KV pool (kv_pool_kind='mla', with the DSA indexer keys)"),
+        PoolKind(
+            "mla",
+            "device",
+            "the MLA latent KV pool (kv_pool_kind='mla', with the DSA indexer keys)",
+            "kvjax.pools.mla:create_pool",
+        ),
         PoolKind(
             "swa",
             "device",
             "the hybrid sliding-window pools (kv_pool_kind='swa': full + SWA pools and the SWA allocator)",
+            group_builder="kvjax.pools.swa:create_pool_group",
         ),
         PoolKind(
             "recurrent",

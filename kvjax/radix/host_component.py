@@ -43,8 +43,9 @@ host hit (the loadable chain stops above it) and leaves the tree with its last c
 for ``write_through_selective`` are per insert walk (SGLang skips chunked-prefill inserts).
 
 Sizes (host tokens): evictable = host copies of host-only nodes not protected by a load in
-progress; protected = host copies of device nodes (pending backups included). Invariant:
-``host_allocator.available_size() + evictable + protected == host_allocator.size``.
+progress; protected = host copies of device nodes (pending backups included); held = slots
+taken outside the tree (:meth:`alloc_held`: retraction backups). Invariant:
+``host_allocator.available_size() + evictable + protected + held == host_allocator.size``.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ class HostTierComponent(TreeComponent):
         self._loads: list[PendingTransfer] = []
         self.failed_backups = 0
         self.skipped_backups = 0  # host pool full even after host eviction
+        self.held_tokens = 0  # host slots held outside the tree (retraction backups)
 
     def attach(self, tree: Any) -> None:
         super().attach(tree)
@@ -174,6 +176,19 @@ class HostTierComponent(TreeComponent):
             self.evict_host(n - self.host_allocator.available_size())
             slots = self.host_allocator.alloc(n)
         return slots
+
+    def alloc_held(self, n: int) -> np.ndarray | None:
+        """``n`` host slots for a holder outside the tree (a retracted request's KV), evicting
+        host-only leaves first when short; None when they cannot be made free."""
+        slots = self._alloc_host(n)
+        if slots is not None:
+            self.held_tokens += int(slots.size)
+        return slots
+
+    def free_held(self, slots: np.ndarray) -> None:
+        """Return slots from :meth:`alloc_held`."""
+        self.host_allocator.free(slots)
+        self.held_tokens -= int(np.asarray(slots).size)
 
     # -- backups --------------------------------------------------------------------------------
 
@@ -477,8 +492,9 @@ class HostTierComponent(TreeComponent):
             if not self.host_allocator.is_allocated(allv):
                 raise TreeInvariantError("host: a node holds a free host slot")
         s = self.sizes()
-        if self.host_allocator.available_size() + s.evictable + s.protected != self.host_allocator.size:
+        held = self.held_tokens
+        if self.host_allocator.available_size() + s.evictable + s.protected + held != self.host_allocator.size:
             raise TreeInvariantError(
                 f"host: available {self.host_allocator.available_size()} + evictable {s.evictable} + "
-                f"protected {s.protected} != capacity {self.host_allocator.size}"
+                f"protected {s.protected} + held {held} != capacity {self.host_allocator.size}"
             )

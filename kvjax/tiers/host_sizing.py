@@ -49,3 +49,17 @@ def check_host_memory(host_bytes: int, available_bytes: int, reserve_bytes: int 
             f"available less a {reserve_bytes / 2**30:.0f} GiB reserve ({max(limit, 0) / 2**30:.2f} GiB); "
             "lower hicache_ratio or hicache_size",
         )
+
+
+def validate_retraction_host_capacity(host_tokens: int, context_length: int, page_size: int) -> None:
+    """The ``host_pool`` retraction backup needs room for one retracted request of the longest
+    context (its own pages: ``ceil(context / page) * page`` tokens). kvjax's reading of SGLang's
+    ``validate_retraction_host_capacity``; raises ConfigError with both figures."""
+    need = -(-context_length // page_size) * page_size
+    if host_tokens < need:
+        raise ConfigError(
+            "hicache_ratio/hicache_size",
+            f"{host_tokens} host tokens",
+            f"the host_pool retraction backup needs room for one request of context_length {context_length} "
+            f"({need} tokens at page {page_size}); raise hicache_ratio or hicache_size, or use 'cpu_tensor'",
+        )

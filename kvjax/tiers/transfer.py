@@ -157,11 +157,15 @@ class PageTransferEngine:
         if handle.status is not TransferStatus.PENDING:
             return handle.status
         if isinstance(handle, _Load):
+            # Layers donated into a later step are deleted: that step consumed the loaded pages
+            # (it ran after the scatter), so the load is complete for every reader.
+            live = [a for a in handle.arrays if not a.is_deleted()]
             if wait:
-                jax.block_until_ready(handle.arrays)
-            elif not all(a.is_ready() for a in handle.arrays):
+                jax.block_until_ready(live)
+            elif not all(a.is_ready() for a in live):
                 return TransferStatus.PENDING
             handle.status = TransferStatus.DONE
+            handle.arrays = ()
             return handle.status
         if not wait and not handle.buffer.is_ready():
             return TransferStatus.PENDING

@@ -3,7 +3,8 @@ the family's config reader are imported only when used).
 
 One small model file per family where the architecture differs; shared pieces live in
 ``kvjax.serve.layers``. ``llama`` also serves Mistral and Qwen2 (their differences are projection
-biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k.
+biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
+sliding-window and full layers over the hybrid-SWA pools.
 
 Adding a family is one model module and one entry here: the module's flax class takes
 ``(tokens [T], pools: CachePools, meta: BatchMetadata)`` and returns ``(logits [S, vocab] float32,
@@ -69,6 +70,13 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", _LLAMA),
         Family("qwen2", _LLAMA),
         Family("qwen3", "kvjax.serve.families.qwen3:Qwen3ForCausalLM"),
+        Family(
+            "gemma3_text",
+            "kvjax.serve.families.gemma3:Gemma3ForCausalLM",
+            layer_kinds=frozenset({LayerKind.FULL, LayerKind.SLIDING}),
+            read_config="kvjax.serve.families.gemma3:read_gemma3_config",
+            trace_state="kvjax.serve.families.gemma3:gemma3_trace_state",
+        ),
         Family(
             "qwen3_next",
             "kvjax.serve.families.qwen3_next:Qwen3NextForCausalLM",
