@@ -2,8 +2,8 @@
 state pool, checkpoints in ``MambaRadixCache``) gives Transformers' greedy tokens and logits.
 
 A tiny random-weight ``Qwen3NextForCausalLM`` (float32, 3 gated-delta-net layers and 1 full
-attention layer, dense MLPs: ``mlp_only_layers`` covers every layer) is saved with
-``save_pretrained`` and loaded by kvjax. Served (page size 1 unless said) with chunked prefill of
+attention layer, dense MLPs: ``mlp_only_layers`` covers every layer; and one with two sparse-MoE
+layers) is saved with ``save_pretrained`` and loaded by kvjax. Served (page size 1 unless said) with chunked prefill of
 8 tokens:
 
 * round 1: three prompts sharing a 24-token system prompt and a chat's first turn; round 2: the
@@ -46,8 +46,7 @@ MODEL_SEED = 1
 VOCAB = 128
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tuple[object, LoadedModel]:
+def _hf_model(tmp_path_factory, name: str, **moe) -> tuple[object, LoadedModel]:
     config = transformers.Qwen3NextConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -64,17 +63,21 @@ def model(tmp_path_factory) -> tuple[object, LoadedModel]:
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        mlp_only_layers=[0, 1, 2, 3],
-        num_experts=0,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        **(moe or dict(mlp_only_layers=[0, 1, 2, 3], num_experts=0)),
     )
     torch.manual_seed(MODEL_SEED)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    directory: Path = tmp_path_factory.mktemp("qwen3_next")
+    directory: Path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(directory)
     return hf, load_checkpoint(directory)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[object, LoadedModel]:
+    return _hf_model(tmp_path_factory, "qwen3_next")
 
 
 @functools.cache
@@ -176,6 +179,26 @@ def test_page_4_with_the_extra_buffer_tracks_checkpoints_at_page_boundaries(mode
     assert sched.cache.tree_cache.page_size == 4
     assert all((done[n].first_cached_tokens or 0) >= 16 for n in ("b", "c", "d"))
     assert (done["chat2"].first_cached_tokens or 0) >= 16, "turn 2 resumes from a tracked checkpoint of turn 1"
+    _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.slow  # the suite's time budget: the second CI stage runs it
+def test_sparse_moe_layers(tmp_path_factory):
+    """Layers 1 and 3 are sparse MoE (4 experts, top 2, a gated shared expert: kvjax.serve.moe)."""
+    hf, loaded = _hf_model(
+        tmp_path_factory,
+        "qwen3_next_moe",
+        mlp_only_layers=[0, 2],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
+    assert loaded.config.family_config.moe_layers == (1, 3)
+    _, done = _serve(loaded, max_total_tokens=1024, max_running_requests=4, max_mamba_cache_size=32)
+    assert (done["b"].first_cached_tokens or 0) >= 16
     _assert_matches_transformers(hf, done)
 
 

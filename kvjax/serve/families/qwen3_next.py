@@ -8,8 +8,10 @@ matrix live in the cache's recurrent-state pool (``pools.recurrent``); ``full_at
 (``self_attn``) project q and a sigmoid output gate together (``q_proj`` is ``2 x`` wide), apply
 ``(1 + w)`` RMSNorms to q and k over the head dim and rotary embeddings to the first
 ``partial_rotary_factor`` of it, and attend through the paged pool (``pools.kv``). Every RMSNorm
-except the gated one scales by ``1 + weight``. MLPs are dense SwiGLU: kvjax serves Qwen3-Next with
-``mlp_only_layers`` covering every layer (a config with sparse-MoE layers is refused by name).
+except the gated one scales by ``1 + weight``. MLPs: a layer in ``mlp_only_layers`` (or every layer
+when ``num_experts`` is 0) is a dense SwiGLU; the others (every ``decoder_sparse_step``-th) are the
+sparse MoE of ``kvjax.serve.moe`` (softmax router, greedy top ``num_experts_per_tok``,
+``norm_topk_prob``, a ``shared_expert`` gated by ``sigmoid(shared_expert_gate(x))``).
 
 Recurrent state per sequence row (``BatchMetadata.extras``, from ``RecurrentStateExtension``):
 ``state_slots [S]`` (the row's state slot, 0 for padding) and ``has_initial_state [S]`` (0: the
@@ -43,6 +45,7 @@ from kvjax.errors import ConfigError
 from kvjax.pools import CachePools, MHAKVPool
 from kvjax.serve.layers import MLP, WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, apply_rope, paged_attention
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.moe import MoEConfig, SparseMoE
 from kvjax.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -59,6 +62,8 @@ class Qwen3NextConfig:
     v_head_dim: int
     conv_kernel: int
     partial_rotary_factor: float
+    moe: MoEConfig | None = None
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def conv_dim(self) -> int:
@@ -74,8 +79,8 @@ class Qwen3NextConfig:
 
 
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
-    """Read the gated-delta-net dims, the layer types and the partial rotary factor; refuse
-    sparse-MoE layers (``num_experts > 0`` on a layer not in ``mlp_only_layers``)."""
+    """Read the gated-delta-net dims, the layer types, the partial rotary factor and the sparse-MoE
+    layers (``num_experts > 0``: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
     n = spec.num_hidden_layers
     types = raw.get("layer_types")
     if types is None:
@@ -85,14 +90,24 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
     experts = int(raw.get("num_experts", 0) or 0)
     step = int(raw.get("decoder_sparse_step", 1) or 1)
     dense = set(raw.get("mlp_only_layers") or ())
-    moe = [i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0]
-    if moe:
-        raise ConfigError(
-            "mlp_only_layers",
-            sorted(dense),
-            f"layers {moe} are sparse-MoE layers ({experts} experts), which kvjax's Qwen3-Next model does not run "
-            "yet; serve a config whose mlp_only_layers covers every layer (dense MLPs)",
-        )
+    moe_layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    moe = None
+    if moe_layers:
+        try:
+            moe = MoEConfig(
+                hidden_size=spec.hidden_size,
+                num_experts=experts,
+                top_k=int(raw.get("num_experts_per_tok", 1)),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                scoring="softmax",
+                topk_method="greedy",
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0) or 0),
+                shared_expert_gated=True,
+                shared_name="shared_expert",
+            )
+        except (KeyError, ValueError) as e:
+            raise ConfigError("num_experts", experts, f"the sparse-MoE settings do not fit: {e}") from None
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     return Qwen3NextConfig(
@@ -103,6 +118,8 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
         v_head_dim=int(raw["linear_value_head_dim"]),
         conv_kernel=int(raw["linear_conv_kernel_dim"]),
         partial_rotary_factor=factor,
+        moe=moe,
+        moe_layers=moe_layers,
     )
 
 
@@ -301,6 +318,9 @@ class Qwen3NextDecoderLayer(nn.Module):
             h, pools = Qwen3NextAttention(c, self.layer_id, name="self_attn")(h, pools, meta)
         x = x + h
         h = OffsetRMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x)
+        fc = _family(c)
+        if fc.moe is not None and self.layer_id in fc.moe_layers:
+            return x + SparseMoE(fc.moe, jnp.dtype(c.dtype), name="mlp")(h), pools
         return x + MLP(c, name="mlp")(h), pools
 
 
