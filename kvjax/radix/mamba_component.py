@@ -248,12 +248,12 @@ class MambaComponent(TreeComponent):
 
     def evict(self, amount: int) -> int:
         freed = 0
-        for node in list(self._lru):
-            if freed >= amount:
+        while freed < amount:
+            # The least recent unlocked checkpoint (no copy of the LRU: it changes as we drop).
+            node = next((n for n in self._lru if not self.data(n).lock_ref), None)
+            if node is None:
                 break
             data = self.data(node)
-            if data is None or data.lock_ref:
-                continue  # None: dropped by an earlier deletion in this walk
             self._drop(node, data)
             freed += 1
             self.num_evicted += 1

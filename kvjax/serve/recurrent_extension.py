@@ -9,6 +9,10 @@
   by ``cache_unfinished_req``), in order, donated; then per sequence row its state slot
   (``state_slots``, 0 for padding rows) and whether it continues a state (``has_initial_state``:
   the row's KV did not start at 0 in this step).
+* **extra buffer** (``enable_mamba_extra_buffer``, page size > 1): a row whose tokens in this step
+  reach a page boundary also writes the state at its last one into a ping-pong slot (the one not
+  holding the previous tracked state); ``after_step`` records it (``req.mamba_last_track_idx`` /
+  ``mamba_last_track_seqlen``), and the tree's caching donates that slot as the checkpoint.
 * **release**: the tree's lifecycle donates the request's state as a checkpoint, or frees it
   (``MambaRadixCache.cleanup_after_caching_req``); with a tree that keeps no checkpoints (radix
   cache off) the request's slots are freed here (``before_release``).
@@ -49,6 +53,8 @@ class RecurrentStateExtension(ServingExtension):
         self.table = table
         tree = cache.tree_cache
         self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
+        self.page_size = int(cache.allocator.page_size)
+        self._tracked: list[tuple[ServingReq, int, int]] = []
 
     def after_admit(self, req: ServingReq) -> None:
         if req.mamba_pool_idx is None and self.table.alloc_reqs([req]) is None:
@@ -80,7 +86,30 @@ class RecurrentStateExtension(ServingExtension):
         slots[:n] = [0 if r.mamba_pool_idx is None else r.mamba_pool_idx for r in batch.reqs]
         keep = np.zeros(batch.max_seqs, np.int32)
         keep[:n] = np.asarray(batch.starts) > 0
-        return {"state_slots": slots, "has_initial_state": keep}
+        track_slots = np.zeros(batch.max_seqs, np.int32)
+        track_at = np.zeros(batch.max_seqs, np.int32)
+        self._tracked = []
+        if self.table.enable_mamba_extra_buffer:
+            page = self.page_size
+            for i, (req, start, end) in enumerate(zip(batch.reqs, batch.starts, batch.seq_lens, strict=True)):
+                aligned = int(end) // page * page
+                pp = req.mamba_ping_pong_track_buffer
+                if aligned <= int(start) or pp is None:
+                    continue  # no page boundary among this step's tokens
+                last = req.mamba_last_track_idx
+                idx = 0 if last is None else self.table.get_mamba_ping_pong_other_idx(last)
+                track_slots[i] = int(pp[idx])
+                track_at[i] = aligned - int(start)
+                self._tracked.append((req, idx, aligned))
+        return {"state_slots": slots, "has_initial_state": keep, "track_slots": track_slots, "track_at": track_at}
+
+    def after_step(self, batch: StepBatch) -> None:
+        """With the extra buffer: the tracked states are written; record where (the caching that
+        follows donates the slot of the last one)."""
+        for req, idx, aligned in self._tracked:
+            req.mamba_last_track_idx = idx
+            req.mamba_last_track_seqlen = aligned
+        self._tracked = []
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
         if self.tree is None:

@@ -2,15 +2,17 @@
 state pool, checkpoints in ``MambaRadixCache``) gives Transformers' greedy tokens and logits.
 
 A tiny random-weight ``Qwen3NextForCausalLM`` (float32, 3 gated-delta-net layers and 1 full
-attention layer, dense MLPs: ``mlp_only_layers`` covers every layer) is saved with
-``save_pretrained`` and loaded by kvjax. Served at page size 1 with chunked prefill of 8 tokens:
+attention layer, dense MLPs: ``mlp_only_layers`` covers every layer; and one with two sparse-MoE
+layers) is saved with ``save_pretrained`` and loaded by kvjax. Served (page size 1 unless said) with chunked prefill of
+8 tokens:
 
 * round 1: three prompts sharing a 24-token system prompt and a chat's first turn; round 2: the
   chat's second turn (turn 1 + its output + new tokens) and another system-prompt prompt. Later
   prompts start from a checkpoint forked into their own state slot (prefix reuse: the state
   restored, then continued), asserted;
 * the same rounds with a pool small enough to evict KV and checkpoints and to retract requests
-  (asserted), and with the radix cache off (cold == warm).
+  (asserted), at page size 4 with the extra buffer (states tracked at page boundaries into
+  ping-pong slots, donated as checkpoints), and with the radix cache off (cold == warm).
 
 Each request is compared with Transformers' own greedy ``generate`` on its full prompt: the same
 tokens, logits within ``LOGIT_ATOL``, and Transformers' top-2 margin at least ``MIN_MARGIN`` at
@@ -44,8 +46,7 @@ MODEL_SEED = 1
 VOCAB = 128
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tuple[object, LoadedModel]:
+def _hf_model(tmp_path_factory, name: str, **moe) -> tuple[object, LoadedModel]:
     config = transformers.Qwen3NextConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -62,17 +63,21 @@ def model(tmp_path_factory) -> tuple[object, LoadedModel]:
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        mlp_only_layers=[0, 1, 2, 3],
-        num_experts=0,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        **(moe or dict(mlp_only_layers=[0, 1, 2, 3], num_experts=0)),
     )
     torch.manual_seed(MODEL_SEED)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    directory: Path = tmp_path_factory.mktemp("qwen3_next")
+    directory: Path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(directory)
     return hf, load_checkpoint(directory)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[object, LoadedModel]:
+    return _hf_model(tmp_path_factory, "qwen3_next")
 
 
 @functools.cache
@@ -94,10 +99,8 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _serve(model: LoadedModel, **config) -> tuple[Scheduler, dict[str, ServingReq]]:
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(page_size=1, context_length=124, chunked_prefill_size=CHUNK, **config),
-    )
+    config.setdefault("page_size", 1)
+    cache = build_kv_cache(model.spec, CacheConfig(context_length=124, chunked_prefill_size=CHUNK, **config))
     sched = Scheduler(
         model.config, cache, model.params, max_batch_size=2, chunked_prefill_size=CHUNK, record_logits=True
     )
@@ -159,6 +162,43 @@ def test_eviction_of_kv_and_checkpoints_and_retraction(model):
     assert sched.stats.evicted_tokens > 0, "the pool should be small enough to evict KV"
     assert tree.mamba.num_evicted > 0, "the state pool should be small enough to evict checkpoints"
     assert sched.stats.retractions > 0, "the pool should be small enough to force retraction"
+    _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.slow  # the suite's time budget: the second CI stage runs it
+def test_page_4_with_the_extra_buffer_tracks_checkpoints_at_page_boundaries(model):
+    hf, loaded = model
+    sched, done = _serve(
+        loaded,
+        page_size=4,
+        enable_mamba_extra_buffer=True,
+        max_total_tokens=1024,
+        max_running_requests=4,
+        max_mamba_cache_size=48,
+    )
+    assert sched.cache.tree_cache.page_size == 4
+    assert all((done[n].first_cached_tokens or 0) >= 16 for n in ("b", "c", "d"))
+    assert (done["chat2"].first_cached_tokens or 0) >= 16, "turn 2 resumes from a tracked checkpoint of turn 1"
+    _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.slow  # the suite's time budget: the second CI stage runs it
+def test_sparse_moe_layers(tmp_path_factory):
+    """Layers 1 and 3 are sparse MoE (4 experts, top 2, a gated shared expert: kvjax.serve.moe)."""
+    hf, loaded = _hf_model(
+        tmp_path_factory,
+        "qwen3_next_moe",
+        mlp_only_layers=[0, 2],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
+    assert loaded.config.family_config.moe_layers == (1, 3)
+    _, done = _serve(loaded, max_total_tokens=1024, max_running_requests=4, max_mamba_cache_size=32)
+    assert (done["b"].first_cached_tokens or 0) >= 16
     _assert_matches_transformers(hf, done)
 
 

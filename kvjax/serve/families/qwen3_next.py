@@ -8,13 +8,18 @@ matrix live in the cache's recurrent-state pool (``pools.recurrent``); ``full_at
 (``self_attn``) project q and a sigmoid output gate together (``q_proj`` is ``2 x`` wide), apply
 ``(1 + w)`` RMSNorms to q and k over the head dim and rotary embeddings to the first
 ``partial_rotary_factor`` of it, and attend through the paged pool (``pools.kv``). Every RMSNorm
-except the gated one scales by ``1 + weight``. MLPs are dense SwiGLU: kvjax serves Qwen3-Next with
-``mlp_only_layers`` covering every layer (a config with sparse-MoE layers is refused by name).
+except the gated one scales by ``1 + weight``. MLPs: a layer in ``mlp_only_layers`` (or every layer
+when ``num_experts`` is 0) is a dense SwiGLU; the others (every ``decoder_sparse_step``-th) are the
+sparse MoE of ``kvjax.serve.moe`` (softmax router, greedy top ``num_experts_per_tok``,
+``norm_topk_prob``, a ``shared_expert`` gated by ``sigmoid(shared_expert_gate(x))``).
 
 Recurrent state per sequence row (``BatchMetadata.extras``, from ``RecurrentStateExtension``):
 ``state_slots [S]`` (the row's state slot, 0 for padding) and ``has_initial_state [S]`` (0: the
 sequence starts here, from zero state; 1: continue from the slot: a chunk continuation, a decode
-step, or a checkpoint forked at the match). The step reads the rows' states, runs the tokens of
+step, or a checkpoint forked at the match); with the extra buffer also ``track_slots [S]`` and
+``track_at [S]``: the state after the row's ``track_at``-th token of this step (its last page
+boundary) is written to its ping-pong slot ``track_slots`` too (0 / 0: nothing tracked).
+The step reads the rows' states, runs the tokens of
 each sequence through the conv and the delta rule one token at a time (``lax.scan`` over the
 batch's tokens: a per-token recurrence, fine on CPU; the chunked form is a kernel's job), and
 writes the rows' final states back into their slots.
@@ -40,6 +45,7 @@ from kvjax.errors import ConfigError
 from kvjax.pools import CachePools, MHAKVPool
 from kvjax.serve.layers import MLP, WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, apply_rope, paged_attention
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.moe import MoEConfig, SparseMoE
 from kvjax.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -56,6 +62,8 @@ class Qwen3NextConfig:
     v_head_dim: int
     conv_kernel: int
     partial_rotary_factor: float
+    moe: MoEConfig | None = None
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def conv_dim(self) -> int:
@@ -71,8 +79,8 @@ class Qwen3NextConfig:
 
 
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
-    """Read the gated-delta-net dims, the layer types and the partial rotary factor; refuse
-    sparse-MoE layers (``num_experts > 0`` on a layer not in ``mlp_only_layers``)."""
+    """Read the gated-delta-net dims, the layer types, the partial rotary factor and the sparse-MoE
+    layers (``num_experts > 0``: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
     n = spec.num_hidden_layers
     types = raw.get("layer_types")
     if types is None:
@@ -82,14 +90,24 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
     experts = int(raw.get("num_experts", 0) or 0)
     step = int(raw.get("decoder_sparse_step", 1) or 1)
     dense = set(raw.get("mlp_only_layers") or ())
-    moe = [i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0]
-    if moe:
-        raise ConfigError(
-            "mlp_only_layers",
-            sorted(dense),
-            f"layers {moe} are sparse-MoE layers ({experts} experts), which kvjax's Qwen3-Next model does not run "
-            "yet; serve a config whose mlp_only_layers covers every layer (dense MLPs)",
-        )
+    moe_layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    moe = None
+    if moe_layers:
+        try:
+            moe = MoEConfig(
+                hidden_size=spec.hidden_size,
+                num_experts=experts,
+                top_k=int(raw.get("num_experts_per_tok", 1)),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                scoring="softmax",
+                topk_method="greedy",
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0) or 0),
+                shared_expert_gated=True,
+                shared_name="shared_expert",
+            )
+        except (KeyError, ValueError) as e:
+            raise ConfigError("num_experts", experts, f"the sparse-MoE settings do not fit: {e}") from None
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     return Qwen3NextConfig(
@@ -100,6 +118,8 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
         v_head_dim=int(raw["linear_value_head_dim"]),
         conv_kernel=int(raw["linear_conv_kernel_dim"]),
         partial_rotary_factor=factor,
+        moe=moe,
+        moe_layers=moe_layers,
     )
 
 
@@ -137,7 +157,12 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
             conv_dtype=config.dtype,
             ssm_dtype="float32",
         )
-    extras = {"state_slots": jnp.ones((1,), jnp.int32), "has_initial_state": jnp.zeros((1,), jnp.int32)}
+    extras = {
+        "state_slots": jnp.ones((1,), jnp.int32),
+        "has_initial_state": jnp.zeros((1,), jnp.int32),
+        "track_slots": jnp.zeros((1,), jnp.int32),
+        "track_at": jnp.zeros((1,), jnp.int32),
+    }
     return CachePools(pools), extras
 
 
@@ -244,12 +269,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         pos = jnp.arange(t, dtype=jnp.int32)
         seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens[1:], pos, side="right"), 0, slots.shape[0] - 1)
         live = pos < meta.cu_q_lens[meta.num_seqs[0]]
+        # Extra buffer: after its track_at-th token of this step a row's state is also kept
+        # (a page-aligned checkpoint candidate), written to its track slot after the scan.
+        track_at = meta.extras["track_at"]
+        track = live & (pos - meta.cu_q_lens[seq] + 1 == track_at[seq])
         w32 = conv_w.astype(jnp.float32)
         scale = dk**-0.5
 
-        def token(carry: tuple[jax.Array, jax.Array], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
-            conv, ssm = carry
-            x_t, g_t, beta_t, s, ok = inp
+        def token(carry: tuple[jax.Array, ...], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
+            conv, ssm, conv_kept, ssm_kept = carry
+            x_t, g_t, beta_t, s, ok, keep_t = inp
             window = jnp.concatenate([conv[s], x_t.astype(jnp.float32)[:, None]], axis=-1)  # [conv_dim, K]
             y = jax.nn.silu(jnp.sum(window * w32, axis=-1)).astype(dt).astype(jnp.float32)
             q_t = _l2norm(jnp.repeat(y[: hk * dk].reshape(hk, dk), per, axis=0)) * scale
@@ -261,12 +290,17 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             out = jnp.einsum("hvk,hk->hv", st, q_t)
             conv = jnp.where(ok, conv.at[s].set(window[:, 1:]), conv)
             ssm = jnp.where(ok, ssm.at[s].set(st), ssm)
-            return (conv, ssm), out
+            conv_kept = jnp.where(keep_t, conv_kept.at[s].set(window[:, 1:]), conv_kept)
+            ssm_kept = jnp.where(keep_t, ssm_kept.at[s].set(st), ssm_kept)
+            return (conv, ssm, conv_kept, ssm_kept), out
 
-        (conv1, ssm1), core = jax.lax.scan(token, (conv0, ssm0), (mixed, g, beta, seq, live))
+        carry = (conv0, ssm0, jnp.zeros_like(conv0), jnp.zeros_like(ssm0))
+        (conv1, ssm1, conv_kept, ssm_kept), core = jax.lax.scan(token, carry, (mixed, g, beta, seq, live, track))
         core = GatedRMSNorm(c.rms_norm_eps, name="norm")(core.astype(dt), z)
         out = Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv))
         state = state.set_states(self.layer_id, slots, (conv1,), ssm1)
+        # Rows without a track point write their (zero) track state to the padding slot 0.
+        state = state.set_states(self.layer_id, meta.extras["track_slots"], (conv_kept,), ssm_kept)
         return out, pools.replace(recurrent=state)
 
 
@@ -284,6 +318,9 @@ class Qwen3NextDecoderLayer(nn.Module):
             h, pools = Qwen3NextAttention(c, self.layer_id, name="self_attn")(h, pools, meta)
         x = x + h
         h = OffsetRMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x)
+        fc = _family(c)
+        if fc.moe is not None and self.layer_id in fc.moe_layers:
+            return x + SparseMoE(fc.moe, jnp.dtype(c.dtype), name="mlp")(h), pools
         return x + MLP(c, name="mlp")(h), pools
 
 
