@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvjax.demo import run_demo
 from kvjax.serve.workload import Workload
 
@@ -105,3 +107,19 @@ def test_workloads_and_the_serving_commands_import_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow  # ~15 s idle: DeepSeek-V2 serving is covered in the default suite by test_parity_deepseek_v2
+def test_demo_serves_the_built_in_mla_preset():
+    """``demo --model deepseek-tiny``: a DeepSeek-V2-shaped model (MLA latent pool, MoE layers) with
+    random weights, served leak-free, with the radix cache changing no token."""
+    from kvjax.pools import MLAKVPool
+    from kvjax.serve.generate import resolve_model
+
+    model = resolve_model("deepseek-tiny")
+    assert model.config.family == "deepseek_v2" and model.config.family_config.moe is not None
+    report = run_demo(workload=SMALL, progress=False, model=model, max_total_tokens=1024)
+    assert report.ok and report.leak_free and report.cold_equals_warm and report.cached_tokens > 0
+    from kvjax.demo import demo_cache
+
+    assert isinstance(demo_cache(spec=model.spec, max_total_tokens=1024).pools.kv, MLAKVPool)
