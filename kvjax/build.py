@@ -17,16 +17,18 @@ objects (allocator, request table, tree), after which the old holder's pools may
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from kvjax.alloc import make_allocator
+from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
@@ -50,7 +52,15 @@ class KVCache:
     state). The allocator, request table and tree cache are host objects mutated in place.
     """
 
-    __slots__ = ("_pools", "_pools_structure", "plan", "req_to_token_pool", "token_to_kv_pool_allocator", "tree_cache")
+    __slots__ = (
+        "_pools",
+        "_pools_structure",
+        "host_pool",
+        "plan",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "tree_cache",
+    )
 
     def __init__(
         self,
@@ -60,8 +70,10 @@ class KVCache:
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: AllocatorProtocol,
         tree_cache: TreeCacheProtocol,
+        host_pool: Any = None,
     ) -> None:
         self.plan = plan
+        self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         self._pools = pools
@@ -98,6 +110,7 @@ class KVCache:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             tree_cache=self.tree_cache,
+            host_pool=self.host_pool,
         )
 
     def _check_same_structure(self, pools: Any, what: str) -> None:
@@ -164,7 +177,7 @@ def build_kv_cache(
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
-    whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier), before
+    whose capability is not built yet, before
     allocating anything.
     """
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
@@ -172,37 +185,114 @@ def build_kv_cache(
         config = config.replace(platform=devices[0].platform)
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
         device_memory_bytes = _device_memory_bytes(devices[0])
-    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
+    host_memory = (
+        host_memory_bytes()
+        if config.enable_hierarchical_cache or config.disaggregation_decode_retraction_backup == "host_pool"
+        else None
+    )
+    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory)
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
     if mesh is not None:
         _check_mesh(mesh, config)
 
     context = BuildContext(
-        platform=plan.platform, mesh=mesh, kv_head_axis=KV_HEAD_MESH_AXIS, tp_size=config.attn_tp_size
+        platform=plan.platform,
+        mesh=mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
+        tp_size=config.attn_tp_size,
+        host_layout=plan.hicache_mem_layout,
     )
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None
+    host_pool: Any = None
+    groups: dict[str, list[PoolPlan]] = {}
     for pool in plan.pools:
-        built = pool_kind(pool.kind).create(pool, context)
+        kind = pool_kind(pool.kind)
+        if kind.group_builder is not None:  # built together below, under the kind's name
+            groups.setdefault(kind.name, []).append(pool)
+            continue
+        built = kind.create(pool, context)
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
             req_to_token_pool = built
+        elif pool.kind == "host_tier":
+            host_pool = built
+    for name, members in groups.items():
+        device[name] = pool_kind(name).create_group(tuple(members), context)
+    if req_to_token_pool is not None and plan.is_hybrid_ssm:
+        req_to_token_pool = _with_state_slots(req_to_token_pool, plan)
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
-    allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
+    allocator: AllocatorProtocol
+    if plan.is_hybrid_swa and plan.full_tokens_per_layer:
+        # Full layers' slots, each paired with a sliding layers' slot (pure SWA: one plain allocator).
+        allocator = SWATokenToKVPoolAllocator(
+            plan.full_tokens_per_layer, plan.swa_tokens_per_layer or 0, plan.alloc_page_size, need_sort=plan.need_sort
+        )
+    else:
+        allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     tree_cache = create_tree_cache(
-        plan, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, event_sink=event_sink
+        plan,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        event_sink=event_sink,
+        host_allocator=None if host_pool is None else host_pool.allocator,
     )
-    return KVCache(
+    cache = KVCache(
         plan=plan,
         pools=CachePools(device),
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         tree_cache=tree_cache,
+        host_pool=host_pool,
     )
+    if host_pool is not None:
+        attach_host_transfers(cache)
+    return cache
+
+
+def attach_host_transfers(cache: KVCache) -> None:
+    """Give the cache's host tier the page transfer engine over ``cache`` (the holder whose
+    ``set_pools`` a load updates) and its host pool."""
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers.transfer import PageTransferEngine
+
+    tree = cache.tree_cache
+    if isinstance(tree, HiRadixCache):
+        device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
+        tree.host.engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+
+
+def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:
+    """Hybrid SSM: the request table with a state slot per request (``HybridReqToTokenPool``)
+    over the plan's ``max_mamba_cache_size`` slots."""
+    from kvjax.hybrid_req_pool import HybridReqToTokenPool
+
+    return HybridReqToTokenPool(
+        table.size,
+        table.max_context_len,
+        mamba_size=int(plan.max_mamba_cache_size or 0),
+        enable_mamba_extra_buffer=plan.enable_mamba_extra_buffer,
+    )
+
+
+def host_memory_bytes() -> int | None:
+    """The host memory available now (``MemAvailable`` of ``/proc/meminfo``, else the physical
+    memory), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:

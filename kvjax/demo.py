@@ -56,10 +56,16 @@ class DemoReport:
     seconds: float
     plan_text: str = dataclasses.field(repr=False)
     tree_text: str = dataclasses.field(repr=False)
+    # With the host tier (--enable-hierarchical-cache): the same warm run without it, and what
+    # the host tier loaded back; None without the host tier.
+    cached_tokens_without_host_tier: int | None = None
+    host_loaded_tokens: int | None = None
+    host_pool_tokens: int | None = None
+    host_balanced: bool | None = None
 
     @property
     def ok(self) -> bool:
-        return self.leak_free and self.cold_equals_warm
+        return self.leak_free and self.cold_equals_warm and self.host_balanced is not False
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -85,7 +91,19 @@ class DemoReport:
                 f"  leak check (available + evictable + protected == capacity): {check(self.leak_free)}",
                 f"  cold == warm (same greedy tokens with the radix cache off): {check(self.cold_equals_warm)}",
             ]
+            + self._host_lines(check)
         )
+
+    def _host_lines(self, check: Any) -> list[str]:
+        if self.host_loaded_tokens is None:
+            return []
+        return [
+            f"host tier ({self.host_pool_tokens:,} host tokens):",
+            f"  cached tokens      {self.cached_tokens:>10,}   without the host tier: "
+            f"{self.cached_tokens_without_host_tier:,}",
+            f"  loaded back        {self.host_loaded_tokens:>10,}   tokens (host -> device)",
+            f"  host pool check (available + evictable + protected == capacity): {check(self.host_balanced)}",
+        ]
 
 
 def demo_config(
@@ -96,9 +114,11 @@ def demo_config(
     chunked_prefill_size: int = 512,
     eviction_policy: str = "lru",
     context_length: int = CONTEXT_LENGTH,
+    enable_hierarchical_cache: bool = False,
 ) -> CacheConfig:
     """The demo's cache settings."""
     return CacheConfig(
+        enable_hierarchical_cache=enable_hierarchical_cache,
         page_size=page_size,
         max_total_tokens=max_total_tokens,
         max_running_requests=2 * MAX_BATCH,
@@ -160,9 +180,11 @@ def run_demo(
     eviction_policy: str = "lru",
     progress: bool = True,
     model: LoadedModel | None = None,
+    enable_hierarchical_cache: bool = False,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
-    loaded checkpoint instead of the tiny model."""
+    loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
+    host tier, and a third run (warm, without it) gives the cached tokens to compare against."""
     workload = workload or Workload()
     settings: dict = dict(
         model=model,
@@ -173,10 +195,21 @@ def run_demo(
         progress=progress,
     )
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
+    host: dict[str, Any] = {}
+    if enable_hierarchical_cache:
+        plain, _ = serve(workload, **settings)
+        host["cached_tokens_without_host_tier"] = plain.stats.cached_tokens
     start = time.perf_counter()
-    warm, warm_out = serve(workload, **settings)
+    warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **settings)
     seconds = time.perf_counter() - start
     stats: ServeStats = warm.stats
+    if enable_hierarchical_cache:
+        ext = _host_extension(warm)
+        host.update(
+            host_loaded_tokens=ext.loaded_tokens,
+            host_pool_tokens=warm.cache.plan.host_pool_tokens,
+            host_balanced=ext.host_balanced(),
+        )
     return DemoReport(
         model=DEMO_MODEL if model is None else model.name,
         platform=warm.cache.plan.platform,
@@ -197,7 +230,14 @@ def run_demo(
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
+        **host,
     )
+
+
+def _host_extension(scheduler: Scheduler) -> Any:
+    from kvjax.serve.host_tier import HostTierExtension
+
+    return next(e for e in scheduler.extensions if isinstance(e, HostTierExtension))
 
 
 def _tree_text(tree: Any) -> str:

@@ -109,6 +109,15 @@ def test_workloads_and_the_serving_commands_import_no_jax():
     assert out.stdout.strip() == "False"
 
 
+def test_demo_with_the_host_tier_on_a_pool_smaller_than_the_working_set():
+    report = run_demo(workload=SMALL, progress=False, max_total_tokens=128, enable_hierarchical_cache=True)
+    assert report.ok and report.cold_equals_warm and report.leak_free and report.host_balanced
+    assert report.host_pool_tokens == (128 * 2 // 16 + 1) * 16
+    assert report.host_loaded_tokens is not None and report.cached_tokens_without_host_tier is not None
+    assert report.cached_tokens >= report.cached_tokens_without_host_tier
+    assert "host tier" in str(report)
+
+
 @pytest.mark.slow  # ~15 s idle: DeepSeek-V2 serving is covered in the default suite by test_parity_deepseek_v2
 def test_demo_serves_the_built_in_mla_preset():
     """``demo --model deepseek-tiny``: a DeepSeek-V2-shaped model (MLA latent pool, MoE layers) with

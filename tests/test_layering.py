@@ -30,6 +30,7 @@ JAX_FREE_MODULES = [
     "kvjax.protocols",
     "kvjax.pools.registry",
     "kvjax.req_pool",
+    "kvjax.tiers",
 ]
 
 

@@ -420,7 +420,8 @@ def test_tree_hierarchical_cache_ignored_with_chunk_cache():
 def test_host_tier_sized_by_hicache_size_in_gb():
     p = plan(dense(layers=4), enable_hierarchical_cache=True, hicache_size=1, platform="cpu")
     tokens = 10**9 // p.bytes_per_token
-    assert p.host_pool_tokens == (-(-tokens // 16) + 1) * 16
+    # SGLang's HostKVCache: pages rounded down, plus one page (no reserved host slot)
+    assert p.host_pool_tokens == (tokens // 16 + 1) * 16
 
 
 def test_session_radix_cache_requires_unified_tree():
@@ -705,3 +706,18 @@ def test_swa_split_that_leaves_a_pool_without_a_page_is_refused():
     # 1 MiB, pages of 64: the full pool gets 2 pages and the SWA pool 0.25 x 128 = 32 tokens, no page.
     with pytest.raises(ConfigError, match="after the sliding-window split"):
         plan(swa(), memory_budget_bytes=2**20, page_size=64, swa_full_tokens_ratio=0.25)
+
+
+def test_host_tier_larger_than_host_memory_is_refused_with_the_figures():
+    config = CacheConfig(memory_budget_bytes=GiB, enable_hierarchical_cache=True, hicache_size=40)
+    with pytest.raises(
+        ConfigError, match=r"host tier needs 37\.25 GiB but the host has 12\.00 GiB available less a 10 GiB reserve"
+    ):
+        plan_kv_cache(dense(), config, host_memory_bytes=12 * GiB)
+    assert plan_kv_cache(dense(), config, host_memory_bytes=64 * GiB).attach_host_tier
+    assert plan_kv_cache(dense(), config).attach_host_tier  # no figure given: not checked
+
+
+def test_host_tier_not_larger_than_the_device_pool_warns():
+    p = plan(dense(), enable_hierarchical_cache=True, hicache_ratio=0.5)
+    assert any("not larger than the device pool" in w for w in p.warnings)

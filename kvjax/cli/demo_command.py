@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--chunked-prefill-size", type=int, default=512)
     demo.add_argument("--radix-eviction-policy", default="lru")
+    demo.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="add the host-memory tier (HiCache): evicted prefixes are kept in host memory and loaded back",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         max_total_tokens=args.max_total_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         eviction_policy=args.radix_eviction_policy,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
         progress=not args.json,
         model=model,
     )

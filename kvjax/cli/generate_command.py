@@ -53,6 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-batch-size", type=int, default=16)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="add the host-memory tier (HiCache): evicted prefixes are kept in host memory and loaded back",
+    )
 
 
 def parse_ids(text: str, index: int) -> list[int]:
@@ -108,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             chunked_prefill_size=args.chunked_prefill_size,
             max_batch_size=args.max_batch_size,
             stop_token_ids=() if args.ignore_eos else None,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
         )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None

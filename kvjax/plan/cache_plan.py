@@ -65,6 +65,8 @@ FLAT_FIELDS = (
     "host_pool_tokens",
     "draft_host_pools",
     "mm_embedding_cache_bytes",
+    "hicache_write_policy",
+    "hicache_mem_layout",
     "kv_head_replicas",
     "padding",
 )
@@ -216,6 +218,14 @@ class CachePlan:
         return self.tree.tree_page_size
 
     @property
+    def enable_mamba_extra_buffer(self) -> bool:
+        return self.tree.enable_mamba_extra_buffer
+
+    @property
+    def mamba_max_states_per_path(self) -> int:
+        return self.tree.mamba_max_states_per_path
+
+    @property
     def radix_eviction_policy(self) -> str:
         return self.tree.radix_eviction_policy
 
@@ -259,6 +269,14 @@ class CachePlan:
     @property
     def mm_embedding_cache_bytes(self) -> int:
         return self.host.mm_embedding_cache_bytes
+
+    @property
+    def hicache_write_policy(self) -> str:
+        return self.host.hicache_write_policy
+
+    @property
+    def hicache_mem_layout(self) -> str:
+        return self.host.hicache_mem_layout
 
     @property
     def kv_head_replicas(self) -> int:

@@ -10,13 +10,22 @@ from kvjax.plan.sizing import decide_sizes
 from kvjax.plan.target import decide_target
 from kvjax.plan.tree import decide_host_tier, decide_retraction_backup, decide_tree
 from kvjax.spec import ModelSpec
+from kvjax.tiers.host_sizing import check_host_memory, validate_retraction_host_capacity
 
 
-def plan_kv_cache(spec: ModelSpec, config: CacheConfig, *, device_memory_bytes: int | None = None) -> CachePlan:
+def plan_kv_cache(
+    spec: ModelSpec,
+    config: CacheConfig,
+    *,
+    device_memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
+) -> CachePlan:
     """Decide and size the KV cache of ``spec`` under ``config``. Pure and deterministic.
 
     ``device_memory_bytes`` is the memory of one device; it is needed only when the budget is
-    given as ``mem_fraction_static``. Raises ``ConfigError`` for a combination that cannot be built.
+    given as ``mem_fraction_static``. ``host_memory_bytes``: the host memory available; when
+    given, a host tier larger than it less SGLang's 10 GiB reserve is refused with the figures
+    (``build_kv_cache`` passes what the host reports). Raises ``ConfigError`` for a combination that cannot be built.
     The stages, each a pure function of the records before it: model kind -> target layout ->
     sizes -> retraction backup -> tree -> host tier -> pools.
     """
@@ -27,6 +36,17 @@ def plan_kv_cache(spec: ModelSpec, config: CacheConfig, *, device_memory_bytes: 
     tree = decide_tree(spec, config, kind, sizes, backup)
     host = decide_host_tier(config, kind, sizes, tree, backup, hicache_ratio)
     pools = plan_pools(kind, target, sizes, host)
+    host_tier_bytes = sum(p.nbytes for p in pools if p.kind == "host_tier")
+    if host_tier_bytes and host_memory_bytes is not None:
+        check_host_memory(host_tier_bytes, host_memory_bytes)
+    if backup == "host_pool" and host.attach_host_tier:
+        validate_retraction_host_capacity(host.host_pool_tokens, sizes.context_length, sizes.alloc_page_size)
+    host_warnings: tuple[str, ...] = ()
+    if host.attach_host_tier and host.host_pool_tokens <= (sizes.full_tokens_per_layer or sizes.max_total_tokens):
+        host_warnings = (
+            f"the host tier ({host.host_pool_tokens} tokens) is not larger than the device pool; "
+            "raise hicache_ratio or hicache_size for it to hold evicted prefixes",
+        )
     spec_warnings = tuple(getattr(spec, "warnings", ()))
     plan = CachePlan(
         model=spec.name,
@@ -36,7 +56,7 @@ def plan_kv_cache(spec: ModelSpec, config: CacheConfig, *, device_memory_bytes: 
         tree=tree,
         host=host,
         pools=pools,
-        warnings=spec_warnings + sizes.warnings + tree.warnings,
+        warnings=spec_warnings + sizes.warnings + tree.warnings + host_warnings,
     )
     budget = sizes.kv_budget_bytes
     if budget is not None and plan.device_bytes > budget:  # an invariant of the sizing, never user error

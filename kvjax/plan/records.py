@@ -115,6 +115,8 @@ class TreeChoice:
     enable_metrics: bool
     enable_session_radix_cache: bool
     warnings: tuple[str, ...] = ()
+    enable_mamba_extra_buffer: bool = False
+    mamba_max_states_per_path: int = -1
 
 
 @dataclass(frozen=True)
@@ -128,3 +130,5 @@ class HostTier:
     host_pool_tokens: int
     draft_host_pools: bool
     mm_embedding_cache_bytes: int
+    hicache_write_policy: str = "write_through"
+    hicache_mem_layout: str = "layer_first"

@@ -9,6 +9,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
 from kvjax.spec import ModelSpec
+from kvjax.tiers.host_sizing import host_pool_tokens
 
 logger = logging.getLogger("kvjax.plan")
 
@@ -126,6 +127,8 @@ def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Si
         enable_metrics=config.enable_metrics,
         enable_session_radix_cache=config.enable_session_radix_cache,
         warnings=tuple(warnings),
+        enable_mamba_extra_buffer=config.enable_mamba_extra_buffer,
+        mamba_max_states_per_path=config.mamba_max_states_per_path,
     )
 
 
@@ -144,11 +147,13 @@ def decide_host_tier(
     if attach:
         ps = sizes.alloc_page_size
         device_tokens = sizes.full_tokens_per_layer if kind.is_hybrid_swa else sizes.max_total_tokens
-        if config.hicache_size > 0:
-            host_tokens = int(config.hicache_size * 1e9) // sizes.bytes_per_token
-        else:
-            host_tokens = int((device_tokens or 0) * hicache_ratio)
-        host_tokens = (-(-host_tokens // ps) + 1) * ps  # whole pages plus one (the trash page)
+        host_tokens = host_pool_tokens(
+            device_tokens or 0,
+            ps,
+            hicache_ratio=hicache_ratio,
+            hicache_size_gb=config.hicache_size,
+            bytes_per_token=sizes.bytes_per_token,
+        )
     return HostTier(
         decode_retraction_backup=backup,
         hicache_ratio=hicache_ratio,
@@ -156,4 +161,6 @@ def decide_host_tier(
         host_pool_tokens=host_tokens,
         draft_host_pools=has_draft_model and (config.enable_hierarchical_cache or backup == "host_pool"),
         mm_embedding_cache_bytes=config.vlm_cache_size_mb * 1024 * 1024,
+        hicache_write_policy=config.hicache_write_policy,
+        hicache_mem_layout=config.hicache_mem_layout,
     )

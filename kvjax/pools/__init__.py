@@ -2,7 +2,8 @@
 
 Importing this package is jax-free: the layouts (``mha_layout``, ``mla_layout``,
 ``recurrent_layout``), ``PoolPlan`` and the kind registry are plain Python for the planner; the
-jax pytrees (``CachePools``, ``MHAKVPool``, ``MLAKVPool``, ``DSAIndexerKeyPool``) load on first access.
+jax pytrees (``CachePools``, ``MHAKVPool``, ``SWAKVPool``, ``MLAKVPool``, ``DSAIndexerKeyPool``) load on
+first access.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from kvjax.pools.dsa_indexer import DSAIndexerKeyPool
     from kvjax.pools.mha import MHAKVPool
     from kvjax.pools.mla import MLAKVPool
+    from kvjax.pools.swa import SWAKVPool
 
 __all__ = [
     "POOL_KINDS",
@@ -28,6 +30,7 @@ __all__ = [
     "MLAKVPool",
     "PoolKind",
     "PoolPlan",
+    "SWAKVPool",
     "pool_kind",
 ]
 
@@ -36,6 +39,7 @@ _LAZY = {
     "MHAKVPool": "kvjax.pools.mha",
     "MLAKVPool": "kvjax.pools.mla",
     "DSAIndexerKeyPool": "kvjax.pools.dsa_indexer",
+    "SWAKVPool": "kvjax.pools.swa",
 }
 
 

@@ -29,11 +29,13 @@ hook                                   when
                                         (its own scope), return a receipt part; the release
                                         replays exactly that part
 ``evict(amount)``                       ``tree.evict({name: amount})``: free ``amount`` units
-                                        in this component's own recency order; may delete
+                                        (what earlier cascades left of the asked amount) in
+                                        this component's own recency order; may delete
                                         leaves through ``tree.delete_leaf`` (cascade)
 ``keeps_node(node)``                    residency: the core is about to drop ``node``'s
-                                        device copy (or ``node`` is a childless host-only
-                                        node); True keeps it in the tree host-only
+                                        device copy (every component is asked, before the
+                                        copy is freed), or ``node`` is a childless host-only
+                                        node; True keeps it in the tree host-only
 ``on_demote(node)``                     ``node``'s device copy was freed; it stays host-only
 ``on_delete(node)``                     ``node`` leaves the tree; free this component's data
                                         on it, return the units freed (counted as cascade)
@@ -133,7 +135,8 @@ class TreeComponent:
     def on_insert_overlap(self, node: TreeNode, payload: Any, revived: bool) -> None:
         """An insert walked over the existing ``node`` (it covers key elements
         ``[node.depth - node.klen, node.depth)``); ``payload`` is this component's insert payload
-        (None if the caller gave none)."""
+        (None if the caller gave none). It may split ``node`` (``tree.split_node``): the insert
+        continues below the cut and collects the upper parts' slots too."""
 
     def on_new_node(self, node: TreeNode, payload: Any) -> None:
         """An insert created ``node`` (a leaf with ``value`` set)."""

@@ -147,6 +147,18 @@ class ComponentMatchResult(MatchResult):
     def walk_node(self) -> Any:
         return self.last_node if self._walk is None else self._walk
 
+    @property
+    def host_hit_length(self) -> int:
+        """Key elements past the device match that a host tier can load back (0 without one)."""
+        host = self._extras.get("host")
+        return 0 if host is None else host.host_hit_length
+
+    @property
+    def last_host_node(self) -> Any:
+        """The deepest node a host tier can load back up to (``last_node`` without a host hit)."""
+        host = self._extras.get("host")
+        return self.last_node if host is None else host.last_host_node
+
     def shorten_to(self, node: Any, root: Any) -> None:
         """Make the match end at ``node`` (an ancestor-or-self of ``last_node``, or ``root``):
         ``prefix_len`` becomes its depth and ``indices`` its path's slots."""

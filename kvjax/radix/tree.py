@@ -485,6 +485,14 @@ class RadixTree:
                 child.hit_count += 1
             if slow:  # host-only nodes exist or components listen: off the full-KV-only path
                 self._overlap(node, child, values, off, k, payloads)
+                if collect and child.parent is not node:
+                    # A component split the node (an SWA window edge): the upper parts come first.
+                    upper = []
+                    u = child.parent
+                    while u is not node:
+                        upper.append(u.value)
+                        u = u.parent
+                    vals.extend(reversed(upper))
             if collect:
                 vals.append(child.value)
             off += k
@@ -817,6 +825,7 @@ class RadixTree:
         the tokens evicted. ``evict({"full": n, "swa": m, ...})``: per-component amounts, in
         that component's own units, run in the tree's component order (FULL first); returns
         per-component counts of what was freed, cascades included (every component is listed).
+        A component is asked only for what the earlier components' cascades left of its amount.
         May free more than asked (whole nodes). The cascade rules are in ``component.py``.
 
         Raises (tree unchanged): ValueError for an unknown component name or a negative or
@@ -835,7 +844,9 @@ class RadixTree:
         self._tracker = counts
         try:
             for c in self.components:
-                amount = amounts.get(c.name, 0)
+                # What earlier components' cascades already freed counts toward the amount
+                # (SGLang 0.5.23's shared tracker): FULL eviction frees SWA slots too.
+                amount = amounts.get(c.name, 0) - counts[c.name]
                 if amount > 0:
                     counts[c.name] += c.evict(amount)
         finally:
@@ -916,7 +927,10 @@ class RadixTree:
     def _evict_device_leaf(self, node: TreeNode) -> None:
         """FULL eviction of one candidate leaf, with components: demote or delete, cascade."""
         parent = node.parent
-        keep = bool(node.children) or any(c.keeps_node(node) for c in self._extra)
+        # Every component is asked (a host tier backs the node up in ``keeps_node`` under
+        # write-back, even when host-only children would keep it anyway).
+        kept = [c.keeps_node(node) for c in self._extra]
+        keep = bool(node.children) or any(kept)
         self._drop_device_copy(node)
         if keep:
             node.residency = HOST_ONLY
@@ -987,6 +1001,32 @@ class RadixTree:
             self.stats.num_evictions += 1
         self._detach(node)
         self._after_child_change(parent)
+
+    def synthesize_slots(self, n: int) -> np.ndarray:
+        """``n`` fresh slot ids as a simulation insert would synthesize them (a tree without an
+        allocator); for components that bring nodes back in simulation."""
+        v = np.arange(self._sim_next, self._sim_next + n, dtype=INT32)
+        self._sim_next += n
+        return v
+
+    def revive_node(self, node: TreeNode, values: np.ndarray) -> None:
+        """Make the host-only ``node`` device-resident from ``values`` (its ``klen`` slot ids),
+        for a component that brought its data back (a host tier's load-back). Its parent must
+        be device-resident (or the root): revive a host-only chain from the top. Calls no
+        hook; the component keeps its data on the node.
+
+        Raises (tree unchanged): ValueError for a node that is not host-only in this tree, a
+        host-only parent, or a wrong number of slots.
+        """
+        if not isinstance(node, TreeNode) or node.owner is not self._owner or node.residency != HOST_ONLY:
+            raise ValueError(f"revive_node: {node!r} is not a host-only node of this tree")
+        parent = node.parent
+        if parent is not self.root and parent.residency != DEVICE:
+            raise ValueError(f"revive_node: node {node.id}'s parent {parent.id} is host-only; revive it first")
+        v = np.asarray(values)
+        if v.shape != (node.klen,):
+            raise ValueError(f"revive_node: {v.shape} slot ids for node {node.id} of {node.klen} key elements")
+        self._revive(parent, node, v.astype(INT32), 0, node.klen)
 
     def split_node(self, node: TreeNode, k: int) -> TreeNode:
         """Cut ``node`` after ``k`` key elements (``0 < k < node.klen``, a page multiple); returns

@@ -14,6 +14,7 @@ Hooks, in the order the scheduler calls them (every default does nothing):
 =========================  ==================================================================
 hook                       when
 =========================  ==================================================================
+``attach(scheduler)``      once, when the scheduler is built
 ``after_admit(req)``       a waiting request was matched and locked (``req.prefix_indices``,
                            ``req.last_node``) and got its request-table row; before memory for
                            its new tokens is made
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,6 +61,9 @@ class StepBatch:
 
 class ServingExtension:
     """Base class of the per-kind serving hooks (see the module docstring); every hook is a no-op."""
+
+    def attach(self, scheduler: Any) -> None:
+        """Called once by the scheduler that runs this extension (before any other hook)."""
 
     def poll(self) -> None:
         """Once per scheduler step, before the batch is formed."""

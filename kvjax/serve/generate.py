@@ -109,12 +109,14 @@ def generate(
     max_batch_size: int = 16,
     stop_token_ids: Sequence[int] | None = None,
     record_logits: bool = False,
+    enable_hierarchical_cache: bool = False,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
     ``max_total_tokens``: KV pool size in tokens (default: room for every prompt and output, so
     nothing is evicted; make it small to force eviction and retraction). ``stop_token_ids``:
     default the model's end-of-sequence ids; ``()`` to always generate ``max_new_tokens``.
+    ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     if max_new_tokens <= 0:
@@ -139,6 +141,7 @@ def generate(
         max_running_requests=max(2 * max_batch_size, 4),
         context_length=context,
         chunked_prefill_size=chunked_prefill_size,
+        enable_hierarchical_cache=enable_hierarchical_cache,
     )
     cache = build_kv_cache(model.spec, config)
     scheduler = Scheduler(

@@ -148,7 +148,7 @@ def paged_attention(
     in the compute dtype; an fp8 pool is dequantised inside attention with the layer's scales.
     """
     kv = kv.set_kv_buffer(layer_id, meta.out_loc, k, v)
-    index = layer_id - kv.start_layer
+    index = kv.layer_index(layer_id)
     out = ragged_paged_attention(
         q,
         kv.kv_buffer(layer_id),

@@ -125,7 +125,9 @@ def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
     return tokens, np.stack([step[0].numpy() for step in out.logits])
 
 
-def _serve(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> tuple[Scheduler, dict[str, ServingReq]]:
+def _serve(
+    model: LoadedModel, *, page_size: int, max_total_tokens: int, enable_hierarchical_cache: bool = False
+) -> tuple[Scheduler, dict[str, ServingReq]]:
     """The two rounds of the module docstring on one cache; requests by name."""
     cache = build_kv_cache(
         model.spec,
@@ -135,6 +137,7 @@ def _serve(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> tupl
             max_running_requests=8,
             context_length=124,
             chunked_prefill_size=CHUNK,
+            enable_hierarchical_cache=enable_hierarchical_cache,
         ),
     )
     sched = Scheduler(
@@ -182,4 +185,13 @@ def test_page_1_with_a_pool_small_enough_to_evict_and_retract(family):
     assert sched.stats.cached_tokens > 0
     assert sched.stats.evicted_tokens > 0, "the pool should be small enough to force eviction"
     assert sched.stats.retractions > 0, "the pool should be small enough to force retraction"
+    _assert_matches_transformers(hf, done)
+
+
+def test_page_1_small_pool_with_the_host_tier(family):
+    name, hf, model = family
+    if name != "llama":  # the suite's time budget: one family (every family passes: run without this line)
+        pytest.skip("host-tier parity runs on llama in the default suite")
+    sched, done = _serve(model, page_size=1, max_total_tokens=64, enable_hierarchical_cache=True)
+    assert sched.stats.evicted_tokens > 0 and sched.cache.host_pool is not None
     _assert_matches_transformers(hf, done)

@@ -1,0 +1,500 @@
+"""`HostTierComponent` ("host"): SGLang 0.5.23's host tier (HiCache L2) on the tree's hooks.
+
+Data on a node: :class:`HostData`, the node's host slot ids (one per key element: its *host
+copy*) and the pending backup that is writing them, if any. Absent = not backed up. A node is
+then in one of three states: device only (no data), device + host copy (backed up), host-only
+(its device copy was evicted; the core's residency).
+
+Rules (``sglang-0.5.23-hybrid-trees.md``, host tier; the hooks that carry them are in
+``docs/architecture.md``):
+
+* **write policies.** ``write_through``: a node is backed up when an insert walk creates or
+  reaches it (hit threshold 1); ``write_through_selective``: at its second insert hit (threshold
+  2; hits counted per insert walk, the component's own counter); ``write_back``: only when FULL
+  evicts it (``keeps_node``), synchronously. A write-through backup backs up the node's
+  un-backed-up ancestors first, so under write-through a host copy's ancestors have host copies.
+* **pending transfers lock their nodes.** A backup takes a FULL lock on its node
+  (``tree.inc_lock_ref``) until :meth:`writing_check` sees it land; a load locks the last loaded
+  node until :meth:`loading_check`. Locked nodes are never evicted, so pending transfers block
+  eviction of their nodes. A split of a pending node shares the transfer between both parts.
+* **device eviction** demotes a backed-up leaf (``keeps_node`` True: device slots freed, node kept
+  host-only) and deletes one without a host copy.
+* **evict_host** (``tree.evict({"host": n})``) frees only host-only leaves, least recently used
+  first (``node.last_access``), never host copies of device nodes; a parent left a childless
+  host-only node becomes a candidate. Making room for a new backup runs the same walk.
+* **match.** ``finalize_match`` reports ``host_hit_length``: the key elements of the host-only
+  nodes below the device match that carry a host copy, contiguously from the device match, and
+  ``last_host_node``, the deepest of them (the device match's node when there are none).
+* **load_back** (all or nothing, at least ``load_back_threshold`` = 10 elements, at most
+  ``mem_quota`` when given): device slots for the whole host-only chain, evicting device leaves
+  first when short (the chain's device ancestor is locked meanwhile, the chain protected from
+  host eviction); the nodes become device-resident (``tree.revive_node``) keeping their host
+  copies, and the copy is started. A load that cannot start changes nothing (recompute).
+* **insert over a host-only node** counts as already cached and makes it device-resident from the
+  incoming slots, keeping the host copy (the core's revive, then ``on_insert_overlap``).
+
+Faults fall back to recompute and lose nothing: a backup that fails (reported at the polling
+step) frees its host slots and the node stays device-only; a full host pool (after host eviction)
+skips the backup; a load that cannot start leaves the chain host-only.
+
+Where kvjax differs: a node without a host copy can become host-only when it has host-only
+children (write-back, or a failed backup above backed-up descendants); it is never part of a
+host hit (the loadable chain stops above it) and leaves the tree with its last child. Hit counts
+for ``write_through_selective`` are per insert walk (SGLang skips chunked-prefill inserts).
+
+Sizes (host tokens): evictable = host copies of host-only nodes not protected by a load in
+progress; protected = host copies of device nodes (pending backups included); held = slots
+taken outside the tree (:meth:`alloc_held`: retraction backups). Invariant:
+``host_allocator.available_size() + evictable + protected + held == host_allocator.size``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvjax.radix.component import ComponentSizes, TreeComponent
+from kvjax.radix.lock import LockReceipt
+from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
+from kvjax.tiers.copy_engine import CopyEngine, CopyError, TransferStatus
+from kvjax.tiers.host_allocator import HostSlotAllocator
+from kvjax.tiers.simulated_copy import SimulatedCopyEngine
+
+if TYPE_CHECKING:
+    from kvjax.protocols import AllocatorProtocol
+    from kvjax.radix.match import ComponentMatchResult
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+LOAD_BACK_THRESHOLD = 10
+
+
+class HostData:
+    """A node's host copy: ``slots`` (int32 host slot ids, one per key element), the pending
+    backup writing them (None once landed), and how many load-backs protect it."""
+
+    __slots__ = ("slots", "transfer", "host_ref")
+
+    def __init__(self, slots: np.ndarray, transfer: PendingTransfer | None = None) -> None:
+        self.slots = slots
+        self.transfer = transfer
+        self.host_ref = 0
+
+
+class PendingTransfer:
+    """A started backup or load: its engine handle, the lock it holds and the nodes it covers."""
+
+    __slots__ = ("kind", "handle", "receipt", "nodes")
+
+    def __init__(self, kind: str, handle: Any, receipt: LockReceipt, nodes: list[TreeNode]) -> None:
+        self.kind = kind
+        self.handle = handle
+        self.receipt = receipt
+        self.nodes = nodes
+
+
+@dataclass(frozen=True)
+class HostMatch:
+    """The host part of a match (``MatchResult.extras["host"]``)."""
+
+    host_hit_length: int
+    last_host_node: Any
+
+
+class HostTierComponent(TreeComponent):
+    """See the module docstring.
+
+    Args:
+        host_allocator: the host pool's slot allocator (its page size must be the tree's).
+        copy_engine: starts and completes copies (default: a :class:`SimulatedCopyEngine`, for a
+            tree without device arrays).
+        write_policy: one of :data:`WRITE_POLICIES`.
+        load_back_threshold: loads of fewer key elements are skipped (SGLang: 10).
+        device_allocator: where load-backs take device slots (None: a simulation tree; the
+            tree synthesizes slot ids).
+    """
+
+    name = "host"
+
+    def __init__(
+        self,
+        host_allocator: HostSlotAllocator,
+        copy_engine: CopyEngine | None = None,
+        *,
+        write_policy: str = "write_through",
+        load_back_threshold: int = LOAD_BACK_THRESHOLD,
+        device_allocator: AllocatorProtocol | None = None,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy={write_policy!r}: use one of {', '.join(WRITE_POLICIES)}")
+        if load_back_threshold < 0:
+            raise ValueError(f"load_back_threshold={load_back_threshold}: use an integer >= 0")
+        self.host_allocator = host_allocator
+        self.device_allocator = device_allocator
+        self.engine: CopyEngine = copy_engine if copy_engine is not None else SimulatedCopyEngine()
+        self.write_policy = write_policy
+        self.write_through_threshold = 1 if write_policy == "write_through" else 2
+        self.load_back_threshold = int(load_back_threshold)
+        self._holders: set[TreeNode] = set()
+        self._hits: dict[TreeNode, int] = {}
+        self._writes: list[PendingTransfer] = []
+        self._loads: list[PendingTransfer] = []
+        self.failed_backups = 0
+        self.skipped_backups = 0  # host pool full even after host eviction
+        self.held_tokens = 0  # host slots held outside the tree (retraction backups)
+
+    def attach(self, tree: Any) -> None:
+        super().attach(tree)
+        if self.host_allocator.page_size != tree.page_size:
+            raise ValueError(
+                f"host allocator page size {self.host_allocator.page_size} != tree page size {tree.page_size}"
+            )
+
+    # -- data helpers ---------------------------------------------------------------------------
+
+    def _set(self, node: TreeNode, data: HostData | None) -> None:
+        self.set_data(node, data)
+        if data is None:
+            self._holders.discard(node)
+        else:
+            self._holders.add(node)
+
+    def _drop(self, node: TreeNode) -> int:
+        """Free ``node``'s host copy; returns the host slots freed."""
+        data = self.data(node)
+        if data is None:
+            return 0
+        self._set(node, None)
+        self.host_allocator.free(data.slots)
+        return int(data.slots.size)
+
+    def _alloc_host(self, n: int) -> np.ndarray | None:
+        slots = self.host_allocator.alloc(n)
+        if slots is None:
+            self.evict_host(n - self.host_allocator.available_size())
+            slots = self.host_allocator.alloc(n)
+        return slots
+
+    def alloc_held(self, n: int) -> np.ndarray | None:
+        """``n`` host slots for a holder outside the tree (a retracted request's KV), evicting
+        host-only leaves first when short; None when they cannot be made free."""
+        slots = self._alloc_host(n)
+        if slots is not None:
+            self.held_tokens += int(slots.size)
+        return slots
+
+    def free_held(self, slots: np.ndarray) -> None:
+        """Return slots from :meth:`alloc_held`."""
+        self.host_allocator.free(slots)
+        self.held_tokens -= int(np.asarray(slots).size)
+
+    # -- backups --------------------------------------------------------------------------------
+
+    def _hit(self, node: TreeNode) -> None:
+        count = self._hits.get(node, 0) + 1
+        self._hits[node] = count
+        if count >= self.write_through_threshold and self.data(node) is None and node.value is not None:
+            self.write_backup(node)
+
+    def write_backup(self, node: TreeNode) -> bool:
+        """Start backing up ``node`` (and, first, its device ancestors without a host copy);
+        the node stays locked until :meth:`writing_check` sees the copy land. Returns whether
+        ``node`` has a host copy (pending or landed) afterwards."""
+        root = self.tree.root
+        chain = []
+        n = node
+        while n is not root and self.data(n) is None:
+            if n.value is None:
+                return False  # a host-only node without a copy: nothing to copy from
+            chain.append(n)
+            n = n.parent
+        return all(self._start_backup(n) for n in reversed(chain))  # stops at the first failure
+
+    def _start_backup(self, node: TreeNode) -> bool:
+        assert node.value is not None
+        slots = self._alloc_host(node.klen)
+        if slots is None:
+            self.skipped_backups += 1
+            return False
+        try:
+            handle = self.engine.start_backup(node.value, slots)
+        except CopyError:
+            self.host_allocator.free(slots)
+            self.failed_backups += 1
+            return False
+        pending = PendingTransfer("backup", handle, self.tree.inc_lock_ref(node), [node])
+        self._set(node, HostData(slots, pending))
+        self._writes.append(pending)
+        return True
+
+    def _backup_now(self, node: TreeNode) -> bool:
+        """Write-back: copy ``node`` to the host now and wait for it (FULL is evicting it)."""
+        assert node.value is not None
+        slots = self._alloc_host(node.klen)
+        if slots is None:
+            self.skipped_backups += 1
+            return False
+        try:
+            status = self.engine.poll(self.engine.start_backup(node.value, slots), wait=True)
+        except CopyError:
+            status = TransferStatus.FAILED
+        if status is not TransferStatus.DONE:
+            self.host_allocator.free(slots)
+            self.failed_backups += 1
+            return False
+        self._set(node, HostData(slots))
+        return True
+
+    # -- hooks: insert --------------------------------------------------------------------------
+
+    def on_insert_overlap(self, node: TreeNode, payload: Any, revived: bool) -> None:
+        if self.write_policy != "write_back":
+            self._hit(node)
+
+    def on_new_node(self, node: TreeNode, payload: Any) -> None:
+        if self.write_policy != "write_back":
+            self._hit(node)
+
+    def on_split(self, parent: TreeNode, child: TreeNode, k: int) -> None:
+        hits = self._hits.get(child)
+        if hits is not None:
+            self._hits[parent] = hits
+        data = self.data(child)
+        if data is None:
+            return
+        part = HostData(data.slots[:k], data.transfer)
+        part.host_ref = data.host_ref
+        data.slots = data.slots[k:]
+        if data.transfer is not None:
+            data.transfer.nodes.append(parent)
+        self._set(parent, part)
+
+    # -- hooks: match ---------------------------------------------------------------------------
+
+    def finalize_match(self, result: ComponentMatchResult) -> None:
+        root = self.tree.root
+        last = result.last_node
+        below = []
+        n = result.walk_node
+        while n is not last and n is not root:
+            below.append(n)
+            n = n.parent
+        hit = 0
+        deepest = last
+        for n in reversed(below):
+            if self.data(n) is None:
+                break
+            hit += n.klen
+            deepest = n
+        result.extras[self.name] = HostMatch(hit, deepest)
+
+    # -- hooks: residency and eviction ----------------------------------------------------------
+
+    def keeps_node(self, node: TreeNode) -> bool:
+        if self.data(node) is not None:
+            return True
+        if self.write_policy == "write_back" and node.value is not None and not node.lock_ref:
+            return self._backup_now(node)
+        return False
+
+    def on_delete(self, node: TreeNode) -> int:
+        self._hits.pop(node, None)
+        data = self.data(node)
+        if data is not None and data.transfer is not None:
+            raise AssertionError(f"node {node.id} deleted while its backup is pending (it is locked)")
+        return self._drop(node)
+
+    def evict(self, amount: int) -> int:
+        return self.evict_host(amount)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host copies of host-only leaves, least recently used first, until ``num_tokens``
+        host slots are freed or none is left; returns the host slots freed."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access, n.id, n) for n in self._holders if self._host_evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._host_evictable_leaf(node):
+                continue
+            parent = node.parent
+            freed += self._drop(node)
+            self.tree.delete_leaf(node)
+            if parent is not self.tree.root and self._host_evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def _host_evictable_leaf(self, node: TreeNode) -> bool:
+        data = self.data(node)
+        return (
+            data is not None
+            and node.residency == HOST_ONLY
+            and not node.children
+            and not data.host_ref
+            and data.transfer is None
+        )
+
+    def on_reset(self) -> None:
+        for node in list(self._holders):
+            self._drop(node)
+        self._hits.clear()
+
+    # -- polling --------------------------------------------------------------------------------
+
+    def writing_check(self, wait: bool = False) -> int:
+        """Complete the backups that landed (SGLang's ``writing_check``): unlock their nodes; a
+        failed one frees its host slots (the node stays device-only). Returns backups completed."""
+        still = []
+        done = 0
+        for p in self._writes:
+            status = self.engine.poll(p.handle, wait)
+            if status is TransferStatus.PENDING:
+                still.append(p)
+                continue
+            done += 1
+            ok = status is TransferStatus.DONE
+            if not ok:
+                self.failed_backups += 1
+            for node in p.nodes:
+                data = self.data(node)
+                if data is None or data.transfer is not p:
+                    continue
+                data.transfer = None
+                if not ok:
+                    self._drop(node)
+            self.tree.dec_lock_ref(p.receipt)
+        self._writes = still
+        return done
+
+    def loading_check(self, wait: bool = False) -> int:
+        """Complete the loads that landed (SGLang's ``loading_check``): unlock their last node.
+        Returns loads completed."""
+        still = []
+        done = 0
+        for p in self._loads:
+            status = self.engine.poll(p.handle, wait)
+            if status is TransferStatus.PENDING:
+                still.append(p)
+                continue
+            if status is TransferStatus.FAILED:
+                raise RuntimeError("a started load failed; the copy engine broke its contract")
+            done += 1
+            self.tree.dec_lock_ref(p.receipt)
+        self._loads = still
+        return done
+
+    @property
+    def pending_backups(self) -> int:
+        return len(self._writes)
+
+    @property
+    def pending_loads(self) -> int:
+        return len(self._loads)
+
+    # -- load back ------------------------------------------------------------------------------
+
+    def loadable_chain(self, node: TreeNode) -> list[TreeNode]:
+        """The host-only nodes from the device ancestor of ``node`` down to ``node``, top first;
+        empty when ``node`` is device-resident or some node of the chain has no host copy."""
+        root = self.tree.root
+        chain = []
+        n = node
+        while n is not root and n.residency == HOST_ONLY:
+            if self.data(n) is None:
+                return []
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        return chain
+
+    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> int:
+        """Bring the host-only chain ending at ``node`` back to the device (see the module
+        docstring); returns the key elements loaded (0: nothing changed, recompute instead).
+
+        Raises ValueError (nothing changed) for a node that is not in this tree.
+        """
+        tree = self.tree
+        foreign = not isinstance(node, TreeNode) or node.owner is not tree.root.owner
+        if foreign or node.residency not in (DEVICE, HOST_ONLY):
+            raise ValueError(f"load_back: {node!r} is not a node of this tree")
+        chain = self.loadable_chain(node)
+        total = sum(n.klen for n in chain)
+        if not chain or total < self.load_back_threshold or (mem_quota is not None and total > mem_quota):
+            return 0
+        anchor = chain[0].parent
+        anchor_lock = tree.inc_lock_ref(anchor)
+        datas = [self.data(n) for n in chain]
+        for d in datas:
+            d.host_ref += 1
+        allocator = self.device_allocator
+        slots = None
+        try:
+            if allocator is None:
+                slots = tree.synthesize_slots(total)
+            else:
+                slots = allocator.alloc(total)
+                if slots is None:
+                    tree.evict(total - allocator.available_size())
+                    slots = allocator.alloc(total)
+                if slots is None:
+                    return 0
+            host_slots = np.concatenate([d.slots for d in datas])
+            try:
+                handle = self.engine.start_load(host_slots, slots)
+            except CopyError:
+                if allocator is not None:
+                    allocator.free(slots)
+                return 0
+            off = 0
+            for n in chain:
+                tree.revive_node(n, slots[off : off + n.klen])
+                off += n.klen
+            self._loads.append(PendingTransfer("load", handle, tree.inc_lock_ref(chain[-1]), chain))
+            return total
+        finally:
+            for d in datas:
+                d.host_ref -= 1
+            tree.dec_lock_ref(anchor_lock)
+
+    # -- sizes and checks -----------------------------------------------------------------------
+
+    def sizes(self) -> ComponentSizes:
+        evictable = protected = 0
+        for node in self._holders:
+            data = self.data(node)
+            if node.residency == HOST_ONLY and not data.host_ref:
+                evictable += data.slots.size
+            else:
+                protected += data.slots.size
+        return ComponentSizes(evictable, protected)
+
+    def check_invariants(self) -> None:
+        from kvjax.radix.tree import TreeInvariantError
+
+        holders = {n for n in self.tree.nodes() if self.data(n) is not None}
+        if holders != self._holders:
+            raise TreeInvariantError("host: the holder set and the nodes with a host copy differ")
+        slots = [self.data(n).slots for n in holders]
+        for n in holders:
+            data = self.data(n)
+            if data.slots.size != n.klen:
+                raise TreeInvariantError(f"host: node {n.id} has {data.slots.size} host slots for {n.klen}")
+            if data.transfer is not None and (not n.lock_ref or n not in data.transfer.nodes):
+                raise TreeInvariantError(f"host: node {n.id} has a pending backup but is not locked by it")
+        if slots:
+            allv = np.concatenate(slots)
+            if np.unique(allv).size != allv.size:
+                raise TreeInvariantError("host: a host slot is held twice")
+            if not self.host_allocator.is_allocated(allv):
+                raise TreeInvariantError("host: a node holds a free host slot")
+        s = self.sizes()
+        held = self.held_tokens
+        if self.host_allocator.available_size() + s.evictable + s.protected + held != self.host_allocator.size:
+            raise TreeInvariantError(
+                f"host: available {self.host_allocator.available_size()} + evictable {s.evictable} + "
+                f"protected {s.protected} + held {held} != capacity {self.host_allocator.size}"
+            )

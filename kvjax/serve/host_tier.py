@@ -1,0 +1,134 @@
+"""`HostTierExtension`: the host tier (HiCache) in the serving loop (a ``ServingExtension``).
+
+* ``poll`` (once per scheduler step, before the batch): SGLang's ``writing_check`` and
+  ``loading_check``; backups and loads that landed unlock their nodes. The step never waits for a
+  transfer: backups are gathers whose host copy completes in the background, loads are scatters
+  the next step's reads depend on through jax's data dependencies.
+* ``after_admit`` (the request was matched and locked): when the match has a host hit of at
+  least the load-back threshold, the host-only chain is loaded back (all or nothing; it may evict
+  device leaves first) and the request's prefix, row and lock move to the loaded node, so its
+  prefill starts past it. The scheduler reads the prefix from ``req.prefix_indices`` after the
+  hooks. The match is redone here to read the host hit (only while host-only nodes exist), so the
+  tree's own match counter counts such admissions twice; the scheduler's cached-token figures
+  are not affected.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvjax.radix import HiRadixCache
+from kvjax.serve.extension import ServingExtension
+from kvjax.tiers.retraction_backup import RetractionBackup
+
+if TYPE_CHECKING:
+    from kvjax.build import KVCache
+    from kvjax.serve.serving_req import ServingReq
+
+
+class HostTierExtension(ServingExtension):
+    """See the module docstring. ``loaded_tokens``: key elements loaded back from the host."""
+
+    def __init__(self, cache: KVCache) -> None:
+        tree = cache.tree_cache
+        if not isinstance(tree, HiRadixCache):
+            raise TypeError(f"the host tier extension needs a HiRadixCache, got {type(tree).__name__}")
+        self.cache = cache
+        self.tree = tree
+        self.loaded_tokens = 0
+        self.loads = 0
+        self.scheduler: Any = None
+        self.retraction: RetractionBackup | None = None
+        if cache.plan.decode_retraction_backup == "host_pool":
+            self.retraction = RetractionBackup("host_pool", cache.token_to_kv_pool_allocator.page_size, host=tree.host)
+
+    def attach(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def poll(self) -> None:
+        self.tree.check_transfers()
+
+    def after_admit(self, req: ServingReq) -> None:
+        self._load_back(req)
+        if self.retraction is not None and req.rid in self.retraction:
+            self._restore(req)
+
+    def _load_back(self, req: ServingReq) -> None:
+        tree = self.tree
+        if not tree.host_only_count or req.req_pool_idx is None:
+            return
+        n = req.seqlen() - 1
+        if n <= 0:
+            return
+        match = tree.match_prefix(req.token_range(0, n), req.extra_key)
+        if getattr(match, "host_hit_length", 0) < max(tree.host.load_back_threshold, 1):
+            return
+        loaded = tree.init_load_back(match, mem_quota=self._quota(req, match))
+        if loaded.prefix_len <= req.cache_protected_len:
+            return
+        lock = tree.inc_lock_ref(loaded.last_node)
+        tree.dec_lock_ref(req.lock_receipt if req.lock_receipt is not None else req.last_node)
+        self.loaded_tokens += loaded.prefix_len - req.cache_protected_len
+        self.loads += 1
+        req.lock_receipt = lock
+        req.last_node = loaded.last_node
+        req.prefix_indices = loaded.indices
+        req.cache_protected_len = loaded.prefix_len
+        self.cache.req_to_token_pool.write(req.req_pool_idx, 0, loaded.indices)
+
+    def before_release(self, req: ServingReq, finished: bool) -> None:
+        if self.retraction is None:
+            return
+        if finished or req.req_pool_idx is None:
+            self.retraction.discard(req.rid)
+            return
+        end = req.kv_len()
+        row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.retraction.backup(req.rid, row[:end], 0, end)
+
+    def _restore(self, req: ServingReq) -> None:
+        """Bring a retracted request's own KV back when its tree prefix is the one it had."""
+        retraction = self.retraction
+        assert retraction is not None
+        kept = retraction.peek(req.rid)
+        assert kept is not None
+        prefix = req.cache_protected_len
+        if prefix >= kept.end or kept.end > req.seqlen() - 1 or req.req_pool_idx is None:
+            retraction.discard(req.rid)  # the tree holds it all now, or the request changed
+            return
+        alloc = self.cache.token_to_kv_pool_allocator
+        ps = alloc.page_size
+        need = retraction.pages_from(req.rid, prefix) * ps
+        reserved = self.scheduler.reserved_tokens if self.scheduler is not None else 0
+        rest = (-(-(req.seqlen() - kept.end) // ps) + 1) * ps
+        slots = None
+        if need <= alloc.available_size() + self.tree.evictable_size() - reserved - rest:
+            if alloc.available_size() < need:
+                self.tree.evict(need - alloc.available_size())
+            slots = alloc.alloc(need)
+        if slots is None:
+            # No room now: keep the backup for a later admission (this one will likely not fit
+            # either; if it does, the request recomputes and its release replaces the backup).
+            return
+        if not retraction.restore(req.rid, slots, prefix):
+            alloc.free(slots)
+            return
+        self.cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: kept.end - prefix])
+        req.kv_committed_len = kept.end
+
+    def _quota(self, req: ServingReq, match: Any) -> int:
+        """Device tokens a load-back may take: free + evictable, less what the batch already
+        promised (``scheduler.reserved_tokens``) and what this request still computes after the
+        hit (rounded up to pages, plus one page), so admission never runs short because of it."""
+        alloc = self.cache.token_to_kv_pool_allocator
+        ps = alloc.page_size
+        reserved = self.scheduler.reserved_tokens if self.scheduler is not None else 0
+        rest = req.seqlen() - match.prefix_len - match.host_hit_length
+        rest = (-(-max(rest, 0) // ps) + 1) * ps
+        return alloc.available_size() + self.tree.evictable_size() - reserved - rest
+
+    def host_balanced(self) -> bool:
+        """``available + evictable + protected + held == capacity`` for the host pool."""
+        host = self.tree.host_allocator
+        s = self.tree.sizes()["host"]
+        return host.available_size() + s.evictable + s.protected + self.tree.host.held_tokens == host.size

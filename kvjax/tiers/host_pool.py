@@ -1,0 +1,129 @@
+"""`HostKVPool`: the host copy of a paged device pool (SGLang's ``MHATokenToKVPoolHost``).
+
+It holds, in host (numpy) memory, the pages of every layer of one device pool, in a
+:class:`HostLayout`, with a :class:`HostSlotAllocator` over its slots. It does not know the device
+pool's kind: any device pool whose layers are ``[pages + 1, page_size, C, D]`` arrays of one
+shape (the page gather/scatter kernels' contract, see ``kvjax.tiers.device_pages``) gets a host
+pool from its page row and layer count. MHA is registered today; SWA and MLA pools need one
+entry each in ``device_pages``.
+
+Why numpy storage. ``benchmarks/host_tier.py`` measured, on this CPU backend, a device -> host
+page transfer staged through a ``pinned_host`` jax array and through a plain ``device_get``
+(numpy), and host -> device from a numpy array against one placed in ``pinned_host`` first; the
+figures are in ``docs/architecture.md`` (host tier). A jax array cannot be written in place page
+by page from the host, so the host pool's *storage* is numpy either way; the transfer engine
+stages through ``pinned_host`` where the backend has that memory kind and the measurement did
+not favour the plain copy (``kvjax.tiers.transfer``).
+
+Bytes are kept as unsigned integers of the device dtype's width (bf16 as uint16, fp8 as
+uint8): moved, never converted. Units: slots are tokens; ``bytes_per_token`` counts every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kvjax.errors import InvalidSlotError
+from kvjax.tiers.host_allocator import HostSlotAllocator
+from kvjax.tiers.host_layout import HostLayout
+
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class HostKVPool:
+    """Host pages of one device pool kind (see module docstring).
+
+    Args:
+        size: host token slots, a multiple of ``page_row[0]`` (the page size); every slot is
+            usable (no reserved page).
+        num_layers: layers of the device pool.
+        page_row: ``(page_size, C, D)``: one page of one layer.
+        itemsize: bytes per element of the device pool's storage dtype.
+        layout: ``"layer_first"`` or ``"page_first"``.
+    """
+
+    def __init__(self, size: int, num_layers: int, page_row: tuple[int, ...], itemsize: int, layout: str) -> None:
+        if itemsize not in _BITS:
+            raise ValueError(f"itemsize={itemsize}: host pools store 1, 2, 4 or 8-byte elements")
+        if num_layers < 1 or len(page_row) < 1 or min(page_row) < 1:
+            raise ValueError(f"num_layers={num_layers}, page_row={page_row}: need >= 1 layer and a non-empty row")
+        self.page_size = int(page_row[0])
+        self.allocator = HostSlotAllocator(size, self.page_size)
+        self.size = self.allocator.size
+        self.num_pages = self.allocator.num_pages
+        self.num_layers = int(num_layers)
+        self.page_row = tuple(int(x) for x in page_row)
+        self.layout = HostLayout(layout)
+        self.store_dtype = np.dtype(_BITS[itemsize])
+        self.storage = np.zeros(self.layout.shape(self.num_layers, self.num_pages, self.page_row), self.store_dtype)
+
+    @classmethod
+    def for_device_layers(cls, layers: Any, size: int, layout: str = "layer_first") -> HostKVPool:
+        """A host pool for per-layer device arrays ``[pages + 1, page_size, C, D]`` (any objects
+        with ``shape`` and ``dtype``)."""
+        first = layers[0]
+        return cls(size, len(layers), tuple(first.shape[1:]), np.dtype(first.dtype).itemsize, layout)
+
+    # --- facts ----------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Host bytes of one token over every layer."""
+        return self.num_layers * math.prod(self.page_row[1:]) * self.store_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.storage.nbytes)
+
+    def buffer_shape(self, num_pages: int) -> tuple[int, ...]:
+        """The layer-first transfer buffer of ``num_pages`` pages (as the gather kernel packs it)."""
+        return (self.num_layers, num_pages, *self.page_row)
+
+    # --- pages ----------------------------------------------------------------------------------
+
+    def pages_of(self, host_slots: Any) -> np.ndarray:
+        """Host pages of ``host_slots`` (whole pages in order; InvalidSlotError otherwise)."""
+        return self.allocator.slots_to_pages(host_slots, "host slots")
+
+    def write_pages(self, host_slots: Any, buffer: np.ndarray) -> None:
+        """Store a gathered buffer ``[L, n, page_size, C, D]`` into the pages of ``host_slots``.
+
+        Raises (nothing written): InvalidSlotError for bad slots; ValueError for a buffer of
+        another shape or item size.
+        """
+        pages = self.pages_of(host_slots)
+        buf = np.asarray(buffer)
+        want = self.buffer_shape(pages.size)
+        if buf.shape != want or buf.dtype.itemsize != self.store_dtype.itemsize:
+            raise ValueError(
+                f"write_pages: buffer {buf.shape} {buf.dtype}, want {want} of {self.store_dtype.itemsize}-byte items"
+            )
+        self.layout.write(self.storage, pages, buf.view(self.store_dtype))
+
+    def read_pages(self, host_slots: Any, dtype: Any = None) -> np.ndarray:
+        """The layer-first buffer of the pages of ``host_slots`` (viewed as ``dtype`` when given)."""
+        pages = self.pages_of(host_slots)
+        buf = self.layout.read(self.storage, pages)
+        return buf if dtype is None else buf.view(dtype)
+
+    def check_slots_allocated(self, host_slots: Any) -> None:
+        """Raise InvalidSlotError unless every slot is allocated (a transfer into free slots is a bug)."""
+        if not self.allocator.is_allocated(host_slots):
+            raise InvalidSlotError("host slots are not allocated in this host pool")
+
+
+def create_host_pool(pool: Any, context: Any) -> HostKVPool:
+    """The pool registry's builder for ``"host_tier"``: the host pool a ``PoolPlan`` describes.
+
+    The plan's host pool lists ``shape[0]`` host pages (every one usable) of
+    ``shape[1:] = (page_size, C, D)`` per layer, ``count`` layers, in the storage dtype; the
+    layout is ``context.host_layout``.
+    """
+    from kvjax.pools import storage
+
+    pages, *row = pool.shape
+    itemsize = storage.itemsize(pool.layout.dtype) if hasattr(pool.layout, "dtype") else np.dtype(pool.dtype).itemsize
+    return HostKVPool(pages * row[0], pool.count, tuple(row), itemsize, getattr(context, "host_layout", "layer_first"))

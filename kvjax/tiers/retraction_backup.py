@@ -1,0 +1,162 @@
+"""`RetractionBackup`: a retracted request's own KV kept aside and restored when it resumes
+(SGLang's decode retraction backup), instead of recomputed.
+
+A request retracted during decode holds KV for tokens ``[0, kv_len)`` on whole pages (the prefix
+``[0, cache_protected_len)`` on the tree's, the rest on its own). All of it is copied out before the
+request's slots are freed (the tree's part may be evicted before the request resumes), and when
+the request is admitted again, the part past its new tree prefix is copied into fresh pages; its
+prefill then starts at ``kv_len``.
+
+Modes (the plan's ``decode_retraction_backup``):
+
+* ``host_pool``: the pages go to the host tier's pool (slots *held* outside the tree,
+  ``HostTierComponent.alloc_held``; host-only leaves are evicted to make room) through the copy
+  engine, asynchronously; a restore waits for that backup. A host pool that cannot make room
+  skips the backup (SGLang aborts the request there; kvjax recomputes it).
+* ``cpu_tensor``: ``get_cpu_copy`` / ``load_cpu_copy`` of the device pool (numpy copies).
+
+Every fallback recomputes: a backup that failed, a resume whose tree prefix differs from the one
+at retraction, or no device room within the admission's quota. Units: tokens and slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvjax.tiers.copy_engine import CopyError, TransferStatus
+
+RETRACTION_BACKUPS = ("host_pool", "cpu_tensor")
+
+
+@dataclass
+class RetractedKV:
+    """What was kept of one retracted request: tokens ``[start, end)`` on ``num_pages`` pages."""
+
+    start: int
+    end: int
+    num_pages: int
+    host_slots: np.ndarray | None = None
+    handle: Any = None
+    cpu_copy: list[np.ndarray] | None = None
+
+
+class RetractionBackup:
+    """Backups of retracted requests, by request id (see the module docstring).
+
+    Args:
+        mode: ``"host_pool"`` or ``"cpu_tensor"``.
+        page_size: the device pool's page size.
+        host: the host tier's component (``host_pool``): its host slots and copy engine.
+        cache: a ``KVCache``-like holder (``cpu_tensor``): ``pools`` and ``set_pools``.
+        pool_name: the device pool in ``cache.pools`` (``cpu_tensor``).
+    """
+
+    def __init__(self, mode: str, page_size: int, *, host: Any = None, cache: Any = None, pool_name: str = "kv"):
+        if mode not in RETRACTION_BACKUPS:
+            raise ValueError(f"decode_retraction_backup={mode!r}: use one of {', '.join(RETRACTION_BACKUPS)}")
+        if mode == "host_pool" and host is None:
+            raise ValueError("the host_pool retraction backup needs the host tier")
+        if mode == "cpu_tensor" and cache is None:
+            raise ValueError("the cpu_tensor retraction backup needs the cache")
+        self.mode = mode
+        self.page_size = int(page_size)
+        self.host = host
+        self.cache = cache
+        self.pool_name = pool_name
+        self._kept: dict[Any, RetractedKV] = {}
+        self.backed_up = 0
+        self.restored_tokens = 0
+        self.fallbacks = 0
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._kept
+
+    @property
+    def held(self) -> int:
+        """Requests with a backup."""
+        return len(self._kept)
+
+    def _pages(self, slots: np.ndarray) -> np.ndarray:
+        ps = self.page_size
+        pages = np.asarray(slots, np.int64) // ps
+        _, first = np.unique(pages, return_index=True)
+        return pages[np.sort(first)]
+
+    def _expand(self, pages: np.ndarray) -> np.ndarray:
+        ps = self.page_size
+        return (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1).astype(np.int32)
+
+    def backup(self, key: Any, slots: np.ndarray, start: int, end: int) -> bool:
+        """Keep the KV of tokens ``[start, end)`` whose device slots are ``slots`` (the request's
+        own pages; ``start`` page-aligned). Starts the copy now, before the slots are freed.
+        Returns whether a backup was taken."""
+        self.discard(key)
+        if end <= start or start % self.page_size:
+            return False
+        pages = self._pages(slots)
+        device_slots = self._expand(pages)
+        kept = RetractedKV(start, end, int(pages.size))
+        if self.mode == "host_pool":
+            host_slots = self.host.alloc_held(int(device_slots.size))
+            if host_slots is None:
+                self.fallbacks += 1
+                return False
+            try:
+                kept.handle = self.host.engine.start_backup(device_slots, host_slots)
+            except CopyError:
+                self.host.free_held(host_slots)
+                self.fallbacks += 1
+                return False
+            kept.host_slots = host_slots
+        else:
+            kept.cpu_copy = self.cache.pools[self.pool_name].get_cpu_copy(device_slots)
+        self._kept[key] = kept
+        self.backed_up += 1
+        return True
+
+    def peek(self, key: Any) -> RetractedKV | None:
+        return self._kept.get(key)
+
+    def pages_from(self, key: Any, token: int) -> int:
+        """Pages of the backup of ``key`` from token ``token`` (page-aligned, >= its start) on."""
+        kept = self._kept[key]
+        return kept.num_pages - (token - kept.start) // self.page_size
+
+    def restore(self, key: Any, device_slots: np.ndarray, from_token: int | None = None) -> bool:
+        """Copy the backup of ``key``, from token ``from_token`` (page-aligned; default its start)
+        on, into ``device_slots`` (whole fresh pages, :meth:`pages_from` of them) and drop it.
+        Returns False (backup dropped: recompute) when its copy failed."""
+        kept = self._kept.pop(key)
+        skip = 0 if from_token is None else from_token - kept.start
+        ok = True
+        if self.mode == "host_pool":
+            assert kept.host_slots is not None
+            engine = self.host.engine
+            try:
+                ok = engine.poll(kept.handle, wait=True) is TransferStatus.DONE
+                if ok:
+                    engine.start_load(kept.host_slots[skip:], device_slots)
+            except CopyError:
+                ok = False
+            self.host.free_held(kept.host_slots)  # a started load has read them
+        else:
+            assert kept.cpu_copy is not None
+            pool = self.cache.pools[self.pool_name]
+            new = pool.load_cpu_copy([c[skip:] for c in kept.cpu_copy], device_slots)
+            self.cache.set_pools(self.cache.pools.replace(**{self.pool_name: new}))
+        if ok:
+            self.restored_tokens += kept.end - kept.start - skip
+        else:
+            self.fallbacks += 1
+        return ok
+
+    def discard(self, key: Any) -> None:
+        """Drop the backup of ``key`` (if any), returning its host slots."""
+        kept = self._kept.pop(key, None)
+        if kept is not None and kept.host_slots is not None:
+            self.host.engine.cancel(kept.handle)
+            self.host.engine.poll(kept.handle, wait=True)
+            self.host.free_held(kept.host_slots)

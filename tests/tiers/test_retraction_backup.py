@@ -1,0 +1,105 @@
+"""Decode retraction backup: a retracted request's KV kept aside (host pool or CPU copy) and
+restored instead of recomputed; fallbacks recompute; the host pool's accounting holds."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import CacheConfig, ModelSpec, build_kv_cache
+from kvjax.errors import ConfigError
+from kvjax.pools import CachePools, MHAKVPool
+from kvjax.radix import HiRadixCache
+from kvjax.serve.model import init_params
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.tiers import SimulatedCopyEngine
+from kvjax.tiers.host_sizing import validate_retraction_host_capacity
+from kvjax.tiers.retraction_backup import RetractionBackup
+
+
+class Holder:
+    def __init__(self, pools):
+        self.pools = pools
+
+    def set_pools(self, pools):
+        self.pools = pools
+
+
+def test_cpu_tensor_backup_restores_into_new_pages_from_the_new_prefix():
+    pool = MHAKVPool.create(num_pages=6, page_size=2, num_layers=2, num_kv_heads=1, head_dim=4)
+    kv = tuple(jnp.arange(np.prod(a.shape), dtype=jnp.uint32).reshape(a.shape).astype(a.dtype) for a in pool.kv)
+    holder = Holder(CachePools(kv=pool.replace(kv=kv)))
+    before = [np.asarray(a) for a in kv]
+    rb = RetractionBackup("cpu_tensor", 2, cache=holder)
+    assert rb.backup("r", np.array([2, 3, 4, 5, 6]), 0, 5)  # pages 1, 2, 3 (a partial last page)
+    assert rb.pages_from("r", 2) == 2
+    assert rb.restore("r", np.array([8, 9, 10, 11]), from_token=2)  # pages 2, 3 -> 4, 5
+    after = [np.asarray(a) for a in holder.pools.kv.kv]
+    for layer in range(2):
+        np.testing.assert_array_equal(after[layer][4:6], before[layer][2:4])
+    assert "r" not in rb and rb.restored_tokens == 3
+
+
+def test_host_pool_backup_holds_host_slots_and_falls_back_on_a_failed_copy():
+    tree = HiRadixCache(page_size=2, host_pool_tokens=8, copy_engine=SimulatedCopyEngine())
+    host = tree.host
+    rb = RetractionBackup("host_pool", 2, host=host)
+    host.engine.device.update({s: f"kv{s}" for s in range(2, 8)})
+    assert rb.backup("r", np.array([2, 3, 4, 5]), 0, 4)
+    assert host.held_tokens == 4 and tree.host_allocator.available_size() == 4
+    tree.check_invariants()
+    assert rb.restore("r", np.array([6, 7, 8, 9]))
+    assert [host.engine.device[s] for s in (6, 7, 8, 9)] == ["kv2", "kv3", "kv4", "kv5"]
+    assert host.held_tokens == 0 and tree.host_allocator.available_size() == 8
+    host.engine.fail_backups = 1
+    assert rb.backup("r", np.array([2, 3]), 0, 2)
+    assert not rb.restore("r", np.array([6, 7])) and rb.fallbacks == 1 and host.held_tokens == 0
+    assert not rb.backup("big", np.arange(2, 12), 0, 10)  # more than the host pool: recompute
+    assert host.held_tokens == 0 and rb.fallbacks == 2
+    tree.check_invariants()
+
+
+def test_bad_modes_are_refused():
+    with pytest.raises(ValueError, match="decode_retraction_backup"):
+        RetractionBackup("disk", 1)
+    with pytest.raises(ValueError, match="host tier"):
+        RetractionBackup("host_pool", 1)
+
+
+def test_host_capacity_for_retraction_is_validated_at_plan_time():
+    validate_retraction_host_capacity(1024, 1000, 16)
+    with pytest.raises(ConfigError, match="context_length 1024"):
+        validate_retraction_host_capacity(272, 1024, 16)
+    config = CacheConfig(max_total_tokens=128, context_length=1024, disaggregation_decode_retraction_backup="host_pool")
+    with pytest.raises(ConfigError, match="1024 tokens at page 16"):
+        build_kv_cache(ModelSpec.preset("tiny"), config)
+
+
+def test_decode_retraction_restores_from_the_host_pool_with_the_same_tokens():
+    spec = ModelSpec.preset("tiny")
+    params = init_params(spec)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, 20)] for _ in range(6)]
+    runs = {}
+    for backup in (None, "host_pool"):
+        config = CacheConfig(
+            page_size=4,
+            max_total_tokens=160,
+            max_running_requests=16,
+            context_length=128,
+            chunked_prefill_size=64,
+            hicache_ratio=4.0,
+            disaggregation_decode_retraction_backup=backup,
+        )
+        sched = Scheduler(spec, build_kv_cache(spec, config), params, max_batch_size=8)
+        done = sched.run([ServingReq(i, p, max_new_tokens=24) for i, p in enumerate(prompts)])
+        runs[backup] = (sched, {r.rid: r.output_ids for r in done})
+    plain, host = runs[None][0], runs["host_pool"][0]
+    assert runs[None][1] == runs["host_pool"][1]
+    assert plain.stats.retractions > 0 and host.stats.retractions > 0
+    [ext] = host.extensions
+    assert ext.retraction is not None and ext.retraction.restored_tokens > 0
+    assert host.stats.prefill_tokens_computed < plain.stats.prefill_tokens_computed
+    assert host.leak_free() and ext.host_balanced() and ext.retraction.held == 0
+    host.cache.tree_cache.sanity_check()

@@ -1,0 +1,121 @@
+"""The storage tier (L3): pages by chained hash in tensorstore, prefetch policies, misses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax.errors import ConfigError
+from kvjax.radix import RadixCache
+from kvjax.tiers.storage import Prefetch, StorageTier, page_hashes
+
+PAGE = (2, 4, 2, 8)  # layers, page_size, 2 * kv_heads, head_dim
+
+
+def _pages(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**16, (n, *PAGE), dtype=np.uint16)
+
+
+def _tier(location="memory", **kw) -> StorageTier:
+    return StorageTier(location, page_shape=PAGE, dtype=np.uint16, **kw)
+
+
+def test_page_hashes_equal_the_trees_event_hashes_and_chain_across_calls():
+    events: list = []
+    tree = RadixCache(page_size=4, event_sink=events, hash_seed=7)
+    tokens = list(range(100, 113))  # three whole pages and one token
+    tree.insert(tokens)
+    stored = [h for e in events for h in e.block_hashes]
+    assert page_hashes(tokens, 4, seed=7) == stored
+    head = page_hashes(tokens[:4], 4, seed=7)
+    assert head + page_hashes(tokens[4:], 4, seed=7, prior_hash=head[-1]) == stored
+    assert page_hashes(tokens, 4, seed=7, extra_key="lora-1") != stored  # namespaces differ
+    assert page_hashes(tokens[:3], 4) == []
+
+
+def test_backup_then_prefetch_round_trips_pages_in_a_directory(tmp_path):
+    hashes = page_hashes(list(range(32)), 4)
+    pages = _pages(len(hashes))
+    tier = _tier(str(tmp_path / "l3"))
+    write = tier.backup(hashes, pages)
+    assert write.wait() == len(hashes) and write.done()
+    again = _tier(str(tmp_path / "l3"))  # another process with the same store finds the pages
+    assert again.leading_hits(hashes) == len(hashes)
+    np.testing.assert_array_equal(again.get(hashes), pages)
+    assert tier.backup(hashes, pages).skipped == len(hashes)  # stored pages are not written twice
+
+
+def test_a_missing_page_ends_the_run_and_namespaces_are_isolated():
+    tier = _tier()
+    hashes = page_hashes(list(range(40)), 4)
+    pages = _pages(len(hashes))
+    keep = [0, 1, 2, 4, 5]  # page 3 was never stored
+    tier.backup([hashes[i] for i in keep], pages[keep]).wait()
+    assert tier.leading_hits(hashes) == 3
+    np.testing.assert_array_equal(tier.prefetch(hashes).take("wait_complete"), pages[:3])
+    assert not _tier(namespace="other-model").contains(hashes[0])
+    assert tier.contains(hashes[0])
+
+
+def test_a_value_of_the_wrong_size_is_a_miss_not_a_page():
+    tier = _tier()
+    [h] = page_hashes(list(range(4)), 4)
+    tier._kv.write(tier.key(h), b"short").result()
+    assert not tier.contains(h) and tier.leading_hits([h]) == 0
+    assert tier.get([h]).shape == (0, *PAGE)
+
+
+class _Future:
+    """A read that completes when the test says so."""
+
+    def __init__(self, value: bytes | None, done: bool) -> None:
+        self.value, self._done, self.cancelled = value, done, False
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self):
+        assert self._done, "a test future was waited on before it completed"
+
+        class Result:
+            state = "value" if self.value is not None else "missing"
+            value = self.value or b""
+
+        return Result()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_prefetch_policies_take_the_leading_run_that_arrived():
+    tier = _tier()
+    pages = _pages(3)
+    futures = [_Future(p.tobytes(), done) for p, done in zip(pages, (True, False, True), strict=True)]
+    fetch = Prefetch(tier, futures)
+    assert fetch.arrived() == 1  # page 2 arrived but page 1 did not: only page 0 is usable
+    got = fetch.take("best_effort")
+    np.testing.assert_array_equal(got, pages[:1])
+    assert futures[1].cancelled and not futures[2].cancelled
+    with pytest.raises(RuntimeError, match="taken already"):
+        fetch.take("best_effort")
+
+    late = [_Future(p.tobytes(), done) for p, done in zip(pages, (True, True, False), strict=True)]
+    assert Prefetch(tier, late).take("timeout", timeout_s=0.01).shape[0] == 2
+
+
+def test_bad_arguments_are_refused_by_name_and_write_nothing():
+    tier = _tier()
+    hashes = page_hashes(list(range(8)), 4)
+    with pytest.raises(ConfigError, match="pages"):
+        tier.backup(hashes, _pages(1))
+    with pytest.raises(ConfigError, match="pages"):
+        tier.backup(hashes, _pages(2).astype(np.int32))
+    assert tier.leading_hits(hashes) == 0 and tier.pages_written == 0
+    with pytest.raises(ConfigError, match="prefetch policy='eager'"):
+        tier.prefetch(hashes).take("eager")
+    with pytest.raises(ConfigError, match="timeout_s=-1"):
+        tier.prefetch(hashes).take("timeout", timeout_s=-1)
+    with pytest.raises(ConfigError, match="page_shape"):
+        StorageTier("memory", page_shape=(0, 4), dtype=np.uint16)
+    with pytest.raises(ConfigError, match="namespace"):
+        _tier(namespace="a/b")

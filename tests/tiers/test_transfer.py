@@ -1,0 +1,82 @@
+"""Page transfers between an MHA device pool and its host pool, through the gather/scatter kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.errors import InvalidSlotError
+from kvjax.pools import CachePools, MHAKVPool
+from kvjax.tiers import CopyError, HostKVPool, SimulatedCopyEngine, TransferStatus
+from kvjax.tiers.transfer import PageTransferEngine
+
+
+class Holder:
+    def __init__(self, pools):
+        self.pools = pools
+
+    def set_pools(self, pools):
+        self.pools = pools
+
+
+def _filled_pool(page_size=2, pages=6, layers=2):
+    pool = MHAKVPool.create(num_pages=pages, page_size=page_size, num_layers=layers, num_kv_heads=1, head_dim=4)
+    kv = tuple(
+        jnp.arange(np.prod(a.shape), dtype=jnp.uint32).reshape(a.shape).astype(a.dtype) + 1000 * i
+        for i, a in enumerate(pool.kv)
+    )
+    return pool.replace(kv=kv)
+
+
+@pytest.mark.parametrize("staging", ["numpy", "pinned_host"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_backup_then_load_restores_the_pages(staging, layout):
+    pool = _filled_pool()
+    original = [np.asarray(a) for a in pool.kv]
+    holder = Holder(CachePools(kv=pool))
+    host = HostKVPool.for_device_layers(pool.kv, 8, layout)
+    engine = PageTransferEngine(holder, host, staging=staging)
+    src = np.array([2, 3, 8, 9, 10, 11])  # pages 1, 4, 5
+    hslots = host.allocator.alloc(6)
+    h = engine.start_backup(src, hslots)
+    assert engine.poll(h, wait=True) is TransferStatus.DONE
+    dst = np.array([12, 13, 4, 5, 6, 7])  # pages 6, 2, 3
+    h = engine.start_load(hslots, dst)
+    assert engine.poll(h, wait=True) is TransferStatus.DONE
+    after = [np.asarray(a) for a in holder.pools.kv.kv]
+    for layer in range(2):
+        for s, d in [(1, 6), (4, 2), (5, 3)]:
+            np.testing.assert_array_equal(after[layer][d], original[layer][s])
+        np.testing.assert_array_equal(after[layer][1], original[layer][1])  # untouched pages stay
+    jax.block_until_ready(holder.pools)
+
+
+def test_bad_slots_are_refused_before_anything_starts():
+    pool = _filled_pool()
+    holder = Holder(CachePools(kv=pool))
+    host = HostKVPool.for_device_layers(pool.kv, 8)
+    engine = PageTransferEngine(holder, host)
+    with pytest.raises(InvalidSlotError):
+        engine.start_backup(np.array([0, 1]), np.array([0, 1]))  # the trash page
+    with pytest.raises(InvalidSlotError):
+        engine.start_backup(np.array([3, 4]), np.array([0, 1]))  # not a whole page
+    with pytest.raises(CopyError):
+        engine.start_load(np.array([0, 1]), np.array([1, 2]))
+    assert holder.pools.kv is pool
+
+
+def test_simulated_engine_lands_at_the_next_poll_and_injects_faults():
+    eng = SimulatedCopyEngine(device={5: "a", 6: "b"})
+    h = eng.start_backup(np.array([5, 6]), np.array([0, 1]))
+    assert eng.host == {}  # started, not landed
+    assert eng.poll(h) is TransferStatus.DONE and eng.host == {0: "a", 1: "b"}
+    eng.fail_backups = 1
+    h = eng.start_backup(np.array([5]), np.array([3]))
+    assert eng.poll(h) is TransferStatus.FAILED and 3 not in eng.host
+    eng.fail_loads = 1
+    with pytest.raises(CopyError):
+        eng.start_load(np.array([0]), np.array([9]))
+    h = eng.start_load(np.array([0]), np.array([9]))
+    assert eng.device[9] == "a" and eng.poll(h) is TransferStatus.DONE
