@@ -149,7 +149,9 @@ class PageTransferEngine:
             data = np.concatenate([data, np.zeros((data.shape[0], n - pages.size, *data.shape[2:]), data.dtype)], 1)
         pools = self.holder.pools
         pool = pools[self.pool_name]
-        new_layers = _scatter(page_layers(pool), jnp.asarray(data), jnp.asarray(dst))
+        new_layers = _scatter(
+            page_layers(pool), jax.device_put(data), jnp.asarray(dst)
+        )  # device_put: ~2x jnp.asarray here
         self.holder.set_pools(pools.replace(**{self.pool_name: with_page_layers(pool, new_layers)}))
         return _Load(new_layers)
 
