@@ -256,3 +256,8 @@ def test_not_built_kinds_raise_from_their_registry_entry_before_allocating():
     with pytest.raises(NotImplementedError, match=r"pool kind 'recurrent'") as e:
         build_kv_cache(ssm(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
     assert POOL_KINDS["recurrent"].capability in str(e.value)
+
+
+def test_build_refuses_draft_host_pools_naming_them():
+    with pytest.raises(NotImplementedError, match="draft model's KV pools and their host pools"):
+        tiny_cache(enable_hierarchical_cache=True, speculative_algorithm="EAGLE")
