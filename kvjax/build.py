@@ -23,11 +23,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from kvjax.alloc import make_allocator
+from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
@@ -176,7 +177,7 @@ def build_kv_cache(
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
-    whose capability is not built yet (MLA, hybrid SWA, recurrent state, host tier), before
+    whose capability is not built yet, before
     allocating anything.
     """
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
@@ -211,18 +212,34 @@ def build_kv_cache(
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None
     host_pool: Any = None
+    groups: dict[str, list[PoolPlan]] = {}
     for pool in plan.pools:
-        built = pool_kind(pool.kind).create(pool, context)
+        kind = pool_kind(pool.kind)
+        if kind.group_builder is not None:  # built together below, under the kind's name
+            groups.setdefault(kind.name, []).append(pool)
+            continue
+        built = kind.create(pool, context)
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
             req_to_token_pool = built
         elif pool.kind == "host_tier":
             host_pool = built
+    for name, members in groups.items():
+        device[name] = pool_kind(name).create_group(tuple(members), context)
+    if req_to_token_pool is not None and plan.is_hybrid_ssm:
+        req_to_token_pool = _with_state_slots(req_to_token_pool, plan)
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
-    allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
+    allocator: AllocatorProtocol
+    if plan.is_hybrid_swa and plan.full_tokens_per_layer:
+        # Full layers' slots, each paired with a sliding layers' slot (pure SWA: one plain allocator).
+        allocator = SWATokenToKVPoolAllocator(
+            plan.full_tokens_per_layer, plan.swa_tokens_per_layer or 0, plan.alloc_page_size, need_sort=plan.need_sort
+        )
+    else:
+        allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
     tree_cache = create_tree_cache(
         plan,
         req_to_token_pool=req_to_token_pool,
@@ -253,6 +270,19 @@ def attach_host_transfers(cache: KVCache) -> None:
     if isinstance(tree, HiRadixCache):
         device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
         tree.host.engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+
+
+def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:
+    """Hybrid SSM: the request table with a state slot per request (``HybridReqToTokenPool``)
+    over the plan's ``max_mamba_cache_size`` slots."""
+    from kvjax.hybrid_req_pool import HybridReqToTokenPool
+
+    return HybridReqToTokenPool(
+        table.size,
+        table.max_context_len,
+        mamba_size=int(plan.max_mamba_cache_size or 0),
+        enable_mamba_extra_buffer=plan.enable_mamba_extra_buffer,
+    )
 
 
 def host_memory_bytes() -> int | None:

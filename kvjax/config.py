@@ -91,6 +91,7 @@ class CacheConfig:
     enable_mamba_extra_buffer: bool = False
     max_mamba_cache_size: int | None = None
     mamba_ssm_dtype: str | None = None
+    mamba_max_states_per_path: int = -1
 
     # --- parallelism ------------------------------------------------------------------------------
     tp_size: int = 1
@@ -155,6 +156,9 @@ class CacheConfig:
         if not self.mamba_full_memory_ratio > 0:
             raise ConfigError("mamba_full_memory_ratio", self.mamba_full_memory_ratio, "use a ratio > 0")
         _positive_int(self, "max_mamba_cache_size", optional=True)
+        cap = self.mamba_max_states_per_path
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < -1 or cap == 0:
+            raise ConfigError("mamba_max_states_per_path", cap, "use -1 (no cap) or a positive integer")
         if self.mamba_ssm_dtype is not None:
             _one_of(self, "mamba_ssm_dtype", ("float32", "bfloat16", "float16"))
         if not 0 <= self.pp_rank < self.pp_size:

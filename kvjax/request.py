@@ -60,9 +60,24 @@ class Req:
         finished: set by the serving loop when the request is done.
         cached_tokens: prompt tokens served from the cache (per-request hit count, for usage
             reports); set by whoever matched the request.
+        swa_evicted_seqlen: hybrid sliding-window models: leading tokens whose SWA slots the
+            request already freed (they left the window while decoding); page-aligned, grows
+            monotonically, starts at ``cache_protected_len`` (SGLang's ``req.swa_evicted_seqlen``).
         fill_ids: tokens whose KV exists after the current forward (``cache_unfinished_req``
             caches these). Defaults to ``(origin_input_ids + output_ids)[:kv_committed_len]``;
             chunked prefill assigns the chunk's end explicitly, as SGLang does.
+
+    Recurrent state (hybrid SSM models; ``kvjax.hybrid_req_pool``, ``kvjax.radix.mamba_radix_cache``):
+        mamba_pool_idx: the request's state slot (None until the request table or a
+            copy-on-write match gives it one); it holds the state after the request's last
+            processed token.
+        mamba_cow_src_index: the tree checkpoint slot the request's state was forked from at its
+            match (None: the request starts from no state).
+        mamba_ping_pong_track_buffer: with the extra buffer, the request's ping-pong slots
+            (int32 numpy), where the model tracks states at checkpoint positions.
+        mamba_last_track_idx / mamba_last_track_seqlen: with the extra buffer, which ping-pong
+            slot holds the last tracked state and after how many tokens (set by the model
+            runner; None: nothing tracked yet).
     """
 
     def __init__(
@@ -83,6 +98,7 @@ class Req:
         finished: bool = False,
         cached_tokens: int = 0,
         fill_ids: Any = _UNSET,
+        swa_evicted_seqlen: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -99,6 +115,12 @@ class Req:
         self.finished = finished
         self.cached_tokens = cached_tokens
         self._fill_ids = None if fill_ids is _UNSET else fill_ids
+        self.swa_evicted_seqlen = int(swa_evicted_seqlen)
+        self.mamba_pool_idx: int | None = None
+        self.mamba_cow_src_index: int | None = None
+        self.mamba_ping_pong_track_buffer: np.ndarray | None = None
+        self.mamba_last_track_idx: int | None = None
+        self.mamba_last_track_seqlen: int | None = None
 
     # -- token views ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ Arguments (``S = max_seqs``, ``T = total_q_tokens``):
   ``s`` lives at ``kv_pages[page_indices[s, p // page_size], p % page_size]``.
 * ``cu_q_lens``: int32 ``[S + 1]``, non-decreasing over the first ``num_seqs + 1`` entries.
 * ``num_seqs``: int32 ``[1]``, live sequences (``<= S``); rows of the tables beyond it are ignored.
+* ``k_scale``, ``v_scale``: the layer's fp8 scales (f32 scalars; default 1).
 * Output: ``[T, num_q_heads, head_dim]`` in q's dtype; V is read at q's ``head_dim`` (K and V of
   one head dim, as in the pool's MHA/GQA layouts).
 
@@ -64,8 +65,14 @@ Kernel design (``_rpa_kernel``):
 * Interpreters: only static-size DMAs (whole pages), no ref reshape/bitcast, so both CPU
   interpreters run it: ``interpret=True`` (HLO interpreter) and
   ``interpret=pltpu.InterpretParams(...)`` (TPU interpreter, with race and bounds checks).
-* dtypes: the kernel reads bf16 and f32 pools; others (fp8, f16) go through the reference on
-  every platform (``NotImplementedError`` from the kernel itself).
+* dtypes: the query comes in the compute dtype (bf16, f16 or f32), never the pool's; the output
+  is in q's dtype. The kernel reads bf16 (packed split), f32, and fp8 (e4m3, e5m2) and f16 pools
+  (each block widened once to f32 staging rows); it multiplies in bf16 for bf16 and fp8 pools
+  (every fp8 value is exact in bf16) and f32 otherwise, with f32 softmax state and output.
+  Compiled for TPU: bf16, f32 and both fp8 pools (v5e and v6e compile them); f16 pools take the
+  reference there. fp8 scales: the pool stores ``value / scale`` per layer; attention runs on the
+  dequantised ``k_scale * k`` and ``v_scale * v``. The reference dequantises literally; the
+  kernel folds ``k_scale`` into the queries and ``v_scale`` into the output (exact algebra, O(T)).
 * Under ``shard_map`` (KV heads sharded over a mesh axis, the pool's combined head axis with them)
   each device runs the kernel on its heads; no collective is needed.
 
@@ -85,6 +92,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.validate import check_kv_scale
+
 #: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere (decided at lowering).
 #: ``True``: the HLO interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
 Interpret = bool | pltpu.InterpretParams | None
@@ -102,6 +111,9 @@ _DOUBLE_BUFFER = True
 # half for Llama-3-8B in bf16: enough keys per block to amortise its fixed work (masks, loop
 # control, the pipeline drain at the end of a grid step).
 _TARGET_KV_TOKENS = 256
+# Pool dtypes the compiled (TPU) kernel reads; others go through the reference there. The
+# interpreters run the kernel on every pool dtype (fp8 and f16 widened to f32 per block).
+_COMPILED_POOL_DTYPES = frozenset({"bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"})
 # Target query rows (tokens x query heads per KV head) per grid step for prefill-shaped batches.
 _TARGET_Q_ROWS = 256
 
@@ -133,10 +145,15 @@ def _check_args(
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if head_dim > kv_pages.shape[3]:
         raise ValueError(f"q head_dim={head_dim} exceeds the pool's head_dim_padded={kv_pages.shape[3]}")
-    if jnp.dtype(q.dtype) != jnp.dtype(kv_pages.dtype):
+    if not _is_compute_dtype(q.dtype):
         raise TypeError(
-            f"q is {jnp.dtype(q.dtype)} but kv_pages is {jnp.dtype(kv_pages.dtype)}; pass the pool's "
-            "logical-dtype view (MHAKVPool.kv_buffer) and queries of the same dtype"
+            f"q has dtype {jnp.dtype(q.dtype)}; pass the query in the compute dtype (bfloat16, float16 or "
+            "float32), not the pool's: fp8 pools are dequantised inside attention through k_scale/v_scale"
+        )
+    if not _is_pool_dtype(kv_pages.dtype):
+        raise TypeError(
+            f"kv_pages has dtype {jnp.dtype(kv_pages.dtype)}; pass the pool's logical-dtype view "
+            "(MHAKVPool.kv_buffer): a float dtype (fp8, bfloat16, float16 or float32), not its storage bits"
         )
     if page_indices.ndim != 2:
         raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
@@ -159,9 +176,39 @@ def _check_args(
     return num_kv_heads, num_q_heads // num_kv_heads, page_indices.shape[1]
 
 
+def _is_compute_dtype(dtype: Any) -> bool:
+    """Query/output dtypes: floats of 16 or 32 bits (never fp8)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in (2, 4)
+
+
+def _is_pool_dtype(dtype: Any) -> bool:
+    """Pool dtypes read by attention: fp8 (e4m3, e5m2), bf16, f16 and f32."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in (1, 2, 4)
+
+
+def _kernel_compute_dtype(pool_dtype: Any) -> Any:
+    """The kernel's matmul dtype for a pool dtype: bf16 for bf16 and fp8 pools (every e4m3 and
+    e5m2 value is exact in bf16), f32 otherwise (f32 pools, and f16 whose range bf16 would keep
+    but whose mantissa it would not)."""
+    dtype = jnp.dtype(pool_dtype)
+    if dtype == jnp.bfloat16 or dtype.itemsize == 1:
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float32)
+
+
 def _kernel_reads(dtype: Any) -> bool:
-    """Pool dtypes the kernel takes: bf16 (split from 32-bit words) and 32-bit floats."""
-    return jnp.dtype(dtype) == jnp.bfloat16 or jnp.dtype(dtype).itemsize == 4
+    """Pool dtypes the compiled kernel takes on TPU (see ``_COMPILED_POOL_DTYPES``)."""
+    return jnp.dtype(dtype).name in _COMPILED_POOL_DTYPES
+
+
+def _scale(name: str, scale: float | jax.Array | None) -> jax.Array:
+    """A checked scale as an f32 scalar (1.0 when None)."""
+    check_kv_scale(name, scale)
+    if scale is None:
+        return jnp.float32(1.0)
+    return jnp.asarray(scale, jnp.float32).reshape(())
 
 
 def _default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
@@ -190,9 +237,14 @@ def ragged_paged_attention_reference(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     token_batch: int = 8,
 ) -> jax.Array:
     """Pure-jnp ragged paged attention (module docstring); returns ``[T, num_q_heads, head_dim]``.
+
+    The pool's K and V are dequantised first (``k * k_scale``, ``v * v_scale`` in f32), so this is
+    dense attention on the dequantised K/V: the spec the kernel is held to.
 
     Works per query token: each token gathers its own sequence's pages (``lax.map`` over batches
     of ``token_batch`` tokens bounds the memory to ``token_batch * pages_per_seq`` pages) and runs
@@ -206,6 +258,7 @@ def ragged_paged_attention_reference(
     max_seqs = page_indices.shape[0]
     max_kv = pages_per_seq * page_size
     scale = _default_sm_scale(head_dim, sm_scale)
+    k_dequant, v_dequant = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
     if total == 0:
         return jnp.zeros_like(q)
 
@@ -233,8 +286,8 @@ def ragged_paged_attention_reference(
     def attend(xs: tuple[jax.Array, ...]) -> jax.Array:
         qt, seq, pos, is_live = xs  # [H, G, D], scalars
         pages = kv_pages[safe_pages[seq]].reshape(max_kv, 2 * num_kv_heads, dim_padded)
-        k = pages[:, 0::2, :head_dim].astype(jnp.float32)  # [L, Hkv, D]
-        v = pages[:, 1::2, :head_dim].astype(jnp.float32)
+        k = pages[:, 0::2, :head_dim].astype(jnp.float32) * k_dequant  # [L, Hkv, D]
+        v = pages[:, 1::2, :head_dim].astype(jnp.float32) * v_dequant
         logits = jnp.einsum("hgd,lhd->hgl", qt, k) * scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -286,8 +339,9 @@ def _split_kv(
     ``2h + 1``, i.e. K and V of head ``h``, in one word: K in the low half, V in the high half.
 
     ``stage_ref``: ``[bkv * Hkv, Dp]`` uint32 words (``packed``) or ``[bkv * 2 * Hkv, Dp]`` rows of a
-    32-bit dtype. ``v_ok``: bool ``[bkv, 1]``; V (and K) rows outside it are zeroed so that stale or
-    uninitialised VMEM (NaN) cannot reach ``p @ v``.
+    32-bit dtype (f32 pools as they are; fp8 and f16 blocks widened to f32 first). K and V come
+    back in ``dtype``, the kernel's matmul dtype. ``v_ok``: bool ``[bkv, 1]``; V (and K) rows
+    outside it are zeroed so that stale or uninitialised VMEM (NaN) cannot reach ``p @ v``.
     """
     if packed:
         words = stage_ref[pl.ds(h, block_kv, stride=num_kv_heads), :]
@@ -300,7 +354,8 @@ def _split_kv(
     stride = 2 * num_kv_heads
     keys = stage_ref[pl.ds(2 * h, block_kv, stride=stride), :]
     values = stage_ref[pl.ds(2 * h + 1, block_kv, stride=stride), :]
-    return keys, jnp.where(v_ok, values, jnp.zeros((), values.dtype))
+    values = jnp.where(v_ok, values, jnp.zeros((), values.dtype))
+    return keys.astype(dtype), values.astype(dtype)
 
 
 def _rpa_kernel(
@@ -422,13 +477,15 @@ def _rpa_kernel(
         # De-interleave K and V through the staging buffer (see _split_kv): one copy of the
         # block, then one sublane-strided load per head.
         block = kv_buf[slot]  # [bkv, 2 * Hkv, Dp]
-        packed = jnp.dtype(block.dtype).itemsize == 2  # bf16 (the only 16-bit dtype taken)
+        packed = jnp.dtype(block.dtype) == jnp.bfloat16
         if packed:
             block = pltpu.bitcast(block, jnp.uint32)  # [bkv, Hkv, Dp]: word = (K_h low, V_h high)
+        elif jnp.dtype(block.dtype).itemsize != 4:
+            block = block.astype(jnp.float32)  # fp8 / f16: widened once per block (exact)
         stage_ref[...] = block.reshape(stage_ref.shape)
         for h in range(num_kv_heads):  # static: one [R, Dp] x [Dp, bkv] matmul per KV head
             q = q_ref[h]
-            keys, values = _split_kv(stage_ref, h, num_kv_heads, block_kv, v_ok, packed, kv_buf.dtype)
+            keys, values = _split_kv(stage_ref, h, num_kv_heads, block_kv, v_ok, packed, q_ref.dtype)
             logits = (
                 jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
             )
@@ -526,6 +583,8 @@ def ragged_paged_attention_kernel(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = False,
@@ -534,14 +593,24 @@ def ragged_paged_attention_kernel(
 
     ``block_q``: tokens per grid step (a multiple of 8); ``block_kv_pages``: pages per KV block.
     Defaults: ``default_block_sizes``.
+
+    fp8 scales are folded in outside the kernel, exactly: ``q . (k_scale * k) = (k_scale * q) . k``
+    and ``sum p (v_scale * v) = v_scale * sum p v``, so the kernel multiplies the queries by
+    ``k_scale`` once (O(tokens)) and the output by ``v_scale`` once, and reads the stored values.
+    The kernel computes in ``_kernel_compute_dtype`` (bf16 for bf16/fp8 pools, f32 otherwise) with
+    f32 softmax state and an f32 output, cast to q's dtype at the end.
     """
     num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     total, num_q_heads, head_dim = q.shape
     num_pool_pages, page_size, combined, dim_padded = kv_pages.shape
     max_seqs = page_indices.shape[0]
     scale = _default_sm_scale(head_dim, sm_scale)
+    k_dequant, v_dequant = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
     if total == 0:
         return jnp.zeros_like(q)
+    out_dtype = q.dtype
+    compute = _kernel_compute_dtype(kv_pages.dtype)
+    q = (q.astype(jnp.float32) * k_dequant).astype(compute)
     default_q, default_kv = default_block_sizes(total, max_seqs, group, page_size, pages_per_seq)
     block_q = default_q if block_q is None else int(block_q)
     block_kv_pages = default_kv if block_kv_pages is None else int(block_kv_pages)
@@ -592,28 +661,28 @@ def ragged_paged_attention_kernel(
     )
     block_kv = block_kv_pages * page_size
     itemsize = jnp.dtype(q.dtype).itemsize
-    if jnp.dtype(q.dtype) == jnp.bfloat16:  # K/V pairs as 32-bit words
+    kv_itemsize = jnp.dtype(kv_pages.dtype).itemsize
+    if jnp.dtype(kv_pages.dtype) == jnp.bfloat16:  # K/V pairs as 32-bit words
         stage = pltpu.VMEM((block_kv * num_kv_heads, dim_padded), jnp.uint32)
-    elif itemsize == 4:
+    elif kv_itemsize == 4:
         stage = pltpu.VMEM((block_kv * combined, dim_padded), kv_pages.dtype)
-    else:
-        raise NotImplementedError(
-            f"the kernel reads bfloat16 and 32-bit pools, not {jnp.dtype(q.dtype)}; use the reference"
-        )
+    else:  # fp8 / f16: the block is widened to f32 rows
+        stage = pltpu.VMEM((block_kv * combined, dim_padded), jnp.float32)
     q_block = pl.BlockSpec((num_kv_heads, rows, dim_padded), lambda b, *_: (0, b, 0))
     # Rough cost for XLA's scheduler: the keys actually read depend on the batch, unknown when
     # tracing; state the page table's capacity read once (the decode case).
-    kv_bytes = max_seqs * max_kv * combined * dim_padded * itemsize
+    kv_bytes = max_seqs * max_kv * combined * dim_padded * kv_itemsize
     cost = pl.CostEstimate(
         flops=4 * total_padded * num_q_heads * max_kv * dim_padded,
         transcendentals=total_padded * num_q_heads * max_kv,
-        bytes_accessed=kv_bytes + 2 * qp.size * itemsize,
+        bytes_accessed=kv_bytes + qp.size * (itemsize + 4),
     )
     # VMEM: double-buffered q/out blocks, the KV double buffer and its staging copy, the f32
     # state (m and l pad to 128 lanes) and the logits temporaries.
     vmem = (
-        4 * num_kv_heads * rows * dim_padded * itemsize
-        + 3 * block_kv * combined * dim_padded * itemsize
+        2 * num_kv_heads * rows * dim_padded * (itemsize + 4)
+        + 2 * block_kv * combined * dim_padded * kv_itemsize
+        + block_kv * combined * dim_padded * 4
         + num_kv_heads * rows * (dim_padded + 2 * 128) * 4
         + 4 * rows * block_kv * 4
         + rows * 128 * 4
@@ -627,7 +696,7 @@ def ragged_paged_attention_kernel(
     out = pl.pallas_call(
         kernel,
         # Inside shard_map the output varies over the same mesh axes as the queries.
-        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype, manual_axis_type=jax.typeof(qp).manual_axis_type),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, jnp.float32, manual_axis_type=jax.typeof(qp).manual_axis_type),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_blocks,),
@@ -655,7 +724,8 @@ def ragged_paged_attention_kernel(
     )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, qp, kv_pages)
 
     out = out.reshape(num_kv_heads, total_padded, group, dim_padded).transpose(1, 0, 2, 3)
-    return out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]
+    out = out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]
+    return (out * v_dequant).astype(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,6 +744,8 @@ def ragged_paged_attention(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = None,
@@ -682,37 +754,58 @@ def ragged_paged_attention(
 
     Args:
       q: ``[total_q_tokens, num_q_heads, head_dim]`` (padding tokens at the end).
-      kv_pages: one pool layer in the logical dtype (``MHAKVPool.kv_buffer(layer_id)``), q's dtype.
+      kv_pages: one pool layer in the logical dtype (``MHAKVPool.kv_buffer(layer_id)``): fp8,
+        bf16, f16 or f32, independent of q's dtype.
       kv_lens, page_indices, cu_q_lens, num_seqs: int32 ``[S]``, ``[S, pages_per_seq]``,
         ``[S + 1]``, ``[1]``.
       sm_scale: logit scale (default ``1 / sqrt(head_dim)``).
       sliding_window: a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
+      k_scale, v_scale: the layer's fp8 scales (``MHAKVPool.k_scale[i]``; stored = value / scale):
+        attention runs on ``k_scale * k`` and ``v_scale * v``. Default 1. Concrete scales that are
+        zero, negative or not finite raise ``ValueError``.
       block_q, block_kv_pages: kernel tiling (``default_block_sizes``); ignored by the reference.
       interpret: ``None`` (default) or ``False``: compiled kernel when lowering for TPU, the jnp
         reference elsewhere. ``True``: the kernel under the HLO interpreter.
         ``pltpu.InterpretParams(...)``: the kernel under the TPU interpreter.
 
     Returns:
-      ``[total_q_tokens, num_q_heads, head_dim]`` in q's dtype; padding tokens are 0.
+      ``[total_q_tokens, num_q_heads, head_dim]`` in q's dtype (the compute dtype); padding tokens are 0.
     """
     if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
         raise TypeError(f"interpret must be None, a bool or pltpu.InterpretParams, got {type(interpret).__name__}")
-    reference = functools.partial(
-        ragged_paged_attention_reference, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+
+    def reference(*a: jax.Array) -> jax.Array:
+        return ragged_paged_attention_reference(
+            *a[:6], k_scale=a[6], v_scale=a[7], sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
+
+    def kernel(*a: jax.Array, interpret: Interpret) -> jax.Array:
+        return ragged_paged_attention_kernel(
+            *a[:6],
+            k_scale=a[6],
+            v_scale=a[7],
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            block_q=block_q,
+            block_kv_pages=block_kv_pages,
+            interpret=interpret,
+        )
+
+    _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    args = (
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        _scale("k_scale", k_scale),
+        _scale("v_scale", v_scale),
     )
-    kernel = functools.partial(
-        ragged_paged_attention_kernel,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        block_q=block_q,
-        block_kv_pages=block_kv_pages,
-    )
-    args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    _check_args(*args)
     if not _kernel_reads(kv_pages.dtype) and not interpret:
-        return reference(*args)  # e.g. fp8 or f16 pools: the kernel reads bf16 and 32-bit pools
+        return reference(*args)  # a pool dtype the compiled kernel does not take (_COMPILED_POOL_DTYPES)
     if interpret is None or interpret is False:
         # Decided when lowering for a platform: an AOT compile for TPU from a CPU host gets the kernel.
         return jax.lax.platform_dependent(*args, tpu=functools.partial(kernel, interpret=False), default=reference)

@@ -1,4 +1,4 @@
-"""Host-side id checks for callers of the kernels (pool methods, allocators' users).
+"""Host-side checks for callers of the kernels (pool methods, allocators' users): ids, fp8 scales.
 
 The kernels never clamp: on the device an id out of range is dropped (writes) or reads the
 trash page/slot (reads). These helpers reject such ids on the host *before* a call, with an
@@ -9,8 +9,10 @@ trace the ids are unknown and there is nothing to check.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import jax
 import numpy as np
 
 from kvjax.errors import InvalidSlotError
@@ -82,3 +84,20 @@ def check_fork(src: Any, dst: Any, num_slots: int) -> None:
     check_copy(src, dst, num_slots, first_live=1, kind="state slot")
     check_ids_in_range("src", src, 1, num_slots, kind="state slot")
     check_disjoint("src", src, "dst", dst, kind="state slot")
+
+
+def check_kv_scale(name: str, scale: Any) -> None:
+    """Reject a concrete fp8 scale that is zero, negative or not finite (``ValueError`` naming it).
+
+    Traced scales cannot be checked here; ``MHAKVPool.set_kv_scale`` checks what the pool holds.
+    """
+    if scale is None or isinstance(scale, jax.core.Tracer):
+        return
+    values = np.asarray(scale, dtype=np.float64)
+    if values.size != 1:
+        raise ValueError(f"{name} has shape {list(values.shape)}; expected one scale (a scalar)")
+    value = float(values.reshape(()))
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(
+            f"{name}={value} is not a usable fp8 scale: it must be finite and > 0 (stored = value / scale)"
+        )

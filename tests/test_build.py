@@ -14,7 +14,7 @@ import pytest
 
 import kvjax
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
-from tests.specs import dense, mla, ssm, swa
+from tests.specs import dense, mla, ssm
 
 
 def tiny_cache(**kw):
@@ -82,16 +82,6 @@ def test_built_pools_update_in_place_in_a_donated_step():
     cache = cache.with_pools(step(cache.pools, loc, k))
     assert old.is_deleted()
     np.testing.assert_array_equal(cache.pools.kv.get_kv(1, loc)[0], k)
-
-
-@pytest.mark.parametrize(
-    "spec,capability",
-    [(mla(), "MLA"), (swa(), "sliding-window"), (ssm(), "recurrent-state")],
-    ids=["mla", "swa", "ssm"],
-)
-def test_build_raises_not_implemented_naming_the_capability(spec, capability):
-    with pytest.raises(NotImplementedError, match=capability):
-        build_kv_cache(spec, CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
 
 
 def test_build_host_tier_backs_up_and_loads_back_real_kv():
@@ -250,12 +240,84 @@ def test_build_makes_one_device_pool_per_planned_device_pool():
     assert cache.pools["kv"] is cache.pools.kv
 
 
-def test_not_built_kinds_raise_from_their_registry_entry_before_allocating():
-    from kvjax.pools.registry import POOL_KINDS
+def test_not_built_kinds_raise_from_their_registry_entry_before_allocating(monkeypatch):
+    from kvjax.pools import registry
 
-    with pytest.raises(NotImplementedError, match=r"pool kind 'recurrent'") as e:
-        build_kv_cache(ssm(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
-    assert POOL_KINDS["recurrent"].capability in str(e.value)
+    unbuilt = registry.PoolKind("mla", "device", "a latent pool without a builder")
+    monkeypatch.setitem(registry.POOL_KINDS, "mla", unbuilt)
+    with pytest.raises(NotImplementedError, match=r"pool kind 'mla'") as e:
+        build_kv_cache(mla(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
+    assert unbuilt.capability in str(e.value)
+
+
+def test_build_hybrid_ssm_state_pool_and_request_table():
+    from kvjax.hybrid_req_pool import HybridReqToTokenPool
+    from tests.specs import F, R
+
+    config = CacheConfig(
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=64,
+        page_size=1,
+        disable_radix_cache=True,
+        max_mamba_cache_size=5,
+    )
+    cache = build_kv_cache(ssm((R, F, R, F)), config)
+    assert cache.is_hybrid_ssm and set(cache.pools.names) == {"kv", "recurrent"}
+    state = cache.pools.recurrent
+    assert state.layer_ids == (0, 2) and state.num_slots == 5
+    assert state.nbytes() == sum(p.nbytes for p in cache.plan.pools if p.kind == "recurrent")
+    assert cache.pools.kv.layer_ids == (1, 3)
+    with pytest.raises(Exception, match="layer_id=2 not in full attention layers"):
+        cache.pools.kv.get_kv(2, np.array([1]))
+    table = cache.req_to_token_pool
+    assert isinstance(table, HybridReqToTokenPool) and table.mamba_pool_size == 5
+
+
+def test_build_shards_the_recurrent_state_over_a_tp_mesh():
+    """In a subprocess (8 host devices): the state is sharded as SGLang shards it (conv channels and
+    SSM heads over the ranks, whole slots per device); fork and zero run per device, in place."""
+    code = textwrap.dedent(
+        """
+        import json, jax, numpy as np
+        from jax.sharding import Mesh
+        from kvjax import CacheConfig, build_kv_cache
+        from tests.specs import F, R, ssm
+        mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+        config = CacheConfig(max_total_tokens=64, tp_size=2, max_running_requests=2, context_length=32,
+                             page_size=1, disable_radix_cache=True, max_mamba_cache_size=4)
+        cache = build_kv_cache(ssm((R, F)), config, mesh=mesh)
+        state = cache.pools.recurrent
+        rng = np.random.default_rng(0)
+        conv = [rng.standard_normal((5, *a.shape[2:])).astype(np.float32) for a in state.conv]
+        ssm_new = rng.standard_normal((5, *state.ssm.shape[2:])).astype(np.float32)
+        state = state.set_states(0, np.arange(5), conv, ssm_new)
+        before = np.asarray(state.ssm)
+        pointer = state.ssm.addressable_shards[0].data.unsafe_buffer_pointer()
+        fork = jax.jit(lambda p, s, d: p.fork(s, d).zero_slots(s), donate_argnums=0)
+        state = fork(state, np.array([1]), np.array([3]))
+        after = np.asarray(state.ssm)
+        print(json.dumps({
+            "conv": [list(a.shape) for a in state.conv],
+            "conv_shard": list(state.conv[0].addressable_shards[0].data.shape),
+            "ssm": list(state.ssm.shape), "ssm_shard": list(state.ssm.addressable_shards[0].data.shape),
+            "forked": bool(np.array_equal(after[:, 3], before[:, 1])), "zeroed": not after[:, 1].any(),
+            "others": bool(np.array_equal(after[:, [0, 2, 4]], before[:, [0, 2, 4]])),
+            "in_place": state.ssm.addressable_shards[0].data.unsafe_buffer_pointer() == pointer,
+            "spec": str(state.ssm.sharding.spec)}))
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # tests.specs.ssm: conv [256, 3] and SSM [4, 64, 64] per layer unsharded; 2 ranks hold half each.
+    assert r["conv"] == [[1, 5, 256, 3]] and r["conv_shard"] == [1, 5, 128, 3]
+    assert r["ssm"] == [1, 5, 4, 64, 64] and r["ssm_shard"] == [1, 5, 2, 64, 64]
+    assert r["forked"] and r["zeroed"] and r["others"], r
+    assert r["in_place"], "the donated shards must be reused"
+    assert "tp" in r["spec"]
 
 
 def test_build_refuses_draft_host_pools_naming_them():

@@ -1,19 +1,23 @@
 """Host-side KV slot allocators (numpy): SGLang's token and paged allocators.
 
 ``make_allocator(size, page_size)`` picks :class:`TokenToKVPoolAllocator` for page size 1
-and :class:`PagedTokenToKVPoolAllocator` otherwise.
+and :class:`PagedTokenToKVPoolAllocator` otherwise; :class:`SWATokenToKVPoolAllocator`
+pairs two of them for hybrid sliding-window models.
 """
 
 from __future__ import annotations
 
 from kvjax.alloc.base import AllocatorState, BaseTokenToKVPoolAllocator
 from kvjax.alloc.paged import PagedTokenToKVPoolAllocator
+from kvjax.alloc.swa import SWAAllocatorState, SWATokenToKVPoolAllocator
 from kvjax.alloc.token import TokenToKVPoolAllocator
 
 __all__ = [
     "AllocatorState",
     "BaseTokenToKVPoolAllocator",
     "PagedTokenToKVPoolAllocator",
+    "SWAAllocatorState",
+    "SWATokenToKVPoolAllocator",
     "TokenToKVPoolAllocator",
     "make_allocator",
 ]

@@ -29,6 +29,7 @@ from kvjax.hf.keys import Fields
 from kvjax.layer_kinds import LayerKind, RecurrentStateSpec, lightning_state, mamba2_state
 
 RECURRENT_CONV_DTYPE = "bfloat16"
+_CONV_DTYPES = ("float32", "bfloat16", "float16")
 RECURRENT_SSM_DTYPE = "float32"
 _SSM_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -98,6 +99,8 @@ def parse_qwen3_next(config: Mapping[str, Any], family: str) -> Fields:
             k_head_dim=keys.integer(config, "linear_key_head_dim", family),
             v_head_dim=keys.integer(config, "linear_value_head_dim", family),
             conv_kernel=keys.integer(config, "linear_conv_kernel_dim", family, minimum=2),
+            # SGLang keeps the conv window in the model's dtype (a float32 checkpoint: float32).
+            conv_dtype=fields["dtype"] if fields["dtype"] in _CONV_DTYPES else RECURRENT_CONV_DTYPE,
             ssm_dtype=_ssm_dtype(config, "mamba_ssm_dtype"),
         )
     fields["num_nextn_predict_layers"] = keys.integer(config, "num_nextn_predict_layers", family, 0, minimum=0)

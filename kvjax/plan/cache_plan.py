@@ -218,6 +218,14 @@ class CachePlan:
         return self.tree.tree_page_size
 
     @property
+    def enable_mamba_extra_buffer(self) -> bool:
+        return self.tree.enable_mamba_extra_buffer
+
+    @property
+    def mamba_max_states_per_path(self) -> int:
+        return self.tree.mamba_max_states_per_path
+
+    @property
     def radix_eviction_policy(self) -> str:
         return self.tree.radix_eviction_policy
 

@@ -30,8 +30,9 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
     elif kind.is_hybrid_swa:
         if stage.full:
             full_pages = (sizes.full_tokens_per_layer or 0) // ps
+            # Built with kv_swa as one SWAKVPool by the "swa" kind (the full part of the pair).
             pools.append(
-                attention.pool_plan("kv_full", "mha", num_pages=full_pages, layer_ids=stage.full, built=is_built("mha"))
+                attention.pool_plan("kv_full", "swa", num_pages=full_pages, layer_ids=stage.full, built=is_built("swa"))
             )
         swa_pages = (sizes.swa_tokens_per_layer or 0) // ps
         pools.append(

@@ -115,6 +115,8 @@ class TreeChoice:
     enable_metrics: bool
     enable_session_radix_cache: bool
     warnings: tuple[str, ...] = ()
+    enable_mamba_extra_buffer: bool = False
+    mamba_max_states_per_path: int = -1
 
 
 @dataclass(frozen=True)

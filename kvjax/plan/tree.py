@@ -127,6 +127,8 @@ def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Si
         enable_metrics=config.enable_metrics,
         enable_session_radix_cache=config.enable_session_radix_cache,
         warnings=tuple(warnings),
+        enable_mamba_extra_buffer=config.enable_mamba_extra_buffer,
+        mamba_max_states_per_path=config.mamba_max_states_per_path,
     )
 
 

@@ -2,7 +2,8 @@
 
 Importing this package is jax-free: the layouts (``mha_layout``, ``mla_layout``,
 ``recurrent_layout``), ``PoolPlan`` and the kind registry are plain Python for the planner; the
-jax pytrees ``CachePools`` and ``MHAKVPool`` load on first access.
+jax pytrees (``CachePools``, ``MHAKVPool``, ``SWAKVPool``, ``MLAKVPool``, ``DSAIndexerKeyPool``) load on
+first access.
 """
 
 from __future__ import annotations
@@ -15,11 +16,31 @@ from kvjax.pools.registry import POOL_KINDS, BuildContext, PoolKind, pool_kind
 
 if TYPE_CHECKING:
     from kvjax.pools.cache_pools import CachePools
+    from kvjax.pools.dsa_indexer import DSAIndexerKeyPool
     from kvjax.pools.mha import MHAKVPool
+    from kvjax.pools.mla import MLAKVPool
+    from kvjax.pools.swa import SWAKVPool
 
-__all__ = ["POOL_KINDS", "BuildContext", "CachePools", "MHAKVPool", "PoolKind", "PoolPlan", "pool_kind"]
+__all__ = [
+    "POOL_KINDS",
+    "BuildContext",
+    "CachePools",
+    "DSAIndexerKeyPool",
+    "MHAKVPool",
+    "MLAKVPool",
+    "PoolKind",
+    "PoolPlan",
+    "SWAKVPool",
+    "pool_kind",
+]
 
-_LAZY = {"CachePools": "kvjax.pools.cache_pools", "MHAKVPool": "kvjax.pools.mha"}
+_LAZY = {
+    "CachePools": "kvjax.pools.cache_pools",
+    "MHAKVPool": "kvjax.pools.mha",
+    "MLAKVPool": "kvjax.pools.mla",
+    "DSAIndexerKeyPool": "kvjax.pools.dsa_indexer",
+    "SWAKVPool": "kvjax.pools.swa",
+}
 
 
 def __getattr__(name: str) -> Any:

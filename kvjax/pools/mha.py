@@ -41,6 +41,7 @@ from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.page_copy import copy_slots
+from pallas_kernels.validate import check_kv_scale
 
 
 def _static(**kwargs: Any) -> Any:
@@ -115,6 +116,9 @@ class MHAKVPool:
     start_layer: int = _static(default=0)
     mesh: Mesh | None = _static(default=None)  # set when the layers are sharded over KV heads
     kv_head_axis: str | None = _static(default=None)
+    # Global ids of the layers, when they are not consecutive from ``start_layer`` (the
+    # full-attention layers of a hybrid model: SGLang's ``HybridLinearKVPool`` mapping).
+    layer_ids: tuple[int, ...] | None = _static(default=None)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -134,6 +138,7 @@ class MHAKVPool:
         start_layer: int = 0,
         mesh: Mesh | None = None,
         kv_head_axis: str = "tp",
+        layer_ids: tuple[int, ...] | None = None,
     ) -> MHAKVPool:
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
@@ -142,8 +147,11 @@ class MHAKVPool:
         directly on its device(s) (no host staging), one at a time. With a ``mesh``, the combined
         K/V head axis is sharded over its ``kv_head_axis`` (each device holds whole heads, K and V
         together) and updates run per device under ``shard_map``: the Pallas kernels are not
-        partitioned automatically.
+        partitioned automatically. ``layer_ids``: the global layer ids of interleaved layers
+        (``num_layers`` of them; ``start_layer`` is then ignored).
         """
+        if layer_ids is not None and len(layer_ids) != num_layers:
+            raise ValueError(f"layer_ids lists {len(layer_ids)} layers; num_layers is {num_layers}")
         layout = MHALayout.for_platform(
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -171,6 +179,7 @@ class MHAKVPool:
             start_layer=start_layer,
             mesh=mesh,
             kv_head_axis=kv_head_axis if mesh is not None else None,
+            layer_ids=None if layer_ids is None else tuple(int(i) for i in layer_ids),
         )
 
     # --- static facts ---------------------------------------------------------------------------
@@ -214,7 +223,19 @@ class MHAKVPool:
         """Bytes of all layer arrays (trash page included)."""
         return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.kv)
 
+    def layer_index(self, layer_id: int) -> int:
+        """The array index of global layer ``layer_id`` (``InvalidSlotError`` naming this pool's
+        layers otherwise)."""
+        return self._layer_index(layer_id)
+
     def _layer_index(self, layer_id: int) -> int:
+        if self.layer_ids is not None:
+            try:
+                return self.layer_ids.index(int(layer_id))
+            except ValueError:
+                raise InvalidSlotError(
+                    f"layer_id={layer_id} not in full attention layers: {list(self.layer_ids)}"
+                ) from None
         index = layer_id - self.start_layer
         if not 0 <= index < self.num_layers:
             raise InvalidSlotError(
@@ -279,8 +300,14 @@ class MHAKVPool:
         return self.replace(kv=tuple(layers))
 
     def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> MHAKVPool:
-        """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled."""
+        """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled.
+
+        Concrete scales that are zero, negative or not finite raise ``ValueError`` (the pool is
+        unchanged); traced scales cannot be checked.
+        """
         index = self._layer_index(layer_id)
+        check_kv_scale("k_scale", k_scale)
+        check_kv_scale("v_scale", v_scale)
         return self.replace(
             k_scale=self.k_scale.at[index].set(jnp.float32(k_scale)),
             v_scale=self.v_scale.at[index].set(jnp.float32(v_scale)),
@@ -372,19 +399,15 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
     """The pool kind registry's builder for ``"mha"``: allocate the pool ``pool`` plans.
 
     The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
-    sharded over ``context.kv_head_axis``. The layers must be consecutive (the pool indexes them
-    from ``layer_ids[0]``).
+    sharded over ``context.kv_head_axis``. Consecutive layers are indexed from ``layer_ids[0]``;
+    interleaved ones (the full-attention layers of a hybrid model) through ``layer_ids``.
     """
     layout = pool.layout
     if not isinstance(layout, MHALayout):
         raise TypeError(f"pool {pool.name!r} of kind 'mha' needs an MHALayout, got {type(layout).__name__}")
     ids = pool.layer_ids
     start = ids[0] if ids else 0
-    if list(ids) != list(range(start, start + len(ids))):
-        raise NotImplementedError(
-            f"pool {pool.name!r} serves layers {list(ids)}, which are not consecutive; an MHA pool over "
-            "interleaved layers (hybrid models) is not built yet"
-        )
+    interleaved = list(ids) != list(range(start, start + len(ids)))
     heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
     return MHAKVPool.create(
         num_pages=pool.shape[0] - 1,
@@ -399,6 +422,7 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
         start_layer=start,
         mesh=context.mesh,
         kv_head_axis=context.kv_head_axis,
+        layer_ids=tuple(ids) if interleaved else None,
     )
 
 

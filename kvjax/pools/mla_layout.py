@@ -3,11 +3,23 @@ that ride along with it: the one place their shapes and bytes are written (jax-f
 
 Latent pool, one array per layer::
 
-    [num_pages + 1, page_size, 1, row_padded]   row = kv_lora_rank + qk_rope_head_dim
+    [num_pages + 1, page_size, row_padded]   row = kv_lora_rank + qk_rope_head_dim
 
-``row_padded`` is the row rounded up to the platform's alignment (``kvjax.pools.alignment``).
-DSA indexer, one uint8 array per layer: ``[num_pages + 1, page_size, index_head_dim + index_head_dim
-// 128 * 4]`` (fp8 keys plus one f32 scale per 128 elements), SGLang's NSA indexer bytes.
+SGLang's ``[size + page_size, 1, row]`` with the token axis split into pages and its head axis of
+1 dropped: on TPU the two minor axes of an array are tiled (sublanes x 128 lanes), and a unit
+head axis there would pad every token to a whole tile; with ``page_size`` as the sublane axis one
+page is one dense ``[page_size, row_padded]`` tile block, which the MLA attention kernel fetches
+with one DMA and multiplies as it is. Element ``[:kv_lora_rank]`` of a row is the compressed KV
+(``k_nope``), ``[kv_lora_rank:row]`` the rotated ``k_rope``, the rest zero. ``row_padded`` is the
+row rounded up to the platform's alignment (``kvjax.pools.alignment``: 576 -> 640 on TPU).
+
+DSA indexer, one uint8 array per layer, SGLang's NSA page layout::
+
+    [num_pages + 1, page_size * (index_head_dim + index_head_dim // 128 * 4)]
+
+Within page ``p``, the first ``page_size * index_head_dim`` bytes are the fp8 (e4m3) keys of its
+tokens, token by token; the next ``page_size * index_head_dim // 128 * 4`` bytes are their f32
+scales (one per 128 key elements), token by token.
 """
 
 from __future__ import annotations
@@ -57,8 +69,13 @@ class MLALayout:
             index_head_dim=index_head_dim,
         )
 
-    def shape(self, num_pages: int) -> tuple[int, int, int, int]:
-        return (num_pages + 1, self.page_size, 1, self.row_padded)
+    def shape(self, num_pages: int) -> tuple[int, int, int]:
+        """One latent layer's array for ``num_pages`` allocatable pages (the trash page added)."""
+        return (num_pages + 1, self.page_size, self.row_padded)
+
+    def indexer_shape(self, num_pages: int) -> tuple[int, int]:
+        """One DSA indexer layer's uint8 array (SGLang's page layout: keys, then scales)."""
+        return (num_pages + 1, self.page_size * self.indexer_bytes_per_token_per_layer)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -107,7 +124,7 @@ class MLALayout:
                 PoolPlan(
                     "index_k",
                     kind,
-                    (num_pages + 1, self.page_size, self.indexer_bytes_per_token_per_layer),
+                    self.indexer_shape(num_pages),
                     "uint8",
                     layers,
                     slots * per_token,

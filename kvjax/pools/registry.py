@@ -46,20 +46,25 @@ class PoolKind:
         capability: what this kind is, in words (error messages name it).
         builder: ``"module:function"`` building one pool from ``(PoolPlan, BuildContext)``, or
             None while the capability is not built yet.
+        group_builder: ``"module:function"`` building *every* ``PoolPlan`` of this kind in a plan
+            as one pool from ``(tuple[PoolPlan, ...], BuildContext)``, stored under the kind's
+            name (the recurrent state: one plan entry per tensor, one pool). Set instead of
+            ``builder``.
     """
 
     name: str
     memory: str
     capability: str
     builder: str | None = None
+    group_builder: str | None = None
 
     @property
     def built(self) -> bool:
-        return self.builder is not None
+        return self.builder is not None or self.group_builder is not None
 
     def require_built(self, model: str) -> None:
         """Raise ``NotImplementedError`` naming the capability when this kind cannot be built yet."""
-        if self.builder is None:
+        if not self.built:
             raise NotImplementedError(
                 f"kvjax cannot build {self.capability} (pool kind {self.name!r}) yet for {model}; "
                 "the plan is available from plan_kv_cache"
@@ -72,21 +77,35 @@ class PoolKind:
         make: Callable[[PoolPlan, BuildContext], Any] = getattr(importlib.import_module(module), function)
         return make(pool, context)
 
+    def create_group(self, pools: tuple[PoolPlan, ...], context: BuildContext) -> Any:
+        """Build every pool of this kind in a plan as one (``group_builder``)."""
+        self.require_built(f"pools {[p.name for p in pools]}")
+        module, _, function = str(self.group_builder).partition(":")
+        make: Callable[[tuple[PoolPlan, ...], BuildContext], Any] = getattr(importlib.import_module(module), function)
+        return make(pools, context)
+
 
 POOL_KINDS: dict[str, PoolKind] = {
     kind.name: kind
     for kind in (
         PoolKind("mha", "device", "the full-attention paged K/V pool", "kvjax.pools.mha:create_pool"),
-        PoolKind("mla", "device", "the MLA latent KV pool (kv_pool_kind='mla', with the DSA indexer keys)"),
+        PoolKind(
+            "mla",
+            "device",
+            "the MLA latent KV pool (kv_pool_kind='mla', with the DSA indexer keys)",
+            "kvjax.pools.mla:create_pool",
+        ),
         PoolKind(
             "swa",
             "device",
             "the hybrid sliding-window pools (kv_pool_kind='swa': full + SWA pools and the SWA allocator)",
+            group_builder="kvjax.pools.swa:create_pool_group",
         ),
         PoolKind(
             "recurrent",
             "device",
             "the recurrent-state pool of hybrid SSM / linear-attention models (kv_pool_kind='hybrid_linear')",
+            group_builder="kvjax.pools.recurrent:create_pool_group",
         ),
         PoolKind(
             "host_tier",

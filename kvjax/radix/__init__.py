@@ -1,6 +1,8 @@
 """The radix prefix cache: one pure-Python tree core, components, and the familiar presets.
 
-``RadixCache`` (full KV) and ``ChunkCache`` (radix cache disabled) keep SGLang's method names;
+``RadixCache`` (full KV), ``MambaRadixCache`` (full KV + recurrent-state checkpoints),
+``SWARadixCache`` (hybrid sliding window: FULL + SWA components) and ``ChunkCache`` /
+``SWAChunkCache`` / ``PureSWAChunkCache`` (radix cache disabled) keep SGLang's method names;
 ``create_tree_cache(plan)`` picks one from a cache plan. Further kinds of state plug in as
 components (``TreeComponent``; see ``component.py``). Importing this package imports neither
 jax nor the Pallas kernels.
@@ -14,11 +16,16 @@ from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
+from kvjax.radix.mamba_component import MambaComponent, MambaMatch
+from kvjax.radix.mamba_radix_cache import MambaEvictResult, MambaInsertResult, MambaRadixCache
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
 from kvjax.radix.stats import CacheStats
+from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
+from kvjax.radix.swa_component import SWAComponent, SWAInsertPayload, SWALockPart
+from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.radix.tree import RadixTree, TreeInvariantError
 
 __all__ = [
@@ -37,10 +44,21 @@ __all__ = [
     "InsertResult",
     "LockError",
     "LockReceipt",
+    "MambaComponent",
+    "MambaEvictResult",
+    "MambaInsertResult",
+    "MambaMatch",
+    "MambaRadixCache",
     "MatchResult",
     "PageHasher",
+    "PureSWAChunkCache",
     "RadixCache",
     "RadixTree",
+    "SWAChunkCache",
+    "SWAComponent",
+    "SWAInsertPayload",
+    "SWALockPart",
+    "SWARadixCache",
     "TREE_CACHE_KINDS",
     "TreeComponent",
     "TreeInvariantError",

@@ -29,7 +29,8 @@ hook                                   when
                                         (its own scope), return a receipt part; the release
                                         replays exactly that part
 ``evict(amount)``                       ``tree.evict({name: amount})``: free ``amount`` units
-                                        in this component's own recency order; may delete
+                                        (what earlier cascades left of the asked amount) in
+                                        this component's own recency order; may delete
                                         leaves through ``tree.delete_leaf`` (cascade)
 ``keeps_node(node)``                    residency: the core is about to drop ``node``'s
                                         device copy (every component is asked, before the
@@ -134,7 +135,8 @@ class TreeComponent:
     def on_insert_overlap(self, node: TreeNode, payload: Any, revived: bool) -> None:
         """An insert walked over the existing ``node`` (it covers key elements
         ``[node.depth - node.klen, node.depth)``); ``payload`` is this component's insert payload
-        (None if the caller gave none)."""
+        (None if the caller gave none). It may split ``node`` (``tree.split_node``): the insert
+        continues below the cut and collects the upper parts' slots too."""
 
     def on_new_node(self, node: TreeNode, payload: Any) -> None:
         """An insert created ``node`` (a leaf with ``value`` set)."""

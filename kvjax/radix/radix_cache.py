@@ -337,23 +337,38 @@ class RadixCache(RadixTree):
             return node, cpl
         return self.root, 0
 
-    def _insert_req(self, req: Req, row: np.ndarray, n: int, tokens_fn: Any) -> tuple[TreeNode, TreeNode, int]:
+    def _insert_req(
+        self, req: Req, row: np.ndarray, n: int, tokens_fn: Any, payloads: Mapping[str, Any] | None = None
+    ) -> tuple[TreeNode, TreeNode, int]:
         """Insert the request's key elements ``[0, n)`` (resumed), free its duplicates (row
         order) and point its row at the tree's slots. A node ending past
-        ``req.cache_inserted_len`` counts one hit. Returns (resume node, last node, time)."""
+        ``req.cache_inserted_len`` counts one hit. ``payloads``: the components' insert payloads
+        (from :meth:`prepare_for_caching_req`); their results go to ``_last_insert_results``
+        (empty when nothing was committed). Returns (resume node, last node, time)."""
         start, s = self._resume_point(req)
         t = self._tick()
         self.stats.num_inserts += 1
+        self._last_insert_results = {}
         if n <= s:
+            if self._extra and payloads and n == s:
+                self._last_insert_results = self._commit(start, payloads)
             return start, start, t
         src, is_bytes = self._source(tokens_fn(s, n + self._ex), n + self._ex - s)
         node, m_rel, vals = self._insert_walk(
-            start, src, is_bytes, n - s, row[s:n], req.extra_key, req.priority, t, req.cache_inserted_len, True
+            start,
+            src,
+            is_bytes,
+            n - s,
+            row[s:n],
+            req.extra_key,
+            req.priority,
+            t,
+            req.cache_inserted_len,
+            True,
+            payloads,
         )
         if self._extra:
-            # The lifecycle has no per-component payloads yet (0.5.23's prepare_for_caching_req
-            # comes with the components that need one); components still see the commit.
-            self._commit(node, None)
+            self._last_insert_results = self._commit(node, payloads)
         matched = s + m_rel
         cpl = req.cache_protected_len
         if matched > cpl and m_rel and vals is not None:
@@ -415,6 +430,20 @@ class RadixCache(RadixTree):
     def _lock_of(self, req: Req) -> Any:
         return req.lock_receipt if req.lock_receipt is not None else req.last_node
 
+    # -- component hooks around the lifecycle insert (SGLang 0.5.23's names) ----------------------
+
+    def prepare_for_caching_req(self, req: Req, key_len: int, is_finished: bool) -> tuple[int, dict[str, Any] | None]:
+        """Before the lifecycle inserts ``key_len`` key elements of ``req``: a tree with
+        components may lower the cacheable length (never below ``req.cache_protected_len``) and
+        give per-component insert payloads. The plain tree keeps both as they are."""
+        return key_len, None
+
+    def cleanup_after_caching_req(
+        self, req: Req, is_finished: bool, payloads: dict[str, Any] | None, results: dict[str, Any] | None
+    ) -> None:
+        """After the lifecycle insert (``results``: the components' insert results; None when the
+        request was released without an insert): free what the tree did not take."""
+
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Cache a finished request's KV and release it (0.5.23: ``release_kv_cache``).
 
@@ -433,9 +462,9 @@ class RadixCache(RadixTree):
         kv_len = req.kv_len()
         alloc = self._full.allocator
         if is_insert:
-            n = self._key_len(kv_len)
+            n, payloads = self.prepare_for_caching_req(req, self._key_len(kv_len), True)
             inserted_before = req.cache_inserted_len
-            start, last, t = self._insert_req(req, row, n, req.token_range)
+            start, last, t = self._insert_req(req, row, n, req.token_range, payloads)
             prompt_len = self._prompt_len(req)
             t_prompt = self._tick()
             if not 0 < prompt_len < n:
@@ -445,11 +474,15 @@ class RadixCache(RadixTree):
             self._touch_path(start, t, req.priority, inserted_before, prompt_len, t_prompt)
             if kv_len > n:
                 free_slots(alloc, row[n:kv_len].copy())
+            if self._extra:
+                self.cleanup_after_caching_req(req, True, payloads, self._last_insert_results)
         else:
             free_slots(alloc, row[req.cache_protected_len : kv_len].copy())
             lock = self._lock_of(req)
             if isinstance(lock, LockReceipt) and lock.touch is not None and not lock.released:
                 self._replay_touch(lock)
+            if self._extra:
+                self.cleanup_after_caching_req(req, True, None, None)
         self.dec_lock_ref(self._lock_of(req))
         req.lock_receipt = None
         req.last_node = None
@@ -476,9 +509,11 @@ class RadixCache(RadixTree):
             return
         row = request_row(self.req_to_token_pool, req, "cache_unfinished_req")
         fill_len = req.fill_len()
-        n = self._key_len(fill_len)
+        n, payloads = self.prepare_for_caching_req(req, self._key_len(fill_len), False)
         inserted_before = req.cache_inserted_len
-        start, node, t = self._insert_req(req, row, n, req.fill_range)
+        start, node, t = self._insert_req(req, row, n, req.fill_range, payloads)
+        if self._extra:
+            self.cleanup_after_caching_req(req, False, payloads, self._last_insert_results)
         if start is not self.root and start.depth > inserted_before:
             # The request's first insert after a match: 0.5.23's walk from the root gives the
             # matched path its priority (a max) and one hit per node now. Afterwards that path is

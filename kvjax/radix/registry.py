@@ -11,13 +11,17 @@ plan                   tree
 ``unified``, full only :class:`RadixCache` (``disable=True`` when the radix cache is
                        disabled: SGLang builds a disabled tree that behaves like a
                        chunk cache when chunked prefill is off)
-``unified`` + swa      NotImplementedError: SWA radix component
-``unified`` + mamba    NotImplementedError: Mamba state component
+``unified`` + swa      :class:`SWARadixCache` (radix disabled: :class:`SWAChunkCache`, which
+                       behaves as SGLang's disabled tree); with a host tier or a Mamba
+                       component too: NotImplementedError
+``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
+                       ``mamba_allocator``; extra buffer and per-path cap from the plan)
 host tier attached     :class:`HiRadixCache` (full only; the host allocator and copy
-                       engine come from the build, else a simulated one)
-``swa_chunk``,         NotImplementedError: SWA chunk cache (needs the SWA allocator)
-``pure_swa_chunk``
-``pure_swa_radix``     NotImplementedError: SWA radix component
+                       engine come from the build, else a simulated one); with a Mamba
+                       component: NotImplementedError
+``swa_chunk``          :class:`SWAChunkCache` (needs the SWA allocator)
+``pure_swa_chunk``     :class:`PureSWAChunkCache`
+``pure_swa_radix``     NotImplementedError: pure-SWA radix tree
 =====================  ==========================================================
 """
 
@@ -29,7 +33,10 @@ from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
 from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.radix.radix_cache import RadixCache
+from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
+from kvjax.radix.swa_radix_cache import SWARadixCache
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
@@ -38,8 +45,8 @@ if TYPE_CHECKING:
 TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
 
 _MISSING = {
-    "swa": "SWA radix component",
-    "mamba": "Mamba state component",
+    "swa": "SWA + Mamba tree (both components in one tree)",
+    "mamba": "SWA + Mamba tree (both components in one tree)",
 }
 
 
@@ -84,7 +91,7 @@ def create_tree_cache(
     event_sink: EventSink | None = None,
     host_allocator: HostSlotAllocator | None = None,
     copy_engine: CopyEngine | None = None,
-) -> ChunkCache | RadixCache:
+) -> ChunkCache | RadixCache | MambaRadixCache:
     """Build the prefix cache described by ``plan`` (a ``CachePlan`` or anything with its
     attributes: ``tree_cache_kind``, ``tree_components``, ``disable_radix_cache``,
     ``attach_host_tier``, ``tree_page_size``, ``radix_eviction_policy``, ``is_eagle``,
@@ -107,17 +114,64 @@ def create_tree_cache(
             page_size=page_size,
         )
     if kind in ("swa_chunk", "pure_swa_chunk"):
-        raise NotImplementedError(
-            f"tree_cache_kind={kind!r} needs the SWA chunk cache (SWAChunkCache over the SWA allocator), "
-            "which is not built yet"
+        cls = SWAChunkCache if kind == "swa_chunk" else PureSWAChunkCache
+        return cls(
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            page_size=page_size,
+            sliding_window_size=getattr(plan, "sliding_window_size", None),
         )
     if kind == "pure_swa_radix":
         raise NotImplementedError(
-            "tree_cache_kind='pure_swa_radix' needs the SWA radix component, which is not built yet"
+            "tree_cache_kind='pure_swa_radix' (every layer sliding, radix cache on) needs the pure-SWA radix "
+            "tree, which is not built yet; run it with disable_radix_cache and chunked prefill (PureSWAChunkCache)"
         )
     components = tuple(plan.tree_components or ("full",))
+    if "mamba" in components and plan.attach_host_tier:
+        raise NotImplementedError(
+            f"tree_components={components!r} with the host tier needs a host copy of recurrent-state "
+            "checkpoints, which is not built yet; turn off enable_hierarchical_cache for this model"
+        )
+    if components == ("full", "mamba"):
+        return MambaRadixCache(
+            page_size=page_size,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            enable_mamba_extra_buffer=bool(getattr(plan, "enable_mamba_extra_buffer", False)),
+            mamba_max_states_per_path=int(getattr(plan, "mamba_max_states_per_path", -1)),
+            disable=bool(plan.disable_radix_cache),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
+    if components == ("full", "swa"):
+        if plan.attach_host_tier:
+            raise NotImplementedError(
+                "tree_components=('full', 'swa') with the host tier needs host copies of the SWA pool, "
+                "which are not built yet; turn off enable_hierarchical_cache for this model"
+            )
+        window = getattr(plan, "sliding_window_size", None)
+        if plan.disable_radix_cache:
+            return SWAChunkCache(
+                req_to_token_pool=req_to_token_pool,
+                token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                page_size=page_size,
+                sliding_window_size=window,
+            )
+        return SWARadixCache(
+            page_size=page_size,
+            sliding_window_size=window,
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            req_to_token_pool=req_to_token_pool,
+            allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]
+            is_eagle=bool(plan.is_eagle),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
+        )
     for comp in components:
-        if comp == "full":
+        if comp == "full" or (comp == "mamba" and "swa" not in components):
             continue
         what = _MISSING.get(comp)
         if what is None:

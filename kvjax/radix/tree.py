@@ -485,6 +485,14 @@ class RadixTree:
                 child.hit_count += 1
             if slow:  # host-only nodes exist or components listen: off the full-KV-only path
                 self._overlap(node, child, values, off, k, payloads)
+                if collect and child.parent is not node:
+                    # A component split the node (an SWA window edge): the upper parts come first.
+                    upper = []
+                    u = child.parent
+                    while u is not node:
+                        upper.append(u.value)
+                        u = u.parent
+                    vals.extend(reversed(upper))
             if collect:
                 vals.append(child.value)
             off += k
@@ -817,6 +825,7 @@ class RadixTree:
         the tokens evicted. ``evict({"full": n, "swa": m, ...})``: per-component amounts, in
         that component's own units, run in the tree's component order (FULL first); returns
         per-component counts of what was freed, cascades included (every component is listed).
+        A component is asked only for what the earlier components' cascades left of its amount.
         May free more than asked (whole nodes). The cascade rules are in ``component.py``.
 
         Raises (tree unchanged): ValueError for an unknown component name or a negative or
@@ -835,7 +844,9 @@ class RadixTree:
         self._tracker = counts
         try:
             for c in self.components:
-                amount = amounts.get(c.name, 0)
+                # What earlier components' cascades already freed counts toward the amount
+                # (SGLang 0.5.23's shared tracker): FULL eviction frees SWA slots too.
+                amount = amounts.get(c.name, 0) - counts[c.name]
                 if amount > 0:
                     counts[c.name] += c.evict(amount)
         finally:

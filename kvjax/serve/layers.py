@@ -144,15 +144,19 @@ def paged_attention(
     """Write the batch's ``k, v: [T, kv_heads, head_dim]`` into the pool, then attend ``q: [T, heads,
     head_dim]`` causally over each sequence's pages. Returns ``([T, heads, head_dim] in q's dtype, pool)``.
 
-    Scale ``1 / sqrt(head_dim)``, softmax in float32 (``ragged_paged_attention``).
+    Scale ``1 / sqrt(head_dim)``, softmax in float32 (``ragged_paged_attention``). The query stays
+    in the compute dtype; an fp8 pool is dequantised inside attention with the layer's scales.
     """
     kv = kv.set_kv_buffer(layer_id, meta.out_loc, k, v)
+    index = kv.layer_index(layer_id)
     out = ragged_paged_attention(
-        q.astype(kv.logical_dtype),
+        q,
         kv.kv_buffer(layer_id),
         meta.kv_lens,
         meta.page_indices,
         meta.cu_q_lens,
         meta.num_seqs,
+        k_scale=kv.k_scale[index],
+        v_scale=kv.v_scale[index],
     )
-    return out.astype(q.dtype), kv
+    return out, kv

@@ -118,8 +118,10 @@ def _number(config: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def read_rope(config: Mapping[str, Any]) -> RopeConfig:
-    """The RoPE settings from either config layout (see the module docstring)."""
+def read_rope(config: Mapping[str, Any], *, partial_rotary: bool = False) -> RopeConfig:
+    """The RoPE settings from either config layout (see the module docstring). A
+    ``partial_rotary_factor`` is refused unless the family rotates part of the head itself
+    (``partial_rotary``: it reads the factor)."""
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     source = "rope_parameters"
@@ -136,7 +138,7 @@ def read_rope(config: Mapping[str, Any]) -> RopeConfig:
             rope_type,
             f"kvjax serves RoPE types {list(ROPE_TYPES)}; this checkpoint's RoPE variant is not built yet",
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and not partial_rotary:
         raise ConfigError(
             f"{source}.partial_rotary_factor", params["partial_rotary_factor"], "kvjax rotates the full head dim only"
         )
@@ -201,7 +203,7 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
-        rope=read_rope(raw),
+        rope=read_rope(raw, partial_rotary=entry.partial_rotary),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (no config key); Llama, Mistral and Qwen3 follow attention_bias.
         qkv_bias=True if family_name == "qwen2" else bias,

@@ -56,6 +56,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvjax.alloc.swa import SWATokenToKVPoolAllocator
 from kvjax.build import KVCache
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
@@ -64,6 +65,7 @@ from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.serving_req import ServingReq
 from kvjax.serve.step import make_step, pack_batch
+from kvjax.serve.swa_extension import SWAServing, swa_leak_free
 from kvjax.spec import ModelSpec
 
 __all__ = ["Scheduler", "ServeStats", "ServingReq"]
@@ -221,7 +223,10 @@ class Scheduler:
         return self.finished
 
     def leak_free(self) -> bool:
-        """With no request left: ``available + evictable + protected == capacity`` and every row free."""
+        """With no request left: ``available + evictable + protected == capacity`` and every row free
+        (a hybrid-SWA cache: for the full and the SWA side each)."""
+        if isinstance(self.alloc, SWATokenToKVPoolAllocator):
+            return self.idle and swa_leak_free(self.alloc, self.tree) and self.rows.available_size() == self.rows.size
         accounted = self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size()
         return self.idle and accounted == self.alloc.size and self.rows.available_size() == self.rows.size
 
@@ -231,7 +236,10 @@ class Scheduler:
         """Evict until ``tokens`` slots are free; True when they are."""
         missing = tokens - self.alloc.available_size()
         if missing > 0:
-            self.stats.evicted_tokens += self.tree.evict(missing)
+            if isinstance(self.alloc, SWATokenToKVPoolAllocator):  # both sides, each by its own need
+                self.stats.evicted_tokens += self.alloc.evict_to_free_tokens(self.tree, tokens)
+            else:
+                self.stats.evicted_tokens += self.tree.evict(missing)
         return self.alloc.available_size() >= tokens
 
     def _pages_needed(self, prefix_len: int, seq_len: int) -> int:
@@ -520,7 +528,13 @@ class Scheduler:
 def default_extensions(cache: KVCache) -> list[ServingExtension]:
     """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
     extensions: list[ServingExtension] = []
-    if getattr(cache, "host_pool", None) is not None:
+    if isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
+        extensions.append(SWAServing(cache))
+    if "recurrent" in cache.pools:
+        from kvjax.serve.recurrent_extension import RecurrentStateExtension
+
+        extensions.append(RecurrentStateExtension(cache))
+    if cache.host_pool is not None:
         from kvjax.serve.host_tier import HostTierExtension
 
         extensions.append(HostTierExtension(cache))

@@ -45,8 +45,8 @@ def test_mla_layout_with_indexer():
         kv_lora_rank=512, qk_rope_head_dim=64, page_size=16, dtype="bfloat16", platform="tpu", index_head_dim=128
     )
     latent, indexer = layout.pool_plans(num_pages=4, layer_ids=(0, 1), built=False)
-    assert latent.shape == (5, 16, 1, 640) and latent.bytes_per_token == 2 * 640 * 2
-    assert indexer.shape == (5, 16, 132) and indexer.dtype == "uint8" and indexer.bytes_per_token == 2 * 132
+    assert latent.shape == (5, 16, 640) and latent.bytes_per_token == 2 * 640 * 2
+    assert indexer.shape == (5, 16 * 132) and indexer.dtype == "uint8" and indexer.bytes_per_token == 2 * 132
 
 
 def test_recurrent_layout_splits_heads_and_channels_per_rank():

@@ -121,6 +121,16 @@ def test_fp8_storage_with_per_layer_scale(dtype):
     np.testing.assert_array_equal(got_v, v)
 
 
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_bad_fp8_scale_rejected_and_pool_unchanged(bad):
+    pool = make_pool(dtype="fp8_e4m3").set_kv_scale(1, k_scale=2.0, v_scale=4.0)
+    with pytest.raises(ValueError, match="k_scale=.* finite and > 0"):
+        pool.set_kv_scale(1, k_scale=bad, v_scale=1.0)
+    with pytest.raises(ValueError, match="v_scale=.* finite and > 0"):
+        pool.set_kv_scale(1, k_scale=1.0, v_scale=bad)
+    assert pool.k_scale.tolist() == [1.0, 2.0] and pool.v_scale.tolist() == [1.0, 4.0]
+
+
 def test_fp8_explicit_scale_argument_overrides_stored_scale():
     pool = make_pool(dtype="fp8_e4m3")
     pool = pool.set_kv_buffer(

@@ -6,7 +6,7 @@ import pytest
 
 from kvjax import ConfigError
 from kvjax.pools.mha_layout import MHALayout
-from kvjax.pools.registry import POOL_KINDS, BuildContext, is_built, pool_kind
+from kvjax.pools.registry import POOL_KINDS, BuildContext, PoolKind, is_built, pool_kind
 
 
 def test_every_planned_kind_has_an_entry():
@@ -15,10 +15,13 @@ def test_every_planned_kind_has_an_entry():
         assert kind.capability and kind.memory in ("device", "host")
 
 
-@pytest.mark.parametrize("name", ["mla", "swa", "recurrent"])
-def test_kinds_not_built_yet_raise_naming_their_capability(name):
-    kind = pool_kind(name)
-    assert not is_built(name)
+def test_every_planned_kind_is_built():
+    assert all(is_built(name) for name in POOL_KINDS)
+
+
+def test_a_kind_without_a_builder_raises_naming_its_capability():
+    kind = PoolKind("paged_mla_v2", "device", "a future latent pool")
+    assert not kind.built
     with pytest.raises(NotImplementedError, match="kvjax cannot build") as e:
         kind.require_built("some-model")
     assert kind.capability in str(e.value) and "some-model" in str(e.value)
@@ -39,13 +42,15 @@ def test_mha_builder_creates_the_pool_the_plan_describes():
     assert pool.nbytes() == planned.nbytes
 
 
-def test_mha_builder_refuses_interleaved_layers():
+def test_mha_builder_maps_interleaved_layers():
     layout = MHALayout.for_platform(
         num_kv_heads=1, head_dim=8, v_head_dim=8, page_size=4, dtype="float32", platform="cpu"
     )
     planned = layout.pool_plan("kv_full", "mha", num_pages=3, layer_ids=(1, 3))
-    with pytest.raises(NotImplementedError, match="not consecutive"):
-        pool_kind("mha").create(planned, BuildContext(platform="cpu"))
+    pool = pool_kind("mha").create(planned, BuildContext(platform="cpu"))
+    assert pool.layer_ids == (1, 3) and pool._layer_index(3) == 1
+    with pytest.raises(ValueError, match=r"layer_id=2 not in full attention layers: \[1, 3\]"):
+        pool._layer_index(2)
 
 
 def test_request_table_builder():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.radix import ChunkCache, RadixCache, create_tree_cache
+from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
+from kvjax.radix import ChunkCache, PureSWAChunkCache, RadixCache, SWAChunkCache, SWARadixCache, create_tree_cache
 from tests.radix._helpers import RecordingAllocator
 
 
@@ -60,16 +61,45 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
 @pytest.mark.parametrize(
     "kw,name",
     [
-        (dict(tree_components=("full", "swa")), "SWA radix component"),
-        (dict(tree_components=("full", "mamba")), "Mamba state component"),
-        (dict(tree_cache_kind="pure_swa_radix"), "SWA radix component"),
-        (dict(tree_cache_kind="swa_chunk"), "SWA chunk cache"),
-        (dict(tree_cache_kind="pure_swa_chunk"), "SWA chunk cache"),
+        (dict(tree_components=("full", "swa", "mamba")), "SWA \\+ Mamba tree"),
+        (dict(tree_components=("full", "mamba"), attach_host_tier=True), "host copy of recurrent-state"),
+        (dict(tree_components=("full", "swa"), attach_host_tier=True, sliding_window_size=4), "host copies of the SWA"),
+        (dict(tree_cache_kind="pure_swa_radix"), "pure-SWA radix tree"),
     ],
 )
 def test_unbuilt_components_raise_naming_them(kw, name):
     with pytest.raises(NotImplementedError, match=name):
         create_tree_cache(plan(**kw))
+
+
+def test_swa_kinds_give_the_swa_caches():
+    alloc = SWATokenToKVPoolAllocator(32, 16, 2)
+    t = create_tree_cache(
+        plan(tree_components=("full", "swa"), tree_page_size=2, sliding_window_size=4), token_to_kv_pool_allocator=alloc
+    )
+    assert isinstance(t, SWARadixCache) and t.sliding_window_size == 4 and t.token_to_kv_pool_allocator is alloc
+    t = create_tree_cache(
+        plan(
+            tree_components=("full", "swa"), disable_radix_cache=True, sliding_window_size=4, chunked_prefill_size=None
+        ),
+        token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(16, 8, 1),
+    )
+    assert isinstance(t, SWAChunkCache)
+    c = create_tree_cache(
+        plan(tree_cache_kind="swa_chunk", tree_components=("full", "swa"), sliding_window_size=4),
+        token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(16, 8, 1),
+    )
+    assert isinstance(c, SWAChunkCache) and c.sliding_window_size == 4
+    c = create_tree_cache(
+        plan(tree_cache_kind="pure_swa_chunk", tree_components=("swa",), sliding_window_size=4),
+        token_to_kv_pool_allocator=make_allocator(16, 1),
+    )
+    assert isinstance(c, PureSWAChunkCache)
+    with pytest.raises(kvjax.ConfigError, match="SWATokenToKVPoolAllocator"):
+        create_tree_cache(
+            plan(tree_components=("full", "swa"), sliding_window_size=4),
+            token_to_kv_pool_allocator=make_allocator(16, 1),
+        )
 
 
 def test_host_tier_builds_a_hiradix_cache_sized_by_the_plan():
@@ -81,6 +111,13 @@ def test_host_tier_builds_a_hiradix_cache_sized_by_the_plan():
     given = HostSlotAllocator(8, 1)
     t = create_tree_cache(plan(attach_host_tier=True), host_allocator=given)
     assert t.host_allocator is given and t.host.write_policy == "write_through"
+
+
+def test_full_and_mamba_components_build_the_mamba_tree():
+    from kvjax.radix import MambaRadixCache
+
+    tree = create_tree_cache(plan(tree_components=("full", "mamba")))
+    assert isinstance(tree, MambaRadixCache) and tree.supports_mamba()
 
 
 def test_unknown_kind_and_policy_are_config_errors():
@@ -107,5 +144,5 @@ def test_real_plans_route_as_documented():
     p = real(specs.dense(), disable_radix_cache=True)
     assert isinstance(create_tree_cache(p), (ChunkCache, RadixCache)) and create_tree_cache(p).is_chunk_cache()
     p = real(specs.swa())
-    with pytest.raises(NotImplementedError, match="SWA"):
-        create_tree_cache(p)
+    t = create_tree_cache(p)  # standalone: no allocator
+    assert isinstance(t, SWARadixCache) and t.sliding_window_size == p.sliding_window_size

@@ -107,3 +107,26 @@ def test_compiles_with_kv_heads_sharded(topology: str, shape: str) -> None:
     attend = functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, **options)
     fn = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=P(None, "tp", None))
     _check(jax.jit(fn).trace(*args).lower().compile(), args, num_devices=len(devices))
+
+
+@pytest.mark.parametrize("pool_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_fp8_pool_compiles_with_scales(topology: str, pool_dtype: str) -> None:
+    """An fp8 pool with the layer's scales as traced f32 scalars and a bf16 query: the kernel
+    reads fp8 pages (widened per block) and returns bf16."""
+    max_seqs, tokens, _ = SHAPES["decode_64x1"]
+    devices = np.asarray(_topology(topology).devices).reshape(-1)
+    mesh = Mesh(devices[:1], ("x",))
+    q, kv, *rest = _args(mesh, max_seqs, tokens, (P(),) * 6)
+    kv = jax.ShapeDtypeStruct(kv.shape, jnp.dtype(pool_dtype), sharding=kv.sharding)
+    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def fn(*a: jax.Array) -> jax.Array:
+        return ragged_paged_attention(*a[:6], k_scale=a[6], v_scale=a[7], sm_scale=HEAD_DIM**-0.5)
+
+    args = (q, kv, *rest, scale, scale)
+    lowered = jax.jit(fn).trace(*args).lower()
+    assert "tpu_custom_call" in lowered.as_text()
+    compiled = lowered.compile()
+    assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
+    assert compiled.memory_analysis().output_size_in_bytes == q.size * q.dtype.itemsize

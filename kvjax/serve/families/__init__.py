@@ -3,7 +3,8 @@ the family's config reader are imported only when used).
 
 One small model file per family where the architecture differs; shared pieces live in
 ``kvjax.serve.layers``. ``llama`` also serves Mistral and Qwen2 (their differences are projection
-biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k.
+biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
+sliding-window and full layers over the hybrid-SWA pools.
 
 Adding a family is one model module and one entry here: the module's flax class takes
 ``(tokens [T], pools: CachePools, meta: BatchMetadata)`` and returns ``(logits [S, vocab] float32,
@@ -40,6 +41,8 @@ class Family:
             ``(CachePools, extras)``: the smallest pools its model runs on and the
             ``BatchMetadata.extras`` of a one-token batch (for tracing weights), or None for a
             one-page MHA pool and no extras.
+        partial_rotary: the model rotates part of the head dim itself (RoPE's
+            ``partial_rotary_factor`` is then the family's to read, not refused).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Family:
     layer_kinds: frozenset[LayerKind] = frozenset({LayerKind.FULL})
     read_config: str | None = None
     trace_state: str | None = None
+    partial_rotary: bool = False
 
     def load(self, what: str) -> Callable[..., Any]:
         """Import ``model``, ``read_config`` or ``trace_state`` (named by attribute)."""
@@ -66,6 +70,21 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", _LLAMA),
         Family("qwen2", _LLAMA),
         Family("qwen3", "kvjax.serve.families.qwen3:Qwen3ForCausalLM"),
+        Family(
+            "gemma3_text",
+            "kvjax.serve.families.gemma3:Gemma3ForCausalLM",
+            layer_kinds=frozenset({LayerKind.FULL, LayerKind.SLIDING}),
+            read_config="kvjax.serve.families.gemma3:read_gemma3_config",
+            trace_state="kvjax.serve.families.gemma3:gemma3_trace_state",
+        ),
+        Family(
+            "qwen3_next",
+            "kvjax.serve.families.qwen3_next:Qwen3NextForCausalLM",
+            layer_kinds=frozenset({LayerKind.FULL, LayerKind.RECURRENT}),
+            read_config="kvjax.serve.families.qwen3_next:read_config",
+            trace_state="kvjax.serve.families.qwen3_next:trace_state",
+            partial_rotary=True,
+        ),
     )
 }
 

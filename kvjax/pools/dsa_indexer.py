@@ -1,0 +1,204 @@
+"""`DSAIndexerKeyPool`: the DeepSeek sparse-attention (DSA, V3.2) indexer's key cache, paged like the
+latent pool it rides along with, as an immutable pytree.
+
+One uint8 array per layer in SGLang's NSA page layout (``kvjax.pools.mla_layout``)::
+
+    index_k[layer] : [num_pages + 1, page_size * (D + D // 128 * 4)]   D = index_head_dim
+
+Within page ``p``: bytes ``[o * D, (o + 1) * D)`` are the fp8 (e4m3) key of the token at offset
+``o``; bytes ``page_size * D + [o * S, (o + 1) * S)`` with ``S = D // 128 * 4`` are its f32 scales,
+one per block of 128 key elements (little-endian). Page 0 is the trash page. A token's key is
+``fp8 * scale`` blockwise.
+
+Quantisation (``set_index_k``): per block of 128 elements, ``scale = max(amax, 1e-4) / 448`` (448
+is e4m3's largest value), key = ``x / scale`` cast to e4m3, as DeepSeek's ``act_quant`` without the
+optional power-of-two rounding of the scale. Callers that quantise themselves use
+``set_index_k_and_scale`` (SGLang's ``set_index_k_scale_buffer``).
+
+Writes scatter ``n`` tokens' bytes at ``(page, byte offset)``: in place under ``jax.jit`` with the
+pool donated, O(tokens written). Concrete slot ids are checked on the host; traced ones outside the
+pool (and the trash page) are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.errors import InvalidSlotError
+from kvjax.pools.mha import check_slots
+from kvjax.pools.mla_layout import INDEXER_SCALE_BLOCK, INDEXER_SCALE_BYTES
+
+#: Largest finite float8_e4m3fn value.
+E4M3_MAX = 448.0
+#: Smallest amax a block is scaled for (an all-zero block gets a finite scale).
+MIN_AMAX = 1e-4
+
+
+def _static(**kwargs: Any) -> Any:
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+def quantise_index_k(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``keys: [n, D]`` -> (e4m3 ``[n, D]``, f32 scales ``[n, D // 128]``), blockwise (module docstring)."""
+    n, dim = keys.shape
+    blocks = keys.astype(jnp.float32).reshape(n, dim // INDEXER_SCALE_BLOCK, INDEXER_SCALE_BLOCK)
+    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), MIN_AMAX) / E4M3_MAX
+    quantised = (blocks / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(n, dim)
+    return quantised, scale
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DSAIndexerKeyPool:
+    """Paged fp8 indexer keys and their f32 scales of the DSA layers (see module docstring)."""
+
+    index_k: tuple[jax.Array, ...]
+    page_size: int = _static()
+    index_head_dim: int = _static()
+    start_layer: int = _static(default=0)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        index_head_dim: int,
+        platform: str = "cpu",
+        start_layer: int = 0,
+        mesh: Mesh | None = None,
+    ) -> DSAIndexerKeyPool:
+        """A zeroed pool of ``num_pages`` pages (plus the trash page); replicated over ``mesh``.
+
+        ``index_head_dim`` must be a positive multiple of 128 (one scale per 128 elements).
+        ``platform`` is accepted for symmetry with the other pools: uint8 is stored as is everywhere.
+        """
+        del platform
+        if index_head_dim <= 0 or index_head_dim % INDEXER_SCALE_BLOCK:
+            raise ValueError(
+                f"index_head_dim={index_head_dim} must be a positive multiple of {INDEXER_SCALE_BLOCK} "
+                "(one f32 scale per 128 key elements)"
+            )
+        token_bytes = index_head_dim + index_head_dim // INDEXER_SCALE_BLOCK * INDEXER_SCALE_BYTES
+        shape = (num_pages + 1, page_size * token_bytes)
+        sharding = None if mesh is None else NamedSharding(mesh, P())
+        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.uint8), out_shardings=sharding)
+        return cls(
+            index_k=tuple(zeros() for _ in range(num_layers)),
+            page_size=page_size,
+            index_head_dim=index_head_dim,
+            start_layer=start_layer,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.index_k)
+
+    @property
+    def num_pages(self) -> int:
+        return self.index_k[0].shape[0] - 1
+
+    @property
+    def num_slots(self) -> int:
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def scales_per_token(self) -> int:
+        return self.index_head_dim // INDEXER_SCALE_BLOCK
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return self.index_head_dim + self.scales_per_token * INDEXER_SCALE_BYTES
+
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) for a in self.index_k)
+
+    def layer_index(self, layer_id: int) -> int:
+        index = layer_id - self.start_layer
+        if not 0 <= index < self.num_layers:
+            raise InvalidSlotError(
+                f"layer_id={layer_id} is not in this pool (layers {self.start_layer}.."
+                f"{self.start_layer + self.num_layers - 1})"
+            )
+        return index
+
+    def replace(self, **changes: Any) -> DSAIndexerKeyPool:
+        return dataclasses.replace(self, **changes)
+
+    def _columns(self, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Byte columns within a page of the keys ``[n, D]`` and scales ``[n, S * 4]`` of tokens at ``offset``."""
+        d, s = self.index_head_dim, self.scales_per_token * INDEXER_SCALE_BYTES
+        key_cols = offset[:, None] * d + jnp.arange(d, dtype=jnp.int32)[None, :]
+        scale_cols = self.page_size * d + offset[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None, :]
+        return key_cols, scale_cols
+
+    def set_index_k_and_scale(
+        self, layer_id: int, loc: jax.Array, index_k: jax.Array, index_k_scale: jax.Array
+    ) -> DSAIndexerKeyPool:
+        """Write quantised keys ``index_k: [n, D]`` (e4m3, or its uint8 bits) and their scales
+        ``index_k_scale: [n, D // 128]`` (f32) into slots ``loc`` of layer ``layer_id``."""
+        index = self.layer_index(layer_id)
+        check_slots(loc, self.num_slots)
+        n = index_k.shape[0]
+        if index_k.shape != (n, self.index_head_dim):
+            raise ValueError(f"index_k has shape {list(index_k.shape)}; expected [tokens, {self.index_head_dim}]")
+        if index_k_scale.shape != (n, self.scales_per_token):
+            raise ValueError(
+                f"index_k_scale has shape {list(index_k_scale.shape)}; expected [{n}, {self.scales_per_token}]"
+            )
+        loc = jnp.asarray(loc, jnp.int32)
+        if loc.shape != (n,):
+            raise ValueError(f"loc has shape {list(loc.shape)}; expected [{n}], one slot per token")
+        key_bytes = index_k if index_k.dtype == jnp.uint8 else index_k.astype(jnp.float8_e4m3fn).view(jnp.uint8)
+        scale_bytes = jax.lax.bitcast_convert_type(index_k_scale.astype(jnp.float32), jnp.uint8).reshape(n, -1)
+        layer = self.index_k[index]
+        pages = layer.shape[0]
+        live = (loc >= self.page_size) & (loc < self.num_slots)
+        page = jnp.where(live, loc // self.page_size, pages)[:, None]  # out of bounds: dropped
+        key_cols, scale_cols = self._columns(loc % self.page_size)
+        layer = layer.at[page, key_cols].set(key_bytes, mode="drop")
+        layer = layer.at[page, scale_cols].set(scale_bytes, mode="drop")
+        layers = list(self.index_k)
+        layers[index] = layer
+        return self.replace(index_k=tuple(layers))
+
+    def set_index_k(self, layer_id: int, loc: jax.Array, keys: jax.Array) -> DSAIndexerKeyPool:
+        """Quantise ``keys: [n, index_head_dim]`` blockwise (``quantise_index_k``) and write them."""
+        if keys.ndim != 2 or keys.shape[1] != self.index_head_dim:
+            raise ValueError(f"keys has shape {list(keys.shape)}; expected [tokens, {self.index_head_dim}]")
+        quantised, scale = quantise_index_k(keys)
+        return self.set_index_k_and_scale(layer_id, loc, quantised, scale)
+
+    def get_index_k_and_scale(self, layer_id: int, loc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The stored e4m3 keys ``[n, D]`` and f32 scales ``[n, D // 128]`` of slots ``loc``."""
+        index = self.layer_index(layer_id)
+        check_slots(loc, self.num_slots)
+        loc = jnp.asarray(loc, jnp.int32)
+        loc = jnp.where((loc >= 0) & (loc < self.num_slots), loc, 0)
+        layer = self.index_k[index]
+        page = (loc // self.page_size)[:, None]
+        key_cols, scale_cols = self._columns(loc % self.page_size)
+        keys = layer[page, key_cols].view(jnp.float8_e4m3fn)
+        n = loc.shape[0]
+        scale_bytes = layer[page, scale_cols].reshape(n, self.scales_per_token, INDEXER_SCALE_BYTES)
+        return keys, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+
+    def get_index_k(self, layer_id: int, loc: jax.Array) -> jax.Array:
+        """Dequantised keys ``[n, D]`` (f32) of slots ``loc``."""
+        keys, scale = self.get_index_k_and_scale(layer_id, loc)
+        n = keys.shape[0]
+        blocks = keys.astype(jnp.float32).reshape(n, self.scales_per_token, INDEXER_SCALE_BLOCK)
+        return (blocks * scale[..., None]).reshape(n, self.index_head_dim)
+
+    def page_bytes(self, layer_id: int) -> np.ndarray:
+        """Host copy of one layer's bytes (for inspection and tests)."""
+        return np.asarray(self.index_k[self.layer_index(layer_id)])

@@ -1,0 +1,358 @@
+"""`MLAKVPool`: the paged latent KV pool of MLA layers (DeepSeek-V2/V3, Kimi-K2), as an immutable pytree.
+
+MLA caches one latent row per token and layer instead of K and V per head (SGLang's
+``MLATokenToKVPool``)::
+
+    kv[layer] : [num_pages + 1, page_size, row_padded]   (storage dtype)
+    row = kv_lora_rank (compressed KV, "k_nope") + qk_rope_head_dim (rotated key, "k_rope"), zero-padded
+
+(the layout is written once, in ``kvjax.pools.mla_layout``). K is the whole row and V is its first
+``kv_lora_rank`` elements: attention in the absorbed form reads the row once for both
+(``pallas_kernels.mla_ragged_paged_attention``).
+
+* Page 0 is the trash page; token slot ``loc`` lives at ``(loc // page_size, loc % page_size)``.
+* fp8 pools keep one f32 scale per layer (the latent is K and V at once): stored = value / scale,
+  read back as ``stored * scale``. Scales that are zero, negative or not finite are rejected.
+* With a mesh the latent is replicated on every rank of the tensor-parallel group (one shared
+  KV head, SGLang's MLA under attention TP); writes run on every rank.
+
+Every update returns a new pool. Writes are a scatter of ``n`` rows at ``(page, offset)``: under
+``jax.jit`` with the pool donated the layer is updated in place, O(tokens written) (checked by
+the tests and the TPU compile tests). The MHA pool's ``kv_write`` kernel is not used here: it
+takes the MHA layout's combined head axis, and giving the latent a unit head axis would pad it on
+TPU (see ``mla_layout``); XLA's scatter already writes in place on every backend.
+
+Slot ids given as concrete arrays are checked on the host (``InvalidSlotError``); inside a trace,
+slots outside the pool (and the trash page) are dropped on the device, never clamped onto a live slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.errors import InvalidSlotError
+from kvjax.pools import dtypes
+from kvjax.pools.mha import check_slots
+from kvjax.pools.mla_layout import MLALayout
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.registry import BuildContext
+from pallas_kernels.validate import check_kv_scale
+
+
+def _static(**kwargs: Any) -> Any:
+    """A dataclass field that is pytree metadata (static under ``jit``), not a leaf."""
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+def scatter_rows(layer: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array:
+    """Write ``rows[i]`` (``[n, *row_shape]``) into token slot ``loc[i]`` of a ``[pages, page_size,
+    *row_shape]`` layer; slots on the trash page or outside the layer are dropped. In place under
+    donation (one XLA scatter of ``n`` rows)."""
+    pages, page_size = layer.shape[:2]
+    loc = loc.astype(jnp.int32)
+    live = (loc >= page_size) & (loc < pages * page_size)
+    page = jnp.where(live, loc // page_size, pages)  # ``pages`` is out of bounds: dropped
+    return layer.at[page, loc % page_size].set(rows.astype(layer.dtype), mode="drop")
+
+
+def _as_rows(name: str, x: jax.Array, width: int) -> jax.Array:
+    """``[n, width]`` or SGLang's ``[n, 1, width]`` -> ``[n, width]``; a clear error otherwise."""
+    x = jnp.asarray(x)
+    if x.ndim == 3 and x.shape[1] == 1:
+        x = x[:, 0]
+    if x.ndim != 2 or x.shape[1] != width:
+        raise ValueError(
+            f"{name} has shape {list(x.shape)}; expected [tokens, {width}] or [tokens, 1, {width}] "
+            f"(this pool's {name} width is {width})"
+        )
+    return x
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLAKVPool:
+    """Paged latent KV of the MLA layers of one pipeline stage (see module docstring).
+
+    Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays) and ``scale`` (f32
+    ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
+    """
+
+    kv: tuple[jax.Array, ...]
+    scale: jax.Array
+    page_size: int = _static()
+    kv_lora_rank: int = _static()
+    qk_rope_head_dim: int = _static()
+    dtype: str = _static()
+    start_layer: int = _static(default=0)
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: str = "bfloat16",
+        platform: str = "cpu",
+        row_padded: int | None = None,
+        start_layer: int = 0,
+        mesh: Mesh | None = None,
+    ) -> MLAKVPool:
+        """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
+
+        ``row_padded`` defaults to the platform's (``MLALayout``: the row rounded up to 128 on TPU);
+        with a ``mesh`` every layer is replicated over it.
+        """
+        layout = MLALayout.for_platform(
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            platform=platform,
+        )
+        row = kv_lora_rank + qk_rope_head_dim
+        padded = layout.row_padded if row_padded is None else int(row_padded)
+        if padded < row:
+            raise ValueError(f"row_padded={padded} is below kv_lora_rank + qk_rope_head_dim = {row}")
+        shape = (num_pages + 1, page_size, padded)
+        store = jnp.dtype(layout.storage_dtype)
+        sharding = None if mesh is None else NamedSharding(mesh, P())
+        zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
+        return cls(
+            kv=tuple(zeros() for _ in range(num_layers)),
+            scale=jnp.ones((num_layers,), jnp.float32),
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            dtype=dtype,
+            start_layer=start_layer,
+        )
+
+    # --- static facts ---------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    @property
+    def num_pages(self) -> int:
+        """Allocatable pages (the trash page excluded)."""
+        return self.kv[0].shape[0] - 1
+
+    @property
+    def size(self) -> int:
+        """Allocatable token slots: ``num_pages * page_size`` (SGLang's pool ``size``)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def num_slots(self) -> int:
+        """All token slots including the trash page: valid slot ids are ``[0, num_slots)``."""
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """``kv_lora_rank + qk_rope_head_dim`` (SGLang's name): the unpadded row."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def row_padded(self) -> int:
+        return self.kv[0].shape[-1]
+
+    @property
+    def store_dtype(self) -> np.dtype:
+        return self.kv[0].dtype
+
+    @property
+    def logical_dtype(self) -> np.dtype:
+        return dtypes.logical_dtype(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers of this pool (padding included)."""
+        return self.num_layers * self.row_padded * self.store_dtype.itemsize
+
+    def nbytes(self) -> int:
+        """Bytes of all layer arrays (trash page included)."""
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.kv)
+
+    def layer_index(self, layer_id: int) -> int:
+        """Index of model layer ``layer_id`` in this pool (``InvalidSlotError`` if not here)."""
+        index = layer_id - self.start_layer
+        if not 0 <= index < self.num_layers:
+            raise InvalidSlotError(
+                f"layer_id={layer_id} is not in this pool (layers {self.start_layer}.."
+                f"{self.start_layer + self.num_layers - 1})"
+            )
+        return index
+
+    def replace(self, **changes: Any) -> MLAKVPool:
+        """A copy with some fields changed (the pytree analogue of an in-place update)."""
+        return dataclasses.replace(self, **changes)
+
+    # --- writes ---------------------------------------------------------------------------------
+
+    def _quantise(self, row: jax.Array, scale: jax.Array) -> jax.Array:
+        """f32-or-any rows -> padded rows in the storage dtype (divided by ``scale`` for fp8)."""
+        if dtypes.is_fp8(self.dtype):
+            row = row.astype(jnp.float32) / scale
+        row = jnp.pad(row.astype(self.logical_dtype), ((0, 0), (0, self.row_padded - row.shape[1])))
+        return dtypes.to_storage(row, self.store_dtype)
+
+    def _write(self, layer_id: int, loc: jax.Array, row: jax.Array, scale: float | jax.Array | None) -> MLAKVPool:
+        index = self.layer_index(layer_id)
+        check_slots(loc, self.num_slots)
+        check_kv_scale("scale", scale)
+        loc = jnp.asarray(loc)
+        if loc.shape != (row.shape[0],):
+            raise ValueError(f"loc has shape {list(loc.shape)}; expected [{row.shape[0]}], one slot per token")
+        s = self.scale[index] if scale is None else jnp.asarray(scale, jnp.float32)
+        layers = list(self.kv)
+        layers[index] = scatter_rows(layers[index], self._quantise(row, s), loc)
+        return self.replace(kv=tuple(layers))
+
+    def set_mla_kv_buffer(
+        self,
+        layer_id: int,
+        loc: jax.Array,
+        cache_k_nope: jax.Array,
+        cache_k_rope: jax.Array,
+        scale: float | jax.Array | None = None,
+    ) -> MLAKVPool:
+        """Write the compressed KV ``cache_k_nope: [n, kv_lora_rank]`` and the rotated key
+        ``cache_k_rope: [n, qk_rope_head_dim]`` (each also as SGLang's ``[n, 1, width]``) of ``n``
+        tokens into slots ``loc`` of layer ``layer_id``; return the new pool.
+
+        Any float dtype (cast to the pool's); fp8 pools divide by ``scale`` (default: the layer's).
+        Widths that do not match the pool raise ``ValueError`` naming both; the pool is unchanged.
+        """
+        nope = _as_rows("cache_k_nope", cache_k_nope, self.kv_lora_rank)
+        rope = _as_rows("cache_k_rope", cache_k_rope, self.qk_rope_head_dim)
+        if nope.shape[0] != rope.shape[0]:
+            raise ValueError(f"cache_k_nope has {nope.shape[0]} tokens but cache_k_rope has {rope.shape[0]}")
+        row = jnp.concatenate([nope.astype(jnp.float32), rope.astype(jnp.float32)], axis=1)
+        return self._write(layer_id, loc, row, scale)
+
+    def set_kv_buffer(
+        self,
+        layer_id: int,
+        loc: jax.Array,
+        cache_k: jax.Array,
+        cache_v: jax.Array | None = None,
+        scale: float | jax.Array | None = None,
+    ) -> MLAKVPool:
+        """SGLang's ``set_kv_buffer`` for MLA: ``cache_k`` is the whole row ``[n, kv_cache_dim]``
+        (or ``[n, 1, kv_cache_dim]``); ``cache_v`` is ignored (V is a view of the row)."""
+        del cache_v
+        return self._write(layer_id, loc, _as_rows("cache_k", cache_k, self.kv_cache_dim), scale)
+
+    def set_kv_scale(self, layer_id: int, scale: float | jax.Array) -> MLAKVPool:
+        """Set one layer's fp8 scale (stored = value / scale). Existing entries are not rescaled.
+
+        Concrete scales that are zero, negative or not finite raise ``ValueError`` (pool unchanged).
+        """
+        index = self.layer_index(layer_id)
+        check_kv_scale("scale", scale)
+        return self.replace(scale=self.scale.at[index].set(jnp.float32(scale)))
+
+    def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> MLAKVPool:
+        """Copy token slots ``src_loc[i] -> tgt_loc[i]`` in every layer (all reads before all writes)."""
+        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
+        check_slots(src_loc, self.num_slots, name="src_loc")
+        tgt, src = jnp.asarray(tgt_loc, jnp.int32), jnp.asarray(src_loc, jnp.int32)
+        if tgt.shape != src.shape or tgt.ndim != 1:
+            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
+        src = jnp.where((src >= 0) & (src < self.num_slots), src, 0)
+        layers = []
+        for layer in self.kv:
+            rows = layer.reshape(self.num_slots, self.row_padded)[src]
+            layers.append(scatter_rows(layer, rows, tgt))
+        return self.replace(kv=tuple(layers))
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def kv_buffer(self, layer_id: int) -> jax.Array:
+        """The layer array in the logical dtype, ``[pages + 1, page_size, row_padded]`` (a bit-cast,
+        not a copy): what MLA attention reads, with the layer's ``scale``."""
+        return dtypes.from_storage(self.kv[self.layer_index(layer_id)], self.logical_dtype)
+
+    def get_key_buffer(self, layer_id: int) -> jax.Array:
+        """K of one layer per token slot: ``[num_slots, 1, kv_cache_dim]`` (stored values, SGLang's shape)."""
+        layer = self.kv_buffer(layer_id)
+        return layer.reshape(self.num_slots, 1, self.row_padded)[..., : self.kv_cache_dim]
+
+    def get_value_buffer(self, layer_id: int) -> jax.Array:
+        """V of one layer per token slot: ``[num_slots, 1, kv_lora_rank]``, the row's first part."""
+        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
+        """``(get_key_buffer(layer_id), get_value_buffer(layer_id))``."""
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def get_mla_kv_buffer(
+        self, layer_id: int, loc: jax.Array, dst_dtype: Any = jnp.float32
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dequantised ``(k_nope [n, 1, kv_lora_rank], k_rope [n, 1, qk_rope_head_dim])`` of slots
+        ``loc`` in ``dst_dtype`` (O(n) reads; fp8 values multiplied back by the layer's scale)."""
+        index = self.layer_index(layer_id)
+        check_slots(loc, self.num_slots)
+        slots = jnp.asarray(loc, jnp.int32)
+        slots = jnp.where((slots >= 0) & (slots < self.num_slots), slots, 0)
+        rows = self.kv_buffer(layer_id).reshape(self.num_slots, self.row_padded)[slots]
+        rows = rows[:, None, : self.kv_cache_dim].astype(jnp.float32)
+        if dtypes.is_fp8(self.dtype):
+            rows = rows * self.scale[index]
+        rows = rows.astype(dst_dtype)
+        return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
+
+
+def create_pool(pool: PoolPlan, context: BuildContext) -> Any:
+    """The pool kind registry's builder for ``"mla"``: the latent pool (plan ``"kv"``) or the DSA
+    indexer key pool (plan ``"index_k"``) that ``MLALayout.pool_plans`` lists. Layers must be
+    consecutive (each pool indexes them from ``layer_ids[0]``)."""
+    layout = pool.layout
+    if not isinstance(layout, MLALayout):
+        raise TypeError(f"pool {pool.name!r} of kind 'mla' needs an MLALayout, got {type(layout).__name__}")
+    ids = pool.layer_ids
+    start = ids[0] if ids else 0
+    if list(ids) != list(range(start, start + len(ids))):
+        raise NotImplementedError(
+            f"pool {pool.name!r} serves layers {list(ids)}, which are not consecutive; an MLA pool over "
+            "interleaved layers is not built yet"
+        )
+    num_pages = pool.shape[0] - 1
+    if pool.name == "index_k":
+        from kvjax.pools.dsa_indexer import DSAIndexerKeyPool
+
+        assert layout.index_head_dim is not None
+        return DSAIndexerKeyPool.create(
+            num_pages=num_pages,
+            page_size=layout.page_size,
+            num_layers=pool.count,
+            index_head_dim=layout.index_head_dim,
+            platform=context.platform,
+            start_layer=start,
+            mesh=context.mesh,
+        )
+    return MLAKVPool.create(
+        num_pages=num_pages,
+        page_size=layout.page_size,
+        num_layers=pool.count,
+        kv_lora_rank=layout.kv_lora_rank,
+        qk_rope_head_dim=layout.qk_rope_head_dim,
+        dtype=layout.dtype,
+        platform=context.platform,
+        row_padded=layout.row_padded,
+        start_layer=start,
+        mesh=context.mesh,
+    )

@@ -1,0 +1,339 @@
+"""`RecurrentStatePool`: the per-request recurrent state of hybrid SSM / linear-attention models
+(SGLang's ``MambaPool`` state), as an immutable pytree.
+
+Layout (the shapes are planned once, in ``kvjax.pools.recurrent_layout``), one array per tensor
+kind over all recurrent layers of the stage::
+
+    conv[i] : [num_layers, num_slots + 1, *conv_state_shapes[i]]   (conv dtype, storage form)
+    ssm     : [num_layers, num_slots + 1, *ssm_state_shape]         (SSM dtype, storage form)
+
+* Slot 0 is the padding slot: padded batch rows read and write it; the allocator
+  (``kvjax.alloc.state_slots.StateSlotAllocator``) never hands it out. Slot ``s`` of a request
+  holds its state after its last processed token; a tree checkpoint is a slot too.
+* Each tensor keeps its own dtype (SGLang: conv in the model dtype, SSM in ``mamba_ssm_dtype``,
+  float32 by default). On CPU, 16-bit floats are stored as their uint16 bit pattern
+  (``kvjax.pools.dtypes``: XLA:CPU updates bf16 buffers in O(buffer)); reads bit-cast back.
+
+Every update returns a new pool; under ``jax.jit`` with the pool donated it is in place (its cost
+grows with the slots written, never with the pool: ``benchmarks/recurrent_state.py`` measures it):
+``zero_slots`` and ``fork`` run the ``pallas_kernels.state_slots`` kernels (Pallas on TPU, the jnp
+reference elsewhere), ``set_states`` scatters one layer's new states.
+
+Bounds: concrete slot ids are checked on the host (``InvalidSlotError`` naming them). Inside a
+trace they cannot be; there, an id outside ``[0, num_slots]`` is routed to slot 0 (writes) or
+dropped (zero, fork destinations), never clamped onto a live slot. Liveness (forking from or into
+a free slot) is the allocator's to check: :func:`fork_live_slots`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvjax.errors import InvalidSlotError
+from kvjax.pools import dtypes
+from kvjax.pools.mha import check_slots
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.recurrent_layout import RecurrentLayout
+from kvjax.pools.registry import BuildContext
+from pallas_kernels import validate
+from pallas_kernels.state_slots import copy_state_slots, zero_slots
+
+__all__ = ["RecurrentStatePool", "apply_state_copies", "create_pool_group", "fork_live_slots"]
+
+
+def _static(**kwargs: Any) -> Any:
+    return dataclasses.field(metadata=dict(static=True), **kwargs)
+
+
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecurrentStatePool:
+    """Conv and SSM/delta-rule state of every recurrent layer of one stage (see module docstring).
+
+    Data fields (pytree leaves): ``conv`` (one array per conv tensor) and ``ssm``. Meta fields
+    (static under ``jit``): ``layer_ids`` (global ids of the recurrent layers, in array order),
+    ``conv_dtype`` and ``ssm_dtype`` (logical kvjax dtype names).
+    """
+
+    conv: tuple[jax.Array, ...]
+    ssm: jax.Array
+    layer_ids: tuple[int, ...] = _static()
+    conv_dtype: str = _static()
+    ssm_dtype: str = _static()
+    mesh: Mesh | None = _static(default=None)  # set when the state is sharded over TP ranks
+    state_axis: str | None = _static(default=None)
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_slots: int,
+        layer_ids: tuple[int, ...] | list[int],
+        conv_state_shapes: tuple[tuple[int, ...], ...] | list[tuple[int, ...]],
+        ssm_state_shape: tuple[int, ...],
+        conv_dtype: str = "bfloat16",
+        ssm_dtype: str = "float32",
+        platform: str = "cpu",
+        mesh: Mesh | None = None,
+        state_axis: str = "tp",
+    ) -> RecurrentStatePool:
+        """A zeroed pool of ``num_slots`` allocatable slots (plus the padding slot 0) per layer.
+
+        With a ``mesh``, the shapes are one rank's (``RecurrentStateSpec.per_rank``) and the state
+        is sharded as SGLang shards it: the channel axis of each conv tensor and the head axis of
+        the SSM tensor over ``state_axis`` (each device holds its rank's part, whole slots); zero and
+        fork then run per device under ``shard_map``.
+        """
+        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
+            raise InvalidSlotError(f"RecurrentStatePool: num_slots must be a non-negative integer, got {num_slots!r}")
+        ids = tuple(int(i) for i in layer_ids)
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"RecurrentStatePool: layer_ids must be distinct and non-empty, got {list(ids)}")
+        rows = int(num_slots) + 1
+
+        ranks = 1 if mesh is None else int(mesh.shape[state_axis])
+        sharding = None if mesh is None else NamedSharding(mesh, _STATE_SPEC(state_axis))
+
+        def zeros(shape: tuple[int, ...], name: str) -> jax.Array:
+            store = dtypes.storage_dtype(name, platform)
+            full = (len(ids), rows, shape[0] * ranks, *shape[1:])
+            return jax.jit(lambda: jnp.zeros(full, store), out_shardings=sharding)()
+
+        conv = tuple(zeros(tuple(s), conv_dtype) for s in conv_state_shapes)
+        ssm = zeros(tuple(ssm_state_shape), ssm_dtype)
+        return cls(
+            conv=conv,
+            ssm=ssm,
+            layer_ids=ids,
+            conv_dtype=conv_dtype,
+            ssm_dtype=ssm_dtype,
+            mesh=mesh,
+            state_axis=state_axis if mesh is not None else None,
+        )
+
+    # --- static facts ---------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def num_slots(self) -> int:
+        """Allocatable slots (the padding slot excluded): valid ids are ``[0, num_slots]``."""
+        return self.ssm.shape[1] - 1
+
+    @property
+    def conv_state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(a.shape[2:]) for a in self.conv)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, ...]:
+        return tuple(self.ssm.shape[2:])
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot across every layer and tensor (one request's state)."""
+        return sum(math.prod(a.shape[2:]) * a.dtype.itemsize for a in self.arrays()) * self.num_layers
+
+    def nbytes(self) -> int:
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.arrays())
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """Every state array, conv tensors first then the SSM tensor (the kernels' tuple)."""
+        return (*self.conv, self.ssm)
+
+    def _with_arrays(self, arrays: tuple[jax.Array, ...]) -> RecurrentStatePool:
+        return dataclasses.replace(self, conv=tuple(arrays[:-1]), ssm=arrays[-1])
+
+    def layer_index(self, layer_id: int) -> int:
+        """The array index of global layer ``layer_id`` (``ValueError`` naming the recurrent layers
+        otherwise, as SGLang's ``HybridLinearKVPool`` does for attention layers)."""
+        try:
+            return self.layer_ids.index(int(layer_id))
+        except ValueError:
+            raise ValueError(f"layer_id={layer_id} not in recurrent layers: {list(self.layer_ids)}") from None
+
+    # --- updates --------------------------------------------------------------------------------
+
+    def zero_slots(self, slots: Any) -> RecurrentStatePool:
+        """Zero the state of ``slots`` (int ``[n]``, each in ``[1, num_slots]``) in every layer.
+
+        Concrete ids outside ``[1, num_slots]`` raise ``InvalidSlotError`` (pool unchanged);
+        traced ones out of range are dropped.
+        """
+        if not _is_traced(slots):
+            validate.check_ids_in_range("slots", slots, 1, self.num_slots + 1, kind="state slot")
+        return self._with_arrays(self._per_device(zero_slots)(self.arrays(), jnp.asarray(slots, jnp.int32)))
+
+    def fork(self, src: Any, dst: Any) -> RecurrentStatePool:
+        """Copy-on-write fork: slot ``src[i]`` -> ``dst[i]`` in every layer of every tensor.
+
+        Concrete ids are checked (``InvalidSlotError``, pool unchanged): all in
+        ``[1, num_slots]``, destinations unique and none also a source. Whether the slots are
+        live is the allocator's to say: see :func:`fork_live_slots`.
+        """
+        if not (_is_traced(src) or _is_traced(dst)):
+            validate.check_fork(src, dst, self.num_slots + 1)
+        copy = self._per_device(copy_state_slots)
+        return self._with_arrays(copy(self.arrays(), jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)))
+
+    def _per_device(self, op: Any) -> Any:
+        """``op(arrays, *ids)``, per device under ``shard_map`` when the pool is sharded (a Mosaic
+        kernel is not partitioned automatically); the ids are replicated."""
+        if self.mesh is None:
+            return op
+        specs = tuple(_STATE_SPEC(self.state_axis) for _ in self.arrays())
+
+        def run(arrays: tuple[jax.Array, ...], *ids: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(op(arrays, *ids))
+
+        return lambda arrays, *ids: jax.shard_map(
+            run, mesh=self.mesh, in_specs=(specs, *(P() for _ in ids)), out_specs=specs
+        )(arrays, *ids)
+
+    def set_states(
+        self, layer_id: int, slots: Any, conv: tuple[jax.Array, ...] | list[jax.Array], ssm: jax.Array
+    ) -> RecurrentStatePool:
+        """Write one layer's new states: ``conv[i][j]`` and ``ssm[j]`` into slot ``slots[j]``.
+
+        ``conv[i]``: ``[n, *conv_state_shapes[i]]``, ``ssm``: ``[n, *ssm_state_shape]``, any
+        float dtype (cast to the pool's). Padded rows may write slot 0. Concrete slots outside
+        ``[0, num_slots]`` raise ``InvalidSlotError``; traced ones go to slot 0.
+        """
+        index = self.layer_index(layer_id)
+        check_slots(slots, self.num_slots + 1, name="slots")
+        if len(conv) != len(self.conv):
+            raise ValueError(f"conv: {len(conv)} tensors given; this pool has {len(self.conv)}")
+        n = int(np.shape(slots)[0])
+        for i, (a, x) in enumerate(zip(self.conv, conv, strict=True)):
+            want = (n, *a.shape[2:])
+            if tuple(x.shape) != want:
+                raise ValueError(f"conv[{i}] has shape {tuple(x.shape)}; expected {want}")
+        want = (n, *self.ssm.shape[2:])
+        if tuple(ssm.shape) != want:
+            raise ValueError(f"ssm has shape {tuple(ssm.shape)}; expected {want}")
+        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
+        arrays = _write_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), (*conv, ssm), logical)
+        return self._with_arrays(arrays)
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def get_states(self, layer_id: int, slots: Any) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        """One layer's states of ``slots`` in the logical dtypes: ``(conv tensors, ssm)``.
+
+        Concrete slots outside ``[0, num_slots]`` raise; traced ones read slot 0.
+        """
+        index = self.layer_index(layer_id)
+        check_slots(slots, self.num_slots + 1, name="slots")
+        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
+        out = _read_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), logical)
+        return tuple(out[:-1]), out[-1]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _write_layer(
+    arrays: tuple[jax.Array, ...], index: int, slots: jax.Array, new: tuple[jax.Array, ...], logical: tuple[Any, ...]
+) -> tuple[jax.Array, ...]:
+    """Scatter one layer's new states (cast to the logical dtype, stored as the storage dtype);
+    slots outside ``[0, num_slots]`` go to the padding slot 0."""
+    rows = arrays[0].shape[1]
+    loc = jnp.where((slots >= 0) & (slots < rows), slots, 0)
+    return tuple(
+        a.at[index, loc].set(dtypes.to_storage(jnp.asarray(x).astype(dt), a.dtype))
+        for a, x, dt in zip(arrays, new, logical, strict=True)
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _read_layer(
+    arrays: tuple[jax.Array, ...], index: int, slots: jax.Array, logical: tuple[Any, ...]
+) -> tuple[jax.Array, ...]:
+    """One layer's states of ``slots`` in their logical dtypes (out of range: slot 0)."""
+    rows = arrays[0].shape[1]
+    loc = jnp.where((slots >= 0) & (slots < rows), slots, 0)
+    return tuple(dtypes.from_storage(a[index, loc], dt) for a, dt in zip(arrays, logical, strict=True))
+
+
+def fork_live_slots(pool: RecurrentStatePool, allocator: Any, src: Any, dst: Any) -> RecurrentStatePool:
+    """:meth:`RecurrentStatePool.fork` after asking ``allocator`` (the owner of slot liveness,
+    a ``StateSlotAllocator``) that every source and destination is live.
+
+    Raises ``InvalidSlotError`` naming the free slots (pool and allocator unchanged).
+    """
+    allocator.check_live(src, "fork src")
+    allocator.check_live(dst, "fork dst")
+    return pool.fork(src, dst)
+
+
+def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) -> RecurrentStatePool:
+    """Apply queued slot copies ``(src, dst)`` in order (a tree's ``take_state_copies``: forks of
+    matched checkpoints into request slots, request states into new checkpoint slots).
+
+    Consecutive copies are batched into one :meth:`RecurrentStatePool.fork` while no destination
+    repeats and none is read or written by another copy of the batch, so the result equals the
+    copies done one by one. ``src == dst`` is skipped. Donate the pool for in-place copies.
+    """
+    out = pool
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for src, dst in copies:
+        src, dst = int(src), int(dst)
+        if src == dst:
+            continue
+        if dst in dsts or dst in srcs or src in dsts:
+            out = out.fork(np.asarray(srcs, np.int32), np.asarray(dsts, np.int32))
+            srcs, dsts = [], []
+        srcs.append(src)
+        dsts.append(dst)
+    if srcs:
+        out = out.fork(np.asarray(srcs, np.int32), np.asarray(dsts, np.int32))
+    return out
+
+
+def _STATE_SPEC(axis: str | None) -> P:  # noqa: N802 - reads as a constant spec
+    """State arrays sharded over their channel / head axis (axis 2)."""
+    return P(None, None, axis)
+
+
+def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> RecurrentStatePool:
+    """The pool kind registry's group builder for ``"recurrent"``: the plan lists one
+    ``PoolPlan`` per tensor (``conv_state_<i>``, ``ssm_state``), all carrying the same
+    ``RecurrentLayout``; they become one pool (forks and zeroing touch every tensor at once). With a
+    mesh the state is sharded over its ``"tp"`` axis, which must have the layout's ``tp_size``."""
+    layout = pools[0].layout
+    if not isinstance(layout, RecurrentLayout):
+        raise TypeError(
+            f"pool {pools[0].name!r} of kind 'recurrent' needs a RecurrentLayout, got {type(layout).__name__}"
+        )
+    mesh = context.mesh
+    if mesh is not None and int(mesh.shape[context.kv_head_axis]) != layout.tp_size:
+        raise NotImplementedError(
+            f"the recurrent state is planned for tp_size={layout.tp_size} ranks but the mesh's "
+            f"{context.kv_head_axis!r} axis has {mesh.shape[context.kv_head_axis]} devices (attention data "
+            "parallelism); a recurrent pool over such a mesh is not built yet"
+        )
+    return RecurrentStatePool.create(
+        num_slots=pools[0].shape[1] - 1,
+        layer_ids=pools[0].layer_ids,
+        conv_state_shapes=layout.conv_state_shapes,
+        ssm_state_shape=layout.ssm_state_shape,
+        conv_dtype=layout.conv_dtype,
+        ssm_dtype=layout.ssm_dtype,
+        platform=context.platform,
+        mesh=mesh,
+        state_axis=context.kv_head_axis,
+    )

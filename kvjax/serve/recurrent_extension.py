@@ -1,0 +1,90 @@
+"""`RecurrentStateExtension`: the serving hooks of a recurrent-state pool (hybrid SSM models).
+
+* **admission** (``after_admit``): the request gets a state slot from the request table
+  (``HybridReqToTokenPool.alloc_reqs``; when none is free, one unlocked tree checkpoint is evicted
+  first). With a ``MambaRadixCache`` the match ended at a checkpoint: its slot is forked into the
+  request's (a queued copy), so the request continues from the state after its cached prefix.
+* **step inputs** (``step_extras``): first every queued state copy is applied to
+  ``pools.recurrent`` (forks of matched checkpoints, request states copied into new checkpoints
+  by ``cache_unfinished_req``), in order, donated; then per sequence row its state slot
+  (``state_slots``, 0 for padding rows) and whether it continues a state (``has_initial_state``:
+  the row's KV did not start at 0 in this step).
+* **release**: the tree's lifecycle donates the request's state as a checkpoint, or frees it
+  (``MambaRadixCache.cleanup_after_caching_req``); with a tree that keeps no checkpoints (radix
+  cache off) the request's slots are freed here (``before_release``).
+
+A request that could not be admitted after all (no KV room) keeps its slot while it waits; its
+next admission reuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvjax.errors import OutOfMemoryError
+from kvjax.hybrid_req_pool import HybridReqToTokenPool
+from kvjax.pools.recurrent import apply_state_copies
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
+from kvjax.serve.extension import ServingExtension, StepBatch
+
+if TYPE_CHECKING:
+    from kvjax.build import KVCache
+    from kvjax.serve.serving_req import ServingReq
+
+__all__ = ["RecurrentStateExtension"]
+
+
+class RecurrentStateExtension(ServingExtension):
+    """See the module docstring. ``cache``: a built hybrid-SSM cache (``pools.recurrent``, a
+    ``HybridReqToTokenPool`` request table)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        table = cache.req_to_token_pool
+        if not isinstance(table, HybridReqToTokenPool):
+            raise TypeError(f"a recurrent-state cache needs a HybridReqToTokenPool, got {type(table).__name__}")
+        self.cache = cache
+        self.table = table
+        tree = cache.tree_cache
+        self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
+
+    def after_admit(self, req: ServingReq) -> None:
+        if req.mamba_pool_idx is None and self.table.alloc_reqs([req]) is None:
+            if self.tree is not None:
+                self.tree.evict(num_tokens=0, mamba_num=1)
+            if self.table.alloc_reqs([req]) is None:
+                raise OutOfMemoryError(
+                    f"request {req.rid!r}: no recurrent-state slot is free; raise max_mamba_cache_size "
+                    "(or mamba_full_memory_ratio) or lower max_running_requests"
+                )
+        else:
+            self.table.alloc_reqs([req])  # records the request's slot against its new row
+        req.mamba_cow_src_index = None
+        if self.tree is not None and req.last_node is not None and req.last_node is not self.tree.root:
+            src = self.tree.mamba.slot_of(req.last_node)
+            if src is not None:
+                req.mamba_cow_src_index = src
+                # Behind the tree's queued copies: the checkpoint may have been donated this step.
+                assert req.mamba_pool_idx is not None
+                self.tree.queue_state_copy(src, req.mamba_pool_idx)
+
+    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        copies: list[tuple[int, int]] = self.tree.take_state_copies() if self.tree is not None else []
+        if copies:
+            pools = self.cache.pools
+            self.cache.set_pools(pools.replace(recurrent=apply_state_copies(pools.recurrent, copies)))
+        n = len(batch.reqs)
+        slots = np.zeros(batch.max_seqs, np.int32)
+        slots[:n] = [0 if r.mamba_pool_idx is None else r.mamba_pool_idx for r in batch.reqs]
+        keep = np.zeros(batch.max_seqs, np.int32)
+        keep[:n] = np.asarray(batch.starts) > 0
+        return {"state_slots": slots, "has_initial_state": keep}
+
+    def before_release(self, req: ServingReq, finished: bool) -> None:
+        if self.tree is None:
+            self.table.free_mamba_cache(req)
+
+    def before_decode(self, reqs: Sequence[ServingReq]) -> None:
+        """Nothing: each decode step continues every request's own slot."""

@@ -1,0 +1,126 @@
+"""`SWAServing`: what a hybrid sliding-window cache adds to the serving loop (``ServingExtension``).
+
+* Step inputs (``BatchMetadata.extras``): the sliding layers read and write the SWA pool, so each
+  step gets, translated on the host through the allocator's full→SWA mapping (numpy, O(tokens +
+  pages), fixed shapes):
+
+  - ``"swa_out_loc"``: int32 ``[T]`` (the step's token bucket), the SWA slot of each new token
+    (0, the trash page, for padding);
+  - ``"swa_page_indices"``: int32 ``[max_seqs, pages_per_seq]``, each row's SWA page table. Pages
+    whose SWA slots were freed (out of the window) are 0, which the attention kernel never reads.
+
+* Decode-time window freeing (SGLang's ``free_swa_out_of_window_slots``): before each decode step,
+  every running request frees the SWA slots of its own positions that no future query can see,
+  ``[swa_evicted_seqlen, page_floor(kv_len - margin))`` with ``margin = max(W, page_size)`` for a
+  radix tree (the tree's last inserted page keeps live SWA) or ``W`` for a chunk cache, starting at
+  ``cache_protected_len`` (the tree's prefix is not the request's to free), and records the new
+  ``swa_evicted_seqlen``, which the tree receives when the request is cached. Once the request's
+  locked prefix is wholly out of the window, the lock's SWA part is released early
+  (``dec_swa_lock_only``), so the tree may evict that SWA. A long decode therefore holds at most
+  about one window of SWA slots per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvjax.alloc.swa import SWATokenToKVPoolAllocator
+from kvjax.radix.swa_component import SWALockPart
+from kvjax.radix.swa_radix_cache import SWARadixCache
+from kvjax.serve.extension import ServingExtension, StepBatch
+from kvjax.serve.step import token_bucket
+
+if TYPE_CHECKING:
+    from kvjax.build import KVCache
+    from kvjax.serve.serving_req import ServingReq
+
+__all__ = ["SWAServing", "swa_leak_free"]
+
+
+def swa_leak_free(alloc: SWATokenToKVPoolAllocator, tree: Any) -> bool:
+    """``available + evictable + protected == capacity`` on the full side and on the SWA side (a
+    chunk cache holds nothing: both sides wholly available)."""
+    full_cached = tree.evictable_size() + tree.protected_size()
+    swa_sizes = getattr(tree, "swa_evictable_size", None)
+    swa_cached = swa_sizes() + tree.swa_protected_size() if swa_sizes is not None else 0
+    return (
+        alloc.full_available_size() + full_cached == alloc.size_full
+        and alloc.swa_available_size() + swa_cached == alloc.size_swa
+    )
+
+
+class SWAServing(ServingExtension):
+    """The serving hooks of a hybrid-SWA cache (see the module docstring).
+
+    Args:
+        cache: a built cache whose allocator is an ``SWATokenToKVPoolAllocator``.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        alloc = cache.token_to_kv_pool_allocator
+        if not isinstance(alloc, SWATokenToKVPoolAllocator):
+            raise TypeError(f"SWAServing needs an SWATokenToKVPoolAllocator, got {type(alloc).__name__}")
+        window = cache.sliding_window_size
+        if not window:
+            raise ValueError("SWAServing needs the plan's sliding_window_size")
+        self.alloc = alloc
+        self.tree = cache.tree_cache
+        self.rows = cache.req_to_token_pool
+        self.window = int(window)
+        self.page_size = alloc.page_size
+        ps = self.page_size
+        self.margin = max(self.window, ps) if isinstance(self.tree, SWARadixCache) else self.window
+        width = self.rows.max_context_len
+        self.pages_per_seq = -(-width // ps)
+        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * ps, width - 1)
+        self.freed_swa_tokens = 0  # tokens whose SWA slots window freeing returned (a statistic)
+
+    # --- step inputs ------------------------------------------------------------------------------
+
+    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        mapping = self.alloc.full_to_swa_index_mapping
+        ps = self.page_size
+        n = len(batch.rows)
+        full = self.rows.req_to_token[np.asarray(batch.rows)[:, None], self._page_columns[None, :]]
+        table = np.zeros((batch.max_seqs, self.pages_per_seq), np.int32)
+        swa = mapping[full] // ps
+        n_pages = -(-np.asarray(batch.seq_lens) // ps)
+        swa[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
+        table[:n] = swa
+        total = int(batch.slots.shape[0])
+        out = np.zeros(token_bucket(total), np.int32)
+        out[:total] = mapping[batch.slots]
+        return {"swa_out_loc": out, "swa_page_indices": table}
+
+    # --- window freeing ---------------------------------------------------------------------------
+
+    def before_decode(self, reqs: Sequence[ServingReq]) -> None:
+        ps = self.page_size
+        for req in reqs:
+            row = req.req_pool_idx
+            if row is None:
+                continue
+            cpl = req.cache_protected_len
+            start = max(req.swa_evicted_seqlen, cpl)
+            pre_len = req.kv_len()  # KV written so far (before this step's token)
+            threshold = pre_len - self.margin
+            new = max(start, threshold) // ps * ps
+            if new > start:
+                self.alloc.free_swa(self.rows.req_to_token[row, start:new])
+                self.freed_swa_tokens += new - start
+            req.swa_evicted_seqlen = max(start, new)
+            if threshold >= cpl:
+                self._release_prefix_swa_lock(req)
+
+    def _release_prefix_swa_lock(self, req: ServingReq) -> None:
+        """The request's locked prefix is out of its window: release the lock's SWA part early."""
+        tree = self.tree
+        receipt = req.lock_receipt
+        if not isinstance(tree, SWARadixCache) or receipt is None or receipt.released or not receipt.parts:
+            return
+        part: Any = receipt.parts[0]
+        if isinstance(part, SWALockPart) and not part.released and part.locked and part.uuid is not None:
+            tree.dec_swa_lock_only(receipt)

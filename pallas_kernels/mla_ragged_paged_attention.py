@@ -1,0 +1,508 @@
+"""MLA ragged paged attention: a mixed decode/prefill batch of absorbed MLA queries over the latent pool.
+
+Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) caches one latent row per token,
+``[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`` (``kvjax.pools.mla``). In the *absorbed* form
+every query head attends to that row directly: the nope part of the query is pre-multiplied by
+the head's key up-projection (``q_nope @ W_UK``, ``[kv_lora_rank]`` per head) and the output is the
+latent ``c_kv`` mix, later up-projected by ``W_UV``. All heads share one KV "head" (MQA over the
+latent), so one KV fetch feeds every head.
+
+Arguments (``S = max_seqs``, ``T = total_q_tokens``, ``H`` query heads):
+
+* ``ql_nope``: ``[T, H, kv_lora_rank]``, absorbed query (compute dtype: bf16, f16 or f32).
+* ``q_pe``: ``[T, H, qk_rope_head_dim]``, the rotated query part (same dtype).
+* ``kv_pages``: one latent layer in the logical dtype (``MLAKVPool.kv_buffer``),
+  ``[num_pages + 1, page_size, row_padded]`` with ``row_padded >= kv_lora_rank + qk_rope_head_dim``;
+  fp8, bf16 or f32. Page 0 is the trash page.
+* ``kv_lens``, ``page_indices``, ``cu_q_lens``, ``num_seqs``: as in ``ragged_paged_attention``
+  (int32 ``[S]``, ``[S, pages_per_seq]``, ``[S + 1]``, ``[1]``).
+* ``sm_scale``: logit scale (required: DeepSeek's is ``1 / sqrt(qk_nope_head_dim +
+  qk_rope_head_dim)``, times the YaRN mscale squared where used).
+* ``kv_scale``: the layer's fp8 scale (``MLAKVPool.scale[i]``; default 1): attention reads
+  ``kv_scale * stored``.
+* Output: ``[T, H, kv_lora_rank]`` in ql_nope's dtype; padding tokens output 0.
+
+Semantics (kernel and reference agree): ``logits = sm_scale * (ql_nope . c_kv + q_pe . k_pe)``,
+causal (query ``i`` of a sequence with ``q_len`` new tokens and ``kv_len`` keys sits at position
+``kv_len - q_len + i`` and sees keys up to it), softmax in f32, ``out = softmax . c_kv``. Keys on
+page ids outside ``[1, num_pages]`` are masked; a query that sees no key outputs 0.
+
+Kernel design (shares the MHA kernel's plan, ``ragged_paged_attention``):
+
+* The wrapper concatenates ``[ql_nope | q_pe]`` and zero-pads to ``row_padded``, so one query row
+  meets one latent row in one dot product (the pool's padding is zero), and multiplies it by
+  ``kv_scale`` (``q . (s k) = (s q) . k``); the output is multiplied by ``kv_scale`` once at the end.
+  Rows are token-major: row ``r`` of a block is token ``r // H``, head ``r % H``.
+* Grid: one step per ``block_q`` tokens (``"parallel"``). Per overlapping sequence the kernel walks
+  the visible keys in KV blocks of ``block_kv_pages`` pages; each page is one DMA of a dense
+  ``[page_size, row_padded]`` tile block into a VMEM double buffer (the next block is in flight
+  while one is computed, across sequences). One ``[R, Dp] x [Dp, bkv]`` matmul gives the logits of
+  all heads, one ``[R, bkv] x [bkv, kv_lora_rank]`` the update (V is the first ``kv_lora_rank``
+  lanes of the same buffer: the latent is fetched once for K and V).
+* Online softmax with f32 state; rows of different sequences never mix; V rows of skipped or
+  masked keys are zeroed before ``p @ v`` (stale VMEM may hold NaN).
+* dtypes: bf16 and f32 pools are multiplied as they are; fp8 blocks are widened once per block to
+  bf16 (exact) and multiplied in bf16.
+
+Public entry point ``mla_ragged_paged_attention``: compiled Pallas when lowering for TPU, the jnp
+reference (``mla_ragged_paged_attention_reference``) elsewhere, or an interpreter with ``interpret=``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.validate import check_kv_scale
+
+#: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere. ``True``: the HLO
+#: interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
+Interpret = bool | pltpu.InterpretParams | None
+
+_MASK_VALUE = -1e30  # finite: a row with no key yet must not compute exp(-inf - -inf)
+_TARGET_KV_TOKENS = 256
+_TARGET_Q_ROWS = 256
+
+
+def _check_args(
+    ql_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+) -> None:
+    """Trace-time shape/dtype checks naming the offending values."""
+    if ql_nope.ndim != 3 or q_pe.ndim != 3 or ql_nope.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(
+            f"ql_nope {list(ql_nope.shape)} and q_pe {list(q_pe.shape)} must be [tokens, heads, kv_lora_rank] "
+            "and [tokens, heads, qk_rope_head_dim] with the same tokens and heads"
+        )
+    if kv_pages.ndim != 3:
+        raise ValueError(
+            f"kv_pages has shape {list(kv_pages.shape)}; expected [num_pages + 1, page_size, row_padded] "
+            "(MLAKVPool.kv_buffer)"
+        )
+    row = ql_nope.shape[2] + q_pe.shape[2]
+    if row > kv_pages.shape[2]:
+        raise ValueError(
+            f"kv_lora_rank {ql_nope.shape[2]} + qk_rope_head_dim {q_pe.shape[2]} = {row} exceeds the pool's "
+            f"row_padded={kv_pages.shape[2]}"
+        )
+    for name, x in (("ql_nope", ql_nope), ("q_pe", q_pe)):
+        dtype = jnp.dtype(x.dtype)
+        if not (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in (2, 4)):
+            raise TypeError(f"{name} has dtype {dtype}; pass queries in the compute dtype (bf16, f16 or f32)")
+    if jnp.dtype(ql_nope.dtype) != jnp.dtype(q_pe.dtype):
+        raise TypeError(f"ql_nope is {jnp.dtype(ql_nope.dtype)} but q_pe is {jnp.dtype(q_pe.dtype)}")
+    pool = jnp.dtype(kv_pages.dtype)
+    if not (jnp.issubdtype(pool, jnp.floating) and pool.itemsize in (1, 2, 4)):
+        raise TypeError(f"kv_pages has dtype {pool}; pass the pool's logical-dtype view (MLAKVPool.kv_buffer)")
+    if page_indices.ndim != 2:
+        raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
+    max_seqs = page_indices.shape[0]
+    for name, x, shape in (
+        ("kv_lens", kv_lens, (max_seqs,)),
+        ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
+        ("num_seqs", num_seqs, (1,)),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
+        if jnp.dtype(x.dtype).kind not in "iu":
+            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
+
+
+def _scale(kv_scale: float | jax.Array | None) -> jax.Array:
+    check_kv_scale("kv_scale", kv_scale)
+    return jnp.float32(1.0) if kv_scale is None else jnp.asarray(kv_scale, jnp.float32).reshape(())
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (pure jnp)
+# --------------------------------------------------------------------------------------------
+
+
+def mla_ragged_paged_attention_reference(
+    ql_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    kv_scale: float | jax.Array | None = None,
+    token_batch: int = 8,
+) -> jax.Array:
+    """Pure-jnp MLA attention (module docstring): per query token, gather its sequence's latent rows,
+    dequantise (``* kv_scale``), masked softmax in f32. Returns ``[T, H, kv_lora_rank]``."""
+    _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    total, heads, rank = ql_nope.shape
+    rope = q_pe.shape[2]
+    num_pool_pages, page_size, row_padded = kv_pages.shape
+    max_seqs, pages_per_seq = page_indices.shape
+    max_kv = pages_per_seq * page_size
+    dequant = _scale(kv_scale)
+    if total == 0:
+        return jnp.zeros_like(ql_nope)
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    page_indices = page_indices.astype(jnp.int32)
+    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs[0]
+    token = jnp.arange(total, dtype=jnp.int32)
+    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    tok_seq = jnp.sum(ends[None, :] <= token[:, None], axis=1, dtype=jnp.int32)
+    tok_live = (tok_seq < num_seqs[0]) & (token >= cu_q_lens[0])
+    tok_seq = jnp.minimum(tok_seq, max_seqs - 1)
+    q_start = cu_q_lens[tok_seq]
+    tok_pos = kv_lens[tok_seq] - (cu_q_lens[tok_seq + 1] - q_start) + (token - q_start)
+    page_ok = (page_indices >= 1) & (page_indices < num_pool_pages)
+    safe_pages = jnp.where(page_ok, page_indices, 0)
+    key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+    q32 = jnp.concatenate([ql_nope, q_pe], axis=-1).astype(jnp.float32)
+
+    def attend(xs: tuple[jax.Array, ...]) -> jax.Array:
+        qt, seq, pos, is_live = xs  # [H, rank + rope], scalars
+        rows = kv_pages[safe_pages[seq]].reshape(max_kv, row_padded)[:, : rank + rope]
+        rows = rows.astype(jnp.float32) * dequant
+        logits = jnp.einsum("hd,ld->hl", qt, rows) * sm_scale
+        visible = (key_pos <= pos) & jnp.repeat(page_ok[seq], page_size) & is_live
+        logits = jnp.where(visible, logits, -jnp.inf)
+        peak = jnp.max(logits, axis=-1, keepdims=True)
+        peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+        weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)
+        denom = jnp.sum(weights, axis=-1, keepdims=True)
+        out = weights @ jnp.where(visible[:, None], rows[:, :rank], 0.0)
+        return out / jnp.where(denom > 0, denom, 1.0)
+
+    out = jax.lax.map(attend, (q32, tok_seq, tok_pos, tok_live), batch_size=min(token_batch, total))
+    return out.astype(ql_nope.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+class _SeqView(NamedTuple):
+    t_lo: Any  # first token of the sequence in the block
+    t_hi: Any  # one past its last token in the block
+    first_pos: Any  # position of token t_lo
+    kv_end: Any  # keys [0, kv_end) are visible to some row of the block
+    k_hi: Any  # KV blocks [0, k_hi) cover them
+    page_base: Any  # offset of the sequence's row in the flat page table
+    active: Any
+
+
+def _mla_kernel(
+    kv_lens_ref: Any,  # SMEM i32[S]
+    page_ids_ref: Any,  # SMEM i32[S * padded_pages_per_seq] (0 = invalid id, never fetched)
+    cu_q_lens_ref: Any,  # SMEM i32[S + 1]
+    seq_lo_ref: Any,  # SMEM i32[num_q_blocks]
+    seq_hi_ref: Any,  # SMEM i32[num_q_blocks]
+    row_token_ref: Any,  # VMEM i32[R, 1]: r // H
+    q_ref: Any,  # VMEM [R, Dp]
+    kv_hbm_ref: Any,  # ANY [num_pages + 1, page_size, Dp]
+    o_ref: Any,  # VMEM f32[R, rank]
+    kv_buf: Any,  # VMEM [2, bkv, Dp]
+    sems: Any,  # DMA semaphores [2]
+    m_ref: Any,  # VMEM f32[R, 1]
+    l_ref: Any,  # VMEM f32[R, 1]
+    acc_ref: Any,  # VMEM f32[R, rank]
+    *,
+    block_q: int,
+    block_kv_pages: int,
+    page_size: int,
+    padded_pages_per_seq: int,
+    rank: int,
+    sm_scale: float,
+) -> None:
+    b = pl.program_id(0)
+    block_kv = block_kv_pages * page_size
+    blk_start = b * block_q
+    blk_end = blk_start + block_q
+    m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    row_token = blk_start + row_token_ref[...]  # [R, 1]
+    max_seqs = kv_lens_ref.shape[0]
+
+    def view(s: Any) -> _SeqView:
+        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
+        t_lo = jnp.maximum(q_start, blk_start)
+        t_hi = jnp.minimum(q_end, blk_end)
+        first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)
+        kv_end = jnp.clip(first_pos + (t_hi - t_lo), 0, kv_len)  # last visible key + 1
+        k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)  # lax.div: operands >= 0 (see the MHA kernel)
+        return _SeqView(t_lo, t_hi, first_pos, kv_end, k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_hi > 0))
+
+    def page_id(seq: _SeqView, k: Any, j: Any) -> Any:
+        return page_ids_ref[seq.page_base + k * block_kv_pages + j]
+
+    def fetch(seq: _SeqView, k: Any, slot: Any, action: str) -> None:
+        """Start or wait for the page DMAs of KV block k of ``seq``; both evaluate the same conditions."""
+        pages_visible = jax.lax.div(seq.kv_end + page_size - 1, page_size) - k * block_kv_pages
+        j_hi = jnp.clip(pages_visible, 0, block_kv_pages)
+
+        @pl.loop(0, j_hi)
+        def _(j: Any) -> None:
+            page = page_id(seq, k, j)
+
+            @pl.when(page != 0)
+            def _() -> None:
+                copy = pltpu.make_async_copy(
+                    kv_hbm_ref.at[page], kv_buf.at[slot, pl.ds(j * page_size, page_size)], sems.at[slot]
+                )
+                getattr(copy, action)()
+
+    def key_ok(seq: _SeqView, k: Any, shape: tuple[int, int], axis: int) -> tuple[Any, Any]:
+        offset = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+        pos = k * block_kv + offset
+        ok = pos < seq.kv_end
+        for j in range(block_kv_pages):  # static
+            in_page = (offset >= j * page_size) & (offset < (j + 1) * page_size)
+            ok = ok & jnp.logical_not(in_page & (page_id(seq, k, j) == 0))
+        return ok, pos
+
+    def compute(seq: _SeqView, k: Any, slot: Any) -> None:
+        col_ok, col_pos = key_ok(seq, k, (1, block_kv), 1)
+        v_ok, _ = key_ok(seq, k, (block_kv, 1), 0)
+        row_pos = seq.first_pos + (row_token - seq.t_lo)
+        row_ok = (row_token >= seq.t_lo) & (row_token < seq.t_hi)
+        mask = row_ok & col_ok & (col_pos <= row_pos)
+        rows = kv_buf[slot]  # [bkv, Dp]
+        if jnp.dtype(rows.dtype).itemsize == 1:
+            rows = rows.astype(jnp.float32)  # fp8 -> f32 -> the matmul dtype (exact)
+        rows = jnp.where(v_ok, rows.astype(q_ref.dtype), jnp.zeros((), q_ref.dtype))
+        q = q_ref[...]
+        logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = jnp.where(mask, logits * sm_scale, _MASK_VALUE)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        m_ref[...] = m_new
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        values = rows[:, :rank]
+        pv = jax.lax.dot_general(
+            p.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        acc_ref[...] = alpha * acc_ref[...] + pv
+
+    seq_lo, seq_hi = seq_lo_ref[b], seq_hi_ref[b]
+
+    def seq_step(s: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        slot0, prefetched = carry
+        cur = view(s)
+        nxt = view(jnp.minimum(s + 1, max_seqs - 1))
+        next_active = (s + 1 < seq_hi) & nxt.active
+
+        @pl.when(cur.active & (prefetched == 0))
+        def _() -> None:
+            fetch(cur, 0, slot0, "start")
+
+        @pl.when(cur.active)
+        def _() -> None:
+            @pl.loop(0, cur.k_hi)
+            def _(k: Any) -> None:
+                slot = jax.lax.rem(slot0 + k, 2)
+                last = k + 1 == cur.k_hi
+                target = jax.tree.map(functools.partial(jnp.where, last), nxt, cur)
+                target_k = jnp.where(last, 0, k + 1)
+
+                @pl.when(jnp.logical_not(last) | next_active)
+                def _() -> None:
+                    fetch(target, target_k, jax.lax.rem(slot + 1, 2), "start")
+
+                fetch(cur, k, slot, "wait")
+                compute(cur, k, slot)
+
+        blocks = jnp.where(cur.active, cur.k_hi, 0)
+        return jax.lax.rem(slot0 + blocks, 2), (cur.active & next_active).astype(jnp.int32)
+
+    jax.lax.fori_loop(seq_lo, seq_hi, seq_step, (jnp.int32(0), jnp.int32(0)))
+    denom = l_ref[...]
+    o_ref[...] = acc_ref[...] / jnp.where(denom > 0.0, denom, 1.0)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def default_block_sizes(
+    total_q_tokens: int, max_seqs: int, num_heads: int, page_size: int, pages_per_seq: int
+) -> tuple[int, int]:
+    """``(block_q, block_kv_pages)``: 8 tokens for a decode batch (every row beyond a sequence's own
+    is wasted work), else about ``_TARGET_Q_ROWS`` rows (``block_q * num_heads``); about
+    ``_TARGET_KV_TOKENS`` keys per KV block."""
+    if total_q_tokens <= max_seqs:
+        block_q = 8
+    else:
+        block_q = max(8, (_TARGET_Q_ROWS // num_heads) // 8 * 8)
+        block_q = min(block_q, _round_up(max(total_q_tokens, 1), 8))
+    return block_q, max(1, min(pages_per_seq, _TARGET_KV_TOKENS // page_size))
+
+
+def mla_ragged_paged_attention_kernel(
+    ql_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    kv_scale: float | jax.Array | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = False,
+) -> jax.Array:
+    """The Pallas kernel (compiled when ``interpret`` is False: TPU only); the reference's contract."""
+    _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    total, heads, rank = ql_nope.shape
+    num_pool_pages, page_size, dim_padded = kv_pages.shape
+    max_seqs, pages_per_seq = page_indices.shape
+    dequant = _scale(kv_scale)
+    if total == 0:
+        return jnp.zeros_like(ql_nope)
+    default_q, default_kv = default_block_sizes(total, max_seqs, heads, page_size, pages_per_seq)
+    block_q = default_q if block_q is None else int(block_q)
+    block_kv_pages = default_kv if block_kv_pages is None else int(block_kv_pages)
+    if block_q <= 0 or block_q % 8 or block_kv_pages <= 0:
+        raise ValueError(
+            f"block_q={block_q} must be a positive multiple of 8 and block_kv_pages={block_kv_pages} positive"
+        )
+    pool_dtype = jnp.dtype(kv_pages.dtype)
+    compute = jnp.dtype(jnp.float32) if pool_dtype.itemsize == 4 else jnp.dtype(jnp.bfloat16)
+    if pool_dtype == jnp.float16:
+        compute = jnp.dtype(jnp.float32)
+    num_blocks = -(-total // block_q)
+    total_padded = num_blocks * block_q
+    rows = block_q * heads
+
+    q = jnp.concatenate([ql_nope, q_pe], axis=-1).astype(jnp.float32) * dequant
+    q = jnp.pad(q, ((0, total_padded - total), (0, 0), (0, dim_padded - q.shape[-1])))
+    q = q.astype(compute).reshape(total_padded * heads, dim_padded)
+
+    max_kv = pages_per_seq * page_size
+    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    padded_pages = _round_up(pages_per_seq, block_kv_pages)
+    page_ids = page_indices.astype(jnp.int32)
+    page_ids = jnp.where((page_ids >= 1) & (page_ids < num_pool_pages), page_ids, 0)
+    page_ids = jnp.pad(page_ids, ((0, 0), (0, padded_pages - pages_per_seq))).reshape(-1)
+    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs.astype(jnp.int32)[0]
+    blk_start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    seq_lo = jnp.sum(live[None, :] & (cu_q_lens[None, 1:] <= blk_start[:, None]), axis=1, dtype=jnp.int32)
+    seq_hi = jnp.sum(live[None, :] & (cu_q_lens[None, :-1] < blk_start[:, None] + block_q), axis=1, dtype=jnp.int32)
+    seq_hi = jnp.maximum(seq_hi, seq_lo)
+    row_token = (jnp.arange(rows, dtype=jnp.int32) // heads).reshape(rows, 1)
+
+    kernel = functools.partial(
+        _mla_kernel,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+        page_size=page_size,
+        padded_pages_per_seq=padded_pages,
+        rank=rank,
+        sm_scale=float(sm_scale),
+    )
+    block_kv = block_kv_pages * page_size
+    kv_bytes = max_seqs * max_kv * dim_padded * pool_dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * total_padded * heads * max_kv * (dim_padded + rank),
+        transcendentals=total_padded * heads * max_kv,
+        bytes_accessed=kv_bytes + q.size * compute.itemsize + total_padded * heads * rank * 4,
+    )
+    vmem = (
+        2 * rows * dim_padded * compute.itemsize
+        + 2 * rows * rank * 4
+        + 2 * block_kv * dim_padded * pool_dtype.itemsize
+        + block_kv * dim_padded * 4
+        + rows * (rank + 2 * 128) * 4
+        + 4 * rows * block_kv * 4
+    )
+    vmem_limit = int(min(2 * vmem, 100 * 2**20)) if vmem > 12 * 2**20 else None
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(
+            (total_padded * heads, rank), jnp.float32, manual_axis_type=jax.typeof(q).manual_axis_type
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(num_blocks,),
+            in_specs=[
+                pl.BlockSpec((rows, 1), lambda b, *_: (0, 0)),
+                pl.BlockSpec((rows, dim_padded), lambda b, *_: (b, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((rows, rank), lambda b, *_: (b, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((2, block_kv, dim_padded), kv_pages.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.VMEM((rows, 1), jnp.float32),
+                pltpu.VMEM((rows, rank), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), disable_bounds_checks=True, vmem_limit_bytes=vmem_limit
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="mla_ragged_paged_attention",
+    )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, q, kv_pages)
+    out = out.reshape(total_padded, heads, rank)[:total] * dequant
+    return out.astype(ql_nope.dtype)
+
+
+def mla_ragged_paged_attention(
+    ql_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    kv_scale: float | jax.Array | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = None,
+) -> jax.Array:
+    """Absorbed MLA attention of a ragged batch over the latent pool (module docstring).
+
+    ``interpret``: ``None``/``False``: the compiled kernel when lowering for TPU, the jnp reference
+    elsewhere; ``True``: the HLO interpreter; ``pltpu.InterpretParams(...)``: the TPU interpreter.
+    Returns ``[total_q_tokens, num_heads, kv_lora_rank]`` in ql_nope's dtype.
+    """
+    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
+        raise TypeError(f"interpret must be None, a bool or pltpu.InterpretParams, got {type(interpret).__name__}")
+    _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    args = (ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, _scale(kv_scale))
+
+    def reference(*a: jax.Array) -> jax.Array:
+        return mla_ragged_paged_attention_reference(*a[:7], kv_scale=a[7], sm_scale=sm_scale)
+
+    def kernel(*a: jax.Array, interpret: Interpret) -> jax.Array:
+        return mla_ragged_paged_attention_kernel(
+            *a[:7],
+            kv_scale=a[7],
+            sm_scale=sm_scale,
+            block_q=block_q,
+            block_kv_pages=block_kv_pages,
+            interpret=interpret,
+        )
+
+    if interpret is None or interpret is False:
+        return jax.lax.platform_dependent(*args, tpu=functools.partial(kernel, interpret=False), default=reference)
+    return kernel(*args, interpret=interpret)

@@ -1,0 +1,350 @@
+"""Stateful property test: ``MambaRadixCache`` (FULL + MAMBA) against a naive model.
+
+The model knows nothing of nodes: ``pages`` maps every cached page-aligned prefix
+``(extra_key, tokens)`` to the KV slots of its last page; ``states`` maps a prefix to the
+checkpoint slot after it; ``recency`` records when each checkpoint was last refreshed (its
+commit, an insert ending on it, a match ending on it: never an insert walking over it). From it
+follow, exactly: every match (the checkpoint-limited length, the FULL-only length, the slots, the
+checkpoint slot), every insert (already-cached length, whether the donated slot comes back), the
+per-path cap (shallowest eligible checkpoints dropped), which checkpoints a state eviction frees
+and in which order, and what each eviction does to the pages (one allocator call per evicted
+node). After every step: ``sanity_check``, both components' sizes against the model, and
+``available + evictable + protected == capacity`` for KV slots and for state slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax.alloc import make_allocator
+from kvjax.alloc.state_slots import StateSlotAllocator
+from kvjax.radix import MambaRadixCache
+from tests.radix.test_component_machine import PALETTE, Recorder
+
+CAPACITY_PAGES = 32
+STATE_CAPACITY = 6
+KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
+EXTRA_KEYS = st.sampled_from([None, None, "ns"])
+
+SETTINGS = settings(
+    max_examples=30,
+    stateful_step_count=30,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class RecordingStates(StateSlotAllocator):
+    """A state allocator that records its frees, in order."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.freed: list[int] = []
+
+    def free(self, slots: Any) -> None:
+        super().free(slots)
+        self.freed += np.asarray(slots).reshape(-1).tolist()
+
+    def take(self) -> list[int]:
+        out, self.freed = self.freed, []
+        return out
+
+
+class MambaMachine(RuleBasedStateMachine):
+    page_size = 1
+    cap = -1
+
+    @initialize()
+    def setup(self):
+        ps = self.page_size
+        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
+        self.capacity = self.alloc.available_size()
+        self.states_alloc = RecordingStates(STATE_CAPACITY)
+        self.tree = MambaRadixCache(
+            page_size=ps,
+            allocator=self.alloc,
+            mamba_pool_size=self.states_alloc,
+            mamba_max_states_per_path=self.cap,
+            enable_mamba_extra_buffer=ps > 1,
+        )
+        self.pages: dict[tuple, tuple[int, ...]] = {}
+        self.states: dict[tuple, int] = {}
+        self.recency: dict[tuple, int] = {}
+        self.clock = 0
+        self.locks: list[tuple] = []  # (extra_key, locked prefix, receipt, checkpoint prefix or None)
+        self.seen: list[tuple] = [(None, [0])]
+
+    # -- model helpers ---------------------------------------------------------------------------
+
+    def _key(self, pages) -> list[int]:
+        return [t for p in pages for t in PALETTE[self.page_size][p]]
+
+    def _prefixes(self, ek, key):
+        ps = self.page_size
+        return [(ek, tuple(key[:end])) for end in range(ps, len(key) // ps * ps + 1, ps)]
+
+    def _touch(self, pos) -> None:
+        self.clock += 1
+        self.recency[pos] = self.clock
+
+    def _children(self, pos) -> int:
+        ek, prefix = pos
+        n = len(prefix) + self.page_size
+        return sum(1 for k in self.pages if k[0] == ek and len(k[1]) == n and k[1][: len(prefix)] == prefix)
+
+    def _covered(self) -> set:
+        out = set()
+        for ek, prefix, _, _ in self.locks:
+            out.update(self._prefixes(ek, list(prefix)))
+        return out
+
+    def _state_locked(self) -> set:
+        return {pos for _, _, _, pos in self.locks if pos is not None}
+
+    def _drop_state(self, pos) -> None:
+        del self.states[pos]
+        del self.recency[pos]
+
+    def _apply_full_frees(self, calls, *, deleting: list | None = None) -> tuple[int, list[int]]:
+        """Apply the FULL frees of an eviction: one call = one deleted node (its checkpoint goes too)."""
+        owner = {v[0] // self.page_size: k for k, v in self.pages.items()}
+        covered = self._covered()
+        freed, states_freed = 0, []
+        for call in calls:
+            chain = sorted((owner[p] for p in sorted({s // self.page_size for s in call})), key=lambda k: len(k[1]))
+            end = chain[-1]
+            assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
+            assert len(call) == len(chain) * self.page_size
+            assert self._children(end) == 0, "evicted a node with children"
+            for a, b in zip(chain, chain[1:], strict=False):
+                assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + self.page_size, "not one node"
+            assert all(e not in self.states for e in chain[:-1]), "a checkpoint inside a node"
+            if deleting is not None:
+                assert end == deleting.pop(0), "state eviction deleted another node"
+            if end in self.states:
+                states_freed.append(self.states[end])
+                self._drop_state(end)
+            for e in chain:
+                del self.pages[e]
+            freed += len(call)
+        return freed, states_freed
+
+    def _fresh(self, n: int):
+        short = n - self.alloc.available_size()
+        if short > 0:
+            self._evict_full(short)
+        got = self.alloc.alloc(n)
+        return None if got is None else np.asarray(got, np.int32)
+
+    def _evict_full(self, n: int) -> None:
+        evictable = self.tree.full_evictable_size()
+        self.alloc.take()
+        self.states_alloc.take()
+        result = self.tree.evict(num_tokens=n)
+        freed, states_freed = self._apply_full_frees(self.alloc.take())
+        assert self.states_alloc.take() == states_freed
+        assert (result.num_tokens_evicted, result.mamba_num_evicted) == (freed, len(states_freed))
+        assert freed >= min(n, evictable) and freed <= evictable
+
+    def _trim(self, tail) -> list[int]:
+        """The per-path cap after a checkpoint was committed on ``tail``."""
+        if self.cap < 0:
+            return []
+        ek, key = tail
+        holders = [pos for pos in self._prefixes(ek, list(key)) if pos in self.states]
+        excess = len(holders) - self.cap
+        locked = self._state_locked()
+        dropped = []
+        for pos in holders:  # shallowest first
+            if excess <= 0:
+                break
+            if pos == tail or pos in locked or self._children(pos) != 1:
+                continue
+            dropped.append(self.states[pos])
+            self._drop_state(pos)
+            excess -= 1
+        return dropped
+
+    # -- rules -----------------------------------------------------------------------------------
+
+    def _seen(self, which, cut, more):
+        ek, pages = self.seen[which % len(self.seen)]
+        return ek, pages[: cut % (len(pages) + 1)] + more
+
+    @rule(pages=KEYS, ek=EXTRA_KEYS, with_state=st.sampled_from([True, True, True, False]))
+    def insert(self, pages, ek, with_state):
+        self._insert(pages, ek, with_state)
+
+    @rule(which=st.integers(0, 100), cut=st.integers(0, 5), more=KEYS, with_state=st.booleans())
+    def insert_near_seen(self, which, cut, more, with_state):
+        ek, pages = self._seen(which, cut, more[:2])
+        self._insert(pages, ek, with_state)
+
+    @rule(which=st.integers(0, 100), more=st.integers(0, 3))
+    def extend_seen(self, which, more):
+        """A seen key plus one page, with a checkpoint: chains of checkpoints (the per-path cap)."""
+        ek, pages = self.seen[which % len(self.seen)]
+        self._insert(pages + [more], ek, True)
+
+    def _insert(self, pages, ek, with_state):
+        self.seen.append((ek, list(pages)))
+        key = self._key(pages)
+        values = self._fresh(len(key))
+        if values is None:
+            return
+        slot = None
+        if with_state:
+            got = self.states_alloc.alloc(1)
+            slot = None if got is None else int(got[0])
+        prefixes = self._prefixes(ek, key)
+        walk = 0
+        for pos in prefixes:
+            if pos not in self.pages:
+                break
+            walk = len(pos[1])
+        self.states_alloc.take()
+        result = self.tree.insert(key, values, extra_key=ek, mamba_value=slot)
+        assert result.prefix_len == walk
+        for pos in prefixes:
+            if len(pos[1]) > walk:
+                end = len(pos[1])
+                self.pages[pos] = tuple(values[end - self.page_size : end].tolist())
+        trimmed: list[int] = []
+        if slot is not None:
+            tail = prefixes[-1]
+            if tail in self.states:
+                assert result.mamba_exist and result.results["mamba"] == slot
+                self._touch(tail)
+                self.states_alloc.free([slot])
+                self.states_alloc.take()
+            else:
+                assert not result.mamba_exist
+                self.states[tail] = slot
+                self._touch(tail)
+                trimmed = self._trim(tail)
+        assert self.states_alloc.take() == trimmed, "the per-path cap freed other checkpoints"
+        assert not self.alloc.take(), "insert freed FULL slots: duplicates are the caller's"
+        if walk:
+            self.alloc.free(values[:walk])
+            self.alloc.take()
+
+    def _match(self, key, ek):
+        m = self.tree.match_prefix(key, extra_key=ek)
+        dev = 0
+        best = 0
+        for pos in self._prefixes(ek, key):
+            if pos not in self.pages:
+                break
+            dev = len(pos[1])
+            if pos in self.states:
+                best = dev
+        assert (m.full_kv_hit_length, m.prefix_len) == (dev, best)
+        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos]]
+        assert m.indices.tolist() == expected
+        extras = m.extras["mamba"]
+        if best:
+            pos = (ek, tuple(key[:best]))
+            assert extras.slot == self.states[pos]
+            self._touch(pos)
+        else:
+            assert extras.slot is None and m.last_node is self.tree.root
+        return m, best
+
+    @rule(pages=KEYS, ek=EXTRA_KEYS)
+    def match(self, pages, ek):
+        self._match(self._key(pages), ek)
+
+    @rule(which=st.integers(0, 100), cut=st.sampled_from([5, 5, 0, 1, 2]), more=KEYS)
+    def lock(self, which, cut, more):
+        ek, pages = self._seen(which, cut, more[:1])
+        key = self._key(pages)
+        m, best = self._match(key, ek)
+        receipt = self.tree.inc_lock_ref(m.last_node)
+        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+
+    @precondition(lambda self: self.locks)
+    @rule(which=st.integers(0, 100))
+    def unlock(self, which):
+        _, _, receipt, _ = self.locks.pop(which % len(self.locks))
+        self.tree.dec_lock_ref(receipt)
+
+    @precondition(lambda self: len(self.pages) >= 6)
+    @rule(n=st.integers(1, 8))
+    def evict_full(self, n):
+        self._evict_full(n * self.page_size)
+
+    @precondition(lambda self: len(self.states) >= 2)
+    @rule(k=st.integers(1, 3))
+    def evict_states(self, k):
+        locked = self._state_locked()
+        expected = sorted((p for p in self.states if p not in locked), key=self.recency.__getitem__)[:k]
+        self.alloc.take()
+        self.states_alloc.take()
+        result = self.tree.evict(num_tokens=0, mamba_num=k)
+        assert self.states_alloc.take() == [self.states[p] for p in expected], "not least recent first"
+        calls = self.alloc.take()
+        freed = 0
+        for pos in expected:
+            self._drop_state(pos)
+            if self._children(pos) or pos in self._covered():
+                continue  # a state tombstone: only the slot is freed
+            f, _ = self._apply_full_frees([calls.pop(0)], deleting=[pos])
+            freed += f
+        assert not calls
+        assert (result.num_tokens_evicted, result.mamba_num_evicted) == (freed, len(expected))
+
+    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
+    @rule()
+    def reset(self):
+        self.alloc.take()
+        self.states_alloc.take()
+        self.tree.reset()
+        assert sorted(s for c in self.alloc.take() for s in c) == sorted(s for v in self.pages.values() for s in v)
+        assert sorted(self.states_alloc.take()) == sorted(self.states.values())
+        self.pages.clear()
+        self.states.clear()
+        self.recency.clear()
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self):
+        if not hasattr(self, "tree"):
+            return
+        tree = self.tree
+        tree.sanity_check()
+        ps = self.page_size
+        covered = self._covered()
+        assert tree.total_size() == len(self.pages) * ps
+        assert tree.full_protected_size() == len(covered) * ps
+        assert self.alloc.available_size() + tree.full_evictable_size() + tree.full_protected_size() == self.capacity
+        locked = len(self._state_locked())
+        assert (tree.mamba_evictable_size(), tree.mamba_protected_size()) == (len(self.states) - locked, locked)
+        assert self.states_alloc.available_size() + len(self.states) == STATE_CAPACITY
+        assert tree.mamba.lru_order() == sorted(
+            (tree.mamba.lru_order()), key=lambda n: self.recency[self._pos_of(n)]
+        ), "the tree's checkpoint recency differs from the model's"
+        assert len(self.states) <= len(self.pages)
+        self.states_alloc.check_invariants()
+
+    def _pos_of(self, node) -> tuple:
+        toks = []
+        ek = node.extra_key
+        while node is not self.tree.root:
+            toks[:0] = node.token_ids()
+            node = node.parent
+        return (ek, tuple(toks))
+
+
+@pytest.mark.parametrize("page_size,cap", [(1, -1), (2, -1), (1, 2)])
+def test_mamba_tree_matches_model(page_size, cap):
+    machine: Any = type(f"MambaMachine_p{page_size}_c{cap}", (MambaMachine,), {"page_size": page_size, "cap": cap})
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()

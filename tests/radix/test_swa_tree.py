@@ -1,0 +1,336 @@
+"""SWARadixCache: SGLang 0.5.23's conformance scenarios (window 4, page 1), EAGLE bigrams, leaf
+capping, the SWA-evicted-prefix insert, the lock-release lifecycle, bad input, the request
+lifecycle over an SWATokenToKVPoolAllocator, and the chunk caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
+from kvjax.errors import ConfigError
+from kvjax.radix import LockError, PureSWAChunkCache, SWAChunkCache, SWARadixCache
+from kvjax.req_pool import ReqToTokenPool
+from kvjax.request import Req
+
+
+def shape(tree: SWARadixCache) -> list[tuple[list[int], bool, int]]:
+    """(tokens, SWA live, FULL lock) of every node, DFS in child-key order."""
+    out = []
+
+    def walk(node, depth):
+        for ck in sorted(node.children, key=repr):
+            child = node.children[ck]
+            out.append((child.token_ids(), not tree.swa.is_tombstone(child), child.lock_ref))
+            walk(child, depth + 1)
+
+    walk(tree.root, 0)
+    return out
+
+
+def state(tree: SWARadixCache) -> tuple:
+    return (tree.pretty_print(), shape(tree), tree.total_size(), tree.swa_evictable_size(), tree.swa_protected_size())
+
+
+# --------------------------------------------------------------------------- conformance
+
+
+def test_sglang_0523_window4_page1():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    assert [t.insert([1, 2, 3]), t.insert([1, 2, 3, 4, 5, 6, 7]), t.insert([10, 11, 12])] == [0, 3, 0]
+    assert t.insert([1, 2, 3, 4, 5, 60, 70]) == 5
+    t.sanity_check()
+    assert t.evict(1, 0) == (3, 3)  # FULL: the [10, 11, 12] leaf (the split stamped [6, 7] fresh)
+    assert t.evict(0, 1) == (2, 2)  # SWA: deletes the [6, 7] leaf, no internal tombstone
+    assert t.evict(1, 2) == (2, 2)  # FULL: the [60, 70] leaf; its SWA slots count toward the 2
+    t.sanity_check()
+    m = t.match_prefix([1, 2, 3, 4, 5])
+    assert m.prefix_len == 5
+    m = t.match_prefix([1, 2, 3, 4, 5, 60, 70])
+    assert m.prefix_len == 5 and m.last_node.token_ids() == [4, 5]
+    assert shape(t) == [([1, 2, 3], True, 0), ([4, 5], True, 0)]
+
+
+def test_sglang_0523_window4_page1_eagle_bigrams():
+    t = SWARadixCache(page_size=1, sliding_window_size=4, is_eagle=True)
+    got = [t.insert([1, 2, 3]), t.insert([1, 2, 3, 4, 5, 6, 7]), t.insert([10, 11, 12])]
+    got.append(t.insert([1, 2, 3, 4, 5, 60, 70]))
+    assert got == [0, 2, 0, 4]
+    assert t.evict(1, 0) == (2, 2)
+    assert t.evict(0, 1) == (2, 2)
+    assert t.evict(1, 2) == (2, 2)
+    t.sanity_check()
+    assert t.match_prefix([1, 2, 3, 4, 5]).prefix_len == 4
+    m = t.match_prefix([1, 2, 3, 4, 5, 60, 70])
+    assert m.prefix_len == 4 and m.last_node.token_ids() == [3, 4, 5]
+
+
+def test_leaf_capping_at_one_page_aligned_window():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    t.insert(list(range(1, 9)))
+    assert shape(t) == [([1, 2, 3, 4], True, 0), ([5, 6, 7, 8], True, 0)]
+    t2 = SWARadixCache(page_size=2, sliding_window_size=3)  # ceil_to_page(3) = 4
+    t2.insert(list(range(1, 11)))
+    assert shape(t2) == [([1, 2, 3, 4, 5, 6], True, 0), ([7, 8, 9, 10], True, 0)]
+    t2.sanity_check()
+
+
+def test_insert_with_swa_evicted_prefix_and_revival():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    key = list(range(1, 13))
+    assert t.insert(key, swa_evicted_seqlen=8) == 0
+    assert shape(t) == [(key[:8], False, 0), (key[8:], True, 0)]
+    assert t.match_prefix(key).prefix_len == 12
+    assert t.match_prefix(key[:8]).prefix_len == 0
+    assert t.match_prefix(key[:10]).prefix_len == 0
+    assert t.total_size() == (12, 4)
+    # Re-inserting with live SWA revives the tombstone.
+    assert t.insert(key) == 12
+    assert t.match_prefix(key[:8]).prefix_len == 8
+    assert t.total_size() == (12, 12)
+    t.sanity_check()
+
+
+def test_partial_revival_splits_the_tombstone_at_the_evicted_length():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    key = list(range(1, 13))
+    t.insert(key, swa_evicted_seqlen=8)
+    assert t.insert(key, swa_evicted_seqlen=4) == 12  # positions 4..7 come back
+    assert [(toks, live) for toks, live, _ in shape(t)] == [(key[:4], False), (key[4:8], True), (key[8:], True)]
+    assert t.match_prefix(key[:8]).prefix_len == 8  # 4 live tokens after the tombstone
+    t.sanity_check()
+
+
+def test_lock_release_lifecycle():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    key = list(range(1, 13))
+    t.insert(key)  # nodes [1..8] and [9..12] (capped)
+    m = t.match_prefix(key)
+    r = t.inc_lock_ref(m.last_node)
+    assert (t.full_protected_size(), t.swa_protected_size()) == (12, 4)  # SWA: one window only
+    assert (t.full_evictable_size(), t.swa_evictable_size()) == (0, 8)
+    assert t.dec_swa_lock_only(r) == 4  # frees nothing, protected -> evictable
+    assert (t.swa_protected_size(), t.swa_evictable_size(), t.total_size()) == (0, 12, (12, 12))
+    before = state(t)
+    with pytest.raises(LockError, match="already released"):
+        t.dec_swa_lock_only(r)
+    assert state(t) == before
+    # FULL is still locked: SWA eviction tombstones (the internal node first, then the locked leaf).
+    assert t.evict(0, 1) == (0, 8)
+    assert t.match_prefix(key).prefix_len == 12  # a whole window of live SWA after the tombstone
+    assert t.evict(0, 1) == (0, 4)
+    assert t.match_prefix(key).prefix_len == 0
+    assert shape(t) == [(key[:8], False, 1), (key[8:], False, 1)]
+    t.sanity_check()
+    assert t.dec_lock_ref(r) == 12  # FULL only
+    with pytest.raises(LockError):
+        t.dec_lock_ref(r)
+    assert t.evict(12, 0) == (12, 0)  # tombstoned leaves are deleted by FULL eviction
+    assert t.total_size() == (0, 0)
+    t.sanity_check()
+
+
+def test_swa_lock_that_reaches_the_root_is_not_released_early():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    t.insert([1, 2])
+    r = t.inc_lock_ref(t.match_prefix([1, 2]).last_node)
+    assert t.swa_protected_size() == 2
+    assert t.dec_swa_lock_only(r) == 0  # the segment reached the root: nothing to release early
+    assert t.swa_protected_size() == 2
+    t.dec_lock_ref(r)
+    assert (t.full_protected_size(), t.swa_protected_size()) == (0, 0)
+    t.sanity_check()
+
+
+def test_split_of_a_locked_segment_moves_its_boundary():
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    t.insert([1, 2, 3, 4, 5, 6])  # [1, 2] + [3..6]
+    r = t.inc_lock_ref(t.match_prefix([1, 2, 3, 4, 5, 6]).last_node)
+    t.match_prefix([1, 2, 3, 9])  # splits the locked [3..6] at [3]
+    assert t.swa_protected_size() == 4
+    t.dec_lock_ref(r)
+    assert (t.full_protected_size(), t.swa_protected_size()) == (0, 0)
+    t.sanity_check()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_and_changes_nothing():
+    t = SWARadixCache(page_size=2, sliding_window_size=4)
+    t.insert(list(range(1, 9)))
+    before = state(t)
+    with pytest.raises(ValueError, match="not page aligned"):
+        t.insert(list(range(1, 13)), swa_evicted_seqlen=3)
+    with pytest.raises(ValueError, match="reaches the end of the key"):
+        t.insert(list(range(1, 13)), swa_evicted_seqlen=12)
+    with pytest.raises(ValueError, match=">= 0"):
+        t.insert(list(range(1, 13)), swa_evicted_seqlen=-2)
+    with pytest.raises(ValueError, match="prev_prefix_len"):
+        t.insert(list(range(1, 13)), prev_prefix_len=14)
+    with pytest.raises(ValueError, match="amount"):
+        t.evict(-1, 0)
+    with pytest.raises(ValueError, match="amount"):
+        t.evict(0, -1)
+    with pytest.raises(TypeError):
+        t.dec_swa_lock_only(t.root)  # type: ignore[arg-type]
+    assert state(t) == before
+    with pytest.raises(ConfigError, match="sliding_window_size"):
+        SWARadixCache(page_size=1, sliding_window_size=0)
+    with pytest.raises(ConfigError, match="sliding_window_size"):
+        SWARadixCache(page_size=1)
+    with pytest.raises(ConfigError, match="SWATokenToKVPoolAllocator"):
+        SWARadixCache(page_size=1, sliding_window_size=4, allocator=make_allocator(8, 1))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="page"):
+        SWARadixCache(page_size=2, sliding_window_size=4, allocator=SWATokenToKVPoolAllocator(8, 8, 1))
+
+
+# --------------------------------------------------------------------------- with an allocator
+
+
+class SWAHarness:
+    """A request table, an SWA allocator and the tree; requests get fresh slots for their tokens."""
+
+    def __init__(self, window: int = 4, page_size: int = 1, size: int = 64, size_swa: int = 32) -> None:
+        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, page_size)
+        self.pool = ReqToTokenPool(4, 64)
+        self.tree = SWARadixCache(
+            page_size=page_size, sliding_window_size=window, allocator=self.alloc, req_to_token_pool=self.pool
+        )
+
+    def start(self, tokens: list[int]) -> Req:
+        rows = self.pool.alloc(1)
+        assert rows is not None
+        req = Req(f"r{rows[0]}", list(tokens), req_pool_idx=rows[0])
+        m = self.tree.match_and_lock(req)
+        self.pool.write(rows[0], 0, m.indices)
+        fresh = self.alloc.alloc(len(tokens) - m.prefix_len)
+        assert fresh is not None
+        self.pool.write(rows[0], m.prefix_len, fresh)
+        req.swa_evicted_seqlen = req.cache_protected_len
+        return req
+
+    def leave_window(self, req: Req, upto: int) -> None:
+        """The request frees the SWA slots of its own positions before ``upto`` (decode)."""
+        row = self.pool.req_to_token[req.req_pool_idx]
+        self.alloc.free_swa(row[req.swa_evicted_seqlen : upto])
+        req.swa_evicted_seqlen = upto
+
+    def finish(self, req: Req) -> None:
+        self.tree.cache_finished_req(req)
+        assert req.req_pool_idx is not None
+        self.pool.free(req.req_pool_idx)
+
+    def check(self, held_full: int = 0, held_swa: int = 0) -> None:
+        t, a = self.tree, self.alloc
+        t.sanity_check()
+        a.check_invariants()
+        assert a.full_available_size() + t.full_evictable_size() + t.full_protected_size() + held_full == a.size_full
+        assert a.swa_available_size() + t.swa_evictable_size() + t.swa_protected_size() + held_swa == a.size_swa
+
+
+def test_request_lifecycle_with_window_freeing_and_tombstone_revival():
+    h = SWAHarness()
+    prompt = list(range(100, 112))
+    r1 = h.start(prompt)
+    assert r1.req_pool_idx is not None
+    slots1 = h.pool.req_to_token[r1.req_pool_idx, :12].copy()
+    h.check(held_full=12, held_swa=12)
+    h.leave_window(r1, 6)  # decode moved on: positions 0..5 left the window
+    h.check(held_full=12, held_swa=6)
+    h.finish(r1)
+    # The first 6 positions are a tombstone; the live part is capped at one window.
+    assert [(len(toks), live) for toks, live, _ in shape(h.tree)] == [(6, False), (2, True), (4, True)]
+    assert h.alloc.translate_loc_from_full_to_swa(slots1[:6]).tolist() == [0] * 6
+    h.check()
+    # A request sharing only the tombstoned part cannot reuse it; its insert revives the tombstone.
+    r2 = h.start(prompt[:6] + [7, 7])
+    assert r2.cache_protected_len == 0
+    assert r2.req_pool_idx is not None
+    slots2 = h.pool.req_to_token[r2.req_pool_idx, :8].copy()
+    h.finish(r2)
+    node = h.tree.match_prefix(prompt[:6]).last_node
+    assert node.value.tolist() == slots2[:6].tolist()  # the tree took r2's slots ...
+    assert h.tree.match_prefix(prompt[:6]).prefix_len == 6  # ... and its SWA
+    h.check()
+    assert h.alloc.full_available_size() == 64 - 14
+
+
+def test_revival_of_a_full_locked_tombstone_keeps_the_locked_full_slots():
+    h = SWAHarness()
+    prompt = list(range(100, 112))
+    r1 = h.start(prompt)
+    h.leave_window(r1, 6)
+    h.finish(r1)  # tombstone [0, 6) + live [6, 12)
+    r2 = h.start(prompt + [5])  # matches all 12 (a window of live SWA after the tombstone)
+    assert r2.cache_protected_len == 12
+    tomb = h.tree.root.children[100]  # the tombstone [0, 6), FULL-locked by r2
+    assert tomb.lock_ref == 1 and h.tree.swa.is_tombstone(tomb)
+    assert tomb.value is not None
+    locked_full = tomb.value.copy()
+    r3 = h.start(prompt[:6] + [9, 9])
+    h.finish(r3)
+    assert tomb.value is not None and tomb.value.tolist() == locked_full.tolist()  # FULL slots kept (locked) ...
+    assert not h.tree.swa.is_tombstone(tomb)  # ... with r3's SWA slots
+    assert (h.alloc.translate_loc_from_full_to_swa(locked_full) > 0).all()
+    h.check(held_full=1, held_swa=1)  # r2's own last token
+    h.finish(r2)
+    h.check()
+
+
+def test_eviction_under_pressure_frees_both_pools():
+    h = SWAHarness(size=32, size_swa=16)
+    for base in (100, 200):
+        h.finish(h.start(list(range(base, base + 8))))
+        h.check()
+    assert (h.alloc.full_available_size(), h.alloc.swa_available_size()) == (16, 0)
+    assert h.alloc.alloc(8) is None  # the SWA pool is full
+    # SWA LRU: [100..103] (internal: a tombstone), then the leaf [104..107] (deleted, FULL KV too).
+    assert h.tree.evict(0, 8) == (4, 8)
+    assert h.tree.match_prefix(list(range(100, 108))).prefix_len == 0
+    assert h.tree.match_prefix(list(range(200, 208))).prefix_len == 8
+    h.finish(h.start(list(range(300, 308))))
+    h.check()
+    assert h.tree.evict(32, 0) == (20, 16)  # the tombstoned [100..103] holds FULL KV only
+    assert h.tree.total_size() == (0, 0) and h.alloc.available_size() == 16
+    h.check()
+
+
+# --------------------------------------------------------------------------- chunk caches
+
+
+def test_swa_chunk_cache_frees_full_and_remaining_swa():
+    alloc = SWATokenToKVPoolAllocator(16, 8, 1)
+    pool = ReqToTokenPool(2, 16)
+    cache = SWAChunkCache(pool, alloc, 1, sliding_window_size=4)
+    assert cache.supports_swa() and cache.is_chunk_cache()
+    row = pool.alloc(1)
+    assert row == [0]
+    req = Req("a", list(range(6)), req_pool_idx=0)
+    slots = alloc.alloc(6)
+    assert slots is not None
+    pool.write(0, 0, slots)
+    alloc.free_swa(slots[:2])
+    req.swa_evicted_seqlen = 2
+    cache.cache_finished_req(req)
+    assert alloc.full_available_size() == 16 and alloc.swa_available_size() == 8
+    assert req.swa_evicted_seqlen == 0
+    with pytest.raises(ConfigError, match="SWATokenToKVPoolAllocator"):
+        SWAChunkCache(pool, make_allocator(8, 1), 1, sliding_window_size=4)
+
+
+def test_pure_swa_chunk_cache_skips_what_decode_freed():
+    alloc = make_allocator(16, 1)
+    pool = ReqToTokenPool(2, 16)
+    cache = PureSWAChunkCache(pool, alloc, 1, sliding_window_size=4)
+    row = pool.alloc(1)
+    assert row == [0]
+    req = Req("a", list(range(6)), req_pool_idx=0)
+    slots = alloc.alloc(6)
+    assert slots is not None
+    pool.write(0, 0, slots)
+    alloc.free(slots[:2])  # decode freed the out-of-window slots
+    req.swa_evicted_seqlen = 2
+    cache.cache_finished_req(req)  # would double-free without the skip
+    assert alloc.available_size() == 16
+    np.testing.assert_array_equal(np.sort(alloc.free_pages)[:6], np.arange(1, 7))
