@@ -109,6 +109,7 @@ def test_workloads_and_the_serving_commands_import_no_jax():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # three demo runs; tests/serve/test_host_tier_serving.py covers the loop in the main suite
 def test_demo_with_the_host_tier_on_a_pool_smaller_than_the_working_set():
     report = run_demo(workload=SMALL, progress=False, max_total_tokens=128, enable_hierarchical_cache=True)
     assert report.ok and report.cold_equals_warm and report.leak_free and report.host_balanced
