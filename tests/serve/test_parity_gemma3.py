@@ -185,6 +185,7 @@ def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefi
     _assert_matches_transformers(hf, done)
 
 
+@pytest.mark.slow  # ~20 s: the default suite keeps the page-4 run above
 def test_page_1_with_pools_small_enough_to_evict_and_retract(gemma3):
     hf, model = gemma3
     sched, done = _serve(model, page_size=1, max_total_tokens=64)
