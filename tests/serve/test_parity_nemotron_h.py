@@ -74,3 +74,29 @@ def test_prefix_reuse_from_checkpoints_multi_turn_and_chunked_prefill(model):
         assert margin >= MIN_MARGIN, f"{name}: Transformers' top-2 margin {margin:.2e} is a near-tie; pick other seeds"
         assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
         np.testing.assert_allclose(np.stack(req.logits), logits, atol=LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits")
+
+
+def test_transformers_5_block_names_and_conv_dtype_are_read():
+    from kvjax import ModelSpec
+    from kvjax.layer_kinds import LayerKind
+
+    raw = {
+        "model_type": "nemotron_h",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "layers_block_type": ["linear_attention", "mlp", "full_attention"],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "dtype": "float32",
+    }
+    spec = ModelSpec.from_hf_config(raw)
+    assert spec.layer_kinds == (LayerKind.RECURRENT, LayerKind.NONE, LayerKind.FULL)
+    assert spec.recurrent is not None and spec.recurrent.conv_dtype == "float32"
+    assert spec.recurrent.conv_state_shapes == ((4 * 16 + 2 * 2 * 16, 3),)
