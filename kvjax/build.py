@@ -193,6 +193,17 @@ def build_kv_cache(
     plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory)
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
+    if plan.attach_host_tier and any(p.name == "index_k" for p in plan.pools):
+        raise NotImplementedError(
+            f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
+            "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
+        )
+    if plan.draft_host_pools:
+        raise NotImplementedError(
+            f"kvjax cannot build the draft model's KV pools and their host pools yet (speculative_algorithm="
+            f"{config.speculative_algorithm!r} with the host tier) for {plan.model}; the plan is available from "
+            "plan_kv_cache"
+        )
     if mesh is not None:
         _check_mesh(mesh, config)
 

@@ -27,6 +27,9 @@ Semantics (kernel and reference agree):
   ``kv_len - q_len + i`` and sees keys at positions up to its own.
 * Sliding window ``w``: a query at position ``p`` sees keys in ``(p - w, p]``.
 * Logits: ``sm_scale * q . k``, then ``soft_cap * tanh(logits / soft_cap)`` if ``soft_cap``.
+* Attention sinks (gpt-oss): with ``sinks`` (f32 ``[num_q_heads]``), query head ``j`` gets one
+  more logit ``sinks[j]`` in its softmax, with a zero value: the weights of the keys sum to less
+  than one. A query with no visible key still outputs 0.
 * GQA/MQA: query head ``j`` reads KV head ``j // (num_q_heads // num_kv_heads)``.
 * Page ids outside ``[1, num_pages]`` (0 = the trash page, padding of the table) are never read
   as data: their keys are masked. A query with no visible key (padding, or only masked keys)
@@ -226,6 +229,14 @@ def _live_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
+def _check_sinks(sinks: Any, num_q_heads: int) -> jax.Array:
+    """``sinks`` as f32 ``[num_q_heads]``; ValueError naming the shape otherwise."""
+    arr = jnp.asarray(sinks, jnp.float32)
+    if arr.shape != (num_q_heads,):
+        raise ValueError(f"sinks has shape {arr.shape}; expected ({num_q_heads},), one logit per query head")
+    return arr
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -239,6 +250,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     token_batch: int = 8,
 ) -> jax.Array:
     """Pure-jnp ragged paged attention (module docstring); returns ``[T, num_q_heads, head_dim]``.
@@ -282,6 +294,7 @@ def ragged_paged_attention_reference(
     safe_pages = jnp.where(page_ok, page_indices, 0)
     q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
     key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+    sink = None if sinks is None else _check_sinks(sinks, num_q_heads).reshape(num_kv_heads, group, 1)
 
     def attend(xs: tuple[jax.Array, ...]) -> jax.Array:
         qt, seq, pos, is_live = xs  # [H, G, D], scalars
@@ -296,9 +309,13 @@ def ragged_paged_attention_reference(
             visible &= key_pos > pos - sliding_window
         logits = jnp.where(visible, logits, -jnp.inf)
         peak = jnp.max(logits, axis=-1, keepdims=True)
+        if sink is not None:
+            peak = jnp.maximum(peak, sink)
         peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
         weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)
         denom = jnp.sum(weights, axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + jnp.exp(sink - peak)
         out = jnp.einsum("hgl,lhd->hgd", weights, jnp.where(visible[:, None, None], v, 0.0))
         return out / jnp.where(denom > 0, denom, 1.0)
 
@@ -338,13 +355,20 @@ def _split_kv(
     interpreter nor Mosaic needs a ref bit-cast) to 32-bit words, which pairs rows ``2h`` and
     ``2h + 1``, i.e. K and V of head ``h``, in one word: K in the low half, V in the high half.
 
-    ``stage_ref``: ``[bkv * Hkv, Dp]`` uint32 words (``packed``) or ``[bkv * 2 * Hkv, Dp]`` rows of a
+    ``stage_ref``: ``[chunks, bkv * Hkv, lanes]`` uint32 words (``packed``) or ``[chunks, bkv * 2 * Hkv,
+    lanes]`` rows (``Dp = chunks * lanes``; one chunk unless ``Dp`` is a multiple of 128 above it) of a
     32-bit dtype (f32 pools as they are; fp8 and f16 blocks widened to f32 first). K and V come
     back in ``dtype``, the kernel's matmul dtype. ``v_ok``: bool ``[bkv, 1]``; V (and K) rows
     outside it are zeroed so that stale or uninitialised VMEM (NaN) cannot reach ``p @ v``.
     """
+    chunks = int(stage_ref.shape[0])  # the staging buffer is split into lane chunks (see the wrapper)
+
+    def load(start: int, stride: int) -> Any:
+        parts = [stage_ref.at[c][pl.ds(start, block_kv, stride=stride), :] for c in range(chunks)]
+        return parts[0] if chunks == 1 else jnp.concatenate(parts, axis=1)
+
     if packed:
-        words = stage_ref[pl.ds(h, block_kv, stride=num_kv_heads), :]
+        words = load(h, num_kv_heads)
         words = jnp.where(v_ok, words, jnp.uint32(0))
         # bf16 is the high half of an f32: a bf16's bits moved into the high half of a word are
         # that value as f32 (exact), so the split is two bit operations and a cast.
@@ -352,8 +376,8 @@ def _split_kv(
         values = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32).astype(dtype)
         return keys, values
     stride = 2 * num_kv_heads
-    keys = stage_ref[pl.ds(2 * h, block_kv, stride=stride), :]
-    values = stage_ref[pl.ds(2 * h + 1, block_kv, stride=stride), :]
+    keys = load(2 * h, stride)
+    values = load(2 * h + 1, stride)
     values = jnp.where(v_ok, values, jnp.zeros((), values.dtype))
     return keys.astype(dtype), values.astype(dtype)
 
@@ -369,6 +393,7 @@ def _rpa_kernel(
     row_token_ref: Any,  # VMEM i32[R, 1]: token of row r within the block (r // G)
     q_ref: Any,  # VMEM [Hkv, R, Dp], R = block_q * G
     kv_hbm_ref: Any,  # ANY [num_pages + 1, page_size, 2 * Hkv, Dp]
+    sink_ref: Any,  # VMEM f32[Hkv, R, 1]: the attention sink logit of each row's query head
     # outputs
     o_ref: Any,  # VMEM [Hkv, R, Dp]
     # scratch
@@ -387,6 +412,7 @@ def _rpa_kernel(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    has_sinks: bool,
 ) -> None:
     """One grid step: all query rows of token block ``b`` against the KV of every overlapping sequence."""
     b = pl.program_id(0)
@@ -482,7 +508,10 @@ def _rpa_kernel(
             block = pltpu.bitcast(block, jnp.uint32)  # [bkv, Hkv, Dp]: word = (K_h low, V_h high)
         elif jnp.dtype(block.dtype).itemsize != 4:
             block = block.astype(jnp.float32)  # fp8 / f16: widened once per block (exact)
-        stage_ref[...] = block.reshape(stage_ref.shape)
+        chunks, stage_rows, lanes = (int(d) for d in stage_ref.shape)
+        flat = block.reshape(stage_rows, chunks * lanes)
+        for c in range(chunks):  # static: lane chunks of 128 (strided loads need a 128-lane base)
+            stage_ref[c] = flat[:, c * lanes : (c + 1) * lanes]
         for h in range(num_kv_heads):  # static: one [R, Dp] x [Dp, bkv] matmul per KV head
             q = q_ref[h]
             keys, values = _split_kv(stage_ref, h, num_kv_heads, block_kv, v_ok, packed, q_ref.dtype)
@@ -544,7 +573,14 @@ def _rpa_kernel(
 
     for h in range(num_kv_heads):
         denom = l_ref[h]
-        o_ref[h] = (acc_ref[h] / jnp.where(denom > 0.0, denom, 1.0)).astype(o_ref.dtype)
+        acc = acc_ref[h]
+        if has_sinks:  # one more logit per row with a zero value, folded into the final state
+            sink = sink_ref[h]
+            m_new = jnp.maximum(m_ref[h], sink)
+            alpha = jnp.exp(m_ref[h] - m_new)
+            denom = alpha * denom + jnp.exp(sink - m_new)
+            acc = alpha * acc
+        o_ref[h] = (acc / jnp.where(denom > 0.0, denom, 1.0)).astype(o_ref.dtype)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -588,6 +624,7 @@ def ragged_paged_attention_kernel(
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The Pallas kernel (compiled when ``interpret`` is False: TPU only). Same contract as the reference.
 
@@ -647,6 +684,9 @@ def ragged_paged_attention_kernel(
     seq_hi = jnp.sum(live[None, :] & (cu_q_lens[None, :-1] < blk_start[:, None] + block_q), axis=1, dtype=jnp.int32)
     seq_hi = jnp.maximum(seq_hi, seq_lo)
     row_token = (jnp.arange(rows, dtype=jnp.int32) // group).reshape(rows, 1)
+    # Row r of a block is query head h * G + r % G: its sink, per KV head (zeros when unused).
+    sink_heads = jnp.zeros((num_q_heads,), jnp.float32) if sinks is None else _check_sinks(sinks, num_q_heads)
+    sink_rows = jnp.tile(sink_heads.reshape(num_kv_heads, group), (1, block_q)).reshape(num_kv_heads, rows, 1)
 
     kernel = functools.partial(
         _rpa_kernel,
@@ -658,16 +698,21 @@ def ragged_paged_attention_kernel(
         sm_scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
+        has_sinks=sinks is not None,
     )
     block_kv = block_kv_pages * page_size
     itemsize = jnp.dtype(q.dtype).itemsize
     kv_itemsize = jnp.dtype(kv_pages.dtype).itemsize
+    # Mosaic's sublane-strided load needs a base whose last dim is 128: a wider head dim (Gemma's
+    # 256) is staged as 128-lane chunks and each head's rows are loaded chunk by chunk.
+    lanes = 128 if dim_padded > 128 and dim_padded % 128 == 0 else dim_padded
+    chunks = dim_padded // lanes
     if jnp.dtype(kv_pages.dtype) == jnp.bfloat16:  # K/V pairs as 32-bit words
-        stage = pltpu.VMEM((block_kv * num_kv_heads, dim_padded), jnp.uint32)
+        stage = pltpu.VMEM((chunks, block_kv * num_kv_heads, lanes), jnp.uint32)
     elif kv_itemsize == 4:
-        stage = pltpu.VMEM((block_kv * combined, dim_padded), kv_pages.dtype)
+        stage = pltpu.VMEM((chunks, block_kv * combined, lanes), kv_pages.dtype)
     else:  # fp8 / f16: the block is widened to f32 rows
-        stage = pltpu.VMEM((block_kv * combined, dim_padded), jnp.float32)
+        stage = pltpu.VMEM((chunks, block_kv * combined, lanes), jnp.float32)
     q_block = pl.BlockSpec((num_kv_heads, rows, dim_padded), lambda b, *_: (0, b, 0))
     # Rough cost for XLA's scheduler: the keys actually read depend on the batch, unknown when
     # tracing; state the page table's capacity read once (the decode case).
@@ -704,6 +749,7 @@ def ragged_paged_attention_kernel(
                 pl.BlockSpec((rows, 1), lambda b, *_: (0, 0)),
                 q_block,
                 pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec((num_kv_heads, rows, 1), lambda b, *_: (0, 0, 0)),
             ],
             out_specs=q_block,
             scratch_shapes=[
@@ -721,7 +767,7 @@ def ragged_paged_attention_kernel(
         cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention",
-    )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, qp, kv_pages)
+    )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, qp, kv_pages, sink_rows)
 
     out = out.reshape(num_kv_heads, total_padded, group, dim_padded).transpose(1, 0, 2, 3)
     out = out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]
@@ -746,6 +792,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = None,
@@ -761,6 +808,7 @@ def ragged_paged_attention(
       sm_scale: logit scale (default ``1 / sqrt(head_dim)``).
       sliding_window: a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
+      sinks: f32 ``[num_q_heads]`` attention-sink logits (gpt-oss), or None.
       k_scale, v_scale: the layer's fp8 scales (``MHAKVPool.k_scale[i]``; stored = value / scale):
         attention runs on ``k_scale * k`` and ``v_scale * v``. Default 1. Concrete scales that are
         zero, negative or not finite raise ``ValueError``.
@@ -777,7 +825,13 @@ def ragged_paged_attention(
 
     def reference(*a: jax.Array) -> jax.Array:
         return ragged_paged_attention_reference(
-            *a[:6], k_scale=a[6], v_scale=a[7], sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+            *a[:6],
+            k_scale=a[6],
+            v_scale=a[7],
+            sinks=a[8] if len(a) > 8 else None,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
         )
 
     def kernel(*a: jax.Array, interpret: Interpret) -> jax.Array:
@@ -791,10 +845,11 @@ def ragged_paged_attention(
             block_q=block_q,
             block_kv_pages=block_kv_pages,
             interpret=interpret,
+            sinks=a[8] if len(a) > 8 else None,
         )
 
     _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    args = (
+    args: tuple[jax.Array, ...] = (
         q,
         kv_pages,
         kv_lens,
@@ -804,6 +859,8 @@ def ragged_paged_attention(
         _scale("k_scale", k_scale),
         _scale("v_scale", v_scale),
     )
+    if sinks is not None:
+        args = (*args, _check_sinks(sinks, q.shape[1]))
     if not _kernel_reads(kv_pages.dtype) and not interpret:
         return reference(*args)  # a pool dtype the compiled kernel does not take (_COMPILED_POOL_DTYPES)
     if interpret is None or interpret is False:

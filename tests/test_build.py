@@ -318,3 +318,21 @@ def test_build_shards_the_recurrent_state_over_a_tp_mesh():
     assert r["forked"] and r["zeroed"] and r["others"], r
     assert r["in_place"], "the donated shards must be reused"
     assert "tp" in r["spec"]
+
+
+def test_build_refuses_draft_host_pools_naming_them():
+    with pytest.raises(NotImplementedError, match="draft model's KV pools and their host pools"):
+        tiny_cache(enable_hierarchical_cache=True, speculative_algorithm="EAGLE")
+
+
+def test_build_host_tier_for_mla_and_refuses_dsa():
+    from kvjax.radix import HiRadixCache
+    from tests.specs import mla
+
+    config = CacheConfig(
+        max_total_tokens=256, max_running_requests=4, context_length=64, enable_hierarchical_cache=True
+    )
+    cache = build_kv_cache(mla(layers=2), config)
+    assert isinstance(cache.tree_cache, HiRadixCache) and cache.host_pool.num_layers == 2
+    with pytest.raises(NotImplementedError, match="DSA indexer"):
+        build_kv_cache(mla(layers=2, dsa=True), config)

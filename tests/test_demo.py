@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvjax.demo import run_demo
 from kvjax.serve.workload import Workload
 
@@ -107,6 +109,7 @@ def test_workloads_and_the_serving_commands_import_no_jax():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # three demo runs; tests/serve/test_host_tier_serving.py covers the loop in the main suite
 def test_demo_with_the_host_tier_on_a_pool_smaller_than_the_working_set():
     report = run_demo(workload=SMALL, progress=False, max_total_tokens=128, enable_hierarchical_cache=True)
     assert report.ok and report.cold_equals_warm and report.leak_free and report.host_balanced
@@ -114,3 +117,19 @@ def test_demo_with_the_host_tier_on_a_pool_smaller_than_the_working_set():
     assert report.host_loaded_tokens is not None and report.cached_tokens_without_host_tier is not None
     assert report.cached_tokens >= report.cached_tokens_without_host_tier
     assert "host tier" in str(report)
+
+
+@pytest.mark.slow  # ~15 s idle: DeepSeek-V2 serving is covered in the default suite by test_parity_deepseek_v2
+def test_demo_serves_the_built_in_mla_preset():
+    """``demo --model deepseek-tiny``: a DeepSeek-V2-shaped model (MLA latent pool, MoE layers) with
+    random weights, served leak-free, with the radix cache changing no token."""
+    from kvjax.pools import MLAKVPool
+    from kvjax.serve.generate import resolve_model
+
+    model = resolve_model("deepseek-tiny")
+    assert model.config.family == "deepseek_v2" and model.config.family_config.moe is not None
+    report = run_demo(workload=SMALL, progress=False, model=model, max_total_tokens=1024)
+    assert report.ok and report.leak_free and report.cold_equals_warm and report.cached_tokens > 0
+    from kvjax.demo import demo_cache
+
+    assert isinstance(demo_cache(spec=model.spec, max_total_tokens=1024).pools.kv, MLAKVPool)

@@ -19,6 +19,7 @@ from kvjax.hf_config import parse_hf_config, supported_model_types
 FULL, SLIDING, MLA, RECURRENT = LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA, LayerKind.RECURRENT
 
 PRESETS = (
+    "deepseek-tiny",
     "deepseek-v3",
     "gemma-2-9b",
     "gemma-3-12b",
@@ -41,6 +42,7 @@ EXPECTED = {
     "deepseek-v3": (61, {MLA: 61}, 128, 1, 192, 128, None, 163840, 129280, "bfloat16"),
     "qwen3-next-80b-a3b": (48, {FULL: 12, RECURRENT: 36}, 16, 2, 256, 256, None, 262144, 151936, "bfloat16"),
     "tiny": (2, {FULL: 2}, 4, 2, 16, 16, None, 2048, 256, "float32"),
+    "deepseek-tiny": (2, {MLA: 2}, 4, 1, 24, 16, None, 2048, 256, "float32"),
 }
 
 

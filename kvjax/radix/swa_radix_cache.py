@@ -217,7 +217,10 @@ class SWARadixCache(RadixCache):
         Raises ValueError (nothing changed) for a ``swa_evicted_seqlen`` not page aligned or
         reaching the end of the key.
         """
-        e = self._check_evicted(getattr(req, "swa_evicted_seqlen", 0), key_len, f"caching request {req.rid!r}")
+        e = getattr(req, "swa_evicted_seqlen", 0)
+        if e <= req.cache_protected_len:
+            e = 0  # the request freed none of its own positions: its protected prefix is the tree's
+        e = self._check_evicted(e, key_len, f"caching request {req.rid!r}")
         row = request_row(self.req_to_token_pool, req, "caching")
         return key_len, {"swa": SWAInsertPayload(e, row, 0, req.cache_protected_len)}
 

@@ -118,7 +118,7 @@ def _group_mask(group_scores: jax.Array, topk_group: int, per_group: int) -> jax
     return jnp.repeat(groups, per_group, axis=-1)
 
 
-class _Weight(nn.Module):
+class Weight(nn.Module):
     """A named parameter ``weight`` of ``shape`` (Hugging Face's ``nn.Linear.weight`` layout)."""
 
     shape: tuple[int, ...]
@@ -141,9 +141,9 @@ class _SwiGLUWeights(nn.Module):
     def __call__(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         h, i, dt = self.hidden, self.intermediate, self.dtype
         return (
-            _Weight((i, h), dt, name="gate_proj")(),
-            _Weight((i, h), dt, name="up_proj")(),
-            _Weight((h, i), dt, name="down_proj")(),
+            Weight((i, h), dt, name="gate_proj")(),
+            Weight((i, h), dt, name="up_proj")(),
+            Weight((h, i), dt, name="down_proj")(),
         )
 
 
@@ -198,7 +198,7 @@ class SparseMoE(nn.Module):
             shared = _SwiGLUWeights(c.hidden_size, c.shared_intermediate_size, self.dtype, name=c.shared_name)()
             shared_out = _swiglu(x, *shared)
             if c.shared_expert_gated:
-                gate_weight = _Weight((1, c.hidden_size), self.dtype, name="shared_expert_gate")()
+                gate_weight = Weight((1, c.hidden_size), self.dtype, name="shared_expert_gate")()
                 shared_out = jax.nn.sigmoid(x @ gate_weight.T) * shared_out
             y = y + shared_out
         return y

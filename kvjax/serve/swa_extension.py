@@ -9,15 +9,15 @@
   - ``"swa_page_indices"``: int32 ``[max_seqs, pages_per_seq]``, each row's SWA page table. Pages
     whose SWA slots were freed (out of the window) are 0, which the attention kernel never reads.
 
-* Decode-time window freeing (SGLang's ``free_swa_out_of_window_slots``): before each decode step,
-  every running request frees the SWA slots of its own positions that no future query can see,
-  ``[swa_evicted_seqlen, page_floor(kv_len - margin))`` with ``margin = max(W, page_size)`` for a
-  radix tree (the tree's last inserted page keeps live SWA) or ``W`` for a chunk cache, starting at
-  ``cache_protected_len`` (the tree's prefix is not the request's to free), and records the new
-  ``swa_evicted_seqlen``, which the tree receives when the request is cached. Once the request's
-  locked prefix is wholly out of the window, the lock's SWA part is released early
-  (``dec_swa_lock_only``), so the tree may evict that SWA. A long decode therefore holds at most
-  about one window of SWA slots per request.
+* Window freeing (SGLang's ``free_swa_out_of_window_slots``): before each decode step, and after
+  each prefill chunk for the chunk's requests, every such request frees the SWA slots of its own
+  positions that no future query can see, ``[swa_evicted_seqlen, page_floor(kv_len - margin))``
+  with ``margin = max(W, page_size)`` for a radix tree (the tree's last inserted page keeps live
+  SWA) or ``W`` for a chunk cache, starting at ``cache_protected_len`` (the tree's prefix is not
+  the request's to free), and records the new ``swa_evicted_seqlen``, which the tree receives
+  when the request is cached. Once the request's locked prefix is wholly out of the window, the
+  lock's SWA part is released early (``dec_swa_lock_only``), so the tree may evict that SWA. A
+  long decode therefore holds at most about one window of SWA slots per request.
 """
 
 from __future__ import annotations
@@ -98,14 +98,25 @@ class SWAServing(ServingExtension):
     # --- window freeing ---------------------------------------------------------------------------
 
     def before_decode(self, reqs: Sequence[ServingReq]) -> None:
+        self._free_out_of_window(reqs, None)
+
+    def after_step(self, batch: StepBatch) -> None:
+        """After a prefill chunk: its requests free what the next chunk's queries cannot see, so a
+        prompt longer than the SWA pool still prefills chunk by chunk (before the chunk is cached,
+        which then receives ``swa_evicted_seqlen``)."""
+        if not batch.is_decode:
+            self._free_out_of_window(batch.reqs, np.asarray(batch.seq_lens))
+
+    def _free_out_of_window(self, reqs: Sequence[ServingReq], kv_lens: np.ndarray | None) -> None:
         ps = self.page_size
-        for req in reqs:
+        for i, req in enumerate(reqs):
             row = req.req_pool_idx
             if row is None:
                 continue
             cpl = req.cache_protected_len
             start = max(req.swa_evicted_seqlen, cpl)
-            pre_len = req.kv_len()  # KV written so far (before this step's token)
+            # KV written so far: before this decode step's token, or after this prefill chunk.
+            pre_len = req.kv_len() if kv_lens is None else int(kv_lens[i])
             threshold = pre_len - self.margin
             new = max(start, threshold) // ps * ps
             if new > start:

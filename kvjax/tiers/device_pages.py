@@ -2,10 +2,11 @@
 
 The host tier moves whole pages of every layer with the page gather/scatter kernels
 (``pallas_kernels/page_gather.py``), whose contract is a tuple of per-layer arrays
-``[pages + 1, page_size, C, D]`` (page 0 the trash page). A pool kind joins the host tier with one
-entry here: how to read its layer tuple and how to put a new one back. MHA is registered; the SWA
-and MLA pools add theirs when they land (their host pools then come for free: ``HostKVPool``
-takes any page row).
+``[pages + 1, page_size, C, D]`` (page 0 the trash page; ``[pages + 1, page_size, row]`` layers get
+a unit head axis inside the transfers). A pool kind joins the host tier with one entry here: how
+to read its layer tuple and how to put a new one back. MHA and MLA (the latent pool; not the DSA
+indexer, so DSA models are refused) are registered; the SWA pools add theirs with the SWA
+component's host data (``HostKVPool`` takes any page row).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from typing import Any
 import jax
 
 from kvjax.pools.mha import MHAKVPool
+from kvjax.pools.mla import MLAKVPool
 
 Layers = tuple[jax.Array, ...]
 
+# MLA's latent layers are ``[pages + 1, page_size, row]``: the transfers add the head axis inside
+# their jitted functions (a free reshape), so the host pool's page row is ``(page_size, row)``.
 _ACCESS: dict[type, tuple[Callable[[Any], Layers], Callable[[Any, Layers], Any]]] = {
     MHAKVPool: (lambda pool: pool.kv, lambda pool, layers: pool.replace(kv=layers)),
+    MLAKVPool: (lambda pool: pool.kv, lambda pool, layers: pool.replace(kv=layers)),
 }
 
 

@@ -41,18 +41,31 @@ def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames="interpret")
-def _gather(layers: tuple[jax.Array, ...], pages: jax.Array, interpret: Any = None) -> jax.Array:
-    return gather_pages(layers, pages, interpret=interpret)
+def _as_4d(layers: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Rank-3 page arrays (MLA's ``[pages, page, row]``) get a unit head axis (a free reshape in jit)."""
+    return tuple(x[:, :, None, :] if x.ndim == 3 else x for x in layers)
+
+
+def _gather_any(layers: tuple[jax.Array, ...], pages: jax.Array) -> jax.Array:
+    buf = gather_pages(_as_4d(layers), pages)
+    return buf[:, :, :, 0, :] if layers[0].ndim == 3 else buf
+
+
+@jax.jit
+def _gather(layers: tuple[jax.Array, ...], pages: jax.Array) -> jax.Array:
+    return _gather_any(layers, pages)
 
 
 @functools.lru_cache(maxsize=8)
 def _gather_to(sharding: Any) -> Any:
-    return jax.jit(gather_pages, out_shardings=sharding)
+    return jax.jit(_gather_any, out_shardings=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter(layers: tuple[jax.Array, ...], buffer: jax.Array, pages: jax.Array) -> tuple[jax.Array, ...]:
+    if layers[0].ndim == 3:
+        new = scatter_pages(_as_4d(layers), buffer[:, :, :, None, :], pages)
+        return tuple(x[:, :, 0, :] for x in new)
     return scatter_pages(layers, buffer, pages)
 
 
@@ -149,7 +162,9 @@ class PageTransferEngine:
             data = np.concatenate([data, np.zeros((data.shape[0], n - pages.size, *data.shape[2:]), data.dtype)], 1)
         pools = self.holder.pools
         pool = pools[self.pool_name]
-        new_layers = _scatter(page_layers(pool), jnp.asarray(data), jnp.asarray(dst))
+        new_layers = _scatter(
+            page_layers(pool), jax.device_put(data), jnp.asarray(dst)
+        )  # device_put: ~2x jnp.asarray here
         self.holder.set_pools(pools.replace(**{self.pool_name: with_page_layers(pool, new_layers)}))
         return _Load(new_layers)
 

@@ -52,6 +52,7 @@ class Config:
     sm_scale: float | None = None
     block_q: int | None = 8
     block_kv_pages: int | None = 2
+    sinks: bool = False  # attention sinks (gpt-oss): SINKS[:num_q_heads]
 
     @property
     def pages_per_seq(self) -> int:
@@ -70,7 +71,13 @@ CONFIGS = [
     Config("softcap_mqa_ps16", num_kv_heads=1, soft_cap=2.0, sm_scale=0.5),
     # MHA, and a q head_dim below the pool's padded dim (TPU pads 64 -> 128): zero padding is exact.
     Config("mha_padded_dim_ps16", num_q_heads=2, num_kv_heads=2, head_dim=24, dim_padded=32),
+    # gpt-oss: attention sinks with a sliding window (its sliding layers have both).
+    Config("sinks_window_ps16", sliding_window=7, sinks=True),
+    # Gemma's head dim 256: the kernel stages K/V in 128-lane chunks (Mosaic's strided loads).
+    Config("hd256_window_ps16", num_q_heads=2, num_kv_heads=1, head_dim=256, dim_padded=256, sliding_window=9),
 ]
+# Sink logits of order 1 next to logits of order 1: they take a visible share of the softmax.
+SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
 CONFIG_IDS = [c.name for c in CONFIGS]
 BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -169,8 +176,13 @@ def naive_attention(cfg: Config, batch: Batch) -> np.ndarray:
                 logits = keys[visible, kvh] @ batch.q[q0 + i, head].astype(np.float64) * scale
                 if cfg.soft_cap is not None:
                     logits = cfg.soft_cap * np.tanh(logits / cfg.soft_cap)
-                weights = np.exp(logits - logits.max())
-                out[q0 + i, head] = weights @ values[visible, kvh] / weights.sum()
+                peak = logits.max()
+                sink = 0.0
+                if cfg.sinks:
+                    peak = max(peak, float(SINKS[head]))
+                    sink = np.exp(float(SINKS[head]) - peak)
+                weights = np.exp(logits - peak)
+                out[q0 + i, head] = weights @ values[visible, kvh] / (weights.sum() + sink)
     return out
 
 
@@ -181,7 +193,9 @@ def _jitted(cfg: Config, interpret) -> object:
     """One jitted callable per (config, interpreter), so every batch of a config hits one compile."""
     key = (cfg, interpret)
     if key not in _JITTED:
-        options = dict(sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap)
+        options: dict = dict(sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap)
+        if cfg.sinks:
+            options["sinks"] = jnp.asarray(SINKS[: cfg.num_q_heads])
         if interpret == "reference":
             fn = functools.partial(ragged_paged_attention_reference, **options)
         else:
@@ -249,6 +263,33 @@ def test_kernel_tpu_interpreter_no_races(name: str) -> None:
         got = run(cfg, batch, TPU)
         assert not tpu_interpreter.races.races_found, "the TPU interpreter reported a data race"
         np.testing.assert_allclose(got, reference(cfg, batch), **TOL, err_msg=mix)
+
+
+def test_sinks_tpu_interpreter() -> None:
+    """Attention sinks under the TPU interpreter (the HLO interpreter runs every mix above)."""
+    cfg = BY_NAME["sinks_window_ps16"]
+    batch = make_batch(cfg, "mixed")
+    got = run(cfg, batch, TPU)
+    assert not tpu_interpreter.races.races_found
+    np.testing.assert_allclose(got, naive_attention(cfg, batch), **TOL)
+
+
+@pytest.mark.slow
+def test_head_dim_256_tpu_interpreter() -> None:
+    """128-lane staging chunks under the TPU interpreter, in f32 and on the packed bf16 path."""
+    cfg = BY_NAME["hd256_window_ps16"]
+    batch = make_batch(cfg, "mixed")
+    np.testing.assert_allclose(run(cfg, batch, TPU), naive_attention(cfg, batch), **TOL)
+    got = run(cfg, batch, TPU, jnp.bfloat16)
+    assert not tpu_interpreter.races.races_found
+    np.testing.assert_allclose(got, naive_attention(cfg, batch), atol=3e-2, rtol=3e-2)
+
+
+def test_sinks_shape_is_checked() -> None:
+    cfg = BY_NAME["sinks_window_ps16"]
+    args = make_batch(cfg, "decode").args()
+    with pytest.raises(ValueError, match=r"sinks has shape \(3,\)"):
+        ragged_paged_attention(*args, sinks=jnp.zeros(3))
 
 
 def test_race_detector_sees_a_single_buffer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import event, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax.alloc import make_allocator
 from kvjax.radix import HiRadixCache
@@ -37,6 +37,17 @@ class HostTierMachine(RuleBasedStateMachine):
         )
         self.inserted: list[tuple[int, ...]] = []
         self.locks: list = []
+
+    @initialize(policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]))
+    def choose_policy(self, policy):
+        self.tree = HiRadixCache(
+            page_size=PAGE,
+            token_to_kv_pool_allocator=self.alloc,
+            host_pool_tokens=24,
+            copy_engine=self.engine,
+            write_policy=policy,
+            load_back_threshold=4,
+        )
 
     @rule(key=keys, poll_first=st.booleans())
     def insert(self, key, poll_first):

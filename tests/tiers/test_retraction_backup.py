@@ -80,20 +80,21 @@ def test_decode_retraction_restores_from_the_host_pool_with_the_same_tokens():
     spec = ModelSpec.preset("tiny")
     params = init_params(spec)
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(0, 256, 20)] for _ in range(6)]
+    prompts = [[int(t) for t in rng.integers(0, 256, 12)] for _ in range(4)]
     runs = {}
     for backup in (None, "host_pool"):
+        # The demo's cache settings (as tests/serve/test_host_tier_serving.py: compiled shapes are shared)
         config = CacheConfig(
             page_size=4,
-            max_total_tokens=160,
+            max_total_tokens=96,
             max_running_requests=16,
-            context_length=128,
+            context_length=1024,
             chunked_prefill_size=64,
-            hicache_ratio=4.0,
+            hicache_ratio=12.0,
             disaggregation_decode_retraction_backup=backup,
         )
-        sched = Scheduler(spec, build_kv_cache(spec, config), params, max_batch_size=8)
-        done = sched.run([ServingReq(i, p, max_new_tokens=24) for i, p in enumerate(prompts)])
+        sched = Scheduler(spec, build_kv_cache(spec, config), params, max_batch_size=2)
+        done = sched.run([ServingReq(i, p, max_new_tokens=40) for i, p in enumerate(prompts)])
         runs[backup] = (sched, {r.rid: r.output_ids for r in done})
     plain, host = runs[None][0], runs["host_pool"][0]
     assert runs[None][1] == runs["host_pool"][1]

@@ -80,3 +80,22 @@ def test_simulated_engine_lands_at_the_next_poll_and_injects_faults():
         eng.start_load(np.array([0]), np.array([9]))
     h = eng.start_load(np.array([0]), np.array([9]))
     assert eng.device[9] == "a" and eng.poll(h) is TransferStatus.DONE
+
+
+def test_mla_latent_pages_round_trip_through_the_host_pool():
+    from kvjax.pools.mla import MLAKVPool
+
+    pool = MLAKVPool.create(num_pages=4, page_size=2, num_layers=2, kv_lora_rank=8, qk_rope_head_dim=4)
+    kv = tuple(jnp.arange(np.prod(a.shape), dtype=jnp.uint32).reshape(a.shape).astype(a.dtype) for a in pool.kv)
+    holder = Holder(CachePools(kv=pool.replace(kv=kv)))
+    before = [np.asarray(a) for a in kv]
+    host = HostKVPool.for_device_layers(kv, 4)
+    assert host.page_row == (2, kv[0].shape[-1])
+    engine = PageTransferEngine(holder, host)
+    slots = host.allocator.alloc(4)
+    assert engine.poll(engine.start_backup(np.array([2, 3, 4, 5]), slots), wait=True) is TransferStatus.DONE
+    assert engine.poll(engine.start_load(slots, np.array([6, 7, 8, 9])), wait=True) is TransferStatus.DONE
+    after = [np.asarray(a) for a in holder.pools.kv.kv]
+    for layer in range(2):
+        np.testing.assert_array_equal(after[layer][3:5], before[layer][1:3])
+        np.testing.assert_array_equal(after[layer][1:3], before[layer][1:3])

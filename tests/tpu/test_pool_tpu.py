@@ -58,3 +58,26 @@ def test_pool_methods_compile_to_pallas_in_place(topology: str, sharded: bool) -
         memory = compiled.memory_analysis()
         assert memory.alias_size_in_bytes >= aliased, "the pool is updated in place"
         assert memory.temp_size_in_bytes < 64 << 20
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_swa_pool_sliding_write_compiles_to_pallas_in_place(topology: str) -> None:
+    """A sliding layer's write through the full->SWA mapping (a traced int32 mapping over a 1 GiB
+    full pool's slots): the Pallas write, in place in the SWA pool."""
+    from kvjax.pools import SWAKVPool
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    mesh = Mesh(np.array(topo.devices[:1]), ("tp",))
+    replicated = NamedSharding(mesh, P())
+    pool = SWAKVPool(
+        full=pool_struct(mesh, False), swa=pool_struct(mesh, False), full_layer_ids=(1, 3), swa_layer_ids=(0, 2)
+    )
+    loc = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=replicated)
+    mapping = jax.ShapeDtypeStruct(((PAGES + 1) * PAGE + 1,), jnp.int32, sharding=replicated)
+    k = jax.ShapeDtypeStruct((TOKENS, KV_HEADS, HEAD_DIM), jnp.bfloat16, sharding=replicated)
+    write = jax.jit(lambda pool, loc, k, m: pool.set_kv_buffer(2, loc, k, k, full_to_swa=m), donate_argnums=0)
+    compiled = write.trace(pool, loc, k, mapping).lower().compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= (PAGES + 1) * PAGE * 2 * KV_HEADS * HEAD_DIM * 2, "in place"
+    assert memory.temp_size_in_bytes < 64 << 20

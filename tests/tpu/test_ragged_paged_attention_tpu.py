@@ -130,3 +130,47 @@ def test_fp8_pool_compiles_with_scales(topology: str, pool_dtype: str) -> None:
     compiled = lowered.compile()
     assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
     assert compiled.memory_analysis().output_size_in_bytes == q.size * q.dtype.itemsize
+
+
+# Hybrid sliding-window models: Gemma-3-12B's attention (16 query heads, 8 KV heads, head_dim 256,
+# window 1024; its sliding layers read the SWA pool's pages) and gpt-oss-20b's sliding layers
+# (64 query heads, 8 KV heads, head_dim 64 padded to 128 in the pool, window 128, attention sinks
+# as a traced f32 [64]).
+HYBRID = {
+    "gemma3_12b_decode_window": (16, 8, 256, 256, 1024, False),
+    "gpt_oss_20b_decode_window_sinks": (64, 8, 64, 128, 128, True),
+}
+
+
+@pytest.mark.parametrize("model", list(HYBRID))
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_hybrid_swa_models_compile(topology: str, model: str) -> None:
+    q_heads, kv_heads, head_dim, dim_padded, window, sinks = HYBRID[model]
+    max_seqs, pages_per_seq = 64, CONTEXT // PAGE_SIZE
+    devices = np.asarray(_topology(topology).devices).reshape(-1)
+    mesh = Mesh(devices[:1], ("x",))
+    rep = NamedSharding(mesh, P())
+    args = [
+        jax.ShapeDtypeStruct((max_seqs, q_heads, head_dim), jnp.bfloat16, sharding=rep),
+        jax.ShapeDtypeStruct(
+            (max_seqs * pages_per_seq + 1, PAGE_SIZE, 2 * kv_heads, dim_padded), jnp.bfloat16, sharding=rep
+        ),
+        jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep),
+        jax.ShapeDtypeStruct((max_seqs, pages_per_seq), jnp.int32, sharding=rep),
+        jax.ShapeDtypeStruct((max_seqs + 1,), jnp.int32, sharding=rep),
+        jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep),
+    ]
+    if sinks:
+        args.append(jax.ShapeDtypeStruct((q_heads,), jnp.float32, sharding=rep))
+
+    def fn(*a: jax.Array) -> jax.Array:
+        return ragged_paged_attention(
+            *a[:6], sinks=a[6] if sinks else None, sm_scale=head_dim**-0.5, sliding_window=window
+        )
+
+    lowered = jax.jit(fn).trace(*args).lower()
+    assert "tpu_custom_call" in lowered.as_text()
+    compiled = lowered.compile()
+    assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
+    pool_bytes = args[1].size * args[1].dtype.itemsize
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 16  # the pool is never copied

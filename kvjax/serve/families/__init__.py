@@ -4,7 +4,8 @@ the family's config reader are imported only when used).
 One small model file per family where the architecture differs; shared pieces live in
 ``kvjax.serve.layers``. ``llama`` also serves Mistral and Qwen2 (their differences are projection
 biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
-sliding-window and full layers over the hybrid-SWA pools.
+sliding-window and full layers over the hybrid-SWA pools; ``deepseek_v2`` runs MLA over the latent
+pool and sparse-MoE layers.
 
 Adding a family is one model module and one entry here: the module's flax class takes
 ``(tokens [T], pools: CachePools, meta: BatchMetadata)`` and returns ``(logits [S, vocab] float32,
@@ -91,6 +92,13 @@ FAMILIES: dict[str, Family] = {
             read_config="kvjax.serve.families.qwen3_next:read_config",
             trace_state="kvjax.serve.families.qwen3_next:trace_state",
             partial_rotary=True,
+        ),
+        Family(
+            "deepseek_v2",
+            "kvjax.serve.families.deepseek_v2:DeepseekV2ForCausalLM",
+            layer_kinds=frozenset({LayerKind.MLA}),
+            read_config="kvjax.serve.families.deepseek_v2:read_config",
+            trace_state="kvjax.serve.families.deepseek_v2:trace_state",
         ),
     )
 }
