@@ -1,0 +1,131 @@
+"""Draft (speculative) KV pools: planned beside the target's, built by the registry, copied with
+the target's pages by the host tier."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import CacheConfig, ConfigError, ModelSpec, build_kv_cache
+from kvjax.tiers.copy_engine import TransferStatus
+from kvjax.tiers.draft_pools import PairedCopyEngine
+from tests.specs import dense, swa
+
+# --- build --------------------------------------------------------------------------------------
+
+
+def eagle_cache(**kw):
+    kw.setdefault("max_total_tokens", 1024)
+    kw.setdefault("max_running_requests", 8)
+    kw.setdefault("context_length", 256)
+    return build_kv_cache(ModelSpec.preset("tiny"), CacheConfig(speculative_algorithm="EAGLE", **kw))
+
+
+def test_build_makes_the_draft_pool_and_a_step_writes_it_at_the_targets_slots():
+    cache = eagle_cache(page_size=16)
+    kv, draft = cache.pools.kv, cache.pools["kv_draft"]
+    assert cache.pools.names == ("kv", "kv_draft") and cache.draft_host_pool is None
+    assert draft.num_layers == 1 and draft.kv[0].shape == kv.kv[0].shape == cache.plan.pool("kv_draft").shape
+    assert draft.nbytes() == cache.plan.pool("kv_draft").nbytes
+    loc = cache.allocator.alloc_extend(np.array([0]), np.array([5]), np.array([-1]))
+    k = np.arange(5 * kv.num_kv_heads * kv.head_dim, dtype=np.float32).reshape(5, kv.num_kv_heads, kv.head_dim)
+
+    def step(pools, loc, k):
+        return pools.replace(
+            kv=pools.kv.set_kv_buffer(1, loc, k, k), kv_draft=pools["kv_draft"].set_kv_buffer(0, loc, -k, -k)
+        )
+
+    old = cache.pools["kv_draft"].kv[0]
+    cache.set_pools(jax.jit(step, donate_argnums=0)(cache.pools, loc, k))
+    assert old.is_deleted()
+    np.testing.assert_array_equal(cache.pools.kv.get_kv(1, loc)[0], k)
+    np.testing.assert_array_equal(cache.pools["kv_draft"].get_kv(0, loc)[0], -k)
+
+
+def _mark(cache, name, first, pages):
+    pool = cache.pools[name]
+    marked = tuple(a.at[pages].set(jnp.asarray(first + i, a.dtype)) for i, a in enumerate(pool.kv))
+    cache.set_pools(cache.pools.replace(**{name: pool.replace(kv=marked)}))
+
+
+def _host_round_trip(cache):
+    tree = cache.tree_cache
+    ps = cache.plan.alloc_page_size
+    tokens = list(range(2 * ps + int(cache.plan.is_eagle)))  # EAGLE's bigram keys: one token more
+    slots = cache.token_to_kv_pool_allocator.alloc((3 if cache.plan.is_eagle else 2) * ps)[: len(tokens)]
+    assert slots[: 2 * ps].tolist() == list(range(ps, 3 * ps))
+    names = [n for n in ("kv", "kv_draft") if n in cache.pools.names]
+    for j, name in enumerate(names):
+        _mark(cache, name, 7 + 10 * j, slice(1, 3))
+    tree.insert(tokens, slots)
+    tree.check_transfers(wait=True)
+    assert tree.evict(2 * ps) == 2 * ps
+    for name in names:
+        blank = tuple(a.at[1:3].set(0) for a in cache.pools[name].kv)
+        cache.set_pools(cache.pools.replace(**{name: cache.pools[name].replace(kv=blank)}))
+    m = tree.init_load_back(tree.match_prefix(tokens))
+    assert m.prefix_len == 2 * ps
+    tree.check_transfers(wait=True)
+    return np.unique(m.indices // ps), cache.host_pool.allocator.available_size()
+
+
+def test_host_tier_backs_up_and_loads_back_the_draft_pool_with_the_target():
+    cache = eagle_cache(enable_hierarchical_cache=True, hicache_mem_layout="page_first")
+    assert cache.draft_host_pool.size == cache.host_pool.size  # host slots one to one
+    assert cache.draft_host_pool.num_layers == 1 and cache.draft_host_pool.layout.name == "page_first"
+    pages, host_available = _host_round_trip(cache)
+    for i, layer in enumerate(cache.pools.kv.kv):
+        assert (np.asarray(layer)[pages] == 7 + i).all()
+    assert (np.asarray(cache.pools["kv_draft"].kv[0])[pages] == 17).all()  # the draft's KV came back too
+    # Accounting is the target's: the same host slots used as without a draft; the draft host
+    # pool's own allocator is never used.
+    plain = build_kv_cache(
+        ModelSpec.preset("tiny"),
+        CacheConfig(max_total_tokens=1024, max_running_requests=8, context_length=256, enable_hierarchical_cache=True),
+    )
+    assert plain.draft_host_pool is None
+    assert _host_round_trip(plain)[1] == host_available
+    assert cache.draft_host_pool.allocator.available_size() == cache.draft_host_pool.size
+
+
+class _FakeEngine:
+    def __init__(self, outcome):
+        self.outcome, self.cancelled = outcome, 0
+
+    def start_backup(self, device_slots, host_slots):
+        return [TransferStatus.PENDING]
+
+    start_load = start_backup
+
+    def poll(self, handle, wait=False):
+        if wait or handle[0] is not TransferStatus.PENDING:
+            handle[0] = self.outcome
+        return handle[0]
+
+    def cancel(self, handle):
+        self.cancelled += 1
+
+
+def test_paired_engine_is_done_when_both_landed_and_failed_when_either_failed():
+    ok, bad = _FakeEngine(TransferStatus.DONE), _FakeEngine(TransferStatus.FAILED)
+    both = PairedCopyEngine(ok, _FakeEngine(TransferStatus.DONE))
+    h = both.start_backup(np.arange(4), np.arange(4))
+    assert both.poll(h) is TransferStatus.PENDING
+    assert both.poll(h, wait=True) is TransferStatus.DONE
+    failing = PairedCopyEngine(ok, bad)
+    h = failing.start_load(np.arange(4), np.arange(4))
+    assert failing.poll(h, wait=True) is TransferStatus.FAILED and failing.poll(h) is TransferStatus.FAILED
+    h = failing.start_backup(np.arange(4), np.arange(4))
+    failing.cancel(h)
+    assert (ok.cancelled, bad.cancelled) == (1, 1)
+
+
+def test_build_refuses_a_standalone_draft_without_its_spec_and_an_swa_targets_draft():
+    with pytest.raises(ConfigError, match="draft_spec"):
+        build_kv_cache(
+            dense(layers=1, head_dim=16), CacheConfig(max_total_tokens=64, speculative_algorithm="STANDALONE")
+        )
+    with pytest.raises(NotImplementedError, match="draft model's KV pools for a 'swa' target"):
+        build_kv_cache(swa(), CacheConfig(memory_budget_bytes=2**26, speculative_algorithm="EAGLE"))
