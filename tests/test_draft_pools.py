@@ -129,3 +129,20 @@ def test_build_refuses_a_standalone_draft_without_its_spec_and_an_swa_targets_dr
         )
     with pytest.raises(NotImplementedError, match="draft model's KV pools for a 'swa' target"):
         build_kv_cache(swa(), CacheConfig(memory_budget_bytes=2**26, speculative_algorithm="EAGLE"))
+
+
+def test_host_pool_retraction_backup_restores_the_draft_pool_too():
+    from kvjax.tiers.retraction_backup import RetractionBackup
+
+    cache = eagle_cache(disaggregation_decode_retraction_backup="host_pool")
+    assert cache.plan.draft_host_pools and cache.draft_host_pool.size == cache.host_pool.size
+    ps = cache.plan.alloc_page_size
+    rb = RetractionBackup("host_pool", ps, host=cache.tree_cache.host)
+    _mark(cache, "kv", 7, slice(1, 3))
+    _mark(cache, "kv_draft", 17, slice(1, 3))
+    assert rb.backup("r", np.arange(ps, 3 * ps), 0, 2 * ps)
+    assert rb.restore("r", np.arange(3 * ps, 5 * ps))  # pages 1, 2 -> 3, 4
+    assert (np.asarray(cache.pools["kv_draft"].kv[0])[3:5] == 17).all()
+    for i, layer in enumerate(cache.pools.kv.kv):
+        assert (np.asarray(layer)[3:5] == 7 + i).all()
+    assert cache.host_pool.allocator.available_size() == cache.host_pool.size  # held slots returned
