@@ -146,3 +146,26 @@ def test_host_pool_retraction_backup_restores_the_draft_pool_too():
     for i, layer in enumerate(cache.pools.kv.kv):
         assert (np.asarray(layer)[3:5] == 7 + i).all()
     assert cache.host_pool.allocator.available_size() == cache.host_pool.size  # held slots returned
+
+
+def test_nextn_mla_draft_pool_round_trips_through_the_host_tier():
+    import dataclasses
+
+    from tests.specs import mla
+
+    spec = dataclasses.replace(mla(layers=2), num_nextn_predict_layers=1)
+    config = CacheConfig(
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=64,
+        enable_hierarchical_cache=True,
+        speculative_algorithm="NEXTN",
+    )
+    cache = build_kv_cache(spec, config)
+    draft = cache.pools["kv_draft"]
+    assert type(draft).__name__ == "MLAKVPool" and draft.kv[0].shape == cache.pools.kv.kv[0].shape
+    assert cache.draft_host_pool.num_layers == 1 and cache.draft_host_pool.size == cache.host_pool.size
+    pages, _ = _host_round_trip(cache)
+    assert (np.asarray(cache.pools["kv_draft"].kv[0])[pages] == 17).all()
+    for i, layer in enumerate(cache.pools.kv.kv):
+        assert (np.asarray(layer)[pages] == 7 + i).all()
