@@ -169,3 +169,21 @@ def test_nextn_mla_draft_pool_round_trips_through_the_host_tier():
     assert (np.asarray(cache.pools["kv_draft"].kv[0])[pages] == 17).all()
     for i, layer in enumerate(cache.pools.kv.kv):
         assert (np.asarray(layer)[pages] == 7 + i).all()
+
+
+def test_a_failed_draft_copy_fails_the_paired_backup_and_the_tree_keeps_its_accounting():
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers import SimulatedCopyEngine
+
+    target, draft = SimulatedCopyEngine(), SimulatedCopyEngine(fail_backups=1)
+    tree = HiRadixCache(page_size=2, host_pool_tokens=8, copy_engine=PairedCopyEngine(target, draft))
+    tree.insert([1, 2, 3, 4], np.array([2, 3, 4, 5], np.int32))
+    tree.check_transfers(wait=True)
+    tree.check_invariants()
+    assert tree.evict(4) == 4  # the failed backup left no host copy: evicted outright
+    assert tree.host_allocator.available_size() == 8
+    assert tree.match_prefix([1, 2, 3, 4]).prefix_len == 0
+    tree.insert([1, 2, 3, 4], np.array([6, 7, 8, 9], np.int32))  # both copies land this time
+    tree.check_transfers(wait=True)
+    assert tree.evict(4) == 4 and tree.host_allocator.available_size() == 4  # demoted to host
+    tree.check_invariants()
