@@ -84,3 +84,12 @@ def test_bad_drafts_are_refused_naming_the_value():
 def test_swa_target_draft_is_not_planned_and_says_so():
     p = plan(swa(), speculative_algorithm="EAGLE")
     assert p.draft is None and any("draft KV pools" in w for w in p.warnings)
+
+
+def test_under_pipeline_parallelism_the_draft_is_on_the_last_stage_only():
+    first = plan(dense(layers=4), speculative_algorithm="EAGLE", pp_size=2, pp_rank=0)
+    last = plan(dense(layers=4), speculative_algorithm="EAGLE", pp_size=2, pp_rank=1)
+    assert "kv_draft" not in [q.name for q in first.pools] and first.draft_bytes_per_token == 0
+    assert last.pool("kv_draft").count == 1 and last.draft_bytes_per_token == last.bytes_per_token // 2
+    assert first.max_total_tokens == last.max_total_tokens  # the last stage (with the draft) holds fewest
+    assert last.max_total_tokens < plan(dense(layers=4), pp_size=2, pp_rank=1).max_total_tokens

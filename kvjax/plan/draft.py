@@ -39,6 +39,7 @@ from kvjax.plan.records import ModelKind, Target
 from kvjax.pools.mha_layout import MHALayout
 from kvjax.pools.mla_layout import MLALayout
 from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.registry import is_built
 from kvjax.spec import LayerKind, ModelSpec
 
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
@@ -52,8 +53,8 @@ class DraftModel:
     """What the draft model caches, per rank.
 
     ``attention``: the draft pool's layout (the target's pool kind); ``layer_ids``: the draft's
-    layer ids (see the module docstring); ``bytes_per_token``: bytes of one token over every draft
-    layer (0 on a pipeline stage without the draft).
+    layer ids (see the module docstring); ``on_this_stage``: this pipeline rank holds the draft
+    (the last one).
     """
 
     algorithm: str
@@ -68,8 +69,8 @@ class DraftModel:
 
     @property
     def bytes_per_token(self) -> int:
-        if not self.on_this_stage:
-            return 0
+        """Bytes of one token over every draft layer, on the stage that holds the draft (the last:
+        every stage's sizing needs it, since the token count is the minimum over stages)."""
         return self.num_layers * self.attention.bytes_per_token_per_layer
 
 
@@ -159,8 +160,6 @@ def draft_pool_plans(draft: DraftModel | None, num_pages: int, host_pages: int |
         device = attention.pool_plan(DRAFT_POOL_NAME, kind, num_pages=num_pages, layer_ids=ids)
     pools = [device]
     if host_pages is not None:
-        from kvjax.pools.registry import is_built
-
         if isinstance(attention, MLALayout):
             host = attention.pool_plans(num_pages=host_pages - 1, layer_ids=ids, built=False)[0]
         else:
