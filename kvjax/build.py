@@ -27,6 +27,7 @@ from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
@@ -34,6 +35,7 @@ from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCache
 from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
+from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
 
 KV_HEAD_MESH_AXIS = "tp"
 
@@ -55,6 +57,7 @@ class KVCache:
     __slots__ = (
         "_pools",
         "_pools_structure",
+        "draft_host_pool",
         "host_pool",
         "plan",
         "req_to_token_pool",
@@ -71,9 +74,12 @@ class KVCache:
         token_to_kv_pool_allocator: AllocatorProtocol,
         tree_cache: TreeCacheProtocol,
         host_pool: Any = None,
+        draft_host_pool: Any = None,
     ) -> None:
         self.plan = plan
         self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
+        # The draft model's host pool, host slots one to one with host_pool's (None without one).
+        self.draft_host_pool = draft_host_pool
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         self._pools = pools
@@ -111,6 +117,7 @@ class KVCache:
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
             tree_cache=self.tree_cache,
             host_pool=self.host_pool,
+            draft_host_pool=self.draft_host_pool,
         )
 
     def _check_same_structure(self, pools: Any, what: str) -> None:
@@ -168,6 +175,7 @@ def build_kv_cache(
     mesh: Mesh | None = None,
     device_memory_bytes: int | None = None,
     event_sink: Any = None,
+    draft_spec: ModelSpec | None = None,
 ) -> KVCache:
     """Plan and build the KV cache of ``spec`` under ``config``.
 
@@ -175,6 +183,8 @@ def build_kv_cache(
     without a mesh the pools live on the default device. ``device_memory_bytes`` defaults to what
     the device reports, and is only needed when the budget is ``mem_fraction_static``.
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
+    ``draft_spec``: the speculative draft model (``kvjax.plan.draft``); its pool is built as
+    ``cache.pools["kv_draft"]`` and, with the host tier, its host pool as ``cache.draft_host_pool``.
 
     Raises ``ConfigError`` for a bad configuration and ``NotImplementedError`` naming a pool kind
     whose capability is not built yet, before
@@ -190,7 +200,9 @@ def build_kv_cache(
         if config.enable_hierarchical_cache or config.disaggregation_decode_retraction_backup == "host_pool"
         else None
     )
-    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory)
+    plan = plan_kv_cache(
+        spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory, draft_spec=draft_spec
+    )
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
     if plan.attach_host_tier and any(p.name == "index_k" for p in plan.pools):
@@ -198,12 +210,7 @@ def build_kv_cache(
             f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
             "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
         )
-    if plan.draft_host_pools:
-        raise NotImplementedError(
-            f"kvjax cannot build the draft model's KV pools and their host pools yet (speculative_algorithm="
-            f"{config.speculative_algorithm!r} with the host tier) for {plan.model}; the plan is available from "
-            "plan_kv_cache"
-        )
+    check_draft_buildable(plan, config)
     if mesh is not None:
         _check_mesh(mesh, config)
 
@@ -216,7 +223,7 @@ def build_kv_cache(
     )
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None
-    host_pool: Any = None
+    host_pools: dict[str, Any] = {}
     groups: dict[str, list[PoolPlan]] = {}
     for pool in plan.pools:
         kind = pool_kind(pool.kind)
@@ -229,7 +236,7 @@ def build_kv_cache(
         elif isinstance(built, ReqToTokenPool):
             req_to_token_pool = built
         elif pool.kind == "host_tier":
-            host_pool = built
+            host_pools[pool.name] = built
     for name, members in groups.items():
         device[name] = pool_kind(name).create_group(tuple(members), context)
     if req_to_token_pool is not None and plan.is_hybrid_ssm:
@@ -237,6 +244,7 @@ def build_kv_cache(
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
+    host_pool = host_pools.get("host_kv")
     allocator: AllocatorProtocol
     if plan.is_hybrid_swa and plan.full_tokens_per_layer:
         # Full layers' slots, each paired with a sliding layers' slot (pure SWA: one plain allocator).
@@ -259,6 +267,7 @@ def build_kv_cache(
         token_to_kv_pool_allocator=allocator,
         tree_cache=tree_cache,
         host_pool=host_pool,
+        draft_host_pool=host_pools.get(DRAFT_HOST_POOL_NAME),
     )
     if host_pool is not None:
         attach_host_transfers(cache)
@@ -274,7 +283,8 @@ def attach_host_transfers(cache: KVCache) -> None:
     tree = cache.tree_cache
     if isinstance(tree, HiRadixCache):
         device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
-        tree.host.engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+        engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+        tree.host.engine = with_draft_transfers(engine, cache, cache.draft_host_pool)
 
 
 def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:

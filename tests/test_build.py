@@ -320,11 +320,6 @@ def test_build_shards_the_recurrent_state_over_a_tp_mesh():
     assert "tp" in r["spec"]
 
 
-def test_build_refuses_draft_host_pools_naming_them():
-    with pytest.raises(NotImplementedError, match="draft model's KV pools and their host pools"):
-        tiny_cache(enable_hierarchical_cache=True, speculative_algorithm="EAGLE")
-
-
 def test_build_host_tier_for_mla_and_refuses_dsa():
     from kvjax.radix import HiRadixCache
     from tests.specs import mla

@@ -26,7 +26,8 @@ Decisions, in the seed's order (each has a test named after it in ``tests/test_p
    effective chunked prefill size;
 5. decode-side radix cache rejected for SWA and SSM models;
 6. the tree cache kind (table below) and its page size;
-7. draft host pools, host tier size, multimodal embedding cache.
+7. draft host pools, host tier size, multimodal embedding cache; the speculative draft model's
+   pool ``kv_draft`` (``draft``: described before sizing, since its bytes share the budget).
 
 Tree-cache decision table (SGLang's newest registry; the first matching row wins)::
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvjax.plan.draft import DraftModel
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target, TreeChoice
 from kvjax.pools.pool_plan import PoolPlan
 
@@ -64,6 +65,7 @@ FLAT_FIELDS = (
     "attach_host_tier",
     "host_pool_tokens",
     "draft_host_pools",
+    "draft_bytes_per_token",
     "mm_embedding_cache_bytes",
     "hicache_write_policy",
     "hicache_mem_layout",
@@ -90,6 +92,7 @@ class CachePlan:
     host: HostTier
     pools: tuple[PoolPlan, ...]
     warnings: tuple[str, ...] = field(default=())
+    draft: DraftModel | None = None  # the speculative draft model (kvjax.plan.draft), None without one
 
     # --- the flat names (SGLang's and kvjax's first release) ------------------------------------
 
@@ -265,6 +268,12 @@ class CachePlan:
     @property
     def draft_host_pools(self) -> bool:
         return self.host.draft_host_pools
+
+    @property
+    def draft_bytes_per_token(self) -> int:
+        """Bytes of one token in the draft model's pool ``"kv_draft"`` (0 without one); the
+        budget pays for them with ``bytes_per_token``."""
+        return self.sizes.draft_bytes_per_token
 
     @property
     def mm_embedding_cache_bytes(self) -> int:

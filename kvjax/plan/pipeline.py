@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvjax.config import CacheConfig
 from kvjax.plan.cache_plan import CachePlan
+from kvjax.plan.draft import decide_draft, draft_pool_plans
 from kvjax.plan.model_kind import decide_model_kind
 from kvjax.plan.pool_plans import plan_pools
 from kvjax.plan.sizing import decide_sizes
@@ -19,23 +20,44 @@ def plan_kv_cache(
     *,
     device_memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
+    draft_spec: ModelSpec | None = None,
 ) -> CachePlan:
     """Decide and size the KV cache of ``spec`` under ``config``. Pure and deterministic.
 
     ``device_memory_bytes`` is the memory of one device; it is needed only when the budget is
     given as ``mem_fraction_static``. ``host_memory_bytes``: the host memory available; when
     given, a host tier larger than it less SGLang's 10 GiB reserve is refused with the figures
-    (``build_kv_cache`` passes what the host reports). Raises ``ConfigError`` for a combination that cannot be built.
+    (``build_kv_cache`` passes what the host reports). ``draft_spec``: the draft model of EAGLE /
+    EAGLE3 (optional) or STANDALONE (``kvjax.plan.draft``). Raises ``ConfigError`` for a
+    combination that cannot be built.
     The stages, each a pure function of the records before it: model kind -> target layout ->
     sizes -> retraction backup -> tree -> host tier -> pools.
     """
     kind = decide_model_kind(spec, config)
     target = decide_target(spec, config, kind)
-    sizes = decide_sizes(spec, config, kind, target, device_memory_bytes=device_memory_bytes)
+    draft, draft_warnings = decide_draft(spec, config, kind, draft_spec)
+    sizes = decide_sizes(
+        spec,
+        config,
+        kind,
+        target,
+        device_memory_bytes=device_memory_bytes,
+        draft_bytes_per_token=0 if draft is None else draft.bytes_per_token,
+    )
     backup, hicache_ratio = decide_retraction_backup(config, kind, sizes)
     tree = decide_tree(spec, config, kind, sizes, backup)
     host = decide_host_tier(config, kind, sizes, tree, backup, hicache_ratio)
     pools = plan_pools(kind, target, sizes, host)
+    host_kv = next((p for p in pools if p.name == "host_kv"), None)
+    drafts = draft_pool_plans(
+        draft, sizes.num_pages, host_kv.shape[0] if host_kv is not None and host.draft_host_pools else None
+    )
+    pools = (
+        tuple(p for p in pools if p.memory == "device")
+        + tuple(p for p in drafts if p.memory == "device")
+        + tuple(p for p in pools if p.memory != "device")
+        + tuple(p for p in drafts if p.memory != "device")
+    )
     host_tier_bytes = sum(p.nbytes for p in pools if p.kind == "host_tier")
     if host_tier_bytes and host_memory_bytes is not None:
         check_host_memory(host_tier_bytes, host_memory_bytes)
@@ -56,7 +78,8 @@ def plan_kv_cache(
         tree=tree,
         host=host,
         pools=pools,
-        warnings=spec_warnings + sizes.warnings + tree.warnings + host_warnings,
+        warnings=spec_warnings + sizes.warnings + tree.warnings + host_warnings + draft_warnings,
+        draft=draft,
     )
     budget = sizes.kv_budget_bytes
     if budget is not None and plan.device_bytes > budget:  # an invariant of the sizing, never user error

@@ -98,6 +98,7 @@ class Sizes:
     req_to_token_width: int
     need_sort: bool
     warnings: tuple[str, ...] = ()
+    draft_bytes_per_token: int = 0  # the draft model's pool, counted in the budget (kvjax.plan.draft)
 
 
 @dataclass(frozen=True)

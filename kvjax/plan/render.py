@@ -24,7 +24,9 @@ def render_plan(plan: CachePlan) -> str:
         f"KV cache plan for {plan.model} (planned for {plan.platform}; {plan.kv_cache_dtype} stored as "
         f"{plan.storage_dtype})",
         f"  tokens: {plan.max_total_tokens:,} ({plan.num_pages:,} pages of {plan.alloc_page_size}), "
-        f"{plan.bytes_per_token:,} bytes/token, budget {fmt_bytes(plan.kv_budget_bytes)}",
+        f"{plan.bytes_per_token:,} bytes/token"
+        + (f" (+ {plan.draft_bytes_per_token:,} for the draft model)" if plan.draft_bytes_per_token else "")
+        + f", budget {fmt_bytes(plan.kv_budget_bytes)}",
         f"  kind: pool={plan.kv_pool_kind} hybrid_swa={plan.is_hybrid_swa} hybrid_ssm={plan.is_hybrid_ssm} "
         f"dsa={plan.is_dsa} window={plan.sliding_window_size}",
         f"  heads per rank: {plan.num_kv_heads_per_rank} (x{plan.kv_head_replicas} replicas), "

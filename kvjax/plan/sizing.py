@@ -111,9 +111,14 @@ def _mamba_set_aside(config: CacheConfig, per_req: int, budget: int | None) -> t
     return slots, mamba_mem + spec_bytes
 
 
-def _stage_budget(config: CacheConfig, target: Target, layers: StageLayers, budget: int | None) -> _StageBudget:
+def _stage_budget(
+    config: CacheConfig, target: Target, layers: StageLayers, budget: int | None, draft_bytes_per_token: int = 0
+) -> _StageBudget:
+    """``draft_bytes_per_token``: the draft model's pool on this stage, sharing its token slots
+    (it pays for its trash page too)."""
     per_layer = target.attention_bytes_per_token_per_layer
     bytes_per_token = max(1, layers.kv_layers * per_layer)
+    sized_per_token = bytes_per_token + draft_bytes_per_token
     per_req = slots = mamba_bytes = 0
     rest = budget
     if target.recurrent is not None and layers.recurrent:
@@ -124,8 +129,8 @@ def _stage_budget(config: CacheConfig, target: Target, layers: StageLayers, budg
         tokens = config.max_total_tokens or 0
     else:
         # Every KV pool of the stage also holds one trash page: pay for it first.
-        trash = config.alloc_page_size * bytes_per_token if layers.kv_layers else 0
-        tokens = max(0, rest - trash) // bytes_per_token
+        trash = config.alloc_page_size * sized_per_token if layers.kv_layers else 0
+        tokens = max(0, rest - trash) // sized_per_token
     return _StageBudget(layers, bytes_per_token, per_req, slots, mamba_bytes, tokens)
 
 
@@ -168,15 +173,29 @@ def _fmt(n: int) -> str:
 
 
 def decide_sizes(
-    spec: ModelSpec, config: CacheConfig, kind: ModelKind, target: Target, *, device_memory_bytes: int | None
+    spec: ModelSpec,
+    config: CacheConfig,
+    kind: ModelKind,
+    target: Target,
+    *,
+    device_memory_bytes: int | None,
+    draft_bytes_per_token: int = 0,
 ) -> Sizes:
     """Bytes per token, the token budget of every pipeline stage (the minimum taken, as SGLang
-    all-reduces MIN), the SWA split, request rows, the request-table width and state slots."""
+    all-reduces MIN), the SWA split, request rows, the request-table width and state slots.
+
+    ``draft_bytes_per_token``: the draft model's KV per token (``kvjax.plan.draft``), held on the
+    last pipeline stage with the same token slots as the target's pool, so counted in that
+    stage's budget."""
     warnings: list[str] = []
     ps = config.alloc_page_size
     context_length = config.context_length or spec.context_length
     budget = kv_budget(config, device_memory_bytes)
-    stages = [_stage_budget(config, target, stage_layers(spec, config, r), budget) for r in range(config.pp_size)]
+    last = config.pp_size - 1
+    stages = [
+        _stage_budget(config, target, stage_layers(spec, config, r), budget, draft_bytes_per_token if r == last else 0)
+        for r in range(config.pp_size)
+    ]
     stage = stages[config.pp_rank]
     sized = [s for s in stages if s.layers.kv_layers]  # a stage of only recurrent layers holds no tokens
     if not sized:
@@ -196,7 +215,7 @@ def decide_sizes(
         max_total = min(max_total, config.max_total_tokens) if budget is not None else config.max_total_tokens
     max_total = max_total // ps * ps
     if max_total <= 0:
-        need = stage.bytes_per_token * 2 * ps + stage.mamba_bytes
+        need = (stage.bytes_per_token + draft_bytes_per_token) * 2 * ps + stage.mamba_bytes
         raise ConfigError(
             "memory_budget_bytes",
             budget,
@@ -268,4 +287,5 @@ def decide_sizes(
         req_to_token_width=req_to_token_width(config, context_length),
         need_sort=config.need_sort,
         warnings=tuple(warnings),
+        draft_bytes_per_token=draft_bytes_per_token if config.pp_rank == last else 0,
     )

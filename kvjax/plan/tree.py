@@ -7,6 +7,7 @@ import logging
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.plan.draft import DRAFT_MODEL_ALGORITHMS
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
 from kvjax.spec import ModelSpec
 from kvjax.tiers.host_sizing import host_pool_tokens
@@ -15,7 +16,6 @@ logger = logging.getLogger("kvjax.plan")
 
 HICACHE_RATIO_WITH_HOST_POOL = 1.0
 HICACHE_RATIO_DEFAULT = 2.0
-DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 MULTIMODAL_TRANSFORMERS_WARNING = (
     "Radix cache is disabled for multimodal models with the Transformers backend "

@@ -1,0 +1,109 @@
+"""The draft model's pools in the host tier: its host pool copied with the target's, page for page.
+
+SGLang (``maybe_register_hicache_draft``, the legacy path) builds the draft model's host pool with
+the same slot count as the target's host pool, so one host slot id addresses both, and registers
+it with the cache controller (``set_draft_kv_pool``): every backup and load of target pages copies
+the same pages of the draft pool. kvjax does the same with :class:`PairedCopyEngine`: the tree
+drives one engine, which starts a transfer of the draft pool's pages with every transfer of the
+target's (same device slots, same host slots; the draft host pool has no allocator of its own in
+use: the tree's host allocator is the target host pool's) and reports it DONE only when both
+landed, at the same polling step. Accounting is the target's: nothing is allocated twice.
+
+Errors: a backup reports FAILED when either copy failed (the tree then drops the host copy and
+recomputes, losing nothing). A load that cannot start raises ``CopyError`` with nothing changed in
+the target pool: the draft's pages are scattered first, into device slots the caller is about to
+fill and that hold no live data, then the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.plan.draft import DRAFT_MODEL_ALGORITHMS, DRAFT_POOL_NAME
+from kvjax.tiers.copy_engine import CopyEngine, TransferStatus
+
+
+def check_draft_buildable(plan: Any, config: CacheConfig) -> None:
+    """Before anything is allocated: the plan's draft model can be built.
+
+    ``ConfigError`` for STANDALONE without ``draft_spec``; ``NotImplementedError`` naming the
+    draft pools of a target kind kvjax does not plan them for (SWA, DSA).
+    """
+    if config.speculative_algorithm not in DRAFT_MODEL_ALGORITHMS or plan.draft is not None:
+        return
+    if config.speculative_algorithm == "STANDALONE":
+        raise ConfigError(
+            "draft_spec",
+            None,
+            "speculative_algorithm='STANDALONE' needs the draft model: pass draft_spec=ModelSpec(...) of the draft",
+        )
+    what = "DSA" if plan.is_dsa else repr(plan.kv_pool_kind)
+    raise NotImplementedError(
+        f"kvjax cannot build the draft model's KV pools for a {what} target yet (speculative_algorithm="
+        f"{config.speculative_algorithm!r}, {plan.model}); the plan is available from plan_kv_cache"
+    )
+
+
+@dataclass
+class _Paired:
+    handles: tuple[Any, ...]
+    status: TransferStatus = TransferStatus.PENDING
+
+
+class PairedCopyEngine:
+    """A :class:`~kvjax.tiers.copy_engine.CopyEngine` copying the same slots of several pools.
+
+    ``primary`` copies the target's pool; each of ``followers`` copies another pool whose device
+    and host slots index the same tokens (the draft's). A handle is DONE when every copy is DONE,
+    FAILED when every copy settled and one FAILED, else PENDING.
+    """
+
+    def __init__(self, primary: CopyEngine, *followers: CopyEngine) -> None:
+        self.primary = primary
+        self.followers = tuple(followers)
+
+    @property
+    def engines(self) -> tuple[CopyEngine, ...]:
+        return (self.primary, *self.followers)
+
+    def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _Paired:
+        return _Paired(tuple(e.start_backup(device_slots, host_slots) for e in self.engines))
+
+    def start_load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> _Paired:
+        handles = [f.start_load(host_slots, device_slots) for f in self.followers]
+        return _Paired((self.primary.start_load(host_slots, device_slots), *handles))
+
+    def poll(self, handle: _Paired, wait: bool = False) -> TransferStatus:
+        if handle.status is not TransferStatus.PENDING:
+            return handle.status
+        statuses = [e.poll(h, wait) for e, h in zip(self.engines, handle.handles, strict=True)]
+        if TransferStatus.PENDING in statuses:
+            return TransferStatus.PENDING
+        failed = TransferStatus.FAILED in statuses
+        handle.status = TransferStatus.FAILED if failed else TransferStatus.DONE
+        handle.handles = ()
+        return handle.status
+
+    def cancel(self, handle: _Paired) -> None:
+        for e, h in zip(self.engines, handle.handles, strict=True):
+            e.cancel(h)
+
+
+def with_draft_transfers(engine: Any, holder: Any, draft_host_pool: Any) -> Any:
+    """``engine`` (the target pool's ``PageTransferEngine``), paired with one over the draft pool
+    ``"kv_draft"`` of ``holder`` and ``draft_host_pool`` when there is one."""
+    if draft_host_pool is None:
+        return engine
+    from kvjax.tiers.transfer import PageTransferEngine
+
+    if draft_host_pool.size != engine.host_pool.size:
+        raise AssertionError(
+            f"draft host pool of {draft_host_pool.size} slots, target's {engine.host_pool.size}: they must match"
+        )
+    draft = PageTransferEngine(holder, draft_host_pool, pool_name=DRAFT_POOL_NAME, staging=engine.staging)
+    return PairedCopyEngine(engine, draft)
