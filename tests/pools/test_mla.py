@@ -11,6 +11,7 @@ import pytest
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import DSAIndexerKeyPool, MLAKVPool
+from kvjax.pools.mla import scatter_rows, update_rows_in_order
 from tests.specs import mla
 
 RANK, ROPE, PAGE = 8, 4, 4
@@ -139,6 +140,23 @@ def test_move_kv_cache_reads_before_writing():
     pool = pool.move_kv_cache(np.array([5, 6]), np.array([4, 5]))
     got, _ = pool.get_mla_kv_buffer(0, np.array([5, 6]))
     np.testing.assert_array_equal(got[:, 0], nope)
+
+
+def test_fp8_tpu_row_updates_match_the_scatter_and_leave_trash_and_others_alone():
+    """The TPU path of fp8 layers (one row update per token) writes what the scatter writes: live
+    slots in any order, the trash page and out-of-range slots dropped, every other byte unchanged,
+    in place under donation."""
+    rng = np.random.default_rng(3)
+    layer = jnp.asarray(rng.integers(0, 256, (6, PAGE, 16), dtype=np.uint8)).view(jnp.float8_e4m3fn)
+    rows = jnp.asarray(rng.integers(0, 256, (7, 16), dtype=np.uint8)).view(jnp.float8_e4m3fn)
+    loc = jnp.array([9, -1, 2, 23, 24, 4, 100], jnp.int32)  # live: 9, 23, 4
+    want = np.asarray(scatter_rows(layer, rows, loc).view(jnp.uint8))
+    before = np.asarray(layer.view(jnp.uint8))
+    got = jax.jit(update_rows_in_order, donate_argnums=0)(jnp.array(layer), rows, loc)
+    np.testing.assert_array_equal(np.asarray(got.view(jnp.uint8)), want)
+    flat_want, flat_before = want.reshape(24, 16), before.reshape(24, 16)
+    np.testing.assert_array_equal(np.delete(flat_want, [9, 23, 4], axis=0), np.delete(flat_before, [9, 23, 4], axis=0))
+    np.testing.assert_array_equal(flat_want[[9, 23, 4]], np.asarray(rows.view(jnp.uint8))[[0, 3, 5]])
 
 
 # --- DSA indexer keys ------------------------------------------------------------------------------
