@@ -180,6 +180,22 @@ def test_indexer_keys_roundtrip_and_sglang_byte_layout():
     assert not page[:512].any() and not page[768 : 4 * 256].any()
 
 
+def test_indexer_tpu_token_updates_match_the_scatter():
+    """The TPU path of the indexer write (two update slices per token) writes the scatter's bytes;
+    dropped tokens (trash page, out of range) change nothing."""
+    rng = np.random.default_rng(5)
+    pool = DSAIndexerKeyPool.create(num_pages=3, page_size=4, num_layers=1, index_head_dim=256)
+    layer = jnp.asarray(rng.integers(0, 256, pool.index_k[0].shape, dtype=np.uint8))
+    loc = jnp.array([5, 2, 15, -3, 16, 4], jnp.int32)
+    live = (loc >= 4) & (loc < 16)
+    keys = jnp.asarray(rng.integers(0, 256, (6, 256), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(0, 256, (6, 8), dtype=np.uint8))
+    want = pool._scatter_tokens(layer, loc, live, keys, scales)
+    got = pool._update_tokens_in_order(layer, loc, live, keys, scales)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(want), np.asarray(layer))
+
+
 def test_indexer_bad_input():
     with pytest.raises(ValueError, match="index_head_dim=100"):
         DSAIndexerKeyPool.create(num_pages=1, page_size=4, num_layers=1, index_head_dim=100)

@@ -6,7 +6,8 @@ e4m3 latents on v5e and v6e.
 An fp8 latent layer is tiled ``(32, 128)`` in HBM while XLA's TPU scatter works on ``(8, 128)``
 tiles: a scatter would relayout (copy) the layer, so fp8 rows are written with one update slice per
 token on TPU (``kvjax.pools.mla.update_rows_in_order``), which these cases prove in place. The
-indexer write is compiled once, in its own test."""
+uint8 indexer layer is written the same way (a scatter copies a 256 MiB one); its write is compiled
+once, in its own test."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_indexer_write_compiles_in_place() -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x2")
     everywhere = NamedSharding(Mesh(np.array(topo.devices[:1]), ("tp",)), P())
     layout = _layout("bfloat16")
-    pages = (256 << 20) // (PAGE * layout.bytes_per_token_per_layer) - 1  # the pages of a 256 MiB bf16 latent layer
+    pages = (256 << 20) // (PAGE * layout.indexer_bytes_per_token_per_layer) - 1  # a 256 MiB layer
     index_shape = layout.indexer_shape(pages)
     index_layer = jax.ShapeDtypeStruct(index_shape, jnp.uint8, sharding=everywhere)
     index_pool = DSAIndexerKeyPool(index_k=(index_layer,) * LAYERS, page_size=PAGE, index_head_dim=INDEX_DIM)
