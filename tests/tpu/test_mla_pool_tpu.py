@@ -69,6 +69,24 @@ def test_mla_writes_compile_in_place(topology: str, dtype: str, replicated: bool
     assert memory.temp_size_in_bytes < 4 << 20, memory.temp_size_in_bytes
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
+def test_move_kv_cache_compiles_in_place(dtype: str) -> None:
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x2")
+    everywhere = NamedSharding(Mesh(np.array(topo.devices[:1]), ("tp",)), P())
+    layout = _layout(dtype)
+    pages = (256 << 20) // (PAGE * layout.bytes_per_token_per_layer) - 1  # a 256 MiB layer
+    shape = layout.shape(pages)
+    layer = jax.ShapeDtypeStruct(shape, jnp.dtype(layout.storage_dtype), sharding=everywhere)
+    scale = jax.ShapeDtypeStruct((LAYERS,), jnp.float32, sharding=everywhere)
+    pool = MLAKVPool(
+        kv=(layer,) * LAYERS, scale=scale, page_size=PAGE, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, dtype=dtype
+    )
+    loc = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=everywhere)
+    memory = _memory(lambda p, tgt, src: p.move_kv_cache(tgt, src), pool, loc, loc)
+    assert memory.alias_size_in_bytes >= LAYERS * int(np.prod(shape)) * jnp.dtype(layout.storage_dtype).itemsize
+    assert memory.temp_size_in_bytes < 4 << 20, memory.temp_size_in_bytes
+
+
 def test_indexer_write_compiles_in_place() -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x2")
     everywhere = NamedSharding(Mesh(np.array(topo.devices[:1]), ("tp",)), P())
