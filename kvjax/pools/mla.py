@@ -23,8 +23,8 @@ lowered for TPU: there the layer is tiled ``(32, 128)`` while XLA's TPU scatter 
 128)`` tiles and would relayout (copy) the whole layer, so those rows go in one
 ``dynamic_update_slice`` per token (``update_rows_in_order``), which XLA writes in place at any row.
 The MHA pool's ``kv_write`` Pallas kernel is not used: its one-DMA-per-run copies start at any
-slot, and Mosaic only slices a tiled HBM axis at tile-aligned offsets (multiples of 32 rows for
-fp8, 16 for bf16), while viewing the latent as ``[pages + 1, page_size, 1, row]`` pads every token
+slot, and Mosaic only slices a tiled HBM axis at tile-aligned offsets (multiples of 32 rows for an
+fp8 layer), while viewing the latent as ``[pages + 1, page_size, 1, row]`` pads every token
 to a whole tile, so the view itself is a relayout of the layer (see ``mla_layout``).
 
 Slot ids given as concrete arrays are checked on the host (``InvalidSlotError``); inside a trace,
