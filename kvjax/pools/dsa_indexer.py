@@ -15,8 +15,11 @@ is e4m3's largest value), key = ``x / scale`` cast to e4m3, as DeepSeek's ``act_
 optional power-of-two rounding of the scale. Callers that quantise themselves use
 ``set_index_k_and_scale`` (SGLang's ``set_index_k_scale_buffer``).
 
-Writes scatter ``n`` tokens' bytes at ``(page, byte offset)``: in place under ``jax.jit`` with the
-pool donated, O(tokens written). Concrete slot ids are checked on the host; traced ones outside the
+Writes put ``n`` tokens' bytes at ``(page, byte offset)``, in place under ``jax.jit`` with the
+pool donated, O(tokens written): two XLA scatters, except when lowered for TPU (chosen with
+``lax.platform_dependent``), where a large uint8 layer (tiled ``(32, 128)``) would be copied by
+XLA's ``(8, 128)``-tile scatter, so each token is two ``dynamic_update_slice`` (checked at a 256 MiB
+layer by the TPU compile test). Concrete slot ids are checked on the host; traced ones outside the
 pool (and the trash page) are dropped.
 """
 
@@ -141,6 +144,39 @@ class DSAIndexerKeyPool:
         scale_cols = self.page_size * d + offset[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None, :]
         return key_cols, scale_cols
 
+    def _scatter_tokens(
+        self, layer: jax.Array, loc: jax.Array, live: jax.Array, key_bytes: jax.Array, scale_bytes: jax.Array
+    ) -> jax.Array:
+        """Two XLA scatters of the tokens' key and scale bytes; dropped tokens go out of bounds."""
+        page = jnp.where(live, loc // self.page_size, layer.shape[0])[:, None]  # out of bounds: dropped
+        key_cols, scale_cols = self._columns(loc % self.page_size)
+        layer = layer.at[page, key_cols].set(key_bytes, mode="drop")
+        return layer.at[page, scale_cols].set(scale_bytes, mode="drop")
+
+    def _update_tokens_in_order(
+        self, layer: jax.Array, loc: jax.Array, live: jax.Array, key_bytes: jax.Array, scale_bytes: jax.Array
+    ) -> jax.Array:
+        """The same write as two ``dynamic_update_slice`` per token, token after token (the TPU path).
+
+        A uint8 layer is tiled ``(32, 128)`` on TPU and XLA's TPU scatter works on ``(8, 128)``
+        tiles: above some tens of MiB per layer the scatter compiles to a copy of the layer, while a
+        one-token update slice is written in place. Dropped tokens skip their update (``lax.cond``),
+        never clamped onto a live slot."""
+        d, s = self.index_head_dim, scale_bytes.shape[1]
+
+        def write_one(i: jax.Array, layer: jax.Array) -> jax.Array:
+            page, offset = loc[i] // self.page_size, loc[i] % self.page_size
+            key = jax.lax.dynamic_slice_in_dim(key_bytes, i, 1)
+            scale = jax.lax.dynamic_slice_in_dim(scale_bytes, i, 1)
+
+            def write(x: jax.Array) -> jax.Array:
+                x = jax.lax.dynamic_update_slice(x, key, (page, offset * d))
+                return jax.lax.dynamic_update_slice(x, scale, (page, self.page_size * d + offset * s))
+
+            return jax.lax.cond(live[i], write, lambda x: x, layer)
+
+        return jax.lax.fori_loop(0, loc.shape[0], write_one, layer, unroll=min(8, max(1, loc.shape[0])))
+
     def set_index_k_and_scale(
         self, layer_id: int, loc: jax.Array, index_k: jax.Array, index_k_scale: jax.Array
     ) -> DSAIndexerKeyPool:
@@ -160,13 +196,16 @@ class DSAIndexerKeyPool:
             raise ValueError(f"loc has shape {list(loc.shape)}; expected [{n}], one slot per token")
         key_bytes = index_k if index_k.dtype == jnp.uint8 else index_k.astype(jnp.float8_e4m3fn).view(jnp.uint8)
         scale_bytes = jax.lax.bitcast_convert_type(index_k_scale.astype(jnp.float32), jnp.uint8).reshape(n, -1)
-        layer = self.index_k[index]
-        pages = layer.shape[0]
         live = (loc >= self.page_size) & (loc < self.num_slots)
-        page = jnp.where(live, loc // self.page_size, pages)[:, None]  # out of bounds: dropped
-        key_cols, scale_cols = self._columns(loc % self.page_size)
-        layer = layer.at[page, key_cols].set(key_bytes, mode="drop")
-        layer = layer.at[page, scale_cols].set(scale_bytes, mode="drop")
+        layer = jax.lax.platform_dependent(
+            self.index_k[index],
+            loc,
+            live,
+            key_bytes,
+            scale_bytes,
+            tpu=self._update_tokens_in_order,
+            default=self._scatter_tokens,
+        )
         layers = list(self.index_k)
         layers[index] = layer
         return self.replace(index_k=tuple(layers))

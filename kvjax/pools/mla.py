@@ -16,11 +16,16 @@ MLA caches one latent row per token and layer instead of K and V per head (SGLan
 * With a mesh the latent is replicated on every rank of the tensor-parallel group (one shared
   KV head, SGLang's MLA under attention TP); writes run on every rank.
 
-Every update returns a new pool. Writes are a scatter of ``n`` rows at ``(page, offset)``: under
-``jax.jit`` with the pool donated the layer is updated in place, O(tokens written) (checked by
-the tests and the TPU compile tests). The MHA pool's ``kv_write`` kernel is not used here: it
-takes the MHA layout's combined head axis, and giving the latent a unit head axis would pad it on
-TPU (see ``mla_layout``); XLA's scatter already writes in place on every backend.
+Every update returns a new pool. Under ``jax.jit`` with the pool donated the layer is updated in
+place, O(tokens written) (checked by the tests and by the TPU compile tests for bf16 and fp8 on
+v5e and v6e). Writes are one XLA scatter of ``n`` rows at ``(page, offset)``, except fp8 layers
+lowered for TPU: there the layer is tiled ``(32, 128)`` while XLA's TPU scatter works on ``(8,
+128)`` tiles and would relayout (copy) the whole layer, so those rows go in one
+``dynamic_update_slice`` per token (``update_rows_in_order``), which XLA writes in place at any row.
+The MHA pool's ``kv_write`` Pallas kernel is not used: its one-DMA-per-run copies start at any
+slot, and Mosaic only slices a tiled HBM axis at tile-aligned offsets (multiples of 32 rows for an
+fp8 layer), while viewing the latent as ``[pages + 1, page_size, 1, row]`` pads every token
+to a whole tile, so the view itself is a relayout of the layer (see ``mla_layout``).
 
 Slot ids given as concrete arrays are checked on the host (``InvalidSlotError``); inside a trace,
 slots outside the pool (and the trash page) are dropped on the device, never clamped onto a live slot.
@@ -52,15 +57,53 @@ def _static(**kwargs: Any) -> Any:
     return dataclasses.field(metadata=dict(static=True), **kwargs)
 
 
-def scatter_rows(layer: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array:
-    """Write ``rows[i]`` (``[n, *row_shape]``) into token slot ``loc[i]`` of a ``[pages, page_size,
-    *row_shape]`` layer; slots on the trash page or outside the layer are dropped. In place under
-    donation (one XLA scatter of ``n`` rows)."""
+def _live_slots(loc: jax.Array, pages: int, page_size: int) -> jax.Array:
+    """Whether each slot may be written: off the trash page and inside a ``pages``-page layer."""
+    return (loc >= page_size) & (loc < pages * page_size)
+
+
+def _scatter(layer: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array:
+    """One XLA scatter of ``n`` rows at ``(page, offset)``; dropped slots go out of bounds."""
     pages, page_size = layer.shape[:2]
+    page = jnp.where(_live_slots(loc, pages, page_size), loc // page_size, pages)  # out of bounds: dropped
+    return layer.at[page, loc % page_size].set(rows, mode="drop")
+
+
+def update_rows_in_order(layer: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array:
+    """The same write as one ``dynamic_update_slice`` of a single row per token, token after token.
+
+    The TPU path of packed (1-byte) layers: XLA's TPU scatter works on ``(8, 128)`` tiles, an fp8
+    layer is tiled ``(32, 128)``, so a scatter would first relayout (copy) the whole layer, while a
+    one-row update slice is written in place at any sublane offset. ``n`` sequential row updates:
+    O(tokens written). A dropped slot (trash page, out of range) skips its update (``lax.cond``): a
+    dynamic update slice would clamp an out-of-range index onto a live row. (Reading any row of the
+    layer in the same computation, e.g. to rewrite it unchanged, makes XLA copy the layer.)
+    """
+    pages, page_size = layer.shape[:2]
+    live = _live_slots(loc, pages, page_size)
+    zero = jnp.zeros((), jnp.int32)
+
+    def write_one(i: jax.Array, layer: jax.Array) -> jax.Array:
+        row = jax.lax.dynamic_slice_in_dim(rows, i, 1)[None]
+        start = (loc[i] // page_size, loc[i] % page_size, zero)
+        return jax.lax.cond(live[i], lambda x: jax.lax.dynamic_update_slice(x, row, start), lambda x: x, layer)
+
+    return jax.lax.fori_loop(0, rows.shape[0], write_one, layer, unroll=min(8, max(1, rows.shape[0])))
+
+
+def scatter_rows(layer: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array:
+    """Write ``rows[i]`` (``[n, row_padded]``) into token slot ``loc[i]`` of a ``[pages, page_size,
+    row_padded]`` layer; slots on the trash page or outside the layer are dropped (never clamped).
+
+    In place under donation, O(tokens written), on every backend: one XLA scatter, except for
+    1-byte (fp8) layers lowered for TPU, which take ``update_rows_in_order`` (chosen when lowering,
+    ``lax.platform_dependent``; see that function for why).
+    """
     loc = loc.astype(jnp.int32)
-    live = (loc >= page_size) & (loc < pages * page_size)
-    page = jnp.where(live, loc // page_size, pages)  # ``pages`` is out of bounds: dropped
-    return layer.at[page, loc % page_size].set(rows.astype(layer.dtype), mode="drop")
+    rows = rows.astype(layer.dtype)
+    if layer.dtype.itemsize != 1:
+        return _scatter(layer, rows, loc)
+    return jax.lax.platform_dependent(layer, rows, loc, tpu=update_rows_in_order, default=_scatter)
 
 
 def _as_rows(name: str, x: jax.Array, width: int) -> jax.Array:

@@ -11,6 +11,7 @@ import pytest
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import DSAIndexerKeyPool, MLAKVPool
+from kvjax.pools.mla import scatter_rows, update_rows_in_order
 from tests.specs import mla
 
 RANK, ROPE, PAGE = 8, 4, 4
@@ -141,6 +142,23 @@ def test_move_kv_cache_reads_before_writing():
     np.testing.assert_array_equal(got[:, 0], nope)
 
 
+def test_fp8_tpu_row_updates_match_the_scatter_and_leave_trash_and_others_alone():
+    """The TPU path of fp8 layers (one row update per token) writes what the scatter writes: live
+    slots in any order, the trash page and out-of-range slots dropped, every other byte unchanged,
+    in place under donation."""
+    rng = np.random.default_rng(3)
+    layer = jnp.asarray(rng.integers(0, 256, (6, PAGE, 16), dtype=np.uint8)).view(jnp.float8_e4m3fn)
+    rows = jnp.asarray(rng.integers(0, 256, (7, 16), dtype=np.uint8)).view(jnp.float8_e4m3fn)
+    loc = jnp.array([9, -1, 2, 23, 24, 4, 100], jnp.int32)  # live: 9, 23, 4
+    want = np.asarray(scatter_rows(layer, rows, loc).view(jnp.uint8))
+    before = np.asarray(layer.view(jnp.uint8))
+    got = jax.jit(update_rows_in_order, donate_argnums=0)(jnp.array(layer), rows, loc)
+    np.testing.assert_array_equal(np.asarray(got.view(jnp.uint8)), want)
+    flat_want, flat_before = want.reshape(24, 16), before.reshape(24, 16)
+    np.testing.assert_array_equal(np.delete(flat_want, [9, 23, 4], axis=0), np.delete(flat_before, [9, 23, 4], axis=0))
+    np.testing.assert_array_equal(flat_want[[9, 23, 4]], np.asarray(rows.view(jnp.uint8))[[0, 3, 5]])
+
+
 # --- DSA indexer keys ------------------------------------------------------------------------------
 
 
@@ -160,6 +178,22 @@ def test_indexer_keys_roundtrip_and_sglang_byte_layout():
     np.testing.assert_array_equal(page[512:768], np.asarray(fp8[1].view(jnp.uint8)))
     np.testing.assert_array_equal(page[4 * 256 + 2 * 8 : 4 * 256 + 3 * 8].view(np.float32), np.asarray(scale[1]))
     assert not page[:512].any() and not page[768 : 4 * 256].any()
+
+
+def test_indexer_tpu_token_updates_match_the_scatter():
+    """The TPU path of the indexer write (two update slices per token) writes the scatter's bytes;
+    dropped tokens (trash page, out of range) change nothing."""
+    rng = np.random.default_rng(5)
+    pool = DSAIndexerKeyPool.create(num_pages=3, page_size=4, num_layers=1, index_head_dim=256)
+    layer = jnp.asarray(rng.integers(0, 256, pool.index_k[0].shape, dtype=np.uint8))
+    loc = jnp.array([5, 2, 15, -3, 16, 4], jnp.int32)
+    live = (loc >= 4) & (loc < 16)
+    keys = jnp.asarray(rng.integers(0, 256, (6, 256), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(0, 256, (6, 8), dtype=np.uint8))
+    want = pool._scatter_tokens(layer, loc, live, keys, scales)
+    got = pool._update_tokens_in_order(layer, loc, live, keys, scales)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(want), np.asarray(layer))
 
 
 def test_indexer_bad_input():
