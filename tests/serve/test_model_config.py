@@ -74,3 +74,28 @@ def test_families_and_layers_kvjax_cannot_serve_are_refused_by_name():
     gelu = {**_config("llama-3-8b"), "hidden_act": "gelu"}
     with pytest.raises(ConfigError, match="hidden_act='gelu'"):
         model_config_from_spec(ModelSpec.from_hf_config(gelu))
+
+
+def test_yarn_matches_transformers_and_is_refused_where_the_family_does_not_scale():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvjax.serve.model_config import read_rope
+
+    cases = [
+        dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096),
+        dict(factor=4.0, original_max_position_embeddings=64),
+        dict(factor=8.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=1.0),
+    ]
+    for extra in cases:
+        params = {"rope_type": "yarn", "rope_theta": 150000.0, **extra}
+        hf = transformers.GptOssConfig(
+            hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256, rope_parameters=params
+        )
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](hf)
+        rope = read_rope(hf.to_dict(), yarn=True)
+        np = pytest.importorskip("numpy")
+        np.testing.assert_allclose(rope.inverse_frequencies(16), inv_freq.numpy(), rtol=1e-6, atol=0)
+        assert math.isclose(rope.attention_scaling(), scaling, rel_tol=1e-12)
+        with pytest.raises(ConfigError, match="yarn"):
+            read_rope(hf.to_dict())

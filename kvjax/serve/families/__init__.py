@@ -44,6 +44,8 @@ class Family:
             one-page MHA pool and no extras.
         partial_rotary: the model rotates part of the head dim itself (RoPE's
             ``partial_rotary_factor`` is then the family's to read, not refused).
+        yarn_rope: the model applies ``RopeConfig.attention_scaling()`` (YaRN RoPE is then read,
+            not refused).
     """
 
     name: str
@@ -52,6 +54,7 @@ class Family:
     read_config: str | None = None
     trace_state: str | None = None
     partial_rotary: bool = False
+    yarn_rope: bool = False
 
     def load(self, what: str) -> Callable[..., Any]:
         """Import ``model``, ``read_config`` or ``trace_state`` (named by attribute)."""
