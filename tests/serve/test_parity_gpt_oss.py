@@ -55,7 +55,7 @@ CONFIG = dict(
     head_dim=16,
     num_local_experts=4,
     num_experts_per_tok=2,
-    max_position_embeddings=256,
+    max_position_embeddings=512,  # = 64 x factor 8: the YaRN config Transformers expects
     initializer_range=0.2,
     sliding_window=WINDOW,
     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
