@@ -135,6 +135,9 @@ def test_gpt_oss_reads_yarn_experts_and_sinks_and_refuses_bad_expert_counts_by_n
         model_config_from_spec(ModelSpec.from_hf_config(_tiny_gpt_oss(num_experts_per_tok=8)))
     with pytest.raises(ConfigError, match="num_local_experts=0"):
         model_config_from_spec(ModelSpec.from_hf_config(_tiny_gpt_oss(num_local_experts=0)))
+    mxfp4 = _tiny_gpt_oss(quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(ConfigError, match="quant_method='mxfp4'"):
+        model_config_from_spec(ModelSpec.from_hf_config(mxfp4))
     yarn_llama = {**_config("llama-3-8b"), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     with pytest.raises(ConfigError, match="rope_type='yarn'"):
         model_config_from_spec(ModelSpec.from_hf_config(yarn_llama))

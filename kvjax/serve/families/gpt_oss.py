@@ -85,7 +85,19 @@ def _positive_number(raw: Mapping[str, Any], key: str, default: float) -> float:
 
 
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
-    """gpt-oss's own hyperparameters from its ``config.json``."""
+    """gpt-oss's own hyperparameters from its ``config.json``.
+
+    A ``quantization_config`` (OpenAI's published checkpoints store the experts in MXFP4 as
+    ``*_blocks`` / ``*_scales``) is refused by its method: kvjax loads unquantised weights only.
+    """
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise ConfigError(
+            "quantization_config.quant_method",
+            method,
+            "kvjax serves gpt-oss from unquantised (bf16/f32) weights; dequantise the checkpoint first",
+        )
     if spec.sliding_window is None or spec.sliding_window <= 0:
         raise ConfigError("sliding_window", spec.sliding_window, "gpt-oss needs a positive sliding_window")
     experts = _positive_int(raw, "num_local_experts", raw.get("num_experts"))
