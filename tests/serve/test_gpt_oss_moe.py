@@ -1,4 +1,5 @@
-"""gpt-oss's MoE block matches Transformers' ``GptOssMLP`` where the SwiGLU clamps engage.
+"""gpt-oss's MoE block matches Transformers' ``GptOssMLP`` where the SwiGLU clamps engage, and its
+RMSNorm rounds as Transformers' in bfloat16.
 
 The parity test's random weights rarely push the experts' gate/up past ``swiglu_limit``; here the
 expert weights are scaled up (and the limit lowered) so that both clamps and the interleaved
@@ -15,7 +16,7 @@ torch = pytest.importorskip("torch", reason="needs the 'parity' extra (torch, tr
 transformers = pytest.importorskip("transformers", reason="needs the 'parity' extra (torch, transformers)")
 
 from kvjax import ModelSpec  # noqa: E402
-from kvjax.serve.families.gpt_oss import GptOssMLP  # noqa: E402
+from kvjax.serve.families.gpt_oss import GptOssMLP, GptOssRMSNorm  # noqa: E402
 from kvjax.serve.model_config import model_config_from_spec  # noqa: E402
 
 
@@ -55,3 +56,19 @@ def test_experts_and_router_match_transformers_with_the_clamps_engaged():
     params = {m: {k: jnp.asarray(v.detach().numpy()) for k, v in d.items()} for m, d in params.items()}
     ours = GptOssMLP(config).apply({"params": params}, jnp.asarray(x[0].numpy()))
     np.testing.assert_allclose(np.asarray(ours), expected[0].numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_rms_norm_multiplies_in_float32_before_casting_like_transformers_in_bfloat16():
+    torch.manual_seed(1)
+    norm = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = norm(x).float().numpy()
+    weight = jnp.asarray(norm.weight.detach().float().numpy()).astype(jnp.bfloat16)
+    ours = GptOssRMSNorm(1e-5, jnp.dtype(jnp.bfloat16)).apply(
+        {"params": {"weight": weight}}, jnp.asarray(x.float().numpy()).astype(jnp.bfloat16)
+    )
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), expected)

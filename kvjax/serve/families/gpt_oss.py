@@ -1,8 +1,9 @@
 """gpt-oss (``model_type`` ``gpt_oss``, Hugging Face's ``GptOssForCausalLM``).
 
 Architecture, parameter names included (Transformers 5.24's ``modeling_gpt_oss``):
-``model.embed_tokens`` (unscaled); ``num_hidden_layers`` x [``input_layernorm`` (RMSNorm, weight
-times the float32-normalised input), ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj`` with
+``model.embed_tokens`` (unscaled); ``num_hidden_layers`` x [``input_layernorm`` (``GptOssRMSNorm``:
+the weight times the float32-normalised input, in float32, then cast; Llama casts before the
+product), ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj`` with
 biases, rotate-half RoPE, paged attention with scale ``head_dim ** -0.5`` and one learned sink
 logit per query head ``self_attn.sinks [num_attention_heads]``, ``o_proj`` with bias), residual,
 ``post_attention_layernorm``, ``mlp`` (the MoE below), residual]; ``model.norm``; ``lm_head``
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 from kvjax.errors import ConfigError
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools, MHAKVPool, SWAKVPool
-from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm, apply_rope
+from kvjax.serve.layers import BatchMetadata, Embedding, Linear, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -118,6 +119,20 @@ def _fc(config: ModelConfig) -> GptOssConfig:
     fc = config.family_config
     assert isinstance(fc, GptOssConfig), "gpt-oss needs its family_config (read_config)"
     return fc
+
+
+class GptOssRMSNorm(nn.Module):
+    """``(weight * x / sqrt(mean(x^2) + eps))`` in float32, cast back to x's dtype (weights start at 1)."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (weight.astype(jnp.float32) * normed).astype(x.dtype)
 
 
 class GptOssAttention(nn.Module):
@@ -239,10 +254,10 @@ class GptOssDecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
-        h = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="input_layernorm")(x)
+        h = GptOssRMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="input_layernorm")(x)
         h, pools = GptOssAttention(c, self.layer_id, name="self_attn")(h, pools, meta)
         x = x + h
-        h = RMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="post_attention_layernorm")(x)
+        h = GptOssRMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="post_attention_layernorm")(x)
         return x + GptOssMLP(c, name="mlp")(h), pools
 
 
@@ -254,7 +269,7 @@ class GptOssModel(nn.Module):
         dt = jnp.dtype(c.dtype)
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
         self.layers = [GptOssDecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, dt)
+        self.norm = GptOssRMSNorm(c.rms_norm_eps, dt)
 
     def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         x = self.embed_tokens(tokens)
