@@ -9,7 +9,8 @@ module reads them, from configs saved by any Transformers version:
   also holds ``rope_theta``); ``rope_type`` or the older ``type`` key.
 * dtype: ``dtype`` (Transformers 5) or ``torch_dtype`` (older).
 
-Supported RoPE types: ``default``, ``linear`` and ``llama3`` (Llama 3.1+). Others raise
+Supported RoPE types: ``default``, ``linear`` and ``llama3`` (Llama 3.1+), and ``yarn`` for the
+families that apply its attention scaling (``Family.yarn_rope``: gpt-oss). Others raise
 `ConfigError` naming the type. Families are the entries of ``kvjax.serve.families.FAMILIES``; a
 family's own hyperparameters (beyond the fields below) are read by its ``read_config`` into
 ``ModelConfig.family_config``.
@@ -33,6 +34,7 @@ from kvjax.spec import LayerKind, ModelSpec
 __all__ = ["DTYPES", "ROPE_TYPES", "SERVABLE_FAMILIES", "ModelConfig", "RopeConfig", "model_config_from_spec"]
 
 ROPE_TYPES = ("default", "linear", "llama3")
+YARN = "yarn"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -43,7 +45,11 @@ class RopeConfig:
     ``rope_type``: ``"default"`` (inverse frequencies ``theta ** (-2i / head_dim)``), ``"linear"``
     (all divided by ``factor``) or ``"llama3"`` (long wavelengths divided by ``factor``, short ones
     kept, a smooth blend between; ``low_freq_factor``, ``high_freq_factor`` and
-    ``original_max_position_embeddings`` as in Llama 3.1's config).
+    ``original_max_position_embeddings`` as in Llama 3.1's config) or ``"yarn"`` (YaRN: a linear ramp
+    between the interpolated ``base / factor`` and the original frequencies over the dims whose
+    rotation count in ``original_max_position_embeddings`` lies between ``beta_fast`` and
+    ``beta_slow``, bounds floored/ceiled when ``truncate``; cos and sin are multiplied by
+    ``attention_scaling()``), all as Transformers 5.24's ``modeling_rope_utils`` computes them.
     """
 
     theta: float = 10000.0
@@ -52,6 +58,45 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (YaRN's; 1.0 for the other types)."""
+        if self.rope_type != YARN:
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return get_mscale(self.factor)
+
+    def _yarn(self, head_dim: int) -> np.ndarray:
+        dim, base, original = head_dim, self.theta, self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # Transformers' guard against a zero-width ramp
+        pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        interpolation = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        keep = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+        return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
 
     def inverse_frequencies(self, head_dim: int) -> np.ndarray:
         """The ``head_dim // 2`` inverse frequencies (radians per position), float32.
@@ -63,6 +108,8 @@ class RopeConfig:
         base = (np.float32(1.0) / (np.float32(self.theta) ** exponent)).astype(np.float32)
         if self.rope_type == "default":
             return base
+        if self.rope_type == YARN:
+            return self._yarn(head_dim)
         factor = np.float32(self.factor)
         if self.rope_type == "linear":
             return (base / factor).astype(np.float32)
@@ -118,10 +165,11 @@ def _number(config: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def read_rope(config: Mapping[str, Any], *, partial_rotary: bool = False) -> RopeConfig:
+def read_rope(config: Mapping[str, Any], *, partial_rotary: bool = False, yarn: bool = False) -> RopeConfig:
     """The RoPE settings from either config layout (see the module docstring). A
     ``partial_rotary_factor`` is refused unless the family rotates part of the head itself
-    (``partial_rotary``: it reads the factor)."""
+    (``partial_rotary``: it reads the factor); ``yarn`` is refused unless the family applies its
+    attention scaling (``yarn``)."""
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     source = "rope_parameters"
@@ -132,7 +180,13 @@ def read_rope(config: Mapping[str, Any], *, partial_rotary: bool = False) -> Rop
     if theta is None:
         theta = params.get("rope_theta", 10000.0)
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
-    if rope_type not in ROPE_TYPES:
+    if rope_type == YARN and not yarn:
+        raise ConfigError(
+            f"{source}.rope_type",
+            rope_type,
+            "kvjax serves YaRN RoPE only in families that apply its attention scaling (gpt_oss)",
+        )
+    if rope_type not in ROPE_TYPES and rope_type != YARN:
         raise ConfigError(
             f"{source}.rope_type",
             rope_type,
@@ -149,6 +203,25 @@ def read_rope(config: Mapping[str, Any], *, partial_rotary: bool = False) -> Rop
     if rope_type == "linear":
         return RopeConfig(theta=theta_value, rope_type="linear", factor=factor)
     original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 8192
+    if rope_type == YARN:
+        optional: dict[str, float | None] = {
+            key: None if params.get(key) is None else _number(params, key, 0.0)
+            for key in ("attention_factor", "mscale", "mscale_all_dim")
+        }
+        return RopeConfig(
+            theta=theta_value,
+            rope_type=YARN,
+            factor=factor
+            if params.get("factor") is not None
+            else _number(config, "max_position_embeddings", original) / float(original),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=optional["attention_factor"],
+            mscale=optional["mscale"],
+            mscale_all_dim=optional["mscale_all_dim"],
+        )
     return RopeConfig(
         theta=theta_value,
         rope_type="llama3",
@@ -203,7 +276,7 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
-        rope=read_rope(raw, partial_rotary=entry.partial_rotary),
+        rope=read_rope(raw, partial_rotary=entry.partial_rotary, yarn=entry.yarn_rope),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases (no config key); Llama, Mistral and Qwen3 follow attention_bias.
         qkv_bias=True if family_name == "qwen2" else bias,

@@ -4,7 +4,8 @@ the family's config reader are imported only when used).
 One small model file per family where the architecture differs; shared pieces live in
 ``kvjax.serve.layers``. ``llama`` also serves Mistral and Qwen2 (their differences are projection
 biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
-sliding-window and full layers over the hybrid-SWA pools; ``deepseek_v2`` runs MLA over the latent
+sliding-window and full layers over the hybrid-SWA pools; ``gpt_oss`` too, with attention sinks,
+YaRN RoPE and its fused-expert MoE; ``deepseek_v2`` runs MLA over the latent
 pool and sparse-MoE layers.
 
 Adding a family is one model module and one entry here: the module's flax class takes
@@ -44,6 +45,8 @@ class Family:
             one-page MHA pool and no extras.
         partial_rotary: the model rotates part of the head dim itself (RoPE's
             ``partial_rotary_factor`` is then the family's to read, not refused).
+        yarn_rope: the model applies ``RopeConfig.attention_scaling()`` (YaRN RoPE is then read,
+            not refused).
     """
 
     name: str
@@ -52,6 +55,7 @@ class Family:
     read_config: str | None = None
     trace_state: str | None = None
     partial_rotary: bool = False
+    yarn_rope: bool = False
 
     def load(self, what: str) -> Callable[..., Any]:
         """Import ``model``, ``read_config`` or ``trace_state`` (named by attribute)."""
@@ -77,6 +81,14 @@ FAMILIES: dict[str, Family] = {
             layer_kinds=frozenset({LayerKind.FULL, LayerKind.SLIDING}),
             read_config="kvjax.serve.families.gemma3:read_gemma3_config",
             trace_state="kvjax.serve.families.gemma3:gemma3_trace_state",
+        ),
+        Family(
+            "gpt_oss",
+            "kvjax.serve.families.gpt_oss:GptOssForCausalLM",
+            layer_kinds=frozenset({LayerKind.FULL, LayerKind.SLIDING}),
+            read_config="kvjax.serve.families.gpt_oss:read_config",
+            trace_state="kvjax.serve.families.gpt_oss:trace_state",
+            yarn_rope=True,
         ),
         Family(
             "nemotron_h",

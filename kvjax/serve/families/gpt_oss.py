@@ -1,0 +1,325 @@
+"""gpt-oss (``model_type`` ``gpt_oss``, Hugging Face's ``GptOssForCausalLM``).
+
+Architecture, parameter names included (Transformers 5.24's ``modeling_gpt_oss``):
+``model.embed_tokens`` (unscaled); ``num_hidden_layers`` x [``input_layernorm`` (``GptOssRMSNorm``:
+the weight times the float32-normalised input, in float32, then cast; Llama casts before the
+product), ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj`` with
+biases, rotate-half RoPE, paged attention with scale ``head_dim ** -0.5`` and one learned sink
+logit per query head ``self_attn.sinks [num_attention_heads]``, ``o_proj`` with bias), residual,
+``post_attention_layernorm``, ``mlp`` (the MoE below), residual]; ``model.norm``; ``lm_head``
+(untied unless ``tie_word_embeddings``).
+
+RoPE: one for every layer, from ``rope_parameters`` (YaRN by default in gpt-oss configs: its
+inverse frequencies, and cos and sin multiplied by ``RopeConfig.attention_scaling()``, here as
+q and k multiplied by it after the rotation).
+
+MoE (``mlp``): ``router`` (``weight [E, H]``, ``bias [E]``) gives logits; the ``num_experts_per_tok``
+largest are kept and softmaxed among themselves. Experts are stored fused: ``experts.gate_up_proj
+[E, H, 2I]`` + ``gate_up_proj_bias [E, 2I]`` (gate and up *interleaved*: gate in the even
+columns, up in the odd ones), ``experts.down_proj [E, I, H]`` + ``down_proj_bias [E, H]``
+(``x @ W`` layout, not ``nn.Linear``'s). An expert computes ``gate = min(gate, limit)``,
+``up = clip(up, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)`` then the down
+projection plus its bias (``alpha = swiglu_alpha`` 1.702, ``limit = swiglu_limit`` 7.0). This
+differs too much from ``kvjax.serve.moe.SparseMoE`` (fused biased weights, a clamped SwiGLU,
+softmax after top-k) to share it; like it, every token runs through every expert (dense, exact,
+static shapes; documented there) and the routing weights zero the unchosen ones.
+
+Layer kinds come from ``layer_types`` (alternating sliding, full by default); sliding layers see
+keys in ``(p - sliding_window, p]`` (Transformers' sliding mask, the same as Gemma 3's).
+
+Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``) as in ``gemma3``: full layers write
+at ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
+``meta.extras["swa_out_loc"]`` and read ``meta.extras["swa_page_indices"]``. With
+``disable_hybrid_swa_memory`` every layer uses the one full-size pool ``pools.kv``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.errors import ConfigError
+from kvjax.layer_kinds import LayerKind
+from kvjax.pools import CachePools, MHAKVPool, SWAKVPool
+from kvjax.serve.layers import BatchMetadata, Embedding, Linear, apply_rope
+from kvjax.serve.model_config import ModelConfig
+from kvjax.spec import ModelSpec
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+WEIGHT_INIT_STDDEV = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssConfig:
+    """gpt-oss's hyperparameters beyond ``ModelConfig`` (frozen, hashable).
+
+    ``sliding``: per layer, whether it is a sliding-window layer; ``sliding_window``: ``W`` tokens;
+    ``num_experts`` / ``top_k``: experts per layer and chosen per token; ``swiglu_alpha`` /
+    ``swiglu_limit``: the experts' clamped SwiGLU (module docstring).
+    """
+
+    sliding: tuple[bool, ...]
+    sliding_window: int
+    num_experts: int
+    top_k: int
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+def _positive_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, value, f"'{key}' in config.json must be a positive integer")
+    return value
+
+
+def _positive_number(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(key, value, f"'{key}' in config.json must be a positive number")
+    return float(value)
+
+
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
+    """gpt-oss's own hyperparameters from its ``config.json``.
+
+    A ``quantization_config`` (OpenAI's published checkpoints store the experts in MXFP4 as
+    ``*_blocks`` / ``*_scales``) is refused by its method: kvjax loads unquantised weights only.
+    """
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise ConfigError(
+            "quantization_config.quant_method",
+            method,
+            "kvjax serves gpt-oss from unquantised (bf16/f32) weights; dequantise the checkpoint first",
+        )
+    if spec.sliding_window is None or spec.sliding_window <= 0:
+        raise ConfigError("sliding_window", spec.sliding_window, "gpt-oss needs a positive sliding_window")
+    experts = _positive_int(raw, "num_local_experts", raw.get("num_experts"))
+    top_k = _positive_int(raw, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError("num_experts_per_tok", top_k, f"must be at most num_local_experts={experts}")
+    return GptOssConfig(
+        sliding=tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds),
+        sliding_window=int(spec.sliding_window),
+        num_experts=experts,
+        top_k=top_k,
+        swiglu_alpha=_positive_number(raw, "swiglu_alpha", 1.702),
+        swiglu_limit=_positive_number(raw, "swiglu_limit", 7.0),
+    )
+
+
+def _fc(config: ModelConfig) -> GptOssConfig:
+    fc = config.family_config
+    assert isinstance(fc, GptOssConfig), "gpt-oss needs its family_config (read_config)"
+    return fc
+
+
+class GptOssRMSNorm(nn.Module):
+    """``(weight * x / sqrt(mean(x^2) + eps))`` in float32, cast back to x's dtype (weights start at 1)."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+class GptOssAttention(nn.Module):
+    config: ModelConfig
+    layer_id: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        c = self.config
+        fc = _fc(c)
+        dt = jnp.dtype(c.dtype)
+        t = x.shape[0]
+        q = Linear(c.num_attention_heads * c.head_dim, c.qkv_bias, dt, name="q_proj")(x)
+        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="k_proj")(x)
+        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="v_proj")(x)
+        sinks = self.param("sinks", nn.initializers.normal(WEIGHT_INIT_STDDEV), (c.num_attention_heads,), dt)
+        q = q.reshape(t, c.num_attention_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        inv_freq = c.rope.inverse_frequencies(c.head_dim)
+        scaling = c.rope.attention_scaling()
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        if scaling != 1.0:  # YaRN scales cos and sin, i.e. the rotated q and k
+            q = q * jnp.asarray(scaling, q.dtype)
+            k = k * jnp.asarray(scaling, k.dtype)
+        sliding = fc.sliding[self.layer_id]
+        hybrid = "swa" in pools
+        if hybrid:
+            pool: SWAKVPool = pools.swa
+            sub, index = pool.sub_pool(self.layer_id)
+        else:  # disable_hybrid_swa_memory: one full-size pool for every layer
+            sub, index = pools.kv, self.layer_id - pools.kv.start_layer
+        if hybrid and sliding:
+            loc, table = meta.extras["swa_out_loc"], meta.extras["swa_page_indices"]
+        else:
+            loc, table = meta.out_loc, meta.page_indices
+        sub = sub.set_kv_buffer(index + sub.start_layer, loc, k, v)
+        out = ragged_paged_attention(
+            q,
+            sub.kv_buffer(index + sub.start_layer),
+            meta.kv_lens,
+            table,
+            meta.cu_q_lens,
+            meta.num_seqs,
+            sm_scale=c.head_dim**-0.5,
+            sliding_window=fc.sliding_window if sliding else None,
+            k_scale=sub.k_scale[index],
+            v_scale=sub.v_scale[index],
+            sinks=sinks.astype(jnp.float32),
+        )
+        out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
+        if not hybrid:
+            return out, pools.replace(kv=sub)
+        pool = pool.replace(swa=sub) if sliding else pool.replace(full=sub)
+        return out, pools.replace(swa=pool)
+
+
+class GptOssRouter(nn.Module):
+    """``weight [E, H]``, ``bias [E]``: top-k logits, softmaxed among themselves (float32)."""
+
+    num_experts: int
+    top_k: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        e = self.num_experts
+        weight = self.param("weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (e, x.shape[-1]), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (e,), self.dtype)
+        logits = (x @ weight.T + bias).astype(jnp.float32)
+        top, ids = jax.lax.top_k(logits, self.top_k)
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+
+
+class GptOssExperts(nn.Module):
+    """The fused experts (module docstring); ``(x [T, H], combine [T, E] f32) -> [T, H]``."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        c = self.config
+        fc = _fc(c)
+        dt = jnp.dtype(c.dtype)
+        e, h, i = fc.num_experts, c.hidden_size, c.intermediate_size
+        init = nn.initializers.normal(WEIGHT_INIT_STDDEV)
+        gate_up = self.param("gate_up_proj", init, (e, h, 2 * i), dt)
+        gate_up_bias = self.param("gate_up_proj_bias", nn.initializers.zeros, (e, 2 * i), dt)
+        down = self.param("down_proj", init, (e, i, h), dt)
+        down_bias = self.param("down_proj_bias", nn.initializers.zeros, (e, h), dt)
+        projected = jnp.einsum("th,ehj->tej", x, gate_up) + gate_up_bias[None]  # every expert (documented)
+        gate, up = projected[..., ::2], projected[..., 1::2]
+        limit = fc.swiglu_limit
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        hidden = (up + 1) * (gate * jax.nn.sigmoid(gate * fc.swiglu_alpha))
+        out = jnp.einsum("tei,eih->teh", hidden, down) + down_bias[None]
+        return jnp.einsum("teh,te->th", out.astype(jnp.float32), combine).astype(x.dtype)
+
+
+class GptOssMLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        fc = _fc(c)
+        weights, ids = GptOssRouter(fc.num_experts, fc.top_k, jnp.dtype(c.dtype), name="router")(x)
+        combine = jnp.zeros((x.shape[0], fc.num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+        return GptOssExperts(c, name="experts")(x, combine)
+
+
+class GptOssDecoderLayer(nn.Module):
+    config: ModelConfig
+    layer_id: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        c = self.config
+        h = GptOssRMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="input_layernorm")(x)
+        h, pools = GptOssAttention(c, self.layer_id, name="self_attn")(h, pools, meta)
+        x = x + h
+        h = GptOssRMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="post_attention_layernorm")(x)
+        return x + GptOssMLP(c, name="mlp")(h), pools
+
+
+class GptOssModel(nn.Module):
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
+        self.layers = [GptOssDecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.norm = GptOssRMSNorm(c.rms_norm_eps, dt)
+
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x, pools = layer(x, pools, meta)
+        return self.norm(x[meta.logits_indices]), pools
+
+    def lm_head_tied(self, x: jax.Array) -> jax.Array:
+        return self.embed_tokens.attend(x)
+
+
+class GptOssForCausalLM(nn.Module):
+    """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        self.model = GptOssModel(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
+
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        x, pools = self.model(tokens, pools, meta)
+        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32), pools
+
+
+def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
+    """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
+    fc = _fc(config)
+    full_ids = tuple(i for i, s in enumerate(fc.sliding) if not s)
+    swa_ids = tuple(i for i, s in enumerate(fc.sliding) if s)
+
+    def mha(layers: int) -> MHAKVPool:
+        return MHAKVPool.create(
+            num_pages=1,
+            page_size=1,
+            num_layers=max(layers, 1),
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            v_head_dim=config.head_dim,
+            dtype=config.dtype,
+        )
+
+    pool = SWAKVPool(
+        full=mha(len(full_ids)) if full_ids else None,
+        swa=mha(len(swa_ids)),
+        full_layer_ids=full_ids,
+        swa_layer_ids=swa_ids,
+    )
+    extras = {"swa_out_loc": jnp.zeros((1,), jnp.int32), "swa_page_indices": jnp.zeros((1, 1), jnp.int32)}
+    return CachePools(swa=pool), extras
