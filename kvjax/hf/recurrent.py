@@ -152,6 +152,9 @@ _NEMOTRON_BLOCKS = {
     "attention": LayerKind.FULL,
     "mlp": LayerKind.NONE,
     "moe": LayerKind.NONE,
+    # Transformers 5 saves these names.
+    "linear_attention": LayerKind.RECURRENT,
+    "full_attention": LayerKind.FULL,
 }
 
 
@@ -197,6 +200,7 @@ def parse_nemotron_h(config: Mapping[str, Any], family: str) -> Fields:
             head_dim=head_dim,
             state_size=keys.integer(config, "ssm_state_size", family),
             conv_kernel=keys.first_integer(config, ("conv_kernel", "mamba_d_conv"), family),
+            conv_dtype=fields["dtype"] if fields["dtype"] in _CONV_DTYPES else RECURRENT_CONV_DTYPE,
             ssm_dtype=_ssm_dtype(config, "mamba_ssm_dtype", "mamba_ssm_cache_dtype"),
         )
     return fields

@@ -208,3 +208,26 @@ def test_built_cache_forks_the_matched_checkpoint_into_the_request_slot():
     conv_b, ssm_b = state.get_states(0, [b.mamba_pool_idx])
     np.testing.assert_array_equal(np.asarray(ssm_b), 0.25)
     np.testing.assert_array_equal(np.asarray(conv_b[0], np.float32), 3.0)
+
+
+def test_lane_dense_conv_storage_round_trips_and_forks_in_place():
+    """TPU's storage form (on by default there), exercised on CPU: each conv state flat as [rows, 128]."""
+    pool = RecurrentStatePool.create(
+        num_slots=4,
+        layer_ids=(0, 2),
+        conv_state_shapes=((40, 3),),  # 120 elements: one padded row
+        ssm_state_shape=(2, 4, 4),
+        conv_dtype="float32",
+        lane_dense=True,
+    )
+    assert pool.conv[0].shape == (2, 5, 1, 128) and pool.conv_state_shapes == ((40, 3),)
+    conv = np.arange(2 * 40 * 3, dtype=np.float32).reshape(2, 40, 3)
+    pool = pool.set_states(2, np.array([1, 3]), [jnp.asarray(conv)], jnp.ones((2, 2, 4, 4)))
+    (got,), _ = pool.get_states(2, np.array([3, 1]))
+    np.testing.assert_array_equal(np.asarray(got), conv[::-1])
+    old = pool.conv[0]
+    pointer = old.unsafe_buffer_pointer()
+    pool = jax.jit(lambda p, s, d: p.fork(s, d), donate_argnums=0)(pool, np.array([1]), np.array([4]))
+    assert old.is_deleted() and pool.conv[0].unsafe_buffer_pointer() == pointer
+    (got,), _ = pool.get_states(2, np.array([4]))
+    np.testing.assert_array_equal(np.asarray(got)[0], conv[0])

@@ -107,7 +107,9 @@ def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
     return out.sequences[0, len(prompt) :].tolist(), np.stack([step[0].numpy() for step in out.logits])
 
 
-def _serve(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> tuple[Scheduler, dict[str, ServingReq]]:
+def _serve(
+    model: LoadedModel, *, page_size: int, max_total_tokens: int, hybrid: bool = True
+) -> tuple[Scheduler, dict[str, ServingReq]]:
     cache = build_kv_cache(
         model.spec,
         CacheConfig(
@@ -116,13 +118,21 @@ def _serve(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> tupl
             max_running_requests=8,
             context_length=124,
             chunked_prefill_size=CHUNK,
+            disable_hybrid_swa_memory=not hybrid,
         ),
     )
-    assert isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
-    assert isinstance(cache.tree_cache, SWARadixCache)
     sched = Scheduler(
         model.config, cache, model.params, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
     )
+    if not hybrid:
+        assert not cache.is_hybrid_swa and not sched.extensions
+        p = _prompts()
+        reqs = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("a", "b", "chat1")]
+        sched.run(reqs)
+        assert sched.leak_free()
+        return sched, {str(r.rid): r for r in reqs}
+    assert isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    assert isinstance(cache.tree_cache, SWARadixCache)
     assert isinstance(sched.extensions[0], SWAServing)
     tree = cache.tree_cache
     evict = tree.evict
@@ -175,6 +185,7 @@ def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefi
     _assert_matches_transformers(hf, done)
 
 
+@pytest.mark.slow  # ~20 s: the default suite keeps the page-4 run above
 def test_page_1_with_pools_small_enough_to_evict_and_retract(gemma3):
     hf, model = gemma3
     sched, done = _serve(model, page_size=1, max_total_tokens=64)
@@ -182,6 +193,13 @@ def test_page_1_with_pools_small_enough_to_evict_and_retract(gemma3):
     evicted = sched.evicted_per_pool  # type: ignore[attr-defined]
     assert evicted["full"] > 0 and evicted["swa"] > 0, f"both pools should be evicted from, got {evicted}"
     assert sched.stats.retractions > 0, "the pools should be small enough to force retraction"
+    _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.slow  # SGLang's way to serve Gemma 3: one full-size pool, windowed attention
+def test_full_size_pools_without_hybrid_swa(gemma3):
+    hf, model = gemma3
+    _, done = _serve(model, page_size=4, max_total_tokens=1024, hybrid=False)
     _assert_matches_transformers(hf, done)
 
 

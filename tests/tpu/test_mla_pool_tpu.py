@@ -28,18 +28,20 @@ def _layout(dtype: str) -> MLALayout:
     )
 
 
+XFAIL_FP8 = pytest.mark.xfail(strict=True, reason="XLA TPU scatter relayouts an fp8 (32, 128)-tiled layer")
+
+
 @pytest.mark.parametrize(
-    "dtype",
+    "topology,dtype,replicated",
     [
-        "bfloat16",
-        pytest.param(
-            "fp8_e4m3",
-            marks=pytest.mark.xfail(strict=True, reason="XLA TPU scatter relayouts an fp8 (32, 128)-tiled layer"),
-        ),
+        ("v5e:2x2", "bfloat16", False),
+        ("v5e:2x2", "bfloat16", True),
+        ("v6e:2x2", "bfloat16", False),
+        ("v6e:2x2", "bfloat16", True),
+        pytest.param("v6e:2x2", "fp8_e4m3", False, marks=XFAIL_FP8),
     ],
+    ids=["v5e-one_chip", "v5e-tp4", "v6e-one_chip", "v6e-tp4", "v6e-fp8-one_chip"],
 )
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
-@pytest.mark.parametrize("replicated", [False, True], ids=["one_chip", "tp4"])
 def test_mla_writes_compile_in_place(topology: str, dtype: str, replicated: bool) -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     devices = np.array(topo.devices) if replicated else np.array(topo.devices[:1])

@@ -79,6 +79,13 @@ FAMILIES: dict[str, Family] = {
             trace_state="kvjax.serve.families.gemma3:gemma3_trace_state",
         ),
         Family(
+            "nemotron_h",
+            "kvjax.serve.families.nemotron_h:NemotronHForCausalLM",
+            layer_kinds=frozenset({LayerKind.FULL, LayerKind.RECURRENT, LayerKind.NONE}),
+            read_config="kvjax.serve.families.nemotron_h:read_config",
+            trace_state="kvjax.serve.families.nemotron_h:trace_state",
+        ),
+        Family(
             "qwen3_next",
             "kvjax.serve.families.qwen3_next:Qwen3NextForCausalLM",
             layer_kinds=frozenset({LayerKind.FULL, LayerKind.RECURRENT}),

@@ -17,7 +17,9 @@ and see keys in ``(p - sliding_window, p]`` (Transformers' sliding mask); full l
 Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``). Full layers write at
 ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
 ``meta.extras["swa_out_loc"]`` and read ``meta.extras["swa_page_indices"]`` (the SWA pool's slots
-and pages, translated by the scheduler's ``SWAServing``).
+and pages, translated by the scheduler's ``SWAServing``). With ``disable_hybrid_swa_memory`` every
+layer uses the one full-size pool ``pools.kv`` (sliding layers with their window), as SGLang
+serves Gemma 3.
 """
 
 from __future__ import annotations
@@ -156,16 +158,21 @@ class Gemma3Attention(nn.Module):
         inv_freq = (fc.rope_local if sliding else fc.rope_full).inverse_frequencies(c.head_dim)
         q = _rope(q, meta.positions, inv_freq)
         k = _rope(k, meta.positions, inv_freq)
-        pool: SWAKVPool = pools.swa
-        sub, index = pool.sub_pool(self.layer_id)
-        if sliding:
-            loc, table, window = meta.extras["swa_out_loc"], meta.extras["swa_page_indices"], fc.sliding_window
+        window = fc.sliding_window if sliding else None
+        hybrid = "swa" in pools
+        if hybrid:
+            pool: SWAKVPool = pools.swa
+            sub, index = pool.sub_pool(self.layer_id)
+        else:  # disable_hybrid_swa_memory: one full-size pool for every layer (SGLang's Gemma 3)
+            sub, index = pools.kv, self.layer_id - pools.kv.start_layer
+        if hybrid and sliding:
+            loc, table = meta.extras["swa_out_loc"], meta.extras["swa_page_indices"]
         else:
-            loc, table, window = meta.out_loc, meta.page_indices, None
-        sub = sub.set_kv_buffer(index, loc, k, v)
+            loc, table = meta.out_loc, meta.page_indices
+        sub = sub.set_kv_buffer(index + sub.start_layer, loc, k, v)
         out = ragged_paged_attention(
             q,
-            sub.kv_buffer(index),
+            sub.kv_buffer(index + sub.start_layer),
             meta.kv_lens,
             table,
             meta.cu_q_lens,
@@ -176,8 +183,10 @@ class Gemma3Attention(nn.Module):
             k_scale=sub.k_scale[index],
             v_scale=sub.v_scale[index],
         )
-        pool = pool.replace(swa=sub) if sliding else pool.replace(full=sub)
         out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
+        if not hybrid:
+            return out, pools.replace(kv=sub)
+        pool = pool.replace(swa=sub) if sliding else pool.replace(full=sub)
         return out, pools.replace(swa=pool)
 
 

@@ -1,0 +1,328 @@
+"""Nemotron-H: Mamba2 mixers, attention without rotary embeddings and ReLU² MLPs in a stack of
+pre-norm residual blocks, following Hugging Face's ``NemotronHForCausalLM`` (Transformers 5),
+parameter names included (its checkpoints name the stack ``backbone``).
+
+Blocks (``config.layers_block_type``; ``hybrid_override_pattern`` ``M`` / ``*`` / ``-``): each is
+``x + mixer(norm(x))`` with one mixer: ``linear_attention`` (Mamba2: ``in_proj`` to the gate,
+``xBC`` and ``dt``; a depthwise causal ``conv1d`` with bias and SiLU over ``xBC``; the selective
+state update with ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` clamped below at
+``time_step_min``, ``D`` skip; a grouped RMSNorm of ``y * silu(gate)``; ``out_proj``), whose conv
+window and ``[heads, head_dim, state_size]`` state live in ``pools.recurrent``; ``full_attention``
+(q/k/v/o projections and paged attention, no RoPE); ``mlp`` (``down_proj(relu(up_proj(x))²)``).
+MoE blocks are refused by name (their experts are not gated SwiGLUs, which ``kvjax.serve.moe`` is).
+
+The recurrent state per sequence row comes from ``BatchMetadata.extras`` exactly as for Qwen3-Next
+(``state_slots``, ``has_initial_state``, ``track_slots``, ``track_at``: see
+``kvjax.serve.families.qwen3_next``), run token by token with ``lax.scan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.errors import ConfigError
+from kvjax.pools import CachePools, MHAKVPool
+from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, paged_attention
+from kvjax.serve.model_config import ModelConfig
+from kvjax.spec import ModelSpec
+
+MAMBA, ATTENTION, MLP_BLOCK = "linear_attention", "full_attention", "mlp"
+_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP_BLOCK, "E": "moe"}
+_OLD_NAMES = {"mamba": MAMBA, "attention": ATTENTION}
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHConfig:
+    """The family's own hyperparameters (``ModelConfig.family_config``)."""
+
+    block_types: tuple[str, ...]
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    time_step_min: float
+    eps: float
+    use_conv_bias: bool
+    use_bias: bool
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size
+
+    def layers(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.block_types) if t == kind)
+
+
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> NemotronHConfig:
+    """Block types, Mamba2 dims and epsilons; refuse MoE blocks and activations other than
+    ``silu`` (Mamba) / ``relu2`` (MLP)."""
+    blocks = raw.get("layers_block_type")
+    if blocks is None:
+        blocks = [_PATTERN[c] for c in str(raw.get("hybrid_override_pattern", ""))]
+    types = tuple(_OLD_NAMES.get(str(b), str(b)) for b in blocks)
+    if "moe" in types:
+        raise ConfigError(
+            "layers_block_type",
+            "moe",
+            "kvjax's Nemotron-H model does not run MoE blocks (ungated ReLU² experts) yet; serve a config without them",
+        )
+    for key, want in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
+        if raw.get(key, want) != want:
+            raise ConfigError(key, raw[key], f"kvjax's Nemotron-H model runs {key}={want!r} only")
+    return NemotronHConfig(
+        block_types=types,
+        num_heads=int(raw["mamba_num_heads"]),
+        head_dim=int(raw["mamba_head_dim"]),
+        state_size=int(raw["ssm_state_size"]),
+        n_groups=int(raw.get("n_groups", 1)),
+        conv_kernel=int(raw.get("conv_kernel", 4)),
+        time_step_min=float(raw.get("time_step_min", 0.0)),
+        eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        use_conv_bias=bool(raw.get("use_conv_bias", True)),
+        use_bias=bool(raw.get("use_bias", False)),
+    )
+
+
+def _family(config: ModelConfig) -> NemotronHConfig:
+    fc = config.family_config
+    if not isinstance(fc, NemotronHConfig):
+        raise ConfigError("family_config", fc, "a Nemotron-H ModelConfig needs its NemotronHConfig (read_config)")
+    return fc
+
+
+def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
+    """The smallest pools of the model (one page, one state slot) and a one-row batch's extras."""
+    from kvjax.pools.recurrent import RecurrentStatePool
+
+    fc = _family(config)
+    pools: dict[str, Any] = {}
+    if fc.layers(ATTENTION):
+        pools["kv"] = MHAKVPool.create(
+            num_pages=1,
+            page_size=1,
+            num_layers=len(fc.layers(ATTENTION)),
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=config.dtype,
+            layer_ids=fc.layers(ATTENTION),
+        )
+    if fc.layers(MAMBA):
+        pools["recurrent"] = RecurrentStatePool.create(
+            num_slots=1,
+            layer_ids=fc.layers(MAMBA),
+            conv_state_shapes=((fc.conv_dim, fc.conv_kernel - 1),),
+            ssm_state_shape=(fc.num_heads, fc.head_dim, fc.state_size),
+            conv_dtype=config.dtype,
+            ssm_dtype="float32",
+        )
+    extras = {
+        "state_slots": jnp.ones((1,), jnp.int32),
+        "has_initial_state": jnp.zeros((1,), jnp.int32),
+        "track_slots": jnp.zeros((1,), jnp.int32),
+        "track_at": jnp.zeros((1,), jnp.int32),
+    }
+    return CachePools(pools), extras
+
+
+class NemotronRMSNorm(nn.Module):
+    """``weight * x / rms(x)`` in float32, cast back."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+class ConvWeights(nn.Module):
+    """The depthwise conv's ``weight: [channels, 1, kernel]`` and ``bias: [channels]``."""
+
+    channels: int
+    kernel: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array]:
+        w = self.param(
+            "weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (self.channels, 1, self.kernel), self.dtype
+        )
+        b = (
+            self.param("bias", nn.initializers.zeros, (self.channels,), self.dtype)
+            if self.use_bias
+            else jnp.zeros((self.channels,), self.dtype)
+        )
+        return w[:, 0, :], b
+
+
+class GroupedNormWeight(nn.Module):
+    """The gated grouped RMSNorm's ``weight: [intermediate]`` (starts at 1)."""
+
+    size: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("weight", nn.initializers.ones, (self.size,), self.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    config: ModelConfig
+    layer_id: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        c = self.config
+        fc = _family(c)
+        dt_ = jnp.dtype(c.dtype)
+        t = x.shape[0]
+        h, p, n, g, inter = fc.num_heads, fc.head_dim, fc.state_size, fc.n_groups, fc.intermediate
+        proj = Linear(inter + fc.conv_dim + h, fc.use_bias, dt_, name="in_proj")(x)
+        gate, xbc, dt_raw = proj[:, :inter], proj[:, inter : inter + fc.conv_dim], proj[:, inter + fc.conv_dim :]
+        conv_w, conv_b = ConvWeights(fc.conv_dim, fc.conv_kernel, fc.use_conv_bias, dt_, name="conv1d")()
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (h,), dt_)
+        a_log = self.param("A_log", nn.initializers.zeros, (h,), dt_)
+        d_skip = self.param("D", nn.initializers.ones, (h,), dt_)
+        a = -jnp.exp(a_log.astype(jnp.float32))
+        dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        dt = jnp.maximum(dt, fc.time_step_min)
+
+        state = pools.recurrent
+        slots = meta.extras["state_slots"]
+        keep = meta.extras["has_initial_state"].astype(bool)
+        (conv0,), ssm0 = state.get_states(self.layer_id, slots)  # [S, conv_dim, K-1], [S, H, P, N]
+        conv0 = jnp.where(keep[:, None, None], conv0.astype(jnp.float32), 0.0)
+        ssm0 = jnp.where(keep[:, None, None, None], ssm0.astype(jnp.float32), 0.0)
+        pos = jnp.arange(t, dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens[1:], pos, side="right"), 0, slots.shape[0] - 1)
+        live = pos < meta.cu_q_lens[meta.num_seqs[0]]
+        track = live & (pos - meta.cu_q_lens[seq] + 1 == meta.extras["track_at"][seq])
+        w32, b32 = conv_w.astype(jnp.float32), conv_b.astype(jnp.float32)
+        per = h // g
+
+        def token(carry: tuple[jax.Array, ...], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
+            conv, ssm, conv_kept, ssm_kept = carry
+            x_t, dt_t, s, ok, keep_t = inp
+            window = jnp.concatenate([conv[s], x_t.astype(jnp.float32)[:, None]], axis=-1)
+            y = jax.nn.silu(jnp.sum(window * w32, axis=-1) + b32).astype(dt_).astype(jnp.float32)
+            xs = y[:inter].reshape(h, p)
+            b_t = jnp.repeat(y[inter : inter + g * n].reshape(g, n), per, axis=0)  # [H, N]
+            c_t = jnp.repeat(y[inter + g * n :].reshape(g, n), per, axis=0)
+            st = ssm[s] * jnp.exp(dt_t * a)[:, None, None] + (dt_t[:, None] * xs)[:, :, None] * b_t[:, None, :]
+            out = jnp.einsum("hpn,hn->hp", st, c_t) + d_skip.astype(jnp.float32)[:, None] * xs
+            conv = jnp.where(ok, conv.at[s].set(window[:, 1:]), conv)
+            ssm = jnp.where(ok, ssm.at[s].set(st), ssm)
+            conv_kept = jnp.where(keep_t, conv_kept.at[s].set(window[:, 1:]), conv_kept)
+            ssm_kept = jnp.where(keep_t, ssm_kept.at[s].set(st), ssm_kept)
+            return (conv, ssm, conv_kept, ssm_kept), out.reshape(inter)
+
+        carry = (conv0, ssm0, jnp.zeros_like(conv0), jnp.zeros_like(ssm0))
+        (conv1, ssm1, conv_kept, ssm_kept), y = jax.lax.scan(token, carry, (xbc, dt, seq, live, track))
+        # Grouped RMSNorm of y * silu(gate), in float32.
+        z = y.astype(dt_).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+        zg = z.reshape(t, g, inter // g)
+        zg = zg * jax.lax.rsqrt(jnp.mean(zg * zg, axis=-1, keepdims=True) + fc.eps)
+        normed = GroupedNormWeight(inter, dt_, name="norm")() * zg.reshape(t, inter).astype(dt_)
+        out = Linear(c.hidden_size, fc.use_bias, dt_, name="out_proj")(normed)
+        state = state.set_states(self.layer_id, slots, (conv1,), ssm1)
+        state = state.set_states(self.layer_id, meta.extras["track_slots"], (conv_kept,), ssm_kept)
+        return out, pools.replace(recurrent=state)
+
+
+class NemotronAttention(nn.Module):
+    config: ModelConfig
+    layer_id: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        t = x.shape[0]
+        q = Linear(c.num_attention_heads * c.head_dim, False, dt, name="q_proj")(x).reshape(t, -1, c.head_dim)
+        k = Linear(c.num_kv_heads * c.head_dim, False, dt, name="k_proj")(x).reshape(t, -1, c.head_dim)
+        v = Linear(c.num_kv_heads * c.head_dim, False, dt, name="v_proj")(x).reshape(t, -1, c.head_dim)
+        out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
+        return Linear(c.hidden_size, False, dt, name="o_proj")(out.reshape(t, -1)), pools.replace(kv=kv)
+
+
+class ReluSquaredMLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        up = Linear(c.intermediate_size, c.mlp_bias, dt, name="up_proj")(x)
+        return Linear(c.hidden_size, c.mlp_bias, dt, name="down_proj")(jnp.square(jax.nn.relu(up)))
+
+
+class NemotronHBlock(nn.Module):
+    config: ModelConfig
+    layer_id: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        c = self.config
+        fc = _family(c)
+        h = NemotronRMSNorm(fc.eps, name="norm")(x)
+        kind = fc.block_types[self.layer_id]
+        if kind == MAMBA:
+            h, pools = Mamba2Mixer(c, self.layer_id, name="mixer")(h, pools, meta)
+        elif kind == ATTENTION:
+            h, pools = NemotronAttention(c, self.layer_id, name="mixer")(h, pools, meta)
+        else:
+            h = ReluSquaredMLP(c, name="mixer")(h)
+        return x + h, pools
+
+
+class NemotronHModel(nn.Module):
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        self.embeddings = Embedding(c.vocab_size, c.hidden_size, jnp.dtype(c.dtype))
+        self.layers = [NemotronHBlock(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.norm_f = NemotronRMSNorm(_family(c).eps)
+
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        x = self.embeddings(tokens)
+        for layer in self.layers:
+            x, pools = layer(x, pools, meta)
+        return self.norm_f(x[meta.logits_indices]), pools
+
+    def lm_head_tied(self, x: jax.Array) -> jax.Array:
+        return self.embeddings.attend(x)
+
+
+class NemotronHForCausalLM(nn.Module):
+    """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        self.backbone = NemotronHModel(c)  # checkpoints name the stack ``backbone.*``
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
+
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+        x, pools = self.backbone(tokens, pools, meta)
+        logits = self.backbone.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
+        return logits.astype(jnp.float32), pools
+
+
+__all__ = ["NemotronHConfig", "NemotronHForCausalLM", "read_config", "trace_state"]

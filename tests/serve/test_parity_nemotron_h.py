@@ -1,0 +1,102 @@
+"""Nemotron-H (Mamba2 mixers, attention without RoPE, ReLU² MLPs) served through kvjax gives
+Transformers' greedy tokens; logits agree with Transformers' full forward over prompt + output.
+
+A tiny random-weight ``NemotronHForCausalLM`` (float32, blocks ``M - * M -``: two Mamba2 mixers with
+two groups, one attention block, two MLP blocks) is saved with ``save_pretrained`` and served by
+kvjax at page size 1 with chunked prefill of 8 tokens, on the rounds of
+``test_parity_qwen3_next`` (shared system prompt, a two-turn chat): later prompts start from a
+checkpoint forked into their state slot. Tokens are compared with Transformers' greedy
+``generate``. Logits are compared with Transformers' full forward over prompt + output (teacher
+forcing), not with ``generate``'s: Transformers' one-token decode path skips the time-step clamp
+(``time_step_min``) that its prompt path applies, so its own decode logits differ from its full
+forward by up to ~1e-3 here; kvjax clamps everywhere and matches the full forward to ~5e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="parity tests need the 'parity' extra (torch, transformers)")
+transformers = pytest.importorskip("transformers", reason="parity tests need the 'parity' extra (torch, transformers)")
+
+from kvjax.serve.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
+from tests.serve.test_parity_qwen3_next import MAX_NEW, MIN_MARGIN, VOCAB, _serve  # noqa: E402
+
+LOGIT_ATOL = 1e-4
+MODEL_SEED = 0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[object, LoadedModel]:
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=16,
+        hybrid_override_pattern="M-*M-",
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(MODEL_SEED)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    directory: Path = tmp_path_factory.mktemp("nemotron_h")
+    hf.save_pretrained(directory)
+    return hf, load_checkpoint(directory)
+
+
+@pytest.mark.slow  # the suite's time budget: the second CI stage runs it
+def test_prefix_reuse_from_checkpoints_multi_turn_and_chunked_prefill(model):
+    hf, loaded = model
+    sched, done = _serve(loaded, max_total_tokens=1024, max_running_requests=4, max_mamba_cache_size=32)
+    assert all((done[n].first_cached_tokens or 0) >= 16 for n in ("b", "c", "d"))
+    for name, req in done.items():
+        prompt = list(req.origin_input_ids)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
+            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
+        logits = full[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        margin = float((top2[:, 1] - top2[:, 0]).min())
+        assert margin >= MIN_MARGIN, f"{name}: Transformers' top-2 margin {margin:.2e} is a near-tie; pick other seeds"
+        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
+        np.testing.assert_allclose(np.stack(req.logits), logits, atol=LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits")
+
+
+def test_transformers_5_block_names_and_conv_dtype_are_read():
+    from kvjax import ModelSpec
+    from kvjax.layer_kinds import LayerKind
+
+    raw = {
+        "model_type": "nemotron_h",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "layers_block_type": ["linear_attention", "mlp", "full_attention"],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "dtype": "float32",
+    }
+    spec = ModelSpec.from_hf_config(raw)
+    assert spec.layer_kinds == (LayerKind.RECURRENT, LayerKind.NONE, LayerKind.FULL)
+    assert spec.recurrent is not None and spec.recurrent.conv_dtype == "float32"
+    assert spec.recurrent.conv_state_shapes == ((4 * 16 + 2 * 2 * 16, 3),)
