@@ -115,9 +115,12 @@ def demo_config(
     eviction_policy: str = "lru",
     context_length: int = CONTEXT_LENGTH,
     enable_hierarchical_cache: bool = False,
+    **settings: Any,
 ) -> CacheConfig:
-    """The demo's cache settings."""
+    """The demo's cache settings; ``settings``: other ``CacheConfig`` fields (the storage tier's
+    ``hicache_storage_*``)."""
     return CacheConfig(
+        **settings,
         enable_hierarchical_cache=enable_hierarchical_cache,
         page_size=page_size,
         max_total_tokens=max_total_tokens,
