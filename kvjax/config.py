@@ -71,7 +71,7 @@ class CacheConfig:
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str | None = None
     hicache_storage_prefetch_policy: str = "best_effort"
-    hicache_storage_prefetch_timeout_s: float = 0.0
+    hicache_storage_prefetch_timeout_s: float | None = None  # None: 1 s + 0.25 s per 1024 tokens
     hicache_storage_prefetch_threshold: int = 256
 
     # --- PD disaggregation ------------------------------------------------------------------------
@@ -148,7 +148,8 @@ class CacheConfig:
                 self.hicache_storage_backend,
                 "the storage tier needs enable_hierarchical_cache",
             )
-        if not self.hicache_storage_prefetch_timeout_s >= 0 or self.hicache_storage_prefetch_threshold < 0:
+        timeout = self.hicache_storage_prefetch_timeout_s
+        if (timeout is not None and not timeout >= 0) or self.hicache_storage_prefetch_threshold < 0:
             raise ConfigError(
                 "hicache_storage_prefetch_timeout_s/threshold",
                 (self.hicache_storage_prefetch_timeout_s, self.hicache_storage_prefetch_threshold),

@@ -64,7 +64,7 @@ class HiRadixCache(RadixCache):
         storage: StorageTier | None = None,
         host_pages: HostPages | None = None,
         prefetch_policy: str = "best_effort",
-        prefetch_timeout_s: float = 0.0,
+        prefetch_timeout_s: float | None = None,
         prefetch_threshold: int = PREFETCH_THRESHOLD,
         **kwargs: Any,
     ) -> None:

@@ -15,7 +15,8 @@ Rules (``sglang-semantics.md`` §1.14, ``sglang-0.5.23-hybrid-trees.md``, host t
   the reads are started.
 * **admission.** :meth:`check_prefetch_progress` says whether the request may be admitted, per
   the policy (``best_effort``: now; ``wait_complete``: once every read finished; ``timeout``: once
-  every read finished or ``prefetch_timeout_s`` passed since the start), and then takes the
+  every read finished or ``prefetch_timeout_s`` passed since the start: SGLang's 1 s + 0.25 s per
+  1024 tokens by default), and then takes the
   leading run of pages that arrived: they are written into the first host slots and become one
   host-only node below the matched node (``tree.add_host_only_leaf``), which the host tier's
   load-back then brings to the device. Host slots of pages not taken are freed.
@@ -81,7 +82,8 @@ class StorageLink:
         storage: the storage tier; its page shape must be one page of every layer of ``pages``.
         pages: the host pool's page data.
         prefetch_policy: ``best_effort`` (default), ``wait_complete`` or ``timeout``.
-        prefetch_timeout_s: the ``timeout`` policy's wait, seconds.
+        prefetch_timeout_s: the ``timeout`` policy's wait, seconds (None: SGLang's 1 s + 0.25 s
+            per 1024 prefetched tokens).
         prefetch_threshold: runs of fewer stored tokens are not prefetched (SGLang: 256).
 
     Counters: ``pages_backed_up`` (pages handed to the store, skipped ones excluded),
@@ -95,12 +97,12 @@ class StorageLink:
         pages: HostPages,
         *,
         prefetch_policy: str = "best_effort",
-        prefetch_timeout_s: float = 0.0,
+        prefetch_timeout_s: float | None = None,
         prefetch_threshold: int = PREFETCH_THRESHOLD,
     ) -> None:
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ConfigError("prefetch_policy", prefetch_policy, f"use one of {list(PREFETCH_POLICIES)}")
-        if not prefetch_timeout_s >= 0:
+        if prefetch_timeout_s is not None and not prefetch_timeout_s >= 0:
             raise ConfigError("prefetch_timeout_s", prefetch_timeout_s, "use a timeout >= 0 seconds")
         if prefetch_threshold < 0:
             raise ConfigError("prefetch_threshold", prefetch_threshold, "use a token count >= 0")
@@ -112,7 +114,7 @@ class StorageLink:
         self.storage = storage
         self.pages = pages
         self.policy = prefetch_policy
-        self.timeout_s = float(prefetch_timeout_s)
+        self.timeout_s = None if prefetch_timeout_s is None else float(prefetch_timeout_s)
         self.threshold = int(prefetch_threshold)
         self.page_size = tree.page_size
         self._writes: list[StorageWrite] = []
@@ -200,7 +202,7 @@ class StorageLink:
             return True
         if self.policy == "wait_complete" and not op.prefetch.done():
             return False
-        if self.policy == "timeout" and not op.prefetch.done() and time.monotonic() - op.started < self.timeout_s:
+        if self.policy == "timeout" and not op.prefetch.done() and time.monotonic() - op.started < self._timeout(op):
             return False
         self._finish(rid, "best_effort")
         return True
@@ -228,7 +230,7 @@ class StorageLink:
 
     def _finish(self, rid: Any, policy: str) -> int:
         op = self._ops.pop(rid)
-        pages = op.prefetch.take(policy, self.timeout_s)
+        pages = op.prefetch.take(policy, max(0.0, op.started + self._timeout(op) - time.monotonic()))
         n = pages.shape[0] * self.page_size
         leaf = None
         if n and op.anchor.residency != DELETED:
@@ -245,6 +247,9 @@ class StorageLink:
             self.host.free_held(op.slots[n:])
         self.prefetched_tokens += n
         return n
+
+    def _timeout(self, op: PrefetchOp) -> float:
+        return self.timeout_s if self.timeout_s is not None else 1.0 + 0.25 * len(op.tokens) / 1024
 
     def _alloc_guarded(self, anchor: TreeNode, n: int) -> np.ndarray | None:
         """``n`` held host slots, host eviction kept off the host-only chain ending at ``anchor``."""

@@ -149,14 +149,20 @@ class _PendingFuture:
 
 
 def test_unfinished_reads_hold_admission_only_under_wait_complete_and_timeout():
-    for policy, admitted in (("best_effort", True), ("wait_complete", False), ("timeout", False)):
-        cache = _cache(prefetch_policy=policy, prefetch_timeout_s=60.0)
+    cases = (
+        ("best_effort", 60.0, True),
+        ("wait_complete", 60.0, False),
+        ("timeout", 60.0, False),
+        ("timeout", 0.0, True),
+    )
+    for policy, timeout_s, admitted in cases:
+        cache = _cache(prefetch_policy=policy, prefetch_timeout_s=timeout_s)
         tokens = list(range(1, 13))
         _stored_then_gone(cache, tokens)
         assert cache.start_prefetch("r", cache.match_prefix(tokens), tokens) == 12
         cache.storage._ops["r"].prefetch._futures[0] = _PendingFuture()  # the first read is late
         assert cache.check_prefetch_progress("r") is admitted
-        if admitted:  # best effort: nothing of the leading run arrived, every slot is freed
+        if admitted:  # nothing of the leading run arrived: every slot is freed
             assert cache.storage.prefetched_tokens == 0
             assert cache.match_prefix(tokens).host_hit_length == 0
         else:
