@@ -243,3 +243,24 @@ def test_add_host_only_leaf_rejects_bad_input_leaving_the_tree_unchanged():
     leaf = cache.add_host_only_leaf(node, [20, 21, 22, 23])
     assert (leaf.residency, leaf.value, leaf.depth, leaf.parent) == (HOST_ONLY, None, 12, node)
     assert cache.host_only_count == 1
+
+
+def test_write_back_stores_at_device_eviction_and_namespaces_come_back_apart():
+    cache = _cache(write_policy="write_back", host_tokens=32)
+    tokens = list(range(1, 13))
+    cache.insert(tokens, extra_key="lora-a")
+    cache.check_transfers(wait=True)
+    assert cache.storage.pages_backed_up == 0  # write-back: nothing until FULL evicts it
+    cache.evict(12)
+    assert cache.storage.pages_backed_up == 3
+    cache.check_transfers(wait=True)
+    cache.evict_host(12)
+    other = cache.match_prefix(tokens, "lora-b")
+    assert cache.start_prefetch("b", other, tokens, "lora-b") == 0  # another namespace's pages
+    m = cache.match_prefix(tokens, "lora-a")
+    assert cache.start_prefetch("a", m, tokens, "lora-a") == 12
+    assert cache.check_prefetch_progress("a")
+    assert cache.match_prefix(tokens, "lora-a").host_hit_length == 12
+    assert cache.match_prefix(tokens, "lora-b").host_hit_length == 0
+    assert _balanced(cache)
+    cache.check_invariants()
