@@ -271,6 +271,10 @@ def build_kv_cache(
     )
     if host_pool is not None:
         attach_host_transfers(cache)
+        if config.hicache_storage_backend is not None:
+            from kvjax.tiers.storage_attach import attach_storage_tier
+
+            attach_storage_tier(cache, config)
     return cache
 
 

@@ -28,6 +28,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+HICACHE_STORAGE_BACKENDS = (None, "file", "memory")
+HICACHE_STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 RETRACTION_BACKUPS = ("host_pool", "cpu_tensor")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
@@ -64,6 +66,13 @@ class CacheConfig:
     hicache_size: float = 0  # GB; > 0 overrides hicache_ratio
     hicache_write_policy: str = "write_through"
     hicache_mem_layout: str = "layer_first"
+    # Storage tier (L3): None (off), "file" (hicache_storage_dir) or "memory"; SGLang's knob names,
+    # except the directory, the timeout and the threshold (SGLang: env var / backend extra config).
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_timeout_s: float | None = None  # None: 1 s + 0.25 s per 1024 tokens
+    hicache_storage_prefetch_threshold: int = 256
 
     # --- PD disaggregation ------------------------------------------------------------------------
     disaggregation_mode: str = "null"
@@ -126,6 +135,26 @@ class CacheConfig:
         _one_of(self, "radix_eviction_policy", EVICTION_POLICIES)
         _one_of(self, "hicache_write_policy", HICACHE_WRITE_POLICIES)
         _one_of(self, "hicache_mem_layout", HICACHE_MEM_LAYOUTS)
+        _one_of(self, "hicache_storage_prefetch_policy", HICACHE_STORAGE_PREFETCH_POLICIES)
+        if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+            raise ConfigError(
+                "hicache_storage_backend", self.hicache_storage_backend, f"use one of {list(HICACHE_STORAGE_BACKENDS)}"
+            )
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
+            raise ConfigError("hicache_storage_dir", self.hicache_storage_dir, "give a directory for the file backend")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ConfigError(
+                "hicache_storage_backend",
+                self.hicache_storage_backend,
+                "the storage tier needs enable_hierarchical_cache",
+            )
+        timeout = self.hicache_storage_prefetch_timeout_s
+        if (timeout is not None and not timeout >= 0) or self.hicache_storage_prefetch_threshold < 0:
+            raise ConfigError(
+                "hicache_storage_prefetch_timeout_s/threshold",
+                (self.hicache_storage_prefetch_timeout_s, self.hicache_storage_prefetch_threshold),
+                "use a timeout >= 0 seconds and a threshold >= 0 tokens",
+            )
         _one_of(self, "disaggregation_mode", DISAGGREGATION_MODES)
         _one_of(self, "model_impl", MODEL_IMPLS)
         if self.platform is not None:

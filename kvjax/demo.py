@@ -62,6 +62,8 @@ class DemoReport:
     host_loaded_tokens: int | None = None
     host_pool_tokens: int | None = None
     host_balanced: bool | None = None
+    # With --hicache-storage DIR: tokens the warm run prefetched from the storage tier (L3).
+    storage_prefetched_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,13 +99,22 @@ class DemoReport:
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_loaded_tokens is None:
             return []
-        return [
-            f"host tier ({self.host_pool_tokens:,} host tokens):",
-            f"  cached tokens      {self.cached_tokens:>10,}   without the host tier: "
-            f"{self.cached_tokens_without_host_tier:,}",
-            f"  loaded back        {self.host_loaded_tokens:>10,}   tokens (host -> device)",
-            f"  host pool check (available + evictable + protected == capacity): {check(self.host_balanced)}",
-        ]
+        return (
+            [
+                f"host tier ({self.host_pool_tokens:,} host tokens):",
+                f"  cached tokens      {self.cached_tokens:>10,}   without the host tier: "
+                f"{self.cached_tokens_without_host_tier:,}",
+                f"  loaded back        {self.host_loaded_tokens:>10,}   tokens (host -> device)",
+            ]
+            + (
+                []
+                if self.storage_prefetched_tokens is None
+                else [f"  from storage       {self.storage_prefetched_tokens:>10,}   tokens (storage -> host)"]
+            )
+            + [
+                f"  host pool check (available + evictable + protected == capacity): {check(self.host_balanced)}",
+            ]
+        )
 
 
 def demo_config(
@@ -115,9 +126,12 @@ def demo_config(
     eviction_policy: str = "lru",
     context_length: int = CONTEXT_LENGTH,
     enable_hierarchical_cache: bool = False,
+    **settings: Any,
 ) -> CacheConfig:
-    """The demo's cache settings."""
+    """The demo's cache settings; ``settings``: other ``CacheConfig`` fields (the storage tier's
+    ``hicache_storage_*``)."""
     return CacheConfig(
+        **settings,
         enable_hierarchical_cache=enable_hierarchical_cache,
         page_size=page_size,
         max_total_tokens=max_total_tokens,
@@ -181,10 +195,12 @@ def run_demo(
     progress: bool = True,
     model: LoadedModel | None = None,
     enable_hierarchical_cache: bool = False,
+    hicache_storage: str | None = None,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
-    host tier, and a third run (warm, without it) gives the cached tokens to compare against."""
+    host tier, and a third run (warm, without it) gives the cached tokens to compare against.
+    ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier)."""
     workload = workload or Workload()
     settings: dict = dict(
         model=model,
@@ -200,7 +216,10 @@ def run_demo(
         plain, _ = serve(workload, **settings)
         host["cached_tokens_without_host_tier"] = plain.stats.cached_tokens
     start = time.perf_counter()
-    warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **settings)
+    storage: dict[str, Any] = {}
+    if hicache_storage is not None:
+        storage = dict(hicache_storage_backend="file", hicache_storage_dir=hicache_storage)
+    warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
     seconds = time.perf_counter() - start
     stats: ServeStats = warm.stats
     if enable_hierarchical_cache:
@@ -210,6 +229,8 @@ def run_demo(
             host_pool_tokens=warm.cache.plan.host_pool_tokens,
             host_balanced=ext.host_balanced(),
         )
+        if hicache_storage is not None:
+            host["storage_prefetched_tokens"] = ext.prefetched_tokens
     return DemoReport(
         model=DEMO_MODEL if model is None else model.name,
         platform=warm.cache.plan.platform,

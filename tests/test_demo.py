@@ -119,6 +119,20 @@ def test_demo_with_the_host_tier_on_a_pool_smaller_than_the_working_set():
     assert "host tier" in str(report)
 
 
+@pytest.mark.slow  # three demo runs; tests/serve/test_storage_tier_serving.py covers the loop in the main suite
+def test_demo_with_a_storage_tier_directory(tmp_path):
+    report = run_demo(
+        workload=SMALL,
+        progress=False,
+        max_total_tokens=128,
+        enable_hierarchical_cache=True,
+        hicache_storage=str(tmp_path / "l3"),
+    )
+    assert report.ok and report.cold_equals_warm and report.leak_free and report.host_balanced
+    assert report.storage_prefetched_tokens is not None
+    assert "from storage" in str(report)
+
+
 @pytest.mark.slow  # ~15 s idle: DeepSeek-V2 serving is covered in the default suite by test_parity_deepseek_v2
 def test_demo_serves_the_built_in_mla_preset():
     """``demo --model deepseek-tiny``: a DeepSeek-V2-shaped model (MLA latent pool, MoE layers) with

@@ -37,6 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="add the host-memory tier (HiCache): evicted prefixes are kept in host memory and loaded back",
     )
+    demo.add_argument(
+        "--hicache-storage",
+        metavar="DIR",
+        default=None,
+        help="with --enable-hierarchical-cache: a storage tier (L3) in DIR; host copies are written there "
+        "and prefetched back on a miss",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         chunked_prefill_size=args.chunked_prefill_size,
         eviction_policy=args.radix_eviction_policy,
         enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_storage=args.hicache_storage,
         progress=not args.json,
         model=model,
     )

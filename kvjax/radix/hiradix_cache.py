@@ -9,6 +9,12 @@ pool's) and a copy engine (``kvjax.tiers.transfer.PageTransferEngine``).
 The scheduler's polling step is :meth:`check_transfers` (``writing_check`` + ``loading_check``);
 after a match, :meth:`init_load_back` brings a host hit back to the device. The rules are in
 ``host_component.py``.
+
+With ``storage`` (a :class:`~kvjax.tiers.storage.StorageTier`, SGLang's L3), landed host copies
+are backed up to it and a match miss can prefetch stored pages into the host tier
+(:meth:`start_prefetch`, :meth:`check_prefetch_progress`; rules in ``storage_link.py``). The
+pages' bytes come from ``host_pages`` (the host pool); standalone, a host pool of the storage's
+page shape is made (``page_first``) and its allocator is the host allocator.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ from kvjax.radix.lock import LockError
 from kvjax.radix.match import MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.radix_cache import RadixCache
+from kvjax.radix.storage_link import PREFETCH_THRESHOLD, HostPages, StorageLink
 from kvjax.tiers.copy_engine import CopyEngine
 from kvjax.tiers.host_allocator import HostSlotAllocator
+from kvjax.tiers.host_pool import HostKVPool
+from kvjax.tiers.storage import StorageTier
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
@@ -35,6 +44,9 @@ class HiRadixCache(RadixCache):
         copy_engine: the transfers (default: simulated, no device arrays).
         write_policy: ``write_through`` (default), ``write_through_selective`` or ``write_back``.
         load_back_threshold: SGLang's 10.
+        storage: the storage tier (None: no L3); ``host_pages``: the host pool holding the pages'
+            bytes (``read_pages``/``write_pages``; default: one made for ``storage``).
+        prefetch_policy, prefetch_timeout_s, prefetch_threshold: see ``StorageLink``.
     """
 
     def __init__(
@@ -49,8 +61,24 @@ class HiRadixCache(RadixCache):
         load_back_threshold: int = LOAD_BACK_THRESHOLD,
         req_to_token_pool: ReqToTokenPoolProtocol | None = None,
         token_to_kv_pool_allocator: AllocatorProtocol | None = None,
+        storage: StorageTier | None = None,
+        host_pages: HostPages | None = None,
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout_s: float | None = None,
+        prefetch_threshold: int = PREFETCH_THRESHOLD,
         **kwargs: Any,
     ) -> None:
+        if storage is not None and host_pages is None:
+            layers, ps, *row = storage.page_shape
+            size = host_allocator.size if host_allocator is not None else host_pool_tokens
+            if size is None or ps != page_size or len(row) != 2:
+                raise ValueError(
+                    f"storage page shape {storage.page_shape}: give host_pages, or a (layers, {page_size}, C, D) "
+                    "page shape and host_pool_tokens"
+                )
+            pool = HostKVPool(size, layers, (ps, *row), storage.dtype.itemsize, "page_first")
+            host_pages = pool
+            host_allocator = host_allocator if host_allocator is not None else pool.allocator
         if host_allocator is None:
             if host_pool_tokens is None:
                 raise ValueError("HiRadixCache needs a host_allocator or host_pool_tokens")
@@ -70,6 +98,17 @@ class HiRadixCache(RadixCache):
             components=(self.host, *kwargs.pop("components", ())),
             **kwargs,
         )
+        self.storage: StorageLink | None = None
+        if storage is not None:
+            assert host_pages is not None
+            self.storage = StorageLink(
+                self.host,
+                storage,
+                host_pages,
+                prefetch_policy=prefetch_policy,
+                prefetch_timeout_s=prefetch_timeout_s,
+                prefetch_threshold=prefetch_threshold,
+            )
 
     @property
     def host_allocator(self) -> HostSlotAllocator:
@@ -85,7 +124,22 @@ class HiRadixCache(RadixCache):
 
     def check_transfers(self, wait: bool = False) -> int:
         """The polling step: complete landed backups and loads (all of them with ``wait``)."""
-        return self.host.writing_check(wait) + self.host.loading_check(wait)
+        done = self.host.writing_check(wait) + self.host.loading_check(wait)
+        if self.storage is not None:
+            self.storage.check_writes(wait)
+        return done
+
+    def start_prefetch(self, rid: Any, match: MatchResult, key: Any, extra_key: Any = None) -> int:
+        """After ``match_prefix(key, extra_key)``: prefetch the stored pages beyond the match for
+        request ``rid``; returns their tokens (0: none started, or no storage tier)."""
+        if self.storage is None:
+            return 0
+        return self.storage.start_prefetch(rid, match, key, extra_key)
+
+    def check_prefetch_progress(self, rid: Any) -> bool:
+        """Whether ``rid`` may be admitted (per the prefetch policy); when True, the pages that
+        arrived are in the tree as a host-only node. True without a prefetch."""
+        return True if self.storage is None else self.storage.check_prefetch_progress(rid)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free host copies of host-only leaves (LRU); returns host slots freed."""
@@ -119,6 +173,8 @@ class HiRadixCache(RadixCache):
         first and the core's reset then sees no host lock.
         """
         self.check_transfers(wait=True)
+        if self.storage is not None:
+            self.storage.cancel_all()
         if self.protected_size():
             raise LockError(f"reset: {self.protected_size()} device tokens are locked by requests; release them first")
         self.host.on_reset()

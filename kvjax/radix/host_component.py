@@ -51,6 +51,7 @@ taken outside the tree (:meth:`alloc_held`: retraction backups). Invariant:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,8 @@ class HostTierComponent(TreeComponent):
         self.failed_backups = 0
         self.skipped_backups = 0  # host pool full even after host eviction
         self.held_tokens = 0  # host slots held outside the tree (retraction backups)
+        # Called with each node whose host copy just landed (a storage tier backs it up).
+        self.on_backup_landed: Callable[[TreeNode], None] | None = None
 
     def attach(self, tree: Any) -> None:
         super().attach(tree)
@@ -189,6 +192,14 @@ class HostTierComponent(TreeComponent):
         """Return slots from :meth:`alloc_held`."""
         self.host_allocator.free(slots)
         self.held_tokens -= int(np.asarray(slots).size)
+
+    def adopt_held(self, node: TreeNode, slots: np.ndarray) -> None:
+        """Make held ``slots`` (from :meth:`alloc_held`, already filled) the landed host copy of
+        ``node``, a host-only node without one (a storage prefetch's new node)."""
+        if self.data(node) is not None or node.residency != HOST_ONLY or slots.size != node.klen:
+            raise ValueError(f"adopt_held: node {node.id} is not a host-only node without a host copy of {slots.size}")
+        self.held_tokens -= int(slots.size)
+        self._set(node, HostData(np.asarray(slots, dtype=np.int32)))
 
     # -- backups --------------------------------------------------------------------------------
 
@@ -245,6 +256,8 @@ class HostTierComponent(TreeComponent):
             self.failed_backups += 1
             return False
         self._set(node, HostData(slots))
+        if self.on_backup_landed is not None:
+            self.on_backup_landed(node)
         return True
 
     # -- hooks: insert --------------------------------------------------------------------------
@@ -366,6 +379,8 @@ class HostTierComponent(TreeComponent):
                 data.transfer = None
                 if not ok:
                     self._drop(node)
+                elif self.on_backup_landed is not None:
+                    self.on_backup_landed(node)
             self.tree.dec_lock_ref(p.receipt)
         self._writes = still
         return done

@@ -126,6 +126,7 @@ class RadixTree:
         self.enable_kv_cache_events = events_on
         self._events: EventQueue | None = EventQueue(event_sink) if events_on else None
         self._hasher = PageHasher(hash_seed)
+        self.hash_seed = hash_seed  # the page hashes' seed (events, a storage tier's keys)
         self.stats = CacheStats()
         # Measurement switch: every match walks (and splits) as usual but reports no hit.
         self.force_miss = False
@@ -1027,6 +1028,54 @@ class RadixTree:
         if v.shape != (node.klen,):
             raise ValueError(f"revive_node: {v.shape} slot ids for node {node.id} of {node.klen} key elements")
         self._revive(parent, node, v.astype(INT32), 0, node.klen)
+
+    def add_host_only_leaf(self, parent: TreeNode, tokens: Sequence[int], extra_key: Hashable = None) -> TreeNode:
+        """A new host-only leaf below ``parent`` with edge ``tokens`` (whole pages; one more
+        token with bigram keys), for a component that brought the node's data from elsewhere (a
+        storage tier's prefetch). ``extra_key``: the namespace (must be ``parent``'s below the
+        root). The node holds no slots and no lock; it calls no hook, so the caller must give
+        it data that keeps it (a host copy) before anything else runs. Emits no event (a
+        host-only node has no device pages; reviving it emits them).
+
+        Raises (tree unchanged): ValueError for a parent not in this tree, a partial page, a
+        namespace that differs from the parent's, or a child of ``parent`` with the same first
+        page (the pages are in the tree already).
+        """
+        if not isinstance(parent, TreeNode) or parent.owner is not self._owner or parent.residency == DELETED:
+            raise ValueError(f"add_host_only_leaf: {parent!r} is not a node of this tree")
+        toks = [int(t) for t in tokens]
+        klen = len(toks) - self._ex
+        if klen < self.page_size or klen % self.page_size:
+            raise ValueError(
+                f"add_host_only_leaf: {len(toks)} tokens; give whole pages of {self.page_size} (+{self._ex})"
+            )
+        if parent is not self.root and extra_key != parent.extra_key:
+            raise ValueError(f"add_host_only_leaf: extra_key {extra_key!r} differs from the parent's")
+        if self._find_child(parent, toks, False, 0, extra_key) is not None:
+            raise ValueError(f"add_host_only_leaf: node {parent.id} already has a child with this first page")
+        ck: Any = toks[0] if self._simple_ck else tuple(toks[: self._ck_len])
+        if parent is self.root and extra_key is not None:
+            ck = (extra_key, ck)
+        self._clock += 1
+        leaf = TreeNode(self._owner, self._clock)
+        leaf.parent = parent
+        leaf.klist = toks
+        leaf.klen = klen
+        leaf.depth = parent.depth + klen
+        leaf.value = None
+        leaf.residency = HOST_ONLY
+        leaf.extra_key = extra_key
+        leaf.ckey = ck
+        leaf.last_access = self._tick()
+        parent.children[ck] = leaf
+        if self._by_first and (parent is not self.root or extra_key is None):
+            idx = parent.first
+            if idx is None:
+                parent.first = {ck[0]: leaf}
+            else:
+                idx[ck[0]] = leaf if idx.get(ck[0]) is None else _SHARED_FIRST
+        self._host_only += 1
+        return leaf
 
     def split_node(self, node: TreeNode, k: int) -> TreeNode:
         """Cut ``node`` after ``k`` key elements (``0 < k < node.klen``, a page multiple); returns

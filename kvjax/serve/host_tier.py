@@ -11,6 +11,11 @@
   hooks. The match is redone here to read the host hit (only while host-only nodes exist), so the
   tree's own match counter counts such admissions twice; the scheduler's cached-token figures
   are not affected.
+* with a storage tier (``tree.storage``): ``poll`` starts a prefetch for each waiting request
+  (once per request: its match, then the stored run beyond it); ``after_admit`` takes it first
+  (the policy's wait happens there; SGLang instead keeps the request waiting until
+  ``check_prefetch_progress`` says so), so the pages are a host hit that the load-back brings to
+  the device. A request released before admission drops its prefetch.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class HostTierExtension(ServingExtension):
         self.loaded_tokens = 0
         self.loads = 0
         self.scheduler: Any = None
+        self.prefetched_tokens = 0  # tokens inserted from the storage tier
+        self._prefetch_seen: set[Any] = set()
         self.retraction: RetractionBackup | None = None
         if cache.plan.decode_retraction_backup == "host_pool":
             self.retraction = RetractionBackup("host_pool", cache.token_to_kv_pool_allocator.page_size, host=tree.host)
@@ -47,8 +54,24 @@ class HostTierExtension(ServingExtension):
 
     def poll(self) -> None:
         self.tree.check_transfers()
+        if self.tree.storage is not None and self.scheduler is not None:
+            for req in self.scheduler.waiting:
+                self._start_prefetch(req)
+
+    def _start_prefetch(self, req: ServingReq) -> None:
+        if req.rid in self._prefetch_seen:
+            return
+        self._prefetch_seen.add(req.rid)
+        n = req.seqlen() - 1
+        if n <= 0:
+            return
+        key = req.token_range(0, n)
+        self.tree.start_prefetch(req.rid, self.tree.match_prefix(key, req.extra_key), key, req.extra_key)
 
     def after_admit(self, req: ServingReq) -> None:
+        if self.tree.storage is not None:
+            self._prefetch_seen.discard(req.rid)
+            self.prefetched_tokens += self.tree.storage.finish_prefetch(req.rid)
         self._load_back(req)
         if self.retraction is not None and req.rid in self.retraction:
             self._restore(req)
@@ -77,6 +100,9 @@ class HostTierExtension(ServingExtension):
         self.cache.req_to_token_pool.write(req.req_pool_idx, 0, loaded.indices)
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
+        if self.tree.storage is not None:
+            self.tree.storage.cancel_prefetch(req.rid)
+            self._prefetch_seen.discard(req.rid)
         if self.retraction is None:
             return
         if finished or req.req_pool_idx is None:

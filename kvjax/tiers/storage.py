@@ -117,16 +117,22 @@ class StorageTier:
 
     def contains(self, page_hash: int) -> bool:
         """Whether the store holds a page of the right size under ``page_hash`` (a blocking read)."""
-        result = self._kv.read(self.key(page_hash)).result()
-        return result.state == "value" and len(result.value) == self.page_bytes
+        return self._stored(self._kv.read(self.key(page_hash)))
+
+    def _stored(self, future: Any) -> bool:
+        """Whether a finished read found a page of the right size (a failed read did not)."""
+        try:
+            result = future.result()
+        except Exception:  # a failed read is a miss
+            return False
+        return bool(result.state == "value" and len(result.value) == self.page_bytes)
 
     def leading_hits(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, the store holds (reads issued together)."""
         futures = [self._kv.read(self.key(h)) for h in hashes]
         count = 0
         for future in futures:
-            result = future.result()
-            if result.state != "value" or len(result.value) != self.page_bytes:
+            if not self._stored(future):
                 break
             count += 1
         return count
@@ -150,8 +156,7 @@ class StorageTier:
         futures = []
         skipped = 0
         for h, page, seen in zip(hashes, pages, present, strict=True):
-            result = seen.result()
-            if result.state == "value" and len(result.value) == self.page_bytes:
+            if self._stored(seen):
                 skipped += 1
                 continue
             futures.append(self._kv.write(self.key(h), np.ascontiguousarray(page).tobytes()))
@@ -210,6 +215,10 @@ class Prefetch:
 
     def __len__(self) -> int:
         return len(self._futures)
+
+    def done(self) -> bool:
+        """True once every read finished (successfully or not); never blocks."""
+        return all(f.done() for f in self._futures)
 
     def arrived(self) -> int:
         """Pages of the leading run that have arrived so far, valid ones only (never blocks)."""

@@ -1,0 +1,268 @@
+"""`StorageLink`: the storage tier (SGLang's HiCache L3) behind a :class:`HiRadixCache`'s host tier.
+
+Rules (``sglang-semantics.md`` §1.14, ``sglang-0.5.23-hybrid-trees.md``, host tier):
+
+* **backup after host backup.** When a node's host copy lands (the host tier's
+  ``writing_check``, or a write-back's synchronous copy), its pages are read from the host pool
+  (``page_first`` order: one page of every layer) and written to the storage tier under their
+  chained page hashes (pages the store holds already are skipped). The hashes are those of the
+  node's path from the root in its namespace (``extra_key``) with the tree's ``hash_seed``: the
+  hashes the tree's KV events carry for the same pages.
+* **prefetch on a match miss.** :meth:`start_prefetch` hashes the key beyond the device + host
+  match page by page and asks the store how many of them it holds, from the first. A leading run
+  of at least ``prefetch_threshold`` tokens is prefetched: host slots are taken for it (evicting
+  host-only leaves other than the matched chain if short; held outside the tree meanwhile), and
+  the reads are started.
+* **admission.** :meth:`check_prefetch_progress` says whether the request may be admitted, per
+  the policy (``best_effort``: now; ``wait_complete``: once every read finished; ``timeout``: once
+  every read finished or ``prefetch_timeout_s`` passed since the start: SGLang's 1 s + 0.25 s per
+  1024 tokens by default), and then takes the
+  leading run of pages that arrived: they are written into the first host slots and become one
+  host-only node below the matched node (``tree.add_host_only_leaf``), which the host tier's
+  load-back then brings to the device. Host slots of pages not taken are freed.
+
+Faults lose nothing: a failed, missing or late read just gives fewer pages (the request
+recomputes the rest); a failed storage write leaves the page absent (later prefetches stop
+before it); when the tokens got into the tree meanwhile (another request inserted them) or the
+node they hang from left it (evicted), the prefetched pages are dropped. Nothing is locked while
+the reads are in flight.
+
+Where kvjax differs: the storage reads are asynchronous (tensorstore futures) but the store is
+asked synchronously how many pages it holds (SGLang asks in its prefetch thread); prefetched
+pages become one host-only node (SGLang inserts them through its host insert path, with the same
+result); bigram (EAGLE) keys are not supported (their pages hash token windows of
+``page_size + 1``; ValueError).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from kvjax.errors import ConfigError
+from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
+from kvjax.tiers.storage import PREFETCH_POLICIES, Prefetch, StorageTier, StorageWrite, page_hashes
+
+if TYPE_CHECKING:
+    from kvjax.radix.host_component import HostData, HostTierComponent
+    from kvjax.radix.match import MatchResult
+
+PREFETCH_THRESHOLD = 256  # SGLang's default, tokens
+
+
+class HostPages(Protocol):
+    """The host pool's page data (``kvjax.tiers.HostKVPool``): layer-first buffers
+    ``[num_layers, n, page_size, C, D]`` of the pages of host slots."""
+
+    def read_pages(self, host_slots: Any, dtype: Any = None) -> np.ndarray: ...
+
+    def write_pages(self, host_slots: Any, buffer: np.ndarray) -> None: ...
+
+
+@dataclass
+class PrefetchOp:
+    """One request's prefetch in flight: where its node will hang, its tokens, host slots and reads."""
+
+    anchor: TreeNode
+    tokens: list[int]
+    extra_key: Any
+    slots: np.ndarray
+    prefetch: Prefetch
+    started: float
+
+
+class StorageLink:
+    """See the module docstring.
+
+    Args:
+        host: the tree's host tier component (attached).
+        storage: the storage tier; its page shape must be one page of every layer of ``pages``.
+        pages: the host pool's page data.
+        prefetch_policy: ``best_effort`` (default), ``wait_complete`` or ``timeout``.
+        prefetch_timeout_s: the ``timeout`` policy's wait, seconds (None: SGLang's 1 s + 0.25 s
+            per 1024 prefetched tokens).
+        prefetch_threshold: runs of fewer stored tokens are not prefetched (SGLang: 256).
+
+    Counters: ``pages_backed_up`` (pages handed to the store, skipped ones excluded),
+    ``prefetched_tokens`` (tokens inserted from storage), ``prefetches`` (prefetches started).
+    """
+
+    def __init__(
+        self,
+        host: HostTierComponent,
+        storage: StorageTier,
+        pages: HostPages,
+        *,
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout_s: float | None = None,
+        prefetch_threshold: int = PREFETCH_THRESHOLD,
+    ) -> None:
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ConfigError("prefetch_policy", prefetch_policy, f"use one of {list(PREFETCH_POLICIES)}")
+        if prefetch_timeout_s is not None and not prefetch_timeout_s >= 0:
+            raise ConfigError("prefetch_timeout_s", prefetch_timeout_s, "use a timeout >= 0 seconds")
+        if prefetch_threshold < 0:
+            raise ConfigError("prefetch_threshold", prefetch_threshold, "use a token count >= 0")
+        tree = host.tree
+        if tree.is_eagle:
+            raise ValueError("the storage tier does not support bigram (EAGLE) keys")
+        self.host = host
+        self.tree = tree
+        self.storage = storage
+        self.pages = pages
+        self.policy = prefetch_policy
+        self.timeout_s = None if prefetch_timeout_s is None else float(prefetch_timeout_s)
+        self.threshold = int(prefetch_threshold)
+        self.page_size = tree.page_size
+        self._writes: list[StorageWrite] = []
+        self._ops: dict[Any, PrefetchOp] = {}
+        self.pages_backed_up = 0
+        self.prefetched_tokens = 0
+        self.prefetches = 0
+        host.on_backup_landed = self.backup
+
+    # -- hashes ---------------------------------------------------------------------------------
+
+    def _path_tokens(self, node: TreeNode) -> list[int]:
+        parts = []
+        n = node
+        while n is not self.tree.root:
+            parts.append(n.token_ids())
+            n = n.parent
+        return [t for part in reversed(parts) for t in part]
+
+    def node_hashes(self, node: TreeNode) -> list[int]:
+        """The chained hashes of ``node``'s own pages."""
+        tokens = self._path_tokens(node)
+        hashes = page_hashes(tokens, self.page_size, extra_key=node.extra_key, seed=self.tree.hash_seed)
+        return hashes[len(hashes) - node.klen // self.page_size :]
+
+    # -- backup ---------------------------------------------------------------------------------
+
+    def backup(self, node: TreeNode) -> None:
+        """Write ``node``'s landed host copy to the store (the host tier calls this)."""
+        data = self.host.data(node)
+        if data is None or node.residency == DELETED:
+            return
+        buf = self.pages.read_pages(data.slots, self.storage.dtype)
+        write = self.storage.backup(self.node_hashes(node), np.swapaxes(buf, 0, 1))
+        self.pages_backed_up += len(write.futures)
+        self._writes.append(write)
+
+    def check_writes(self, wait: bool = False) -> int:
+        """Forget the storage writes that finished (all of them, waiting, with ``wait``);
+        returns how many write batches finished."""
+        if wait:
+            for w in self._writes:
+                w.wait()
+        still = [w for w in self._writes if not w.done()]
+        done = len(self._writes) - len(still)
+        self._writes = still
+        return done
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._writes)
+
+    # -- prefetch -------------------------------------------------------------------------------
+
+    def start_prefetch(self, rid: Any, match: MatchResult, key: Any, extra_key: Any = None) -> int:
+        """After ``match_prefix(key, extra_key)`` gave ``match``: start prefetching the stored
+        run beyond its device + host hit for request ``rid``; returns its tokens (0: none started:
+        under the threshold, no host room, or a prefetch of ``rid`` already in flight)."""
+        if rid in self._ops:
+            return 0
+        tokens = [int(t) for t in key]
+        ps = self.page_size
+        hit = match.prefix_len + int(getattr(match, "host_hit_length", 0))
+        anchor = getattr(match, "last_host_node", None) or match.last_node
+        whole = len(tokens) // ps * ps
+        if whole - hit < max(self.threshold, ps):
+            return 0
+        hashes = page_hashes(tokens[:whole], ps, extra_key=extra_key, seed=self.tree.hash_seed)[hit // ps :]
+        n = self.storage.leading_hits(hashes) * ps
+        if n < max(self.threshold, ps):
+            return 0
+        slots = self._alloc_guarded(anchor, n)
+        if slots is None:
+            return 0
+        prefetch = self.storage.prefetch(hashes[: n // ps])
+        self._ops[rid] = PrefetchOp(anchor, tokens[hit : hit + n], extra_key, slots, prefetch, time.monotonic())
+        self.prefetches += 1
+        return n
+
+    def check_prefetch_progress(self, rid: Any) -> bool:
+        """Whether request ``rid`` may be admitted now (see the module docstring); when it may,
+        the pages that arrived are inserted (as a host-only node) first. True without a prefetch."""
+        op = self._ops.get(rid)
+        if op is None:
+            return True
+        if self.policy == "wait_complete" and not op.prefetch.done():
+            return False
+        if self.policy == "timeout" and not op.prefetch.done() and time.monotonic() - op.started < self._timeout(op):
+            return False
+        self._finish(rid, "best_effort")
+        return True
+
+    def finish_prefetch(self, rid: Any) -> int:
+        """Take request ``rid``'s prefetch now, waiting as its policy says; returns the tokens
+        inserted into the tree (0 without a prefetch)."""
+        return self._finish(rid, self.policy) if rid in self._ops else 0
+
+    def cancel_prefetch(self, rid: Any) -> None:
+        """Drop request ``rid``'s prefetch (an aborted request): its host slots are freed."""
+        op = self._ops.pop(rid, None)
+        if op is None:
+            return
+        op.prefetch.take("best_effort")  # cancels the reads in flight
+        self.host.free_held(op.slots)
+
+    def cancel_all(self) -> None:
+        for rid in list(self._ops):
+            self.cancel_prefetch(rid)
+
+    @property
+    def pending_prefetches(self) -> int:
+        return len(self._ops)
+
+    def _finish(self, rid: Any, policy: str) -> int:
+        op = self._ops.pop(rid)
+        pages = op.prefetch.take(policy, max(0.0, op.started + self._timeout(op) - time.monotonic()))
+        n = pages.shape[0] * self.page_size
+        leaf = None
+        if n and op.anchor.residency != DELETED:
+            try:
+                leaf = self.tree.add_host_only_leaf(op.anchor, op.tokens[:n], op.extra_key)
+            except ValueError:  # the tokens got into the tree meanwhile
+                leaf = None
+        if leaf is None:
+            n = 0
+        else:
+            self.pages.write_pages(op.slots[:n], np.swapaxes(pages, 0, 1))
+            self.host.adopt_held(leaf, op.slots[:n])
+        if n < op.slots.size:
+            self.host.free_held(op.slots[n:])
+        self.prefetched_tokens += n
+        return n
+
+    def _timeout(self, op: PrefetchOp) -> float:
+        return self.timeout_s if self.timeout_s is not None else 1.0 + 0.25 * len(op.tokens) / 1024
+
+    def _alloc_guarded(self, anchor: TreeNode, n: int) -> np.ndarray | None:
+        """``n`` held host slots, host eviction kept off the host-only chain ending at ``anchor``."""
+        guarded: list[HostData] = []
+        node = anchor
+        while node is not self.tree.root and node.residency == HOST_ONLY:
+            data = self.host.data(node)
+            if data is not None:
+                data.host_ref += 1
+                guarded.append(data)
+            node = node.parent
+        try:
+            return self.host.alloc_held(n)
+        finally:
+            for data in guarded:
+                data.host_ref -= 1
