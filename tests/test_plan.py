@@ -517,7 +517,11 @@ def test_plan_pool_bytes_match_shapes():
 
 PRESETS = ModelSpec.presets()
 # What SGLang refuses among the presets: query heads that do not split over the TP ranks.
-REFUSED_TP = {("qwen2.5-7b", 8): "28 attention heads", ("tiny", 8): "4 attention heads", ("deepseek-tiny", 8): "4 attention heads"}
+REFUSED_TP = {
+    ("qwen2.5-7b", 8): "28 attention heads",
+    ("tiny", 8): "4 attention heads",
+    ("deepseek-tiny", 8): "4 attention heads",
+}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
