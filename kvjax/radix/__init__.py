@@ -20,6 +20,7 @@ from kvjax.radix.mamba_component import MambaComponent, MambaMatch
 from kvjax.radix.mamba_radix_cache import MambaEvictResult, MambaInsertResult, MambaRadixCache
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
+from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
 from kvjax.radix.stats import CacheStats
@@ -58,6 +59,7 @@ __all__ = [
     "SWAComponent",
     "SWAInsertPayload",
     "SWALockPart",
+    "PureSWARadixCache",
     "SWARadixCache",
     "TREE_CACHE_KINDS",
     "TreeComponent",

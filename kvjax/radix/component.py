@@ -237,7 +237,7 @@ class FullKVComponent(TreeComponent):
             self.allocator.free(arr)
 
     def sizes(self) -> ComponentSizes:
-        return ComponentSizes(self.tree.evictable_size(), self.tree.protected_size())
+        return ComponentSizes(self.tree.evictable_size("full"), self.tree.protected_size("full"))
 
     def check_invariants(self) -> None:
         self.tree.check_full_invariants()
