@@ -13,6 +13,7 @@ from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
 from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.hiswa_radix_cache import HiSWARadixCache
 from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
@@ -41,6 +42,7 @@ __all__ = [
     "EvictionPolicy",
     "FullKVComponent",
     "HiRadixCache",
+    "HiSWARadixCache",
     "HostTierComponent",
     "InsertResult",
     "LockError",

@@ -137,6 +137,9 @@ class SWAComponent(TreeComponent):
         self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # oldest first
         self._evictable = 0
         self._protected = 0
+        # With a host tier: whether each backed-up node's host copy carries its SWA KV (the node
+        # was live when the backup started); empty otherwise.
+        self.host_copy_live: dict[TreeNode, bool] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -183,7 +186,14 @@ class SWAComponent(TreeComponent):
 
     # ------------------------------------------------------------------ insert
 
+    def note_host_copy(self, node: TreeNode) -> None:
+        """A host tier started backing ``node`` up: its host copy carries SWA KV iff it is live."""
+        self.host_copy_live[node] = self.data(node) is not None
+
     def on_split(self, parent: TreeNode, child: TreeNode, k: int) -> None:
+        host = self.host_copy_live.get(child)
+        if host is not None:
+            self.host_copy_live[parent] = host
         data = self.data(child)
         if data is None:
             return  # both halves are tombstones
@@ -426,13 +436,21 @@ class SWAComponent(TreeComponent):
         return freed
 
     def on_delete(self, node: TreeNode) -> int:
+        self.host_copy_live.pop(node, None)
         data = self.data(node)
         if data is None:
             return 0
         # FULL freed the node's slots already; the allocator freed their SWA pairs with them.
         return self._drop(node, data)
 
+    def on_demote(self, node: TreeNode) -> int:
+        """FULL evicted ``node``'s device copy (a host tier keeps it host-only): the allocator
+        freed its SWA slots with its full slots; forget its SWA data."""
+        data = self.data(node)
+        return 0 if data is None else self._drop(node, data)
+
     def on_reset(self) -> None:
+        self.host_copy_live.clear()
         self._lru.clear()
         self._evictable = self._protected = 0
 

@@ -25,13 +25,14 @@ RadixCache's, with the request's ``swa_evicted_seqlen`` as the SWA payload.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import request_row
+from kvjax.radix.component import TreeComponent
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.keys import as_slot_array
 from kvjax.radix.lock import LockError, LockReceipt
@@ -73,6 +74,7 @@ class SWARadixCache(RadixCache):
         token_to_kv_pool_allocator: SGLang's name for ``allocator`` (give one of them).
         req_to_token_pool, is_eagle, enable_kv_cache_events, event_sink, enable_metrics,
         hash_seed, eviction_policy_config: as for :class:`RadixCache`.
+        components: further components after SWA (a host tier: ``HiSWARadixCache``).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class SWARadixCache(RadixCache):
         enable_metrics: bool = False,
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
+        components: Sequence[TreeComponent] = (),
     ) -> None:
         if (
             allocator is not None
@@ -115,7 +118,7 @@ class SWARadixCache(RadixCache):
             enable_metrics=enable_metrics,
             hash_seed=hash_seed,
             eviction_policy_config=eviction_policy_config,
-            components=(self.swa,),
+            components=(self.swa, *components),
         )
         self.swa.page_size = self.page_size
         self.swa.window_cap = -(-self.swa.sliding_window_size // self.page_size) * self.page_size

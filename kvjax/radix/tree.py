@@ -942,8 +942,11 @@ class RadixTree:
         if keep:
             node.residency = HOST_ONLY
             self._host_only += 1
+            tracker = self._tracker
             for c in self._extra:
-                c.on_demote(node)
+                freed = c.on_demote(node)
+                if tracker is not None and freed:
+                    tracker[c.name] += freed
         else:
             self._detach(node)
         self._after_child_change(parent)
