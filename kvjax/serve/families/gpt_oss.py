@@ -30,7 +30,8 @@ keys in ``(p - sliding_window, p]`` (Transformers' sliding mask, the same as Gem
 Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``) as in ``gemma3``: full layers write
 at ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
 ``meta.extras["swa_out_loc"]`` and read ``meta.extras["swa_page_indices"]``. With
-``disable_hybrid_swa_memory`` every layer uses the one full-size pool ``pools.kv``.
+``disable_hybrid_swa_memory`` every layer uses the one full-size pool ``pools.kv``. The routing
+is ``kvjax.serve.swa_attention``.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
 from kvjax.layer_kinds import LayerKind
-from kvjax.pools import CachePools, MHAKVPool, SWAKVPool
+from kvjax.pools import CachePools
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear, apply_rope
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
 from kvjax.spec import ModelSpec
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 WEIGHT_INIT_STDDEV = 0.02
 
@@ -160,35 +161,19 @@ class GptOssAttention(nn.Module):
             q = q * jnp.asarray(scaling, q.dtype)
             k = k * jnp.asarray(scaling, k.dtype)
         sliding = fc.sliding[self.layer_id]
-        hybrid = "swa" in pools
-        if hybrid:
-            pool: SWAKVPool = pools.swa
-            sub, index = pool.sub_pool(self.layer_id)
-        else:  # disable_hybrid_swa_memory: one full-size pool for every layer
-            sub, index = pools.kv, self.layer_id - pools.kv.start_layer
-        if hybrid and sliding:
-            loc, table = meta.extras["swa_out_loc"], meta.extras["swa_page_indices"]
-        else:
-            loc, table = meta.out_loc, meta.page_indices
-        sub = sub.set_kv_buffer(index + sub.start_layer, loc, k, v)
-        out = ragged_paged_attention(
+        out, pools = swa_paged_attention(
             q,
-            sub.kv_buffer(index + sub.start_layer),
-            meta.kv_lens,
-            table,
-            meta.cu_q_lens,
-            meta.num_seqs,
+            k,
+            v,
+            pools,
+            meta,
+            self.layer_id,
+            sliding=sliding,
+            sliding_window=fc.sliding_window,
             sm_scale=c.head_dim**-0.5,
-            sliding_window=fc.sliding_window if sliding else None,
-            k_scale=sub.k_scale[index],
-            v_scale=sub.v_scale[index],
             sinks=sinks.astype(jnp.float32),
         )
-        out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
-        if not hybrid:
-            return out, pools.replace(kv=sub)
-        pool = pool.replace(swa=sub) if sliding else pool.replace(full=sub)
-        return out, pools.replace(swa=pool)
+        return Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1)), pools
 
 
 class GptOssRouter(nn.Module):
@@ -300,26 +285,4 @@ class GptOssForCausalLM(nn.Module):
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
-    fc = _fc(config)
-    full_ids = tuple(i for i, s in enumerate(fc.sliding) if not s)
-    swa_ids = tuple(i for i, s in enumerate(fc.sliding) if s)
-
-    def mha(layers: int) -> MHAKVPool:
-        return MHAKVPool.create(
-            num_pages=1,
-            page_size=1,
-            num_layers=max(layers, 1),
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            v_head_dim=config.head_dim,
-            dtype=config.dtype,
-        )
-
-    pool = SWAKVPool(
-        full=mha(len(full_ids)) if full_ids else None,
-        swa=mha(len(swa_ids)),
-        full_layer_ids=full_ids,
-        swa_layer_ids=swa_ids,
-    )
-    extras = {"swa_out_loc": jnp.zeros((1,), jnp.int32), "swa_page_indices": jnp.zeros((1, 1), jnp.int32)}
-    return CachePools(swa=pool), extras
+    return swa_trace_state(config, _fc(config).sliding)

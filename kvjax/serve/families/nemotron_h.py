@@ -12,8 +12,8 @@ window and ``[heads, head_dim, state_size]`` state live in ``pools.recurrent``; 
 MoE blocks are refused by name (their experts are not gated SwiGLUs, which ``kvjax.serve.moe`` is).
 
 The recurrent state per sequence row comes from ``BatchMetadata.extras`` exactly as for Qwen3-Next
-(``state_slots``, ``has_initial_state``, ``track_slots``, ``track_at``: see
-``kvjax.serve.families.qwen3_next``), run token by token with ``lax.scan``.
+(``state_slots``, ``has_initial_state``, ``track_slots``, ``track_at``), run token by token with
+``lax.scan`` by ``kvjax.serve.recurrent_scan``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
-from kvjax.pools import CachePools, MHAKVPool
+from kvjax.pools import CachePools
 from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, paged_attention
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.recurrent_scan import recurrent_scan, recurrent_trace_state
 from kvjax.spec import ModelSpec
 
 MAMBA, ATTENTION, MLP_BLOCK = "linear_attention", "full_attention", "mlp"
@@ -103,36 +104,15 @@ def _family(config: ModelConfig) -> NemotronHConfig:
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     """The smallest pools of the model (one page, one state slot) and a one-row batch's extras."""
-    from kvjax.pools.recurrent import RecurrentStatePool
-
     fc = _family(config)
-    pools: dict[str, Any] = {}
-    if fc.layers(ATTENTION):
-        pools["kv"] = MHAKVPool.create(
-            num_pages=1,
-            page_size=1,
-            num_layers=len(fc.layers(ATTENTION)),
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=config.dtype,
-            layer_ids=fc.layers(ATTENTION),
-        )
-    if fc.layers(MAMBA):
-        pools["recurrent"] = RecurrentStatePool.create(
-            num_slots=1,
-            layer_ids=fc.layers(MAMBA),
-            conv_state_shapes=((fc.conv_dim, fc.conv_kernel - 1),),
-            ssm_state_shape=(fc.num_heads, fc.head_dim, fc.state_size),
-            conv_dtype=config.dtype,
-            ssm_dtype="float32",
-        )
-    extras = {
-        "state_slots": jnp.ones((1,), jnp.int32),
-        "has_initial_state": jnp.zeros((1,), jnp.int32),
-        "track_slots": jnp.zeros((1,), jnp.int32),
-        "track_at": jnp.zeros((1,), jnp.int32),
-    }
-    return CachePools(pools), extras
+    return recurrent_trace_state(
+        config,
+        attention_layers=fc.layers(ATTENTION),
+        recurrent_layers=fc.layers(MAMBA),
+        conv_dim=fc.conv_dim,
+        conv_kernel=fc.conv_kernel,
+        ssm_state_shape=(fc.num_heads, fc.head_dim, fc.state_size),
+    )
 
 
 class NemotronRMSNorm(nn.Module):
@@ -201,46 +181,25 @@ class Mamba2Mixer(nn.Module):
         dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         dt = jnp.maximum(dt, fc.time_step_min)
 
-        state = pools.recurrent
-        slots = meta.extras["state_slots"]
-        keep = meta.extras["has_initial_state"].astype(bool)
-        (conv0,), ssm0 = state.get_states(self.layer_id, slots)  # [S, conv_dim, K-1], [S, H, P, N]
-        conv0 = jnp.where(keep[:, None, None], conv0.astype(jnp.float32), 0.0)
-        ssm0 = jnp.where(keep[:, None, None, None], ssm0.astype(jnp.float32), 0.0)
-        pos = jnp.arange(t, dtype=jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens[1:], pos, side="right"), 0, slots.shape[0] - 1)
-        live = pos < meta.cu_q_lens[meta.num_seqs[0]]
-        track = live & (pos - meta.cu_q_lens[seq] + 1 == meta.extras["track_at"][seq])
         w32, b32 = conv_w.astype(jnp.float32), conv_b.astype(jnp.float32)
         per = h // g
 
-        def token(carry: tuple[jax.Array, ...], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
-            conv, ssm, conv_kept, ssm_kept = carry
-            x_t, dt_t, s, ok, keep_t = inp
-            window = jnp.concatenate([conv[s], x_t.astype(jnp.float32)[:, None]], axis=-1)
+        def update(window: jax.Array, ssm: jax.Array, dt_t: jax.Array) -> tuple[jax.Array, jax.Array]:
             y = jax.nn.silu(jnp.sum(window * w32, axis=-1) + b32).astype(dt_).astype(jnp.float32)
             xs = y[:inter].reshape(h, p)
             b_t = jnp.repeat(y[inter : inter + g * n].reshape(g, n), per, axis=0)  # [H, N]
             c_t = jnp.repeat(y[inter + g * n :].reshape(g, n), per, axis=0)
-            st = ssm[s] * jnp.exp(dt_t * a)[:, None, None] + (dt_t[:, None] * xs)[:, :, None] * b_t[:, None, :]
+            st = ssm * jnp.exp(dt_t * a)[:, None, None] + (dt_t[:, None] * xs)[:, :, None] * b_t[:, None, :]
             out = jnp.einsum("hpn,hn->hp", st, c_t) + d_skip.astype(jnp.float32)[:, None] * xs
-            conv = jnp.where(ok, conv.at[s].set(window[:, 1:]), conv)
-            ssm = jnp.where(ok, ssm.at[s].set(st), ssm)
-            conv_kept = jnp.where(keep_t, conv_kept.at[s].set(window[:, 1:]), conv_kept)
-            ssm_kept = jnp.where(keep_t, ssm_kept.at[s].set(st), ssm_kept)
-            return (conv, ssm, conv_kept, ssm_kept), out.reshape(inter)
+            return st, out.reshape(inter)
 
-        carry = (conv0, ssm0, jnp.zeros_like(conv0), jnp.zeros_like(ssm0))
-        (conv1, ssm1, conv_kept, ssm_kept), y = jax.lax.scan(token, carry, (xbc, dt, seq, live, track))
+        y, pools = recurrent_scan(pools, meta, self.layer_id, xbc, (dt,), update)
         # Grouped RMSNorm of y * silu(gate), in float32.
         z = y.astype(dt_).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
         zg = z.reshape(t, g, inter // g)
         zg = zg * jax.lax.rsqrt(jnp.mean(zg * zg, axis=-1, keepdims=True) + fc.eps)
         normed = GroupedNormWeight(inter, dt_, name="norm")() * zg.reshape(t, inter).astype(dt_)
-        out = Linear(c.hidden_size, fc.use_bias, dt_, name="out_proj")(normed)
-        state = state.set_states(self.layer_id, slots, (conv1,), ssm1)
-        state = state.set_states(self.layer_id, meta.extras["track_slots"], (conv_kept,), ssm_kept)
-        return out, pools.replace(recurrent=state)
+        return Linear(c.hidden_size, fc.use_bias, dt_, name="out_proj")(normed), pools
 
 
 class NemotronAttention(nn.Module):

@@ -42,10 +42,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
-from kvjax.pools import CachePools, MHAKVPool
+from kvjax.pools import CachePools
 from kvjax.serve.layers import MLP, WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, apply_rope, paged_attention
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import MoEConfig, SparseMoE
+from kvjax.serve.recurrent_scan import recurrent_scan, recurrent_trace_state
 from kvjax.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -134,36 +135,15 @@ def _family(config: ModelConfig) -> Qwen3NextConfig:
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     """The smallest pools of a Qwen3-Next model (one page, one state slot) and a one-row batch's extras."""
-    from kvjax.pools.recurrent import RecurrentStatePool
-
     fc = _family(config)
-    pools: dict[str, Any] = {}
-    if fc.full_layers:
-        pools["kv"] = MHAKVPool.create(
-            num_pages=1,
-            page_size=1,
-            num_layers=len(fc.full_layers),
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=config.dtype,
-            layer_ids=fc.full_layers,
-        )
-    if fc.linear_layers:
-        pools["recurrent"] = RecurrentStatePool.create(
-            num_slots=1,
-            layer_ids=fc.linear_layers,
-            conv_state_shapes=((fc.conv_dim, fc.conv_kernel - 1),),
-            ssm_state_shape=(fc.num_v_heads, fc.v_head_dim, fc.k_head_dim),
-            conv_dtype=config.dtype,
-            ssm_dtype="float32",
-        )
-    extras = {
-        "state_slots": jnp.ones((1,), jnp.int32),
-        "has_initial_state": jnp.zeros((1,), jnp.int32),
-        "track_slots": jnp.zeros((1,), jnp.int32),
-        "track_at": jnp.zeros((1,), jnp.int32),
-    }
-    return CachePools(pools), extras
+    return recurrent_trace_state(
+        config,
+        attention_layers=fc.full_layers,
+        recurrent_layers=fc.linear_layers,
+        conv_dim=fc.conv_dim,
+        conv_kernel=fc.conv_kernel,
+        ssm_state_shape=(fc.num_v_heads, fc.v_head_dim, fc.k_head_dim),
+    )
 
 
 class OffsetRMSNorm(nn.Module):
@@ -259,49 +239,22 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
 
-        state = pools.recurrent
-        slots = meta.extras["state_slots"]
-        keep = meta.extras["has_initial_state"].astype(bool)
-        (conv0,), ssm0 = state.get_states(self.layer_id, slots)  # [S, conv_dim, K-1], [S, Hv, Dv, Dk]
-        conv0 = jnp.where(keep[:, None, None], conv0.astype(jnp.float32), 0.0)
-        ssm0 = jnp.where(keep[:, None, None, None], ssm0.astype(jnp.float32), 0.0)
-        # The sequence row of each token; padding tokens (past the last sequence) change nothing.
-        pos = jnp.arange(t, dtype=jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens[1:], pos, side="right"), 0, slots.shape[0] - 1)
-        live = pos < meta.cu_q_lens[meta.num_seqs[0]]
-        # Extra buffer: after its track_at-th token of this step a row's state is also kept
-        # (a page-aligned checkpoint candidate), written to its track slot after the scan.
-        track_at = meta.extras["track_at"]
-        track = live & (pos - meta.cu_q_lens[seq] + 1 == track_at[seq])
         w32 = conv_w.astype(jnp.float32)
         scale = dk**-0.5
 
-        def token(carry: tuple[jax.Array, ...], inp: tuple[jax.Array, ...]) -> tuple[tuple, jax.Array]:
-            conv, ssm, conv_kept, ssm_kept = carry
-            x_t, g_t, beta_t, s, ok, keep_t = inp
-            window = jnp.concatenate([conv[s], x_t.astype(jnp.float32)[:, None]], axis=-1)  # [conv_dim, K]
+        def update(window: jax.Array, ssm: jax.Array, g_t: jax.Array, beta_t: jax.Array) -> tuple[jax.Array, jax.Array]:
             y = jax.nn.silu(jnp.sum(window * w32, axis=-1)).astype(dt).astype(jnp.float32)
             q_t = _l2norm(jnp.repeat(y[: hk * dk].reshape(hk, dk), per, axis=0)) * scale
             k_t = _l2norm(jnp.repeat(y[hk * dk : 2 * hk * dk].reshape(hk, dk), per, axis=0))
             v_t = y[2 * hk * dk :].reshape(hv, dv)
-            st = ssm[s] * jnp.exp(g_t)[:, None, None]  # [Hv, Dv, Dk]
+            st = ssm * jnp.exp(g_t)[:, None, None]  # [Hv, Dv, Dk]
             delta = (v_t - jnp.einsum("hvk,hk->hv", st, k_t)) * beta_t[:, None]
             st = st + delta[:, :, None] * k_t[:, None, :]
-            out = jnp.einsum("hvk,hk->hv", st, q_t)
-            conv = jnp.where(ok, conv.at[s].set(window[:, 1:]), conv)
-            ssm = jnp.where(ok, ssm.at[s].set(st), ssm)
-            conv_kept = jnp.where(keep_t, conv_kept.at[s].set(window[:, 1:]), conv_kept)
-            ssm_kept = jnp.where(keep_t, ssm_kept.at[s].set(st), ssm_kept)
-            return (conv, ssm, conv_kept, ssm_kept), out
+            return st, jnp.einsum("hvk,hk->hv", st, q_t)
 
-        carry = (conv0, ssm0, jnp.zeros_like(conv0), jnp.zeros_like(ssm0))
-        (conv1, ssm1, conv_kept, ssm_kept), core = jax.lax.scan(token, carry, (mixed, g, beta, seq, live, track))
+        core, pools = recurrent_scan(pools, meta, self.layer_id, mixed, (g, beta), update)
         core = GatedRMSNorm(c.rms_norm_eps, name="norm")(core.astype(dt), z)
-        out = Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv))
-        state = state.set_states(self.layer_id, slots, (conv1,), ssm1)
-        # Rows without a track point write their (zero) track state to the padding slot 0.
-        state = state.set_states(self.layer_id, meta.extras["track_slots"], (conv_kept,), ssm_kept)
-        return out, pools.replace(recurrent=state)
+        return Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv)), pools
 
 
 class Qwen3NextDecoderLayer(nn.Module):
