@@ -147,3 +147,20 @@ def test_demo_serves_the_built_in_mla_preset():
     from kvjax.demo import demo_cache
 
     assert isinstance(demo_cache(spec=model.spec, max_total_tokens=1024).pools.kv, MLAKVPool)
+
+
+@pytest.mark.slow  # ~20 s idle: the families are covered in the default suite by their parity tests
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "mistral-swa-tiny"])
+def test_demo_serves_the_built_in_sliding_window_presets(preset):
+    """``demo --model gemma3-tiny`` (hybrid: SWA + full pools, with the host tier on a small pool)
+    and ``demo --model mistral-swa-tiny`` (every layer sliding: one SWA pool, the pure-SWA tree)."""
+    from kvjax.serve.generate import resolve_model
+
+    model = resolve_model(preset)
+    hybrid = preset == "gemma3-tiny"
+    report = run_demo(
+        workload=SMALL, progress=False, model=model, max_total_tokens=512, enable_hierarchical_cache=hybrid
+    )
+    assert report.ok and report.leak_free and report.cold_equals_warm and report.cached_tokens > 0
+    if hybrid:
+        assert report.host_balanced

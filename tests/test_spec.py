@@ -23,9 +23,11 @@ PRESETS = (
     "deepseek-v3",
     "gemma-2-9b",
     "gemma-3-12b",
+    "gemma3-tiny",
     "llama-3-70b",
     "llama-3-8b",
     "mistral-7b",
+    "mistral-swa-tiny",
     "qwen2.5-7b",
     "qwen3-next-80b-a3b",
     "tiny",
@@ -43,6 +45,8 @@ EXPECTED = {
     "qwen3-next-80b-a3b": (48, {FULL: 12, RECURRENT: 36}, 16, 2, 256, 256, None, 262144, 151936, "bfloat16"),
     "tiny": (2, {FULL: 2}, 4, 2, 16, 16, None, 2048, 256, "float32"),
     "deepseek-tiny": (2, {MLA: 2}, 4, 1, 24, 16, None, 2048, 256, "float32"),
+    "gemma3-tiny": (4, {SLIDING: 3, FULL: 1}, 4, 2, 16, 16, 16, 2048, 256, "float32"),
+    "mistral-swa-tiny": (2, {SLIDING: 2}, 4, 2, 16, 16, 16, 2048, 256, "float32"),
 }
 
 

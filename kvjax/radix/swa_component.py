@@ -282,11 +282,20 @@ class SWAComponent(TreeComponent):
             return  # the caller's protected prefix
         evicted = p.evicted if p is not None else 0
         if evicted >= end:
-            return  # wholly out of the window: stays a tombstone; the incoming copy is a duplicate
+            # Wholly out of the window: stays a tombstone; the incoming copy is a duplicate (or,
+            # for a host-only node the core just revived, the node's full slots now: unpaired).
+            if revived:
+                self._free_stale_swa(node)
+            return
         if evicted > start:
-            self.tree.split_node(node, evicted - start)  # the upper half stays a tombstone
+            upper = self.tree.split_node(node, evicted - start)  # the upper half stays a tombstone
+            if revived:
+                self._free_stale_swa(upper)
             start = evicted
-        self._revive_slots(node, self._incoming(p, start, end))
+        if not revived:
+            self._revive_slots(node, self._incoming(p, start, end))
+        # Revived from a host-only node: the core gave it the incoming full slots, whose SWA pairs
+        # are the request's (live past ``evicted``).
         self._make_live(node)
 
     def commit_insert(self, node: TreeNode, payload: Any) -> Any:

@@ -152,3 +152,21 @@ def test_swa_transfer_engine_round_trips_both_pools():
     dst_swa = alloc.full_to_swa_index_mapping[dst[2]] // ps
     for layer in range(2):
         np.testing.assert_array_equal(np.asarray(after.swa.kv[layer])[dst_swa], before_swa[layer][src_swa])
+
+
+@pytest.mark.parametrize("evicted", [0, 8])
+def test_insert_over_host_only_nodes_takes_the_incoming_pairs(evicted: int):
+    t, alloc = tree()
+    t.insert(list(range(1, 13)), alloc.alloc(12))
+    t.check_transfers(wait=True)
+    t.evict(12, 0)
+    slots = alloc.alloc(12)
+    if evicted:
+        alloc.free_swa(slots[:evicted])  # the request's decode freed them
+    assert t.insert(list(range(1, 13)), slots, swa_evicted_seqlen=evicted) == 12  # host-only: already cached
+    t.check_transfers(wait=True)
+    assert [v for _, v, _ in live(t)] == ["device", "device"]
+    assert [s for _, _, s in live(t)] == ([True, True] if not evicted else [False, True])
+    assert t.match_prefix(list(range(1, 13))).indices.tolist() == slots.tolist()  # the tree took them all
+    assert alloc.full_available_size() == 64 - 12 and alloc.swa_available_size() == 32 - (12 - evicted)
+    assert balanced(t, alloc)
