@@ -521,6 +521,8 @@ REFUSED_TP = {
     ("qwen2.5-7b", 8): "28 attention heads",
     ("tiny", 8): "4 attention heads",
     ("deepseek-tiny", 8): "4 attention heads",
+    ("gemma3-tiny", 8): "4 attention heads",
+    ("mistral-swa-tiny", 8): "4 attention heads",
 }
 
 
