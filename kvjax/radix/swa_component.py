@@ -434,8 +434,9 @@ class SWAComponent(TreeComponent):
             data = self.data(node)
             if data is None or data.lock_ref:
                 continue
-            if node in candidates:
-                # An unlocked leaf: deleted outright (its SWA and FULL slots go with it).
+            if node in candidates and not node.children:
+                # An unlocked leaf: deleted outright (its SWA and FULL slots go with it). A device
+                # leaf with host-only children (a host tier) stays, as a tombstone.
                 freed += self._drop(node, data)
                 tree.delete_leaf(node)
             else:

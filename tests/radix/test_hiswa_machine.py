@@ -1,0 +1,80 @@
+"""A Hypothesis state machine over HiSWARadixCache (FULL + SWA + host) with a real
+SWATokenToKVPoolAllocator and the simulated copy engine.
+
+The rules of ``test_swa_machine.py`` (inserts with SWA-evicted prefixes, matches against the naive
+rule, locks, early SWA releases, evictions of both pools) plus the host tier's: polling the
+transfers, host eviction, and load-backs of host hits. After every step: every component's
+invariants, the allocator's, and ``available + evictable + protected == capacity`` for the full
+pool, the SWA pool and the host pool. A load-back's match ends where the naive SWA rule says.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+from kvjax.alloc import SWATokenToKVPoolAllocator
+from kvjax.radix import HiSWARadixCache
+from tests.radix.test_swa_machine import SWATreeMachine
+
+
+class HiSWATreeMachine(SWATreeMachine):
+    @initialize(
+        ps=st.sampled_from([1, 2]),
+        window=st.integers(1, 5),
+        eagle=st.booleans(),
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    )
+    def setup(self, ps: int, window: int, eagle: bool, policy: str = "write_through") -> None:  # type: ignore[override]
+        self.ps = ps
+        self.eagle = eagle
+        self.alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
+        self.tree = HiSWARadixCache(
+            page_size=ps,
+            sliding_window_size=window,
+            allocator=self.alloc,
+            is_eagle=eagle,
+            host_pool_tokens=32 * ps,
+            write_policy=policy,
+            load_back_threshold=1,
+        )
+        self.receipts: list = []
+        self.keys: list[list[int]] = []
+
+    @rule(wait=st.booleans())
+    def transfers(self, wait: bool) -> None:
+        self.tree.check_transfers(wait)
+
+    @rule(amount=st.integers(0, 12))
+    def evict_host(self, amount: int) -> None:
+        self.tree.evict_host(amount)
+
+    @rule(data=st.data())
+    def load_back(self, data: st.DataObject) -> None:
+        key = self.key(data)
+        m = self.tree.match_prefix(key)
+        if not m.host_hit_length:
+            return
+        loaded = self.tree.init_load_back(m)
+        if loaded is m:
+            return  # no room on the device: nothing changed
+        assert loaded.prefix_len == m.prefix_len + m.host_hit_length
+        again = self.tree.match_prefix(key)
+        assert again.prefix_len >= loaded.prefix_len  # the loaded window is live SWA
+        expect, _ = self.naive_match(key)
+        assert again.prefix_len == expect
+
+    @invariant()
+    def host_balanced(self) -> None:
+        if not hasattr(self, "tree"):
+            return
+        host = self.tree.host_allocator
+        s = self.tree.sizes()["host"]
+        assert host.available_size() + s.evictable + s.protected == host.size
+
+
+HiSWATreeMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestHiSWATreeMachine = HiSWATreeMachine.TestCase
