@@ -4,11 +4,13 @@
 
 The streams and the per-request loop of ``radix_workloads.py`` (``match_prefix(prompt)`` -> lock ->
 ``insert(prompt + output)`` -> unlock -> evict back to a 200,000-token capacity), at page sizes 1
-and 16, LRU, standalone trees (no allocator): ``RadixCache`` (full KV only) and ``SWARadixCache``
-with window ``W`` (default 1,024, Gemma 3's). The SWA tree caps leaves at one window, keeps its own
-LRU, locks one window of SWA, and evicts FULL with its SWA cascade (``evict(n, 0)``). Reported per
-workload and page size: µs per request (best of ``--repeats`` fresh trees), hit tokens (identical
-for both trees: nothing here tombstones a node within a window) and the SWA / full ratio.
+and 16, LRU, standalone trees (no allocator): ``RadixCache`` (full KV only), ``SWARadixCache``
+with window ``W`` (default 1,024, Gemma 3's) and ``PureSWARadixCache`` (every layer sliding). The
+SWA tree caps leaves at one window, keeps its own LRU, locks one window of SWA, and evicts FULL with
+its SWA cascade (``evict(n, 0)``); the pure-SWA tree evicts its one pool in SWA order (internal
+nodes become tombstones, so it keeps more prefixes' keys at the same capacity). Reported per
+workload and page size: µs per request (best of ``--repeats`` fresh trees), hit tokens and the
+SWA / full ratios.
 CPU figures on a shared machine: compare the ratio, not absolute numbers across machines.
 """
 
@@ -27,7 +29,7 @@ sys.path.insert(1, os.path.dirname(_HERE))
 import radix_workloads as wl  # type: ignore[import-not-found]  # noqa: E402
 
 from benchmarks._common import machine  # noqa: E402
-from kvjax.radix import RadixCache, SWARadixCache  # noqa: E402
+from kvjax.radix import PureSWARadixCache, RadixCache, SWARadixCache  # noqa: E402
 
 CAPACITY = 200_000
 PAGE_SIZES = (1, 16)
@@ -48,6 +50,23 @@ def swa_ops(tree: SWARadixCache) -> wl.TreeOps:
         insert=lambda tokens, values: tree.insert(tokens, values),
         evict=lambda n: tree.evict(n, 0)[0],
         cached_size=lambda: tree.full_evictable_size() + tree.full_protected_size(),
+    )
+
+
+def pure_swa_ops(tree: PureSWARadixCache) -> wl.TreeOps:
+    """`TreeOps` for a ``PureSWARadixCache``: its one pool's sizes and eviction."""
+
+    def match(tokens):
+        m = tree.match_prefix(tokens)
+        return m.prefix_len, m.last_node
+
+    return wl.TreeOps(
+        match=match,
+        lock=tree.inc_lock_ref,
+        unlock=lambda _node, receipt: tree.dec_lock_ref(receipt),
+        insert=lambda tokens, values: tree.insert(tokens, values),
+        evict=tree.evict,
+        cached_size=lambda: tree.total_size(),
     )
 
 
@@ -82,14 +101,24 @@ def main(argv: list[str] | None = None) -> dict:
             swa = run(
                 lambda p: SWARadixCache(page_size=p, sliding_window_size=args.window), swa_ops, stream, ps, args.repeats
             )
+            pure = run(
+                lambda p: PureSWARadixCache(page_size=p, sliding_window_size=args.window),
+                pure_swa_ops,
+                stream,
+                ps,
+                args.repeats,
+            )
             results[f"{name}_page{ps}"] = {
                 "requests": full["requests"],
                 "full_only_us_per_request": full["us_per_request"],
                 "swa_us_per_request": swa["us_per_request"],
+                "pure_swa_us_per_request": pure["us_per_request"],
                 "swa_over_full": round(swa["us_per_request"] / full["us_per_request"], 2),
+                "pure_swa_over_full": round(pure["us_per_request"] / full["us_per_request"], 2),
                 "full_only_hit_tokens": full["hit_tokens"],
                 "swa_hit_tokens": swa["hit_tokens"],
-                "evicted_tokens": [full["evicted_tokens"], swa["evicted_tokens"]],
+                "pure_swa_hit_tokens": pure["hit_tokens"],
+                "evicted_tokens": [full["evicted_tokens"], swa["evicted_tokens"], pure["evicted_tokens"]],
             }
     out = {
         "benchmark": "swa_tree",
