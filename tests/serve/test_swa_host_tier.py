@@ -28,6 +28,7 @@ from tests.serve.test_parity_gemma3 import (  # noqa: E402
 )
 
 
+@pytest.mark.slow  # ~40 s: the tree and the engine are covered in the default suite (tests/radix)
 def test_evicted_prefixes_come_back_from_the_host_with_the_last_window(gemma3):  # noqa: F811
     hf, model = gemma3
     cache = build_kv_cache(
