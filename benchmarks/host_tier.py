@@ -3,8 +3,9 @@
     python -m benchmarks.host_tier [--pages 64] [--layers 8]      # transfers
     python -m benchmarks.host_tier --serving [--pool 512]          # serving
 
-Transfers: device -> host and host -> device throughput of the page engine (both staging paths)
-against a plain numpy copy of the same bytes, in the same run (target: >= 0.5 of it).
+Transfers: device -> host and host -> device throughput of the page engine (both staging paths;
+on one CPU device, the engine's direct path) against a plain numpy copy of the same bytes, in the
+same run (target: >= 0.5 of it). ``default_staging``: what ``staging="auto"`` picks here.
 
 Serving (the demo's tiny model and workload): the hit-rate gain of the host tier on a device pool
 smaller than the working set (``--pool`` tokens), and the serving step's time with transfers in
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from kvjax.pools import CachePools, MHAKVPool
     from kvjax.tiers import HostKVPool, TransferStatus
-    from kvjax.tiers.transfer import PageTransferEngine
+    from kvjax.tiers.transfer import PageTransferEngine, default_staging
 
     n = args.pages
     pool = MHAKVPool.create(
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     host_slots = host.allocator.alloc(n * ps)
     nbytes = args.layers * n * ps * 2 * args.heads * args.head_dim * 2
     out: dict = {"bytes_per_transfer": nbytes, "machine": machine(), "config": vars(args)}
+    out["default_staging"] = default_staging(jax.default_backend())
 
     src = np.random.default_rng(0).integers(0, 2**16, size=host.buffer_shape(n), dtype=np.uint16)
     dst = np.empty_like(src)
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     out["numpy_copy_GBps"] = round(nbytes / memcpy / 1e9, 3)
     for staging in ("numpy", "pinned_host"):
         engine = PageTransferEngine(holder, host, staging=staging)
+        out[f"{engine.staging}_path"] = "direct" if engine.direct else "staged"
 
         def backup(engine=engine):
             h = engine.start_backup(dev_slots, host_slots)

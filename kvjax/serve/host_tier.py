@@ -54,6 +54,8 @@ class HostTierExtension(ServingExtension):
 
     def poll(self) -> None:
         self.tree.check_transfers()
+        if self.retraction is not None:
+            self.retraction.poll()
         if self.tree.storage is not None and self.scheduler is not None:
             for req in self.scheduler.waiting:
                 self._start_prefetch(req)

@@ -12,7 +12,9 @@ Modes (the plan's ``decode_retraction_backup``):
 * ``host_pool``: the pages go to the host tier's pool (slots *held* outside the tree,
   ``HostTierComponent.alloc_held``; host-only leaves are evicted to make room) through the copy
   engine, asynchronously; a restore waits for that backup. A host pool that cannot make room
-  skips the backup (SGLang aborts the request there; kvjax recomputes it).
+  skips the backup (SGLang aborts the request there; kvjax recomputes it). The restore's load
+  may read the held slots in place until it lands, so they are freed by :meth:`poll` once it has
+  (at once when it already has).
 * ``cpu_tensor``: ``get_cpu_copy`` / ``load_cpu_copy`` of the device pool (numpy copies).
 
 Every fallback recomputes: a backup that failed, a resume whose tree prefix differs from the one
@@ -67,6 +69,7 @@ class RetractionBackup:
         self.cache = cache
         self.pool_name = pool_name
         self._kept: dict[Any, RetractedKV] = {}
+        self._releasing: list[tuple[Any, np.ndarray]] = []  # (restore's load, its held host slots)
         self.backed_up = 0
         self.restored_tokens = 0
         self.fallbacks = 0
@@ -135,13 +138,17 @@ class RetractionBackup:
         if self.mode == "host_pool":
             assert kept.host_slots is not None
             engine = self.host.engine
+            load = None
             try:
                 ok = engine.poll(kept.handle, wait=True) is TransferStatus.DONE
                 if ok:
-                    engine.start_load(kept.host_slots[skip:], device_slots)
+                    load = engine.start_load(kept.host_slots[skip:], device_slots)
             except CopyError:
                 ok = False
-            self.host.free_held(kept.host_slots)  # a started load has read them
+            if load is not None and engine.poll(load) is TransferStatus.PENDING:
+                self._releasing.append((load, kept.host_slots))
+            else:
+                self.host.free_held(kept.host_slots)
         else:
             assert kept.cpu_copy is not None
             pool = self.cache.pools[self.pool_name]
@@ -152,6 +159,20 @@ class RetractionBackup:
         else:
             self.fallbacks += 1
         return ok
+
+    def poll(self, wait: bool = False) -> int:
+        """Free the held host slots of restores whose loads landed (all, waiting, with ``wait``);
+        returns the host slots freed. The serving loop calls it at its polling step."""
+        still = []
+        freed = 0
+        for load, slots in self._releasing:
+            if self.host.engine.poll(load, wait) is TransferStatus.PENDING:
+                still.append((load, slots))
+                continue
+            self.host.free_held(slots)
+            freed += int(slots.size)
+        self._releasing = still
+        return freed
 
     def discard(self, key: Any) -> None:
         """Drop the backup of ``key`` (if any), returning its host slots."""
