@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvjax.tiers.page_runs import copy_pages
+from kvjax.tiers.page_runs import copy_pages, page_runs
 
 HOST_LAYOUTS = ("layer_first", "page_first")
 _NOT_BUILT = ("page_first_direct", "page_head")
@@ -60,8 +60,9 @@ class HostLayout:
         """``storage[page pages[i] of layer l] = buffer[l, i]`` (buffer layer-first, as gathered),
         by runs of consecutive pages (``page_runs.copy_pages``)."""
         index = np.arange(len(pages))
+        runs = page_runs(index, pages)
         for layer in range(buffer.shape[0]):
-            copy_pages(self.layer_view(storage, layer), pages, buffer[layer], index)
+            copy_pages(self.layer_view(storage, layer), pages, buffer[layer], index, runs)
 
     def read(self, storage: np.ndarray, pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The layer-first buffer ``[L, n, page_size, C, D]`` of ``pages``, into ``out`` when given
@@ -70,6 +71,7 @@ class HostLayout:
         if out is None:
             out = np.empty((num_layers, len(pages), *storage.shape[2:]), storage.dtype)
         index = np.arange(len(pages))
+        runs = page_runs(pages, index)
         for layer in range(num_layers):
-            copy_pages(out[layer], index, self.layer_view(storage, layer), pages)
+            copy_pages(out[layer], index, self.layer_view(storage, layer), pages, runs)
         return out

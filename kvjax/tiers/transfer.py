@@ -51,7 +51,7 @@ from kvjax.errors import InvalidSlotError
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.device_pages import page_layers, with_page_layers
 from kvjax.tiers.host_pool import HostKVPool, aligned_empty
-from kvjax.tiers.page_runs import copy_pages
+from kvjax.tiers.page_runs import copy_pages, page_runs
 from pallas_kernels.page_gather import PINNED_HOST, gather_pages, has_memory_kind, scatter_pages
 
 #: The staging ``"auto"`` picks, by platform, measured by ``benchmarks/host_tier.py`` (figures in
@@ -130,13 +130,14 @@ class _Load:
 
 def device_pages(slots: Any, page_size: int, num_slots: int) -> np.ndarray:
     """Pages of device ``slots`` (whole pages in order, none on the trash page), else InvalidSlotError."""
-    idx = np.asarray(slots, dtype=np.int64).ravel()
+    idx = np.asarray(slots).ravel()
     if idx.size % page_size:
         raise InvalidSlotError(f"device slots: {idx.size} ids are not whole pages of {page_size}")
-    if idx.size and (idx.min() < page_size or idx.max() >= num_slots):
-        raise InvalidSlotError(f"device slots out of the allocatable range [{page_size}, {num_slots})")
     rows = idx.reshape(-1, page_size)
-    pages = rows[:, 0] // page_size
+    pages = rows[:, 0].astype(np.int64) // page_size
+    # Whole pages in order, and every page in [1, pages): then every slot is in range.
+    if pages.size and (pages.min() < 1 or pages.max() * page_size >= num_slots):
+        raise InvalidSlotError(f"device slots out of the allocatable range [{page_size}, {num_slots})")
     if page_size > 1 and not np.array_equal(rows, pages[:, None] * page_size + np.arange(page_size)):
         raise InvalidSlotError(f"device slots are not whole pages of {page_size} in order")
     return pages.astype(np.int32)
@@ -234,9 +235,12 @@ class PageTransferEngine:
     def _copy_to_host(self, pages: np.ndarray, host_pages: np.ndarray) -> None:
         """The direct backup: each layer's pages copied by runs from a zero-copy view into the host pool."""
         host = self.host_pool
+        runs = page_runs(pages, host_pages)
         for layer, array in enumerate(self._layers()):
             view = np.from_dlpack(cast(Any, array))  # waits for pending writes; dropped before any donation
-            copy_pages(host.layout.layer_view(host.storage, layer), host_pages, view.view(host.store_dtype), pages)
+            copy_pages(
+                host.layout.layer_view(host.storage, layer), host_pages, view.view(host.store_dtype), pages, runs
+            )
             del view
 
     def start_load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> _Load:
