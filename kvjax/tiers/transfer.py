@@ -5,8 +5,9 @@ Two paths, by where the device pool lives:
 * **Staged** (a device with its own memory, e.g. TPU; or a pool over several devices). Device ->
   host (backup): the page gather kernel packs the node's pages of every layer into one buffer
   (dispatched, not awaited), whose copy to host memory starts at once (``copy_to_host_async``, or
-  an output placed in ``pinned_host`` memory); ``poll`` stores the buffer into the host pool once
-  it is ready. Host -> device (load): the host pages are read by runs into one padded buffer, put
+  an output placed in ``pinned_host`` memory); once it is ready, ``poll`` hands its write into the
+  host pool to the engine's writer thread (the scheduler's thread never copies it; ``poll``
+  reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device (load): the host pages are read by runs into one padded buffer, put
   on the device and scattered into the pool by the scatter kernel, the layers donated (in place).
 * **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
   full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
@@ -40,6 +41,7 @@ load) in ``pinned_host`` memory (the backend must have it), ``"numpy"`` copies t
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -139,6 +141,7 @@ class _Backup:
     num_pages: int
     status: TransferStatus = TransferStatus.PENDING
     cancelled: bool = False
+    landing: Future[TransferStatus] | None = None  # the host write, on the engine's writer thread
 
 
 @dataclass
@@ -226,6 +229,7 @@ class PageTransferEngine:
         self.page_size = row[0]
         self.num_slots = layers[0].shape[0] * self.page_size
         self.dtype = layers[0].dtype
+        self._write_thread: ThreadPoolExecutor | None = None
 
     def _layers(self) -> tuple[jax.Array, ...]:
         return page_layers(self.holder.pools[self.pool_name])
@@ -326,18 +330,37 @@ class PageTransferEngine:
             handle.arrays = ()
             handle.sources = ()
             return handle.status
-        if not wait and not handle.buffer.is_ready():
+        if handle.landing is None:
+            if not wait and not handle.buffer.is_ready():
+                return TransferStatus.PENDING
+            handle.landing = self._writer().submit(self._land, handle)
+        if not wait and not handle.landing.done():
             return TransferStatus.PENDING
+        handle.status = handle.landing.result()
+        handle.landing = None
+        return handle.status
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The thread that writes staged backups into the host pool, off the scheduler's thread
+        (numpy copies release the GIL), one at a time in the order they were ready."""
+        if self._write_thread is None:
+            self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-host-write")
+        return self._write_thread
+
+    def _land(self, handle: _Backup) -> TransferStatus:
+        """Store a staged backup's buffer into the host pool (on the writer thread)."""
         try:
             data = np.asarray(handle.buffer)[:, : handle.num_pages]
             if not handle.cancelled:
                 self.host_pool.write_pages(handle.host_slots, data)
-            handle.status = TransferStatus.DONE
+            status = TransferStatus.DONE
         except Exception:  # a backup that did not land: the tree falls back to recompute
-            handle.status = TransferStatus.FAILED
+            status = TransferStatus.FAILED
         handle.buffer = None
-        return handle.status
+        return status
 
     def cancel(self, handle: Any) -> None:
         if isinstance(handle, _Backup):
             handle.cancelled = True
+            if handle.landing is not None:
+                handle.landing.result()  # a write already under way lands before the slots are reused

@@ -155,3 +155,24 @@ def test_direct_path_is_refused_where_it_does_not_apply():
     assert not PageTransferEngine(holder, host).direct  # bf16 has no numpy view: the staged path
     with pytest.raises(ValueError, match="direct=True"):
         PageTransferEngine(holder, host, direct=True)
+
+
+def test_staged_backups_land_on_the_writer_thread_and_a_cancelled_one_never_lands():
+    import threading
+
+    pool = _filled_pool()
+    holder = Holder(CachePools(kv=pool))
+    host = HostKVPool.for_device_layers(pool.kv, 8)
+    engine = PageTransferEngine(holder, host, staging="numpy", direct=False)
+    writers = []
+    write_pages = host.write_pages
+    host.write_pages = lambda *a: (writers.append(threading.current_thread().name), write_pages(*a))[1]
+    slots = host.allocator.alloc(4)
+    cancelled = engine.start_backup(np.array([2, 3, 4, 5]), slots)
+    engine.cancel(cancelled)
+    assert engine.poll(cancelled, wait=True) is TransferStatus.DONE and writers == []
+    assert not host.storage.any()  # nothing landed
+    handle = engine.start_backup(np.array([2, 3, 4, 5]), slots)
+    assert engine.poll(handle, wait=True) is TransferStatus.DONE
+    assert writers and writers[0].startswith("kvjax-host-write")  # off the caller's thread
+    np.testing.assert_array_equal(host.read_pages(slots)[0], np.asarray(pool.kv[0])[1:3])
