@@ -7,8 +7,9 @@ Two paths, by where the device pool lives:
   (dispatched, not awaited), whose copy to host memory starts at once (``copy_to_host_async``, or
   an output placed in ``pinned_host`` memory); once it is ready, ``poll`` hands its write into the
   host pool to the engine's writer thread (the scheduler's thread never copies it; ``poll``
-  reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device (load): the host pages are read by runs into one padded buffer, put
-  on the device and scattered into the pool by the scatter kernel, the layers donated (in place).
+  reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device
+  (load): the host pages are read by runs into one padded buffer, put on the device and scattered
+  into the pool by the scatter kernel, the layers donated (in place).
 * **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
   full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
   (``np.from_dlpack``; the view waits for pending writes to the layer and is dropped before the
