@@ -1,15 +1,18 @@
 """Host-tier benchmarks, one JSON object.
 
     python -m benchmarks.host_tier [--pages 64] [--layers 8]      # transfers
-    python -m benchmarks.host_tier --serving [--pool 512]          # serving
+    python -m benchmarks.host_tier --serving [--pool 512] [--rounds 5]   # serving
 
-Transfers: device -> host and host -> device throughput of the page engine (both staging paths)
-against a plain numpy copy of the same bytes, in the same run (target: >= 0.5 of it).
+Transfers: device -> host and host -> device throughput of the page engine (both staging paths;
+on one CPU device, the engine's direct path) against a plain numpy copy of the same bytes, in the
+same run (target: >= 0.5 of it). ``default_staging``: what ``staging="auto"`` picks here.
 
 Serving (the demo's tiny model and workload): the hit-rate gain of the host tier on a device pool
 smaller than the working set (``--pool`` tokens), and the serving step's time with transfers in
 flight (host tier on, write-through backups every insert, a pool large enough that nothing is
-evicted) against without (target: at most 5% slower). A warm-up run compiles every shape first.
+evicted) against without (target: at most 5% slower). A warm-up run compiles every shape first;
+then ``--rounds`` runs of each, interleaved, and the best of each is compared (the machine is
+shared: a run that another process slowed down is not the serving loop's cost).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--serving", action="store_true", help="the serving figures instead of the transfers")
     ap.add_argument("--pool", type=int, default=512, help="device pool tokens for the hit-rate gain")
+    ap.add_argument("--rounds", type=int, default=5, help="serving runs of each kind (best of them)")
     args = ap.parse_args(argv)
     if args.serving:
-        out = serving(args.pool)
+        out = serving(args.pool, args.rounds)
         print(json.dumps(out, indent=1))
         return out
 
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from kvjax.pools import CachePools, MHAKVPool
     from kvjax.tiers import HostKVPool, TransferStatus
-    from kvjax.tiers.transfer import PageTransferEngine
+    from kvjax.tiers.transfer import PageTransferEngine, default_staging
 
     n = args.pages
     pool = MHAKVPool.create(
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     host_slots = host.allocator.alloc(n * ps)
     nbytes = args.layers * n * ps * 2 * args.heads * args.head_dim * 2
     out: dict = {"bytes_per_transfer": nbytes, "machine": machine(), "config": vars(args)}
+    out["default_staging"] = default_staging(jax.default_backend())
 
     src = np.random.default_rng(0).integers(0, 2**16, size=host.buffer_shape(n), dtype=np.uint16)
     dst = np.empty_like(src)
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     out["numpy_copy_GBps"] = round(nbytes / memcpy / 1e9, 3)
     for staging in ("numpy", "pinned_host"):
         engine = PageTransferEngine(holder, host, staging=staging)
+        out[f"{engine.staging}_path"] = "direct" if engine.direct else "staged"
 
         def backup(engine=engine):
             h = engine.start_backup(dev_slots, host_slots)
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-def serving(pool: int) -> dict:
+def serving(pool: int, rounds: int = 5) -> dict:
     from kvjax.demo import serve
     from kvjax.serve.workload import Workload
 
@@ -111,7 +117,8 @@ def serving(pool: int) -> dict:
     serve(workload, enable_hierarchical_cache=True)  # compiles the transfers' shapes
     times: dict[bool, float] = {}
     book: dict[bool, float] = {}
-    for host in (False, True) * 3:  # interleaved, best of three each (the machine is shared)
+    out["rounds"] = rounds
+    for host in (False, True) * rounds:  # interleaved, best of each (the machine is shared)
         sched, _ = serve(workload, enable_hierarchical_cache=host)
         st = sched.stats
         steps = st.prefill_steps + st.decode_steps

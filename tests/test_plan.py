@@ -293,6 +293,13 @@ def test_retraction_backup_cpu_tensor_outside_decode_mode():
     assert plan(dense(), disaggregation_mode="prefill").decode_retraction_backup == "cpu_tensor"
 
 
+def test_retraction_backup_is_active_on_a_decode_server_or_when_set():
+    assert not plan(dense()).decode_retraction_active  # resolved, but SGLang re-prefills outside decode
+    assert not plan(dense(), disaggregation_mode="prefill").decode_retraction_active
+    assert decode().decode_retraction_active
+    assert plan(dense(), disaggregation_decode_retraction_backup="cpu_tensor").decode_retraction_active
+
+
 @pytest.mark.parametrize("spec", [mla(), ssm(), swa((S, S, S, S))], ids=["mla", "ssm", "pure_swa"])
 def test_retraction_backup_cpu_tensor_when_pool_has_no_host_copy(spec):
     assert decode(spec).decode_retraction_backup == "cpu_tensor"

@@ -254,6 +254,11 @@ class CachePlan:
         return self.host.decode_retraction_backup
 
     @property
+    def decode_retraction_active(self) -> bool:
+        """Whether retracted requests are backed up (``decode_retraction_backup``) at all."""
+        return self.host.decode_retraction_active
+
+    @property
     def hicache_ratio(self) -> float:
         return self.host.hicache_ratio
 

@@ -133,3 +133,6 @@ class HostTier:
     mm_embedding_cache_bytes: int
     hicache_write_policy: str = "write_through"
     hicache_mem_layout: str = "layer_first"
+    # Whether retracted requests are backed up at all: SGLang backs them up on a decode server
+    # (``disaggregation_mode == "decode"``) only; kvjax also when the backup was set explicitly.
+    decode_retraction_active: bool = False

@@ -11,6 +11,9 @@
   hooks. The match is redone here to read the host hit (only while host-only nodes exist), so the
   tree's own match counter counts such admissions twice; the scheduler's cached-token figures
   are not affected.
+* with ``decode_retraction_backup == "host_pool"``: the retraction backup's hooks
+  (``retraction_extension.RetractionBackupExtension`` over the host pool: backup at retraction,
+  restore at re-admission after the load-back, held slots freed at ``poll``).
 * with a storage tier (``tree.storage``): ``poll`` starts a prefetch for each waiting request
   (once per request: its match, then the stored run beyond it); ``after_admit`` takes it first
   (the policy's wait happens there; SGLang instead keeps the request waiting until
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvjax.radix import HiRadixCache
 from kvjax.serve.extension import ServingExtension
+from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.tiers.retraction_backup import RetractionBackup
 
 if TYPE_CHECKING:
@@ -46,14 +50,20 @@ class HostTierExtension(ServingExtension):
         self.prefetched_tokens = 0  # tokens inserted from the storage tier
         self._prefetch_seen: set[Any] = set()
         self.retraction: RetractionBackup | None = None
+        self._retraction: RetractionBackupExtension | None = None  # the shared restore logic
         if cache.plan.decode_retraction_backup == "host_pool":
             self.retraction = RetractionBackup("host_pool", cache.token_to_kv_pool_allocator.page_size, host=tree.host)
+            self._retraction = RetractionBackupExtension(cache, self.retraction)
 
     def attach(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        if self._retraction is not None:
+            self._retraction.attach(scheduler)
 
     def poll(self) -> None:
         self.tree.check_transfers()
+        if self._retraction is not None:
+            self._retraction.poll()
         if self.tree.storage is not None and self.scheduler is not None:
             for req in self.scheduler.waiting:
                 self._start_prefetch(req)
@@ -73,8 +83,8 @@ class HostTierExtension(ServingExtension):
             self._prefetch_seen.discard(req.rid)
             self.prefetched_tokens += self.tree.storage.finish_prefetch(req.rid)
         self._load_back(req)
-        if self.retraction is not None and req.rid in self.retraction:
-            self._restore(req)
+        if self._retraction is not None:
+            self._retraction.after_admit(req)
 
     def _load_back(self, req: ServingReq) -> None:
         tree = self.tree
@@ -103,44 +113,8 @@ class HostTierExtension(ServingExtension):
         if self.tree.storage is not None:
             self.tree.storage.cancel_prefetch(req.rid)
             self._prefetch_seen.discard(req.rid)
-        if self.retraction is None:
-            return
-        if finished or req.req_pool_idx is None:
-            self.retraction.discard(req.rid)
-            return
-        end = req.kv_len()
-        row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.retraction.backup(req.rid, row[:end], 0, end)
-
-    def _restore(self, req: ServingReq) -> None:
-        """Bring a retracted request's own KV back when its tree prefix is the one it had."""
-        retraction = self.retraction
-        assert retraction is not None
-        kept = retraction.peek(req.rid)
-        assert kept is not None
-        prefix = req.cache_protected_len
-        if prefix >= kept.end or kept.end > req.seqlen() - 1 or req.req_pool_idx is None:
-            retraction.discard(req.rid)  # the tree holds it all now, or the request changed
-            return
-        alloc = self.cache.token_to_kv_pool_allocator
-        ps = alloc.page_size
-        need = retraction.pages_from(req.rid, prefix) * ps
-        reserved = self.scheduler.reserved_tokens if self.scheduler is not None else 0
-        rest = (-(-(req.seqlen() - kept.end) // ps) + 1) * ps
-        slots = None
-        if need <= alloc.available_size() + self.tree.evictable_size() - reserved - rest:
-            if alloc.available_size() < need:
-                self.tree.evict(need - alloc.available_size())
-            slots = alloc.alloc(need)
-        if slots is None:
-            # No room now: keep the backup for a later admission (this one will likely not fit
-            # either; if it does, the request recomputes and its release replaces the backup).
-            return
-        if not retraction.restore(req.rid, slots, prefix):
-            alloc.free(slots)
-            return
-        self.cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: kept.end - prefix])
-        req.kv_committed_len = kept.end
+        if self._retraction is not None:
+            self._retraction.before_release(req, finished)
 
     def _quota(self, req: ServingReq, match: Any) -> int:
         """Device tokens a load-back may take: free + evictable, less what the batch already

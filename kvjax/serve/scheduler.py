@@ -540,6 +540,9 @@ def default_extensions(cache: KVCache) -> list[ServingExtension]:
         from kvjax.serve.host_tier import HostTierExtension
 
         extensions.append(HostTierExtension(cache))
+    from kvjax.serve.retraction_extension import retraction_extensions
+
+    extensions.extend(retraction_extensions(cache))  # cpu_tensor decode retraction backup
     return extensions
 
 

@@ -12,7 +12,8 @@ Contract of an engine:
 * ``start_load(host_slots, device_slots)``: start copying host slots into device slots; returns a
   handle, or raises :class:`CopyError` when it cannot start (nothing changed: the caller falls
   back to recompute). A load that started completes (``poll`` never reports FAILED for it), so
-  readers of those device slots need no extra check, as in SGLang.
+  readers of those device slots need no extra check, as in SGLang. The host slots must stay
+  allocated and unwritten until ``poll`` reports the load DONE (an engine may read them in place).
 * ``poll(handle, wait=False)``: PENDING, DONE (the bytes landed) or FAILED (a backup that did
   not land: the host slots hold garbage). ``wait=True`` blocks until it is not PENDING.
 * ``cancel(handle)``: the transfer must never land (its slots are about to be reused).

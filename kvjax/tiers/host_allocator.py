@@ -75,16 +75,22 @@ class HostSlotAllocator:
         """The pages of ``slots``, which must be whole pages in order (int32). Raises
         InvalidSlotError naming the ids otherwise (out of range, or not whole pages)."""
         idx = as_index_array(slots, what)
-        self._check_range(idx, what)
         ps = self.page_size
         if ps == 1:
+            self._check_range(idx, what)
             return idx.astype(np.int32)
         if idx.size % ps:
+            self._check_range(idx, what)
             raise InvalidSlotError(f"{what}: {idx.size} ids are not whole pages of {ps}: {format_ids(idx)}")
         rows = idx.reshape(-1, ps)
-        if (rows % ps != np.arange(ps)).any() or (rows // ps != rows[:, :1] // ps).any():
+        pages = rows[:, 0] // ps
+        # Whole pages in order with every first slot in range: then every slot is in range.
+        if pages.size and (rows[0, 0] < 0 or pages.min() < 0 or pages.max() >= self.num_pages):
+            self._check_range(idx, what)
+        if not np.array_equal(rows, pages[:, None] * ps + np.arange(ps)):
+            self._check_range(idx, what)
             raise InvalidSlotError(f"{what}: ids are not whole pages of {ps} in order: {format_ids(idx)}")
-        return (rows[:, 0] // ps).astype(np.int32)
+        return pages.astype(np.int32)
 
     def _check_range(self, idx: np.ndarray, what: str) -> None:
         bad = (idx < 0) | (idx >= self.size)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvjax.tiers.page_runs import copy_pages, page_runs
+
 HOST_LAYOUTS = ("layer_first", "page_first")
 _NOT_BUILT = ("page_first_direct", "page_head")
 
@@ -49,15 +51,27 @@ class HostLayout:
             return (num_layers, num_pages, *page_row)
         return (num_pages, num_layers, *page_row)
 
-    def write(self, storage: np.ndarray, pages: np.ndarray, buffer: np.ndarray) -> None:
-        """``storage[page pages[i] of layer l] = buffer[l, i]`` (buffer layer-first, as gathered)."""
-        if self.name == "layer_first":
-            storage[:, pages] = buffer
-        else:
-            storage[pages] = buffer.swapaxes(0, 1)
+    def layer_view(self, storage: np.ndarray, layer: int) -> np.ndarray:
+        """The pages of one layer, ``[pages, page_size, C, D]``, a view of ``storage`` (contiguous
+        for ``layer_first``, strided for ``page_first``)."""
+        return storage[layer] if self.name == "layer_first" else storage[:, layer]
 
-    def read(self, storage: np.ndarray, pages: np.ndarray) -> np.ndarray:
-        """The layer-first buffer ``[L, n, page_size, C, D]`` of ``pages`` (a new array)."""
-        if self.name == "layer_first":
-            return storage[:, pages]
-        return np.ascontiguousarray(storage[pages].swapaxes(0, 1))
+    def write(self, storage: np.ndarray, pages: np.ndarray, buffer: np.ndarray) -> None:
+        """``storage[page pages[i] of layer l] = buffer[l, i]`` (buffer layer-first, as gathered),
+        by runs of consecutive pages (``page_runs.copy_pages``)."""
+        index = np.arange(len(pages))
+        runs = page_runs(index, pages)
+        for layer in range(buffer.shape[0]):
+            copy_pages(self.layer_view(storage, layer), pages, buffer[layer], index, runs)
+
+    def read(self, storage: np.ndarray, pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The layer-first buffer ``[L, n, page_size, C, D]`` of ``pages``, into ``out`` when given
+        (any array of that shape, e.g. a larger buffer's leading pages), else a new array."""
+        num_layers = storage.shape[0 if self.name == "layer_first" else 1]
+        if out is None:
+            out = np.empty((num_layers, len(pages), *storage.shape[2:]), storage.dtype)
+        index = np.arange(len(pages))
+        runs = page_runs(pages, index)
+        for layer in range(num_layers):
+            copy_pages(out[layer], index, self.layer_view(storage, layer), pages, runs)
+        return out

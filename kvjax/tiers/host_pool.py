@@ -7,13 +7,12 @@ shape (the page gather/scatter kernels' contract, see ``kvjax.tiers.device_pages
 pool from its page row and layer count. MHA is registered today; SWA and MLA pools need one
 entry each in ``device_pages``.
 
-Why numpy storage. ``benchmarks/host_tier.py`` measured, on this CPU backend, a device -> host
-page transfer staged through a ``pinned_host`` jax array and through a plain ``device_get``
-(numpy), and host -> device from a numpy array against one placed in ``pinned_host`` first; the
-figures are in ``docs/architecture.md`` (host tier). A jax array cannot be written in place page
-by page from the host, so the host pool's *storage* is numpy either way; the transfer engine
-stages through ``pinned_host`` where the backend has that memory kind and the measurement did
-not favour the plain copy (``kvjax.tiers.transfer``).
+Why numpy storage. A jax array cannot be written in place page by page from the host, so the host
+pool's *storage* is numpy; it is allocated on a 64-byte boundary (:data:`HOST_ALIGNMENT`) so
+that on the CPU backend the transfer engine's direct path can put host pages on the device
+without a copy. How pages move (staged through ``pinned_host`` or numpy, or directly) is the
+transfer engine's choice, measured by ``benchmarks/host_tier.py`` (``kvjax.tiers.transfer``,
+figures in ``docs/architecture.md``).
 
 Bytes are kept as unsigned integers of the device dtype's width (bf16 as uint16, fp8 as
 uint8): moved, never converted. Units: slots are tokens; ``bytes_per_token`` counts every layer.
@@ -31,6 +30,28 @@ from kvjax.tiers.host_allocator import HostSlotAllocator
 from kvjax.tiers.host_layout import HostLayout
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+#: Byte alignment of host buffers: the CPU backend puts a numpy array on its device without a
+#: copy (``jax.device_put(..., may_alias=True)``) only when it is aligned to this.
+HOST_ALIGNMENT = 64
+
+
+def _aligned(shape: tuple[int, ...], dtype: Any, alloc: Any) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = alloc(nbytes + HOST_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed array whose data starts on a :data:`HOST_ALIGNMENT` boundary."""
+    return _aligned(shape, dtype, np.zeros)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised array whose data starts on a :data:`HOST_ALIGNMENT` boundary."""
+    return _aligned(shape, dtype, np.empty)
 
 
 class HostKVPool:
@@ -58,7 +79,9 @@ class HostKVPool:
         self.page_row = tuple(int(x) for x in page_row)
         self.layout = HostLayout(layout)
         self.store_dtype = np.dtype(_BITS[itemsize])
-        self.storage = np.zeros(self.layout.shape(self.num_layers, self.num_pages, self.page_row), self.store_dtype)
+        self.storage = aligned_zeros(
+            self.layout.shape(self.num_layers, self.num_pages, self.page_row), self.store_dtype
+        )
 
     @classmethod
     def for_device_layers(cls, layers: Any, size: int, layout: str = "layer_first") -> HostKVPool:
@@ -103,10 +126,16 @@ class HostKVPool:
             )
         self.layout.write(self.storage, pages, buf.view(self.store_dtype))
 
-    def read_pages(self, host_slots: Any, dtype: Any = None) -> np.ndarray:
-        """The layer-first buffer of the pages of ``host_slots`` (viewed as ``dtype`` when given)."""
+    def read_pages(self, host_slots: Any, dtype: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+        """The layer-first buffer of the pages of ``host_slots`` (viewed as ``dtype`` when given),
+        written into the leading pages of ``out`` when given (``[L, >= n, page_size, C, D]`` of the
+        storage's item size: a padded transfer buffer, read without another copy)."""
         pages = self.pages_of(host_slots)
-        buf = self.layout.read(self.storage, pages)
+        if out is not None:
+            self.layout.read(self.storage, pages, out.view(self.store_dtype)[:, : pages.size])
+            buf = out
+        else:
+            buf = self.layout.read(self.storage, pages)
         return buf if dtype is None else buf.view(dtype)
 
     def check_slots_allocated(self, host_slots: Any) -> None:

@@ -12,8 +12,11 @@ Modes (the plan's ``decode_retraction_backup``):
 * ``host_pool``: the pages go to the host tier's pool (slots *held* outside the tree,
   ``HostTierComponent.alloc_held``; host-only leaves are evicted to make room) through the copy
   engine, asynchronously; a restore waits for that backup. A host pool that cannot make room
-  skips the backup (SGLang aborts the request there; kvjax recomputes it).
-* ``cpu_tensor``: ``get_cpu_copy`` / ``load_cpu_copy`` of the device pool (numpy copies).
+  skips the backup (SGLang aborts the request there; kvjax recomputes it). The restore's load
+  may read the held slots in place until it lands, so they are freed by :meth:`poll` once it has
+  (at once when it already has).
+* ``cpu_tensor``: ``get_cpu_copy`` / ``load_cpu_copy`` of the device pool (numpy copies), or the
+  ``get_copy`` / ``load_copy`` functions given (the serving extension's page copies, in place).
 
 Every fallback recomputes: a backup that failed, a resume whose tree prefix differs from the one
 at retraction, or no device room within the admission's quota. Units: tokens and slots.
@@ -21,6 +24,7 @@ at retraction, or no device room within the admission's quota. Units: tokens and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +56,25 @@ class RetractionBackup:
         host: the host tier's component (``host_pool``): its host slots and copy engine.
         cache: a ``KVCache``-like holder (``cpu_tensor``): ``pools`` and ``set_pools``.
         pool_name: the device pool in ``cache.pools`` (``cpu_tensor``).
+        get_copy: ``get_copy(pool, device_slots) -> list of per-layer numpy [tokens, ...]``
+            (``cpu_tensor``; default the pool's ``get_cpu_copy``).
+        load_copy: ``load_copy(pool, copy, device_slots) -> new pool`` (``cpu_tensor``; default
+            the pool's ``load_cpu_copy``).
+
+    ``restored`` counts the requests restored (not recomputed), ``restored_tokens`` their tokens.
     """
 
-    def __init__(self, mode: str, page_size: int, *, host: Any = None, cache: Any = None, pool_name: str = "kv"):
+    def __init__(
+        self,
+        mode: str,
+        page_size: int,
+        *,
+        host: Any = None,
+        cache: Any = None,
+        pool_name: str = "kv",
+        get_copy: Callable[[Any, np.ndarray], list[np.ndarray]] | None = None,
+        load_copy: Callable[[Any, list[np.ndarray], np.ndarray], Any] | None = None,
+    ):
         if mode not in RETRACTION_BACKUPS:
             raise ValueError(f"decode_retraction_backup={mode!r}: use one of {', '.join(RETRACTION_BACKUPS)}")
         if mode == "host_pool" and host is None:
@@ -66,8 +86,12 @@ class RetractionBackup:
         self.host = host
         self.cache = cache
         self.pool_name = pool_name
+        self.get_copy = get_copy or (lambda pool, slots: pool.get_cpu_copy(slots))
+        self.load_copy = load_copy or (lambda pool, copy, slots: pool.load_cpu_copy(copy, slots))
         self._kept: dict[Any, RetractedKV] = {}
+        self._releasing: list[tuple[Any, np.ndarray]] = []  # (restore's load, its held host slots)
         self.backed_up = 0
+        self.restored = 0
         self.restored_tokens = 0
         self.fallbacks = 0
 
@@ -112,7 +136,7 @@ class RetractionBackup:
                 return False
             kept.host_slots = host_slots
         else:
-            kept.cpu_copy = self.cache.pools[self.pool_name].get_cpu_copy(device_slots)
+            kept.cpu_copy = self.get_copy(self.cache.pools[self.pool_name], device_slots)
         self._kept[key] = kept
         self.backed_up += 1
         return True
@@ -135,23 +159,42 @@ class RetractionBackup:
         if self.mode == "host_pool":
             assert kept.host_slots is not None
             engine = self.host.engine
+            load = None
             try:
                 ok = engine.poll(kept.handle, wait=True) is TransferStatus.DONE
                 if ok:
-                    engine.start_load(kept.host_slots[skip:], device_slots)
+                    load = engine.start_load(kept.host_slots[skip:], device_slots)
             except CopyError:
                 ok = False
-            self.host.free_held(kept.host_slots)  # a started load has read them
+            if load is not None and engine.poll(load) is TransferStatus.PENDING:
+                self._releasing.append((load, kept.host_slots))
+            else:
+                self.host.free_held(kept.host_slots)
         else:
             assert kept.cpu_copy is not None
             pool = self.cache.pools[self.pool_name]
-            new = pool.load_cpu_copy([c[skip:] for c in kept.cpu_copy], device_slots)
+            new = self.load_copy(pool, [c[skip:] for c in kept.cpu_copy], device_slots)
             self.cache.set_pools(self.cache.pools.replace(**{self.pool_name: new}))
         if ok:
+            self.restored += 1
             self.restored_tokens += kept.end - kept.start - skip
         else:
             self.fallbacks += 1
         return ok
+
+    def poll(self, wait: bool = False) -> int:
+        """Free the held host slots of restores whose loads landed (all, waiting, with ``wait``);
+        returns the host slots freed. The serving loop calls it at its polling step."""
+        still = []
+        freed = 0
+        for load, slots in self._releasing:
+            if self.host.engine.poll(load, wait) is TransferStatus.PENDING:
+                still.append((load, slots))
+                continue
+            self.host.free_held(slots)
+            freed += int(slots.size)
+        self._releasing = still
+        return freed
 
     def discard(self, key: Any) -> None:
         """Drop the backup of ``key`` (if any), returning its host slots."""

@@ -1,27 +1,50 @@
 """`PageTransferEngine`: asynchronous page copies between a device pool and its host pool.
 
-Device -> host (backup): the page gather kernel packs the node's pages of every layer into one
-buffer (dispatched, not awaited), whose copy to host memory starts at once
-(``copy_to_host_async``, or an output placed in ``pinned_host`` memory); ``poll`` stores the
-buffer into the host pool once it is ready. Host -> device (load): the host pages are read into a
-buffer, put on the device and scattered into the pool with the layers donated (in place); the new
-pools are stored in the holder at once, so the next step's reads depend on the scatter through
-jax's ordinary data dependencies and need no wait of their own (SGLang's per-layer
-``layer_done_counter`` wait). ``poll`` reports a load DONE once its arrays are ready.
+Two paths, by where the device pool lives:
 
-Page counts are padded to powers of two (padding reads the trash page and writes nowhere), so a
+* **Staged** (a device with its own memory, e.g. TPU; or a pool over several devices). Device ->
+  host (backup): the page gather kernel packs the node's pages of every layer into one buffer
+  (dispatched, not awaited), whose copy to host memory starts at once (``copy_to_host_async``, or
+  an output placed in ``pinned_host`` memory); once it is ready, ``poll`` hands its write into the
+  host pool to the engine's writer thread (the scheduler's thread never copies it; ``poll``
+  reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device
+  (load): the host pages are read by runs into one padded buffer, put on the device and scattered
+  into the pool by the scatter kernel, the layers donated (in place).
+* **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
+  full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
+  (``np.from_dlpack``; the view waits for pending writes to the layer and is dropped before the
+  call returns, so a later step can still donate the layer) and the pages are copied straight
+  into the host pool, by runs of consecutive pages: one copy of the bytes, done when
+  ``start_backup`` returns (``poll`` reports DONE). With ``pinned_host`` staging the gather runs
+  as on the staged path (its output in ``pinned_host`` memory). Load: each layer's host pages are
+  put on the device without a copy (``jax.device_put(..., may_alias=True)`` of a 64-byte aligned
+  host view: ``HostKVPool`` storage is aligned; pages that are one run of a ``layer_first`` pool
+  are read in place, others are first copied by runs into one aligned buffer) and scattered
+  layer by layer into the donated layers (per-layer buffers: the CPU backend's scatter from one
+  stacked buffer measured ~4x slower). The load's handle keeps the host views alive.
+
+Either way a load stores the new pools in the holder at once, so the next step's reads depend on
+the scatter through jax's ordinary data dependencies and need no wait of their own (SGLang's
+per-layer ``layer_done_counter`` wait); ``poll`` reports it DONE once its arrays are ready. **The
+host slots of a load must stay unchanged until it is DONE** (the direct path reads them in place;
+the tree keeps a loading chain locked, and the retraction backup frees its held slots only then).
+
+Page counts are padded to powers of two (padding reads the trash page, or host pages next to the
+run on the direct path, and writes nowhere: destinations on the trash page are dropped), so a
 handful of shapes compile. Slots must be whole pages in order (the tree's nodes are).
 
-``staging``: ``"pinned_host"`` places the gathered buffer in ``pinned_host`` memory (the
-backend must have it), ``"numpy"`` copies through ``device_get``; ``"auto"`` picks
-:data:`DEFAULT_STAGING`, chosen by ``benchmarks/host_tier.py`` (see ``docs/architecture.md``).
+``staging``: ``"pinned_host"`` places the gathered buffer (backup) and the host buffer (direct
+load) in ``pinned_host`` memory (the backend must have it), ``"numpy"`` copies through numpy
+(``device_get``, or the direct copies above); ``"auto"`` picks :func:`default_staging`, chosen by
+``benchmarks/host_tier.py`` (see ``docs/architecture.md``).
 """
 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +53,22 @@ import numpy as np
 from kvjax.errors import InvalidSlotError
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.device_pages import page_layers, with_page_layers
-from kvjax.tiers.host_pool import HostKVPool
+from kvjax.tiers.host_pool import HostKVPool, aligned_empty
+from kvjax.tiers.page_runs import copy_pages, page_runs
 from pallas_kernels.page_gather import PINNED_HOST, gather_pages, has_memory_kind, scatter_pages
 
-DEFAULT_STAGING = "pinned_host"
+#: The staging ``"auto"`` picks, by platform, measured by ``benchmarks/host_tier.py`` (figures in
+#: ``docs/architecture.md``): on the CPU backend the direct ``numpy`` copies (one copy of the bytes
+#: each way) beat the ``pinned_host`` gather. Other platforms (TPU: not measurable on the machine
+#: this was tuned on) get :data:`OTHER_PLATFORMS_STAGING`, their DMA path.
+DEFAULT_STAGING = {"cpu": "numpy"}
+OTHER_PLATFORMS_STAGING = "pinned_host"
 STAGINGS = ("auto", "pinned_host", "numpy")
+
+
+def default_staging(platform: str) -> str:
+    """The staging ``"auto"`` resolves to on ``platform`` (see :data:`DEFAULT_STAGING`)."""
+    return DEFAULT_STAGING.get(platform, OTHER_PLATFORMS_STAGING)
 
 
 def _bucket(n: int) -> int:
@@ -69,6 +103,38 @@ def _scatter(layers: tuple[jax.Array, ...], buffer: jax.Array, pages: jax.Array)
     return scatter_pages(layers, buffer, pages)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_each(
+    layers: tuple[jax.Array, ...], buffers: tuple[jax.Array, ...], pages: jax.Array
+) -> tuple[jax.Array, ...]:
+    """The direct path's scatter: ``layers[l][pages[i]] = buffers[l][i]``, one buffer per layer,
+    destinations on the trash page or out of range dropped (``scatter_pages``' semantics; the
+    CPU backend runs its jnp reference, so no kernel is bypassed)."""
+    num_pages = layers[0].shape[0]
+    dst = jnp.where((pages >= 1) & (pages < num_pages), pages, num_pages)  # out of bounds: dropped
+    return tuple(x.at[dst].set(b, mode="drop") for x, b in zip(layers, buffers, strict=True))
+
+
+def pages_to_numpy(layers: tuple[jax.Array, ...], pages: np.ndarray) -> np.ndarray:
+    """The layer-first numpy copy ``[L, n, page_size, ...]`` of device ``pages`` of every layer
+    (the gather, padded to a power of two, then ``device_get``): O(pages), never O(pool)."""
+    pages = np.asarray(pages, np.int32)
+    padded = np.zeros(_bucket(pages.size), np.int32)  # padding reads the trash page
+    padded[: pages.size] = pages
+    return np.asarray(jax.device_get(_gather(layers, jnp.asarray(padded))))[:, : pages.size]
+
+
+def pages_from_numpy(layers: tuple[jax.Array, ...], buffer: np.ndarray, pages: np.ndarray) -> tuple[jax.Array, ...]:
+    """Write a :func:`pages_to_numpy` buffer into device ``pages``; ``layers`` are donated (in place)."""
+    pages = np.asarray(pages, np.int32)
+    n = _bucket(pages.size)
+    dst = np.zeros(n, np.int32)  # padding goes to the trash page, which the scatter drops
+    dst[: pages.size] = pages
+    data = np.zeros((buffer.shape[0], n, *buffer.shape[2:]), buffer.dtype)
+    data[:, : pages.size] = buffer
+    return _scatter(layers, jnp.asarray(data, layers[0].dtype), jnp.asarray(dst))
+
+
 @dataclass
 class _Backup:
     buffer: Any
@@ -76,27 +142,45 @@ class _Backup:
     num_pages: int
     status: TransferStatus = TransferStatus.PENDING
     cancelled: bool = False
+    landing: Future[TransferStatus] | None = None  # the host write, on the engine's writer thread
 
 
 @dataclass
 class _Load:
     arrays: tuple[Any, ...]  # the scattered layers (``jax.Array``; ``is_ready`` is not in its stubs)
+    sources: tuple[Any, ...] = ()  # the host buffers put on the device (may alias host memory)
     status: TransferStatus = TransferStatus.PENDING
 
 
 def device_pages(slots: Any, page_size: int, num_slots: int) -> np.ndarray:
     """Pages of device ``slots`` (whole pages in order, none on the trash page), else InvalidSlotError."""
-    idx = np.asarray(slots, dtype=np.int64).ravel()
+    idx = np.asarray(slots).ravel()
     if idx.size % page_size:
         raise InvalidSlotError(f"device slots: {idx.size} ids are not whole pages of {page_size}")
-    if ((idx < page_size) | (idx >= num_slots)).any():
-        raise InvalidSlotError(f"device slots out of the allocatable range [{page_size}, {num_slots})")
     rows = idx.reshape(-1, page_size)
-    if page_size > 1 and (
-        (rows % page_size != np.arange(page_size)).any() or (rows // page_size != rows[:, :1] // page_size).any()
-    ):
+    pages = rows[:, 0].astype(np.int64) // page_size
+    # Whole pages in order, and every page in [1, pages): then every slot is in range.
+    if pages.size and (pages.min() < 1 or pages.max() * page_size >= num_slots):
+        raise InvalidSlotError(f"device slots out of the allocatable range [{page_size}, {num_slots})")
+    if page_size > 1 and not np.array_equal(rows, pages[:, None] * page_size + np.arange(page_size)):
         raise InvalidSlotError(f"device slots are not whole pages of {page_size} in order")
-    return (rows[:, 0] // page_size).astype(np.int32)
+    return pages.astype(np.int32)
+
+
+def _platform(devices: Any) -> str:
+    """The platform of a sharding's devices (``"cpu"``, ``"tpu"``, ...)."""
+    return str(next(iter(devices)).platform)
+
+
+def _is_direct(layers: tuple[jax.Array, ...]) -> bool:
+    """One CPU device and a numpy-native dtype: the layers' memory can be viewed from numpy."""
+    devices = layers[0].sharding.device_set
+    return (
+        len(devices) == 1
+        and _platform(devices) == "cpu"
+        and np.dtype(layers[0].dtype).isbuiltin == 1
+        and layers[0].sharding.memory_kind in (None, "device", "unpinned_host")
+    )
 
 
 class PageTransferEngine:
@@ -108,9 +192,19 @@ class PageTransferEngine:
         host_pool: the host pool (its page row must equal the device pool's).
         pool_name: the device pool in ``holder.pools`` (``"kv"``).
         staging: see the module docstring.
+        direct: the direct path (module docstring); ``None``: wherever it applies (one CPU device,
+            a numpy dtype); ``False`` forces the staged path (its tests run on CPU).
     """
 
-    def __init__(self, holder: Any, host_pool: HostKVPool, pool_name: str = "kv", staging: str = "auto") -> None:
+    def __init__(
+        self,
+        holder: Any,
+        host_pool: HostKVPool,
+        pool_name: str = "kv",
+        staging: str = "auto",
+        *,
+        direct: bool | None = None,
+    ) -> None:
         if staging not in STAGINGS:
             raise ValueError(f"staging={staging!r}: use one of {', '.join(STAGINGS)}")
         self.holder = holder
@@ -123,21 +217,35 @@ class PageTransferEngine:
                 f"host pool rows {host_pool.num_layers} x {host_pool.page_row} do not match the device pool's "
                 f"{len(layers)} x {row}"
             )
+        devices = layers[0].sharding.device_set
         if staging == "auto":
-            staging = DEFAULT_STAGING
-        if staging == "pinned_host" and not all(has_memory_kind(d) for d in layers[0].sharding.device_set):
+            staging = default_staging(_platform(devices))
+        if staging == "pinned_host" and not all(has_memory_kind(d) for d in devices):
             staging = "numpy"
+        can_direct = _is_direct(layers)
+        if direct and not can_direct:
+            raise ValueError("direct=True: the direct path needs the pool on one CPU device in a numpy dtype")
         self.staging = staging
+        self.direct = can_direct if direct is None else bool(direct)
         self.page_size = row[0]
         self.num_slots = layers[0].shape[0] * self.page_size
         self.dtype = layers[0].dtype
+        self._write_thread: ThreadPoolExecutor | None = None
 
     def _layers(self) -> tuple[jax.Array, ...]:
         return page_layers(self.holder.pools[self.pool_name])
 
     def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _Backup:
         pages = device_pages(device_slots, self.page_size, self.num_slots)
-        self.host_pool.pages_of(host_slots)  # validates before anything starts
+        host_pages = self.host_pool.pages_of(host_slots)  # validates before anything starts
+        if self.direct and self.staging == "numpy":
+            handle = _Backup(None, np.asarray(host_slots).copy(), pages.size)
+            try:
+                self._copy_to_host(pages, host_pages)
+                handle.status = TransferStatus.DONE
+            except Exception:  # a backup that did not land: the tree falls back to recompute
+                handle.status = TransferStatus.FAILED
+            return handle
         padded = np.zeros(_bucket(pages.size), np.int32)
         padded[: pages.size] = pages
         layers = self._layers()
@@ -149,24 +257,64 @@ class PageTransferEngine:
             buf.copy_to_host_async()
         return _Backup(buf, np.asarray(host_slots).copy(), pages.size)
 
+    def _copy_to_host(self, pages: np.ndarray, host_pages: np.ndarray) -> None:
+        """The direct backup: each layer's pages copied by runs from a zero-copy view into the host pool."""
+        host = self.host_pool
+        runs = page_runs(pages, host_pages)
+        for layer, array in enumerate(self._layers()):
+            view = np.from_dlpack(cast(Any, array))  # waits for pending writes; dropped before any donation
+            copy_pages(
+                host.layout.layer_view(host.storage, layer), host_pages, view.view(host.store_dtype), pages, runs
+            )
+            del view
+
     def start_load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> _Load:
         try:
             pages = device_pages(device_slots, self.page_size, self.num_slots)
-            data = self.host_pool.read_pages(host_slots, self.dtype)
+            host_pages = self.host_pool.pages_of(host_slots)
         except InvalidSlotError as e:
             raise CopyError(f"load cannot start: {e}") from e
+        if self.direct:
+            return self._load_direct(host_slots, host_pages, pages)
+        host = self.host_pool
         n = _bucket(pages.size)
         dst = np.zeros(n, np.int32)  # padding goes to the trash page, which the scatter drops
         dst[: pages.size] = pages
-        if n != pages.size:
-            data = np.concatenate([data, np.zeros((data.shape[0], n - pages.size, *data.shape[2:]), data.dtype)], 1)
+        data = host.read_pages(host_slots, self.dtype, out=aligned_empty(host.buffer_shape(n), host.store_dtype))
         pools = self.holder.pools
         pool = pools[self.pool_name]
-        new_layers = _scatter(
-            page_layers(pool), jax.device_put(data), jnp.asarray(dst)
-        )  # device_put: ~2x jnp.asarray here
+        new_layers = _scatter(page_layers(pool), jax.device_put(data), jnp.asarray(dst))
         self.holder.set_pools(pools.replace(**{self.pool_name: with_page_layers(pool, new_layers)}))
         return _Load(new_layers)
+
+    def _load_direct(self, host_slots: np.ndarray, host_pages: np.ndarray, pages: np.ndarray) -> _Load:
+        """The direct load: per-layer host views put on the device without a copy, then scattered."""
+        host = self.host_pool
+        n = pages.size
+        bucket = _bucket(n)
+        dst = np.zeros(bucket, np.int32)  # padding goes to the trash page, which the scatter drops
+        one_run = n > 0 and host_pages[-1] - host_pages[0] == n - 1 and np.all(np.diff(host_pages) == 1)
+        if one_run and host.layout.name == "layer_first" and bucket <= host.num_pages:
+            # Read the run in place: a window of ``bucket`` host pages around it (the pages next
+            # to the run are read and dropped).
+            first = min(int(host_pages[0]), host.num_pages - bucket)
+            offset = int(host_pages[0]) - first
+            dst[offset : offset + n] = pages
+            sources = [host.storage[layer, first : first + bucket] for layer in range(host.num_layers)]
+        else:
+            dst[:n] = pages
+            staged = host.read_pages(host_slots, out=aligned_empty(host.buffer_shape(bucket), host.store_dtype))
+            sources = list(staged)
+        pools = self.holder.pools
+        pool = pools[self.pool_name]
+        layers = page_layers(pool)
+        sharding = layers[0].sharding
+        if self.staging == "pinned_host":
+            sharding = sharding.with_memory_kind(PINNED_HOST)
+        buffers = tuple(jax.device_put(src.view(self.dtype), sharding, may_alias=True) for src in sources)
+        new_layers = _scatter_each(layers, buffers, jnp.asarray(dst))
+        self.holder.set_pools(pools.replace(**{self.pool_name: with_page_layers(pool, new_layers)}))
+        return _Load(new_layers, buffers)
 
     def poll(self, handle: Any, wait: bool = False) -> TransferStatus:
         if handle.status is not TransferStatus.PENDING:
@@ -181,19 +329,39 @@ class PageTransferEngine:
                 return TransferStatus.PENDING
             handle.status = TransferStatus.DONE
             handle.arrays = ()
+            handle.sources = ()
             return handle.status
-        if not wait and not handle.buffer.is_ready():
+        if handle.landing is None:
+            if not wait and not handle.buffer.is_ready():
+                return TransferStatus.PENDING
+            handle.landing = self._writer().submit(self._land, handle)
+        if not wait and not handle.landing.done():
             return TransferStatus.PENDING
+        handle.status = handle.landing.result()
+        handle.landing = None
+        return handle.status
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The thread that writes staged backups into the host pool, off the scheduler's thread
+        (numpy copies release the GIL), one at a time in the order they were ready."""
+        if self._write_thread is None:
+            self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-host-write")
+        return self._write_thread
+
+    def _land(self, handle: _Backup) -> TransferStatus:
+        """Store a staged backup's buffer into the host pool (on the writer thread)."""
         try:
             data = np.asarray(handle.buffer)[:, : handle.num_pages]
             if not handle.cancelled:
                 self.host_pool.write_pages(handle.host_slots, data)
-            handle.status = TransferStatus.DONE
+            status = TransferStatus.DONE
         except Exception:  # a backup that did not land: the tree falls back to recompute
-            handle.status = TransferStatus.FAILED
+            status = TransferStatus.FAILED
         handle.buffer = None
-        return handle.status
+        return status
 
     def cancel(self, handle: Any) -> None:
         if isinstance(handle, _Backup):
             handle.cancelled = True
+            if handle.landing is not None:
+                handle.landing.result()  # a write already under way lands before the slots are reused

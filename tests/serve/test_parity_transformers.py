@@ -126,7 +126,12 @@ def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def _serve(
-    model: LoadedModel, *, page_size: int, max_total_tokens: int, enable_hierarchical_cache: bool = False
+    model: LoadedModel,
+    *,
+    page_size: int,
+    max_total_tokens: int,
+    enable_hierarchical_cache: bool = False,
+    retraction_backup: str | None = None,
 ) -> tuple[Scheduler, dict[str, ServingReq]]:
     """The two rounds of the module docstring on one cache; requests by name."""
     cache = build_kv_cache(
@@ -138,6 +143,7 @@ def _serve(
             context_length=124,
             chunked_prefill_size=CHUNK,
             enable_hierarchical_cache=enable_hierarchical_cache,
+            disaggregation_decode_retraction_backup=retraction_backup,
         ),
     )
     sched = Scheduler(
@@ -194,4 +200,13 @@ def test_page_1_small_pool_with_the_host_tier(family):
     _, hf, model = family
     sched, done = _serve(model, page_size=1, max_total_tokens=64, enable_hierarchical_cache=True)
     assert sched.stats.evicted_tokens > 0 and sched.cache.host_pool is not None
+    _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_page_1_small_pool_restoring_retracted_requests_from_cpu_tensor_copies(family):
+    _, hf, model = family
+    sched, done = _serve(model, page_size=1, max_total_tokens=64, retraction_backup="cpu_tensor")
+    [ext] = sched.extensions
+    assert sched.stats.retractions > 0 and ext.retraction.restored > 0, "retracted requests should be restored"
     _assert_matches_transformers(hf, done)

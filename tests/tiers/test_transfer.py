@@ -21,8 +21,8 @@ class Holder:
         self.pools = pools
 
 
-def _filled_pool(page_size=2, pages=6, layers=2):
-    pool = MHAKVPool.create(num_pages=pages, page_size=page_size, num_layers=layers, num_kv_heads=1, head_dim=4)
+def _filled_pool(page_size=2, pages=6, layers=2, head_dim=4):
+    pool = MHAKVPool.create(num_pages=pages, page_size=page_size, num_layers=layers, num_kv_heads=1, head_dim=head_dim)
     kv = tuple(
         jnp.arange(np.prod(a.shape), dtype=jnp.uint32).reshape(a.shape).astype(a.dtype) + 1000 * i
         for i, a in enumerate(pool.kv)
@@ -30,14 +30,16 @@ def _filled_pool(page_size=2, pages=6, layers=2):
     return pool.replace(kv=kv)
 
 
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("staging", ["numpy", "pinned_host"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_backup_then_load_restores_the_pages(staging, layout):
+def test_backup_then_load_restores_the_pages(staging, layout, direct):
     pool = _filled_pool()
-    original = [np.asarray(a) for a in pool.kv]
+    original = [np.array(a) for a in pool.kv]
     holder = Holder(CachePools(kv=pool))
     host = HostKVPool.for_device_layers(pool.kv, 8, layout)
-    engine = PageTransferEngine(holder, host, staging=staging)
+    engine = PageTransferEngine(holder, host, staging=staging, direct=direct)
+    assert engine.direct is (direct is None)  # one CPU device: the direct path applies
     src = np.array([2, 3, 8, 9, 10, 11])  # pages 1, 4, 5
     hslots = host.allocator.alloc(6)
     h = engine.start_backup(src, hslots)
@@ -99,3 +101,78 @@ def test_mla_latent_pages_round_trip_through_the_host_pool():
     for layer in range(2):
         np.testing.assert_array_equal(after[layer][3:5], before[layer][1:3])
         np.testing.assert_array_equal(after[layer][1:3], before[layer][1:3])
+
+
+def _host_with_pages(pool, num_pages):
+    """A host pool whose page ``p`` of layer ``l`` holds ``100 * l + p`` everywhere."""
+    host = HostKVPool.for_device_layers(pool.kv, num_pages * pool.page_size)
+    host.allocator.alloc(host.size)
+    for layer in range(host.num_layers):
+        host.layout.layer_view(host.storage, layer)[:] = (100 * layer + np.arange(num_pages))[:, None, None, None]
+    return host
+
+
+@pytest.mark.parametrize("host_pages", [[5, 6, 7], [7, 5, 6], [1, 2, 3]], ids=["run_at_end", "two_runs", "run"])
+def test_direct_load_reads_host_runs_in_place_and_drops_the_padding(host_pages):
+    pool = _filled_pool(pages=8, head_dim=8)  # 64-byte pages: every host page is aligned
+    holder = Holder(CachePools(kv=pool))
+    before = [np.array(a) for a in pool.kv]
+    host = _host_with_pages(pool, 8)
+    engine = PageTransferEngine(holder, host)
+    hslots = np.concatenate([[2 * p, 2 * p + 1] for p in host_pages])
+    handle = engine.start_load(hslots, np.array([6, 7, 2, 3, 10, 11]))  # device pages 3, 1, 5
+    one_run = host_pages == sorted(host_pages)
+    # a single run is put on the device without a copy: the handle keeps the host view alive
+    assert all(np.shares_memory(np.asarray(b), host.storage) for b in handle.sources) is one_run
+    assert engine.poll(handle, wait=True) is TransferStatus.DONE and handle.sources == ()
+    after = [np.asarray(a) for a in holder.pools.kv.kv]
+    for layer in range(2):
+        for device_page, host_page in zip([3, 1, 5], host_pages, strict=True):
+            assert (after[layer][device_page] == 100 * layer + host_page).all()
+        for untouched in (0, 2, 4, 6, 7):  # the trash page and pages outside the load
+            np.testing.assert_array_equal(after[layer][untouched], before[layer][untouched])
+
+
+def test_direct_backup_copies_at_once_and_leaves_the_layers_donatable():
+    pool = _filled_pool()
+    before = [np.array(a) for a in pool.kv]
+    holder = Holder(CachePools(kv=pool))
+    host = HostKVPool.for_device_layers(pool.kv, 8)
+    engine = PageTransferEngine(holder, host)
+    hslots = host.allocator.alloc(4)
+    handle = engine.start_backup(np.array([8, 9, 2, 3]), hslots)  # pages 4, 1
+    assert handle.status is TransferStatus.DONE  # one copy, done when it returns
+    np.testing.assert_array_equal(host.read_pages(hslots)[1], np.stack([before[1][4], before[1][1]]))
+    layers = holder.pools.kv.kv
+    jax.jit(lambda x: tuple(a + 1 for a in x), donate_argnums=0)(layers)
+    assert all(a.is_deleted() for a in layers)  # no view of the layers outlived the backup
+
+
+def test_direct_path_is_refused_where_it_does_not_apply():
+    pool = MHAKVPool.create(num_pages=4, page_size=2, num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32")
+    holder = Holder(CachePools(kv=pool.replace(kv=tuple(a.astype(jnp.bfloat16) for a in pool.kv))))
+    host = HostKVPool.for_device_layers(holder.pools.kv.kv, 4)
+    assert not PageTransferEngine(holder, host).direct  # bf16 has no numpy view: the staged path
+    with pytest.raises(ValueError, match="direct=True"):
+        PageTransferEngine(holder, host, direct=True)
+
+
+def test_staged_backups_land_on_the_writer_thread_and_a_cancelled_one_never_lands():
+    import threading
+
+    pool = _filled_pool()
+    holder = Holder(CachePools(kv=pool))
+    host = HostKVPool.for_device_layers(pool.kv, 8)
+    engine = PageTransferEngine(holder, host, staging="numpy", direct=False)
+    writers = []
+    write_pages = host.write_pages
+    host.write_pages = lambda *a: (writers.append(threading.current_thread().name), write_pages(*a))[1]
+    slots = host.allocator.alloc(4)
+    cancelled = engine.start_backup(np.array([2, 3, 4, 5]), slots)
+    engine.cancel(cancelled)
+    assert engine.poll(cancelled, wait=True) is TransferStatus.DONE and writers == []
+    assert not host.storage.any()  # nothing landed
+    handle = engine.start_backup(np.array([2, 3, 4, 5]), slots)
+    assert engine.poll(handle, wait=True) is TransferStatus.DONE
+    assert writers and writers[0].startswith("kvjax-host-write")  # off the caller's thread
+    np.testing.assert_array_equal(host.read_pages(slots)[0], np.asarray(pool.kv[0])[1:3])

@@ -1,0 +1,140 @@
+"""`RetractionBackupExtension`: the decode retraction backup in the serving loop (a ``ServingExtension``).
+
+A request retracted during decode (the scheduler's ``_retract``: no room for the running batch's
+next tokens) has its KV ``[0, kv_len)`` copied aside before its slots are freed
+(``before_release``); when it is admitted again (``after_admit``, after the tree match and any
+host load-back), the part past its new tree prefix is copied into fresh pages within the batch's
+quota and ``req.kv_committed_len`` is set to the old ``kv_len``, so its prefill starts there
+instead of recomputing it. The copy is :class:`~kvjax.tiers.retraction_backup.RetractionBackup`,
+in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
+
+* ``cpu_tensor`` (this module builds it, :func:`retraction_extensions`): the pages of every layer
+  copied to numpy (the page gather, then ``device_get``) and written back by the page scatter
+  with the pool donated (in place, O(pages)). Attached when the plan resolves ``cpu_tensor`` and
+  the backup is active (``plan.decode_retraction_active``: a decode server, or the backup set
+  explicitly; SGLang re-prefills retracted requests outside decode mode), for pools the page
+  kernels copy (MHA, MLA) without recurrent state; otherwise retracted requests are recomputed.
+* ``host_pool``: the host tier's extension (``host_tier.py``) owns one of these over the host
+  tier's pool, so the restore logic lives here once.
+
+Fallbacks recompute: no backup (failed copy, full host pool), a tree prefix at re-admission
+other than the one the backup covers, or no device room within the quota now (the backup is
+kept for a later admission). Units: tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvjax.serve.extension import ServingExtension
+from kvjax.tiers.retraction_backup import RetractionBackup
+
+if TYPE_CHECKING:
+    from kvjax.build import KVCache
+    from kvjax.serve.serving_req import ServingReq
+
+
+def _page_copy(pool: Any, slots: np.ndarray) -> list[np.ndarray]:
+    """``cpu_tensor`` backup: per-layer numpy copies ``[tokens, ...]`` of whole-page ``slots``."""
+    from kvjax.tiers.device_pages import page_layers
+    from kvjax.tiers.transfer import device_pages, pages_to_numpy
+
+    layers = page_layers(pool)
+    page_size = layers[0].shape[1]
+    pages = device_pages(slots, page_size, layers[0].shape[0] * page_size)
+    return [np.ascontiguousarray(b.reshape(-1, *b.shape[2:])) for b in pages_to_numpy(layers, pages)]
+
+
+def _page_load(pool: Any, copy: list[np.ndarray], slots: np.ndarray) -> Any:
+    """``cpu_tensor`` restore: write :func:`_page_copy`'s copies into whole-page ``slots`` (in place)."""
+    from kvjax.tiers.device_pages import page_layers, with_page_layers
+    from kvjax.tiers.transfer import device_pages, pages_from_numpy
+
+    layers = page_layers(pool)
+    page_size = layers[0].shape[1]
+    pages = device_pages(slots, page_size, layers[0].shape[0] * page_size)
+    buffer = np.stack([c.reshape(pages.size, page_size, *c.shape[1:]) for c in copy])
+    return with_page_layers(pool, pages_from_numpy(layers, buffer, pages))
+
+
+def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:
+    """A ``cpu_tensor`` :class:`RetractionBackup` of ``cache``'s ``"kv"`` pool through the page kernels."""
+    page_size = cache.token_to_kv_pool_allocator.page_size
+    return RetractionBackup("cpu_tensor", page_size, cache=cache, get_copy=_page_copy, load_copy=_page_load)
+
+
+class RetractionBackupExtension(ServingExtension):
+    """See the module docstring. ``retraction``: the backups (its ``restored``, ``restored_tokens``,
+    ``backed_up`` and ``fallbacks`` count what happened)."""
+
+    def __init__(self, cache: KVCache, retraction: RetractionBackup | None = None) -> None:
+        self.cache = cache
+        self.retraction = cpu_tensor_backup(cache) if retraction is None else retraction
+        self.scheduler: Any = None
+
+    def attach(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def poll(self) -> None:
+        self.retraction.poll()
+
+    def after_admit(self, req: ServingReq) -> None:
+        if req.rid in self.retraction:
+            self._restore(req)
+
+    def before_release(self, req: ServingReq, finished: bool) -> None:
+        if finished or req.req_pool_idx is None:
+            self.retraction.discard(req.rid)
+            return
+        end = req.kv_len()
+        row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.retraction.backup(req.rid, row[:end], 0, end)
+
+    def _restore(self, req: ServingReq) -> None:
+        """Bring a retracted request's own KV back when its tree prefix is the one it had."""
+        retraction = self.retraction
+        kept = retraction.peek(req.rid)
+        assert kept is not None
+        prefix = req.cache_protected_len
+        if prefix >= kept.end or kept.end > req.seqlen() - 1 or req.req_pool_idx is None:
+            retraction.discard(req.rid)  # the tree holds it all now, or the request changed
+            return
+        alloc = self.cache.token_to_kv_pool_allocator
+        tree = self.cache.tree_cache
+        ps = alloc.page_size
+        need = retraction.pages_from(req.rid, prefix) * ps
+        reserved = self.scheduler.reserved_tokens if self.scheduler is not None else 0
+        rest = (-(-(req.seqlen() - kept.end) // ps) + 1) * ps
+        slots = None
+        if need <= alloc.available_size() + tree.evictable_size() - reserved - rest:
+            if alloc.available_size() < need:
+                tree.evict(need - alloc.available_size())
+            slots = alloc.alloc(need)
+        if slots is None:
+            # No room now: keep the backup for a later admission (this one will likely not fit
+            # either; if it does, the request recomputes and its release replaces the backup).
+            return
+        if not retraction.restore(req.rid, slots, prefix):
+            alloc.free(slots)
+            return
+        self.cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: kept.end - prefix])
+        req.kv_committed_len = kept.end
+
+
+def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
+    """The ``cpu_tensor`` retraction extension where the plan asks for it and the pool allows it
+    (see the module docstring), else none (``host_pool`` comes with the host tier's extension)."""
+    plan = cache.plan
+    if plan.decode_retraction_backup != "cpu_tensor" or not plan.decode_retraction_active:
+        return []
+    if "recurrent" in cache.pools or "kv" not in cache.pools:
+        return []
+    from kvjax.tiers.device_pages import page_layers
+
+    try:
+        page_layers(cache.pools["kv"])
+    except NotImplementedError:
+        return []
+    return [RetractionBackupExtension(cache)]
