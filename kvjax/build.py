@@ -28,6 +28,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
+from kvjax.plan.pool_plans import SWA_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
@@ -59,6 +60,7 @@ class KVCache:
         "_pools_structure",
         "draft_host_pool",
         "host_pool",
+        "swa_host_pool",
         "plan",
         "req_to_token_pool",
         "token_to_kv_pool_allocator",
@@ -75,11 +77,15 @@ class KVCache:
         tree_cache: TreeCacheProtocol,
         host_pool: Any = None,
         draft_host_pool: Any = None,
+        swa_host_pool: Any = None,
     ) -> None:
         self.plan = plan
         self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
         # The draft model's host pool, host slots one to one with host_pool's (None without one).
         self.draft_host_pool = draft_host_pool
+        # A hybrid-SWA cache's second host pool (the sliding layers), host slots one to one with
+        # host_pool's (the full layers); None otherwise.
+        self.swa_host_pool = swa_host_pool
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         self._pools = pools
@@ -118,6 +124,7 @@ class KVCache:
             tree_cache=self.tree_cache,
             host_pool=self.host_pool,
             draft_host_pool=self.draft_host_pool,
+            swa_host_pool=self.swa_host_pool,
         )
 
     def _check_same_structure(self, pools: Any, what: str) -> None:
@@ -268,6 +275,7 @@ def build_kv_cache(
         tree_cache=tree_cache,
         host_pool=host_pool,
         draft_host_pool=host_pools.get(DRAFT_HOST_POOL_NAME),
+        swa_host_pool=host_pools.get(SWA_HOST_POOL_NAME),
     )
     if host_pool is not None:
         attach_host_transfers(cache)
@@ -286,8 +294,16 @@ def attach_host_transfers(cache: KVCache) -> None:
 
     tree = cache.tree_cache
     if isinstance(tree, HiRadixCache):
-        device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
-        engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+        engine: Any
+        if cache.swa_host_pool is not None:
+            from kvjax.tiers.swa_transfer import SWAPageTransferEngine
+
+            engine = SWAPageTransferEngine(
+                cache, cache.host_pool, cache.swa_host_pool, cache.token_to_kv_pool_allocator, pool_name="swa"
+            )
+        else:
+            device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
+            engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
         tree.host.engine = with_draft_transfers(engine, cache, cache.draft_host_pool)
 
 

@@ -60,17 +60,25 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
         )
     )
     if host.host_pool_tokens and pools[0].memory == "device" and pools[0].layer_ids:
-        pools.append(_host_tier_pool(target, sizes, host.host_pool_tokens))
+        if kind.is_hybrid_swa and sizes.stage.full and sizes.stage.swa:
+            # SGLang builds one host pool per device pool; host slot ids are shared (one to one).
+            pools.append(_host_tier_pool(target, sizes, host.host_pool_tokens, "host_kv", sizes.stage.full))
+            pools.append(_host_tier_pool(target, sizes, host.host_pool_tokens, SWA_HOST_POOL_NAME, sizes.stage.swa))
+        else:
+            layer_ids = tuple(sorted(sizes.stage.full + sizes.stage.swa))
+            pools.append(_host_tier_pool(target, sizes, host.host_pool_tokens, "host_kv", layer_ids))
     return tuple(pools)
 
 
-def _host_tier_pool(target: Target, sizes: Sizes, host_tokens: int) -> PoolPlan:
-    """The host KV tier: the attention layout over every KV layer of the stage, in host memory."""
-    layer_ids = tuple(sorted(sizes.stage.full + sizes.stage.swa))
+SWA_HOST_POOL_NAME = "host_kv_swa"
+
+
+def _host_tier_pool(target: Target, sizes: Sizes, host_tokens: int, name: str, layer_ids: tuple[int, ...]) -> PoolPlan:
+    """A host KV pool: the attention layout over ``layer_ids`` in host memory."""
     num_pages = host_tokens // sizes.alloc_page_size - 1
     attention = target.attention
     if isinstance(attention, MLALayout):
         device = attention.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=False)[0]
     else:
-        device = attention.pool_plan("host_kv", "host_tier", num_pages=num_pages, layer_ids=layer_ids)
-    return dataclasses.replace(device, name="host_kv", kind="host_tier", memory="host", built=is_built("host_tier"))
+        device = attention.pool_plan(name, "host_tier", num_pages=num_pages, layer_ids=layer_ids)
+    return dataclasses.replace(device, name=name, kind="host_tier", memory="host", built=is_built("host_tier"))

@@ -13,6 +13,7 @@ from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
 from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.hiswa_radix_cache import HiSWARadixCache
 from kvjax.radix.host_component import HostTierComponent
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.lock import LockError, LockReceipt
@@ -20,6 +21,7 @@ from kvjax.radix.mamba_component import MambaComponent, MambaMatch
 from kvjax.radix.mamba_radix_cache import MambaEvictResult, MambaInsertResult, MambaRadixCache
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
+from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
 from kvjax.radix.stats import CacheStats
@@ -40,6 +42,7 @@ __all__ = [
     "EvictionPolicy",
     "FullKVComponent",
     "HiRadixCache",
+    "HiSWARadixCache",
     "HostTierComponent",
     "InsertResult",
     "LockError",
@@ -58,6 +61,7 @@ __all__ = [
     "SWAComponent",
     "SWAInsertPayload",
     "SWALockPart",
+    "PureSWARadixCache",
     "SWARadixCache",
     "TREE_CACHE_KINDS",
     "TreeComponent",

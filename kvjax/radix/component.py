@@ -37,6 +37,7 @@ hook                                   when
                                         copy is freed), or ``node`` is a childless host-only
                                         node; True keeps it in the tree host-only
 ``on_demote(node)``                     ``node``'s device copy was freed; it stays host-only
+                                        (free device data, return units freed)
 ``on_delete(node)``                     ``node`` leaves the tree; free this component's data
                                         on it, return the units freed (counted as cascade)
 ``on_reset()``                          the tree was cleared: free everything
@@ -178,8 +179,10 @@ class TreeComponent:
         """Whether ``node`` should stay in the tree without its device copy (host tier)."""
         return False
 
-    def on_demote(self, node: TreeNode) -> None:
-        """``node``'s device slots were freed; it stays in the tree host-only."""
+    def on_demote(self, node: TreeNode) -> int:
+        """``node``'s device slots were freed; it stays in the tree host-only. Free this
+        component's device data on it; returns units freed (counted as cascade)."""
+        return 0
 
     def on_delete(self, node: TreeNode) -> int:
         """``node`` is leaving the tree: free this component's data on it; returns units freed."""
@@ -237,7 +240,7 @@ class FullKVComponent(TreeComponent):
             self.allocator.free(arr)
 
     def sizes(self) -> ComponentSizes:
-        return ComponentSizes(self.tree.evictable_size(), self.tree.protected_size())
+        return ComponentSizes(self.tree.evictable_size("full"), self.tree.protected_size("full"))
 
     def check_invariants(self) -> None:
         self.tree.check_full_invariants()

@@ -92,7 +92,7 @@ class HiRadixCache(RadixCache):
         )
         super().__init__(
             page_size,
-            eviction_policy,
+            eviction_policy=eviction_policy,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
             components=(self.host, *kwargs.pop("components", ())),

@@ -147,6 +147,14 @@ class HostTierComponent(TreeComponent):
         self.held_tokens = 0  # host slots held outside the tree (retraction backups)
         # Called with each node whose host copy just landed (a storage tier backs it up).
         self.on_backup_landed: Callable[[TreeNode], None] | None = None
+        # Hooks of a tree whose other components keep device state the host copy carries (the
+        # SWA component): ``on_backup(node)`` when a backup of ``node`` starts (what the copy
+        # holds is decided now); ``before_load(chain, slots)`` once a load-back's device slots
+        # are allocated, before the copy starts; ``after_revive(chain)`` once the chain is
+        # device-resident, before the load locks it.
+        self.on_backup: Callable[[TreeNode], None] | None = None
+        self.before_load: Callable[[list[TreeNode], np.ndarray], None] | None = None
+        self.after_revive: Callable[[list[TreeNode]], None] | None = None
 
     def attach(self, tree: Any) -> None:
         super().attach(tree)
@@ -235,6 +243,8 @@ class HostTierComponent(TreeComponent):
             self.host_allocator.free(slots)
             self.failed_backups += 1
             return False
+        if self.on_backup is not None:
+            self.on_backup(node)
         pending = PendingTransfer("backup", handle, self.tree.inc_lock_ref(node), [node])
         self._set(node, HostData(slots, pending))
         self._writes.append(pending)
@@ -255,6 +265,8 @@ class HostTierComponent(TreeComponent):
             self.host_allocator.free(slots)
             self.failed_backups += 1
             return False
+        if self.on_backup is not None:
+            self.on_backup(node)
         self._set(node, HostData(slots))
         if self.on_backup_landed is not None:
             self.on_backup_landed(node)
@@ -453,11 +465,17 @@ class HostTierComponent(TreeComponent):
             else:
                 slots = allocator.alloc(total)
                 if slots is None:
-                    tree.evict(total - allocator.available_size())
+                    evict_for = getattr(allocator, "evict_to_free_tokens", None)  # paired pools
+                    if evict_for is not None:
+                        evict_for(tree, total)
+                    else:
+                        tree.evict(total - allocator.available_size())
                     slots = allocator.alloc(total)
                 if slots is None:
                     return 0
             host_slots = np.concatenate([d.slots for d in datas])
+            if self.before_load is not None:
+                self.before_load(chain, slots)
             try:
                 handle = self.engine.start_load(host_slots, slots)
             except CopyError:
@@ -468,6 +486,8 @@ class HostTierComponent(TreeComponent):
             for n in chain:
                 tree.revive_node(n, slots[off : off + n.klen])
                 off += n.klen
+            if self.after_revive is not None:
+                self.after_revive(chain)
             self._loads.append(PendingTransfer("load", handle, tree.inc_lock_ref(chain[-1]), chain))
             return total
         finally:

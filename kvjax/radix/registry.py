@@ -1,7 +1,7 @@
 """`create_tree_cache`: the prefix cache a plan asks for.
 
 Mirrors SGLang's newest default chain (everything is one tree with components), restricted to
-what is built: the chunk cache and the full-KV radix tree. Kinds that need a component not built
+what is built. Kinds that need a component not built
 yet raise ``NotImplementedError`` naming it, never a silent fallback.
 
 =====================  ==========================================================
@@ -12,8 +12,9 @@ plan                   tree
                        disabled: SGLang builds a disabled tree that behaves like a
                        chunk cache when chunked prefill is off)
 ``unified`` + swa      :class:`SWARadixCache` (radix disabled: :class:`SWAChunkCache`, which
-                       behaves as SGLang's disabled tree); with a host tier or a Mamba
-                       component too: NotImplementedError
+                       behaves as SGLang's disabled tree); with a host tier
+                       :class:`HiSWARadixCache`; with a Mamba component too:
+                       NotImplementedError
 ``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
                        ``mamba_allocator``; extra buffer and per-path cap from the plan)
 host tier attached     :class:`HiRadixCache` (full only; the host allocator and copy
@@ -21,7 +22,8 @@ host tier attached     :class:`HiRadixCache` (full only; the host allocator and 
                        component: NotImplementedError
 ``swa_chunk``          :class:`SWAChunkCache` (needs the SWA allocator)
 ``pure_swa_chunk``     :class:`PureSWAChunkCache`
-``pure_swa_radix``     NotImplementedError: pure-SWA radix tree
+``pure_swa_radix``     :class:`PureSWARadixCache` (the SWA pool's plain allocator); with a
+                       host tier: NotImplementedError
 =====================  ==========================================================
 """
 
@@ -33,7 +35,9 @@ from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
 from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.hiswa_radix_cache import HiSWARadixCache
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
+from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
 from kvjax.radix.swa_radix_cache import SWARadixCache
@@ -122,9 +126,23 @@ def create_tree_cache(
             sliding_window_size=getattr(plan, "sliding_window_size", None),
         )
     if kind == "pure_swa_radix":
-        raise NotImplementedError(
-            "tree_cache_kind='pure_swa_radix' (every layer sliding, radix cache on) needs the pure-SWA radix "
-            "tree, which is not built yet; run it with disable_radix_cache and chunked prefill (PureSWAChunkCache)"
+        if plan.attach_host_tier:
+            # SGLang 0.5.23 builds its pure-SWA tree without the host tier (and refuses the
+            # host_pool retraction backup for it); kvjax says so rather than drop the flag.
+            raise NotImplementedError(
+                "tree_cache_kind='pure_swa_radix' (every layer sliding) with the host tier: SGLang's pure-SWA "
+                "tree has no host tier; turn off enable_hierarchical_cache for this model"
+            )
+        return PureSWARadixCache(
+            page_size=page_size,
+            sliding_window_size=getattr(plan, "sliding_window_size", None),
+            eviction_policy=plan.radix_eviction_policy or "lru",
+            req_to_token_pool=req_to_token_pool,
+            allocator=token_to_kv_pool_allocator,
+            is_eagle=bool(plan.is_eagle),
+            enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+            event_sink=event_sink,
+            enable_metrics=bool(plan.enable_metrics),
         )
     components = tuple(plan.tree_components or ("full",))
     if "mamba" in components and plan.attach_host_tier:
@@ -146,12 +164,28 @@ def create_tree_cache(
             enable_metrics=bool(plan.enable_metrics),
         )
     if components == ("full", "swa"):
-        if plan.attach_host_tier:
-            raise NotImplementedError(
-                "tree_components=('full', 'swa') with the host tier needs host copies of the SWA pool, "
-                "which are not built yet; turn off enable_hierarchical_cache for this model"
-            )
         window = getattr(plan, "sliding_window_size", None)
+        if plan.attach_host_tier:
+            if plan.disable_radix_cache:
+                raise NotImplementedError(
+                    "the host tier over a disabled hybrid sliding-window tree (the host_pool retraction backup with "
+                    "disable_radix_cache) is not built; use decode_retraction_backup='cpu_tensor' for this model"
+                )
+            return HiSWARadixCache(
+                page_size=page_size,
+                sliding_window_size=window,
+                eviction_policy=plan.radix_eviction_policy or "lru",
+                host_allocator=host_allocator,
+                host_pool_tokens=int(getattr(plan, "host_pool_tokens", 0)) or None,
+                copy_engine=copy_engine,
+                write_policy=getattr(plan, "hicache_write_policy", "write_through"),
+                req_to_token_pool=req_to_token_pool,
+                allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]
+                is_eagle=bool(plan.is_eagle),
+                enable_kv_cache_events=bool(plan.enable_kv_cache_events),
+                event_sink=event_sink,
+                enable_metrics=bool(plan.enable_metrics),
+            )
         if plan.disable_radix_cache:
             return SWAChunkCache(
                 req_to_token_pool=req_to_token_pool,

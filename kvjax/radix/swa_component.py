@@ -137,6 +137,9 @@ class SWAComponent(TreeComponent):
         self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # oldest first
         self._evictable = 0
         self._protected = 0
+        # With a host tier: whether each backed-up node's host copy carries its SWA KV (the node
+        # was live when the backup started); empty otherwise.
+        self.host_copy_live: dict[TreeNode, bool] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -183,7 +186,14 @@ class SWAComponent(TreeComponent):
 
     # ------------------------------------------------------------------ insert
 
+    def note_host_copy(self, node: TreeNode) -> None:
+        """A host tier started backing ``node`` up: its host copy carries SWA KV iff it is live."""
+        self.host_copy_live[node] = self.data(node) is not None
+
     def on_split(self, parent: TreeNode, child: TreeNode, k: int) -> None:
+        host = self.host_copy_live.get(child)
+        if host is not None:
+            self.host_copy_live[parent] = host
         data = self.data(child)
         if data is None:
             return  # both halves are tombstones
@@ -228,6 +238,40 @@ class SWAComponent(TreeComponent):
         if paired.any():
             alloc.free_swa(value[paired])
 
+    def _tombstone_slots(self, node: TreeNode) -> None:
+        """SWA eviction made ``node`` (unlocked) a tombstone: free its SWA slots (FULL keeps the
+        full slots)."""
+        if self.allocator is not None and node.value is not None:
+            self.allocator.free_swa(node.value)
+
+    def _revive_slots(self, node: TreeNode, incoming: np.ndarray | None) -> None:
+        """An insert revives the tombstone ``node`` from the incoming full slots (None:
+        standalone): the node takes them, or, when FULL is locked by another request, keeps its
+        full slots and takes the incoming SWA slots (the incoming full slots are then a duplicate
+        the insert frees, full part only)."""
+        alloc = self.allocator
+        if alloc is None or incoming is None:
+            return
+        old = node.value
+        assert old is not None, "an insert walks device nodes only"
+        if node.lock_ref > 0:
+            alloc.move_swa_pairing(incoming, old)
+        else:
+            node.value = incoming.copy()
+            alloc.free(old)  # a tombstone's full slots: the full part only
+
+    def _check_slots(self, node: TreeNode, live: bool, fail: Any) -> None:
+        """Per-node slot invariant: a live node's full slots are all paired with SWA slots, a
+        tombstone's none (with an allocator)."""
+        alloc = self.allocator
+        if alloc is None or node.value is None:
+            return
+        paired = alloc.full_to_swa_index_mapping[node.value] > 0
+        if live and not paired.all():
+            fail(f"live node {node.id} has full slots without an SWA slot")
+        if not live and paired.any():
+            fail(f"tombstone {node.id} still holds SWA slots")
+
     def on_insert_overlap(self, node: TreeNode, payload: Any, revived: bool) -> None:
         if self.data(node) is not None:
             return
@@ -242,18 +286,7 @@ class SWAComponent(TreeComponent):
         if evicted > start:
             self.tree.split_node(node, evicted - start)  # the upper half stays a tombstone
             start = evicted
-        incoming = self._incoming(p, start, end)
-        alloc = self.allocator
-        if alloc is not None and incoming is not None:
-            old = node.value
-            assert old is not None, "an insert walks device nodes only"
-            if node.lock_ref > 0:
-                # FULL locked by another request: keep those slots, take the incoming SWA slots;
-                # the incoming full slots are then a duplicate the insert frees (full part only).
-                alloc.move_swa_pairing(incoming, old)
-            else:
-                node.value = incoming.copy()
-                alloc.free(old)  # a tombstone's full slots: the full part only
+        self._revive_slots(node, self._incoming(p, start, end))
         self._make_live(node)
 
     def commit_insert(self, node: TreeNode, payload: Any) -> Any:
@@ -384,7 +417,6 @@ class SWAComponent(TreeComponent):
 
     def evict(self, amount: int) -> int:
         tree = self.tree
-        alloc = self.allocator
         candidates = tree._leaves  # FULL's unlocked device leaves
         freed = 0
         for node in list(self._lru):
@@ -399,19 +431,26 @@ class SWAComponent(TreeComponent):
                 tree.delete_leaf(node)
             else:
                 # Internal, or FULL locked: a tombstone.
-                if alloc is not None and node.value is not None:
-                    alloc.free_swa(node.value)
+                self._tombstone_slots(node)
                 freed += self._drop(node, data)
         return freed
 
     def on_delete(self, node: TreeNode) -> int:
+        self.host_copy_live.pop(node, None)
         data = self.data(node)
         if data is None:
             return 0
         # FULL freed the node's slots already; the allocator freed their SWA pairs with them.
         return self._drop(node, data)
 
+    def on_demote(self, node: TreeNode) -> int:
+        """FULL evicted ``node``'s device copy (a host tier keeps it host-only): the allocator
+        freed its SWA slots with its full slots; forget its SWA data."""
+        data = self.data(node)
+        return 0 if data is None else self._drop(node, data)
+
     def on_reset(self) -> None:
+        self.host_copy_live.clear()
         self._lru.clear()
         self._evictable = self._protected = 0
 
@@ -428,12 +467,10 @@ class SWAComponent(TreeComponent):
         if live != set(self._lru):
             fail(f"the LRU ({len(self._lru)} nodes) and the nodes with SWA data ({len(live)}) differ")
         evictable = protected = 0
-        mapping = self.allocator.full_to_swa_index_mapping if self.allocator is not None else None
         for n in self.tree.nodes():
             data = self.data(n)
+            self._check_slots(n, data is not None, fail)
             if data is None:
-                if mapping is not None and n.value is not None and mapping[n.value].any():
-                    fail(f"tombstone {n.id} still holds SWA slots")
                 continue
             if n.value is None:
                 fail(f"node {n.id} has SWA data but no device slots")
@@ -443,7 +480,5 @@ class SWAComponent(TreeComponent):
                 protected += n.klen
             else:
                 evictable += n.klen
-            if mapping is not None and n.value is not None and not (mapping[n.value] > 0).all():
-                fail(f"live node {n.id} has full slots without an SWA slot")
         if (evictable, protected) != (self._evictable, self._protected):
             fail(f"sizes {self._evictable}/{self._protected}, tree {evictable}/{protected}")

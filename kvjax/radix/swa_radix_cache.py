@@ -25,13 +25,14 @@ RadixCache's, with the request's ``swa_evicted_seqlen`` as the SWA payload.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import request_row
+from kvjax.radix.component import TreeComponent
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.keys import as_slot_array
 from kvjax.radix.lock import LockError, LockReceipt
@@ -73,6 +74,7 @@ class SWARadixCache(RadixCache):
         token_to_kv_pool_allocator: SGLang's name for ``allocator`` (give one of them).
         req_to_token_pool, is_eagle, enable_kv_cache_events, event_sink, enable_metrics,
         hash_seed, eviction_policy_config: as for :class:`RadixCache`.
+        components: further components after SWA (a host tier: ``HiSWARadixCache``).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class SWARadixCache(RadixCache):
         enable_metrics: bool = False,
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
+        components: Sequence[TreeComponent] = (),
     ) -> None:
         if (
             allocator is not None
@@ -100,26 +103,40 @@ class SWARadixCache(RadixCache):
         alloc = allocator if allocator is not None else token_to_kv_pool_allocator
         if sliding_window_size is None:
             raise ConfigError("sliding_window_size", None, "give the model's sliding window in tokens")
-        check_swa_allocator(alloc, page_size)
-        self.swa = SWAComponent(sliding_window_size, int(page_size) if isinstance(page_size, int) else 1, alloc)
+        self._check_allocator(alloc, page_size)
+        self.swa = self._make_swa_component(
+            sliding_window_size, int(page_size) if isinstance(page_size, int) else 1, alloc
+        )
         super().__init__(
             page_size,
             eviction_policy,
             req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=alloc,
+            token_to_kv_pool_allocator=self._full_allocator(alloc),
             is_eagle=is_eagle,
             enable_kv_cache_events=enable_kv_cache_events,
             event_sink=event_sink,
             enable_metrics=enable_metrics,
             hash_seed=hash_seed,
             eviction_policy_config=eviction_policy_config,
-            components=(self.swa,),
+            components=(self.swa, *components),
         )
         self.swa.page_size = self.page_size
         self.swa.window_cap = -(-self.swa.sliding_window_size // self.page_size) * self.page_size
         self.sliding_window_size = self.swa.sliding_window_size
-        if alloc is not None:
+        if alloc is not None and hasattr(alloc, "size_full"):
             self._slot_limit = int(alloc.size_full) + int(alloc.page_size)  # the tree holds full slot ids
+
+    # The seams a variant over other pools (``PureSWARadixCache``) overrides.
+
+    def _check_allocator(self, alloc: Any, page_size: int) -> None:
+        check_swa_allocator(alloc, page_size)
+
+    def _make_swa_component(self, window: int, page_size: int, alloc: Any) -> SWAComponent:
+        return SWAComponent(window, page_size, alloc)
+
+    def _full_allocator(self, alloc: Any) -> Any:
+        """The allocator FULL frees node values into."""
+        return alloc
 
     def supports_swa(self) -> bool:
         return True

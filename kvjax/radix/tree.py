@@ -66,6 +66,10 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 class RadixTree:
     """The tree core. See ``RadixCache`` for the public, checked API.
 
+    ``trash_in_values``: device nodes may hold the trash slot 0 in ``value`` (a pure-SWA tree's
+    tombstones, ``pure_swa_radix_cache.py``); FULL never frees it and the check that no slot is
+    cached twice ignores it.
+
     Args:
         page_size: tokens per page (>= 1); edges and matches are whole pages.
         eviction_policy: a name from ``eviction.EVICTION_POLICIES`` or a policy object.
@@ -79,6 +83,8 @@ class RadixTree:
         hash_seed: seed of the chained page hashes in events.
         eviction_policy_config: keyword arguments for the policy (``slru``: protected_threshold).
     """
+
+    trash_in_values = False
 
     def __init__(
         self,
@@ -936,8 +942,11 @@ class RadixTree:
         if keep:
             node.residency = HOST_ONLY
             self._host_only += 1
+            tracker = self._tracker
             for c in self._extra:
-                c.on_demote(node)
+                freed = c.on_demote(node)
+                if tracker is not None and freed:
+                    tracker[c.name] += freed
         else:
             self._detach(node)
         self._after_child_change(parent)
@@ -1291,5 +1300,7 @@ class RadixTree:
             fail("an evictable leaf has no live heap entry and is not queued for one")
         if vals:
             allv = np.concatenate(vals)
+            if self.trash_in_values:
+                allv = allv[allv != 0]  # tombstones of a pure-SWA tree hold the trash slot
             if np.unique(allv).size != allv.size:
                 fail("a slot id is cached in two places")

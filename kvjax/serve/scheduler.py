@@ -528,8 +528,10 @@ class Scheduler:
 def default_extensions(cache: KVCache) -> list[ServingExtension]:
     """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
     extensions: list[ServingExtension] = []
-    if isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
-        extensions.append(SWAServing(cache))
+    if isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator) or (
+        cache.is_hybrid_swa and not cache.full_tokens_per_layer
+    ):
+        extensions.append(SWAServing(cache))  # hybrid, or pure (every layer sliding)
     if "recurrent" in cache.pools:
         from kvjax.serve.recurrent_extension import RecurrentStateExtension
 

@@ -18,6 +18,11 @@
   when the request is cached. Once the request's locked prefix is wholly out of the window, the
   lock's SWA part is released early (``dec_swa_lock_only``), so the tree may evict that SWA. A
   long decode therefore holds at most about one window of SWA slots per request.
+
+* Pure SWA (every layer sliding: one pool under a plain allocator, ``PureSWARadixCache`` or
+  ``PureSWAChunkCache``): the request table holds SWA slots, so the step inputs are the slots and
+  pages themselves, and window freeing ``free`` s the slots and zeroes the row there (the trash
+  slot: the page table then reads nothing freed, and the tree never takes an id it no longer owns).
 """
 
 from __future__ import annotations
@@ -56,17 +61,22 @@ class SWAServing(ServingExtension):
     """The serving hooks of a hybrid-SWA cache (see the module docstring).
 
     Args:
-        cache: a built cache whose allocator is an ``SWATokenToKVPoolAllocator``.
+        cache: a built cache whose allocator is an ``SWATokenToKVPoolAllocator``, or a pure
+            sliding-window cache (``pure``: its plain allocator hands out SWA slots).
     """
 
     def __init__(self, cache: KVCache) -> None:
         alloc = cache.token_to_kv_pool_allocator
-        if not isinstance(alloc, SWATokenToKVPoolAllocator):
-            raise TypeError(f"SWAServing needs an SWATokenToKVPoolAllocator, got {type(alloc).__name__}")
+        self.pure = not isinstance(alloc, SWATokenToKVPoolAllocator)
+        if self.pure and not (cache.is_hybrid_swa and not cache.full_tokens_per_layer):
+            raise TypeError(
+                f"SWAServing needs an SWATokenToKVPoolAllocator (or a pure sliding-window cache), got "
+                f"{type(alloc).__name__}"
+            )
         window = cache.sliding_window_size
         if not window:
             raise ValueError("SWAServing needs the plan's sliding_window_size")
-        self.alloc = alloc
+        self.alloc: Any = alloc  # SWATokenToKVPoolAllocator, or the pure pool's plain allocator
         self.tree = cache.tree_cache
         self.rows = cache.req_to_token_pool
         self.window = int(window)
@@ -81,19 +91,23 @@ class SWAServing(ServingExtension):
     # --- step inputs ------------------------------------------------------------------------------
 
     def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        mapping = self.alloc.full_to_swa_index_mapping
         ps = self.page_size
         n = len(batch.rows)
         full = self.rows.req_to_token[np.asarray(batch.rows)[:, None], self._page_columns[None, :]]
         table = np.zeros((batch.max_seqs, self.pages_per_seq), np.int32)
-        swa = mapping[full] // ps
+        swa = self._to_swa(full) // ps
         n_pages = -(-np.asarray(batch.seq_lens) // ps)
         swa[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
         table[:n] = swa
         total = int(batch.slots.shape[0])
         out = np.zeros(token_bucket(total), np.int32)
-        out[:total] = mapping[batch.slots]
+        out[:total] = self._to_swa(batch.slots)
         return {"swa_out_loc": out, "swa_page_indices": table}
+
+    def _to_swa(self, slots: np.ndarray) -> np.ndarray:
+        """SWA slots of request-table slots: the mapping (hybrid), or themselves (pure: the table
+        holds SWA slots, zeros where the window has passed)."""
+        return slots if self.pure else self.alloc.full_to_swa_index_mapping[slots]
 
     # --- window freeing ---------------------------------------------------------------------------
 
@@ -120,7 +134,11 @@ class SWAServing(ServingExtension):
             threshold = pre_len - self.margin
             new = max(start, threshold) // ps * ps
             if new > start:
-                self.alloc.free_swa(self.rows.req_to_token[row, start:new])
+                if self.pure:
+                    self.alloc.free(self.rows.req_to_token[row, start:new].copy())
+                    self.rows.write(row, start, np.zeros(new - start, np.int32))
+                else:
+                    self.alloc.free_swa(self.rows.req_to_token[row, start:new])
                 self.freed_swa_tokens += new - start
             req.swa_evicted_seqlen = max(start, new)
             if threshold >= cpl:

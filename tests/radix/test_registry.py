@@ -63,8 +63,7 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
     [
         (dict(tree_components=("full", "swa", "mamba")), "SWA \\+ Mamba tree"),
         (dict(tree_components=("full", "mamba"), attach_host_tier=True), "host copy of recurrent-state"),
-        (dict(tree_components=("full", "swa"), attach_host_tier=True, sliding_window_size=4), "host copies of the SWA"),
-        (dict(tree_cache_kind="pure_swa_radix"), "pure-SWA radix tree"),
+        (dict(tree_cache_kind="pure_swa_radix", attach_host_tier=True, sliding_window_size=4), "pure-SWA tree"),
     ],
 )
 def test_unbuilt_components_raise_naming_them(kw, name):

@@ -16,6 +16,7 @@ import pytest
 
 from kvjax import ModelSpec
 from kvjax.errors import ConfigError
+from kvjax.serve.families.llama import LlamaWindows
 from kvjax.serve.model import param_shapes
 from kvjax.serve.model_config import model_config_from_spec
 
@@ -68,9 +69,18 @@ def test_qwen2_has_qkv_biases_and_qwen3_has_qk_norms():
 def test_families_and_layers_kvjax_cannot_serve_are_refused_by_name():
     with pytest.raises(ConfigError, match="model_type='gemma2'"):
         model_config_from_spec(ModelSpec.from_hf_config(_config("gemma-2-9b")))
-    windowed = {**_config("mistral-7b"), "sliding_window": 4096}
+    windowed = {
+        **_config("qwen2.5-7b"),
+        "model_type": "qwen3",
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "max_window_layers": 0,
+    }
     with pytest.raises(ConfigError, match="sliding_window=4096"):
         model_config_from_spec(ModelSpec.from_hf_config(windowed))
+    # Mistral with a window slides on every layer: served (a pure sliding-window model).
+    mistral = model_config_from_spec(ModelSpec.from_hf_config({**_config("mistral-7b"), "sliding_window": 4096}))
+    assert mistral.family_config == LlamaWindows((True,) * 32, 4096)
     gelu = {**_config("llama-3-8b"), "hidden_act": "gelu"}
     with pytest.raises(ConfigError, match="hidden_act='gelu'"):
         model_config_from_spec(ModelSpec.from_hf_config(gelu))

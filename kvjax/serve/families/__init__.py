@@ -3,7 +3,8 @@ the family's config reader are imported only when used).
 
 One small model file per family where the architecture differs; shared pieces live in
 ``kvjax.serve.layers``. ``llama`` also serves Mistral and Qwen2 (their differences are projection
-biases, which ``ModelConfig`` carries); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
+biases, which ``ModelConfig`` carries, and sliding windows: Mistral's on every layer, a pure
+sliding-window model); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
 sliding-window and full layers over the hybrid-SWA pools; ``gpt_oss`` too, with attention sinks,
 YaRN RoPE and its fused-expert MoE; ``deepseek_v2`` runs MLA over the latent
 pool and sparse-MoE layers.
@@ -71,9 +72,16 @@ _LLAMA = "kvjax.serve.families.llama:LlamaForCausalLM"
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
-        Family("llama", _LLAMA),
-        Family("mistral", _LLAMA),
-        Family("qwen2", _LLAMA),
+        *(
+            Family(
+                name,
+                _LLAMA,
+                layer_kinds=frozenset({LayerKind.FULL, LayerKind.SLIDING}),
+                read_config="kvjax.serve.families.llama:read_windows",
+                trace_state="kvjax.serve.families.llama:trace_state",
+            )
+            for name in ("llama", "mistral", "qwen2")
+        ),
         Family("qwen3", "kvjax.serve.families.qwen3:Qwen3ForCausalLM"),
         Family(
             "gemma3_text",

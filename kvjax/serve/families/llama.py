@@ -1,5 +1,5 @@
-"""Llama (2 and 3), and the families that differ from it only by configuration: Mistral (no
-window) and Qwen2/2.5 (q/k/v biases, ``ModelConfig.qkv_bias``).
+"""Llama (2 and 3), and the families that differ from it only by configuration: Mistral and
+Qwen2/2.5 (q/k/v biases, ``ModelConfig.qkv_bias``), with or without a sliding window.
 
 Architecture (Hugging Face's ``LlamaForCausalLM``, parameter names included): ``model.embed_tokens``;
 ``num_hidden_layers`` x [``input_layernorm``, ``self_attn`` (``q_proj``, ``k_proj``, ``v_proj``,
@@ -9,17 +9,59 @@ RoPE, paged attention, ``o_proj``), residual, ``post_attention_layernorm``, ``ml
 A forward takes one flat ragged batch (``T`` tokens of up to ``S`` sequences, ``BatchMetadata``)
 and the cache's pools (``CachePools``; these families use ``pools.kv``, an ``MHAKVPool``), and
 returns float32 logits for the last token of each sequence row, and the updated pools.
+
+Sliding windows (``LlamaWindows``, read from the spec's layer kinds): Mistral with a
+``sliding_window`` slides on every layer (a *pure* sliding-window model: the plan's one pool is the
+SWA pool, served through ``PureSWARadixCache``), Qwen2 with ``use_sliding_window`` on the layers
+from ``max_window_layers`` (a hybrid). Their layers then go through
+``kvjax.serve.swa_attention.swa_paged_attention`` (``pools.swa``, or ``pools.kv`` with
+``disable_hybrid_swa_memory``); a sliding layer sees keys in ``(p - sliding_window, p]``, as
+Transformers' sliding mask.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm, apply_rope, paged_attention
+from kvjax.serve.model import mha_trace_state
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
+from kvjax.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaWindows:
+    """Sliding windows of a Llama-like checkpoint: ``sliding[i]`` whether layer ``i`` slides,
+    ``sliding_window`` ``W`` tokens."""
+
+    sliding: tuple[bool, ...]
+    sliding_window: int
+
+
+def read_windows(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
+    """The family config of ``llama`` / ``mistral`` / ``qwen2``: the sliding layers, or None when
+    every layer is full attention."""
+    sliding = tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds)
+    if not any(sliding) or not spec.sliding_window:
+        return None
+    return LlamaWindows(sliding, int(spec.sliding_window))
+
+
+def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
+    """The smallest pools of the checkpoint's kinds: MHA, or full + SWA with sliding layers."""
+    windows = config.family_config
+    if isinstance(windows, LlamaWindows):
+        return swa_trace_state(config, windows.sliding)
+    return mha_trace_state(config)
 
 
 class LlamaAttention(nn.Module):
@@ -47,9 +89,24 @@ class LlamaAttention(nn.Module):
         inv_freq = c.rope.inverse_frequencies(c.head_dim)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
+        windows = c.family_config
+        if isinstance(windows, LlamaWindows):
+            out, pools = swa_paged_attention(
+                q,
+                k,
+                v,
+                pools,
+                meta,
+                self.layer_id,
+                sliding=windows.sliding[self.layer_id],
+                sliding_window=windows.sliding_window,
+                sm_scale=c.head_dim**-0.5,
+            )
+        else:
+            out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
+            pools = pools.replace(kv=kv)
         out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
-        return out, pools.replace(kv=kv)
+        return out, pools
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,186 @@
+"""`HiSWARadixCache`: the hybrid sliding-window tree with a host tier (FULL + SWA + host).
+
+SGLang 0.5.23 (``UnifiedRadixCache`` with FULL and SWA plus ``init_hicache``) builds two host
+pools for such a model, one per device pool, and its load-back restores SWA only for the last
+window. kvjax does the same on the SWA component and the host component:
+
+* **Host copies.** A backup copies a node's full-layer KV (always) and its sliding-layer KV when
+  the node is SWA-live at that moment; the two host pools share host slot ids, one to one (the
+  host component allocates them; the transfer engine is ``kvjax.tiers.swa_transfer``). The SWA
+  component records which host copies carry SWA (``SWAComponent.host_copy_live``).
+* **Device eviction** of a backed-up node demotes it: its full slots (and the SWA slots paired
+  with them) are freed, its SWA data forgotten (``SWAComponent.on_demote``).
+* **Host hit.** Below the device match, the host-only chain counts up to the deepest node whose
+  last ``W`` tokens can hold live SWA once loaded: each node within that window is either on the
+  device and SWA-live, or host-only with a host copy that carries SWA (or the window reaches the
+  root). ``host_hit_length`` is measured from the (SWA-shortened) device match, so it includes
+  device tokens between the SWA match and the chain whose SWA is not live but which the loaded
+  window makes matchable again.
+* **Load-back** (all or nothing, threshold 10 as for ``HiRadixCache``): device slots are
+  allocated in pairs for the whole chain, then the SWA slots of the chain's nodes outside its
+  last window are freed before the copy starts (``before_load``), so the copy restores full KV for
+  every node and SWA KV only for the window's nodes, which become SWA-live (``after_revive``); the
+  others are SWA tombstones.
+
+The storage tier (L3) is not built for this tree (its page format is one pool's);
+``storage=...`` raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvjax.radix.hiradix_cache import HiRadixCache
+from kvjax.radix.host_component import LOAD_BACK_THRESHOLD, HostMatch
+from kvjax.radix.match import MatchResult
+from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
+from kvjax.radix.swa_radix_cache import SWARadixCache
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+    from kvjax.alloc.swa import SWATokenToKVPoolAllocator
+    from kvjax.tiers import CopyEngine, HostSlotAllocator
+
+__all__ = ["HiSWARadixCache"]
+
+
+class HiSWARadixCache(HiRadixCache, SWARadixCache):
+    """Hybrid sliding-window radix cache with a host tier (see the module docstring).
+
+    Args:
+        page_size, sliding_window_size, eviction_policy, allocator / token_to_kv_pool_allocator:
+            as for :class:`~kvjax.radix.SWARadixCache`.
+        host_allocator, host_pool_tokens, copy_engine, write_policy, load_back_threshold: as for
+            :class:`~kvjax.radix.HiRadixCache` (the engine copies both pools; default simulated).
+        **kwargs: the rest of :class:`~kvjax.radix.RadixCache`'s keyword arguments.
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        sliding_window_size: int | None = None,
+        eviction_policy: str = "lru",
+        *,
+        host_allocator: HostSlotAllocator | None = None,
+        host_pool_tokens: int | None = None,
+        copy_engine: CopyEngine | None = None,
+        write_policy: str = "write_through",
+        load_back_threshold: int = LOAD_BACK_THRESHOLD,
+        allocator: SWATokenToKVPoolAllocator | None = None,
+        token_to_kv_pool_allocator: SWATokenToKVPoolAllocator | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("storage") is not None:
+            raise NotImplementedError(
+                "a storage tier (L3) under the hybrid sliding-window tree is not built (its page format holds one "
+                "pool); drop hicache_storage_backend for this model"
+            )
+        alloc = allocator if allocator is not None else token_to_kv_pool_allocator
+        super().__init__(
+            page_size,
+            eviction_policy,
+            host_allocator=host_allocator,
+            host_pool_tokens=host_pool_tokens,
+            copy_engine=copy_engine,
+            write_policy=write_policy,
+            load_back_threshold=load_back_threshold,
+            token_to_kv_pool_allocator=alloc,
+            sliding_window_size=sliding_window_size,
+            **kwargs,
+        )
+        self.host.on_backup = self.swa.note_host_copy
+        self.host.before_load = self._unpair_outside_window
+        self.host.after_revive = self._revive_window
+
+    # ------------------------------------------------------------------ the last window
+
+    def _window_nodes(self, node: TreeNode, stop: TreeNode | None = None) -> list[TreeNode]:
+        """The nodes covering the last ``W`` key elements ending at ``node`` (bottom first),
+        up to the root or, when given, not above ``stop``."""
+        out = []
+        covered = 0
+        root = self.root
+        n = node
+        while n is not root and covered < self.sliding_window_size:
+            out.append(n)
+            covered += n.klen
+            if n is stop:
+                break
+            n = n.parent
+        return out
+
+    def _window_restorable(self, node: TreeNode) -> bool:
+        """Whether the last ``W`` key elements ending at ``node`` hold live SWA after a load-back:
+        device nodes SWA-live, host-only nodes with a host copy that carries SWA."""
+        swa = self.swa
+        for n in self._window_nodes(node):
+            if n.residency == HOST_ONLY:
+                if not swa.host_copy_live.get(n, False):
+                    return False
+            elif swa.is_tombstone(n):
+                return False
+        return True
+
+    def _restored(self, chain: list[TreeNode]) -> set[TreeNode]:
+        """The chain's nodes whose SWA a load-back restores: those within its last window whose
+        host copy carries SWA."""
+        live = self.swa.host_copy_live
+        return {n for n in self._window_nodes(chain[-1], stop=chain[0]) if live.get(n, False)}
+
+    def _unpair_outside_window(self, chain: list[TreeNode], slots: np.ndarray) -> None:
+        """Before a load-back's copy: free the SWA slots paired with the chain's nodes whose SWA it
+        does not restore (outside its last window, or a host copy without SWA)."""
+        alloc = self.token_to_kv_pool_allocator
+        if alloc is None:
+            return
+        window = self._restored(chain)
+        off = 0
+        drop = []
+        for n in chain:
+            if n not in window:
+                drop.append(slots[off : off + n.klen])
+            off += n.klen
+        if drop:
+            alloc.free_swa(np.concatenate(drop))  # type: ignore[attr-defined]
+
+    def _revive_window(self, chain: list[TreeNode]) -> None:
+        """After a load-back revived ``chain``: the nodes whose SWA it restored are SWA-live (top
+        first, so parents are older in the SWA recency order); the rest stay SWA tombstones."""
+        restored = self._restored(chain)
+        for n in chain:
+            if n in restored:
+                self.swa._make_live(n)
+
+    # ------------------------------------------------------------------ match
+
+    def match_prefix(self, token_ids: Any, extra_key: Hashable = None) -> MatchResult:
+        """:meth:`SWARadixCache.match_prefix`; the host hit is the host-only chain below the device
+        nodes of the walk, up to its deepest node whose last window is restorable (see the module
+        docstring), measured from the device match."""
+        m = super().match_prefix(token_ids, extra_key)
+        if "host" not in m.extras:
+            return m
+        root = self.root
+        path = []
+        n = m.walk_node
+        while n is not root:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        chain = []
+        for n in path:
+            if n.residency == DEVICE:
+                continue
+            if n.residency != HOST_ONLY or self.host.data(n) is None:
+                break
+            chain.append(n)
+        best = None
+        for n in chain:
+            if self._window_restorable(n):
+                best = n
+        hit = 0 if best is None else best.depth - m.prefix_len
+        m.extras["host"] = HostMatch(hit, best if best is not None else m.last_node)
+        return m

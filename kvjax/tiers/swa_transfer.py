@@ -1,0 +1,140 @@
+"""`SWAPageTransferEngine`: the host tier's copies for a hybrid sliding-window pool.
+
+An ``SWAKVPool`` holds two device pools: ``full`` (full-attention layers, indexed by the full
+slot ids the tree holds) and ``swa`` (sliding layers, indexed by the SWA slot each full slot is
+paired with: ``SWATokenToKVPoolAllocator.full_to_swa_index_mapping``). Its host tier has two host
+pools with the same host slot ids (SGLang builds one host pool per device pool): host slot ``h``
+holds a token's full-layer rows in the full host pool and its sliding-layer rows in the SWA host
+pool.
+
+* backup ``(full slots, host slots)``: the full layers of every slot; the sliding layers of the
+  slots paired with an SWA slot now (whole pages: SWA slots are freed by page). Unpaired slots'
+  SWA host rows are left as they are (the tree knows which host copies carry SWA).
+* load ``(host slots, full slots)``: the full layers of every slot; the sliding layers of the
+  slots the caller paired with an SWA slot (the tree unpairs those whose SWA it does not restore
+  before the load starts).
+
+Each half is a :class:`~kvjax.tiers.transfer.PageTransferEngine` over one sub-pool (same staging,
+same asynchrony); a transfer is DONE when both halves are, FAILED when either failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvjax.tiers.copy_engine import CopyError, TransferStatus
+from kvjax.tiers.host_pool import HostKVPool
+from kvjax.tiers.transfer import PageTransferEngine
+
+__all__ = ["SWAPageTransferEngine"]
+
+
+class _OnePool:
+    """One sub-pool, seen by a :class:`PageTransferEngine` as ``pools["kv"]``."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def __getitem__(self, name: str) -> Any:
+        return self.pool
+
+    def replace(self, kv: Any) -> _OnePool:
+        return _OnePool(kv)
+
+
+class _SubPoolHolder:
+    """``holder`` (a ``KVCache``-like object with ``pools`` and ``set_pools``) seen as holding only
+    the ``part`` (``"full"`` or ``"swa"``) of its ``SWAKVPool`` named ``pool_name``."""
+
+    def __init__(self, holder: Any, pool_name: str, part: str) -> None:
+        self.holder = holder
+        self.pool_name = pool_name
+        self.part = part
+
+    @property
+    def pools(self) -> _OnePool:
+        return _OnePool(getattr(self.holder.pools[self.pool_name], self.part))
+
+    def set_pools(self, new: _OnePool) -> None:
+        pools = self.holder.pools
+        swa_pool = dataclasses.replace(pools[self.pool_name], **{self.part: new.pool})
+        self.holder.set_pools(pools.replace(**{self.pool_name: swa_pool}))
+
+
+@dataclass
+class _Pair:
+    full: Any
+    swa: Any  # None when no slot of the transfer had SWA to copy
+
+
+class SWAPageTransferEngine:
+    """A :class:`~kvjax.tiers.copy_engine.CopyEngine` over an ``SWAKVPool`` and its two host pools.
+
+    Args:
+        holder: owns the current device state (``pools``, ``set_pools``): a ``KVCache``.
+        full_host: the full layers' host pool.
+        swa_host: the sliding layers' host pool (as many slots as ``full_host``).
+        allocator: the ``SWATokenToKVPoolAllocator`` whose mapping pairs full and SWA slots.
+        pool_name: the ``SWAKVPool`` in ``holder.pools`` (``"swa"``).
+        staging: as for :class:`PageTransferEngine`.
+    """
+
+    def __init__(
+        self,
+        holder: Any,
+        full_host: HostKVPool,
+        swa_host: HostKVPool,
+        allocator: Any,
+        pool_name: str = "swa",
+        staging: str = "auto",
+    ) -> None:
+        if swa_host.size != full_host.size:
+            raise ValueError(f"SWA host pool of {swa_host.size} slots for a full host pool of {full_host.size}")
+        if holder.pools[pool_name].full is None:
+            raise ValueError("a pure sliding-window pool has no host tier (SGLang builds none for it)")
+        self.full = PageTransferEngine(_SubPoolHolder(holder, pool_name, "full"), full_host, "kv", staging)
+        self.swa = PageTransferEngine(_SubPoolHolder(holder, pool_name, "swa"), swa_host, "kv", staging)
+        self.allocator = allocator
+        self.staging = self.full.staging
+
+    def _paired(self, device_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        swa = self.allocator.full_to_swa_index_mapping[np.asarray(device_slots, dtype=np.int64)]
+        live = swa > 0
+        return swa[live], live
+
+    def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _Pair:
+        swa_slots, live = self._paired(device_slots)
+        full = self.full.start_backup(device_slots, host_slots)
+        try:
+            swa = self.swa.start_backup(swa_slots, np.asarray(host_slots)[live]) if swa_slots.size else None
+        except Exception:
+            self.full.cancel(full)
+            raise
+        return _Pair(full, swa)
+
+    def start_load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> _Pair:
+        swa_slots, live = self._paired(device_slots)
+        try:
+            self.swa.host_pool.pages_of(np.asarray(host_slots)[live])
+        except Exception as e:
+            raise CopyError(f"load cannot start: {e}") from e
+        full = self.full.start_load(host_slots, device_slots)
+        swa = self.swa.start_load(np.asarray(host_slots)[live], swa_slots) if swa_slots.size else None
+        return _Pair(full, swa)
+
+    def poll(self, handle: _Pair, wait: bool = False) -> TransferStatus:
+        states = [self.full.poll(handle.full, wait)]
+        if handle.swa is not None:
+            states.append(self.swa.poll(handle.swa, wait))
+        if TransferStatus.PENDING in states:
+            return TransferStatus.PENDING
+        return TransferStatus.FAILED if TransferStatus.FAILED in states else TransferStatus.DONE
+
+    def cancel(self, handle: _Pair) -> None:
+        self.full.cancel(handle.full)
+        if handle.swa is not None:
+            self.swa.cancel(handle.swa)
