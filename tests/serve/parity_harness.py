@@ -9,8 +9,8 @@ cache, the two rounds of ``serve_two_rounds`` with chunked prefill of ``CHUNK`` 
 * round 2: the chat's second turn (turn 1's prompt + its output + ``chat2_new``) and a prompt that
   shares the system prompt again (``d``).
 
-Prompts are drawn from ``numpy.random.default_rng(PROMPT_SEED)`` over ``VOCAB`` tokens
-(``prompts``). Each request is compared with Transformers' own greedy ``generate`` on the same
+Prompts are drawn from ``numpy.random.default_rng(PROMPT_SEED)`` (or a test's own seed) over
+``VOCAB`` tokens (``prompts``). Each request is compared with Transformers' own greedy ``generate`` on the same
 full prompt (``assert_matches_transformers``): the same tokens, logits within a tolerance, and the
 near-tie guard: Transformers' top-1/top-2 logit margin is asserted to be at least ``10x`` the
 tolerance at every compared step (``assert_no_near_tie``), so a token can only differ if the logits
@@ -57,9 +57,10 @@ TINY_CONFIG: dict[str, Any] = dict(
 
 
 @functools.cache
-def prompts() -> dict[str, list[int]]:
-    """The rounds' prompts by name (``chat2_new``: the tokens turn 2 adds after turn 1's output)."""
-    rng = np.random.default_rng(PROMPT_SEED)
+def prompts(seed: int = PROMPT_SEED) -> dict[str, list[int]]:
+    """The rounds' prompts by name (``chat2_new``: the tokens turn 2 adds after turn 1's output),
+    drawn from ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
 
     def draw(n: int) -> list[int]:
         return [int(t) for t in rng.integers(0, VOCAB, n)]
@@ -94,10 +95,11 @@ def build_scheduler(model: LoadedModel, *, max_batch_size: int = 4, **cache_conf
     )
 
 
-def serve_two_rounds(sched: Scheduler, max_new: int) -> dict[str, ServingReq]:
-    """Run the two rounds of the module docstring (``max_new`` tokens each) on ``sched``, assert
-    the cache is leak free after them, and return the requests by name."""
-    p = prompts()
+def serve_two_rounds(sched: Scheduler, max_new: int, *, seed: int = PROMPT_SEED) -> dict[str, ServingReq]:
+    """Run the two rounds of the module docstring (``max_new`` tokens each, the prompts of
+    ``seed``) on ``sched``, assert the cache is leak free after them, and return the requests by
+    name."""
+    p = prompts(seed)
     done: dict[str, ServingReq] = {}
     first = [ServingReq(n, p[n], max_new_tokens=max_new) for n in ("a", "b", "c", "chat1")]
     sched.run(first)
