@@ -118,6 +118,20 @@ def _group_mask(group_scores: jax.Array, topk_group: int, per_group: int) -> jax
     return jnp.repeat(groups, per_group, axis=-1)
 
 
+def dense_combine_weights(weights: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+    """Routing ``(weights [T, top_k] float32, ids [T, top_k])`` as dense combine weights
+    ``[T, num_experts]`` float32: each chosen expert's weight, 0 for the others (the dense dispatch
+    of the module docstring runs every expert and lets these zero the unchosen ones)."""
+    dense = jnp.zeros((weights.shape[0], num_experts), jnp.float32)
+    return dense.at[jnp.arange(weights.shape[0])[:, None], ids].add(weights)
+
+
+def combine_experts(expert_out: jax.Array, dense: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Every expert's output on every token ``[T, E, H]`` summed with the dense combine weights
+    ``[T, E]`` in float32, then cast to ``dtype``: ``[T, H]``."""
+    return jnp.einsum("teh,te->th", expert_out.astype(jnp.float32), dense).astype(dtype)
+
+
 class Weight(nn.Module):
     """A named parameter ``weight`` of ``shape`` (Hugging Face's ``nn.Linear.weight`` layout)."""
 
@@ -181,9 +195,7 @@ class SparseMoE(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         weights, ids = _Router(c, self.dtype, name="gate")(x)
-        # Dense combine weights [T, E]: the routing weight of each chosen expert, 0 elsewhere.
-        dense = jnp.zeros((x.shape[0], c.num_experts), jnp.float32)
-        dense = dense.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+        dense = dense_combine_weights(weights, ids, c.num_experts)
         experts = [
             _SwiGLUWeights(c.hidden_size, c.moe_intermediate_size, self.dtype, name=f"experts_{e}")()
             for e in range(c.num_experts)
@@ -193,7 +205,7 @@ class SparseMoE(nn.Module):
         down = jnp.stack([w[2] for w in experts])  # [E, H, I]
         hidden = jax.nn.silu(jnp.einsum("th,eih->tei", x, gate)) * jnp.einsum("th,eih->tei", x, up)
         out = jnp.einsum("tei,ehi->teh", hidden, down)  # every expert on every token (documented)
-        y = jnp.einsum("teh,te->th", out.astype(jnp.float32), dense).astype(x.dtype)
+        y = combine_experts(out, dense, x.dtype)
         if c.shared_intermediate_size:
             shared = _SwiGLUWeights(c.hidden_size, c.shared_intermediate_size, self.dtype, name=c.shared_name)()
             shared_out = _swiglu(x, *shared)

@@ -4,7 +4,8 @@
 its own tombstones, its own recency, insert payloads, the insert-overlap and commit hooks,
 match finalisation, its own lock scope and node residency (host-only nodes). Hypothesis drives
 inserts (with or without a donated state slot), matches, locks, unlocks, FULL eviction, state
-eviction and reset in random orders. The model knows nothing of nodes:
+eviction and reset in random orders. The model (``prefix_state_machine.py``, shared with the Mamba
+tree's machine) knows nothing of nodes:
 
 * ``pages``: every cached page-aligned prefix ``(extra_key, elems[:k * page])`` -> the slots of
   its last page, or None while host-only (device copy evicted, kept because of a state);
@@ -29,21 +30,21 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
+from tests.radix.prefix_state_machine import (
+    CAPACITY_PAGES,
+    EXTRA_KEYS,
+    KEYS,
+    STATE_CAPACITY,
+    PrefixStateMachine,
+    Recorder,
+)
 from tests.radix.state_component import StatePool, StateSlotComponent
 
-PALETTE: dict[int, list[tuple[int, ...]]] = {
-    1: [(0,), (1,), (2,), (3,)],
-    2: [(0, 0), (0, 1), (1, 1), (2, 3)],
-}
-CAPACITY_PAGES = 32
-STATE_CAPACITY = 6
-KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
 EMPTY_OR_KEYS: st.SearchStrategy[list[int]] = st.one_of(st.just([]), KEYS)
-EXTRA_KEYS = st.sampled_from([None, None, "ns"])
 CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
 
 SETTINGS = settings(
@@ -55,45 +56,7 @@ SETTINGS = settings(
 )
 
 
-class Recorder:
-    """Forwards to an allocator and records each ``free`` call's slots."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.page_size = inner.page_size
-        self.size = inner.size
-        self.calls: list[list[int]] = []
-
-    def free(self, idx) -> None:
-        self.calls.append(np.asarray(idx).reshape(-1).tolist())
-        self.inner.free(idx)
-
-    def alloc(self, n: int):
-        return self.inner.alloc(n)
-
-    def available_size(self) -> int:
-        return self.inner.available_size()
-
-    def take(self) -> list[list[int]]:
-        out, self.calls = self.calls, []
-        return out
-
-    def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens=None):
-        return self.inner.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
-
-    def alloc_decode(self, seq_lens, last_loc):
-        return self.inner.alloc_decode(seq_lens, last_loc)
-
-    def free_group_begin(self) -> None:
-        self.inner.free_group_begin()
-
-    def free_group_end(self) -> None:
-        self.inner.free_group_end()
-
-
-class ComponentMachine(RuleBasedStateMachine):
-    page_size = 1
-
+class ComponentMachine(PrefixStateMachine):
     @initialize()
     def setup(self):
         ps = self.page_size
@@ -103,39 +66,14 @@ class ComponentMachine(RuleBasedStateMachine):
         self.tree = RadixCache(
             page_size=ps, token_to_kv_pool_allocator=self.alloc, components=[StateSlotComponent(self.pool)]
         )
-        self.pages: dict[tuple, tuple[int, ...] | None] = {}
-        self.states: dict[tuple, int] = {}
-        self.recency: dict[tuple, int] = {}
-        self.clock = 0
-        self.locks: list[tuple] = []  # (extra_key, locked prefix, receipt, state position or None)
-        self.seen: list[tuple] = [(None, [0])]  # (extra_key, page list) of inserted keys
+        self._start_model()
 
     # -- model helpers ---------------------------------------------------------------------------
-
-    def _key(self, pages) -> list[int]:
-        return [t for p in pages for t in PALETTE[self.page_size][p]]
-
-    def _prefixes(self, ek, key):
-        ps = self.page_size
-        return [(ek, tuple(key[:end])) for end in range(ps, len(key) // ps * ps + 1, ps)]
-
-    def _touch(self, pos) -> None:
-        self.clock += 1
-        self.recency[pos] = self.clock
 
     def _extends(self, pos) -> bool:
         ek, prefix = pos
         n = len(prefix) + self.page_size
         return any(k[0] == ek and len(k[1]) == n and k[1][: len(prefix)] == prefix for k in self.pages)
-
-    def _covered(self) -> set:
-        out = set()
-        for ek, prefix, _, _ in self.locks:
-            out.update(self._prefixes(ek, list(prefix)))
-        return out
-
-    def _state_locked(self) -> set:
-        return {pos for _, _, _, pos in self.locks if pos is not None}
 
     def _walk(self, ek, key):
         """(cached length incl. host-only, device length) along ``key``."""
@@ -187,13 +125,6 @@ class ComponentMachine(RuleBasedStateMachine):
             freed += len(call)
         return freed
 
-    def _fresh(self, n: int):
-        short = n - self.alloc.available_size()
-        if short > 0:
-            self._evict_full(short)
-        got = self.alloc.alloc(n)
-        return None if got is None else np.asarray(got, np.int32)
-
     def _evict_full(self, n: int) -> None:
         evictable = self.tree.evictable_size()
         self.alloc.take()
@@ -205,18 +136,8 @@ class ComponentMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------
 
-    def _seen(self, which, cut, more):
-        """A key near an inserted one: its first ``cut`` pages, then ``more``."""
-        ek, pages = self.seen[which % len(self.seen)]
-        return ek, pages[: cut % (len(pages) + 1)] + more
-
     @rule(pages=EMPTY_OR_KEYS, ek=EXTRA_KEYS, with_state=st.sampled_from([True, True, True, False]))
     def insert(self, pages, ek, with_state):
-        self._insert(pages, ek, with_state)
-
-    @rule(which=st.integers(0, 100), cut=st.integers(0, 5), more=KEYS, with_state=st.booleans())
-    def insert_near_seen(self, which, cut, more, with_state):
-        ek, pages = self._seen(which, cut, more[:2])
         self._insert(pages, ek, with_state)
 
     def _insert(self, pages, ek, with_state):
@@ -286,10 +207,6 @@ class ComponentMachine(RuleBasedStateMachine):
             assert extras["slot"] is None and m.last_node is self.tree.root
         return m, best
 
-    @rule(pages=KEYS, ek=EXTRA_KEYS)
-    def match(self, pages, ek):
-        self._match(self._key(pages), ek)
-
     @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
     def match_near_seen(self, which, cut, more):
         ek, pages = self._seen(which, cut, more[:1])
@@ -302,17 +219,6 @@ class ComponentMachine(RuleBasedStateMachine):
         m, best = self._match(key, ek)
         receipt = self.tree.inc_lock_ref(m.last_node)
         self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
-
-    @precondition(lambda self: self.locks)
-    @rule(which=st.integers(0, 100))
-    def unlock(self, which):
-        _, _, receipt, _ = self.locks.pop(which % len(self.locks))
-        self.tree.dec_lock_ref(receipt)
-
-    @precondition(lambda self: len(self.pages) >= 6)
-    @rule(n=st.integers(1, 8))
-    def evict_full(self, n):
-        self._evict_full(n * self.page_size)
 
     @precondition(lambda self: len(self.states) >= 3)
     @rule(k=st.integers(1, 3))

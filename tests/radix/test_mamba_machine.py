@@ -1,9 +1,10 @@
 """Stateful property test: ``MambaRadixCache`` (FULL + MAMBA) against a naive model.
 
-The model knows nothing of nodes: ``pages`` maps every cached page-aligned prefix
-``(extra_key, tokens)`` to the KV slots of its last page; ``states`` maps a prefix to the
-checkpoint slot after it; ``recency`` records when each checkpoint was last refreshed (its
-commit, an insert ending on it, a match ending on it: never an insert walking over it). From it
+The model (``prefix_state_machine.py``, shared with the test component's machine) knows nothing
+of nodes: ``pages`` maps every cached page-aligned prefix ``(extra_key, tokens)`` to the KV slots
+of its last page; ``states`` maps a prefix to the checkpoint slot after it; ``recency`` records
+when each checkpoint was last refreshed (its commit, an insert ending on it, a match ending on it:
+never an insert walking over it). From it
 follow, exactly: every match (the checkpoint-limited length, the FULL-only length, the slots, the
 checkpoint slot), every insert (already-cached length, whether the donated slot comes back), the
 per-path cap (shallowest eligible checkpoints dropped), which checkpoints a state eviction frees
@@ -20,17 +21,19 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import make_allocator
 from kvjax.alloc.state_slots import StateSlotAllocator
 from kvjax.radix import MambaRadixCache
-from tests.radix.test_component_machine import PALETTE, Recorder
-
-CAPACITY_PAGES = 32
-STATE_CAPACITY = 6
-KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
-EXTRA_KEYS = st.sampled_from([None, None, "ns"])
+from tests.radix.prefix_state_machine import (
+    CAPACITY_PAGES,
+    EXTRA_KEYS,
+    KEYS,
+    STATE_CAPACITY,
+    PrefixStateMachine,
+    Recorder,
+)
 
 SETTINGS = settings(
     max_examples=30,
@@ -57,8 +60,7 @@ class RecordingStates(StateSlotAllocator):
         return out
 
 
-class MambaMachine(RuleBasedStateMachine):
-    page_size = 1
+class MambaMachine(PrefixStateMachine):
     cap = -1
 
     @initialize()
@@ -74,39 +76,14 @@ class MambaMachine(RuleBasedStateMachine):
             mamba_max_states_per_path=self.cap,
             enable_mamba_extra_buffer=ps > 1,
         )
-        self.pages: dict[tuple, tuple[int, ...]] = {}
-        self.states: dict[tuple, int] = {}
-        self.recency: dict[tuple, int] = {}
-        self.clock = 0
-        self.locks: list[tuple] = []  # (extra_key, locked prefix, receipt, checkpoint prefix or None)
-        self.seen: list[tuple] = [(None, [0])]
+        self._start_model()
 
     # -- model helpers ---------------------------------------------------------------------------
-
-    def _key(self, pages) -> list[int]:
-        return [t for p in pages for t in PALETTE[self.page_size][p]]
-
-    def _prefixes(self, ek, key):
-        ps = self.page_size
-        return [(ek, tuple(key[:end])) for end in range(ps, len(key) // ps * ps + 1, ps)]
-
-    def _touch(self, pos) -> None:
-        self.clock += 1
-        self.recency[pos] = self.clock
 
     def _children(self, pos) -> int:
         ek, prefix = pos
         n = len(prefix) + self.page_size
         return sum(1 for k in self.pages if k[0] == ek and len(k[1]) == n and k[1][: len(prefix)] == prefix)
-
-    def _covered(self) -> set:
-        out = set()
-        for ek, prefix, _, _ in self.locks:
-            out.update(self._prefixes(ek, list(prefix)))
-        return out
-
-    def _state_locked(self) -> set:
-        return {pos for _, _, _, pos in self.locks if pos is not None}
 
     def _drop_state(self, pos) -> None:
         del self.states[pos]
@@ -135,13 +112,6 @@ class MambaMachine(RuleBasedStateMachine):
                 del self.pages[e]
             freed += len(call)
         return freed, states_freed
-
-    def _fresh(self, n: int):
-        short = n - self.alloc.available_size()
-        if short > 0:
-            self._evict_full(short)
-        got = self.alloc.alloc(n)
-        return None if got is None else np.asarray(got, np.int32)
 
     def _evict_full(self, n: int) -> None:
         evictable = self.tree.full_evictable_size()
@@ -174,17 +144,8 @@ class MambaMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------
 
-    def _seen(self, which, cut, more):
-        ek, pages = self.seen[which % len(self.seen)]
-        return ek, pages[: cut % (len(pages) + 1)] + more
-
     @rule(pages=KEYS, ek=EXTRA_KEYS, with_state=st.sampled_from([True, True, True, False]))
     def insert(self, pages, ek, with_state):
-        self._insert(pages, ek, with_state)
-
-    @rule(which=st.integers(0, 100), cut=st.integers(0, 5), more=KEYS, with_state=st.booleans())
-    def insert_near_seen(self, which, cut, more, with_state):
-        ek, pages = self._seen(which, cut, more[:2])
         self._insert(pages, ek, with_state)
 
     @rule(which=st.integers(0, 100), more=st.integers(0, 3))
@@ -257,10 +218,6 @@ class MambaMachine(RuleBasedStateMachine):
             assert extras.slot is None and m.last_node is self.tree.root
         return m, best
 
-    @rule(pages=KEYS, ek=EXTRA_KEYS)
-    def match(self, pages, ek):
-        self._match(self._key(pages), ek)
-
     @rule(which=st.integers(0, 100), cut=st.sampled_from([5, 5, 0, 1, 2]), more=KEYS)
     def lock(self, which, cut, more):
         ek, pages = self._seen(which, cut, more[:1])
@@ -268,17 +225,6 @@ class MambaMachine(RuleBasedStateMachine):
         m, best = self._match(key, ek)
         receipt = self.tree.inc_lock_ref(m.last_node)
         self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
-
-    @precondition(lambda self: self.locks)
-    @rule(which=st.integers(0, 100))
-    def unlock(self, which):
-        _, _, receipt, _ = self.locks.pop(which % len(self.locks))
-        self.tree.dec_lock_ref(receipt)
-
-    @precondition(lambda self: len(self.pages) >= 6)
-    @rule(n=st.integers(1, 8))
-    def evict_full(self, n):
-        self._evict_full(n * self.page_size)
 
     @precondition(lambda self: len(self.states) >= 2)
     @rule(k=st.integers(1, 3))

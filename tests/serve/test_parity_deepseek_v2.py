@@ -30,30 +30,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvjax import CacheConfig, build_kv_cache
 from kvjax.pools import MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.scheduler import Scheduler, ServingReq
-from tests.serve.test_parity_transformers import (
-    CHUNK,
-    MAX_NEW,
-    VOCAB,
-    _assert_matches_transformers,
-    _prompts,
+from tests.serve.parity_harness import (
+    TINY_CONFIG,
+    assert_matches_transformers,
+    build_scheduler,
+    serve_two_rounds,
     torch,
     transformers,
 )
+
+LOGIT_ATOL = 1e-4
+MAX_NEW = 6
 
 FP8_LOGIT_ATOL = 1.0
 FP8_LOGIT_MEAN_ATOL = 0.15
 
 CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
+    TINY_CONFIG,
     intermediate_size=96,
     moe_intermediate_size=32,
     num_hidden_layers=3,
-    num_attention_heads=4,
     num_key_value_heads=4,
     n_routed_experts=4,
     n_shared_experts=1,
@@ -68,11 +67,6 @@ CONFIG = dict(
     qk_rope_head_dim=8,
     qk_nope_head_dim=16,
     v_head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
 )
 
 
@@ -93,32 +87,19 @@ def deepseek(tmp_path_factory) -> tuple[object, Path]:
 def _serve(
     model: LoadedModel, *, page_size: int, max_total_tokens: int, kv_cache_dtype: str = "auto"
 ) -> tuple[Scheduler, dict[str, ServingReq]]:
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            max_running_requests=8,
-            context_length=124,
-            chunked_prefill_size=CHUNK,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
+    sched = build_scheduler(
+        model,
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_running_requests=8,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    assert isinstance(cache.pools.kv, MLAKVPool)
-    sched = Scheduler(
-        model.config, cache, model.params, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
-    )
-    p = _prompts()
-    done: dict[str, ServingReq] = {}
-    first = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("a", "b", "c", "chat1")]
-    sched.run(first)
-    done.update((str(r.rid), r) for r in first)
-    chat2 = p["chat1"] + done["chat1"].output_ids + p["chat2_new"]
-    second = [ServingReq("chat2", chat2, max_new_tokens=MAX_NEW), ServingReq("d", p["d"], max_new_tokens=MAX_NEW)]
-    sched.run(second)
-    done.update((str(r.rid), r) for r in second)
-    assert sched.leak_free()
-    return sched, done
+    assert isinstance(sched.cache.pools.kv, MLAKVPool)
+    return sched, serve_two_rounds(sched, MAX_NEW)
+
+
+def _assert_matches_transformers(hf, done: dict[str, ServingReq]) -> None:
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
 def test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill(deepseek):

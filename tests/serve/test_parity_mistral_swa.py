@@ -19,63 +19,36 @@ its logits agree within ``LOGIT_ATOL``; the pool balances afterwards.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="parity tests need the 'parity' extra (torch, transformers)")
-transformers = pytest.importorskip("transformers", reason="parity tests need the 'parity' extra (torch, transformers)")
-
-from kvjax import CacheConfig, build_kv_cache  # noqa: E402
-from kvjax.radix import PureSWAChunkCache, PureSWARadixCache  # noqa: E402
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
-from kvjax.serve.scheduler import Scheduler, ServingReq  # noqa: E402
-from kvjax.serve.swa_extension import SWAServing  # noqa: E402
-
-LOGIT_ATOL = 1e-4
-MIN_MARGIN = 10 * LOGIT_ATOL
-MAX_NEW = 12
-CHUNK = 8
-WINDOW = 8
-PROMPT_SEED = 5
-VOCAB = 128
-
-CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    sliding_window=WINDOW,
-    rope_theta=10_000.0,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
+from kvjax.radix import PureSWAChunkCache, PureSWARadixCache
+from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.swa_extension import SWAServing
+from tests.serve.parity_harness import (
+    TINY_CONFIG,
+    assert_matches_transformers,
+    build_scheduler,
+    save_pretrained,
+    serve_two_rounds,
+    torch,
+    transformers,
 )
 
+LOGIT_ATOL = 1e-4
+MAX_NEW = 12
+WINDOW = 8
+PROMPT_SEED = 5
 
-@functools.cache
-def _prompts() -> dict[str, list[int]]:
-    rng = np.random.default_rng(PROMPT_SEED)
-
-    def draw(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(0, VOCAB, n)]
-
-    system = draw(24)
-    return {
-        "a": system + draw(6),
-        "b": system + draw(9),
-        "c": system + draw(5),
-        "chat1": draw(18),
-        "chat2_new": draw(7),
-        "d": system + draw(11),
-    }
+CONFIG = dict(
+    TINY_CONFIG,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=WINDOW,
+    rope_theta=10_000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,56 +56,21 @@ def mistral(tmp_path_factory) -> tuple[object, LoadedModel]:
     config = transformers.MistralConfig(**CONFIG)
     torch.manual_seed(0)
     hf = transformers.MistralForCausalLM(config).to(torch.float32).eval()
-    directory: Path = tmp_path_factory.mktemp("mistral")
-    hf.save_pretrained(directory)
-    return hf, load_checkpoint(directory)
-
-
-@functools.cache
-def _hf_greedy(hf, prompt: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([list(prompt)]),
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), np.stack([step[0].numpy() for step in out.logits])
+    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "mistral"))
 
 
 def _serve(model: LoadedModel, **config) -> tuple[Scheduler, dict[str, ServingReq]]:
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(max_running_requests=8, context_length=124, chunked_prefill_size=CHUNK, **config),
-    )
+    sched = build_scheduler(model, max_running_requests=8, **config)
+    cache = sched.cache
     assert cache.is_hybrid_swa and not cache.full_tokens_per_layer and cache.pools.swa.full is None
-    sched = Scheduler(
-        model.config, cache, model.params, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
-    )
     assert isinstance(sched.extensions[0], SWAServing) and sched.extensions[0].pure
-    p = _prompts()
-    done: dict[str, ServingReq] = {}
-    first = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("a", "b", "c", "chat1")]
-    sched.run(first)
-    done.update((str(r.rid), r) for r in first)
-    chat2 = p["chat1"] + done["chat1"].output_ids + p["chat2_new"]
-    second = [ServingReq("chat2", chat2, max_new_tokens=MAX_NEW), ServingReq("d", p["d"], max_new_tokens=MAX_NEW)]
-    sched.run(second)
-    done.update((str(r.rid), r) for r in second)
-    assert sched.leak_free()
+    done = serve_two_rounds(sched, MAX_NEW, seed=PROMPT_SEED)
     cache.tree_cache.sanity_check()
     return sched, done
 
 
 def _assert_matches_transformers(hf, done: dict[str, ServingReq]) -> None:
-    for name, req in done.items():
-        tokens, logits = _hf_greedy(hf, tuple(req.origin_input_ids))
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        margin = float((top2[:, 1] - top2[:, 0]).min())
-        assert margin >= MIN_MARGIN, f"{name}: Transformers' top-2 margin {margin:.2e} is a near-tie; pick other seeds"
-        assert req.output_ids == tokens, f"{name}: kvjax {req.output_ids} != transformers {tokens}"
-        np.testing.assert_allclose(np.stack(req.logits), logits, atol=LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits")
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
 def test_page_4_with_prefix_reuse_across_the_window(mistral):

@@ -22,7 +22,8 @@ columns, up in the odd ones), ``experts.down_proj [E, I, H]`` + ``down_proj_bias
 projection plus its bias (``alpha = swiglu_alpha`` 1.702, ``limit = swiglu_limit`` 7.0). This
 differs too much from ``kvjax.serve.moe.SparseMoE`` (fused biased weights, a clamped SwiGLU,
 softmax after top-k) to share it; like it, every token runs through every expert (dense, exact,
-static shapes; documented there) and the routing weights zero the unchosen ones.
+static shapes; documented there) and the routing weights zero the unchosen ones, with its
+``dense_combine_weights`` and ``combine_experts``.
 
 Layer kinds come from ``layer_types`` (alternating sliding, full by default); sliding layers see
 keys in ``(p - sliding_window, p]`` (Transformers' sliding mask, the same as Gemma 3's).
@@ -49,6 +50,7 @@ from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear, apply_rope
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.moe import combine_experts, dense_combine_weights
 from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
 from kvjax.spec import ModelSpec
 
@@ -216,7 +218,7 @@ class GptOssExperts(nn.Module):
         up = jnp.clip(up, -limit, limit)
         hidden = (up + 1) * (gate * jax.nn.sigmoid(gate * fc.swiglu_alpha))
         out = jnp.einsum("tei,eih->teh", hidden, down) + down_bias[None]
-        return jnp.einsum("teh,te->th", out.astype(jnp.float32), combine).astype(x.dtype)
+        return combine_experts(out, combine, x.dtype)
 
 
 class GptOssMLP(nn.Module):
@@ -227,9 +229,7 @@ class GptOssMLP(nn.Module):
         c = self.config
         fc = _fc(c)
         weights, ids = GptOssRouter(fc.num_experts, fc.top_k, jnp.dtype(c.dtype), name="router")(x)
-        combine = jnp.zeros((x.shape[0], fc.num_experts), jnp.float32)
-        combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-        return GptOssExperts(c, name="experts")(x, combine)
+        return GptOssExperts(c, name="experts")(x, dense_combine_weights(weights, ids, fc.num_experts))
 
 
 class GptOssDecoderLayer(nn.Module):

@@ -1,0 +1,150 @@
+"""What the FULL + state-slot tree machines share (``test_component_machine.py`` with the test
+``StateSlotComponent``, ``test_mamba_machine.py`` with ``MambaRadixCache``).
+
+``PrefixStateMachine`` is a Hypothesis ``RuleBasedStateMachine`` over a naive model that knows
+nothing of nodes:
+
+* ``pages``: every cached page-aligned prefix ``(extra_key, tokens[:k * page])`` -> the slots of
+  its last page (the component machine also keeps None: host-only);
+* ``states``: prefix -> state slot; ``recency``: prefix -> the model's clock when that state was
+  last refreshed (``_touch``);
+* ``locks``: ``(extra_key, locked prefix, receipt, state position or None)``; ``seen``: the
+  ``(extra_key, page list)`` of every inserted key, so later keys land near cached ones.
+
+It holds the model's helpers and the rules whose strategies and bodies the machines share
+(``insert_near_seen``, ``match``, ``unlock``, ``evict_full``). A subclass builds its tree in an
+``@initialize`` rule that calls ``_start_model``, and writes ``_insert``, ``_match`` and
+``_evict_full`` against its tree (and its own rules and invariants).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+PALETTE: dict[int, list[tuple[int, ...]]] = {
+    1: [(0,), (1,), (2,), (3,)],
+    2: [(0, 0), (0, 1), (1, 1), (2, 3)],
+}
+CAPACITY_PAGES = 32
+STATE_CAPACITY = 6
+KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
+EXTRA_KEYS = st.sampled_from([None, None, "ns"])
+
+
+class Recorder:
+    """Forwards to an allocator and records each ``free`` call's slots."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.page_size = inner.page_size
+        self.size = inner.size
+        self.calls: list[list[int]] = []
+
+    def free(self, idx) -> None:
+        self.calls.append(np.asarray(idx).reshape(-1).tolist())
+        self.inner.free(idx)
+
+    def alloc(self, n: int):
+        return self.inner.alloc(n)
+
+    def available_size(self) -> int:
+        return self.inner.available_size()
+
+    def take(self) -> list[list[int]]:
+        out, self.calls = self.calls, []
+        return out
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens=None):
+        return self.inner.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
+
+    def alloc_decode(self, seq_lens, last_loc):
+        return self.inner.alloc_decode(seq_lens, last_loc)
+
+    def free_group_begin(self) -> None:
+        self.inner.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.inner.free_group_end()
+
+
+class PrefixStateMachine(RuleBasedStateMachine):
+    """The shared model and rules (module docstring); ``page_size`` is set per test."""
+
+    page_size = 1
+
+    def _start_model(self) -> None:
+        self.pages: dict[tuple, tuple[int, ...] | None] = {}
+        self.states: dict[tuple, int] = {}
+        self.recency: dict[tuple, int] = {}
+        self.clock = 0
+        self.locks: list[tuple] = []  # (extra_key, locked prefix, receipt, state position or None)
+        self.seen: list[tuple] = [(None, [0])]  # (extra_key, page list) of inserted keys
+
+    # -- model helpers ---------------------------------------------------------------------------
+
+    def _key(self, pages) -> list[int]:
+        return [t for p in pages for t in PALETTE[self.page_size][p]]
+
+    def _prefixes(self, ek, key):
+        ps = self.page_size
+        return [(ek, tuple(key[:end])) for end in range(ps, len(key) // ps * ps + 1, ps)]
+
+    def _touch(self, pos) -> None:
+        self.clock += 1
+        self.recency[pos] = self.clock
+
+    def _covered(self) -> set:
+        out = set()
+        for ek, prefix, _, _ in self.locks:
+            out.update(self._prefixes(ek, list(prefix)))
+        return out
+
+    def _state_locked(self) -> set:
+        return {pos for _, _, _, pos in self.locks if pos is not None}
+
+    def _fresh(self, n: int):
+        short = n - self.alloc.available_size()
+        if short > 0:
+            self._evict_full(short)
+        got = self.alloc.alloc(n)
+        return None if got is None else np.asarray(got, np.int32)
+
+    def _seen(self, which, cut, more):
+        """A key near an inserted one: its first ``cut`` pages, then ``more``."""
+        ek, pages = self.seen[which % len(self.seen)]
+        return ek, pages[: cut % (len(pages) + 1)] + more
+
+    # -- what each machine writes against its tree -----------------------------------------------
+
+    def _insert(self, pages, ek, with_state) -> None:
+        raise NotImplementedError
+
+    def _match(self, key, ek):
+        raise NotImplementedError
+
+    def _evict_full(self, n: int) -> None:
+        raise NotImplementedError
+
+    # -- shared rules ----------------------------------------------------------------------------
+
+    @rule(which=st.integers(0, 100), cut=st.integers(0, 5), more=KEYS, with_state=st.booleans())
+    def insert_near_seen(self, which, cut, more, with_state):
+        ek, pages = self._seen(which, cut, more[:2])
+        self._insert(pages, ek, with_state)
+
+    @rule(pages=KEYS, ek=EXTRA_KEYS)
+    def match(self, pages, ek):
+        self._match(self._key(pages), ek)
+
+    @precondition(lambda self: self.locks)
+    @rule(which=st.integers(0, 100))
+    def unlock(self, which):
+        _, _, receipt, _ = self.locks.pop(which % len(self.locks))
+        self.tree.dec_lock_ref(receipt)
+
+    @precondition(lambda self: len(self.pages) >= 6)
+    @rule(n=st.integers(1, 8))
+    def evict_full(self, n):
+        self._evict_full(n * self.page_size)

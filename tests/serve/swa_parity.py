@@ -1,0 +1,120 @@
+"""The parity scenarios of the sliding-window families (``test_parity_gemma3.py``,
+``test_parity_gpt_oss.py``) on the hybrid-SWA cache, over ``parity_harness``'s rounds.
+
+With ``MAX_NEW = 12`` decoded tokens per request every window moves past its prompt, so the
+scheduler frees out-of-window SWA slots and the tree stores tombstones. Scenarios (each takes the
+Transformers model and kvjax's load of its checkpoint):
+
+* ``page_4_prefix_reuse``: page size 4, a roomy pool: prefix reuse across the window, SWA slots
+  freed at decode, tombstones in the tree;
+* ``page_1_evict_and_retract``: page size 1, pools small enough to evict from both and to retract;
+* ``full_size_pools``: ``disable_hybrid_swa_memory`` (one full-size pool, windowed attention);
+* ``through_generate``: the command's entry point.
+
+Every request's greedy tokens equal Transformers' ``generate`` and its logits agree within
+``LOGIT_ATOL``; after both rounds the full and SWA accounting is leak free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvjax.alloc import SWATokenToKVPoolAllocator
+from kvjax.radix import SWARadixCache
+from kvjax.serve.checkpoint import LoadedModel
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.swa_extension import SWAServing
+from tests.serve.parity_harness import (
+    CHUNK,
+    assert_matches_transformers,
+    build_scheduler,
+    hf_greedy,
+    prompts,
+    serve_two_rounds,
+)
+
+LOGIT_ATOL = 1e-4
+MAX_NEW = 12
+
+
+def serve(
+    model: LoadedModel, *, page_size: int, max_total_tokens: int, hybrid: bool = True
+) -> tuple[Scheduler, dict[str, ServingReq]]:
+    """The harness's two rounds on a hybrid-SWA cache, counting evictions per pool
+    (``sched.evicted_per_pool``); without ``hybrid``, prompts ``a``, ``b`` and ``chat1`` on one
+    full-size pool."""
+    sched = build_scheduler(
+        model,
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_running_requests=8,
+        disable_hybrid_swa_memory=not hybrid,
+    )
+    cache = sched.cache
+    if not hybrid:
+        assert not cache.is_hybrid_swa and not sched.extensions
+        p = prompts()
+        reqs = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("a", "b", "chat1")]
+        sched.run(reqs)
+        assert sched.leak_free()
+        return sched, {str(r.rid): r for r in reqs}
+    assert isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    assert isinstance(cache.tree_cache, SWARadixCache)
+    assert isinstance(sched.extensions[0], SWAServing)
+    tree = cache.tree_cache
+    evict = tree.evict
+    evicted: dict[str, int] = {"full": 0, "swa": 0}
+
+    def recording_evict(*args, **kwargs):  # the per-pool counts of every eviction the loop asks for
+        out = evict(*args, **kwargs)
+        if isinstance(out, dict):
+            for k in evicted:
+                evicted[k] += out.get(k, 0)
+        return out
+
+    tree.evict = recording_evict  # type: ignore[method-assign]
+    sched.evicted_per_pool = evicted  # type: ignore[attr-defined]
+    done = serve_two_rounds(sched, MAX_NEW)
+    cache.tree_cache.sanity_check()
+    cache.token_to_kv_pool_allocator.check_invariants()
+    return sched, done
+
+
+def _assert_matches_transformers(hf: Any, done: dict[str, ServingReq]) -> None:
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def page_4_prefix_reuse(hf: Any, model: LoadedModel) -> None:
+    sched, done = serve(model, page_size=4, max_total_tokens=1024)
+    assert sched.stats.cached_tokens > 0
+    assert (done["chat2"].first_cached_tokens or 0) >= 16 and (done["d"].first_cached_tokens or 0) >= 16
+    swa = sched.extensions[0]
+    assert isinstance(swa, SWAServing) and swa.freed_swa_tokens > 0, "decode should free out-of-window SWA slots"
+    tree = sched.cache.tree_cache
+    assert any(tree.swa.is_tombstone(n) for n in tree.nodes()), "the tree should hold SWA tombstones"
+    _assert_matches_transformers(hf, done)
+
+
+def page_1_evict_and_retract(hf: Any, model: LoadedModel) -> None:
+    sched, done = serve(model, page_size=1, max_total_tokens=64)
+    assert sched.stats.cached_tokens > 0
+    evicted = sched.evicted_per_pool  # type: ignore[attr-defined]
+    assert evicted["full"] > 0 and evicted["swa"] > 0, f"both pools should be evicted from, got {evicted}"
+    assert sched.stats.retractions > 0, "the pools should be small enough to force retraction"
+    _assert_matches_transformers(hf, done)
+
+
+def full_size_pools(hf: Any, model: LoadedModel) -> None:
+    _, done = serve(model, page_size=4, max_total_tokens=1024, hybrid=False)
+    _assert_matches_transformers(hf, done)
+
+
+def through_generate(hf: Any, model: LoadedModel) -> None:
+    from kvjax.serve.generate import generate
+
+    p = prompts()
+    chosen = [p["a"], p["b"]]
+    result, sched = generate(model, chosen, max_new_tokens=MAX_NEW, page_size=4, chunked_prefill_size=CHUNK)
+    assert sched.leak_free()
+    for prompt, out in zip(chosen, result.outputs, strict=True):
+        assert out == hf_greedy(hf, prompt, MAX_NEW)[0]
