@@ -9,7 +9,10 @@ Transformers model and kvjax's load of its checkpoint):
   freed at decode, tombstones in the tree;
 * ``page_1_evict_and_retract``: page size 1, pools small enough to evict from both and to retract;
 * ``full_size_pools``: ``disable_hybrid_swa_memory`` (one full-size pool, windowed attention);
-* ``through_generate``: the command's entry point.
+* ``through_generate``: the command's entry point;
+* ``host_tier_load_back``: page size 1, pools small enough to evict from both, with the host tier:
+  evicted prefixes are backed up into the two host pools (full layers, sliding layers; one host
+  slot id for both) and loaded back on a hit with SWA restored for the last window only.
 
 Every request's greedy tokens equal Transformers' ``generate`` and its logits agree within
 ``LOGIT_ATOL``; after both rounds the full and SWA accounting is leak free.
@@ -118,3 +121,40 @@ def through_generate(hf: Any, model: LoadedModel) -> None:
     assert sched.leak_free()
     for prompt, out in zip(chosen, result.outputs, strict=True):
         assert out == hf_greedy(hf, prompt, MAX_NEW)[0]
+
+
+def host_tier_load_back(hf: Any, model: LoadedModel) -> None:
+    from kvjax.radix import HiSWARadixCache
+    from kvjax.serve.host_tier import HostTierExtension
+    from kvjax.tiers.swa_transfer import SWAPageTransferEngine
+
+    sched = build_scheduler(
+        model,
+        max_batch_size=2,
+        page_size=1,
+        max_total_tokens=64,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+    )
+    cache = sched.cache
+    tree = cache.tree_cache
+    assert isinstance(tree, HiSWARadixCache) and isinstance(tree.host.engine, SWAPageTransferEngine)
+    assert cache.swa_host_pool is not None and cache.swa_host_pool.size == cache.host_pool.size
+    host = next(e for e in sched.extensions if isinstance(e, HostTierExtension))
+    p = prompts()
+    done: dict[str, ServingReq] = {}
+    for names in (("a", "chat1"), ("b", "c"), ("d",)):
+        batch = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in names]
+        sched.run(batch)
+        done.update((str(r.rid), r) for r in batch)
+    chat2 = ServingReq("chat2", p["chat1"] + done["chat1"].output_ids + p["chat2_new"], max_new_tokens=MAX_NEW)
+    sched.run([chat2])
+    done["chat2"] = chat2
+    tree.check_transfers(wait=True)
+    assert host.loads > 0 and host.loaded_tokens > 0, "a prefix should come back from the host"
+    assert any(tree.swa.is_tombstone(n) for n in tree.nodes() if n.value is not None)
+    assert sched.leak_free() and host.host_balanced()
+    tree.sanity_check()
+    cache.token_to_kv_pool_allocator.check_invariants()
+    _assert_matches_transformers(hf, done)

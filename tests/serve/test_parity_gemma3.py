@@ -58,3 +58,8 @@ def test_full_size_pools_without_hybrid_swa(gemma3):
 @pytest.mark.slow  # the same scheduler as above, through the command's entry point
 def test_served_through_generate(gemma3):
     swa_parity.through_generate(*gemma3)
+
+
+@pytest.mark.slow  # ~40 s: the tree and the engine are covered in the default suite (tests/radix)
+def test_host_tier_loads_evicted_prefixes_back_with_the_last_window(gemma3):
+    swa_parity.host_tier_load_back(*gemma3)
