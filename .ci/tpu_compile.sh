@@ -7,7 +7,8 @@
 # process takes a machine-wide lockfile and a second concurrent JAX process fails. So this
 # script keeps its own virtual environment, REPO_ROOT/.venv-tpu (created on first use, reused
 # after; it is git-ignored), installs the project with its test and tpu extras into it, and runs
-# tests/tpu there in a single process. Exits non-zero if anything fails, including a missing
+# tests/tpu there, in two worker processes (ALLOW_MULTIPLE_LIBTPU_LOAD lets both load libtpu: they
+# only compile, no TPU is opened). Exits non-zero if anything fails, including a missing
 # libtpu: these tests must run, never skip.
 set -euo pipefail
 
@@ -23,4 +24,5 @@ fi
 
 cd "$root"
 # addopts cleared: the project's default options ignore tests/tpu for the main run.
-exec "$venv/bin/python" -m pytest tests/tpu -q -p no:cacheprovider -o addopts=""
+export ALLOW_MULTIPLE_LIBTPU_LOAD=1
+exec "$venv/bin/python" -m pytest tests/tpu -q -p no:cacheprovider -o addopts="" -n 2 --dist loadfile
