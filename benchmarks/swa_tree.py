@@ -36,8 +36,10 @@ PAGE_SIZES = (1, 16)
 
 
 def swa_ops(tree: SWARadixCache) -> wl.TreeOps:
-    """`TreeOps` for an ``SWARadixCache``: receipts for the locks, FULL eviction (with its SWA
-    cascade) back to the FULL capacity."""
+    """`TreeOps` for an ``SWARadixCache`` (receipts for the locks, FULL eviction with its SWA
+    cascade back to the FULL capacity) or a ``PureSWARadixCache`` (its one pool's eviction and
+    sizes)."""
+    pure = isinstance(tree, PureSWARadixCache)
 
     def match(tokens):
         m = tree.match_prefix(tokens)
@@ -48,25 +50,8 @@ def swa_ops(tree: SWARadixCache) -> wl.TreeOps:
         lock=tree.inc_lock_ref,
         unlock=lambda _node, receipt: tree.dec_lock_ref(receipt),
         insert=lambda tokens, values: tree.insert(tokens, values),
-        evict=lambda n: tree.evict(n, 0)[0],
-        cached_size=lambda: tree.full_evictable_size() + tree.full_protected_size(),
-    )
-
-
-def pure_swa_ops(tree: PureSWARadixCache) -> wl.TreeOps:
-    """`TreeOps` for a ``PureSWARadixCache``: its one pool's sizes and eviction."""
-
-    def match(tokens):
-        m = tree.match_prefix(tokens)
-        return m.prefix_len, m.last_node
-
-    return wl.TreeOps(
-        match=match,
-        lock=tree.inc_lock_ref,
-        unlock=lambda _node, receipt: tree.dec_lock_ref(receipt),
-        insert=lambda tokens, values: tree.insert(tokens, values),
-        evict=tree.evict,
-        cached_size=lambda: tree.total_size(),
+        evict=tree.evict if pure else lambda n: tree.evict(n, 0)[0],
+        cached_size=lambda: tree.total_size() if pure else tree.full_evictable_size() + tree.full_protected_size(),
     )
 
 
@@ -103,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             pure = run(
                 lambda p: PureSWARadixCache(page_size=p, sliding_window_size=args.window),
-                pure_swa_ops,
+                swa_ops,
                 stream,
                 ps,
                 args.repeats,

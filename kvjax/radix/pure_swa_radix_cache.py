@@ -40,14 +40,12 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import request_row
-from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.keys import as_slot_array
 from kvjax.radix.swa_component import SWAComponent
 from kvjax.radix.swa_radix_cache import SWARadixCache
 
 if TYPE_CHECKING:
-    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
-    from kvjax.radix.events import EventSink
+    from kvjax.protocols import AllocatorProtocol
     from kvjax.radix.node import TreeNode
     from kvjax.request import Req
 
@@ -160,44 +158,6 @@ class PureSWARadixCache(SWARadixCache):
     """
 
     trash_in_values = True
-
-    def __init__(
-        self,
-        page_size: int = 1,
-        sliding_window_size: int | None = None,
-        eviction_policy: str | EvictionPolicy = "lru",
-        *,
-        allocator: AllocatorProtocol | None = None,
-        token_to_kv_pool_allocator: AllocatorProtocol | None = None,
-        req_to_token_pool: ReqToTokenPoolProtocol | None = None,
-        is_eagle: bool = False,
-        enable_kv_cache_events: bool = False,
-        event_sink: EventSink | None = None,
-        enable_metrics: bool = False,
-        hash_seed: int | bytes | str = 0,
-        eviction_policy_config: dict | None = None,
-    ) -> None:
-        if (
-            allocator is not None
-            and token_to_kv_pool_allocator is not None
-            and allocator is not token_to_kv_pool_allocator
-        ):
-            raise ConfigError("allocator", "two allocators", "give allocator= or token_to_kv_pool_allocator=, not both")
-        alloc = allocator if allocator is not None else token_to_kv_pool_allocator
-        self.pool_allocator = alloc
-        super().__init__(
-            page_size,
-            sliding_window_size,
-            eviction_policy,
-            allocator=alloc,  # type: ignore[arg-type]
-            req_to_token_pool=req_to_token_pool,
-            is_eagle=is_eagle,
-            enable_kv_cache_events=enable_kv_cache_events,
-            event_sink=event_sink,
-            enable_metrics=enable_metrics,
-            hash_seed=hash_seed,
-            eviction_policy_config=eviction_policy_config,
-        )
 
     def _check_allocator(self, alloc: Any, page_size: int) -> None:
         if alloc is None:

@@ -138,7 +138,7 @@ def create_tree_cache(
             sliding_window_size=getattr(plan, "sliding_window_size", None),
             eviction_policy=plan.radix_eviction_policy or "lru",
             req_to_token_pool=req_to_token_pool,
-            allocator=token_to_kv_pool_allocator,
+            allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]  # a plain allocator (see _check_allocator)
             is_eagle=bool(plan.is_eagle),
             enable_kv_cache_events=bool(plan.enable_kv_cache_events),
             event_sink=event_sink,
