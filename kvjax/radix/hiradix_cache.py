@@ -142,7 +142,8 @@ class HiRadixCache(RadixCache):
         return True if self.storage is None else self.storage.check_prefetch_progress(rid)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free host copies of host-only leaves (LRU); returns host slots freed."""
+        """Free host copies (under write_back, those of device nodes first; then host-only
+        leaves, LRU); returns host slots freed."""
         return self.host.evict_host(num_tokens)
 
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> int:

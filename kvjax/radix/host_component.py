@@ -19,12 +19,19 @@ Rules (``sglang-0.5.23-hybrid-trees.md``, host tier; the hooks that carry them a
   eviction of their nodes. A split of a pending node shares the transfer between both parts.
 * **device eviction** demotes a backed-up leaf (``keeps_node`` True: device slots freed, node kept
   host-only) and deletes one without a host copy.
-* **evict_host** (``tree.evict({"host": n})``) frees only host-only leaves, least recently used
-  first (``node.last_access``), never host copies of device nodes; a parent left a childless
-  host-only node becomes a candidate. Making room for a new backup runs the same walk.
+* **evict_host** (``tree.evict({"host": n})``) frees host-only leaves, least recently used
+  first (``node.last_access``); a parent left a childless host-only node becomes a candidate.
+  Under ``write_back`` it first reclaims host copies of nodes still on the device (SGLang's
+  ``_reclaim_full_host_duplicates``): in the order they became such duplicates (a landed
+  write-back backup, a revive by insert, a completed load, a split), two passes, the first
+  sparing unlocked device leaves; never a copy a pending load reads or a load-back in
+  preparation protects. Under the write-through policies a device node's host copy is never
+  freed. Making room for a new backup (and :meth:`alloc_held`) runs the same eviction.
 * **match.** ``finalize_match`` reports ``host_hit_length``: the key elements of the host-only
   nodes below the device match that carry a host copy, contiguously from the device match, and
-  ``last_host_node``, the deepest of them (the device match's node when there are none).
+  ``last_host_node``, the deepest of them (the device match's node when there are none). Those
+  of the walk's host-only nodes count in ``full_kv_hit_length`` (FULL KV on device or host,
+  SGLang's meaning); ``device_kv_hit_length`` keeps the device part.
 * **load_back** (all or nothing, at least ``load_back_threshold`` = 10 elements, at most
   ``mem_quota`` when given): device slots for the whole host-only chain, evicting device leaves
   first when short (the chain's device ancestor is locked meanwhile, the chain protected from
@@ -43,7 +50,8 @@ host hit (the loadable chain stops above it) and leaves the tree with its last c
 for ``write_through_selective`` are per insert walk (SGLang skips chunked-prefill inserts).
 
 Sizes (host tokens): evictable = host copies of host-only nodes not protected by a load in
-progress; protected = host copies of device nodes (pending backups included); held = slots
+progress; protected = host copies of device nodes (pending backups included; under write_back
+host eviction may still reclaim the settled ones); held = slots
 taken outside the tree (:meth:`alloc_held`: retraction backups). Invariant:
 ``host_allocator.available_size() + evictable + protected + held == host_allocator.size``.
 """
@@ -74,13 +82,15 @@ LOAD_BACK_THRESHOLD = 10
 
 class HostData:
     """A node's host copy: ``slots`` (int32 host slot ids, one per key element), the pending
-    backup writing them (None once landed), and how many load-backs protect it."""
+    backup writing them (None once landed), the pending load reading them (None when none), and
+    how many load-backs or prefetches in preparation protect it."""
 
-    __slots__ = ("slots", "transfer", "host_ref")
+    __slots__ = ("slots", "transfer", "loading", "host_ref")
 
     def __init__(self, slots: np.ndarray, transfer: PendingTransfer | None = None) -> None:
         self.slots = slots
         self.transfer = transfer
+        self.loading: PendingTransfer | None = None
         self.host_ref = 0
 
 
@@ -141,6 +151,11 @@ class HostTierComponent(TreeComponent):
         self._holders: set[TreeNode] = set()
         self._hits: dict[TreeNode, int] = {}
         self._writes: list[PendingTransfer] = []
+        # write_back: nodes that became device + host copies, in the order they did (SGLang's
+        # ``full_host_duplicates``: insertion order, entries left stale until a reclaim walks
+        # them or the node leaves the tree); host eviction reclaims them first.
+        self._duplicates: dict[TreeNode, None] = {}
+        self.reclaimed_duplicates = 0  # host tokens freed from device nodes (write_back)
         self._loads: list[PendingTransfer] = []
         self.failed_backups = 0
         self.skipped_backups = 0  # host pool full even after host eviction
@@ -180,6 +195,54 @@ class HostTierComponent(TreeComponent):
         self._set(node, None)
         self.host_allocator.free(data.slots)
         return int(data.slots.size)
+
+    # -- write_back: host copies of device nodes ------------------------------------------------
+
+    def _settled_duplicate(self, node: TreeNode) -> bool:
+        """``node`` is on the device and holds a landed host copy no transfer uses."""
+        data = self.data(node)
+        return data is not None and node.value is not None and data.transfer is None and data.loading is None
+
+    def _track_duplicate(self, node: TreeNode) -> None:
+        """Under write_back, register ``node`` where it can become a settled duplicate (a landed
+        write-back backup, a revive by insert, a completed load, a split); an entry already
+        there keeps its place (SGLang's ``setdefault``)."""
+        if self.write_policy != "write_back":
+            return
+        if self._settled_duplicate(node):
+            self._duplicates.setdefault(node, None)
+        else:
+            self._duplicates.pop(node, None)
+
+    def _reclaim_duplicates(self, num_tokens: int) -> int:
+        """Free host copies of device nodes, in registration order, until ``num_tokens`` host
+        slots are freed (SGLang's ``_reclaim_full_host_duplicates``): a first pass spares the
+        unlocked device leaves (the next device eviction would demote them onto that copy), a
+        second takes them too. A copy a transfer uses or a load-back protects (``host_ref``) is
+        skipped. Returns the host slots freed."""
+        freed = 0
+        swept: list[TreeNode] = []
+        leaves = self.tree._leaves  # FULL's unlocked device leaves
+        for spare_leaves in (True, False):
+            if freed >= num_tokens:
+                break
+            for node in self._duplicates:
+                if freed >= num_tokens:
+                    break
+                data = self.data(node)
+                if data is None or node.value is None:
+                    swept.append(node)  # stale: demoted, or its copy is gone
+                    continue
+                if spare_leaves and node in leaves:
+                    continue
+                if data.transfer is not None or data.loading is not None or data.host_ref:
+                    continue
+                freed += self._drop(node)
+                swept.append(node)
+        for node in swept:
+            self._duplicates.pop(node, None)
+        self.reclaimed_duplicates += freed
+        return freed
 
     def _alloc_host(self, n: int) -> np.ndarray | None:
         slots = self.host_allocator.alloc(n)
@@ -268,6 +331,7 @@ class HostTierComponent(TreeComponent):
         if self.on_backup is not None:
             self.on_backup(node)
         self._set(node, HostData(slots))
+        self._track_duplicate(node)  # stale once the caller demotes it; kept for its place
         if self.on_backup_landed is not None:
             self.on_backup_landed(node)
         return True
@@ -277,6 +341,8 @@ class HostTierComponent(TreeComponent):
     def on_insert_overlap(self, node: TreeNode, payload: Any, revived: bool) -> None:
         if self.write_policy != "write_back":
             self._hit(node)
+        elif revived:
+            self._track_duplicate(node)
 
     def on_new_node(self, node: TreeNode, payload: Any) -> None:
         if self.write_policy != "write_back":
@@ -291,15 +357,31 @@ class HostTierComponent(TreeComponent):
             return
         part = HostData(data.slots[:k], data.transfer)
         part.host_ref = data.host_ref
+        part.loading = data.loading  # loading_check walks up from the load's last node to it
         data.slots = data.slots[k:]
         if data.transfer is not None:
             data.transfer.nodes.append(parent)
         self._set(parent, part)
+        self._track_duplicate(parent)
 
     # -- hooks: match ---------------------------------------------------------------------------
 
     def finalize_match(self, result: ComponentMatchResult) -> None:
         root = self.tree.root
+        # full_kv_hit_length: the host-only nodes below the device walk that carry a host copy,
+        # contiguously (the walk's host-only nodes lie below all its device nodes).
+        host_only = []
+        n = result.walk_node
+        while n is not root and n.value is None:
+            host_only.append(n)
+            n = n.parent
+        on_host = 0
+        for n in reversed(host_only):
+            if self.data(n) is None:
+                break
+            on_host += n.klen
+        if on_host:
+            result.add_host_kv_hit(on_host)
         last = result.last_node
         below = []
         n = result.walk_node
@@ -326,6 +408,7 @@ class HostTierComponent(TreeComponent):
 
     def on_delete(self, node: TreeNode) -> int:
         self._hits.pop(node, None)
+        self._duplicates.pop(node, None)
         data = self.data(node)
         if data is not None and data.transfer is not None:
             raise AssertionError(f"node {node.id} deleted while its backup is pending (it is locked)")
@@ -335,13 +418,18 @@ class HostTierComponent(TreeComponent):
         return self.evict_host(amount)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free host copies of host-only leaves, least recently used first, until ``num_tokens``
-        host slots are freed or none is left; returns the host slots freed."""
+        """Free host copies until ``num_tokens`` host slots are freed or none is left; returns
+        the host slots freed. Under write_back, host copies of device nodes go first
+        (:meth:`_reclaim_duplicates`); then, under every policy, host-only leaves, least
+        recently used first (a parent left a childless host-only node joins them). Under the
+        write-through policies a device node's host copy is never freed here."""
         if num_tokens <= 0:
             return 0
+        freed = self._reclaim_duplicates(num_tokens) if self.write_policy == "write_back" else 0
+        if freed >= num_tokens:
+            return freed
         heap = [(n.last_access, n.id, n) for n in self._holders if self._host_evictable_leaf(n)]
         heapq.heapify(heap)
-        freed = 0
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             if not self._host_evictable_leaf(node):
@@ -367,6 +455,7 @@ class HostTierComponent(TreeComponent):
         for node in list(self._holders):
             self._drop(node)
         self._hits.clear()
+        self._duplicates.clear()
 
     # -- polling --------------------------------------------------------------------------------
 
@@ -410,6 +499,16 @@ class HostTierComponent(TreeComponent):
             if status is TransferStatus.FAILED:
                 raise RuntimeError("a started load failed; the copy engine broke its contract")
             done += 1
+            # Bottom-up from the load's last node, as SGLang's finish_load_back registers them;
+            # split parts above it carry the same transfer.
+            n = p.nodes[-1]
+            root = self.tree.root
+            while n is not root:
+                data = self.data(n)
+                if data is not None and data.loading is p:
+                    data.loading = None
+                    self._track_duplicate(n)
+                n = n.parent
             self.tree.dec_lock_ref(p.receipt)
         self._loads = still
         return done
@@ -488,7 +587,10 @@ class HostTierComponent(TreeComponent):
                 off += n.klen
             if self.after_revive is not None:
                 self.after_revive(chain)
-            self._loads.append(PendingTransfer("load", handle, tree.inc_lock_ref(chain[-1]), chain))
+            pending = PendingTransfer("load", handle, tree.inc_lock_ref(chain[-1]), chain)
+            for d in datas:
+                d.loading = pending  # its host copy is being read: not reclaimable until landed
+            self._loads.append(pending)
             return total
         finally:
             for d in datas:
@@ -510,9 +612,18 @@ class HostTierComponent(TreeComponent):
     def check_invariants(self) -> None:
         from kvjax.radix.tree import TreeInvariantError
 
-        holders = {n for n in self.tree.nodes() if self.data(n) is not None}
+        nodes = set(self.tree.nodes())
+        holders = {n for n in nodes if self.data(n) is not None}
         if holders != self._holders:
             raise TreeInvariantError("host: the holder set and the nodes with a host copy differ")
+        if any(n not in nodes for n in self._duplicates):
+            raise TreeInvariantError("host: a node that left the tree is still registered as a duplicate")
+        if self.write_policy == "write_back":
+            for n in holders:
+                if self._settled_duplicate(n) and n not in self._duplicates:
+                    raise TreeInvariantError(f"host: node {n.id} is on device and host but not registered")
+        elif self._duplicates:
+            raise TreeInvariantError(f"host: {len(self._duplicates)} duplicates registered under {self.write_policy}")
         slots = [self.data(n).slots for n in holders]
         for n in holders:
             data = self.data(n)
@@ -520,6 +631,8 @@ class HostTierComponent(TreeComponent):
                 raise TreeInvariantError(f"host: node {n.id} has {data.slots.size} host slots for {n.klen}")
             if data.transfer is not None and (not n.lock_ref or n not in data.transfer.nodes):
                 raise TreeInvariantError(f"host: node {n.id} has a pending backup but is not locked by it")
+            if data.loading is not None and (not n.lock_ref or n.value is None or data.loading not in self._loads):
+                raise TreeInvariantError(f"host: node {n.id} is being loaded but is not a locked device node")
         if slots:
             allv = np.concatenate(slots)
             if np.unique(allv).size != allv.size:

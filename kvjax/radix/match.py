@@ -22,9 +22,10 @@ class MatchResult:
 
     Component results (SGLang 0.5.23's extra ``MatchResult`` fields). Components may shorten a
     match (``shorten_to``) and add results under their name in :attr:`extras` (a state slot to
-    copy on write, a host-hit length). :attr:`full_kv_hit_length` is the FULL-only device match
-    before any component shortened it; :attr:`walk_node` the deepest node the walk reached,
-    host-only nodes included (``last_node`` without host-only nodes).
+    copy on write, a host-hit length). :attr:`full_kv_hit_length` is SGLang's: the FULL KV the
+    walk found on the device or the host, before any component shortened the match;
+    :attr:`device_kv_hit_length` the device part of it alone; :attr:`walk_node` the deepest node
+    the walk reached, host-only nodes included (``last_node`` without host-only nodes).
 
     Lazy indices. A tree match builds the result from the matched nodes' slot arrays and only
     concatenates them when ``indices`` is first read: callers that just lock ``last_node``
@@ -60,7 +61,14 @@ class MatchResult:
 
     @property
     def full_kv_hit_length(self) -> int:
-        """Key elements the FULL component matched on device, before components shortened it."""
+        """Key elements of FULL KV available on the device or the host, before components
+        shortened the match (SGLang 0.5.23's meaning; without a host tier, the device match)."""
+        return self.prefix_len
+
+    @property
+    def device_kv_hit_length(self) -> int:
+        """Key elements of FULL KV on the device, before components shortened the match
+        (``full_kv_hit_length`` less what only the host holds)."""
         return self.prefix_len
 
     @property
@@ -114,8 +122,9 @@ class ComponentMatchResult(MatchResult):
     results (:attr:`extras`). A subclass so that the FULL-only hot path builds no more than
     :class:`MatchResult`."""
 
-    __slots__ = ("_extras", "_full", "_walk")
+    __slots__ = ("_dev", "_extras", "_full", "_walk")
     _extras: dict[str, Any]
+    _dev: int
     _full: int
     _walk: Any
 
@@ -131,6 +140,7 @@ class ComponentMatchResult(MatchResult):
         r.last_node = last_node
         r.prefix_len = prefix_len
         r._extras = {}
+        r._dev = prefix_len
         r._full = prefix_len
         r._walk = walk_node
         return r
@@ -142,6 +152,17 @@ class ComponentMatchResult(MatchResult):
     @property
     def full_kv_hit_length(self) -> int:
         return self._full
+
+    @property
+    def device_kv_hit_length(self) -> int:
+        return self._dev
+
+    def add_host_kv_hit(self, n: int) -> None:
+        """A host tier holds FULL KV for ``n`` more key elements right below the device walk:
+        they count in ``full_kv_hit_length`` (not in the device match)."""
+        if n < 0:
+            raise ValueError(f"add_host_kv_hit: n={n} must be >= 0")
+        self._full += n
 
     @property
     def walk_node(self) -> Any:

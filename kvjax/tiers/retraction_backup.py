@@ -10,7 +10,7 @@ prefill then starts at ``kv_len``.
 Modes (the plan's ``decode_retraction_backup``):
 
 * ``host_pool``: the pages go to the host tier's pool (slots *held* outside the tree,
-  ``HostTierComponent.alloc_held``; host-only leaves are evicted to make room) through the copy
+  ``HostTierComponent.alloc_held``; host eviction makes room) through the copy
   engine, asynchronously; a restore waits for that backup. A host pool that cannot make room
   skips the backup (SGLang aborts the request there; kvjax recomputes it). The restore's load
   may read the held slots in place until it lands, so they are freed by :meth:`poll` once it has

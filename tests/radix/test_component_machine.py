@@ -194,7 +194,7 @@ class ComponentMachine(PrefixStateMachine):
             if len(pos[1]) <= dev and pos in self.states:
                 best = len(pos[1])
         extras = m.extras["state"]
-        assert m.full_kv_hit_length == dev, (m.full_kv_hit_length, dev)
+        assert m.full_kv_hit_length == m.device_kv_hit_length == dev, (m.full_kv_hit_length, dev)
         assert m.prefix_len == best, (m.prefix_len, best, dev)
         assert extras["host_hit_length"] == walk - dev
         expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos] or ()]

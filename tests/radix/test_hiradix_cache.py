@@ -190,6 +190,118 @@ def test_evict_host_frees_only_host_only_leaves_lru():
     balanced(tree, alloc)
 
 
+# --- write_back reclaims host copies of device nodes (SGLang's _reclaim_full_host_duplicates) ----
+
+
+@pytest.mark.parametrize("policy,freed", [("write_back", 12), ("write_through", 0), ("write_through_selective", 0)])
+def test_evict_host_after_a_load_back_reclaims_the_copy_only_under_write_back(policy, freed):
+    # Page 1, device 64, host ratio 2: insert [1..12]; evict(100); match and load back; poll;
+    # evict_host(100). SGLang 0.5.23 frees 12 under write_back (the node is on both tiers).
+    tree, alloc, engine = device_tree(64, 1, host_pool_tokens(64, 1, hicache_ratio=2.0), policy)
+    key = list(range(1, 13))
+    put(tree, alloc, engine, key)
+    if policy == "write_through_selective":
+        put(tree, alloc, engine, key)  # the second hit backs it up
+    tree.check_transfers()
+    assert tree.evict(100) == 12
+    m = tree.init_load_back(tree.match_prefix(key))
+    assert m.prefix_len == 12
+    tree.check_transfers()
+    node = m.last_node
+    assert tree.evict_host(100) == freed
+    assert (tree.host.data(node) is None) == (freed == 12)
+    assert tree.host_allocator.available_size() == 129 - 12 + freed
+    after = tree.match_prefix(key)
+    assert (after.prefix_len, after.host_hit_length, after.last_node) == (12, 0, node)
+    balanced(tree, alloc)
+    if policy == "write_back":
+        assert tree.evict(100) == 12  # backed up again at eviction, from the device copy
+        assert tree.match_prefix(key).host_hit_length == 12
+        assert [engine.host[int(x)] for x in tree.host.data(node).slots] == key
+        balanced(tree, alloc)
+
+
+def test_write_back_backup_reclaims_host_room_from_a_device_node():
+    # Device 32, host ratio 0.5 (17 host slots): insert [1..12]; evict(100); insert [20..27];
+    # insert [1..12]; evict(8). [1..12] is on both tiers; backing [20..27] up needs 3 more host
+    # slots and reclaims its copy: 9 host slots free, [20..27] a host hit of 8 (SGLang 0.5.23).
+    tree, alloc, engine = device_tree(32, 1, host_pool_tokens(32, 1, hicache_ratio=0.5), "write_back")
+    assert tree.host_allocator.size == 17
+    put(tree, alloc, engine, range(1, 13))
+    assert tree.evict(100) == 12
+    put(tree, alloc, engine, range(20, 28))
+    put(tree, alloc, engine, range(1, 13))  # revives the host-only [1..12], keeping its copy
+    assert tree.evict(8) == 8
+    assert tree.host_allocator.available_size() == 9
+    assert tree.host.skipped_backups == 0 and tree.host.reclaimed_duplicates == 12
+    m = tree.match_prefix(list(range(20, 28)))
+    assert (m.prefix_len, m.host_hit_length, m.full_kv_hit_length) == (0, 8, 8)
+    assert tree.match_prefix(list(range(1, 13))).prefix_len == 12  # still on the device
+    balanced(tree, alloc)
+
+
+def test_write_back_reclaim_spares_device_leaves_in_its_first_pass():
+    tree, alloc, engine = device_tree(policy="write_back")
+    leaf_key, inner_key = list(range(30, 42)), list(range(1, 13))
+    put(tree, alloc, engine, leaf_key)
+    put(tree, alloc, engine, inner_key)
+    assert tree.evict(100) == 24  # leaf_key (older) is backed up first: first in reclaim order
+    for key in (leaf_key, inner_key):
+        assert tree.init_load_back(tree.match_prefix(key)).prefix_len == 12
+    tree.check_transfers()
+    put(tree, alloc, engine, inner_key + [13, 14, 15, 16])  # inner_key's node has a device child now
+    leaf, inner = tree.match_prefix(leaf_key).last_node, tree.match_prefix(inner_key).last_node
+    assert tree.evict_host(1) == 12  # the first pass skips the device leaf
+    assert tree.host.data(inner) is None and tree.host.data(leaf) is not None
+    assert tree.evict_host(1) == 12  # the second pass takes it
+    assert tree.host.data(leaf) is None
+    balanced(tree, alloc)
+
+
+def test_write_back_never_reclaims_a_copy_a_pending_load_reads():
+    tree, alloc, engine = device_tree(policy="write_back")
+    key = list(range(1, 13))
+    put(tree, alloc, engine, key)
+    tree.evict(100)
+    m = tree.init_load_back(tree.match_prefix(key))
+    assert tree.host.pending_loads == 1
+    assert tree.evict_host(100) == 0  # in flight: locked, host copy kept
+    tree.check_transfers()
+    assert tree.evict_host(100) == 12
+    assert tree.host.data(m.last_node) is None
+    balanced(tree, alloc)
+
+
+def test_write_back_reclaims_for_a_retraction_hold():
+    tree, alloc, engine = device_tree(32, 1, 17, "write_back")
+    key = list(range(1, 13))
+    put(tree, alloc, engine, key)
+    tree.evict(100)
+    tree.init_load_back(tree.match_prefix(key))
+    tree.check_transfers()
+    held = tree.host.alloc_held(10)  # 5 free: the device node's copy makes room
+    assert held is not None and tree.host.held_tokens == 10
+    tree.host.free_held(held)
+    assert tree.host_allocator.available_size() == 17
+
+
+# --- full_kv_hit_length: FULL KV on the device or the host -----------------------------------------
+
+
+def test_full_kv_hit_length_counts_host_only_kv():
+    tree, alloc, engine = device_tree()
+    put(tree, alloc, engine, range(1, 13))
+    tree.check_transfers()
+    tree.evict(100)  # demoted
+    m = tree.match_prefix(list(range(1, 13)))
+    assert (m.prefix_len, m.device_kv_hit_length, m.full_kv_hit_length, m.host_hit_length) == (0, 0, 12, 12)
+    put(tree, alloc, engine, range(1, 5))  # [1..4] back on the device, [5..12] host-only
+    tree.check_transfers()
+    m = tree.match_prefix(list(range(1, 9)) + [99])
+    assert (m.prefix_len, m.device_kv_hit_length, m.full_kv_hit_length, m.host_hit_length) == (4, 4, 8, 4)
+    assert tree.match_prefix([99, 1]).full_kv_hit_length == 0
+
+
 def test_room_for_a_new_backup_deletes_the_lru_host_only_node():
     tree, alloc, engine = device_tree(host=20)
     put(tree, alloc, engine, range(1, 11))

@@ -6,7 +6,10 @@ node's tokens: nothing is lost or mixed up by demotion, load-back, host eviction
 or failed loads. After every step: the tree's and every component's invariants, and
 ``available + cached (+ held by locks) == capacity`` for the device allocator and the host pool.
 A naive model (the set of inserted keys) checks that every device match plus host hit is a
-prefix of an inserted key.
+prefix of an inserted key, and so is ``full_kv_hit_length`` (FULL KV on device or host). Every
+host eviction, write_back's reclaim of host copies of device nodes included, is checked by
+``host_eviction_check.py``; the write_back rules below make such copies (load-backs, inserts
+over host-only nodes) and fill the host pool so that backups must reclaim room.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvjax.alloc import make_allocator
 from kvjax.radix import HiRadixCache
 from kvjax.tiers import SimulatedCopyEngine
+from tests.radix.host_eviction_check import check_host_evictions
 
 PAGE = 2
 keys = st.lists(st.integers(1, 3), min_size=PAGE, max_size=10).map(lambda k: k[: len(k) - len(k) % PAGE])
@@ -40,14 +44,18 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]))
     def choose_policy(self, policy):
+        self._build(policy, 24)
+
+    def _build(self, policy, host_tokens):
         self.tree = HiRadixCache(
             page_size=PAGE,
             token_to_kv_pool_allocator=self.alloc,
-            host_pool_tokens=24,
+            host_pool_tokens=host_tokens,
             copy_engine=self.engine,
             write_policy=policy,
             load_back_threshold=4,
         )
+        check_host_evictions(self.tree)
 
     @rule(key=keys, poll_first=st.booleans())
     def insert(self, key, poll_first):
@@ -96,6 +104,9 @@ class HostTierMachine(RuleBasedStateMachine):
         m = tree.match_prefix(list(key))
         reach = m.prefix_len + m.host_hit_length
         assert any(k[:reach] == tuple(key[:reach]) for k in self.inserted) or reach == 0
+        # No component shortens this tree's match: the hit on device or host is the device match
+        # plus the host hit.
+        assert (m.device_kv_hit_length, m.full_kv_hit_length) == (m.prefix_len, reach)
         before = m.prefix_len
         m = tree.init_load_back(m)
         if m.prefix_len > before:
@@ -116,6 +127,21 @@ class HostTierMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 20))
     def evict_host(self, n):
         self.tree.evict_host(n)
+
+    @precondition(lambda self: self.inserted)
+    @rule(which=st.integers(0, 50), fresh=keys, n=st.integers(1, 20), host_first=st.booleans())
+    def demote_revive_then_evict(self, which, fresh, n, host_first):
+        """Demote everything, insert a seen key over its host-only nodes (under write_back they
+        now hold device and host copies) and a fresh one, then evict host copies, or device
+        leaves (write_back backs them up into a fuller host pool, reclaiming room)."""
+        self.tree.check_transfers()
+        self.tree.evict(self.alloc.size)
+        self._insert(list(self.inserted[which % len(self.inserted)]), False)
+        self._insert(fresh, False)
+        if host_first:
+            self.tree.evict_host(n)
+        else:
+            self.tree.evict(n)
 
     @rule(wait=st.booleans())
     def poll(self, wait):
@@ -155,3 +181,16 @@ class HostTierMachine(RuleBasedStateMachine):
 
 HostTierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestHostTierMachine = HostTierMachine.TestCase
+
+
+class WriteBackMachine(HostTierMachine):
+    """The same rules under write_back only, with host pools from smaller than the device pool
+    to larger, so that host eviction and backups must reclaim host copies of device nodes."""
+
+    @initialize(host_tokens=st.sampled_from([8, 16, 24]))
+    def choose_policy(self, host_tokens):
+        self._build("write_back", host_tokens)
+
+
+WriteBackMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestWriteBackMachine = WriteBackMachine.TestCase

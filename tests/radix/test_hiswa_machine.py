@@ -6,6 +6,8 @@ rule, locks, early SWA releases, evictions of both pools) plus the host tier's: 
 transfers, host eviction, and load-backs of host hits. After every step: every component's
 invariants, the allocator's, and ``available + evictable + protected == capacity`` for the full
 pool, the SWA pool and the host pool. A load-back's match ends where the naive SWA rule says.
+Every host eviction (write_back's reclaim of host copies of device nodes included) is checked by
+``host_eviction_check.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
 from kvjax.radix import HiSWARadixCache
+from tests.radix.host_eviction_check import check_host_evictions
 from tests.radix.test_swa_machine import SWATreeMachine
 
 
@@ -39,6 +42,7 @@ class HiSWATreeMachine(SWATreeMachine):
             write_policy=policy,
             load_back_threshold=1,
         )
+        check_host_evictions(self.tree)
         self.receipts: list = []
         self.keys: list[list[int]] = []
 
@@ -54,6 +58,9 @@ class HiSWATreeMachine(SWATreeMachine):
     def load_back(self, data: st.DataObject) -> None:
         key = self.key(data)
         m = self.tree.match_prefix(key)
+        # SWA may shorten the device match; FULL KV on device or host covers both hits.
+        assert m.device_kv_hit_length >= m.prefix_len
+        assert m.full_kv_hit_length >= max(m.device_kv_hit_length, m.prefix_len + m.host_hit_length)
         if not m.host_hit_length:
             return
         loaded = self.tree.init_load_back(m)
@@ -64,6 +71,20 @@ class HiSWATreeMachine(SWATreeMachine):
         assert again.prefix_len >= loaded.prefix_len  # the loaded window is live SWA
         expect, _ = self.naive_match(key)
         assert again.prefix_len == expect
+
+    @rule(data=st.data())
+    def demote_all_then_reuse(self, data: st.DataObject) -> None:
+        """Demote what FULL can evict (write_back backs it up now), bring a key back (a load-back,
+        or an insert over host-only nodes), poll, and evict host copies: under write_back the
+        nodes brought back hold device and host copies, which host eviction reclaims first."""
+        self.tree.check_transfers(wait=True)
+        self.tree.evict(self.tree.evictable_size(), 0)
+        if data.draw(st.booleans()):
+            self.load_back(data)
+        else:
+            self.insert(data)
+        self.tree.check_transfers(wait=data.draw(st.booleans()))
+        self.tree.evict_host(data.draw(st.integers(1, 12)))
 
     @invariant()
     def host_balanced(self) -> None:

@@ -170,3 +170,18 @@ def test_insert_over_host_only_nodes_takes_the_incoming_pairs(evicted: int):
     assert t.match_prefix(list(range(1, 13))).indices.tolist() == slots.tolist()  # the tree took them all
     assert alloc.full_available_size() == 64 - 12 and alloc.swa_available_size() == 32 - (12 - evicted)
     assert balanced(t, alloc)
+
+
+def test_full_kv_hit_length_is_full_kv_on_device_or_host_whatever_swa_says():
+    t, alloc = tree()
+    slots = alloc.alloc(12)
+    alloc.free_swa(slots[:8])  # decode freed [0, 8): SWA live for [9..12] only
+    t.insert(list(range(1, 13)), slots, swa_evicted_seqlen=8)
+    assert balanced(t, alloc)
+    m = t.match_prefix(list(range(1, 11)))
+    assert (m.prefix_len, m.device_kv_hit_length, m.full_kv_hit_length) == (0, 10, 10)
+    t.check_transfers(wait=True)
+    t.evict(12, 0)  # demoted: FULL KV on the host only
+    m = t.match_prefix(list(range(1, 13)))
+    assert (m.prefix_len, m.device_kv_hit_length, m.full_kv_hit_length) == (0, 0, 12)
+    assert balanced(t, alloc)
