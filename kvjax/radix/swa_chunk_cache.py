@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
-from kvjax.radix.chunk_cache import ChunkCache, free_slots, request_row
+from kvjax.radix.chunk_cache import ChunkCache, free_row_segment, request_row
 from kvjax.radix.swa_radix_cache import check_swa_allocator
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class PureSWAChunkCache(ChunkCache):
         """Free ``[max(cache_protected_len, swa_evicted_seqlen), kv_len)``: decode freed the rest."""
         row = request_row(self.req_to_token_pool, req, "cache_finished_req")
         start = max(req.cache_protected_len, int(getattr(req, "swa_evicted_seqlen", 0)))
-        free_slots(self.token_to_kv_pool_allocator, row[start : req.kv_len()].copy())
+        free_row_segment(self.token_to_kv_pool_allocator, row[start : req.kv_len()].copy(), start)
         req.last_node = None
         req.lock_receipt = None
         req.swa_evicted_seqlen = 0
