@@ -95,9 +95,20 @@ class RecencyList:
 
     def move_to_end(self, item: Hashable) -> None:
         """Make the member ``item`` the most recent. Raises KeyError when it is not a member."""
-        if item is self._newest:
-            if item not in self._links:
-                raise KeyError(item)
-            return
-        self.remove(item)
-        self.append(item)
+        links = self._links
+        link = links[item]
+        newer = link[_NEWER]
+        if newer is None:
+            return  # already the most recent
+        # Unlink (inlined: this is the hot call of a match's window refresh), then relink last.
+        older = link[_OLDER]
+        if older is None:
+            self._oldest = newer
+        else:
+            links[older][_NEWER] = newer
+        links[newer][_OLDER] = older
+        newest = self._newest
+        links[newest][_NEWER] = item
+        link[_OLDER] = newest
+        link[_NEWER] = None
+        self._newest = item
