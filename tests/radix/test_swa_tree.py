@@ -365,3 +365,17 @@ def test_split_keeps_the_suffix_place_in_the_swa_recency_order():
     assert t.evict(0, 1) == (0, 7)
     assert shape(t) == [([1], True, 0), (list(range(2, 9)), False, 0), ([9, 10, 11, 12], True, 0)]
     t.sanity_check()
+
+
+def test_retraction_frees_the_out_of_window_part_first_each_in_row_order():
+    """0.5.23's ``free_kv_row_segments``: a released request's positions before its
+    ``swa_evicted_seqlen`` go back full-side only, first, then the rest; each is a row segment, so
+    the full free list starts with the live part's pages, then the out-of-window ones."""
+    h = SWAHarness(window=4, page_size=2)
+    r = h.start(list(range(100, 108)))  # full pages 1, 2, 3, 4
+    h.leave_window(r, 4)  # pages 1, 2 left the window
+    h.tree.cache_finished_req(r, is_insert=False)
+    assert h.alloc.full_attn_allocator.free_pages.tolist()[:4] == [3, 4, 1, 2]
+    assert r.req_pool_idx is not None
+    h.pool.free(r.req_pool_idx)
+    h.check()
