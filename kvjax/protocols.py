@@ -74,6 +74,12 @@ class AllocatorProtocol(Protocol):
         """Return slots (paged: their whole pages). Double frees and trash-page ids raise."""
         ...
 
+    def free_segment(self, free_index: Any, *, start_pos: int) -> None:
+        """Return the slots of one segment of a request's row (row positions from the page-aligned
+        ``start_pos``, in row order); paged: their pages in row order, unsorted. What the tree and
+        the request lifecycle free through (SGLang 0.5.23). Same errors as :meth:`free`."""
+        ...
+
     def free_group_begin(self) -> None:
         """Buffer frees until :meth:`free_group_end` returns them in one call."""
         ...

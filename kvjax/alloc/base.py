@@ -213,6 +213,8 @@ class BaseTokenToKVPoolAllocator:
         self._offsets = np.arange(page_size, dtype=np.int32)
         self._arange = np.arange(0, dtype=np.int32)
         self._group: list[np.ndarray] | None = None
+        # Segment frees buffered by an open group, in call order (paged allocator only).
+        self._group_segments: list[np.ndarray] = []
         self._num_used = 0
         self.clear()
 
@@ -246,6 +248,7 @@ class BaseTokenToKVPoolAllocator:
         self._is_free[0] = False
         self._is_pending[:] = False
         self._group = None
+        self._group_segments = []
         self._num_used = 0
 
     def merge_and_sort_free(self) -> None:
@@ -420,7 +423,8 @@ class BaseTokenToKVPoolAllocator:
             The slots, or None, handing out nothing, when too few pages are free. Under
             ``need_sort`` the release list is merged first whenever SGLang 0.5.23's estimate
             ``extend_tokens // page_size + batch + 1`` exceeds the free list, even if the call then
-            returns None.
+            returns None; at page size 1 (SGLang: ``alloc(extend_tokens)``) only when the tokens
+            themselves exceed it.
 
         Raises:
             InvalidSlotError: shapes differ, lengths are negative or decreasing, or
@@ -453,9 +457,10 @@ class BaseTokenToKVPoolAllocator:
             )
         self._check_last_loc(prefix, last, "alloc_extend")
         ps = self.page_size
-        estimate = total // ps + prefix.size + 1  # SGLang 0.5.23's merge trigger
         if ps == 1:
-            return self._take_pages(total, estimate)
+            # SGLang's page-1 extend is ``alloc(total)``: it merges only when total exceeds the free list.
+            return self._take_pages(total)
+        estimate = total // ps + prefix.size + 1  # SGLang 0.5.23's paged merge trigger
         return self._extend_paged(prefix, seq, last, ext, total, estimate)
 
     def _extend_paged(
@@ -600,6 +605,55 @@ class BaseTokenToKVPoolAllocator:
             return
         self._release_pages(pages)
 
+    def free_segment(self, free_index: Any, *, start_pos: int) -> None:
+        """Return one segment of a request's row: ``free_index`` are the slots of row positions
+        ``[start_pos, start_pos + len(free_index))``, in row order (a tree node's value, the tail
+        of a finished request, a retracted request's own part). SGLang 0.5.23's ``free_segment``,
+        which its tree and request lifecycle free through.
+
+        Token allocator: the same as :meth:`free`. Paged: the segment's pages are returned **in
+        row order** (first appearance), not sorted: prepended so that the segment's first page
+        is reused first; under ``need_sort`` they go to the release list (sorted at the merge).
+        Inside a free group they are checked now and, at :meth:`free_group_end`, prepended after
+        the group's plain frees (so they are reused first), as SGLang's ``free_page_ids`` group.
+        ``start_pos`` must be page aligned (the segment starts a page; its end may fall inside
+        one, whose whole page is freed). Empty input is a no-op.
+
+        Raises (allocator unchanged):
+            InvalidSlotError: ``start_pos`` negative or not page aligned; ids out of range or on
+                the trash page.
+            DoubleFreeError: ids already free (or pending in the open group); a page that
+                appears in two separate runs of the segment (paged), or an id given twice
+                (token allocator).
+        """
+        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+            raise InvalidSlotError(f"free_segment: start_pos must be a non-negative integer, got {start_pos!r}")
+        if start_pos % self.page_size:
+            raise InvalidSlotError(
+                f"free_segment: start_pos={start_pos} is not page aligned (page_size={self.page_size}); "
+                "a segment starts on a page boundary"
+            )
+        idx = as_index_array(free_index, "free_segment")
+        if idx.size == 0:
+            return
+        pages = self._segment_pages(idx)
+        if self._group is not None:
+            self._is_pending[pages] = True
+            self._buffer_segment(pages)
+            return
+        self._release_pages(pages)
+
+    def _segment_pages(self, idx: np.ndarray) -> np.ndarray:
+        """Validated page ids of a segment's token ids (non-empty), in row order; raises,
+        changing nothing. The token allocator's are its ``free`` pages (in the given order)."""
+        return self._pages_to_free(idx)
+
+    def _buffer_segment(self, pages: np.ndarray) -> None:
+        """Buffer a segment's validated pages in the open group: for the token allocator, like
+        any free (SGLang's token ``free_segment`` is its ``free``)."""
+        assert self._group is not None
+        self._group.append(pages)
+
     def _release_pages(self, pages: np.ndarray) -> None:
         """Return validated, distinct pages to the free (or release) list."""
         self._is_free[pages] = True
@@ -623,11 +677,16 @@ class BaseTokenToKVPoolAllocator:
         if self._group is None:
             raise RuntimeError("free_group_end without free_group_begin")
         group, self._group = self._group, None
-        if not group:
-            return
-        pages = self._group_pages(group)
-        self._is_pending[pages] = False
-        self._release_pages(pages)
+        segments, self._group_segments = self._group_segments, []
+        if group:
+            pages = self._group_pages(group)
+            self._is_pending[pages] = False
+            self._release_pages(pages)
+        if segments:
+            # After the plain frees, so the segments' pages end up first (SGLang's group order).
+            pages = np.concatenate(segments)
+            self._is_pending[pages] = False
+            self._release_pages(pages)
 
     def _group_pages(self, group: list[np.ndarray]) -> np.ndarray:
         """The pages of a group's buffered frees, in the order one ``free`` would return them."""
@@ -643,7 +702,8 @@ class BaseTokenToKVPoolAllocator:
 
         free = self._free.to_array()
         release = self._release.to_array()
-        pending = np.concatenate(self._group) if self._group else np.zeros(0, np.int32)
+        buffered = (self._group or []) + self._group_segments
+        pending = np.concatenate(buffered) if buffered else np.zeros(0, np.int32)
         listed = np.concatenate([free, release, pending]).astype(np.int64)
         if listed.size and (listed.min() < 1 or listed.max() > self.num_pages):
             fail(f"page ids outside 1..{self.num_pages} in the free lists")

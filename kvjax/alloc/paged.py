@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.alloc.base import BaseTokenToKVPoolAllocator, LifoFreeList
+from kvjax.alloc.base import BaseTokenToKVPoolAllocator, LifoFreeList, format_ids
+from kvjax.errors import DoubleFreeError
 
 __all__ = ["PagedTokenToKVPoolAllocator"]
 
@@ -16,6 +17,8 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     mode) and returns the slots of the first ``n / page_size`` free pages. ``free`` turns
     slot ids into their distinct pages and prepends them, ascending, to the free list, so the
     pages freed last are reused first (LIFO). Freeing any slot of a page frees the whole page.
+    ``free_segment`` (what the tree and the request lifecycle free through) prepends a row
+    segment's pages in row order instead, without sorting (SGLang 0.5.23).
     """
 
     _free_list_cls = LifoFreeList
@@ -27,6 +30,27 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         pages = np.unique(self._validate_slots(idx))
         self._check_not_free(pages)
         return pages.astype(np.int32)
+
+    def _segment_pages(self, idx: np.ndarray) -> np.ndarray:
+        # A segment holds each page in one run of consecutive ids (SGLang takes every
+        # page_size-th id); the first id of each run gives the pages in row order, no sort.
+        pages = self._validate_slots(idx)
+        if pages.size > 1:
+            starts = np.empty(pages.size, bool)
+            starts[0] = True
+            np.not_equal(pages[1:], pages[:-1], out=starts[1:])
+            pages = pages[starts]
+            dup = self._has_duplicates(pages)
+            if dup.any():
+                raise DoubleFreeError(
+                    "free_segment: pages appear in two separate runs of one segment (a segment lists "
+                    f"each page's slots together, in row order): {format_ids(np.unique(pages[dup]))}"
+                )
+        self._check_not_free(pages)
+        return pages.astype(np.int32)
+
+    def _buffer_segment(self, pages: np.ndarray) -> None:
+        self._group_segments.append(pages)
 
     def _group_pages(self, group: list[np.ndarray]) -> np.ndarray:
         return np.sort(np.concatenate(group))

@@ -440,6 +440,70 @@ class SWATokenToKVPoolAllocator:
             self._mapping[slots[live]] = 0
             self._version += 1
 
+    def free_segment(self, free_index: Any, *, start_pos: int) -> None:
+        """:meth:`free` for one segment of a request's row (``free_index`` in row order, row
+        positions from the page-aligned ``start_pos``): both sides return the segment's pages in
+        row order (SGLang's ``free_segment``, what the tree and the request lifecycle free
+        through; see ``BaseTokenToKVPoolAllocator.free_segment``). Full slots whose SWA part was
+        already freed free only their full part, as in :meth:`free`.
+
+        Raises (unchanged): what the full side's ``free_segment`` raises.
+        """
+        idx = as_index_array(free_index, "free_segment")
+        full_side = self.full_attn_allocator
+        if idx.size == 0:
+            full_side.free_segment(idx, start_pos=start_pos)  # still checks start_pos
+            return
+        pages = full_side._segment_pages(idx)  # validates, changes nothing
+        slots = self._full_pages_slots(pages.astype(np.int64))
+        swa = self._mapping[slots]
+        live = swa > 0
+        full_side.free_segment(idx, start_pos=start_pos)
+        if live.any():
+            # A paired full page maps whole onto one SWA page, offsets in order: an SWA segment.
+            self.swa_attn_allocator.free_segment(swa[live], start_pos=0)
+            self._mapping[slots[live]] = 0
+            self._version += 1
+
+    def free_swa_segment(self, free_index: Any, *, start_pos: int) -> None:
+        """:meth:`free_swa` for one segment of a request's row (row order, page-aligned
+        ``start_pos``): the SWA pages go back in row order (SGLang's ``free_swa_segment``: SWA
+        tombstoning in the tree, a request's out-of-window positions).
+
+        Raises (unchanged): InvalidSlotError for a ``start_pos`` not page aligned and what
+        :meth:`free_swa` raises.
+        """
+        idx = as_index_array(free_index, "free_swa_segment")
+        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+            raise InvalidSlotError(f"free_swa_segment: start_pos must be a non-negative integer, got {start_pos!r}")
+        if start_pos % self.page_size:
+            raise InvalidSlotError(
+                f"free_swa_segment: start_pos={start_pos} is not page aligned (page_size={self.page_size})"
+            )
+        if idx.size == 0:
+            return
+        full_side = self.full_attn_allocator
+        self._check_in_use(full_side, idx, "free_swa_segment")
+        ps = self.page_size
+        if ps == 1:
+            slots = idx
+        else:
+            fp = idx // ps
+            starts = np.ones(fp.size, bool)
+            starts[1:] = fp[1:] != fp[:-1]
+            slots = self._full_pages_slots(fp[starts])
+        swa = self._mapping[slots]
+        gone = ~(swa > 0).reshape(-1, ps).any(axis=1)
+        if gone.any():
+            what = "slots" if ps == 1 else "pages"
+            raise DoubleFreeError(
+                f"free_swa_segment: the SWA part of full {what} {format_ids(slots[::ps][gone] // ps)} was already freed"
+            )
+        live = swa > 0
+        self.swa_attn_allocator.free_segment(swa[live], start_pos=0)
+        self._mapping[slots] = 0
+        self._version += 1
+
     def free_swa(self, free_index: Any) -> None:
         """Free the SWA slots paired with full slots ``free_index`` (their whole full pages at page
         size > 1) and unpair them; the full slots stay allocated. For tokens that left the window

@@ -30,10 +30,12 @@ def request_row(req_to_token_pool: ReqToTokenPoolProtocol | None, req: Req, what
     return req_to_token_pool.req_to_token[req.req_pool_idx]
 
 
-def free_slots(allocator: AllocatorProtocol | None, slots: np.ndarray) -> None:
-    """Free ``slots`` into ``allocator`` (no-op for none or an empty array)."""
+def free_row_segment(allocator: AllocatorProtocol | None, slots: np.ndarray, start_pos: int) -> None:
+    """Free ``slots``, the request row's positions ``[start_pos, start_pos + len(slots))`` (page
+    aligned start), as one segment: paged pages go back in row order (SGLang's ``free_segment``).
+    No-op for no allocator or an empty array."""
     if allocator is not None and slots.size:
-        allocator.free(slots)
+        allocator.free_segment(slots, start_pos=start_pos)
 
 
 def chunk_finished(
@@ -42,7 +44,8 @@ def chunk_finished(
     """Free the request's own slots ``[cache_protected_len, kv_len)``; the protected prefix
     (if a caller set one) is not the request's to free."""
     row = request_row(req_to_token_pool, req, "cache_finished_req")
-    free_slots(allocator, row[req.cache_protected_len : req.kv_len()].copy())
+    cpl = req.cache_protected_len
+    free_row_segment(allocator, row[cpl : req.kv_len()].copy(), cpl)
     req.last_node = None
     req.lock_receipt = None
 

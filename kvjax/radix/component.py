@@ -207,7 +207,9 @@ class FullKVComponent(TreeComponent):
     recency (the eviction policy's heap over unlocked device leaves) are the tree core's own
     fields and inlined hot loops: FULL alone decides whether a node exists. This object is
     FULL under the component interface: ``tree.evict({"full": n})`` dispatches to it, it
-    frees slot ids into the allocator (one ``free`` per evicted node, in eviction order), and it
+    frees slot ids into the allocator (one ``free_segment`` per evicted node, in eviction order:
+    a node's value is a page-aligned piece of a request's row, so its pages go back in row
+    order, as SGLang 0.5.23's ``FreeComponentDeviceSlot``), and it
     reports FULL's sizes and checks FULL's invariants.
 
     Args:
@@ -221,9 +223,10 @@ class FullKVComponent(TreeComponent):
         self.allocator = allocator
 
     def free(self, value: np.ndarray | None) -> None:
-        """Free one node's device slots (no-op without an allocator or for None/empty)."""
+        """Free one node's device slots as one row segment (no-op without an allocator or for
+        None/empty)."""
         if self.allocator is not None and value is not None and value.size:
-            self.allocator.free(value)
+            self.allocator.free_segment(value, start_pos=0)
 
     def evict(self, amount: int) -> int:
         return self.tree.evict_full(amount)

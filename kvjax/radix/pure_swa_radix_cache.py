@@ -53,8 +53,8 @@ __all__ = ["PureSWAComponent", "PureSWARadixCache"]
 
 
 class _SkipTrashFrees:
-    """The SWA pool's allocator as the tree's FULL sees it: ``free`` skips slot 0 (a tombstone's
-    positions), everything else is the allocator's."""
+    """The SWA pool's allocator as the tree's FULL sees it: ``free`` and ``free_segment`` skip
+    slot 0 (a tombstone's positions), everything else is the allocator's."""
 
     def __init__(self, allocator: AllocatorProtocol) -> None:
         self.allocator = allocator
@@ -66,6 +66,14 @@ class _SkipTrashFrees:
         live = ids[ids != 0]
         if live.size:
             self.allocator.free(live)
+
+    def free_segment(self, free_index: Any, *, start_pos: int) -> None:
+        ids = np.asarray(free_index)
+        live = ids[ids != 0]
+        if live.size:
+            # Zeros lie on whole pages (tombstones, out-of-window positions): what is left is a
+            # row segment starting on a page boundary.
+            self.allocator.free_segment(live, start_pos=0)
 
     def available_size(self) -> int:
         return self.allocator.available_size()
@@ -106,7 +114,7 @@ class PureSWAComponent(SWAComponent):
 
     def _tombstone_slots(self, node: TreeNode) -> None:
         if self.pool_allocator is not None and node.value is not None:
-            self.pool_allocator.free(node.value)
+            self.pool_allocator.free_segment(node.value, start_pos=0)
         self._zero(node)
 
     def _revive_slots(self, node: TreeNode, incoming: np.ndarray | None) -> None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvjax.radix.chunk_cache import chunk_finished, chunk_unfinished, free_slots, request_row
+from kvjax.radix.chunk_cache import chunk_finished, chunk_unfinished, free_row_segment, request_row
 from kvjax.radix.component import TreeComponent
 from kvjax.radix.events import EventSink
 from kvjax.radix.eviction import EvictionPolicy
@@ -208,6 +208,9 @@ class RadixCache(RadixTree):
         result = ComponentMatchResult.from_walk(vals, node, matched, walk)
         for c in self._extra:
             c.finalize_match(result)
+        # Recency from where the components let the match end (a host tier's deepest loadable
+        # node), up to the root: the deeper nodes the walk passed keep their times.
+        self.touch_to_root(result.last_host_node, self._clock)
         node = result.last_node
         if self._eager and node in self._leaves:
             self._defer_push(node)
@@ -340,8 +343,8 @@ class RadixCache(RadixTree):
     def _insert_req(
         self, req: Req, row: np.ndarray, n: int, tokens_fn: Any, payloads: Mapping[str, Any] | None = None
     ) -> tuple[TreeNode, TreeNode, int]:
-        """Insert the request's key elements ``[0, n)`` (resumed), free its duplicates (row
-        order) and point its row at the tree's slots. A node ending past
+        """Insert the request's key elements ``[0, n)`` (resumed), free its duplicates (node by
+        node, each a row segment) and point its row at the tree's slots. A node ending past
         ``req.cache_inserted_len`` counts one hit. ``payloads``: the components' insert payloads
         (from :meth:`prepare_for_caching_req`); their results go to ``_last_insert_results``
         (empty when nothing was committed). Returns (resume node, last node, time)."""
@@ -371,17 +374,50 @@ class RadixCache(RadixTree):
             self._last_insert_results = self._commit(node, payloads)
         matched = s + m_rel
         cpl = req.cache_protected_len
-        if matched > cpl and m_rel and vals is not None:
-            tree_slots = np.concatenate(vals)[cpl - s :] if cpl >= s else None
-            if tree_slots is not None:
-                dup = row[cpl:matched]
-                differ = dup != tree_slots
-                if differ.any():
-                    # The request computed these tokens too: its slots are duplicates. Free
-                    # them, then point the row at the tree's (a stale row would read freed KV).
-                    free_slots(self._full.allocator, dup[differ])
-                    self._write_row(req, cpl, tree_slots)
+        if matched > cpl and m_rel and vals is not None and cpl >= s:
+            tree_slots = np.concatenate(vals)[cpl - s :]
+            dup = row[cpl:matched]
+            if (dup != tree_slots).any():
+                # The request computed these tokens too: its slots are duplicates. Free
+                # them, then point the row at the tree's (a stale row would read freed KV).
+                self._free_duplicates(node, dup, cpl, matched, self._row_evicted(req))
+                self._write_row(req, cpl, tree_slots)
         return start, node, t
+
+    def _free_duplicates(self, node: TreeNode, incoming: np.ndarray, lo: int, hi: int, evicted: int) -> None:
+        """Free the caller's ``incoming`` slots of key positions ``[lo, hi)`` (``incoming[0]`` is
+        position ``lo``) where they differ from the tree's, on the path ending at ``node``: node by
+        node from the top, each node's part one row segment (SGLang 0.5.23's ``FreeDeviceKV`` per
+        overlapped node). ``evicted``: the caller's positions before it hold no SWA slots."""
+        alloc = self._full.allocator
+        if alloc is None or hi <= lo:
+            return
+        parts = []
+        root = self.root
+        while node is not root and node.depth > lo:
+            a = max(node.depth - node.klen, lo)
+            b = min(node.depth, hi)
+            if b > a:
+                parts.append((node, a, b))
+            node = node.parent
+        for node, a, b in reversed(parts):
+            first = node.depth - node.klen
+            value = node.value
+            assert value is not None, "an insert makes every node on its path device-resident"
+            mine = incoming[a - lo : b - lo]
+            differ = mine != value[a - first : b - first]
+            if differ.any():
+                self._free_row_segment(mine if differ.all() else mine[differ], a, evicted)
+
+    def _row_evicted(self, req: Req) -> int:
+        """Positions ``[0, e)`` of the request's row whose SWA slots its decode already freed
+        (0: a tree without an SWA pool)."""
+        return 0
+
+    def _free_row_segment(self, slots: np.ndarray, start: int, evicted: int) -> None:
+        """Free ``slots``, row positions ``[start, start + len(slots))``, as one row segment
+        (``evicted``: see :meth:`_row_evicted`; used by trees with an SWA pool)."""
+        free_row_segment(self._full.allocator, slots, start)
 
     def _prompt_len(self, req: Req) -> int:
         """Key elements of the request's page-aligned prompt."""
@@ -449,18 +485,18 @@ class RadixCache(RadixTree):
 
         Key: ``(origin_input_ids + output_ids)[:kv_len]`` (bigram with EAGLE), page-aligned.
         With ``is_insert``: insert it, free the request's duplicates of what the tree already
-        held in ``[cache_protected_len, already cached)`` (row order), split at the prompt
+        held in ``[cache_protected_len, already cached)`` (node by node), split at the prompt
         boundary (prompt priority + 1), then free the unaligned tail ``[aligned length, kv_len)``.
         Without (a retracted or aborted request): free ``[cache_protected_len, kv_len)`` as one
-        range. Then release the request's lock and reset ``cache_inserted_len`` to 0. The
-        request's row is not freed (the caller returns it to the request pool).
+        range. Every free is a row segment (``free_segment``: pages in row order, 0.5.23). Then
+        release the request's lock and reset ``cache_inserted_len`` to 0. The request's row is
+        not freed (the caller returns it to the request pool).
         """
         if self.disable:
             chunk_finished(self.req_to_token_pool, self._full.allocator, req)
             return
         row = request_row(self.req_to_token_pool, req, "cache_finished_req")
         kv_len = req.kv_len()
-        alloc = self._full.allocator
         if is_insert:
             n, payloads = self.prepare_for_caching_req(req, self._key_len(kv_len), True)
             inserted_before = req.cache_inserted_len
@@ -473,11 +509,12 @@ class RadixCache(RadixTree):
                 self._split_prompt(req, last, n, prompt_len, t_prompt)
             self._touch_path(start, t, req.priority, inserted_before, prompt_len, t_prompt)
             if kv_len > n:
-                free_slots(alloc, row[n:kv_len].copy())
+                self._free_row_segment(row[n:kv_len].copy(), n, self._row_evicted(req))
             if self._extra:
                 self.cleanup_after_caching_req(req, True, payloads, self._last_insert_results)
         else:
-            free_slots(alloc, row[req.cache_protected_len : kv_len].copy())
+            cpl = req.cache_protected_len
+            self._free_row_segment(row[cpl:kv_len].copy(), cpl, self._row_evicted(req))
             lock = self._lock_of(req)
             if isinstance(lock, LockReceipt) and lock.touch is not None and not lock.released:
                 self._replay_touch(lock)

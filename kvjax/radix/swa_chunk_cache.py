@@ -4,8 +4,8 @@ SGLang's ``chunk_cache.py``: nothing is shared; the lifecycle only hands a reque
 back between chunks and frees them at the end.
 
 * :class:`SWAChunkCache` (hybrid models): the allocator is an ``SWATokenToKVPoolAllocator``; at
-  finish ``free`` returns the request's full slots and the SWA slots still paired with them
-  (those its decode already freed with ``free_swa`` are skipped by the allocator).
+  finish ``free_segment`` returns the request's full slots and the SWA slots still paired with them
+  (those its decode already freed with ``free_swa_segment`` are skipped by the allocator).
 * :class:`PureSWAChunkCache` (every layer sliding): the only pool is the SWA pool, handed out by a
   plain allocator; decode frees out-of-window slots with ``free`` and records
   ``req.swa_evicted_seqlen``; at finish only ``[max(cache_protected_len, swa_evicted_seqlen),
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
-from kvjax.radix.chunk_cache import ChunkCache, free_slots, request_row
+from kvjax.radix.chunk_cache import ChunkCache, free_row_segment, request_row
 from kvjax.radix.swa_radix_cache import check_swa_allocator
 
 if TYPE_CHECKING:
@@ -64,8 +64,17 @@ class SWAChunkCache(ChunkCache):
         return True
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        """Free ``[cache_protected_len, kv_len)`` (full and still-paired SWA slots)."""
-        super().cache_finished_req(req, is_insert)
+        """Free ``[cache_protected_len, kv_len)`` (full and still-paired SWA slots) as row segments:
+        the part before ``swa_evicted_seqlen`` (full only) first, then the rest (0.5.23's
+        ``free_kv_row_segments``)."""
+        row = request_row(self.req_to_token_pool, req, "cache_finished_req")
+        cpl, end = req.cache_protected_len, req.kv_len()
+        cut = min(max(int(getattr(req, "swa_evicted_seqlen", 0)), cpl), end)
+        alloc = self.token_to_kv_pool_allocator
+        free_row_segment(alloc, row[cpl:cut].copy(), cpl)
+        free_row_segment(alloc, row[cut:end].copy(), cut)
+        req.last_node = None
+        req.lock_receipt = None
         req.swa_evicted_seqlen = 0
 
 
@@ -100,7 +109,7 @@ class PureSWAChunkCache(ChunkCache):
         """Free ``[max(cache_protected_len, swa_evicted_seqlen), kv_len)``: decode freed the rest."""
         row = request_row(self.req_to_token_pool, req, "cache_finished_req")
         start = max(req.cache_protected_len, int(getattr(req, "swa_evicted_seqlen", 0)))
-        free_slots(self.token_to_kv_pool_allocator, row[start : req.kv_len()].copy())
+        free_row_segment(self.token_to_kv_pool_allocator, row[start : req.kv_len()].copy(), start)
         req.last_node = None
         req.lock_receipt = None
         req.swa_evicted_seqlen = 0

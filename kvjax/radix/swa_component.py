@@ -8,9 +8,10 @@ This component keeps, per node, whether the node still has its SWA slots:
 * data: :class:`SWANodeData` (its SWA lock count and the lock-boundary mark) in
   ``node.comp["swa"]``; absent = an **SWA tombstone** (FULL KV kept, SWA slots freed). Only FULL
   decides whether a node survives, so leaves can be tombstones too (0.5.23).
-* own recency: an LRU over the nodes with SWA data (``OrderedDict``, oldest first). A match or
-  insert refreshes only the nodes within ``W + page_size`` tokens above the node it ended at
-  (parents older than children); a split makes both halves the most recent, the suffix last.
+* own recency: an LRU over the nodes with SWA data (:class:`~kvjax.radix.recency.RecencyList`,
+  oldest first). A match or insert refreshes only the nodes within ``W + page_size`` tokens above
+  the node it ended at (parents older than children); a split leaves the suffix where it was and
+  puts the new upper half just older than it (0.5.23's ``insert_after``).
 * match: ends at the deepest matched node with no tombstone above it, or with at least ``W`` live
   SWA tokens after the last tombstone on its path (``finalize_match``).
 * lock: FULL locks to the root (core); SWA only the trailing segment covering ``W`` tokens, up to
@@ -41,7 +42,6 @@ lock the same nodes in every case the lifecycle produces.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ import numpy as np
 from kvjax.errors import ConfigError
 from kvjax.radix.component import ComponentSizes, TreeComponent
 from kvjax.radix.lock import LockError
+from kvjax.radix.recency import RecencyList
 from kvjax.radix.tree import TreeInvariantError
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class SWAComponent(TreeComponent):
         self.page_size = int(page_size)
         self.window_cap = -(-self.sliding_window_size // self.page_size) * self.page_size  # ceil_to_page(W)
         self.allocator = allocator
-        self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # oldest first
+        self._lru = RecencyList()  # oldest first
         self._evictable = 0
         self._protected = 0
         # With a host tier: whether each backed-up node's host copy carries its SWA KV (the node
@@ -150,14 +151,14 @@ class SWAComponent(TreeComponent):
     def _make_live(self, node: TreeNode) -> None:
         """Give ``node`` SWA data (its slots are paired), most recent in the LRU, evictable."""
         self.set_data(node, SWANodeData())
-        self._lru[node] = None
+        self._lru.append(node)
         self._evictable += node.klen
 
     def _drop(self, node: TreeNode, data: SWANodeData) -> int:
         """Forget ``node``'s SWA data (unlocked); returns its tokens. Frees nothing."""
         if data.lock_ref:
             raise TreeInvariantError(f"swa: node {node.id} loses its SWA data while SWA-locked")
-        del self._lru[node]
+        self._lru.remove(node)
         self.set_data(node, None)
         self._evictable -= node.klen
         return node.klen
@@ -201,10 +202,8 @@ class SWAComponent(TreeComponent):
         upper.lock_ref = data.lock_ref
         upper.uuid, data.uuid = data.uuid, None  # the segment's top is now the upper half
         self.set_data(parent, upper)
-        lru = self._lru
-        del lru[child]
-        lru[parent] = None
-        lru[child] = None  # 0.5.23: the split stamps the suffix child as the most recent
+        # 0.5.23: a split does not access the suffix; the upper half sits just older than it.
+        self._lru.insert_before(child, parent)
 
     def on_new_node(self, node: TreeNode, payload: Any) -> None:
         evicted = payload.evicted if payload is not None else 0
@@ -242,7 +241,7 @@ class SWAComponent(TreeComponent):
         """SWA eviction made ``node`` (unlocked) a tombstone: free its SWA slots (FULL keeps the
         full slots)."""
         if self.allocator is not None and node.value is not None:
-            self.allocator.free_swa(node.value)
+            self.allocator.free_swa_segment(node.value, start_pos=0)  # row order, as 0.5.23
 
     def _revive_slots(self, node: TreeNode, incoming: np.ndarray | None) -> None:
         """An insert revives the tombstone ``node`` from the incoming full slots (None:
@@ -258,7 +257,7 @@ class SWAComponent(TreeComponent):
             alloc.move_swa_pairing(incoming, old)
         else:
             node.value = incoming.copy()
-            alloc.free(old)  # a tombstone's full slots: the full part only
+            alloc.free_segment(old, start_pos=0)  # a tombstone's full slots: the full part only
 
     def _check_slots(self, node: TreeNode, live: bool, fail: Any) -> None:
         """Per-node slot invariant: a live node's full slots are all paired with SWA slots, a

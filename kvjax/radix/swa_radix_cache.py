@@ -204,15 +204,24 @@ class SWARadixCache(RadixCache):
             inserted_len=inserted_len,
             payloads={"swa": payload},
         )
-        alloc = self.token_to_kv_pool_allocator
         prev = int(prev_prefix_len)
-        if alloc is not None and values is not None and matched > prev:
-            tree_slots = self._path_slots(self.last_insert_node, matched)
-            dup = values[prev:matched]
-            differ = dup != tree_slots[prev:matched]
-            if differ.any():
-                alloc.free(dup[differ])
+        if values is not None and matched > prev:
+            self._free_duplicates(self.last_insert_node, values[prev:matched], prev, matched, e)
         return matched
+
+    def _row_evicted(self, req: Req) -> int:
+        return int(getattr(req, "swa_evicted_seqlen", 0))
+
+    def _free_row_segment(self, slots: np.ndarray, start: int, evicted: int) -> None:
+        """One row segment; when it straddles ``evicted`` (positions before it hold no SWA slots),
+        the out-of-window part goes first, then the rest (0.5.23's ``free_kv_row_segments`` and
+        duplicate frees: full-only segments, then full + SWA), each in row order."""
+        cut = evicted - start
+        if 0 < cut < slots.size:
+            super()._free_row_segment(slots[:cut], start, evicted)
+            super()._free_row_segment(slots[cut:], evicted, evicted)
+        else:
+            super()._free_row_segment(slots, start, evicted)
 
     def _path_slots(self, node: Any, upto: int) -> np.ndarray:
         """The device slots of the root path down to ``node``, first ``upto`` of them."""

@@ -379,9 +379,13 @@ class RadixTree:
     def _match_walk(self, src: Any, is_bytes: bool, n: int, extra_key: Hashable, t: int) -> tuple[TreeNode, int, list]:
         """Longest cached prefix of key elements ``[0, n)`` of ``src`` (n page-aligned).
 
-        Touches the nodes on the path with time ``t`` and splits the last one if the match
-        ends inside it. Returns ``(last node, matched elements, list of value arrays)``.
+        Splits the last node if the match ends inside it (the part below the cut gets time
+        ``t``, as SGLang's split stamps it). Without components it also touches the nodes on the
+        path with time ``t``; with components the caller touches from where the match finally
+        ends (:meth:`touch_to_root`), after they may have shortened it. Returns
+        ``(last node, matched elements, list of value arrays)``.
         """
+        touch = not self._extra
         node = self.root
         off = 0
         vals: list = []
@@ -403,7 +407,8 @@ class RadixTree:
                 if is_bytes
                 else src[off : off + m + ex] == (child.klist if child.klist is not None else self._klist(child))
             ):
-                child.last_access = t
+                if touch:
+                    child.last_access = t
                 vals.append(child.value)
                 off += m
                 node = child
@@ -611,6 +616,15 @@ class RadixTree:
             self._defer_push(node)
         if self._events is not None:
             self._emit_stored(node)
+
+    def touch_to_root(self, node: TreeNode, t: int) -> None:
+        """Access time ``t`` for ``node`` and its ancestors: a match's recency refresh, from the
+        node where it finally ends (SGLang 0.5.23's ``_match_post_processor``), never for deeper
+        nodes its walk passed. O(depth)."""
+        root = self.root
+        while node is not root:
+            node.last_access = t
+            node = node.parent
 
     def _has_device_child(self, node: TreeNode) -> bool:
         """Whether ``node`` has a device-resident child (any child, while no node is host-only)."""
@@ -864,8 +878,8 @@ class RadixTree:
         """FULL eviction: unlocked device leaves, most evictable first by the policy, until at
         least ``num_tokens`` tokens are freed or none is left.
 
-        Each evicted node's slot ids go to the allocator in one ``free``, node by node in
-        eviction order (as SGLang 0.5.23). A leaf some component keeps (or with host-only
+        Each evicted node's slot ids go to the allocator in one ``free_segment`` (pages in row
+        order), node by node in eviction order (as SGLang 0.5.23). A leaf some component keeps (or with host-only
         children) loses its device copy and stays host-only; any other is deleted with every
         component's data on it. Parents that become unlocked device leaves join the
         candidates. Returns the FULL tokens evicted.

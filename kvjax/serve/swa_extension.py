@@ -134,11 +134,12 @@ class SWAServing(ServingExtension):
             threshold = pre_len - self.margin
             new = max(start, threshold) // ps * ps
             if new > start:
+                # Row segments (SGLang's free_swa_out_of_window_slots): pages go back in row order.
                 if self.pure:
-                    self.alloc.free(self.rows.req_to_token[row, start:new].copy())
+                    self.alloc.free_segment(self.rows.req_to_token[row, start:new].copy(), start_pos=start)
                     self.rows.write(row, start, np.zeros(new - start, np.int32))
                 else:
-                    self.alloc.free_swa(self.rows.req_to_token[row, start:new])
+                    self.alloc.free_swa_segment(self.rows.req_to_token[row, start:new], start_pos=start)
                 self.freed_swa_tokens += new - start
             req.swa_evicted_seqlen = max(start, new)
             if threshold >= cpl:

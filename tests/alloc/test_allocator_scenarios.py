@@ -423,3 +423,116 @@ def test_need_sort_alloc_extend_merges_on_the_sglang_estimate():
     assert a.alloc_extend([0], [4 * PS], [-1]) is None
     assert a.free_pages.tolist() == [2, 7, 8] and a.release_pages.tolist() == []
     a.check_invariants()
+
+
+def test_need_sort_page1_alloc_extend_merges_only_when_the_tokens_exceed_the_free_list():
+    """0.5.23's page-1 extend is ``alloc(total)``: the release list is merged only when the
+    tokens exceed the free list, not on the paged estimate ``total // page + batch + 1``."""
+    a = TokenToKVPoolAllocator(8, need_sort=True)
+    x = got(a.alloc(4))  # 1..4; free: 5..8
+    a.free(x[:2])  # 1, 2 to the release list
+    assert got(a.alloc_extend([0], [4], [-1])).tolist() == [5, 6, 7, 8]
+    assert a.release_pages.tolist() == [1, 2]
+    # Now the free list is empty: the next token merges, sorted.
+    assert got(a.alloc_extend([0], [1], [-1])).tolist() == [1]
+    a.check_invariants()
+
+
+# --------------------------------------------------------------------------- free_segment
+
+
+def test_paged_free_segment_keeps_row_order_where_free_sorts():
+    """0.5.23: the tree's frees (``free_segment``) prepend a segment's pages in row order; only the
+    plain ``free`` sorts (the issue's scenario: page 4, 64-token pool)."""
+    a = PagedTokenToKVPoolAllocator(64, 4)
+    x, y = got(a.alloc(4)), got(a.alloc(4))
+    a.free(x)
+    a.free(y)
+    v = got(a.alloc(8))
+    assert v.tolist() == [8, 9, 10, 11, 4, 5, 6, 7]
+    a.free_segment(v, start_pos=0)
+    assert a.free_pages.tolist()[:3] == [2, 1, 3]
+    assert got(a.alloc(4)).tolist() == [8, 9, 10, 11]
+    w = got(a.alloc(4))
+    a.free_segment(w, start_pos=0)  # page 1 back at the head
+    b = PagedTokenToKVPoolAllocator(64, 4)  # the same pages through free(): sorted
+    x, y = got(b.alloc(4)), got(b.alloc(4))
+    b.free(x)
+    b.free(y)
+    b.free(got(b.alloc(8)))
+    assert b.free_pages.tolist()[:2] == [1, 2]
+    a.check_invariants()
+    b.check_invariants()
+
+
+def test_free_segment_partial_last_page_and_token_allocator():
+    a = PagedTokenToKVPoolAllocator(16 * PS, PS)
+    got(a.alloc(2 * PS))  # pages 1, 2 stay in use
+    p = got(a.alloc(3 * PS))  # pages 3, 4, 5
+    seg = np.concatenate([p[2 * PS :], p[:PS], p[PS : PS + 2]])  # pages 5, 3, then half of 4
+    a.free_segment(seg, start_pos=8)
+    assert a.free_pages.tolist()[:3] == [5, 3, 4]
+    a.free_segment(np.zeros(0, np.int32), start_pos=0)  # empty: a no-op
+    t = TokenToKVPoolAllocator(8)
+    s = got(t.alloc(4))
+    t.free_segment(s[::-1], start_pos=3)  # page size 1: free(), FIFO in the given order
+    assert t.free_pages.tolist() == [5, 6, 7, 8, 4, 3, 2, 1]
+    a.check_invariants()
+    t.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["token", "paged"])
+def test_free_segment_in_a_group_and_under_need_sort(kind):
+    a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
+    ps = a.page_size
+    x = got(a.alloc(6 * ps))
+    a.free_group_begin()
+    a.free(x[4 * ps :])  # pages 5, 6
+    a.free_segment(np.concatenate([x[3 * ps : 4 * ps], x[: 2 * ps]]), start_pos=0)  # pages 4, 1, 2
+    with pytest.raises(DoubleFreeError):
+        a.free_segment(x[:ps], start_pos=0)  # pending in the group
+    a.check_invariants()
+    a.free_group_end()
+    if kind == "token":  # one FIFO queue, in call order
+        assert a.free_pages.tolist()[-5:] == [5, 6, 4, 1, 2]
+    else:  # the plain frees (sorted), then the segments in front of them (SGLang's group order)
+        assert a.free_pages.tolist()[:5] == [4, 1, 2, 5, 6]
+    a.check_invariants()
+    s = (
+        TokenToKVPoolAllocator(8, need_sort=True)
+        if kind == "token"
+        else PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
+    )
+    y = got(s.alloc(8 * s.page_size))
+    s.free_segment(np.concatenate([y[5 * s.page_size : 6 * s.page_size], y[: s.page_size]]), start_pos=0)
+    assert s.free_pages.tolist() == [] and sorted(s.release_pages.tolist()) == [1, 6]
+    assert got(s.alloc(s.page_size)).tolist()[:1] == [s.page_size]  # merged, sorted: page 1 first
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["token", "paged"])
+def test_free_segment_rejects_bad_input_and_changes_nothing(kind):
+    a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
+    ps = a.page_size
+    x = got(a.alloc(4 * ps))
+    a.free(x[:ps])
+    before = snapshot(a)
+    with pytest.raises(DoubleFreeError, match=r"already free.*\[1\]"):
+        a.free_segment(x[: 2 * ps], start_pos=0)  # page 1 is free already
+    with pytest.raises(InvalidSlotError, match="trash page"):
+        a.free_segment(np.concatenate([x[ps : 2 * ps], [0]]), start_pos=0)
+    with pytest.raises(InvalidSlotError, match="out of range"):
+        a.free_segment([10**6], start_pos=0)
+    with pytest.raises(InvalidSlotError, match="start_pos"):
+        a.free_segment(x[ps:], start_pos=-1)
+    if kind == "paged":
+        with pytest.raises(InvalidSlotError, match="start_pos=2 is not page aligned"):
+            a.free_segment(x[ps:], start_pos=2)
+        seg = np.concatenate([x[ps : ps + 1], x[2 * ps : 3 * ps], x[ps + 1 : 2 * ps]])
+        with pytest.raises(DoubleFreeError, match=r"two separate runs.*\[2\]"):
+            a.free_segment(seg, start_pos=0)  # page 2 in two runs
+    else:
+        with pytest.raises(DoubleFreeError, match="more than once"):
+            a.free_segment([2, 3, 2], start_pos=0)
+    assert snapshot(a) == before
+    a.check_invariants()

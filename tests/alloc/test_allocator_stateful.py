@@ -37,6 +37,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.free = list(range(1, NUM_PAGES + 1))
         self.release: list[int] = []
         self.group: list[list[int]] | None = None
+        self.group_segments: list[list[int]] = []  # paged: segment frees of the open group
         self.reqs: dict[int, list[int]] = {}  # request id -> its slots, position order
         self.pending: set[int] = set()  # slots freed inside the open group
         self.stale: list[np.ndarray] = []  # slot arrays freed earlier
@@ -112,7 +113,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         ext = [data.draw(st.integers(0, max(0, min(r, 3 * ps + 1)))) for r in room]
         seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         last = [s[-1] if s else -1 for _, s in batch]
-        estimate = sum(ext) // ps + len(batch) + 1  # SGLang 0.5.23's merge trigger
+        # SGLang 0.5.23's merge trigger: paged, its estimate; page 1, alloc(total)'s own test.
+        estimate = sum(ext) // ps + len(batch) + 1 if self.paged else sum(ext)
         self.model_merge(estimate)
         expected = naive_alloc_extend(prefix, seq, last, self.free, ps)
         out = self.a.alloc_extend(np.array(prefix, np.int64), np.array(seq, np.int64), np.array(last, np.int64))
@@ -196,6 +198,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         else:
             self.model_give(pages)
 
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def free_segment(self, data: st.DataObject) -> None:
+        """Free a request's tail from a page boundary as a row segment: its pages in row order."""
+        ps = self.page_size
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        slots = self.reqs[rid]
+        keep = data.draw(st.integers(0, -(-len(slots) // ps))) * ps
+        gone = np.array(slots[keep:], np.int64)
+        self.a.free_segment(gone, start_pos=keep)
+        if keep:
+            self.reqs[rid] = slots[:keep]
+        else:
+            del self.reqs[rid]
+        if gone.size:
+            self.stale.append(gone)
+        pages = list(dict.fromkeys(int(s) // ps for s in gone))  # first appearance: row order
+        if not pages:
+            return
+        if self.group is not None:
+            (self.group_segments if self.paged else self.group).append(pages)
+            self.pending |= set(gone.tolist())
+        else:
+            self.model_give(pages)
+
     @rule(kind=st.sampled_from(["trash", "negative", "beyond", "stale", "duplicate"]), data=st.data())
     def bad_free(self, kind: str, data: st.DataObject) -> None:
         ps = self.page_size
@@ -242,6 +269,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             pages = sorted(pages)
         if pages:
             self.model_give(pages)
+        segments = [p for g in self.group_segments for p in g]
+        self.group_segments = []
+        if segments:
+            self.model_give(segments)  # after the plain frees: in front of them
         self.pending = set()
 
     @precondition(lambda self: self.group is None and len(self.backups) < 3)

@@ -351,3 +351,30 @@ def test_evict_to_free_tokens_asks_the_tree_per_side():
     t = Tree()
     assert a.evict_to_free_tokens(t, 2) == 0 and t.asked == [{"full": 0, "swa": 1}]
     assert a.evict_to_free_tokens(t, 1) == 0 and len(t.asked) == 1  # enough room: nothing asked
+
+
+# --------------------------------------------------------------------------- row segments
+
+
+def test_free_segment_and_free_swa_segment_keep_row_order_on_both_sides():
+    a = SWATokenToKVPoolAllocator(16, 16, 2)
+    got(a.alloc(2))  # full page 1 / SWA page 1 stay in use
+    x = got(a.alloc(6))  # full pages 2, 3, 4
+    mapped = a.full_to_swa_index_mapping[x].copy()
+    seg = np.concatenate([x[4:], x[:4]])  # full pages 4, 2, 3
+    a.free_swa_segment(seg[:2], start_pos=0)  # SWA part of full page 4 only (a tombstone)
+    assert a.swa_attn_allocator.free_pages.tolist()[0] == int(mapped[4]) // 2
+    before = snapshot(a)
+    with pytest.raises(DoubleFreeError, match="already freed"):
+        a.free_swa_segment(seg[:2], start_pos=0)
+    with pytest.raises(InvalidSlotError, match="not page aligned"):
+        a.free_swa_segment(seg[2:], start_pos=1)
+    with pytest.raises(InvalidSlotError, match="not page aligned"):
+        a.free_segment(seg, start_pos=3)
+    assert snapshot(a) == before
+    a.free_segment(seg, start_pos=0)  # full pages 4, 2, 3; SWA: only 2's and 3's pairs are left
+    assert a.full_attn_allocator.free_pages.tolist()[:3] == [4, 2, 3]
+    swa_pages = (mapped[[0, 2]] // 2).tolist()
+    assert a.swa_attn_allocator.free_pages.tolist()[:2] == swa_pages
+    assert not a.full_to_swa_index_mapping[x].any()
+    a.check_invariants()

@@ -11,7 +11,7 @@ from kvjax.request import Req
 
 
 class RecordingAllocator:
-    """Forwards to a real allocator and records each ``free`` call's ids."""
+    """Forwards to a real allocator and records each ``free`` / ``free_segment`` call's ids."""
 
     def __init__(self, size: int, page_size: int) -> None:
         self.inner = make_allocator(size, page_size)
@@ -20,6 +20,12 @@ class RecordingAllocator:
     def free(self, idx) -> None:
         ids = np.asarray(idx).reshape(-1).tolist()
         self.inner.free(idx)
+        if ids:
+            self.freed.append(ids)
+
+    def free_segment(self, idx, *, start_pos: int) -> None:
+        ids = np.asarray(idx).reshape(-1).tolist()
+        self.inner.free_segment(idx, start_pos=start_pos)
         if ids:
             self.freed.append(ids)
 

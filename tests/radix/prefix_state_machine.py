@@ -34,7 +34,7 @@ EXTRA_KEYS = st.sampled_from([None, None, "ns"])
 
 
 class Recorder:
-    """Forwards to an allocator and records each ``free`` call's slots."""
+    """Forwards to an allocator and records each ``free`` / ``free_segment`` call's slots."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -45,6 +45,10 @@ class Recorder:
     def free(self, idx) -> None:
         self.calls.append(np.asarray(idx).reshape(-1).tolist())
         self.inner.free(idx)
+
+    def free_segment(self, idx, *, start_pos: int) -> None:
+        self.calls.append(np.asarray(idx).reshape(-1).tolist())
+        self.inner.free_segment(idx, start_pos=start_pos)
 
     def alloc(self, n: int):
         return self.inner.alloc(n)

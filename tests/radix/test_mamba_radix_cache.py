@@ -69,6 +69,30 @@ def test_sglang_mamba_unittest_scenario():
     assert sizes(tree) == (7, 0, 1, 0)
 
 
+def test_match_refreshes_recency_only_up_to_the_checkpoint_it_ends_at():
+    """0.5.23 refreshes FULL recency from the node where the match finally ends up to the root.
+    Matches of [1..4] end at the root ([1..4] has no checkpoint), so [1..4] stays older than
+    [20..23]: evicting 5 tokens takes [5..8] and then [1..4], one checkpoint (kvjax stamped
+    the walked [1..4] and evicted [20..23] too: 2 checkpoints)."""
+    kv = TokenToKVPoolAllocator(64)
+    table = HybridReqToTokenPool(4, 64, mamba_size=8)
+    tree = MambaRadixCache(page_size=1, allocator=kv, req_to_token_pool=table)
+
+    def insert(name: str, key: list[int]) -> None:
+        req = Req(name, [])
+        table.alloc_reqs([req])
+        tree.insert(key, kv.alloc(len(key)), mamba_value=req.mamba_pool_idx)
+
+    insert("a", list(range(1, 9)))
+    assert tree.match_prefix([1, 2, 3, 4]).prefix_len == 0
+    insert("b", [20, 21, 22, 23])
+    assert tree.match_prefix([1, 2, 3, 4]).prefix_len == 0
+    evicted = tree.evict(num_tokens=5)
+    assert (evicted.num_tokens_evicted, evicted.mamba_num_evicted) == (8, 1)
+    assert tree.match_prefix([20, 21, 22, 23]).prefix_len == 4
+    tree.sanity_check()
+
+
 def test_mamba_max_states_per_path():
     # "With 2, matches on [1..4] and [1..8] return 0 while their FULL KV stays."
     tree = MambaRadixCache(page_size=1, mamba_pool_size=8, mamba_max_states_per_path=2)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.alloc import make_allocator
 from kvjax.radix import LockError, RadixCache
 from tests.radix._helpers import Harness, RecordingAllocator, sizes
 
@@ -158,4 +159,38 @@ def test_full_hit_leaves_one_token_to_compute():
     b = h.start([1, 2, 3, 4])
     assert b.cache_protected_len == 3 and h.row(b)[:3] == [1, 2, 3] and h.row(b)[3] != 4
     h.finish(b)
+    h.check()
+
+
+def test_evicted_pages_go_back_in_row_order():
+    """SGLang 0.5.23 frees a tree node through ``free_segment``: its pages go to the head of the
+    free list in row order, unsorted (page 4, 64-token pool). kvjax sorted them, handing out
+    [4..7] where SGLang hands out [8..11]."""
+    alloc = make_allocator(64, 4)
+    tree = RadixCache(page_size=4, token_to_kv_pool_allocator=alloc)
+    a, b = alloc.alloc(4), alloc.alloc(4)
+    alloc.free(a)
+    alloc.free(b)
+    v = alloc.alloc(8)
+    assert v is not None and v.tolist() == [8, 9, 10, 11, 4, 5, 6, 7]
+    tree.insert(list(range(8)), v)
+    assert tree.evict(8) == 8
+    got = alloc.alloc(4)
+    assert got is not None and got.tolist() == [8, 9, 10, 11]
+    alloc.check_invariants()
+
+
+def test_retracted_request_frees_its_pages_in_row_order():
+    """A request released without an insert (retraction) frees ``[cache_protected_len, kv_len)``
+    as one row segment: its pages, in row order, head the free list (0.5.23's
+    ``free_kv_row``)."""
+    h = Harness(page_size=2, size=32)
+    h.alloc.free_segment(h.alloc.alloc(6)[[4, 5, 0, 1, 2, 3]], start_pos=0)  # head: pages 3, 1, 2
+    r = h.start([5, 6, 7, 8, 9, 10])
+    assert h.row(r) == [6, 7, 2, 3, 4, 5]
+    h.alloc.take()
+    h.tree.cache_finished_req(r, is_insert=False)
+    assert h.alloc.freed == [[6, 7, 2, 3, 4, 5]]
+    assert h.alloc.free_pages.tolist()[:3] == [3, 1, 2]  # free() would have sorted them: 1, 2, 3
+    h.free_row(r)
     h.check()

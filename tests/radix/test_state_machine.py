@@ -84,7 +84,7 @@ SETTINGS = settings(
 
 
 class RecordingAllocator:
-    """Forwards to an allocator and records every ``free`` the tree makes, call by call."""
+    """Forwards to an allocator and records every ``free`` / ``free_segment`` the tree makes, call by call."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -93,6 +93,13 @@ class RecordingAllocator:
     def free(self, idx):
         arr = np.asarray(idx).reshape(-1).copy()
         result = self._inner.free(idx)
+        if len(arr):
+            self.freed.append(arr)
+        return result
+
+    def free_segment(self, idx, *, start_pos):
+        arr = np.asarray(idx).reshape(-1).copy()
+        result = self._inner.free_segment(idx, start_pos=start_pos)
         if len(arr):
             self.freed.append(arr)
         return result

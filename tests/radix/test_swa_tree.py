@@ -334,3 +334,48 @@ def test_pure_swa_chunk_cache_skips_what_decode_freed():
     cache.cache_finished_req(req)  # would double-free without the skip
     assert alloc.available_size() == 16
     np.testing.assert_array_equal(np.sort(alloc.free_pages)[:6], np.arange(1, 7))
+
+
+# --------------------------------------------------------------------------- recency (issue 19)
+
+
+def test_match_refreshes_recency_only_up_to_where_the_window_lets_it_end():
+    """0.5.23 refreshes FULL recency from the node where the match finally ends up to the root
+    (``_match_post_processor``). The walk passed [1..5] but the window shortened the match to
+    nothing, so [1..5] keeps its old time and the next FULL eviction deletes that tombstone leaf,
+    not [20..23] (kvjax stamped the whole walk: (4, 4))."""
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    t.insert(list(range(1, 10)), swa_evicted_seqlen=5)
+    t.evict(4)
+    t.insert([20, 21, 22, 23])
+    assert t.match_prefix([1, 2, 3, 4, 5]).prefix_len == 0
+    assert t.evict(1) == (5, 0)
+    assert shape(t) == [([20, 21, 22, 23], True, 0)]
+    t.sanity_check()
+
+
+def test_split_keeps_the_suffix_place_in_the_swa_recency_order():
+    """0.5.23's ``_split_node`` leaves the suffix where it was in the SWA LRU and puts the new
+    upper half just older than it (only FULL's time is refreshed). The match on [1] splits
+    [1..8]; the least recent SWA node is then [2..8], tombstoned (kvjax moved both halves to
+    the recent end and deleted the [9..12] leaf: (4, 4))."""
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    t.insert(list(range(1, 13)))  # leaf capping: [1..8], [9..12]
+    assert t.match_prefix([1]).prefix_len == 1
+    assert t.evict(0, 1) == (0, 7)
+    assert shape(t) == [([1], True, 0), (list(range(2, 9)), False, 0), ([9, 10, 11, 12], True, 0)]
+    t.sanity_check()
+
+
+def test_retraction_frees_the_out_of_window_part_first_each_in_row_order():
+    """0.5.23's ``free_kv_row_segments``: a released request's positions before its
+    ``swa_evicted_seqlen`` go back full-side only, first, then the rest; each is a row segment, so
+    the full free list starts with the live part's pages, then the out-of-window ones."""
+    h = SWAHarness(window=4, page_size=2)
+    r = h.start(list(range(100, 108)))  # full pages 1, 2, 3, 4
+    h.leave_window(r, 4)  # pages 1, 2 left the window
+    h.tree.cache_finished_req(r, is_insert=False)
+    assert h.alloc.full_attn_allocator.free_pages.tolist()[:4] == [3, 4, 1, 2]
+    assert r.req_pool_idx is not None
+    h.pool.free(r.req_pool_idx)
+    h.check()
