@@ -8,10 +8,11 @@ folder name, a config, or both, never read each other's pages.
   own first, so the shard layout does not matter). It is a content hash, not a hash of the
   safetensors headers: two fine-tunes of one architecture have identical headers (names, dtypes,
   shapes, offsets) and differ only in their bytes. The bytes are hashed as ``load_checkpoint``
-  reads them (no second read of the files), at ~1 GB/s of sha256 on one core (measured here). The
-  digest is kept on the `LoadedModel` in memory and nowhere else: a copy on disk keyed by path,
-  size and mtime would go stale after an in-place edit or an mtime-preserving copy, and computing
-  it costs less than the read it rides on.
+  reads them (no second read of the files). Its cost, measured on a shared 2-core machine: a
+  383 MB float32 checkpoint loads in 2.8 s instead of 2.0 s from the page cache (sha256 alone runs
+  at ~0.9 GB/s there). The digest is kept on the `LoadedModel` in memory and nowhere else: a copy
+  on disk keyed by path, size and mtime would go stale after an in-place edit or an
+  mtime-preserving copy, and the load it rides on costs more than the hash.
 * Random weights (``init_params``): sha256 over the model config, the seed, and the kvjax version
   (the initialiser may change between versions).
 """
