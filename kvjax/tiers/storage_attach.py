@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 def storage_key(cache: KVCache, config: CacheConfig) -> StorageKey:
     """The key of the pages ``cache`` writes: ``config.hicache_storage_model_fingerprint``, the
     host pool's page shape and stored dtype, the plan's KV dtype, the device pool's fp8 scales
-    (as they are now: set them before the store is attached), the pool kind, the TP size, this
+    (MHA: K then V per layer; MLA: the latent's per layer; as they are now, so set them before
+    the store is attached), the pool kind, the TP size, this
     process's index as the rank (one process drives every TP rank of its devices, and its host
     pool's pages hold all their KV heads), the host pool's layer ids, and
     ``config.hicache_storage_namespace``.
@@ -33,11 +34,10 @@ def storage_key(cache: KVCache, config: CacheConfig) -> StorageKey:
     pool = cache.host_pool
     plan = cache.plan
     scales: tuple[float, ...] = ()
-    device_kv = cache.pools.kv
-    if is_fp8(plan.kv_cache_dtype) and hasattr(device_kv, "k_scale"):
-        scales = tuple(np.asarray(device_kv.k_scale, np.float32).tolist()) + tuple(
-            np.asarray(device_kv.v_scale, np.float32).tolist()
-        )
+    if is_fp8(plan.kv_cache_dtype):
+        device_kv = cache.pools.kv
+        names = ("k_scale", "v_scale") if hasattr(device_kv, "k_scale") else ("scale",)  # MHA; MLA latent
+        scales = tuple(s for name in names for s in np.asarray(getattr(device_kv, name), np.float32).tolist())
     host_plan = next(p for p in plan.pools if p.name == "host_kv")
     return StorageKey(
         model=str(config.hicache_storage_model_fingerprint or ""),

@@ -147,6 +147,7 @@ def test_caches_that_differ_in_page_size_dtype_namespace_or_model_key_their_page
         "base": {},
         "page size": dict(page_size=2 * PAGE),
         "kv dtype": dict(kv_cache_dtype="bfloat16"),
+        "fp8": dict(kv_cache_dtype="fp8_e4m3"),
         "namespace": dict(hicache_storage_namespace="tenant-b"),
         "model": dict(hicache_storage_model_fingerprint=random_weights_fingerprint(SPEC, seed=1)),
     }
@@ -159,6 +160,8 @@ def test_caches_that_differ_in_page_size_dtype_namespace_or_model_key_their_page
     assert keys["base"].kv_dtype == "float32" and keys["kv dtype"].kv_dtype == "bfloat16"
     assert keys["base"].layout == "mha/page_first" and keys["base"].layers == (0, 1)
     assert keys["namespace"].namespace == "tenant-b"
+    assert keys["fp8"].kv_dtype == "float8_e4m3fn" and keys["fp8"].kv_scales == (1.0,) * 4
+    assert keys["base"].kv_scales == ()
     # One store directory, written under the base key: every other key misses it.
     tokens = list(range(8 * PAGE))
     hashes = page_hashes(tokens, PAGE)
