@@ -26,8 +26,7 @@ corrupt; pages of another ``StorageKey``, i.e. another model, dtype, layout, pag
 namespace, are never even looked at), just give fewer pages (the request recomputes the rest); a
 failed storage write leaves the page absent (later prefetches stop before it); when the tokens
 got into the tree meanwhile (another request inserted them) or the node they hang from left it
-(evicted), the prefetched pages are dropped. Nothing is locked while
-the reads are in flight.
+(evicted), the prefetched pages are dropped. Nothing is locked while the reads are in flight.
 
 Where kvjax differs: the storage reads are asynchronous (tensorstore futures) but the store is
 asked synchronously how many pages it holds (SGLang asks in its prefetch thread); prefetched
