@@ -73,6 +73,10 @@ class CacheConfig:
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_prefetch_timeout_s: float | None = None  # None: 1 s + 0.25 s per 1024 tokens
     hicache_storage_prefetch_threshold: int = 256
+    # What the stored pages are keyed by beyond the layout (kvjax.tiers.storage_key): the weights'
+    # fingerprint (LoadedModel.fingerprint; required with a storage backend) and a user namespace.
+    hicache_storage_model_fingerprint: str | None = None
+    hicache_storage_namespace: str = ""
 
     # --- PD disaggregation ------------------------------------------------------------------------
     disaggregation_mode: str = "null"
@@ -147,6 +151,13 @@ class CacheConfig:
                 "hicache_storage_backend",
                 self.hicache_storage_backend,
                 "the storage tier needs enable_hierarchical_cache",
+            )
+        if self.hicache_storage_backend is not None and not self.hicache_storage_model_fingerprint:
+            raise ConfigError(
+                "hicache_storage_model_fingerprint",
+                self.hicache_storage_model_fingerprint,
+                "the storage tier keys pages by the model's weights: pass LoadedModel.fingerprint "
+                "(load_checkpoint computes it) or kvjax.serve.model_fingerprint.random_weights_fingerprint",
             )
         timeout = self.hicache_storage_prefetch_timeout_s
         if (timeout is not None and not timeout >= 0) or self.hicache_storage_prefetch_threshold < 0:

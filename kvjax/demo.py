@@ -24,6 +24,7 @@ from kvjax.config import CacheConfig
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats
 from kvjax.serve.workload import Workload, run_workload
 from kvjax.spec import ModelSpec
@@ -170,9 +171,12 @@ def serve(
     if model is None:
         spec = ModelSpec.preset(DEMO_MODEL)
         weights, serving = init_params(spec, seed=seed), spec
+        fingerprint = random_weights_fingerprint(spec, seed)
     else:
-        spec, weights, serving = model.spec, model.params, model.config
+        spec, weights, serving, fingerprint = model.spec, model.params, model.config, model.fingerprint
         workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
+    if config_kwargs.get("hicache_storage_backend") is not None:
+        config_kwargs.setdefault("hicache_storage_model_fingerprint", fingerprint)
     cache = demo_cache(spec=spec, **config_kwargs)
     tree: Any = cache.tree_cache  # RadixCache and ChunkCache both have force_miss
     tree.force_miss = force_miss

@@ -21,11 +21,12 @@ Rules (``sglang-semantics.md`` §1.14, ``sglang-0.5.23-hybrid-trees.md``, host t
   host-only node below the matched node (``tree.add_host_only_leaf``), which the host tier's
   load-back then brings to the device. Host slots of pages not taken are freed.
 
-Faults lose nothing: a failed, missing or late read just gives fewer pages (the request
-recomputes the rest); a failed storage write leaves the page absent (later prefetches stop
-before it); when the tokens got into the tree meanwhile (another request inserted them) or the
-node they hang from left it (evicted), the prefetched pages are dropped. Nothing is locked while
-the reads are in flight.
+Faults lose nothing: a failed, missing or late read, and an entry the store refuses (torn or
+corrupt; pages of another ``StorageKey``, i.e. another model, dtype, layout, page size or
+namespace, are never even looked at), just give fewer pages (the request recomputes the rest); a
+failed storage write leaves the page absent (later prefetches stop before it); when the tokens
+got into the tree meanwhile (another request inserted them) or the node they hang from left it
+(evicted), the prefetched pages are dropped. Nothing is locked while the reads are in flight.
 
 Where kvjax differs: the storage reads are asynchronous (tensorstore futures) but the store is
 asked synchronously how many pages it holds (SGLang asks in its prefetch thread); prefetched
@@ -109,6 +110,12 @@ class StorageLink:
         tree = host.tree
         if tree.is_eagle:
             raise ValueError("the storage tier does not support bigram (EAGLE) keys")
+        if storage.storage_key.page_size != tree.page_size:
+            raise ConfigError(
+                "storage page size",
+                storage.storage_key.page_size,
+                f"the store's key must have the tree's page size ({tree.page_size})",
+            )
         self.host = host
         self.tree = tree
         self.storage = storage

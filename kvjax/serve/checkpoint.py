@@ -12,8 +12,9 @@ name split at dots, with a list item ``name.N`` (``layers.N``, ``experts.N``) as
 Tensors the model does not use (e.g. old ``rotary_emb.inv_freq`` buffers, or ``lm_head.weight``
 when the head is tied) are ignored.
 
-Tensors are read with ``safetensors``' numpy API (no torch), and cast to the checkpoint's dtype
-or the ``dtype`` override. Every problem is a `ConfigError` naming what is wrong and the fix.
+Tensors are read with ``safetensors``' numpy API (no torch), hashed into the model's fingerprint
+(``kvjax.serve.model_fingerprint``) as read, and cast to the checkpoint's dtype or the ``dtype``
+override. Every problem is a `ConfigError` naming what is wrong and the fix.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvjax.errors import ConfigError
 from kvjax.serve.families import family
 from kvjax.serve.model import Params, param_shapes
 from kvjax.serve.model_config import DTYPES, ModelConfig, model_config_from_spec
+from kvjax.serve.model_fingerprint import WeightsHasher
 from kvjax.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,7 +47,9 @@ _LIST_ITEM = re.compile(r"^(.+)_(\d+)$")
 class LoadedModel:
     """A model ready to serve: its cache spec, serving config, weights, and optional extras.
 
-    ``spec.dtype`` is the serving dtype (the KV pool's); ``stop_token_ids`` are the config's (and
+    ``spec.dtype`` is the serving dtype (the KV pool's); ``fingerprint`` is the digest of the
+    config and weights (``kvjax.serve.model_fingerprint``), what the storage tier keys pages by
+    (``""``: unknown, which the storage tier refuses); ``stop_token_ids`` are the config's (and
     ``generation_config.json``'s) end-of-sequence ids; ``tokenizer_file`` is ``tokenizer.json``
     when the directory has one.
     """
@@ -54,6 +58,7 @@ class LoadedModel:
     spec: ModelSpec
     config: ModelConfig
     params: Params
+    fingerprint: str = ""
     stop_token_ids: tuple[int, ...] = ()
     tokenizer_file: Path | None = None
 
@@ -202,16 +207,21 @@ def load_checkpoint(directory: str | Path, *, dtype: str | None = None) -> Loade
 
     target = jnp.dtype(config.dtype)
     params: dict[str, Any] = {}
+    fingerprint = WeightsHasher(raw, config.dtype)
     for file, paths in by_file.items():
         with safe_open(str(file), framework="np") as f:
             for param_path in paths:
-                _set(params, param_path, jnp.asarray(f.get_tensor(param_name(param_path)), dtype=target))
+                name = param_name(param_path)
+                tensor = f.get_tensor(name)
+                fingerprint.add(name, tensor)
+                _set(params, param_path, jnp.asarray(tensor, dtype=target))
     tokenizer = path / "tokenizer.json"
     return LoadedModel(
         name=path.name,
         spec=spec,
         config=config,
         params=params,
+        fingerprint=fingerprint.hexdigest(),
         stop_token_ids=_stop_token_ids(path, raw),
         tokenizer_file=tokenizer if tokenizer.is_file() else None,
     )

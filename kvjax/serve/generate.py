@@ -23,6 +23,7 @@ from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
+from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats, ServingReq
 from kvjax.spec import ModelSpec
 
@@ -67,7 +68,13 @@ def resolve_model(model: str, *, dtype: str | None = None) -> LoadedModel:
             f"the preset has {count:,} parameters; random weights are for small presets such as 'tiny' "
             "(pass a downloaded checkpoint directory instead)",
         )
-    return LoadedModel(name=model, spec=spec, config=config, params=init_params(config))
+    return LoadedModel(
+        name=model,
+        spec=spec,
+        config=config,
+        params=init_params(config),
+        fingerprint=random_weights_fingerprint(config, seed=0),
+    )
 
 
 def parameter_count(config: ModelConfig) -> int:

@@ -3,9 +3,11 @@
 A page's key is its chained hash (``kvjax.radix.events.PageHasher``: page ``j`` of a sequence
 hashes ``(hash of page j-1, page tokens)`` from a seed mixed with the key's namespace), the same
 hash the tree's KV events carry, so any process with the same seed finds the same pages. A page's
-value is one page of every layer in the host pool's ``page_first`` layout (``page_shape``, one
-dtype), stored as raw bytes; keys live under a ``namespace`` (the model and layout), so caches of
-different models or layouts never read each other's pages.
+value is one entry (``kvjax.tiers.storage_entry``): a header naming its key and page, one page of
+every layer in the host pool's ``page_first`` layout (``page_shape``, one dtype) as raw bytes, and
+a crc32. Entries live under the digest of a :class:`~kvjax.tiers.storage_key.StorageKey` (the
+model's weights fingerprint, KV dtype and scales, layout, page shape, TP rank, layers, user
+namespace, format), so a cache never reads pages another model, layout or namespace wrote.
 
 The engine is tensorstore's key-value store: ``"file"`` (a local directory, the default),
 ``"memory"`` (tests), or any tensorstore kvstore spec. Every read and write is asynchronous
@@ -20,22 +22,33 @@ The engine is tensorstore's key-value store: ``"file"`` (a local directory, the 
   ``timeout`` (wait up to ``timeout_s``, then what arrived). Pages are always a *leading* run:
   a page after a missing or late one is useless to a prefix match and is dropped.
 
-A read that fails or returns a value of the wrong size counts as a miss (the request recomputes
-those tokens); nothing is ever served from a partial page.
+A read that fails, a missing entry, and an entry that fails verification (torn: wrong size;
+another key's or page's header; another format; a checksum mismatch) are misses: the request
+recomputes those tokens, and nothing is ever served from a partial or damaged page. The header is
+checked when the store is asked what it holds; the checksum when a page is taken. Rejections are
+counted (``StorageTier.rejected``, a warning once) and the entry is deleted, so the next backup of
+that page writes it again. Nothing here raises to the serving loop for a bad entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import struct
 import time
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvjax.errors import ConfigError
-from kvjax.radix.events import PageHasher
+from kvjax.tiers.storage_entry import check_header, decode_entry, encode_entry
+from kvjax.tiers.storage_key import StorageKey
+
+logger = logging.getLogger("kvjax.tiers.storage")
+MANIFEST = "key.json"  # the StorageKey record, next to its pages
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
@@ -54,6 +67,8 @@ def page_hashes(
     prefix); None starts the chain at the namespace root of ``extra_key``. Equal to the hashes the
     tree's KV events carry for the same pages with the same ``seed`` (page keys, not bigrams).
     """
+    from kvjax.radix.events import PageHasher  # here: kvjax.radix imports this module
+
     if page_size < 1:
         raise ConfigError("page_size", page_size, "use an integer >= 1")
     n_pages = len(tokens) // page_size
@@ -74,65 +89,107 @@ def _kvstore_spec(location: str | dict[str, Any]) -> dict[str, Any]:
 
 
 class StorageTier:
-    """Pages by chained hash in a tensorstore key-value store.
+    """Pages by chained hash in a tensorstore key-value store, under one :class:`StorageKey`.
 
     Args:
         location: a directory (the ``file`` driver), ``"memory"``, or a tensorstore kvstore spec.
-        page_shape: the shape of one stored page (every layer of one page, host ``page_first``
-            layout), e.g. ``(layers, page_size, 2 * kv_heads, head_dim)``.
-        dtype: the pages' dtype (the host pool's storage dtype).
-        namespace: a key prefix naming the model and layout (no ``/``).
+        key: what determines the pages' bytes (model fingerprint, KV dtype and scales, layout,
+            page shape, TP rank/size, layers, namespace, format); pages live under its digest and
+            only entries written under an equal key are ever read.
 
-    Raises ConfigError naming a bad shape, dtype or namespace.
+    Counters: ``pages_written``, ``pages_read`` (pages served), ``rejected`` (entries refused,
+    by reason: see ``kvjax.tiers.storage_entry.REJECT_REASONS``); the first rejection logs a
+    warning. A rejected entry is deleted (best effort), so a later backup writes it again.
     """
 
-    def __init__(
-        self,
-        location: str | dict[str, Any],
-        *,
-        page_shape: Sequence[int],
-        dtype: Any,
-        namespace: str = "kvjax",
-    ) -> None:
+    def __init__(self, location: str | dict[str, Any], *, key: StorageKey) -> None:
         import tensorstore as ts
 
-        shape = tuple(int(d) for d in page_shape)
-        if not shape or any(d <= 0 for d in shape):
-            raise ConfigError("page_shape", tuple(page_shape), "give the positive shape of one page")
-        if not namespace or "/" in namespace:
-            raise ConfigError("namespace", namespace, "use a non-empty name without '/'")
-        self.page_shape = shape
-        self.dtype = np.dtype(dtype)
-        self.page_bytes = int(np.prod(shape)) * self.dtype.itemsize
-        self.namespace = namespace
+        if not isinstance(key, StorageKey):
+            raise ConfigError("key", type(key).__name__, "pass a kvjax.tiers.storage_key.StorageKey")
+        self.storage_key = key
+        self.page_shape = key.page_shape
+        self.dtype = np.dtype(key.store_dtype)
+        self.page_bytes = key.page_bytes
+        self.prefix = key.digest
         self._kv = ts.KvStore.open(_kvstore_spec(location)).result()
+        self._side_writes: list[Any] = []  # the key record and deletions of rejected entries
+        self._manifest_written = False
         self.pages_written = 0
         self.pages_read = 0
+        self.rejected: Counter[str] = Counter()
 
     def key(self, page_hash: int) -> str:
-        """The store key of a page (``namespace/`` + the hash as 16 hex digits)."""
-        return f"{self.namespace}/{int(page_hash) & 0xFFFFFFFFFFFFFFFF:016x}"
+        """The store key of a page (the key's digest ``/`` the hash as 16 hex digits)."""
+        return f"{self.prefix}/{int(page_hash) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+    @property
+    def rejected_entries(self) -> int:
+        """Entries refused so far (torn, corrupt, foreign), each counted as a miss."""
+        return sum(self.rejected.values())
+
+    # --- entries --------------------------------------------------------------------------------
+
+    def _read(self, future: Any) -> Any:
+        """The result of a finished read that found a value; None when absent or the read
+        failed (a miss)."""
+        try:
+            result = future.result()
+        except Exception:  # a failed read is a miss
+            return None
+        return result if result.state == "value" else None
+
+    def _present(self, page_hash: int, future: Any, *, repair: bool = True) -> bool:
+        """Whether a finished read found an entry of this key and page with the right size
+        (the header only; the checksum is verified when the page is taken). ``repair``: delete
+        a rejected entry (off when the caller is about to overwrite it)."""
+        result = self._read(future)
+        if result is None:
+            return False
+        reason = check_header(result.value, self.storage_key.version, self.prefix, page_hash, self.page_bytes)
+        if reason is not None:
+            self._reject(page_hash, reason, result.stamp.generation if repair else None)
+            return False
+        return True
+
+    def _page(self, page_hash: int, future: Any) -> memoryview | None:
+        """The verified page bytes of a finished read, or None (a miss; rejections counted)."""
+        result = self._read(future)
+        if result is None:
+            return None
+        version, payload_bytes = self.storage_key.version, self.page_bytes
+        payload, reason = decode_entry(result.value, version, self.prefix, page_hash, payload_bytes)
+        if reason is not None:
+            self._reject(page_hash, reason, result.stamp.generation)
+        return payload
+
+    def _reject(self, page_hash: int, reason: str, generation: bytes | None) -> None:
+        """Count a refused entry (a warning the first time) and delete it when ``generation``
+        is given: only that version of it, so a valid entry written meanwhile survives."""
+        if not self.rejected:
+            logger.warning(
+                "storage tier: refused entry %s (%s); such entries are misses and get rewritten "
+                "(this warning is shown once; StorageTier.rejected counts them)",
+                self.key(page_hash),
+                reason,
+            )
+        self.rejected[reason] += 1
+        if generation is not None:
+            self._side_writes = [f for f in self._side_writes if not f.done()]
+            self._side_writes.append(self._kv.write(self.key(page_hash), None, if_equal=generation))
 
     # --- presence -------------------------------------------------------------------------------
 
     def contains(self, page_hash: int) -> bool:
-        """Whether the store holds a page of the right size under ``page_hash`` (a blocking read)."""
-        return self._stored(self._kv.read(self.key(page_hash)))
-
-    def _stored(self, future: Any) -> bool:
-        """Whether a finished read found a page of the right size (a failed read did not)."""
-        try:
-            result = future.result()
-        except Exception:  # a failed read is a miss
-            return False
-        return bool(result.state == "value" and len(result.value) == self.page_bytes)
+        """Whether the store holds an entry of this key for ``page_hash`` (a blocking read)."""
+        return self._present(page_hash, self._kv.read(self.key(page_hash)))
 
     def leading_hits(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, the store holds (reads issued together)."""
         futures = [self._kv.read(self.key(h)) for h in hashes]
         count = 0
-        for future in futures:
-            if not self._stored(future):
+        for h, future in zip(hashes, futures, strict=True):
+            if not self._present(h, future):
                 break
             count += 1
         return count
@@ -152,14 +209,20 @@ class StorageTier:
                 f"{pages.dtype}{list(pages.shape)}",
                 f"pass {len(hashes)} pages of {self.dtype}{list(self.page_shape)}",
             )
+        if not self._manifest_written:
+            record = json.dumps(self.storage_key.to_dict(), indent=1, sort_keys=True).encode()
+            self._side_writes.append(self._kv.write(f"{self.prefix}/{MANIFEST}", record))
+            self._manifest_written = True
         present = [self._kv.read(self.key(h)) for h in hashes]
         futures = []
         skipped = 0
+        version = self.storage_key.version
         for h, page, seen in zip(hashes, pages, present, strict=True):
-            if self._stored(seen):
+            if self._present(h, seen, repair=False):
                 skipped += 1
                 continue
-            futures.append(self._kv.write(self.key(h), np.ascontiguousarray(page).tobytes()))
+            entry = encode_entry(version, self.prefix, h, np.ascontiguousarray(page).reshape(-1).view(np.uint8).data)
+            futures.append(self._kv.write(self.key(h), entry))
         self.pages_written += len(futures)
         return StorageWrite(futures, skipped)
 
@@ -167,18 +230,25 @@ class StorageTier:
 
     def prefetch(self, hashes: Sequence[int]) -> Prefetch:
         """Start reading the pages of ``hashes`` (those that follow a match, in order)."""
-        return Prefetch(self, [self._kv.read(self.key(h)) for h in hashes])
+        return Prefetch(self, list(hashes), [self._kv.read(self.key(h)) for h in hashes])
 
     def get(self, hashes: Sequence[int]) -> np.ndarray:
-        """The leading run of stored pages of ``hashes``, waiting for every read:
+        """The leading run of stored, verified pages of ``hashes``, waiting for every read:
         ``[k, *page_shape]`` with ``k <= len(hashes)``."""
         return self.prefetch(hashes).take("wait_complete")
 
-    def _decode(self, results: list[Any]) -> np.ndarray:
-        pages = np.empty((len(results), *self.page_shape), self.dtype)
-        for i, result in enumerate(results):
-            pages[i] = np.frombuffer(result.value, self.dtype).reshape(self.page_shape)
-        self.pages_read += len(results)
+    def _decode(self, hashes: Sequence[int], futures: Sequence[Any]) -> np.ndarray:
+        """The pages of the finished reads ``futures``, up to the first that fails verification."""
+        payloads = []
+        for h, future in zip(hashes, futures, strict=True):
+            payload = self._page(h, future)
+            if payload is None:
+                break
+            payloads.append(payload)
+        pages = np.empty((len(payloads), *self.page_shape), self.dtype)
+        for i, payload in enumerate(payloads):
+            pages[i] = np.frombuffer(payload, self.dtype).reshape(self.page_shape)
+        self.pages_read += len(payloads)
         return pages
 
 
@@ -208,9 +278,11 @@ class StorageWrite:
 class Prefetch:
     """Reads of consecutive pages in flight (see :meth:`StorageTier.prefetch`)."""
 
-    def __init__(self, tier: StorageTier, futures: list[Any]) -> None:
+    def __init__(self, tier: StorageTier, hashes: list[int], futures: list[Any]) -> None:
         self._tier = tier
+        self._hashes = hashes
         self._futures = futures
+        self._headers_ok: dict[int, bool] = {}  # verdicts on finished reads, each judged once
         self.taken: int | None = None
 
     def __len__(self) -> int:
@@ -221,20 +293,18 @@ class Prefetch:
         return all(f.done() for f in self._futures)
 
     def arrived(self) -> int:
-        """Pages of the leading run that have arrived so far, valid ones only (never blocks)."""
+        """Pages of the leading run that have arrived so far with a valid header (never blocks;
+        the checksum is verified by :meth:`take`)."""
         count = 0
-        for future in self._futures:
-            if not future.done() or not self._valid(future):
+        for i, (h, future) in enumerate(zip(self._hashes, self._futures, strict=True)):
+            if not future.done():
+                break
+            if i not in self._headers_ok:
+                self._headers_ok[i] = self._tier._present(h, future)
+            if not self._headers_ok[i]:
                 break
             count += 1
         return count
-
-    def _valid(self, future: Any) -> bool:
-        try:
-            result = future.result()
-        except Exception:  # a failed read is a miss
-            return False
-        return bool(result.state == "value" and len(result.value) == self._tier.page_bytes)
 
     def take(self, policy: str = "best_effort", timeout_s: float = 0.0) -> np.ndarray:
         """The leading run of pages that arrived, per ``policy`` (see the module docstring);
@@ -250,7 +320,7 @@ class Prefetch:
             raise RuntimeError(f"this prefetch was taken already ({self.taken} pages)")
         if policy == "wait_complete":
             for future in self._futures:
-                self._valid(future)  # blocks until the read finished (a failure is a miss)
+                self._tier._read(future)  # blocks until the read finished (a failure is a miss)
         elif policy == "timeout":
             deadline = time.monotonic() + timeout_s
             while not all(f.done() for f in self._futures) and time.monotonic() < deadline:
@@ -260,4 +330,4 @@ class Prefetch:
             if not future.done():
                 future.cancel()
         self.taken = count
-        return self._tier._decode([self._futures[i].result() for i in range(count)])
+        return self._tier._decode(self._hashes[:count], self._futures[:count])

@@ -9,12 +9,14 @@ from kvjax.errors import ConfigError
 from kvjax.radix import HiRadixCache
 from kvjax.radix.node import HOST_ONLY
 from kvjax.tiers.storage import StorageTier, page_hashes
+from kvjax.tiers.storage_key import StorageKey
 
 PAGE = (2, 4, 1, 2)  # layers, page_size, C, D
+KEY = StorageKey(model="ckpt-test", page_shape=PAGE, store_dtype="uint16", kv_dtype="bfloat16")
 
 
 def _cache(store: StorageTier | None = None, host_tokens: int = 16, **kw) -> HiRadixCache:
-    store = store if store is not None else StorageTier("memory", page_shape=PAGE, dtype=np.uint16)
+    store = store if store is not None else StorageTier("memory", key=KEY)
     kw.setdefault("prefetch_threshold", 8)
     return HiRadixCache(page_size=4, host_pool_tokens=host_tokens, storage=store, **kw)
 
@@ -110,7 +112,7 @@ def test_prefetch_continues_below_a_partial_device_match_and_respects_the_thresh
 
 
 def test_a_storage_miss_in_the_middle_stops_the_run():
-    store = StorageTier("memory", page_shape=PAGE, dtype=np.uint16)
+    store = StorageTier("memory", key=KEY)
     cache = _cache(store, host_tokens=32)
     tokens = list(range(1, 21))
     _stored_then_gone(cache, tokens)
@@ -121,6 +123,27 @@ def test_a_storage_miss_in_the_middle_stops_the_run():
     assert cache.check_prefetch_progress("r")
     assert cache.match_prefix(tokens).host_hit_length == 12
     assert _balanced(cache)
+    cache.check_invariants()
+
+
+def test_a_page_that_fails_its_checksum_ends_the_prefetched_run_and_frees_the_rest():
+    store = StorageTier("memory", key=KEY)
+    cache = _cache(store, host_tokens=32)
+    tokens = list(range(1, 21))
+    buf = _stored_then_gone(cache, tokens)
+    name = store.key(page_hashes(tokens, 4)[2])
+    entry = bytearray(store._kv.read(name).result().value)
+    entry[-1] ^= 0x80  # one bit of the page's last byte
+    store._kv.write(name, bytes(entry)).result()
+    m = cache.match_prefix(tokens)
+    assert cache.start_prefetch("r", m, tokens) == 20  # headers are intact: five pages are asked for
+    assert cache.host.held_tokens == 20
+    assert cache.check_prefetch_progress("r")
+    assert cache.storage.prefetched_tokens == 8 and store.rejected == {"checksum": 1}
+    m = cache.match_prefix(tokens)
+    assert m.host_hit_length == 8
+    np.testing.assert_array_equal(cache.storage.pages.read_pages(cache.host.data(m.last_host_node).slots), buf[:, :2])
+    assert cache.host.held_tokens == 0 and _balanced(cache)
     cache.check_invariants()
 
 
@@ -194,7 +217,7 @@ class _FailingReads:
 
 
 def test_failed_reads_give_no_pages_and_balance_the_accounts():
-    store = StorageTier("memory", page_shape=PAGE, dtype=np.uint16)
+    store = StorageTier("memory", key=KEY)
     cache = _cache(store)
     tokens = list(range(1, 13))
     _stored_then_gone(cache, tokens)

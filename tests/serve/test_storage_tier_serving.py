@@ -10,6 +10,7 @@ from kvjax import ModelSpec
 from kvjax.demo import demo_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.model import init_params
+from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServingReq
 
 SPEC = ModelSpec.preset("tiny")
@@ -43,6 +44,7 @@ def test_storage_serves_prefixes_evicted_from_device_and_host_with_cold_tokens(t
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_dir=str(tmp_path / "l3"),
+        hicache_storage_model_fingerprint=random_weights_fingerprint(SPEC, seed=0),
         hicache_storage_prefetch_policy="wait_complete",
         hicache_storage_prefetch_threshold=16,
     )
@@ -66,3 +68,5 @@ def test_storage_knobs_are_checked():
         demo_cache(page_size=4, max_total_tokens=96, hicache_storage_backend="memory")  # no host tier
     with pytest.raises(ConfigError, match="hicache_storage_dir"):
         demo_cache(page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_storage_backend="file")
+    with pytest.raises(ConfigError, match="hicache_storage_model_fingerprint=None: the storage tier keys pages"):
+        demo_cache(page_size=4, max_total_tokens=96, enable_hierarchical_cache=True, hicache_storage_backend="memory")

@@ -8,6 +8,8 @@ import pytest
 from kvjax.errors import ConfigError
 from kvjax.radix import RadixCache
 from kvjax.tiers.storage import Prefetch, StorageTier, page_hashes
+from kvjax.tiers.storage_entry import encode_entry
+from kvjax.tiers.storage_key import StorageKey
 
 PAGE = (2, 4, 2, 8)  # layers, page_size, 2 * kv_heads, head_dim
 
@@ -16,8 +18,12 @@ def _pages(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2**16, (n, *PAGE), dtype=np.uint16)
 
 
+def _key(**kw) -> StorageKey:
+    return StorageKey(**{"model": "ckpt-a", "page_shape": PAGE, "store_dtype": "uint16", "kv_dtype": "bfloat16", **kw})
+
+
 def _tier(location="memory", **kw) -> StorageTier:
-    return StorageTier(location, page_shape=PAGE, dtype=np.uint16, **kw)
+    return StorageTier(location, key=_key(**kw))
 
 
 def test_page_hashes_equal_the_trees_event_hashes_and_chain_across_calls():
@@ -53,7 +59,7 @@ def test_a_missing_page_ends_the_run_and_namespaces_are_isolated():
     tier.backup([hashes[i] for i in keep], pages[keep]).wait()
     assert tier.leading_hits(hashes) == 3
     np.testing.assert_array_equal(tier.prefetch(hashes).take("wait_complete"), pages[:3])
-    assert not _tier(namespace="other-model").contains(hashes[0])
+    assert not _tier(namespace="tenant-b").contains(hashes[0])
     assert tier.contains(hashes[0])
 
 
@@ -70,6 +76,7 @@ class _Future:
 
     def __init__(self, value: bytes | None, done: bool) -> None:
         self.value, self._done, self.cancelled = value, done, False
+        self.stamp = type("Stamp", (), {"generation": b"g"})()
 
     def done(self) -> bool:
         return self._done
@@ -80,6 +87,7 @@ class _Future:
         class Result:
             state = "value" if self.value is not None else "missing"
             value = self.value or b""
+            stamp = self.stamp
 
         return Result()
 
@@ -90,8 +98,16 @@ class _Future:
 def test_prefetch_policies_take_the_leading_run_that_arrived():
     tier = _tier()
     pages = _pages(3)
-    futures = [_Future(p.tobytes(), done) for p, done in zip(pages, (True, False, True), strict=True)]
-    fetch = Prefetch(tier, futures)
+    hashes = page_hashes(list(range(12)), 4)
+
+    def entries(done_flags):
+        return [
+            _Future(encode_entry(1, tier.prefix, h, p.tobytes()), done)
+            for h, p, done in zip(hashes, pages, done_flags, strict=True)
+        ]
+
+    futures = entries((True, False, True))
+    fetch = Prefetch(tier, hashes, futures)
     assert fetch.arrived() == 1  # page 2 arrived but page 1 did not: only page 0 is usable
     got = fetch.take("best_effort")
     np.testing.assert_array_equal(got, pages[:1])
@@ -99,8 +115,7 @@ def test_prefetch_policies_take_the_leading_run_that_arrived():
     with pytest.raises(RuntimeError, match="taken already"):
         fetch.take("best_effort")
 
-    late = [_Future(p.tobytes(), done) for p, done in zip(pages, (True, True, False), strict=True)]
-    assert Prefetch(tier, late).take("timeout", timeout_s=0.01).shape[0] == 2
+    assert Prefetch(tier, hashes, entries((True, True, False))).take("timeout", timeout_s=0.01).shape[0] == 2
 
 
 def test_bad_arguments_are_refused_by_name_and_write_nothing():
@@ -116,6 +131,10 @@ def test_bad_arguments_are_refused_by_name_and_write_nothing():
     with pytest.raises(ConfigError, match="timeout_s=-1"):
         tier.prefetch(hashes).take("timeout", timeout_s=-1)
     with pytest.raises(ConfigError, match="page_shape"):
-        StorageTier("memory", page_shape=(0, 4), dtype=np.uint16)
-    with pytest.raises(ConfigError, match="namespace"):
-        _tier(namespace="a/b")
+        _key(page_shape=(0, 4))
+    with pytest.raises(ConfigError, match="model fingerprint"):
+        _key(model="")
+    with pytest.raises(ConfigError, match="layers"):
+        _key(layers=(0,))
+    with pytest.raises(ConfigError, match="key"):
+        StorageTier("memory", key="model")  # type: ignore[arg-type]
