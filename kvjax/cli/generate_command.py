@@ -94,11 +94,10 @@ def parse_ids(text: str, index: int, vocab_size: int | None = None) -> list[int]
         ) from None
     if not ids:
         raise UsageError(f"--prompt-ids {text!r} (prompt {index}) is empty; give at least one token id")
-    limit = vocab_size if vocab_size is not None else None
-    bad = [t for t in ids if t < 0 or (limit is not None and t >= limit)]
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
-        where = f"[0, {limit}) (the model's vocab_size)" if limit is not None else "0 and up"
-        raise UsageError(f"--prompt-ids {text} (prompt {index}): token id {bad[0]} is out of range; ids are in {where}")
+        where = "are >= 0" if vocab_size is None else f"are in [0, {vocab_size}) (the model's vocab_size)"
+        raise UsageError(f"--prompt-ids {text} (prompt {index}): token id {bad[0]} is out of range; ids {where}")
     return ids
 
 

@@ -189,9 +189,10 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
 _BYTE_FLAGS = ("--memory", "--weights-bytes")
 
 
-def cli_message(error: ConfigError, args: argparse.Namespace) -> str:
+def cli_message(error: ConfigError, args: argparse.Namespace, *, sweep: bool = False) -> str:
     """A `ConfigError` in this command's words: the flag and the value the user typed (sizes
-    also in GiB), then the fix with options spelled as flags."""
+    also in GiB), then the fix with options spelled as flags. In a sweep row the TP size is the
+    row's own (``--tp``), whatever set it."""
     show = {}
     for flag in _BYTE_FLAGS:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
@@ -199,7 +200,7 @@ def cli_message(error: ConfigError, args: argparse.Namespace) -> str:
             show[flag] = f"{value} ({_gib(value)})"
     if error.option == "reserved_memory_bytes" and isinstance(error.value, int) and "--weights-bytes" in show:
         show["--weights-bytes"] += f", {_gib(error.value)} per chip"
-    return config_error_line(error, option_flags(args), args, show=show)
+    return config_error_line(error, FLAG_FOR_OPTION if sweep else option_flags(args), args, show=show)
 
 
 # --- output ---------------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def _sweep_rows(spec: ModelSpec, args: argparse.Namespace, plan_fn: Callable[...
                         device_memory_bytes=sizing.device_memory_bytes,
                     )
                 except ConfigError as e:
-                    row["refused"] = cli_message(e, args)
+                    row["refused"] = cli_message(e, args, sweep=True)
                 except UsageError as e:
                     row["refused"] = str(e)
                 else:
