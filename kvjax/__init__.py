@@ -1,8 +1,8 @@
 """kvjax: SGLang's KV-cache memory subsystem for JAX/XLA on TPU.
 
-The public names (DESIGN §2): ``ModelSpec``, ``CacheConfig``, ``plan_kv_cache`` -> ``CachePlan``,
-``build_kv_cache`` -> ``KVCache``, and the errors ``ConfigError``, ``InvalidSlotError``,
-``DoubleFreeError``, ``OutOfMemoryError``.
+The public names (stable; ``README.md`` shows them in use): ``ModelSpec``, ``CacheConfig``,
+``plan_kv_cache`` -> ``CachePlan``, ``build_kv_cache`` -> ``KVCache``, and the errors
+``ConfigError``, ``InvalidSlotError``, ``DoubleFreeError``, ``OutOfMemoryError``.
 
 ``import kvjax`` is cheap and jax-free: the spec, config, planner and errors load at once; the
 names that need jax (``build_kv_cache``, ``KVCache``, the pools) load on first access.

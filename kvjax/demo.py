@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
-from kvjax.config import CacheConfig
+from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, demo_config, demo_context_length
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
@@ -29,9 +29,7 @@ from kvjax.serve.scheduler import Scheduler, ServeStats
 from kvjax.serve.workload import Workload, run_workload
 from kvjax.spec import ModelSpec
 
-DEMO_MODEL = "tiny"
-MAX_BATCH = 8
-CONTEXT_LENGTH = 1024
+__all__ = ["CONTEXT_LENGTH", "DEMO_MODEL", "MAX_BATCH", "DemoReport", "demo_cache", "demo_config", "run_demo", "serve"]
 
 
 @dataclass
@@ -118,37 +116,11 @@ class DemoReport:
         )
 
 
-def demo_config(
-    *,
-    page_size: int = 16,
-    max_total_tokens: int = 16384,
-    disable_radix_cache: bool = False,
-    chunked_prefill_size: int = 512,
-    eviction_policy: str = "lru",
-    context_length: int = CONTEXT_LENGTH,
-    enable_hierarchical_cache: bool = False,
-    **settings: Any,
-) -> CacheConfig:
-    """The demo's cache settings; ``settings``: other ``CacheConfig`` fields (the storage tier's
-    ``hicache_storage_*``)."""
-    return CacheConfig(
-        **settings,
-        enable_hierarchical_cache=enable_hierarchical_cache,
-        page_size=page_size,
-        max_total_tokens=max_total_tokens,
-        max_running_requests=2 * MAX_BATCH,
-        context_length=context_length,
-        disable_radix_cache=disable_radix_cache,
-        chunked_prefill_size=chunked_prefill_size,
-        radix_eviction_policy=eviction_policy,
-    )
-
-
 def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
-    config_kwargs.setdefault("context_length", min(CONTEXT_LENGTH, spec.context_length))
+    config_kwargs.setdefault("context_length", demo_context_length(spec))
     return build_kv_cache(spec, demo_config(**config_kwargs))
 
 

@@ -31,6 +31,10 @@ JAX_FREE_MODULES = [
     "kvjax.pools.registry",
     "kvjax.req_pool",
     "kvjax.tiers",
+    "kvjax.cli",
+    "kvjax.cli.demo_command",
+    "kvjax.cli.generate_command",
+    "kvjax.demo_config",
 ]
 
 

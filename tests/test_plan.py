@@ -589,7 +589,8 @@ def test_tp_that_does_not_split_the_kv_heads_is_refused_with_the_fix():
         ConfigError, match=r"tp_size=3: the model's 8 KV heads cannot be split evenly over 3 ranks"
     ) as e:
         plan(spec, tp_size=3)
-    assert "--tp 1, 2, 4, 8" in str(e.value)
+    # Only sizes that plan: they split the 24 query heads and the 8 KV heads (or replicate them).
+    assert str(e.value).endswith("use tp_size 1, 2, 4, 8 or 24")
 
 
 def test_tp_above_the_kv_heads_replicates_them_or_is_refused():
@@ -597,9 +598,29 @@ def test_tp_above_the_kv_heads_replicates_them_or_is_refused():
     assert (p.num_kv_heads_per_rank, p.kv_head_replicas) == (1, 2)
     assert any("replicated 2x" in note for note in p.padding)
     spec = dataclasses.replace(dense(kv_heads=8), num_attention_heads=24)
-    with pytest.raises(ConfigError, match="must be a multiple of 8; use --tp 8 or 16") as e:
+    with pytest.raises(ConfigError, match="must be a multiple of 8; use tp_size 1, 2, 4, 8 or 24") as e:
         plan(spec, tp_size=12)
     assert e.value.option == "tp_size"
+    assert e.value.render_fix({"tp_size": "--tp"}).endswith("use --tp 1, 2, 4, 8 or 24")
+
+
+def test_more_pipeline_stages_than_layers_is_refused():
+    with pytest.raises(ConfigError, match="the model has 4 layers, so at most 4 pipeline stages") as e:
+        plan(dense(layers=4), pp_size=5)
+    assert e.value.option == "pp_size"
+    assert plan(dense(layers=4), pp_size=4).max_total_tokens > 0
+
+
+def test_a_page_larger_than_the_budget_names_the_page_size():
+    with pytest.raises(ConfigError, match="use a smaller page_size such as 16") as e:
+        plan(dense(), memory_budget_bytes=2**24, page_size=2**20)
+    assert e.value.option == "page_size"
+    with pytest.raises(ConfigError) as e:
+        plan(dense(), memory_budget_bytes=1024, page_size=16)
+    assert e.value.option == "memory_budget_bytes"
+    with pytest.raises(ConfigError, match="holds no whole page of 16 tokens") as e:
+        plan(dense(), memory_budget_bytes=None, max_total_tokens=15)
+    assert e.value.option == "max_total_tokens"
 
 
 def test_tp_that_does_not_split_the_attention_heads_is_refused():
@@ -693,7 +714,8 @@ def test_device_bytes_never_exceed_any_budget(which, budget, page, tp, ratio):
     try:
         p = plan_kv_cache(spec, config)
     except ConfigError as e:  # too small a budget: refused, naming what to raise
-        assert e.option in ("memory_budget_bytes", "mamba_full_memory_ratio"), e
+        # (the page size when a page of 16 tokens would have fitted)
+        assert e.option in ("memory_budget_bytes", "mamba_full_memory_ratio", "page_size"), e
         return
     assert p.device_bytes <= budget
     assert p.max_running_requests <= max(1, p.num_pages)

@@ -1,8 +1,10 @@
 """The command line: ``python -m kvjax plan|demo|generate``.
 
-Each sub-command is one module with ``add_parser(subparsers)`` and ``run(args) -> exit code``.
-Only the module of the command being run is imported (the others register a one-line stub), and
-heavy imports (jax, the serving model) happen inside ``run``, so ``python -m kvjax plan`` stays fast.
+Each sub-command is one module with ``add_parser(subparsers)``, ``option_flags(args)`` (which
+flag sets which ``CacheConfig`` option, for error messages) and ``run(args) -> exit code``. Only
+the module of the command being run is imported (the others register a one-line stub). Every
+argument is checked before jax is imported or a model is built: argparse types for numbers and
+sizes, then each command's own checks (the plan, which is jax-free, included).
 
 Errors speak command line: one ``error:`` line on stderr naming the flag, its value and the fix,
 exit status 2, no traceback. A closed pipe (``plan ... | head -1``) ends quietly.
@@ -14,12 +16,14 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NoReturn
 
-from kvjax.cli.plan_command import UsageError, cli_message, parse_bytes
-from kvjax.errors import ConfigError
+from kvjax.cli.arg_types import parse_bytes
+from kvjax.cli.messages import UsageError, config_error_line
+from kvjax.errors import ConfigError, InvalidSlotError, OutOfMemoryError
 
 # name -> the command's module, or its dotted path (imported only when that command runs).
 COMMANDS: dict[str, ModuleType | str] = {
@@ -32,8 +36,23 @@ _SUMMARIES = {
     "demo": "serve a reuse-heavy workload with the tiny model, cold and warm",
     "generate": "greedy generation with a model directory or preset",
 }
+# What `python -m kvjax --help` says: for users, not about this module.
+_DESCRIPTION = """\
+kvjax: SGLang's KV-cache subsystem in JAX. Plan a KV cache, serve a workload through it, or
+generate with a checkpoint.
 
-__all__ = ["COMMANDS", "main", "parse_bytes"]
+examples:
+  python -m kvjax plan --model llama-3-8b --memory 16GiB
+  python -m kvjax demo --max-total-tokens 512
+  python -m kvjax generate --model tiny --prompt-ids 1,2,3 --max-new-tokens 8
+
+Run python -m kvjax COMMAND --help for a command's flags. A bad argument stops with one line
+naming the flag, its value and the fix (exit status 2).
+"""
+# Set to print the traceback of an unexpected error (a bug) instead of its one-line summary.
+TRACEBACK_ENV = "KVJAX_TRACEBACK"
+
+__all__ = ["COMMANDS", "TRACEBACK_ENV", "main", "parse_bytes"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,8 +68,10 @@ def _module(name: str) -> ModuleType:
 
 
 def _parser(command: str | None) -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m kvjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(
+        prog="python -m kvjax", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{plan,demo,generate}")
     for name in COMMANDS:
         if name == command:
             _module(name).add_parser(sub)
@@ -60,8 +81,8 @@ def _parser(command: str | None) -> argparse.ArgumentParser:
 
 
 def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> list[str]:
-    """``--memory -1GiB`` -> ``--memory=-1GiB``, so a negative value reaches its flag's own check
-    instead of argparse reading it as an unknown option."""
+    """``--memory -1GiB`` -> ``--memory=-1GiB`` (and ``--prompt-ids -1,2``), so a value that starts
+    with ``-`` reaches its flag's own check instead of argparse reading it as an unknown option."""
     actions: dict[str, argparse.Action] = {}
     for group_action in parser._subparsers._group_actions if parser._subparsers else ():  # noqa: SLF001
         sub = getattr(group_action, "choices", {}).get(command) if command else None
@@ -72,7 +93,7 @@ def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str], comm
     while i < len(argv):
         token = argv[i]
         found = actions.get(token)
-        takes_value = found is not None and found.nargs is None and bool(found.option_strings) and found.const is None
+        takes_value = found is not None and found.nargs is None  # switches have nargs=0
         if takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in actions:
             out.append(f"{token}={argv[i + 1]}")
             i += 2
@@ -83,14 +104,17 @@ def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str], comm
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 for a usage or configuration error)."""
+    """Entry point; returns the process exit code: 0, 1 when a run's own checks failed (the demo's
+    leak check), 2 for a usage or configuration error, 3 for an unexpected error (a bug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     command = command if command in COMMANDS else None
     parser = _parser(command)
     args = parser.parse_args(_join_negative_values(parser, argv, command))
+    module = _module(args.command)
+    prefix = f"{parser.prog} {args.command}: error:"
     try:
-        code = _module(args.command).run(args)
+        code = module.run(args)
         sys.stdout.flush()
         return int(code)
     except BrokenPipeError:
@@ -99,11 +123,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except UsageError as e:
-        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"{prefix} {e}", 2)
     except ConfigError as e:
-        print(f"{parser.prog} {args.command}: error: {cli_message(e, args)}", file=sys.stderr)
-        return 2
+        line = module.cli_message(e, args) if hasattr(module, "cli_message") else None
+        return _fail(f"{prefix} {line or config_error_line(e, module.option_flags(args), args)}", 2)
+    except (OutOfMemoryError, InvalidSlotError) as e:
+        return _fail(f"{prefix} {e}", 2)
+    except NotImplementedError as e:
+        return _fail(f"{prefix} not built in kvjax yet: {e}", 2)
     except FileNotFoundError as e:
-        print(f"{parser.prog} {args.command}: error: {e.filename}: no such file", file=sys.stderr)
-        return 2
+        return _fail(f"{prefix} {e.filename}: no such file", 2)
+    except Exception as e:  # noqa: BLE001  a bug: one line, the traceback on request
+        if os.environ.get(TRACEBACK_ENV):
+            traceback.print_exc()
+        summary = str(e).splitlines()[0] if str(e) else ""
+        return _fail(
+            f"{prefix} unexpected {type(e).__name__}: {summary} (a bug in kvjax; please report it with the "
+            f"command line; {TRACEBACK_ENV}=1 prints the traceback)",
+            3,
+        )
+
+
+def _fail(line: str, code: int) -> int:
+    sys.stdout.flush()
+    print(line, file=sys.stderr)
+    return code

@@ -1,12 +1,49 @@
-"""``python -m kvjax demo``: the main job, a reuse-heavy workload served cold and warm."""
+"""``python -m kvjax demo``: the main job, a reuse-heavy workload served cold and warm.
+
+Every flag is checked before jax is imported: numbers by their argparse types, the workload and
+the cache by `kvjax.demo_config.check_demo` (which plans the cache, jax-free), the storage
+directory by `storage_dir`. Only then is the model loaded and the workload served.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
+from pathlib import Path
 
-from kvjax.cli.plan_command import UsageError
+from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.messages import UsageError
+from kvjax.cli.model_arg import model_spec
+from kvjax.config import EVICTION_POLICIES
 from kvjax.serve.workload import Workload
+
+# CacheConfig and Workload options -> this command's flags (error messages name these).
+OPTION_FLAGS = {
+    "groups": "--groups",
+    "prompts_per_group": "--prompts-per-group",
+    "system_tokens": "--system-tokens",
+    "chats": "--chats",
+    "turns": "--turns",
+    "output_tokens": "--output-tokens",
+    "seed": "--seed",
+    "page_size": "--page-size",
+    "max_total_tokens": "--max-total-tokens",
+    "chunked_prefill_size": "--chunked-prefill-size",
+    "radix_eviction_policy": "--radix-eviction-policy",
+    "enable_hierarchical_cache": "--enable-hierarchical-cache",
+    "hicache_storage_backend": "--hicache-storage",
+    "hicache_storage_dir": "--hicache-storage",
+    "model": "--model",
+    "dtype": "--dtype",
+}
+
+
+def option_flags(args: argparse.Namespace) -> dict[str, str]:
+    """Which flag of ``demo`` sets which option."""
+    return OPTION_FLAGS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,22 +53,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--model", help="a Hugging Face checkpoint directory or a small preset (default: tiny)")
     demo.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serve the checkpoint in this dtype")
     w = Workload()
-    demo.add_argument("--groups", type=int, default=w.groups, help="groups of requests sharing a system prompt")
-    demo.add_argument("--prompts-per-group", type=int, default=w.prompts_per_group)
-    demo.add_argument("--system-tokens", type=int, default=w.system_tokens)
-    demo.add_argument("--chats", type=int, default=w.chats, help="multi-turn conversations")
-    demo.add_argument("--turns", type=int, default=w.turns)
-    demo.add_argument("--output-tokens", type=int, default=w.output_tokens, help="tokens generated per request")
-    demo.add_argument("--seed", type=int, default=w.seed)
-    demo.add_argument("--page-size", type=int, default=16)
+    count, positive = non_negative_int, positive_int
+    demo.add_argument("--groups", type=count, default=w.groups, help="groups of requests sharing a system prompt")
+    demo.add_argument("--prompts-per-group", type=positive, default=w.prompts_per_group)
+    demo.add_argument("--system-tokens", type=count, default=w.system_tokens)
+    demo.add_argument("--chats", type=count, default=w.chats, help="multi-turn conversations")
+    demo.add_argument("--turns", type=positive, default=w.turns)
+    demo.add_argument("--output-tokens", type=positive, default=w.output_tokens, help="tokens generated per request")
+    demo.add_argument("--seed", type=count, default=w.seed)
+    demo.add_argument("--page-size", type=positive, default=16)
     demo.add_argument(
         "--max-total-tokens",
-        type=int,
+        type=positive,
         default=16384,
         help="pool size in tokens (make it small to force eviction and retraction)",
     )
-    demo.add_argument("--chunked-prefill-size", type=int, default=512)
-    demo.add_argument("--radix-eviction-policy", default="lru")
+    demo.add_argument("--chunked-prefill-size", type=positive, default=512, help="prefill tokens per step")
+    demo.add_argument("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
     demo.add_argument(
         "--enable-hierarchical-cache",
         action="store_true",
@@ -41,19 +79,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--hicache-storage",
         metavar="DIR",
         default=None,
-        help="with --enable-hierarchical-cache: a storage tier (L3) in DIR; host copies are written there "
-        "and prefetched back on a miss",
+        help="with --enable-hierarchical-cache: a storage tier (L3) in DIR, created when missing; host copies "
+        "are written there and prefetched back on a miss",
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvjax.demo import run_demo
-    from kvjax.serve.generate import resolve_model
+def storage_dir(path: str | None, *, host_tier: bool) -> tuple[Path | None, bool]:
+    """``--hicache-storage``: ``(directory, whether it has to be created)``, or a `UsageError`
+    for a directory the storage tier cannot use (a file, one it cannot write, or no host tier)."""
+    if path is None:
+        return None, False
+    if not host_tier:
+        raise UsageError(
+            f"--hicache-storage {path}: the storage tier sits under the host tier; add --enable-hierarchical-cache"
+        )
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"--hicache-storage {path}: is a file, not a directory; give a directory (created if missing)")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--hicache-storage {path}: {existing} is a file, so the directory cannot be created")
+    if not _writable(existing):
+        what = "the directory" if existing == target else f"its parent {existing}"
+        raise UsageError(f"--hicache-storage {path}: {what} is not writable; give a directory you can write to")
+    return target, existing != target
 
+
+def _writable(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried: permission bits do not bind root)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".kvjax-write-check-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
     if args.dtype and not args.model:
         raise UsageError(f"--dtype {args.dtype} applies to a checkpoint: pass --model DIR with it")
-    model = resolve_model(args.model, dtype=args.dtype) if args.model else None
+    from kvjax.demo_config import DEMO_MODEL, check_demo
 
+    spec = model_spec(args.model or DEMO_MODEL)
     workload = Workload(
         groups=args.groups,
         prompts_per_group=args.prompts_per_group,
@@ -63,6 +131,29 @@ def run(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
+    storage, create = storage_dir(args.hicache_storage, host_tier=args.enable_hierarchical_cache)
+    check_demo(
+        spec,
+        workload,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        eviction_policy=args.radix_eviction_policy,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        **({} if storage is None else {"hicache_storage_backend": "file", "hicache_storage_dir": str(storage)}),
+    )
+    if storage is not None and create:
+        try:
+            storage.mkdir(parents=True)
+        except OSError as e:
+            raise UsageError(f"--hicache-storage {storage}: cannot create it ({e.strerror})") from None
+        print(f"python -m kvjax demo: created the --hicache-storage directory {storage}", file=sys.stderr)
+
+    # Every argument is checked: now jax and the model.
+    from kvjax.demo import run_demo
+    from kvjax.serve.generate import resolve_model
+
+    model = resolve_model(args.model, dtype=args.dtype) if args.model else None
     report = run_demo(
         workload=workload,
         page_size=args.page_size,

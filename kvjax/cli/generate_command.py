@@ -5,9 +5,11 @@ Prompts are given as token ids (``--prompt-ids 1,2,3``) or, when the directory h
 one workload on one cache in the order given (later prompts reuse earlier prefixes). ``--json``
 prints ``{"outputs": [[ids per prompt], ...], "cached_tokens": n, "prompt_tokens": n}``.
 
-Bad input (no ``config.json`` or weights, a family kvjax cannot serve, a missing or mis-shaped
-tensor, ``--prompt`` without a tokenizer, ids outside the vocabulary) exits 2 with one line
-naming the problem and the fix, before any cache is built.
+Bad input (a missing directory, no ``config.json`` or weights, a family kvjax cannot serve, a
+missing or mis-shaped tensor, ``--prompt`` without a tokenizer, ids outside the vocabulary, a
+pool too small for the longest request) exits 2 with one line naming the problem and the fix.
+Everything that can be checked from the arguments and ``config.json`` is checked before jax is
+imported or a weight is read.
 """
 
 from __future__ import annotations
@@ -17,8 +19,27 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvjax.cli.plan_command import UsageError
+from kvjax.cli.arg_types import positive_int
+from kvjax.cli.messages import UsageError
+from kvjax.cli.model_arg import model_spec
 from kvjax.errors import ConfigError
+
+OPTION_FLAGS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "max_new_tokens": "--max-new-tokens",
+    "page_size": "--page-size",
+    "max_total_tokens": "--max-total-tokens",
+    "chunked_prefill_size": "--chunked-prefill-size",
+    "max_batch_size": "--max-batch-size",
+    "max_running_requests": "--max-batch-size",
+    "enable_hierarchical_cache": "--enable-hierarchical-cache",
+}
+
+
+def option_flags(args: argparse.Namespace) -> dict[str, str]:
+    """Which flag of ``generate`` sets which option."""
+    return OPTION_FLAGS
 
 
 class _AppendPrompt(argparse.Action):
@@ -45,12 +66,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="TEXT",
         help="text (needs tokenizer.json)",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=16)
-    gen.add_argument("--page-size", type=int, default=16)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=16)
+    gen.add_argument("--page-size", type=positive_int, default=16)
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serve in this dtype")
-    gen.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: room for everything)")
-    gen.add_argument("--chunked-prefill-size", type=int, default=512)
-    gen.add_argument("--max-batch-size", type=int, default=16)
+    gen.add_argument(
+        "--max-total-tokens", type=positive_int, help="KV pool size in tokens (default: room for everything)"
+    )
+    gen.add_argument("--chunked-prefill-size", type=positive_int, default=512, help="prefill tokens per step")
+    gen.add_argument("--max-batch-size", type=positive_int, default=16, help="requests decoded together")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument(
@@ -60,16 +83,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def parse_ids(text: str, index: int) -> list[int]:
-    """``"1,2, 3"`` -> ``[1, 2, 3]``; a `UsageError` naming the prompt otherwise."""
+def parse_ids(text: str, index: int, vocab_size: int | None = None) -> list[int]:
+    """``"1,2, 3"`` -> ``[1, 2, 3]``; a `UsageError` naming the prompt for text that is not ids, no
+    ids, or an id outside ``[0, vocab_size)``."""
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError:
         raise UsageError(
-            f"--prompt-ids {text!r} (prompt {index}): write token ids as comma-separated integers, e.g. 1,2,3"
+            f"--prompt-ids {text} (prompt {index}): write token ids as comma-separated integers, e.g. 1,2,3"
         ) from None
     if not ids:
         raise UsageError(f"--prompt-ids {text!r} (prompt {index}) is empty; give at least one token id")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        where = "are >= 0" if vocab_size is None else f"are in [0, {vocab_size}) (the model's vocab_size)"
+        raise UsageError(f"--prompt-ids {text} (prompt {index}): token id {bad[0]} is out of range; ids {where}")
     return ids
 
 
@@ -82,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     raw_prompts: list[tuple[str, str]] = args.prompts or []
     if not raw_prompts:
         raise UsageError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
+    spec = model_spec(args.model)
     tokenizer_file = _tokenizer_file(args.model)
     if any(kind == "text" for kind, _ in raw_prompts) and tokenizer_file is None:
         text = next(text for kind, text in raw_prompts if kind == "text")
@@ -95,14 +124,15 @@ def run(args: argparse.Namespace) -> int:
 
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     prompts = [
-        parse_ids(text, i + 1) if kind == "ids" else tokenizer.encode(text).ids  # type: ignore[union-attr]
+        parse_ids(text, i + 1, spec.vocab_size) if kind == "ids" else tokenizer.encode(text).ids  # type: ignore[union-attr]
         for i, (kind, text) in enumerate(raw_prompts)
     ]
+    _check_room(args, spec.context_length, max(len(p) for p in prompts))
 
-    from kvjax.serve.generate import check_prompts, generate, resolve_model
+    # Every argument is checked: now jax and the model.
+    from kvjax.serve.generate import generate, resolve_model
 
     model = resolve_model(args.model, dtype=args.dtype)
-    check_prompts(prompts, model.config.vocab_size)
     try:
         result, _ = generate(
             model,
@@ -127,3 +157,24 @@ def run(args: argparse.Namespace) -> int:
     hit = result.cached_tokens / result.prompt_tokens if result.prompt_tokens else 0.0
     print(f"cached tokens {result.cached_tokens} of {result.prompt_tokens} prompt tokens ({hit:.1%})")
     return 0
+
+
+def _check_room(args: argparse.Namespace, context_length: int, longest_prompt: int) -> None:
+    """The longest request (prompt and new tokens) fits the model's context, and the pool when
+    ``--max-total-tokens`` sizes it."""
+    longest = longest_prompt + args.max_new_tokens
+    if longest > context_length:
+        raise ConfigError(
+            "max_new_tokens",
+            args.max_new_tokens,
+            f"the longest prompt plus {args.max_new_tokens} new tokens is {longest} tokens, more than the model's "
+            f"context of {context_length}; shorten it",
+        )
+    need = -(-longest // args.page_size) * args.page_size
+    if args.max_total_tokens is not None and args.max_total_tokens < need:
+        raise ConfigError(
+            "max_total_tokens",
+            args.max_total_tokens,
+            f"the pool must hold the longest request, {longest} tokens with its output in pages of "
+            f"{args.page_size}; use {{max_total_tokens}} {need} or more",
+        )

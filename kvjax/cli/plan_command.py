@@ -1,14 +1,15 @@
-"""``python -m kvjax plan``: capacity planning from a preset or a ``config.json``, without jax.
+"""python -m kvjax plan: capacity planning from a preset or a config.json, without jax.
 
 Sizing, one of:
-  * ``--memory 16GiB``: the KV-cache budget of one device, as is;
-  * ``--tpu v5e [--chips 8] [--weights-bytes 16GB]``: the chip's HBM times ``--mem-fraction-static``
-    (SGLang's 0.9 by default), minus the chip's share of the weights when their size is given
-    (kvjax does not guess it); ``--chips`` sets ``--tp`` when that is not given;
-  * ``--max-total-tokens N``: a pool of N tokens, whatever it costs.
+  --memory 16GiB       the KV-cache budget of one device, as is;
+  --tpu v5e [--chips 8] [--weights-bytes 16GB]
+                       the chip's HBM times --mem-fraction-static (SGLang's 0.9 by default),
+                       minus the chip's share of the weights when their size is given (kvjax
+                       does not guess it); --chips sets --tp when that is not given;
+  --max-total-tokens N a pool of N tokens, whatever it costs.
 
-Answers: ``--context N`` (how many requests of N tokens fit), ``--concurrency M`` (the longest
-context M requests can each have), ``--sweep`` (a table over page sizes, KV dtypes and TP).
+Answers: --context N (how many requests of N tokens fit), --concurrency M (the longest context
+M requests can each have), --sweep (a table over page sizes, KV dtypes and TP).
 
 Every bad input is one line on stderr naming the flag, the value and the fix, exit status 2.
 """
@@ -18,33 +19,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvjax.chips import TPU_CHIPS, tpu_chip, weights_per_chip
+from kvjax.cli.arg_types import fraction, parse_bytes, positive_int
+from kvjax.cli.messages import UsageError, config_error_line
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.spec import ModelSpec
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-# CacheConfig / planner names -> the flag a user types. Errors are rewritten with these.
+# CacheConfig / planner options -> the flag of this command that sets them (see ``option_flags``).
 FLAG_FOR_OPTION = {
     "memory_budget_bytes": "--memory",
     "mem_fraction_static": "--mem-fraction-static",
@@ -69,48 +54,21 @@ FLAG_FOR_OPTION = {
     "model": "--model",
 }
 
+
+def option_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``FLAG_FOR_OPTION`` for this command line: without ``--tp``, ``--chips`` sets the TP size,
+    so a refused TP size is the ``--chips`` the user typed."""
+    flags = dict(FLAG_FOR_OPTION)
+    if getattr(args, "tp", None) is None and getattr(args, "chips", None) is not None:
+        flags["tp_size"] = flags["attn_tp_size"] = "--chips"
+    return flags
+
+
 SWEEP_PAGE_SIZES = (16, 32, 64, 128)
 SWEEP_KV_DTYPES = ("auto", "fp8_e4m3")
 SWEEP_TP_SIZES = (1, 2, 4, 8)
 
-
-class UsageError(Exception):
-    """A command-line mistake: printed as one ``error:`` line, exit status 2."""
-
-
-def parse_bytes(text: str) -> int:
-    """``"16GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"1073741824"`` -> bytes (> 0).
-
-    Raises `argparse.ArgumentTypeError` saying what a size looks like; a negative or zero size
-    says that sizes are positive.
-    """
-    m = re.fullmatch(r"\s*([-+]?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(3).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write one such as 16GiB, 512MiB or 1073741824")
-    value = int(float(m.group(2)) * _UNITS[m.group(3).lower()])
-    if m.group(1) == "-" or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive; write one such as 16GiB")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= 1")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a fraction of the chip's memory must be in (0, 1]")
-    return value
+__all__ = ["FLAG_FOR_OPTION", "UsageError", "add_parser", "option_flags", "parse_bytes", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -125,25 +83,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     size = plan.add_argument_group("sizing (one of --memory, --tpu, --max-total-tokens)")
     size.add_argument("--memory", type=parse_bytes, default=None, help="KV-cache budget per device, e.g. 16GiB")
     size.add_argument("--tpu", choices=sorted(TPU_CHIPS), default=None, help="size from one chip's HBM")
-    size.add_argument("--chips", type=_positive_int, default=None, help="chips in the slice (default: --tp x --pp)")
-    size.add_argument("--mem-fraction-static", type=_fraction, default=None, help="share of HBM for weights + KV (0.9)")
+    size.add_argument("--chips", type=positive_int, default=None, help="chips in the slice (default: --tp x --pp)")
+    size.add_argument("--mem-fraction-static", type=fraction, default=None, help="share of HBM for weights + KV (0.9)")
     size.add_argument(
         "--weights-bytes", type=parse_bytes, default=None, help="checkpoint size, split over tp x pp chips (with --tpu)"
     )
-    size.add_argument("--max-total-tokens", type=_positive_int, default=None)
-    plan.add_argument("--page-size", type=_positive_int, default=16)
+    size.add_argument("--max-total-tokens", type=positive_int, default=None)
+    plan.add_argument("--page-size", type=positive_int, default=16)
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    plan.add_argument("--tp", type=_positive_int, default=None, help="tensor-parallel size (KV heads split over it)")
-    plan.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (layers split over it)")
-    plan.add_argument("--context-length", type=_positive_int, default=None)
-    plan.add_argument("--max-running-requests", type=_positive_int, default=None)
+    plan.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel size (KV heads split over it)")
+    plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (layers split over it)")
+    plan.add_argument("--context-length", type=positive_int, default=None)
+    plan.add_argument("--max-running-requests", type=positive_int, default=None)
     plan.add_argument("--platform", choices=PLATFORMS, default="tpu", help="storage layout target (default tpu)")
     plan.add_argument("--disable-radix-cache", action="store_true")
     plan.add_argument("--enable-hierarchical-cache", action="store_true")
     plan.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
     ask = plan.add_argument_group("questions")
-    ask.add_argument("--context", type=_positive_int, default=None, help="how many requests of N tokens fit")
-    ask.add_argument("--concurrency", type=_positive_int, default=None, help="the longest context for M requests")
+    ask.add_argument("--context", type=positive_int, default=None, help="how many requests of N tokens fit")
+    ask.add_argument("--concurrency", type=positive_int, default=None, help="the longest context for M requests")
     ask.add_argument("--sweep", action="store_true", help="a table over page sizes, KV dtypes and TP")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
@@ -228,39 +186,21 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
 # --- errors ---------------------------------------------------------------------------------------
 
 
-# Only snake_case field names are rewritten in a message: plain words such as "model" stay words.
-_OPTION_WORDS = re.compile(
-    r"\b(" + "|".join(sorted((k for k in FLAG_FOR_OPTION if "_" in k), key=len, reverse=True)) + r")\b"
-)
-
-
-def cli_message(error: ConfigError, args: argparse.Namespace) -> str:
-    """A `ConfigError` in command-line words: the flag and the value the user typed, then the fix,
-    with library field names replaced by their flags and Python's ``None`` left out."""
-    flag = FLAG_FOR_OPTION.get(error.option)
-    fix = _OPTION_WORDS.sub(lambda m: FLAG_FOR_OPTION[m.group(1)], error.fix)
-    fix = re.sub(r",? or None\b", "", fix).replace("None", "not set")
-    if flag is None:
-        # A key of the model's config.json (or another library field): name the file it came from.
-        value = "not set" if error.value is None else repr(error.value)
-        return f"--model {args.model}: {error.option}={value}: {fix}"
-    typed = _typed_value(args, flag)
-    shown = typed if typed is not None else ("not set" if error.value is None else str(error.value))
-    if error.option == "reserved_memory_bytes" and isinstance(error.value, int):
-        shown += f", {_gib(error.value)} per chip"
-    return f"{flag} {shown}: {fix}"
-
-
 _BYTE_FLAGS = ("--memory", "--weights-bytes")
 
 
-def _typed_value(args: argparse.Namespace, flag: str) -> str | None:
-    value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
-    if value is None or value is False:
-        return None
-    if flag in _BYTE_FLAGS:
-        return f"{value} ({_gib(value)})"
-    return str(value)
+def cli_message(error: ConfigError, args: argparse.Namespace, *, sweep: bool = False) -> str:
+    """A `ConfigError` in this command's words: the flag and the value the user typed (sizes
+    also in GiB), then the fix with options spelled as flags. In a sweep row the TP size is the
+    row's own (``--tp``), whatever set it."""
+    show = {}
+    for flag in _BYTE_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is not None:
+            show[flag] = f"{value} ({_gib(value)})"
+    if error.option == "reserved_memory_bytes" and isinstance(error.value, int) and "--weights-bytes" in show:
+        show["--weights-bytes"] += f", {_gib(error.value)} per chip"
+    return config_error_line(error, FLAG_FOR_OPTION if sweep else option_flags(args), args, show=show)
 
 
 # --- output ---------------------------------------------------------------------------------------
@@ -313,7 +253,7 @@ def _sweep_rows(spec: ModelSpec, args: argparse.Namespace, plan_fn: Callable[...
                         device_memory_bytes=sizing.device_memory_bytes,
                     )
                 except ConfigError as e:
-                    row["refused"] = cli_message(e, args)
+                    row["refused"] = cli_message(e, args, sweep=True)
                 except UsageError as e:
                     row["refused"] = str(e)
                 else:

@@ -8,7 +8,7 @@ from kvjax.plan.draft import decide_draft, draft_pool_plans
 from kvjax.plan.model_kind import decide_model_kind
 from kvjax.plan.pool_plans import plan_pools
 from kvjax.plan.sizing import decide_sizes
-from kvjax.plan.target import decide_target
+from kvjax.plan.target import check_pipeline_stages, decide_target
 from kvjax.plan.tree import decide_host_tier, decide_retraction_backup, decide_tree
 from kvjax.spec import ModelSpec
 from kvjax.tiers.host_sizing import check_host_memory, validate_retraction_host_capacity
@@ -34,6 +34,7 @@ def plan_kv_cache(
     sizes -> retraction backup -> tree -> host tier -> pools.
     """
     kind = decide_model_kind(spec, config)
+    check_pipeline_stages(spec, config.pp_size)  # the target's layers; a draft sits on the last stage
     target = decide_target(spec, config, kind)
     draft, draft_warnings = decide_draft(spec, config, kind, draft_spec)
     sizes = decide_sizes(

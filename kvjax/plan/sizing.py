@@ -21,6 +21,7 @@ from kvjax.spec import LayerKind, ModelSpec
 DEFAULT_MEM_FRACTION_STATIC = 0.9
 REQ_TABLE_EXTRA_TOKENS = 4
 DEFAULT_MAMBA_CACHE_SIZE = 512
+USUAL_PAGE_SIZE = 16  # what a refused page size is told to try instead
 MAMBA_STATES_PER_REQ_WITH_RADIX = 3
 MAMBA_EXTRA_BUFFER_STATES = {False: 2, True: 1}  # keyed by "speculative decoding on"
 MIN_ROWS, MAX_ROWS, ROWS_PER_CONTEXT = 2048, 4096, 512
@@ -64,9 +65,40 @@ def kv_budget(config: CacheConfig, device_memory_bytes: int | None) -> int | Non
         raise ConfigError(
             "memory_budget_bytes",
             None,
-            "size the cache: set memory_budget_bytes, mem_fraction_static (with device memory) or max_total_tokens",
+            "size the cache: set {memory_budget_bytes}, {mem_fraction_static} (with device memory) "
+            "or {max_total_tokens}",
         )
     return None
+
+
+def _refuse_empty_pool(config: CacheConfig, budget: int | None, bytes_per_token: int, mamba_bytes: int) -> None:
+    """Raise for a pool without one page besides the trash page, naming what to change: the pool
+    size when ``max_total_tokens`` sized it; the page size when a usual page (16 tokens) would fit
+    the budget; else the budget."""
+    ps = config.alloc_page_size
+    if budget is None:
+        raise ConfigError(
+            "max_total_tokens",
+            config.max_total_tokens,
+            f"the pool holds no whole page of {ps} tokens; use {{max_total_tokens}} {ps} or more "
+            f"(a multiple of {{page_size}} {config.page_size})",
+        )
+    need = bytes_per_token * 2 * ps + mamba_bytes
+    detail = f"{_fmt(bytes_per_token)} bytes/token, {_fmt(mamba_bytes)} bytes of recurrent state"
+    usual = min(ps, USUAL_PAGE_SIZE)
+    if ps > usual and bytes_per_token * 2 * usual + mamba_bytes <= budget:
+        raise ConfigError(
+            "page_size",
+            config.page_size,
+            f"one page of {ps} tokens and the trash page need {_fmt(need)} bytes ({detail}), more than the "
+            f"budget of {_fmt(budget)} bytes; use a smaller {{page_size}} such as {usual}",
+        )
+    raise ConfigError(
+        "memory_budget_bytes",
+        budget,
+        f"the budget holds no page of {ps} tokens besides the trash page ({detail}); give {{memory_budget_bytes}} "
+        f"of at least {_fmt(need)} bytes",
+    )
 
 
 def stage_bounds(num_layers: int, pp_size: int, rank: int) -> tuple[int, int]:
@@ -215,13 +247,7 @@ def decide_sizes(
         max_total = min(max_total, config.max_total_tokens) if budget is not None else config.max_total_tokens
     max_total = max_total // ps * ps
     if max_total <= 0:
-        need = (stage.bytes_per_token + draft_bytes_per_token) * 2 * ps + stage.mamba_bytes
-        raise ConfigError(
-            "memory_budget_bytes",
-            budget,
-            f"the budget holds no page of {ps} tokens besides the trash page ({_fmt(stage.bytes_per_token)} "
-            f"bytes/token, {_fmt(stage.mamba_bytes)} bytes of recurrent state); give at least {_fmt(need)} bytes",
-        )
+        _refuse_empty_pool(config, budget, stage.bytes_per_token + draft_bytes_per_token, stage.mamba_bytes)
 
     full_tokens: int | None = None
     swa_tokens: int | None = None

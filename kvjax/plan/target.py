@@ -7,7 +7,11 @@ Refused as SGLang refuses them (``ConfigError`` naming the flag, the value and t
 * KV heads versus TP: with ``tp <= heads`` the heads must split evenly; with ``tp > heads`` each
   rank keeps one head and ``tp`` must be a multiple of the heads, each head replicated
   ``tp / heads`` times (SGLang's ``QKVParallelLinear``);
-* recurrent state that does not split over the TP ranks (``RecurrentStateSpec.per_rank``).
+* recurrent state that does not split over the TP ranks (``RecurrentStateSpec.per_rank``);
+* more pipeline stages than layers (a stage without a layer).
+
+A refused TP size is answered with every size that passes all three TP checks, never one that
+would be refused in turn.
 
 Refused for TPU only: a ``page_size`` that is not a multiple of the dtype's packing (tokens per
 32-bit word: bf16 2, fp8 4), which tpu-inference's ragged paged attention (RPA v3) requires.
@@ -30,8 +34,8 @@ from kvjax.spec import ModelSpec
 DEFAULT_PLATFORM = "tpu"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# TP sizes a refusal suggests are searched up to this (or the head count, when larger).
+MAX_SUGGESTED_TP = 64
 
 
 def kv_heads_per_rank(num_kv_heads: int, attn_tp: int) -> tuple[int, int]:
@@ -39,35 +43,73 @@ def kv_heads_per_rank(num_kv_heads: int, attn_tp: int) -> tuple[int, int]:
 
     Raises ``ConfigError`` on ``tp_size`` for a split SGLang refuses.
     """
+    refusal = _kv_heads_refusal(num_kv_heads, attn_tp)
+    if refusal is not None:
+        raise ConfigError("tp_size", attn_tp, refusal)
     if attn_tp <= num_kv_heads:
-        if num_kv_heads % attn_tp:
-            raise ConfigError(
-                "tp_size",
-                attn_tp,
-                f"the model's {num_kv_heads} KV heads cannot be split evenly over {attn_tp} ranks (--tp {attn_tp}); "
-                f"use --tp {', '.join(map(str, _divisors(num_kv_heads)))} or a multiple of {num_kv_heads}",
-            )
         return num_kv_heads // attn_tp, 1
-    if attn_tp % num_kv_heads:
-        raise ConfigError(
-            "tp_size",
-            attn_tp,
-            f"--tp {attn_tp} exceeds the model's {num_kv_heads} KV heads, so each head is replicated and the TP "
-            f"size must be a multiple of {num_kv_heads}; use --tp {attn_tp - attn_tp % num_kv_heads} or "
-            f"{attn_tp + num_kv_heads - attn_tp % num_kv_heads}",
-        )
     return 1, attn_tp // num_kv_heads
 
 
-def check_attention_heads(spec: ModelSpec, attn_tp: int) -> None:
-    """SGLang splits the query heads evenly over the attention-TP ranks."""
+def _kv_heads_refusal(num_kv_heads: int, attn_tp: int) -> str | None:
+    if attn_tp <= num_kv_heads and num_kv_heads % attn_tp:
+        return f"the model's {num_kv_heads} KV heads cannot be split evenly over {attn_tp} ranks"
+    if attn_tp > num_kv_heads and attn_tp % num_kv_heads:
+        return (
+            f"{attn_tp} ranks exceed the model's {num_kv_heads} KV heads, so each head is replicated and the TP "
+            f"size must be a multiple of {num_kv_heads}"
+        )
+    return None
+
+
+def _tp_refusal(spec: ModelSpec, is_mla: bool, attn_tp: int, tp: int) -> str | None:
+    """Why SGLang refuses ``attn_tp`` attention ranks (``tp`` in all) for this model, or None."""
     heads = spec.num_attention_heads
     if heads > 0 and heads % attn_tp:
+        return f"the model's {heads} attention heads cannot be split evenly over {attn_tp} ranks"
+    if not is_mla and spec.num_kv_heads > 0:
+        refusal = _kv_heads_refusal(spec.num_kv_heads, attn_tp)
+        if refusal is not None:
+            return refusal
+    if spec.recurrent is not None:
+        try:
+            RecurrentLayout.per_rank(spec.recurrent, tp)
+        except ConfigError as e:
+            return e.render_fix()
+    return None
+
+
+def allowed_tp_sizes(spec: ModelSpec, is_mla: bool) -> list[int]:
+    """Every TP size (without DP attention) SGLang would shard this model over, up to
+    ``max(MAX_SUGGESTED_TP, attention heads)``."""
+    upto = max(MAX_SUGGESTED_TP, spec.num_attention_heads)
+    return [tp for tp in range(1, upto + 1) if _tp_refusal(spec, is_mla, tp, tp) is None]
+
+
+def check_tensor_parallel(spec: ModelSpec, config: CacheConfig, is_mla: bool) -> None:
+    """Refuse a TP size SGLang cannot shard this model over, suggesting only sizes that plan."""
+    attn_tp = config.attn_tp_size
+    refusal = _tp_refusal(spec, is_mla, attn_tp, config.tp_size)
+    if refusal is None:
+        return
+    fix = "no TP size splits this model"
+    if not config.enable_dp_attention:
+        allowed = allowed_tp_sizes(spec, is_mla)
+        if allowed:
+            listed = ", ".join(map(str, allowed[:-1])) + (" or " if len(allowed) > 1 else "") + str(allowed[-1])
+            fix = f"use {{tp_size}} {listed}"
+    raise ConfigError("tp_size", config.tp_size, f"{refusal}; {fix}")
+
+
+def check_pipeline_stages(spec: ModelSpec, pp_size: int) -> None:
+    """Every pipeline stage holds at least one layer: more stages than layers is refused."""
+    layers = spec.num_hidden_layers
+    if pp_size > layers:
         raise ConfigError(
-            "tp_size",
-            attn_tp,
-            f"the model's {heads} attention heads cannot be split evenly over {attn_tp} ranks (--tp {attn_tp}); "
-            f"use --tp {', '.join(str(d) for d in _divisors(heads) if d <= 64)}",
+            "pp_size",
+            pp_size,
+            f"the model has {layers} layers, so at most {layers} pipeline stages (each holds at least one layer); "
+            f"use {{pp_size}} {layers} or fewer",
         )
 
 
@@ -79,7 +121,7 @@ def check_tpu_page_size(page_size: int, kv_dtype: str) -> None:
             "page_size",
             page_size,
             f"on TPU the ragged paged attention kernel (tpu-inference RPA v3) packs {packing} {kv_dtype} tokens "
-            f"into each 32-bit word, so the page size must be a multiple of {packing}; use --page-size 16 "
+            f"into each 32-bit word, so the page size must be a multiple of {packing}; use {{page_size}} 16 "
             f"(or another multiple of {packing})",
         )
 
@@ -89,7 +131,7 @@ def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Targ
     platform = config.platform or DEFAULT_PLATFORM
     kv_dtype = spec.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     attn_tp = config.attn_tp_size
-    check_attention_heads(spec, attn_tp)
+    check_tensor_parallel(spec, config, kind.is_mla)
     if platform == "tpu":
         check_tpu_page_size(config.page_size, kv_dtype)
     attention: MHALayout | MLALayout

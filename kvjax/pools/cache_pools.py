@@ -12,9 +12,10 @@ import jax
 class CachePools:
     """The device state of a KV cache: any set of pools, each under its plan name.
 
-    ``pools.kv`` is the attention KV pool (``MHAKVPool`` for full-attention models); other kinds
-    (``kv_swa``, ``ssm_state``, ...) join under their ``PoolPlan`` names as their capabilities
-    land. Attribute and item access both work (``pools.kv``, ``pools["kv"]``).
+    The names are the plan's: ``kv`` (``MHAKVPool``, or ``MLAKVPool`` for MLA models), ``swa``
+    (``SWAKVPool`` of a sliding-window model), ``recurrent`` (``RecurrentStatePool``), ``index_k``
+    (``DSAIndexerKeyPool``) and ``kv_draft`` (a speculative draft model's pool). Attribute and
+    item access both work (``pools.kv``, ``pools["kv"]``).
 
     A pytree whose children are the pools in name order (the names are static metadata): pass
     the whole object to a jitted step with ``donate_argnums`` and return the updated one (made

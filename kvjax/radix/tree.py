@@ -76,8 +76,9 @@ class RadixTree:
         allocator: where evicted slot ids are freed (None: free nothing, for simulation).
         is_eagle: bigram keys (EAGLE): key element ``i`` is the token pair ``(i, i + 1)``, so a
             key has one element fewer than its tokens.
-        components: extra :class:`TreeComponent` objects beside FULL (SWA, recurrent state,
-            host tier; none ships yet — see ``docs/architecture.md``), each with a unique name.
+        components: extra :class:`TreeComponent` objects beside FULL, each with a unique name:
+            ``SWAComponent`` (``PureSWAComponent``), ``MambaComponent``, ``HostTierComponent``;
+            the presets (``SWARadixCache``, ``MambaRadixCache``, ``HiRadixCache``, ...) attach them.
         enable_kv_cache_events / event_sink: emit KV events (to the sink, else queued for
             ``take_events``). A sink alone turns events on.
         hash_seed: seed of the chained page hashes in events.

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvjax.errors import ConfigError
 from kvjax.serve.serving_req import ServingReq
 
 if TYPE_CHECKING:  # the scheduler imports jax; workloads are built without it
@@ -41,6 +42,20 @@ class Workload:
     vocab_size: int = 256
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_group", "turns", "output_tokens", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), f"use {{{name}}} 1 or more")
+        for name in ("groups", "system_tokens", "question_tokens", "chats", "turn_tokens", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), f"use {{{name}}} 0 or more")
+        if self.num_requests == 0:
+            raise ConfigError("groups", 0, "with {chats} 0 the workload has no request; use {groups} 1 or more")
+        if self.groups and self.system_tokens + self.question_tokens == 0:
+            raise ConfigError("system_tokens", 0, "a shared-prompt request needs tokens; use {system_tokens} 1 or more")
+        if self.chats and self.turn_tokens == 0:
+            raise ConfigError("turn_tokens", 0, "a chat turn needs new tokens; use {turn_tokens} 1 or more")
+
     def scaled(self, factor: float) -> Workload:
         """The same shape with ``factor`` times the requests (at least one of each kind)."""
         return dataclasses.replace(
@@ -52,6 +67,14 @@ class Workload:
     @property
     def num_requests(self) -> int:
         return self.groups * self.prompts_per_group + self.chats * self.turns
+
+    @property
+    def longest_request_tokens(self) -> int:
+        """Prompt plus output tokens of the workload's longest request (a chat's last turn holds
+        every earlier turn and its output)."""
+        shared = self.system_tokens + self.question_tokens + self.output_tokens if self.groups else 0
+        chat = self.turns * (self.turn_tokens + self.output_tokens) if self.chats else 0
+        return max(shared, chat)
 
 
 def run_workload(
