@@ -81,6 +81,9 @@ _SGLANG_REAL = {_M + m for m in (
 }  # fmt: skip
 _MISSING_THIRD_PARTY = {"pybase64", "triton", "starlette"}
 TRACE_KEEP, TRACE_SHOWN = 12, 8  # ops remembered / shown before a difference
+# Pools of the tree streams: FULL slots (per page), SWA slots (half: eviction under pressure comes
+# from the SWA side too) and Mamba state slots, small enough that allocations run short.
+STATE_SLOTS = 8
 
 
 class _CpuPlatform:
@@ -422,7 +425,7 @@ class _SgTree:
         if kind == "swa":
             # The SWA pool as its allocator sees it: no per-request ring, no device buffers.
             kvcache = type("SWAPoolStub", (sg.swa_kv_pool_cls,), dict(_SWAPoolStub.__dict__))()
-            self.alloc = sg.swa(size, size, page, self.t.int64, "cpu", kvcache, need_sort)
+            self.alloc = sg.swa(size, size // 2, page, self.t.int64, "cpu", kvcache, need_sort)
             comps = (ct.FULL, ct.SWA)
             kw["sliding_window_size"] = window
         else:
@@ -434,7 +437,7 @@ class _SgTree:
         _sorted_frees(self.alloc)
         if kind == "mamba":
             pool = type("HybridPool", (sg.hybrid_pool_cls,), {"mamba_ckpt_pool": None})()  # no int8 checkpoints
-            pool.mamba_allocator = sg.mamba_slots(16, "cpu")
+            pool.mamba_allocator = sg.mamba_slots(STATE_SLOTS, "cpu")
             self.mamba = pool.mamba_allocator
             comps = (ct.FULL, ct.MAMBA)
             kw["enable_mamba_extra_buffer"] = page > 1
@@ -466,6 +469,11 @@ class _SgTree:
     def alloc_state(self):
         got = self.mamba.alloc(1)
         return None if got is None else int(got[0])
+
+    def make_room(self, need):
+        """The scheduler's eviction before an allocation of ``need`` tokens (SGLang's allocator
+        hook ``evict_to_free_tokens``: ``evict_for_alloc`` with the shortfalls as targets)."""
+        self.alloc.evict_to_free_tokens(self.tree, need)
 
     def free_state(self, slot):
         self.mamba.free(self.t.tensor([slot], dtype=self.t.int64))
@@ -535,7 +543,7 @@ class _KvTree:
 
         self.kind, self.page = kind, page
         if kind == "swa":
-            self.alloc = SWATokenToKVPoolAllocator(size, size, page, need_sort=need_sort)
+            self.alloc = SWATokenToKVPoolAllocator(size, size // 2, page, need_sort=need_sort)
             self.tree = SWARadixCache(page_size=page, sliding_window_size=window, allocator=self.alloc)
             return
         self.alloc = (
@@ -547,7 +555,7 @@ class _KvTree:
             self.tree = MambaRadixCache(
                 page_size=page,
                 token_to_kv_pool_allocator=self.alloc,
-                mamba_pool_size=16,
+                mamba_pool_size=STATE_SLOTS,
                 mamba_max_states_per_path=max_states,
                 enable_mamba_extra_buffer=page > 1,
             )
@@ -563,6 +571,15 @@ class _KvTree:
     def alloc_state(self):
         got = self.mamba.alloc(1)
         return None if got is None else int(np.asarray(got).ravel()[0])
+
+    def make_room(self, need):
+        """kvjax's allocator hook where it has one (SWA), else a FULL eviction of the shortfall
+        (what kvjax's scheduler does)."""
+        hook = getattr(self.alloc, "evict_to_free_tokens", None)
+        if hook is not None:
+            hook(self.tree, need)
+        else:
+            self.tree.evict(max(0, need - self.available()[0]))
 
     def free_state(self, slot):
         self.mamba.free(np.asarray([slot], np.int64))
@@ -664,7 +681,7 @@ def tree_stream(
 ) -> tuple[int, str | None]:
     """One random request stream through both trees; returns (ops run, first difference or None)."""
     rng = random.Random(seed)
-    size = 48 * page if page > 1 else 64
+    size = (48 * page if page > 1 else 64) if kind != "mamba" else (24 * page if page > 1 else 32)
     pair = _TreePair(_SgTree(kind, page, size, window, max_states), _KvTree(kind, page, size, window, max_states))
     vocab = 3
     prompts = [[rng.randrange(vocab) for _ in range(page * rng.randrange(1, 4))] for _ in range(4)]
@@ -688,15 +705,16 @@ def tree_stream(
         state = None
         if kind == "mamba":
             state, _ = pair.step("alloc_state()", lambda s: s.alloc_state())
+            if state is None:  # the scheduler evicts one checkpoint and tries again
+                pair.step("evict(0, 1)", lambda s: s.evict(0, 1))
+                state, _ = pair.step("alloc_state() after eviction", lambda s: s.alloc_state())
             if state is None:
                 pair.step("unlock(that lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
                 return
         last = idx[-1] if idx else -1
         new, _ = pair.step(f"alloc({need})", lambda s: s.alloc_tokens(need, hit, last))
         if new is None:
-            short = need - pair.sg.available()[0]
-            other = max(0, need - pair.sg.available()[-1]) if kind == "swa" else 0
-            pair.step(f"evict({short}, {other}) under pressure", lambda s: s.evict(short, other))
+            pair.step(f"evict_to_free_tokens({need})", lambda s: s.make_room(need))
             new, _ = pair.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need, hit, last))
         if new is None:
             pair.step("unlock(that lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
@@ -783,7 +801,7 @@ def tree_stream(
             elif r < 0.8 and held:
                 lk_sg, lk_kv = held.pop(rng.randrange(len(held)))
                 pair.step("unlock(held lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
-            elif r < 0.92:
+            elif r < 0.9:
                 full = rng.choice([0, page, 3 * page, 8 * page])
                 other = rng.choice([0, 1, page, 4 * page]) if kind != "full" else 0
                 if kind == "mamba":
@@ -909,6 +927,33 @@ def known_cases() -> dict[str, dict]:
         side.insert(list(range(8)), None, dup, 0)  # all 8 already cached: dup freed
         res.append({"dup": dup, "alloc(4) after": side.alloc_tokens(4)})
     out["7_insert_duplicates_freed_per_node"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # 8 (SWA, page 2): an insert whose walk frees a duplicate on a live node and then revives an
+    # SWA tombstone below it (the request matched before another one revived the first node):
+    # SGLang frees in walk order, node by node.
+    res = []
+    global DUP_FREE_PER_NODE
+    was, DUP_FREE_PER_NODE = DUP_FREE_PER_NODE, True
+    try:
+        for side in (_SgTree("swa", 2, 32, window=4), _KvTree("swa", 2, 32, window=4)):
+            a = side.alloc_tokens(8)
+            side.insert([1, 0, 0, 1, 0, 0, 2, 1], None, a, 0)  # nodes [1,0,0,1] [0,0,2,1] (leaf cap)
+            b = side.alloc_tokens(2, 2, a[1])
+            side.insert([1, 0, 2, 2], None, a[:2] + b, 2)  # splits [1,0] | [0,1]
+            evicted = side.evict(0, 6)
+            v = side.alloc_tokens(6)
+            got = side.insert([1, 0, 0, 1, 0, 1], None, v, 0)
+            res.append(
+                {
+                    "evict(0, 6)": evicted,
+                    "v": v,
+                    "insert": got[0],
+                    "alloc(2) x2": [side.alloc_tokens(2) for _ in range(2)],
+                }
+            )
+    finally:
+        DUP_FREE_PER_NODE = was
+    out["8_swa_duplicate_then_revival_free_order"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
 
     # An early SWA release of a lock without an SWA part (a match that ended at the root):
     # SGLang's release_swa / release_swa_prefix_lock do nothing; kvjax's raises.

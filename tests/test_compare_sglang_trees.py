@@ -70,7 +70,11 @@ def test_a_planted_difference_is_reported(harness, monkeypatch):
 
 def test_known_cases_run_on_both_sides(harness):
     cases = harness.known_cases()
-    assert set(cases) >= {"1_tree_free_row_order", "2_page1_alloc_extend_need_sort"}
+    assert set(cases) >= {
+        "1_tree_free_row_order",
+        "2_page1_alloc_extend_need_sort",
+        "7_insert_duplicates_freed_per_node",
+    }
     one = cases["1_tree_free_row_order"]
     # SGLang's own answer for the case of issue 19 (kvjax's depends on whether it is fixed).
     assert one["sglang"]["alloc(4) after evict(8)"] == [8, 9, 10, 11]
