@@ -87,7 +87,8 @@ def _inert_instance_attr(self, name):
 
 class _Inert(type):
     """A placeholder class: any attribute is another placeholder, calling it makes an
-    instance (or, used as a decorator, returns the decorated function), subclassing works."""
+    instance (or, used as a decorator, returns the decorated function), subclassing works.
+    Its instances read as false, and their attributes and calls are placeholders too."""
 
     def __new__(mcls, name, bases=(), namespace=None, **_kwargs):
         namespace = dict(namespace or {})
@@ -192,6 +193,7 @@ def _import_peer(root: str, top: str, real: set[str], missing=frozenset(), prese
     absent = {m for m in missing if importlib.util.find_spec(m) is None}
     if absent:
         sys.meta_path.append(_MissingImporter(absent))
+        importer.placeholders.extend(sorted(absent))
     for name, attrs in (presets or {}).items():
         module = importlib.import_module(name)
         for attr, value in attrs.items():

@@ -184,6 +184,12 @@ def load_sglang(path: str) -> types.SimpleNamespace:
     return _SG
 
 
+def _sg() -> types.SimpleNamespace:
+    if _SG is None:
+        raise RuntimeError("call load_sglang(path) first")
+    return _SG
+
+
 def _ids(x: Any) -> list[int] | None:
     if x is None:
         return None
@@ -202,7 +208,7 @@ class _SgAlloc:
     """SGLang's token (page 1) or paged allocator, called as its scheduler calls it."""
 
     def __init__(self, size: int, page: int, need_sort: bool) -> None:
-        sg = load_sglang.__globals__["_SG"]
+        sg = _sg()
         self.t, self.page = sg.torch, page
         if page == 1:
             self.a = sg.token(size, self.t.int64, "cpu", None, need_sort)
@@ -416,7 +422,7 @@ class _SgTree:
     """SGLang's ``UnifiedRadixCache`` with its real allocators."""
 
     def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
-        sg = load_sglang.__globals__["_SG"]
+        sg = _sg()
         self.sg, self.t, self.kind, self.page = sg, sg.torch, kind, page
         ct = sg.ct
         comps = (ct.FULL,)
