@@ -42,6 +42,7 @@ import gc
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import json
 import os
 import subprocess
@@ -70,12 +71,37 @@ COUNT_KEYS = ("hit_tokens", "evicted_tokens", "inserted_new_tokens", "final_cach
 # Importing one module of a large package without the rest of it.
 
 
+def _inert_instance_call(self, *args, **kwargs):
+    """A placeholder instance called: as a decorator (a decorator factory's result) it returns
+    the decorated function, otherwise itself."""
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return args[0]
+    return self
+
+
+def _inert_instance_attr(self, name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Inert(name)()
+
+
 class _Inert(type):
     """A placeholder class: any attribute is another placeholder, calling it makes an
-    instance (or, used as a decorator, returns the decorated function), subclassing works."""
+    instance (or, used as a decorator, returns the decorated function), subclassing works.
+    Its instances read as false, and their attributes and calls are placeholders too."""
 
     def __new__(mcls, name, bases=(), namespace=None, **_kwargs):
-        return super().__new__(mcls, name, bases, dict(namespace or {}))
+        namespace = dict(namespace or {})
+        # An instance of a placeholder (what calling one returns: a feature probe such as
+        # ``is_npu()``, a flag getter) reads as false, so peers' optional paths stay off; a
+        # real class that subclasses a placeholder keeps ordinary truthiness.
+        if bases:
+            namespace.setdefault("__bool__", lambda _self: True)
+        else:
+            namespace.setdefault("__bool__", lambda _self: False)
+            namespace.setdefault("__call__", _inert_instance_call)
+            namespace.setdefault("__getattr__", _inert_instance_attr)
+        return super().__new__(mcls, name, bases, namespace)
 
     def __init__(cls, name, bases=(), namespace=None, **_kwargs):
         super().__init__(name, bases, dict(namespace or {}))
@@ -132,12 +158,46 @@ class _PeerImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _import_peer(root: str, top: str, real: set[str]):
+class _MissingImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Third-party packages that a real peer module imports at its top but that the code paths
+    compared here never use (``tops``): inert, and only when they are not installed."""
+
+    def __init__(self, tops: set[str]):
+        self.tops = tops
+        self.placeholders: list[str] = []
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] not in self.tops:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        self.placeholders.append(spec.name)
+        module = _InertModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _import_peer(root: str, top: str, real: set[str], missing=frozenset(), presets=None):
+    """Imports the peer modules ``real`` from ``root`` (placeholders for the rest of ``top``, and
+    for the third-party packages in ``missing`` that are not installed). ``presets``: attributes
+    ``{module: {name: value}}`` set on placeholder modules before any real module imports them."""
     root = os.path.abspath(root)
     if not os.path.isdir(os.path.join(root, top)):
         raise SystemExit(f"{root} has no '{top}' package folder: pass the folder that contains it")
     importer = _PeerImporter(root, top, real)
     sys.meta_path.insert(0, importer)
+    absent = {m for m in missing if importlib.util.find_spec(m) is None}
+    if absent:
+        sys.meta_path.append(_MissingImporter(absent))
+        importer.placeholders.extend(sorted(absent))
+    for name, attrs in (presets or {}).items():
+        module = importlib.import_module(name)
+        for attr, value in attrs.items():
+            setattr(module, attr, value)
     sys.path.insert(0, root)
     modules = {name: importlib.import_module(name) for name in sorted(real)}
     return modules, importer.placeholders

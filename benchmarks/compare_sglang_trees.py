@@ -1,0 +1,1025 @@
+"""kvjax's allocators and prefix trees next to SGLang 0.5.23's, op by op, on random streams.
+
+    python benchmarks/compare_sglang_trees.py --sglang-path DIR [--streams N] [--ops 2000] [--quick]
+        [--only KIND[,KIND...]] [--seed S] [--self-test]
+
+``--sglang-path`` is the folder that holds the ``sglang`` package (an unpacked wheel or an SGLang
+checkout's ``python/`` folder). Only SGLang's allocator and tree modules run for real; every other
+SGLang module they import is an inert placeholder (``compare_peers._PeerImporter``), and the few
+third-party packages those real modules import at the top without using them here (``pybase64``,
+``triton``, ``starlette``) are placeholders too when they are not installed. SGLang's tree is its
+``UnifiedRadixCache`` on the Python tree core, with the components FULL, FULL + SWA or FULL + MAMBA,
+over its real token / paged / SWA allocators and its real Mamba slot allocator; it needs ``torch``
+(CPU is enough) and ``msgspec``.
+
+Kinds (``--only``), each over several configurations:
+
+* ``alloc``: the token (page 1) and paged (pages 4, 16) allocators, ``need_sort`` off and on:
+  alloc, alloc_extend and alloc_decode for batches of live rows, frees of whole rows and of row
+  tails by ``free_segment`` (SGLang's tree frees) and by ``free`` (sorted per page), free groups.
+  At page 1 SGLang's scheduler takes ``alloc(extend_tokens)`` / ``alloc(batch)`` from the token
+  allocator where kvjax calls ``alloc_extend`` / ``alloc_decode``; that is what is compared.
+* ``full``: FULL trees at pages 1, 4, 16 over the real allocators, two namespaces (``extra_key``).
+* ``swa``: FULL + SWA trees, pages 1, 2, 4, windows 4 to 8, early SWA lock release.
+* ``mamba``: FULL + MAMBA trees, pages 1 and 4 (page 4 with the extra buffer), with no cap and
+  ``mamba_max_states_per_path`` 1 and 2.
+
+Tree streams interleave request admissions (match, lock, allocate the rest, evicting under
+pressure when the allocator runs short), chunked checkpoints (insert the first pages, re-match,
+move the lock: SGLang's ``cache_unfinished_req``; FULL and SWA), finishes (insert with
+``prev_prefix_len``, unlock), retractions (free the request's new slots, unlock), plain matches and
+locks held across requests, evictions of each component and early SWA releases. kvjax's allocator
+frees by ``free_segment`` when it has one, else ``free``. After every op the return values (prefix
+lengths, slot ids in order, evicted counts) and every size (evictable / protected per component,
+free slots per pool) must be equal; the first difference stops the stream and is reported with the
+ops that led to it.
+
+Prints JSON: per configuration the streams and ops run, the streams identical, and the first
+difference. ``--self-test`` replays fixed cases of known differences and says which still differ.
+Two switches hide a known difference so that the others show: ``--sorted-frees`` (SGLang's
+``free_segment`` as its sorted ``free``) and ``--dup-free-per-node`` (kvjax's duplicates after an
+insert freed node by node, as SGLang's tree frees them). Each stream is seeded: ``--seed``.
+"""
+
+# The lambdas given to ``_TreePair.step`` run at once, inside the loop iteration that made them.
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+import types
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import numpy as np  # noqa: E402
+from compare_peers import _import_peer, _module_file  # type: ignore[import-not-found]  # noqa: E402
+
+_M = "sglang.srt.mem_cache."
+_SGLANG_REAL = {_M + m for m in (
+    "unified_radix_cache", "base_prefix_cache", "radix_cache", "cache_init_params", "events", "utils",
+    "evict_policy", "common", "unified_cache.component_type", "unified_cache.cache_action",
+    "unified_cache.components", "unified_cache.components.base", "unified_cache.components.full",
+    "unified_cache.components.swa", "unified_cache.components.mamba", "unified_cache.unified_tree_core",
+    "unified_cache.unified_tree_core_interface", "unified_cache.tree_core_registry",
+    "unified_cache.session_ref_tracker", "allocator", "allocator.base", "allocator.paged", "allocator.token",
+    "allocator.swa", "allocator.mamba", "allocator.page_interleave",
+)} | {
+    "sglang.srt.environ", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.invariants",
+    "sglang.srt.session.streaming_session",
+}  # fmt: skip
+_MISSING_THIRD_PARTY = {"pybase64", "triton", "starlette"}
+TRACE_KEEP, TRACE_SHOWN = 12, 8  # ops remembered / shown before a difference
+# Pools of the tree streams: FULL slots (per page), SWA slots (half: eviction under pressure comes
+# from the SWA side too) and Mamba state slots, small enough that allocations run short.
+STATE_SLOTS = 8
+
+
+class _CpuPlatform:
+    """SGLang's ``current_platform`` on a CPU host without a device plugin: no Triton, no
+    platform allocator class (SGLang then takes its own naive-torch paths)."""
+
+    device_type = "cpu"
+    capabilities = types.SimpleNamespace(supports_triton=False, graph_capture=False)
+
+    @staticmethod
+    def get_paged_allocator_cls():
+        return None
+
+    @staticmethod
+    def is_out_of_tree():
+        return False
+
+
+# The server settings SGLang's Mamba component reads at construction (set per tree).
+_EXEC = types.SimpleNamespace(
+    mamba=types.SimpleNamespace(mamba_max_states_per_path=-1, enable_mamba_extra_buffer_lazy=False),
+    mamba_chunk=1,  # the model's mamba chunk: the tree page here (kvjax's default)
+)
+
+_SG: types.SimpleNamespace | None = None
+
+
+class _SWAPoolStub:
+    """What SGLang's SWA allocator asks of its ``SWAKVPool`` (no device buffers): no
+    per-request ring, and the full-to-SWA slot mapping it registers, for translations. Its
+    methods are copied onto a subclass of the placeholder ``BaseSWAKVPool`` (the allocator
+    checks ``isinstance``)."""
+
+    swa_req_ring_size = None
+    full_kv_pool = None
+    swa_kv_pool = None
+    full_to_swa_index_mapping = None
+
+    def register_mapping(self, mapping):
+        self.full_to_swa_index_mapping = mapping
+
+    def translate_loc_from_full_to_swa(self, kv_indices):
+        return self.full_to_swa_index_mapping[kv_indices]
+
+
+# ``--sorted-frees``: SGLang's ``free_segment`` replaced by its plain ``free`` (sorted per page),
+# on its allocators and inside its tree, so that differences other than the order of segment frees
+# show (known difference 1 of issue 19 masks everything after the first tree eviction otherwise).
+SORTED_FREES = False
+# ``--dup-free-per-node``: the harness frees kvjax's duplicate slots after an insert node by node,
+# as SGLang's unified tree does (difference 7 of the report), so that other differences show.
+DUP_FREE_PER_NODE = False
+
+
+def _sorted_frees(alloc: Any) -> Any:
+    if SORTED_FREES:
+        for a in (alloc, getattr(alloc, "full_attn_allocator", None), getattr(alloc, "swa_attn_allocator", None)):
+            if a is not None:
+                a.free_segment = lambda ids, start_pos=0, _a=a: _a.free(ids)
+                a.free_full_segment = lambda ids, start_pos=0, _a=alloc: _a.free_full(ids)
+    return alloc
+
+
+def load_sglang(path: str) -> types.SimpleNamespace:
+    """SGLang's modules used here (imported once per process)."""
+    global _SG
+    if _SG is not None:
+        return _SG
+    import torch
+
+    real = {m for m in _SGLANG_REAL if _module_file(path, m)}
+    presets = {
+        "sglang.srt.platforms": {"current_platform": _CpuPlatform},
+        "sglang.srt.runtime_context": {
+            "get_exec": lambda: _EXEC,
+            "mamba_cache_chunk_size": lambda: _EXEC.mamba_chunk,
+            "mamba_checkpoint_grid": lambda tree_page: math.lcm(_EXEC.mamba_chunk, tree_page),
+        },
+    }
+    mods, placeholders = _import_peer(path, "sglang", real, _MISSING_THIRD_PARTY, presets)
+    memory_pool = sys.modules["sglang.srt.mem_cache.memory_pool"]
+    swa_pool = sys.modules["sglang.srt.mem_cache.base_swa_memory_pool"]
+    _SG = types.SimpleNamespace(
+        torch=torch,
+        urc=mods[_M + "unified_radix_cache"],
+        bp=mods[_M + "base_prefix_cache"],
+        rc=mods[_M + "radix_cache"],
+        ct=mods[_M + "unified_cache.component_type"].ComponentType,
+        params=mods[_M + "cache_init_params"].CacheInitParams,
+        token=mods[_M + "allocator.token"].TokenToKVPoolAllocator,
+        paged=mods[_M + "allocator.paged"].PagedTokenToKVPoolAllocator,
+        swa=mods[_M + "allocator.swa"].SWATokenToKVPoolAllocator,
+        mamba_slots=mods[_M + "allocator.mamba"].MambaSlotAllocator,
+        hybrid_pool_cls=memory_pool.HybridReqToTokenPool,
+        swa_kv_pool_cls=swa_pool.BaseSWAKVPool,
+        placeholders=sorted(set(placeholders)),
+    )
+    return _SG
+
+
+def _sg() -> types.SimpleNamespace:
+    if _SG is None:
+        raise RuntimeError("call load_sglang(path) first")
+    return _SG
+
+
+def _ids(x: Any) -> list[int] | None:
+    if x is None:
+        return None
+    return [int(v) for v in np.asarray(x.tolist() if hasattr(x, "tolist") else x).ravel()]
+
+
+class Mismatch(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocators
+
+
+class _SgAlloc:
+    """SGLang's token (page 1) or paged allocator, called as its scheduler calls it."""
+
+    def __init__(self, size: int, page: int, need_sort: bool) -> None:
+        sg = _sg()
+        self.t, self.page = sg.torch, page
+        if page == 1:
+            self.a = sg.token(size, self.t.int64, "cpu", None, need_sort)
+        else:
+            self.a = sg.paged(size, page, self.t.int64, "cpu", None, need_sort)
+        _sorted_frees(self.a)
+
+    def _t(self, ids):
+        return self.t.tensor(ids, dtype=self.t.int64)
+
+    def alloc(self, n):
+        return _ids(self.a.alloc(n))
+
+    def alloc_extend(self, prefix, seq, last):
+        if self.page == 1:
+            return _ids(self.a.alloc(sum(seq) - sum(prefix)))
+        p, s = self._t(prefix), self._t(seq)
+        return _ids(self.a.alloc_extend(p, p.clone(), s, s.clone(), self._t(last), sum(seq) - sum(prefix)))
+
+    def alloc_decode(self, seq, last):
+        if self.page == 1:
+            return _ids(self.a.alloc(len(seq)))
+        s = self._t(seq)
+        return _ids(self.a.alloc_decode(s, s.clone(), self._t(last)))
+
+    def free(self, ids):
+        self.a.free(self._t(ids))
+
+    def free_segment(self, ids, start):
+        self.a.free_segment(self._t(ids), start_pos=start)
+
+    def group_begin(self):
+        self.a.free_group_begin()
+
+    def group_end(self):
+        self.a.free_group_end()
+
+    def sizes(self):
+        return {"available": int(self.a.available_size())}
+
+
+class _KvAlloc:
+    """kvjax's allocator; ``free_segment`` when it has one (SGLang's semantics), else ``free``."""
+
+    def __init__(self, size: int, page: int, need_sort: bool) -> None:
+        from kvjax.alloc import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+        self.a = (
+            TokenToKVPoolAllocator(size, need_sort=need_sort)
+            if page == 1
+            else PagedTokenToKVPoolAllocator(size, page, need_sort=need_sort)
+        )
+
+    def alloc(self, n):
+        return _ids(self.a.alloc(n))
+
+    def alloc_extend(self, prefix, seq, last):
+        return _ids(self.a.alloc_extend(prefix, seq, last))
+
+    def alloc_decode(self, seq, last):
+        return _ids(self.a.alloc_decode(seq, last))
+
+    def free(self, ids):
+        self.a.free(np.asarray(ids, np.int64))
+
+    def free_segment(self, ids, start):
+        free_segment(self.a, ids, start)
+
+    def group_begin(self):
+        self.a.free_group_begin()
+
+    def group_end(self):
+        self.a.free_group_end()
+
+    def sizes(self):
+        return {"available": int(self.a.available_size())}
+
+
+def free_segment(alloc: Any, ids: Any, start: int = 0) -> None:
+    """kvjax: ``alloc.free_segment`` where it exists (SGLang's row-order page free), else ``free``."""
+    ids = np.asarray(ids, np.int64)
+    if ids.size == 0:
+        return
+    fs = getattr(alloc, "free_segment", None)
+    if fs is None:
+        alloc.free(ids)
+        return
+    try:
+        fs(ids, start_pos=start)
+    except TypeError:
+        fs(ids)
+
+
+class _Pair:
+    """Runs each op on both sides, compares results and sizes, keeps a short trace."""
+
+    def __init__(self, sg: Any, kv: Any, trace_len: int = 12) -> None:
+        self.sg, self.kv = sg, kv
+        self.trace: list[str] = []
+        self.n = 0
+        self.trace_len = trace_len
+
+    def call(self, name: str, *args: Any, show: str | None = None) -> Any:
+        self.n += 1
+        label = f"#{self.n} {name}({show if show is not None else ', '.join(map(_short, args))})"
+        r_sg = getattr(self.sg, name)(*args)
+        r_kv = getattr(self.kv, name)(*args)
+        self.trace.append(f"{label} -> {_short(r_sg)}")
+        self.trace = self.trace[-self.trace_len :]
+        if r_sg != r_kv:
+            raise Mismatch(f"{label}: SGLang {_short(r_sg)}, kvjax {_short(r_kv)}")
+        s_sg, s_kv = self.sg.sizes(), self.kv.sizes()
+        if s_sg != s_kv:
+            raise Mismatch(f"{label} -> {_short(r_sg)}; sizes after it: SGLang {s_sg}, kvjax {s_kv}")
+        return r_sg
+
+
+def _short(x: Any, limit: int = 24) -> str:
+    if isinstance(x, list) and len(x) > limit:
+        return "[" + ", ".join(map(str, x[:limit])) + f", ... ({len(x)})]"
+    if isinstance(x, tuple):
+        return "(" + ", ".join(_short(v, limit) for v in x) + ")"
+    return str(x)
+
+
+def alloc_stream(page: int, need_sort: bool, seed: int, ops: int) -> tuple[int, str | None]:
+    """One random stream on both allocators; returns (ops run, first difference or None)."""
+    rng = random.Random(seed)
+    size = 64 * page if page > 1 else 64
+    pair = _Pair(_SgAlloc(size, page, need_sort), _KvAlloc(size, page, need_sort))
+    rows: list[list[int]] = []
+    grouped = False
+    try:
+        for _ in range(ops):
+            r = rng.random()
+            if r < 0.2:
+                got = pair.call("alloc", page * rng.randrange(1, 5))
+                if got:
+                    rows.append(got)
+            elif r < 0.4:
+                batch = rng.sample(range(len(rows) + 2), k=min(rng.randrange(1, 4), len(rows) + 2))
+                prefix, seq, last, who = [], [], [], []
+                for b in batch:
+                    row = rows[b] if b < len(rows) else []
+                    prefix.append(len(row))
+                    seq.append(len(row) + rng.randrange(0, 3 * page + 2))
+                    last.append(row[-1] if row else -1)
+                    who.append(b)
+                got = pair.call("alloc_extend", prefix, seq, last)
+                if got is not None:
+                    pos, n_rows = 0, len(rows)
+                    for b, p, s in zip(who, prefix, seq, strict=True):
+                        new = got[pos : pos + s - p]
+                        pos += s - p
+                        if b < n_rows:
+                            rows[b].extend(new)
+                        elif new:
+                            rows.append(new)
+            elif r < 0.5 and rows:
+                who = rng.sample(range(len(rows)), k=min(rng.randrange(1, 4), len(rows)))
+                got = pair.call("alloc_decode", [len(rows[b]) + 1 for b in who], [rows[b][-1] for b in who])
+                if got is not None:
+                    for b, slot in zip(who, got, strict=True):
+                        rows[b].append(slot)
+            elif r < 0.85 and rows:
+                b = rng.randrange(len(rows))
+                row = rows[b]
+                cut = rng.choice([0, 0, page * rng.randrange(0, len(row) // page + 1)])
+                cut = min(cut, len(row)) // page * page
+                tail = row[cut:]
+                if rng.random() < 0.6:
+                    pair.call("free_segment", tail, cut, show=f"{_short(tail)}, start_pos={cut}")
+                else:
+                    pair.call("free", tail)
+                if cut:
+                    rows[b] = row[:cut]
+                else:
+                    rows.pop(b)
+            elif r < 0.95:
+                if grouped:
+                    pair.call("group_end")
+                else:
+                    pair.call("group_begin")
+                grouped = not grouped
+            else:
+                pair.call("alloc", page)
+    except Mismatch as e:
+        return pair.n, _report(e, pair)
+    except Exception as e:  # a crash on one side is a difference too
+        return pair.n, _crash(e, pair.n, pair.trace)
+    return pair.n, None
+
+
+def _crash(e: Exception, n: int, trace: list[str]) -> str:
+    where = " <- ".join(
+        f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+        for f in reversed(traceback.extract_tb(e.__traceback__)[-4:])
+    )
+    return f"#{n + 1}: {type(e).__name__}: {e} (at {where})\n  ops before it: " + " | ".join(trace[-TRACE_SHOWN:])
+
+
+def _report(e: Exception, pair: _Pair) -> str:
+    return f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees
+
+
+class _SgTree:
+    """SGLang's ``UnifiedRadixCache`` with its real allocators."""
+
+    def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
+        sg = _sg()
+        self.sg, self.t, self.kind, self.page = sg, sg.torch, kind, page
+        ct = sg.ct
+        comps = (ct.FULL,)
+        kw: dict[str, Any] = {}
+        pool = None
+        if kind == "swa":
+            # The SWA pool as its allocator sees it: no per-request ring, no device buffers.
+            kvcache = type("SWAPoolStub", (sg.swa_kv_pool_cls,), dict(_SWAPoolStub.__dict__))()
+            self.alloc = sg.swa(size, size // 2, page, self.t.int64, "cpu", kvcache, need_sort)
+            comps = (ct.FULL, ct.SWA)
+            kw["sliding_window_size"] = window
+        else:
+            self.alloc = (
+                sg.token(size, self.t.int64, "cpu", None, need_sort)
+                if page == 1
+                else sg.paged(size, page, self.t.int64, "cpu", None, need_sort)
+            )
+        _sorted_frees(self.alloc)
+        if kind == "mamba":
+            pool = type("HybridPool", (sg.hybrid_pool_cls,), {"mamba_ckpt_pool": None})()  # no int8 checkpoints
+            pool.mamba_allocator = sg.mamba_slots(STATE_SLOTS, "cpu")
+            self.mamba = pool.mamba_allocator
+            comps = (ct.FULL, ct.MAMBA)
+            kw["enable_mamba_extra_buffer"] = page > 1
+            _EXEC.mamba.mamba_max_states_per_path = max_states
+            _EXEC.mamba_chunk = page
+        self.tree = sg.urc.UnifiedRadixCache(
+            sg.params(
+                disable=False,
+                req_to_token_pool=pool,
+                token_to_kv_pool_allocator=self.alloc,
+                page_size=page,
+                tree_components=comps,
+                tree_core_backend="python",
+                **kw,
+            )
+        )
+
+    def _key(self, key, ns):
+        return self.sg.rc.RadixKey(array("q", key), extra_key=ns)
+
+    def alloc_tokens(self, n, prefix=0, last=-1):
+        if self.kind == "swa" and self.page > 1:  # SGLang's paged SWA allocator only extends
+            p = self.t.tensor([prefix], dtype=self.t.int64)
+            s = self.t.tensor([prefix + n], dtype=self.t.int64)
+            last_t = self.t.tensor([last], dtype=self.t.int64)
+            return _ids(self.alloc.alloc_extend(p, p.clone(), s, s.clone(), last_t, n))
+        return _ids(self.alloc.alloc(n))
+
+    def alloc_state(self):
+        got = self.mamba.alloc(1)
+        return None if got is None else int(got[0])
+
+    def make_room(self, need):
+        """The scheduler's eviction before an allocation of ``need`` tokens (SGLang's allocator
+        hook ``evict_to_free_tokens``: ``evict_for_alloc`` with the shortfalls as targets)."""
+        self.alloc.evict_to_free_tokens(self.tree, need)
+
+    def free_state(self, slot):
+        self.mamba.free(self.t.tensor([slot], dtype=self.t.int64))
+
+    def free_segment(self, ids, start):
+        if ids:
+            self.alloc.free_segment(self.t.tensor(ids, dtype=self.t.int64), start_pos=start)
+
+    def match(self, key, ns):
+        m = self.tree.match_prefix(self.sg.bp.MatchPrefixParams(key=self._key(key, ns)))
+        node = m.last_device_node
+        idx = _ids(self.tree.tree_core.collect_full_device_indices(node, self.tree.root_node_handle(ns)))
+        return (int(m.device_prefix_len), idx[: int(m.device_prefix_len)], int(m.full_kv_hit_length)), node
+
+    def insert(self, key, ns, values, prev, mamba_value=None):
+        p = self.sg.bp.InsertParams(
+            key=self._key(key, ns),
+            value=self.t.tensor(values, dtype=self.t.int64),
+            prev_prefix_len=prev,
+        )
+        if mamba_value is not None:
+            p.mamba_value = self.t.tensor([mamba_value], dtype=self.t.int64)
+        r = self.tree.insert(p)
+        return int(r.prefix_len), bool(getattr(r, "mamba_exist", False))
+
+    def lock(self, node):
+        return self.tree.lock(node)
+
+    def unlock(self, lock):
+        self.tree.unlock(lock)
+
+    def release_swa(self, lock):
+        self.tree.release_swa(lock)
+
+    def evict(self, full, other):
+        bp = self.sg.bp
+        if self.kind == "swa":
+            r = self.tree.evict(bp.EvictParams(num_tokens=full, swa_num_tokens=other))
+            return int(r.num_tokens_evicted), int(r.swa_num_tokens_evicted)
+        if self.kind == "mamba":
+            r = self.tree.evict(bp.EvictParams(num_tokens=full, mamba_num=other))
+            return int(r.num_tokens_evicted), int(r.mamba_num_evicted)
+        return int(self.tree.evict(bp.EvictParams(num_tokens=full)).num_tokens_evicted), 0
+
+    def available(self):
+        if self.kind == "swa":
+            return int(self.alloc.full_available_size()), int(self.alloc.swa_available_size())
+        return (int(self.alloc.available_size()),)
+
+    def sizes(self):
+        t = self.tree
+        out = {"full": (int(t.full_evictable_size()), int(t.full_protected_size())), "free": self.available()}
+        if self.kind == "swa":
+            out["swa"] = (int(t.swa_evictable_size()), int(t.swa_protected_size()))
+        if self.kind == "mamba":
+            out["mamba"] = (int(t.mamba_evictable_size()), int(t.mamba_protected_size()))
+            out["state_slots_free"] = int(self.mamba.available_size())
+        return out
+
+
+class _KvTree:
+    """kvjax's tree of the same kind with its allocators."""
+
+    def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
+        from kvjax.alloc import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from kvjax.radix import MambaRadixCache, RadixCache, SWARadixCache
+
+        self.kind, self.page = kind, page
+        if kind == "swa":
+            self.alloc = SWATokenToKVPoolAllocator(size, size // 2, page, need_sort=need_sort)
+            self.tree = SWARadixCache(page_size=page, sliding_window_size=window, allocator=self.alloc)
+            return
+        self.alloc = (
+            TokenToKVPoolAllocator(size, need_sort=need_sort)
+            if page == 1
+            else PagedTokenToKVPoolAllocator(size, page, need_sort=need_sort)
+        )
+        if kind == "mamba":
+            self.tree = MambaRadixCache(
+                page_size=page,
+                token_to_kv_pool_allocator=self.alloc,
+                mamba_pool_size=STATE_SLOTS,
+                mamba_max_states_per_path=max_states,
+                enable_mamba_extra_buffer=page > 1,
+            )
+            self.mamba = self.tree.mamba_allocator
+        else:
+            self.tree = RadixCache(page_size=page, token_to_kv_pool_allocator=self.alloc)
+
+    def alloc_tokens(self, n, prefix=0, last=-1):
+        if self.kind == "swa" and self.page > 1:
+            return _ids(self.alloc.alloc_extend([prefix], [prefix + n], [last]))
+        return _ids(self.alloc.alloc(n))
+
+    def alloc_state(self):
+        got = self.mamba.alloc(1)
+        return None if got is None else int(np.asarray(got).ravel()[0])
+
+    def make_room(self, need):
+        """kvjax's allocator hook where it has one (SWA), else a FULL eviction of the shortfall
+        (what kvjax's scheduler does)."""
+        hook = getattr(self.alloc, "evict_to_free_tokens", None)
+        if hook is not None:
+            hook(self.tree, need)
+        else:
+            self.tree.evict(max(0, need - self.available()[0]))
+
+    def free_state(self, slot):
+        self.mamba.free(np.asarray([slot], np.int64))
+
+    def free_segment(self, ids, start):
+        free_segment(self.alloc, ids, start)
+
+    def match(self, key, ns):
+        m = self.tree.match_prefix(list(key), extra_key=ns)
+        return (int(m.prefix_len), _ids(m.indices), int(m.full_kv_hit_length)), m.last_node
+
+    def insert(self, key, ns, values, prev, mamba_value=None):
+        if self.kind == "swa":  # SWARadixCache frees the duplicates past prev itself, as SGLang's
+            return int(self.tree.insert(list(key), np.asarray(values, np.int64), ns, prev_prefix_len=prev)), False
+        if self.kind == "mamba":
+            r = self.tree.insert(list(key), np.asarray(values, np.int64), ns, mamba_value=mamba_value)
+            got, exist = int(r.prefix_len if hasattr(r, "prefix_len") else r[0]), bool(r.mamba_exist)
+        else:
+            got, exist = int(self.tree.insert(list(key), np.asarray(values, np.int64), ns)), False
+        # The caller frees its slots of the already-cached part past what it matched, as kvjax's
+        # cache_finished_req does: one range. SGLang's unified tree frees them inside insert, one
+        # free_segment per tree node the range overlaps (``DUP_FREE_PER_NODE`` imitates that).
+        if got > prev:
+            cuts = [prev, got]
+            if DUP_FREE_PER_NODE:
+                node = self.tree.last_insert_node
+                while node is not None and node.depth > 0:
+                    start = node.depth - node.klen
+                    if prev < start < got:
+                        cuts.append(start)
+                    node = node.parent
+            cuts = sorted(set(cuts))
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                self.free_segment(values[a:b], a)
+        return got, exist
+
+    def lock(self, node):
+        return self.tree.inc_lock_ref(node)
+
+    def unlock(self, receipt):
+        self.tree.dec_lock_ref(receipt)
+
+    def release_swa(self, receipt):
+        self.tree.dec_swa_lock_only(receipt)
+
+    def evict(self, full, other):
+        if self.kind == "swa":
+            r = self.tree.evict(full, other)
+            return int(r[0]), int(r[1])
+        if self.kind == "mamba":
+            r = self.tree.evict(full, other)
+            return int(r.num_tokens_evicted), int(r.mamba_num_evicted)
+        return int(self.tree.evict(full)), 0
+
+    def available(self):
+        if self.kind == "swa":
+            return int(self.alloc.full_available_size()), int(self.alloc.swa_available_size())
+        return (int(self.alloc.available_size()),)
+
+    def sizes(self):
+        t = self.tree
+        if self.kind == "full":
+            out = {"full": (int(t.evictable_size()), int(t.protected_size())), "free": self.available()}
+        else:
+            out = {"full": (int(t.full_evictable_size()), int(t.full_protected_size())), "free": self.available()}
+        if self.kind == "swa":
+            out["swa"] = (int(t.swa_evictable_size()), int(t.swa_protected_size()))
+        if self.kind == "mamba":
+            out["mamba"] = (int(t.mamba_evictable_size()), int(t.mamba_protected_size()))
+            out["state_slots_free"] = int(self.mamba.available_size())
+        return out
+
+
+class _TreePair:
+    """Both trees; handles (nodes, locks) are kept per side, results compared."""
+
+    def __init__(self, sg: _SgTree, kv: _KvTree) -> None:
+        self.sg, self.kv = sg, kv
+        self.trace: list[str] = []
+        self.n = 0
+
+    def step(self, label: str, f: Callable[[Any], Any], compare: Callable[[Any], Any] = lambda r: r) -> tuple:
+        self.n += 1
+        label = f"#{self.n} {label}"
+        r_sg, r_kv = f(self.sg), f(self.kv)
+        c_sg, c_kv = compare(r_sg), compare(r_kv)
+        self.trace.append(f"{label} -> {_short(c_sg)}")
+        self.trace = self.trace[-TRACE_KEEP:]
+        if c_sg != c_kv:
+            raise Mismatch(f"{label}: SGLang {_short(c_sg)}, kvjax {_short(c_kv)}")
+        s_sg, s_kv = self.sg.sizes(), self.kv.sizes()
+        if s_sg != s_kv:
+            raise Mismatch(f"{label} -> {_short(c_sg)}; sizes after it: SGLang {s_sg}, kvjax {s_kv}")
+        return r_sg, r_kv
+
+
+def tree_stream(
+    kind: str, page: int, seed: int, ops: int, window: int = 0, max_states: int = -1
+) -> tuple[int, str | None]:
+    """One random request stream through both trees; returns (ops run, first difference or None)."""
+    rng = random.Random(seed)
+    size = (48 * page if page > 1 else 64) if kind != "mamba" else (24 * page if page > 1 else 32)
+    pair = _TreePair(_SgTree(kind, page, size, window, max_states), _KvTree(kind, page, size, window, max_states))
+    vocab = 3
+    prompts = [[rng.randrange(vocab) for _ in range(page * rng.randrange(1, 4))] for _ in range(4)]
+    live: list[dict] = []
+    held: list[tuple] = []  # locks taken by bare match+lock ops
+
+    def key_of():
+        base = rng.choice(prompts)[: page * rng.randrange(0, 4)]
+        tail = [rng.randrange(vocab) for _ in range(page * rng.randrange(0 if base else 1, 4))]
+        return base + tail, rng.choice([None, None, "ns"])
+
+    def admit():
+        key, ns = key_of()
+        show = f"key={_short(key)}, ns={ns}"
+        (m, node_sg), (_, node_kv) = pair.step(f"match({show})", lambda s: s.match(key, ns), lambda r: r[0])
+        hit, idx = m[0], m[1]
+        lk_sg, lk_kv = pair.step(
+            "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
+        )
+        need = len(key) - hit
+        state = None
+        if kind == "mamba":
+            state, _ = pair.step("alloc_state()", lambda s: s.alloc_state())
+            if state is None:  # the scheduler evicts one checkpoint and tries again
+                pair.step("evict(0, 1)", lambda s: s.evict(0, 1))
+                state, _ = pair.step("alloc_state() after eviction", lambda s: s.alloc_state())
+            if state is None:
+                pair.step("unlock(that lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+                return
+        last = idx[-1] if idx else -1
+        new, _ = pair.step(f"alloc({need})", lambda s: s.alloc_tokens(need, hit, last))
+        if new is None:
+            pair.step(f"evict_to_free_tokens({need})", lambda s: s.make_room(need))
+            new, _ = pair.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need, hit, last))
+        if new is None:
+            pair.step("unlock(that lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+            if state is not None:
+                pair.step(f"free_state({state})", lambda s: s.free_state(state), lambda r: None)
+            return
+        live.append({"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": (lk_sg, lk_kv), "state": state})
+
+    def finish(req):
+        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+        r, _ = pair.step(
+            f"insert(key={_short(key)}, ns={ns}, value={_short(vals)}, prev_prefix_len={hit})",
+            lambda s: s.insert(key, ns, vals, hit, req["state"]),
+        )
+        if req["state"] is not None and r[1]:
+            pair.step(
+                f"free_state({req['state']}) (checkpoint existed)", lambda s: s.free_state(req["state"]), lambda r: None
+            )
+        unlock(req)
+
+    def unlock(req):
+        lk_sg, lk_kv = req["locks"]
+        pair.step("unlock(request)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+
+    def retract(req):
+        new = req["values"][req["hit"] :]
+        pair.step(
+            f"free_segment({_short(new)}, start_pos={req['hit']})",
+            lambda s: s.free_segment(new, req["hit"]),
+            lambda r: None,
+        )
+        if req["state"] is not None:
+            pair.step(f"free_state({req['state']})", lambda s: s.free_state(req["state"]), lambda r: None)
+        unlock(req)
+
+    def checkpoint(req):
+        """A chunked-prefill checkpoint (SGLang's cache_unfinished_req): insert the first ``cut``
+        tokens, re-match them, move the lock to the new node; the request's row then holds the
+        tree's slots for its cached part."""
+        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+        cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
+        part = key[:cut]
+        pair.step(
+            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
+            lambda s: s.insert(part, ns, vals[:cut], hit),
+        )
+        (m, node_sg), (_, node_kv) = pair.step(
+            f"match(key={_short(part)}, ns={ns})", lambda s: s.match(part, ns), lambda r: r[0]
+        )
+        new_locks = pair.step(
+            "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
+        )
+        unlock(req)
+        req["locks"], req["swa_released"] = new_locks, False
+        req["values"] = m[1] + vals[m[0] :]
+        req["hit"] = m[0]
+
+    try:
+        while pair.n < ops:
+            r = rng.random()
+            if r < 0.35 or not live:
+                if len(live) < 5:
+                    admit()
+                else:
+                    finish(live.pop(rng.randrange(len(live))))
+            elif r < 0.6:
+                finish(live.pop(rng.randrange(len(live))))
+            elif r < 0.67:
+                retract(live.pop(rng.randrange(len(live))))
+            elif r < 0.72 and kind != "mamba":
+                req = rng.choice(live)
+                if len(req["key"]) - req["hit"] >= page:
+                    checkpoint(req)
+            elif r < 0.78:
+                key, ns = key_of()
+                (_, node_sg), (_, node_kv) = pair.step(
+                    f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
+                )
+                if rng.random() < 0.3 and len(held) < 3:
+                    locks = pair.step(
+                        "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
+                    )
+                    held.append(locks)
+            elif r < 0.8 and held:
+                lk_sg, lk_kv = held.pop(rng.randrange(len(held)))
+                pair.step("unlock(held lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+            elif r < 0.9:
+                full = rng.choice([0, page, 3 * page, 8 * page])
+                other = rng.choice([0, 1, page, 4 * page]) if kind != "full" else 0
+                if kind == "mamba":
+                    other = rng.choice([0, 1, 2])
+                pair.step(f"evict({full}, {other})", lambda s: s.evict(full, other))
+            elif kind == "swa" and live:
+                req = rng.choice(live)
+                # SGLang's scheduler releases through release_swa_prefix_lock, which skips a
+                # lock without an SWA part (a match that ended at the root); so does the stream.
+                lk = req["locks"][0]
+                has_swa = lk is not None and lk.receipt.component_lock_uuids.get(pair.sg.sg.ct.SWA) is not None
+                if has_swa and not req.get("swa_released"):
+                    req["swa_released"] = True
+                    lk_sg, lk_kv = req["locks"]
+                    pair.step(
+                        "release_swa(request lock)",
+                        lambda s: s.release_swa(lk_sg if s is pair.sg else lk_kv),
+                        lambda r: None,
+                    )
+            else:
+                key, ns = key_of()
+                pair.step(f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns)[0], lambda r: r)
+    except Mismatch as e:
+        return pair.n, f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
+    except Exception as e:  # a crash on one side is a difference too
+        return pair.n, _crash(e, pair.n, pair.trace)
+    return pair.n, None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def configurations(quick: bool) -> list[tuple[str, dict]]:
+    """(name, arguments) of every configuration compared."""
+    out: list[tuple[str, dict]] = []
+    for page in (1, 4, 16):
+        for need_sort in (False, True):
+            out.append(
+                (
+                    f"alloc/page_{page}/need_sort_{int(need_sort)}",
+                    {"kind": "alloc", "page": page, "need_sort": need_sort},
+                )
+            )
+    for page in (1, 4, 16):
+        out.append((f"full/page_{page}", {"kind": "full", "page": page}))
+    for page in (1, 2, 4):
+        for window in (4, 6, 8) if not quick else (4, 8):
+            out.append((f"swa/page_{page}/window_{window}", {"kind": "swa", "page": page, "window": window}))
+    for page in (1, 4):
+        for max_states in (-1, 1, 2):
+            out.append(
+                (
+                    f"mamba/page_{page}/max_states_{max_states}",
+                    {"kind": "mamba", "page": page, "max_states": max_states},
+                )
+            )
+    return out
+
+
+def run_config(args: dict, seed: int, ops: int) -> tuple[int, str | None]:
+    if args["kind"] == "alloc":
+        return alloc_stream(args["page"], args["need_sort"], seed, ops)
+    return tree_stream(args["kind"], args["page"], seed, ops, args.get("window", 0), args.get("max_states", -1))
+
+
+def compare(sglang_path: str, streams: int, ops: int, only: set[str] | None = None, seed: int = 0, quick=False) -> dict:
+    """``{config: {"streams", "ops", "identical", "first_difference"}}`` over every configuration."""
+    load_sglang(sglang_path)
+    out: dict[str, dict] = {}
+    for name, args in configurations(quick):
+        if only and args["kind"] not in only:
+            continue
+        ran, same, first = 0, 0, None
+        for s in range(streams):
+            n, diff = run_config(args, seed * 1000 + s, ops)
+            ran += n
+            if diff is None:
+                same += 1
+            elif first is None:
+                first = f"stream seed {seed * 1000 + s}: {diff}"
+        entry: dict[str, Any] = {"streams": streams, "ops": ran, "identical": same}
+        if first:
+            entry["first_difference"] = first
+        out[name] = entry
+    return out
+
+
+def known_cases() -> dict[str, dict]:
+    """The fixed cases of issue 19 the harness must tell apart (its self-test): for each, both
+    results and whether they differ. Cases 3, 4 (SWA/Mamba recency) show in the random
+    ``swa`` / ``mamba`` streams."""
+    out: dict[str, dict] = {}
+
+    # 1: a tree's paged free keeps row order (SGLang free_segment), only plain free() sorts.
+    res = []
+    for side in (_SgTree("full", 4, 64), _KvTree("full", 4, 64)):
+        a, b = side.alloc_tokens(4), side.alloc_tokens(4)
+        side.free_segment(a, 0)
+        side.free_segment(b, 0)
+        v = side.alloc_tokens(8)
+        side.insert(list(range(8)), None, v, 0)
+        side.evict(8, 0)
+        res.append({"v": v, "alloc(4) after evict(8)": side.alloc_tokens(4)})
+    out["1_tree_free_row_order"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # 2: page-1 alloc_extend under need_sort (SGLang's scheduler: alloc(extend tokens)).
+    res = []
+    for alloc in (_SgAlloc(8, 1, True), _KvAlloc(8, 1, True)):
+        x = alloc.alloc(4)
+        alloc.free(x[:2])
+        res.append(alloc.alloc_extend([0], [4], [-1]))
+    out["2_page1_alloc_extend_need_sort"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # 7: duplicates an insert frees span two nodes: SGLang frees them node by node (each page run
+    # put at the head of the free list), kvjax's lifecycle as one range.
+    res = []
+    for side in (_SgTree("full", 4, 64), _KvTree("full", 4, 64)):
+        a = side.alloc_tokens(4)
+        side.insert([0, 1, 2, 3], None, a, 0)
+        b = side.alloc_tokens(4)
+        side.insert(list(range(8)), None, a + b, 4)  # two nodes: tokens 0-3 and 4-7
+        dup = side.alloc_tokens(8)
+        side.insert(list(range(8)), None, dup, 0)  # all 8 already cached: dup freed
+        res.append({"dup": dup, "alloc(4) after": side.alloc_tokens(4)})
+    out["7_insert_duplicates_freed_per_node"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # 8 (SWA, page 2): an insert whose walk frees a duplicate on a live node and then revives an
+    # SWA tombstone below it (the request matched before another one revived the first node):
+    # SGLang frees in walk order, node by node.
+    res = []
+    global DUP_FREE_PER_NODE
+    was, DUP_FREE_PER_NODE = DUP_FREE_PER_NODE, True
+    try:
+        for side in (_SgTree("swa", 2, 32, window=4), _KvTree("swa", 2, 32, window=4)):
+            a = side.alloc_tokens(8)
+            side.insert([1, 0, 0, 1, 0, 0, 2, 1], None, a, 0)  # nodes [1,0,0,1] [0,0,2,1] (leaf cap)
+            b = side.alloc_tokens(2, 2, a[1])
+            side.insert([1, 0, 2, 2], None, a[:2] + b, 2)  # splits [1,0] | [0,1]
+            evicted = side.evict(0, 6)
+            v = side.alloc_tokens(6)
+            got = side.insert([1, 0, 0, 1, 0, 1], None, v, 0)
+            res.append(
+                {
+                    "evict(0, 6)": evicted,
+                    "v": v,
+                    "insert": got[0],
+                    "alloc(2) x2": [side.alloc_tokens(2) for _ in range(2)],
+                }
+            )
+    finally:
+        DUP_FREE_PER_NODE = was
+    out["8_swa_duplicate_then_revival_free_order"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # An early SWA release of a lock without an SWA part (a match that ended at the root):
+    # SGLang's release_swa / release_swa_prefix_lock do nothing; kvjax's raises.
+    res = []
+    for side in (_SgTree("swa", 1, 64, window=4), _KvTree("swa", 1, 64, window=4)):
+        _, node = side.match([1, 2], None)
+        lock = side.lock(node)
+        try:
+            side.release_swa(lock)
+            res.append("no-op")
+        except Exception as e:  # kvjax: LockError
+            res.append(f"{type(e).__name__}: {e}")
+    out["swa_release_of_root_lock"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--sglang-path", required=True, help="folder holding the 'sglang' package")
+    ap.add_argument("--streams", type=int, default=3, help="random streams per configuration")
+    ap.add_argument("--ops", type=int, default=2000, help="ops per stream")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", help="comma-separated kinds: alloc, full, swa, mamba")
+    ap.add_argument("--quick", action="store_true", help="1 stream of 300 ops, fewer windows")
+    ap.add_argument(
+        "--sorted-frees",
+        action="store_true",
+        help="SGLang's free_segment as its sorted free (hides known difference 1 to show the others)",
+    )
+    ap.add_argument("--self-test", action="store_true", help="only the fixed cases of issue 19")
+    ap.add_argument(
+        "--dup-free-per-node",
+        action="store_true",
+        help="free kvjax's duplicates after an insert node by node, as SGLang's tree does (hides that difference)",
+    )
+    args = ap.parse_args(argv)
+    if args.self_test:
+        load_sglang(args.sglang_path)
+        print(json.dumps({"benchmark": "known_cases_vs_sglang", "cases": known_cases()}, indent=2))
+        return
+    global SORTED_FREES, DUP_FREE_PER_NODE
+    SORTED_FREES, DUP_FREE_PER_NODE = args.sorted_frees, args.dup_free_per_node
+    streams, ops = (1, 300) if args.quick else (args.streams, args.ops)
+    t0 = time.time()
+    only = set(args.only.split(",")) if args.only else None
+    checks = compare(args.sglang_path, streams, ops, only, args.seed, args.quick)
+    print(
+        json.dumps(
+            {
+                "benchmark": "allocators_and_trees_vs_sglang",
+                "streams_per_config": streams,
+                "ops_per_stream": ops,
+                "all_identical": all(e["identical"] == e["streams"] for e in checks.values()),
+                "seconds": round(time.time() - t0, 1),
+                "checks": checks,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
