@@ -65,6 +65,10 @@ def check_demo(spec: ModelSpec, workload: Workload, **config_kwargs: Any) -> Cac
             f"context of {context:,}; lower {{{option}}} or {{output_tokens}}",
         )
     config_kwargs.setdefault("context_length", context)
+    if config_kwargs.get("hicache_storage_backend") is not None:
+        # The storage tier's key needs the weights' fingerprint, known only once the model is
+        # loaded (after this check); any non-empty value plans the same cache.
+        config_kwargs.setdefault("hicache_storage_model_fingerprint", "not-loaded-yet")
     plan = plan_kv_cache(spec, demo_config(**config_kwargs))
     page = plan.page_size
     need = -(-longest // page) * page
