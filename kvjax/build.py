@@ -39,6 +39,8 @@ from kvjax.spec import ModelSpec
 from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
 
 KV_HEAD_MESH_AXIS = "tp"
+# Structures remembered by ``KVCache`` (one per compiled step shape; more only clears the memo).
+_MAX_CHECKED_ORIGINS = 64
 
 
 class KVCache:
@@ -58,6 +60,7 @@ class KVCache:
     __slots__ = (
         "_pools",
         "_pools_structure",
+        "_checked_origins",
         "draft_host_pool",
         "host_pool",
         "swa_host_pool",
@@ -92,6 +95,9 @@ class KVCache:
         # Fixed for the holder's life (set_pools only accepts the same structure): computed once,
         # so the check on every serving step flattens only the new pools.
         self._pools_structure: Any = jax.tree_util.tree_structure(pools)
+        # Origins (``CachePools.origin``) of pools that passed the structure check, by identity;
+        # the values keep the tuples alive so that an id is never reused while it is a key.
+        self._checked_origins: dict[int, tuple[str, ...]] = {}
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
@@ -128,14 +134,29 @@ class KVCache:
         )
 
     def _check_same_structure(self, pools: Any, what: str) -> None:
+        """Raise ``TypeError`` unless ``pools`` has the cache's tree structure.
+
+        Run once per structure, not once per step: pools JAX rebuilt from a treedef (a compiled
+        step's outputs) carry that treedef's names tuple as their ``origin``, and every object
+        rebuilt from it has its structure. An origin whose pools passed the full check once is
+        accepted by identity afterwards (an attribute read and a dict lookup); anything else
+        (pools built by hand, the first output of each compiled step) is flattened and compared.
+        """
         if not isinstance(pools, CachePools):
             raise TypeError(f"{what}: expected CachePools, got {type(pools).__name__}")
+        origin = pools.origin
+        if origin is not None and self._checked_origins.get(id(origin)) is origin:
+            return
         # PyTreeDefs are equal iff same structure and static metadata (names, page size, dtype, ...).
         if jax.tree_util.tree_structure(pools) != self._pools_structure:
             raise TypeError(
                 f"{what}: the new pools {pools.names} do not have the structure of the cache's {self._pools.names} "
                 "(pass what the step returned for cache.pools)"
             )
+        if origin is not None:
+            if len(self._checked_origins) >= _MAX_CHECKED_ORIGINS:
+                self._checked_origins.clear()  # bounded: one entry per compiled step shape
+            self._checked_origins[id(origin)] = origin
 
     # --- SGLang's KVCacheBuildResult names --------------------------------------------------------
 

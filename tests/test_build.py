@@ -331,3 +331,36 @@ def test_build_host_tier_for_mla_and_refuses_dsa():
     assert isinstance(cache.tree_cache, HiRadixCache) and cache.host_pool.num_layers == 2
     with pytest.raises(NotImplementedError, match="DSA indexer"):
         build_kv_cache(mla(layers=2, dsa=True), config)
+
+
+def test_set_pools_checks_each_compiled_steps_structure_once(monkeypatch):
+    import kvjax.build as build_module
+
+    cache = tiny_cache()
+    flattened = []
+    real = jax.tree_util.tree_structure
+
+    def counting(tree, *args, **kwargs):
+        flattened.append(type(tree).__name__)
+        return real(tree, *args, **kwargs)
+
+    step = jax.jit(lambda pools, x: (pools, x + 1), donate_argnums=0)
+    monkeypatch.setattr(build_module.jax.tree_util, "tree_structure", counting)
+    for i in range(6):
+        pools, _ = step(cache.pools, i)
+        cache.set_pools(pools)
+    # The first (tracing) call and the compiled entry's outputs: one full check each, then none.
+    assert len(flattened) <= 2
+    # Pools of another structure are still refused, even rebuilt from a checked step output.
+    with pytest.raises(TypeError, match="structure"):
+        cache.set_pools(jax.tree_util.tree_map(lambda a: None, cache.pools))
+    by_hand = cache.pools.replace(kv=cache.pools.kv)  # no origin: always fully checked
+    assert by_hand.origin is None
+    n = len(flattened)
+    cache.set_pools(by_hand)
+    assert len(flattened) == n + 1
+    other = tiny_cache(kv_cache_dtype="fp8_e5m2")
+    other_step = jax.jit(lambda pools: pools)
+    with pytest.raises(TypeError, match="structure"):
+        cache.set_pools(other_step(other.pools))
+    assert cache.pools is by_hand

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
+# Id dtypes ``free`` validates without converting them first.
+_NATIVE_IDS = (np.dtype(np.int32), np.dtype(np.int64))
 _SHOWN_IDS = 8
 
 
@@ -211,6 +213,8 @@ class BaseTokenToKVPoolAllocator:
         # Scratch for O(n) duplicate detection; only entries just written are ever read.
         self._scratch = np.zeros(num_pages + 1, np.int32)
         self._offsets = np.arange(page_size, dtype=np.int32)
+        # log2(page_size) when it is a power of two (slot -> page is then a shift), else -1.
+        self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
         self._arange = np.arange(0, dtype=np.int32)
         self._group: list[np.ndarray] | None = None
         # Segment frees buffered by an open group, in call order (paged allocator only).
@@ -554,30 +558,39 @@ class BaseTokenToKVPoolAllocator:
         raise NotImplementedError
 
     def _validate_slots(self, idx: np.ndarray) -> np.ndarray:
-        """Range and trash-page checks; returns the page of each id."""
-        bad = (idx < 0) | (idx >= self._num_slots)
-        if bad.any():
-            raise InvalidSlotError(f"free: ids out of range [0, {self._num_slots}): {format_ids(idx[bad])}")
-        pages = idx // self.page_size
-        bad = pages == 0
-        if bad.any():
+        """Range and trash-page checks; returns the page of each id.
+
+        One test on the hot path: every id is valid iff ``page_size <= min`` and ``max <
+        num_slots`` (``argmin`` / ``argmax``: plain array methods, no temporary array, several
+        times cheaper than ``min()`` / ``any()``, which go through Python-level wrappers).
+        Only a failure runs the detailed checks, which name the culprits.
+        """
+        ps = self.page_size
+        if idx.item(idx.argmin()) < ps or idx.item(idx.argmax()) >= self._num_slots:
+            bad = (idx < 0) | (idx >= self._num_slots)
+            if bad.any():
+                raise InvalidSlotError(f"free: ids out of range [0, {self._num_slots}): {format_ids(idx[bad])}")
             raise InvalidSlotError(
-                f"free: ids of the trash page 0 (slots 0..{self.page_size - 1}) are never allocated: "
-                f"{format_ids(idx[bad])}"
+                f"free: ids of the trash page 0 (slots 0..{ps - 1}) are never allocated: {format_ids(idx[idx < ps])}"
             )
-        return pages
+        if ps == 1:
+            return idx
+        if self._page_shift >= 0:
+            return idx >> self._page_shift
+        return idx // ps
 
     def _check_not_free(self, pages: np.ndarray) -> None:
-        """Raise DoubleFreeError if any of the (distinct) ``pages`` is free or pending."""
-        bad = self._is_free[pages] | self._is_pending[pages]
-        if bad.any():
+        """Raise DoubleFreeError if any of the (distinct) ``pages`` is free or pending: two
+        bitmap gathers, O(len(pages)), never a scan of the free lists."""
+        bad = self._is_free.take(pages)
+        bad |= self._is_pending.take(pages)
+        if np.count_nonzero(bad):
             what = "slots" if self.page_size == 1 else "pages"
             raise DoubleFreeError(f"free: {what} already free (double free): {format_ids(pages[bad])}")
 
     def _has_duplicates(self, pages: np.ndarray) -> np.ndarray:
         """Mask of the entries of ``pages`` that repeat an earlier-or-later entry (O(n))."""
-        n = pages.size
-        pos = np.arange(n, dtype=np.int32)
+        pos = self._token_arange(pages.size)
         self._scratch[pages] = pos
         # Whichever position won the write, every other position of a repeated page differs.
         return self._scratch[pages] != pos
@@ -595,7 +608,10 @@ class BaseTokenToKVPoolAllocator:
             DoubleFreeError: ids already free (or pending in the open group), or, on the
                 token allocator, the same id twice in this call.
         """
-        idx = as_index_array(free_index, "free")
+        if type(free_index) is np.ndarray and free_index.ndim == 1 and free_index.dtype in _NATIVE_IDS:
+            idx = free_index  # int32 / int64 ids as they are (the usual input): no conversion pass
+        else:
+            idx = as_index_array(free_index, "free")
         if idx.size == 0:
             return
         pages = self._pages_to_free(idx)

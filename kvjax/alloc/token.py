@@ -30,7 +30,7 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def _pages_to_free(self, idx: np.ndarray) -> np.ndarray:
         pages = self._validate_slots(idx)
         dup = self._has_duplicates(pages)
-        if dup.any():
+        if np.count_nonzero(dup):
             raise DoubleFreeError(f"free: slots given more than once in one call: {format_ids(np.unique(pages[dup]))}")
         self._check_not_free(pages)
         return pages.astype(np.int32)

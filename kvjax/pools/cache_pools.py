@@ -23,7 +23,7 @@ class CachePools:
     new object.
     """
 
-    __slots__ = ("_pools",)
+    __slots__ = ("_origin", "_pools")
 
     def __init__(self, pools: Mapping[str, Any] | None = None, /, **named: Any) -> None:
         merged = dict(pools or {})
@@ -34,6 +34,7 @@ class CachePools:
         if not merged:
             raise ValueError("CachePools needs at least one pool, e.g. CachePools(kv=MHAKVPool.create(...))")
         object.__setattr__(self, "_pools", dict(sorted(merged.items())))
+        object.__setattr__(self, "_origin", None)
 
     # --- access -------------------------------------------------------------------------------
 
@@ -95,4 +96,17 @@ class CachePools:
     def tree_unflatten(cls, names: tuple[str, ...], children: Any) -> CachePools:
         obj = object.__new__(cls)
         object.__setattr__(obj, "_pools", dict(zip(names, children, strict=True)))
+        object.__setattr__(obj, "_origin", names)
         return obj
+
+    @property
+    def origin(self) -> tuple[str, ...] | None:
+        """The names tuple of the tree structure (``PyTreeDef``) this object was rebuilt from,
+        the very object stored in it; None for pools built by the constructor or ``replace``.
+
+        Every ``tree_flatten`` returns a fresh tuple, so an origin is shared only by objects
+        rebuilt from one treedef (or treedefs JAX derived from it), such as every output of one
+        compiled step: ``KVCache.set_pools`` checks the structure once per origin, keyed by
+        identity.
+        """
+        return self._origin

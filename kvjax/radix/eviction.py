@@ -19,6 +19,7 @@ number. ``fifo``/``filo`` never change after creation; ``lru``, ``lfu``, ``prior
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
@@ -142,6 +143,24 @@ EVICTION_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "priority": PriorityPolicy,
     "slru": SLRUPolicy,
 }
+
+
+# Policies whose priority is node attributes as they are (an int, or a tuple of them): the tree
+# calls a C-level ``attrgetter`` for them, ~3x cheaper than the Python method (a push and a pop
+# per evicted leaf). Exact classes only: a subclass may override ``priority``.
+_ATTRIBUTE_PRIORITIES: dict[type, tuple[str, ...]] = {
+    LRUPolicy: ("last_access",),
+    LFUPolicy: ("hit_count", "last_access"),
+    FIFOPolicy: ("creation",),
+    PriorityPolicy: ("priority", "last_access"),
+}
+
+
+def priority_function(policy: EvictionPolicy) -> Callable[[TreeNode], Any]:
+    """``policy.priority``, or a C-level function returning the same values for the built-in
+    policies whose priority is plain node attributes."""
+    attrs = _ATTRIBUTE_PRIORITIES.get(type(policy))
+    return attrgetter(*attrs) if attrs else policy.priority
 
 
 def get_eviction_policy(name: str | EvictionPolicy, **config: Any) -> EvictionPolicy:
