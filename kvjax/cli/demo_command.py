@@ -44,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --enable-hierarchical-cache: a storage tier (L3) in DIR; host copies are written there "
         "and prefetched back on a miss",
     )
+    demo.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run each step to completion before forming the next (default: overlap scheduling, the next "
+        "batch is formed while a step runs)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         hicache_storage=args.hicache_storage,
         progress=not args.json,
         model=model,
+        overlap=not args.disable_overlap_schedule,
     )
     if args.json:
         print(json.dumps(report.to_dict()))
