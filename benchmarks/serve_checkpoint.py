@@ -15,8 +15,10 @@ A tiny checkpoint (the ``tiny`` preset's seed-0 weights written as ``config.json
   writes, caching and freeing finished requests), batch packing (page table and device inputs)
   and the jitted step (dispatch, and the wait until its tokens are on the host);
   ``finish_us_per_step`` is the part of bookkeeping spent finishing the requests (the tree insert
-  of prompt + output, once per request, spread over the decode steps). Target without overlap:
-  bookkeeping at most 10% of the step.
+  of prompt + output, once per request, spread over the decode steps; with overlap these
+  requests, which all end on ``max_new_tokens``, are finished by the last scheduler step, which
+  launches no decode, so it reads 0 there). Target without overlap: bookkeeping at most 10% of
+  the step.
 * **exposed host time** (the time the device waits for the host) per decode step, over the
   step: the decode phase's wall time per step (``loop_us_per_step``, from the first decode step
   to the last token, the prefill done) less the step's own time, over the step's own time. The
