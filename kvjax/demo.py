@@ -131,6 +131,7 @@ def serve(
     progress: bool = False,
     seed: int = 0,
     force_miss: bool = False,
+    overlap: bool = True,
     **config_kwargs,
 ) -> tuple[Scheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
@@ -138,6 +139,7 @@ def serve(
     ``model``: a loaded checkpoint (default: the tiny model with weights from ``seed``); the
     workload's token ids are drawn below ``min(workload.vocab_size, the model's vocab)``.
     ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
+    ``overlap``: the scheduler's overlap scheduling (False: each step runs to completion first).
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -152,7 +154,7 @@ def serve(
     cache = demo_cache(spec=spec, **config_kwargs)
     tree: Any = cache.tree_cache  # RadixCache and ChunkCache both have force_miss
     tree.force_miss = force_miss
-    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH)
+    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
@@ -172,11 +174,13 @@ def run_demo(
     model: LoadedModel | None = None,
     enable_hierarchical_cache: bool = False,
     hicache_storage: str | None = None,
+    overlap: bool = True,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
     host tier, and a third run (warm, without it) gives the cached tokens to compare against.
-    ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier)."""
+    ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
+    ``overlap``: overlap scheduling in every run (False: each step runs to completion first)."""
     workload = workload or Workload()
     settings: dict = dict(
         model=model,
@@ -185,6 +189,7 @@ def run_demo(
         chunked_prefill_size=chunked_prefill_size,
         eviction_policy=eviction_policy,
         progress=progress,
+        overlap=overlap,
     )
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
     host: dict[str, Any] = {}

@@ -82,6 +82,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --enable-hierarchical-cache: a storage tier (L3) in DIR, created when missing; host copies "
         "are written there and prefetched back on a miss",
     )
+    demo.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run each step to completion before forming the next (default: overlap scheduling, the next "
+        "batch is formed while a step runs)",
+    )
 
 
 def storage_dir(path: str | None, *, host_tier: bool) -> tuple[Path | None, bool]:
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         hicache_storage=args.hicache_storage,
         progress=not args.json,
         model=model,
+        overlap=not args.disable_overlap_schedule,
     )
     if args.json:
         print(json.dumps(report.to_dict()))

@@ -81,6 +81,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="add the host-memory tier (HiCache): evicted prefixes are kept in host memory and loaded back",
     )
+    gen.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run each step to completion before forming the next (default: overlap scheduling, the next "
+        "batch is formed while a step runs)",
+    )
 
 
 def parse_ids(text: str, index: int, vocab_size: int | None = None) -> list[int]:
@@ -144,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             stop_token_ids=() if args.ignore_eos else None,
             enable_hierarchical_cache=args.enable_hierarchical_cache,
+            overlap=not args.disable_overlap_schedule,
         )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None

@@ -25,6 +25,9 @@ hook                       when
 ``before_release(req,``    the request's KV is about to go to the tree (``finished``: finished;
 ``finished)``              else retracted, released without insert)
 ``poll()``                 once per scheduler step, before the batch is formed (transfers)
+``can_run_ahead(reqs)``    overlap scheduling: a decode batch of ``reqs`` is about to be
+                           launched before the previous step's tokens are read; False makes
+                           the scheduler read them first
 =========================  ==================================================================
 """
 
@@ -83,3 +86,10 @@ class ServingExtension:
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
         """``req``'s KV is about to be cached (``finished``) or released without insert (retraction)."""
+
+    def can_run_ahead(self, reqs: Sequence[ServingReq]) -> bool:
+        """Whether a decode step of ``reqs`` may run while the previous step's tokens are unread.
+        A request that stopped on a stop token in that step then gets one speculative step: its
+        KV slot is released exactly by the scheduler, but state this kind keeps per request and
+        hands to the tree on release must not have advanced; say False when it would have."""
+        return True

@@ -117,6 +117,7 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     record_logits: bool = False,
     enable_hierarchical_cache: bool = False,
+    overlap: bool = True,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -124,6 +125,7 @@ def generate(
     nothing is evicted; make it small to force eviction and retraction). ``stop_token_ids``:
     default the model's end-of-sequence ids; ``()`` to always generate ``max_new_tokens``.
     ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
+    ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     if max_new_tokens <= 0:
@@ -158,6 +160,7 @@ def generate(
         max_batch_size=max_batch_size,
         chunked_prefill_size=chunked_prefill_size,
         record_logits=record_logits,
+        overlap=overlap,
     )
     stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
     reqs = [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]

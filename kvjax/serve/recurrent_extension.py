@@ -117,3 +117,9 @@ class RecurrentStateExtension(ServingExtension):
 
     def before_decode(self, reqs: Sequence[ServingReq]) -> None:
         """Nothing: each decode step continues every request's own slot."""
+
+    def can_run_ahead(self, reqs: Sequence[ServingReq]) -> bool:
+        """Not when a request may stop on a stop token: the speculative step would advance its
+        state, which its release donates to the tree as the checkpoint of its (shorter) tokens.
+        (Requests that end on ``max_new_tokens`` never get a speculative step.)"""
+        return not any(req.stop_token_ids for req in reqs)

@@ -43,6 +43,35 @@ steps while the running set does not change.
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
+
+**Overlap scheduling** (``overlap=True``, the default; SGLang's overlap scheduler without a
+thread: jax dispatches asynchronously). A decode step is launched before the host reads the
+previous step's tokens, then the host reads and processes them while the new step runs, so the
+device does not wait for the host's bookkeeping. The new step's input ids are the previous
+step's output still on the device (``token_src`` indexes into it; ``step.py``); the host learns a
+request's token one step late. Consequences, and the rules that keep them exact:
+
+* lengths and slots do not depend on tokens: a decode step's ``kv_committed_len`` and the
+  requests that reach ``max_new_tokens`` are settled when it is launched (those leave
+  ``running`` then and never get a speculative step);
+* a request that stops on a stop token is found one step late: the step launched meanwhile
+  already computed a token for it (its KV written at one more slot). That token is dropped, the
+  request's ``kv_committed_len`` goes back by one, and the extra slot is released with the
+  request in the same free group: a slot that opened a new page is freed on its own, one inside
+  the request's last page goes with that page (the tree's release frees the unaligned tail);
+  so nothing leaks and nothing is freed twice;
+* the host reads the in-flight step first (**resolves**) wherever a decision depends on its
+  tokens or on the requests it finishes: before forming a prefill batch (admission reads the
+  tree and the free memory that finishing requests change, so admission is the same as without
+  overlap), before retracting (the choice depends on which requests continue), and when an
+  extension says a request must not run ahead (``ServingExtension.can_run_ahead``: a recurrent
+  state advanced by a speculative step would be donated to the tree as a wrong checkpoint);
+* everything else that follows a step and needs no token (storing the pools, the extensions'
+  ``after_step``, caching a prefilled prompt, window freeing, the host tier's ``poll``) runs
+  as without overlap, in the same order relative to the device steps.
+
+Tokens are the same with and without overlap. ``overlap=False`` runs each step to completion
+(dispatch, read the tokens, then process them) before forming the next.
 """
 
 from __future__ import annotations
@@ -75,7 +104,8 @@ __all__ = ["Scheduler", "ServeStats", "ServingReq"]
 class ServeStats:
     """Counters of one run. Tokens are counts over all requests; seconds are host wall time, split
     as the module docstring says (``bookkeeping + pack + step`` is the time of all steps;
-    ``finish`` is part of ``bookkeeping``; ``decode_*`` the same over decode steps only)."""
+    ``finish`` is part of ``bookkeeping``; ``wait`` is the part of ``step`` the host spent blocked
+    reading sampled tokens; ``decode_*`` the same over scheduler steps that launched a decode)."""
 
     requests_finished: int = 0
     prompt_tokens: int = 0
@@ -84,6 +114,7 @@ class ServeStats:
     generated_tokens: int = 0
     evicted_tokens: int = 0
     retractions: int = 0
+    dropped_tokens: int = 0  # overlap: speculative tokens of requests found finished one step late
     prefill_steps: int = 0
     decode_steps: int = 0
     step_seconds: float = 0.0
@@ -94,6 +125,8 @@ class ServeStats:
     decode_bookkeeping_seconds: float = 0.0
     finish_seconds: float = 0.0
     decode_finish_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    decode_wait_seconds: float = 0.0
     peak_used_tokens: int = 0
     occupancy: list[float] = dataclasses.field(default_factory=list)
     hit_rate_history: list[float] = dataclasses.field(default_factory=list)
@@ -117,6 +150,8 @@ class Scheduler:
         record_logits: keep each output token's float32 logits on its request (``req.logits``).
         extensions: the per-kind serving hooks of the cache's other state (``extension.py``);
             default: those the cache's kinds need (none for a full-attention cache).
+        overlap: overlap scheduling (see the module docstring); False runs each step to
+            completion before forming the next (SGLang's ``--disable-overlap-schedule``).
     """
 
     def __init__(
@@ -129,6 +164,7 @@ class Scheduler:
         chunked_prefill_size: int | None = None,
         record_logits: bool = False,
         extensions: Sequence[ServingExtension] | None = None,
+        overlap: bool = True,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
@@ -153,7 +189,10 @@ class Scheduler:
         self.stats = ServeStats()
         self._admissions = 0
         self._last_logits: np.ndarray | None = None
-        self._running_cache: tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._running_cache: tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        self.overlap = bool(overlap)
+        self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
+        self._no_tokens = jax.device_put(np.zeros(self.max_batch_size, np.int32))  # "previous tokens" of a first step
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
@@ -178,7 +217,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked)
+        return not (self.waiting or self.running or self.chunked or self._inflight is not None)
 
     def step(self) -> list[ServingReq]:
         """Run one batch; return the requests that finished in it."""
@@ -186,14 +225,19 @@ class Scheduler:
         st = self.stats
         start = time.perf_counter()
         step_before, pack_before, finish_before = st.step_seconds, st.pack_seconds, st.finish_seconds
+        wait_before = st.wait_seconds
         ran = decoded = False
+        if self.chunked is not None or self.waiting:
+            self.resolve(done)  # admission sees what the in-flight step finishes (module docstring)
         for ext in self.extensions:
-            ext.poll()
+            ext.poll()  # after the finishing (as without overlap): transfers it started may land
         if self.chunked is not None or self.waiting:
             ran = self._prefill(done)
         if not ran and self.running:
             self._decode(done)
             ran = decoded = True
+        if not ran and self.resolve(done):
+            ran = True
         if not ran and (self.waiting or self.chunked):
             raise RuntimeError(
                 f"no progress: {len(self.waiting)} waiting requests fit neither the pool ({self.alloc.size} tokens) "
@@ -203,6 +247,7 @@ class Scheduler:
         bookkeeping = time.perf_counter() - start - stepped - packed
         st.bookkeeping_seconds += bookkeeping
         if decoded:
+            st.decode_wait_seconds += st.wait_seconds - wait_before
             st.decode_step_seconds += stepped
             st.decode_pack_seconds += packed
             st.decode_bookkeeping_seconds += bookkeeping
@@ -214,6 +259,20 @@ class Scheduler:
         st.hit_rate_history.append(st.hit_rate)
         self.finished.extend(done)
         return done
+
+    def resolve(self, done: list[ServingReq] | None = None) -> bool:
+        """Overlap: read the in-flight step's tokens now and process them (finished requests are
+        appended to ``done`` and to ``finished``); False when no step is in flight."""
+        launched = self._inflight
+        if launched is None:
+            return False
+        self._inflight = None
+        finished: list[ServingReq] = [] if done is None else done
+        before = len(finished)
+        self._resolve_step(launched, finished, None)
+        if done is None:
+            self.finished.extend(finished[before:])
+        return True
 
     def run(self, reqs: Iterable[ServingReq] = ()) -> list[ServingReq]:
         """Submit ``reqs`` and step until every request has finished; return them in finishing order."""
@@ -312,9 +371,13 @@ class Scheduler:
             self.rows.write(row, s, slots[offsets[i] : offsets[i + 1]])
         tokens = [np.asarray(req.token_range(s, e), np.int32) for req, s, e in batch]
         reqs = [r for r, _, _ in batch]
-        next_tokens = self._forward(tokens, prefix, slots, np.asarray(batch_rows), seq, reqs)
+        out = self._forward(tokens, prefix, slots, np.asarray(batch_rows), seq, reqs)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens_computed += int((seq - prefix).sum())
+        if self.overlap:
+            self._after_prefill_launch(batch, out, done)
+            return True
+        next_tokens = self._read(out, len(batch))
 
         for i, ((req, _, end), token) in enumerate(zip(batch, next_tokens, strict=True)):
             req.kv_committed_len = int(end)
@@ -328,6 +391,27 @@ class Scheduler:
                 self.tree.cache_unfinished_req(req)
                 self.running.append(req)
         return True
+
+    def _after_prefill_launch(
+        self, batch: list[tuple[ServingReq, int, int]], out: tuple[jax.Array, jax.Array | None], done: list[ServingReq]
+    ) -> None:
+        """Overlap: what follows a launched prefill step without its tokens. A request whose
+        prompt is done is cached (its prompt shared) and joins ``running`` unless its first token
+        is its last (``max_new_tokens`` 1); the token itself is processed when the step resolves."""
+        receiving: list[ServingReq] = []
+        out_rows: list[int] = []
+        for i, (req, _, end) in enumerate(batch):
+            req.kv_committed_len = int(end)
+            if end < req.seqlen():
+                self.tree.cache_unfinished_req(req, chunked=True)
+                self.chunked = req
+                continue
+            receiving.append(req)
+            out_rows.append(i)
+            if len(req.output_ids) + 1 < req.max_new_tokens:
+                self.tree.cache_unfinished_req(req)
+                self.running.append(req)
+        self._launched(_Launched(receiving, np.asarray(out_rows, np.int64), out[0], out[1]), done)
 
     def _match_and_lock(self, req: ServingReq) -> int:
         """Match the request's tokens (all but the last: one must be computed), lock the prefix,
@@ -358,8 +442,9 @@ class Scheduler:
 
     # --- decode -----------------------------------------------------------------------------------
 
-    def _running_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(kv_len, rows, next input token)`` of the running requests, int arrays in their order.
+    def _running_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(kv_len, rows, next input token)`` of the running requests, int arrays in their order
+        (overlap: no tokens, ``None``; they come from the device, see ``_input_tokens``).
 
         Kept from the previous decode step while the running set is the same requests in the same
         order (checked by identity), so a steady decode step reads no per-request fields.
@@ -372,20 +457,24 @@ class Scheduler:
         # Running requests always have kv_committed_len set (after their prefill / last decode).
         kv_len = np.fromiter((r.kv_committed_len for r in self.running), np.int64, n)
         rows = np.fromiter((r.req_pool_idx for r in self.running), np.int64, n)
-        tokens = np.fromiter((r.output_ids[-1] for r in self.running), np.int32, n)
+        tokens = None if self.overlap else np.fromiter((r.output_ids[-1] for r in self.running), np.int32, n)
         self._running_cache = (key, kv_len, rows, tokens)
         return kv_len, rows, tokens
 
     def _decode(self, done: list[ServingReq]) -> None:
         ps = self.page_size
+        if self._inflight is not None and not all(ext.can_run_ahead(self.running) for ext in self.extensions):
+            self._resolve_and_poll(done)
         while True:
+            if not self.running:
+                return
             kv_len, rows, tokens = self._running_arrays()
             need = int(np.count_nonzero(kv_len % ps == 0)) * ps
             if self._make_room(need):
                 break
+            if self._resolve_and_poll(done):  # retraction depends on which requests continue: read them first
+                continue
             self._retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
-            if not self.running:
-                return
         for ext in self.extensions:
             ext.before_decode(self.running)
         last = self.rows.req_to_token[rows, kv_len - 1]
@@ -400,8 +489,12 @@ class Scheduler:
             raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
         self.rows.req_to_token[rows, kv_len] = slots
         new_len = kv_len + 1
-        next_tokens = self._forward(tokens, kv_len, slots, rows, new_len, self.running)
         st = self.stats
+        if self.overlap:
+            self._decode_ahead(kv_len, rows, slots, new_len, done)
+            return
+        assert tokens is not None
+        next_tokens = self._read(self._forward(tokens, kv_len, slots, rows, new_len, self.running), len(tokens))
         st.decode_steps += 1
         st.generated_tokens += len(next_tokens)
         running, self.running = self.running, []
@@ -435,8 +528,111 @@ class Scheduler:
             idx = np.asarray(keep, np.int64)
             self._running_cache = (tuple(map(id, self.running)), new_len[idx], rows[idx], next_tokens[idx])
 
+    # --- overlap ----------------------------------------------------------------------------------
+
+    def _input_tokens(self, running: list[ServingReq]) -> tuple[np.ndarray, np.ndarray]:
+        """Overlap: ``(host tokens, token_src)`` of a decode batch of ``running``: a request whose
+        last token is the in-flight step's output reads it on the device (``token_src`` = its row
+        in that output, host token 0), any other its last output id from the host (``-1``)."""
+        n = len(running)
+        prev = self._inflight
+        if prev is not None and prev.key == tuple(map(id, running)):
+            return np.zeros(n, np.int32), prev.out_rows.astype(np.int32)
+        index = prev.index() if prev is not None else {}
+        src = np.fromiter((index.get(id(r), -1) for r in running), np.int32, n)
+        tokens = np.zeros(n, np.int32)
+        for i in np.flatnonzero(src < 0).tolist():
+            tokens[i] = running[i].output_ids[-1]
+        return tokens, src
+
+    def _resolve_and_poll(self, done: list[ServingReq]) -> bool:
+        """Resolve the in-flight step, then poll the extensions, so a decision taken next sees
+        the transfers the finishing started as it would without overlap (finish, poll, decide)."""
+        if not self.resolve(done):
+            return False
+        for ext in self.extensions:
+            ext.poll()
+        return True
+
+    def _decode_ahead(
+        self, kv_len: np.ndarray, rows: np.ndarray, slots: np.ndarray, new_len: np.ndarray, done: list[ServingReq]
+    ) -> None:
+        """Overlap: launch the decode step, settle what needs no token (lengths; requests that reach
+        ``max_new_tokens`` with it leave ``running``), then resolve the previous step."""
+        running = self.running
+        tokens, src = self._input_tokens(running)
+        out = self._forward(tokens, kv_len, slots, rows, new_len, running, token_src=src)
+        self.stats.decode_steps += 1
+        produced = (src >= 0).tolist()
+        keep: list[int] = []
+        for i, (req, n) in enumerate(zip(running, new_len.tolist(), strict=True)):
+            req.kv_committed_len = n
+            # outputs after this step: those on the host, the in-flight one, this step's
+            if len(req.output_ids) + produced[i] + 1 < req.max_new_tokens:
+                keep.append(i)
+        if len(keep) < len(running):
+            self.running = [running[i] for i in keep]
+            idx = np.asarray(keep, np.int64)
+            new_len, rows = new_len[idx], rows[idx]
+        self._running_cache = (tuple(map(id, self.running)), new_len, rows, None)
+        self._launched(_Launched(running, np.arange(len(running)), out[0], out[1]), done)
+
+    def _launched(self, launched: _Launched, done: list[ServingReq]) -> None:
+        """Overlap: ``launched`` is dispatched; resolve the step before it (the host now waits for
+        that one while ``launched`` is queued behind it on the device)."""
+        prev, self._inflight = self._inflight, (launched if launched.reqs else None)
+        if prev is not None:
+            self._resolve_step(prev, done, launched)
+
+    def _resolve_step(self, step: _Launched, done: list[ServingReq], after: _Launched | None) -> None:
+        """Read ``step``'s tokens and process them: append, finish on ``max_new_tokens`` or a
+        stop token. ``after``: the step launched since, whose token for a request finished here is
+        speculative: dropped, and its slot released with the request (module docstring)."""
+        tokens, logits = self._read_arrays(step.next_tokens, step.logits)
+        st = self.stats
+        ps = self.page_size
+        spec = after.index() if after is not None else {}
+        freed_rows: list[int] = []
+        finished_any = False
+        self.alloc.free_group_begin()
+        try:
+            for req, row in zip(step.reqs, step.out_rows.tolist(), strict=True):
+                if req.finished:
+                    st.dropped_tokens += 1  # finished one step late: this was its speculative token
+                    continue
+                token = int(tokens[row])
+                out = req.output_ids
+                out.append(token)
+                st.generated_tokens += 1
+                if logits is not None:
+                    req.logits.append(logits[row])
+                if len(out) < req.max_new_tokens and token not in req.stop_token_ids:
+                    continue
+                finished_any = True
+                extra = None
+                if id(req) in spec:
+                    # ``after`` wrote this request's next token at slot row[kv_len - 1]: undo it.
+                    assert req.kv_committed_len is not None
+                    req.kv_committed_len -= 1
+                    pos = req.kv_committed_len
+                    if pos % ps == 0:  # it opened a page of its own; else its page is the tail's
+                        extra = self.rows.req_to_token[_row(req), pos : pos + 1].copy()
+                self._finish(req, done, freed_rows)
+                if extra is not None:
+                    self.alloc.free(extra)
+        finally:
+            self.alloc.free_group_end()
+            if freed_rows:
+                start = time.perf_counter()
+                self.rows.free(freed_rows)
+                st.finish_seconds += time.perf_counter() - start
+        if finished_any:
+            self.running = [r for r in self.running if not r.finished]
+
     def _retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
+        if self._inflight is not None:  # its output and which requests continue must be known
+            raise RuntimeError(f"retracting {req.rid!r} with a step in flight: resolve() first")
         for ext in self.extensions:
             ext.before_release(req, False)
         self.tree.cache_finished_req(req, is_insert=False)
@@ -486,10 +682,13 @@ class Scheduler:
         rows: np.ndarray,
         seq_lens: np.ndarray,
         reqs: Sequence[ServingReq],
-    ) -> np.ndarray:
-        """Run the jitted step on the batch, store the new pools in the cache, return the sampled
-        tokens (one per sequence). Page-table and packing time go to ``pack_seconds``, the step
-        (until its tokens are on the host) to ``step_seconds``."""
+        token_src: np.ndarray | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Dispatch the jitted step on the batch and store the new pools in the cache; return the
+        sampled tokens and (``record_logits``) the logits, still on the device. ``token_src``
+        (overlap, decode): per sequence, the row of the in-flight step's output holding its input
+        id, or -1 for the host's ``tokens``. Page-table and packing time go to ``pack_seconds``,
+        the dispatch to ``step_seconds`` (``_read`` adds the wait for the tokens)."""
         start = time.perf_counter()
         table = self.rows.req_to_token[rows[:, None], self._page_columns[None, :]] // self.page_size
         n_pages = -(-seq_lens // self.page_size)
@@ -511,10 +710,16 @@ class Scheduler:
         flat, meta = pack_batch(
             tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size, extras=extras
         )
+        if self.overlap:
+            src = np.full(flat.shape[0], -1, np.int32)
+            if token_src is not None:
+                src[: token_src.shape[0]] = token_src
+            prev = self._inflight.next_tokens if self._inflight is not None else self._no_tokens
         packed = time.perf_counter()
-        out = self.step_fn(self.cache.pools, self.params, flat, meta)
-        next_tokens = np.asarray(jax.device_get(out[1]))[: len(tokens)]
-        self._last_logits = np.asarray(jax.device_get(out[2]))[: len(tokens)] if self.record_logits else None
+        if self.overlap:
+            out = self.step_fn(self.cache.pools, self.params, flat, meta, prev, src)
+        else:
+            out = self.step_fn(self.cache.pools, self.params, flat, meta)
         end = time.perf_counter()
         _store_pools(self.cache, out[0])  # host bookkeeping: counted outside the step's time
         if batch is not None:
@@ -522,7 +727,48 @@ class Scheduler:
                 ext.after_step(batch)
         self.stats.pack_seconds += packed - start
         self.stats.step_seconds += end - packed
-        return next_tokens
+        return out[1], (out[2] if self.record_logits else None)
+
+    def _read_arrays(self, tokens: jax.Array, logits: jax.Array | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Block until a step's tokens (and logits) are on the host; the wait counts as step time."""
+        start = time.perf_counter()
+        host_tokens = np.asarray(jax.device_get(tokens))
+        host_logits = None if logits is None else np.asarray(jax.device_get(logits))
+        waited = time.perf_counter() - start
+        self.stats.step_seconds += waited
+        self.stats.wait_seconds += waited
+        return host_tokens, host_logits
+
+    def _read(self, out: tuple[jax.Array, jax.Array | None], n: int) -> np.ndarray:
+        """Without overlap: the step's first ``n`` sampled tokens (logits kept for ``_record_logits``)."""
+        tokens, logits = self._read_arrays(*out)
+        self._last_logits = None if logits is None else logits[:n]
+        return tokens[:n]
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A dispatched step whose sampled tokens the host has not read yet (overlap).
+
+    ``reqs[i]`` receives the token in row ``out_rows[i]`` of ``next_tokens`` (``[max_seqs]``, on
+    the device; ``logits`` likewise, with ``record_logits``). ``key``: the requests' ids in order.
+    """
+
+    reqs: list[ServingReq]
+    out_rows: np.ndarray
+    next_tokens: jax.Array
+    logits: jax.Array | None
+    key: tuple[int, ...] = ()
+    _index: dict[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.key = tuple(map(id, self.reqs))
+
+    def index(self) -> dict[int, int]:
+        """Output row by request id."""
+        if self._index is None:
+            self._index = dict(zip(self.key, self.out_rows.tolist(), strict=True))
+        return self._index
 
 
 def default_extensions(cache: KVCache) -> list[ServingExtension]:

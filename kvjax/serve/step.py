@@ -5,6 +5,12 @@
 pools are donated, so every KV write happens in place; the host reads back ``next_tokens`` (one
 int32 per sequence row) and, only when asked, the logits.
 
+Future tokens (overlap scheduling): ``step(pools, params, tokens, meta, prev_tokens, token_src)``
+takes input ids that an earlier step sampled and the host has not read yet. ``prev_tokens`` is
+that step's ``next_tokens`` (a device array, ``[S]``), ``token_src`` int32 ``[T]`` (the token
+bucket): where ``token_src[i] >= 0`` the input id of token ``i`` is ``prev_tokens[token_src[i]]``,
+gathered on the device; where it is ``-1``, ``tokens[i]`` (from the host).
+
 ``pack_batch`` turns host-side per-sequence facts into fixed-shape inputs: tokens padded to a
 power-of-two bucket (so the step compiles a handful of times), sequence rows padded to a fixed
 ``max_seqs``, the page table padded to a fixed width. They stay numpy arrays: the jitted call
@@ -30,7 +36,7 @@ from kvjax.spec import ModelSpec
 
 MIN_TOKEN_BUCKET = 8
 
-StepFn = Callable[[CachePools, dict, Any, BatchMetadata], tuple[Any, ...]]
+StepFn = Callable[..., tuple[Any, ...]]
 
 
 def make_step(model: ModelSpec | ModelConfig, *, with_logits: bool = False) -> StepFn:
@@ -45,7 +51,16 @@ def make_step(model: ModelSpec | ModelConfig, *, with_logits: bool = False) -> S
 def _make_step(config: ModelConfig, with_logits: bool) -> StepFn:
     module = build_model(config)
 
-    def step(pools: CachePools, params: dict, tokens: jax.Array, meta: BatchMetadata) -> tuple[Any, ...]:
+    def step(
+        pools: CachePools,
+        params: dict,
+        tokens: jax.Array,
+        meta: BatchMetadata,
+        prev_tokens: jax.Array | None = None,
+        token_src: jax.Array | None = None,
+    ) -> tuple[Any, ...]:
+        if token_src is not None and prev_tokens is not None:
+            tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
         logits, new_pools = module.apply({"params": params}, tokens, pools, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)

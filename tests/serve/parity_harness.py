@@ -84,14 +84,23 @@ def save_pretrained(hf: Any, tmp_path_factory: pytest.TempPathFactory, name: str
     return directory
 
 
-def build_scheduler(model: LoadedModel, *, max_batch_size: int = 4, **cache_config: Any) -> Scheduler:
+def build_scheduler(
+    model: LoadedModel, *, max_batch_size: int = 4, overlap: bool = True, **cache_config: Any
+) -> Scheduler:
     """A scheduler recording logits over a new cache of ``model`` (context ``CONTEXT_LENGTH``,
-    chunked prefill of ``CHUNK``; ``cache_config``: the other ``CacheConfig`` fields)."""
+    chunked prefill of ``CHUNK``; ``overlap``: overlap scheduling, the scheduler's default;
+    ``cache_config``: the other ``CacheConfig`` fields)."""
     cache = build_kv_cache(
         model.spec, CacheConfig(context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, **cache_config)
     )
     return Scheduler(
-        model.config, cache, model.params, max_batch_size=max_batch_size, chunked_prefill_size=CHUNK, record_logits=True
+        model.config,
+        cache,
+        model.params,
+        max_batch_size=max_batch_size,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        overlap=overlap,
     )
 
 
@@ -112,12 +121,15 @@ def serve_two_rounds(sched: Scheduler, max_new: int, *, seed: int = PROMPT_SEED)
     return done
 
 
-def serve_recurrent(model: LoadedModel, max_new: int, **cache_config: Any) -> tuple[Scheduler, dict[str, ServingReq]]:
+def serve_recurrent(
+    model: LoadedModel, max_new: int, *, overlap: bool = True, **cache_config: Any
+) -> tuple[Scheduler, dict[str, ServingReq]]:
     """The two rounds on a recurrent-state cache, at page size 1 unless ``cache_config`` says, two
-    sequences a batch; asserts no state slot leaked (the request table's and the tree's
-    checkpoints) and, with a ``MambaRadixCache``, the tree's sanity."""
+    sequences a batch (``overlap``: the scheduler's overlap scheduling); asserts no state slot
+    leaked (the request table's and the tree's checkpoints) and, with a ``MambaRadixCache``, the
+    tree's sanity."""
     cache_config.setdefault("page_size", 1)
-    sched = build_scheduler(model, max_batch_size=2, **cache_config)
+    sched = build_scheduler(model, max_batch_size=2, overlap=overlap, **cache_config)
     done = serve_two_rounds(sched, max_new)
     table = sched.cache.req_to_token_pool
     tree = sched.cache.tree_cache

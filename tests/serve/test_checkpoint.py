@@ -101,6 +101,8 @@ def test_generate_from_the_directory_matches_the_preset_and_prints_json(tiny_dir
     assert set(from_dir) == {"outputs", "cached_tokens", "prompt_tokens"}
     assert from_dir["prompt_tokens"] == 12 and len(from_dir["outputs"]) == 2
     assert all(len(o) == 3 for o in from_dir["outputs"])
+    code, out, _ = _run(["generate", "--model", "tiny", *argv, "--disable-overlap-schedule"], capsys)
+    assert code == 0 and json.loads(out) == from_dir  # the same tokens without overlap scheduling
 
 
 def test_generate_reuses_an_earlier_prompt_and_decodes_text_with_a_tokenizer(tmp_path, capsys):

@@ -47,7 +47,8 @@ class RecordingExtension(ServingExtension):
         self.calls.append(("release", req.rid, finished))
 
 
-def test_hooks_run_at_their_points_and_extras_reach_the_step():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_hooks_run_at_their_points_and_extras_reach_the_step(overlap):
     spec = ModelSpec.preset("tiny")
     prompt = list(range(1, 40))
 
@@ -59,11 +60,12 @@ def test_hooks_run_at_their_points_and_extras_reach_the_step():
     expected = {r.rid: r.output_ids for r in plain.run(requests())}
 
     ext = RecordingExtension()
-    sched = Scheduler(spec, demo_cache(), init_params(spec), max_batch_size=4, extensions=[ext])
+    sched = Scheduler(spec, demo_cache(), init_params(spec), max_batch_size=4, extensions=[ext], overlap=overlap)
     done = sched.run(requests())
     assert {r.rid: r.output_ids for r in done} == expected
     kinds = [c[0] for c in ext.calls]
-    assert kinds.count("poll") == sched.stats.prefill_steps + sched.stats.decode_steps
+    # Once per scheduler step; with overlap the last step only reads the last launched one.
+    assert kinds.count("poll") == sched.stats.prefill_steps + sched.stats.decode_steps + overlap
     assert kinds.count("extras") == kinds.count("stepped") == sched.stats.prefill_steps + sched.stats.decode_steps
     assert [c for c in ext.calls if c[0] == "admit"] == [("admit", "a", 0), ("admit", "b", 0)]
     assert [c for c in ext.calls if c[0] == "release"] == [("release", "b", True), ("release", "a", True)]

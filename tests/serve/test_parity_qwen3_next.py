@@ -89,9 +89,10 @@ def test_prefix_reuse_from_checkpoints_multi_turn_and_chunked_prefill(model):
     _assert_matches_transformers(hf, done)
 
 
-def test_eviction_of_kv_and_checkpoints_and_retraction(model):
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_eviction_of_kv_and_checkpoints_and_retraction(model, overlap):
     hf, loaded = model
-    sched, done = _serve(loaded, max_total_tokens=56, max_running_requests=4, max_mamba_cache_size=6)
+    sched, done = _serve(loaded, max_total_tokens=56, max_running_requests=4, max_mamba_cache_size=6, overlap=overlap)
     tree = sched.cache.tree_cache
     assert sched.stats.cached_tokens > 0
     assert sched.stats.evicted_tokens > 0, "the pool should be small enough to evict KV"

@@ -91,8 +91,10 @@ def _serve(
     max_total_tokens: int,
     enable_hierarchical_cache: bool = False,
     retraction_backup: str | None = None,
+    overlap: bool = True,
 ) -> tuple[Scheduler, dict[str, ServingReq]]:
-    """The two rounds of the module docstring on one cache; requests by name."""
+    """The two rounds of the module docstring on one cache; requests by name (``overlap``: the
+    scheduler's overlap scheduling, on by default in every test here)."""
     sched = build_scheduler(
         model,
         page_size=page_size,
@@ -100,6 +102,7 @@ def _serve(
         max_running_requests=8,
         enable_hierarchical_cache=enable_hierarchical_cache,
         disaggregation_decode_retraction_backup=retraction_backup,
+        overlap=overlap,
     )
     done = serve_two_rounds(sched, MAX_NEW)
     assert isinstance(sched.cache.tree_cache, RadixCache)
@@ -144,4 +147,21 @@ def test_page_1_small_pool_restoring_retracted_requests_from_cpu_tensor_copies(f
     sched, done = _serve(model, page_size=1, max_total_tokens=64, retraction_backup="cpu_tensor")
     [ext] = sched.extensions
     assert sched.stats.retractions > 0 and ext.retraction.restored > 0, "retracted requests should be restored"
+    _assert_matches_transformers(hf, done)
+
+
+# The tests above run with overlap scheduling (the default); these run the loop without it.
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_without_overlap_prefix_reuse_and_chunked_prefill(family):
+    _, hf, model = family
+    sched, done = _serve(model, page_size=16, max_total_tokens=2048, overlap=False)
+    assert sched.stats.cached_tokens > 0 and not sched.overlap
+    _assert_matches_transformers(hf, done)
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_without_overlap_eviction_and_retraction(family):
+    _, hf, model = family
+    sched, done = _serve(model, page_size=1, max_total_tokens=64, overlap=False)
+    assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
     _assert_matches_transformers(hf, done)

@@ -1,0 +1,171 @@
+"""Overlap scheduling (the scheduler's default): the same tokens as the loop that runs each step to
+completion, finish detection one step late with the speculative step's slot released exactly, and
+retraction and the host tier under overlap. The memory balance is checked after every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax import ModelSpec
+from kvjax.demo import demo_cache
+from kvjax.serve.model import init_params
+from kvjax.serve.scheduler import Scheduler, ServingReq
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[ModelSpec, dict]:
+    spec = ModelSpec.preset("tiny")
+    return spec, init_params(spec)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 256, 20).tolist()
+    return [shared + rng.integers(0, 256, 3 + i).tolist() for i in range(n)]
+
+
+def _assert_balanced(sched: Scheduler) -> None:
+    """``available + evictable + protected + held by live requests == capacity``, where a live
+    request holds its own pages ``[cache_protected_len, kv_committed_len)`` (page-rounded; with
+    overlap this includes a speculative step's slot until the request is found finished)."""
+    ps = sched.page_size
+    live = {id(r): r for r in [*sched.running, *sched.waiting] if r.req_pool_idx is not None}
+    if sched._inflight is not None:
+        live.update((id(r), r) for r in sched._inflight.reqs if r.req_pool_idx is not None)
+    if sched.chunked is not None:
+        live[id(sched.chunked)] = sched.chunked
+    held = sum(-(-r.kv_len() // ps) * ps - r.cache_protected_len for r in live.values())
+    tree = sched.tree
+    assert sched.alloc.available_size() + tree.evictable_size() + tree.protected_size() + held == sched.alloc.size
+    assert sched.rows.available_size() + len(live) == sched.rows.size
+
+
+def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, **config) -> Scheduler:
+    config.setdefault("chunked_prefill_size", 64)
+    sched = Scheduler(
+        spec,
+        demo_cache(page_size=page_size, **config),
+        params,
+        max_batch_size=4,
+        chunked_prefill_size=config["chunked_prefill_size"],
+        overlap=overlap,
+    )
+    sched.submit(reqs)
+    while not sched.idle:
+        sched.step()
+        _assert_balanced(sched)
+    assert sched.leak_free()
+    sched.tree.sanity_check()
+    return sched
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_stop_token_found_one_step_late_frees_the_speculative_slot(tiny, page_size):
+    spec, params = tiny
+    prompts = _prompts(4)
+    free = _serve(spec, params, [ServingReq(i, p, max_new_tokens=8) for i, p in enumerate(prompts)], overlap=False)
+    outputs = {r.rid: r.output_ids for r in free.finished}
+    # Each request stops on its own token at a different step (its first occurrence ends it).
+    stops = {i: outputs[i][1 + i % 4] for i in outputs}
+    expected = {i: outputs[i][: outputs[i].index(stops[i]) + 1] for i in outputs}
+    assert any(len(e) < 8 for e in expected.values())
+    got = {}
+    for overlap in (False, True):
+        reqs = [ServingReq(i, p, max_new_tokens=8, stop_token_ids=[stops[i]]) for i, p in enumerate(prompts)]
+        sched = _serve(spec, params, reqs, overlap=overlap, page_size=page_size)
+        got[overlap] = {r.rid: r.output_ids for r in reqs}
+        assert all(r.finished for r in reqs)
+        if overlap:
+            # Requests stopped while a decode step for them was in flight: its tokens were dropped.
+            assert sched.stats.dropped_tokens > 0
+            assert sched.stats.generated_tokens == sum(map(len, expected.values()))
+    assert got[False] == expected and got[True] == expected
+
+
+def test_max_new_tokens_is_known_at_launch_and_never_runs_ahead(tiny):
+    spec, params = tiny
+    reqs = [ServingReq(i, p, max_new_tokens=1 + i) for i, p in enumerate(_prompts(4, seed=1))]
+    sched = _serve(spec, params, reqs, overlap=True)
+    assert [len(r.output_ids) for r in reqs] == [1, 2, 3, 4]
+    assert sched.stats.dropped_tokens == 0
+
+
+def test_retraction_and_eviction_under_overlap_give_the_same_tokens(tiny):
+    spec, params = tiny
+    prompts = _prompts(6, seed=2)
+    outs = {}
+    for overlap in (False, True):
+        reqs = [ServingReq(i, p, max_new_tokens=24) for i, p in enumerate(prompts)]
+        sched = _serve(spec, params, reqs, overlap=overlap, page_size=1, max_total_tokens=96, chunked_prefill_size=16)
+        assert sched.stats.retractions > 0 and sched.stats.evicted_tokens > 0
+        outs[overlap] = [r.output_ids for r in reqs]
+    assert outs[True] == outs[False]
+
+
+def test_host_tier_under_overlap_gives_the_same_tokens(tiny):
+    spec, params = tiny
+    prompts = _prompts(6, seed=3)
+    outs = {}
+    for overlap in (False, True):
+        reqs = [ServingReq(i, p, max_new_tokens=12) for i, p in enumerate(prompts)]
+        sched = _serve(
+            spec,
+            params,
+            reqs[:3],
+            overlap=overlap,
+            page_size=1,
+            max_total_tokens=96,
+            chunked_prefill_size=16,
+            enable_hierarchical_cache=True,
+        )
+        sched.submit(reqs[3:])
+        while not sched.idle:
+            sched.step()
+            _assert_balanced(sched)
+        assert sched.leak_free()
+        [ext] = [e for e in sched.extensions if hasattr(e, "host_balanced")]
+        assert ext.host_balanced()
+        outs[overlap] = [r.output_ids for r in reqs]
+    assert outs[True] == outs[False]
+
+
+def test_decode_steps_read_their_input_ids_on_the_device(tiny):
+    """A steady decode step is dispatched before the previous one's tokens are read: the host
+    never reads them first (each decode after the first resolves the step before it)."""
+    spec, params = tiny
+    reqs = [ServingReq(i, p, max_new_tokens=6) for i, p in enumerate(_prompts(3, seed=4))]
+    sched = Scheduler(spec, demo_cache(chunked_prefill_size=256), params, max_batch_size=4)
+    assert sched.overlap
+    sched.submit(reqs)
+    sched.step()  # the prefill: launched, its tokens unread
+    assert sched._inflight is not None and all(r.output_ids == [] for r in reqs)
+    sched.step()  # decode 1 launched from the prefill's tokens on the device, then the prefill read
+    assert sched._inflight is not None and all(len(r.output_ids) == 1 for r in reqs)
+    assert sched.stats.decode_steps == 1
+    sched.run()
+    assert sched.leak_free() and all(len(r.output_ids) == 6 for r in reqs)
+
+
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "mistral-swa-tiny"])
+def test_a_stop_token_found_one_step_late_on_sliding_window_caches(preset):
+    """Hybrid (Gemma 3) and pure (every layer sliding) SWA: the speculative slot is released on
+    both sides of the hybrid allocator; window freeing runs on the speculative batch too."""
+    spec = ModelSpec.preset(preset)
+    params = init_params(spec)
+    prompts = [p[:12] for p in _prompts(3, seed=5)]
+
+    def serve(stops: dict, overlap: bool) -> Scheduler:
+        cache = demo_cache(spec=spec, page_size=4, chunked_prefill_size=64, max_total_tokens=512)
+        sched = Scheduler(spec, cache, params, max_batch_size=4, chunked_prefill_size=64, overlap=overlap)
+        sched.run([ServingReq(i, p, max_new_tokens=24, stop_token_ids=stops.get(i, ())) for i, p in enumerate(prompts)])
+        assert sched.leak_free()
+        return sched
+
+    free = {r.rid: r.output_ids for r in serve({}, False).finished}
+    stops = {i: [free[i][5 + 4 * i]] for i in free}
+    expected = {i: free[i][: free[i].index(stops[i][0]) + 1] for i in free}
+    for overlap in (False, True):
+        sched = serve(stops, overlap)
+        assert {r.rid: r.output_ids for r in sched.finished} == expected
+    assert sched.stats.dropped_tokens > 0
