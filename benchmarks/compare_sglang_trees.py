@@ -36,9 +36,9 @@ ops that led to it.
 
 Prints JSON: per configuration the streams and ops run, the streams identical, and the first
 difference. ``--self-test`` replays fixed cases of known differences and says which still differ.
-Two switches hide a known difference so that the others show: ``--sorted-frees`` (SGLang's
-``free_segment`` as its sorted ``free``) and ``--dup-free-per-node`` (kvjax's duplicates after an
-insert freed node by node, as SGLang's tree frees them). Each stream is seeded: ``--seed``.
+``--sorted-frees`` (SGLang's ``free_segment`` as its sorted ``free``) is kept to hide a
+free-order difference should one come back, so that the others show. Each stream is seeded:
+``--seed``.
 """
 
 # The lambdas given to ``_TreePair.step`` run at once, inside the loop iteration that made them.
@@ -133,9 +133,6 @@ class _SWAPoolStub:
 # on its allocators and inside its tree, so that differences other than the order of segment frees
 # show (known difference 1 of issue 19 masks everything after the first tree eviction otherwise).
 SORTED_FREES = False
-# ``--dup-free-per-node``: the harness frees kvjax's duplicate slots after an insert node by node,
-# as SGLang's unified tree does (difference 7 of the report), so that other differences show.
-DUP_FREE_PER_NODE = False
 
 
 def _sorted_frees(alloc: Any) -> Any:
@@ -512,7 +509,9 @@ class _SgTree:
         self.tree.unlock(lock)
 
     def release_swa(self, lock):
-        self.tree.release_swa(lock)
+        """SGLang's ``release_swa_prefix_lock``: only a lock with an SWA part, once."""
+        if lock is not None and lock.receipt.component_lock_uuids.get(self.sg.ct.SWA) is not None:
+            self.tree.release_swa(lock)
 
     def evict(self, full, other):
         bp = self.sg.bp
@@ -605,21 +604,12 @@ class _KvTree:
             got, exist = int(r.prefix_len if hasattr(r, "prefix_len") else r[0]), bool(r.mamba_exist)
         else:
             got, exist = int(self.tree.insert(list(key), np.asarray(values, np.int64), ns)), False
-        # The caller frees its slots of the already-cached part past what it matched, as kvjax's
-        # cache_finished_req does: one range. SGLang's unified tree frees them inside insert, one
-        # free_segment per tree node the range overlaps (``DUP_FREE_PER_NODE`` imitates that).
+        # The caller's slots of the already-cached part past what it matched are duplicates: kvjax's
+        # lifecycle (cache_finished_req) frees them with the tree's _free_duplicates, node by node
+        # from the top, as SGLang's unified tree does inside insert.
         if got > prev:
-            cuts = [prev, got]
-            if DUP_FREE_PER_NODE:
-                node = self.tree.last_insert_node
-                while node is not None and node.depth > 0:
-                    start = node.depth - node.klen
-                    if prev < start < got:
-                        cuts.append(start)
-                    node = node.parent
-            cuts = sorted(set(cuts))
-            for a, b in zip(cuts, cuts[1:], strict=False):
-                self.free_segment(values[a:b], a)
+            vals = np.asarray(values, np.int64)
+            self.tree._free_duplicates(self.tree.last_insert_node, vals[prev:got], prev, got, 0)
         return got, exist
 
     def lock(self, node):
@@ -774,7 +764,7 @@ def tree_stream(
             "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
         )
         unlock(req)
-        req["locks"], req["swa_released"] = new_locks, False
+        req["locks"] = new_locks
         req["values"] = m[1] + vals[m[0] :]
         req["hit"] = m[0]
 
@@ -814,19 +804,15 @@ def tree_stream(
                     other = rng.choice([0, 1, 2])
                 pair.step(f"evict({full}, {other})", lambda s: s.evict(full, other))
             elif kind == "swa" and live:
+                # SGLang's scheduler releases every decode request's SWA lock once past the window
+                # (release_swa_prefix_lock): locks without an SWA part and repeats included.
                 req = rng.choice(live)
-                # SGLang's scheduler releases through release_swa_prefix_lock, which skips a
-                # lock without an SWA part (a match that ended at the root); so does the stream.
-                lk = req["locks"][0]
-                has_swa = lk is not None and lk.receipt.component_lock_uuids.get(pair.sg.sg.ct.SWA) is not None
-                if has_swa and not req.get("swa_released"):
-                    req["swa_released"] = True
-                    lk_sg, lk_kv = req["locks"]
-                    pair.step(
-                        "release_swa(request lock)",
-                        lambda s: s.release_swa(lk_sg if s is pair.sg else lk_kv),
-                        lambda r: None,
-                    )
+                lk_sg, lk_kv = req["locks"]
+                pair.step(
+                    "release_swa(request lock)",
+                    lambda s: s.release_swa(lk_sg if s is pair.sg else lk_kv),
+                    lambda r: None,
+                )
             else:
                 key, ns = key_of()
                 pair.step(f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns)[0], lambda r: r)
@@ -922,7 +908,7 @@ def known_cases() -> dict[str, dict]:
     out["2_page1_alloc_extend_need_sort"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
 
     # 7: duplicates an insert frees span two nodes: SGLang frees them node by node (each page run
-    # put at the head of the free list), kvjax's lifecycle as one range.
+    # put at the head of the free list), as kvjax's lifecycle does.
     res = []
     for side in (_SgTree("full", 4, 64), _KvTree("full", 4, 64)):
         a = side.alloc_tokens(4)
@@ -938,31 +924,26 @@ def known_cases() -> dict[str, dict]:
     # SWA tombstone below it (the request matched before another one revived the first node):
     # SGLang frees in walk order, node by node.
     res = []
-    global DUP_FREE_PER_NODE
-    was, DUP_FREE_PER_NODE = DUP_FREE_PER_NODE, True
-    try:
-        for side in (_SgTree("swa", 2, 32, window=4), _KvTree("swa", 2, 32, window=4)):
-            a = side.alloc_tokens(8)
-            side.insert([1, 0, 0, 1, 0, 0, 2, 1], None, a, 0)  # nodes [1,0,0,1] [0,0,2,1] (leaf cap)
-            b = side.alloc_tokens(2, 2, a[1])
-            side.insert([1, 0, 2, 2], None, a[:2] + b, 2)  # splits [1,0] | [0,1]
-            evicted = side.evict(0, 6)
-            v = side.alloc_tokens(6)
-            got = side.insert([1, 0, 0, 1, 0, 1], None, v, 0)
-            res.append(
-                {
-                    "evict(0, 6)": evicted,
-                    "v": v,
-                    "insert": got[0],
-                    "alloc(2) x2": [side.alloc_tokens(2) for _ in range(2)],
-                }
-            )
-    finally:
-        DUP_FREE_PER_NODE = was
+    for side in (_SgTree("swa", 2, 32, window=4), _KvTree("swa", 2, 32, window=4)):
+        a = side.alloc_tokens(8)
+        side.insert([1, 0, 0, 1, 0, 0, 2, 1], None, a, 0)  # nodes [1,0,0,1] [0,0,2,1] (leaf cap)
+        b = side.alloc_tokens(2, 2, a[1])
+        side.insert([1, 0, 2, 2], None, a[:2] + b, 2)  # splits [1,0] | [0,1]
+        evicted = side.evict(0, 6)
+        v = side.alloc_tokens(6)
+        got = side.insert([1, 0, 0, 1, 0, 1], None, v, 0)
+        res.append(
+            {
+                "evict(0, 6)": evicted,
+                "v": v,
+                "insert": got[0],
+                "alloc(2) x2": [side.alloc_tokens(2) for _ in range(2)],
+            }
+        )
     out["8_swa_duplicate_then_revival_free_order"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
 
-    # An early SWA release of a lock without an SWA part (a match that ended at the root):
-    # SGLang's release_swa / release_swa_prefix_lock do nothing; kvjax's raises.
+    # 9: an early SWA release of a lock without an SWA part (a match that ended at the root):
+    # SGLang's release_swa_prefix_lock does nothing.
     res = []
     for side in (_SgTree("swa", 1, 64, window=4), _KvTree("swa", 1, 64, window=4)):
         _, node = side.match([1, 2], None)
@@ -970,9 +951,9 @@ def known_cases() -> dict[str, dict]:
         try:
             side.release_swa(lock)
             res.append("no-op")
-        except Exception as e:  # kvjax: LockError
+        except Exception as e:  # a side that refuses it
             res.append(f"{type(e).__name__}: {e}")
-    out["swa_release_of_root_lock"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+    out["9_swa_release_of_root_lock"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
     return out
 
 
@@ -990,18 +971,13 @@ def main(argv: list[str] | None = None) -> None:
         help="SGLang's free_segment as its sorted free (hides known difference 1 to show the others)",
     )
     ap.add_argument("--self-test", action="store_true", help="only the fixed cases of issue 19")
-    ap.add_argument(
-        "--dup-free-per-node",
-        action="store_true",
-        help="free kvjax's duplicates after an insert node by node, as SGLang's tree does (hides that difference)",
-    )
     args = ap.parse_args(argv)
     if args.self_test:
         load_sglang(args.sglang_path)
         print(json.dumps({"benchmark": "known_cases_vs_sglang", "cases": known_cases()}, indent=2))
         return
-    global SORTED_FREES, DUP_FREE_PER_NODE
-    SORTED_FREES, DUP_FREE_PER_NODE = args.sorted_frees, args.dup_free_per_node
+    global SORTED_FREES
+    SORTED_FREES = args.sorted_frees
     streams, ops = (1, 300) if args.quick else (args.streams, args.ops)
     t0 = time.time()
     only = set(args.only.split(",")) if args.only else None

@@ -74,10 +74,14 @@ def test_known_cases_run_on_both_sides(harness):
         "1_tree_free_row_order",
         "2_page1_alloc_extend_need_sort",
         "7_insert_duplicates_freed_per_node",
+        "8_swa_duplicate_then_revival_free_order",
+        "9_swa_release_of_root_lock",
     }
     one = cases["1_tree_free_row_order"]
     # SGLang's own answer for the case of issue 19 (kvjax's depends on whether it is fixed).
     assert one["sglang"]["alloc(4) after evict(8)"] == [8, 9, 10, 11]
     assert cases["2_page1_alloc_extend_need_sort"]["sglang"] == [5, 6, 7, 8]
+    assert cases["8_swa_duplicate_then_revival_free_order"]["sglang"]["alloc(2) x2"] == [[4, 5], [6, 7]]
+    assert cases["9_swa_release_of_root_lock"]["sglang"] == "no-op"
     for case in cases.values():
         assert case["differ"] == (case["sglang"] != case["kvjax"])
