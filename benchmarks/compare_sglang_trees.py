@@ -31,10 +31,11 @@ Kinds (``--only``), each over several configurations:
   controller whose ``write`` / ``load`` take host / device slots and queue the transfer, and
   whose ``start_writing`` / ``start_loading`` (the scheduler's flush) turn the queue into an ack
   that has already finished, so the next ``writing_check`` / ``loading_check`` completes it, as
-  SGLang's polling does. Ops: admissions that load a host hit back (``init_load_back``), finishes,
-  retractions, matches, held locks, device evictions (write_back backs up synchronously), host
-  evictions and the polling step (flush, ``writing_check``, ``loading_check``); the host slots
-  each op allocated and freed (in order) are compared too, and the host pool's free size.
+  SGLang's polling does. Ops: admissions that load a host hit back (``init_load_back``),
+  finishes, retractions, chunked checkpoints, matches, held locks, device evictions (write_back
+  backs up synchronously), host evictions and the polling step (flush, ``writing_check``,
+  ``loading_check``); the host slots each op allocated and freed (in order) are compared too,
+  and the host pool's free size.
 
 Tree streams interleave request admissions (match, lock, allocate the rest, evicting under
 pressure when the allocator runs short), chunked checkpoints (insert the first pages, re-match,
@@ -1139,8 +1140,9 @@ class _KvHiTree(_KvTree):
 def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int, ops: int) -> tuple[int, str | None]:
     """One random stream through both host-tier trees: admissions (match, load back the host hit,
     lock, allocate, finish by insert or retract), plain matches and held locks, device and host
-    evictions and the scheduler's polling step. After every op the results, sizes (device free,
-    host free, FULL evictable/protected) and the host slots it allocated and freed must agree."""
+    evictions, chunked checkpoints and the scheduler's polling step. After every op the results,
+    sizes (device free, host free, FULL evictable/protected) and the host slots it allocated and
+    freed must agree."""
     rng = random.Random(seed)
     size = device * page
     host = host_pool_tokens(size, ratio, page)
@@ -1209,6 +1211,22 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
         )
         pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
 
+    def checkpoint(req):
+        """A chunked-prefill checkpoint: insert the first pages, re-match them, move the lock."""
+        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+        cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
+        part = key[:cut]
+        pair.step(
+            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
+            lambda s: s.insert(part, ns, vals[:cut], hit),
+        )
+        (m, h_sg), (_, h_kv) = pair.step(
+            f"match(key={_short(part)}, ns={ns})", lambda s: s.match(part, ns), lambda r: r[0]
+        )
+        new_locks = pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None)
+        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+        req["locks"], req["values"], req["hit"] = new_locks, m[1] + vals[m[0] :], m[0]
+
     try:
         while pair.n < ops:
             r = rng.random()
@@ -1217,10 +1235,14 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
                     admit()
                 else:
                     finish(live.pop(rng.randrange(len(live))))
-            elif r < 0.5:
+            elif r < 0.48:
                 finish(live.pop(rng.randrange(len(live))))
-            elif r < 0.55:
+            elif r < 0.53:
                 retract(live.pop(rng.randrange(len(live))))
+            elif r < 0.57:
+                req = rng.choice(live)
+                if len(req["key"]) - req["hit"] >= page:
+                    checkpoint(req)
             elif r < 0.62:
                 key, ns = key_of()
                 (_, h_sg), (_, h_kv) = pair.step(
