@@ -23,6 +23,19 @@ Kinds (``--only``), each over several configurations:
 * ``swa``: FULL + SWA trees, pages 1, 2, 4, windows 4 to 8, early SWA lock release.
 * ``mamba``: FULL + MAMBA trees, pages 1 and 4 (page 4 with the extra buffer), with no cap and
   ``mamba_max_states_per_path`` 1 and 2.
+* ``hicache``: the FULL tree with a host tier (kvjax's ``HiRadixCache``), write policies
+  ``write_through``, ``write_through_selective``, ``write_back``, host ratios 0.5 and 2, pages 1
+  (64 device tokens) and 4 (32 device pages). SGLang's side is its ``UnifiedRadixCache`` with
+  what ``init_hicache`` attaches replaced by CPU-only, synchronous stand-ins that move slot ids
+  only: a host pool with ``HostKVCache``'s free list, a one-pool ``HostPoolGroup``, and a
+  controller whose ``write`` / ``load`` take host / device slots and queue the transfer, and
+  whose ``start_writing`` / ``start_loading`` (the scheduler's flush) turn the queue into an ack
+  that has already finished, so the next ``writing_check`` / ``loading_check`` completes it, as
+  SGLang's polling does. Ops: admissions that load a host hit back (``init_load_back``),
+  finishes, retractions, chunked checkpoints, matches, held locks, device evictions (write_back
+  backs up synchronously), host evictions and the polling step (flush, ``writing_check``,
+  ``loading_check``); the host slots each op allocated and freed (in order) are compared too,
+  and the host pool's free size.
 
 Tree streams interleave request admissions (match, lock, allocate the rest, evicting under
 pressure when the allocator runs short), chunked checkpoints (insert the first pages, re-match,
@@ -35,10 +48,12 @@ free slots per pool) must be equal; the first difference stops the stream and is
 ops that led to it.
 
 Prints JSON: per configuration the streams and ops run, the streams identical, and the first
-difference. ``--self-test`` replays fixed cases of known differences and says which still differ.
-Two switches hide a known difference so that the others show: ``--sorted-frees`` (SGLang's
-``free_segment`` as its sorted ``free``) and ``--dup-free-per-node`` (kvjax's duplicates after an
-insert freed node by node, as SGLang's tree frees them). Each stream is seeded: ``--seed``.
+difference. Last full run (3 streams of 2,000 ops, seed 0): every stream of every configuration
+identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). ``--self-test``
+replays the fixed cases of issue 19 (former differences and the host tier's known cases) and
+says which differ. ``--sorted-frees`` (SGLang's ``free_segment`` as its sorted ``free``) is kept
+to hide a free-order difference should one come back, so that the others show. Each stream is
+seeded: ``--seed``.
 """
 
 # The lambdas given to ``_TreePair.step`` run at once, inside the loop iteration that made them.
@@ -48,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -69,7 +85,7 @@ from compare_peers import _import_peer, _module_file  # type: ignore[import-not-
 _M = "sglang.srt.mem_cache."
 _SGLANG_REAL = {_M + m for m in (
     "unified_radix_cache", "base_prefix_cache", "radix_cache", "cache_init_params", "events", "utils",
-    "evict_policy", "common", "unified_cache.component_type", "unified_cache.cache_action",
+    "evict_policy", "common", "hicache_storage", "unified_cache.component_type", "unified_cache.cache_action",
     "unified_cache.components", "unified_cache.components.base", "unified_cache.components.full",
     "unified_cache.components.swa", "unified_cache.components.mamba", "unified_cache.unified_tree_core",
     "unified_cache.unified_tree_core_interface", "unified_cache.tree_core_registry",
@@ -133,9 +149,6 @@ class _SWAPoolStub:
 # on its allocators and inside its tree, so that differences other than the order of segment frees
 # show (known difference 1 of issue 19 masks everything after the first tree eviction otherwise).
 SORTED_FREES = False
-# ``--dup-free-per-node``: the harness frees kvjax's duplicate slots after an insert node by node,
-# as SGLang's unified tree does (difference 7 of the report), so that other differences show.
-DUP_FREE_PER_NODE = False
 
 
 def _sorted_frees(alloc: Any) -> Any:
@@ -154,6 +167,7 @@ def load_sglang(path: str) -> types.SimpleNamespace:
         return _SG
     import torch
 
+    logging.getLogger("sglang").setLevel(logging.ERROR)  # its write_back host-pressure warnings
     real = {m for m in _SGLANG_REAL if _module_file(path, m)}
     presets = {
         "sglang.srt.platforms": {"current_platform": _CpuPlatform},
@@ -512,7 +526,9 @@ class _SgTree:
         self.tree.unlock(lock)
 
     def release_swa(self, lock):
-        self.tree.release_swa(lock)
+        """SGLang's ``release_swa_prefix_lock``: only a lock with an SWA part, once."""
+        if lock is not None and lock.receipt.component_lock_uuids.get(self.sg.ct.SWA) is not None:
+            self.tree.release_swa(lock)
 
     def evict(self, full, other):
         bp = self.sg.bp
@@ -605,21 +621,12 @@ class _KvTree:
             got, exist = int(r.prefix_len if hasattr(r, "prefix_len") else r[0]), bool(r.mamba_exist)
         else:
             got, exist = int(self.tree.insert(list(key), np.asarray(values, np.int64), ns)), False
-        # The caller frees its slots of the already-cached part past what it matched, as kvjax's
-        # cache_finished_req does: one range. SGLang's unified tree frees them inside insert, one
-        # free_segment per tree node the range overlaps (``DUP_FREE_PER_NODE`` imitates that).
+        # The caller's slots of the already-cached part past what it matched are duplicates: kvjax's
+        # lifecycle (cache_finished_req) frees them with the tree's _free_duplicates, node by node
+        # from the top, as SGLang's unified tree does inside insert.
         if got > prev:
-            cuts = [prev, got]
-            if DUP_FREE_PER_NODE:
-                node = self.tree.last_insert_node
-                while node is not None and node.depth > 0:
-                    start = node.depth - node.klen
-                    if prev < start < got:
-                        cuts.append(start)
-                    node = node.parent
-            cuts = sorted(set(cuts))
-            for a, b in zip(cuts, cuts[1:], strict=False):
-                self.free_segment(values[a:b], a)
+            vals = np.asarray(values, np.int64)
+            self.tree._free_duplicates(self.tree.last_insert_node, vals[prev:got], prev, got, 0)
         return got, exist
 
     def lock(self, node):
@@ -774,7 +781,7 @@ def tree_stream(
             "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
         )
         unlock(req)
-        req["locks"], req["swa_released"] = new_locks, False
+        req["locks"] = new_locks
         req["values"] = m[1] + vals[m[0] :]
         req["hit"] = m[0]
 
@@ -814,22 +821,446 @@ def tree_stream(
                     other = rng.choice([0, 1, 2])
                 pair.step(f"evict({full}, {other})", lambda s: s.evict(full, other))
             elif kind == "swa" and live:
+                # SGLang's scheduler releases every decode request's SWA lock once past the window
+                # (release_swa_prefix_lock): locks without an SWA part and repeats included.
                 req = rng.choice(live)
-                # SGLang's scheduler releases through release_swa_prefix_lock, which skips a
-                # lock without an SWA part (a match that ended at the root); so does the stream.
-                lk = req["locks"][0]
-                has_swa = lk is not None and lk.receipt.component_lock_uuids.get(pair.sg.sg.ct.SWA) is not None
-                if has_swa and not req.get("swa_released"):
-                    req["swa_released"] = True
-                    lk_sg, lk_kv = req["locks"]
-                    pair.step(
-                        "release_swa(request lock)",
-                        lambda s: s.release_swa(lk_sg if s is pair.sg else lk_kv),
-                        lambda r: None,
-                    )
+                lk_sg, lk_kv = req["locks"]
+                pair.step(
+                    "release_swa(request lock)",
+                    lambda s: s.release_swa(lk_sg if s is pair.sg else lk_kv),
+                    lambda r: None,
+                )
             else:
                 key, ns = key_of()
                 pair.step(f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns)[0], lambda r: r)
+    except Mismatch as e:
+        return pair.n, f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
+    except Exception as e:  # a crash on one side is a difference too
+        return pair.n, _crash(e, pair.n, pair.trace)
+    return pair.n, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Host tier (HiCache): SGLang's UnifiedRadixCache with init_hicache's attachments replaced by
+# CPU-only, synchronous stand-ins that move slot ids only.
+
+
+def host_pool_tokens(device_tokens: int, ratio: float, page: int) -> int:
+    """SGLang's host pool size for ``hicache_ratio``: ``(int(device * ratio) // page + 1) * page``."""
+    return (int(device_tokens * ratio) // page + 1) * page
+
+
+class _HostPoolStandIn:
+    """SGLang's host KV pool as the tree uses it (``HostKVCache.alloc/free``, no buffers): the
+    free list is handed out from its head, freed ids join its tail in the order freed (SGLang
+    queues them and merges them lazily, which keeps that order). Allocations and frees are
+    logged per op for the comparison."""
+
+    shared_allocation_domain = None
+
+    def __init__(self, size: int, page: int) -> None:
+        self.size, self.page_size = size, page
+        self.free_slots = list(range(size))
+        self.log: list[tuple[str, list[int]]] = []
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int, **_: Any) -> Any:
+        need = -(-need_size // self.page_size) * self.page_size
+        if need > len(self.free_slots):
+            return None
+        got = self.free_slots[:need]
+        del self.free_slots[:need]
+        self.log.append(("alloc", got))
+        return _sg().torch.tensor(got, dtype=_sg().torch.int64)
+
+    def free(self, indices: Any) -> int:
+        ids = _ids(indices) or []
+        self.free_slots.extend(ids)
+        if ids:
+            self.log.append(("free", ids))
+        return len(ids)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+    def destroy(self) -> None:
+        pass
+
+
+class _HostGroupStandIn:
+    """SGLang's ``HostPoolGroup`` with one pool (KV, the anchor) and no side pools."""
+
+    def __init__(self, pool: _HostPoolStandIn) -> None:
+        self.pool = pool
+        self.anchor_entry = types.SimpleNamespace(host_pool=pool, host_evict_fn=None)
+        self.entry_map: dict = {}
+        self.entries: list = []
+        self.page_size = pool.page_size
+
+    def alloc(self, need_size: int, *, pool: Any = None, reclaim: Any = None, start_owner: Any = None) -> Any:
+        got = self.pool.alloc(need_size)
+        if got is None and reclaim is not None:
+            reclaim(need_size)
+            got = self.pool.alloc(need_size)
+        return got
+
+    def free(self, indices: Any, *, pool: Any = None) -> int:
+        return self.pool.free(indices)
+
+    def available_size(self, pool: Any = None) -> int:
+        return self.pool.available_size()
+
+    def get_pool(self, name: Any) -> Any:
+        return None  # no SWA / Mamba host pools
+
+    def resolve_host_transfers(self, transfers: Any, **_: Any) -> Any:
+        return None
+
+    def clear(self) -> None:
+        self.pool.clear()
+
+    def destroy(self) -> None:
+        pass
+
+
+class _Done:
+    """A transfer's event that has completed (the copy is synchronous)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+class _ControllerStandIn:
+    """What SGLang's tree asks of its ``HybridCacheController`` on the FULL host tier, with no
+    threads and no bytes: ``write`` takes host slots (None when the host pool is short) and
+    queues the backup, ``load`` takes device slots from the FULL allocator and queues the load;
+    ``start_writing`` / ``start_loading`` (the scheduler's flush, once per step) turn the queue
+    into one ack whose copy has already finished, so the next ``writing_check`` /
+    ``loading_check`` completes it, as SGLang's polling does."""
+
+    enable_storage = False
+    pp_prefetch_command_group = None
+
+    def __init__(self, group: _HostGroupStandIn, device_allocator: Any, write_policy: str) -> None:
+        self.mem_pool_host = group
+        self.mem_pool_device_allocator = device_allocator
+        self.write_policy = write_policy
+        self.write_queue: list[int] = []
+        self.load_queue: list[int] = []
+        self.ack_write_queue: list[Any] = []
+        self.ack_load_queue: list[Any] = []
+
+    @staticmethod
+    def _ack(node_ids: list[int]) -> Any:
+        return types.SimpleNamespace(
+            start_event=_Done,
+            finish_event=_Done,
+            node_ids=node_ids,
+            num_tokens_by_pool=None,
+            num_bytes=0,
+            timing_enabled=False,
+        )
+
+    def write(self, device_indices, priority=None, node_id=-1, extra_pools=None, flush=True, start_owner=None):
+        host = self.mem_pool_host.alloc(len(device_indices))
+        if host is None:
+            return None
+        self.write_queue.append(node_id)
+        if flush:
+            self.start_writing()
+        return host
+
+    def start_writing(self) -> None:
+        if self.write_queue:
+            self.ack_write_queue.append(self._ack(list(self.write_queue)))
+            self.write_queue.clear()
+
+    def load(
+        self, host_indices, priority=None, node_id=-1, extra_pools=None, *, device_indices=None, anchor_indices=None
+    ):
+        torch = _sg().torch
+        if host_indices.numel() == 0:
+            device = torch.empty((0,), dtype=torch.int64)
+        else:
+            alloc = getattr(self.mem_pool_device_allocator, "full_attn_allocator", self.mem_pool_device_allocator)
+            device = alloc.alloc(len(host_indices))
+            if device is None:
+                return None
+        self.load_queue.append(node_id)
+        return device
+
+    def start_loading(self) -> int:
+        if not self.load_queue:
+            return -1
+        self.ack_load_queue.append(self._ack(list(self.load_queue)))
+        self.load_queue.clear()
+        return 0
+
+    def append_host_mem_release(self, host_indices=None, extra_pools=None) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.write_queue.clear()
+        self.load_queue.clear()
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+
+
+class _SgHiTree(_SgTree):
+    """SGLang's FULL tree with its host tier attached as ``init_hicache`` attaches it (the
+    controller and host pools replaced by the stand-ins above)."""
+
+    def __init__(self, page: int, size: int, host_tokens: int, policy: str) -> None:
+        super().__init__("full", page, size)
+        self.kind = "hicache"
+        t = self.tree
+        self.host_pool = _HostPoolStandIn(host_tokens, page)
+        group = _HostGroupStandIn(self.host_pool)
+        t.host_pool_group = group
+        t.cache_controller = _ControllerStandIn(group, self.alloc, policy)
+        t.full_kv_pool_host = self.host_pool
+        t.components[self.sg.ct.FULL]._full_kv_pool_host = self.host_pool
+        t.tree_core.set_hicache_enabled()
+        t.write_through_threshold = 1 if policy == "write_through" else 2
+        t.is_write_back = policy == "write_back"
+        t.load_back_threshold = 10
+        t.enable_storage = False
+
+    def match(self, key, ns):
+        m = self.tree.match_prefix(self.sg.bp.MatchPrefixParams(key=self._key(key, ns)))
+        node = m.last_device_node
+        idx = _ids(self.tree.tree_core.collect_full_device_indices(node, self.tree.root_node_handle(ns)))
+        n = int(m.device_prefix_len)
+        out = (n, idx[:n], int(m.full_kv_hit_length), int(m.host_hit_length))
+        return out, (node, m.best_match_node, int(m.host_hit_length))
+
+    def lock(self, handle):
+        return self.tree.lock(handle[0])
+
+    def load_back(self, handle):
+        """The scheduler's ``init_load_back`` after a match: load the host hit (if any) back."""
+        dev_node, best, host_hit = handle
+        t = self.tree
+        if not (t.tree_core.is_full_device_evicted(best) or host_hit > 0):
+            return 0, []
+        if not t.load_back(best, None):
+            return 0, []
+        return len(got := _ids(t.tree_core.collect_full_device_indices(best, dev_node))), got
+
+    def poll(self):
+        t = self.tree
+        t.flush_pending_backups()
+        t.writing_check()
+        t.ready_to_load_host_cache()
+        t.loading_check()
+
+    def evict_host(self, n):
+        return int(self.tree.evict_host(n))
+
+    def take_host_log(self):
+        log, self.host_pool.log = self.host_pool.log, []
+        return log
+
+    def sizes(self):
+        out = super().sizes()
+        out["host_free"] = self.host_pool.available_size()
+        return out
+
+
+class _KvHiTree(_KvTree):
+    """kvjax's ``HiRadixCache`` over its allocator; its host allocator logs allocations and
+    frees per op, as the SGLang side's host pool does."""
+
+    def __init__(self, page: int, size: int, host_tokens: int, policy: str) -> None:
+        from kvjax.alloc import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from kvjax.radix import HiRadixCache
+
+        self.kind, self.page = "full", page
+        self.alloc = TokenToKVPoolAllocator(size) if page == 1 else PagedTokenToKVPoolAllocator(size, page)
+        self.tree = HiRadixCache(
+            page_size=page, host_pool_tokens=host_tokens, write_policy=policy, token_to_kv_pool_allocator=self.alloc
+        )
+        self.log: list[tuple[str, list[int]]] = []
+        ha = self.tree.host_allocator
+        inner_alloc, inner_free = ha.alloc, ha.free
+
+        def alloc(n):
+            got = inner_alloc(n)
+            if got is not None:
+                self.log.append(("alloc", _ids(got) or []))
+            return got
+
+        def free(ids):
+            inner_free(ids)
+            got = _ids(ids) or []
+            if got:
+                self.log.append(("free", got))
+
+        ha.alloc, ha.free = alloc, free
+
+    def match(self, key, ns):
+        m = self.tree.match_prefix(list(key), extra_key=ns)
+        n = int(m.prefix_len)
+        out = (n, _ids(m.indices), int(m.full_kv_hit_length), int(getattr(m, "host_hit_length", 0)))
+        return out, m
+
+    def lock(self, m):
+        return self.tree.inc_lock_ref(m.last_node)
+
+    def load_back(self, m):
+        before = m.prefix_len
+        got = self.tree.init_load_back(m)
+        if got is m:
+            return 0, []
+        return int(got.prefix_len) - before, _ids(got.indices)[before:]
+
+    def poll(self):
+        self.tree.check_transfers()
+
+    def evict_host(self, n):
+        return int(self.tree.evict_host(n))
+
+    def take_host_log(self):
+        log, self.log = self.log, []
+        return log
+
+    def sizes(self):
+        out = super().sizes()
+        out["host_free"] = int(self.tree.host_allocator.available_size())
+        return out
+
+
+def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int, ops: int) -> tuple[int, str | None]:
+    """One random stream through both host-tier trees: admissions (match, load back the host hit,
+    lock, allocate, finish by insert or retract), plain matches and held locks, device and host
+    evictions, chunked checkpoints and the scheduler's polling step. After every op the results,
+    sizes (device free, host free, FULL evictable/protected) and the host slots it allocated and
+    freed must agree."""
+    rng = random.Random(seed)
+    size = device * page
+    host = host_pool_tokens(size, ratio, page)
+    pair = _TreePair(_SgHiTree(page, size, host, policy), _KvHiTree(page, size, host, policy))
+    inner_step = pair.step
+
+    def step(label, f, compare=lambda r: r):
+        out = inner_step(label, f, compare)
+        log_sg, log_kv = pair.sg.take_host_log(), pair.kv.take_host_log()
+        if log_sg != log_kv:
+            raise Mismatch(f"#{pair.n} {label}: host slots allocated/freed: SGLang {log_sg}, kvjax {log_kv}")
+        return out
+
+    pair.step = step  # type: ignore[method-assign]
+    vocab = 3
+    unit = max(page, 4)  # keys grow by whole pages, and past the load-back threshold at page 1
+    prompts = [[rng.randrange(vocab) for _ in range(unit * rng.randrange(2, 6))] for _ in range(4)]
+    live: list[dict] = []
+    held: list[tuple] = []
+
+    def key_of():
+        base = rng.choice(prompts)[: unit * rng.randrange(0, 6)]
+        tail = [rng.randrange(vocab) for _ in range(page * rng.randrange(0 if base else 1, 3 * unit // page))]
+        return base + tail, rng.choice([None, None, None, "ns"])
+
+    def side(s, pair_value):
+        return pair_value[0] if s is pair.sg else pair_value[1]
+
+    def admit():
+        key, ns = key_of()
+        show = f"key={_short(key)}, ns={ns}"
+        (m, h_sg), (_, h_kv) = pair.step(f"match({show})", lambda s: s.match(key, ns), lambda r: r[0])
+        hit, idx = m[0], m[1]
+        if m[3] > 0:
+            (loaded, ids), _ = pair.step("load_back(that match)", lambda s: s.load_back(side(s, (h_sg, h_kv))))
+            if loaded:
+                (m, h_sg), (_, h_kv) = pair.step(
+                    f"match({show}) after load", lambda s: s.match(key, ns), lambda r: r[0]
+                )
+                hit, idx = m[0], m[1]
+        locks = pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None)
+        need = len(key) - hit
+        new, _ = pair.step(f"alloc({need})", lambda s: s.alloc_tokens(need))
+        if new is None:
+            pair.step(f"evict_to_free_tokens({need})", lambda s: s.make_room(need))
+            new, _ = pair.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need))
+        if new is None:
+            pair.step("unlock(that lock)", lambda s: s.unlock(side(s, locks)), lambda r: None)
+            return
+        live.append({"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": locks})
+
+    def finish(req):
+        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+        pair.step(
+            f"insert(key={_short(key)}, ns={ns}, value={_short(vals)}, prev_prefix_len={hit})",
+            lambda s: s.insert(key, ns, vals, hit),
+        )
+        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+
+    def retract(req):
+        new = req["values"][req["hit"] :]
+        pair.step(
+            f"free_segment({_short(new)}, start_pos={req['hit']})",
+            lambda s: s.free_segment(new, req["hit"]),
+            lambda r: None,
+        )
+        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+
+    def checkpoint(req):
+        """A chunked-prefill checkpoint: insert the first pages, re-match them, move the lock."""
+        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+        cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
+        part = key[:cut]
+        pair.step(
+            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
+            lambda s: s.insert(part, ns, vals[:cut], hit),
+        )
+        (m, h_sg), (_, h_kv) = pair.step(
+            f"match(key={_short(part)}, ns={ns})", lambda s: s.match(part, ns), lambda r: r[0]
+        )
+        new_locks = pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None)
+        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+        req["locks"], req["values"], req["hit"] = new_locks, m[1] + vals[m[0] :], m[0]
+
+    try:
+        while pair.n < ops:
+            r = rng.random()
+            if r < 0.3 or not live:
+                if len(live) < 4:
+                    admit()
+                else:
+                    finish(live.pop(rng.randrange(len(live))))
+            elif r < 0.48:
+                finish(live.pop(rng.randrange(len(live))))
+            elif r < 0.53:
+                retract(live.pop(rng.randrange(len(live))))
+            elif r < 0.57:
+                req = rng.choice(live)
+                if len(req["key"]) - req["hit"] >= page:
+                    checkpoint(req)
+            elif r < 0.62:
+                key, ns = key_of()
+                (_, h_sg), (_, h_kv) = pair.step(
+                    f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
+                )
+                if rng.random() < 0.3 and len(held) < 2:
+                    held.append(pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None))
+            elif r < 0.65 and held:
+                locks = held.pop(rng.randrange(len(held)))
+                pair.step("unlock(held lock)", lambda s: s.unlock(side(s, locks)), lambda r: None)
+            elif r < 0.75:
+                full = rng.choice([page, 3 * page, 8 * page, 100])
+                pair.step(f"evict({full})", lambda s: s.evict(full, 0))
+            elif r < 0.82:
+                n = rng.choice([page, 4 * page, 100])
+                pair.step(f"evict_host({n})", lambda s: s.evict_host(n))
+            else:
+                pair.step("poll (writing_check, loading_check)", lambda s: s.poll(), lambda r: None)
     except Mismatch as e:
         return pair.n, f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
     except Exception as e:  # a crash on one side is a difference too
@@ -864,10 +1295,22 @@ def configurations(quick: bool) -> list[tuple[str, dict]]:
                     {"kind": "mamba", "page": page, "max_states": max_states},
                 )
             )
+    for policy in ("write_through", "write_through_selective", "write_back"):
+        for ratio in (0.5, 2.0):
+            for page in (1, 4):
+                out.append(
+                    (
+                        f"hicache/{policy}/host_ratio_{ratio:g}/page_{page}",
+                        {"kind": "hicache", "page": page, "policy": policy, "ratio": ratio},
+                    )
+                )
     return out
 
 
 def run_config(args: dict, seed: int, ops: int) -> tuple[int, str | None]:
+    if args["kind"] == "hicache":  # device: 64 tokens at page 1, 32 pages at page 4
+        pages = 64 if args["page"] == 1 else 32
+        return hicache_stream(args["page"], pages, args["ratio"], args["policy"], seed, ops)
     if args["kind"] == "alloc":
         return alloc_stream(args["page"], args["need_sort"], seed, ops)
     return tree_stream(args["kind"], args["page"], seed, ops, args.get("window", 0), args.get("max_states", -1))
@@ -922,7 +1365,7 @@ def known_cases() -> dict[str, dict]:
     out["2_page1_alloc_extend_need_sort"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
 
     # 7: duplicates an insert frees span two nodes: SGLang frees them node by node (each page run
-    # put at the head of the free list), kvjax's lifecycle as one range.
+    # put at the head of the free list), as kvjax's lifecycle does.
     res = []
     for side in (_SgTree("full", 4, 64), _KvTree("full", 4, 64)):
         a = side.alloc_tokens(4)
@@ -938,31 +1381,26 @@ def known_cases() -> dict[str, dict]:
     # SWA tombstone below it (the request matched before another one revived the first node):
     # SGLang frees in walk order, node by node.
     res = []
-    global DUP_FREE_PER_NODE
-    was, DUP_FREE_PER_NODE = DUP_FREE_PER_NODE, True
-    try:
-        for side in (_SgTree("swa", 2, 32, window=4), _KvTree("swa", 2, 32, window=4)):
-            a = side.alloc_tokens(8)
-            side.insert([1, 0, 0, 1, 0, 0, 2, 1], None, a, 0)  # nodes [1,0,0,1] [0,0,2,1] (leaf cap)
-            b = side.alloc_tokens(2, 2, a[1])
-            side.insert([1, 0, 2, 2], None, a[:2] + b, 2)  # splits [1,0] | [0,1]
-            evicted = side.evict(0, 6)
-            v = side.alloc_tokens(6)
-            got = side.insert([1, 0, 0, 1, 0, 1], None, v, 0)
-            res.append(
-                {
-                    "evict(0, 6)": evicted,
-                    "v": v,
-                    "insert": got[0],
-                    "alloc(2) x2": [side.alloc_tokens(2) for _ in range(2)],
-                }
-            )
-    finally:
-        DUP_FREE_PER_NODE = was
+    for side in (_SgTree("swa", 2, 32, window=4), _KvTree("swa", 2, 32, window=4)):
+        a = side.alloc_tokens(8)
+        side.insert([1, 0, 0, 1, 0, 0, 2, 1], None, a, 0)  # nodes [1,0,0,1] [0,0,2,1] (leaf cap)
+        b = side.alloc_tokens(2, 2, a[1])
+        side.insert([1, 0, 2, 2], None, a[:2] + b, 2)  # splits [1,0] | [0,1]
+        evicted = side.evict(0, 6)
+        v = side.alloc_tokens(6)
+        got = side.insert([1, 0, 0, 1, 0, 1], None, v, 0)
+        res.append(
+            {
+                "evict(0, 6)": evicted,
+                "v": v,
+                "insert": got[0],
+                "alloc(2) x2": [side.alloc_tokens(2) for _ in range(2)],
+            }
+        )
     out["8_swa_duplicate_then_revival_free_order"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
 
-    # An early SWA release of a lock without an SWA part (a match that ended at the root):
-    # SGLang's release_swa / release_swa_prefix_lock do nothing; kvjax's raises.
+    # 9: an early SWA release of a lock without an SWA part (a match that ended at the root):
+    # SGLang's release_swa_prefix_lock does nothing.
     res = []
     for side in (_SgTree("swa", 1, 64, window=4), _KvTree("swa", 1, 64, window=4)):
         _, node = side.match([1, 2], None)
@@ -970,9 +1408,56 @@ def known_cases() -> dict[str, dict]:
         try:
             side.release_swa(lock)
             res.append("no-op")
-        except Exception as e:  # kvjax: LockError
+        except Exception as e:  # a side that refuses it
             res.append(f"{type(e).__name__}: {e}")
-    out["swa_release_of_root_lock"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+    out["9_swa_release_of_root_lock"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # 10 (host tier, page 1, device 64, host ratio 2, write_back): a loaded-back node's host copy
+    # is a reclaimable duplicate once its load landed: evict_host frees all 12.
+    res = []
+    host = host_pool_tokens(64, 2, 1)
+    for side in (_SgHiTree(1, 64, host, "write_back"), _KvHiTree(1, 64, host, "write_back")):
+        key = list(range(1, 13))
+        side.insert(key, None, side.alloc_tokens(12), 0)
+        evicted = side.evict(100, 0)
+        m, handle = side.match(key, None)
+        loaded = side.load_back(handle)
+        side.poll()
+        res.append(
+            {
+                "evict(100)": evicted,
+                "match": m,
+                "load_back": loaded,
+                "evict_host(100)": side.evict_host(100),
+                "host slots": side.take_host_log(),
+            }
+        )
+    out["10_hicache_write_back_loaded_copy_reclaimed"] = {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+    # 11 (host tier, page 1, device 32, host ratio 0.5, write_back): backing up an evicted leaf
+    # reclaims the host copy of a device node first; the leaf's 8 tokens then hit on the host.
+    res = []
+    host = host_pool_tokens(32, 0.5, 1)
+    for side in (_SgHiTree(1, 32, host, "write_back"), _KvHiTree(1, 32, host, "write_back")):
+        key, other = list(range(1, 13)), list(range(20, 28))
+        side.insert(key, None, side.alloc_tokens(12), 0)
+        side.evict(100, 0)
+        side.insert(other, None, side.alloc_tokens(8), 0)
+        side.insert(key, None, side.alloc_tokens(12), 0)
+        evicted = side.evict(8, 0)
+        res.append(
+            {
+                "evict(8)": evicted,
+                "host free": side.sizes()["host_free"],
+                "match(20..27)": side.match(other, None)[0],
+                "host slots": side.take_host_log(),
+            }
+        )
+    out["11_hicache_write_back_duplicate_reclaimed_for_backup"] = {
+        "sglang": res[0],
+        "kvjax": res[1],
+        "differ": res[0] != res[1],
+    }
     return out
 
 
@@ -982,7 +1467,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--streams", type=int, default=3, help="random streams per configuration")
     ap.add_argument("--ops", type=int, default=2000, help="ops per stream")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", help="comma-separated kinds: alloc, full, swa, mamba")
+    ap.add_argument("--only", help="comma-separated kinds: alloc, full, swa, mamba, hicache")
     ap.add_argument("--quick", action="store_true", help="1 stream of 300 ops, fewer windows")
     ap.add_argument(
         "--sorted-frees",
@@ -990,18 +1475,13 @@ def main(argv: list[str] | None = None) -> None:
         help="SGLang's free_segment as its sorted free (hides known difference 1 to show the others)",
     )
     ap.add_argument("--self-test", action="store_true", help="only the fixed cases of issue 19")
-    ap.add_argument(
-        "--dup-free-per-node",
-        action="store_true",
-        help="free kvjax's duplicates after an insert node by node, as SGLang's tree does (hides that difference)",
-    )
     args = ap.parse_args(argv)
     if args.self_test:
         load_sglang(args.sglang_path)
         print(json.dumps({"benchmark": "known_cases_vs_sglang", "cases": known_cases()}, indent=2))
         return
-    global SORTED_FREES, DUP_FREE_PER_NODE
-    SORTED_FREES, DUP_FREE_PER_NODE = args.sorted_frees, args.dup_free_per_node
+    global SORTED_FREES
+    SORTED_FREES = args.sorted_frees
     streams, ops = (1, 300) if args.quick else (args.streams, args.ops)
     t0 = time.time()
     only = set(args.only.split(",")) if args.only else None

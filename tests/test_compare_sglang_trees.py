@@ -43,12 +43,15 @@ def harness():
         {"kind": "full", "page": 4},
         {"kind": "swa", "page": 2, "window": 6},
         {"kind": "mamba", "page": 1, "max_states": 2},
+        {"kind": "hicache", "page": 4, "policy": "write_back", "ratio": 0.5},
+        {"kind": "hicache", "page": 1, "policy": "write_through_selective", "ratio": 2.0},
     ],
     ids=lambda a: "/".join(str(v) for v in a.values()),
 )
 def test_sglang_against_itself_never_differs(harness, monkeypatch, args):
     monkeypatch.setattr(harness, "_KvAlloc", harness._SgAlloc)
     monkeypatch.setattr(harness, "_KvTree", harness._SgTree)
+    monkeypatch.setattr(harness, "_KvHiTree", harness._SgHiTree)
     for seed in range(2):
         ran, diff = harness.run_config(args, seed, 150)
         assert diff is None, diff
@@ -74,10 +77,19 @@ def test_known_cases_run_on_both_sides(harness):
         "1_tree_free_row_order",
         "2_page1_alloc_extend_need_sort",
         "7_insert_duplicates_freed_per_node",
+        "8_swa_duplicate_then_revival_free_order",
+        "9_swa_release_of_root_lock",
+        "10_hicache_write_back_loaded_copy_reclaimed",
+        "11_hicache_write_back_duplicate_reclaimed_for_backup",
     }
     one = cases["1_tree_free_row_order"]
     # SGLang's own answer for the case of issue 19 (kvjax's depends on whether it is fixed).
     assert one["sglang"]["alloc(4) after evict(8)"] == [8, 9, 10, 11]
     assert cases["2_page1_alloc_extend_need_sort"]["sglang"] == [5, 6, 7, 8]
+    assert cases["8_swa_duplicate_then_revival_free_order"]["sglang"]["alloc(2) x2"] == [[4, 5], [6, 7]]
+    assert cases["9_swa_release_of_root_lock"]["sglang"] == "no-op"
+    assert cases["10_hicache_write_back_loaded_copy_reclaimed"]["sglang"]["evict_host(100)"] == 12
+    eleven = cases["11_hicache_write_back_duplicate_reclaimed_for_backup"]["sglang"]
+    assert eleven["host free"] == 9 and eleven["match(20..27)"] == (0, [], 8, 8)
     for case in cases.values():
         assert case["differ"] == (case["sglang"] != case["kvjax"])

@@ -80,6 +80,13 @@ class RadixCache(RadixTree):
         hash_seed, eviction_policy_config: see :class:`RadixTree`.
     """
 
+    # A tree whose components free slots while an insert walks (SWA revivals) frees the caller's
+    # duplicates in the walk too, node by node, so that frees run in SGLang's walk order:
+    # ``_walk_dups`` is (first position whose incoming slots are the caller's, SWA-evicted
+    # positions) while such a walk runs.
+    _dups_in_walk = False
+    _walk_dups: tuple[int, int] | None = None
+
     def __init__(
         self,
         page_size: int = 1,
@@ -357,19 +364,24 @@ class RadixCache(RadixTree):
                 self._last_insert_results = self._commit(start, payloads)
             return start, start, t
         src, is_bytes = self._source(tokens_fn(s, n + self._ex), n + self._ex - s)
-        node, m_rel, vals = self._insert_walk(
-            start,
-            src,
-            is_bytes,
-            n - s,
-            row[s:n],
-            req.extra_key,
-            req.priority,
-            t,
-            req.cache_inserted_len,
-            True,
-            payloads,
-        )
+        if self._dups_in_walk:
+            self._walk_dups = (req.cache_protected_len, self._row_evicted(req))
+        try:
+            node, m_rel, vals = self._insert_walk(
+                start,
+                src,
+                is_bytes,
+                n - s,
+                row[s:n],
+                req.extra_key,
+                req.priority,
+                t,
+                req.cache_inserted_len,
+                True,
+                payloads,
+            )
+        finally:
+            self._walk_dups = None
         if self._extra:
             self._last_insert_results = self._commit(node, payloads)
         matched = s + m_rel
@@ -380,7 +392,8 @@ class RadixCache(RadixTree):
             if (dup != tree_slots).any():
                 # The request computed these tokens too: its slots are duplicates. Free
                 # them, then point the row at the tree's (a stale row would read freed KV).
-                self._free_duplicates(node, dup, cpl, matched, self._row_evicted(req))
+                if not self._dups_in_walk:
+                    self._free_duplicates(node, dup, cpl, matched, self._row_evicted(req))
                 self._write_row(req, cpl, tree_slots)
         return start, node, t
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from kvjax.alloc.swa import SWATokenToKVPoolAllocator
     from kvjax.protocols import ReqToTokenPoolProtocol
     from kvjax.radix.events import EventSink
+    from kvjax.radix.node import TreeNode
     from kvjax.request import Req
 
 __all__ = ["SWARadixCache"]
@@ -195,19 +196,69 @@ class SWARadixCache(RadixCache):
             raise ValueError(f"insert: prev_prefix_len={prev_prefix_len} outside [0, {n}]")
         values = None if indices is None else as_slot_array(indices, n_tok, self._slot_limit)
         payload = SWAInsertPayload(e, values, 0, int(prev_prefix_len))
-        matched = super().insert(
-            token_ids,
-            values if values is not None else indices,
-            extra_key,
-            priority,
-            chunked=chunked,
-            inserted_len=inserted_len,
-            payloads={"swa": payload},
-        )
-        prev = int(prev_prefix_len)
-        if values is not None and matched > prev:
-            self._free_duplicates(self.last_insert_node, values[prev:matched], prev, matched, e)
-        return matched
+        if values is not None:
+            self._walk_dups = (int(prev_prefix_len), e)
+        try:
+            return super().insert(
+                token_ids,
+                values if values is not None else indices,
+                extra_key,
+                priority,
+                chunked=chunked,
+                inserted_len=inserted_len,
+                payloads={"swa": payload},
+            )
+        finally:
+            self._walk_dups = None
+
+    _dups_in_walk = True
+
+    def _overlap(
+        self,
+        parent: TreeNode,
+        node: TreeNode,
+        values: np.ndarray | None,
+        off: int,
+        k: int,
+        payloads: Mapping[str, Any] | None,
+    ) -> None:
+        """The walk over ``node`` (``k`` positions ending at ``node.depth``, incoming
+        ``values[off:off + k]``): the components first (an SWA revival frees the tombstone's old
+        full slots), then the caller's duplicates there, as SGLang 0.5.23's walk emits them per
+        node. When SWA split the node at the caller's eviction edge (``node`` is then the lower
+        part), the lower part's duplicates (incoming full slots of a tombstone revived under a
+        FULL lock) go first, then the upper part's."""
+        super()._overlap(parent, node, values, off, k, payloads)
+        w = self._walk_dups
+        if w is None or values is None or self._full.allocator is None:
+            return
+        lo, evicted = w
+        end = node.depth
+        start = end - k
+        if max(start, lo) >= end:
+            return
+        cut = node.depth - node.klen  # > start when SWA split the walked node
+        if cut > start:
+            self._free_span_duplicates(node.value, values, off + cut - start, max(cut, lo), cut, evicted)
+            upper = node.parent
+            assert upper is not None and upper.depth - upper.klen == start, "SWA splits a walked node once"
+            self._free_span_duplicates(upper.value, values, off, max(start, lo), start, evicted)
+        else:
+            self._free_span_duplicates(node.value, values, off, max(start, lo), start, evicted)
+
+    def _free_span_duplicates(self, tree: Any, values: np.ndarray, off: int, a: int, first: int, evicted: int) -> None:
+        """Free the incoming ``values[off + a - first : off + len(tree)]`` (positions ``[a,
+        first + len(tree))``) where they differ from the tree's slots ``tree`` (positions from
+        ``first``), as one row segment."""
+        if tree is None:
+            return
+        end = first + len(tree)
+        if a >= end:
+            return
+        mine = values[off + a - first : off + end - first]
+        differ = mine != tree[a - first :]
+        if differ.any():
+            self._free_row_segment(mine if differ.all() else mine[differ], a, evicted)
 
     def _row_evicted(self, req: Req) -> int:
         return int(getattr(req, "swa_evicted_seqlen", 0))
@@ -258,14 +309,18 @@ class SWARadixCache(RadixCache):
 
     # ------------------------------------------------------------------ locks and eviction
 
-    def _swa_part(self, receipt: Any, what: str) -> SWALockPart:
+    def _swa_part(self, receipt: Any, what: str) -> SWALockPart | None:
+        """The receipt's SWA part; None for a lock of this tree that locked no SWA (its match
+        ended at the root)."""
         if not isinstance(receipt, LockReceipt):
             raise TypeError(f"{what}: expected the LockReceipt of inc_lock_ref, got {type(receipt).__name__}")
+        if receipt.owner is not self._owner:
+            raise LockError(f"{what}: {receipt!r} is a lock of another tree; give the receipt this tree returned")
         if receipt.released:
-            raise LockError(f"{what}: {receipt!r} was already released")
+            raise LockError(f"{what}: {receipt!r} was already released; release the SWA part before dec_lock_ref")
         parts = receipt.parts
         if not parts:
-            raise LockError(f"{what}: {receipt!r} locked no SWA (the root, or a lock of another tree)")
+            return None
         part = parts[self._extra.index(self.swa)]
         assert isinstance(part, SWALockPart)
         return part
@@ -277,12 +332,16 @@ class SWARadixCache(RadixCache):
         releases FULL only. Applies only when the lock's SWA segment ended at a window boundary;
         otherwise returns 0 and changes nothing. Returns the SWA tokens made evictable.
 
-        Raises (unchanged): LockError for a receipt already released or whose SWA part was
-        already released early; TypeError for a non-receipt.
+        As SGLang's ``release_swa`` (its scheduler calls it for every decode request past the
+        window), a lock that holds no SWA (a match that ended at the root) and a second call for
+        the same lock do nothing and return 0.
+
+        Raises (unchanged): LockError for a receipt already released by ``dec_lock_ref`` (SGLang
+        asserts there) or one of another tree; TypeError for a non-receipt.
         """
         part = self._swa_part(receipt, "dec_swa_lock_only")
-        if part.released:
-            raise LockError(f"dec_swa_lock_only: the SWA part of {receipt!r} was already released")
+        if part is None or part.released:
+            return 0
         return self.swa.release_swa_lock(receipt.node, part)
 
     release_swa_prefix_lock = dec_swa_lock_only

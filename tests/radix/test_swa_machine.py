@@ -124,10 +124,9 @@ class SWATreeMachine(RuleBasedStateMachine):
     def release_swa_early(self, data: st.DataObject) -> None:
         r = self.receipts[data.draw(st.integers(0, len(self.receipts) - 1))]
         part = r.parts[0]
-        if part.released:
+        if part.released:  # a second release does nothing (SGLang's release_swa)
             before = self.tree.pretty_print(), self.tree.swa_protected_size()
-            with pytest.raises(LockError):
-                self.tree.dec_swa_lock_only(r)
+            assert self.tree.dec_swa_lock_only(r) == 0
             assert (self.tree.pretty_print(), self.tree.swa_protected_size()) == before
         else:
             protected = self.tree.swa_protected_size()

@@ -112,8 +112,7 @@ def test_lock_release_lifecycle():
     assert t.dec_swa_lock_only(r) == 4  # frees nothing, protected -> evictable
     assert (t.swa_protected_size(), t.swa_evictable_size(), t.total_size()) == (0, 12, (12, 12))
     before = state(t)
-    with pytest.raises(LockError, match="already released"):
-        t.dec_swa_lock_only(r)
+    assert t.dec_swa_lock_only(r) == 0  # a second release does nothing (SGLang's release_swa)
     assert state(t) == before
     # FULL is still locked: SWA eviction tombstones (the internal node first, then the locked leaf).
     assert t.evict(0, 1) == (0, 8)
@@ -379,3 +378,50 @@ def test_retraction_frees_the_out_of_window_part_first_each_in_row_order():
     assert r.req_pool_idx is not None
     h.pool.free(r.req_pool_idx)
     h.check()
+
+
+# --------------------------------------------------------------------------- SGLang 0.5.23 free order
+
+
+def _ids(x: object) -> list[int]:
+    return [int(v) for v in np.asarray(x).ravel()]
+
+
+def test_insert_frees_duplicate_then_revival_in_walk_order():
+    """An insert whose walk passes a live node holding the caller's duplicate, then revives an SWA
+    tombstone below it: SGLang 0.5.23 frees node by node in walk order (the duplicate first,
+    then the tombstone's old full slots), so the free list hands them out in that order."""
+    a = SWATokenToKVPoolAllocator(32, 16, 2)
+    t = SWARadixCache(page_size=2, sliding_window_size=4, allocator=a)
+    x = _ids(a.alloc_extend([0], [8], [-1]))
+    assert x == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert t.insert([1, 0, 0, 1, 0, 0, 2, 1], np.asarray(x)) == 0  # [1,0,0,1] | [0,0,2,1] (leaf cap)
+    b = _ids(a.alloc_extend([2], [4], [x[1]]))
+    assert t.insert([1, 0, 2, 2], np.asarray(x[:2] + b), prev_prefix_len=2) == 2  # splits [1,0] | [0,1]
+    assert t.evict(0, 6) == (4, 6)
+    v = _ids(a.alloc_extend([0], [6], [-1]))
+    assert v == [6, 7, 8, 9, 12, 13]
+    # [1,0] is live (v's 6, 7 are duplicates), [0,1] a tombstone revived from v's 8, 9 (its old 4,
+    # 5 freed), [0,1] past it new.
+    assert t.insert([1, 0, 0, 1, 0, 1], np.asarray(v), prev_prefix_len=0) == 4
+    assert [_ids(a.alloc_extend([0], [2], [-1])) for _ in range(2)] == [[4, 5], [6, 7]]
+    t.sanity_check()
+
+
+def test_early_swa_release_of_a_lock_without_swa_is_a_no_op():
+    """SGLang's scheduler releases the SWA part of every decode request past the window; a lock
+    whose match ended at the root holds none, and a second release finds none: both do nothing."""
+    t = SWARadixCache(page_size=1, sliding_window_size=4)
+    t.insert([5, 6, 7])
+    r = t.inc_lock_ref(t.match_prefix([1, 2]).last_node)
+    before = state(t)
+    assert t.dec_swa_lock_only(r) == 0
+    assert t.release_swa_prefix_lock(r) == 0
+    assert state(t) == before
+    t.dec_lock_ref(r)
+    with pytest.raises(LockError, match="already released"):
+        t.dec_swa_lock_only(r)  # after dec_lock_ref the receipt is spent (SGLang asserts)
+    other = SWARadixCache(page_size=1, sliding_window_size=4)
+    with pytest.raises(LockError, match="another tree"):
+        t.dec_swa_lock_only(other.inc_lock_ref(other.root))
+    assert state(t) == before
