@@ -64,6 +64,9 @@ class DemoReport:
     host_balanced: bool | None = None
     # With --hicache-storage DIR: tokens the warm run prefetched from the storage tier (L3).
     storage_prefetched_tokens: int | None = None
+    # The host tier was asked for but the plan has none for this model's tree (the plan's
+    # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
+    host_tier_dropped: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,8 @@ class DemoReport:
         )
 
     def _host_lines(self, check: Any) -> list[str]:
+        if self.host_tier_dropped is not None:
+            return [f"host tier: not attached ({self.host_tier_dropped})"]
         if self.host_loaded_tokens is None:
             return []
         return (
@@ -210,6 +215,17 @@ def run_demo(
         eviction_policy=eviction_policy,
         progress=progress,
     )
+    if enable_hierarchical_cache:
+        # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
+        # before anything is served; the cache built here is dropped.
+        demo_cache(
+            spec=None if model is None else model.spec,
+            page_size=page_size,
+            max_total_tokens=max_total_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            eviction_policy=eviction_policy,
+            enable_hierarchical_cache=True,
+        )
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
     host: dict[str, Any] = {}
     if enable_hierarchical_cache:
@@ -222,8 +238,11 @@ def run_demo(
     warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
     seconds = time.perf_counter() - start
     stats: ServeStats = warm.stats
-    if enable_hierarchical_cache:
-        ext = _host_extension(warm)
+    ext = _host_extension(warm) if enable_hierarchical_cache else None
+    if enable_hierarchical_cache and ext is None:
+        # The plan dropped the host tier (with a warning): report that instead of its figures.
+        host = {"host_tier_dropped": _host_tier_warning(warm.cache.plan)}
+    elif ext is not None:
         host.update(
             host_loaded_tokens=ext.loaded_tokens,
             host_pool_tokens=warm.cache.plan.host_pool_tokens,
@@ -256,9 +275,16 @@ def run_demo(
 
 
 def _host_extension(scheduler: Scheduler) -> Any:
+    """The scheduler's host-tier extension, or None when the cache has no host tier."""
     from kvjax.serve.host_tier import HostTierExtension
 
-    return next(e for e in scheduler.extensions if isinstance(e, HostTierExtension))
+    return next((e for e in scheduler.extensions if isinstance(e, HostTierExtension)), None)
+
+
+def _host_tier_warning(plan: Any) -> str:
+    """Why the plan has no host tier: its warning about it, else the tree kind."""
+    found = [w for w in plan.warnings if "enable_hierarchical_cache" in w]
+    return found[0] if found else f"a {plan.tree_cache_kind!r} tree has no host tier"
 
 
 def _tree_text(tree: Any) -> str:

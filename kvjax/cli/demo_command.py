@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvjax.cli.plan_command import UsageError
+from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
 
 
@@ -63,17 +64,23 @@ def run(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
-    report = run_demo(
-        workload=workload,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        eviction_policy=args.radix_eviction_policy,
-        enable_hierarchical_cache=args.enable_hierarchical_cache,
-        hicache_storage=args.hicache_storage,
-        progress=not args.json,
-        model=model,
-    )
+    try:
+        report = run_demo(
+            workload=workload,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            eviction_policy=args.radix_eviction_policy,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_storage=args.hicache_storage,
+            progress=not args.json,
+            model=model,
+        )
+    except NotImplementedError as e:
+        model_name = args.model or "tiny"
+        raise ConfigError("model", model_name, f"kvjax cannot serve it with these settings yet: {e}") from None
+    except OutOfMemoryError as e:
+        raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
