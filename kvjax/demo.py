@@ -204,7 +204,8 @@ def run_demo(
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
-    host tier, and a third run (warm, without it) gives the cached tokens to compare against.
+    host tier, and a third run (warm, without it) gives the cached tokens to compare against (when
+    the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier)."""
     workload = workload or Workload()
     settings: dict = dict(
@@ -215,10 +216,11 @@ def run_demo(
         eviction_policy=eviction_policy,
         progress=progress,
     )
+    dropped: str | None = None
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
-        # before anything is served; the cache built here is dropped.
-        demo_cache(
+        # before anything is served; one the plan drops (with a warning) is reported as such.
+        probe = demo_cache(
             spec=None if model is None else model.spec,
             page_size=page_size,
             max_total_tokens=max_total_tokens,
@@ -226,9 +228,11 @@ def run_demo(
             eviction_policy=eviction_policy,
             enable_hierarchical_cache=True,
         )
+        if probe.host_pool is None:
+            dropped = _host_tier_warning(probe.plan)
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
     host: dict[str, Any] = {}
-    if enable_hierarchical_cache:
+    if enable_hierarchical_cache and dropped is None:
         plain, _ = serve(workload, **settings)
         host["cached_tokens_without_host_tier"] = plain.stats.cached_tokens
     start = time.perf_counter()
@@ -238,11 +242,10 @@ def run_demo(
     warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
     seconds = time.perf_counter() - start
     stats: ServeStats = warm.stats
-    ext = _host_extension(warm) if enable_hierarchical_cache else None
-    if enable_hierarchical_cache and ext is None:
-        # The plan dropped the host tier (with a warning): report that instead of its figures.
-        host = {"host_tier_dropped": _host_tier_warning(warm.cache.plan)}
-    elif ext is not None:
+    if dropped is not None:
+        host["host_tier_dropped"] = dropped
+    elif enable_hierarchical_cache:
+        ext = _host_extension(warm)
         host.update(
             host_loaded_tokens=ext.loaded_tokens,
             host_pool_tokens=warm.cache.plan.host_pool_tokens,
@@ -275,10 +278,9 @@ def run_demo(
 
 
 def _host_extension(scheduler: Scheduler) -> Any:
-    """The scheduler's host-tier extension, or None when the cache has no host tier."""
     from kvjax.serve.host_tier import HostTierExtension
 
-    return next((e for e in scheduler.extensions if isinstance(e, HostTierExtension)), None)
+    return next(e for e in scheduler.extensions if isinstance(e, HostTierExtension))
 
 
 def _host_tier_warning(plan: Any) -> str:
