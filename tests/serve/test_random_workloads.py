@@ -4,8 +4,8 @@ host and storage tiers; invariants after every step, leak-free at the end, cold 
 
 The default cases share one compiled step per model (the same pool shape and a chunk of 8 tokens,
 so every batch fits one token bucket) to stay within the suite's time budget; the ``slow`` sweep
-runs more seeds, shapes and Nemotron-H. Each failure names its case and seed; rerun one with
-``run_case(Case(...))``.
+runs more seeds, shapes (page 16), chunk sizes, Nemotron-H and a storage-tier prefetch. Each
+failure names its case and seed; rerun one with ``run_case(Case(...))``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ def _case(model: str, seed: int, *, expect: tuple[str, ...] = (), **settings) ->
 QWEN3_NEXT_EXTRA_BUFFER = dict(page_size=4, pool=1024, running=10, extra_buffer=True)
 
 CASES = [
-    # Full attention, page 1 and 16, pools that force eviction and retraction; every policy once.
+    # Full attention, a pool that forces eviction and retraction; every policy once (page 16:
+    # the slow sweep; page 4 below).
     _case("tiny", 0, pool=96, policy="lru", expect=(E, R, U)),
     _case("tiny", 1, pool=96, policy="lfu", host=True, expect=(E, R, U, HOST)),
     _case("tiny", 2, pool=96, policy="fifo", host=True, storage=True, expect=(E, R, U, HOST)),
     _case("tiny", 3, pool=96, policy="priority", expect=(E, R, U)),
-    _case("tiny", 4, page_size=16, pool=128, policy="slru", expect=(E, R, U)),
-    _case("tiny", 5, page_size=16, pool=128, policy="mru", host=True, expect=(E, R, U, HOST)),
-    _case("tiny", 6, page_size=16, pool=128, policy="filo", expect=(E, U)),
+    _case("tiny", 4, pool=96, policy="slru", expect=(E, U)),
+    _case("tiny", 5, pool=96, policy="mru", host=True, expect=(E, U, HOST)),
+    _case("tiny", 6, pool=96, policy="filo", expect=(E, U)),
     # MLA (latent pool, MoE layers).
     _case("deepseek-tiny", 7, pool=96, expect=(E, R, U)),
     # Hybrid sliding window (window 16): SWA and full pools, with and without the host tier.
@@ -54,6 +55,11 @@ CASES = [
 
 SLOW_CASES = (
     [
+        _case("tiny", 4, page_size=16, pool=128, policy="slru", expect=(E, R, U)),
+        _case("tiny", 5, page_size=16, pool=128, policy="mru", host=True, expect=(E, R, U, HOST)),
+        _case("tiny", 6, page_size=16, pool=128, policy="filo", expect=(E, U)),
+    ]
+    + [
         Case(
             name, seed=100 + i, page_size=ps, pool=pool, chunk=chunk, policy=policy, host=host, batch=batch, requests=14
         )
