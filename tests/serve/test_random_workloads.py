@@ -48,8 +48,8 @@ CASES = [
     _case("gemma3-tiny", 9, page_size=4, pool=128, policy="lfu", host=True, expect=(E, U, HOST)),
     # Every layer sliding: one SWA pool, the pure-SWA tree.
     _case("mistral-swa-tiny", 10, page_size=4, pool=64, expect=(E, R, U)),
-    # Recurrent state: checkpoints evicted from a small state pool; page 4 with the extra buffer.
-    _case("qwen3-next-tiny", 11, pool=96, states=12, running=4, expect=(E, U, CKPT)),
+    # Recurrent state, page 4 with the extra buffer: checkpoints evicted, a request short of state
+    # slots waits (page 1 with a small state pool: the slow sweep, and the Qwen3-Next parity tests).
     _case("qwen3-next-tiny", 12, **QWEN3_NEXT_EXTRA_BUFFER, expect=(U, CKPT)),
 ]
 
@@ -58,6 +58,7 @@ SLOW_CASES = (
         _case("tiny", 4, page_size=16, pool=128, policy="slru", expect=(E, R, U)),
         _case("tiny", 5, page_size=16, pool=128, policy="mru", host=True, expect=(E, R, U, HOST)),
         _case("tiny", 6, page_size=16, pool=128, policy="filo", expect=(E, U)),
+        _case("qwen3-next-tiny", 11, pool=96, states=12, running=4, expect=(E, U, CKPT)),
     ]
     + [
         Case(
