@@ -238,6 +238,13 @@ def build_kv_cache(
             f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
             "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
         )
+    if plan.attach_host_tier and plan.is_hybrid_ssm:
+        # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
+        # component); kvjax has no host copy of them yet, so it refuses before allocating.
+        raise NotImplementedError(
+            f"kvjax cannot build the host tier for {plan.model} yet: host copies of its recurrent-state "
+            "checkpoints are not built; turn off enable_hierarchical_cache for this model"
+        )
     check_draft_buildable(plan, config)
     if mesh is not None:
         _check_mesh(mesh, config)

@@ -27,7 +27,9 @@ from kvjax.errors import ConfigError
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
-HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+# SGLang's other host layouts, which kvjax's host tier does not build (refused by name).
+HICACHE_MEM_LAYOUTS_NOT_BUILT = ("page_first_direct", "page_head")
 HICACHE_STORAGE_BACKENDS = (None, "file", "memory")
 HICACHE_STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -138,6 +140,12 @@ class CacheConfig:
         _positive_int(self, "dcp_size")
         _one_of(self, "radix_eviction_policy", EVICTION_POLICIES)
         _one_of(self, "hicache_write_policy", HICACHE_WRITE_POLICIES)
+        if self.hicache_mem_layout in HICACHE_MEM_LAYOUTS_NOT_BUILT:
+            raise ConfigError(
+                "hicache_mem_layout",
+                self.hicache_mem_layout,
+                f"an SGLang host layout that kvjax does not build; use one of {list(HICACHE_MEM_LAYOUTS)}",
+            )
         _one_of(self, "hicache_mem_layout", HICACHE_MEM_LAYOUTS)
         _one_of(self, "hicache_storage_prefetch_policy", HICACHE_STORAGE_PREFETCH_POLICIES)
         if self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:

@@ -63,6 +63,9 @@ class DemoReport:
     host_balanced: bool | None = None
     # With --hicache-storage DIR: tokens the warm run prefetched from the storage tier (L3).
     storage_prefetched_tokens: int | None = None
+    # The host tier was asked for but the plan has none for this model's tree (the plan's
+    # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
+    host_tier_dropped: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -96,6 +99,8 @@ class DemoReport:
         )
 
     def _host_lines(self, check: Any) -> list[str]:
+        if self.host_tier_dropped is not None:
+            return [f"host tier: not attached ({self.host_tier_dropped})"]
         if self.host_loaded_tokens is None:
             return []
         return (
@@ -178,7 +183,8 @@ def run_demo(
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
-    host tier, and a third run (warm, without it) gives the cached tokens to compare against.
+    host tier, and a third run (warm, without it) gives the cached tokens to compare against (when
+    the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first)."""
     workload = workload or Workload()
@@ -191,9 +197,23 @@ def run_demo(
         progress=progress,
         overlap=overlap,
     )
+    dropped: str | None = None
+    if enable_hierarchical_cache:
+        # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
+        # before anything is served; one the plan drops (with a warning) is reported as such.
+        probe = demo_cache(
+            spec=None if model is None else model.spec,
+            page_size=page_size,
+            max_total_tokens=max_total_tokens,
+            chunked_prefill_size=chunked_prefill_size,
+            eviction_policy=eviction_policy,
+            enable_hierarchical_cache=True,
+        )
+        if probe.host_pool is None:
+            dropped = _host_tier_warning(probe.plan)
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
     host: dict[str, Any] = {}
-    if enable_hierarchical_cache:
+    if enable_hierarchical_cache and dropped is None:
         plain, _ = serve(workload, **settings)
         host["cached_tokens_without_host_tier"] = plain.stats.cached_tokens
     start = time.perf_counter()
@@ -203,7 +223,9 @@ def run_demo(
     warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
     seconds = time.perf_counter() - start
     stats: ServeStats = warm.stats
-    if enable_hierarchical_cache:
+    if dropped is not None:
+        host["host_tier_dropped"] = dropped
+    elif enable_hierarchical_cache:
         ext = _host_extension(warm)
         host.update(
             host_loaded_tokens=ext.loaded_tokens,
@@ -240,6 +262,12 @@ def _host_extension(scheduler: Scheduler) -> Any:
     from kvjax.serve.host_tier import HostTierExtension
 
     return next(e for e in scheduler.extensions if isinstance(e, HostTierExtension))
+
+
+def _host_tier_warning(plan: Any) -> str:
+    """Why the plan has no host tier: its warning about it, else the tree kind."""
+    found = [w for w in plan.warnings if "enable_hierarchical_cache" in w]
+    return found[0] if found else f"a {plan.tree_cache_kind!r} tree has no host tier"
 
 
 def _tree_text(tree: Any) -> str:

@@ -92,14 +92,23 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     # --- admission ------------------------------------------------------------------------------
 
+    def state_slots_needed(self, reqs: Sequence[Req]) -> int:
+        """The state slots ``alloc_reqs(reqs)`` takes: one per request without a slot, plus
+        ``mamba_ping_pong_size`` per request without ping-pong slots when the extra buffer is on."""
+        n = sum(1 for r in reqs if r.mamba_pool_idx is None)
+        if self.enable_mamba_extra_buffer:
+            n += self.mamba_ping_pong_size * sum(1 for r in reqs if r.mamba_ping_pong_track_buffer is None)
+        return n
+
     def alloc_reqs(self, reqs: Sequence[Req]) -> list[int] | None:
         """Give each request a row (unless it has one), a state slot (unless it has one) and, with
         the extra buffer, its ping-pong slots (once per request). All or nothing: None, with
-        nothing changed, when rows or state slots are short. Returns the rows, in order."""
+        nothing changed, when rows or state slots are short (``state_slots_needed`` of them).
+        Returns the rows, in order."""
         need_rows = [r for r in reqs if r.req_pool_idx is None]
         need_slot = [r for r in reqs if r.mamba_pool_idx is None]
         need_pp = [r for r in reqs if self.enable_mamba_extra_buffer and r.mamba_ping_pong_track_buffer is None]
-        n_states = len(need_slot) + len(need_pp) * self.mamba_ping_pong_size
+        n_states = self.state_slots_needed(reqs)
         if len(need_rows) > self.available_size() or n_states > self.mamba_allocator.available_size():
             return None
         for r in reqs:

@@ -364,3 +364,20 @@ def test_set_pools_checks_each_compiled_steps_structure_once(monkeypatch):
     with pytest.raises(TypeError, match="structure"):
         cache.set_pools(other_step(other.pools))
     assert cache.pools is by_hand
+
+
+def test_build_refuses_the_host_tier_of_a_recurrent_model_before_allocating(monkeypatch):
+    """The plan describes SGLang's host tier for a hybrid SSM model; kvjax has no host copies of
+    recurrent-state checkpoints, so the build refuses it by name before any pool is created."""
+    from kvjax.pools import registry
+
+    config = CacheConfig(
+        max_total_tokens=256, max_running_requests=4, context_length=64, enable_hierarchical_cache=True
+    )
+    assert kvjax.plan_kv_cache(ssm(), config).attach_host_tier
+    created: list[str] = []
+    original = registry.PoolKind.create
+    monkeypatch.setattr(registry.PoolKind, "create", lambda self, *a: created.append(self.name) or original(self, *a))
+    with pytest.raises(NotImplementedError, match="recurrent-state checkpoints are not built"):
+        build_kv_cache(ssm(), config)
+    assert created == []

@@ -64,6 +64,8 @@ def test_defaults_are_valid_and_use_sglang_names():
         ("disaggregation_mode", "both"),
         ("disaggregation_decode_retraction_backup", "disk"),
         ("hicache_mem_layout", "row_major"),
+        ("hicache_mem_layout", "page_first_direct"),
+        ("hicache_mem_layout", "page_head"),
         ("hicache_write_policy", "never"),
         ("speculative_algorithm", "MEDUSA"),
         ("model_impl", "vllm"),
@@ -125,3 +127,11 @@ def test_replace_validates():
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CacheConfig().page_size = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
+def test_host_layouts_kvjax_does_not_build_are_refused_by_name(layout):
+    """SGLang's other host layouts are refused when the config is made, naming the built ones,
+    not later at build."""
+    with pytest.raises(ConfigError, match=f"hicache_mem_layout='{layout}'.*'layer_first', 'page_first'"):
+        CacheConfig(enable_hierarchical_cache=True, hicache_mem_layout=layout)

@@ -158,9 +158,76 @@ def test_demo_serves_the_built_in_sliding_window_presets(preset):
 
     model = resolve_model(preset)
     hybrid = preset == "gemma3-tiny"
-    report = run_demo(
-        workload=SMALL, progress=False, model=model, max_total_tokens=512, enable_hierarchical_cache=hybrid
-    )
+    report = run_demo(workload=SMALL, progress=False, model=model, max_total_tokens=512, enable_hierarchical_cache=True)
     assert report.ok and report.leak_free and report.cold_equals_warm and report.cached_tokens > 0
     if hybrid:
-        assert report.host_balanced
+        assert report.host_balanced and report.host_tier_dropped is None
+    else:  # the pure-SWA tree has no host tier: the plan drops it with a warning, the report says so
+        assert report.host_loaded_tokens is None and "pure_swa_radix" in (report.host_tier_dropped or "")
+        assert "host tier: not attached" in str(report)
+
+
+def test_the_report_says_when_the_plan_dropped_the_host_tier():
+    """``demo --model mistral-swa-tiny --enable-hierarchical-cache`` ended in ``StopIteration``:
+    the plan drops the host tier of a pure sliding-window tree (with a warning) and the report
+    assumed it was there (the full run: ``test_demo_serves_the_built_in_sliding_window_presets``)."""
+    from kvjax import CacheConfig, ModelSpec, plan_kv_cache
+    from kvjax.demo import DemoReport, _host_tier_warning
+
+    plan = plan_kv_cache(
+        ModelSpec.preset("mistral-swa-tiny"), CacheConfig(max_total_tokens=512, enable_hierarchical_cache=True)
+    )
+    assert not plan.attach_host_tier
+    why = _host_tier_warning(plan)
+    assert "enable_hierarchical_cache is ignored" in why and "pure_swa_radix" in why
+    counts = dict.fromkeys(
+        ("requests", "prompt_tokens", "cached_tokens", "prefill_tokens_computed", "cold_prefill_tokens_computed"), 0
+    )
+    report = DemoReport(
+        model="mistral-swa-tiny",
+        platform="cpu",
+        hit_rate=0.0,
+        generated_tokens=0,
+        tokens_per_second=0.0,
+        peak_pool_occupancy=0.0,
+        pool_tokens=512,
+        evicted_tokens=0,
+        retractions=0,
+        leak_free=True,
+        cold_equals_warm=True,
+        seconds=0.0,
+        plan_text="",
+        tree_text="",
+        host_tier_dropped=why,
+        **counts,
+    )
+    assert report.ok and f"host tier: not attached ({why})" in str(report)
+    assert report.to_dict()["host_tier_dropped"] == why
+
+
+def test_a_pool_too_small_for_a_request_is_one_error_line(capsys):
+    """``demo --max-total-tokens 64 --page-size 16`` ended in ``RuntimeError: no progress``: a
+    request longer than the whole pool is now refused at submission, by name."""
+    from kvjax.cli import main
+
+    assert main(["demo", "--max-total-tokens", "64", "--page-size", "16", "--groups", "1", "--chats", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "demo: error: --max-total-tokens 64: request 'g0.0' needs 304 KV token slots" in err[0]
+    assert "raise --max-total-tokens to at least 304" in err[0]
+
+
+def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys):
+    """``demo --model QWEN3_NEXT_DIR --enable-hierarchical-cache`` ended in ``NotImplementedError``
+    (no host copies of recurrent-state checkpoints yet): now one ``error:`` line, before serving."""
+    from kvjax.cli import main
+    from kvjax.serve.checkpoint import save_checkpoint
+    from tests.serve.random_workloads import model
+
+    spec, _, params = model("qwen3-next-tiny")
+    directory = save_checkpoint(tmp_path / "qwen3-next-tiny", spec, params)
+    assert main(["demo", "--model", str(directory), "--enable-hierarchical-cache", "--page-size", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "recurrent-state checkpoints are not built" in err[0]
+    assert "turn off --enable-hierarchical-cache" in err[0]

@@ -18,6 +18,7 @@ from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
 from kvjax.config import EVICTION_POLICIES
+from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
 
 # CacheConfig and Workload options -> this command's flags (error messages name these).
@@ -160,18 +161,21 @@ def run(args: argparse.Namespace) -> int:
     from kvjax.serve.generate import resolve_model
 
     model = resolve_model(args.model, dtype=args.dtype) if args.model else None
-    report = run_demo(
-        workload=workload,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        eviction_policy=args.radix_eviction_policy,
-        enable_hierarchical_cache=args.enable_hierarchical_cache,
-        hicache_storage=args.hicache_storage,
-        progress=not args.json,
-        model=model,
-        overlap=not args.disable_overlap_schedule,
-    )
+    try:
+        report = run_demo(
+            workload=workload,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            eviction_policy=args.radix_eviction_policy,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_storage=args.hicache_storage,
+            progress=not args.json,
+            model=model,
+            overlap=not args.disable_overlap_schedule,
+        )
+    except OutOfMemoryError as e:
+        raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

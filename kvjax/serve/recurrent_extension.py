@@ -1,9 +1,11 @@
 """`RecurrentStateExtension`: the serving hooks of a recurrent-state pool (hybrid SSM models).
 
 * **admission** (``after_admit``): the request gets a state slot from the request table
-  (``HybridReqToTokenPool.alloc_reqs``; when none is free, one unlocked tree checkpoint is evicted
-  first). With a ``MambaRadixCache`` the match ended at a checkpoint: its slot is forked into the
-  request's (a queued copy), so the request continues from the state after its cached prefix.
+  (``HybridReqToTokenPool.alloc_reqs``: one, plus the ping-pong slots with the extra buffer; when
+  fewer are free, as many unlocked tree checkpoints as are short are evicted first, as SGLang's
+  ``ensure_mamba_capacity``; then ``OutOfMemoryError`` naming what is short). With a
+  ``MambaRadixCache`` the match ended at a checkpoint: its slot is forked into the request's (a
+  queued copy), so the request continues from the state after its cached prefix.
 * **step inputs** (``step_extras``): first every queued state copy is applied to
   ``pools.recurrent`` (forks of matched checkpoints, request states copied into new checkpoints
   by ``cache_unfinished_req``), in order, donated; then per sequence row its state slot
@@ -57,16 +59,21 @@ class RecurrentStateExtension(ServingExtension):
         self._tracked: list[tuple[ServingReq, int, int]] = []
 
     def after_admit(self, req: ServingReq) -> None:
-        if req.mamba_pool_idx is None and self.table.alloc_reqs([req]) is None:
-            if self.tree is not None:
-                self.tree.evict(num_tokens=0, mamba_num=1)
-            if self.table.alloc_reqs([req]) is None:
-                raise OutOfMemoryError(
-                    f"request {req.rid!r}: no recurrent-state slot is free; raise max_mamba_cache_size "
-                    "(or mamba_full_memory_ratio) or lower max_running_requests"
-                )
-        else:
-            self.table.alloc_reqs([req])  # records the request's slot against its new row
+        need = self.table.state_slots_needed([req])
+        free = self.table.mamba_allocator.available_size()
+        if need > free and self.tree is not None:
+            # As SGLang's ensure_mamba_capacity: evict the whole shortfall (1 + the ping-pong
+            # slots with the extra buffer), not one checkpoint.
+            self.tree.evict(num_tokens=0, mamba_num=need - free)
+        if self.table.alloc_reqs([req]) is None:
+            evictable = self.tree.mamba_evictable_size() if self.tree is not None else 0
+            free = self.table.mamba_allocator.available_size()
+            raise OutOfMemoryError(
+                f"request {req.rid!r}: needs {need} recurrent-state slots, {free} "
+                f"of {self.table.mamba_pool_size} are free and {evictable} checkpoints are evictable (the others are "
+                "held by running requests or locked); raise max_mamba_cache_size (or mamba_full_memory_ratio) or "
+                "lower max_running_requests"
+            )
         req.mamba_cow_src_index = None
         if self.tree is not None and req.last_node is not None and req.last_node is not self.tree.root:
             src = self.tree.mamba.slot_of(req.last_node)

@@ -87,11 +87,13 @@ import numpy as np
 
 from kvjax.alloc.swa import SWATokenToKVPoolAllocator
 from kvjax.build import KVCache
+from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
 from kvjax.serve.extension import ServingExtension, StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.serving_req import ServingReq
 from kvjax.serve.step import make_step, pack_batch
 from kvjax.serve.swa_extension import SWAServing, swa_leak_free
@@ -196,6 +198,8 @@ class Scheduler:
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
+        # Every layer sliding: a request holds about one window of KV, never its whole length.
+        self._pure_swa = bool(cache.is_hybrid_swa and not cache.full_tokens_per_layer)
         # Tokens promised to the requests already in the prefill batch being formed (extensions
         # that take memory at admission, such as a host tier's load-back, must leave them free).
         self.reserved_tokens = 0
@@ -205,13 +209,20 @@ class Scheduler:
     # --- public ---------------------------------------------------------------------------------
 
     def submit(self, reqs: Iterable[ServingReq]) -> None:
-        """Queue requests (arrival order is admission order)."""
+        """Queue requests (arrival order is admission order). All or none: a request longer than
+        the context (``ConfigError`` naming ``context_length``) or whose KV can never fit the pool
+        (``ConfigError`` naming ``max_total_tokens``) is refused before any is queued."""
+        reqs = list(reqs)
         for req in reqs:
             if req.seqlen() + req.max_new_tokens > self.rows.max_context_len:
-                raise ValueError(
+                raise ConfigError(
+                    "context_length",
+                    self.rows.max_context_len - 4,
                     f"request {req.rid!r}: {req.seqlen()} prompt + {req.max_new_tokens} new tokens exceed the "
-                    f"context of {self.rows.max_context_len - 4} tokens; shorten it or raise context_length"
+                    "context; shorten the request or raise context_length (up to the model's)",
                 )
+            check_fits_pool(req, self.alloc, self.page_size, pure_swa=self._pure_swa)
+        for req in reqs:
             self.stats.prompt_tokens += req.seqlen()
             self.waiting.append(req)
 
@@ -239,10 +250,8 @@ class Scheduler:
         if not ran and self.resolve(done):
             ran = True
         if not ran and (self.waiting or self.chunked):
-            raise RuntimeError(
-                f"no progress: {len(self.waiting)} waiting requests fit neither the pool ({self.alloc.size} tokens) "
-                f"nor the request table ({self.rows.size} rows); raise max_total_tokens"
-            )
+            head = self.chunked or self.waiting[0]
+            raise no_progress_error(head, len(self.waiting), self.alloc, self.rows, self.budget)
         stepped, packed = st.step_seconds - step_before, st.pack_seconds - pack_before
         bookkeeping = time.perf_counter() - start - stepped - packed
         st.bookkeeping_seconds += bookkeeping
@@ -331,8 +340,14 @@ class Scheduler:
             req.kv_committed_len = None
             start = self._match_and_lock(req)
             self.reserved_tokens = need
-            for ext in self.extensions:
-                ext.after_admit(req)
+            try:
+                for ext in self.extensions:
+                    ext.after_admit(req)
+            except OutOfMemoryError:  # per-request state (recurrent-state slots) is short
+                self._unadmit(req)
+                if batch or self.running:
+                    break  # it frees up as they finish: wait, as for KV
+                raise  # nothing will free it: the caller sees what is short; the request stays queued
             if self.extensions:
                 # An extension may lengthen the match (host load-back) or restore the request's
                 # own KV (retraction backup: ``kv_committed_len`` set past the tree's prefix).
