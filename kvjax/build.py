@@ -27,6 +27,7 @@ from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.pool_plans import SWA_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
@@ -233,18 +234,7 @@ def build_kv_cache(
     )
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
-    if plan.attach_host_tier and any(p.name == "index_k" for p in plan.pools):
-        raise NotImplementedError(
-            f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
-            "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
-        )
-    if plan.attach_host_tier and plan.is_hybrid_ssm:
-        # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
-        # component); kvjax has no host copy of them yet, so it refuses before allocating.
-        raise NotImplementedError(
-            f"kvjax cannot build the host tier for {plan.model} yet: host copies of its recurrent-state "
-            "checkpoints are not built; turn off enable_hierarchical_cache for this model"
-        )
+    check_host_tier_buildable(plan)
     check_draft_buildable(plan, config)
     if mesh is not None:
         _check_mesh(mesh, config)

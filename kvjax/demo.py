@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
-from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, demo_config, demo_context_length
+from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
@@ -201,16 +201,18 @@ def run_demo(
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
         # before anything is served; one the plan drops (with a warning) is reported as such.
-        probe = demo_cache(
-            spec=None if model is None else model.spec,
+        spec = ModelSpec.preset(DEMO_MODEL) if model is None else model.spec
+        plan = check_demo(
+            spec,
+            workload,
             page_size=page_size,
             max_total_tokens=max_total_tokens,
             chunked_prefill_size=chunked_prefill_size,
             eviction_policy=eviction_policy,
             enable_hierarchical_cache=True,
         )
-        if probe.host_pool is None:
-            dropped = _host_tier_warning(probe.plan)
+        if not plan.attach_host_tier:
+            dropped = _host_tier_warning(plan)
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)
     host: dict[str, Any] = {}
     if enable_hierarchical_cache and dropped is None:

@@ -11,6 +11,7 @@ from typing import Any
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.serve.workload import Workload
 from kvjax.spec import ModelSpec
 
@@ -70,6 +71,7 @@ def check_demo(spec: ModelSpec, workload: Workload, **config_kwargs: Any) -> Cac
         # loaded (after this check); any non-empty value plans the same cache.
         config_kwargs.setdefault("hicache_storage_model_fingerprint", "not-loaded-yet")
     plan = plan_kv_cache(spec, demo_config(**config_kwargs))
+    check_host_tier_buildable(plan)
     page = plan.page_size
     need = -(-longest // page) * page
     if plan.max_total_tokens < need:

@@ -207,14 +207,14 @@ def test_the_report_says_when_the_plan_dropped_the_host_tier():
 
 def test_a_pool_too_small_for_a_request_is_one_error_line(capsys):
     """``demo --max-total-tokens 64 --page-size 16`` ended in ``RuntimeError: no progress``: a
-    request longer than the whole pool is now refused at submission, by name."""
+    request longer than the whole pool is now refused before jax is imported, by flag."""
     from kvjax.cli import main
 
     assert main(["demo", "--max-total-tokens", "64", "--page-size", "16", "--groups", "1", "--chats", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "demo: error: --max-total-tokens 64: request 'g0.0' needs 304 KV token slots" in err[0]
-    assert "raise --max-total-tokens to at least 304" in err[0]
+    assert "demo: error: --max-total-tokens 64: the pool (64 tokens) must hold" in err[0]
+    assert "use --max-total-tokens 304 or more" in err[0]
 
 
 def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys):
@@ -226,8 +226,18 @@ def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys
 
     spec, _, params = model("qwen3-next-tiny")
     directory = save_checkpoint(tmp_path / "qwen3-next-tiny", spec, params)
-    assert main(["demo", "--model", str(directory), "--enable-hierarchical-cache", "--page-size", "1"]) == 2
+    argv = [
+        "demo",
+        "--model",
+        str(directory),
+        "--enable-hierarchical-cache",
+        "--page-size",
+        "1",
+        "--system-tokens",
+        "32",
+    ]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "recurrent-state checkpoints are not built" in err[0]
-    assert "turn off --enable-hierarchical-cache" in err[0]
+    assert "turn off enable_hierarchical_cache" in err[0]

@@ -230,6 +230,20 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked or self._inflight is not None)
 
+    def live_requests(self) -> list[ServingReq]:
+        """Every request that holds a row of the request table, each once: queued after a
+        retraction or a chunk, running, the chunked one, and (overlap) those whose in-flight
+        step's token is still unread. Each holds its KV ``[cache_protected_len, kv_len())``,
+        page-rounded, including a speculative step's slot until it is found finished: so
+        ``available + evictable + protected + held == capacity`` after every step."""
+        live: dict[int, ServingReq] = {}
+        inflight = self._inflight.reqs if self._inflight is not None else ()
+        chunked = (self.chunked,) if self.chunked is not None else ()
+        for req in (*self.running, *self.waiting, *chunked, *inflight):
+            if req.req_pool_idx is not None:
+                live[id(req)] = req
+        return list(live.values())
+
     def step(self) -> list[ServingReq]:
         """Run one batch; return the requests that finished in it."""
         done: list[ServingReq] = []

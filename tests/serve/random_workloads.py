@@ -36,6 +36,7 @@ from kvjax.radix import MambaRadixCache
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
+from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServingReq
 
 CONTEXT = 128
@@ -221,16 +222,10 @@ def build_scheduler(case: Case, *, cold: bool = False, storage_dir: str | None =
                 hicache_storage_dir=storage_dir,
                 hicache_storage_prefetch_policy="wait_complete",  # deterministic: no timing
                 hicache_storage_prefetch_threshold=4,
+                hicache_storage_model_fingerprint=random_weights_fingerprint(config, 0),
             )
     cache = build_kv_cache(spec, CacheConfig(**settings))
     return Scheduler(config, cache, params, max_batch_size=case.batch, chunked_prefill_size=case.chunk)
-
-
-def _live(sched: Scheduler) -> list[ServingReq]:
-    reqs = list(sched.running) + list(sched.waiting)
-    if sched.chunked is not None:
-        reqs.append(sched.chunked)
-    return reqs
 
 
 def check_step(sched: Scheduler) -> None:
@@ -241,14 +236,12 @@ def check_step(sched: Scheduler) -> None:
         if check is not None:
             check()
     tree.sanity_check()
-    live = _live(sched)
+    live = sched.live_requests()
     if not isinstance(alloc, SWATokenToKVPoolAllocator) and not cache.is_hybrid_swa:
         ps = sched.page_size
         held = 0
         for req in live:
-            if req.req_pool_idx is None or req.kv_committed_len is None:
-                continue  # queued: holds no KV of its own
-            held += -(-req.kv_committed_len // ps) * ps - req.cache_protected_len
+            held += -(-req.kv_len() // ps) * ps - req.cache_protected_len
         accounted = alloc.available_size() + tree.evictable_size() + tree.protected_size() + held
         assert accounted == alloc.size, (
             f"token accounting: available {alloc.available_size()} + evictable {tree.evictable_size()} + "

@@ -30,12 +30,8 @@ def _assert_balanced(sched: Scheduler) -> None:
     request holds its own pages ``[cache_protected_len, kv_committed_len)`` (page-rounded; with
     overlap this includes a speculative step's slot until the request is found finished)."""
     ps = sched.page_size
-    live = {id(r): r for r in [*sched.running, *sched.waiting] if r.req_pool_idx is not None}
-    if sched._inflight is not None:
-        live.update((id(r), r) for r in sched._inflight.reqs if r.req_pool_idx is not None)
-    if sched.chunked is not None:
-        live[id(sched.chunked)] = sched.chunked
-    held = sum(-(-r.kv_len() // ps) * ps - r.cache_protected_len for r in live.values())
+    live = sched.live_requests()
+    held = sum(-(-r.kv_len() // ps) * ps - r.cache_protected_len for r in live)
     tree = sched.tree
     assert sched.alloc.available_size() + tree.evictable_size() + tree.protected_size() + held == sched.alloc.size
     assert sched.rows.available_size() + len(live) == sched.rows.size

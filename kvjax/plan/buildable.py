@@ -1,0 +1,30 @@
+"""Which planned host tiers kvjax can build: checked on a plan, without jax.
+
+A plan describes what SGLang 0.5.23 would build, including host tiers kvjax has no host copy for
+yet. `check_host_tier_buildable` refuses those by name, with ``NotImplementedError`` (DESIGN §6:
+a feature not built yet is named, never a silent fallback). ``build_kv_cache`` calls it before it
+allocates anything, and the command line calls it before it imports jax.
+"""
+
+from __future__ import annotations
+
+from kvjax.plan.cache_plan import CachePlan
+
+
+def check_host_tier_buildable(plan: CachePlan) -> None:
+    """Raise ``NotImplementedError`` naming the pool when ``plan`` attaches a host tier over a pool
+    kvjax keeps no host copies of: the DSA indexer keys, or recurrent-state checkpoints."""
+    if not plan.attach_host_tier:
+        return
+    if any(p.name == "index_k" for p in plan.pools):
+        raise NotImplementedError(
+            f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
+            "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
+        )
+    if plan.is_hybrid_ssm:
+        # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
+        # component); kvjax has no host copy of them yet, so it refuses before allocating.
+        raise NotImplementedError(
+            f"kvjax cannot build the host tier for {plan.model} yet: host copies of its recurrent-state "
+            "checkpoints are not built; turn off enable_hierarchical_cache for this model"
+        )
