@@ -27,7 +27,11 @@ A tiny checkpoint (the ``tiny`` preset's seed-0 weights written as ``config.json
   k - end of k - 1)``. ``exposed_host_us_per_step`` is its mean over the decode phase,
   ``device_busy_us_per_step`` the mean time from ``max(end of k - 1, dispatch of k)`` to the end
   of ``k`` (the step as it ran in the loop, slowed by whatever shared its cores), and
-  ``exposed_host_over_step`` their ratio (median over runs; ``..._per_run`` lists every run).
+  ``exposed_host_over_step`` their ratio (median over runs; ``..._per_run`` lists every run);
+  ``exposed_step_fraction`` the share of steps with a gap, ``largest_exposed_us`` the longest.
+  The host's side of a gap: ``read_return_us_per_step``, how long after its step ended a blocked
+  token read returns (waking the Python thread, and its wait for a core), and
+  ``host_work_wall_us_per_step``, the wall time from a read's return to the next dispatch.
   Target with overlap: at most 0.05. ``tokens_per_second`` is from the untraced runs (the
   traced runs' figure, ``tokens_per_second_traced``, shows what tracing costs).
   Where the host's time goes, from CPU clocks that do not count time spent waiting for a core:
