@@ -19,17 +19,36 @@ A tiny checkpoint (the ``tiny`` preset's seed-0 weights written as ``config.json
   requests, which all end on ``max_new_tokens``, are finished by the last scheduler step, which
   launches no decode, so it reads 0 there). Target without overlap: bookkeeping at most 10% of
   the step.
-* **exposed host time** (the time the device waits for the host) per decode step, over the
-  step: the decode phase's wall time per step (``loop_us_per_step``, from the first decode step
-  to the last token, the prefill done) less the step's own time, over the step's own time. The
-  step's own time (``device_step_us``) is the run's last decode step replayed back to back,
-  ``CHAIN`` times with the pools chained and no host work in between (its inputs' transfer
-  included), after the run: the rate of a loop whose host costs nothing (median over the runs of
-  both modes). Negative values: the loop ran faster than the replay (noise). Target with overlap:
-  at most 0.05. ``tokens_per_second``: tokens generated in the decode phase over its wall time.
-  On a CPU the "device" is the same cores as the host, so the host's work also slows the step
-  it overlaps.
-  Each batch runs ``--repeats`` times per mode after a compiling run; medians are reported.
+* **exposed host time** per decode step: the time during which no step is in flight on the
+  device, so the device waits for the host. Measured directly, on separate runs of each mode
+  traced by ``jax.profiler`` (runtime events only, no Python tracer): step ``k`` is in flight from
+  the moment the runtime has queued it (``DISPATCH_EVENT`` ends on the host thread) until its
+  computation ends (``COMPLETION_EVENT``); the exposed time of step ``k`` is ``max(0, dispatch of
+  k - end of k - 1)``. ``exposed_host_us_per_step`` is its mean over the decode phase,
+  ``device_busy_us_per_step`` the mean time from ``max(end of k - 1, dispatch of k)`` to the end
+  of ``k`` (the step as it ran in the loop, slowed by whatever shared its cores), and
+  ``exposed_host_over_step`` their ratio (median over runs; ``..._per_run`` lists every run);
+  ``exposed_step_fraction`` the share of steps with a gap, ``largest_exposed_us`` the longest.
+  The host's side of a gap: ``read_return_us_per_step``, how long after its step ended a blocked
+  token read returns (waking the Python thread, and its wait for a core), and
+  ``host_work_wall_us_per_step``, the wall time from a read's return to the next dispatch.
+  Target with overlap: at most 0.05. ``tokens_per_second`` is from the untraced runs (the
+  traced runs' figure, ``tokens_per_second_traced``, shows what tracing costs).
+  Where the host's time goes, from CPU clocks that do not count time spent waiting for a core:
+  ``host_cpu_us_per_step`` is the Python thread's CPU time per decode step (all of kvjax's host
+  work, packing, dispatch and the read), ``process_cpu_us_per_step`` adds the runtime's threads
+  (the "device"), ``cores_used`` is process CPU time over wall time. On a CPU the "device" is
+  cores the host also needs: while a step computes on every core, the host thread waits for a
+  core, and its work (and the dispatch) takes several times its CPU time in wall time. So the
+  exposed time on a CPU says how the two shared the cores, not what the host costs next to an
+  accelerator; ``exposed_host_over_step_separate_cores`` estimates that: with overlap
+  ``max(0, host CPU - device step) / device step``, without ``host CPU / device step`` (the
+  device step being ``device_step_us``, the run's last decode step replayed ``CHAIN`` times back
+  to back with the pools chained and no host work in between). ``--separate-cores`` measures
+  it instead: XLA's threads on the last CPU, the Python thread on the others (other processes
+  still share them).
+  Each batch runs ``--repeats`` times per mode and per kind (untraced, traced), after a compiling
+  run per mode; medians are reported.
 
 Prints one JSON object. CPU figures are not TPU figures.
 """
@@ -38,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -61,6 +81,11 @@ from kvjax.serve.workload import Workload  # noqa: E402
 TARGET_BOOKKEEPING_OVER_STEP = 0.10
 TARGET_EXPOSED_WITH_OVERLAP = 0.05
 CHAIN = 16
+# The runtime's trace events (jax 0.10, XLA:CPU): the host queues an execution at the end of the
+# first; the second ends when the execution's computation has finished.
+DISPATCH_EVENT = "CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"
+COMPLETION_EVENT = "ThunkExecutor::Execute (wait for completion)"
+READ_EVENT = "serve_checkpoint.read"  # the scheduler's read of a step's tokens (annotated here)
 
 
 def warm_vs_cold(model: LoadedModel, workload: Workload, repeats: int) -> dict:
@@ -90,8 +115,11 @@ def warm_vs_cold(model: LoadedModel, workload: Workload, repeats: int) -> dict:
     }
 
 
-def _decode_run(model: LoadedModel, config: CacheConfig, prompts: list, decode_tokens: int, overlap: bool) -> dict:
-    """One run: prefill every request, then time the decode phase alone."""
+def _decode_run(
+    model: LoadedModel, config: CacheConfig, prompts: list, decode_tokens: int, overlap: bool, traced: bool
+) -> dict:
+    """One run: prefill every request, then time the decode phase alone (``traced``: under the
+    profiler, for the device timeline; see ``_exposed_host``)."""
     batch = len(prompts)
     cache = build_kv_cache(model.spec, config)
     sched = Scheduler(
@@ -105,20 +133,36 @@ def _decode_run(model: LoadedModel, config: CacheConfig, prompts: list, decode_t
         return step_fn(pools, params, *inputs)
 
     sched.step_fn = recording_step
+    read_arrays = sched._read_arrays
+
+    def annotated_read(tokens: Any, logits: Any) -> tuple:
+        with jax.profiler.TraceAnnotation(READ_EVENT):
+            return read_arrays(tokens, logits)
+
+    sched._read_arrays = annotated_read  # type: ignore[method-assign]
     sched.submit([ServingReq(i, p, max_new_tokens=decode_tokens) for i, p in enumerate(prompts)])
     while sched.waiting or sched.chunked is not None:
         sched.step()
     sched.resolve()  # the decode phase starts with the prefill's tokens on the host
     st = sched.stats
     generated_before = st.generated_tokens
-    start = time.perf_counter()
-    while not sched.idle:
-        sched.step()
-    wall = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as trace_dir:
+        if traced:
+            options = jax.profiler.ProfileOptions()
+            options.host_tracer_level = 1  # runtime events only
+            options.python_tracer_level = 0  # no per-function Python events
+            jax.profiler.start_trace(trace_dir, profiler_options=options)
+        start, cpu_start, process_start = time.perf_counter(), time.thread_time(), time.process_time()
+        while not sched.idle:
+            sched.step()
+        wall = time.perf_counter() - start
+        host_cpu, process_cpu = time.thread_time() - cpu_start, time.process_time() - process_start
+        if traced:
+            jax.profiler.stop_trace()
+            exposed = _exposed_host(trace_dir, st.decode_steps)
     assert sched.leak_free()
     steps = st.decode_steps
-    device_us = _chained_step_us(sched, step_fn, last_inputs[0])
-    return {
+    run = {
         "outputs": [r.output_ids for r in sorted(sched.finished, key=lambda r: r.rid)],
         "decode_steps": steps,
         "loop_us_per_step": 1e6 * wall / steps,
@@ -133,7 +177,60 @@ def _decode_run(model: LoadedModel, config: CacheConfig, prompts: list, decode_t
         "bookkeeping_and_pack_over_step": (st.decode_bookkeeping_seconds + st.decode_pack_seconds)
         / st.decode_step_seconds,
         "tokens_per_second": (st.generated_tokens - generated_before) / wall,
-        "device_step_us": device_us,
+        "host_cpu_us_per_step": 1e6 * host_cpu / steps,
+        "process_cpu_us_per_step": 1e6 * process_cpu / steps,
+        "cores_used": process_cpu / wall,
+        "device_step_us": _chained_step_us(sched, step_fn, last_inputs[0]),
+    }
+    if traced:
+        run.update(exposed)
+    return run
+
+
+def _exposed_host(trace_dir: str, steps: int) -> dict[str, float]:
+    """The device timeline of a traced decode phase: per step, the time no step was in flight.
+
+    Step ``k`` is dispatched when the runtime has queued it (the end of the host's
+    ``DISPATCH_EVENT``) and done when its computation ends (the end of ``COMPLETION_EVENT``; steps
+    on one device complete in dispatch order). The device waits for the host from the end of step
+    ``k - 1`` to the dispatch of step ``k`` when that dispatch comes later: that interval is the
+    exposed host time. The step's device time runs from ``max(end of k - 1, dispatch of k)`` to its
+    end (on a CPU it includes waking the runtime's threads and the slowdown from sharing the cores
+    with the host). The first step of the phase is left out (its predecessor is the prefill)."""
+    path = next(Path(trace_dir).rglob("*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(str(path))
+    events: dict[str, list[tuple[int, int]]] = {DISPATCH_EVENT: [], COMPLETION_EVENT: [], READ_EVENT: []}
+    for plane in data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                if event.name in events:
+                    events[event.name].append((event.start_ns, event.end_ns))
+    dispatched = sorted(end for _, end in events[DISPATCH_EVENT])
+    completed = sorted(end for _, end in events[COMPLETION_EVENT])
+    reads = sorted(events[READ_EVENT])
+    if not len(dispatched) == len(completed) == len(reads) == steps:
+        raise RuntimeError(
+            f"the trace has {len(dispatched)} dispatches, {len(completed)} completions and {len(reads)} reads for "
+            f"{steps} decode steps: this jax version names its runtime events differently; update DISPATCH_EVENT, "
+            "COMPLETION_EVENT and READ_EVENT"
+        )
+    exposed = [max(0, dispatched[k] - completed[k - 1]) for k in range(1, steps)]
+    busy = sum(completed[k] - max(dispatched[k], completed[k - 1]) for k in range(1, steps))
+    # The host's side of each gap: how late a blocked read returns after its step has ended
+    # (waking the host thread, and its wait for a core), then the host's work until the next
+    # dispatch (from the last read before it).
+    woken = [end - max(start, done) for (start, end), done in zip(reads, completed, strict=True)]
+    read_ends = [end for _, end in reads]
+    work = [d - max(e for e in read_ends if e < d) for d in dispatched[1:] if read_ends[0] < d]
+    n = steps - 1
+    return {
+        "exposed_host_us_per_step": sum(exposed) / 1e3 / n,
+        "device_busy_us_per_step": busy / 1e3 / n,
+        "exposed_host_over_step": sum(exposed) / busy,
+        "exposed_step_fraction": sum(1 for e in exposed if e > 0) / n,
+        "largest_exposed_us": max(exposed) / 1e3,
+        "read_return_us_per_step": sum(woken) / 1e3 / steps,
+        "host_work_wall_us_per_step": sum(work) / 1e3 / max(1, len(work)),
     }
 
 
@@ -163,26 +260,41 @@ def decode_bookkeeping(model: LoadedModel, batch: int, decode_tokens: int, repea
         chunked_prefill_size=batch * 80,
     )
     runs: dict[bool, list[dict]] = {False: [], True: []}
-    for i in range(repeats + 1):  # the first round compiles
+    traced: dict[bool, list[dict]] = {False: [], True: []}
+    _decode_run(model, config, prompts, decode_tokens, False, False)  # compiles
+    _decode_run(model, config, prompts, decode_tokens, True, False)
+    for _ in range(repeats):
         for overlap in (False, True):
-            run = _decode_run(model, config, prompts, decode_tokens, overlap)
-            if i:
-                runs[overlap].append(run)
+            runs[overlap].append(_decode_run(model, config, prompts, decode_tokens, overlap, False))
+            traced[overlap].append(_decode_run(model, config, prompts, decode_tokens, overlap, True))
     result: dict[str, Any] = {
         "batch": batch,
         "decode_steps": runs[False][0]["decode_steps"],
-        "outputs_identical": all(r["outputs"] == runs[False][0]["outputs"] for r in runs[False] + runs[True]),
+        "outputs_identical": all(
+            r["outputs"] == runs[False][0]["outputs"] for r in runs[False] + runs[True] + traced[False] + traced[True]
+        ),
     }
     # The same computation in both modes (overlap adds one gather of the input ids): pooled.
-    device_us = statistics.median(r["device_step_us"] for r in runs[False] + runs[True])
+    all_runs = runs[False] + runs[True] + traced[False] + traced[True]
+    device_us = statistics.median(r["device_step_us"] for r in all_runs)
     result["device_step_us"] = round(device_us, 1)
     for overlap, name in ((False, "overlap_off"), (True, "overlap_on")):
         mode: dict[str, Any] = {}
         for key in runs[overlap][0]:
-            if key not in ("outputs", "decode_steps"):
+            if key not in ("outputs", "decode_steps", "device_step_us"):
                 value = statistics.median(r[key] for r in runs[overlap])
-                mode[key] = round(value, 4 if key.endswith("_over_step") else 1)
-        mode["exposed_host_over_step"] = round((mode["loop_us_per_step"] - device_us) / device_us, 4)
+                mode[key] = round(value, 4 if key.endswith("_over_step") or key == "cores_used" else 1)
+        for key in traced[overlap][0]:
+            if key not in runs[overlap][0]:
+                value = statistics.median(r[key] for r in traced[overlap])
+                mode[key] = round(value, 4 if key.endswith(("_over_step", "_fraction")) else 1)
+        mode["exposed_host_over_step_per_run"] = [round(r["exposed_host_over_step"], 4) for r in traced[overlap]]
+        mode["tokens_per_second_traced"] = round(statistics.median(r["tokens_per_second"] for r in traced[overlap]), 1)
+        # Host and device on cores of their own: the host's work per step is its CPU time, the
+        # step's is the replay's; overlap hides the smaller, without overlap they add up.
+        host_cpu = mode["host_cpu_us_per_step"]
+        exposed_alone = max(0.0, host_cpu - device_us) if overlap else host_cpu
+        mode["exposed_host_over_step_separate_cores"] = round(exposed_alone / device_us, 4)
         result[name] = mode
     result["meets_bookkeeping_target"] = result["overlap_off"]["bookkeeping_over_step"] <= TARGET_BOOKKEEPING_OVER_STEP
     result["meets_exposed_target_with_overlap"] = (
@@ -194,12 +306,33 @@ def decode_bookkeeping(model: LoadedModel, batch: int, decode_tokens: int, repea
     return result
 
 
+def _separate_cores() -> dict[str, list[int]]:
+    """Give the "device" (XLA:CPU's threads) and the host (this thread) CPUs of their own: the
+    runtime's thread pools are created with the backend and inherit the affinity of the thread
+    that creates them, so the backend is started while this thread is pinned to the last CPU,
+    and this thread then moves to the others. The nearest a CPU gets to a host beside an
+    accelerator (other processes still share the CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--separate-cores needs at least 2 CPUs; this process may use {cpus}")
+    os.sched_setaffinity(0, cpus[-1:])
+    jax.devices()  # creates the CPU client and its threads here
+    os.sched_setaffinity(0, cpus[:-1])
+    return {"device_cpus": cpus[-1:], "host_cpus": cpus[:-1]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="a smaller demo workload")
+    parser.add_argument(
+        "--separate-cores",
+        action="store_true",
+        help="run XLA's threads on the last CPU and the Python thread on the others (Linux)",
+    )
     args = parser.parse_args()
+    cores = _separate_cores() if args.separate_cores else None
     workload = Workload(groups=2, prompts_per_group=3, chats=2, turns=2) if args.quick else Workload()
     spec = ModelSpec.preset("tiny")
     with tempfile.TemporaryDirectory() as directory:
@@ -215,6 +348,8 @@ def main() -> None:
         "target_bookkeeping_over_step": TARGET_BOOKKEEPING_OVER_STEP,
         "target_exposed_host_over_step_with_overlap": TARGET_EXPOSED_WITH_OVERLAP,
         "note": "CPU figures (the host and the 'device' share the same cores), not TPU figures",
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "separate_cores": cores,
         "machine": machine(),
     }
     print(json.dumps(report, indent=2))

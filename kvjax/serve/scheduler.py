@@ -195,6 +195,9 @@ class Scheduler:
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
         self._no_tokens = jax.device_put(np.zeros(self.max_batch_size, np.int32))  # "previous tokens" of a first step
+        # Overlap on an accelerator: start each step's token copy to the host at launch. Not on CPU,
+        # where the array already is host memory and the extra copy only costs host time.
+        self._copy_ahead = self.overlap and self._no_tokens.devices().pop().platform != "cpu"
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
@@ -750,6 +753,8 @@ class Scheduler:
         else:
             out = self.step_fn(self.cache.pools, self.params, flat, meta)
         end = time.perf_counter()
+        if self._copy_ahead:
+            out[1].copy_to_host_async()  # the tokens leave the device as soon as the step ends
         _store_pools(self.cache, out[0])  # host bookkeeping: counted outside the step's time
         if batch is not None:
             for ext in self.extensions:
@@ -759,10 +764,16 @@ class Scheduler:
         return out[1], (out[2] if self.record_logits else None)
 
     def _read_arrays(self, tokens: jax.Array, logits: jax.Array | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """Block until a step's tokens (and logits) are on the host; the wait counts as step time."""
+        """Block until a step's tokens (and logits) are on the host; the wait counts as step time.
+
+        ``np.asarray`` rather than ``jax.device_get``: on CPU, ``device_get`` first schedules a host
+        copy (``copy_to_host_async``) and costs about 4x the host CPU time of the direct read
+        (measured ~100 against ~25 us for a ready ``[64]`` array on a loaded 2-core CPU), time the
+        overlapped loop takes from the step it overlaps. On an accelerator the copy is started at
+        launch instead (``_forward``), so this read finds it done."""
         start = time.perf_counter()
-        host_tokens = np.asarray(jax.device_get(tokens))
-        host_logits = None if logits is None else np.asarray(jax.device_get(logits))
+        host_tokens = np.asarray(tokens)
+        host_logits = None if logits is None else np.asarray(logits)
         waited = time.perf_counter() - start
         self.stats.step_seconds += waited
         self.stats.wait_seconds += waited

@@ -14,7 +14,8 @@ gathered on the device; where it is ``-1``, ``tokens[i]`` (from the host).
 ``pack_batch`` turns host-side per-sequence facts into fixed-shape inputs: tokens padded to a
 power-of-two bucket (so the step compiles a handful of times), sequence rows padded to a fixed
 ``max_seqs``, the page table padded to a fixed width. They stay numpy arrays: the jitted call
-moves them to the device in one go, which costs far less than one ``jnp.asarray`` per array
+copies them to the device inside its C++ dispatch (a few microseconds each, about 40 us for the
+nine arrays of a decode step on CPU), which costs far less than one ``jnp.asarray`` per array
 (measured ~1 ms per step for seven arrays on a loaded 2-core CPU).
 """
 
