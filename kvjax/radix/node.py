@@ -112,24 +112,39 @@ class TreeNode:
     # SGLang's child key: a token (page size 1) or a tuple of tokens, ``(extra_key, ...)`` at the root.
     ckey: Any
 
-    def __init__(self, owner: object, t: int) -> None:
+    def __init__(
+        self,
+        owner: object,
+        t: int,
+        parent: TreeNode | None = None,
+        klist: list | None = None,
+        key: bytes | None = None,
+        klen: int = 0,
+        depth: int = 0,
+        value: np.ndarray | None = None,
+        priority: int = 0,
+        hit_count: int = 0,
+        extra_key: Hashable = None,
+    ) -> None:
+        # The tree's walks pass a new edge's fields here: one store each instead of a default
+        # store and an overwrite (node creation is on every insert's path).
         self.id = next(_ids)
-        self.parent = None  # type: ignore[assignment]
+        self.parent = parent  # type: ignore[assignment]
         self.children: dict[Any, TreeNode] = {}
         self.first: dict[int, Any] | None = None
-        self.key: bytes | None = None
-        self.klist: list | None = None
+        self.key = key
+        self.klist = klist
         self.ckey = None
-        self.klen = 0
-        self.depth = 0
-        self.value: np.ndarray | None = None
+        self.klen = klen
+        self.depth = depth
+        self.value = value
         self.residency = DEVICE
         self.lock_ref = 0
         self.last_access = t
         self.creation = t
-        self.hit_count = 0
-        self.priority = 0
-        self.extra_key: Hashable = None
+        self.hit_count = hit_count
+        self.priority = priority
+        self.extra_key = extra_key
         self.hashes: list[int] | None = None
         self.heap_seq = -1
         self.owner = owner

@@ -196,7 +196,7 @@ class RadixCache(RadixTree):
             self._defer_push(node)
         if self.force_miss or matched == 0:
             st.last_hit_tokens = 0
-            return MatchResult(np.empty(0, dtype=INT32), self.root)
+            return MatchResult.from_parts((), self.root, 0)  # indices: a fresh empty array on access
         st.hit_tokens += matched
         st.last_hit_tokens = matched
         return MatchResult.from_parts(vals, node, matched)
@@ -265,15 +265,32 @@ class RadixCache(RadixTree):
                         f"insert: payload for {name!r}, which is not a component of this tree "
                         f"(components with payloads: {', '.join(c.name for c in self._extra) or 'none'})"
                     )
-        if type(token_ids) is not list and not isinstance(token_ids, np.ndarray):
+        if type(token_ids) is list:
+            n_tok = len(token_ids)
+            is_bytes = False
+        elif isinstance(token_ids, np.ndarray):
+            n_tok = int(token_ids.shape[0])
+            is_bytes = True
+        else:
             token_ids = list(token_ids)
-        n_tok = len(token_ids) if type(token_ids) is list else int(token_ids.shape[0])
+            n_tok = len(token_ids)
+            is_bytes = False
         if indices is None:
             if self._full.allocator is not None:
                 raise ValueError(
                     "insert: indices=None only for standalone trees; pass the slot ids when an allocator is attached"
                 )
             values = None
+        elif (
+            type(indices) is np.ndarray
+            and indices.dtype is INT32
+            and self._slot_limit is None
+            and indices.ndim == 1
+            and indices.shape[0] == n_tok
+            and n_tok
+            and indices.item(indices.argmin()) >= 0
+        ):
+            values = indices  # ``as_slot_array``'s fast path without an allocator, inlined
         else:
             values = as_slot_array(indices, n_tok, self._slot_limit)
         n = n_tok - self._ex
@@ -283,7 +300,6 @@ class RadixCache(RadixTree):
         if n <= 0:
             node, matched = self.root, 0
         else:
-            is_bytes = type(token_ids) is not list
             src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
             self._clock += 1
             node, matched, _ = self._insert_walk(

@@ -138,6 +138,9 @@ class RadixTree:
         # Measurement switch: every match walks (and splits) as usual but reports no hit.
         self.force_miss = False
         self._sim_next = self.page_size  # synthesized slot ids (simulation inserts) skip page 0
+        # A list edge ``_common`` cut for the split that follows it (see ``_cut_confirms``).
+        self._cut_node: TreeNode | None = None
+        self._cut_tail: list | None = None
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -210,9 +213,16 @@ class RadixTree:
             return
         self._pending = []
         leaves = self._leaves
+        heap = self._heap
+        prio = self._prio
+        heappush = heapq.heappush
+        seq = self._seq
         for node in pending:
             if node.heap_seq == _PENDING and node in leaves:
-                self._push(node)
+                seq += 1
+                node.heap_seq = seq
+                heappush(heap, (prio(node), seq, node))  # inlined _push
+        self._seq = seq
         if len(self._heap) > 4 * len(leaves) + 1024:
             self._compact_heap()
 
@@ -291,7 +301,13 @@ class RadixTree:
 
     def _common(self, node: TreeNode, src: Any, is_bytes: bool, off: int, lim: int) -> int:
         """Page-aligned count of leading key elements shared by ``node``'s edge and ``src``
-        from element ``off``, at most ``lim`` (itself page-aligned)."""
+        from element ``off``, at most ``lim`` (itself page-aligned).
+
+        Callers split ``node`` at a non-zero result right away: for list keys without bigrams
+        this may already have cut the edge's list there (its confirming compare then reads the
+        request's window against the list itself, not against a copy of the list's head), and
+        :meth:`_split` completes that cut.
+        """
         ex = self._ex
         nt = lim + ex  # tokens covered by lim key elements
         if is_bytes:
@@ -308,7 +324,10 @@ class RadixTree:
             last = nt - 1
             if src[off + last] == kl[last]:
                 # Probably the whole window (a query that is a prefix of the edge): one compare.
-                if src[off : off + nt] == (kl if nt == len(kl) else kl[:nt]):
+                if nt == len(kl) or ex:
+                    if src[off : off + nt] == (kl if nt == len(kl) else kl[:nt]):
+                        return lim
+                elif self._cut_confirms(node, kl, src, off, nt):
                     return lim
             else:
                 # A difference at the end: guess where the shared part ends by bisecting single
@@ -323,7 +342,13 @@ class RadixTree:
                         a = mid + 1
                     else:
                         b = mid
-                if a == 0 or src[off : off + a] == kl[:a]:
+                if a == 0:
+                    lo = hi = 0
+                elif not ex and a % self.page_size == 0:
+                    if self._cut_confirms(node, kl, src, off, a):
+                        return a  # elements [0, a) equal and element a differs: the answer
+                    hi = a
+                elif src[off : off + a] == kl[:a]:
                     lo = hi = a  # elements [0, a) equal and element a differs: the answer
                 else:
                     hi = a
@@ -342,6 +367,20 @@ class RadixTree:
             k = 0
         return k - k % self.page_size
 
+    def _cut_confirms(self, node: TreeNode, kl: list, src: list, off: int, k: int) -> bool:
+        """Whether ``src[off:off + k]`` equals the first ``k`` tokens of ``node``'s list ``kl``
+        (no bigrams, ``0 < k < len(kl)``), compared as a split at ``k`` needs them: the tail is
+        cut off ``kl`` first, so only the request's window is copied. When equal, the cut stays
+        for the caller's :meth:`_split` at ``k``; otherwise ``kl`` is restored."""
+        tail = kl[k:]
+        del kl[k:]
+        if src[off : off + k] == kl:
+            self._cut_node = node
+            self._cut_tail = tail
+            return True
+        kl += tail
+        return False
+
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Cut ``child`` after ``k`` key elements; returns the new parent holding them.
 
@@ -351,44 +390,58 @@ class RadixTree:
         in ``on_split``.
         """
         ex = self._ex
-        new = TreeNode(self._owner, self._tick())
+        self._clock += 1
         parent = child.parent
-        new.parent = parent
-        if child.klist is not None:
+        kl = child.klist
+        if kl is not None:
             # The upper part keeps the list, cut in place: only the lower part is copied (a
             # node's list is its own, never handed out; ``token_ids`` returns copies).
-            kl = child.klist
-            child.klist = kl[k:]
-            del kl[k + ex :]
-            new.klist = kl
-        if child.key is not None:
-            kb = child.key
-            new.key = kb[: (k + ex) * 4]
+            if self._cut_node is child:  # ``_common`` already cut it at k
+                child.klist = self._cut_tail
+                self._cut_node = self._cut_tail = None
+            else:
+                child.klist = kl[k:]
+                del kl[k + ex :]
+        kb = child.key
+        if kb is not None:
             child.key = kb[k * 4 :]
-        new.klen = k
-        new.depth = child.depth - child.klen + k
+            kb = kb[: (k + ex) * 4]
         cv = child.value
+        new = TreeNode(
+            self._owner,
+            self._clock,
+            parent,
+            kl,
+            kb,
+            k,
+            child.depth - child.klen + k,
+            None if cv is None else cv[:k],
+            child.priority,
+            child.hit_count,
+            child.extra_key,
+        )
         if cv is not None:
-            new.value = cv[:k]
             child.value = cv[k:]
         else:  # a host-only node: both parts stay host-only
             new.residency = HOST_ONLY
             self._host_only += 1
         new.lock_ref = child.lock_ref
-        new.priority = child.priority
-        new.hit_count = child.hit_count
-        new.extra_key = child.extra_key
-        new.ckey = child.ckey
-        parent.children[new.ckey] = new
+        pck = new.ckey = child.ckey
+        parent.children[pck] = new
         child.klen -= k
-        ck = self._node_child_key(child)
+        # The lower part's child key (``_node_child_key``, inlined).
+        lower = child.klist
+        if lower is not None:
+            ck = lower[0] if self._simple_ck else tuple(lower[: self._ck_len])
+        else:
+            ck = self._child_key(child.key, True, 0)
         child.ckey = ck
         child.parent = new
         new.children = {ck: child}
         if self._by_first:
             idx = parent.first
-            if (parent is not self.root or new.extra_key is None) and idx is not None and idx.get(new.ckey[0]) is child:
-                idx[new.ckey[0]] = new
+            if (parent is not self.root or new.extra_key is None) and idx is not None and idx.get(pck[0]) is child:
+                idx[pck[0]] = new
             new.first = {ck[0]: child}
         if child.hashes is not None:
             p = k // self.page_size
@@ -561,24 +614,38 @@ class RadixTree:
         else:
             v = values[off:n].copy()  # owned copy: callers reuse their rows
         self._clock += 1
-        leaf = TreeNode(self._owner, self._clock)
-        leaf.parent = node
+        depth = node.depth + klen
         if is_bytes:
-            leaf.key = src[off * 4 : (n + ex) * 4]
-        else:
-            leaf.klist = src[off : n + ex]
-        leaf.klen = klen
-        leaf.depth = node.depth + klen
-        leaf.value = v
-        leaf.priority = priority
-        leaf.hit_count = 1 if leaf.depth > hit_from else 0
-        leaf.extra_key = extra_key
-        if is_bytes:
+            leaf = TreeNode(
+                self._owner,
+                self._clock,
+                node,
+                None,
+                src[off * 4 : (n + ex) * 4],
+                klen,
+                depth,
+                v,
+                priority,
+                1 if depth > hit_from else 0,
+                extra_key,
+            )
             ck = self._child_key(src, True, off)
-        elif simple:
-            ck = src[off]
         else:
-            ck = tuple(src[off : off + ckl])
+            kl = src[off : n + ex]
+            leaf = TreeNode(
+                self._owner,
+                self._clock,
+                node,
+                kl,
+                None,
+                klen,
+                depth,
+                v,
+                priority,
+                1 if depth > hit_from else 0,
+                extra_key,
+            )
+            ck = kl[0] if simple else tuple(kl[:ckl])
         if node is self.root and extra_key is not None:
             ck = (extra_key, ck)
         leaf.ckey = ck
@@ -589,7 +656,8 @@ class RadixTree:
                 node.first = {ck[0]: leaf}
             else:
                 # A second child with this first token: walks fall back to the full key.
-                idx[ck[0]] = leaf if idx.get(ck[0]) is None else _SHARED_FIRST
+                c0 = ck[0]
+                idx[c0] = _SHARED_FIRST if c0 in idx else leaf
         self._evictable += klen
         leaves = self._leaves
         leaves.discard(node)  # it has a child now
@@ -913,40 +981,47 @@ class RadixTree:
         candidates. Returns the FULL tokens evicted.
         """
         num_tokens = int(num_tokens)
-        if num_tokens <= 0 or not self._leaves:
-            return 0
-        self._flush_pushes()
-        heap = self._heap
         leaves = self._leaves
+        if num_tokens <= 0 or not leaves:
+            return 0
+        if self._pending:
+            self._flush_pushes()
+        heap = self._heap
         prio = self._prio
-        push = self._push
+        # Host-only nodes need a component that keeps them: without components, none appear.
+        if self._extra or self._host_only > 0:
+            return self._evict_generic(num_tokens)
+        heappop = heapq.heappop
+        heappush = heapq.heappush
         by_first = self._by_first
         root = self.root
-        # Host-only nodes need a component that keeps them: without components, none appear.
-        generic = bool(self._extra) or self._host_only > 0
         free = self._full.free if self._full.allocator is not None else None
         emit = self._events.emit if self._events is not None else None
         evicted = 0
         num_nodes = 0
         while evicted < num_tokens and heap:
-            p, seq, node = heapq.heappop(heap)
+            p, seq, node = heappop(heap)
             if node.heap_seq != seq or node not in leaves:
                 continue  # dead entry: node changed state or was re-pushed since
             cur = prio(node)
             if cur != p:  # stale (monotone policies only grow): requeue at its true place
-                push(node)
+                self._seq = seq = self._seq + 1
+                node.heap_seq = seq
+                heappush(heap, (cur, seq, node))
                 continue
-            evicted += node.klen
+            klen = node.klen
+            evicted += klen
             num_nodes += 1
-            if generic:
-                self._evict_device_leaf(node)
-                continue
             parent = node.parent
-            del parent.children[node.ckey]
-            if by_first and (parent is not root or node.extra_key is None) and parent.first.get(node.ckey[0]) is node:
-                del parent.first[node.ckey[0]]
+            ck = node.ckey
+            del parent.children[ck]
+            if by_first and (parent is not root or node.extra_key is None):
+                first = parent.first
+                c0 = ck[0]
+                if first.get(c0) is node:
+                    del first[c0]
             leaves.discard(node)
-            self._evictable -= node.klen
+            self._evictable -= klen
             if free is not None:
                 free(node.value)
             node.value = None
@@ -956,7 +1031,32 @@ class RadixTree:
                 emit(BlockRemoved(block_hashes=list(node.hashes or ())))
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 leaves.add(parent)
-                push(parent)
+                self._seq = seq = self._seq + 1
+                parent.heap_seq = seq
+                heappush(heap, (prio(parent), seq, parent))
+        self.stats.evicted_tokens += evicted
+        self.stats.num_evictions += num_nodes
+        return evicted
+
+    def _evict_generic(self, num_tokens: int) -> int:
+        """``evict_full`` while components are attached or host-only nodes exist: each
+        candidate goes through :meth:`_evict_device_leaf` (demote or delete, cascade)."""
+        heap = self._heap
+        leaves = self._leaves
+        prio = self._prio
+        push = self._push
+        evicted = 0
+        num_nodes = 0
+        while evicted < num_tokens and heap:
+            p, seq, node = heapq.heappop(heap)
+            if node.heap_seq != seq or node not in leaves:
+                continue  # dead entry: node changed state or was re-pushed since
+            if prio(node) != p:  # stale (monotone policies only grow): requeue at its true place
+                push(node)
+                continue
+            evicted += node.klen
+            num_nodes += 1
+            self._evict_device_leaf(node)
         self.stats.evicted_tokens += evicted
         self.stats.num_evictions += num_nodes
         return evicted

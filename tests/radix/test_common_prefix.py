@@ -71,3 +71,19 @@ def test_split_leaves_the_callers_and_the_other_nodes_lists_alone():
     assert upper.token_ids() == prompt[:16]
     assert lower.token_ids() == prompt[16:]
     tree.sanity_check()
+
+
+def test_a_wrong_page_aligned_guess_restores_the_edge():
+    # The probes agree on tokens 4..7, so the search guesses a split at 8 (a page boundary) and
+    # cuts the edge's list there before confirming; token 3 differs, so the cut must be undone.
+    edge = [5, 5, 5, 5, 1, 2, 3, 4] + [9] * 8
+    query = [5, 5, 5, 6, 1, 2, 3, 4] + [8] * 8
+    tree = RadixCache(page_size=4)
+    tree.insert(edge)
+    assert tree.match_prefix(list(query)).prefix_len == 0
+    (leaf,) = tree.root_node.children.values()
+    assert leaf.token_ids() == edge
+    tree.sanity_check()
+    assert tree.insert(list(query)) == 0
+    assert tree.match_prefix(list(edge)).prefix_len == 16
+    tree.sanity_check()
