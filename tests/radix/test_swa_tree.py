@@ -425,3 +425,26 @@ def test_early_swa_release_of_a_lock_without_swa_is_a_no_op():
     with pytest.raises(LockError, match="another tree"):
         t.dec_swa_lock_only(other.inc_lock_ref(other.root))
     assert state(t) == before
+
+
+def test_checkpoint_protects_the_inserted_path_where_a_match_stops_short():
+    """0.5.23's checkpoint locks the node its insert ended on: here a match of the inserted key
+    stops at the root (its SWA prefix is tombstoned, the new tail is shorter than the window),
+    yet the request keeps the whole path FULL-locked, so another request's revival of the
+    tombstone keeps the request's slots and its finish frees nothing twice."""
+    h = SWAHarness()
+    prompt = list(range(100, 108))
+    h.finish(h.start(prompt))
+    r1 = h.start(prompt + [1, 2])
+    assert r1.cache_protected_len == 8 and r1.req_pool_idx is not None
+    assert h.tree.dec_swa_lock_only(r1.lock_receipt) == 4
+    assert h.tree.evict(0, 8) == (0, 8)  # the FULL-locked path's SWA: a tombstone
+    h.tree.cache_unfinished_req(r1)
+    assert h.tree.match_prefix(prompt + [1, 2]).prefix_len == 0  # a re-match would protect nothing
+    assert r1.cache_protected_len == 10 and r1.last_node.depth == 10 and r1.last_node.lock_ref == 1
+    mine = h.pool.req_to_token[r1.req_pool_idx, :10].copy()
+    r2 = h.start(prompt[:4] + [7, 7, 7, 7])
+    h.finish(r2)  # revives the tombstone [0, 4) with r2's SWA, keeps r1's locked FULL slots
+    assert h.tree.match_prefix(prompt[:4]).indices.tolist() == mine[:4].tolist()
+    h.finish(r1)
+    h.check()
