@@ -448,3 +448,24 @@ def test_checkpoint_protects_the_inserted_path_where_a_match_stops_short():
     assert h.tree.match_prefix(prompt[:4]).indices.tolist() == mine[:4].tolist()
     h.finish(r1)
     h.check()
+
+
+def test_a_tombstone_revived_inside_a_locked_swa_segment_comes_back_protected():
+    """0.5.23's SWA lock walks through tombstones (their positions count towards the window) and
+    locks them: a revival under the lock makes the node SWA-protected, and the unlock releases it
+    (was: the walk stopped at the tombstone, the revived node counted as evictable)."""
+    h = SWAHarness()
+    prompt = list(range(100, 108))
+    h.finish(h.start(prompt))  # [0, 4) + [4, 8): the leaf capped at one window
+    r1 = h.start(prompt + [1, 2])
+    assert h.tree.dec_swa_lock_only(r1.lock_receipt) == 4
+    assert h.tree.evict(0, 8) == (0, 8)  # both nodes: tombstones, FULL-locked by r1
+    h.tree.cache_unfinished_req(r1)  # the lock moves to [8, 10); its SWA segment covers [4, 10)
+    assert (h.tree.swa_evictable_size(), h.tree.swa_protected_size()) == (0, 2)
+    r2 = h.start(prompt + [7, 7])
+    h.finish(r2)  # revives [0, 4) (evictable) and [4, 8) (in r1's segment: protected)
+    assert (h.tree.swa_evictable_size(), h.tree.swa_protected_size()) == (4 + 2, 4 + 2)
+    h.check(held_full=0, held_swa=0)
+    h.finish(r1)
+    assert (h.tree.swa_evictable_size(), h.tree.swa_protected_size()) == (12, 0)
+    h.check()
