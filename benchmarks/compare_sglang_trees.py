@@ -49,8 +49,8 @@ free slots per pool) must be equal; the first difference stops the stream and is
 ops that led to it.
 
 Prints JSON: per configuration the streams and ops run, the streams identical, and the first
-difference. Last full run (3 streams of 2,000 ops, seed 0): every stream of every configuration
-identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). ``--self-test``
+difference. Last full runs (10 streams of 2,000 ops, seeds 1 and 2): every stream of every
+configuration identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). ``--self-test``
 replays the fixed cases of issue 19 (former differences and the host tier's known cases) and
 says which differ. ``--sorted-frees`` (SGLang's ``free_segment`` as its sorted ``free``) is kept
 to hide a free-order difference should one come back, so that the others show. Each stream is
