@@ -38,8 +38,9 @@ Kinds (``--only``), each over several configurations:
   and the host pool's free size.
 
 Tree streams interleave request admissions (match, lock, allocate the rest, evicting under
-pressure when the allocator runs short), chunked checkpoints (insert the first pages, re-match,
-move the lock: SGLang's ``cache_unfinished_req``; FULL and SWA), finishes (insert with
+pressure when the allocator runs short), chunked checkpoints (insert the first pages, move the lock
+to the node the insert ended on, protecting the whole inserted path: 0.5.23's
+``checkpoint_into_tree``; FULL and SWA), finishes (insert with
 ``prev_prefix_len``, unlock), retractions (free the request's new slots, unlock), plain matches and
 locks held across requests, evictions of each component and early SWA releases. kvjax's allocator
 frees by ``free_segment`` when it has one, else ``free``. After every op the return values (prefix
@@ -48,8 +49,8 @@ free slots per pool) must be equal; the first difference stops the stream and is
 ops that led to it.
 
 Prints JSON: per configuration the streams and ops run, the streams identical, and the first
-difference. Last full run (3 streams of 2,000 ops, seed 0): every stream of every configuration
-identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). ``--self-test``
+difference. Last full runs (10 streams of 2,000 ops, seeds 1 and 2): every stream of every
+configuration identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). ``--self-test``
 replays the fixed cases of issue 19 (former differences and the host tier's known cases) and
 says which differ. ``--sorted-frees`` (SGLang's ``free_segment`` as its sorted ``free``) is kept
 to hide a free-order difference should one come back, so that the others show. Each stream is
@@ -519,6 +520,19 @@ class _SgTree:
         r = self.tree.insert(p)
         return int(r.prefix_len), bool(getattr(r, "mamba_exist", False))
 
+    def checkpoint(self, key, ns, values, prev):
+        """SGLang 0.5.23's ``checkpoint_into_tree``: insert, then protect the whole inserted
+        path from the node the insert ended on (a match there can stop short at SWA
+        tombstones); returns ((prefix_len, the path's slots), that node)."""
+        r = self.tree.insert(
+            self.sg.bp.InsertParams(
+                key=self._key(key, ns), value=self.t.tensor(values, dtype=self.t.int64), prev_prefix_len=prev
+            )
+        )
+        node = r.last_device_node
+        path = _ids(self.tree.tree_core.collect_full_device_indices(node, self.tree.root_node_handle(ns)))
+        return (int(r.prefix_len), path), node
+
     def lock(self, node):
         return self.tree.lock(node)
 
@@ -628,6 +642,19 @@ class _KvTree:
             vals = np.asarray(values, np.int64)
             self.tree._free_duplicates(self.tree.last_insert_node, vals[prev:got], prev, got, 0)
         return got, exist
+
+    def checkpoint(self, key, ns, values, prev):
+        """kvjax's ``cache_unfinished_req`` step: insert (duplicates freed as in :meth:`insert`),
+        then the node the insert ended on and its root path's slots."""
+        got, _ = self.insert(key, ns, values, prev)
+        node = self.tree.last_insert_node
+        parts = []
+        walk = node
+        while walk is not self.tree.root:
+            parts.append(np.asarray(walk.value, np.int64))
+            walk = walk.parent
+        path = [int(v) for v in np.concatenate(parts[::-1])] if parts else []
+        return (got, path), node
 
     def lock(self, node):
         return self.tree.inc_lock_ref(node)
@@ -764,26 +791,25 @@ def tree_stream(
         unlock(req)
 
     def checkpoint(req):
-        """A chunked-prefill checkpoint (SGLang's cache_unfinished_req): insert the first ``cut``
-        tokens, re-match them, move the lock to the new node; the request's row then holds the
-        tree's slots for its cached part."""
+        """A chunked-prefill checkpoint (SGLang 0.5.23's ``checkpoint_into_tree``): insert the
+        first ``cut`` tokens, unlock, lock the node the insert ended on; the request's row then
+        holds the tree's slots for the whole inserted part, all of it protected. (Not a re-match:
+        one can stop short at SWA tombstones and leave slots of the row unprotected, which a
+        later revival frees under the request.)"""
         key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
         cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
         part = key[:cut]
-        pair.step(
-            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
-            lambda s: s.insert(part, ns, vals[:cut], hit),
-        )
         (m, node_sg), (_, node_kv) = pair.step(
-            f"match(key={_short(part)}, ns={ns})", lambda s: s.match(part, ns), lambda r: r[0]
-        )
-        new_locks = pair.step(
-            "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
+            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
+            lambda s: s.checkpoint(part, ns, vals[:cut], hit),
+            lambda r: r[0],
         )
         unlock(req)
-        req["locks"] = new_locks
-        req["values"] = m[1] + vals[m[0] :]
-        req["hit"] = m[0]
+        req["locks"] = pair.step(
+            "lock(the inserted node)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
+        )
+        req["values"] = m[1] + vals[len(m[1]) :]
+        req["hit"] = len(m[1])
 
     try:
         while pair.n < ops:

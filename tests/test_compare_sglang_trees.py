@@ -93,3 +93,39 @@ def test_known_cases_run_on_both_sides(harness):
     assert eleven["host free"] == 9 and eleven["match(20..27)"] == (0, [], 8, 8)
     for case in cases.values():
         assert case["differ"] == (case["sglang"] != case["kvjax"])
+
+
+def test_checkpoint_protects_the_whole_inserted_path(harness):
+    """SGLang 0.5.23's checkpoint locks the node the insert ended on, not a re-match of the key:
+    a re-match stops at the root once the prefix's SWA is tombstoned (match (0, [], 10) here),
+    leaves the request's row slots unprotected, and a revival of the tombstone by another insert
+    then frees them under the request, whose finish frees them again (SGLang appends the pages to
+    its free list twice, kvjax raises DoubleFreeError: stream seed 1008, SWA page 2, window 4)."""
+    key = [1, 1, 0, 2, 0, 0, 1, 0, 0, 0, 1, 2]
+    free = []
+    for side in (harness._SgTree("swa", 2, 96, 4), harness._KvTree("swa", 2, 96, 4)):
+        mine = side.alloc_tokens(8, 0, -1)
+        side.insert(key[:8], None, mine, 0)
+        m, node = side.match(key, None)
+        lock = side.lock(node)
+        mine += side.alloc_tokens(4, 8, mine[-1])
+        side.release_swa(lock)
+        assert side.evict(0, 8) == (0, 8)
+        (got, path), node = side.checkpoint(key[:10], None, mine[:10], 8)
+        assert (got, path) == (8, mine[:10])
+        side.unlock(lock)
+        lock = side.lock(node)
+        assert side.match(key[:10], None)[0] == (0, [], 10)  # what a re-match would have protected
+        other = side.alloc_tokens(8, 0, -1)
+        assert side.insert([1, 1, 0, 2, 1, 1, 2, 0], None, other, 0)[0] == 4
+        assert side.insert(key, None, path + mine[10:], 10)[0] == 10
+        side.unlock(lock)
+        free.append(side.available())
+    assert free[0] == free[1] == (80, 36)  # P, Q, other taken; 4 of other freed as duplicates
+
+
+def test_the_stream_of_the_unprotected_checkpoint_is_identical(harness):
+    """The stream that had kvjax raise DoubleFreeError at op 1195 (the harness's re-match)."""
+    ran, diff = harness.run_config({"kind": "swa", "page": 2, "window": 4}, 1008, 1300)
+    assert diff is None, diff
+    assert ran >= 1300

@@ -34,9 +34,10 @@ exceeds the FULL lock on a node; with an allocator, live nodes' slots are all pa
 tombstones' slots all unpaired. For the SWA pool, ``swa_available + evictable + protected +
 held by running requests == size_swa``.
 
-Deviation: the lock walk stops at a tombstone (SGLang skips it and continues up). A match never
-ends below a tombstone within ``W`` tokens, and a request's own last window is live, so the two
-lock the same nodes in every case the lifecycle produces.
+The lock walk counts tombstones too (0.5.23): their positions count towards ``W`` and they take a
+lock count (kept aside, ``_tomb_locks``, since a tombstone has no data), so a tombstone revived
+under a lock (an insert over it while a checkpointed request's segment covers it) comes back
+SWA-protected, and the release walks the same segment.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class SWALockPart:
 
     Attributes:
         uuid: the mark of the node where the SWA segment ends (None: it reached the root).
-        locked: whether any SWA was locked (False when the locked node was a tombstone).
+        locked: whether the segment locked any node, tombstones included (False: a lock at the root).
         released: True once the SWA part was released (early, or with the whole lock).
     """
 
@@ -138,6 +139,9 @@ class SWAComponent(TreeComponent):
         self._lru = RecencyList()  # oldest first
         self._evictable = 0
         self._protected = 0
+        # Lock counts and boundary marks of the tombstones inside locked SWA segments (0.5.23
+        # locks them too); a revival hands them to the node's data.
+        self._tomb_locks: dict[TreeNode, SWANodeData] = {}
         # With a host tier: whether each backed-up node's host copy carries its SWA KV (the node
         # was live when the backup started); empty otherwise.
         self.host_copy_live: dict[TreeNode, bool] = {}
@@ -149,10 +153,17 @@ class SWAComponent(TreeComponent):
         return self.data(node) is None
 
     def _make_live(self, node: TreeNode) -> None:
-        """Give ``node`` SWA data (its slots are paired), most recent in the LRU, evictable."""
-        self.set_data(node, SWANodeData())
+        """Give ``node`` SWA data (its slots are paired), most recent in the LRU; evictable, or
+        protected when it was a tombstone inside a locked segment (it keeps that lock count)."""
+        data = self._tomb_locks.pop(node, None)
+        if data is None:
+            data = SWANodeData()
+        self.set_data(node, data)
         self._lru.append(node)
-        self._evictable += node.klen
+        if data.lock_ref:
+            self._protected += node.klen
+        else:
+            self._evictable += node.klen
 
     def _drop(self, node: TreeNode, data: SWANodeData) -> int:
         """Forget ``node``'s SWA data (unlocked); returns its tokens. Frees nothing."""
@@ -196,8 +207,14 @@ class SWAComponent(TreeComponent):
         if host is not None:
             self.host_copy_live[parent] = host
         data = self.data(child)
-        if data is None:
-            return  # both halves are tombstones
+        if data is None:  # both halves are tombstones
+            tomb = self._tomb_locks.get(child)
+            if tomb is not None:
+                upper = SWANodeData()
+                upper.lock_ref = tomb.lock_ref
+                upper.uuid, tomb.uuid = tomb.uuid, None
+                self._tomb_locks[parent] = upper
+            return
         upper = SWANodeData()
         upper.lock_ref = data.lock_ref
         upper.uuid, data.uuid = data.uuid, None  # the segment's top is now the upper half
@@ -341,9 +358,11 @@ class SWAComponent(TreeComponent):
         top = None
         while cur is not root and covered < window:
             data = self.data(cur)
-            if data is None:
-                break  # a tombstone: the segment ends below it
-            if data.lock_ref == 0:
+            if data is None:  # a tombstone: locked too, no tokens protected
+                data = self._tomb_locks.get(cur)
+                if data is None:
+                    data = self._tomb_locks[cur] = SWANodeData()
+            elif data.lock_ref == 0:
                 self._evictable -= cur.klen
                 self._protected += cur.klen
             data.lock_ref += 1
@@ -351,8 +370,8 @@ class SWAComponent(TreeComponent):
             top = data
             covered += cur.klen
             cur = cur.parent
-        if top is not None and (covered >= window or cur is not root):
-            # The segment covers the window (or stops under a tombstone): mark its top.
+        if top is not None and covered >= window:
+            # The segment covers the window: mark its top.
             if top.uuid is None:
                 top.uuid = next(_uuids)
             uuid = top.uuid
@@ -366,13 +385,19 @@ class SWAComponent(TreeComponent):
         freed = 0
         while cur is not root:
             data = self.data(cur)
+            live = data is not None
+            if data is None:
+                data = self._tomb_locks.get(cur)
             if data is None or data.lock_ref <= 0:
                 raise TreeInvariantError(f"swa: node {cur.id} in a locked SWA segment is not SWA-locked")
             data.lock_ref -= 1
             if data.lock_ref == 0:
-                self._protected -= cur.klen
-                self._evictable += cur.klen
-                freed += cur.klen
+                if live:
+                    self._protected -= cur.klen
+                    self._evictable += cur.klen
+                    freed += cur.klen
+                elif data.uuid is None:
+                    del self._tomb_locks[cur]
             if part.uuid is not None and data.uuid == part.uuid:
                 break
             cur = cur.parent
@@ -386,12 +411,13 @@ class SWAComponent(TreeComponent):
         cur = node
         while cur is not root and covered < self.sliding_window_size:
             data = self.data(cur)
+            live = data is not None
             if data is None:
-                break
-            if data.lock_ref <= 0:
+                data = self._tomb_locks.get(cur)
+            if data is None or data.lock_ref <= 0:
                 raise LockError(f"dec_lock_ref: node {cur.id} is not SWA-locked")
             data.lock_ref -= 1
-            if data.lock_ref == 0:
+            if data.lock_ref == 0 and live:
                 self._protected -= cur.klen
                 self._evictable += cur.klen
             covered += cur.klen
@@ -446,6 +472,7 @@ class SWAComponent(TreeComponent):
 
     def on_delete(self, node: TreeNode) -> int:
         self.host_copy_live.pop(node, None)
+        self._tomb_locks.pop(node, None)
         data = self.data(node)
         if data is None:
             return 0
@@ -460,6 +487,7 @@ class SWAComponent(TreeComponent):
 
     def on_reset(self) -> None:
         self.host_copy_live.clear()
+        self._tomb_locks.clear()
         self._lru.clear()
         self._evictable = self._protected = 0
 
@@ -485,6 +513,8 @@ class SWAComponent(TreeComponent):
                 fail(f"node {n.id} has SWA data but no device slots")
             if data.lock_ref < 0 or data.lock_ref > n.lock_ref:
                 fail(f"node {n.id}: SWA lock {data.lock_ref} outside [0, FULL lock {n.lock_ref}]")
+            if n in self._tomb_locks:
+                fail(f"live node {n.id} still has a tombstone lock count")
             if data.lock_ref:
                 protected += n.klen
             else:

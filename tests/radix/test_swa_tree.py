@@ -425,3 +425,47 @@ def test_early_swa_release_of_a_lock_without_swa_is_a_no_op():
     with pytest.raises(LockError, match="another tree"):
         t.dec_swa_lock_only(other.inc_lock_ref(other.root))
     assert state(t) == before
+
+
+def test_checkpoint_protects_the_inserted_path_where_a_match_stops_short():
+    """0.5.23's checkpoint locks the node its insert ended on: here a match of the inserted key
+    stops at the root (its SWA prefix is tombstoned, the new tail is shorter than the window),
+    yet the request keeps the whole path FULL-locked, so another request's revival of the
+    tombstone keeps the request's slots and its finish frees nothing twice."""
+    h = SWAHarness()
+    prompt = list(range(100, 108))
+    h.finish(h.start(prompt))
+    r1 = h.start(prompt + [1, 2])
+    assert r1.cache_protected_len == 8 and r1.req_pool_idx is not None
+    assert h.tree.dec_swa_lock_only(r1.lock_receipt) == 4
+    assert h.tree.evict(0, 8) == (0, 8)  # the FULL-locked path's SWA: a tombstone
+    h.tree.cache_unfinished_req(r1)
+    assert h.tree.match_prefix(prompt + [1, 2]).prefix_len == 0  # a re-match would protect nothing
+    assert r1.cache_protected_len == 10 and r1.last_node.depth == 10 and r1.last_node.lock_ref == 1
+    mine = h.pool.req_to_token[r1.req_pool_idx, :10].copy()
+    r2 = h.start(prompt[:4] + [7, 7, 7, 7])
+    h.finish(r2)  # revives the tombstone [0, 4) with r2's SWA, keeps r1's locked FULL slots
+    assert h.tree.match_prefix(prompt[:4]).indices.tolist() == mine[:4].tolist()
+    h.finish(r1)
+    h.check()
+
+
+def test_a_tombstone_revived_inside_a_locked_swa_segment_comes_back_protected():
+    """0.5.23's SWA lock walks through tombstones (their positions count towards the window) and
+    locks them: a revival under the lock makes the node SWA-protected, and the unlock releases it
+    (was: the walk stopped at the tombstone, the revived node counted as evictable)."""
+    h = SWAHarness()
+    prompt = list(range(100, 108))
+    h.finish(h.start(prompt))  # [0, 4) + [4, 8): the leaf capped at one window
+    r1 = h.start(prompt + [1, 2])
+    assert h.tree.dec_swa_lock_only(r1.lock_receipt) == 4
+    assert h.tree.evict(0, 8) == (0, 8)  # both nodes: tombstones, FULL-locked by r1
+    h.tree.cache_unfinished_req(r1)  # the lock moves to [8, 10); its SWA segment covers [4, 10)
+    assert (h.tree.swa_evictable_size(), h.tree.swa_protected_size()) == (0, 2)
+    r2 = h.start(prompt + [7, 7])
+    h.finish(r2)  # revives [0, 4) (evictable) and [4, 8) (in r1's segment: protected)
+    assert (h.tree.swa_evictable_size(), h.tree.swa_protected_size()) == (4 + 2, 4 + 2)
+    h.check(held_full=0, held_swa=0)
+    h.finish(r1)
+    assert (h.tree.swa_evictable_size(), h.tree.swa_protected_size()) == (12, 0)
+    h.check()
