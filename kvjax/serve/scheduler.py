@@ -234,16 +234,17 @@ class Scheduler:
         return not (self.waiting or self.running or self.chunked or self._inflight is not None)
 
     def live_requests(self) -> list[ServingReq]:
-        """Every request that holds a row of the request table, each once: queued after a
-        retraction or a chunk, running, the chunked one, and (overlap) those whose in-flight
-        step's token is still unread. Each holds its KV ``[cache_protected_len, kv_len())``,
+        """Every request that holds a row of the request table or a recurrent-state slot, each
+        once: queued (after a retraction or a chunk, or waiting for state slots with its forked
+        state), running, the chunked one, and (overlap) those whose in-flight step's token is
+        still unread. One with a row holds its KV ``[cache_protected_len, kv_len())``,
         page-rounded, including a speculative step's slot until it is found finished: so
         ``available + evictable + protected + held == capacity`` after every step."""
         live: dict[int, ServingReq] = {}
         inflight = self._inflight.reqs if self._inflight is not None else ()
         chunked = (self.chunked,) if self.chunked is not None else ()
         for req in (*self.running, *self.waiting, *chunked, *inflight):
-            if req.req_pool_idx is not None:
+            if req.req_pool_idx is not None or req.mamba_pool_idx is not None:
                 live[id(req)] = req
         return list(live.values())
 

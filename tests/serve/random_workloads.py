@@ -241,6 +241,8 @@ def check_step(sched: Scheduler) -> None:
         ps = sched.page_size
         held = 0
         for req in live:
+            if req.req_pool_idx is None:
+                continue  # a state slot, no row: holds no KV of its own
             held += -(-req.kv_len() // ps) * ps - req.cache_protected_len
         accounted = alloc.available_size() + tree.evictable_size() + tree.protected_size() + held
         assert accounted == alloc.size, (

@@ -31,10 +31,10 @@ def _assert_balanced(sched: Scheduler) -> None:
     overlap this includes a speculative step's slot until the request is found finished)."""
     ps = sched.page_size
     live = sched.live_requests()
-    held = sum(-(-r.kv_len() // ps) * ps - r.cache_protected_len for r in live)
+    held = sum(-(-r.kv_len() // ps) * ps - r.cache_protected_len for r in live if r.req_pool_idx is not None)
     tree = sched.tree
     assert sched.alloc.available_size() + tree.evictable_size() + tree.protected_size() + held == sched.alloc.size
-    assert sched.rows.available_size() + len(live) == sched.rows.size
+    assert sched.rows.available_size() + sum(r.req_pool_idx is not None for r in live) == sched.rows.size
 
 
 def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, **config) -> Scheduler:
