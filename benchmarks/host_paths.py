@@ -226,7 +226,7 @@ def main() -> None:
         "benchmark": "host_paths",
         "note": (
             "CPU time of the calling thread (µs per call), best over samples and rounds; "
-            "measured on a shared, loaded machine: noisy figures"
+            "CPU figures of this host, not TPU figures"
         ),
         "quick": args.quick,
         "rounds": args.rounds,
