@@ -1,6 +1,6 @@
 """Any JSON-printing benchmark of this folder, run from two checkouts side by side in one run.
 
-    python benchmarks/side_by_side.py --baseline-path DIR [--path DIR] [--rounds N] \
+    python benchmarks/side_by_side.py --baseline-path DIR [--path DIR] [--rounds N]
         [--keys SUBSTR ...] -- radix.py --quick
 
 ``--baseline-path`` is the root of another kvjax checkout (e.g. the commit before a change),
