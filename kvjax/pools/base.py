@@ -147,6 +147,11 @@ class PagedLayers(LayerStack):
         """The dtype the layer arrays are stored as."""
         return np.dtype(self.layer_arrays[0].dtype)
 
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers of this pool (padding included)."""
+        layer = self.layer_arrays[0]
+        return self.num_layers * math.prod(layer.shape[1:]) * layer.dtype.itemsize // self.page_size
+
     def nbytes(self) -> int:
         """Bytes of all layer arrays (trash page included)."""
         return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.layer_arrays)

@@ -153,10 +153,6 @@ class MHAKVPool(PagedLayers, Pool):
     def logical_dtype(self) -> np.dtype:
         return dtypes.logical_dtype(self.dtype)
 
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers of this pool (padding included)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim_padded * self.store_dtype.itemsize
-
     # --- writes ---------------------------------------------------------------------------------
 
     def _pack(self, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> jax.Array:

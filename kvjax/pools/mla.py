@@ -184,10 +184,6 @@ class MLAKVPool(PagedLayers, Pool):
     def logical_dtype(self) -> np.dtype:
         return dtypes.logical_dtype(self.dtype)
 
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers of this pool (padding included)."""
-        return self.num_layers * self.row_padded * self.store_dtype.itemsize
-
     # --- writes ---------------------------------------------------------------------------------
 
     def _quantise(self, row: jax.Array, scale: jax.Array) -> jax.Array:
