@@ -300,6 +300,18 @@ class BaseTokenToKVPoolAllocator:
         """Pages freed under ``need_sort`` and not yet merged, in SGLang's order. A copy."""
         return self._release.to_array()
 
+    @property
+    def free_page_mask(self) -> np.ndarray:
+        """``[num_pages + 1]`` bool: True for the pages of the free and release lists (page 0,
+        the trash page, is never free). A copy."""
+        return self._is_free.copy()
+
+    @property
+    def pending_page_mask(self) -> np.ndarray:
+        """``[num_pages + 1]`` bool: True for the pages freed inside the open free group (they
+        return to the free list when the group ends). A copy."""
+        return self._is_pending.copy()
+
     # ------------------------------------------------------------------ state
 
     def clear(self) -> None:
