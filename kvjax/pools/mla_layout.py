@@ -101,7 +101,9 @@ class MLALayout:
         self, *, num_pages: int, layer_ids: tuple[int, ...], built: bool, kind: str = "mla"
     ) -> tuple[PoolPlan, ...]:
         """The latent pool ``"kv"`` and, for DSA, the indexer pool ``"index_k"``."""
-        pools = [("kv", self.shape(num_pages), self.storage_dtype, self.bytes_per_token_per_layer)]
+        pools: list[tuple[str, tuple[int, ...], str, int]] = [
+            ("kv", self.shape(num_pages), self.storage_dtype, self.bytes_per_token_per_layer)
+        ]
         if self.index_head_dim:
             pools.append(("index_k", self.indexer_shape(num_pages), "uint8", self.indexer_bytes_per_token_per_layer))
         return tuple(
