@@ -152,6 +152,18 @@ class PagedLayers(LayerStack):
         layer = self.layer_arrays[0]
         return self.num_layers * math.prod(layer.shape[1:]) * layer.dtype.itemsize // self.page_size
 
+    def move_slots(self, tgt_loc: Any, src_loc: Any) -> tuple[jax.Array, jax.Array]:
+        """The ``(tgt, src)`` int32 slot ids of a ``move_kv_cache``: concrete ids checked on the host
+        (``InvalidSlotError``), both 1-D of one length (``ValueError``), traced ids outside the
+        pool routed to the trash page (a target there is dropped)."""
+        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
+        check_slots(src_loc, self.num_slots, name="src_loc")
+        tgt = route_to_trash(tgt_loc, self.num_slots)
+        src = route_to_trash(src_loc, self.num_slots)
+        if tgt.shape != src.shape or tgt.ndim != 1:
+            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
+        return tgt, src
+
     def nbytes(self) -> int:
         """Bytes of all layer arrays (trash page included)."""
         return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.layer_arrays)

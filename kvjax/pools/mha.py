@@ -226,12 +226,7 @@ class MHAKVPool(PagedLayers, Pool):
         All sources are read before any target is written (a chain ``1->2, 2->3`` copies the old
         slot 2 into 3).
         """
-        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
-        check_slots(src_loc, self.num_slots, name="src_loc")
-        tgt = route_to_trash(tgt_loc, self.num_slots)
-        src = route_to_trash(src_loc, self.num_slots)
-        if tgt.shape != src.shape or tgt.ndim != 1:
-            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
+        tgt, src = self.move_slots(tgt_loc, src_loc)
         copy = _copy_slots
         if self.mesh is not None:
             specs = tuple(_HEAD_SPEC(self.kv_head_axis) for _ in self.kv)

@@ -249,12 +249,7 @@ class MLAKVPool(PagedLayers, Pool):
 
     def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> MLAKVPool:
         """Copy token slots ``src_loc[i] -> tgt_loc[i]`` in every layer (all reads before all writes)."""
-        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
-        check_slots(src_loc, self.num_slots, name="src_loc")
-        tgt, src = jnp.asarray(tgt_loc, jnp.int32), jnp.asarray(src_loc, jnp.int32)
-        if tgt.shape != src.shape or tgt.ndim != 1:
-            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
-        src = route_to_trash(src, self.num_slots)
+        tgt, src = self.move_slots(tgt_loc, src_loc)
         layers = []
         for layer in self.kv:
             rows = layer.reshape(self.num_slots, self.row_padded)[src]
