@@ -190,6 +190,11 @@ class RecurrentStatePool(LayerStack, Pool):
         """Every state array, conv tensors first then the SSM tensor (the kernels' tuple)."""
         return (*self.conv, self.ssm)
 
+    def _logical_dtypes(self) -> tuple[Any, ...]:
+        """The logical dtype of each array of ``arrays()`` (what reads give, writes cast to)."""
+        conv = dtypes.logical_dtype(self.conv_dtype)
+        return (conv,) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
+
     def _with_arrays(self, arrays: tuple[jax.Array, ...]) -> RecurrentStatePool:
         return self.replace(conv=tuple(arrays[:-1]), ssm=arrays[-1])
 
@@ -253,8 +258,7 @@ class RecurrentStatePool(LayerStack, Pool):
         want = (n, *self.ssm.shape[2:])
         if tuple(ssm.shape) != want:
             raise ValueError(f"ssm has shape {tuple(ssm.shape)}; expected {want}")
-        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
-        arrays = _write_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), (*conv, ssm), logical)
+        arrays = _write_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), (*conv, ssm), self._logical_dtypes())
         return self._with_arrays(arrays)
 
     # --- reads ----------------------------------------------------------------------------------
@@ -266,8 +270,7 @@ class RecurrentStatePool(LayerStack, Pool):
         """
         index = self.layer_index(layer_id)
         check_slots(slots, self.num_slots + 1, name="slots")
-        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
-        out = _read_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), logical)
+        out = _read_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), self._logical_dtypes())
         return tuple(self._conv_from_storage(i, x) for i, x in enumerate(out[:-1])), out[-1]
 
 
