@@ -10,11 +10,11 @@ names that need jax (``build_kv_cache``, ``KVCache``, the pools) load on first a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError, OutOfMemoryError
+from kvjax.lazy import lazy_getattr
 from kvjax.plan import CachePlan, PoolPlan, plan_kv_cache
 from kvjax.spec import LayerKind, ModelSpec, RecurrentStateSpec
 
@@ -52,13 +52,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -29,6 +29,7 @@ from kvjax.errors import ConfigError
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
+from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.pool_plans import SWA_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.pool_plan import PoolPlan
@@ -161,29 +162,12 @@ class KVCache:
 
     # --- SGLang's KVCacheBuildResult names --------------------------------------------------------
 
-    @property
-    def is_hybrid_swa(self) -> bool:
-        return self.plan.is_hybrid_swa
-
-    @property
-    def is_hybrid_ssm(self) -> bool:
-        return self.plan.is_hybrid_ssm
-
-    @property
-    def sliding_window_size(self) -> int | None:
-        return self.plan.sliding_window_size
-
-    @property
-    def full_tokens_per_layer(self) -> int | None:
-        return self.plan.full_tokens_per_layer
-
-    @property
-    def swa_tokens_per_layer(self) -> int | None:
-        return self.plan.swa_tokens_per_layer
-
-    @property
-    def disable_radix_cache(self) -> bool:
-        return self.plan.disable_radix_cache
+    is_hybrid_swa = Forwarded[bool]("plan")
+    is_hybrid_ssm = Forwarded[bool]("plan")
+    sliding_window_size = Forwarded[int | None]("plan")
+    full_tokens_per_layer = Forwarded[int | None]("plan")
+    swa_tokens_per_layer = Forwarded[int | None]("plan")
+    disable_radix_cache = Forwarded[bool]("plan")
 
     @property
     def allocator(self) -> AllocatorProtocol:

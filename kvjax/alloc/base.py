@@ -40,6 +40,9 @@ _INT32_MAX = np.iinfo(np.int32).max
 # Id dtypes ``free`` validates without converting them first.
 _NATIVE_IDS = (np.dtype(np.int32), np.dtype(np.int64))
 _SHOWN_IDS = 8
+# What to do about an unaligned ``alloc`` size or segment start (the error's last words).
+ALLOC_FIX = "use alloc_extend for unaligned requests"
+SEGMENT_FIX = "a segment starts on a page boundary"
 
 
 def format_ids(ids: np.ndarray) -> str:
@@ -66,6 +69,61 @@ def as_index_array(values: Any, what: str) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise InvalidSlotError(f"{what}: expected integer ids, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False).ravel()
+
+
+def page_aligned_count(what: str, name: str, value: Any, page_size: int, fix: str) -> int:
+    """``value`` as an ``int`` when it is a non-negative integer and a multiple of ``page_size``.
+
+    Raises InvalidSlotError naming ``what`` (the call), ``name`` (the argument), the value and
+    ``fix`` otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidSlotError(f"{what}: {name} must be a non-negative integer, got {value!r}")
+    if value % page_size:
+        raise InvalidSlotError(
+            f"{what}: {name}={value} is not page aligned (not a multiple of page_size={page_size}); {fix}"
+        )
+    return int(value)
+
+
+def extend_lengths(
+    prefix_lens: Any, seq_lens: Any, last_loc: Any, what: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``(prefix_lens, seq_lens, last_loc)`` of an ``alloc_extend`` as int64 arrays, one entry
+    per request with ``0 <= prefix_len <= seq_len`` (InvalidSlotError naming the request otherwise;
+    ``last_loc`` is checked against the allocator's pages by the allocator)."""
+    prefix = as_index_array(prefix_lens, f"{what} prefix_lens")
+    seq = as_index_array(seq_lens, f"{what} seq_lens")
+    last = as_index_array(last_loc, f"{what} last_loc")
+    if not (prefix.size == seq.size == last.size):
+        raise InvalidSlotError(
+            f"{what}: prefix_lens, seq_lens and last_loc must have one entry per request, "
+            f"got {prefix.size}, {seq.size}, {last.size}"
+        )
+    bad = (prefix < 0) | (seq < prefix)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidSlotError(
+            f"{what}: request {i} has prefix_len={int(prefix[i])}, seq_len={int(seq[i])}; "
+            "need 0 <= prefix_len <= seq_len"
+        )
+    return prefix, seq, last
+
+
+def decode_lengths(seq_lens: Any, last_loc: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(seq_lens, last_loc)`` of an ``alloc_decode`` as int64 arrays, one entry per request
+    with ``seq_len >= 1`` (InvalidSlotError naming the request otherwise)."""
+    seq = as_index_array(seq_lens, f"{what} seq_lens")
+    last = as_index_array(last_loc, f"{what} last_loc")
+    if seq.size != last.size:
+        raise InvalidSlotError(
+            f"{what}: seq_lens and last_loc must have one entry per request, got {seq.size}, {last.size}"
+        )
+    bad = seq < 1
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidSlotError(f"{what}: request {i} has seq_len={int(seq[i])}; need seq_len >= 1")
+    return seq, last
 
 
 class FifoFreeList:
@@ -242,6 +300,18 @@ class BaseTokenToKVPoolAllocator:
         """Pages freed under ``need_sort`` and not yet merged, in SGLang's order. A copy."""
         return self._release.to_array()
 
+    @property
+    def free_page_mask(self) -> np.ndarray:
+        """``[num_pages + 1]`` bool: True for the pages of the free and release lists (page 0,
+        the trash page, is never free). A copy."""
+        return self._is_free.copy()
+
+    @property
+    def pending_page_mask(self) -> np.ndarray:
+        """``[num_pages + 1]`` bool: True for the pages freed inside the open free group (they
+        return to the free list when the group ends). A copy."""
+        return self._is_pending.copy()
+
     # ------------------------------------------------------------------ state
 
     def clear(self) -> None:
@@ -339,14 +409,8 @@ class BaseTokenToKVPoolAllocator:
         Raises:
             InvalidSlotError: ``need_size`` negative, or not a multiple of ``page_size``.
         """
-        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or need_size < 0:
-            raise InvalidSlotError(f"alloc: need_size must be a non-negative integer, got {need_size!r}")
-        if need_size % self.page_size:
-            raise InvalidSlotError(
-                f"alloc: need_size={need_size} is not a multiple of page_size={self.page_size}; "
-                "use alloc_extend for unaligned requests"
-            )
-        pages = self._take_pages(int(need_size) // self.page_size)
+        need = page_aligned_count("alloc", "need_size", need_size, self.page_size, ALLOC_FIX)
+        pages = self._take_pages(need // self.page_size)
         if pages is None:
             return None
         return self._expand(pages)
@@ -438,21 +502,7 @@ class BaseTokenToKVPoolAllocator:
         On the token allocator (page_size 1) SGLang raises NotImplementedError; kvjax
         supports it for uniformity: the result is the next ``sum(extend)`` free slots.
         """
-        prefix = as_index_array(prefix_lens, "alloc_extend prefix_lens")
-        seq = as_index_array(seq_lens, "alloc_extend seq_lens")
-        last = as_index_array(last_loc, "alloc_extend last_loc")
-        if not (prefix.size == seq.size == last.size):
-            raise InvalidSlotError(
-                f"alloc_extend: prefix_lens, seq_lens and last_loc must have one entry per request, "
-                f"got {prefix.size}, {seq.size}, {last.size}"
-            )
-        bad = (prefix < 0) | (seq < prefix)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidSlotError(
-                f"alloc_extend: request {i} has prefix_len={int(prefix[i])}, seq_len={int(seq[i])}; "
-                "need 0 <= prefix_len <= seq_len"
-            )
+        prefix, seq, last = extend_lengths(prefix_lens, seq_lens, last_loc, "alloc_extend")
         ext = seq - prefix
         total = int(ext.sum())
         if extend_num_tokens is not None and int(extend_num_tokens) != total:
@@ -531,16 +581,7 @@ class BaseTokenToKVPoolAllocator:
         even if the call then returns None.
         On the token allocator SGLang raises NotImplementedError; kvjax supports it.
         """
-        seq = as_index_array(seq_lens, "alloc_decode seq_lens")
-        last = as_index_array(last_loc, "alloc_decode last_loc")
-        if seq.size != last.size:
-            raise InvalidSlotError(
-                f"alloc_decode: seq_lens and last_loc must have one entry per request, got {seq.size}, {last.size}"
-            )
-        bad = seq < 1
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidSlotError(f"alloc_decode: request {i} has seq_len={int(seq[i])}; need seq_len >= 1")
+        seq, last = decode_lengths(seq_lens, last_loc, "alloc_decode")
         self._check_last_loc(seq - 1, last, "alloc_decode")
         ps = self.page_size
         new_page = (seq - 1) % ps == 0
@@ -642,13 +683,7 @@ class BaseTokenToKVPoolAllocator:
                 appears in two separate runs of the segment (paged), or an id given twice
                 (token allocator).
         """
-        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
-            raise InvalidSlotError(f"free_segment: start_pos must be a non-negative integer, got {start_pos!r}")
-        if start_pos % self.page_size:
-            raise InvalidSlotError(
-                f"free_segment: start_pos={start_pos} is not page aligned (page_size={self.page_size}); "
-                "a segment starts on a page boundary"
-            )
+        start_pos = page_aligned_count("free_segment", "start_pos", start_pos, self.page_size, SEGMENT_FIX)
         idx = as_index_array(free_index, "free_segment")
         if idx.size == 0:
             return

@@ -39,7 +39,17 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.alloc.base import AllocatorState, BaseTokenToKVPoolAllocator, as_index_array, format_ids
+from kvjax.alloc.base import (
+    ALLOC_FIX,
+    SEGMENT_FIX,
+    AllocatorState,
+    BaseTokenToKVPoolAllocator,
+    as_index_array,
+    decode_lengths,
+    extend_lengths,
+    format_ids,
+    page_aligned_count,
+)
 from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
 
 __all__ = ["SWAAllocatorState", "SWATokenToKVPoolAllocator"]
@@ -303,17 +313,11 @@ class SWATokenToKVPoolAllocator:
         Raises:
             InvalidSlotError: ``need_size`` negative or not a multiple of ``page_size``.
         """
-        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or need_size < 0:
-            raise InvalidSlotError(f"alloc: need_size must be a non-negative integer, got {need_size!r}")
-        if need_size % self.page_size:
-            raise InvalidSlotError(
-                f"alloc: need_size={need_size} is not a multiple of page_size={self.page_size}; "
-                "use alloc_extend for unaligned requests"
-            )
-        if not self._room(int(need_size) // self.page_size):
+        need = page_aligned_count("alloc", "need_size", need_size, self.page_size, ALLOC_FIX)
+        if not self._room(need // self.page_size):
             return None
-        full = self.full_attn_allocator.alloc(int(need_size))
-        swa = self.swa_attn_allocator.alloc(int(need_size))
+        full = self.full_attn_allocator.alloc(need)
+        swa = self.swa_attn_allocator.alloc(need)
         assert full is not None and swa is not None, "room was checked on both sides"
         self._pair(full, swa)
         return full
@@ -333,25 +337,14 @@ class SWATokenToKVPoolAllocator:
         Raises (unchanged): InvalidSlotError for what the full side's ``alloc_extend`` refuses, and
         for a request continuing a partial page whose SWA slot was freed.
         """
-        full_side = self.full_attn_allocator
-        prefix = as_index_array(prefix_lens, "alloc_extend prefix_lens")
-        seq = as_index_array(seq_lens, "alloc_extend seq_lens")
-        last = as_index_array(last_loc, "alloc_extend last_loc")
-        return self._alloc_paired(prefix, seq, last, extend_num_tokens, "alloc_extend", full_side.alloc_extend)
+        prefix, seq, last = extend_lengths(prefix_lens, seq_lens, last_loc, "alloc_extend")
+        full_call = self.full_attn_allocator.alloc_extend
+        return self._alloc_paired(prefix, seq, last, extend_num_tokens, "alloc_extend", full_call)
 
     def alloc_decode(self, seq_lens: Any, last_loc: Any) -> np.ndarray | None:
         """One full slot per request for its token at position ``seq_len - 1``, paired with an SWA
         slot (``alloc_extend(seq_lens - 1, seq_lens, last_loc)``). None when either side lacks pages."""
-        seq = as_index_array(seq_lens, "alloc_decode seq_lens")
-        last = as_index_array(last_loc, "alloc_decode last_loc")
-        if seq.size != last.size:
-            raise InvalidSlotError(
-                f"alloc_decode: seq_lens and last_loc must have one entry per request, got {seq.size}, {last.size}"
-            )
-        bad = seq < 1
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidSlotError(f"alloc_decode: request {i} has seq_len={int(seq[i])}; need seq_len >= 1")
+        seq, last = decode_lengths(seq_lens, last_loc, "alloc_decode")
         return self._alloc_paired(seq - 1, seq, last, None, "alloc_decode", None)
 
     def _alloc_paired(
@@ -363,19 +356,9 @@ class SWATokenToKVPoolAllocator:
         what: str,
         full_call: Any,
     ) -> np.ndarray | None:
+        """Pair a full and an SWA extend of validated lengths (``extend_lengths``); ``full_call``
+        None: the full side's ``alloc_decode``."""
         full_side, swa_side = self.full_attn_allocator, self.swa_attn_allocator
-        if not (prefix.size == seq.size == last.size):
-            raise InvalidSlotError(
-                f"{what}: prefix_lens, seq_lens and last_loc must have one entry per request, "
-                f"got {prefix.size}, {seq.size}, {last.size}"
-            )
-        bad = (prefix < 0) | (seq < prefix)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvalidSlotError(
-                f"{what}: request {i} has prefix_len={int(prefix[i])}, seq_len={int(seq[i])}; "
-                "need 0 <= prefix_len <= seq_len"
-            )
         full_side._check_last_loc(prefix, last, what)  # before the mapping is read at last_loc
         ps = self.page_size
         swa_last = self._mapping[last]
@@ -401,10 +384,9 @@ class SWATokenToKVPoolAllocator:
             return None
         if full_call is None:
             full = full_side.alloc_decode(seq, last)
-            swa = swa_side.alloc_extend(swa_prefix, swa_seq, swa_last)
         else:
             full = full_call(prefix, seq, last, extend_num_tokens)
-            swa = swa_side.alloc_extend(swa_prefix, swa_seq, swa_last)
+        swa = swa_side.alloc_extend(swa_prefix, swa_seq, swa_last)
         assert full is not None and swa is not None, "room was checked on both sides"
         self._pair(full, swa)
         return full
@@ -474,12 +456,7 @@ class SWATokenToKVPoolAllocator:
         :meth:`free_swa` raises.
         """
         idx = as_index_array(free_index, "free_swa_segment")
-        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
-            raise InvalidSlotError(f"free_swa_segment: start_pos must be a non-negative integer, got {start_pos!r}")
-        if start_pos % self.page_size:
-            raise InvalidSlotError(
-                f"free_swa_segment: start_pos={start_pos} is not page aligned (page_size={self.page_size})"
-            )
+        start_pos = page_aligned_count("free_swa_segment", "start_pos", start_pos, self.page_size, SEGMENT_FIX)
         if idx.size == 0:
             return
         full_side = self.full_attn_allocator

@@ -17,12 +17,14 @@ from pathlib import Path
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
 
 # CacheConfig and Workload options -> this command's flags (error messages name these).
 OPTION_FLAGS = {
+    **SERVING_FLAGS,
     "groups": "--groups",
     "prompts_per_group": "--prompts-per-group",
     "system_tokens": "--system-tokens",
@@ -30,15 +32,9 @@ OPTION_FLAGS = {
     "turns": "--turns",
     "output_tokens": "--output-tokens",
     "seed": "--seed",
-    "page_size": "--page-size",
-    "max_total_tokens": "--max-total-tokens",
-    "chunked_prefill_size": "--chunked-prefill-size",
     "radix_eviction_policy": "--radix-eviction-policy",
-    "enable_hierarchical_cache": "--enable-hierarchical-cache",
     "hicache_storage_backend": "--hicache-storage",
     "hicache_storage_dir": "--hicache-storage",
-    "model": "--model",
-    "dtype": "--dtype",
 }
 
 
@@ -52,7 +48,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="serve a reuse-heavy workload (tiny model or a checkpoint), cold and warm")
     demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
     demo.add_argument("--model", help="a Hugging Face checkpoint directory or a small preset (default: tiny)")
-    demo.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serve the checkpoint in this dtype")
     w = Workload()
     count, positive = non_negative_int, positive_int
     demo.add_argument("--groups", type=count, default=w.groups, help="groups of requests sharing a system prompt")
@@ -62,20 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--turns", type=positive, default=w.turns)
     demo.add_argument("--output-tokens", type=positive, default=w.output_tokens, help="tokens generated per request")
     demo.add_argument("--seed", type=count, default=w.seed)
-    demo.add_argument("--page-size", type=positive, default=16)
-    demo.add_argument(
-        "--max-total-tokens",
-        type=positive,
-        default=16384,
-        help="pool size in tokens (make it small to force eviction and retraction)",
-    )
-    demo.add_argument("--chunked-prefill-size", type=positive, default=512, help="prefill tokens per step")
     demo.add_argument("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
-    demo.add_argument(
-        "--enable-hierarchical-cache",
-        action="store_true",
-        help="add the host-memory tier (HiCache): evicted prefixes are kept in host memory and loaded back",
-    )
     demo.add_argument(
         "--hicache-storage",
         metavar="DIR",
@@ -83,11 +65,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --enable-hierarchical-cache: a storage tier (L3) in DIR, created when missing; host copies "
         "are written there and prefetched back on a miss",
     )
-    demo.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="run each step to completion before forming the next (default: overlap scheduling, the next "
-        "batch is formed while a step runs)",
+    add_serving_arguments(
+        demo,
+        dtype_help="serve the checkpoint in this dtype",
+        max_total_tokens=16384,
+        max_total_tokens_help="pool size in tokens (make it small to force eviction and retraction)",
     )
 
 

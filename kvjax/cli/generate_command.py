@@ -22,18 +22,14 @@ from typing import Any
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments
 from kvjax.errors import ConfigError
 
 OPTION_FLAGS = {
-    "model": "--model",
-    "dtype": "--dtype",
+    **SERVING_FLAGS,
     "max_new_tokens": "--max-new-tokens",
-    "page_size": "--page-size",
-    "max_total_tokens": "--max-total-tokens",
-    "chunked_prefill_size": "--chunked-prefill-size",
     "max_batch_size": "--max-batch-size",
     "max_running_requests": "--max-batch-size",
-    "enable_hierarchical_cache": "--enable-hierarchical-cache",
 }
 
 
@@ -67,25 +63,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="text (needs tokenizer.json)",
     )
     gen.add_argument("--max-new-tokens", type=positive_int, default=16)
-    gen.add_argument("--page-size", type=positive_int, default=16)
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="serve in this dtype")
-    gen.add_argument(
-        "--max-total-tokens", type=positive_int, help="KV pool size in tokens (default: room for everything)"
-    )
-    gen.add_argument("--chunked-prefill-size", type=positive_int, default=512, help="prefill tokens per step")
     gen.add_argument("--max-batch-size", type=positive_int, default=16, help="requests decoded together")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    gen.add_argument(
-        "--enable-hierarchical-cache",
-        action="store_true",
-        help="add the host-memory tier (HiCache): evicted prefixes are kept in host memory and loaded back",
-    )
-    gen.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="run each step to completion before forming the next (default: overlap scheduling, the next "
-        "batch is formed while a step runs)",
+    add_serving_arguments(
+        gen,
+        dtype_help="serve in this dtype",
+        max_total_tokens=None,
+        max_total_tokens_help="KV pool size in tokens (default: room for everything)",
     )
 
 

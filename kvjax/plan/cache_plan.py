@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvjax.plan.draft import DraftModel
+from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target, TreeChoice
 from kvjax.pools.pool_plan import PoolPlan
 
@@ -97,210 +98,72 @@ class CachePlan:
     # --- the flat names (SGLang's and kvjax's first release) ------------------------------------
 
     # --- target ---
-    @property
-    def platform(self) -> str:
-        return self.target.platform
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        return self.target.kv_cache_dtype
-
-    @property
-    def storage_dtype(self) -> str:
-        return self.target.storage_dtype
-
-    @property
-    def head_dim_padded(self) -> int:
-        return self.target.head_dim_padded
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        return self.target.num_kv_heads_per_rank
-
+    platform = Forwarded[str]("target")
+    kv_cache_dtype = Forwarded[str]("target")
+    storage_dtype = Forwarded[str]("target")
+    head_dim_padded = Forwarded[int]("target")
+    num_kv_heads_per_rank = Forwarded[int]("target")
     # --- kind ---
-    @property
-    def is_hybrid_swa(self) -> bool:
-        return self.kind.is_hybrid_swa
-
-    @property
-    def is_hybrid_ssm(self) -> bool:
-        return self.kind.is_hybrid_ssm
-
-    @property
-    def is_dsa(self) -> bool:
-        return self.kind.is_dsa
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kind.is_mla
-
-    @property
-    def kv_pool_kind(self) -> str:
-        return self.kind.kv_pool_kind
-
-    @property
-    def sliding_window_size(self) -> int | None:
-        return self.kind.sliding_window_size
-
+    is_hybrid_swa = Forwarded[bool]("kind")
+    is_hybrid_ssm = Forwarded[bool]("kind")
+    is_dsa = Forwarded[bool]("kind")
+    is_mla = Forwarded[bool]("kind")
+    kv_pool_kind = Forwarded[str]("kind")
+    sliding_window_size = Forwarded[int | None]("kind")
     # --- sizes ---
-    @property
-    def page_size(self) -> int:
-        return self.sizes.page_size
-
-    @property
-    def alloc_page_size(self) -> int:
-        return self.sizes.alloc_page_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.sizes.bytes_per_token
-
-    @property
-    def kv_budget_bytes(self) -> int | None:
-        return self.sizes.kv_budget_bytes
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.sizes.max_total_tokens
-
-    @property
-    def num_pages(self) -> int:
-        return self.sizes.num_pages
-
-    @property
-    def full_tokens_per_layer(self) -> int | None:
-        return self.sizes.full_tokens_per_layer
-
-    @property
-    def swa_tokens_per_layer(self) -> int | None:
-        return self.sizes.swa_tokens_per_layer
-
-    @property
-    def max_mamba_cache_size(self) -> int | None:
-        return self.sizes.max_mamba_cache_size
-
-    @property
-    def mamba_state_bytes_per_req(self) -> int:
-        return self.sizes.mamba_state_bytes_per_req
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.sizes.max_running_requests
-
-    @property
-    def context_length(self) -> int:
-        return self.sizes.context_length
-
-    @property
-    def req_to_token_width(self) -> int:
-        return self.sizes.req_to_token_width
-
-    @property
-    def need_sort(self) -> bool:
-        return self.sizes.need_sort
-
+    page_size = Forwarded[int]("sizes")
+    alloc_page_size = Forwarded[int]("sizes")
+    bytes_per_token = Forwarded[int]("sizes")
+    kv_budget_bytes = Forwarded[int | None]("sizes")
+    max_total_tokens = Forwarded[int]("sizes")
+    num_pages = Forwarded[int]("sizes")
+    full_tokens_per_layer = Forwarded[int | None]("sizes")
+    swa_tokens_per_layer = Forwarded[int | None]("sizes")
+    max_mamba_cache_size = Forwarded[int | None]("sizes")
+    mamba_state_bytes_per_req = Forwarded[int]("sizes")
+    max_running_requests = Forwarded[int]("sizes")
+    context_length = Forwarded[int]("sizes")
+    req_to_token_width = Forwarded[int]("sizes")
+    need_sort = Forwarded[bool]("sizes")
     # --- tree ---
-    @property
-    def disable_radix_cache(self) -> bool:
-        return self.tree.disable_radix_cache
-
-    @property
-    def chunked_prefill_size(self) -> int | None:
-        return self.tree.chunked_prefill_size
-
-    @property
-    def tree_cache_kind(self) -> str:
-        return self.tree.tree_cache_kind
-
-    @property
-    def tree_components(self) -> tuple[str, ...]:
-        return self.tree.tree_components
-
-    @property
-    def tree_page_size(self) -> int:
-        return self.tree.tree_page_size
-
-    @property
-    def enable_mamba_extra_buffer(self) -> bool:
-        return self.tree.enable_mamba_extra_buffer
-
-    @property
-    def mamba_max_states_per_path(self) -> int:
-        return self.tree.mamba_max_states_per_path
-
-    @property
-    def radix_eviction_policy(self) -> str:
-        return self.tree.radix_eviction_policy
-
-    @property
-    def is_eagle(self) -> bool:
-        return self.tree.is_eagle
-
-    @property
-    def enable_kv_cache_events(self) -> bool:
-        return self.tree.enable_kv_cache_events
-
-    @property
-    def enable_metrics(self) -> bool:
-        return self.tree.enable_metrics
-
-    @property
-    def enable_session_radix_cache(self) -> bool:
-        return self.tree.enable_session_radix_cache
-
+    disable_radix_cache = Forwarded[bool]("tree")
+    chunked_prefill_size = Forwarded[int | None]("tree")
+    tree_cache_kind = Forwarded[str]("tree")
+    tree_components = Forwarded[tuple[str, ...]]("tree")
+    tree_page_size = Forwarded[int]("tree")
+    enable_mamba_extra_buffer = Forwarded[bool]("tree")
+    mamba_max_states_per_path = Forwarded[int]("tree")
+    radix_eviction_policy = Forwarded[str]("tree")
+    is_eagle = Forwarded[bool]("tree")
+    enable_kv_cache_events = Forwarded[bool]("tree")
+    enable_metrics = Forwarded[bool]("tree")
+    enable_session_radix_cache = Forwarded[bool]("tree")
     # --- host ---
-    @property
-    def decode_retraction_backup(self) -> str:
-        return self.host.decode_retraction_backup
-
-    @property
-    def decode_retraction_active(self) -> bool:
-        """Whether retracted requests are backed up (``decode_retraction_backup``) at all."""
-        return self.host.decode_retraction_active
-
-    @property
-    def hicache_ratio(self) -> float:
-        return self.host.hicache_ratio
-
-    @property
-    def attach_host_tier(self) -> bool:
-        return self.host.attach_host_tier
-
-    @property
-    def host_pool_tokens(self) -> int:
-        return self.host.host_pool_tokens
-
-    @property
-    def draft_host_pools(self) -> bool:
-        return self.host.draft_host_pools
-
-    @property
-    def draft_bytes_per_token(self) -> int:
-        """Bytes of one token in the draft model's pool ``"kv_draft"`` (0 without one); the
-        budget pays for them with ``bytes_per_token``."""
-        return self.sizes.draft_bytes_per_token
-
-    @property
-    def mm_embedding_cache_bytes(self) -> int:
-        return self.host.mm_embedding_cache_bytes
-
-    @property
-    def hicache_write_policy(self) -> str:
-        return self.host.hicache_write_policy
-
-    @property
-    def hicache_mem_layout(self) -> str:
-        return self.host.hicache_mem_layout
-
-    @property
-    def kv_head_replicas(self) -> int:
-        """Ranks holding a copy of each KV head (> 1 when the TP size exceeds the KV heads)."""
-        return self.target.kv_head_replicas
-
-    @property
-    def padding(self) -> tuple[str, ...]:
-        """What the layout pads on this platform, in words (``"head_dim 64 -> 128 (TPU lane width)"``)."""
-        return self.target.padding
+    decode_retraction_backup = Forwarded[str]("host")
+    decode_retraction_active = Forwarded[bool](
+        "host",
+        "Whether retracted requests are backed up (``decode_retraction_backup``) at all.",
+    )
+    hicache_ratio = Forwarded[float]("host")
+    attach_host_tier = Forwarded[bool]("host")
+    host_pool_tokens = Forwarded[int]("host")
+    draft_host_pools = Forwarded[bool]("host")
+    draft_bytes_per_token = Forwarded[int](
+        "sizes",
+        "Bytes of one token in the draft model's pool ``kv_draft`` (0 without one); the budget "
+        "pays for them with ``bytes_per_token``.",
+    )
+    mm_embedding_cache_bytes = Forwarded[int]("host")
+    hicache_write_policy = Forwarded[str]("host")
+    hicache_mem_layout = Forwarded[str]("host")
+    kv_head_replicas = Forwarded[int](
+        "target",
+        "Ranks holding a copy of each KV head (> 1 when the TP size exceeds the KV heads).",
+    )
+    padding = Forwarded[tuple[str, ...]](
+        "target",
+        "What the layout pads on this platform, in words (``head_dim 64 -> 128 (TPU lane width)``).",
+    )
 
     # --- stage layers ---
     @property

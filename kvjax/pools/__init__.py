@@ -8,9 +8,9 @@ first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvjax.lazy import lazy_getattr
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import POOL_KINDS, BuildContext, PoolKind, pool_kind
 
@@ -43,10 +43,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvjax.pools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)

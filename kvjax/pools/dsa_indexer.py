@@ -25,28 +25,18 @@ pool (and the trash page) are dropped.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from kvjax.errors import InvalidSlotError
-from kvjax.pools.mha import check_slots
+from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
 from kvjax.pools.mla_layout import INDEXER_SCALE_BLOCK, INDEXER_SCALE_BYTES
 
 #: Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
 #: Smallest amax a block is scaled for (an all-zero block gets a finite scale).
 MIN_AMAX = 1e-4
-
-
-def _static(**kwargs: Any) -> Any:
-    return dataclasses.field(metadata=dict(static=True), **kwargs)
 
 
 def quantise_index_k(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -58,15 +48,15 @@ def quantise_index_k(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quantised, scale
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DSAIndexerKeyPool:
+class DSAIndexerKeyPool(PagedLayers, Pool):
     """Paged fp8 indexer keys and their f32 scales of the DSA layers (see module docstring)."""
 
+    LAYERS_FIELD = "index_k"
+
     index_k: tuple[jax.Array, ...]
-    page_size: int = _static()
-    index_head_dim: int = _static()
-    start_layer: int = _static(default=0)
+    page_size: int = static_field()
+    index_head_dim: int = static_field()
+    start_layer: int = static_field(default=0)
 
     @classmethod
     def create(
@@ -92,27 +82,12 @@ class DSAIndexerKeyPool:
                 "(one f32 scale per 128 key elements)"
             )
         token_bytes = index_head_dim + index_head_dim // INDEXER_SCALE_BLOCK * INDEXER_SCALE_BYTES
-        shape = (num_pages + 1, page_size * token_bytes)
-        sharding = None if mesh is None else NamedSharding(mesh, P())
-        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.uint8), out_shardings=sharding)
         return cls(
-            index_k=tuple(zeros() for _ in range(num_layers)),
+            index_k=zeroed_layers(num_layers, (num_pages + 1, page_size * token_bytes), jnp.uint8, mesh),
             page_size=page_size,
             index_head_dim=index_head_dim,
             start_layer=start_layer,
         )
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.index_k)
-
-    @property
-    def num_pages(self) -> int:
-        return self.index_k[0].shape[0] - 1
-
-    @property
-    def num_slots(self) -> int:
-        return (self.num_pages + 1) * self.page_size
 
     @property
     def scales_per_token(self) -> int:
@@ -122,21 +97,6 @@ class DSAIndexerKeyPool:
     def bytes_per_token_per_layer(self) -> int:
         return self.index_head_dim + self.scales_per_token * INDEXER_SCALE_BYTES
 
-    def nbytes(self) -> int:
-        return sum(math.prod(a.shape) for a in self.index_k)
-
-    def layer_index(self, layer_id: int) -> int:
-        index = layer_id - self.start_layer
-        if not 0 <= index < self.num_layers:
-            raise InvalidSlotError(
-                f"layer_id={layer_id} is not in this pool (layers {self.start_layer}.."
-                f"{self.start_layer + self.num_layers - 1})"
-            )
-        return index
-
-    def replace(self, **changes: Any) -> DSAIndexerKeyPool:
-        return dataclasses.replace(self, **changes)
-
     def _columns(self, offset: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Byte columns within a page of the keys ``[n, D]`` and scales ``[n, S * 4]`` of tokens at ``offset``."""
         d, s = self.index_head_dim, self.scales_per_token * INDEXER_SCALE_BYTES
@@ -144,7 +104,13 @@ class DSAIndexerKeyPool:
         scale_cols = self.page_size * d + offset[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None, :]
         return key_cols, scale_cols
 
-    def _scatter_tokens(
+    # --- writes: two strategies, one result --------------------------------------------------------
+    # ``set_index_k_and_scale`` picks one when lowering (``lax.platform_dependent``): the update
+    # slices on TPU, the scatters elsewhere. Both take one layer array, the int32 slots ``loc [n]``,
+    # ``live [n]`` (False: the token is dropped, its slot on the trash page or outside the layer),
+    # the key bytes ``[n, D]`` and the scale bytes ``[n, D // 128 * 4]``, and return the new layer.
+
+    def scatter_tokens(
         self, layer: jax.Array, loc: jax.Array, live: jax.Array, key_bytes: jax.Array, scale_bytes: jax.Array
     ) -> jax.Array:
         """Two XLA scatters of the tokens' key and scale bytes; dropped tokens go out of bounds."""
@@ -153,7 +119,7 @@ class DSAIndexerKeyPool:
         layer = layer.at[page, key_cols].set(key_bytes, mode="drop")
         return layer.at[page, scale_cols].set(scale_bytes, mode="drop")
 
-    def _update_tokens_in_order(
+    def update_tokens_in_order(
         self, layer: jax.Array, loc: jax.Array, live: jax.Array, key_bytes: jax.Array, scale_bytes: jax.Array
     ) -> jax.Array:
         """The same write as two ``dynamic_update_slice`` per token, token after token (the TPU path).
@@ -203,12 +169,10 @@ class DSAIndexerKeyPool:
             live,
             key_bytes,
             scale_bytes,
-            tpu=self._update_tokens_in_order,
-            default=self._scatter_tokens,
+            tpu=self.update_tokens_in_order,
+            default=self.scatter_tokens,
         )
-        layers = list(self.index_k)
-        layers[index] = layer
-        return self.replace(index_k=tuple(layers))
+        return self.with_layer(index, layer)
 
     def set_index_k(self, layer_id: int, loc: jax.Array, keys: jax.Array) -> DSAIndexerKeyPool:
         """Quantise ``keys: [n, index_head_dim]`` blockwise (``quantise_index_k``) and write them."""
@@ -221,8 +185,7 @@ class DSAIndexerKeyPool:
         """The stored e4m3 keys ``[n, D]`` and f32 scales ``[n, D // 128]`` of slots ``loc``."""
         index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
-        loc = jnp.asarray(loc, jnp.int32)
-        loc = jnp.where((loc >= 0) & (loc < self.num_slots), loc, 0)
+        loc = route_to_trash(loc, self.num_slots)
         layer = self.index_k[index]
         page = (loc // self.page_size)[:, None]
         key_cols, scale_cols = self._columns(loc % self.page_size)

@@ -24,57 +24,22 @@ to the trash page on the device, never clamped onto a live slot.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
+from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
 from kvjax.pools.mha_layout import MHALayout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.page_copy import copy_slots
 from pallas_kernels.validate import check_kv_scale
-
-
-def _static(**kwargs: Any) -> Any:
-    """A dataclass field that is pytree metadata (static under ``jit``), not a leaf."""
-    return dataclasses.field(metadata=dict(static=True), **kwargs)
-
-
-def _is_traced(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def check_slots(loc: Any, num_slots: int, *, name: str = "loc") -> None:
-    """Reject concrete slot ids outside ``[0, num_slots)`` on the host; traced ids pass through.
-
-    Raises ``InvalidSlotError`` naming the first offending ids and how many there are.
-    """
-    if _is_traced(loc):
-        return
-    ids = np.asarray(loc)
-    if ids.dtype.kind not in "iu":
-        raise InvalidSlotError(f"{name} must be integer slot ids, got dtype {ids.dtype}")
-    bad = ids[(ids < 0) | (ids >= num_slots)]
-    if bad.size:
-        raise InvalidSlotError(
-            f"{name}: {bad.size} slot id(s) outside [0, {num_slots}): {bad[:8].tolist()}"
-            f"{' ...' if bad.size > 8 else ''}; pass slot ids from this pool's allocator"
-        )
-
-
-def _route_out_of_range_to_trash(loc: jax.Array, num_slots: int) -> jax.Array:
-    """Device-side guard: slots outside the pool go to slot 0 (the trash page)."""
-    loc = loc.astype(jnp.int32)
-    return jnp.where((loc >= 0) & (loc < num_slots), loc, 0)
 
 
 def _write_slots(layer: jax.Array, new_kv: jax.Array, loc: jax.Array) -> jax.Array:
@@ -96,29 +61,29 @@ def _copy_slots(layers: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -
     return copy_slots(layers, src, dst)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MHAKVPool:
+class MHAKVPool(PagedLayers, Pool):
     """Paged K/V of the full-attention layers of one pipeline stage (see module docstring).
 
     Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays), ``k_scale`` and ``v_scale``
     (f32 ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
     """
 
+    LAYER_KIND = "full attention"
+
     kv: tuple[jax.Array, ...]
     k_scale: jax.Array
     v_scale: jax.Array
-    page_size: int = _static()
-    num_kv_heads: int = _static()
-    head_dim: int = _static()
-    v_head_dim: int = _static()
-    dtype: str = _static()
-    start_layer: int = _static(default=0)
-    mesh: Mesh | None = _static(default=None)  # set when the layers are sharded over KV heads
-    kv_head_axis: str | None = _static(default=None)
+    page_size: int = static_field()
+    num_kv_heads: int = static_field()
+    head_dim: int = static_field()
+    v_head_dim: int = static_field()
+    dtype: str = static_field()
+    start_layer: int = static_field(default=0)
+    mesh: Mesh | None = static_field(default=None)  # set when the layers are sharded over KV heads
+    kv_head_axis: str | None = static_field(default=None)
     # Global ids of the layers, when they are not consecutive from ``start_layer`` (the
     # full-attention layers of a hybrid model: SGLang's ``HybridLinearKVPool`` mapping).
-    layer_ids: tuple[int, ...] | None = _static(default=None)
+    layer_ids: tuple[int, ...] | None = static_field(default=None)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -163,12 +128,8 @@ class MHAKVPool:
         )
         v_head_dim = layout.v_head_dim
         store = jnp.dtype(layout.storage_dtype)
-        shape = layout.shape(num_pages)
-        sharding = None if mesh is None else NamedSharding(mesh, _HEAD_SPEC(kv_head_axis))
-        zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
-        kv = tuple(zeros() for _ in range(num_layers))
         return cls(
-            kv=kv,
+            kv=zeroed_layers(num_layers, layout.shape(num_pages), store, mesh, _HEAD_SPEC(kv_head_axis)),
             k_scale=jnp.ones((num_layers,), jnp.float32),
             v_scale=jnp.ones((num_layers,), jnp.float32),
             page_size=page_size,
@@ -185,64 +146,12 @@ class MHAKVPool:
     # --- static facts ---------------------------------------------------------------------------
 
     @property
-    def num_layers(self) -> int:
-        return len(self.kv)
-
-    @property
-    def num_pages(self) -> int:
-        """Allocatable pages (the trash page excluded)."""
-        return self.kv[0].shape[0] - 1
-
-    @property
-    def size(self) -> int:
-        """Allocatable token slots: ``num_pages * page_size`` (SGLang's pool ``size``)."""
-        return self.num_pages * self.page_size
-
-    @property
-    def num_slots(self) -> int:
-        """All token slots including the trash page: valid slot ids are ``[0, num_slots)``."""
-        return (self.num_pages + 1) * self.page_size
-
-    @property
     def head_dim_padded(self) -> int:
         return self.kv[0].shape[-1]
 
     @property
-    def store_dtype(self) -> np.dtype:
-        return self.kv[0].dtype
-
-    @property
     def logical_dtype(self) -> np.dtype:
         return dtypes.logical_dtype(self.dtype)
-
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers of this pool (padding included)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim_padded * self.store_dtype.itemsize
-
-    def nbytes(self) -> int:
-        """Bytes of all layer arrays (trash page included)."""
-        return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.kv)
-
-    def layer_index(self, layer_id: int) -> int:
-        """The array index of global layer ``layer_id`` (``InvalidSlotError`` naming this pool's
-        layers otherwise)."""
-        return self._layer_index(layer_id)
-
-    def _layer_index(self, layer_id: int) -> int:
-        if self.layer_ids is not None:
-            try:
-                return self.layer_ids.index(int(layer_id))
-            except ValueError:
-                raise InvalidSlotError(
-                    f"layer_id={layer_id} not in full attention layers: {list(self.layer_ids)}"
-                ) from None
-        index = layer_id - self.start_layer
-        if not 0 <= index < self.num_layers:
-            raise InvalidSlotError(
-                f"layer_id={layer_id} is not in this pool (layers {self.start_layer}.."
-                f"{self.start_layer + self.num_layers - 1})"
-            )
-        return index
 
     # --- writes ---------------------------------------------------------------------------------
 
@@ -281,23 +190,21 @@ class MHAKVPool:
         (default: the layer's stored scale) before the cast, as SGLang does. Padded tokens may use
         slots of page 0.
         """
-        index = self._layer_index(layer_id)
+        index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
         ks = self.k_scale[index] if k_scale is None else jnp.asarray(k_scale, jnp.float32)
         vs = self.v_scale[index] if v_scale is None else jnp.asarray(v_scale, jnp.float32)
         packed = self._pack(jnp.asarray(k), jnp.asarray(v), ks, vs)
-        slots = _route_out_of_range_to_trash(jnp.asarray(loc), self.num_slots)
+        slots = route_to_trash(loc, self.num_slots)
         if slots.shape != (packed.shape[0],):
             raise ValueError(f"loc has shape {slots.shape}; expected ({packed.shape[0]},), one slot per token")
-        layers = list(self.kv)
         write = _write_slots
         if self.mesh is not None:
             axis = self.kv_head_axis
             write = jax.shard_map(
                 write, mesh=self.mesh, in_specs=(_HEAD_SPEC(axis), P(None, axis, None), P()), out_specs=_HEAD_SPEC(axis)
             )
-        layers[index] = write(layers[index], packed, slots)
-        return self.replace(kv=tuple(layers))
+        return self.with_layer(index, write(self.kv[index], packed, slots))
 
     def set_kv_scale(self, layer_id: int, k_scale: float | jax.Array, v_scale: float | jax.Array) -> MHAKVPool:
         """Set one layer's fp8 scales (stored = value / scale). Existing entries are not rescaled.
@@ -305,7 +212,7 @@ class MHAKVPool:
         Concrete scales that are zero, negative or not finite raise ``ValueError`` (the pool is
         unchanged); traced scales cannot be checked.
         """
-        index = self._layer_index(layer_id)
+        index = self.layer_index(layer_id)
         check_kv_scale("k_scale", k_scale)
         check_kv_scale("v_scale", v_scale)
         return self.replace(
@@ -319,21 +226,12 @@ class MHAKVPool:
         All sources are read before any target is written (a chain ``1->2, 2->3`` copies the old
         slot 2 into 3).
         """
-        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
-        check_slots(src_loc, self.num_slots, name="src_loc")
-        tgt = _route_out_of_range_to_trash(jnp.asarray(tgt_loc), self.num_slots)
-        src = _route_out_of_range_to_trash(jnp.asarray(src_loc), self.num_slots)
-        if tgt.shape != src.shape or tgt.ndim != 1:
-            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
+        tgt, src = self.move_slots(tgt_loc, src_loc)
         copy = _copy_slots
         if self.mesh is not None:
             specs = tuple(_HEAD_SPEC(self.kv_head_axis) for _ in self.kv)
             copy = jax.shard_map(copy, mesh=self.mesh, in_specs=(specs, P(), P()), out_specs=specs)
         return self.replace(kv=copy(self.kv, src, tgt))
-
-    def replace(self, **changes: Any) -> MHAKVPool:
-        """A copy with some fields changed (the pytree analogue of an in-place update)."""
-        return dataclasses.replace(self, **changes)
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -342,7 +240,7 @@ class MHAKVPool:
 
         This is what paged-attention kernels read; it is a bit-cast, not a copy.
         """
-        return dtypes.from_storage(self.kv[self._layer_index(layer_id)], self.logical_dtype)
+        return dtypes.from_storage(self.kv[self.layer_index(layer_id)], self.logical_dtype)
 
     def get_key_buffer(self, layer_id: int) -> jax.Array:
         """K of one layer per token slot: ``[num_slots, num_kv_heads, head_dim]`` (stored values).
@@ -367,9 +265,9 @@ class MHAKVPool:
 
         Reads only the requested slots (O(n)); fp8 values are multiplied back by the layer's scale.
         """
-        index = self._layer_index(layer_id)
+        index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
-        slots = _route_out_of_range_to_trash(jnp.asarray(loc), self.num_slots)
+        slots = route_to_trash(loc, self.num_slots)
         layer = self.kv_buffer(layer_id)
         rows = layer.reshape(self.num_slots, 2 * self.num_kv_heads, self.head_dim_padded)[slots]
         k = rows[:, 0::2, : self.head_dim].astype(dtype)
@@ -398,16 +296,32 @@ class MHAKVPool:
 def create_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
     """The pool kind registry's builder for ``"mha"``: allocate the pool ``pool`` plans.
 
-    The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
-    sharded over ``context.kv_head_axis``. Consecutive layers are indexed from ``layer_ids[0]``;
-    interleaved ones (the full-attention layers of a hybrid model) through ``layer_ids``.
+    Consecutive layers are indexed from ``layer_ids[0]``; interleaved ones (the full-attention
+    layers of a hybrid model) through ``layer_ids``.
     """
-    layout = pool.layout
-    if not isinstance(layout, MHALayout):
-        raise TypeError(f"pool {pool.name!r} of kind 'mha' needs an MHALayout, got {type(layout).__name__}")
     ids = pool.layer_ids
     start = ids[0] if ids else 0
     interleaved = list(ids) != list(range(start, start + len(ids)))
+    return pool_from_plan(pool, context, "mha", start_layer=start, layer_ids=tuple(ids) if interleaved else None)
+
+
+def pool_from_plan(
+    pool: PoolPlan,
+    context: BuildContext,
+    kind: str,
+    *,
+    start_layer: int = 0,
+    layer_ids: tuple[int, ...] | None = None,
+) -> MHAKVPool:
+    """An ``MHAKVPool`` of the pages, layers and layout ``pool`` plans (``kind``: the plan's pool
+    kind, for the error when its layout is not an ``MHALayout``).
+
+    The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
+    sharded over ``context.kv_head_axis``.
+    """
+    layout = pool.layout
+    if not isinstance(layout, MHALayout):
+        raise TypeError(f"pool {pool.name!r} of kind {kind!r} needs an MHALayout, got {type(layout).__name__}")
     heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
     return MHAKVPool.create(
         num_pages=pool.shape[0] - 1,
@@ -419,10 +333,10 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
         dtype=layout.dtype,
         platform=context.platform,
         head_dim_alignment=layout.head_dim_padded,  # rounds max(head_dim, v_head_dim) up to exactly it
-        start_layer=start,
+        start_layer=start_layer,
         mesh=context.mesh,
         kv_head_axis=context.kv_head_axis,
-        layer_ids=tuple(ids) if interleaved else None,
+        layer_ids=layer_ids,
     )
 
 

@@ -92,19 +92,15 @@ class MHALayout:
         built: bool = True,
     ) -> PoolPlan:
         """The ``PoolPlan`` of ``len(layer_ids)`` layer arrays of ``num_pages`` pages (+ trash page)."""
-        shape = self.shape(num_pages)
-        layers = len(layer_ids)
-        per_token = layers * self.bytes_per_token_per_layer
-        return PoolPlan(
-            name=name,
-            kind=kind,
-            shape=shape,
+        return PoolPlan.paged(
+            name,
+            kind,
+            shape=self.shape(num_pages),
             dtype=self.storage_dtype,
-            count=layers,
-            nbytes=(num_pages + 1) * self.page_size * per_token,
+            page_size=self.page_size,
+            layer_ids=layer_ids,
+            bytes_per_token_per_layer=self.bytes_per_token_per_layer,
+            layout=self,
             memory=memory,
             built=built,
-            bytes_per_token=per_token,
-            layer_ids=layer_ids,
-            layout=self,
         )

@@ -33,28 +33,19 @@ slots outside the pool (and the trash page) are dropped on the device, never cla
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
-from kvjax.pools.mha import check_slots
+from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
 from kvjax.pools.mla_layout import MLALayout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from pallas_kernels.validate import check_kv_scale
-
-
-def _static(**kwargs: Any) -> Any:
-    """A dataclass field that is pytree metadata (static under ``jit``), not a leaf."""
-    return dataclasses.field(metadata=dict(static=True), **kwargs)
 
 
 def _live_slots(loc: jax.Array, pages: int, page_size: int) -> jax.Array:
@@ -119,9 +110,7 @@ def _as_rows(name: str, x: jax.Array, width: int) -> jax.Array:
     return x
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MLAKVPool:
+class MLAKVPool(PagedLayers, Pool):
     """Paged latent KV of the MLA layers of one pipeline stage (see module docstring).
 
     Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays) and ``scale`` (f32
@@ -130,11 +119,11 @@ class MLAKVPool:
 
     kv: tuple[jax.Array, ...]
     scale: jax.Array
-    page_size: int = _static()
-    kv_lora_rank: int = _static()
-    qk_rope_head_dim: int = _static()
-    dtype: str = _static()
-    start_layer: int = _static(default=0)
+    page_size: int = static_field()
+    kv_lora_rank: int = static_field()
+    qk_rope_head_dim: int = static_field()
+    dtype: str = static_field()
+    start_layer: int = static_field(default=0)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -169,12 +158,9 @@ class MLAKVPool:
         padded = layout.row_padded if row_padded is None else int(row_padded)
         if padded < row:
             raise ValueError(f"row_padded={padded} is below kv_lora_rank + qk_rope_head_dim = {row}")
-        shape = (num_pages + 1, page_size, padded)
         store = jnp.dtype(layout.storage_dtype)
-        sharding = None if mesh is None else NamedSharding(mesh, P())
-        zeros = jax.jit(lambda: jnp.zeros(shape, store), out_shardings=sharding)
         return cls(
-            kv=tuple(zeros() for _ in range(num_layers)),
+            kv=zeroed_layers(num_layers, (num_pages + 1, page_size, padded), store, mesh),
             scale=jnp.ones((num_layers,), jnp.float32),
             page_size=page_size,
             kv_lora_rank=kv_lora_rank,
@@ -186,25 +172,6 @@ class MLAKVPool:
     # --- static facts ---------------------------------------------------------------------------
 
     @property
-    def num_layers(self) -> int:
-        return len(self.kv)
-
-    @property
-    def num_pages(self) -> int:
-        """Allocatable pages (the trash page excluded)."""
-        return self.kv[0].shape[0] - 1
-
-    @property
-    def size(self) -> int:
-        """Allocatable token slots: ``num_pages * page_size`` (SGLang's pool ``size``)."""
-        return self.num_pages * self.page_size
-
-    @property
-    def num_slots(self) -> int:
-        """All token slots including the trash page: valid slot ids are ``[0, num_slots)``."""
-        return (self.num_pages + 1) * self.page_size
-
-    @property
     def kv_cache_dim(self) -> int:
         """``kv_lora_rank + qk_rope_head_dim`` (SGLang's name): the unpadded row."""
         return self.kv_lora_rank + self.qk_rope_head_dim
@@ -214,34 +181,8 @@ class MLAKVPool:
         return self.kv[0].shape[-1]
 
     @property
-    def store_dtype(self) -> np.dtype:
-        return self.kv[0].dtype
-
-    @property
     def logical_dtype(self) -> np.dtype:
         return dtypes.logical_dtype(self.dtype)
-
-    def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers of this pool (padding included)."""
-        return self.num_layers * self.row_padded * self.store_dtype.itemsize
-
-    def nbytes(self) -> int:
-        """Bytes of all layer arrays (trash page included)."""
-        return sum(math.prod(a.shape) * a.dtype.itemsize for a in self.kv)
-
-    def layer_index(self, layer_id: int) -> int:
-        """Index of model layer ``layer_id`` in this pool (``InvalidSlotError`` if not here)."""
-        index = layer_id - self.start_layer
-        if not 0 <= index < self.num_layers:
-            raise InvalidSlotError(
-                f"layer_id={layer_id} is not in this pool (layers {self.start_layer}.."
-                f"{self.start_layer + self.num_layers - 1})"
-            )
-        return index
-
-    def replace(self, **changes: Any) -> MLAKVPool:
-        """A copy with some fields changed (the pytree analogue of an in-place update)."""
-        return dataclasses.replace(self, **changes)
 
     # --- writes ---------------------------------------------------------------------------------
 
@@ -260,9 +201,7 @@ class MLAKVPool:
         if loc.shape != (row.shape[0],):
             raise ValueError(f"loc has shape {list(loc.shape)}; expected [{row.shape[0]}], one slot per token")
         s = self.scale[index] if scale is None else jnp.asarray(scale, jnp.float32)
-        layers = list(self.kv)
-        layers[index] = scatter_rows(layers[index], self._quantise(row, s), loc)
-        return self.replace(kv=tuple(layers))
+        return self.with_layer(index, scatter_rows(self.kv[index], self._quantise(row, s), loc))
 
     def set_mla_kv_buffer(
         self,
@@ -310,12 +249,7 @@ class MLAKVPool:
 
     def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> MLAKVPool:
         """Copy token slots ``src_loc[i] -> tgt_loc[i]`` in every layer (all reads before all writes)."""
-        check_slots(tgt_loc, self.num_slots, name="tgt_loc")
-        check_slots(src_loc, self.num_slots, name="src_loc")
-        tgt, src = jnp.asarray(tgt_loc, jnp.int32), jnp.asarray(src_loc, jnp.int32)
-        if tgt.shape != src.shape or tgt.ndim != 1:
-            raise ValueError(f"tgt_loc {tgt.shape} and src_loc {src.shape} must be 1-D of equal length")
-        src = jnp.where((src >= 0) & (src < self.num_slots), src, 0)
+        tgt, src = self.move_slots(tgt_loc, src_loc)
         layers = []
         for layer in self.kv:
             rows = layer.reshape(self.num_slots, self.row_padded)[src]
@@ -349,8 +283,7 @@ class MLAKVPool:
         ``loc`` in ``dst_dtype`` (O(n) reads; fp8 values multiplied back by the layer's scale)."""
         index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
-        slots = jnp.asarray(loc, jnp.int32)
-        slots = jnp.where((slots >= 0) & (slots < self.num_slots), slots, 0)
+        slots = route_to_trash(loc, self.num_slots)
         rows = self.kv_buffer(layer_id).reshape(self.num_slots, self.row_padded)[slots]
         rows = rows[:, None, : self.kv_cache_dim].astype(jnp.float32)
         if dtypes.is_fp8(self.dtype):
@@ -373,29 +306,23 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> Any:
             f"pool {pool.name!r} serves layers {list(ids)}, which are not consecutive; an MLA pool over "
             "interleaved layers is not built yet"
         )
-    num_pages = pool.shape[0] - 1
+    shared: dict[str, Any] = dict(
+        num_pages=pool.shape[0] - 1,
+        page_size=layout.page_size,
+        num_layers=pool.count,
+        platform=context.platform,
+        start_layer=start,
+        mesh=context.mesh,
+    )
     if pool.name == "index_k":
         from kvjax.pools.dsa_indexer import DSAIndexerKeyPool
 
         assert layout.index_head_dim is not None
-        return DSAIndexerKeyPool.create(
-            num_pages=num_pages,
-            page_size=layout.page_size,
-            num_layers=pool.count,
-            index_head_dim=layout.index_head_dim,
-            platform=context.platform,
-            start_layer=start,
-            mesh=context.mesh,
-        )
+        return DSAIndexerKeyPool.create(index_head_dim=layout.index_head_dim, **shared)
     return MLAKVPool.create(
-        num_pages=num_pages,
-        page_size=layout.page_size,
-        num_layers=pool.count,
         kv_lora_rank=layout.kv_lora_rank,
         qk_rope_head_dim=layout.qk_rope_head_dim,
         dtype=layout.dtype,
-        platform=context.platform,
         row_padded=layout.row_padded,
-        start_layer=start,
-        mesh=context.mesh,
+        **shared,
     )

@@ -101,37 +101,22 @@ class MLALayout:
         self, *, num_pages: int, layer_ids: tuple[int, ...], built: bool, kind: str = "mla"
     ) -> tuple[PoolPlan, ...]:
         """The latent pool ``"kv"`` and, for DSA, the indexer pool ``"index_k"``."""
-        layers = len(layer_ids)
-        per_token = layers * self.bytes_per_token_per_layer
-        slots = (num_pages + 1) * self.page_size
-        pools = [
-            PoolPlan(
-                "kv",
-                kind,
-                self.shape(num_pages),
-                self.storage_dtype,
-                layers,
-                slots * per_token,
-                built=built,
-                bytes_per_token=per_token,
-                layer_ids=layer_ids,
-                layout=self,
-            )
+        pools: list[tuple[str, tuple[int, ...], str, int]] = [
+            ("kv", self.shape(num_pages), self.storage_dtype, self.bytes_per_token_per_layer)
         ]
         if self.index_head_dim:
-            per_token = layers * self.indexer_bytes_per_token_per_layer
-            pools.append(
-                PoolPlan(
-                    "index_k",
-                    kind,
-                    self.indexer_shape(num_pages),
-                    "uint8",
-                    layers,
-                    slots * per_token,
-                    built=built,
-                    bytes_per_token=per_token,
-                    layer_ids=layer_ids,
-                    layout=self,
-                )
+            pools.append(("index_k", self.indexer_shape(num_pages), "uint8", self.indexer_bytes_per_token_per_layer))
+        return tuple(
+            PoolPlan.paged(
+                name,
+                kind,
+                shape=shape,
+                dtype=dtype,
+                page_size=self.page_size,
+                layer_ids=layer_ids,
+                bytes_per_token_per_layer=per_token,
+                layout=self,
+                built=built,
             )
-        return tuple(pools)
+            for name, shape, dtype, per_token in pools
+        )

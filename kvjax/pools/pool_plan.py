@@ -41,6 +41,39 @@ class PoolPlan:
     layer_ids: tuple[int, ...] = ()
     layout: Any = None
 
+    @classmethod
+    def paged(
+        cls,
+        name: str,
+        kind: str,
+        *,
+        shape: tuple[int, ...],
+        dtype: str,
+        page_size: int,
+        layer_ids: tuple[int, ...],
+        bytes_per_token_per_layer: int,
+        layout: Any,
+        memory: str = "device",
+        built: bool = True,
+    ) -> PoolPlan:
+        """The plan of a paged pool: one array of ``shape`` per layer of ``layer_ids``, axis 0 its
+        pages (the trash page included) of ``page_size`` tokens; a token costs
+        ``bytes_per_token_per_layer`` in each layer, padding included."""
+        per_token = len(layer_ids) * bytes_per_token_per_layer
+        return cls(
+            name=name,
+            kind=kind,
+            shape=shape,
+            dtype=dtype,
+            count=len(layer_ids),
+            nbytes=shape[0] * page_size * per_token,
+            memory=memory,
+            built=built,
+            bytes_per_token=per_token,
+            layer_ids=layer_ids,
+            layout=layout,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: shape and layer ids as lists, the layout as a dict (or None)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -27,7 +27,6 @@ a free slot) is the allocator's to check: :func:`fork_live_slots`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -40,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
-from kvjax.pools.mha import check_slots
+from kvjax.pools.base import LayerStack, Pool, check_slots, is_traced, route_to_trash, static_field
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.recurrent_layout import RecurrentLayout
 from kvjax.pools.registry import BuildContext
@@ -50,17 +49,7 @@ from pallas_kernels.state_slots import copy_state_slots, zero_slots
 __all__ = ["RecurrentStatePool", "apply_state_copies", "create_pool_group", "fork_live_slots"]
 
 
-def _static(**kwargs: Any) -> Any:
-    return dataclasses.field(metadata=dict(static=True), **kwargs)
-
-
-def _is_traced(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RecurrentStatePool:
+class RecurrentStatePool(LayerStack, Pool):
     """Conv and SSM/delta-rule state of every recurrent layer of one stage (see module docstring).
 
     Data fields (pytree leaves): ``conv`` (one array per conv tensor) and ``ssm``. Meta fields
@@ -68,15 +57,17 @@ class RecurrentStatePool:
     ``conv_dtype`` and ``ssm_dtype`` (logical kvjax dtype names).
     """
 
+    LAYER_KIND = "recurrent"
+
     conv: tuple[jax.Array, ...]
     ssm: jax.Array
-    layer_ids: tuple[int, ...] = _static()
-    conv_dtype: str = _static()
-    ssm_dtype: str = _static()
-    mesh: Mesh | None = _static(default=None)  # set when the state is sharded over TP ranks
-    state_axis: str | None = _static(default=None)
+    layer_ids: tuple[int, ...] = static_field()
+    conv_dtype: str = static_field()
+    ssm_dtype: str = static_field()
+    mesh: Mesh | None = static_field(default=None)  # set when the state is sharded over TP ranks
+    state_axis: str | None = static_field(default=None)
     # Lane-dense conv storage (TPU): the logical conv shapes, each stored flat as [rows, 128].
-    conv_shapes: tuple[tuple[int, ...], ...] | None = _static(default=None)
+    conv_shapes: tuple[tuple[int, ...], ...] | None = static_field(default=None)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -199,16 +190,13 @@ class RecurrentStatePool:
         """Every state array, conv tensors first then the SSM tensor (the kernels' tuple)."""
         return (*self.conv, self.ssm)
 
-    def _with_arrays(self, arrays: tuple[jax.Array, ...]) -> RecurrentStatePool:
-        return dataclasses.replace(self, conv=tuple(arrays[:-1]), ssm=arrays[-1])
+    def _logical_dtypes(self) -> tuple[Any, ...]:
+        """The logical dtype of each array of ``arrays()`` (what reads give, writes cast to)."""
+        conv = dtypes.logical_dtype(self.conv_dtype)
+        return (conv,) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
 
-    def layer_index(self, layer_id: int) -> int:
-        """The array index of global layer ``layer_id`` (``ValueError`` naming the recurrent layers
-        otherwise, as SGLang's ``HybridLinearKVPool`` does for attention layers)."""
-        try:
-            return self.layer_ids.index(int(layer_id))
-        except ValueError:
-            raise ValueError(f"layer_id={layer_id} not in recurrent layers: {list(self.layer_ids)}") from None
+    def _with_arrays(self, arrays: tuple[jax.Array, ...]) -> RecurrentStatePool:
+        return self.replace(conv=tuple(arrays[:-1]), ssm=arrays[-1])
 
     # --- updates --------------------------------------------------------------------------------
 
@@ -218,7 +206,7 @@ class RecurrentStatePool:
         Concrete ids outside ``[1, num_slots]`` raise ``InvalidSlotError`` (pool unchanged);
         traced ones out of range are dropped.
         """
-        if not _is_traced(slots):
+        if not is_traced(slots):
             validate.check_ids_in_range("slots", slots, 1, self.num_slots + 1, kind="state slot")
         return self._with_arrays(self._per_device(zero_slots)(self.arrays(), jnp.asarray(slots, jnp.int32)))
 
@@ -229,7 +217,7 @@ class RecurrentStatePool:
         ``[1, num_slots]``, destinations unique and none also a source. Whether the slots are
         live is the allocator's to say: see :func:`fork_live_slots`.
         """
-        if not (_is_traced(src) or _is_traced(dst)):
+        if not (is_traced(src) or is_traced(dst)):
             validate.check_fork(src, dst, self.num_slots + 1)
         copy = self._per_device(copy_state_slots)
         return self._with_arrays(copy(self.arrays(), jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)))
@@ -270,8 +258,7 @@ class RecurrentStatePool:
         want = (n, *self.ssm.shape[2:])
         if tuple(ssm.shape) != want:
             raise ValueError(f"ssm has shape {tuple(ssm.shape)}; expected {want}")
-        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
-        arrays = _write_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), (*conv, ssm), logical)
+        arrays = _write_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), (*conv, ssm), self._logical_dtypes())
         return self._with_arrays(arrays)
 
     # --- reads ----------------------------------------------------------------------------------
@@ -283,8 +270,7 @@ class RecurrentStatePool:
         """
         index = self.layer_index(layer_id)
         check_slots(slots, self.num_slots + 1, name="slots")
-        logical = (dtypes.logical_dtype(self.conv_dtype),) * len(self.conv) + (dtypes.logical_dtype(self.ssm_dtype),)
-        out = _read_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), logical)
+        out = _read_layer(self.arrays(), index, jnp.asarray(slots, jnp.int32), self._logical_dtypes())
         return tuple(self._conv_from_storage(i, x) for i, x in enumerate(out[:-1])), out[-1]
 
 
@@ -294,8 +280,7 @@ def _write_layer(
 ) -> tuple[jax.Array, ...]:
     """Scatter one layer's new states (cast to the logical dtype, stored as the storage dtype);
     slots outside ``[0, num_slots]`` go to the padding slot 0."""
-    rows = arrays[0].shape[1]
-    loc = jnp.where((slots >= 0) & (slots < rows), slots, 0)
+    loc = route_to_trash(slots, arrays[0].shape[1])
     return tuple(
         a.at[index, loc].set(dtypes.to_storage(jnp.asarray(x).astype(dt), a.dtype))
         for a, x, dt in zip(arrays, new, logical, strict=True)
@@ -307,8 +292,7 @@ def _read_layer(
     arrays: tuple[jax.Array, ...], index: int, slots: jax.Array, logical: tuple[Any, ...]
 ) -> tuple[jax.Array, ...]:
     """One layer's states of ``slots`` in their logical dtypes (out of range: slot 0)."""
-    rows = arrays[0].shape[1]
-    loc = jnp.where((slots >= 0) & (slots < rows), slots, 0)
+    loc = route_to_trash(slots, arrays[0].shape[1])
     return tuple(dtypes.from_storage(a[index, loc], dt) for a, dt in zip(arrays, logical, strict=True))
 
 

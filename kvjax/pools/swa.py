@@ -22,23 +22,18 @@ written layer's buffer changes).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.errors import InvalidSlotError
-from kvjax.pools.mha import MHAKVPool, check_slots
-from kvjax.pools.mha_layout import MHALayout
+from kvjax.pools.base import Pool, check_slots, static_field
+from kvjax.pools.mha import MHAKVPool, pool_from_plan
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 
 __all__ = ["SWAKVPool", "create_pool_group", "translate_full_to_swa"]
-
-
-def _static(**kwargs: Any) -> Any:
-    return dataclasses.field(metadata=dict(static=True), **kwargs)
 
 
 def translate_full_to_swa(loc: jax.Array, full_to_swa: jax.Array, num_swa_slots: int) -> jax.Array:
@@ -55,9 +50,7 @@ def translate_full_to_swa(loc: jax.Array, full_to_swa: jax.Array, num_swa_slots:
     return jnp.where(inside & (swa >= 0) & (swa < num_swa_slots), swa, 0)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SWAKVPool:
+class SWAKVPool(Pool):
     """The full-attention pool and the sliding-window pool of one pipeline stage.
 
     Data fields (pytree children): ``full`` (an ``MHAKVPool`` over the full layers, or None) and
@@ -68,8 +61,8 @@ class SWAKVPool:
 
     full: MHAKVPool | None
     swa: MHAKVPool
-    full_layer_ids: tuple[int, ...] = _static()
-    swa_layer_ids: tuple[int, ...] = _static()
+    full_layer_ids: tuple[int, ...] = static_field()
+    swa_layer_ids: tuple[int, ...] = static_field()
 
     # --- layers ---------------------------------------------------------------------------------
 
@@ -137,15 +130,13 @@ class SWAKVPool:
         check_slots(loc, self.num_full_slots)
         if is_swa:
             swa = self.swa.set_kv_buffer(index, self.swa_loc(loc, full_to_swa), k, v, k_scale, v_scale)
-            return dataclasses.replace(self, swa=swa)
+            return self.replace(swa=swa)
         assert self.full is not None
-        return dataclasses.replace(self, full=self.full.set_kv_buffer(index, loc, k, v, k_scale, v_scale))
+        return self.replace(full=self.full.set_kv_buffer(index, loc, k, v, k_scale, v_scale))
 
     def kv_buffer(self, layer_id: int) -> jax.Array:
         """The raw layer array a paged-attention kernel reads (its own sub-pool's pages)."""
-        index, is_swa = self._locate(layer_id)
-        pool = self.swa if is_swa else self.full
-        assert pool is not None
+        pool, index = self.sub_pool(layer_id)
         return pool.kv_buffer(index)
 
     def sub_pool(self, layer_id: int) -> tuple[MHAKVPool, int]:
@@ -166,30 +157,6 @@ class SWAKVPool:
         assert self.full is not None
         return self.full.get_kv(index, loc, dtype=dtype)
 
-    def replace(self, **changes: Any) -> SWAKVPool:
-        return dataclasses.replace(self, **changes)
-
-
-def _sub_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
-    layout = pool.layout
-    if not isinstance(layout, MHALayout):
-        raise TypeError(f"pool {pool.name!r} of kind 'swa' needs an MHALayout, got {type(layout).__name__}")
-    heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
-    return MHAKVPool.create(
-        num_pages=pool.shape[0] - 1,
-        page_size=layout.page_size,
-        num_layers=pool.count,
-        num_kv_heads=heads,
-        head_dim=layout.head_dim,
-        v_head_dim=layout.v_head_dim,
-        dtype=layout.dtype,
-        platform=context.platform,
-        head_dim_alignment=layout.head_dim_padded,
-        start_layer=0,  # layers are indexed locally; SWAKVPool maps the global ids
-        mesh=context.mesh,
-        kv_head_axis=context.kv_head_axis,
-    )
-
 
 def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> SWAKVPool:
     """The pool kind registry's group builder for ``"swa"``: the plan's ``kv_full`` (optional) and
@@ -201,8 +168,8 @@ def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> SWA
     full_plan = by_name.get("kv_full")
     swa_plan = by_name["kv_swa"]
     return SWAKVPool(
-        full=None if full_plan is None else _sub_pool(full_plan, context),
-        swa=_sub_pool(swa_plan, context),
+        full=None if full_plan is None else pool_from_plan(full_plan, context, "swa"),
+        swa=pool_from_plan(swa_plan, context, "swa"),
         full_layer_ids=() if full_plan is None else tuple(full_plan.layer_ids),
         swa_layer_ids=tuple(swa_plan.layer_ids),
     )

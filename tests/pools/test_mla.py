@@ -190,8 +190,8 @@ def test_indexer_tpu_token_updates_match_the_scatter():
     live = (loc >= 4) & (loc < 16)
     keys = jnp.asarray(rng.integers(0, 256, (6, 256), dtype=np.uint8))
     scales = jnp.asarray(rng.integers(0, 256, (6, 8), dtype=np.uint8))
-    want = pool._scatter_tokens(layer, loc, live, keys, scales)
-    got = pool._update_tokens_in_order(layer, loc, live, keys, scales)
+    want = pool.scatter_tokens(layer, loc, live, keys, scales)
+    got = pool.update_tokens_in_order(layer, loc, live, keys, scales)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.array_equal(np.asarray(want), np.asarray(layer))
 

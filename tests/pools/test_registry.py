@@ -48,9 +48,9 @@ def test_mha_builder_maps_interleaved_layers():
     )
     planned = layout.pool_plan("kv_full", "mha", num_pages=3, layer_ids=(1, 3))
     pool = pool_kind("mha").create(planned, BuildContext(platform="cpu"))
-    assert pool.layer_ids == (1, 3) and pool._layer_index(3) == 1
+    assert pool.layer_ids == (1, 3) and pool.layer_index(3) == 1
     with pytest.raises(ValueError, match=r"layer_id=2 not in full attention layers: \[1, 3\]"):
-        pool._layer_index(2)
+        pool.layer_index(2)
 
 
 def test_request_table_builder():
