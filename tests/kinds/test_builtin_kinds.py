@@ -3,7 +3,10 @@ the build and the scheduler name none of them."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,11 @@ def _code(source: str) -> str:
     source = re.sub(r'"""[\s\S]*?"""', "", source)
     source = re.sub(r"#.*", "", source)
     return re.sub(r"return self\.plan\.\w+", "", source)
+
+
+def test_importing_the_kinds_loads_neither_jax_nor_flax():
+    code = "import sys, kvjax.kinds; print(sorted(m for m in ('jax', 'flax', 'pallas_kernels') if m in sys.modules))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
