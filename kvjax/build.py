@@ -6,7 +6,10 @@ registry (``kvjax.pools.registry``; a kind not built yet raises ``NotImplemented
 capability, before anything is allocated), then loops over ``plan.pools`` and builds each through
 its kind: device pools (zeros, created directly on their devices, sharded over the mesh when one is
 given) and the request→token table; then the token allocator and the tree cache
-(``kvjax.radix.create_tree_cache`` picks it from the plan).
+(``kvjax.radix.create_tree_cache`` picks it from the plan). Whatever depends on the kind of
+cached state (pools a kind adds, the request table's wrapper, the allocator, the host tier's
+transfer engine) comes from the cache kinds the plan uses (``kvjax.kinds.cache_kinds_of``), in
+their registry order; this module names no kind.
 
 Ownership of device state: a ``KVCache`` owns the *current* device state of its pools.
 ``cache.pools`` always reads live arrays as long as whoever runs a donated step stores its result
@@ -17,15 +20,17 @@ objects (allocator, request table, tree), after which the old holder's pools may
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
+from kvjax.alloc import make_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
@@ -223,6 +228,12 @@ def build_kv_cache(
     if mesh is not None:
         _check_mesh(mesh, config)
 
+    kinds = cache_kinds_of(plan)
+    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
+    if extra:  # pools a kind adds beyond the planner's (small per-request state)
+        for pool in extra:
+            pool_kind(pool.kind).require_built(plan.model)
+        plan = dataclasses.replace(plan, pools=plan.pools + extra)
     context = BuildContext(
         platform=plan.platform,
         mesh=mesh,
@@ -244,24 +255,18 @@ def build_kv_cache(
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
             req_to_token_pool = built
-        elif pool.kind == "host_tier":
+        else:
             host_pools[pool.name] = built
     for name, members in groups.items():
         device[name] = pool_kind(name).create_group(tuple(members), context)
-    if req_to_token_pool is not None and plan.is_hybrid_ssm:
-        req_to_token_pool = _with_state_slots(req_to_token_pool, plan)
+    for cache_kind in kinds:  # per-request state around the table (recurrent state slots)
+        if req_to_token_pool is not None and cache_kind.request_table is not None:
+            req_to_token_pool = cache_kind.request_table(req_to_token_pool, plan)
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
     host_pool = host_pools.get("host_kv")
-    allocator: AllocatorProtocol
-    if plan.is_hybrid_swa and plan.full_tokens_per_layer:
-        # Full layers' slots, each paired with a sliding layers' slot (pure SWA: one plain allocator).
-        allocator = SWATokenToKVPoolAllocator(
-            plan.full_tokens_per_layer, plan.swa_tokens_per_layer or 0, plan.alloc_page_size, need_sort=plan.need_sort
-        )
-    else:
-        allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
+    allocator = _allocator(plan, kinds)
     tree_cache = create_tree_cache(
         plan,
         req_to_token_pool=req_to_token_pool,
@@ -291,35 +296,24 @@ def build_kv_cache(
 def attach_host_transfers(cache: KVCache) -> None:
     """Give the cache's host tier the page transfer engine over ``cache`` (the holder whose
     ``set_pools`` a load updates) and its host pool."""
+    from kvjax.kinds.host_tier import make_transfer_engine
     from kvjax.radix import HiRadixCache
-    from kvjax.tiers.transfer import PageTransferEngine
 
     tree = cache.tree_cache
     if isinstance(tree, HiRadixCache):
-        engine: Any
-        if cache.swa_host_pool is not None:
-            from kvjax.tiers.swa_transfer import SWAPageTransferEngine
-
-            engine = SWAPageTransferEngine(
-                cache, cache.host_pool, cache.swa_host_pool, cache.token_to_kv_pool_allocator, pool_name="swa"
-            )
-        else:
-            device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
-            engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+        engine = make_transfer_engine(cache)  # the first a kind of the cache offers, else the plain one
         tree.host.engine = with_draft_transfers(engine, cache, cache.draft_host_pool)
 
 
-def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:
-    """Hybrid SSM: the request table with a state slot per request (``HybridReqToTokenPool``)
-    over the plan's ``max_mamba_cache_size`` slots."""
-    from kvjax.hybrid_req_pool import HybridReqToTokenPool
-
-    return HybridReqToTokenPool(
-        table.size,
-        table.max_context_len,
-        mamba_size=int(plan.max_mamba_cache_size or 0),
-        enable_mamba_extra_buffer=plan.enable_mamba_extra_buffer,
-    )
+def _allocator(plan: CachePlan, kinds: tuple[CacheKind, ...]) -> AllocatorProtocol:
+    """The token allocator of the first kind of ``kinds`` that decides it (``CacheKind.allocator``),
+    else the plain one for the plan's ``max_total_tokens`` (``make_allocator``)."""
+    for kind in kinds:
+        if kind.allocator is not None:
+            allocator = kind.allocator(plan)
+            if allocator is not None:
+                return allocator
+    return make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
 
 
 def host_memory_bytes() -> int | None:

@@ -88,6 +88,14 @@ class AllocatorProtocol(Protocol):
         """Return the frees buffered since :meth:`free_group_begin`."""
         ...
 
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> int:
+        """Evict from ``tree_cache`` until ``num_tokens`` can be allocated; the tokens evicted."""
+        ...
+
+    def leak_free(self, tree_cache: Any) -> bool:
+        """With no request holding KV: every slot is free or held by ``tree_cache``."""
+        ...
+
 
 @runtime_checkable
 class ReqToTokenPoolProtocol(Protocol):

@@ -743,6 +743,20 @@ class BaseTokenToKVPoolAllocator:
         """The pages of a group's buffered frees, in the order one ``free`` would return them."""
         return np.concatenate(group)
 
+    # ------------------------------------------------------------------ with a tree cache
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> int:
+        """Evict from ``tree_cache`` until ``num_tokens`` can be allocated (what the scheduler asks
+        before allocating); returns the tokens evicted. Nothing when they are free already."""
+        missing = int(num_tokens) - self.available_size()
+        return int(tree_cache.evict(missing)) if missing > 0 else 0
+
+    def leak_free(self, tree_cache: Any) -> bool:
+        """With no request holding KV: ``available + evictable + protected == size`` (every slot
+        is free or held by the tree)."""
+        cached = tree_cache.evictable_size() + tree_cache.protected_size()
+        return self.available_size() + cached == self.size
+
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:

@@ -516,6 +516,17 @@ class SWATokenToKVPoolAllocator:
         self.full_attn_allocator.free_group_end()
         self.swa_attn_allocator.free_group_end()
 
+    def leak_free(self, tree_cache: Any) -> bool:
+        """With no request holding KV: ``available + evictable + protected == capacity`` on the
+        full side and on the SWA side (a chunk cache holds nothing: both sides wholly available)."""
+        full_cached = tree_cache.evictable_size() + tree_cache.protected_size()
+        swa_sizes = getattr(tree_cache, "swa_evictable_size", None)
+        swa_cached = swa_sizes() + tree_cache.swa_protected_size() if swa_sizes is not None else 0
+        return (
+            self.full_available_size() + full_cached == self.size_full
+            and self.swa_available_size() + swa_cached == self.size_swa
+        )
+
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvjax.alloc.swa import SWATokenToKVPoolAllocator
 from kvjax.errors import ConfigError, OutOfMemoryError
 
 if TYPE_CHECKING:
@@ -26,10 +25,9 @@ __all__ = ["check_fits_pool", "full_pool_tokens", "kv_tokens_needed", "no_progre
 
 
 def full_pool_tokens(alloc: AllocatorProtocol) -> int:
-    """Token slots of the full-attention pool (the full side of a hybrid sliding-window allocator)."""
-    if isinstance(alloc, SWATokenToKVPoolAllocator):
-        return int(alloc.size_full)
-    return int(alloc.size)
+    """Token slots of the full-attention pool: ``size_full`` where the allocator pairs two sides
+    (hybrid sliding window: ``size`` is the smaller side's), else ``size``."""
+    return int(getattr(alloc, "size_full", alloc.size))
 
 
 def kv_tokens_needed(req: ServingReq, page_size: int) -> int:
@@ -39,10 +37,11 @@ def kv_tokens_needed(req: ServingReq, page_size: int) -> int:
     return -(-tokens // page_size) * page_size
 
 
-def check_fits_pool(req: ServingReq, alloc: AllocatorProtocol, page_size: int, *, pure_swa: bool = False) -> None:
+def check_fits_pool(req: ServingReq, alloc: AllocatorProtocol, page_size: int, *, windowed: bool = False) -> None:
     """Raise ``ConfigError`` (option ``max_total_tokens``) when ``req`` alone can never fit the
-    full-attention pool; nothing for a pure sliding-window cache (``pure_swa``)."""
-    if pure_swa:
+    full-attention pool; nothing when a request holds only about one window of KV whatever its
+    length (``windowed``: a pure sliding-window cache, ``CacheKind.windowed_request_kv``)."""
+    if windowed:
         return
     need = kv_tokens_needed(req, page_size)
     pool = full_pool_tokens(alloc)

@@ -85,9 +85,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.alloc.swa import SWATokenToKVPoolAllocator
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
+from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
 from kvjax.serve.extension import ServingExtension, StepBatch
@@ -95,8 +95,7 @@ from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.serving_req import ServingReq
-from kvjax.serve.step import make_step, pack_batch
-from kvjax.serve.swa_extension import SWAServing, swa_leak_free
+from kvjax.serve.step import make_module_step, make_step, pack_batch
 from kvjax.spec import ModelSpec
 
 __all__ = ["Scheduler", "ServeStats", "ServingReq"]
@@ -154,6 +153,10 @@ class Scheduler:
             default: those the cache's kinds need (none for a full-attention cache).
         overlap: overlap scheduling (see the module docstring); False runs each step to
             completion before forming the next (SGLang's ``--disable-overlap-schedule``).
+        model: a model of the caller's own, run instead of the family ``spec`` names: a flax
+            module whose ``apply({"params": params}, tokens, pools, meta)`` returns ``(logits,
+            new_pools)`` (``kvjax.serve.step.make_module_step``); ``params`` are its weights and
+            ``spec`` is then the spec the cache was planned for.
     """
 
     def __init__(
@@ -167,10 +170,12 @@ class Scheduler:
         record_logits: bool = False,
         extensions: Sequence[ServingExtension] | None = None,
         overlap: bool = True,
+        model: Any = None,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
-        self.model_config = as_model_config(spec)
+        # The family's config (None with a model of the caller's own, ``model``).
+        self.model_config: ModelConfig | None = as_model_config(spec) if model is None else None
         self.spec = spec
         self.cache = cache
         self.params = params
@@ -183,7 +188,11 @@ class Scheduler:
         self.pages_per_seq = -(-self.rows.max_context_len // self.page_size)
         self._page_columns = np.minimum(np.arange(self.pages_per_seq) * self.page_size, self.rows.max_context_len - 1)
         self.record_logits = record_logits
-        self.step_fn = make_step(self.model_config, with_logits=record_logits)
+        self.step_fn = (
+            make_step(self.model_config, with_logits=record_logits)
+            if self.model_config is not None
+            else make_module_step(model, with_logits=record_logits)
+        )
         self.waiting: collections.deque[ServingReq] = collections.deque()
         self.running: list[ServingReq] = []
         self.chunked: ServingReq | None = None
@@ -201,8 +210,12 @@ class Scheduler:
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
-        # Every layer sliding: a request holds about one window of KV, never its whole length.
-        self._pure_swa = bool(cache.is_hybrid_swa and not cache.full_tokens_per_layer)
+        # The cache's kinds (``kvjax.kinds``), in registry order. A kind whose requests hold about
+        # one window of KV whatever their length (pure sliding window) lifts the submission check.
+        self.kinds: tuple[CacheKind, ...] = cache_kinds_of(cache.plan)
+        self._windowed = any(
+            k.windowed_request_kv is not None and k.windowed_request_kv(cache.plan) for k in self.kinds
+        )
         # Tokens promised to the requests already in the prefill batch being formed (extensions
         # that take memory at admission, such as a host tier's load-back, must leave them free).
         self.reserved_tokens = 0
@@ -224,7 +237,7 @@ class Scheduler:
                     f"request {req.rid!r}: {req.seqlen()} prompt + {req.max_new_tokens} new tokens exceed the "
                     "context; shorten the request or raise context_length (up to the model's)",
                 )
-            check_fits_pool(req, self.alloc, self.page_size, pure_swa=self._pure_swa)
+            check_fits_pool(req, self.alloc, self.page_size, windowed=self._windowed)
         for req in reqs:
             self.stats.prompt_tokens += req.seqlen()
             self.waiting.append(req)
@@ -310,22 +323,16 @@ class Scheduler:
 
     def leak_free(self) -> bool:
         """With no request left: ``available + evictable + protected == capacity`` and every row free
-        (a hybrid-SWA cache: for the full and the SWA side each)."""
-        if isinstance(self.alloc, SWATokenToKVPoolAllocator):
-            return self.idle and swa_leak_free(self.alloc, self.tree) and self.rows.available_size() == self.rows.size
-        accounted = self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size()
-        return self.idle and accounted == self.alloc.size and self.rows.available_size() == self.rows.size
+        (``allocator.leak_free``: a hybrid-SWA cache checks the full and the SWA side each)."""
+        return self.idle and self.alloc.leak_free(self.tree) and self.rows.available_size() == self.rows.size
 
     # --- memory -----------------------------------------------------------------------------------
 
     def _make_room(self, tokens: int) -> bool:
-        """Evict until ``tokens`` slots are free; True when they are."""
-        missing = tokens - self.alloc.available_size()
-        if missing > 0:
-            if isinstance(self.alloc, SWATokenToKVPoolAllocator):  # both sides, each by its own need
-                self.stats.evicted_tokens += self.alloc.evict_to_free_tokens(self.tree, tokens)
-            else:
-                self.stats.evicted_tokens += self.tree.evict(missing)
+        """Evict until ``tokens`` slots are free; True when they are (the allocator asks the tree
+        for what it lacks: a hybrid-SWA allocator for each side by its own need)."""
+        if tokens > self.alloc.available_size():
+            self.stats.evicted_tokens += self.alloc.evict_to_free_tokens(self.tree, tokens)
         return self.alloc.available_size() >= tokens
 
     def _pages_needed(self, prefix_len: int, seq_len: int) -> int:
@@ -813,23 +820,15 @@ class _Launched:
 
 
 def default_extensions(cache: KVCache) -> list[ServingExtension]:
-    """The serving hooks the cache's kinds of state need, in call order (none for full attention)."""
+    """The serving hooks of the cache's kinds (``CacheKind.serving_extension``), in the kinds'
+    registry order (built in: sliding window, recurrent state, host tier, retraction backup; none
+    for full attention)."""
     extensions: list[ServingExtension] = []
-    if isinstance(cache.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator) or (
-        cache.is_hybrid_swa and not cache.full_tokens_per_layer
-    ):
-        extensions.append(SWAServing(cache))  # hybrid, or pure (every layer sliding)
-    if "recurrent" in cache.pools:
-        from kvjax.serve.recurrent_extension import RecurrentStateExtension
-
-        extensions.append(RecurrentStateExtension(cache))
-    if cache.host_pool is not None:
-        from kvjax.serve.host_tier import HostTierExtension
-
-        extensions.append(HostTierExtension(cache))
-    from kvjax.serve.retraction_extension import retraction_extensions
-
-    extensions.extend(retraction_extensions(cache))  # cpu_tensor decode retraction backup
+    for kind in cache_kinds_of(cache.plan):
+        if kind.serving_extension is not None:
+            extension = kind.serving_extension(cache)
+            if extension is not None:
+                extensions.append(extension)
     return extensions
 
 

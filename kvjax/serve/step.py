@@ -50,7 +50,14 @@ def make_step(model: ModelSpec | ModelConfig, *, with_logits: bool = False) -> S
 
 @functools.cache
 def _make_step(config: ModelConfig, with_logits: bool) -> StepFn:
-    module = build_model(config)
+    return make_module_step(build_model(config), with_logits=with_logits)
+
+
+def make_module_step(module: Any, *, with_logits: bool = False) -> StepFn:
+    """``make_step`` for a model of the caller's own: ``module`` is a flax module (any object with
+    ``apply({"params": params}, tokens, pools, meta) -> (logits [S, vocab], new_pools)``: int32
+    ``tokens [T]``, the cache's ``CachePools`` and the batch's ``BatchMetadata``; it returns every
+    pool, updated). Not cached: keep the returned step to reuse its compiled code."""
 
     def step(
         pools: CachePools,

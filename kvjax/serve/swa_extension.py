@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.alloc.swa import SWATokenToKVPoolAllocator
+from kvjax.kinds.swa import is_pure_swa
 from kvjax.radix.swa_component import SWALockPart
 from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.serve.extension import ServingExtension, StepBatch
@@ -47,14 +48,8 @@ __all__ = ["SWAServing", "swa_leak_free"]
 
 def swa_leak_free(alloc: SWATokenToKVPoolAllocator, tree: Any) -> bool:
     """``available + evictable + protected == capacity`` on the full side and on the SWA side (a
-    chunk cache holds nothing: both sides wholly available)."""
-    full_cached = tree.evictable_size() + tree.protected_size()
-    swa_sizes = getattr(tree, "swa_evictable_size", None)
-    swa_cached = swa_sizes() + tree.swa_protected_size() if swa_sizes is not None else 0
-    return (
-        alloc.full_available_size() + full_cached == alloc.size_full
-        and alloc.swa_available_size() + swa_cached == alloc.size_swa
-    )
+    chunk cache holds nothing: both sides wholly available): ``alloc.leak_free(tree)``."""
+    return alloc.leak_free(tree)
 
 
 class SWAServing(ServingExtension):
@@ -67,8 +62,8 @@ class SWAServing(ServingExtension):
 
     def __init__(self, cache: KVCache) -> None:
         alloc = cache.token_to_kv_pool_allocator
-        self.pure = not isinstance(alloc, SWATokenToKVPoolAllocator)
-        if self.pure and not (cache.is_hybrid_swa and not cache.full_tokens_per_layer):
+        self.pure = is_pure_swa(cache.plan)
+        if not self.pure and not isinstance(alloc, SWATokenToKVPoolAllocator):
             raise TypeError(
                 f"SWAServing needs an SWATokenToKVPoolAllocator (or a pure sliding-window cache), got "
                 f"{type(alloc).__name__}"

@@ -1,0 +1,72 @@
+"""A cache kind registered from outside kvjax is built and served end to end.
+
+The toy kind (``tests/kinds/toy_kind.py``) adds a device pool, its builder, a serving extension
+feeding the step, and a model of its own; nothing in kvjax names it. Its model samples the
+counter its pool keeps per request, so every output token checks that the pool was built, handed
+to each step, updated and stored back across chunks, prefill and decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvjax import ModelSpec
+from kvjax.demo import demo_cache
+from kvjax.kinds import cache_kinds, cache_kinds_of, register_cache_kind, unregister_cache_kind
+from kvjax.serve.scheduler import Scheduler, ServingReq, default_extensions
+from tests.kinds import toy_kind
+
+
+@pytest.fixture
+def toy_spec():
+    register_cache_kind(toy_kind.KIND)
+    try:
+        yield dataclasses.replace(ModelSpec.preset("tiny"), name=toy_kind.MODEL_NAME)
+    finally:
+        unregister_cache_kind(toy_kind.KIND.name)
+
+
+def _requests() -> list[ServingReq]:
+    # Distinct first tokens: no request shares a prefix with another.
+    return [
+        ServingReq("short", [1, 2, 3, 4, 5], max_new_tokens=4),
+        ServingReq("long", [2, *range(10, 50)], max_new_tokens=6),  # 41 tokens: 3 chunks of 16
+        ServingReq("mid", [3, *range(60, 80)], max_new_tokens=3),
+    ]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_toy_kind_is_built_and_served_end_to_end(toy_spec, overlap):
+    cache = demo_cache(spec=toy_spec, chunked_prefill_size=16)
+    assert [k.name for k in cache_kinds_of(cache.plan)][-1] == toy_kind.KIND.name
+    assert toy_kind.POOL_NAME in cache.pools and cache.plan.pool(toy_kind.POOL_NAME).kind == toy_kind.POOL_NAME
+
+    sched = Scheduler(
+        toy_spec, cache, toy_kind.params(), max_batch_size=4, overlap=overlap, model=toy_kind.CounterModel()
+    )
+    (ext,) = [e for e in sched.extensions if isinstance(e, toy_kind.CounterExtension)]
+    done = sched.run(_requests())
+
+    assert len(done) == 3 and sched.leak_free()
+    for req in done:
+        computed = req.seqlen() - len(req.output_ids) - req.first_cached_tokens
+        expected = [(computed + k) % toy_kind.VOCAB for k in range(req.max_new_tokens)]
+        assert req.output_ids == expected, req.rid
+    assert sorted(ext.released) == [("long", True), ("mid", True), ("short", True)]
+    assert sched.stats.prefill_steps >= 3  # the long prompt was chunked: its counter carried over
+
+
+def test_toy_kind_is_not_used_by_other_plans(toy_spec):
+    cache = demo_cache()
+    assert toy_kind.KIND not in cache_kinds_of(cache.plan)
+    assert toy_kind.POOL_NAME not in cache.pools
+    assert default_extensions(cache) == []
+
+
+def test_unregistering_removes_the_kind(toy_spec):
+    assert toy_kind.KIND in cache_kinds()
+    unregister_cache_kind(toy_kind.KIND.name)
+    assert toy_kind.KIND not in cache_kinds()
+    register_cache_kind(toy_kind.KIND)  # the fixture unregisters it again

@@ -1,0 +1,104 @@
+"""A toy cache kind defined entirely outside kvjax: a per-request token counter on the device.
+
+* pool ``"token_counter"`` (kind ``"token_counter"``): int32 ``[rows + 1]``, one counter per
+  request-table row and a spare entry that padded sequence rows write to; added to the plan by
+  the kind (``extra_pools``), built by :func:`create_counter_pool`;
+* serving extension :class:`CounterExtension`: each step's input ``"counter_rows"`` (the
+  sequences' rows, padding -> the spare entry) and ``"counter_reset"`` (1 for a request's first
+  chunk since its admission);
+* model :class:`CounterModel`: adds each sequence's new tokens to its counter (reset first where
+  asked) and samples the counter, modulo the vocabulary: a request's first output token is the
+  number of prompt tokens it computed, each next one is one more. The tokens therefore read back
+  the state the pool carried across chunks and steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.kinds import BuildContext, CacheKind, PoolKind
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.serve.extension import ServingExtension, StepBatch
+
+MODEL_NAME = "toy-counter"
+POOL_NAME = "token_counter"
+VOCAB = 97
+
+POOL = PoolKind(POOL_NAME, "device", "a per-request token counter (toy kind)", f"{__name__}:create_counter_pool")
+
+
+def uses(plan: Any) -> bool:
+    return plan.model == MODEL_NAME
+
+
+def extra_pools(plan: Any) -> tuple[PoolPlan, ...]:
+    rows = int(plan.max_running_requests)
+    return (PoolPlan(POOL_NAME, POOL_NAME, (rows + 1,), "int32", 1, (rows + 1) * 4),)
+
+
+def create_counter_pool(pool: PoolPlan, context: BuildContext) -> jax.Array:
+    return jnp.zeros(pool.shape, pool.dtype)
+
+
+class CounterExtension(ServingExtension):
+    """Feeds the step the rows to count in and which counters to reset."""
+
+    def __init__(self, cache: Any) -> None:
+        self.spare = int(cache.pools[POOL_NAME].shape[0]) - 1
+        self.fresh: set[int] = set()  # requests admitted whose first chunk has not run
+        self.released: list[tuple[str, bool]] = []
+
+    def after_admit(self, req: Any) -> None:
+        self.fresh.add(id(req))
+
+    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+        rows = np.full(batch.max_seqs, self.spare, np.int32)
+        rows[: len(batch.rows)] = batch.rows
+        reset = np.zeros(batch.max_seqs, np.int32)
+        reset[: len(batch.reqs)] = [id(r) in self.fresh for r in batch.reqs]
+        return {"counter_rows": rows, "counter_reset": reset}
+
+    def after_step(self, batch: StepBatch) -> None:
+        self.fresh.difference_update(id(r) for r in batch.reqs)
+
+    def before_release(self, req: Any, finished: bool) -> None:
+        self.released.append((req.rid, finished))
+
+
+def serving_extension(cache: Any) -> ServingExtension:
+    return CounterExtension(cache)
+
+
+KIND = CacheKind(
+    name="token_counter",
+    pool_kinds=(POOL,),
+    attention=f"{__name__}:CounterModel",
+    uses=uses,
+    extra_pools=extra_pools,
+    serving_extension=serving_extension,
+    page_backup=False,
+)
+
+
+class CounterModel(nn.Module):
+    """Counts each sequence's tokens in the pool and samples the count (mod ``VOCAB``)."""
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, pools: Any, meta: Any) -> tuple[jax.Array, Any]:
+        counter = pools[POOL_NAME]
+        rows, reset = meta.extras["counter_rows"], meta.extras["counter_reset"]
+        q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+        count = jnp.where(reset > 0, 0, counter[rows]) + q_lens
+        counter = counter.at[rows].set(count)
+        bias = self.param("bias", nn.initializers.zeros, (VOCAB,), jnp.float32)
+        logits = 10.0 * jax.nn.one_hot(count % VOCAB, VOCAB) + bias
+        return logits, pools.replace(**{POOL_NAME: counter})
+
+
+def params() -> dict:
+    return {"bias": jnp.zeros(VOCAB, jnp.float32)}
