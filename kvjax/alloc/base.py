@@ -242,6 +242,17 @@ class BaseTokenToKVPoolAllocator:
         """Pages freed under ``need_sort`` and not yet merged, in SGLang's order. A copy."""
         return self._release.to_array()
 
+    @property
+    def free_mask(self) -> np.ndarray:
+        """Per page id ``0..num_pages``: True for the pages of the free and release lists. A copy."""
+        return self._is_free.copy()
+
+    @property
+    def pending_mask(self) -> np.ndarray:
+        """Per page id ``0..num_pages``: True for the pages freed inside the open free group
+        (returned at :meth:`free_group_end`). A copy."""
+        return self._is_pending.copy()
+
     # ------------------------------------------------------------------ state
 
     def clear(self) -> None:

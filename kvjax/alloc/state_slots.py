@@ -51,6 +51,11 @@ class StateSlotAllocator:
         """Live state slots (held by requests or by the tree)."""
         return self.size - len(self._free)
 
+    @property
+    def free_slots(self) -> np.ndarray:
+        """The free list, head (next to be handed out) first. A copy: O(free slots)."""
+        return self._free.to_array()
+
     def clear(self) -> None:
         """Every slot free again, ``1..size`` in order (device contents are left as they are)."""
         self._free.set(np.arange(1, self.size + 1, dtype=np.int32))

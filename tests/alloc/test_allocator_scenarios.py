@@ -29,8 +29,8 @@ def snapshot(a: BaseTokenToKVPoolAllocator) -> tuple:
     return (
         a.free_pages.tolist(),
         a.release_pages.tolist(),
-        a._is_free.copy().tolist(),
-        a._is_pending.copy().tolist(),
+        a.free_mask.tolist(),
+        a.pending_mask.tolist(),
         a.available_size(),
         a.used_size(),
     )

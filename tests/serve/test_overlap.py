@@ -135,9 +135,9 @@ def test_decode_steps_read_their_input_ids_on_the_device(tiny):
     assert sched.overlap
     sched.submit(reqs)
     sched.step()  # the prefill: launched, its tokens unread
-    assert sched._inflight is not None and all(r.output_ids == [] for r in reqs)
+    assert sched.in_flight and all(r.output_ids == [] for r in reqs)
     sched.step()  # decode 1 launched from the prefill's tokens on the device, then the prefill read
-    assert sched._inflight is not None and all(len(r.output_ids) == 1 for r in reqs)
+    assert sched.in_flight and all(len(r.output_ids) == 1 for r in reqs)
     assert sched.stats.decode_steps == 1
     sched.run()
     assert sched.leak_free() and all(len(r.output_ids) == 6 for r in reqs)
