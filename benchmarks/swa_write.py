@@ -18,13 +18,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import alternating_medians, in_place_figures, machine, one_layer_bf16_pool  # noqa: E402
+from benchmarks.kv_write import HEAD_DIM, KV_HEADS, PAGE_SIZE, TOKENS  # noqa: E402  (the same write)
 from kvjax.alloc import SWATokenToKVPoolAllocator  # noqa: E402
 from kvjax.pools import SWAKVPool  # noqa: E402
-
-TOKENS = 256
-PAGE_SIZE = 16
-KV_HEADS = 8
-HEAD_DIM = 128
 
 
 def make_writer(num_pages: int, *, donate: bool):
