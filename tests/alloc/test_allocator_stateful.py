@@ -169,59 +169,50 @@ class AllocatorMachine(RuleBasedStateMachine):
             else:
                 self.reqs[rid] = slots + [s]
 
-    @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def free_request(self, data: st.DataObject) -> None:
-        """Free a whole request, or its tail from a page boundary (speculative rollback)."""
-        ps = self.page_size
+    def draw_tail(self, data: st.DataObject) -> tuple[int, int, np.ndarray]:
+        """A live request and a tail of it from a page boundary: (request id, slots kept, the
+        tail's slots in row order)."""
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         slots = self.reqs[rid]
-        n_pages = -(-len(slots) // ps)
-        keep_pages = data.draw(st.integers(0, n_pages))
-        keep = keep_pages * ps
-        gone = np.array(slots[keep:], np.int64)
-        if data.draw(st.booleans()):
-            gone = gone[::-1].copy()  # any order within the call
-        self.a.free(gone)
+        keep = data.draw(st.integers(0, -(-len(slots) // self.page_size))) * self.page_size
+        return rid, keep, np.array(slots[keep:], np.int64)
+
+    def model_free_tail(self, rid: int, keep: int, gone: np.ndarray, pages: list[int], *, segment: bool) -> None:
+        """The model's side of freeing ``gone`` (request ``rid``'s slots from ``keep`` on), whose
+        ``pages`` return in that order: now, or at the group's end (a paged allocator's segments
+        after its plain frees)."""
         if keep:
-            self.reqs[rid] = slots[:keep]
+            self.reqs[rid] = self.reqs[rid][:keep]
         else:
             del self.reqs[rid]
         if gone.size:
             self.stale.append(gone)
-        pages = self.pages_of(gone)
         if not pages:
             return
         if self.group is not None:
-            self.group.append(pages)
+            (self.group_segments if segment and self.paged else self.group).append(pages)
             self.pending |= set(gone.tolist())
         else:
             self.model_give(pages)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
+    def free_request(self, data: st.DataObject) -> None:
+        """Free a whole request, or its tail from a page boundary (speculative rollback)."""
+        rid, keep, gone = self.draw_tail(data)
+        if data.draw(st.booleans()):
+            gone = gone[::-1].copy()  # any order within the call
+        self.a.free(gone)
+        self.model_free_tail(rid, keep, gone, self.pages_of(gone), segment=False)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
     def free_segment(self, data: st.DataObject) -> None:
         """Free a request's tail from a page boundary as a row segment: its pages in row order."""
-        ps = self.page_size
-        rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        slots = self.reqs[rid]
-        keep = data.draw(st.integers(0, -(-len(slots) // ps))) * ps
-        gone = np.array(slots[keep:], np.int64)
+        rid, keep, gone = self.draw_tail(data)
         self.a.free_segment(gone, start_pos=keep)
-        if keep:
-            self.reqs[rid] = slots[:keep]
-        else:
-            del self.reqs[rid]
-        if gone.size:
-            self.stale.append(gone)
-        pages = list(dict.fromkeys(int(s) // ps for s in gone))  # first appearance: row order
-        if not pages:
-            return
-        if self.group is not None:
-            (self.group_segments if self.paged else self.group).append(pages)
-            self.pending |= set(gone.tolist())
-        else:
-            self.model_give(pages)
+        pages = list(dict.fromkeys(int(s) // self.page_size for s in gone))  # first appearance: row order
+        self.model_free_tail(rid, keep, gone, pages, segment=True)
 
     @rule(kind=st.sampled_from(["trash", "negative", "beyond", "stale", "duplicate"]), data=st.data())
     def bad_free(self, kind: str, data: st.DataObject) -> None:
