@@ -77,6 +77,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not set(new) & self.live_slots(), "slot handed out while live"
         assert min(new, default=self.page_size) >= self.page_size, "trash page handed out"
 
+    def check_against_naive(
+        self, out: np.ndarray | None, expected: tuple[np.ndarray, int] | None, estimate: int
+    ) -> bool:
+        """Compare an extend or decode allocation with the naive reference's ``expected``
+        (``(slots, pages used)``, or None when too few pages are free) and take the pages from
+        the model (its merge estimate ``estimate``). A refused call must change nothing. Returns
+        whether the allocation succeeded."""
+        if expected is None:
+            assert out is None
+            assert self.state() == (self.free, self.release, self.a.available_size())
+            return False
+        assert out is not None
+        ref, used = expected
+        assert self.model_take(used, estimate) is not None
+        assert out.tolist() == ref.tolist()
+        self.record_new(out)
+        return True
+
     def state(self) -> tuple:
         return (self.a.free_pages.tolist(), self.a.release_pages.tolist(), self.a.available_size())
 
@@ -118,15 +136,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.model_merge(estimate)
         expected = naive_alloc_extend(prefix, seq, last, self.free, ps)
         out = self.a.alloc_extend(np.array(prefix, np.int64), np.array(seq, np.int64), np.array(last, np.int64))
-        if expected is None:
-            assert out is None
-            assert self.state() == (self.free, self.release, self.a.available_size())
+        if not self.check_against_naive(out, expected, estimate):
             return
         assert out is not None
-        ref, used = expected
-        assert self.model_take(used, estimate) is not None
-        assert out.tolist() == ref.tolist()
-        self.record_new(out)
         cursor = 0
         for (rid, slots), e in zip(batch, ext, strict=True):
             part = out[cursor : cursor + e].tolist()
@@ -154,15 +166,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.model_merge(len(batch))  # SGLang 0.5.23: merge when the batch exceeds the free pages
         expected = naive_alloc_decode(seq, last, self.free, ps)
         out = self.a.alloc_decode(seq, last)
-        if expected is None:
-            assert out is None
-            assert self.state() == (self.free, self.release, self.a.available_size())
+        if not self.check_against_naive(out, expected, len(batch)):
             return
         assert out is not None
-        ref, used = expected
-        assert self.model_take(used, len(batch)) is not None
-        assert out.tolist() == ref.tolist()
-        self.record_new(out)
         for (rid, slots), s in zip(batch, out.tolist(), strict=True):
             if rid is None:
                 self.new_req([s])
