@@ -735,6 +735,15 @@ class _TreePair:
             new, _ = self.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need, *args))
         return new
 
+    def match_maybe_held(self, key: list[int], ns: Any, rng: random.Random, held: list, most: int) -> None:
+        """A plain match; 30% of the time, while fewer than ``most`` are held, its node is locked
+        and the locks join ``held`` (released by a later op)."""
+        (_, node_sg), (_, node_kv) = self.step(
+            f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
+        )
+        if rng.random() < 0.3 and len(held) < most:
+            held.append(self.lock("lock(that match)", (node_sg, node_kv)))
+
     def free_own_slots(self, req: dict) -> None:
         """Free a request's own slots (those past its prefix hit), as a retraction does."""
         new, hit = req["values"][req["hit"] :], req["hit"]
@@ -847,12 +856,7 @@ def tree_stream(
             if len(req["key"]) - req["hit"] >= page:
                 checkpoint(req)
         elif r < 0.78:
-            key, ns = key_of()
-            (_, node_sg), (_, node_kv) = pair.step(
-                f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
-            )
-            if rng.random() < 0.3 and len(held) < 3:
-                held.append(pair.lock("lock(that match)", (node_sg, node_kv)))
+            pair.match_maybe_held(*key_of(), rng, held, most=3)
         elif r < 0.8 and held:
             pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
         elif r < 0.9:
@@ -1264,12 +1268,7 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
             if len(req["key"]) - req["hit"] >= page:
                 checkpoint(req)
         elif r < 0.62:
-            key, ns = key_of()
-            (_, h_sg), (_, h_kv) = pair.step(
-                f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
-            )
-            if rng.random() < 0.3 and len(held) < 2:
-                held.append(pair.lock("lock(that match)", (h_sg, h_kv)))
+            pair.match_maybe_held(*key_of(), rng, held, most=2)
         elif r < 0.65 and held:
             pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
         elif r < 0.75:
