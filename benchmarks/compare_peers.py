@@ -129,18 +129,41 @@ class _InertModule(types.ModuleType):
         return value
 
 
-class _PeerImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _InertImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports every module it claims (:meth:`claims`) as an inert placeholder package, and
+    records its name in ``placeholders``."""
+
+    def __init__(self) -> None:
+        self.placeholders: list[str] = []
+
+    def claims(self, fullname: str) -> bool:
+        raise NotImplementedError
+
+    def find_spec(self, fullname, path, target=None):
+        if not self.claims(fullname):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        self.placeholders.append(spec.name)
+        module = _InertModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+class _PeerImporter(_InertImporter):
     """For names under ``top``: packages become empty namespaces (their ``__init__`` is not
     run), modules in ``real`` load from ``root`` as usual, every other one is inert."""
 
     def __init__(self, root: str, top: str, real: set[str]):
+        super().__init__()
         self.root, self.top, self.real = root, top, real
-        self.placeholders: list[str] = []
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] != self.top or fullname in self.real:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+    def claims(self, fullname: str) -> bool:
+        return fullname.split(".")[0] == self.top and fullname not in self.real
 
     def create_module(self, spec):
         folder = os.path.join(self.root, *spec.name.split("."))
@@ -149,36 +172,19 @@ class _PeerImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module = types.ModuleType(spec.name)
             module.__path__ = [folder]
             return module
-        self.placeholders.append(spec.name)
-        module = _InertModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
+        return super().create_module(spec)
 
 
-class _MissingImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _MissingImporter(_InertImporter):
     """Third-party packages that a real peer module imports at its top but that the code paths
     compared here never use (``tops``): inert, and only when they are not installed."""
 
     def __init__(self, tops: set[str]):
+        super().__init__()
         self.tops = tops
-        self.placeholders: list[str] = []
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] not in self.tops:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec):
-        self.placeholders.append(spec.name)
-        module = _InertModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
+    def claims(self, fullname: str) -> bool:
+        return fullname.split(".")[0] in self.tops
 
 
 def _import_peer(root: str, top: str, real: set[str], missing=frozenset(), presets=None):
@@ -201,6 +207,13 @@ def _import_peer(root: str, top: str, real: set[str], missing=frozenset(), prese
     sys.path.insert(0, root)
     modules = {name: importlib.import_module(name) for name in sorted(real)}
     return modules, importer.placeholders
+
+
+def _import_peer_tree(root: str, top: str, real: set[str]):
+    """The peer's ``radix_cache`` and ``base_prefix_cache`` modules, and its placeholder names:
+    :func:`_import_peer` of those of ``real`` that ``root`` holds."""
+    mods, placeholders = _import_peer(root, top, {m for m in real if _module_file(root, m)})
+    return mods[f"{top}.srt.mem_cache.radix_cache"], mods[f"{top}.srt.mem_cache.base_prefix_cache"], placeholders
 
 
 class _CountingAllocator:
@@ -281,10 +294,7 @@ _SGLANG_REAL = {
 def _sglang_factory(path):
     import torch
 
-    real = {m for m in _SGLANG_REAL if _module_file(path, m)}
-    mods, placeholders = _import_peer(path, "sglang", real)
-    rc = mods["sglang.srt.mem_cache.radix_cache"]
-    bp = mods["sglang.srt.mem_cache.base_prefix_cache"]
+    rc, bp, placeholders = _import_peer_tree(path, "sglang", _SGLANG_REAL)
     has_prefix_len = "device_prefix_len" in getattr(bp.MatchResult, "_fields", ())
 
     def make(page_size):
@@ -312,10 +322,7 @@ _SGLANG_JAX_REAL = {
 def _sglang_jax_factory(path):
     import jax
 
-    real = {m for m in _SGLANG_JAX_REAL if _module_file(path, m)}
-    mods, placeholders = _import_peer(path, "sgl_jax", real)
-    rc = mods["sgl_jax.srt.mem_cache.radix_cache"]
-    bp = mods["sgl_jax.srt.mem_cache.base_prefix_cache"]
+    rc, bp, placeholders = _import_peer_tree(path, "sgl_jax", _SGLANG_JAX_REAL)
 
     def make(page_size):
         allocator = _CountingAllocator()

@@ -425,7 +425,7 @@ def _crash(e: Exception, n: int, trace: list[str]) -> str:
     return f"#{n + 1}: {type(e).__name__}: {e} (at {where})\n  ops before it: " + " | ".join(trace[-TRACE_SHOWN:])
 
 
-def _report(e: Exception, pair: _Pair) -> str:
+def _report(e: Exception, pair: _Pair | _TreePair) -> str:
     return f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
 
 
@@ -715,6 +715,52 @@ class _TreePair:
             raise Mismatch(f"{label} -> {_short(c_sg)}; sizes after it: SGLang {s_sg}, kvjax {s_kv}")
         return r_sg, r_kv
 
+    def side(self, s: Any, handles: tuple) -> Any:
+        """The one of ``handles`` (SGLang's, kvjax's: nodes or locks) that belongs to the tree ``s``."""
+        return handles[0] if s is self.sg else handles[1]
+
+    def lock(self, label: str, nodes: tuple) -> tuple:
+        """Lock each side's node of ``nodes``; returns the two locks."""
+        return self.step(label, lambda s: s.lock(self.side(s, nodes)), lambda r: None)
+
+    def unlock(self, label: str, locks: tuple) -> None:
+        self.step(label, lambda s: s.unlock(self.side(s, locks)), lambda r: None)
+
+    def alloc_tokens(self, need: int, *args: Any) -> Any:
+        """Allocate ``need`` token slots, evicting to make room and trying again when short
+        (the scheduler's order); SGLang's slots, or None when still short."""
+        new, _ = self.step(f"alloc({need})", lambda s: s.alloc_tokens(need, *args))
+        if new is None:
+            self.step(f"evict_to_free_tokens({need})", lambda s: s.make_room(need))
+            new, _ = self.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need, *args))
+        return new
+
+    def match_maybe_held(self, key: list[int], ns: Any, rng: random.Random, held: list, most: int) -> None:
+        """A plain match; 30% of the time, while fewer than ``most`` are held, its node is locked
+        and the locks join ``held`` (released by a later op)."""
+        (_, node_sg), (_, node_kv) = self.step(
+            f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
+        )
+        if rng.random() < 0.3 and len(held) < most:
+            held.append(self.lock("lock(that match)", (node_sg, node_kv)))
+
+    def free_own_slots(self, req: dict) -> None:
+        """Free a request's own slots (those past its prefix hit), as a retraction does."""
+        new, hit = req["values"][req["hit"] :], req["hit"]
+        self.step(f"free_segment({_short(new)}, start_pos={hit})", lambda s: s.free_segment(new, hit), lambda r: None)
+
+    def run(self, ops: int, one_op: Callable[[], None]) -> tuple[int, str | None]:
+        """Call ``one_op`` until ``ops`` ops ran; returns (ops run, the first difference or None).
+        A crash on one side is a difference too."""
+        try:
+            while self.n < ops:
+                one_op()
+        except Mismatch as e:
+            return self.n, _report(e, self)
+        except Exception as e:
+            return self.n, _crash(e, self.n, self.trace)
+        return self.n, None
+
 
 def tree_stream(
     kind: str, page: int, seed: int, ops: int, window: int = 0, max_states: int = -1
@@ -738,9 +784,7 @@ def tree_stream(
         show = f"key={_short(key)}, ns={ns}"
         (m, node_sg), (_, node_kv) = pair.step(f"match({show})", lambda s: s.match(key, ns), lambda r: r[0])
         hit, idx = m[0], m[1]
-        lk_sg, lk_kv = pair.step(
-            "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
-        )
+        locks = pair.lock("lock(that match)", (node_sg, node_kv))
         need = len(key) - hit
         state = None
         if kind == "mamba":
@@ -749,19 +793,15 @@ def tree_stream(
                 pair.step("evict(0, 1)", lambda s: s.evict(0, 1))
                 state, _ = pair.step("alloc_state() after eviction", lambda s: s.alloc_state())
             if state is None:
-                pair.step("unlock(that lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+                pair.unlock("unlock(that lock)", locks)
                 return
-        last = idx[-1] if idx else -1
-        new, _ = pair.step(f"alloc({need})", lambda s: s.alloc_tokens(need, hit, last))
+        new = pair.alloc_tokens(need, hit, idx[-1] if idx else -1)
         if new is None:
-            pair.step(f"evict_to_free_tokens({need})", lambda s: s.make_room(need))
-            new, _ = pair.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need, hit, last))
-        if new is None:
-            pair.step("unlock(that lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+            pair.unlock("unlock(that lock)", locks)
             if state is not None:
                 pair.step(f"free_state({state})", lambda s: s.free_state(state), lambda r: None)
             return
-        live.append({"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": (lk_sg, lk_kv), "state": state})
+        live.append({"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": locks, "state": state})
 
     def finish(req):
         key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
@@ -773,22 +813,13 @@ def tree_stream(
             pair.step(
                 f"free_state({req['state']}) (checkpoint existed)", lambda s: s.free_state(req["state"]), lambda r: None
             )
-        unlock(req)
-
-    def unlock(req):
-        lk_sg, lk_kv = req["locks"]
-        pair.step("unlock(request)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
+        pair.unlock("unlock(request)", req["locks"])
 
     def retract(req):
-        new = req["values"][req["hit"] :]
-        pair.step(
-            f"free_segment({_short(new)}, start_pos={req['hit']})",
-            lambda s: s.free_segment(new, req["hit"]),
-            lambda r: None,
-        )
+        pair.free_own_slots(req)
         if req["state"] is not None:
             pair.step(f"free_state({req['state']})", lambda s: s.free_state(req["state"]), lambda r: None)
-        unlock(req)
+        pair.unlock("unlock(request)", req["locks"])
 
     def checkpoint(req):
         """A chunked-prefill checkpoint (SGLang 0.5.23's ``checkpoint_into_tree``): insert the
@@ -804,66 +835,46 @@ def tree_stream(
             lambda s: s.checkpoint(part, ns, vals[:cut], hit),
             lambda r: r[0],
         )
-        unlock(req)
-        req["locks"] = pair.step(
-            "lock(the inserted node)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
-        )
+        pair.unlock("unlock(request)", req["locks"])
+        req["locks"] = pair.lock("lock(the inserted node)", (node_sg, node_kv))
         req["values"] = m[1] + vals[len(m[1]) :]
         req["hit"] = len(m[1])
 
-    try:
-        while pair.n < ops:
-            r = rng.random()
-            if r < 0.35 or not live:
-                if len(live) < 5:
-                    admit()
-                else:
-                    finish(live.pop(rng.randrange(len(live))))
-            elif r < 0.6:
-                finish(live.pop(rng.randrange(len(live))))
-            elif r < 0.67:
-                retract(live.pop(rng.randrange(len(live))))
-            elif r < 0.72 and kind != "mamba":
-                req = rng.choice(live)
-                if len(req["key"]) - req["hit"] >= page:
-                    checkpoint(req)
-            elif r < 0.78:
-                key, ns = key_of()
-                (_, node_sg), (_, node_kv) = pair.step(
-                    f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
-                )
-                if rng.random() < 0.3 and len(held) < 3:
-                    locks = pair.step(
-                        "lock(that match)", lambda s: s.lock(node_sg if s is pair.sg else node_kv), lambda r: None
-                    )
-                    held.append(locks)
-            elif r < 0.8 and held:
-                lk_sg, lk_kv = held.pop(rng.randrange(len(held)))
-                pair.step("unlock(held lock)", lambda s: s.unlock(lk_sg if s is pair.sg else lk_kv), lambda r: None)
-            elif r < 0.9:
-                full = rng.choice([0, page, 3 * page, 8 * page])
-                other = rng.choice([0, 1, page, 4 * page]) if kind != "full" else 0
-                if kind == "mamba":
-                    other = rng.choice([0, 1, 2])
-                pair.step(f"evict({full}, {other})", lambda s: s.evict(full, other))
-            elif kind == "swa" and live:
-                # SGLang's scheduler releases every decode request's SWA lock once past the window
-                # (release_swa_prefix_lock): locks without an SWA part and repeats included.
-                req = rng.choice(live)
-                lk_sg, lk_kv = req["locks"]
-                pair.step(
-                    "release_swa(request lock)",
-                    lambda s: s.release_swa(lk_sg if s is pair.sg else lk_kv),
-                    lambda r: None,
-                )
+    def one_op():
+        r = rng.random()
+        if r < 0.35 or not live:
+            if len(live) < 5:
+                admit()
             else:
-                key, ns = key_of()
-                pair.step(f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns)[0], lambda r: r)
-    except Mismatch as e:
-        return pair.n, f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
-    except Exception as e:  # a crash on one side is a difference too
-        return pair.n, _crash(e, pair.n, pair.trace)
-    return pair.n, None
+                finish(live.pop(rng.randrange(len(live))))
+        elif r < 0.6:
+            finish(live.pop(rng.randrange(len(live))))
+        elif r < 0.67:
+            retract(live.pop(rng.randrange(len(live))))
+        elif r < 0.72 and kind != "mamba":
+            req = rng.choice(live)
+            if len(req["key"]) - req["hit"] >= page:
+                checkpoint(req)
+        elif r < 0.78:
+            pair.match_maybe_held(*key_of(), rng, held, most=3)
+        elif r < 0.8 and held:
+            pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
+        elif r < 0.9:
+            full = rng.choice([0, page, 3 * page, 8 * page])
+            other = rng.choice([0, 1, page, 4 * page]) if kind != "full" else 0
+            if kind == "mamba":
+                other = rng.choice([0, 1, 2])
+            pair.step(f"evict({full}, {other})", lambda s: s.evict(full, other))
+        elif kind == "swa" and live:
+            # SGLang's scheduler releases every decode request's SWA lock once past the window
+            # (release_swa_prefix_lock): locks without an SWA part and repeats included.
+            locks = rng.choice(live)["locks"]
+            pair.step("release_swa(request lock)", lambda s: s.release_swa(pair.side(s, locks)), lambda r: None)
+        else:
+            key, ns = key_of()
+            pair.step(f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns)[0], lambda r: r)
+
+    return pair.run(ops, one_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1194,29 +1205,22 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
         tail = [rng.randrange(vocab) for _ in range(page * rng.randrange(0 if base else 1, 3 * unit // page))]
         return base + tail, rng.choice([None, None, None, "ns"])
 
-    def side(s, pair_value):
-        return pair_value[0] if s is pair.sg else pair_value[1]
-
     def admit():
         key, ns = key_of()
         show = f"key={_short(key)}, ns={ns}"
         (m, h_sg), (_, h_kv) = pair.step(f"match({show})", lambda s: s.match(key, ns), lambda r: r[0])
         hit, idx = m[0], m[1]
         if m[3] > 0:
-            (loaded, ids), _ = pair.step("load_back(that match)", lambda s: s.load_back(side(s, (h_sg, h_kv))))
+            (loaded, ids), _ = pair.step("load_back(that match)", lambda s: s.load_back(pair.side(s, (h_sg, h_kv))))
             if loaded:
                 (m, h_sg), (_, h_kv) = pair.step(
                     f"match({show}) after load", lambda s: s.match(key, ns), lambda r: r[0]
                 )
                 hit, idx = m[0], m[1]
-        locks = pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None)
-        need = len(key) - hit
-        new, _ = pair.step(f"alloc({need})", lambda s: s.alloc_tokens(need))
+        locks = pair.lock("lock(that match)", (h_sg, h_kv))
+        new = pair.alloc_tokens(len(key) - hit)
         if new is None:
-            pair.step(f"evict_to_free_tokens({need})", lambda s: s.make_room(need))
-            new, _ = pair.step(f"alloc({need}) after eviction", lambda s: s.alloc_tokens(need))
-        if new is None:
-            pair.step("unlock(that lock)", lambda s: s.unlock(side(s, locks)), lambda r: None)
+            pair.unlock("unlock(that lock)", locks)
             return
         live.append({"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": locks})
 
@@ -1226,16 +1230,11 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
             f"insert(key={_short(key)}, ns={ns}, value={_short(vals)}, prev_prefix_len={hit})",
             lambda s: s.insert(key, ns, vals, hit),
         )
-        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+        pair.unlock("unlock(request)", req["locks"])
 
     def retract(req):
-        new = req["values"][req["hit"] :]
-        pair.step(
-            f"free_segment({_short(new)}, start_pos={req['hit']})",
-            lambda s: s.free_segment(new, req["hit"]),
-            lambda r: None,
-        )
-        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+        pair.free_own_slots(req)
+        pair.unlock("unlock(request)", req["locks"])
 
     def checkpoint(req):
         """A chunked-prefill checkpoint: insert the first pages, re-match them, move the lock."""
@@ -1249,49 +1248,39 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
         (m, h_sg), (_, h_kv) = pair.step(
             f"match(key={_short(part)}, ns={ns})", lambda s: s.match(part, ns), lambda r: r[0]
         )
-        new_locks = pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None)
-        pair.step("unlock(request)", lambda s: s.unlock(side(s, req["locks"])), lambda r: None)
+        new_locks = pair.lock("lock(that match)", (h_sg, h_kv))
+        pair.unlock("unlock(request)", req["locks"])
         req["locks"], req["values"], req["hit"] = new_locks, m[1] + vals[m[0] :], m[0]
 
-    try:
-        while pair.n < ops:
-            r = rng.random()
-            if r < 0.3 or not live:
-                if len(live) < 4:
-                    admit()
-                else:
-                    finish(live.pop(rng.randrange(len(live))))
-            elif r < 0.48:
-                finish(live.pop(rng.randrange(len(live))))
-            elif r < 0.53:
-                retract(live.pop(rng.randrange(len(live))))
-            elif r < 0.57:
-                req = rng.choice(live)
-                if len(req["key"]) - req["hit"] >= page:
-                    checkpoint(req)
-            elif r < 0.62:
-                key, ns = key_of()
-                (_, h_sg), (_, h_kv) = pair.step(
-                    f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns), lambda r: r[0]
-                )
-                if rng.random() < 0.3 and len(held) < 2:
-                    held.append(pair.step("lock(that match)", lambda s: s.lock(side(s, (h_sg, h_kv))), lambda r: None))
-            elif r < 0.65 and held:
-                locks = held.pop(rng.randrange(len(held)))
-                pair.step("unlock(held lock)", lambda s: s.unlock(side(s, locks)), lambda r: None)
-            elif r < 0.75:
-                full = rng.choice([page, 3 * page, 8 * page, 100])
-                pair.step(f"evict({full})", lambda s: s.evict(full, 0))
-            elif r < 0.82:
-                n = rng.choice([page, 4 * page, 100])
-                pair.step(f"evict_host({n})", lambda s: s.evict_host(n))
+    def one_op():
+        r = rng.random()
+        if r < 0.3 or not live:
+            if len(live) < 4:
+                admit()
             else:
-                pair.step("poll (writing_check, loading_check)", lambda s: s.poll(), lambda r: None)
-    except Mismatch as e:
-        return pair.n, f"{e}\n  ops before it: " + " | ".join(pair.trace[:-1][-TRACE_SHOWN:])
-    except Exception as e:  # a crash on one side is a difference too
-        return pair.n, _crash(e, pair.n, pair.trace)
-    return pair.n, None
+                finish(live.pop(rng.randrange(len(live))))
+        elif r < 0.48:
+            finish(live.pop(rng.randrange(len(live))))
+        elif r < 0.53:
+            retract(live.pop(rng.randrange(len(live))))
+        elif r < 0.57:
+            req = rng.choice(live)
+            if len(req["key"]) - req["hit"] >= page:
+                checkpoint(req)
+        elif r < 0.62:
+            pair.match_maybe_held(*key_of(), rng, held, most=2)
+        elif r < 0.65 and held:
+            pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
+        elif r < 0.75:
+            full = rng.choice([page, 3 * page, 8 * page, 100])
+            pair.step(f"evict({full})", lambda s: s.evict(full, 0))
+        elif r < 0.82:
+            n = rng.choice([page, 4 * page, 100])
+            pair.step(f"evict_host({n})", lambda s: s.evict_host(n))
+        else:
+            pair.step("poll (writing_check, loading_check)", lambda s: s.poll(), lambda r: None)
+
+    return pair.run(ops, one_op)
 
 
 # ---------------------------------------------------------------------------------------------

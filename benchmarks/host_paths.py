@@ -46,9 +46,17 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The worker: times every case on the kvjax found at sys.path[0].
 
 
-def _best_us(setup: Callable[[], Any], call: Callable[[Any], Any], *, calls: int, samples: int) -> float:
+def _best_us(
+    setup: Callable[[], Any],
+    call: Callable[[Any], Any],
+    *,
+    calls: int,
+    samples: int,
+    after: Callable[[Any], Any] | None = None,
+) -> float:
     """Best over ``samples`` of the mean µs (thread CPU time) of ``call(setup())`` over ``calls``
-    calls (only the call is timed; the garbage collector is off while timing)."""
+    calls (only the call is timed; the garbage collector is off while timing). ``after(arg)``,
+    when given, runs after each call, untimed (the case's cleanup)."""
     clock = time.thread_time
     best = float("inf")
     for _ in range(samples):
@@ -61,6 +69,8 @@ def _best_us(setup: Callable[[], Any], call: Callable[[Any], Any], *, calls: int
                 start = clock()
                 call(arg)
                 total += clock() - start
+                if after is not None:
+                    after(arg)
         finally:
             gc.enable()
         best = min(best, total / calls * 1e6)
@@ -91,7 +101,6 @@ def _free_cases(calls: int, samples: int) -> dict[str, float]:
 
 
 def _finish_case(page_size: int, calls: int, samples: int) -> float:
-    import numpy as np
 
     from kvjax.alloc import make_allocator
     from kvjax.radix import RadixCache
@@ -125,34 +134,17 @@ def _finish_case(page_size: int, calls: int, samples: int) -> float:
         req.kv_committed_len = kv_len
         return req
 
-    def finish(req: Any) -> None:
-        tree.cache_finished_req(req)
-        rows.free(req.req_pool_idx)
+    kept: list[Any] = []  # the timed requests stay alive: none is deallocated inside a timed call
 
-    def timed(req: Any) -> None:
-        tree.cache_finished_req(req)
+    def release_row(req: Any) -> None:
+        rows.free(req.req_pool_idx)
+        kept.append(req)
 
     for _ in range(32):  # warm the tree: every system prompt cached
-        finish(setup())
-    best = float("inf")
-    for _ in range(samples):
-        reqs = []
-        total = 0.0
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(calls):
-                req = setup()
-                start = time.thread_time()
-                timed(req)
-                total += time.thread_time() - start
-                rows.free(req.req_pool_idx)
-                reqs.append(req)
-        finally:
-            gc.enable()
-        best = min(best, total / calls * 1e6)
-    assert np.isfinite(best)
-    return round(best, 2)
+        req = setup()
+        tree.cache_finished_req(req)
+        release_row(req)
+    return _best_us(setup, tree.cache_finished_req, calls=calls, samples=samples, after=release_row)
 
 
 def _set_pools_case(calls: int, samples: int) -> float:

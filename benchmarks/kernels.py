@@ -102,22 +102,14 @@ def cpu_kv_write() -> dict[str, Any]:
 
 def _pool_method(rng: np.random.Generator) -> dict[str, Any]:
     """The same write through ``MHAKVPool.set_kv_buffer`` (pack K/V + ``write_kv``), pool donated."""
-    from kvjax.pools.mha import MHAKVPool
+    from benchmarks._common import one_layer_bf16_pool
 
     k = jnp.asarray(rng.standard_normal((TOKENS, KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((TOKENS, KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     steps: dict[int, Callable[[Any], Any]] = {}
     states: dict[int, Any] = {}
     for pages in POOL_PAGES:
-        pool = MHAKVPool.create(
-            num_pages=pages,
-            page_size=PAGE_SIZE,
-            num_layers=1,
-            num_kv_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            dtype="bfloat16",
-            platform=jax.default_backend(),
-        )
+        pool = one_layer_bf16_pool(pages, page_size=PAGE_SIZE, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
         loc = jnp.asarray(rng.choice(np.arange(PAGE_SIZE, pool.num_slots), TOKENS, replace=False), jnp.int32)
         states[pages] = pool
         steps[pages] = jax.jit(lambda p, loc=loc: p.set_kv_buffer(0, loc, k, v), donate_argnums=0)

@@ -17,8 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine, median_seconds  # noqa: E402
-from kvjax.pools import MHAKVPool  # noqa: E402
+from benchmarks._common import alternating_medians, in_place_figures, machine, one_layer_bf16_pool  # noqa: E402
 
 TOKENS = 256
 PAGE_SIZE = 16
@@ -28,15 +27,7 @@ HEAD_DIM = 128
 
 def make_writer(num_pages: int, *, donate: bool):
     """A zero-argument callable doing one blocking write of TOKENS tokens into a fresh pool."""
-    pool = MHAKVPool.create(
-        num_pages=num_pages,
-        page_size=PAGE_SIZE,
-        num_layers=1,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype="bfloat16",
-        platform=jax.default_backend(),
-    )
+    pool = one_layer_bf16_pool(num_pages, page_size=PAGE_SIZE, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     rng = np.random.default_rng(0)
     pages = rng.choice(np.arange(1, num_pages + 1), size=TOKENS // PAGE_SIZE, replace=False)
     loc = jnp.asarray((pages[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)).ravel().astype(np.int32))
@@ -52,23 +43,10 @@ def make_writer(num_pages: int, *, donate: bool):
     return run
 
 
-def time_pair(small: int, large: int, *, donate: bool, rounds: int) -> dict[int, float]:
-    """Median seconds per write for both pool sizes, measured in alternating rounds so that load
-    from other processes hits both alike."""
-    writers = {n: make_writer(n, donate=donate) for n in (small, large)}
-    for run in writers.values():
-        run()  # compile
-    times: dict[int, list[float]] = {small: [], large: []}
-    for _ in range(rounds):
-        for n, run in writers.items():
-            times[n].append(median_seconds(run, repeats=5, warmup=1))
-    return {n: float(np.median(t)) for n, t in times.items()}
-
-
 def main() -> None:
     small, large = 1024, 8192
-    donated = time_pair(small, large, donate=True, rounds=15)
-    copied = time_pair(small, large, donate=False, rounds=3)
+    donated = alternating_medians(lambda n: make_writer(n, donate=True), (small, large), rounds=15)
+    copied = alternating_medians(lambda n: make_writer(n, donate=False), (small, large), rounds=3)
     bytes_per_page = PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 2
     print(
         json.dumps(
@@ -77,12 +55,7 @@ def main() -> None:
                 "tokens": TOKENS,
                 "page_size": PAGE_SIZE,
                 "pool_bytes": {str(n): (n + 1) * bytes_per_page for n in (small, large)},
-                "donated_us": {str(n): round(t * 1e6, 1) for n, t in donated.items()},
-                "donated_ratio_large_over_small": round(donated[large] / donated[small], 3),
-                "target_ratio": 1.3,
-                "meets_target": donated[large] / donated[small] <= 1.3,
-                "not_donated_us": {str(n): round(t * 1e6, 1) for n, t in copied.items()},
-                "not_donated_ratio_large_over_small": round(copied[large] / copied[small], 3),
+                **in_place_figures(donated, copied),
                 "machine": machine(),
             },
             indent=2,

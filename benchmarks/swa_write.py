@@ -17,31 +17,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine, median_seconds  # noqa: E402
+from benchmarks._common import alternating_medians, in_place_figures, machine, one_layer_bf16_pool  # noqa: E402
+from benchmarks.kv_write import HEAD_DIM, KV_HEADS, PAGE_SIZE, TOKENS  # noqa: E402  (the same write)
 from kvjax.alloc import SWATokenToKVPoolAllocator  # noqa: E402
-from kvjax.pools import MHAKVPool, SWAKVPool  # noqa: E402
-
-TOKENS = 256
-PAGE_SIZE = 16
-KV_HEADS = 8
-HEAD_DIM = 128
-
-
-def _mha(num_pages: int) -> MHAKVPool:
-    return MHAKVPool.create(
-        num_pages=num_pages,
-        page_size=PAGE_SIZE,
-        num_layers=1,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype="bfloat16",
-        platform=jax.default_backend(),
-    )
+from kvjax.pools import SWAKVPool  # noqa: E402
 
 
 def make_writer(num_pages: int, *, donate: bool):
     """A zero-argument callable doing one blocking sliding-layer write of TOKENS tokens."""
-    pool = SWAKVPool(full=_mha(num_pages), swa=_mha(num_pages), full_layer_ids=(1,), swa_layer_ids=(0,))
+    side = {"page_size": PAGE_SIZE, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+    full, swa = one_layer_bf16_pool(num_pages, **side), one_layer_bf16_pool(num_pages, **side)
+    pool = SWAKVPool(full=full, swa=swa, full_layer_ids=(1,), swa_layer_ids=(0,))
     alloc = SWATokenToKVPoolAllocator(num_pages * PAGE_SIZE, num_pages * PAGE_SIZE, PAGE_SIZE)
     rng = np.random.default_rng(0)
     alloc.alloc(num_pages // 2 * PAGE_SIZE)  # the live slots sit mid-pool
@@ -60,23 +46,10 @@ def make_writer(num_pages: int, *, donate: bool):
     return run
 
 
-def time_pair(small: int, large: int, *, donate: bool, rounds: int) -> dict[int, float]:
-    """Median seconds per write for both sizes, in alternating rounds (load hits both alike)."""
-    writers = {n: make_writer(n, donate=donate) for n in (small, large)}
-    for run in writers.values():
-        run()  # compile
-    times: dict[int, list[float]] = {small: [], large: []}
-    for _ in range(rounds):
-        for n, run in writers.items():
-            times[n].append(median_seconds(run, repeats=5, warmup=1))
-    return {n: float(np.median(t)) for n, t in times.items()}
-
-
 def main() -> None:
     small, large = 1024, 8192
-    donated = time_pair(small, large, donate=True, rounds=15)
-    copied = time_pair(small, large, donate=False, rounds=3)
-    ratio = donated[large] / donated[small]
+    donated = alternating_medians(lambda n: make_writer(n, donate=True), (small, large), rounds=15)
+    copied = alternating_medians(lambda n: make_writer(n, donate=False), (small, large), rounds=3)
     print(
         json.dumps(
             {
@@ -84,12 +57,7 @@ def main() -> None:
                 "tokens": TOKENS,
                 "page_size": PAGE_SIZE,
                 "pages_per_side": [small, large],
-                "donated_us": {str(n): round(t * 1e6, 1) for n, t in donated.items()},
-                "donated_ratio_large_over_small": round(ratio, 3),
-                "target_ratio": 1.3,
-                "meets_target": ratio <= 1.3,
-                "not_donated_us": {str(n): round(t * 1e6, 1) for n, t in copied.items()},
-                "not_donated_ratio_large_over_small": round(copied[large] / copied[small], 3),
+                **in_place_figures(donated, copied),
                 "machine": machine(),
             },
             indent=2,

@@ -301,15 +301,15 @@ class BaseTokenToKVPoolAllocator:
         return self._release.to_array()
 
     @property
-    def free_page_mask(self) -> np.ndarray:
+    def free_mask(self) -> np.ndarray:
         """``[num_pages + 1]`` bool: True for the pages of the free and release lists (page 0,
         the trash page, is never free). A copy."""
         return self._is_free.copy()
 
     @property
-    def pending_page_mask(self) -> np.ndarray:
+    def pending_mask(self) -> np.ndarray:
         """``[num_pages + 1]`` bool: True for the pages freed inside the open free group (they
-        return to the free list when the group ends). A copy."""
+        return to the free list at :meth:`free_group_end`). A copy."""
         return self._is_pending.copy()
 
     # ------------------------------------------------------------------ state

@@ -246,6 +246,12 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked or self._inflight is not None)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a launched step's tokens are still unread (overlap scheduling: the next
+        ``step``, ``resolve`` or ``run`` reads them). Always False without overlap."""
+        return self._inflight is not None
+
     def live_requests(self) -> list[ServingReq]:
         """Every request that holds a row of the request table or a recurrent-state slot, each
         once: queued (after a retraction or a chunk, or waiting for state slots with its forked

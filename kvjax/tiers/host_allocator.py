@@ -47,6 +47,11 @@ class HostSlotAllocator:
         """Allocated host slots (tokens)."""
         return self.size - self.available_size()
 
+    @property
+    def free_pages(self) -> np.ndarray:
+        """The free pages, next to be handed out first. A copy: O(free pages)."""
+        return self._free.to_array()
+
     def alloc(self, need_size: int) -> np.ndarray | None:
         """``need_size`` host slots (int32, whole pages in allocation order), or None when short.
 

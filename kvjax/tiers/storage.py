@@ -92,7 +92,9 @@ class StorageTier:
     """Pages by chained hash in a tensorstore key-value store, under one :class:`StorageKey`.
 
     Args:
-        location: a directory (the ``file`` driver), ``"memory"``, or a tensorstore kvstore spec.
+        location: a directory (the ``file`` driver), ``"memory"``, a tensorstore kvstore spec, or
+            a store already open (a ``tensorstore.KvStore``, or an object with its future-returning
+            ``read``/``write``: tests pass one that injects faults).
         key: what determines the pages' bytes (model fingerprint, KV dtype and scales, layout,
             page shape, TP rank/size, layers, namespace, format); pages live under its digest and
             only entries written under an equal key are ever read.
@@ -102,7 +104,7 @@ class StorageTier:
     warning. A rejected entry is deleted (best effort), so a later backup writes it again.
     """
 
-    def __init__(self, location: str | dict[str, Any], *, key: StorageKey) -> None:
+    def __init__(self, location: str | dict[str, Any] | Any, *, key: StorageKey) -> None:
         import tensorstore as ts
 
         if not isinstance(key, StorageKey):
@@ -112,7 +114,8 @@ class StorageTier:
         self.dtype = np.dtype(key.store_dtype)
         self.page_bytes = key.page_bytes
         self.prefix = key.digest
-        self._kv = ts.KvStore.open(_kvstore_spec(location)).result()
+        opened = not isinstance(location, (str, dict)) and hasattr(location, "read") and hasattr(location, "write")
+        self._kv: Any = location if opened else ts.KvStore.open(_kvstore_spec(location)).result()
         self._side_writes: list[Any] = []  # the key record and deletions of rejected entries
         self._manifest_written = False
         self.pages_written = 0
@@ -122,6 +125,16 @@ class StorageTier:
     def key(self, page_hash: int) -> str:
         """The store key of a page (the key's digest ``/`` the hash as 16 hex digits)."""
         return f"{self.prefix}/{int(page_hash) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+    def flush(self) -> None:
+        """Wait for the tier's own writes (the key record, deletions of refused entries); a
+        backup's writes are waited on through its :class:`StorageWrite`. A failed one is ignored."""
+        side, self._side_writes = self._side_writes, []
+        for future in side:
+            try:
+                future.result()
+            except Exception:  # best effort, as the deletion itself
+                continue
 
     @property
     def rejected_entries(self) -> int:

@@ -29,8 +29,8 @@ def snapshot(a: BaseTokenToKVPoolAllocator) -> tuple:
     return (
         a.free_pages.tolist(),
         a.release_pages.tolist(),
-        a._is_free.copy().tolist(),
-        a._is_pending.copy().tolist(),
+        a.free_mask.tolist(),
+        a.pending_mask.tolist(),
         a.available_size(),
         a.used_size(),
     )
@@ -48,6 +48,13 @@ def arrange_free_list(a: PagedTokenToKVPoolAllocator, pages: list[int]) -> None:
 
 PS = 4
 PREFIX_PAGE = 1  # SGLang's vectors put prefixes on page 0, which kvjax never hands out
+
+
+def token_or_paged(kind: str, pages: int, *, need_sort: bool = False) -> BaseTokenToKVPoolAllocator:
+    """A ``"token"`` allocator of ``pages`` slots, or a ``"paged"`` one of ``pages`` pages of ``PS``."""
+    if kind == "token":
+        return TokenToKVPoolAllocator(pages, need_sort=need_sort)
+    return PagedTokenToKVPoolAllocator(pages * PS, PS, need_sort=need_sort)
 
 
 def shift(slots: list[int]) -> list[int]:
@@ -259,7 +266,7 @@ def test_make_allocator_picks_class():
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_bad_frees_raise_and_leave_state_unchanged(kind):
-    a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
+    a = token_or_paged(kind, 16)
     ps = a.page_size
     x = got(a.alloc(4 * ps))
     a.free(x[:ps])
@@ -301,7 +308,7 @@ def test_error_message_lists_few_ids_and_count():
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_free_group_defers(kind):
-    a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
+    a = token_or_paged(kind, 16)
     ps = a.page_size
     x = got(a.alloc(6 * ps))
     avail = a.available_size()
@@ -483,7 +490,7 @@ def test_free_segment_partial_last_page_and_token_allocator():
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_free_segment_in_a_group_and_under_need_sort(kind):
-    a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
+    a = token_or_paged(kind, 16)
     ps = a.page_size
     x = got(a.alloc(6 * ps))
     a.free_group_begin()
@@ -498,11 +505,7 @@ def test_free_segment_in_a_group_and_under_need_sort(kind):
     else:  # the plain frees (sorted), then the segments in front of them (SGLang's group order)
         assert a.free_pages.tolist()[:5] == [4, 1, 2, 5, 6]
     a.check_invariants()
-    s = (
-        TokenToKVPoolAllocator(8, need_sort=True)
-        if kind == "token"
-        else PagedTokenToKVPoolAllocator(8 * PS, PS, need_sort=True)
-    )
+    s = token_or_paged(kind, 8, need_sort=True)
     y = got(s.alloc(8 * s.page_size))
     s.free_segment(np.concatenate([y[5 * s.page_size : 6 * s.page_size], y[: s.page_size]]), start_pos=0)
     assert s.free_pages.tolist() == [] and sorted(s.release_pages.tolist()) == [1, 6]
@@ -512,7 +515,7 @@ def test_free_segment_in_a_group_and_under_need_sort(kind):
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_free_segment_rejects_bad_input_and_changes_nothing(kind):
-    a = TokenToKVPoolAllocator(16) if kind == "token" else PagedTokenToKVPoolAllocator(16 * PS, PS)
+    a = token_or_paged(kind, 16)
     ps = a.page_size
     x = got(a.alloc(4 * ps))
     a.free(x[:ps])

@@ -77,6 +77,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not set(new) & self.live_slots(), "slot handed out while live"
         assert min(new, default=self.page_size) >= self.page_size, "trash page handed out"
 
+    def check_against_naive(
+        self, out: np.ndarray | None, expected: tuple[np.ndarray, int] | None, estimate: int
+    ) -> bool:
+        """Compare an extend or decode allocation with the naive reference's ``expected``
+        (``(slots, pages used)``, or None when too few pages are free) and take the pages from
+        the model (its merge estimate ``estimate``). A refused call must change nothing. Returns
+        whether the allocation succeeded."""
+        if expected is None:
+            assert out is None
+            assert self.state() == (self.free, self.release, self.a.available_size())
+            return False
+        assert out is not None
+        ref, used = expected
+        assert self.model_take(used, estimate) is not None
+        assert out.tolist() == ref.tolist()
+        self.record_new(out)
+        return True
+
     def state(self) -> tuple:
         return (self.a.free_pages.tolist(), self.a.release_pages.tolist(), self.a.available_size())
 
@@ -118,15 +136,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.model_merge(estimate)
         expected = naive_alloc_extend(prefix, seq, last, self.free, ps)
         out = self.a.alloc_extend(np.array(prefix, np.int64), np.array(seq, np.int64), np.array(last, np.int64))
-        if expected is None:
-            assert out is None
-            assert self.state() == (self.free, self.release, self.a.available_size())
+        if not self.check_against_naive(out, expected, estimate):
             return
         assert out is not None
-        ref, used = expected
-        assert self.model_take(used, estimate) is not None
-        assert out.tolist() == ref.tolist()
-        self.record_new(out)
         cursor = 0
         for (rid, slots), e in zip(batch, ext, strict=True):
             part = out[cursor : cursor + e].tolist()
@@ -154,74 +166,59 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.model_merge(len(batch))  # SGLang 0.5.23: merge when the batch exceeds the free pages
         expected = naive_alloc_decode(seq, last, self.free, ps)
         out = self.a.alloc_decode(seq, last)
-        if expected is None:
-            assert out is None
-            assert self.state() == (self.free, self.release, self.a.available_size())
+        if not self.check_against_naive(out, expected, len(batch)):
             return
         assert out is not None
-        ref, used = expected
-        assert self.model_take(used, len(batch)) is not None
-        assert out.tolist() == ref.tolist()
-        self.record_new(out)
         for (rid, slots), s in zip(batch, out.tolist(), strict=True):
             if rid is None:
                 self.new_req([s])
             else:
                 self.reqs[rid] = slots + [s]
 
-    @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def free_request(self, data: st.DataObject) -> None:
-        """Free a whole request, or its tail from a page boundary (speculative rollback)."""
-        ps = self.page_size
+    def draw_tail(self, data: st.DataObject) -> tuple[int, int, np.ndarray]:
+        """A live request and a tail of it from a page boundary: (request id, slots kept, the
+        tail's slots in row order)."""
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         slots = self.reqs[rid]
-        n_pages = -(-len(slots) // ps)
-        keep_pages = data.draw(st.integers(0, n_pages))
-        keep = keep_pages * ps
-        gone = np.array(slots[keep:], np.int64)
-        if data.draw(st.booleans()):
-            gone = gone[::-1].copy()  # any order within the call
-        self.a.free(gone)
+        keep = data.draw(st.integers(0, -(-len(slots) // self.page_size))) * self.page_size
+        return rid, keep, np.array(slots[keep:], np.int64)
+
+    def model_free_tail(self, rid: int, keep: int, gone: np.ndarray, pages: list[int], *, segment: bool) -> None:
+        """The model's side of freeing ``gone`` (request ``rid``'s slots from ``keep`` on), whose
+        ``pages`` return in that order: now, or at the group's end (a paged allocator's segments
+        after its plain frees)."""
         if keep:
-            self.reqs[rid] = slots[:keep]
+            self.reqs[rid] = self.reqs[rid][:keep]
         else:
             del self.reqs[rid]
         if gone.size:
             self.stale.append(gone)
-        pages = self.pages_of(gone)
         if not pages:
             return
         if self.group is not None:
-            self.group.append(pages)
+            (self.group_segments if segment and self.paged else self.group).append(pages)
             self.pending |= set(gone.tolist())
         else:
             self.model_give(pages)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
+    def free_request(self, data: st.DataObject) -> None:
+        """Free a whole request, or its tail from a page boundary (speculative rollback)."""
+        rid, keep, gone = self.draw_tail(data)
+        if data.draw(st.booleans()):
+            gone = gone[::-1].copy()  # any order within the call
+        self.a.free(gone)
+        self.model_free_tail(rid, keep, gone, self.pages_of(gone), segment=False)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
     def free_segment(self, data: st.DataObject) -> None:
         """Free a request's tail from a page boundary as a row segment: its pages in row order."""
-        ps = self.page_size
-        rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        slots = self.reqs[rid]
-        keep = data.draw(st.integers(0, -(-len(slots) // ps))) * ps
-        gone = np.array(slots[keep:], np.int64)
+        rid, keep, gone = self.draw_tail(data)
         self.a.free_segment(gone, start_pos=keep)
-        if keep:
-            self.reqs[rid] = slots[:keep]
-        else:
-            del self.reqs[rid]
-        if gone.size:
-            self.stale.append(gone)
-        pages = list(dict.fromkeys(int(s) // ps for s in gone))  # first appearance: row order
-        if not pages:
-            return
-        if self.group is not None:
-            (self.group_segments if self.paged else self.group).append(pages)
-            self.pending |= set(gone.tolist())
-        else:
-            self.model_give(pages)
+        pages = list(dict.fromkeys(int(s) // self.page_size for s in gone))  # first appearance: row order
+        self.model_free_tail(rid, keep, gone, pages, segment=True)
 
     @rule(kind=st.sampled_from(["trash", "negative", "beyond", "stale", "duplicate"]), data=st.data())
     def bad_free(self, kind: str, data: st.DataObject) -> None:

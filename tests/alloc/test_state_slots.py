@@ -30,10 +30,10 @@ def test_fifo_from_one_and_slot_zero_reserved():
 def test_bad_frees_raise_and_change_nothing(bad, error, match):
     a = StateSlotAllocator(4)
     a.alloc(1)
-    before = (a.available_size(), a._free.to_array().tolist())
+    before = (a.available_size(), a.free_slots.tolist())
     with pytest.raises(error, match=match):
         a.free(np.array(bad))
-    assert (a.available_size(), a._free.to_array().tolist()) == before
+    assert (a.available_size(), a.free_slots.tolist()) == before
     a.check_invariants()
 
 

@@ -25,6 +25,7 @@ from pallas_kernels.testing import (
     jit_interpreted,
     random_pool,
 )
+from tests.kernels.donation import run_donated
 
 pytestmark = pytest.mark.timeout(60)
 INTERPRETERS = interpreter_params()
@@ -57,10 +58,7 @@ def test_scatter_matches_reference_in_place(interpret) -> None:
     buffer = jnp.asarray(np.random.default_rng(1).standard_normal((2, 6, 16, 2, 8)), jnp.float32)
     pages = np.array([3, 4, 5, 1, 0, 42], np.int32)  # a run, a single page, trash and out of range dropped
     want = scatter_pages_reference(layers, buffer, jnp.asarray(pages))
-    pointers = [x.unsafe_buffer_pointer() for x in layers]
-    got = jit_interpreted(scatter_pages, interpret=interpret, donate_argnums=0)(layers, buffer, pages)
-    assert all(x.is_deleted() for x in layers)
-    assert [x.unsafe_buffer_pointer() for x in got] == pointers
+    got = run_donated(scatter_pages, layers, buffer, pages, interpret=interpret)
     assert_same(got, want)
     assert_no_race()
 

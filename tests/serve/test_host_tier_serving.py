@@ -4,35 +4,16 @@ cache off; both pools' accounting balances."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvjax import ModelSpec
-from kvjax.demo import demo_cache
 from kvjax.radix import HiRadixCache
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.model import init_params
-from kvjax.serve.scheduler import Scheduler, ServingReq
-
-SPEC = ModelSpec.preset("tiny")
-
-
-def _requests() -> list[ServingReq]:
-    """Three 48-token system prompts, twice round: the device pool (96 tokens) holds one."""
-    rng = np.random.default_rng(0)
-    systems = [[int(t) for t in rng.integers(0, 256, 48)] for _ in range(3)]
-    out = []
-    for rnd in range(2):
-        for i, s in enumerate(systems):
-            out.append(ServingReq(f"r{rnd}-{i}", s + [int(t) for t in rng.integers(0, 256, 4)], max_new_tokens=3))
-    return out
+from kvjax.serve.scheduler import Scheduler
+from tests.serve.evicted_prefixes import SPEC, serve_one_at_a_time, twice_round
 
 
 def _serve(params, **config) -> Scheduler:
-    cache = demo_cache(page_size=4, max_total_tokens=96, chunked_prefill_size=64, **config)
-    sched = Scheduler(SPEC, cache, params, max_batch_size=2)
-    for req in _requests():  # one at a time: each round-2 prompt arrives after the others evicted it
-        sched.run([req])
-    return sched
+    """Three system prompts twice round: the device pool (96 tokens) holds one."""
+    return serve_one_at_a_time(params, twice_round(3, seed=0), **config)
 
 
 def test_host_tier_serves_evicted_prefixes_from_host_with_the_same_tokens():

@@ -60,34 +60,20 @@ def _compare(hf_block: torch.nn.Module, config: MoEConfig, seed: int) -> None:
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
 
+# Every block: H wide, E experts of I_EXPERT (the attention heads are the configs' own, unused).
+HF_BLOCK = {"hidden_size": H, "num_attention_heads": 2, "num_key_value_heads": 2, "moe_intermediate_size": I_EXPERT}
+OUR_BLOCK = {"hidden_size": H, "num_experts": E, "moe_intermediate_size": I_EXPERT}
+# DeepSeek's routing: 3 experts from the best 2 of 4 groups.
+HF_DEEPSEEK = {**HF_BLOCK, "n_routed_experts": E, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2}
+OUR_DEEPSEEK = {**OUR_BLOCK, "top_k": 3, "n_group": 4, "topk_group": 2}
+
+
 def _deepseek_v2(topk_method: str, **kw) -> tuple[torch.nn.Module, MoEConfig]:
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 
-    cfg = transformers.DeepseekV2Config(
-        hidden_size=H,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        moe_intermediate_size=I_EXPERT,
-        n_routed_experts=E,
-        n_shared_experts=2,
-        num_experts_per_tok=3,
-        topk_method=topk_method,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=1.5,
-        **kw,
-    )
-    ours = MoEConfig(
-        hidden_size=H,
-        num_experts=E,
-        top_k=3,
-        moe_intermediate_size=I_EXPERT,
-        topk_method=topk_method,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=1.5,
-        shared_intermediate_size=2 * I_EXPERT,
-    )
+    routing = {"topk_method": topk_method, "routed_scaling_factor": 1.5}
+    cfg = transformers.DeepseekV2Config(**HF_DEEPSEEK, **routing, n_shared_experts=2, **kw)
+    ours = MoEConfig(**OUR_DEEPSEEK, **routing, shared_intermediate_size=2 * I_EXPERT)
     return DeepseekV2Moe(cfg), ours
 
 
@@ -99,31 +85,10 @@ def test_deepseek_v2_moe(topk_method: str) -> None:
 def test_deepseek_v3_moe_noaux_tc() -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    cfg = transformers.DeepseekV3Config(
-        hidden_size=H,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        moe_intermediate_size=I_EXPERT,
-        n_routed_experts=E,
-        n_shared_experts=1,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-    )
+    routing = {"norm_topk_prob": True, "routed_scaling_factor": 2.5}
+    cfg = transformers.DeepseekV3Config(**HF_DEEPSEEK, **routing, n_shared_experts=1)
     ours = MoEConfig(
-        hidden_size=H,
-        num_experts=E,
-        top_k=3,
-        moe_intermediate_size=I_EXPERT,
-        scoring="sigmoid",
-        topk_method="noaux_tc",
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        n_group=4,
-        topk_group=2,
-        shared_intermediate_size=I_EXPERT,
+        **OUR_DEEPSEEK, **routing, scoring="sigmoid", topk_method="noaux_tc", shared_intermediate_size=I_EXPERT
     )
     _compare(DeepseekV3MoE(cfg), ours, seed=2)
 
@@ -138,26 +103,10 @@ def test_qwen_moe_with_gated_shared_expert(family: str) -> None:
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as Block
 
         config_class = transformers.Qwen3NextConfig
-    cfg = config_class(
-        hidden_size=H,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        moe_intermediate_size=I_EXPERT,
-        shared_expert_intermediate_size=12,
-        num_experts=E,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-    )
-    ours = MoEConfig(
-        hidden_size=H,
-        num_experts=E,
-        top_k=2,
-        moe_intermediate_size=I_EXPERT,
-        norm_topk_prob=True,
-        shared_intermediate_size=12,
-        shared_expert_gated=True,
-        shared_name="shared_expert",
-    )
+    routing = {"norm_topk_prob": True}
+    cfg = config_class(**HF_BLOCK, **routing, num_experts=E, num_experts_per_tok=2, shared_expert_intermediate_size=12)
+    shared = {"shared_intermediate_size": 12, "shared_expert_gated": True, "shared_name": "shared_expert"}
+    ours = MoEConfig(**OUR_BLOCK, **routing, top_k=2, **shared)
     _compare(Block(cfg), ours, seed=3)
 
 

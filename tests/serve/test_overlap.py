@@ -37,7 +37,9 @@ def _assert_balanced(sched: Scheduler) -> None:
     assert sched.rows.available_size() + sum(r.req_pool_idx is not None for r in live) == sched.rows.size
 
 
-def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, **config) -> Scheduler:
+def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, then=(), **config) -> Scheduler:
+    """Serve ``reqs``, then (once they are done) ``then``, checking the balance after every step
+    and the leaks and the tree after each batch."""
     config.setdefault("chunked_prefill_size", 64)
     sched = Scheduler(
         spec,
@@ -47,13 +49,27 @@ def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, **config) 
         chunked_prefill_size=config["chunked_prefill_size"],
         overlap=overlap,
     )
-    sched.submit(reqs)
-    while not sched.idle:
-        sched.step()
-        _assert_balanced(sched)
-    assert sched.leak_free()
-    sched.tree.sanity_check()
+    for batch in (reqs, then):
+        sched.submit(batch)
+        while not sched.idle:
+            sched.step()
+            _assert_balanced(sched)
+        assert sched.leak_free()
+        sched.tree.sanity_check()
     return sched
+
+
+def _serve_both_ways(spec, params, prompts, max_new_tokens: int, *, first: int | None = None, **config):
+    """Serve ``prompts`` without overlap and with it (the first ``first`` of them, then the rest);
+    asserts both give the same tokens. Returns the two schedulers."""
+    outs, scheds = {}, []
+    for overlap in (False, True):
+        reqs = [ServingReq(i, p, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)]
+        n = len(reqs) if first is None else first
+        scheds.append(_serve(spec, params, reqs[:n], overlap=overlap, then=reqs[n:], **config))
+        outs[overlap] = [r.output_ids for r in reqs]
+    assert outs[True] == outs[False]
+    return scheds
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -89,41 +105,17 @@ def test_max_new_tokens_is_known_at_launch_and_never_runs_ahead(tiny):
 
 def test_retraction_and_eviction_under_overlap_give_the_same_tokens(tiny):
     spec, params = tiny
-    prompts = _prompts(6, seed=2)
-    outs = {}
-    for overlap in (False, True):
-        reqs = [ServingReq(i, p, max_new_tokens=24) for i, p in enumerate(prompts)]
-        sched = _serve(spec, params, reqs, overlap=overlap, page_size=1, max_total_tokens=96, chunked_prefill_size=16)
+    config = {"page_size": 1, "max_total_tokens": 96, "chunked_prefill_size": 16}
+    for sched in _serve_both_ways(spec, params, _prompts(6, seed=2), 24, **config):
         assert sched.stats.retractions > 0 and sched.stats.evicted_tokens > 0
-        outs[overlap] = [r.output_ids for r in reqs]
-    assert outs[True] == outs[False]
 
 
 def test_host_tier_under_overlap_gives_the_same_tokens(tiny):
     spec, params = tiny
-    prompts = _prompts(6, seed=3)
-    outs = {}
-    for overlap in (False, True):
-        reqs = [ServingReq(i, p, max_new_tokens=12) for i, p in enumerate(prompts)]
-        sched = _serve(
-            spec,
-            params,
-            reqs[:3],
-            overlap=overlap,
-            page_size=1,
-            max_total_tokens=96,
-            chunked_prefill_size=16,
-            enable_hierarchical_cache=True,
-        )
-        sched.submit(reqs[3:])
-        while not sched.idle:
-            sched.step()
-            _assert_balanced(sched)
-        assert sched.leak_free()
+    config = {"page_size": 1, "max_total_tokens": 96, "chunked_prefill_size": 16, "enable_hierarchical_cache": True}
+    for sched in _serve_both_ways(spec, params, _prompts(6, seed=3), 12, first=3, **config):
         [ext] = [e for e in sched.extensions if hasattr(e, "host_balanced")]
         assert ext.host_balanced()
-        outs[overlap] = [r.output_ids for r in reqs]
-    assert outs[True] == outs[False]
 
 
 def test_decode_steps_read_their_input_ids_on_the_device(tiny):
@@ -135,9 +127,9 @@ def test_decode_steps_read_their_input_ids_on_the_device(tiny):
     assert sched.overlap
     sched.submit(reqs)
     sched.step()  # the prefill: launched, its tokens unread
-    assert sched._inflight is not None and all(r.output_ids == [] for r in reqs)
+    assert sched.in_flight and all(r.output_ids == [] for r in reqs)
     sched.step()  # decode 1 launched from the prefill's tokens on the device, then the prefill read
-    assert sched._inflight is not None and all(len(r.output_ids) == 1 for r in reqs)
+    assert sched.in_flight and all(len(r.output_ids) == 1 for r in reqs)
     assert sched.stats.decode_steps == 1
     sched.run()
     assert sched.leak_free() and all(len(r.output_ids) == 6 for r in reqs)

@@ -107,22 +107,19 @@ def test_random_workload_sweep(case, tmp_path):
 # --- regressions found by random workloads -------------------------------------------------------
 
 
-def _qwen3_next_scheduler(**config) -> Scheduler:
+def _qwen3_next_scheduler() -> Scheduler:
+    """Qwen3-Next tiny with the extra buffer: 1024 tokens in 4-token pages, 10 requests, chunks of 64."""
     spec, serving, params = model("qwen3-next-tiny")
-    cache = build_kv_cache(spec, CacheConfig(context_length=128, **config))
-    return Scheduler(serving, cache, params, max_batch_size=8, chunked_prefill_size=config["chunked_prefill_size"])
+    sizes = dict(page_size=4, max_total_tokens=1024, max_running_requests=10, chunked_prefill_size=64)
+    config = CacheConfig(context_length=128, enable_mamba_extra_buffer=True, **sizes)
+    cache = build_kv_cache(spec, config)
+    return Scheduler(serving, cache, params, max_batch_size=8, chunked_prefill_size=config.chunked_prefill_size)
 
 
 def test_extra_buffer_admission_evicts_every_checkpoint_it_needs():
     """A request needs 1 + mamba_ping_pong_size state slots with the extra buffer; admission
     evicted one checkpoint and gave up with checkpoints still evictable (issue 19's case)."""
-    sched = _qwen3_next_scheduler(
-        page_size=4,
-        max_total_tokens=1024,
-        max_running_requests=10,
-        chunked_prefill_size=64,
-        enable_mamba_extra_buffer=True,
-    )
+    sched = _qwen3_next_scheduler()
     for i in range(6):
         sched.run([ServingReq(f"r{i}", [i + 1] * 9, max_new_tokens=1)])
     tree = sched.cache.tree_cache
@@ -139,13 +136,7 @@ def test_extra_buffer_admission_evicts_every_checkpoint_it_needs():
 def test_state_slots_short_with_nothing_evictable_is_a_clear_error():
     """With every slot held by requests (none in the tree to evict), admission fails with an
     error naming what is short, and takes nothing."""
-    sched = _qwen3_next_scheduler(
-        page_size=4,
-        max_total_tokens=1024,
-        max_running_requests=10,
-        chunked_prefill_size=64,
-        enable_mamba_extra_buffer=True,
-    )
+    sched = _qwen3_next_scheduler()
     [ext] = [e for e in sched.extensions if isinstance(e, RecurrentStateExtension)]
     table = sched.cache.req_to_token_pool
     held = ServingReq("held", [1] * 9, max_new_tokens=1)
@@ -179,13 +170,7 @@ def test_a_request_longer_than_the_pool_is_refused_at_submission():
 def test_a_request_short_of_state_slots_waits_while_others_run():
     """Slots held by running requests come back when they finish: a request short of them waits
     (as for KV) instead of failing, and is served after."""
-    sched = _qwen3_next_scheduler(
-        page_size=4,
-        max_total_tokens=1024,
-        max_running_requests=10,
-        chunked_prefill_size=64,
-        enable_mamba_extra_buffer=True,
-    )
+    sched = _qwen3_next_scheduler()
     table = sched.cache.req_to_token_pool
     # Held elsewhere: what is left is one request's share (its 3 slots and 2 checkpoints).
     others = table.mamba_allocator.alloc(table.mamba_allocator.available_size() - 5)

@@ -3,36 +3,19 @@ back from storage; same tokens as with the radix cache off; both pools' accounti
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from kvjax import ModelSpec
 from kvjax.demo import demo_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.model import init_params
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
-from kvjax.serve.scheduler import Scheduler, ServingReq
-
-SPEC = ModelSpec.preset("tiny")
-
-
-def _requests() -> list[ServingReq]:
-    """Six 48-token system prompts, twice round: more than the device (96) and host pools hold."""
-    rng = np.random.default_rng(1)
-    systems = [[int(t) for t in rng.integers(0, 256, 48)] for _ in range(6)]
-    out = []
-    for rnd in range(2):
-        for i, s in enumerate(systems):
-            out.append(ServingReq(f"r{rnd}-{i}", s + [int(t) for t in rng.integers(0, 256, 4)], max_new_tokens=3))
-    return out
+from kvjax.serve.scheduler import Scheduler
+from tests.serve.evicted_prefixes import SPEC, serve_one_at_a_time, twice_round
 
 
 def _serve(params, **config) -> Scheduler:
-    cache = demo_cache(page_size=4, max_total_tokens=96, chunked_prefill_size=64, **config)
-    sched = Scheduler(SPEC, cache, params, max_batch_size=2)
-    for req in _requests():
-        sched.run([req])
-    return sched
+    """Six system prompts twice round: more than the device (96 tokens) and host pools hold."""
+    return serve_one_at_a_time(params, twice_round(6, seed=1), **config)
 
 
 def test_storage_serves_prefixes_evicted_from_device_and_host_with_cold_tokens(tmp_path):

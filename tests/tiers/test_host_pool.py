@@ -51,10 +51,10 @@ def test_allocator_hands_out_every_slot_fifo_whole_pages():
 def test_allocator_rejects_bad_frees_unchanged(bad, err):
     a = HostSlotAllocator(8, 2)
     a.alloc(4)
-    before = (a.available_size(), a._free.to_array().tolist())
+    before = (a.available_size(), a.free_pages.tolist())
     with pytest.raises(err):
         a.free(np.array(bad))
-    assert (a.available_size(), a._free.to_array().tolist()) == before
+    assert (a.available_size(), a.free_pages.tolist()) == before
 
 
 def test_allocator_rejects_unaligned_sizes():

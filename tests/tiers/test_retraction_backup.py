@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
+from kvjax.demo_config import demo_config
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools, MHAKVPool
 from kvjax.radix import HiRadixCache
@@ -83,16 +84,9 @@ def test_decode_retraction_restores_from_the_host_pool_with_the_same_tokens():
     prompts = [[int(t) for t in rng.integers(0, 256, 12)] for _ in range(4)]
     runs = {}
     for backup in (None, "host_pool"):
-        # The demo's cache settings (as tests/serve/test_host_tier_serving.py: compiled shapes are shared)
-        config = CacheConfig(
-            page_size=4,
-            max_total_tokens=96,
-            max_running_requests=16,
-            context_length=1024,
-            chunked_prefill_size=64,
-            hicache_ratio=12.0,
-            disaggregation_decode_retraction_backup=backup,
-        )
+        # The host tier serving tests' settings (compiled shapes are shared)
+        backup_to = {"disaggregation_decode_retraction_backup": backup}
+        config = demo_config(page_size=4, max_total_tokens=96, chunked_prefill_size=64, hicache_ratio=12.0, **backup_to)
         sched = Scheduler(spec, build_kv_cache(spec, config), params, max_batch_size=2)
         done = sched.run([ServingReq(i, p, max_new_tokens=40) for i, p in enumerate(prompts)])
         runs[backup] = (sched, {r.rid: r.output_ids for r in done})

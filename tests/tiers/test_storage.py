@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from kvjax.errors import ConfigError
 from kvjax.radix import RadixCache
@@ -64,9 +65,10 @@ def test_a_missing_page_ends_the_run_and_namespaces_are_isolated():
 
 
 def test_a_value_of_the_wrong_size_is_a_miss_not_a_page():
-    tier = _tier()
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    tier = _tier(store)
     [h] = page_hashes(list(range(4)), 4)
-    tier._kv.write(tier.key(h), b"short").result()
+    store.write(tier.key(h), b"short").result()
     assert not tier.contains(h) and tier.leading_hits([h]) == 0
     assert tier.get([h]).shape == (0, *PAGE)
 

@@ -81,8 +81,7 @@ def test_a_truncated_entry_is_a_miss_counted_warned_once_and_deleted(tmp_path, c
         assert reader.leading_hits(HASHES[2:]) == 0
     assert reader.rejected == {"torn": 2}
     assert sum("refused entry" in r.message for r in caplog.records) == 1
-    for f in reader._side_writes:
-        f.result()
+    reader.flush()
     assert not (tmp_path / tier.key(HASHES[1])).exists()  # deleted: the next backup rewrites it
     assert reader.backup(HASHES, pages).wait() == 2
     np.testing.assert_array_equal(reader.get(HASHES), pages)
