@@ -66,9 +66,7 @@ def _page_load(pool: Any, copy: list[np.ndarray], slots: np.ndarray) -> Any:
 def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:
     """A ``cpu_tensor`` :class:`RetractionBackup` of ``cache``'s ``"kv"`` pool through the page kernels."""
     page_size = cache.token_to_kv_pool_allocator.page_size
-    return RetractionBackup(
-        "cpu_tensor", page_size, pending=cache.pending, get_copy=_page_copy, load_copy=_page_load
-    )
+    return RetractionBackup("cpu_tensor", page_size, pending=cache.pending, get_copy=_page_copy, load_copy=_page_load)
 
 
 class RetractionBackupExtension(ServingExtension):

@@ -89,7 +89,7 @@ class RetractionBackup:
         if mode == "host_pool" and host is None:
             raise ValueError("the host_pool retraction backup needs the host tier")
         if mode == "cpu_tensor" and pending is None:
-            raise ValueError("the cpu_tensor retraction backup needs the cache's pending device updates (cache.pending)")
+            raise ValueError("the cpu_tensor retraction backup needs the cache's pending device updates: cache.pending")
         self.mode = mode
         self.page_size = int(page_size)
         self.host = host
