@@ -25,14 +25,6 @@ import numpy as np
 from benchmarks._common import machine, median_seconds
 
 
-class _Holder:
-    def __init__(self, pools):
-        self.pools = pools
-
-    def set_pools(self, pools):
-        self.pools = pools
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pages", type=int, default=64)
@@ -52,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import jax
 
+    from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.pools import CachePools, MHAKVPool
     from kvjax.tiers import HostKVPool, TransferStatus
     from kvjax.tiers.transfer import PageTransferEngine, default_staging
@@ -65,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         head_dim=args.head_dim,
         dtype="bfloat16",
     )
-    holder = _Holder(CachePools(kv=pool))
+    updates = PendingDeviceUpdates(CachePools(kv=pool))  # the owner's pools, applied to as a step would
     host = HostKVPool.for_device_layers(pool.kv, 2 * n * args.page_size)
     ps = args.page_size
     dev_slots = (np.arange(1, n + 1)[:, None] * ps + np.arange(ps)).ravel()
@@ -79,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     memcpy = median_seconds(lambda: np.copyto(dst, src), repeats=args.repeats)
     out["numpy_copy_GBps"] = round(nbytes / memcpy / 1e9, 3)
     for staging in ("numpy", "pinned_host"):
-        engine = PageTransferEngine(holder, host, staging=staging)
+        engine = PageTransferEngine(updates, host, staging=staging)
         out[f"{engine.staging}_path"] = "direct" if engine.direct else "staged"
 
         def backup(engine=engine):
@@ -88,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         def load(engine=engine):
             h = engine.start_load(host_slots, dev_slots)
+            updates.apply(updates.owner_pools)  # the owner applies the recorded scatter
             assert engine.poll(h, wait=True) is TransferStatus.DONE
 
         d2h = median_seconds(backup, repeats=args.repeats)
@@ -96,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         out[f"h2d_{engine.staging}_GBps"] = round(nbytes / h2d / 1e9, 3)
         out[f"d2h_{engine.staging}_vs_numpy"] = round(memcpy / d2h, 3)
         out[f"h2d_{engine.staging}_vs_numpy"] = round(memcpy / h2d, 3)
-    jax.block_until_ready(holder.pools)
+    jax.block_until_ready(updates.owner_pools)
     print(json.dumps(out, indent=1))
     return out
 

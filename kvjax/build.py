@@ -11,11 +11,15 @@ cached state (pools a kind adds, the request table's wrapper, the allocator, the
 transfer engine) comes from the cache kinds the plan uses (``kvjax.kinds.cache_kinds_of``), in
 their registry order; this module names no kind.
 
-Ownership of device state: a ``KVCache`` owns the *current* device state of its pools.
-``cache.pools`` always reads live arrays as long as whoever runs a donated step stores its result
-back with ``cache.set_pools(new_pools)`` (the serving scheduler does, after every step).
-``cache.with_pools(new_pools)`` is the functional alternative: a new holder sharing the same host
-objects (allocator, request table, tree), after which the old holder's pools may be stale.
+Ownership of device state: the owner of the step (the serving scheduler, or a user's own loop)
+owns the current device state; a ``KVCache`` holds what the owner last handed in
+(``cache.set_pools(new_pools)`` after every donated step) and changes it only in calls whose caller
+receives the new pools (``cache.apply_pending``). Host-tier loads, retraction restores and
+recurrent-state forks are recorded as pending device updates (``cache.pending``,
+``kvjax.device_updates``) that the owner applies before its next step; they never swap
+``cache.pools`` behind the owner's back. ``cache.with_pools(new_pools)`` is the functional
+alternative to ``set_pools``: a new holder sharing the same host objects (allocator, request table,
+tree, pending updates), after which the old holder's pools may be stale.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from jax.sharding import Mesh
 
 from kvjax.alloc import make_allocator
 from kvjax.config import CacheConfig
+from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -58,13 +63,19 @@ class KVCache:
     ``disable_radix_cache``) or are the host objects (``req_to_token_pool``,
     ``token_to_kv_pool_allocator``, ``tree_cache``).
 
-    Ownership rule: the cache owns the current device state. ``pools`` is replaced, never mutated:
-    a donated step consumes the arrays it is given, so store what it returns with
-    :meth:`set_pools` (this mutates the holder: every reference to this ``KVCache`` sees the new
-    state). The allocator, request table and tree cache are host objects mutated in place.
+    Device state (``docs/architecture.md``, "Device state: who changes it"): ``pools`` changes
+    only in calls whose caller receives the new pools. The owner of the step donates ``pools``
+    into its step and hands the result back with :meth:`set_pools` (this mutates the holder:
+    every reference to this ``KVCache`` sees the new state). Library calls that change device
+    state without holding the pools (a host-tier load inside ``init_load_back``, a retraction
+    restore, a recurrent-state fork) record it in :attr:`pending` instead; the owner applies it
+    with ``pools = cache.apply_pending(pools)`` before launching the next step. Reads of device
+    state (host-tier backups) read the pools last handed in. The allocator, request table and
+    tree cache are host objects mutated in place.
     """
 
     __slots__ = (
+        "_pending",
         "_pools",
         "_pools_structure",
         "_checked_origins",
@@ -88,6 +99,7 @@ class KVCache:
         host_pool: Any = None,
         draft_host_pool: Any = None,
         swa_host_pool: Any = None,
+        pending: PendingDeviceUpdates | None = None,
     ) -> None:
         self.plan = plan
         self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
@@ -99,6 +111,10 @@ class KVCache:
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         self._pools = pools
+        # Device updates recorded by the host side (transfers, restores, forks), shared with the
+        # transfer engines built over this cache; the owner of the step applies them.
+        self._pending = PendingDeviceUpdates(pools) if pending is None else pending
+        self._pending.hand_in(pools)
         # Fixed for the holder's life (set_pools only accepts the same structure): computed once,
         # so the check on every serving step flattens only the new pools.
         self._pools_structure: Any = jax.tree_util.tree_structure(pools)
@@ -113,17 +129,45 @@ class KVCache:
 
     @property
     def pools(self) -> CachePools:
-        """The current device state (a pytree; donate it into a step, then :meth:`set_pools`)."""
+        """The device state the owner last handed in (a pytree; apply :meth:`apply_pending` to
+        it, donate it into a step, then :meth:`set_pools`). No library call replaces it."""
         return self._pools
 
+    @property
+    def pending(self) -> PendingDeviceUpdates:
+        """Device updates recorded by transfers, restores and forks, not applied yet (the
+        transfer engines and serving extensions record into it; the owner applies it)."""
+        return self._pending
+
     def set_pools(self, pools: CachePools) -> None:
-        """Store the device state a (donated) step returned: mutates this holder.
+        """Hand in the device state a (donated) step returned: mutates this holder, and reads of
+        device state (backups) see ``pools`` from now on.
 
         Raises ``TypeError`` (the cache unchanged) unless ``pools`` is a ``CachePools`` with the
         same pools and array structure as the current state.
         """
         self._check_same_structure(pools, "set_pools")
         self._pools = pools
+        self._pending.hand_in(pools)
+
+    def apply_pending(self, pools: CachePools | None = None) -> CachePools:
+        """Apply the pending device updates to ``pools`` (default :attr:`pools`), in the order
+        they were recorded, and return the new pools, also handed in (:meth:`set_pools`).
+
+        The owner of the step calls it right before launching its next step, so loaded prefixes,
+        restored tokens and forked state slots are in place when the step reads them. The arrays
+        replaced are donated (in place): use only the pools this returns. With nothing pending it
+        returns ``pools`` itself. Raises ``TypeError`` (nothing applied) for pools of another
+        structure.
+        """
+        pools = self._pools if pools is None else pools
+        if pools is not self._pools:
+            self.set_pools(pools)
+        if not self._pending.count:
+            return pools
+        new = self._pending.apply(pools)
+        self.set_pools(new)
+        return new
 
     def with_pools(self, pools: CachePools) -> KVCache:
         """A new holder of ``pools`` sharing this cache's plan and host objects (functional form
@@ -138,6 +182,7 @@ class KVCache:
             host_pool=self.host_pool,
             draft_host_pool=self.draft_host_pool,
             swa_host_pool=self.swa_host_pool,
+            pending=self._pending,
         )
 
     def _check_same_structure(self, pools: Any, what: str) -> None:
@@ -294,15 +339,20 @@ def build_kv_cache(
 
 
 def attach_host_transfers(cache: KVCache) -> None:
-    """Give the cache's host tier the page transfer engine over ``cache`` (the holder whose
-    ``set_pools`` a load updates) and its host pool."""
+    """Give the cache's host tier its page transfer engine over the cache's host pools (the first
+    a kind of the cache offers, else the plain one).
+
+    The engine holds no reference to the cache: it reads static facts (shapes, dtype,
+    sharding) from ``cache.pending.owner_pools``, reads device data for backups through
+    ``cache.pending.read`` (the pools the owner last handed in) and records its loads in
+    ``cache.pending`` for the owner to apply."""
     from kvjax.kinds.host_tier import make_transfer_engine
     from kvjax.radix import HiRadixCache
 
     tree = cache.tree_cache
     if isinstance(tree, HiRadixCache):
-        engine = make_transfer_engine(cache)  # the first a kind of the cache offers, else the plain one
-        tree.host.engine = with_draft_transfers(engine, cache, cache.draft_host_pool)
+        engine = make_transfer_engine(cache)
+        tree.host.engine = with_draft_transfers(engine, cache.draft_host_pool)
 
 
 def _allocator(plan: CachePlan, kinds: tuple[CacheKind, ...]) -> AllocatorProtocol:

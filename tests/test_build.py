@@ -108,6 +108,7 @@ def test_build_host_tier_backs_up_and_loads_back_real_kv():
     cache.set_pools(cache.pools.replace(kv=cache.pools.kv.replace(kv=blank)))
     m = tree.init_load_back(tree.match_prefix(list(range(2 * ps))))
     assert m.prefix_len == 2 * ps
+    cache.apply_pending()  # the owner of the step applies the recorded load
     tree.check_transfers(wait=True)
     pages = np.unique(m.indices // ps)
     for i, layer in enumerate(cache.pools.kv.kv):

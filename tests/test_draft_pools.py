@@ -67,6 +67,7 @@ def _host_round_trip(cache):
         cache.set_pools(cache.pools.replace(**{name: cache.pools[name].replace(kv=blank)}))
     m = tree.init_load_back(tree.match_prefix(tokens))
     assert m.prefix_len == 2 * ps
+    cache.apply_pending()  # the owner of the step applies the recorded loads
     tree.check_transfers(wait=True)
     return np.unique(m.indices // ps), cache.host_pool.allocator.available_size()
 
@@ -142,6 +143,8 @@ def test_host_pool_retraction_backup_restores_the_draft_pool_too():
     _mark(cache, "kv_draft", 17, slice(1, 3))
     assert rb.backup("r", np.arange(ps, 3 * ps), 0, 2 * ps)
     assert rb.restore("r", np.arange(3 * ps, 5 * ps))  # pages 1, 2 -> 3, 4
+    cache.apply_pending()  # the owner of the step applies the recorded loads
+    rb.poll(wait=True)  # their held host slots are returned once they landed
     assert (np.asarray(cache.pools["kv_draft"].kv[0])[3:5] == 17).all()
     for i, layer in enumerate(cache.pools.kv.kv):
         assert (np.asarray(layer)[3:5] == 7 + i).all()

@@ -28,7 +28,8 @@ POOL = PoolKind(
 def make_transfer_engine(cache: KVCache) -> Any:
     """The page transfer engine between ``cache``'s device pools and its host pool ``host_pool``:
     the first a kind of the cache offers, else ``PageTransferEngine`` over the first device pool.
-    The engine writes loads back through ``cache`` (the holder the scheduler steps)."""
+    The engine holds no reference to the cache: it records its loads in ``cache.pending`` for
+    the step's owner to apply and reads backups from the pools the owner last handed in."""
     from kvjax.kinds.registry import cache_kinds_of
 
     for kind in cache_kinds_of(cache.plan):
@@ -39,7 +40,7 @@ def make_transfer_engine(cache: KVCache) -> Any:
     from kvjax.tiers.transfer import PageTransferEngine
 
     device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
-    return PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
+    return PageTransferEngine(cache.pending, cache.host_pool, pool_name=device_pool)
 
 
 def serving_extension(cache: KVCache) -> ServingExtension | None:

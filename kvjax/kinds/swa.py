@@ -69,7 +69,7 @@ def transfer_engine(cache: KVCache) -> Any:
     from kvjax.tiers.swa_transfer import SWAPageTransferEngine
 
     return SWAPageTransferEngine(
-        cache, cache.host_pool, cache.swa_host_pool, cache.token_to_kv_pool_allocator, pool_name=POOL.name
+        cache.pending, cache.host_pool, cache.swa_host_pool, cache.token_to_kv_pool_allocator, pool_name=POOL.name
     )
 
 

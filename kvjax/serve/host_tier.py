@@ -2,15 +2,19 @@
 
 * ``poll`` (once per scheduler step, before the batch): SGLang's ``writing_check`` and
   ``loading_check``; backups and loads that landed unlock their nodes. The step never waits for a
-  transfer: backups are gathers whose host copy completes in the background, loads are scatters
-  the next step's reads depend on through jax's data dependencies.
+  transfer: backups are gathers (of the pools the scheduler last handed in) whose host copy
+  completes in the background, loads are scatters the next step's reads depend on through jax's
+  data dependencies.
 * ``after_admit`` (the request was matched and locked): when the match has a host hit of at
   least the load-back threshold, the host-only chain is loaded back (all or nothing; it may evict
   device leaves first) and the request's prefix, row and lock move to the loaded node, so its
   prefill starts past it. The scheduler reads the prefix from ``req.prefix_indices`` after the
   hooks. The match is redone here to read the host hit (only while host-only nodes exist), so the
   tree's own match counter counts such admissions twice; the scheduler's cached-token figures
-  are not affected.
+  are not affected. The load's scatter is recorded as a pending device update
+  (``cache.pending``) that the scheduler applies right before the prefill step that reads the
+  prefix: this extension never swaps ``cache.pools`` (``docs/architecture.md``, "Device state:
+  who changes it").
 * with ``decode_retraction_backup == "host_pool"``: the retraction backup's hooks
   (``retraction_extension.RetractionBackupExtension`` over the host pool: backup at retraction,
   restore at re-admission after the load-back, held slots freed at ``poll``).

@@ -6,9 +6,11 @@
   ``ensure_mamba_capacity``; then ``OutOfMemoryError`` naming what is short). With a
   ``MambaRadixCache`` the match ended at a checkpoint: its slot is forked into the request's (a
   queued copy), so the request continues from the state after its cached prefix.
-* **step inputs** (``step_extras``): first every queued state copy is applied to
-  ``pools.recurrent`` (forks of matched checkpoints, request states copied into new checkpoints
-  by ``cache_unfinished_req``), in order, donated; then per sequence row its state slot
+* **step inputs** (``step_extras``): first every state copy the tree queued (forks of matched
+  checkpoints, request states copied into new checkpoints by ``cache_unfinished_req``) is
+  recorded, in order, as one pending device update of ``pools.recurrent`` (``cache.pending``):
+  the owner of the step applies it right before launching the step (the scheduler does), so the
+  step reads the forked slots; the extension never swaps ``cache.pools``. Then per sequence row its state slot
   (``state_slots``, 0 for padding rows) and whether it continues a state (``has_initial_state``:
   the row's KV did not start at 0 in this step).
 * **extra buffer** (``enable_mamba_extra_buffer``, page size > 1): a row whose tokens in this step
@@ -30,8 +32,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvjax.device_updates import DeviceUpdate
 from kvjax.errors import OutOfMemoryError
 from kvjax.hybrid_req_pool import HybridReqToTokenPool
+from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import apply_state_copies
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.extension import ServingExtension, StepBatch
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.serve.serving_req import ServingReq
 
-__all__ = ["RecurrentStateExtension"]
+__all__ = ["RecurrentStateExtension", "state_copies_update"]
 
 
 class RecurrentStateExtension(ServingExtension):
@@ -84,10 +88,7 @@ class RecurrentStateExtension(ServingExtension):
                 self.tree.queue_state_copy(src, req.mamba_pool_idx)
 
     def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        copies: list[tuple[int, int]] = self.tree.take_state_copies() if self.tree is not None else []
-        if copies:
-            pools = self.cache.pools
-            self.cache.set_pools(pools.replace(recurrent=apply_state_copies(pools.recurrent, copies)))
+        self._record_state_copies()
         n = len(batch.reqs)
         slots = np.zeros(batch.max_seqs, np.int32)
         slots[:n] = [0 if r.mamba_pool_idx is None else r.mamba_pool_idx for r in batch.reqs]
@@ -110,6 +111,13 @@ class RecurrentStateExtension(ServingExtension):
                 self._tracked.append((req, idx, aligned))
         return {"state_slots": slots, "has_initial_state": keep, "track_slots": track_slots, "track_at": track_at}
 
+    def _record_state_copies(self) -> None:
+        """Record the tree's queued state copies (forks, new checkpoints) as one pending device
+        update, behind every update recorded before (the owner applies them before the step)."""
+        copies: list[tuple[int, int]] = self.tree.take_state_copies() if self.tree is not None else []
+        if copies:
+            self.cache.pending.record(state_copies_update(copies))
+
     def after_step(self, batch: StepBatch) -> None:
         """With the extra buffer: the tracked states are written; record where (the caching that
         follows donates the slot of the last one)."""
@@ -130,3 +138,15 @@ class RecurrentStateExtension(ServingExtension):
         state, which its release donates to the tree as the checkpoint of its (shorter) tokens.
         (Requests that end on ``max_new_tokens`` never get a speculative step.)"""
         return not any(req.stop_token_ids for req in reqs)
+
+
+def state_copies_update(copies: list[tuple[int, int]]) -> DeviceUpdate:
+    """The state copies ``(src slot, dst slot)``, applied in order to ``pools.recurrent`` (donated),
+    as a pending device update (target ``"recurrent"``, pages: the destination slots)."""
+    copies = list(copies)
+
+    def copy_states(pools: CachePools) -> CachePools:
+        return pools.replace(recurrent=apply_state_copies(pools.recurrent, copies))
+
+    destinations = np.asarray([dst for _, dst in copies], np.int64)
+    return DeviceUpdate("state fork", "recurrent", destinations, copy_states)

@@ -17,6 +17,10 @@ in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
 * ``host_pool``: the host tier's extension (``host_tier.py``) owns one of these over the host
   tier's pool, so the restore logic lives here once.
 
+Device state: the restore's copy is recorded as a pending device update (``cache.pending``),
+applied by the owner of the step before the step that reads the restored tokens (the scheduler
+does, right before launching it); the extension never swaps ``cache.pools``.
+
 Fallbacks recompute: no backup (failed copy, full host pool), a tree prefix at re-admission
 other than the one the backup covers, or no device room within the quota now (the backup is
 kept for a later admission). Units: tokens.
@@ -63,7 +67,7 @@ def _page_load(pool: Any, copy: list[np.ndarray], slots: np.ndarray) -> Any:
 def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:
     """A ``cpu_tensor`` :class:`RetractionBackup` of ``cache``'s ``"kv"`` pool through the page kernels."""
     page_size = cache.token_to_kv_pool_allocator.page_size
-    return RetractionBackup("cpu_tensor", page_size, cache=cache, get_copy=_page_copy, load_copy=_page_load)
+    return RetractionBackup("cpu_tensor", page_size, pending=cache.pending, get_copy=_page_copy, load_copy=_page_load)
 
 
 class RetractionBackupExtension(ServingExtension):

@@ -22,10 +22,15 @@ it finishes. A request finishes after ``max_new_tokens`` tokens or on one of its
 ``stop_token_ids``; ``cache_finished_req`` inserts its prompt and output into the tree and
 releases its lock, and its row is freed.
 
-Device state: the step function is jitted with the pools donated, and every step's new pools are
-stored back into the cache the scheduler was given (``KVCache.set_pools``), so ``cache.pools`` is
-always the current state, never a donated (deleted) array. The host reads back only the sampled
-tokens (and, with ``record_logits``, the logits).
+Device state: the scheduler is the owner of the step (``docs/architecture.md``, "Device state:
+who changes it"). Right before launching a step it applies the pending device updates the host
+side recorded since the last one (host-tier loads, retraction restores, recurrent-state forks:
+``KVCache.apply_pending``), in order, so the step reads them; it applies them also before each
+polling step, so a load recorded by an admission that launched no step still lands. The step
+function is jitted with the pools donated, and every step's new pools are handed back to the
+cache the scheduler was given (``KVCache.set_pools``), so ``cache.pools`` is always the current
+state, never a donated (deleted) array, and backups read the state after the step that wrote
+their pages. The host reads back only the sampled tokens (and, with ``record_logits``, the logits).
 
 Kinds of cached state beyond full attention plug into the loop as ``ServingExtension`` objects
 (``extension.py``: admission, decode, release and polling hooks, and per-kind step inputs in
@@ -277,6 +282,7 @@ class Scheduler:
         ran = decoded = False
         if self.chunked is not None or self.waiting:
             self.resolve(done)  # admission sees what the in-flight step finishes (module docstring)
+        self.cache.apply_pending()  # updates recorded since the last launch land before polling
         for ext in self.extensions:
             ext.poll()  # after the finishing (as without overlap): transfers it started may land
         if self.chunked is not None or self.waiting:
@@ -596,6 +602,7 @@ class Scheduler:
         the transfers the finishing started as it would without overlap (finish, poll, decide)."""
         if not self.resolve(done):
             return False
+        self.cache.apply_pending()  # updates recorded since the last launch land before polling
         for ext in self.extensions:
             ext.poll()
         return True
@@ -762,10 +769,12 @@ class Scheduler:
                 src[: token_src.shape[0]] = token_src
             prev = self._inflight.next_tokens if self._inflight is not None else self._no_tokens
         packed = time.perf_counter()
+        # Loads, restores and forks recorded since the last step land before this step reads them.
+        pools = self.cache.apply_pending()
         if self.overlap:
-            out = self.step_fn(self.cache.pools, self.params, flat, meta, prev, src)
+            out = self.step_fn(pools, self.params, flat, meta, prev, src)
         else:
-            out = self.step_fn(self.cache.pools, self.params, flat, meta)
+            out = self.step_fn(pools, self.params, flat, meta)
         end = time.perf_counter()
         if self._copy_ahead:
             out[1].copy_to_host_async()  # the tokens leave the device as soon as the step ends
@@ -846,5 +855,6 @@ def _row(req: Req) -> int:
 
 
 def _store_pools(cache: KVCache, pools: Any) -> None:
-    """Make ``pools`` (a step's result) the cache's current device state."""
+    """Hand ``pools`` (a step's result) to the cache as the current device state (what backups
+    read from now on); the scheduler owns the step, so this is the one place it changes."""
     cache.set_pools(pools)

@@ -10,9 +10,11 @@ use: the tree's host allocator is the target host pool's) and reports it DONE on
 landed, at the same polling step. Accounting is the target's: nothing is allocated twice.
 
 Errors: a backup reports FAILED when either copy failed (the tree then drops the host copy and
-recomputes, losing nothing). A load that cannot start raises ``CopyError`` with nothing changed in
-the target pool: the draft's pages are scattered first, into device slots the caller is about to
-fill and that hold no live data, then the target's.
+recomputes, losing nothing). A load that cannot start raises ``CopyError`` with nothing recorded
+for the target pool: the draft's load is started first (its scatter recorded as a pending device
+update into device slots the caller is about to fill and that hold no live data), then the
+target's. Device state changes only when the owner of the step applies the pending updates
+(``docs/architecture.md``, "Device state: who changes it").
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ class PairedCopyEngine:
             e.cancel(h)
 
 
-def with_draft_transfers(engine: Any, holder: Any, draft_host_pool: Any) -> Any:
+def with_draft_transfers(engine: Any, draft_host_pool: Any) -> Any:
     """``engine`` (the target pool's ``PageTransferEngine``), paired with one over the draft pool
-    ``"kv_draft"`` of ``holder`` and ``draft_host_pool`` when there is one."""
+    ``"kv_draft"`` and ``draft_host_pool`` when there is one, recording into the same pending
+    device updates (``engine.pending``), so the draft's loads are applied with the target's."""
     if draft_host_pool is None:
         return engine
     from kvjax.tiers.transfer import PageTransferEngine
@@ -105,5 +108,5 @@ def with_draft_transfers(engine: Any, holder: Any, draft_host_pool: Any) -> Any:
         raise AssertionError(
             f"draft host pool of {draft_host_pool.size} slots, target's {engine.host_pool.size}: they must match"
         )
-    draft = PageTransferEngine(holder, draft_host_pool, pool_name=DRAFT_POOL_NAME, staging=engine.staging)
+    draft = PageTransferEngine(engine.pending, draft_host_pool, pool_name=DRAFT_POOL_NAME, staging=engine.staging)
     return PairedCopyEngine(engine, draft)

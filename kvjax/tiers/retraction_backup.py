@@ -18,6 +18,13 @@ Modes (the plan's ``decode_retraction_backup``):
 * ``cpu_tensor``: ``get_cpu_copy`` / ``load_cpu_copy`` of the device pool (numpy copies), or the
   ``get_copy`` / ``load_copy`` functions given (the serving extension's page copies, in place).
 
+Device state (``docs/architecture.md``, "Device state: who changes it"): a restore never swaps
+the caller's pools. ``host_pool``: the copy engine records the load. ``cpu_tensor``: the copy aside
+reads the pools the owner last handed in (``PendingDeviceUpdates.read``) and the restore records
+the write-back as a pending device update; either lands when the owner of the step applies the
+pending updates (``pools = cache.apply_pending(pools)``), before the step that reads the restored
+tokens.
+
 Every fallback recomputes: a backup that failed, a resume whose tree prefix differs from the one
 at retraction, or no device room within the admission's quota. Units: tokens and slots.
 """
@@ -30,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 
 RETRACTION_BACKUPS = ("host_pool", "cpu_tensor")
@@ -54,8 +62,9 @@ class RetractionBackup:
         mode: ``"host_pool"`` or ``"cpu_tensor"``.
         page_size: the device pool's page size.
         host: the host tier's component (``host_pool``): its host slots and copy engine.
-        cache: a ``KVCache``-like holder (``cpu_tensor``): ``pools`` and ``set_pools``.
-        pool_name: the device pool in ``cache.pools`` (``cpu_tensor``).
+        pending: the cache's pending device updates (``cpu_tensor``; ``KVCache.pending``): the
+            copy aside reads through it, the restore records into it.
+        pool_name: the device pool copied (``cpu_tensor``).
         get_copy: ``get_copy(pool, device_slots) -> list of per-layer numpy [tokens, ...]``
             (``cpu_tensor``; default the pool's ``get_cpu_copy``).
         load_copy: ``load_copy(pool, copy, device_slots) -> new pool`` (``cpu_tensor``; default
@@ -70,7 +79,7 @@ class RetractionBackup:
         page_size: int,
         *,
         host: Any = None,
-        cache: Any = None,
+        pending: PendingDeviceUpdates | None = None,
         pool_name: str = "kv",
         get_copy: Callable[[Any, np.ndarray], list[np.ndarray]] | None = None,
         load_copy: Callable[[Any, list[np.ndarray], np.ndarray], Any] | None = None,
@@ -79,12 +88,12 @@ class RetractionBackup:
             raise ValueError(f"decode_retraction_backup={mode!r}: use one of {', '.join(RETRACTION_BACKUPS)}")
         if mode == "host_pool" and host is None:
             raise ValueError("the host_pool retraction backup needs the host tier")
-        if mode == "cpu_tensor" and cache is None:
-            raise ValueError("the cpu_tensor retraction backup needs the cache")
+        if mode == "cpu_tensor" and pending is None:
+            raise ValueError("the cpu_tensor retraction backup needs the cache's pending device updates: cache.pending")
         self.mode = mode
         self.page_size = int(page_size)
         self.host = host
-        self.cache = cache
+        self.pending = pending
         self.pool_name = pool_name
         self.get_copy = get_copy or (lambda pool, slots: pool.get_cpu_copy(slots))
         self.load_copy = load_copy or (lambda pool, copy, slots: pool.load_cpu_copy(copy, slots))
@@ -136,7 +145,9 @@ class RetractionBackup:
                 return False
             kept.host_slots = host_slots
         else:
-            kept.cpu_copy = self.get_copy(self.cache.pools[self.pool_name], device_slots)
+            assert self.pending is not None
+            pools = self.pending.read(self.pool_name, pages)
+            kept.cpu_copy = self.get_copy(pools[self.pool_name], device_slots)
         self._kept[key] = kept
         self.backed_up += 1
         return True
@@ -171,16 +182,24 @@ class RetractionBackup:
             else:
                 self.host.free_held(kept.host_slots)
         else:
-            assert kept.cpu_copy is not None
-            pool = self.cache.pools[self.pool_name]
-            new = self.load_copy(pool, [c[skip:] for c in kept.cpu_copy], device_slots)
-            self.cache.set_pools(self.cache.pools.replace(**{self.pool_name: new}))
+            assert kept.cpu_copy is not None and self.pending is not None
+            self.pending.record(self._restore_update([c[skip:] for c in kept.cpu_copy], device_slots))
         if ok:
             self.restored += 1
             self.restored_tokens += kept.end - kept.start - skip
         else:
             self.fallbacks += 1
         return ok
+
+    def _restore_update(self, copy: list[np.ndarray], device_slots: np.ndarray) -> DeviceUpdate:
+        """``cpu_tensor``: the write of ``copy`` into ``device_slots``, as a pending device update."""
+        name, load_copy = self.pool_name, self.load_copy
+        slots = np.asarray(device_slots).copy()
+
+        def write(pools: Any) -> Any:
+            return pools.replace(**{name: load_copy(pools[name], copy, slots)})
+
+        return DeviceUpdate("retraction restore", name, self._pages(slots), write)
 
     def poll(self, wait: bool = False) -> int:
         """Free the held host slots of restores whose loads landed (all, waiting, with ``wait``);

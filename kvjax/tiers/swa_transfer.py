@@ -14,55 +14,25 @@ pool.
   slots the caller paired with an SWA slot (the tree unpairs those whose SWA it does not restore
   before the load starts).
 
-Each half is a :class:`~kvjax.tiers.transfer.PageTransferEngine` over one sub-pool (same staging,
-same asynchrony); a transfer is DONE when both halves are, FAILED when either failed.
+Each half is a :class:`~kvjax.tiers.transfer.PageTransferEngine` over one part of the pool (same
+staging, same asynchrony, same device-state rule: loads are recorded as pending device updates of
+``"swa.full"`` / ``"swa.swa"`` for the owner of the step to apply, backups read the pools the owner
+last handed in); a transfer is DONE when both halves are, FAILED when either failed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.host_pool import HostKVPool
 from kvjax.tiers.transfer import PageTransferEngine
 
 __all__ = ["SWAPageTransferEngine"]
-
-
-class _OnePool:
-    """One sub-pool, seen by a :class:`PageTransferEngine` as ``pools["kv"]``."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-
-    def __getitem__(self, name: str) -> Any:
-        return self.pool
-
-    def replace(self, kv: Any) -> _OnePool:
-        return _OnePool(kv)
-
-
-class _SubPoolHolder:
-    """``holder`` (a ``KVCache``-like object with ``pools`` and ``set_pools``) seen as holding only
-    the ``part`` (``"full"`` or ``"swa"``) of its ``SWAKVPool`` named ``pool_name``."""
-
-    def __init__(self, holder: Any, pool_name: str, part: str) -> None:
-        self.holder = holder
-        self.pool_name = pool_name
-        self.part = part
-
-    @property
-    def pools(self) -> _OnePool:
-        return _OnePool(getattr(self.holder.pools[self.pool_name], self.part))
-
-    def set_pools(self, new: _OnePool) -> None:
-        pools = self.holder.pools
-        swa_pool = dataclasses.replace(pools[self.pool_name], **{self.part: new.pool})
-        self.holder.set_pools(pools.replace(**{self.pool_name: swa_pool}))
 
 
 @dataclass
@@ -75,17 +45,18 @@ class SWAPageTransferEngine:
     """A :class:`~kvjax.tiers.copy_engine.CopyEngine` over an ``SWAKVPool`` and its two host pools.
 
     Args:
-        holder: owns the current device state (``pools``, ``set_pools``): a ``KVCache``.
+        pending: the cache's pending device updates (``KVCache.pending``; see
+            :class:`~kvjax.tiers.transfer.PageTransferEngine`).
         full_host: the full layers' host pool.
         swa_host: the sliding layers' host pool (as many slots as ``full_host``).
         allocator: the ``SWATokenToKVPoolAllocator`` whose mapping pairs full and SWA slots.
-        pool_name: the ``SWAKVPool`` in ``holder.pools`` (``"swa"``).
+        pool_name: the ``SWAKVPool`` in the pools (``"swa"``).
         staging: as for :class:`PageTransferEngine`.
     """
 
     def __init__(
         self,
-        holder: Any,
+        pending: PendingDeviceUpdates,
         full_host: HostKVPool,
         swa_host: HostKVPool,
         allocator: Any,
@@ -94,10 +65,10 @@ class SWAPageTransferEngine:
     ) -> None:
         if swa_host.size != full_host.size:
             raise ValueError(f"SWA host pool of {swa_host.size} slots for a full host pool of {full_host.size}")
-        if holder.pools[pool_name].full is None:
+        if pending.owner_pools[pool_name].full is None:
             raise ValueError("a pure sliding-window pool has no host tier (SGLang builds none for it)")
-        self.full = PageTransferEngine(_SubPoolHolder(holder, pool_name, "full"), full_host, "kv", staging)
-        self.swa = PageTransferEngine(_SubPoolHolder(holder, pool_name, "swa"), swa_host, "kv", staging)
+        self.full = PageTransferEngine(pending, full_host, pool_name, staging, part="full")
+        self.swa = PageTransferEngine(pending, swa_host, pool_name, staging, part="swa")
         self.allocator = allocator
         self.staging = self.full.staging
 

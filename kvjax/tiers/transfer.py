@@ -23,11 +23,18 @@ Two paths, by where the device pool lives:
   layer by layer into the donated layers (per-layer buffers: the CPU backend's scatter from one
   stacked buffer measured ~4x slower). The load's handle keeps the host views alive.
 
-Either way a load stores the new pools in the holder at once, so the next step's reads depend on
-the scatter through jax's ordinary data dependencies and need no wait of their own (SGLang's
-per-layer ``layer_done_counter`` wait); ``poll`` reports it DONE once its arrays are ready. **The
-host slots of a load must stay unchanged until it is DONE** (the direct path reads them in place;
-the tree keeps a loading chain locked, and the retraction backup frees its held slots only then).
+Device state (``docs/architecture.md``, "Device state: who changes it"): the engine holds no
+device state and no reference to whoever holds it. A load reads and uploads the host pages when it
+starts, and records its scatter as a pending device update
+(:class:`~kvjax.device_updates.PendingDeviceUpdates`) that the owner of the step applies before
+its next step (``pools = cache.apply_pending(pools)``), so that step's reads depend on the scatter
+through jax's ordinary data dependencies and need no wait of their own (SGLang's per-layer
+``layer_done_counter`` wait); ``poll`` reports it PENDING until it is applied, DONE once its
+arrays are ready. A backup reads the pools the owner last handed in
+(:meth:`~kvjax.device_updates.PendingDeviceUpdates.read`): the state after the step that wrote its
+pages; a backup of pages a pending load has not written yet is refused. **The host slots of a load
+must stay unchanged until it is DONE** (the direct path reads them in place; the tree keeps a
+loading chain locked, and the retraction backup frees its held slots only then).
 
 Page counts are padded to powers of two (padding reads the trash page, or host pages next to the
 run on the direct path, and writes nowhere: destinations on the trash page are dropped), so a
@@ -43,14 +50,17 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.errors import InvalidSlotError
+from kvjax.pools.cache_pools import CachePools
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.device_pages import page_layers, with_page_layers
 from kvjax.tiers.host_pool import HostKVPool, aligned_empty
@@ -147,9 +157,33 @@ class _Backup:
 
 @dataclass
 class _Load:
-    arrays: tuple[Any, ...]  # the scattered layers (``jax.Array``; ``is_ready`` is not in its stubs)
     sources: tuple[Any, ...] = ()  # the host buffers put on the device (may alias host memory)
+    arrays: tuple[Any, ...] = ()  # the scattered layers once applied (``is_ready`` is not in the stubs)
+    applied: bool = False  # the owner applied its scatter (``PendingDeviceUpdates.apply``)
     status: TransferStatus = TransferStatus.PENDING
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """Where a transfer's page arrays live in a ``CachePools``: the pool ``name``, and ``part``
+    (``"full"`` or ``"swa"`` of an ``SWAKVPool``) or ``None`` for the pool itself."""
+
+    name: str
+    part: str | None = None
+    target: str = field(init=False)  # the name pending updates use (``"kv"``, ``"swa.full"``)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", self.name if self.part is None else f"{self.name}.{self.part}")
+
+    def get(self, pools: CachePools) -> Any:
+        pool = pools[self.name]
+        return pool if self.part is None else getattr(pool, self.part)
+
+    def put(self, pools: CachePools, new: Any) -> CachePools:
+        """``pools`` with this pool (or part) replaced by ``new``."""
+        if self.part is not None:
+            new = dataclass_replace(pools[self.name], **{self.part: new})
+        return pools.replace(**{self.name: new})
 
 
 def device_pages(slots: Any, page_size: int, num_slots: int) -> np.ndarray:
@@ -187,30 +221,41 @@ class PageTransferEngine:
     """A :class:`~kvjax.tiers.copy_engine.CopyEngine` over a device pool and its host pool.
 
     Args:
-        holder: owns the current device state: ``holder.pools`` (a ``CachePools``) and
-            ``holder.set_pools(new)`` (a ``KVCache``).
+        pending: the cache's pending device updates (``KVCache.pending``): loads are recorded
+            there for the owner of the step to apply; backups read the pools the owner last
+            handed in through it. Static facts (shape, dtype, sharding) are read from its
+            ``owner_pools`` once, here. The engine needs no ``KVCache``.
         host_pool: the host pool (its page row must equal the device pool's).
-        pool_name: the device pool in ``holder.pools`` (``"kv"``).
+        pool_name: the device pool in the pools (``"kv"``).
         staging: see the module docstring.
+        part: ``"full"`` or ``"swa"``: the engine copies that part of the ``SWAKVPool`` named
+            ``pool_name`` (``swa_transfer.py``); ``None``: the pool itself.
         direct: the direct path (module docstring); ``None``: wherever it applies (one CPU device,
             a numpy dtype); ``False`` forces the staged path (its tests run on CPU).
     """
 
     def __init__(
         self,
-        holder: Any,
+        pending: PendingDeviceUpdates,
         host_pool: HostKVPool,
         pool_name: str = "kv",
         staging: str = "auto",
         *,
+        part: str | None = None,
         direct: bool | None = None,
     ) -> None:
         if staging not in STAGINGS:
             raise ValueError(f"staging={staging!r}: use one of {', '.join(STAGINGS)}")
-        self.holder = holder
+        if not isinstance(pending, PendingDeviceUpdates):
+            raise TypeError(
+                f"PageTransferEngine: expected the cache's PendingDeviceUpdates (cache.pending), got "
+                f"{type(pending).__name__}"
+            )
+        self.pending = pending
         self.host_pool = host_pool
         self.pool_name = pool_name
-        layers = page_layers(holder.pools[pool_name])
+        self.ref = PoolRef(pool_name, part)
+        layers = page_layers(self.ref.get(pending.owner_pools))
         row = tuple(layers[0].shape[1:])
         if row != host_pool.page_row or len(layers) != host_pool.num_layers:
             raise ValueError(
@@ -230,25 +275,27 @@ class PageTransferEngine:
         self.page_size = row[0]
         self.num_slots = layers[0].shape[0] * self.page_size
         self.dtype = layers[0].dtype
+        self._sharding = layers[0].sharding
         self._write_thread: ThreadPoolExecutor | None = None
 
-    def _layers(self) -> tuple[jax.Array, ...]:
-        return page_layers(self.holder.pools[self.pool_name])
+    def _layers(self, pages: np.ndarray) -> tuple[jax.Array, ...]:
+        """The device layers to read ``pages`` from: the pools the owner last handed in."""
+        return page_layers(self.ref.get(self.pending.read(self.ref.target, pages)))
 
     def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _Backup:
         pages = device_pages(device_slots, self.page_size, self.num_slots)
         host_pages = self.host_pool.pages_of(host_slots)  # validates before anything starts
+        layers = self._layers(pages)  # before anything starts: refuses stale pools, pending pages
         if self.direct and self.staging == "numpy":
             handle = _Backup(None, np.asarray(host_slots).copy(), pages.size)
             try:
-                self._copy_to_host(pages, host_pages)
+                self._copy_to_host(layers, pages, host_pages)
                 handle.status = TransferStatus.DONE
             except Exception:  # a backup that did not land: the tree falls back to recompute
                 handle.status = TransferStatus.FAILED
             return handle
         padded = np.zeros(_bucket(pages.size), np.int32)
         padded[: pages.size] = pages
-        layers = self._layers()
         if self.staging == "pinned_host":
             sharding = layers[0].sharding.with_memory_kind(PINNED_HOST)
             buf = _gather_to(sharding)(layers, jnp.asarray(padded))
@@ -257,11 +304,11 @@ class PageTransferEngine:
             buf.copy_to_host_async()
         return _Backup(buf, np.asarray(host_slots).copy(), pages.size)
 
-    def _copy_to_host(self, pages: np.ndarray, host_pages: np.ndarray) -> None:
+    def _copy_to_host(self, layers: tuple[jax.Array, ...], pages: np.ndarray, host_pages: np.ndarray) -> None:
         """The direct backup: each layer's pages copied by runs from a zero-copy view into the host pool."""
         host = self.host_pool
         runs = page_runs(pages, host_pages)
-        for layer, array in enumerate(self._layers()):
+        for layer, array in enumerate(layers):
             view = np.from_dlpack(cast(Any, array))  # waits for pending writes; dropped before any donation
             copy_pages(
                 host.layout.layer_view(host.storage, layer), host_pages, view.view(host.store_dtype), pages, runs
@@ -281,14 +328,21 @@ class PageTransferEngine:
         dst = np.zeros(n, np.int32)  # padding goes to the trash page, which the scatter drops
         dst[: pages.size] = pages
         data = host.read_pages(host_slots, self.dtype, out=aligned_empty(host.buffer_shape(n), host.store_dtype))
-        pools = self.holder.pools
-        pool = pools[self.pool_name]
-        new_layers = _scatter(page_layers(pool), jax.device_put(data), jnp.asarray(dst))
-        self.holder.set_pools(pools.replace(**{self.pool_name: with_page_layers(pool, new_layers)}))
-        return _Load(new_layers)
+        handle = _Load((jax.device_put(data),))
+        buffer, dst_pages = handle.sources[0], jnp.asarray(dst)
+
+        def scatter(pools: CachePools) -> CachePools:
+            pool = self.ref.get(pools)
+            handle.arrays = _scatter(page_layers(pool), buffer, dst_pages)
+            handle.applied = True
+            return self.ref.put(pools, with_page_layers(pool, handle.arrays))
+
+        self.pending.record(DeviceUpdate("host load", self.ref.target, pages, scatter))
+        return handle
 
     def _load_direct(self, host_slots: np.ndarray, host_pages: np.ndarray, pages: np.ndarray) -> _Load:
-        """The direct load: per-layer host views put on the device without a copy, then scattered."""
+        """The direct load: per-layer host views put on the device without a copy; their scatter
+        into the donated layers is recorded for the owner to apply."""
         host = self.host_pool
         n = pages.size
         bucket = _bucket(n)
@@ -305,21 +359,32 @@ class PageTransferEngine:
             dst[:n] = pages
             staged = host.read_pages(host_slots, out=aligned_empty(host.buffer_shape(bucket), host.store_dtype))
             sources = list(staged)
-        pools = self.holder.pools
-        pool = pools[self.pool_name]
-        layers = page_layers(pool)
-        sharding = layers[0].sharding
+        sharding = self._sharding
         if self.staging == "pinned_host":
             sharding = sharding.with_memory_kind(PINNED_HOST)
-        buffers = tuple(jax.device_put(src.view(self.dtype), sharding, may_alias=True) for src in sources)
-        new_layers = _scatter_each(layers, buffers, jnp.asarray(dst))
-        self.holder.set_pools(pools.replace(**{self.pool_name: with_page_layers(pool, new_layers)}))
-        return _Load(new_layers, buffers)
+        handle = _Load(tuple(jax.device_put(src.view(self.dtype), sharding, may_alias=True) for src in sources))
+        dst_pages = jnp.asarray(dst)
+
+        def scatter(pools: CachePools) -> CachePools:
+            pool = self.ref.get(pools)
+            handle.arrays = _scatter_each(page_layers(pool), handle.sources, dst_pages)
+            handle.applied = True
+            return self.ref.put(pools, with_page_layers(pool, handle.arrays))
+
+        self.pending.record(DeviceUpdate("host load", self.ref.target, pages, scatter))
+        return handle
 
     def poll(self, handle: Any, wait: bool = False) -> TransferStatus:
         if handle.status is not TransferStatus.PENDING:
             return handle.status
         if isinstance(handle, _Load):
+            if not handle.applied:
+                if wait:
+                    raise RuntimeError(
+                        "waiting for a host load whose scatter is still pending: the owner of the step applies the "
+                        "pending device updates first (pools = cache.apply_pending(pools))"
+                    )
+                return TransferStatus.PENDING
             # Layers donated into a later step are deleted: that step consumed the loaded pages
             # (it ran after the scatter), so the load is complete for every reader.
             live = [a for a in handle.arrays if not a.is_deleted()]

@@ -101,6 +101,7 @@ def test_registry_builds_it_for_swa_plans_with_the_host_tier():
 def test_swa_transfer_engine_round_trips_both_pools():
     import jax.numpy as jnp
 
+    from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.pools import CachePools
     from kvjax.pools.mha import MHAKVPool
     from kvjax.pools.swa import SWAKVPool
@@ -116,19 +117,12 @@ def test_swa_transfer_engine_round_trips_both_pools():
         rng = np.random.default_rng(seed)
         return pool.replace(kv=tuple(jnp.asarray(rng.standard_normal(x.shape).astype(np.float32)) for x in pool.kv))
 
-    class Holder:
-        def __init__(self, pools):
-            self.pools = pools
-
-        def set_pools(self, pools):
-            self.pools = pools
-
     full, swa = mha(8, 1, 0), mha(4, 2, 1)
-    holder = Holder(CachePools({"swa": SWAKVPool(full, swa, (1,), (0, 2))}))
+    updates = PendingDeviceUpdates(CachePools({"swa": SWAKVPool(full, swa, (1,), (0, 2))}))
     alloc = SWATokenToKVPoolAllocator(16, 8, ps)
     full_host = HostKVPool.for_device_layers(full.kv, 16)
     swa_host = HostKVPool.for_device_layers(swa.kv, 16)
-    engine = SWAPageTransferEngine(holder, full_host, swa_host, alloc)
+    engine = SWAPageTransferEngine(updates, full_host, swa_host, alloc)
     slots = alloc.alloc(4)  # two pages, both paired
     alloc.free_swa(slots[:2])  # the first page left the window
     host = full_host.allocator.alloc(4)
@@ -143,8 +137,8 @@ def test_swa_transfer_engine_round_trips_both_pools():
     dst = alloc.alloc(4)
     alloc.free_swa(dst[:2])
     h = engine.start_load(host, dst)
+    after = updates.apply(updates.owner_pools)["swa"]  # the owner of the step applies the recorded load
     assert engine.poll(h, wait=True) is TransferStatus.DONE
-    after = holder.pools["swa"]
     src_pages = slots.reshape(-1, ps)[:, 0] // ps
     dst_pages = dst.reshape(-1, ps)[:, 0] // ps
     np.testing.assert_array_equal(np.asarray(after.full.kv[0])[dst_pages], before_full[src_pages])

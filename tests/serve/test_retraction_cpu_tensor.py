@@ -65,6 +65,8 @@ def test_cpu_tensor_copies_round_trip_pages_in_place_and_refuse_bad_slots():
     assert backup.backup("r", np.arange(4, 14), 0, 10)  # pages 1, 2, 3 (a partial last page)
     before = cache.pools.kv.kv[0]
     assert backup.restore("r", np.arange(20, 28), from_token=4)  # pages 2, 3 -> 5, 6
+    assert cache.pools.kv.kv[0] is before and not before.is_deleted(), "recorded, not applied behind the caller"
+    cache.apply_pending()  # the owner of the step applies it
     assert before.is_deleted(), "the restore writes the pool in place"
     after = [np.asarray(a) for a in cache.pools.kv.kv]
     for layer, want in enumerate(filled):

@@ -9,6 +9,7 @@ import pytest
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
 from kvjax.demo_config import demo_config
+from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools, MHAKVPool
 from kvjax.radix import HiRadixCache
@@ -19,24 +20,18 @@ from kvjax.tiers.host_sizing import validate_retraction_host_capacity
 from kvjax.tiers.retraction_backup import RetractionBackup
 
 
-class Holder:
-    def __init__(self, pools):
-        self.pools = pools
-
-    def set_pools(self, pools):
-        self.pools = pools
-
-
 def test_cpu_tensor_backup_restores_into_new_pages_from_the_new_prefix():
     pool = MHAKVPool.create(num_pages=6, page_size=2, num_layers=2, num_kv_heads=1, head_dim=4)
     kv = tuple(jnp.arange(np.prod(a.shape), dtype=jnp.uint32).reshape(a.shape).astype(a.dtype) for a in pool.kv)
-    holder = Holder(CachePools(kv=pool.replace(kv=kv)))
+    pools = CachePools(kv=pool.replace(kv=kv))
+    updates = PendingDeviceUpdates(pools)
     before = [np.asarray(a) for a in kv]
-    rb = RetractionBackup("cpu_tensor", 2, cache=holder)
+    rb = RetractionBackup("cpu_tensor", 2, pending=updates)
     assert rb.backup("r", np.array([2, 3, 4, 5, 6]), 0, 5)  # pages 1, 2, 3 (a partial last page)
     assert rb.pages_from("r", 2) == 2
     assert rb.restore("r", np.array([8, 9, 10, 11]), from_token=2)  # pages 2, 3 -> 4, 5
-    after = [np.asarray(a) for a in holder.pools.kv.kv]
+    assert updates.owner_pools is pools and [u.what for u in updates.updates()] == ["retraction restore"]
+    after = [np.asarray(a) for a in updates.apply(pools).kv.kv]
     for layer in range(2):
         np.testing.assert_array_equal(after[layer][4:6], before[layer][2:4])
     assert "r" not in rb and rb.restored_tokens == 3
