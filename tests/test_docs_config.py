@@ -4,12 +4,15 @@ CI's docs step (``mkdocs build --strict``) fails on a ``::: name`` block whose m
 does not exist; these tests catch the same mistake in the plain test suite. Every ``::: name`` in
 ``docs/api/*.md`` names an importable module or an attribute of one (a module is found without
 being run, so no jax is imported), every API page is in ``mkdocs.yml``'s navigation, and every
-page the navigation names exists. A page whose subject is not in this tree yet is skipped, as the
-build leaves it out (``docs/hooks/pending_pages.py``).
+page the navigation names exists. A function that the generator would leave out without a
+warning (hidden by a submodule of the same name) must be named on its page through its module.
+A page whose subject is not in this tree yet is skipped, as the build leaves it out
+(``docs/hooks/pending_pages.py``).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import re
@@ -88,6 +91,46 @@ def test_reference_resolves(page, name):
 def test_a_broken_reference_is_caught(name):
     with pytest.raises((ImportError, AttributeError)):
         resolve(name)
+
+
+def _package_dir(name: str) -> Path | None:
+    path = ROOT.joinpath(*name.split("."))
+    return path if (path / "__init__.py").is_file() else None
+
+
+def _exported(package_dir: Path) -> list[str]:
+    """The package's ``__all__``, read from its source (nothing is imported)."""
+    for node in ast.parse((package_dir / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+def _shadowed_names() -> list[tuple[str, str, str]]:
+    """``(page, package, name)`` for each exported name that is also a submodule of the package."""
+    found = []
+    for page, name in _references():
+        package_dir = _package_dir(name)
+        if package_dir is None or page in PENDING:
+            continue
+        for exported in _exported(package_dir):
+            if (package_dir / f"{exported}.py").is_file() or (package_dir / exported / "__init__.py").is_file():
+                found.append((page, name, exported))
+    return found
+
+
+@pytest.mark.parametrize(("page", "package", "name"), _shadowed_names(), ids=lambda v: str(v))
+def test_a_name_shadowed_by_its_submodule_is_documented_through_it(page, package, name):
+    """The generator (griffe) lets a submodule hide the package's export of the same name, so
+    ``::: package`` leaves that function out without a warning; the page must name it through
+    its module (``::: package.module.name``)."""
+    names = [ref for ref_page, ref in _references() if ref_page == page]
+    assert any(
+        ref.startswith(f"{package}.") and ref.endswith(f".{name}") and ref != f"{package}.{name}" for ref in names
+    ), (
+        f"docs/{page}: {package}.{name} is hidden by the submodule of that name in the generated docs; "
+        f"add '::: {package}.<its module>.{name}' to the page"
+    )
 
 
 def _nav_pages(nav: Any) -> list[str]:
