@@ -31,14 +31,14 @@ def pending_pages(root: Path = ROOT) -> dict[str, str]:
     return {page: subject for page, subject in PENDING.items() if not (root / subject).exists()}
 
 
-def _without(nav: list[Any], pages: set[str]) -> list[Any]:
+def nav_without(nav: list[Any], pages: set[str]) -> list[Any]:
     """``nav`` (MkDocs' list of pages, ``{title: page}`` and ``{section: [...]}``) without ``pages``;
     a section left empty goes too."""
     kept: list[Any] = []
     for entry in nav:
         if isinstance(entry, dict):
             entry = {
-                title: _without(value, pages) if isinstance(value, list) else value for title, value in entry.items()
+                title: nav_without(value, pages) if isinstance(value, list) else value for title, value in entry.items()
             }
             entry = {title: value for title, value in entry.items() if value != [] and not _is_page_in(value, pages)}
             if entry:
@@ -57,7 +57,7 @@ def on_config(config: Any) -> Any:
     for page, subject in missing.items():
         log.info("%s is left out of the site: %s is not in this tree", page, subject)
     if missing and config.nav is not None:
-        config.nav = _without(config.nav, set(missing))
+        config.nav = nav_without(config.nav, set(missing))
     return config
 
 
