@@ -5,6 +5,7 @@ continuation joined, ``&&`` chains split). Skipped, each with its reason in `SKI
 
 * ``pip install``: needs a download;
 * ``python -m pytest``: the test suite itself;
+* ``mkdocs``: the documentation build, which CI's docs step runs (the ``docs`` extra);
 * commands on ``./qwen2.5-0.5b``, ``./gemma-3-1b-it`` or ``path/to/config.json``: a downloaded
   checkpoint or the reader's own file, not in the repository.
 
@@ -38,6 +39,7 @@ SKIPPED = {
     "./qwen2.5-0.5b": "needs a downloaded checkpoint directory",
     "./gemma-3-1b-it": "needs a downloaded checkpoint directory",
     "path/to/config.json": "a placeholder for the reader's own config.json",
+    "mkdocs ": "the documentation build: CI's docs step runs it (needs the docs extra)",
 }
 SLOW = ("python -m kvjax demo", "python -m kvjax generate")
 BENCHMARK = re.compile(r"^python (benchmarks/\w+\.py|-m benchmarks\.\w+)\b")
