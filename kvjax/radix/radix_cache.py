@@ -193,7 +193,7 @@ class RadixCache(RadixTree):
         if self._extra:
             return self._finalize_match(node, matched, vals)
         if self._eager and node in self._leaves:
-            self._defer_push(node)
+            self._evq.defer_push(node)
         if self.force_miss or matched == 0:
             st.last_hit_tokens = 0
             return MatchResult.from_parts((), self.root, 0)  # indices: a fresh empty array on access
@@ -220,7 +220,7 @@ class RadixCache(RadixTree):
         self.touch_to_root(result.last_host_node, self._clock)
         node = result.last_node
         if self._eager and node in self._leaves:
-            self._defer_push(node)
+            self._evq.defer_push(node)
         st = self.stats
         if self.force_miss:
             st.last_hit_tokens = 0

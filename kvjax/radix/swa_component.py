@@ -50,9 +50,9 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.radix.component import ComponentSizes, TreeComponent
+from kvjax.radix.invariants import TreeInvariantError
 from kvjax.radix.lock import LockError
 from kvjax.radix.recency import RecencyList
-from kvjax.radix.tree import TreeInvariantError
 
 if TYPE_CHECKING:
     from kvjax.alloc.swa import SWATokenToKVPoolAllocator
@@ -451,7 +451,7 @@ class SWAComponent(TreeComponent):
 
     def evict(self, amount: int) -> int:
         tree = self.tree
-        candidates = tree._leaves  # FULL's unlocked device leaves
+        candidates = tree.evictable_leaves
         freed = 0
         for node in list(self._lru):
             if freed >= amount:

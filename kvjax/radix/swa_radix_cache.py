@@ -274,18 +274,6 @@ class SWARadixCache(RadixCache):
         else:
             super()._free_row_segment(slots, start, evicted)
 
-    def _path_slots(self, node: Any, upto: int) -> np.ndarray:
-        """The device slots of the root path down to ``node``, first ``upto`` of them."""
-        parts = []
-        root = self.root
-        while node is not root:
-            if node.depth - node.klen < upto:
-                parts.append(node.value)
-            node = node.parent
-        if not parts:
-            return np.empty(0, np.int32)
-        return np.concatenate(parts[::-1])[:upto]
-
     def prepare_for_caching_req(self, req: Req, key_len: int, is_finished: bool) -> tuple[int, dict[str, Any] | None]:
         """0.5.23's ``prepare_for_caching_req``: the SWA payload of the lifecycle insert is the
         request's ``swa_evicted_seqlen``, its row (the incoming slots, by key position) and its
