@@ -52,16 +52,18 @@ from kvjax.radix.keys import INT32, as_slot_array, encode_tokens
 from kvjax.radix.lock import LockReceipt
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
-from kvjax.radix.tree import RadixTree
+from kvjax.radix.tiered_tree import TieredTree
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.radix.host_component import HostTierComponent
+    from kvjax.radix.storage_link import StorageOptions
     from kvjax.request import Req
 
 _NO_HITS = sys.maxsize  # ``hit_from`` that counts no hit
 
 
-class RadixCache(RadixTree):
+class RadixCache(TieredTree):
     """Radix prefix cache over full-attention KV slots.
 
     Args:
@@ -78,6 +80,9 @@ class RadixCache(RadixTree):
         enable_metrics: kept for interface parity; the O(1) counters in :attr:`stats` are
             always kept.
         hash_seed, eviction_policy_config: see :class:`RadixTree`.
+        components: further components beside FULL (SWA, Mamba; the presets pass them).
+        host, storage: the host tier component and the storage tier behind it (see
+            :class:`~kvjax.radix.tiered_tree.TieredTree`; ``HiRadixCache`` builds them).
     """
 
     # A tree whose components free slots while an insert walks (SWA revivals) frees the caller's
@@ -102,6 +107,8 @@ class RadixCache(RadixTree):
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
         components: Sequence[TreeComponent] = (),
+        host: HostTierComponent | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         super().__init__(
             page_size,
@@ -109,6 +116,8 @@ class RadixCache(RadixTree):
             allocator=token_to_kv_pool_allocator,
             is_eagle=is_eagle,
             components=components,
+            host=host,
+            storage=storage,
             enable_kv_cache_events=enable_kv_cache_events,
             event_sink=event_sink,
             hash_seed=hash_seed,
