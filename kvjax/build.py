@@ -278,16 +278,23 @@ def build_kv_cache(
         )
     else:
         allocator = make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
+    pools = CachePools(device)
+    storage = None
+    if host_pool is not None and config.hicache_storage_backend is not None:
+        from kvjax.tiers.storage_attach import open_storage_tier
+
+        storage = open_storage_tier(plan, host_pool, pools, config)
     tree_cache = create_tree_cache(
-        plan,
+        plan.tree_options,
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         event_sink=event_sink,
         host_allocator=None if host_pool is None else host_pool.allocator,
+        storage=storage,
     )
     cache = KVCache(
         plan=plan,
-        pools=CachePools(device),
+        pools=pools,
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         tree_cache=tree_cache,
@@ -297,16 +304,17 @@ def build_kv_cache(
     )
     if host_pool is not None:
         attach_host_transfers(cache)
-        if config.hicache_storage_backend is not None:
-            from kvjax.tiers.storage_attach import attach_storage_tier
-
-            attach_storage_tier(cache, config)
     return cache
 
 
 def attach_host_transfers(cache: KVCache) -> None:
     """Give the cache's host tier the page transfer engine over ``cache`` (the holder whose
-    ``set_pools`` a load updates) and its host pool."""
+    ``set_pools`` a load updates) and its host pool.
+
+    The engine holds the cache, which holds the tree, so it is made after the tree and given to
+    it through the host tier's one construction-time hook (``HostTierComponent.connect_engine``),
+    before the cache is returned. Everything else the tree holds (allocators, the storage tier)
+    is passed to its constructor."""
     from kvjax.radix import HiRadixCache
     from kvjax.tiers.transfer import PageTransferEngine
 
@@ -322,7 +330,7 @@ def attach_host_transfers(cache: KVCache) -> None:
         else:
             device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
             engine = PageTransferEngine(cache, cache.host_pool, pool_name=device_pool)
-        tree.host.engine = with_draft_transfers(engine, cache, cache.draft_host_pool)
+        tree.host.connect_engine(with_draft_transfers(engine, cache, cache.draft_host_pool))
 
 
 def _with_state_slots(table: ReqToTokenPool, plan: CachePlan) -> ReqToTokenPool:

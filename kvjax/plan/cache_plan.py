@@ -15,7 +15,9 @@ from typing import Any
 
 from kvjax.plan.draft import DraftModel
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target, TreeChoice
+from kvjax.plan.tree import tree_options
 from kvjax.pools.pool_plan import PoolPlan
+from kvjax.radix.tree_options import TreeOptions
 
 FLAT_FIELDS = (
     "model",
@@ -247,6 +249,11 @@ class CachePlan:
     @property
     def enable_session_radix_cache(self) -> bool:
         return self.tree.enable_session_radix_cache
+
+    @property
+    def tree_options(self) -> TreeOptions:
+        """The typed record the tree cache is built from (``kvjax.radix.create_tree_cache``)."""
+        return tree_options(self.kind, self.tree, self.host)
 
     # --- host ---
     @property

@@ -171,6 +171,21 @@ class HostTierComponent(TreeComponent):
         self.before_load: Callable[[list[TreeNode], np.ndarray], None] | None = None
         self.after_revive: Callable[[list[TreeNode]], None] | None = None
 
+    def connect_engine(self, engine: CopyEngine) -> None:
+        """Give the host tier the transfer engine it was built without (a simulated one stood in).
+
+        The one construction-time hook, for an engine that can only be made once the tree is
+        (``kvjax.build``: the page transfer engine holds the cache holder, which holds the tree);
+        call it before the tree is used. Raises RuntimeError (engine unchanged) once a transfer
+        started or a host copy exists: their completion belongs to the engine that started them.
+        """
+        if self._writes or self._loads or self._holders:
+            raise RuntimeError(
+                "connect_engine: the host tier has started transfers or holds host copies; connect the engine "
+                "before the tree is used"
+            )
+        self.engine = engine
+
     def attach(self, tree: Any) -> None:
         super().attach(tree)
         if self.host_allocator.page_size != tree.page_size:
