@@ -233,7 +233,16 @@ class StorageLink:
 
     @property
     def pending_prefetches(self) -> int:
+        """Prefetches started and not yet finished or cancelled."""
         return len(self._ops)
+
+    def prefetch_for(self, rid: Any) -> Prefetch:
+        """The storage reads in flight for request ``rid`` (``done()`` says whether all finished).
+        Raises KeyError naming ``rid`` when it has no prefetch pending."""
+        op = self._ops.get(rid)
+        if op is None:
+            raise KeyError(f"no prefetch pending for request {rid!r}")
+        return op.prefetch
 
     def _finish(self, rid: Any, policy: str) -> int:
         op = self._ops.pop(rid)
