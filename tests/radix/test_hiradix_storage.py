@@ -114,6 +114,13 @@ def test_prefetch_continues_below_a_partial_device_match_and_respects_the_thresh
     assert other.host.held_tokens == 0 and _balanced(other)
 
 
+def _wait_reads(cache: HiRadixCache, rid: str) -> None:
+    """Until every storage read of ``rid``'s prefetch finished (file reads take a moment)."""
+    reads = cache.storage.prefetch_for(rid)
+    while not reads.done():
+        time.sleep(0.001)
+
+
 def _files(directory) -> ts.KvStore:
     """A second handle on the files of a store opened at ``directory`` (to damage its entries)."""
     return ts.KvStore.open({"driver": "file", "path": f"{directory}/"}).result()
@@ -121,13 +128,14 @@ def _files(directory) -> ts.KvStore:
 
 def test_a_storage_miss_in_the_middle_stops_the_run(tmp_path):
     store = StorageTier(str(tmp_path), key=KEY)
-    cache = _cache(store, host_tokens=32, prefetch_policy="wait_complete")  # file reads take a moment
+    cache = _cache(store, host_tokens=32)
     tokens = list(range(1, 21))
     _stored_then_gone(cache, tokens)
     hashes = page_hashes(tokens, 4)
     _files(tmp_path).write(store.key(hashes[3]), b"torn").result()  # a page of the wrong size is a miss
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 12  # pages 0..2; page 3 is missing, 4 useless
+    _wait_reads(cache, "r")
     assert cache.check_prefetch_progress("r")
     assert cache.match_prefix(tokens).host_hit_length == 12
     assert _balanced(cache)
@@ -136,7 +144,7 @@ def test_a_storage_miss_in_the_middle_stops_the_run(tmp_path):
 
 def test_a_page_that_fails_its_checksum_ends_the_prefetched_run_and_frees_the_rest(tmp_path):
     store = StorageTier(str(tmp_path), key=KEY)
-    cache = _cache(store, host_tokens=32, prefetch_policy="wait_complete")  # file reads take a moment
+    cache = _cache(store, host_tokens=32)
     tokens = list(range(1, 21))
     buf = _stored_then_gone(cache, tokens)
     name = store.key(page_hashes(tokens, 4)[2])
@@ -147,6 +155,7 @@ def test_a_page_that_fails_its_checksum_ends_the_prefetched_run_and_frees_the_re
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 20  # headers are intact: five pages are asked for
     assert cache.host.held_tokens == 20
+    _wait_reads(cache, "r")
     assert cache.check_prefetch_progress("r")
     assert cache.storage.prefetched_tokens == 8 and store.rejected == {"checksum": 1}
     m = cache.match_prefix(tokens)
@@ -164,9 +173,7 @@ def test_each_policy_takes_the_pages_that_arrived(policy):
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 12
     assert cache.storage.pending_prefetches == 1
-    reads = cache.storage.prefetch_for("r")
-    while not reads.done():  # memory reads finish at once; wait so every policy sees them all
-        time.sleep(0.001)
+    _wait_reads(cache, "r")  # so that every policy sees them all
     assert cache.check_prefetch_progress("r")
     assert cache.match_prefix(tokens).host_hit_length == 12
     assert cache.storage.pending_prefetches == 0 and _balanced(cache)
