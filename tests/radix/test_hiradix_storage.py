@@ -303,3 +303,8 @@ def test_write_back_stores_at_device_eviction_and_namespaces_come_back_apart():
     assert cache.match_prefix(tokens, "lora-b").host_hit_length == 0
     assert _balanced(cache)
     cache.check_invariants()
+
+
+def test_prefetch_for_names_a_request_without_one():
+    with pytest.raises(KeyError, match="'nobody'"):
+        _cache().storage.prefetch_for("nobody")

@@ -177,3 +177,12 @@ def test_full_kv_hit_length_is_full_kv_on_device_or_host_whatever_swa_says():
     m = t.match_prefix(list(range(1, 13)))
     assert (m.prefix_len, m.device_kv_hit_length, m.full_kv_hit_length) == (0, 0, 12)
     assert balanced(t, alloc)
+
+
+def test_the_hybrid_host_tree_is_one_preset_of_the_swa_tree():
+    from kvjax.radix import HiRadixCache, SWARadixCache
+
+    t = HiSWARadixCache(page_size=1, sliding_window_size=4, host_pool_tokens=16)
+    assert isinstance(t, SWARadixCache) and isinstance(t, HiRadixCache)  # the latter: registered, not inherited
+    assert HiRadixCache not in type(t).__mro__
+    assert t.components == (t.component("full"), t.swa, t.host)

@@ -148,3 +148,29 @@ def test_real_plans_route_as_documented():
     p = real(specs.swa())
     t = create_tree_cache(p)  # standalone: no allocator
     assert isinstance(t, SWARadixCache) and t.sliding_window_size == p.sliding_window_size
+
+
+def test_what_the_tree_holds_is_given_at_construction():
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers import SimulatedCopyEngine
+
+    engine = SimulatedCopyEngine()
+    t = create_tree_cache(plan(attach_host_tier=True, host_pool_tokens=16), host_engine=engine)
+    assert isinstance(t, HiRadixCache) and t.host.engine is engine
+    with pytest.raises(kvjax.ConfigError, match="host_engine"):
+        create_tree_cache(plan(), host_engine=engine)  # no host tier to give it to
+    with pytest.raises(TypeError, match="TreeOptions"):
+        create_tree_cache(object())
+
+
+def test_the_engine_hook_refuses_a_tree_in_use():
+    from kvjax.tiers import SimulatedCopyEngine
+
+    t = create_tree_cache(plan(attach_host_tier=True, host_pool_tokens=16))
+    replacement = SimulatedCopyEngine()
+    t.host.connect_engine(replacement)
+    assert t.host.engine is replacement
+    t.insert([1, 2, 3, 4])  # write-through: a backup starts on the engine
+    with pytest.raises(RuntimeError, match="connect the engine before"):
+        t.host.connect_engine(SimulatedCopyEngine())
+    assert t.host.engine is replacement
