@@ -13,7 +13,7 @@ import numpy as np
 
 from kvjax.radix.keys import decode_tokens
 from kvjax.radix.node import DELETED, DEVICE
-from kvjax.radix.walk import _SHARED_FIRST
+from kvjax.radix.walk import SHARED_FIRST
 
 if TYPE_CHECKING:
     from kvjax.radix.tree import RadixTree
@@ -104,10 +104,10 @@ def check_core_invariants(tree: RadixTree) -> None:
             for ck in indexed:
                 child = node.children[ck]
                 entry = idx.get(ck[0])
-                if entry is not child and entry is not _SHARED_FIRST:
+                if entry is not child and entry is not SHARED_FIRST:
                     fail(f"node {node.id}: child {child.id} is missing from the first-token index")
             for tok, entry in idx.items():
-                if entry is _SHARED_FIRST:
+                if entry is SHARED_FIRST:
                     continue
                 if entry.parent is not node or node.children.get(entry.ckey) is not entry or entry.ckey[0] != tok:
                     fail(f"node {node.id}: first-token index entry {tok} is not a child starting with it")

@@ -16,7 +16,7 @@ does per node differs by purpose:
 
 Invariants kept: edges are whole pages; a node's ``children`` maps each child's child key (with
 the namespace at the root) to it; ``first`` maps a first token to the only child starting with
-it, or to ``_SHARED_FIRST`` when several do (root children of a namespace are not indexed).
+it, or to ``SHARED_FIRST`` when several do (root children of a namespace are not indexed).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 
 # ``node.first`` value for a first token that several children's edges begin with: the walk
 # then looks the child up by its full child key.
-_SHARED_FIRST = object()
+SHARED_FIRST = object()
 # SGLang clamps the prompt re-insert's ``priority + 1`` to int64.
 _PRIORITY_MAX = 2**63 - 1
 
@@ -248,7 +248,7 @@ class TreeWalk(HostResidency):
                 # By first token; the first page may still differ, which the compare below finds.
                 idx = node.first
                 child = idx.get(src[off]) if idx is not None else None
-                if child is _SHARED_FIRST:
+                if child is SHARED_FIRST:
                     child = node.children.get(tuple(src[off : off + ckl]))
             if child is None:
                 break
@@ -396,7 +396,7 @@ class TreeWalk(HostResidency):
             else:
                 # A second child with this first token: walks fall back to the full key.
                 c0 = ck[0]
-                idx[c0] = _SHARED_FIRST if c0 in idx else child
+                idx[c0] = SHARED_FIRST if c0 in idx else child
 
     def _overlap(
         self,
