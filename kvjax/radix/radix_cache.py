@@ -198,7 +198,7 @@ class RadixCache(TieredTree):
         if is_bytes:
             src = encode_tokens(token_ids, n + self._ex)
         self._clock += 1
-        node, matched, vals = self._match_walk(src, is_bytes, n, extra_key, self._clock)
+        node, matched, vals = self._walk(self.root, src, is_bytes, n, extra_key, self._clock, False)
         if self._extra:
             return self._finalize_match(node, matched, vals)
         if self._eager and node in self._leaves:
@@ -311,15 +311,16 @@ class RadixCache(TieredTree):
         else:
             src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
             self._clock += 1
-            node, matched, _ = self._insert_walk(
+            node, matched, _ = self._walk(
                 self.root,
                 src,
                 is_bytes,
                 n,
-                values,
                 extra_key,
-                int(priority) if priority else 0,
                 self._clock,
+                True,
+                values,
+                int(priority) if priority else 0,
                 _NO_HITS if chunked else inserted_len,
                 False,
                 payloads,
@@ -392,15 +393,16 @@ class RadixCache(TieredTree):
         if self._dups_in_walk:
             self._walk_dups = (req.cache_protected_len, self._row_evicted(req))
         try:
-            node, m_rel, vals = self._insert_walk(
+            node, m_rel, vals = self._walk(
                 start,
                 src,
                 is_bytes,
                 n - s,
-                row[s:n],
                 req.extra_key,
-                req.priority,
                 t,
+                True,
+                row[s:n],
+                req.priority,
                 req.cache_inserted_len,
                 True,
                 payloads,

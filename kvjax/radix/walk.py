@@ -11,8 +11,7 @@ does per node differs by purpose:
   without components it also stamps access times (with components the caller stamps from where
   the match finally ends, ``touch_to_root``);
 * insert: stamps access times, raises priorities, counts hits, lets host-only nodes and
-  components see the overlap (``_overlap``), then adds the unmatched remainder as one new leaf
-  (``_add_leaf``).
+  components see the overlap (``_overlap``), then adds the unmatched remainder as one new leaf.
 
 Invariants kept: edges are whole pages; a node's ``children`` maps each child's child key (with
 the namespace at the root) to it; ``first`` maps a first token to the only child starting with
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.radix.eviction_heap import PENDING
 from kvjax.radix.host_residency import HostResidency
 from kvjax.radix.keys import INT32
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
@@ -210,9 +210,11 @@ class TreeWalk(HostResidency):
         payloads: Mapping[str, Any] | None = None,
     ) -> tuple[TreeNode, int, list]:
         """Follow key elements ``[0, n)`` of ``src`` (n page-aligned) down from ``start``, whose
-        path must be the prefix of the key that precedes ``src``. Returns ``(last node reached,
-        elements matched, value arrays of the matched nodes)`` (the list is empty for an insert
-        without ``collect``).
+        path must be the prefix of the key that precedes ``src``. Returns ``(last node, elements
+        matched, value arrays of the matched nodes)`` (the list is empty for an insert without
+        ``collect``); for an insert the last node is the one covering element ``n - 1`` (a new
+        leaf for the unmatched remainder) and the elements matched are those
+        already cached.
 
         Both purposes split the node where the shared part ends inside it (the part below the cut
         keeps the touch ``t``, as SGLang's split stamps it). A match (``inserting`` False) stops
@@ -221,7 +223,9 @@ class TreeWalk(HostResidency):
         node whose end depth exceeds ``hit_from`` (SGLang 0.5.23's ``inserted_len``: a request
         counts each node once), and, while components listen or host-only nodes exist, revives a
         host-only node from ``values[off:off + k]`` and calls the components'
-        ``on_insert_overlap`` with their ``payloads`` (by name).
+        ``on_insert_overlap`` with their ``payloads`` (by name). ``values[i]`` is the slot of
+        element ``i`` (None: synthesize ids, simulation only); a host-only node on the path
+        becomes device-resident from the incoming slots and counts as already cached.
         """
         node = start
         root = self.root
@@ -294,90 +298,50 @@ class TreeWalk(HostResidency):
             node = child
             if off >= n:
                 break
-        return node, off, vals
-
-    def _match_walk(self, src: Any, is_bytes: bool, n: int, extra_key: Hashable, t: int) -> tuple[TreeNode, int, list]:
-        """The longest cached prefix of key elements ``[0, n)`` of ``src``: ``(last node,
-        matched elements, list of value arrays)`` (see :meth:`_walk`)."""
-        return self._walk(self.root, src, is_bytes, n, extra_key, t, False)
-
-    def _insert_walk(
-        self,
-        start: TreeNode,
-        src: Any,
-        is_bytes: bool,
-        n: int,
-        values: np.ndarray | None,
-        extra_key: Hashable,
-        priority: int,
-        t: int,
-        hit_from: int,
-        collect: bool,
-        payloads: Mapping[str, Any] | None = None,
-    ) -> tuple[TreeNode, int, list | None]:
-        """Insert key elements ``[0, n)`` of ``src`` below ``start`` (see :meth:`_walk`).
-
-        ``values[i]`` is the slot of element ``i`` (None: synthesize ids, simulation only). A
-        host-only node on the path becomes device-resident from the incoming slots and counts as
-        already cached. Returns ``(node covering element n - 1, elements already cached, value
-        arrays of the cached part if collect)``.
-        """
-        node, off, vals = self._walk(
-            start, src, is_bytes, n, extra_key, t, True, values, priority, hit_from, collect, payloads
-        )
+        if not inserting:
+            return node, off, vals
         if off >= n:
             if self._eager and node in self._leaves:
                 self._evq.defer_push(node)
-            return node, off, vals if collect else None
-        leaf = self._add_leaf(node, src, is_bytes, off, n, values, extra_key, priority, hit_from, payloads)
-        return leaf, off, vals if collect else None
-
-    def _add_leaf(
-        self,
-        node: TreeNode,
-        src: Any,
-        is_bytes: bool,
-        off: int,
-        n: int,
-        values: np.ndarray | None,
-        extra_key: Hashable,
-        priority: int,
-        hit_from: int,
-        payloads: Mapping[str, Any] | None,
-    ) -> TreeNode:
-        """Key elements ``[off, n)`` of ``src`` as one new device leaf below ``node`` (slots
-        ``values[off:n]`` copied, or synthesized without ``values``); it becomes an eviction
-        candidate (``node`` stops being one) and the components' ``on_new_node`` see it."""
+            return node, off, vals
+        # The unmatched remainder: one new device leaf (slots copied: callers reuse their rows; or
+        # synthesized without ``values``). It becomes an eviction candidate and ``node`` stops
+        # being one; the components' ``on_new_node`` see it.
         klen = n - off
         if values is None:
             v = np.arange(self._sim_next, self._sim_next + klen, dtype=INT32)
             self._sim_next += klen
         else:
-            v = values[off:n].copy()  # owned copy: callers reuse their rows
+            v = values[off:n].copy()
         self._clock += 1
         depth = node.depth + klen
         hits = 1 if depth > hit_from else 0
         if is_bytes:
-            kb = src[off * 4 : (n + self._ex) * 4]
+            kb = src[off * 4 : (n + ex) * 4]
             leaf = TreeNode(self._owner, self._clock, node, None, kb, klen, depth, v, priority, hits, extra_key)
             ck = self._child_key(kb, True, 0)
         else:
-            kl = src[off : n + self._ex]
+            kl = src[off : n + ex]
             leaf = TreeNode(self._owner, self._clock, node, kl, None, klen, depth, v, priority, hits, extra_key)
-            ck = kl[0] if self._simple_ck else tuple(kl[: self._ck_len])
+            ck = kl[0] if simple else tuple(kl[:ckl])
         self._link_child(node, leaf, ck, extra_key)
         self._evictable += klen
         leaves = self._leaves
         leaves.discard(node)  # it has a child now
         leaves.add(leaf)
-        self._evq.defer_push(leaf)
+        evq = self._evq  # EvictionHeap.defer_push, inlined: once per insert
+        leaf.heap_seq = PENDING
+        pending = evq.pending
+        pending.append(leaf)
+        if len(pending) > 2 * len(leaves) + 1024:
+            evq.flush()
         self.stats.inserted_tokens += klen
         if self._events is not None:
             self._emit_stored(leaf)
         if self._extra:
             for c in self._extra:
                 c.on_new_node(leaf, payloads.get(c.name) if payloads else None)
-        return leaf
+        return leaf, off, vals
 
     def _link_child(self, parent: TreeNode, child: TreeNode, ck: Any, extra_key: Hashable) -> None:
         """File the new ``child`` under ``parent`` by child key ``ck`` (namespaced at the root)
