@@ -312,47 +312,52 @@ def build_kv_cache(
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
     host_pool = host_pools.get("host_kv")
     allocator = _allocator(plan, kinds)
+    pools = CachePools(device)
+    pending = PendingDeviceUpdates(pools)
+    host_engine = None
+    storage = None
+    if host_pool is not None:
+        host_engine = _host_transfer_engine(plan, pending, host_pools, allocator)
+        if config.hicache_storage_backend is not None:
+            from kvjax.tiers.storage_attach import open_storage_tier
+
+            storage = open_storage_tier(plan, host_pool, pools, config)
     tree_cache = create_tree_cache(
-        plan,
+        plan.tree_options,
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         event_sink=event_sink,
         host_allocator=None if host_pool is None else host_pool.allocator,
+        host_engine=host_engine,
+        storage=storage,
     )
     cache = KVCache(
         plan=plan,
-        pools=CachePools(device),
+        pools=pools,
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         tree_cache=tree_cache,
         host_pool=host_pool,
         draft_host_pool=host_pools.get(DRAFT_HOST_POOL_NAME),
         swa_host_pool=host_pools.get(SWA_HOST_POOL_NAME),
+        pending=pending,
     )
-    if host_pool is not None:
-        attach_host_transfers(cache)
-        if config.hicache_storage_backend is not None:
-            from kvjax.tiers.storage_attach import attach_storage_tier
-
-            attach_storage_tier(cache, config)
     return cache
 
 
-def attach_host_transfers(cache: KVCache) -> None:
-    """Give the cache's host tier its page transfer engine over the cache's host pools (the first
-    a kind of the cache offers, else the plain one).
+def _host_transfer_engine(
+    plan: CachePlan, pending: PendingDeviceUpdates, host_pools: dict[str, Any], allocator: AllocatorProtocol
+) -> Any:
+    """The host tier's page transfer engine, made before the tree (which takes it at construction).
 
-    The engine holds no reference to the cache: it reads static facts (shapes, dtype,
-    sharding) from ``cache.pending.owner_pools``, reads device data for backups through
-    ``cache.pending.read`` (the pools the owner last handed in) and records its loads in
-    ``cache.pending`` for the owner to apply."""
-    from kvjax.kinds.host_tier import make_transfer_engine
-    from kvjax.radix import HiRadixCache
+    The engine holds no cache: it reads static facts (shapes, dtype, sharding) from
+    ``pending.owner_pools``, reads device data for backups through ``pending.read`` (the pools the
+    owner last handed in) and records its loads in ``pending`` for the owner to apply
+    (``KVCache.apply_pending``). The draft pool's engine rides along when there is one."""
+    from kvjax.kinds.host_tier import TransferContext, make_transfer_engine
 
-    tree = cache.tree_cache
-    if isinstance(tree, HiRadixCache):
-        engine = make_transfer_engine(cache)
-        tree.host.engine = with_draft_transfers(engine, cache.draft_host_pool)
+    engine = make_transfer_engine(TransferContext(plan, pending, host_pools, allocator))
+    return with_draft_transfers(engine, host_pools.get(DRAFT_HOST_POOL_NAME))
 
 
 def _allocator(plan: CachePlan, kinds: tuple[CacheKind, ...]) -> AllocatorProtocol:

@@ -20,6 +20,7 @@ from kvjax.kinds.pool_kind import PoolKind
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
+    from kvjax.kinds.host_tier import TransferContext
     from kvjax.plan import CachePlan
     from kvjax.pools.pool_plan import PoolPlan
     from kvjax.protocols import AllocatorProtocol
@@ -54,8 +55,9 @@ class CacheKind:
         serving_extension: ``(cache) -> ServingExtension | None``, the kind's serving hooks
             (``kvjax.serve.extension``); the scheduler's default extensions are these, in
             registry order.
-        transfer_engine: ``(cache) -> engine``, the host tier's page transfer engine over this
-            kind's pools when the plain one (``PageTransferEngine``) does not fit them.
+        transfer_engine: ``(TransferContext) -> engine``, the host tier's page transfer engine
+            over this kind's pools when the plain one (``PageTransferEngine``) does not fit them
+            (made before the tree, which takes it at construction: ``kinds.host_tier``).
         windowed_request_kv: ``(plan) -> bool``, True when a request holds about one window of KV
             whatever its length (pure sliding window): the scheduler then does not refuse long
             requests for the pool's size.
@@ -74,7 +76,7 @@ class CacheKind:
     allocator: Callable[[CachePlan], AllocatorProtocol | None] | None = None
     request_table: Callable[[ReqToTokenPool, CachePlan], ReqToTokenPool] | None = None
     serving_extension: Callable[[KVCache], ServingExtension | None] | None = None
-    transfer_engine: Callable[[KVCache], Any] | None = None
+    transfer_engine: Callable[[TransferContext], Any] | None = None
     windowed_request_kv: Callable[[CachePlan], bool] | None = None
     page_backup: bool = True
 

@@ -3,11 +3,15 @@ backup): host pools of the device KV (``"host_kv"``; a hybrid SWA cache also ``"
 ``HostTierExtension`` in the serving loop, and the page transfer engine between the tiers.
 
 The engine is the first one a kind of the cache offers (``CacheKind.transfer_engine``: the
-sliding-window pair moves both sides), else ``PageTransferEngine`` over the first device pool.
+sliding-window pair moves both sides), else ``PageTransferEngine`` over the first device pool. It
+is made before the tree (which takes it at construction): it holds no cache, only the pending
+device updates its loads are recorded in (``kvjax.device_updates``) and the host pools.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvjax.kinds.cache_kind import CacheKind
@@ -15,6 +19,9 @@ from kvjax.kinds.pool_kind import PoolKind
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
+    from kvjax.device_updates import PendingDeviceUpdates
+    from kvjax.plan import CachePlan
+    from kvjax.protocols import AllocatorProtocol
     from kvjax.serve.extension import ServingExtension
 
 POOL = PoolKind(
@@ -25,22 +32,40 @@ POOL = PoolKind(
 )
 
 
-def make_transfer_engine(cache: KVCache) -> Any:
-    """The page transfer engine between ``cache``'s device pools and its host pool ``host_pool``:
-    the first a kind of the cache offers, else ``PageTransferEngine`` over the first device pool.
-    The engine holds no reference to the cache: it records its loads in ``cache.pending`` for
-    the step's owner to apply and reads backups from the pools the owner last handed in."""
+@dataclasses.dataclass(frozen=True)
+class TransferContext:
+    """What a host-tier transfer engine is made from, before the tree and the cache exist.
+
+    ``pending``: the device updates its loads are recorded in (the cache's ``pending``);
+    ``host_pools``: the built host pools by plan name (``"host_kv"``, a kind's own such as
+    ``"host_kv_swa"``); ``allocator``: the device token allocator.
+    """
+
+    plan: CachePlan
+    pending: PendingDeviceUpdates
+    host_pools: Mapping[str, Any]
+    allocator: AllocatorProtocol
+
+    @property
+    def host_pool(self) -> Any:
+        """The host pool of the device KV (``"host_kv"``)."""
+        return self.host_pools["host_kv"]
+
+
+def make_transfer_engine(context: TransferContext) -> Any:
+    """The page transfer engine between the device pools and the host pool ``host_kv``: the first
+    a kind of the plan offers, else ``PageTransferEngine`` over the first device pool."""
     from kvjax.kinds.registry import cache_kinds_of
 
-    for kind in cache_kinds_of(cache.plan):
+    for kind in cache_kinds_of(context.plan):
         if kind.transfer_engine is not None:
-            engine = kind.transfer_engine(cache)
+            engine = kind.transfer_engine(context)
             if engine is not None:
                 return engine
     from kvjax.tiers.transfer import PageTransferEngine
 
-    device_pool = next(p.name for p in cache.plan.pools if p.memory == "device")
-    return PageTransferEngine(cache.pending, cache.host_pool, pool_name=device_pool)
+    device_pool = next(p.name for p in context.plan.pools if p.memory == "device")
+    return PageTransferEngine(context.pending, context.host_pool, pool_name=device_pool)
 
 
 def serving_extension(cache: KVCache) -> ServingExtension | None:

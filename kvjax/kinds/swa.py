@@ -22,6 +22,7 @@ from kvjax.kinds.pool_kind import PoolKind
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
+    from kvjax.kinds.host_tier import TransferContext
     from kvjax.plan import CachePlan
     from kvjax.serve.extension import ServingExtension
 
@@ -62,14 +63,17 @@ def serving_extension(cache: KVCache) -> ServingExtension:
     return SWAServing(cache)
 
 
-def transfer_engine(cache: KVCache) -> Any:
+def transfer_engine(context: TransferContext) -> Any:
     """The engine moving both sides' pages, when the host tier has the SWA side's pool."""
-    if cache.swa_host_pool is None:
+    from kvjax.plan.pool_plans import SWA_HOST_POOL_NAME
+
+    swa_host_pool = context.host_pools.get(SWA_HOST_POOL_NAME)
+    if swa_host_pool is None:
         return None
     from kvjax.tiers.swa_transfer import SWAPageTransferEngine
 
     return SWAPageTransferEngine(
-        cache.pending, cache.host_pool, cache.swa_host_pool, cache.token_to_kv_pool_allocator, pool_name=POOL.name
+        context.pending, context.host_pool, swa_host_pool, context.allocator, pool_name=POOL.name
     )
 
 

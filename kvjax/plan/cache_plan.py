@@ -16,7 +16,9 @@ from typing import Any
 from kvjax.plan.draft import DraftModel
 from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target, TreeChoice
+from kvjax.plan.tree import tree_options
 from kvjax.pools.pool_plan import PoolPlan
+from kvjax.radix.tree_options import TreeOptions
 
 FLAT_FIELDS = (
     "model",
@@ -138,6 +140,12 @@ class CachePlan:
     enable_kv_cache_events = Forwarded[bool]("tree")
     enable_metrics = Forwarded[bool]("tree")
     enable_session_radix_cache = Forwarded[bool]("tree")
+
+    @property
+    def tree_options(self) -> TreeOptions:
+        """The typed record the tree cache is built from (``kvjax.radix.create_tree_cache``)."""
+        return tree_options(self.kind, self.tree, self.host)
+
     # --- host ---
     decode_retraction_backup = Forwarded[str]("host")
     decode_retraction_active = Forwarded[bool](

@@ -3,7 +3,7 @@
 ``RadixCache`` (full KV), ``MambaRadixCache`` (full KV + recurrent-state checkpoints),
 ``SWARadixCache`` (hybrid sliding window: FULL + SWA components) and ``ChunkCache`` /
 ``SWAChunkCache`` / ``PureSWAChunkCache`` (radix cache disabled) keep SGLang's method names;
-``create_tree_cache(plan)`` picks one from a cache plan. Further kinds of state plug in as
+``create_tree_cache(plan)`` builds one from a cache plan's typed ``TreeOptions``. Further kinds of state plug in as
 components (``TreeComponent``; see ``component.py``). Importing this package imports neither
 jax nor the Pallas kernels.
 """
@@ -25,10 +25,12 @@ from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
 from kvjax.radix.stats import CacheStats
+from kvjax.radix.storage_link import StorageOptions
 from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
 from kvjax.radix.swa_component import SWAComponent, SWAInsertPayload, SWALockPart
 from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.radix.tree import RadixTree, TreeInvariantError
+from kvjax.radix.tree_options import TreeOptions
 
 __all__ = [
     "AllBlocksCleared",
@@ -67,6 +69,8 @@ __all__ = [
     "TreeComponent",
     "TreeInvariantError",
     "TreeNode",
+    "TreeOptions",
+    "StorageOptions",
     "create_tree_cache",
     "get_eviction_policy",
 ]

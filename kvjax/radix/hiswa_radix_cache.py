@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.radix.hiradix_cache import HiRadixCache
-from kvjax.radix.host_component import LOAD_BACK_THRESHOLD, HostMatch
+from kvjax.radix.host_component import LOAD_BACK_THRESHOLD, HostMatch, HostTierComponent
 from kvjax.radix.match import MatchResult
 from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
 from kvjax.radix.swa_radix_cache import SWARadixCache
+from kvjax.radix.tiered_tree import make_host_tier
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
@@ -47,16 +48,22 @@ if TYPE_CHECKING:
 __all__ = ["HiSWARadixCache"]
 
 
-class HiSWARadixCache(HiRadixCache, SWARadixCache):
-    """Hybrid sliding-window radix cache with a host tier (see the module docstring).
+class HiSWARadixCache(SWARadixCache):
+    """Hybrid sliding-window radix cache with a host tier (see the module docstring): a preset of
+    :class:`SWARadixCache` with the host component given at construction, wired to the SWA
+    component (which host copies carry SWA, the last window of a load-back). The host-tier
+    methods are the tree's (``tiered_tree.py``); it is registered as a virtual
+    :class:`~kvjax.radix.HiRadixCache`, whose API it offers.
 
     Args:
         page_size, sliding_window_size, eviction_policy, allocator / token_to_kv_pool_allocator:
             as for :class:`~kvjax.radix.SWARadixCache`.
         host_allocator, host_pool_tokens, copy_engine, write_policy, load_back_threshold: as for
             :class:`~kvjax.radix.HiRadixCache` (the engine copies both pools; default simulated).
-        **kwargs: the rest of :class:`~kvjax.radix.RadixCache`'s keyword arguments.
+        **kwargs: the rest of :class:`~kvjax.radix.SWARadixCache`'s keyword arguments.
     """
+
+    host: HostTierComponent  # never None in this preset
 
     def __init__(
         self,
@@ -78,22 +85,28 @@ class HiSWARadixCache(HiRadixCache, SWARadixCache):
                 "a storage tier (L3) under the hybrid sliding-window tree is not built (its page format holds one "
                 "pool); drop hicache_storage_backend for this model"
             )
+        kwargs.pop("storage", None)
         alloc = allocator if allocator is not None else token_to_kv_pool_allocator
-        super().__init__(
+        host, _ = make_host_tier(
             page_size,
-            eviction_policy,
             host_allocator=host_allocator,
             host_pool_tokens=host_pool_tokens,
             copy_engine=copy_engine,
             write_policy=write_policy,
             load_back_threshold=load_back_threshold,
+            device_allocator=alloc,
+        )
+        super().__init__(
+            page_size,
+            sliding_window_size,
+            eviction_policy,
             token_to_kv_pool_allocator=alloc,
-            sliding_window_size=sliding_window_size,
+            host=host,
             **kwargs,
         )
-        self.host.on_backup = self.swa.note_host_copy
-        self.host.before_load = self._unpair_outside_window
-        self.host.after_revive = self._revive_window
+        host.on_backup = self.swa.note_host_copy
+        host.before_load = self._unpair_outside_window
+        host.after_revive = self._revive_window
 
     # ------------------------------------------------------------------ the last window
 
@@ -152,7 +165,7 @@ class HiSWARadixCache(HiRadixCache, SWARadixCache):
         restored = self._restored(chain)
         for n in chain:
             if n in restored:
-                self.swa._make_live(n)
+                self.swa.make_live(n)
 
     # ------------------------------------------------------------------ match
 
@@ -184,3 +197,6 @@ class HiSWARadixCache(HiRadixCache, SWARadixCache):
         hit = 0 if best is None else best.depth - m.prefix_len
         m.extras["host"] = HostMatch(hit, best if best is not None else m.last_node)
         return m
+
+
+HiRadixCache.register(HiSWARadixCache)

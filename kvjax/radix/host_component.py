@@ -222,7 +222,7 @@ class HostTierComponent(TreeComponent):
         skipped. Returns the host slots freed."""
         freed = 0
         swept: list[TreeNode] = []
-        leaves = self.tree._leaves  # FULL's unlocked device leaves
+        leaves = self.tree.evictable_leaves
         for spare_leaves in (True, False):
             if freed >= num_tokens:
                 break
@@ -610,7 +610,7 @@ class HostTierComponent(TreeComponent):
         return ComponentSizes(evictable, protected)
 
     def check_invariants(self) -> None:
-        from kvjax.radix.tree import TreeInvariantError
+        from kvjax.radix.invariants import TreeInvariantError
 
         nodes = set(self.tree.nodes())
         holders = {n for n in nodes if self.data(n) is not None}

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
 from kvjax.radix.component import ComponentSizes, TreeComponent
-from kvjax.radix.tree import TreeInvariantError
+from kvjax.radix.invariants import TreeInvariantError
 
 if TYPE_CHECKING:
     from kvjax.alloc.state_slots import StateSlotAllocator

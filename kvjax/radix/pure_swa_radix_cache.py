@@ -143,7 +143,7 @@ class PureSWAComponent(SWAComponent):
         tree = self.tree
         deleted = 0
         while True:
-            dead = [n for n in tree._leaves if self.data(n) is None]
+            dead = [n for n in tree.evictable_leaves if self.data(n) is None]
             if not dead:
                 return deleted
             for node in dead:

@@ -52,16 +52,18 @@ from kvjax.radix.keys import INT32, as_slot_array, encode_tokens
 from kvjax.radix.lock import LockReceipt
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
-from kvjax.radix.tree import RadixTree
+from kvjax.radix.tiered_tree import TieredTree
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.radix.host_component import HostTierComponent
+    from kvjax.radix.storage_link import StorageOptions
     from kvjax.request import Req
 
 _NO_HITS = sys.maxsize  # ``hit_from`` that counts no hit
 
 
-class RadixCache(RadixTree):
+class RadixCache(TieredTree):
     """Radix prefix cache over full-attention KV slots.
 
     Args:
@@ -78,6 +80,9 @@ class RadixCache(RadixTree):
         enable_metrics: kept for interface parity; the O(1) counters in :attr:`stats` are
             always kept.
         hash_seed, eviction_policy_config: see :class:`RadixTree`.
+        components: further components beside FULL (SWA, Mamba; the presets pass them).
+        host, storage: the host tier component and the storage tier behind it (see
+            :class:`~kvjax.radix.tiered_tree.TieredTree`; ``HiRadixCache`` builds them).
     """
 
     # A tree whose components free slots while an insert walks (SWA revivals) frees the caller's
@@ -102,6 +107,8 @@ class RadixCache(RadixTree):
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
         components: Sequence[TreeComponent] = (),
+        host: HostTierComponent | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         super().__init__(
             page_size,
@@ -109,6 +116,8 @@ class RadixCache(RadixTree):
             allocator=token_to_kv_pool_allocator,
             is_eagle=is_eagle,
             components=components,
+            host=host,
+            storage=storage,
             enable_kv_cache_events=enable_kv_cache_events,
             event_sink=event_sink,
             hash_seed=hash_seed,
@@ -189,11 +198,11 @@ class RadixCache(RadixTree):
         if is_bytes:
             src = encode_tokens(token_ids, n + self._ex)
         self._clock += 1
-        node, matched, vals = self._match_walk(src, is_bytes, n, extra_key, self._clock)
+        node, matched, vals = self._walk(self.root, src, is_bytes, n, extra_key, self._clock, False)
         if self._extra:
             return self._finalize_match(node, matched, vals)
         if self._eager and node in self._leaves:
-            self._defer_push(node)
+            self._evq.defer_push(node)
         if self.force_miss or matched == 0:
             st.last_hit_tokens = 0
             return MatchResult.from_parts((), self.root, 0)  # indices: a fresh empty array on access
@@ -220,7 +229,7 @@ class RadixCache(RadixTree):
         self.touch_to_root(result.last_host_node, self._clock)
         node = result.last_node
         if self._eager and node in self._leaves:
-            self._defer_push(node)
+            self._evq.defer_push(node)
         st = self.stats
         if self.force_miss:
             st.last_hit_tokens = 0
@@ -302,15 +311,16 @@ class RadixCache(RadixTree):
         else:
             src = encode_tokens(token_ids, n + self._ex) if is_bytes else token_ids
             self._clock += 1
-            node, matched, _ = self._insert_walk(
+            node, matched, _ = self._walk(
                 self.root,
                 src,
                 is_bytes,
                 n,
-                values,
                 extra_key,
-                int(priority) if priority else 0,
                 self._clock,
+                True,
+                values,
+                int(priority) if priority else 0,
                 _NO_HITS if chunked else inserted_len,
                 False,
                 payloads,
@@ -383,15 +393,16 @@ class RadixCache(RadixTree):
         if self._dups_in_walk:
             self._walk_dups = (req.cache_protected_len, self._row_evicted(req))
         try:
-            node, m_rel, vals = self._insert_walk(
+            node, m_rel, vals = self._walk(
                 start,
                 src,
                 is_bytes,
                 n - s,
-                row[s:n],
                 req.extra_key,
-                req.priority,
                 t,
+                True,
+                row[s:n],
+                req.priority,
                 req.cache_inserted_len,
                 True,
                 payloads,

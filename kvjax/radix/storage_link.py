@@ -233,7 +233,16 @@ class StorageLink:
 
     @property
     def pending_prefetches(self) -> int:
+        """Prefetches started and not yet finished or cancelled."""
         return len(self._ops)
+
+    def prefetch_for(self, rid: Any) -> Prefetch:
+        """The storage reads in flight for request ``rid`` (``done()`` says whether all finished).
+        Raises KeyError naming ``rid`` when it has no prefetch pending."""
+        op = self._ops.get(rid)
+        if op is None:
+            raise KeyError(f"no prefetch pending for request {rid!r}")
+        return op.prefetch
 
     def _finish(self, rid: Any, policy: str) -> int:
         op = self._ops.pop(rid)
@@ -273,3 +282,22 @@ class StorageLink:
         finally:
             for data in guarded:
                 data.host_ref -= 1
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """A storage tier to link a tree's host tier to, at the tree's construction (the tree builds
+    the :class:`StorageLink`: the link needs the attached host component).
+
+    Args:
+        store: the storage tier.
+        host_pages: the host pool holding the pages' bytes (None: the tree makes one of the
+            store's page shape, ``page_first``, whose allocator becomes the host allocator).
+        prefetch_policy, prefetch_timeout_s, prefetch_threshold: as for :class:`StorageLink`.
+    """
+
+    store: StorageTier
+    host_pages: HostPages | None = None
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float | None = None
+    prefetch_threshold: int = PREFETCH_THRESHOLD

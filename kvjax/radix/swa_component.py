@@ -50,9 +50,9 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.radix.component import ComponentSizes, TreeComponent
+from kvjax.radix.invariants import TreeInvariantError
 from kvjax.radix.lock import LockError
 from kvjax.radix.recency import RecencyList
-from kvjax.radix.tree import TreeInvariantError
 
 if TYPE_CHECKING:
     from kvjax.alloc.swa import SWATokenToKVPoolAllocator
@@ -152,7 +152,7 @@ class SWAComponent(TreeComponent):
         """True when ``node`` (not the root) has no SWA slots."""
         return self.data(node) is None
 
-    def _make_live(self, node: TreeNode) -> None:
+    def make_live(self, node: TreeNode) -> None:
         """Give ``node`` SWA data (its slots are paired), most recent in the LRU; evictable, or
         protected when it was a tombstone inside a locked segment (it keeps that lock count)."""
         data = self._tomb_locks.pop(node, None)
@@ -240,8 +240,8 @@ class SWAComponent(TreeComponent):
         if live.klen > self.window_cap:
             capped = self.tree.split_node(live, live.klen - self.window_cap)
         if capped is not None:
-            self._make_live(capped)  # the older part first: the window tail is more recent
-        self._make_live(live)
+            self.make_live(capped)  # the older part first: the window tail is more recent
+        self.make_live(live)
 
     def _free_stale_swa(self, node: TreeNode) -> None:
         """A new tombstone's full slots must hold no SWA slots: free any that still do (the caller
@@ -312,7 +312,7 @@ class SWAComponent(TreeComponent):
             self._revive_slots(node, self._incoming(p, start, end))
         # Revived from a host-only node: the core gave it the incoming full slots, whose SWA pairs
         # are the request's (live past ``evicted``).
-        self._make_live(node)
+        self.make_live(node)
 
     def commit_insert(self, node: TreeNode, payload: Any) -> Any:
         if node is not self.tree.root:
@@ -451,7 +451,7 @@ class SWAComponent(TreeComponent):
 
     def evict(self, amount: int) -> int:
         tree = self.tree
-        candidates = tree._leaves  # FULL's unlocked device leaves
+        candidates = tree.evictable_leaves
         freed = 0
         for node in list(self._lru):
             if freed >= amount:

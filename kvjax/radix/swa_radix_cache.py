@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from kvjax.alloc.swa import SWATokenToKVPoolAllocator
     from kvjax.protocols import ReqToTokenPoolProtocol
     from kvjax.radix.events import EventSink
+    from kvjax.radix.host_component import HostTierComponent
     from kvjax.radix.node import TreeNode
     from kvjax.request import Req
 
@@ -75,7 +76,8 @@ class SWARadixCache(RadixCache):
         token_to_kv_pool_allocator: SGLang's name for ``allocator`` (give one of them).
         req_to_token_pool, is_eagle, enable_kv_cache_events, event_sink, enable_metrics,
         hash_seed, eviction_policy_config: as for :class:`RadixCache`.
-        components: further components after SWA (a host tier: ``HiSWARadixCache``).
+        components: further components after SWA.
+        host: the host tier component (``HiSWARadixCache`` builds it), attached last.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class SWARadixCache(RadixCache):
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
         components: Sequence[TreeComponent] = (),
+        host: HostTierComponent | None = None,
     ) -> None:
         if (
             allocator is not None
@@ -120,6 +123,7 @@ class SWARadixCache(RadixCache):
             hash_seed=hash_seed,
             eviction_policy_config=eviction_policy_config,
             components=(self.swa, *components),
+            host=host,
         )
         self.swa.page_size = self.page_size
         self.swa.window_cap = -(-self.swa.sliding_window_size // self.page_size) * self.page_size
@@ -273,18 +277,6 @@ class SWARadixCache(RadixCache):
             super()._free_row_segment(slots[cut:], evicted, evicted)
         else:
             super()._free_row_segment(slots, start, evicted)
-
-    def _path_slots(self, node: Any, upto: int) -> np.ndarray:
-        """The device slots of the root path down to ``node``, first ``upto`` of them."""
-        parts = []
-        root = self.root
-        while node is not root:
-            if node.depth - node.klen < upto:
-                parts.append(node.value)
-            node = node.parent
-        if not parts:
-            return np.empty(0, np.int32)
-        return np.concatenate(parts[::-1])[:upto]
 
     def prepare_for_caching_req(self, req: Req, key_len: int, is_finished: bool) -> tuple[int, dict[str, Any] | None]:
         """0.5.23's ``prepare_for_caching_req``: the SWA payload of the lifecycle insert is the

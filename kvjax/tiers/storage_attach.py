@@ -1,48 +1,44 @@
-"""Attach the storage tier (L3) to a built cache's host tier, as ``CacheConfig.hicache_storage_*`` say."""
+"""The storage tier (L3) behind a cache's host tier, as ``CacheConfig.hicache_storage_*`` say: opened
+before the tree is built and passed to its constructor (``create_tree_cache(..., storage=...)``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.pools.storage import is_fp8, logical_dtype_name
-from kvjax.radix.hiradix_cache import HiRadixCache
-from kvjax.radix.storage_link import StorageLink
+from kvjax.radix.storage_link import StorageOptions
 from kvjax.tiers.storage import StorageTier
 from kvjax.tiers.storage_key import StorageKey
 
 if TYPE_CHECKING:
-    from kvjax.build import KVCache
     from kvjax.config import CacheConfig
+    from kvjax.plan import CachePlan
+    from kvjax.tiers.host_pool import HostKVPool
 
 
-def storage_key(cache: KVCache, config: CacheConfig) -> StorageKey:
-    """The key of the pages ``cache`` writes: ``config.hicache_storage_model_fingerprint``, the
-    host pool's page shape and stored dtype, the plan's KV dtype, the device pool's fp8 scales
-    (MHA: K then V per layer; MLA: the latent's per layer; as they are now, so set them before
-    the store is attached), the pool kind, the TP size, this
-    process's index as the rank (one process drives every TP rank of its devices, and its host
-    pool's pages hold all their KV heads), the host pool's layer ids, and
+def storage_key(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig) -> StorageKey:
+    """The key of the pages a cache of ``plan`` writes from ``host_pool``:
+    ``config.hicache_storage_model_fingerprint``, the host pool's page shape and stored dtype, the
+    plan's KV dtype, the device pool's fp8 scales (``pools.kv``; MHA: K then V per layer; MLA: the
+    latent's per layer; as they are now, so set them before the store is opened), the pool kind,
+    the TP size, this process's index as the rank (one process drives every TP rank of its
+    devices, and its host pool's pages hold all their KV heads), the host pool's layer ids, and
     ``config.hicache_storage_namespace``.
-
-    Raises ConfigError when the config has no model fingerprint (``CacheConfig`` refuses a
-    storage backend without one already).
     """
     import jax
 
-    pool = cache.host_pool
-    plan = cache.plan
     scales: tuple[float, ...] = ()
     if is_fp8(plan.kv_cache_dtype):
-        device_kv = cache.pools.kv
+        device_kv = pools.kv
         names = ("k_scale", "v_scale") if hasattr(device_kv, "k_scale") else ("scale",)  # MHA; MLA latent
         scales = tuple(s for name in names for s in np.asarray(getattr(device_kv, name), np.float32).tolist())
     host_plan = next(p for p in plan.pools if p.name == "host_kv")
     return StorageKey(
         model=str(config.hicache_storage_model_fingerprint or ""),
-        page_shape=(pool.num_layers, *pool.page_row),
-        store_dtype=pool.store_dtype.name,
+        page_shape=(host_pool.num_layers, *host_pool.page_row),
+        store_dtype=host_pool.store_dtype.name,
         kv_dtype=logical_dtype_name(plan.kv_cache_dtype),
         kv_scales=scales,
         layout=f"{plan.kind.kv_pool_kind}/page_first",
@@ -53,25 +49,17 @@ def storage_key(cache: KVCache, config: CacheConfig) -> StorageKey:
     )
 
 
-def attach_storage_tier(cache: KVCache, config: CacheConfig) -> StorageLink:
-    """Open the store (``"memory"``, or the ``"file"`` backend in ``hicache_storage_dir``) over
-    pages of the cache's host pool, under :func:`storage_key`, and link it to the cache's
-    HiRadixCache; returns the link.
-
-    Raises TypeError for a cache without a HiRadixCache and a host pool.
+def open_storage_tier(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig) -> StorageOptions:
+    """Open the store (``"memory"``, or the ``"file"`` backend in ``hicache_storage_dir``) over pages
+    of ``host_pool``, under :func:`storage_key`, with the config's prefetch settings: what the
+    tree's constructor links behind its host tier.
     """
-    tree = cache.tree_cache
-    pool = cache.host_pool
-    if not isinstance(tree, HiRadixCache) or pool is None:
-        raise TypeError("the storage tier needs a HiRadixCache with a host pool (enable_hierarchical_cache)")
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
-    store = StorageTier(location, key=storage_key(cache, config))
-    tree.storage = StorageLink(
-        tree.host,
+    store = StorageTier(location, key=storage_key(plan, host_pool, pools, config))
+    return StorageOptions(
         store,
-        pool,
+        host_pool,
         prefetch_policy=config.hicache_storage_prefetch_policy,
         prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
         prefetch_threshold=config.hicache_storage_prefetch_threshold,
     )
-    return tree.storage

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from kvjax.errors import ConfigError
 from kvjax.radix import HiRadixCache
@@ -111,33 +114,48 @@ def test_prefetch_continues_below_a_partial_device_match_and_respects_the_thresh
     assert other.host.held_tokens == 0 and _balanced(other)
 
 
-def test_a_storage_miss_in_the_middle_stops_the_run():
-    store = StorageTier("memory", key=KEY)
+def _wait_reads(cache: HiRadixCache, rid: str) -> None:
+    """Until every storage read of ``rid``'s prefetch finished (file reads take a moment)."""
+    reads = cache.storage.prefetch_for(rid)
+    while not reads.done():
+        time.sleep(0.001)
+
+
+def _files(directory) -> ts.KvStore:
+    """A second handle on the files of a store opened at ``directory`` (to damage its entries)."""
+    return ts.KvStore.open({"driver": "file", "path": f"{directory}/"}).result()
+
+
+def test_a_storage_miss_in_the_middle_stops_the_run(tmp_path):
+    store = StorageTier(str(tmp_path), key=KEY)
     cache = _cache(store, host_tokens=32)
     tokens = list(range(1, 21))
     _stored_then_gone(cache, tokens)
     hashes = page_hashes(tokens, 4)
-    store._kv.write(store.key(hashes[3]), b"torn").result()  # a page of the wrong size is a miss
+    _files(tmp_path).write(store.key(hashes[3]), b"torn").result()  # a page of the wrong size is a miss
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 12  # pages 0..2; page 3 is missing, 4 useless
+    _wait_reads(cache, "r")
     assert cache.check_prefetch_progress("r")
     assert cache.match_prefix(tokens).host_hit_length == 12
     assert _balanced(cache)
     cache.check_invariants()
 
 
-def test_a_page_that_fails_its_checksum_ends_the_prefetched_run_and_frees_the_rest():
-    store = StorageTier("memory", key=KEY)
+def test_a_page_that_fails_its_checksum_ends_the_prefetched_run_and_frees_the_rest(tmp_path):
+    store = StorageTier(str(tmp_path), key=KEY)
     cache = _cache(store, host_tokens=32)
     tokens = list(range(1, 21))
     buf = _stored_then_gone(cache, tokens)
     name = store.key(page_hashes(tokens, 4)[2])
-    entry = bytearray(store._kv.read(name).result().value)
+    files = _files(tmp_path)
+    entry = bytearray(files.read(name).result().value)
     entry[-1] ^= 0x80  # one bit of the page's last byte
-    store._kv.write(name, bytes(entry)).result()
+    files.write(name, bytes(entry)).result()
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 20  # headers are intact: five pages are asked for
     assert cache.host.held_tokens == 20
+    _wait_reads(cache, "r")
     assert cache.check_prefetch_progress("r")
     assert cache.storage.prefetched_tokens == 8 and store.rejected == {"checksum": 1}
     m = cache.match_prefix(tokens)
@@ -155,9 +173,7 @@ def test_each_policy_takes_the_pages_that_arrived(policy):
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 12
     assert cache.storage.pending_prefetches == 1
-    op = cache.storage._ops["r"]
-    for f in op.prefetch._futures:
-        f.result()  # memory reads finish at once; wait so every policy sees them all
+    _wait_reads(cache, "r")  # so that every policy sees them all
     assert cache.check_prefetch_progress("r")
     assert cache.match_prefix(tokens).host_hit_length == 12
     assert cache.storage.pending_prefetches == 0 and _balanced(cache)
@@ -183,7 +199,7 @@ def test_unfinished_reads_hold_admission_only_under_wait_complete_and_timeout():
         tokens = list(range(1, 13))
         _stored_then_gone(cache, tokens)
         assert cache.start_prefetch("r", cache.match_prefix(tokens), tokens) == 12
-        cache.storage._ops["r"].prefetch._futures[0] = _PendingFuture()  # the first read is late
+        cache.storage.prefetch_for("r")._futures[0] = _PendingFuture()  # the first read is late
         assert cache.check_prefetch_progress("r") is admitted
         if admitted:  # nothing of the leading run arrived: every slot is freed
             assert cache.storage.prefetched_tokens == 0
@@ -287,3 +303,8 @@ def test_write_back_stores_at_device_eviction_and_namespaces_come_back_apart():
     assert cache.match_prefix(tokens, "lora-b").host_hit_length == 0
     assert _balanced(cache)
     cache.check_invariants()
+
+
+def test_prefetch_for_names_a_request_without_one():
+    with pytest.raises(KeyError, match="'nobody'"):
+        _cache().storage.prefetch_for("nobody")

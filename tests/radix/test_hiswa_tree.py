@@ -5,11 +5,13 @@ round-trip the bytes of both device pools."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
-from kvjax.radix import HiSWARadixCache, create_tree_cache
+from kvjax.radix import HiSWARadixCache, TreeOptions, create_tree_cache
 
 
 def tree(window: int = 4, full: int = 64, swa: int = 32) -> tuple[HiSWARadixCache, SWATokenToKVPoolAllocator]:
@@ -77,25 +79,15 @@ def test_host_hit_stops_where_the_window_cannot_be_restored():
 
 
 def test_registry_builds_it_for_swa_plans_with_the_host_tier():
-    class Plan:
-        tree_cache_kind = "unified"
-        tree_components = ("full", "swa")
-        disable_radix_cache = False
-        attach_host_tier = True
-        tree_page_size = 1
-        radix_eviction_policy = "lru"
-        is_eagle = False
-        enable_kv_cache_events = False
-        enable_metrics = False
-        sliding_window_size = 4
-        host_pool_tokens = 64
-        hicache_write_policy = "write_through"
-
-    t = create_tree_cache(Plan(), token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(32, 16, 1))
+    options = TreeOptions(
+        tree_components=("full", "swa"), sliding_window_size=4, attach_host_tier=True, host_pool_tokens=64
+    )
+    t = create_tree_cache(options, token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(32, 16, 1))
     assert isinstance(t, HiSWARadixCache) and t.sliding_window_size == 4
-    Plan.disable_radix_cache = True
     with pytest.raises(NotImplementedError, match="cpu_tensor"):
-        create_tree_cache(Plan(), token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(32, 16, 1))
+        create_tree_cache(
+            replace(options, disable_radix_cache=True), token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(32, 16, 1)
+        )
 
 
 def test_swa_transfer_engine_round_trips_both_pools():
@@ -179,3 +171,12 @@ def test_full_kv_hit_length_is_full_kv_on_device_or_host_whatever_swa_says():
     m = t.match_prefix(list(range(1, 13)))
     assert (m.prefix_len, m.device_kv_hit_length, m.full_kv_hit_length) == (0, 0, 12)
     assert balanced(t, alloc)
+
+
+def test_the_hybrid_host_tree_is_one_preset_of_the_swa_tree():
+    from kvjax.radix import HiRadixCache, SWARadixCache
+
+    t = HiSWARadixCache(page_size=1, sliding_window_size=4, host_pool_tokens=16)
+    assert isinstance(t, SWARadixCache) and isinstance(t, HiRadixCache)  # the latter: registered, not inherited
+    assert HiRadixCache not in type(t).__mro__
+    assert t.components == (t.component("full"), t.swa, t.host)

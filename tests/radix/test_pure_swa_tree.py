@@ -9,6 +9,8 @@ step and each match checked against the rule written out naively.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -17,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.errors import ConfigError
-from kvjax.radix import LockError, PureSWARadixCache, create_tree_cache
+from kvjax.radix import LockError, PureSWARadixCache, TreeOptions, create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
 
@@ -155,24 +157,12 @@ def test_bad_input_is_refused_and_changes_nothing():
 
 
 def test_registry_builds_it_for_pure_swa_plans():
-    class Plan:
-        tree_cache_kind = "pure_swa_radix"
-        tree_components = ("swa",)
-        disable_radix_cache = False
-        attach_host_tier = False
-        tree_page_size = 1
-        radix_eviction_policy = "lru"
-        is_eagle = False
-        enable_kv_cache_events = False
-        enable_metrics = False
-        sliding_window_size = 4
-
+    options = TreeOptions(tree_cache_kind="pure_swa_radix", tree_components=("swa",), sliding_window_size=4)
     alloc = make_allocator(16, 1)
-    tree = create_tree_cache(Plan(), token_to_kv_pool_allocator=alloc)
+    tree = create_tree_cache(options, token_to_kv_pool_allocator=alloc)
     assert isinstance(tree, PureSWARadixCache) and tree.sliding_window_size == 4
-    Plan.attach_host_tier = True
     with pytest.raises(NotImplementedError, match="host tier"):
-        create_tree_cache(Plan(), token_to_kv_pool_allocator=alloc)
+        create_tree_cache(replace(options, attach_host_tier=True), token_to_kv_pool_allocator=alloc)
 
 
 # --------------------------------------------------------------------------- request lifecycle

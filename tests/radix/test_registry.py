@@ -1,16 +1,22 @@
-"""`create_tree_cache`: which tree a plan gets (duck-typed plans), and the kinds that are not
-built yet."""
+"""`create_tree_cache`: which tree a plan's `TreeOptions` get, and the kinds that are not built
+yet."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import kvjax
 from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
-from kvjax.radix import ChunkCache, PureSWAChunkCache, RadixCache, SWAChunkCache, SWARadixCache, create_tree_cache
+from kvjax.radix import (
+    ChunkCache,
+    PureSWAChunkCache,
+    RadixCache,
+    SWAChunkCache,
+    SWARadixCache,
+    TreeOptions,
+    create_tree_cache,
+)
 from tests.radix._helpers import RecordingAllocator
 
 
@@ -25,11 +31,10 @@ def plan(**kw):
         is_eagle=False,
         enable_kv_cache_events=False,
         enable_metrics=False,
-        chunked_prefill_size=8192,
         sliding_window_size=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return TreeOptions(**base)
 
 
 def test_chunk_kind_gives_chunk_cache():
@@ -53,7 +58,7 @@ def test_unified_full_gives_radix_cache_with_plan_settings():
 
 
 def test_disabled_unified_tree_behaves_like_chunk_cache():
-    t = create_tree_cache(plan(disable_radix_cache=True, chunked_prefill_size=None))
+    t = create_tree_cache(plan(disable_radix_cache=True))
     assert isinstance(t, RadixCache) and t.disable and t.is_chunk_cache()
     assert t.insert([1, 2], np.array([1, 2])) == 0
 
@@ -78,9 +83,7 @@ def test_swa_kinds_give_the_swa_caches():
     )
     assert isinstance(t, SWARadixCache) and t.sliding_window_size == 4 and t.token_to_kv_pool_allocator is alloc
     t = create_tree_cache(
-        plan(
-            tree_components=("full", "swa"), disable_radix_cache=True, sliding_window_size=4, chunked_prefill_size=None
-        ),
+        plan(tree_components=("full", "swa"), disable_radix_cache=True, sliding_window_size=4),
         token_to_kv_pool_allocator=SWATokenToKVPoolAllocator(16, 8, 1),
     )
     assert isinstance(t, SWAChunkCache)
@@ -145,3 +148,16 @@ def test_real_plans_route_as_documented():
     p = real(specs.swa())
     t = create_tree_cache(p)  # standalone: no allocator
     assert isinstance(t, SWARadixCache) and t.sliding_window_size == p.sliding_window_size
+
+
+def test_what_the_tree_holds_is_given_at_construction():
+    from kvjax.radix import HiRadixCache
+    from kvjax.tiers import SimulatedCopyEngine
+
+    engine = SimulatedCopyEngine()
+    t = create_tree_cache(plan(attach_host_tier=True, host_pool_tokens=16), host_engine=engine)
+    assert isinstance(t, HiRadixCache) and t.host.engine is engine
+    with pytest.raises(kvjax.ConfigError, match="host_engine"):
+        create_tree_cache(plan(), host_engine=engine)  # no host tier to give it to
+    with pytest.raises(TypeError, match="TreeOptions"):
+        create_tree_cache(object())

@@ -101,7 +101,7 @@ class SWATreeMachine(RuleBasedStateMachine):
         assert m.prefix_len <= expect  # the match may split the last node; never longer
         if m.prefix_len:
             assert not self.tree.swa.is_tombstone(m.last_node)
-            assert m.indices.tolist() == self.tree._path_slots(m.last_node, m.prefix_len).tolist()
+            assert m.indices.tolist() == self.tree.path_slots(m.last_node, m.prefix_len).tolist()
         again, _ = self.naive_match(key)
         assert m.prefix_len == again  # after the split, the naive rule agrees exactly
 
