@@ -179,12 +179,29 @@ def test_each_policy_takes_the_pages_that_arrived(policy):
     assert cache.storage.pending_prefetches == 0 and _balanced(cache)
 
 
-class _PendingFuture:
-    def done(self) -> bool:
-        return False
+class _ScriptedReads:
+    """An in-memory kvstore whose next reads follow a script: ``"ok"`` (the stored value),
+    ``"fail"`` (an error) or ``"late"`` (a read that never finishes); reads past the script are
+    ``"ok"``. Writes go to the store."""
 
-    def cancel(self) -> None:
-        pass
+    def __init__(self) -> None:
+        self.store = ts.KvStore.open({"driver": "memory"}).result()
+        self.script: list[str] = []
+        self._late: list[ts.Promise] = []  # kept alive: their reads stay pending
+
+    def read(self, key):
+        outcome = self.script.pop(0) if self.script else "ok"
+        if outcome == "ok":
+            return self.store.read(key)
+        promise, future = ts.Promise.new()
+        if outcome == "fail":
+            promise.set_exception(OSError("disk gone"))
+        else:
+            self._late.append(promise)
+        return future
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
 
 
 def test_unfinished_reads_hold_admission_only_under_wait_complete_and_timeout():
@@ -195,11 +212,12 @@ def test_unfinished_reads_hold_admission_only_under_wait_complete_and_timeout():
         ("timeout", 0.0, True),
     )
     for policy, timeout_s, admitted in cases:
-        cache = _cache(prefetch_policy=policy, prefetch_timeout_s=timeout_s)
+        reads = _ScriptedReads()
+        cache = _cache(StorageTier(reads, key=KEY), prefetch_policy=policy, prefetch_timeout_s=timeout_s)
         tokens = list(range(1, 13))
         _stored_then_gone(cache, tokens)
+        reads.script = ["ok"] * 3 + ["late"]  # the presence check's reads, then the first page's is late
         assert cache.start_prefetch("r", cache.match_prefix(tokens), tokens) == 12
-        cache.storage.prefetch_for("r")._futures[0] = _PendingFuture()  # the first read is late
         assert cache.check_prefetch_progress("r") is admitted
         if admitted:  # nothing of the leading run arrived: every slot is freed
             assert cache.storage.prefetched_tokens == 0
@@ -210,34 +228,13 @@ def test_unfinished_reads_hold_admission_only_under_wait_complete_and_timeout():
         cache.check_invariants()
 
 
-class _FailingReads:
-    """A kvstore whose reads fail after the first ``ok`` (writes go to the wrapped store)."""
-
-    def __init__(self, kv, ok: int):
-        self._kv = kv
-        self._ok = ok
-
-    def read(self, key):
-        import tensorstore as ts
-
-        if self._ok > 0:
-            self._ok -= 1
-            return self._kv.read(key)
-
-        promise, future = ts.Promise.new()
-        promise.set_exception(OSError("disk gone"))
-        return future
-
-    def __getattr__(self, name):
-        return getattr(self._kv, name)
-
-
 def test_failed_reads_give_no_pages_and_balance_the_accounts():
-    store = StorageTier("memory", key=KEY)
-    cache = _cache(store)
+    reads = _ScriptedReads()
+    cache = _cache(StorageTier(reads, key=KEY))
     tokens = list(range(1, 13))
     _stored_then_gone(cache, tokens)
-    store._kv = _FailingReads(store._kv, ok=3)  # the presence check succeeds, the prefetch reads fail
+    # The presence check succeeds, then every read fails: r's three prefetch reads, s's presence check.
+    reads.script = ["ok"] * 3 + ["fail"] * 6
     m = cache.match_prefix(tokens)
     assert cache.start_prefetch("r", m, tokens) == 12
     assert cache.check_prefetch_progress("r")
