@@ -48,7 +48,8 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
-from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.layers import MLP, BatchMetadata, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig, read_rope
 from kvjax.serve.moe import MoEConfig, SparseMoE, Weight
 from kvjax.spec import ModelSpec
@@ -188,60 +189,23 @@ class DeepseekV2Attention(nn.Module):
         return out, pools.replace(kv=pool)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    config: ModelConfig
-    layer_id: int
+class DeepseekV2DecoderLayer(DecoderLayer):
+    """MLA, then a dense MLP before ``first_k_dense_replace`` and the sparse MoE from there."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+    @nn.nowrap
+    def mixer(self) -> nn.Module:
+        return DeepseekV2Attention(self.config, self.layer_id, name="self_attn")
+
+    @nn.nowrap
+    def mlp(self) -> nn.Module:
         c = self.config
         f: DeepseekV2Config = c.family_config
-        dt = jnp.dtype(c.dtype)
-        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        h, pools = DeepseekV2Attention(c, self.layer_id, name="self_attn")(h, pools, meta)
-        x = x + h
-        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         if f.moe is None or self.layer_id < f.first_k_dense_replace:
-            h = MLP(c, name="mlp")(h)
-        else:
-            h = SparseMoE(f.moe, dt, name="mlp")(h)
-        return x + h, pools
+            return MLP(c, name="mlp")
+        return SparseMoE(f.moe, jnp.dtype(c.dtype), name="mlp")
 
 
-class DeepseekV2Model(nn.Module):
-    """The decoder stack (``model.*``); returns the final-normed hidden states of each sequence's last token."""
-
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
-        self.layers = [DeepseekV2DecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, dt)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x)
-
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        self.model = DeepseekV2Model(c)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.model(tokens, pools, meta)
-        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), pools
+    decoder_layer: type[nn.Module] = DeepseekV2DecoderLayer
