@@ -255,7 +255,6 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
             unsupported,
             f"kvjax's {entry.name} model runs {sorted(k.value for k in entry.layer_kinds)} layers only",
         )
-    family_name = entry.name
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError("hidden_act", act, "kvjax's serving MLP is SwiGLU; only 'silu' is supported")
@@ -267,7 +266,7 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
     bias = bool(raw.get("attention_bias", False))
     family_config = entry.load("read_config")(spec, raw) if entry.read_config else None
     return ModelConfig(
-        family=family_name,
+        family=entry.name,
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -278,10 +277,10 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         rope=read_rope(raw, partial_rotary=entry.partial_rotary, yarn=entry.yarn_rope),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases (no config key); Llama, Mistral and Qwen3 follow attention_bias.
-        qkv_bias=True if family_name == "qwen2" else bias,
-        o_bias=False if family_name == "qwen2" else bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)) if family_name == "llama" else False,
+        # Qwen2 always has q/k/v biases (no config key); the others follow attention_bias.
+        qkv_bias=True if entry.qkv_bias else bias,
+        o_bias=False if entry.qkv_bias else bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if entry.mlp_bias else False,
         dtype=dtype,
         family_config=family_config,
     )
