@@ -154,6 +154,17 @@ def window_if_sliding(kinds: tuple[LayerKind, ...], window: int | None) -> int |
     return window if LayerKind.SLIDING in kinds else None
 
 
+def alternating_sliding_kinds(config: Mapping[str, Any], fields: Fields, family: str, default_window: int) -> None:
+    """Set ``fields``' ``layer_kinds`` from ``layer_types`` (else alternating, sliding first: Gemma 2,
+    gpt-oss) and its ``sliding_window`` (``default_window`` tokens when the key is absent)."""
+    n = fields["num_hidden_layers"]
+    kinds = kinds_from_layer_types(config, n, family, ATTENTION_LAYER_TYPES)
+    if kinds is None:
+        kinds = tuple(LayerKind.SLIDING if i % 2 == 0 else LayerKind.FULL for i in range(n))
+    fields["layer_kinds"] = kinds
+    fields["sliding_window"] = window_if_sliding(kinds, integer(config, "sliding_window", family, default_window))
+
+
 def attention_fields(
     config: Mapping[str, Any],
     family: str,
