@@ -88,6 +88,17 @@ def first_integer(config: Mapping[str, Any], keys: tuple[str, ...], family: str,
     return default
 
 
+def positive_number(config: Mapping[str, Any], key: str, family: str, default: Any = MISSING) -> Any:
+    """A number key ``> 0``, as a float; ``default`` unchecked when the key is absent or null (so
+    ``default=None`` means optional)."""
+    if config.get(key) is None and default is not MISSING:
+        return default
+    value = get(config, key, family)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(key, value, f"'{key}' in a {where(family)} must be a positive number")
+    return float(value)
+
+
 def float_or_none(value: Any, key: str, family: str) -> float | None:
     if value is None:
         return None

@@ -80,7 +80,7 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
-    decoder_layer: type[nn.Module] = nn.Module
+    decoder_layer: type[nn.Module]
     final_norm: type[nn.Module] = RMSNorm
     names: StackNames = StackNames()
     scale_embedding: bool = False
@@ -98,8 +98,6 @@ class CausalLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
-        if self.decoder_layer is nn.Module:
-            raise TypeError(f"{type(self).__name__} must set decoder_layer to its family's decoder layer class")
         stack = DecoderStack(
             c,
             self.decoder_layer,

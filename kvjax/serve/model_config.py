@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,8 @@ __all__ = ["DTYPES", "ROPE_TYPES", "SERVABLE_FAMILIES", "ModelConfig", "RopeConf
 ROPE_TYPES = ("default", "linear", "llama3")
 YARN = "yarn"
 DTYPES = ("float32", "bfloat16", "float16")
+
+FamilySettings = TypeVar("FamilySettings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,17 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def family_settings(self, kind: type[FamilySettings]) -> FamilySettings:
+        """``family_config``, which must be the ``kind`` its family's ``read_config`` returns; a
+        `ConfigError` naming the fix otherwise (a config built by hand without it)."""
+        if not isinstance(self.family_config, kind):
+            raise ConfigError(
+                "family_config",
+                self.family_config,
+                f"a {self.family} ModelConfig needs its {kind.__name__} (model_config_from_spec reads it)",
+            )
+        return self.family_config
 
 
 def _number(config: Mapping[str, Any], key: str, default: float) -> float:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
+from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer
@@ -41,6 +42,7 @@ from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
 from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
 from kvjax.spec import ModelSpec
 
+_TYPE = "gemma3_text"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
@@ -60,15 +62,6 @@ class Gemma3Config:
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
-
-
-def _optional_number(raw: Mapping[str, Any], key: str) -> float | None:
-    value = raw.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(key, value, f"'{key}' in config.json must be a positive number or null")
-    return float(value)
 
 
 def read_gemma3_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
@@ -91,17 +84,14 @@ def read_gemma3_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
         full.setdefault("rope_theta", 1_000_000.0)
         rope_full = read_rope(full)
         rope_local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10_000.0)))
-    scalar = raw.get("query_pre_attn_scalar", spec.head_dim)
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-        raise ConfigError("query_pre_attn_scalar", scalar, "must be a positive number")
     return Gemma3Config(
         sliding=tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds),
         sliding_window=int(spec.sliding_window),
         rope_full=rope_full,
         rope_local=rope_local,
-        query_pre_attn_scalar=float(scalar),
-        final_logit_softcapping=_optional_number(raw, "final_logit_softcapping"),
-        attn_logit_softcapping=_optional_number(raw, "attn_logit_softcapping"),
+        query_pre_attn_scalar=keys.positive_number(raw, "query_pre_attn_scalar", _TYPE, float(spec.head_dim)),
+        final_logit_softcapping=keys.positive_number(raw, "final_logit_softcapping", _TYPE, None),
+        attn_logit_softcapping=keys.positive_number(raw, "attn_logit_softcapping", _TYPE, None),
     )
 
 
@@ -110,9 +100,7 @@ def _max_pos(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _fc(config: ModelConfig) -> Gemma3Config:
-    fc = config.family_config
-    assert isinstance(fc, Gemma3Config), "Gemma 3 needs its family_config (read_gemma3_config)"
-    return fc
+    return config.family_settings(Gemma3Config)
 
 
 GemmaRMSNorm = OffsetRMSNorm  # ``x / rms(x) * (1 + weight)`` in float32 (weights start at 0)

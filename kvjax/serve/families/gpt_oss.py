@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
+from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer
@@ -75,20 +76,6 @@ class GptOssConfig:
     swiglu_limit: float = 7.0
 
 
-def _positive_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(key, value, f"'{key}' in config.json must be a positive integer")
-    return value
-
-
-def _positive_number(raw: Mapping[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(key, value, f"'{key}' in config.json must be a positive number")
-    return float(value)
-
-
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
     """gpt-oss's own hyperparameters from its ``config.json``.
 
@@ -105,8 +92,8 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
         )
     if spec.sliding_window is None or spec.sliding_window <= 0:
         raise ConfigError("sliding_window", spec.sliding_window, "gpt-oss needs a positive sliding_window")
-    experts = _positive_int(raw, "num_local_experts", raw.get("num_experts"))
-    top_k = _positive_int(raw, "num_experts_per_tok")
+    experts = keys.first_integer(raw, ("num_local_experts", "num_experts"), "gpt_oss")
+    top_k = keys.integer(raw, "num_experts_per_tok", "gpt_oss")
     if top_k > experts:
         raise ConfigError("num_experts_per_tok", top_k, f"must be at most num_local_experts={experts}")
     return GptOssConfig(
@@ -114,15 +101,13 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
         sliding_window=int(spec.sliding_window),
         num_experts=experts,
         top_k=top_k,
-        swiglu_alpha=_positive_number(raw, "swiglu_alpha", 1.702),
-        swiglu_limit=_positive_number(raw, "swiglu_limit", 7.0),
+        swiglu_alpha=keys.positive_number(raw, "swiglu_alpha", "gpt_oss", 1.702),
+        swiglu_limit=keys.positive_number(raw, "swiglu_limit", "gpt_oss", 7.0),
     )
 
 
 def _fc(config: ModelConfig) -> GptOssConfig:
-    fc = config.family_config
-    assert isinstance(fc, GptOssConfig), "gpt-oss needs its family_config (read_config)"
-    return fc
+    return config.family_settings(GptOssConfig)
 
 
 GptOssRMSNorm = Float32RMSNorm  # the weight times the float32-normalised input, then the cast

@@ -97,10 +97,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> NemotronHConfig:
 
 
 def _family(config: ModelConfig) -> NemotronHConfig:
-    fc = config.family_config
-    if not isinstance(fc, NemotronHConfig):
-        raise ConfigError("family_config", fc, "a Nemotron-H ModelConfig needs its NemotronHConfig (read_config)")
-    return fc
+    return config.family_settings(NemotronHConfig)
 
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:

@@ -135,12 +135,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
 
 
 def _family(config: ModelConfig) -> Qwen3NextConfig:
-    fc = config.family_config
-    if not isinstance(fc, Qwen3NextConfig):
-        raise ConfigError(
-            "family_config", fc, "a Qwen3-Next ModelConfig needs its Qwen3NextConfig (model_config_from_spec)"
-        )
-    return fc
+    return config.family_settings(Qwen3NextConfig)
 
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
