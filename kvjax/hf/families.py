@@ -87,71 +87,66 @@ class Family:
         return getattr(importlib.import_module(module), name)
 
 
-def _llama_like(name: str, parse: Parser, architecture: str, **serving: Any) -> Family:
-    """A family served by the Llama model (Llama, Mistral, Qwen2), with or without windows."""
+def _served(name: str, parse: Parser, architecture: str, model: str, *, hooks: bool = True, **flags: Any) -> Family:
+    """A servable family's record; ``model`` is ``"<module>:<Class>"`` under ``kvjax.serve.families``,
+    and with ``hooks`` that module's ``read_config`` and ``trace_state`` are the family's (every
+    family module with its own hyperparameters names them so)."""
+    module = _SERVE + model.partition(":")[0]
     return Family(
         name,
         parse,
         (architecture,),
-        model=_SERVE + "llama:LlamaForCausalLM",
-        layer_kinds=_FULL_OR_SLIDING,
-        read_config=_SERVE + "llama:read_windows",
-        trace_state=_SERVE + "llama:trace_state",
-        **serving,
+        model=_SERVE + model,
+        read_config=f"{module}:read_config" if hooks else None,
+        trace_state=f"{module}:trace_state" if hooks else None,
+        **flags,
     )
 
 
+_LLAMA = "llama:LlamaForCausalLM"  # also Mistral's and Qwen2's: their differences are biases and windows
+_MAMBA_HYBRID = frozenset({LayerKind.FULL, LayerKind.RECURRENT, LayerKind.NONE})
+
 FAMILY_RECORDS: tuple[Family, ...] = (
-    _llama_like("llama", attention.parse_llama, "LlamaForCausalLM", mlp_bias=True),
-    _llama_like("mistral", attention.parse_mistral, "MistralForCausalLM"),
-    _llama_like("qwen2", attention.parse_qwen2, "Qwen2ForCausalLM", qkv_bias=True),
-    Family("qwen3", attention.parse_qwen2, ("Qwen3ForCausalLM",), model=_SERVE + "qwen3:Qwen3ForCausalLM"),
-    Family(
+    _served("llama", attention.parse_llama, "LlamaForCausalLM", _LLAMA, layer_kinds=_FULL_OR_SLIDING, mlp_bias=True),
+    _served("mistral", attention.parse_mistral, "MistralForCausalLM", _LLAMA, layer_kinds=_FULL_OR_SLIDING),
+    _served("qwen2", attention.parse_qwen2, "Qwen2ForCausalLM", _LLAMA, layer_kinds=_FULL_OR_SLIDING, qkv_bias=True),
+    _served("qwen3", attention.parse_qwen2, "Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", hooks=False),
+    _served(
         "gemma3_text",
         gemma.parse_gemma3_text,
-        ("Gemma3ForCausalLM",),
-        model=_SERVE + "gemma3:Gemma3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "gemma3:Gemma3ForCausalLM",
         layer_kinds=_FULL_OR_SLIDING,
-        read_config=_SERVE + "gemma3:read_gemma3_config",
-        trace_state=_SERVE + "gemma3:gemma3_trace_state",
     ),
-    Family(
+    _served(
         "gpt_oss",
         attention.parse_gpt_oss,
-        ("GptOssForCausalLM",),
-        model=_SERVE + "gpt_oss:GptOssForCausalLM",
+        "GptOssForCausalLM",
+        "gpt_oss:GptOssForCausalLM",
         layer_kinds=_FULL_OR_SLIDING,
-        read_config=_SERVE + "gpt_oss:read_config",
-        trace_state=_SERVE + "gpt_oss:trace_state",
         yarn_rope=True,
     ),
-    Family(
+    _served(
         "nemotron_h",
         recurrent.parse_nemotron_h,
-        ("NemotronHForCausalLM",),
-        model=_SERVE + "nemotron_h:NemotronHForCausalLM",
-        layer_kinds=frozenset({LayerKind.FULL, LayerKind.RECURRENT, LayerKind.NONE}),
-        read_config=_SERVE + "nemotron_h:read_config",
-        trace_state=_SERVE + "nemotron_h:trace_state",
+        "NemotronHForCausalLM",
+        "nemotron_h:NemotronHForCausalLM",
+        layer_kinds=_MAMBA_HYBRID,
     ),
-    Family(
+    _served(
         "qwen3_next",
         recurrent.parse_qwen3_next,
-        ("Qwen3NextForCausalLM",),
-        model=_SERVE + "qwen3_next:Qwen3NextForCausalLM",
+        "Qwen3NextForCausalLM",
+        "qwen3_next:Qwen3NextForCausalLM",
         layer_kinds=frozenset({LayerKind.FULL, LayerKind.RECURRENT}),
-        read_config=_SERVE + "qwen3_next:read_config",
-        trace_state=_SERVE + "qwen3_next:trace_state",
         partial_rotary=True,
     ),
-    Family(
+    _served(
         "deepseek_v2",
         mla.parse_deepseek_mla,
-        ("DeepseekV2ForCausalLM",),
-        model=_SERVE + "deepseek_v2:DeepseekV2ForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "deepseek_v2:DeepseekV2ForCausalLM",
         layer_kinds=frozenset({LayerKind.MLA}),
-        read_config=_SERVE + "deepseek_v2:read_config",
-        trace_state=_SERVE + "deepseek_v2:trace_state",
     ),
     # Planned, not served.
     Family("olmo2", attention.parse_llama, ("Olmo2ForCausalLM",)),

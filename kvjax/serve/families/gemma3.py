@@ -64,7 +64,7 @@ class Gemma3Config:
     attn_logit_softcapping: float | None = None
 
 
-def read_gemma3_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
     """Gemma 3's own hyperparameters from its ``config.json`` (either RoPE layout)."""
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GELU_TANH:
@@ -169,6 +169,6 @@ class Gemma3ForCausalLM(CausalLM):
         return _fc(self.config).final_logit_softcapping
 
 
-def gemma3_trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
+def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
     return swa_trace_state(config, _fc(config).sliding)

@@ -48,7 +48,7 @@ class LlamaWindows:
     sliding_window: int
 
 
-def read_windows(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
     """The family config of ``llama`` / ``mistral`` / ``qwen2``: the sliding layers, or None when
     every layer is full attention."""
     sliding = tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds)
