@@ -1,7 +1,8 @@
 """Read a Hugging Face ``config.json`` dict into `ModelSpec` keyword arguments.
 
 One small parser per model family, picked by ``model_type`` (or, when that key is absent, by the
-first known entry of ``architectures``). Each reads only the keys that decide what the layers cache
+first known entry of ``architectures``) from the family records (``kvjax.hf.families``, which the
+serving side reads too). Each reads only the keys that decide what the layers cache
 and raises `ConfigError` naming every missing or unusable key. The family rules are in the
 docstrings of ``attention`` (plain attention families), ``gemma``, ``mla`` and ``recurrent``.
 
@@ -11,71 +12,20 @@ never the other way round.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kvjax.errors import ConfigError
-from kvjax.hf import attention, gemma, mla, recurrent
+from kvjax.hf import attention
+from kvjax.hf.families import FAMILY_RECORDS, Parser
 from kvjax.hf.keys import Fields, architectures
 
-Parser = Callable[[Mapping[str, Any], str], Fields]
-
 # Each parser gets the config and its resolved model_type, and returns ModelSpec keyword arguments
-# (all but name, model_type and extra).
-PARSERS: Mapping[str, Parser] = {
-    "llama": attention.parse_llama,
-    "olmo2": attention.parse_llama,
-    "glm4": attention.parse_llama,
-    "glm4_moe": attention.parse_llama,
-    "deepseek": attention.parse_llama,
-    "qwen2": attention.parse_qwen2,
-    "qwen3": attention.parse_qwen2,
-    "qwen2_moe": attention.parse_qwen2,
-    "qwen3_moe": attention.parse_qwen2,
-    "mistral": attention.parse_mistral,
-    "mixtral": attention.parse_mistral,
-    "phi3": attention.parse_mistral,
-    "gpt_oss": attention.parse_gpt_oss,
-    "gemma2": gemma.parse_gemma2,
-    "gemma3": gemma.parse_gemma3,
-    "gemma3_text": gemma.parse_gemma3_text,
-    "deepseek_v2": mla.parse_deepseek_mla,
-    "deepseek_v3": mla.parse_deepseek_mla,
-    "deepseek_v32": mla.parse_deepseek_mla,
-    "qwen3_next": recurrent.parse_qwen3_next,
-    "falcon_h1": recurrent.parse_falcon_h1,
-    "nemotron_h": recurrent.parse_nemotron_h,
-    "minimax": recurrent.parse_minimax,
-    "minimax_m1": recurrent.parse_minimax,
-    "minimax_text_01": recurrent.parse_minimax,
-}
+# (all but name, model_type and extra). Both maps are views of the family records.
+PARSERS: Mapping[str, Parser] = {record.name: record.parse for record in FAMILY_RECORDS}
 
 ARCHITECTURE_TYPES: Mapping[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Olmo2ForCausalLM": "olmo2",
-    "Glm4ForCausalLM": "glm4",
-    "Glm4MoeForCausalLM": "glm4_moe",
-    "DeepseekForCausalLM": "deepseek",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Phi3ForCausalLM": "phi3",
-    "GptOssForCausalLM": "gpt_oss",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Gemma3ForConditionalGeneration": "gemma3",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "DeepseekV32ForCausalLM": "deepseek_v32",
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "FalconH1ForCausalLM": "falcon_h1",
-    "NemotronHForCausalLM": "nemotron_h",
-    "MiniMaxM1ForCausalLM": "minimax_m1",
-    "MiniMaxText01ForCausalLM": "minimax_text_01",
-    "MiniMaxForCausalLM": "minimax",
+    architecture: record.name for record in FAMILY_RECORDS for architecture in record.architectures
 }
 
 # Keys that mean "this model keeps a state the standard attention keys do not describe". An unknown

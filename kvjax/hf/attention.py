@@ -67,12 +67,7 @@ def parse_mistral(config: Mapping[str, Any], family: str) -> Fields:
 
 def parse_gpt_oss(config: Mapping[str, Any], family: str) -> Fields:
     fields = keys.attention_fields(config, family)
-    n = fields["num_hidden_layers"]
-    kinds = keys.kinds_from_layer_types(config, n, family, ATTENTION_LAYER_TYPES)
-    if kinds is None:
-        kinds = tuple(LayerKind.SLIDING if i % 2 == 0 else LayerKind.FULL for i in range(n))
-    fields["layer_kinds"] = kinds
-    fields["sliding_window"] = keys.window_if_sliding(kinds, keys.integer(config, "sliding_window", family, 128))
+    keys.alternating_sliding_kinds(config, fields, family, 128)
     fields["attention_sinks"] = True
     return fields
 

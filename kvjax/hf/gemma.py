@@ -36,12 +36,7 @@ GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = {
 
 def parse_gemma2(config: Mapping[str, Any], family: str) -> Fields:
     fields = keys.attention_fields(config, family, head_dim_default=256)
-    n = fields["num_hidden_layers"]
-    kinds = keys.kinds_from_layer_types(config, n, family, ATTENTION_LAYER_TYPES)
-    if kinds is None:
-        kinds = tuple(LayerKind.SLIDING if i % 2 == 0 else LayerKind.FULL for i in range(n))
-    fields["layer_kinds"] = kinds
-    fields["sliding_window"] = keys.window_if_sliding(kinds, keys.integer(config, "sliding_window", family, 4096))
+    keys.alternating_sliding_kinds(config, fields, family, 4096)
     # Absent means Gemma 2's default cap of 50; an explicit null turns it off.
     cap = config.get("attn_logit_softcapping", 50.0)
     fields["attn_logit_softcapping"] = keys.float_or_none(cap, "attn_logit_softcapping", family)

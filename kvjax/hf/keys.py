@@ -88,6 +88,17 @@ def first_integer(config: Mapping[str, Any], keys: tuple[str, ...], family: str,
     return default
 
 
+def positive_number(config: Mapping[str, Any], key: str, family: str, default: Any = MISSING) -> Any:
+    """A number key ``> 0``, as a float; ``default`` unchecked when the key is absent or null (so
+    ``default=None`` means optional)."""
+    if config.get(key) is None and default is not MISSING:
+        return default
+    value = get(config, key, family)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(key, value, f"'{key}' in a {where(family)} must be a positive number")
+    return float(value)
+
+
 def float_or_none(value: Any, key: str, family: str) -> float | None:
     if value is None:
         return None
@@ -152,6 +163,17 @@ def kinds_from_layer_types(
 def window_if_sliding(kinds: tuple[LayerKind, ...], window: int | None) -> int | None:
     """The spec carries a window only when some layer slides (a `ModelSpec` invariant)."""
     return window if LayerKind.SLIDING in kinds else None
+
+
+def alternating_sliding_kinds(config: Mapping[str, Any], fields: Fields, family: str, default_window: int) -> None:
+    """Set ``fields``' ``layer_kinds`` from ``layer_types`` (else alternating, sliding first: Gemma 2,
+    gpt-oss) and its ``sliding_window`` (``default_window`` tokens when the key is absent)."""
+    n = fields["num_hidden_layers"]
+    kinds = kinds_from_layer_types(config, n, family, ATTENTION_LAYER_TYPES)
+    if kinds is None:
+        kinds = tuple(LayerKind.SLIDING if i % 2 == 0 else LayerKind.FULL for i in range(n))
+    fields["layer_kinds"] = kinds
+    fields["sliding_window"] = window_if_sliding(kinds, integer(config, "sliding_window", family, default_window))
 
 
 def attention_fields(

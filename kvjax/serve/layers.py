@@ -1,5 +1,6 @@
 """The pieces every served family shares: linear layers and embeddings in Hugging Face's weight
-layout, RMSNorm, rotary embeddings, the SwiGLU MLP, and attention through kvjax's paged pool.
+layout, the RMSNorm variants (Llama's, the float32-product one, the ``1 + weight`` one), rotary
+embeddings, the SwiGLU MLP, and attention through kvjax's paged pool.
 
 Weights keep Hugging Face's layout and names (a linear layer's ``weight`` is ``[out, in]``), so a
 checkpoint tensor ``model.layers.3.mlp.up_proj.weight`` is the parameter at path
@@ -12,6 +13,7 @@ in float32, attention softmax in float32 (inside ragged paged attention), logits
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -95,8 +97,14 @@ class Embedding(nn.Module):
         return jax.lax.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
 
 
+def rms_normalize(x32: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis; ``x32`` float32, the result float32."""
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, computed in float32."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis: normalised in float32, cast back
+    to x's dtype, then multiplied by the weight (Llama's order; weight starts at 1)."""
 
     eps: float
     dtype: jnp.dtype
@@ -104,9 +112,34 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return weight * normed.astype(x.dtype)
+        return weight * rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
+
+
+class Float32RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` with the product taken in float32 before the cast back
+    to x's dtype (gpt-oss and Nemotron-H; weight starts at 1). ``dtype``: the weight's, x's when None."""
+
+    eps: float
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype or x.dtype)
+        return (weight.astype(jnp.float32) * rms_normalize(x.astype(jnp.float32), self.eps)).astype(x.dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` in float32, cast back to x's dtype (Gemma 3 and
+    Qwen3-Next; weight starts at 0). ``dtype``: the weight's, x's when None."""
+
+    eps: float
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), self.dtype or x.dtype)
+        normed = rms_normalize(x.astype(jnp.float32), self.eps)
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -125,9 +158,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+    """Gated MLP: ``down_proj(activation(gate_proj(x)) * up_proj(x))``; SwiGLU by default (``silu``),
+    GeGLU with ``activation=gelu_tanh`` (Gemma 3). Biases from ``config.mlp_bias``."""
 
     config: ModelConfig
+    activation: Callable[[jax.Array], jax.Array] = nn.silu
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -135,7 +170,12 @@ class MLP(nn.Module):
         dt = _dtype(c)
         gate = Linear(c.intermediate_size, c.mlp_bias, dt, name="gate_proj")(x)
         up = Linear(c.intermediate_size, c.mlp_bias, dt, name="up_proj")(x)
-        return Linear(c.hidden_size, c.mlp_bias, dt, name="down_proj")(nn.silu(gate) * up)
+        return Linear(c.hidden_size, c.mlp_bias, dt, name="down_proj")(self.activation(gate) * up)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (Transformers' ``gelu_pytorch_tanh``)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 def paged_attention(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,8 @@ __all__ = ["DTYPES", "ROPE_TYPES", "SERVABLE_FAMILIES", "ModelConfig", "RopeConf
 ROPE_TYPES = ("default", "linear", "llama3")
 YARN = "yarn"
 DTYPES = ("float32", "bfloat16", "float16")
+
+FamilySettings = TypeVar("FamilySettings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +157,17 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def family_settings(self, kind: type[FamilySettings]) -> FamilySettings:
+        """``family_config``, which must be the ``kind`` its family's ``read_config`` returns; a
+        `ConfigError` naming the fix otherwise (a config built by hand without it)."""
+        if not isinstance(self.family_config, kind):
+            raise ConfigError(
+                "family_config",
+                self.family_config,
+                f"a {self.family} ModelConfig needs its {kind.__name__} (model_config_from_spec reads it)",
+            )
+        return self.family_config
+
 
 def _number(config: Mapping[str, Any], key: str, default: float) -> float:
     value = config.get(key)
@@ -255,7 +268,6 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
             unsupported,
             f"kvjax's {entry.name} model runs {sorted(k.value for k in entry.layer_kinds)} layers only",
         )
-    family_name = entry.name
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ConfigError("hidden_act", act, "kvjax's serving MLP is SwiGLU; only 'silu' is supported")
@@ -267,7 +279,7 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
     bias = bool(raw.get("attention_bias", False))
     family_config = entry.load("read_config")(spec, raw) if entry.read_config else None
     return ModelConfig(
-        family=family_name,
+        family=entry.name,
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -278,10 +290,10 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         rope=read_rope(raw, partial_rotary=entry.partial_rotary, yarn=entry.yarn_rope),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases (no config key); Llama, Mistral and Qwen3 follow attention_bias.
-        qkv_bias=True if family_name == "qwen2" else bias,
-        o_bias=False if family_name == "qwen2" else bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)) if family_name == "llama" else False,
+        # Qwen2 always has q/k/v biases (no config key); the others follow attention_bias.
+        qkv_bias=True if entry.qkv_bias else bias,
+        o_bias=False if entry.qkv_bias else bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if entry.mlp_bias else False,
         dtype=dtype,
         family_config=family_config,
     )

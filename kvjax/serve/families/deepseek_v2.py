@@ -47,14 +47,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.hf import keys
 from kvjax.pools import CachePools
-from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.layers import MLP, BatchMetadata, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig, read_rope
 from kvjax.serve.moe import MoEConfig, SparseMoE, Weight
 from kvjax.spec import ModelSpec
 from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention
 
 LOW_RANK_NORM_EPS = 1e-6
+_TYPE = "deepseek_v2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +78,6 @@ class DeepseekV2Config:
         return float((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5)
 
 
-def _int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, value, f"'{key}' in config.json must be an integer")
-    return value
-
-
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> DeepseekV2Config:
     """The family's hyperparameters from ``config.json`` (see the module docstring for refusals)."""
     rope = read_rope(raw)
@@ -94,23 +90,23 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> DeepseekV2Config:
         shared = raw.get("n_shared_experts") or 0
         moe = MoEConfig(
             hidden_size=spec.hidden_size,
-            num_experts=_int(raw, "n_routed_experts"),
-            top_k=_int(raw, "num_experts_per_tok"),
-            moe_intermediate_size=_int(raw, "moe_intermediate_size"),
+            num_experts=keys.integer(raw, "n_routed_experts", _TYPE),
+            top_k=keys.integer(raw, "num_experts_per_tok", _TYPE),
+            moe_intermediate_size=keys.integer(raw, "moe_intermediate_size", _TYPE),
             topk_method=str(raw.get("topk_method", "greedy")),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            n_group=_int(raw, "n_group", 1) if raw.get("n_group") is not None else 1,
-            topk_group=_int(raw, "topk_group", 1) if raw.get("topk_group") is not None else 1,
-            shared_intermediate_size=int(shared) * _int(raw, "moe_intermediate_size"),
+            n_group=keys.integer(raw, "n_group", _TYPE, 1),
+            topk_group=keys.integer(raw, "topk_group", _TYPE, 1),
+            shared_intermediate_size=int(shared) * keys.integer(raw, "moe_intermediate_size", _TYPE),
         )
     return DeepseekV2Config(
-        q_lora_rank=None if q_lora is None else _int(raw, "q_lora_rank"),
-        kv_lora_rank=_int(raw, "kv_lora_rank"),
-        qk_nope_head_dim=_int(raw, "qk_nope_head_dim"),
-        qk_rope_head_dim=_int(raw, "qk_rope_head_dim"),
-        v_head_dim=_int(raw, "v_head_dim"),
+        q_lora_rank=None if q_lora is None else keys.integer(raw, "q_lora_rank", _TYPE),
+        kv_lora_rank=keys.integer(raw, "kv_lora_rank", _TYPE),
+        qk_nope_head_dim=keys.integer(raw, "qk_nope_head_dim", _TYPE),
+        qk_rope_head_dim=keys.integer(raw, "qk_rope_head_dim", _TYPE),
+        v_head_dim=keys.integer(raw, "v_head_dim", _TYPE),
         attention_bias=bool(raw.get("attention_bias", False)),
-        first_k_dense_replace=_int(raw, "first_k_dense_replace", 0),
+        first_k_dense_replace=keys.integer(raw, "first_k_dense_replace", _TYPE, 0, minimum=0),
         moe=moe,
     )
 
@@ -188,60 +184,23 @@ class DeepseekV2Attention(nn.Module):
         return out, pools.replace(kv=pool)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    config: ModelConfig
-    layer_id: int
+class DeepseekV2DecoderLayer(DecoderLayer):
+    """MLA, then a dense MLP before ``first_k_dense_replace`` and the sparse MoE from there."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+    @nn.nowrap
+    def mixer(self) -> nn.Module:
+        return DeepseekV2Attention(self.config, self.layer_id, name="self_attn")
+
+    @nn.nowrap
+    def mlp(self) -> nn.Module:
         c = self.config
         f: DeepseekV2Config = c.family_config
-        dt = jnp.dtype(c.dtype)
-        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        h, pools = DeepseekV2Attention(c, self.layer_id, name="self_attn")(h, pools, meta)
-        x = x + h
-        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         if f.moe is None or self.layer_id < f.first_k_dense_replace:
-            h = MLP(c, name="mlp")(h)
-        else:
-            h = SparseMoE(f.moe, dt, name="mlp")(h)
-        return x + h, pools
+            return MLP(c, name="mlp")
+        return SparseMoE(f.moe, jnp.dtype(c.dtype), name="mlp")
 
 
-class DeepseekV2Model(nn.Module):
-    """The decoder stack (``model.*``); returns the final-normed hidden states of each sequence's last token."""
-
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
-        self.layers = [DeepseekV2DecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, dt)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x)
-
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        self.model = DeepseekV2Model(c)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.model(tokens, pools, meta)
-        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), pools
+    decoder_layer: type[nn.Module] = DeepseekV2DecoderLayer

@@ -33,13 +33,16 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
+from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
-from kvjax.serve.layers import BatchMetadata, Embedding, Linear
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.layers import MLP, BatchMetadata, Linear, OffsetRMSNorm, apply_rope, gelu_tanh
 from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
 from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
 from kvjax.spec import ModelSpec
 
+_TYPE = "gemma3_text"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
@@ -61,16 +64,7 @@ class Gemma3Config:
     attn_logit_softcapping: float | None = None
 
 
-def _optional_number(raw: Mapping[str, Any], key: str) -> float | None:
-    value = raw.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(key, value, f"'{key}' in config.json must be a positive number or null")
-    return float(value)
-
-
-def read_gemma3_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
     """Gemma 3's own hyperparameters from its ``config.json`` (either RoPE layout)."""
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GELU_TANH:
@@ -90,17 +84,14 @@ def read_gemma3_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
         full.setdefault("rope_theta", 1_000_000.0)
         rope_full = read_rope(full)
         rope_local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10_000.0)))
-    scalar = raw.get("query_pre_attn_scalar", spec.head_dim)
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
-        raise ConfigError("query_pre_attn_scalar", scalar, "must be a positive number")
     return Gemma3Config(
         sliding=tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds),
         sliding_window=int(spec.sliding_window),
         rope_full=rope_full,
         rope_local=rope_local,
-        query_pre_attn_scalar=float(scalar),
-        final_logit_softcapping=_optional_number(raw, "final_logit_softcapping"),
-        attn_logit_softcapping=_optional_number(raw, "attn_logit_softcapping"),
+        query_pre_attn_scalar=keys.positive_number(raw, "query_pre_attn_scalar", _TYPE, float(spec.head_dim)),
+        final_logit_softcapping=keys.positive_number(raw, "final_logit_softcapping", _TYPE, None),
+        attn_logit_softcapping=keys.positive_number(raw, "attn_logit_softcapping", _TYPE, None),
     )
 
 
@@ -109,33 +100,11 @@ def _max_pos(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _fc(config: ModelConfig) -> Gemma3Config:
-    fc = config.family_config
-    assert isinstance(fc, Gemma3Config), "Gemma 3 needs its family_config (read_gemma3_config)"
-    return fc
+    return config.family_settings(Gemma3Config)
 
 
-class GemmaRMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` in float32, cast back (weights start at 0)."""
-
-    eps: float
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: Any) -> jax.Array:
-    """Rotate-half RoPE with float32 angles (as ``kvjax.serve.layers.apply_rope``)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    cos = jnp.cos(angles).astype(x.dtype)[:, None, :]
-    sin = jnp.sin(angles).astype(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+GemmaRMSNorm = OffsetRMSNorm  # ``x / rms(x) * (1 + weight)`` in float32 (weights start at 0)
+_rope = apply_rope
 
 
 class Gemma3Attention(nn.Module):
@@ -173,77 +142,33 @@ class Gemma3Attention(nn.Module):
         return Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1)), pools
 
 
-class Gemma3MLP(nn.Module):
-    config: ModelConfig
+class Gemma3DecoderLayer(DecoderLayer):
+    """Four Gemma RMSNorms per layer: around the attention and around the MLP."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(x)
-        up = Linear(c.intermediate_size, False, dt, name="up_proj")(x)
-        return Linear(c.hidden_size, False, dt, name="down_proj")(jax.nn.gelu(gate, approximate=True) * up)
+    norm = GemmaRMSNorm
+    sandwich_norms = True
 
+    @nn.nowrap
+    def mixer(self) -> nn.Module:
+        return Gemma3Attention(self.config, self.layer_id, name="self_attn")
 
-class Gemma3DecoderLayer(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
-    @nn.compact
-    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        h = GemmaRMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        h, pools = Gemma3Attention(c, self.layer_id, name="self_attn")(h, pools, meta)
-        x = x + GemmaRMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(h)
-        h = GemmaRMSNorm(c.rms_norm_eps, dt, name="pre_feedforward_layernorm")(x)
-        h = Gemma3MLP(c, name="mlp")(h)
-        return x + GemmaRMSNorm(c.rms_norm_eps, dt, name="post_feedforward_layernorm")(h), pools
+    @nn.nowrap
+    def mlp(self) -> nn.Module:
+        return MLP(self.config, gelu_tanh, name="mlp")
 
 
-class Gemma3Model(nn.Module):
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
-        self.layers = [Gemma3DecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = GemmaRMSNorm(c.rms_norm_eps, dt)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        c = self.config
-        x = self.embed_tokens(tokens)
-        x = x * jnp.asarray(c.hidden_size**0.5, jnp.float32).astype(x.dtype)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x)
-
-
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
+    decoder_layer: type[nn.Module] = Gemma3DecoderLayer
+    final_norm: type[nn.Module] = GemmaRMSNorm
+    scale_embedding: bool = True
 
-    def setup(self) -> None:
-        c = self.config
-        self.model = Gemma3Model(c)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.model(tokens, pools, meta)
-        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        logits = logits.astype(jnp.float32)
-        cap = _fc(self.config).final_logit_softcapping
-        if cap is not None:
-            logits = cap * jnp.tanh(logits / cap)
-        return logits, pools
+    @nn.nowrap
+    def logit_softcap(self) -> float | None:
+        return _fc(self.config).final_logit_softcapping
 
 
-def gemma3_trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
+def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
     return swa_trace_state(config, _fc(config).sliding)

@@ -46,9 +46,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
+from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
-from kvjax.serve.layers import BatchMetadata, Embedding, Linear, apply_rope
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, Linear, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import combine_experts, dense_combine_weights
 from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
@@ -74,20 +76,6 @@ class GptOssConfig:
     swiglu_limit: float = 7.0
 
 
-def _positive_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(key, value, f"'{key}' in config.json must be a positive integer")
-    return value
-
-
-def _positive_number(raw: Mapping[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(key, value, f"'{key}' in config.json must be a positive number")
-    return float(value)
-
-
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
     """gpt-oss's own hyperparameters from its ``config.json``.
 
@@ -104,8 +92,8 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
         )
     if spec.sliding_window is None or spec.sliding_window <= 0:
         raise ConfigError("sliding_window", spec.sliding_window, "gpt-oss needs a positive sliding_window")
-    experts = _positive_int(raw, "num_local_experts", raw.get("num_experts"))
-    top_k = _positive_int(raw, "num_experts_per_tok")
+    experts = keys.first_integer(raw, ("num_local_experts", "num_experts"), "gpt_oss")
+    top_k = keys.integer(raw, "num_experts_per_tok", "gpt_oss")
     if top_k > experts:
         raise ConfigError("num_experts_per_tok", top_k, f"must be at most num_local_experts={experts}")
     return GptOssConfig(
@@ -113,29 +101,16 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
         sliding_window=int(spec.sliding_window),
         num_experts=experts,
         top_k=top_k,
-        swiglu_alpha=_positive_number(raw, "swiglu_alpha", 1.702),
-        swiglu_limit=_positive_number(raw, "swiglu_limit", 7.0),
+        swiglu_alpha=keys.positive_number(raw, "swiglu_alpha", "gpt_oss", 1.702),
+        swiglu_limit=keys.positive_number(raw, "swiglu_limit", "gpt_oss", 7.0),
     )
 
 
 def _fc(config: ModelConfig) -> GptOssConfig:
-    fc = config.family_config
-    assert isinstance(fc, GptOssConfig), "gpt-oss needs its family_config (read_config)"
-    return fc
+    return config.family_settings(GptOssConfig)
 
 
-class GptOssRMSNorm(nn.Module):
-    """``(weight * x / sqrt(mean(x^2) + eps))`` in float32, cast back to x's dtype (weights start at 1)."""
-
-    eps: float
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+GptOssRMSNorm = Float32RMSNorm  # the weight times the float32-normalised input, then the cast
 
 
 class GptOssAttention(nn.Module):
@@ -232,55 +207,23 @@ class GptOssMLP(nn.Module):
         return GptOssExperts(c, name="experts")(x, dense_combine_weights(weights, ids, fc.num_experts))
 
 
-class GptOssDecoderLayer(nn.Module):
-    config: ModelConfig
-    layer_id: int
+class GptOssDecoderLayer(DecoderLayer):
+    norm = GptOssRMSNorm
 
-    @nn.compact
-    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        c = self.config
-        h = GptOssRMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="input_layernorm")(x)
-        h, pools = GptOssAttention(c, self.layer_id, name="self_attn")(h, pools, meta)
-        x = x + h
-        h = GptOssRMSNorm(c.rms_norm_eps, jnp.dtype(c.dtype), name="post_attention_layernorm")(x)
-        return x + GptOssMLP(c, name="mlp")(h), pools
+    @nn.nowrap
+    def mixer(self) -> nn.Module:
+        return GptOssAttention(self.config, self.layer_id, name="self_attn")
+
+    @nn.nowrap
+    def mlp(self) -> nn.Module:
+        return GptOssMLP(self.config, name="mlp")
 
 
-class GptOssModel(nn.Module):
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
-        self.layers = [GptOssDecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = GptOssRMSNorm(c.rms_norm_eps, dt)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x)
-
-
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        self.model = GptOssModel(c)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.model(tokens, pools, meta)
-        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), pools
+    decoder_layer: type[nn.Module] = GptOssDecoderLayer
+    final_norm: type[nn.Module] = GptOssRMSNorm
 
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:

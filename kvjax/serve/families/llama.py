@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
-from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm, apply_rope, paged_attention
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.layers import BatchMetadata, Linear, apply_rope, paged_attention
 from kvjax.serve.model import mha_trace_state
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
@@ -47,7 +48,7 @@ class LlamaWindows:
     sliding_window: int
 
 
-def read_windows(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
     """The family config of ``llama`` / ``mistral`` / ``qwen2``: the sliding layers, or None when
     every layer is full attention."""
     sliding = tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds)
@@ -109,59 +110,17 @@ class LlamaAttention(nn.Module):
         return out, pools
 
 
-class LlamaDecoderLayer(nn.Module):
-    config: ModelConfig
-    layer_id: int
-    attention: type[LlamaAttention] = LlamaAttention
+class LlamaDecoderLayer(DecoderLayer):
+    """Llama's pre-norm layer; ``attention`` is the hook families with another attention override."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        h, pools = self.attention(c, self.layer_id, name="self_attn")(h, pools, meta)
-        x = x + h
-        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        return x + MLP(c, name="mlp")(h), pools
+    attention: ClassVar[type[LlamaAttention]] = LlamaAttention
+
+    @nn.nowrap
+    def mixer(self) -> nn.Module:
+        return self.attention(self.config, self.layer_id, name="self_attn")
 
 
-class LlamaModel(nn.Module):
-    """The decoder stack (``model.*`` in checkpoints); returns the final-normed hidden states of
-    each sequence's last token, ``[S, hidden]``."""
-
-    config: ModelConfig
-    attention: type[LlamaAttention] = LlamaAttention
-
-    def setup(self) -> None:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dt)
-        self.layers = [LlamaDecoderLayer(c, i, self.attention, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, dt)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
-    attention: type[LlamaAttention] = LlamaAttention
-
-    def setup(self) -> None:
-        c = self.config
-        self.model = LlamaModel(c, self.attention)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.model(tokens, pools, meta)
-        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), pools
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer

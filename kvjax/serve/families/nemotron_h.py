@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
-from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, paged_attention
+from kvjax.serve.causal_lm import CausalLM, StackNames
+from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Float32RMSNorm, Linear, paged_attention
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.recurrent_scan import recurrent_scan, recurrent_trace_state
 from kvjax.spec import ModelSpec
@@ -96,10 +97,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> NemotronHConfig:
 
 
 def _family(config: ModelConfig) -> NemotronHConfig:
-    fc = config.family_config
-    if not isinstance(fc, NemotronHConfig):
-        raise ConfigError("family_config", fc, "a Nemotron-H ModelConfig needs its NemotronHConfig (read_config)")
-    return fc
+    return config.family_settings(NemotronHConfig)
 
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
@@ -115,17 +113,7 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     )
 
 
-class NemotronRMSNorm(nn.Module):
-    """``weight * x / rms(x)`` in float32, cast back."""
-
-    eps: float
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (weight.astype(jnp.float32) * normed).astype(x.dtype)
+NemotronRMSNorm = Float32RMSNorm  # ``weight * x / rms(x)``, the product in float32, cast back
 
 
 class ConvWeights(nn.Module):
@@ -237,7 +225,7 @@ class NemotronHBlock(nn.Module):
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         fc = _family(c)
-        h = NemotronRMSNorm(fc.eps, name="norm")(x)
+        h = NemotronRMSNorm(fc.eps, jnp.dtype(c.dtype), name="norm")(x)
         kind = fc.block_types[self.layer_id]
         if kind == MAMBA:
             h, pools = Mamba2Mixer(c, self.layer_id, name="mixer")(h, pools, meta)
@@ -248,40 +236,16 @@ class NemotronHBlock(nn.Module):
         return x + h, pools
 
 
-class NemotronHModel(nn.Module):
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        self.embeddings = Embedding(c.vocab_size, c.hidden_size, jnp.dtype(c.dtype))
-        self.layers = [NemotronHBlock(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm_f = NemotronRMSNorm(_family(c).eps)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x = self.embeddings(tokens)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm_f(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embeddings.attend(x)
-
-
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
+    decoder_layer: type[nn.Module] = NemotronHBlock
+    final_norm: type[nn.Module] = NemotronRMSNorm
+    names: StackNames = StackNames(stack="backbone", embed="embeddings", norm="norm_f")
 
-    def setup(self) -> None:
-        c = self.config
-        self.backbone = NemotronHModel(c)  # checkpoints name the stack ``backbone.*``
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.backbone(tokens, pools, meta)
-        logits = self.backbone.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), pools
+    @nn.nowrap
+    def final_norm_eps(self) -> float:
+        return _family(self.config).eps
 
 
 __all__ = ["NemotronHConfig", "NemotronHForCausalLM", "read_config", "trace_state"]

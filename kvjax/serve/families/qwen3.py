@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax.serve.families.llama import LlamaAttention, LlamaForCausalLM
+from kvjax.serve.causal_lm import CausalLM
+from kvjax.serve.families.llama import LlamaAttention, LlamaDecoderLayer
 from kvjax.serve.layers import RMSNorm
 
 
@@ -17,5 +19,11 @@ class Qwen3Attention(LlamaAttention):
         return RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q), RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    attention: type[LlamaAttention] = Qwen3Attention
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention = Qwen3Attention
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
+
+    decoder_layer: type[nn.Module] = Qwen3DecoderLayer

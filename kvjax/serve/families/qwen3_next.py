@@ -43,7 +43,17 @@ import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
-from kvjax.serve.layers import MLP, WEIGHT_INIT_STDDEV, BatchMetadata, Embedding, Linear, apply_rope, paged_attention
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.layers import (
+    MLP,
+    WEIGHT_INIT_STDDEV,
+    BatchMetadata,
+    Linear,
+    OffsetRMSNorm,
+    apply_rope,
+    paged_attention,
+    rms_normalize,
+)
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import MoEConfig, SparseMoE
 from kvjax.serve.recurrent_scan import recurrent_scan, recurrent_trace_state
@@ -125,12 +135,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Qwen3NextConfig:
 
 
 def _family(config: ModelConfig) -> Qwen3NextConfig:
-    fc = config.family_config
-    if not isinstance(fc, Qwen3NextConfig):
-        raise ConfigError(
-            "family_config", fc, "a Qwen3-Next ModelConfig needs its Qwen3NextConfig (model_config_from_spec)"
-        )
-    return fc
+    return config.family_settings(Qwen3NextConfig)
 
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
@@ -146,19 +151,6 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
     )
 
 
-class OffsetRMSNorm(nn.Module):
-    """Qwen3-Next's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32, cast back (weight starts at 0)."""
-
-    eps: float
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), x.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
 class GatedRMSNorm(nn.Module):
     """``weight * x / rms(x) * silu(gate)`` (the gated delta net's output norm; weight starts at 1)."""
 
@@ -167,8 +159,7 @@ class GatedRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        normed = rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
         return (weight * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -257,60 +248,32 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv)), pools
 
 
-class Qwen3NextDecoderLayer(nn.Module):
-    config: ModelConfig
-    layer_id: int
+class Qwen3NextDecoderLayer(DecoderLayer):
+    """A gated delta net or gated attention, then a dense or sparse-MoE MLP; ``(1 + w)`` RMSNorms."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+    norm = OffsetRMSNorm
+
+    @nn.nowrap
+    def mixer(self) -> nn.Module:
         c = self.config
-        h = OffsetRMSNorm(c.rms_norm_eps, name="input_layernorm")(x)
         if _family(c).layer_types[self.layer_id] == LINEAR:
-            h, pools = Qwen3NextGatedDeltaNet(c, self.layer_id, name="linear_attn")(h, pools, meta)
-        else:
-            h, pools = Qwen3NextAttention(c, self.layer_id, name="self_attn")(h, pools, meta)
-        x = x + h
-        h = OffsetRMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x)
+            return Qwen3NextGatedDeltaNet(c, self.layer_id, name="linear_attn")
+        return Qwen3NextAttention(c, self.layer_id, name="self_attn")
+
+    @nn.nowrap
+    def mlp(self) -> nn.Module:
+        c = self.config
         fc = _family(c)
         if fc.moe is not None and self.layer_id in fc.moe_layers:
-            return x + SparseMoE(fc.moe, jnp.dtype(c.dtype), name="mlp")(h), pools
-        return x + MLP(c, name="mlp")(h), pools
+            return SparseMoE(fc.moe, jnp.dtype(c.dtype), name="mlp")
+        return MLP(c, name="mlp")
 
 
-class Qwen3NextModel(nn.Module):
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, jnp.dtype(c.dtype))
-        self.layers = [Qwen3NextDecoderLayer(c, i, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
-        self.norm = OffsetRMSNorm(c.rms_norm_eps)
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, pools = layer(x, pools, meta)
-        return self.norm(x[meta.logits_indices]), pools
-
-    def lm_head_tied(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x)
-
-
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``."""
 
-    config: ModelConfig
-
-    def setup(self) -> None:
-        c = self.config
-        self.model = Qwen3NextModel(c)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, jnp.dtype(c.dtype))
-
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        x, pools = self.model(tokens, pools, meta)
-        logits = self.model.lm_head_tied(x) if self.config.tie_word_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32), pools
+    decoder_layer: type[nn.Module] = Qwen3NextDecoderLayer
+    final_norm: type[nn.Module] = OffsetRMSNorm
 
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM", "read_config", "trace_state"]
