@@ -6,9 +6,10 @@
   ``ensure_mamba_capacity``; then ``OutOfMemoryError`` naming what is short). With a
   ``MambaRadixCache`` the match ended at a checkpoint: its slot is forked into the request's (a
   queued copy), so the request continues from the state after its cached prefix.
-* **step inputs** (``step_extras``): first every queued state copy is applied to
-  ``pools.recurrent`` (forks of matched checkpoints, request states copied into new checkpoints
-  by ``cache_unfinished_req``), in order, donated; then per sequence row its state slot
+* **step inputs** (``step_metadata`` -> ``AttentionMetadata.state``, a ``StateMetadata``): first
+  every queued state copy is applied to ``pools.recurrent`` (forks of matched checkpoints,
+  request states copied into new checkpoints by ``cache_unfinished_req``), in order, donated;
+  then per sequence row its state slot
   (``state_slots``, 0 for padding rows) and whether it continues a state (``has_initial_state``:
   the row's KV did not start at 0 in this step).
 * **extra buffer** (``enable_mamba_extra_buffer``, page size > 1): a row whose tokens in this step
@@ -26,10 +27,11 @@ next admission reuses it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvjax.attention import StateMetadata
 from kvjax.errors import OutOfMemoryError
 from kvjax.hybrid_req_pool import HybridReqToTokenPool
 from kvjax.pools.recurrent import apply_state_copies
@@ -83,7 +85,7 @@ class RecurrentStateExtension(ServingExtension):
                 assert req.mamba_pool_idx is not None
                 self.tree.queue_state_copy(src, req.mamba_pool_idx)
 
-    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+    def step_metadata(self, batch: StepBatch) -> StateMetadata:
         copies: list[tuple[int, int]] = self.tree.take_state_copies() if self.tree is not None else []
         if copies:
             pools = self.cache.pools
@@ -108,7 +110,11 @@ class RecurrentStateExtension(ServingExtension):
                 track_slots[i] = int(pp[idx])
                 track_at[i] = aligned - int(start)
                 self._tracked.append((req, idx, aligned))
-        return {"state_slots": slots, "has_initial_state": keep, "track_slots": track_slots, "track_at": track_at}
+        make_part: Any = StateMetadata  # numpy leaves on the host (device arrays inside the step)
+        part: StateMetadata = make_part(
+            state_slots=slots, has_initial_state=keep, track_slots=track_slots, track_at=track_at
+        )
+        return part
 
     def after_step(self, batch: StepBatch) -> None:
         """With the extra buffer: the tracked states are written; record where (the caching that

@@ -28,8 +28,9 @@ always the current state, never a donated (deleted) array. The host reads back o
 tokens (and, with ``record_logits``, the logits).
 
 Kinds of cached state beyond full attention plug into the loop as ``ServingExtension`` objects
-(``extension.py``: admission, decode, release and polling hooks, and per-kind step inputs in
-``BatchMetadata.extras``); a full-attention cache has none.
+(``extension.py``: admission, decode, release and polling hooks, and per-kind step inputs as
+typed parts of the step's ``AttentionMetadata``, packed by ``kvjax.attention.MetadataBuilder``);
+a full-attention cache has none.
 
 Host time per step is split in ``ServeStats``: ``bookkeeping_seconds`` (match, evict, allocate,
 table writes, cache, free: kvjax's host work), ``pack_seconds`` (page table and batch packing) and
@@ -86,6 +87,7 @@ import jax
 import numpy as np
 
 from kvjax.alloc.swa import SWATokenToKVPoolAllocator
+from kvjax.attention import KindMetadata, MetadataBuilder
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
@@ -95,7 +97,7 @@ from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.serving_req import ServingReq
-from kvjax.serve.step import make_step, pack_batch
+from kvjax.serve.step import make_step
 from kvjax.serve.swa_extension import SWAServing, swa_leak_free
 from kvjax.spec import ModelSpec
 
@@ -180,8 +182,8 @@ class Scheduler:
         self.page_size = self.alloc.page_size
         self.max_batch_size = min(max_batch_size, self.rows.size)
         self.budget = chunked_prefill_size or cache.plan.chunked_prefill_size or 2048
-        self.pages_per_seq = -(-self.rows.max_context_len // self.page_size)
-        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * self.page_size, self.rows.max_context_len - 1)
+        self._metadata = MetadataBuilder(self.rows, self.page_size, self.max_batch_size)
+        self.pages_per_seq = self._metadata.pages_per_seq
         self.record_logits = record_logits
         self.step_fn = make_step(self.model_config, with_logits=record_logits)
         self.waiting: collections.deque[ServingReq] = collections.deque()
@@ -723,11 +725,8 @@ class Scheduler:
         id, or -1 for the host's ``tokens``. Page-table and packing time go to ``pack_seconds``,
         the dispatch to ``step_seconds`` (``_read`` adds the wait for the tokens)."""
         start = time.perf_counter()
-        table = self.rows.req_to_token[rows[:, None], self._page_columns[None, :]] // self.page_size
-        n_pages = -(-seq_lens // self.page_size)
-        table[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
         batch = None
-        extras: dict[str, np.ndarray] = {}
+        parts: list[KindMetadata | None] = []
         if self.extensions:
             batch = StepBatch(
                 rows=rows,
@@ -738,10 +737,9 @@ class Scheduler:
                 max_seqs=self.max_batch_size,
                 is_decode=isinstance(tokens, np.ndarray),
             )
-            for ext in self.extensions:
-                extras.update(ext.step_extras(batch))
-        flat, meta = pack_batch(
-            tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size, extras=extras
+            parts = [ext.step_metadata(batch) for ext in self.extensions]
+        flat, meta = self._metadata.build(
+            tokens=tokens, starts=starts, slots=slots, rows=rows, seq_lens=seq_lens, parts=parts
         )
         if self.overlap:
             src = np.full(flat.shape[0], -1, np.int32)

@@ -15,8 +15,8 @@ new pools)``; ``layer_kinds`` says which cached layer kinds it runs (a spec with
 by name); ``read_config`` (optional) reads the family's own hyperparameters from the raw
 ``config.json`` into a frozen, hashable object stored as ``ModelConfig.family_config``;
 ``trace_state`` (optional) builds the smallest ``CachePools`` of the family's pool kinds and the
-``BatchMetadata.extras`` its model reads, used to trace the weights' shapes (default: a one-page
-MHA pool, no extras).
+``AttentionMetadata`` part its model reads (``kvjax.serve.trace_state``), used to trace the
+weights' shapes (default: a one-page MHA pool, no part).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class Family:
         read_config: ``"module:function"`` taking ``(spec, raw config dict)`` and returning the
             family's frozen hyperparameters (``ModelConfig.family_config``), or None.
         trace_state: ``"module:function"`` taking a ``ModelConfig`` and returning
-            ``(CachePools, extras)``: the smallest pools its model runs on and the
-            ``BatchMetadata.extras`` of a one-token batch (for tracing weights), or None for a
-            one-page MHA pool and no extras.
+            ``(CachePools, part)``: the smallest pools its model runs on and the
+            ``AttentionMetadata`` part (``SWAMetadata``, ``StateMetadata`` or None) of a one-token
+            batch (for tracing weights), or None for a one-page MHA pool and no part.
         partial_rotary: the model rotates part of the head dim itself (RoPE's
             ``partial_rotary_factor`` is then the family's to read, not refused).
         yarn_rope: the model applies ``RopeConfig.attention_scaling()`` (YaRN RoPE is then read,

@@ -16,7 +16,7 @@ and see keys in ``(p - sliding_window, p]`` (Transformers' sliding mask); full l
 
 Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``). Full layers write at
 ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
-``meta.extras["swa_out_loc"]`` and read ``meta.extras["swa_page_indices"]`` (the SWA pool's slots
+``meta.swa.out_loc`` and read ``meta.swa.page_indices`` (the SWA pool's slots
 and pages, translated by the scheduler's ``SWAServing``). With ``disable_hybrid_swa_memory`` every
 layer uses the one full-size pool ``pools.kv`` (sliding layers with their window), as SGLang
 serves Gemma 3. The routing is ``kvjax.serve.swa_attention`` (shared with ``gpt_oss``).
@@ -32,12 +32,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear
 from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
-from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
+from kvjax.serve.trace_state import swa_trace_state
 from kvjax.spec import ModelSpec
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
@@ -158,15 +159,14 @@ class Gemma3Attention(nn.Module):
         inv_freq = (fc.rope_local if sliding else fc.rope_full).inverse_frequencies(c.head_dim)
         q = _rope(q, meta.positions, inv_freq)
         k = _rope(k, meta.positions, inv_freq)
-        out, pools = swa_paged_attention(
+        out, pools = attend(
+            pools,
+            self.layer_id,
             q,
             k,
             v,
-            pools,
             meta,
-            self.layer_id,
-            sliding=sliding,
-            sliding_window=fc.sliding_window,
+            sliding_window=fc.sliding_window if sliding else None,
             sm_scale=fc.query_pre_attn_scalar**-0.5,
             soft_cap=fc.attn_logit_softcapping,
         )
@@ -244,6 +244,6 @@ class Gemma3ForCausalLM(nn.Module):
         return logits, pools
 
 
-def gemma3_trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
+def gemma3_trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """One-page full and SWA pools of the model's shape, and the sliding layers' metadata."""
     return swa_trace_state(config, _fc(config).sliding)
