@@ -115,6 +115,11 @@ class AttentionMetadata:
         changes: dict[str, Any] = {part.FIELD: part for part in parts if part is not None}
         return dataclasses.replace(self, **changes) if changes else self
 
+    def as_device_arrays(self) -> AttentionMetadata:
+        """The metadata with every leaf a ``jax.Array`` (a no-op inside a jitted step, where they are
+        already; outside one, numpy leaves from the host builder are copied to the device)."""
+        return jax.tree.map(jnp.asarray, self)
+
     def require_swa(self) -> SWAMetadata:
         """The SWA part (``ValueError`` naming what produces it when absent)."""
         if self.swa is None:

@@ -53,6 +53,7 @@ def mla_attention(
         ``(latent_out [T, heads, kv_lora_rank] in q_latent's dtype, the pool with the rows
         written)``; multiply by ``W_UV`` for the heads' values.
     """
+    meta = meta.as_device_arrays()
     pool = pool.set_mla_kv_buffer(layer_id, meta.out_loc, c_kv, k_pe)
     scale = pool.scale[pool.layer_index(layer_id)]
     mesh = pool_mesh(pool, mesh)

@@ -11,6 +11,7 @@ the layer's scales. Over a mesh the kernel runs per device on its KV heads (``sh
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -60,8 +61,9 @@ def paged_attention(
         ``(out [T, heads, head_dim] in q's dtype, the pool with the layer written)``; padding
         tokens' outputs are 0.
     """
-    loc = meta.out_loc if out_loc is None else out_loc
-    table = meta.page_indices if page_indices is None else page_indices
+    meta = meta.as_device_arrays()
+    loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
+    table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)
     pool = pool.set_kv_buffer(layer_id, loc, k, v)
     index = pool.layer_index(layer_id)
     mesh = pool_mesh(pool, mesh)

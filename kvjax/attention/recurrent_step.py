@@ -68,6 +68,7 @@ def recurrent_step(
         ValueError: ``meta.state`` is None.
     """
     del mesh  # the pool's reads and writes follow its own sharding; the scan is partitioned by XLA
+    meta = meta.as_device_arrays()
     rows = meta.require_state()
     state = pools.recurrent
     slots = rows.state_slots
