@@ -19,7 +19,7 @@ Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``). Full layers write 
 ``meta.swa.out_loc`` and read ``meta.swa.page_indices`` (the SWA pool's slots
 and pages, translated by the scheduler's ``SWAServing``). With ``disable_hybrid_swa_memory`` every
 layer uses the one full-size pool ``pools.kv`` (sliding layers with their window), as SGLang
-serves Gemma 3. The routing is ``kvjax.serve.swa_attention`` (shared with ``gpt_oss``).
+serves Gemma 3. The routing is ``kvjax.attention.attend`` (shared with ``gpt_oss``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``) as in ``gemma3``: f
 at ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
 ``meta.swa.out_loc`` and read ``meta.swa.page_indices``. With
 ``disable_hybrid_swa_memory`` every layer uses the one full-size pool ``pools.kv``. The routing
-is ``kvjax.serve.swa_attention``.
+is ``kvjax.attention.attend``.
 """
 
 from __future__ import annotations
