@@ -37,8 +37,7 @@ def batch_metadata(swa_offset_pages: int | None = None) -> AttentionMetadata:
     shift = swa_offset_pages * PAGE
     out_loc = np.where(np.arange(8) < len(SLOTS), meta.out_loc + shift, 0).astype(np.int32)
     pages = np.where(meta.page_indices > 0, meta.page_indices + swa_offset_pages, 0).astype(np.int32)
-    part: object = SWAMetadata(out_loc=out_loc, page_indices=pages)  # numpy leaves on the host
-    return meta.with_parts(part)  # type: ignore[arg-type]
+    return meta.with_parts(SWAMetadata(out_loc=out_loc, page_indices=pages))  # numpy leaves on the host
 
 
 def mha_pool(num_layers: int = 2, *, pages: int = 8, layer_ids: tuple[int, ...] | None = None) -> MHAKVPool:

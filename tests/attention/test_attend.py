@@ -70,10 +70,9 @@ def test_single_pool_sliding_layer_uses_its_window():
 
 
 def _hybrid_pools() -> CachePools:
-    full, swa = mha_pool(1), mha_pool(1, pages=10)
-    return CachePools(
-        swa=SWAKVPool(full=full, swa=swa, full_layer_ids=(0, 2), swa_layer_ids=(1,)).replace(full=mha_pool(2))
-    )
+    """Full layers 0 and 2 in a two-layer full pool, sliding layer 1 in a larger SWA pool."""
+    pool = SWAKVPool(full=mha_pool(2), swa=mha_pool(1, pages=10), full_layer_ids=(0, 2), swa_layer_ids=(1,))
+    return CachePools(swa=pool)
 
 
 def test_hybrid_swa_layers_pick_their_pool_and_metadata():
