@@ -49,9 +49,9 @@ class Family:
         read_config: ``"module:function"`` taking ``(spec, raw config dict)`` and returning the
             family's frozen hyperparameters (``ModelConfig.family_config``), or None.
         trace_state: ``"module:function"`` taking a ``ModelConfig`` and returning
-            ``(CachePools, extras)``: the smallest pools its model runs on and the
-            ``BatchMetadata.extras`` of a one-token batch (for tracing weights), or None for a
-            one-page MHA pool and no extras.
+            ``(CachePools, part)``: the smallest pools its model runs on and the
+            ``AttentionMetadata`` kind part (``SWAMetadata``, ``StateMetadata`` or None) of a
+            one-token batch (for tracing weights), or None for a one-page MHA pool and no part.
         partial_rotary: the model rotates part of the head dim itself (RoPE's
             ``partial_rotary_factor`` is then the family's to read, not refused).
         yarn_rope: the model applies ``RopeConfig.attention_scaling()`` (YaRN RoPE is then read,

@@ -16,5 +16,5 @@ KIND = CacheKind(
     pool_kinds=(POOL,),
     kv_pool_kind="mha",
     tree_components=("full",),
-    attention="kvjax.serve.layers:paged_attention",
+    attention="kvjax.attention.paged_attention:paged_attention",
 )

@@ -19,5 +19,5 @@ KIND = CacheKind(
     pool_kinds=(POOL,),
     kv_pool_kind="mla",
     tree_components=("full",),
-    attention="kvjax.serve.families.deepseek_v2:DeepseekV2Attention",
+    attention="kvjax.attention.mla_attention:mla_attention",
 )

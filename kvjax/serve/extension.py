@@ -18,8 +18,9 @@ hook                       when
 ``after_admit(req)``       a waiting request was matched and locked (``req.prefix_indices``,
                            ``req.last_node``) and got its request-table row; before memory for
                            its new tokens is made
-``step_extras(batch)``     the batch is packed: return ``BatchMetadata.extras`` entries (numpy,
-                           fixed shapes, padded to ``batch.max_seqs`` rows)
+``step_metadata(batch)``   the batch is packed: return this kind's part of the step's
+                           ``AttentionMetadata`` (``SWAMetadata``, ``StateMetadata``: numpy,
+                           fixed shapes, padded to ``batch.max_seqs`` rows), or None
 ``after_step(batch)``      the step ran and its pools are stored in the cache
 ``before_decode(reqs)``    a decode batch of ``reqs`` is about to allocate its new tokens
 ``before_release(req,``    the request's KV is about to go to the tree (``finished``: finished;
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvjax.attention import KindMetadata
     from kvjax.serve.serving_req import ServingReq
 
 
@@ -77,9 +79,10 @@ class ServingExtension:
     def before_decode(self, reqs: Sequence[ServingReq]) -> None:
         """A decode batch of ``reqs`` is about to allocate one token each."""
 
-    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        """``BatchMetadata.extras`` entries for this batch (numpy, fixed shapes)."""
-        return {}
+    def step_metadata(self, batch: StepBatch) -> KindMetadata | None:
+        """This kind's part of the batch's ``AttentionMetadata`` (numpy, fixed shapes), placed at
+        the part's field by the metadata builder; None: nothing (the default)."""
+        return None
 
     def after_step(self, batch: StepBatch) -> None:
         """The step ran; the cache holds its new pools."""

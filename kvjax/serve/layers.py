@@ -1,59 +1,32 @@
 """The pieces every served family shares: linear layers and embeddings in Hugging Face's weight
 layout, the RMSNorm variants (Llama's, the float32-product one, the ``1 + weight`` one), rotary
-embeddings, the SwiGLU MLP, and attention through kvjax's paged pool.
+embeddings and the SwiGLU MLP. Attention through kvjax's pools is ``kvjax.attention.attend``.
 
 Weights keep Hugging Face's layout and names (a linear layer's ``weight`` is ``[out, in]``), so a
 checkpoint tensor ``model.layers.3.mlp.up_proj.weight`` is the parameter at path
 ``("model", "layers_3", "mlp", "up_proj", "weight")`` with no transpose (``kvjax.serve.checkpoint``).
 
 Numerics follow the reference implementations: RMSNorm in float32 then cast back, RoPE angles
-in float32, attention softmax in float32 (inside ragged paged attention), logits in float32.
+in float32, attention softmax in float32 (inside ``kvjax.attention``), logits in float32.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.pools import MHAKVPool
+from kvjax.attention import AttentionMetadata
 from kvjax.serve.model_config import ModelConfig
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 WEIGHT_INIT_STDDEV = 0.02  # random weights (presets without a checkpoint), as Transformers' initializer_range
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class BatchMetadata:
-    """Where a ragged batch's tokens live. ``T`` tokens (padded), ``S`` sequence rows (padded).
-
-    Fields (int32; numpy on the host, device arrays inside the step):
-      positions: ``[T]`` position of each token in its sequence (0 for padding).
-      out_loc: ``[T]`` KV slot each token's K/V is written to (0, the trash page, for padding).
-      kv_lens: ``[S]`` KV length of each sequence including this batch's tokens.
-      page_indices: ``[S, pages_per_seq]`` page table (0 = padding).
-      cu_q_lens: ``[S + 1]`` token offsets of the sequences in the batch.
-      num_seqs: ``[1]`` live sequences.
-      logits_indices: ``[S]`` index of each sequence's last token (0 for padded rows).
-      extras: per-kind inputs by name, for the pools beyond full attention (e.g. a sliding-window
-        pool's page table, recurrent-state slots of the sequence rows); empty for MHA models.
-        Each kind documents its keys where it produces them (the scheduler's ``step_extras``).
-    """
-
-    positions: jax.Array
-    out_loc: jax.Array
-    kv_lens: jax.Array
-    page_indices: jax.Array
-    cu_q_lens: jax.Array
-    num_seqs: jax.Array
-    logits_indices: jax.Array
-    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+BatchMetadata = AttentionMetadata
+"""The former name of ``kvjax.attention.AttentionMetadata`` (an alias, kept for imports)."""
 
 
 def _dtype(config: ModelConfig) -> jnp.dtype:
@@ -176,27 +149,3 @@ class MLP(nn.Module):
 def gelu_tanh(x: jax.Array) -> jax.Array:
     """GELU with the tanh approximation (Transformers' ``gelu_pytorch_tanh``)."""
     return jax.nn.gelu(x, approximate=True)
-
-
-def paged_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv: MHAKVPool, layer_id: int, meta: BatchMetadata
-) -> tuple[jax.Array, MHAKVPool]:
-    """Write the batch's ``k, v: [T, kv_heads, head_dim]`` into the pool, then attend ``q: [T, heads,
-    head_dim]`` causally over each sequence's pages. Returns ``([T, heads, head_dim] in q's dtype, pool)``.
-
-    Scale ``1 / sqrt(head_dim)``, softmax in float32 (``ragged_paged_attention``). The query stays
-    in the compute dtype; an fp8 pool is dequantised inside attention with the layer's scales.
-    """
-    kv = kv.set_kv_buffer(layer_id, meta.out_loc, k, v)
-    index = kv.layer_index(layer_id)
-    out = ragged_paged_attention(
-        q,
-        kv.kv_buffer(layer_id),
-        meta.kv_lens,
-        meta.page_indices,
-        meta.cu_q_lens,
-        meta.num_seqs,
-        k_scale=kv.k_scale[index],
-        v_scale=kv.v_scale[index],
-    )
-    return out, kv

@@ -1,16 +1,15 @@
 """The serving model: a Hugging Face-compatible decoder (flax) that reads and writes its cache
 through kvjax's pools.
 
-Every attention layer writes the new tokens' K and V into a paged pool (``MHAKVPool.set_kv_buffer``)
-and attends over the pages through ragged paged attention
-(``pallas_kernels.ragged_paged_attention``), so a prefix served from the radix cache is read from
-the very slots an earlier forward wrote.
+Every attention layer writes the new tokens' K and V into its pool and attends over the pages
+through ``kvjax.attention.attend`` (the layer's kind picks the pool and the kernel), so a prefix
+served from the radix cache is read from the very slots an earlier forward wrote.
 
 The family (``ModelConfig.family``, an entry of ``kvjax.serve.families.FAMILIES``) picks the
 module; weights are either a checkpoint's (``kvjax.serve.checkpoint.load_checkpoint``) or drawn
 from a fixed seed (``init_params``, for presets such as the built-in ``tiny`` model: no downloads).
 
-A forward takes one flat, ragged batch: ``T`` tokens of up to ``S`` sequences (``BatchMetadata``)
+A forward takes one flat, ragged batch: ``T`` tokens of up to ``S`` sequences (``AttentionMetadata``)
 and every device pool of the cache (``CachePools``: each layer uses the pool of its kind), and
 returns float32 logits for the last token of each sequence only, and the new pools.
 """
@@ -24,15 +23,28 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax.pools import CachePools, MHAKVPool
+from kvjax.attention import AttentionMetadata, trace_metadata
+from kvjax.pools import CachePools
 from kvjax.serve.families import family
-from kvjax.serve.layers import BatchMetadata
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
+from kvjax.serve.trace_state import mha_trace_state
 from kvjax.spec import ModelSpec
 
-__all__ = ["BatchMetadata", "as_model_config", "build_model", "init_params", "param_shapes", "trace_inputs"]
+__all__ = [
+    "AttentionMetadata",
+    "BatchMetadata",
+    "as_model_config",
+    "build_model",
+    "init_params",
+    "mha_trace_state",
+    "param_shapes",
+    "trace_inputs",
+]
 
 Params = dict[str, Any]
+
+BatchMetadata = AttentionMetadata
+"""The former name of ``kvjax.attention.AttentionMetadata`` (an alias, kept for imports)."""
 
 
 def as_model_config(model: ModelSpec | ModelConfig) -> ModelConfig:
@@ -46,35 +58,12 @@ def build_model(model: ModelSpec | ModelConfig) -> nn.Module:
     return family(config.family).load("model")(config)
 
 
-def mha_trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """A one-page MHA pool of the model's shape and no extras (the default ``Family.trace_state``)."""
-    kv = MHAKVPool.create(
-        num_pages=1,
-        page_size=1,
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        v_head_dim=config.head_dim,
-        dtype=config.dtype,
-    )
-    return CachePools(kv=kv), {}
-
-
-def trace_inputs(config: ModelConfig) -> tuple[jax.Array, CachePools, BatchMetadata]:
+def trace_inputs(config: ModelConfig) -> tuple[jax.Array, CachePools, AttentionMetadata]:
     """One padding token on the smallest pools of the model's kinds: enough to trace the weights,
     which then do not depend on any cache the model is later used with."""
     entry = family(config.family)
-    pools, extras = entry.load("trace_state")(config) if entry.trace_state else mha_trace_state(config)
-    meta = BatchMetadata(
-        positions=jnp.zeros((1,), jnp.int32),
-        out_loc=jnp.zeros((1,), jnp.int32),
-        kv_lens=jnp.ones((1,), jnp.int32),
-        page_indices=jnp.zeros((1, 1), jnp.int32),
-        cu_q_lens=jnp.array([0, 1], jnp.int32),
-        num_seqs=jnp.ones((1,), jnp.int32),
-        logits_indices=jnp.zeros((1,), jnp.int32),
-        extras=extras,
-    )
+    pools, part = entry.load("trace_state")(config) if entry.trace_state else mha_trace_state(config)
+    meta = trace_metadata(part)
     return jnp.zeros((1,), jnp.int32), pools, meta
 
 

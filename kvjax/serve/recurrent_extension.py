@@ -6,13 +6,14 @@
   ``ensure_mamba_capacity``; then ``OutOfMemoryError`` naming what is short). With a
   ``MambaRadixCache`` the match ended at a checkpoint: its slot is forked into the request's (a
   queued copy), so the request continues from the state after its cached prefix.
-* **step inputs** (``step_extras``): first every state copy the tree queued (forks of matched
-  checkpoints, request states copied into new checkpoints by ``cache_unfinished_req``) is
-  recorded, in order, as one pending device update of ``pools.recurrent`` (``cache.pending``):
-  the owner of the step applies it right before launching the step (the scheduler does), so the
-  step reads the forked slots; the extension never swaps ``cache.pools``. Then per sequence row its state slot
-  (``state_slots``, 0 for padding rows) and whether it continues a state (``has_initial_state``:
-  the row's KV did not start at 0 in this step).
+* **step inputs** (``step_metadata`` -> ``AttentionMetadata.state``, a ``StateMetadata``): first
+  every state copy the tree queued (forks of matched checkpoints, request states copied into new
+  checkpoints by ``cache_unfinished_req``) is recorded, in order, as one pending device update of
+  ``pools.recurrent`` (``cache.pending``): the owner of the step applies it right before
+  launching the step (the scheduler does), so the step reads the forked slots; the extension
+  never swaps ``cache.pools``. Then per sequence row its state slot (``state_slots``, 0 for
+  padding rows) and whether it continues a state (``has_initial_state``: the row's KV did not
+  start at 0 in this step).
 * **extra buffer** (``enable_mamba_extra_buffer``, page size > 1): a row whose tokens in this step
   reach a page boundary also writes the state at its last one into a ping-pong slot (the one not
   holding the previous tracked state); ``after_step`` records it (``req.mamba_last_track_idx`` /
@@ -28,10 +29,11 @@ next admission reuses it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvjax.attention import StateMetadata
 from kvjax.device_updates import DeviceUpdate
 from kvjax.errors import OutOfMemoryError
 from kvjax.hybrid_req_pool import HybridReqToTokenPool
@@ -87,7 +89,7 @@ class RecurrentStateExtension(ServingExtension):
                 assert req.mamba_pool_idx is not None
                 self.tree.queue_state_copy(src, req.mamba_pool_idx)
 
-    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+    def step_metadata(self, batch: StepBatch) -> StateMetadata:
         self._record_state_copies()
         n = len(batch.reqs)
         slots = np.zeros(batch.max_seqs, np.int32)
@@ -109,7 +111,11 @@ class RecurrentStateExtension(ServingExtension):
                 track_slots[i] = int(pp[idx])
                 track_at[i] = aligned - int(start)
                 self._tracked.append((req, idx, aligned))
-        return {"state_slots": slots, "has_initial_state": keep, "track_slots": track_slots, "track_at": track_at}
+        make_part: Any = StateMetadata  # numpy leaves on the host (device arrays inside the step)
+        part: StateMetadata = make_part(
+            state_slots=slots, has_initial_state=keep, track_slots=track_slots, track_at=track_at
+        )
+        return part
 
     def _record_state_copies(self) -> None:
         """Record the tree's queued state copies (forks, new checkpoints) as one pending device

@@ -33,8 +33,9 @@ state, never a donated (deleted) array, and backups read the state after the ste
 their pages. The host reads back only the sampled tokens (and, with ``record_logits``, the logits).
 
 Kinds of cached state beyond full attention plug into the loop as ``ServingExtension`` objects
-(``extension.py``: admission, decode, release and polling hooks, and per-kind step inputs in
-``BatchMetadata.extras``); a full-attention cache has none.
+(``extension.py``: admission, decode, release and polling hooks, and per-kind step inputs as
+typed parts of the step's ``AttentionMetadata``, packed by ``kvjax.attention.MetadataBuilder``);
+a full-attention cache has none.
 
 Host time per step is split in ``ServeStats``: ``bookkeeping_seconds`` (match, evict, allocate,
 table writes, cache, free: kvjax's host work), ``pack_seconds`` (page table and batch packing) and
@@ -90,6 +91,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvjax.attention import KindMetadata, MetadataBuilder
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.kinds import CacheKind, cache_kinds_of
@@ -100,7 +102,7 @@ from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.serving_req import ServingReq
-from kvjax.serve.step import make_module_step, make_step, pack_batch
+from kvjax.serve.step import make_module_step, make_step
 from kvjax.spec import ModelSpec
 
 __all__ = ["Scheduler", "ServeStats", "ServingReq"]
@@ -190,8 +192,8 @@ class Scheduler:
         self.page_size = self.alloc.page_size
         self.max_batch_size = min(max_batch_size, self.rows.size)
         self.budget = chunked_prefill_size or cache.plan.chunked_prefill_size or 2048
-        self.pages_per_seq = -(-self.rows.max_context_len // self.page_size)
-        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * self.page_size, self.rows.max_context_len - 1)
+        self._metadata = MetadataBuilder(self.rows, self.page_size, self.max_batch_size)
+        self.pages_per_seq = self._metadata.pages_per_seq
         self.record_logits = record_logits
         self.step_fn = (
             make_step(self.model_config, with_logits=record_logits)
@@ -743,11 +745,8 @@ class Scheduler:
         id, or -1 for the host's ``tokens``. Page-table and packing time go to ``pack_seconds``,
         the dispatch to ``step_seconds`` (``_read`` adds the wait for the tokens)."""
         start = time.perf_counter()
-        table = self.rows.req_to_token[rows[:, None], self._page_columns[None, :]] // self.page_size
-        n_pages = -(-seq_lens // self.page_size)
-        table[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
         batch = None
-        extras: dict[str, np.ndarray] = {}
+        parts: list[KindMetadata | None] = []
         if self.extensions:
             batch = StepBatch(
                 rows=rows,
@@ -758,10 +757,9 @@ class Scheduler:
                 max_seqs=self.max_batch_size,
                 is_decode=isinstance(tokens, np.ndarray),
             )
-            for ext in self.extensions:
-                extras.update(ext.step_extras(batch))
-        flat, meta = pack_batch(
-            tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_batch_size, extras=extras
+            parts = [ext.step_metadata(batch) for ext in self.extensions]
+        flat, meta = self._metadata.build(
+            tokens=tokens, starts=starts, slots=slots, rows=rows, seq_lens=seq_lens, parts=parts
         )
         if self.overlap:
             src = np.full(flat.shape[0], -1, np.int32)

@@ -1,12 +1,13 @@
 """`SWAServing`: what a hybrid sliding-window cache adds to the serving loop (``ServingExtension``).
 
-* Step inputs (``BatchMetadata.extras``): the sliding layers read and write the SWA pool, so each
-  step gets, translated on the host through the allocator's full→SWA mapping (numpy, O(tokens +
-  pages), fixed shapes):
+* Step inputs (``step_metadata`` -> ``AttentionMetadata.swa``, an ``SWAMetadata``): the sliding
+  layers read and write the SWA pool, so each step gets, translated on the host through the
+  allocator's full→SWA mapping by ``kvjax.attention.swa_metadata`` (numpy, O(tokens + pages),
+  fixed shapes):
 
-  - ``"swa_out_loc"``: int32 ``[T]`` (the step's token bucket), the SWA slot of each new token
+  - ``out_loc``: int32 ``[T]`` (the step's token bucket), the SWA slot of each new token
     (0, the trash page, for padding);
-  - ``"swa_page_indices"``: int32 ``[max_seqs, pages_per_seq]``, each row's SWA page table. Pages
+  - ``page_indices``: int32 ``[max_seqs, pages_per_seq]``, each row's SWA page table. Pages
     whose SWA slots were freed (out of the window) are 0, which the attention kernel never reads.
 
 * Window freeing (SGLang's ``free_swa_out_of_window_slots``): before each decode step, and after
@@ -33,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.alloc.swa import SWATokenToKVPoolAllocator
+from kvjax.attention import PageTables, SWAMetadata, swa_metadata
 from kvjax.kinds.swa import is_pure_swa
 from kvjax.radix.swa_component import SWALockPart
 from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.serve.extension import ServingExtension, StepBatch
-from kvjax.serve.step import token_bucket
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
@@ -78,26 +79,20 @@ class SWAServing(ServingExtension):
         self.page_size = alloc.page_size
         ps = self.page_size
         self.margin = max(self.window, ps) if isinstance(self.tree, SWARadixCache) else self.window
-        width = self.rows.max_context_len
-        self.pages_per_seq = -(-width // ps)
-        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * ps, width - 1)
+        self.page_tables = PageTables(self.rows, ps)
         self.freed_swa_tokens = 0  # tokens whose SWA slots window freeing returned (a statistic)
 
     # --- step inputs ------------------------------------------------------------------------------
 
-    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        ps = self.page_size
-        n = len(batch.rows)
-        full = self.rows.req_to_token[np.asarray(batch.rows)[:, None], self._page_columns[None, :]]
-        table = np.zeros((batch.max_seqs, self.pages_per_seq), np.int32)
-        swa = self._to_swa(full) // ps
-        n_pages = -(-np.asarray(batch.seq_lens) // ps)
-        swa[np.arange(self.pages_per_seq)[None, :] >= n_pages[:, None]] = 0
-        table[:n] = swa
-        total = int(batch.slots.shape[0])
-        out = np.zeros(token_bucket(total), np.int32)
-        out[:total] = self._to_swa(batch.slots)
-        return {"swa_out_loc": out, "swa_page_indices": table}
+    def step_metadata(self, batch: StepBatch) -> SWAMetadata:
+        return swa_metadata(
+            self.page_tables,
+            rows=batch.rows,
+            seq_lens=batch.seq_lens,
+            slots=batch.slots,
+            max_seqs=batch.max_seqs,
+            translate=self._to_swa,
+        )
 
     def _to_swa(self, slots: np.ndarray) -> np.ndarray:
         """SWA slots of request-table slots: the mapping (hybrid), or themselves (pure: the table

@@ -1,5 +1,5 @@
 """The serving seams: per-kind hooks run at their points of the loop, their step inputs reach the
-model as ``BatchMetadata.extras``, and families come from one registry."""
+model as typed parts of ``AttentionMetadata``, and families come from one registry."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax import ModelSpec
+from kvjax.attention import StateMetadata
 from kvjax.demo import demo_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import param_name
@@ -17,7 +18,8 @@ from kvjax.serve.scheduler import Scheduler, ServingReq
 
 
 class RecordingExtension(ServingExtension):
-    """Records every hook call; hands the step one extra input per batch."""
+    """Records every hook call; hands the step a recurrent-state part per batch (which a
+    full-attention model never reads)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -32,13 +34,14 @@ class RecordingExtension(ServingExtension):
     def before_decode(self, reqs) -> None:
         self.calls.append(("decode", tuple(r.rid for r in reqs)))
 
-    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+    def step_metadata(self, batch: StepBatch) -> StateMetadata:
         assert len(batch.rows) == len(batch.reqs) == len(batch.seq_lens) == len(batch.starts)
         assert int((batch.seq_lens - batch.starts).sum()) == len(batch.slots)
-        self.calls.append(("extras", batch.is_decode, len(batch.reqs)))
+        self.calls.append(("metadata", batch.is_decode, len(batch.reqs)))
         rows = np.zeros(batch.max_seqs, np.int32)
         rows[: len(batch.rows)] = batch.rows
-        return {"rows": rows}
+        zeros = np.zeros(batch.max_seqs, np.int32)
+        return StateMetadata(state_slots=rows, has_initial_state=zeros, track_slots=zeros, track_at=zeros)
 
     def after_step(self, batch: StepBatch) -> None:
         self.calls.append(("stepped", len(batch.reqs)))
@@ -48,7 +51,7 @@ class RecordingExtension(ServingExtension):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_hooks_run_at_their_points_and_extras_reach_the_step(overlap):
+def test_hooks_run_at_their_points_and_metadata_reaches_the_step(overlap):
     spec = ModelSpec.preset("tiny")
     prompt = list(range(1, 40))
 
@@ -66,7 +69,7 @@ def test_hooks_run_at_their_points_and_extras_reach_the_step(overlap):
     kinds = [c[0] for c in ext.calls]
     # Once per scheduler step; with overlap the last step only reads the last launched one.
     assert kinds.count("poll") == sched.stats.prefill_steps + sched.stats.decode_steps + overlap
-    assert kinds.count("extras") == kinds.count("stepped") == sched.stats.prefill_steps + sched.stats.decode_steps
+    assert kinds.count("metadata") == kinds.count("stepped") == sched.stats.prefill_steps + sched.stats.decode_steps
     assert [c for c in ext.calls if c[0] == "admit"] == [("admit", "a", 0), ("admit", "b", 0)]
     assert [c for c in ext.calls if c[0] == "release"] == [("release", "b", True), ("release", "a", True)]
     assert kinds.index("decode") > kinds.index("admit")

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from kvjax import ModelSpec
+from kvjax.attention import build_attention_metadata
 from kvjax.demo import demo_cache, serve
 from kvjax.radix import RadixCache
 from kvjax.serve.model import init_params
 from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.step import make_step, pack_batch
+from kvjax.serve.step import make_step
 from kvjax.serve.workload import Workload
 
 REUSE = Workload(
@@ -70,7 +71,7 @@ def test_step_donates_the_pools_and_updates_in_place():
     row = rows[0]
     cache.req_to_token_pool.write(row, 0, slots)
     table = cache.req_to_token_pool.page_table_numpy([row], [5], 16, 64)
-    tokens, meta = pack_batch(
+    tokens, meta = build_attention_metadata(
         tokens=[np.arange(5, dtype=np.int32)], starts=[0], slots=slots, page_table=table, max_seqs=8
     )
     before = cache.pools.kv.kv[0]

@@ -11,7 +11,7 @@ YaRN RoPE and its fused-expert MoE; ``deepseek_v2`` runs MLA over the latent poo
 layers; ``nemotron_h`` and ``qwen3_next`` run recurrent mixers over the recurrent-state pool.
 
 Adding a family is one model module and the serving fields of its record: the module's flax class
-(a ``CausalLM``) takes ``(tokens [T], pools: CachePools, meta: BatchMetadata)`` and returns
+(a ``CausalLM``) takes ``(tokens [T], pools: CachePools, meta: AttentionMetadata)`` and returns
 ``(logits [S, vocab] float32, new pools)``; the record's fields are documented on `Family`.
 """
 

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.hf import keys
 from kvjax.pools import CachePools
@@ -54,7 +55,6 @@ from kvjax.serve.layers import MLP, BatchMetadata, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig, read_rope
 from kvjax.serve.moe import MoEConfig, SparseMoE, Weight
 from kvjax.spec import ModelSpec
-from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention
 
 LOW_RANK_NORM_EPS = 1e-6
 _TYPE = "deepseek_v2"
@@ -111,8 +111,8 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> DeepseekV2Config:
     )
 
 
-def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """A one-page latent pool of the model's shape, and no extras (for tracing the weights)."""
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """A one-page latent pool of the model's shape, and no metadata part (for tracing the weights)."""
     from kvjax.pools import MLAKVPool
 
     f: DeepseekV2Config = config.family_config
@@ -124,7 +124,7 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
         qk_rope_head_dim=f.qk_rope_head_dim,
         dtype=config.dtype,
     )
-    return CachePools(kv=kv), {}
+    return CachePools(kv=kv), None
 
 
 def apply_rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -167,21 +167,10 @@ class DeepseekV2Attention(nn.Module):
 
         kv_b = Weight((heads * (nope + vdim), rank), dt, name="kv_b_proj")().reshape(heads, nope + vdim, rank)
         ql_nope = jnp.einsum("thn,hnr->thr", q_nope, kv_b[:, :nope])  # absorbed W_UK
-        pool = pools.kv.set_mla_kv_buffer(self.layer_id, meta.out_loc, c_kv, k_pe)
-        latent_out = mla_ragged_paged_attention(
-            ql_nope,
-            q_pe,
-            pool.kv_buffer(self.layer_id),
-            meta.kv_lens,
-            meta.page_indices,
-            meta.cu_q_lens,
-            meta.num_seqs,
-            sm_scale=f.sm_scale,
-            kv_scale=pool.scale[self.layer_id - pool.start_layer],
-        )
+        latent_out, pools = attend(pools, self.layer_id, (ql_nope, q_pe), c_kv, k_pe, meta, sm_scale=f.sm_scale)
         out = jnp.einsum("thr,hvr->thv", latent_out, kv_b[:, nope:])  # W_UV
         out = Linear(c.hidden_size, f.attention_bias, dt, name="o_proj")(out.reshape(t, heads * vdim))
-        return out, pools.replace(kv=pool)
+        return out, pools
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):

@@ -16,10 +16,10 @@ and see keys in ``(p - sliding_window, p]`` (Transformers' sliding mask); full l
 
 Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``). Full layers write at
 ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
-``meta.extras["swa_out_loc"]`` and read ``meta.extras["swa_page_indices"]`` (the SWA pool's slots
+``meta.swa.out_loc`` and read ``meta.swa.page_indices`` (the SWA pool's slots
 and pages, translated by the scheduler's ``SWAServing``). With ``disable_hybrid_swa_memory`` every
 layer uses the one full-size pool ``pools.kv`` (sliding layers with their window), as SGLang
-serves Gemma 3. The routing is ``kvjax.serve.swa_attention`` (shared with ``gpt_oss``).
+serves Gemma 3. The routing is ``kvjax.attention.attend`` (shared with ``gpt_oss``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
@@ -39,7 +40,7 @@ from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer
 from kvjax.serve.layers import MLP, BatchMetadata, Linear, OffsetRMSNorm, apply_rope, gelu_tanh
 from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
-from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
+from kvjax.serve.trace_state import swa_trace_state
 from kvjax.spec import ModelSpec
 
 _TYPE = "gemma3_text"
@@ -127,15 +128,14 @@ class Gemma3Attention(nn.Module):
         inv_freq = (fc.rope_local if sliding else fc.rope_full).inverse_frequencies(c.head_dim)
         q = _rope(q, meta.positions, inv_freq)
         k = _rope(k, meta.positions, inv_freq)
-        out, pools = swa_paged_attention(
+        out, pools = attend(
+            pools,
+            self.layer_id,
             q,
             k,
             v,
-            pools,
             meta,
-            self.layer_id,
-            sliding=sliding,
-            sliding_window=fc.sliding_window,
+            sliding_window=fc.sliding_window if sliding else None,
             sm_scale=fc.query_pre_attn_scalar**-0.5,
             soft_cap=fc.attn_logit_softcapping,
         )
@@ -169,6 +169,6 @@ class Gemma3ForCausalLM(CausalLM):
         return _fc(self.config).final_logit_softcapping
 
 
-def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """One-page full and SWA pools of the model's shape, and the sliding layers' metadata."""
     return swa_trace_state(config, _fc(config).sliding)

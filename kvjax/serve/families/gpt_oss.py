@@ -30,9 +30,9 @@ keys in ``(p - sliding_window, p]`` (Transformers' sliding mask, the same as Gem
 
 Cache: the hybrid-SWA pools (``pools.swa``, a ``SWAKVPool``) as in ``gemma3``: full layers write
 at ``meta.out_loc`` and read ``meta.page_indices``; sliding layers write at
-``meta.extras["swa_out_loc"]`` and read ``meta.extras["swa_page_indices"]``. With
+``meta.swa.out_loc`` and read ``meta.swa.page_indices``. With
 ``disable_hybrid_swa_memory`` every layer uses the one full-size pool ``pools.kv``. The routing
-is ``kvjax.serve.swa_attention``.
+is ``kvjax.attention.attend``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
@@ -53,7 +54,7 @@ from kvjax.serve.causal_lm import CausalLM, DecoderLayer
 from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, Linear, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import combine_experts, dense_combine_weights
-from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
+from kvjax.serve.trace_state import swa_trace_state
 from kvjax.spec import ModelSpec
 
 WEIGHT_INIT_STDDEV = 0.02
@@ -138,15 +139,14 @@ class GptOssAttention(nn.Module):
             q = q * jnp.asarray(scaling, q.dtype)
             k = k * jnp.asarray(scaling, k.dtype)
         sliding = fc.sliding[self.layer_id]
-        out, pools = swa_paged_attention(
+        out, pools = attend(
+            pools,
+            self.layer_id,
             q,
             k,
             v,
-            pools,
             meta,
-            self.layer_id,
-            sliding=sliding,
-            sliding_window=fc.sliding_window,
+            sliding_window=fc.sliding_window if sliding else None,
             sm_scale=c.head_dim**-0.5,
             sinks=sinks.astype(jnp.float32),
         )
@@ -226,6 +226,6 @@ class GptOssForCausalLM(CausalLM):
     final_norm: type[nn.Module] = GptOssRMSNorm
 
 
-def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """One-page full and SWA pools of the model's shape, and the sliding layers' extras."""
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """One-page full and SWA pools of the model's shape, and the sliding layers' metadata."""
     return swa_trace_state(config, _fc(config).sliding)

@@ -14,7 +14,7 @@ Sliding windows (``LlamaWindows``, read from the spec's layer kinds): Mistral wi
 ``sliding_window`` slides on every layer (a *pure* sliding-window model: the plan's one pool is the
 SWA pool, served through ``PureSWARadixCache``), Qwen2 with ``use_sliding_window`` on the layers
 from ``max_window_layers`` (a hybrid). Their layers then go through
-``kvjax.serve.swa_attention.swa_paged_attention`` (``pools.swa``, or ``pools.kv`` with
+``kvjax.attention.attend`` (``pools.swa``, or ``pools.kv`` with
 ``disable_hybrid_swa_memory``); a sliding layer sees keys in ``(p - sliding_window, p]``, as
 Transformers' sliding mask.
 """
@@ -29,13 +29,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata, attend
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer
-from kvjax.serve.layers import BatchMetadata, Linear, apply_rope, paged_attention
-from kvjax.serve.model import mha_trace_state
+from kvjax.serve.layers import BatchMetadata, Linear, apply_rope
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.swa_attention import swa_paged_attention, swa_trace_state
+from kvjax.serve.trace_state import mha_trace_state, swa_trace_state
 from kvjax.spec import ModelSpec
 
 
@@ -57,7 +57,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
     return LlamaWindows(sliding, int(spec.sliding_window))
 
 
-def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
     """The smallest pools of the checkpoint's kinds: MHA, or full + SWA with sliding layers."""
     windows = config.family_config
     if isinstance(windows, LlamaWindows):
@@ -92,20 +92,10 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k, meta.positions, inv_freq)
         windows = c.family_config
         if isinstance(windows, LlamaWindows):
-            out, pools = swa_paged_attention(
-                q,
-                k,
-                v,
-                pools,
-                meta,
-                self.layer_id,
-                sliding=windows.sliding[self.layer_id],
-                sliding_window=windows.sliding_window,
-                sm_scale=c.head_dim**-0.5,
-            )
+            window = windows.sliding_window if windows.sliding[self.layer_id] else None
+            out, pools = attend(pools, self.layer_id, q, k, v, meta, sm_scale=c.head_dim**-0.5, sliding_window=window)
         else:
-            out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
-            pools = pools.replace(kv=kv)
+            out, pools = attend(pools, self.layer_id, q, k, v, meta)
         out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
         return out, pools
 

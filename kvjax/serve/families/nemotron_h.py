@@ -11,9 +11,9 @@ window and ``[heads, head_dim, state_size]`` state live in ``pools.recurrent``; 
 (q/k/v/o projections and paged attention, no RoPE); ``mlp`` (``down_proj(relu(up_proj(x))²)``).
 MoE blocks are refused by name (their experts are not gated SwiGLUs, which ``kvjax.serve.moe`` is).
 
-The recurrent state per sequence row comes from ``BatchMetadata.extras`` exactly as for Qwen3-Next
+The recurrent state per sequence row comes from ``meta.state`` exactly as for Qwen3-Next
 (``state_slots``, ``has_initial_state``, ``track_slots``, ``track_at``), run token by token with
-``lax.scan`` by ``kvjax.serve.recurrent_scan``.
+``lax.scan`` by ``kvjax.attention.recurrent_step``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata, attend, recurrent_step
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import CausalLM, StackNames
-from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Float32RMSNorm, Linear, paged_attention
+from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Float32RMSNorm, Linear
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.recurrent_scan import recurrent_scan, recurrent_trace_state
+from kvjax.serve.trace_state import recurrent_trace_state
 from kvjax.spec import ModelSpec
 
 MAMBA, ATTENTION, MLP_BLOCK = "linear_attention", "full_attention", "mlp"
@@ -100,8 +101,8 @@ def _family(config: ModelConfig) -> NemotronHConfig:
     return config.family_settings(NemotronHConfig)
 
 
-def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """The smallest pools of the model (one page, one state slot) and a one-row batch's extras."""
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """The smallest pools of the model (one page, one state slot) and a one-row batch's metadata part."""
     fc = _family(config)
     return recurrent_trace_state(
         config,
@@ -181,7 +182,7 @@ class Mamba2Mixer(nn.Module):
             out = jnp.einsum("hpn,hn->hp", st, c_t) + d_skip.astype(jnp.float32)[:, None] * xs
             return st, out.reshape(inter)
 
-        y, pools = recurrent_scan(pools, meta, self.layer_id, xbc, (dt,), update)
+        y, pools = recurrent_step(pools, self.layer_id, xbc, (dt,), update, meta)
         # Grouped RMSNorm of y * silu(gate), in float32.
         z = y.astype(dt_).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
         zg = z.reshape(t, g, inter // g)
@@ -202,8 +203,8 @@ class NemotronAttention(nn.Module):
         q = Linear(c.num_attention_heads * c.head_dim, False, dt, name="q_proj")(x).reshape(t, -1, c.head_dim)
         k = Linear(c.num_kv_heads * c.head_dim, False, dt, name="k_proj")(x).reshape(t, -1, c.head_dim)
         v = Linear(c.num_kv_heads * c.head_dim, False, dt, name="v_proj")(x).reshape(t, -1, c.head_dim)
-        out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
-        return Linear(c.hidden_size, False, dt, name="o_proj")(out.reshape(t, -1)), pools.replace(kv=kv)
+        out, pools = attend(pools, self.layer_id, q, k, v, meta)
+        return Linear(c.hidden_size, False, dt, name="o_proj")(out.reshape(t, -1)), pools
 
 
 class ReluSquaredMLP(nn.Module):

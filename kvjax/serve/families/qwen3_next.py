@@ -13,7 +13,7 @@ when ``num_experts`` is 0) is a dense SwiGLU; the others (every ``decoder_sparse
 sparse MoE of ``kvjax.serve.moe`` (softmax router, greedy top ``num_experts_per_tok``,
 ``norm_topk_prob``, a ``shared_expert`` gated by ``sigmoid(shared_expert_gate(x))``).
 
-Recurrent state per sequence row (``BatchMetadata.extras``, from ``RecurrentStateExtension``):
+Recurrent state per sequence row (``meta.state``, from ``RecurrentStateExtension``):
 ``state_slots [S]`` (the row's state slot, 0 for padding) and ``has_initial_state [S]`` (0: the
 sequence starts here, from zero state; 1: continue from the slot: a chunk continuation, a decode
 step, or a checkpoint forked at the match); with the extra buffer also ``track_slots [S]`` and
@@ -41,6 +41,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata, attend, recurrent_step
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer
@@ -51,12 +52,11 @@ from kvjax.serve.layers import (
     Linear,
     OffsetRMSNorm,
     apply_rope,
-    paged_attention,
     rms_normalize,
 )
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import MoEConfig, SparseMoE
-from kvjax.serve.recurrent_scan import recurrent_scan, recurrent_trace_state
+from kvjax.serve.trace_state import recurrent_trace_state
 from kvjax.spec import ModelSpec
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -138,8 +138,8 @@ def _family(config: ModelConfig) -> Qwen3NextConfig:
     return config.family_settings(Qwen3NextConfig)
 
 
-def trace_state(config: ModelConfig) -> tuple[CachePools, dict[str, Any]]:
-    """The smallest pools of a Qwen3-Next model (one page, one state slot) and a one-row batch's extras."""
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """The smallest pools of a Qwen3-Next model (one page, one state slot) and a one-row batch's metadata part."""
     fc = _family(config)
     return recurrent_trace_state(
         config,
@@ -184,10 +184,10 @@ class Qwen3NextAttention(nn.Module):
         inv_freq = c.rope.inverse_frequencies(rot)
         q = jnp.concatenate([apply_rope(q[..., :rot], meta.positions, inv_freq), q[..., rot:]], axis=-1)
         k = jnp.concatenate([apply_rope(k[..., :rot], meta.positions, inv_freq), k[..., rot:]], axis=-1)
-        out, kv = paged_attention(q, k, v, pools.kv, self.layer_id, meta)
+        out, pools = attend(pools, self.layer_id, q, k, v, meta)
         out = out.reshape(t, -1) * jax.nn.sigmoid(gate)
         out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out)
-        return out, pools.replace(kv=kv)
+        return out, pools
 
 
 class DepthwiseConvWeight(nn.Module):
@@ -243,7 +243,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             st = st + delta[:, :, None] * k_t[:, None, :]
             return st, jnp.einsum("hvk,hk->hv", st, q_t)
 
-        core, pools = recurrent_scan(pools, meta, self.layer_id, mixed, (g, beta), update)
+        core, pools = recurrent_step(pools, self.layer_id, mixed, (g, beta), update, meta)
         core = GatedRMSNorm(c.rms_norm_eps, name="norm")(core.astype(dt), z)
         return Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv)), pools
 

@@ -1,0 +1,83 @@
+"""Write-then-attend for a layer of a hybrid sliding-window pool (``SWAKVPool``: a full pool for the
+full-attention layers, a smaller SWA pool for the sliding ones).
+
+The layer's kind comes from the pool (``full_layer_ids`` / ``swa_layer_ids``):
+
+* a full layer writes at ``meta.out_loc`` and reads ``meta.page_indices`` in the full pool, and
+  sees every earlier key;
+* a sliding layer writes at ``meta.swa.out_loc`` and reads ``meta.swa.page_indices`` in the SWA
+  pool (its own slots, translated from the request table by the metadata builder), and sees keys
+  in ``(p - sliding_window, p]``. A pure sliding-window model (no full pool) is the same, its SWA
+  metadata holding the request table's slots as they are.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+
+from kvjax.attention.metadata import AttentionMetadata
+from kvjax.attention.paged_attention import paged_attention
+from kvjax.pools import SWAKVPool
+
+__all__ = ["hybrid_swa_attention"]
+
+
+def hybrid_swa_attention(
+    pool: SWAKVPool,
+    layer_id: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    sliding_window: int | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, SWAKVPool]:
+    """Write layer ``layer_id``'s ``k, v`` into its sub-pool, then attend ``q`` (shapes and the
+    optional arguments as ``paged_attention``).
+
+    Args:
+        sliding_window: the window of a sliding layer (required there, and only applied there:
+            a full layer of the pool attends over all keys whatever is passed).
+
+    Returns:
+        ``(out [T, heads, head_dim], the pool with the layer's sub-pool written)``.
+
+    Raises:
+        InvalidSlotError: ``layer_id`` is in neither sub-pool (the message lists both).
+        ValueError: a sliding layer without ``sliding_window`` or without ``meta.swa``.
+    """
+    sliding = pool.is_swa_layer(layer_id)
+    sub, index = pool.sub_pool(layer_id)
+    local_id = index + sub.start_layer
+    if sliding:
+        if sliding_window is None:
+            raise ValueError(
+                f"layer {layer_id} is a sliding-window layer of the SWA pool (sliding layers "
+                f"{list(pool.swa_layer_ids)}); pass its sliding_window"
+            )
+        swa = meta.require_swa()
+        out, sub = paged_attention(
+            sub,
+            local_id,
+            q,
+            k,
+            v,
+            meta,
+            out_loc=swa.out_loc,
+            page_indices=swa.page_indices,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sinks=sinks,
+            sliding_window=sliding_window,
+            mesh=mesh,
+        )
+        return out, pool.replace(swa=sub)
+    out, sub = paged_attention(
+        sub, local_id, q, k, v, meta, sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, mesh=mesh
+    )
+    return out, pool.replace(full=sub)

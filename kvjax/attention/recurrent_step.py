@@ -1,0 +1,103 @@
+"""The token-by-token recurrence of a recurrent mixer (Mamba2, gated delta net) over a batch's
+sequence rows, through the recurrent-state pool ``pools.recurrent``.
+
+Inputs per sequence row: ``meta.state`` (``StateMetadata``): the row's state slot, whether it
+continues that state or starts from zero, and the optional tracked state (the state after the
+row's ``track_at``-th token of this step, written to ``track_slots`` too: a page-aligned
+checkpoint candidate of the extra buffer).
+
+``recurrent_step`` reads the rows' conv windows ``[S, conv_dim, K - 1]`` and states (float32,
+zero where a row starts its sequence), runs the batch's tokens one at a time (``lax.scan``: a
+per-token recurrence, fine on CPU; the chunked form is a kernel's job) and writes the rows' final
+states back into their slots. Each token's conv window is its row's last ``K - 1`` conv inputs and
+its own; the mixer's ``update`` turns the window, the row's state and the token's own inputs into
+the new state and the token's output. Padding tokens (past the last sequence) change nothing.
+
+Over a mesh the pool's reads and writes run per device (``RecurrentStatePool`` shards its state
+itself) and the scan is plain ``jax.numpy``, which XLA partitions; there is no Pallas kernel here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from kvjax.attention.metadata import AttentionMetadata
+from kvjax.pools import CachePools
+
+__all__ = ["StateUpdate", "recurrent_step"]
+
+StateUpdate = Callable[..., tuple[jax.Array, jax.Array]]
+"""``update(window [conv_dim, K] f32, state f32, *token_inputs) -> (new state, output)``."""
+
+_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # conv, state, tracked conv, tracked state
+
+
+def recurrent_step(
+    pools: CachePools,
+    layer_id: int,
+    conv_input: jax.Array,
+    token_inputs: Sequence[jax.Array],
+    update: StateUpdate,
+    meta: AttentionMetadata,
+    *,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, CachePools]:
+    """Run layer ``layer_id``'s recurrence over the batch (module docstring).
+
+    Args:
+        pools: the cache's pools; ``pools.recurrent`` holds the layer.
+        layer_id: the model's layer id (one of ``pools.recurrent.layer_ids``).
+        conv_input: ``[T, conv_dim]``: each token's input to the causal conv.
+        token_inputs: arrays ``[T, ...]`` whose rows are passed to ``update`` after the window and
+            the state.
+        update: the mixer's per-token step (``StateUpdate``); the pool's state per row has four
+            axes ``[heads, a, b]`` after the row axis.
+        meta: the batch's metadata, with ``meta.state`` set.
+        mesh: accepted for a uniform signature; the pool's own mesh shards its reads and writes.
+
+    Returns:
+        ``(outputs [T, ...] stacked over the tokens, pools with pools.recurrent updated)``: the
+        rows' final states and tracked states written.
+
+    Raises:
+        ValueError: ``meta.state`` is None.
+    """
+    del mesh  # the pool's reads and writes follow its own sharding; the scan is partitioned by XLA
+    meta = meta.as_device_arrays()
+    rows = meta.require_state()
+    state = pools.recurrent
+    slots = rows.state_slots
+    keep = rows.has_initial_state.astype(bool)
+    (conv0,), ssm0 = state.get_states(layer_id, slots)  # [S, conv_dim, K-1], [S, heads, a, b]
+    conv0 = jnp.where(keep[:, None, None], conv0.astype(jnp.float32), 0.0)
+    ssm0 = jnp.where(keep[:, None, None, None], ssm0.astype(jnp.float32), 0.0)
+    # The sequence row of each token; padding tokens (past the last sequence) change nothing.
+    pos = jnp.arange(conv_input.shape[0], dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(meta.cu_q_lens[1:], pos, side="right"), 0, slots.shape[0] - 1)
+    live = pos < meta.cu_q_lens[meta.num_seqs[0]]
+    # After its track_at-th token of this step a row's state is also kept (a page-aligned
+    # checkpoint candidate), written to its track slot after the scan.
+    track = live & (pos - meta.cu_q_lens[seq] + 1 == rows.track_at[seq])
+
+    def token(carry: _Carry, inp: tuple[Any, ...]) -> tuple[_Carry, jax.Array]:
+        conv, ssm, conv_kept, ssm_kept = carry
+        x_t, s, ok, keep_t, rest = inp
+        window = jnp.concatenate([conv[s], x_t.astype(jnp.float32)[:, None]], axis=-1)  # [conv_dim, K]
+        st, out = update(window, ssm[s], *rest)
+        conv = jnp.where(ok, conv.at[s].set(window[:, 1:]), conv)
+        ssm = jnp.where(ok, ssm.at[s].set(st), ssm)
+        conv_kept = jnp.where(keep_t, conv_kept.at[s].set(window[:, 1:]), conv_kept)
+        ssm_kept = jnp.where(keep_t, ssm_kept.at[s].set(st), ssm_kept)
+        return (conv, ssm, conv_kept, ssm_kept), out
+
+    carry: _Carry = (conv0, ssm0, jnp.zeros_like(conv0), jnp.zeros_like(ssm0))
+    xs = (conv_input, seq, live, track, tuple(token_inputs))
+    (conv1, ssm1, conv_kept, ssm_kept), outputs = jax.lax.scan(token, carry, xs)
+    state = state.set_states(layer_id, slots, (conv1,), ssm1)
+    state = state.set_states(layer_id, rows.track_slots, (conv_kept,), ssm_kept)
+    return outputs, pools.replace(recurrent=state)
