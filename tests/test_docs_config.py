@@ -6,8 +6,6 @@ does not exist; these tests catch the same mistake in the plain test suite. Ever
 being run, so no jax is imported), every API page is in ``mkdocs.yml``'s navigation, and every
 page the navigation names exists. A function that the generator would leave out without a
 warning (hidden by a submodule of the same name) must be named on its page through its module.
-A page whose subject is not in this tree yet is skipped, as the build leaves it out
-(``docs/hooks/pending_pages.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import importlib
 import importlib.util
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,18 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 API_PAGES = sorted((DOCS / "api").glob("*.md"))
 REFERENCE = re.compile(r"^:::\s+(\S+)", flags=re.MULTILINE)
-
-
-def _load_hook() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pending_pages", DOCS / "hooks" / "pending_pages.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HOOK = _load_hook()
-PENDING = HOOK.pending_pages(ROOT)
 
 
 def _page(path: Path) -> str:
@@ -79,8 +64,6 @@ def test_api_pages_have_references():
 
 @pytest.mark.parametrize(("page", "name"), _references(), ids=lambda v: str(v))
 def test_reference_resolves(page, name):
-    if page in PENDING:
-        pytest.skip(f"{page} is left out of the site until {PENDING[page]} is in the tree")
     try:
         resolve(name)
     except (ImportError, AttributeError) as e:
@@ -111,7 +94,7 @@ def _shadowed_names() -> list[tuple[str, str, str]]:
     found = []
     for page, name in _references():
         package_dir = _package_dir(name)
-        if package_dir is None or page in PENDING:
+        if package_dir is None:
             continue
         for exported in _exported(package_dir):
             if (package_dir / f"{exported}.py").is_file() or (package_dir / exported / "__init__.py").is_file():
@@ -159,14 +142,5 @@ def test_every_api_page_is_in_the_navigation():
 
 
 def test_every_navigation_page_exists():
-    absent = [page for page in _nav_pages(_nav()) if page not in PENDING and not (DOCS / page).is_file()]
+    absent = [page for page in _nav_pages(_nav()) if not (DOCS / page).is_file()]
     assert absent == [], f"mkdocs.yml's nav names pages that are not under docs/: {absent}"
-
-
-def test_a_pending_page_leaves_the_navigation_and_a_present_one_stays(tmp_path):
-    nav = [{"Home": "index.md"}, {"API": [{"a": "api/a.md"}, {"b": "api/b.md"}]}, {"Only": ["api/b.md"]}]
-    assert HOOK.nav_without(nav, {"api/b.md"}) == [{"Home": "index.md"}, {"API": [{"a": "api/a.md"}]}]
-    for subject in HOOK.PENDING.values():
-        (tmp_path / subject).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / subject).touch()
-    assert HOOK.pending_pages(tmp_path) == {}

@@ -12,7 +12,14 @@
 
 from kvjax.attention.attend import attend, attend_mla, pool_layers
 from kvjax.attention.hybrid_swa_attention import hybrid_swa_attention
-from kvjax.attention.metadata import AttentionMetadata, KindMetadata, StateMetadata, SWAMetadata, trace_metadata
+from kvjax.attention.metadata import (
+    AttentionMetadata,
+    KindMetadata,
+    MetadataPart,
+    StateMetadata,
+    SWAMetadata,
+    trace_metadata,
+)
 from kvjax.attention.metadata_builder import (
     MIN_TOKEN_BUCKET,
     MetadataBuilder,
@@ -30,6 +37,7 @@ __all__ = [
     "AttentionMetadata",
     "KindMetadata",
     "MetadataBuilder",
+    "MetadataPart",
     "PageTables",
     "SWAMetadata",
     "SlotTranslation",

@@ -15,18 +15,31 @@ Parts, one per kind of pool beyond full attention:
 
 Each part class names its field in ``AttentionMetadata`` (``FIELD``), so a producer (a serving
 extension's ``step_metadata`` hook) returns a part and the builder places it without a branch on
-the kind.
+the kind. A kind registered outside kvjax (``kvjax.kinds.register_cache_kind``) brings its own
+part class (any pytree with a ``FIELD`` naming the kind: the ``MetadataPart`` protocol); it is
+placed in ``AttentionMetadata.extra`` under that name and read back with ``meta.part(name)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AttentionMetadata", "KindMetadata", "SWAMetadata", "StateMetadata", "trace_metadata"]
+__all__ = ["AttentionMetadata", "KindMetadata", "MetadataPart", "SWAMetadata", "StateMetadata", "trace_metadata"]
+
+
+@runtime_checkable
+class MetadataPart(Protocol):
+    """A kind-specific part of ``AttentionMetadata``: a pytree (e.g. a dataclass registered with
+    ``jax.tree_util.register_dataclass``) whose class names where it goes (``FIELD``: ``"swa"``
+    and ``"state"`` are the built-in fields; any other name lands in ``AttentionMetadata.extra``).
+    """
+
+    FIELD: ClassVar[str]
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +86,9 @@ class StateMetadata:
 
 
 KindMetadata = SWAMetadata | StateMetadata
-"""A kind-specific part of ``AttentionMetadata`` (placed at its class's ``FIELD``)."""
+"""The built-in kind-specific parts of ``AttentionMetadata`` (each placed at its class's ``FIELD``)."""
+
+_BUILT_IN_PARTS = frozenset({SWAMetadata.FIELD, StateMetadata.FIELD})
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +113,8 @@ class AttentionMetadata:
         logits_indices: int32 ``[S]``: index of each row's last token (0 for padding rows).
         swa: the sliding layers' slots and page table of a hybrid sliding-window pool, or None.
         state: the rows' recurrent-state slots, or None.
+        extra: the parts of kinds registered outside kvjax, by their ``FIELD`` (empty for
+            kvjax's own kinds); read one with :meth:`part`.
     """
 
     positions: jax.Array
@@ -109,11 +126,26 @@ class AttentionMetadata:
     logits_indices: jax.Array
     swa: SWAMetadata | None = None
     state: StateMetadata | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    def with_parts(self, *parts: KindMetadata | None) -> AttentionMetadata:
-        """A copy with each kind part placed at its field (``None`` parts are skipped)."""
-        changes: dict[str, Any] = {part.FIELD: part for part in parts if part is not None}
+    def with_parts(self, *parts: MetadataPart | None) -> AttentionMetadata:
+        """A copy with each kind part placed at its field (``None`` parts are skipped): a
+        built-in part at ``swa`` / ``state``, another kind's in ``extra`` under its ``FIELD``."""
+        changes, extra = place_parts(parts)
+        if extra:
+            changes["extra"] = {**self.extra, **extra}
         return dataclasses.replace(self, **changes) if changes else self
+
+    def part(self, name: str) -> Any:
+        """The part of the kind registered outside kvjax as ``name`` (``KeyError`` naming the
+        parts present otherwise)."""
+        try:
+            return self.extra[name]
+        except KeyError:
+            raise KeyError(
+                f"AttentionMetadata has no part {name!r} (parts present: {sorted(self.extra)}); the kind's "
+                "serving extension produces it from step_metadata"
+            ) from None
 
     def as_device_arrays(self) -> AttentionMetadata:
         """The metadata with every leaf a ``jax.Array`` (a no-op inside a jitted step, where they are
@@ -139,7 +171,31 @@ class AttentionMetadata:
         return self.state
 
 
-def trace_metadata(*parts: KindMetadata | None) -> AttentionMetadata:
+def place_parts(parts: Sequence[MetadataPart | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(built-in fields, extra)``: each part by its ``FIELD``, ``None`` skipped.
+
+    Raises:
+        ValueError: two parts for the same field (one producer per kind), or a part without
+            a ``FIELD``.
+    """
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for part in parts:
+        if part is None:
+            continue
+        name = getattr(part, "FIELD", None)
+        if not isinstance(name, str):
+            raise ValueError(f"{type(part).__name__} is not a metadata part: give its class a FIELD naming its kind")
+        target = fields if name in _BUILT_IN_PARTS else extra
+        if name in target:
+            raise ValueError(
+                f"two {type(part).__name__} parts for AttentionMetadata field {name!r}; one producer per kind"
+            )
+        target[name] = part
+    return fields, extra
+
+
+def trace_metadata(*parts: MetadataPart | None) -> AttentionMetadata:
     """The metadata of one padding token in one row over one page (for tracing a model's weights),
     with the given kind parts."""
     meta = AttentionMetadata(

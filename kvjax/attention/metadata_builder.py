@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.attention.metadata import AttentionMetadata, KindMetadata, SWAMetadata
+from kvjax.attention.metadata import AttentionMetadata, MetadataPart, SWAMetadata, place_parts
 from kvjax.attention.page_table import PageTables, SlotTranslation
 
 __all__ = ["MIN_TOKEN_BUCKET", "MetadataBuilder", "build_attention_metadata", "swa_metadata", "token_bucket"]
@@ -42,7 +42,7 @@ def build_attention_metadata(
     slots: np.ndarray,
     page_table: np.ndarray,
     max_seqs: int,
-    parts: Sequence[KindMetadata | None] = (),
+    parts: Sequence[MetadataPart | None] = (),
 ) -> tuple[np.ndarray, AttentionMetadata]:
     """Step inputs for sequences whose new tokens are ``tokens[i]`` at positions ``starts[i]...``.
 
@@ -98,15 +98,7 @@ def build_attention_metadata(
         table[:n_seqs] = page_table
     logits_idx = np.zeros(max_seqs, np.int32)
     logits_idx[:n_seqs] = cu[1 : n_seqs + 1] - 1
-    fields: dict[str, Any] = {}
-    for part in parts:
-        if part is None:
-            continue
-        if part.FIELD in fields:
-            raise ValueError(
-                f"two {type(part).__name__} parts for AttentionMetadata.{part.FIELD}; one producer per kind"
-            )
-        fields[part.FIELD] = part
+    fields, extra = place_parts(parts)
     # numpy leaves on the host (the field types are what the jitted step sees: device arrays)
     make_meta: Any = AttentionMetadata
     meta: AttentionMetadata = make_meta(
@@ -117,6 +109,7 @@ def build_attention_metadata(
         cu_q_lens=cu,
         num_seqs=np.array([n_seqs], np.int32),
         logits_indices=logits_idx,
+        extra=extra,
         **fields,
     )
     return flat, meta
@@ -153,7 +146,7 @@ class MetadataBuilder:
         slots: np.ndarray,
         rows: np.ndarray,
         seq_lens: np.ndarray,
-        parts: Sequence[KindMetadata | None] = (),
+        parts: Sequence[MetadataPart | None] = (),
     ) -> tuple[np.ndarray, AttentionMetadata]:
         """The batch's ``(tokens [T], metadata)`` (see ``build_attention_metadata``).
 

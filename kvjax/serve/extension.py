@@ -19,8 +19,9 @@ hook                       when
                            ``req.last_node``) and got its request-table row; before memory for
                            its new tokens is made
 ``step_metadata(batch)``   the batch is packed: return this kind's part of the step's
-                           ``AttentionMetadata`` (``SWAMetadata``, ``StateMetadata``: numpy,
-                           fixed shapes, padded to ``batch.max_seqs`` rows), or None
+                           ``AttentionMetadata`` (``SWAMetadata``, ``StateMetadata``, or a
+                           ``MetadataPart`` of the kind's own: numpy, fixed shapes, padded to
+                           ``batch.max_seqs`` rows), or None
 ``after_step(batch)``      the step ran and its pools are stored in the cache
 ``before_decode(reqs)``    a decode batch of ``reqs`` is about to allocate its new tokens
 ``before_release(req,``    the request's KV is about to go to the tree (``finished``: finished;
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvjax.attention import KindMetadata
+    from kvjax.attention import MetadataPart
     from kvjax.serve.serving_req import ServingReq
 
 
@@ -79,7 +80,7 @@ class ServingExtension:
     def before_decode(self, reqs: Sequence[ServingReq]) -> None:
         """A decode batch of ``reqs`` is about to allocate one token each."""
 
-    def step_metadata(self, batch: StepBatch) -> KindMetadata | None:
+    def step_metadata(self, batch: StepBatch) -> MetadataPart | None:
         """This kind's part of the batch's ``AttentionMetadata`` (numpy, fixed shapes), placed at
         the part's field by the metadata builder; None: nothing (the default)."""
         return None

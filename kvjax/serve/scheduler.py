@@ -91,7 +91,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.attention import KindMetadata, MetadataBuilder
+from kvjax.attention import MetadataBuilder, MetadataPart
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.kinds import CacheKind, cache_kinds_of
@@ -746,7 +746,7 @@ class Scheduler:
         the dispatch to ``step_seconds`` (``_read`` adds the wait for the tokens)."""
         start = time.perf_counter()
         batch = None
-        parts: list[KindMetadata | None] = []
+        parts: list[MetadataPart | None] = []
         if self.extensions:
             batch = StepBatch(
                 rows=rows,

@@ -3,6 +3,10 @@ and tokens zero, the SWA pool's translated slots and pages, kind parts placed by
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
+import jax
 import numpy as np
 import pytest
 
@@ -15,6 +19,7 @@ from kvjax.attention import (
     build_attention_metadata,
     swa_metadata,
     token_bucket,
+    trace_metadata,
 )
 from kvjax.req_pool import ReqToTokenPool
 
@@ -148,3 +153,26 @@ def test_build_attention_metadata_pads_an_unpadded_table():
         tokens=[np.arange(2)], starts=[0], slots=np.array([5, 6]), page_table=np.array([[5, 6]]), max_seqs=3
     )
     np.testing.assert_array_equal(meta.page_indices, [[5, 6], [0, 0], [0, 0]])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Marks:
+    """The metadata part of a kind registered outside kvjax."""
+
+    FIELD: ClassVar[str] = "marks"
+    rows: np.ndarray
+
+
+def test_parts_of_other_kinds_land_in_extra_and_are_read_by_name() -> None:
+    part = Marks(rows=np.arange(4, dtype=np.int32))
+    meta = trace_metadata(part)
+    assert meta.swa is None and meta.state is None and meta.part("marks") is part
+    leaves = jax.tree_util.tree_leaves(meta)
+    assert any(leaf is part.rows for leaf in leaves)  # the part travels through jit as a pytree
+    with pytest.raises(KeyError, match=r"no part 'other' \(parts present: \['marks'\]\)"):
+        meta.part("other")
+    with pytest.raises(ValueError, match="two Marks parts for AttentionMetadata field 'marks'"):
+        trace_metadata(part, part)
+    with pytest.raises(ValueError, match="give its class a FIELD"):
+        trace_metadata(object())  # type: ignore[arg-type]

@@ -3,9 +3,9 @@
 * pool ``"token_counter"`` (kind ``"token_counter"``): int32 ``[rows + 1]``, one counter per
   request-table row and a spare entry that padded sequence rows write to; added to the plan by
   the kind (``extra_pools``), built by :func:`create_counter_pool`;
-* serving extension :class:`CounterExtension`: each step's input ``"counter_rows"`` (the
-  sequences' rows, padding -> the spare entry) and ``"counter_reset"`` (1 for a request's first
-  chunk since its admission);
+* serving extension :class:`CounterExtension`: each step's metadata part :class:`CounterMetadata`
+  (``rows``: the sequences' rows, padding -> the spare entry; ``reset``: 1 for a request's first
+  chunk since its admission), read by the model as ``meta.part("token_counter")``;
 * model :class:`CounterModel`: adds each sequence's new tokens to its counter (reset first where
   asked) and samples the counter, modulo the vocabulary: a request's first output token is the
   number of prompt tokens it computed, each next one is one more. The tokens therefore read back
@@ -14,7 +14,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -45,6 +46,17 @@ def create_counter_pool(pool: PoolPlan, context: BuildContext) -> jax.Array:
     return jnp.zeros(pool.shape, pool.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CounterMetadata:
+    """The toy kind's part of ``AttentionMetadata`` (``meta.part(POOL_NAME)``): int32 ``[S]`` each."""
+
+    FIELD: ClassVar[str] = POOL_NAME
+
+    rows: jax.Array
+    reset: jax.Array
+
+
 class CounterExtension(ServingExtension):
     """Feeds the step the rows to count in and which counters to reset."""
 
@@ -56,12 +68,13 @@ class CounterExtension(ServingExtension):
     def after_admit(self, req: Any) -> None:
         self.fresh.add(id(req))
 
-    def step_extras(self, batch: StepBatch) -> dict[str, np.ndarray]:
+    def step_metadata(self, batch: StepBatch) -> CounterMetadata:
         rows = np.full(batch.max_seqs, self.spare, np.int32)
         rows[: len(batch.rows)] = batch.rows
         reset = np.zeros(batch.max_seqs, np.int32)
         reset[: len(batch.reqs)] = [id(r) in self.fresh for r in batch.reqs]
-        return {"counter_rows": rows, "counter_reset": reset}
+        make_part: Any = CounterMetadata  # numpy leaves on the host
+        return make_part(rows=rows, reset=reset)
 
     def after_step(self, batch: StepBatch) -> None:
         self.fresh.difference_update(id(r) for r in batch.reqs)
@@ -91,7 +104,8 @@ class CounterModel(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, pools: Any, meta: Any) -> tuple[jax.Array, Any]:
         counter = pools[POOL_NAME]
-        rows, reset = meta.extras["counter_rows"], meta.extras["counter_reset"]
+        part: CounterMetadata = meta.part(POOL_NAME)
+        rows, reset = part.rows, part.reset
         q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
         count = jnp.where(reset > 0, 0, counter[rows]) + q_lens
         counter = counter.at[rows].set(count)

@@ -193,7 +193,7 @@ def test_a_users_loop_sees_a_recurrent_state_fork_only_when_it_applies_it():
         max_seqs=2,
         is_decode=False,
     )
-    library(lambda: extension.step_extras(batch))  # records the fork
+    library(lambda: extension.step_metadata(batch))  # records the fork
     assert [u.what for u in cache.pending.updates()] == ["state fork"]
     pools = cache.apply_pending(pools)  # the owner applies it before its step
     conv_b, ssm_b = pools.recurrent.get_states(0, [b.mamba_pool_idx])
