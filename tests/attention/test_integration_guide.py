@@ -1,5 +1,5 @@
-"""The code of ``docs/integration.md`` runs as written (so the guide cannot rot): its ``python``
-block is extracted and run in a fresh interpreter; a line ``expr  # N`` is also checked,
+"""The code of ``docs/integration.md`` runs as written (so the guide cannot rot): each ``python``
+block is extracted and run in a fresh interpreter; a line ``print(expr)  # N`` is also checked,
 ``expr == N``."""
 
 from __future__ import annotations
@@ -29,13 +29,28 @@ def _with_checks(code: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def test_the_guide_has_one_loop_and_it_runs():
-    blocks = _python_blocks()
-    assert len(blocks) == 1, "docs/integration.md has one python block (the user's own loop)"
-    code = _with_checks(blocks[0])
-    assert "assert (reused) == 32" in code
+def _run(code: str) -> str:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().splitlines()[-1] == "32"
+    return out.stdout
+
+
+def test_the_guide_has_its_two_programs():
+    blocks = _python_blocks()
+    assert len(blocks) == 2, "docs/integration.md: (b) your own loop with attend, (a) your own model in the scheduler"
+    assert "attend(pools, layer, q, k, v, meta)" in blocks[0]
+    assert "Scheduler(spec, cache, params, model=model" in blocks[1]
+
+
+def test_your_own_loop_with_attend_runs():
+    code = _with_checks(_python_blocks()[0])
+    assert "assert (reused) == 32" in code
+    assert _run(code).strip().splitlines()[-1] == "32"
+
+
+def test_your_own_model_in_the_scheduler_runs():
+    code = _with_checks(_python_blocks()[1])
+    assert "assert (scheduler.stats.cached_tokens) == 64" in code
+    assert _run(code).strip().splitlines()[-1] == "64"
