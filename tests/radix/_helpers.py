@@ -1,6 +1,8 @@
-"""Shared fixtures for the radix tests: a recording allocator and a small request harness."""
+"""Shared fixtures for the radix tests: a recording allocator and small request harnesses."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -116,6 +118,38 @@ class Harness:
         t = self.tree
         t.sanity_check()
         assert t.evictable_size() + t.protected_size() == t.total_size()
+
+
+class WindowHarness:
+    """A request table, an allocator and a sliding-window tree (``SWARadixCache`` or
+    ``PureSWARadixCache``); requests get fresh slots for their tokens. Subclasses say how decode
+    frees the slots that leave the window (``leave_window``)."""
+
+    def __init__(self, tree_cls: type, alloc: Any, window: int, page_size: int) -> None:
+        self.alloc = alloc
+        self.pool = ReqToTokenPool(4, 64)
+        self.tree = tree_cls(
+            page_size=page_size, sliding_window_size=window, allocator=self.alloc, req_to_token_pool=self.pool
+        )
+
+    def start(self, tokens: list[int]) -> Req:
+        """Match + lock ``tokens``, take a row, give the rest fresh slots; the tree's prefix
+        counts as already out of the request's own window."""
+        rows = self.pool.alloc(1)
+        assert rows is not None
+        req = Req(f"r{rows[0]}", list(tokens), req_pool_idx=rows[0])
+        m = self.tree.match_and_lock(req)
+        self.pool.write(rows[0], 0, m.indices)
+        fresh = self.alloc.alloc(len(tokens) - m.prefix_len)
+        assert fresh is not None
+        self.pool.write(rows[0], m.prefix_len, fresh)
+        req.swa_evicted_seqlen = req.cache_protected_len
+        return req
+
+    def finish(self, req: Req, insert: bool = True) -> None:
+        self.tree.cache_finished_req(req, insert)
+        assert req.req_pool_idx is not None
+        self.pool.free(req.req_pool_idx)
 
 
 def sizes(tree) -> tuple[int, int, int]:

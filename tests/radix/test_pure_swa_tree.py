@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.errors import ConfigError
 from kvjax.radix import LockError, PureSWARadixCache, TreeOptions, create_tree_cache
-from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
+from tests.radix._helpers import WindowHarness
 
 
 def shape(tree: PureSWARadixCache) -> list[tuple[list[int], list[int]]]:
@@ -168,25 +168,9 @@ def test_registry_builds_it_for_pure_swa_plans():
 # --------------------------------------------------------------------------- request lifecycle
 
 
-class Harness:
+class Harness(WindowHarness):
     def __init__(self, size: int = 32, page_size: int = 1, window: int = 4) -> None:
-        self.alloc = make_allocator(size, page_size)
-        self.pool = ReqToTokenPool(4, 64)
-        self.tree = PureSWARadixCache(
-            page_size=page_size, sliding_window_size=window, allocator=self.alloc, req_to_token_pool=self.pool
-        )
-
-    def start(self, tokens: list[int]) -> Req:
-        rows = self.pool.alloc(1)
-        assert rows is not None
-        req = Req(f"r{rows[0]}", list(tokens), req_pool_idx=rows[0])
-        m = self.tree.match_and_lock(req)
-        self.pool.write(rows[0], 0, m.indices)
-        fresh = self.alloc.alloc(len(tokens) - m.prefix_len)
-        assert fresh is not None
-        self.pool.write(rows[0], m.prefix_len, fresh)
-        req.swa_evicted_seqlen = req.cache_protected_len
-        return req
+        super().__init__(PureSWARadixCache, make_allocator(size, page_size), window, page_size)
 
     def leave_window(self, req: Req, upto: int) -> None:
         """Decode frees the request's own slots before ``upto`` with a plain ``free`` (the row keeps
@@ -196,11 +180,6 @@ class Harness:
         if upto > start:
             self.alloc.free(row[start:upto])
             req.swa_evicted_seqlen = upto
-
-    def finish(self, req: Req, insert: bool = True) -> None:
-        self.tree.cache_finished_req(req, insert)
-        assert req.req_pool_idx is not None
-        self.pool.free(req.req_pool_idx)
 
 
 def test_sglang_31486_freed_window_slots_are_neither_reinserted_nor_freed_twice():
