@@ -1,15 +1,30 @@
-"""Shared fixtures for the radix tests: a recording allocator and small request harnesses."""
+"""Shared fixtures for the radix tests: a recording allocator, small request harnesses and the
+settings of the stateful model-based tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+from hypothesis import HealthCheck, Phase, settings
 
 from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
+
+
+def machine_settings(examples: int) -> settings:
+    """Hypothesis settings of a stateful model-based tree test: ``examples`` runs of as many
+    steps each, no deadline, slow and heavily filtered runs allowed, and no "explain" phase
+    (tracing a failing stateful run can take minutes)."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=examples,
+        deadline=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
 
 
 class RecordingAllocator:

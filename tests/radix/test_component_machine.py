@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
+from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
     CAPACITY_PAGES,
     EXTRA_KEYS,
@@ -47,13 +47,7 @@ from tests.radix.state_component import StatePool, StateSlotComponent
 EMPTY_OR_KEYS: st.SearchStrategy[list[int]] = st.one_of(st.just([]), KEYS)
 CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
 
-SETTINGS = settings(
-    max_examples=50,
-    stateful_step_count=50,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings(50)
 
 
 class ComponentMachine(PrefixStateMachine):

@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import make_allocator
 from kvjax.alloc.state_slots import StateSlotAllocator
 from kvjax.radix import MambaRadixCache
+from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
     CAPACITY_PAGES,
     EXTRA_KEYS,
@@ -35,13 +35,7 @@ from tests.radix.prefix_state_machine import (
     Recorder,
 )
 
-SETTINGS = settings(
-    max_examples=30,
-    stateful_step_count=30,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings(30)
 
 
 class RecordingStates(StateSlotAllocator):

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -44,6 +43,7 @@ from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
+from tests.radix._helpers import machine_settings
 
 MAX_LIVE_REQUESTS = 4
 
@@ -73,14 +73,7 @@ KEY_PARTS = st.tuples(
 EXTRA_KEYS = st.sampled_from([None, None, "lora-a"])
 PRIORITIES = st.integers(0, 3)
 
-SETTINGS = settings(
-    max_examples=30,
-    stateful_step_count=30,
-    deadline=None,
-    # No "explain" phase: tracing a failing stateful run can take minutes.
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings(30)
 
 
 class RecordingAllocator:
