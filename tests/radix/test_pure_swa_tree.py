@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.errors import ConfigError
 from kvjax.radix import LockError, PureSWARadixCache, TreeOptions, create_tree_cache
 from kvjax.request import Req
 from tests.radix._helpers import WindowHarness
+from tests.radix.window_machine import WindowTreeMachine, window_match_end
 
 
 def shape(tree: PureSWARadixCache) -> list[tuple[list[int], list[int]]]:
@@ -223,10 +224,8 @@ def test_lifecycle_with_window_freeing_reuse_and_retraction(insert: bool):
 
 # --------------------------------------------------------------------------- state machine
 
-TOKENS = st.integers(1, 3)
 
-
-class PureSWATreeMachine(RuleBasedStateMachine):
+class PureSWATreeMachine(WindowTreeMachine):
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5))
     def setup(self, ps: int, window: int) -> None:
         self.ps = ps
@@ -234,16 +233,6 @@ class PureSWATreeMachine(RuleBasedStateMachine):
         self.tree = PureSWARadixCache(page_size=ps, sliding_window_size=window, allocator=self.alloc)
         self.receipts: list = []
         self.keys: list[list[int]] = []
-
-    def key(self, data: st.DataObject, pages_max: int = 6) -> list[int]:
-        ps = self.ps
-        if self.keys and data.draw(st.integers(0, 3)) > 0:
-            old = self.keys[data.draw(st.integers(0, len(self.keys) - 1))]
-            pages = data.draw(st.integers(1, pages_max))
-            body = old[: pages * ps] + data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
-            return body[: pages * ps]
-        pages = data.draw(st.integers(1, pages_max))
-        return data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
 
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
@@ -274,15 +263,8 @@ class PureSWATreeMachine(RuleBasedStateMachine):
             path.append(nxt)
             pos += nxt.klen
             node = nxt
-        best, since = 0, float("inf")
-        for p in path:
-            if tree.swa.is_tombstone(p):
-                since = 0
-                continue
-            since += p.klen
-            if since >= tree.sliding_window_size:
-                best = p.depth
-        return best
+        best = window_match_end(tree, path)
+        return 0 if best is tree.root else best.depth
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
@@ -292,18 +274,6 @@ class PureSWATreeMachine(RuleBasedStateMachine):
         if m.prefix_len:
             window = m.indices[max(0, m.prefix_len - self.tree.sliding_window_size) :]
             assert (window != 0).all()  # the last window of a match is live KV
-
-    @rule(data=st.data())
-    def lock(self, data: st.DataObject) -> None:
-        m = self.tree.match_prefix(self.key(data))
-        if m.prefix_len:
-            self.receipts.append(self.tree.inc_lock_ref(m.last_node))
-
-    @precondition(lambda self: self.receipts)
-    @rule(data=st.data())
-    def unlock(self, data: st.DataObject) -> None:
-        r = self.receipts.pop(data.draw(st.integers(0, len(self.receipts) - 1)))
-        self.tree.dec_lock_ref(r)
 
     @precondition(lambda self: self.receipts)
     @rule(data=st.data())

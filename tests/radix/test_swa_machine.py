@@ -11,18 +11,16 @@ naively: it ends at the deepest node of the walked path with no tombstone above 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
-from kvjax.radix import LockError, SWARadixCache
+from kvjax.radix import SWARadixCache
+from tests.radix.window_machine import WindowTreeMachine, window_match_end
 
-TOKENS = st.integers(1, 3)
 
-
-class SWATreeMachine(RuleBasedStateMachine):
+class SWATreeMachine(WindowTreeMachine):
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5), eagle=st.booleans())
     def setup(self, ps: int, window: int, eagle: bool) -> None:
         self.ps = ps
@@ -31,20 +29,6 @@ class SWATreeMachine(RuleBasedStateMachine):
         self.tree = SWARadixCache(page_size=ps, sliding_window_size=window, allocator=self.alloc, is_eagle=eagle)
         self.receipts: list = []
         self.keys: list[list[int]] = []
-
-    def key(self, data: st.DataObject, pages_max: int = 6) -> list[int]:
-        """A fresh random key, or (mostly) a page-aligned prefix or extension of an earlier one."""
-        ps, ex = self.ps, (1 if self.eagle else 0)
-        reuse = bool(self.keys) and data.draw(st.integers(0, 3)) > 0
-        if reuse:
-            old: list[int] = self.keys[data.draw(st.integers(0, len(self.keys) - 1))]
-            pages = data.draw(st.integers(1, pages_max))
-            body = old[: pages * ps] + data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
-            body = body[: pages * ps]
-        else:
-            pages = data.draw(st.integers(1, pages_max))
-            body = data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
-        return body + data.draw(st.lists(TOKENS, min_size=ex, max_size=ex))
 
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
@@ -83,14 +67,7 @@ class SWATreeMachine(RuleBasedStateMachine):
             path.append(nxt)
             pos += nxt.klen
             node = nxt
-        best, since = tree.root, float("inf")
-        for p in path:
-            if tree.swa.is_tombstone(p):
-                since = 0
-                continue
-            since += p.klen
-            if since >= tree.sliding_window_size:
-                best = p
+        best = window_match_end(tree, path)
         return (0 if best is tree.root else best.depth), best
 
     @rule(data=st.data())
@@ -104,20 +81,6 @@ class SWATreeMachine(RuleBasedStateMachine):
             assert m.indices.tolist() == self.tree.path_slots(m.last_node, m.prefix_len).tolist()
         again, _ = self.naive_match(key)
         assert m.prefix_len == again  # after the split, the naive rule agrees exactly
-
-    @rule(data=st.data())
-    def lock(self, data: st.DataObject) -> None:
-        m = self.tree.match_prefix(self.key(data))
-        if m.prefix_len:
-            self.receipts.append(self.tree.inc_lock_ref(m.last_node))
-
-    @precondition(lambda self: self.receipts)
-    @rule(data=st.data())
-    def unlock(self, data: st.DataObject) -> None:
-        r = self.receipts.pop(data.draw(st.integers(0, len(self.receipts) - 1)))
-        self.tree.dec_lock_ref(r)
-        with pytest.raises(LockError):
-            self.tree.dec_lock_ref(r)
 
     @precondition(lambda self: self.receipts)
     @rule(data=st.data())
