@@ -12,9 +12,10 @@ nothing of nodes:
   ``(extra_key, page list)`` of every inserted key, so later keys land near cached ones.
 
 It holds the model's helpers and the rules whose strategies and bodies the machines share
-(``insert_near_seen``, ``match``, ``unlock``, ``evict_full``). A subclass builds its tree in an
-``@initialize`` rule that calls ``_start_model``, and writes ``_insert``, ``_match`` and
-``_evict_full`` against its tree (and its own rules and invariants).
+(``insert_near_seen``, ``match``, ``unlock``, ``evict_full``, ``reset``). A subclass builds its
+tree, its recording token allocator ``alloc`` and its recording state-slot allocator
+``state_slots`` in an ``@initialize`` rule that calls ``_start_model``, and writes ``_insert``,
+``_match`` and ``_evict_full`` against its tree (and its own rules and invariants).
 """
 
 from __future__ import annotations
@@ -120,6 +121,28 @@ class PrefixStateMachine(RuleBasedStateMachine):
         ek, pages = self.seen[which % len(self.seen)]
         return ek, pages[: cut % (len(pages) + 1)] + more
 
+    def _freed_node(self, call: list[int], owner: dict[int, tuple], covered: set) -> list[tuple]:
+        """The model prefixes (shortest first) of the one node an eviction freed with the
+        allocator call ``call``: whole pages (``owner``: page -> prefix ending on it), none of
+        them ``covered`` by a lock, each one page longer than the one before."""
+        ps = self.page_size
+        chain = sorted((owner[p] for p in sorted({s // ps for s in call})), key=lambda k: len(k[1]))
+        end = chain[-1]
+        assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
+        assert len(call) == len(chain) * ps
+        for a, b in zip(chain, chain[1:], strict=False):
+            assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + ps, "not one node"
+        return chain
+
+    def _lock_near_seen(self, which, cut, more) -> None:
+        """Lock the match of a key near an inserted one; the model's lock covers the match and,
+        when it ends on a state, that state."""
+        ek, pages = self._seen(which, cut, more[:1])
+        key = self._key(pages)
+        m, best = self._match(key, ek)
+        receipt = self.tree.inc_lock_ref(m.last_node)
+        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+
     # -- what each machine writes against its tree -----------------------------------------------
 
     def _insert(self, pages, ek, with_state) -> None:
@@ -152,3 +175,17 @@ class PrefixStateMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def evict_full(self, n):
         self._evict_full(n * self.page_size)
+
+    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
+    @rule()
+    def reset(self):
+        """``reset`` frees every device page and every state, and nothing else."""
+        self.alloc.take()
+        self.state_slots.take()
+        self.tree.reset()
+        freed = sorted(s for call in self.alloc.take() for s in call)
+        assert freed == sorted(s for v in self.pages.values() if v is not None for s in v)
+        assert sorted(self.state_slots.take()) == sorted(self.states.values())
+        self.pages.clear()
+        self.states.clear()
+        self.recency.clear()

@@ -56,9 +56,9 @@ class ComponentMachine(PrefixStateMachine):
         ps = self.page_size
         self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
         self.capacity = self.alloc.available_size()
-        self.pool = StatePool(STATE_CAPACITY)
+        self.state_slots = StatePool(STATE_CAPACITY)
         self.tree = RadixCache(
-            page_size=ps, token_to_kv_pool_allocator=self.alloc, components=[StateSlotComponent(self.pool)]
+            page_size=ps, token_to_kv_pool_allocator=self.alloc, components=[StateSlotComponent(self.state_slots)]
         )
         self._start_model()
 
@@ -99,13 +99,8 @@ class ComponentMachine(PrefixStateMachine):
         covered = self._covered()
         freed = 0
         for call in calls:
-            pages = sorted({s // self.page_size for s in call})
-            chain = sorted((owner[p] for p in pages), key=lambda k: len(k[1]))
+            chain = self._freed_node(call, owner, covered)
             end = chain[-1]
-            assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
-            assert len(call) == len(chain) * self.page_size
-            for a, b in zip(chain, chain[1:], strict=False):
-                assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + self.page_size, "not one node"
             if deleting is not None:
                 assert end == deleting.pop(0), "state eviction deleted another node"
                 keep = False
@@ -126,7 +121,7 @@ class ComponentMachine(PrefixStateMachine):
         freed = self._apply_full_frees(self.alloc.take())
         assert counts == {"full": freed, "state": 0}, counts
         assert freed >= min(n, evictable) and freed <= evictable
-        assert not self.pool.take(), "FULL eviction freed a state"
+        assert not self.state_slots.take(), "FULL eviction freed a state"
 
     # -- rules -----------------------------------------------------------------------------------
 
@@ -141,7 +136,7 @@ class ComponentMachine(PrefixStateMachine):
         values = self._fresh(n)
         if values is None:
             return
-        slot = self.pool.alloc() if with_state else None
+        slot = self.state_slots.alloc() if with_state else None
         prefixes = self._prefixes(ek, key)
         walk, _ = self._walk(ek, key)
         result = self.tree.insert_with(key, values, extra_key=ek, payloads={"state": slot} if with_state else None)
@@ -167,8 +162,8 @@ class ComponentMachine(PrefixStateMachine):
                 if tail is not None:
                     self._touch(tail)
                 if slot is not None:
-                    self.pool.free(slot)
-                    self.pool.take()
+                    self.state_slots.free(slot)
+                    self.state_slots.take()
             else:
                 assert handed_back is None
                 if slot is not None:
@@ -208,11 +203,7 @@ class ComponentMachine(PrefixStateMachine):
 
     @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
     def lock(self, which, cut, more):
-        ek, pages = self._seen(which, cut, more[:1])
-        key = self._key(pages)
-        m, best = self._match(key, ek)
-        receipt = self.tree.inc_lock_ref(m.last_node)
-        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+        self._lock_near_seen(which, cut, more)
 
     @precondition(lambda self: len(self.states) >= 3)
     @rule(k=st.integers(1, 3))
@@ -222,7 +213,7 @@ class ComponentMachine(PrefixStateMachine):
         expected = order[:k]
         self.alloc.take()
         counts = self.tree.evict({"state": k})
-        assert self.pool.take() == [self.states[pos] for pos in expected], "not least recent first"
+        assert self.state_slots.take() == [self.states[pos] for pos in expected], "not least recent first"
         calls = self.alloc.take()
         freed = 0
         for pos in expected:  # in the component's order: each decision sees the earlier ones
@@ -243,18 +234,6 @@ class ComponentMachine(PrefixStateMachine):
             self.tree.evict({"swa": 1} if how == "name" else {"state": -1})
         assert self.tree.sizes() == before
 
-    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
-    @rule()
-    def reset(self):
-        self.alloc.take()
-        self.tree.reset()
-        freed = sorted(s for call in self.alloc.take() for s in call)
-        assert freed == sorted(s for v in self.pages.values() if v is not None for s in v)
-        assert sorted(self.pool.take()) == sorted(self.states.values())
-        self.pages.clear()
-        self.states.clear()
-        self.recency.clear()
-
     # -- invariants ------------------------------------------------------------------------------
 
     @invariant()
@@ -272,7 +251,7 @@ class ComponentMachine(PrefixStateMachine):
         assert self.alloc.available_size() + full.evictable + full.protected == self.capacity
         assert state.total == len(self.states) == tree.total_size("state")
         assert state.protected == len(self._state_locked()) == tree.protected_size("state")
-        assert self.pool.available_size() + state.evictable + state.protected == self.pool.capacity
+        assert self.state_slots.available_size() + state.evictable + state.protected == self.state_slots.capacity
         assert (tree.host_only_count > 0) == any(v is None for v in self.pages.values())
 
 
