@@ -13,9 +13,9 @@ nothing of nodes:
 
 It holds the model's helpers and the rules whose strategies and bodies the machines share
 (``insert_near_seen``, ``match``, ``unlock``, ``evict_full``, ``reset``). A subclass builds its
-tree, its recording token allocator ``alloc`` and its recording state-slot allocator
-``state_slots`` in an ``@initialize`` rule that calls ``_start_model``, and writes ``_insert``,
-``_match`` and ``_evict_full`` against its tree (and its own rules and invariants).
+tree in an ``@initialize`` rule that first calls ``_start_model`` with its recording state-slot
+allocator, and writes ``_insert``, ``_match`` and ``_evict_full`` against its tree (and its own
+rules and invariants).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from kvjax.alloc import make_allocator
 
 PALETTE: dict[int, list[tuple[int, ...]]] = {
     1: [(0,), (1,), (2,), (3,)],
@@ -79,7 +81,13 @@ class PrefixStateMachine(RuleBasedStateMachine):
 
     page_size = 1
 
-    def _start_model(self) -> None:
+    def _start_model(self, state_slots) -> None:
+        """An empty model, a fresh recording token allocator ``alloc`` of ``capacity`` slots, and
+        ``state_slots``: the state-slot allocator (recording its frees: ``take()``)."""
+        ps = self.page_size
+        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
+        self.capacity = self.alloc.available_size()
+        self.state_slots = state_slots
         self.pages: dict[tuple, tuple[int, ...] | None] = {}
         self.states: dict[tuple, int] = {}
         self.recency: dict[tuple, int] = {}

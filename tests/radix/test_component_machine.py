@@ -31,16 +31,13 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
 from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
-    CAPACITY_PAGES,
     EXTRA_KEYS,
     KEYS,
     STATE_CAPACITY,
     PrefixStateMachine,
-    Recorder,
 )
 from tests.radix.state_component import StatePool, StateSlotComponent
 
@@ -53,14 +50,12 @@ SETTINGS = machine_settings(50)
 class ComponentMachine(PrefixStateMachine):
     @initialize()
     def setup(self):
-        ps = self.page_size
-        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
-        self.capacity = self.alloc.available_size()
-        self.state_slots = StatePool(STATE_CAPACITY)
+        self._start_model(StatePool(STATE_CAPACITY))
         self.tree = RadixCache(
-            page_size=ps, token_to_kv_pool_allocator=self.alloc, components=[StateSlotComponent(self.state_slots)]
+            page_size=self.page_size,
+            token_to_kv_pool_allocator=self.alloc,
+            components=[StateSlotComponent(self.state_slots)],
         )
-        self._start_model()
 
     # -- model helpers ---------------------------------------------------------------------------
 

@@ -22,17 +22,14 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvjax.alloc import make_allocator
 from kvjax.alloc.state_slots import StateSlotAllocator
 from kvjax.radix import MambaRadixCache
 from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
-    CAPACITY_PAGES,
     EXTRA_KEYS,
     KEYS,
     STATE_CAPACITY,
     PrefixStateMachine,
-    Recorder,
 )
 
 SETTINGS = machine_settings(30)
@@ -60,9 +57,7 @@ class MambaMachine(PrefixStateMachine):
     @initialize()
     def setup(self):
         ps = self.page_size
-        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
-        self.capacity = self.alloc.available_size()
-        self.state_slots = RecordingStates(STATE_CAPACITY)
+        self._start_model(RecordingStates(STATE_CAPACITY))
         self.tree = MambaRadixCache(
             page_size=ps,
             allocator=self.alloc,
@@ -70,7 +65,6 @@ class MambaMachine(PrefixStateMachine):
             mamba_max_states_per_path=self.cap,
             enable_mamba_extra_buffer=ps > 1,
         )
-        self._start_model()
 
     # -- model helpers ---------------------------------------------------------------------------
 

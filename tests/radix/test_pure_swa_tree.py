@@ -234,21 +234,11 @@ class PureSWATreeMachine(WindowTreeMachine):
         self.receipts: list = []
         self.keys: list[list[int]] = []
 
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
-        key = self.key(data)
-        n = len(key)
-        slots = self.alloc.alloc(n)
-        if slots is None:
-            self.tree.evict(n)
-            slots = self.alloc.alloc(n)
-            if slots is None:
-                return
-        e = data.draw(st.integers(0, (n - 1) // self.ps)) * self.ps if data.draw(st.booleans()) else 0
-        if e:
-            self.alloc.free(slots[:e])  # the caller's decode freed them
-        self.tree.insert(key, slots, swa_evicted_seqlen=e)
-        self.keys.append(key)
+    def _make_room(self, n: int) -> None:
+        self.tree.evict(n)
+
+    def _free_out_of_window(self, slots: np.ndarray) -> None:
+        self.alloc.free(slots)
 
     def naive_match(self, key: list[int]) -> int:
         tree = self.tree

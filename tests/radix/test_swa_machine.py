@@ -30,23 +30,11 @@ class SWATreeMachine(WindowTreeMachine):
         self.receipts: list = []
         self.keys: list[list[int]] = []
 
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
-        key = self.key(data)
-        n = len(key) - (1 if self.eagle else 0)  # key elements, page-aligned
-        slots = self.alloc.alloc(n)
-        if slots is None:
-            self.tree.evict(n, n)
-            slots = self.alloc.alloc(n)
-            if slots is None:
-                return
-        e = data.draw(st.integers(0, (n - 1) // self.ps)) * self.ps if data.draw(st.booleans()) else 0
-        if e:
-            self.alloc.free_swa(slots[:e])  # the caller's decode freed them
-        # One slot per token; a bigram key's last token has none cached (the trash slot).
-        indices = np.concatenate([slots, np.zeros(len(key) - n, np.int32)])
-        self.tree.insert(key, indices, swa_evicted_seqlen=e)
-        self.keys.append(key)
+    def _make_room(self, n: int) -> None:
+        self.tree.evict(n, n)
+
+    def _free_out_of_window(self, slots: np.ndarray) -> None:
+        self.alloc.free_swa(slots)
 
     def naive_match(self, key: list[int]) -> tuple[int, object]:
         tree = self.tree

@@ -1,11 +1,12 @@
 """`WindowTreeMachine`: what the Hypothesis machines over the sliding-window trees share (keys that
-mostly reuse earlier ones, the lock and unlock rules) and `window_match_end`, the naive rule of
-where a match in such a tree ends."""
+mostly reuse earlier ones, the insert, lock and unlock rules) and `window_match_end`, the naive
+rule of where a match in such a tree ends."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -17,10 +18,13 @@ TOKENS = st.integers(1, 3)
 
 class WindowTreeMachine(RuleBasedStateMachine):
     """Shared rules. A subclass's ``@initialize`` sets ``ps`` (page size), ``eagle`` (bigram
-    keys), ``tree``, and empty ``receipts`` and ``keys``; its insert rule appends each key."""
+    keys), ``alloc``, ``tree``, and empty ``receipts`` and ``keys``; it says how the tree makes
+    room (``_make_room``) and how a request's decode frees its slots that left the window
+    (``_free_out_of_window``)."""
 
     ps: int
     eagle: bool = False
+    alloc: Any
     tree: Any
     receipts: list
     keys: list[list[int]]
@@ -39,6 +43,34 @@ class WindowTreeMachine(RuleBasedStateMachine):
             pages = data.draw(st.integers(1, pages_max))
             body = data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
         return body + data.draw(st.lists(TOKENS, min_size=ex, max_size=ex))
+
+    def _make_room(self, n: int) -> None:
+        """Evict so that ``n`` more slots may be allocated."""
+        raise NotImplementedError
+
+    def _free_out_of_window(self, slots: np.ndarray) -> None:
+        """Free what decode frees of ``slots``, positions that left the window."""
+        raise NotImplementedError
+
+    @rule(data=st.data())
+    def insert(self, data: st.DataObject) -> None:
+        """Insert a key with fresh slots; sometimes the caller's decode already freed a
+        page-aligned head of them (``swa_evicted_seqlen``)."""
+        key = self.key(data)
+        n = len(key) - (1 if self.eagle else 0)  # key elements, page-aligned
+        slots = self.alloc.alloc(n)
+        if slots is None:
+            self._make_room(n)
+            slots = self.alloc.alloc(n)
+            if slots is None:
+                return
+        e = data.draw(st.integers(0, (n - 1) // self.ps)) * self.ps if data.draw(st.booleans()) else 0
+        if e:
+            self._free_out_of_window(slots[:e])
+        # One slot per token; a bigram key's last token has none cached (the trash slot).
+        indices = np.concatenate([slots, np.zeros(len(key) - n, np.int32)])
+        self.tree.insert(key, indices, swa_evicted_seqlen=e)
+        self.keys.append(key)
 
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
