@@ -17,7 +17,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
 from kvjax.radix import SWARadixCache
-from tests.radix.window_machine import WindowTreeMachine, window_match_end
+from tests.radix.window_machine import WindowTreeMachine
 
 
 class SWATreeMachine(WindowTreeMachine):
@@ -35,28 +35,6 @@ class SWATreeMachine(WindowTreeMachine):
 
     def _free_out_of_window(self, slots: np.ndarray) -> None:
         self.alloc.free_swa(slots)
-
-    def naive_match(self, key: list[int]) -> tuple[int, object]:
-        tree = self.tree
-        node = tree.root
-        n = len(key) - (1 if self.eagle else 0)
-        n -= n % self.ps
-        ex = 1 if self.eagle else 0
-        pos = 0
-        path = []
-        while pos < n:
-            nxt = None
-            for child in node.children.values():
-                toks = child.token_ids()
-                if toks[: child.klen + ex] == key[pos : pos + child.klen + ex] and pos + child.klen <= n:
-                    nxt = child
-            if nxt is None:
-                break
-            path.append(nxt)
-            pos += nxt.klen
-            node = nxt
-        best = window_match_end(tree, path)
-        return (0 if best is tree.root else best.depth), best
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:

@@ -1,6 +1,6 @@
-"""`WindowTreeMachine`: what the Hypothesis machines over the sliding-window trees share (keys that
-mostly reuse earlier ones, the insert, lock and unlock rules) and `window_match_end`, the naive
-rule of where a match in such a tree ends."""
+"""`WindowTreeMachine`: what the Hypothesis machines over the sliding-window trees share: keys that
+mostly reuse earlier ones, the insert, lock and unlock rules, and the naive rule of where a match
+in such a tree ends."""
 
 from __future__ import annotations
 
@@ -52,6 +52,37 @@ class WindowTreeMachine(RuleBasedStateMachine):
         """Free what decode frees of ``slots``, positions that left the window."""
         raise NotImplementedError
 
+    def naive_match(self, key: list[int]) -> tuple[int, Any]:
+        """Where a match of ``key`` ends by the rule written out naively: walk the tree by whole
+        children (the page-aligned part of the key; bigram keys compare one token more), then take
+        the deepest walked node with no tombstone above it on the path, or with at least ``W``
+        live SWA tokens after the last one. Returns (its depth, it); (0, root) when none."""
+        tree = self.tree
+        ex = 1 if self.eagle else 0
+        n = len(key) - ex
+        n -= n % self.ps
+        node, pos, path = tree.root, 0, []
+        while pos < n:
+            nxt = None
+            for child in node.children.values():
+                k = child.klen
+                if child.token_ids()[: k + ex] == key[pos : pos + k + ex] and pos + k <= n:
+                    nxt = child
+            if nxt is None:
+                break
+            path.append(nxt)
+            pos += nxt.klen
+            node = nxt
+        best, since = tree.root, float("inf")
+        for p in path:
+            if tree.swa.is_tombstone(p):
+                since = 0
+                continue
+            since += p.klen
+            if since >= tree.sliding_window_size:
+                best = p
+        return (0 if best is tree.root else best.depth), best
+
     @rule(data=st.data())
     def insert(self, data: st.DataObject) -> None:
         """Insert a key with fresh slots; sometimes the caller's decode already freed a
@@ -85,18 +116,3 @@ class WindowTreeMachine(RuleBasedStateMachine):
         self.tree.dec_lock_ref(r)
         with pytest.raises(LockError):
             self.tree.dec_lock_ref(r)
-
-
-def window_match_end(tree: Any, path: list[Any]) -> Any:
-    """Where a match along ``path`` (the nodes a walk passed, root first) ends in a
-    sliding-window tree: the deepest node with no tombstone above it on the path, or with at
-    least ``W`` live SWA tokens after the last one; ``tree.root`` when there is none."""
-    best, since = tree.root, float("inf")
-    for p in path:
-        if tree.swa.is_tombstone(p):
-            since = 0
-            continue
-        since += p.klen
-        if since >= tree.sliding_window_size:
-            best = p
-    return best
