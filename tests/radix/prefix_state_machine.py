@@ -142,6 +142,19 @@ class PrefixStateMachine(RuleBasedStateMachine):
             assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + ps, "not one node"
         return chain
 
+    def _check_match_slots(self, m, ek, key, best: int, state_slot) -> None:
+        """A match of ``key`` that ends at ``best`` (the model's answer) returns the model's KV
+        slots up to there and, when ``best`` > 0, the state slot cached there (which the match
+        refreshes); otherwise no state slot and the root."""
+        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos] or ()]
+        assert m.indices.tolist() == expected
+        if best:
+            pos = (ek, tuple(key[:best]))
+            assert state_slot == self.states[pos]
+            self._touch(pos)
+        else:
+            assert state_slot is None and m.last_node is self.tree.root
+
     def _lock_near_seen(self, which, cut, more) -> None:
         """Lock the match of a key near an inserted one; the model's lock covers the match and,
         when it ends on a state, that state."""

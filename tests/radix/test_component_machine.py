@@ -181,14 +181,7 @@ class ComponentMachine(PrefixStateMachine):
         assert m.full_kv_hit_length == m.device_kv_hit_length == dev, (m.full_kv_hit_length, dev)
         assert m.prefix_len == best, (m.prefix_len, best, dev)
         assert extras["host_hit_length"] == walk - dev
-        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos] or ()]
-        assert m.indices.tolist() == expected
-        if best:
-            pos = (ek, tuple(key[:best]))
-            assert extras["slot"] == self.states[pos]
-            self._touch(pos)
-        else:
-            assert extras["slot"] is None and m.last_node is self.tree.root
+        self._check_match_slots(m, ek, key, best, extras["slot"])
         return m, best
 
     @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)

@@ -191,15 +191,7 @@ class MambaMachine(PrefixStateMachine):
             if pos in self.states:
                 best = dev
         assert (m.full_kv_hit_length, m.prefix_len) == (dev, best)
-        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos]]
-        assert m.indices.tolist() == expected
-        extras = m.extras["mamba"]
-        if best:
-            pos = (ek, tuple(key[:best]))
-            assert extras.slot == self.states[pos]
-            self._touch(pos)
-        else:
-            assert extras.slot is None and m.last_node is self.tree.root
+        self._check_match_slots(m, ek, key, best, m.extras["mamba"].slot)
         return m, best
 
     @rule(which=st.integers(0, 100), cut=st.sampled_from([5, 5, 0, 1, 2]), more=KEYS)
