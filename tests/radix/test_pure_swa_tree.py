@@ -228,11 +228,8 @@ def test_lifecycle_with_window_freeing_reuse_and_retraction(insert: bool):
 class PureSWATreeMachine(WindowTreeMachine):
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5))
     def setup(self, ps: int, window: int) -> None:
-        self.ps = ps
-        self.alloc = make_allocator(16 * ps, ps)
-        self.tree = PureSWARadixCache(page_size=ps, sliding_window_size=window, allocator=self.alloc)
-        self.receipts: list = []
-        self.keys: list[list[int]] = []
+        alloc = make_allocator(16 * ps, ps)
+        self._start(ps, alloc, PureSWARadixCache(page_size=ps, sliding_window_size=window, allocator=alloc))
 
     def _make_room(self, n: int) -> None:
         self.tree.evict(n)

@@ -23,12 +23,9 @@ from tests.radix.window_machine import WindowTreeMachine
 class SWATreeMachine(WindowTreeMachine):
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5), eagle=st.booleans())
     def setup(self, ps: int, window: int, eagle: bool) -> None:
-        self.ps = ps
-        self.eagle = eagle
-        self.alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
-        self.tree = SWARadixCache(page_size=ps, sliding_window_size=window, allocator=self.alloc, is_eagle=eagle)
-        self.receipts: list = []
-        self.keys: list[list[int]] = []
+        alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
+        tree = SWARadixCache(page_size=ps, sliding_window_size=window, allocator=alloc, is_eagle=eagle)
+        self._start(ps, alloc, tree, eagle)
 
     def _make_room(self, n: int) -> None:
         self.tree.evict(n, n)

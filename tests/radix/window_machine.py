@@ -17,10 +17,9 @@ TOKENS = st.integers(1, 3)
 
 
 class WindowTreeMachine(RuleBasedStateMachine):
-    """Shared rules. A subclass's ``@initialize`` sets ``ps`` (page size), ``eagle`` (bigram
-    keys), ``alloc``, ``tree``, and empty ``receipts`` and ``keys``; it says how the tree makes
-    room (``_make_room``) and how a request's decode frees its slots that left the window
-    (``_free_out_of_window``)."""
+    """Shared rules. A subclass's ``@initialize`` builds its allocator and tree and calls
+    ``_start``; it says how the tree makes room (``_make_room``) and how a request's decode frees
+    its slots that left the window (``_free_out_of_window``)."""
 
     ps: int
     eagle: bool = False
@@ -28,6 +27,16 @@ class WindowTreeMachine(RuleBasedStateMachine):
     tree: Any
     receipts: list
     keys: list[list[int]]
+
+    def _start(self, ps: int, alloc: Any, tree: Any, eagle: bool = False) -> None:
+        """A run over ``tree`` (page size ``ps``, bigram keys when ``eagle``) and its allocator
+        ``alloc``: no locks held, no keys inserted yet."""
+        self.ps = ps
+        self.eagle = eagle
+        self.alloc = alloc
+        self.tree = tree
+        self.receipts = []
+        self.keys = []
 
     def key(self, data: st.DataObject, pages_max: int = 6) -> list[int]:
         """A fresh random key, or (mostly) a page-aligned prefix or extension of an earlier one;
