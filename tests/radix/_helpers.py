@@ -28,7 +28,8 @@ def machine_settings(examples: int) -> settings:
 
 
 class RecordingAllocator:
-    """Forwards to a real allocator and records each ``free`` / ``free_segment`` call's ids."""
+    """Forwards to a real allocator of ``size`` slots and ``page_size`` and records each
+    non-empty ``free`` / ``free_segment`` call's ids (``freed``: one list per call)."""
 
     def __init__(self, size: int, page_size: int) -> None:
         self.inner = make_allocator(size, page_size)
@@ -47,9 +48,12 @@ class RecordingAllocator:
             self.freed.append(ids)
 
     def take(self) -> list[int]:
-        """Every id freed since the last call, in order, flattened."""
-        out = [i for call in self.freed for i in call]
-        self.freed = []
+        """Every id freed since the last take, in order, flattened."""
+        return [i for call in self.take_calls() for i in call]
+
+    def take_calls(self) -> list[list[int]]:
+        """The ids of each non-empty free call since the last take, call by call, in order."""
+        out, self.freed = self.freed, []
         return out
 
     def __getattr__(self, name):

@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from kvjax.alloc import make_allocator
+from tests.radix._helpers import RecordingAllocator
 
 PALETTE: dict[int, list[tuple[int, ...]]] = {
     1: [(0,), (1,), (2,), (3,)],
@@ -36,46 +36,6 @@ KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
 EXTRA_KEYS = st.sampled_from([None, None, "ns"])
 
 
-class Recorder:
-    """Forwards to an allocator and records each ``free`` / ``free_segment`` call's slots."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.page_size = inner.page_size
-        self.size = inner.size
-        self.calls: list[list[int]] = []
-
-    def free(self, idx) -> None:
-        self.calls.append(np.asarray(idx).reshape(-1).tolist())
-        self.inner.free(idx)
-
-    def free_segment(self, idx, *, start_pos: int) -> None:
-        self.calls.append(np.asarray(idx).reshape(-1).tolist())
-        self.inner.free_segment(idx, start_pos=start_pos)
-
-    def alloc(self, n: int):
-        return self.inner.alloc(n)
-
-    def available_size(self) -> int:
-        return self.inner.available_size()
-
-    def take(self) -> list[list[int]]:
-        out, self.calls = self.calls, []
-        return out
-
-    def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens=None):
-        return self.inner.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
-
-    def alloc_decode(self, seq_lens, last_loc):
-        return self.inner.alloc_decode(seq_lens, last_loc)
-
-    def free_group_begin(self) -> None:
-        self.inner.free_group_begin()
-
-    def free_group_end(self) -> None:
-        self.inner.free_group_end()
-
-
 class PrefixStateMachine(RuleBasedStateMachine):
     """The shared model and rules (module docstring); ``page_size`` is set per test."""
 
@@ -85,7 +45,7 @@ class PrefixStateMachine(RuleBasedStateMachine):
         """An empty model, a fresh recording token allocator ``alloc`` of ``capacity`` slots, and
         ``state_slots``: the state-slot allocator (recording its frees: ``take()``)."""
         ps = self.page_size
-        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
+        self.alloc = RecordingAllocator(CAPACITY_PAGES * ps, ps)
         self.capacity = self.alloc.available_size()
         self.state_slots = state_slots
         self.pages: dict[tuple, tuple[int, ...] | None] = {}
@@ -204,7 +164,7 @@ class PrefixStateMachine(RuleBasedStateMachine):
         self.alloc.take()
         self.state_slots.take()
         self.tree.reset()
-        freed = sorted(s for call in self.alloc.take() for s in call)
+        freed = sorted(self.alloc.take())
         assert freed == sorted(s for v in self.pages.values() if v is not None for s in v)
         assert sorted(self.state_slots.take()) == sorted(self.states.values())
         self.pages.clear()

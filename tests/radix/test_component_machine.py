@@ -113,7 +113,7 @@ class ComponentMachine(PrefixStateMachine):
         evictable = self.tree.evictable_size()
         self.alloc.take()
         counts = self.tree.evict({"full": n})
-        freed = self._apply_full_frees(self.alloc.take())
+        freed = self._apply_full_frees(self.alloc.take_calls())
         assert counts == {"full": freed, "state": 0}, counts
         assert freed >= min(n, evictable) and freed <= evictable
         assert not self.state_slots.take(), "FULL eviction freed a state"
@@ -202,7 +202,7 @@ class ComponentMachine(PrefixStateMachine):
         self.alloc.take()
         counts = self.tree.evict({"state": k})
         assert self.state_slots.take() == [self.states[pos] for pos in expected], "not least recent first"
-        calls = self.alloc.take()
+        calls = self.alloc.take_calls()
         freed = 0
         for pos in expected:  # in the component's order: each decision sees the earlier ones
             del self.states[pos]

@@ -102,7 +102,7 @@ class MambaMachine(PrefixStateMachine):
         self.alloc.take()
         self.state_slots.take()
         result = self.tree.evict(num_tokens=n)
-        freed, states_freed = self._apply_full_frees(self.alloc.take())
+        freed, states_freed = self._apply_full_frees(self.alloc.take_calls())
         assert self.state_slots.take() == states_freed
         assert (result.num_tokens_evicted, result.mamba_num_evicted) == (freed, len(states_freed))
         assert freed >= min(n, evictable) and freed <= evictable
@@ -207,7 +207,7 @@ class MambaMachine(PrefixStateMachine):
         self.state_slots.take()
         result = self.tree.evict(num_tokens=0, mamba_num=k)
         assert self.state_slots.take() == [self.states[p] for p in expected], "not least recent first"
-        calls = self.alloc.take()
+        calls = self.alloc.take_calls()
         freed = 0
         for pos in expected:
             self._drop_state(pos)

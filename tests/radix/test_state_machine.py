@@ -39,11 +39,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
-from tests.radix._helpers import machine_settings
+from tests.radix._helpers import RecordingAllocator, machine_settings
 
 MAX_LIVE_REQUESTS = 4
 
@@ -74,35 +73,6 @@ EXTRA_KEYS = st.sampled_from([None, None, "lora-a"])
 PRIORITIES = st.integers(0, 3)
 
 SETTINGS = machine_settings(30)
-
-
-class RecordingAllocator:
-    """Forwards to an allocator and records every ``free`` / ``free_segment`` the tree makes, call by call."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.freed: list[np.ndarray] = []
-
-    def free(self, idx):
-        arr = np.asarray(idx).reshape(-1).copy()
-        result = self._inner.free(idx)
-        if len(arr):
-            self.freed.append(arr)
-        return result
-
-    def free_segment(self, idx, *, start_pos):
-        arr = np.asarray(idx).reshape(-1).copy()
-        result = self._inner.free_segment(idx, start_pos=start_pos)
-        if len(arr):
-            self.freed.append(arr)
-        return result
-
-    def take(self) -> list[np.ndarray]:
-        out, self.freed = self.freed, []
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +154,7 @@ class RadixMachine(RuleBasedStateMachine):
             kwargs["is_eagle"] = True
         if self.with_pools:
             size = CAPACITY_TOKENS[ps]
-            inner = make_allocator(size, ps)
-            self.alloc = RecordingAllocator(inner)
+            self.alloc = RecordingAllocator(size, ps)
             width = (MAX_PAGES_PER_KEY + 1) * ps * 3
             rows = MAX_LIVE_REQUESTS + 1
             self.req_pool = ReqToTokenPool(rows, width)
@@ -221,8 +190,7 @@ class RadixMachine(RuleBasedStateMachine):
         """Pages the tree freed since the last look, each ``free`` call counting a page once
         (several slots of one page free it once); a slot twice in one call is an error."""
         out: Counter = Counter()
-        for arr in self.alloc.take():
-            slots = arr.tolist()
+        for slots in self.alloc.take_calls():
             assert len(slots) == len(set(slots)), f"one free() call names a slot twice: {sorted(slots)}"
             out.update({s // self.page_size for s in slots})
         return out
