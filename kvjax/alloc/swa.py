@@ -55,6 +55,19 @@ from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
 __all__ = ["SWAAllocatorState", "SWATokenToKVPoolAllocator"]
 
 
+def _same_length_ids(first: Any, second: Any, what: str, names: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    """``first`` and ``second`` as int64 id arrays of the same length (the two sides of one
+    pairing change). ``names``: what the error calls each side (``("full", "SWA")``).
+
+    Raises InvalidSlotError, naming ``what``, for non-integer ids or different lengths.
+    """
+    a = as_index_array(first, f"{what} {names[0]}")
+    b = as_index_array(second, f"{what} {names[1]}")
+    if a.size != b.size:
+        raise InvalidSlotError(f"{what}: {a.size} {names[0]} slots but {b.size} {names[1]} slots")
+    return a, b
+
+
 @dataclass(frozen=True)
 class SWAAllocatorState:
     """A snapshot from :meth:`SWATokenToKVPoolAllocator.backup_state`: both sides and the mapping."""
@@ -163,10 +176,7 @@ class SWATokenToKVPoolAllocator:
         """Point full slots at SWA slots (SGLang: HiCache load-back, tombstone recovery). Both
         must be in use on their side, same length and same page offsets; raises InvalidSlotError,
         changing nothing, otherwise."""
-        full = as_index_array(full_slots, "set_full_to_swa_mapping full")
-        swa = as_index_array(swa_slots, "set_full_to_swa_mapping swa")
-        if full.size != swa.size:
-            raise InvalidSlotError(f"set_full_to_swa_mapping: {full.size} full slots but {swa.size} SWA slots")
+        full, swa = _same_length_ids(full_slots, swa_slots, "set_full_to_swa_mapping", ("full", "SWA"))
         if full.size == 0:
             return
         self._check_in_use(self.full_attn_allocator, full, "set_full_to_swa_mapping (full side)")
@@ -191,10 +201,7 @@ class SWATokenToKVPoolAllocator:
         Raises (unchanged): InvalidSlotError for different lengths or page offsets, slots not in
         use, ``src_full`` not all paired or ``dst_full`` not all unpaired.
         """
-        src = as_index_array(src_full, "move_swa_pairing src")
-        dst = as_index_array(dst_full, "move_swa_pairing dst")
-        if src.size != dst.size:
-            raise InvalidSlotError(f"move_swa_pairing: {src.size} source slots but {dst.size} destination slots")
+        src, dst = _same_length_ids(src_full, dst_full, "move_swa_pairing", ("source", "destination"))
         if src.size == 0:
             return
         full_side = self.full_attn_allocator

@@ -36,6 +36,7 @@ from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.host_component import LOAD_BACK_THRESHOLD, HostMatch, HostTierComponent
 from kvjax.radix.match import MatchResult
 from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
+from kvjax.radix.radix_cache import one_token_allocator
 from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.radix.tiered_tree import make_host_tier
 
@@ -86,7 +87,7 @@ class HiSWARadixCache(SWARadixCache):
                 "pool); drop hicache_storage_backend for this model"
             )
         kwargs.pop("storage", None)
-        alloc = allocator if allocator is not None else token_to_kv_pool_allocator
+        alloc = one_token_allocator(allocator, token_to_kv_pool_allocator)
         host, _ = make_host_tier(
             page_size,
             host_allocator=host_allocator,

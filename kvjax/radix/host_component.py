@@ -294,18 +294,30 @@ class HostTierComponent(TreeComponent):
             n = n.parent
         return all(self._start_backup(n) for n in reversed(chain))  # stops at the first failure
 
-    def _start_backup(self, node: TreeNode) -> bool:
-        assert node.value is not None
+    def _backup_slots(self, node: TreeNode) -> np.ndarray | None:
+        """Host slots for a copy of device node ``node`` (host-only leaves evicted when short);
+        None, counted in ``skipped_backups``, when the host pool stays full."""
         slots = self._alloc_host(node.klen)
         if slots is None:
             self.skipped_backups += 1
+        return slots
+
+    def _backup_failed(self, slots: np.ndarray) -> bool:
+        """A copy that could not start or did not land: its host ``slots`` go back to the pool,
+        counted in ``failed_backups``. Returns False (no backup)."""
+        self.host_allocator.free(slots)
+        self.failed_backups += 1
+        return False
+
+    def _start_backup(self, node: TreeNode) -> bool:
+        assert node.value is not None
+        slots = self._backup_slots(node)
+        if slots is None:
             return False
         try:
             handle = self.engine.start_backup(node.value, slots)
         except CopyError:
-            self.host_allocator.free(slots)
-            self.failed_backups += 1
-            return False
+            return self._backup_failed(slots)
         if self.on_backup is not None:
             self.on_backup(node)
         pending = PendingTransfer("backup", handle, self.tree.inc_lock_ref(node), [node])
@@ -316,18 +328,15 @@ class HostTierComponent(TreeComponent):
     def _backup_now(self, node: TreeNode) -> bool:
         """Write-back: copy ``node`` to the host now and wait for it (FULL is evicting it)."""
         assert node.value is not None
-        slots = self._alloc_host(node.klen)
+        slots = self._backup_slots(node)
         if slots is None:
-            self.skipped_backups += 1
             return False
         try:
             status = self.engine.poll(self.engine.start_backup(node.value, slots), wait=True)
         except CopyError:
             status = TransferStatus.FAILED
         if status is not TransferStatus.DONE:
-            self.host_allocator.free(slots)
-            self.failed_backups += 1
-            return False
+            return self._backup_failed(slots)
         if self.on_backup is not None:
             self.on_backup(node)
         self._set(node, HostData(slots))

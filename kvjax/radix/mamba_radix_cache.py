@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.alloc.state_slots import StateSlotAllocator
-from kvjax.errors import ConfigError, InvalidSlotError, OutOfMemoryError
+from kvjax.errors import InvalidSlotError, OutOfMemoryError
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.insert_result import InsertResult
 from kvjax.radix.mamba_component import MambaComponent, MambaMatch
 from kvjax.radix.match import MatchResult
-from kvjax.radix.radix_cache import RadixCache
+from kvjax.radix.radix_cache import RadixCache, one_token_allocator
 
 if TYPE_CHECKING:
     from kvjax.hybrid_req_pool import HybridReqToTokenPool
@@ -135,15 +135,7 @@ class MambaRadixCache(RadixCache):
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
     ) -> None:
-        if (
-            allocator is not None
-            and token_to_kv_pool_allocator is not None
-            and allocator is not token_to_kv_pool_allocator
-        ):
-            raise ConfigError(
-                "allocator", allocator, "pass the token allocator once (allocator or token_to_kv_pool_allocator)"
-            )
-        token_alloc = allocator if allocator is not None else token_to_kv_pool_allocator
+        token_alloc = one_token_allocator(allocator, token_to_kv_pool_allocator)
         state_alloc: StateSlotAllocator | None
         if isinstance(mamba_pool_size, StateSlotAllocator):
             state_alloc = mamba_pool_size

@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import chunk_finished, chunk_unfinished, free_row_segment, request_row
 from kvjax.radix.component import TreeComponent
 from kvjax.radix.events import EventSink
@@ -61,6 +62,23 @@ if TYPE_CHECKING:
     from kvjax.request import Req
 
 _NO_HITS = sys.maxsize  # ``hit_from`` that counts no hit
+
+_Alloc = TypeVar("_Alloc")
+
+
+def one_token_allocator(allocator: _Alloc | None, token_to_kv_pool_allocator: _Alloc | None) -> _Alloc | None:
+    """The token allocator of a tree that takes it as ``allocator`` or under SGLang's name
+    ``token_to_kv_pool_allocator``: whichever is given (None: neither, a standalone tree).
+
+    Raises ConfigError when both are given and are different objects.
+    """
+    if allocator is None:
+        return token_to_kv_pool_allocator
+    if token_to_kv_pool_allocator is not None and token_to_kv_pool_allocator is not allocator:
+        raise ConfigError(
+            "allocator", allocator, "pass the token allocator once (allocator or token_to_kv_pool_allocator)"
+        )
+    return allocator
 
 
 class RadixCache(TieredTree):

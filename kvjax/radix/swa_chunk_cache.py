@@ -27,14 +27,42 @@ if TYPE_CHECKING:
 __all__ = ["PureSWAChunkCache", "SWAChunkCache"]
 
 
-def _check_window(sliding_window_size: Any) -> int:
-    w = sliding_window_size
-    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-        raise ConfigError("sliding_window_size", w, "give the model's sliding window as a positive number of tokens")
-    return w
+class _WindowChunkCache(ChunkCache):
+    """What both sliding-window chunk caches share: the window ``W`` (a positive number of
+    tokens, ConfigError otherwise), ``chunked_prefill_size`` (kept for parity with SGLang) and
+    the end of a finished request's lifecycle."""
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPoolProtocol | None = None,
+        token_to_kv_pool_allocator: AllocatorProtocol | None = None,
+        page_size: int = 1,
+        *,
+        sliding_window_size: int | None = None,
+        chunked_prefill_size: int | None = None,
+        **_: Any,
+    ) -> None:
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
+        w = sliding_window_size
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError(
+                "sliding_window_size", w, "give the model's sliding window as a positive number of tokens"
+            )
+        self.sliding_window_size: int = w
+        self.chunked_prefill_size = chunked_prefill_size
+
+    def supports_swa(self) -> bool:
+        return True
+
+    @staticmethod
+    def _finished(req: Req) -> None:
+        """The request holds nothing of the cache any more (its slots were just freed)."""
+        req.last_node = None
+        req.lock_receipt = None
+        req.swa_evicted_seqlen = 0
 
 
-class SWAChunkCache(ChunkCache):
+class SWAChunkCache(_WindowChunkCache):
     """No prefix sharing for a hybrid sliding-window model (see the module docstring).
 
     Args:
@@ -56,12 +84,13 @@ class SWAChunkCache(ChunkCache):
         **_: Any,
     ) -> None:
         check_swa_allocator(token_to_kv_pool_allocator, page_size)
-        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
-        self.sliding_window_size = _check_window(sliding_window_size)
-        self.chunked_prefill_size = chunked_prefill_size
-
-    def supports_swa(self) -> bool:
-        return True
+        super().__init__(
+            req_to_token_pool,
+            token_to_kv_pool_allocator,
+            page_size,
+            sliding_window_size=sliding_window_size,
+            chunked_prefill_size=chunked_prefill_size,
+        )
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Free ``[cache_protected_len, kv_len)`` (full and still-paired SWA slots) as row segments:
@@ -73,12 +102,10 @@ class SWAChunkCache(ChunkCache):
         alloc = self.token_to_kv_pool_allocator
         free_row_segment(alloc, row[cpl:cut].copy(), cpl)
         free_row_segment(alloc, row[cut:end].copy(), cut)
-        req.last_node = None
-        req.lock_receipt = None
-        req.swa_evicted_seqlen = 0
+        self._finished(req)
 
 
-class PureSWAChunkCache(ChunkCache):
+class PureSWAChunkCache(_WindowChunkCache):
     """No prefix sharing for a model whose every layer is sliding (see the module docstring).
 
     Args:
@@ -88,28 +115,9 @@ class PureSWAChunkCache(ChunkCache):
         sliding_window_size: the window ``W`` in tokens.
     """
 
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPoolProtocol | None = None,
-        token_to_kv_pool_allocator: AllocatorProtocol | None = None,
-        page_size: int = 1,
-        *,
-        sliding_window_size: int | None = None,
-        chunked_prefill_size: int | None = None,
-        **_: Any,
-    ) -> None:
-        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
-        self.sliding_window_size = _check_window(sliding_window_size)
-        self.chunked_prefill_size = chunked_prefill_size
-
-    def supports_swa(self) -> bool:
-        return True
-
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Free ``[max(cache_protected_len, swa_evicted_seqlen), kv_len)``: decode freed the rest."""
         row = request_row(self.req_to_token_pool, req, "cache_finished_req")
         start = max(req.cache_protected_len, int(getattr(req, "swa_evicted_seqlen", 0)))
         free_row_segment(self.token_to_kv_pool_allocator, row[start : req.kv_len()].copy(), start)
-        req.last_node = None
-        req.lock_receipt = None
-        req.swa_evicted_seqlen = 0
+        self._finished(req)

@@ -36,7 +36,7 @@ from kvjax.radix.component import TreeComponent
 from kvjax.radix.eviction import EvictionPolicy
 from kvjax.radix.keys import as_slot_array
 from kvjax.radix.lock import LockError, LockReceipt
-from kvjax.radix.radix_cache import RadixCache
+from kvjax.radix.radix_cache import RadixCache, one_token_allocator
 from kvjax.radix.swa_component import SWAComponent, SWAInsertPayload, SWALockPart
 
 if TYPE_CHECKING:
@@ -98,13 +98,7 @@ class SWARadixCache(RadixCache):
         components: Sequence[TreeComponent] = (),
         host: HostTierComponent | None = None,
     ) -> None:
-        if (
-            allocator is not None
-            and token_to_kv_pool_allocator is not None
-            and allocator is not token_to_kv_pool_allocator
-        ):
-            raise ConfigError("allocator", "two allocators", "give allocator= or token_to_kv_pool_allocator=, not both")
-        alloc = allocator if allocator is not None else token_to_kv_pool_allocator
+        alloc = one_token_allocator(allocator, token_to_kv_pool_allocator)
         if sliding_window_size is None:
             raise ConfigError("sliding_window_size", None, "give the model's sliding window in tokens")
         self._check_allocator(alloc, page_size)

@@ -10,11 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
 from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
-
-
-def got(x: np.ndarray | None) -> np.ndarray:
-    assert x is not None, "the allocation returned None"
-    return x
+from tests.alloc.test_allocator_scenarios import got
 
 
 def snapshot(a: SWATokenToKVPoolAllocator) -> tuple:

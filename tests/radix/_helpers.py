@@ -1,8 +1,12 @@
-"""Shared fixtures for the radix tests: a recording allocator and a small request harness."""
+"""Shared fixtures for the radix tests: a recording allocator, small request harnesses and the
+settings of the stateful model-based tests."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from hypothesis import HealthCheck, Phase, settings
 
 from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
@@ -10,8 +14,22 @@ from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
 
 
+def machine_settings(examples: int) -> settings:
+    """Hypothesis settings of a stateful model-based tree test: ``examples`` runs of as many
+    steps each, no deadline, slow and heavily filtered runs allowed, and no "explain" phase
+    (tracing a failing stateful run can take minutes)."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=examples,
+        deadline=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
 class RecordingAllocator:
-    """Forwards to a real allocator and records each ``free`` / ``free_segment`` call's ids."""
+    """Forwards to a real allocator of ``size`` slots and ``page_size`` and records each
+    non-empty ``free`` / ``free_segment`` call's ids (``freed``: one list per call)."""
 
     def __init__(self, size: int, page_size: int) -> None:
         self.inner = make_allocator(size, page_size)
@@ -30,9 +48,12 @@ class RecordingAllocator:
             self.freed.append(ids)
 
     def take(self) -> list[int]:
-        """Every id freed since the last call, in order, flattened."""
-        out = [i for call in self.freed for i in call]
-        self.freed = []
+        """Every id freed since the last take, in order, flattened."""
+        return [i for call in self.take_calls() for i in call]
+
+    def take_calls(self) -> list[list[int]]:
+        """The ids of each non-empty free call since the last take, call by call, in order."""
+        out, self.freed = self.freed, []
         return out
 
     def __getattr__(self, name):
@@ -116,6 +137,38 @@ class Harness:
         t = self.tree
         t.sanity_check()
         assert t.evictable_size() + t.protected_size() == t.total_size()
+
+
+class WindowHarness:
+    """A request table, an allocator and a sliding-window tree (``SWARadixCache`` or
+    ``PureSWARadixCache``); requests get fresh slots for their tokens. Subclasses say how decode
+    frees the slots that leave the window (``leave_window``)."""
+
+    def __init__(self, tree_cls: type, alloc: Any, window: int, page_size: int) -> None:
+        self.alloc = alloc
+        self.pool = ReqToTokenPool(4, 64)
+        self.tree = tree_cls(
+            page_size=page_size, sliding_window_size=window, allocator=self.alloc, req_to_token_pool=self.pool
+        )
+
+    def start(self, tokens: list[int]) -> Req:
+        """Match + lock ``tokens``, take a row, give the rest fresh slots; the tree's prefix
+        counts as already out of the request's own window."""
+        rows = self.pool.alloc(1)
+        assert rows is not None
+        req = Req(f"r{rows[0]}", list(tokens), req_pool_idx=rows[0])
+        m = self.tree.match_and_lock(req)
+        self.pool.write(rows[0], 0, m.indices)
+        fresh = self.alloc.alloc(len(tokens) - m.prefix_len)
+        assert fresh is not None
+        self.pool.write(rows[0], m.prefix_len, fresh)
+        req.swa_evicted_seqlen = req.cache_protected_len
+        return req
+
+    def finish(self, req: Req, insert: bool = True) -> None:
+        self.tree.cache_finished_req(req, insert)
+        assert req.req_pool_idx is not None
+        self.pool.free(req.req_pool_idx)
 
 
 def sizes(tree) -> tuple[int, int, int]:

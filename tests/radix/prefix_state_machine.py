@@ -12,9 +12,10 @@ nothing of nodes:
   ``(extra_key, page list)`` of every inserted key, so later keys land near cached ones.
 
 It holds the model's helpers and the rules whose strategies and bodies the machines share
-(``insert_near_seen``, ``match``, ``unlock``, ``evict_full``). A subclass builds its tree in an
-``@initialize`` rule that calls ``_start_model``, and writes ``_insert``, ``_match`` and
-``_evict_full`` against its tree (and its own rules and invariants).
+(``insert_near_seen``, ``match``, ``unlock``, ``evict_full``, ``reset``). A subclass builds its
+tree in an ``@initialize`` rule that first calls ``_start_model`` with its recording state-slot
+allocator, and writes ``_insert``, ``_match`` and ``_evict_full`` against its tree (and its own
+rules and invariants).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from tests.radix._helpers import RecordingAllocator
 
 PALETTE: dict[int, list[tuple[int, ...]]] = {
     1: [(0,), (1,), (2,), (3,)],
@@ -33,52 +36,18 @@ KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
 EXTRA_KEYS = st.sampled_from([None, None, "ns"])
 
 
-class Recorder:
-    """Forwards to an allocator and records each ``free`` / ``free_segment`` call's slots."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.page_size = inner.page_size
-        self.size = inner.size
-        self.calls: list[list[int]] = []
-
-    def free(self, idx) -> None:
-        self.calls.append(np.asarray(idx).reshape(-1).tolist())
-        self.inner.free(idx)
-
-    def free_segment(self, idx, *, start_pos: int) -> None:
-        self.calls.append(np.asarray(idx).reshape(-1).tolist())
-        self.inner.free_segment(idx, start_pos=start_pos)
-
-    def alloc(self, n: int):
-        return self.inner.alloc(n)
-
-    def available_size(self) -> int:
-        return self.inner.available_size()
-
-    def take(self) -> list[list[int]]:
-        out, self.calls = self.calls, []
-        return out
-
-    def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens=None):
-        return self.inner.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens)
-
-    def alloc_decode(self, seq_lens, last_loc):
-        return self.inner.alloc_decode(seq_lens, last_loc)
-
-    def free_group_begin(self) -> None:
-        self.inner.free_group_begin()
-
-    def free_group_end(self) -> None:
-        self.inner.free_group_end()
-
-
 class PrefixStateMachine(RuleBasedStateMachine):
     """The shared model and rules (module docstring); ``page_size`` is set per test."""
 
     page_size = 1
 
-    def _start_model(self) -> None:
+    def _start_model(self, state_slots) -> None:
+        """An empty model, a fresh recording token allocator ``alloc`` of ``capacity`` slots, and
+        ``state_slots``: the state-slot allocator (recording its frees: ``take()``)."""
+        ps = self.page_size
+        self.alloc = RecordingAllocator(CAPACITY_PAGES * ps, ps)
+        self.capacity = self.alloc.available_size()
+        self.state_slots = state_slots
         self.pages: dict[tuple, tuple[int, ...] | None] = {}
         self.states: dict[tuple, int] = {}
         self.recency: dict[tuple, int] = {}
@@ -120,6 +89,41 @@ class PrefixStateMachine(RuleBasedStateMachine):
         ek, pages = self.seen[which % len(self.seen)]
         return ek, pages[: cut % (len(pages) + 1)] + more
 
+    def _freed_node(self, call: list[int], owner: dict[int, tuple], covered: set) -> list[tuple]:
+        """The model prefixes (shortest first) of the one node an eviction freed with the
+        allocator call ``call``: whole pages (``owner``: page -> prefix ending on it), none of
+        them ``covered`` by a lock, each one page longer than the one before."""
+        ps = self.page_size
+        chain = sorted((owner[p] for p in sorted({s // ps for s in call})), key=lambda k: len(k[1]))
+        end = chain[-1]
+        assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
+        assert len(call) == len(chain) * ps
+        for a, b in zip(chain, chain[1:], strict=False):
+            assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + ps, "not one node"
+        return chain
+
+    def _check_match_slots(self, m, ek, key, best: int, state_slot) -> None:
+        """A match of ``key`` that ends at ``best`` (the model's answer) returns the model's KV
+        slots up to there and, when ``best`` > 0, the state slot cached there (which the match
+        refreshes); otherwise no state slot and the root."""
+        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos] or ()]
+        assert m.indices.tolist() == expected
+        if best:
+            pos = (ek, tuple(key[:best]))
+            assert state_slot == self.states[pos]
+            self._touch(pos)
+        else:
+            assert state_slot is None and m.last_node is self.tree.root
+
+    def _lock_near_seen(self, which, cut, more) -> None:
+        """Lock the match of a key near an inserted one; the model's lock covers the match and,
+        when it ends on a state, that state."""
+        ek, pages = self._seen(which, cut, more[:1])
+        key = self._key(pages)
+        m, best = self._match(key, ek)
+        receipt = self.tree.inc_lock_ref(m.last_node)
+        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+
     # -- what each machine writes against its tree -----------------------------------------------
 
     def _insert(self, pages, ek, with_state) -> None:
@@ -152,3 +156,17 @@ class PrefixStateMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def evict_full(self, n):
         self._evict_full(n * self.page_size)
+
+    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
+    @rule()
+    def reset(self):
+        """``reset`` frees every device page and every state, and nothing else."""
+        self.alloc.take()
+        self.state_slots.take()
+        self.tree.reset()
+        freed = sorted(self.alloc.take())
+        assert freed == sorted(s for v in self.pages.values() if v is not None for s in v)
+        assert sorted(self.state_slots.take()) == sorted(self.states.values())
+        self.pages.clear()
+        self.states.clear()
+        self.recency.clear()

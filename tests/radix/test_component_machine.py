@@ -28,45 +28,34 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
+from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
-    CAPACITY_PAGES,
     EXTRA_KEYS,
     KEYS,
     STATE_CAPACITY,
     PrefixStateMachine,
-    Recorder,
 )
 from tests.radix.state_component import StatePool, StateSlotComponent
 
 EMPTY_OR_KEYS: st.SearchStrategy[list[int]] = st.one_of(st.just([]), KEYS)
 CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
 
-SETTINGS = settings(
-    max_examples=50,
-    stateful_step_count=50,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings(50)
 
 
 class ComponentMachine(PrefixStateMachine):
     @initialize()
     def setup(self):
-        ps = self.page_size
-        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
-        self.capacity = self.alloc.available_size()
-        self.pool = StatePool(STATE_CAPACITY)
+        self._start_model(StatePool(STATE_CAPACITY))
         self.tree = RadixCache(
-            page_size=ps, token_to_kv_pool_allocator=self.alloc, components=[StateSlotComponent(self.pool)]
+            page_size=self.page_size,
+            token_to_kv_pool_allocator=self.alloc,
+            components=[StateSlotComponent(self.state_slots)],
         )
-        self._start_model()
 
     # -- model helpers ---------------------------------------------------------------------------
 
@@ -105,13 +94,8 @@ class ComponentMachine(PrefixStateMachine):
         covered = self._covered()
         freed = 0
         for call in calls:
-            pages = sorted({s // self.page_size for s in call})
-            chain = sorted((owner[p] for p in pages), key=lambda k: len(k[1]))
+            chain = self._freed_node(call, owner, covered)
             end = chain[-1]
-            assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
-            assert len(call) == len(chain) * self.page_size
-            for a, b in zip(chain, chain[1:], strict=False):
-                assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + self.page_size, "not one node"
             if deleting is not None:
                 assert end == deleting.pop(0), "state eviction deleted another node"
                 keep = False
@@ -129,10 +113,10 @@ class ComponentMachine(PrefixStateMachine):
         evictable = self.tree.evictable_size()
         self.alloc.take()
         counts = self.tree.evict({"full": n})
-        freed = self._apply_full_frees(self.alloc.take())
+        freed = self._apply_full_frees(self.alloc.take_calls())
         assert counts == {"full": freed, "state": 0}, counts
         assert freed >= min(n, evictable) and freed <= evictable
-        assert not self.pool.take(), "FULL eviction freed a state"
+        assert not self.state_slots.take(), "FULL eviction freed a state"
 
     # -- rules -----------------------------------------------------------------------------------
 
@@ -147,7 +131,7 @@ class ComponentMachine(PrefixStateMachine):
         values = self._fresh(n)
         if values is None:
             return
-        slot = self.pool.alloc() if with_state else None
+        slot = self.state_slots.alloc() if with_state else None
         prefixes = self._prefixes(ek, key)
         walk, _ = self._walk(ek, key)
         result = self.tree.insert_with(key, values, extra_key=ek, payloads={"state": slot} if with_state else None)
@@ -173,8 +157,8 @@ class ComponentMachine(PrefixStateMachine):
                 if tail is not None:
                     self._touch(tail)
                 if slot is not None:
-                    self.pool.free(slot)
-                    self.pool.take()
+                    self.state_slots.free(slot)
+                    self.state_slots.take()
             else:
                 assert handed_back is None
                 if slot is not None:
@@ -197,14 +181,7 @@ class ComponentMachine(PrefixStateMachine):
         assert m.full_kv_hit_length == m.device_kv_hit_length == dev, (m.full_kv_hit_length, dev)
         assert m.prefix_len == best, (m.prefix_len, best, dev)
         assert extras["host_hit_length"] == walk - dev
-        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos] or ()]
-        assert m.indices.tolist() == expected
-        if best:
-            pos = (ek, tuple(key[:best]))
-            assert extras["slot"] == self.states[pos]
-            self._touch(pos)
-        else:
-            assert extras["slot"] is None and m.last_node is self.tree.root
+        self._check_match_slots(m, ek, key, best, extras["slot"])
         return m, best
 
     @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
@@ -214,11 +191,7 @@ class ComponentMachine(PrefixStateMachine):
 
     @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
     def lock(self, which, cut, more):
-        ek, pages = self._seen(which, cut, more[:1])
-        key = self._key(pages)
-        m, best = self._match(key, ek)
-        receipt = self.tree.inc_lock_ref(m.last_node)
-        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+        self._lock_near_seen(which, cut, more)
 
     @precondition(lambda self: len(self.states) >= 3)
     @rule(k=st.integers(1, 3))
@@ -228,8 +201,8 @@ class ComponentMachine(PrefixStateMachine):
         expected = order[:k]
         self.alloc.take()
         counts = self.tree.evict({"state": k})
-        assert self.pool.take() == [self.states[pos] for pos in expected], "not least recent first"
-        calls = self.alloc.take()
+        assert self.state_slots.take() == [self.states[pos] for pos in expected], "not least recent first"
+        calls = self.alloc.take_calls()
         freed = 0
         for pos in expected:  # in the component's order: each decision sees the earlier ones
             del self.states[pos]
@@ -249,18 +222,6 @@ class ComponentMachine(PrefixStateMachine):
             self.tree.evict({"swa": 1} if how == "name" else {"state": -1})
         assert self.tree.sizes() == before
 
-    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
-    @rule()
-    def reset(self):
-        self.alloc.take()
-        self.tree.reset()
-        freed = sorted(s for call in self.alloc.take() for s in call)
-        assert freed == sorted(s for v in self.pages.values() if v is not None for s in v)
-        assert sorted(self.pool.take()) == sorted(self.states.values())
-        self.pages.clear()
-        self.states.clear()
-        self.recency.clear()
-
     # -- invariants ------------------------------------------------------------------------------
 
     @invariant()
@@ -278,7 +239,7 @@ class ComponentMachine(PrefixStateMachine):
         assert self.alloc.available_size() + full.evictable + full.protected == self.capacity
         assert state.total == len(self.states) == tree.total_size("state")
         assert state.protected == len(self._state_locked()) == tree.protected_size("state")
-        assert self.pool.available_size() + state.evictable + state.protected == self.pool.capacity
+        assert self.state_slots.available_size() + state.evictable + state.protected == self.state_slots.capacity
         assert (tree.host_only_count > 0) == any(v is None for v in self.pages.values())
 
 

@@ -30,21 +30,18 @@ class HiSWATreeMachine(SWATreeMachine):
         policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     )
     def setup(self, ps: int, window: int, eagle: bool, policy: str = "write_through") -> None:  # type: ignore[override]
-        self.ps = ps
-        self.eagle = eagle
-        self.alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
-        self.tree = HiSWARadixCache(
+        alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
+        tree = HiSWARadixCache(
             page_size=ps,
             sliding_window_size=window,
-            allocator=self.alloc,
+            allocator=alloc,
             is_eagle=eagle,
             host_pool_tokens=32 * ps,
             write_policy=policy,
             load_back_threshold=1,
         )
-        check_host_evictions(self.tree)
-        self.receipts: list = []
-        self.keys: list[list[int]] = []
+        check_host_evictions(tree)
+        self._start(ps, alloc, tree, eagle)
 
     @rule(wait=st.booleans())
     def transfers(self, wait: bool) -> None:

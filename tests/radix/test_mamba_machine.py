@@ -19,29 +19,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvjax.alloc import make_allocator
 from kvjax.alloc.state_slots import StateSlotAllocator
 from kvjax.radix import MambaRadixCache
+from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
-    CAPACITY_PAGES,
     EXTRA_KEYS,
     KEYS,
     STATE_CAPACITY,
     PrefixStateMachine,
-    Recorder,
 )
 
-SETTINGS = settings(
-    max_examples=30,
-    stateful_step_count=30,
-    deadline=None,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SETTINGS = machine_settings(30)
 
 
 class RecordingStates(StateSlotAllocator):
@@ -66,17 +57,14 @@ class MambaMachine(PrefixStateMachine):
     @initialize()
     def setup(self):
         ps = self.page_size
-        self.alloc = Recorder(make_allocator(CAPACITY_PAGES * ps, ps))
-        self.capacity = self.alloc.available_size()
-        self.states_alloc = RecordingStates(STATE_CAPACITY)
+        self._start_model(RecordingStates(STATE_CAPACITY))
         self.tree = MambaRadixCache(
             page_size=ps,
             allocator=self.alloc,
-            mamba_pool_size=self.states_alloc,
+            mamba_pool_size=self.state_slots,
             mamba_max_states_per_path=self.cap,
             enable_mamba_extra_buffer=ps > 1,
         )
-        self._start_model()
 
     # -- model helpers ---------------------------------------------------------------------------
 
@@ -95,13 +83,9 @@ class MambaMachine(PrefixStateMachine):
         covered = self._covered()
         freed, states_freed = 0, []
         for call in calls:
-            chain = sorted((owner[p] for p in sorted({s // self.page_size for s in call})), key=lambda k: len(k[1]))
+            chain = self._freed_node(call, owner, covered)
             end = chain[-1]
-            assert all(e not in covered for e in chain), f"evicted a locked prefix {end}"
-            assert len(call) == len(chain) * self.page_size
             assert self._children(end) == 0, "evicted a node with children"
-            for a, b in zip(chain, chain[1:], strict=False):
-                assert b[1][: len(a[1])] == a[1] and len(b[1]) == len(a[1]) + self.page_size, "not one node"
             assert all(e not in self.states for e in chain[:-1]), "a checkpoint inside a node"
             if deleting is not None:
                 assert end == deleting.pop(0), "state eviction deleted another node"
@@ -116,10 +100,10 @@ class MambaMachine(PrefixStateMachine):
     def _evict_full(self, n: int) -> None:
         evictable = self.tree.full_evictable_size()
         self.alloc.take()
-        self.states_alloc.take()
+        self.state_slots.take()
         result = self.tree.evict(num_tokens=n)
-        freed, states_freed = self._apply_full_frees(self.alloc.take())
-        assert self.states_alloc.take() == states_freed
+        freed, states_freed = self._apply_full_frees(self.alloc.take_calls())
+        assert self.state_slots.take() == states_freed
         assert (result.num_tokens_evicted, result.mamba_num_evicted) == (freed, len(states_freed))
         assert freed >= min(n, evictable) and freed <= evictable
 
@@ -162,7 +146,7 @@ class MambaMachine(PrefixStateMachine):
             return
         slot = None
         if with_state:
-            got = self.states_alloc.alloc(1)
+            got = self.state_slots.alloc(1)
             slot = None if got is None else int(got[0])
         prefixes = self._prefixes(ek, key)
         walk = 0
@@ -170,7 +154,7 @@ class MambaMachine(PrefixStateMachine):
             if pos not in self.pages:
                 break
             walk = len(pos[1])
-        self.states_alloc.take()
+        self.state_slots.take()
         result = self.tree.insert(key, values, extra_key=ek, mamba_value=slot)
         assert result.prefix_len == walk
         for pos in prefixes:
@@ -183,14 +167,14 @@ class MambaMachine(PrefixStateMachine):
             if tail in self.states:
                 assert result.mamba_exist and result.results["mamba"] == slot
                 self._touch(tail)
-                self.states_alloc.free([slot])
-                self.states_alloc.take()
+                self.state_slots.free([slot])
+                self.state_slots.take()
             else:
                 assert not result.mamba_exist
                 self.states[tail] = slot
                 self._touch(tail)
                 trimmed = self._trim(tail)
-        assert self.states_alloc.take() == trimmed, "the per-path cap freed other checkpoints"
+        assert self.state_slots.take() == trimmed, "the per-path cap freed other checkpoints"
         assert not self.alloc.take(), "insert freed FULL slots: duplicates are the caller's"
         if walk:
             self.alloc.free(values[:walk])
@@ -207,24 +191,12 @@ class MambaMachine(PrefixStateMachine):
             if pos in self.states:
                 best = dev
         assert (m.full_kv_hit_length, m.prefix_len) == (dev, best)
-        expected = [s for pos in self._prefixes(ek, key)[: best // self.page_size] for s in self.pages[pos]]
-        assert m.indices.tolist() == expected
-        extras = m.extras["mamba"]
-        if best:
-            pos = (ek, tuple(key[:best]))
-            assert extras.slot == self.states[pos]
-            self._touch(pos)
-        else:
-            assert extras.slot is None and m.last_node is self.tree.root
+        self._check_match_slots(m, ek, key, best, m.extras["mamba"].slot)
         return m, best
 
     @rule(which=st.integers(0, 100), cut=st.sampled_from([5, 5, 0, 1, 2]), more=KEYS)
     def lock(self, which, cut, more):
-        ek, pages = self._seen(which, cut, more[:1])
-        key = self._key(pages)
-        m, best = self._match(key, ek)
-        receipt = self.tree.inc_lock_ref(m.last_node)
-        self.locks.append((ek, tuple(key[:best]), receipt, (ek, tuple(key[:best])) if best else None))
+        self._lock_near_seen(which, cut, more)
 
     @precondition(lambda self: len(self.states) >= 2)
     @rule(k=st.integers(1, 3))
@@ -232,10 +204,10 @@ class MambaMachine(PrefixStateMachine):
         locked = self._state_locked()
         expected = sorted((p for p in self.states if p not in locked), key=self.recency.__getitem__)[:k]
         self.alloc.take()
-        self.states_alloc.take()
+        self.state_slots.take()
         result = self.tree.evict(num_tokens=0, mamba_num=k)
-        assert self.states_alloc.take() == [self.states[p] for p in expected], "not least recent first"
-        calls = self.alloc.take()
+        assert self.state_slots.take() == [self.states[p] for p in expected], "not least recent first"
+        calls = self.alloc.take_calls()
         freed = 0
         for pos in expected:
             self._drop_state(pos)
@@ -245,18 +217,6 @@ class MambaMachine(PrefixStateMachine):
             freed += f
         assert not calls
         assert (result.num_tokens_evicted, result.mamba_num_evicted) == (freed, len(expected))
-
-    @precondition(lambda self: not self.locks and len(self.pages) >= 12)
-    @rule()
-    def reset(self):
-        self.alloc.take()
-        self.states_alloc.take()
-        self.tree.reset()
-        assert sorted(s for c in self.alloc.take() for s in c) == sorted(s for v in self.pages.values() for s in v)
-        assert sorted(self.states_alloc.take()) == sorted(self.states.values())
-        self.pages.clear()
-        self.states.clear()
-        self.recency.clear()
 
     # -- invariants ------------------------------------------------------------------------------
 
@@ -273,12 +233,12 @@ class MambaMachine(PrefixStateMachine):
         assert self.alloc.available_size() + tree.full_evictable_size() + tree.full_protected_size() == self.capacity
         locked = len(self._state_locked())
         assert (tree.mamba_evictable_size(), tree.mamba_protected_size()) == (len(self.states) - locked, locked)
-        assert self.states_alloc.available_size() + len(self.states) == STATE_CAPACITY
+        assert self.state_slots.available_size() + len(self.states) == STATE_CAPACITY
         assert tree.mamba.lru_order() == sorted(
             (tree.mamba.lru_order()), key=lambda n: self.recency[self._pos_of(n)]
         ), "the tree's checkpoint recency differs from the model's"
         assert len(self.states) <= len(self.pages)
-        self.states_alloc.check_invariants()
+        self.state_slots.check_invariants()
 
     def _pos_of(self, node) -> tuple:
         toks = []

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.errors import ConfigError
 from kvjax.radix import LockError, PureSWARadixCache, TreeOptions, create_tree_cache
-from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
+from tests.radix._helpers import WindowHarness
+from tests.radix.window_machine import WindowTreeMachine
 
 
 def shape(tree: PureSWARadixCache) -> list[tuple[list[int], list[int]]]:
@@ -168,25 +169,9 @@ def test_registry_builds_it_for_pure_swa_plans():
 # --------------------------------------------------------------------------- request lifecycle
 
 
-class Harness:
+class Harness(WindowHarness):
     def __init__(self, size: int = 32, page_size: int = 1, window: int = 4) -> None:
-        self.alloc = make_allocator(size, page_size)
-        self.pool = ReqToTokenPool(4, 64)
-        self.tree = PureSWARadixCache(
-            page_size=page_size, sliding_window_size=window, allocator=self.alloc, req_to_token_pool=self.pool
-        )
-
-    def start(self, tokens: list[int]) -> Req:
-        rows = self.pool.alloc(1)
-        assert rows is not None
-        req = Req(f"r{rows[0]}", list(tokens), req_pool_idx=rows[0])
-        m = self.tree.match_and_lock(req)
-        self.pool.write(rows[0], 0, m.indices)
-        fresh = self.alloc.alloc(len(tokens) - m.prefix_len)
-        assert fresh is not None
-        self.pool.write(rows[0], m.prefix_len, fresh)
-        req.swa_evicted_seqlen = req.cache_protected_len
-        return req
+        super().__init__(PureSWARadixCache, make_allocator(size, page_size), window, page_size)
 
     def leave_window(self, req: Req, upto: int) -> None:
         """Decode frees the request's own slots before ``upto`` with a plain ``free`` (the row keeps
@@ -196,11 +181,6 @@ class Harness:
         if upto > start:
             self.alloc.free(row[start:upto])
             req.swa_evicted_seqlen = upto
-
-    def finish(self, req: Req, insert: bool = True) -> None:
-        self.tree.cache_finished_req(req, insert)
-        assert req.req_pool_idx is not None
-        self.pool.free(req.req_pool_idx)
 
 
 def test_sglang_31486_freed_window_slots_are_neither_reinserted_nor_freed_twice():
@@ -244,87 +224,27 @@ def test_lifecycle_with_window_freeing_reuse_and_retraction(insert: bool):
 
 # --------------------------------------------------------------------------- state machine
 
-TOKENS = st.integers(1, 3)
 
-
-class PureSWATreeMachine(RuleBasedStateMachine):
+class PureSWATreeMachine(WindowTreeMachine):
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5))
     def setup(self, ps: int, window: int) -> None:
-        self.ps = ps
-        self.alloc = make_allocator(16 * ps, ps)
-        self.tree = PureSWARadixCache(page_size=ps, sliding_window_size=window, allocator=self.alloc)
-        self.receipts: list = []
-        self.keys: list[list[int]] = []
+        alloc = make_allocator(16 * ps, ps)
+        self._start(ps, alloc, PureSWARadixCache(page_size=ps, sliding_window_size=window, allocator=alloc))
 
-    def key(self, data: st.DataObject, pages_max: int = 6) -> list[int]:
-        ps = self.ps
-        if self.keys and data.draw(st.integers(0, 3)) > 0:
-            old = self.keys[data.draw(st.integers(0, len(self.keys) - 1))]
-            pages = data.draw(st.integers(1, pages_max))
-            body = old[: pages * ps] + data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
-            return body[: pages * ps]
-        pages = data.draw(st.integers(1, pages_max))
-        return data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
+    def _make_room(self, n: int) -> None:
+        self.tree.evict(n)
 
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
-        key = self.key(data)
-        n = len(key)
-        slots = self.alloc.alloc(n)
-        if slots is None:
-            self.tree.evict(n)
-            slots = self.alloc.alloc(n)
-            if slots is None:
-                return
-        e = data.draw(st.integers(0, (n - 1) // self.ps)) * self.ps if data.draw(st.booleans()) else 0
-        if e:
-            self.alloc.free(slots[:e])  # the caller's decode freed them
-        self.tree.insert(key, slots, swa_evicted_seqlen=e)
-        self.keys.append(key)
-
-    def naive_match(self, key: list[int]) -> int:
-        tree = self.tree
-        node, pos, path = tree.root, 0, []
-        while pos < len(key):
-            nxt = next(
-                (c for c in node.children.values() if c.token_ids() == key[pos : pos + c.klen]),
-                None,
-            )
-            if nxt is None:
-                break
-            path.append(nxt)
-            pos += nxt.klen
-            node = nxt
-        best, since = 0, float("inf")
-        for p in path:
-            if tree.swa.is_tombstone(p):
-                since = 0
-                continue
-            since += p.klen
-            if since >= tree.sliding_window_size:
-                best = p.depth
-        return best
+    def _free_out_of_window(self, slots: np.ndarray) -> None:
+        self.alloc.free(slots)
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
         key = self.key(data)
         m = self.tree.match_prefix(key)
-        assert m.prefix_len == self.naive_match(key)  # after any split the rule agrees exactly
+        assert m.prefix_len == self.naive_match(key)[0]  # after any split the rule agrees exactly
         if m.prefix_len:
             window = m.indices[max(0, m.prefix_len - self.tree.sliding_window_size) :]
             assert (window != 0).all()  # the last window of a match is live KV
-
-    @rule(data=st.data())
-    def lock(self, data: st.DataObject) -> None:
-        m = self.tree.match_prefix(self.key(data))
-        if m.prefix_len:
-            self.receipts.append(self.tree.inc_lock_ref(m.last_node))
-
-    @precondition(lambda self: self.receipts)
-    @rule(data=st.data())
-    def unlock(self, data: st.DataObject) -> None:
-        r = self.receipts.pop(data.draw(st.integers(0, len(self.receipts) - 1)))
-        self.tree.dec_lock_ref(r)
 
     @precondition(lambda self: self.receipts)
     @rule(data=st.data())

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -40,10 +39,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvjax.alloc import make_allocator
 from kvjax.radix import RadixCache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
+from tests.radix._helpers import RecordingAllocator, machine_settings
 
 MAX_LIVE_REQUESTS = 4
 
@@ -73,43 +72,7 @@ KEY_PARTS = st.tuples(
 EXTRA_KEYS = st.sampled_from([None, None, "lora-a"])
 PRIORITIES = st.integers(0, 3)
 
-SETTINGS = settings(
-    max_examples=30,
-    stateful_step_count=30,
-    deadline=None,
-    # No "explain" phase: tracing a failing stateful run can take minutes.
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-
-
-class RecordingAllocator:
-    """Forwards to an allocator and records every ``free`` / ``free_segment`` the tree makes, call by call."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.freed: list[np.ndarray] = []
-
-    def free(self, idx):
-        arr = np.asarray(idx).reshape(-1).copy()
-        result = self._inner.free(idx)
-        if len(arr):
-            self.freed.append(arr)
-        return result
-
-    def free_segment(self, idx, *, start_pos):
-        arr = np.asarray(idx).reshape(-1).copy()
-        result = self._inner.free_segment(idx, start_pos=start_pos)
-        if len(arr):
-            self.freed.append(arr)
-        return result
-
-    def take(self) -> list[np.ndarray]:
-        out, self.freed = self.freed, []
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+SETTINGS = machine_settings(30)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +154,7 @@ class RadixMachine(RuleBasedStateMachine):
             kwargs["is_eagle"] = True
         if self.with_pools:
             size = CAPACITY_TOKENS[ps]
-            inner = make_allocator(size, ps)
-            self.alloc = RecordingAllocator(inner)
+            self.alloc = RecordingAllocator(size, ps)
             width = (MAX_PAGES_PER_KEY + 1) * ps * 3
             rows = MAX_LIVE_REQUESTS + 1
             self.req_pool = ReqToTokenPool(rows, width)
@@ -228,8 +190,7 @@ class RadixMachine(RuleBasedStateMachine):
         """Pages the tree freed since the last look, each ``free`` call counting a page once
         (several slots of one page free it once); a slot twice in one call is an error."""
         out: Counter = Counter()
-        for arr in self.alloc.take():
-            slots = arr.tolist()
+        for slots in self.alloc.take_calls():
             assert len(slots) == len(set(slots)), f"one free() call names a slot twice: {sorted(slots)}"
             out.update({s // self.page_size for s in slots})
         return out

@@ -11,87 +11,27 @@ naively: it ends at the deepest node of the walked path with no tombstone above 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
-from kvjax.radix import LockError, SWARadixCache
+from kvjax.radix import SWARadixCache
+from tests.radix.window_machine import WindowTreeMachine
 
-TOKENS = st.integers(1, 3)
 
-
-class SWATreeMachine(RuleBasedStateMachine):
+class SWATreeMachine(WindowTreeMachine):
     @initialize(ps=st.sampled_from([1, 2]), window=st.integers(1, 5), eagle=st.booleans())
     def setup(self, ps: int, window: int, eagle: bool) -> None:
-        self.ps = ps
-        self.eagle = eagle
-        self.alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
-        self.tree = SWARadixCache(page_size=ps, sliding_window_size=window, allocator=self.alloc, is_eagle=eagle)
-        self.receipts: list = []
-        self.keys: list[list[int]] = []
+        alloc = SWATokenToKVPoolAllocator(24 * ps, 12 * ps, ps)
+        tree = SWARadixCache(page_size=ps, sliding_window_size=window, allocator=alloc, is_eagle=eagle)
+        self._start(ps, alloc, tree, eagle)
 
-    def key(self, data: st.DataObject, pages_max: int = 6) -> list[int]:
-        """A fresh random key, or (mostly) a page-aligned prefix or extension of an earlier one."""
-        ps, ex = self.ps, (1 if self.eagle else 0)
-        reuse = bool(self.keys) and data.draw(st.integers(0, 3)) > 0
-        if reuse:
-            old: list[int] = self.keys[data.draw(st.integers(0, len(self.keys) - 1))]
-            pages = data.draw(st.integers(1, pages_max))
-            body = old[: pages * ps] + data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
-            body = body[: pages * ps]
-        else:
-            pages = data.draw(st.integers(1, pages_max))
-            body = data.draw(st.lists(TOKENS, min_size=pages * ps, max_size=pages * ps))
-        return body + data.draw(st.lists(TOKENS, min_size=ex, max_size=ex))
+    def _make_room(self, n: int) -> None:
+        self.tree.evict(n, n)
 
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
-        key = self.key(data)
-        n = len(key) - (1 if self.eagle else 0)  # key elements, page-aligned
-        slots = self.alloc.alloc(n)
-        if slots is None:
-            self.tree.evict(n, n)
-            slots = self.alloc.alloc(n)
-            if slots is None:
-                return
-        e = data.draw(st.integers(0, (n - 1) // self.ps)) * self.ps if data.draw(st.booleans()) else 0
-        if e:
-            self.alloc.free_swa(slots[:e])  # the caller's decode freed them
-        # One slot per token; a bigram key's last token has none cached (the trash slot).
-        indices = np.concatenate([slots, np.zeros(len(key) - n, np.int32)])
-        self.tree.insert(key, indices, swa_evicted_seqlen=e)
-        self.keys.append(key)
-
-    def naive_match(self, key: list[int]) -> tuple[int, object]:
-        tree = self.tree
-        node = tree.root
-        n = len(key) - (1 if self.eagle else 0)
-        n -= n % self.ps
-        ex = 1 if self.eagle else 0
-        pos = 0
-        path = []
-        while pos < n:
-            nxt = None
-            for child in node.children.values():
-                toks = child.token_ids()
-                if toks[: child.klen + ex] == key[pos : pos + child.klen + ex] and pos + child.klen <= n:
-                    nxt = child
-            if nxt is None:
-                break
-            path.append(nxt)
-            pos += nxt.klen
-            node = nxt
-        best, since = tree.root, float("inf")
-        for p in path:
-            if tree.swa.is_tombstone(p):
-                since = 0
-                continue
-            since += p.klen
-            if since >= tree.sliding_window_size:
-                best = p
-        return (0 if best is tree.root else best.depth), best
+    def _free_out_of_window(self, slots: np.ndarray) -> None:
+        self.alloc.free_swa(slots)
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:
@@ -104,20 +44,6 @@ class SWATreeMachine(RuleBasedStateMachine):
             assert m.indices.tolist() == self.tree.path_slots(m.last_node, m.prefix_len).tolist()
         again, _ = self.naive_match(key)
         assert m.prefix_len == again  # after the split, the naive rule agrees exactly
-
-    @rule(data=st.data())
-    def lock(self, data: st.DataObject) -> None:
-        m = self.tree.match_prefix(self.key(data))
-        if m.prefix_len:
-            self.receipts.append(self.tree.inc_lock_ref(m.last_node))
-
-    @precondition(lambda self: self.receipts)
-    @rule(data=st.data())
-    def unlock(self, data: st.DataObject) -> None:
-        r = self.receipts.pop(data.draw(st.integers(0, len(self.receipts) - 1)))
-        self.tree.dec_lock_ref(r)
-        with pytest.raises(LockError):
-            self.tree.dec_lock_ref(r)
 
     @precondition(lambda self: self.receipts)
     @rule(data=st.data())

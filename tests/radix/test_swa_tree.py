@@ -12,6 +12,7 @@ from kvjax.errors import ConfigError
 from kvjax.radix import LockError, PureSWAChunkCache, SWAChunkCache, SWARadixCache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
+from tests.radix._helpers import WindowHarness
 
 
 def shape(tree: SWARadixCache) -> list[tuple[list[int], bool, int]]:
@@ -187,38 +188,17 @@ def test_bad_input_raises_and_changes_nothing():
 # --------------------------------------------------------------------------- with an allocator
 
 
-class SWAHarness:
+class SWAHarness(WindowHarness):
     """A request table, an SWA allocator and the tree; requests get fresh slots for their tokens."""
 
     def __init__(self, window: int = 4, page_size: int = 1, size: int = 64, size_swa: int = 32) -> None:
-        self.alloc = SWATokenToKVPoolAllocator(size, size_swa, page_size)
-        self.pool = ReqToTokenPool(4, 64)
-        self.tree = SWARadixCache(
-            page_size=page_size, sliding_window_size=window, allocator=self.alloc, req_to_token_pool=self.pool
-        )
-
-    def start(self, tokens: list[int]) -> Req:
-        rows = self.pool.alloc(1)
-        assert rows is not None
-        req = Req(f"r{rows[0]}", list(tokens), req_pool_idx=rows[0])
-        m = self.tree.match_and_lock(req)
-        self.pool.write(rows[0], 0, m.indices)
-        fresh = self.alloc.alloc(len(tokens) - m.prefix_len)
-        assert fresh is not None
-        self.pool.write(rows[0], m.prefix_len, fresh)
-        req.swa_evicted_seqlen = req.cache_protected_len
-        return req
+        super().__init__(SWARadixCache, SWATokenToKVPoolAllocator(size, size_swa, page_size), window, page_size)
 
     def leave_window(self, req: Req, upto: int) -> None:
         """The request frees the SWA slots of its own positions before ``upto`` (decode)."""
         row = self.pool.req_to_token[req.req_pool_idx]
         self.alloc.free_swa(row[req.swa_evicted_seqlen : upto])
         req.swa_evicted_seqlen = upto
-
-    def finish(self, req: Req) -> None:
-        self.tree.cache_finished_req(req)
-        assert req.req_pool_idx is not None
-        self.pool.free(req.req_pool_idx)
 
     def check(self, held_full: int = 0, held_swa: int = 0) -> None:
         t, a = self.tree, self.alloc
