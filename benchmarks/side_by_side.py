@@ -8,7 +8,8 @@
 the benchmark once from each checkout, alternating which goes first,
 each in a fresh process importing ``kvjax`` from its own root (``PYTHONPATH``), so load from other
 processes on a shared machine hits both alike. Every numeric leaf of the two JSON outputs is
-paired by its path (``a.b.c``); per path the median over rounds is kept for each checkout, with
+paired by its path (``a.b.c``); per path the median (``--stat min``: the minimum, for a time
+measured on a loaded machine) over rounds is kept for each checkout, with
 ``ratio`` = after / before (for a time, below 1 is faster; for a throughput, above 1 is better:
 the benchmark's own docs say which a figure is). ``--keys`` keeps only the paths containing one
 of the given substrings. Prints one JSON object. CPU figures of this host, not TPU figures.
@@ -63,6 +64,9 @@ def main() -> None:
     parser.add_argument("--baseline-path", required=True, help="root of the other kvjax checkout")
     parser.add_argument("--path", default=_ROOT, help="root of the checkout timed as 'after' (default: this one)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per checkout (median kept)")
+    parser.add_argument(
+        "--stat", choices=("median", "min"), default="median", help="per figure over rounds (min: a time under load)"
+    )
     parser.add_argument("--keys", nargs="*", default=[], help="keep only paths containing one of these")
     parser.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (a file of benchmarks/)")
     args = parser.parse_args()
@@ -87,8 +91,9 @@ def main() -> None:
             continue
         if not all(path in r for r in runs["before"]):
             continue
-        before = statistics.median(r[path] for r in runs["before"])
-        after = statistics.median(r[path] for r in runs["after"] if path in r)
+        pick = statistics.median if args.stat == "median" else min
+        before = pick(r[path] for r in runs["before"])
+        after = pick(r[path] for r in runs["after"] if path in r)
         figures[path] = {"before": before, "after": after, "ratio": round(after / before, 3) if before else None}
     print(
         json.dumps(
@@ -97,7 +102,7 @@ def main() -> None:
                 "args": script_args,
                 "rounds": args.rounds,
                 "checkouts": roots,
-                "note": "median over rounds per checkout; ratio = after / before; CPU figures, not TPU figures",
+                "note": f"{args.stat} over rounds per checkout; ratio = after / before; CPU figures, not TPU figures",
                 "figures": figures,
             },
             indent=2,
