@@ -40,6 +40,33 @@ def round_up(x: int, multiple: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def check_batch_tables(kv_lens: Any, page_indices: Any, cu_q_lens: Any, num_seqs: Any) -> None:
+    """Trace-time checks of a ragged batch's tables, raising an error that names the table.
+
+    ``page_indices`` ``[max_seqs, pages_per_seq]``, ``kv_lens`` ``[max_seqs]``, ``cu_q_lens``
+    ``[max_seqs + 1]``, ``num_seqs`` ``[1]`` (ValueError otherwise), all of an integer dtype
+    (TypeError otherwise: int32 expected).
+    """
+    if page_indices.ndim != 2:
+        raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
+    max_seqs = page_indices.shape[0]
+    for name, x, shape in (
+        ("kv_lens", kv_lens, (max_seqs,)),
+        ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
+        ("num_seqs", num_seqs, (1,)),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
+    for name, x in (
+        ("kv_lens", kv_lens),
+        ("page_indices", page_indices),
+        ("cu_q_lens", cu_q_lens),
+        ("num_seqs", num_seqs),
+    ):
+        if jnp.dtype(x.dtype).kind not in "iu":
+            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
+
+
 def resolve_block_sizes(block_q: int | None, block_kv_pages: int | None, defaults: tuple[int, int]) -> tuple[int, int]:
     """``(block_q, block_kv_pages)``: the given sizes, or ``defaults`` where None.
 

@@ -102,18 +102,7 @@ def _check_args(
     pool = jnp.dtype(kv_pages.dtype)
     if not (jnp.issubdtype(pool, jnp.floating) and pool.itemsize in (1, 2, 4)):
         raise TypeError(f"kv_pages has dtype {pool}; pass the pool's logical-dtype view (MLAKVPool.kv_buffer)")
-    if page_indices.ndim != 2:
-        raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
-    max_seqs = page_indices.shape[0]
-    for name, x, shape in (
-        ("kv_lens", kv_lens, (max_seqs,)),
-        ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
-        ("num_seqs", num_seqs, (1,)),
-    ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
-        if jnp.dtype(x.dtype).kind not in "iu":
-            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
+    ra.check_batch_tables(kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def _scale(kv_scale: float | jax.Array | None) -> jax.Array:
