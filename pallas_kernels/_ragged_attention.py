@@ -160,6 +160,25 @@ def init_softmax_state(m_ref: Any, l_ref: Any, acc_ref: Any) -> None:
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
+def sequence_rows(
+    cu_q_lens_ref: Any, kv_lens_ref: Any, s: Any, blk_start: Any, blk_end: Any
+) -> tuple[Any, Any, Any, Any]:
+    """``(t_lo, t_hi, first_pos, kv_len)`` of sequence ``s`` in the q block of tokens ``[blk_start, blk_end)``.
+
+    The block's rows of sequence ``s`` are its tokens ``[t_lo, t_hi)`` (empty when ``t_lo >= t_hi``);
+    ``first_pos`` is the position of token ``t_lo`` (query ``i`` of a sequence with ``q_len`` new
+    tokens and ``kv_len`` keys sits at ``kv_len - q_len + i``); ``kv_len`` the sequence's keys.
+    Traced int32 scalars read from the SMEM tables.
+    """
+    q_start = cu_q_lens_ref[s]
+    q_end = cu_q_lens_ref[s + 1]
+    kv_len = kv_lens_ref[s]
+    t_lo = jnp.maximum(q_start, blk_start)
+    t_hi = jnp.minimum(q_end, blk_end)
+    first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)
+    return t_lo, t_hi, first_pos, kv_len
+
+
 def page_dmas(
     kv_hbm_ref: Any,
     kv_buf: Any,

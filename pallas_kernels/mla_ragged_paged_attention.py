@@ -220,10 +220,7 @@ def _mla_kernel(
     max_seqs = kv_lens_ref.shape[0]
 
     def view(s: Any) -> _SeqView:
-        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
-        t_lo = jnp.maximum(q_start, blk_start)
-        t_hi = jnp.minimum(q_end, blk_end)
-        first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)
+        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, blk_start, blk_end)
         kv_end = jnp.clip(first_pos + (t_hi - t_lo), 0, kv_len)  # last visible key + 1
         k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)  # lax.div: operands >= 0 (see the MHA kernel)
         return _SeqView(t_lo, t_hi, first_pos, kv_end, k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_hi > 0))

@@ -405,13 +405,8 @@ def _rpa_kernel(
 
     def view(s: Any) -> _SeqView:
         """What this q block needs of sequence ``s`` (``s < max_seqs``)."""
-        q_start = cu_q_lens_ref[s]
-        q_end = cu_q_lens_ref[s + 1]
-        kv_len = kv_lens_ref[s]
-        # The rows of this block that belong to sequence s: tokens [t_lo, t_hi).
-        t_lo = jnp.maximum(q_start, blk_start)
-        t_hi = jnp.minimum(q_end, blk_end)
-        first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)  # position of token t_lo
+        # The rows of this block that belong to sequence s: tokens [t_lo, t_hi), t_lo at first_pos.
+        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, blk_start, blk_end)
         last_pos = first_pos + (t_hi - 1 - t_lo)
         # Keys visible to any of these rows: [kv_start, kv_end).
         kv_end = jnp.clip(last_pos + 1, 0, kv_len)
