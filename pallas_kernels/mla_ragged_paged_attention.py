@@ -27,7 +27,7 @@ causal (query ``i`` of a sequence with ``q_len`` new tokens and ``kv_len`` keys 
 ``kv_len - q_len + i`` and sees keys up to it), softmax in f32, ``out = softmax . c_kv``. Keys on
 page ids outside ``[1, num_pages]`` are masked; a query that sees no key outputs 0.
 
-Kernel design (shares the MHA kernel's plan, ``ragged_paged_attention``):
+Kernel design (the MHA kernel's plan, ``ragged_paged_attention``; shared pieces in ``_ragged_attention``):
 
 * The wrapper concatenates ``[ql_nope | q_pe]`` and zero-pads to ``row_padded``, so one query row
   meets one latent row in one dot product (the pool's padding is zero), and multiplies it by
@@ -58,13 +58,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import _engine
+from pallas_kernels import _ragged_attention as ra
+from pallas_kernels._engine import Interpret
 from pallas_kernels.validate import check_kv_scale
 
-#: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere. ``True``: the HLO
-#: interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
-Interpret = bool | pltpu.InterpretParams | None
-
-_MASK_VALUE = -1e30  # finite: a row with no key yet must not compute exp(-inf - -inf)
 _TARGET_KV_TOKENS = 256
 _TARGET_Q_ROWS = 256
 
@@ -104,18 +102,7 @@ def _check_args(
     pool = jnp.dtype(kv_pages.dtype)
     if not (jnp.issubdtype(pool, jnp.floating) and pool.itemsize in (1, 2, 4)):
         raise TypeError(f"kv_pages has dtype {pool}; pass the pool's logical-dtype view (MLAKVPool.kv_buffer)")
-    if page_indices.ndim != 2:
-        raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
-    max_seqs = page_indices.shape[0]
-    for name, x, shape in (
-        ("kv_lens", kv_lens, (max_seqs,)),
-        ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
-        ("num_seqs", num_seqs, (1,)),
-    ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
-        if jnp.dtype(x.dtype).kind not in "iu":
-            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
+    ra.check_batch_tables(kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def _scale(kv_scale: float | jax.Array | None) -> jax.Array:
@@ -228,17 +215,12 @@ def _mla_kernel(
     block_kv = block_kv_pages * page_size
     blk_start = b * block_q
     blk_end = blk_start + block_q
-    m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    ra.init_softmax_state(m_ref, l_ref, acc_ref)
     row_token = blk_start + row_token_ref[...]  # [R, 1]
     max_seqs = kv_lens_ref.shape[0]
 
     def view(s: Any) -> _SeqView:
-        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
-        t_lo = jnp.maximum(q_start, blk_start)
-        t_hi = jnp.minimum(q_end, blk_end)
-        first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)
+        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, blk_start, blk_end)
         kv_end = jnp.clip(first_pos + (t_hi - t_lo), 0, kv_len)  # last visible key + 1
         k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)  # lax.div: operands >= 0 (see the MHA kernel)
         return _SeqView(t_lo, t_hi, first_pos, kv_end, k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_hi > 0))
@@ -250,26 +232,15 @@ def _mla_kernel(
         """Start or wait for the page DMAs of KV block k of ``seq``; both evaluate the same conditions."""
         pages_visible = jax.lax.div(seq.kv_end + page_size - 1, page_size) - k * block_kv_pages
         j_hi = jnp.clip(pages_visible, 0, block_kv_pages)
-
-        @pl.loop(0, j_hi)
-        def _(j: Any) -> None:
-            page = page_id(seq, k, j)
-
-            @pl.when(page != 0)
-            def _() -> None:
-                copy = pltpu.make_async_copy(
-                    kv_hbm_ref.at[page], kv_buf.at[slot, pl.ds(j * page_size, page_size)], sems.at[slot]
-                )
-                getattr(copy, action)()
+        page_of = functools.partial(page_id, seq, k)
+        ra.page_dmas(kv_hbm_ref, kv_buf, sems, slot, page_of, 0, j_hi, page_size=page_size, action=action)
 
     def key_ok(seq: _SeqView, k: Any, shape: tuple[int, int], axis: int) -> tuple[Any, Any]:
         offset = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
         pos = k * block_kv + offset
         ok = pos < seq.kv_end
-        for j in range(block_kv_pages):  # static
-            in_page = (offset >= j * page_size) & (offset < (j + 1) * page_size)
-            ok = ok & jnp.logical_not(in_page & (page_id(seq, k, j) == 0))
-        return ok, pos
+        page_of = functools.partial(page_id, seq, k)
+        return ra.hide_unfetched_pages(ok, offset, page_of, block_kv_pages=block_kv_pages, page_size=page_size), pos
 
     def compute(seq: _SeqView, k: Any, slot: Any) -> None:
         col_ok, col_pos = key_ok(seq, k, (1, block_kv), 1)
@@ -283,18 +254,7 @@ def _mla_kernel(
         rows = jnp.where(v_ok, rows.astype(q_ref.dtype), jnp.zeros((), q_ref.dtype))
         q = q_ref[...]
         logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        logits = jnp.where(mask, logits * sm_scale, _MASK_VALUE)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        m_ref[...] = m_new
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        values = rows[:, :rank]
-        pv = jax.lax.dot_general(
-            p.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        acc_ref[...] = alpha * acc_ref[...] + pv
+        ra.online_softmax_update(m_ref, l_ref, acc_ref, ..., logits * sm_scale, mask, rows[:, :rank])
 
     seq_lo, seq_hi = seq_lo_ref[b], seq_hi_ref[b]
 
@@ -332,10 +292,6 @@ def _mla_kernel(
     o_ref[...] = acc_ref[...] / jnp.where(denom > 0.0, denom, 1.0)
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def default_block_sizes(
     total_q_tokens: int, max_seqs: int, num_heads: int, page_size: int, pages_per_seq: int
 ) -> tuple[int, int]:
@@ -346,7 +302,7 @@ def default_block_sizes(
         block_q = 8
     else:
         block_q = max(8, (_TARGET_Q_ROWS // num_heads) // 8 * 8)
-        block_q = min(block_q, _round_up(max(total_q_tokens, 1), 8))
+        block_q = min(block_q, ra.round_up(max(total_q_tokens, 1), 8))
     return block_q, max(1, min(pages_per_seq, _TARGET_KV_TOKENS // page_size))
 
 
@@ -368,18 +324,13 @@ def mla_ragged_paged_attention_kernel(
     """The Pallas kernel (compiled when ``interpret`` is False: TPU only); the reference's contract."""
     _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     total, heads, rank = ql_nope.shape
-    num_pool_pages, page_size, dim_padded = kv_pages.shape
+    _, page_size, dim_padded = kv_pages.shape
     max_seqs, pages_per_seq = page_indices.shape
     dequant = _scale(kv_scale)
     if total == 0:
         return jnp.zeros_like(ql_nope)
-    default_q, default_kv = default_block_sizes(total, max_seqs, heads, page_size, pages_per_seq)
-    block_q = default_q if block_q is None else int(block_q)
-    block_kv_pages = default_kv if block_kv_pages is None else int(block_kv_pages)
-    if block_q <= 0 or block_q % 8 or block_kv_pages <= 0:
-        raise ValueError(
-            f"block_q={block_q} must be a positive multiple of 8 and block_kv_pages={block_kv_pages} positive"
-        )
+    defaults = default_block_sizes(total, max_seqs, heads, page_size, pages_per_seq)
+    block_q, block_kv_pages = ra.resolve_block_sizes(block_q, block_kv_pages, defaults)
     pool_dtype = jnp.dtype(kv_pages.dtype)
     compute = jnp.dtype(jnp.float32) if pool_dtype.itemsize == 4 else jnp.dtype(jnp.bfloat16)
     if pool_dtype == jnp.float16:
@@ -393,17 +344,9 @@ def mla_ragged_paged_attention_kernel(
     q = q.astype(compute).reshape(total_padded * heads, dim_padded)
 
     max_kv = pages_per_seq * page_size
-    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    padded_pages = _round_up(pages_per_seq, block_kv_pages)
-    page_ids = page_indices.astype(jnp.int32)
-    page_ids = jnp.where((page_ids >= 1) & (page_ids < num_pool_pages), page_ids, 0)
-    page_ids = jnp.pad(page_ids, ((0, 0), (0, padded_pages - pages_per_seq))).reshape(-1)
-    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs.astype(jnp.int32)[0]
-    blk_start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
-    seq_lo = jnp.sum(live[None, :] & (cu_q_lens[None, 1:] <= blk_start[:, None]), axis=1, dtype=jnp.int32)
-    seq_hi = jnp.sum(live[None, :] & (cu_q_lens[None, :-1] < blk_start[:, None] + block_q), axis=1, dtype=jnp.int32)
-    seq_hi = jnp.maximum(seq_hi, seq_lo)
+    schedule = ra.block_schedule(
+        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages
+    )
     row_token = (jnp.arange(rows, dtype=jnp.int32) // heads).reshape(rows, 1)
 
     kernel = functools.partial(
@@ -411,7 +354,7 @@ def mla_ragged_paged_attention_kernel(
         block_q=block_q,
         block_kv_pages=block_kv_pages,
         page_size=page_size,
-        padded_pages_per_seq=padded_pages,
+        padded_pages_per_seq=schedule.padded_pages_per_seq,
         rank=rank,
         sm_scale=float(sm_scale),
     )
@@ -430,7 +373,6 @@ def mla_ragged_paged_attention_kernel(
         + rows * (rank + 2 * 128) * 4
         + 4 * rows * block_kv * 4
     )
-    vmem_limit = int(min(2 * vmem, 100 * 2**20)) if vmem > 12 * 2**20 else None
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(
@@ -454,12 +396,12 @@ def mla_ragged_paged_attention_kernel(
             ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",), disable_bounds_checks=True, vmem_limit_bytes=vmem_limit
+            dimension_semantics=("parallel",), disable_bounds_checks=True, vmem_limit_bytes=ra.vmem_limit_bytes(vmem)
         ),
         cost_estimate=cost,
         interpret=interpret,
         name="mla_ragged_paged_attention",
-    )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, q, kv_pages)
+    )(*schedule.prefetch, row_token, q, kv_pages)
     out = out.reshape(total_padded, heads, rank)[:total] * dequant
     return out.astype(ql_nope.dtype)
 
@@ -485,8 +427,7 @@ def mla_ragged_paged_attention(
     elsewhere; ``True``: the HLO interpreter; ``pltpu.InterpretParams(...)``: the TPU interpreter.
     Returns ``[total_q_tokens, num_heads, kv_lora_rank]`` in ql_nope's dtype.
     """
-    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
-        raise TypeError(f"interpret must be None, a bool or pltpu.InterpretParams, got {type(interpret).__name__}")
+    _engine.check_interpret(interpret)
     _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     args = (ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, _scale(kv_scale))
 
@@ -503,6 +444,4 @@ def mla_ragged_paged_attention(
             interpret=interpret,
         )
 
-    if interpret is None or interpret is False:
-        return jax.lax.platform_dependent(*args, tpu=functools.partial(kernel, interpret=False), default=reference)
-    return kernel(*args, interpret=interpret)
+    return _engine.dispatch(kernel, reference, *args, interpret=interpret)

@@ -36,7 +36,7 @@ Semantics (kernel and reference agree):
   outputs 0.
 * ``kv_lens`` is clamped to ``[0, pages_per_seq * page_size]``.
 
-Kernel design (``_rpa_kernel``):
+Kernel design (``_rpa_kernel``; the pieces shared with the MLA kernel are in ``_ragged_attention``):
 
 * The wrapper regroups queries per KV head: ``[T, Hq, D] -> [Hkv, T * G, Dp]`` (``G`` query heads
   per KV head, ``Dp`` = the pool's padded head dim), so row ``r`` of a block is token ``r // G``,
@@ -95,15 +95,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import _engine
+from pallas_kernels import _ragged_attention as ra
+from pallas_kernels._engine import Interpret
 from pallas_kernels.validate import check_kv_scale
-
-#: ``None``/``False``: compiled Pallas on TPU, the jnp reference elsewhere (decided at lowering).
-#: ``True``: the HLO interpreter. ``pltpu.InterpretParams(...)``: the TPU interpreter.
-Interpret = bool | pltpu.InterpretParams | None
-
-# Logit of a masked (query, key) pair and the initial running max. Finite on purpose: with
-# -inf, a row that has seen no key yet would compute exp(-inf - -inf) = NaN when rescaling.
-_MASK_VALUE = -1e30
 
 # Test hook, never False in use: False prefetches into the buffer half being computed (a
 # deliberate race), so the tests can check that the TPU interpreter's race detector sees this
@@ -158,24 +153,7 @@ def _check_args(
             f"kv_pages has dtype {jnp.dtype(kv_pages.dtype)}; pass the pool's logical-dtype view "
             "(MHAKVPool.kv_buffer): a float dtype (fp8, bfloat16, float16 or float32), not its storage bits"
         )
-    if page_indices.ndim != 2:
-        raise ValueError(f"page_indices has shape {list(page_indices.shape)}; expected [max_seqs, pages_per_seq]")
-    max_seqs = page_indices.shape[0]
-    for name, x, shape in (
-        ("kv_lens", kv_lens, (max_seqs,)),
-        ("cu_q_lens", cu_q_lens, (max_seqs + 1,)),
-        ("num_seqs", num_seqs, (1,)),
-    ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} has shape {list(x.shape)}; expected {list(shape)} (max_seqs={max_seqs})")
-    for name, x in (
-        ("kv_lens", kv_lens),
-        ("page_indices", page_indices),
-        ("cu_q_lens", cu_q_lens),
-        ("num_seqs", num_seqs),
-    ):
-        if jnp.dtype(x.dtype).kind not in "iu":
-            raise TypeError(f"{name} has dtype {jnp.dtype(x.dtype)}; expected int32")
+    ra.check_batch_tables(kv_lens, page_indices, cu_q_lens, num_seqs)
     return num_kv_heads, num_q_heads // num_kv_heads, page_indices.shape[1]
 
 
@@ -420,22 +398,15 @@ def _rpa_kernel(
     blk_start = b * block_q
     blk_end = blk_start + block_q
 
-    m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    ra.init_softmax_state(m_ref, l_ref, acc_ref)
 
     row_token = blk_start + row_token_ref[...]  # [R, 1] absolute token of each row
     max_seqs = kv_lens_ref.shape[0]
 
     def view(s: Any) -> _SeqView:
         """What this q block needs of sequence ``s`` (``s < max_seqs``)."""
-        q_start = cu_q_lens_ref[s]
-        q_end = cu_q_lens_ref[s + 1]
-        kv_len = kv_lens_ref[s]
-        # The rows of this block that belong to sequence s: tokens [t_lo, t_hi).
-        t_lo = jnp.maximum(q_start, blk_start)
-        t_hi = jnp.minimum(q_end, blk_end)
-        first_pos = kv_len - (q_end - q_start) + (t_lo - q_start)  # position of token t_lo
+        # The rows of this block that belong to sequence s: tokens [t_lo, t_hi), t_lo at first_pos.
+        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, blk_start, blk_end)
         last_pos = first_pos + (t_hi - 1 - t_lo)
         # Keys visible to any of these rows: [kv_start, kv_end).
         kv_end = jnp.clip(last_pos + 1, 0, kv_len)
@@ -461,23 +432,11 @@ def _rpa_kernel(
         return page_ids_ref[seq.page_base + k * block_kv_pages + j]
 
     def fetch(seq: _SeqView, k: Any, slot: Any, action: str) -> None:
-        """Start (or wait for) the page DMAs of KV block k of ``seq`` into buffer half ``slot``.
-
-        One fixed-size DMA per page holding visible keys (static sizes: both interpreters run
-        them). Start and wait evaluate the same conditions, so each started DMA is waited exactly
-        once with a descriptor of its own size."""
+        """Start (or wait for) the DMAs of the pages of KV block k of ``seq`` that hold visible
+        keys, into buffer half ``slot`` (``ra.page_dmas``)."""
         j_lo, j_hi = page_range(seq, k)
-
-        @pl.loop(j_lo, j_hi)
-        def _(j: Any) -> None:
-            page = page_id(seq, k, j)
-
-            @pl.when(page != 0)
-            def _() -> None:
-                copy = pltpu.make_async_copy(
-                    kv_hbm_ref.at[page], kv_buf.at[slot, pl.ds(j * page_size, page_size)], sems.at[slot]
-                )
-                getattr(copy, action)()
+        page_of = functools.partial(page_id, seq, k)
+        ra.page_dmas(kv_hbm_ref, kv_buf, sems, slot, page_of, j_lo, j_hi, page_size=page_size, action=action)
 
     def key_mask(seq: _SeqView, k: Any, shape: tuple[int, int], axis: int) -> tuple[Any, Any]:
         """(bool mask of the keys of block k that are fetched and visible to some row, their
@@ -485,11 +444,8 @@ def _rpa_kernel(
         offset = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
         pos = k * block_kv + offset
         ok = (pos >= seq.kv_start) & (pos < seq.kv_end)  # implies the page is in page_range
-        # Keys on pages the table marks invalid were not fetched: hide them.
-        for j in range(block_kv_pages):  # static: a few vector ops per page
-            in_page = (offset >= j * page_size) & (offset < (j + 1) * page_size)
-            ok = ok & jnp.logical_not(in_page & (page_id(seq, k, j) == 0))
-        return ok, pos
+        page_of = functools.partial(page_id, seq, k)
+        return ra.hide_unfetched_pages(ok, offset, page_of, block_kv_pages=block_kv_pages, page_size=page_size), pos
 
     def compute(seq: _SeqView, k: Any, slot: Any) -> None:
         """Online-softmax update of this block's rows of ``seq`` with KV block k (in ``slot``)."""
@@ -520,17 +476,7 @@ def _rpa_kernel(
             )
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
-            logits = jnp.where(mask, logits, _MASK_VALUE)
-            m_prev = m_ref[h]
-            m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-            p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)
-            alpha = jnp.exp(m_prev - m_new)
-            m_ref[h] = m_new
-            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
-            pv = jax.lax.dot_general(
-                p.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            acc_ref[h] = alpha * acc_ref[h] + pv
+            ra.online_softmax_update(m_ref, l_ref, acc_ref, h, logits, mask, values)
 
     seq_lo, seq_hi = seq_lo_ref[b], seq_hi_ref[b]
     halves = 2 if _DOUBLE_BUFFER else 1  # 1: a deliberate race, for the tests only
@@ -583,10 +529,6 @@ def _rpa_kernel(
         o_ref[h] = (acc / jnp.where(denom > 0.0, denom, 1.0)).astype(o_ref.dtype)
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def default_block_sizes(
     total_q_tokens: int, max_seqs: int, q_per_kv: int, page_size: int, pages_per_seq: int
 ) -> tuple[int, int]:
@@ -603,7 +545,7 @@ def default_block_sizes(
         block_q = unit
     else:
         block_q = max(unit, (_TARGET_Q_ROWS // q_per_kv) // unit * unit)
-        block_q = min(block_q, _round_up(max(total_q_tokens, 1), unit))
+        block_q = min(block_q, ra.round_up(max(total_q_tokens, 1), unit))
     block_kv_pages = max(1, min(pages_per_seq, _TARGET_KV_TOKENS // page_size))
     return block_q, block_kv_pages
 
@@ -639,7 +581,7 @@ def ragged_paged_attention_kernel(
     """
     num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     total, num_q_heads, head_dim = q.shape
-    num_pool_pages, page_size, combined, dim_padded = kv_pages.shape
+    _, page_size, combined, dim_padded = kv_pages.shape
     max_seqs = page_indices.shape[0]
     scale = _default_sm_scale(head_dim, sm_scale)
     k_dequant, v_dequant = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
@@ -648,13 +590,8 @@ def ragged_paged_attention_kernel(
     out_dtype = q.dtype
     compute = _kernel_compute_dtype(kv_pages.dtype)
     q = (q.astype(jnp.float32) * k_dequant).astype(compute)
-    default_q, default_kv = default_block_sizes(total, max_seqs, group, page_size, pages_per_seq)
-    block_q = default_q if block_q is None else int(block_q)
-    block_kv_pages = default_kv if block_kv_pages is None else int(block_kv_pages)
-    if block_q <= 0 or block_q % 8 or block_kv_pages <= 0:
-        raise ValueError(
-            f"block_q={block_q} must be a positive multiple of 8 and block_kv_pages={block_kv_pages} positive"
-        )
+    defaults = default_block_sizes(total, max_seqs, group, page_size, pages_per_seq)
+    block_q, block_kv_pages = ra.resolve_block_sizes(block_q, block_kv_pages, defaults)
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window={sliding_window} must be positive")
 
@@ -667,22 +604,10 @@ def ragged_paged_attention_kernel(
     qp = qp.reshape(total_padded, num_kv_heads, group, dim_padded).transpose(1, 0, 2, 3)
     qp = qp.reshape(num_kv_heads, total_padded * group, dim_padded)
 
-    # Scalars. The page table is padded to whole KV blocks so that a block's page ids are always
-    # in bounds of the SMEM table, and flattened (a 2-D SMEM array would pad its rows).
     max_kv = pages_per_seq * page_size
-    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    padded_pages = _round_up(pages_per_seq, block_kv_pages)
-    page_ids = page_indices.astype(jnp.int32)
-    page_ids = jnp.where((page_ids >= 1) & (page_ids < num_pool_pages), page_ids, 0)  # 0: never read
-    page_ids = jnp.pad(page_ids, ((0, 0), (0, padded_pages - pages_per_seq))).reshape(-1)
-    live = _live_seqs(cu_q_lens, num_seqs.astype(jnp.int32))
-    blk_start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
-    # Sequences overlapping block b: live, starting before its end and ending after its start.
-    # cu_q_lens is sorted over the live sequences, so they form the range [seq_lo, seq_hi).
-    seq_lo = jnp.sum(live[None, :] & (cu_q_lens[None, 1:] <= blk_start[:, None]), axis=1, dtype=jnp.int32)
-    seq_hi = jnp.sum(live[None, :] & (cu_q_lens[None, :-1] < blk_start[:, None] + block_q), axis=1, dtype=jnp.int32)
-    seq_hi = jnp.maximum(seq_hi, seq_lo)
+    schedule = ra.block_schedule(
+        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages
+    )
     row_token = (jnp.arange(rows, dtype=jnp.int32) // group).reshape(rows, 1)
     # Row r of a block is query head h * G + r % G: its sink, per KV head (zeros when unused).
     sink_heads = jnp.zeros((num_q_heads,), jnp.float32) if sinks is None else _check_sinks(sinks, num_q_heads)
@@ -693,7 +618,7 @@ def ragged_paged_attention_kernel(
         block_q=block_q,
         block_kv_pages=block_kv_pages,
         page_size=page_size,
-        padded_pages_per_seq=padded_pages,
+        padded_pages_per_seq=schedule.padded_pages_per_seq,
         num_kv_heads=num_kv_heads,
         sm_scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),
@@ -736,8 +661,6 @@ def ragged_paged_attention_kernel(
     # and every DMA is in bounds by construction: page ids were clamped into [0, num_pages] above
     # (0 is never fetched) and a destination is page j < block_kv_pages of its buffer half. The
     # TPU interpreter still checks every DMA in the tests.
-    # Above the smallest default scoped limit: ask for what we need.
-    vmem_limit = int(min(2 * vmem, 100 * 2**20)) if vmem > 12 * 2**20 else None
     out = pl.pallas_call(
         kernel,
         # Inside shard_map the output varies over the same mesh axes as the queries.
@@ -762,12 +685,12 @@ def ragged_paged_attention_kernel(
             ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",), disable_bounds_checks=True, vmem_limit_bytes=vmem_limit
+            dimension_semantics=("parallel",), disable_bounds_checks=True, vmem_limit_bytes=ra.vmem_limit_bytes(vmem)
         ),
         cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention",
-    )(kv_lens, page_ids, cu_q_lens, seq_lo, seq_hi, row_token, qp, kv_pages, sink_rows)
+    )(*schedule.prefetch, row_token, qp, kv_pages, sink_rows)
 
     out = out.reshape(num_kv_heads, total_padded, group, dim_padded).transpose(1, 0, 2, 3)
     out = out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]
@@ -820,8 +743,7 @@ def ragged_paged_attention(
     Returns:
       ``[total_q_tokens, num_q_heads, head_dim]`` in q's dtype (the compute dtype); padding tokens are 0.
     """
-    if not (interpret is None or isinstance(interpret, (bool, pltpu.InterpretParams))):
-        raise TypeError(f"interpret must be None, a bool or pltpu.InterpretParams, got {type(interpret).__name__}")
+    _engine.check_interpret(interpret)
 
     def reference(*a: jax.Array) -> jax.Array:
         return ragged_paged_attention_reference(
@@ -863,7 +785,4 @@ def ragged_paged_attention(
         args = (*args, _check_sinks(sinks, q.shape[1]))
     if not _kernel_reads(kv_pages.dtype) and not interpret:
         return reference(*args)  # a pool dtype the compiled kernel does not take (_COMPILED_POOL_DTYPES)
-    if interpret is None or interpret is False:
-        # Decided when lowering for a platform: an AOT compile for TPU from a CPU host gets the kernel.
-        return jax.lax.platform_dependent(*args, tpu=functools.partial(kernel, interpret=False), default=reference)
-    return kernel(*args, interpret=interpret)
+    return _engine.dispatch(kernel, reference, *args, interpret=interpret)

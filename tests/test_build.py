@@ -24,6 +24,11 @@ def tiny_cache(**kw):
     return build_kv_cache(ModelSpec.preset("tiny"), CacheConfig(**kw))
 
 
+def small_config(**overrides) -> CacheConfig:
+    """A config for a hand-built spec at test sizes: 256 pool tokens, 4 requests of up to 64 tokens."""
+    return CacheConfig(**{"max_total_tokens": 256, "max_running_requests": 4, "context_length": 64, **overrides})
+
+
 def test_build_fills_the_seed_result_fields_plus_plan_and_pools():
     cache = tiny_cache()
     assert isinstance(cache, kvjax.KVCache)
@@ -255,14 +260,7 @@ def test_build_hybrid_ssm_state_pool_and_request_table():
     from kvjax.hybrid_req_pool import HybridReqToTokenPool
     from tests.specs import F, R
 
-    config = CacheConfig(
-        max_total_tokens=256,
-        max_running_requests=4,
-        context_length=64,
-        page_size=1,
-        disable_radix_cache=True,
-        max_mamba_cache_size=5,
-    )
+    config = small_config(page_size=1, disable_radix_cache=True, max_mamba_cache_size=5)
     cache = build_kv_cache(ssm((R, F, R, F)), config)
     assert cache.is_hybrid_ssm and set(cache.pools.names) == {"kv", "recurrent"}
     state = cache.pools.recurrent
@@ -325,9 +323,7 @@ def test_build_host_tier_for_mla_and_refuses_dsa():
     from kvjax.radix import HiRadixCache
     from tests.specs import mla
 
-    config = CacheConfig(
-        max_total_tokens=256, max_running_requests=4, context_length=64, enable_hierarchical_cache=True
-    )
+    config = small_config(enable_hierarchical_cache=True)
     cache = build_kv_cache(mla(layers=2), config)
     assert isinstance(cache.tree_cache, HiRadixCache) and cache.host_pool.num_layers == 2
     with pytest.raises(NotImplementedError, match="DSA indexer"):
@@ -372,9 +368,7 @@ def test_build_refuses_the_host_tier_of_a_recurrent_model_before_allocating(monk
     recurrent-state checkpoints, so the build refuses it by name before any pool is created."""
     from kvjax.pools import registry
 
-    config = CacheConfig(
-        max_total_tokens=256, max_running_requests=4, context_length=64, enable_hierarchical_cache=True
-    )
+    config = small_config(enable_hierarchical_cache=True)
     assert kvjax.plan_kv_cache(ssm(), config).attach_host_tier
     created: list[str] = []
     original = registry.PoolKind.create

@@ -17,6 +17,7 @@ from pallas_kernels.mla_ragged_paged_attention import (
     mla_ragged_paged_attention,
     mla_ragged_paged_attention_reference,
 )
+from tests.kernels.ragged_batch import poison_stale_rows, ragged_lengths, shuffled_page_table
 
 HLO = True
 TPU = pltpu.InterpretParams(detect_races=True, vector_clock_size=64)
@@ -63,25 +64,9 @@ def make_batch(mix: str, seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((NUM_PAGES + 1, PAGE, PADDED)).astype(np.float32)
     kv[..., RANK + ROPE :] = 0.0
-    table = np.zeros((MAX_SEQS, PAGES_PER_SEQ), np.int32)
-    order = rng.permutation(np.arange(1, NUM_PAGES + 1))
-    used = np.zeros(NUM_PAGES + 1, bool)
-    k = 0
-    for s, length in enumerate(kv_lens):
-        need = -(-length // PAGE)
-        table[s, :need] = order[k : k + need]
-        used[order[k : k + need]] = True
-        k += need
-    kv[~used] = np.nan
-    for s, length in enumerate(kv_lens):
-        if length % PAGE:
-            kv[table[s, length // PAGE], length % PAGE :] = np.nan
-    n = len(q_lens)
-    cu = np.zeros(MAX_SEQS + 1, np.int32)
-    cu[1 : n + 1] = np.cumsum(q_lens)
-    cu[n + 1 :] = cu[n]
-    lens = np.zeros(MAX_SEQS, np.int32)
-    lens[:n] = kv_lens
+    table, used = shuffled_page_table(rng, kv_lens, max_seqs=MAX_SEQS, pages_per_seq=PAGES_PER_SEQ, page_size=PAGE)
+    poison_stale_rows(kv, table, used, kv_lens, PAGE, np.nan)
+    cu, lens, num_seqs = ragged_lengths(q_lens, kv_lens, MAX_SEQS)
     return Batch(
         rng.standard_normal((TOKENS, HEADS, RANK)).astype(np.float32),
         rng.standard_normal((TOKENS, HEADS, ROPE)).astype(np.float32),
@@ -89,7 +74,7 @@ def make_batch(mix: str, seed: int = 0) -> Batch:
         lens,
         table,
         cu,
-        np.array([n], np.int32),
+        num_seqs,
     )
 
 

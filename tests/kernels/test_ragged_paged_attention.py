@@ -23,6 +23,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from tests.kernels.ragged_batch import poison_stale_rows, ragged_lengths, shuffled_page_table
 
 HLO = True
 TPU = pltpu.InterpretParams(detect_races=True, vector_clock_size=64)
@@ -124,27 +125,14 @@ def make_batch(cfg: Config, mix: str, *, seed: int = 0, poison: float | None = n
     assert n <= cfg.max_seqs and sum(q_lens) <= cfg.total_tokens and max(kv_lens) <= cfg.max_kv
     kv = rng.standard_normal((cfg.num_pages + 1, ps, 2 * cfg.num_kv_heads, cfg.dim_padded)).astype(np.float32)
     kv[..., cfg.head_dim :] = 0.0  # the pool zero-pads K and V
-    table = np.zeros((cfg.max_seqs, cfg.pages_per_seq), np.int32)
-    order = rng.permutation(np.arange(1, cfg.num_pages + 1))
-    used = np.zeros(cfg.num_pages + 1, bool)
-    k = 0
-    for s, length in enumerate(kv_lens):
-        need = -(-length // ps)
-        table[s, :need] = order[k : k + need]
-        used[order[k : k + need]] = True
-        k += need
+    table, used = shuffled_page_table(
+        rng, kv_lens, max_seqs=cfg.max_seqs, pages_per_seq=cfg.pages_per_seq, page_size=ps
+    )
     if poison is not None:
-        kv[~used] = poison  # trash page 0 and free pages
-        for s, length in enumerate(kv_lens):
-            if length % ps:
-                kv[table[s, length // ps], length % ps :] = poison
+        poison_stale_rows(kv, table, used, kv_lens, ps, poison)
     q = rng.standard_normal((cfg.total_tokens, cfg.num_q_heads, cfg.head_dim)).astype(np.float32)
-    cu = np.zeros(cfg.max_seqs + 1, np.int32)
-    cu[1 : n + 1] = np.cumsum(q_lens)
-    cu[n + 1 :] = cu[n]
-    lens = np.zeros(cfg.max_seqs, np.int32)
-    lens[:n] = kv_lens
-    return Batch(q, kv, lens, table, cu, np.array([n], np.int32))
+    cu, lens, num_seqs = ragged_lengths(q_lens, kv_lens, cfg.max_seqs)
+    return Batch(q, kv, lens, table, cu, num_seqs)
 
 
 def naive_attention(cfg: Config, batch: Batch) -> np.ndarray:

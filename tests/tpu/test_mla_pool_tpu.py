@@ -31,6 +31,21 @@ def _layout(dtype: str) -> MLALayout:
     )
 
 
+def _latent_pool(devices: np.ndarray, dtype: str) -> tuple[MLAKVPool, NamedSharding, int]:
+    """An abstract latent pool (``ShapeDtypeStruct`` leaves) of ``LAYERS`` 256 MiB layers, replicated
+    on ``devices``: the pool, its sharding, and the bytes of all its layers."""
+    everywhere = NamedSharding(Mesh(devices, ("tp",)), P())
+    layout = _layout(dtype)
+    pages = (256 << 20) // (PAGE * layout.bytes_per_token_per_layer) - 1  # a 256 MiB layer
+    shape = layout.shape(pages)
+    layer = jax.ShapeDtypeStruct(shape, jnp.dtype(layout.storage_dtype), sharding=everywhere)
+    scale = jax.ShapeDtypeStruct((LAYERS,), jnp.float32, sharding=everywhere)
+    pool = MLAKVPool(
+        kv=(layer,) * LAYERS, scale=scale, page_size=PAGE, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, dtype=dtype
+    )
+    return pool, everywhere, LAYERS * int(np.prod(shape)) * jnp.dtype(layout.storage_dtype).itemsize
+
+
 def _memory(fn, *args):  # noqa: ANN001, ANN202
     return jax.jit(fn, donate_argnums=0).trace(*args).lower().compile().memory_analysis()
 
@@ -50,40 +65,23 @@ def _memory(fn, *args):  # noqa: ANN001, ANN202
 def test_mla_writes_compile_in_place(topology: str, dtype: str, replicated: bool) -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     devices = np.array(topo.devices) if replicated else np.array(topo.devices[:1])
-    everywhere = NamedSharding(Mesh(devices, ("tp",)), P())
-    layout = _layout(dtype)
-    assert layout.row_padded == 640
-    pages = (256 << 20) // (PAGE * layout.bytes_per_token_per_layer) - 1  # a 256 MiB layer
-    shape = layout.shape(pages)
-    layer = jax.ShapeDtypeStruct(shape, jnp.dtype(layout.storage_dtype), sharding=everywhere)
-    scale = jax.ShapeDtypeStruct((LAYERS,), jnp.float32, sharding=everywhere)
-    pool = MLAKVPool(
-        kv=(layer,) * LAYERS, scale=scale, page_size=PAGE, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, dtype=dtype
-    )
+    assert _layout(dtype).row_padded == 640
+    pool, everywhere, pool_bytes = _latent_pool(devices, dtype)
     loc = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=everywhere)
     nope = jax.ShapeDtypeStruct((TOKENS, RANK), jnp.bfloat16, sharding=everywhere)
     rope = jax.ShapeDtypeStruct((TOKENS, ROPE), jnp.bfloat16, sharding=everywhere)
     memory = _memory(lambda p, loc, a, b: p.set_mla_kv_buffer(1, loc, a, b), pool, loc, nope, rope)
-    layer_bytes = int(np.prod(shape)) * jnp.dtype(layout.storage_dtype).itemsize
-    assert memory.alias_size_in_bytes >= LAYERS * layer_bytes, "the pool is updated in place"
+    assert memory.alias_size_in_bytes >= pool_bytes, "the pool is updated in place"
     assert memory.temp_size_in_bytes < 4 << 20, memory.temp_size_in_bytes
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 def test_move_kv_cache_compiles_in_place(dtype: str) -> None:
     topo = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x2")
-    everywhere = NamedSharding(Mesh(np.array(topo.devices[:1]), ("tp",)), P())
-    layout = _layout(dtype)
-    pages = (256 << 20) // (PAGE * layout.bytes_per_token_per_layer) - 1  # a 256 MiB layer
-    shape = layout.shape(pages)
-    layer = jax.ShapeDtypeStruct(shape, jnp.dtype(layout.storage_dtype), sharding=everywhere)
-    scale = jax.ShapeDtypeStruct((LAYERS,), jnp.float32, sharding=everywhere)
-    pool = MLAKVPool(
-        kv=(layer,) * LAYERS, scale=scale, page_size=PAGE, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, dtype=dtype
-    )
+    pool, everywhere, pool_bytes = _latent_pool(np.array(topo.devices[:1]), dtype)
     loc = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=everywhere)
     memory = _memory(lambda p, tgt, src: p.move_kv_cache(tgt, src), pool, loc, loc)
-    assert memory.alias_size_in_bytes >= LAYERS * int(np.prod(shape)) * jnp.dtype(layout.storage_dtype).itemsize
+    assert memory.alias_size_in_bytes >= pool_bytes
     assert memory.temp_size_in_bytes < 4 << 20, memory.temp_size_in_bytes
 
 
