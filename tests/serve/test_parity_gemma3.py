@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from tests.serve import swa_parity
-from tests.serve.parity_harness import TINY_CONFIG, save_pretrained, torch, transformers
+from tests.serve.parity_harness import TINY_CONFIG, tiny_checkpoint, transformers
 
 WINDOW = 8
 
@@ -35,10 +35,7 @@ CONFIG = dict(
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.Gemma3TextConfig(**CONFIG)
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForCausalLM(config).to(torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "gemma3"))
+    return tiny_checkpoint(transformers.Gemma3TextConfig(**CONFIG), tmp_path_factory, "gemma3")
 
 
 def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefill(gemma3):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from tests.serve import swa_parity
-from tests.serve.parity_harness import TINY_CONFIG, save_pretrained, torch, transformers
+from tests.serve.parity_harness import TINY_CONFIG, tiny_checkpoint, transformers
 
 WINDOW = 8
 
@@ -43,10 +43,7 @@ CONFIG = dict(
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.GptOssConfig(**CONFIG)
-    torch.manual_seed(0)
-    hf = transformers.GptOssForCausalLM(config).to(torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "gpt_oss"))
+    return tiny_checkpoint(transformers.GptOssConfig(**CONFIG), tmp_path_factory, "gpt_oss")
 
 
 def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefill(gpt_oss):
