@@ -38,7 +38,7 @@ from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import MLP, BatchMetadata, OffsetRMSNorm, apply_rope, gelu_tanh
 from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
 from kvjax.serve.trace_state import swa_trace_state
@@ -109,10 +109,7 @@ GemmaRMSNorm = OffsetRMSNorm  # ``x / rms(x) * (1 + weight)`` in float32 (weight
 _rope = apply_rope
 
 
-class Gemma3Attention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Gemma3Attention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config

@@ -51,7 +51,7 @@ from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import combine_experts, dense_combine_weights
@@ -115,10 +115,7 @@ def _fc(config: ModelConfig) -> GptOssConfig:
 GptOssRMSNorm = Float32RMSNorm  # the weight times the float32-normalised input, then the cast
 
 
-class GptOssAttention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class GptOssAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config

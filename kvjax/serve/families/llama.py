@@ -32,7 +32,7 @@ from kvjax.attention import KindMetadata, attend
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import BatchMetadata, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.trace_state import mha_trace_state, swa_trace_state
@@ -65,12 +65,9 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
     return mha_trace_state(config)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(LayerMixer):
     """GQA self-attention whose K/V go through the paged pool. ``normalize_qk`` is the hook that
     families with q/k norms override (identity here)."""
-
-    config: ModelConfig
-    layer_id: int
 
     def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         return q, k

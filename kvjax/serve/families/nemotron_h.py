@@ -30,7 +30,7 @@ from kvjax.attention import KindMetadata, attend, recurrent_step
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
-from kvjax.serve.causal_lm import CausalLM, StackNames
+from kvjax.serve.causal_lm import CausalLM, LayerMixer, StackNames
 from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, Linear
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.recurrent_layers import DepthwiseConv1dWeights, conv_silu, decay_parameters
@@ -130,10 +130,7 @@ class GroupedNormWeight(nn.Module):
         return self.param("weight", nn.initializers.ones, (self.size,), self.dtype)
 
 
-class Mamba2Mixer(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Mamba2Mixer(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
@@ -170,10 +167,7 @@ class Mamba2Mixer(nn.Module):
         return Linear(c.hidden_size, fc.use_bias, dt_, name="out_proj")(normed), pools
 
 
-class NemotronAttention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class NemotronAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         q, k, v = project_qkv_heads(self.config, x, use_bias=False)

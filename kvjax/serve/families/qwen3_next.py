@@ -45,7 +45,7 @@ from kvjax.attention import KindMetadata, attend, recurrent_step
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import (
     MLP,
     BatchMetadata,
@@ -164,10 +164,7 @@ class GatedRMSNorm(nn.Module):
         return (weight * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-class Qwen3NextAttention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Qwen3NextAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
@@ -193,10 +190,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-class Qwen3NextGatedDeltaNet(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Qwen3NextGatedDeltaNet(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
