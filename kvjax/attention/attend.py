@@ -26,7 +26,7 @@ mesh's ``"tp"`` axis, the metadata replicated; without one it is the single-devi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 from jax.sharding import Mesh
@@ -50,6 +50,16 @@ def pool_layers(pool: Any) -> tuple[int, ...]:
         return tuple(ids)
     start, count = getattr(pool, "start_layer", 0), getattr(pool, "num_layers", 0)
     return tuple(range(start, start + count))
+
+
+class _PagedOptions(TypedDict):
+    """The keyword options ``attend`` passes unchanged to the MHA and hybrid SWA kernels."""
+
+    sm_scale: float | None
+    soft_cap: float | None
+    sinks: jax.Array | None
+    sliding_window: int | None
+    mesh: Mesh | None
 
 
 def _missing_layer(pools: CachePools, layer_id: int) -> InvalidSlotError:
@@ -100,20 +110,9 @@ def attend(
             layers), or it is a recurrent layer (use ``recurrent_step``).
         ValueError: inputs that do not fit the layer's kind (named in the message).
     """
+    options = _PagedOptions(sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, mesh=mesh)
     if "swa" in pools and layer_id in pools.swa.layers_mapping:
-        out, swa = hybrid_swa_attention(
-            pools.swa,
-            layer_id,
-            _single(q, layer_id),
-            k,
-            v,
-            meta,
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sinks=sinks,
-            sliding_window=sliding_window,
-            mesh=mesh,
-        )
+        out, swa = hybrid_swa_attention(pools.swa, layer_id, _single(q, layer_id), k, v, meta, **options)
         return out, pools.replace(swa=swa)
     kv = pools.kv if "kv" in pools else None
     if isinstance(kv, MLAKVPool) and layer_id in pool_layers(kv):
@@ -128,19 +127,7 @@ def attend(
             raise ValueError(f"layer {layer_id} is an MLA layer: soft_cap, sinks and sliding_window do not apply")
         return attend_mla(pools, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=mesh)
     if isinstance(kv, MHAKVPool) and layer_id in pool_layers(kv):
-        out, kv = paged_attention(
-            kv,
-            layer_id,
-            _single(q, layer_id),
-            k,
-            v,
-            meta,
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sinks=sinks,
-            sliding_window=sliding_window,
-            mesh=mesh,
-        )
+        out, kv = paged_attention(kv, layer_id, _single(q, layer_id), k, v, meta, **options)
         return out, pools.replace(kv=kv)
     if "recurrent" in pools and layer_id in pool_layers(pools.recurrent):
         raise InvalidSlotError(

@@ -117,6 +117,16 @@ class CausalLM(nn.Module):
         return logits, pools
 
 
+class LayerMixer(nn.Module):
+    """The base of a layer's token mixer (an attention or a recurrent mixer) that goes through the
+    cache: called as ``(x [T, hidden], pools, meta) -> (out [T, hidden], pools with the layer's
+    cache written)``. ``layer_id`` is the model's global layer id, a Python int: the pool and the
+    kernel are chosen from it at trace time."""
+
+    config: ModelConfig
+    layer_id: int
+
+
 class DecoderLayer(nn.Module):
     """A residual decoder layer: ``x + mixer(input_layernorm(x))``, then
     ``x + mlp(post_attention_layernorm(x))`` (Llama's pre-norm layer).

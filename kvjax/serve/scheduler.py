@@ -83,9 +83,10 @@ Tokens are the same with and without overlap. ``overlap=False`` runs each step t
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -554,11 +555,9 @@ class Scheduler:
         running, self.running = self.running, []
         logits = self._last_logits
         keep = []
-        freed_rows: list[int] = []
         # Finished requests return their slots in one allocator call (SGLang's free group), and
         # their rows in one request-table call.
-        self.alloc.free_group_begin()
-        try:
+        with self._finish_group() as freed_rows:
             for i, (req, n, token) in enumerate(zip(running, new_len.tolist(), next_tokens.tolist(), strict=True)):
                 req.kv_committed_len = n
                 out = req.output_ids
@@ -570,12 +569,6 @@ class Scheduler:
                     keep.append(i)
                 else:
                     self._finish(req, done, freed_rows)
-        finally:
-            self.alloc.free_group_end()
-            if freed_rows:
-                start = time.perf_counter()
-                self.rows.free(freed_rows)
-                st.finish_seconds += time.perf_counter() - start
         if len(keep) == len(running):
             self._running_cache = (tuple(map(id, self.running)), new_len, rows, next_tokens.astype(np.int32))
         else:
@@ -647,10 +640,8 @@ class Scheduler:
         st = self.stats
         ps = self.page_size
         spec = after.index() if after is not None else {}
-        freed_rows: list[int] = []
         finished_any = False
-        self.alloc.free_group_begin()
-        try:
+        with self._finish_group() as freed_rows:
             for req, row in zip(step.reqs, step.out_rows.tolist(), strict=True):
                 if req.finished:
                     st.dropped_tokens += 1  # finished one step late: this was its speculative token
@@ -675,12 +666,6 @@ class Scheduler:
                 self._finish(req, done, freed_rows)
                 if extra is not None:
                     self.alloc.free(extra)
-        finally:
-            self.alloc.free_group_end()
-            if freed_rows:
-                start = time.perf_counter()
-                self.rows.free(freed_rows)
-                st.finish_seconds += time.perf_counter() - start
         if finished_any:
             self.running = [r for r in self.running if not r.finished]
 
@@ -707,6 +692,22 @@ class Scheduler:
             return False
         self._finish(req, done)
         return True
+
+    @contextlib.contextmanager
+    def _finish_group(self) -> Iterator[list[int]]:
+        """Finish a batch's requests together (``_finish(..., freed_rows)`` inside): their slots go
+        back in one allocator call (SGLang's free group), and on leaving, the rows appended to the
+        yielded list in one request-table call (timed into ``stats.finish_seconds``)."""
+        freed_rows: list[int] = []
+        self.alloc.free_group_begin()
+        try:
+            yield freed_rows
+        finally:
+            self.alloc.free_group_end()
+            if freed_rows:
+                start = time.perf_counter()
+                self.rows.free(freed_rows)
+                self.stats.finish_seconds += time.perf_counter() - start
 
     def _finish(self, req: ServingReq, done: list[ServingReq], freed_rows: list[int] | None = None) -> None:
         """Cache a done request's prompt and output in the tree, unlock it, free its row (or, with

@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers", reason="parity tests need the
 
 from kvjax import CacheConfig, build_kv_cache  # noqa: E402
 from kvjax.radix import MambaRadixCache  # noqa: E402
-from kvjax.serve.checkpoint import LoadedModel  # noqa: E402
+from kvjax.serve.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
 from kvjax.serve.scheduler import Scheduler, ServingReq  # noqa: E402
 
 CHUNK = 8
@@ -82,6 +82,22 @@ def save_pretrained(hf: Any, tmp_path_factory: pytest.TempPathFactory, name: str
     directory: Path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(directory, **save)
     return directory
+
+
+def random_transformers_model(config: Any, seed: int = 0) -> Any:
+    """Transformers' causal LM of ``config`` with float32 weights drawn after ``torch.manual_seed(seed)``,
+    in eval mode."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def tiny_checkpoint(
+    config: Any, tmp_path_factory: pytest.TempPathFactory, name: str, *, seed: int = 0
+) -> tuple[Any, LoadedModel]:
+    """``(hf, model)``: ``random_transformers_model(config, seed)`` and kvjax's load of its checkpoint,
+    saved into a new temporary directory ``name``."""
+    hf = random_transformers_model(config, seed)
+    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, name))
 
 
 def build_scheduler(

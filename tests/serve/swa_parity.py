@@ -16,11 +16,16 @@ Transformers model and kvjax's load of its checkpoint):
 
 Every request's greedy tokens equal Transformers' ``generate`` and its logits agree within
 ``LOGIT_ATOL``; after both rounds the full and SWA accounting is leak free.
+
+``HybridSWAParityTests`` runs the first four scenarios as pytest tests: a family's test module
+subclasses it and defines the ``swa_model`` fixture.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
 from kvjax.radix import SWARadixCache
@@ -158,3 +163,24 @@ def host_tier_load_back(hf: Any, model: LoadedModel) -> None:
     tree.sanity_check()
     cache.token_to_kv_pool_allocator.check_invariants()
     _assert_matches_transformers(hf, done)
+
+
+class HybridSWAParityTests:
+    """The scenarios above as tests of one family: subclass it as ``Test<Family>`` in the family's
+    test module and define a module-scoped fixture ``swa_model`` returning ``(Transformers model,
+    kvjax's LoadedModel)``. Only the page-4 run is in the default suite (the others are slow)."""
+
+    def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefill(self, swa_model):
+        page_4_prefix_reuse(*swa_model)
+
+    @pytest.mark.slow  # ~20 s: the default suite keeps the page-4 run above
+    def test_page_1_with_pools_small_enough_to_evict_and_retract(self, swa_model):
+        page_1_evict_and_retract(*swa_model)
+
+    @pytest.mark.slow  # one full-size pool, windowed attention (SGLang's way to serve Gemma 3)
+    def test_full_size_pools_without_hybrid_swa(self, swa_model):
+        full_size_pools(*swa_model)
+
+    @pytest.mark.slow  # the same scheduler as above, through the command's entry point
+    def test_served_through_generate(self, swa_model):
+        through_generate(*swa_model)

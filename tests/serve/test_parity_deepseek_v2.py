@@ -37,8 +37,8 @@ from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_matches_transformers,
     build_scheduler,
+    random_transformers_model,
     serve_two_rounds,
-    torch,
     transformers,
 )
 
@@ -72,9 +72,7 @@ CONFIG = dict(
 
 @functools.cache
 def _checkpoint(directory: str) -> tuple[object, Path]:
-    config = transformers.DeepseekV2Config(**CONFIG)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf = random_transformers_model(transformers.DeepseekV2Config(**CONFIG))
     hf.save_pretrained(directory)
     return hf, Path(directory)
 

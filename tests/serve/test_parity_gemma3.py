@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from tests.serve import swa_parity
-from tests.serve.parity_harness import TINY_CONFIG, save_pretrained, torch, transformers
+from tests.serve.parity_harness import TINY_CONFIG, tiny_checkpoint, transformers
 
 WINDOW = 8
 
@@ -34,32 +34,14 @@ CONFIG = dict(
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.Gemma3TextConfig(**CONFIG)
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForCausalLM(config).to(torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "gemma3"))
+def swa_model(tmp_path_factory) -> tuple[object, LoadedModel]:
+    return tiny_checkpoint(transformers.Gemma3TextConfig(**CONFIG), tmp_path_factory, "gemma3")
 
 
-def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefill(gemma3):
-    swa_parity.page_4_prefix_reuse(*gemma3)
-
-
-@pytest.mark.slow  # ~20 s: the default suite keeps the page-4 run above
-def test_page_1_with_pools_small_enough_to_evict_and_retract(gemma3):
-    swa_parity.page_1_evict_and_retract(*gemma3)
-
-
-@pytest.mark.slow  # SGLang's way to serve Gemma 3: one full-size pool, windowed attention
-def test_full_size_pools_without_hybrid_swa(gemma3):
-    swa_parity.full_size_pools(*gemma3)
-
-
-@pytest.mark.slow  # the same scheduler as above, through the command's entry point
-def test_served_through_generate(gemma3):
-    swa_parity.through_generate(*gemma3)
+class TestGemma3(swa_parity.HybridSWAParityTests):
+    """The hybrid sliding-window scenarios (``swa_parity``) on the tiny checkpoint."""
 
 
 @pytest.mark.slow  # ~40 s: the tree and the engine are covered in the default suite (tests/radix)
-def test_host_tier_loads_evicted_prefixes_back_with_the_last_window(gemma3):
-    swa_parity.host_tier_load_back(*gemma3)
+def test_host_tier_loads_evicted_prefixes_back_with_the_last_window(swa_model):
+    swa_parity.host_tier_load_back(*swa_model)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from tests.serve import swa_parity
-from tests.serve.parity_harness import TINY_CONFIG, save_pretrained, torch, transformers
+from tests.serve.parity_harness import TINY_CONFIG, tiny_checkpoint, transformers
 
 WINDOW = 8
 
@@ -42,27 +42,9 @@ CONFIG = dict(
 
 
 @pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.GptOssConfig(**CONFIG)
-    torch.manual_seed(0)
-    hf = transformers.GptOssForCausalLM(config).to(torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "gpt_oss"))
+def swa_model(tmp_path_factory) -> tuple[object, LoadedModel]:
+    return tiny_checkpoint(transformers.GptOssConfig(**CONFIG), tmp_path_factory, "gpt_oss")
 
 
-def test_page_4_with_prefix_reuse_across_the_window_multi_turn_and_chunked_prefill(gpt_oss):
-    swa_parity.page_4_prefix_reuse(*gpt_oss)
-
-
-@pytest.mark.slow  # ~20 s: the default suite keeps the page-4 run above
-def test_page_1_with_pools_small_enough_to_evict_and_retract(gpt_oss):
-    swa_parity.page_1_evict_and_retract(*gpt_oss)
-
-
-@pytest.mark.slow  # without the hybrid pools: one full-size pool, windowed attention
-def test_full_size_pools_without_hybrid_swa(gpt_oss):
-    swa_parity.full_size_pools(*gpt_oss)
-
-
-@pytest.mark.slow  # the same scheduler as above, through the command's entry point
-def test_served_through_generate(gpt_oss):
-    swa_parity.through_generate(*gpt_oss)
+class TestGptOss(swa_parity.HybridSWAParityTests):
+    """The hybrid sliding-window scenarios (``swa_parity``) on the tiny checkpoint."""

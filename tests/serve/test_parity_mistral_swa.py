@@ -22,16 +22,15 @@ from __future__ import annotations
 import pytest
 
 from kvjax.radix import PureSWAChunkCache, PureSWARadixCache
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.swa_extension import SWAServing
 from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_matches_transformers,
     build_scheduler,
-    save_pretrained,
     serve_two_rounds,
-    torch,
+    tiny_checkpoint,
     transformers,
 )
 
@@ -53,10 +52,7 @@ CONFIG = dict(
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.MistralConfig(**CONFIG)
-    torch.manual_seed(0)
-    hf = transformers.MistralForCausalLM(config).to(torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "mistral"))
+    return tiny_checkpoint(transformers.MistralConfig(**CONFIG), tmp_path_factory, "mistral")
 
 
 def _serve(model: LoadedModel, **config) -> tuple[Scheduler, dict[str, ServingReq]]:

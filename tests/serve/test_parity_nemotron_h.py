@@ -17,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_no_near_tie,
-    save_pretrained,
     serve_recurrent,
+    tiny_checkpoint,
     torch,
     transformers,
 )
@@ -48,9 +48,7 @@ def model(tmp_path_factory) -> tuple[object, LoadedModel]:
         chunk_size=16,
         hybrid_override_pattern="M-*M-",
     )
-    torch.manual_seed(MODEL_SEED)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, "nemotron_h"))
+    return tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=MODEL_SEED)
 
 
 @pytest.mark.slow  # the suite's time budget: the second CI stage runs it

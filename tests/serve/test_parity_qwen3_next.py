@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 
 from kvjax.radix import MambaRadixCache
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from tests.serve.parity_harness import (
     CHUNK,
@@ -34,9 +34,8 @@ from tests.serve.parity_harness import (
     assert_matches_transformers,
     hf_greedy,
     prompts,
-    save_pretrained,
     serve_recurrent,
-    torch,
+    tiny_checkpoint,
     transformers,
 )
 
@@ -60,9 +59,7 @@ def _hf_model(tmp_path_factory, name: str, **moe) -> tuple[object, LoadedModel]:
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         **(moe or dict(mlp_only_layers=[0, 1, 2, 3], num_experts=0)),
     )
-    torch.manual_seed(MODEL_SEED)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, name))
+    return tiny_checkpoint(config, tmp_path_factory, name, seed=MODEL_SEED)
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,9 @@ from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_matches_transformers,
     build_scheduler,
+    random_transformers_model,
     save_pretrained,
     serve_two_rounds,
-    torch,
     transformers,
 )
 
@@ -76,8 +76,7 @@ def family(request, tmp_path_factory) -> tuple[str, object, LoadedModel]:
     name = request.param
     config_class, extra = FAMILIES[name]
     config = getattr(transformers, config_class)(**COMMON, **extra)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf = random_transformers_model(config)
     directory = save_pretrained(hf, tmp_path_factory, name, max_shard_size="100KB" if name == "llama" else "50GB")
     if name == "llama":
         assert (directory / "model.safetensors.index.json").is_file(), "the llama checkpoint should be sharded"

@@ -50,7 +50,7 @@ from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.hf import keys
 from kvjax.pools import CachePools
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import MLP, BatchMetadata, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig, read_rope
 from kvjax.serve.moe import MoEConfig, SparseMoE, Weight
@@ -138,11 +138,8 @@ def apply_rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: np.ndar
     return out.reshape(x.shape).astype(x.dtype)
 
 
-class DeepseekV2Attention(nn.Module):
+class DeepseekV2Attention(LayerMixer):
     """MLA in the absorbed form over the latent pool ``pools.kv`` (module docstring)."""
-
-    config: ModelConfig
-    layer_id: int
 
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:

@@ -37,8 +37,9 @@ from kvjax.errors import ConfigError
 from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
-from kvjax.serve.layers import MLP, BatchMetadata, Linear, OffsetRMSNorm, apply_rope, gelu_tanh
+from kvjax.serve.attention_block import project_output, project_qkv_heads
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
+from kvjax.serve.layers import MLP, BatchMetadata, OffsetRMSNorm, apply_rope, gelu_tanh
 from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
 from kvjax.serve.trace_state import swa_trace_state
 from kvjax.spec import ModelSpec
@@ -108,22 +109,15 @@ GemmaRMSNorm = OffsetRMSNorm  # ``x / rms(x) * (1 + weight)`` in float32 (weight
 _rope = apply_rope
 
 
-class Gemma3Attention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Gemma3Attention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         fc = _fc(c)
         dt = jnp.dtype(c.dtype)
-        t = x.shape[0]
-        q = Linear(c.num_attention_heads * c.head_dim, c.qkv_bias, dt, name="q_proj")(x)
-        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="k_proj")(x)
-        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="v_proj")(x)
-        q = GemmaRMSNorm(c.rms_norm_eps, dt, name="q_norm")(q.reshape(t, c.num_attention_heads, c.head_dim))
-        k = GemmaRMSNorm(c.rms_norm_eps, dt, name="k_norm")(k.reshape(t, c.num_kv_heads, c.head_dim))
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        q, k, v = project_qkv_heads(c, x)
+        q = GemmaRMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
+        k = GemmaRMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
         sliding = fc.sliding[self.layer_id]
         inv_freq = (fc.rope_local if sliding else fc.rope_full).inverse_frequencies(c.head_dim)
         q = _rope(q, meta.positions, inv_freq)
@@ -139,7 +133,7 @@ class Gemma3Attention(nn.Module):
             sm_scale=fc.query_pre_attn_scalar**-0.5,
             soft_cap=fc.attn_logit_softcapping,
         )
-        return Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1)), pools
+        return project_output(c, out), pools
 
 
 class Gemma3DecoderLayer(DecoderLayer):

@@ -50,8 +50,9 @@ from kvjax.errors import ConfigError
 from kvjax.hf import keys
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
-from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, Linear, apply_rope
+from kvjax.serve.attention_block import project_output, project_qkv_heads
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
+from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import combine_experts, dense_combine_weights
 from kvjax.serve.trace_state import swa_trace_state
@@ -114,23 +115,14 @@ def _fc(config: ModelConfig) -> GptOssConfig:
 GptOssRMSNorm = Float32RMSNorm  # the weight times the float32-normalised input, then the cast
 
 
-class GptOssAttention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class GptOssAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         fc = _fc(c)
         dt = jnp.dtype(c.dtype)
-        t = x.shape[0]
-        q = Linear(c.num_attention_heads * c.head_dim, c.qkv_bias, dt, name="q_proj")(x)
-        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="k_proj")(x)
-        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="v_proj")(x)
+        q, k, v = project_qkv_heads(c, x)
         sinks = self.param("sinks", nn.initializers.normal(WEIGHT_INIT_STDDEV), (c.num_attention_heads,), dt)
-        q = q.reshape(t, c.num_attention_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
         inv_freq = c.rope.inverse_frequencies(c.head_dim)
         scaling = c.rope.attention_scaling()
         q = apply_rope(q, meta.positions, inv_freq)
@@ -150,7 +142,7 @@ class GptOssAttention(nn.Module):
             sm_scale=c.head_dim**-0.5,
             sinks=sinks.astype(jnp.float32),
         )
-        return Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1)), pools
+        return project_output(c, out), pools
 
 
 class GptOssRouter(nn.Module):

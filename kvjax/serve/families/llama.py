@@ -27,13 +27,13 @@ from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from kvjax.attention import KindMetadata, attend
 from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
-from kvjax.serve.layers import BatchMetadata, Linear, apply_rope
+from kvjax.serve.attention_block import project_output, project_qkv_heads
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
+from kvjax.serve.layers import BatchMetadata, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.trace_state import mha_trace_state, swa_trace_state
 from kvjax.spec import ModelSpec
@@ -65,12 +65,9 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
     return mha_trace_state(config)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(LayerMixer):
     """GQA self-attention whose K/V go through the paged pool. ``normalize_qk`` is the hook that
     families with q/k norms override (identity here)."""
-
-    config: ModelConfig
-    layer_id: int
 
     def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         return q, k
@@ -78,14 +75,7 @@ class LlamaAttention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
-        dt = jnp.dtype(c.dtype)
-        t = x.shape[0]
-        q = Linear(c.num_attention_heads * c.head_dim, c.qkv_bias, dt, name="q_proj")(x)
-        k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="k_proj")(x)
-        v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, dt, name="v_proj")(x)
-        q = q.reshape(t, c.num_attention_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        q, k, v = project_qkv_heads(c, x)
         q, k = self.normalize_qk(q, k)
         inv_freq = c.rope.inverse_frequencies(c.head_dim)
         q = apply_rope(q, meta.positions, inv_freq)
@@ -96,8 +86,7 @@ class LlamaAttention(nn.Module):
             out, pools = attend(pools, self.layer_id, q, k, v, meta, sm_scale=c.head_dim**-0.5, sliding_window=window)
         else:
             out, pools = attend(pools, self.layer_id, q, k, v, meta)
-        out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out.reshape(t, -1))
-        return out, pools
+        return project_output(c, out), pools
 
 
 class LlamaDecoderLayer(DecoderLayer):

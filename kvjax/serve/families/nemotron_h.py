@@ -29,9 +29,11 @@ import jax.numpy as jnp
 from kvjax.attention import KindMetadata, attend, recurrent_step
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
-from kvjax.serve.causal_lm import CausalLM, StackNames
-from kvjax.serve.layers import WEIGHT_INIT_STDDEV, BatchMetadata, Float32RMSNorm, Linear
+from kvjax.serve.attention_block import project_output, project_qkv_heads
+from kvjax.serve.causal_lm import CausalLM, LayerMixer, StackNames
+from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, Linear
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.recurrent_layers import DepthwiseConv1dWeights, conv_silu, decay_parameters
 from kvjax.serve.trace_state import recurrent_trace_state
 from kvjax.spec import ModelSpec
 
@@ -117,27 +119,6 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
 NemotronRMSNorm = Float32RMSNorm  # ``weight * x / rms(x)``, the product in float32, cast back
 
 
-class ConvWeights(nn.Module):
-    """The depthwise conv's ``weight: [channels, 1, kernel]`` and ``bias: [channels]``."""
-
-    channels: int
-    kernel: int
-    use_bias: bool
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self) -> tuple[jax.Array, jax.Array]:
-        w = self.param(
-            "weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (self.channels, 1, self.kernel), self.dtype
-        )
-        b = (
-            self.param("bias", nn.initializers.zeros, (self.channels,), self.dtype)
-            if self.use_bias
-            else jnp.zeros((self.channels,), self.dtype)
-        )
-        return w[:, 0, :], b
-
-
 class GroupedNormWeight(nn.Module):
     """The gated grouped RMSNorm's ``weight: [intermediate]`` (starts at 1)."""
 
@@ -149,10 +130,7 @@ class GroupedNormWeight(nn.Module):
         return self.param("weight", nn.initializers.ones, (self.size,), self.dtype)
 
 
-class Mamba2Mixer(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Mamba2Mixer(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
@@ -162,19 +140,17 @@ class Mamba2Mixer(nn.Module):
         h, p, n, g, inter = fc.num_heads, fc.head_dim, fc.state_size, fc.n_groups, fc.intermediate
         proj = Linear(inter + fc.conv_dim + h, fc.use_bias, dt_, name="in_proj")(x)
         gate, xbc, dt_raw = proj[:, :inter], proj[:, inter : inter + fc.conv_dim], proj[:, inter + fc.conv_dim :]
-        conv_w, conv_b = ConvWeights(fc.conv_dim, fc.conv_kernel, fc.use_conv_bias, dt_, name="conv1d")()
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (h,), dt_)
-        a_log = self.param("A_log", nn.initializers.zeros, (h,), dt_)
+        w32, b32 = DepthwiseConv1dWeights(fc.conv_dim, fc.conv_kernel, fc.use_conv_bias, dt_, name="conv1d")()
+        dt_bias, a_log = decay_parameters(self, h, dt_)
         d_skip = self.param("D", nn.initializers.ones, (h,), dt_)
         a = -jnp.exp(a_log.astype(jnp.float32))
         dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         dt = jnp.maximum(dt, fc.time_step_min)
 
-        w32, b32 = conv_w.astype(jnp.float32), conv_b.astype(jnp.float32)
         per = h // g
 
         def update(window: jax.Array, ssm: jax.Array, dt_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-            y = jax.nn.silu(jnp.sum(window * w32, axis=-1) + b32).astype(dt_).astype(jnp.float32)
+            y = conv_silu(window, w32, b32, dt_)
             xs = y[:inter].reshape(h, p)
             b_t = jnp.repeat(y[inter : inter + g * n].reshape(g, n), per, axis=0)  # [H, N]
             c_t = jnp.repeat(y[inter + g * n :].reshape(g, n), per, axis=0)
@@ -191,20 +167,12 @@ class Mamba2Mixer(nn.Module):
         return Linear(c.hidden_size, fc.use_bias, dt_, name="out_proj")(normed), pools
 
 
-class NemotronAttention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class NemotronAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        t = x.shape[0]
-        q = Linear(c.num_attention_heads * c.head_dim, False, dt, name="q_proj")(x).reshape(t, -1, c.head_dim)
-        k = Linear(c.num_kv_heads * c.head_dim, False, dt, name="k_proj")(x).reshape(t, -1, c.head_dim)
-        v = Linear(c.num_kv_heads * c.head_dim, False, dt, name="v_proj")(x).reshape(t, -1, c.head_dim)
+        q, k, v = project_qkv_heads(self.config, x, use_bias=False)
         out, pools = attend(pools, self.layer_id, q, k, v, meta)
-        return Linear(c.hidden_size, False, dt, name="o_proj")(out.reshape(t, -1)), pools
+        return project_output(self.config, out, use_bias=False), pools
 
 
 class ReluSquaredMLP(nn.Module):

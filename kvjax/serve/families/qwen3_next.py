@@ -44,10 +44,10 @@ import jax.numpy as jnp
 from kvjax.attention import KindMetadata, attend, recurrent_step
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
-from kvjax.serve.causal_lm import CausalLM, DecoderLayer
+from kvjax.serve.attention_block import project_output
+from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import (
     MLP,
-    WEIGHT_INIT_STDDEV,
     BatchMetadata,
     Linear,
     OffsetRMSNorm,
@@ -56,6 +56,7 @@ from kvjax.serve.layers import (
 )
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import MoEConfig, SparseMoE
+from kvjax.serve.recurrent_layers import DepthwiseConv1dWeights, conv_silu, decay_parameters
 from kvjax.serve.trace_state import recurrent_trace_state
 from kvjax.spec import ModelSpec
 
@@ -163,10 +164,7 @@ class GatedRMSNorm(nn.Module):
         return (weight * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-class Qwen3NextAttention(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Qwen3NextAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
@@ -185,30 +183,14 @@ class Qwen3NextAttention(nn.Module):
         q = jnp.concatenate([apply_rope(q[..., :rot], meta.positions, inv_freq), q[..., rot:]], axis=-1)
         k = jnp.concatenate([apply_rope(k[..., :rot], meta.positions, inv_freq), k[..., rot:]], axis=-1)
         out, pools = attend(pools, self.layer_id, q, k, v, meta)
-        out = out.reshape(t, -1) * jax.nn.sigmoid(gate)
-        out = Linear(c.hidden_size, c.o_bias, dt, name="o_proj")(out)
-        return out, pools
-
-
-class DepthwiseConvWeight(nn.Module):
-    """The depthwise causal conv's ``weight: [channels, 1, kernel]`` (Hugging Face's ``nn.Conv1d``)."""
-
-    shape: tuple[int, ...]
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), self.shape, self.dtype)
+        return project_output(c, out.reshape(t, -1) * jax.nn.sigmoid(gate)), pools
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-class Qwen3NextGatedDeltaNet(nn.Module):
-    config: ModelConfig
-    layer_id: int
-
+class Qwen3NextGatedDeltaNet(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
@@ -224,17 +206,15 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         z = qkvz[..., 2 * dk + per * dv :].reshape(t, hv, dv)
         b, a = ba[..., :per].reshape(t, hv), ba[..., per:].reshape(t, hv)
         mixed = jnp.concatenate([q.reshape(t, hk * dk), k.reshape(t, hk * dk), v], axis=-1)  # [T, conv_dim]
-        conv_w = DepthwiseConvWeight((fc.conv_dim, 1, kernel), dt, name="conv1d")()[:, 0, :]  # [conv_dim, K]
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (hv,), dt)
-        a_log = self.param("A_log", nn.initializers.zeros, (hv,), dt)
+        w32, _ = DepthwiseConv1dWeights(fc.conv_dim, kernel, False, dt, name="conv1d")()  # [conv_dim, K]
+        dt_bias, a_log = decay_parameters(self, hv, dt)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
 
-        w32 = conv_w.astype(jnp.float32)
         scale = dk**-0.5
 
         def update(window: jax.Array, ssm: jax.Array, g_t: jax.Array, beta_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-            y = jax.nn.silu(jnp.sum(window * w32, axis=-1)).astype(dt).astype(jnp.float32)
+            y = conv_silu(window, w32, None, dt)
             q_t = _l2norm(jnp.repeat(y[: hk * dk].reshape(hk, dk), per, axis=0)) * scale
             k_t = _l2norm(jnp.repeat(y[hk * dk : 2 * hk * dk].reshape(hk, dk), per, axis=0))
             v_t = y[2 * hk * dk :].reshape(hv, dv)

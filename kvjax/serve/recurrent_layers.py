@@ -1,0 +1,57 @@
+"""The pieces the recurrent mixers (Nemotron-H's Mamba2, Qwen3-Next's gated delta net) share, in
+Hugging Face's parameter names: the depthwise causal conv's weights (``conv1d.weight: [channels,
+1, kernel]``, optional ``conv1d.bias``), the conv-then-SiLU of one token's window, and the
+per-head decay parameters ``dt_bias`` and ``A_log``.
+
+The recurrence itself (the state update, its inputs and outputs) differs per family and is the
+``update`` function each family hands to ``kvjax.attention.recurrent_step``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.serve.layers import WEIGHT_INIT_STDDEV
+
+
+class DepthwiseConv1dWeights(nn.Module):
+    """The depthwise causal conv's ``weight: [channels, 1, kernel]`` and, with ``use_bias``,
+    ``bias: [channels]`` (Hugging Face's ``nn.Conv1d(groups=channels)``).
+
+    Returns ``(weight [channels, kernel], bias [channels] or None)`` in float32, the form
+    ``conv_silu`` takes.
+    """
+
+    channels: int
+    kernel: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array | None]:
+        weight = self.param(
+            "weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (self.channels, 1, self.kernel), self.dtype
+        )
+        bias = self.param("bias", nn.initializers.zeros, (self.channels,), self.dtype) if self.use_bias else None
+        return weight[:, 0, :].astype(jnp.float32), None if bias is None else bias.astype(jnp.float32)
+
+
+def conv_silu(window: jax.Array, weight32: jax.Array, bias32: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    """``silu(sum_k window * weight (+ bias))`` for one token: ``window [channels, kernel]`` float32
+    (the last ``kernel`` inputs, oldest first), the result ``[channels]`` rounded to ``dtype`` (the
+    reference's activations) and returned in float32."""
+    y = jnp.sum(window * weight32, axis=-1)
+    if bias32 is not None:
+        y = y + bias32
+    return jax.nn.silu(y).astype(dtype).astype(jnp.float32)
+
+
+def decay_parameters(module: nn.Module, heads: int, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """``(dt_bias [heads], A_log [heads])`` as parameters of ``module`` (call from its
+    ``@nn.compact`` method): the time-step bias (starts at 1) and the log of the decay rate
+    ``-exp(A_log)`` (starts at 0)."""
+    dt_bias = module.param("dt_bias", nn.initializers.ones, (heads,), dtype)
+    a_log = module.param("A_log", nn.initializers.zeros, (heads,), dtype)
+    return dt_bias, a_log
