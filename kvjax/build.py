@@ -130,7 +130,7 @@ class KVCache:
     @property
     def pools(self) -> CachePools:
         """The device state the owner last handed in (a pytree; apply :meth:`apply_pending` to
-        it, donate it into a step, then :meth:`set_pools`). No library call replaces it."""
+        it, donate it into a step, then :meth:`set_pools`). No other kvjax call replaces it."""
         return self._pools
 
     @property

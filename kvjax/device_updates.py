@@ -4,7 +4,7 @@ The rule (``docs/architecture.md``, "Device state: who changes it"): device stat
 ``CachePools``) changes only in calls whose caller receives the new pools. The owner of the step
 (the serving scheduler, or a user's own loop) holds the current pools and donates them into its
 jitted step. Nothing else swaps them: host-tier loads, retraction restores and recurrent-state
-forks happen inside library calls that do not hold the pools (``match_prefix``, ``init_load_back``,
+forks happen inside kvjax calls that do not hold the pools (``match_prefix``, ``init_load_back``,
 an extension's admission hook), so they *record* a :class:`DeviceUpdate` here instead, and the owner
 applies them, in the order they were recorded, before it launches its next step::
 

@@ -1,6 +1,6 @@
 """Errors in command-line words: one line naming the flag the user typed, its value and the fix.
 
-The library names its options as ``CacheConfig`` fields (``tp_size``, ``page_size``) in a
+kvjax names its options as ``CacheConfig`` fields (``tp_size``, ``page_size``) in a
 `kvjax.ConfigError`, and refers to other options inside the fix as ``{option}``. Each command
 says which of its flags set which option (``option_flags(args)``); `config_error_line` renders
 the error with that mapping, so an error speaks of ``--page-size`` under ``plan`` and of the

@@ -4,7 +4,7 @@ changes it").
 A user's own loop threads its pools through its own donated jitted step, as the owner of the step
 (apply the pending updates, run the step, hand the result in). Between its steps it calls kvjax's
 tree, host tier, retraction backup and recurrent-state extension: a host tier loads a prefix back,
-a retracted request's KV is restored and a checkpoint's state is forked. After every library call
+a retracted request's KV is restored and a checkpoint's state is forked. After every kvjax call
 ``cache.pools`` is still the user's pools and none of the user's arrays is deleted; the tokens the
 user's step computes from the loaded and restored KV equal those of a run that recomputes.
 """
@@ -73,10 +73,10 @@ class UserLoop:
         self.cache.set_pools(self.pools)  # hand the result in: backups read it
         return int(token)
 
-    def library(self, call):
+    def through_kvjax(self, call):
         """Run a kvjax call between steps and check it left the user's device state alone."""
         out = call()
-        assert self.cache.pools is self.pools, "a library call swapped the pools behind the owner"
+        assert self.cache.pools is self.pools, "a kvjax call swapped the pools behind the owner"
         assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.pools))
         return out
 
@@ -106,38 +106,38 @@ def test_a_users_loop_never_holds_a_donated_or_stale_array_through_load_back_and
     # user handed in after the step).
     slots = alloc.alloc(24)
     assert loop.step(slots, prompt, slots) == recomputed_token(prompt)
-    loop.library(lambda: tree.insert(prompt, slots))
-    loop.library(lambda: tree.check_transfers(wait=True))
-    assert loop.library(lambda: tree.evict(24)) == 24  # demoted to the host: device pages freed
+    loop.through_kvjax(lambda: tree.insert(prompt, slots))
+    loop.through_kvjax(lambda: tree.check_transfers(wait=True))
+    assert loop.through_kvjax(lambda: tree.evict(24)) == 24  # demoted to the host: device pages freed
     other = alloc.alloc(alloc.available_size())  # other requests overwrite those device pages
     assert np.isin(slots, other).all()
     loop.step(other, [int(t) for t in rng.integers(0, 256, other.size)], other)
     alloc.free(other)
 
-    # The prefix comes back from the host inside a library call: recorded, not swapped in.
-    match = loop.library(lambda: tree.match_prefix(prompt))
+    # The prefix comes back from the host inside a kvjax call: recorded, not swapped in.
+    match = loop.through_kvjax(lambda: tree.match_prefix(prompt))
     assert match.prefix_len == 0 and match.host_hit_length == 24
-    loaded = loop.library(lambda: tree.init_load_back(match))
+    loaded = loop.through_kvjax(lambda: tree.init_load_back(match))
     assert loaded.prefix_len == 24 and [u.what for u in cache.pending.updates()] == ["host load"]
     assert loop.step([], [], loaded.indices) == recomputed_token(prompt)  # applied by the owner first
-    loop.library(lambda: tree.check_transfers(wait=True))
+    loop.through_kvjax(lambda: tree.check_transfers(wait=True))
 
     # A retracted request's own KV goes to the host and comes back into fresh pages.
     retraction = RetractionBackup("host_pool", 4, host=tree.host)
     tokens = [int(t) for t in rng.integers(0, 256, 16)]
     own = alloc.alloc(16)
     assert loop.step(own, tokens, own) == recomputed_token(tokens)
-    assert loop.library(lambda: retraction.backup("q", own, 0, 16))
+    assert loop.through_kvjax(lambda: retraction.backup("q", own, 0, 16))
     alloc.free(own)
     other = alloc.alloc(alloc.available_size())
     assert np.isin(own, other).all()
     loop.step(other, [int(t) for t in rng.integers(0, 256, other.size)], other)
     alloc.free(other)
     fresh = alloc.alloc(16)
-    assert loop.library(lambda: retraction.restore("q", fresh))
+    assert loop.through_kvjax(lambda: retraction.restore("q", fresh))
     assert cache.pending.count == 1
     assert loop.step([], [], fresh) == recomputed_token(tokens)
-    loop.library(lambda: retraction.poll(wait=True))
+    loop.through_kvjax(lambda: retraction.poll(wait=True))
     assert retraction.restored == 1 and cache.pending.count == 0
 
     # Every array the user donated was its own step's input, and only those are deleted.
@@ -160,13 +160,13 @@ def test_a_users_loop_sees_a_recurrent_state_fork_only_when_it_applies_it():
     extension = RecurrentStateExtension(cache)
     pools = cache.pools
 
-    def library(call):
+    def through_kvjax(call):
         out = call()
         assert cache.pools is pools and not any(x.is_deleted() for x in jax.tree_util.tree_leaves(pools))
         return out
 
     a = ServingReq("a", [5, 6, 7, 8], max_new_tokens=1)
-    library(lambda: tree.match_and_lock(a))
+    through_kvjax(lambda: tree.match_and_lock(a))
     table.alloc_reqs([a])
     table.write(a.req_pool_idx, 0, kv.alloc(4))
 
@@ -178,11 +178,11 @@ def test_a_users_loop_sees_a_recurrent_state_fork_only_when_it_applies_it():
 
     pools = run_model(cache.apply_pending(pools), jnp.asarray([a.mamba_pool_idx]))
     cache.set_pools(pools)
-    library(lambda: tree.cache_finished_req(a))
+    through_kvjax(lambda: tree.cache_finished_req(a))
     table.free_req(a)
     b = ServingReq("b", [5, 6, 7, 8, 9], max_new_tokens=1)
-    library(lambda: tree.match_and_lock(b))
-    library(lambda: extension.after_admit(b))
+    through_kvjax(lambda: tree.match_and_lock(b))
+    through_kvjax(lambda: extension.after_admit(b))
     assert b.mamba_cow_src_index is not None and b.mamba_pool_idx != b.mamba_cow_src_index
     batch = StepBatch(
         rows=np.asarray([b.req_pool_idx]),
@@ -193,7 +193,7 @@ def test_a_users_loop_sees_a_recurrent_state_fork_only_when_it_applies_it():
         max_seqs=2,
         is_decode=False,
     )
-    library(lambda: extension.step_metadata(batch))  # records the fork
+    through_kvjax(lambda: extension.step_metadata(batch))  # records the fork
     assert [u.what for u in cache.pending.updates()] == ["state fork"]
     pools = cache.apply_pending(pools)  # the owner applies it before its step
     conv_b, ssm_b = pools.recurrent.get_states(0, [b.mamba_pool_idx])
