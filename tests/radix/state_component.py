@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvjax.radix import ComponentMatchResult, TreeNode
-from kvjax.radix.slot_component import NodeSlot, NodeSlotComponent
+from kvjax.radix import ComponentMatchResult, NodeSlot, NodeSlotComponent, TreeNode
 
 
 class StatePool:
