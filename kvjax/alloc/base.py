@@ -653,14 +653,8 @@ class BaseTokenToKVPoolAllocator:
             idx = free_index  # int32 / int64 ids as they are (the usual input): no conversion pass
         else:
             idx = as_index_array(free_index, "free")
-        if idx.size == 0:
-            return
-        pages = self._pages_to_free(idx)
-        if self._group is not None:
-            self._is_pending[pages] = True
-            self._group.append(pages)
-            return
-        self._release_pages(pages)
+        if idx.size:
+            self._hand_back(self._pages_to_free(idx), segment=False)
 
     def free_segment(self, free_index: Any, *, start_pos: int) -> None:
         """Return one segment of a request's row: ``free_index`` are the slots of row positions
@@ -685,14 +679,8 @@ class BaseTokenToKVPoolAllocator:
         """
         start_pos = page_aligned_count("free_segment", "start_pos", start_pos, self.page_size, SEGMENT_FIX)
         idx = as_index_array(free_index, "free_segment")
-        if idx.size == 0:
-            return
-        pages = self._segment_pages(idx)
-        if self._group is not None:
-            self._is_pending[pages] = True
-            self._buffer_segment(pages)
-            return
-        self._release_pages(pages)
+        if idx.size:
+            self._hand_back(self._segment_pages(idx), segment=True)
 
     def _segment_pages(self, idx: np.ndarray) -> np.ndarray:
         """Validated page ids of a segment's token ids (non-empty), in row order; raises,
@@ -704,6 +692,18 @@ class BaseTokenToKVPoolAllocator:
         any free (SGLang's token ``free_segment`` is its ``free``)."""
         assert self._group is not None
         self._group.append(pages)
+
+    def _hand_back(self, pages: np.ndarray, *, segment: bool) -> None:
+        """Return validated, distinct ``pages`` now; inside a free group, mark them pending and
+        buffer them until :meth:`free_group_end` (a segment's with :meth:`_buffer_segment`)."""
+        if self._group is None:
+            self._release_pages(pages)
+            return
+        self._is_pending[pages] = True
+        if segment:
+            self._buffer_segment(pages)
+        else:
+            self._group.append(pages)
 
     def _release_pages(self, pages: np.ndarray) -> None:
         """Return validated, distinct pages to the free (or release) list."""

@@ -24,6 +24,7 @@ from kvjax.radix.node import TreeNode
 from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
 from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
+from kvjax.radix.slot_component import NodeSlot, NodeSlotComponent
 from kvjax.radix.stats import CacheStats
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
@@ -55,6 +56,8 @@ __all__ = [
     "MambaMatch",
     "MambaRadixCache",
     "MatchResult",
+    "NodeSlot",
+    "NodeSlotComponent",
     "PageHasher",
     "PureSWAChunkCache",
     "RadixCache",

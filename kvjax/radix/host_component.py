@@ -309,17 +309,28 @@ class HostTierComponent(TreeComponent):
         self.failed_backups += 1
         return False
 
-    def _start_backup(self, node: TreeNode) -> bool:
+    def _launch_backup(self, node: TreeNode) -> tuple[np.ndarray, Any] | None:
+        """Start a copy of device node ``node`` to the host: its host slots and the copy's handle
+        (``on_backup`` told); None (no backup, counted) when the host pool stays full or the copy
+        could not start."""
         assert node.value is not None
         slots = self._backup_slots(node)
         if slots is None:
-            return False
+            return None
         try:
             handle = self.engine.start_backup(node.value, slots)
         except CopyError:
-            return self._backup_failed(slots)
+            self._backup_failed(slots)
+            return None
         if self.on_backup is not None:
             self.on_backup(node)
+        return slots, handle
+
+    def _start_backup(self, node: TreeNode) -> bool:
+        launched = self._launch_backup(node)
+        if launched is None:
+            return False
+        slots, handle = launched
         pending = PendingTransfer("backup", handle, self.tree.inc_lock_ref(node), [node])
         self._set(node, HostData(slots, pending))
         self._writes.append(pending)
@@ -327,18 +338,16 @@ class HostTierComponent(TreeComponent):
 
     def _backup_now(self, node: TreeNode) -> bool:
         """Write-back: copy ``node`` to the host now and wait for it (FULL is evicting it)."""
-        assert node.value is not None
-        slots = self._backup_slots(node)
-        if slots is None:
+        launched = self._launch_backup(node)
+        if launched is None:
             return False
+        slots, handle = launched
         try:
-            status = self.engine.poll(self.engine.start_backup(node.value, slots), wait=True)
+            status = self.engine.poll(handle, wait=True)
         except CopyError:
             status = TransferStatus.FAILED
         if status is not TransferStatus.DONE:
             return self._backup_failed(slots)
-        if self.on_backup is not None:
-            self.on_backup(node)
         self._set(node, HostData(slots))
         self._track_duplicate(node)  # stale once the caller demotes it; kept for its place
         if self.on_backup_landed is not None:
@@ -468,17 +477,26 @@ class HostTierComponent(TreeComponent):
 
     # -- polling --------------------------------------------------------------------------------
 
-    def writing_check(self, wait: bool = False) -> int:
-        """Complete the backups that landed (SGLang's ``writing_check``): unlock their nodes; a
-        failed one frees its host slots (the node stays device-only). Returns backups completed."""
+    def _poll(
+        self, transfers: list[PendingTransfer], wait: bool
+    ) -> tuple[list[tuple[PendingTransfer, TransferStatus]], list[PendingTransfer]]:
+        """Poll ``transfers`` in order (waiting for each with ``wait``): the landed ones with their
+        status, and those still pending."""
+        landed: list[tuple[PendingTransfer, TransferStatus]] = []
         still = []
-        done = 0
-        for p in self._writes:
+        for p in transfers:
             status = self.engine.poll(p.handle, wait)
             if status is TransferStatus.PENDING:
                 still.append(p)
-                continue
-            done += 1
+            else:
+                landed.append((p, status))
+        return landed, still
+
+    def writing_check(self, wait: bool = False) -> int:
+        """Complete the backups that landed (SGLang's ``writing_check``): unlock their nodes; a
+        failed one frees its host slots (the node stays device-only). Returns backups completed."""
+        landed, still = self._poll(self._writes, wait)
+        for p, status in landed:
             ok = status is TransferStatus.DONE
             if not ok:
                 self.failed_backups += 1
@@ -493,21 +511,15 @@ class HostTierComponent(TreeComponent):
                     self.on_backup_landed(node)
             self.tree.dec_lock_ref(p.receipt)
         self._writes = still
-        return done
+        return len(landed)
 
     def loading_check(self, wait: bool = False) -> int:
         """Complete the loads that landed (SGLang's ``loading_check``): unlock their last node.
         Returns loads completed."""
-        still = []
-        done = 0
-        for p in self._loads:
-            status = self.engine.poll(p.handle, wait)
-            if status is TransferStatus.PENDING:
-                still.append(p)
-                continue
+        landed, still = self._poll(self._loads, wait)
+        for p, status in landed:
             if status is TransferStatus.FAILED:
                 raise RuntimeError("a started load failed; the copy engine broke its contract")
-            done += 1
             # Bottom-up from the load's last node, as SGLang's finish_load_back registers them;
             # split parts above it carry the same transfer.
             n = p.nodes[-1]
@@ -520,7 +532,7 @@ class HostTierComponent(TreeComponent):
                 n = n.parent
             self.tree.dec_lock_ref(p.receipt)
         self._loads = still
-        return done
+        return len(landed)
 
     @property
     def pending_backups(self) -> int:

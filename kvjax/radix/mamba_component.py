@@ -37,13 +37,12 @@ in the tree.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
-from kvjax.radix.component import ComponentSizes, TreeComponent
 from kvjax.radix.invariants import TreeInvariantError
+from kvjax.radix.slot_component import NodeSlot, NodeSlotComponent
 
 if TYPE_CHECKING:
     from kvjax.alloc.state_slots import StateSlotAllocator
@@ -53,17 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["MambaComponent", "MambaData", "MambaMatch"]
 
 
-class MambaData:
+class MambaData(NodeSlot):
     """A checkpoint on a node: its state slot and how many locks hold it."""
 
-    __slots__ = ("slot", "lock_ref")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.lock_ref = 0
-
-    def __repr__(self) -> str:
-        return f"MambaData(slot={self.slot}, lock_ref={self.lock_ref})"
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -82,8 +74,8 @@ class MambaMatch:
     branching_seqlen: int | None
 
 
-class MambaComponent(TreeComponent):
-    """See the module docstring.
+class MambaComponent(NodeSlotComponent):
+    """See the module docstring; the data, LRU, locks and sizes are :class:`NodeSlotComponent`'s.
 
     Args:
         allocator: where checkpoint slots are freed (None: free nothing, simulation).
@@ -94,6 +86,7 @@ class MambaComponent(TreeComponent):
     """
 
     name = "mamba"
+    held = "checkpoint"
 
     def __init__(
         self,
@@ -114,17 +107,15 @@ class MambaComponent(TreeComponent):
         cap = mamba_max_states_per_path
         if isinstance(cap, bool) or not isinstance(cap, int) or cap == 0 or cap < -1:
             raise ConfigError("mamba_max_states_per_path", cap, "use -1 (no cap) or a positive integer")
+        super().__init__()
         self.allocator = allocator
         self.page_size = int(page_size)
         self.enable_mamba_extra_buffer = bool(enable_mamba_extra_buffer)
         self.mamba_max_states_per_path = int(cap)
         grid = mamba_cache_chunk_size or page_size
         self.checkpoint_grid = max(int(grid), 1)
-        self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # least recent first
         self._held: dict[int, TreeNode] = {}  # checkpoint slot -> its node
         self.num_evicted = 0  # checkpoints freed by eviction (own, FULL cascade, per-path cap)
-        self._evictable = 0
-        self._protected = 0
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -132,13 +123,13 @@ class MambaComponent(TreeComponent):
         if self.allocator is not None:
             self.allocator.free([slot])
 
-    def _drop(self, node: TreeNode, data: MambaData) -> None:
-        """Free an unlocked checkpoint: out of the LRU and the sizes, slot to the allocator."""
-        del self._lru[node]
+    def _drop(self, node: TreeNode, data: NodeSlot) -> None:
+        """Free an unlocked checkpoint (counted in ``num_evicted``): out of the LRU and the sizes,
+        slot to the allocator."""
         del self._held[data.slot]
-        self.set_data(node, None)
-        self._evictable -= 1
+        self._forget(node)
         self._free_slot(data.slot)
+        self.num_evicted += 1
 
     def slot_of(self, node: TreeNode) -> int | None:
         """The checkpoint slot on ``node`` (None: a state tombstone, or the root)."""
@@ -161,10 +152,8 @@ class MambaComponent(TreeComponent):
         if data is not None:
             self._lru.move_to_end(node)
             return slot  # the node keeps its checkpoint; the caller frees the donated slot
-        self.set_data(node, MambaData(slot))
-        self._lru[node] = None
+        self._hold(node, MambaData(slot))
         self._held[slot] = node
-        self._evictable += 1
         if self.mamba_max_states_per_path > 0:
             self._trim_path(node)
         return None
@@ -200,49 +189,20 @@ class MambaComponent(TreeComponent):
             if node is tail or data.lock_ref or len(node.children) != 1:
                 continue
             self._drop(node, data)
-            self.num_evicted += 1
             excess -= 1
 
     # -- match ------------------------------------------------------------------------------------
 
     def finalize_match(self, result: ComponentMatchResult) -> None:
-        root = self.tree.root
-        node = result.last_node
-        while node is not root and self.data(node) is None:
-            node = node.parent
-        if node is not result.last_node:
-            result.shorten_to(node, root)
+        node = self._end_at_deepest_holder(result)
         slot = None
-        if node is not root:
+        if node is not self.tree.root:
             self._lru.move_to_end(node)
             slot = self.data(node).slot
         grid = self.checkpoint_grid
         aligned = result.full_kv_hit_length // grid * grid
         branching = aligned if aligned > result.prefix_len else None
         result.extras[self.name] = MambaMatch(slot, branching)
-
-    # -- locks ------------------------------------------------------------------------------------
-
-    def lock(self, node: TreeNode) -> Any:
-        data = self.data(node)
-        if data is None:
-            return None
-        data.lock_ref += 1
-        if data.lock_ref == 1:
-            self._evictable -= 1
-            self._protected += 1
-        return node
-
-    def unlock(self, node: TreeNode, part: Any) -> None:
-        if part is None:
-            return
-        data = self.data(part)
-        if data is None or data.lock_ref <= 0:
-            raise TreeInvariantError(f"mamba: unlocking node {part.id}, whose checkpoint is not locked")
-        data.lock_ref -= 1
-        if data.lock_ref == 0:
-            self._evictable += 1
-            self._protected -= 1
 
     # -- eviction ---------------------------------------------------------------------------------
 
@@ -256,51 +216,22 @@ class MambaComponent(TreeComponent):
             data = self.data(node)
             self._drop(node, data)
             freed += 1
-            self.num_evicted += 1
             if not node.children and not node.lock_ref:
                 self.tree.delete_leaf(node)  # a leaf goes, FULL KV included
         return freed
 
-    def on_delete(self, node: TreeNode) -> int:
-        data = self.data(node)
-        if data is None:
-            return 0
-        if data.lock_ref:
-            raise TreeInvariantError(f"mamba: node {node.id} deleted while its checkpoint is locked")
-        self._drop(node, data)
-        self.num_evicted += 1
-        return 1
-
     def on_reset(self) -> None:
-        if self.allocator is not None and self._lru:
-            self.allocator.free([self.data(n).slot for n in self._lru])
-        self._lru.clear()
+        slots = self._forget_all()
         self._held.clear()
-        self._evictable = self._protected = 0
+        if self.allocator is not None and slots:
+            self.allocator.free(slots)
 
     # -- sizes and checks -------------------------------------------------------------------------
 
-    def sizes(self) -> ComponentSizes:
-        return ComponentSizes(self._evictable, self._protected)
-
-    def lru_order(self) -> list[TreeNode]:
-        """The nodes holding a checkpoint, least recently used first."""
-        return list(self._lru)
-
     def check_invariants(self) -> None:
-        holders = {n for n in self.tree.nodes() if self.data(n) is not None}
-        if holders != set(self._lru):
-            raise TreeInvariantError("mamba: the LRU and the nodes holding a checkpoint differ")
-        locked = sum(1 for n in holders if self.data(n).lock_ref)
-        if (self._evictable, self._protected) != (len(holders) - locked, locked):
-            raise TreeInvariantError(
-                f"mamba: sizes {self._evictable}/{self._protected}, tree {len(holders) - locked}/{locked}"
-            )
+        holders = self._check_holders()
         slots = [self.data(n).slot for n in holders]
         if len(set(slots)) != len(slots) or set(slots) != set(self._held):
             raise TreeInvariantError("mamba: a state slot is a checkpoint on two nodes, or the slot index is stale")
-        for n in holders:
-            if self.data(n).lock_ref > n.lock_ref:
-                raise TreeInvariantError(f"mamba: node {n.id} locked more for its checkpoint than for FULL")
         if self.allocator is not None and slots and not self.allocator.is_live(slots).all():
             raise TreeInvariantError("mamba: a checkpoint slot is free in the allocator")

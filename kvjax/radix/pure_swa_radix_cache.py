@@ -33,14 +33,13 @@ tombstone by a later insert) is :class:`~kvjax.radix.swa_radix_cache.SWARadixCac
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.radix.chunk_cache import request_row
-from kvjax.radix.keys import as_slot_array
 from kvjax.radix.swa_component import SWAComponent
 from kvjax.radix.swa_radix_cache import SWARadixCache
 
@@ -161,8 +160,8 @@ class PureSWARadixCache(SWARadixCache):
             LRU order).
         allocator: the SWA pool's token or paged allocator, or None for a standalone tree.
         token_to_kv_pool_allocator: SGLang's name for ``allocator`` (give one of them).
-        req_to_token_pool, is_eagle, enable_kv_cache_events, event_sink, enable_metrics,
-        hash_seed, eviction_policy_config: as for :class:`~kvjax.radix.RadixCache`.
+        **kwargs: the rest of :class:`~kvjax.radix.RadixCache`'s keyword arguments
+            (``req_to_token_pool``, ``is_eagle``, ``enable_kv_cache_events``, ...).
     """
 
     trash_in_values = True
@@ -188,48 +187,14 @@ class PureSWARadixCache(SWARadixCache):
     def _full_allocator(self, alloc: Any) -> Any:
         return None if alloc is None else _SkipTrashFrees(alloc)
 
-    # ------------------------------------------------------------------ insert
-
-    def insert(  # type: ignore[override]
-        self,
-        token_ids: Any,
-        indices: Any = None,
-        extra_key: Hashable = None,
-        priority: int = 0,
-        *,
-        swa_evicted_seqlen: int = 0,
-        prev_prefix_len: int = 0,
-        chunked: bool = False,
-        inserted_len: int = 0,
-    ) -> int:
-        """Cache ``token_ids`` → ``indices`` (SWA slot ids); returns the length already cached.
-
-        ``swa_evicted_seqlen=e``: the caller already freed the slots of positions ``[0, e)``; the
-        tree stores zeros there (tombstones) and neither keeps nor frees those ids. Incoming
-        slots of already-cached positions in ``[max(prev_prefix_len, e), cached)`` that the tree
-        does not take are freed here, as :meth:`SWARadixCache.insert` does.
-
-        Raises (tree unchanged): as :meth:`SWARadixCache.insert`.
-        """
-        e = swa_evicted_seqlen
-        if indices is not None and isinstance(e, (int, np.integer)) and not isinstance(e, bool) and e > 0:
-            if type(token_ids) is not list and not isinstance(token_ids, np.ndarray):
-                token_ids = list(token_ids)
-            n_tok = len(token_ids) if type(token_ids) is list else int(token_ids.shape[0])
-            values = np.array(as_slot_array(indices, n_tok, self._slot_limit), dtype=np.int32)
-            self._check_evicted(e, self._key_len(n_tok), "insert")
-            values[: int(e)] = 0
-            indices = values
-        return super().insert(
-            token_ids,
-            indices,
-            extra_key,
-            priority,
-            swa_evicted_seqlen=swa_evicted_seqlen,
-            prev_prefix_len=prev_prefix_len,
-            chunked=chunked,
-            inserted_len=inserted_len,
-        )
+    def _keep_evicted_slots(self, values: np.ndarray, evicted: int) -> np.ndarray:
+        """``insert(..., swa_evicted_seqlen=e)``: the caller already freed the slots of positions
+        ``[0, e)``, so the tree stores zeros there (tombstones) and neither keeps nor frees those
+        ids. Incoming slots of already-cached positions in ``[max(prev_prefix_len, e), cached)``
+        that the tree does not take are freed by the insert, as :meth:`SWARadixCache.insert` does."""
+        kept = np.array(values, dtype=np.int32)
+        kept[:evicted] = 0
+        return kept
 
     # ------------------------------------------------------------------ lifecycle
 

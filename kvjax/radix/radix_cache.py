@@ -348,22 +348,11 @@ class RadixCache(TieredTree):
             self._last_insert_results = self._commit(node, payloads)
         return matched
 
-    def insert_with(
-        self,
-        token_ids: Any,
-        indices: Any = None,
-        extra_key: Hashable = None,
-        priority: int = 0,
-        *,
-        chunked: bool = False,
-        inserted_len: int = 0,
-        payloads: Mapping[str, Any] | None = None,
-    ) -> InsertResult:
+    def insert_with(self, *args: Any, **kwargs: Any) -> InsertResult:
         """:meth:`insert`, returning the whole :class:`InsertResult` (prefix length, last node,
-        per-component results). Same arguments and errors."""
-        matched = self.insert(
-            token_ids, indices, extra_key, priority, chunked=chunked, inserted_len=inserted_len, payloads=payloads
-        )
+        per-component results). Same arguments and errors, the preset's own keywords included
+        (``swa_evicted_seqlen`` on the sliding-window trees)."""
+        matched = self.insert(*args, **kwargs)
         if self.disable:
             return InsertResult(0, self.root)
         return InsertResult(matched, self.last_insert_node, self._last_insert_results if self._extra else {})

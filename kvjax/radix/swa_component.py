@@ -377,6 +377,28 @@ class SWAComponent(TreeComponent):
             uuid = top.uuid
         return SWALockPart(uuid, locked)
 
+    def _unlock_node(self, node: TreeNode) -> tuple[SWANodeData, int] | None:
+        """Take one SWA lock off ``node`` (live, or a tombstone's kept count): its lock data and
+        the tokens that became evictable (``node.klen`` when a live node's last lock went, else 0);
+        None, changing nothing, when ``node`` holds no SWA lock. A tombstone's kept count goes with
+        its last lock unless it marks a segment's top."""
+        data = self.data(node)
+        live = data is not None
+        if data is None:
+            data = self._tomb_locks.get(node)
+        if data is None or data.lock_ref <= 0:
+            return None
+        data.lock_ref -= 1
+        if data.lock_ref:
+            return data, 0
+        if live:
+            self._protected -= node.klen
+            self._evictable += node.klen
+            return data, node.klen
+        if data.uuid is None:
+            del self._tomb_locks[node]
+        return data, 0
+
     def _release(self, node: TreeNode, part: SWALockPart) -> int:
         """Decrement the SWA locks of ``part``'s segment from ``node`` up; returns the tokens
         that became evictable."""
@@ -384,20 +406,11 @@ class SWAComponent(TreeComponent):
         cur = node
         freed = 0
         while cur is not root:
-            data = self.data(cur)
-            live = data is not None
-            if data is None:
-                data = self._tomb_locks.get(cur)
-            if data is None or data.lock_ref <= 0:
+            unlocked = self._unlock_node(cur)
+            if unlocked is None:
                 raise TreeInvariantError(f"swa: node {cur.id} in a locked SWA segment is not SWA-locked")
-            data.lock_ref -= 1
-            if data.lock_ref == 0:
-                if live:
-                    self._protected -= cur.klen
-                    self._evictable += cur.klen
-                    freed += cur.klen
-                elif data.uuid is None:
-                    del self._tomb_locks[cur]
+            data, made_evictable = unlocked
+            freed += made_evictable
             if part.uuid is not None and data.uuid == part.uuid:
                 break
             cur = cur.parent
@@ -405,21 +418,13 @@ class SWAComponent(TreeComponent):
         return freed
 
     def _release_window(self, node: TreeNode) -> None:
-        """Decrement the SWA locks of the live nodes covering ``W`` tokens from ``node`` up."""
+        """Decrement the SWA locks of the nodes covering ``W`` tokens from ``node`` up."""
         root = self.tree.root
         covered = 0
         cur = node
         while cur is not root and covered < self.sliding_window_size:
-            data = self.data(cur)
-            live = data is not None
-            if data is None:
-                data = self._tomb_locks.get(cur)
-            if data is None or data.lock_ref <= 0:
+            if self._unlock_node(cur) is None:
                 raise LockError(f"dec_lock_ref: node {cur.id} is not SWA-locked")
-            data.lock_ref -= 1
-            if data.lock_ref == 0 and live:
-                self._protected -= cur.klen
-                self._evictable += cur.klen
             covered += cur.klen
             cur = cur.parent
 

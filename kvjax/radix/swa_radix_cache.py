@@ -41,9 +41,6 @@ from kvjax.radix.swa_component import SWAComponent, SWAInsertPayload, SWALockPar
 
 if TYPE_CHECKING:
     from kvjax.alloc.swa import SWATokenToKVPoolAllocator
-    from kvjax.protocols import ReqToTokenPoolProtocol
-    from kvjax.radix.events import EventSink
-    from kvjax.radix.host_component import HostTierComponent
     from kvjax.radix.node import TreeNode
     from kvjax.request import Req
 
@@ -74,10 +71,11 @@ class SWARadixCache(RadixCache):
             its own LRU.
         allocator: an ``SWATokenToKVPoolAllocator``, or None for a standalone tree.
         token_to_kv_pool_allocator: SGLang's name for ``allocator`` (give one of them).
-        req_to_token_pool, is_eagle, enable_kv_cache_events, event_sink, enable_metrics,
-        hash_seed, eviction_policy_config: as for :class:`RadixCache`.
         components: further components after SWA.
-        host: the host tier component (``HiSWARadixCache`` builds it), attached last.
+        **kwargs: the rest of :class:`RadixCache`'s keyword arguments (``req_to_token_pool``,
+            ``is_eagle``, ``enable_kv_cache_events``, ``event_sink``, ``enable_metrics``,
+            ``hash_seed``, ``eviction_policy_config``, ``disable``), and ``host``: the host tier
+            component (``HiSWARadixCache`` builds it), attached last.
     """
 
     def __init__(
@@ -88,15 +86,8 @@ class SWARadixCache(RadixCache):
         *,
         allocator: SWATokenToKVPoolAllocator | None = None,
         token_to_kv_pool_allocator: SWATokenToKVPoolAllocator | None = None,
-        req_to_token_pool: ReqToTokenPoolProtocol | None = None,
-        is_eagle: bool = False,
-        enable_kv_cache_events: bool = False,
-        event_sink: EventSink | None = None,
-        enable_metrics: bool = False,
-        hash_seed: int | bytes | str = 0,
-        eviction_policy_config: dict | None = None,
         components: Sequence[TreeComponent] = (),
-        host: HostTierComponent | None = None,
+        **kwargs: Any,
     ) -> None:
         alloc = one_token_allocator(allocator, token_to_kv_pool_allocator)
         if sliding_window_size is None:
@@ -108,16 +99,9 @@ class SWARadixCache(RadixCache):
         super().__init__(
             page_size,
             eviction_policy,
-            req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=self._full_allocator(alloc),
-            is_eagle=is_eagle,
-            enable_kv_cache_events=enable_kv_cache_events,
-            event_sink=event_sink,
-            enable_metrics=enable_metrics,
-            hash_seed=hash_seed,
-            eviction_policy_config=eviction_policy_config,
             components=(self.swa, *components),
-            host=host,
+            **kwargs,
         )
         self.swa.page_size = self.page_size
         self.swa.window_cap = -(-self.swa.sliding_window_size // self.page_size) * self.page_size
@@ -136,6 +120,11 @@ class SWARadixCache(RadixCache):
     def _full_allocator(self, alloc: Any) -> Any:
         """The allocator FULL frees node values into."""
         return alloc
+
+    def _keep_evicted_slots(self, values: np.ndarray, evicted: int) -> np.ndarray:
+        """The incoming slots an insert caches for key positions ``[0, evicted)``, whose SWA part
+        the request already freed: here the full slot ids, as given (int32, one per token)."""
+        return values
 
     def supports_swa(self) -> bool:
         return True
@@ -193,6 +182,8 @@ class SWARadixCache(RadixCache):
         if not 0 <= int(prev_prefix_len) <= max(n, 0):
             raise ValueError(f"insert: prev_prefix_len={prev_prefix_len} outside [0, {n}]")
         values = None if indices is None else as_slot_array(indices, n_tok, self._slot_limit)
+        if values is not None and e:
+            values = self._keep_evicted_slots(values, e)
         payload = SWAInsertPayload(e, values, 0, int(prev_prefix_len))
         if values is not None:
             self._walk_dups = (int(prev_prefix_len), e)

@@ -57,6 +57,15 @@ def token_or_paged(kind: str, pages: int, *, need_sort: bool = False) -> BaseTok
     return PagedTokenToKVPoolAllocator(pages * PS, PS, need_sort=need_sort)
 
 
+def first_page_freed(kind: str) -> tuple[BaseTokenToKVPoolAllocator, np.ndarray]:
+    """A 16-page allocator of ``kind`` and the slots ``x`` of 4 pages it handed out, the first of
+    which is free again (to free twice)."""
+    a = token_or_paged(kind, 16)
+    x = got(a.alloc(4 * a.page_size))
+    a.free(x[: a.page_size])
+    return a, x
+
+
 def shift(slots: list[int]) -> list[int]:
     """Move slots of page 0 (SGLang's test prefixes) to ``PREFIX_PAGE``."""
     return [s + PREFIX_PAGE * PS if s < PS else s for s in slots]
@@ -266,10 +275,8 @@ def test_make_allocator_picks_class():
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_bad_frees_raise_and_leave_state_unchanged(kind):
-    a = token_or_paged(kind, 16)
+    a, x = first_page_freed(kind)
     ps = a.page_size
-    x = got(a.alloc(4 * ps))
-    a.free(x[:ps])
     before = snapshot(a)
     with pytest.raises(DoubleFreeError, match=str(int(x[0]) // ps)):
         a.free(x[:ps])
@@ -515,10 +522,8 @@ def test_free_segment_in_a_group_and_under_need_sort(kind):
 
 @pytest.mark.parametrize("kind", ["token", "paged"])
 def test_free_segment_rejects_bad_input_and_changes_nothing(kind):
-    a = token_or_paged(kind, 16)
+    a, x = first_page_freed(kind)
     ps = a.page_size
-    x = got(a.alloc(4 * ps))
-    a.free(x[:ps])
     before = snapshot(a)
     with pytest.raises(DoubleFreeError, match=r"already free.*\[1\]"):
         a.free_segment(x[: 2 * ps], start_pos=0)  # page 1 is free already

@@ -12,17 +12,17 @@ nothing of nodes:
   ``(extra_key, page list)`` of every inserted key, so later keys land near cached ones.
 
 It holds the model's helpers and the rules whose strategies and bodies the machines share
-(``insert_near_seen``, ``match``, ``unlock``, ``evict_full``, ``reset``). A subclass builds its
-tree in an ``@initialize`` rule that first calls ``_start_model`` with its recording state-slot
-allocator, and writes ``_insert``, ``_match`` and ``_evict_full`` against its tree (and its own
-rules and invariants).
+(``insert_near_seen``, ``match``, ``lock``, ``unlock``, ``evict_full``, ``reset``), and the
+invariant ``agrees_with_model``. A subclass builds its tree in an ``@initialize`` rule that first
+calls ``_start_model`` with its recording state-slot allocator, and writes ``_insert``, ``_match``,
+``_evict_full`` and ``_check_model`` against its tree (and its own rules).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.radix._helpers import RecordingAllocator
 
@@ -34,6 +34,8 @@ CAPACITY_PAGES = 32
 STATE_CAPACITY = 6
 KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
 EXTRA_KEYS = st.sampled_from([None, None, "ns"])
+EMPTY_OR_KEYS: st.SearchStrategy[list[int]] = st.one_of(st.just([]), KEYS)
+CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
 
 
 class PrefixStateMachine(RuleBasedStateMachine):
@@ -135,6 +137,11 @@ class PrefixStateMachine(RuleBasedStateMachine):
     def _evict_full(self, n: int) -> None:
         raise NotImplementedError
 
+    def _check_model(self, covered: set) -> None:
+        """After every step, once the tree's own invariants hold: its sizes (and what else the
+        machine checks) against the model; ``covered``: the prefixes the model's locks cover."""
+        raise NotImplementedError
+
     # -- shared rules ----------------------------------------------------------------------------
 
     @rule(which=st.integers(0, 100), cut=st.integers(0, 5), more=KEYS, with_state=st.booleans())
@@ -145,6 +152,10 @@ class PrefixStateMachine(RuleBasedStateMachine):
     @rule(pages=KEYS, ek=EXTRA_KEYS)
     def match(self, pages, ek):
         self._match(self._key(pages), ek)
+
+    @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
+    def lock(self, which, cut, more):
+        self._lock_near_seen(which, cut, more)
 
     @precondition(lambda self: self.locks)
     @rule(which=st.integers(0, 100))
@@ -170,3 +181,11 @@ class PrefixStateMachine(RuleBasedStateMachine):
         self.pages.clear()
         self.states.clear()
         self.recency.clear()
+
+    # -- invariant -------------------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self):
+        if hasattr(self, "tree"):
+            self.tree.check_invariants()
+            self._check_model(self._covered())

@@ -23,10 +23,9 @@ the real SWA, Mamba and host-tier components will need (``docs/architecture.md``
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
-from kvjax.radix import ComponentMatchResult, ComponentSizes, TreeComponent, TreeInvariantError, TreeNode
+from kvjax.radix import ComponentMatchResult, NodeSlot, NodeSlotComponent, TreeNode
 
 
 class StatePool:
@@ -54,26 +53,16 @@ class StatePool:
         return out
 
 
-class StateData:
-    """What the component keeps on a node: its slot and how many locks hold it."""
-
-    __slots__ = ("slot", "lock_ref")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.lock_ref = 0
-
-
-class StateSlotComponent(TreeComponent):
-    """See the module docstring. ``pool`` is where state slots come from and go back to."""
+class StateSlotComponent(NodeSlotComponent):
+    """See the module docstring. ``pool`` is where state slots come from and go back to. The
+    data, LRU, locks, sizes and checks are :class:`NodeSlotComponent`'s."""
 
     name = "state"
+    held = "state"
 
     def __init__(self, pool: StatePool) -> None:
+        super().__init__()
         self.pool = pool
-        self._lru: OrderedDict[TreeNode, None] = OrderedDict()  # oldest first
-        self._evictable = 0
-        self._protected = 0
 
     # -- helpers
 
@@ -81,10 +70,8 @@ class StateSlotComponent(TreeComponent):
         if node in self._lru:
             self._lru.move_to_end(node)
 
-    def _drop(self, node: TreeNode, data: StateData) -> None:
-        del self._lru[node]
-        self.set_data(node, None)
-        self._evictable -= 1
+    def _drop(self, node: TreeNode, data: NodeSlot) -> None:
+        self._forget(node)
         self.pool.free(data.slot)
 
     # -- insert
@@ -98,9 +85,7 @@ class StateSlotComponent(TreeComponent):
         if node is self.tree.root or self.data(node) is not None:
             self._touch(node)
             return payload  # the end node keeps its state: the donated slot goes back
-        self.set_data(node, StateData(int(payload)))
-        self._lru[node] = None
-        self._evictable += 1
+        self._hold(node, NodeSlot(int(payload)))
         return None
 
     # on_split: the state belongs to the node's end, which stays with ``child`` (the same
@@ -111,36 +96,11 @@ class StateSlotComponent(TreeComponent):
     def finalize_match(self, result: ComponentMatchResult) -> None:
         root = self.tree.root
         host_hit = result.walk_node.depth - result.prefix_len if result.walk_node is not root else 0
-        node = result.last_node
-        while node is not root and self.data(node) is None:
-            node = node.parent
-        if node is not result.last_node:
-            result.shorten_to(node, root)
+        node = self._end_at_deepest_holder(result)
         data = None if node is root else self.data(node)
         if data is not None:
             self._touch(node)
         result.extras[self.name] = {"slot": None if data is None else data.slot, "host_hit_length": host_hit}
-
-    # -- locks
-
-    def lock(self, node: TreeNode) -> Any:
-        data = self.data(node)
-        if data is None:
-            return None
-        data.lock_ref += 1
-        if data.lock_ref == 1:
-            self._evictable -= 1
-            self._protected += 1
-        return node
-
-    def unlock(self, node: TreeNode, part: Any) -> None:
-        if part is None:
-            return
-        data = self.data(part)
-        data.lock_ref -= 1
-        if data.lock_ref == 0:
-            self._evictable += 1
-            self._protected -= 1
 
     # -- eviction and residency
 
@@ -161,33 +121,6 @@ class StateSlotComponent(TreeComponent):
     def keeps_node(self, node: TreeNode) -> bool:
         return self.data(node) is not None
 
-    def on_delete(self, node: TreeNode) -> int:
-        data = self.data(node)
-        if data is None:
-            return 0
-        if data.lock_ref:
-            raise TreeInvariantError(f"node {node.id} deleted while its state is locked")
-        self._drop(node, data)
-        return 1
-
     def on_reset(self) -> None:
-        for node in self._lru:
-            self.pool.free(self.data(node).slot)
-        self._lru.clear()
-        self._evictable = self._protected = 0
-
-    # -- sizes and checks
-
-    def sizes(self) -> ComponentSizes:
-        return ComponentSizes(self._evictable, self._protected)
-
-    def check_invariants(self) -> None:
-        holders = {n for n in self.tree.nodes() if self.data(n) is not None}
-        if holders != set(self._lru):
-            raise TreeInvariantError("state: the LRU and the nodes holding a state differ")
-        locked = sum(1 for n in holders if self.data(n).lock_ref)
-        if (self._evictable, self._protected) != (len(holders) - locked, locked):
-            raise TreeInvariantError(f"state: sizes {self._evictable}/{self._protected}, tree {len(holders)}/{locked}")
-        for n in holders:
-            if self.data(n).lock_ref > n.lock_ref:
-                raise TreeInvariantError(f"state: node {n.id} locked more for state than for FULL")
+        for slot in self._forget_all():
+            self.pool.free(slot)

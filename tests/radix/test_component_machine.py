@@ -29,20 +29,18 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from kvjax.radix import RadixCache
 from tests.radix._helpers import machine_settings
 from tests.radix.prefix_state_machine import (
+    CUTS,
+    EMPTY_OR_KEYS,
     EXTRA_KEYS,
-    KEYS,
     STATE_CAPACITY,
     PrefixStateMachine,
 )
 from tests.radix.state_component import StatePool, StateSlotComponent
-
-EMPTY_OR_KEYS: st.SearchStrategy[list[int]] = st.one_of(st.just([]), KEYS)
-CUTS = st.sampled_from([5, 5, 5, 0, 1, 2, 3])  # pages of a seen key to keep (mostly all)
 
 SETTINGS = machine_settings(50)
 
@@ -189,10 +187,6 @@ class ComponentMachine(PrefixStateMachine):
         ek, pages = self._seen(which, cut, more[:1])
         self._match(self._key(pages), ek)
 
-    @rule(which=st.integers(0, 100), cut=CUTS, more=EMPTY_OR_KEYS)
-    def lock(self, which, cut, more):
-        self._lock_near_seen(which, cut, more)
-
     @precondition(lambda self: len(self.states) >= 3)
     @rule(k=st.integers(1, 3))
     def evict_states(self, k):
@@ -224,15 +218,10 @@ class ComponentMachine(PrefixStateMachine):
 
     # -- invariants ------------------------------------------------------------------------------
 
-    @invariant()
-    def agrees_with_model(self):
-        if not hasattr(self, "tree"):
-            return
+    def _check_model(self, covered: set) -> None:
         tree = self.tree
-        tree.check_invariants()
         ps = self.page_size
         device = [k for k, v in self.pages.items() if v is not None]
-        covered = self._covered()
         full, state = tree.sizes()["full"], tree.sizes()["state"]
         assert full.total == len(device) * ps == tree.total_size()
         assert full.protected == len(covered) * ps == tree.protected_size()

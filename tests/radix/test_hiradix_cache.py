@@ -36,6 +36,17 @@ def put(tree, alloc, engine, tokens):
     return slots
 
 
+def chain_backed_up_then_evicted(num_tokens):
+    """A tree holding [1..10] and its child [11..20], both backed up to the host, after device
+    eviction of ``num_tokens`` (10: the child only; 20 or more: both)."""
+    tree, alloc, engine = device_tree()
+    put(tree, alloc, engine, range(1, 11))
+    put(tree, alloc, engine, range(1, 21))
+    tree.check_transfers()
+    tree.evict(num_tokens)
+    return tree, alloc, engine
+
+
 def balanced(tree, alloc):
     tree.check_invariants()
     assert alloc.available_size() + tree.total_size() == alloc.size
@@ -112,11 +123,7 @@ def test_device_eviction_demotes_backed_up_and_deletes_the_rest():
 
 
 def test_match_reports_device_prefix_host_hit_and_deepest_host_node():
-    tree, alloc, engine = device_tree()
-    put(tree, alloc, engine, range(1, 11))
-    put(tree, alloc, engine, range(1, 21))
-    tree.check_transfers()
-    tree.evict(10)  # the [11..20] leaf
+    tree, _, _ = chain_backed_up_then_evicted(10)  # the [11..20] leaf
     m = tree.match_prefix(list(range(1, 25)))
     assert m.prefix_len == 10 and m.host_hit_length == 10
     assert m.indices.tolist() == tree.match_prefix(list(range(1, 11))).indices.tolist()
@@ -143,11 +150,7 @@ def test_load_back_threshold_is_10_tokens():
 
 
 def test_load_back_is_all_or_nothing_and_respects_the_quota():
-    tree, alloc, engine = device_tree()
-    put(tree, alloc, engine, range(1, 11))
-    put(tree, alloc, engine, range(1, 21))
-    tree.check_transfers()
-    tree.evict(100)
+    tree, alloc, _ = chain_backed_up_then_evicted(100)
     m = tree.match_prefix(list(range(1, 21)))
     assert m.host_hit_length == 20
     assert tree.load_back(m.last_host_node, mem_quota=19) == 0 and tree.host_only_count == 2

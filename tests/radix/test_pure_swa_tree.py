@@ -10,12 +10,13 @@ step and each match checked against the rule written out naively.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 from kvjax.alloc import SWATokenToKVPoolAllocator, make_allocator
 from kvjax.errors import ConfigError
@@ -237,23 +238,11 @@ class PureSWATreeMachine(WindowTreeMachine):
     def _free_out_of_window(self, slots: np.ndarray) -> None:
         self.alloc.free(slots)
 
-    @rule(data=st.data())
-    def match(self, data: st.DataObject) -> None:
-        key = self.key(data)
-        m = self.tree.match_prefix(key)
+    def _check_match(self, key: list[int], m: Any) -> None:
         assert m.prefix_len == self.naive_match(key)[0]  # after any split the rule agrees exactly
         if m.prefix_len:
             window = m.indices[max(0, m.prefix_len - self.tree.sliding_window_size) :]
             assert (window != 0).all()  # the last window of a match is live KV
-
-    @precondition(lambda self: self.receipts)
-    @rule(data=st.data())
-    def release_swa_early(self, data: st.DataObject) -> None:
-        r = self.receipts[data.draw(st.integers(0, len(self.receipts) - 1))]
-        if not r.parts[0].released:
-            protected = self.tree.protected_size()
-            moved = self.tree.dec_swa_lock_only(r)
-            assert self.tree.protected_size() == protected - moved
 
     @rule(amount=st.integers(0, 12))
     def evict(self, amount: int) -> None:

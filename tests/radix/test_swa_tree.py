@@ -4,6 +4,8 @@ lifecycle over an SWATokenToKVPoolAllocator, and the chunk caches."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,23 @@ def state(tree: SWARadixCache) -> tuple:
 
 
 # --------------------------------------------------------------------------- conformance
+
+
+def release_leaves_nothing_locked(t: SWARadixCache, receipt: Any) -> None:
+    """Release ``receipt``'s lock: nothing stays protected in either pool, and the tree is sound."""
+    t.dec_lock_ref(receipt)
+    assert (t.full_protected_size(), t.swa_protected_size()) == (0, 0)
+    t.sanity_check()
+
+
+def request_holding_six_tokens(pool: ReqToTokenPool, alloc: Any) -> tuple[Req, np.ndarray]:
+    """A request in the pool's first row whose 6 tokens hold fresh slots of ``alloc``."""
+    assert pool.alloc(1) == [0]
+    req = Req("a", list(range(6)), req_pool_idx=0)
+    slots = alloc.alloc(6)
+    assert slots is not None
+    pool.write(0, 0, slots)
+    return req, slots
 
 
 def test_sglang_0523_window4_page1():
@@ -137,9 +156,7 @@ def test_swa_lock_that_reaches_the_root_is_not_released_early():
     assert t.swa_protected_size() == 2
     assert t.dec_swa_lock_only(r) == 0  # the segment reached the root: nothing to release early
     assert t.swa_protected_size() == 2
-    t.dec_lock_ref(r)
-    assert (t.full_protected_size(), t.swa_protected_size()) == (0, 0)
-    t.sanity_check()
+    release_leaves_nothing_locked(t, r)
 
 
 def test_split_of_a_locked_segment_moves_its_boundary():
@@ -148,9 +165,7 @@ def test_split_of_a_locked_segment_moves_its_boundary():
     r = t.inc_lock_ref(t.match_prefix([1, 2, 3, 4, 5, 6]).last_node)
     t.match_prefix([1, 2, 3, 9])  # splits the locked [3..6] at [3]
     assert t.swa_protected_size() == 4
-    t.dec_lock_ref(r)
-    assert (t.full_protected_size(), t.swa_protected_size()) == (0, 0)
-    t.sanity_check()
+    release_leaves_nothing_locked(t, r)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -283,12 +298,7 @@ def test_swa_chunk_cache_frees_full_and_remaining_swa():
     pool = ReqToTokenPool(2, 16)
     cache = SWAChunkCache(pool, alloc, 1, sliding_window_size=4)
     assert cache.supports_swa() and cache.is_chunk_cache()
-    row = pool.alloc(1)
-    assert row == [0]
-    req = Req("a", list(range(6)), req_pool_idx=0)
-    slots = alloc.alloc(6)
-    assert slots is not None
-    pool.write(0, 0, slots)
+    req, slots = request_holding_six_tokens(pool, alloc)
     alloc.free_swa(slots[:2])
     req.swa_evicted_seqlen = 2
     cache.cache_finished_req(req)
@@ -302,12 +312,7 @@ def test_pure_swa_chunk_cache_skips_what_decode_freed():
     alloc = make_allocator(16, 1)
     pool = ReqToTokenPool(2, 16)
     cache = PureSWAChunkCache(pool, alloc, 1, sliding_window_size=4)
-    row = pool.alloc(1)
-    assert row == [0]
-    req = Req("a", list(range(6)), req_pool_idx=0)
-    slots = alloc.alloc(6)
-    assert slots is not None
-    pool.write(0, 0, slots)
+    req, slots = request_holding_six_tokens(pool, alloc)
     alloc.free(slots[:2])  # decode freed the out-of-window slots
     req.swa_evicted_seqlen = 2
     cache.cache_finished_req(req)  # would double-free without the skip

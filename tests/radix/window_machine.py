@@ -1,6 +1,6 @@
 """`WindowTreeMachine`: what the Hypothesis machines over the sliding-window trees share: keys that
-mostly reuse earlier ones, the insert, lock and unlock rules, and the naive rule of where a match
-in such a tree ends."""
+mostly reuse earlier ones, the insert, match, lock, unlock and early SWA release rules, and the
+naive rule of where a match in such a tree ends."""
 
 from __future__ import annotations
 
@@ -113,6 +113,15 @@ class WindowTreeMachine(RuleBasedStateMachine):
         self.keys.append(key)
 
     @rule(data=st.data())
+    def match(self, data: st.DataObject) -> None:
+        key = self.key(data)
+        self._check_match(key, self.tree.match_prefix(key))
+
+    def _check_match(self, key: list[int], m: Any) -> None:
+        """Check ``m``, the tree's match of ``key``, against :meth:`naive_match`."""
+        raise NotImplementedError
+
+    @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         m = self.tree.match_prefix(self.key(data))
         if m.prefix_len:
@@ -125,3 +134,18 @@ class WindowTreeMachine(RuleBasedStateMachine):
         self.tree.dec_lock_ref(r)
         with pytest.raises(LockError):
             self.tree.dec_lock_ref(r)
+
+    @precondition(lambda self: self.receipts)
+    @rule(data=st.data())
+    def release_swa_early(self, data: st.DataObject) -> None:
+        """``dec_swa_lock_only``: moves the lock's SWA tokens from protected to evictable; a
+        second release does nothing (SGLang's ``release_swa``)."""
+        r = self.receipts[data.draw(st.integers(0, len(self.receipts) - 1))]
+        if r.parts[0].released:
+            before = self.tree.pretty_print(), self.tree.swa_protected_size()
+            assert self.tree.dec_swa_lock_only(r) == 0
+            assert (self.tree.pretty_print(), self.tree.swa_protected_size()) == before
+        else:
+            protected = self.tree.swa_protected_size()
+            moved = self.tree.dec_swa_lock_only(r)
+            assert self.tree.swa_protected_size() == protected - moved
