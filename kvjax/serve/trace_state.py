@@ -18,12 +18,12 @@ from kvjax.attention import KindMetadata, StateMetadata, SWAMetadata
 from kvjax.pools import CachePools, MHAKVPool, SWAKVPool
 from kvjax.serve.model_config import ModelConfig
 
-__all__ = ["mha_trace_state", "one_page_mha_pool", "recurrent_trace_state", "swa_trace_state"]
+__all__ = ["mha_trace_state", "recurrent_trace_state", "swa_trace_state"]
 
 TraceState = tuple[CachePools, KindMetadata | None]
 
 
-def one_page_mha_pool(config: ModelConfig, num_layers: int, layer_ids: tuple[int, ...] | None = None) -> MHAKVPool:
+def _one_page_mha_pool(config: ModelConfig, num_layers: int, layer_ids: tuple[int, ...] | None = None) -> MHAKVPool:
     """An MHA pool of one page of one token for ``num_layers`` layers of the model's KV heads,
     head dim and dtype; ``layer_ids``: their global ids when they are not ``0..num_layers-1``."""
     return MHAKVPool.create(
@@ -39,7 +39,7 @@ def one_page_mha_pool(config: ModelConfig, num_layers: int, layer_ids: tuple[int
 
 def mha_trace_state(config: ModelConfig) -> TraceState:
     """A one-page MHA pool of the model's shape and no part (the default ``Family.trace_state``)."""
-    return CachePools(kv=one_page_mha_pool(config, config.num_hidden_layers)), None
+    return CachePools(kv=_one_page_mha_pool(config, config.num_hidden_layers)), None
 
 
 def swa_trace_state(config: ModelConfig, sliding: Sequence[bool]) -> TraceState:
@@ -48,8 +48,8 @@ def swa_trace_state(config: ModelConfig, sliding: Sequence[bool]) -> TraceState:
     full_ids = tuple(i for i, s in enumerate(sliding) if not s)
     swa_ids = tuple(i for i, s in enumerate(sliding) if s)
     pool = SWAKVPool(
-        full=one_page_mha_pool(config, len(full_ids)) if full_ids else None,
-        swa=one_page_mha_pool(config, max(len(swa_ids), 1)),
+        full=_one_page_mha_pool(config, len(full_ids)) if full_ids else None,
+        swa=_one_page_mha_pool(config, max(len(swa_ids), 1)),
         full_layer_ids=full_ids,
         swa_layer_ids=swa_ids,
     )
@@ -73,7 +73,7 @@ def recurrent_trace_state(
 
     pools: dict[str, Any] = {}
     if attention_layers:
-        pools["kv"] = one_page_mha_pool(config, len(attention_layers), attention_layers)
+        pools["kv"] = _one_page_mha_pool(config, len(attention_layers), attention_layers)
     if recurrent_layers:
         pools["recurrent"] = RecurrentStatePool.create(
             num_slots=1,
