@@ -188,29 +188,20 @@ def run_demo(
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first)."""
     workload = workload or Workload()
-    settings: dict = dict(
-        model=model,
+    # The cache every run and the up-front check share.
+    cache: dict[str, Any] = dict(
         page_size=page_size,
         max_total_tokens=max_total_tokens,
         chunked_prefill_size=chunked_prefill_size,
         eviction_policy=eviction_policy,
-        progress=progress,
-        overlap=overlap,
     )
+    settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap)
     dropped: str | None = None
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
         # before anything is served; one the plan drops (with a warning) is reported as such.
         spec = ModelSpec.preset(DEMO_MODEL) if model is None else model.spec
-        plan = check_demo(
-            spec,
-            workload,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            chunked_prefill_size=chunked_prefill_size,
-            eviction_policy=eviction_policy,
-            enable_hierarchical_cache=True,
-        )
+        plan = check_demo(spec, workload, enable_hierarchical_cache=True, **cache)
         if not plan.attach_host_tier:
             dropped = _host_tier_warning(plan)
     cold, cold_out = serve(workload, disable_radix_cache=True, **settings)

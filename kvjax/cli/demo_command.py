@@ -17,7 +17,7 @@ from pathlib import Path
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
@@ -124,11 +124,8 @@ def run(args: argparse.Namespace) -> int:
     check_demo(
         spec,
         workload,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
         eviction_policy=args.radix_eviction_policy,
-        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        **cache_options(args),
         **({} if storage is None else {"hicache_storage_backend": "file", "hicache_storage_dir": str(storage)}),
     )
     if storage is not None and create:
@@ -146,15 +143,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_demo(
             workload=workload,
-            page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
             eviction_policy=args.radix_eviction_policy,
-            enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_storage=args.hicache_storage,
             progress=not args.json,
             model=model,
             overlap=not args.disable_overlap_schedule,
+            **cache_options(args),
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None

@@ -22,7 +22,7 @@ from typing import Any
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options
 from kvjax.errors import ConfigError
 
 OPTION_FLAGS = {
@@ -129,13 +129,10 @@ def run(args: argparse.Namespace) -> int:
             model,
             prompts,
             max_new_tokens=args.max_new_tokens,
-            page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
             max_batch_size=args.max_batch_size,
             stop_token_ids=() if args.ignore_eos else None,
-            enable_hierarchical_cache=args.enable_hierarchical_cache,
             overlap=not args.disable_overlap_schedule,
+            **cache_options(args),
         )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None

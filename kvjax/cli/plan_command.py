@@ -161,6 +161,18 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+#: CacheConfig options set as typed by the flag of the same name (``--max-total-tokens``, ...).
+_OPTIONS_AS_TYPED = (
+    "max_total_tokens",
+    "context_length",
+    "max_running_requests",
+    "platform",
+    "disable_radix_cache",
+    "enable_hierarchical_cache",
+    "disaggregation_mode",
+)
+
+
 def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int) -> CacheConfig:
     reserved = 0
     if args.tpu is not None and args.weights_bytes is not None:
@@ -171,15 +183,9 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
         memory_budget_bytes=args.memory,
         mem_fraction_static=(args.mem_fraction_static or 0.9) if args.tpu is not None else None,
         reserved_memory_bytes=reserved,
-        max_total_tokens=args.max_total_tokens,
         tp_size=tp,
         pp_size=args.pp,
-        context_length=args.context_length,
-        max_running_requests=args.max_running_requests,
-        platform=args.platform,
-        disable_radix_cache=args.disable_radix_cache,
-        enable_hierarchical_cache=args.enable_hierarchical_cache,
-        disaggregation_mode=args.disaggregation_mode,
+        **{option: getattr(args, option) for option in _OPTIONS_AS_TYPED},
     )
 
 

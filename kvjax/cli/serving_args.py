@@ -1,9 +1,11 @@
 """The flags ``demo`` and ``generate`` share: the serving cache's size and shape, the model's dtype,
-the host tier and the schedule, added to a parser in one call, and the options they set."""
+the host tier and the schedule, added to a parser in one call, the flag of each option, and the
+cache options they set (``cache_options``)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvjax.cli.arg_types import positive_int
 
@@ -39,3 +41,15 @@ def add_serving_arguments(
         help="run each step to completion before forming the next (default: overlap scheduling, the next "
         "batch is formed while a step runs)",
     )
+
+
+def cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What the shared cache flags set, as the keyword arguments the serving entry points take
+    (``check_demo``, ``run_demo``, ``generate``): ``page_size``, ``max_total_tokens`` (None: room
+    for everything), ``chunked_prefill_size`` and ``enable_hierarchical_cache``."""
+    return {
+        "page_size": args.page_size,
+        "max_total_tokens": args.max_total_tokens,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "enable_hierarchical_cache": args.enable_hierarchical_cache,
+    }

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.pools import dtypes
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
 from kvjax.pools.mha_layout import MHALayout
+from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from pallas_kernels.kv_write import write_kv
@@ -299,10 +300,8 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> MHAKVPool:
     Consecutive layers are indexed from ``layer_ids[0]``; interleaved ones (the full-attention
     layers of a hybrid model) through ``layer_ids``.
     """
-    ids = pool.layer_ids
-    start = ids[0] if ids else 0
-    interleaved = list(ids) != list(range(start, start + len(ids)))
-    return pool_from_plan(pool, context, "mha", start_layer=start, layer_ids=tuple(ids) if interleaved else None)
+    start, layer_ids = planned_layers(pool)
+    return pool_from_plan(pool, context, "mha", start_layer=start, layer_ids=layer_ids)
 
 
 def pool_from_plan(
@@ -319,9 +318,7 @@ def pool_from_plan(
     The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
     sharded over ``context.kv_head_axis``.
     """
-    layout = pool.layout
-    if not isinstance(layout, MHALayout):
-        raise TypeError(f"pool {pool.name!r} of kind {kind!r} needs an MHALayout, got {type(layout).__name__}")
+    layout = planned_layout(pool, kind, MHALayout)
     heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
     return MHAKVPool.create(
         num_pages=pool.shape[0] - 1,

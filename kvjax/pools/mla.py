@@ -43,6 +43,7 @@ from jax.sharding import Mesh
 from kvjax.pools import dtypes
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
 from kvjax.pools.mla_layout import MLALayout
+from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from pallas_kernels.validate import check_kv_scale
@@ -296,14 +297,11 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> Any:
     """The pool kind registry's builder for ``"mla"``: the latent pool (plan ``"kv"``) or the DSA
     indexer key pool (plan ``"index_k"``) that ``MLALayout.pool_plans`` lists. Layers must be
     consecutive (each pool indexes them from ``layer_ids[0]``)."""
-    layout = pool.layout
-    if not isinstance(layout, MLALayout):
-        raise TypeError(f"pool {pool.name!r} of kind 'mla' needs an MLALayout, got {type(layout).__name__}")
-    ids = pool.layer_ids
-    start = ids[0] if ids else 0
-    if list(ids) != list(range(start, start + len(ids))):
+    layout = planned_layout(pool, "mla", MLALayout)
+    start, interleaved = planned_layers(pool)
+    if interleaved is not None:
         raise NotImplementedError(
-            f"pool {pool.name!r} serves layers {list(ids)}, which are not consecutive; an MLA pool over "
+            f"pool {pool.name!r} serves layers {list(interleaved)}, which are not consecutive; an MLA pool over "
             "interleaved layers is not built yet"
         )
     shared: dict[str, Any] = dict(

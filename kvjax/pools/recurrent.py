@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
 from kvjax.pools.base import LayerStack, Pool, check_slots, is_traced, route_to_trash, static_field
+from kvjax.pools.planned import planned_layout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.recurrent_layout import RecurrentLayout
 from kvjax.pools.registry import BuildContext
@@ -345,11 +346,7 @@ def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> Rec
     ``PoolPlan`` per tensor (``conv_state_<i>``, ``ssm_state``), all carrying the same
     ``RecurrentLayout``; they become one pool (forks and zeroing touch every tensor at once). With a
     mesh the state is sharded over its ``"tp"`` axis, which must have the layout's ``tp_size``."""
-    layout = pools[0].layout
-    if not isinstance(layout, RecurrentLayout):
-        raise TypeError(
-            f"pool {pools[0].name!r} of kind 'recurrent' needs a RecurrentLayout, got {type(layout).__name__}"
-        )
+    layout = planned_layout(pools[0], "recurrent", RecurrentLayout)
     mesh = context.mesh
     if mesh is not None and int(mesh.shape[context.kv_head_axis]) != layout.tp_size:
         raise NotImplementedError(

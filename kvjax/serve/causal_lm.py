@@ -134,8 +134,9 @@ class DecoderLayer(nn.Module):
     With ``sandwich_norms`` (Gemma 3) the mixer's and the MLP's outputs are normed too before their
     residual adds: ``post_attention_layernorm`` on the mixer's output, ``pre_feedforward_layernorm``
     before the MLP and ``post_feedforward_layernorm`` after it. A family sets ``norm`` (a class
-    built as ``norm(eps, dtype)``) and implements ``mixer`` and ``mlp``, which build the layer's
-    named submodules (``self_attn``, ``linear_attn``, ``mlp``, ...).
+    built as ``norm(eps, dtype)``) and ``attention`` (its `LayerMixer` class, built as
+    ``self_attn``), or implements ``mixer`` instead; ``mlp`` builds the feed-forward block. Both
+    build the layer's named submodules (``self_attn``, ``linear_attn``, ``mlp``, ...).
     """
 
     config: ModelConfig
@@ -143,11 +144,15 @@ class DecoderLayer(nn.Module):
 
     norm: ClassVar[type[nn.Module]] = RMSNorm
     sandwich_norms: ClassVar[bool] = False
+    attention: ClassVar[type[nn.Module] | None] = None
 
     @nn.nowrap
     def mixer(self) -> nn.Module:
-        """The token mixer, called as ``(x, pools, meta) -> (x, pools)``."""
-        raise NotImplementedError
+        """The token mixer, called as ``(x, pools, meta) -> (x, pools)``: by default the family's
+        ``attention`` built as ``self_attn``."""
+        if self.attention is None:
+            raise NotImplementedError(f"{type(self).__name__} sets neither attention nor mixer")
+        return self.attention(self.config, self.layer_id, name="self_attn")
 
     @nn.nowrap
     def mlp(self) -> nn.Module:

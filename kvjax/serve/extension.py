@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
     from kvjax.attention import MetadataPart
     from kvjax.serve.serving_req import ServingReq
+
+CachePart = TypeVar("CachePart")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +99,11 @@ class ServingExtension:
         KV slot is released exactly by the scheduler, but state this kind keeps per request and
         hands to the tree on release must not have advanced; say False when it would have."""
         return True
+
+
+def required_part(part: Any, kind: type[CachePart], extension: str) -> CachePart:
+    """``part`` of the cache an extension is built from (its tree, request table, ...) when it is a
+    ``kind``; a ``TypeError`` saying that ``extension`` needs one otherwise (a cache of another kind)."""
+    if not isinstance(part, kind):
+        raise TypeError(f"{extension} needs a {kind.__name__}, got {type(part).__name__}")
+    return part

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvjax.radix import HiRadixCache
-from kvjax.serve.extension import ServingExtension
+from kvjax.serve.extension import ServingExtension, required_part
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.tiers.retraction_backup import RetractionBackup
 
@@ -43,9 +43,7 @@ class HostTierExtension(ServingExtension):
     """See the module docstring. ``loaded_tokens``: key elements loaded back from the host."""
 
     def __init__(self, cache: KVCache) -> None:
-        tree = cache.tree_cache
-        if not isinstance(tree, HiRadixCache):
-            raise TypeError(f"the host tier extension needs a HiRadixCache, got {type(tree).__name__}")
+        tree = required_part(cache.tree_cache, HiRadixCache, "the host tier extension")
         self.cache = cache
         self.tree = tree
         self.loaded_tokens = 0

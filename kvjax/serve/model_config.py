@@ -245,6 +245,18 @@ def read_rope(config: Mapping[str, Any], *, partial_rotary: bool = False, yarn: 
     )
 
 
+#: The ``ModelConfig`` dims the spec holds as they are.
+_DIMS_FROM_SPEC = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+)
+
+
 def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> ModelConfig:
     """The serving hyperparameters of ``spec`` (its raw ``config.json`` is ``spec.extra``).
 
@@ -280,13 +292,7 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
     family_config = entry.load("read_config")(spec, raw) if entry.read_config else None
     return ModelConfig(
         family=entry.name,
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        **{dim: getattr(spec, dim) for dim in _DIMS_FROM_SPEC},
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         rope=read_rope(raw, partial_rotary=entry.partial_rotary, yarn=entry.yarn_rope),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

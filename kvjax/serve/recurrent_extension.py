@@ -40,7 +40,7 @@ from kvjax.hybrid_req_pool import HybridReqToTokenPool
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import apply_state_copies
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
-from kvjax.serve.extension import ServingExtension, StepBatch
+from kvjax.serve.extension import ServingExtension, StepBatch, required_part
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
@@ -54,11 +54,8 @@ class RecurrentStateExtension(ServingExtension):
     ``HybridReqToTokenPool`` request table)."""
 
     def __init__(self, cache: KVCache) -> None:
-        table = cache.req_to_token_pool
-        if not isinstance(table, HybridReqToTokenPool):
-            raise TypeError(f"a recurrent-state cache needs a HybridReqToTokenPool, got {type(table).__name__}")
         self.cache = cache
-        self.table = table
+        self.table = required_part(cache.req_to_token_pool, HybridReqToTokenPool, "a recurrent-state cache")
         tree = cache.tree_cache
         self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
         self.page_size = int(cache.allocator.page_size)

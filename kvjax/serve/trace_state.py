@@ -23,18 +23,23 @@ __all__ = ["mha_trace_state", "recurrent_trace_state", "swa_trace_state"]
 TraceState = tuple[CachePools, KindMetadata | None]
 
 
-def mha_trace_state(config: ModelConfig) -> TraceState:
-    """A one-page MHA pool of the model's shape and no part (the default ``Family.trace_state``)."""
-    kv = MHAKVPool.create(
+def _one_page_mha_pool(config: ModelConfig, num_layers: int, layer_ids: tuple[int, ...] | None = None) -> MHAKVPool:
+    """An MHA pool of one page of one token for ``num_layers`` layers of the model's KV heads,
+    head dim and dtype; ``layer_ids``: their global ids when they are not ``0..num_layers-1``."""
+    return MHAKVPool.create(
         num_pages=1,
         page_size=1,
-        num_layers=config.num_hidden_layers,
+        num_layers=num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        v_head_dim=config.head_dim,
         dtype=config.dtype,
+        layer_ids=layer_ids,
     )
-    return CachePools(kv=kv), None
+
+
+def mha_trace_state(config: ModelConfig) -> TraceState:
+    """A one-page MHA pool of the model's shape and no part (the default ``Family.trace_state``)."""
+    return CachePools(kv=_one_page_mha_pool(config, config.num_hidden_layers)), None
 
 
 def swa_trace_state(config: ModelConfig, sliding: Sequence[bool]) -> TraceState:
@@ -42,21 +47,9 @@ def swa_trace_state(config: ModelConfig, sliding: Sequence[bool]) -> TraceState:
     sliding-window layer), and the sliding layers' one-token ``SWAMetadata``."""
     full_ids = tuple(i for i, s in enumerate(sliding) if not s)
     swa_ids = tuple(i for i, s in enumerate(sliding) if s)
-
-    def mha(layers: int) -> MHAKVPool:
-        return MHAKVPool.create(
-            num_pages=1,
-            page_size=1,
-            num_layers=max(layers, 1),
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            v_head_dim=config.head_dim,
-            dtype=config.dtype,
-        )
-
     pool = SWAKVPool(
-        full=mha(len(full_ids)) if full_ids else None,
-        swa=mha(len(swa_ids)),
+        full=_one_page_mha_pool(config, len(full_ids)) if full_ids else None,
+        swa=_one_page_mha_pool(config, max(len(swa_ids), 1)),
         full_layer_ids=full_ids,
         swa_layer_ids=swa_ids,
     )
@@ -80,15 +73,7 @@ def recurrent_trace_state(
 
     pools: dict[str, Any] = {}
     if attention_layers:
-        pools["kv"] = MHAKVPool.create(
-            num_pages=1,
-            page_size=1,
-            num_layers=len(attention_layers),
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=config.dtype,
-            layer_ids=attention_layers,
-        )
+        pools["kv"] = _one_page_mha_pool(config, len(attention_layers), attention_layers)
     if recurrent_layers:
         pools["recurrent"] = RecurrentStatePool.create(
             num_slots=1,

@@ -30,17 +30,16 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.hf import keys
-from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import MLP, BatchMetadata, OffsetRMSNorm, apply_rope, gelu_tanh
 from kvjax.serve.model_config import ModelConfig, RopeConfig, read_rope
+from kvjax.serve.sliding_windows import SlidingWindows, read_sliding_windows
 from kvjax.serve.trace_state import swa_trace_state
 from kvjax.spec import ModelSpec
 
@@ -49,16 +48,14 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma3Config:
+class Gemma3Config(SlidingWindows):
     """Gemma 3's hyperparameters beyond ``ModelConfig`` (frozen, hashable).
 
-    ``sliding``: per layer, whether it is a sliding-window layer; ``sliding_window``: ``W`` tokens;
-    ``rope_full`` / ``rope_local``: RoPE of the full / sliding layers; ``query_pre_attn_scalar``:
-    the attention scale is its inverse square root; soft caps: None when unset.
+    The sliding layers and window (``SlidingWindows``); ``rope_full`` / ``rope_local``: RoPE of the
+    full / sliding layers; ``query_pre_attn_scalar``: the attention scale is its inverse square
+    root; soft caps: None when unset.
     """
 
-    sliding: tuple[bool, ...]
-    sliding_window: int
     rope_full: RopeConfig
     rope_local: RopeConfig
     query_pre_attn_scalar: float
@@ -71,8 +68,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GELU_TANH:
         raise ConfigError("hidden_activation", act, f"kvjax's Gemma 3 MLP is GeGLU with {GELU_TANH[0]}")
-    if spec.sliding_window is None or spec.sliding_window <= 0:
-        raise ConfigError("sliding_window", spec.sliding_window, "Gemma 3 needs a positive sliding_window")
+    windows = read_sliding_windows(spec, "Gemma 3")
     if raw.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention", True, "kvjax serves Gemma 3 causally only")
     params = raw.get("rope_parameters")
@@ -87,8 +83,8 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> Gemma3Config:
         rope_full = read_rope(full)
         rope_local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10_000.0)))
     return Gemma3Config(
-        sliding=tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds),
-        sliding_window=int(spec.sliding_window),
+        sliding=windows.sliding,
+        sliding_window=windows.sliding_window,
         rope_full=rope_full,
         rope_local=rope_local,
         query_pre_attn_scalar=keys.positive_number(raw, "query_pre_attn_scalar", _TYPE, float(spec.head_dim)),
@@ -114,25 +110,15 @@ class Gemma3Attention(LayerMixer):
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         fc = _fc(c)
-        dt = jnp.dtype(c.dtype)
-        q, k, v = project_qkv_heads(c, x)
-        q = GemmaRMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
-        k = GemmaRMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
-        sliding = fc.sliding[self.layer_id]
-        inv_freq = (fc.rope_local if sliding else fc.rope_full).inverse_frequencies(c.head_dim)
+        q, k, v = project_qkv_heads(c, x)  # in the model's dtype, which the norms' weights take
+        q = GemmaRMSNorm(c.rms_norm_eps, name="q_norm")(q)
+        k = GemmaRMSNorm(c.rms_norm_eps, name="k_norm")(k)
+        window = fc.window(self.layer_id)
+        inv_freq = (fc.rope_full if window is None else fc.rope_local).inverse_frequencies(c.head_dim)
         q = _rope(q, meta.positions, inv_freq)
         k = _rope(k, meta.positions, inv_freq)
-        out, pools = attend(
-            pools,
-            self.layer_id,
-            q,
-            k,
-            v,
-            meta,
-            sliding_window=fc.sliding_window if sliding else None,
-            sm_scale=fc.query_pre_attn_scalar**-0.5,
-            soft_cap=fc.attn_logit_softcapping,
-        )
+        scale, cap = fc.query_pre_attn_scalar**-0.5, fc.attn_logit_softcapping
+        out, pools = attend(pools, self.layer_id, q, k, v, meta, sliding_window=window, sm_scale=scale, soft_cap=cap)
         return project_output(c, out), pools
 
 
@@ -141,10 +127,7 @@ class Gemma3DecoderLayer(DecoderLayer):
 
     norm = GemmaRMSNorm
     sandwich_norms = True
-
-    @nn.nowrap
-    def mixer(self) -> nn.Module:
-        return Gemma3Attention(self.config, self.layer_id, name="self_attn")
+    attention = Gemma3Attention
 
     @nn.nowrap
     def mlp(self) -> nn.Module:

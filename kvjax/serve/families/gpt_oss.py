@@ -48,13 +48,13 @@ import jax.numpy as jnp
 from kvjax.attention import KindMetadata, attend
 from kvjax.errors import ConfigError
 from kvjax.hf import keys
-from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, apply_rope
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import combine_experts, dense_combine_weights
+from kvjax.serve.sliding_windows import SlidingWindows, read_sliding_windows
 from kvjax.serve.trace_state import swa_trace_state
 from kvjax.spec import ModelSpec
 
@@ -62,16 +62,14 @@ WEIGHT_INIT_STDDEV = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
-class GptOssConfig:
+class GptOssConfig(SlidingWindows):
     """gpt-oss's hyperparameters beyond ``ModelConfig`` (frozen, hashable).
 
-    ``sliding``: per layer, whether it is a sliding-window layer; ``sliding_window``: ``W`` tokens;
-    ``num_experts`` / ``top_k``: experts per layer and chosen per token; ``swiglu_alpha`` /
-    ``swiglu_limit``: the experts' clamped SwiGLU (module docstring).
+    The sliding layers and window (``SlidingWindows``); ``num_experts`` / ``top_k``: experts per
+    layer and chosen per token; ``swiglu_alpha`` / ``swiglu_limit``: the experts' clamped SwiGLU
+    (module docstring).
     """
 
-    sliding: tuple[bool, ...]
-    sliding_window: int
     num_experts: int
     top_k: int
     swiglu_alpha: float = 1.702
@@ -92,15 +90,14 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> GptOssConfig:
             method,
             "kvjax serves gpt-oss from unquantised (bf16/f32) weights; dequantise the checkpoint first",
         )
-    if spec.sliding_window is None or spec.sliding_window <= 0:
-        raise ConfigError("sliding_window", spec.sliding_window, "gpt-oss needs a positive sliding_window")
+    windows = read_sliding_windows(spec, "gpt-oss")
     experts = keys.first_integer(raw, ("num_local_experts", "num_experts"), "gpt_oss")
     top_k = keys.integer(raw, "num_experts_per_tok", "gpt_oss")
     if top_k > experts:
         raise ConfigError("num_experts_per_tok", top_k, f"must be at most num_local_experts={experts}")
     return GptOssConfig(
-        sliding=tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds),
-        sliding_window=int(spec.sliding_window),
+        sliding=windows.sliding,
+        sliding_window=windows.sliding_window,
         num_experts=experts,
         top_k=top_k,
         swiglu_alpha=keys.positive_number(raw, "swiglu_alpha", "gpt_oss", 1.702),
@@ -119,7 +116,6 @@ class GptOssAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
-        fc = _fc(c)
         dt = jnp.dtype(c.dtype)
         q, k, v = project_qkv_heads(c, x)
         sinks = self.param("sinks", nn.initializers.normal(WEIGHT_INIT_STDDEV), (c.num_attention_heads,), dt)
@@ -130,7 +126,6 @@ class GptOssAttention(LayerMixer):
         if scaling != 1.0:  # YaRN scales cos and sin, i.e. the rotated q and k
             q = q * jnp.asarray(scaling, q.dtype)
             k = k * jnp.asarray(scaling, k.dtype)
-        sliding = fc.sliding[self.layer_id]
         out, pools = attend(
             pools,
             self.layer_id,
@@ -138,7 +133,7 @@ class GptOssAttention(LayerMixer):
             k,
             v,
             meta,
-            sliding_window=fc.sliding_window if sliding else None,
+            sliding_window=_fc(c).window(self.layer_id),
             sm_scale=c.head_dim**-0.5,
             sinks=sinks.astype(jnp.float32),
         )
@@ -201,10 +196,7 @@ class GptOssMLP(nn.Module):
 
 class GptOssDecoderLayer(DecoderLayer):
     norm = GptOssRMSNorm
-
-    @nn.nowrap
-    def mixer(self) -> nn.Module:
-        return GptOssAttention(self.config, self.layer_id, name="self_attn")
+    attention = GptOssAttention
 
     @nn.nowrap
     def mlp(self) -> nn.Module:

@@ -10,7 +10,7 @@ A forward takes one flat ragged batch (``T`` tokens of up to ``S`` sequences, ``
 and the cache's pools (``CachePools``; these families use ``pools.kv``, an ``MHAKVPool``), and
 returns float32 logits for the last token of each sequence row, and the updated pools.
 
-Sliding windows (``LlamaWindows``, read from the spec's layer kinds): Mistral with a
+Sliding windows (``LlamaWindows``, a ``SlidingWindows`` read from the spec's layer kinds): Mistral with a
 ``sliding_window`` slides on every layer (a *pure* sliding-window model: the plan's one pool is the
 SWA pool, served through ``PureSWARadixCache``), Qwen2 with ``use_sliding_window`` on the layers
 from ``max_window_layers`` (a hybrid). Their layers then go through
@@ -21,7 +21,6 @@ Transformers' sliding mask.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -29,32 +28,23 @@ import flax.linen as nn
 import jax
 
 from kvjax.attention import KindMetadata, attend
-from kvjax.layer_kinds import LayerKind
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
 from kvjax.serve.causal_lm import CausalLM, DecoderLayer, LayerMixer
 from kvjax.serve.layers import BatchMetadata, apply_rope
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.sliding_windows import SlidingWindows, sliding_windows
 from kvjax.serve.trace_state import mha_trace_state, swa_trace_state
 from kvjax.spec import ModelSpec
 
-
-@dataclasses.dataclass(frozen=True)
-class LlamaWindows:
-    """Sliding windows of a Llama-like checkpoint: ``sliding[i]`` whether layer ``i`` slides,
-    ``sliding_window`` ``W`` tokens."""
-
-    sliding: tuple[bool, ...]
-    sliding_window: int
+#: The family config of a Llama-like checkpoint with sliding layers.
+LlamaWindows = SlidingWindows
 
 
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
     """The family config of ``llama`` / ``mistral`` / ``qwen2``: the sliding layers, or None when
     every layer is full attention."""
-    sliding = tuple(kind == LayerKind.SLIDING for kind in spec.layer_kinds)
-    if not any(sliding) or not spec.sliding_window:
-        return None
-    return LlamaWindows(sliding, int(spec.sliding_window))
+    return sliding_windows(spec)
 
 
 def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
@@ -82,7 +72,7 @@ class LlamaAttention(LayerMixer):
         k = apply_rope(k, meta.positions, inv_freq)
         windows = c.family_config
         if isinstance(windows, LlamaWindows):
-            window = windows.sliding_window if windows.sliding[self.layer_id] else None
+            window = windows.window(self.layer_id)
             out, pools = attend(pools, self.layer_id, q, k, v, meta, sm_scale=c.head_dim**-0.5, sliding_window=window)
         else:
             out, pools = attend(pools, self.layer_id, q, k, v, meta)
@@ -92,11 +82,7 @@ class LlamaAttention(LayerMixer):
 class LlamaDecoderLayer(DecoderLayer):
     """Llama's pre-norm layer; ``attention`` is the hook families with another attention override."""
 
-    attention: ClassVar[type[LlamaAttention]] = LlamaAttention
-
-    @nn.nowrap
-    def mixer(self) -> nn.Module:
-        return self.attention(self.config, self.layer_id, name="self_attn")
+    attention: ClassVar[type[nn.Module]] = LlamaAttention
 
 
 class LlamaForCausalLM(CausalLM):

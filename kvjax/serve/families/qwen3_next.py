@@ -168,7 +168,6 @@ class Qwen3NextAttention(LayerMixer):
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
-        fc = _family(c)
         dt = jnp.dtype(c.dtype)
         t = x.shape[0]
         hd = c.head_dim
@@ -178,7 +177,7 @@ class Qwen3NextAttention(LayerMixer):
         v = Linear(c.num_kv_heads * hd, c.qkv_bias, dt, name="v_proj")(x).reshape(t, c.num_kv_heads, hd)
         q = OffsetRMSNorm(c.rms_norm_eps, name="q_norm")(q)
         k = OffsetRMSNorm(c.rms_norm_eps, name="k_norm")(k)
-        rot = int(hd * fc.partial_rotary_factor)
+        rot = int(hd * _family(c).partial_rotary_factor)
         inv_freq = c.rope.inverse_frequencies(rot)
         q = jnp.concatenate([apply_rope(q[..., :rot], meta.positions, inv_freq), q[..., rot:]], axis=-1)
         k = jnp.concatenate([apply_rope(k[..., :rot], meta.positions, inv_freq), k[..., rot:]], axis=-1)
