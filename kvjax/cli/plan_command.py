@@ -27,6 +27,7 @@ from kvjax.cli.arg_types import fraction, parse_bytes, positive_int
 from kvjax.cli.messages import UsageError, config_error_line
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.mesh_check import check_parallel_sizes
 from kvjax.spec import ModelSpec
 
 # CacheConfig / planner options -> the flag of this command that sets them (see ``option_flags``).
@@ -41,6 +42,7 @@ FLAG_FOR_OPTION = {
     "kv_cache_dtype": "--kv-cache-dtype",
     "tp_size": "--tp",
     "attn_tp_size": "--tp",
+    "dp_size": "--dp",
     "pp_size": "--pp",
     "context_length": "--context-length",
     "max_running_requests": "--max-running-requests",
@@ -92,6 +94,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--page-size", type=positive_int, default=16)
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     plan.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel size (KV heads split over it)")
+    plan.add_argument(
+        "--dp",
+        type=positive_int,
+        default=1,
+        help="DP-attention size (enable_dp_attention): dp ranks of tp/dp attention-TP ranks, each with its own pools",
+    )
     plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (layers split over it)")
     plan.add_argument("--context-length", type=positive_int, default=None)
     plan.add_argument("--max-running-requests", type=positive_int, default=None)
@@ -162,6 +170,10 @@ def _gib(n: int) -> str:
 
 
 def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int) -> CacheConfig:
+    """The ``CacheConfig`` this command line plans (``--dp`` > 1 turns on DP attention, as
+    SGLang's ``--dp N --enable-dp-attention``). Raises ``ConfigError`` for ``--dp`` not dividing
+    the TP size (``kvjax.mesh_check``)."""
+    check_parallel_sizes(tp, args.dp, args.dp > 1)
     reserved = 0
     if args.tpu is not None and args.weights_bytes is not None:
         reserved = weights_per_chip(args.weights_bytes, tp * args.pp)
@@ -173,6 +185,8 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
         reserved_memory_bytes=reserved,
         max_total_tokens=args.max_total_tokens,
         tp_size=tp,
+        dp_size=args.dp,
+        enable_dp_attention=args.dp > 1,
         pp_size=args.pp,
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
