@@ -245,7 +245,8 @@ def build_kv_cache(
 
     ``mesh``: KV heads are sharded over its ``"tp"`` axis (``config.attn_tp_size`` devices; a
     ``"data"`` axis holds the DP-attention ranks); ``kvjax.mesh_check`` refuses any other mesh
-    before anything is planned or allocated. Without a mesh the pools live on the default device. ``device_memory_bytes`` defaults to what
+    before anything is planned or allocated. Without a mesh the pools live on the default
+    device. ``device_memory_bytes`` defaults to what
     the device reports, and is only needed when the budget is ``mem_fraction_static``.
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
     ``draft_spec``: the speculative draft model (``kvjax.plan.draft``); its pool is built as

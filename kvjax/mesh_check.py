@@ -68,7 +68,7 @@ class MeshFacts:
 
     def size(self, axis: str) -> int:
         """Devices along ``axis`` (1 for an axis the mesh does not have)."""
-        return dict(zip(self.axis_names, self.axis_sizes)).get(axis, 1)
+        return dict(zip(self.axis_names, self.axis_sizes, strict=True)).get(axis, 1)
 
     @property
     def num_devices(self) -> int:
