@@ -123,8 +123,8 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
     """Refuse a mesh that does not fit ``config`` (module docstring), before anything is built.
 
     In order: axis names kvjax does not know; devices of more than one platform; no ``"tp"``
-    axis; a ``"tp"`` axis whose size is not ``config.attn_tp_size``; a ``"data"`` axis whose size
-    is not the DP-attention size (``dp_size`` with ``enable_dp_attention``, else 1).
+    axis; a ``"data"`` axis whose size is not the DP-attention size (``dp_size`` with
+    ``enable_dp_attention``, else 1); a ``"tp"`` axis whose size is not ``config.attn_tp_size``.
     """
     check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
     unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
@@ -155,16 +155,6 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
             facts.axis_names,
             f"name the KV-head axis {KV_HEAD_AXIS!r} (kvjax shards over {_AXIS_ROLES})",
         )
-    tp_axis = facts.size(KV_HEAD_AXIS)
-    if tp_axis != config.attn_tp_size:
-        under_dp = f" (tp_size {config.tp_size} / dp_size {config.dp_size})" if config.enable_dp_attention else ""
-        raise ConfigError(
-            "tp_size",
-            config.tp_size,
-            f"the mesh's {KV_HEAD_AXIS!r} axis has {tp_axis} devices but attention TP is {config.attn_tp_size}"
-            f"{under_dp}; build the mesh with {config.attn_tp_size} devices on {KV_HEAD_AXIS!r}, or set "
-            f"{{tp_size}} to match the mesh",
-        )
     dp_ranks = config.dp_size if config.enable_dp_attention else 1
     data_axis = facts.size(DATA_AXIS)
     if data_axis != dp_ranks:
@@ -176,8 +166,18 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
         raise ConfigError(
             "dp_size",
             config.dp_size,
-            f"the mesh's {DATA_AXIS!r} axis has {data_axis} devices but there are {dp_ranks} DP-attention ranks; "
+            f"the mesh's {DATA_AXIS!r} axis has {data_axis} device(s) but there are {dp_ranks} DP-attention rank(s); "
             + fix,
+        )
+    tp_axis = facts.size(KV_HEAD_AXIS)
+    if tp_axis != config.attn_tp_size:
+        under_dp = f" (tp_size {config.tp_size} / dp_size {config.dp_size})" if config.enable_dp_attention else ""
+        raise ConfigError(
+            "tp_size",
+            config.tp_size,
+            f"the mesh's {KV_HEAD_AXIS!r} axis has {tp_axis} devices but attention TP is {config.attn_tp_size}"
+            f"{under_dp}; build the mesh with {config.attn_tp_size} devices on {KV_HEAD_AXIS!r}, or set "
+            f"{{tp_size}} to match the mesh",
         )
 
 
