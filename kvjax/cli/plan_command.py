@@ -8,6 +8,10 @@ Sizing, one of:
                        does not guess it); --chips sets --tp when that is not given;
   --max-total-tokens N a pool of N tokens, whatever it costs.
 
+Parallelism: --tp N (KV heads split over N ranks, replicated when N exceeds them), --dp M (DP
+attention: M ranks of N/M attention-TP ranks, each with its own pools), --pp P. Tokens and bytes
+are per device.
+
 Answers: --context N (how many requests of N tokens fit), --concurrency M (the longest context
 M requests can each have), --sweep (a table over page sizes, KV dtypes and TP).
 
