@@ -8,7 +8,8 @@ Sections:
 * ``pool_bytes_per_device``: per-device pool bytes of the same pool (a fixed number of tokens)
   at TP 1/2/4/8, planned for real models (Llama-3-8B, Gemma-3-12B's hybrid SWA, Qwen3-Next's
   recurrent state, DeepSeek-V3's MLA latent), with the ratio to TP 1 (goal ``1/tp`` while the KV
-  heads divide; MLA's latent is replicated over TP, so 1.0 there). ``built`` checks the same on
+  heads divide, none beyond, where SGLang replicates each head; MLA's latent is replicated over
+  TP, so 1.0 there). ``built`` checks the same on
   this machine: the tiny preset built on the 8-device CPU mesh, its arrays' per-device shards.
 * ``tokens_per_device_budget``: tokens that fit a 16 GiB per-device budget at TP 1/2/4/8, and at
   ``dp 2`` (DP attention: attention TP = tp / dp, each DP rank with its own pools).
@@ -63,13 +64,15 @@ def pool_bytes_per_device(models: dict[str, str]) -> dict[str, Any]:
     for model, kind in models.items():
         rows: dict[str, Any] = {}
         base = None
+        kv_heads = ModelSpec.preset(model).num_kv_heads
         for tp in TP_SIZES:
             plan = _plan(model, max_total_tokens=POOL_TOKENS, max_running_requests=256, tp_size=tp)
             base = plan.device_bytes if base is None else base
             rows[f"tp{tp}"] = {
                 "device_bytes": plan.device_bytes,
                 "ratio_to_tp1": round(plan.device_bytes / base, 4),
-                "goal": round(1 / tp, 4) if "mla" not in kind else 1.0,
+                # 1/tp while the KV heads divide; beyond them each head is replicated (no goal).
+                "goal": 1.0 if "mla" in kind else (round(1 / tp, 4) if tp <= kv_heads else None),
                 "kv_heads_per_device": plan.num_kv_heads_per_rank,
             }
         out[model] = {"kind": kind, "tokens": POOL_TOKENS, "by_tp": rows}
