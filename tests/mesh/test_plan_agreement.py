@@ -139,6 +139,7 @@ def test_printed_plan_equals_the_built_shards_on_every_device(runs: dict[str, An
     run = runs[name]
     plan, built = run["plan"], run["built"]
     assert run["mesh"] == ({"data": dp, "tp": tp // dp} if dp > 1 else {"tp": tp})
+    assert (plan["tp_size"], plan["dp_size"], plan["attn_tp_size"]) == (tp, dp, tp // dp)
 
     planned: dict[str, int] = {}
     layers: dict[str, int] = {}
