@@ -129,17 +129,13 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
     check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
     unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
     if unknown:
+        shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention)
+        sizes, names = tuple(shape.values()), tuple(shape)
         raise ConfigError(
             "mesh",
             facts.axis_names,
             f"kvjax does not know the mesh axis {unknown[0]!r}; it shards over {_AXIS_ROLES}: build the mesh "
-            f"as jax.make_mesh(({config.attn_tp_size},), ({KV_HEAD_AXIS!r},))"
-            + (
-                f" or, with DP attention, jax.make_mesh(({config.dp_size}, {config.attn_tp_size}), "
-                f"({DATA_AXIS!r}, {KV_HEAD_AXIS!r}))"
-                if config.enable_dp_attention
-                else ""
-            ),
+            f"as jax.make_mesh({sizes}, {names}) (kvjax.mesh_check.make_serving_mesh makes it)",
         )
     platforms = sorted(set(facts.platforms))
     if len(platforms) > 1:
