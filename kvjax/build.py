@@ -36,6 +36,7 @@ from kvjax.config import CacheConfig
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
+from kvjax.mesh_check import KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
@@ -50,7 +51,7 @@ from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
 
-KV_HEAD_MESH_AXIS = "tp"
+KV_HEAD_MESH_AXIS = KV_HEAD_AXIS
 # Structures remembered by ``KVCache`` (one per compiled step shape; more only clears the memo).
 _MAX_CHECKED_ORIGINS = 64
 
@@ -242,8 +243,10 @@ def build_kv_cache(
 ) -> KVCache:
     """Plan and build the KV cache of ``spec`` under ``config``.
 
-    ``mesh``: KV heads are sharded over its ``"tp"`` axis (whose size must equal ``config.tp_size``);
-    without a mesh the pools live on the default device. ``device_memory_bytes`` defaults to what
+    ``mesh``: KV heads are sharded over its ``"tp"`` axis (``config.attn_tp_size`` devices; a
+    ``"data"`` axis holds the DP-attention ranks); ``kvjax.mesh_check`` refuses any other mesh
+    before anything is planned or allocated. Without a mesh the pools live on the default
+    device. ``device_memory_bytes`` defaults to what
     the device reports, and is only needed when the budget is ``mem_fraction_static``.
     ``event_sink`` receives the tree's KV events when ``enable_kv_cache_events`` is set.
     ``draft_spec``: the speculative draft model (``kvjax.plan.draft``); its pool is built as
@@ -253,6 +256,8 @@ def build_kv_cache(
     whose capability is not built yet, before
     allocating anything.
     """
+    if mesh is not None:  # before anything is planned or allocated
+        check_mesh(MeshFacts.of(mesh), config)
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
@@ -270,8 +275,6 @@ def build_kv_cache(
         pool_kind(pool.kind).require_built(plan.model)
     check_host_tier_buildable(plan)
     check_draft_buildable(plan, config)
-    if mesh is not None:
-        _check_mesh(mesh, config)
 
     kinds = cache_kinds_of(plan)
     extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
@@ -385,18 +388,6 @@ def host_memory_bytes() -> int | None:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:
-    """KV heads (the combined K/V head axis) go over the mesh's ``"tp"`` axis, of ``attn_tp_size`` devices."""
-    if KV_HEAD_MESH_AXIS not in mesh.axis_names:
-        raise ConfigError("mesh", tuple(mesh.axis_names), f"name the KV-head axis {KV_HEAD_MESH_AXIS!r}")
-    if mesh.shape[KV_HEAD_MESH_AXIS] != config.attn_tp_size:
-        raise ConfigError(
-            "tp_size",
-            config.tp_size,
-            f"the mesh's {KV_HEAD_MESH_AXIS!r} axis has {mesh.shape[KV_HEAD_MESH_AXIS]} devices; make them equal",
-        )
 
 
 def _device_memory_bytes(device: jax.Device) -> int:

@@ -8,6 +8,10 @@ Sizing, one of:
                        does not guess it); --chips sets --tp when that is not given;
   --max-total-tokens N a pool of N tokens, whatever it costs.
 
+Parallelism: --tp N (KV heads split over N ranks, replicated when N exceeds them), --dp M (DP
+attention: M ranks of N/M attention-TP ranks, each with its own pools), --pp P. Tokens and bytes
+are per device.
+
 Answers: --context N (how many requests of N tokens fit), --concurrency M (the longest context
 M requests can each have), --sweep (a table over page sizes, KV dtypes and TP).
 
@@ -27,6 +31,7 @@ from kvjax.cli.arg_types import fraction, parse_bytes, positive_int
 from kvjax.cli.messages import UsageError, config_error_line
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.mesh_check import check_parallel_sizes
 from kvjax.spec import ModelSpec
 
 # CacheConfig / planner options -> the flag of this command that sets them (see ``option_flags``).
@@ -41,6 +46,7 @@ FLAG_FOR_OPTION = {
     "kv_cache_dtype": "--kv-cache-dtype",
     "tp_size": "--tp",
     "attn_tp_size": "--tp",
+    "dp_size": "--dp",
     "pp_size": "--pp",
     "context_length": "--context-length",
     "max_running_requests": "--max-running-requests",
@@ -92,6 +98,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--page-size", type=positive_int, default=16)
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     plan.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel size (KV heads split over it)")
+    plan.add_argument(
+        "--dp",
+        type=positive_int,
+        default=1,
+        help="DP-attention size (enable_dp_attention): dp ranks of tp/dp attention-TP ranks, each with its own pools",
+    )
     plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (layers split over it)")
     plan.add_argument("--context-length", type=positive_int, default=None)
     plan.add_argument("--max-running-requests", type=positive_int, default=None)
@@ -174,6 +186,10 @@ _OPTIONS_AS_TYPED = (
 
 
 def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int) -> CacheConfig:
+    """The ``CacheConfig`` this command line plans (``--dp`` > 1 turns on DP attention, as
+    SGLang's ``--dp N --enable-dp-attention``). Raises ``ConfigError`` for ``--dp`` not dividing
+    the TP size (``kvjax.mesh_check``)."""
+    check_parallel_sizes(tp, args.dp, args.dp > 1)
     reserved = 0
     if args.tpu is not None and args.weights_bytes is not None:
         reserved = weights_per_chip(args.weights_bytes, tp * args.pp)
@@ -184,6 +200,8 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
         mem_fraction_static=(args.mem_fraction_static or 0.9) if args.tpu is not None else None,
         reserved_memory_bytes=reserved,
         tp_size=tp,
+        dp_size=args.dp,
+        enable_dp_attention=args.dp > 1,
         pp_size=args.pp,
         **{option: getattr(args, option) for option in _OPTIONS_AS_TYPED},
     )

@@ -74,6 +74,9 @@ FLAT_FIELDS = (
     "hicache_mem_layout",
     "kv_head_replicas",
     "padding",
+    "tp_size",
+    "attn_tp_size",
+    "dp_size",
 )
 """The flat names of ``to_dict()``, in order (``pools``, ``warnings``, ``device_bytes`` and
 ``host_bytes`` follow)."""
@@ -168,6 +171,11 @@ class CachePlan:
         "target",
         "Ranks holding a copy of each KV head (> 1 when the TP size exceeds the KV heads).",
     )
+    tp_size = Forwarded[int]("target", "Tensor-parallel ranks in all (chips of one model replica per stage).")
+    attn_tp_size = Forwarded[int](
+        "target", "Attention-TP ranks: ``tp_size / dp_size`` under DP attention, else ``tp_size``."
+    )
+    dp_size = Forwarded[int]("target", "DP-attention ranks, each with its own pools (1 without DP attention).")
     padding = Forwarded[tuple[str, ...]](
         "target",
         "What the layout pads on this platform, in words (``head_dim 64 -> 128 (TPU lane width)``).",

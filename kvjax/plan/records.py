@@ -52,6 +52,11 @@ class Target:
     recurrent: RecurrentLayout | None
     attention_bytes_per_token_per_layer: int
     padding: tuple[str, ...]
+    # The parallel layout the sizes are per device of: ``tp_size`` chips in all, ``dp_size``
+    # DP-attention ranks (1 without DP attention), each of ``attn_tp_size`` attention-TP ranks.
+    tp_size: int = 1
+    attn_tp_size: int = 1
+    dp_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,13 @@ def render_plan(plan: CachePlan) -> str:
         f"  heads per rank: {plan.num_kv_heads_per_rank} (x{plan.kv_head_replicas} replicas), "
         f"head dim {plan.head_dim_padded}",
     ]
+    target = plan.target
+    if target.tp_size > 1:
+        dp = f"dp {target.dp_size} x attention tp {target.attn_tp_size}" if target.dp_size > 1 else "attention tp"
+        lines.append(
+            f"  parallel: tp {target.tp_size} ({dp}); tokens and bytes below are per device"
+            + (", each DP rank with its own pools" if target.dp_size > 1 else "")
+        )
     for note in plan.padding:
         lines.append(f"  padding: {note}")
     if plan.is_hybrid_swa:

@@ -7,7 +7,7 @@ Refused as SGLang refuses them (``ConfigError`` naming the flag, the value and t
 * KV heads versus TP: with ``tp <= heads`` the heads must split evenly; with ``tp > heads`` each
   rank keeps one head and ``tp`` must be a multiple of the heads, each head replicated
   ``tp / heads`` times (SGLang's ``QKVParallelLinear``);
-* recurrent state that does not split over the TP ranks (``RecurrentStateSpec.per_rank``);
+* recurrent state that does not split over the attention-TP ranks (``RecurrentStateSpec.per_rank``);
 * more pipeline stages than layers (a stage without a layer).
 
 A refused TP size is answered with every size that passes all three TP checks, never one that
@@ -73,7 +73,7 @@ def _tp_refusal(spec: ModelSpec, is_mla: bool, attn_tp: int, tp: int) -> str | N
             return refusal
     if spec.recurrent is not None:
         try:
-            RecurrentLayout.per_rank(spec.recurrent, tp)
+            RecurrentLayout.per_rank(spec.recurrent, attn_tp)
         except ConfigError as e:
             return e.render_fix()
     return None
@@ -164,7 +164,9 @@ def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Targ
         state = spec.recurrent
         if config.mamba_ssm_dtype is not None:
             state = dataclasses.replace(state, ssm_dtype=config.mamba_ssm_dtype)
-        recurrent = RecurrentLayout.per_rank(state, config.tp_size)  # SGLang shards state over full TP
+        # SGLang's mamba cache params shard the state over the attention-TP group
+        # (get_attention_tp_size: tp_size / dp_size under DP attention), like the KV heads.
+        recurrent = RecurrentLayout.per_rank(state, attn_tp)
     padding = attention.padding()
     if replicas > 1 and not kind.is_mla:
         padding += (f"{spec.num_kv_heads} KV heads over {attn_tp} ranks: each head replicated {replicas}x",)
@@ -179,4 +181,7 @@ def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Targ
         recurrent=recurrent,
         attention_bytes_per_token_per_layer=per_layer,
         padding=padding,
+        tp_size=config.tp_size,
+        attn_tp_size=attn_tp,
+        dp_size=config.dp_size if config.enable_dp_attention else 1,
     )

@@ -1,0 +1,214 @@
+"""Serving on a mesh of chips: what tensor parallelism buys per device, and what it costs in
+collectives. Prints one JSON object.
+
+    python benchmarks/mesh.py [--tiny]
+
+Sections:
+
+* ``pool_bytes_per_device``: per-device pool bytes of the same pool (a fixed number of tokens)
+  at TP 1/2/4/8, planned for real models (Llama-3-8B, Gemma-3-12B's hybrid SWA, Qwen3-Next's
+  recurrent state, DeepSeek-V3's MLA latent), with the ratio to TP 1 (goal ``1/tp`` while the KV
+  heads divide, none beyond, where SGLang replicates each head; MLA's latent is replicated over
+  TP, so 1.0 there). ``built`` checks the same on
+  this machine: the tiny preset built on the 8-device CPU mesh, its arrays' per-device shards.
+* ``tokens_per_device_budget``: tokens that fit a 16 GiB per-device budget at TP 1/2/4/8, and at
+  ``dp 2`` (DP attention: attention TP = tp / dp, each DP rank with its own pools).
+* ``collectives_per_decode_layer``: all-reduce count and bytes of one decode layer compiled for
+  ``v5e:2x4`` and ``v6e:2x4`` at TP 8 (``kvjax.serve.sharded_layer_probe``), against Megatron's
+  minimum (two all-reduces of tokens x hidden; ratio, goal 1.0). Needs libtpu (the ``tpu`` extra,
+  in an environment of its own); without it the section says so.
+* ``step_time_cpu``: a small sharded layer's decode step on the 8-device CPU mesh against one
+  device. A CPU figure: the 8 host devices share this machine's cores, so it shows the overhead
+  of the sharded program, not a TPU speed-up.
+* ``dp_routing``: the hit rates of cache-aware DP routing against round robin are measured by the
+  DP-attention router's own benchmark; this section keeps their place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# The host platform is split into 8 devices before jax starts (a CPU mesh of 8).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import machine, median_seconds  # noqa: E402
+from kvjax import CacheConfig  # noqa: E402
+from kvjax.plan import plan_kv_cache  # noqa: E402
+from kvjax.spec import ModelSpec  # noqa: E402
+
+GiB = 1 << 30
+TP_SIZES = (1, 2, 4, 8)
+POOL_TOKENS = 65536
+PLANNED_MODELS = {
+    "llama-3-8b": "mha",
+    "gemma-3-12b": "hybrid swa",
+    "qwen3-next-80b-a3b": "recurrent + mha",
+    "deepseek-v3": "mla (latent replicated over tp)",
+}
+
+
+def _plan(model: str, **config: Any) -> Any:
+    return plan_kv_cache(ModelSpec.preset(model), CacheConfig(page_size=16, **config))
+
+
+def pool_bytes_per_device(models: dict[str, str]) -> dict[str, Any]:
+    """Planned per-device bytes of a ``POOL_TOKENS``-token pool at each TP size."""
+    out: dict[str, Any] = {}
+    for model, kind in models.items():
+        rows: dict[str, Any] = {}
+        base = None
+        kv_heads = ModelSpec.preset(model).num_kv_heads
+        for tp in TP_SIZES:
+            plan = _plan(model, max_total_tokens=POOL_TOKENS, max_running_requests=256, tp_size=tp)
+            base = plan.device_bytes if base is None else base
+            rows[f"tp{tp}"] = {
+                "device_bytes": plan.device_bytes,
+                "ratio_to_tp1": round(plan.device_bytes / base, 4),
+                # 1/tp while the KV heads divide; beyond them each head is replicated (no goal).
+                "goal": 1.0 if "mla" in kind else (round(1 / tp, 4) if tp <= kv_heads else None),
+                "kv_heads_per_device": plan.num_kv_heads_per_rank,
+            }
+        out[model] = {"kind": kind, "tokens": POOL_TOKENS, "by_tp": rows}
+    return out
+
+
+def built_pool_bytes_per_device() -> dict[str, Any]:
+    """The tiny preset (2 KV heads) built on the CPU mesh: per-device shard bytes at TP 1/2/4
+    (TP 4 replicates each head on two devices, so it holds what TP 2 holds)."""
+    import jax
+
+    from kvjax import build_kv_cache
+    from kvjax.mesh_check import make_serving_mesh
+
+    devices = jax.devices("cpu")
+    out: dict[str, Any] = {}
+    base = None
+    for tp in (1, 2, 4):
+        if tp > len(devices):
+            break
+        config = CacheConfig(max_total_tokens=4096, max_running_requests=4, tp_size=tp)
+        cache = build_kv_cache(ModelSpec.preset("tiny"), config, mesh=make_serving_mesh(tp, devices=devices))
+        per_device = sum(
+            leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache.pools) if leaf.ndim >= 2
+        )
+        base = per_device if base is None else base
+        out[f"tp{tp}"] = {
+            "device_bytes": per_device,
+            "planned_device_bytes": cache.plan.device_bytes,
+            "ratio_to_tp1": round(per_device / base, 4),
+        }
+    return {"model": "tiny (2 KV heads)", "by_tp": out}
+
+
+def tokens_per_device_budget(models: dict[str, str], budget: int) -> dict[str, Any]:
+    """Tokens a ``budget``-byte device holds at each TP size, and with DP attention (dp 2)."""
+    out: dict[str, Any] = {}
+    for model in models:
+        rows: dict[str, Any] = {}
+        for tp in TP_SIZES:
+            rows[f"tp{tp}"] = _plan(model, memory_budget_bytes=budget, tp_size=tp).max_total_tokens
+            if tp >= 2:
+                dp = _plan(model, memory_budget_bytes=budget, tp_size=tp, dp_size=2, enable_dp_attention=True)
+                rows[f"tp{tp}_dp2"] = dp.max_total_tokens
+        out[model] = rows
+    return {"budget_bytes_per_device": budget, "max_total_tokens": out}
+
+
+def collectives_per_decode_layer() -> dict[str, Any]:
+    """All-reduces of one decode layer compiled for 8-chip slices, against Megatron's minimum."""
+    if importlib.util.find_spec("libtpu") is None:
+        return {"measured": False, "why": "libtpu is not installed here: run with the project's tpu extra"}
+    from jax.experimental import topologies
+
+    from kvjax.serve import sharded_layer_probe as probe
+
+    out: dict[str, Any] = {"measured": True}
+    for topology in ("v5e:2x4", "v6e:2x4"):
+        mesh = probe.tp_mesh(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+        for name, shape in (("llama-3-8b", probe.LLAMA_3_8B), ("deepseek-v3-mla", probe.DEEPSEEK_V3)):
+            compiled = probe.jit_layer_step(shape, mesh).trace(*probe.layer_inputs(shape, mesh)).lower().compile()
+            found = probe.collectives(compiled.as_text())
+            total = sum(c.nbytes for c in found)
+            minimum = probe.megatron_all_reduce_bytes(shape)
+            out[f"{topology} {name}"] = {
+                "tokens": shape.tokens,
+                "collectives": [c.op for c in found],
+                "bytes": total,
+                "megatron_minimum_bytes": minimum,
+                "ratio": round(total / minimum, 4),
+                "temp_bytes_per_chip": compiled.memory_analysis().temp_size_in_bytes,
+            }
+    return out
+
+
+def step_time_cpu(tiny: bool) -> dict[str, Any]:
+    """Median seconds of a small sharded layer step on 8 CPU devices against 1 (CPU figure)."""
+    import jax
+
+    from kvjax.serve import sharded_layer_probe as probe
+
+    shape = probe.DecoderLayerShape(
+        hidden=512 if tiny else 1024,
+        heads=8,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=1024 if tiny else 4096,
+        page_size=16,
+        pool_pages=128 if tiny else 1024,
+        seqs=4 if tiny else 16,
+        context=256 if tiny else 1024,
+    )
+    devices = jax.devices("cpu")
+    out: dict[str, Any] = {
+        "note": "CPU figure: the host devices share this machine's cores; not a TPU speed-up",
+        "layer": {k: getattr(shape, k) for k in ("hidden", "heads", "kv_heads", "intermediate", "seqs", "context")},
+    }
+    for n in sorted({1, min(8, len(devices))}):
+        mesh = probe.tp_mesh(devices[:n])
+        step = probe.jit_layer_step(shape, mesh)
+        weights, pools, x, meta = probe.layer_inputs(shape, mesh, concrete=True)
+        state = {"pools": pools}
+
+        def run(step: Any = step, weights: Any = weights, x: Any = x, meta: Any = meta, state: Any = state) -> None:
+            y, state["pools"] = step(weights, state["pools"], x, meta)
+            jax.block_until_ready(y)
+
+        out[f"devices_{n}_seconds"] = median_seconds(run, repeats=3 if tiny else 20, warmup=1 if tiny else 3)
+    if "devices_8_seconds" in out:
+        out["ratio_8_to_1"] = round(out["devices_8_seconds"] / out["devices_1_seconds"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="one model, small shapes, few repeats, no TPU compile")
+    args = parser.parse_args(argv)
+    models = {"llama-3-8b": "mha", "deepseek-v3": PLANNED_MODELS["deepseek-v3"]} if args.tiny else PLANNED_MODELS
+    result = {
+        "machine": machine(),
+        "pool_bytes_per_device": {"planned": pool_bytes_per_device(models), "built": built_pool_bytes_per_device()},
+        "tokens_per_device_budget": tokens_per_device_budget(models, 16 * GiB),
+        "collectives_per_decode_layer": (
+            {"measured": False, "why": "--tiny skips the TPU compiles"} if args.tiny else collectives_per_decode_layer()
+        ),
+        "step_time_cpu": step_time_cpu(args.tiny),
+        "dp_routing": {
+            "measured": False,
+            "why": "cache-aware routing against round robin (dp 2 and 4) is measured with the DP-attention router",
+            "hit_rate_cache_aware": None,
+            "hit_rate_round_robin": None,
+        },
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

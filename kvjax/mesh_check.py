@@ -1,0 +1,207 @@
+"""Mesh validation: the one place that decides whether a device mesh fits a ``CacheConfig``.
+
+kvjax serves on a mesh of at most two named axes, as sglang-jax does:
+
+* ``"data"`` (``DATA_AXIS``): the DP-attention ranks (``dp_size`` of them with
+  ``enable_dp_attention``; absent or of size 1 otherwise). Each rank owns its own tree,
+  allocator, request table and pools.
+* ``"tp"`` (``KV_HEAD_AXIS``): the attention tensor-parallel ranks, ``attn_tp_size`` of them
+  (``tp_size / dp_size`` under DP attention, else ``tp_size``). KV heads, query heads and the
+  recurrent state's heads are sharded over it; a latent (MLA) pool is replicated over it.
+
+Every check here runs before anything is allocated and raises one ``ConfigError`` naming the
+option (``tp_size`` / ``dp_size`` / ``mesh``), the value and the fix; the command line renders the
+options as its flags (``--tp``, ``--dp``). The checks read plain facts (``MeshFacts``: axis
+names, sizes, device platforms), so this module imports no jax; only :func:`make_serving_mesh`,
+which creates a mesh, imports it when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvjax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from kvjax.config import CacheConfig
+
+__all__ = [
+    "DATA_AXIS",
+    "KNOWN_AXES",
+    "KV_HEAD_AXIS",
+    "MeshFacts",
+    "check_local_devices",
+    "check_mesh",
+    "check_parallel_sizes",
+    "make_serving_mesh",
+    "serving_mesh_shape",
+]
+
+KV_HEAD_AXIS = "tp"
+DATA_AXIS = "data"
+KNOWN_AXES = (DATA_AXIS, KV_HEAD_AXIS)
+"""The mesh axis names kvjax shards over, outermost first."""
+
+_AXIS_ROLES = f"{DATA_AXIS!r} (DP-attention ranks) and {KV_HEAD_AXIS!r} (attention tensor-parallel ranks: KV heads)"
+
+
+@dataclass(frozen=True)
+class MeshFacts:
+    """What the checks need to know of a mesh: its axis names and sizes (in order) and the
+    platform of each of its devices."""
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    platforms: tuple[str, ...]
+
+    @classmethod
+    def of(cls, mesh: Any) -> MeshFacts:
+        """The facts of a ``jax.sharding.Mesh`` (read through its attributes; no jax import)."""
+        names = tuple(str(name) for name in mesh.axis_names)
+        sizes = tuple(int(mesh.shape[name]) for name in names)
+        platforms = tuple(str(device.platform) for device in mesh.devices.flat)
+        return cls(names, sizes, platforms)
+
+    def size(self, axis: str) -> int:
+        """Devices along ``axis`` (1 for an axis the mesh does not have)."""
+        return dict(zip(self.axis_names, self.axis_sizes, strict=True)).get(axis, 1)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.platforms)
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, found[:-1])) + (" or " if len(found) > 1 else "") + str(found[-1])
+
+
+def check_parallel_sizes(tp_size: int, dp_size: int, enable_dp_attention: bool) -> None:
+    """Refuse a DP size that does not split the TP group (SGLang: ``attn_tp_size = tp / dp``).
+
+    Without DP attention ``dp_size`` is not a mesh axis (separate replicas) and is not checked.
+    """
+    if enable_dp_attention and tp_size % dp_size:
+        raise ConfigError(
+            "dp_size",
+            dp_size,
+            f"DP attention splits the TP group into {dp_size} equal DP ranks, and {dp_size} does not divide "
+            f"{{tp_size}} {tp_size}; use {{dp_size}} {_divisors(tp_size)}, or a {{tp_size}} that {dp_size} divides",
+        )
+
+
+def serving_mesh_shape(tp_size: int, dp_size: int = 1, enable_dp_attention: bool = False) -> dict[str, int]:
+    """The mesh kvjax serves on, axis name -> size: ``{"data": dp, "tp": tp / dp}`` under DP
+    attention, else ``{"tp": tp}``. Raises ``ConfigError`` as :func:`check_parallel_sizes`."""
+    check_parallel_sizes(tp_size, dp_size, enable_dp_attention)
+    if enable_dp_attention and dp_size > 1:
+        return {DATA_AXIS: dp_size, KV_HEAD_AXIS: tp_size // dp_size}
+    return {KV_HEAD_AXIS: tp_size}
+
+
+def check_local_devices(tp_size: int, available: int, platform: str) -> None:
+    """Refuse a TP size larger than the devices this process sees (``available`` of ``platform``)."""
+    if tp_size > available:
+        more = (
+            "; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax starts) gives N devices"
+            if platform == "cpu"
+            else ""
+        )
+        raise ConfigError(
+            "tp_size",
+            tp_size,
+            f"only {available} {platform} device(s) are visible here and each TP rank needs its own; use "
+            f"{{tp_size}} {available} or fewer{more}",
+        )
+
+
+def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
+    """Refuse a mesh that does not fit ``config`` (module docstring), before anything is built.
+
+    In order: axis names kvjax does not know; devices of more than one platform; no ``"tp"``
+    axis; a ``"data"`` axis whose size is not the DP-attention size (``dp_size`` with
+    ``enable_dp_attention``, else 1); a ``"tp"`` axis whose size is not ``config.attn_tp_size``.
+    """
+    check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
+    unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
+    if unknown:
+        shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention)
+        sizes, names = tuple(shape.values()), tuple(shape)
+        raise ConfigError(
+            "mesh",
+            facts.axis_names,
+            f"kvjax does not know the mesh axis {unknown[0]!r}; it shards over {_AXIS_ROLES}: build the mesh "
+            f"as jax.make_mesh({sizes}, {names}) (kvjax.mesh_check.make_serving_mesh makes it)",
+        )
+    platforms = sorted(set(facts.platforms))
+    if len(platforms) > 1:
+        raise ConfigError(
+            "mesh",
+            tuple(platforms),
+            f"its devices are of {len(platforms)} platforms ({', '.join(platforms)}); a cache lives on one: build "
+            f"the mesh over one platform's devices, e.g. jax.devices({platforms[-1]!r})",
+        )
+    if KV_HEAD_AXIS not in facts.axis_names:
+        raise ConfigError(
+            "mesh",
+            facts.axis_names,
+            f"name the KV-head axis {KV_HEAD_AXIS!r} (kvjax shards over {_AXIS_ROLES})",
+        )
+    dp_ranks = config.dp_size if config.enable_dp_attention else 1
+    data_axis = facts.size(DATA_AXIS)
+    if data_axis != dp_ranks:
+        fix = (
+            f"build the mesh with {dp_ranks} devices on {DATA_AXIS!r}, or set {{dp_size}} {data_axis}"
+            if config.enable_dp_attention
+            else f"set {{dp_size}} {data_axis} with enable_dp_attention, or drop the {DATA_AXIS!r} axis"
+        )
+        raise ConfigError(
+            "dp_size",
+            config.dp_size,
+            f"the mesh's {DATA_AXIS!r} axis has {data_axis} device(s) but there are {dp_ranks} DP-attention rank(s); "
+            + fix,
+        )
+    tp_axis = facts.size(KV_HEAD_AXIS)
+    if tp_axis != config.attn_tp_size:
+        under_dp = f" (tp_size {config.tp_size} / dp_size {config.dp_size})" if config.enable_dp_attention else ""
+        raise ConfigError(
+            "tp_size",
+            config.tp_size,
+            f"the mesh's {KV_HEAD_AXIS!r} axis has {tp_axis} devices but attention TP is {config.attn_tp_size}"
+            f"{under_dp}; build the mesh with {config.attn_tp_size} devices on {KV_HEAD_AXIS!r}, or set "
+            f"{{tp_size}} to match the mesh",
+        )
+
+
+def make_serving_mesh(
+    tp_size: int,
+    dp_size: int = 1,
+    enable_dp_attention: bool = False,
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """The mesh kvjax serves ``tp_size`` ranks on (:func:`serving_mesh_shape`), over the first
+    ``tp_size`` of ``devices`` (default: this process's devices of the default platform).
+
+    Raises ``ConfigError`` before creating anything: ``dp_size`` not dividing ``tp_size`` under DP
+    attention, more TP ranks than devices, devices of more than one platform.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    shape = serving_mesh_shape(tp_size, dp_size, enable_dp_attention)
+    devices = list(jax.devices() if devices is None else devices)
+    platforms = sorted({str(d.platform) for d in devices})
+    if len(platforms) > 1:
+        raise ConfigError(
+            "mesh",
+            tuple(platforms),
+            f"the devices are of {len(platforms)} platforms ({', '.join(platforms)}); pass one platform's devices",
+        )
+    check_local_devices(tp_size, len(devices), platforms[0] if platforms else "no")
+    grid = np.array(devices[:tp_size], dtype=object).reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape))

@@ -1,0 +1,46 @@
+"""``benchmarks/mesh.py --tiny`` runs and reports what it promises: per-device pool bytes that
+fall as 1/tp while the KV heads divide (MLA's replicated latent stays whole), the built shards
+equal to the plan, more tokens per device budget with TP and fewer with DP attention, a CPU step
+time, and the places of the TPU collectives and DP routing figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(400)
+def test_mesh_benchmark_tiny_mode() -> None:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "benchmarks/mesh.py", "--tiny"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=360
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout)
+
+    llama = result["pool_bytes_per_device"]["planned"]["llama-3-8b"]["by_tp"]
+    for tp in (1, 2, 4, 8):
+        assert llama[f"tp{tp}"]["ratio_to_tp1"] == pytest.approx(1 / tp, rel=1e-3)
+    mla = result["pool_bytes_per_device"]["planned"]["deepseek-v3"]["by_tp"]
+    assert {row["ratio_to_tp1"] for row in mla.values()} == {1.0}, "the latent is replicated over TP"
+
+    built = result["pool_bytes_per_device"]["built"]["by_tp"]
+    for row in built.values():
+        assert row["device_bytes"] == row["planned_device_bytes"]
+    assert built["tp2"]["ratio_to_tp1"] == 0.5 and built["tp4"]["ratio_to_tp1"] == 0.5  # 2 KV heads: tp 4 replicates
+
+    tokens = result["tokens_per_device_budget"]["max_total_tokens"]["llama-3-8b"]
+    assert tokens["tp1"] < tokens["tp2"] < tokens["tp4"] < tokens["tp8"]
+    assert tokens["tp8_dp2"] == tokens["tp4"], "dp 2 of tp 8: attention TP 4"
+
+    step = result["step_time_cpu"]
+    assert step["devices_1_seconds"] > 0 and step["devices_8_seconds"] > 0 and "CPU" in step["note"]
+    assert result["collectives_per_decode_layer"]["measured"] is False
+    assert set(result["dp_routing"]) >= {"hit_rate_cache_aware", "hit_rate_round_robin"}
