@@ -190,3 +190,21 @@ def test_router_refuses_bad_settings_and_loads():
     with pytest.raises(ConfigError, match="loads"):
         router.route([1, 2])
     assert router.routed == 0
+
+
+# --- the hit-rate benchmark's simulation ----------------------------------------------------------
+
+
+def test_simulated_hit_rates_favour_cache_aware_routing_under_memory_pressure():
+    """Real trees and allocators per rank: cache-aware routing keeps each tenant on one rank,
+    round robin makes every rank cache (and evict) every tenant; no rank leaks a slot."""
+    from benchmarks.dp_routing import demo_stream, multi_tenant_stream, simulate
+
+    stream = multi_tenant_stream(tenants=6, requests=60, system_tokens=256, question_tokens=16)
+    rr = simulate(stream, 2, "round_robin", in_flight=4, pool_tokens_per_rank=1536)
+    ca = simulate(stream, 2, "cache_aware", in_flight=4, pool_tokens_per_rank=1536)
+    assert rr["prompt_tokens"] == ca["prompt_tokens"] == 60 * 272
+    assert ca["hit_rate"] > rr["hit_rate"]
+    assert sum(ca["requests_per_rank"]) == 60 and min(ca["requests_per_rank"]) > 0
+    demo = {p: simulate(demo_stream(), 2, p)["hit_rate"] for p in ("round_robin", "cache_aware")}
+    assert demo["cache_aware"] >= demo["round_robin"] > 0.5
