@@ -1,0 +1,18 @@
+"""DP attention: ``dp`` ranks, each with its own tree, allocator, request table and pool slice.
+
+SGLang's DP attention (``enable_dp_attention``) splits the ``tp_size`` chips into ``dp_size``
+attention groups of ``attn_tp_size = tp_size / dp_size`` chips. Each group (a DP rank) runs its
+own scheduler over its own prefix tree, allocator and request table, and attends only over its
+own slice of the KV pools; the MLP/MoE runs over all chips. kvjax lays the ranks out on a mesh
+``("data", "tp")``: the pools are built once with a leading rank axis sharded over ``"data"``
+and the KV heads over ``"tp"`` (``kvjax.dp.cache``), and attention runs per rank inside
+``jax.shard_map`` (``kvjax.dp.attention``). Requests are routed to ranks by
+``kvjax.serve.dp_router``.
+
+Modules import jax; the router does not.
+"""
+
+from kvjax.dp.attention import dp_attend, stack_rank_inputs
+from kvjax.dp.cache import DATA_MESH_AXIS, DPKVCache, DPLayout, DPRank, build_dp_kv_cache
+
+__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "dp_attend", "stack_rank_inputs"]
