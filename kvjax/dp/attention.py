@@ -11,10 +11,10 @@ Attention needs no collective: heads and ranks are independent.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import dataclasses
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
@@ -138,15 +138,17 @@ def stack_rank_inputs(
     shapes = [jax.tree.map(np.shape, m) for m in padded]
     for r, s in enumerate(shapes[1:], start=1):
         if s != shapes[0]:
-            raise ValueError(f"rank {r}'s metadata shapes {s} differ from rank 0's {shapes[0]}; build every rank's "
-                             "metadata with the same max_seqs and page table width")
+            raise ValueError(
+                f"rank {r}'s metadata shapes {s} differ from rank 0's {shapes[0]}; build every rank's "
+                "metadata with the same max_seqs and page table width"
+            )
     stacked_tokens = np.stack([np.pad(np.asarray(t, np.int32), (0, width - t.shape[0])) for t in tokens])
     stacked: AttentionMetadata = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *padded)
     return stacked_tokens, stacked
 
 
 def _pad_tokens(meta: AttentionMetadata, width: int) -> AttentionMetadata:
-    def pad(x: Any) -> np.ndarray:
+    def pad(x: Any) -> Any:  # numpy on the host (the field types are what a jitted step sees)
         x = np.asarray(x)
         return np.pad(x, (0, width - x.shape[0]))
 

@@ -129,7 +129,8 @@ class DPKVCache:
     def set_pools(self, pools: CachePools) -> None:
         """Hand in the pools a (donated) step returned. Raises ``TypeError`` (nothing changed)
         for pools of another structure."""
-        if jax.tree_util.tree_structure(pools) != jax.tree_util.tree_structure(self._pools):
+        current: Any = jax.tree_util.tree_structure(self._pools)
+        if jax.tree_util.tree_structure(pools) != current:
             raise TypeError(
                 f"set_pools: the new pools {getattr(pools, 'names', type(pools).__name__)} do not have the "
                 f"structure of the cache's {self._pools.names} (pass what the step returned for cache.pools)"
@@ -137,7 +138,10 @@ class DPKVCache:
         self._pools = pools
 
     def __repr__(self) -> str:
-        return f"DPKVCache(model={self.plan.model!r}, dp={self.dp_size}, attn_tp={self.layout.attn_tp_size}, pools={self._pools!r})"
+        return (
+            f"DPKVCache(model={self.plan.model!r}, dp={self.dp_size}, attn_tp={self.layout.attn_tp_size}, "
+            f"pools={self._pools!r})"
+        )
 
 
 def build_dp_kv_cache(

@@ -1,10 +1,11 @@
 """The DP-attention checks on a ``("data", "tp")`` mesh of host devices, run in a subprocess.
 
-``python -m tests.mesh.dp_attention_checks DP TP`` (with at least ``DP * TP`` host devices:
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``) builds the tiny model's DP cache, runs
-a prefill step and a decode step of every rank's own requests through ``dp_attend`` (jitted,
-pools donated) and prints one JSON object: the layout facts, and whether each rank's outputs
-and pools are bit-equal to kvjax's unsharded ``attend`` over that rank's inputs alone.
+``python -m tests.mesh.dp_attention_checks 2x2 4x2`` (with at least ``dp * tp`` host devices:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``) builds, for each ``DPxTP``, the tiny
+model's DP cache, runs a prefill step and a decode step of every rank's own requests through
+``dp_attend`` (jitted, pools donated) and reports the layout facts, and whether each rank's
+outputs and pools are bit-equal to kvjax's unsharded ``attend`` over that rank's inputs alone.
+It also reports the errors of meshes and configs that do not match. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ PAGE = 4
 MAX_SEQS = 4
 
 
-def main(dp: int, tp: int) -> dict:
-    spec = ModelSpec.preset("tiny")  # 4 query heads, 2 KV heads, head_dim 16, 2 layers
-    config = CacheConfig(
+def dp_config(dp: int, tp: int, **changes) -> CacheConfig:
+    settings = dict(
         max_total_tokens=128,
         page_size=PAGE,
         tp_size=dp * tp,
@@ -36,6 +36,33 @@ def main(dp: int, tp: int) -> dict:
         context_length=32,
         max_running_requests=MAX_SEQS,
     )
+    return CacheConfig(**{**settings, **changes})
+
+
+def refusals() -> dict:
+    """The error of each mismatch, built on a 2 x 2 mesh (nothing is allocated)."""
+    spec = ModelSpec.preset("tiny")
+    mesh = jax.make_mesh((2, 2), ("data", "tp"))
+    cases = {
+        "dp_off": (dp_config(2, 2, enable_dp_attention=False), mesh),
+        "dp_size": (dp_config(4, 1, tp_size=4), mesh),
+        "tp_size": (dp_config(2, 1), mesh),
+        "axes": (dp_config(2, 2), jax.make_mesh((2, 2), ("dp", "tp"))),
+        "host_tier": (dp_config(2, 2, enable_hierarchical_cache=True), mesh),
+    }
+    out = {}
+    for name, (config, m) in cases.items():
+        try:
+            build_dp_kv_cache(spec, config, m)
+            out[name] = None
+        except (ValueError, NotImplementedError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def main(dp: int, tp: int) -> dict:
+    spec = ModelSpec.preset("tiny")  # 4 query heads, 2 KV heads, head_dim 16, 2 layers
+    config = dp_config(dp, tp)
     mesh = jax.make_mesh((dp, tp), ("data", "tp"))
     cache = build_dp_kv_cache(spec, config, mesh)
     layer0 = cache.pools.kv.kv[0]
@@ -88,8 +115,17 @@ def main(dp: int, tp: int) -> dict:
         return draw(4), draw(2), draw(2)
 
     refs = [
-        CachePools(kv=MHAKVPool.create(num_pages=pages, page_size=PAGE, num_layers=2, num_kv_heads=2, head_dim=16,
-                                       dtype="float32", platform="cpu"))
+        CachePools(
+            kv=MHAKVPool.create(
+                num_pages=pages,
+                page_size=PAGE,
+                num_layers=2,
+                num_kv_heads=2,
+                head_dim=16,
+                dtype="float32",
+                platform="cpu",
+            )
+        )
         for _ in range(dp)
     ]
     layout = cache.layout
@@ -115,18 +151,17 @@ def main(dp: int, tp: int) -> dict:
             ref0, refs[r] = attend(refs[r], 0, jnp.asarray(q[r]), k[r], v[r], m)
             ref1, refs[r] = attend(refs[r], 1, jnp.asarray(q[r] * 0.5), k[r], v[r], m, soft_cap=20.0)
             equal_out.append(
-                bool(np.array_equal(out0[r], np.asarray(ref0)))
-                and bool(np.array_equal(out1[r], np.asarray(ref1)))
+                bool(np.array_equal(out0[r], np.asarray(ref0))) and bool(np.array_equal(out1[r], np.asarray(ref1)))
             )
-            equal_pools.append(
-                all(
-                    np.array_equal(layers[i][r], np.asarray(refs[r].kv.kv[i])) for i in range(2)
-                )
-            )
+            equal_pools.append(all(np.array_equal(layers[i][r], np.asarray(refs[r].kv.kv[i])) for i in range(2)))
     facts.update(outputs_equal=equal_out, pools_equal=equal_pools, in_place=in_place)
     facts["nonzero"] = bool(np.abs(np.asarray(cache.pools.kv.kv[0])).sum() > 0)
     return facts
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]))))
+    result: dict = {"refusals": refusals()}
+    for arg in sys.argv[1:]:
+        dp, tp = (int(x) for x in arg.split("x"))
+        result[arg] = main(dp, tp)
+    print(json.dumps(result))
