@@ -11,6 +11,13 @@ it. Two policies:
   no LRU touch, no statistics) and send the request to the rank that holds the longest prefix
   of it, unless that rank is overloaded.
 
+Routed prefixes. A burst of requests is routed before any of them is prefilled, when every tree
+is still cold for them: the trees alone would spread a shared prefix over the ranks. So the
+cache-aware router also remembers the prompts it sent to each rank (a router-side radix tree
+per rank, as sglang-router keeps one per worker, of at most ``routed_tokens`` tokens, least
+recently routed evicted first), and a rank's prefix is the longer of what its tree holds and
+what was routed to it.
+
 Load and overload (cache-aware). Each rank reports a ``RankLoad``: the tokens it holds for
 running requests plus the prompt tokens of the requests queued on it, and the number of those
 requests. With ``least`` the smallest token load over the ranks, a rank is **overloaded** when
@@ -39,13 +46,24 @@ from typing import Any, Literal
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.radix import RadixCache
 from kvjax.serve.prefix_probe import cached_prefix_len
 
-__all__ = ["DEFAULT_MAX_LOAD_GAP_TOKENS", "ROUTING_POLICIES", "DPRouter", "RankLoad", "RoutingPolicy", "choose_rank"]
+__all__ = [
+    "DEFAULT_ROUTED_TOKENS",
+    "DEFAULT_MAX_LOAD_GAP_TOKENS",
+    "ROUTING_POLICIES",
+    "DPRouter",
+    "RankLoad",
+    "RoutingPolicy",
+    "choose_rank",
+]
 
 RoutingPolicy = Literal["round_robin", "cache_aware"]
 ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "cache_aware")
 DEFAULT_MAX_LOAD_GAP_TOKENS = 4096
+DEFAULT_ROUTED_TOKENS = 1 << 16
+"""Default size of the router's record of routed prompts, per rank (tokens)."""
 """Default overload margin: a rank holding more than this many tokens above the least loaded
 rank is skipped by cache-aware routing (about one long prompt of work)."""
 
@@ -95,6 +113,7 @@ class DPRouter:
             changed).
         policy: ``"round_robin"`` or ``"cache_aware"``.
         max_load_gap_tokens: the cache-aware overload margin (tokens above the least loaded rank).
+        routed_tokens: tokens of routed prompts remembered per rank (0: the trees only).
 
     Attributes:
         routed: requests routed so far (round robin's position in the stream).
@@ -106,6 +125,7 @@ class DPRouter:
         policy: RoutingPolicy | str = "cache_aware",
         *,
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
+        routed_tokens: int = DEFAULT_ROUTED_TOKENS,
     ) -> None:
         if not trees:
             raise ConfigError("dp_size", 0, "a router needs the tree of every DP rank: give one or more")
@@ -113,9 +133,14 @@ class DPRouter:
             raise ConfigError("policy", policy, f"use one of {', '.join(ROUTING_POLICIES)}")
         if isinstance(max_load_gap_tokens, bool) or not isinstance(max_load_gap_tokens, int) or max_load_gap_tokens < 0:
             raise ConfigError("max_load_gap_tokens", max_load_gap_tokens, "use an integer >= 0 (tokens)")
+        if isinstance(routed_tokens, bool) or not isinstance(routed_tokens, int) or routed_tokens < 0:
+            raise ConfigError("routed_tokens", routed_tokens, "use an integer >= 0 (tokens per rank)")
         self.trees = tuple(trees)
         self.policy = policy
         self.max_load_gap_tokens = max_load_gap_tokens
+        self.routed_tokens = routed_tokens
+        # The router's own record of the prompts it routed to each rank (never a rank's cache).
+        self._routed = tuple(RadixCache(page_size=1) for _ in self.trees) if routed_tokens else ()
         self.routed = 0
 
     @property
@@ -127,6 +152,14 @@ class DPRouter:
         all but the last token), without changing any tree."""
         probe = tokens[: len(tokens) - 1]
         return [cached_prefix_len(tree, probe, extra_key) for tree in self.trees]
+
+    def routed_prefixes(self, tokens: Sequence[int] | np.ndarray, extra_key: Hashable = None) -> list[int]:
+        """Tokens of ``tokens`` (at most all but the last) that prompts routed to each rank share
+        (zeros when nothing is remembered), read without changing the record."""
+        if not self._routed:
+            return [0] * self.dp_size
+        probe = tokens[: len(tokens) - 1]
+        return [cached_prefix_len(record, probe, extra_key) for record in self._routed]
 
     def route(
         self,
@@ -147,6 +180,19 @@ class DPRouter:
                 raise ConfigError(
                     "loads", None if loads is None else len(loads), f"give one RankLoad per DP rank ({self.dp_size})"
                 )
-            rank = choose_rank(self.cached_prefixes(tokens, extra_key), loads, self.max_load_gap_tokens)
+            cached = self.cached_prefixes(tokens, extra_key)
+            routed = self.routed_prefixes(tokens, extra_key)
+            hits = [max(c, r) for c, r in zip(cached, routed, strict=True)]
+            rank = choose_rank(hits, loads, self.max_load_gap_tokens)
+            self._remember(rank, tokens, extra_key)
         self.routed += 1
         return rank
+
+    def _remember(self, rank: int, tokens: Sequence[int] | np.ndarray, extra_key: Hashable) -> None:
+        if not self._routed:
+            return
+        record = self._routed[rank]
+        record.insert([int(t) for t in tokens], extra_key=extra_key)
+        excess = record.evictable_size() - self.routed_tokens
+        if excess > 0:
+            record.evict(excess)

@@ -155,6 +155,29 @@ def test_cache_aware_sends_a_request_to_the_rank_holding_its_prefix():
     assert router.cached_prefixes([7, 7, 1, 2, 9, 9], extra_key="tenant") == [0, 0]
 
 
+def test_a_burst_sharing_a_prefix_stays_on_one_rank_through_the_routed_record():
+    """Routed before any is prefilled (cold trees): the router's record of routed prompts keeps
+    a shared prefix together; without it the burst is spread by load."""
+    system = list(range(100, 132))
+    burst = [system + [i, i + 1] for i in range(6)]
+    for routed_tokens, expected in ((1 << 16, [0] * 6), (0, [0, 1, 0, 1, 0, 1])):
+        router = DPRouter(_trees(2), "cache_aware", max_load_gap_tokens=1000, routed_tokens=routed_tokens)
+        loads = [0, 0]
+        ranks = []
+        for prompt in burst:
+            rank = router.route(prompt, [RankLoad(t, 0) for t in loads])
+            loads[rank] += len(prompt)
+            ranks.append(rank)
+        assert ranks == expected
+        assert router.trees[0].evictable_size() == router.trees[1].evictable_size() == 0  # trees untouched
+    # the record is bounded: the least recently routed prompts go first
+    router = DPRouter(_trees(1), "cache_aware", routed_tokens=40)
+    router.route(list(range(34)), [RankLoad()])
+    router.route(list(range(50, 84)), [RankLoad()])
+    assert router.routed_prefixes(list(range(34))) == [0]
+    assert router.routed_prefixes(list(range(50, 84))) == [33]
+
+
 def test_cache_aware_routing_is_a_pure_function_of_its_inputs():
     """Two routers over equal trees, fed the same stream and loads, agree request by request."""
     rng = np.random.default_rng(0)
