@@ -6,13 +6,27 @@ own scheduler over its own prefix tree, allocator and request table, and attends
 own slice of the KV pools; the MLP/MoE runs over all chips. kvjax lays the ranks out on a mesh
 ``("data", "tp")``: the pools are built once with a leading rank axis sharded over ``"data"``
 and the KV heads over ``"tp"`` (``kvjax.dp.cache``), and attention runs per rank inside
-``jax.shard_map`` (``kvjax.dp.attention``). Requests are routed to ranks by
-``kvjax.serve.dp_router``.
+``jax.shard_map`` (``kvjax.dp.attention``); ``kvjax.dp.step`` runs the whole model that way, one
+program for every rank. Requests are routed to ranks by ``kvjax.serve.dp_router``;
+``kvjax.dp.scheduler`` serves a request stream over ranks with one scheduler per rank.
 
 Modules import jax; the router does not.
 """
 
 from kvjax.dp.attention import dp_attend, stack_rank_inputs
 from kvjax.dp.cache import DATA_MESH_AXIS, DPKVCache, DPLayout, DPRank, build_dp_kv_cache
+from kvjax.dp.scheduler import DPScheduler
+from kvjax.dp.step import make_dp_step, replicate_params
 
-__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "dp_attend", "stack_rank_inputs"]
+__all__ = [
+    "DATA_MESH_AXIS",
+    "DPKVCache",
+    "DPLayout",
+    "DPRank",
+    "DPScheduler",
+    "build_dp_kv_cache",
+    "dp_attend",
+    "make_dp_step",
+    "replicate_params",
+    "stack_rank_inputs",
+]

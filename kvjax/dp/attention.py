@@ -26,7 +26,7 @@ from kvjax.build import KV_HEAD_MESH_AXIS
 from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
 from kvjax.pools.cache_pools import CachePools
 
-__all__ = ["dp_attend", "stack_rank_inputs"]
+__all__ = ["dp_attend", "laid_out", "stack_rank_inputs"]
 
 # Fields of the metadata (and of its SWA part) indexed by token: padded with 0 (position 0,
 # slot 0 on the trash page) when a rank has fewer tokens than the stack.
@@ -101,13 +101,13 @@ def dp_attend(
         out_specs=(heads, layout.pool_specs),
         check_vma=False,
     )
-    q, k, v = (_laid_out(x, layout, heads) for x in (q, k, v))
-    meta = jax.tree.map(lambda x: _laid_out(x, layout, P(DATA_MESH_AXIS)), meta)
+    q, k, v = (laid_out(x, layout, heads) for x in (q, k, v))
+    meta = jax.tree.map(lambda x: laid_out(x, layout, P(DATA_MESH_AXIS)), meta)
     out, new_pools = run(pools, q, k, v, meta)
     return out, new_pools
 
 
-def _laid_out(x: Any, layout: DPLayout, spec: P) -> Any:
+def laid_out(x: Any, layout: DPLayout, spec: P) -> Any:
     """``x`` resharded to ``spec`` over a mesh with explicit axes (``jax.make_mesh``'s default),
     where ``shard_map`` requires its inputs' shardings to match its specs; as is over a mesh of
     automatic axes (``shard_map`` then lays it out itself)."""
