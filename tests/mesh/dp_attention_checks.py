@@ -16,6 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from kvjax import CacheConfig, ModelSpec
 from kvjax.attention import MetadataBuilder, attend
@@ -57,6 +58,37 @@ def refusals() -> dict:
             out[name] = None
         except (ValueError, NotImplementedError) as e:
             out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def kinds() -> dict:
+    """Each kind's DP cache on a 2 x 2 mesh: its tree, and each pool array's shape and spec (or
+    the error of a kind not built under DP attention)."""
+    from tests.specs import F, R, ssm
+
+    mesh = jax.make_mesh((2, 2), ("data", "tp"))
+    out: dict = {}
+    for name in ("deepseek-tiny", "mistral-swa-tiny", "gemma3-tiny", "recurrent"):
+        if name == "recurrent":
+            spec = ssm((R, F))
+            config = dp_config(2, 2, page_size=1, disable_radix_cache=True, max_mamba_cache_size=4)
+        else:
+            spec = ModelSpec.preset(name)
+            config = dp_config(2, 2)
+        try:
+            cache = build_dp_kv_cache(spec, config, mesh)
+        except NotImplementedError as e:
+            out[name] = f"NotImplementedError: {e}"
+            continue
+        arrays = {}
+        for pool in cache.pools.names:
+            leaves = jax.tree_util.tree_leaves(cache.pools[pool])
+            specs = jax.tree_util.tree_leaves(cache.layout.pool_specs[pool], is_leaf=lambda x: isinstance(x, P))
+            arrays[pool] = [
+                [list(leaf.shape), [str(a) for a in spec], leaf.sharding.spec == spec]
+                for leaf, spec in zip(leaves, specs, strict=True)
+            ]
+        out[name] = {"tree": type(cache.ranks[0].tree_cache).__name__, "arrays": arrays}
     return out
 
 
@@ -160,7 +192,7 @@ def main(dp: int, tp: int) -> dict:
 
 
 if __name__ == "__main__":
-    result: dict = {"refusals": refusals()}
+    result: dict = {"refusals": refusals(), "kinds": kinds()}
     for arg in sys.argv[1:]:
         dp, tp = (int(x) for x in arg.split("x"))
         result[arg] = main(dp, tp)

@@ -61,3 +61,22 @@ def test_mismatched_meshes_and_configs_are_refused_before_allocating(checks):
     assert errors["tp_size"].startswith("ConfigError: tp_size=2") and "'tp' axis has 2" in errors["tp_size"]
     assert errors["axes"].startswith("ConfigError: mesh=('dp', 'tp')")
     assert errors["host_tier"].startswith("NotImplementedError") and "enable_hierarchical_cache" in errors["host_tier"]
+
+
+def test_every_built_kind_gets_a_rank_axis_and_its_own_head_sharding(checks):
+    kinds = checks["kinds"]
+    # MLA: the latent (no head axis) is replicated over "tp", as sglang-jax lays it out
+    mla = kinds["deepseek-tiny"]
+    assert mla["tree"] == "RadixCache"
+    assert [a[1] for a in mla["arrays"]["kv"]][:2] == [["data", "None", "None", "None"]] * 2
+    # sliding window (pure and hybrid): KV heads over "tp", one tree kind per model as build_kv_cache picks it
+    assert kinds["mistral-swa-tiny"]["tree"] == "PureSWARadixCache"
+    assert kinds["gemma3-tiny"]["tree"] == "SWARadixCache"
+    for name in ("deepseek-tiny", "mistral-swa-tiny", "gemma3-tiny"):
+        for arrays in kinds[name]["arrays"].values():
+            for shape, spec, laid_out_as_planned in arrays:
+                assert shape[0] == 2 and spec[0] == "data" and laid_out_as_planned
+        big = [spec for arrays in kinds[name]["arrays"].values() for shape, spec, _ in arrays if len(shape) == 5]
+        assert all(spec[3] == "tp" for spec in big)
+    # the recurrent state under DP attention is refused by its pool kind before anything is allocated
+    assert kinds["recurrent"].startswith("NotImplementedError") and "attention data parallelism" in kinds["recurrent"]
