@@ -8,13 +8,16 @@ own slice of the KV pools; the MLP/MoE runs over all chips. kvjax lays the ranks
 and the KV heads over ``"tp"`` (``kvjax.dp.cache``), and attention runs per rank inside
 ``jax.shard_map`` (``kvjax.dp.attention``); ``kvjax.dp.step`` runs the whole model that way, one
 program for every rank. Requests are routed to ranks by ``kvjax.serve.dp_router``;
-``kvjax.dp.scheduler`` serves a request stream over ranks with one scheduler per rank.
+``kvjax.dp.scheduler`` serves a request stream over ranks with one scheduler per rank, each
+stepping on its own; ``kvjax.dp.lockstep`` serves it as DP attention does, one device step for
+every rank's batch.
 
 Modules import jax; the router does not.
 """
 
 from kvjax.dp.attention import dp_attend, stack_rank_inputs
 from kvjax.dp.cache import DATA_MESH_AXIS, DPKVCache, DPLayout, DPRank, build_dp_kv_cache
+from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.dp.scheduler import DPScheduler
 from kvjax.dp.step import make_dp_step, replicate_params
 
@@ -24,6 +27,7 @@ __all__ = [
     "DPLayout",
     "DPRank",
     "DPScheduler",
+    "LockstepDPScheduler",
     "build_dp_kv_cache",
     "dp_attend",
     "make_dp_step",
