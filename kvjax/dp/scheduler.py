@@ -8,7 +8,8 @@ work, in rank order. The interface is the ``Scheduler``'s (``submit``, ``step``,
 ``run``, ``leak_free``), so ``kvjax.serve.workload.run_workload`` drives it unchanged.
 
 Each rank's scheduler runs its own jitted step over its own ``KVCache``.
-``kvjax.dp.lockstep.LockstepDPScheduler`` is the DP-attention form: one device step for every rank's batch, over the stacked pools of ``build_dp_kv_cache``.
+``kvjax.dp.lockstep.LockstepDPScheduler`` is the DP-attention form: one device step for every
+rank's batch, over the stacked pools of ``build_dp_kv_cache``.
 
 Determinism: routing depends only on the submission order, the requests, the ranks' trees and
 their queues (``RankLoad`` from each scheduler's waiting, running and chunked requests), and the
