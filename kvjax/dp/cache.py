@@ -1,0 +1,308 @@
+"""`build_dp_kv_cache`: the KV cache of DP attention, pools built once over a ``("data", "tp")`` mesh.
+
+Under DP attention (``CacheConfig(tp_size=N, dp_size=M, enable_dp_attention=True)``) each of
+the ``M`` DP ranks is an attention group of ``attn_tp_size = N / M`` devices with its own plan
+(the planner's per-device plan: ``attn_tp_size`` shares of the KV heads, the per-device memory
+budget), its own prefix tree, allocator and request table, and its own slice of every pool.
+SGLang builds one scheduler per rank; kvjax builds:
+
+* **one set of device pools for all ranks** (``DPKVCache.pools``): every pool array gets a
+  leading rank axis of size ``M`` sharded over the mesh's ``"data"`` axis, and the axis a pool
+  shards over KV heads under tensor parallelism sharded over ``"tp"`` (other axes replicated;
+  so is the KV-head axis where the plan replicates heads, and an MLA latent). Each device
+  builds its own slice with the pool kinds' own builders (``kvjax.pools.registry``), so the
+  content (zeros, unit fp8 scales, ...) is what ``build_kv_cache`` would build per device. The
+  pytree's static fields are those of **one device's** pool (``num_kv_heads`` per device, no
+  mesh): inside ``jax.shard_map`` over ``("data", "tp")`` each device sees exactly such a pool
+  with a leading axis of 1 (``kvjax.dp.attention`` strips it and runs the unsharded kernels).
+* **host state per rank** (``DPKVCache.ranks[r]``, a ``DPRank``): request table, allocator and
+  tree built from the rank's plan as ``build_kv_cache`` builds them. Their slot and page ids are
+  the rank's own (local: page ``p`` of rank ``r`` is ``pools...[r, p]``); ids of two ranks
+  never meet.
+
+Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_shape`` is the
+shape ``build_kv_cache`` gives that array over a ``("tp",)`` mesh of ``attn_tp_size`` devices;
+``layout.pool_specs`` is the matching pytree of ``PartitionSpec`` (first entry ``"data"``).
+Not built yet under DP attention (refused before anything is allocated): the host tier, the
+storage tier, the retraction backup to host memory and a speculative draft pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from kvjax.build import KV_HEAD_MESH_AXIS, _allocator, _device_memory_bytes
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.kinds import CacheKind, cache_kinds_of
+from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.pool_plan import PoolPlan
+from kvjax.pools.registry import BuildContext, pool_kind
+from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
+from kvjax.radix import create_tree_cache
+from kvjax.spec import ModelSpec
+
+__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache"]
+
+DATA_MESH_AXIS = "data"
+"""The mesh axis DP ranks are laid out over (sglang-jax's name)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DPLayout:
+    """Where the DP pools live: the ``("data", "tp")`` mesh and each pool array's spec.
+
+    Attributes:
+        mesh: the mesh, ``dp_size`` devices along ``"data"`` and ``attn_tp_size`` along ``"tp"``.
+        pool_specs: a pytree of ``PartitionSpec`` with the structure of ``DPKVCache.pools``.
+    """
+
+    mesh: Mesh
+    pool_specs: Any
+
+    @property
+    def dp_size(self) -> int:
+        return int(self.mesh.shape[DATA_MESH_AXIS])
+
+    @property
+    def attn_tp_size(self) -> int:
+        return int(self.mesh.shape[KV_HEAD_MESH_AXIS])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DPRank:
+    """One DP rank's host state (SGLang's per-rank scheduler objects), over the rank's own
+    slot and page ids.
+
+    Attributes:
+        rank: the rank's index along ``"data"``.
+        plan: the rank's plan (every rank's is the same).
+        req_to_token_pool: its request table.
+        token_to_kv_pool_allocator: its slot allocator.
+        tree_cache: its prefix tree.
+    """
+
+    rank: int
+    plan: CachePlan
+    req_to_token_pool: ReqToTokenPoolProtocol
+    token_to_kv_pool_allocator: AllocatorProtocol
+    tree_cache: TreeCacheProtocol
+
+    @property
+    def allocator(self) -> AllocatorProtocol:
+        """The slot allocator (SGLang's ``token_to_kv_pool_allocator``)."""
+        return self.token_to_kv_pool_allocator
+
+
+class DPKVCache:
+    """The DP-attention KV cache: one set of device pools over all ranks, host state per rank.
+
+    Device state follows ``KVCache``'s rule: the owner of the step donates :attr:`pools` into
+    its step and hands the result back with :meth:`set_pools`.
+    """
+
+    __slots__ = ("_pools", "layout", "plan", "ranks")
+
+    def __init__(self, *, plan: CachePlan, pools: CachePools, layout: DPLayout, ranks: tuple[DPRank, ...]) -> None:
+        self.plan = plan
+        self._pools = pools
+        self.layout = layout
+        self.ranks = ranks
+
+    @property
+    def pools(self) -> CachePools:
+        """The pools of every rank (leading rank axis; module docstring)."""
+        return self._pools
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    def set_pools(self, pools: CachePools) -> None:
+        """Hand in the pools a (donated) step returned. Raises ``TypeError`` (nothing changed)
+        for pools of another structure."""
+        current: Any = jax.tree_util.tree_structure(self._pools)
+        if jax.tree_util.tree_structure(pools) != current:
+            raise TypeError(
+                f"set_pools: the new pools {getattr(pools, 'names', type(pools).__name__)} do not have the "
+                f"structure of the cache's {self._pools.names} (pass what the step returned for cache.pools)"
+            )
+        self._pools = pools
+
+    def __repr__(self) -> str:
+        return (
+            f"DPKVCache(model={self.plan.model!r}, dp={self.dp_size}, attn_tp={self.layout.attn_tp_size}, "
+            f"pools={self._pools!r})"
+        )
+
+
+def build_dp_kv_cache(
+    spec: ModelSpec, config: CacheConfig, mesh: Mesh, *, device_memory_bytes: int | None = None
+) -> DPKVCache:
+    """Plan one DP rank, then build every rank's pools (once, over ``mesh``) and host state.
+
+    Args:
+        spec: the model.
+        config: with ``enable_dp_attention`` set; ``dp_size`` ranks of ``attn_tp_size`` devices.
+        mesh: axes ``("data", "tp")`` of sizes ``(dp_size, attn_tp_size)``.
+        device_memory_bytes: per-device memory, only needed with ``mem_fraction_static`` (default:
+            what the device reports).
+
+    Raises:
+        ConfigError: DP attention off, a mesh whose axes or sizes do not match the config, or
+            devices of two platforms; any planning error. Nothing is allocated.
+        NotImplementedError: a pool kind or a tier not built under DP attention yet.
+    """
+    check_dp_mesh(mesh, config)
+    devices = mesh.devices.flatten().tolist()
+    if config.platform is None:
+        config = config.replace(platform=devices[0].platform)
+    if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
+        device_memory_bytes = _device_memory_bytes(devices[0])
+    _refuse_unbuilt_tiers(config)
+    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
+    kinds = cache_kinds_of(plan)
+    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
+    plan = dataclasses.replace(plan, pools=plan.pools + extra) if extra else plan
+    for pool in plan.pools:
+        pool_kind(pool.kind).require_built(plan.model)
+
+    device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
+    one_device = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
+    rank_mesh = Mesh(_rank_devices(mesh, 0), (KV_HEAD_MESH_AXIS,))
+    one_rank = dataclasses.replace(one_device, mesh=rank_mesh, tp_size=config.attn_tp_size)
+    local = jax.eval_shape(lambda: _device_pools(device_plans, one_device))
+    ranked = jax.eval_shape(lambda: _device_pools(device_plans, one_rank))
+    local_leaves, structure = jax.tree_util.tree_flatten(local)
+    rank_leaves = jax.tree_util.tree_leaves(ranked)  # same arrays, other static fields (heads, mesh)
+    if len(rank_leaves) != len(local_leaves):
+        raise AssertionError(f"one rank's pools have {len(rank_leaves)} arrays; one device's {len(local_leaves)}")
+    specs = jax.tree_util.tree_unflatten(
+        structure,
+        [_rank_spec(a.shape, b.shape, config.attn_tp_size) for a, b in zip(local_leaves, rank_leaves, strict=True)],
+    )
+    pools = _build_over_mesh(lambda: _device_pools(device_plans, one_device), mesh, specs)
+    ranks = tuple(_rank_host_state(r, plan, kinds) for r in range(config.dp_size))
+    return DPKVCache(plan=plan, pools=pools, layout=DPLayout(mesh, specs), ranks=ranks)
+
+
+def check_dp_mesh(mesh: Mesh, config: CacheConfig) -> None:
+    """``ConfigError`` unless DP attention is on and ``mesh`` is ``("data", "tp")`` of sizes
+    ``(dp_size, attn_tp_size)`` over devices of one platform."""
+    if not config.enable_dp_attention:
+        raise ConfigError(
+            "enable_dp_attention", False, "set it: a DP cache builds one tree, allocator and pool slice per DP rank"
+        )
+    names = tuple(mesh.axis_names)
+    if sorted(names) != sorted((DATA_MESH_AXIS, KV_HEAD_MESH_AXIS)):
+        raise ConfigError(
+            "mesh",
+            names,
+            f"name the axes ({DATA_MESH_AXIS!r}, {KV_HEAD_MESH_AXIS!r}): DP ranks over {DATA_MESH_AXIS!r}, "
+            f"KV heads over {KV_HEAD_MESH_AXIS!r}",
+        )
+    if mesh.shape[DATA_MESH_AXIS] != config.dp_size:
+        raise ConfigError(
+            "dp_size",
+            config.dp_size,
+            f"the mesh's {DATA_MESH_AXIS!r} axis has {mesh.shape[DATA_MESH_AXIS]} devices; make them equal",
+        )
+    if mesh.shape[KV_HEAD_MESH_AXIS] != config.attn_tp_size:
+        raise ConfigError(
+            "tp_size",
+            config.tp_size,
+            f"each DP rank attends over tp_size / dp_size = {config.attn_tp_size} devices but the mesh's "
+            f"{KV_HEAD_MESH_AXIS!r} axis has {mesh.shape[KV_HEAD_MESH_AXIS]}; make them equal",
+        )
+    platforms = sorted({d.platform for d in mesh.devices.flat})
+    if len(platforms) != 1:
+        raise ConfigError("mesh", platforms, "use devices of one platform")
+
+
+def _refuse_unbuilt_tiers(config: CacheConfig) -> None:
+    unbuilt = {
+        "enable_hierarchical_cache": config.enable_hierarchical_cache,
+        "hicache_storage_backend": config.hicache_storage_backend is not None,
+        "disaggregation_decode_retraction_backup": config.disaggregation_decode_retraction_backup == "host_pool",
+        "speculative_algorithm": config.speculative_algorithm is not None,
+    }
+    for option, on in unbuilt.items():
+        if on:
+            raise NotImplementedError(
+                f"kvjax cannot build {option} under DP attention yet; build without it or with "
+                "build_kv_cache (one rank)"
+            )
+
+
+def _rank_devices(mesh: Mesh, rank: int) -> np.ndarray:
+    """The devices of DP rank ``rank``, in ``"tp"`` order."""
+    return np.take(mesh.devices, rank, axis=tuple(mesh.axis_names).index(DATA_MESH_AXIS)).reshape(-1)
+
+
+def _device_pools(plans: tuple[PoolPlan, ...], context: BuildContext) -> CachePools:
+    """The device pools of ``plans`` built by their kinds (grouped kinds together), as
+    ``build_kv_cache`` builds them."""
+    device: dict[str, Any] = {}
+    groups: dict[str, list[PoolPlan]] = {}
+    for pool in plans:
+        kind = pool_kind(pool.kind)
+        if kind.group_builder is not None:
+            groups.setdefault(kind.name, []).append(pool)
+        else:
+            device[pool.name] = kind.create(pool, context)
+    for name, members in groups.items():
+        device[name] = pool_kind(name).create_group(tuple(members), context)
+    return CachePools(device)
+
+
+def _rank_spec(local: tuple[int, ...], ranked: tuple[int, ...], attn_tp: int) -> P:
+    """The spec of one array: rank axis over ``"data"``, and over ``"tp"`` the axis where one
+    rank's array (``ranked``) is ``attn_tp`` times one device's (``local``)."""
+    if len(local) != len(ranked):
+        raise AssertionError(f"a pool array of shape {ranked} over a rank has shape {local} on one device")
+    axes: list[str | None] = []
+    for a, b in zip(local, ranked, strict=True):
+        if a == b:
+            axes.append(None)
+        elif b == a * attn_tp and KV_HEAD_MESH_AXIS not in axes:
+            axes.append(KV_HEAD_MESH_AXIS)
+        else:
+            raise AssertionError(f"a pool array of shape {ranked} over {attn_tp} devices has shape {local} on one")
+    return P(DATA_MESH_AXIS, *axes)
+
+
+def _build_over_mesh(make: Callable[[], CachePools], mesh: Mesh, specs: Any) -> CachePools:
+    """Every device runs ``make`` (one device's pools) for its own slice; the slices form the
+    stacked pools laid out as ``specs``."""
+
+    def per_device() -> CachePools:
+        return jax.tree.map(lambda x: x[None], make())
+
+    build = jax.shard_map(per_device, mesh=mesh, in_specs=(), out_specs=specs, check_vma=False)
+    pools: CachePools = jax.jit(build)()
+    return pools
+
+
+def _rank_host_state(rank: int, plan: CachePlan, kinds: tuple[CacheKind, ...]) -> DPRank:
+    """Rank ``rank``'s request table, allocator and tree, as ``build_kv_cache`` builds them."""
+    context = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
+    table: Any = None
+    for pool in plan.pools:
+        if pool.memory != "device":
+            table = pool_kind(pool.kind).create(pool, context)
+    for kind in kinds:
+        if table is not None and kind.request_table is not None:
+            table = kind.request_table(table, plan)
+    if not isinstance(table, ReqToTokenPoolProtocol):
+        raise AssertionError(f"plan {plan.model} lists no request table: {plan.pools}")
+    allocator = _allocator(plan, kinds)
+    tree = create_tree_cache(plan.tree_options, req_to_token_pool=table, token_to_kv_pool_allocator=allocator)
+    return DPRank(rank, plan, table, allocator, tree)

@@ -1,0 +1,160 @@
+"""`DPScheduler`: serving over DP ranks, a router in front of one ``Scheduler`` per rank.
+
+SGLang's ``DataParallelController`` sends each request to one DP rank's scheduler; each rank
+then serves it over its own cache (tree, allocator, request table, pools). This is that front:
+``submit`` routes every request with a ``DPRouter`` (round robin or cache-aware) over the ranks'
+trees and loads, and queues it on its rank's ``Scheduler``; ``step`` steps every rank that has
+work, in rank order. The interface is the ``Scheduler``'s (``submit``, ``step``, ``idle``,
+``run``, ``leak_free``), so ``kvjax.serve.workload.run_workload`` drives it unchanged.
+
+Each rank's scheduler runs its own jitted step over its own ``KVCache``.
+``kvjax.dp.lockstep.LockstepDPScheduler`` is the DP-attention form: one device step for every
+rank's batch, over the stacked pools of ``build_dp_kv_cache``.
+
+Determinism: routing depends only on the submission order, the requests, the ranks' trees and
+their queues (``RankLoad`` from each scheduler's waiting, running and chunked requests), and the
+ranks step in rank order: two runs of the same stream route and serve alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvjax.build import build_kv_cache
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS, DPRouter, RankLoad
+from kvjax.serve.pool_fit import check_fits_pool
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.spec import ModelSpec
+
+__all__ = ["DPScheduler"]
+
+
+class DPScheduler:
+    """A router in front of one ``Scheduler`` per DP rank (module docstring).
+
+    Args:
+        schedulers: one per rank, rank order, each over its own cache (distinct trees).
+        policy: the router's policy, ``"cache_aware"`` or ``"round_robin"``.
+        max_load_gap_tokens: the cache-aware overload margin (``kvjax.serve.dp_router``).
+
+    Attributes:
+        rank_of: the rank each submitted request went to, by request id.
+    """
+
+    def __init__(
+        self,
+        schedulers: Sequence[Scheduler],
+        *,
+        policy: str = "cache_aware",
+        max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
+    ) -> None:
+        trees = [s.tree for s in schedulers]
+        if len({id(t) for t in trees}) != len(trees):
+            raise ConfigError("schedulers", len(trees), "give every DP rank a scheduler over its own cache")
+        self.schedulers = tuple(schedulers)
+        self.router = DPRouter(trees, policy, max_load_gap_tokens=max_load_gap_tokens)
+        self.rank_of: dict[Any, int] = {}
+        self.finished: list[ServingReq] = []
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        config: CacheConfig,
+        params: dict,
+        *,
+        policy: str = "cache_aware",
+        max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
+        **scheduler_options: Any,
+    ) -> DPScheduler:
+        """``config.dp_size`` ranks, each with a cache ``build_kv_cache`` builds from the rank's
+        plan and a ``Scheduler(spec, cache, params, **scheduler_options)``.
+
+        Raises:
+            ConfigError: DP attention off (``enable_dp_attention``).
+            NotImplementedError: more than one device per rank (``tp_size / dp_size > 1``): a
+                rank's cache and step over its own ``("tp",)`` mesh need tensor-parallel serving.
+        """
+        if not config.enable_dp_attention:
+            raise ConfigError("enable_dp_attention", False, "set it to serve over {dp_size} DP ranks")
+        if config.attn_tp_size != 1:
+            raise NotImplementedError(
+                f"tp_size / dp_size = {config.attn_tp_size} devices per DP rank: build each rank's cache over its "
+                "('tp',) mesh and pass the schedulers to DPScheduler(...); DPScheduler.build makes one-device ranks"
+            )
+        schedulers = [
+            Scheduler(spec, build_kv_cache(spec, config), params, **scheduler_options) for _ in range(config.dp_size)
+        ]
+        return cls(schedulers, policy=policy, max_load_gap_tokens=max_load_gap_tokens)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.schedulers)
+
+    def loads(self) -> list[RankLoad]:
+        """Each rank's load: tokens and count of its waiting, running and chunked requests."""
+        out = []
+        for s in self.schedulers:
+            reqs = [*s.waiting, *s.running, *([s.chunked] if s.chunked is not None else [])]
+            out.append(RankLoad(sum(r.seqlen() for r in reqs), len(reqs)))
+        return out
+
+    def submit(self, reqs: Iterable[ServingReq]) -> None:
+        """Route and queue requests, in order. All or none: a request no rank can serve (longer
+        than the context, or whose KV can never fit a rank's pool) raises ``ConfigError`` before
+        any is routed."""
+        reqs = list(reqs)
+        first = self.schedulers[0]
+        for req in reqs:  # every rank has the same plan: one rank's limits are every rank's
+            if req.seqlen() + req.max_new_tokens > first.rows.max_context_len:
+                raise ConfigError(
+                    "context_length",
+                    first.rows.max_context_len - 4,
+                    f"request {req.rid!r}: {req.seqlen()} prompt + {req.max_new_tokens} new tokens exceed the "
+                    "context; shorten the request or raise context_length (up to the model's)",
+                )
+            check_fits_pool(req, first.alloc, first.page_size, windowed=first._windowed)
+        for req in reqs:
+            rank = self.router.route(req.origin_input_ids, self.loads(), req.extra_key)
+            self.rank_of[req.rid] = rank
+            self.schedulers[rank].submit([req])
+
+    @property
+    def idle(self) -> bool:
+        return all(s.idle for s in self.schedulers)
+
+    def step(self) -> list[ServingReq]:
+        """One step of every rank with work, in rank order; the requests that finished."""
+        done: list[ServingReq] = []
+        for s in self.schedulers:
+            if not s.idle:
+                done.extend(s.step())
+        self.finished.extend(done)
+        return done
+
+    def run(self, reqs: Iterable[ServingReq] = ()) -> list[ServingReq]:
+        """Submit ``reqs`` and step until every request has finished (finishing order)."""
+        self.submit(reqs)
+        while not self.idle:
+            self.step()
+        return self.finished
+
+    def leak_free(self) -> bool:
+        """Every rank idle with no slot or row lost (``Scheduler.leak_free`` per rank)."""
+        return all(s.leak_free() for s in self.schedulers)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.stats.prompt_tokens for s in self.schedulers)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.stats.cached_tokens for s in self.schedulers)
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached prompt tokens over prompt tokens, all ranks together."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
