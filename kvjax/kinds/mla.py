@@ -1,11 +1,28 @@
 """The MLA kind (``kv_pool_kind="mla"``): the latent KV pool ``"kv"`` (and, for DSA models, the
-indexer keys ``"index_k"``). Allocator, request table and tree component are the defaults; the
-attention is the DeepSeek-V2 family's absorbed form."""
+indexer keys ``"index_k"``). Allocator, request table and tree component are the defaults.
+
+It applies to a model with MLA layers (SGLang's ``is_mla``) and plans the latent pools over every
+per-token attention layer of the stage (a latent layout has no separate sliding pool). ``attend`` runs the DeepSeek-V2 family's absorbed form
+(``attend_latent``) for a layer of an ``MLAKVPool``.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.pool_kind import PoolKind
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
+
+    from kvjax.attention.metadata import AttentionMetadata
+    from kvjax.config import CacheConfig
+    from kvjax.plan.records import Sizes, Target
+    from kvjax.pools import MLAKVPool
+    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.spec import ModelSpec
 
 POOL = PoolKind(
     "mla",
@@ -14,10 +31,72 @@ POOL = PoolKind(
     "kvjax.pools.mla:create_pool",
 )
 
+
+def applies(spec: ModelSpec, config: CacheConfig) -> bool:
+    return spec.is_mla
+
+
+def model_flags(spec: ModelSpec) -> dict[str, Any]:
+    return {"is_mla": True}
+
+
+def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
+    """The latent pool (and the DSA indexer keys) over the stage's attention layers."""
+    from kvjax.pools.mla_layout import MLALayout
+
+    layer_ids = tuple(sorted(sizes.stage.full + sizes.stage.swa))
+    if not layer_ids:
+        return ()
+    assert isinstance(target.attention, MLALayout)  # decided with this kind (plan.target)
+    return target.attention.pool_plans(num_pages=sizes.num_pages, layer_ids=layer_ids, built=POOL.built)
+
+
+def no_host_pool_backup(sizes: Sizes) -> bool:
+    """SGLang's ``resolve_decode_retraction_backup`` never defaults to ``host_pool`` for MLA."""
+    return False
+
+
+def attend_latent(
+    pool: MLAKVPool,
+    layer_id: int,
+    q: Any,
+    k: jax.Array,
+    v: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    sliding_window: int | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, MLAKVPool]:
+    """``attend``'s uniform signature over ``mla_attention``: ``q = (q_latent, q_rope)``,
+    ``k = c_kv``, ``v = k_pe``; ``sm_scale`` required; soft cap, sinks and window refused."""
+    from kvjax.attention.mla_attention import mla_attention
+
+    if not isinstance(q, tuple) or len(q) != 2:
+        raise ValueError(
+            f"layer {layer_id} is an MLA layer: pass q=(q_latent [T, heads, kv_lora_rank], "
+            "q_rope [T, heads, qk_rope_head_dim]), k=c_kv, v=k_pe"
+        )
+    if sm_scale is None:
+        raise ValueError(f"layer {layer_id} is an MLA layer: pass the model's sm_scale")
+    if soft_cap is not None or sinks is not None or sliding_window is not None:
+        raise ValueError(f"layer {layer_id} is an MLA layer: soft_cap, sinks and sliding_window do not apply")
+    return mla_attention(pool, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=mesh)
+
+
 KIND = CacheKind(
     name="mla",
     pool_kinds=(POOL,),
     kv_pool_kind="mla",
     tree_components=("full",),
-    attention="kvjax.attention.mla_attention:mla_attention",
+    attention=f"{__name__}:attend_latent",
+    attention_pool="kv",
+    pool_type="kvjax.pools.mla:MLAKVPool",
+    applies=applies,
+    model_flags=model_flags,
+    kv_pool_priority=1,
+    attention_pools=attention_pools,
+    supports_host_pool_backup=no_host_pool_backup,
 )

@@ -193,7 +193,7 @@ def decide_draft(
             "build_kv_cache refuses this configuration",
         )
     check_draft_attention(draft, kind)
-    draft_kind = ModelKind(False, False, False, kind.is_mla, "mla" if kind.is_mla else "mha", None)
+    draft_kind = ModelKind("mla" if kind.is_mla else "mha", is_mla=kind.is_mla)
     target: Target = decide_target(draft, config, draft_kind)
     return (
         DraftModel(
