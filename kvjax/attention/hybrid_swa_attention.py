@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.attention.paged_attention import paged_attention
+from kvjax.attention.paged_attention import paged_attention, single_query
 from kvjax.pools import SWAKVPool
 
 __all__ = ["hybrid_swa_attention"]
@@ -51,6 +51,7 @@ def hybrid_swa_attention(
         InvalidSlotError: ``layer_id`` is in neither sub-pool (the message lists both).
         ValueError: a sliding layer without ``sliding_window`` or without ``meta.swa``.
     """
+    q = single_query(q, layer_id)
     sliding = pool.is_swa_layer(layer_id)
     sub, index = pool.sub_pool(layer_id)
     local_id = index + sub.start_layer

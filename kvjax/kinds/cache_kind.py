@@ -16,8 +16,8 @@ of the kinds a model needs (``ModelKind.cache_kinds``) and names no kind itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +26,8 @@ from kvjax.kinds.pool_kind import PoolKind
 if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.config import CacheConfig
-    from kvjax.kinds.planning import OwnTree, TokenSplit
     from kvjax.kinds.host_tier import TransferContext
+    from kvjax.kinds.planning import OwnTree, TokenSplit
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes, StageLayers, Target
     from kvjax.pools.pool_plan import PoolPlan

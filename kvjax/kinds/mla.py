@@ -2,8 +2,8 @@
 indexer keys ``"index_k"``). Allocator, request table and tree component are the defaults.
 
 It applies to a model with MLA layers (SGLang's ``is_mla``) and plans the latent pools over every
-per-token attention layer of the stage (a latent layout has no separate sliding pool). ``attend`` runs the DeepSeek-V2 family's absorbed form
-(``attend_latent``) for a layer of an ``MLAKVPool``.
+per-token attention layer of the stage (a latent layout has no separate sliding pool). ``attend``
+runs the DeepSeek-V2 family's absorbed form (``attend_latent``) for a layer of an ``MLAKVPool``.
 """
 
 from __future__ import annotations

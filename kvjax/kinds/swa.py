@@ -254,6 +254,7 @@ KIND = CacheKind(
     kv_pool_kind="swa",
     tree_components=("full", "swa"),
     attention="kvjax.attention.hybrid_swa_attention:hybrid_swa_attention",
+    pool_type="kvjax.pools.swa:SWAKVPool",
     attention_layers=pool_layers,
     uses=uses,
     allocator=allocator,
