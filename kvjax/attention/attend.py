@@ -43,11 +43,11 @@ __all__ = ["attend", "attend_mla", "pool_layers"]
 
 
 def pool_layers(pool: Any) -> tuple[int, ...]:
-    """The global layer ids a pool holds (any kvjax pool; empty for a pool without layers): its
-    cache kind's ``attention_layers`` where one has them, else its ``layer_ids`` or its
+    """The global layer ids a pool holds (any kvjax pool; empty for a pool without layers): the
+    ``attention_layers`` of the cache kind whose ``pool_type`` it is, else its ``layer_ids`` or its
     consecutive layers."""
     for kind in cache_kinds():
-        if kind.attention_layers is not None and _is_kinds_pool(kind, pool):
+        if kind.attention_layers is not None and kind.pool_type is not None and _is_kinds_pool(kind, pool):
             return kind.attention_layers(pool)
     ids = getattr(pool, "layer_ids", None)
     if ids is not None:
@@ -68,7 +68,10 @@ def _holder(pools: CachePools, layer_id: int) -> tuple[CacheKind, str] | None:
         if name is None or name not in pools:
             continue
         pool = pools[name]
-        if _is_kinds_pool(kind, pool) and layer_id in pool_layers(pool):
+        if not _is_kinds_pool(kind, pool):
+            continue
+        layers = kind.attention_layers(pool) if kind.attention_layers is not None else pool_layers(pool)
+        if layer_id in layers:
             return kind, name
     return None
 
