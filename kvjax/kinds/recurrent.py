@@ -128,6 +128,12 @@ KIND = CacheKind(
     state_pools=state_pools,
     supports_host_pool_backup=no_host_pool_backup,
     host_pool_backup_refusal="host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
+    # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
+    # component); kvjax has no host copy of them yet, so the build refuses before allocating.
+    host_tier_refusal=(
+        "host copies of its recurrent-state checkpoints are not built; "
+        "turn off enable_hierarchical_cache for this model"
+    ),
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; turn it off for this model"
     ),
