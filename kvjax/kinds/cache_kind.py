@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.config import CacheConfig
     from kvjax.kinds.host_tier import TransferContext
-    from kvjax.kinds.planning import OwnTree, TokenSplit
+    from kvjax.kinds.planning import AttentionChoice, OwnTree, TokenSplit
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes, StageLayers, Target
     from kvjax.pools.pool_plan import PoolPlan
@@ -95,6 +95,19 @@ class CacheKind:
             ``is_hybrid_swa``, ``sliding_window_size``, ...) it sets when it applies.
         kv_pool_priority: among the kinds that apply and have a ``kv_pool_kind``, the one of the
             highest priority names the plan's ``kv_pool_kind`` (full 0, MLA 1, SWA 2, recurrent 3).
+        attention_layout: ``(spec, config, platform, kv_dtype) -> AttentionChoice``, the layout of
+            the per-token attention cache; the applying kind of the highest ``kv_pool_priority``
+            that has one decides (full: MHA/GQA heads; MLA: the latent row), for the draft model
+            too.
+        splits_kv_heads: whether tensor parallelism splits the model's KV heads over the ranks
+            (SGLang's KV-head checks apply), for a kind with an ``attention_layout`` (MLA: False,
+            its latent row is replicated).
+        layer_kind: the ``LayerKind`` value of the layers its layout caches (a draft model of a
+            target laid out by this kind has only such layers).
+        layout_pool: ``(layout, name, num_pages, layer_ids) -> PoolPlan``, one device pool of its
+            layout (the draft model's ``"kv_draft"``).
+        plans_draft_pools: whether a draft model's pools are planned for a target whose
+            ``kv_pool_kind`` this kind names (SWA: not yet).
         attention_pools: ``(target, sizes) -> tuple[PoolPlan, ...] | None``, the device pools of
             the attention layers; asked in descending ``kv_pool_priority``, the first answer that
             is not None is the plan's (SWA answers None over a layout not its own).
@@ -145,6 +158,11 @@ class CacheKind:
     applies: Callable[[ModelSpec, CacheConfig], bool] | None = None
     model_flags: Callable[[ModelSpec], Mapping[str, Any]] | None = None
     kv_pool_priority: int = 0
+    attention_layout: Callable[[ModelSpec, CacheConfig, str, str], AttentionChoice] | None = None
+    splits_kv_heads: bool = True
+    layer_kind: str | None = None
+    layout_pool: Callable[[Any, str, int, tuple[int, ...]], PoolPlan] | None = None
+    plans_draft_pools: bool = True
     attention_pools: Callable[[Target, Sizes], tuple[PoolPlan, ...] | None] | None = None
     host_pools: Callable[[Target, Sizes, int], tuple[PoolPlan, ...] | None] | None = None
     state_pools: Callable[[Target, Sizes], tuple[PoolPlan, ...]] | None = None

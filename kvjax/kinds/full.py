@@ -16,7 +16,9 @@ from kvjax.kinds.pool_kind import PoolKind
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
+    from kvjax.kinds.planning import AttentionChoice
     from kvjax.plan.records import Sizes, Target
+    from kvjax.pools.mha_layout import MHALayout
     from kvjax.pools.pool_plan import PoolPlan
     from kvjax.radix import ChunkCache, RadixCache
     from kvjax.radix.tree_inputs import TreeInputs
@@ -31,6 +33,34 @@ def applies(spec: ModelSpec, config: CacheConfig) -> bool:
     return True
 
 
+def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dtype: str) -> AttentionChoice:
+    """The paged K/V layout with the model's KV heads split over the attention-TP ranks as SGLang
+    splits them (each replicated when the ranks outnumber the heads)."""
+    from kvjax.kinds.planning import AttentionChoice
+    from kvjax.plan.target import kv_heads_per_rank
+    from kvjax.pools.mha_layout import MHALayout
+
+    attn_tp = config.attn_tp_size
+    heads, replicas = kv_heads_per_rank(spec.num_kv_heads, attn_tp)
+    mha = MHALayout.for_platform(
+        num_kv_heads=heads,
+        head_dim=spec.head_dim,
+        v_head_dim=spec.v_head_dim,
+        page_size=config.alloc_page_size,
+        dtype=kv_dtype,
+        platform=platform,
+    )
+    padding = mha.padding()
+    if replicas > 1:
+        padding += (f"{spec.num_kv_heads} KV heads over {attn_tp} ranks: each head replicated {replicas}x",)
+    return AttentionChoice(mha, heads, replicas, mha.head_dim_padded, mha.bytes_per_token_per_layer, padding)
+
+
+def layout_pool(layout: MHALayout, name: str, num_pages: int, layer_ids: tuple[int, ...]) -> PoolPlan:
+    """One paged K/V pool ``name`` of ``num_pages`` pages (+ the trash page) over ``layer_ids``."""
+    return layout.pool_plan(name, POOL.name, num_pages=num_pages, layer_ids=layer_ids, built=POOL.built)
+
+
 def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     """``"kv"`` over the stage's attention layers (none without one)."""
     from kvjax.pools.mha_layout import MHALayout
@@ -39,11 +69,7 @@ def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     if not stage.kv_layers:
         return ()
     assert isinstance(target.attention, MHALayout)  # a latent layout is the MLA kind's
-    return (
-        target.attention.pool_plan(
-            POOL_NAME, POOL.name, num_pages=sizes.num_pages, layer_ids=stage.full, built=POOL.built
-        ),
-    )
+    return (layout_pool(target.attention, POOL_NAME, sizes.num_pages, stage.full),)
 
 
 def chunk_cache(o: TreeOptions, inputs: TreeInputs) -> ChunkCache:
@@ -84,6 +110,9 @@ KIND = CacheKind(
     attention_pool=POOL_NAME,
     pool_type="kvjax.pools.mha:MHAKVPool",
     applies=applies,
+    attention_layout=attention_layout,
+    layer_kind="full_attention",
+    layout_pool=layout_pool,
     attention_pools=attention_pools,
     tree_builders={"chunk": chunk_cache, "full": radix_tree},
 )

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.plan import CachePlan
-    from kvjax.plan.records import Sizes, Target
+    from kvjax.plan.records import Sizes
     from kvjax.pools.pool_plan import PoolPlan
     from kvjax.protocols import AllocatorProtocol
     from kvjax.serve.extension import ServingExtension
@@ -62,18 +62,21 @@ def host_pool_plan(device: PoolPlan, name: str) -> PoolPlan:
     return dataclasses.replace(device, name=name, kind=POOL.name, memory="host", built=POOL.built)
 
 
-def host_kv_pool(target: Target, sizes: Sizes, host_tokens: int, name: str, layer_ids: tuple[int, ...]) -> PoolPlan:
-    """The host pool ``name`` of ``host_tokens`` tokens (less the trash page) over ``layer_ids``,
-    in the target's attention layout (a latent layout: its latent row, without indexer keys)."""
+def host_kv_pool(layout: Any, num_pages: int, name: str, layer_ids: tuple[int, ...]) -> PoolPlan:
+    """The host pool ``name`` of ``num_pages`` pages (+ the trash page) over ``layer_ids``, in the
+    attention ``layout`` (a latent layout: its latent row, without indexer keys)."""
     from kvjax.pools.mla_layout import MLALayout
 
-    num_pages = host_tokens // sizes.alloc_page_size - 1
-    attention = target.attention
-    if isinstance(attention, MLALayout):
-        device = attention.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=False)[0]
+    if isinstance(layout, MLALayout):
+        device = layout.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=False)[0]
     else:
-        device = attention.pool_plan(name, POOL.name, num_pages=num_pages, layer_ids=layer_ids)
+        device = layout.pool_plan(name, POOL.name, num_pages=num_pages, layer_ids=layer_ids)
     return host_pool_plan(device, name)
+
+
+def host_pages(sizes: Sizes, host_tokens: int) -> int:
+    """Pages of a host pool of ``host_tokens`` tokens, less its trash page."""
+    return host_tokens // sizes.alloc_page_size - 1
 
 
 def make_transfer_engine(context: TransferContext) -> Any:

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
     from kvjax.attention.metadata import AttentionMetadata
     from kvjax.config import CacheConfig
+    from kvjax.kinds.planning import AttentionChoice
     from kvjax.plan.records import Sizes, Target
     from kvjax.pools import MLAKVPool
+    from kvjax.pools.mla_layout import MLALayout
     from kvjax.pools.pool_plan import PoolPlan
     from kvjax.spec import ModelSpec
 
@@ -38,6 +40,32 @@ def applies(spec: ModelSpec, config: CacheConfig) -> bool:
 
 def model_flags(spec: ModelSpec) -> dict[str, Any]:
     return {"is_mla": True}
+
+
+def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dtype: str) -> AttentionChoice:
+    """The latent row (and, for DSA, the indexer keys): one latent "head", replicated on every
+    attention-TP rank."""
+    from kvjax.kinds.planning import AttentionChoice
+    from kvjax.pools.mla_layout import MLALayout
+
+    assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None  # ModelSpec checks it
+    mla = MLALayout.for_platform(
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        page_size=config.alloc_page_size,
+        dtype=kv_dtype,
+        platform=platform,
+        index_head_dim=spec.index_head_dim if spec.is_dsa else None,
+    )
+    per_layer = mla.bytes_per_token_per_layer + mla.indexer_bytes_per_token_per_layer
+    return AttentionChoice(mla, 1, config.attn_tp_size, mla.row_padded, per_layer, mla.padding())
+
+
+def layout_pool(layout: MLALayout, name: str, num_pages: int, layer_ids: tuple[int, ...]) -> PoolPlan:
+    """The latent pool alone (no indexer keys), called ``name``."""
+    import dataclasses
+
+    return dataclasses.replace(layout.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=True)[0], name=name)
 
 
 def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
@@ -97,6 +125,10 @@ KIND = CacheKind(
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=1,
+    attention_layout=attention_layout,
+    splits_kv_heads=False,
+    layer_kind="mla",
+    layout_pool=layout_pool,
     attention_pools=attention_pools,
     supports_host_pool_backup=no_host_pool_backup,
 )

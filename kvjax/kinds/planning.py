@@ -10,16 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.registry import cache_kind, cache_kinds
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
+    from kvjax.plan.records import ModelKind
     from kvjax.spec import ModelSpec
 
-__all__ = ["OwnTree", "TokenSplit", "by_priority", "kinds_for_model", "kinds_named"]
+__all__ = [
+    "AttentionChoice",
+    "OwnTree",
+    "TokenSplit",
+    "by_priority",
+    "kinds_for_model",
+    "kinds_named",
+    "layout_kind",
+    "pool_kind_namer",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,24 @@ class OwnTree:
     components: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The per-token attention cache's layout on the target (``CacheKind.attention_layout``).
+
+    ``layout``: an ``MHALayout`` or ``MLALayout``; ``heads_per_rank``, ``replicas``: KV heads per
+    rank and ranks holding each; ``head_dim_padded``: the padded head (or latent row) width;
+    ``bytes_per_token_per_layer``: every per-token array of one layer, per rank; ``padding``: what
+    the layout pads, in words.
+    """
+
+    layout: Any
+    heads_per_rank: int
+    replicas: int
+    head_dim_padded: int
+    bytes_per_token_per_layer: int
+    padding: tuple[str, ...]
+
+
 def kinds_for_model(spec: ModelSpec, config: CacheConfig) -> tuple[CacheKind, ...]:
     """The registered kinds that apply to ``spec`` under ``config`` (``CacheKind.applies``), in
     registry order."""
@@ -60,3 +88,17 @@ def kinds_named(names: Iterable[str]) -> tuple[CacheKind, ...]:
 def by_priority(kinds: Iterable[CacheKind]) -> tuple[CacheKind, ...]:
     """``kinds`` in descending ``kv_pool_priority`` (ties: registry order)."""
     return tuple(sorted(kinds, key=lambda k: -k.kv_pool_priority))
+
+
+def layout_kind(kind: ModelKind) -> CacheKind:
+    """The kind that lays out the model's attention cache: of the kinds the model needs, the one of
+    the highest ``kv_pool_priority`` with an ``attention_layout`` (``LookupError`` when none)."""
+    for candidate in by_priority(kinds_named(kind.cache_kinds)):
+        if candidate.attention_layout is not None:
+            return candidate
+    raise LookupError(f"no cache kind of {list(kind.cache_kinds)} lays out the attention cache; register one")
+
+
+def pool_kind_namer(kind: ModelKind) -> CacheKind:
+    """The kind that names the plan's ``kv_pool_kind`` (the highest priority with one)."""
+    return next(k for k in by_priority(kinds_named(kind.cache_kinds)) if k.kv_pool_kind == kind.kv_pool_kind)

@@ -114,13 +114,14 @@ def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...] | None
 def host_pools(target: Target, sizes: Sizes, host_tokens: int) -> tuple[PoolPlan, ...] | None:
     """One host pool per side (SGLang builds one per device pool; host slot ids are shared, one
     to one) when the stage has both sides; else None (the one default host pool)."""
-    from kvjax.kinds.host_tier import HOST_KV, host_kv_pool
+    from kvjax.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
 
     stage = sizes.stage
     if not (stage.full and stage.swa):
         return None
+    pages = host_pages(sizes, host_tokens)
     return tuple(
-        host_kv_pool(target, sizes, host_tokens, name, ids)
+        host_kv_pool(target.attention, pages, name, ids)
         for name, ids in ((HOST_KV, stage.full), (SWA_HOST_POOL_NAME, stage.swa))
     )
 
@@ -265,6 +266,7 @@ KIND = CacheKind(
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=2,
+    plans_draft_pools=False,
     attention_pools=attention_pools,
     host_pools=host_pools,
     split_tokens=split_tokens,

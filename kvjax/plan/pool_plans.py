@@ -15,7 +15,7 @@ request table and the host tier live in host memory. No kind is named here.
 from __future__ import annotations
 
 from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.host_tier import HOST_KV, host_kv_pool
+from kvjax.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
 from kvjax.kinds.planning import by_priority, kinds_named
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target
 from kvjax.pools.pool_plan import PoolPlan
@@ -53,4 +53,4 @@ def _host_pools(kinds: tuple[CacheKind, ...], target: Target, sizes: Sizes, host
             if own is not None:
                 return own
     layer_ids = tuple(sorted(sizes.stage.full + sizes.stage.swa))
-    return (host_kv_pool(target, sizes, host_tokens, HOST_KV, layer_ids),)
+    return (host_kv_pool(target.attention, host_pages(sizes, host_tokens), HOST_KV, layer_ids),)

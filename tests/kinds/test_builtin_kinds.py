@@ -104,20 +104,14 @@ def test_the_build_and_the_scheduler_name_no_kind(path):
     assert branch is None, f"{path} branches on a kind: {branch}"
 
 
-# The draft model's and the attention layout's decisions (latent or not) still read the MLA flag.
-PLANNER_MODULES_NOT_YET_KIND_FREE = ("draft.py", "target.py")
 PLANNER_KIND_NAMES = ('"swa"', '"recurrent"', '"mla"', '"mha"', '"hybrid_linear"', '"mamba"', '"host_tier"')
-FLAG_BRANCH = re.compile(r"\b(if|elif|while|and|or|not)\b[^\n]*\.(is_hybrid_swa|is_hybrid_ssm|is_mla|is_dsa)\b")
+FLAG_BRANCH = re.compile(
+    r"\b(if|elif|while|and|or|not)\b[^\n]*\b(kind|plan|self)\.(is_hybrid_swa|is_hybrid_ssm|is_mla|is_dsa)\b"
+)
 
 
 @pytest.mark.parametrize(
-    "path",
-    sorted(
-        p.relative_to(ROOT).as_posix()
-        for p in (ROOT / "kvjax" / "plan").glob("*.py")
-        if p.name not in PLANNER_MODULES_NOT_YET_KIND_FREE
-    )
-    + ["kvjax/build.py"],
+    "path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax" / "plan").glob("*.py")) + ["kvjax/build.py"]
 )
 def test_the_planner_and_the_build_name_no_kind(path):
     """The planner asks the kinds' planner hooks (``CacheKind``) and names none of them."""
