@@ -28,12 +28,13 @@ mesh's ``"tp"`` axis, the metadata replicated; without one it is the single-devi
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from kvjax.attention.metadata import AttentionMetadata
+from kvjax.attention.options import AttentionOptions
 from kvjax.errors import InvalidSlotError
 from kvjax.kinds import CacheKind, cache_kinds
 from kvjax.kinds.pool_kind import resolve
@@ -74,16 +75,6 @@ def _holder(pools: CachePools, layer_id: int) -> tuple[CacheKind, str] | None:
         if layer_id in layers:
             return kind, name
     return None
-
-
-class _PagedOptions(TypedDict):
-    """The keyword options ``attend`` passes unchanged to the MHA and hybrid SWA kernels."""
-
-    sm_scale: float | None
-    soft_cap: float | None
-    sinks: jax.Array | None
-    sliding_window: int | None
-    mesh: Mesh | None
 
 
 def _missing_layer(pools: CachePools, layer_id: int) -> InvalidSlotError:
@@ -134,7 +125,9 @@ def attend(
             layers), or it is a recurrent layer (use ``recurrent_step``).
         ValueError: inputs that do not fit the layer's kind (named in the message).
     """
-    options = _PagedOptions(sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, mesh=mesh)
+    options = AttentionOptions(
+        sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, mesh=mesh
+    )
     held = _holder(pools, layer_id)
     if held is None:
         raise _missing_layer(pools, layer_id)

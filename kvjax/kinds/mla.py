@@ -8,16 +8,16 @@ runs the DeepSeek-V2 family's absorbed form (``attend_latent``) for a layer of a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.pool_kind import PoolKind
 
 if TYPE_CHECKING:
     import jax
-    from jax.sharding import Mesh
 
     from kvjax.attention.metadata import AttentionMetadata
+    from kvjax.attention.options import AttentionOptions
     from kvjax.config import CacheConfig
     from kvjax.kinds.planning import AttentionChoice
     from kvjax.plan.records import Sizes, Target
@@ -91,12 +91,7 @@ def attend_latent(
     k: jax.Array,
     v: jax.Array,
     meta: AttentionMetadata,
-    *,
-    sm_scale: float | None = None,
-    soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
-    sliding_window: int | None = None,
-    mesh: Mesh | None = None,
+    **options: Unpack[AttentionOptions],
 ) -> tuple[jax.Array, MLAKVPool]:
     """``attend``'s uniform signature over ``mla_attention``: ``q = (q_latent, q_rope)``,
     ``k = c_kv``, ``v = k_pe``; ``sm_scale`` required; soft cap, sinks and window refused."""
@@ -107,11 +102,12 @@ def attend_latent(
             f"layer {layer_id} is an MLA layer: pass q=(q_latent [T, heads, kv_lora_rank], "
             "q_rope [T, heads, qk_rope_head_dim]), k=c_kv, v=k_pe"
         )
+    sm_scale = options.get("sm_scale")
     if sm_scale is None:
         raise ValueError(f"layer {layer_id} is an MLA layer: pass the model's sm_scale")
-    if soft_cap is not None or sinks is not None or sliding_window is not None:
+    if any(options.get(name) is not None for name in ("soft_cap", "sinks", "sliding_window")):
         raise ValueError(f"layer {layer_id} is an MLA layer: soft_cap, sinks and sliding_window do not apply")
-    return mla_attention(pool, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=mesh)
+    return mla_attention(pool, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=options.get("mesh"))
 
 
 KIND = CacheKind(
