@@ -28,7 +28,7 @@ __all__ = [
     "kinds_for_model",
     "kinds_named",
     "layout_kind",
-    "pool_kind_namer",
+    "kv_pool_kind_owner",
 ]
 
 
@@ -99,6 +99,6 @@ def layout_kind(kind: ModelKind) -> CacheKind:
     raise LookupError(f"no cache kind of {list(kind.cache_kinds)} lays out the attention cache; register one")
 
 
-def pool_kind_namer(kind: ModelKind) -> CacheKind:
+def kv_pool_kind_owner(kind: ModelKind) -> CacheKind:
     """The kind that names the plan's ``kv_pool_kind`` (the highest priority with one)."""
     return next(k for k in by_priority(kinds_named(kind.cache_kinds)) if k.kv_pool_kind == kind.kv_pool_kind)

@@ -37,7 +37,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.host_tier import host_kv_pool
-from kvjax.kinds.planning import layout_kind, pool_kind_namer
+from kvjax.kinds.planning import kv_pool_kind_owner, layout_kind
 from kvjax.kinds.registry import cache_kind, cache_kinds
 from kvjax.plan.records import ModelKind, Target
 from kvjax.pools.mha_layout import MHALayout
@@ -185,7 +185,7 @@ def decide_draft(
         if algorithm == "STANDALONE":
             return None, ("speculative_algorithm='STANDALONE' without a draft_spec: no draft KV pool is planned",)
         return None, ()
-    if not pool_kind_namer(kind).plans_draft_pools or spec.is_dsa:
+    if not kv_pool_kind_owner(kind).plans_draft_pools or spec.is_dsa:
         planned = ", ".join(k.kv_pool_kind for k in cache_kinds() if k.kv_pool_kind and k.plans_draft_pools)
         return None, (
             f"draft KV pools for a {'DSA' if spec.is_dsa else repr(kind.kv_pool_kind)} target are not planned "

@@ -49,7 +49,7 @@ def plan_kv_cache(
     )
     backup, hicache_ratio = decide_retraction_backup(config, kind, sizes)
     tree = decide_tree(spec, config, kind, sizes, backup)
-    host = decide_host_tier(config, kind, sizes, tree, backup, hicache_ratio)
+    host = decide_host_tier(config, sizes, tree, backup, hicache_ratio)
     pools = plan_pools(kind, target, sizes, host)
     host_kv = next((p for p in pools if p.name == HOST_KV), None)
     drafts = draft_pool_plans(

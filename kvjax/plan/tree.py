@@ -127,7 +127,7 @@ def _attaches_host_tier(config: CacheConfig, tree_kind: str, backup: str) -> boo
 
 
 def decide_host_tier(
-    config: CacheConfig, kind: ModelKind, sizes: Sizes, tree: TreeChoice, backup: str, hicache_ratio: float
+    config: CacheConfig, sizes: Sizes, tree: TreeChoice, backup: str, hicache_ratio: float
 ) -> HostTier:
     """The host tier (attached to a unified tree under HiCache or host-pool retraction) and its
     size, draft host pools and the multimodal embedding cache."""
