@@ -122,8 +122,9 @@ class CacheKind:
             retraction backup can be the default for this kind's state (None: it can).
         host_pool_backup_refusal: the message refusing an explicit ``host_pool`` backup for this
             kind (None: not refused by the kind).
-        host_tier_refusal: why the build cannot attach the host tier over this kind's state yet
-            (``kvjax.plan.buildable``; None: it can).
+        no_host_copy: what of the kind's state the host tier keeps no copy of yet (recurrent-state
+            checkpoints): the build (``kvjax.plan.buildable``) and the tree registry refuse a host
+            tier over it, naming it (None: the host tier covers the kind).
         decode_radix_refusal: the message refusing ``disaggregation_decode_enable_radix_cache``
             on a decode server for this kind (None: allowed).
         own_tree: ``(sizes, chunked) -> OwnTree | None``, a tree of the kind's own instead of
@@ -169,7 +170,7 @@ class CacheKind:
     split_tokens: Callable[[ModelSpec, CacheConfig, StageLayers, int, int | None], TokenSplit] | None = None
     supports_host_pool_backup: Callable[[Sizes], bool] | None = None
     host_pool_backup_refusal: str | None = None
-    host_tier_refusal: str | None = None
+    no_host_copy: str | None = None
     decode_radix_refusal: str | None = None
     own_tree: Callable[[Sizes, bool], OwnTree | None] | None = None
     tree_builders: Mapping[str, Callable[[TreeOptions, TreeInputs], Any]] = dataclasses.field(default_factory=dict)

@@ -67,14 +67,10 @@ def no_host_pool_backup(sizes: Sizes) -> bool:
 
 
 def mamba_tree(o: TreeOptions, inputs: TreeInputs) -> MambaRadixCache:
-    """The unified tree over ``"full"`` and ``"mamba"``: ``MambaRadixCache`` (no host tier yet)."""
+    """The unified tree over ``"full"`` and ``"mamba"``: ``MambaRadixCache`` (no host tier yet:
+    ``no_host_copy``, refused by the tree registry)."""
     from kvjax.radix import MambaRadixCache
 
-    if o.attach_host_tier:
-        raise NotImplementedError(
-            f"tree_components={tuple(o.tree_components)!r} with the host tier needs a host copy of recurrent-state "
-            "checkpoints, which is not built yet; turn off enable_hierarchical_cache for this model"
-        )
     common = {k: v for k, v in inputs.common.items() if k != "is_eagle"}  # the Mamba tree takes no bigram keys
     return MambaRadixCache(
         page_size=inputs.page_size,
@@ -130,10 +126,7 @@ KIND = CacheKind(
     host_pool_backup_refusal="host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
     # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
     # component); kvjax has no host copy of them yet, so the build refuses before allocating.
-    host_tier_refusal=(
-        "host copies of its recurrent-state checkpoints are not built; "
-        "turn off enable_hierarchical_cache for this model"
-    ),
+    no_host_copy="recurrent-state checkpoints",
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; turn it off for this model"
     ),

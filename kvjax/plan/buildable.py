@@ -15,7 +15,7 @@ from kvjax.plan.cache_plan import CachePlan
 def check_host_tier_buildable(plan: CachePlan) -> None:
     """Raise ``NotImplementedError`` naming the pool when ``plan`` attaches a host tier over a pool
     kvjax keeps no host copies of: the DSA indexer keys, or a kind's state it has no host copy of
-    (``CacheKind.host_tier_refusal``: recurrent-state checkpoints)."""
+    (``CacheKind.no_host_copy``: recurrent-state checkpoints)."""
     if not plan.attach_host_tier:
         return
     if any(p.name == "index_k" for p in plan.pools):
@@ -24,7 +24,8 @@ def check_host_tier_buildable(plan: CachePlan) -> None:
             "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
         )
     for kind in cache_kinds_of(plan):
-        if kind.host_tier_refusal is not None:
+        if kind.no_host_copy is not None:
             raise NotImplementedError(
-                f"kvjax cannot build the host tier for {plan.model} yet: {kind.host_tier_refusal}"
+                f"kvjax cannot build the host tier for {plan.model} yet: host copies of its {kind.no_host_copy} "
+                "are not built; turn off enable_hierarchical_cache for this model"
             )

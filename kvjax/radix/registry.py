@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvjax.errors import ConfigError
+from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.registry import cache_kinds
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
@@ -135,23 +136,29 @@ def _create(o: TreeOptions, inputs: TreeInputs) -> ChunkCache | RadixCache | Mam
     if kind != UNIFIED:
         return builders[kind](o, inputs)
     components = tuple(o.tree_components or ("full",))
-    unknown = [c for c in components if c not in _components()]
+    known = _components()
+    unknown = [c for c in components if c not in known]
     if unknown:
-        named = ", ".join(repr(c) for c in _components())
+        named = ", ".join(repr(c) for c in known[:-1]) + f" and {known[-1]!r}"
         raise ConfigError("tree_components", components, f"components are {named}")
+    if o.attach_host_tier:
+        for component in components:
+            missing = _owner(component).no_host_copy
+            if missing is not None:
+                raise NotImplementedError(
+                    f"tree_components={components!r} with the host tier needs a host copy of {missing}, which is "
+                    "not built yet; turn off enable_hierarchical_cache for this model"
+                )
     build = builders.get(COMPONENT_SEPARATOR.join(components))
     if build is None:
-        labels = " + ".join(_label(c) for c in components if c != components[0]) or _label(components[0])
+        labels = [_owner(c).tree_label or c for c in components[1:] or components]
+        both = " (both components in one tree)" if len(labels) == 2 else ""
         raise NotImplementedError(
-            f"tree_components={components!r} needs the {labels} tree (those components in one tree), "
-            "which is not built yet"
+            f"tree_components={components!r} needs the {' + '.join(labels)} tree{both}, which is not built yet"
         )
     return build(o, inputs)
 
 
-def _label(component: str) -> str:
-    """How a component's kind names its tree in messages (its ``tree_label``, else the component)."""
-    for kind in cache_kinds():
-        if component in kind.tree_components and kind.tree_label:
-            return kind.tree_label
-    return component
+def _owner(component: str) -> CacheKind:
+    """The first registered kind that contributes ``component`` to the unified tree."""
+    return next(kind for kind in cache_kinds() if component in kind.tree_components)
