@@ -40,16 +40,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvjax.errors import ConfigError
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.registry import cache_kinds
-from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.events import EventSink
-from kvjax.radix.mamba_radix_cache import MambaRadixCache
-from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.radix.tree_inputs import TreeInputs
 from kvjax.radix.tree_options import TreeOptions
 
 if TYPE_CHECKING:
-    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
     from kvjax.tiers import CopyEngine, HostSlotAllocator
 
 UNIFIED = "unified"
@@ -90,7 +87,7 @@ def create_tree_cache(
     host_allocator: HostSlotAllocator | None = None,
     host_engine: CopyEngine | None = None,
     storage: StorageOptions | None = None,
-) -> ChunkCache | RadixCache | MambaRadixCache:
+) -> TreeCacheProtocol:
     """Build the prefix cache described by ``plan`` (its :class:`TreeOptions`, or a plan whose
     ``tree_options`` they are), with everything it holds given now: ``host_allocator`` (the host
     pool's slot allocator; default: one of ``host_pool_tokens``), ``host_engine`` (the host tier's
@@ -122,7 +119,7 @@ def create_tree_cache(
     )
 
 
-def _create(o: TreeOptions, inputs: TreeInputs) -> ChunkCache | RadixCache | MambaRadixCache:
+def _create(o: TreeOptions, inputs: TreeInputs) -> TreeCacheProtocol:
     kind = o.tree_cache_kind
     builders = _builders()
     known = tree_cache_kinds()
