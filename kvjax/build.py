@@ -36,12 +36,12 @@ from kvjax.config import CacheConfig
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
+from kvjax.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.mesh_check import KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.forwarded import Forwarded
-from kvjax.plan.pool_plans import SWA_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind

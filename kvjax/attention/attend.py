@@ -1,21 +1,23 @@
-"""`attend`: one layer's write-then-attend, with the pool and the kernel picked from the layer's kind.
+"""`attend`: one layer's write-then-attend, with the pool and the function picked from the layer's kind.
 
 The kind of a layer is read from the pools, not from the model: the pool that lists the layer
-decides.
+decides, and its cache kind's ``attention`` function runs (``CacheKind.attention``, found through
+the kind's ``attention_pool`` entry and ``pool_type``; registry order, so a kind registered outside
+kvjax is dispatched the same way):
 
 ==========================================  ===========================================================
-pool holding ``layer_id``                   what ``attend`` does
+pool holding ``layer_id`` (kind)            what ``attend`` does
 ==========================================  ===========================================================
-``pools.swa`` (``SWAKVPool``), sliding      writes at ``meta.swa.out_loc``, reads ``meta.swa.page_indices``
-layer                                       in the SWA sub-pool, with ``sliding_window`` (required)
+``pools.swa`` (``SWAKVPool``, swa),         writes at ``meta.swa.out_loc``, reads ``meta.swa.page_indices``
+sliding layer                               in the SWA sub-pool, with ``sliding_window`` (required)
 ``pools.swa``, full layer                   writes at ``meta.out_loc``, reads ``meta.page_indices`` in the
                                             full sub-pool, no window
-``pools.kv`` (``MHAKVPool``)                MHA/GQA/MQA at ``meta.out_loc`` / ``meta.page_indices``, with
+``pools.kv`` (``MHAKVPool``, full)          MHA/GQA/MQA at ``meta.out_loc`` / ``meta.page_indices``, with
                                             ``sliding_window`` if given (a sliding layer of a model served
                                             with one full-size pool: ``disable_hybrid_swa_memory``)
-``pools.kv`` (``MLAKVPool``)                absorbed MLA: ``q = (q_latent, q_rope)``, ``k = c_kv``,
+``pools.kv`` (``MLAKVPool``, mla)           absorbed MLA: ``q = (q_latent, q_rope)``, ``k = c_kv``,
                                             ``v = k_pe`` (``attend_mla``)
-``pools.recurrent``                         not attention: use ``recurrent_step``
+``pools.recurrent`` (recurrent)             not attention: use ``recurrent_step``
 ==========================================  ===========================================================
 
 Every call returns ``(out, pools)`` with the layer's pool replaced (under ``jax.jit`` with the pools
@@ -26,25 +28,28 @@ mesh's ``"tp"`` axis, the metadata replicated; without one it is the single-devi
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from kvjax.attention.hybrid_swa_attention import hybrid_swa_attention
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.attention.mla_attention import mla_attention
-from kvjax.attention.paged_attention import paged_attention
+from kvjax.attention.options import AttentionOptions
 from kvjax.errors import InvalidSlotError
-from kvjax.pools import CachePools, MHAKVPool, MLAKVPool, SWAKVPool
+from kvjax.kinds import CacheKind, cache_kinds
+from kvjax.kinds.pool_kind import resolve
+from kvjax.pools import CachePools, MLAKVPool
 
 __all__ = ["attend", "attend_mla", "pool_layers"]
 
 
 def pool_layers(pool: Any) -> tuple[int, ...]:
-    """The global layer ids a pool holds (any kvjax pool; empty for a pool without layers)."""
-    if isinstance(pool, SWAKVPool):
-        return tuple(sorted((*pool.full_layer_ids, *pool.swa_layer_ids)))
+    """The global layer ids a pool holds (any kvjax pool; empty for a pool without layers): the
+    ``attention_layers`` of the cache kind whose ``pool_type`` it is, else its ``layer_ids`` or its
+    consecutive layers."""
+    for kind in cache_kinds():
+        if kind.attention_layers is not None and kind.pool_type is not None and _is_kinds_pool(kind, pool):
+            return kind.attention_layers(pool)
     ids = getattr(pool, "layer_ids", None)
     if ids is not None:
         return tuple(ids)
@@ -52,14 +57,24 @@ def pool_layers(pool: Any) -> tuple[int, ...]:
     return tuple(range(start, start + count))
 
 
-class _PagedOptions(TypedDict):
-    """The keyword options ``attend`` passes unchanged to the MHA and hybrid SWA kernels."""
+def _is_kinds_pool(kind: CacheKind, pool: Any) -> bool:
+    """Whether ``pool`` is of ``kind``'s pool type (any pool when the kind names none)."""
+    return kind.pool_type is None or isinstance(pool, resolve(kind.pool_type))
 
-    sm_scale: float | None
-    soft_cap: float | None
-    sinks: jax.Array | None
-    sliding_window: int | None
-    mesh: Mesh | None
+
+def _holder(pools: CachePools, layer_id: int) -> tuple[CacheKind, str] | None:
+    """The cache kind and the ``pools`` entry that hold ``layer_id`` (registry order), or None."""
+    for kind in cache_kinds():
+        name = kind.attention_pool_name
+        if name is None or name not in pools:
+            continue
+        pool = pools[name]
+        if not _is_kinds_pool(kind, pool):
+            continue
+        layers = kind.attention_layers(pool) if kind.attention_layers is not None else pool_layers(pool)
+        if layer_id in layers:
+            return kind, name
+    return None
 
 
 def _missing_layer(pools: CachePools, layer_id: int) -> InvalidSlotError:
@@ -110,30 +125,18 @@ def attend(
             layers), or it is a recurrent layer (use ``recurrent_step``).
         ValueError: inputs that do not fit the layer's kind (named in the message).
     """
-    options = _PagedOptions(sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, mesh=mesh)
-    if "swa" in pools and layer_id in pools.swa.layers_mapping:
-        out, swa = hybrid_swa_attention(pools.swa, layer_id, _single(q, layer_id), k, v, meta, **options)
-        return out, pools.replace(swa=swa)
-    kv = pools.kv if "kv" in pools else None
-    if isinstance(kv, MLAKVPool) and layer_id in pool_layers(kv):
-        if not isinstance(q, tuple) or len(q) != 2:
-            raise ValueError(
-                f"layer {layer_id} is an MLA layer: pass q=(q_latent [T, heads, kv_lora_rank], "
-                "q_rope [T, heads, qk_rope_head_dim]), k=c_kv, v=k_pe"
-            )
-        if sm_scale is None:
-            raise ValueError(f"layer {layer_id} is an MLA layer: pass the model's sm_scale")
-        if soft_cap is not None or sinks is not None or sliding_window is not None:
-            raise ValueError(f"layer {layer_id} is an MLA layer: soft_cap, sinks and sliding_window do not apply")
-        return attend_mla(pools, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=mesh)
-    if isinstance(kv, MHAKVPool) and layer_id in pool_layers(kv):
-        out, kv = paged_attention(kv, layer_id, _single(q, layer_id), k, v, meta, **options)
-        return out, pools.replace(kv=kv)
-    if "recurrent" in pools and layer_id in pool_layers(pools.recurrent):
-        raise InvalidSlotError(
-            f"layer_id={layer_id} is a recurrent layer (pools.recurrent): run it with recurrent_step, not attend"
-        )
-    raise _missing_layer(pools, layer_id)
+    options = AttentionOptions(
+        sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, mesh=mesh
+    )
+    held = _holder(pools, layer_id)
+    if held is None:
+        raise _missing_layer(pools, layer_id)
+    kind, name = held
+    if kind.attention is None:
+        message = kind.not_attention or f"layer_id={{layer_id}} is in pools.{name}, of a kind without attention"
+        raise InvalidSlotError(message.format(layer_id=layer_id))
+    out, pool = resolve(kind.attention)(pools[name], layer_id, q, k, v, meta, **options)
+    return out, pools.replace(**{name: pool})
 
 
 def attend_mla(
@@ -159,11 +162,4 @@ def attend_mla(
     kv = pools.kv if "kv" in pools else None
     if not isinstance(kv, MLAKVPool) or layer_id not in pool_layers(kv):
         raise _missing_layer(pools, layer_id)
-    out, kv = mla_attention(kv, layer_id, q_latent, q_rope, c_kv, k_pe, meta, sm_scale=sm_scale, mesh=mesh)
-    return out, pools.replace(kv=kv)
-
-
-def _single(q: Any, layer_id: int) -> jax.Array:
-    if isinstance(q, tuple):
-        raise ValueError(f"layer {layer_id} is not an MLA layer: pass q as one array [T, heads, head_dim]")
-    return q
+    return attend(pools, layer_id, (q_latent, q_rope), c_kv, k_pe, meta, sm_scale=sm_scale, mesh=mesh)

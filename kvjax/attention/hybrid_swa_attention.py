@@ -13,11 +13,13 @@ The layer's kind comes from the pool (``full_layer_ids`` / ``swa_layer_ids``):
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
-from jax.sharding import Mesh
 
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.attention.paged_attention import paged_attention
+from kvjax.attention.options import AttentionOptions
+from kvjax.attention.paged_attention import paged_attention, single_query
 from kvjax.pools import SWAKVPool
 
 __all__ = ["hybrid_swa_attention"]
@@ -30,19 +32,15 @@ def hybrid_swa_attention(
     k: jax.Array,
     v: jax.Array,
     meta: AttentionMetadata,
-    *,
-    sm_scale: float | None = None,
-    soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
-    sliding_window: int | None = None,
-    mesh: Mesh | None = None,
+    **options: Unpack[AttentionOptions],
 ) -> tuple[jax.Array, SWAKVPool]:
     """Write layer ``layer_id``'s ``k, v`` into its sub-pool, then attend ``q`` (shapes and the
-    optional arguments as ``paged_attention``).
+    options as ``paged_attention``).
 
     Args:
-        sliding_window: the window of a sliding layer (required there, and only applied there:
-            a full layer of the pool attends over all keys whatever is passed).
+        options: ``AttentionOptions``; ``sliding_window`` is the window of a sliding layer
+            (required there, and only applied there: a full layer of the pool attends over all
+            keys whatever is passed).
 
     Returns:
         ``(out [T, heads, head_dim], the pool with the layer's sub-pool written)``.
@@ -51,33 +49,22 @@ def hybrid_swa_attention(
         InvalidSlotError: ``layer_id`` is in neither sub-pool (the message lists both).
         ValueError: a sliding layer without ``sliding_window`` or without ``meta.swa``.
     """
+    q = single_query(q, layer_id)
     sliding = pool.is_swa_layer(layer_id)
     sub, index = pool.sub_pool(layer_id)
     local_id = index + sub.start_layer
-    if sliding:
-        if sliding_window is None:
-            raise ValueError(
-                f"layer {layer_id} is a sliding-window layer of the SWA pool (sliding layers "
-                f"{list(pool.swa_layer_ids)}); pass its sliding_window"
-            )
-        swa = meta.require_swa()
-        out, sub = paged_attention(
-            sub,
-            local_id,
-            q,
-            k,
-            v,
-            meta,
-            out_loc=swa.out_loc,
-            page_indices=swa.page_indices,
-            sm_scale=sm_scale,
-            soft_cap=soft_cap,
-            sinks=sinks,
-            sliding_window=sliding_window,
-            mesh=mesh,
+    if not sliding:
+        every_key = options.copy()
+        every_key.pop("sliding_window", None)  # a full layer of the pool sees every earlier key
+        out, sub = paged_attention(sub, local_id, q, k, v, meta, **every_key)
+        return out, pool.replace(full=sub)
+    if options.get("sliding_window") is None:
+        raise ValueError(
+            f"layer {layer_id} is a sliding-window layer of the SWA pool (sliding layers "
+            f"{list(pool.swa_layer_ids)}); pass its sliding_window"
         )
-        return out, pool.replace(swa=sub)
+    swa = meta.require_swa()
     out, sub = paged_attention(
-        sub, local_id, q, k, v, meta, sm_scale=sm_scale, soft_cap=soft_cap, sinks=sinks, mesh=mesh
+        sub, local_id, q, k, v, meta, out_loc=swa.out_loc, page_indices=swa.page_indices, **options
     )
-    return out, pool.replace(full=sub)
+    return out, pool.replace(swa=sub)

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
 __all__ = ["AttentionMetadata", "KindMetadata", "MetadataPart", "SWAMetadata", "StateMetadata", "trace_metadata"]
+
+_Part = TypeVar("_Part")
 
 
 @runtime_checkable
@@ -154,21 +156,26 @@ class AttentionMetadata:
 
     def require_swa(self) -> SWAMetadata:
         """The SWA part (``ValueError`` naming what produces it when absent)."""
-        if self.swa is None:
-            raise ValueError(
-                "a sliding layer of a hybrid SWA pool needs AttentionMetadata.swa (its own slots and page "
-                "table); build the metadata with an SWAMetadata part (the SWA serving extension's step_metadata)"
-            )
-        return self.swa
+        return _present(
+            self.swa,
+            "a sliding layer of a hybrid SWA pool needs AttentionMetadata.swa (its own slots and page "
+            "table); build the metadata with an SWAMetadata part (the SWA serving extension's step_metadata)",
+        )
 
     def require_state(self) -> StateMetadata:
         """The recurrent-state part (``ValueError`` naming what produces it when absent)."""
-        if self.state is None:
-            raise ValueError(
-                "a recurrent layer needs AttentionMetadata.state (the rows' state slots); build the metadata "
-                "with a StateMetadata part (the recurrent-state serving extension's step_metadata)"
-            )
-        return self.state
+        return _present(
+            self.state,
+            "a recurrent layer needs AttentionMetadata.state (the rows' state slots); build the metadata "
+            "with a StateMetadata part (the recurrent-state serving extension's step_metadata)",
+        )
+
+
+def _present(part: _Part | None, missing: str) -> _Part:
+    """``part``, or ``ValueError(missing)`` when it is None."""
+    if part is None:
+        raise ValueError(missing)
+    return part
 
 
 def place_parts(parts: Sequence[MetadataPart | None]) -> tuple[dict[str, Any], dict[str, Any]]:

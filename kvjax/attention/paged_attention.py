@@ -10,6 +10,8 @@ the layer's scales. Over a mesh the kernel runs per device on its KV heads (``sh
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -20,7 +22,14 @@ from kvjax.attention.sharding import check_heads_divide, head_axis, pool_mesh, s
 from kvjax.pools import MHAKVPool
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-__all__ = ["paged_attention"]
+__all__ = ["paged_attention", "single_query"]
+
+
+def single_query(q: Any, layer_id: int) -> jax.Array:
+    """``q`` when it is one array; ``ValueError`` for the MLA pair ``(q_latent, q_rope)``."""
+    if isinstance(q, tuple):
+        raise ValueError(f"layer {layer_id} is not an MLA layer: pass q as one array [T, heads, head_dim]")
+    return q
 
 
 def paged_attention(
@@ -61,6 +70,7 @@ def paged_attention(
         ``(out [T, heads, head_dim] in q's dtype, the pool with the layer written)``; padding
         tokens' outputs are 0.
     """
+    q = single_query(q, layer_id)
     meta = meta.as_device_arrays()
     loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
     table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.plan import CachePlan
+    from kvjax.plan.records import Sizes
+    from kvjax.pools.pool_plan import PoolPlan
     from kvjax.protocols import AllocatorProtocol
     from kvjax.serve.extension import ServingExtension
 
@@ -49,7 +51,32 @@ class TransferContext:
     @property
     def host_pool(self) -> Any:
         """The host pool of the device KV (``"host_kv"``)."""
-        return self.host_pools["host_kv"]
+        return self.host_pools[HOST_KV]
+
+
+HOST_KV = "host_kv"  # the host pool of the device KV (one per side for a pool pair: a kind names the other)
+
+
+def host_pool_plan(device: PoolPlan, name: str) -> PoolPlan:
+    """``device`` (a device pool's plan, sized for the host's pages) as the host tier's pool ``name``."""
+    return dataclasses.replace(device, name=name, kind=POOL.name, memory="host", built=POOL.built)
+
+
+def host_kv_pool(layout: Any, num_pages: int, name: str, layer_ids: tuple[int, ...]) -> PoolPlan:
+    """The host pool ``name`` of ``num_pages`` pages (+ the trash page) over ``layer_ids``, in the
+    attention ``layout`` (a latent layout: its latent row, without indexer keys)."""
+    from kvjax.pools.mla_layout import MLALayout
+
+    if isinstance(layout, MLALayout):
+        device = layout.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=False)[0]
+    else:
+        device = layout.pool_plan(name, POOL.name, num_pages=num_pages, layer_ids=layer_ids)
+    return host_pool_plan(device, name)
+
+
+def host_pages(sizes: Sizes, host_tokens: int) -> int:
+    """Pages of a host pool of ``host_tokens`` tokens, less its trash page."""
+    return host_tokens // sizes.alloc_page_size - 1
 
 
 def make_transfer_engine(context: TransferContext) -> Any:

@@ -246,7 +246,7 @@ class CachePlan:
         limits = [self.max_running_requests]
         need = self._pages(tokens_per_request)
         ps = self.alloc_page_size
-        if self.is_hybrid_swa:
+        if self.swa_tokens_per_layer is not None:  # the sliding-window split
             if self.full_tokens_per_layer:
                 limits.append(self.full_tokens_per_layer // ps // need)
             window = self.sliding_window_size or tokens_per_request

@@ -35,17 +35,19 @@ from dataclasses import dataclass
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds.cache_kind import CacheKind
+from kvjax.kinds.host_tier import host_kv_pool
+from kvjax.kinds.planning import kv_pool_kind_owner, layout_kind
+from kvjax.kinds.registry import cache_kind, cache_kinds
 from kvjax.plan.records import ModelKind, Target
 from kvjax.pools.mha_layout import MHALayout
 from kvjax.pools.mla_layout import MLALayout
 from kvjax.pools.pool_plan import PoolPlan
-from kvjax.pools.registry import is_built
 from kvjax.spec import LayerKind, ModelSpec
 
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 DRAFT_POOL_NAME = "kv_draft"
 DRAFT_HOST_POOL_NAME = "host_kv_draft"
-DRAFT_POOL_KINDS = ("mha", "mla", "hybrid_linear")  # the target KV pool kinds a draft pool is planned for
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class DraftModel:
 
     ``attention``: the draft pool's layout (the target's pool kind); ``layer_ids``: the draft's
     layer ids (see the module docstring); ``on_this_stage``: this pipeline rank holds the draft
-    (the last one).
+    (the last one); ``layout_kind``: the cache kind of that layout.
     """
 
     algorithm: str
@@ -62,6 +64,7 @@ class DraftModel:
     attention: MHALayout | MLALayout
     layer_ids: tuple[int, ...]
     on_this_stage: bool
+    layout_kind: str = "full"  # the cache kind of the layout (``CacheKind.layout_pool`` plans the pool)
 
     @property
     def num_layers(self) -> int:
@@ -90,10 +93,13 @@ def _one_layer_draft(spec: ModelSpec, algorithm: str, kind: LayerKind, layers: i
     )
 
 
-def draft_model_spec(spec: ModelSpec, config: CacheConfig, draft_spec: ModelSpec | None) -> ModelSpec | None:
+def draft_model_spec(
+    spec: ModelSpec, config: CacheConfig, draft_spec: ModelSpec | None, attention: LayerKind
+) -> ModelSpec | None:
     """The spec of the draft model of ``config.speculative_algorithm`` (None without a draft
-    model, or for STANDALONE without ``draft_spec``). ``ConfigError`` for a NEXTN target without
-    MTP layers and for a ``draft_spec`` NEXTN cannot take."""
+    model, or for STANDALONE without ``draft_spec``); a draft made here has ``attention`` layers
+    (the target's layout's). ``ConfigError`` for a NEXTN target without MTP layers and for a
+    ``draft_spec`` NEXTN cannot take."""
     algorithm = config.speculative_algorithm
     if algorithm not in DRAFT_MODEL_ALGORITHMS:
         if draft_spec is not None:
@@ -103,7 +109,6 @@ def draft_model_spec(spec: ModelSpec, config: CacheConfig, draft_spec: ModelSpec
                 f"speculative_algorithm={algorithm!r} has no draft model; set EAGLE, EAGLE3 or STANDALONE, or drop it",
             )
         return None
-    attention = LayerKind.MLA if spec.is_mla else LayerKind.FULL
     if algorithm == "NEXTN":
         if draft_spec is not None:
             raise ConfigError(
@@ -125,12 +130,19 @@ def draft_model_spec(spec: ModelSpec, config: CacheConfig, draft_spec: ModelSpec
     return _one_layer_draft(spec, algorithm, attention, 1)
 
 
-def check_draft_attention(draft: ModelSpec, kind: ModelKind) -> None:
-    """The draft pool is of the target's kind: every draft layer must cache that attention."""
-    want = LayerKind.MLA if kind.is_mla else LayerKind.FULL
+def layout_layer_kind(layout: CacheKind) -> LayerKind:
+    """The layer kind the target's layout kind caches (``CacheKind.layer_kind``)."""
+    if layout.layer_kind is None:
+        raise ValueError(f"cache kind {layout.name!r} lays out the attention cache but names no layer_kind; set it")
+    return LayerKind(layout.layer_kind)
+
+
+def check_draft_attention(draft: ModelSpec, layout: CacheKind) -> None:
+    """The draft pool is of the target's layout kind: every draft layer must cache that attention."""
+    want = layout_layer_kind(layout)
     other = sorted({k.value for k in draft.layer_kinds if k is not want})
     if other or draft.recurrent is not None or draft.is_dsa:
-        pool = "mla" if kind.is_mla else "mha"
+        pool = layout.pool_kinds[0].name
         raise ConfigError(
             "draft_spec",
             draft.name,
@@ -150,25 +162,11 @@ def draft_pool_plans(draft: DraftModel | None, num_pages: int, host_pages: int |
     host pool's page count (host slots one to one with the target's)."""
     if draft is None or not draft.on_this_stage:
         return ()
-    attention, ids = draft.attention, draft.layer_ids
-    kind = "mla" if isinstance(attention, MLALayout) else "mha"
-    if isinstance(attention, MLALayout):
-        device = dataclasses.replace(
-            attention.pool_plans(num_pages=num_pages, layer_ids=ids, built=True)[0], name=DRAFT_POOL_NAME
-        )
-    else:
-        device = attention.pool_plan(DRAFT_POOL_NAME, kind, num_pages=num_pages, layer_ids=ids)
-    pools = [device]
+    layout_pool = cache_kind(draft.layout_kind).layout_pool
+    assert layout_pool is not None  # the draft's layout kind lays out the target's attention
+    pools = [layout_pool(draft.attention, DRAFT_POOL_NAME, num_pages, draft.layer_ids)]
     if host_pages is not None:
-        if isinstance(attention, MLALayout):
-            host = attention.pool_plans(num_pages=host_pages - 1, layer_ids=ids, built=False)[0]
-        else:
-            host = attention.pool_plan(DRAFT_HOST_POOL_NAME, "host_tier", num_pages=host_pages - 1, layer_ids=ids)
-        pools.append(
-            dataclasses.replace(
-                host, name=DRAFT_HOST_POOL_NAME, kind="host_tier", memory="host", built=is_built("host_tier")
-            )
-        )
+        pools.append(host_kv_pool(draft.attention, host_pages - 1, DRAFT_HOST_POOL_NAME, draft.layer_ids))
     return tuple(pools)
 
 
@@ -180,20 +178,22 @@ def decide_draft(
     cannot hold."""
     from kvjax.plan.target import decide_target
 
-    draft = draft_model_spec(spec, config, draft_spec)
+    layout = layout_kind(kind)
+    draft = draft_model_spec(spec, config, draft_spec, layout_layer_kind(layout))
     algorithm = config.speculative_algorithm
     if draft is None:
         if algorithm == "STANDALONE":
             return None, ("speculative_algorithm='STANDALONE' without a draft_spec: no draft KV pool is planned",)
         return None, ()
-    if kind.kv_pool_kind not in DRAFT_POOL_KINDS or kind.is_dsa:
+    if not kv_pool_kind_owner(kind).plans_draft_pools or spec.is_dsa:
+        planned = ", ".join(k.kv_pool_kind for k in cache_kinds() if k.kv_pool_kind and k.plans_draft_pools)
         return None, (
-            f"draft KV pools for a {'DSA' if kind.is_dsa else repr(kind.kv_pool_kind)} target are not planned "
-            f"(kvjax plans them for {', '.join(DRAFT_POOL_KINDS)} targets without DSA indexer keys); "
+            f"draft KV pools for a {'DSA' if spec.is_dsa else repr(kind.kv_pool_kind)} target are not planned "
+            f"(kvjax plans them for {planned} targets without DSA indexer keys); "
             "build_kv_cache refuses this configuration",
         )
-    check_draft_attention(draft, kind)
-    draft_kind = ModelKind(False, False, False, kind.is_mla, "mla" if kind.is_mla else "mha", None)
+    check_draft_attention(draft, layout)
+    draft_kind = ModelKind(str(layout.kv_pool_kind), cache_kinds=(layout.name,))
     target: Target = decide_target(draft, config, draft_kind)
     return (
         DraftModel(
@@ -202,6 +202,7 @@ def decide_draft(
             attention=target.attention,
             layer_ids=draft_layer_ids(spec, config, draft),
             on_this_stage=config.pp_rank == config.pp_size - 1,
+            layout_kind=layout.name,
         ),
         (),
     )

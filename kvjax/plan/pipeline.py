@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from kvjax.config import CacheConfig
+from kvjax.kinds.host_tier import HOST_KV
+from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.plan.cache_plan import CachePlan
 from kvjax.plan.draft import decide_draft, draft_pool_plans
 from kvjax.plan.model_kind import decide_model_kind
@@ -47,9 +49,9 @@ def plan_kv_cache(
     )
     backup, hicache_ratio = decide_retraction_backup(config, kind, sizes)
     tree = decide_tree(spec, config, kind, sizes, backup)
-    host = decide_host_tier(config, kind, sizes, tree, backup, hicache_ratio)
+    host = decide_host_tier(config, sizes, tree, backup, hicache_ratio)
     pools = plan_pools(kind, target, sizes, host)
-    host_kv = next((p for p in pools if p.name == "host_kv"), None)
+    host_kv = next((p for p in pools if p.name == HOST_KV), None)
     drafts = draft_pool_plans(
         draft, sizes.num_pages, host_kv.shape[0] if host_kv is not None and host.draft_host_pools else None
     )
@@ -59,7 +61,7 @@ def plan_kv_cache(
         + tuple(p for p in pools if p.memory != "device")
         + tuple(p for p in drafts if p.memory != "device")
     )
-    host_tier_bytes = sum(p.nbytes for p in pools if p.kind == "host_tier")
+    host_tier_bytes = sum(p.nbytes for p in pools if p.kind == HOST_TIER_POOL.name)
     if host_tier_bytes and host_memory_bytes is not None:
         check_host_memory(host_tier_bytes, host_memory_bytes)
     if backup == "host_pool" and host.attach_host_tier:

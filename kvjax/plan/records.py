@@ -21,15 +21,19 @@ class ModelKind:
     """Step 1: the model's kind (SGLang's ``is_hybrid_swa`` / ``is_hybrid_ssm`` / ``is_dsa``).
 
     ``kv_pool_kind``: ``"mha"``, ``"mla"``, ``"swa"`` (full + sliding pools) or ``"hybrid_linear"``
-    (KV + recurrent state).
+    (KV + recurrent state), named by the cache kind that applies with the highest priority.
+    ``cache_kinds``: the registered cache kinds the model needs (``CacheKind.applies``), in
+    registry order; the later steps ask their planner hooks. The flags are set by those kinds
+    (``CacheKind.model_flags``).
     """
 
-    is_hybrid_swa: bool
-    is_hybrid_ssm: bool
-    is_dsa: bool
-    is_mla: bool
     kv_pool_kind: str
-    sliding_window_size: int | None
+    is_hybrid_swa: bool = False
+    is_hybrid_ssm: bool = False
+    is_dsa: bool = False
+    is_mla: bool = False
+    sliding_window_size: int | None = None
+    cache_kinds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def render_plan(plan: CachePlan) -> str:
         )
     for note in plan.padding:
         lines.append(f"  padding: {note}")
-    if plan.is_hybrid_swa:
+    if plan.swa_tokens_per_layer is not None:  # a kind split the tokens between two pools
         lines.append(
             f"  per layer: full={plan.full_tokens_per_layer or 0:,} tokens, "
             f"swa={plan.swa_tokens_per_layer or 0:,} tokens"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds.planning import kinds_named
 from kvjax.plan.records import ModelKind, Sizes, StageLayers, Target
 from kvjax.spec import LayerKind, ModelSpec
 
@@ -166,20 +167,6 @@ def _stage_budget(
     return _StageBudget(layers, bytes_per_token, per_req, slots, mamba_bytes, tokens)
 
 
-def _split_hybrid_swa(max_total: int, stage: StageLayers, ratio: float, ps: int) -> tuple[int, int]:
-    """SGLang's ``set_num_tokens_hybrid_swa``: (full tokens per layer, SWA tokens per layer).
-
-    The budget counted every KV layer at ``max_total`` tokens; it is re-split so that each SWA
-    layer holds ``ratio`` times the tokens of a full layer (never more bytes than before).
-    """
-    if not stage.full:
-        return 0, max_total // ps * ps
-    total = max_total * stage.kv_layers
-    full = int(total / (ratio * len(stage.swa) + len(stage.full)))
-    swa = int(full * ratio)
-    return full // ps * ps, swa // ps * ps
-
-
 def _mamba_states_per_request(config: CacheConfig) -> int:
     if config.disable_radix_cache:
         return 1
@@ -251,16 +238,12 @@ def decide_sizes(
 
     full_tokens: int | None = None
     swa_tokens: int | None = None
-    if kind.is_hybrid_swa:
-        full_tokens, swa_tokens = _split_hybrid_swa(max_total, stage.layers, config.swa_full_tokens_ratio, ps)
-        max_total = full_tokens if stage.layers.full else swa_tokens
-        if (stage.layers.full and full_tokens <= 0) or (stage.layers.swa and swa_tokens <= 0):
-            raise ConfigError(
-                "memory_budget_bytes",
-                budget,
-                f"after the sliding-window split (swa_full_tokens_ratio={config.swa_full_tokens_ratio}) a pool holds "
-                f"no page of {ps} tokens; raise the budget",
-            )
+    request_window: int | None = None
+    split = next((k.split_tokens for k in kinds_named(kind.cache_kinds) if k.split_tokens is not None), None)
+    if split is not None:  # a kind splits the tokens between its pools (the sliding window)
+        parts = split(spec, config, stage.layers, max_total, budget)
+        full_tokens, swa_tokens = parts.full_tokens_per_layer, parts.swa_tokens_per_layer
+        max_total, request_window = parts.max_total_tokens, parts.request_window
     pages = max_total // ps
 
     rows = config.max_running_requests
@@ -273,7 +256,7 @@ def decide_sizes(
             "can run at once (each holds a page of its own)"
         )
     with_state = [s for s in stages if s.layers.recurrent]
-    if kind.is_hybrid_ssm and with_state:
+    if target.recurrent is not None and with_state:
         # Every stage runs the same requests: the stage with the fewest state slots caps the rows.
         per_req = _mamba_states_per_request(config)
         slots = min(s.mamba_slots for s in with_state)
@@ -286,10 +269,7 @@ def decide_sizes(
             )
         rows = min(rows, slots // per_req)
 
-    if kind.is_hybrid_swa and not stage.layers.full:
-        held, need = max_total, min(context_length, spec.sliding_window or context_length)
-    else:
-        held, need = max_total, context_length
+    held, need = max_total, min(context_length, request_window or context_length)
     if held < need:
         warnings.append(
             f"the pool holds {held:,} tokens, fewer than one request of context_length={context_length:,}: requests "
@@ -306,7 +286,7 @@ def decide_sizes(
         num_pages=pages,
         full_tokens_per_layer=full_tokens,
         swa_tokens_per_layer=swa_tokens,
-        max_mamba_cache_size=stage.mamba_slots if kind.is_hybrid_ssm else None,
+        max_mamba_cache_size=stage.mamba_slots if target.recurrent is not None else None,
         mamba_state_bytes_per_req=stage.mamba_bytes_per_req,
         max_running_requests=rows,
         context_length=context_length,

@@ -23,11 +23,10 @@ import dataclasses
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds.planning import layout_kind
 from kvjax.plan.records import ModelKind, Target
 from kvjax.pools import storage
 from kvjax.pools.alignment import tpu_packing
-from kvjax.pools.mha_layout import MHALayout
-from kvjax.pools.mla_layout import MLALayout
 from kvjax.pools.recurrent_layout import RecurrentLayout
 from kvjax.spec import ModelSpec
 
@@ -62,12 +61,12 @@ def _kv_heads_refusal(num_kv_heads: int, attn_tp: int) -> str | None:
     return None
 
 
-def _tp_refusal(spec: ModelSpec, is_mla: bool, attn_tp: int, tp: int) -> str | None:
+def _tp_refusal(spec: ModelSpec, splits_kv_heads: bool, attn_tp: int, tp: int) -> str | None:
     """Why SGLang refuses ``attn_tp`` attention ranks (``tp`` in all) for this model, or None."""
     heads = spec.num_attention_heads
     if heads > 0 and heads % attn_tp:
         return f"the model's {heads} attention heads cannot be split evenly over {attn_tp} ranks"
-    if not is_mla and spec.num_kv_heads > 0:
+    if splits_kv_heads and spec.num_kv_heads > 0:
         refusal = _kv_heads_refusal(spec.num_kv_heads, attn_tp)
         if refusal is not None:
             return refusal
@@ -79,22 +78,23 @@ def _tp_refusal(spec: ModelSpec, is_mla: bool, attn_tp: int, tp: int) -> str | N
     return None
 
 
-def allowed_tp_sizes(spec: ModelSpec, is_mla: bool) -> list[int]:
+def allowed_tp_sizes(spec: ModelSpec, splits_kv_heads: bool) -> list[int]:
     """Every TP size (without DP attention) SGLang would shard this model over, up to
     ``max(MAX_SUGGESTED_TP, attention heads)``."""
     upto = max(MAX_SUGGESTED_TP, spec.num_attention_heads)
-    return [tp for tp in range(1, upto + 1) if _tp_refusal(spec, is_mla, tp, tp) is None]
+    return [tp for tp in range(1, upto + 1) if _tp_refusal(spec, splits_kv_heads, tp, tp) is None]
 
 
-def check_tensor_parallel(spec: ModelSpec, config: CacheConfig, is_mla: bool) -> None:
-    """Refuse a TP size SGLang cannot shard this model over, suggesting only sizes that plan."""
+def check_tensor_parallel(spec: ModelSpec, config: CacheConfig, splits_kv_heads: bool) -> None:
+    """Refuse a TP size SGLang cannot shard this model over, suggesting only sizes that plan
+    (``splits_kv_heads``: the layout splits the KV heads over the ranks; a latent row does not)."""
     attn_tp = config.attn_tp_size
-    refusal = _tp_refusal(spec, is_mla, attn_tp, config.tp_size)
+    refusal = _tp_refusal(spec, splits_kv_heads, attn_tp, config.tp_size)
     if refusal is None:
         return
     fix = "no TP size splits this model"
     if not config.enable_dp_attention:
-        allowed = allowed_tp_sizes(spec, is_mla)
+        allowed = allowed_tp_sizes(spec, splits_kv_heads)
         if allowed:
             listed = ", ".join(map(str, allowed[:-1])) + (" or " if len(allowed) > 1 else "") + str(allowed[-1])
             fix = f"use {{tp_size}} {listed}"
@@ -127,38 +127,16 @@ def check_tpu_page_size(page_size: int, kv_dtype: str) -> None:
 
 
 def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Target:
-    """The dtype, heads per rank and padded layout of each pool, for ``config.platform`` (TPU by default)."""
+    """The dtype, heads per rank and padded layout of each pool, for ``config.platform`` (TPU by
+    default); the attention layout is the model's layout kind's (``CacheKind.attention_layout``)."""
     platform = config.platform or DEFAULT_PLATFORM
     kv_dtype = spec.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-    attn_tp = config.attn_tp_size
-    check_tensor_parallel(spec, config, kind.is_mla)
+    laid_out_by = layout_kind(kind)
+    check_tensor_parallel(spec, config, laid_out_by.splits_kv_heads)
     if platform == "tpu":
         check_tpu_page_size(config.page_size, kv_dtype)
-    attention: MHALayout | MLALayout
-    if kind.is_mla:
-        heads, replicas = 1, attn_tp  # one latent "head", replicated on every rank
-        assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None  # ModelSpec checks it
-        mla = MLALayout.for_platform(
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-            page_size=config.alloc_page_size,
-            dtype=kv_dtype,
-            platform=platform,
-            index_head_dim=spec.index_head_dim if spec.is_dsa else None,
-        )
-        attention, padded = mla, mla.row_padded
-        per_layer = mla.bytes_per_token_per_layer + mla.indexer_bytes_per_token_per_layer
-    else:
-        heads, replicas = kv_heads_per_rank(spec.num_kv_heads, attn_tp)
-        mha = MHALayout.for_platform(
-            num_kv_heads=heads,
-            head_dim=spec.head_dim,
-            v_head_dim=spec.v_head_dim,
-            page_size=config.alloc_page_size,
-            dtype=kv_dtype,
-            platform=platform,
-        )
-        attention, padded, per_layer = mha, mha.head_dim_padded, mha.bytes_per_token_per_layer
+    assert laid_out_by.attention_layout is not None  # layout_kind picks a kind with one
+    choice = laid_out_by.attention_layout(spec, config, platform, kv_dtype)
     recurrent = None
     if spec.recurrent is not None:
         state = spec.recurrent
@@ -166,22 +144,19 @@ def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Targ
             state = dataclasses.replace(state, ssm_dtype=config.mamba_ssm_dtype)
         # SGLang's mamba cache params shard the state over the attention-TP group
         # (get_attention_tp_size: tp_size / dp_size under DP attention), like the KV heads.
-        recurrent = RecurrentLayout.per_rank(state, attn_tp)
-    padding = attention.padding()
-    if replicas > 1 and not kind.is_mla:
-        padding += (f"{spec.num_kv_heads} KV heads over {attn_tp} ranks: each head replicated {replicas}x",)
+        recurrent = RecurrentLayout.per_rank(state, config.attn_tp_size)
     return Target(
         platform=platform,
         kv_cache_dtype=kv_dtype,
         storage_dtype=storage.storage_dtype_name(kv_dtype, platform),
-        num_kv_heads_per_rank=heads,
-        kv_head_replicas=replicas,
-        head_dim_padded=padded,
-        attention=attention,
+        num_kv_heads_per_rank=choice.heads_per_rank,
+        kv_head_replicas=choice.replicas,
+        head_dim_padded=choice.head_dim_padded,
+        attention=choice.layout,
         recurrent=recurrent,
-        attention_bytes_per_token_per_layer=per_layer,
-        padding=padding,
+        attention_bytes_per_token_per_layer=choice.bytes_per_token_per_layer,
+        padding=choice.padding,
         tp_size=config.tp_size,
-        attn_tp_size=attn_tp,
+        attn_tp_size=config.attn_tp_size,
         dp_size=config.dp_size if config.enable_dp_attention else 1,
     )

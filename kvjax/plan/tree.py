@@ -7,6 +7,8 @@ import logging
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds.cache_kind import CacheKind
+from kvjax.kinds.planning import kinds_named
 from kvjax.plan.draft import DRAFT_MODEL_ALGORITHMS
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
 from kvjax.radix.tree_options import TreeOptions
@@ -14,6 +16,8 @@ from kvjax.spec import ModelSpec
 from kvjax.tiers.host_sizing import host_pool_tokens
 
 logger = logging.getLogger("kvjax.plan")
+
+UNIFIED, CHUNK, FULL = "unified", "chunk", "full"  # the default trees and the component every tree has
 
 HICACHE_RATIO_WITH_HOST_POOL = 1.0
 HICACHE_RATIO_DEFAULT = 2.0
@@ -25,9 +29,10 @@ MULTIMODAL_TRANSFORMERS_WARNING = (
 
 
 def decide_retraction_backup(config: CacheConfig, kind: ModelKind, sizes: Sizes) -> tuple[str, float]:
-    """SGLang's ``resolve_decode_retraction_backup`` and the ``hicache_ratio`` default."""
-    supports_host_pool = (
-        not kind.is_hybrid_ssm and not kind.is_mla and (not kind.is_hybrid_swa or bool(sizes.full_tokens_per_layer))
+    """SGLang's ``resolve_decode_retraction_backup`` and the ``hicache_ratio`` default: ``host_pool``
+    only where every kind the model needs supports it (``CacheKind.supports_host_pool_backup``)."""
+    supports_host_pool = all(
+        k.supports_host_pool_backup(sizes) for k in kinds_named(kind.cache_kinds) if k.supports_host_pool_backup
     )
     backup = config.disaggregation_decode_retraction_backup
     if backup is None:
@@ -48,18 +53,19 @@ def decide_retraction_backup(config: CacheConfig, kind: ModelKind, sizes: Sizes)
 
 
 def _tree_cache_kind(
-    disable_radix_cache: bool, backup: str, chunked_prefill_size: int | None, is_hybrid_swa: bool, pure_swa: bool
-) -> str:
-    """The decision table of the ``kvjax.plan`` docstring."""
+    kinds: tuple[CacheKind, ...], sizes: Sizes, disable_radix_cache: bool, backup: str, chunked_prefill_size: int | None
+) -> tuple[str, tuple[str, ...]]:
+    """The decision table of the ``kvjax.plan`` docstring: the tree and its components. A kind's
+    own tree (``CacheKind.own_tree``) replaces the chunk cache or the unified tree."""
+    unified = (UNIFIED, tuple(dict.fromkeys(c for k in kinds for c in k.tree_components)))
     if disable_radix_cache and backup == "host_pool":
-        return "unified"
-    if chunked_prefill_size is not None and disable_radix_cache:
-        if not is_hybrid_swa:
-            return "chunk"
-        return "pure_swa_chunk" if pure_swa else "swa_chunk"
-    if pure_swa:
-        return "pure_swa_radix"
-    return "unified"
+        return unified
+    chunked = chunked_prefill_size is not None and disable_radix_cache
+    for cache_kind in kinds:
+        own = cache_kind.own_tree(sizes, chunked) if cache_kind.own_tree is not None else None
+        if own is not None:
+            return own.tree_cache_kind, own.components
+    return (CHUNK, (FULL,)) if chunked else unified
 
 
 def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Sizes, backup: str) -> TreeChoice:
@@ -72,42 +78,25 @@ def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Si
         warnings.append(MULTIMODAL_TRANSFORMERS_WARNING)
     chunked_prefill_size = None if mm_on_transformers else config.chunked_prefill_size
 
+    kinds = kinds_named(kind.cache_kinds)
     if config.disaggregation_decode_enable_radix_cache and config.disaggregation_mode == "decode":
-        if kind.is_hybrid_swa:
-            raise ConfigError(
-                "disaggregation_decode_enable_radix_cache",
-                True,
-                "--disaggregation-decode-enable-radix-cache is incompatible with sliding window "
-                "attention (SWA) models; turn it off for this model",
-            )
-        if kind.is_hybrid_ssm:
-            raise ConfigError(
-                "disaggregation_decode_enable_radix_cache",
-                True,
-                "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; "
-                "turn it off for this model",
-            )
+        refusal = next((k.decode_radix_refusal for k in kinds if k.decode_radix_refusal), None)
+        if refusal is not None:
+            raise ConfigError("disaggregation_decode_enable_radix_cache", True, refusal)
 
-    pure_swa = kind.is_hybrid_swa and not sizes.full_tokens_per_layer
-    tree_kind = _tree_cache_kind(disable_radix_cache, backup, chunked_prefill_size, kind.is_hybrid_swa, pure_swa)
-    components = ("full",) + (("swa",) if kind.is_hybrid_swa else ()) + (("mamba",) if kind.is_hybrid_ssm else ())
-    if tree_kind in ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix"):
-        components = ("swa",) if pure_swa else ("full",) + (("swa",) if kind.is_hybrid_swa else ())
+    tree_kind, components = _tree_cache_kind(kinds, sizes, disable_radix_cache, backup, chunked_prefill_size)
     if backup == "host_pool":
-        if tree_kind != "unified":
+        if tree_kind != UNIFIED:
             raise ConfigError(
                 "disaggregation_decode_retraction_backup",
                 backup,
                 "--disaggregation-decode-retraction-backup=host_pool requires UnifiedRadixCache with HiCache "
                 f"attached, and this configuration selects a {tree_kind!r} tree; use 'cpu_tensor'",
             )
-        if kind.is_hybrid_ssm:
-            raise ConfigError(
-                "disaggregation_decode_retraction_backup",
-                backup,
-                "host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
-            )
-    if config.enable_session_radix_cache and tree_kind != "unified":
+        refusal = next((k.host_pool_backup_refusal for k in kinds if k.host_pool_backup_refusal), None)
+        if refusal is not None:
+            raise ConfigError("disaggregation_decode_retraction_backup", backup, refusal)
+    if config.enable_session_radix_cache and tree_kind != UNIFIED:
         raise ConfigError(
             "enable_session_radix_cache",
             True,
@@ -134,11 +123,11 @@ def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Si
 
 
 def _attaches_host_tier(config: CacheConfig, tree_kind: str, backup: str) -> bool:
-    return tree_kind == "unified" and (config.enable_hierarchical_cache or backup == "host_pool")
+    return tree_kind == UNIFIED and (config.enable_hierarchical_cache or backup == "host_pool")
 
 
 def decide_host_tier(
-    config: CacheConfig, kind: ModelKind, sizes: Sizes, tree: TreeChoice, backup: str, hicache_ratio: float
+    config: CacheConfig, sizes: Sizes, tree: TreeChoice, backup: str, hicache_ratio: float
 ) -> HostTier:
     """The host tier (attached to a unified tree under HiCache or host-pool retraction) and its
     size, draft host pools and the multimodal embedding cache."""
@@ -147,7 +136,8 @@ def decide_host_tier(
     host_tokens = 0
     if attach:
         ps = sizes.alloc_page_size
-        device_tokens = sizes.full_tokens_per_layer if kind.is_hybrid_swa else sizes.max_total_tokens
+        # A split pool pair is backed by the host per full-layer token (SGLang sizes by the full pool).
+        device_tokens = sizes.max_total_tokens if sizes.full_tokens_per_layer is None else sizes.full_tokens_per_layer
         host_tokens = host_pool_tokens(
             device_tokens or 0,
             ps,

@@ -23,7 +23,7 @@ from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
 from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
 from kvjax.radix.radix_cache import RadixCache
-from kvjax.radix.registry import TREE_CACHE_KINDS, create_tree_cache
+from kvjax.radix.registry import create_tree_cache, tree_cache_kinds
 from kvjax.radix.slot_component import NodeSlot, NodeSlotComponent
 from kvjax.radix.stats import CacheStats
 from kvjax.radix.storage_link import StorageOptions
@@ -68,12 +68,12 @@ __all__ = [
     "SWALockPart",
     "PureSWARadixCache",
     "SWARadixCache",
-    "TREE_CACHE_KINDS",
     "TreeComponent",
     "TreeInvariantError",
     "TreeNode",
     "TreeOptions",
     "StorageOptions",
     "create_tree_cache",
+    "tree_cache_kinds",
     "get_eviction_policy",
 ]

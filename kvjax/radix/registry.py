@@ -1,62 +1,73 @@
 """`create_tree_cache`: the prefix cache a plan asks for.
 
 Mirrors SGLang's newest default chain (everything is one tree with components), restricted to
-what is built: the plan's typed :class:`TreeOptions` pick the components, and everything the
-tree holds (allocators, the host tier's transfer engine, the storage tier) is passed to its
-constructor. Kinds that need a component not built yet raise ``NotImplementedError`` naming it,
-never a silent fallback.
+what is built: the plan's typed :class:`TreeOptions` pick the tree, and everything the tree
+holds (allocators, the host tier's transfer engine, the storage tier) is passed to its
+constructor. The cache kinds own the trees (``CacheKind.tree_builders``, ``kvjax.kinds``): a
+``tree_cache_kind`` of a kind's own tree, or the unified tree's components joined with ``"+"``,
+maps to the builder that kind registered; this module names none of them. Components no kind
+builds together raise ``NotImplementedError`` naming them, never a silent fallback.
 
 =====================  ==========================================================
-plan                   tree
+plan                   tree (the kind that builds it)
 =====================  ==========================================================
-``chunk``              :class:`ChunkCache`
+``chunk``              :class:`ChunkCache` (full)
 ``unified``, full only :class:`RadixCache` (``disable=True`` when the radix cache is
                        disabled: SGLang builds a disabled tree that behaves like a
-                       chunk cache when chunked prefill is off)
+                       chunk cache when chunked prefill is off); host tier attached:
+                       :class:`HiRadixCache` (the host allocator, transfer engine and
+                       storage tier come from the build, else a host allocator of
+                       ``host_pool_tokens`` and a simulated engine) (full)
 ``unified`` + swa      :class:`SWARadixCache` (radix disabled: :class:`SWAChunkCache`, which
                        behaves as SGLang's disabled tree); with a host tier
-                       :class:`HiSWARadixCache`; with a Mamba component too:
-                       NotImplementedError
+                       :class:`HiSWARadixCache` (swa)
 ``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
-                       ``mamba_allocator``; extra buffer and per-path cap from the plan)
-host tier attached     :class:`HiRadixCache` (full only; the host allocator, transfer
-                       engine and storage tier come from the build, else a host
-                       allocator of ``host_pool_tokens`` and a simulated engine); with a Mamba
-                       component: NotImplementedError
-``swa_chunk``          :class:`SWAChunkCache` (needs the SWA allocator)
-``pure_swa_chunk``     :class:`PureSWAChunkCache`
+                       ``mamba_allocator``; extra buffer and per-path cap from the plan);
+                       with the host tier: NotImplementedError (recurrent)
+swa + mamba            NotImplementedError (no kind builds both in one tree)
+``swa_chunk``          :class:`SWAChunkCache` (needs the SWA allocator) (swa)
+``pure_swa_chunk``     :class:`PureSWAChunkCache` (swa)
 ``pure_swa_radix``     :class:`PureSWARadixCache` (the SWA pool's plain allocator); with a
-                       host tier: NotImplementedError
+                       host tier: NotImplementedError (swa)
 =====================  ==========================================================
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvjax.errors import ConfigError
-from kvjax.radix.chunk_cache import ChunkCache
+from kvjax.kinds.cache_kind import CacheKind
+from kvjax.kinds.registry import cache_kinds
 from kvjax.radix.events import EventSink
-from kvjax.radix.hiradix_cache import HiRadixCache
-from kvjax.radix.hiswa_radix_cache import HiSWARadixCache
-from kvjax.radix.mamba_radix_cache import MambaRadixCache
-from kvjax.radix.pure_swa_radix_cache import PureSWARadixCache
-from kvjax.radix.radix_cache import RadixCache
 from kvjax.radix.storage_link import StorageOptions
-from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
-from kvjax.radix.swa_radix_cache import SWARadixCache
+from kvjax.radix.tree_inputs import TreeInputs
 from kvjax.radix.tree_options import TreeOptions
 
 if TYPE_CHECKING:
-    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
+    from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
     from kvjax.tiers import CopyEngine, HostSlotAllocator
 
-TREE_CACHE_KINDS = ("chunk", "swa_chunk", "pure_swa_chunk", "pure_swa_radix", "unified")
+UNIFIED = "unified"
+COMPONENT_SEPARATOR = "+"  # the unified tree's builder key: its components joined
 
-_MISSING = {
-    "swa": "SWA + Mamba tree (both components in one tree)",
-    "mamba": "SWA + Mamba tree (both components in one tree)",
-}
+TreeBuilder = Callable[[TreeOptions, TreeInputs], Any]
+
+
+def _builders() -> dict[str, TreeBuilder]:
+    """Every registered kind's tree builders by key (registry order; keys are unique)."""
+    return {key: build for kind in cache_kinds() for key, build in kind.tree_builders.items()}
+
+
+def tree_cache_kinds() -> tuple[str, ...]:
+    """The ``tree_cache_kind`` values the registered kinds build (their own trees, then ``unified``)."""
+    return tuple(k for k in _builders() if COMPONENT_SEPARATOR not in k and k not in _components()) + (UNIFIED,)
+
+
+def _components() -> tuple[str, ...]:
+    """Every tree component a registered kind contributes, each once, in registry order."""
+    return tuple(dict.fromkeys(c for kind in cache_kinds() for c in kind.tree_components))
 
 
 class HasTreeOptions(Protocol):
@@ -76,7 +87,7 @@ def create_tree_cache(
     host_allocator: HostSlotAllocator | None = None,
     host_engine: CopyEngine | None = None,
     storage: StorageOptions | None = None,
-) -> ChunkCache | RadixCache | MambaRadixCache:
+) -> TreeCacheProtocol:
     """Build the prefix cache described by ``plan`` (its :class:`TreeOptions`, or a plan whose
     ``tree_options`` they are), with everything it holds given now: ``host_allocator`` (the host
     pool's slot allocator; default: one of ``host_pool_tokens``), ``host_engine`` (the host tier's
@@ -96,139 +107,55 @@ def create_tree_cache(
         )
     return _create(
         options,
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        event_sink=event_sink,
-        host_allocator=host_allocator,
-        host_engine=host_engine,
-        storage=storage,
+        TreeInputs(
+            options,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            event_sink=event_sink,
+            host_allocator=host_allocator,
+            host_engine=host_engine,
+            storage=storage,
+        ),
     )
 
 
-def _create(
-    o: TreeOptions,
-    *,
-    req_to_token_pool: ReqToTokenPoolProtocol | None,
-    token_to_kv_pool_allocator: AllocatorProtocol | None,
-    event_sink: EventSink | None,
-    host_allocator: HostSlotAllocator | None,
-    host_engine: CopyEngine | None,
-    storage: StorageOptions | None,
-) -> ChunkCache | RadixCache | MambaRadixCache:
+def _create(o: TreeOptions, inputs: TreeInputs) -> TreeCacheProtocol:
     kind = o.tree_cache_kind
-    page_size = int(o.tree_page_size or 1)
-    if kind not in TREE_CACHE_KINDS:
-        raise ConfigError("tree_cache_kind", kind, f"use one of {', '.join(TREE_CACHE_KINDS)}")
+    builders = _builders()
+    known = tree_cache_kinds()
+    if kind not in known:
+        raise ConfigError("tree_cache_kind", kind, f"use one of {', '.join(known)}")
     if not o.attach_host_tier:
-        for name, given in (("host_allocator", host_allocator), ("host_engine", host_engine), ("storage", storage)):
+        for name in ("host_allocator", "host_engine", "storage"):
+            given = getattr(inputs, name)
             if given is not None:
                 raise ConfigError(name, type(given).__name__, "the plan has no host tier (attach_host_tier); drop it")
-    # The presets' shared keyword arguments, and the host tier's.
-    common: dict[str, Any] = dict(
-        eviction_policy=o.radix_eviction_policy or "lru",
-        req_to_token_pool=req_to_token_pool,
-        is_eagle=bool(o.is_eagle),
-        enable_kv_cache_events=bool(o.enable_kv_cache_events),
-        event_sink=event_sink,
-        enable_metrics=bool(o.enable_metrics),
-    )
-    host_tier: dict[str, Any] = dict(
-        host_allocator=host_allocator,
-        host_pool_tokens=int(o.host_pool_tokens) or None,
-        copy_engine=host_engine,
-        write_policy=o.hicache_write_policy,
-    )
-    if kind == "chunk":
-        return ChunkCache(
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            page_size=page_size,
-        )
-    if kind in ("swa_chunk", "pure_swa_chunk"):
-        cls = SWAChunkCache if kind == "swa_chunk" else PureSWAChunkCache
-        return cls(
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            page_size=page_size,
-            sliding_window_size=o.sliding_window_size,
-        )
-    if kind == "pure_swa_radix":
-        if o.attach_host_tier:
-            # SGLang 0.5.23 builds its pure-SWA tree without the host tier (and refuses the
-            # host_pool retraction backup for it); kvjax says so rather than drop the flag.
-            raise NotImplementedError(
-                "tree_cache_kind='pure_swa_radix' (every layer sliding) with the host tier: SGLang's pure-SWA "
-                "tree has no host tier; turn off enable_hierarchical_cache for this model"
-            )
-        return PureSWARadixCache(
-            page_size=page_size,
-            sliding_window_size=o.sliding_window_size,
-            allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]  # a plain allocator (see _check_allocator)
-            **common,
-        )
+    if kind != UNIFIED:
+        return builders[kind](o, inputs)
     components = tuple(o.tree_components or ("full",))
-    if "mamba" in components and o.attach_host_tier:
-        raise NotImplementedError(
-            f"tree_components={components!r} with the host tier needs a host copy of recurrent-state "
-            "checkpoints, which is not built yet; turn off enable_hierarchical_cache for this model"
-        )
-    if components == ("full", "mamba"):
-        return MambaRadixCache(
-            page_size=page_size,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            enable_mamba_extra_buffer=bool(o.enable_mamba_extra_buffer),
-            mamba_max_states_per_path=int(o.mamba_max_states_per_path),
-            disable=bool(o.disable_radix_cache),
-            **{k: v for k, v in common.items() if k != "is_eagle"},  # as before: the Mamba tree takes no bigram keys
-        )
-    if components == ("full", "swa"):
-        window = o.sliding_window_size
-        if o.attach_host_tier:
-            if o.disable_radix_cache:
-                raise NotImplementedError(
-                    "the host tier over a disabled hybrid sliding-window tree (the host_pool retraction backup with "
-                    "disable_radix_cache) is not built; use decode_retraction_backup='cpu_tensor' for this model"
-                )
-            return HiSWARadixCache(
-                page_size=page_size,
-                sliding_window_size=window,
-                allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]  # checked: an SWA allocator
-                storage=storage,
-                **host_tier,
-                **common,
-            )
-        if o.disable_radix_cache:
-            return SWAChunkCache(
-                req_to_token_pool=req_to_token_pool,
-                token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                page_size=page_size,
-                sliding_window_size=window,
-            )
-        return SWARadixCache(
-            page_size=page_size,
-            sliding_window_size=window,
-            allocator=token_to_kv_pool_allocator,  # type: ignore[arg-type]  # checked: an SWA allocator
-            **common,
-        )
-    for comp in components:
-        if comp == "full" or (comp == "mamba" and "swa" not in components):
-            continue
-        what = _MISSING.get(comp)
-        if what is None:
-            raise ConfigError("tree_components", components, "components are 'full', 'swa' and 'mamba'")
-        raise NotImplementedError(f"tree_components={components!r} needs the {what}, which is not built yet")
+    known = _components()
+    unknown = [c for c in components if c not in known]
+    if unknown:
+        named = ", ".join(repr(c) for c in known[:-1]) + f" and {known[-1]!r}"
+        raise ConfigError("tree_components", components, f"components are {named}")
     if o.attach_host_tier:
-        return HiRadixCache(
-            page_size=page_size,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            disable=bool(o.disable_radix_cache),
-            storage=storage,
-            **host_tier,
-            **common,
+        for component in components:
+            missing = _owner(component).no_host_copy
+            if missing is not None:
+                raise NotImplementedError(
+                    f"tree_components={components!r} with the host tier needs a host copy of {missing}, which is "
+                    "not built yet; turn off enable_hierarchical_cache for this model"
+                )
+    build = builders.get(COMPONENT_SEPARATOR.join(components))
+    if build is None:
+        labels = [_owner(c).tree_label or c for c in components[1:] or components]
+        both = " (both components in one tree)" if len(labels) == 2 else ""
+        raise NotImplementedError(
+            f"tree_components={components!r} needs the {' + '.join(labels)} tree{both}, which is not built yet"
         )
-    return RadixCache(
-        page_size=page_size,
-        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        disable=bool(o.disable_radix_cache),
-        **common,
-    )
+    return build(o, inputs)
+
+
+def _owner(component: str) -> CacheKind:
+    """The first registered kind that contributes ``component`` to the unified tree."""
+    return next(kind for kind in cache_kinds() if component in kind.tree_components)

@@ -16,7 +16,7 @@ class TreeOptions:
 
     Attributes:
         tree_cache_kind: ``chunk``, ``swa_chunk``, ``pure_swa_chunk``, ``pure_swa_radix`` or
-            ``unified`` (``registry.TREE_CACHE_KINDS``).
+            ``unified`` (``registry.tree_cache_kinds()``: the kinds' own trees and the unified one).
         tree_components: the unified tree's components, FULL first: ``("full",)``,
             ``("full", "swa")``, ``("full", "mamba")``; ``("swa",)`` for pure sliding-window kinds.
         tree_page_size: tokens per page of the tree's edges (>= 1).

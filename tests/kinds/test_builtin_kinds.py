@@ -104,6 +104,24 @@ def test_the_build_and_the_scheduler_name_no_kind(path):
     assert branch is None, f"{path} branches on a kind: {branch}"
 
 
+PLANNER_KIND_NAMES = ('"swa"', '"recurrent"', '"mla"', '"mha"', '"hybrid_linear"', '"mamba"', '"host_tier"')
+FLAG_BRANCH = re.compile(
+    r"\b(if|elif|while|and|or|not)\b[^\n]*\b(kind|plan|self)\.(is_hybrid_swa|is_hybrid_ssm|is_mla|is_dsa)\b"
+)
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax" / "plan").glob("*.py")) + ["kvjax/build.py"]
+)
+def test_the_planner_and_the_build_name_no_kind(path):
+    """The planner asks the kinds' planner hooks (``CacheKind``) and names none of them."""
+    source = _code((ROOT / path).read_text())
+    for name in PLANNER_KIND_NAMES:
+        assert name not in source, f"{path} names {name}"
+    branch = FLAG_BRANCH.search(source)
+    assert branch is None, f"{path} branches on a kind: {branch.group(0)!r}"
+
+
 def _code(source: str) -> str:
     """``source`` without docstrings, comments and the ``KVCache`` properties that pass plan
     fields through (SGLang's ``KVCacheBuildResult`` names)."""

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
 from kvjax import ModelSpec
+from kvjax.attention import attend
+from kvjax.config import CacheConfig
 from kvjax.demo import demo_cache
+from kvjax.errors import ConfigError
 from kvjax.kinds import cache_kinds, cache_kinds_of, register_cache_kind, unregister_cache_kind
+from kvjax.plan import plan_kv_cache
 from kvjax.serve.scheduler import Scheduler, ServingReq, default_extensions
 from tests.kinds import toy_kind
 
@@ -70,3 +75,23 @@ def test_unregistering_removes_the_kind(toy_spec):
     unregister_cache_kind(toy_kind.KIND.name)
     assert toy_kind.KIND not in cache_kinds()
     register_cache_kind(toy_kind.KIND)  # the fixture unregisters it again
+
+
+def test_the_planner_asks_the_toy_kind(toy_spec):
+    decode_radix = dict(
+        memory_budget_bytes=2**24, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True
+    )
+    plan = plan_kv_cache(toy_spec, CacheConfig(memory_budget_bytes=2**24))
+    assert toy_kind.KIND.name in plan.kind.cache_kinds
+    with pytest.raises(ConfigError, match="token counter restarts"):
+        plan_kv_cache(toy_spec, CacheConfig(**decode_radix))
+    other = dataclasses.replace(toy_spec, name="tiny")  # the kind does not apply: nothing refused
+    assert toy_kind.KIND.name not in plan_kv_cache(other, CacheConfig(**decode_radix)).kind.cache_kinds
+
+
+def test_attend_runs_the_toy_kinds_attention_for_its_layer(toy_spec):
+    cache = demo_cache(spec=toy_spec)
+    q = jnp.ones((5, 2, 4), jnp.float32)
+    out, pools = attend(cache.pools, toy_kind.COUNTER_LAYER, q, q, q, meta=None)  # type: ignore[arg-type]
+    assert out is q and int(pools[toy_kind.POOL_NAME][-1]) == 5
+    assert pools["kv"] is cache.pools["kv"]  # only the counter's pool was replaced

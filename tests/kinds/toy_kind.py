@@ -9,7 +9,11 @@
 * model :class:`CounterModel`: adds each sequence's new tokens to its counter (reset first where
   asked) and samples the counter, modulo the vocabulary: a request's first output token is the
   number of prompt tokens it computed, each next one is one more. The tokens therefore read back
-  the state the pool carried across chunks and steps.
+  the state the pool carried across chunks and steps;
+* attention :func:`count_tokens`, run by ``kvjax.attention.attend`` for the counter's own layer
+  ``COUNTER_LAYER``: adds the batch's tokens to the spare entry;
+* a plan decision: the planner asks the kind (it applies to the toy model), which refuses the
+  decode-side radix cache (``DECODE_RADIX_REFUSAL``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from kvjax.serve.extension import ServingExtension, StepBatch
 MODEL_NAME = "toy-counter"
 POOL_NAME = "token_counter"
 VOCAB = 97
+COUNTER_LAYER = 1000  # the layer id attend runs the counter for (no model layer has it)
+DECODE_RADIX_REFUSAL = (
+    "the token counter restarts with each request, so a decode-side radix cache cannot share prefixes; turn it off"
+)
 
 POOL = PoolKind(POOL_NAME, "device", "a per-request token counter (toy kind)", f"{__name__}:create_counter_pool")
 
@@ -37,9 +45,22 @@ def uses(plan: Any) -> bool:
     return plan.model == MODEL_NAME
 
 
+def applies(spec: Any, config: Any) -> bool:
+    return spec.name == MODEL_NAME
+
+
 def extra_pools(plan: Any) -> tuple[PoolPlan, ...]:
     rows = int(plan.max_running_requests)
     return (PoolPlan(POOL_NAME, POOL_NAME, (rows + 1,), "int32", 1, (rows + 1) * 4),)
+
+
+def count_tokens(pool: jax.Array, layer_id: int, q: jax.Array, k: Any, v: Any, meta: Any, **options: Any) -> Any:
+    """``attend``'s uniform signature: adds the batch's tokens to the spare entry; returns ``q``."""
+    return q, pool.at[-1].add(q.shape[0])
+
+
+def counter_layers(pool: jax.Array) -> tuple[int, ...]:
+    return (COUNTER_LAYER,)
 
 
 def create_counter_pool(pool: PoolPlan, context: BuildContext) -> jax.Array:
@@ -90,11 +111,14 @@ def serving_extension(cache: Any) -> ServingExtension:
 KIND = CacheKind(
     name="token_counter",
     pool_kinds=(POOL,),
-    attention=f"{__name__}:CounterModel",
+    attention=f"{__name__}:count_tokens",
+    attention_layers=counter_layers,
     uses=uses,
     extra_pools=extra_pools,
     serving_extension=serving_extension,
     page_backup=False,
+    applies=applies,
+    decode_radix_refusal=DECODE_RADIX_REFUSAL,
 )
 
 
