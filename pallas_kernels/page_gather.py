@@ -118,21 +118,15 @@ def gather_pages_kernel(layers: Layers, pages: jax.Array, *, interpret: Interpre
         _runs_kernel, num_layers=num_layers, gather=True, dynamic=_engine.uses_dynamic_dma(interpret)
     )
     nbytes = math.prod(out_shape) * layers[0].dtype.itemsize
-    return pl.pallas_call(
+    return _engine.dma_call(
         kernel,
+        (starts, num_runs, src, index),
+        layers,
         out_shape=_engine.out_like(layers[0], out_shape),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * num_layers,
-            out_specs=_engine.any_memory(),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=2 * nbytes),
+        bytes_accessed=2 * nbytes,
         interpret=interpret,
         name="gather_pages",
-    )(starts, num_runs, src, index, *layers)
+    )
 
 
 def scatter_pages_kernel(
@@ -148,26 +142,16 @@ def scatter_pages_kernel(
     kernel = functools.partial(
         _runs_kernel, num_layers=num_layers, gather=False, dynamic=_engine.uses_dynamic_dma(interpret)
     )
-    num_scalars = 4
-    outs = pl.pallas_call(
+    outs = _engine.dma_call(
         kernel,
+        (starts, num_runs, index, dst),
+        (buffer, *layers),
         out_shape=[_engine.out_like(x) for x in layers],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=num_scalars,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * (1 + num_layers),
-            out_specs=[_engine.any_memory()] * num_layers,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        # operands: 4 scalars, buffer, layers -> layer i is operand 5 + i
-        input_output_aliases={num_scalars + 1 + i: i for i in range(num_layers)},
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=2 * buffer.size * buffer.dtype.itemsize
-        ),
+        aliases={1 + i: i for i in range(num_layers)},  # inputs: buffer, then the layers
+        bytes_accessed=2 * buffer.size * buffer.dtype.itemsize,
         interpret=interpret,
         name="scatter_pages",
-    )(starts, num_runs, index, dst, buffer, *layers)
+    )
     return tuple(outs)
 
 
