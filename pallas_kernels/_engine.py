@@ -193,12 +193,16 @@ def dma_call(
     scratch, before the one DMA semaphore (the last ref) that the kernel's DMAs signal.
     ``bytes_accessed``: the HBM bytes read and written, for XLA's cost model (no flops).
     """
-    many = not isinstance(out_shape, jax.ShapeDtypeStruct)
-    out_specs: Any = [any_memory()] * len(out_shape) if many else any_memory()  # type: ignore[arg-type]
+    outs: Any
+    out_specs: Any
+    if isinstance(out_shape, jax.ShapeDtypeStruct):
+        outs, out_specs = out_shape, any_memory()
+    else:
+        outs, out_specs = list(out_shape), [any_memory()] * len(out_shape)
     num_scalars = len(scalars)
     return pl.pallas_call(
         kernel,
-        out_shape=list(out_shape) if many else out_shape,  # type: ignore[arg-type]
+        out_shape=outs,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalars,
             grid=(1,),
