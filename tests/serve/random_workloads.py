@@ -46,11 +46,12 @@ MAX_STEPS = 2000
 # The sizes every tiny model of these tests shares, here and in the Transformers parity tests
 # (``parity_harness.TINY_CONFIG``); the vocabulary is each module's own.
 TINY_SIZES: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
-# The attention and MLP sizes of the tiny recurrent models (Qwen3-Next, Nemotron-H).
-TINY_RECURRENT_SIZES: dict[str, Any] = dict(num_key_value_heads=2, head_dim=16, intermediate_size=128)
+# The attention and MLP sizes of the tiny models here and of most parity models (all but
+# DeepSeek-V2's and gpt-oss's).
+TINY_LAYER_SIZES: dict[str, Any] = dict(num_key_value_heads=2, head_dim=16, intermediate_size=128)
 _TINY_RECURRENT_BASE: dict[str, Any] = dict(
     TINY_SIZES,
-    **TINY_RECURRENT_SIZES,
+    **TINY_LAYER_SIZES,
     vocab_size=VOCAB,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,

@@ -26,7 +26,7 @@ from tests.serve.parity_harness import (
     torch,
     transformers,
 )
-from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_RECURRENT_SIZES
+from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
 
 LOGIT_ATOL = 1e-4
 MIN_MARGIN = 2e-3  # Qwen3-Next's (10x its tolerance of 2e-4)
@@ -36,7 +36,7 @@ MODEL_SEED = 0
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_RECURRENT_SIZES, **NEMOTRON_H_BLOCKS)
+    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
     return tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=MODEL_SEED)
 
 

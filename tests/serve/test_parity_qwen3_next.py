@@ -38,7 +38,7 @@ from tests.serve.parity_harness import (
     tiny_checkpoint,
     transformers,
 )
-from tests.serve.random_workloads import QWEN3_NEXT_DENSE_MLPS, QWEN3_NEXT_LAYERS, TINY_RECURRENT_SIZES
+from tests.serve.random_workloads import QWEN3_NEXT_DENSE_MLPS, QWEN3_NEXT_LAYERS, TINY_LAYER_SIZES
 
 LOGIT_ATOL = 2e-4
 MAX_NEW = 6
@@ -47,7 +47,7 @@ MODEL_SEED = 1
 
 def _hf_model(tmp_path_factory, name: str, **moe) -> tuple[object, LoadedModel]:
     config = transformers.Qwen3NextConfig(
-        **TINY_CONFIG, **TINY_RECURRENT_SIZES, **QWEN3_NEXT_LAYERS, **(moe or QWEN3_NEXT_DENSE_MLPS)
+        **TINY_CONFIG, **TINY_LAYER_SIZES, **QWEN3_NEXT_LAYERS, **(moe or QWEN3_NEXT_DENSE_MLPS)
     )
     return tiny_checkpoint(config, tmp_path_factory, name, seed=MODEL_SEED)
 
