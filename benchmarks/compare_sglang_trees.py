@@ -219,7 +219,25 @@ class Mismatch(Exception):
 # Allocators
 
 
-class _SgAlloc:
+class _AllocSide:
+    """What both allocator sides do alike on their allocator ``a``."""
+
+    a: Any
+
+    def alloc(self, n):
+        return _ids(self.a.alloc(n))
+
+    def group_begin(self):
+        self.a.free_group_begin()
+
+    def group_end(self):
+        self.a.free_group_end()
+
+    def sizes(self):
+        return {"available": int(self.a.available_size())}
+
+
+class _SgAlloc(_AllocSide):
     """SGLang's token (page 1) or paged allocator, called as its scheduler calls it."""
 
     def __init__(self, size: int, page: int, need_sort: bool) -> None:
@@ -233,9 +251,6 @@ class _SgAlloc:
 
     def _t(self, ids):
         return self.t.tensor(ids, dtype=self.t.int64)
-
-    def alloc(self, n):
-        return _ids(self.a.alloc(n))
 
     def alloc_extend(self, prefix, seq, last):
         if self.page == 1:
@@ -255,17 +270,8 @@ class _SgAlloc:
     def free_segment(self, ids, start):
         self.a.free_segment(self._t(ids), start_pos=start)
 
-    def group_begin(self):
-        self.a.free_group_begin()
 
-    def group_end(self):
-        self.a.free_group_end()
-
-    def sizes(self):
-        return {"available": int(self.a.available_size())}
-
-
-class _KvAlloc:
+class _KvAlloc(_AllocSide):
     """kvjax's allocator; ``free_segment`` when it has one (SGLang's semantics), else ``free``."""
 
     def __init__(self, size: int, page: int, need_sort: bool) -> None:
@@ -276,9 +282,6 @@ class _KvAlloc:
             if page == 1
             else PagedTokenToKVPoolAllocator(size, page, need_sort=need_sort)
         )
-
-    def alloc(self, n):
-        return _ids(self.a.alloc(n))
 
     def alloc_extend(self, prefix, seq, last):
         return _ids(self.a.alloc_extend(prefix, seq, last))
@@ -291,15 +294,6 @@ class _KvAlloc:
 
     def free_segment(self, ids, start):
         free_segment(self.a, ids, start)
-
-    def group_begin(self):
-        self.a.free_group_begin()
-
-    def group_end(self):
-        self.a.free_group_end()
-
-    def sizes(self):
-        return {"available": int(self.a.available_size())}
 
 
 def free_segment(alloc: Any, ids: Any, start: int = 0) -> None:
@@ -339,6 +333,60 @@ class _Pair:
         if s_sg != s_kv:
             raise Mismatch(f"{label} -> {_short(r_sg)}; sizes after it: SGLang {s_sg}, kvjax {s_kv}")
         return r_sg
+
+
+def _checkpoint_cut(req: dict, rng: random.Random, page: int) -> tuple[list, Any, list, int, str]:
+    """A chunked-prefill checkpoint of the live request ``req``: its key cut after a random number
+    (at least one) of whole pages past its hit. Returns ``(key part, ns, the part's values, hit,
+    the insert's label)``; draws one number from ``rng``."""
+    key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+    cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
+    part, part_vals = key[:cut], vals[:cut]
+    label = f"insert(key={_short(part)}, ns={ns}, value={_short(part_vals)}, prev_prefix_len={hit}) (checkpoint)"
+    return part, ns, part_vals, hit, label
+
+
+def _request_op(
+    r: float,
+    rng: random.Random,
+    pair: _TreePair,
+    live: list[dict],
+    held: list[tuple],
+    *,
+    ops: tuple[Callable[[], None], Callable[[dict], None], Callable[[dict], None], Callable[[dict], None] | None],
+    key_of: Callable[[], tuple[list[int], Any]],
+    page: int,
+    most: tuple[int, int],
+    bounds: tuple[float, float, float, float, float, float],
+) -> bool:
+    """The request part of a tree stream's op mix for the draw ``r``; ``bounds`` are its six cut
+    points, ``ops`` are (admit, finish, retract, checkpoint), ``most`` the (live requests, held
+    locks) at most. In turn: admit a request (or finish a random one when ``most[0]`` run; also
+    whenever none is live), finish one, retract one, checkpoint one that has a page past its hit
+    (no checkpoint op: that share goes to the next op), match a key of ``key_of()`` and maybe hold
+    its lock, unlock a held lock (none held: the share goes on). Returns False when ``r`` is past
+    them (the caller's other ops take it)."""
+    admit, finish, retract, checkpoint = ops
+    if r < bounds[0] or not live:
+        if len(live) < most[0]:
+            admit()
+        else:
+            finish(live.pop(rng.randrange(len(live))))
+    elif r < bounds[1]:
+        finish(live.pop(rng.randrange(len(live))))
+    elif r < bounds[2]:
+        retract(live.pop(rng.randrange(len(live))))
+    elif r < bounds[3] and checkpoint is not None:
+        req = rng.choice(live)
+        if len(req["key"]) - req["hit"] >= page:
+            checkpoint(req)
+    elif r < bounds[4]:
+        pair.match_maybe_held(*key_of(), rng, held, most=most[1])
+    elif r < bounds[5] and held:
+        pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
+    else:
+        return False
+    return True
 
 
 def _short(x: Any, limit: int = 24) -> str:
@@ -433,7 +481,31 @@ def _report(e: Exception, pair: _Pair | _TreePair) -> str:
 # Trees
 
 
-class _SgTree:
+class _TreeSide:
+    """What both tree sides report alike: the free pools and the SWA / recurrent components' sizes."""
+
+    kind: str
+    alloc: Any
+    tree: Any
+    mamba: Any
+
+    def available(self):
+        if self.kind == "swa":
+            return int(self.alloc.full_available_size()), int(self.alloc.swa_available_size())
+        return (int(self.alloc.available_size()),)
+
+    def _with_component_sizes(self, out: dict) -> dict:
+        """``out`` (the FULL sizes and the free pools) with the SWA or recurrent component's sizes."""
+        t = self.tree
+        if self.kind == "swa":
+            out["swa"] = (int(t.swa_evictable_size()), int(t.swa_protected_size()))
+        if self.kind == "mamba":
+            out["mamba"] = (int(t.mamba_evictable_size()), int(t.mamba_protected_size()))
+            out["state_slots_free"] = int(self.mamba.available_size())
+        return out
+
+
+class _SgTree(_TreeSide):
     """SGLang's ``UnifiedRadixCache`` with its real allocators."""
 
     def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
@@ -554,23 +626,13 @@ class _SgTree:
             return int(r.num_tokens_evicted), int(r.mamba_num_evicted)
         return int(self.tree.evict(bp.EvictParams(num_tokens=full)).num_tokens_evicted), 0
 
-    def available(self):
-        if self.kind == "swa":
-            return int(self.alloc.full_available_size()), int(self.alloc.swa_available_size())
-        return (int(self.alloc.available_size()),)
-
     def sizes(self):
         t = self.tree
-        out = {"full": (int(t.full_evictable_size()), int(t.full_protected_size())), "free": self.available()}
-        if self.kind == "swa":
-            out["swa"] = (int(t.swa_evictable_size()), int(t.swa_protected_size()))
-        if self.kind == "mamba":
-            out["mamba"] = (int(t.mamba_evictable_size()), int(t.mamba_protected_size()))
-            out["state_slots_free"] = int(self.mamba.available_size())
-        return out
+        full = (int(t.full_evictable_size()), int(t.full_protected_size()))
+        return self._with_component_sizes({"full": full, "free": self.available()})
 
 
-class _KvTree:
+class _KvTree(_TreeSide):
     """kvjax's tree of the same kind with its allocators."""
 
     def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
@@ -674,23 +736,13 @@ class _KvTree:
             return int(r.num_tokens_evicted), int(r.mamba_num_evicted)
         return int(self.tree.evict(full)), 0
 
-    def available(self):
-        if self.kind == "swa":
-            return int(self.alloc.full_available_size()), int(self.alloc.swa_available_size())
-        return (int(self.alloc.available_size()),)
-
     def sizes(self):
         t = self.tree
         if self.kind == "full":
-            out = {"full": (int(t.evictable_size()), int(t.protected_size())), "free": self.available()}
+            full = (int(t.evictable_size()), int(t.protected_size()))
         else:
-            out = {"full": (int(t.full_evictable_size()), int(t.full_protected_size())), "free": self.available()}
-        if self.kind == "swa":
-            out["swa"] = (int(t.swa_evictable_size()), int(t.swa_protected_size()))
-        if self.kind == "mamba":
-            out["mamba"] = (int(t.mamba_evictable_size()), int(t.mamba_protected_size()))
-            out["state_slots_free"] = int(self.mamba.available_size())
-        return out
+            full = (int(t.full_evictable_size()), int(t.full_protected_size()))
+        return self._with_component_sizes({"full": full, "free": self.available()})
 
 
 class _TreePair:
@@ -827,39 +879,20 @@ def tree_stream(
         holds the tree's slots for the whole inserted part, all of it protected. (Not a re-match:
         one can stop short at SWA tombstones and leave slots of the row unprotected, which a
         later revival frees under the request.)"""
-        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
-        cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
-        part = key[:cut]
-        (m, node_sg), (_, node_kv) = pair.step(
-            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
-            lambda s: s.checkpoint(part, ns, vals[:cut], hit),
-            lambda r: r[0],
-        )
+        part, ns, part_vals, hit, label = _checkpoint_cut(req, rng, page)
+        (m, node_sg), (_, node_kv) = pair.step(label, lambda s: s.checkpoint(part, ns, part_vals, hit), lambda r: r[0])
         pair.unlock("unlock(request)", req["locks"])
         req["locks"] = pair.lock("lock(the inserted node)", (node_sg, node_kv))
-        req["values"] = m[1] + vals[len(m[1]) :]
+        req["values"] = m[1] + req["values"][len(m[1]) :]
         req["hit"] = len(m[1])
 
     def one_op():
         r = rng.random()
-        if r < 0.35 or not live:
-            if len(live) < 5:
-                admit()
-            else:
-                finish(live.pop(rng.randrange(len(live))))
-        elif r < 0.6:
-            finish(live.pop(rng.randrange(len(live))))
-        elif r < 0.67:
-            retract(live.pop(rng.randrange(len(live))))
-        elif r < 0.72 and kind != "mamba":
-            req = rng.choice(live)
-            if len(req["key"]) - req["hit"] >= page:
-                checkpoint(req)
-        elif r < 0.78:
-            pair.match_maybe_held(*key_of(), rng, held, most=3)
-        elif r < 0.8 and held:
-            pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
-        elif r < 0.9:
+        ops = (admit, finish, retract, checkpoint if kind != "mamba" else None)
+        bounds = (0.35, 0.6, 0.67, 0.72, 0.78, 0.8)
+        if _request_op(r, rng, pair, live, held, ops=ops, key_of=key_of, page=page, most=(5, 3), bounds=bounds):
+            return
+        if r < 0.9:
             full = rng.choice([0, page, 3 * page, 8 * page])
             other = rng.choice([0, 1, page, 4 * page]) if kind != "full" else 0
             if kind == "mamba":
@@ -1238,40 +1271,22 @@ def hicache_stream(page: int, device: int, ratio: float, policy: str, seed: int,
 
     def checkpoint(req):
         """A chunked-prefill checkpoint: insert the first pages, re-match them, move the lock."""
-        key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
-        cut = hit + page * rng.randrange(1, (len(key) - hit) // page + 1)
-        part = key[:cut]
-        pair.step(
-            f"insert(key={_short(part)}, ns={ns}, value={_short(vals[:cut])}, prev_prefix_len={hit}) (checkpoint)",
-            lambda s: s.insert(part, ns, vals[:cut], hit),
-        )
+        part, ns, part_vals, hit, label = _checkpoint_cut(req, rng, page)
+        pair.step(label, lambda s: s.insert(part, ns, part_vals, hit))
         (m, h_sg), (_, h_kv) = pair.step(
             f"match(key={_short(part)}, ns={ns})", lambda s: s.match(part, ns), lambda r: r[0]
         )
         new_locks = pair.lock("lock(that match)", (h_sg, h_kv))
         pair.unlock("unlock(request)", req["locks"])
-        req["locks"], req["values"], req["hit"] = new_locks, m[1] + vals[m[0] :], m[0]
+        req["locks"], req["values"], req["hit"] = new_locks, m[1] + req["values"][m[0] :], m[0]
 
     def one_op():
         r = rng.random()
-        if r < 0.3 or not live:
-            if len(live) < 4:
-                admit()
-            else:
-                finish(live.pop(rng.randrange(len(live))))
-        elif r < 0.48:
-            finish(live.pop(rng.randrange(len(live))))
-        elif r < 0.53:
-            retract(live.pop(rng.randrange(len(live))))
-        elif r < 0.57:
-            req = rng.choice(live)
-            if len(req["key"]) - req["hit"] >= page:
-                checkpoint(req)
-        elif r < 0.62:
-            pair.match_maybe_held(*key_of(), rng, held, most=2)
-        elif r < 0.65 and held:
-            pair.unlock("unlock(held lock)", held.pop(rng.randrange(len(held))))
-        elif r < 0.75:
+        ops = (admit, finish, retract, checkpoint)
+        bounds = (0.3, 0.48, 0.53, 0.57, 0.62, 0.65)
+        if _request_op(r, rng, pair, live, held, ops=ops, key_of=key_of, page=page, most=(4, 2), bounds=bounds):
+            return
+        if r < 0.75:
             full = rng.choice([page, 3 * page, 8 * page, 100])
             pair.step(f"evict({full})", lambda s: s.evict(full, 0))
         elif r < 0.82:

@@ -20,7 +20,7 @@ interpreter's compile time, which the CPU test budget cares about more.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -168,6 +168,54 @@ def any_memory() -> pl.BlockSpec:
 def compiler_params() -> pltpu.CompilerParams:
     """One sequential grid step; the kernels pipeline their own DMAs."""
     return pltpu.CompilerParams(dimension_semantics=("arbitrary",))
+
+
+def dma_call(
+    kernel: Callable[..., None],
+    scalars: Sequence[jax.Array],
+    inputs: Sequence[jax.Array],
+    *,
+    out_shape: jax.ShapeDtypeStruct | Sequence[jax.ShapeDtypeStruct],
+    bytes_accessed: int,
+    interpret: Interpret,
+    name: str,
+    aliases: Mapping[int, int] | None = None,
+    scratch_shapes: Sequence[Any] = (),
+) -> Any:
+    """Run ``kernel(*scalar refs, *input refs, *output refs, *scratch refs, sem)``: the call shape of
+    every kernel in this package, one sequential grid step (``compiler_params``).
+
+    ``scalars``: int32 arrays prefetched into SMEM (the run tables), in order. ``inputs`` and the
+    outputs stay where they live (``any_memory``): the kernel moves them by DMA itself.
+    ``out_shape``: one output type, or a sequence of them (then the call returns a list).
+    ``aliases``: ``{input index: output index}``, indices within ``inputs`` and the outputs: that
+    output is that input updated in place (donate it under ``jit``). ``scratch_shapes``: VMEM
+    scratch, before the one DMA semaphore (the last ref) that the kernel's DMAs signal.
+    ``bytes_accessed``: the HBM bytes read and written, for XLA's cost model (no flops).
+    """
+    outs: Any
+    out_specs: Any
+    if isinstance(out_shape, jax.ShapeDtypeStruct):
+        outs, out_specs = out_shape, any_memory()
+    else:
+        outs, out_specs = list(out_shape), [any_memory()] * len(out_shape)
+    num_scalars = len(scalars)
+    return pl.pallas_call(
+        kernel,
+        out_shape=outs,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_scalars,
+            grid=(1,),
+            in_specs=[any_memory()] * len(inputs),
+            out_specs=out_specs,
+            scratch_shapes=[*scratch_shapes, pltpu.SemaphoreType.DMA((1,))],
+        ),
+        input_output_aliases={num_scalars + i: o for i, o in (aliases or {}).items()},
+        compiler_params=compiler_params(),
+        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=bytes_accessed),
+        interpret=interpret,
+        name=name,
+    )(*scalars, *inputs)
 
 
 def check_array(name: str, x: Any, shape: Sequence[int | None], dtype: Any = None, *, what: str) -> None:

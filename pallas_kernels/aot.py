@@ -41,18 +41,38 @@ LAYER_BYTES = 1 << 30
 class Case:
     """One kernel call at real shapes.
 
-    ``args(sharding)`` builds the arguments; ``donate`` are the donated argument indices;
-    ``aliased_bytes`` is what must come back aliased (the pools); ``bytes_moved`` is the HBM
-    traffic the call needs at minimum (reads + writes), for the roofline.
+    ``args(sharding)`` builds the arguments; ``donate`` are the donated argument indices (the
+    pools: they must come back aliased, see ``aliased_bytes``); ``bytes_moved`` is the HBM traffic
+    the call needs at minimum (reads + writes), for the roofline.
     """
 
     name: str
     kernel: Callable[..., Any]
     reference: Callable[..., Any]
     args: Callable[[Any], tuple[Any, ...]]
-    donate: tuple[int, ...]
-    aliased_bytes: int
     bytes_moved: int
+    donate: tuple[int, ...] = (0,)
+
+    @property
+    def aliased_bytes(self) -> int:
+        """Bytes that must come back aliased: every donated argument (the pools), whole."""
+        args = self.args(None)
+        return sum(
+            math.prod(leaf.shape) * leaf.dtype.itemsize for i in self.donate for leaf in jax.tree.leaves(args[i])
+        )
+
+
+def _case(
+    kernel: Callable[..., Any],
+    shape: str,
+    args: Callable[[Any], tuple[Any, ...]],
+    bytes_moved: int,
+    donate: tuple[int, ...] = (0,),
+) -> Case:
+    """The case of the wrapper ``kernel`` of ``pallas_kernels`` and its ``<name>_reference``,
+    named ``<name>/<shape>``."""
+    name = kernel.__name__
+    return Case(f"{name}/{shape}", kernel, getattr(pk, f"{name}_reference"), args, bytes_moved, donate)
 
 
 def pool_pages(page_size: int) -> int:
@@ -103,112 +123,63 @@ def _write_args(sharding: Any, *, page_size: int, tokens: int) -> tuple[Any, ...
 
 def cases() -> list[Case]:
     """The compile cases: decode-step KV writes, copies, a 1 GiB offload gather, state ops."""
-    out = []
-    decode_tokens = 256
-    for ps in (16, 64):
-        out.append(
-            Case(
-                f"write_kv/page{ps}/decode{decode_tokens}",
+    decode_tokens, prefill_tokens = 256, 4096
+    layers, copy_slots_n, copy_pages_n, scatter_n = 2, 64, 16, 64
+    gather_pages = pool_pages(16) // 2  # offload of 1 GiB: half of each of 2 layers
+    forks = 8
+    writes = ((16, "decode", decode_tokens), (64, "decode", decode_tokens), (16, "prefill", prefill_tokens))
+    return [
+        *(
+            _case(
                 pk.write_kv,
-                pk.write_kv_reference,
-                functools.partial(_write_args, page_size=ps, tokens=decode_tokens),
-                (0,),
-                _layer_nbytes(ps),
-                2 * decode_tokens * TOKEN_BYTES,
+                f"page{ps}/{phase}{n}",
+                functools.partial(_write_args, page_size=ps, tokens=n),
+                2 * n * TOKEN_BYTES,
             )
-        )
-    prefill_tokens = 4096
-    out.append(
-        Case(
-            f"write_kv/page16/prefill{prefill_tokens}",
-            pk.write_kv,
-            pk.write_kv_reference,
-            lambda s: (
-                _layers(s, 1, 16)[0],
-                jax.ShapeDtypeStruct((prefill_tokens, COMBINED, HEAD_DIM), DTYPE, sharding=s),
-                _ids(s, prefill_tokens),
-            ),
-            (0,),
-            _layer_nbytes(16),
-            2 * prefill_tokens * TOKEN_BYTES,
-        )
-    )
-    layers, copy_slots_n, copy_pages_n = 2, 64, 16
-    out.append(
-        Case(
-            f"copy_slots/page16/{layers}layers/{copy_slots_n}slots",
+            for ps, phase, n in writes
+        ),
+        _case(
             pk.copy_slots,
-            pk.copy_slots_reference,
+            f"page16/{layers}layers/{copy_slots_n}slots",
             lambda s: (_layers(s, layers, 16), _ids(s, copy_slots_n), _ids(s, copy_slots_n)),
-            (0,),
-            layers * _layer_nbytes(16),
             2 * layers * copy_slots_n * TOKEN_BYTES,
-        )
-    )
-    out.append(
-        Case(
-            f"copy_pages/page64/{layers}layers/{copy_pages_n}pages",
+        ),
+        _case(
             pk.copy_pages,
-            pk.copy_pages_reference,
+            f"page64/{layers}layers/{copy_pages_n}pages",
             lambda s: (_layers(s, layers, 64), _ids(s, copy_pages_n), _ids(s, copy_pages_n)),
-            (0,),
-            layers * _layer_nbytes(64),
             2 * layers * copy_pages_n * 64 * TOKEN_BYTES,
-        )
-    )
-    # Offload of 1 GiB: half of each of 2 layers.
-    gather_pages = pool_pages(16) // 2
-    out.append(
-        Case(
-            f"gather_pages/page16/{layers}layers/1GiB",
+        ),
+        _case(
             pk.gather_pages,
-            pk.gather_pages_reference,
+            f"page16/{layers}layers/1GiB",
             lambda s: (_layers(s, layers, 16), _ids(s, gather_pages)),
-            (),
-            0,
             2 * layers * gather_pages * 16 * TOKEN_BYTES,
-        )
-    )
-    scatter_n = 64
-    out.append(
-        Case(
-            f"scatter_pages/page16/{layers}layers/{scatter_n}pages",
+            donate=(),
+        ),
+        _case(
             pk.scatter_pages,
-            pk.scatter_pages_reference,
+            f"page16/{layers}layers/{scatter_n}pages",
             lambda s: (
                 _layers(s, layers, 16),
                 jax.ShapeDtypeStruct((layers, scatter_n, 16, COMBINED, HEAD_DIM), DTYPE, sharding=s),
                 _ids(s, scatter_n),
             ),
-            (0,),
-            layers * _layer_nbytes(16),
             2 * layers * scatter_n * 16 * TOKEN_BYTES,
-        )
-    )
-    forks = 8
-    out.append(
-        Case(
-            f"zero_slots/{STATE_LAYERS}layers/{forks}slots",
+        ),
+        _case(
             pk.zero_slots,
-            pk.zero_slots_reference,
+            f"{STATE_LAYERS}layers/{forks}slots",
             lambda s: (_states(s), _ids(s, forks)),
-            (0,),
-            _state_bytes(per_slot=False),
             forks * _state_bytes(per_slot=True),
-        )
-    )
-    out.append(
-        Case(
-            f"copy_state_slots/{STATE_LAYERS}layers/{forks}slots",
+        ),
+        _case(
             pk.copy_state_slots,
-            pk.copy_state_slots_reference,
+            f"{STATE_LAYERS}layers/{forks}slots",
             lambda s: (_states(s), _ids(s, forks), _ids(s, forks)),
-            (0,),
-            _state_bytes(per_slot=False),
             2 * forks * _state_bytes(per_slot=True),
-        )
-    )
-    return out
+        ),
+    ]
 
 
 def topology_sharding(topology_name: str) -> jax.sharding.NamedSharding:

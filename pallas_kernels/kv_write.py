@@ -105,25 +105,16 @@ def write_kv_kernel(cache: jax.Array, new_kv: jax.Array, loc: jax.Array, *, inte
         page_size=page_size,
         dynamic=_engine.uses_dynamic_dma(interpret),
     )
-    return pl.pallas_call(
+    return _engine.dma_call(
         kernel,
+        (starts, num_runs, dst),
+        (new_kv, cache),
         out_shape=_engine.out_like(cache),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=(1,),
-            in_specs=[_engine.any_memory(), _engine.any_memory()],
-            out_specs=_engine.any_memory(),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        # operands: starts, num_runs, dst, new_kv, cache -> cache is operand 4
-        input_output_aliases={4: 0},
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=2 * new_kv.size * new_kv.dtype.itemsize
-        ),
+        aliases={1: 0},  # the cache, updated in place
+        bytes_accessed=2 * new_kv.size * new_kv.dtype.itemsize,
         interpret=interpret,
         name="kv_write",
-    )(starts, num_runs, dst, new_kv, cache)
+    )
 
 
 def write_kv(cache: jax.Array, new_kv: jax.Array, loc: jax.Array, *, interpret: Interpret = None) -> jax.Array:

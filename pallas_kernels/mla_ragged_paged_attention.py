@@ -134,24 +134,15 @@ def mla_ragged_paged_attention_reference(
     total, heads, rank = ql_nope.shape
     rope = q_pe.shape[2]
     num_pool_pages, page_size, row_padded = kv_pages.shape
-    max_seqs, pages_per_seq = page_indices.shape
+    pages_per_seq = page_indices.shape[1]
     max_kv = pages_per_seq * page_size
     dequant = _scale(kv_scale)
     if total == 0:
         return jnp.zeros_like(ql_nope)
-    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    page_indices = page_indices.astype(jnp.int32)
-    live = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs[0]
-    token = jnp.arange(total, dtype=jnp.int32)
-    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
-    tok_seq = jnp.sum(ends[None, :] <= token[:, None], axis=1, dtype=jnp.int32)
-    tok_live = (tok_seq < num_seqs[0]) & (token >= cu_q_lens[0])
-    tok_seq = jnp.minimum(tok_seq, max_seqs - 1)
-    q_start = cu_q_lens[tok_seq]
-    tok_pos = kv_lens[tok_seq] - (cu_q_lens[tok_seq + 1] - q_start) + (token - q_start)
-    page_ok = (page_indices >= 1) & (page_indices < num_pool_pages)
-    safe_pages = jnp.where(page_ok, page_indices, 0)
+    tokens = ra.token_rows(
+        kv_lens, page_indices, cu_q_lens, num_seqs, total=total, num_pool_pages=num_pool_pages, page_size=page_size
+    )
+    page_ok, safe_pages = tokens.page_ok, tokens.safe_pages
     key_pos = jnp.arange(max_kv, dtype=jnp.int32)
     q32 = jnp.concatenate([ql_nope, q_pe], axis=-1).astype(jnp.float32)
 
@@ -169,7 +160,7 @@ def mla_ragged_paged_attention_reference(
         out = weights @ jnp.where(visible[:, None], rows[:, :rank], 0.0)
         return out / jnp.where(denom > 0, denom, 1.0)
 
-    out = jax.lax.map(attend, (q32, tok_seq, tok_pos, tok_live), batch_size=min(token_batch, total))
+    out = jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
     return out.astype(ql_nope.dtype)
 
 
@@ -183,7 +174,8 @@ class _SeqView(NamedTuple):
     t_hi: Any  # one past its last token in the block
     first_pos: Any  # position of token t_lo
     kv_end: Any  # keys [0, kv_end) are visible to some row of the block
-    k_hi: Any  # KV blocks [0, k_hi) cover them
+    k_lo: Any  # KV blocks [k_lo, k_hi) cover them: k_lo is 0 (no window)
+    k_hi: Any
     page_base: Any  # offset of the sequence's row in the flat page table
     active: Any
 
@@ -211,19 +203,15 @@ def _mla_kernel(
     rank: int,
     sm_scale: float,
 ) -> None:
-    b = pl.program_id(0)
-    block_kv = block_kv_pages * page_size
-    blk_start = b * block_q
-    blk_end = blk_start + block_q
-    ra.init_softmax_state(m_ref, l_ref, acc_ref)
-    row_token = blk_start + row_token_ref[...]  # [R, 1]
-    max_seqs = kv_lens_ref.shape[0]
+    step = ra.start_grid_step(block_q, block_kv_pages * page_size, row_token_ref, m_ref, l_ref, acc_ref)
 
     def view(s: Any) -> _SeqView:
-        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, blk_start, blk_end)
+        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, step.start, step.end)
         kv_end = jnp.clip(first_pos + (t_hi - t_lo), 0, kv_len)  # last visible key + 1
-        k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)  # lax.div: operands >= 0 (see the MHA kernel)
-        return _SeqView(t_lo, t_hi, first_pos, kv_end, k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_hi > 0))
+        k_hi = jax.lax.div(kv_end + step.block_kv - 1, step.block_kv)  # lax.div: operands >= 0 (see the MHA kernel)
+        return _SeqView(
+            t_lo, t_hi, first_pos, kv_end, jnp.int32(0), k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_hi > 0)
+        )
 
     def page_id(seq: _SeqView, k: Any, j: Any) -> Any:
         return page_ids_ref[seq.page_base + k * block_kv_pages + j]
@@ -237,16 +225,15 @@ def _mla_kernel(
 
     def key_ok(seq: _SeqView, k: Any, shape: tuple[int, int], axis: int) -> tuple[Any, Any]:
         offset = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-        pos = k * block_kv + offset
+        pos = k * step.block_kv + offset
         ok = pos < seq.kv_end
         page_of = functools.partial(page_id, seq, k)
         return ra.hide_unfetched_pages(ok, offset, page_of, block_kv_pages=block_kv_pages, page_size=page_size), pos
 
     def compute(seq: _SeqView, k: Any, slot: Any) -> None:
-        col_ok, col_pos = key_ok(seq, k, (1, block_kv), 1)
-        v_ok, _ = key_ok(seq, k, (block_kv, 1), 0)
-        row_pos = seq.first_pos + (row_token - seq.t_lo)
-        row_ok = (row_token >= seq.t_lo) & (row_token < seq.t_hi)
+        col_ok, col_pos = key_ok(seq, k, (1, step.block_kv), 1)
+        v_ok, _ = key_ok(seq, k, (step.block_kv, 1), 0)
+        row_pos, row_ok = step.rows_of(seq)  # [R, 1]
         mask = row_ok & col_ok & (col_pos <= row_pos)
         rows = kv_buf[slot]  # [bkv, Dp]
         if jnp.dtype(rows.dtype).itemsize == 1:
@@ -256,38 +243,7 @@ def _mla_kernel(
         logits = jax.lax.dot_general(q, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ra.online_softmax_update(m_ref, l_ref, acc_ref, ..., logits * sm_scale, mask, rows[:, :rank])
 
-    seq_lo, seq_hi = seq_lo_ref[b], seq_hi_ref[b]
-
-    def seq_step(s: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
-        slot0, prefetched = carry
-        cur = view(s)
-        nxt = view(jnp.minimum(s + 1, max_seqs - 1))
-        next_active = (s + 1 < seq_hi) & nxt.active
-
-        @pl.when(cur.active & (prefetched == 0))
-        def _() -> None:
-            fetch(cur, 0, slot0, "start")
-
-        @pl.when(cur.active)
-        def _() -> None:
-            @pl.loop(0, cur.k_hi)
-            def _(k: Any) -> None:
-                slot = jax.lax.rem(slot0 + k, 2)
-                last = k + 1 == cur.k_hi
-                target = jax.tree.map(functools.partial(jnp.where, last), nxt, cur)
-                target_k = jnp.where(last, 0, k + 1)
-
-                @pl.when(jnp.logical_not(last) | next_active)
-                def _() -> None:
-                    fetch(target, target_k, jax.lax.rem(slot + 1, 2), "start")
-
-                fetch(cur, k, slot, "wait")
-                compute(cur, k, slot)
-
-        blocks = jnp.where(cur.active, cur.k_hi, 0)
-        return jax.lax.rem(slot0 + blocks, 2), (cur.active & next_active).astype(jnp.int32)
-
-    jax.lax.fori_loop(seq_lo, seq_hi, seq_step, (jnp.int32(0), jnp.int32(0)))
+    ra.walk_sequences(seq_lo_ref[step.index], seq_hi_ref[step.index], kv_lens_ref.shape[0], view, fetch, compute)
     denom = l_ref[...]
     o_ref[...] = acc_ref[...] / jnp.where(denom > 0.0, denom, 1.0)
 
@@ -345,19 +301,9 @@ def mla_ragged_paged_attention_kernel(
 
     max_kv = pages_per_seq * page_size
     schedule = ra.block_schedule(
-        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages
+        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages, heads
     )
-    row_token = (jnp.arange(rows, dtype=jnp.int32) // heads).reshape(rows, 1)
-
-    kernel = functools.partial(
-        _mla_kernel,
-        block_q=block_q,
-        block_kv_pages=block_kv_pages,
-        page_size=page_size,
-        padded_pages_per_seq=schedule.padded_pages_per_seq,
-        rank=rank,
-        sm_scale=float(sm_scale),
-    )
+    kernel = functools.partial(_mla_kernel, **schedule.tiling, rank=rank, sm_scale=float(sm_scale))
     block_kv = block_kv_pages * page_size
     kv_bytes = max_seqs * max_kv * dim_padded * pool_dtype.itemsize
     cost = pl.CostEstimate(
@@ -401,7 +347,7 @@ def mla_ragged_paged_attention_kernel(
         cost_estimate=cost,
         interpret=interpret,
         name="mla_ragged_paged_attention",
-    )(*schedule.prefetch, row_token, q, kv_pages)
+    )(*schedule.prefetch, schedule.row_token, q, kv_pages)
     out = out.reshape(total_padded, heads, rank)[:total] * dequant
     return out.astype(ql_nope.dtype)
 

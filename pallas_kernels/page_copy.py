@@ -168,26 +168,17 @@ def _copy_pallas(layers: Layers, src: jax.Array, dst: jax.Array, *, unit: str, i
         unit_view=view,
         dynamic=_engine.uses_dynamic_dma(interpret),
     )
-    num_scalars = 5
-    outs = pl.pallas_call(
+    outs = _engine.dma_call(
         kernel,
+        (starts, num_runs, src, dst, overlap),
+        layers,
         out_shape=[_engine.out_like(x) for x in layers] + [_engine.out_like(layers[0], staging_shape)],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=num_scalars,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * num_layers,
-            out_specs=[_engine.any_memory()] * (num_layers + 1),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        input_output_aliases={num_scalars + i: i for i in range(num_layers)},
-        compiler_params=_engine.compiler_params(),
+        aliases={i: i for i in range(num_layers)},
         # Direct path: read and write each copied element once per layer (the staged path doubles it).
-        cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=2 * num_layers * math.prod(staging_shape) * dtype.itemsize
-        ),
+        bytes_accessed=2 * num_layers * math.prod(staging_shape) * dtype.itemsize,
         interpret=interpret,
         name=f"copy_{unit}s",
-    )(starts, num_runs, src, dst, overlap, *layers)
+    )
     return tuple(outs[:num_layers])
 
 

@@ -105,69 +105,54 @@ def _runs_kernel(
         _engine.for_each_run(num_runs_ref[0], issue)
 
 
+def _runs_call(
+    layers: Layers, pages: jax.Array, *, gather: bool, interpret: Interpret
+) -> tuple[tuple[jax.Array, ...], Any]:
+    """``(scalars, kernel)`` of a gather (pool pages -> buffer rows) or a scatter (buffer rows ->
+    pool pages): the run tables ``(starts, num_runs, src ids, dst ids)`` over elements ``i`` of
+    ``pages`` (buffer row ``i``; pool ids past the pool are clamped or dropped as in the
+    references) and ``_runs_kernel`` set for the direction."""
+    num_pages = layers[0].shape[0]
+    in_pool = _src_pages(pages, num_pages) if gather else _dst_pages(pages, num_pages)
+    index = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    src, dst = (in_pool, index) if gather else (index, in_pool)
+    starts, num_runs = _engine.contiguous_runs(src, dst)
+    kernel = functools.partial(
+        _runs_kernel, num_layers=len(layers), gather=gather, dynamic=_engine.uses_dynamic_dma(interpret)
+    )
+    return (starts, num_runs, src, dst), kernel
+
+
 def gather_pages_kernel(layers: Layers, pages: jax.Array, *, interpret: Interpret = False) -> jax.Array:
     """The Pallas gather (compiled when ``interpret`` is False; TPU only)."""
-    num_pages = layers[0].shape[0]
-    n = pages.shape[0]
-    src = _src_pages(pages, num_pages)
-    index = jnp.arange(n, dtype=jnp.int32)
-    starts, num_runs = _engine.contiguous_runs(src, index)
-    num_layers = len(layers)
-    out_shape = (num_layers, n, *layers[0].shape[1:])
-    kernel = functools.partial(
-        _runs_kernel, num_layers=num_layers, gather=True, dynamic=_engine.uses_dynamic_dma(interpret)
-    )
-    nbytes = math.prod(out_shape) * layers[0].dtype.itemsize
-    return pl.pallas_call(
+    scalars, kernel = _runs_call(layers, pages, gather=True, interpret=interpret)
+    out_shape = (len(layers), pages.shape[0], *layers[0].shape[1:])
+    return _engine.dma_call(
         kernel,
+        scalars,
+        layers,
         out_shape=_engine.out_like(layers[0], out_shape),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * num_layers,
-            out_specs=_engine.any_memory(),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=2 * nbytes),
+        bytes_accessed=2 * math.prod(out_shape) * layers[0].dtype.itemsize,
         interpret=interpret,
         name="gather_pages",
-    )(starts, num_runs, src, index, *layers)
+    )
 
 
 def scatter_pages_kernel(
     layers: Layers, buffer: jax.Array, pages: jax.Array, *, interpret: Interpret = False
 ) -> Layers:
     """The Pallas scatter (compiled when ``interpret`` is False; TPU only)."""
-    num_pages = layers[0].shape[0]
-    n = pages.shape[0]
-    dst = _dst_pages(pages, num_pages)
-    index = jnp.arange(n, dtype=jnp.int32)
-    starts, num_runs = _engine.contiguous_runs(index, dst)
-    num_layers = len(layers)
-    kernel = functools.partial(
-        _runs_kernel, num_layers=num_layers, gather=False, dynamic=_engine.uses_dynamic_dma(interpret)
-    )
-    num_scalars = 4
-    outs = pl.pallas_call(
+    scalars, kernel = _runs_call(layers, pages, gather=False, interpret=interpret)
+    outs = _engine.dma_call(
         kernel,
+        scalars,
+        (buffer, *layers),
         out_shape=[_engine.out_like(x) for x in layers],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=num_scalars,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * (1 + num_layers),
-            out_specs=[_engine.any_memory()] * num_layers,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        # operands: 4 scalars, buffer, layers -> layer i is operand 5 + i
-        input_output_aliases={num_scalars + 1 + i: i for i in range(num_layers)},
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(
-            flops=0, transcendentals=0, bytes_accessed=2 * buffer.size * buffer.dtype.itemsize
-        ),
+        aliases={1 + i: i for i in range(len(layers))},  # inputs: buffer, then the layers
+        bytes_accessed=2 * buffer.size * buffer.dtype.itemsize,
         interpret=interpret,
         name="scatter_pages",
-    )(starts, num_runs, index, dst, buffer, *layers)
+    )
     return tuple(outs)
 
 

@@ -196,12 +196,6 @@ def _default_sm_scale(head_dim: int, sm_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
-def _live_seqs(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
-    """bool ``[S]``: sequence ``s`` is live (``s < num_seqs``)."""
-    max_seqs = cu_q_lens.shape[0] - 1
-    return jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs[0]
-
-
 # --------------------------------------------------------------------------------------------
 # Reference (pure jnp): the spec, and the non-TPU path
 # --------------------------------------------------------------------------------------------
@@ -245,31 +239,16 @@ def ragged_paged_attention_reference(
     num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     total, num_q_heads, head_dim = q.shape
     num_pool_pages, page_size, _, dim_padded = kv_pages.shape
-    max_seqs = page_indices.shape[0]
     max_kv = pages_per_seq * page_size
     scale = _default_sm_scale(head_dim, sm_scale)
     k_dequant, v_dequant = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
     if total == 0:
         return jnp.zeros_like(q)
 
-    kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
-    cu_q_lens = cu_q_lens.astype(jnp.int32)
-    page_indices = page_indices.astype(jnp.int32)
-    live = _live_seqs(cu_q_lens, num_seqs.astype(jnp.int32))
-
-    # Token -> sequence: the number of live sequences that end at or before the token. Padding
-    # tokens (after the last live sequence) get max_seqs' worth of "no sequence".
-    token = jnp.arange(total, dtype=jnp.int32)
-    ends = jnp.where(live, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
-    tok_seq = jnp.sum(ends[None, :] <= token[:, None], axis=1, dtype=jnp.int32)
-    tok_live = (tok_seq < num_seqs[0]) & (token >= cu_q_lens[0])
-    tok_seq = jnp.minimum(tok_seq, max_seqs - 1)
-    q_start = cu_q_lens[tok_seq]
-    q_len = cu_q_lens[tok_seq + 1] - q_start
-    tok_pos = kv_lens[tok_seq] - q_len + (token - q_start)
-
-    page_ok = (page_indices >= 1) & (page_indices < num_pool_pages)
-    safe_pages = jnp.where(page_ok, page_indices, 0)
+    tokens = ra.token_rows(
+        kv_lens, page_indices, cu_q_lens, num_seqs, total=total, num_pool_pages=num_pool_pages, page_size=page_size
+    )
+    page_ok, safe_pages = tokens.page_ok, tokens.safe_pages
     q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
     key_pos = jnp.arange(max_kv, dtype=jnp.int32)
     sink = None if sinks is None else _check_sinks(sinks, num_q_heads).reshape(num_kv_heads, group, 1)
@@ -297,7 +276,7 @@ def ragged_paged_attention_reference(
         out = jnp.einsum("hgl,lhd->hgd", weights, jnp.where(visible[:, None, None], v, 0.0))
         return out / jnp.where(denom > 0, denom, 1.0)
 
-    out = jax.lax.map(attend, (q32, tok_seq, tok_pos, tok_live), batch_size=min(token_batch, total))
+    out = jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
     return out.reshape(total, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -393,20 +372,12 @@ def _rpa_kernel(
     has_sinks: bool,
 ) -> None:
     """One grid step: all query rows of token block ``b`` against the KV of every overlapping sequence."""
-    b = pl.program_id(0)
-    block_kv = block_kv_pages * page_size
-    blk_start = b * block_q
-    blk_end = blk_start + block_q
-
-    ra.init_softmax_state(m_ref, l_ref, acc_ref)
-
-    row_token = blk_start + row_token_ref[...]  # [R, 1] absolute token of each row
-    max_seqs = kv_lens_ref.shape[0]
+    step = ra.start_grid_step(block_q, block_kv_pages * page_size, row_token_ref, m_ref, l_ref, acc_ref)
 
     def view(s: Any) -> _SeqView:
         """What this q block needs of sequence ``s`` (``s < max_seqs``)."""
         # The rows of this block that belong to sequence s: tokens [t_lo, t_hi), t_lo at first_pos.
-        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, blk_start, blk_end)
+        t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, step.start, step.end)
         last_pos = first_pos + (t_hi - 1 - t_lo)
         # Keys visible to any of these rows: [kv_start, kv_end).
         kv_end = jnp.clip(last_pos + 1, 0, kv_len)
@@ -414,8 +385,8 @@ def _rpa_kernel(
         kv_start = jnp.int32(0) if window_start is None else jnp.clip(window_start, 0, kv_end)
         # lax.div, not //: floor division of signed scalars lowers through sign(), which the
         # interpreters only run with a TPU device kind. All operands are >= 0 here.
-        k_lo = jax.lax.div(kv_start, block_kv)
-        k_hi = jax.lax.div(kv_end + block_kv - 1, block_kv)
+        k_lo = jax.lax.div(kv_start, step.block_kv)
+        k_hi = jax.lax.div(kv_end + step.block_kv - 1, step.block_kv)
         return _SeqView(
             t_lo, t_hi, first_pos, kv_start, kv_end, k_lo, k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_lo < k_hi)
         )
@@ -442,17 +413,16 @@ def _rpa_kernel(
         """(bool mask of the keys of block k that are fetched and visible to some row, their
         positions), laid out along ``axis`` of ``shape``."""
         offset = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-        pos = k * block_kv + offset
+        pos = k * step.block_kv + offset
         ok = (pos >= seq.kv_start) & (pos < seq.kv_end)  # implies the page is in page_range
         page_of = functools.partial(page_id, seq, k)
         return ra.hide_unfetched_pages(ok, offset, page_of, block_kv_pages=block_kv_pages, page_size=page_size), pos
 
     def compute(seq: _SeqView, k: Any, slot: Any) -> None:
         """Online-softmax update of this block's rows of ``seq`` with KV block k (in ``slot``)."""
-        col_ok, col_pos = key_mask(seq, k, (1, block_kv), 1)  # [1, bkv]
-        v_ok, _ = key_mask(seq, k, (block_kv, 1), 0)  # [bkv, 1]: the same mask along sublanes
-        row_pos = seq.first_pos + (row_token - seq.t_lo)  # [R, 1]
-        row_ok = (row_token >= seq.t_lo) & (row_token < seq.t_hi)
+        col_ok, col_pos = key_mask(seq, k, (1, step.block_kv), 1)  # [1, bkv]
+        v_ok, _ = key_mask(seq, k, (step.block_kv, 1), 0)  # [bkv, 1]: the same mask along sublanes
+        row_pos, row_ok = step.rows_of(seq)  # [R, 1]
         mask = row_ok & col_ok & (col_pos <= row_pos)
         if sliding_window is not None:
             mask = mask & (col_pos > row_pos - sliding_window)
@@ -470,7 +440,7 @@ def _rpa_kernel(
             stage_ref[c] = flat[:, c * lanes : (c + 1) * lanes]
         for h in range(num_kv_heads):  # static: one [R, Dp] x [Dp, bkv] matmul per KV head
             q = q_ref[h]
-            keys, values = _split_kv(stage_ref, h, num_kv_heads, block_kv, v_ok, packed, q_ref.dtype)
+            keys, values = _split_kv(stage_ref, h, num_kv_heads, step.block_kv, v_ok, packed, q_ref.dtype)
             logits = (
                 jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
             )
@@ -478,44 +448,10 @@ def _rpa_kernel(
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             ra.online_softmax_update(m_ref, l_ref, acc_ref, h, logits, mask, values)
 
-    seq_lo, seq_hi = seq_lo_ref[b], seq_hi_ref[b]
     halves = 2 if _DOUBLE_BUFFER else 1  # 1: a deliberate race, for the tests only
-
-    def seq_step(s: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
-        """All KV blocks of sequence s. One DMA stream runs across sequences: while the last
-        block of s is computed, the first block of the next sequence is already in flight."""
-        slot0, prefetched = carry  # buffer half of s's first block; whether it is in flight
-        cur = view(s)
-        nxt = view(jnp.minimum(s + 1, max_seqs - 1))
-        next_active = (s + 1 < seq_hi) & nxt.active
-
-        @pl.when(cur.active & (prefetched == 0))
-        def _() -> None:
-            fetch(cur, cur.k_lo, slot0, "start")
-
-        @pl.when(cur.active)
-        def _() -> None:
-            @pl.loop(cur.k_lo, cur.k_hi)
-            def _(k: Any) -> None:
-                slot = jax.lax.rem(slot0 + (k - cur.k_lo), halves)
-                last = k + 1 == cur.k_hi
-                # Prefetch into the other half while block k is computed: the next block of s, or
-                # after the last one the first block of the next sequence. One call site keeps
-                # the loop body (and the scalar work per page) small.
-                target = jax.tree.map(functools.partial(jnp.where, last), nxt, cur)
-                target_k = jnp.where(last, nxt.k_lo, k + 1)
-
-                @pl.when(jnp.logical_not(last) | next_active)
-                def _() -> None:
-                    fetch(target, target_k, jax.lax.rem(slot + 1, halves), "start")
-
-                fetch(cur, k, slot, "wait")
-                compute(cur, k, slot)
-
-        blocks = jnp.where(cur.active, cur.k_hi - cur.k_lo, 0)
-        return jax.lax.rem(slot0 + blocks, halves), (cur.active & next_active).astype(jnp.int32)
-
-    jax.lax.fori_loop(seq_lo, seq_hi, seq_step, (jnp.int32(0), jnp.int32(0)))
+    ra.walk_sequences(
+        seq_lo_ref[step.index], seq_hi_ref[step.index], kv_lens_ref.shape[0], view, fetch, compute, halves=halves
+    )
 
     for h in range(num_kv_heads):
         denom = l_ref[h]
@@ -606,19 +542,15 @@ def ragged_paged_attention_kernel(
 
     max_kv = pages_per_seq * page_size
     schedule = ra.block_schedule(
-        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages
+        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages, group
     )
-    row_token = (jnp.arange(rows, dtype=jnp.int32) // group).reshape(rows, 1)
     # Row r of a block is query head h * G + r % G: its sink, per KV head (zeros when unused).
     sink_heads = jnp.zeros((num_q_heads,), jnp.float32) if sinks is None else _check_sinks(sinks, num_q_heads)
     sink_rows = jnp.tile(sink_heads.reshape(num_kv_heads, group), (1, block_q)).reshape(num_kv_heads, rows, 1)
 
     kernel = functools.partial(
         _rpa_kernel,
-        block_q=block_q,
-        block_kv_pages=block_kv_pages,
-        page_size=page_size,
-        padded_pages_per_seq=schedule.padded_pages_per_seq,
+        **schedule.tiling,
         num_kv_heads=num_kv_heads,
         sm_scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),
@@ -690,7 +622,7 @@ def ragged_paged_attention_kernel(
         cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*schedule.prefetch, row_token, qp, kv_pages, sink_rows)
+    )(*schedule.prefetch, schedule.row_token, qp, kv_pages, sink_rows)
 
     out = out.reshape(num_kv_heads, total_padded, group, dim_padded).transpose(1, 0, 2, 3)
     out = out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]

@@ -131,23 +131,17 @@ def zero_slots_kernel(states: States, slots: jax.Array, *, interpret: Interpret 
     chunks = tuple(_layers_per_dma(a) for a in states)
     kernel = functools.partial(_zero_kernel, num_arrays=num_arrays, chunks=chunks)
     zero_bytes = sum(math.prod(a.shape[2:]) * a.dtype.itemsize for a in states) * slots.shape[0] * states[0].shape[0]
-    outs = pl.pallas_call(
+    outs = _engine.dma_call(
         kernel,
+        (dst,),
+        states,
         out_shape=[_engine.out_like(a) for a in states],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * num_arrays,
-            out_specs=[_engine.any_memory()] * num_arrays,
-            scratch_shapes=[pltpu.VMEM((c, *a.shape[2:]), a.dtype) for a, c in zip(states, chunks, strict=True)]
-            + [pltpu.SemaphoreType.DMA((1,))],
-        ),
-        input_output_aliases={1 + i: i for i in range(num_arrays)},
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=zero_bytes),
+        aliases={i: i for i in range(num_arrays)},
+        scratch_shapes=[pltpu.VMEM((c, *a.shape[2:]), a.dtype) for a, c in zip(states, chunks, strict=True)],
+        bytes_accessed=zero_bytes,
         interpret=interpret,
         name="zero_state_slots",
-    )(dst, *states)
+    )
     return tuple(outs)
 
 
@@ -192,22 +186,16 @@ def copy_state_slots_kernel(states: States, src: jax.Array, dst: jax.Array, *, i
     starts, num_runs = _engine.contiguous_runs(s, d)
     kernel = functools.partial(_copy_kernel, num_arrays=num_arrays, dynamic=_engine.uses_dynamic_dma(interpret))
     moved = 2 * n * sum(a.size // num_slots * a.dtype.itemsize for a in states)
-    outs = pl.pallas_call(
+    outs = _engine.dma_call(
         kernel,
+        (starts, num_runs, s, d),
+        states,
         out_shape=[_engine.out_like(a) for a in states],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(1,),
-            in_specs=[_engine.any_memory()] * num_arrays,
-            out_specs=[_engine.any_memory()] * num_arrays,
-            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-        ),
-        input_output_aliases={4 + i: i for i in range(num_arrays)},
-        compiler_params=_engine.compiler_params(),
-        cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=moved),
+        aliases={i: i for i in range(num_arrays)},
+        bytes_accessed=moved,
         interpret=interpret,
         name="copy_state_slots",
-    )(starts, num_runs, s, d, *states)
+    )
     return tuple(outs)
 
 

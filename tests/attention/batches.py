@@ -7,6 +7,8 @@ on page 3) with 2 new ones (slots 14, 15). Three rows (one padding), 8 tokens (1
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,9 @@ from kvjax.pools import MHAKVPool
 PAGE = 4
 MAX_SEQS = 3
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+# The layout of the batch's float32 MHA pools (``MHAKVPool.create`` keywords): pages of ``PAGE``
+# tokens, ``KV_HEADS`` heads of ``HEAD_DIM``.
+POOL_LAYOUT: dict[str, Any] = dict(page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32")
 SLOTS = np.array([4, 5, 6, 7, 8, 14, 15], np.int32)
 EARLIER = np.array([12, 13], np.int32)  # sequence 1's tokens before this batch
 
@@ -42,15 +47,7 @@ def batch_metadata(swa_offset_pages: int | None = None) -> AttentionMetadata:
 
 def mha_pool(num_layers: int = 2, *, pages: int = 8, layer_ids: tuple[int, ...] | None = None) -> MHAKVPool:
     """A float32 pool whose layers already hold sequence 1's earlier tokens."""
-    pool = MHAKVPool.create(
-        num_pages=pages,
-        page_size=PAGE,
-        num_layers=num_layers,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        dtype="float32",
-        layer_ids=layer_ids,
-    )
+    pool = MHAKVPool.create(num_pages=pages, num_layers=num_layers, layer_ids=layer_ids, **POOL_LAYOUT)
     rng = np.random.default_rng(7)
     for i in range(num_layers):
         layer = pool.layer_ids[i] if pool.layer_ids is not None else i

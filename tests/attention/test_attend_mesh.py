@@ -21,7 +21,7 @@ CHECK = textwrap.dedent(
     from jax.sharding import Mesh
     from kvjax.attention import attend
     from kvjax.pools import CachePools, MHAKVPool, MLAKVPool, SWAKVPool
-    from tests.attention.batches import KV_HEADS, HEAD_DIM, PAGE, batch_metadata, qkv
+    from tests.attention.batches import PAGE, POOL_LAYOUT, batch_metadata, qkv
 
     assert len(jax.devices()) >= 2, jax.devices()
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -29,8 +29,7 @@ CHECK = textwrap.dedent(
     sinks = jnp.linspace(-1.0, 1.0, q.shape[1], dtype=jnp.float32)
 
     def pool(layers, on_mesh):
-        return MHAKVPool.create(num_pages=10, page_size=PAGE, num_layers=layers, num_kv_heads=KV_HEADS,
-                                head_dim=HEAD_DIM, dtype="float32", mesh=mesh if on_mesh else None)
+        return MHAKVPool.create(num_pages=10, num_layers=layers, mesh=mesh if on_mesh else None, **POOL_LAYOUT)
 
     def run(pools, layer, meta, **kw):
         step = jax.jit(lambda pools, q, k, v, meta: attend(pools, layer, q, k, v, meta, **kw))

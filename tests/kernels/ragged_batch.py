@@ -1,11 +1,56 @@
 """The paged side of a ragged attention test batch, shared by the MHA and MLA attention tests:
-a shuffled page table, stale data poisoned, and the ragged lengths in the kernels' layout."""
+a shuffled page table, stale data poisoned, and the ragged lengths in the kernels' layout
+(``paged_batch`` builds all three into a ``PagedBatch``; each test's batch adds its queries)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    """A pool layer and the ragged batch's tables (numpy, the kernels' layout): ``kv_pages``
+    ``[num_pages + 1, page_size, ...]``, int32 ``kv_lens`` ``[max_seqs]``, ``page_indices``
+    ``[max_seqs, pages_per_seq]``, ``cu_q_lens`` ``[max_seqs + 1]`` and ``num_seqs`` ``[1]``."""
+
+    kv_pages: np.ndarray
+    kv_lens: np.ndarray
+    page_indices: np.ndarray
+    cu_q_lens: np.ndarray
+    num_seqs: np.ndarray
+
+    def paged_args(self, kv_dtype: Any = jnp.float32) -> tuple[jax.Array, ...]:
+        """The pool (in ``kv_dtype``) and the tables as jax arrays, in the kernels' argument order."""
+        tables = (self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs)
+        return (jnp.asarray(self.kv_pages, kv_dtype), *(jnp.asarray(t) for t in tables))
+
+
+def paged_batch(
+    rng: np.random.Generator,
+    kv: np.ndarray,
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    *,
+    max_seqs: int,
+    pages_per_seq: int,
+    poison: float | None,
+) -> PagedBatch:
+    """The pool ``kv`` (``[num_pages + 1, page_size, ...]``, filled by the caller) over a
+    ``shuffled_page_table`` (one permutation drawn from ``rng``) for the live sequences ``q_lens``
+    / ``kv_lens``; what no output may read is set to ``poison`` in place (``poison_stale_rows``;
+    None: left as it is)."""
+    page_size = kv.shape[1]
+    table, used = shuffled_page_table(rng, kv_lens, max_seqs=max_seqs, pages_per_seq=pages_per_seq, page_size=page_size)
+    if poison is not None:
+        poison_stale_rows(kv, table, used, kv_lens, page_size, poison)
+    cu, lens, num_seqs = ragged_lengths(q_lens, kv_lens, max_seqs)
+    return PagedBatch(kv, lens, table, cu, num_seqs)
 
 
 def shuffled_page_table(

@@ -17,7 +17,7 @@ from pallas_kernels.mla_ragged_paged_attention import (
     mla_ragged_paged_attention,
     mla_ragged_paged_attention_reference,
 )
-from tests.kernels.ragged_batch import poison_stale_rows, ragged_lengths, shuffled_page_table
+from tests.kernels.ragged_batch import PagedBatch, paged_batch
 
 HLO = True
 TPU = pltpu.InterpretParams(detect_races=True, vector_clock_size=64)
@@ -37,25 +37,12 @@ MIXES = {
 
 
 @dataclasses.dataclass
-class Batch:
+class Batch(PagedBatch):
     ql_nope: np.ndarray
     q_pe: np.ndarray
-    kv_pages: np.ndarray
-    kv_lens: np.ndarray
-    page_indices: np.ndarray
-    cu_q_lens: np.ndarray
-    num_seqs: np.ndarray
 
     def args(self, q_dtype=jnp.float32, kv_dtype=jnp.float32) -> tuple[jax.Array, ...]:
-        return (
-            jnp.asarray(self.ql_nope, q_dtype),
-            jnp.asarray(self.q_pe, q_dtype),
-            jnp.asarray(self.kv_pages, kv_dtype),
-            jnp.asarray(self.kv_lens),
-            jnp.asarray(self.page_indices),
-            jnp.asarray(self.cu_q_lens),
-            jnp.asarray(self.num_seqs),
-        )
+        return (jnp.asarray(self.ql_nope, q_dtype), jnp.asarray(self.q_pe, q_dtype), *self.paged_args(kv_dtype))
 
 
 def make_batch(mix: str, seed: int = 0) -> Batch:
@@ -64,18 +51,10 @@ def make_batch(mix: str, seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((NUM_PAGES + 1, PAGE, PADDED)).astype(np.float32)
     kv[..., RANK + ROPE :] = 0.0
-    table, used = shuffled_page_table(rng, kv_lens, max_seqs=MAX_SEQS, pages_per_seq=PAGES_PER_SEQ, page_size=PAGE)
-    poison_stale_rows(kv, table, used, kv_lens, PAGE, np.nan)
-    cu, lens, num_seqs = ragged_lengths(q_lens, kv_lens, MAX_SEQS)
-    return Batch(
-        rng.standard_normal((TOKENS, HEADS, RANK)).astype(np.float32),
-        rng.standard_normal((TOKENS, HEADS, ROPE)).astype(np.float32),
-        kv,
-        lens,
-        table,
-        cu,
-        num_seqs,
-    )
+    paged = paged_batch(rng, kv, q_lens, kv_lens, max_seqs=MAX_SEQS, pages_per_seq=PAGES_PER_SEQ, poison=np.nan)
+    ql_nope = rng.standard_normal((TOKENS, HEADS, RANK)).astype(np.float32)
+    q_pe = rng.standard_normal((TOKENS, HEADS, ROPE)).astype(np.float32)
+    return Batch(**vars(paged), ql_nope=ql_nope, q_pe=q_pe)
 
 
 def naive(batch: Batch, kv_scale: float = 1.0) -> np.ndarray:

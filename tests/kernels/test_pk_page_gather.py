@@ -8,14 +8,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels import page_gather
-from pallas_kernels.page_gather import (
-    gather_pages,
-    gather_pages_reference,
-    gather_pages_to_host,
-    scatter_pages,
-    scatter_pages_from_host,
-    scatter_pages_reference,
-)
 from pallas_kernels.testing import (
     PAGE_SIZES,
     TPU,
@@ -44,8 +36,8 @@ GATHER = np.array([2, 3, 4, 1, 6, 3, 99], np.int32)
 @pytest.mark.parametrize("interpret", INTERPRETERS)
 def test_gather_matches_reference(interpret, page_size: int) -> None:
     layers = _layers(page_size)
-    want = gather_pages_reference(layers, jnp.asarray(GATHER))
-    got = jit_interpreted(gather_pages, interpret=interpret)(layers, GATHER)
+    want = page_gather.gather_pages_reference(layers, jnp.asarray(GATHER))
+    got = jit_interpreted(page_gather.gather_pages, interpret=interpret)(layers, GATHER)
     assert got.shape == (2, GATHER.size, page_size, 2, 8)
     assert_same(got, want)
     np.testing.assert_array_equal(np.asarray(got[1, 0]), np.asarray(layers[1][2]))
@@ -57,8 +49,8 @@ def test_scatter_matches_reference_in_place(interpret) -> None:
     layers = tuple(jnp.array(x) for x in _layers(16))
     buffer = jnp.asarray(np.random.default_rng(1).standard_normal((2, 6, 16, 2, 8)), jnp.float32)
     pages = np.array([3, 4, 5, 1, 0, 42], np.int32)  # a run, a single page, trash and out of range dropped
-    want = scatter_pages_reference(layers, buffer, jnp.asarray(pages))
-    got = run_donated(scatter_pages, layers, buffer, pages, interpret=interpret)
+    want = page_gather.scatter_pages_reference(layers, buffer, jnp.asarray(pages))
+    got = run_donated(page_gather.scatter_pages, layers, buffer, pages, interpret=interpret)
     assert_same(got, want)
     assert_no_race()
 
@@ -66,9 +58,11 @@ def test_scatter_matches_reference_in_place(interpret) -> None:
 def test_offload_round_trip_through_pinned_host_memory() -> None:
     layers = _layers(16)
     pages = np.array([1, 2, 5], np.int32)
-    host = gather_pages_to_host(layers, pages)
+    host = page_gather.gather_pages_to_host(layers, pages)
     assert isinstance(host, jax.Array) and host.sharding.memory_kind == "pinned_host"
-    restored = scatter_pages_from_host(tuple(jnp.zeros_like(x) for x in layers), host, np.array([4, 5, 6], np.int32))
+    restored = page_gather.scatter_pages_from_host(
+        tuple(jnp.zeros_like(x) for x in layers), host, np.array([4, 5, 6], np.int32)
+    )
     for before, after in zip(layers, restored, strict=False):
         np.testing.assert_array_equal(np.asarray(after[4:7]), np.asarray(before)[pages])
 
@@ -76,9 +70,9 @@ def test_offload_round_trip_through_pinned_host_memory() -> None:
 def test_offload_falls_back_to_numpy_without_pinned_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(page_gather, "has_memory_kind", lambda device, kind="pinned_host": False)
     layers = _layers(16)
-    host = gather_pages_to_host(layers, [1, 2])
+    host = page_gather.gather_pages_to_host(layers, [1, 2])
     assert isinstance(host, np.ndarray) and host.shape == (2, 2, 16, 2, 8)
-    restored = scatter_pages_from_host(tuple(jnp.zeros_like(x) for x in layers), host, [3, 4])
+    restored = page_gather.scatter_pages_from_host(tuple(jnp.zeros_like(x) for x in layers), host, [3, 4])
     np.testing.assert_array_equal(np.asarray(restored[0][3:5]), np.asarray(layers[0][1:3]))
 
 
@@ -87,15 +81,15 @@ def test_out_of_bounds_read_is_caught_by_tpu_interpreter(monkeypatch: pytest.Mon
     monkeypatch.setattr(page_gather, "_src_pages", lambda pages, num_pages: pages)
     layers = _layers(16, num_layers=1)
     with pytest.raises(Exception, match="(?i)out-of-bounds"):
-        jit_interpreted(gather_pages, interpret=TPU)(layers, np.array([9], np.int32)).block_until_ready()
+        jit_interpreted(page_gather.gather_pages, interpret=TPU)(layers, np.array([9], np.int32)).block_until_ready()
 
 
 def test_bad_arguments_are_named() -> None:
     layers = _layers(4, num_layers=2, num_pages=2)
     with pytest.raises(ValueError, match=r"buffer has shape \[2, 3, 4, 2, 8\]; expected \[2, 2, 4, 2, 8\]"):
-        scatter_pages(layers, jnp.zeros((2, 3, 4, 2, 8)), jnp.array([1, 2]))
+        page_gather.scatter_pages(layers, jnp.zeros((2, 3, 4, 2, 8)), jnp.array([1, 2]))
     with pytest.raises(TypeError, match="buffer has dtype int32; expected float32"):
-        scatter_pages(layers, jnp.zeros((2, 2, 4, 2, 8), jnp.int32), jnp.array([1, 2]))
+        page_gather.scatter_pages(layers, jnp.zeros((2, 2, 4, 2, 8), jnp.int32), jnp.array([1, 2]))
     with pytest.raises(TypeError, match="pages has dtype float32"):
-        gather_pages(layers, jnp.array([1.0]))
-    assert gather_pages(layers, jnp.zeros((0,), jnp.int32)).shape == (2, 0, 4, 2, 8)
+        page_gather.gather_pages(layers, jnp.array([1.0]))
+    assert page_gather.gather_pages(layers, jnp.zeros((0,), jnp.int32)).shape == (2, 0, 4, 2, 8)

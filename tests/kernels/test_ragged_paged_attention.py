@@ -23,7 +23,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from tests.kernels.ragged_batch import poison_stale_rows, ragged_lengths, shuffled_page_table
+from tests.kernels.ragged_batch import PagedBatch, paged_batch
 
 HLO = True
 TPU = pltpu.InterpretParams(detect_races=True, vector_clock_size=64)
@@ -94,23 +94,11 @@ MIXES = {
 
 
 @dataclasses.dataclass
-class Batch:
+class Batch(PagedBatch):
     q: np.ndarray
-    kv_pages: np.ndarray
-    kv_lens: np.ndarray
-    page_indices: np.ndarray
-    cu_q_lens: np.ndarray
-    num_seqs: np.ndarray
 
     def args(self, dtype=jnp.float32) -> tuple[jax.Array, ...]:
-        return (
-            jnp.asarray(self.q, dtype),
-            jnp.asarray(self.kv_pages, dtype),
-            jnp.asarray(self.kv_lens),
-            jnp.asarray(self.page_indices),
-            jnp.asarray(self.cu_q_lens),
-            jnp.asarray(self.num_seqs),
-        )
+        return (jnp.asarray(self.q, dtype), *self.paged_args(dtype))
 
 
 def make_batch(cfg: Config, mix: str, *, seed: int = 0, poison: float | None = np.nan) -> Batch:
@@ -125,14 +113,9 @@ def make_batch(cfg: Config, mix: str, *, seed: int = 0, poison: float | None = n
     assert n <= cfg.max_seqs and sum(q_lens) <= cfg.total_tokens and max(kv_lens) <= cfg.max_kv
     kv = rng.standard_normal((cfg.num_pages + 1, ps, 2 * cfg.num_kv_heads, cfg.dim_padded)).astype(np.float32)
     kv[..., cfg.head_dim :] = 0.0  # the pool zero-pads K and V
-    table, used = shuffled_page_table(
-        rng, kv_lens, max_seqs=cfg.max_seqs, pages_per_seq=cfg.pages_per_seq, page_size=ps
-    )
-    if poison is not None:
-        poison_stale_rows(kv, table, used, kv_lens, ps, poison)
+    paged = paged_batch(rng, kv, q_lens, kv_lens, max_seqs=cfg.max_seqs, pages_per_seq=cfg.pages_per_seq, poison=poison)
     q = rng.standard_normal((cfg.total_tokens, cfg.num_q_heads, cfg.head_dim)).astype(np.float32)
-    cu, lens, num_seqs = ragged_lengths(q_lens, kv_lens, cfg.max_seqs)
-    return Batch(q, kv, lens, table, cu, num_seqs)
+    return Batch(**vars(paged), q=q)
 
 
 def naive_attention(cfg: Config, batch: Batch) -> np.ndarray:

@@ -34,6 +34,7 @@ from kvjax import CacheConfig, build_kv_cache  # noqa: E402
 from kvjax.radix import MambaRadixCache  # noqa: E402
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint  # noqa: E402
 from kvjax.serve.scheduler import Scheduler, ServingReq  # noqa: E402
+from tests.serve.random_workloads import TINY_SIZES  # noqa: E402
 
 CHUNK = 8
 PROMPT_SEED = 3
@@ -45,10 +46,8 @@ MARGIN_FACTOR = 10  # the near-tie guard's margin, in multiples of the logit tol
 # weights drawn with ``initializer_range=0.2`` (logits of order 1, so greedy tokens are not all
 # alike), no special tokens (greedy decoding never stops early).
 TINY_CONFIG: dict[str, Any] = dict(
+    TINY_SIZES,
     vocab_size=VOCAB,
-    hidden_size=64,
-    num_attention_heads=4,
-    max_position_embeddings=256,
     initializer_range=0.2,
     bos_token_id=None,
     eos_token_id=None,

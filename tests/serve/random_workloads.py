@@ -43,22 +43,23 @@ CONTEXT = 128
 VOCAB = 128  # token ids drawn below this (every model's vocabulary is at least this large)
 MAX_STEPS = 2000
 
+# The sizes every tiny model of these tests shares, here and in the Transformers parity tests
+# (``parity_harness.TINY_CONFIG``); the vocabulary is each module's own.
+TINY_SIZES: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+# The attention and MLP sizes of the tiny models here and of most parity models (all but
+# DeepSeek-V2's and gpt-oss's).
+TINY_LAYER_SIZES: dict[str, Any] = dict(num_key_value_heads=2, head_dim=16, intermediate_size=128)
 _TINY_RECURRENT_BASE: dict[str, Any] = dict(
+    TINY_SIZES,
+    **TINY_LAYER_SIZES,
     vocab_size=VOCAB,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    max_position_embeddings=256,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
     torch_dtype="float32",
 )
-# Qwen3-Next: three gated-delta-net layers and one full-attention layer, dense MLPs.
-QWEN3_NEXT_TINY: dict[str, Any] = dict(
-    _TINY_RECURRENT_BASE,
-    model_type="qwen3_next",
+# Qwen3-Next's layers: three gated-delta-net layers and one full-attention layer (the parity test
+# serves the same layout).
+QWEN3_NEXT_LAYERS: dict[str, Any] = dict(
     num_hidden_layers=4,
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
     linear_num_key_heads=2,
@@ -66,16 +67,20 @@ QWEN3_NEXT_TINY: dict[str, Any] = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
-    mlp_only_layers=[0, 1, 2, 3],
-    num_experts=0,
+)
+# Qwen3-Next with dense MLPs on every layer (no sparse-MoE layer).
+QWEN3_NEXT_DENSE_MLPS: dict[str, Any] = dict(mlp_only_layers=[0, 1, 2, 3], num_experts=0)
+QWEN3_NEXT_TINY: dict[str, Any] = dict(
+    _TINY_RECURRENT_BASE,
+    **QWEN3_NEXT_LAYERS,
+    **QWEN3_NEXT_DENSE_MLPS,
+    model_type="qwen3_next",
     hidden_act="silu",
     rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
 )
-# Nemotron-H: Mamba2 mixers, MLPs and one attention block ("M-*M-").
-NEMOTRON_H_TINY: dict[str, Any] = dict(
-    _TINY_RECURRENT_BASE,
-    model_type="nemotron_h",
-    num_hidden_layers=5,
+# Nemotron-H's blocks: Mamba2 mixers (two groups), MLPs and one attention block ("M-*M-"; the
+# parity test serves the same blocks).
+NEMOTRON_H_BLOCKS: dict[str, Any] = dict(
     hybrid_override_pattern="M-*M-",
     mamba_num_heads=4,
     mamba_head_dim=16,
@@ -83,6 +88,12 @@ NEMOTRON_H_TINY: dict[str, Any] = dict(
     n_groups=2,
     conv_kernel=4,
     chunk_size=16,
+)
+NEMOTRON_H_TINY: dict[str, Any] = dict(
+    _TINY_RECURRENT_BASE,
+    **NEMOTRON_H_BLOCKS,
+    model_type="nemotron_h",
+    num_hidden_layers=5,
     mlp_hidden_act="relu2",
     mamba_hidden_act="silu",
     layer_norm_epsilon=1e-5,

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvjax import ModelSpec
 from kvjax.pools import MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.scheduler import Scheduler, ServingReq
@@ -48,25 +49,16 @@ MAX_NEW = 6
 FP8_LOGIT_ATOL = 1.0
 FP8_LOGIT_MEAN_ATOL = 0.15
 
+# The shipped ``deepseek-tiny`` preset (MLA, 4 routed experts in 2 groups, one shared expert, a
+# dense first layer) at the parity tests' sizes, with the low-rank query path on, a third layer
+# and a routed scaling factor.
 CONFIG = dict(
-    TINY_CONFIG,
+    ModelSpec.preset("deepseek-tiny").extra,
+    **TINY_CONFIG,
     intermediate_size=96,
-    moe_intermediate_size=32,
     num_hidden_layers=3,
-    num_key_value_heads=4,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    topk_method="group_limited_greedy",
-    n_group=2,
-    topk_group=1,
-    routed_scaling_factor=1.5,
     q_lora_rank=24,
-    kv_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
+    routed_scaling_factor=1.5,
 )
 
 

@@ -14,15 +14,14 @@ import pytest
 from kvjax.serve.checkpoint import LoadedModel
 from tests.serve import swa_parity
 from tests.serve.parity_harness import TINY_CONFIG, tiny_checkpoint, transformers
+from tests.serve.random_workloads import TINY_LAYER_SIZES
 
 WINDOW = 8
 
 CONFIG = dict(
     TINY_CONFIG,
-    intermediate_size=128,
+    **TINY_LAYER_SIZES,
     num_hidden_layers=4,
-    num_key_value_heads=2,
-    head_dim=16,
     sliding_window=WINDOW,
     layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
     query_pre_attn_scalar=24,

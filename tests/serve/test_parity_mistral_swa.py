@@ -33,21 +33,14 @@ from tests.serve.parity_harness import (
     tiny_checkpoint,
     transformers,
 )
+from tests.serve.random_workloads import TINY_LAYER_SIZES
 
 LOGIT_ATOL = 1e-4
 MAX_NEW = 12
 WINDOW = 8
 PROMPT_SEED = 5
 
-CONFIG = dict(
-    TINY_CONFIG,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    sliding_window=WINDOW,
-    rope_theta=10_000.0,
-)
+CONFIG = dict(TINY_CONFIG, **TINY_LAYER_SIZES, num_hidden_layers=2, sliding_window=WINDOW, rope_theta=10_000.0)
 
 
 @pytest.fixture(scope="module")

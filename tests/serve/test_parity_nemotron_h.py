@@ -26,6 +26,7 @@ from tests.serve.parity_harness import (
     torch,
     transformers,
 )
+from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
 
 LOGIT_ATOL = 1e-4
 MIN_MARGIN = 2e-3  # Qwen3-Next's (10x its tolerance of 2e-4)
@@ -35,19 +36,7 @@ MODEL_SEED = 0
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.NemotronHConfig(
-        **TINY_CONFIG,
-        intermediate_size=128,
-        num_key_value_heads=2,
-        head_dim=16,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=2,
-        conv_kernel=4,
-        chunk_size=16,
-        hybrid_override_pattern="M-*M-",
-    )
+    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
     return tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=MODEL_SEED)
 
 

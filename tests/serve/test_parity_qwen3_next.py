@@ -38,6 +38,7 @@ from tests.serve.parity_harness import (
     tiny_checkpoint,
     transformers,
 )
+from tests.serve.random_workloads import QWEN3_NEXT_DENSE_MLPS, QWEN3_NEXT_LAYERS, TINY_LAYER_SIZES
 
 LOGIT_ATOL = 2e-4
 MAX_NEW = 6
@@ -46,18 +47,7 @@ MODEL_SEED = 1
 
 def _hf_model(tmp_path_factory, name: str, **moe) -> tuple[object, LoadedModel]:
     config = transformers.Qwen3NextConfig(
-        **TINY_CONFIG,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        **(moe or dict(mlp_only_layers=[0, 1, 2, 3], num_experts=0)),
+        **TINY_CONFIG, **TINY_LAYER_SIZES, **QWEN3_NEXT_LAYERS, **(moe or QWEN3_NEXT_DENSE_MLPS)
     )
     return tiny_checkpoint(config, tmp_path_factory, name, seed=MODEL_SEED)
 

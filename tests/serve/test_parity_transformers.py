@@ -43,17 +43,12 @@ from tests.serve.parity_harness import (
     serve_two_rounds,
     transformers,
 )
+from tests.serve.random_workloads import TINY_LAYER_SIZES
 
 LOGIT_ATOL = 1e-4
 MAX_NEW = 6
 
-COMMON = dict(
-    TINY_CONFIG,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+COMMON = dict(TINY_CONFIG, **TINY_LAYER_SIZES, num_hidden_layers=2)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,
