@@ -1,6 +1,6 @@
 """Run a check program in a fresh Python process with host CPU devices, and read its JSON report.
 
-The mesh tests need several devices, and XLA splits the host platform into devices only when jax
+Multi-device tests need several devices, and XLA splits the host platform into devices only when jax
 starts (``XLA_FLAGS=--xla_force_host_platform_device_count=N``); a pytest process may have started
 jax already. So each check runs in a subprocess from the repository root, on the CPU platform,
 and prints one JSON object as its last line of output.
