@@ -262,7 +262,7 @@ def build_kv_cache(
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
-        device_memory_bytes = _device_memory_bytes(devices[0])
+        device_memory_bytes = device_memory_limit_bytes(devices[0])
     host_memory = (
         host_memory_bytes()
         if config.enable_hierarchical_cache or config.disaggregation_decode_retraction_backup == "host_pool"
@@ -314,7 +314,7 @@ def build_kv_cache(
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
     host_pool = host_pools.get("host_kv")
-    allocator = _allocator(plan, kinds)
+    allocator = plan_allocator(plan, kinds)
     pools = CachePools(device)
     pending = PendingDeviceUpdates(pools)
     host_engine = None
@@ -363,7 +363,7 @@ def _host_transfer_engine(
     return with_draft_transfers(engine, host_pools.get(DRAFT_HOST_POOL_NAME))
 
 
-def _allocator(plan: CachePlan, kinds: tuple[CacheKind, ...]) -> AllocatorProtocol:
+def plan_allocator(plan: CachePlan, kinds: tuple[CacheKind, ...]) -> AllocatorProtocol:
     """The token allocator of the first kind of ``kinds`` that decides it (``CacheKind.allocator``),
     else the plain one for the plan's ``max_total_tokens`` (``make_allocator``)."""
     for kind in kinds:
@@ -390,7 +390,9 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def _device_memory_bytes(device: jax.Device) -> int:
+def device_memory_limit_bytes(device: jax.Device) -> int:
+    """The memory ``device`` reports it can hold (``bytes_limit`` of its memory stats), in bytes;
+    ``ConfigError`` naming ``mem_fraction_static`` where it reports none."""
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -14,6 +11,7 @@ import pytest
 
 import kvjax
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
+from tests.mesh.subprocess_run import run_with_devices
 from tests.specs import dense, mla, ssm
 
 
@@ -169,11 +167,7 @@ def test_build_shards_kv_heads_over_a_tp_mesh():
                           "heads_per_rank": cache.plan.num_kv_heads_per_rank, "roundtrip": ok, "spec": sharded}))
         """
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_with_devices(["-c", code], timeout=120)
     assert result["global"] == [17, 16, 16, 16]  # 8 KV heads -> 16 combined K/V heads
     assert result["shard"] == [17, 16, 4, 16]  # 2 heads per rank: K0 V0 K1 V1
     assert result["heads_per_rank"] == 2
@@ -306,11 +300,7 @@ def test_build_shards_the_recurrent_state_over_a_tp_mesh():
             "spec": str(state.ssm.sharding.spec)}))
         """
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_with_devices(["-c", code], timeout=120)
     # tests.specs.ssm: conv [256, 3] and SSM [4, 64, 64] per layer unsharded; 2 ranks hold half each.
     assert r["conv"] == [[1, 5, 256, 3]] and r["conv_shard"] == [1, 5, 128, 3]
     assert r["ssm"] == [1, 5, 4, 64, 64] and r["ssm_shard"] == [1, 5, 2, 64, 64]

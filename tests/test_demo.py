@@ -9,18 +9,7 @@ import sys
 import pytest
 
 from kvjax.demo import run_demo
-from kvjax.serve.workload import Workload
-
-SMALL = Workload(
-    groups=2,
-    prompts_per_group=3,
-    system_tokens=64,
-    question_tokens=8,
-    chats=2,
-    turns=2,
-    turn_tokens=16,
-    output_tokens=4,
-)
+from tests.workloads import SMALL
 
 
 def test_demo_report_is_consistent():

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kvjax.build import KV_HEAD_MESH_AXIS, _allocator, _device_memory_bytes
+from kvjax.build import KV_HEAD_MESH_AXIS, device_memory_limit_bytes, plan_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
@@ -166,7 +166,7 @@ def build_dp_kv_cache(
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
-        device_memory_bytes = _device_memory_bytes(devices[0])
+        device_memory_bytes = device_memory_limit_bytes(devices[0])
     _refuse_unbuilt_tiers(config)
     plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
     kinds = cache_kinds_of(plan)
@@ -303,6 +303,6 @@ def _rank_host_state(rank: int, plan: CachePlan, kinds: tuple[CacheKind, ...]) -
             table = kind.request_table(table, plan)
     if not isinstance(table, ReqToTokenPoolProtocol):
         raise AssertionError(f"plan {plan.model} lists no request table: {plan.pools}")
-    allocator = _allocator(plan, kinds)
+    allocator = plan_allocator(plan, kinds)
     tree = create_tree_cache(plan.tree_options, req_to_token_pool=table, token_to_kv_pool_allocator=allocator)
     return DPRank(rank, plan, table, allocator, tree)

@@ -25,8 +25,8 @@ from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS, DPRouter, RankLoad
-from kvjax.serve.pool_fit import check_fits_pool
 from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.serving_front import serve_to_completion
 from kvjax.spec import ModelSpec
 
 __all__ = ["DPScheduler"]
@@ -107,16 +107,7 @@ class DPScheduler:
         than the context, or whose KV can never fit a rank's pool) raises ``ConfigError`` before
         any is routed."""
         reqs = list(reqs)
-        first = self.schedulers[0]
-        for req in reqs:  # every rank has the same plan: one rank's limits are every rank's
-            if req.seqlen() + req.max_new_tokens > first.rows.max_context_len:
-                raise ConfigError(
-                    "context_length",
-                    first.rows.max_context_len - 4,
-                    f"request {req.rid!r}: {req.seqlen()} prompt + {req.max_new_tokens} new tokens exceed the "
-                    "context; shorten the request or raise context_length (up to the model's)",
-                )
-            check_fits_pool(req, first.alloc, first.page_size, windowed=first._windowed)
+        self.schedulers[0].check_servable(reqs)  # every rank has the same plan: one rank's limits are every rank's
         for req in reqs:
             rank = self.router.route(req.origin_input_ids, self.loads(), req.extra_key)
             self.rank_of[req.rid] = rank
@@ -137,10 +128,7 @@ class DPScheduler:
 
     def run(self, reqs: Iterable[ServingReq] = ()) -> list[ServingReq]:
         """Submit ``reqs`` and step until every request has finished (finishing order)."""
-        self.submit(reqs)
-        while not self.idle:
-            self.step()
-        return self.finished
+        return serve_to_completion(self, reqs)
 
     def leak_free(self) -> bool:
         """Every rank idle with no slot or row lost (``Scheduler.leak_free`` per rank)."""

@@ -102,6 +102,7 @@ from kvjax.serve.extension import ServingExtension, StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
+from kvjax.serve.serving_front import serve_to_completion
 from kvjax.serve.serving_req import ServingReq
 from kvjax.serve.step import make_module_step, make_step
 from kvjax.spec import ModelSpec
@@ -237,6 +238,15 @@ class Scheduler:
         the context (``ConfigError`` naming ``context_length``) or whose KV can never fit the pool
         (``ConfigError`` naming ``max_total_tokens``) is refused before any is queued."""
         reqs = list(reqs)
+        self.check_servable(reqs)
+        for req in reqs:
+            self.stats.prompt_tokens += req.seqlen()
+            self.waiting.append(req)
+
+    def check_servable(self, reqs: Iterable[ServingReq]) -> None:
+        """Raise ``ConfigError`` for the first request this scheduler can never serve: longer than
+        the context (naming ``context_length``), or whose KV can never fit the pool (naming
+        ``max_total_tokens``). Changes nothing."""
         for req in reqs:
             if req.seqlen() + req.max_new_tokens > self.rows.max_context_len:
                 raise ConfigError(
@@ -246,9 +256,6 @@ class Scheduler:
                     "context; shorten the request or raise context_length (up to the model's)",
                 )
             check_fits_pool(req, self.alloc, self.page_size, windowed=self._windowed)
-        for req in reqs:
-            self.stats.prompt_tokens += req.seqlen()
-            self.waiting.append(req)
 
     @property
     def idle(self) -> bool:
@@ -331,10 +338,7 @@ class Scheduler:
 
     def run(self, reqs: Iterable[ServingReq] = ()) -> list[ServingReq]:
         """Submit ``reqs`` and step until every request has finished; return them in finishing order."""
-        self.submit(reqs)
-        while not self.idle:
-            self.step()
-        return self.finished
+        return serve_to_completion(self, reqs)
 
     def leak_free(self) -> bool:
         """With no request left: ``available + evictable + protected == capacity`` and every row free

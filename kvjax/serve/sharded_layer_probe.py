@@ -52,6 +52,7 @@ __all__ = [
     "DEEPSEEK_V3",
     "LLAMA_3_8B",
     "Collective",
+    "DecodeBatchShape",
     "DecoderLayerShape",
     "MLALayerShape",
     "collectives",
@@ -68,19 +69,15 @@ EPS = 1e-6
 ROPE_THETA = 10000.0
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderLayerShape:
-    """A Llama-style decoder layer and one decode batch.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBatchShape:
+    """One decode batch over one layer's paged pool, the part every layer shape has.
 
     ``seqs`` sequences decode one token each (``tokens == seqs``) at ``context`` tokens; the pool
-    of one layer has ``pool_pages`` allocatable pages (plus the trash page) over all KV heads.
+    of one layer has ``pool_pages`` allocatable pages of ``page_size`` tokens (plus the trash
+    page); ``dtype`` is the compute and pool dtype.
     """
 
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
     page_size: int
     pool_pages: int
     seqs: int
@@ -96,9 +93,20 @@ class DecoderLayerShape:
         return -(-self.context // self.page_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class MLALayerShape:
-    """A DeepSeek-V3-style MLA layer with a dense MLP, and one decode batch (as ``DecoderLayerShape``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderLayerShape(DecodeBatchShape):
+    """A Llama-style decoder layer (its pool over all KV heads) and one decode batch."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLALayerShape(DecodeBatchShape):
+    """A DeepSeek-V3-style MLA layer with a dense MLP, and one decode batch."""
 
     hidden: int
     heads: int
@@ -108,19 +116,6 @@ class MLALayerShape:
     qk_rope_head_dim: int
     v_head_dim: int
     intermediate: int
-    page_size: int
-    pool_pages: int
-    seqs: int
-    context: int
-    dtype: str = "bfloat16"
-
-    @property
-    def tokens(self) -> int:
-        return self.seqs
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.context // self.page_size)
 
 
 LayerShape = DecoderLayerShape | MLALayerShape

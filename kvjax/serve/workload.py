@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.serve.serving_front import ServingFront
 from kvjax.serve.serving_req import ServingReq
-
-if TYPE_CHECKING:  # the scheduler imports jax; workloads are built without it
-    from kvjax.serve.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +75,7 @@ class Workload:
 
 
 def run_workload(
-    scheduler: Scheduler, workload: Workload, *, on_finish: Callable[[ServingReq], None] | None = None
+    scheduler: ServingFront, workload: Workload, *, on_finish: Callable[[ServingReq], None] | None = None
 ) -> dict[str, list[int]]:
     """Run every request of ``workload`` to completion; return each request's output by name.
 

@@ -5,14 +5,9 @@ have one)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.mesh.subprocess_run import run_with_devices
 
 CHECK = textwrap.dedent(
     """
@@ -73,11 +68,7 @@ CHECK = textwrap.dedent(
 
 
 def test_attend_on_a_two_device_mesh_equals_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_with_devices(["-c", CHECK], devices=2, timeout=300)
     assert result["mha_out"] and result["mha_pages"], result
     assert "tp" in result["mha_spec"], "the written layer stays sharded over the KV-head axis"
     assert result["kernel_per_device"], "the kernel runs inside shard_map over the sharded pool"

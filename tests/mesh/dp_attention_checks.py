@@ -18,26 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from kvjax import CacheConfig, ModelSpec
-from kvjax.attention import MetadataBuilder, attend
+from kvjax import ModelSpec
+from kvjax.attention import attend
 from kvjax.dp import build_dp_kv_cache, dp_attend, stack_rank_inputs
 from kvjax.pools import CachePools, MHAKVPool
-
-PAGE = 4
-MAX_SEQS = 4
-
-
-def dp_config(dp: int, tp: int, **changes) -> CacheConfig:
-    settings = dict(
-        max_total_tokens=128,
-        page_size=PAGE,
-        tp_size=dp * tp,
-        dp_size=dp,
-        enable_dp_attention=True,
-        context_length=32,
-        max_running_requests=MAX_SEQS,
-    )
-    return CacheConfig(**{**settings, **changes})
+from tests.mesh.dp_rank_requests import PAGE, dp_config, place_rank_requests, rank_step_inputs
 
 
 def refusals() -> dict:
@@ -109,33 +94,17 @@ def main(dp: int, tp: int) -> dict:
     }
     pages = layer0.shape[1] - 1
     rng = np.random.default_rng(dp * 10 + tp)
-    # Each rank: its own requests (different counts and lengths per rank), slots from its own allocator.
-    ranks = []
-    for rank in cache.ranks:
-        lens = [int(x) for x in rng.integers(3, 12, size=1 + rank.rank % 3)]
-        rows = np.asarray(rank.req_to_token_pool.alloc(len(lens)), np.int64)
-        for row, n in zip(rows, lens, strict=True):
-            slots = rank.allocator.alloc(-(-(n + 1) // PAGE) * PAGE)
-            rank.req_to_token_pool.write(int(row), 0, slots[: n + 1])
-        ranks.append((rank, rows, lens))
+    ranks = place_rank_requests(cache, rng, decode_tokens=1)
     facts["allocators_independent"] = len({r.allocator.available_size() for r, _, _ in ranks}) > 1
 
     def step_inputs(prefill: bool):
         tokens, metas = [], []
-        for rank, rows, lens in ranks:
-            builder = MetadataBuilder(rank.req_to_token_pool, PAGE, MAX_SEQS)
-            table = rank.req_to_token_pool.req_to_token
+        for requests in ranks:
+            lens = requests[2]
             if prefill:
-                toks = [rng.integers(0, 256, n).astype(np.int32) for n in lens]
-                starts = np.zeros(len(lens), np.int32)
-                slots = np.concatenate([table[row, :n] for row, n in zip(rows, lens, strict=True)])
-                seq_lens = np.asarray(lens, np.int32)
+                t, m = rank_step_inputs(requests, [rng.integers(0, 256, n).astype(np.int32) for n in lens], None)
             else:
-                toks = rng.integers(0, 256, len(lens)).astype(np.int32)
-                starts = np.asarray(lens, np.int32)
-                slots = np.asarray([table[row, n] for row, n in zip(rows, lens, strict=True)])
-                seq_lens = starts + 1
-            t, m = builder.build(tokens=toks, starts=starts, slots=slots, rows=rows, seq_lens=seq_lens)
+                t, m = rank_step_inputs(requests, rng.integers(0, 256, len(lens)).astype(np.int32), 0)
             tokens.append(t)
             metas.append(m)
         return stack_rank_inputs(tokens, metas)

@@ -13,36 +13,23 @@ import json
 import jax
 
 from kvjax import ModelSpec
-from kvjax.demo import demo_cache
-from kvjax.demo_config import MAX_BATCH, demo_config
+from kvjax.demo_config import MAX_BATCH
 from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.serve.model import init_params
-from kvjax.serve.scheduler import Scheduler
-from kvjax.serve.workload import Workload, run_workload
-
-WORKLOAD = Workload(
-    groups=3,
-    prompts_per_group=3,
-    system_tokens=64,
-    question_tokens=8,
-    chats=2,
-    turns=2,
-    turn_tokens=16,
-    output_tokens=4,
-)
+from kvjax.serve.workload import run_workload
+from tests.serve.dp_serving import dp2_config, single_scheduler_outputs
+from tests.workloads import SMALL_THREE_GROUPS as WORKLOAD
 
 
 def main() -> dict:
     spec = ModelSpec.preset("tiny")
     params = init_params(spec, seed=0)
-    single = Scheduler(spec, demo_cache(max_total_tokens=2048, context_length=512), params, max_batch_size=MAX_BATCH)
-    expected = run_workload(single, WORKLOAD)
+    expected = single_scheduler_outputs(spec, params, WORKLOAD)
     mesh = jax.make_mesh((2, 1), ("data", "tp"))
     result: dict = {}
     outputs = {}
     for label, radix_off in (("cold", True), ("warm", False)):
-        config = demo_config(max_total_tokens=2048, context_length=512, disable_radix_cache=radix_off)
-        config = config.replace(tp_size=2, dp_size=2, enable_dp_attention=True)
+        config = dp2_config(disable_radix_cache=radix_off)
         front = LockstepDPScheduler.build_lockstep(spec, config, params, mesh, max_batch_size=MAX_BATCH, timeout_s=300)
         outputs[label] = run_workload(front, WORKLOAD)
         result[label] = {

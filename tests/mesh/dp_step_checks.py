@@ -15,27 +15,16 @@ import sys
 import jax
 import numpy as np
 
-from kvjax import CacheConfig, ModelSpec, build_kv_cache
-from kvjax.attention import MetadataBuilder
+from kvjax import ModelSpec, build_kv_cache
 from kvjax.dp import build_dp_kv_cache, make_dp_step, replicate_params, stack_rank_inputs
 from kvjax.serve.model import init_params
 from kvjax.serve.step import make_step
-
-PAGE = 4
-MAX_SEQS = 4
+from tests.mesh.dp_rank_requests import dp_config, place_rank_requests, rank_step_inputs
 
 
 def main(dp: int) -> dict:
     spec = ModelSpec.preset("tiny")
-    config = CacheConfig(
-        max_total_tokens=128,
-        page_size=PAGE,
-        tp_size=dp,
-        dp_size=dp,
-        enable_dp_attention=True,
-        context_length=32,
-        max_running_requests=MAX_SEQS,
-    )
+    config = dp_config(dp, 1)
     cache = build_dp_kv_cache(spec, config, jax.make_mesh((dp, 1), ("data", "tp")))
     params = init_params(spec, seed=0)
     dp_step = make_dp_step(spec, cache.layout, with_logits=True)
@@ -43,38 +32,19 @@ def main(dp: int) -> dict:
     single_step = make_step(spec, with_logits=True)
     refs = [build_kv_cache(spec, config) for _ in range(dp)]
     rng = np.random.default_rng(dp)
-    ranks = []
-    for rank in cache.ranks:
-        lens = [int(x) for x in rng.integers(3, 12, size=1 + rank.rank % 3)]
-        rows = np.asarray(rank.req_to_token_pool.alloc(len(lens)), np.int64)
-        for row, n in zip(rows, lens, strict=True):
-            slots = rank.allocator.alloc(-(-(n + 2) // PAGE) * PAGE)
-            rank.req_to_token_pool.write(int(row), 0, slots[: n + 2])
-        ranks.append((rank, rows, lens))
+    ranks = place_rank_requests(cache, rng, decode_tokens=2)
     tokens_equal, logits_equal, pools_equal = [], [], []
     last = [None] * dp
     for step in range(3):
         per_rank = []
-        for r, (rank, rows, lens) in enumerate(ranks):
-            builder = MetadataBuilder(rank.req_to_token_pool, PAGE, MAX_SEQS)
-            table = rank.req_to_token_pool.req_to_token
+        for r, requests in enumerate(ranks):
+            lens = requests[2]
             if step == 0:
-                toks = [rng.integers(0, 256, n).astype(np.int32) for n in lens]
-                starts = np.zeros(len(lens), np.int32)
-                slots = np.concatenate([table[row, :n] for row, n in zip(rows, lens, strict=True)])
-            else:
-                toks = np.asarray(last[r][: len(lens)], np.int32)
-                starts = np.asarray(lens, np.int32) + step - 1
-                slots = np.asarray([table[row, s] for row, s in zip(rows, starts, strict=True)])
-            per_rank.append(
-                builder.build(
-                    tokens=toks,
-                    starts=starts,
-                    slots=slots,
-                    rows=rows,
-                    seq_lens=starts + (np.asarray(lens, np.int32) if step == 0 else 1),
+                per_rank.append(
+                    rank_step_inputs(requests, [rng.integers(0, 256, n).astype(np.int32) for n in lens], None)
                 )
-            )
+            else:
+                per_rank.append(rank_step_inputs(requests, np.asarray(last[r][: len(lens)], np.int32), step - 1))
         tokens, meta = stack_rank_inputs([t for t, _ in per_rank], [m for _, m in per_rank])
         pools, next_tokens, logits = dp_step(cache.pools, dp_params, tokens, meta)
         cache.set_pools(pools)

@@ -6,28 +6,11 @@ exist whatever this process initialised before."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.mesh.subprocess_run import run_with_devices
 
 
 def test_lockstep_dp2_serves_the_single_scheduler_tokens():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.mesh.dp_lockstep_checks"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=900,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    facts = run_with_devices(["-m", "tests.mesh.dp_lockstep_checks"], timeout=900)
     assert facts["cold_equals_warm"]
     for run in ("cold", "warm"):
         assert facts[run]["equal_single"]

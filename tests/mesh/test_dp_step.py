@@ -6,31 +6,14 @@ whatever this process initialised before."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.mesh.subprocess_run import run_with_devices
 
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.mesh.dp_step_checks", "2", "4"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_with_devices(["-m", "tests.mesh.dp_step_checks", "2", "4"], timeout=600)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

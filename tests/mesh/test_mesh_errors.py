@@ -9,11 +9,7 @@ starts); the command-line cases run ``python -m kvjax plan`` in this process (it
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,8 +19,7 @@ from kvjax.cli import main
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.mesh_check import MeshFacts, check_local_devices, check_mesh, serving_mesh_shape
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.mesh.subprocess_run import run_with_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -100,11 +95,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def build_errors() -> dict[str, Any]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_with_devices(["-c", SCRIPT], timeout=300)
 
 
 @pytest.mark.timeout(400)

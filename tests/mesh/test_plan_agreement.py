@@ -13,16 +13,13 @@ attention).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.mesh.subprocess_run import run_with_devices
+
 BUDGET = 4 << 20  # bytes per device: a few hundred pages of the tiny models
 ROWS = 4
 
@@ -118,18 +115,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         [name, str(config) if model == "qwen3-next-tiny" else model, tp, dp, page]
         for name, model, tp, dp, page in CASES
     ]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps([BUDGET, ROWS, cases])],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=540,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_with_devices(["-c", SCRIPT, json.dumps([BUDGET, ROWS, cases])], timeout=540)
 
 
 @pytest.mark.timeout(600)

@@ -6,24 +6,14 @@ from __future__ import annotations
 import pytest
 
 from kvjax import ModelSpec
-from kvjax.demo import demo_cache
 from kvjax.demo_config import MAX_BATCH, demo_config
 from kvjax.dp.scheduler import DPScheduler
 from kvjax.errors import ConfigError
 from kvjax.serve.model import init_params
-from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.workload import Workload, run_workload
-
-WORKLOAD = Workload(
-    groups=3,
-    prompts_per_group=3,
-    system_tokens=64,
-    question_tokens=8,
-    chats=2,
-    turns=2,
-    turn_tokens=16,
-    output_tokens=4,
-)
+from kvjax.serve.scheduler import ServingReq
+from kvjax.serve.workload import run_workload
+from tests.serve.dp_serving import dp2_config, single_scheduler_outputs
+from tests.workloads import SMALL_THREE_GROUPS as WORKLOAD
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +27,12 @@ def params(spec):
 
 
 def _front(spec, params, policy: str, **config) -> DPScheduler:
-    cfg = demo_config(max_total_tokens=2048, context_length=512, **config)
-    cfg = cfg.replace(tp_size=2, dp_size=2, enable_dp_attention=True)
-    return DPScheduler.build(spec, cfg, params, policy=policy, max_batch_size=MAX_BATCH)
+    return DPScheduler.build(spec, dp2_config(**config), params, policy=policy, max_batch_size=MAX_BATCH)
 
 
 @pytest.fixture(scope="module")
 def single(spec, params):
-    scheduler = Scheduler(spec, demo_cache(max_total_tokens=2048, context_length=512), params, max_batch_size=MAX_BATCH)
-    return run_workload(scheduler, WORKLOAD)
+    return single_scheduler_outputs(spec, params, WORKLOAD)
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
