@@ -61,5 +61,11 @@ def test_every_built_kind_gets_a_rank_axis_and_its_own_head_sharding(checks):
                 assert shape[0] == 2 and spec[0] == "data" and laid_out_as_planned
         big = [spec for arrays in kinds[name]["arrays"].values() for shape, spec, _ in arrays if len(shape) == 5]
         assert all(spec[3] == "tp" for spec in big)
-    # the recurrent state under DP attention is refused by its pool kind before anything is allocated
-    assert kinds["recurrent"].startswith("NotImplementedError") and "attention data parallelism" in kinds["recurrent"]
+    # the recurrent state is sharded over each rank's attention-TP group (SGLang's get_attention_tp_size):
+    # every array gets the rank axis, the state's heads go over "tp"
+    recurrent = kinds["recurrent"]
+    assert isinstance(recurrent, dict), recurrent
+    assert recurrent["tree"] == "ChunkCache"  # built with the radix cache off
+    state = [entry for arrays in recurrent["arrays"].values() for entry in arrays]
+    assert all(shape[0] == 2 and spec[0] == "data" and laid_out for shape, spec, laid_out in state)
+    assert any("tp" in spec for _, spec, _ in state)
