@@ -32,6 +32,7 @@ import jax
 from jax.sharding import Mesh
 
 from kvjax.alloc import make_allocator
+from kvjax.attention.sharding import serving_mesh
 from kvjax.config import CacheConfig
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
@@ -272,6 +273,7 @@ def build_kv_cache(
     check_draft_buildable(plan, config)
     if mesh is not None:
         _check_mesh(mesh, config)
+        mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
 
     kinds = cache_kinds_of(plan)
     extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
