@@ -231,7 +231,7 @@ class Scheduler:
         )
         # Overlap on an accelerator: start each step's token copy to the host at launch. Not on CPU,
         # where the array already is host memory and the extra copy only costs host time.
-        self._copy_ahead = self.overlap and self._no_tokens.devices().pop().platform != "cpu"
+        self._copy_ahead = self.overlap and next(iter(self._no_tokens.devices())).platform != "cpu"
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
