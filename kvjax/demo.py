@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
+from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
@@ -123,10 +124,12 @@ class DemoReport:
 
 def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
-    model), for notebooks and tests."""
+    model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
+    devices (``kvjax.serve.tp_mesh``)."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
-    return build_kv_cache(spec, demo_config(**config_kwargs))
+    mesh = tp_mesh(config_kwargs.get("tp_size", 1))
+    return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh)
 
 
 def serve(
@@ -180,13 +183,15 @@ def run_demo(
     enable_hierarchical_cache: bool = False,
     hicache_storage: str | None = None,
     overlap: bool = True,
+    tp_size: int = 1,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
     host tier, and a third run (warm, without it) gives the cached tokens to compare against (when
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
-    ``overlap``: overlap scheduling in every run (False: each step runs to completion first)."""
+    ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
+    ``tp_size``: every run tensor-parallel over that many local devices."""
     workload = workload or Workload()
     settings: dict = dict(
         model=model,
@@ -196,6 +201,7 @@ def run_demo(
         eviction_policy=eviction_policy,
         progress=progress,
         overlap=overlap,
+        tp_size=tp_size,
     )
     dropped: str | None = None
     if enable_hierarchical_cache:
@@ -210,6 +216,7 @@ def run_demo(
             chunked_prefill_size=chunked_prefill_size,
             eviction_policy=eviction_policy,
             enable_hierarchical_cache=True,
+            tp_size=tp_size,
         )
         if not plan.attach_host_tier:
             dropped = _host_tier_warning(plan)

@@ -67,9 +67,7 @@ def expand_kv_heads(x: jax.Array, pool_heads: int, what: str) -> jax.Array:
     if heads == pool_heads:
         return x
     if heads == 0 or pool_heads % heads:
-        raise ValueError(
-            f"{what} has {heads} KV heads; the pool holds {pool_heads} (per rank x ranks), not a multiple"
-        )
+        raise ValueError(f"{what} has {heads} KV heads; the pool holds {pool_heads} (per rank x ranks), not a multiple")
     return jnp.repeat(x, pool_heads // heads, axis=1)
 
 

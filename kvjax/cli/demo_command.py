@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         chunked_prefill_size=args.chunked_prefill_size,
         eviction_policy=args.radix_eviction_policy,
         enable_hierarchical_cache=args.enable_hierarchical_cache,
+        tp_size=args.tp,
         **({} if storage is None else {"hicache_storage_backend": "file", "hicache_storage_dir": str(storage)}),
     )
     if storage is not None and create:
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.json,
             model=model,
             overlap=not args.disable_overlap_schedule,
+            tp_size=args.tp,
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None

@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             stop_token_ids=() if args.ignore_eos else None,
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             overlap=not args.disable_overlap_schedule,
+            tp_size=args.tp,
         )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None

@@ -15,6 +15,7 @@ SERVING_FLAGS = {
     "max_total_tokens": "--max-total-tokens",
     "chunked_prefill_size": "--chunked-prefill-size",
     "enable_hierarchical_cache": "--enable-hierarchical-cache",
+    "tp_size": "--tp",
 }
 
 
@@ -22,8 +23,8 @@ def add_serving_arguments(
     parser: argparse.ArgumentParser, *, dtype_help: str, max_total_tokens: int | None, max_total_tokens_help: str
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
-    ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache`` and
-    ``--disable-overlap-schedule`` to ``parser``."""
+    ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
+    ``--disable-overlap-schedule`` and ``--tp`` (1) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -38,4 +39,10 @@ def add_serving_arguments(
         action="store_true",
         help="run each step to completion before forming the next (default: overlap scheduling, the next "
         "batch is formed while a step runs)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size: KV heads and weights split over the first N local devices",
     )

@@ -135,7 +135,12 @@ def test_deepseek_v2_mla_latent_replicated_heads_split(tp, checkpoints, tmp_path
 def test_qwen3_next_recurrent_state_split_over_heads(tp, checkpoints, tmp_path_factory):
     hf, model = _checkpoint("qwen3_next", checkpoints, tmp_path_factory)
     sched, done = serve_recurrent(
-        model, MAX_NEW, mesh=mesh_of(tp), tp_size=tp, max_total_tokens=56, max_running_requests=4,
+        model,
+        MAX_NEW,
+        mesh=mesh_of(tp),
+        tp_size=tp,
+        max_total_tokens=56,
+        max_running_requests=4,
         max_mamba_cache_size=6,
     )
     _assert_sharded(sched, tp)
