@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
-from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats
+from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.serve.workload import Workload, run_workload
 from kvjax.spec import ModelSpec
 

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvjax.build import build_kv_cache
-from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
@@ -26,6 +25,7 @@ from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats, ServingReq
+from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.spec import ModelSpec
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint

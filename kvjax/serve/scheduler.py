@@ -91,7 +91,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
