@@ -53,7 +53,7 @@ def pools_mesh(pools: Any) -> Mesh | None:
     leaves of ``pools``), or None when they live on one device."""
     for leaf in jax.tree.leaves(pools):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding):
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
             return sharding.mesh
     return None
 
