@@ -274,6 +274,7 @@ def build_kv_cache(
     if mesh is not None:
         _check_mesh(mesh, config)
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
+        _check_host_pools_unsharded(plan, config)
 
     kinds = cache_kinds_of(plan)
     extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
@@ -387,6 +388,21 @@ def host_memory_bytes() -> int | None:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _check_host_pools_unsharded(plan: CachePlan, config: CacheConfig) -> None:
+    """Host pools hold one rank's heads per page; moving per-shard pages between a device pool
+    sharded over ``tp`` ranks and them is not built yet: ``NotImplementedError`` before anything
+    is allocated."""
+    if config.attn_tp_size == 1 or not any(
+        pool.memory == "host" and pool.kind != "request_table" for pool in plan.pools
+    ):
+        return
+    raise NotImplementedError(
+        f"a host pool (the host tier or the host_pool retraction backup) with KV heads sharded over "
+        f"tp_size={config.tp_size} ranks is not built yet; serve it with tp_size=1, or without "
+        "enable_hierarchical_cache / disaggregation_decode_retraction_backup='host_pool'"
+    )
 
 
 def _check_mesh(mesh: Mesh, config: CacheConfig) -> None:
