@@ -4,8 +4,10 @@ Each family's tiny random-weight checkpoint (the parity tests' own configs, ``te
 served with its pools sharded over a ``"tp"`` mesh axis of 2 and 4 devices and its weights split
 Megatron style (``kvjax.serve.param_sharding``), through one cache small enough that the two rounds
 of ``parity_harness`` reuse prefixes, prefill in chunks, evict and retract (each asserted). At tp 4
-the tiny models' 2 KV heads are replicated (each rank holds one). Tokens must equal Transformers'
-greedy ``generate`` and logits agree within each family's tolerance; the cache ends leak free.
+the tiny models' 2 KV heads are replicated (each rank holds one); a Llama with 8 query heads runs
+at tp 8. Qwen3-Next runs at tp 2 only: its 2 linear-attention key heads do not split over 4 ranks
+(SGLang refuses that split too). Tokens must equal Transformers' greedy ``generate`` and logits
+agree within each family's tolerance; the cache ends leak free.
 """
 
 from __future__ import annotations
@@ -100,6 +102,20 @@ def test_gqa_reuse_chunked_prefill_eviction_and_retraction(family, tp, checkpoin
     done = serve_two_rounds(sched, MAX_NEW)
     assert isinstance(sched.cache.pools.kv, MHAKVPool) and sched.cache.pools.kv.num_kv_heads == max(2, tp)
     _assert_sharded(sched, tp)
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_llama_at_tp_8_with_8_query_heads_over_2_kv_heads(tmp_path_factory):
+    """Every device of the mesh: one query head per rank, each of the 2 KV heads stored on 4 ranks."""
+    cls, extra = FAMILIES["llama"]
+    config = getattr(transformers, cls)(**{**COMMON, "num_attention_heads": 8}, **extra)
+    hf, model = tiny_checkpoint(config, tmp_path_factory, "llama8")
+    sched = build_scheduler(model, mesh=mesh_of(8), tp_size=8, page_size=1, max_total_tokens=64, max_running_requests=8)
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert sched.cache.pools.kv.num_kv_heads == 8
+    _assert_sharded(sched, 8)
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
