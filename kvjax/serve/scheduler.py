@@ -155,7 +155,10 @@ class Scheduler:
         spec: the model (its layers must match the cache's pool), or its serving `ModelConfig`
             (then the config's family and dtype decide the model).
         cache: a built cache; its ``tree_cache`` decides whether prefixes are shared. The
-            scheduler keeps ``cache.pools`` current (see the module docstring).
+            scheduler keeps ``cache.pools`` current (see the module docstring). A cache built over
+            a mesh (``tp_size`` ranks on its ``"tp"`` axis) is served tensor-parallel: the weights
+            are split Megatron style (``param_sharding``) and the step is jitted with explicit
+            shardings (``step.make_sharded_step``); ``mesh`` is that mesh, else None.
         params: the model's weights (``kvjax.serve.model.init_params``, or a checkpoint's).
         max_batch_size: sequence rows per step (the step is compiled for this many).
         chunked_prefill_size: prefill token budget per step (default: the plan's, else 2048).
