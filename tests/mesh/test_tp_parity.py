@@ -5,8 +5,7 @@ served with its pools sharded over a ``"tp"`` mesh axis of 2 and 4 devices and i
 Megatron style (``kvjax.serve.param_sharding``), through one cache small enough that the two rounds
 of ``parity_harness`` reuse prefixes, prefill in chunks, evict and retract (each asserted). At tp 4
 the tiny models' 2 KV heads are replicated (each rank holds one); a Llama with 8 query heads runs
-at tp 8. Qwen3-Next runs at tp 2 only: its 2 linear-attention key heads do not split over 4 ranks
-(SGLang refuses that split too). Tokens must equal Transformers' greedy ``generate`` and logits
+at tp 8 (Qwen3-Next: ``test_tp_parity_qwen3_next.py``). Tokens must equal Transformers' greedy ``generate`` and logits
 agree within each family's tolerance; the cache ends leak free.
 """
 
@@ -14,48 +13,25 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import pytest
 
 from kvjax.pools import MHAKVPool, MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel
+from tests.mesh.tp_serving import assert_sharded, mesh_of
 from tests.serve import swa_parity
 from tests.serve.parity_harness import (
     assert_matches_transformers,
     build_scheduler,
-    serve_recurrent,
     serve_two_rounds,
     tiny_checkpoint,
     transformers,
 )
 from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
-from tests.serve.test_parity_qwen3_next import MODEL_SEED as QWEN3_NEXT_SEED
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
 MAX_NEW = 6
 ATOL = 1e-4
-RECURRENT_ATOL = 2e-4  # Qwen3-Next's own parity tolerance (its gated delta rule, float32)
-
-QWEN3_NEXT = dict(
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    mlp_only_layers=[0, 1, 2, 3],
-    num_experts=0,
-)
-
-
-def mesh_of(tp: int) -> jax.sharding.Mesh:
-    """A ``"tp"`` mesh of the first ``tp`` CPU devices."""
-    return jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
 
 
 @pytest.fixture(scope="module")
@@ -72,24 +48,9 @@ def _checkpoint(name: str, checkpoints: dict, tmp_path_factory) -> tuple[Any, Lo
             checkpoints[name] = tiny_checkpoint(config, tmp_path_factory, name)
         elif name == "gemma3":
             checkpoints[name] = tiny_checkpoint(transformers.Gemma3TextConfig(**GEMMA3), tmp_path_factory, name)
-        elif name == "deepseek_v2":
-            checkpoints[name] = tiny_checkpoint(transformers.DeepseekV2Config(**DEEPSEEK_V2), tmp_path_factory, name)
         else:
-            from tests.serve.parity_harness import TINY_CONFIG
-
-            config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT)
-            checkpoints[name] = tiny_checkpoint(config, tmp_path_factory, name, seed=QWEN3_NEXT_SEED)
+            checkpoints[name] = tiny_checkpoint(transformers.DeepseekV2Config(**DEEPSEEK_V2), tmp_path_factory, name)
     return checkpoints[name]
-
-
-def _assert_sharded(sched: Any, tp: int) -> None:
-    """The pools and the weights really are laid out over the tp devices."""
-    assert sched.mesh is not None and sched.mesh.shape["tp"] == tp
-    leaves = jax.tree_util.tree_leaves_with_path(sched.cache.pools)
-    off = [jax.tree_util.keystr(p) for p, a in leaves if len(a.sharding.device_set) != tp]
-    assert not off, f"pool arrays not on the mesh's {tp} devices: {off}"
-    weights = jax.tree.leaves(sched.params)
-    assert any(not a.sharding.is_fully_replicated for a in weights), "some weights should be split over tp"
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -101,7 +62,7 @@ def test_gqa_reuse_chunked_prefill_eviction_and_retraction(family, tp, checkpoin
     )
     done = serve_two_rounds(sched, MAX_NEW)
     assert isinstance(sched.cache.pools.kv, MHAKVPool) and sched.cache.pools.kv.num_kv_heads == max(2, tp)
-    _assert_sharded(sched, tp)
+    assert_sharded(sched, tp)
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
@@ -115,7 +76,7 @@ def test_llama_at_tp_8_with_8_query_heads_over_2_kv_heads(tmp_path_factory):
     sched = build_scheduler(model, mesh=mesh_of(8), tp_size=8, page_size=1, max_total_tokens=64, max_running_requests=8)
     done = serve_two_rounds(sched, MAX_NEW)
     assert sched.cache.pools.kv.num_kv_heads == 8
-    _assert_sharded(sched, 8)
+    assert_sharded(sched, 8)
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
@@ -125,7 +86,7 @@ def test_llama_at_tp_8_with_8_query_heads_over_2_kv_heads(tmp_path_factory):
 def test_gemma3_sliding_window_pools(tp, checkpoints, tmp_path_factory):
     hf, model = _checkpoint("gemma3", checkpoints, tmp_path_factory)
     sched, done = swa_parity.serve(model, page_size=1, max_total_tokens=64, mesh=mesh_of(tp), tp_size=tp)
-    _assert_sharded(sched, tp)
+    assert_sharded(sched, tp)
     evicted = sched.evicted_per_pool  # type: ignore[attr-defined]
     assert sched.stats.cached_tokens > 0 and evicted["full"] > 0 and evicted["swa"] > 0
     assert sched.stats.retractions > 0
@@ -141,25 +102,7 @@ def test_deepseek_v2_mla_latent_replicated_heads_split(tp, checkpoints, tmp_path
     done = serve_two_rounds(sched, MAX_NEW)
     kv = sched.cache.pools.kv
     assert isinstance(kv, MLAKVPool) and all(a.sharding.is_fully_replicated for a in kv.kv)
-    _assert_sharded(sched, tp)
+    assert_sharded(sched, tp)
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
-
-
-@pytest.mark.parametrize("tp", [2])
-def test_qwen3_next_recurrent_state_split_over_heads(tp, checkpoints, tmp_path_factory):
-    hf, model = _checkpoint("qwen3_next", checkpoints, tmp_path_factory)
-    sched, done = serve_recurrent(
-        model,
-        MAX_NEW,
-        mesh=mesh_of(tp),
-        tp_size=tp,
-        max_total_tokens=56,
-        max_running_requests=4,
-        max_mamba_cache_size=6,
-    )
-    _assert_sharded(sched, tp)
-    st = sched.stats
-    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
-    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=RECURRENT_ATOL)
