@@ -32,6 +32,7 @@ import jax
 from jax.sharding import Mesh
 
 from kvjax.alloc import make_allocator
+from kvjax.attention.sharding import serving_mesh
 from kvjax.config import CacheConfig
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
@@ -275,6 +276,9 @@ def build_kv_cache(
         pool_kind(pool.kind).require_built(plan.model)
     check_host_tier_buildable(plan)
     check_draft_buildable(plan, config)
+    if mesh is not None:
+        mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
+        _check_host_pools_unsharded(plan, config)
 
     kinds = cache_kinds_of(plan)
     extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
@@ -388,6 +392,21 @@ def host_memory_bytes() -> int | None:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _check_host_pools_unsharded(plan: CachePlan, config: CacheConfig) -> None:
+    """Host pools hold one rank's heads per page; moving per-shard pages between a device pool
+    sharded over ``tp`` ranks and them is not built yet: ``NotImplementedError`` before anything
+    is allocated."""
+    if config.attn_tp_size == 1 or not any(
+        pool.memory == "host" and pool.kind != "request_table" for pool in plan.pools
+    ):
+        return
+    raise NotImplementedError(
+        f"a host pool (the host tier or the host_pool retraction backup) with KV heads sharded over "
+        f"tp_size={config.tp_size} ranks is not built yet; serve it with tp_size=1, or without "
+        "enable_hierarchical_cache / disaggregation_decode_retraction_backup='host_pool'"
+    )
 
 
 def device_memory_limit_bytes(device: jax.Device) -> int:

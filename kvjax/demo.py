@@ -26,6 +26,7 @@ from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats
+from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.serve.workload import Workload, run_workload
 from kvjax.spec import ModelSpec
 
@@ -123,10 +124,12 @@ class DemoReport:
 
 def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
-    model), for notebooks and tests."""
+    model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
+    devices (``kvjax.serve.tp_mesh``)."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
-    return build_kv_cache(spec, demo_config(**config_kwargs))
+    mesh = tp_mesh(config_kwargs.get("tp_size", 1))
+    return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh)
 
 
 def serve(
@@ -180,13 +183,15 @@ def run_demo(
     enable_hierarchical_cache: bool = False,
     hicache_storage: str | None = None,
     overlap: bool = True,
+    tp_size: int = 1,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
     host tier, and a third run (warm, without it) gives the cached tokens to compare against (when
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
-    ``overlap``: overlap scheduling in every run (False: each step runs to completion first)."""
+    ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
+    ``tp_size``: every run tensor-parallel over that many local devices."""
     workload = workload or Workload()
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
@@ -194,6 +199,7 @@ def run_demo(
         max_total_tokens=max_total_tokens,
         chunked_prefill_size=chunked_prefill_size,
         eviction_policy=eviction_policy,
+        tp_size=tp_size,
     )
     settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap)
     dropped: str | None = None

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.attention.sharding import check_heads_divide, head_axis, pool_mesh, sharded_over_heads
+from kvjax.attention.sharding import check_heads_divide, expand_kv_heads, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MHAKVPool
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -54,7 +54,9 @@ def paged_attention(
         pool: the pool holding the layer (``pool.layer_index(layer_id)``; global layer ids).
         layer_id: the model's layer id.
         q: ``[T, heads, head_dim]`` in the compute dtype (rotary embedding applied).
-        k: ``[T, kv_heads, head_dim]``; ``heads`` is a multiple of ``kv_heads``.
+        k: ``[T, kv_heads, head_dim]``; ``heads`` is a multiple of ``kv_heads``. Over a mesh, a pool
+            with more heads (KV heads replicated over more ranks than the model has) gets each
+            head repeated (``sharding.expand_kv_heads``).
         v: ``[T, kv_heads, v_head_dim]``.
         meta: the batch's metadata (``kv_lens``, ``cu_q_lens``, ``num_seqs``).
         out_loc: int32 ``[T]`` slots to write (default ``meta.out_loc``).
@@ -74,9 +76,12 @@ def paged_attention(
     meta = meta.as_device_arrays()
     loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
     table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)
+    mesh = pool_mesh(pool, mesh)
+    if mesh is not None:  # heads replicated over more ranks than the model has: repeat them
+        k = expand_kv_heads(k, pool.num_kv_heads, f"layer {layer_id}'s k")
+        v = expand_kv_heads(v, pool.num_kv_heads, f"layer {layer_id}'s v")
     pool = pool.set_kv_buffer(layer_id, loc, k, v)
     index = pool.layer_index(layer_id)
-    mesh = pool_mesh(pool, mesh)
 
     def attend(
         q: jax.Array,

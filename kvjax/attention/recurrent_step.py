@@ -13,8 +13,12 @@ states back into their slots. Each token's conv window is its row's last ``K - 1
 its own; the mixer's ``update`` turns the window, the row's state and the token's own inputs into
 the new state and the token's output. Padding tokens (past the last sequence) change nothing.
 
-Over a mesh the pool's reads and writes run per device (``RecurrentStatePool`` shards its state
-itself) and the scan is plain ``jax.numpy``, which XLA partitions; there is no Pallas kernel here.
+Over a mesh the pool holds each rank's heads (``RecurrentStatePool`` shards its state over
+``"tp"``: memory ``1 / tp`` per device) and its reads and writes run per device. The batch rows'
+states are gathered (replicated) before the scan, so the token-by-token recurrence runs whole on
+every rank (a plain ``jax.numpy`` scan; XLA partitioning a scan over head-sharded state compiled
+several times slower on CPU), and the final states are written back to their ranks' shards. The
+gather moves ``S`` rows of state per layer per step, not the pool.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.pools import CachePools
@@ -74,6 +79,10 @@ def recurrent_step(
     slots = rows.state_slots
     keep = rows.has_initial_state.astype(bool)
     (conv0,), ssm0 = state.get_states(layer_id, slots)  # [S, conv_dim, K-1], [S, heads, a, b]
+    if state.mesh is not None:  # the batch rows' states, gathered: the scan runs on every rank
+        replicated = NamedSharding(state.mesh, P())
+        conv0 = jax.lax.with_sharding_constraint(conv0, replicated)
+        ssm0 = jax.lax.with_sharding_constraint(ssm0, replicated)
     conv0 = jnp.where(keep[:, None, None], conv0.astype(jnp.float32), 0.0)
     ssm0 = jnp.where(keep[:, None, None, None], ssm0.astype(jnp.float32), 0.0)
     # The sequence row of each token; padding tokens (past the last sequence) change nothing.

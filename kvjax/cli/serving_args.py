@@ -17,6 +17,7 @@ SERVING_FLAGS = {
     "max_total_tokens": "--max-total-tokens",
     "chunked_prefill_size": "--chunked-prefill-size",
     "enable_hierarchical_cache": "--enable-hierarchical-cache",
+    "tp_size": "--tp",
 }
 
 
@@ -24,8 +25,8 @@ def add_serving_arguments(
     parser: argparse.ArgumentParser, *, dtype_help: str, max_total_tokens: int | None, max_total_tokens_help: str
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
-    ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache`` and
-    ``--disable-overlap-schedule`` to ``parser``."""
+    ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
+    ``--disable-overlap-schedule`` and ``--tp`` (1) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -41,15 +42,22 @@ def add_serving_arguments(
         help="run each step to completion before forming the next (default: overlap scheduling, the next "
         "batch is formed while a step runs)",
     )
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size: KV heads and weights split over the first N local devices",
+    )
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """What the shared cache flags set, as the keyword arguments the serving entry points take
     (``check_demo``, ``run_demo``, ``generate``): ``page_size``, ``max_total_tokens`` (None: room
-    for everything), ``chunked_prefill_size`` and ``enable_hierarchical_cache``."""
+    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache`` and ``tp_size``."""
     return {
         "page_size": args.page_size,
         "max_total_tokens": args.max_total_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
         "enable_hierarchical_cache": args.enable_hierarchical_cache,
+        "tp_size": args.tp,
     }

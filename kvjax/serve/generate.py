@@ -25,6 +25,7 @@ from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats, ServingReq
+from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.spec import ModelSpec
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint
@@ -118,6 +119,7 @@ def generate(
     record_logits: bool = False,
     enable_hierarchical_cache: bool = False,
     overlap: bool = True,
+    tp_size: int = 1,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -126,6 +128,7 @@ def generate(
     default the model's end-of-sequence ids; ``()`` to always generate ``max_new_tokens``.
     ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
     ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
+    ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     if max_new_tokens <= 0:
@@ -151,8 +154,9 @@ def generate(
         context_length=context,
         chunked_prefill_size=chunked_prefill_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
+        tp_size=tp_size,
     )
-    cache = build_kv_cache(model.spec, config)
+    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size))
     scheduler = Scheduler(
         model.config,
         cache,

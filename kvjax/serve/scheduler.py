@@ -91,8 +91,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.attention import MetadataBuilder, MetadataPart
+from kvjax.attention.sharding import pools_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.kinds import CacheKind, cache_kinds_of
@@ -104,7 +107,7 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.serving_front import serve_to_completion
 from kvjax.serve.serving_req import ServingReq
-from kvjax.serve.step import make_module_step, make_step
+from kvjax.serve.step import make_module_step, make_sharded_step, make_step, place_on_mesh
 from kvjax.spec import ModelSpec
 
 __all__ = ["Scheduler", "ServeStats", "ServingReq"]
@@ -153,7 +156,10 @@ class Scheduler:
         spec: the model (its layers must match the cache's pool), or its serving `ModelConfig`
             (then the config's family and dtype decide the model).
         cache: a built cache; its ``tree_cache`` decides whether prefixes are shared. The
-            scheduler keeps ``cache.pools`` current (see the module docstring).
+            scheduler keeps ``cache.pools`` current (see the module docstring). A cache built over
+            a mesh (``tp_size`` ranks on its ``"tp"`` axis) is served tensor-parallel: the weights
+            are split Megatron style (``param_sharding``) and the step is jitted with explicit
+            shardings (``step.make_sharded_step``); ``mesh`` is that mesh, else None.
         params: the model's weights (``kvjax.serve.model.init_params``, or a checkpoint's).
         max_batch_size: sequence rows per step (the step is compiled for this many).
         chunked_prefill_size: prefill token budget per step (default: the plan's, else 2048).
@@ -197,11 +203,21 @@ class Scheduler:
         self._metadata = MetadataBuilder(self.rows, self.page_size, self.max_batch_size)
         self.pages_per_seq = self._metadata.pages_per_seq
         self.record_logits = record_logits
-        self.step_fn = (
-            make_step(self.model_config, with_logits=record_logits)
-            if self.model_config is not None
-            else make_module_step(model, with_logits=record_logits)
-        )
+        # Tensor parallelism: the mesh the pools are sharded over (``build_kv_cache(..., mesh=)``).
+        # The pools and weights are laid out over it and the step is jitted with their shardings.
+        self.mesh = pools_mesh(cache.pools)
+        if self.mesh is None:
+            self.step_fn = (
+                make_step(self.model_config, with_logits=record_logits)
+                if self.model_config is not None
+                else make_module_step(model, with_logits=record_logits)
+            )
+        else:
+            pools, self.params = place_on_mesh(self.model_config, cache.pools, params, self.mesh)
+            cache.set_pools(pools)
+            self.step_fn = make_sharded_step(
+                self.model_config or spec, self.mesh, pools, with_logits=record_logits, module=model, params=self.params
+            )
         self.waiting: collections.deque[ServingReq] = collections.deque()
         self.running: list[ServingReq] = []
         self.chunked: ServingReq | None = None
@@ -212,10 +228,13 @@ class Scheduler:
         self._running_cache: tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray | None] | None = None
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
-        self._no_tokens = jax.device_put(np.zeros(self.max_batch_size, np.int32))  # "previous tokens" of a first step
+        # "previous tokens" of a first step (replicated over the mesh, as every step's tokens are)
+        self._no_tokens = jax.device_put(
+            np.zeros(self.max_batch_size, np.int32), None if self.mesh is None else NamedSharding(self.mesh, P())
+        )
         # Overlap on an accelerator: start each step's token copy to the host at launch. Not on CPU,
         # where the array already is host memory and the extra copy only costs host time.
-        self._copy_ahead = self.overlap and self._no_tokens.devices().pop().platform != "cpu"
+        self._copy_ahead = self.overlap and next(iter(self._no_tokens.devices())).platform != "cpu"
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )

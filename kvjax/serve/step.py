@@ -13,6 +13,13 @@ gathered on the device; where it is ``-1``, ``tokens[i]`` (from the host).
 
 The step's inputs (``tokens`` and ``meta``, an ``AttentionMetadata``) are packed on the host by
 ``kvjax.attention.MetadataBuilder`` with fixed shapes, as numpy arrays.
+
+Over a mesh (tensor parallelism): ``make_sharded_step(model, mesh, pools)`` jits the same step
+with explicit shardings: the pools in and out as they are laid out (KV heads over ``"tp"``, the
+pools donated, so each write stays in place on its device), the weights as
+``kvjax.serve.param_sharding`` splits them, the tokens, metadata and outputs replicated. Place the
+state first with ``place_on_mesh`` (pools and weights); XLA inserts the collectives
+(``param_sharding``'s docstring says which).
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.attention import AttentionMetadata
+from kvjax.attention.sharding import serving_mesh
 from kvjax.pools import CachePools
-from kvjax.serve.model import as_model_config, build_model
+from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.param_sharding import param_shardings
 from kvjax.spec import ModelSpec
 
 StepFn = Callable[..., tuple[Any, ...]]
@@ -51,6 +62,11 @@ def make_module_step(module: Any, *, with_logits: bool = False) -> StepFn:
     ``apply({"params": params}, tokens, pools, meta) -> (logits [S, vocab], new_pools)``: int32
     ``tokens [T]``, the cache's ``CachePools`` and the batch's ``BatchMetadata``; it returns every
     pool, updated). Not cached: keep the returned step to reuse its compiled code."""
+    return jax.jit(_step_body(module, with_logits), donate_argnums=0)
+
+
+def _step_body(module: Any, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
+    """The step as a plain function (not jitted) of ``module``."""
 
     def step(
         pools: CachePools,
@@ -66,4 +82,100 @@ def make_module_step(module: Any, *, with_logits: bool = False) -> StepFn:
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
 
-    return jax.jit(step, donate_argnums=0)
+    return step
+
+
+def pool_shardings(pools: CachePools, mesh: Mesh) -> Any:
+    """The sharding of every pool array over ``mesh``: its own when laid out over the mesh (KV
+    heads over ``"tp"``, a replicated latent), else replicated (small per-layer scales)."""
+
+    def sharding(leaf: Any) -> NamedSharding:
+        own = getattr(leaf, "sharding", None)
+        if isinstance(own, NamedSharding) and own.mesh == mesh:
+            return own
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(sharding, pools)
+
+
+def place_on_mesh(
+    model: ModelSpec | ModelConfig | None, pools: CachePools, params: Any, mesh: Mesh
+) -> tuple[CachePools, Any]:
+    """``(pools, params)`` laid out over ``mesh`` as ``make_sharded_step`` expects: pool arrays
+    that are not on the mesh replicated there, the weights split by ``param_sharding`` (or, with
+    ``model`` None, a model of the caller's own, kept as placed when already on the mesh, else
+    replicated). ``mesh`` is used with ``Auto`` axes (``serving_mesh``)."""
+    mesh = serving_mesh(mesh)
+    pools = jax.device_put(pools, pool_shardings(pools, mesh))
+    return pools, jax.device_put(params, _param_shardings(model, params, mesh))
+
+
+def _param_shardings(model: ModelSpec | ModelConfig | None, params: Any, mesh: Mesh) -> Any:
+    if model is not None:
+        return param_shardings(params, as_model_config(model), mesh)
+    return pool_shardings(params, mesh)
+
+
+def make_sharded_step(
+    model: ModelSpec | ModelConfig,
+    mesh: Mesh,
+    pools: CachePools,
+    *,
+    with_logits: bool = False,
+    module: Any = None,
+    params: Any = None,
+) -> StepFn:
+    """``make_step`` over ``mesh``, jitted with explicit shardings (module docstring): ``pools``
+    (laid out as they will be passed; ``place_on_mesh``) give the pools' in and out shardings, the
+    weights follow ``kvjax.serve.param_sharding`` (or, with ``module``, a model of the caller's
+    own, ``params``' own layout), everything else is replicated. Cached per model, mesh and pool
+    layout."""
+    mesh = serving_mesh(mesh)
+    pool_def, pool_leaves = _flat_shardings(pool_shardings(pools, mesh))
+    if module is not None:
+        if params is None:
+            raise ValueError("a model of the caller's own needs its params to lay the step out")
+        weights = pool_shardings(params, mesh)
+        return _jit_sharded(_step_body(module, with_logits), mesh, weights, pool_def, pool_leaves, with_logits)
+    return _make_sharded_step(as_model_config(model), mesh, pool_def, pool_leaves, with_logits)
+
+
+def _flat_shardings(tree: Any) -> tuple[Any, tuple[NamedSharding, ...]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
+
+
+@functools.lru_cache(maxsize=16)
+def _make_sharded_step(
+    config: ModelConfig, mesh: Mesh, pool_def: Any, pool_leaves: tuple[NamedSharding, ...], with_logits: bool
+) -> StepFn:
+    weights = param_shardings(param_shapes(config), config, mesh)
+    return _jit_sharded(_step_body(build_model(config), with_logits), mesh, weights, pool_def, pool_leaves, with_logits)
+
+
+def _jit_sharded(
+    body: Callable[..., tuple[Any, ...]],
+    mesh: Mesh,
+    weights: Any,
+    pool_def: Any,
+    pool_leaves: tuple[NamedSharding, ...],
+    with_logits: bool,
+) -> StepFn:
+    pools = jax.tree.unflatten(pool_def, pool_leaves)
+    rep = NamedSharding(mesh, P())
+    outs = (pools, rep, rep) if with_logits else (pools, rep)
+    # tokens, meta (a prefix: every leaf), prev_tokens, token_src: replicated.
+    jitted = jax.jit(body, in_shardings=(pools, weights, rep, rep, rep, rep), out_shardings=outs, donate_argnums=0)
+
+    def step(
+        pools: CachePools,
+        params: Any,
+        tokens: Any,
+        meta: AttentionMetadata,
+        prev_tokens: jax.Array | None = None,
+        token_src: Any = None,
+    ) -> tuple[Any, ...]:
+        return jitted(pools, params, tokens, meta, prev_tokens, token_src)  # every argument positional
+
+    step.jitted = jitted  # type: ignore[attr-defined]  # for .lower(...) (six arguments)
+    return step

@@ -100,13 +100,14 @@ def tiny_checkpoint(
 
 
 def build_scheduler(
-    model: LoadedModel, *, max_batch_size: int = 4, overlap: bool = True, **cache_config: Any
+    model: LoadedModel, *, max_batch_size: int = 4, overlap: bool = True, mesh: Any = None, **cache_config: Any
 ) -> Scheduler:
     """A scheduler recording logits over a new cache of ``model`` (context ``CONTEXT_LENGTH``,
     chunked prefill of ``CHUNK``; ``overlap``: overlap scheduling, the scheduler's default;
+    ``mesh``: the mesh the pools are sharded over, with ``tp_size`` in ``cache_config``;
     ``cache_config``: the other ``CacheConfig`` fields)."""
     cache = build_kv_cache(
-        model.spec, CacheConfig(context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, **cache_config)
+        model.spec, CacheConfig(context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, **cache_config), mesh=mesh
     )
     return Scheduler(
         model.config,

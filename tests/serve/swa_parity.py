@@ -46,17 +46,18 @@ MAX_NEW = 12
 
 
 def serve(
-    model: LoadedModel, *, page_size: int, max_total_tokens: int, hybrid: bool = True
+    model: LoadedModel, *, page_size: int, max_total_tokens: int, hybrid: bool = True, **extra: Any
 ) -> tuple[Scheduler, dict[str, ServingReq]]:
     """The harness's two rounds on a hybrid-SWA cache, counting evictions per pool
     (``sched.evicted_per_pool``); without ``hybrid``, prompts ``a``, ``b`` and ``chat1`` on one
-    full-size pool."""
+    full-size pool. ``extra``: more ``build_scheduler`` arguments (a mesh and its ``tp_size``)."""
     sched = build_scheduler(
         model,
         page_size=page_size,
         max_total_tokens=max_total_tokens,
         max_running_requests=8,
         disable_hybrid_swa_memory=not hybrid,
+        **extra,
     )
     cache = sched.cache
     if not hybrid:
