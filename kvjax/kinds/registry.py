@@ -22,17 +22,6 @@ from kvjax.kinds.pool_kind import PoolKind
 if TYPE_CHECKING:
     from kvjax.plan import CachePlan
 
-__all__ = [
-    "POOL_KINDS",
-    "cache_kind",
-    "cache_kinds",
-    "cache_kinds_of",
-    "is_built",
-    "pool_kind",
-    "register_cache_kind",
-    "unregister_cache_kind",
-]
-
 _CACHE_KINDS: dict[str, CacheKind] = {}
 POOL_KINDS: dict[str, PoolKind] = {}
 _OWNER: dict[str, str] = {}  # pool kind name -> the cache kind that registered it
