@@ -1,7 +1,7 @@
 """``benchmarks/mesh.py --tiny`` runs and reports what it promises: per-device pool bytes that
 fall as 1/tp while the KV heads divide (MLA's replicated latent stays whole), the built shards
 equal to the plan, more tokens per device budget with TP and fewer with DP attention, a CPU step
-time, and the places of the TPU collectives and DP routing figures."""
+time, the place of the TPU collectives, and cache-aware DP routing's hit rate against round robin."""
 
 from __future__ import annotations
 
@@ -43,4 +43,10 @@ def test_mesh_benchmark_tiny_mode() -> None:
     step = result["step_time_cpu"]
     assert step["devices_1_seconds"] > 0 and step["devices_8_seconds"] > 0 and "CPU" in step["note"]
     assert result["collectives_per_decode_layer"]["measured"] is False
-    assert set(result["dp_routing"]) >= {"hit_rate_cache_aware", "hit_rate_round_robin"}
+    routing = result["dp_routing"]["dp2"]
+    assert set(routing) >= {"demo", "multi_tenant"}, routing.keys()
+    for row in routing.values():
+        rr, ca = row["round_robin"]["hit_rate"], row["cache_aware"]["hit_rate"]
+        assert 0 <= rr <= 1 and 0 <= ca <= row["shared_tree_hit_rate"] + 1e-9
+        assert row["ratio"] == pytest.approx(ca / rr)
+    assert routing["multi_tenant"]["ratio"] > 1, "cache-aware routing keeps each tenant's prompt on one rank"
