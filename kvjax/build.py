@@ -162,8 +162,9 @@ class KVCache:
         returns ``pools`` itself. Raises ``TypeError`` (nothing applied) for pools of another
         structure.
         """
-        pools = self._pools if pools is None else pools
-        if pools is not self._pools:
+        if pools is None:
+            pools = self._pools
+        elif pools is not self._pools:
             self.set_pools(pools)
         if not self._pending.count:
             return pools

@@ -66,39 +66,45 @@ def build_attention_metadata(
     n_seqs = len(tokens)
     if n_seqs > max_seqs:
         raise ValueError(f"{n_seqs} sequences in one batch; the step is compiled for at most {max_seqs}")
-    if isinstance(tokens, np.ndarray):
-        q_lens = np.ones(n_seqs, np.int32)
-        tokens = [tokens.astype(np.int32, copy=False)]
+    starts_arr = np.asarray(starts, np.int32)
+    decode = isinstance(tokens, np.ndarray)  # one token per sequence, at its start
+    if decode:
+        total = n_seqs
     else:
         q_lens = np.fromiter((len(t) for t in tokens), np.int32, n_seqs)
-    starts_arr = np.asarray(starts, np.int32)
-    total = int(q_lens.sum())
+        total = int(q_lens.sum())
     size = token_bucket(total)
     flat = np.zeros(size, np.int32)
     positions = np.zeros(size, np.int32)
     out_loc = np.zeros(size, np.int32)  # padding writes to slot 0: the trash page
-    cu = np.zeros(max_seqs + 1, np.int32)
-    np.cumsum(q_lens, out=cu[1 : n_seqs + 1])
-    cu[n_seqs + 1 :] = total
-    if total:
-        flat[:total] = np.concatenate(tokens)
-        if total == n_seqs:  # a decode batch: one token per sequence, at its start
-            positions[:total] = starts_arr
-        else:
+    out_loc[:total] = slots
+    kv_lens = np.zeros(max_seqs, np.int32)
+    logits_idx = np.zeros(max_seqs, np.int32)
+    if decode:
+        # Row s owns token s: cu_q_lens is 0..n then n, and each row's last token is itself.
+        # (The step's hot path: fewer numpy calls than the general case below.)
+        cu = np.minimum(np.arange(max_seqs + 1, dtype=np.int32), n_seqs)
+        flat[:total] = tokens
+        positions[:total] = starts_arr
+        kv_lens[:n_seqs] = starts_arr + 1
+        logits_idx[:n_seqs] = cu[:n_seqs]
+    else:
+        cu = np.zeros(max_seqs + 1, np.int32)
+        np.cumsum(q_lens, out=cu[1 : n_seqs + 1])
+        cu[n_seqs + 1 :] = total
+        if total:
+            flat[:total] = np.concatenate(tokens)
             # position of token i of sequence s = starts[s] + (i - cu[s])
             seq_of = np.repeat(np.arange(n_seqs), q_lens)
             positions[:total] = np.arange(total, dtype=np.int32) - cu[seq_of] + starts_arr[seq_of]
-        out_loc[:total] = slots
-    kv_lens = np.zeros(max_seqs, np.int32)
-    kv_lens[:n_seqs] = starts_arr + q_lens
+        kv_lens[:n_seqs] = starts_arr + q_lens
+        logits_idx[:n_seqs] = cu[1 : n_seqs + 1] - 1
     if page_table.shape[0] == max_seqs and page_table.dtype == np.int32:
         table = page_table
     else:
         table = np.zeros((max_seqs, page_table.shape[1]), np.int32)
         table[:n_seqs] = page_table
-    logits_idx = np.zeros(max_seqs, np.int32)
-    logits_idx[:n_seqs] = cu[1 : n_seqs + 1] - 1
-    fields, extra = place_parts(parts)
+    fields, extra = place_parts(parts) if parts else ({}, {})
     # numpy leaves on the host (the field types are what the jitted step sees: device arrays)
     make_meta: Any = AttentionMetadata
     meta: AttentionMetadata = make_meta(

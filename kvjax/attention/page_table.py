@@ -43,9 +43,10 @@ class PageTables:
         self.rows = req_to_token_pool
         self.page_size = int(page_size)
         self.pages_per_seq = -(-width // self.page_size)
-        # The position of each page's first token (clamped into the table for a ragged last page).
-        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * self.page_size, width - 1)
-        self._column_ids = np.arange(self.pages_per_seq)
+        # The position of each page's first token (clamped into the table for a ragged last page),
+        # and each column's page index, as ``[1, pages_per_seq]`` rows that broadcast over the rows.
+        self._page_columns = np.minimum(np.arange(self.pages_per_seq) * self.page_size, width - 1)[None, :]
+        self._column_ids = np.arange(self.pages_per_seq)[None, :]
 
     def build(
         self,
@@ -69,11 +70,11 @@ class PageTables:
         """
         n = len(rows)
         table = np.zeros((max_seqs, self.pages_per_seq), np.int32)
-        slots = self.rows.req_to_token[np.asarray(rows)[:, None], self._page_columns[None, :]]
+        slots = self.rows.req_to_token[np.asarray(rows)[:, None], self._page_columns]
         if translate is not None:
             slots = translate(slots)
         pages = slots // self.page_size
         n_pages = -(-np.asarray(seq_lens) // self.page_size)
-        pages[self._column_ids[None, :] >= n_pages[:, None]] = 0
+        pages[self._column_ids >= n_pages[:, None]] = 0
         table[:n] = pages
         return table

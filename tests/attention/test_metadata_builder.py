@@ -155,6 +155,27 @@ def test_build_attention_metadata_pads_an_unpadded_table():
     np.testing.assert_array_equal(meta.page_indices, [[5, 6], [0, 0], [0, 0]])
 
 
+@pytest.mark.parametrize("n_seqs", [0, 1, 3, MAX_SEQS])
+def test_a_decode_batch_packs_as_one_token_sequences_do(n_seqs):
+    """The decode form (one flat token array) takes its own path: it packs exactly what the same
+    batch as one-token sequences packs, field by field, dtypes included."""
+    rng = np.random.default_rng(n_seqs)
+    tokens = rng.integers(0, 100, n_seqs)
+    starts = rng.integers(0, 40, n_seqs)
+    slots = rng.integers(16, 500, n_seqs).astype(np.int32)
+    table = rng.integers(0, 9, (n_seqs, 4)).astype(np.int32)
+    common = dict(starts=starts, slots=slots, page_table=table, max_seqs=MAX_SEQS)
+    flat, meta = build_attention_metadata(tokens=tokens, **common)
+    ref_flat, ref = build_attention_metadata(tokens=[t[None] for t in tokens], **common)
+    np.testing.assert_array_equal(flat, ref_flat)
+    for field in dataclasses.fields(AttentionMetadata):
+        got, want = getattr(meta, field.name), getattr(ref, field.name)
+        if isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype == np.int32, field.name
+            np.testing.assert_array_equal(got, want, err_msg=field.name)
+    np.testing.assert_array_equal(meta.cu_q_lens, np.minimum(np.arange(MAX_SEQS + 1), n_seqs))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Marks:
