@@ -5,6 +5,8 @@ continuation joined, ``&&`` chains split). Skipped, each with its reason in `SKI
 
 * ``pip install``: needs a download;
 * ``python -m pytest``: the test suite itself;
+
+A command's leading ``NAME=value`` words are its environment, as in a shell.
 * ``mkdocs``: the documentation build, which CI's docs step runs (the ``docs`` extra);
 * commands on ``./qwen2.5-0.5b``, ``./gemma-3-1b-it`` or ``path/to/config.json``: a downloaded
   checkpoint or the reader's own file, not in the repository.
@@ -63,6 +65,19 @@ def _commands() -> list[str]:
     return commands
 
 
+_ENV_WORD = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def _split_env(command: str) -> tuple[dict[str, str], str]:
+    """A command's leading ``NAME=value`` environment assignments, and the command after them."""
+    words = shlex.split(command)
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, shlex.join(words)
+
+
 def _skip_reason(command: str) -> str | None:
     return next((why for what, why in SKIPPED.items() if what in command), None)
 
@@ -82,9 +97,17 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _run(command: list[str], tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
+def _run(
+    command: list[str], tmp_path: Path, timeout: int, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        command, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, check=False
+        command,
+        cwd=ROOT,
+        env={**_env(tmp_path), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     assert out.returncode == 0, f"{shlex.join(command)}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert "Traceback" not in out.stderr, out.stderr
@@ -98,7 +121,7 @@ def _as_argv(command: str) -> list[str]:
 
 
 COMMANDS = _commands()
-KVJAX_COMMANDS = [c for c in COMMANDS if c.startswith("python -m kvjax") and not _skip_reason(c)]
+KVJAX_COMMANDS = [c for c in COMMANDS if _split_env(c)[1].startswith("python -m kvjax") and not _skip_reason(c)]
 BENCHMARK_COMMANDS = [c for c in COMMANDS if BENCHMARK.match(c)]
 
 
@@ -115,10 +138,11 @@ def test_commands_that_need_a_download_are_skipped(command):
 
 @pytest.mark.parametrize(
     "command",
-    [pytest.param(c, marks=pytest.mark.slow) if c.startswith(SLOW) else c for c in KVJAX_COMMANDS],
+    [pytest.param(c, marks=pytest.mark.slow) if _split_env(c)[1].startswith(SLOW) else c for c in KVJAX_COMMANDS],
 )
 def test_kvjax_command_runs_as_written(command, tmp_path):
-    out = _run(_as_argv(command), tmp_path, timeout=600)
+    env, command = _split_env(command)
+    out = _run(_as_argv(command), tmp_path, timeout=600, extra_env=env)
     assert out.stdout.strip(), f"{command} printed nothing"
 
 
