@@ -9,7 +9,6 @@ import re
 
 import jax
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
