@@ -228,3 +228,58 @@ def test_a_retraction_backup_restores_every_shard_at_tp_4():
     assert retraction.restored == 1 and retraction.held == 0
     for old, new in zip(before, page_layers(pools.kv), strict=True):
         np.testing.assert_array_equal(np.asarray(new)[8:10], old[1:3])
+
+
+def _storage_scheduler(model: LoadedModel, directory: Any, tp: int) -> Scheduler:
+    mesh = {"mesh": mesh_of(tp), "tp_size": tp} if tp > 1 else {}
+    return build_scheduler(
+        model,
+        page_size=1,
+        max_total_tokens=96,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(directory),
+        hicache_storage_model_fingerprint=model.fingerprint,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_prefetch_threshold=8,
+        **mesh,
+    )
+
+
+def test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp(llama, tmp_path):
+    """A server at tp 2 writes each page as one entry per rank (its key carries the rank); a cold
+    server at tp 2 serves the prompts again from storage, with Transformers' tokens; a server of
+    another TP size has another key and reads nothing."""
+    import json
+
+    hf, model = llama
+    p = prompts()
+    first = _storage_scheduler(model, tmp_path, 2)
+    reqs = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("a", "chat1")]
+    first.run(reqs)
+    tree = first.cache.tree_cache
+    tree.check_transfers(wait=True)
+    tree.storage.check_writes(wait=True)
+    tree.storage.storage.flush()
+    records = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("*/key.json"))]
+    assert sorted((r["tp_rank"], r["tp_size"]) for r in records) == [(0, 2), (1, 2)]
+    heads = {r["page_shape"][2] for r in records}
+    assert heads == {first.cache.host_pool.page_row[1] // 2}, "each entry holds one rank's heads"
+    folders = {f.parent for f in tmp_path.glob("*/key.json")}
+    pages = [{e.name for e in folder.iterdir() if e.name != "key.json"} for folder in folders]
+    assert pages[0] == pages[1] and len(pages[0]) > 0, "every page stored once per rank"
+
+    cold = _storage_scheduler(model, tmp_path, 2)
+    again = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("a", "chat1")]
+    cold.run(again)
+    ext = next(e for e in cold.extensions if isinstance(e, HostTierExtension))
+    assert ext.prefetched_tokens > 0 and cold.stats.cached_tokens > 0, "the cold server should hit storage"
+    cold.cache.tree_cache.check_transfers(wait=True)
+    assert cold.leak_free() and ext.host_balanced()
+    assert_matches_transformers(hf, {str(r.rid): r for r in again}, max_new=MAX_NEW, atol=ATOL)
+
+    other = _storage_scheduler(model, tmp_path, 1)
+    other.run([ServingReq("a", p["a"], max_new_tokens=MAX_NEW)])
+    other_ext = next(e for e in other.extensions if isinstance(e, HostTierExtension))
+    assert other_ext.prefetched_tokens == 0 and other.stats.cached_tokens == 0
