@@ -22,6 +22,10 @@ The engine is tensorstore's key-value store: ``"file"`` (a local directory, the 
   ``timeout`` (wait up to ``timeout_s``, then what arrived). Pages are always a *leading* run:
   a page after a missing or late one is useless to a prefix match and is dropped.
 
+Pages of a pool sharded over tensor-parallel ranks (``shards``): each rank's heads of a page are
+their own entry under that rank's key (``StorageKey.for_shard``), written together, and a page
+counts as stored (a hit, a prefetched page) only when every shard's entry is there and verifies.
+
 A read that fails, a missing entry, and an entry that fails verification (torn: wrong size;
 another key's or page's header; another format; a checksum mismatch) are misses: the request
 recomputes those tokens, and nothing is ever served from a partial or damaged page. The header is
@@ -209,7 +213,7 @@ class StorageTier:
             if payload is None:
                 return None
             page[:, :, heads] = np.frombuffer(payload, self.dtype).reshape(self.shard_keys[i].page_shape)
-        return memoryview(page.reshape(-1).view(np.uint8))
+        return page.reshape(-1).view(np.uint8).data
 
     def _entry(self, page_hash: int, future: Any, shard: int) -> memoryview | None:
         result = self._read(future)

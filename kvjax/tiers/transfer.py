@@ -311,7 +311,7 @@ class PageTransferEngine:
             host_heads = host_pool.page_row[1] if len(row) == 3 and len(host_pool.page_row) == 3 else None
             self._shards = HeadShards.of(sharding, layers[0].shape, host_heads, host_pool.kv_head_replicas)
             self._mesh = sharding.mesh
-            self._specs = tuple(_layer_spec(x.sharding, x.ndim) for x in layers)
+            self._specs = tuple(_layer_spec(cast(NamedSharding, x.sharding), x.ndim) for x in layers)
             if host_heads is not None:
                 host_row = (row[0], host_heads, *row[2:])
         if host_row != host_pool.page_row or len(layers) != host_pool.num_layers:
@@ -419,8 +419,8 @@ class PageTransferEngine:
         head_axis = 3 if layer.ndim == 4 and len(host.page_row) == 3 else None  # of the buffer
         host_heads = {(c.device_heads.start, c.device_heads.stop): c.host_heads for c in self._shards.copies}
 
-        def piece(index: tuple[slice, ...]) -> np.ndarray:
-            if head_axis is None:
+        def piece(index: tuple[slice, ...] | None) -> np.ndarray:
+            if head_axis is None or index is None:
                 return data
             start, stop, _ = index[head_axis].indices(shape[head_axis])
             return data[:, :, :, host_heads[(start, stop)]]
