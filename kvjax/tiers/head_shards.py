@@ -77,13 +77,6 @@ class HeadShards:
                 out.append(copy)
         return tuple(out)
 
-    def host_heads_of(self, device: Any) -> slice:
-        """The host heads the shard on ``device`` holds."""
-        for copy in self.copies:
-            if copy.device == device:
-                return copy.host_heads
-        raise KeyError(f"device {device} holds no shard of this pool")
-
     @classmethod
     def of(cls, sharding: Any, shape: tuple[int, ...], host_heads: int | None, replicas: int = 1) -> HeadShards:
         """The shards of a page array of global ``shape`` laid out by ``sharding`` (a

@@ -148,10 +148,10 @@ class StorageTier:
         return f"{self._prefixes[shard]}/{int(page_hash) & 0xFFFFFFFFFFFFFFFF:016x}"
 
     def _reads(self, page_hash: int) -> Any:
-        """Start reading a page's entries: a future, or one per shard (:class:`ShardReads`)."""
+        """Start reading a page's entries: a future, or one per shard (:class:`ShardFutures`)."""
         if not self.shards:
             return self._kv.read(self.key(page_hash))
-        return ShardReads(tuple(self._kv.read(self.key(page_hash, i)) for i in range(len(self.shards))))
+        return ShardFutures(tuple(self._kv.read(self.key(page_hash, i)) for i in range(len(self.shards))))
 
     def flush(self) -> None:
         """Wait for the tier's own writes (the key record, deletions of refused entries); a
@@ -173,7 +173,7 @@ class StorageTier:
     def _read(self, future: Any) -> Any:
         """The result of a finished read that found a value; None when absent or the read
         failed (a miss). Per-shard reads: the first shard's (waiting for every shard)."""
-        if isinstance(future, ShardReads):
+        if isinstance(future, ShardFutures):
             results = [self._read(f) for f in future.parts]
             return results[0] if all(r is not None for r in results) else None
         try:
@@ -187,7 +187,7 @@ class StorageTier:
         (the header only; the checksum is verified when the page is taken); per-shard reads:
         every shard's. ``repair``: delete a rejected entry (off when the caller is about to
         overwrite it)."""
-        if isinstance(future, ShardReads):
+        if isinstance(future, ShardFutures):
             return all(self._present_entry(page_hash, f, i, repair) for i, f in enumerate(future.parts))
         return self._present_entry(page_hash, future, 0, repair)
 
@@ -205,7 +205,7 @@ class StorageTier:
     def _page(self, page_hash: int, future: Any) -> memoryview | None:
         """The verified page bytes of a finished read, or None (a miss; rejections counted);
         per-shard reads: the page assembled from every shard's verified entry."""
-        if not isinstance(future, ShardReads):
+        if not isinstance(future, ShardFutures):
             return self._entry(page_hash, future, 0)
         page = np.empty(self.page_shape, self.dtype)
         for i, (part, (_, heads)) in enumerate(zip(future.parts, self.shards, strict=True)):
@@ -291,7 +291,7 @@ class StorageTier:
                 self._kv.write(self.key(h, i), self._encode(h, page[:, :, heads], i))
                 for i, (_, heads) in enumerate(self.shards)
             ]
-            futures.append(ShardReads(tuple(parts)))
+            futures.append(ShardFutures(tuple(parts)))
         self.pages_written += len(futures)
         return StorageWrite(futures, skipped)
 
@@ -354,7 +354,7 @@ def _check_shards(key: StorageKey, shards: Sequence[tuple[int, slice]]) -> tuple
     return out
 
 
-class ShardReads:
+class ShardFutures:
     """The futures of one page's per-shard entries (reads or writes), as one: done once all are,
     its ``result`` raises when any failed, ``cancel`` cancels all."""
 

@@ -283,3 +283,17 @@ def test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp(llam
     other.run([ServingReq("a", p["a"], max_new_tokens=MAX_NEW)])
     other_ext = next(e for e in other.extensions if isinstance(e, HostTierExtension))
     assert other_ext.prefetched_tokens == 0 and other.stats.cached_tokens == 0
+
+
+def test_a_draft_models_host_pool_over_sharded_heads_is_refused_before_anything_is_built():
+    from kvjax import CacheConfig, ModelSpec, build_kv_cache
+
+    config = CacheConfig(
+        speculative_algorithm="EAGLE",
+        tp_size=2,
+        max_total_tokens=256,
+        context_length=64,
+        enable_hierarchical_cache=True,
+    )
+    with pytest.raises(NotImplementedError, match="draft model's host pool .* tp_size=2"):
+        build_kv_cache(ModelSpec.preset("tiny"), config, mesh=mesh_of(2))
