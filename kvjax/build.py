@@ -37,6 +37,7 @@ from kvjax.config import CacheConfig
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
+from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.mesh_check import KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -51,6 +52,7 @@ from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
+from kvjax.tiers.host_pool import create_host_pool_over_shards
 
 KV_HEAD_MESH_AXIS = KV_HEAD_AXIS
 # Structures remembered by ``KVCache`` (one per compiled step shape; more only clears the memo).
@@ -279,7 +281,7 @@ def build_kv_cache(
     check_draft_buildable(plan, config)
     if mesh is not None:
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
-        _check_host_pools_unsharded(plan, config)
+        _check_sharded_host_pools(plan, config)
 
     kinds = cache_kinds_of(plan)
     extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
@@ -303,7 +305,11 @@ def build_kv_cache(
         if kind.group_builder is not None:  # built together below, under the kind's name
             groups.setdefault(kind.name, []).append(pool)
             continue
-        built = kind.create(pool, context)
+        if pool.kind == HOST_TIER_POOL.name and mesh is not None:
+            # One host pool per device pool, each distinct KV head once (``tiers/head_shards.py``).
+            built = create_host_pool_over_shards(pool, context, plan.target.kv_head_replicas)
+        else:
+            built = kind.create(pool, context)
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
@@ -395,18 +401,14 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def _check_host_pools_unsharded(plan: CachePlan, config: CacheConfig) -> None:
-    """Host pools hold one rank's heads per page; moving per-shard pages between a device pool
-    sharded over ``tp`` ranks and them is not built yet: ``NotImplementedError`` before anything
-    is allocated."""
-    if config.attn_tp_size == 1 or not any(
-        pool.memory == "host" and pool.kind != "request_table" for pool in plan.pools
-    ):
+def _check_sharded_host_pools(plan: CachePlan, config: CacheConfig) -> None:
+    """Host pools over KV heads sharded over ``tp`` ranks are built (per-shard pages), except the
+    draft model's host pool: ``NotImplementedError`` for it before anything is allocated."""
+    if config.attn_tp_size == 1 or not any(pool.name == DRAFT_HOST_POOL_NAME for pool in plan.pools):
         return
     raise NotImplementedError(
-        f"a host pool (the host tier or the host_pool retraction backup) with KV heads sharded over "
-        f"tp_size={config.tp_size} ranks is not built yet; serve it with tp_size=1, or without "
-        "enable_hierarchical_cache / disaggregation_decode_retraction_backup='host_pool'"
+        f"the draft model's host pool with KV heads sharded over tp_size={config.tp_size} ranks is not built "
+        "yet; serve the draft with tp_size=1, or without enable_hierarchical_cache"
     )
 
 

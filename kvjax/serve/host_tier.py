@@ -4,7 +4,9 @@
   ``loading_check``; backups and loads that landed unlock their nodes. The step never waits for a
   transfer: backups are gathers (of the pools the scheduler last handed in) whose host copy
   completes in the background, loads are scatters the next step's reads depend on through jax's
-  data dependencies.
+  data dependencies. Only when nothing is running and requests wait does ``poll`` wait for the
+  transfers in flight (no step to overlap with, and a pending backup's node lock may be what
+  keeps the next request out: asynchronous backups, e.g. of a pool sharded over devices).
 * ``after_admit`` (the request was matched and locked): when the match has a host hit of at
   least the load-back threshold, the host-only chain is loaded back (all or nothing; it may evict
   device leaves first) and the request's prefix, row and lock move to the loaded node, so its
@@ -63,7 +65,12 @@ class HostTierExtension(ServingExtension):
             self._retraction.attach(scheduler)
 
     def poll(self) -> None:
-        self.tree.check_transfers()
+        # Nothing running while requests wait: no device work to overlap with, and a pending
+        # backup's lock may be all that keeps a waiting request out (asynchronous copies, e.g. a
+        # pool sharded over several devices), so wait for the transfers in flight to land.
+        sched = self.scheduler
+        idle = sched is not None and not sched.running and bool(sched.waiting or sched.chunked is not None)
+        self.tree.check_transfers(wait=idle)
         if self._retraction is not None:
             self._retraction.poll()
         if self.tree.storage is not None and self.scheduler is not None:

@@ -64,13 +64,28 @@ class HostKVPool:
         page_row: ``(page_size, C, D)``: one page of one layer.
         itemsize: bytes per element of the device pool's storage dtype.
         layout: ``"layer_first"`` or ``"page_first"``.
+        kv_head_replicas: for the host pool of a device pool sharded over tensor-parallel ranks,
+            how many ranks hold a copy of each KV head (> 1 when the TP size exceeds the model's
+            KV heads); the page row keeps each head once (``kvjax.tiers.head_shards``).
     """
 
-    def __init__(self, size: int, num_layers: int, page_row: tuple[int, ...], itemsize: int, layout: str) -> None:
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        page_row: tuple[int, ...],
+        itemsize: int,
+        layout: str,
+        *,
+        kv_head_replicas: int = 1,
+    ) -> None:
         if itemsize not in _BITS:
             raise ValueError(f"itemsize={itemsize}: host pools store 1, 2, 4 or 8-byte elements")
         if num_layers < 1 or len(page_row) < 1 or min(page_row) < 1:
             raise ValueError(f"num_layers={num_layers}, page_row={page_row}: need >= 1 layer and a non-empty row")
+        if kv_head_replicas < 1:
+            raise ValueError(f"kv_head_replicas={kv_head_replicas}: need >= 1")
+        self.kv_head_replicas = int(kv_head_replicas)
         self.page_size = int(page_row[0])
         self.allocator = HostSlotAllocator(size, self.page_size)
         self.size = self.allocator.size
@@ -111,20 +126,30 @@ class HostKVPool:
         """Host pages of ``host_slots`` (whole pages in order; InvalidSlotError otherwise)."""
         return self.allocator.slots_to_pages(host_slots, "host slots")
 
-    def write_pages(self, host_slots: Any, buffer: np.ndarray) -> None:
-        """Store a gathered buffer ``[L, n, page_size, C, D]`` into the pages of ``host_slots``.
+    def write_pages(self, host_slots: Any, buffer: np.ndarray, heads: slice | None = None) -> None:
+        """Store a gathered buffer ``[L, n, page_size, C, D]`` into the pages of ``host_slots``;
+        with ``heads`` (a slice of the page row's head axis ``C``), the buffer holds only those
+        heads (``[L, n, page_size, len(heads), D]``: one tensor-parallel shard) and only they are
+        written.
 
         Raises (nothing written): InvalidSlotError for bad slots; ValueError for a buffer of
-        another shape or item size.
+        another shape or item size, or ``heads`` on a page row without a head axis.
         """
         pages = self.pages_of(host_slots)
         buf = np.asarray(buffer)
         want = self.buffer_shape(pages.size)
+        storage = self.storage
+        if heads is not None:
+            if len(self.page_row) != 3:
+                raise ValueError(f"write_pages: heads={heads} for a page row {self.page_row} without a head axis")
+            start, stop, _ = heads.indices(self.page_row[1])
+            want = (*want[:3], stop - start, *want[4:])
+            storage = storage[..., start:stop, :]
         if buf.shape != want or buf.dtype.itemsize != self.store_dtype.itemsize:
             raise ValueError(
                 f"write_pages: buffer {buf.shape} {buf.dtype}, want {want} of {self.store_dtype.itemsize}-byte items"
             )
-        self.layout.write(self.storage, pages, buf.view(self.store_dtype))
+        self.layout.write(storage, pages, buf.view(self.store_dtype))
 
     def read_pages(self, host_slots: Any, dtype: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         """The layer-first buffer of the pages of ``host_slots`` (viewed as ``dtype`` when given),
@@ -144,15 +169,45 @@ class HostKVPool:
             raise InvalidSlotError("host slots are not allocated in this host pool")
 
 
+def over_head_shards(pool: Any, shards: int) -> Any:
+    """The host ``PoolPlan`` ``pool`` (one rank's heads per page, as the plan sizes it) widened to
+    hold ``shards`` distinct tensor-parallel head shards per page (``C * shards`` on the head
+    axis): the one host pool of a device pool sharded over KV heads, every distinct head once
+    (``kvjax.tiers.head_shards``). ``pool`` as is for one shard or a row without a head axis."""
+    import dataclasses
+
+    if shards < 1:
+        raise ValueError(f"shards={shards}: need >= 1 distinct head shard")
+    if shards == 1 or len(pool.shape) != 4:
+        return pool
+    pages, page_size, heads, dim = pool.shape
+    return dataclasses.replace(pool, shape=(pages, page_size, heads * shards, dim))
+
+
 def create_host_pool(pool: Any, context: Any) -> HostKVPool:
     """The pool registry's builder for ``"host_tier"``: the host pool a ``PoolPlan`` describes.
 
     The plan's host pool lists ``shape[0]`` host pages (every one usable) of
     ``shape[1:] = (page_size, C, D)`` per layer, ``count`` layers, in the storage dtype; the
-    layout is ``context.host_layout``.
+    layout is ``context.host_layout``. Over a tensor-parallel mesh the build passes the plan
+    through :func:`over_head_shards` first.
     """
     from kvjax.pools import storage
 
     pages, *row = pool.shape
     itemsize = storage.itemsize(pool.layout.dtype) if hasattr(pool.layout, "dtype") else np.dtype(pool.dtype).itemsize
     return HostKVPool(pages * row[0], pool.count, tuple(row), itemsize, getattr(context, "host_layout", "layer_first"))
+
+
+def create_host_pool_over_shards(pool: Any, context: Any, kv_head_replicas: int) -> HostKVPool:
+    """The host pool of a device pool sharded over ``context.tp_size`` tensor-parallel ranks
+    (``context.mesh`` set): the plan's per-rank page row widened to every distinct head shard
+    (``tp_size // kv_head_replicas`` of them; :func:`over_head_shards`), each head once, with
+    ``kv_head_replicas`` (the plan's ``target.kv_head_replicas``) recorded for the transfer engine.
+    A row without a head axis (MLA's latent, replicated over the ranks) is kept once as planned."""
+    if kv_head_replicas < 1:
+        raise ValueError(f"kv_head_replicas={kv_head_replicas}: need >= 1")
+    shards = max(1, int(context.tp_size) // kv_head_replicas)
+    host = create_host_pool(over_head_shards(pool, shards), context)
+    host.kv_head_replicas = kv_head_replicas
+    return host

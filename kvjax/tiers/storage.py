@@ -22,6 +22,10 @@ The engine is tensorstore's key-value store: ``"file"`` (a local directory, the 
   ``timeout`` (wait up to ``timeout_s``, then what arrived). Pages are always a *leading* run:
   a page after a missing or late one is useless to a prefix match and is dropped.
 
+Pages of a pool sharded over tensor-parallel ranks (``shards``): each rank's heads of a page are
+their own entry under that rank's key (``StorageKey.for_shard``), written together, and a page
+counts as stored (a hit, a prefetched page) only when every shard's entry is there and verifies.
+
 A read that fails, a missing entry, and an entry that fails verification (torn: wrong size;
 another key's or page's header; another format; a checksum mismatch) are misses: the request
 recomputes those tokens, and nothing is ever served from a partial or damaged page. The header is
@@ -98,13 +102,26 @@ class StorageTier:
         key: what determines the pages' bytes (model fingerprint, KV dtype and scales, layout,
             page shape, TP rank/size, layers, namespace, format); pages live under its digest and
             only entries written under an equal key are ever read.
+        shards: for pages of a pool sharded over tensor-parallel ranks (the host page holds
+            every distinct head, ``kvjax.tiers.head_shards``): ``(tp_rank, heads)`` per shard,
+            ``heads`` a slice of the page's head axis (``page_shape[2]``). Each shard of a page
+            is its own entry under ``key.for_shard(tp_rank, ...)`` (its own digest folder), so
+            a reader of another TP size (another key) never reads it; a page is stored, present
+            and taken only when every shard's entry is (written together, verified each).
+            Empty: one entry per page under ``key``.
 
     Counters: ``pages_written``, ``pages_read`` (pages served), ``rejected`` (entries refused,
     by reason: see ``kvjax.tiers.storage_entry.REJECT_REASONS``); the first rejection logs a
     warning. A rejected entry is deleted (best effort), so a later backup writes it again.
     """
 
-    def __init__(self, location: str | dict[str, Any] | Any, *, key: StorageKey) -> None:
+    def __init__(
+        self,
+        location: str | dict[str, Any] | Any,
+        *,
+        key: StorageKey,
+        shards: Sequence[tuple[int, slice]] = (),
+    ) -> None:
         import tensorstore as ts
 
         if not isinstance(key, StorageKey):
@@ -113,7 +130,10 @@ class StorageTier:
         self.page_shape = key.page_shape
         self.dtype = np.dtype(key.store_dtype)
         self.page_bytes = key.page_bytes
-        self.prefix = key.digest
+        self.shards = _check_shards(key, shards)
+        self.shard_keys = tuple(key.for_shard(rank, _width(heads)) for rank, heads in self.shards) or (key,)
+        self._prefixes = tuple(k.digest for k in self.shard_keys)
+        self.prefix = self._prefixes[0]  # the (first) entry's folder
         opened = not isinstance(location, (str, dict)) and hasattr(location, "read") and hasattr(location, "write")
         self._kv: Any = location if opened else ts.KvStore.open(_kvstore_spec(location)).result()
         self._side_writes: list[Any] = []  # the key record and deletions of rejected entries
@@ -122,9 +142,16 @@ class StorageTier:
         self.pages_read = 0
         self.rejected: Counter[str] = Counter()
 
-    def key(self, page_hash: int) -> str:
-        """The store key of a page (the key's digest ``/`` the hash as 16 hex digits)."""
-        return f"{self.prefix}/{int(page_hash) & 0xFFFFFFFFFFFFFFFF:016x}"
+    def key(self, page_hash: int, shard: int = 0) -> str:
+        """The store key of a page's entry (of its ``shard``): the entry key's digest ``/`` the hash
+        as 16 hex digits."""
+        return f"{self._prefixes[shard]}/{int(page_hash) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+    def _reads(self, page_hash: int) -> Any:
+        """Start reading a page's entries: a future, or one per shard (:class:`ShardFutures`)."""
+        if not self.shards:
+            return self._kv.read(self.key(page_hash))
+        return ShardFutures(tuple(self._kv.read(self.key(page_hash, i)) for i in range(len(self.shards))))
 
     def flush(self) -> None:
         """Wait for the tier's own writes (the key record, deletions of refused entries); a
@@ -145,7 +172,10 @@ class StorageTier:
 
     def _read(self, future: Any) -> Any:
         """The result of a finished read that found a value; None when absent or the read
-        failed (a miss)."""
+        failed (a miss). Per-shard reads: the first shard's (waiting for every shard)."""
+        if isinstance(future, ShardFutures):
+            results = [self._read(f) for f in future.parts]
+            return results[0] if all(r is not None for r in results) else None
         try:
             result = future.result()
         except Exception:  # a failed read is a miss
@@ -154,52 +184,72 @@ class StorageTier:
 
     def _present(self, page_hash: int, future: Any, *, repair: bool = True) -> bool:
         """Whether a finished read found an entry of this key and page with the right size
-        (the header only; the checksum is verified when the page is taken). ``repair``: delete
-        a rejected entry (off when the caller is about to overwrite it)."""
+        (the header only; the checksum is verified when the page is taken); per-shard reads:
+        every shard's. ``repair``: delete a rejected entry (off when the caller is about to
+        overwrite it)."""
+        if isinstance(future, ShardFutures):
+            return all(self._present_entry(page_hash, f, i, repair) for i, f in enumerate(future.parts))
+        return self._present_entry(page_hash, future, 0, repair)
+
+    def _present_entry(self, page_hash: int, future: Any, shard: int, repair: bool) -> bool:
         result = self._read(future)
         if result is None:
             return False
-        reason = check_header(result.value, self.storage_key.version, self.prefix, page_hash, self.page_bytes)
+        key = self.shard_keys[shard]
+        reason = check_header(result.value, key.version, self._prefixes[shard], page_hash, key.page_bytes)
         if reason is not None:
-            self._reject(page_hash, reason, result.stamp.generation if repair else None)
+            self._reject(page_hash, reason, result.stamp.generation if repair else None, shard)
             return False
         return True
 
     def _page(self, page_hash: int, future: Any) -> memoryview | None:
-        """The verified page bytes of a finished read, or None (a miss; rejections counted)."""
+        """The verified page bytes of a finished read, or None (a miss; rejections counted);
+        per-shard reads: the page assembled from every shard's verified entry."""
+        if not isinstance(future, ShardFutures):
+            return self._entry(page_hash, future, 0)
+        page = np.empty(self.page_shape, self.dtype)
+        for i, (part, (_, heads)) in enumerate(zip(future.parts, self.shards, strict=True)):
+            payload = self._entry(page_hash, part, i)
+            if payload is None:
+                return None
+            page[:, :, heads] = np.frombuffer(payload, self.dtype).reshape(self.shard_keys[i].page_shape)
+        return page.reshape(-1).view(np.uint8).data
+
+    def _entry(self, page_hash: int, future: Any, shard: int) -> memoryview | None:
         result = self._read(future)
         if result is None:
             return None
-        version, payload_bytes = self.storage_key.version, self.page_bytes
-        payload, reason = decode_entry(result.value, version, self.prefix, page_hash, payload_bytes)
+        key = self.shard_keys[shard]
+        payload, reason = decode_entry(result.value, key.version, self._prefixes[shard], page_hash, key.page_bytes)
         if reason is not None:
-            self._reject(page_hash, reason, result.stamp.generation)
+            self._reject(page_hash, reason, result.stamp.generation, shard)
         return payload
 
-    def _reject(self, page_hash: int, reason: str, generation: bytes | None) -> None:
+    def _reject(self, page_hash: int, reason: str, generation: bytes | None, shard: int = 0) -> None:
         """Count a refused entry (a warning the first time) and delete it when ``generation``
         is given: only that version of it, so a valid entry written meanwhile survives."""
         if not self.rejected:
             logger.warning(
                 "storage tier: refused entry %s (%s); such entries are misses and get rewritten "
                 "(this warning is shown once; StorageTier.rejected counts them)",
-                self.key(page_hash),
+                self.key(page_hash, shard),
                 reason,
             )
         self.rejected[reason] += 1
         if generation is not None:
             self._side_writes = [f for f in self._side_writes if not f.done()]
-            self._side_writes.append(self._kv.write(self.key(page_hash), None, if_equal=generation))
+            self._side_writes.append(self._kv.write(self.key(page_hash, shard), None, if_equal=generation))
 
     # --- presence -------------------------------------------------------------------------------
 
     def contains(self, page_hash: int) -> bool:
         """Whether the store holds an entry of this key for ``page_hash`` (a blocking read)."""
-        return self._present(page_hash, self._kv.read(self.key(page_hash)))
+        return self._present(page_hash, self._reads(page_hash))
 
     def leading_hits(self, hashes: Sequence[int]) -> int:
-        """How many of ``hashes``, from the first, the store holds (reads issued together)."""
-        futures = [self._kv.read(self.key(h)) for h in hashes]
+        """How many of ``hashes``, from the first, the store holds (every shard's entry; reads
+        issued together)."""
+        futures = [self._reads(h) for h in hashes]
         count = 0
         for h, future in zip(hashes, futures, strict=True):
             if not self._present(h, future):
@@ -223,27 +273,37 @@ class StorageTier:
                 f"pass {len(hashes)} pages of {self.dtype}{list(self.page_shape)}",
             )
         if not self._manifest_written:
-            record = json.dumps(self.storage_key.to_dict(), indent=1, sort_keys=True).encode()
-            self._side_writes.append(self._kv.write(f"{self.prefix}/{MANIFEST}", record))
+            for key, prefix in zip(self.shard_keys, self._prefixes, strict=True):
+                record = json.dumps(key.to_dict(), indent=1, sort_keys=True).encode()
+                self._side_writes.append(self._kv.write(f"{prefix}/{MANIFEST}", record))
             self._manifest_written = True
-        present = [self._kv.read(self.key(h)) for h in hashes]
-        futures = []
+        present = [self._reads(h) for h in hashes]
+        futures: list[Any] = []
         skipped = 0
-        version = self.storage_key.version
         for h, page, seen in zip(hashes, pages, present, strict=True):
             if self._present(h, seen, repair=False):
                 skipped += 1
                 continue
-            entry = encode_entry(version, self.prefix, h, np.ascontiguousarray(page).reshape(-1).view(np.uint8).data)
-            futures.append(self._kv.write(self.key(h), entry))
+            if not self.shards:
+                futures.append(self._kv.write(self.key(h), self._encode(h, page, 0)))
+                continue
+            parts = [
+                self._kv.write(self.key(h, i), self._encode(h, page[:, :, heads], i))
+                for i, (_, heads) in enumerate(self.shards)
+            ]
+            futures.append(ShardFutures(tuple(parts)))
         self.pages_written += len(futures)
         return StorageWrite(futures, skipped)
+
+    def _encode(self, page_hash: int, page: np.ndarray, shard: int) -> bytes:
+        data = np.ascontiguousarray(page).reshape(-1).view(np.uint8).data
+        return encode_entry(self.shard_keys[shard].version, self._prefixes[shard], page_hash, data)
 
     # --- reads ----------------------------------------------------------------------------------
 
     def prefetch(self, hashes: Sequence[int]) -> Prefetch:
         """Start reading the pages of ``hashes`` (those that follow a match, in order)."""
-        return Prefetch(self, list(hashes), [self._kv.read(self.key(h)) for h in hashes])
+        return Prefetch(self, list(hashes), [self._reads(h) for h in hashes])
 
     def get(self, hashes: Sequence[int]) -> np.ndarray:
         """The leading run of stored, verified pages of ``hashes``, waiting for every read:
@@ -263,6 +323,53 @@ class StorageTier:
             pages[i] = np.frombuffer(payload, self.dtype).reshape(self.page_shape)
         self.pages_read += len(payloads)
         return pages
+
+
+def _width(heads: slice) -> int:
+    return int(heads.stop) - int(heads.start)
+
+
+def _check_shards(key: StorageKey, shards: Sequence[tuple[int, slice]]) -> tuple[tuple[int, slice], ...]:
+    """``shards`` as a tuple, after checking they tile the page's head axis in order with distinct
+    ranks (ConfigError naming them otherwise)."""
+    out = tuple((int(rank), heads) for rank, heads in shards)
+    if not out:
+        return out
+    heads_axis = key.page_shape[2] if len(key.page_shape) >= 4 else 0
+    starts = [0] + [int(h.stop) for _, h in out[:-1]]
+    ok = (
+        heads_axis > 0
+        and all(
+            h.step in (None, 1) and h.start == s and h.stop > h.start for (_, h), s in zip(out, starts, strict=True)
+        )
+        and out[-1][1].stop == heads_axis
+        and len({r for r, _ in out}) == len(out)
+    )
+    if not ok:
+        raise ConfigError(
+            "shards",
+            [(r, (h.start, h.stop)) for r, h in out],
+            f"give (distinct tp_rank, heads) slices tiling the head axis of the page {key.page_shape} in order",
+        )
+    return out
+
+
+class ShardFutures:
+    """The futures of one page's per-shard entries (reads or writes), as one: done once all are,
+    its ``result`` raises when any failed, ``cancel`` cancels all."""
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        self.parts = parts
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.parts)
+
+    def result(self) -> Any:
+        return [f.result() for f in self.parts]
+
+    def cancel(self) -> None:
+        for f in self.parts:
+            f.cancel()
 
 
 @dataclasses.dataclass

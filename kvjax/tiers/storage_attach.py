@@ -23,8 +23,8 @@ def storage_key(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: Cach
     ``config.hicache_storage_model_fingerprint``, the host pool's page shape and stored dtype, the
     plan's KV dtype, the device pool's fp8 scales (``pools.kv``; MHA: K then V per layer; MLA: the
     latent's per layer; as they are now, so set them before the store is opened), the pool kind,
-    the TP size, this process's index as the rank (one process drives every TP rank of its
-    devices, and its host pool's pages hold all their KV heads), the host pool's layer ids, and
+    the TP size, this process's index as the rank (a pool sharded over TP ranks stores each rank's
+    heads under its own rank's key instead: :func:`rank_shards`), the host pool's layer ids, and
     ``config.hicache_storage_namespace``.
     """
     import jax
@@ -49,13 +49,28 @@ def storage_key(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: Cach
     )
 
 
+def rank_shards(plan: CachePlan, host_pool: HostKVPool, config: CacheConfig) -> tuple[tuple[int, slice], ...]:
+    """The per-rank entries of a page (``StorageTier(shards=)``) for a pool sharded over
+    ``config.attn_tp_size`` ranks: one per distinct head shard of the host page, keyed with the
+    first rank that holds it (replicated heads are stored once, like the host page); ``()`` for
+    one rank or a page without a head axis (MLA's latent, the same on every rank: one entry)."""
+    if config.attn_tp_size == 1 or len(host_pool.page_row) != 3:
+        return ()
+    host_plan = next(p for p in plan.pools if p.name == "host_kv")
+    width = int(host_plan.shape[2])  # one rank's heads (the plan sizes a rank)
+    shards = host_pool.page_row[1] // width
+    replicas = host_pool.kv_head_replicas
+    return tuple((i * replicas, slice(i * width, (i + 1) * width)) for i in range(shards))
+
+
 def open_storage_tier(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig) -> StorageOptions:
     """Open the store (``"memory"``, or the ``"file"`` backend in ``hicache_storage_dir``) over pages
     of ``host_pool``, under :func:`storage_key`, with the config's prefetch settings: what the
     tree's constructor links behind its host tier.
     """
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
-    store = StorageTier(location, key=storage_key(plan, host_pool, pools, config))
+    key = storage_key(plan, host_pool, pools, config)
+    store = StorageTier(location, key=key, shards=rank_shards(plan, host_pool, config))
     return StorageOptions(
         store,
         host_pool,

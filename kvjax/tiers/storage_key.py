@@ -46,9 +46,11 @@ class StorageKey:
         kv_dtype: the logical KV dtype (``bfloat16``, ``float8_e4m3fn``...).
         kv_scales: the per-layer K then V scales of a quantised (fp8) pool; ``()`` when unscaled.
         layout: the pool kind and the page's axis order, e.g. ``"mha/page_first"``.
-        tp_rank, tp_size: whose KV heads a page holds, and the TP size. In kvjax one process
-            drives every TP rank of its devices and its host pages hold all their heads, so the
-            rank is the process index.
+        tp_rank, tp_size: whose KV heads a page holds, and the TP size. A pool sharded over
+            KV heads stores each rank's heads as its own entry under its rank's key
+            (:meth:`for_shard`; ``kvjax.tiers.storage``), so a store written at one TP size is
+            never read at another; a page that holds every head (one rank, or MLA's latent,
+            replicated over the ranks) is keyed with rank 0 (the process index across processes).
         layers: the global ids of the layers in a page (default ``0 .. layers-1``).
         namespace: the user's namespace (a cache salt or tenant); ``""`` for none.
         version: the entry format (`FORMAT_VERSION`).
@@ -99,6 +101,17 @@ class StorageKey:
     def page_bytes(self) -> int:
         """Bytes of one page's data (without the entry header)."""
         return math.prod(self.page_shape) * np.dtype(self.store_dtype).itemsize
+
+    def for_shard(self, tp_rank: int, heads: int) -> StorageKey:
+        """The key of one rank's entry of a page split over KV heads: this key with ``tp_rank``
+        and ``heads`` on the page's head axis (``page_shape[2]``). ConfigError for a page shape
+        without a head axis or a head count that is not positive."""
+        if len(self.page_shape) < 4 or heads < 1:
+            raise ConfigError(
+                "heads", heads, f"a shard needs >= 1 head of a (layers, page_size, C, D) page, not {self.page_shape}"
+            )
+        shape = (*self.page_shape[:2], int(heads), *self.page_shape[3:])
+        return dataclasses.replace(self, tp_rank=int(tp_rank), page_shape=shape)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain JSON values (tuples as lists)."""

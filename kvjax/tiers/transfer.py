@@ -9,7 +9,11 @@ Two paths, by where the device pool lives:
   host pool to the engine's writer thread (the scheduler's thread never copies it; ``poll``
   reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device
   (load): the host pages are read by runs into one padded buffer, put on the device and scattered
-  into the pool by the scatter kernel, the layers donated (in place).
+  into the pool by the scatter kernel, the layers donated (in place). A pool sharded over KV
+  heads (several devices) moves **per shard** (``kvjax.tiers.head_shards``): gather and scatter
+  run inside ``shard_map`` (each device its own heads of the moved pages, no collective), the
+  writer thread stores each distinct shard into its heads of the host pages, and a load gives
+  each device its heads of the host buffer (``make_array_from_callback``); all O(pages moved).
 * **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
   full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
   (``np.from_dlpack``; the view waits for pending writes to the layer and is dropped before the
@@ -57,12 +61,15 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.errors import InvalidSlotError
 from kvjax.pools.cache_pools import CachePools
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.device_pages import page_layers, with_page_layers
+from kvjax.tiers.head_shards import HeadShards
 from kvjax.tiers.host_pool import HostKVPool, aligned_empty
 from kvjax.tiers.page_runs import copy_pages, page_runs
 from pallas_kernels.page_gather import PINNED_HOST, gather_pages, has_memory_kind, scatter_pages
@@ -105,12 +112,48 @@ def _gather_to(sharding: Any) -> Any:
     return jax.jit(_gather_any, out_shardings=sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(layers: tuple[jax.Array, ...], buffer: jax.Array, pages: jax.Array) -> tuple[jax.Array, ...]:
+def _scatter_any(layers: tuple[jax.Array, ...], buffer: jax.Array, pages: jax.Array) -> tuple[jax.Array, ...]:
     if layers[0].ndim == 3:
         new = scatter_pages(_as_4d(layers), buffer[:, :, :, None, :], pages)
         return tuple(x[:, :, 0, :] for x in new)
     return scatter_pages(layers, buffer, pages)
+
+
+_scatter = jax.jit(_scatter_any, donate_argnums=0)
+
+
+def _layer_spec(sharding: NamedSharding, ndim: int) -> P:
+    """The sharding's partition spec padded to ``ndim`` axes."""
+    spec = tuple(sharding.spec)
+    return P(*spec, *(None,) * (ndim - len(spec)))
+
+
+def _buffer_spec(layer_spec: P) -> P:
+    """A transfer buffer ``[L, n, page_size, ...]``'s spec: the page row's axes split as the layers'."""
+    return P(None, *layer_spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _gather_per_shard(mesh: Any, layer_specs: tuple[P, ...], memory_kind: str | None) -> Any:
+    """The page gather run by every device on its own shard (``shard_map``): the buffer comes out
+    split over the layers' head axis, each device gathering its heads of the moved pages only."""
+    spec = _buffer_spec(layer_specs[0])
+    body = jax.shard_map(_gather_any, mesh=mesh, in_specs=(layer_specs, P()), out_specs=spec, check_vma=False)
+    return jax.jit(body, out_shardings=NamedSharding(mesh, spec, memory_kind=memory_kind))
+
+
+@functools.lru_cache(maxsize=16)
+def _scatter_per_shard(mesh: Any, layer_specs: tuple[P, ...]) -> Any:
+    """The page scatter run by every device into its own shard (``shard_map``), the layers donated:
+    each device writes its heads of the loaded pages in place (O(pages), no collective)."""
+    body = jax.shard_map(
+        _scatter_any,
+        mesh=mesh,
+        in_specs=(layer_specs, _buffer_spec(layer_specs[0]), P()),
+        out_specs=layer_specs,
+        check_vma=False,
+    )
+    return jax.jit(body, donate_argnums=0)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -257,12 +300,29 @@ class PageTransferEngine:
         self.ref = PoolRef(pool_name, part)
         layers = page_layers(self.ref.get(pending.owner_pools))
         row = tuple(layers[0].shape[1:])
-        if row != host_pool.page_row or len(layers) != host_pool.num_layers:
+        devices = layers[0].sharding.device_set
+        # Over several devices: per-shard copies (``head_shards``); the host row keeps each head once.
+        self._shards: HeadShards | None = None
+        self._mesh: Any = None
+        self._specs: tuple[P, ...] = ()
+        host_row = row
+        if len(devices) > 1:
+            sharding = layers[0].sharding
+            if not isinstance(sharding, NamedSharding):
+                raise NotImplementedError(
+                    f"the host tier copies pools laid out over a mesh (NamedSharding), not {type(sharding).__name__}"
+                )
+            host_heads = host_pool.page_row[1] if len(row) == 3 and len(host_pool.page_row) == 3 else None
+            self._shards = HeadShards.of(sharding, layers[0].shape, host_heads, host_pool.kv_head_replicas)
+            self._mesh = sharding.mesh
+            self._specs = tuple(_layer_spec(cast(NamedSharding, x.sharding), x.ndim) for x in layers)
+            if host_heads is not None:
+                host_row = (row[0], host_heads, *row[2:])
+        if host_row != host_pool.page_row or len(layers) != host_pool.num_layers:
             raise ValueError(
                 f"host pool rows {host_pool.num_layers} x {host_pool.page_row} do not match the device pool's "
                 f"{len(layers)} x {row}"
             )
-        devices = layers[0].sharding.device_set
         if staging == "auto":
             staging = default_staging(_platform(devices))
         if staging == "pinned_host" and not all(has_memory_kind(d) for d in devices):
@@ -296,6 +356,12 @@ class PageTransferEngine:
             return handle
         padded = np.zeros(_bucket(pages.size), np.int32)
         padded[: pages.size] = pages
+        if self._shards is not None:  # each device gathers its own heads of the pages
+            kind = PINNED_HOST if self.staging == "pinned_host" else None
+            buf = _gather_per_shard(self._mesh, self._specs, kind)(layers, jnp.asarray(padded))
+            if kind is None:
+                buf.copy_to_host_async()
+            return _Backup(buf, np.asarray(host_slots).copy(), pages.size)
         if self.staging == "pinned_host":
             sharding = layers[0].sharding.with_memory_kind(PINNED_HOST)
             buf = _gather_to(sharding)(layers, jnp.asarray(padded))
@@ -323,6 +389,8 @@ class PageTransferEngine:
             raise CopyError(f"load cannot start: {e}") from e
         if self.direct:
             return self._load_direct(host_slots, host_pages, pages)
+        if self._shards is not None:
+            return self._load_per_shard(host_slots, pages)
         host = self.host_pool
         n = _bucket(pages.size)
         dst = np.zeros(n, np.int32)  # padding goes to the trash page, which the scatter drops
@@ -334,6 +402,41 @@ class PageTransferEngine:
         def scatter(pools: CachePools) -> CachePools:
             pool = self.ref.get(pools)
             handle.arrays = _scatter(page_layers(pool), buffer, dst_pages)
+            handle.applied = True
+            return self.ref.put(pools, with_page_layers(pool, handle.arrays))
+
+        self.pending.record(DeviceUpdate("host load", self.ref.target, pages, scatter))
+        return handle
+
+    def _load_per_shard(self, host_slots: np.ndarray, pages: np.ndarray) -> _Load:
+        """The load over a sharded pool: the host pages read once by runs into one padded buffer,
+        each device given its own heads of it (replicated heads: the same host heads to every rank
+        of the group), and the per-shard scatter into the donated layers recorded for the owner."""
+        assert self._shards is not None
+        host = self.host_pool
+        n = _bucket(pages.size)
+        dst = np.zeros(n, np.int32)  # padding goes to the trash page, which the scatter drops
+        dst[: pages.size] = pages
+        data = host.read_pages(host_slots, self.dtype, out=aligned_empty(host.buffer_shape(n), host.store_dtype))
+        layer = page_layers(self.ref.get(self.pending.owner_pools))[0]
+        shape = (host.num_layers, n, *layer.shape[1:])
+        head_axis = 3 if layer.ndim == 4 and len(host.page_row) == 3 else None  # of the buffer
+        host_heads = {(c.device_heads.start, c.device_heads.stop): c.host_heads for c in self._shards.copies}
+
+        def piece(index: tuple[slice, ...] | None) -> np.ndarray:
+            if head_axis is None or index is None:
+                return data
+            start, stop, _ = index[head_axis].indices(shape[head_axis])
+            return data[:, :, :, host_heads[(start, stop)]]
+
+        sharding = NamedSharding(self._mesh, _buffer_spec(self._specs[0]))
+        handle = _Load((jax.make_array_from_callback(shape, sharding, piece),))
+        buffer, dst_pages = handle.sources[0], jnp.asarray(dst)
+        scatter_fn = _scatter_per_shard(self._mesh, self._specs)
+
+        def scatter(pools: CachePools) -> CachePools:
+            pool = self.ref.get(pools)
+            handle.arrays = scatter_fn(page_layers(pool), buffer, dst_pages)
             handle.applied = True
             return self.ref.put(pools, with_page_layers(pool, handle.arrays))
 
@@ -416,14 +519,29 @@ class PageTransferEngine:
     def _land(self, handle: _Backup) -> TransferStatus:
         """Store a staged backup's buffer into the host pool (on the writer thread)."""
         try:
-            data = np.asarray(handle.buffer)[:, : handle.num_pages]
-            if not handle.cancelled:
-                self.host_pool.write_pages(handle.host_slots, data)
+            if self._shards is not None:
+                self._land_per_shard(handle)
+            else:
+                data = np.asarray(handle.buffer)[:, : handle.num_pages]
+                if not handle.cancelled:
+                    self.host_pool.write_pages(handle.host_slots, data)
             status = TransferStatus.DONE
         except Exception:  # a backup that did not land: the tree falls back to recompute
             status = TransferStatus.FAILED
         handle.buffer = None
         return status
+
+    def _land_per_shard(self, handle: _Backup) -> None:
+        """Store a sharded backup: each distinct shard's pages (one rank per replicated head) into
+        its heads of the host pages; nothing is assembled across devices."""
+        assert self._shards is not None
+        shards = {shard.device: shard for shard in handle.buffer.addressable_shards}
+        has_heads = len(self.host_pool.page_row) == 3 and handle.buffer.ndim == 5
+        for source in self._shards.sources:
+            data = np.asarray(shards[source.device].data)[:, : handle.num_pages]
+            if handle.cancelled:
+                return
+            self.host_pool.write_pages(handle.host_slots, data, source.host_heads if has_heads else None)
 
     def cancel(self, handle: Any) -> None:
         if isinstance(handle, _Backup):

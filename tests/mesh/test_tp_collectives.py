@@ -9,7 +9,6 @@ import re
 
 import jax
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
@@ -81,10 +80,3 @@ def test_weights_are_split_megatron_style():
     assert wide["k_proj"]["weight"] == P() and wide["q_proj"]["weight"] == P("tp", None)
     placed = shard_params(init_params(spec), config, jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP]))
     assert placed["model"]["layers_0"]["mlp"]["down_proj"]["weight"].sharding.spec == P(None, "tp")
-
-
-def test_a_host_pool_over_sharded_heads_is_refused_before_anything_is_built():
-    mesh = jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP])
-    config = CacheConfig(tp_size=TP, max_total_tokens=256, context_length=64, enable_hierarchical_cache=True)
-    with pytest.raises(NotImplementedError, match="tp_size=2 ranks is not built yet"):
-        build_kv_cache(ModelSpec.preset("tiny"), config, mesh=mesh)

@@ -140,3 +140,25 @@ def test_bad_arguments_are_refused_by_name_and_write_nothing():
         _key(layers=(0,))
     with pytest.raises(ConfigError, match="key"):
         StorageTier("memory", key="model")  # type: ignore[arg-type]
+
+
+def test_pages_of_a_sharded_pool_are_one_entry_per_rank_under_keys_with_the_rank():
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    ranks = ((0, slice(0, 1)), (1, slice(1, 2)))  # each rank one K/V head pair of the 2 in the page
+    key = _key(page_shape=(2, 4, 2, 8), tp_size=2)
+    tier = StorageTier(store, key=key, shards=ranks)
+    assert [(k.tp_rank, k.page_shape[2]) for k in tier.shard_keys] == [(0, 1), (1, 1)]
+    assert len({k.digest for k in tier.shard_keys} | {key.digest}) == 3
+    hashes = page_hashes(list(range(12)), 4)
+    pages = _pages(len(hashes))
+    assert tier.backup(hashes, pages).wait() == len(hashes)
+    again = StorageTier(store, key=key, shards=ranks)  # a cold reader of the same TP size
+    assert again.leading_hits(hashes) == len(hashes)
+    np.testing.assert_array_equal(again.get(hashes), pages)
+    assert not StorageTier(store, key=_key(tp_size=1)).contains(hashes[0])  # another TP size: another key
+    store.write(tier.key(hashes[1], shard=1), None).result()  # rank 1's entry of page 1 is gone
+    assert again.leading_hits(hashes) == 1, "a page counts only when every rank's entry is stored"
+    np.testing.assert_array_equal(again.get(hashes), pages[:1])
+    assert tier.backup(hashes, pages).skipped == 2  # only page 1 is written again (both entries)
+    with pytest.raises(ConfigError, match="shards"):
+        StorageTier(store, key=key, shards=((0, slice(0, 1)), (0, slice(1, 2))))

@@ -1,0 +1,67 @@
+"""`HeadShards`: each device's block of a sharded pool's head axis, placed in the host page."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvjax.tiers.head_shards import HeadShards
+from kvjax.tiers.host_pool import HostKVPool
+
+SHAPE = (5, 4, 8, 16)  # pages + 1, page_size, 2 * pool heads (K and V adjacent), head dim
+
+
+class _Split:
+    """A sharding that splits the head axis into ``blocks`` over devices ``0 .. blocks-1``."""
+
+    def __init__(self, blocks: int, axis: int = 2) -> None:
+        self.blocks, self.axis = blocks, axis
+
+    def devices_indices_map(self, shape):
+        width = shape[self.axis] // self.blocks
+        out = {}
+        for d in range(self.blocks):
+            index = [slice(None)] * len(shape)
+            index[self.axis] = slice(d * width, (d + 1) * width)
+            out[d] = tuple(index)
+        return out
+
+
+def test_heads_split_over_ranks_map_to_the_same_heads_on_the_host():
+    shards = HeadShards.of(_Split(4), SHAPE, host_heads=8, replicas=1)
+    assert [(c.device_heads, c.host_heads) for c in shards.copies] == [(slice(2 * d, 2 * d + 2),) * 2 for d in range(4)]
+    assert len(shards.sources) == 4
+
+
+def test_replicated_heads_are_kept_once_and_read_from_the_first_rank_of_each_group():
+    # 4 ranks, 2 model KV heads: ranks 0, 1 hold head 0 and ranks 2, 3 head 1.
+    shards = HeadShards.of(_Split(4), SHAPE, host_heads=4, replicas=2)
+    assert [c.host_heads for c in shards.copies] == [slice(0, 2), slice(0, 2), slice(2, 4), slice(2, 4)]
+    assert [c.device for c in shards.sources] == [0, 2]
+
+
+def test_a_pool_replicated_on_every_device_is_one_copy():
+    class Whole:
+        def devices_indices_map(self, shape):
+            return {d: tuple(slice(None) for _ in shape) for d in range(3)}
+
+    shards = HeadShards.of(Whole(), (5, 4, 32), host_heads=None)
+    assert len(shards.sources) == 1 and shards.sources[0].device == 0
+
+
+def test_layouts_the_host_tier_cannot_copy_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="split over axis 0"):
+        HeadShards.of(_Split(5, axis=0), SHAPE, host_heads=8)
+    with pytest.raises(ValueError, match="every distinct head once"):
+        HeadShards.of(_Split(4), SHAPE, host_heads=8, replicas=2)
+
+
+def test_a_host_pool_writes_one_shards_heads_only():
+    pool = HostKVPool(8, 2, (4, 8, 16), 2, "layer_first")
+    slots = pool.allocator.alloc(4)
+    shard = np.full((2, 1, 4, 2, 16), 7, np.uint16)
+    pool.write_pages(slots, shard, heads=slice(2, 4))
+    page = pool.read_pages(slots)
+    assert (page[:, :, :, 2:4] == 7).all() and (page[:, :, :, :2] == 0).all() and (page[:, :, :, 4:] == 0).all()
+    with pytest.raises(ValueError, match="want"):
+        pool.write_pages(slots, shard, heads=slice(0, 4))
