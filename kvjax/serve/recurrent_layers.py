@@ -5,6 +5,10 @@ per-head decay parameters ``dt_bias`` and ``A_log``.
 
 The recurrence itself (the state update, its inputs and outputs) differs per family and is the
 ``update`` function each family hands to ``kvjax.attention.recurrent_step``.
+
+A mixer that runs head-parallel (``kvjax.attention.recurrent_step.recurrent_mixer_over_heads``)
+declares its weights as parameters (``Weight``, under Hugging Face's names) and applies them inside
+``shard_map`` to each rank's slices (``project``: the same product as ``kvjax.serve.layers.Linear``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,27 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.serve.layers import WEIGHT_INIT_STDDEV
+
+__all__ = ["DepthwiseConv1dWeights", "Weight", "conv_silu", "decay_parameters", "project"]
+
+
+class Weight(nn.Module):
+    """One parameter named ``weight`` of ``shape`` (a projection's ``[out, in]``: normal with
+    ``WEIGHT_INIT_STDDEV``, as ``Linear``; ``ones``: a norm's scale), returned as stored."""
+
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+    ones: bool = False
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        init = nn.initializers.ones if self.ones else nn.initializers.normal(WEIGHT_INIT_STDDEV)
+        return self.param("weight", init, self.shape, self.dtype)
+
+
+def project(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x @ weight.T`` with ``weight: [out, in]`` (``Linear`` without a bias)."""
+    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 class DepthwiseConv1dWeights(nn.Module):
