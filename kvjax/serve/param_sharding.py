@@ -12,14 +12,18 @@ parameter (path ends with)                                   layout             
 ``self_attn/o_proj``                                         row: ``P(None, tp)``        query heads
 ``mlp/{gate_proj, up_proj}``, ``shared_experts/{...}``       column                      intermediate
 ``mlp/down_proj``, ``shared_experts/down_proj``              row                         intermediate
+(Nemotron-H names its blocks' attention and MLP ``mixer``: the same rules)
 ``linear_attn/{in_proj_qkvz, in_proj_ba}`` (gated delta net) column                      key heads
 ``linear_attn/conv1d`` (re-laid out at load, below)          column (channels)           key heads
 ``linear_attn/{A_log, dt_bias}``                             column                      key heads
 ``linear_attn/out_proj``                                     row                         key heads
+``mixer/{in_proj, conv1d}`` (Mamba2, re-laid out at load)    column                      B/C groups
+``mixer/{A_log, dt_bias, D, norm}`` (Mamba2)                 column                      B/C groups
+``mixer/out_proj`` (Mamba2)                                  row                         B/C groups
 everything else (embeddings, norms, LM head, MLA's latent    replicated: ``P()``
 ``kv_a_proj_with_mqa`` and ``q_a_proj``, routers, experts,
 the gated delta net's ``norm`` (one ``[v_head_dim]`` weight
-shared by the heads), Mamba2 mixers)
+shared by the heads))
 ===========================================================  ==========================  ===============
 
 A column-parallel bias is split with its rows; a row-parallel bias is replicated (added once, after
@@ -59,6 +63,13 @@ sums: one all-reduce after the mixer, as after attention. Heads split only when 
 divide over the ranks (the model refuses other tp sizes: Qwen3-Next-80B's 16 key heads run at tp
 1, 2, 4, 8 and 16).
 
+Nemotron-H's Mamba2 mixers are head-parallel the same way, by B/C groups (a rank holds whole
+groups and their heads; the grouped RMSNorm then stays per rank): ``in_proj``'s rows (``[gate, x,
+B, C, dt]``) and the conv channels (``[x, B, C]``) are re-laid out rank-major at load
+(``rank_major_order``), ``A_log``/``dt_bias``/``D`` and the norm weight split by heads, ``out_proj``
+by its input columns. tp must divide ``n_groups`` (a single group, replicated over the ranks as
+SGLang does, is refused by the model).
+
 The entry point other code calls is ``shard_params(params, config, mesh)`` (re-layout, then
 placement);
 ``param_shardings`` gives the ``NamedSharding`` tree without moving anything (for ``jax.jit``'s
@@ -90,6 +101,7 @@ __all__ = [
     "param_partition_specs",
     "param_shardings",
     "param_spec",
+    "rank_major_order",
     "relayout_params",
     "shard_params",
 ]
@@ -129,6 +141,24 @@ def _linear_key_heads(c: ModelConfig) -> int:
     return int(getattr(c.family_config, "num_k_heads", 0) or 0)
 
 
+def rank_major_order(sections: tuple[int, ...], ranks: int) -> np.ndarray:
+    """Rows made of consecutive ``sections`` (sizes), each split evenly over ``ranks``, reordered
+    rank-major: rank 0's part of every section in turn, then rank 1's, ... ``order[i]`` is the
+    original row at position ``i``; the identity at one rank. ``ValueError`` naming the section
+    that does not split."""
+    for size in sections:
+        if ranks < 1 or size % ranks:
+            raise ValueError(f"a section of {size} rows does not split over {ranks} ranks")
+    starts = np.cumsum((0, *sections[:-1]))
+    return np.concatenate(
+        [
+            start + r * (size // ranks) + np.arange(size // ranks)
+            for r in range(ranks)
+            for start, size in zip(starts, sections, strict=True)
+        ]
+    )
+
+
 def gated_delta_conv_channel_order(
     num_k_heads: int, k_head_dim: int, num_v_heads: int, v_head_dim: int, ranks: int
 ) -> np.ndarray:
@@ -138,14 +168,8 @@ def gated_delta_conv_channel_order(
     position ``i``; the identity at one rank. ``ValueError`` when the key heads do not divide."""
     if ranks < 1 or num_k_heads % ranks:
         raise ValueError(f"{num_k_heads} key heads do not split over {ranks} ranks")
-    kd, vd = num_k_heads * k_head_dim // ranks, num_v_heads * v_head_dim // ranks  # per rank
-    q0, k0, v0 = 0, num_k_heads * k_head_dim, 2 * num_k_heads * k_head_dim
-    return np.concatenate(
-        [
-            np.concatenate([q0 + r * kd + np.arange(kd), k0 + r * kd + np.arange(kd), v0 + r * vd + np.arange(vd)])
-            for r in range(ranks)
-        ]
-    )
+    key, value = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+    return rank_major_order((key, key, value), ranks)
 
 
 def _gated_delta_conv_order(c: ModelConfig, ranks: int) -> np.ndarray:
@@ -153,16 +177,41 @@ def _gated_delta_conv_order(c: ModelConfig, ranks: int) -> np.ndarray:
     return gated_delta_conv_channel_order(f.num_k_heads, f.k_head_dim, f.num_v_heads, f.v_head_dim, ranks)
 
 
+def _mamba_groups(c: ModelConfig) -> int:
+    """A Mamba2 mixer's B/C groups (0, never split, for a config without them); its heads are a
+    multiple, so whole groups per rank means whole heads too."""
+    return int(getattr(c.family_config, "n_groups", 0) or 0)
+
+
+def _mamba_sections(c: ModelConfig) -> tuple[int, int, int]:
+    f = c.family_config
+    return f.num_heads * f.head_dim, f.n_groups * f.state_size, f.num_heads
+
+
+def _mamba_in_proj_order(c: ModelConfig, ranks: int) -> np.ndarray:
+    inter, bc, heads = _mamba_sections(c)
+    return rank_major_order((inter, inter, bc, bc, heads), ranks)  # gate, x, B, C, dt
+
+
+def _mamba_conv_order(c: ModelConfig, ranks: int) -> np.ndarray:
+    inter, bc, _ = _mamba_sections(c)
+    return rank_major_order((inter, bc, bc), ranks)  # x, B, C
+
+
 PARAM_RULES: tuple[ParamRule, ...] = (
-    ParamRule(r"self_attn/(q_proj|q_b_proj|kv_b_proj)/(weight|bias)$", "column", _query_heads),
-    ParamRule(r"self_attn/(k_proj|v_proj)/(weight|bias)$", "column", _kv_heads),
-    ParamRule(r"self_attn/o_proj/(weight|bias)$", "row", _query_heads),
-    ParamRule(r"(^|/)(mlp|shared_experts)/(gate_proj|up_proj)/(weight|bias)$", "column", _intermediate),
-    ParamRule(r"(^|/)(mlp|shared_experts)/down_proj/(weight|bias)$", "row", _intermediate),
+    ParamRule(r"(self_attn|mixer)/(q_proj|q_b_proj|kv_b_proj)/(weight|bias)$", "column", _query_heads),
+    ParamRule(r"(self_attn|mixer)/(k_proj|v_proj)/(weight|bias)$", "column", _kv_heads),
+    ParamRule(r"(self_attn|mixer)/o_proj/(weight|bias)$", "row", _query_heads),
+    ParamRule(r"(^|/)(mlp|shared_experts|mixer)/(gate_proj|up_proj)/(weight|bias)$", "column", _intermediate),
+    ParamRule(r"(^|/)(mlp|shared_experts|mixer)/down_proj/(weight|bias)$", "row", _intermediate),
     ParamRule(r"linear_attn/(in_proj_qkvz|in_proj_ba)/weight$", "column", _linear_key_heads),
     ParamRule(r"linear_attn/conv1d/weight$", "column", _linear_key_heads, _gated_delta_conv_order),
     ParamRule(r"linear_attn/(A_log|dt_bias)$", "column", _linear_key_heads),
     ParamRule(r"linear_attn/out_proj/weight$", "row", _linear_key_heads),
+    ParamRule(r"(^|/)mixer/in_proj/(weight|bias)$", "column", _mamba_groups, _mamba_in_proj_order),
+    ParamRule(r"(^|/)mixer/conv1d/(weight|bias)$", "column", _mamba_groups, _mamba_conv_order),
+    ParamRule(r"(^|/)mixer/(A_log|dt_bias|D|norm/weight)$", "column", _mamba_groups),
+    ParamRule(r"(^|/)mixer/out_proj/(weight|bias)$", "row", _mamba_groups),
 )
 """The rule table of the module docstring, first match wins; no match: replicated."""
 

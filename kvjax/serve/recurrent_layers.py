@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax.serve.layers import WEIGHT_INIT_STDDEV
 
-__all__ = ["DepthwiseConv1dWeights", "Weight", "conv_silu", "decay_parameters", "project"]
+__all__ = ["DepthwiseConv1dWeights", "Weight", "WeightAndBias", "conv_silu", "decay_parameters", "project"]
 
 
 class Weight(nn.Module):
@@ -34,6 +34,21 @@ class Weight(nn.Module):
     def __call__(self) -> jax.Array:
         init = nn.initializers.ones if self.ones else nn.initializers.normal(WEIGHT_INIT_STDDEV)
         return self.param("weight", init, self.shape, self.dtype)
+
+
+class WeightAndBias(nn.Module):
+    """A layer's ``weight`` of ``shape`` (normal with ``WEIGHT_INIT_STDDEV``) and, with
+    ``use_bias``, its ``bias: [shape[0]]`` (zeros), returned as stored (``None``: no bias)."""
+
+    shape: tuple[int, ...]
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, jax.Array | None]:
+        weight = self.param("weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), self.shape, self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.shape[0],), self.dtype) if self.use_bias else None
+        return weight, bias
 
 
 def project(x: jax.Array, weight: jax.Array) -> jax.Array:

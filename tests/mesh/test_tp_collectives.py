@@ -23,7 +23,7 @@ from kvjax.serve.param_sharding import (
     shard_params,
 )
 from kvjax.serve.step import make_sharded_step, place_on_mesh
-from tests.serve.random_workloads import QWEN3_NEXT_TINY
+from tests.serve.random_workloads import NEMOTRON_H_TINY, QWEN3_NEXT_TINY
 
 TP = 2
 TOKENS = 5
@@ -32,6 +32,13 @@ MAX_SEQS = 4
 
 def _qwen3_next() -> ModelSpec:
     return ModelSpec.from_hf_config(QWEN3_NEXT_TINY, name="qwen3-next-tiny")
+
+
+_SPECS = {
+    "tiny": lambda: ModelSpec.preset("tiny"),
+    "qwen3_next": _qwen3_next,
+    "nemotron_h": lambda: ModelSpec.from_hf_config(NEMOTRON_H_TINY, name="nemotron-h-tiny"),
+}
 
 
 def _sharded_step_inputs(spec: ModelSpec | None = None) -> tuple:
@@ -57,17 +64,18 @@ def _sharded_step_inputs(spec: ModelSpec | None = None) -> tuple:
     return spec, mesh, pools, params, tokens, meta
 
 
-@pytest.mark.parametrize("model", ["tiny", "qwen3_next"])
-def test_one_all_reduce_after_attention_and_one_after_the_mlp_per_layer(model):
+@pytest.mark.parametrize(("model", "per_layer"), [("tiny", 2), ("qwen3_next", 2), ("nemotron_h", 1)])
+def test_one_all_reduce_after_attention_and_one_after_the_mlp_per_layer(model, per_layer):
     """Qwen3-Next: its gated-delta-net layers, head-parallel, need one all-reduce too (after
-    ``out_proj``), its full-attention layer one, and every dense MLP one."""
-    spec, mesh, pools, params, tokens, meta = _sharded_step_inputs(_qwen3_next() if model == "qwen3_next" else None)
+    ``out_proj``), its full-attention layer one, and every dense MLP one. Nemotron-H's blocks hold
+    one mixer each (a head-parallel Mamba2, attention or an MLP): one all-reduce per block."""
+    spec, mesh, pools, params, tokens, meta = _sharded_step_inputs(_SPECS[model]())
     step = make_sharded_step(spec, mesh, pools)
     compiled = step.jitted.lower(pools, params, tokens, meta, None, None).compile()
     text = compiled.as_text()
     all_reduces = re.findall(r"= \S+ all-reduce(?:-start)?\(", text)
     layers = as_model_config(spec).num_hidden_layers
-    assert len(all_reduces) == 2 * layers, f"{len(all_reduces)} all-reduces for {layers} layers:\n" + "\n".join(
+    assert len(all_reduces) == per_layer * layers, f"{len(all_reduces)} all-reduces, {layers} layers:\n" + "\n".join(
         line for line in text.splitlines() if "all-reduce" in line
     )
     hidden = as_model_config(spec).hidden_size

@@ -29,6 +29,16 @@ dt_bias)``; q and k are L2-normalised (eps 1e-6), q scaled by ``k_head_dim ** -0
 shared by ``num_v_heads / num_k_heads`` value heads; per token ``S <- S * exp(g)``, ``delta =
 (v - S k) * beta``, ``S <- S + delta k^T``, ``out = S q`` with ``S: [v_head_dim, k_head_dim]`` per
 value head (the pool's layout). The conv state holds the last ``conv_kernel - 1`` inputs.
+
+Tensor parallelism (a recurrent pool sharded over ``"tp"``): the gated delta net is head-parallel,
+as SGLang runs it. Each rank holds whole key heads with their value heads: its rows of
+``in_proj_qkvz`` / ``in_proj_ba`` (laid out per key head by Transformers), its conv channels (its
+q, k and v channels, re-laid out rank-major at load by ``kvjax.serve.param_sharding``), its value
+heads' ``A_log`` / ``dt_bias`` and ``out_proj`` input columns; ``norm``'s ``[v_head_dim]`` weight is
+replicated. The mixer (``_local_mixer``) runs per rank inside ``shard_map`` over the rank's state
+shard and ends in one all-reduce of ``out_proj``'s partial sums
+(``kvjax.attention.recurrent_step.recurrent_mixer_over_heads``). tp must divide
+``linear_num_key_heads``.
 """
 
 from __future__ import annotations
