@@ -14,6 +14,16 @@ MoE blocks are refused by name (their experts are not gated SwiGLUs, which ``kvj
 The recurrent state per sequence row comes from ``meta.state`` exactly as for Qwen3-Next
 (``state_slots``, ``has_initial_state``, ``track_slots``, ``track_at``), run token by token with
 ``lax.scan`` by ``kvjax.attention.recurrent_step``.
+
+Tensor parallelism (a recurrent pool sharded over ``"tp"``): the Mamba2 mixer is head-parallel, as
+SGLang runs it. Each rank holds whole B/C groups with their heads: its rows of ``in_proj`` and its
+conv channels (re-laid out rank-major at load by ``kvjax.serve.param_sharding``: its gate, x, B, C
+and dt rows), its heads' ``A_log`` / ``dt_bias`` / ``D``, its groups' norm weight and its
+``out_proj`` input columns. The mixer (``_local_mixer``) runs per rank inside ``shard_map`` over
+the rank's state shard (the grouped RMSNorm stays per rank: whole groups) and ends in one
+all-reduce of ``out_proj``'s partial sums (its bias added once, after). tp must divide
+``n_groups``. Attention and MLP blocks (named ``mixer`` too) are split by the attention and MLP
+rules.
 """
 
 from __future__ import annotations
