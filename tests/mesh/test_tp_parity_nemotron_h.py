@@ -12,6 +12,7 @@ the state pool, and one all-reduce sums ``out_proj``'s partial products.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.mesh.tp_serving import assert_sharded, mesh_of
@@ -30,6 +31,7 @@ MAX_NEW = 6
 TP = 2
 
 
+@pytest.mark.timeout(600)  # ~2 min on a quiet machine; shared CPUs stretch it
 def test_head_parallel_mamba2_reuse_eviction_and_retraction(tmp_path_factory):
     config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
     hf, model = tiny_checkpoint(config, tmp_path_factory, "nemotron_h_tp", seed=MODEL_SEED)

@@ -62,6 +62,7 @@ def _checkpoint(tp: int, checkpoints: dict, tmp_path_factory) -> tuple[Any, Any]
     return checkpoints[tp]
 
 
+@pytest.mark.timeout(600)  # ~2 min on a quiet machine; shared CPUs stretch it
 @pytest.mark.parametrize("tp", [2, 4])
 def test_head_parallel_gated_delta_net_reuse_eviction_and_retraction(tp, checkpoints, tmp_path_factory):
     hf, model = _checkpoint(tp, checkpoints, tmp_path_factory)
