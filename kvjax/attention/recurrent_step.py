@@ -14,11 +14,21 @@ its own; the mixer's ``update`` turns the window, the row's state and the token'
 the new state and the token's output. Padding tokens (past the last sequence) change nothing.
 
 Over a mesh the pool holds each rank's heads (``RecurrentStatePool`` shards its state over
-``"tp"``: memory ``1 / tp`` per device) and its reads and writes run per device. The batch rows'
-states are gathered (replicated) before the scan, so the token-by-token recurrence runs whole on
-every rank (a plain ``jax.numpy`` scan; XLA partitioning a scan over head-sharded state compiled
-several times slower on CPU), and the final states are written back to their ranks' shards. The
-gather moves ``S`` rows of state per layer per step, not the pool.
+``"tp"``: memory ``1 / tp`` per device). Two ways to run a mixer there:
+
+* ``recurrent_mixer_over_heads`` (head-parallel, Megatron style, as SGLang runs its recurrent
+  layers): the whole mixer, from its column-parallel input projections to its row-parallel output
+  projection, runs inside ``jax.shard_map`` on each rank's heads, over that rank's own state
+  shard (read and written in place: the shard is the donated pool's), and one ``psum`` of the
+  ``[T, hidden]`` partial outputs ends it: one all-reduce per layer, as after attention.
+  ``shard_map`` rather than sharding constraints: the recurrence is a ``lax.scan`` with a
+  scattered carry, which XLA's partitioner does not split over heads by itself (it gathers the
+  state or compiles a much slower program); inside ``shard_map`` every array is the rank's own
+  and nothing moves but the final sum.
+* ``recurrent_step`` called on the sharded pool outside ``shard_map``: the batch rows' states are
+  gathered (replicated) before the scan, the recurrence runs whole on every rank, and the final
+  states are written back to their ranks' shards (the gather moves ``S`` rows of state per layer
+  per step, not the pool). Correct for any mixer, but every rank computes every head.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.pools import CachePools
 
-__all__ = ["StateUpdate", "recurrent_step"]
+__all__ = ["LocalMixer", "StateUpdate", "recurrent_mixer_over_heads", "recurrent_step", "state_ranks"]
 
 StateUpdate = Callable[..., tuple[jax.Array, jax.Array]]
 """``update(window [conv_dim, K] f32, state f32, *token_inputs) -> (new state, output)``."""
@@ -110,3 +120,68 @@ def recurrent_step(
     state = state.set_states(layer_id, slots, (conv1,), ssm1)
     state = state.set_states(layer_id, rows.track_slots, (conv_kept,), ssm_kept)
     return outputs, pools.replace(recurrent=state)
+
+
+LocalMixer = Callable[[CachePools, jax.Array, Any, AttentionMetadata], tuple[jax.Array, CachePools]]
+"""``mixer(pools, x [T, hidden], weights, meta) -> (out [T, hidden], pools)`` on one rank's heads:
+``pools`` holds only ``recurrent`` (the rank's state shard, no mesh: ``recurrent_step`` on it runs
+locally), ``weights`` are the rank's slices; ``out`` is the rank's partial sum of the output
+projection (the caller sums it over the ranks)."""
+
+
+def state_ranks(pools: CachePools) -> int:
+    """How many ranks the recurrent state's heads are split over (1: one device, no mesh)."""
+    state = pools.recurrent
+    return 1 if state.mesh is None else int(state.mesh.shape[state.state_axis])
+
+
+def recurrent_mixer_over_heads(
+    pools: CachePools,
+    mixer: LocalMixer,
+    x: jax.Array,
+    weights: Any,
+    weight_specs: Any,
+    meta: AttentionMetadata,
+) -> tuple[jax.Array, CachePools]:
+    """Run a recurrent mixer head-parallel over the state's mesh (module docstring).
+
+    Args:
+        pools: the cache's pools; ``pools.recurrent`` holds the mixer's layer.
+        mixer: the mixer on one rank's heads (``LocalMixer``), written for any rank count: it reads
+            its head counts from its weights' (local) shapes.
+        x: ``[T, hidden]``, the layer's input (replicated over the ranks).
+        weights: the mixer's weights (a pytree), laid out over the mesh as ``weight_specs`` say.
+        weight_specs: a ``PartitionSpec`` per leaf of ``weights`` (``kvjax.serve.param_sharding``'s
+            rules: heads over the state's axis, the output projection's input columns too).
+        meta: the batch's metadata, with ``meta.state`` set (replicated).
+
+    Returns:
+        ``(out [T, hidden] summed over the ranks, pools with pools.recurrent updated)``. Without a
+        mesh: ``mixer`` on the whole pool and weights, as is.
+    """
+    state = pools.recurrent
+    if state.mesh is None:
+        out, local = mixer(CachePools(recurrent=state), x, weights, meta)
+        return out, pools.replace(recurrent=local.recurrent)
+    axis = state.state_axis
+    ranks = state_ranks(pools)
+    per_rank_conv = None if state.conv_shapes is None else tuple((s[0] // ranks, *s[1:]) for s in state.conv_shapes)
+    state_spec = P(None, None, axis)  # the pool's layout: channels / heads on axis 2
+    array_specs = tuple(state_spec for _ in state.arrays())
+
+    def per_rank(arrays: tuple[jax.Array, ...], x: jax.Array, weights: Any, meta: AttentionMetadata) -> tuple[Any, ...]:
+        local = state.replace(
+            conv=tuple(arrays[:-1]), ssm=arrays[-1], mesh=None, state_axis=None, conv_shapes=per_rank_conv
+        )
+        partial, new = mixer(CachePools(recurrent=local), x, weights, meta)
+        return jax.lax.psum(partial, axis), new.recurrent.arrays()
+
+    run = jax.shard_map(
+        per_rank,
+        mesh=state.mesh,
+        in_specs=(array_specs, P(), weight_specs, P()),
+        out_specs=(P(), array_specs),
+        check_vma=False,  # the state updates may be Pallas calls, which carry no varying-axes types
+    )
+    out, arrays = run(state.arrays(), x, weights, meta)
+    return out, pools.replace(recurrent=state.replace(conv=tuple(arrays[:-1]), ssm=arrays[-1]))

@@ -12,9 +12,18 @@ parameter (path ends with)                                   layout             
 ``self_attn/o_proj``                                         row: ``P(None, tp)``        query heads
 ``mlp/{gate_proj, up_proj}``, ``shared_experts/{...}``       column                      intermediate
 ``mlp/down_proj``, ``shared_experts/down_proj``              row                         intermediate
+(Nemotron-H names its blocks' attention and MLP ``mixer``: the same rules)
+``linear_attn/{in_proj_qkvz, in_proj_ba}`` (gated delta net) column                      key heads
+``linear_attn/conv1d`` (re-laid out at load, below)          column (channels)           key heads
+``linear_attn/{A_log, dt_bias}``                             column                      key heads
+``linear_attn/out_proj``                                     row                         key heads
+``mixer/{in_proj, conv1d}`` (Mamba2, re-laid out at load)    column                      B/C groups
+``mixer/{A_log, dt_bias, D, norm}`` (Mamba2)                 column                      B/C groups
+``mixer/out_proj`` (Mamba2)                                  row                         B/C groups
 everything else (embeddings, norms, LM head, MLA's latent    replicated: ``P()``
 ``kv_a_proj_with_mqa`` and ``q_a_proj``, routers, experts,
-recurrent mixers)
+the gated delta net's ``norm`` (one ``[v_head_dim]`` weight
+shared by the heads))
 ===========================================================  ==========================  ===============
 
 A column-parallel bias is split with its rows; a row-parallel bias is replicated (added once, after
@@ -37,9 +46,36 @@ the latent would need an all-gather before every attention (each head reads all 
 costs ``tp`` times its memory instead, which DP attention avoids by giving each rank its own requests.
 The query heads and the per-head ``kv_b_proj`` are split, so attention itself is head-parallel.
 
-The entry point other code calls is ``shard_params(params, config, mesh)``;
+Qwen3-Next's gated delta net (``linear_attn``) is head-parallel, as SGLang runs it: Transformers
+lays ``in_proj_qkvz`` out per key head (``[q, k, v, z]`` of key head 0 and its
+``num_v_heads / num_k_heads`` value heads, then key head 1, ...) and ``in_proj_ba`` likewise
+(``[b, a]`` per key head), so a contiguous split of their rows gives each rank whole key heads with
+their value heads; ``A_log``/``dt_bias`` (per value head) and ``out_proj``'s input columns (value
+heads x ``v_head_dim``) split the same way. The depthwise ``conv1d`` is the exception: its channels
+are ``[q of every key head, k of every key head, v of every value head]``, so a contiguous split
+would give a rank other heads' channels. ``relayout_params`` therefore reorders them once, at load
+time, rank-major (``gated_delta_conv_channel_order``: rank 0's q, k and v channels, then rank 1's,
+...; the identity at one rank), and the rule then splits them contiguously; the recurrent pool's
+conv state is sharded the same way (rank ``r`` holds its heads' ``[q, k, v]`` window, SGLang's
+per-rank layout). Each rank runs the whole mixer on its heads inside ``shard_map``
+(``kvjax.attention.recurrent_step.recurrent_mixer_over_heads``) and ``out_proj`` ends in partial
+sums: one all-reduce after the mixer, as after attention. Heads split only when the key heads
+divide over the ranks (the model refuses other tp sizes: Qwen3-Next-80B's 16 key heads run at tp
+1, 2, 4, 8 and 16).
+
+Nemotron-H's Mamba2 mixers are head-parallel the same way, by B/C groups (a rank holds whole
+groups and their heads; the grouped RMSNorm then stays per rank): ``in_proj``'s rows (``[gate, x,
+B, C, dt]``) and the conv channels (``[x, B, C]``) are re-laid out rank-major at load
+(``rank_major_order``), ``A_log``/``dt_bias``/``D`` and the norm weight split by heads, ``out_proj``
+by its input columns. tp must divide ``n_groups`` (a single group, replicated over the ranks as
+SGLang does, is refused by the model).
+
+The entry point other code calls is ``shard_params(params, config, mesh)`` (re-layout, then
+placement);
 ``param_shardings`` gives the ``NamedSharding`` tree without moving anything (for ``jax.jit``'s
-``in_shardings`` or a deviceless compile over abstract params).
+``in_shardings`` or a deviceless compile over abstract params; re-layouts keep shapes, so the tree
+holds for the re-laid params), and ``param_spec`` one weight's spec (what a model's ``shard_map``
+takes as the weight's ``in_specs``).
 """
 
 from __future__ import annotations
@@ -50,12 +86,25 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.serve.model_config import ModelConfig
 
-__all__ = ["TP_AXIS", "PARAM_RULES", "ParamRule", "param_partition_specs", "param_shardings", "shard_params"]
+__all__ = [
+    "PARAM_RULES",
+    "TP_AXIS",
+    "ParamRule",
+    "gated_delta_conv_channel_order",
+    "param_partition_specs",
+    "param_shardings",
+    "param_spec",
+    "rank_major_order",
+    "relayout_params",
+    "shard_params",
+]
 
 TP_AXIS = "tp"
 """The mesh axis weights are split over (the pools' KV-head axis, ``kvjax.build.KV_HEAD_MESH_AXIS``)."""
@@ -65,11 +114,14 @@ TP_AXIS = "tp"
 class ParamRule:
     """Parameters whose ``/``-joined path matches ``pattern`` (``re.search``) are ``layout``
     (``"column"``: split over their output rows; ``"row"``: over their input columns) when
-    ``unit(config)`` splits evenly over the ranks."""
+    ``unit(config)`` splits evenly over the ranks. ``relayout(config, ranks)``, when set, gives
+    the order of the weight's rows (axis 0) that makes the contiguous split give each rank its
+    whole units: ``relayout_params`` applies it once, at load time, where the rule splits."""
 
     pattern: str
     layout: str
     unit: Callable[[ModelConfig], int]
+    relayout: Callable[[ModelConfig, int], np.ndarray] | None = None
 
 
 def _query_heads(c: ModelConfig) -> int:
@@ -84,12 +136,82 @@ def _intermediate(c: ModelConfig) -> int:
     return c.intermediate_size
 
 
+def _linear_key_heads(c: ModelConfig) -> int:
+    """The gated delta net's key heads (0, never split, for a config without them)."""
+    return int(getattr(c.family_config, "num_k_heads", 0) or 0)
+
+
+def rank_major_order(sections: tuple[int, ...], ranks: int) -> np.ndarray:
+    """Rows made of consecutive ``sections`` (sizes), each split evenly over ``ranks``, reordered
+    rank-major: rank 0's part of every section in turn, then rank 1's, ... ``order[i]`` is the
+    original row at position ``i``; the identity at one rank. ``ValueError`` naming the section
+    that does not split."""
+    for size in sections:
+        if ranks < 1 or size % ranks:
+            raise ValueError(f"a section of {size} rows does not split over {ranks} ranks")
+    starts = np.cumsum((0, *sections[:-1]))
+    return np.concatenate(
+        [
+            start + r * (size // ranks) + np.arange(size // ranks)
+            for r in range(ranks)
+            for start, size in zip(starts, sections, strict=True)
+        ]
+    )
+
+
+def gated_delta_conv_channel_order(
+    num_k_heads: int, k_head_dim: int, num_v_heads: int, v_head_dim: int, ranks: int
+) -> np.ndarray:
+    """The gated delta net's conv channels reordered rank-major: for each rank ``r`` of
+    ``ranks``, its key heads' q channels, their k channels, then its value heads' v channels
+    (Transformers' order is all q, all k, all v). ``order[i]`` is the Transformers channel at
+    position ``i``; the identity at one rank. ``ValueError`` when the key heads do not divide."""
+    if ranks < 1 or num_k_heads % ranks:
+        raise ValueError(f"{num_k_heads} key heads do not split over {ranks} ranks")
+    key, value = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+    return rank_major_order((key, key, value), ranks)
+
+
+def _gated_delta_conv_order(c: ModelConfig, ranks: int) -> np.ndarray:
+    f = c.family_config
+    return gated_delta_conv_channel_order(f.num_k_heads, f.k_head_dim, f.num_v_heads, f.v_head_dim, ranks)
+
+
+def _mamba_groups(c: ModelConfig) -> int:
+    """A Mamba2 mixer's B/C groups (0, never split, for a config without them); its heads are a
+    multiple, so whole groups per rank means whole heads too."""
+    return int(getattr(c.family_config, "n_groups", 0) or 0)
+
+
+def _mamba_sections(c: ModelConfig) -> tuple[int, int, int]:
+    f = c.family_config
+    return f.num_heads * f.head_dim, f.n_groups * f.state_size, f.num_heads
+
+
+def _mamba_in_proj_order(c: ModelConfig, ranks: int) -> np.ndarray:
+    inter, bc, heads = _mamba_sections(c)
+    return rank_major_order((inter, inter, bc, bc, heads), ranks)  # gate, x, B, C, dt
+
+
+def _mamba_conv_order(c: ModelConfig, ranks: int) -> np.ndarray:
+    inter, bc, _ = _mamba_sections(c)
+    return rank_major_order((inter, bc, bc), ranks)  # x, B, C
+
+
 PARAM_RULES: tuple[ParamRule, ...] = (
-    ParamRule(r"self_attn/(q_proj|q_b_proj|kv_b_proj)/(weight|bias)$", "column", _query_heads),
-    ParamRule(r"self_attn/(k_proj|v_proj)/(weight|bias)$", "column", _kv_heads),
-    ParamRule(r"self_attn/o_proj/(weight|bias)$", "row", _query_heads),
-    ParamRule(r"(^|/)(mlp|shared_experts)/(gate_proj|up_proj)/(weight|bias)$", "column", _intermediate),
-    ParamRule(r"(^|/)(mlp|shared_experts)/down_proj/(weight|bias)$", "row", _intermediate),
+    ParamRule(r"(self_attn|mixer)/(q_proj|q_b_proj|kv_b_proj)/(weight|bias)$", "column", _query_heads),
+    ParamRule(r"(self_attn|mixer)/(k_proj|v_proj)/(weight|bias)$", "column", _kv_heads),
+    ParamRule(r"(self_attn|mixer)/o_proj/(weight|bias)$", "row", _query_heads),
+    ParamRule(r"(^|/)(mlp|shared_experts|mixer)/(gate_proj|up_proj)/(weight|bias)$", "column", _intermediate),
+    ParamRule(r"(^|/)(mlp|shared_experts|mixer)/down_proj/(weight|bias)$", "row", _intermediate),
+    ParamRule(r"linear_attn/(in_proj_qkvz|in_proj_ba)/weight$", "column", _linear_key_heads),
+    ParamRule(r"linear_attn/conv1d/weight$", "column", _linear_key_heads, _gated_delta_conv_order),
+    ParamRule(r"linear_attn/(A_log|dt_bias)$", "column", _linear_key_heads),
+    ParamRule(r"linear_attn/out_proj/weight$", "row", _linear_key_heads),
+    ParamRule(r"(^|/)mixer/in_proj/(weight|bias)$", "column", _mamba_groups, _mamba_in_proj_order),
+    ParamRule(r"(^|/)mixer/conv1d/(weight|bias)$", "column", _mamba_groups, _mamba_conv_order),
+    ParamRule(r"(^|/)mixer/(A_log|dt_bias|D|norm/weight)$", "column", _mamba_groups),
+    ParamRule(r"(^|/)mixer/out_proj/(weight|bias)$", "row", _mamba_groups),
 )
 """The rule table of the module docstring, first match wins; no match: replicated."""
 
@@ -98,25 +220,34 @@ def _path(keys: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in keys)
 
 
+def _rule(path: str) -> ParamRule | None:
+    return next((rule for rule in PARAM_RULES if re.search(rule.pattern, path)), None)
+
+
+def _splits(rule: ParamRule, config: ModelConfig, ranks: int) -> bool:
+    unit = rule.unit(config)
+    return ranks > 1 and unit > 0 and unit % ranks == 0
+
+
+def param_spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, *, axis: str = TP_AXIS) -> P:
+    """The ``PartitionSpec`` of the weight at ``path`` (``/``-joined parameter names; the rules
+    match its end) of ``shape`` for ``ranks`` tensor-parallel ranks (module docstring)."""
+    return _spec(path, tuple(shape), config, ranks, axis)
+
+
 def _spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, axis: str) -> P:
-    if ranks == 1:
+    rule = _rule(path)
+    if ranks == 1 or rule is None or not _splits(rule, config, ranks):
         return P()
-    for rule in PARAM_RULES:
-        if not re.search(rule.pattern, path):
-            continue
-        if rule.unit(config) % ranks:
-            return P()
-        is_bias = path.endswith("/bias")
-        if rule.layout == "column":
-            dim = 0
-        elif is_bias:
-            return P()  # a row-parallel bias is added once, after the sum
-        else:
-            dim = len(shape) - 1
-        if shape[dim] % ranks:
-            return P()
-        return P(*(axis if i == dim else None for i in range(len(shape))))
-    return P()
+    if rule.layout == "column":
+        dim = 0
+    elif path.endswith("/bias"):
+        return P()  # a row-parallel bias is added once, after the sum
+    else:
+        dim = len(shape) - 1
+    if shape[dim] % ranks:
+        return P()
+    return P(*(axis if i == dim else None for i in range(len(shape))))
 
 
 def param_partition_specs(params: Any, config: ModelConfig, ranks: int, *, axis: str = TP_AXIS) -> Any:
@@ -138,7 +269,34 @@ def param_shardings(params: Any, config: ModelConfig, mesh: Mesh, *, axis: str =
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def relayout_params(params: Any, config: ModelConfig, ranks: int) -> Any:
+    """``params`` (Transformers' layout) with every weight whose rule has a ``relayout`` and splits
+    over ``ranks`` reordered along axis 0 (module docstring: the gated delta net's conv channels,
+    rank-major); other weights are returned as they are. Run once, at load time, before placing
+    the weights (``shard_params`` does); the shapes do not change. At one rank: ``params``."""
+    if ranks == 1:
+        return params
+
+    def relayout(keys: tuple[Any, ...], leaf: Any) -> Any:
+        rule = _rule(_path(keys))
+        if rule is None or rule.relayout is None or not _splits(rule, config, ranks):
+            return leaf
+        order = rule.relayout(config, ranks)
+        if order.shape != (leaf.shape[0],):
+            raise ValueError(f"{_path(keys)}: {leaf.shape[0]} rows, the re-layout orders {order.shape[0]}")
+        return jnp.take(jnp.asarray(leaf), jnp.asarray(order), axis=0)
+
+    return jax.tree_util.tree_map_with_path(relayout, params)
+
+
 def shard_params(params: Any, config: ModelConfig, mesh: Mesh, *, axis: str = TP_AXIS) -> Any:
-    """``params`` placed on ``mesh`` Megatron style (module docstring): the tree other code passes
-    to a sharded step (``kvjax.serve.step.make_step(..., mesh=mesh)``)."""
-    return jax.device_put(params, param_shardings(params, config, mesh, axis=axis))
+    """``params`` (Transformers' layout) re-laid out (``relayout_params``) and placed on ``mesh``
+    Megatron style (module docstring): the tree other code passes to a sharded step
+    (``kvjax.serve.step.make_sharded_step``). Idempotent: weights already placed as the rules say
+    (the output of an earlier call) are kept as they are, not re-laid out twice."""
+    shardings = param_shardings(params, config, mesh, axis=axis)
+    placed = zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
+    if all(getattr(w, "sharding", None) == s for w, s in placed):
+        return params
+    params = relayout_params(params, config, int(mesh.shape[axis]))
+    return jax.device_put(params, shardings)

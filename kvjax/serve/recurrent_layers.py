@@ -1,10 +1,15 @@
 """The pieces the recurrent mixers (Nemotron-H's Mamba2, Qwen3-Next's gated delta net) share, in
-Hugging Face's parameter names: the depthwise causal conv's weights (``conv1d.weight: [channels,
-1, kernel]``, optional ``conv1d.bias``), the conv-then-SiLU of one token's window, and the
-per-head decay parameters ``dt_bias`` and ``A_log``.
+Hugging Face's parameter names: weights declared as stored (``Weight``, ``WeightAndBias``: a
+projection's ``[out, in]``, the depthwise causal conv's ``conv1d.weight: [channels, 1, kernel]``
+and optional ``conv1d.bias``, a norm's scale), the conv-then-SiLU of one token's window
+(``conv_silu``), and the per-head decay parameters ``dt_bias`` and ``A_log``.
 
 The recurrence itself (the state update, its inputs and outputs) differs per family and is the
 ``update`` function each family hands to ``kvjax.attention.recurrent_step``.
+
+Both mixers run head-parallel (``kvjax.attention.recurrent_step.recurrent_mixer_over_heads``): they
+declare their weights here, under Hugging Face's names, and apply them inside ``shard_map`` to each
+rank's slices (``project``: the same product as ``kvjax.serve.layers.Linear``).
 """
 
 from __future__ import annotations
@@ -15,27 +20,41 @@ import jax.numpy as jnp
 
 from kvjax.serve.layers import WEIGHT_INIT_STDDEV
 
+__all__ = ["Weight", "WeightAndBias", "conv_silu", "decay_parameters", "project"]
 
-class DepthwiseConv1dWeights(nn.Module):
-    """The depthwise causal conv's ``weight: [channels, 1, kernel]`` and, with ``use_bias``,
-    ``bias: [channels]`` (Hugging Face's ``nn.Conv1d(groups=channels)``).
 
-    Returns ``(weight [channels, kernel], bias [channels] or None)`` in float32, the form
-    ``conv_silu`` takes.
-    """
+class Weight(nn.Module):
+    """One parameter named ``weight`` of ``shape`` (a projection's ``[out, in]``: normal with
+    ``WEIGHT_INIT_STDDEV``, as ``Linear``; ``ones``: a norm's scale), returned as stored."""
 
-    channels: int
-    kernel: int
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+    ones: bool = False
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        init = nn.initializers.ones if self.ones else nn.initializers.normal(WEIGHT_INIT_STDDEV)
+        return self.param("weight", init, self.shape, self.dtype)
+
+
+class WeightAndBias(nn.Module):
+    """A layer's ``weight`` of ``shape`` (normal with ``WEIGHT_INIT_STDDEV``) and, with
+    ``use_bias``, its ``bias: [shape[0]]`` (zeros), returned as stored (``None``: no bias)."""
+
+    shape: tuple[int, ...]
     use_bias: bool
     dtype: jnp.dtype
 
     @nn.compact
     def __call__(self) -> tuple[jax.Array, jax.Array | None]:
-        weight = self.param(
-            "weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), (self.channels, 1, self.kernel), self.dtype
-        )
-        bias = self.param("bias", nn.initializers.zeros, (self.channels,), self.dtype) if self.use_bias else None
-        return weight[:, 0, :].astype(jnp.float32), None if bias is None else bias.astype(jnp.float32)
+        weight = self.param("weight", nn.initializers.normal(WEIGHT_INIT_STDDEV), self.shape, self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (self.shape[0],), self.dtype) if self.use_bias else None
+        return weight, bias
+
+
+def project(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x @ weight.T`` with ``weight: [out, in]`` (``Linear`` without a bias)."""
+    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def conv_silu(window: jax.Array, weight32: jax.Array, bias32: jax.Array | None, dtype: jnp.dtype) -> jax.Array:

@@ -38,7 +38,7 @@ from kvjax.attention.sharding import serving_mesh
 from kvjax.pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.param_sharding import param_shardings
+from kvjax.serve.param_sharding import param_shardings, shard_params
 from kvjax.spec import ModelSpec
 
 StepFn = Callable[..., tuple[Any, ...]]
@@ -102,18 +102,15 @@ def place_on_mesh(
     model: ModelSpec | ModelConfig | None, pools: CachePools, params: Any, mesh: Mesh
 ) -> tuple[CachePools, Any]:
     """``(pools, params)`` laid out over ``mesh`` as ``make_sharded_step`` expects: pool arrays
-    that are not on the mesh replicated there, the weights split by ``param_sharding`` (or, with
-    ``model`` None, a model of the caller's own, kept as placed when already on the mesh, else
-    replicated). ``mesh`` is used with ``Auto`` axes (``serving_mesh``)."""
+    that are not on the mesh replicated there, the weights re-laid out and split by
+    ``param_sharding.shard_params`` (or, with ``model`` None, a model of the caller's own, kept as
+    placed when already on the mesh, else replicated). ``mesh`` is used with ``Auto`` axes
+    (``serving_mesh``)."""
     mesh = serving_mesh(mesh)
     pools = jax.device_put(pools, pool_shardings(pools, mesh))
-    return pools, jax.device_put(params, _param_shardings(model, params, mesh))
-
-
-def _param_shardings(model: ModelSpec | ModelConfig | None, params: Any, mesh: Mesh) -> Any:
-    if model is not None:
-        return param_shardings(params, as_model_config(model), mesh)
-    return pool_shardings(params, mesh)
+    if model is not None:  # re-laid out where a rule says (param_sharding.relayout_params), then split
+        return pools, shard_params(params, as_model_config(model), mesh)
+    return pools, jax.device_put(params, pool_shardings(params, mesh))
 
 
 def make_sharded_step(

@@ -1,6 +1,7 @@
 """The sharded step's collectives, counted in its compiled program at tp 2 on CPU: Megatron's
-minimum, one all-reduce of the hidden state after attention and one after the MLP per layer, and
-the pools updated in place (donated, aliased to the outputs, still sharded over KV heads).
+minimum, one all-reduce of the hidden state after attention (or after Qwen3-Next's head-parallel
+gated delta net) and one after the MLP per layer, and the pools updated in place (donated, aliased
+to the outputs, still sharded over KV heads / state heads).
 """
 
 from __future__ import annotations
@@ -9,41 +10,72 @@ import re
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
-from kvjax.attention import build_attention_metadata
+from kvjax.attention import StateMetadata, build_attention_metadata
 from kvjax.serve.model import as_model_config, init_params
-from kvjax.serve.param_sharding import param_partition_specs, shard_params
+from kvjax.serve.param_sharding import (
+    gated_delta_conv_channel_order,
+    param_partition_specs,
+    relayout_params,
+    shard_params,
+)
 from kvjax.serve.step import make_sharded_step, place_on_mesh
+from tests.serve.random_workloads import NEMOTRON_H_TINY, QWEN3_NEXT_TINY
 
 TP = 2
 TOKENS = 5
+MAX_SEQS = 4
 
 
-def _sharded_step_inputs() -> tuple:
-    spec = ModelSpec.preset("tiny")
+def _qwen3_next() -> ModelSpec:
+    return ModelSpec.from_hf_config(QWEN3_NEXT_TINY, name="qwen3-next-tiny")
+
+
+_SPECS = {
+    "tiny": lambda: ModelSpec.preset("tiny"),
+    "qwen3_next": _qwen3_next,
+    "nemotron_h": lambda: ModelSpec.from_hf_config(NEMOTRON_H_TINY, name="nemotron-h-tiny"),
+}
+
+
+def _sharded_step_inputs(spec: ModelSpec | None = None) -> tuple:
+    spec = spec or ModelSpec.preset("tiny")
     mesh = jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP])
-    cache = build_kv_cache(spec, CacheConfig(tp_size=TP, max_total_tokens=256, context_length=64), mesh=mesh)
+    page = 1 if spec.recurrent is not None else 16  # a recurrent-state tree needs pages of 1 token
+    config = CacheConfig(tp_size=TP, max_total_tokens=256, context_length=64, page_size=page)
+    cache = build_kv_cache(spec, config, mesh=mesh)
     pools, params = place_on_mesh(spec, cache.pools, init_params(spec), mesh)
     slots = cache.allocator.alloc_extend(np.array([0]), np.array([TOKENS]), np.array([-1]))
     [row] = cache.req_to_token_pool.alloc(1)
     cache.req_to_token_pool.write(row, 0, slots)
-    table = cache.req_to_token_pool.page_table_numpy([row], [TOKENS], 16, 4)
+    table = cache.req_to_token_pool.page_table_numpy([row], [TOKENS], page, 64 // page)
     tokens, meta = build_attention_metadata(
-        tokens=[np.arange(TOKENS, dtype=np.int32)], starts=[0], slots=slots, page_table=table, max_seqs=4
+        tokens=[np.arange(TOKENS, dtype=np.int32)], starts=[0], slots=slots, page_table=table, max_seqs=MAX_SEQS
     )
+    if "recurrent" in pools:  # one sequence starting from zero state in slot 1
+        zeros = np.zeros(MAX_SEQS, np.int32)
+        slot = np.array([1, 0, 0, 0], np.int32)
+        meta = meta.with_parts(
+            StateMetadata(state_slots=slot, has_initial_state=zeros, track_slots=zeros, track_at=zeros)
+        )
     return spec, mesh, pools, params, tokens, meta
 
 
-def test_one_all_reduce_after_attention_and_one_after_the_mlp_per_layer():
-    spec, mesh, pools, params, tokens, meta = _sharded_step_inputs()
+@pytest.mark.parametrize(("model", "per_layer"), [("tiny", 2), ("qwen3_next", 2), ("nemotron_h", 1)])
+def test_one_all_reduce_after_attention_and_one_after_the_mlp_per_layer(model, per_layer):
+    """Qwen3-Next: its gated-delta-net layers, head-parallel, need one all-reduce too (after
+    ``out_proj``), its full-attention layer one, and every dense MLP one. Nemotron-H's blocks hold
+    one mixer each (a head-parallel Mamba2, attention or an MLP): one all-reduce per block."""
+    spec, mesh, pools, params, tokens, meta = _sharded_step_inputs(_SPECS[model]())
     step = make_sharded_step(spec, mesh, pools)
     compiled = step.jitted.lower(pools, params, tokens, meta, None, None).compile()
     text = compiled.as_text()
     all_reduces = re.findall(r"= \S+ all-reduce(?:-start)?\(", text)
     layers = as_model_config(spec).num_hidden_layers
-    assert len(all_reduces) == 2 * layers, f"{len(all_reduces)} all-reduces for {layers} layers:\n" + "\n".join(
+    assert len(all_reduces) == per_layer * layers, f"{len(all_reduces)} all-reduces, {layers} layers:\n" + "\n".join(
         line for line in text.splitlines() if "all-reduce" in line
     )
     hidden = as_model_config(spec).hidden_size
@@ -80,3 +112,48 @@ def test_weights_are_split_megatron_style():
     assert wide["k_proj"]["weight"] == P() and wide["q_proj"]["weight"] == P("tp", None)
     placed = shard_params(init_params(spec), config, jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP]))
     assert placed["model"]["layers_0"]["mlp"]["down_proj"]["weight"].sharding.spec == P(None, "tp")
+
+
+def test_the_recurrent_state_stays_sharded_and_is_written_in_place():
+    spec, mesh, pools, params, tokens, meta = _sharded_step_inputs(_qwen3_next())
+    before = pools.recurrent.ssm
+    pointers = [s.data.unsafe_buffer_pointer() for s in before.addressable_shards]
+    new_pools, _ = make_sharded_step(spec, mesh, pools)(pools, params, tokens, meta)
+    assert before.is_deleted(), "the pools are donated"
+    after = new_pools.recurrent.ssm
+    assert after.sharding.spec == P(None, None, "tp")
+    assert [s.data.unsafe_buffer_pointer() for s in after.addressable_shards] == pointers, "written in place"
+    assert float(np.abs(np.asarray(after[:, 1])).sum()) > 0, "slot 1 holds the sequence's state"
+
+
+def test_gated_delta_net_weights_split_by_key_heads_and_conv_channels_relaid_rank_major():
+    spec = _qwen3_next()
+    config = as_model_config(spec)
+    params = init_params(spec)
+    mixer = param_partition_specs(params, config, TP)["model"]["layers_0"]["linear_attn"]
+    assert mixer["in_proj_qkvz"]["weight"] == P("tp", None) and mixer["in_proj_ba"]["weight"] == P("tp", None)
+    assert mixer["conv1d"]["weight"] == P("tp", None, None)
+    assert mixer["A_log"] == P("tp") and mixer["dt_bias"] == P("tp")
+    assert mixer["out_proj"]["weight"] == P(None, "tp") and mixer["norm"]["weight"] == P()
+    # 2 key heads of 16 (q, k) and 4 value heads of 16 (v): conv channels [q 0:32, k 32:64, v 64:128].
+    order = gated_delta_conv_channel_order(2, 16, 4, 16, TP)
+    want = [*range(0, 16), *range(32, 48), *range(64, 96), *range(16, 32), *range(48, 64), *range(96, 128)]
+    assert order.tolist() == want
+    assert gated_delta_conv_channel_order(2, 16, 4, 16, 1).tolist() == list(range(128))
+    with pytest.raises(ValueError, match="2 key heads do not split over 4 ranks"):
+        gated_delta_conv_channel_order(2, 16, 4, 16, 4)
+    conv = np.asarray(params["model"]["layers_0"]["linear_attn"]["conv1d"]["weight"])
+    relaid = relayout_params(params, config, TP)
+    np.testing.assert_array_equal(
+        np.asarray(relaid["model"]["layers_0"]["linear_attn"]["conv1d"]["weight"]), conv[want]
+    )
+    q_proj = params["model"]["layers_2"]["self_attn"]["q_proj"]["weight"]
+    assert relaid["model"]["layers_2"]["self_attn"]["q_proj"]["weight"] is q_proj, "only re-laid weights change"
+    assert relayout_params(params, config, 1) is params
+    mesh = jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP])
+    placed = shard_params(params, config, mesh)
+    again = shard_params(placed, config, mesh)
+    assert again is placed, "placed weights are not re-laid out twice"
+    np.testing.assert_array_equal(
+        np.asarray(placed["model"]["layers_0"]["linear_attn"]["conv1d"]["weight"]), conv[want]
+    )

@@ -14,11 +14,22 @@ MoE blocks are refused by name (their experts are not gated SwiGLUs, which ``kvj
 The recurrent state per sequence row comes from ``meta.state`` exactly as for Qwen3-Next
 (``state_slots``, ``has_initial_state``, ``track_slots``, ``track_at``), run token by token with
 ``lax.scan`` by ``kvjax.attention.recurrent_step``.
+
+Tensor parallelism (a recurrent pool sharded over ``"tp"``): the Mamba2 mixer is head-parallel, as
+SGLang runs it. Each rank holds whole B/C groups with their heads: its rows of ``in_proj`` and its
+conv channels (re-laid out rank-major at load by ``kvjax.serve.param_sharding``: its gate, x, B, C
+and dt rows), its heads' ``A_log`` / ``dt_bias`` / ``D``, its groups' norm weight and its
+``out_proj`` input columns. The mixer (``_local_mixer``) runs per rank inside ``shard_map`` over
+the rank's state shard (the grouped RMSNorm stays per rank: whole groups) and ends in one
+all-reduce of ``out_proj``'s partial sums (its bias added once, after). tp must divide
+``n_groups``. Attention and MLP blocks (named ``mixer`` too) are split by the attention and MLP
+rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,13 +38,15 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import KindMetadata, attend, recurrent_step
+from kvjax.attention.recurrent_step import recurrent_mixer_over_heads, state_ranks
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
 from kvjax.serve.causal_lm import CausalLM, LayerMixer, StackNames
 from kvjax.serve.layers import BatchMetadata, Float32RMSNorm, Linear
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.recurrent_layers import DepthwiseConv1dWeights, conv_silu, decay_parameters
+from kvjax.serve.param_sharding import param_spec
+from kvjax.serve.recurrent_layers import Weight, WeightAndBias, conv_silu, decay_parameters, project
 from kvjax.serve.trace_state import recurrent_trace_state
 from kvjax.spec import ModelSpec
 
@@ -119,52 +132,94 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
 NemotronRMSNorm = Float32RMSNorm  # ``weight * x / rms(x)``, the product in float32, cast back
 
 
-class GroupedNormWeight(nn.Module):
-    """The gated grouped RMSNorm's ``weight: [intermediate]`` (starts at 1)."""
-
-    size: int
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.ones, (self.size,), self.dtype)
-
-
 class Mamba2Mixer(LayerMixer):
+    """The Mamba2 mixer, head-parallel over the recurrent state's mesh (module docstring): its
+    weights are declared here, in Transformers' names and shapes, and applied per rank by
+    ``_local_mixer`` inside ``recurrent_mixer_over_heads`` (the whole mixer at one rank)."""
+
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         fc = _family(c)
         dt_ = jnp.dtype(c.dtype)
-        t = x.shape[0]
-        h, p, n, g, inter = fc.num_heads, fc.head_dim, fc.state_size, fc.n_groups, fc.intermediate
-        proj = Linear(inter + fc.conv_dim + h, fc.use_bias, dt_, name="in_proj")(x)
-        gate, xbc, dt_raw = proj[:, :inter], proj[:, inter : inter + fc.conv_dim], proj[:, inter + fc.conv_dim :]
-        w32, b32 = DepthwiseConv1dWeights(fc.conv_dim, fc.conv_kernel, fc.use_conv_bias, dt_, name="conv1d")()
-        dt_bias, a_log = decay_parameters(self, h, dt_)
-        d_skip = self.param("D", nn.initializers.ones, (h,), dt_)
-        a = -jnp.exp(a_log.astype(jnp.float32))
-        dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-        dt = jnp.maximum(dt, fc.time_step_min)
+        h, inter = fc.num_heads, fc.intermediate
+        proj = inter + fc.conv_dim + h
+        in_w, in_b = WeightAndBias((proj, x.shape[-1]), fc.use_bias, dt_, name="in_proj")()
+        conv_w, conv_b = WeightAndBias((fc.conv_dim, 1, fc.conv_kernel), fc.use_conv_bias, dt_, name="conv1d")()
+        out_w, out_b = WeightAndBias((c.hidden_size, inter), fc.use_bias, dt_, name="out_proj")()
+        weights = {
+            "in_proj/weight": in_w,
+            "conv1d/weight": conv_w,
+            "norm/weight": Weight((inter,), dt_, ones=True, name="norm")(),
+            "out_proj/weight": out_w,
+        }
+        weights["dt_bias"], weights["A_log"] = decay_parameters(self, h, dt_)
+        weights["D"] = self.param("D", nn.initializers.ones, (h,), dt_)
+        for name, bias in (("in_proj/bias", in_b), ("conv1d/bias", conv_b)):
+            if bias is not None:
+                weights[name] = bias
+        ranks = state_ranks(pools)
+        if fc.n_groups % ranks:
+            raise ConfigError(
+                "tp_size",
+                ranks,
+                f"the Mamba2 mixer's {fc.n_groups} B/C groups do not split over {ranks} ranks (each rank runs whole "
+                "groups with their heads); use a tp size that divides n_groups",
+            )
+        specs = {name: param_spec(f"mixer/{name}", w.shape, c, ranks) for name, w in weights.items()}
+        mixer = functools.partial(_local_mixer, fc=fc, layer_id=self.layer_id, dtype=dt_)
+        out, pools = recurrent_mixer_over_heads(pools, mixer, x, weights, specs, meta)
+        return (out if out_b is None else out + out_b), pools  # the row-parallel bias: once, after the sum
 
-        per = h // g
 
-        def update(window: jax.Array, ssm: jax.Array, dt_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-            y = conv_silu(window, w32, b32, dt_)
-            xs = y[:inter].reshape(h, p)
-            b_t = jnp.repeat(y[inter : inter + g * n].reshape(g, n), per, axis=0)  # [H, N]
-            c_t = jnp.repeat(y[inter + g * n :].reshape(g, n), per, axis=0)
-            st = ssm * jnp.exp(dt_t * a)[:, None, None] + (dt_t[:, None] * xs)[:, :, None] * b_t[:, None, :]
-            out = jnp.einsum("hpn,hn->hp", st, c_t) + d_skip.astype(jnp.float32)[:, None] * xs
-            return st, out.reshape(inter)
+def _local_mixer(
+    pools: CachePools,
+    x: jax.Array,
+    w: dict[str, jax.Array],
+    meta: BatchMetadata,
+    *,
+    fc: NemotronHConfig,
+    layer_id: int,
+    dtype: jnp.dtype,
+) -> tuple[jax.Array, CachePools]:
+    """The Mamba2 mixer on one rank's heads (all of them at one rank): ``w`` holds the rank's
+    slices (its rows of ``in_proj`` and conv channels, re-laid out rank-major at load: its gate, x,
+    B, C and dt rows; its heads' ``A_log``/``dt_bias``/``D``, norm weight and ``out_proj`` columns),
+    ``pools.recurrent`` the rank's state shard. Returns the rank's partial ``out_proj`` sum (no bias)."""
+    h = w["A_log"].shape[0]  # this rank's heads
+    g = fc.n_groups * h // fc.num_heads  # and B/C groups
+    p, n = fc.head_dim, fc.state_size
+    inter = h * p
+    conv_dim = inter + 2 * g * n
+    t = x.shape[0]
+    proj = project(x, w["in_proj/weight"])
+    if "in_proj/bias" in w:
+        proj = proj + w["in_proj/bias"]
+    gate, xbc, dt_raw = proj[:, :inter], proj[:, inter : inter + conv_dim], proj[:, inter + conv_dim :]
+    w32 = w["conv1d/weight"][:, 0, :].astype(jnp.float32)
+    b32 = w["conv1d/bias"].astype(jnp.float32) if "conv1d/bias" in w else None
+    a = -jnp.exp(w["A_log"].astype(jnp.float32))
+    dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
+    dt = jnp.maximum(dt, fc.time_step_min)
+    d_skip = w["D"].astype(jnp.float32)
+    per = h // g
 
-        y, pools = recurrent_step(pools, self.layer_id, xbc, (dt,), update, meta)
-        # Grouped RMSNorm of y * silu(gate), in float32.
-        z = y.astype(dt_).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
-        zg = z.reshape(t, g, inter // g)
-        zg = zg * jax.lax.rsqrt(jnp.mean(zg * zg, axis=-1, keepdims=True) + fc.eps)
-        normed = GroupedNormWeight(inter, dt_, name="norm")() * zg.reshape(t, inter).astype(dt_)
-        return Linear(c.hidden_size, fc.use_bias, dt_, name="out_proj")(normed), pools
+    def update(window: jax.Array, ssm: jax.Array, dt_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y = conv_silu(window, w32, b32, dtype)
+        xs = y[:inter].reshape(h, p)
+        b_t = jnp.repeat(y[inter : inter + g * n].reshape(g, n), per, axis=0)  # [H, N]
+        c_t = jnp.repeat(y[inter + g * n :].reshape(g, n), per, axis=0)
+        st = ssm * jnp.exp(dt_t * a)[:, None, None] + (dt_t[:, None] * xs)[:, :, None] * b_t[:, None, :]
+        out = jnp.einsum("hpn,hn->hp", st, c_t) + d_skip[:, None] * xs
+        return st, out.reshape(inter)
+
+    y, pools = recurrent_step(pools, layer_id, xbc, (dt,), update, meta)
+    # Grouped RMSNorm of y * silu(gate), in float32 (each rank holds whole groups).
+    z = y.astype(dtype).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    zg = z.reshape(t, g, inter // g)
+    zg = zg * jax.lax.rsqrt(jnp.mean(zg * zg, axis=-1, keepdims=True) + fc.eps)
+    normed = w["norm/weight"] * zg.reshape(t, inter).astype(dtype)
+    return project(normed, w["out_proj/weight"]), pools
 
 
 class NemotronAttention(LayerMixer):

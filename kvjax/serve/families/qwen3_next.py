@@ -29,11 +29,22 @@ dt_bias)``; q and k are L2-normalised (eps 1e-6), q scaled by ``k_head_dim ** -0
 shared by ``num_v_heads / num_k_heads`` value heads; per token ``S <- S * exp(g)``, ``delta =
 (v - S k) * beta``, ``S <- S + delta k^T``, ``out = S q`` with ``S: [v_head_dim, k_head_dim]`` per
 value head (the pool's layout). The conv state holds the last ``conv_kernel - 1`` inputs.
+
+Tensor parallelism (a recurrent pool sharded over ``"tp"``): the gated delta net is head-parallel,
+as SGLang runs it. Each rank holds whole key heads with their value heads: its rows of
+``in_proj_qkvz`` / ``in_proj_ba`` (laid out per key head by Transformers), its conv channels (its
+q, k and v channels, re-laid out rank-major at load by ``kvjax.serve.param_sharding``), its value
+heads' ``A_log`` / ``dt_bias`` and ``out_proj`` input columns; ``norm``'s ``[v_head_dim]`` weight is
+replicated. The mixer (``_local_mixer``) runs per rank inside ``shard_map`` over the rank's state
+shard and ends in one all-reduce of ``out_proj``'s partial sums
+(``kvjax.attention.recurrent_step.recurrent_mixer_over_heads``). tp must divide
+``linear_num_key_heads``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import KindMetadata, attend, recurrent_step
+from kvjax.attention.recurrent_step import recurrent_mixer_over_heads, state_ranks
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output
@@ -56,7 +68,8 @@ from kvjax.serve.layers import (
 )
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.moe import MoEConfig, SparseMoE
-from kvjax.serve.recurrent_layers import DepthwiseConv1dWeights, conv_silu, decay_parameters
+from kvjax.serve.param_sharding import param_spec
+from kvjax.serve.recurrent_layers import Weight, conv_silu, decay_parameters, project
 from kvjax.serve.trace_state import recurrent_trace_state
 from kvjax.spec import ModelSpec
 
@@ -152,16 +165,11 @@ def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
     )
 
 
-class GatedRMSNorm(nn.Module):
-    """``weight * x / rms(x) * silu(gate)`` (the gated delta net's output norm; weight starts at 1)."""
-
-    eps: float
-
-    @nn.compact
-    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), x.dtype)
-        normed = rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
-        return (weight * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * x / rms(x) * silu(gate)`` over the last axis (the gated delta net's output norm,
+    per value head: ``weight [v_head_dim]``, shared by the heads), in ``x``'s dtype."""
+    normed = rms_normalize(x.astype(jnp.float32), eps).astype(x.dtype)
+    return (weight * normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 class Qwen3NextAttention(LayerMixer):
@@ -190,41 +198,91 @@ def _l2norm(x: jax.Array) -> jax.Array:
 
 
 class Qwen3NextGatedDeltaNet(LayerMixer):
+    """The gated delta net, head-parallel over the recurrent state's mesh (module docstring):
+    its weights are declared here, in Transformers' names and shapes, and applied per rank by
+    ``_local_mixer`` inside ``recurrent_mixer_over_heads`` (the whole mixer at one rank)."""
+
     @nn.compact
     def __call__(self, x: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         fc = _family(c)
         dt = jnp.dtype(c.dtype)
-        t = x.shape[0]
-        hk, hv, dk, dv, kernel = fc.num_k_heads, fc.num_v_heads, fc.k_head_dim, fc.v_head_dim, fc.conv_kernel
-        per = hv // hk
-        qkvz = Linear(2 * hk * dk + 2 * hv * dv, False, dt, name="in_proj_qkvz")(x).reshape(t, hk, -1)
-        ba = Linear(2 * hv, False, dt, name="in_proj_ba")(x).reshape(t, hk, 2 * per)
-        q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
-        v = qkvz[..., 2 * dk : 2 * dk + per * dv].reshape(t, hv * dv)
-        z = qkvz[..., 2 * dk + per * dv :].reshape(t, hv, dv)
-        b, a = ba[..., :per].reshape(t, hv), ba[..., per:].reshape(t, hv)
-        mixed = jnp.concatenate([q.reshape(t, hk * dk), k.reshape(t, hk * dk), v], axis=-1)  # [T, conv_dim]
-        w32, _ = DepthwiseConv1dWeights(fc.conv_dim, kernel, False, dt, name="conv1d")()  # [conv_dim, K]
-        dt_bias, a_log = decay_parameters(self, hv, dt)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        hk, hv, dk, dv = fc.num_k_heads, fc.num_v_heads, fc.k_head_dim, fc.v_head_dim
+        hidden = x.shape[-1]
+        weights = {
+            "in_proj_qkvz": Weight((2 * hk * dk + 2 * hv * dv, hidden), dt, name="in_proj_qkvz")(),
+            "in_proj_ba": Weight((2 * hv, hidden), dt, name="in_proj_ba")(),
+            "conv1d": Weight((fc.conv_dim, 1, fc.conv_kernel), dt, name="conv1d")(),
+            "norm": Weight((dv,), dt, ones=True, name="norm")(),
+            "out_proj": Weight((c.hidden_size, hv * dv), dt, name="out_proj")(),
+        }
+        weights["dt_bias"], weights["A_log"] = decay_parameters(self, hv, dt)
+        ranks = state_ranks(pools)
+        if hk % ranks:
+            raise ConfigError(
+                "tp_size",
+                ranks,
+                f"the gated delta net's {hk} key heads do not split over {ranks} ranks (each rank runs whole key "
+                "heads with their value heads); use a tp size that divides linear_num_key_heads",
+            )
+        specs = {
+            name: param_spec(f"linear_attn/{name}" + ("" if name in _BARE else "/weight"), w.shape, c, ranks)
+            for name, w in weights.items()
+        }
+        mixer = functools.partial(_local_mixer, fc=fc, layer_id=self.layer_id, eps=c.rms_norm_eps, dtype=dt)
+        return recurrent_mixer_over_heads(pools, mixer, x, weights, specs, meta)
 
-        scale = dk**-0.5
 
-        def update(window: jax.Array, ssm: jax.Array, g_t: jax.Array, beta_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-            y = conv_silu(window, w32, None, dt)
-            q_t = _l2norm(jnp.repeat(y[: hk * dk].reshape(hk, dk), per, axis=0)) * scale
-            k_t = _l2norm(jnp.repeat(y[hk * dk : 2 * hk * dk].reshape(hk, dk), per, axis=0))
-            v_t = y[2 * hk * dk :].reshape(hv, dv)
-            st = ssm * jnp.exp(g_t)[:, None, None]  # [Hv, Dv, Dk]
-            delta = (v_t - jnp.einsum("hvk,hk->hv", st, k_t)) * beta_t[:, None]
-            st = st + delta[:, :, None] * k_t[:, None, :]
-            return st, jnp.einsum("hvk,hk->hv", st, q_t)
+_BARE = ("A_log", "dt_bias")  # parameters of the mixer itself (no ``/weight``)
 
-        core, pools = recurrent_step(pools, self.layer_id, mixed, (g, beta), update, meta)
-        core = GatedRMSNorm(c.rms_norm_eps, name="norm")(core.astype(dt), z)
-        return Linear(c.hidden_size, False, dt, name="out_proj")(core.reshape(t, hv * dv)), pools
+
+def _local_mixer(
+    pools: CachePools,
+    x: jax.Array,
+    w: dict[str, jax.Array],
+    meta: BatchMetadata,
+    *,
+    fc: Qwen3NextConfig,
+    layer_id: int,
+    eps: float,
+    dtype: jnp.dtype,
+) -> tuple[jax.Array, CachePools]:
+    """The gated delta net on one rank's heads (all of them at one rank): ``w`` holds the rank's
+    slices (its key heads' rows of ``in_proj_qkvz``/``in_proj_ba``, their conv channels in the
+    rank's ``[q, k, v]`` order, their value heads' ``A_log``/``dt_bias`` and ``out_proj`` columns),
+    ``pools.recurrent`` the rank's state shard. Returns the rank's partial ``out_proj`` sum."""
+    dk, dv = fc.k_head_dim, fc.v_head_dim
+    per = fc.num_v_heads // fc.num_k_heads
+    hv = w["A_log"].shape[0]  # this rank's value heads
+    hk = hv // per  # and key heads
+    t = x.shape[0]
+    qkvz = project(x, w["in_proj_qkvz"]).reshape(t, hk, -1)
+    ba = project(x, w["in_proj_ba"]).reshape(t, hk, 2 * per)
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+    v = qkvz[..., 2 * dk : 2 * dk + per * dv].reshape(t, hv * dv)
+    z = qkvz[..., 2 * dk + per * dv :].reshape(t, hv, dv)
+    b, a = ba[..., :per].reshape(t, hv), ba[..., per:].reshape(t, hv)
+    mixed = jnp.concatenate([q.reshape(t, hk * dk), k.reshape(t, hk * dk), v], axis=-1)  # [T, local conv_dim]
+    w32 = w["conv1d"][:, 0, :].astype(jnp.float32)  # [local conv_dim, K]
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32)
+    )
+    scale = dk**-0.5
+
+    def update(window: jax.Array, ssm: jax.Array, g_t: jax.Array, beta_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        y = conv_silu(window, w32, None, dtype)
+        q_t = _l2norm(jnp.repeat(y[: hk * dk].reshape(hk, dk), per, axis=0)) * scale
+        k_t = _l2norm(jnp.repeat(y[hk * dk : 2 * hk * dk].reshape(hk, dk), per, axis=0))
+        v_t = y[2 * hk * dk :].reshape(hv, dv)
+        st = ssm * jnp.exp(g_t)[:, None, None]  # [Hv, Dv, Dk]
+        delta = (v_t - jnp.einsum("hvk,hk->hv", st, k_t)) * beta_t[:, None]
+        st = st + delta[:, :, None] * k_t[:, None, :]
+        return st, jnp.einsum("hvk,hk->hv", st, q_t)
+
+    core, pools = recurrent_step(pools, layer_id, mixed, (g, beta), update, meta)
+    core = gated_rms_norm(core.astype(dtype), z, w["norm"], eps)
+    return project(core.reshape(t, hv * dv), w["out_proj"]), pools
 
 
 class Qwen3NextDecoderLayer(DecoderLayer):
