@@ -13,13 +13,16 @@ Sections:
   this machine: the tiny preset built on the 8-device CPU mesh, its arrays' per-device shards.
 * ``tokens_per_device_budget``: tokens that fit a 16 GiB per-device budget at TP 1/2/4/8, and at
   ``dp 2`` (DP attention: attention TP = tp / dp, each DP rank with its own pools).
-* ``collectives_per_decode_layer``: all-reduce count and bytes of one decode layer compiled for
-  ``v5e:2x4`` and ``v6e:2x4`` at TP 8 (``kvjax.serve.sharded_layer_probe``), against Megatron's
-  minimum (two all-reduces of tokens x hidden; ratio, goal 1.0). Needs libtpu (the ``tpu`` extra,
-  in an environment of its own); without it the section says so.
-* ``step_time_cpu``: a small sharded layer's decode step on the 8-device CPU mesh against one
-  device. A CPU figure: the 8 host devices share this machine's cores, so it shows the overhead
-  of the sharded program, not a TPU speed-up.
+* ``collectives_per_decode_layer``: the serving step itself (``make_sharded_step``, lowered over
+  abstract inputs by ``kvjax.serve.abstract_step``) of two-layer models with Llama-3-8B's and
+  DeepSeek-V3's MLA layer sizes, compiled for ``v5e:2x4`` and ``v6e:2x4`` at TP 8: the collectives
+  of each decoder layer and their bytes against Megatron's minimum (two all-reduces of tokens x
+  hidden; ratio, goal 1.0), the collectives outside the layers (embedding, LM head: none, both
+  are replicated), per-chip temporaries against the pools, and the MLA latent's replication cost.
+  Needs libtpu (the ``tpu`` extra, in an environment of its own); without it the section says so.
+* ``step_time_cpu``: a small two-layer model's serving step over a decode batch, sharded over the
+  8-device CPU mesh against one device. A CPU figure: the 8 host devices share this machine's
+  cores, so it shows the overhead of the sharded program, not a TPU speed-up.
 * ``dp_routing``: the prefix-cache hit rate of cache-aware DP routing against SGLang's round robin
   at dp 2 and 4, on the demo workload and a multi-tenant one (``benchmarks/dp_routing.py``: real
   radix trees and allocators per rank, host only), with the ratio and the hit rate of one tree
@@ -124,64 +127,116 @@ def tokens_per_device_budget(models: dict[str, str], budget: int) -> dict[str, A
     return {"budget_bytes_per_device": budget, "max_total_tokens": out}
 
 
+#: The TPU compile targets: two decoder layers at real layer sizes (a small vocabulary), TP 8, a
+#: decode batch of 64 sequences at 2k context (the TPU compile tests check the same programs).
+TPU_TARGETS = ("llama-3-8b", "deepseek-v3-mla")
+TPU_LAYERS = 2
+
+
+def _tpu_target(name: str) -> tuple[Any, CacheConfig]:
+    """(spec, cache config): Llama's pool 2 GiB per layer (256 MiB per chip), the MLA latent
+    160 MiB per layer on every chip."""
+    from kvjax.serve.abstract_step import DEEPSEEK_V3_AS_V2, sized_like
+
+    if name == "llama-3-8b":
+        spec = sized_like("llama-3-8b", num_layers=TPU_LAYERS, vocab_size=4096)
+        return spec, CacheConfig(tp_size=8, page_size=16, max_total_tokens=1 << 19, context_length=2048)
+    spec = sized_like("deepseek-v3", num_layers=TPU_LAYERS, vocab_size=4096, **DEEPSEEK_V3_AS_V2)
+    return spec, CacheConfig(tp_size=8, page_size=64, max_total_tokens=1 << 17, context_length=2048)
+
+
 def collectives_per_decode_layer() -> dict[str, Any]:
-    """All-reduces of one decode layer compiled for 8-chip slices, against Megatron's minimum."""
+    """The serving step (``make_sharded_step``) compiled for 8-chip slices without a TPU: its
+    collectives per decoder layer against Megatron's minimum, those outside the layers, per-chip
+    temporaries against the pools."""
     if importlib.util.find_spec("libtpu") is None:
         return {"measured": False, "why": "libtpu is not installed here: run with the project's tpu extra"}
-    from jax.experimental import topologies
+    from kvjax.serve import compiled_step as reading
+    from kvjax.serve.abstract_step import (
+        DecodeBatch,
+        abstract_step_inputs,
+        bytes_per_device,
+        lower_sharded_step,
+        topology_mesh,
+    )
+    from kvjax.serve.model import as_model_config
 
-    from kvjax.serve import sharded_layer_probe as probe
-
-    out: dict[str, Any] = {"measured": True}
+    out: dict[str, Any] = {"measured": True, "layers": TPU_LAYERS, "tp": 8, "batch": "64 decode tokens at 2k context"}
     for topology in ("v5e:2x4", "v6e:2x4"):
-        mesh = probe.tp_mesh(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
-        for name, shape in (("llama-3-8b", probe.LLAMA_3_8B), ("deepseek-v3-mla", probe.DEEPSEEK_V3)):
-            compiled = probe.jit_layer_step(shape, mesh).trace(*probe.layer_inputs(shape, mesh)).lower().compile()
-            found = probe.collectives(compiled.as_text())
-            total = sum(c.nbytes for c in found)
-            minimum = probe.megatron_all_reduce_bytes(shape)
-            out[f"{topology} {name}"] = {
-                "tokens": shape.tokens,
-                "collectives": [c.op for c in found],
-                "bytes": total,
-                "megatron_minimum_bytes": minimum,
-                "ratio": round(total / minimum, 4),
-                "temp_bytes_per_chip": compiled.memory_analysis().temp_size_in_bytes,
+        mesh = topology_mesh(topology)
+        for name in TPU_TARGETS:
+            spec, config = _tpu_target(name)
+            model = as_model_config(spec)
+            inputs = abstract_step_inputs(spec, config, mesh, DecodeBatch(seqs=64, context=2048))
+            compiled = lower_sharded_step(spec, mesh, inputs).compile()
+            found = reading.collectives(compiled.as_text())
+            tokens = inputs.tokens.shape[0]
+            per_layer = [sum(c.nbytes for c in found if c.layer == layer) for layer in range(TPU_LAYERS)]
+            minimum = reading.megatron_all_reduce_bytes_per_layer(tokens, model.hidden_size, model.dtype)
+            pools = bytes_per_device(inputs.pools)
+            memory = compiled.memory_analysis()
+            row: dict[str, Any] = {
+                "tokens": tokens,
+                "collectives_per_layer": [[c.op for c in found if c.layer == layer] for layer in range(TPU_LAYERS)],
+                "bytes_per_layer": per_layer,
+                "megatron_minimum_bytes_per_layer": minimum,
+                "ratio": round(sum(per_layer) / (TPU_LAYERS * minimum), 4),
+                "outside_layers": [(c.op, c.nbytes, c.op_name) for c in found if c.layer is None],
+                "pool_bytes_per_chip": pools,
+                "temp_bytes_per_chip": memory.temp_size_in_bytes,
+                "temp_to_pool": round(memory.temp_size_in_bytes / pools, 4),
+                "mosaic_kernels": reading.mosaic_kernels(compiled.as_text()),
             }
+            if name.endswith("mla"):  # the latent is whole on every chip: tp times a split's bytes
+                row["latent_replicated_over_tp"] = {"bytes_per_chip": pools, "if_split_over_tp": pools // 8}
+            out[f"{topology} {name}"] = row
     return out
 
 
 def step_time_cpu(tiny: bool) -> dict[str, Any]:
-    """Median seconds of a small sharded layer step on 8 CPU devices against 1 (CPU figure)."""
+    """Median seconds of a small model's serving step (``make_sharded_step`` at TP 8 on the CPU
+    mesh, ``make_step`` on one device), a decode batch (CPU figure)."""
     import jax
 
-    from kvjax.serve import sharded_layer_probe as probe
+    from kvjax import build_kv_cache
+    from kvjax.mesh_check import make_serving_mesh
+    from kvjax.serve.abstract_step import DecodeBatch, decode_batch, sized_like
+    from kvjax.serve.model import init_params
+    from kvjax.serve.step import make_sharded_step, make_step, place_on_mesh
 
-    shape = probe.DecoderLayerShape(
-        hidden=512 if tiny else 1024,
-        heads=8,
-        kv_heads=8,
-        head_dim=128,
-        intermediate=1024 if tiny else 4096,
-        page_size=16,
-        pool_pages=128 if tiny else 1024,
-        seqs=4 if tiny else 16,
-        context=256 if tiny else 1024,
-    )
+    dims = {
+        "hidden_size": 512 if tiny else 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 1024 if tiny else 4096,
+        "torch_dtype": "float32",
+    }
+    spec = sized_like("llama-3-8b", num_layers=2, vocab_size=1024, **dims)
+    batch = DecodeBatch(seqs=4 if tiny else 16, context=256 if tiny else 1024)
     devices = jax.devices("cpu")
     out: dict[str, Any] = {
         "note": "CPU figure: the host devices share this machine's cores; not a TPU speed-up",
-        "layer": {k: getattr(shape, k) for k in ("hidden", "heads", "kv_heads", "intermediate", "seqs", "context")},
+        "model": {**dims, "layers": 2, "seqs": batch.seqs, "context": batch.context},
     }
+    params = init_params(spec)
     for n in sorted({1, min(8, len(devices))}):
-        mesh = probe.tp_mesh(devices[:n])
-        step = probe.jit_layer_step(shape, mesh)
-        weights, pools, x, meta = probe.layer_inputs(shape, mesh, concrete=True)
+        config = CacheConfig(
+            tp_size=n, page_size=16, max_total_tokens=batch.seqs * batch.context, context_length=batch.context
+        )
+        mesh = make_serving_mesh(n, devices=devices) if n > 1 else None
+        cache = build_kv_cache(spec, config, mesh=mesh)
+        tokens, meta = decode_batch(batch, cache.plan.page_size, cache.plan.max_total_tokens)
+        if mesh is None:
+            pools, weights, step = cache.pools, params, make_step(spec)
+        else:
+            pools, weights = place_on_mesh(spec, cache.pools, params, mesh)
+            step = make_sharded_step(spec, mesh, pools)
         state = {"pools": pools}
 
-        def run(step: Any = step, weights: Any = weights, x: Any = x, meta: Any = meta, state: Any = state) -> None:
-            y, state["pools"] = step(weights, state["pools"], x, meta)
-            jax.block_until_ready(y)
+        def run(step: Any = step, weights: Any = weights, state: Any = state, inputs: Any = (tokens, meta)) -> None:
+            state["pools"], next_tokens = step(state["pools"], weights, *inputs)
+            jax.block_until_ready(next_tokens)
 
         out[f"devices_{n}_seconds"] = median_seconds(run, repeats=3 if tiny else 20, warmup=1 if tiny else 3)
     if "devices_8_seconds" in out:

@@ -14,7 +14,9 @@ MLA caches one latent row per token and layer instead of K and V per head (SGLan
 * fp8 pools keep one f32 scale per layer (the latent is K and V at once): stored = value / scale,
   read back as ``stored * scale``. Scales that are zero, negative or not finite are rejected.
 * With a mesh the latent is replicated on every rank of the tensor-parallel group (one shared
-  KV head, SGLang's MLA under attention TP); writes run on every rank.
+  KV head, SGLang's MLA under attention TP); writes run on every rank. The pool keeps that
+  ``mesh`` (static), so attention runs its Pallas kernel per device inside ``jax.shard_map``
+  with the query heads split (a Mosaic kernel cannot be partitioned by XLA on TPU).
 
 Every update returns a new pool. Under ``jax.jit`` with the pool donated the layer is updated in
 place, O(tokens written) (checked by the tests and by the TPU compile tests for bf16 and fp8 on
@@ -125,6 +127,7 @@ class MLAKVPool(PagedLayers, Pool):
     qk_rope_head_dim: int = static_field()
     dtype: str = static_field()
     start_layer: int = static_field(default=0)
+    mesh: Mesh | None = static_field(default=None)  # set when the layers were created over a mesh
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -168,6 +171,7 @@ class MLAKVPool(PagedLayers, Pool):
             qk_rope_head_dim=qk_rope_head_dim,
             dtype=dtype,
             start_layer=start_layer,
+            mesh=mesh,
         )
 
     # --- static facts ---------------------------------------------------------------------------
