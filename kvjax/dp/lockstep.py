@@ -41,6 +41,7 @@ from kvjax.dp.scheduler import DPScheduler
 from kvjax.dp.step import make_dp_step, place_params
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
+from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.swa_extension import SWAServing
 from kvjax.spec import ModelSpec
@@ -125,20 +126,24 @@ class LockstepDPScheduler(DPScheduler):
         chunked_prefill_size: int | None = None,
         record_logits: bool = False,
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
+        model_config: ModelConfig | None = None,
     ) -> LockstepDPScheduler:
         """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
         ``(dp_size, tp_size / dp_size)`` devices), a host scheduler per rank (``max_batch_size``,
         ``chunked_prefill_size``, ``record_logits`` as ``Scheduler`` takes them) and the DP step,
-        the weights split over each rank's ``"tp"`` devices (``place_params``).
+        the weights split over each rank's ``"tp"`` devices (``place_params``). ``model_config``:
+        the served model's config when it is not the spec's family default (a checkpoint's,
+        ``LoadedModel.config``).
 
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
                 ``NotImplementedError`` for a cache kind whose serving records device updates
                 (module docstring), before any scheduler is built.
         """
+        served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         cache = build_dp_kv_cache(spec, config, mesh)
-        step_fn = make_dp_step(spec, cache.layout, with_logits=record_logits)
-        placed = place_params(spec, params, cache.layout)
+        step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
+        placed = place_params(served, params, cache.layout)
         schedulers = []
         for rank in cache.ranks:
             view = KVCache(
@@ -149,7 +154,7 @@ class LockstepDPScheduler(DPScheduler):
                 tree_cache=rank.tree_cache,
             )
             scheduler = Scheduler(
-                spec,
+                served,
                 view,
                 placed,
                 max_batch_size=max_batch_size,
