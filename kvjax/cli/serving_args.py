@@ -9,6 +9,7 @@ from typing import Any
 
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
+from kvjax.mesh_check import check_parallel_sizes
 
 #: CacheConfig / model options -> the shared flag that sets them (error messages name these).
 SERVING_FLAGS = {
@@ -85,10 +86,12 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
     """What ``--dp`` above 1 adds to ``cache_options`` for the jax-free checks that plan the cache
-    (``enable_dp_attention``; the serving entry points set it themselves), and a `UsageError` for
-    a flag DP attention does not serve with yet."""
+    (``enable_dp_attention``; the serving entry points set it themselves), after checking, before
+    jax starts, that ``--dp`` divides ``--tp`` (``ConfigError`` naming ``dp_size``) and that no
+    flag asks for what DP attention does not serve with yet (`UsageError`)."""
     if args.dp == 1:
         return {}
+    check_parallel_sizes(args.tp, args.dp, True)
     if args.enable_hierarchical_cache:
         raise UsageError(
             f"--dp {args.dp} with --enable-hierarchical-cache: the host tier is not built under DP attention yet; "
