@@ -6,7 +6,8 @@ prefill step then two decode steps of every rank's own requests through ``make_d
 program for all ranks, pools donated) and, per rank, the single-rank step (``make_step``; at
 ``tp > 1`` ``make_sharded_step`` over the rank's own ``("tp",)`` mesh of ``tp`` devices) over a
 cache ``build_kv_cache`` builds from the same plan; prints whether the next tokens, the logits and
-the pools are bit-equal, as JSON. At ``tp > 1`` it also reports the collectives of the compiled DP
+the pools are bit-equal, and whether the donated pools were written in place (the same buffers,
+the same sharding), as JSON. At ``tp > 1`` it also reports the collectives of the compiled DP
 step (``collectives``): the all-reduces (shape, device groups), any other collective, the layer
 count and each rank's ``"tp"`` devices.
 """
@@ -53,7 +54,7 @@ def main(dp: int, tp: int) -> dict:
         ]
     rng = np.random.default_rng(dp)
     ranks = place_rank_requests(cache, rng, decode_tokens=2)
-    tokens_equal, logits_equal, pools_equal = [], [], []
+    tokens_equal, logits_equal, pools_equal, in_place = [], [], [], []
     last = [None] * dp
     for step in range(3):
         per_rank = []
@@ -66,7 +67,15 @@ def main(dp: int, tp: int) -> dict:
             else:
                 per_rank.append(rank_step_inputs(requests, np.asarray(last[r][: len(lens)], np.int32), step - 1))
         tokens, meta = stack_rank_inputs([t for t, _ in per_rank], [m for _, m in per_rank])
+        before = cache.pools.kv.kv[0]
+        pointers = [shard.data.unsafe_buffer_pointer() for shard in before.addressable_shards]
         pools, next_tokens, logits = dp_step(cache.pools, dp_params, tokens, meta)
+        after = pools.kv.kv[0]
+        in_place.append(
+            before.is_deleted()
+            and after.sharding == before.sharding
+            and [shard.data.unsafe_buffer_pointer() for shard in after.addressable_shards] == pointers
+        )
         cache.set_pools(pools)
         next_tokens, logits = np.asarray(next_tokens), np.asarray(logits)
         layers = [np.asarray(layer) for layer in pools.kv.kv]
@@ -81,7 +90,12 @@ def main(dp: int, tp: int) -> dict:
                 all(np.array_equal(layers[i][r], np.asarray(ref_pools.kv.kv[i])) for i in range(len(layers)))
             )
             last[r] = next_tokens[r]
-    facts: dict = {"tokens_equal": tokens_equal, "logits_equal": logits_equal, "pools_equal": pools_equal}
+    facts: dict = {
+        "tokens_equal": tokens_equal,
+        "logits_equal": logits_equal,
+        "pools_equal": pools_equal,
+        "written_in_place": in_place,
+    }
     if tp > 1:
         facts["collectives"] = collectives(
             dp_step.jitted.lower(cache.pools, dp_params, tokens, meta).compile().as_text()
