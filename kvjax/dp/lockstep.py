@@ -138,7 +138,7 @@ class LockstepDPScheduler(DPScheduler):
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
                 ``NotImplementedError`` for a cache kind whose serving records device updates
-                (module docstring), before any scheduler is built.
+                (module docstring), once the first rank's scheduler lists its extensions (nothing served).
         """
         served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         cache = build_dp_kv_cache(spec, config, mesh)
