@@ -21,6 +21,8 @@ from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
 from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
+from kvjax.dp.lockstep import LockstepDPScheduler
+from kvjax.mesh_check import make_serving_mesh
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
@@ -67,6 +69,13 @@ class DemoReport:
     # The host tier was asked for but the plan has none for this model's tree (the plan's
     # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
     host_tier_dropped: str | None = None
+    # DP attention (--dp M): the ranks, the routing policy, and per rank (warm run) the requests
+    # routed to it and its hit rate; the figures above are totals over the ranks (pool_tokens:
+    # every rank's pool together). None with one rank.
+    dp_size: int = 1
+    dp_routing: str | None = None
+    rank_requests: list[int] | None = None
+    rank_hit_rates: list[float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -96,8 +105,17 @@ class DemoReport:
                 f"  leak check (available + evictable + protected == capacity): {check(self.leak_free)}",
                 f"  cold == warm (same greedy tokens with the radix cache off): {check(self.cold_equals_warm)}",
             ]
+            + self._dp_lines()
             + self._host_lines(check)
         )
+
+    def _dp_lines(self) -> list[str]:
+        if self.rank_hit_rates is None or self.rank_requests is None:
+            return []
+        lines = [f"DP attention: {self.dp_size} ranks, {self.dp_routing} routing"]
+        for rank, (n, rate) in enumerate(zip(self.rank_requests, self.rank_hit_rates, strict=True)):
+            lines.append(f"  rank {rank}: {n:>4} requests   hit rate {rate:.1%}")
+        return lines
 
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_tier_dropped is not None:
@@ -140,14 +158,18 @@ def serve(
     seed: int = 0,
     force_miss: bool = False,
     overlap: bool = True,
+    dp_routing: str = "cache_aware",
     **config_kwargs,
-) -> tuple[Scheduler, dict]:
+) -> tuple[Scheduler | LockstepDPScheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
 
     ``model``: a loaded checkpoint (default: the tiny model with weights from ``seed``); the
     workload's token ids are drawn below ``min(workload.vocab_size, the model's vocab)``.
     ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
     ``overlap``: the scheduler's overlap scheduling (False: each step runs to completion first).
+    ``dp_size`` above 1 (in ``config_kwargs``, with ``tp_size``): DP attention over
+    ``make_serving_mesh``'s ``("data", "tp")`` mesh of the local devices, served by a
+    ``LockstepDPScheduler`` routing with ``dp_routing`` (no overlap scheduling).
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -159,16 +181,44 @@ def serve(
         workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
     if config_kwargs.get("hicache_storage_backend") is not None:
         config_kwargs.setdefault("hicache_storage_model_fingerprint", fingerprint)
-    cache = demo_cache(spec=spec, **config_kwargs)
-    tree: Any = cache.tree_cache  # RadixCache and ChunkCache both have force_miss
-    tree.force_miss = force_miss
-    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+    server: Scheduler | LockstepDPScheduler
+    if config_kwargs.get("dp_size", 1) > 1:
+        server = _dp_server(spec, serving, weights, dp_routing, config_kwargs)
+        trees: list[Any] = [s.tree for s in server.schedulers]
+    else:
+        cache = demo_cache(spec=spec, **config_kwargs)
+        server = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+        trees = [cache.tree_cache]
+    for tree in trees:  # RadixCache and ChunkCache both have force_miss
+        tree.force_miss = force_miss
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
-    outputs = run_workload(scheduler, workload, on_finish=lambda _: bar.advance())
+    outputs = run_workload(server, workload, on_finish=lambda _: bar.advance())
     bar.close()
-    return scheduler, outputs
+    return server, outputs
+
+
+def _dp_server(
+    spec: ModelSpec, serving: ModelSpec | ModelConfig, weights: Any, routing: str, config_kwargs: dict[str, Any]
+) -> LockstepDPScheduler:
+    """The lockstep DP front of ``serve`` over the local devices (``ConfigError`` naming
+    ``tp_size`` when there are fewer than ``tp_size``; nothing is built then)."""
+    import jax
+
+    tp, dp = config_kwargs.get("tp_size", 1), config_kwargs["dp_size"]
+    mesh = make_serving_mesh(tp, dp, True, devices=jax.local_devices())
+    config_kwargs.setdefault("context_length", demo_context_length(spec))
+    config = demo_config(**config_kwargs, enable_dp_attention=True)
+    return LockstepDPScheduler.build_lockstep(
+        spec,
+        config,
+        weights,
+        mesh,
+        policy=routing,
+        max_batch_size=MAX_BATCH,
+        model_config=serving if isinstance(serving, ModelConfig) else None,
+    )
 
 
 def run_demo(
@@ -184,6 +234,8 @@ def run_demo(
     hicache_storage: str | None = None,
     overlap: bool = True,
     tp_size: int = 1,
+    dp_size: int = 1,
+    dp_routing: str = "cache_aware",
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -191,8 +243,14 @@ def run_demo(
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
-    ``tp_size``: every run tensor-parallel over that many local devices."""
+    ``tp_size``: every run tensor-parallel over that many local devices. ``dp_size`` above 1:
+    DP attention, the ``tp_size`` devices split into ``dp_size`` ranks (``serve``), requests
+    routed by ``dp_routing``; the report adds each rank's requests and hit rate."""
     workload = workload or Workload()
+    if dp_size > 1 and enable_hierarchical_cache:
+        raise NotImplementedError(
+            "the host tier is not built under DP attention yet: serve with dp_size 1, or without it"
+        )
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
         page_size=page_size,
@@ -200,8 +258,9 @@ def run_demo(
         chunked_prefill_size=chunked_prefill_size,
         eviction_policy=eviction_policy,
         tp_size=tp_size,
+        **({"dp_size": dp_size} if dp_size > 1 else {}),
     )
-    settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap)
+    settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap, dp_routing=dp_routing)
     dropped: str | None = None
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
@@ -214,6 +273,8 @@ def run_demo(
     host: dict[str, Any] = {}
     if enable_hierarchical_cache and dropped is None:
         plain, _ = serve(workload, **settings)
+        if not isinstance(plain, Scheduler):
+            raise AssertionError("a host tier serves one rank: the run has one Scheduler")
         host["cached_tokens_without_host_tier"] = plain.stats.cached_tokens
     start = time.perf_counter()
     storage: dict[str, Any] = {}
@@ -221,6 +282,10 @@ def run_demo(
         storage = dict(hicache_storage_backend="file", hicache_storage_dir=hicache_storage)
     warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
     seconds = time.perf_counter() - start
+    if isinstance(warm, LockstepDPScheduler) and isinstance(cold, LockstepDPScheduler):
+        return _dp_report(warm, cold, warm_out == cold_out, seconds, model, dp_routing)
+    if not isinstance(warm, Scheduler) or not isinstance(cold, Scheduler):
+        raise AssertionError("one rank: every run has one Scheduler")
     stats: ServeStats = warm.stats
     if dropped is not None:
         host["host_tier_dropped"] = dropped
@@ -254,6 +319,47 @@ def run_demo(
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
         **host,
+    )
+
+
+def _dp_report(
+    warm: LockstepDPScheduler,
+    cold: LockstepDPScheduler,
+    cold_equals_warm: bool,
+    seconds: float,
+    model: LoadedModel | None,
+    routing: str,
+) -> DemoReport:
+    """The report of a DP-attention run: totals over the ranks, and each rank's requests and hit
+    rate (warm run)."""
+    ranks = [s.stats for s in warm.schedulers]
+    routed = list(warm.rank_of.values())
+    generated = sum(st.generated_tokens for st in ranks)
+    trees = [f"rank {r}:\n{_tree_text(s.tree)}" for r, s in enumerate(warm.schedulers)]
+    return DemoReport(
+        model=DEMO_MODEL if model is None else model.name,
+        platform=warm.cache.plan.platform,
+        requests=len(routed),
+        prompt_tokens=warm.prompt_tokens,
+        cached_tokens=warm.cached_tokens,
+        hit_rate=round(warm.hit_rate, 4),
+        prefill_tokens_computed=sum(st.prefill_tokens_computed for st in ranks),
+        cold_prefill_tokens_computed=sum(s.stats.prefill_tokens_computed for s in cold.schedulers),
+        generated_tokens=generated,
+        tokens_per_second=round(generated / seconds, 1),
+        peak_pool_occupancy=round(max((max(st.occupancy, default=0.0) for st in ranks), default=0.0), 4),
+        pool_tokens=sum(s.alloc.size for s in warm.schedulers),
+        evicted_tokens=sum(st.evicted_tokens for st in ranks),
+        retractions=sum(st.retractions for st in ranks),
+        leak_free=warm.leak_free() and cold.leak_free(),
+        cold_equals_warm=cold_equals_warm,
+        seconds=round(seconds, 2),
+        plan_text=str(warm.cache.plan),
+        tree_text="\n".join(trees),
+        dp_size=warm.dp_size,
+        dp_routing=routing,
+        rank_requests=[routed.count(r) for r in range(warm.dp_size)],
+        rank_hit_rates=[round(st.hit_rate, 4) for st in ranks],
     )
 
 

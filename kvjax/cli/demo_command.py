@@ -17,7 +17,7 @@ from pathlib import Path
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options, dp_attention_config
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         workload,
         eviction_policy=args.radix_eviction_policy,
         **cache_options(args),
+        **dp_attention_config(args),
         **({} if storage is None else {"hicache_storage_backend": "file", "hicache_storage_dir": str(storage)}),
     )
     if storage is not None and create:
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.json,
             model=model,
             overlap=not args.disable_overlap_schedule,
+            dp_routing=args.dp_routing,
             **cache_options(args),
         )
     except OutOfMemoryError as e:

@@ -22,7 +22,7 @@ from typing import Any
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options, dp_attention_config
 from kvjax.errors import ConfigError
 
 OPTION_FLAGS = {
@@ -119,21 +119,24 @@ def run(args: argparse.Namespace) -> int:
         for i, (kind, text) in enumerate(raw_prompts)
     ]
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
+    dp_attention = bool(dp_attention_config(args))
 
     # Every argument is checked: now jax and the model.
-    from kvjax.serve.generate import generate, resolve_model
+    from kvjax.serve.generate import generate, generate_dp, resolve_model
 
     model = resolve_model(args.model, dtype=args.dtype)
+    options = cache_options(args)
+    common = dict(
+        max_new_tokens=args.max_new_tokens,
+        max_batch_size=args.max_batch_size,
+        stop_token_ids=() if args.ignore_eos else None,
+    )
     try:
-        result, _ = generate(
-            model,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            max_batch_size=args.max_batch_size,
-            stop_token_ids=() if args.ignore_eos else None,
-            overlap=not args.disable_overlap_schedule,
-            **cache_options(args),
-        )
+        if dp_attention:
+            options.pop("enable_hierarchical_cache")  # refused with --dp above (dp_attention_config)
+            result, _ = generate_dp(model, prompts, dp_routing=args.dp_routing, **common, **options)
+        else:
+            result, _ = generate(model, prompts, overlap=not args.disable_overlap_schedule, **common, **options)
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None
     if args.json:

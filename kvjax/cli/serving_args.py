@@ -8,6 +8,8 @@ import argparse
 from typing import Any
 
 from kvjax.cli.arg_types import positive_int
+from kvjax.cli.messages import UsageError
+from kvjax.mesh_check import check_parallel_sizes
 
 #: CacheConfig / model options -> the shared flag that sets them (error messages name these).
 SERVING_FLAGS = {
@@ -18,6 +20,7 @@ SERVING_FLAGS = {
     "chunked_prefill_size": "--chunked-prefill-size",
     "enable_hierarchical_cache": "--enable-hierarchical-cache",
     "tp_size": "--tp",
+    "dp_size": "--dp",
 }
 
 
@@ -26,7 +29,8 @@ def add_serving_arguments(
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
-    ``--disable-overlap-schedule`` and ``--tp`` (1) to ``parser``."""
+    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dp`` (1) and ``--dp-routing`` (cache_aware) to
+    ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -48,16 +52,49 @@ def add_serving_arguments(
         default=1,
         help="tensor-parallel size: KV heads and weights split over the first N local devices",
     )
+    parser.add_argument(
+        "--dp",
+        type=positive_int,
+        default=1,
+        help="DP attention ranks (SGLang's --dp M --enable-dp-attention): the --tp devices split into M ranks, "
+        "each with its own radix tree, pool slice (--max-total-tokens each) and batch, all ranks in one step "
+        "(no overlap scheduling); M must divide --tp",
+    )
+    parser.add_argument(
+        "--dp-routing",
+        choices=["cache_aware", "round_robin"],
+        default="cache_aware",
+        help="with --dp: send each request to the rank whose tree holds its longest prefix (cache_aware, the "
+        "default) or to the ranks in turn (round_robin, SGLang's)",
+    )
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """What the shared cache flags set, as the keyword arguments the serving entry points take
     (``check_demo``, ``run_demo``, ``generate``): ``page_size``, ``max_total_tokens`` (None: room
-    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache`` and ``tp_size``."""
+    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache``, ``tp_size`` and, with
+    ``--dp`` above 1, ``dp_size`` (the jax-free checks add ``dp_attention_config``)."""
     return {
         "page_size": args.page_size,
         "max_total_tokens": args.max_total_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
         "enable_hierarchical_cache": args.enable_hierarchical_cache,
         "tp_size": args.tp,
+        **({"dp_size": args.dp} if args.dp > 1 else {}),
     }
+
+
+def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``--dp`` above 1 adds to ``cache_options`` for the jax-free checks that plan the cache
+    (``enable_dp_attention``; the serving entry points set it themselves), after checking, before
+    jax starts, that ``--dp`` divides ``--tp`` (``ConfigError`` naming ``dp_size``) and that no
+    flag asks for what DP attention does not serve with yet (`UsageError`)."""
+    if args.dp == 1:
+        return {}
+    check_parallel_sizes(args.tp, args.dp, True)
+    if args.enable_hierarchical_cache:
+        raise UsageError(
+            f"--dp {args.dp} with --enable-hierarchical-cache: the host tier is not built under DP attention yet; "
+            "drop one of the two flags"
+        )
+    return {"enable_dp_attention": True}

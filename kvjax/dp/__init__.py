@@ -19,7 +19,7 @@ from kvjax.dp.attention import dp_attend, stack_rank_inputs
 from kvjax.dp.cache import DATA_MESH_AXIS, DPKVCache, DPLayout, DPRank, build_dp_kv_cache
 from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.dp.scheduler import DPScheduler
-from kvjax.dp.step import make_dp_step, replicate_params
+from kvjax.dp.step import make_dp_step, place_params
 
 __all__ = [
     "DATA_MESH_AXIS",
@@ -31,6 +31,6 @@ __all__ = [
     "build_dp_kv_cache",
     "dp_attend",
     "make_dp_step",
-    "replicate_params",
+    "place_params",
     "stack_rank_inputs",
 ]

@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KV_HEAD_MESH_AXIS, device_memory_limit_bytes, plan_allocator
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
@@ -61,12 +62,18 @@ class DPLayout:
     """Where the DP pools live: the ``("data", "tp")`` mesh and each pool array's spec.
 
     Attributes:
-        mesh: the mesh, ``dp_size`` devices along ``"data"`` and ``attn_tp_size`` along ``"tp"``.
+        mesh: the mesh, ``dp_size`` devices along ``"data"`` and ``attn_tp_size`` along ``"tp"``,
+            with ``Auto`` axes (``kvjax.attention.sharding.serving_mesh``: the DP step partitions
+            each rank's model over ``"tp"`` with GSPMD).
         pool_specs: a pytree of ``PartitionSpec`` with the structure of ``DPKVCache.pools``.
+        rank_pools: the pytree structure of **one rank's** pools (the same leaves, without the
+            rank axis; static fields of a pool built over the rank's ``("tp",)`` mesh: the rank's
+            KV heads over all its devices). The DP step views each rank's slice through it.
     """
 
     mesh: Mesh
     pool_specs: Any
+    rank_pools: Any
 
     @property
     def dp_size(self) -> int:
@@ -162,6 +169,7 @@ def build_dp_kv_cache(
         NotImplementedError: a pool kind or a tier not built under DP attention yet.
     """
     check_dp_mesh(mesh, config)
+    mesh = serving_mesh(mesh)
     devices = mesh.devices.flatten().tolist()
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
@@ -191,7 +199,8 @@ def build_dp_kv_cache(
     )
     pools = _build_over_mesh(lambda: _device_pools(device_plans, one_device), mesh, specs)
     ranks = tuple(_rank_host_state(r, plan, kinds) for r in range(config.dp_size))
-    return DPKVCache(plan=plan, pools=pools, layout=DPLayout(mesh, specs), ranks=ranks)
+    layout = DPLayout(mesh, specs, jax.tree_util.tree_structure(ranked))
+    return DPKVCache(plan=plan, pools=pools, layout=layout, ranks=ranks)
 
 
 def check_dp_mesh(mesh: Mesh, config: CacheConfig) -> None:

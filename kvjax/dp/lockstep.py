@@ -4,82 +4,85 @@ SGLang's DP attention runs the DP ranks in lockstep: every rank forms its own ba
 queue, tree and allocator, then one forward runs all of them (attention per rank over its own
 pool slice; ranks with nothing to run join with an idle batch). Here each rank keeps a kvjax
 ``Scheduler`` for the host side (admission, matching, allocation, metadata, finishing, without
-overlap scheduling), over a ``KVCache`` that shares the rank's host objects of a
-``DPKVCache`` and holds the stacked pools of all ranks. A scheduler's step function does not run
-the model: it hands the rank's packed inputs to the round and waits. The front steps every rank
-with work in a thread of its own; once each has either handed in its batch or finished its step
-without one, the front stacks the batches (an empty batch for the other ranks), runs the one DP
-step (``make_dp_step``) and gives every waiting rank its sampled tokens. Every rank's cache then
-holds the new pools.
+overlap scheduling, with the serving extensions of its cache kinds), over a ``KVCache`` that
+shares the rank's host objects of a ``DPKVCache`` and holds the stacked pools of all ranks.
 
-Determinism: the threads only wait for each other; each rank's host work is its own scheduler's
-on its own objects, and the stacked step's input is the ranks' batches in rank order, so a run
-is the same whatever order the threads run in. Every wait is bounded (``timeout_s``).
+One round, on one thread, no waiting: the front steps the first rank with work. A rank
+scheduler's step function does not run the model: it records the rank's packed batch, then steps
+the next rank with work, and so on (the ranks' steps nest, at most ``dp_size`` deep); a rank
+whose step ends without a batch (nothing could be scheduled) just lets the next one step. Once
+every active rank has handed in its batch or ended its step, the innermost call stacks the
+batches (an idle batch for the other ranks), runs the one DP step (``make_dp_step``), hands every
+rank's cache the new pools, and each step function returns its rank's sampled tokens (and
+logits) to its scheduler, which finishes its step.
 
-Scope: one device per rank (``make_dp_step``), full-attention caches (a kind with serving
-extensions or pending device updates is refused).
+Determinism: each rank's host work is its own scheduler's on its own objects, the ranks are
+stepped in rank order and the DP step's input is the ranks' batches in rank order, so two runs
+of the same stream route, batch and sample alike. Per-rank timing statistics
+(``ServeStats.step_seconds``) of a rank include the host work of the ranks nested in its step.
+
+Scope: caches whose serving needs only host-side extensions (full attention, sliding window:
+Gemma 3, hybrid or pure). Kinds that record device updates between steps (recurrent state's
+forks and restores, a host tier's loads) are refused: those updates would need the rank axis.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
-from kvjax.attention.metadata_builder import build_attention_metadata
+from kvjax.attention.metadata_builder import MetadataBuilder
 from kvjax.build import KVCache
 from kvjax.config import CacheConfig
 from kvjax.dp.attention import stack_rank_inputs
 from kvjax.dp.cache import DPKVCache, build_dp_kv_cache
 from kvjax.dp.scheduler import DPScheduler
-from kvjax.dp.step import make_dp_step, replicate_params
+from kvjax.dp.step import make_dp_step, place_params
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
+from kvjax.serve.extension import StepBatch
+from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.swa_extension import SWAServing
 from kvjax.spec import ModelSpec
 
 __all__ = ["LockstepDPScheduler"]
 
-DEFAULT_TIMEOUT_S = 600.0
+_HOST_ONLY_EXTENSIONS = (SWAServing,)
+"""Serving extensions whose work is all on the host (metadata and window freeing): lockstep
+serving runs them per rank unchanged."""
 
 
 class _Round:
-    """One lockstep step: the batches the ranks hand in and the tokens they get back."""
+    """One lockstep round: the active ranks in order, the batches handed in, the step's outputs."""
 
-    def __init__(self, ranks: list[int]) -> None:
-        self.ranks = ranks
-        self.cond = threading.Condition()
+    def __init__(self, active: list[int]) -> None:
+        self.active = active
         self.inputs: dict[int, tuple[np.ndarray, Any]] = {}
-        self.finished: set[int] = set()
-        self.outputs: dict[int, tuple[Any, np.ndarray]] = {}
-        self.failed: BaseException | None = None
-
-    def ready(self) -> bool:
-        """Every rank handed in a batch or finished its step without one."""
-        return all(r in self.inputs or r in self.finished for r in self.ranks)
+        self.outputs: tuple[Any, ...] | None = None
+        self.done: dict[int, list[ServingReq]] = {}
 
 
 class _RankStep:
-    """A rank scheduler's step function: hand the batch to the current round, wait for the tokens."""
+    """A rank scheduler's step function: record the batch, step the ranks after it (the last one
+    runs the DP step), return this rank's sampled tokens."""
 
     def __init__(self, front: LockstepDPScheduler, rank: int) -> None:
         self.front = front
         self.rank = rank
 
-    def __call__(self, pools: Any, params: Any, tokens: np.ndarray, meta: Any) -> tuple[Any, np.ndarray]:
+    def __call__(self, pools: Any, params: Any, tokens: np.ndarray, meta: Any) -> tuple[Any, ...]:
         round_ = self.front._round
         if round_ is None:
             raise RuntimeError(f"rank {self.rank} stepped outside a lockstep round: step the LockstepDPScheduler")
-        with round_.cond:
-            round_.inputs[self.rank] = (tokens, meta)
-            round_.cond.notify_all()
-            if not round_.cond.wait_for(
-                lambda: self.rank in round_.outputs or round_.failed is not None, self.front.timeout_s
-            ):
-                raise TimeoutError(f"rank {self.rank}: no DP step within {self.front.timeout_s} s")
-            if round_.failed is not None:
-                raise RuntimeError(f"rank {self.rank}: the DP step failed") from round_.failed
-            return round_.outputs[self.rank]
+        if self.rank in round_.inputs:
+            raise RuntimeError(f"rank {self.rank} ran two batches in one lockstep round")
+        round_.inputs[self.rank] = (tokens, meta)
+        self.front._step_ranks(round_, round_.active.index(self.rank) + 1)
+        if round_.outputs is None:
+            raise RuntimeError(f"rank {self.rank}: the round ended without a DP step")
+        new_pools, next_tokens, *logits = round_.outputs
+        return (new_pools, next_tokens[self.rank], *(x[self.rank] for x in logits))
 
 
 class LockstepDPScheduler(DPScheduler):
@@ -100,11 +103,9 @@ class LockstepDPScheduler(DPScheduler):
         *,
         policy: str = "cache_aware",
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__(schedulers, policy=policy, max_load_gap_tokens=max_load_gap_tokens)
         self.cache = cache
-        self.timeout_s = float(timeout_s)
         self._dp_step = step_fn
         self._params = params
         self._round: _Round | None = None
@@ -122,14 +123,27 @@ class LockstepDPScheduler(DPScheduler):
         *,
         policy: str = "cache_aware",
         max_batch_size: int = 16,
+        chunked_prefill_size: int | None = None,
+        record_logits: bool = False,
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        model_config: ModelConfig | None = None,
     ) -> LockstepDPScheduler:
-        """The DP cache over ``mesh`` (``build_dp_kv_cache``), a host scheduler per rank and the
-        DP step. Raises as ``build_dp_kv_cache`` and ``make_dp_step`` do, and
-        ``NotImplementedError`` for a cache kind with serving extensions."""
+        """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
+        ``(dp_size, tp_size / dp_size)`` devices), a host scheduler per rank (``max_batch_size``,
+        ``chunked_prefill_size``, ``record_logits`` as ``Scheduler`` takes them) and the DP step,
+        the weights split over each rank's ``"tp"`` devices (``place_params``). ``model_config``:
+        the served model's config when it is not the spec's family default (a checkpoint's,
+        ``LoadedModel.config``).
+
+        Raises:
+            ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
+                ``NotImplementedError`` for a cache kind whose serving records device updates
+                (module docstring), once the first rank's scheduler lists its extensions (nothing served).
+        """
+        served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         cache = build_dp_kv_cache(spec, config, mesh)
-        step_fn = make_dp_step(spec, cache.layout)
+        step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
+        placed = place_params(served, params, cache.layout)
         schedulers = []
         for rank in cache.ranks:
             view = KVCache(
@@ -139,95 +153,82 @@ class LockstepDPScheduler(DPScheduler):
                 token_to_kv_pool_allocator=rank.allocator,
                 tree_cache=rank.tree_cache,
             )
-            scheduler = Scheduler(spec, view, params, max_batch_size=max_batch_size, overlap=False)
-            if scheduler.extensions:
-                names = [type(e).__name__ for e in scheduler.extensions]
-                raise NotImplementedError(f"lockstep DP serving of a cache with serving extensions {names}")
+            scheduler = Scheduler(
+                served,
+                view,
+                placed,
+                max_batch_size=max_batch_size,
+                chunked_prefill_size=chunked_prefill_size,
+                record_logits=record_logits,
+                overlap=False,
+            )
+            device_side = [type(e).__name__ for e in scheduler.extensions if not isinstance(e, _HOST_ONLY_EXTENSIONS)]
+            if device_side:
+                raise NotImplementedError(
+                    f"lockstep DP serving of a cache with serving extensions {device_side} (they record device "
+                    "updates between steps); serve it with build_kv_cache and one Scheduler per rank (DPScheduler)"
+                )
             schedulers.append(scheduler)
-        return cls(
-            cache,
-            schedulers,
-            step_fn,
-            replicate_params(params, cache.layout),
-            policy=policy,
-            max_load_gap_tokens=max_load_gap_tokens,
-            timeout_s=timeout_s,
-        )
+        return cls(cache, schedulers, step_fn, placed, policy=policy, max_load_gap_tokens=max_load_gap_tokens)
 
     def step(self) -> list[ServingReq]:
-        """One lockstep step: every rank with work forms its batch, one DP step runs them all."""
+        """One lockstep round: every rank with work forms its batch, one DP step runs them all;
+        the requests that finished, in rank order."""
         active = [r for r, s in enumerate(self.schedulers) if not s.idle]
         if not active:
             return []
         round_ = self._round = _Round(active)
-        done: dict[int, list[ServingReq]] = {}
-        errors: dict[int, BaseException] = {}
-
-        def run(rank: int) -> None:
-            try:
-                done[rank] = self.schedulers[rank].step()
-            except BaseException as e:  # handed to the front thread, which raises it
-                errors[rank] = e
-            finally:
-                with round_.cond:
-                    round_.finished.add(rank)
-                    round_.cond.notify_all()
-
-        threads = [threading.Thread(target=run, args=(r,), name=f"dp-rank-{r}", daemon=True) for r in active]
-        for t in threads:
-            t.start()
         try:
-            with round_.cond:
-                if not round_.cond.wait_for(round_.ready, self.timeout_s):
-                    raise TimeoutError(f"DP ranks {active}: no batch within {self.timeout_s} s")
-            if round_.inputs:
-                self._run_dp_step(round_)
-        except BaseException as e:
-            with round_.cond:
-                round_.failed = e
-                round_.cond.notify_all()
-            raise
+            self._step_ranks(round_, 0)
         finally:
-            for t in threads:
-                t.join(self.timeout_s)
             self._round = None
-        if errors:
-            raise errors[min(errors)]
-        finished = [req for r in active for req in done.get(r, [])]
+        finished = [req for r in active for req in round_.done.get(r, [])]
         self.finished.extend(finished)
         return finished
 
+    def _step_ranks(self, round_: _Round, first: int) -> None:
+        """Step the active ranks from position ``first`` on. A rank whose step hands in a batch
+        steps the rest itself (``_RankStep``), so this returns after that rank's step; past the
+        last active rank, run the DP step."""
+        for position in range(first, len(round_.active)):
+            rank = round_.active[position]
+            round_.done[rank] = self.schedulers[rank].step()
+            if rank in round_.inputs:
+                return  # its step function stepped the ranks after it and ran the DP step
+        if round_.outputs is None and round_.inputs:
+            self._run_dp_step(round_)
+
     def _run_dp_step(self, round_: _Round) -> None:
-        """Stack the handed-in batches (an empty one for every other rank), run the DP step, hand
-        each waiting rank its tokens and every rank's cache the new pools."""
+        """Stack the handed-in batches (an idle one for every other rank), run the DP step and
+        hand every rank's cache the new pools."""
         tokens, metas = [], []
         for r, scheduler in enumerate(self.schedulers):
-            if r in round_.inputs:
-                t, m = round_.inputs[r]
-            else:
-                t, m = _idle_batch(scheduler)
+            t, m = round_.inputs[r] if r in round_.inputs else _idle_batch(scheduler)
             tokens.append(t)
             metas.append(m)
         stacked_tokens, stacked_meta = stack_rank_inputs(tokens, metas)
-        pools, next_tokens = self._dp_step(self.cache.pools, self._params, stacked_tokens, stacked_meta)
+        outputs = self._dp_step(self.cache.pools, self._params, stacked_tokens, stacked_meta)
         self.dp_steps += 1
+        pools = outputs[0]
         self.cache.set_pools(pools)
         for scheduler in self.schedulers:
             scheduler.cache.set_pools(pools)
-        host_tokens = np.asarray(next_tokens)
-        with round_.cond:
-            for r in round_.inputs:
-                round_.outputs[r] = (pools, host_tokens[r])
-            round_.cond.notify_all()
+        round_.outputs = (pools, *(np.asarray(x) for x in outputs[1:]))
 
 
 def _idle_batch(scheduler: Scheduler) -> tuple[np.ndarray, Any]:
-    """A rank's batch of no sequence (padding tokens on its trash page), in its step's shapes."""
-    table = np.zeros((scheduler.max_batch_size, scheduler.pages_per_seq), np.int32)
-    return build_attention_metadata(
-        tokens=[],
-        starts=np.zeros(0, np.int32),
-        slots=np.zeros(0, np.int32),
-        page_table=table,
+    """A rank's batch of no sequence (padding tokens on its trash page), in its step's shapes,
+    with its extensions' metadata parts (an SWA page table of zeros)."""
+    empty = np.zeros(0, np.int32)
+    batch = StepBatch(
+        rows=empty,
+        starts=empty,
+        seq_lens=empty,
+        slots=empty,
+        reqs=[],
         max_seqs=scheduler.max_batch_size,
+        is_decode=False,
     )
+    builder = MetadataBuilder(scheduler.rows, scheduler.page_size, scheduler.max_batch_size)
+    parts = [ext.step_metadata(batch) for ext in scheduler.extensions]
+    return builder.build(tokens=[], starts=empty, slots=empty, rows=empty, seq_lens=empty, parts=parts)

@@ -75,15 +75,16 @@ class DPScheduler:
 
         Raises:
             ConfigError: DP attention off (``enable_dp_attention``).
-            NotImplementedError: more than one device per rank (``tp_size / dp_size > 1``): a
-                rank's cache and step over its own ``("tp",)`` mesh need tensor-parallel serving.
+            NotImplementedError: more than one device per rank (``tp_size / dp_size > 1``): build
+                such ranks with ``LockstepDPScheduler.build_lockstep``.
         """
         if not config.enable_dp_attention:
             raise ConfigError("enable_dp_attention", False, "set it to serve over {dp_size} DP ranks")
         if config.attn_tp_size != 1:
             raise NotImplementedError(
-                f"tp_size / dp_size = {config.attn_tp_size} devices per DP rank: build each rank's cache over its "
-                "('tp',) mesh and pass the schedulers to DPScheduler(...); DPScheduler.build makes one-device ranks"
+                f"tp_size / dp_size = {config.attn_tp_size} devices per DP rank: DPScheduler.build makes one-device "
+                "ranks; serve ranks of several devices with LockstepDPScheduler.build_lockstep(spec, config, params, "
+                "mesh) over a ('data', 'tp') mesh"
             )
         schedulers = [
             Scheduler(spec, build_kv_cache(spec, config), params, **scheduler_options) for _ in range(config.dp_size)

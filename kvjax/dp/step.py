@@ -1,21 +1,38 @@
 """`make_dp_step`: one jitted serving step for every DP rank at once, over the stacked DP pools.
 
 Every rank's batch (``stack_rank_inputs``: tokens ``[dp, T]``, metadata leaves ``[dp, ...]``)
-goes through the model in one program: inside ``jax.shard_map`` over ``"data"`` each rank runs
-the family's forward on its own tokens, its own metadata and its own slice of the pools, then
-greedy sampling. The pools are donated (every KV write in place). A rank's tokens, logits and
-pools are those of the single-rank step (``kvjax.serve.step.make_step``) on its inputs alone.
+goes through the model in one program over the ``("data", "tp")`` mesh:
 
-Scope: one device per rank (``attn_tp_size == 1``). The weights are replicated over the mesh
-(``replicate_params``), so the MLP runs per rank on that rank's tokens: token for token the
-same arithmetic as SGLang's DP attention, where the tokens of all ranks are gathered and the MLP
-runs tensor-parallel over all chips (a layout that saves weight memory, not one that changes a
-token's result). Ranks of several devices need the family's forward sharded over ``"tp"``
-inside the rank (tensor-parallel serving).
+* ``jax.shard_map`` makes ``"data"`` manual (``axis_names={"data"}``) and leaves ``"tp"``
+  automatic: inside, each DP rank sees its own tokens, metadata and slice of the pools, viewed
+  as one rank's pools (``DPLayout.rank_pools``: the rank's KV heads over its ``attn_tp_size``
+  devices), and runs the family's forward on them, then greedy sampling.
+* Within a rank the forward is tensor parallel exactly as the single-rank sharded step
+  (``kvjax.serve.step.make_sharded_step``): weights split Megatron style over ``"tp"``
+  (``kvjax.serve.param_sharding``, replicated over ``"data"``), the attention kernels per device
+  on their KV heads (a ``shard_map`` over ``"tp"`` nested in the rank's), and GSPMD inserts one
+  all-reduce of ``[tokens, hidden]`` over the rank's ``"tp"`` group after attention and one after
+  the MLP per layer. Nothing crosses ``"data"``: ranks never exchange data.
+* Jitted with explicit in/out shardings (pools as laid out, weights as ``param_sharding``
+  splits them, tokens, metadata and outputs over ``"data"``) and the pools donated (every KV
+  write in place on its device).
+
+A rank's tokens, logits and pools are those of the single-rank step on its inputs alone (one
+device per rank: bit for bit; ``attn_tp_size`` devices: those of ``make_sharded_step`` over the
+rank's ``("tp",)`` mesh).
+
+The MLP: SGLang's DP attention gathers every rank's tokens and runs the MLP/MoE tensor parallel
+over all ``tp_size`` chips. kvjax runs it per rank, over the rank's ``attn_tp_size`` chips, on
+the rank's own tokens: the same result per token (the MLP is per token), no gather or scatter
+between attention and MLP, but each device holds ``1 / attn_tp_size`` of the MLP weights instead
+of ``1 / tp_size``: ``dp_size`` times SGLang's MLP weight memory per device. That is the cost of
+this first step; for a dense model whose weights fit it trades memory for two fewer collectives
+per layer (the all-gather of the ranks' tokens and the scatter back).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -25,56 +42,97 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.dp.attention import laid_out
 from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
 from kvjax.pools.cache_pools import CachePools
-from kvjax.serve.model import as_model_config, build_model
+from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.param_sharding import param_partition_specs, param_shardings
 from kvjax.spec import ModelSpec
 
-__all__ = ["make_dp_step", "replicate_params"]
+__all__ = ["make_dp_step", "place_params"]
 
 
-def replicate_params(params: Any, layout: DPLayout) -> Any:
-    """The model's weights copied to every device of the DP mesh (the step's ``params``)."""
-    return jax.device_put(params, NamedSharding(layout.mesh, P()))
+def place_params(model: ModelSpec | ModelConfig, params: Any, layout: DPLayout) -> Any:
+    """The model's weights on the DP mesh as the DP step takes them: split Megatron style over
+    ``"tp"`` (``kvjax.serve.param_sharding``), replicated over ``"data"``."""
+    return jax.device_put(params, param_shardings(params, as_model_config(model), layout.mesh))
 
 
 def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logits: bool = False) -> Callable[..., Any]:
     """``step(pools, params, tokens [dp, T], meta) -> (pools, next_tokens [dp, S])`` (with
-    ``with_logits``: also ``logits [dp, S, vocab]`` float32), jitted with the pools donated.
-
-    Raises:
-        NotImplementedError: ranks of more than one device (module docstring).
-    """
-    if layout.attn_tp_size != 1:
-        raise NotImplementedError(
-            f"a DP step over ranks of {layout.attn_tp_size} devices needs the model's forward sharded over "
-            "'tp' inside each rank (tensor-parallel serving); use one device per rank (tp_size == dp_size)"
-        )
-    module = build_model(as_model_config(model))
+    ``with_logits``: also ``logits [dp, S, vocab]`` float32), jitted over ``layout.mesh`` with
+    explicit shardings and the pools donated (module docstring). ``params`` as ``place_params``
+    lays them out. ``step.jitted`` is the jitted function (for ``.lower(...)``)."""
+    config = as_model_config(model)
+    module = build_model(config)
+    mesh = layout.mesh
     rows = P(DATA_MESH_AXIS)
+    rank_def = layout.rank_pools
 
     def per_rank(
         pools: CachePools, params: Any, tokens: jax.Array, meta: AttentionMetadata
     ) -> tuple[CachePools, jax.Array, jax.Array]:
-        pools, tokens, meta = jax.tree.map(lambda x: x[0], (pools, tokens, meta))
-        logits, new_pools = module.apply({"params": params}, tokens, pools, meta)
+        leaves, stacked_def = jax.tree_util.tree_flatten(pools)
+        mine = _on_mesh(
+            jax.tree_util.tree_unflatten(rank_def, [x[0] for x in leaves]), jax.sharding.get_abstract_mesh()
+        )
+        tokens, meta = jax.tree.map(lambda x: x[0], (tokens, meta))
+        logits, new_pools = module.apply({"params": params}, tokens, mine, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return jax.tree.map(lambda x: x[None], new_pools), next_tokens[None], logits[None]
+        new_leaves = [x[None] for x in jax.tree_util.tree_leaves(new_pools)]
+        return jax.tree_util.tree_unflatten(stacked_def, new_leaves), next_tokens[None], logits[None]
 
     def step(pools: CachePools, params: Any, tokens: jax.Array, meta: AttentionMetadata) -> tuple[Any, ...]:
         meta_specs = jax.tree.map(lambda _: rows, meta)
         run = jax.shard_map(
             per_rank,
-            mesh=layout.mesh,
-            in_specs=(layout.pool_specs, P(), rows, meta_specs),
-            out_specs=(layout.pool_specs, rows, rows),
+            mesh=mesh,
+            in_specs=(rows, P(), rows, meta_specs),  # "tp" stays automatic: the pools keep their head split
+            out_specs=(rows, rows, rows),
+            axis_names={DATA_MESH_AXIS},
             check_vma=False,
         )
-        tokens = laid_out(tokens, layout, rows)
-        meta = jax.tree.map(lambda x: laid_out(x, layout, rows), meta)
         new_pools, next_tokens, logits = run(pools, params, tokens, meta)
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
 
-    return jax.jit(step, donate_argnums=0)
+    pool_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.pool_specs, is_leaf=_is_spec)
+    weights = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        _param_specs(config, layout),
+        is_leaf=_is_spec,
+    )
+    by_rank = NamedSharding(mesh, rows)
+    outs = (pool_shardings, by_rank, by_rank) if with_logits else (pool_shardings, by_rank)
+    # tokens and meta (a prefix: every leaf) by rank.
+    jitted = jax.jit(
+        step, in_shardings=(pool_shardings, weights, by_rank, by_rank), out_shardings=outs, donate_argnums=0
+    )
+
+    def dp_step(pools: CachePools, params: Any, tokens: Any, meta: AttentionMetadata) -> tuple[Any, ...]:
+        return jitted(pools, params, tokens, meta)
+
+    dp_step.jitted = jitted  # type: ignore[attr-defined]
+    return dp_step
+
+
+def _param_specs(config: ModelConfig, layout: DPLayout) -> Any:
+    """The weights' ``PartitionSpec`` tree over ``layout.mesh`` (``param_sharding``'s rules over
+    ``"tp"``), from the model's parameter shapes (no weights needed)."""
+    return param_partition_specs(param_shapes(config), config, layout.attn_tp_size)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _has_mesh(node: Any) -> bool:
+    return dataclasses.is_dataclass(node) and getattr(node, "mesh", None) is not None
+
+
+def _on_mesh(pools: Any, mesh: Any) -> Any:
+    """``pools`` with every pool that runs per device over a mesh (a ``mesh`` static field) set
+    to run over ``mesh``: inside the rank's ``shard_map`` the context mesh, whose ``"data"`` axis
+    is already manual, so the pools' own ``shard_map`` over ``"tp"`` nests in the rank's."""
+    return jax.tree.map(
+        lambda node: dataclasses.replace(node, mesh=mesh) if _has_mesh(node) else node, pools, is_leaf=_has_mesh
+    )

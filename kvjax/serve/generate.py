@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
@@ -27,6 +28,9 @@ from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats, ServingReq
 from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from kvjax.dp.lockstep import LockstepDPScheduler
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint
 CONTEXT_ROUNDING = 64  # context (and so the page table) rounded up to this many tokens: fewer compiles
@@ -131,28 +135,15 @@ def generate(
     ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
-    if max_new_tokens <= 0:
-        raise ConfigError("max_new_tokens", max_new_tokens, "must be a positive number of tokens")
-    prompts = [list(map(int, p)) for p in prompts]
-    check_prompts(prompts, model.config.vocab_size)
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if longest > model.spec.context_length:
-        raise ConfigError(
-            "max_new_tokens",
-            max_new_tokens,
-            f"the longest prompt plus {max_new_tokens} new tokens is {longest} tokens, more than the model's "
-            f"context of {model.spec.context_length}; shorten it",
-        )
-    context = min(model.spec.context_length, -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING)
-    if max_total_tokens is None:
-        per_request = [-(-(len(p) + max_new_tokens) // page_size) * page_size for p in prompts]
-        max_total_tokens = max(sum(per_request), 4 * page_size)
-    config = CacheConfig(
+    prompts = _checked_prompts(model, prompts, max_new_tokens)
+    config = _config(
+        model,
+        prompts,
+        max_new_tokens,
         page_size=page_size,
         max_total_tokens=max_total_tokens,
-        max_running_requests=max(2 * max_batch_size, 4),
-        context_length=context,
         chunked_prefill_size=chunked_prefill_size,
+        max_batch_size=max_batch_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
         tp_size=tp_size,
     )
@@ -174,11 +165,137 @@ def generate(
             scheduler.step()
     while not scheduler.idle:
         scheduler.step()
-    stats = scheduler.stats
-    result = GenerateResult(
+    return _result(reqs, scheduler.stats), scheduler
+
+
+def generate_dp(
+    model: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    dp_size: int,
+    tp_size: int,
+    dp_routing: str = "cache_aware",
+    page_size: int = 16,
+    max_total_tokens: int | None = None,
+    chunked_prefill_size: int = 512,
+    max_batch_size: int = 16,
+    stop_token_ids: Sequence[int] | None = None,
+    record_logits: bool = False,
+) -> tuple[GenerateResult, LockstepDPScheduler]:
+    """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
+    ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
+    (``make_serving_mesh``), each with its own tree, request table, allocator and a pool of
+    ``max_total_tokens`` (default: room for every prompt); every prompt is routed by
+    ``dp_routing`` (``kvjax.serve.dp_router``) when the one before it has been prefilled, and
+    every round runs one device step for all ranks (``LockstepDPScheduler``, no overlap
+    scheduling). The result's counts and ``stats`` are totals over the ranks.
+
+    Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
+    ``tp_size`` and ``tp_size`` when there are fewer local devices; nothing is built then.
+    """
+    import jax
+
+    from kvjax.dp.lockstep import LockstepDPScheduler
+    from kvjax.mesh_check import make_serving_mesh
+
+    prompts = _checked_prompts(model, prompts, max_new_tokens)
+    config = _config(
+        model,
+        prompts,
+        max_new_tokens,
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        chunked_prefill_size=chunked_prefill_size,
+        max_batch_size=max_batch_size,
+        enable_hierarchical_cache=False,
+        tp_size=tp_size,
+    ).replace(dp_size=dp_size, enable_dp_attention=True)
+    mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
+    front = LockstepDPScheduler.build_lockstep(
+        model.spec,
+        config,
+        model.params,
+        mesh,
+        policy=dp_routing,
+        max_batch_size=max_batch_size,
+        chunked_prefill_size=chunked_prefill_size,
+        record_logits=record_logits,
+        model_config=model.config,
+    )
+    stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+    reqs = [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
+    for req in reqs:
+        front.submit([req])
+        rank = front.schedulers[front.rank_of[req.rid]]
+        while rank.waiting or rank.chunked is not None:
+            front.step()
+    while not front.idle:
+        front.step()
+    return _result(reqs, _summed([s.stats for s in front.schedulers])), front
+
+
+def _checked_prompts(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """The prompts as int lists, after ``check_prompts`` and the context check (``ConfigError``)."""
+    if max_new_tokens <= 0:
+        raise ConfigError("max_new_tokens", max_new_tokens, "must be a positive number of tokens")
+    checked = [list(map(int, p)) for p in prompts]
+    check_prompts(checked, model.config.vocab_size)
+    longest = max(len(p) for p in checked) + max_new_tokens
+    if longest > model.spec.context_length:
+        raise ConfigError(
+            "max_new_tokens",
+            max_new_tokens,
+            f"the longest prompt plus {max_new_tokens} new tokens is {longest} tokens, more than the model's "
+            f"context of {model.spec.context_length}; shorten it",
+        )
+    return checked
+
+
+def _config(
+    model: LoadedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    page_size: int,
+    max_total_tokens: int | None,
+    chunked_prefill_size: int,
+    max_batch_size: int,
+    enable_hierarchical_cache: bool,
+    tp_size: int,
+) -> CacheConfig:
+    """The cache of a ``generate`` run: the context rounded up to fit the longest request, a pool
+    of ``max_total_tokens`` (default: room for every prompt and its output)."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    context = min(model.spec.context_length, -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING)
+    if max_total_tokens is None:
+        per_request = [-(-(len(p) + max_new_tokens) // page_size) * page_size for p in prompts]
+        max_total_tokens = max(sum(per_request), 4 * page_size)
+    return CacheConfig(
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_running_requests=max(2 * max_batch_size, 4),
+        context_length=context,
+        chunked_prefill_size=chunked_prefill_size,
+        enable_hierarchical_cache=enable_hierarchical_cache,
+        tp_size=tp_size,
+    )
+
+
+def _result(reqs: list[ServingReq], stats: ServeStats) -> GenerateResult:
+    return GenerateResult(
         outputs=[list(r.output_ids) for r in reqs],
         cached_tokens=stats.cached_tokens,
         prompt_tokens=stats.prompt_tokens,
         stats=stats,
     )
-    return result, scheduler
+
+
+def _summed(per_rank: list[ServeStats]) -> ServeStats:
+    """The ranks' statistics added up field by field (counts, seconds, peaks as a sum of the
+    ranks' peaks; the per-step histories concatenated in rank order)."""
+    total = ServeStats()
+    for stats in per_rank:
+        for field in dataclasses.fields(ServeStats):
+            setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+    return total

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax import ModelSpec
@@ -70,11 +72,27 @@ def kinds() -> dict:
             leaves = jax.tree_util.tree_leaves(cache.pools[pool])
             specs = jax.tree_util.tree_leaves(cache.layout.pool_specs[pool], is_leaf=lambda x: isinstance(x, P))
             arrays[pool] = [
-                [list(leaf.shape), [str(a) for a in spec], leaf.sharding.spec == spec]
+                [
+                    list(leaf.shape),
+                    [str(a) for a in spec],
+                    leaf.sharding.is_equivalent_to(as_planned(cache, spec), leaf.ndim),
+                ]
                 for leaf, spec in zip(leaves, specs, strict=True)
             ]
         out[name] = {"tree": type(cache.ranks[0].tree_cache).__name__, "arrays": arrays}
     return out
+
+
+def as_planned(cache: Any, spec: P) -> NamedSharding:
+    """The sharding ``spec`` names over the DP cache's mesh."""
+    return NamedSharding(cache.layout.mesh, spec)
+
+
+def padded_spec(array: jax.Array) -> list[str]:
+    """The array's ``PartitionSpec`` entries, one per dimension (a spec may leave trailing
+    replicated dimensions out)."""
+    spec = list(array.sharding.spec)
+    return [str(a) for a in spec + [None] * (array.ndim - len(spec))]
 
 
 def main(dp: int, tp: int) -> dict:
@@ -86,7 +104,7 @@ def main(dp: int, tp: int) -> dict:
     facts = {
         "shape": list(layer0.shape),
         "shard": list(layer0.addressable_shards[0].data.shape),
-        "spec": [str(a) for a in layer0.sharding.spec],
+        "spec": padded_spec(layer0),
         "scale_shape": list(cache.pools.kv.k_scale.shape),
         "local_heads": cache.pools.kv.num_kv_heads,
         "ranks": len(cache.ranks),

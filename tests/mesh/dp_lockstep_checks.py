@@ -30,7 +30,7 @@ def main() -> dict:
     outputs = {}
     for label, radix_off in (("cold", True), ("warm", False)):
         config = dp2_config(disable_radix_cache=radix_off)
-        front = LockstepDPScheduler.build_lockstep(spec, config, params, mesh, max_batch_size=MAX_BATCH, timeout_s=300)
+        front = LockstepDPScheduler.build_lockstep(spec, config, params, mesh, max_batch_size=MAX_BATCH)
         outputs[label] = run_workload(front, WORKLOAD)
         result[label] = {
             "equal_single": outputs[label] == expected,

@@ -1,0 +1,130 @@
+"""DP attention at dp 2 x tp 2 on 8 CPU devices gives Transformers' tokens and logits.
+
+Each family's tiny random-weight checkpoint (the parity tests' own configs, ``tests/serve``) is
+served by ``LockstepDPScheduler`` over a ``("data", "tp")`` mesh of 2 x 2 devices: two DP ranks,
+each with its own tree, allocator, request table and pool slice, each rank's forward tensor
+parallel over its two devices (KV heads and Megatron weights over ``"tp"``), every round one
+device step for both ranks. The two rounds of ``parity_harness`` are routed by each policy
+(cache-aware and round robin) over pools small enough that, on the ranks together, prefixes are
+reused, prompts prefill in chunks, the trees evict and the schedulers retract (each asserted).
+Tokens must equal Transformers' greedy ``generate`` and logits agree within 1e-4 (float32);
+both ranks serve requests and end leak free; the same stream served cold (radix cache off)
+gives the warm run's tokens (Llama, cache-aware). Qwen3 runs cache-aware only, and Gemma 3's
+sliding-window pools (hybrid SWA, a serving extension per rank) serve the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+
+from kvjax import CacheConfig
+from kvjax.dp import LockstepDPScheduler
+from kvjax.serve.checkpoint import LoadedModel
+from kvjax.serve.scheduler import ServingReq
+from tests.serve import swa_parity
+from tests.serve.parity_harness import (
+    CHUNK,
+    CONTEXT_LENGTH,
+    assert_matches_transformers,
+    serve_two_rounds,
+    tiny_checkpoint,
+    transformers,
+)
+from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
+from tests.serve.test_parity_transformers import COMMON, FAMILIES
+
+DP, TP = 2, 2
+MAX_NEW = 6
+ATOL = 1e-4
+POOL_TOKENS = 48  # per rank: small enough to evict and retract on a rank
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> dict[str, tuple[Any, LoadedModel]]:
+    """Built on first use per family: ``(Transformers model, kvjax's load)``."""
+    return {}
+
+
+def _checkpoint(name: str, checkpoints: dict, tmp_path_factory) -> tuple[Any, LoadedModel]:
+    if name not in checkpoints:
+        if name == "gemma3":
+            config = transformers.Gemma3TextConfig(**GEMMA3)
+        else:
+            cls, extra = FAMILIES[name]
+            config = getattr(transformers, cls)(**COMMON, **extra)
+        checkpoints[name] = tiny_checkpoint(config, tmp_path_factory, name)
+    return checkpoints[name]
+
+
+def _front(model: LoadedModel, policy: str, **cache_config: Any) -> LockstepDPScheduler:
+    settings: dict[str, Any] = dict(
+        context_length=CONTEXT_LENGTH,
+        chunked_prefill_size=CHUNK,
+        page_size=1,
+        max_total_tokens=POOL_TOKENS,
+        max_running_requests=8,
+        tp_size=DP * TP,
+        dp_size=DP,
+        enable_dp_attention=True,
+    )
+    config = CacheConfig(**{**settings, **cache_config})
+    mesh = jax.make_mesh((DP, TP), ("data", "tp"), devices=jax.devices()[: DP * TP])
+    return LockstepDPScheduler.build_lockstep(
+        model.spec,
+        config,
+        model.params,
+        mesh,
+        policy=policy,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        model_config=model.config,
+    )
+
+
+def _assert_served_by_both_ranks_leak_free(front: LockstepDPScheduler) -> None:
+    assert sorted(set(front.rank_of.values())) == [0, 1], front.rank_of
+    assert [s.leak_free() for s in front.schedulers] == [True, True]
+    rank_steps = [s.stats.prefill_steps + s.stats.decode_steps for s in front.schedulers]
+    # lockstep: a device step runs every rank's batch of its round, so ranks share steps
+    assert max(rank_steps) <= front.dp_steps < sum(rank_steps), (front.dp_steps, rank_steps)
+    for leaf in jax.tree.leaves(front.cache.pools):
+        assert len(leaf.sharding.device_set) == DP * TP
+
+
+def _outputs(done: dict[str, ServingReq]) -> dict[str, list[int]]:
+    return {name: list(req.output_ids) for name, req in done.items()}
+
+
+@pytest.mark.parametrize(
+    ("family", "policy"), [("llama", "cache_aware"), ("llama", "round_robin"), ("qwen3", "cache_aware")]
+)
+def test_reuse_chunked_prefill_eviction_and_retraction(family, policy, checkpoints, tmp_path_factory):
+    hf, model = _checkpoint(family, checkpoints, tmp_path_factory)
+    front = _front(model, policy)
+    done = serve_two_rounds(front, MAX_NEW)
+    _assert_served_by_both_ranks_leak_free(front)
+    stats = [s.stats for s in front.schedulers]
+    assert sum(st.cached_tokens for st in stats) > 0, stats
+    assert sum(st.evicted_tokens for st in stats) > 0, stats
+    assert sum(st.retractions for st in stats) > 0, stats
+    assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    if (family, policy) == ("llama", "cache_aware"):  # cold == warm (once: each run compiles the DP step)
+        cold = _front(model, policy, disable_radix_cache=True)
+        cold_done = serve_two_rounds(cold, MAX_NEW)
+        assert cold.cached_tokens == 0
+        assert _outputs(cold_done) == _outputs(done)
+        assert [s.leak_free() for s in cold.schedulers] == [True, True]
+
+
+def test_gemma3_sliding_window_pools(checkpoints, tmp_path_factory):
+    hf, model = _checkpoint("gemma3", checkpoints, tmp_path_factory)
+    front = _front(model, "cache_aware", max_total_tokens=64)
+    done = serve_two_rounds(front, swa_parity.MAX_NEW)
+    _assert_served_by_both_ranks_leak_free(front)
+    assert front.cached_tokens > 0
+    assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
