@@ -46,7 +46,7 @@ from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
 from kvjax.pools.cache_pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.param_sharding import param_partition_specs, param_shardings
+from kvjax.serve.param_sharding import param_partition_specs, shard_params
 from kvjax.spec import ModelSpec
 
 __all__ = ["make_dp_step", "place_params"]
@@ -54,8 +54,9 @@ __all__ = ["make_dp_step", "place_params"]
 
 def place_params(model: ModelSpec | ModelConfig, params: Any, layout: DPLayout) -> Any:
     """The model's weights on the DP mesh as the DP step takes them: split Megatron style over
-    ``"tp"`` (``kvjax.serve.param_sharding``), replicated over ``"data"``."""
-    return jax.device_put(params, param_shardings(params, as_model_config(model), layout.mesh))
+    ``"tp"`` (``kvjax.serve.param_sharding``, re-laid out as its rules say), replicated over
+    ``"data"``."""
+    return shard_params(params, as_model_config(model), layout.mesh)
 
 
 def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logits: bool = False) -> Callable[..., Any]:
