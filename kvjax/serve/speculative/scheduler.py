@@ -192,12 +192,13 @@ class SpeculativeScheduler(Scheduler):
         self.spec_stats = SpeculativeStats()
 
     def check_servable(self, reqs: Iterable[ServingReq]) -> None:
-        """The plain loop's checks, and room in the request table for a round past the end: a
-        request's rounds write up to ``seqlen + max_new_tokens - 2 + k`` (``ConfigError`` naming
-        ``speculative_num_draft_tokens``)."""
+        """The plain loop's checks, and room for a request's last round: it writes up to position
+        ``seqlen + max_new_tokens - 2 + k``, which must fit the request table (``ConfigError``
+        naming ``speculative_num_draft_tokens``) and the pool (naming ``max_total_tokens``)."""
         reqs = list(reqs)
         super().check_servable(reqs)
         width = self.rows.req_to_token.shape[1]
+        ps = self.page_size
         for req in reqs:
             last = req.seqlen() + req.max_new_tokens - 2 + self.num_steps
             if last >= width:
@@ -206,6 +207,14 @@ class SpeculativeScheduler(Scheduler):
                     width,
                     f"request {req.rid!r}: a round writes position {last}, past the request table's {width} "
                     f"columns; build the cache with speculative_num_draft_tokens >= {self.num_steps + 1}",
+                )
+            peak = -(-(last + 1) // ps) * ps
+            if peak > self.alloc.size:
+                raise ConfigError(
+                    "max_total_tokens",
+                    self.alloc.size,
+                    f"request {req.rid!r}: its last round holds {peak} tokens of KV (prompt, output and "
+                    f"{self.num_steps} draft tokens), more than the pool; raise max_total_tokens or shorten it",
                 )
 
     # --- decode: one speculative round --------------------------------------------------------
