@@ -30,6 +30,7 @@ from tests.serve.random_workloads import CONTEXT, check_end, draw_workload, driv
 
 SPEC = ModelSpec.preset("tiny")
 K = 3  # draft tokens per round
+PLAIN = CacheConfig(page_size=1, context_length=CONTEXT, max_total_tokens=512)  # the plain loop's cache
 
 
 def one_layer(spec: ModelSpec, name: str) -> ModelSpec:
@@ -203,10 +204,12 @@ def test_refusals_name_the_value():
     other_vocab = dconfig.replace(vocab_size=512)
     with pytest.raises(ConfigError, match="vocab_size"):
         SpeculativeScheduler(config, cache, params, draft=other_vocab, draft_params=dparams, num_steps=K)
-    plain_cache = build_kv_cache(SPEC, CacheConfig(page_size=1, context_length=CONTEXT, max_total_tokens=512))
+    plain_cache = build_kv_cache(SPEC, PLAIN)
     with pytest.raises(ConfigError, match="no draft pool"):
         SpeculativeScheduler(config, plain_cache, params, draft=dconfig, draft_params=dparams, num_steps=K)
-    sched = SpeculativeScheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=K)
-    with pytest.raises(ConfigError, match="max_total_tokens"):
-        sched.submit([ServingReq("long", list(range(1, 120)), max_new_tokens=5)])
-    assert not sched.waiting
+    small = spec_cache(dspec, page_size=1, pool=106)
+    sched = SpeculativeScheduler(config, small, params, draft=dconfig, draft_params=dparams, num_steps=K)
+    sched.submit([ServingReq("fits", list(range(1, 100)), max_new_tokens=5)])  # a last round of 106 tokens
+    with pytest.raises(ConfigError, match="max_total_tokens"):  # the plain loop would fit it, not its last round
+        sched.submit([ServingReq("long", list(range(1, 101)), max_new_tokens=5)])
+    assert [r.rid for r in sched.waiting] == ["fits"]
