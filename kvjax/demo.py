@@ -67,6 +67,8 @@ class DemoReport:
     # The host tier was asked for but the plan has none for this model's tree (the plan's
     # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
     host_tier_dropped: str | None = None
+    # With a draft model (--speculative-algorithm STANDALONE): the warm run's acceptance counters.
+    speculative: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,7 +99,19 @@ class DemoReport:
                 f"  cold == warm (same greedy tokens with the radix cache off): {check(self.cold_equals_warm)}",
             ]
             + self._host_lines(check)
+            + self._speculative_lines()
         )
+
+    def _speculative_lines(self) -> list[str]:
+        sp = self.speculative
+        if sp is None:
+            return []
+        return [
+            f"speculative decoding ({sp['num_steps']} draft tokens per round):",
+            f"  accepted           {sp['accepted_tokens']:>10,}   of {sp['proposed_tokens']:,} draft tokens "
+            f"({sp['acceptance_rate']:.1%})",
+            f"  tokens per target step {sp['accept_length']:>6.2f}",
+        ]
 
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_tier_dropped is not None:
@@ -122,14 +136,14 @@ class DemoReport:
         )
 
 
-def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
+def demo_cache(*, spec: ModelSpec | None = None, draft_spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
-    devices (``kvjax.serve.tp_mesh``)."""
+    devices (``kvjax.serve.tp_mesh``); ``draft_spec``: a speculative draft model's pool too."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     mesh = tp_mesh(config_kwargs.get("tp_size", 1))
-    return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh)
+    return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh, draft_spec=draft_spec)
 
 
 def serve(
@@ -140,6 +154,8 @@ def serve(
     seed: int = 0,
     force_miss: bool = False,
     overlap: bool = True,
+    draft: LoadedModel | None = None,
+    speculative_num_steps: int = 3,
     **config_kwargs,
 ) -> tuple[Scheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
@@ -148,6 +164,7 @@ def serve(
     workload's token ids are drawn below ``min(workload.vocab_size, the model's vocab)``.
     ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
     ``overlap``: the scheduler's overlap scheduling (False: each step runs to completion first).
+    ``draft``: decode speculatively with this STANDALONE draft (``speculative_num_steps`` per round).
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -159,10 +176,30 @@ def serve(
         workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
     if config_kwargs.get("hicache_storage_backend") is not None:
         config_kwargs.setdefault("hicache_storage_model_fingerprint", fingerprint)
-    cache = demo_cache(spec=spec, **config_kwargs)
+    if draft is not None:
+        k = speculative_num_steps
+        config_kwargs.update(
+            speculative_algorithm="STANDALONE", speculative_num_steps=k, speculative_num_draft_tokens=k + 1
+        )
+    cache = demo_cache(spec=spec, draft_spec=None if draft is None else draft.spec, **config_kwargs)
     tree: Any = cache.tree_cache  # RadixCache and ChunkCache both have force_miss
     tree.force_miss = force_miss
-    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+    scheduler: Scheduler
+    if draft is None:
+        scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+    else:
+        from kvjax.serve.speculative import SpeculativeScheduler
+
+        scheduler = SpeculativeScheduler(
+            serving,
+            cache,
+            weights,
+            draft=draft.config,
+            draft_params=draft.params,
+            num_steps=speculative_num_steps,
+            max_batch_size=MAX_BATCH,
+            overlap=overlap,
+        )
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
@@ -184,6 +221,8 @@ def run_demo(
     hicache_storage: str | None = None,
     overlap: bool = True,
     tp_size: int = 1,
+    draft: LoadedModel | None = None,
+    speculative_num_steps: int = 3,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -191,7 +230,8 @@ def run_demo(
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
-    ``tp_size``: every run tensor-parallel over that many local devices."""
+    ``tp_size``: every run tensor-parallel over that many local devices. ``draft``: every run
+    decodes speculatively with this STANDALONE draft model (``overlap`` must then be False)."""
     workload = workload or Workload()
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
@@ -202,6 +242,8 @@ def run_demo(
         tp_size=tp_size,
     )
     settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap)
+    if draft is not None:
+        settings.update(draft=draft, speculative_num_steps=speculative_num_steps)
     dropped: str | None = None
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
@@ -253,8 +295,16 @@ def run_demo(
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
+        speculative=_speculative_counters(warm),
         **host,
     )
+
+
+def _speculative_counters(scheduler: Scheduler) -> dict | None:
+    """A speculative run's counters (``SpeculativeScheduler.speculative_report``), else None."""
+    from kvjax.serve.speculative import SpeculativeScheduler
+
+    return scheduler.speculative_report() if isinstance(scheduler, SpeculativeScheduler) else None
 
 
 def _host_extension(scheduler: Scheduler) -> Any:

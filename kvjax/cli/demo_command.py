@@ -17,7 +17,7 @@ from pathlib import Path
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options
+from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options, speculative_options
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
+    speculative = speculative_options(args, spec.vocab_size)
     storage, create = storage_dir(args.hicache_storage, host_tier=args.enable_hierarchical_cache)
     check_demo(
         spec,
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     from kvjax.serve.generate import resolve_model
 
     model = resolve_model(args.model, dtype=args.dtype) if args.model else None
+    if speculative:
+        speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
     try:
         report = run_demo(
             workload=workload,
@@ -147,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
             hicache_storage=args.hicache_storage,
             progress=not args.json,
             model=model,
-            overlap=not args.disable_overlap_schedule,
+            overlap=not args.disable_overlap_schedule and not speculative,
             **cache_options(args),
+            **speculative,
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None

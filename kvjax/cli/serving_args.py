@@ -5,6 +5,7 @@ cache options they set (``cache_options``)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from kvjax.cli.arg_types import positive_int
@@ -18,6 +19,9 @@ SERVING_FLAGS = {
     "chunked_prefill_size": "--chunked-prefill-size",
     "enable_hierarchical_cache": "--enable-hierarchical-cache",
     "tp_size": "--tp",
+    "speculative_algorithm": "--speculative-algorithm",
+    "speculative_num_steps": "--speculative-num-steps",
+    "draft": "--speculative-draft-model-path",
 }
 
 
@@ -26,7 +30,8 @@ def add_serving_arguments(
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
-    ``--disable-overlap-schedule`` and ``--tp`` (1) to ``parser``."""
+    ``--disable-overlap-schedule``, ``--tp`` (1) and the speculative flags (``--speculative-algorithm``,
+    ``--speculative-draft-model-path``, ``--speculative-num-steps``: SGLang's names) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -48,6 +53,40 @@ def add_serving_arguments(
         default=1,
         help="tensor-parallel size: KV heads and weights split over the first N local devices",
     )
+    parser.add_argument(
+        "--speculative-algorithm",
+        choices=["STANDALONE"],
+        help="speculative decoding: a separate small draft model proposes, the target verifies (greedy)",
+    )
+    parser.add_argument("--speculative-draft-model-path", metavar="DIR", help="the draft: a checkpoint or a preset")
+    parser.add_argument("--speculative-num-steps", type=positive_int, help="draft tokens per round (default 3)")
+
+
+def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dict[str, Any]:
+    """The speculative flags, checked without jax: ``{}`` without ``--speculative-algorithm``, else
+    ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
+    steps without an algorithm, or ``--tp`` above 1). Prints a note when overlap scheduling, on by
+    default, is turned off for it."""
+    from kvjax.cli.messages import UsageError
+    from kvjax.cli.model_arg import model_spec
+
+    if args.speculative_algorithm is None:
+        if args.speculative_draft_model_path or args.speculative_num_steps:
+            raise UsageError("--speculative-draft-model-path/--speculative-num-steps need --speculative-algorithm")
+        return {}
+    if not args.speculative_draft_model_path:
+        raise UsageError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (or a preset)")
+    draft = model_spec(args.speculative_draft_model_path)
+    if draft.vocab_size != target_vocab_size:
+        raise UsageError(
+            f"--speculative-draft-model-path {args.speculative_draft_model_path}: vocab_size {draft.vocab_size}, "
+            f"the target's is {target_vocab_size}; give a draft of the same family and tokenizer"
+        )
+    if args.tp > 1:
+        raise UsageError(f"--tp {args.tp}: speculative decoding is served on one device; drop --tp")
+    if not args.disable_overlap_schedule:
+        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
+    return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": args.speculative_num_steps or 3}
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:

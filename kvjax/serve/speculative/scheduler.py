@@ -191,6 +191,17 @@ class SpeculativeScheduler(Scheduler):
         self._round = make_round_step(target_config, draft_config, with_logits=record_logits)
         self.spec_stats = SpeculativeStats()
 
+    def speculative_report(self) -> dict[str, Any]:
+        """The rounds' counters (``SpeculativeStats``), ``num_steps``, ``acceptance_rate`` and
+        ``accept_length``, as plain values (for JSON reports)."""
+        stats = self.spec_stats
+        return dict(
+            dataclasses.asdict(stats),
+            num_steps=self.num_steps,
+            acceptance_rate=round(stats.acceptance_rate, 4),
+            accept_length=round(stats.accept_length, 3),
+        )
+
     def check_servable(self, reqs: Iterable[ServingReq]) -> None:
         """The plain loop's checks, and room for a request's last round: it writes up to position
         ``seqlen + max_new_tokens - 2 + k``, which must fit the request table (``ConfigError``
