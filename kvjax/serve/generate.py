@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
@@ -165,7 +166,7 @@ def generate(
         **_speculative_config(draft, speculative_num_steps),
     )
     cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size), draft_spec=None if draft is None else draft.spec)
-    options = dict(
+    options: dict[str, Any] = dict(
         max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
     scheduler: Scheduler

@@ -48,7 +48,8 @@ def make_paired_prefill_step(
 
 @functools.lru_cache(maxsize=8)
 def _paired_prefill(target_config: ModelConfig, draft_config: ModelConfig, with_logits: bool) -> Any:
-    target, draft = build_model(target_config), build_model(draft_config)
+    target: Any = build_model(target_config)
+    draft: Any = build_model(draft_config)
 
     def body(
         pools: CachePools, params: Any, draft_params: Any, tokens: jax.Array, meta: AttentionMetadata

@@ -41,7 +41,8 @@ def verify_metadata(
     flat, meta = builder.build(tokens=dummy, starts=kv_len, slots=slots.reshape(-1), rows=rows, seq_lens=kv_len + width)
     every = np.zeros(max_seqs * width, np.int32)
     every[: n * width] = np.arange(n * width, dtype=np.int32)  # rows are uniform: row s starts at s * width
-    return int(flat.shape[0]), dataclasses.replace(meta, logits_indices=every)
+    # numpy like every packed field (the jitted call copies it to the device)
+    return int(flat.shape[0]), dataclasses.replace(meta, logits_indices=every)  # type: ignore[arg-type]
 
 
 def round_tokens(first_tokens: jax.Array, proposals: jax.Array, token_width: int) -> jax.Array:
