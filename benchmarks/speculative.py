@@ -26,16 +26,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import machine
-from kvjax import CacheConfig, ModelSpec, build_kv_cache
-from kvjax.serve.model import init_params
-from kvjax.serve.model_config import model_config_from_spec
-from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.speculative import SpeculativeScheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import machine  # noqa: E402
+from kvjax import CacheConfig, ModelSpec, build_kv_cache  # noqa: E402
+from kvjax.serve.model import init_params  # noqa: E402
+from kvjax.serve.model_config import model_config_from_spec  # noqa: E402
+from kvjax.serve.scheduler import Scheduler, ServingReq  # noqa: E402
+from kvjax.serve.speculative import SpeculativeScheduler  # noqa: E402
 
 PAGE_SIZE = 16
 CONTEXT = 256
