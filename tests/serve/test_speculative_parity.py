@@ -17,6 +17,7 @@ target's at the slots the tree serves.
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from kvjax.radix import HiRadixCache
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.speculative import SpeculativeScheduler
+from kvjax.tiers.transfer import PageTransferEngine
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,
@@ -127,10 +129,20 @@ def test_page_1_with_a_pool_small_enough_to_evict_and_retract(family):
 
 
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
-def test_host_tier_loads_the_drafts_pages_with_the_targets(family):
+def test_host_tier_loads_the_drafts_pages_with_the_targets(family, monkeypatch):
     _, hf, target, _, target_dir = family
+    loaded: collections.Counter[str] = collections.Counter()  # slots loaded back, by pool
+    start_load = PageTransferEngine.start_load
+
+    def counting(engine: Any, host_slots: Any, device_slots: Any) -> Any:
+        loaded[str(engine.pool_name)] += len(device_slots)
+        return start_load(engine, host_slots, device_slots)
+
+    monkeypatch.setattr(PageTransferEngine, "start_load", counting)
     same = load_checkpoint(target_dir)  # the target as its own draft: it must accept everything
     sched, done = _serve(target, same, page_size=1, max_total_tokens=64, enable_hierarchical_cache=True)
+    assert loaded["kv_draft"] > 0 and len(loaded) == 2, f"both pools should load the same slots: {loaded}"
+    assert len(set(loaded.values())) == 1, f"both pools should load the same slots: {loaded}"
     [ext] = [e for e in sched.extensions if isinstance(e, HostTierExtension)]
     tree = sched.cache.tree_cache
     assert isinstance(tree, HiRadixCache) and sched.cache.draft_host_pool is not None
