@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
+from kvjax.serve.extension import ServingExtension
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.retraction_extension import RetractionBackupExtension
@@ -119,7 +120,7 @@ class SpeculativeScheduler(Scheduler):
         max_batch_size: int = 16,
         chunked_prefill_size: int | None = None,
         record_logits: bool = False,
-        extensions: Any = None,
+        extensions: Sequence[ServingExtension] | None = None,
         overlap: bool = False,
     ) -> None:
         if overlap:
