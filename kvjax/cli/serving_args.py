@@ -9,6 +9,8 @@ import sys
 from typing import Any
 
 from kvjax.cli.arg_types import positive_int
+from kvjax.cli.messages import UsageError
+from kvjax.cli.model_arg import model_spec
 
 #: CacheConfig / model options -> the shared flag that sets them (error messages name these).
 SERVING_FLAGS = {
@@ -67,16 +69,17 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
     ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
     steps without an algorithm, or ``--tp`` above 1). Prints a note when overlap scheduling, on by
     default, is turned off for it."""
-    from kvjax.cli.messages import UsageError
-    from kvjax.cli.model_arg import model_spec
-
     if args.speculative_algorithm is None:
         if args.speculative_draft_model_path or args.speculative_num_steps:
             raise UsageError("--speculative-draft-model-path/--speculative-num-steps need --speculative-algorithm")
         return {}
     if not args.speculative_draft_model_path:
         raise UsageError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (or a preset)")
-    draft = model_spec(args.speculative_draft_model_path)
+    path = args.speculative_draft_model_path
+    try:
+        draft = model_spec(path)
+    except UsageError as e:  # model_spec names --model; this is the draft's flag
+        raise UsageError(str(e).replace(f"--model {path}", f"--speculative-draft-model-path {path}", 1)) from None
     if draft.vocab_size != target_vocab_size:
         raise UsageError(
             f"--speculative-draft-model-path {args.speculative_draft_model_path}: vocab_size {draft.vocab_size}, "

@@ -23,7 +23,10 @@ CASES = [
     (GEN + ["--speculative-num-steps", "2"], ["--speculative-algorithm"]),
     (GEN + ["--speculative-draft-model-path", "tiny"], ["--speculative-algorithm"]),
     (GEN + SPEC + ["--speculative-draft-model-path", "llama-3-8b"], ["vocab_size 128256", "256"]),
-    (GEN + SPEC + ["--speculative-draft-model-path", "./no-such-draft"], ["no such directory"]),
+    (
+        GEN + SPEC + ["--speculative-draft-model-path", "./no-such-draft"],
+        ["--speculative-draft-model-path ./no-such-draft", "no such directory"],
+    ),
     (GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--tp", "2"], ["--tp 2"]),
     (GEN + ["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "STANDALONE"]),
     (["demo"] + SPEC, ["--speculative-draft-model-path"]),
