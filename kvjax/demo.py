@@ -76,6 +76,8 @@ class DemoReport:
     dp_routing: str | None = None
     rank_requests: list[int] | None = None
     rank_hit_rates: list[float] | None = None
+    # With a draft model (--speculative-algorithm STANDALONE): the warm run's acceptance counters.
+    speculative: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -107,6 +109,7 @@ class DemoReport:
             ]
             + self._dp_lines()
             + self._host_lines(check)
+            + self._speculative_lines()
         )
 
     def _dp_lines(self) -> list[str]:
@@ -116,6 +119,17 @@ class DemoReport:
         for rank, (n, rate) in enumerate(zip(self.rank_requests, self.rank_hit_rates, strict=True)):
             lines.append(f"  rank {rank}: {n:>4} requests   hit rate {rate:.1%}")
         return lines
+
+    def _speculative_lines(self) -> list[str]:
+        sp = self.speculative
+        if sp is None:
+            return []
+        return [
+            f"speculative decoding ({sp['num_steps']} draft tokens per round):",
+            f"  accepted           {sp['accepted_tokens']:>10,}   of {sp['proposed_tokens']:,} draft tokens "
+            f"({sp['acceptance_rate']:.1%})",
+            f"  tokens per target step {sp['accept_length']:>6.2f}",
+        ]
 
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_tier_dropped is not None:
@@ -140,14 +154,14 @@ class DemoReport:
         )
 
 
-def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
+def demo_cache(*, spec: ModelSpec | None = None, draft_spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
-    devices (``kvjax.serve.tp_mesh``)."""
+    devices (``kvjax.serve.tp_mesh``); ``draft_spec``: a speculative draft model's pool too."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     mesh = tp_mesh(config_kwargs.get("tp_size", 1))
-    return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh)
+    return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh, draft_spec=draft_spec)
 
 
 def serve(
@@ -159,6 +173,8 @@ def serve(
     force_miss: bool = False,
     overlap: bool = True,
     dp_routing: str = "cache_aware",
+    draft: LoadedModel | None = None,
+    speculative_num_steps: int = 3,
     **config_kwargs,
 ) -> tuple[Scheduler | LockstepDPScheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
@@ -170,6 +186,7 @@ def serve(
     ``dp_size`` above 1 (in ``config_kwargs``, with ``tp_size``): DP attention over
     ``make_serving_mesh``'s ``("data", "tp")`` mesh of the local devices, served by a
     ``LockstepDPScheduler`` routing with ``dp_routing`` (no overlap scheduling).
+    ``draft``: decode speculatively with this STANDALONE draft (``speculative_num_steps`` per round).
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -181,13 +198,18 @@ def serve(
         workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
     if config_kwargs.get("hicache_storage_backend") is not None:
         config_kwargs.setdefault("hicache_storage_model_fingerprint", fingerprint)
+    if draft is not None:
+        k = speculative_num_steps
+        config_kwargs.update(
+            speculative_algorithm="STANDALONE", speculative_num_steps=k, speculative_num_draft_tokens=k + 1
+        )
     server: Scheduler | LockstepDPScheduler
     if config_kwargs.get("dp_size", 1) > 1:
         server = _dp_server(spec, serving, weights, dp_routing, config_kwargs)
         trees: list[Any] = [s.tree for s in server.schedulers]
     else:
-        cache = demo_cache(spec=spec, **config_kwargs)
-        server = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+        cache = demo_cache(spec=spec, draft_spec=None if draft is None else draft.spec, **config_kwargs)
+        server = _single_server(serving, cache, weights, overlap, draft, speculative_num_steps)
         trees = [cache.tree_cache]
     for tree in trees:  # RadixCache and ChunkCache both have force_miss
         tree.force_miss = force_miss
@@ -197,6 +219,32 @@ def serve(
     outputs = run_workload(server, workload, on_finish=lambda _: bar.advance())
     bar.close()
     return server, outputs
+
+
+def _single_server(
+    serving: ModelSpec | ModelConfig,
+    cache: Any,
+    weights: Any,
+    overlap: bool,
+    draft: LoadedModel | None,
+    num_steps: int,
+) -> Scheduler:
+    """The one scheduler of ``serve`` over ``cache``: a plain one, or with ``draft`` a
+    ``SpeculativeScheduler`` proposing ``num_steps`` tokens per round."""
+    if draft is None:
+        return Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+    from kvjax.serve.speculative import SpeculativeScheduler
+
+    return SpeculativeScheduler(
+        serving,
+        cache,
+        weights,
+        draft=draft.config,
+        draft_params=draft.params,
+        num_steps=num_steps,
+        max_batch_size=MAX_BATCH,
+        overlap=overlap,
+    )
 
 
 def _dp_server(
@@ -236,6 +284,8 @@ def run_demo(
     tp_size: int = 1,
     dp_size: int = 1,
     dp_routing: str = "cache_aware",
+    draft: LoadedModel | None = None,
+    speculative_num_steps: int = 3,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -245,12 +295,15 @@ def run_demo(
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
     ``tp_size``: every run tensor-parallel over that many local devices. ``dp_size`` above 1:
     DP attention, the ``tp_size`` devices split into ``dp_size`` ranks (``serve``), requests
-    routed by ``dp_routing``; the report adds each rank's requests and hit rate."""
+    routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
+    run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False)."""
     workload = workload or Workload()
     if dp_size > 1 and enable_hierarchical_cache:
         raise NotImplementedError(
             "the host tier is not built under DP attention yet: serve with dp_size 1, or without it"
         )
+    if dp_size > 1 and draft is not None:
+        raise NotImplementedError("speculative decoding is served on one device: serve it with dp_size 1")
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
         page_size=page_size,
@@ -261,6 +314,8 @@ def run_demo(
         **({"dp_size": dp_size} if dp_size > 1 else {}),
     )
     settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap, dp_routing=dp_routing)
+    if draft is not None:
+        settings.update(draft=draft, speculative_num_steps=speculative_num_steps)
     dropped: str | None = None
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
@@ -318,6 +373,7 @@ def run_demo(
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
+        speculative=_speculative_counters(warm),
         **host,
     )
 
@@ -361,6 +417,13 @@ def _dp_report(
         rank_requests=[routed.count(r) for r in range(warm.dp_size)],
         rank_hit_rates=[round(st.hit_rate, 4) for st in ranks],
     )
+
+
+def _speculative_counters(scheduler: Scheduler) -> dict | None:
+    """A speculative run's counters (``SpeculativeScheduler.speculative_report``), else None."""
+    from kvjax.serve.speculative import SpeculativeScheduler
+
+    return scheduler.speculative_report() if isinstance(scheduler, SpeculativeScheduler) else None
 
 
 def _host_extension(scheduler: Scheduler) -> Any:

@@ -17,7 +17,13 @@ from pathlib import Path
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options, dp_attention_config
+from kvjax.cli.serving_args import (
+    SERVING_FLAGS,
+    add_serving_arguments,
+    cache_options,
+    dp_attention_config,
+    speculative_options,
+)
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.serve.workload import Workload
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
+    speculative = speculative_options(args, spec.vocab_size)
     storage, create = storage_dir(args.hicache_storage, host_tier=args.enable_hierarchical_cache)
     check_demo(
         spec,
@@ -141,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     from kvjax.serve.generate import resolve_model
 
     model = resolve_model(args.model, dtype=args.dtype) if args.model else None
+    if speculative:
+        speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
     try:
         report = run_demo(
             workload=workload,
@@ -148,9 +157,10 @@ def run(args: argparse.Namespace) -> int:
             hicache_storage=args.hicache_storage,
             progress=not args.json,
             model=model,
-            overlap=not args.disable_overlap_schedule,
+            overlap=not args.disable_overlap_schedule and not speculative,
             dp_routing=args.dp_routing,
             **cache_options(args),
+            **speculative,
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None

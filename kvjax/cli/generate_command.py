@@ -22,7 +22,13 @@ from typing import Any
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import SERVING_FLAGS, add_serving_arguments, cache_options, dp_attention_config
+from kvjax.cli.serving_args import (
+    SERVING_FLAGS,
+    add_serving_arguments,
+    cache_options,
+    dp_attention_config,
+    speculative_options,
+)
 from kvjax.errors import ConfigError
 
 OPTION_FLAGS = {
@@ -119,12 +125,15 @@ def run(args: argparse.Namespace) -> int:
         for i, (kind, text) in enumerate(raw_prompts)
     ]
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
+    speculative = speculative_options(args, spec.vocab_size)
     dp_attention = bool(dp_attention_config(args))
 
     # Every argument is checked: now jax and the model.
     from kvjax.serve.generate import generate, generate_dp, resolve_model
 
     model = resolve_model(args.model, dtype=args.dtype)
+    if speculative:
+        speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
     options = cache_options(args)
     common = dict(
         max_new_tokens=args.max_new_tokens,
@@ -136,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
             options.pop("enable_hierarchical_cache")  # refused with --dp above (dp_attention_config)
             result, _ = generate_dp(model, prompts, dp_routing=args.dp_routing, **common, **options)
         else:
-            result, _ = generate(model, prompts, overlap=not args.disable_overlap_schedule, **common, **options)
+            overlap = not args.disable_overlap_schedule and not speculative
+            result, _ = generate(model, prompts, overlap=overlap, **common, **options, **speculative)
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None
     if args.json:
@@ -148,6 +158,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"  text: {tokenizer.decode(output)!r}")
     hit = result.cached_tokens / result.prompt_tokens if result.prompt_tokens else 0.0
     print(f"cached tokens {result.cached_tokens} of {result.prompt_tokens} prompt tokens ({hit:.1%})")
+    if result.speculative is not None:
+        sp = result.speculative
+        print(
+            f"speculative: {sp['accepted_tokens']} of {sp['proposed_tokens']} draft tokens accepted "
+            f"({sp['acceptance_rate']:.1%}), {sp['accept_length']:.2f} tokens per target step"
+        )
     return 0
 
 

@@ -5,10 +5,12 @@ cache options they set (``cache_options``)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
+from kvjax.cli.model_arg import model_spec
 from kvjax.mesh_check import check_parallel_sizes
 
 #: CacheConfig / model options -> the shared flag that sets them (error messages name these).
@@ -21,6 +23,9 @@ SERVING_FLAGS = {
     "enable_hierarchical_cache": "--enable-hierarchical-cache",
     "tp_size": "--tp",
     "dp_size": "--dp",
+    "speculative_algorithm": "--speculative-algorithm",
+    "speculative_num_steps": "--speculative-num-steps",
+    "draft": "--speculative-draft-model-path",
 }
 
 
@@ -29,8 +34,9 @@ def add_serving_arguments(
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
-    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dp`` (1) and ``--dp-routing`` (cache_aware) to
-    ``parser``."""
+    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dp`` (1), ``--dp-routing`` (cache_aware) and the
+    speculative flags (``--speculative-algorithm``, ``--speculative-draft-model-path``,
+    ``--speculative-num-steps``: SGLang's names) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -67,6 +73,42 @@ def add_serving_arguments(
         help="with --dp: send each request to the rank whose tree holds its longest prefix (cache_aware, the "
         "default) or to the ranks in turn (round_robin, SGLang's)",
     )
+    parser.add_argument(
+        "--speculative-algorithm",
+        choices=["STANDALONE"],
+        help="speculative decoding: a separate small draft model proposes, the target verifies (greedy)",
+    )
+    parser.add_argument("--speculative-draft-model-path", metavar="DIR", help="the draft: a checkpoint or a preset")
+    parser.add_argument("--speculative-num-steps", type=positive_int, help="draft tokens per round (default 3)")
+
+
+def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dict[str, Any]:
+    """The speculative flags, checked without jax: ``{}`` without ``--speculative-algorithm``, else
+    ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
+    steps without an algorithm, or ``--tp`` above 1). Prints a note when overlap scheduling, on by
+    default, is turned off for it."""
+    if args.speculative_algorithm is None:
+        if args.speculative_draft_model_path or args.speculative_num_steps:
+            raise UsageError("--speculative-draft-model-path/--speculative-num-steps need --speculative-algorithm")
+        return {}
+    if not args.speculative_draft_model_path:
+        raise UsageError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (or a preset)")
+    path = args.speculative_draft_model_path
+    try:
+        draft = model_spec(path)
+    except UsageError as e:  # model_spec names --model; this is the draft's flag
+        raise UsageError(str(e).replace(f"--model {path}", f"--speculative-draft-model-path {path}", 1)) from None
+    if draft.vocab_size != target_vocab_size:
+        raise UsageError(
+            f"--speculative-draft-model-path {args.speculative_draft_model_path}: vocab_size {draft.vocab_size}, "
+            f"the target's is {target_vocab_size}; give a draft of the same family and tokenizer"
+        )
+    if args.tp > 1:
+        flags = f"--tp {args.tp}" + (f" --dp {args.dp}" if args.dp > 1 else "")
+        raise UsageError(f"{flags}: speculative decoding is served on one device; drop {flags}")
+    if not args.disable_overlap_schedule:
+        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
+    return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": args.speculative_num_steps or 3}
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
@@ -44,9 +44,11 @@ class GenerateResult:
     cached_tokens: int
     prompt_tokens: int
     stats: ServeStats
+    speculative: dict | None = None  # with a draft model: acceptance counters (``SpeculativeStats``)
 
     def to_dict(self) -> dict:
-        return {"outputs": self.outputs, "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
+        out = {"outputs": self.outputs, "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
+        return out if self.speculative is None else {**out, "speculative": self.speculative}
 
 
 def resolve_model(model: str, *, dtype: str | None = None) -> LoadedModel:
@@ -124,6 +126,8 @@ def generate(
     enable_hierarchical_cache: bool = False,
     overlap: bool = True,
     tp_size: int = 1,
+    draft: LoadedModel | None = None,
+    speculative_num_steps: int = 3,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -133,6 +137,8 @@ def generate(
     ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
     ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
     ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``).
+    ``draft``: decode speculatively with this STANDALONE draft model, ``speculative_num_steps``
+    tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
@@ -146,17 +152,28 @@ def generate(
         max_batch_size=max_batch_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
         tp_size=tp_size,
+        extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
+    ).replace(**_speculative_config(draft, speculative_num_steps))
+    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size), draft_spec=None if draft is None else draft.spec)
+    options: dict[str, Any] = dict(
+        max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
-    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size))
-    scheduler = Scheduler(
-        model.config,
-        cache,
-        model.params,
-        max_batch_size=max_batch_size,
-        chunked_prefill_size=chunked_prefill_size,
-        record_logits=record_logits,
-        overlap=overlap,
-    )
+    scheduler: Scheduler
+    if draft is None:
+        scheduler = Scheduler(model.config, cache, model.params, overlap=overlap, **options)
+    else:
+        from kvjax.serve.speculative import SpeculativeScheduler
+
+        scheduler = SpeculativeScheduler(
+            model.config,
+            cache,
+            model.params,
+            draft=draft.config,
+            draft_params=draft.params,
+            num_steps=speculative_num_steps,
+            overlap=overlap,
+            **options,
+        )
     stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
     reqs = [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
     for req in reqs:
@@ -165,7 +182,7 @@ def generate(
             scheduler.step()
     while not scheduler.idle:
         scheduler.step()
-    return _result(reqs, scheduler.stats), scheduler
+    return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
 
 
 def generate_dp(
@@ -263,13 +280,15 @@ def _config(
     max_batch_size: int,
     enable_hierarchical_cache: bool,
     tp_size: int,
+    extra_tokens: int = 0,
 ) -> CacheConfig:
     """The cache of a ``generate`` run: the context rounded up to fit the longest request, a pool
-    of ``max_total_tokens`` (default: room for every prompt and its output)."""
+    of ``max_total_tokens`` (default: room for every prompt, its output and ``extra_tokens`` more
+    per request: a speculative round's draft tokens past the last kept one)."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     context = min(model.spec.context_length, -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING)
     if max_total_tokens is None:
-        per_request = [-(-(len(p) + max_new_tokens) // page_size) * page_size for p in prompts]
+        per_request = [-(-(len(p) + max_new_tokens + extra_tokens) // page_size) * page_size for p in prompts]
         max_total_tokens = max(sum(per_request), 4 * page_size)
     return CacheConfig(
         page_size=page_size,
@@ -282,12 +301,13 @@ def _config(
     )
 
 
-def _result(reqs: list[ServingReq], stats: ServeStats) -> GenerateResult:
+def _result(reqs: list[ServingReq], stats: ServeStats, speculative: dict | None = None) -> GenerateResult:
     return GenerateResult(
         outputs=[list(r.output_ids) for r in reqs],
         cached_tokens=stats.cached_tokens,
         prompt_tokens=stats.prompt_tokens,
         stats=stats,
+        speculative=speculative,
     )
 
 
@@ -299,3 +319,19 @@ def _summed(per_rank: list[ServeStats]) -> ServeStats:
         for field in dataclasses.fields(ServeStats):
             setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
     return total
+
+
+def _speculative_config(draft: LoadedModel | None, num_steps: int) -> dict:
+    """The ``CacheConfig`` fields of a STANDALONE draft (none without one)."""
+    if draft is None:
+        return {}
+    return dict(
+        speculative_algorithm="STANDALONE", speculative_num_steps=num_steps, speculative_num_draft_tokens=num_steps + 1
+    )
+
+
+def _speculative_counters(scheduler: Scheduler) -> dict | None:
+    """A speculative run's counters (``SpeculativeScheduler.speculative_report``), else None."""
+    from kvjax.serve.speculative import SpeculativeScheduler
+
+    return scheduler.speculative_report() if isinstance(scheduler, SpeculativeScheduler) else None

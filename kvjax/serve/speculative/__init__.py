@@ -1,0 +1,14 @@
+"""Speculative decoding through the draft model's pools (SGLang's STANDALONE algorithm).
+
+One concept per module: ``draft_view`` (the draft's pool as the draft model sees it),
+``proposer`` (the draft's ``k + 1`` decode steps), ``verifier`` (the target's forward over the
+round, greedy at every position), ``acceptance`` (greedy acceptance, pure numpy), ``rollback``
+(the rejected tail's slots, target and draft at once), ``steps`` (the jitted steps) and
+``scheduler`` (the loop: `SpeculativeScheduler`).
+"""
+
+from __future__ import annotations
+
+from kvjax.serve.speculative.scheduler import SpeculativeScheduler, SpeculativeStats
+
+__all__ = ["SpeculativeScheduler", "SpeculativeStats"]
