@@ -337,13 +337,15 @@ def pool_from_plan(
     kind, for the error when its layout is not an ``MHALayout``).
 
     The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
-    sharded over ``context.kv_head_axis``.
+    sharded over ``context.kv_head_axis``. Under DCP the plan's page rows are one device's: the
+    global page holds ``dcp_size`` times as many, sharded over ``context.context_axis``.
     """
     layout = planned_layout(pool, kind, MHALayout)
     heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
+    striped = context.mesh is not None and context.context_axis is not None
     return MHAKVPool.create(
         num_pages=pool.shape[0] - 1,
-        page_size=layout.page_size,
+        page_size=layout.page_size * (context.dcp_size if striped else 1),
         num_layers=pool.count,
         num_kv_heads=heads,
         head_dim=layout.head_dim,
@@ -355,7 +357,7 @@ def pool_from_plan(
         mesh=context.mesh,
         kv_head_axis=context.kv_head_axis,
         layer_ids=layer_ids,
-        context_axis=context.context_axis if context.mesh is not None else None,
+        context_axis=context.context_axis if striped else None,
     )
 
 
