@@ -128,7 +128,7 @@ def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
     devices (``kvjax.serve.tp_mesh``)."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
-    mesh = tp_mesh(config_kwargs.get("tp_size", 1))
+    mesh = tp_mesh(config_kwargs.get("tp_size", 1), config_kwargs.get("dcp_size", 1))
     return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh)
 
 
@@ -184,6 +184,7 @@ def run_demo(
     hicache_storage: str | None = None,
     overlap: bool = True,
     tp_size: int = 1,
+    dcp_size: int = 1,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -191,7 +192,8 @@ def run_demo(
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
-    ``tp_size``: every run tensor-parallel over that many local devices."""
+    ``tp_size``: every run tensor-parallel over that many local devices; ``dcp_size``: and each
+    request's KV striped over that many more (decode context parallelism)."""
     workload = workload or Workload()
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
@@ -200,6 +202,7 @@ def run_demo(
         chunked_prefill_size=chunked_prefill_size,
         eviction_policy=eviction_policy,
         tp_size=tp_size,
+        dcp_size=dcp_size,
     )
     settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap)
     dropped: str | None = None

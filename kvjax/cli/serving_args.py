@@ -18,6 +18,7 @@ SERVING_FLAGS = {
     "chunked_prefill_size": "--chunked-prefill-size",
     "enable_hierarchical_cache": "--enable-hierarchical-cache",
     "tp_size": "--tp",
+    "dcp_size": "--dcp",
 }
 
 
@@ -26,7 +27,7 @@ def add_serving_arguments(
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
-    ``--disable-overlap-schedule`` and ``--tp`` (1) to ``parser``."""
+    ``--disable-overlap-schedule``, ``--tp`` (1) and ``--dcp`` (1) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -48,16 +49,25 @@ def add_serving_arguments(
         default=1,
         help="tensor-parallel size: KV heads and weights split over the first N local devices",
     )
+    parser.add_argument(
+        "--dcp",
+        type=positive_int,
+        default=1,
+        help="decode-context-parallel size: each request's KV striped over N ranks (a (dcp, tp) mesh of "
+        "dcp x tp local devices)",
+    )
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """What the shared cache flags set, as the keyword arguments the serving entry points take
     (``check_demo``, ``run_demo``, ``generate``): ``page_size``, ``max_total_tokens`` (None: room
-    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache`` and ``tp_size``."""
+    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache``, ``tp_size`` and
+    ``dcp_size``."""
     return {
         "page_size": args.page_size,
         "max_total_tokens": args.max_total_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
         "enable_hierarchical_cache": args.enable_hierarchical_cache,
         "tp_size": args.tp,
+        "dcp_size": args.dcp,
     }

@@ -120,6 +120,7 @@ def generate(
     enable_hierarchical_cache: bool = False,
     overlap: bool = True,
     tp_size: int = 1,
+    dcp_size: int = 1,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -128,7 +129,8 @@ def generate(
     default the model's end-of-sequence ids; ``()`` to always generate ``max_new_tokens``.
     ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
     ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
-    ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``).
+    ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``);
+    ``dcp_size``: each request's KV striped over that many times as many (``tp_mesh``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     if max_new_tokens <= 0:
@@ -145,8 +147,9 @@ def generate(
         )
     context = min(model.spec.context_length, -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING)
     if max_total_tokens is None:
-        per_request = [-(-(len(p) + max_new_tokens) // page_size) * page_size for p in prompts]
-        max_total_tokens = max(sum(per_request), 4 * page_size)
+        striped = page_size * dcp_size  # the allocator's page
+        per_request = [-(-(len(p) + max_new_tokens) // striped) * striped for p in prompts]
+        max_total_tokens = max(sum(per_request), 4 * striped)
     config = CacheConfig(
         page_size=page_size,
         max_total_tokens=max_total_tokens,
@@ -155,8 +158,9 @@ def generate(
         chunked_prefill_size=chunked_prefill_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
         tp_size=tp_size,
+        dcp_size=dcp_size,
     )
-    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size))
+    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size, dcp_size))
     scheduler = Scheduler(
         model.config,
         cache,

@@ -99,8 +99,7 @@ def _reference(dcp: int, options: dict) -> tuple[list[jax.Array], MHAKVPool]:
     return outs, pool
 
 
-@pytest.mark.parametrize("dcp", [2, 4])
-@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize(("dcp", "name"), [(2, "window"), (4, "plain"), (4, "soft_cap_and_sinks")])
 def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
     options = OPTIONS[name]
     outs, pool = _reference(dcp, options)
@@ -133,7 +132,7 @@ def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
     np.testing.assert_allclose(np.asarray(merged), np.asarray(outs[1]), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (4, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize(("dcp", "tp"), [(4, 1), (2, 2)])
 def test_striped_pool_over_a_mesh_matches_one_device(dcp, tp):
     options = OPTIONS["soft_cap_and_sinks"] if tp == 2 else OPTIONS["window"]
     outs, pool = _reference(dcp, options)
