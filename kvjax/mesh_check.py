@@ -174,7 +174,7 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
     ``enable_dp_attention``, else 1); a ``"tp"`` axis whose size is not ``config.attn_tp_size``.
     """
     check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
-    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention, facts.num_devices)
+    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention)  # the axis sizes: below
     unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
     if unknown:
         shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention, config.dcp_size)
