@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvjax.alloc.dcp import DCPStripe
-from kvjax.attention.dcp_merge import merge_over_axis
+from kvjax.attention.dcp_merge import merge_over_axis, partial_softmax
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads
 from kvjax.pools import MHAKVPool, dtypes
@@ -112,15 +112,8 @@ def striped_partial_attention(
         visible = (key_pos <= pos) & (key_pos < kv_len_of[seq]) & jnp.repeat(tokens.page_ok[seq], rows) & is_live
         if sliding_window is not None:
             visible &= key_pos > pos - sliding_window
-        logits = jnp.where(visible, logits, -jnp.inf)
-        peak = jnp.max(logits, axis=-1, keepdims=True)
-        safe_peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-        weights = jnp.where(visible, jnp.exp(logits - safe_peak), 0.0)
-        denom = jnp.sum(weights, axis=-1, keepdims=True)
-        out = jnp.einsum("hgl,lhd->hgd", weights, jnp.where(visible[:, None, None], v, 0.0))
-        out = out / jnp.where(denom > 0, denom, 1.0)
-        lse = jnp.where(denom > 0, safe_peak + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-        return out, lse[..., 0]
+        probs, lse = partial_softmax(logits, visible)
+        return jnp.einsum("hgl,lhd->hgd", probs, jnp.where(visible[:, None, None], v, 0.0)), lse
 
     if total == 0:
         return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
