@@ -18,7 +18,7 @@ Refused, each by name, with what to do:
 * the storage tier (L3) with DCP, as in SGLang.
 
 Not built yet (``NotImplementedError`` at build): the host tier (L1/L2) and the host-pool
-retraction backup over a striped pool, and a striped latent (MLA) pool.
+retraction backup over a striped pool.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str) -> None:
 
 def check_dcp_plan_buildable(config: CacheConfig, kv_pool_kind: str, host_pools: bool) -> None:
     """``NotImplementedError`` for what a DCP plan holds that kvjax does not build striped:
-    host pools (the host tier or the host-pool retraction backup) and a latent (MLA) pool."""
+    host pools (the host tier or the host-pool retraction backup), a pool other than the paged
+    K/V or the MLA latent."""
     if not config.dcp_enabled:
         return
     if host_pools:
@@ -98,8 +99,8 @@ def check_dcp_plan_buildable(config: CacheConfig, kv_pool_kind: str, host_pools:
             f"dcp_size={config.dcp_size} ranks is not built yet; serve with dcp_size=1, or without "
             "enable_hierarchical_cache / disaggregation_decode_retraction_backup='host_pool'"
         )
-    if kv_pool_kind != "mha":
+    if kv_pool_kind not in ("mha", "mla"):
         raise NotImplementedError(
             f"a {kv_pool_kind!r} KV pool striped over dcp_size={config.dcp_size} ranks is not built yet (DCP serves "
-            "the paged K/V pool of MHA/GQA/MQA models); plan it with dcp_size, serve it with dcp_size=1"
+            "the paged K/V pool of MHA/GQA/MQA models and the MLA latent pool); serve it with dcp_size=1"
         )

@@ -2,8 +2,9 @@
 
 The tiny random-weight Llama (the parity tests' own config, ``tests/serve``) is served with each
 request's KV striped over a ``"dcp"`` mesh axis of 2 and 4 ranks (and over 2 DCP ranks x 2 TP
-ranks), through one cache small enough that the two rounds of ``parity_harness`` reuse prefixes,
-prefill in chunks, evict and retract (each asserted). Tokens must equal Transformers' greedy
+ranks), and the tiny DeepSeek-V2 with its MLA latent striped over 2 DCP ranks x 2 TP ranks,
+through one cache small enough that the two rounds of ``parity_harness`` reuse prefixes, prefill
+in chunks, evict and retract (each asserted). Tokens must equal Transformers' greedy
 ``generate`` and logits agree within 1e-4 (float32); the cache ends leak free, every pool array
 lies on the mesh's devices and each device holds its rank's rows of every page only.
 """
@@ -14,7 +15,7 @@ import jax
 import pytest
 
 from kvjax.mesh_check import make_serving_mesh
-from kvjax.pools import MHAKVPool
+from kvjax.pools import MHAKVPool, MLAKVPool
 from tests.serve.parity_harness import (
     assert_matches_transformers,
     build_scheduler,
@@ -22,6 +23,7 @@ from tests.serve.parity_harness import (
     tiny_checkpoint,
     transformers,
 )
+from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
 MAX_NEW = 6
@@ -50,6 +52,21 @@ def test_llama_reuse_chunked_prefill_eviction_and_retraction(dcp, tp, llama):
     layer = sched.cache.pools.kv.kv[0]
     assert len(layer.sharding.device_set) == dcp * tp
     assert {shard.data.shape[1] for shard in layer.addressable_shards} == {PAGE}, "a device holds its rank's rows"
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(tmp_path_factory):
+    hf, model = tiny_checkpoint(transformers.DeepseekV2Config(**DEEPSEEK_V2), tmp_path_factory, "deepseek_v2")
+    mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
+    sched = build_scheduler(
+        model, mesh=mesh, tp_size=2, dcp_size=2, page_size=PAGE, max_total_tokens=64, max_running_requests=8
+    )
+    done = serve_two_rounds(sched, MAX_NEW)
+    pool = sched.cache.pools.kv
+    assert isinstance(pool, MLAKVPool) and pool.context_axis == "dcp"
+    assert {shard.data.shape[1] for shard in pool.kv[0].addressable_shards} == {PAGE}
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)

@@ -111,8 +111,10 @@ def test_what_dcp_does_not_serve_is_refused_by_name():
     )
     host = CacheConfig(**base, enable_hierarchical_cache=True)
     _refused(NotImplementedError, "host tier L1/L2", lambda: build_kv_cache(tiny, host, mesh=mesh))
-    mla = ModelSpec.preset("deepseek-tiny")
-    _refused(NotImplementedError, "'mla' KV pool striped", lambda: build_kv_cache(mla, CacheConfig(**base), mesh=mesh))
+    hybrid = ModelSpec.preset("qwen3-next-80b-a3b")
+    _refused(
+        ConfigError, "recurrent state is per request", lambda: build_kv_cache(hybrid, CacheConfig(**base), mesh=mesh)
+    )
 
 
 def test_the_command_line_names_the_flag(capsys):
