@@ -14,11 +14,12 @@ Sections:
   split for the token split at equal bytes). The weights are not subtracted (neither model's
   weights fit a v5e-8 alone); under DCP they are split over TP only, so DCP D holds D times the
   TP-8 share of them per chip: the figures are the KV side of that trade.
-* ``built_cpu``: what is built on the CPU mesh: the tiny preset (2 KV heads, 4 query heads) with
-  the same per-device byte budget at (DCP, TP) = (1, 4), (2, 2), (4, 1), (8, 1): the allocator's
-  tokens, one device's rows and pool bytes, and the ratio of tokens to TP 4 alone (goal: the DCP
-  factor times the KV heads a device holds at TP 4 over those it holds here; TP 4 stores each
-  KV head twice, which DCP 2 x TP 2 turns into twice the tokens).
+* ``built_cpu``: what is built on the CPU mesh: the tiny preset (2 KV heads, 4 query heads) and
+  the tiny DeepSeek (MLA) with the same per-device byte budget at (DCP, TP) = (1, 4), (2, 2),
+  (4, 1), (8, 1): the allocator's tokens, one device's rows and pool bytes, and the ratio of
+  tokens to TP 4 alone (goal: the DCP factor times the KV heads a device holds at TP 4 over
+  those it holds here; TP 4 stores each KV head twice, which DCP 2 x TP 2 turns into twice the
+  tokens; the latent is stored on every TP rank, so the goal is the DCP factor).
 * ``step_cpu``: seconds per decode step of the tiny model served by the scheduler on the CPU mesh,
   TP 2 alone against DCP 2 x TP 2 and DCP 4 x TP 2 (a CPU figure: the host devices share this
   machine's cores, so it shows the overhead of the striped program and its merge, not a TPU
@@ -48,7 +49,11 @@ from kvjax.spec import ModelSpec  # noqa: E402
 CHIPS = 8
 DCP_SIZES = (1, 2, 4, 8)
 PLANNED = ("llama-3-70b", "deepseek-v3")
-BUILT_LAYOUTS = ((1, 4), (2, 2), (4, 1), (8, 1))  # (DCP, TP) of the tiny preset (4 query heads: TP <= 4)
+BUILT_LAYOUTS = ((1, 4), (2, 2), (4, 1), (8, 1))  # (DCP, TP) of the tiny presets (4 query heads: TP <= 4)
+BUILT_MODELS = {
+    "tiny": "2 KV heads (TP 4 stores each twice)",
+    "deepseek-tiny": "MLA latent (replicated over TP)",
+}
 
 
 def planned_v5e_8() -> dict[str, Any]:
@@ -78,47 +83,45 @@ def planned_v5e_8() -> dict[str, Any]:
 
 
 def built_cpu(budget: int) -> dict[str, Any]:
-    """The tiny preset built on the CPU mesh with ``budget`` bytes per device (module docstring)."""
+    """The tiny presets built on the CPU mesh with ``budget`` bytes per device (module docstring)."""
     import jax
 
     from kvjax import build_kv_cache
     from kvjax.mesh_check import make_serving_mesh
 
     devices = jax.devices("cpu")
-    rows: dict[str, Any] = {}
-    base: tuple[int, int] | None = None
-    for dcp, tp in BUILT_LAYOUTS:
-        config = CacheConfig(
-            page_size=4,
-            memory_budget_bytes=budget,
-            max_running_requests=4,
-            tp_size=tp,
-            dcp_size=dcp,
-            context_length=512,
-        )
-        cache = build_kv_cache(
-            ModelSpec.preset("tiny"), config, mesh=make_serving_mesh(tp, dcp_size=dcp, devices=devices)
-        )
-        tokens = cache.allocator.available_size()
-        heads = cache.plan.num_kv_heads_per_rank
-        per_device = sum(
-            leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache.pools) if leaf.ndim >= 2
-        )
-        base = (tokens, heads) if base is None else base
-        rows[f"dcp{dcp}_tp{tp}"] = {
-            "allocator_tokens": tokens,
-            "rows_per_device": tokens // dcp,
-            "kv_heads_per_device": heads,
-            "device_pool_bytes": per_device,
-            "ratio": round(tokens / base[0], 4),
-            # The stripe's factor, less what a device pays for holding more heads than at TP 4.
-            "goal": dcp * base[1] / heads,
-        }
-    return {
-        "model": "tiny (2 KV heads, 4 query heads: TP 4 stores each KV head twice)",
-        "budget_bytes_per_device": budget,
-        "by_dcp": rows,
-    }
+    out: dict[str, Any] = {"budget_bytes_per_device": budget}
+    for model, kv in BUILT_MODELS.items():
+        rows: dict[str, Any] = {}
+        base: tuple[int, int] | None = None
+        for dcp, tp in BUILT_LAYOUTS:
+            config = CacheConfig(
+                page_size=4,
+                memory_budget_bytes=budget,
+                max_running_requests=4,
+                tp_size=tp,
+                dcp_size=dcp,
+                context_length=512,
+            )
+            mesh = make_serving_mesh(tp, dcp_size=dcp, devices=devices)
+            cache = build_kv_cache(ModelSpec.preset(model), config, mesh=mesh)
+            tokens = cache.allocator.available_size()
+            heads = cache.plan.num_kv_heads_per_rank
+            per_device = sum(
+                leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache.pools) if leaf.ndim >= 2
+            )
+            base = (tokens, heads) if base is None else base
+            rows[f"dcp{dcp}_tp{tp}"] = {
+                "allocator_tokens": tokens,
+                "rows_per_device": tokens // dcp,
+                "kv_heads_per_device": heads,
+                "device_pool_bytes": per_device,
+                "ratio": round(tokens / base[0], 4),
+                # The stripe's factor, less what a device pays for holding more heads than at TP 4.
+                "goal": dcp * base[1] / heads,
+            }
+        out[model] = {"kv": kv, "by_dcp": rows}
+    return out
 
 
 def step_cpu(tiny: bool) -> dict[str, Any]:
