@@ -286,9 +286,7 @@ def build_kv_cache(
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
     check_host_tier_buildable(plan)
-    check_dcp_plan_buildable(
-        config, plan.kv_pool_kind, any(pool.memory == "host" and pool.kind != "request_table" for pool in plan.pools)
-    )
+    check_dcp_plan_buildable(config, plan.pools)
     check_draft_buildable(plan, config)
     if mesh is not None:
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix

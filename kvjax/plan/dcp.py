@@ -11,21 +11,24 @@ defined as ``page_size * dcp_size``); a pool that holds no striped page is refus
 Refused, each by name, with what to do:
 
 * DP attention and pipeline parallelism with DCP (kvjax's mesh is ``("dcp", "tp")``);
-* a hybrid sliding-window pool (its second allocator is not striped): serve the model with one
-  full-size pool (``disable_hybrid_swa_memory``), where the window is a mask on global positions;
-* recurrent state (hybrid SSM) and the DSA indexer keys (not striped);
 * a speculative draft model (its pool is not striped);
-* the storage tier (L3) with DCP, as in SGLang.
+* the storage tier (L3) with DCP, as in SGLang;
+* a cache kind that says why it cannot be striped (``CacheKind.dcp_refusal``): the hybrid
+  sliding-window pool (its second allocator is not striped: serve the model with one full-size
+  pool, ``disable_hybrid_swa_memory``, where the window is a mask on global positions) and
+  recurrent state (per request, not per token).
 
 Not built yet (``NotImplementedError`` at build): the host tier (L1/L2) and the host-pool
-retraction backup over a striped pool.
+retraction backup over a striped pool, and the DSA indexer keys.
 """
 
 from __future__ import annotations
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds.planning import kinds_named
 from kvjax.plan.records import ModelKind
+from kvjax.pools.pool_plan import PoolPlan
 
 __all__ = ["check_dcp_config", "check_dcp_plan_buildable"]
 
@@ -52,8 +55,7 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str) -> None:
             config.hicache_storage_backend is not None,
             "hicache_storage_backend",
             config.hicache_storage_backend,
-            f"the storage tier (L3) is refused with {{dcp_size}} {dcp}, as in SGLang; drop "
-            "{hicache_storage_backend} (the host tier L1/L2 alone is allowed)",
+            f"the storage tier (L3) is refused with {{dcp_size}} {dcp}, as in SGLang; drop {{hicache_storage_backend}}",
         ),
         (
             config.speculative_algorithm is not None,
@@ -61,46 +63,28 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str) -> None:
             config.speculative_algorithm,
             f"a draft model's pool is not striped over {{dcp_size}} {dcp} ranks; serve without speculation",
         ),
-        (
-            kind.is_hybrid_swa,
-            "dcp_size",
-            dcp,
-            f"{model}'s hybrid sliding-window pool has its own allocator, not striped over DCP ranks; set "
-            "{disable_hybrid_swa_memory} (one full-size pool: the window is a mask on global positions) or "
-            "{dcp_size} 1",
-        ),
-        (
-            kind.is_hybrid_ssm,
-            "dcp_size",
-            dcp,
-            f"{model}'s recurrent state is per request, not per token: it cannot be striped; use {{dcp_size}} 1",
-        ),
-        (
-            kind.is_dsa,
-            "dcp_size",
-            dcp,
-            f"{model}'s DSA indexer keys are not striped over DCP ranks; use {{dcp_size}} 1",
-        ),
     )
     for refused, option, value, why in refusals:
         if refused:
             raise ConfigError(option, value, why)
+    for cache_kind in kinds_named(kind.cache_kinds):
+        if cache_kind.dcp_refusal is not None:
+            raise ConfigError("dcp_size", dcp, f"{model}: {cache_kind.dcp_refusal}")
 
 
-def check_dcp_plan_buildable(config: CacheConfig, kv_pool_kind: str, host_pools: bool) -> None:
-    """``NotImplementedError`` for what a DCP plan holds that kvjax does not build striped:
-    host pools (the host tier or the host-pool retraction backup), a pool other than the paged
-    K/V or the MLA latent."""
+def check_dcp_plan_buildable(config: CacheConfig, pools: tuple[PoolPlan, ...]) -> None:
+    """``NotImplementedError`` for what a DCP plan holds that kvjax does not build striped: host
+    pools (the host tier L1/L2 or the host-pool retraction backup) and the DSA indexer keys."""
     if not config.dcp_enabled:
         return
-    if host_pools:
+    if any(pool.memory == "host" and pool.kind != "request_table" for pool in pools):
         raise NotImplementedError(
             f"a host pool (the host tier L1/L2 or the host_pool retraction backup) over a pool striped over "
             f"dcp_size={config.dcp_size} ranks is not built yet; serve with dcp_size=1, or without "
             "enable_hierarchical_cache / disaggregation_decode_retraction_backup='host_pool'"
         )
-    if kv_pool_kind not in ("mha", "mla"):
+    if any(pool.name == "index_k" for pool in pools):
         raise NotImplementedError(
-            f"a {kv_pool_kind!r} KV pool striped over dcp_size={config.dcp_size} ranks is not built yet (DCP serves "
-            "the paged K/V pool of MHA/GQA/MQA models and the MLA latent pool); serve it with dcp_size=1"
+            f"the DSA indexer keys (pool 'index_k') striped over dcp_size={config.dcp_size} ranks are not built "
+            "yet; serve the model with dcp_size=1"
         )
