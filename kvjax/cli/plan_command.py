@@ -160,7 +160,9 @@ def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
         raise UsageError(f"--memory {args.memory} and --tpu {args.tpu} both set the budget; give one of them")
     if chips % model_parallel:
         raise UsageError(
-            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp} = {model_parallel}; "
+            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp}"
+            + (f" x --dcp {args.dcp}" if args.dcp > 1 else "")
+            + f" = {model_parallel}; "
             "use a chip count that the model-parallel group divides"
         )
     chip = tpu_chip(args.tpu)

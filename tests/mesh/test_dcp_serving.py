@@ -122,3 +122,17 @@ def test_the_command_line_names_the_flag(capsys):
     err = capsys.readouterr().err
     assert "--dcp 3" in err and "use --dcp 1, 2, 4 or 8" in err, err
     np.testing.assert_equal(len(jax.devices()), 8)
+
+
+def test_plan_dcp_prints_the_striped_pool_and_each_devices_rows(capsys):
+    argv = ["plan", "--model", "deepseek-v3", "--tpu", "v5e", "--chips", "8", "--page-size", "16"]
+    assert main([*argv, "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["max_total_tokens"]
+    assert main([*argv, "--dcp", "8", "--json"]) == 0
+    striped = json.loads(capsys.readouterr().out)
+    assert striped["max_total_tokens"] == 8 * alone and striped["alloc_page_size"] == 128
+    assert main([*argv, "--dcp", "8", "--context", "100000"]) == 0
+    text = capsys.readouterr().out
+    assert f"{alone:,} token rows per device" in text and "dcp 8 x tp 1" in text
+    assert main([*argv, "--dcp", "3"]) == 2
+    assert "--dcp 3" in capsys.readouterr().err
