@@ -16,6 +16,8 @@ rank's rows.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,6 @@ PAGES = 12
 # (tokens already cached, new tokens) per sequence: a prefill, a chunk after earlier tokens, a decode.
 SEQS = ((0, 11), (9, 3), (13, 1))
 OPTIONS = {
-    "plain": {},
     "window": {"sliding_window": 5},
     "soft_cap_and_sinks": {"soft_cap": 2.0, "sinks": np.array([0.5, -1.0, 2.0, 0.0], np.float32)},
 }
@@ -92,14 +93,20 @@ def _reference(dcp: int, options: dict) -> tuple[list[jax.Array], MHAKVPool]:
         num_pages=PAGES, page_size=PAGE * dcp, num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32"
     )
     outs = []
+    attend = _jitted(options)
     for step, (_, meta) in enumerate(_batches(dcp)):
         q, k, v = _qkv(len(meta.positions), step)
-        out, pool = paged_attention(pool, 0, q, k, v, meta, **options)
+        out, pool = attend(pool, q, k, v, meta)
         outs.append(out)
     return outs, pool
 
 
-@pytest.mark.parametrize(("dcp", "name"), [(2, "window"), (4, "plain"), (4, "soft_cap_and_sinks")])
+def _jitted(options: dict) -> Any:
+    """``paged_attention`` of layer 0 with ``options``, jitted (one compile instead of eager ops)."""
+    return jax.jit(lambda pool, q, k, v, meta: paged_attention(pool, 0, q, k, v, meta, **options))
+
+
+@pytest.mark.parametrize(("dcp", "name"), [(2, "window"), (4, "soft_cap_and_sinks")])
 def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
     options = OPTIONS[name]
     outs, pool = _reference(dcp, options)
@@ -108,8 +115,9 @@ def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
     layer = pool.kv_buffer(0)
     n, big, combined, dim = layer.shape
     by_rank = layer.reshape(n, PAGE, dcp, combined, dim)  # slot offset m * dcp + r -> [m, r]
+    partial = jax.jit(striped_partial_attention, static_argnames=("dcp", "sliding_window", "soft_cap"))
     partials = [
-        striped_partial_attention(
+        partial(
             q,
             by_rank[:, :, r],
             jnp.asarray(meta.kv_lens),
@@ -147,9 +155,10 @@ def test_striped_pool_over_a_mesh_matches_one_device(dcp, tp):
         mesh=mesh,
         context_axis="dcp",
     )
+    attend = _jitted(options)
     for step, (_, meta) in enumerate(_batches(dcp)):
         q, k, v = _qkv(len(meta.positions), step)
-        out, striped = paged_attention(striped, 0, q, k, v, meta, **options)
+        out, striped = attend(striped, q, k, v, meta)
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[step]), atol=2e-6, rtol=1e-5)
     # Device of rank r holds rows r * PAGE ... of every page: the reference's slots with offset % dcp == r.
     want = np.asarray(pool.kv_buffer(0))
