@@ -39,9 +39,10 @@ from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.kinds.swa import SWA_HOST_POOL_NAME
-from kvjax.mesh_check import KV_HEAD_AXIS, MeshFacts, check_mesh
+from kvjax.mesh_check import DCP_AXIS, KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
+from kvjax.plan.dcp import check_dcp_plan_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.forwarded import Forwarded
 from kvjax.pools.cache_pools import CachePools
@@ -248,7 +249,9 @@ def build_kv_cache(
     """Plan and build the KV cache of ``spec`` under ``config``.
 
     ``mesh``: KV heads are sharded over its ``"tp"`` axis (``config.attn_tp_size`` devices; a
-    ``"data"`` axis holds the DP-attention ranks); ``kvjax.mesh_check`` refuses any other mesh
+    ``"data"`` axis holds the DP-attention ranks; under DCP a ``"dcp"`` axis of
+    ``config.dcp_size`` devices holds each page's striped rows, ``kvjax.alloc.dcp``; DCP needs a
+    mesh); ``kvjax.mesh_check`` refuses any other mesh
     before anything is planned or allocated. Without a mesh the pools live on the default
     device. ``device_memory_bytes`` defaults to what
     the device reports, and is only needed when the budget is ``mem_fraction_static``.
@@ -262,6 +265,13 @@ def build_kv_cache(
     """
     if mesh is not None:  # before anything is planned or allocated
         check_mesh(MeshFacts.of(mesh), config)
+    elif config.dcp_enabled:
+        raise ConfigError(
+            "dcp_size",
+            config.dcp_size,
+            "striping each request's KV over DCP ranks needs a mesh with a 'dcp' axis: pass "
+            f"mesh=kvjax.mesh_check.make_serving_mesh({config.tp_size}, dcp_size={config.dcp_size})",
+        )
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
@@ -278,6 +288,7 @@ def build_kv_cache(
     for pool in plan.pools:
         pool_kind(pool.kind).require_built(plan.model)
     check_host_tier_buildable(plan)
+    check_dcp_plan_buildable(config, plan.pools)
     check_draft_buildable(plan, config)
     if mesh is not None:
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
@@ -295,6 +306,8 @@ def build_kv_cache(
         kv_head_axis=KV_HEAD_MESH_AXIS,
         tp_size=config.attn_tp_size,
         host_layout=plan.hicache_mem_layout,
+        context_axis=DCP_AXIS if config.dcp_enabled else None,
+        dcp_size=config.dcp_size,
     )
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None

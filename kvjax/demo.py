@@ -160,7 +160,7 @@ def demo_cache(*, spec: ModelSpec | None = None, draft_spec: ModelSpec | None = 
     devices (``kvjax.serve.tp_mesh``); ``draft_spec``: a speculative draft model's pool too."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
-    mesh = tp_mesh(config_kwargs.get("tp_size", 1))
+    mesh = tp_mesh(config_kwargs.get("tp_size", 1), config_kwargs.get("dcp_size", 1))
     return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh, draft_spec=draft_spec)
 
 
@@ -286,6 +286,7 @@ def run_demo(
     dp_routing: str = "cache_aware",
     draft: LoadedModel | None = None,
     speculative_num_steps: int = 3,
+    dcp_size: int = 1,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -293,7 +294,8 @@ def run_demo(
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
-    ``tp_size``: every run tensor-parallel over that many local devices. ``dp_size`` above 1:
+    ``tp_size``: every run tensor-parallel over that many local devices; ``dcp_size``: and each
+    request's KV striped over that many more (decode context parallelism). ``dp_size`` above 1:
     DP attention, the ``tp_size`` devices split into ``dp_size`` ranks (``serve``), requests
     routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
     run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False)."""
@@ -311,6 +313,7 @@ def run_demo(
         chunked_prefill_size=chunked_prefill_size,
         eviction_policy=eviction_policy,
         tp_size=tp_size,
+        dcp_size=dcp_size,
         **({"dp_size": dp_size} if dp_size > 1 else {}),
     )
     settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap, dp_routing=dp_routing)

@@ -8,6 +8,12 @@ kvjax serves on a mesh of at most two named axes, as sglang-jax does:
 * ``"tp"`` (``KV_HEAD_AXIS``): the attention tensor-parallel ranks, ``attn_tp_size`` of them
   (``tp_size / dp_size`` under DP attention, else ``tp_size``). KV heads, query heads and the
   recurrent state's heads are sharded over it; a latent (MLA) pool is replicated over it.
+* ``"dcp"`` (``DCP_AXIS``), under decode context parallelism only (``dcp_size > 1``, instead of
+  ``"data"``): the ranks each request's KV is striped over (``kvjax.alloc.dcp``); the mesh is
+  ``("dcp", "tp")`` of ``dcp_size * tp_size`` devices. ``"tp"`` is innermost, as in sglang-jax's
+  ``("data", "tensor")``: its collectives (two all-reduces of the hidden state per layer) run
+  between neighbouring chips, while DCP adds one log-sum-exp merge per attention layer. Weights
+  are split over ``"tp"`` and replicated over ``"dcp"``.
 
 Every check here runs before anything is allocated and raises one ``ConfigError`` naming the
 option (``tp_size`` / ``dp_size`` / ``mesh``), the value and the fix; the command line renders the
@@ -31,9 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DATA_AXIS",
+    "DCP_AXIS",
     "KNOWN_AXES",
     "KV_HEAD_AXIS",
     "MeshFacts",
+    "check_dcp_sizes",
     "check_local_devices",
     "check_mesh",
     "check_parallel_sizes",
@@ -43,10 +51,14 @@ __all__ = [
 
 KV_HEAD_AXIS = "tp"
 DATA_AXIS = "data"
-KNOWN_AXES = (DATA_AXIS, KV_HEAD_AXIS)
+DCP_AXIS = "dcp"
+KNOWN_AXES = (DATA_AXIS, DCP_AXIS, KV_HEAD_AXIS)
 """The mesh axis names kvjax shards over, outermost first."""
 
-_AXIS_ROLES = f"{DATA_AXIS!r} (DP-attention ranks) and {KV_HEAD_AXIS!r} (attention tensor-parallel ranks: KV heads)"
+_AXIS_ROLES = (
+    f"{DATA_AXIS!r} (DP-attention ranks), {DCP_AXIS!r} (decode-context-parallel ranks: each request's KV "
+    f"striped) and {KV_HEAD_AXIS!r} (attention tensor-parallel ranks: KV heads)"
+)
 
 
 @dataclass(frozen=True)
@@ -94,12 +106,47 @@ def check_parallel_sizes(tp_size: int, dp_size: int, enable_dp_attention: bool) 
         )
 
 
-def serving_mesh_shape(tp_size: int, dp_size: int = 1, enable_dp_attention: bool = False) -> dict[str, int]:
+def check_dcp_sizes(dcp_size: int, tp_size: int, enable_dp_attention: bool = False, devices: int | None = None) -> None:
+    """Refuse a DCP size that cannot form the ``("dcp", "tp")`` mesh: below 1, with DP attention,
+    or (``devices``: the devices the mesh has, or this process sees) not dividing them or needing
+    more than there are with ``tp_size`` ranks on ``"tp"``."""
+    if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
+        raise ConfigError("dcp_size", dcp_size, "the decode-context-parallel size must be an integer of 1 or more")
+    if dcp_size == 1:
+        return
+    if enable_dp_attention:
+        raise ConfigError(
+            "dcp_size", dcp_size, "DCP with DP attention is not served (the mesh is ('dcp', 'tp')); turn one off"
+        )
+    if devices is None:
+        return
+    if devices % dcp_size:
+        raise ConfigError(
+            "dcp_size",
+            dcp_size,
+            f"{dcp_size} DCP ranks do not divide the {devices} devices; use {{dcp_size}} {_divisors(devices)}",
+        )
+    if dcp_size * tp_size > devices:
+        raise ConfigError(
+            "tp_size",
+            tp_size,
+            f"{{dcp_size}} {dcp_size} x {{tp_size}} {tp_size} needs {dcp_size * tp_size} devices and there are "
+            f"{devices}; use {{tp_size}} {devices // dcp_size} or less, or a smaller {{dcp_size}}",
+        )
+
+
+def serving_mesh_shape(
+    tp_size: int, dp_size: int = 1, enable_dp_attention: bool = False, dcp_size: int = 1
+) -> dict[str, int]:
     """The mesh kvjax serves on, axis name -> size: ``{"data": dp, "tp": tp / dp}`` under DP
-    attention, else ``{"tp": tp}``. Raises ``ConfigError`` as :func:`check_parallel_sizes`."""
+    attention, ``{"dcp": dcp, "tp": tp}`` under DCP, else ``{"tp": tp}``. Raises ``ConfigError``
+    as :func:`check_parallel_sizes` and :func:`check_dcp_sizes`."""
     check_parallel_sizes(tp_size, dp_size, enable_dp_attention)
+    check_dcp_sizes(dcp_size, tp_size, enable_dp_attention)
     if enable_dp_attention and dp_size > 1:
         return {DATA_AXIS: dp_size, KV_HEAD_AXIS: tp_size // dp_size}
+    if dcp_size > 1:
+        return {DCP_AXIS: dcp_size, KV_HEAD_AXIS: tp_size}
     return {KV_HEAD_AXIS: tp_size}
 
 
@@ -127,9 +174,10 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
     ``enable_dp_attention``, else 1); a ``"tp"`` axis whose size is not ``config.attn_tp_size``.
     """
     check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
+    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention)  # the axis sizes: below
     unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
     if unknown:
-        shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention)
+        shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention, config.dcp_size)
         sizes, names = tuple(shape.values()), tuple(shape)
         raise ConfigError(
             "mesh",
@@ -165,6 +213,15 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
             f"the mesh's {DATA_AXIS!r} axis has {data_axis} device(s) but there are {dp_ranks} DP-attention rank(s); "
             + fix,
         )
+    dcp_axis = facts.size(DCP_AXIS)
+    if dcp_axis != config.dcp_size:
+        raise ConfigError(
+            "dcp_size",
+            config.dcp_size,
+            f"the mesh's {DCP_AXIS!r} axis has {dcp_axis} device(s) but KV is striped over {config.dcp_size} DCP "
+            f"rank(s); build the mesh as jax.make_mesh(({config.dcp_size}, {config.tp_size}), ('dcp', 'tp')) "
+            "(kvjax.mesh_check.make_serving_mesh makes it), or set {dcp_size} to match the mesh",
+        )
     tp_axis = facts.size(KV_HEAD_AXIS)
     if tp_axis != config.attn_tp_size:
         under_dp = f" (tp_size {config.tp_size} / dp_size {config.dp_size})" if config.enable_dp_attention else ""
@@ -182,18 +239,21 @@ def make_serving_mesh(
     dp_size: int = 1,
     enable_dp_attention: bool = False,
     devices: Sequence[Any] | None = None,
+    dcp_size: int = 1,
 ) -> Mesh:
     """The mesh kvjax serves ``tp_size`` ranks on (:func:`serving_mesh_shape`), over the first
-    ``tp_size`` of ``devices`` (default: this process's devices of the default platform).
+    ``tp_size`` (``dcp_size * tp_size`` under DCP) of ``devices`` (default: this process's
+    devices of the default platform).
 
     Raises ``ConfigError`` before creating anything: ``dp_size`` not dividing ``tp_size`` under DP
-    attention, more TP ranks than devices, devices of more than one platform.
+    attention, more TP ranks than devices, a DCP size that does not divide the devices or needs
+    more of them with ``tp_size``, devices of more than one platform.
     """
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
-    shape = serving_mesh_shape(tp_size, dp_size, enable_dp_attention)
+    shape = serving_mesh_shape(tp_size, dp_size, enable_dp_attention, dcp_size)
     devices = list(jax.devices() if devices is None else devices)
     platforms = sorted({str(d.platform) for d in devices})
     if len(platforms) > 1:
@@ -202,6 +262,8 @@ def make_serving_mesh(
             tuple(platforms),
             f"the devices are of {len(platforms)} platforms ({', '.join(platforms)}); pass one platform's devices",
         )
+    check_dcp_sizes(dcp_size, tp_size, enable_dp_attention, len(devices))
     check_local_devices(tp_size, len(devices), platforms[0] if platforms else "no")
-    grid = np.array(devices[:tp_size], dtype=object).reshape(tuple(shape.values()))
+    used = tp_size * (dcp_size if DCP_AXIS in shape else 1)
+    grid = np.array(devices[:used], dtype=object).reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape))

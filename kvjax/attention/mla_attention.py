@@ -6,7 +6,8 @@ shared key ``k_pe [qk_rope_head_dim]``. The model absorbs ``W_UK`` into the quer
 (``q_latent = q_nope @ W_UK``) and ``W_UV`` into the output, so attention reads the latent rows
 directly: ``logits = (q_latent . c_kv + q_rope . k_pe) * sm_scale``, ``out = softmax . c_kv``
 (``pallas_kernels.mla_ragged_paged_attention``: the Pallas kernel on TPU, the jnp reference
-elsewhere). Over a mesh the latent pool is replicated and the query heads are split.
+elsewhere). Over a mesh the latent pool is replicated and the query heads are split; a pool
+striped over decode-context-parallel ranks goes to ``dcp_mla_attention``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kvjax.attention.dcp_mla_attention import dcp_mla_attention
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MLAKVPool
@@ -53,6 +55,8 @@ def mla_attention(
         ``(latent_out [T, heads, kv_lora_rank] in q_latent's dtype, the pool with the rows
         written)``; multiply by ``W_UV`` for the heads' values.
     """
+    if pool.context_axis is not None:  # striped over DCP ranks: each attends its stripe, merged by LSE
+        return dcp_mla_attention(pool, layer_id, q_latent, q_rope, c_kv, k_pe, meta, sm_scale=sm_scale, mesh=mesh)
     meta = meta.as_device_arrays()
     pool = pool.set_mla_kv_buffer(layer_id, meta.out_loc, c_kv, k_pe)
     scale = pool.scale[pool.layer_index(layer_id)]

@@ -5,7 +5,8 @@ The batch's K/V are written at their slots first, so each query sees its own tok
 earlier one of its sequence through the page table; then ragged paged attention
 (``pallas_kernels.ragged_paged_attention``: the Pallas kernel on TPU, the jnp reference
 elsewhere) attends causally, softmax in float32. An fp8 pool is dequantised inside attention with
-the layer's scales. Over a mesh the kernel runs per device on its KV heads (``sharding``).
+the layer's scales. Over a mesh the kernel runs per device on its KV heads (``sharding``); a pool striped over
+decode-context-parallel ranks goes to ``dcp_attention``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kvjax.attention.dcp_attention import dcp_paged_attention
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MHAKVPool
@@ -73,6 +75,22 @@ def paged_attention(
         tokens' outputs are 0.
     """
     q = single_query(q, layer_id)
+    if pool.context_axis is not None:  # striped over DCP ranks: each attends its stripe, merged by LSE
+        return dcp_paged_attention(
+            pool,
+            layer_id,
+            q,
+            k,
+            v,
+            meta,
+            out_loc=out_loc,
+            page_indices=page_indices,
+            sm_scale=sm_scale,
+            soft_cap=soft_cap,
+            sinks=sinks,
+            sliding_window=sliding_window,
+            mesh=mesh,
+        )
     meta = meta.as_device_arrays()
     loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
     table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)

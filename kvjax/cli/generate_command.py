@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         if dp_attention:
-            options.pop("enable_hierarchical_cache")  # refused with --dp above (dp_attention_config)
+            for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)
+                options.pop(refused)
             result, _ = generate_dp(model, prompts, dp_routing=args.dp_routing, **common, **options)
         else:
             overlap = not args.disable_overlap_schedule and not speculative

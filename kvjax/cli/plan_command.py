@@ -9,8 +9,9 @@ Sizing, one of:
   --max-total-tokens N a pool of N tokens, whatever it costs.
 
 Parallelism: --tp N (KV heads split over N ranks, replicated when N exceeds them), --dp M (DP
-attention: M ranks of N/M attention-TP ranks, each with its own pools), --pp P. Tokens and bytes
-are per device.
+attention: M ranks of N/M attention-TP ranks, each with its own pools), --pp P, --dcp D (decode
+context parallelism: each request's KV striped over D ranks, D x N chips; the pool counts the
+striped tokens, the device holds 1/D of them). Tokens and bytes are per device.
 
 Answers: --context N (how many requests of N tokens fit), --concurrency M (the longest context
 M requests can each have), --sweep (a table over page sizes, KV dtypes and TP).
@@ -31,7 +32,7 @@ from kvjax.cli.arg_types import fraction, parse_bytes, positive_int
 from kvjax.cli.messages import UsageError, config_error_line
 from kvjax.config import KV_CACHE_DTYPES, PLATFORMS, CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.mesh_check import check_parallel_sizes
+from kvjax.mesh_check import check_dcp_sizes, check_parallel_sizes
 from kvjax.spec import ModelSpec
 
 # CacheConfig / planner options -> the flag of this command that sets them (see ``option_flags``).
@@ -47,6 +48,7 @@ FLAG_FOR_OPTION = {
     "tp_size": "--tp",
     "attn_tp_size": "--tp",
     "dp_size": "--dp",
+    "dcp_size": "--dcp",
     "pp_size": "--pp",
     "context_length": "--context-length",
     "max_running_requests": "--max-running-requests",
@@ -105,6 +107,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="DP-attention size (enable_dp_attention): dp ranks of tp/dp attention-TP ranks, each with its own pools",
     )
     plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (layers split over it)")
+    plan.add_argument(
+        "--dcp",
+        type=positive_int,
+        default=1,
+        help="decode-context-parallel size: each request's KV striped over D ranks (dcp x tp chips)",
+    )
     plan.add_argument("--context-length", type=positive_int, default=None)
     plan.add_argument("--max-running-requests", type=positive_int, default=None)
     plan.add_argument("--platform", choices=PLATFORMS, default="tpu", help="storage layout target (default tpu)")
@@ -132,7 +140,7 @@ class Sizing:
 
 
 def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
-    model_parallel = tp * args.pp
+    model_parallel = tp * args.pp * args.dcp  # chips one replica spans; weights split over tp x pp
     chips = args.chips if args.chips is not None else model_parallel
     if args.tpu is None:
         for flag, value in (("--chips", args.chips), ("--weights-bytes", args.weights_bytes)):
@@ -152,7 +160,9 @@ def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
         raise UsageError(f"--memory {args.memory} and --tpu {args.tpu} both set the budget; give one of them")
     if chips % model_parallel:
         raise UsageError(
-            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp} = {model_parallel}; "
+            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp}"
+            + (f" x --dcp {args.dcp}" if args.dcp > 1 else "")
+            + f" = {model_parallel}; "
             "use a chip count that the model-parallel group divides"
         )
     chip = tpu_chip(args.tpu)
@@ -160,10 +170,12 @@ def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
     if args.weights_bytes is None:
         weights = "weights not subtracted (pass --weights-bytes with the checkpoint size)"
     else:
-        share = weights_per_chip(args.weights_bytes, model_parallel)
-        weights = f"minus weights {_gib(share)} per chip ({_gib(args.weights_bytes)} over {model_parallel} chips)"
+        share = weights_per_chip(args.weights_bytes, tp * args.pp)
+        weights = f"minus weights {_gib(share)} per chip ({_gib(args.weights_bytes)} over {tp * args.pp} chips)"
     note = (
-        f"{chip.slice_name(chips)}: {chips} chips x {_gib(chip.hbm_bytes)} HBM; tp {tp} x pp {args.pp}, "
+        f"{chip.slice_name(chips)}: {chips} chips x {_gib(chip.hbm_bytes)} HBM; tp {tp} x pp {args.pp}"
+        + (f" x dcp {args.dcp}" if args.dcp > 1 else "")
+        + ", "
         f"{chips // model_parallel} replica(s); budget per chip = {_gib(chip.hbm_bytes)} x {fraction}, {weights}"
     )
     return Sizing(chip.hbm_bytes, chips, chips // model_parallel, note)
@@ -193,6 +205,7 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
     reserved = 0
     if args.tpu is not None and args.weights_bytes is not None:
         reserved = weights_per_chip(args.weights_bytes, tp * args.pp)
+    check_dcp_sizes(args.dcp, tp, args.dp > 1)
     return CacheConfig(
         page_size=page_size,
         kv_cache_dtype=kv_dtype,
@@ -203,6 +216,7 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
         dp_size=args.dp,
         enable_dp_attention=args.dp > 1,
         pp_size=args.pp,
+        dcp_size=args.dcp,
         **{option: getattr(args, option) for option in _OPTIONS_AS_TYPED},
     )
 
@@ -324,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         rows = _sweep_rows(spec, args, plan_kv_cache)
         print(json.dumps({"model": spec.name, "rows": rows}) if args.json else _sweep_table(rows, args))
         return 0
-    tp = args.tp if args.tp is not None else max(1, (args.chips or 1) // args.pp) if args.tpu else 1
+    tp = args.tp if args.tp is not None else max(1, (args.chips or 1) // (args.pp * args.dcp)) if args.tpu else 1
     sizing = _sizing(args, tp)
     config = _config(args, page_size=args.page_size, kv_dtype=args.kv_cache_dtype, tp=tp)
     plan = plan_kv_cache(spec, config, device_memory_bytes=sizing.device_memory_bytes)

@@ -26,6 +26,7 @@ SERVING_FLAGS = {
     "speculative_algorithm": "--speculative-algorithm",
     "speculative_num_steps": "--speculative-num-steps",
     "draft": "--speculative-draft-model-path",
+    "dcp_size": "--dcp",
 }
 
 
@@ -34,9 +35,9 @@ def add_serving_arguments(
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
-    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dp`` (1), ``--dp-routing`` (cache_aware) and the
-    speculative flags (``--speculative-algorithm``, ``--speculative-draft-model-path``,
-    ``--speculative-num-steps``: SGLang's names) to ``parser``."""
+    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dcp`` (1), ``--dp`` (1), ``--dp-routing``
+    (cache_aware) and the speculative flags (``--speculative-algorithm``,
+    ``--speculative-draft-model-path``, ``--speculative-num-steps``: SGLang's names) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -57,6 +58,13 @@ def add_serving_arguments(
         type=positive_int,
         default=1,
         help="tensor-parallel size: KV heads and weights split over the first N local devices",
+    )
+    parser.add_argument(
+        "--dcp",
+        type=positive_int,
+        default=1,
+        help="decode-context-parallel size: each request's KV striped over N ranks (a (dcp, tp) mesh of "
+        "dcp x tp local devices)",
     )
     parser.add_argument(
         "--dp",
@@ -114,14 +122,16 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """What the shared cache flags set, as the keyword arguments the serving entry points take
     (``check_demo``, ``run_demo``, ``generate``): ``page_size``, ``max_total_tokens`` (None: room
-    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache``, ``tp_size`` and, with
-    ``--dp`` above 1, ``dp_size`` (the jax-free checks add ``dp_attention_config``)."""
+    for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache``, ``tp_size``,
+    ``dcp_size`` and, with ``--dp`` above 1, ``dp_size`` (the jax-free checks add
+    ``dp_attention_config``)."""
     return {
         "page_size": args.page_size,
         "max_total_tokens": args.max_total_tokens,
         "chunked_prefill_size": args.chunked_prefill_size,
         "enable_hierarchical_cache": args.enable_hierarchical_cache,
         "tp_size": args.tp,
+        "dcp_size": args.dcp,
         **({"dp_size": args.dp} if args.dp > 1 else {}),
     }
 
@@ -134,6 +144,11 @@ def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.dp == 1:
         return {}
     check_parallel_sizes(args.tp, args.dp, True)
+    if args.dcp > 1:
+        raise UsageError(
+            f"--dp {args.dp} with --dcp {args.dcp}: decode context parallelism is not built under DP attention; "
+            "drop one of the two flags"
+        )
     if args.enable_hierarchical_cache:
         raise UsageError(
             f"--dp {args.dp} with --enable-hierarchical-cache: the host tier is not built under DP attention yet; "

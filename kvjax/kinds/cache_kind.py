@@ -125,6 +125,10 @@ class CacheKind:
         no_host_copy: what of the kind's state the host tier keeps no copy of yet (recurrent-state
             checkpoints): the build (``kvjax.plan.buildable``) and the tree registry refuse a host
             tier over it, naming it (None: the host tier covers the kind).
+        dcp_refusal: why the kind's state is not striped over decode-context-parallel ranks
+            and what to do (``kvjax.plan.dcp`` refuses ``dcp_size > 1`` with it; options as
+            ``{option}``); None: the kind serves DCP (a kind registered outside kvjax that keeps
+            per-token state of its own should set it).
         decode_radix_refusal: the message refusing ``disaggregation_decode_enable_radix_cache``
             on a decode server for this kind (None: allowed).
         own_tree: ``(sizes, chunked) -> OwnTree | None``, a tree of the kind's own instead of
@@ -171,6 +175,7 @@ class CacheKind:
     supports_host_pool_backup: Callable[[Sizes], bool] | None = None
     host_pool_backup_refusal: str | None = None
     no_host_copy: str | None = None
+    dcp_refusal: str | None = None
     decode_radix_refusal: str | None = None
     own_tree: Callable[[Sizes, bool], OwnTree | None] | None = None
     tree_builders: Mapping[str, Callable[[TreeOptions, TreeInputs], Any]] = dataclasses.field(default_factory=dict)

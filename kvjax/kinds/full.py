@@ -46,7 +46,7 @@ def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dty
         num_kv_heads=heads,
         head_dim=spec.head_dim,
         v_head_dim=spec.v_head_dim,
-        page_size=config.alloc_page_size,
+        page_size=config.page_size,  # one device's rows of a page (x dcp_size striped)
         dtype=kv_dtype,
         platform=platform,
     )

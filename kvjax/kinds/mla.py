@@ -52,7 +52,7 @@ def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dty
     mla = MLALayout.for_platform(
         kv_lora_rank=spec.kv_lora_rank,
         qk_rope_head_dim=spec.qk_rope_head_dim,
-        page_size=config.alloc_page_size,
+        page_size=config.page_size,  # one device's rows of a page (x dcp_size striped)
         dtype=kv_dtype,
         platform=platform,
         index_head_dim=spec.index_head_dim if spec.is_dsa else None,

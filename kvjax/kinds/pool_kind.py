@@ -21,7 +21,9 @@ class BuildContext:
     ``mesh``: a ``jax.sharding.Mesh`` or None; ``kv_head_axis``: its axis for KV heads;
     ``tp_size``: ranks along that axis (the planned per-rank heads are multiplied by it when a
     mesh shards the global array); ``platform``: where the arrays live; ``host_layout``: the host
-    tier's memory layout (``hicache_mem_layout``).
+    tier's memory layout (``hicache_mem_layout``); ``context_axis``: the mesh axis a paged pool's
+    token rows are striped over under decode context parallelism (``"dcp"``), or None;
+    ``dcp_size``: ranks along it (the planned per-device page rows are multiplied by it).
     """
 
     platform: str
@@ -29,6 +31,8 @@ class BuildContext:
     kv_head_axis: str = "tp"
     tp_size: int = 1
     host_layout: str = "layer_first"
+    context_axis: str | None = None
+    dcp_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,7 @@ KIND = CacheKind(
     # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
     # component); kvjax has no host copy of them yet, so the build refuses before allocating.
     no_host_copy="recurrent-state checkpoints",
+    dcp_refusal="recurrent state is per request, not per token, so it cannot be striped; use {dcp_size} 1",
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; turn it off for this model"
     ),

@@ -271,6 +271,10 @@ KIND = CacheKind(
     host_pools=host_pools,
     split_tokens=split_tokens,
     supports_host_pool_backup=supports_host_pool_backup,
+    dcp_refusal=(
+        "the sliding layers' pool has its own allocator, not striped over DCP ranks; set "
+        "{disable_hybrid_swa_memory} (one full-size pool, the window a mask on global positions) or {dcp_size} 1"
+    ),
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with sliding window attention (SWA) models; "
         "turn it off for this model"

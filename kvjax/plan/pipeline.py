@@ -6,6 +6,7 @@ from kvjax.config import CacheConfig
 from kvjax.kinds.host_tier import HOST_KV
 from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.plan.cache_plan import CachePlan
+from kvjax.plan.dcp import check_dcp_config
 from kvjax.plan.draft import decide_draft, draft_pool_plans
 from kvjax.plan.model_kind import decide_model_kind
 from kvjax.plan.pool_plans import plan_pools
@@ -36,6 +37,7 @@ def plan_kv_cache(
     sizes -> retraction backup -> tree -> host tier -> pools.
     """
     kind = decide_model_kind(spec, config)
+    check_dcp_config(config, kind, spec.name)
     check_pipeline_stages(spec, config.pp_size)  # the target's layers; a draft sits on the last stage
     target = decide_target(spec, config, kind)
     draft, draft_warnings = decide_draft(spec, config, kind, draft_spec)

@@ -39,6 +39,13 @@ def render_plan(plan: CachePlan) -> str:
             f"  parallel: tp {target.tp_size} ({dp}); tokens and bytes below are per device"
             + (", each DP rank with its own pools" if target.dp_size > 1 else "")
         )
+    dcp = plan.alloc_page_size // plan.sizes.page_size
+    if dcp > 1:
+        lines.append(
+            f"  decode context parallel: dcp {dcp} x tp {target.tp_size}; each request's KV striped over {dcp} ranks: "
+            f"{plan.max_total_tokens // dcp:,} token rows per device (pages of {plan.sizes.page_size} rows); "
+            "bytes below are per device"
+        )
     for note in plan.padding:
         lines.append(f"  padding: {note}")
     if plan.swa_tokens_per_layer is not None:  # a kind split the tokens between two pools

@@ -81,8 +81,8 @@ def _refuse_empty_pool(config: CacheConfig, budget: int | None, bytes_per_token:
         raise ConfigError(
             "max_total_tokens",
             config.max_total_tokens,
-            f"the pool holds no whole page of {ps} tokens; use {{max_total_tokens}} {ps} or more "
-            f"(a multiple of {{page_size}} {config.page_size})",
+            f"the pool holds no whole page of {ps} tokens{_striped(config)}; use {{max_total_tokens}} {ps} or more "
+            f"(a multiple of {ps})",
         )
     need = bytes_per_token * 2 * ps + mamba_bytes
     detail = f"{_fmt(bytes_per_token)} bytes/token, {_fmt(mamba_bytes)} bytes of recurrent state"
@@ -99,6 +99,13 @@ def _refuse_empty_pool(config: CacheConfig, budget: int | None, bytes_per_token:
         budget,
         f"the budget holds no page of {ps} tokens besides the trash page ({detail}); give {{memory_budget_bytes}} "
         f"of at least {_fmt(need)} bytes",
+    )
+
+
+def _striped(config: CacheConfig) -> str:
+    """`` ({page_size} x {dcp_size} DCP ranks)`` under DCP, else nothing."""
+    return (
+        f" ({{page_size}} {config.page_size} x {{dcp_size}} {config.dcp_size} DCP ranks)" if config.dcp_enabled else ""
     )
 
 
@@ -161,9 +168,11 @@ def _stage_budget(
     if rest is None:
         tokens = config.max_total_tokens or 0
     else:
-        # Every KV pool of the stage also holds one trash page: pay for it first.
-        trash = config.alloc_page_size * sized_per_token if layers.kv_layers else 0
-        tokens = max(0, rest - trash) // sized_per_token
+        # Every KV pool of the stage also holds one trash page: pay for it first. Under DCP a
+        # device holds ``page_size`` rows of each striped page (its trash page's too), and the
+        # allocator's slots are ``dcp_size`` times a device's rows (``kvjax.alloc.dcp``).
+        trash = config.page_size * sized_per_token if layers.kv_layers else 0
+        tokens = max(0, rest - trash) // sized_per_token * config.dcp_size
     return _StageBudget(layers, bytes_per_token, per_req, slots, mamba_bytes, tokens)
 
 

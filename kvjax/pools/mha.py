@@ -82,6 +82,9 @@ class MHAKVPool(PagedLayers, Pool):
     start_layer: int = static_field(default=0)
     mesh: Mesh | None = static_field(default=None)  # set when the layers are sharded over KV heads
     kv_head_axis: str | None = static_field(default=None)
+    # Decode context parallelism: the mesh axis each page's token rows are striped over (rank ``r``
+    # holds rows ``r * page_size / dcp ...``; ``kvjax.alloc.dcp_stripe``), or None.
+    context_axis: str | None = static_field(default=None)
     # Global ids of the layers, when they are not consecutive from ``start_layer`` (the
     # full-attention layers of a hybrid model: SGLang's ``HybridLinearKVPool`` mapping).
     layer_ids: tuple[int, ...] | None = static_field(default=None)
@@ -105,6 +108,7 @@ class MHAKVPool(PagedLayers, Pool):
         mesh: Mesh | None = None,
         kv_head_axis: str = "tp",
         layer_ids: tuple[int, ...] | None = None,
+        context_axis: str | None = None,
     ) -> MHAKVPool:
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
@@ -114,7 +118,10 @@ class MHAKVPool(PagedLayers, Pool):
         K/V head axis is sharded over its ``kv_head_axis`` (each device holds whole heads, K and V
         together) and updates run per device under ``shard_map``: the Pallas kernels are not
         partitioned automatically. ``layer_ids``: the global layer ids of interleaved layers
-        (``num_layers`` of them; ``start_layer`` is then ignored).
+        (``num_layers`` of them; ``start_layer`` is then ignored). ``context_axis`` (with a mesh):
+        each page's token rows are also sharded over that axis (decode context parallelism; the
+        page holds ``page_size / dcp`` rows of each rank, ``kvjax.alloc.dcp_stripe``); only
+        ``kvjax.attention.dcp_attention`` writes and reads such a pool.
         """
         if layer_ids is not None and len(layer_ids) != num_layers:
             raise ValueError(f"layer_ids lists {len(layer_ids)} layers; num_layers is {num_layers}")
@@ -130,7 +137,7 @@ class MHAKVPool(PagedLayers, Pool):
         v_head_dim = layout.v_head_dim
         store = jnp.dtype(layout.storage_dtype)
         return cls(
-            kv=zeroed_layers(num_layers, layout.shape(num_pages), store, mesh, _HEAD_SPEC(kv_head_axis)),
+            kv=zeroed_layers(num_layers, layout.shape(num_pages), store, mesh, _HEAD_SPEC(kv_head_axis, context_axis)),
             k_scale=jnp.ones((num_layers,), jnp.float32),
             v_scale=jnp.ones((num_layers,), jnp.float32),
             page_size=page_size,
@@ -142,9 +149,19 @@ class MHAKVPool(PagedLayers, Pool):
             mesh=mesh,
             kv_head_axis=kv_head_axis if mesh is not None else None,
             layer_ids=None if layer_ids is None else tuple(int(i) for i in layer_ids),
+            context_axis=context_axis if mesh is not None else None,
         )
 
     # --- static facts ---------------------------------------------------------------------------
+
+    def _require_unstriped(self, what: str) -> None:
+        """``NotImplementedError`` naming ``what`` on a pool striped over DCP ranks: its slots are
+        not rows of the global array (``kvjax.alloc.dcp_stripe``); DCP attention writes it."""
+        if self.context_axis is not None:
+            raise NotImplementedError(
+                f"MHAKVPool.{what} on a pool striped over the {self.context_axis!r} mesh axis (decode context "
+                "parallelism) is not built; kvjax.attention.dcp_attention writes and reads it"
+            )
 
     @property
     def head_dim_padded(self) -> int:
@@ -191,6 +208,7 @@ class MHAKVPool(PagedLayers, Pool):
         (default: the layer's stored scale) before the cast, as SGLang does. Padded tokens may use
         slots of page 0.
         """
+        self._require_unstriped("set_kv_buffer")
         index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
         ks = self.k_scale[index] if k_scale is None else jnp.asarray(k_scale, jnp.float32)
@@ -227,6 +245,7 @@ class MHAKVPool(PagedLayers, Pool):
         All sources are read before any target is written (a chain ``1->2, 2->3`` copies the old
         slot 2 into 3).
         """
+        self._require_unstriped("move_kv_cache")
         tgt, src = self.move_slots(tgt_loc, src_loc)
         copy = _copy_slots
         if self.mesh is not None:
@@ -266,6 +285,7 @@ class MHAKVPool(PagedLayers, Pool):
 
         Reads only the requested slots (O(n)); fp8 values are multiplied back by the layer's scale.
         """
+        self._require_unstriped("get_kv")
         index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
         slots = route_to_trash(loc, self.num_slots)
@@ -280,6 +300,7 @@ class MHAKVPool(PagedLayers, Pool):
 
     def get_cpu_copy(self, loc: np.ndarray) -> list[np.ndarray]:
         """Host copies of the given slots of every layer (retraction with the ``cpu_tensor`` backup)."""
+        self._require_unstriped("get_cpu_copy")
         check_slots(loc, self.num_slots)
         slots = jnp.asarray(loc, jnp.int32)
         return [np.asarray(jax.device_get(a.reshape(self.num_slots, *a.shape[2:])[slots])) for a in self.kv]
@@ -316,13 +337,15 @@ def pool_from_plan(
     kind, for the error when its layout is not an ``MHALayout``).
 
     The plan's heads are per rank; with a mesh the global array holds ``tp_size`` times as many,
-    sharded over ``context.kv_head_axis``.
+    sharded over ``context.kv_head_axis``. Under DCP the plan's page rows are one device's: the
+    global page holds ``dcp_size`` times as many, sharded over ``context.context_axis``.
     """
     layout = planned_layout(pool, kind, MHALayout)
     heads = layout.num_kv_heads * (context.tp_size if context.mesh is not None else 1)
+    striped = context.mesh is not None and context.context_axis is not None
     return MHAKVPool.create(
         num_pages=pool.shape[0] - 1,
-        page_size=layout.page_size,
+        page_size=layout.page_size * (context.dcp_size if striped else 1),
         num_layers=pool.count,
         num_kv_heads=heads,
         head_dim=layout.head_dim,
@@ -334,9 +357,11 @@ def pool_from_plan(
         mesh=context.mesh,
         kv_head_axis=context.kv_head_axis,
         layer_ids=layer_ids,
+        context_axis=context.context_axis if striped else None,
     )
 
 
-def _HEAD_SPEC(axis: str | None) -> P:  # noqa: N802 - reads as a constant spec
-    """Layer arrays sharded over the combined K/V head axis."""
-    return P(None, None, axis, None)
+def _HEAD_SPEC(axis: str | None, context_axis: str | None = None) -> P:  # noqa: N802 - reads as a constant spec
+    """Layer arrays sharded over the combined K/V head axis (and, under decode context
+    parallelism, each page's token rows over ``context_axis``)."""
+    return P(None, context_axis, axis, None)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kvjax.pools import dtypes
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
@@ -128,6 +129,9 @@ class MLAKVPool(PagedLayers, Pool):
     dtype: str = static_field()
     start_layer: int = static_field(default=0)
     mesh: Mesh | None = static_field(default=None)  # set when the layers were created over a mesh
+    # Decode context parallelism: the mesh axis each page's token rows are striped over
+    # (``kvjax.alloc.dcp``); None otherwise (the latent is then replicated over the mesh).
+    context_axis: str | None = static_field(default=None)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -145,11 +149,15 @@ class MLAKVPool(PagedLayers, Pool):
         row_padded: int | None = None,
         start_layer: int = 0,
         mesh: Mesh | None = None,
+        context_axis: str | None = None,
     ) -> MLAKVPool:
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
         ``row_padded`` defaults to the platform's (``MLALayout``: the row rounded up to 128 on TPU);
-        with a ``mesh`` every layer is replicated over it.
+        with a ``mesh`` every layer is replicated over it, or with ``context_axis`` each page's
+        token rows are sharded over that axis (decode context parallelism: ``page_size / dcp``
+        rows of each rank, ``kvjax.alloc.dcp``; only ``kvjax.attention.dcp_mla_attention``
+        writes and reads such a pool).
         """
         layout = MLALayout.for_platform(
             kv_lora_rank=kv_lora_rank,
@@ -164,7 +172,7 @@ class MLAKVPool(PagedLayers, Pool):
             raise ValueError(f"row_padded={padded} is below kv_lora_rank + qk_rope_head_dim = {row}")
         store = jnp.dtype(layout.storage_dtype)
         return cls(
-            kv=zeroed_layers(num_layers, (num_pages + 1, page_size, padded), store, mesh),
+            kv=zeroed_layers(num_layers, (num_pages + 1, page_size, padded), store, mesh, P(None, context_axis, None)),
             scale=jnp.ones((num_layers,), jnp.float32),
             page_size=page_size,
             kv_lora_rank=kv_lora_rank,
@@ -172,6 +180,7 @@ class MLAKVPool(PagedLayers, Pool):
             dtype=dtype,
             start_layer=start_layer,
             mesh=mesh,
+            context_axis=context_axis if mesh is not None else None,
         )
 
     # --- static facts ---------------------------------------------------------------------------
@@ -189,6 +198,15 @@ class MLAKVPool(PagedLayers, Pool):
     def logical_dtype(self) -> np.dtype:
         return dtypes.logical_dtype(self.dtype)
 
+    def _require_unstriped(self, what: str) -> None:
+        """``NotImplementedError`` naming ``what`` on a pool striped over DCP ranks: its slots are
+        not rows of the global array (``kvjax.alloc.dcp``); DCP attention writes it."""
+        if self.context_axis is not None:
+            raise NotImplementedError(
+                f"MLAKVPool.{what} on a pool striped over the {self.context_axis!r} mesh axis (decode context "
+                "parallelism) is not built; kvjax.attention.dcp_mla_attention writes and reads it"
+            )
+
     # --- writes ---------------------------------------------------------------------------------
 
     def _quantise(self, row: jax.Array, scale: jax.Array) -> jax.Array:
@@ -199,6 +217,7 @@ class MLAKVPool(PagedLayers, Pool):
         return dtypes.to_storage(row, self.store_dtype)
 
     def _write(self, layer_id: int, loc: jax.Array, row: jax.Array, scale: float | jax.Array | None) -> MLAKVPool:
+        self._require_unstriped("set_kv_buffer")
         index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
         check_kv_scale("scale", scale)
@@ -254,6 +273,7 @@ class MLAKVPool(PagedLayers, Pool):
 
     def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> MLAKVPool:
         """Copy token slots ``src_loc[i] -> tgt_loc[i]`` in every layer (all reads before all writes)."""
+        self._require_unstriped("move_kv_cache")
         tgt, src = self.move_slots(tgt_loc, src_loc)
         layers = []
         for layer in self.kv:
@@ -286,6 +306,7 @@ class MLAKVPool(PagedLayers, Pool):
     ) -> tuple[jax.Array, jax.Array]:
         """Dequantised ``(k_nope [n, 1, kv_lora_rank], k_rope [n, 1, qk_rope_head_dim])`` of slots
         ``loc`` in ``dst_dtype`` (O(n) reads; fp8 values multiplied back by the layer's scale)."""
+        self._require_unstriped("get_mla_kv_buffer")
         index = self.layer_index(layer_id)
         check_slots(loc, self.num_slots)
         slots = route_to_trash(loc, self.num_slots)
@@ -308,9 +329,10 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> Any:
             f"pool {pool.name!r} serves layers {list(interleaved)}, which are not consecutive; an MLA pool over "
             "interleaved layers is not built yet"
         )
+    striped = context.mesh is not None and context.context_axis is not None and pool.name != "index_k"
     shared: dict[str, Any] = dict(
         num_pages=pool.shape[0] - 1,
-        page_size=layout.page_size,
+        page_size=layout.page_size * (context.dcp_size if striped else 1),
         num_layers=pool.count,
         platform=context.platform,
         start_layer=start,
@@ -326,5 +348,6 @@ def create_pool(pool: PoolPlan, context: BuildContext) -> Any:
         qk_rope_head_dim=layout.qk_rope_head_dim,
         dtype=layout.dtype,
         row_padded=layout.row_padded,
+        context_axis=context.context_axis if striped else None,
         **shared,
     )

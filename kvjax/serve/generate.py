@@ -128,6 +128,7 @@ def generate(
     tp_size: int = 1,
     draft: LoadedModel | None = None,
     speculative_num_steps: int = 3,
+    dcp_size: int = 1,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -136,7 +137,8 @@ def generate(
     default the model's end-of-sequence ids; ``()`` to always generate ``max_new_tokens``.
     ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
     ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
-    ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``).
+    ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``);
+    ``dcp_size``: each request's KV striped over that many times as many (``tp_mesh``).
     ``draft``: decode speculatively with this STANDALONE draft model, ``speculative_num_steps``
     tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
@@ -152,9 +154,12 @@ def generate(
         max_batch_size=max_batch_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
         tp_size=tp_size,
+        dcp_size=dcp_size,
         extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
     ).replace(**_speculative_config(draft, speculative_num_steps))
-    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size), draft_spec=None if draft is None else draft.spec)
+    cache = build_kv_cache(
+        model.spec, config, mesh=tp_mesh(tp_size, dcp_size), draft_spec=None if draft is None else draft.spec
+    )
     options: dict[str, Any] = dict(
         max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
@@ -280,16 +285,19 @@ def _config(
     max_batch_size: int,
     enable_hierarchical_cache: bool,
     tp_size: int,
+    dcp_size: int = 1,
     extra_tokens: int = 0,
 ) -> CacheConfig:
     """The cache of a ``generate`` run: the context rounded up to fit the longest request, a pool
     of ``max_total_tokens`` (default: room for every prompt, its output and ``extra_tokens`` more
-    per request: a speculative round's draft tokens past the last kept one)."""
+    per request, a speculative round's draft tokens past the last kept one, in whole pages of the
+    allocator: ``page_size * dcp_size`` tokens under decode context parallelism)."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     context = min(model.spec.context_length, -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING)
     if max_total_tokens is None:
-        per_request = [-(-(len(p) + max_new_tokens + extra_tokens) // page_size) * page_size for p in prompts]
-        max_total_tokens = max(sum(per_request), 4 * page_size)
+        striped = page_size * dcp_size  # the allocator's page
+        per_request = [-(-(len(p) + max_new_tokens + extra_tokens) // striped) * striped for p in prompts]
+        max_total_tokens = max(sum(per_request), 4 * striped)
     return CacheConfig(
         page_size=page_size,
         max_total_tokens=max_total_tokens,
@@ -298,6 +306,7 @@ def _config(
         chunked_prefill_size=chunked_prefill_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
         tp_size=tp_size,
+        dcp_size=dcp_size,
     )
 
 

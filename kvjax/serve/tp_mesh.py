@@ -17,14 +17,16 @@ from kvjax.mesh_check import make_serving_mesh
 __all__ = ["tp_mesh"]
 
 
-def tp_mesh(tp_size: int) -> Mesh | None:
-    """A ``("tp",)`` mesh of the first ``tp_size`` local devices (``Auto`` axes), or None for 1.
+def tp_mesh(tp_size: int, dcp_size: int = 1) -> Mesh | None:
+    """A ``("tp",)`` mesh of the first ``tp_size`` local devices (``Auto`` axes), or None for 1;
+    with ``dcp_size`` above 1, the ``("dcp", "tp")`` mesh of ``dcp_size * tp_size`` devices
+    (decode context parallelism, ``kvjax.mesh_check``).
 
     Raises ``ConfigError`` on ``tp_size`` when it is below 1 or more than the local devices (the
     message says how many there are and how to get more on a CPU host); nothing is built.
     """
     if tp_size < 1:
         raise ConfigError("tp_size", tp_size, "the tensor-parallel size must be 1 or more")
-    if tp_size == 1:
+    if tp_size == 1 and dcp_size == 1:
         return None
-    return serving_mesh(make_serving_mesh(tp_size, devices=jax.local_devices()))
+    return serving_mesh(make_serving_mesh(tp_size, devices=jax.local_devices(), dcp_size=dcp_size))

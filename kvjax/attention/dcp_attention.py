@@ -1,0 +1,204 @@
+"""Write-then-attend over a paged K/V pool striped over decode-context-parallel (DCP) ranks.
+
+The pool (``MHAKVPool`` with ``context_axis``) holds, on each device of the ``"dcp"`` mesh axis,
+its rank's rows of every striped page (``kvjax.alloc.dcp``: token ``i`` of a request on rank
+``i % dcp`` at local row ``(i % (page_size * dcp)) // dcp`` of the same page id). One layer runs
+inside one ``jax.shard_map`` over the mesh (KV and query heads over ``"tp"`` as in
+``kvjax.attention.sharding``; the batch's tokens, K/V and metadata replicated over ``"dcp"``):
+
+1. write: each rank writes the tokens it owns at their local slots; the others go to the trash
+   page (dropped), so every token is stored once, on its owner;
+2. attend: each rank attends every query over its own stripe (``striped_partial_attention``), with
+   the causal and sliding-window masks on the keys' *global* positions (local key ``l`` of rank
+   ``r`` is position ``l * dcp + r``); it returns the normalised partial output and its
+   log-sum-exp;
+3. merge: the partials are merged exactly over ``"dcp"`` (``kvjax.attention.dcp_merge``: one
+   ``pmax`` and two ``psum``), so every rank ends with the attention over the whole sequence.
+
+Sliding windows are served (the mask is on global positions); attention sinks join the merge once.
+The partial attention is jnp (the ragged Pallas kernel returns no log-sum-exp); on TPU it is
+compiled by XLA, not a Pallas kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from kvjax.alloc.dcp import DCPStripe
+from kvjax.attention.dcp_merge import merge_over_axis, partial_softmax
+from kvjax.attention.metadata import AttentionMetadata
+from kvjax.attention.sharding import check_heads_divide, expand_kv_heads
+from kvjax.pools import MHAKVPool, dtypes
+from kvjax.pools.base import route_to_trash
+from pallas_kernels import _ragged_attention as ra
+from pallas_kernels.kv_write import write_kv
+
+__all__ = ["dcp_paged_attention", "striped_partial_attention"]
+
+
+def striped_partial_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    rank: jax.Array | int,
+    dcp: int,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
+    token_batch: int = 8,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of a ragged batch over one DCP rank's stripe of the keys.
+
+    Args:
+        q: ``[T, heads, head_dim]`` (compute dtype).
+        kv_pages: the rank's rows of one layer, ``[pages + 1, page_size, 2 * kv_heads, dim_padded]``
+            in the logical dtype (``page_size``: rows per rank and page).
+        kv_lens, page_indices, cu_q_lens, num_seqs: the batch's metadata in *global* terms: KV
+            lengths in tokens of the whole sequence and the page table of striped pages (the same
+            page ids on every rank).
+        rank: this rank's index along the DCP axis (traced inside ``shard_map``).
+        dcp: the number of DCP ranks.
+        sm_scale, sliding_window, soft_cap: as ``ragged_paged_attention`` (window on global
+            positions).
+        k_scale, v_scale: the layer's fp8 scales (attention runs on ``k * k_scale``).
+
+    Returns:
+        ``(out, lse)``: float32 ``[T, heads, head_dim]``, the softmax-normalised output over the
+        keys this rank sees (0 where it sees none, padding tokens included), and float32
+        ``[T, heads]``, the log-sum-exp of those logits (``-inf`` where none).
+    """
+    total, num_q_heads, head_dim = q.shape
+    num_pool_pages, rows, combined, dim_padded = kv_pages.shape
+    num_kv_heads = combined // 2
+    group = num_q_heads // num_kv_heads
+    pages_per_seq = page_indices.shape[1]
+    local_len = pages_per_seq * rows
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    tokens = ra.token_rows(
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        total=total,
+        num_pool_pages=num_pool_pages,
+        page_size=rows * dcp,
+    )
+    kv_len_of = jnp.clip(kv_lens.astype(jnp.int32), 0, pages_per_seq * rows * dcp)
+    key_pos = jnp.arange(local_len, dtype=jnp.int32) * dcp + jnp.asarray(rank, jnp.int32)  # global positions
+    q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
+    k_dequant = jnp.asarray(k_scale, jnp.float32)
+    v_dequant = jnp.asarray(v_scale, jnp.float32)
+
+    def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        qt, seq, pos, is_live = xs
+        pages = kv_pages[tokens.safe_pages[seq]].reshape(local_len, combined, dim_padded)
+        k = pages[:, 0::2, :head_dim].astype(jnp.float32) * k_dequant  # [L, Hkv, D]
+        v = pages[:, 1::2, :head_dim].astype(jnp.float32) * v_dequant
+        logits = jnp.einsum("hgd,lhd->hgl", qt, k) * scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        visible = (key_pos <= pos) & (key_pos < kv_len_of[seq]) & jnp.repeat(tokens.page_ok[seq], rows) & is_live
+        if sliding_window is not None:
+            visible &= key_pos > pos - sliding_window
+        probs, lse = partial_softmax(logits, visible)
+        return jnp.einsum("hgl,lhd->hgd", probs, jnp.where(visible[:, None, None], v, 0.0)), lse
+
+    if total == 0:
+        return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+    out, lse = jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
+    return out.reshape(total, num_q_heads, head_dim), lse.reshape(total, num_q_heads)
+
+
+def dcp_paged_attention(
+    pool: MHAKVPool,
+    layer_id: int,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    out_loc: jax.Array | None = None,
+    page_indices: jax.Array | None = None,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+    sliding_window: int | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, MHAKVPool]:
+    """``paged_attention`` for a pool striped over DCP ranks (module docstring); same arguments
+    and result. ``out_loc`` and the page table are the allocator's (striped) slots and pages."""
+    mesh = mesh if mesh is not None else pool.mesh
+    axis, heads_axis = pool.context_axis, pool.kv_head_axis
+    if mesh is None or axis is None or heads_axis is None:
+        raise ValueError(f"layer {layer_id}'s pool is not striped over a mesh's DCP axis; use paged_attention")
+    meta = meta.as_device_arrays()
+    loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
+    table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)
+    index = pool.layer_index(layer_id)
+    dcp = int(mesh.shape[axis])
+    stripe = DCPStripe(pool.page_size // dcp, dcp)
+    k = expand_kv_heads(k, pool.num_kv_heads, f"layer {layer_id}'s k")
+    v = expand_kv_heads(v, pool.num_kv_heads, f"layer {layer_id}'s v")
+    packed = pool._pack(jnp.asarray(k), jnp.asarray(v), pool.k_scale[index], pool.v_scale[index])
+    slots = route_to_trash(loc, pool.num_slots)
+    check_heads_divide(f"layer {layer_id}'s KV", pool.num_kv_heads, mesh, heads_axis)
+    check_heads_divide(f"layer {layer_id}'s query", q.shape[1], mesh, heads_axis)
+
+    def layer_step(
+        layer: jax.Array,
+        packed: jax.Array,
+        slots: jax.Array,
+        q: jax.Array,
+        kv_lens: jax.Array,
+        table: jax.Array,
+        cu_q_lens: jax.Array,
+        num_seqs: jax.Array,
+        k_scale: jax.Array,
+        v_scale: jax.Array,
+        *sink: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        rank = jax.lax.axis_index(axis)
+        mine = jnp.where(stripe.owner(slots) == rank, stripe.local_slot(slots), 0)  # others: the trash page
+        layer = write_kv(layer, packed, mine)
+        kv = dtypes.from_storage(layer, pool.logical_dtype)
+        out, lse = striped_partial_attention(
+            q,
+            kv,
+            kv_lens,
+            table,
+            cu_q_lens,
+            num_seqs,
+            rank=rank,
+            dcp=dcp,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        merged = merge_over_axis(out, lse, axis, sinks=sink[0] if sink else None)
+        return layer, merged.astype(q.dtype)
+
+    layer_spec = P(None, axis, heads_axis, None)
+    heads = P(None, heads_axis, None)
+    specs: tuple[P, ...] = (layer_spec, heads, P(), heads, P(), P(), P(), P(), P(), P())
+    args: list[Any] = [pool.kv[index], packed, slots, q, meta.kv_lens, table, meta.cu_q_lens, meta.num_seqs]
+    args += [pool.k_scale[index], pool.v_scale[index]]
+    if sinks is not None:
+        specs += (P(heads_axis),)
+        args.append(jnp.asarray(sinks, jnp.float32))
+    run = jax.shard_map(layer_step, mesh=mesh, in_specs=specs, out_specs=(layer_spec, heads), check_vma=False)
+    layer, out = run(*args)
+    return out, pool.with_layer(index, layer)

@@ -1,0 +1,95 @@
+"""Merging attention computed over disjoint key sets with their log-sum-exp (decode context parallelism).
+
+Each DCP rank attends a query over its own stripe of the keys and returns the normalised partial
+output ``o_r`` and the log-sum-exp of its logits ``lse_r`` (``-inf`` where it sees no key). The
+attention over all keys is exactly
+
+    m = max_r lse_r,    w_r = exp(lse_r - m),    o = sum_r w_r o_r / sum_r w_r
+
+(softmax is a ratio of sums, and each rank's sum is ``exp(lse_r)``). An attention-sink logit
+``s`` (gpt-oss) belongs to no rank: it joins the maximum and adds ``exp(s - m)`` to the
+denominator once. Everything is float32.
+
+:func:`partial_softmax` gives one rank's ``(probabilities, lse)``; :func:`merge_over_axis` runs
+inside ``jax.shard_map`` and merges over a mesh axis with one ``pmax`` and two ``psum``
+collectives (of ``[T, heads]`` and ``[T, heads, head_dim]``; XLA combines the two ``psum``);
+:func:`merge_stacked` merges partials stacked on a leading axis on one device (the same
+arithmetic: what the single-device tests compare against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["merge_over_axis", "merge_stacked", "partial_softmax"]
+
+_Reduce = Callable[[jax.Array], jax.Array]
+
+
+def partial_softmax(logits: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One rank's softmax over the keys it sees: ``logits [..., L]`` float32 and ``visible`` (bool,
+    broadcastable) -> ``(probabilities [..., L], lse [...])``: the probabilities over the visible
+    keys (all 0 where none is) and the log-sum-exp of their logits (``-inf`` where none is)."""
+    logits = jnp.where(visible, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    safe_peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(visible, jnp.exp(logits - safe_peak), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    seen = denom > 0
+    safe_denom = jnp.where(seen, denom, 1.0)
+    lse = jnp.where(seen, safe_peak + jnp.log(safe_denom), -jnp.inf)
+    return weights / safe_denom, lse[..., 0]
+
+
+def _merge(
+    out: jax.Array, lse: jax.Array, sinks: jax.Array | None, reduce_max: _Reduce, reduce_sum: _Reduce
+) -> jax.Array:
+    """The merge of the module docstring with the reductions over ranks given."""
+    peak = reduce_max(lse)
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks[None, :])
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # no key anywhere (padding): weights all 0
+    weight = jnp.where(jnp.isfinite(lse), jnp.exp(lse - peak), 0.0)
+    numer = reduce_sum(weight[..., None] * out)
+    denom = reduce_sum(weight)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks[None, :] - peak)
+    return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def merge_over_axis(out: jax.Array, lse: jax.Array, axis: str, *, sinks: jax.Array | None = None) -> jax.Array:
+    """Merge this rank's partial attention with every rank's along mesh axis ``axis`` (inside
+    ``shard_map``).
+
+    Args:
+        out: float32 ``[T, heads, head_dim]``: this rank's normalised output over its keys (0 where
+            it sees none).
+        lse: float32 ``[T, heads]``: the log-sum-exp of its logits (``-inf`` where it sees none).
+        axis: the mesh axis the ranks lie along (``"dcp"``).
+        sinks: float32 ``[heads]`` attention-sink logits, or None.
+
+    Returns:
+        float32 ``[T, heads, head_dim]``, the same on every rank of ``axis``.
+    """
+    return _merge(
+        out,
+        lse,
+        sinks,
+        lambda x: jax.lax.pmax(x, axis),
+        lambda x: jax.lax.psum(x, axis),
+    )
+
+
+def merge_stacked(out: jax.Array, lse: jax.Array, *, sinks: jax.Array | None = None) -> jax.Array:
+    """Merge partials stacked on a leading rank axis: ``out [R, T, heads, head_dim]``, ``lse
+    [R, T, heads]`` (float32) -> ``[T, heads, head_dim]``."""
+    return _merge(
+        out,
+        lse,
+        sinks,
+        lambda x: jnp.max(x, axis=0),
+        lambda x: jnp.sum(x, axis=0),
+    )

@@ -1,0 +1,86 @@
+"""Decode context parallelism over 8 CPU devices gives Transformers' tokens and logits.
+
+The tiny random-weight Llama (the parity tests' own config, ``tests/serve``) is served with each
+request's KV striped over a ``"dcp"`` mesh axis of 2 and 4 ranks (and over 2 DCP ranks x 2 TP
+ranks), the tiny DeepSeek-V2 with its MLA latent striped over 2 DCP ranks x 2 TP ranks, and the
+tiny Gemma 3's sliding window over one striped full-size pool. Llama and DeepSeek run through one
+cache small enough that the two rounds of ``parity_harness`` reuse prefixes, prefill in chunks,
+evict and retract (each asserted). Tokens must equal Transformers' greedy ``generate`` and logits
+agree within 1e-4 (float32); the cache ends leak free, every pool array lies on the mesh's
+devices and each device holds its rank's rows of every page only.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from kvjax.mesh_check import make_serving_mesh
+from kvjax.pools import MHAKVPool, MLAKVPool
+from tests.serve import swa_parity
+from tests.serve.parity_harness import (
+    assert_matches_transformers,
+    build_scheduler,
+    serve_two_rounds,
+    tiny_checkpoint,
+    transformers,
+)
+from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
+from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
+from tests.serve.test_parity_transformers import COMMON, FAMILIES
+
+MAX_NEW = 6
+ATOL = 1e-4
+PAGE = 1
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    cls, extra = FAMILIES["llama"]
+    return tiny_checkpoint(getattr(transformers, cls)(**COMMON, **extra), tmp_path_factory, "llama")
+
+
+@pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (4, 1), (2, 2)])
+def test_llama_reuse_chunked_prefill_eviction_and_retraction(dcp, tp, llama):
+    hf, model = llama
+    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
+    sched = build_scheduler(
+        model, mesh=mesh, tp_size=tp, dcp_size=dcp, page_size=PAGE, max_total_tokens=64, max_running_requests=8
+    )
+    pool = sched.cache.pools.kv
+    assert isinstance(pool, MHAKVPool) and pool.context_axis == "dcp"
+    assert sched.alloc.page_size == PAGE * dcp and sched.cache.plan.tree_page_size == PAGE * dcp
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert sched.mesh is not None and dict(sched.mesh.shape) == {"dcp": dcp, "tp": tp}
+    layer = sched.cache.pools.kv.kv[0]
+    assert len(layer.sharding.device_set) == dcp * tp
+    assert {shard.data.shape[1] for shard in layer.addressable_shards} == {PAGE}, "a device holds its rank's rows"
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(tmp_path_factory):
+    hf, model = tiny_checkpoint(transformers.DeepseekV2Config(**DEEPSEEK_V2), tmp_path_factory, "deepseek_v2")
+    mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
+    sched = build_scheduler(
+        model, mesh=mesh, tp_size=2, dcp_size=2, page_size=PAGE, max_total_tokens=64, max_running_requests=8
+    )
+    done = serve_two_rounds(sched, MAX_NEW)
+    pool = sched.cache.pools.kv
+    assert isinstance(pool, MLAKVPool) and pool.context_axis == "dcp"
+    assert {shard.data.shape[1] for shard in pool.kv[0].addressable_shards} == {PAGE}
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_gemma3_sliding_window_on_a_full_size_pool_masks_global_positions(tmp_path_factory):
+    """The window is a mask on global positions over the striped full-size pool (a hybrid SWA
+    pool is refused under DCP: ``disable_hybrid_swa_memory``)."""
+    hf, model = tiny_checkpoint(transformers.Gemma3TextConfig(**GEMMA3), tmp_path_factory, "gemma3")
+    mesh = make_serving_mesh(1, dcp_size=2, devices=jax.devices())
+    sched, done = swa_parity.serve(model, page_size=PAGE, max_total_tokens=256, hybrid=False, mesh=mesh, dcp_size=2)
+    assert sched.cache.pools.kv.context_axis == "dcp"
+    assert max(len(r.origin_input_ids) for r in done.values()) > GEMMA3["sliding_window"], "prompts pass the window"
+    assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
