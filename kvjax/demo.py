@@ -21,6 +21,9 @@ from typing import Any
 
 from kvjax.build import KVCache, build_kv_cache
 from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
+from kvjax.multihost.front import MultiProcessFront
+from kvjax.multihost.mesh import group_tp_mesh
+from kvjax.multihost.process_group import ProcessGroup
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
@@ -64,6 +67,9 @@ class DemoReport:
     host_balanced: bool | None = None
     # With --hicache-storage DIR: tokens the warm run prefetched from the storage tier (L3).
     storage_prefetched_tokens: int | None = None
+    # A multi-process run (``kvjax.multihost``): the group's size and this process's id.
+    processes: int = 1
+    process_id: int = 0
     # The host tier was asked for but the plan has none for this model's tree (the plan's
     # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
     host_tier_dropped: str | None = None
@@ -84,7 +90,8 @@ class DemoReport:
             [
                 self.plan_text,
                 "",
-                f"served {self.requests} requests on {self.platform} ({self.model} model), warm radix cache:",
+                f"served {self.requests} requests on {self.platform} ({self.model} model){self._processes_text}, "
+                "warm radix cache:",
                 f"  prompt tokens      {self.prompt_tokens:>10,}",
                 f"  cached tokens      {self.cached_tokens:>10,}   hit rate {self.hit_rate:.1%}",
                 f"  prefill computed   {self.prefill_tokens_computed:>10,}   "
@@ -98,6 +105,10 @@ class DemoReport:
             ]
             + self._host_lines(check)
         )
+
+    @property
+    def _processes_text(self) -> str:
+        return "" if self.processes == 1 else f" as process {self.process_id} of {self.processes}"
 
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_tier_dropped is not None:
@@ -122,13 +133,15 @@ class DemoReport:
         )
 
 
-def demo_cache(*, spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
+def demo_cache(*, spec: ModelSpec | None = None, group: ProcessGroup | None = None, **config_kwargs) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
-    devices (``kvjax.serve.tp_mesh``)."""
+    devices (``kvjax.serve.tp_mesh``), or with ``group`` over every process's devices
+    (``kvjax.multihost.mesh``)."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
-    mesh = tp_mesh(config_kwargs.get("tp_size", 1))
+    tp_size = config_kwargs.get("tp_size", 1)
+    mesh = tp_mesh(tp_size) if group is None else group_tp_mesh(tp_size)
     return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh)
 
 
@@ -140,6 +153,7 @@ def serve(
     seed: int = 0,
     force_miss: bool = False,
     overlap: bool = True,
+    group: ProcessGroup | None = None,
     **config_kwargs,
 ) -> tuple[Scheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
@@ -148,6 +162,8 @@ def serve(
     workload's token ids are drawn below ``min(workload.vocab_size, the model's vocab)``.
     ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
     ``overlap``: the scheduler's overlap scheduling (False: each step runs to completion first).
+    ``group``: serve as one process of a multi-process run (``kvjax.multihost``): the mesh spans
+    every process, requests enter on process 0, completions are agreed.
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -159,14 +175,18 @@ def serve(
         workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
     if config_kwargs.get("hicache_storage_backend") is not None:
         config_kwargs.setdefault("hicache_storage_model_fingerprint", fingerprint)
-    cache = demo_cache(spec=spec, **config_kwargs)
+    cache = demo_cache(spec=spec, group=group, **config_kwargs)
     tree: Any = cache.tree_cache  # RadixCache and ChunkCache both have force_miss
     tree.force_miss = force_miss
-    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+    agreement = None if group is None else group.agreement()
+    scheduler = Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap, agreement=agreement)
+    front: Any = scheduler
+    if group is not None:
+        front = MultiProcessFront(scheduler, group.channel, check_agreement=group.check_agreement)
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
-    outputs = run_workload(scheduler, workload, on_finish=lambda _: bar.advance())
+    outputs = run_workload(front, workload, on_finish=lambda _: bar.advance())
     bar.close()
     return scheduler, outputs
 
@@ -184,6 +204,7 @@ def run_demo(
     hicache_storage: str | None = None,
     overlap: bool = True,
     tp_size: int = 1,
+    group: ProcessGroup | None = None,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -191,7 +212,8 @@ def run_demo(
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
-    ``tp_size``: every run tensor-parallel over that many local devices."""
+    ``tp_size``: every run tensor-parallel over that many local devices. ``group``: this
+    process's part of a multi-process run (``kvjax.multihost``; the mesh spans every process)."""
     workload = workload or Workload()
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
@@ -201,7 +223,8 @@ def run_demo(
         eviction_policy=eviction_policy,
         tp_size=tp_size,
     )
-    settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap)
+    progress = progress and (group is None or group.process_id == 0)
+    settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap, group=group)
     dropped: str | None = None
     if enable_hierarchical_cache:
         # A host tier kvjax cannot build for this model (NotImplementedError naming it) is refused
@@ -253,6 +276,8 @@ def run_demo(
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
+        processes=1 if group is None else group.num_processes,
+        process_id=0 if group is None else group.process_id,
         **host,
     )
 
