@@ -15,6 +15,8 @@ which the throughput figure comes from, then runs on compiled code.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +72,10 @@ class DemoReport:
     # A multi-process run (``kvjax.multihost``): the group's size and this process's id.
     processes: int = 1
     process_id: int = 0
+    # With KVJAX_CHECK_AGREEMENT=1 in a multi-process run: state digests compared (all equal).
+    digest_checks: int | None = None
+    # A fingerprint of the warm run's greedy tokens (every request's, by name), to compare runs.
+    outputs_fingerprint: str = ""
     # The host tier was asked for but the plan has none for this model's tree (the plan's
     # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
     host_tier_dropped: str | None = None
@@ -188,6 +194,8 @@ def serve(
     )
     outputs = run_workload(front, workload, on_finish=lambda _: bar.advance())
     bar.close()
+    if isinstance(front, MultiProcessFront) and group is not None:
+        group.digest_checks += front.digest_checks
     return scheduler, outputs
 
 
@@ -273,13 +281,21 @@ def run_demo(
         retractions=stats.retractions,
         leak_free=warm.leak_free() and cold.leak_free(),
         cold_equals_warm=cold_out == warm_out,
+        outputs_fingerprint=outputs_fingerprint(warm_out),
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
         processes=1 if group is None else group.num_processes,
         process_id=0 if group is None else group.process_id,
+        digest_checks=None if group is None or not group.check_agreement else group.digest_checks,
         **host,
     )
+
+
+def outputs_fingerprint(outputs: dict[str, list[int]]) -> str:
+    """A short hash of every request's output tokens, by request name (equal outputs, equal hash)."""
+    text = json.dumps(sorted(outputs.items()), separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _host_extension(scheduler: Scheduler) -> Any:

@@ -73,7 +73,9 @@ def _parser(command: str | None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m kvjax", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{" + ",".join(COMMANDS) + "}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{" + ",".join(COMMANDS) + "}"
+    )
     for name in COMMANDS:
         if name == command:
             _module(name).add_parser(sub)

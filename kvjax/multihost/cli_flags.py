@@ -34,8 +34,12 @@ def _seconds(text: str) -> float:
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of a multi-process run to ``parser``."""
     group = parser.add_argument_group("several processes (jax.distributed; python -m kvjax launch sets these)")
-    group.add_argument("--distributed", action="store_true", help="join a jax.distributed run (JAX detects the "
-                       "coordinator, process count and id on a TPU pod; the flags below set them elsewhere)")
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a jax.distributed run (JAX detects the "
+        "coordinator, process count and id on a TPU pod; the flags below set them elsewhere)",
+    )
     group.add_argument("--num-processes", type=positive_int, default=None, help="processes in the run")
     group.add_argument("--process-id", type=non_negative_int, default=None, help="this process's id (0: coordinator)")
     group.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's coordination service")

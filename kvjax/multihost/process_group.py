@@ -63,6 +63,7 @@ class ProcessGroup:
     num_processes: int
     channel: ProcessChannel
     check_agreement: bool = False
+    digest_checks: int = 0  # state digests compared so far (all equal), with check_agreement
 
     def agreement(self) -> ProcessAgreement:
         """A MIN agreement over the group's channel (one per scheduler)."""
@@ -77,13 +78,13 @@ def initialize(flags: ProcessFlags) -> ProcessGroup:
         CoordinatorError: the coordinator did not answer within ``flags.timeout_s`` (probed
             before JAX joins, which would abort the process instead of raising).
     """
+    if flags.coordinator_address is not None and flags.process_id not in (None, 0):
+        wait_for_coordinator(flags.coordinator_address, flags.timeout_s)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if flags.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", flags.cpu_devices)
-    if flags.coordinator_address is not None and flags.process_id not in (None, 0):
-        wait_for_coordinator(flags.coordinator_address, flags.timeout_s)
     timeout = max(1, round(flags.timeout_s))
     jax.distributed.initialize(
         coordinator_address=flags.coordinator_address,

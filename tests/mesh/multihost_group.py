@@ -49,7 +49,12 @@ def child_env(devices: int | None = None) -> dict[str, str]:
 
 
 def run_group(
-    python_args: Sequence[str], *, processes: int = 2, devices: int = 4, timeout: float = 120, kill_on_failure: bool = True
+    python_args: Sequence[str],
+    *,
+    processes: int = 2,
+    devices: int = 4,
+    timeout: float = 120,
+    kill_on_failure: bool = True,
 ) -> list[ProcessResult]:
     """Start the group (module docstring) and wait for every process, at most ``timeout`` s."""
     port = free_port()
