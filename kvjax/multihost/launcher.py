@@ -80,11 +80,12 @@ def launch(
             threads.append(t)
     failed: tuple[int, int] | None = None
     try:
-        while failed is None and any(p.poll() is None for p in procs):
-            failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+        while True:
+            codes = [p.poll() for p in procs]  # every process, every time (poll reaps)
+            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes):
+                break
             time.sleep(0.05)
-        if failed is None:
-            failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0), None)
     except KeyboardInterrupt:
         failed = (-1, 130)
     if failed is not None:

@@ -10,8 +10,8 @@ that many devices, and CPU collectives between processes go through gloo.
 Faults are bounded by ``timeout_s`` (seconds): joining (an unreachable coordinator is one
 `CoordinatorError` naming the address; JAX itself would abort the process), every exchange of
 the serving loop (``ProcessChannel``), and JAX's heartbeat, which ends every process of the group
-when one of them dies (set to twice the timeout, so that a process waiting in an exchange names
-the silent process first).
+when one of them dies (twice the timeout, at least ``MIN_HEARTBEAT_S``, so that a process waiting
+in an exchange names the silent process first; JAX's own message names the task it lost).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from kvjax.multihost.errors import CoordinatorError
 
 __all__ = ["ProcessFlags", "ProcessGroup", "initialize"]
 
+#: JAX's heartbeat never times out sooner (seconds): a loaded host may miss a few beats.
+MIN_HEARTBEAT_S = 10
+
 
 @dataclass(frozen=True)
 class ProcessFlags:
@@ -35,7 +38,8 @@ class ProcessFlags:
     ``num_processes`` and ``process_id``: the group's size and this process's place in it;
     ``cpu_devices``: CPU devices per process (None: the platform's own); ``timeout_s``: the
     bound of every wait (seconds); ``check_agreement``: compare every process's state digest at
-    every step (``kvjax.multihost.digest``).
+    every step (``kvjax.multihost.digest``); ``join_timeout_s``: the bound on joining (reaching
+    the coordinator, every process registering), when it differs from ``timeout_s``.
     """
 
     coordinator_address: str | None = None
@@ -44,6 +48,12 @@ class ProcessFlags:
     cpu_devices: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_agreement: bool = False
+    join_timeout_s: float | None = None
+
+    @property
+    def join_bound_s(self) -> float:
+        """The bound on joining the group (seconds): ``join_timeout_s``, else ``timeout_s``."""
+        return self.timeout_s if self.join_timeout_s is None else self.join_timeout_s
 
     def __post_init__(self) -> None:
         n, i = self.num_processes, self.process_id
@@ -79,7 +89,7 @@ def initialize(flags: ProcessFlags) -> ProcessGroup:
             before JAX joins, which would abort the process instead of raising).
     """
     if flags.coordinator_address is not None and flags.process_id not in (None, 0):
-        wait_for_coordinator(flags.coordinator_address, flags.timeout_s)
+        wait_for_coordinator(flags.coordinator_address, flags.join_bound_s)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -90,8 +100,8 @@ def initialize(flags: ProcessFlags) -> ProcessGroup:
         coordinator_address=flags.coordinator_address,
         num_processes=flags.num_processes,
         process_id=flags.process_id,
-        initialization_timeout=timeout,
-        heartbeat_timeout_seconds=2 * timeout,
+        initialization_timeout=max(1, round(flags.join_bound_s)),
+        heartbeat_timeout_seconds=max(2 * timeout, MIN_HEARTBEAT_S),
         shutdown_timeout_seconds=timeout,
     )
     channel = ProcessChannel.from_jax(timeout_s=flags.timeout_s)

@@ -120,5 +120,6 @@ def join(args: argparse.Namespace, *, timeout_s: float = 30.0, check_agreement: 
             cpu_devices=args.devices,
             timeout_s=timeout_s,
             check_agreement=check_agreement,
+            join_timeout_s=60.0,
         )
     )
