@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,13 +60,14 @@ def run_group(
     """Start the group (module docstring) and wait for every process, at most ``timeout`` s."""
     port = free_port()
     procs = []
+    # Output goes to files, never pipes: a pipe nobody reads until the end fills and blocks its writer.
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(processes)]
     start = time.monotonic()
     for i in range(processes):
         argv = [sys.executable, *python_args, "--coordinator", f"127.0.0.1:{port}"]
         argv += ["--process-id", str(i), "--num-processes", str(processes), "--devices", str(devices)]
-        procs.append(
-            subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
+        out, err = files[i]
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=out, stderr=err, text=True))
     ended: dict[int, float] = {}
     while len(ended) < processes:
         for i, p in enumerate(procs):
@@ -77,18 +79,25 @@ def run_group(
             running = [i for i in range(processes) if i not in ended]
             for p in procs:
                 p.kill()
-            outs = [p.communicate() for p in procs]
-            tails = "\n".join(f"--- process {i}:\n{err[-3000:]}" for i, (_, err) in enumerate(outs))
+                p.wait()
+            tails = "\n".join(f"--- process {i}:\n{_read(err)[-3000:]}" for i, (_, err) in enumerate(files))
             raise AssertionError(f"processes {running} still ran after {timeout} s\n{tails}")
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
             p.kill()
-    results = []
-    for i, p in enumerate(procs):
-        out, err = p.communicate()
-        results.append(ProcessResult(i, p.returncode, out, err, ended.get(i, time.monotonic() - start)))
-    return results
+        p.wait()
+    return [
+        ProcessResult(i, p.returncode, _read(out), _read(err), ended.get(i, time.monotonic() - start))
+        for i, (p, (out, err)) in enumerate(zip(procs, files, strict=True))
+    ]
+
+
+def _read(file: Any) -> str:
+    file.seek(0)
+    text: str = file.read()
+    file.close()
+    return text
 
 
 def assert_all_ok(results: Sequence[ProcessResult]) -> list[Any]:
