@@ -13,9 +13,11 @@ that never returns (gloo on CPU, DCN on a pod).
 
 Invariants: every process makes the same exchanges in the same order (the serving loop is the
 same program everywhere); exchange ``n``'s tag is checked against the other processes', so a
-program that diverged stops with both tags named. A process deletes its own key of exchange
-``n - 1`` once exchange ``n`` is complete (every process has posted ``n``, so has read ``n - 1``):
-the store holds at most two exchanges per process.
+program that diverged stops with both tags named. Keys are grouped in blocks of
+``DELETE_BLOCK`` exchanges per process; once exchange ``n`` is complete every process has posted
+``n``, so has read every key before it, and a process that completes the first exchange of a
+block deletes its own previous block in one call (the store holds at most two blocks per
+process; one delete per block rather than per exchange keeps the exchange at two calls).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvjax.multihost.errors import DivergenceError, ProcessLostError
 __all__ = ["KeyValueClient", "ProcessChannel"]
 
 DEFAULT_TIMEOUT_S = 60.0
+#: Exchanges per block of keys deleted together (module docstring).
+DELETE_BLOCK = 64
 
 
 class KeyValueClient(Protocol):
@@ -81,8 +85,11 @@ class ProcessChannel:
             raise RuntimeError("jax.distributed is not initialized: call kvjax.multihost.initialize first")
         return cls(client, jax.process_index(), jax.process_count(), timeout_s=timeout_s, namespace=namespace)
 
+    def _block(self, process: int, block: int) -> str:
+        return f"{self.namespace}/{process}/{block}"
+
     def _key(self, exchange: int, process: int) -> str:
-        return f"{self.namespace}/{exchange}/{process}"
+        return f"{self._block(process, exchange // DELETE_BLOCK)}/{exchange}"
 
     def all_gather(self, tag: str, payload: bytes) -> list[bytes]:
         """Post ``payload`` for this exchange and return every process's, in process order.
@@ -115,8 +122,8 @@ class ProcessChannel:
                     "the processes' serving loops diverged",
                 )
             out.append(their_payload)
-        if n > 0:
-            self.client.key_value_delete(self._key(n - 1, self.process_id))
+        if n % DELETE_BLOCK == 0 and n > 0:  # every key before n is read: drop the previous block
+            self.client.key_value_delete(self._block(self.process_id, n // DELETE_BLOCK - 1))
         self.exchanges = n + 1
         return out
 
