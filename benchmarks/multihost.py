@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
     address = f"127.0.0.1:{free_port()}"
-    files = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    with tempfile.TemporaryFile("w+") as out0, tempfile.TemporaryFile("w+") as out1:
+        return _run(args, env, address, [out0, out1])
+
+
+def _run(args: argparse.Namespace, env: dict[str, str], address: str, files: list[Any]) -> dict[str, Any]:
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", "--coordinator", address, "--process-id", str(i)]

@@ -109,12 +109,18 @@ class DemoReport:
                 f"  leak check (available + evictable + protected == capacity): {check(self.leak_free)}",
                 f"  cold == warm (same greedy tokens with the radix cache off): {check(self.cold_equals_warm)}",
             ]
+            + self._agreement_lines()
             + self._host_lines(check)
         )
 
     @property
     def _processes_text(self) -> str:
         return "" if self.processes == 1 else f" as process {self.process_id} of {self.processes}"
+
+    def _agreement_lines(self) -> list[str]:
+        if self.digest_checks is None:
+            return []
+        return [f"  agreement check: {self.digest_checks:,} step digests equal on all {self.processes} processes"]
 
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_tier_dropped is not None:

@@ -11,6 +11,7 @@ every process is killed and the test fails naming the processes still running.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -58,10 +59,25 @@ def run_group(
     kill_on_failure: bool = True,
 ) -> list[ProcessResult]:
     """Start the group (module docstring) and wait for every process, at most ``timeout`` s."""
+    with contextlib.ExitStack() as stack:
+        return _run_group(
+            stack, python_args, processes=processes, devices=devices, timeout=timeout, kill_on_failure=kill_on_failure
+        )
+
+
+def _run_group(
+    stack: contextlib.ExitStack,
+    python_args: Sequence[str],
+    *,
+    processes: int,
+    devices: int,
+    timeout: float,
+    kill_on_failure: bool,
+) -> list[ProcessResult]:
     port = free_port()
     procs = []
     # Output goes to files, never pipes: a pipe nobody reads until the end fills and blocks its writer.
-    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(processes)]
+    files = [(stack.enter_context(_temp()), stack.enter_context(_temp())) for _ in range(processes)]
     start = time.monotonic()
     for i in range(processes):
         argv = [sys.executable, *python_args, "--coordinator", f"127.0.0.1:{port}"]
@@ -93,10 +109,13 @@ def run_group(
     ]
 
 
+def _temp() -> Any:
+    return tempfile.TemporaryFile("w+")
+
+
 def _read(file: Any) -> str:
     file.seek(0)
     text: str = file.read()
-    file.close()
     return text
 
 
