@@ -15,6 +15,8 @@ which the throughput figure comes from, then runs on compiled code.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,10 @@ from kvjax.build import KVCache, build_kv_cache
 from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
 from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.mesh_check import make_serving_mesh
+from kvjax.multihost.agreement import Agreement
+from kvjax.multihost.front import MultiProcessFront
+from kvjax.multihost.mesh import group_tp_mesh
+from kvjax.multihost.process_group import ProcessGroup
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
@@ -66,6 +72,13 @@ class DemoReport:
     host_balanced: bool | None = None
     # With --hicache-storage DIR: tokens the warm run prefetched from the storage tier (L3).
     storage_prefetched_tokens: int | None = None
+    # A multi-process run (``kvjax.multihost``): the group's size and this process's id.
+    processes: int = 1
+    process_id: int = 0
+    # With KVJAX_CHECK_AGREEMENT=1 in a multi-process run: state digests compared (all equal).
+    digest_checks: int | None = None
+    # A fingerprint of the warm run's greedy tokens (every request's, by name), to compare runs.
+    outputs_fingerprint: str = ""
     # The host tier was asked for but the plan has none for this model's tree (the plan's
     # warning says why, e.g. a pure sliding-window tree); None when it was not asked for.
     host_tier_dropped: str | None = None
@@ -95,7 +108,8 @@ class DemoReport:
             [
                 self.plan_text,
                 "",
-                f"served {self.requests} requests on {self.platform} ({self.model} model), warm radix cache:",
+                f"served {self.requests} requests on {self.platform} ({self.model} model){self._processes_text}, "
+                "warm radix cache:",
                 f"  prompt tokens      {self.prompt_tokens:>10,}",
                 f"  cached tokens      {self.cached_tokens:>10,}   hit rate {self.hit_rate:.1%}",
                 f"  prefill computed   {self.prefill_tokens_computed:>10,}   "
@@ -108,6 +122,7 @@ class DemoReport:
                 f"  cold == warm (same greedy tokens with the radix cache off): {check(self.cold_equals_warm)}",
             ]
             + self._dp_lines()
+            + self._agreement_lines()
             + self._host_lines(check)
             + self._speculative_lines()
         )
@@ -130,6 +145,15 @@ class DemoReport:
             f"({sp['acceptance_rate']:.1%})",
             f"  tokens per target step {sp['accept_length']:>6.2f}",
         ]
+
+    @property
+    def _processes_text(self) -> str:
+        return "" if self.processes == 1 else f" as process {self.process_id} of {self.processes}"
+
+    def _agreement_lines(self) -> list[str]:
+        if self.digest_checks is None:
+            return []
+        return [f"  agreement check: {self.digest_checks:,} step digests equal on all {self.processes} processes"]
 
     def _host_lines(self, check: Any) -> list[str]:
         if self.host_tier_dropped is not None:
@@ -154,13 +178,22 @@ class DemoReport:
         )
 
 
-def demo_cache(*, spec: ModelSpec | None = None, draft_spec: ModelSpec | None = None, **config_kwargs) -> KVCache:
+def demo_cache(
+    *,
+    spec: ModelSpec | None = None,
+    draft_spec: ModelSpec | None = None,
+    group: ProcessGroup | None = None,
+    **config_kwargs,
+) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
-    devices (``kvjax.serve.tp_mesh``); ``draft_spec``: a speculative draft model's pool too."""
+    devices (``kvjax.serve.tp_mesh``; times ``dcp_size`` under decode context parallelism), or
+    with ``group`` over every process's devices (``kvjax.multihost.mesh``); ``draft_spec``: a
+    speculative draft model's pool too."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
-    mesh = tp_mesh(config_kwargs.get("tp_size", 1), config_kwargs.get("dcp_size", 1))
+    tp_size = config_kwargs.get("tp_size", 1)
+    mesh = tp_mesh(tp_size, config_kwargs.get("dcp_size", 1)) if group is None else group_tp_mesh(tp_size)
     return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh, draft_spec=draft_spec)
 
 
@@ -175,6 +208,7 @@ def serve(
     dp_routing: str = "cache_aware",
     draft: LoadedModel | None = None,
     speculative_num_steps: int = 3,
+    group: ProcessGroup | None = None,
     **config_kwargs,
 ) -> tuple[Scheduler | LockstepDPScheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
@@ -187,6 +221,8 @@ def serve(
     ``make_serving_mesh``'s ``("data", "tp")`` mesh of the local devices, served by a
     ``LockstepDPScheduler`` routing with ``dp_routing`` (no overlap scheduling).
     ``draft``: decode speculatively with this STANDALONE draft (``speculative_num_steps`` per round).
+    ``group``: serve as one process of a multi-process run (``kvjax.multihost``): the mesh spans
+    every process, requests enter on process 0, completions are agreed.
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -204,20 +240,26 @@ def serve(
             speculative_algorithm="STANDALONE", speculative_num_steps=k, speculative_num_draft_tokens=k + 1
         )
     server: Scheduler | LockstepDPScheduler
+    front: Any
     if config_kwargs.get("dp_size", 1) > 1:
-        server = _dp_server(spec, serving, weights, dp_routing, config_kwargs)
+        server = front = _dp_server(spec, serving, weights, dp_routing, config_kwargs)
         trees: list[Any] = [s.tree for s in server.schedulers]
     else:
-        cache = demo_cache(spec=spec, draft_spec=None if draft is None else draft.spec, **config_kwargs)
-        server = _single_server(serving, cache, weights, overlap, draft, speculative_num_steps)
+        cache = demo_cache(spec=spec, draft_spec=None if draft is None else draft.spec, group=group, **config_kwargs)
+        agreement = None if group is None else group.agreement()
+        server = front = _single_server(serving, cache, weights, overlap, draft, speculative_num_steps, agreement)
+        if group is not None:
+            front = MultiProcessFront(server, group.channel, check_agreement=group.check_agreement)
         trees = [cache.tree_cache]
     for tree in trees:  # RadixCache and ChunkCache both have force_miss
         tree.force_miss = force_miss
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
-    outputs = run_workload(server, workload, on_finish=lambda _: bar.advance())
+    outputs = run_workload(front, workload, on_finish=lambda _: bar.advance())
     bar.close()
+    if isinstance(front, MultiProcessFront) and group is not None:
+        group.digest_checks += front.digest_checks
     return server, outputs
 
 
@@ -228,11 +270,13 @@ def _single_server(
     overlap: bool,
     draft: LoadedModel | None,
     num_steps: int,
+    agreement: Agreement | None,
 ) -> Scheduler:
-    """The one scheduler of ``serve`` over ``cache``: a plain one, or with ``draft`` a
+    """The one scheduler of ``serve`` over ``cache``: a plain one (agreeing its host tier's
+    completions through ``agreement`` when several processes serve), or with ``draft`` a
     ``SpeculativeScheduler`` proposing ``num_steps`` tokens per round."""
     if draft is None:
-        return Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap)
+        return Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap, agreement=agreement)
     from kvjax.serve.speculative import SpeculativeScheduler
 
     return SpeculativeScheduler(
@@ -287,6 +331,7 @@ def run_demo(
     draft: LoadedModel | None = None,
     speculative_num_steps: int = 3,
     dcp_size: int = 1,
+    group: ProcessGroup | None = None,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -298,7 +343,9 @@ def run_demo(
     request's KV striped over that many more (decode context parallelism). ``dp_size`` above 1:
     DP attention, the ``tp_size`` devices split into ``dp_size`` ranks (``serve``), requests
     routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
-    run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False)."""
+    run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False).
+    ``group``: this process's part of a multi-process run (``kvjax.multihost``; the mesh spans
+    every process; one scheduler per process, tensor parallel only)."""
     workload = workload or Workload()
     if dp_size > 1 and enable_hierarchical_cache:
         raise NotImplementedError(
@@ -306,6 +353,10 @@ def run_demo(
         )
     if dp_size > 1 and draft is not None:
         raise NotImplementedError("speculative decoding is served on one device: serve it with dp_size 1")
+    if group is not None and (dp_size > 1 or dcp_size > 1 or draft is not None):
+        raise NotImplementedError(
+            "several processes serve tensor parallel only for now: drop dp_size, dcp_size and the draft model"
+        )
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
         page_size=page_size,
@@ -316,7 +367,10 @@ def run_demo(
         dcp_size=dcp_size,
         **({"dp_size": dp_size} if dp_size > 1 else {}),
     )
-    settings: dict[str, Any] = dict(cache, model=model, progress=progress, overlap=overlap, dp_routing=dp_routing)
+    progress = progress and (group is None or group.process_id == 0)
+    settings: dict[str, Any] = dict(
+        cache, model=model, progress=progress, overlap=overlap, dp_routing=dp_routing, group=group
+    )
     if draft is not None:
         settings.update(draft=draft, speculative_num_steps=speculative_num_steps)
     dropped: str | None = None
@@ -373,10 +427,14 @@ def run_demo(
         retractions=stats.retractions,
         leak_free=warm.leak_free() and cold.leak_free(),
         cold_equals_warm=cold_out == warm_out,
+        outputs_fingerprint=outputs_fingerprint(warm_out),
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text=_tree_text(warm.cache.tree_cache),
         speculative=_speculative_counters(warm),
+        processes=1 if group is None else group.num_processes,
+        process_id=0 if group is None else group.process_id,
+        digest_checks=None if group is None or not group.check_agreement else group.digest_checks,
         **host,
     )
 
@@ -427,6 +485,12 @@ def _speculative_counters(scheduler: Scheduler) -> dict | None:
     from kvjax.serve.speculative import SpeculativeScheduler
 
     return scheduler.speculative_report() if isinstance(scheduler, SpeculativeScheduler) else None
+
+
+def outputs_fingerprint(outputs: dict[str, list[int]]) -> str:
+    """A short hash of every request's output tokens, by request name (equal outputs, equal hash)."""
+    text = json.dumps(sorted(outputs.items()), separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _host_extension(scheduler: Scheduler) -> Any:

@@ -43,7 +43,7 @@ SKIPPED = {
     "path/to/config.json": "a placeholder for the reader's own config.json",
     "mkdocs ": "the documentation build: CI's docs step runs it (needs the docs extra)",
 }
-SLOW = ("python -m kvjax demo", "python -m kvjax generate")
+SLOW = ("python -m kvjax demo", "python -m kvjax generate", "python -m kvjax launch")
 BENCHMARK = re.compile(r"^python (benchmarks/\w+\.py|-m benchmarks\.\w+)\b")
 
 

@@ -30,11 +30,13 @@ COMMANDS: dict[str, ModuleType | str] = {
     "plan": "kvjax.cli.plan_command",
     "demo": "kvjax.cli.demo_command",
     "generate": "kvjax.cli.generate_command",
+    "launch": "kvjax.cli.launch_command",
 }
 _SUMMARIES = {
     "plan": "plan a KV cache: tokens that fit, per-pool bytes, decisions",
     "demo": "serve a reuse-heavy workload with the tiny model, cold and warm",
     "generate": "greedy generation with a model directory or preset",
+    "launch": "run a command as N local processes of one jax.distributed run",
 }
 # What `python -m kvjax --help` says: for users, not about this module.
 _DESCRIPTION = """\
@@ -71,7 +73,9 @@ def _parser(command: str | None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m kvjax", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{plan,demo,generate}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{" + ",".join(COMMANDS) + "}"
+    )
     for name in COMMANDS:
         if name == command:
             _module(name).add_parser(sub)

@@ -26,6 +26,8 @@ from kvjax.cli.serving_args import (
 )
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
+from kvjax.multihost.cli_flags import add_process_arguments, join_group
+from kvjax.multihost.errors import CoordinatorError, DivergenceError, ProcessLostError
 from kvjax.serve.workload import Workload
 
 # CacheConfig and Workload options -> this command's flags (error messages name these).
@@ -71,6 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --enable-hierarchical-cache: a storage tier (L3) in DIR, created when missing; host copies "
         "are written there and prefetched back on a miss",
     )
+    add_process_arguments(demo)
     add_serving_arguments(
         demo,
         dtype_help="serve the checkpoint in this dtype",
@@ -143,7 +146,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--hicache-storage {storage}: cannot create it ({e.strerror})") from None
         print(f"python -m kvjax demo: created the --hicache-storage directory {storage}", file=sys.stderr)
 
-    # Every argument is checked: now jax and the model.
+    # Every argument is checked: now jax (joining a multi-process run first) and the model.
+    try:
+        group = join_group(args)
+    except CoordinatorError as e:
+        raise UsageError(str(e)) from None
     from kvjax.demo import run_demo
     from kvjax.serve.generate import resolve_model
 
@@ -152,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
     try:
         report = run_demo(
+            group=group,
             workload=workload,
             eviction_policy=args.radix_eviction_policy,
             hicache_storage=args.hicache_storage,
@@ -164,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None
+    except (ProcessLostError, DivergenceError) as e:
+        print(f"python -m kvjax demo: error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

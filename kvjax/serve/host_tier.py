@@ -1,7 +1,11 @@
 """`HostTierExtension`: the host tier (HiCache) in the serving loop (a ``ServingExtension``).
 
 * ``poll`` (once per scheduler step, before the batch): SGLang's ``writing_check`` and
-  ``loading_check``; backups and loads that landed unlock their nodes. The step never waits for a
+  ``loading_check``; backups and loads that landed unlock their nodes. With several processes
+  (the scheduler's ``agreement`` is not local), the host pool's copy engine is wrapped in
+  ``kvjax.multihost.agreed_copy_engine.AgreedCopyEngine``: ``poll`` first agrees every pending
+  transfer's status with the other processes (MIN, as SGLang), so every tree completes the same
+  transfers at the same step. The step never waits for a
   transfer: backups are gathers (of the pools the scheduler last handed in) whose host copy
   completes in the background, loads are scatters the next step's reads depend on through jax's
   data dependencies. Only when nothing is running and requests wait does ``poll`` wait for the
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvjax.multihost.agreed_copy_engine import AgreedCopyEngine
 from kvjax.radix import HiRadixCache
 from kvjax.serve.extension import ServingExtension, required_part
 from kvjax.serve.retraction_extension import RetractionBackupExtension
@@ -55,19 +60,28 @@ class HostTierExtension(ServingExtension):
         self._prefetch_seen: set[Any] = set()
         self.retraction: RetractionBackup | None = None
         self._retraction: RetractionBackupExtension | None = None  # the shared restore logic
+        self._agreed: AgreedCopyEngine | None = None  # several processes: the agreed engine
         if cache.plan.decode_retraction_backup == "host_pool":
             self.retraction = RetractionBackup("host_pool", cache.token_to_kv_pool_allocator.page_size, host=tree.host)
             self._retraction = RetractionBackupExtension(cache, self.retraction)
 
     def attach(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        agreement = getattr(scheduler, "agreement", None)
+        if agreement is not None and not agreement.is_local:
+            # Several processes: every transfer completion is agreed before it changes the tree.
+            self._agreed = AgreedCopyEngine(self.tree.host.engine, agreement)
+            self.tree.host.engine = self._agreed
         if self._retraction is not None:
             self._retraction.attach(scheduler)
 
     def poll(self) -> None:
+        if self._agreed is not None:
+            self._agreed.agree_round()
         # Nothing running while requests wait: no device work to overlap with, and a pending
         # backup's lock may be all that keeps a waiting request out (asynchronous copies, e.g. a
-        # pool sharded over several devices), so wait for the transfers in flight to land.
+        # pool sharded over several devices), so wait for the transfers in flight to land. The
+        # condition is the scheduler's state, the same on every process.
         sched = self.scheduler
         idle = sched is not None and not sched.running and bool(sched.waiting or sched.chunked is not None)
         self.tree.check_transfers(wait=idle)

@@ -98,6 +98,7 @@ from kvjax.attention.sharding import pools_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.kinds import CacheKind, cache_kinds_of
+from kvjax.multihost.agreement import Agreement, LocalAgreement
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
 from kvjax.serve.extension import ServingExtension, StepBatch
@@ -171,6 +172,9 @@ class Scheduler:
             module whose ``apply({"params": params}, tokens, pools, meta)`` returns ``(logits,
             new_pools)`` (``kvjax.serve.step.make_module_step``); ``params`` are its weights and
             ``spec`` is then the spec the cache was planned for.
+        agreement: how timing-dependent completions (host-tier transfers) are agreed with the
+            other processes of a multi-process run before they change the tree
+            (``kvjax.multihost``); default: one process, the identity.
     """
 
     def __init__(
@@ -185,6 +189,7 @@ class Scheduler:
         extensions: Sequence[ServingExtension] | None = None,
         overlap: bool = True,
         model: Any = None,
+        agreement: Agreement | None = None,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
@@ -246,6 +251,7 @@ class Scheduler:
         # Tokens promised to the requests already in the prefill batch being formed (extensions
         # that take memory at admission, such as a host tier's load-back, must leave them free).
         self.reserved_tokens = 0
+        self.agreement: Agreement = agreement if agreement is not None else LocalAgreement()
         for ext in self.extensions:
             ext.attach(self)
 

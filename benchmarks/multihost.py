@@ -1,0 +1,173 @@
+"""Multi-process serving: what keeping the processes in agreement costs per step, against the
+decode step itself. Prints one JSON object.
+
+    python benchmarks/multihost.py [--batch 64] [--output-tokens 24]
+
+Two local processes (``jax.distributed`` on loopback, gloo collectives, one CPU device each)
+serve the tiny model at tp 2 (one mesh over both processes) through ``MultiProcessFront``, with a
+decode batch of ``--batch`` requests. Measured on process 0, after a warm-up round that compiles:
+
+* ``decode_step_ms``: host wall time of one decode step (pack + dispatch + wait + bookkeeping);
+* ``exchange_ms``: the per-step exchange that broadcasts process 0's requests (digest off);
+* ``agree_min_ms``: one MIN all-reduce of 16 values (what the host tier's poll adds per step
+  when transfers are pending);
+* ``agreement_ms`` = exchange + MIN all-reduce, and ``agreement_over_decode``, its fraction of
+  the decode step (target <= 0.05);
+* ``digest_ms``: one state digest (paid only with ``KVJAX_CHECK_AGREEMENT=1``).
+
+A CPU figure on this machine: both processes share its cores, the exchanges go through the
+coordination service on loopback, and the step is a tiny model's; on a TPU pod the step is the
+chips' and the exchange crosses the data-center network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TP = 2
+PROMPT_TOKENS = 16
+AGREE_VALUES = 16
+AGREE_CALLS = 100
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    from kvjax.multihost.process_group import ProcessFlags, initialize
+
+    group = initialize(
+        ProcessFlags(args.coordinator, 2, args.process_id, cpu_devices=1, timeout_s=120, join_timeout_s=120)
+    )
+    import numpy as np
+
+    from benchmarks._common import machine
+    from kvjax import CacheConfig, build_kv_cache
+    from kvjax.multihost.digest import serving_digest
+    from kvjax.multihost.front import MultiProcessFront
+    from kvjax.multihost.mesh import group_tp_mesh
+    from kvjax.serve.model import init_params
+    from kvjax.serve.scheduler import Scheduler
+    from kvjax.serve.serving_req import ServingReq
+    from kvjax.spec import ModelSpec
+
+    spec = ModelSpec.preset("tiny")
+    batch, out_tokens = args.batch, args.output_tokens
+    config = CacheConfig(
+        context_length=256,
+        page_size=16,
+        tp_size=TP,
+        max_total_tokens=batch * 64,
+        max_running_requests=batch,
+        chunked_prefill_size=batch * PROMPT_TOKENS,
+    )
+    cache = build_kv_cache(spec, config, mesh=group_tp_mesh(TP))
+    agreement = group.agreement()
+    sched = Scheduler(spec, cache, init_params(spec, seed=0), max_batch_size=batch, agreement=agreement)
+    front = MultiProcessFront(sched, group.channel)
+    rng = np.random.default_rng(0)
+
+    def round_of(tag: str, new_tokens: int) -> None:
+        reqs = [
+            ServingReq(f"{tag}{i}", [int(t) for t in rng.integers(0, 256, PROMPT_TOKENS)], max_new_tokens=new_tokens)
+            for i in range(batch)
+        ]
+        front.run(reqs)
+
+    round_of("warm", 4)  # compiles the prefill and decode shapes
+    st = sched.stats
+    before = (st.decode_steps, st.decode_step_seconds + st.decode_pack_seconds + st.decode_bookkeeping_seconds)
+    ex_before, steps_before = front.exchange_seconds, front.steps
+    round_of("run", out_tokens)
+    decode_steps = st.decode_steps - before[0]
+    decode_s = st.decode_step_seconds + st.decode_pack_seconds + st.decode_bookkeeping_seconds - before[1]
+    exchange_s = (front.exchange_seconds - ex_before) / (front.steps - steps_before)
+    start = time.perf_counter()
+    for _ in range(AGREE_CALLS):
+        agreement.agree_min("bench", [2] * AGREE_VALUES)
+    agree_s = (time.perf_counter() - start) / AGREE_CALLS
+    start = time.perf_counter()
+    for _ in range(10):
+        serving_digest(sched)
+    digest_s = (time.perf_counter() - start) / 10
+    decode_step_s = decode_s / decode_steps
+    return {
+        "processes": group.num_processes,
+        "tp": TP,
+        "batch": batch,
+        "decode_steps": decode_steps,
+        "decode_step_ms": round(decode_step_s * 1e3, 3),
+        "exchange_ms": round(exchange_s * 1e3, 3),
+        "agree_min_ms": round(agree_s * 1e3, 3),
+        "agreement_ms": round((exchange_s + agree_s) * 1e3, 3),
+        "agreement_over_decode": round((exchange_s + agree_s) / decode_step_s, 4),
+        "target_over_decode": 0.05,
+        "digest_ms": round(digest_s * 1e3, 3),
+        "leak_free": front.leak_free(),
+        "note": "CPU figure: two local processes sharing this machine's cores, loopback exchanges, tiny model",
+        "machine": machine(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=24)
+    parser.add_argument("--timeout", type=float, default=600, help="bound on the whole run, seconds")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = _worker(args)
+        print(json.dumps(result), flush=True)
+        return result
+    from kvjax.multihost.launcher import free_port
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    address = f"127.0.0.1:{free_port()}"
+    with tempfile.TemporaryFile("w+") as out0, tempfile.TemporaryFile("w+") as out1:
+        return _run(args, env, address, [out0, out1])
+
+
+def _run(args: argparse.Namespace, env: dict[str, str], address: str, files: list[Any]) -> dict[str, Any]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--coordinator", address, "--process-id", str(i)]
+            + ["--batch", str(args.batch), "--output-tokens", str(args.output_tokens)],
+            env=env,
+            cwd=ROOT,
+            stdout=files[i],
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + args.timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    files[0].seek(0)
+    text = files[0].read()
+    if procs[0].returncode != 0:
+        raise SystemExit(f"process 0 failed ({procs[0].returncode}):\n{text[-3000:]}")
+    result: dict[str, Any] = json.loads(text.strip().splitlines()[-1])
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

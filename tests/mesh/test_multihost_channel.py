@@ -1,0 +1,123 @@
+"""The channel, the MIN agreement and the digest comparison, in one process: two channels over
+an in-memory key-value store (what the coordination service keeps), each in its own thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvjax.multihost.agreement import LocalAgreement, ProcessAgreement, agree_statuses
+from kvjax.multihost.channel import DELETE_BLOCK, ProcessChannel
+from kvjax.multihost.digest import compare_digests
+from kvjax.multihost.errors import DivergenceError, ProcessLostError
+from kvjax.tiers.copy_engine import TransferStatus
+
+
+class MemoryStore:
+    """The coordination service's key-value calls the channel makes, in memory."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        with self.cond:
+            assert key not in self.data, f"{key} set twice"
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout=timeout_in_ms / 1000):
+                raise TimeoutError("DEADLINE_EXCEEDED")
+            return self.data[key]
+
+    def key_value_delete(self, key: str) -> None:
+        with self.cond:
+            for k in [k for k in self.data if k == key or k.startswith(key + "/")]:
+                del self.data[k]
+
+
+def both(store: MemoryStore, body: Callable[[ProcessChannel], Any], timeout_s: float = 2.0) -> list[Any]:
+    """Run ``body(channel)`` for processes 0 and 1 at once; each one's result or exception."""
+    results: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = body(ProcessChannel(store, i, 2, timeout_s=timeout_s))
+        except Exception as e:  # noqa: BLE001  returned for the test to check
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_all_gather_and_broadcast_return_every_process_payload_in_order():
+    def body(ch: ProcessChannel) -> Any:
+        gathered = ch.all_gather("x", f"p{ch.process_id}".encode())
+        return gathered, ch.broadcast("b", b"from zero" if ch.process_id == 0 else b"ignored")
+
+    assert both(MemoryStore(), body) == [([b"p0", b"p1"], b"from zero")] * 2
+
+
+def test_keys_are_deleted_a_block_at_a_time():
+    store = MemoryStore()
+    both(store, lambda ch: [ch.all_gather("x", b"") for _ in range(3 * DELETE_BLOCK + 1)])
+    assert len(store.data) <= 2 * 2 * DELETE_BLOCK
+
+
+def test_a_silent_process_is_named_within_the_bound():
+    def body(ch: ProcessChannel) -> Any:
+        if ch.process_id == 1:
+            return None  # never posts
+        start = time.monotonic()
+        with pytest.raises(ProcessLostError) as e:
+            ch.all_gather("step", b"")
+        return e.value, time.monotonic() - start
+
+    (error, waited), _ = both(MemoryStore(), body, timeout_s=0.5)
+    assert error.process_id == 1 and "process 1 sent nothing for exchange 0 ('step') within 0.5 s" in str(error)
+    assert waited < 2
+
+
+def test_processes_at_different_exchanges_are_a_divergence():
+    results = both(MemoryStore(), lambda ch: ch.all_gather("step" if ch.process_id == 0 else "agree", b""))
+    assert all(isinstance(r, DivergenceError) for r in results)
+    assert "process 1 sent 'agree' where process 0 sent 'step'" in str(results[0])
+
+
+def test_min_agreement_and_transfer_statuses():
+    def body(ch: ProcessChannel) -> Any:
+        agreement = ProcessAgreement(ch)
+        mins = agreement.agree_min("n", [3, 1] if ch.process_id == 0 else [2, 5])
+        pending, failed, done = TransferStatus.PENDING, TransferStatus.FAILED, TransferStatus.DONE
+        mine = [done, done, done] if ch.process_id == 0 else [pending, failed, done]
+        return mins, agree_statuses(agreement, "t", mine), agreement.held_back
+
+    (mins0, st0, held0), (mins1, st1, held1) = both(MemoryStore(), body)
+    assert mins0 == mins1 == [2, 1]
+    assert st0 == st1 == [TransferStatus.PENDING, TransferStatus.FAILED, TransferStatus.DONE]
+    assert held0 == 3 and held1 == 1  # process 0 saw 3 > 2 and two finished transfers agreed lower
+    assert LocalAgreement().agree_min("n", [4]) == [4]
+
+
+def test_a_different_number_of_values_is_a_divergence():
+    results = both(MemoryStore(), lambda ch: ProcessAgreement(ch).agree_min("n", [1] * (ch.process_id + 1)))
+    assert all(isinstance(r, DivergenceError) for r in results)
+    assert "process 0: 1, process 1: 2" in str(results[0])
+
+
+def test_compare_digests_names_the_step_process_and_parts():
+    same = {"tree": "a", "allocator": "b", "request_table": "c", "requests": "d"}
+    compare_digests(3, [same, dict(same)])
+    with pytest.raises(DivergenceError, match=r"step 7: process 1's tree, allocator differ") as e:
+        compare_digests(7, [same, {**same, "tree": "x", "allocator": "y"}])
+    assert e.value.step == 7
