@@ -3,8 +3,8 @@
 one process with 8 devices; the digests are equal at every step, every process ends leak free
 with a balanced host pool.
 
-It needs the host tier over pools sharded over ``tp`` (``build_kv_cache`` refuses a host pool
-at tp > 1 until it exists): skipped, saying so, while the build refuses.
+The host tier moves the sharded pools' pages shard by shard (``kvjax.tiers.head_shards``); the
+delay is injected under the agreed copy engine (``kvjax.multihost.agreed_copy_engine``).
 
 Run as a program (``python -m tests.mesh.test_multihost_host_tier DIR MODE``; MODE ``group`` or
 ``single``) it serves the workload as one process of the group, or alone on 8 devices.
@@ -36,18 +36,7 @@ def llama8(tmp_path_factory) -> str:
     return str(save_pretrained(random_transformers_model(config), tmp_path_factory, "llama8"))
 
 
-def _require_sharded_host_pools(directory: str) -> None:
-    from kvjax.demo import demo_cache
-    from kvjax.serve.checkpoint import load_checkpoint
-
-    try:
-        demo_cache(spec=load_checkpoint(directory).spec, tp_size=TP, enable_hierarchical_cache=True)
-    except NotImplementedError:
-        pytest.skip("needs the host tier over sharded pools")
-
-
 def test_host_tier_with_a_delayed_process_gives_the_single_process_tokens(llama8):
-    _require_sharded_host_pools(llama8)
     single = run_with_devices(["-m", "tests.mesh.test_multihost_host_tier", llama8, "single"], timeout=300)
     reports = assert_all_ok(
         run_group(["-m", "tests.mesh.test_multihost_host_tier", llama8, "group"], devices=4, timeout=300)
