@@ -9,8 +9,10 @@ device step for both ranks. The two rounds of ``parity_harness`` are routed by e
 reused, prompts prefill in chunks, the trees evict and the schedulers retract (each asserted).
 Tokens must equal Transformers' greedy ``generate`` and logits agree within 1e-4 (float32);
 both ranks serve requests and end leak free; the same stream served cold (radix cache off)
-gives the warm run's tokens (Llama, cache-aware). Qwen3 runs cache-aware only, and Gemma 3's
-sliding-window pools (hybrid SWA, a serving extension per rank) serve the same way.
+gives the warm run's tokens (Llama and DeepSeek-V2, cache-aware). Qwen3 and DeepSeek-V2 run
+cache-aware only (DeepSeek-V2's MLA latent pool: a slice per rank, replicated over the rank's
+``"tp"`` devices, the query heads split over them), and Gemma 3's sliding-window pools (hybrid
+SWA, a serving extension per rank) serve the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from kvjax import CacheConfig
 from kvjax.dp import LockstepDPScheduler
+from kvjax.pools import MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
 from tests.serve import swa_parity
@@ -33,6 +36,7 @@ from tests.serve.parity_harness import (
     tiny_checkpoint,
     transformers,
 )
+from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
@@ -52,6 +56,8 @@ def _checkpoint(name: str, checkpoints: dict, tmp_path_factory) -> tuple[Any, Lo
     if name not in checkpoints:
         if name == "gemma3":
             config = transformers.Gemma3TextConfig(**GEMMA3)
+        elif name == "deepseek_v2":
+            config = transformers.DeepseekV2Config(**DEEPSEEK_V2)
         else:
             cls, extra = FAMILIES[name]
             config = getattr(transformers, cls)(**COMMON, **extra)
@@ -100,20 +106,25 @@ def _outputs(done: dict[str, ServingReq]) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "policy"), [("llama", "cache_aware"), ("llama", "round_robin"), ("qwen3", "cache_aware")]
+    ("family", "policy"),
+    [("llama", "cache_aware"), ("llama", "round_robin"), ("qwen3", "cache_aware"), ("deepseek_v2", "cache_aware")],
 )
 def test_reuse_chunked_prefill_eviction_and_retraction(family, policy, checkpoints, tmp_path_factory):
     hf, model = _checkpoint(family, checkpoints, tmp_path_factory)
     front = _front(model, policy)
     done = serve_two_rounds(front, MAX_NEW)
     _assert_served_by_both_ranks_leak_free(front)
+    if family == "deepseek_v2":  # the MLA latent: a slice per rank, whole on each of the rank's devices
+        kv = front.cache.pools.kv
+        assert isinstance(kv, MLAKVPool)
+        assert all(a.sharding.shard_shape(a.shape) == (1, *a.shape[1:]) for a in kv.kv)
     stats = [s.stats for s in front.schedulers]
     assert sum(st.cached_tokens for st in stats) > 0, stats
     assert sum(st.evicted_tokens for st in stats) > 0, stats
     assert sum(st.retractions for st in stats) > 0, stats
     assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
-    if (family, policy) == ("llama", "cache_aware"):  # cold == warm (once: each run compiles the DP step)
+    if policy == "cache_aware" and family in ("llama", "deepseek_v2"):  # cold == warm (each run compiles the step)
         cold = _front(model, policy, disable_radix_cache=True)
         cold_done = serve_two_rounds(cold, MAX_NEW)
         assert cold.cached_tokens == 0
