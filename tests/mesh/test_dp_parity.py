@@ -27,10 +27,13 @@ from kvjax.dp import LockstepDPScheduler
 from kvjax.pools import MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
+from tests.mesh.test_tp_parity_qwen3_next import _LAYERS as QWEN3_NEXT_LAYERS
+from tests.mesh.test_tp_parity_qwen3_next import HEADS as QWEN3_NEXT_HEADS
 from tests.serve import swa_parity
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,
+    TINY_CONFIG,
     assert_matches_transformers,
     serve_two_rounds,
     tiny_checkpoint,
@@ -38,6 +41,7 @@ from tests.serve.parity_harness import (
 )
 from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
+from tests.serve.test_parity_qwen3_next import MODEL_SEED as QWEN3_NEXT_SEED
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
 DP, TP = 2, 2
@@ -139,3 +143,37 @@ def test_gemma3_sliding_window_pools(checkpoints, tmp_path_factory):
     _assert_served_by_both_ranks_leak_free(front)
     assert front.cached_tokens > 0
     assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
+
+
+def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
+    """Gated delta net layers: each rank's state slots in its slice of the stacked state pool
+    (state heads over the rank's ``"tp"`` devices); checkpoint forks and copies write that slice."""
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT_LAYERS, **QWEN3_NEXT_HEADS[TP])
+    hf, model = tiny_checkpoint(config, tmp_path_factory, "qwen3_next", seed=QWEN3_NEXT_SEED)
+    front = _front(model, "cache_aware", max_total_tokens=42, max_running_requests=8, max_mamba_cache_size=12)
+    done = serve_two_rounds(front, MAX_NEW)
+    _assert_served_by_both_ranks_leak_free(front)
+    state = front.cache.pools.recurrent
+    assert all(a.sharding.spec[0] == "data" and a.sharding.spec[3] == "tp" for a in (*state.conv, state.ssm))
+    for scheduler in front.schedulers:
+        table, tree = scheduler.cache.req_to_token_pool, scheduler.cache.tree_cache
+        held = tree.mamba_evictable_size() + tree.mamba_protected_size()
+        assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
+        tree.sanity_check()
+    assert sum(s.cache.pending.applied for s in front.schedulers) > 0, "no checkpoint fork or copy ran"
+    stats = [s.stats for s in front.schedulers]
+    assert sum(st.cached_tokens for st in stats) > 0, stats
+    assert sum(st.evicted_tokens for st in stats) > 0, stats
+    assert sum(st.retractions for st in stats) > 0, stats
+    assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    cold = _front(
+        model,
+        "cache_aware",
+        max_total_tokens=56,
+        max_running_requests=4,
+        max_mamba_cache_size=6,
+        disable_radix_cache=True,
+    )
+    assert _outputs(serve_two_rounds(cold, MAX_NEW)) == _outputs(done)
+    assert [s.leak_free() for s in cold.schedulers] == [True, True]
