@@ -13,6 +13,12 @@ gives the warm run's tokens (Llama and DeepSeek-V2, cache-aware). Qwen3 and Deep
 cache-aware only (DeepSeek-V2's MLA latent pool: a slice per rank, replicated over the rank's
 ``"tp"`` devices, the query heads split over them), and Gemma 3's sliding-window pools (hybrid
 SWA, a serving extension per rank) serve the same way.
+
+Qwen3-Next (gated delta net layers and a full-attention layer; the tp 2 parity model of
+``test_tp_parity_qwen3_next``): each rank's recurrent state in its slice of the stacked state pool,
+head parallel over the rank's devices; the checkpoint forks and copies its tree queues are
+applied to that slice only (``kvjax.dp.rank_state``, also checked on its own against the copies
+done one by one in numpy); no state slot leaks on either rank.
 """
 
 from __future__ import annotations
@@ -20,16 +26,18 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 from kvjax import CacheConfig
-from kvjax.dp import LockstepDPScheduler
+from kvjax.dp import LockstepDPScheduler, build_dp_kv_cache
+from kvjax.dp.rank_state import RankStateCopies
 from kvjax.pools import MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
 from tests.mesh.test_tp_parity_qwen3_next import _LAYERS as QWEN3_NEXT_LAYERS
 from tests.mesh.test_tp_parity_qwen3_next import HEADS as QWEN3_NEXT_HEADS
-from tests.serve import swa_parity
+from tests.serve import random_workloads, swa_parity
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,
@@ -177,3 +185,36 @@ def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
     )
     assert _outputs(serve_two_rounds(cold, MAX_NEW)) == _outputs(done)
     assert [s.leak_free() for s in cold.schedulers] == [True, True]
+
+
+def test_rank_state_copies_write_only_their_rank_slice():
+    """A rank's queued state copies (in order, a chain among them) land in its slice of every
+    state array (slot axis 2 of ``[rank, layer, slot, ...]``); the other rank's slice is untouched."""
+    spec, _, _ = random_workloads.model("qwen3-next-tiny")
+    config = CacheConfig(
+        context_length=CONTEXT_LENGTH,
+        page_size=1,
+        max_total_tokens=POOL_TOKENS,
+        max_running_requests=8,
+        max_mamba_cache_size=12,
+        tp_size=DP * TP,
+        dp_size=DP,
+        enable_dp_attention=True,
+    )
+    mesh = jax.make_mesh((DP, TP), ("data", "tp"), devices=jax.devices()[: DP * TP])
+    cache = build_dp_kv_cache(spec, config, mesh)
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(
+        lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), a.sharding), cache.pools.recurrent
+    )
+    before = [np.asarray(a) for a in jax.tree.leaves(state)]
+    assert all(a.shape[2] > 6 for a in before), [a.shape for a in before]  # slots 1..6 exist on each rank
+    copies = [(1, 2), (3, 4), (2, 5), (6, 1)]  # 2 -> 5 reads the first copy's result
+    update = RankStateCopies(cache.layout).update(1, copies)
+    assert list(update.pages) == [2, 4, 5, 1]
+    after = [np.asarray(a) for a in jax.tree.leaves(update.apply(cache.pools.replace(recurrent=state)).recurrent)]
+    for old, new in zip(before, after, strict=True):
+        expected = old.copy()
+        for src, dst in copies:
+            expected[1, :, dst] = expected[1, :, src]
+        np.testing.assert_array_equal(new, expected)
