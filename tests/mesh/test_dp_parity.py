@@ -18,7 +18,9 @@ Qwen3-Next (gated delta net layers and a full-attention layer; the tp 2 parity m
 ``test_tp_parity_qwen3_next``): each rank's recurrent state in its slice of the stacked state pool,
 head parallel over the rank's devices; the checkpoint forks and copies its tree queues are
 applied to that slice only (``kvjax.dp.rank_state``, also checked on its own against the copies
-done one by one in numpy); no state slot leaks on either rank.
+done one by one in numpy); no state slot leaks on either rank; cold == warm. Nemotron-H (Mamba2
+mixers, the tp test's model) serves the same way, its logits compared with Transformers' full
+forward over prompt + output as ``test_tp_parity_nemotron_h`` does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvjax import CacheConfig
 from kvjax.dp import LockstepDPScheduler, build_dp_kv_cache
 from kvjax.dp.rank_state import RankStateCopies
 from kvjax.pools import MLAKVPool
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
 from tests.mesh.test_tp_parity_qwen3_next import _LAYERS as QWEN3_NEXT_LAYERS
@@ -43,12 +46,18 @@ from tests.serve.parity_harness import (
     CONTEXT_LENGTH,
     TINY_CONFIG,
     assert_matches_transformers,
+    assert_no_near_tie,
     serve_two_rounds,
     tiny_checkpoint,
+    torch,
     transformers,
 )
+from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
 from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
+from tests.serve.test_parity_nemotron_h import LOGIT_ATOL as NEMOTRON_H_LOGIT_ATOL
+from tests.serve.test_parity_nemotron_h import MIN_MARGIN as NEMOTRON_H_MIN_MARGIN
+from tests.serve.test_parity_nemotron_h import MODEL_SEED as NEMOTRON_H_SEED
 from tests.serve.test_parity_qwen3_next import MODEL_SEED as QWEN3_NEXT_SEED
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
@@ -56,6 +65,8 @@ DP, TP = 2, 2
 MAX_NEW = 6
 ATOL = 1e-4
 POOL_TOKENS = 48  # per rank: small enough to evict and retract on a rank
+# recurrent models, per rank: KV tokens and state slots small enough to evict and retract
+RECURRENT_POOLS = dict(max_total_tokens=42, max_running_requests=8, max_mamba_cache_size=12)
 
 
 @pytest.fixture(scope="module")
@@ -153,38 +164,63 @@ def test_gemma3_sliding_window_pools(checkpoints, tmp_path_factory):
     assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
 
 
-def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
-    """Gated delta net layers: each rank's state slots in its slice of the stacked state pool
-    (state heads over the rank's ``"tp"`` devices); checkpoint forks and copies write that slice."""
-    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT_LAYERS, **QWEN3_NEXT_HEADS[TP])
-    hf, model = tiny_checkpoint(config, tmp_path_factory, "qwen3_next", seed=QWEN3_NEXT_SEED)
-    front = _front(model, "cache_aware", max_total_tokens=42, max_running_requests=8, max_mamba_cache_size=12)
+def _serve_recurrent(model: LoadedModel, **cache_config: Any) -> tuple[LockstepDPScheduler, dict[str, ServingReq]]:
+    """The two rounds on a recurrent-state model over ``RECURRENT_POOLS``; asserts both ranks
+    served, the state pool's layout, no state slot leaked and the tree sane on each rank."""
+    front = _front(model, "cache_aware", **RECURRENT_POOLS, **cache_config)
     done = serve_two_rounds(front, MAX_NEW)
     _assert_served_by_both_ranks_leak_free(front)
     state = front.cache.pools.recurrent
     assert all(a.sharding.spec[0] == "data" and a.sharding.spec[3] == "tp" for a in (*state.conv, state.ssm))
     for scheduler in front.schedulers:
         table, tree = scheduler.cache.req_to_token_pool, scheduler.cache.tree_cache
-        held = tree.mamba_evictable_size() + tree.mamba_protected_size()
+        held = tree.mamba_evictable_size() + tree.mamba_protected_size() if isinstance(tree, MambaRadixCache) else 0
         assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
-        tree.sanity_check()
+        if isinstance(tree, MambaRadixCache):
+            tree.sanity_check()
+    return front, done
+
+
+def _assert_reused_evicted_retracted(front: LockstepDPScheduler, done: dict[str, ServingReq]) -> None:
     assert sum(s.cache.pending.applied for s in front.schedulers) > 0, "no checkpoint fork or copy ran"
     stats = [s.stats for s in front.schedulers]
     assert sum(st.cached_tokens for st in stats) > 0, stats
     assert sum(st.evicted_tokens for st in stats) > 0, stats
     assert sum(st.retractions for st in stats) > 0, stats
     assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
+
+
+def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
+    """Gated delta net layers: each rank's state slots in its slice of the stacked state pool
+    (state heads over the rank's ``"tp"`` devices); checkpoint forks and copies write that slice."""
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT_LAYERS, **QWEN3_NEXT_HEADS[TP])
+    hf, model = tiny_checkpoint(config, tmp_path_factory, "qwen3_next", seed=QWEN3_NEXT_SEED)
+    front, done = _serve_recurrent(model)
+    _assert_reused_evicted_retracted(front, done)
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
-    cold = _front(
-        model,
-        "cache_aware",
-        max_total_tokens=56,
-        max_running_requests=4,
-        max_mamba_cache_size=6,
-        disable_radix_cache=True,
-    )
-    assert _outputs(serve_two_rounds(cold, MAX_NEW)) == _outputs(done)
-    assert [s.leak_free() for s in cold.schedulers] == [True, True]
+    cold, cold_done = _serve_recurrent(model, disable_radix_cache=True)
+    assert cold.cached_tokens == 0
+    assert _outputs(cold_done) == _outputs(done)
+
+
+def test_nemotron_h_mamba2_state_per_rank(tmp_path_factory):
+    """Mamba2 mixers (two B/C groups) per rank, head parallel over its devices: Transformers'
+    greedy tokens, logits against its full forward over prompt + output (as the tp test)."""
+    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
+    hf, model = tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=NEMOTRON_H_SEED)
+    front, done = _serve_recurrent(model)
+    _assert_reused_evicted_retracted(front, done)
+    for name, req in done.items():
+        prompt = list(req.origin_input_ids)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
+            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
+        logits = full[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
+        assert_no_near_tie(name, logits, NEMOTRON_H_MIN_MARGIN)
+        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
+        np.testing.assert_allclose(
+            np.stack(req.logits), logits, atol=NEMOTRON_H_LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits"
+        )
 
 
 def test_rank_state_copies_write_only_their_rank_slice():
