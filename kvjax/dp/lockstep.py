@@ -226,7 +226,10 @@ class LockstepDPScheduler(DPScheduler):
 
 def _idle_batch(scheduler: Scheduler) -> tuple[np.ndarray, Any]:
     """A rank's batch of no sequence (padding tokens on its trash page), in its step's shapes,
-    with its extensions' metadata parts (an SWA page table of zeros)."""
+    with its extensions' metadata parts (an SWA page table of zeros; recurrent state slots 0, the
+    padding slot). A recurrent extension also records its tree's queued state copies here, as in
+    any step: they stay in the rank's queue until its next step applies them, and the idle batch
+    reads none of their slots."""
     empty = np.zeros(0, np.int32)
     batch = StepBatch(
         rows=empty,
