@@ -57,10 +57,10 @@ from kvjax.spec import ModelSpec
 
 __all__ = ["LockstepDPScheduler"]
 
-_HOST_ONLY_EXTENSIONS = (SWAServing,)
-"""Serving extensions whose work is all on the host (metadata and window freeing): lockstep
-serving runs them per rank unchanged (and ``RecurrentStateExtension``, its state copies
-rank-sliced)."""
+_LOCKSTEP_EXTENSIONS = (SWAServing, RecurrentStateExtension)
+"""Serving extensions lockstep serving runs per rank: ``SWAServing``'s work is all on the host
+(metadata and window freeing); ``RecurrentStateExtension``'s state copies are set to write the
+rank's slice (``kvjax.dp.rank_state``)."""
 
 
 class _Round:
@@ -171,8 +171,7 @@ class LockstepDPScheduler(DPScheduler):
                 if isinstance(extension, RecurrentStateExtension):
                     state_copies = state_copies or RankStateCopies(cache.layout)
                     extension.copies_update = functools.partial(state_copies.update, view.rank)
-            supported = (*_HOST_ONLY_EXTENSIONS, RecurrentStateExtension)
-            device_side = [type(e).__name__ for e in scheduler.extensions if not isinstance(e, supported)]
+            device_side = [type(e).__name__ for e in scheduler.extensions if not isinstance(e, _LOCKSTEP_EXTENSIONS)]
             if device_side:
                 raise NotImplementedError(
                     f"lockstep DP serving of a cache with serving extensions {device_side} (they record device "
