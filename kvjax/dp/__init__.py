@@ -10,7 +10,8 @@ and the KV heads over ``"tp"`` (``kvjax.dp.cache``), and attention runs per rank
 program for every rank. Requests are routed to ranks by ``kvjax.serve.dp_router``;
 ``kvjax.dp.scheduler`` serves a request stream over ranks with one scheduler per rank, each
 stepping on its own; ``kvjax.dp.lockstep`` serves it as DP attention does, one device step for
-every rank's batch.
+every rank's batch, each rank's scheduler over a ``kvjax.dp.rank_cache`` view of the shared pools
+and its recurrent-state copies written into its own slice (``kvjax.dp.rank_state``).
 
 Modules import jax; the router does not.
 """
@@ -18,6 +19,8 @@ Modules import jax; the router does not.
 from kvjax.dp.attention import dp_attend, stack_rank_inputs
 from kvjax.dp.cache import DATA_MESH_AXIS, DPKVCache, DPLayout, DPRank, build_dp_kv_cache
 from kvjax.dp.lockstep import LockstepDPScheduler
+from kvjax.dp.rank_cache import RankKVCache, rank_caches
+from kvjax.dp.rank_state import RankStateCopies
 from kvjax.dp.scheduler import DPScheduler
 from kvjax.dp.step import make_dp_step, place_params
 
@@ -28,9 +31,12 @@ __all__ = [
     "DPRank",
     "DPScheduler",
     "LockstepDPScheduler",
+    "RankKVCache",
+    "RankStateCopies",
     "build_dp_kv_cache",
     "dp_attend",
     "make_dp_step",
+    "rank_caches",
     "place_params",
     "stack_rank_inputs",
 ]

@@ -21,36 +21,46 @@ stepped in rank order and the DP step's input is the ranks' batches in rank orde
 of the same stream route, batch and sample alike. Per-rank timing statistics
 (``ServeStats.step_seconds``) of a rank include the host work of the ranks nested in its step.
 
-Scope: caches whose serving needs only host-side extensions (full attention, sliding window:
-Gemma 3, hybrid or pure). Kinds that record device updates between steps (recurrent state's
-forks and restores, a host tier's loads) are refused: those updates would need the rank axis.
+Each rank's scheduler holds a ``RankKVCache`` (``kvjax.dp.rank_cache``): the rank's host
+objects and its own queue of pending device updates over the DP cache's shared pools; a rank that
+applies its queue hands the result to every rank and to the DP cache.
+
+Scope: full attention, MLA, sliding window (Gemma 3, hybrid or pure; host-side serving
+extensions) and recurrent state (Qwen3-Next, Nemotron-H: the ``RecurrentStateExtension`` of each
+rank records its tree's state copies as updates of its own slice, ``kvjax.dp.rank_state``; the
+mixers run head parallel over the rank's ``"tp"`` devices inside the DP step). Other kinds that
+record device updates between steps (a host tier's loads) are refused.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from kvjax.attention.metadata_builder import MetadataBuilder
-from kvjax.build import KVCache
 from kvjax.config import CacheConfig
 from kvjax.dp.attention import stack_rank_inputs
 from kvjax.dp.cache import DPKVCache, build_dp_kv_cache
+from kvjax.dp.rank_cache import rank_caches
+from kvjax.dp.rank_state import RankStateCopies
 from kvjax.dp.scheduler import DPScheduler
 from kvjax.dp.step import make_dp_step, place_params
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.recurrent_extension import RecurrentStateExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.swa_extension import SWAServing
 from kvjax.spec import ModelSpec
 
 __all__ = ["LockstepDPScheduler"]
 
-_HOST_ONLY_EXTENSIONS = (SWAServing,)
-"""Serving extensions whose work is all on the host (metadata and window freeing): lockstep
-serving runs them per rank unchanged."""
+_LOCKSTEP_EXTENSIONS = (SWAServing, RecurrentStateExtension)
+"""Serving extensions lockstep serving runs per rank: ``SWAServing``'s work is all on the host
+(metadata and window freeing); ``RecurrentStateExtension``'s state copies are set to write the
+rank's slice (``kvjax.dp.rank_state``)."""
 
 
 class _Round:
@@ -137,22 +147,17 @@ class LockstepDPScheduler(DPScheduler):
 
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
-                ``NotImplementedError`` for a cache kind whose serving records device updates
-                (module docstring), once the first rank's scheduler lists its extensions (nothing served).
+                ``NotImplementedError`` for a serving extension that records device updates other
+                than recurrent-state copies (module docstring), once the first rank's scheduler
+                lists its extensions (nothing served).
         """
         served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         cache = build_dp_kv_cache(spec, config, mesh)
         step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
         placed = place_params(served, params, cache.layout)
         schedulers = []
-        for rank in cache.ranks:
-            view = KVCache(
-                plan=rank.plan,
-                pools=cache.pools,
-                req_to_token_pool=rank.req_to_token_pool,  # type: ignore[arg-type]
-                token_to_kv_pool_allocator=rank.allocator,
-                tree_cache=rank.tree_cache,
-            )
+        state_copies: RankStateCopies | None = None
+        for view in rank_caches(cache):
             scheduler = Scheduler(
                 served,
                 view,
@@ -162,7 +167,11 @@ class LockstepDPScheduler(DPScheduler):
                 record_logits=record_logits,
                 overlap=False,
             )
-            device_side = [type(e).__name__ for e in scheduler.extensions if not isinstance(e, _HOST_ONLY_EXTENSIONS)]
+            for extension in scheduler.extensions:
+                if isinstance(extension, RecurrentStateExtension):
+                    state_copies = state_copies or RankStateCopies(cache.layout)
+                    extension.copies_update = functools.partial(state_copies.update, view.rank)
+            device_side = [type(e).__name__ for e in scheduler.extensions if not isinstance(e, _LOCKSTEP_EXTENSIONS)]
             if device_side:
                 raise NotImplementedError(
                     f"lockstep DP serving of a cache with serving extensions {device_side} (they record device "
@@ -210,15 +219,16 @@ class LockstepDPScheduler(DPScheduler):
         outputs = self._dp_step(self.cache.pools, self._params, stacked_tokens, stacked_meta)
         self.dp_steps += 1
         pools = outputs[0]
-        self.cache.set_pools(pools)
-        for scheduler in self.schedulers:
-            scheduler.cache.set_pools(pools)
+        self.schedulers[0].cache.set_pools(pools)  # a RankKVCache: every rank's view and the DP cache
         round_.outputs = (pools, *(np.asarray(x) for x in outputs[1:]))
 
 
 def _idle_batch(scheduler: Scheduler) -> tuple[np.ndarray, Any]:
     """A rank's batch of no sequence (padding tokens on its trash page), in its step's shapes,
-    with its extensions' metadata parts (an SWA page table of zeros)."""
+    with its extensions' metadata parts (an SWA page table of zeros; recurrent state slots 0, the
+    padding slot). A recurrent extension also records its tree's queued state copies here, as in
+    any step: they stay in the rank's queue until its next step applies them, and the idle batch
+    reads none of their slots."""
     empty = np.zeros(0, np.int32)
     batch = StepBatch(
         rows=empty,

@@ -49,7 +49,7 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_partition_specs, shard_params
 from kvjax.spec import ModelSpec
 
-__all__ = ["make_dp_step", "place_params"]
+__all__ = ["make_dp_step", "place_params", "rank_view"]
 
 
 def place_params(model: ModelSpec | ModelConfig, params: Any, layout: DPLayout) -> Any:
@@ -74,9 +74,7 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         pools: CachePools, params: Any, tokens: jax.Array, meta: AttentionMetadata
     ) -> tuple[CachePools, jax.Array, jax.Array]:
         leaves, stacked_def = jax.tree_util.tree_flatten(pools)
-        mine = _on_mesh(
-            jax.tree_util.tree_unflatten(rank_def, [x[0] for x in leaves]), jax.sharding.get_abstract_mesh()
-        )
+        mine = rank_view(leaves, rank_def)
         tokens, meta = jax.tree.map(lambda x: x[0], (tokens, meta))
         logits, new_pools = module.apply({"params": params}, tokens, mine, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -124,6 +122,13 @@ def _param_specs(config: ModelConfig, layout: DPLayout) -> Any:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
+
+
+def rank_view(leaves: list[jax.Array], rank_def: Any) -> Any:
+    """Inside a ``shard_map`` whose ``"data"`` axis is manual: the rank's pools (of structure
+    ``rank_def``, ``DPLayout.rank_pools`` or a part of it) from the stacked pools' ``leaves``
+    (each ``[1, ...]`` there), running over the context mesh (``_on_mesh``)."""
+    return _on_mesh(jax.tree_util.tree_unflatten(rank_def, [x[0] for x in leaves]), jax.sharding.get_abstract_mesh())
 
 
 def _has_mesh(node: Any) -> bool:

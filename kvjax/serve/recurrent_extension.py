@@ -28,7 +28,7 @@ next admission reuses it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,10 +51,18 @@ __all__ = ["RecurrentStateExtension", "state_copies_update"]
 
 class RecurrentStateExtension(ServingExtension):
     """See the module docstring. ``cache``: a built hybrid-SSM cache (``pools.recurrent``, a
-    ``HybridReqToTokenPool`` request table)."""
+    ``HybridReqToTokenPool`` request table).
+
+    Attributes:
+        copies_update: ``copies_update(copies) -> DeviceUpdate``, the device update that applies
+            the tree's state copies ``(src slot, dst slot)`` in order (default
+            :func:`state_copies_update`, over a cache's own pools). A cache whose pools hold
+            several ranks' state (DP attention) sets one that writes only its rank's slice.
+    """
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
+        self.copies_update: Callable[[list[tuple[int, int]]], DeviceUpdate] = state_copies_update
         self.table = required_part(cache.req_to_token_pool, HybridReqToTokenPool, "a recurrent-state cache")
         tree = cache.tree_cache
         self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
@@ -119,7 +127,7 @@ class RecurrentStateExtension(ServingExtension):
         update, behind every update recorded before (the owner applies them before the step)."""
         copies: list[tuple[int, int]] = self.tree.take_state_copies() if self.tree is not None else []
         if copies:
-            self.cache.pending.record(state_copies_update(copies))
+            self.cache.pending.record(self.copies_update(copies))
 
     def after_step(self, batch: StepBatch) -> None:
         """With the extra buffer: the tracked states are written; record where (the caching that

@@ -9,8 +9,18 @@ device step for both ranks. The two rounds of ``parity_harness`` are routed by e
 reused, prompts prefill in chunks, the trees evict and the schedulers retract (each asserted).
 Tokens must equal Transformers' greedy ``generate`` and logits agree within 1e-4 (float32);
 both ranks serve requests and end leak free; the same stream served cold (radix cache off)
-gives the warm run's tokens (Llama, cache-aware). Qwen3 runs cache-aware only, and Gemma 3's
-sliding-window pools (hybrid SWA, a serving extension per rank) serve the same way.
+gives the warm run's tokens (Llama and DeepSeek-V2, cache-aware). Qwen3 and DeepSeek-V2 run
+cache-aware only (DeepSeek-V2's MLA latent pool: a slice per rank, replicated over the rank's
+``"tp"`` devices, the query heads split over them), and Gemma 3's sliding-window pools (hybrid
+SWA, a serving extension per rank) serve the same way.
+
+Qwen3-Next (gated delta net layers and a full-attention layer; the tp 2 parity model of
+``test_tp_parity_qwen3_next``): each rank's recurrent state in its slice of the stacked state pool,
+head parallel over the rank's devices; the checkpoint forks and copies its tree queues are
+applied to that slice only (``kvjax.dp.rank_state``, also checked on its own against the copies
+done one by one in numpy); no state slot leaks on either rank; cold == warm. Nemotron-H (Mamba2
+mixers, the tp test's model) serves the same way, its logits compared with Transformers' full
+forward over prompt + output as ``test_tp_parity_nemotron_h`` does.
 """
 
 from __future__ import annotations
@@ -18,28 +28,45 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 from kvjax import CacheConfig
-from kvjax.dp import LockstepDPScheduler
+from kvjax.dp import LockstepDPScheduler, build_dp_kv_cache
+from kvjax.dp.rank_state import RankStateCopies
+from kvjax.pools import MLAKVPool
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
-from tests.serve import swa_parity
+from tests.mesh.test_tp_parity_qwen3_next import _LAYERS as QWEN3_NEXT_LAYERS
+from tests.mesh.test_tp_parity_qwen3_next import HEADS as QWEN3_NEXT_HEADS
+from tests.serve import random_workloads, swa_parity
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,
+    TINY_CONFIG,
     assert_matches_transformers,
+    assert_no_near_tie,
     serve_two_rounds,
     tiny_checkpoint,
+    torch,
     transformers,
 )
+from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
+from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
+from tests.serve.test_parity_nemotron_h import LOGIT_ATOL as NEMOTRON_H_LOGIT_ATOL
+from tests.serve.test_parity_nemotron_h import MIN_MARGIN as NEMOTRON_H_MIN_MARGIN
+from tests.serve.test_parity_nemotron_h import MODEL_SEED as NEMOTRON_H_SEED
+from tests.serve.test_parity_qwen3_next import MODEL_SEED as QWEN3_NEXT_SEED
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
 DP, TP = 2, 2
 MAX_NEW = 6
 ATOL = 1e-4
 POOL_TOKENS = 48  # per rank: small enough to evict and retract on a rank
+# recurrent models, per rank: KV tokens and state slots small enough to evict and retract
+RECURRENT_POOLS = dict(max_total_tokens=42, max_running_requests=8, max_mamba_cache_size=12)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +79,8 @@ def _checkpoint(name: str, checkpoints: dict, tmp_path_factory) -> tuple[Any, Lo
     if name not in checkpoints:
         if name == "gemma3":
             config = transformers.Gemma3TextConfig(**GEMMA3)
+        elif name == "deepseek_v2":
+            config = transformers.DeepseekV2Config(**DEEPSEEK_V2)
         else:
             cls, extra = FAMILIES[name]
             config = getattr(transformers, cls)(**COMMON, **extra)
@@ -100,20 +129,25 @@ def _outputs(done: dict[str, ServingReq]) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "policy"), [("llama", "cache_aware"), ("llama", "round_robin"), ("qwen3", "cache_aware")]
+    ("family", "policy"),
+    [("llama", "cache_aware"), ("llama", "round_robin"), ("qwen3", "cache_aware"), ("deepseek_v2", "cache_aware")],
 )
 def test_reuse_chunked_prefill_eviction_and_retraction(family, policy, checkpoints, tmp_path_factory):
     hf, model = _checkpoint(family, checkpoints, tmp_path_factory)
     front = _front(model, policy)
     done = serve_two_rounds(front, MAX_NEW)
     _assert_served_by_both_ranks_leak_free(front)
+    if family == "deepseek_v2":  # the MLA latent: a slice per rank, whole on each of the rank's devices
+        kv = front.cache.pools.kv
+        assert isinstance(kv, MLAKVPool)
+        assert all(a.sharding.shard_shape(a.shape) == (1, *a.shape[1:]) for a in kv.kv)
     stats = [s.stats for s in front.schedulers]
     assert sum(st.cached_tokens for st in stats) > 0, stats
     assert sum(st.evicted_tokens for st in stats) > 0, stats
     assert sum(st.retractions for st in stats) > 0, stats
     assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
-    if (family, policy) == ("llama", "cache_aware"):  # cold == warm (once: each run compiles the DP step)
+    if policy == "cache_aware" and family in ("llama", "deepseek_v2"):  # cold == warm (each run compiles the step)
         cold = _front(model, policy, disable_radix_cache=True)
         cold_done = serve_two_rounds(cold, MAX_NEW)
         assert cold.cached_tokens == 0
@@ -128,3 +162,95 @@ def test_gemma3_sliding_window_pools(checkpoints, tmp_path_factory):
     _assert_served_by_both_ranks_leak_free(front)
     assert front.cached_tokens > 0
     assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
+
+
+def _serve_recurrent(model: LoadedModel, **cache_config: Any) -> tuple[LockstepDPScheduler, dict[str, ServingReq]]:
+    """The two rounds on a recurrent-state model over ``RECURRENT_POOLS``; asserts both ranks
+    served, the state pool's layout, no state slot leaked and the tree sane on each rank."""
+    front = _front(model, "cache_aware", **RECURRENT_POOLS, **cache_config)
+    done = serve_two_rounds(front, MAX_NEW)
+    _assert_served_by_both_ranks_leak_free(front)
+    state = front.cache.pools.recurrent
+    assert all(a.sharding.spec[0] == "data" and a.sharding.spec[3] == "tp" for a in (*state.conv, state.ssm))
+    for scheduler in front.schedulers:
+        table, tree = scheduler.cache.req_to_token_pool, scheduler.cache.tree_cache
+        held = tree.mamba_evictable_size() + tree.mamba_protected_size() if isinstance(tree, MambaRadixCache) else 0
+        assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
+        if isinstance(tree, MambaRadixCache):
+            tree.sanity_check()
+    return front, done
+
+
+def _assert_reused_evicted_retracted(front: LockstepDPScheduler, done: dict[str, ServingReq]) -> None:
+    assert sum(s.cache.pending.applied for s in front.schedulers) > 0, "no checkpoint fork or copy ran"
+    stats = [s.stats for s in front.schedulers]
+    assert sum(st.cached_tokens for st in stats) > 0, stats
+    assert sum(st.evicted_tokens for st in stats) > 0, stats
+    assert sum(st.retractions for st in stats) > 0, stats
+    assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
+
+
+def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
+    """Gated delta net layers: each rank's state slots in its slice of the stacked state pool
+    (state heads over the rank's ``"tp"`` devices); checkpoint forks and copies write that slice."""
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT_LAYERS, **QWEN3_NEXT_HEADS[TP])
+    hf, model = tiny_checkpoint(config, tmp_path_factory, "qwen3_next", seed=QWEN3_NEXT_SEED)
+    front, done = _serve_recurrent(model)
+    _assert_reused_evicted_retracted(front, done)
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    cold, cold_done = _serve_recurrent(model, disable_radix_cache=True)
+    assert cold.cached_tokens == 0
+    assert _outputs(cold_done) == _outputs(done)
+
+
+def test_nemotron_h_mamba2_state_per_rank(tmp_path_factory):
+    """Mamba2 mixers (two B/C groups) per rank, head parallel over its devices: Transformers'
+    greedy tokens, logits against its full forward over prompt + output (as the tp test)."""
+    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
+    hf, model = tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=NEMOTRON_H_SEED)
+    front, done = _serve_recurrent(model)
+    _assert_reused_evicted_retracted(front, done)
+    for name, req in done.items():
+        prompt = list(req.origin_input_ids)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
+            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
+        logits = full[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
+        assert_no_near_tie(name, logits, NEMOTRON_H_MIN_MARGIN)
+        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
+        np.testing.assert_allclose(
+            np.stack(req.logits), logits, atol=NEMOTRON_H_LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits"
+        )
+
+
+def test_rank_state_copies_write_only_their_rank_slice():
+    """A rank's queued state copies (in order, a chain among them) land in its slice of every
+    state array (slot axis 2 of ``[rank, layer, slot, ...]``); the other rank's slice is untouched."""
+    spec, _, _ = random_workloads.model("qwen3-next-tiny")
+    config = CacheConfig(
+        context_length=CONTEXT_LENGTH,
+        page_size=1,
+        max_total_tokens=POOL_TOKENS,
+        max_running_requests=8,
+        max_mamba_cache_size=12,
+        tp_size=DP * TP,
+        dp_size=DP,
+        enable_dp_attention=True,
+    )
+    mesh = jax.make_mesh((DP, TP), ("data", "tp"), devices=jax.devices()[: DP * TP])
+    cache = build_dp_kv_cache(spec, config, mesh)
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(
+        lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), a.sharding), cache.pools.recurrent
+    )
+    before = [np.asarray(a) for a in jax.tree.leaves(state)]
+    assert all(a.shape[2] > 6 for a in before), [a.shape for a in before]  # slots 1..6 exist on each rank
+    copies = [(1, 2), (3, 4), (2, 5), (6, 1)]  # 2 -> 5 reads the first copy's result
+    update = RankStateCopies(cache.layout).update(1, copies)
+    assert list(update.pages) == [2, 4, 5, 1]
+    after = [np.asarray(a) for a in jax.tree.leaves(update.apply(cache.pools.replace(recurrent=state)).recurrent)]
+    for old, new in zip(before, after, strict=True):
+        expected = old.copy()
+        for src, dst in copies:
+            expected[1, :, dst] = expected[1, :, src]
+        np.testing.assert_array_equal(new, expected)

@@ -1,0 +1,62 @@
+"""`RankKVCache`: one DP rank's ``KVCache``, over the rank's host objects and every rank's pools.
+
+Lockstep DP serving (``kvjax.dp.lockstep``) gives each rank a kvjax ``Scheduler``; that scheduler
+needs a ``KVCache``. A rank's view holds the rank's plan, request table, allocator and tree (a
+``DPRank``), its own queue of pending device updates (its extensions' state copies), and, as
+its device state, the ``DPKVCache``'s stacked pools of all ranks.
+
+Invariant: every rank's view and the ``DPKVCache`` hold the same pools. Handing pools to one view
+(``set_pools``, also what ``apply_pending`` does after applying the rank's updates) hands them to
+the DP cache and to every view of the group (and to their pending queues, for reads), so a rank
+that applies its updates never leaves another rank holding donated arrays. A rank's pending
+updates write only its own slice (``kvjax.dp.rank_state``), so the ranks' queues commute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvjax.build import KVCache
+from kvjax.dp.cache import DPKVCache, DPRank
+from kvjax.pools.cache_pools import CachePools
+
+__all__ = ["RankKVCache", "rank_caches"]
+
+
+class RankKVCache(KVCache):
+    """One rank's view (module docstring). Build the group with :func:`rank_caches`.
+
+    Attributes:
+        dp_cache: the DP cache whose pools the group shares.
+        rank: the rank's index along ``"data"``.
+    """
+
+    def __init__(self, dp_cache: DPKVCache, rank: DPRank) -> None:
+        super().__init__(
+            plan=rank.plan,
+            pools=dp_cache.pools,
+            req_to_token_pool=rank.req_to_token_pool,  # type: ignore[arg-type]
+            token_to_kv_pool_allocator=rank.allocator,
+            tree_cache=rank.tree_cache,
+        )
+        self.dp_cache = dp_cache
+        self.rank = rank.rank
+        self._group: tuple[RankKVCache, ...] = (self,)
+
+    def set_pools(self, pools: CachePools) -> None:
+        """Hand ``pools`` to the DP cache and every view of the group. Raises ``TypeError``
+        (nothing changed) for pools of another structure."""
+        self._check_same_structure(pools, "set_pools")
+        self.dp_cache.set_pools(pools)
+        for view in self._group:
+            view._pools = pools
+            view._pending.hand_in(pools)
+
+
+def rank_caches(dp_cache: DPKVCache) -> list[RankKVCache]:
+    """A view per rank of ``dp_cache``, in rank order, sharing its pools (module docstring)."""
+    views = [RankKVCache(dp_cache, rank) for rank in dp_cache.ranks]
+    group: Sequence[RankKVCache] = tuple(views)
+    for view in views:
+        view._group = tuple(group)
+    return views
