@@ -705,6 +705,9 @@ class Scheduler:
             ext.before_release(req, False)
         self.tree.cache_finished_req(req, is_insert=False)
         self._reset(req)
+        # The decode's running arrays are keyed by request identity: a retracted request that is
+        # re-admitted comes back as the same object with another KV length, so drop them.
+        self._running_cache = None
         req.retracted += 1
         self.stats.retractions += 1
         self.waiting.appendleft(req)
