@@ -45,7 +45,8 @@ part of bookkeeping spent finishing requests (``cache_finished_req`` and freeing
 the requests already own skips the allocator (the slot is ``last + 1``, what ``alloc_decode``
 returns), finished requests free their slots in one allocator call (a free group, as SGLang),
 and the running requests' lengths, rows and next input tokens are kept as arrays between decode
-steps while the running set does not change.
+steps while the running set does not change (a retraction drops them: the request may come back
+alone, the same object with another length).
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
@@ -705,6 +706,9 @@ class Scheduler:
             ext.before_release(req, False)
         self.tree.cache_finished_req(req, is_insert=False)
         self._reset(req)
+        # The decode's running arrays are keyed by request identity: a retracted request that is
+        # re-admitted comes back as the same object with another KV length, so drop them.
+        self._running_cache = None
         req.retracted += 1
         self.stats.retractions += 1
         self.waiting.appendleft(req)
