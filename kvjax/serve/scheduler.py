@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -230,7 +231,8 @@ class Scheduler:
         self.stats = ServeStats()
         self._admissions = 0
         self._last_logits: np.ndarray | None = None
-        self._running_cache: tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        # The decode's running arrays, keyed by the running requests (``_running_arrays``).
+        self._running_cache: tuple[tuple[ServingReq, ...], np.ndarray, np.ndarray, np.ndarray | None] | None = None
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
         # "previous tokens" of a first step (replicated over the mesh, as every step's tokens are)
@@ -531,11 +533,12 @@ class Scheduler:
         (overlap: no tokens, ``None``; they come from the device, see ``_input_tokens``).
 
         Kept from the previous decode step while the running set is the same requests in the same
-        order (checked by identity), so a steady decode step reads no per-request fields.
+        order (checked by identity: the cache holds the request objects themselves, so an identity
+        is never reused while it is kept), so a steady decode step reads no per-request fields.
         """
-        key = tuple(map(id, self.running))
+        key = tuple(self.running)
         cached = self._running_cache
-        if cached is not None and cached[0] == key:
+        if cached is not None and len(cached[0]) == len(key) and all(map(operator.is_, cached[0], key)):
             return cached[1], cached[2], cached[3]
         n = len(self.running)
         # Running requests always have kv_committed_len set (after their prefill / last decode).
@@ -599,10 +602,10 @@ class Scheduler:
                 else:
                     self._finish(req, done, freed_rows)
         if len(keep) == len(running):
-            self._running_cache = (tuple(map(id, self.running)), new_len, rows, next_tokens.astype(np.int32))
+            self._running_cache = (tuple(self.running), new_len, rows, next_tokens.astype(np.int32))
         else:
             idx = np.asarray(keep, np.int64)
-            self._running_cache = (tuple(map(id, self.running)), new_len[idx], rows[idx], next_tokens[idx])
+            self._running_cache = (tuple(self.running), new_len[idx], rows[idx], next_tokens[idx])
 
     # --- overlap ----------------------------------------------------------------------------------
 
@@ -651,7 +654,7 @@ class Scheduler:
             self.running = [running[i] for i in keep]
             idx = np.asarray(keep, np.int64)
             new_len, rows = new_len[idx], rows[idx]
-        self._running_cache = (tuple(map(id, self.running)), new_len, rows, None)
+        self._running_cache = (tuple(self.running), new_len, rows, None)
         self._launched(_Launched(running, np.arange(len(running)), out[0], out[1]), done)
 
     def _launched(self, launched: _Launched, done: list[ServingReq]) -> None:
