@@ -30,6 +30,7 @@ from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from kvjax.build import KVCache
     from kvjax.dp.lockstep import LockstepDPScheduler
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint
@@ -160,25 +161,26 @@ def generate(
     options: dict[str, Any] = dict(
         max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
-    scheduler: Scheduler
-    if draft is None:
-        scheduler = Scheduler(model.config, cache, model.params, overlap=overlap, **options)
-    else:
-        from kvjax.serve.speculative import SpeculativeScheduler
-
-        scheduler = SpeculativeScheduler(
-            model.config,
-            cache,
-            model.params,
-            draft=draft.config,
-            draft_params=draft.params,
-            num_steps=speculative_num_steps,
-            overlap=overlap,
-            **options,
-        )
+    scheduler = scheduler_for(model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options)
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
     _serve_in_order(scheduler, reqs, lambda req: scheduler)
     return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
+
+
+def scheduler_for(
+    model: LoadedModel, cache: KVCache, *, draft: LoadedModel | None = None, num_steps: int = 3, **options: Any
+) -> Scheduler:
+    """The scheduler serving ``model`` over ``cache``: a ``Scheduler``, or with a STANDALONE
+    ``draft`` model a ``SpeculativeScheduler`` drafting ``num_steps`` tokens a round (the cache
+    built with ``draft_spec=draft.spec`` and the speculative fields set). ``options`` go to the
+    scheduler (``max_batch_size``, ``chunked_prefill_size``, ``record_logits``, ``overlap``, ...)."""
+    if draft is None:
+        return Scheduler(model.config, cache, model.params, **options)
+    from kvjax.serve.speculative import SpeculativeScheduler
+
+    return SpeculativeScheduler(
+        model.config, cache, model.params, draft=draft.config, draft_params=draft.params, num_steps=num_steps, **options
+    )
 
 
 def generate_dp(
