@@ -23,21 +23,18 @@ compiled by XLA, not a Pallas kernel.
 from __future__ import annotations
 
 import math
-from typing import Any
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kvjax.alloc.dcp import DCPStripe
-from kvjax.attention.dcp_merge import merge_over_axis, partial_softmax
+from kvjax.attention.dcp_merge import partial_softmax
+from kvjax.attention.dcp_striped_layer import StripedKeys, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads
-from kvjax.pools import MHAKVPool, dtypes
-from kvjax.pools.base import route_to_trash
-from pallas_kernels import _ragged_attention as ra
-from pallas_kernels.kv_write import write_kv
+from kvjax.pools import MHAKVPool
 
 __all__ = ["dcp_paged_attention", "striped_partial_attention"]
 
@@ -83,41 +80,29 @@ def striped_partial_attention(
     num_pool_pages, rows, combined, dim_padded = kv_pages.shape
     num_kv_heads = combined // 2
     group = num_q_heads // num_kv_heads
-    pages_per_seq = page_indices.shape[1]
-    local_len = pages_per_seq * rows
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    tokens = ra.token_rows(
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        total=total,
-        num_pool_pages=num_pool_pages,
-        page_size=rows * dcp,
-    )
-    kv_len_of = jnp.clip(kv_lens.astype(jnp.int32), 0, pages_per_seq * rows * dcp)
-    key_pos = jnp.arange(local_len, dtype=jnp.int32) * dcp + jnp.asarray(rank, jnp.int32)  # global positions
+    keys = StripedKeys.of(kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, total=total, dcp=dcp, rank=rank)
     q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
     k_dequant = jnp.asarray(k_scale, jnp.float32)
     v_dequant = jnp.asarray(v_scale, jnp.float32)
 
     def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         qt, seq, pos, is_live = xs
-        pages = kv_pages[tokens.safe_pages[seq]].reshape(local_len, combined, dim_padded)
+        pages = kv_pages[keys.tokens.safe_pages[seq]].reshape(keys.local_len, combined, dim_padded)
         k = pages[:, 0::2, :head_dim].astype(jnp.float32) * k_dequant  # [L, Hkv, D]
         v = pages[:, 1::2, :head_dim].astype(jnp.float32) * v_dequant
         logits = jnp.einsum("hgd,lhd->hgl", qt, k) * scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
-        visible = (key_pos <= pos) & (key_pos < kv_len_of[seq]) & jnp.repeat(tokens.page_ok[seq], rows) & is_live
+        visible = keys.visible(seq, pos, is_live)
         if sliding_window is not None:
-            visible &= key_pos > pos - sliding_window
+            visible &= keys.key_pos > pos - sliding_window
         probs, lse = partial_softmax(logits, visible)
         return jnp.einsum("hgl,lhd->hgd", probs, jnp.where(visible[:, None, None], v, 0.0)), lse
 
     if total == 0:
         return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
-    out, lse = jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
+    out, lse = keys.map_tokens(attend, q32, token_batch)
     return out.reshape(total, num_q_heads, head_dim), lse.reshape(total, num_q_heads)
 
 
@@ -148,57 +133,17 @@ def dcp_paged_attention(
     table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)
     index = pool.layer_index(layer_id)
     dcp = int(mesh.shape[axis])
-    stripe = DCPStripe(pool.page_size // dcp, dcp)
     k = expand_kv_heads(k, pool.num_kv_heads, f"layer {layer_id}'s k")
     v = expand_kv_heads(v, pool.num_kv_heads, f"layer {layer_id}'s v")
     packed = pool._pack(jnp.asarray(k), jnp.asarray(v), pool.k_scale[index], pool.v_scale[index])
-    slots = route_to_trash(loc, pool.num_slots)
     check_heads_divide(f"layer {layer_id}'s KV", pool.num_kv_heads, mesh, heads_axis)
     check_heads_divide(f"layer {layer_id}'s query", q.shape[1], mesh, heads_axis)
 
-    def layer_step(
-        layer: jax.Array,
-        packed: jax.Array,
-        slots: jax.Array,
-        q: jax.Array,
-        kv_lens: jax.Array,
-        table: jax.Array,
-        cu_q_lens: jax.Array,
-        num_seqs: jax.Array,
-        k_scale: jax.Array,
-        v_scale: jax.Array,
-        *sink: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
-        rank = jax.lax.axis_index(axis)
-        mine = jnp.where(stripe.owner(slots) == rank, stripe.local_slot(slots), 0)  # others: the trash page
-        layer = write_kv(layer, packed, mine)
-        kv = dtypes.from_storage(layer, pool.logical_dtype)
-        out, lse = striped_partial_attention(
-            q,
-            kv,
-            kv_lens,
-            table,
-            cu_q_lens,
-            num_seqs,
-            rank=rank,
-            dcp=dcp,
-            sm_scale=sm_scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-        merged = merge_over_axis(out, lse, axis, sinks=sink[0] if sink else None)
-        return layer, merged.astype(q.dtype)
-
-    layer_spec = P(None, axis, heads_axis, None)
+    attend_stripe = partial(
+        striped_partial_attention, dcp=dcp, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+    )
+    metadata = (meta.kv_lens, table, meta.cu_q_lens, meta.num_seqs)
+    scales = {"k_scale": pool.k_scale[index], "v_scale": pool.v_scale[index]}
+    sink = None if sinks is None else (jnp.asarray(sinks, jnp.float32), P(heads_axis))
     heads = P(None, heads_axis, None)
-    specs: tuple[P, ...] = (layer_spec, heads, P(), heads, P(), P(), P(), P(), P(), P())
-    args: list[Any] = [pool.kv[index], packed, slots, q, meta.kv_lens, table, meta.cu_q_lens, meta.num_seqs]
-    args += [pool.k_scale[index], pool.v_scale[index]]
-    if sinks is not None:
-        specs += (P(heads_axis),)
-        args.append(jnp.asarray(sinks, jnp.float32))
-    run = jax.shard_map(layer_step, mesh=mesh, in_specs=specs, out_specs=(layer_spec, heads), check_vma=False)
-    layer, out = run(*args)
-    return out, pool.with_layer(index, layer)
+    return run_striped_layer(pool, index, mesh, attend_stripe, packed, loc, (q,), heads, metadata, scales, sink)

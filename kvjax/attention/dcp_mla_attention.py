@@ -13,19 +13,18 @@ TPU (the MLA Pallas kernel returns no log-sum-exp).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kvjax.alloc.dcp import DCPStripe
-from kvjax.attention.dcp_merge import merge_over_axis, partial_softmax
+from kvjax.attention.dcp_merge import partial_softmax
+from kvjax.attention.dcp_striped_layer import StripedKeys, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide
-from kvjax.pools import MLAKVPool, dtypes
-from kvjax.pools.base import route_to_trash
-from kvjax.pools.mla import scatter_rows
-from pallas_kernels import _ragged_attention as ra
+from kvjax.pools import MLAKVPool
 
 __all__ = ["dcp_mla_attention", "striped_partial_mla_attention"]
 
@@ -63,27 +62,22 @@ def striped_partial_mla_attention(
     total, heads, latent = q_latent.shape
     rope = q_rope.shape[2]
     num_pool_pages, rows, row_padded = kv_pages.shape
-    local_len = page_indices.shape[1] * rows
-    tokens = ra.token_rows(
-        kv_lens, page_indices, cu_q_lens, num_seqs, total=total, num_pool_pages=num_pool_pages, page_size=rows * dcp
-    )
-    kv_len_of = jnp.clip(kv_lens.astype(jnp.int32), 0, local_len * dcp)
-    key_pos = jnp.arange(local_len, dtype=jnp.int32) * dcp + jnp.asarray(rank, jnp.int32)  # global positions
+    keys = StripedKeys.of(kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, total=total, dcp=dcp, rank=rank)
     q32 = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
     dequant = jnp.asarray(kv_scale, jnp.float32)
 
     def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         qt, seq, pos, is_live = xs  # [H, latent + rope], scalars
-        keys = kv_pages[tokens.safe_pages[seq]].reshape(local_len, row_padded)[:, : latent + rope]
-        keys = keys.astype(jnp.float32) * dequant
-        logits = jnp.einsum("hd,ld->hl", qt, keys) * sm_scale
-        visible = (key_pos <= pos) & (key_pos < kv_len_of[seq]) & jnp.repeat(tokens.page_ok[seq], rows) & is_live
+        rows_of_seq = kv_pages[keys.tokens.safe_pages[seq]].reshape(keys.local_len, row_padded)
+        latent_rows = rows_of_seq[:, : latent + rope].astype(jnp.float32) * dequant
+        logits = jnp.einsum("hd,ld->hl", qt, latent_rows) * sm_scale
+        visible = keys.visible(seq, pos, is_live)
         probs, lse = partial_softmax(logits, visible)
-        return probs @ jnp.where(visible[:, None], keys[:, :latent], 0.0), lse
+        return probs @ jnp.where(visible[:, None], latent_rows[:, :latent], 0.0), lse
 
     if total == 0:
         return jnp.zeros(q_latent.shape, jnp.float32), jnp.full((total, heads), -jnp.inf, jnp.float32)
-    return jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
+    return keys.map_tokens(attend, q32, token_batch)
 
 
 def dcp_mla_attention(
@@ -109,47 +103,14 @@ def dcp_mla_attention(
     meta = meta.as_device_arrays()
     index = pool.layer_index(layer_id)
     dcp = int(mesh.shape[axis])
-    stripe = DCPStripe(pool.page_size // dcp, dcp)
     scale = pool.scale[index]
     row = jnp.concatenate([jnp.asarray(c_kv, jnp.float32), jnp.asarray(k_pe, jnp.float32)], axis=1)
     packed = pool._quantise(row, scale)
-    slots = route_to_trash(meta.out_loc, pool.num_slots)
     check_heads_divide(f"MLA layer {layer_id}'s query", q_latent.shape[1], mesh, heads_axis)
 
-    def layer_step(
-        layer: jax.Array,
-        packed: jax.Array,
-        slots: jax.Array,
-        q_latent: jax.Array,
-        q_rope: jax.Array,
-        kv_lens: jax.Array,
-        table: jax.Array,
-        cu_q_lens: jax.Array,
-        num_seqs: jax.Array,
-        scale: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
-        rank = jax.lax.axis_index(axis)
-        mine = jnp.where(stripe.owner(slots) == rank, stripe.local_slot(slots), 0)  # others: the trash page
-        layer = scatter_rows(layer, packed, mine)
-        out, lse = striped_partial_mla_attention(
-            q_latent,
-            q_rope,
-            dtypes.from_storage(layer, pool.logical_dtype),
-            kv_lens,
-            table,
-            cu_q_lens,
-            num_seqs,
-            rank=rank,
-            dcp=dcp,
-            sm_scale=sm_scale,
-            kv_scale=scale,
-        )
-        return layer, merge_over_axis(out, lse, axis).astype(q_latent.dtype)
-
-    layer_spec = P(None, axis, None)
-    heads = P(None, heads_axis, None)
-    specs = (layer_spec, P(), P(), heads, heads, P(), P(), P(), P(), P())
-    run = jax.shard_map(layer_step, mesh=mesh, in_specs=specs, out_specs=(layer_spec, heads), check_vma=False)
-    args = (pool.kv[index], packed, slots, q_latent, q_rope, meta.kv_lens, meta.page_indices, meta.cu_q_lens)
-    layer, out = run(*args, meta.num_seqs, scale)
-    return out, pool.with_layer(index, layer)
+    attend_stripe = partial(striped_partial_mla_attention, dcp=dcp, sm_scale=sm_scale)
+    queries, heads = (q_latent, q_rope), P(None, heads_axis, None)
+    metadata = (meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+    return run_striped_layer(
+        pool, index, mesh, attend_stripe, packed, meta.out_loc, queries, heads, metadata, {"kv_scale": scale}
+    )

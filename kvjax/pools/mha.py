@@ -38,6 +38,7 @@ from kvjax.pools.mha_layout import MHALayout
 from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
+from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.page_copy import copy_slots
 from pallas_kernels.validate import check_kv_scale
@@ -62,12 +63,14 @@ def _copy_slots(layers: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -
     return copy_slots(layers, src, dst)
 
 
-class MHAKVPool(PagedLayers, Pool):
+class MHAKVPool(PagedLayers, StripedOverContext, Pool):
     """Paged K/V of the full-attention layers of one pipeline stage (see module docstring).
 
     Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays), ``k_scale`` and ``v_scale``
     (f32 ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
     """
+
+    DCP_ATTENTION = "kvjax.attention.dcp_attention"
 
     LAYER_KIND = "full attention"
 
@@ -153,15 +156,6 @@ class MHAKVPool(PagedLayers, Pool):
         )
 
     # --- static facts ---------------------------------------------------------------------------
-
-    def _require_unstriped(self, what: str) -> None:
-        """``NotImplementedError`` naming ``what`` on a pool striped over DCP ranks: its slots are
-        not rows of the global array (``kvjax.alloc.dcp_stripe``); DCP attention writes it."""
-        if self.context_axis is not None:
-            raise NotImplementedError(
-                f"MHAKVPool.{what} on a pool striped over the {self.context_axis!r} mesh axis (decode context "
-                "parallelism) is not built; kvjax.attention.dcp_attention writes and reads it"
-            )
 
     @property
     def head_dim_padded(self) -> int:

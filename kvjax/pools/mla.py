@@ -49,6 +49,7 @@ from kvjax.pools.mla_layout import MLALayout
 from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
+from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.validate import check_kv_scale
 
 
@@ -114,12 +115,14 @@ def _as_rows(name: str, x: jax.Array, width: int) -> jax.Array:
     return x
 
 
-class MLAKVPool(PagedLayers, Pool):
+class MLAKVPool(PagedLayers, StripedOverContext, Pool):
     """Paged latent KV of the MLA layers of one pipeline stage (see module docstring).
 
     Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays) and ``scale`` (f32
     ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
     """
+
+    DCP_ATTENTION = "kvjax.attention.dcp_mla_attention"
 
     kv: tuple[jax.Array, ...]
     scale: jax.Array
@@ -197,15 +200,6 @@ class MLAKVPool(PagedLayers, Pool):
     @property
     def logical_dtype(self) -> np.dtype:
         return dtypes.logical_dtype(self.dtype)
-
-    def _require_unstriped(self, what: str) -> None:
-        """``NotImplementedError`` naming ``what`` on a pool striped over DCP ranks: its slots are
-        not rows of the global array (``kvjax.alloc.dcp``); DCP attention writes it."""
-        if self.context_axis is not None:
-            raise NotImplementedError(
-                f"MLAKVPool.{what} on a pool striped over the {self.context_axis!r} mesh axis (decode context "
-                "parallelism) is not built; kvjax.attention.dcp_mla_attention writes and reads it"
-            )
 
     # --- writes ---------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
@@ -30,6 +30,7 @@ from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from kvjax.build import KVCache
     from kvjax.dp.lockstep import LockstepDPScheduler
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint
@@ -144,16 +145,13 @@ def generate(
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
+    sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(
         model,
         prompts,
         max_new_tokens,
-        page_size=page_size,
-        max_total_tokens=max_total_tokens,
-        chunked_prefill_size=chunked_prefill_size,
-        max_batch_size=max_batch_size,
+        *sizes,
         enable_hierarchical_cache=enable_hierarchical_cache,
-        tp_size=tp_size,
         dcp_size=dcp_size,
         extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
     ).replace(**_speculative_config(draft, speculative_num_steps))
@@ -163,31 +161,26 @@ def generate(
     options: dict[str, Any] = dict(
         max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
-    scheduler: Scheduler
-    if draft is None:
-        scheduler = Scheduler(model.config, cache, model.params, overlap=overlap, **options)
-    else:
-        from kvjax.serve.speculative import SpeculativeScheduler
-
-        scheduler = SpeculativeScheduler(
-            model.config,
-            cache,
-            model.params,
-            draft=draft.config,
-            draft_params=draft.params,
-            num_steps=speculative_num_steps,
-            overlap=overlap,
-            **options,
-        )
-    stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
-    reqs = [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
-    for req in reqs:
-        scheduler.submit([req])
-        while scheduler.waiting or scheduler.chunked is not None:
-            scheduler.step()
-    while not scheduler.idle:
-        scheduler.step()
+    scheduler = scheduler_for(model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options)
+    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
+    _serve_in_order(scheduler, reqs, lambda req: scheduler)
     return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
+
+
+def scheduler_for(
+    model: LoadedModel, cache: KVCache, *, draft: LoadedModel | None = None, num_steps: int = 3, **options: Any
+) -> Scheduler:
+    """The scheduler serving ``model`` over ``cache``: a ``Scheduler``, or with a STANDALONE
+    ``draft`` model a ``SpeculativeScheduler`` drafting ``num_steps`` tokens a round (the cache
+    built with ``draft_spec=draft.spec`` and the speculative fields set). ``options`` go to the
+    scheduler (``max_batch_size``, ``chunked_prefill_size``, ``record_logits``, ``overlap``, ...)."""
+    if draft is None:
+        return Scheduler(model.config, cache, model.params, **options)
+    from kvjax.serve.speculative import SpeculativeScheduler
+
+    return SpeculativeScheduler(
+        model.config, cache, model.params, draft=draft.config, draft_params=draft.params, num_steps=num_steps, **options
+    )
 
 
 def generate_dp(
@@ -222,17 +215,8 @@ def generate_dp(
     from kvjax.mesh_check import make_serving_mesh
 
     prompts = _checked_prompts(model, prompts, max_new_tokens)
-    config = _config(
-        model,
-        prompts,
-        max_new_tokens,
-        page_size=page_size,
-        max_total_tokens=max_total_tokens,
-        chunked_prefill_size=chunked_prefill_size,
-        max_batch_size=max_batch_size,
-        enable_hierarchical_cache=False,
-        tp_size=tp_size,
-    ).replace(dp_size=dp_size, enable_dp_attention=True)
+    sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
+    config = _config(model, prompts, max_new_tokens, *sizes).replace(dp_size=dp_size, enable_dp_attention=True)
     mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
     front = LockstepDPScheduler.build_lockstep(
         model.spec,
@@ -245,16 +229,42 @@ def generate_dp(
         record_logits=record_logits,
         model_config=model.config,
     )
+    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
+    _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]])
+    return _result(reqs, _summed([s.stats for s in front.schedulers])), front
+
+
+class _Front(Protocol):
+    """What ``_serve_in_order`` drives: a scheduler, or the lockstep front of DP ranks."""
+
+    @property
+    def idle(self) -> bool: ...
+
+    def submit(self, reqs: list[ServingReq]) -> Any: ...
+
+    def step(self) -> Any: ...
+
+
+def _requests(
+    model: LoadedModel, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] | None
+) -> list[ServingReq]:
+    """One request per prompt, ids in prompt order, stopping at ``stop_token_ids`` (default: the
+    model's stop tokens)."""
     stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
-    reqs = [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
+    return [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
+
+
+def _serve_in_order(front: _Front, reqs: list[ServingReq], scheduler_of: Callable[[ServingReq], Scheduler]) -> None:
+    """Submit the requests one at a time, each once the one before it is prefilled (no longer
+    waiting nor the chunked request of ``scheduler_of(req)``, the scheduler it went to), so each
+    sees the tree its predecessors left; then step ``front`` until it is idle."""
     for req in reqs:
         front.submit([req])
-        rank = front.schedulers[front.rank_of[req.rid]]
-        while rank.waiting or rank.chunked is not None:
+        scheduler = scheduler_of(req)
+        while scheduler.waiting or scheduler.chunked is not None:
             front.step()
     while not front.idle:
         front.step()
-    return _result(reqs, _summed([s.stats for s in front.schedulers])), front
 
 
 def _checked_prompts(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -278,13 +288,13 @@ def _config(
     model: LoadedModel,
     prompts: list[list[int]],
     max_new_tokens: int,
-    *,
     page_size: int,
     max_total_tokens: int | None,
     chunked_prefill_size: int,
     max_batch_size: int,
-    enable_hierarchical_cache: bool,
     tp_size: int,
+    *,
+    enable_hierarchical_cache: bool = False,
     dcp_size: int = 1,
     extra_tokens: int = 0,
 ) -> CacheConfig:

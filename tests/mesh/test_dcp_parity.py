@@ -17,17 +17,9 @@ import pytest
 
 from kvjax.mesh_check import make_serving_mesh
 from kvjax.pools import MHAKVPool, MLAKVPool
+from tests.mesh.tp_serving import family_checkpoint
 from tests.serve import swa_parity
-from tests.serve.parity_harness import (
-    assert_matches_transformers,
-    build_scheduler,
-    serve_two_rounds,
-    tiny_checkpoint,
-    transformers,
-)
-from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
-from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
-from tests.serve.test_parity_transformers import COMMON, FAMILIES
+from tests.serve.parity_harness import assert_matches_transformers, build_scheduler, serve_two_rounds
 
 MAX_NEW = 6
 ATOL = 1e-4
@@ -36,8 +28,7 @@ PAGE = 1
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    cls, extra = FAMILIES["llama"]
-    return tiny_checkpoint(getattr(transformers, cls)(**COMMON, **extra), tmp_path_factory, "llama")
+    return family_checkpoint("llama", tmp_path_factory)
 
 
 @pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (4, 1), (2, 2)])
@@ -61,7 +52,7 @@ def test_llama_reuse_chunked_prefill_eviction_and_retraction(dcp, tp, llama):
 
 
 def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(tmp_path_factory):
-    hf, model = tiny_checkpoint(transformers.DeepseekV2Config(**DEEPSEEK_V2), tmp_path_factory, "deepseek_v2")
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
     mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
     sched = build_scheduler(
         model, mesh=mesh, tp_size=2, dcp_size=2, page_size=PAGE, max_total_tokens=64, max_running_requests=8
@@ -78,9 +69,9 @@ def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(tmp_path_factory):
 def test_gemma3_sliding_window_on_a_full_size_pool_masks_global_positions(tmp_path_factory):
     """The window is a mask on global positions over the striped full-size pool (a hybrid SWA
     pool is refused under DCP: ``disable_hybrid_swa_memory``)."""
-    hf, model = tiny_checkpoint(transformers.Gemma3TextConfig(**GEMMA3), tmp_path_factory, "gemma3")
+    hf, model = family_checkpoint("gemma3", tmp_path_factory)
     mesh = make_serving_mesh(1, dcp_size=2, devices=jax.devices())
     sched, done = swa_parity.serve(model, page_size=PAGE, max_total_tokens=256, hybrid=False, mesh=mesh, dcp_size=2)
     assert sched.cache.pools.kv.context_axis == "dcp"
-    assert max(len(r.origin_input_ids) for r in done.values()) > GEMMA3["sliding_window"], "prompts pass the window"
+    assert max(len(r.origin_input_ids) for r in done.values()) > hf.config.sliding_window, "prompts pass the window"
     assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)

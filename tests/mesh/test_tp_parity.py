@@ -17,18 +17,9 @@ import pytest
 
 from kvjax.pools import MHAKVPool, MLAKVPool
 from kvjax.serve.checkpoint import LoadedModel
-from tests.mesh.tp_serving import assert_sharded, mesh_of
+from tests.mesh.tp_serving import assert_sharded, family_checkpoint, mesh_of
 from tests.serve import swa_parity
-from tests.serve.parity_harness import (
-    assert_matches_transformers,
-    build_scheduler,
-    serve_two_rounds,
-    tiny_checkpoint,
-    transformers,
-)
-from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
-from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
-from tests.serve.test_parity_transformers import COMMON, FAMILIES
+from tests.serve.parity_harness import assert_matches_transformers, build_scheduler, serve_two_rounds
 
 MAX_NEW = 6
 ATOL = 1e-4
@@ -42,14 +33,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Any, LoadedModel]]:
 
 def _checkpoint(name: str, checkpoints: dict, tmp_path_factory) -> tuple[Any, LoadedModel]:
     if name not in checkpoints:
-        if name in ("llama", "qwen3"):
-            cls, extra = FAMILIES[name]
-            config = getattr(transformers, cls)(**COMMON, **extra)
-            checkpoints[name] = tiny_checkpoint(config, tmp_path_factory, name)
-        elif name == "gemma3":
-            checkpoints[name] = tiny_checkpoint(transformers.Gemma3TextConfig(**GEMMA3), tmp_path_factory, name)
-        else:
-            checkpoints[name] = tiny_checkpoint(transformers.DeepseekV2Config(**DEEPSEEK_V2), tmp_path_factory, name)
+        checkpoints[name] = family_checkpoint(name, tmp_path_factory)
     return checkpoints[name]
 
 
@@ -70,9 +54,7 @@ def test_gqa_reuse_chunked_prefill_eviction_and_retraction(family, tp, checkpoin
 
 def test_llama_at_tp_8_with_8_query_heads_over_2_kv_heads(tmp_path_factory):
     """Every device of the mesh: one query head per rank, each of the 2 KV heads stored on 4 ranks."""
-    cls, extra = FAMILIES["llama"]
-    config = getattr(transformers, cls)(**{**COMMON, "num_attention_heads": 8}, **extra)
-    hf, model = tiny_checkpoint(config, tmp_path_factory, "llama8")
+    hf, model = family_checkpoint("llama", tmp_path_factory, label="llama8", num_attention_heads=8)
     sched = build_scheduler(model, mesh=mesh_of(8), tp_size=8, page_size=1, max_total_tokens=64, max_running_requests=8)
     done = serve_two_rounds(sched, MAX_NEW)
     assert sched.cache.pools.kv.num_kv_heads == 8

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tests.mesh.tp_serving import assert_sharded, mesh_of
+from tests.mesh.tp_serving import serve_recurrent_over_tp
 from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_no_near_tie,
-    serve_recurrent,
     tiny_checkpoint,
     torch,
     transformers,
@@ -35,16 +34,7 @@ TP = 2
 def test_head_parallel_mamba2_reuse_eviction_and_retraction(tmp_path_factory):
     config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
     hf, model = tiny_checkpoint(config, tmp_path_factory, "nemotron_h_tp", seed=MODEL_SEED)
-    sched, done = serve_recurrent(
-        model,
-        MAX_NEW,
-        mesh=mesh_of(TP),
-        tp_size=TP,
-        max_total_tokens=56,
-        max_running_requests=4,
-        max_mamba_cache_size=6,
-    )
-    assert_sharded(sched, TP)
+    sched, done = serve_recurrent_over_tp(model, MAX_NEW, TP)
     mixer = sched.params["backbone"]["layers_0"]["mixer"]
     assert mixer["in_proj"]["weight"].sharding.spec == P("tp", None)
     assert mixer["conv1d"]["weight"].sharding.spec == P("tp", None, None)

@@ -19,11 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import ConfigError
-from tests.mesh.tp_serving import assert_sharded, mesh_of
+from tests.mesh.tp_serving import mesh_of, serve_recurrent_over_tp
 from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_matches_transformers,
-    serve_recurrent,
     tiny_checkpoint,
     transformers,
 )
@@ -66,16 +65,7 @@ def _checkpoint(tp: int, checkpoints: dict, tmp_path_factory) -> tuple[Any, Any]
 @pytest.mark.parametrize("tp", [2, 4])
 def test_head_parallel_gated_delta_net_reuse_eviction_and_retraction(tp, checkpoints, tmp_path_factory):
     hf, model = _checkpoint(tp, checkpoints, tmp_path_factory)
-    sched, done = serve_recurrent(
-        model,
-        MAX_NEW,
-        mesh=mesh_of(tp),
-        tp_size=tp,
-        max_total_tokens=56,
-        max_running_requests=4,
-        max_mamba_cache_size=6,
-    )
-    assert_sharded(sched, tp)
+    sched, done = serve_recurrent_over_tp(model, MAX_NEW, tp)
     state = sched.cache.pools.recurrent
     assert all(a.sharding.spec[2] == "tp" for a in (*state.conv, state.ssm))
     mixer = sched.params["model"]["layers_0"]["linear_attn"]

@@ -27,6 +27,7 @@ import pytest
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.radix import HiRadixCache
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.generate import scheduler_for
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.speculative import SpeculativeScheduler
 from kvjax.tiers.transfer import PageTransferEngine
@@ -95,17 +96,10 @@ def _serve(
         ),
         draft_spec=draft.spec,
     )
-    sched = SpeculativeScheduler(
-        target.config,
-        cache,
-        target.params,
-        draft=draft.config,
-        draft_params=draft.params,
-        num_steps=K,
-        max_batch_size=4,
-        chunked_prefill_size=CHUNK,
-        record_logits=True,
+    sched = scheduler_for(
+        target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
     )
+    assert isinstance(sched, SpeculativeScheduler)
     done = serve_two_rounds(sched, MAX_NEW)
     sched.cache.tree_cache.sanity_check()
     return sched, done

@@ -1,0 +1,179 @@
+"""One layer's write-then-attend over a pool striped over decode-context-parallel (DCP) ranks.
+
+What ``dcp_attention`` (K/V pages) and ``dcp_mla_attention`` (latent rows) share:
+
+* ``StripedKeys``: where each query token stands and which of one rank's local key rows it sees.
+  Local key ``l`` of rank ``r`` is the sequence's global position ``l * dcp + r``; a key is
+  visible when it is at or before the query (causal), inside the sequence's ``kv_len``, on a
+  pool page of the table, and the query token is live.
+* ``run_striped_layer``: one ``jax.shard_map`` over the mesh in which each rank writes the rows it
+  owns (``DCPStripe.owner``; the others go to its trash page, so every token is stored once),
+  attends every query over its stripe, and merges the partials exactly over the DCP axis with
+  their log-sum-exp (``dcp_merge.merge_over_axis``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from kvjax.alloc.dcp import DCPStripe
+from kvjax.attention.dcp_merge import merge_over_axis
+from kvjax.pools import MHAKVPool, MLAKVPool, dtypes
+from kvjax.pools.base import route_to_trash
+from kvjax.pools.mla import scatter_rows
+from pallas_kernels import _ragged_attention as ra
+from pallas_kernels.kv_write import write_kv
+
+__all__ = ["StripedKeys", "run_striped_layer"]
+
+StripedPool = TypeVar("StripedPool", MHAKVPool, MLAKVPool)
+RowWriter = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, rows, local slots) -> layer
+
+
+@dataclass(frozen=True)
+class StripedKeys:
+    """The query tokens of a ragged batch and one DCP rank's local key rows.
+
+    ``tokens``: each token's sequence, global position and liveness, and the table's valid pages
+    (``ra.TokenRows``); ``kv_len_of``: int32 ``[S]``, each sequence's KV length in global tokens,
+    clamped to the table's capacity; ``key_pos``: int32 ``[pages_per_seq * rows]``, the global
+    position of each local key row; ``rows``: rows per rank and page.
+    """
+
+    tokens: ra.TokenRows
+    kv_len_of: jax.Array
+    key_pos: jax.Array
+    rows: int
+
+    @classmethod
+    def of(
+        cls,
+        kv_pages: jax.Array,
+        kv_lens: jax.Array,
+        page_indices: jax.Array,
+        cu_q_lens: jax.Array,
+        num_seqs: jax.Array,
+        *,
+        total: int,
+        dcp: int,
+        rank: jax.Array | int,
+    ) -> StripedKeys:
+        """The keys rank ``rank`` of ``dcp`` sees for a batch of ``total`` query tokens, with the
+        batch's metadata in global terms (whole sequences, striped page ids) over the rank's rows
+        of one layer, ``kv_pages`` ``[pages + 1, rows, ...]`` (trash page included)."""
+        num_pool_pages, rows = kv_pages.shape[:2]
+        local_len = page_indices.shape[1] * rows
+        tokens = ra.token_rows(
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            total=total,
+            num_pool_pages=num_pool_pages,
+            page_size=rows * dcp,
+        )
+        kv_len_of = jnp.clip(kv_lens.astype(jnp.int32), 0, local_len * dcp)
+        key_pos = jnp.arange(local_len, dtype=jnp.int32) * dcp + jnp.asarray(rank, jnp.int32)
+        return cls(tokens, kv_len_of, key_pos, rows)
+
+    @property
+    def local_len(self) -> int:
+        """Local key rows per sequence: ``pages_per_seq * rows``."""
+        return int(self.key_pos.shape[0])
+
+    def visible(self, seq: jax.Array, pos: jax.Array, is_live: jax.Array) -> jax.Array:
+        """bool ``[local_len]``: the local keys a query of sequence ``seq`` at global position
+        ``pos`` sees (causal, inside the sequence, on a valid page; none for a padding token)."""
+        in_sequence = (self.key_pos <= pos) & (self.key_pos < self.kv_len_of[seq])
+        return in_sequence & jnp.repeat(self.tokens.page_ok[seq], self.rows) & is_live
+
+    def map_tokens(
+        self,
+        attend: Callable[[tuple[jax.Array, ...]], tuple[jax.Array, jax.Array]],
+        queries: jax.Array,
+        token_batch: int,
+    ) -> tuple[jax.Array, jax.Array]:
+        """``attend((query, seq, pos, is_live))`` for each token, ``token_batch`` tokens at a time
+        (``jax.lax.map``); ``queries`` has the tokens on its leading axis and at least one."""
+        xs = (queries, self.tokens.seq, self.tokens.pos, self.tokens.live)
+        return jax.lax.map(attend, xs, batch_size=min(token_batch, int(queries.shape[0])))
+
+
+def _layer_layout(pool: MHAKVPool | MLAKVPool, axis: str) -> tuple[RowWriter, P, P]:
+    """``(write_rows, layer_spec, packed_spec)`` of a striped pool's layer: K/V pages split over
+    the DCP axis (rows) and the KV-head axis, written as K/V pairs; or latent rows split over the
+    DCP axis only, the batch's rows replicated."""
+    if isinstance(pool, MHAKVPool):
+        heads_axis = pool.kv_head_axis
+        return write_kv, P(None, axis, heads_axis, None), P(None, heads_axis, None)
+    return scatter_rows, P(None, axis, None), P()
+
+
+def run_striped_layer(
+    pool: StripedPool,
+    index: int,
+    mesh: Mesh,
+    attend_stripe: Callable[..., tuple[jax.Array, jax.Array]],
+    packed: jax.Array,
+    out_loc: jax.Array,
+    queries: tuple[jax.Array, ...],
+    heads_spec: P,
+    metadata: tuple[jax.Array, ...],
+    scales: dict[str, jax.Array],
+    sinks: tuple[jax.Array, P] | None = None,
+) -> tuple[jax.Array, StripedPool]:
+    """Write, attend and merge layer ``index`` of ``pool`` inside one ``jax.shard_map`` (module
+    docstring). The pool is striped over ``mesh``'s axis ``pool.context_axis``.
+
+    Args:
+        attend_stripe: ``attend_stripe(*queries, kv, *metadata, rank=rank, **scales) -> (out,
+            lse)``: the rank's float32 partial attention over ``kv``, its rows of the layer in the
+            logical dtype (``striped_partial_attention``, ``striped_partial_mla_attention``).
+        packed: the batch's rows to write, in storage form ``[T, ...]``.
+        out_loc: int32 ``[T]`` global (striped) slots of ``packed``; invalid ones go to the trash.
+        queries, heads_spec: the query arrays, split over the heads as ``heads_spec``; the output
+            has the first one's dtype and this spec.
+        metadata, scales: the batch's metadata in global terms and the layer's dequantisation
+            scales, on every rank.
+        sinks: float32 attention-sink logits and their spec, joined to the merge once; or None.
+
+    Returns:
+        ``(out, pool)``: the attention over the whole sequence, and the pool with the batch's rows
+        written on their owners.
+    """
+    axis = pool.context_axis
+    if axis is None:
+        raise ValueError(f"layer index {index}'s pool is not striped over a DCP axis")
+    dcp = int(mesh.shape[axis])
+    stripe = DCPStripe(pool.page_size // dcp, dcp)
+    write_rows, layer_spec, packed_spec = _layer_layout(pool, axis)
+    sink_args = () if sinks is None else (sinks[0],)
+    specs = (layer_spec, packed_spec, P(), heads_spec, P(), P(), *(() if sinks is None else (sinks[1],)))
+
+    def step(
+        layer: jax.Array,
+        packed: jax.Array,
+        slots: jax.Array,
+        queries: tuple[jax.Array, ...],
+        metadata: tuple[jax.Array, ...],
+        scales: dict[str, jax.Array],
+        *sink: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
+        rank = jax.lax.axis_index(axis)
+        owned = jnp.where(stripe.owner(slots) == rank, stripe.local_slot(slots), 0)  # others: the trash page
+        layer = write_rows(layer, packed, owned)
+        kv = dtypes.from_storage(layer, pool.logical_dtype)
+        out, lse = attend_stripe(*queries, kv, *metadata, rank=rank, **scales)
+        return layer, merge_over_axis(out, lse, axis, sinks=sink[0] if sink else None).astype(queries[0].dtype)
+
+    run = jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(layer_spec, heads_spec), check_vma=False)
+    slots = route_to_trash(out_loc, pool.num_slots)
+    layer, out = run(pool.kv[index], packed, slots, queries, metadata, scales, *sink_args)
+    return out, pool.with_layer(index, layer)
