@@ -2,22 +2,53 @@
 
 Run them on their own (``.ci/run``'s mesh stage): ``python -m pytest -o addopts="" -m mesh tests/mesh``.
 The default options ignore this folder, so the main suite keeps its one CPU device.
+
+Order: the stage runs two workers, one file each at a time (``-n 2 --dist loadfile
+--no-loadscope-reorder``), so the files that take longest start first (``HEAVIEST_FIRST``, by
+their measured time, heaviest first) and the two workers end together; the other files follow,
+those with more tests first (xdist's own order).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import jax
 import pytest
 
 DEVICES = 8
 
+# The files whose tests take longest (a minute or more each on a quiet 2-core machine for the first
+# three; then the multi-process and DP parity files), heaviest first.
+HEAVIEST_FIRST = (
+    "test_tp_parity_qwen3_next_tp4.py",
+    "test_tp_parity_qwen3_next.py",
+    "test_tp_parity_nemotron_h.py",
+    "test_multihost_host_tier.py",
+    "test_dp_parity.py",
+    "test_multihost_serving.py",
+    "test_multihost_parity.py",
+    "test_tp_parity.py",
+)
+
 jax.config.update("jax_num_cpu_devices", DEVICES)
 
 
+def _file_rank(item: pytest.Item, tests_per_file: Counter[str]) -> tuple[int, int]:
+    """Heaviest listed files first, in ``HEAVIEST_FIRST``'s order; then files with more tests."""
+    name = item.path.name
+    if name in HEAVIEST_FIRST:
+        return (HEAVIEST_FIRST.index(name), 0)
+    return (len(HEAVIEST_FIRST), -tests_per_file[name])
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test here carries the ``mesh`` marker."""
+    """Every test here carries the ``mesh`` marker; files in the order of the module docstring
+    (a stable sort: each file's tests keep their order)."""
     for item in items:
         item.add_marker(pytest.mark.mesh)
+    tests_per_file = Counter(item.path.name for item in items)
+    items.sort(key=lambda item: _file_rank(item, tests_per_file))
 
 
 @pytest.fixture(scope="session", autouse=True)

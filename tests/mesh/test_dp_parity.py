@@ -15,7 +15,7 @@ cache-aware only (DeepSeek-V2's MLA latent pool: a slice per rank, replicated ov
 SWA, a serving extension per rank) serve the same way.
 
 Qwen3-Next (gated delta net layers and a full-attention layer; the tp 2 parity model of
-``test_tp_parity_qwen3_next``): each rank's recurrent state in its slice of the stacked state pool,
+``tests/mesh/qwen3_next_tp.py``): each rank's recurrent state in its slice of the stacked state pool,
 head parallel over the rank's devices; the checkpoint forks and copies its tree queues are
 applied to that slice only (``kvjax.dp.rank_state``, also checked on its own against the copies
 done one by one in numpy); no state slot leaks on either rank; cold == warm. Nemotron-H (Mamba2
@@ -38,8 +38,8 @@ from kvjax.pools import MLAKVPool
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
-from tests.mesh.test_tp_parity_qwen3_next import _LAYERS as QWEN3_NEXT_LAYERS
-from tests.mesh.test_tp_parity_qwen3_next import HEADS as QWEN3_NEXT_HEADS
+from tests.mesh.qwen3_next_tp import HEADS as QWEN3_NEXT_HEADS
+from tests.mesh.qwen3_next_tp import LAYERS as QWEN3_NEXT_LAYERS
 from tests.serve import random_workloads, swa_parity
 from tests.serve.parity_harness import (
     CHUNK,
