@@ -49,7 +49,9 @@ A tiny checkpoint (the ``tiny`` preset's seed-0 weights written as ``config.json
   still share them).
   ``runtime_threads_busy`` counts the process's threads other than the Python thread that used
   at least 5% of its CPU time over the measured runs (Linux), the "device" threads the step ran
-  on; ``python_thread_cpu_share`` is the Python thread's part of that CPU time.
+  on; ``python_thread_cpu_share`` is the Python thread's part of that CPU time and
+  ``cpu_share_by_thread_name`` every thread's part by its name (the runtime's threads are named
+  by XLA; unnamed ones carry the interpreter's name).
 * **device threads** (``--device-threads N``): on a TPU the device's compute does not run on the
   host's cores. To come nearer to that on a CPU, the bookkeeping and exposed-time measurement is
   run a second time in a child process whose XLA:CPU runtime has ``N`` compute threads (``NPROC=N``
@@ -323,10 +325,10 @@ def decode_bookkeeping(model: LoadedModel, batch: int, decode_tokens: int, repea
     return result
 
 
-def _thread_cpu_ticks() -> dict[int, int]:
-    """CPU time (user + system, in clock ticks) of every thread of this process by its id, from
-    ``/proc/self/task`` (Linux; empty elsewhere)."""
-    ticks: dict[int, int] = {}
+def _thread_cpu_ticks() -> dict[int, tuple[str, int]]:
+    """Name and CPU time (user + system, in clock ticks) of every thread of this process by its
+    id, from ``/proc/self/task`` (Linux; empty elsewhere)."""
+    ticks: dict[int, tuple[str, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -334,24 +336,36 @@ def _thread_cpu_ticks() -> dict[int, int]:
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                stat = f.read()
         except OSError:
             continue  # the thread ended
-        ticks[int(tid)] = int(fields[11]) + int(fields[12])  # utime, stime
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 1 :].split()
+        ticks[int(tid)] = (name, int(fields[11]) + int(fields[12]))  # utime, stime
     return ticks
 
 
-def _busy_threads(before: dict[int, int], after: dict[int, int]) -> dict[str, Any]:
+def _busy_threads(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict[str, Any]:
     """Which threads did the work between two ``_thread_cpu_ticks``: the runtime's threads (all
-    but this Python thread) that used at least 5% of the process's CPU time, and this thread's
-    share of it."""
-    used = {tid: t - before.get(tid, 0) for tid, t in after.items()}
-    total = sum(used.values())
+    but this Python thread) that used at least 5% of the process's CPU time, this thread's share
+    of it, and every thread's share by thread name (those of at least 1%)."""
+    used = {tid: (name, t - before.get(tid, (name, 0))[1]) for tid, (name, t) in after.items()}
+    total = sum(t for _, t in used.values())
     if not total:
-        return {"runtime_threads_busy": None, "python_thread_cpu_share": None}
+        return {"runtime_threads_busy": None, "python_thread_cpu_share": None, "cpu_share_by_thread_name": None}
     me = threading.get_native_id()
-    busy = sum(1 for tid, t in used.items() if tid != me and t >= 0.05 * total)
-    return {"runtime_threads_busy": busy, "python_thread_cpu_share": round(used.get(me, 0) / total, 3)}
+    busy = sum(1 for tid, (_, t) in used.items() if tid != me and t >= 0.05 * total)
+    by_name: dict[str, float] = {}
+    for tid, (name, t) in used.items():
+        key = "this Python thread" if tid == me else name
+        by_name[key] = by_name.get(key, 0.0) + t / total
+    return {
+        "runtime_threads_busy": busy,
+        "python_thread_cpu_share": round(used.get(me, ("", 0))[1] / total, 3),
+        "cpu_share_by_thread_name": {
+            k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.01
+        },
+    }
 
 
 def _separate_cores() -> dict[str, list[int]]:

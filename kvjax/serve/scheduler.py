@@ -46,7 +46,9 @@ the requests already own skips the allocator (the slot is ``last + 1``, what ``a
 returns), finished requests free their slots in one allocator call (a free group, as SGLang),
 and the running requests' lengths, rows and next input tokens are kept as arrays between decode
 steps while the running set does not change (a retraction drops them: the request may come back
-alone, the same object with another length).
+alone, the same object with another length), with their page table: a step in which no request
+starts a page passes the last step's table to the step as it is (not with extensions, which may
+rewrite their requests' table rows).
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
