@@ -47,6 +47,20 @@ A tiny checkpoint (the ``tiny`` preset's seed-0 weights written as ``config.json
   to back with the pools chained and no host work in between). ``--separate-cores`` measures
   it instead: XLA's threads on the last CPU, the Python thread on the others (other processes
   still share them).
+  ``runtime_threads_busy`` counts the process's threads other than the Python thread that used
+  at least 5% of its CPU time over the measured runs (Linux), the "device" threads the step ran
+  on; ``python_thread_cpu_share`` is the Python thread's part of that CPU time and
+  ``cpu_share_by_thread_name`` every thread's part by its name (the runtime's threads are named
+  by XLA; unnamed ones carry the interpreter's name).
+* **device threads** (``--device-threads N``): on a TPU the device's compute does not run on the
+  host's cores. To come nearer to that on a CPU, the bookkeeping and exposed-time measurement is
+  run a second time in a child process whose XLA:CPU runtime has ``N`` compute threads (``NPROC=N``
+  in its environment before the backend starts: XLA sizes its intra-op thread pool from it; jax
+  0.10 ignores ``--xla_cpu_multi_thread_eigen=false``), so with ``N = 1`` on a 2-core machine the
+  step computes on one core and leaves the other to the Python thread (other processes still share
+  them). Reported beside the default mode as ``decode_bookkeeping_device_threads``; ``modes``
+  labels both. Its step is slower (one core instead of all), so its ratios are over a longer
+  step. Both are CPU figures: neither is a TPU figure.
   Each batch runs ``--repeats`` times per mode and per kind (untraced, traced), after a compiling
   run per mode; medians are reported.
 
@@ -59,8 +73,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -263,10 +279,12 @@ def decode_bookkeeping(model: LoadedModel, batch: int, decode_tokens: int, repea
     traced: dict[bool, list[dict]] = {False: [], True: []}
     _decode_run(model, config, prompts, decode_tokens, False, False)  # compiles
     _decode_run(model, config, prompts, decode_tokens, True, False)
+    ticks_before = _thread_cpu_ticks()
     for _ in range(repeats):
         for overlap in (False, True):
             runs[overlap].append(_decode_run(model, config, prompts, decode_tokens, overlap, False))
             traced[overlap].append(_decode_run(model, config, prompts, decode_tokens, overlap, True))
+    threads = _busy_threads(ticks_before, _thread_cpu_ticks())
     result: dict[str, Any] = {
         "batch": batch,
         "decode_steps": runs[False][0]["decode_steps"],
@@ -303,7 +321,51 @@ def decode_bookkeeping(model: LoadedModel, batch: int, decode_tokens: int, repea
     result["overlap_speedup"] = round(
         result["overlap_on"]["tokens_per_second"] / result["overlap_off"]["tokens_per_second"], 3
     )
+    result.update(threads)
     return result
+
+
+def _thread_cpu_ticks() -> dict[int, tuple[str, int]]:
+    """Name and CPU time (user + system, in clock ticks) of every thread of this process by its
+    id, from ``/proc/self/task`` (Linux; empty elsewhere)."""
+    ticks: dict[int, tuple[str, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return ticks
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 1 :].split()
+        ticks[int(tid)] = (name, int(fields[11]) + int(fields[12]))  # utime, stime
+    return ticks
+
+
+def _busy_threads(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict[str, Any]:
+    """Which threads did the work between two ``_thread_cpu_ticks``: the runtime's threads (all
+    but this Python thread) that used at least 5% of the process's CPU time, this thread's share
+    of it, and every thread's share by thread name (those of at least 1%)."""
+    used = {tid: (name, t - before.get(tid, (name, 0))[1]) for tid, (name, t) in after.items()}
+    total = sum(t for _, t in used.values())
+    if not total:
+        return {"runtime_threads_busy": None, "python_thread_cpu_share": None, "cpu_share_by_thread_name": None}
+    me = threading.get_native_id()
+    busy = sum(1 for tid, (_, t) in used.items() if tid != me and t >= 0.05 * total)
+    by_name: dict[str, float] = {}
+    for tid, (name, t) in used.items():
+        key = "this Python thread" if tid == me else name
+        by_name[key] = by_name.get(key, 0.0) + t / total
+    return {
+        "runtime_threads_busy": busy,
+        "python_thread_cpu_share": round(used.get(me, ("", 0))[1] / total, 3),
+        "cpu_share_by_thread_name": {
+            k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v >= 0.01
+        },
+    }
 
 
 def _separate_cores() -> dict[str, list[int]]:
@@ -321,6 +383,20 @@ def _separate_cores() -> dict[str, list[int]]:
     return {"device_cpus": cpus[-1:], "host_cpus": cpus[:-1]}
 
 
+def _device_threads_mode(threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The bookkeeping measurement in a child process whose XLA:CPU runtime has ``threads``
+    compute threads (``NPROC``, read when the backend starts; module docstring)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--decode-only"]
+    cmd += ["--repeats", str(args.repeats), "--decode-tokens", str(args.decode_tokens)]
+    if args.separate_cores:
+        cmd.append("--separate-cores")
+    env = {**os.environ, "NPROC": str(threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"the --device-threads {threads} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"device_threads": threads, **json.loads(proc.stdout)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
@@ -331,27 +407,57 @@ def main() -> None:
         action="store_true",
         help="run XLA's threads on the last CPU and the Python thread on the others (Linux)",
     )
+    parser.add_argument(
+        "--device-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also measure decode bookkeeping and exposed host time with XLA:CPU limited to N compute threads "
+        "(a child process with NPROC=N), so the 'device' and the Python thread do not share a core; both modes "
+        "are reported",
+    )
+    parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)  # the child of --device-threads
     args = parser.parse_args()
+    if args.device_threads is not None and args.device_threads < 1:
+        parser.error(f"--device-threads must be at least 1, got {args.device_threads}")
     cores = _separate_cores() if args.separate_cores else None
-    workload = Workload(groups=2, prompts_per_group=3, chats=2, turns=2) if args.quick else Workload()
     spec = ModelSpec.preset("tiny")
     with tempfile.TemporaryDirectory() as directory:
         save_checkpoint(directory, spec, init_params(spec))
         model = load_checkpoint(directory)
-    report = {
+    batches = (16, 64)
+    if args.decode_only:
+        decode = [decode_bookkeeping(model, b, args.decode_tokens, args.repeats) for b in batches]
+        print(json.dumps({"runs": decode, "load_average": [round(x, 2) for x in os.getloadavg()]}))
+        return
+    workload = Workload(groups=2, prompts_per_group=3, chats=2, turns=2) if args.quick else Workload()
+    report: dict[str, Any] = {
         "benchmark": "serve_checkpoint",
         "model": "tiny checkpoint (config.json + model.safetensors, float32)",
         "workload_requests": workload.num_requests,
         "repeats": args.repeats,
         "warm_vs_cold": warm_vs_cold(model, workload, args.repeats),
-        "decode_bookkeeping": [decode_bookkeeping(model, b, args.decode_tokens, args.repeats) for b in (16, 64)],
-        "target_bookkeeping_over_step": TARGET_BOOKKEEPING_OVER_STEP,
-        "target_exposed_host_over_step_with_overlap": TARGET_EXPOSED_WITH_OVERLAP,
-        "note": "CPU figures (the host and the 'device' share the same cores), not TPU figures",
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "separate_cores": cores,
-        "machine": machine(),
+        "decode_bookkeeping": [decode_bookkeeping(model, b, args.decode_tokens, args.repeats) for b in batches],
     }
+    if args.device_threads is not None:
+        report["decode_bookkeeping_device_threads"] = _device_threads_mode(args.device_threads, args)
+        report["modes"] = {
+            "decode_bookkeeping": "XLA:CPU's default threads (one per core): the 'device' and the host Python "
+            "thread share every core",
+            "decode_bookkeeping_device_threads": f"XLA:CPU limited to {args.device_threads} compute thread(s) "
+            "(NPROC): the 'device' and the host Python thread do not compete for one core (other processes "
+            "still share them); a CPU, not a TPU",
+        }
+    report.update(
+        {
+            "target_bookkeeping_over_step": TARGET_BOOKKEEPING_OVER_STEP,
+            "target_exposed_host_over_step_with_overlap": TARGET_EXPOSED_WITH_OVERLAP,
+            "note": "CPU figures (in the default mode the host and the 'device' share the same cores), not TPU figures",
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "separate_cores": cores,
+            "machine": machine(),
+        }
+    )
     print(json.dumps(report, indent=2))
 
 

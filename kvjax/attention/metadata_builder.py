@@ -153,6 +153,7 @@ class MetadataBuilder:
         rows: np.ndarray,
         seq_lens: np.ndarray,
         parts: Sequence[MetadataPart | None] = (),
+        page_table: np.ndarray | None = None,
     ) -> tuple[np.ndarray, AttentionMetadata]:
         """The batch's ``(tokens [T], metadata)`` (see ``build_attention_metadata``).
 
@@ -163,10 +164,21 @@ class MetadataBuilder:
             rows: int ``[n]``: the sequences' request-table rows (already holding ``slots``).
             seq_lens: int ``[n]``: KV length after the new tokens.
             parts: kind-specific parts from their producers.
+            page_table: int32 ``[max_seqs, pages_per_seq]``: the rows' table at ``seq_lens``, when
+                the caller kept it from a step whose rows held the same pages (a decode step in
+                which no request starts a page); used as it is, never written. None: built here.
         """
         if len(rows) > self.max_seqs:
             raise ValueError(f"{len(rows)} sequences in one batch; the step is compiled for at most {self.max_seqs}")
-        table = self.page_tables.build(rows, seq_lens, self.max_seqs)
+        if page_table is not None:
+            if page_table.shape != (self.max_seqs, self.pages_per_seq) or page_table.dtype != np.int32:
+                raise ValueError(
+                    f"page_table has shape {page_table.shape} and dtype {page_table.dtype}; a kept table is int32 "
+                    f"[{self.max_seqs}, {self.pages_per_seq}] (max_seqs, pages_per_seq): pass None to build it"
+                )
+            table = page_table
+        else:
+            table = self.page_tables.build(rows, seq_lens, self.max_seqs)
         return build_attention_metadata(
             tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_seqs, parts=parts
         )

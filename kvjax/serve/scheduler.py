@@ -46,7 +46,9 @@ the requests already own skips the allocator (the slot is ``last + 1``, what ``a
 returns), finished requests free their slots in one allocator call (a free group, as SGLang),
 and the running requests' lengths, rows and next input tokens are kept as arrays between decode
 steps while the running set does not change (a retraction drops them: the request may come back
-alone, the same object with another length).
+alone, the same object with another length), with their page table: a step in which no request
+starts a page passes the last step's table to the step as it is (not with extensions, which may
+rewrite their requests' table rows).
 Invariant after every step: ``allocator.available_size() + tree.evictable_size() +
 tree.protected_size() + tokens held by running requests outside the tree == allocator.size``;
 with no request left, the last term is 0 (``leak_free``).
@@ -231,8 +233,9 @@ class Scheduler:
         self.stats = ServeStats()
         self._admissions = 0
         self._last_logits: np.ndarray | None = None
-        # The decode's running arrays, keyed by the running requests (``_running_arrays``).
-        self._running_cache: tuple[tuple[ServingReq, ...], np.ndarray, np.ndarray, np.ndarray | None] | None = None
+        # The decode's running arrays, kept for the running requests (``_running_arrays``).
+        self._running_cache: _RunningBatch | None = None
+        self._step_page_table: np.ndarray | None = None  # the page table of the last step packed
         self.overlap = bool(overlap)
         self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
         # "previous tokens" of a first step (replicated over the mesh, as every step's tokens are)
@@ -528,25 +531,29 @@ class Scheduler:
 
     # --- decode -----------------------------------------------------------------------------------
 
-    def _running_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(kv_len, rows, next input token)`` of the running requests, int arrays in their order
-        (overlap: no tokens, ``None``; they come from the device, see ``_input_tokens``).
+    def _running_arrays(self) -> _RunningBatch:
+        """The running requests' decode arrays (``_RunningBatch``: lengths, rows, next input tokens
+        and, once a step has built it, their page table), in their order.
 
         Kept from the previous decode step while the running set is the same requests in the same
         order (checked by identity: the cache holds the request objects themselves, so an identity
         is never reused while it is kept), so a steady decode step reads no per-request fields.
         """
-        key = tuple(self.running)
+        running = self.running
         cached = self._running_cache
-        if cached is not None and len(cached[0]) == len(key) and all(map(operator.is_, cached[0], key)):
-            return cached[1], cached[2], cached[3]
-        n = len(self.running)
+        if cached is not None and len(cached.reqs) == len(running) and all(map(operator.is_, cached.reqs, running)):
+            return cached
+        n = len(running)
         # Running requests always have kv_committed_len set (after their prefill / last decode).
-        kv_len = np.fromiter((r.kv_committed_len for r in self.running), np.int64, n)
-        rows = np.fromiter((r.req_pool_idx for r in self.running), np.int64, n)
-        tokens = None if self.overlap else np.fromiter((r.output_ids[-1] for r in self.running), np.int32, n)
-        self._running_cache = (key, kv_len, rows, tokens)
-        return kv_len, rows, tokens
+        batch = _RunningBatch(
+            reqs=tuple(running),
+            kv_len=np.fromiter((r.kv_committed_len for r in running), np.int64, n),
+            rows=np.fromiter((r.req_pool_idx for r in running), np.int64, n),
+            # overlap: no tokens, they come from the device (``_input_tokens``)
+            tokens=None if self.overlap else np.fromiter((r.output_ids[-1] for r in running), np.int32, n),
+        )
+        self._running_cache = batch
+        return batch
 
     def _decode(self, done: list[ServingReq]) -> None:
         ps = self.page_size
@@ -555,7 +562,8 @@ class Scheduler:
         while True:
             if not self.running:
                 return
-            kv_len, rows, tokens = self._running_arrays()
+            batch = self._running_arrays()
+            kv_len, rows = batch.kv_len, batch.rows
             need = int(np.count_nonzero(kv_len % ps == 0)) * ps
             if self._make_room(need):
                 break
@@ -576,12 +584,18 @@ class Scheduler:
             raise RuntimeError(f"alloc_decode failed with {self.alloc.available_size()} free tokens for {need}")
         self.rows.req_to_token[rows, kv_len] = slots
         new_len = kv_len + 1
-        st = self.stats
+        # No request starts a page: the rows' pages are those of the last step, whose table is kept
+        # (only without extensions: an extension may rewrite its requests' table rows).
+        table = batch.page_table if need == 0 and not self.extensions else None
         if self.overlap:
-            self._decode_ahead(kv_len, rows, slots, new_len, done)
+            self._decode_ahead(batch, slots, new_len, table, done)
             return
+        tokens = batch.tokens
         assert tokens is not None
-        next_tokens = self._read(self._forward(tokens, kv_len, slots, rows, new_len, self.running), len(tokens))
+        launched = self._forward(tokens, kv_len, slots, rows, new_len, self.running, page_table=table)
+        page_table = self._step_page_table
+        next_tokens = self._read(launched, len(tokens))
+        st = self.stats
         st.decode_steps += 1
         st.generated_tokens += len(next_tokens)
         running, self.running = self.running, []
@@ -602,10 +616,12 @@ class Scheduler:
                 else:
                     self._finish(req, done, freed_rows)
         if len(keep) == len(running):
-            self._running_cache = (tuple(self.running), new_len, rows, next_tokens.astype(np.int32))
+            self._running_cache = _RunningBatch(
+                tuple(self.running), new_len, rows, next_tokens.astype(np.int32), page_table
+            )
         else:
             idx = np.asarray(keep, np.int64)
-            self._running_cache = (tuple(self.running), new_len[idx], rows[idx], next_tokens[idx])
+            self._running_cache = _RunningBatch(tuple(self.running), new_len[idx], rows[idx], next_tokens[idx])
 
     # --- overlap ----------------------------------------------------------------------------------
 
@@ -615,7 +631,7 @@ class Scheduler:
         in that output, host token 0), any other its last output id from the host (``-1``)."""
         n = len(running)
         prev = self._inflight
-        if prev is not None and prev.key == tuple(map(id, running)):
+        if prev is not None and len(prev.reqs) == n and all(map(operator.is_, prev.reqs, running)):
             return np.zeros(n, np.int32), prev.out_rows.astype(np.int32)
         index = prev.index() if prev is not None else {}
         src = np.fromiter((index.get(id(r), -1) for r in running), np.int32, n)
@@ -635,27 +651,44 @@ class Scheduler:
         return True
 
     def _decode_ahead(
-        self, kv_len: np.ndarray, rows: np.ndarray, slots: np.ndarray, new_len: np.ndarray, done: list[ServingReq]
+        self,
+        batch: _RunningBatch,
+        slots: np.ndarray,
+        new_len: np.ndarray,
+        page_table: np.ndarray | None,
+        done: list[ServingReq],
     ) -> None:
-        """Overlap: launch the decode step, settle what needs no token (lengths; requests that reach
-        ``max_new_tokens`` with it leave ``running``), then resolve the previous step."""
+        """Overlap: launch the decode step of ``batch`` (the running requests; ``page_table``: their
+        table when it is the last step's), settle what needs no token (lengths; requests that
+        reach ``max_new_tokens`` with it leave ``running``), then resolve the previous step."""
         running = self.running
+        n = len(running)
         tokens, src = self._input_tokens(running)
-        out = self._forward(tokens, kv_len, slots, rows, new_len, running, token_src=src)
+        rows = batch.rows
+        out = self._forward(tokens, batch.kv_len, slots, rows, new_len, running, token_src=src, page_table=page_table)
+        table = self._step_page_table
         self.stats.decode_steps += 1
-        produced = (src >= 0).tolist()
-        keep: list[int] = []
-        for i, (req, n) in enumerate(zip(running, new_len.tolist(), strict=True)):
-            req.kv_committed_len = n
-            # outputs after this step: those on the host, the in-flight one, this step's
-            if len(req.output_ids) + produced[i] + 1 < req.max_new_tokens:
-                keep.append(i)
-        if len(keep) < len(running):
-            self.running = [running[i] for i in keep]
-            idx = np.asarray(keep, np.int64)
-            new_len, rows = new_len[idx], rows[idx]
-        self._running_cache = (tuple(self.running), new_len, rows, None)
-        self._launched(_Launched(running, np.arange(len(running)), out[0], out[1]), done)
+        for req, length in zip(running, new_len.tolist(), strict=True):
+            req.kv_committed_len = length
+        # Output tokens each request has after this step: on the host, in flight, and this one.
+        outputs = batch.outputs
+        if outputs is None:
+            outputs = np.fromiter((len(r.output_ids) for r in running), np.int64, n) + (src >= 0)
+        outputs = outputs + 1
+        if batch.max_new is None:
+            batch.max_new = np.fromiter((r.max_new_tokens for r in running), np.int64, n)
+        max_new = batch.max_new
+        going_on = outputs < max_new
+        if going_on.all():
+            kept = _RunningBatch(batch.reqs, new_len, rows, None, table, outputs, max_new)
+        else:
+            keep = np.flatnonzero(going_on)
+            self.running = [running[i] for i in keep.tolist()]
+            kept = _RunningBatch(
+                tuple(self.running), new_len[keep], rows[keep], None, None, outputs[keep], max_new[keep]
+            )
+        self._running_cache = kept
+        self._launched(_Launched(running, np.arange(n), out[0], out[1]), done)
 
     def _launched(self, launched: _Launched, done: list[ServingReq]) -> None:
         """Overlap: ``launched`` is dispatched; resolve the step before it (the host now waits for
@@ -671,22 +704,26 @@ class Scheduler:
         tokens, logits = self._read_arrays(step.next_tokens, step.logits)
         st = self.stats
         ps = self.page_size
+        received = tokens[step.out_rows].tolist()  # one Python int per request
+        finishing: list[tuple[ServingReq, int]] = []
+        dropped = 0
+        for i, (req, token) in enumerate(zip(step.reqs, received, strict=True)):
+            if req.finished:
+                dropped += 1  # finished one step late: this was its speculative token
+                continue
+            out = req.output_ids
+            out.append(token)
+            if logits is not None:
+                req.logits.append(logits[step.out_rows[i]])
+            if len(out) >= req.max_new_tokens or token in req.stop_token_ids:
+                finishing.append((req, i))
+        st.dropped_tokens += dropped
+        st.generated_tokens += len(received) - dropped
+        if not finishing:
+            return
         spec = after.index() if after is not None else {}
-        finished_any = False
         with self._finish_group() as freed_rows:
-            for req, row in zip(step.reqs, step.out_rows.tolist(), strict=True):
-                if req.finished:
-                    st.dropped_tokens += 1  # finished one step late: this was its speculative token
-                    continue
-                token = int(tokens[row])
-                out = req.output_ids
-                out.append(token)
-                st.generated_tokens += 1
-                if logits is not None:
-                    req.logits.append(logits[row])
-                if len(out) < req.max_new_tokens and token not in req.stop_token_ids:
-                    continue
-                finished_any = True
+            for req, _ in finishing:
                 extra = None
                 if id(req) in spec:
                     # ``after`` wrote this request's next token at slot row[kv_len - 1]: undo it.
@@ -698,8 +735,7 @@ class Scheduler:
                 self._finish(req, done, freed_rows)
                 if extra is not None:
                     self.alloc.free(extra)
-        if finished_any:
-            self.running = [r for r in self.running if not r.finished]
+        self.running = [r for r in self.running if not r.finished]
 
     def _retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
@@ -763,12 +799,16 @@ class Scheduler:
         seq_lens: np.ndarray,
         reqs: Sequence[ServingReq],
         token_src: np.ndarray | None = None,
+        page_table: np.ndarray | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
         """Dispatch the jitted step on the batch and store the new pools in the cache; return the
         sampled tokens and (``record_logits``) the logits, still on the device. ``token_src``
         (overlap, decode): per sequence, the row of the in-flight step's output holding its input
-        id, or -1 for the host's ``tokens``. Page-table and packing time go to ``pack_seconds``,
-        the dispatch to ``step_seconds`` (``_read`` adds the wait for the tokens)."""
+        id, or -1 for the host's ``tokens``. ``page_table``: the rows' padded page table when the
+        caller knows it is unchanged since a step it was built for (else it is built here); the
+        table the step reads is left in ``_step_page_table``. Page-table and packing time go to
+        ``pack_seconds``, the dispatch to ``step_seconds`` (``_read`` adds the wait for the
+        tokens)."""
         start = time.perf_counter()
         batch = None
         parts: list[MetadataPart | None] = []
@@ -784,8 +824,9 @@ class Scheduler:
             )
             parts = [ext.step_metadata(batch) for ext in self.extensions]
         flat, meta = self._metadata.build(
-            tokens=tokens, starts=starts, slots=slots, rows=rows, seq_lens=seq_lens, parts=parts
+            tokens=tokens, starts=starts, slots=slots, rows=rows, seq_lens=seq_lens, parts=parts, page_table=page_table
         )
+        self._step_page_table = np.asarray(meta.page_indices)  # numpy: built on the host
         if self.overlap:
             src = np.full(flat.shape[0], -1, np.int32)
             if token_src is not None:
@@ -868,24 +909,42 @@ class _Launched:
     """A dispatched step whose sampled tokens the host has not read yet (overlap).
 
     ``reqs[i]`` receives the token in row ``out_rows[i]`` of ``next_tokens`` (``[max_seqs]``, on
-    the device; ``logits`` likewise, with ``record_logits``). ``key``: the requests' ids in order.
+    the device; ``logits`` likewise, with ``record_logits``).
     """
 
     reqs: list[ServingReq]
     out_rows: np.ndarray
     next_tokens: jax.Array
     logits: jax.Array | None
-    key: tuple[int, ...] = ()
     _index: dict[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        self.key = tuple(map(id, self.reqs))
 
     def index(self) -> dict[int, int]:
         """Output row by request id."""
         if self._index is None:
-            self._index = dict(zip(self.key, self.out_rows.tolist(), strict=True))
+            self._index = dict(zip(map(id, self.reqs), self.out_rows.tolist(), strict=True))
         return self._index
+
+
+@dataclasses.dataclass
+class _RunningBatch:
+    """The running requests' decode arrays, kept between decode steps while the running set is the
+    same requests in the same order (``Scheduler._running_arrays``).
+
+    ``kv_len`` (int64 ``[n]``): each request's ``kv_committed_len``; ``rows`` (int64 ``[n]``): its
+    request-table row; ``tokens`` (int32 ``[n]``, without overlap): its next input id.
+    ``page_table``: the padded page table of ``rows`` at lengths ``kv_len`` as the last step built
+    it, or None (then the next step builds it); never written after it is kept (the step may
+    read the very array). Overlap: ``outputs`` (int64 ``[n]``): output tokens each request has
+    on the host or in flight, None until a step sets it; ``max_new``: their ``max_new_tokens``.
+    """
+
+    reqs: tuple[ServingReq, ...]
+    kv_len: np.ndarray
+    rows: np.ndarray
+    tokens: np.ndarray | None
+    page_table: np.ndarray | None = None
+    outputs: np.ndarray | None = None
+    max_new: np.ndarray | None = None
 
 
 def default_extensions(cache: KVCache) -> list[ServingExtension]:

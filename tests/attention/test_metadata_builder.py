@@ -148,6 +148,23 @@ def test_bad_batches_are_refused_by_name():
         meta.require_state()
 
 
+def test_a_kept_page_table_is_used_as_it_is_and_a_wrong_one_refused():
+    """A caller that kept the rows' table (a decode step in which no request starts a page) hands
+    it in: the metadata reads that very array. One of another shape or dtype is refused by name."""
+    pool, rows = _table_with_requests(16, [5, 9])
+    builder = MetadataBuilder(pool, 16, MAX_SEQS)
+    lens = np.array([5, 9])
+    batch = dict(tokens=np.ones(2, np.int32), starts=lens - 1, slots=np.array([4, 8]), rows=rows, seq_lens=lens)
+    _, built = builder.build(**batch)
+    kept = np.asarray(built.page_indices)
+    _, meta = builder.build(**batch, page_table=kept)
+    assert meta.page_indices is kept
+    np.testing.assert_array_equal(kept, _expected_table(pool, rows, lens, 16))
+    for wrong in (kept[:2], kept.astype(np.int64)):
+        with pytest.raises(ValueError, match=r"a kept table is int32 \[4, 4\].*pass None to build it"):
+            builder.build(**batch, page_table=wrong)
+
+
 def test_build_attention_metadata_pads_an_unpadded_table():
     _, meta = build_attention_metadata(
         tokens=[np.arange(2)], starts=[0], slots=np.array([5, 6]), page_table=np.array([[5, 6]]), max_seqs=3

@@ -157,3 +157,41 @@ def test_a_stop_token_found_one_step_late_on_sliding_window_caches(preset):
         sched = serve(stops, overlap)
         assert {r.rid: r.output_ids for r in sched.finished} == expected
     assert sched.stats.dropped_tokens > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_steady_decode_step_reuses_the_page_table_it_would_build(tiny, overlap):
+    """A decode step in which no request starts a page, over the same running requests as the
+    step before, hands the last step's page table to the step instead of rebuilding it: every
+    such table equals the one built from the request table, as requests finish (on a stop token
+    and on ``max_new_tokens``) and join."""
+    spec, params = tiny
+    prompts = _prompts(6, seed=5)
+    reqs = [ServingReq(i, p, max_new_tokens=20 + 3 * i) for i, p in enumerate(prompts[:4])]
+    first = ServingReq(0, prompts[0], max_new_tokens=20)
+    _serve(spec, params, [first], overlap=False)
+    reqs[0].stop_token_ids = frozenset({first.output_ids[9]})  # stops on its 10th token (or before)
+    then = [ServingReq(4 + i, p, max_new_tokens=12) for i, p in enumerate(prompts[4:])]
+    sched = Scheduler(spec, demo_cache(page_size=16), params, max_batch_size=4, overlap=overlap)
+    builder = sched._metadata
+    build = builder.build
+    kept = []
+
+    def checked_build(**batch):
+        table = batch.get("page_table")
+        if table is not None:
+            expected = builder.page_tables.build(batch["rows"], batch["seq_lens"], builder.max_seqs)
+            np.testing.assert_array_equal(table, expected)
+            kept.append(table)
+        return build(**batch)
+
+    builder.build = checked_build
+    for batch in (reqs, then):
+        sched.submit(batch)
+        while not sched.idle:
+            sched.step()
+            _assert_balanced(sched)
+    assert sched.leak_free()
+    assert len(reqs[0].output_ids) <= 10 and reqs[0].output_ids[-1] in reqs[0].stop_token_ids
+    # Pages of 16 tokens: most decode steps start no page and keep the table.
+    assert len(kept) > sched.stats.decode_steps // 2
