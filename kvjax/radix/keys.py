@@ -65,6 +65,39 @@ def encode_tokens(tokens: Any, n: int | None = None) -> bytes:
         raise ValueError(f"token_ids must be int32 integers: {exc}") from exc
 
 
+# Lists at least this long are compared by :func:`list_starts_with` rather than by slicing the
+# request (below it the slice is the cheaper of the two).
+NO_COPY_COMPARE_MIN = 64
+_BELOW, _ABOVE = float("-inf"), float("inf")
+
+
+def list_starts_with(src: list, head: list) -> bool:
+    """Whether the token list ``src`` begins with ``head`` (``src[:len(head)] == head``), without
+    copying a window of ``src``.
+
+    A slice copies ``len(head)`` references and touches (increments, later decrements) the
+    reference count of every token object in it, which on a cold request costs more than the
+    compare. Here two lexicographic list compares decide instead: ``head + [-inf]`` sorts below
+    every list that starts with ``head`` and is longer, ``head + [inf]`` above it, and any other
+    list sorts outside that range (its first differing token decides). CPython's list compare
+    skips identical items without touching them, so tokens shared with the edge cost a pointer
+    compare each. ``head`` gets the bound appended and removed again (also when a compare
+    raises), so callers pass a list they own. Tokens are ints, which compare with the float
+    bounds exactly.
+    """
+    n = len(head)
+    if len(src) <= n:
+        return len(src) == n and src == head
+    head.append(_BELOW)
+    try:
+        if not head < src:
+            return False
+        head[n] = _ABOVE
+        return src < head
+    finally:
+        del head[n]
+
+
 def decode_tokens(data: bytes) -> list[int]:
     """Inverse of :func:`encode_tokens`."""
     return np.frombuffer(data, dtype=INT32).tolist()
