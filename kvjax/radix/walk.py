@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax.radix.eviction_heap import PENDING
 from kvjax.radix.host_residency import HostResidency
-from kvjax.radix.keys import INT32
+from kvjax.radix.keys import INT32, NO_COPY_COMPARE_MIN, list_starts_with
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 
 # ``node.first`` value for a first token that several children's edges begin with: the walk
@@ -66,7 +66,11 @@ class TreeWalk(HostResidency):
             if src[off + last] == kl[last]:
                 # Probably the whole window (a query that is a prefix of the edge): one compare.
                 if nt == len(kl) or ex:
-                    if src[off : off + nt] == (kl if nt == len(kl) else kl[:nt]):
+                    if (
+                        list_starts_with(src, kl)
+                        if not off and nt == len(kl) and nt >= NO_COPY_COMPARE_MIN
+                        else src[off : off + nt] == (kl if nt == len(kl) else kl[:nt])
+                    ):
                         return lim
                 elif self._cut_confirms(node, kl, src, off, nt):
                     return lim
@@ -115,7 +119,7 @@ class TreeWalk(HostResidency):
         for the caller's :meth:`_split` at ``k``; otherwise ``kl`` is restored."""
         tail = kl[k:]
         del kl[k:]
-        if src[off : off + k] == kl:
+        if list_starts_with(src, kl) if not off and k >= NO_COPY_COMPARE_MIN else src[off : off + k] == kl:
             self._cut_node = node
             self._cut_tail = tail
             return True
@@ -261,7 +265,12 @@ class TreeWalk(HostResidency):
             if m <= rem and (
                 src[off * 4 : (off + m + ex) * 4] == (child.key if child.key is not None else self._kbytes(child))
                 if is_bytes
-                else src[off : off + m + ex] == (child.klist if child.klist is not None else self._klist(child))
+                else (
+                    src[off : off + m + ex] == (child.klist if child.klist is not None else self._klist(child))
+                    if off or m < NO_COPY_COMPARE_MIN
+                    # A child of the root (a long shared prompt): no window copy of the request.
+                    else list_starts_with(src, child.klist if child.klist is not None else self._klist(child))
+                )
             ):
                 if touch:
                     child.last_access = t

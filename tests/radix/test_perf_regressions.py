@@ -1,6 +1,7 @@
 """Exact-id scenarios for the tree's fast paths: each checks that a shortcut taken for speed
 gives the same answer as the plain algorithm (lazy match indices, first-token child lookup,
-deferred heap pushes, the one-pass unlock, the argmin/argmax slot check)."""
+the copy-free compare of long root edges, deferred heap pushes, the one-pass unlock, the
+argmin/argmax slot check)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 import kvjax
 from kvjax.radix import LockError, RadixCache
+from kvjax.radix.keys import NO_COPY_COMPARE_MIN, list_starts_with
 from tests.radix._helpers import RecordingAllocator, sizes
 
 
@@ -137,6 +139,66 @@ def test_bigram_keys_use_the_index_below_the_root():
     assert t.match_prefix([4, 1, 2, 9]).indices.tolist() == [10, 11, 22]
     assert t.match_prefix([4, 1, 2, 3]).indices.tolist() == [10, 11, 12]
     assert t.match_prefix([4, 1, 2, 5]).indices.tolist() == [10, 11]
+
+
+# ------------------------------------------------------------------ copy-free compare of long edges
+
+
+def _edge_cases(n: int) -> list[tuple[list, list]]:
+    """(src, head) pairs around a head of ``n`` tokens: equal, a prefix, every kind of mismatch."""
+    head = list(range(1000, 1000 + n))
+    longer = head + [7, 8]
+    cases = [(list(head), head), (longer, head), (head[:-1], head), ([], head), (longer, [])]
+    for i in (0, n // 2, n - 1):
+        for delta in (-1, 1):
+            bad = list(longer)
+            bad[i] += delta  # differs below and above at the first, a middle and the last token
+            cases.append((bad, head))
+    cases.append(([int(str(t)) for t in longer], head))  # equal values, distinct int objects
+    cases.append((np.array(longer).tolist(), head))
+    cases.append(([np.int64(t) for t in longer], head))  # numpy scalars compare by value too
+    return cases
+
+
+@pytest.mark.parametrize("n", [1, 64, 1024])
+def test_list_starts_with_agrees_with_the_slice_compare_and_restores_the_head(n):
+    for src, head in _edge_cases(n):
+        before = list(head)
+        assert list_starts_with(src, head) == (src[: len(head)] == head)
+        assert head == before and len(head) == len(before)
+
+
+def test_list_starts_with_restores_the_head_when_a_compare_raises():
+    head = list(range(100))
+    with pytest.raises(TypeError):
+        list_starts_with([*range(50), "x", *range(60)], head)
+    assert head == list(range(100))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_long_root_edges_match_insert_and_split_as_before(page_size):
+    """Edges of >= NO_COPY_COMPARE_MIN tokens under the root take the copy-free compare on
+    match, insert and the split probe; every answer is the one the slice compare gives."""
+    n = 4 * NO_COPY_COMPARE_MIN
+    system = list(range(5000, 5000 + n))
+    t = RadixCache(page_size=page_size)
+    assert t.insert(system + [1] * 32, np.arange(1, n + 33, dtype=np.int32)) == 0
+    assert t.match_prefix(system + [1] * 32 + [9]).prefix_len == n + 32
+    # A question that differs right after the shared prompt: the long leaf splits there.
+    m = t.match_prefix(system + [2] * 32)
+    assert m.prefix_len == n and m.indices.tolist() == list(range(1, n + 1))
+    assert len(t.root.children) == 1 and next(iter(t.root.children.values())).klen == n
+    assert t.insert(system + [2] * 32, np.arange(100_000, 100_000 + n + 32, dtype=np.int32)) == n
+    # A prompt that differs inside the shared part matches up to its page.
+    cut = n // 2 + 3
+    other = system[:cut] + [1] + system[cut + 1 :]
+    assert t.match_prefix(other).prefix_len == cut - cut % page_size
+    # Exactly the edge, and one page short of it.
+    assert t.match_prefix(list(system[: n // 2])).prefix_len == n // 2
+    assert t.match_prefix(list(system)).prefix_len == n
+    t.sanity_check()
+    for node in t.nodes():
+        assert len(node.klist) == node.klen  # no bound left behind on an edge
 
 
 # ------------------------------------------------------------------ deferred heap pushes
