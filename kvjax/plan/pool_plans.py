@@ -41,11 +41,12 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
 
 def _striped_host_page(pool: PoolPlan, sizes: Sizes) -> PoolPlan:
     """``pool`` with pages of the tree's ``alloc_page_size`` rows: under DCP every rank's rows of a
-    striped page (the device pools hold one rank's); unchanged otherwise."""
+    striped page (the device pools hold one rank's), its bytes scaled with them; unchanged otherwise."""
     pages, rows, *row = pool.shape
-    if rows == sizes.alloc_page_size:
+    striped = sizes.alloc_page_size
+    if rows == striped:
         return pool
-    return dataclasses.replace(pool, shape=(pages, sizes.alloc_page_size, *row))
+    return dataclasses.replace(pool, shape=(pages, striped, *row), nbytes=pool.nbytes * striped // rows)
 
 
 def _attention_pools(kinds: tuple[CacheKind, ...], target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
