@@ -6,11 +6,12 @@ keeps every rank's rows once, rank-major as the global page array (``kvjax.tiers
 each device gathers its own rows (and heads) of the moved pages inside ``shard_map`` and a load
 scatters them back in place. The engine tests check that mapping slot by slot, that a load
 reuses each device's buffers (donated) with no collective in the scatter, and that the
-``host_pool`` retraction backup restores every rank's rows. The serving tests run the tiny Llama at
-dcp 2 and tp 2 x dcp 2 with a device pool small enough that prefixes go to the host and come back
-(loads asserted), Transformers' tokens and logits (1e-4), the host and device accounting balanced
-and the cache leak free; the demo at dcp 2 with the host tier under memory pressure loads back
-and gives the cold run's tokens.
+``host_pool`` retraction backup restores every rank's rows. The serving tests run the tiny Llama
+at dcp 2 and tp 2 x dcp 2 with a device pool small enough that prefixes go to the host and come
+back (loads asserted), Transformers' tokens and logits (1e-4), the host and device accounting
+balanced and the cache leak free, and at tp 2 x dcp 2 retracted requests restored from the host
+pool; the demo at dcp 2 with the host tier under memory pressure loads back and gives the cold
+run's tokens.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import pytest
 from kvjax.alloc.dcp import DCPStripe
 from kvjax.cli import main
 from kvjax.mesh_check import make_serving_mesh
+from kvjax.serve.host_tier import HostTierExtension
 from tests.mesh.test_tp_host_tier import _fill, load_buffer, serve_with_host_loads
 from tests.mesh.tp_serving import family_checkpoint
-from tests.serve.parity_harness import assert_matches_transformers, build_scheduler
+from tests.serve.parity_harness import assert_matches_transformers, build_scheduler, serve_two_rounds
 
 MAX_NEW = 6
 ATOL = 1e-4
@@ -149,6 +151,33 @@ def test_llama_loads_back_striped_pages_from_the_host_with_transformers_tokens(d
     )
     assert sched.cache.pools.kv.context_axis == "dcp" and sched.cache.host_pool.page_size == dcp
     done = serve_with_host_loads(sched, MAX_NEW)  # loads > 0, leak free, host and device balanced
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_llama_retracted_requests_restored_from_the_host_pool_at_tp_2_dcp_2(llama):
+    """``disaggregation_decode_retraction_backup='host_pool'`` over striped pages: the two rounds
+    retract requests, back them up into held host slots and restore them (not recompute), a
+    prefix also comes back from the host, and the tokens are Transformers'."""
+    hf, model = llama
+    sched = build_scheduler(
+        model,
+        mesh=make_serving_mesh(2, dcp_size=2, devices=jax.devices()),
+        tp_size=2,
+        dcp_size=2,
+        page_size=1,
+        max_total_tokens=64,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+        disaggregation_decode_retraction_backup="host_pool",
+    )
+    done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
+    host = next(e for e in sched.extensions if isinstance(e, HostTierExtension))
+    assert host.retraction is not None and sched.stats.retractions > 0
+    assert host.retraction.backed_up > 0 and host.retraction.restored > 0 and host.loads > 0
+    sched.cache.tree_cache.check_transfers(wait=True)
+    host.retraction.poll(wait=True)
+    assert host.retraction.held == 0 and host.host_balanced()
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
