@@ -10,10 +10,11 @@ Two paths, by where the device pool lives:
   reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device
   (load): the host pages are read by runs into one padded buffer, put on the device and scattered
   into the pool by the scatter kernel, the layers donated (in place). A pool sharded over KV
-  heads (several devices) moves **per shard** (``kvjax.tiers.head_shards``): gather and scatter
-  run inside ``shard_map`` (each device its own heads of the moved pages, no collective), the
-  writer thread stores each distinct shard into its heads of the host pages, and a load gives
-  each device its heads of the host buffer (``make_array_from_callback``); all O(pages moved).
+  heads or striped over DCP ranks (several devices) moves **per shard**
+  (``kvjax.tiers.head_shards``): gather and scatter run inside ``shard_map`` (each device its own
+  heads and rows of the moved pages, no collective), the writer thread stores each distinct shard
+  into its heads and rows of the host pages, and a load gives each device its heads and rows of
+  the host buffer (``make_array_from_callback``); all O(pages moved).
 * **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
   full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
   (``np.from_dlpack``; the view waits for pending writes to the layer and is dropped before the
