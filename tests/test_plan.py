@@ -444,6 +444,19 @@ def test_tree_page_size_under_decode_context_parallelism():
     assert plan(dense(), page_size=16).tree_page_size == 16
 
 
+def test_the_host_page_under_decode_context_parallelism_holds_every_ranks_rows():
+    """A device pool holds one rank's 16 rows of each striped page; the host page is the tree's
+    page of 64 rows (every rank's, once), so the host tier's bytes count all of them."""
+    one = plan(dense(), page_size=16, enable_hierarchical_cache=True, max_total_tokens=1024)
+    four = plan(dense(), page_size=16, dcp_size=4, enable_hierarchical_cache=True, max_total_tokens=1024)
+    assert four.pool("kv").shape[1] == 16 and four.pool("host_kv").shape[1] == 64
+    assert one.pool("host_kv").shape[1] == 16
+    host = four.pool("host_kv")
+    assert host.shape[0] * host.shape[1] >= four.host_pool_tokens
+    per_token = one.pool("host_kv").nbytes // (one.pool("host_kv").shape[0] * 16)
+    assert host.nbytes == host.shape[0] * 64 * per_token
+
+
 def test_tree_settings_passed_through():
     p = plan(dense(), radix_eviction_policy="lfu", enable_kv_cache_events=True, speculative_algorithm="EAGLE3")
     assert p.radix_eviction_policy == "lfu" and p.enable_kv_cache_events and p.is_eagle

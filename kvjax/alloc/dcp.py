@@ -63,11 +63,17 @@ class DCPStripe:
         big = self.alloc_page_size
         return (slot // big) * self.page_size + (slot % big) // self.dcp
 
+    def page_row(self, offset: Any) -> Any:
+        """The row of each slot offset within a striped page (``0 .. alloc_page_size - 1``) among
+        the page's rows, rank-major: ``owner * page_size + offset // dcp``. The global array's
+        page and the host tier's page (``kvjax.tiers.head_shards``) keep a page's rows in this order."""
+        return self.owner(offset) * self.page_size + offset // self.dcp
+
     def global_row(self, slot: Any) -> Any:
         """Each slot's row in the global (unsharded) array viewed as ``[slots, ...]``: page-major,
-        then rank-major within the page (``page * alloc_page + owner * page_size + local row``)."""
+        then rank-major within the page (``page * alloc_page + page_row(offset)``)."""
         big = self.alloc_page_size
-        return (slot // big) * big + self.owner(slot) * self.page_size + (slot % big) // self.dcp
+        return (slot // big) * big + self.page_row(slot % big)
 
     def rank_tokens(self, kv_len: Any, rank: Any) -> Any:
         """How many of a request's first ``kv_len`` tokens rank ``rank`` holds:

@@ -18,8 +18,10 @@ Refused, each by name, with what to do:
   pool, ``disable_hybrid_swa_memory``, where the window is a mask on global positions) and
   recurrent state (per request, not per token).
 
-Not built yet (``NotImplementedError`` at build): the host tier (L1/L2) and the host-pool
-retraction backup over a striped pool, and the DSA indexer keys.
+Served: the host tier (L1 host pool, L2 load-back) and the ``host_pool`` retraction backup over
+a striped pool: the host page is the striped page, every rank's rows once, rank-major, and each
+device moves its own rows of the pages (``kvjax.tiers.head_shards``). Not built yet
+(``NotImplementedError`` at build): the DSA indexer keys.
 """
 
 from __future__ import annotations
@@ -73,16 +75,10 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str) -> None:
 
 
 def check_dcp_plan_buildable(config: CacheConfig, pools: tuple[PoolPlan, ...]) -> None:
-    """``NotImplementedError`` for what a DCP plan holds that kvjax does not build striped: host
-    pools (the host tier L1/L2 or the host-pool retraction backup) and the DSA indexer keys."""
+    """``NotImplementedError`` for what a DCP plan holds that kvjax does not build striped: the DSA
+    indexer keys."""
     if not config.dcp_enabled:
         return
-    if any(pool.memory == "host" and pool.kind != "request_table" for pool in pools):
-        raise NotImplementedError(
-            f"a host pool (the host tier L1/L2 or the host_pool retraction backup) over a pool striped over "
-            f"dcp_size={config.dcp_size} ranks is not built yet; serve with dcp_size=1, or without "
-            "enable_hierarchical_cache / disaggregation_decode_retraction_backup='host_pool'"
-        )
     if any(pool.name == "index_k" for pool in pools):
         raise NotImplementedError(
             f"the DSA indexer keys (pool 'index_k') striped over dcp_size={config.dcp_size} ranks are not built "

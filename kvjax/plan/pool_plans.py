@@ -6,13 +6,18 @@
   order;
 * the host tier, when it is attached: the first kind's (descending priority) own host pools
   (``host_pools``: one per side of the sliding-window pair), else one host pool of the attention
-  layout over every KV layer (``kinds.host_tier.host_kv_pool``).
+  layout over every KV layer (``kinds.host_tier.host_kv_pool``). A host page is the tree's page:
+  under decode context parallelism a device pool holds one rank's ``page_size`` rows of each
+  striped page, and the host page all ``page_size * dcp_size`` of them, once
+  (``kvjax.tiers.head_shards``).
 
 Device pools come first. KV pools hold one trash page, recurrent state one padding slot; the
 request table and the host tier live in host memory. No kind is named here.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
@@ -30,8 +35,18 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
             pools += cache_kind.state_pools(target, sizes)
     pools = [p for p in pools if p.memory == "device"] + [p for p in pools if p.memory != "device"]
     if host.host_pool_tokens and pools[0].memory == "device" and pools[0].layer_ids:
-        pools += _host_pools(kinds, target, sizes, host.host_pool_tokens)
+        pools += [_striped_host_page(p, sizes) for p in _host_pools(kinds, target, sizes, host.host_pool_tokens)]
     return tuple(pools)
+
+
+def _striped_host_page(pool: PoolPlan, sizes: Sizes) -> PoolPlan:
+    """``pool`` with pages of the tree's ``alloc_page_size`` rows: under DCP every rank's rows of a
+    striped page (the device pools hold one rank's), its bytes scaled with them; unchanged otherwise."""
+    pages, rows, *row = pool.shape
+    striped = sizes.alloc_page_size
+    if rows == striped:
+        return pool
+    return dataclasses.replace(pool, shape=(pages, striped, *row), nbytes=pool.nbytes * striped // rows)
 
 
 def _attention_pools(kinds: tuple[CacheKind, ...], target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:

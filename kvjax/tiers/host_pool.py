@@ -126,11 +126,14 @@ class HostKVPool:
         """Host pages of ``host_slots`` (whole pages in order; InvalidSlotError otherwise)."""
         return self.allocator.slots_to_pages(host_slots, "host slots")
 
-    def write_pages(self, host_slots: Any, buffer: np.ndarray, heads: slice | None = None) -> None:
+    def write_pages(
+        self, host_slots: Any, buffer: np.ndarray, heads: slice | None = None, rows: slice | None = None
+    ) -> None:
         """Store a gathered buffer ``[L, n, page_size, C, D]`` into the pages of ``host_slots``;
         with ``heads`` (a slice of the page row's head axis ``C``), the buffer holds only those
         heads (``[L, n, page_size, len(heads), D]``: one tensor-parallel shard) and only they are
-        written.
+        written; with ``rows`` (a slice of the page's token rows), only those rows (one DCP rank's
+        rows of striped pages, ``kvjax.tiers.head_shards``).
 
         Raises (nothing written): InvalidSlotError for bad slots; ValueError for a buffer of
         another shape or item size, or ``heads`` on a page row without a head axis.
@@ -139,6 +142,12 @@ class HostKVPool:
         buf = np.asarray(buffer)
         want = self.buffer_shape(pages.size)
         storage = self.storage
+        if rows is not None:
+            start, stop, step = rows.indices(self.page_size)
+            if step != 1:
+                raise ValueError(f"write_pages: rows={rows} must be a contiguous run of the page's rows")
+            want = (*want[:2], stop - start, *want[3:])
+            storage = storage[:, :, start:stop]
         if heads is not None:
             if len(self.page_row) != 3:
                 raise ValueError(f"write_pages: heads={heads} for a page row {self.page_row} without a head axis")
@@ -204,7 +213,8 @@ def create_host_pool_over_shards(pool: Any, context: Any, kv_head_replicas: int)
     (``context.mesh`` set): the plan's per-rank page row widened to every distinct head shard
     (``tp_size // kv_head_replicas`` of them; :func:`over_head_shards`), each head once, with
     ``kv_head_replicas`` (the plan's ``target.kv_head_replicas``) recorded for the transfer engine.
-    A row without a head axis (MLA's latent, replicated over the ranks) is kept once as planned."""
+    A row without a head axis (MLA's latent, replicated over the ranks) is kept once as planned.
+    Over DCP ranks the plan's host page already holds every rank's rows of a striped page."""
     if kv_head_replicas < 1:
         raise ValueError(f"kv_head_replicas={kv_head_replicas}: need >= 1")
     shards = max(1, int(context.tp_size) // kv_head_replicas)

@@ -10,10 +10,11 @@ Two paths, by where the device pool lives:
   reports DONE once it is written; ``cancel`` waits for a write under way). Host -> device
   (load): the host pages are read by runs into one padded buffer, put on the device and scattered
   into the pool by the scatter kernel, the layers donated (in place). A pool sharded over KV
-  heads (several devices) moves **per shard** (``kvjax.tiers.head_shards``): gather and scatter
-  run inside ``shard_map`` (each device its own heads of the moved pages, no collective), the
-  writer thread stores each distinct shard into its heads of the host pages, and a load gives
-  each device its heads of the host buffer (``make_array_from_callback``); all O(pages moved).
+  heads or striped over DCP ranks (several devices) moves **per shard**
+  (``kvjax.tiers.head_shards``): gather and scatter run inside ``shard_map`` (each device its own
+  heads and rows of the moved pages, no collective), the writer thread stores each distinct shard
+  into its heads and rows of the host pages, and a load gives each device its heads and rows of
+  the host buffer (``make_array_from_callback``); all O(pages moved).
 * **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
   full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
   (``np.from_dlpack``; the view waits for pending writes to the layer and is dropped before the
@@ -69,7 +70,7 @@ from kvjax.errors import InvalidSlotError
 from kvjax.pools.cache_pools import CachePools
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.device_pages import page_layers, with_page_layers
-from kvjax.tiers.head_shards import HeadShards
+from kvjax.tiers.head_shards import ROW_AXIS, HeadShards
 from kvjax.tiers.host_pool import HostKVPool, aligned_empty
 from kvjax.tiers.page_runs import copy_pages, page_runs
 from pallas_kernels.page_gather import PINNED_HOST, gather_pages, has_memory_kind, scatter_pages
@@ -424,10 +425,14 @@ class PageTransferEngine:
         host_heads = {(c.device_heads.start, c.device_heads.stop): c.host_heads for c in self._shards.copies}
 
         def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-            if head_axis is None or index is None:
+            if index is None:
                 return data
+            # A device's page rows (its DCP rank's, or all) are the same rows of the host page.
+            rows = data[:, :, index[ROW_AXIS + 1]]
+            if head_axis is None:
+                return rows
             start, stop, _ = index[head_axis].indices(shape[head_axis])
-            return data[:, :, :, host_heads[(start, stop)]]
+            return rows[:, :, :, host_heads[(start, stop)]]
 
         sharding = NamedSharding(self._mesh, _buffer_spec(self._specs[0]))
         handle = _Load((jax.make_array_from_callback(shape, sharding, piece),))
@@ -533,7 +538,7 @@ class PageTransferEngine:
 
     def _land_per_shard(self, handle: _Backup) -> None:
         """Store a sharded backup: each distinct shard's pages (one rank per replicated head) into
-        its heads of the host pages; nothing is assembled across devices."""
+        its heads, and its DCP rank's rows, of the host pages; nothing is assembled across devices."""
         assert self._shards is not None
         shards = {shard.device: shard for shard in handle.buffer.addressable_shards}
         has_heads = len(self.host_pool.page_row) == 3 and handle.buffer.ndim == 5
@@ -541,7 +546,8 @@ class PageTransferEngine:
             data = np.asarray(shards[source.device].data)[:, : handle.num_pages]
             if handle.cancelled:
                 return
-            self.host_pool.write_pages(handle.host_slots, data, source.host_heads if has_heads else None)
+            heads = source.host_heads if has_heads else None
+            self.host_pool.write_pages(handle.host_slots, data, heads, source.rows)
 
     def cancel(self, handle: Any) -> None:
         if isinstance(handle, _Backup):

@@ -53,3 +53,18 @@ def test_bad_stripes_are_refused():
             DCPStripe(**bad)
     with pytest.raises(ValueError, match="size_per_rank=3 holds no page of 4 tokens per rank"):
         make_dcp_allocator(3, 4, 2)
+
+
+@pytest.mark.parametrize(("page_size", "dcp"), [(1, 2), (2, 4), (3, 2)])
+def test_a_striped_pages_rows_are_rank_major_each_rank_holding_its_local_rows(page_size, dcp):
+    """``page_row``: slot offset ``o`` of a striped page is row ``(o % dcp) * page_size + o // dcp``,
+    so rank ``r``'s rows are the contiguous run ``r * page_size ..`` (what the host tier copies per
+    device) and the page's offsets fill every row once."""
+    stripe = DCPStripe(page_size, dcp)
+    offsets = np.arange(stripe.alloc_page_size)
+    rows = stripe.page_row(offsets)
+    assert sorted(rows.tolist()) == list(range(stripe.alloc_page_size))
+    for rank in range(dcp):
+        mine = offsets[stripe.owner(offsets) == rank]
+        assert rows[mine].tolist() == list(range(rank * page_size, (rank + 1) * page_size))
+        assert (stripe.local_slot(mine) == mine // dcp).all()

@@ -2,7 +2,8 @@
 
 The tiny random-weight Llama (the parity tests' own config, ``tests/serve``) is served with each
 request's KV striped over a ``"dcp"`` mesh axis of 2 and 4 ranks (and over 2 DCP ranks x 2 TP
-ranks), the tiny DeepSeek-V2 with its MLA latent striped over 2 DCP ranks x 2 TP ranks, and the
+ranks), the tiny DeepSeek-V2 with its MLA latent striped the same ways (2 and 4 DCP ranks, and
+2 DCP ranks x 2 TP ranks, whose ranks split the query heads), and the
 tiny Gemma 3's sliding window over one striped full-size pool. Llama and DeepSeek run through one
 cache small enough that the two rounds of ``parity_harness`` reuse prefixes, prefill in chunks,
 evict and retract (each asserted). Tokens must equal Transformers' greedy ``generate`` and logits
@@ -51,15 +52,22 @@ def test_llama_reuse_chunked_prefill_eviction_and_retraction(dcp, tp, llama):
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
-def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(tmp_path_factory):
-    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
-    mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
+@pytest.fixture(scope="module")
+def deepseek_v2(tmp_path_factory):
+    return family_checkpoint("deepseek_v2", tmp_path_factory)
+
+
+@pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (4, 1), (2, 2)])
+def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(dcp, tp, deepseek_v2):
+    hf, model = deepseek_v2
+    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
     sched = build_scheduler(
-        model, mesh=mesh, tp_size=2, dcp_size=2, page_size=PAGE, max_total_tokens=64, max_running_requests=8
+        model, mesh=mesh, tp_size=tp, dcp_size=dcp, page_size=PAGE, max_total_tokens=64, max_running_requests=8
     )
     done = serve_two_rounds(sched, MAX_NEW)
     pool = sched.cache.pools.kv
     assert isinstance(pool, MLAKVPool) and pool.context_axis == "dcp"
+    assert len(pool.kv[0].sharding.device_set) == dcp * tp
     assert {shard.data.shape[1] for shard in pool.kv[0].addressable_shards} == {PAGE}
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st

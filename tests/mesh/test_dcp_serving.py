@@ -109,8 +109,6 @@ def test_what_dcp_does_not_serve_is_refused_by_name():
         r"the storage tier \(L3\) is refused with dcp_size 2",
         lambda: build_kv_cache(tiny, storage, mesh=mesh),
     )
-    host = CacheConfig(**base, enable_hierarchical_cache=True)
-    _refused(NotImplementedError, "host tier L1/L2", lambda: build_kv_cache(tiny, host, mesh=mesh))
     hybrid = ModelSpec.preset("qwen3-next-80b-a3b")
     _refused(
         ConfigError, "recurrent state is per request", lambda: build_kv_cache(hybrid, CacheConfig(**base), mesh=mesh)

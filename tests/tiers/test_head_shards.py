@@ -49,6 +49,38 @@ def test_a_pool_replicated_on_every_device_is_one_copy():
     assert len(shards.sources) == 1 and shards.sources[0].device == 0
 
 
+class _Grid:
+    """A sharding that splits the row axis into ``ranks`` (DCP) and the head axis into ``blocks``
+    (TP): device ``r * blocks + b`` holds rows block ``r`` and head block ``b``."""
+
+    def __init__(self, ranks: int, blocks: int) -> None:
+        self.ranks, self.blocks = ranks, blocks
+
+    def devices_indices_map(self, shape):
+        rows, heads = shape[1] // self.ranks, shape[2] // self.blocks
+        out = {}
+        for r in range(self.ranks):
+            for b in range(self.blocks):
+                index = [slice(None)] * len(shape)
+                index[1], index[2] = slice(r * rows, (r + 1) * rows), slice(b * heads, (b + 1) * heads)
+                out[r * self.blocks + b] = tuple(index)
+        return out
+
+
+def test_rows_striped_over_dcp_ranks_map_to_the_same_rows_of_the_host_page():
+    shards = HeadShards.of(_Grid(2, 2), SHAPE, host_heads=8, replicas=1)
+    assert [(c.rows, c.host_heads) for c in shards.copies] == [
+        (slice(0, 2), slice(0, 4)),
+        (slice(0, 2), slice(4, 8)),
+        (slice(2, 4), slice(0, 4)),
+        (slice(2, 4), slice(4, 8)),
+    ]
+    assert len(shards.sources) == 4 and shards.replicas == 1
+    # A latent row (no head axis) replicated over 2 TP ranks per DCP rank: one source per rank's rows.
+    latent = HeadShards.of(_Grid(2, 1), (5, 4, 32), host_heads=None)
+    assert [c.rows for c in latent.sources] == [slice(0, 2), slice(2, 4)]
+
+
 def test_layouts_the_host_tier_cannot_copy_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="split over axis 0"):
         HeadShards.of(_Split(5, axis=0), SHAPE, host_heads=8)
@@ -65,3 +97,15 @@ def test_a_host_pool_writes_one_shards_heads_only():
     assert (page[:, :, :, 2:4] == 7).all() and (page[:, :, :, :2] == 0).all() and (page[:, :, :, 4:] == 0).all()
     with pytest.raises(ValueError, match="want"):
         pool.write_pages(slots, shard, heads=slice(0, 4))
+
+
+def test_a_host_pool_writes_one_dcp_ranks_rows_only():
+    pool = HostKVPool(8, 2, (4, 8, 16), 2, "page_first")
+    slots = pool.allocator.alloc(4)
+    rank_1 = np.full((2, 1, 2, 2, 16), 5, np.uint16)  # rows 2..3 (rank 1 of 2), heads 2..3
+    pool.write_pages(slots, rank_1, heads=slice(2, 4), rows=slice(2, 4))
+    page = pool.read_pages(slots)
+    assert (page[:, :, 2:, 2:4] == 5).all()
+    assert (page[:, :, :2] == 0).all() and (page[:, :, :, :2] == 0).all() and (page[:, :, :, 4:] == 0).all()
+    with pytest.raises(ValueError, match="want"):
+        pool.write_pages(slots, rank_1, heads=slice(2, 4), rows=slice(0, 4))
