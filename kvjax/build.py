@@ -334,7 +334,9 @@ def build_kv_cache(
     return cache
 
 
-def build_stage_pools(spec: ModelSpec, config: CacheConfig, *, mesh: Mesh | None = None) -> tuple[CachePlan, CachePools]:
+def build_stage_pools(
+    spec: ModelSpec, config: CacheConfig, *, mesh: Mesh | None = None
+) -> tuple[CachePlan, CachePools]:
     """The plan and the device pools of pipeline stage ``config.pp_rank`` only: its layers' pools
     (and, on the last stage, the draft's), with the checks of ``build_kv_cache`` first, and no host
     objects (request table, allocator, tree, host pools): under pipeline parallelism one stage's

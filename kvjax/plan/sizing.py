@@ -156,6 +156,7 @@ def _common_split(
         hybrid[0], full_tokens_per_layer=full, swa_tokens_per_layer=swa, max_total_tokens=full, request_window=None
     )
 
+
 def _mamba_set_aside(config: CacheConfig, per_req: int, budget: int | None) -> tuple[int, int]:
     """SGLang's ``handle_max_mamba_cache``: (state slots, bytes set aside for recurrent state).
 

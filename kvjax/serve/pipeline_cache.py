@@ -167,7 +167,8 @@ class PipelineCache:
         if stage == 0:
             self.cache.set_pools(pools)
             return
-        if jax.tree_util.tree_structure(pools) != jax.tree_util.tree_structure(self._pools[stage]):
+        expected: Any = jax.tree_util.tree_structure(self._pools[stage])
+        if jax.tree_util.tree_structure(pools) != expected:
             raise TypeError(f"set_pools: the new pools of stage {stage} do not have the stage's structure")
         self._pools[stage] = pools
 
@@ -200,7 +201,10 @@ def build_pipeline_cache(
     for s in range(1, config.pp_size):
         plan, stage_pools = build_stage_pools(spec, config.replace(pp_rank=s), mesh=meshes[s])
         if plan.max_total_tokens != cache.plan.max_total_tokens:  # the planner sizes every stage alike
-            raise AssertionError(f"stage {s} holds {plan.max_total_tokens} tokens, stage 0 {cache.plan.max_total_tokens}")
+            raise AssertionError(
+                f"stage {s} holds {plan.max_total_tokens} tokens, stage 0 {cache.plan.max_total_tokens}"
+            )
+
         plans.append(plan)
         pools.append(stage_pools)
     return PipelineCache(cache, pools, plans, stages, meshes)

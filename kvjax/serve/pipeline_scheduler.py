@@ -49,7 +49,8 @@ __all__ = ["PipelineScheduler"]
 class PipelineScheduler(Scheduler):
     """``Scheduler`` over the stages of ``pipeline`` (module docstring).
 
-    ``params``: the whole model's weights; each stage keeps (on its devices) only what it runs.
+    ``params``: the whole model's weights; each stage keeps (on its devices) only what it runs,
+    ``stage_params[s]`` (``params`` is then stage 0's).
     ``micro_batches``: how many row groups a step's batch is split into (1 to ``max_batch_size``).
     The other arguments are ``Scheduler``'s; a model of the caller's own (``model=``) is not
     served over stages (``ConfigError``).
@@ -82,7 +83,9 @@ class PipelineScheduler(Scheduler):
         last = NamedSharding(pipeline.meshes[-1], P())
         self._pad_tokens = jax.device_put(np.zeros(self.micro_rows, np.int32), last)
         vocab = as_model_config(spec).vocab_size
-        self._pad_logits = jax.device_put(np.zeros((self.micro_rows, vocab), np.float32), last) if self.record_logits else None
+        self._pad_logits = (
+            jax.device_put(np.zeros((self.micro_rows, vocab), np.float32), last) if self.record_logits else None
+        )
 
     def _setup_step(self, spec: ModelSpec | ModelConfig, model: Any) -> None:
         """Lay each stage's pools and weights out over its sub-mesh and compile its step;
@@ -96,7 +99,8 @@ class PipelineScheduler(Scheduler):
             pipe.set_pools(s, pools)
             params.append(own)
             self.stage_steps.append(make_stage_step(config, stage, mesh, pools, with_logits=self.record_logits))
-        self.params = tuple(params)
+        self.stage_params: tuple[dict, ...] = tuple(params)
+        self.params = params[0]  # the base class's name for the weights: stage 0's
         self.stage_replicated = tuple(NamedSharding(mesh, P()) for mesh in pipe.meshes)
         self.mesh = pipe.meshes[0]
         self.step_fn = self.stage_steps[0]
@@ -164,9 +168,9 @@ class PipelineScheduler(Scheduler):
             for s, step in enumerate(self.stage_steps):
                 if s:
                     x = jax.device_put(x, self.stage_replicated[s])  # to the next stage's devices
-                    out = step(pools[s], self.params[s], x, meta)
+                    out = step(pools[s], self.stage_params[s], x, meta)
                 else:
-                    out = step(pools[0], self.params[0], x, meta, prev, src)
+                    out = step(pools[0], self.stage_params[0], x, meta, prev, src)
                 pools[s], x = out[0], out[1]
             outs.append(out)
         pad = self.micro_batches - len(outs)

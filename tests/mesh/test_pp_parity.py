@@ -4,10 +4,9 @@ The tiny random-weight Llama (the parity tests' own config, ``tests/serve``; wit
 stages) is served over 2 and 4 pipeline stages of one device and over 2 stages of 2 TP devices,
 and the tiny Gemma 3 (4 layers, sliding and full) over 2 and 4 stages, through one cache small
 enough that the two rounds of ``parity_harness`` reuse prefixes, prefill in chunks, evict and
-retract (each asserted). Tokens must equal Transformers' greedy ``generate`` and logits agree within
-1e-4 (float32); the cache ends leak free; each stage's devices hold only its own layers' pools and
-weights; one micro-batch and two give the same tokens (cold and warm: the second scheduler reuses
-the compiled steps).
+retract (each asserted), with one micro-batch and with two. Tokens must equal Transformers' greedy
+``generate`` and logits agree within 1e-4 (float32), with the radix cache (warm) and without it
+(cold); the cache ends leak free; each stage's devices hold only its own layers' pools and weights.
 """
 
 from __future__ import annotations
@@ -64,13 +63,13 @@ def assert_stages_hold_their_own(sched: PipelineScheduler, num_layers: int) -> N
         devices = set(mesh.devices.flat)
         assert not devices & seen, "stages share devices"
         seen |= devices
-        for leaf in jax.tree.leaves(pipe.pools(s)) + jax.tree.leaves(sched.params[s]):
+        for leaf in jax.tree.leaves(pipe.pools(s)) + jax.tree.leaves(sched.stage_params[s]):
             assert leaf.sharding.device_set == devices, f"stage {s}: an array off its devices"
         start, end = stage_bounds(num_layers, pipe.pp_size, s)
         pools = pipe.pools(s)
         served = sorted(i for name in pools.names for i in _layer_ids(pools[name]))
         assert served == list(range(start, end)), f"stage {s} pools serve layers {served}, not [{start}, {end})"
-        layers = {k for k in sched.params[s]["model"] if k.startswith("layers_")}
+        layers = {k for k in sched.stage_params[s]["model"] if k.startswith("layers_")}
         assert layers == {f"layers_{i}" for i in range(start, end)}, f"stage {s} holds weights {sorted(layers)}"
 
 
@@ -86,7 +85,7 @@ def _layer_ids(pool) -> list[int]:
     return list(range(pool.start_layer, pool.start_layer + pool.num_layers))
 
 
-@pytest.mark.parametrize(("pp", "tp", "micro"), [(2, 1, 1), (2, 1, 2), (4, 1, 2), (2, 2, 2)])
+@pytest.mark.parametrize(("pp", "tp", "micro"), [(2, 1, 2), (4, 1, 2), (2, 2, 1)])
 def test_llama_reuse_chunked_prefill_eviction_and_retraction(pp, tp, micro, llama):
     hf, model = llama
     sched = pipeline_scheduler(model, pp, tp, micro)
@@ -98,18 +97,21 @@ def test_llama_reuse_chunked_prefill_eviction_and_retraction(pp, tp, micro, llam
 
 
 def test_cold_equals_warm(llama):
-    """A second scheduler over a new cache (the compiled stage steps reused) serves the same tokens."""
-    _, model = llama
-    cold = serve_two_rounds(pipeline_scheduler(model, 2, micro_batches=2), MAX_NEW)
-    warm = serve_two_rounds(pipeline_scheduler(model, 2, micro_batches=2), MAX_NEW)
-    assert {k: r.output_ids for k, r in cold.items()} == {k: r.output_ids for k, r in warm.items()}
+    """Without the radix cache (cold: every prompt computed) the stages serve Transformers' tokens
+    too, so cold == warm (the warm runs above share prefixes)."""
+    hf, model = llama
+    sched = pipeline_scheduler(model, 2, disable_radix_cache=True)
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert sched.stats.cached_tokens == 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gemma3_hybrid_sliding_window_over_stages(pp, gemma3):
     hf, model = gemma3
-    sched = pipeline_scheduler(model, pp, micro_batches=2, max_total_tokens=128)
+    sched = pipeline_scheduler(model, pp, micro_batches=2)
     done = serve_two_rounds(sched, MAX_NEW)
     assert_stages_hold_their_own(sched, 4)
-    assert sched.stats.cached_tokens > 0
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
