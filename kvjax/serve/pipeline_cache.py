@@ -14,11 +14,9 @@ One request table, one allocator and one tree drive every stage: those of stage 
 (``kvjax.build.build_stage_pools``). A slot id means the same token on every stage; only the
 layers behind it differ.
 
-Refused by name before anything is allocated (``check_pipeline_config``): more stages than layers,
-more ``pp_size * tp_size`` devices than there are, DCP, DP attention, speculative decoding, the host
-tier, the retraction backup and recurrent-state models (their device updates are recorded on one
-cache, ``KVCache.pending``, and would reach stage 0's layers only), and a ``pp_rank`` other than 0
-(this process serves every stage).
+Refused by name before anything is allocated: what ``kvjax.pipeline_check.check_pipeline_config``
+refuses (more stages than layers, and what pipelining does not serve), then more
+``pp_size * tp_size`` devices than there are (``pipeline_meshes``).
 """
 
 from __future__ import annotations
@@ -35,14 +33,14 @@ from kvjax.build import KVCache, build_kv_cache, build_stage_pools, device_memor
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.mesh_check import KV_HEAD_AXIS
+from kvjax.pipeline_check import check_pipeline_config
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.sizing import stage_bounds
-from kvjax.plan.target import check_pipeline_stages
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import PipelineStage
 from kvjax.spec import ModelSpec
 
-__all__ = ["PipelineCache", "build_pipeline_cache", "check_pipeline_config", "pipeline_meshes", "pipeline_stages"]
+__all__ = ["PipelineCache", "build_pipeline_cache", "pipeline_meshes", "pipeline_stages"]
 
 
 def pipeline_stages(num_layers: int, pp_size: int) -> tuple[PipelineStage, ...]:
@@ -75,56 +73,6 @@ def pipeline_meshes(pp_size: int, tp_size: int, devices: Sequence[Any] | None = 
         )
     grid = np.array(devices[:need], dtype=object).reshape(pp_size, tp_size)
     return tuple(serving_mesh(Mesh(grid[s], (KV_HEAD_AXIS,))) for s in range(pp_size))
-
-
-def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
-    """Refuse what pipeline parallelism does not serve (module docstring), naming the option and
-    the change; nothing is planned or allocated before it passes."""
-    check_pipeline_stages(spec, config.pp_size)
-    refusals: tuple[tuple[bool, str, object, str], ...] = (
-        (config.pp_rank != 0, "pp_rank", config.pp_rank, "one process serves every stage; leave {pp_rank} 0"),
-        (
-            config.dcp_size > 1,
-            "dcp_size",
-            config.dcp_size,
-            "decode context parallelism with pipeline stages is not served; use {dcp_size} 1 or {pp_size} 1",
-        ),
-        (
-            config.enable_dp_attention,
-            "enable_dp_attention",
-            True,
-            "DP attention with pipeline stages is not served; leave it off or use {pp_size} 1",
-        ),
-        (
-            config.speculative_algorithm is not None,
-            "speculative_algorithm",
-            config.speculative_algorithm,
-            "speculative decoding with pipeline stages is not served; leave it unset or use {pp_size} 1",
-        ),
-        (
-            config.enable_hierarchical_cache,
-            "enable_hierarchical_cache",
-            True,
-            "the host tier with pipeline stages is not served (its loads would reach the first stage's layers "
-            "only); leave it off or use {pp_size} 1",
-        ),
-        (
-            config.disaggregation_decode_retraction_backup is not None,
-            "disaggregation_decode_retraction_backup",
-            config.disaggregation_decode_retraction_backup,
-            "the retraction backup with pipeline stages is not served; leave it unset or use {pp_size} 1",
-        ),
-        (
-            bool(spec.recurrent_layer_ids()),
-            "pp_size",
-            config.pp_size,
-            f"{spec.name} has recurrent layers, whose state forks and checkpoints are not served over pipeline "
-            "stages; use {pp_size} 1",
-        ),
-    )
-    for refused, option, value, fix in refusals:
-        if refused:
-            raise ConfigError(option, value, fix)
 
 
 class PipelineCache:
