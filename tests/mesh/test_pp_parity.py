@@ -4,7 +4,7 @@ The tiny random-weight Llama (the parity tests' own config, ``tests/serve``; wit
 stages) is served over 2 and 4 pipeline stages of one device and over 2 stages of 2 TP devices,
 and the tiny Gemma 3 (4 layers, sliding and full) over 2 and 4 stages, through one cache small
 enough that the two rounds of ``parity_harness`` reuse prefixes, prefill in chunks, evict and
-retract (each asserted), with one micro-batch and with two. Tokens must equal Transformers' greedy
+retract (each asserted), with one micro-batch and with two, with overlap scheduling and without. Tokens must equal Transformers' greedy
 ``generate`` and logits agree within 1e-4 (float32), with the radix cache (warm) and without it
 (cold); the cache ends leak free; each stage's devices hold only its own layers' pools and weights.
 """
@@ -36,9 +36,9 @@ def gemma3(tmp_path_factory):
     return family_checkpoint("gemma3", tmp_path_factory)
 
 
-def pipeline_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, **cache_config):
+def pipeline_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, overlap: bool = True, **cache_config):
     """A logits-recording scheduler over ``pp`` stages of ``tp`` devices (small cache: the rounds
-    reuse, chunk, evict and retract)."""
+    reuse, chunk, evict and retract; ``overlap``: overlap scheduling)."""
     cache_config = {"max_total_tokens": 64, "max_running_requests": 8, **cache_config}
     config = CacheConfig(
         context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, pp_size=pp, tp_size=tp, **cache_config
@@ -49,6 +49,7 @@ def pipeline_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, **ca
         pipeline,
         model.params,
         micro_batches=micro_batches,
+        overlap=overlap,
         max_batch_size=4,
         chunked_prefill_size=CHUNK,
         record_logits=True,
@@ -85,10 +86,10 @@ def _layer_ids(pool) -> list[int]:
     return list(range(pool.start_layer, pool.start_layer + pool.num_layers))
 
 
-@pytest.mark.parametrize(("pp", "tp", "micro"), [(2, 1, 2), (4, 1, 2), (2, 2, 1)])
-def test_llama_reuse_chunked_prefill_eviction_and_retraction(pp, tp, micro, llama):
+@pytest.mark.parametrize(("pp", "tp", "micro", "overlap"), [(2, 1, 2, True), (4, 1, 2, True), (2, 2, 1, False)])
+def test_llama_reuse_chunked_prefill_eviction_and_retraction(pp, tp, micro, overlap, llama):
     hf, model = llama
-    sched = pipeline_scheduler(model, pp, tp, micro)
+    sched = pipeline_scheduler(model, pp, tp, micro, overlap)
     done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
     assert_stages_hold_their_own(sched, 4)
     st = sched.stats
