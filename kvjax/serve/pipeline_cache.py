@@ -148,11 +148,13 @@ def build_pipeline_cache(
     pools: list[CachePools] = [cache.pools]
     for s in range(1, config.pp_size):
         plan, stage_pools = build_stage_pools(spec, config.replace(pp_rank=s), mesh=meshes[s])
-        if plan.max_total_tokens != cache.plan.max_total_tokens:  # the planner sizes every stage alike
-            raise AssertionError(
-                f"stage {s} holds {plan.max_total_tokens} tokens, stage 0 {cache.plan.max_total_tokens}"
-            )
-
+        if _slots(plan) != _slots(cache.plan):  # the planner sizes every stage alike
+            raise AssertionError(f"stage {s} plans slots {_slots(plan)}, stage 0 {_slots(cache.plan)}")
         plans.append(plan)
         pools.append(stage_pools)
     return PipelineCache(cache, pools, plans, stages, meshes)
+
+
+def _slots(plan: CachePlan) -> tuple[int, int | None, int | None, int]:
+    """What every stage must agree on: the allocator's tokens, the sliding-window split, the rows."""
+    return plan.max_total_tokens, plan.full_tokens_per_layer, plan.swa_tokens_per_layer, plan.max_running_requests

@@ -88,8 +88,9 @@ class PipelineScheduler(Scheduler):
         )
 
     def _setup_step(self, spec: ModelSpec | ModelConfig, model: Any) -> None:
-        """Lay each stage's pools and weights out over its sub-mesh and compile its step;
-        ``params`` becomes the tuple of the stages' weights, ``mesh`` stage 0's sub-mesh."""
+        """Lay each stage's pools and weights out over its sub-mesh and compile its step
+        (``stage_steps``, ``stage_params``); ``params`` and ``step_fn`` become stage 0's weights
+        and step, ``mesh`` its sub-mesh."""
         config = as_model_config(spec)
         pipe = self.pipeline
         params: list[dict] = []

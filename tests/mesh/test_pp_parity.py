@@ -4,9 +4,10 @@ The tiny random-weight Llama (the parity tests' own config, ``tests/serve``; wit
 stages) is served over 2 and 4 pipeline stages of one device and over 2 stages of 2 TP devices,
 and the tiny Gemma 3 (4 layers, sliding and full) over 2 and 4 stages, through one cache small
 enough that the two rounds of ``parity_harness`` reuse prefixes, prefill in chunks, evict and
-retract (each asserted), with one micro-batch and with two, with overlap scheduling and without. Tokens must equal Transformers' greedy
-``generate`` and logits agree within 1e-4 (float32), with the radix cache (warm) and without it
-(cold); the cache ends leak free; each stage's devices hold only its own layers' pools and weights.
+retract (each asserted), with one micro-batch and with two, with overlap scheduling and without.
+Tokens must equal Transformers' greedy ``generate`` and logits agree within 1e-4 (float32), with
+the radix cache (warm) and without it (cold); the cache ends leak free; each stage's devices hold
+only its own layers' pools and weights.
 """
 
 from __future__ import annotations
