@@ -295,45 +295,7 @@ def build_kv_cache(
         _check_sharded_host_pools(plan, config)
 
     kinds = cache_kinds_of(plan)
-    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
-    if extra:  # pools a kind adds beyond the planner's (small per-request state)
-        for pool in extra:
-            pool_kind(pool.kind).require_built(plan.model)
-        plan = dataclasses.replace(plan, pools=plan.pools + extra)
-    context = BuildContext(
-        platform=plan.platform,
-        mesh=mesh,
-        kv_head_axis=KV_HEAD_MESH_AXIS,
-        tp_size=config.attn_tp_size,
-        host_layout=plan.hicache_mem_layout,
-        context_axis=DCP_AXIS if config.dcp_enabled else None,
-        dcp_size=config.dcp_size,
-    )
-    device: dict[str, Any] = {}
-    req_to_token_pool: ReqToTokenPool | None = None
-    host_pools: dict[str, Any] = {}
-    groups: dict[str, list[PoolPlan]] = {}
-    for pool in plan.pools:
-        kind = pool_kind(pool.kind)
-        if kind.group_builder is not None:  # built together below, under the kind's name
-            groups.setdefault(kind.name, []).append(pool)
-            continue
-        if pool.kind == HOST_TIER_POOL.name and mesh is not None:
-            # One host pool per device pool, each distinct KV head once (``tiers/head_shards.py``).
-            built = create_host_pool_over_shards(pool, context, plan.target.kv_head_replicas)
-        else:
-            built = kind.create(pool, context)
-        if pool.memory == "device":
-            device[pool.name] = built
-        elif isinstance(built, ReqToTokenPool):
-            req_to_token_pool = built
-        else:
-            host_pools[pool.name] = built
-    for name, members in groups.items():
-        device[name] = pool_kind(name).create_group(tuple(members), context)
-    for cache_kind in kinds:  # per-request state around the table (recurrent state slots)
-        if req_to_token_pool is not None and cache_kind.request_table is not None:
-            req_to_token_pool = cache_kind.request_table(req_to_token_pool, plan)
+    plan, device, req_to_token_pool, host_pools = _create_pools(plan, config, mesh, kinds, device_only=False)
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
@@ -370,6 +332,85 @@ def build_kv_cache(
         pending=pending,
     )
     return cache
+
+
+def build_stage_pools(
+    spec: ModelSpec, config: CacheConfig, *, mesh: Mesh | None = None
+) -> tuple[CachePlan, CachePools]:
+    """The plan and the device pools of pipeline stage ``config.pp_rank`` only: its layers' pools
+    (and, on the last stage, the draft's), with the checks of ``build_kv_cache`` first, and no host
+    objects (request table, allocator, tree, host pools): under pipeline parallelism one stage's
+    ``KVCache`` (``build_kv_cache``) holds those and drives every stage (``kvjax.serve.pipeline``).
+
+    ``mesh``: the stage's own devices (KV heads over its ``"tp"`` axis), else the default device.
+    Raises ``ConfigError`` / ``NotImplementedError`` as ``build_kv_cache`` does, before allocating.
+    """
+    if mesh is not None:
+        check_mesh(MeshFacts.of(mesh), config)
+    devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
+    if config.platform is None:
+        config = config.replace(platform=devices[0].platform)
+    device_memory_bytes = None
+    if config.mem_fraction_static is not None and config.memory_budget_bytes is None:
+        device_memory_bytes = device_memory_limit_bytes(devices[0])
+    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
+    for pool in plan.pools:
+        pool_kind(pool.kind).require_built(plan.model)
+    if mesh is not None:
+        mesh = serving_mesh(mesh)
+    plan, device, _, _ = _create_pools(plan, config, mesh, cache_kinds_of(plan), device_only=True)
+    return plan, CachePools(device)
+
+
+def _create_pools(
+    plan: CachePlan, config: CacheConfig, mesh: Mesh | None, kinds: tuple[CacheKind, ...], *, device_only: bool
+) -> tuple[CachePlan, dict[str, Any], ReqToTokenPool | None, dict[str, Any]]:
+    """Allocate the plan's pools (with those its kinds add): ``(plan with the added pools, device
+    pools by name, the request table, host pools by name)``; ``device_only``: the device pools
+    alone (the table None, no host pool)."""
+    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
+    if extra:  # pools a kind adds beyond the planner's (small per-request state)
+        for pool in extra:
+            pool_kind(pool.kind).require_built(plan.model)
+        plan = dataclasses.replace(plan, pools=plan.pools + extra)
+    context = BuildContext(
+        platform=plan.platform,
+        mesh=mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
+        tp_size=config.attn_tp_size,
+        host_layout=plan.hicache_mem_layout,
+        context_axis=DCP_AXIS if config.dcp_enabled else None,
+        dcp_size=config.dcp_size,
+    )
+    device: dict[str, Any] = {}
+    req_to_token_pool: ReqToTokenPool | None = None
+    host_pools: dict[str, Any] = {}
+    groups: dict[str, list[PoolPlan]] = {}
+    for pool in plan.pools:
+        if device_only and pool.memory != "device":
+            continue
+        kind = pool_kind(pool.kind)
+        if kind.group_builder is not None:  # built together below, under the kind's name
+            groups.setdefault(kind.name, []).append(pool)
+            continue
+        if pool.kind == HOST_TIER_POOL.name and mesh is not None:
+            # One host pool per device pool, each distinct KV head once (``tiers/head_shards.py``).
+            built = create_host_pool_over_shards(pool, context, plan.target.kv_head_replicas)
+        else:
+            built = kind.create(pool, context)
+        if pool.memory == "device":
+            device[pool.name] = built
+        elif isinstance(built, ReqToTokenPool):
+            req_to_token_pool = built
+        else:
+            host_pools[pool.name] = built
+    for name, members in groups.items():
+        device[name] = pool_kind(name).create_group(tuple(members), context)
+    if not device_only:
+        for cache_kind in kinds:  # per-request state around the table (recurrent state slots)
+            if req_to_token_pool is not None and cache_kind.request_table is not None:
+                req_to_token_pool = cache_kind.request_table(req_to_token_pool, plan)
+    return plan, device, req_to_token_pool, host_pools
 
 
 def _host_transfer_engine(

@@ -244,6 +244,9 @@ def serve(
     if config_kwargs.get("dp_size", 1) > 1:
         server = front = _dp_server(spec, serving, weights, dp_routing, config_kwargs)
         trees: list[Any] = [s.tree for s in server.schedulers]
+    elif config_kwargs.get("pp_size", 1) > 1:
+        server = front = _pipeline_server(spec, serving, weights, overlap, config_kwargs)
+        trees = [server.tree]
     else:
         cache = demo_cache(spec=spec, draft_spec=None if draft is None else draft.spec, group=group, **config_kwargs)
         agreement = None if group is None else group.agreement()
@@ -313,6 +316,25 @@ def _dp_server(
     )
 
 
+# Micro-batches of a pipeline-parallel demo step (two: stage s on one while stage s + 1 runs the other).
+PP_MICRO_BATCHES = 2
+
+
+def _pipeline_server(
+    spec: ModelSpec, serving: ModelSpec | ModelConfig, weights: Any, overlap: bool, config_kwargs: dict[str, Any]
+) -> Scheduler:
+    """The pipeline-parallel scheduler of ``serve``: ``pp_size`` stages of ``tp_size`` local
+    devices (``kvjax.serve.pipeline_cache``), two micro-batches a step."""
+    from kvjax.serve.pipeline_cache import build_pipeline_cache
+    from kvjax.serve.pipeline_scheduler import PipelineScheduler
+
+    config_kwargs.setdefault("context_length", demo_context_length(spec))
+    pipeline = build_pipeline_cache(spec, demo_config(**config_kwargs))
+    return PipelineScheduler(
+        serving, pipeline, weights, micro_batches=PP_MICRO_BATCHES, max_batch_size=MAX_BATCH, overlap=overlap
+    )
+
+
 def run_demo(
     *,
     workload: Workload | None = None,
@@ -332,6 +354,7 @@ def run_demo(
     speculative_num_steps: int = 3,
     dcp_size: int = 1,
     group: ProcessGroup | None = None,
+    pp_size: int = 1,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -345,8 +368,11 @@ def run_demo(
     routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
     run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False).
     ``group``: this process's part of a multi-process run (``kvjax.multihost``; the mesh spans
-    every process; one scheduler per process, tensor parallel only)."""
+    every process; one scheduler per process, tensor parallel only). ``pp_size`` above 1: every
+    run over that many pipeline stages of ``tp_size`` local devices each (``_pipeline_server``)."""
     workload = workload or Workload()
+    if pp_size > 1 and (dp_size > 1 or group is not None):
+        raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
     if dp_size > 1 and enable_hierarchical_cache:
         raise NotImplementedError(
             "the host tier is not built under DP attention yet: serve with dp_size 1, or without it"
@@ -366,6 +392,7 @@ def run_demo(
         tp_size=tp_size,
         dcp_size=dcp_size,
         **({"dp_size": dp_size} if dp_size > 1 else {}),
+        **({"pp_size": pp_size} if pp_size > 1 else {}),
     )
     progress = progress and (group is None or group.process_id == 0)
     settings: dict[str, Any] = dict(

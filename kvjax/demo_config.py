@@ -10,6 +10,7 @@ from typing import Any
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.pipeline_check import check_pipeline_config
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.serve.workload import Workload
@@ -70,7 +71,10 @@ def check_demo(spec: ModelSpec, workload: Workload, **config_kwargs: Any) -> Cac
         # The storage tier's key needs the weights' fingerprint, known only once the model is
         # loaded (after this check); any non-empty value plans the same cache.
         config_kwargs.setdefault("hicache_storage_model_fingerprint", "not-loaded-yet")
-    plan = plan_kv_cache(spec, demo_config(**config_kwargs))
+    config = demo_config(**config_kwargs)
+    if config.pp_size > 1:  # what pipeline stages do not serve, before jax starts
+        check_pipeline_config(spec, config)
+    plan = plan_kv_cache(spec, config)
     check_host_tier_buildable(plan)
     page = plan.page_size
     need = -(-longest // page) * page

@@ -35,6 +35,7 @@ JAX_FREE_MODULES = [
     "kvjax.cli.demo_command",
     "kvjax.cli.generate_command",
     "kvjax.demo_config",
+    "kvjax.pipeline_check",
 ]
 
 

@@ -27,6 +27,7 @@ SERVING_FLAGS = {
     "speculative_num_steps": "--speculative-num-steps",
     "draft": "--speculative-draft-model-path",
     "dcp_size": "--dcp",
+    "pp_size": "--pp",
 }
 
 
@@ -35,7 +36,7 @@ def add_serving_arguments(
 ) -> None:
     """Add ``--dtype``, ``--page-size`` (16), ``--max-total-tokens`` (default ``max_total_tokens``),
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
-    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dcp`` (1), ``--dp`` (1), ``--dp-routing``
+    ``--disable-overlap-schedule``, ``--tp`` (1), ``--dcp`` (1), ``--pp`` (1), ``--dp`` (1), ``--dp-routing``
     (cache_aware) and the speculative flags (``--speculative-algorithm``,
     ``--speculative-draft-model-path``, ``--speculative-num-steps``: SGLang's names) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
@@ -65,6 +66,13 @@ def add_serving_arguments(
         default=1,
         help="decode-context-parallel size: each request's KV striped over N ranks (a (dcp, tp) mesh of "
         "dcp x tp local devices)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=positive_int,
+        default=1,
+        help="pipeline-parallel size: the layers split into N stages of --tp devices each (pp x tp local "
+        "devices), micro-batches overlapping the stages",
     )
     parser.add_argument(
         "--dp",
@@ -123,7 +131,7 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
     """What the shared cache flags set, as the keyword arguments the serving entry points take
     (``check_demo``, ``run_demo``, ``generate``): ``page_size``, ``max_total_tokens`` (None: room
     for everything), ``chunked_prefill_size``, ``enable_hierarchical_cache``, ``tp_size``,
-    ``dcp_size`` and, with ``--dp`` above 1, ``dp_size`` (the jax-free checks add
+    ``dcp_size`` and, with ``--dp`` / ``--pp`` above 1, ``dp_size`` / ``pp_size`` (the jax-free checks add
     ``dp_attention_config``)."""
     return {
         "page_size": args.page_size,
@@ -133,6 +141,7 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
         "tp_size": args.tp,
         "dcp_size": args.dcp,
         **({"dp_size": args.dp} if args.dp > 1 else {}),
+        **({"pp_size": args.pp} if args.pp > 1 else {}),
     }
 
 
@@ -144,6 +153,8 @@ def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.dp == 1:
         return {}
     check_parallel_sizes(args.tp, args.dp, True)
+    if args.pp > 1:
+        raise UsageError(f"--dp {args.dp} with --pp {args.pp}: pipeline stages are not served under DP attention")
     if args.dcp > 1:
         raise UsageError(
             f"--dp {args.dp} with --dcp {args.dcp}: decode context parallelism is not built under DP attention; "

@@ -11,11 +11,12 @@ allocatable page, since every running request holds at least one page of its own
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds.planning import kinds_named
+from kvjax.kinds.planning import TokenSplit, kinds_named
 from kvjax.plan.records import ModelKind, Sizes, StageLayers, Target
 from kvjax.spec import LayerKind, ModelSpec
 
@@ -128,6 +129,32 @@ def stage_layers(spec: ModelSpec, config: CacheConfig, rank: int) -> StageLayers
     if config.disable_hybrid_swa_memory:
         full, sliding = full + sliding, ()
     return StageLayers(start, end, tuple(sorted(full)), sliding, within(spec.recurrent_layer_ids()))
+
+
+def _common_split(
+    split: Callable[[ModelSpec, CacheConfig, StageLayers, int, int | None], TokenSplit],
+    spec: ModelSpec,
+    config: CacheConfig,
+    stages: list[StageLayers],
+    max_total: int,
+    budget: int | None,
+) -> TokenSplit:
+    """The kind's token split (``CacheKind.split_tokens``), the same on every pipeline stage, so
+    one allocator's slots mean the same on all of them: each stage's own split, then the smallest
+    of each part (never more than any stage's own). A stage of sliding layers only is planned as
+    part of a hybrid model when another stage has full layers (no request window then). With one
+    stage, that stage's split."""
+    parts = [split(spec, config, layers, max_total, budget) for layers in stages]
+    if len(parts) == 1:
+        return parts[0]
+    hybrid = [p for p, layers in zip(parts, stages, strict=True) if layers.full]
+    if not hybrid:
+        return parts[0]  # every stage pure sliding: the same split everywhere
+    full = min(p.full_tokens_per_layer for p in hybrid)
+    swa = min(p.swa_tokens_per_layer for p in parts)
+    return replace(
+        hybrid[0], full_tokens_per_layer=full, swa_tokens_per_layer=swa, max_total_tokens=full, request_window=None
+    )
 
 
 def _mamba_set_aside(config: CacheConfig, per_req: int, budget: int | None) -> tuple[int, int]:
@@ -250,7 +277,7 @@ def decide_sizes(
     request_window: int | None = None
     split = next((k.split_tokens for k in kinds_named(kind.cache_kinds) if k.split_tokens is not None), None)
     if split is not None:  # a kind splits the tokens between its pools (the sliding window)
-        parts = split(spec, config, stage.layers, max_total, budget)
+        parts = _common_split(split, spec, config, [s.layers for s in sized], max_total, budget)
         full_tokens, swa_tokens = parts.full_tokens_per_layer, parts.swa_tokens_per_layer
         max_total, request_window = parts.max_total_tokens, parts.request_window
     pages = max_total // ps

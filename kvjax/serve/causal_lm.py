@@ -17,6 +17,13 @@ A forward takes one flat ragged batch (``T`` tokens of up to ``S`` sequence rows
 ``BatchMetadata``) and the cache's pools (``CachePools``: each layer uses the pool of its kind) and
 returns ``(logits [S, vocab] float32, new pools)``: the logits of each row's last token
 (``meta.logits_indices``) only, soft-capped when the family sets a cap.
+
+Pipeline parallelism: a model built with ``stage=PipelineStage(start, end, num_layers)`` runs only
+its layers ``[start, end)`` (global ids, so each layer finds its pool and weights as in the whole
+model). The first stage takes the tokens and embeds them, any other stage takes the hidden states
+``[T, hidden]`` of the stage before it; every stage but the last returns its hidden states
+``[T, hidden]`` (in the weights' dtype), the last one the logits. Its weights are the whole
+model's restricted to what it runs (``stage_params``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,45 @@ import jax.numpy as jnp
 from kvjax.pools import CachePools
 from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStage:
+    """The layers ``[start, end)`` of a ``num_layers``-layer model one pipeline stage runs
+    (``kvjax.plan.sizing.stage_bounds``); ``0 <= start < end <= num_layers``."""
+
+    start: int
+    end: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= self.num_layers:
+            raise ValueError(f"a pipeline stage runs layers [start, end) of [0, {self.num_layers}): got {self}")
+
+    @property
+    def first(self) -> bool:
+        """Whether the stage embeds the tokens (it runs layer 0)."""
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether the stage runs the final norm and the LM head (it runs the last layer)."""
+        return self.end == self.num_layers
+
+
+def stage_params(params: dict, stage: PipelineStage, names: StackNames, tied_head: bool) -> dict:
+    """The weights of ``stage`` out of the whole model's ``params``: its layers, the embedding on
+    the first stage (and on the last with a tied head), the final norm and ``lm_head`` on the last."""
+    stack = params[names.stack]
+    keep = {f"layers_{i}" for i in range(stage.start, stage.end)}
+    if stage.first or (stage.last and tied_head):
+        keep.add(names.embed)
+    if stage.last:
+        keep.add(names.norm)
+    out: dict = {names.stack: {k: v for k, v in stack.items() if k in keep}}
+    if stage.last and "lm_head" in params:
+        out["lm_head"] = params["lm_head"]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,19 +102,29 @@ class DecoderStack(nn.Module):
     names: StackNames
     scale_embedding: bool
     tied_head: bool
+    stage: PipelineStage | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
         c = self.config
         dt = jnp.dtype(c.dtype)
-        embed = Embedding(c.vocab_size, c.hidden_size, dt, name=self.names.embed)
-        x = embed(tokens)
-        if self.scale_embedding:  # Gemma: sqrt(hidden), the scale cast to the weights' dtype
-            x = x * jnp.asarray(c.hidden_size**0.5, jnp.float32).astype(x.dtype)
-        for i in range(c.num_hidden_layers):
+        stage = self.stage or PipelineStage(0, c.num_hidden_layers, c.num_hidden_layers)
+        embed = None
+        if stage.first or (stage.last and self.tied_head):
+            embed = Embedding(c.vocab_size, c.hidden_size, dt, name=self.names.embed)
+        if stage.first:
+            assert embed is not None
+            x = embed(tokens)
+            if self.scale_embedding:  # Gemma: sqrt(hidden), the scale cast to the weights' dtype
+                x = x * jnp.asarray(c.hidden_size**0.5, jnp.float32).astype(x.dtype)
+        else:  # the hidden states of the stage before
+            x = tokens
+        for i in range(stage.start, stage.end):
             x, pools = self.decoder_layer(c, i, name=f"layers_{i}")(x, pools, meta)
+        if not stage.last:
+            return x, pools
         x = self.final_norm(self.final_norm_eps, dt, name=self.names.norm)(x[meta.logits_indices])
-        return (embed.attend(x) if self.tied_head else x), pools
+        return (embed.attend(x) if self.tied_head and embed is not None else x), pools
 
 
 class CausalLM(nn.Module):
@@ -84,6 +140,8 @@ class CausalLM(nn.Module):
     final_norm: type[nn.Module] = RMSNorm
     names: StackNames = StackNames()
     scale_embedding: bool = False
+    # Pipeline parallelism: the layers this module runs (module docstring); None: all of them.
+    stage: PipelineStage | None = None
 
     @nn.nowrap
     def final_norm_eps(self) -> float:
@@ -106,9 +164,12 @@ class CausalLM(nn.Module):
             self.names,
             self.scale_embedding,
             c.tie_word_embeddings,
+            self.stage,
             name=self.names.stack,
         )
         x, pools = stack(tokens, pools, meta)
+        if self.stage is not None and not self.stage.last:
+            return x, pools  # hidden states for the next stage
         logits = x if c.tie_word_embeddings else Linear(c.vocab_size, False, jnp.dtype(c.dtype), name="lm_head")(x)
         logits = logits.astype(jnp.float32)
         cap = self.logit_softcap()

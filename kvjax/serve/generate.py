@@ -113,6 +113,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
             )
 
 
+# Micro-batches of a pipeline-parallel step (two: stage s runs one while stage s + 1 runs the other).
+PP_MICRO_BATCHES = 2
+
+
 def generate(
     model: LoadedModel,
     prompts: Sequence[Sequence[int]],
@@ -130,6 +134,7 @@ def generate(
     draft: LoadedModel | None = None,
     speculative_num_steps: int = 3,
     dcp_size: int = 1,
+    pp_size: int = 1,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -141,7 +146,9 @@ def generate(
     ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``);
     ``dcp_size``: each request's KV striped over that many times as many (``tp_mesh``).
     ``draft``: decode speculatively with this STANDALONE draft model, ``speculative_num_steps``
-    tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``).
+    tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``). ``pp_size`` above 1:
+    the layers split into that many pipeline stages of ``tp_size`` local devices each, two
+    micro-batches a step (``kvjax.serve.pipeline_scheduler``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
@@ -154,14 +161,27 @@ def generate(
         enable_hierarchical_cache=enable_hierarchical_cache,
         dcp_size=dcp_size,
         extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
-    ).replace(**_speculative_config(draft, speculative_num_steps))
-    cache = build_kv_cache(
-        model.spec, config, mesh=tp_mesh(tp_size, dcp_size), draft_spec=None if draft is None else draft.spec
-    )
+    ).replace(**_speculative_config(draft, speculative_num_steps), pp_size=pp_size)
     options: dict[str, Any] = dict(
         max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
-    scheduler = scheduler_for(model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options)
+    scheduler: Scheduler
+    if pp_size > 1:
+        from kvjax.serve.pipeline_cache import build_pipeline_cache
+        from kvjax.serve.pipeline_scheduler import PipelineScheduler
+
+        pipeline = build_pipeline_cache(model.spec, config)
+        micro = min(PP_MICRO_BATCHES, max_batch_size)
+        scheduler = PipelineScheduler(
+            model.config, pipeline, model.params, micro_batches=micro, overlap=overlap, **options
+        )
+    else:
+        cache = build_kv_cache(
+            model.spec, config, mesh=tp_mesh(tp_size, dcp_size), draft_spec=None if draft is None else draft.spec
+        )
+        scheduler = scheduler_for(
+            model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options
+        )
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
     _serve_in_order(scheduler, reqs, lambda req: scheduler)
     return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler

@@ -211,21 +211,7 @@ class Scheduler:
         self._metadata = MetadataBuilder(self.rows, self.page_size, self.max_batch_size)
         self.pages_per_seq = self._metadata.pages_per_seq
         self.record_logits = record_logits
-        # Tensor parallelism: the mesh the pools are sharded over (``build_kv_cache(..., mesh=)``).
-        # The pools and weights are laid out over it and the step is jitted with their shardings.
-        self.mesh = pools_mesh(cache.pools)
-        if self.mesh is None:
-            self.step_fn = (
-                make_step(self.model_config, with_logits=record_logits)
-                if self.model_config is not None
-                else make_module_step(model, with_logits=record_logits)
-            )
-        else:
-            pools, self.params = place_on_mesh(self.model_config, cache.pools, params, self.mesh)
-            cache.set_pools(pools)
-            self.step_fn = make_sharded_step(
-                self.model_config or spec, self.mesh, pools, with_logits=record_logits, module=model, params=self.params
-            )
+        self._setup_step(spec, model)
         self.waiting: collections.deque[ServingReq] = collections.deque()
         self.running: list[ServingReq] = []
         self.chunked: ServingReq | None = None
@@ -260,6 +246,25 @@ class Scheduler:
         self.agreement: Agreement = agreement if agreement is not None else LocalAgreement()
         for ext in self.extensions:
             ext.attach(self)
+
+    def _setup_step(self, spec: ModelSpec | ModelConfig, model: Any) -> None:
+        """Set ``mesh`` and ``step_fn`` and lay the state out for them. Tensor parallelism: the
+        mesh the pools are sharded over (``build_kv_cache(..., mesh=)``); the pools and weights
+        are laid out over it and the step is jitted with their shardings."""
+        cache, record_logits = self.cache, self.record_logits
+        self.mesh = pools_mesh(cache.pools)
+        if self.mesh is None:
+            self.step_fn = (
+                make_step(self.model_config, with_logits=record_logits)
+                if self.model_config is not None
+                else make_module_step(model, with_logits=record_logits)
+            )
+        else:
+            pools, self.params = place_on_mesh(self.model_config, cache.pools, self.params, self.mesh)
+            cache.set_pools(pools)
+            self.step_fn = make_sharded_step(
+                self.model_config or spec, self.mesh, pools, with_logits=record_logits, module=model, params=self.params
+            )
 
     # --- public ---------------------------------------------------------------------------------
 

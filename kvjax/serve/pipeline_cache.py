@@ -1,0 +1,160 @@
+"""Pipeline parallelism's cache: the layers split into stages, each stage's pools on its own devices.
+
+``build_pipeline_cache(spec, config)`` serves ``config.pp_size`` stages of ``config.tp_size``
+devices each: the first ``pp_size * tp_size`` devices form a ``("pp", "tp")`` grid and stage ``s``
+owns row ``s`` as a ``("tp",)`` sub-mesh of its own (``pipeline_meshes``). Stage ``s`` holds the
+pools of its layers only, ``kvjax.plan.sizing.stage_bounds(num_layers, pp_size, s)``, planned with
+``pp_rank=s`` and allocated on its sub-mesh (KV heads over its ``"tp"`` axis, as without
+pipelining); a hybrid model's stages keep their per-layer kind mapping (each pool lists the global
+layers it serves). The token budget is every stage's minimum (the planner takes it, as SGLang
+all-reduces MIN), so every stage has the same slots.
+
+One request table, one allocator and one tree drive every stage: those of stage 0's ``KVCache``
+(``cache``), built by ``build_kv_cache``; the other stages are device pools only
+(``kvjax.build.build_stage_pools``). A slot id means the same token on every stage; only the
+layers behind it differ.
+
+Refused by name before anything is allocated: what ``kvjax.pipeline_check.check_pipeline_config``
+refuses (more stages than layers, and what pipelining does not serve), then more
+``pp_size * tp_size`` devices than there are (``pipeline_meshes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from kvjax.attention.sharding import serving_mesh
+from kvjax.build import KVCache, build_kv_cache, build_stage_pools, device_memory_limit_bytes
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.mesh_check import KV_HEAD_AXIS
+from kvjax.pipeline_check import check_pipeline_config
+from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.plan.sizing import stage_bounds
+from kvjax.pools import CachePools
+from kvjax.serve.causal_lm import PipelineStage
+from kvjax.spec import ModelSpec
+
+__all__ = ["PipelineCache", "build_pipeline_cache", "pipeline_meshes", "pipeline_stages"]
+
+
+def pipeline_stages(num_layers: int, pp_size: int) -> tuple[PipelineStage, ...]:
+    """The layers of each of ``pp_size`` stages (``stage_bounds``: an even split, earlier stages
+    one larger)."""
+    return tuple(PipelineStage(*stage_bounds(num_layers, pp_size, s), num_layers) for s in range(pp_size))
+
+
+def pipeline_meshes(pp_size: int, tp_size: int, devices: Sequence[Any] | None = None) -> tuple[Mesh, ...]:
+    """The stage sub-meshes: the first ``pp_size * tp_size`` of ``devices`` (default: the local
+    ones) as a ``("pp", "tp")`` grid, row ``s`` stage ``s``'s ``("tp",)`` mesh (``Auto`` axes).
+
+    Raises ``ConfigError`` naming ``pp_size`` when there are fewer devices than
+    ``pp_size * tp_size`` (saying how to get more on a CPU host); creates nothing then.
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    need = pp_size * tp_size
+    if need > len(devices):
+        platform = devices[0].platform if devices else "no"
+        more = (
+            "; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax starts) gives N devices"
+            if platform == "cpu"
+            else ""
+        )
+        raise ConfigError(
+            "pp_size",
+            pp_size,
+            f"{pp_size} pipeline stages of tp_size={tp_size} devices need {need} devices, but only {len(devices)} "
+            f"{platform} device(s) are visible; use {{pp_size}} {max(1, len(devices) // tp_size)} or fewer{more}",
+        )
+    grid = np.array(devices[:need], dtype=object).reshape(pp_size, tp_size)
+    return tuple(serving_mesh(Mesh(grid[s], (KV_HEAD_AXIS,))) for s in range(pp_size))
+
+
+class PipelineCache:
+    """A cache served over pipeline stages (module docstring).
+
+    ``cache``: stage 0's ``KVCache``, whose request table, allocator and tree drive every stage
+    (its ``pools`` are stage 0's). ``stages[s]``: the layers of stage ``s``; ``meshes[s]`` its
+    devices; ``plans[s]`` its plan (the same token slots on every stage). The owner of the step
+    (``kvjax.serve.pipeline_scheduler``) hands each stage's new pools back with :meth:`set_pools`.
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        stage_pools: Sequence[CachePools],
+        plans: Sequence[CachePlan],
+        stages: Sequence[PipelineStage],
+        meshes: Sequence[Mesh],
+    ) -> None:
+        if not len(stage_pools) == len(plans) == len(stages) == len(meshes):
+            raise ValueError("PipelineCache: one pool set, plan, stage and mesh per stage")
+        self.cache = cache
+        self._pools: list[CachePools] = list(stage_pools)
+        self._pools[0] = cache.pools
+        self.plans = tuple(plans)
+        self.stages = tuple(stages)
+        self.meshes = tuple(meshes)
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.stages)
+
+    def pools(self, stage: int) -> CachePools:
+        """Stage ``stage``'s current device state (stage 0's is ``cache.pools``)."""
+        return self.cache.pools if stage == 0 else self._pools[stage]
+
+    def set_pools(self, stage: int, pools: CachePools) -> None:
+        """Hand in stage ``stage``'s new pools (a donated step's result); ``TypeError`` (nothing
+        changed) for pools of another structure than the stage's."""
+        if stage == 0:
+            self.cache.set_pools(pools)
+            return
+        expected: Any = jax.tree_util.tree_structure(self._pools[stage])
+        if jax.tree_util.tree_structure(pools) != expected:
+            raise TypeError(f"set_pools: the new pools of stage {stage} do not have the stage's structure")
+        self._pools[stage] = pools
+
+    def device_bytes(self, stage: int) -> int:
+        """Bytes of stage ``stage``'s device pools (over all its devices)."""
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self.pools(stage)))
+
+
+def build_pipeline_cache(
+    spec: ModelSpec, config: CacheConfig, *, devices: Sequence[Any] | None = None, event_sink: Any = None
+) -> PipelineCache:
+    """Plan and build ``spec``'s cache over ``config.pp_size`` stages of ``config.tp_size`` devices
+    (module docstring); ``devices``: default the local ones. ``event_sink``: the tree's KV events.
+
+    Raises ``ConfigError`` (``check_pipeline_config``, ``pipeline_meshes``, then the planner's own
+    refusals for every stage) before anything is allocated."""
+    check_pipeline_config(spec, config)
+    meshes = pipeline_meshes(config.pp_size, config.tp_size, devices)
+    stages = pipeline_stages(spec.num_hidden_layers, config.pp_size)
+    first_device = meshes[0].devices.flat[0]
+    config = config.replace(platform=config.platform or first_device.platform)
+    memory = None
+    if config.mem_fraction_static is not None and config.memory_budget_bytes is None:
+        memory = device_memory_limit_bytes(first_device)
+    for s in range(config.pp_size):  # every stage's plan passes before any is allocated
+        plan_kv_cache(spec, config.replace(pp_rank=s), device_memory_bytes=memory)
+    cache = build_kv_cache(spec, config, mesh=meshes[0], event_sink=event_sink)
+    plans: list[CachePlan] = [cache.plan]
+    pools: list[CachePools] = [cache.pools]
+    for s in range(1, config.pp_size):
+        plan, stage_pools = build_stage_pools(spec, config.replace(pp_rank=s), mesh=meshes[s])
+        if _slots(plan) != _slots(cache.plan):  # the planner sizes every stage alike
+            raise AssertionError(f"stage {s} plans slots {_slots(plan)}, stage 0 {_slots(cache.plan)}")
+        plans.append(plan)
+        pools.append(stage_pools)
+    return PipelineCache(cache, pools, plans, stages, meshes)
+
+
+def _slots(plan: CachePlan) -> tuple[int, int | None, int | None, int]:
+    """What every stage must agree on: the allocator's tokens, the sliding-window split, the rows."""
+    return plan.max_total_tokens, plan.full_tokens_per_layer, plan.swa_tokens_per_layer, plan.max_running_requests
