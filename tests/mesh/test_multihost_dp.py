@@ -6,12 +6,16 @@ at every step (``KVJAX_CHECK_AGREEMENT=1``); every process ends leak free.
 
 The tiny demo model's 4 query heads split over each rank's 4 devices (its 2 KV heads replicated
 to 4); each rank's ``"tp"`` devices are one process's (``group_dp_mesh``). The pools (128 tokens
-per rank) are small enough that the runs evict and retract.
+per rank) are small enough that the runs evict and retract. The digest of a DP front (checked on
+its own) has every rank's parts and the routing, and a divergence names the rank, the part and
+the routing.
 """
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from kvjax.cli import main
 from tests.mesh.test_multihost_serving import launch, process_reports
@@ -40,3 +44,26 @@ def test_demo_at_dp_2_tp_4_over_two_processes_gives_the_single_process_tokens(ca
         assert r["outputs_fingerprint"] == single["outputs_fingerprint"], (r, single)
         for key in SAME:
             assert r[key] == single[key], (key, r, single)
+
+
+def test_the_dp_digest_names_the_rank_and_the_part_that_differ_and_the_routing():
+    from kvjax import ModelSpec
+    from kvjax.dp.scheduler import DPScheduler
+    from kvjax.multihost.digest import PARTS, compare_digests, serving_digest
+    from kvjax.multihost.errors import DivergenceError
+    from kvjax.serve.model import init_params
+    from kvjax.serve.scheduler import ServingReq
+    from tests.serve.dp_serving import dp2_config
+
+    spec = ModelSpec.preset("tiny")
+    params = init_params(spec, seed=0)
+    fronts = [DPScheduler.build(spec, dp2_config(), params, policy="round_robin") for _ in range(2)]
+    for front in fronts:
+        front.submit([ServingReq(f"r{i}", [1, 2, 3, 4 + i], max_new_tokens=2) for i in range(2)])
+    digests = [serving_digest(front) for front in fronts]
+    assert set(digests[0]) == {f"rank {r} {part}" for r in (0, 1) for part in PARTS} | {"routing"}
+    compare_digests(0, digests)  # equal states: nothing raised
+
+    fronts[1].submit([ServingReq("extra", [5, 6, 7], max_new_tokens=2)])  # round robin: rank 0
+    with pytest.raises(DivergenceError, match=r"process 1's rank 0 requests, routing differ"):
+        compare_digests(1, [digests[0], serving_digest(fronts[1])])
