@@ -50,6 +50,7 @@ def test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers(tmp_pat
     reports = assert_all_ok(run_group(args, devices=TP, timeout=300))
     assert reports[0]["outputs"] == reports[1]["outputs"]
     assert reports[0]["rank_of"] == reports[1]["rank_of"]
+    assert reports[0]["rank_processes"] == [[0] * TP, [1] * TP]  # each rank's "tp" devices one process's
     assert sorted(set(reports[0]["rank_of"].values())) == [0, 1], reports[0]["rank_of"]  # both ranks serve
     for r in reports:
         assert r["leak_free"] and r["state_slots_balanced"] and r["digest_checks"] > 0, r
@@ -85,11 +86,12 @@ def _serve(directory: str) -> dict:
         enable_dp_attention=True,
         **RECURRENT_POOLS,
     )
+    mesh = group_dp_mesh(DP * TP, DP)
     lockstep = LockstepDPScheduler.build_lockstep(
         model.spec,
         config,
         model.params,
-        group_dp_mesh(DP * TP, DP),
+        mesh,
         max_batch_size=4,
         chunked_prefill_size=CHUNK,
         record_logits=True,
@@ -114,6 +116,7 @@ def _serve(directory: str) -> dict:
             for r in front.finished
         },
         "rank_of": {str(rid): rank for rid, rank in lockstep.rank_of.items()},
+        "rank_processes": [[d.process_index for d in row] for row in mesh.devices],
         "leak_free": front.leak_free(),
         "state_slots_balanced": all(balanced),
         "state_copies_applied": sum(s.cache.pending.applied for s in lockstep.schedulers),
