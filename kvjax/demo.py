@@ -27,7 +27,7 @@ from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.mesh_check import make_serving_mesh
 from kvjax.multihost.agreement import Agreement
 from kvjax.multihost.front import MultiProcessFront
-from kvjax.multihost.mesh import group_tp_mesh
+from kvjax.multihost.mesh import group_dp_mesh, group_tp_mesh
 from kvjax.multihost.process_group import ProcessGroup
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
@@ -218,8 +218,9 @@ def serve(
     ``force_miss`` keeps the radix tree's code path but never lets it hit (to measure its overhead).
     ``overlap``: the scheduler's overlap scheduling (False: each step runs to completion first).
     ``dp_size`` above 1 (in ``config_kwargs``, with ``tp_size``): DP attention over
-    ``make_serving_mesh``'s ``("data", "tp")`` mesh of the local devices, served by a
-    ``LockstepDPScheduler`` routing with ``dp_routing`` (no overlap scheduling).
+    ``make_serving_mesh``'s ``("data", "tp")`` mesh of the local devices (with ``group``, of
+    every process's: ``group_dp_mesh``), served by a ``LockstepDPScheduler`` routing with
+    ``dp_routing`` (no overlap scheduling).
     ``draft``: decode speculatively with this STANDALONE draft (``speculative_num_steps`` per round).
     ``group``: serve as one process of a multi-process run (``kvjax.multihost``): the mesh spans
     every process, requests enter on process 0, completions are agreed.
@@ -242,7 +243,7 @@ def serve(
     server: Scheduler | LockstepDPScheduler
     front: Any
     if config_kwargs.get("dp_size", 1) > 1:
-        server = front = _dp_server(spec, serving, weights, dp_routing, config_kwargs)
+        server = front = _dp_server(spec, serving, weights, dp_routing, config_kwargs, group)
         trees: list[Any] = [s.tree for s in server.schedulers]
     elif config_kwargs.get("pp_size", 1) > 1:
         server = front = _pipeline_server(spec, serving, weights, overlap, config_kwargs)
@@ -251,9 +252,9 @@ def serve(
         cache = demo_cache(spec=spec, draft_spec=None if draft is None else draft.spec, group=group, **config_kwargs)
         agreement = None if group is None else group.agreement()
         server = front = _single_server(serving, cache, weights, overlap, draft, speculative_num_steps, agreement)
-        if group is not None:
-            front = MultiProcessFront(server, group.channel, check_agreement=group.check_agreement)
         trees = [cache.tree_cache]
+    if group is not None:
+        front = MultiProcessFront(server, group.channel, check_agreement=group.check_agreement)
     for tree in trees:  # RadixCache and ChunkCache both have force_miss
         tree.force_miss = force_miss
     bar = _Progress(
@@ -295,14 +296,20 @@ def _single_server(
 
 
 def _dp_server(
-    spec: ModelSpec, serving: ModelSpec | ModelConfig, weights: Any, routing: str, config_kwargs: dict[str, Any]
+    spec: ModelSpec,
+    serving: ModelSpec | ModelConfig,
+    weights: Any,
+    routing: str,
+    config_kwargs: dict[str, Any],
+    group: ProcessGroup | None,
 ) -> LockstepDPScheduler:
-    """The lockstep DP front of ``serve`` over the local devices (``ConfigError`` naming
-    ``tp_size`` when there are fewer than ``tp_size``; nothing is built then)."""
+    """The lockstep DP front of ``serve`` over the local devices, or with ``group`` over every
+    process's (``group_dp_mesh``: every process runs this same front, every rank's scheduler);
+    ``ConfigError`` naming ``tp_size`` when there are fewer than ``tp_size`` (nothing is built)."""
     import jax
 
     tp, dp = config_kwargs.get("tp_size", 1), config_kwargs["dp_size"]
-    mesh = make_serving_mesh(tp, dp, True, devices=jax.local_devices())
+    mesh = make_serving_mesh(tp, dp, True, devices=jax.local_devices()) if group is None else group_dp_mesh(tp, dp)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     config = demo_config(**config_kwargs, enable_dp_attention=True)
     return LockstepDPScheduler.build_lockstep(
@@ -368,8 +375,9 @@ def run_demo(
     routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
     run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False).
     ``group``: this process's part of a multi-process run (``kvjax.multihost``; the mesh spans
-    every process; one scheduler per process, tensor parallel only). ``pp_size`` above 1: every
-    run over that many pipeline stages of ``tp_size`` local devices each (``_pipeline_server``)."""
+    every process; the same scheduler, or DP front, on every process; tensor parallel or DP
+    attention). ``pp_size`` above 1: every run over that many pipeline stages of ``tp_size`` local
+    devices each (``_pipeline_server``)."""
     workload = workload or Workload()
     if pp_size > 1 and (dp_size > 1 or group is not None):
         raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
@@ -379,9 +387,9 @@ def run_demo(
         )
     if dp_size > 1 and draft is not None:
         raise NotImplementedError("speculative decoding is served on one device: serve it with dp_size 1")
-    if group is not None and (dp_size > 1 or dcp_size > 1 or draft is not None):
+    if group is not None and (dcp_size > 1 or draft is not None):
         raise NotImplementedError(
-            "several processes serve tensor parallel only for now: drop dp_size, dcp_size and the draft model"
+            "several processes serve tensor parallel and DP attention only for now: drop dcp_size and the draft model"
         )
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(
@@ -422,7 +430,7 @@ def run_demo(
     warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
     seconds = time.perf_counter() - start
     if isinstance(warm, LockstepDPScheduler) and isinstance(cold, LockstepDPScheduler):
-        return _dp_report(warm, cold, warm_out == cold_out, seconds, model, dp_routing)
+        return _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group)
     if not isinstance(warm, Scheduler) or not isinstance(cold, Scheduler):
         raise AssertionError("one rank: every run has one Scheduler")
     stats: ServeStats = warm.stats
@@ -469,13 +477,15 @@ def run_demo(
 def _dp_report(
     warm: LockstepDPScheduler,
     cold: LockstepDPScheduler,
-    cold_equals_warm: bool,
+    warm_out: dict,
+    cold_out: dict,
     seconds: float,
     model: LoadedModel | None,
     routing: str,
+    group: ProcessGroup | None,
 ) -> DemoReport:
     """The report of a DP-attention run: totals over the ranks, and each rank's requests and hit
-    rate (warm run)."""
+    rate (warm run); with ``group``, this process's place and the digests compared."""
     ranks = [s.stats for s in warm.schedulers]
     routed = list(warm.rank_of.values())
     generated = sum(st.generated_tokens for st in ranks)
@@ -496,7 +506,8 @@ def _dp_report(
         evicted_tokens=sum(st.evicted_tokens for st in ranks),
         retractions=sum(st.retractions for st in ranks),
         leak_free=warm.leak_free() and cold.leak_free(),
-        cold_equals_warm=cold_equals_warm,
+        cold_equals_warm=cold_out == warm_out,
+        outputs_fingerprint=outputs_fingerprint(warm_out),
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
         tree_text="\n".join(trees),
@@ -504,6 +515,9 @@ def _dp_report(
         dp_routing=routing,
         rank_requests=[routed.count(r) for r in range(warm.dp_size)],
         rank_hit_rates=[round(st.hit_rate, 4) for st in ranks],
+        processes=1 if group is None else group.num_processes,
+        process_id=0 if group is None else group.process_id,
+        digest_checks=None if group is None or not group.check_agreement else group.digest_checks,
     )
 
 

@@ -12,7 +12,8 @@ rank's ``RecurrentStateExtension`` records them as one pending device update, bu
 * one jitted program over the ``("data", "tp")`` mesh, the pool donated (in place). Inside a
   ``shard_map`` with ``"data"`` manual each device sees its rank's pool and runs the pool's own
   ``fork`` on it (per device over ``"tp"`` as in the single-rank sharded cache). The slot ids are
-  ``[dp, n]``, sharded over ``"data"``: rank ``r``'s row holds the copies; every other rank's row
+  ``[dp, n]``, sharded over ``"data"`` (replicated over several processes,
+  ``kvjax.dp.step.host_sharding``): rank ``r``'s row holds the copies; every other rank's row
   copies slot 0 (the padding slot) onto itself, which leaves its state as it was.
 * copies applied in order: consecutive copies go in one ``fork`` while no destination repeats and
   none is read or written by another copy of the group (as ``apply_state_copies``); each group is
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.device_updates import DeviceUpdate
 from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
-from kvjax.dp.step import rank_view
+from kvjax.dp.step import host_sharding, rank_view
 from kvjax.pools.cache_pools import CachePools
 
 __all__ = ["RankStateCopies"]
@@ -67,7 +68,7 @@ class RankStateCopies:
         state_shardings = jax.tree.map(
             lambda s: NamedSharding(layout.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
-        by_rank = NamedSharding(layout.mesh, rows)
+        by_rank = host_sharding(layout.mesh)  # replicated when the mesh spans several processes
         self._copy = jax.jit(
             copy, in_shardings=(state_shardings, by_rank, by_rank), out_shardings=state_shardings, donate_argnums=0
         )

@@ -103,12 +103,17 @@ class DPScheduler:
             out.append(RankLoad(sum(r.seqlen() for r in reqs), len(reqs)))
         return out
 
+    def check_servable(self, reqs: Iterable[ServingReq]) -> None:
+        """``ConfigError`` naming the first request no rank can serve (longer than the context,
+        or whose KV can never fit a rank's pool); nothing changes. Every rank has the same plan:
+        one rank's limits are every rank's."""
+        self.schedulers[0].check_servable(reqs)
+
     def submit(self, reqs: Iterable[ServingReq]) -> None:
-        """Route and queue requests, in order. All or none: a request no rank can serve (longer
-        than the context, or whose KV can never fit a rank's pool) raises ``ConfigError`` before
-        any is routed."""
+        """Route and queue requests, in order. All or none: a request no rank can serve
+        (``check_servable``) raises ``ConfigError`` before any is routed."""
         reqs = list(reqs)
-        self.schedulers[0].check_servable(reqs)  # every rank has the same plan: one rank's limits are every rank's
+        self.check_servable(reqs)
         for req in reqs:
             rank = self.router.route(req.origin_input_ids, self.loads(), req.extra_key)
             self.rank_of[req.rid] = rank

@@ -15,7 +15,12 @@ goes through the model in one program over the ``("data", "tp")`` mesh:
   the MLP per layer. Nothing crosses ``"data"``: ranks never exchange data.
 * Jitted with explicit in/out shardings (pools as laid out, weights as ``param_sharding``
   splits them, tokens, metadata and outputs over ``"data"``) and the pools donated (every KV
-  write in place on its device).
+  write in place on its device). When the mesh spans several processes (``kvjax.multihost``)
+  every process runs every rank's scheduler, so it passes every rank's inputs and reads every
+  rank's outputs: tokens, metadata and outputs are then replicated (``host_sharding``; the
+  inputs as ``make_sharded_step`` takes them, each rank's ``shard_map`` reading its own row
+  with no data moved), at the cost of one all-gather over ``"data"`` of the sampled tokens (and
+  logits) per step.
 
 A rank's tokens, logits and pools are those of the single-rank step on its inputs alone (one
 device per rank: bit for bit; ``attn_tp_size`` devices: those of ``make_sharded_step`` over the
@@ -38,7 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
@@ -49,7 +54,7 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_partition_specs, shard_params
 from kvjax.spec import ModelSpec
 
-__all__ = ["make_dp_step", "place_params", "rank_view"]
+__all__ = ["host_sharding", "make_dp_step", "place_params", "rank_view"]
 
 
 def place_params(model: ModelSpec | ModelConfig, params: Any, layout: DPLayout) -> Any:
@@ -100,9 +105,9 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         _param_specs(config, layout),
         is_leaf=_is_spec,
     )
-    by_rank = NamedSharding(mesh, rows)
+    by_rank = host_sharding(mesh)
     outs = (pool_shardings, by_rank, by_rank) if with_logits else (pool_shardings, by_rank)
-    # tokens and meta (a prefix: every leaf) by rank.
+    # tokens and meta (a prefix: every leaf) by rank (replicated over several processes).
     jitted = jax.jit(
         step, in_shardings=(pool_shardings, weights, by_rank, by_rank), out_shardings=outs, donate_argnums=0
     )
@@ -112,6 +117,17 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
 
     dp_step.jitted = jitted  # type: ignore[attr-defined]
     return dp_step
+
+
+def host_sharding(mesh: Mesh) -> NamedSharding:
+    """How the DP programs take host inputs with a leading rank axis (and give their per-rank
+    outputs): by rank over ``"data"`` when this process holds every device of ``mesh``;
+    replicated when the mesh spans several processes, each of which runs every rank's scheduler
+    (a host array of every rank's rows is what every process has, and a by-rank array over
+    another process's devices could be neither passed nor read here)."""
+    if all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        return NamedSharding(mesh, P(DATA_MESH_AXIS))
+    return NamedSharding(mesh, P())
 
 
 def _param_specs(config: ModelConfig, layout: DPLayout) -> Any:

@@ -12,6 +12,6 @@ scheduler can use the agreement without importing the rest):
 * ``agreement``: ``Agreement`` (MIN over processes) and ``agreed_copy_engine``, the host tier's
   agreed transfer completions;
 * ``digest``: per-step state digests and their comparison;
-* ``mesh``: ``group_tp_mesh``, the ``"tp"`` mesh over every process;
+* ``mesh``: ``group_tp_mesh`` and ``group_dp_mesh``, the serving meshes over every process;
 * ``launcher``: ``python -m kvjax launch``, N local processes.
 """

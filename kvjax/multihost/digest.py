@@ -13,6 +13,9 @@ on the command line, always in the tests) and compared part by part:
 * ``request_table``: the free rows in order and the slots of every row in use;
 * ``requests``: each queued, running and chunked request's id, length, output and row.
 
+Under DP attention every rank's scheduler gives these parts, and ``routing`` says which rank
+each request went to.
+
 Invariant: equal states give equal digests on every process (no object ids, no addresses, no
 wall-clock time enters a digest).
 """
@@ -113,7 +116,15 @@ def requests_digest(groups: Iterable[tuple[str, Sequence[Any]]]) -> str:
 
 
 def serving_digest(scheduler: Any) -> dict[str, str]:
-    """The digest of a ``Scheduler``'s state, part by part (``PARTS``)."""
+    """The digest of a ``Scheduler``'s state, part by part (``PARTS``); of a DP front
+    (``kvjax.dp.DPScheduler``: a scheduler per rank) every rank's parts, named ``rank R PART``,
+    and ``routing``, the rank every request went to."""
+    ranks = getattr(scheduler, "schedulers", None)
+    if ranks is not None:
+        parts = {f"rank {r} {part}": h for r, s in enumerate(ranks) for part, h in serving_digest(s).items()}
+        routing = _hasher()
+        _feed(routing, sorted((repr(rid), rank) for rid, rank in scheduler.rank_of.items()))
+        return {**parts, "routing": routing.hexdigest()}
     chunked = [scheduler.chunked] if scheduler.chunked is not None else []
     return {
         "tree": tree_digest(scheduler.tree),

@@ -1,10 +1,16 @@
-"""`group_tp_mesh`: the ``"tp"`` mesh of a multi-process run, over every process's devices.
+"""The serving meshes of a multi-process run, over every process's devices: `group_tp_mesh`
+(``("tp",)``, tensor parallel) and `group_dp_mesh` (``("data", "tp")``, DP attention).
 
-Each process drives its own devices and every process takes part in every step, so the mesh
-takes the same number of devices from each process, process by process (process 0's first).
+Each process drives its own devices and every process takes part in every step, so a mesh takes
+the same number of devices from each process, process by process (process 0's first). Under DP
+attention the ranks are laid out in that order along ``"data"``: with as many ranks as processes
+(or a multiple), each rank's ``"tp"`` devices belong to one process, so a rank's all-reduces never
+leave its process.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -12,7 +18,7 @@ from kvjax.attention.sharding import serving_mesh
 from kvjax.errors import ConfigError
 from kvjax.mesh_check import make_serving_mesh
 
-__all__ = ["group_tp_mesh"]
+__all__ = ["group_dp_mesh", "group_tp_mesh"]
 
 
 def group_tp_mesh(tp_size: int) -> Mesh:
@@ -21,6 +27,22 @@ def group_tp_mesh(tp_size: int) -> Mesh:
     Raises ``ConfigError`` on ``tp_size`` when the processes cannot share it evenly or have
     too few devices (nothing is built).
     """
+    return serving_mesh(make_serving_mesh(tp_size, devices=_group_devices(tp_size)))
+
+
+def group_dp_mesh(tp_size: int, dp_size: int) -> Mesh:
+    """The ``("data", "tp")`` mesh of DP attention (``dp_size`` ranks of ``tp_size / dp_size``
+    devices) over ``tp_size`` devices, ``tp_size / processes`` from each process, ranks in
+    process order (module docstring).
+
+    Raises ``ConfigError`` on ``tp_size`` as `group_tp_mesh` does, and on ``dp_size`` when it
+    does not divide ``tp_size`` (nothing is built).
+    """
+    return serving_mesh(make_serving_mesh(tp_size, dp_size, True, devices=_group_devices(tp_size)))
+
+
+def _group_devices(count: int) -> list[Any]:
+    """``count`` devices, ``count / processes`` from each process, process by process."""
     import jax
 
     processes = jax.process_count()
@@ -28,13 +50,12 @@ def group_tp_mesh(tp_size: int) -> Mesh:
     for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
         by_process.setdefault(device.process_index, []).append(device)
     local = min(len(v) for v in by_process.values())
-    if tp_size % processes or tp_size // processes > local:
+    if count % processes or count // processes > local:
         raise ConfigError(
             "tp_size",
-            tp_size,
+            count,
             f"the mesh spans {processes} processes of {local} device(s) each and every process takes the same "
             f"share; use a multiple of {processes} up to {processes * local}",
         )
-    share = tp_size // processes
-    devices = [d for q in sorted(by_process) for d in by_process[q][:share]]
-    return serving_mesh(make_serving_mesh(tp_size, devices=devices))
+    share = count // processes
+    return [d for q in sorted(by_process) for d in by_process[q][:share]]
