@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from kvjax.multihost.errors import DivergenceError, ProcessLostError
 
-__all__ = ["KeyValueClient", "ProcessChannel"]
+__all__ = ["Channel", "KeyValueClient", "LoopbackChannel", "ProcessChannel"]
 
 DEFAULT_TIMEOUT_S = 60.0
 #: Exchanges per block of keys deleted together (module docstring).
@@ -42,6 +42,22 @@ class KeyValueClient(Protocol):
     def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
 
     def key_value_delete(self, key: str) -> None: ...
+
+
+class Channel(Protocol):
+    """What the serving loop exchanges through: this class's key-value store transport, the
+    direct connections of ``socket_channel.SocketChannel`` (what ``initialize`` opens), or one
+    process's ``LoopbackChannel``. ``exchanges``: exchanges completed, equal on every process."""
+
+    process_id: int
+    num_processes: int
+    exchanges: int
+
+    def all_gather(self, tag: str, payload: bytes) -> list[bytes]: ...
+
+    def broadcast(self, tag: str, payload: bytes = b"") -> bytes: ...
+
+    def all_gather_object(self, tag: str, value: Any) -> list[Any]: ...
 
 
 class ProcessChannel:
