@@ -6,6 +6,10 @@ its payload under the exchange's sequence number and reads every other's. A broa
 process 0 is an all-gather in which the others post an empty payload; posting keeps every
 process at most one exchange ahead of the slowest, and lets each side notice the other is gone.
 
+The serving loop's default transport is ``socket_channel.SocketChannel`` (the same primitive
+over direct connections, several times faster per exchange); this one needs no port beyond the
+coordinator's (``ProcessFlags(transport="kv")``).
+
 Why the key-value store and not a device collective (``multihost_utils``): messages are of any
 length (pickled requests) without a compile per shape, and every wait has a deadline, so a
 process that died or hung is named in one error within ``timeout_s`` instead of a collective
