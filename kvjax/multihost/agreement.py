@@ -8,7 +8,7 @@ processes: a transfer counts as done only once it is done everywhere, a prefetch
 the pages every process received. Every process then makes the same change.
 
 * `LocalAgreement`: one process; the identity (what single-process serving uses).
-* `ProcessAgreement`: over a `ProcessChannel`; one exchange per call, elementwise MIN.
+* `ProcessAgreement`: over a channel (``channel.Channel``); one exchange per call, elementwise MIN.
 
 Invariant: callers ask in the same order with the same number of values on every process (their
 state agrees, so their pending transfers do); a mismatch in length is a divergence and raises.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from kvjax.multihost.channel import ProcessChannel
+from kvjax.multihost.channel import Channel
 from kvjax.multihost.errors import DivergenceError
 from kvjax.tiers.copy_engine import TransferStatus
 
@@ -55,7 +55,7 @@ class ProcessAgreement:
 
     is_local = False
 
-    def __init__(self, channel: ProcessChannel) -> None:
+    def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.rounds = 0
         self.held_back = 0

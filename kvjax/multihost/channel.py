@@ -6,6 +6,10 @@ its payload under the exchange's sequence number and reads every other's. A broa
 process 0 is an all-gather in which the others post an empty payload; posting keeps every
 process at most one exchange ahead of the slowest, and lets each side notice the other is gone.
 
+The serving loop's default transport is ``socket_channel.SocketChannel`` (the same primitive
+over direct connections, several times faster per exchange); this one needs no port beyond the
+coordinator's (``ProcessFlags(transport="kv")``).
+
 Why the key-value store and not a device collective (``multihost_utils``): messages are of any
 length (pickled requests) without a compile per shape, and every wait has a deadline, so a
 process that died or hung is named in one error within ``timeout_s`` instead of a collective
@@ -27,7 +31,7 @@ from typing import Any, Protocol
 
 from kvjax.multihost.errors import DivergenceError, ProcessLostError
 
-__all__ = ["KeyValueClient", "ProcessChannel"]
+__all__ = ["Channel", "KeyValueClient", "LoopbackChannel", "ProcessChannel"]
 
 DEFAULT_TIMEOUT_S = 60.0
 #: Exchanges per block of keys deleted together (module docstring).
@@ -42,6 +46,22 @@ class KeyValueClient(Protocol):
     def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
 
     def key_value_delete(self, key: str) -> None: ...
+
+
+class Channel(Protocol):
+    """What the serving loop exchanges through: this class's key-value store transport, the
+    direct connections of ``socket_channel.SocketChannel`` (what ``initialize`` opens), or one
+    process's ``LoopbackChannel``. ``exchanges``: exchanges completed, equal on every process."""
+
+    process_id: int
+    num_processes: int
+    exchanges: int
+
+    def all_gather(self, tag: str, payload: bytes) -> list[bytes]: ...
+
+    def broadcast(self, tag: str, payload: bytes = b"") -> bytes: ...
+
+    def all_gather_object(self, tag: str, value: Any) -> list[Any]: ...
 
 
 class ProcessChannel:

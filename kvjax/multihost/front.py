@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from kvjax.multihost.channel import ProcessChannel
+from kvjax.multihost.channel import Channel
 from kvjax.multihost.digest import compare_digests, serving_digest
 from kvjax.multihost.errors import DivergenceError
 from kvjax.multihost.request_broadcast import RequestSpec, StepMessage
@@ -47,7 +47,7 @@ class MultiProcessFront:
         ignored_submissions: requests given to ``submit`` on a process other than 0.
     """
 
-    def __init__(self, scheduler: Any, channel: ProcessChannel, *, check_agreement: bool = False) -> None:
+    def __init__(self, scheduler: Any, channel: Channel, *, check_agreement: bool = False) -> None:
         self.scheduler = scheduler
         self.channel = channel
         self.check_agreement = bool(check_agreement)

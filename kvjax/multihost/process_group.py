@@ -9,9 +9,11 @@ that many devices, and CPU collectives between processes go through gloo.
 
 Faults are bounded by ``timeout_s`` (seconds): joining (an unreachable coordinator is one
 `CoordinatorError` naming the address; JAX itself would abort the process), every exchange of
-the serving loop (``ProcessChannel``), and JAX's heartbeat, which ends every process of the group
-when one of them dies (twice the timeout, at least ``MIN_HEARTBEAT_S``, so that a process waiting
-in an exchange names the silent process first; JAX's own message names the task it lost).
+the serving loop (``SocketChannel``: direct connections to process 0, found through the
+coordination service; ``transport="kv"``: ``ProcessChannel``, through its key-value store),
+and JAX's heartbeat, which ends every process of the group when one of them dies (twice the
+timeout, at least ``MIN_HEARTBEAT_S``, so that a process waiting in an exchange names the silent
+process first; JAX's own message names the task it lost).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import time
 from dataclasses import dataclass
 
 from kvjax.multihost.agreement import ProcessAgreement
-from kvjax.multihost.channel import DEFAULT_TIMEOUT_S, ProcessChannel
+from kvjax.multihost.channel import DEFAULT_TIMEOUT_S, Channel, ProcessChannel
 from kvjax.multihost.errors import CoordinatorError
+from kvjax.multihost.socket_channel import SocketChannel
 
 __all__ = ["ProcessFlags", "ProcessGroup", "initialize"]
 
 #: JAX's heartbeat never times out sooner (seconds): a loaded host may miss a few beats.
 MIN_HEARTBEAT_S = 10
+#: How the serving loop's exchanges travel (``ProcessFlags.transport``).
+TRANSPORTS = ("socket", "kv")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class ProcessFlags:
     timeout_s: float = DEFAULT_TIMEOUT_S
     check_agreement: bool = False
     join_timeout_s: float | None = None
+    transport: str = "socket"
 
     @property
     def join_bound_s(self) -> float:
@@ -63,6 +69,8 @@ class ProcessFlags:
             raise CoordinatorError(f"process_id {i}: with {n} processes give an id from 0 to {n - 1}")
         if self.timeout_s <= 0:
             raise CoordinatorError(f"timeout {self.timeout_s} s: give a positive number of seconds")
+        if self.transport not in TRANSPORTS:
+            raise CoordinatorError(f"transport {self.transport!r}: give one of {list(TRANSPORTS)}")
 
 
 @dataclass
@@ -71,7 +79,7 @@ class ProcessGroup:
 
     process_id: int
     num_processes: int
-    channel: ProcessChannel
+    channel: Channel
     check_agreement: bool = False
     digest_checks: int = 0  # state digests compared so far (all equal), with check_agreement
 
@@ -104,7 +112,11 @@ def initialize(flags: ProcessFlags) -> ProcessGroup:
         heartbeat_timeout_seconds=max(2 * timeout, MIN_HEARTBEAT_S),
         shutdown_timeout_seconds=timeout,
     )
-    channel = ProcessChannel.from_jax(timeout_s=flags.timeout_s)
+    channel: Channel
+    if flags.transport == "kv":
+        channel = ProcessChannel.from_jax(timeout_s=flags.timeout_s)
+    else:
+        channel = SocketChannel.from_jax(timeout_s=flags.timeout_s, join_timeout_s=flags.join_bound_s)
     return ProcessGroup(jax.process_index(), jax.process_count(), channel, flags.check_agreement)
 
 

@@ -11,12 +11,16 @@ same step, in the same order.
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvjax.serve.serving_req import ServingReq
 
 __all__ = ["RequestSpec", "StepMessage"]
+
+#: The wire form of a message with nothing but its step (the steady decode loop's): 8 bytes.
+_STEP_ONLY = struct.Struct("<q")
 
 
 @dataclass(frozen=True)
@@ -58,17 +62,24 @@ class StepMessage:
     """One process's message of one step's exchange. ``step``: the sender's step number (the
     exchange checks they match); ``requests``: process 0's new requests, arriving at ``step``
     (empty elsewhere); ``digest``: the sender's state digest after the previous step, when the
-    agreement check is on (``kvjax.multihost.digest``)."""
+    agreement check is on (``kvjax.multihost.digest``).
+
+    Wire form: a message with no request and no digest (every step of a steady decode loop) is
+    its step as 8 bytes; any other is pickled (always longer than 8 bytes)."""
 
     step: int
     requests: tuple[RequestSpec, ...] = ()
     digest: dict[str, str] | None = field(default=None)
 
     def encode(self) -> bytes:
+        if not self.requests and self.digest is None:
+            return _STEP_ONLY.pack(self.step)
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
     def decode(raw: bytes) -> StepMessage:
+        if len(raw) == _STEP_ONLY.size:
+            return StepMessage(_STEP_ONLY.unpack(raw)[0])
         message = pickle.loads(raw)
         if not isinstance(message, StepMessage):
             raise TypeError(f"expected a StepMessage, got {type(message).__name__}")

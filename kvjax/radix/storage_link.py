@@ -21,6 +21,15 @@ Rules (``sglang-semantics.md`` §1.14, ``sglang-0.5.23-hybrid-trees.md``, host t
   host-only node below the matched node (``tree.add_host_only_leaf``), which the host tier's
   load-back then brings to the device. Host slots of pages not taken are freed.
 
+Several processes (``agreement`` not local; the host tier's serving extension sets the
+scheduler's): every number a process reads from its own store is agreed (MIN over processes, as
+SGLang all-reduces the storage hit count and a prefetch's ``completed_tokens``) before it
+changes the tree or the host allocator: the stored run's pages at the start (so every process
+takes the same host slots), whether a prefetch may be admitted (ready only once ready
+everywhere), and the pages taken (every process inserts the shortest run any process received).
+The calls come in the same order on every process, because their trees and their prefetches are
+the same.
+
 Faults lose nothing: a failed, missing or late read, and an entry the store refuses (torn or
 corrupt; pages of another ``StorageKey``, i.e. another model, dtype, layout, page size or
 namespace, are never even looked at), just give fewer pages (the request recomputes the rest); a
@@ -44,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.multihost.agreement import Agreement, LocalAgreement
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 from kvjax.tiers.storage import PREFETCH_POLICIES, Prefetch, StorageTier, StorageWrite, page_hashes
 
@@ -88,7 +98,12 @@ class StorageLink:
         prefetch_threshold: runs of fewer stored tokens are not prefetched (SGLang: 256).
 
     Counters: ``pages_backed_up`` (pages handed to the store, skipped ones excluded),
-    ``prefetched_tokens`` (tokens inserted from storage), ``prefetches`` (prefetches started).
+    ``prefetched_tokens`` (tokens inserted from storage), ``prefetches`` (prefetches started),
+    ``pages_held_back`` (pages this process had that the agreement took fewer of: another process
+    had fewer stored or received).
+
+    ``agreement``: how the store's answers are agreed with other processes (module docstring);
+    ``LocalAgreement`` (one process) by default.
     """
 
     def __init__(
@@ -129,6 +144,8 @@ class StorageLink:
         self.pages_backed_up = 0
         self.prefetched_tokens = 0
         self.prefetches = 0
+        self.pages_held_back = 0
+        self.agreement: Agreement = LocalAgreement()
         host.on_backup_landed = self.backup
 
     # -- hashes ---------------------------------------------------------------------------------
@@ -190,7 +207,7 @@ class StorageLink:
         if whole - hit < max(self.threshold, ps):
             return 0
         hashes = page_hashes(tokens[:whole], ps, extra_key=extra_key, seed=self.tree.hash_seed)[hit // ps :]
-        n = self.storage.leading_hits(hashes) * ps
+        n = self._agreed_pages("storage hits", self.storage.leading_hits(hashes)) * ps
         if n < max(self.threshold, ps):
             return 0
         slots = self._alloc_guarded(anchor, n)
@@ -207,9 +224,10 @@ class StorageLink:
         op = self._ops.get(rid)
         if op is None:
             return True
-        if self.policy == "wait_complete" and not op.prefetch.done():
-            return False
+        waiting = self.policy == "wait_complete" and not op.prefetch.done()
         if self.policy == "timeout" and not op.prefetch.done() and time.monotonic() - op.started < self._timeout(op):
+            waiting = True
+        if not self._agreed("prefetch ready", int(not waiting)):
             return False
         self._finish(rid, "best_effort")
         return True
@@ -247,6 +265,7 @@ class StorageLink:
     def _finish(self, rid: Any, policy: str) -> int:
         op = self._ops.pop(rid)
         pages = op.prefetch.take(policy, max(0.0, op.started + self._timeout(op) - time.monotonic()))
+        pages = pages[: self._agreed_pages("prefetch pages", pages.shape[0])]
         n = pages.shape[0] * self.page_size
         leaf = None
         if n and op.anchor.residency != DELETED:
@@ -263,6 +282,16 @@ class StorageLink:
             self.host.free_held(op.slots[n:])
         self.prefetched_tokens += n
         return n
+
+    def _agreed(self, tag: str, value: int) -> int:
+        """``value`` (this process's) agreed with the other processes: their minimum."""
+        return value if self.agreement.is_local else self.agreement.agree_min(tag, [value])[0]
+
+    def _agreed_pages(self, tag: str, pages: int) -> int:
+        """A page count agreed (``_agreed``); pages this process had beyond it are counted."""
+        agreed = self._agreed(tag, pages)
+        self.pages_held_back += pages - agreed
+        return agreed
 
     def _timeout(self, op: PrefetchOp) -> float:
         return self.timeout_s if self.timeout_s is not None else 1.0 + 0.25 * len(op.tokens) / 1024

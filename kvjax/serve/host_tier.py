@@ -5,7 +5,8 @@
   (the scheduler's ``agreement`` is not local), the host pool's copy engine is wrapped in
   ``kvjax.multihost.agreed_copy_engine.AgreedCopyEngine``: ``poll`` first agrees every pending
   transfer's status with the other processes (MIN, as SGLang), so every tree completes the same
-  transfers at the same step. The step never waits for a
+  transfers at the same step; the storage tier's hits and prefetched pages are agreed the same
+  way (``kvjax.radix.storage_link``). The step never waits for a
   transfer: backups are gathers (of the pools the scheduler last handed in) whose host copy
   completes in the background, loads are scatters the next step's reads depend on through jax's
   data dependencies. Only when nothing is running and requests wait does ``poll`` wait for the
@@ -72,6 +73,8 @@ class HostTierExtension(ServingExtension):
             # Several processes: every transfer completion is agreed before it changes the tree.
             self._agreed = AgreedCopyEngine(self.tree.host.engine, agreement)
             self.tree.host.engine = self._agreed
+            if self.tree.storage is not None:  # and every storage hit and prefetched page count
+                self.tree.storage.agreement = agreement
         if self._retraction is not None:
             self._retraction.attach(scheduler)
 

@@ -305,3 +305,38 @@ def test_write_back_stores_at_device_eviction_and_namespaces_come_back_apart():
 def test_prefetch_for_names_a_request_without_one():
     with pytest.raises(KeyError, match="'nobody'"):
         _cache().storage.prefetch_for("nobody")
+
+
+class _OtherProcess:
+    """An agreement with one other process whose answers are ``theirs[tag]`` (MIN with ours);
+    records what was asked."""
+
+    is_local = False
+
+    def __init__(self, theirs: dict[str, int]) -> None:
+        self.theirs = theirs
+        self.asked: list[tuple[str, list[int]]] = []
+
+    def agree_min(self, tag: str, values: list[int]) -> list[int]:
+        self.asked.append((tag, list(values)))
+        return [min(v, self.theirs[tag]) for v in values]
+
+
+def test_hits_readiness_and_pages_taken_are_the_minimum_over_processes():
+    cache = _cache(host_tokens=32)
+    tokens = list(range(1, 21))  # five pages stored
+    _stored_then_gone(cache, tokens)
+    other = _OtherProcess({"storage hits": 4, "prefetch ready": 0, "prefetch pages": 2})
+    cache.storage.agreement = other
+    query = [*tokens, 99]
+    assert cache.start_prefetch("r", cache.match_prefix(query), query) == 16  # 4 pages: the other's hits
+    assert cache.host.held_tokens == 16 and _balanced(cache)
+    assert not cache.check_prefetch_progress("r")  # ready here, not on the other process
+    other.theirs["prefetch ready"] = 1
+    assert cache.check_prefetch_progress("r")
+    assert cache.storage.prefetched_tokens == 8  # the 2 pages the other received
+    assert cache.match_prefix(query).host_hit_length == 8
+    assert cache.host.held_tokens == 0 and _balanced(cache)
+    assert [tag for tag, _ in other.asked] == ["storage hits", "prefetch ready", "prefetch ready", "prefetch pages"]
+    assert cache.storage.pages_held_back == (5 - 4) + (4 - 2)
+    cache.check_invariants()
