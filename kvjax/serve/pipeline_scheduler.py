@@ -115,8 +115,15 @@ class PipelineScheduler(Scheduler):
         seq_lens: np.ndarray,
         reqs: Sequence[ServingReq],
         token_src: np.ndarray | None = None,
+        page_table: np.ndarray | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """``Scheduler._forward`` over the stages, micro-batch by micro-batch (module docstring)."""
+        """``Scheduler._forward`` over the stages, micro-batch by micro-batch (module docstring).
+
+        Each micro-batch builds its own page table, so a caller's unchanged ``page_table`` is not
+        reused here, and none is left for the next step to reuse (``_step_page_table`` is None).
+        """
+        del page_table
+        self._step_page_table = None
         start = time.perf_counter()
         n = len(rows)
         starts = np.asarray(starts)
