@@ -22,9 +22,9 @@ import sys
 import numpy as np
 
 from tests.mesh.multihost_group import assert_all_ok, join, parse_group_args, run_group
+from tests.mesh.qwen3_next_tp import HEADS as QWEN3_NEXT_HEADS
+from tests.mesh.qwen3_next_tp import LAYERS as QWEN3_NEXT_LAYERS
 from tests.mesh.test_dp_parity import DP, MAX_NEW, RECURRENT_POOLS, TP
-from tests.mesh.test_tp_parity_qwen3_next import _LAYERS as QWEN3_NEXT_LAYERS
-from tests.mesh.test_tp_parity_qwen3_next import HEADS as QWEN3_NEXT_HEADS
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,
