@@ -7,9 +7,10 @@ kvjax at page size 1 with chunked prefill of 8 tokens, on the rounds of
 ``test_parity_qwen3_next`` (shared system prompt, a two-turn chat): later prompts start from a
 checkpoint forked into their state slot. Tokens are compared with Transformers' greedy
 ``generate``. Logits are compared with Transformers' full forward over prompt + output (teacher
-forcing), not with ``generate``'s: Transformers' one-token decode path skips the time-step clamp
-(``time_step_min``) that its prompt path applies, so its own decode logits differ from its full
-forward by up to ~1e-3 here; kvjax clamps everywhere and matches the full forward to ~5e-6.
+forcing). ``dt`` is clamped to the config's ``time_step_limit`` (default ``(0, inf)``), as
+Transformers 5.25 does on both its paths (5.24 and earlier clamped its prompt path below at the
+initialisation bound ``time_step_min`` and its decode path not at all; the parity extra requires
+5.25).
 """
 
 from __future__ import annotations
@@ -80,3 +81,16 @@ def test_transformers_5_block_names_and_conv_dtype_are_read():
     assert spec.layer_kinds == (LayerKind.RECURRENT, LayerKind.NONE, LayerKind.FULL)
     assert spec.recurrent is not None and spec.recurrent.conv_dtype == "float32"
     assert spec.recurrent.conv_state_shapes == ((4 * 16 + 2 * 2 * 16, 3),)
+
+
+def test_the_dt_clamp_is_the_configs_time_step_limit_and_a_malformed_one_is_refused():
+    from kvjax.errors import ConfigError
+    from kvjax.serve.families.nemotron_h import _time_step_limit
+
+    assert _time_step_limit({"time_step_min": 0.001}) == (0.0, float("inf"))  # an init bound, not a clamp
+    assert _time_step_limit({"time_step_limit": [0.0, float("inf")]}) == (0.0, float("inf"))
+    assert _time_step_limit({"time_step_limit": [0.0, {"__float__": "Infinity"}]}) == (0.0, float("inf"))
+    assert _time_step_limit({"mamba_dt_limit": [0.01, 0.1]}) == (0.01, 0.1)
+    for bad in ([0.1, 0.01], [0.1], "fast", [0.0, {"__float__": "lots"}], [0.0, {"inf": 1}]):
+        with pytest.raises(ConfigError, match="time_step_limit"):
+            _time_step_limit({"time_step_limit": bad})

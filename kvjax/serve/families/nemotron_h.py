@@ -5,8 +5,9 @@ parameter names included (its checkpoints name the stack ``backbone``).
 Blocks (``config.layers_block_type``; ``hybrid_override_pattern`` ``M`` / ``*`` / ``-``): each is
 ``x + mixer(norm(x))`` with one mixer: ``linear_attention`` (Mamba2: ``in_proj`` to the gate,
 ``xBC`` and ``dt``; a depthwise causal ``conv1d`` with bias and SiLU over ``xBC``; the selective
-state update with ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` clamped below at
-``time_step_min``, ``D`` skip; a grouped RMSNorm of ``y * silu(gate)``; ``out_proj``), whose conv
+state update with ``A = -exp(A_log)``, ``dt = softplus(dt + dt_bias)`` clamped to
+``time_step_limit`` (the config's, default ``(0, inf)``: no clamp; ``time_step_min`` only initialises
+``dt_bias``), ``D`` skip; a grouped RMSNorm of ``y * silu(gate)``; ``out_proj``), whose conv
 window and ``[heads, head_dim, state_size]`` state live in ``pools.recurrent``; ``full_attention``
 (q/k/v/o projections and paged attention, no RoPE); ``mlp`` (``down_proj(relu(up_proj(x))²)``).
 MoE blocks are refused by name (their experts are not gated SwiGLUs, which ``kvjax.serve.moe`` is).
@@ -65,7 +66,7 @@ class NemotronHConfig:
     state_size: int
     n_groups: int
     conv_kernel: int
-    time_step_min: float
+    time_step_limit: tuple[float, float]  # (lower, upper) clamp of dt after the softplus
     eps: float
     use_conv_bias: bool
     use_bias: bool
@@ -80,6 +81,22 @@ class NemotronHConfig:
 
     def layers(self, kind: str) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.block_types) if t == kind)
+
+
+def _time_step_limit(raw: Mapping[str, Any]) -> tuple[float, float]:
+    """``time_step_limit`` (alias ``mamba_dt_limit``) as ``(lower, upper)``, Transformers' default
+    ``(0, inf)`` when absent; a limit that is not two ordered numbers is refused by name.
+    Transformers (5.25) writes an infinite bound as ``{"__float__": "Infinity"}``; a bare
+    ``Infinity`` (Python's JSON) is a float already."""
+    key = "time_step_limit" if "time_step_limit" in raw else "mamba_dt_limit"
+    value = raw.get(key, (0.0, float("inf")))
+    try:
+        lower, upper = (float(v["__float__"] if isinstance(v, Mapping) else v) for v in value)
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(key, value, "give the dt clamp as two numbers [lower, upper]") from None
+    if not lower <= upper:
+        raise ConfigError(key, value, "the dt clamp's lower bound must not exceed its upper bound")
+    return lower, upper
 
 
 def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> NemotronHConfig:
@@ -105,7 +122,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> NemotronHConfig:
         state_size=int(raw["ssm_state_size"]),
         n_groups=int(raw.get("n_groups", 1)),
         conv_kernel=int(raw.get("conv_kernel", 4)),
-        time_step_min=float(raw.get("time_step_min", 0.0)),
+        time_step_limit=_time_step_limit(raw),
         eps=float(raw.get("layer_norm_epsilon", 1e-5)),
         use_conv_bias=bool(raw.get("use_conv_bias", True)),
         use_bias=bool(raw.get("use_bias", False)),
@@ -200,7 +217,7 @@ def _local_mixer(
     b32 = w["conv1d/bias"].astype(jnp.float32) if "conv1d/bias" in w else None
     a = -jnp.exp(w["A_log"].astype(jnp.float32))
     dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
-    dt = jnp.maximum(dt, fc.time_step_min)
+    dt = jnp.clip(dt, *fc.time_step_limit)
     d_skip = w["D"].astype(jnp.float32)
     per = h // g
 
