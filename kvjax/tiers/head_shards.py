@@ -94,6 +94,20 @@ class HeadShards:
                 out.append(copy)
         return tuple(out)
 
+    def on_process(self, process_index: int) -> HeadShards:
+        """The copies whose devices belong to process ``process_index`` (``device.process_index``),
+        with the same host placement: what that process can back up and load. Across processes
+        (``jax.distributed``) a process addresses only its own devices' shards, so each keeps (and
+        stores) only the host blocks they hold; every block of a one-process mesh is local. Empty
+        when the process holds none of the pool."""
+        return HeadShards(tuple(c for c in self.copies if c.device.process_index == process_index), self.replicas)
+
+    @property
+    def host_blocks(self) -> tuple[tuple[slice, slice], ...]:
+        """The distinct ``(rows, host_heads)`` blocks of the host page these copies hold, in
+        :attr:`sources` order."""
+        return tuple((c.rows, c.host_heads) for c in self.sources)
+
     @classmethod
     def of(cls, sharding: Any, shape: tuple[int, ...], host_heads: int | None, replicas: int = 1) -> HeadShards:
         """The shards of a page array of global ``shape`` laid out by ``sharding`` (a

@@ -109,6 +109,10 @@ class StorageTier:
             a reader of another TP size (another key) never reads it; a page is stored, present
             and taken only when every shard's entry is (written together, verified each).
             Empty: one entry per page under ``key``.
+        partial_shards: ``shards`` may cover part of the head axis (in order, not overlapping):
+            across processes each one stores and reads only its own devices' heads of a page
+            (``kvjax.tiers.storage_attach.local_head_blocks``); the other heads of a page it reads
+            are left unset (that process never reads them). False: they must tile it.
 
     Counters: ``pages_written``, ``pages_read`` (pages served), ``rejected`` (entries refused,
     by reason: see ``kvjax.tiers.storage_entry.REJECT_REASONS``); the first rejection logs a
@@ -121,6 +125,7 @@ class StorageTier:
         *,
         key: StorageKey,
         shards: Sequence[tuple[int, slice]] = (),
+        partial_shards: bool = False,
     ) -> None:
         import tensorstore as ts
 
@@ -130,7 +135,8 @@ class StorageTier:
         self.page_shape = key.page_shape
         self.dtype = np.dtype(key.store_dtype)
         self.page_bytes = key.page_bytes
-        self.shards = _check_shards(key, shards)
+        self.shards = _check_shards(key, shards, partial_shards)
+        self.partial_shards = partial_shards
         self.shard_keys = tuple(key.for_shard(rank, _width(heads)) for rank, heads in self.shards) or (key,)
         self._prefixes = tuple(k.digest for k in self.shard_keys)
         self.prefix = self._prefixes[0]  # the (first) entry's folder
@@ -329,9 +335,11 @@ def _width(heads: slice) -> int:
     return int(heads.stop) - int(heads.start)
 
 
-def _check_shards(key: StorageKey, shards: Sequence[tuple[int, slice]]) -> tuple[tuple[int, slice], ...]:
+def _check_shards(
+    key: StorageKey, shards: Sequence[tuple[int, slice]], partial: bool = False
+) -> tuple[tuple[int, slice], ...]:
     """``shards`` as a tuple, after checking they tile the page's head axis in order with distinct
-    ranks (ConfigError naming them otherwise)."""
+    ranks (``partial``: lie on it in order without overlapping); ConfigError naming them otherwise."""
     out = tuple((int(rank), heads) for rank, heads in shards)
     if not out:
         return out
@@ -340,16 +348,18 @@ def _check_shards(key: StorageKey, shards: Sequence[tuple[int, slice]]) -> tuple
     ok = (
         heads_axis > 0
         and all(
-            h.step in (None, 1) and h.start == s and h.stop > h.start for (_, h), s in zip(out, starts, strict=True)
+            h.step in (None, 1) and h.stop > h.start and (h.start >= s if partial else h.start == s)
+            for (_, h), s in zip(out, starts, strict=True)
         )
-        and out[-1][1].stop == heads_axis
+        and (out[-1][1].stop <= heads_axis if partial else out[-1][1].stop == heads_axis)
         and len({r for r, _ in out}) == len(out)
     )
     if not ok:
         raise ConfigError(
             "shards",
             [(r, (h.start, h.stop)) for r, h in out],
-            f"give (distinct tp_rank, heads) slices tiling the head axis of the page {key.page_shape} in order",
+            f"give (distinct tp_rank, heads) slices {'on' if partial else 'tiling'} the head axis of the page "
+            f"{key.page_shape} in order",
         )
     return out
 

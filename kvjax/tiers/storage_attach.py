@@ -3,12 +3,15 @@ before the tree is built and passed to its constructor (``create_tree_cache(...,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.pools.storage import is_fp8, logical_dtype_name
 from kvjax.radix.storage_link import StorageOptions
+from kvjax.tiers.device_pages import page_layers
+from kvjax.tiers.head_shards import HeadShards
 from kvjax.tiers.storage import StorageTier
 from kvjax.tiers.storage_key import StorageKey
 
@@ -49,18 +52,44 @@ def storage_key(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: Cach
     )
 
 
-def rank_shards(plan: CachePlan, host_pool: HostKVPool, config: CacheConfig) -> tuple[tuple[int, slice], ...]:
+def rank_shards(
+    plan: CachePlan, host_pool: HostKVPool, config: CacheConfig, local_heads: Sequence[slice] | None = None
+) -> tuple[tuple[int, slice], ...]:
     """The per-rank entries of a page (``StorageTier(shards=)``) for a pool sharded over
     ``config.attn_tp_size`` ranks: one per distinct head shard of the host page, keyed with the
     first rank that holds it (replicated heads are stored once, like the host page); ``()`` for
-    one rank or a page without a head axis (MLA's latent, the same on every rank: one entry)."""
+    one rank or a page without a head axis (MLA's latent, the same on every rank: one entry).
+    ``local_heads``: the host head blocks this process's devices hold (:func:`local_head_blocks`;
+    None: every block): across processes each stores and reads only its own ranks' entries."""
     if config.attn_tp_size == 1 or len(host_pool.page_row) != 3:
         return ()
     host_plan = next(p for p in plan.pools if p.name == "host_kv")
     width = int(host_plan.shape[2])  # one rank's heads (the plan sizes a rank)
     shards = host_pool.page_row[1] // width
     replicas = host_pool.kv_head_replicas
-    return tuple((i * replicas, slice(i * width, (i + 1) * width)) for i in range(shards))
+    every = tuple((i * replicas, slice(i * width, (i + 1) * width)) for i in range(shards))
+    if local_heads is None:
+        return every
+    held = {(h.start, h.stop) for h in local_heads}
+    return tuple((rank, heads) for rank, heads in every if (heads.start, heads.stop) in held)
+
+
+def local_head_blocks(pools: Any, host_pool: HostKVPool) -> tuple[slice, ...] | None:
+    """The host head blocks of the device KV pool (``pools.kv``) that this process's devices
+    hold, when the pool's heads are split over devices of several processes; None when this
+    process holds every block (one process, a pool on one device, or a page without a head axis)."""
+    import jax
+
+    if jax.process_count() == 1 or len(host_pool.page_row) != 3:
+        return None
+    layer = page_layers(pools.kv)[0]
+    if len(layer.sharding.device_set) == 1 or layer.ndim != 4:
+        return None
+    shards = HeadShards.of(layer.sharding, layer.shape, host_pool.page_row[1], host_pool.kv_head_replicas)
+    local = shards.on_process(jax.process_index())
+    if len(local.host_blocks) == len(shards.host_blocks):
+        return None
+    return tuple(heads for _, heads in local.host_blocks)
 
 
 def open_storage_tier(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig) -> StorageOptions:
@@ -70,7 +99,9 @@ def open_storage_tier(plan: CachePlan, host_pool: HostKVPool, pools: Any, config
     """
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
     key = storage_key(plan, host_pool, pools, config)
-    store = StorageTier(location, key=key, shards=rank_shards(plan, host_pool, config))
+    local = local_head_blocks(pools, host_pool)
+    shards = rank_shards(plan, host_pool, config, local)
+    store = StorageTier(location, key=key, shards=shards, partial_shards=local is not None)
     return StorageOptions(
         store,
         host_pool,

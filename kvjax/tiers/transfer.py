@@ -14,7 +14,9 @@ Two paths, by where the device pool lives:
   (``kvjax.tiers.head_shards``): gather and scatter run inside ``shard_map`` (each device its own
   heads and rows of the moved pages, no collective), the writer thread stores each distinct shard
   into its heads and rows of the host pages, and a load gives each device its heads and rows of
-  the host buffer (``make_array_from_callback``); all O(pages moved).
+  the host buffer (``make_array_from_callback``); all O(pages moved). Across processes
+  (``jax.distributed``) each process backs up and loads only its own devices' shards: its host
+  pages hold the host blocks (heads, rows) its devices hold, the others are never written or read.
 * **Direct** (one CPU device: device memory *is* host memory, so a staging buffer is a needless
   full copy). Backup with ``numpy`` staging: the layers are viewed without a copy
   (``np.from_dlpack``; the view waits for pending writes to the layer and is dropped before the
@@ -304,6 +306,7 @@ class PageTransferEngine:
         devices = layers[0].sharding.device_set
         # Over several devices: per-shard copies (``head_shards``); the host row keeps each head once.
         self._shards: HeadShards | None = None
+        self._local_shards: HeadShards | None = None
         self._mesh: Any = None
         self._specs: tuple[P, ...] = ()
         host_row = row
@@ -315,6 +318,8 @@ class PageTransferEngine:
                 )
             host_heads = host_pool.page_row[1] if len(row) == 3 and len(host_pool.page_row) == 3 else None
             self._shards = HeadShards.of(sharding, layers[0].shape, host_heads, host_pool.kv_head_replicas)
+            # Across processes each one backs up (and loads) only its own devices' shards.
+            self._local_shards = self._shards.on_process(jax.process_index())
             self._mesh = sharding.mesh
             self._specs = tuple(_layer_spec(cast(NamedSharding, x.sharding), x.ndim) for x in layers)
             if host_heads is not None:
@@ -538,11 +543,13 @@ class PageTransferEngine:
 
     def _land_per_shard(self, handle: _Backup) -> None:
         """Store a sharded backup: each distinct shard's pages (one rank per replicated head) into
-        its heads, and its DCP rank's rows, of the host pages; nothing is assembled across devices."""
-        assert self._shards is not None
+        its heads, and its DCP rank's rows, of the host pages; nothing is assembled across devices.
+        Across processes only this process's shards: the host blocks its devices hold (the other
+        blocks of its host pages are never read: a load gives each device its own block)."""
+        assert self._local_shards is not None
         shards = {shard.device: shard for shard in handle.buffer.addressable_shards}
         has_heads = len(self.host_pool.page_row) == 3 and handle.buffer.ndim == 5
-        for source in self._shards.sources:
+        for source in self._local_shards.sources:
             data = np.asarray(shards[source.device].data)[:, : handle.num_pages]
             if handle.cancelled:
                 return

@@ -45,6 +45,10 @@ def test_host_tier_with_a_delayed_process_gives_the_single_process_tokens(llama8
     for r in reports:
         assert r["outputs"] == single["outputs"]
         assert r["leak_free"] and r["host_balanced"] and r["digest_checks"] > 0, r
+        # The pages came back from the host on every process, each holding its own devices' heads
+        # (process 0 the first KV head, replicated over its 4 devices; process 1 the second), as
+        # many as one process loads: not recomputed after a failed backup.
+        assert r["host_loaded_tokens"] == single["host_loaded_tokens"], (r, single)
     assert reports[0]["held_back"] > 0, "the delay on process 1 never held process 0 back"
 
 

@@ -2,9 +2,8 @@
 processes, as SGLang) before they change a tree, so a process whose store answers fewer pages
 keeps every tree equal.
 
-Two processes of one group, each serving the tiny model on its own CPU device (the host tier
-cannot yet back up a pool whose heads are split across processes: a process reads only its own
-devices' shards; the agreement does not depend on the mesh). Each process has its own store
+Two processes of one group, each serving the tiny model on its own CPU device (the agreement does
+not depend on the mesh). Each process has its own store
 folder (a host's local disk). A first round writes the prompts' pages to storage; a second round, on a
 fresh cache over the same folders, serves the same prompts, whose pages then come from storage.
 In that round process 1's store (``ScriptedStore``, opened as the tier's store) answers late and
@@ -13,7 +12,12 @@ what it holds but not when the prefetch reads them (fewer pages received). Every
 are compared (the front's agreement check); the tokens are those of one process alone;
 both processes end leak free with a balanced host pool, and process 0 was held back.
 
-Run as a program (``python -m tests.mesh.test_multihost_storage DIR MODE``; MODE ``group`` or
+The same two rounds at tp 2 over the two processes (one mesh, one device each: the tiny model's
+two KV heads split across the processes): each process backs up, stores and reads back only its
+own device's head, under its own rank's key in its own folder, and both serve the tokens of one
+process with two devices, with as many pages from storage.
+
+Run as a program (``python -m tests.mesh.test_multihost_storage DIR MODE [TP]``; MODE ``group`` or
 ``single``) it serves both rounds as one process of the group, or alone.
 """
 
@@ -53,6 +57,21 @@ def test_storage_hits_and_prefetches_are_agreed_with_a_short_store_on_one_proces
     # the script mattered on both counts: fewer hits and fewer pages received
     assert reports[1]["script"]["never"] > 0 and reports[1]["script"]["vanished"] > 0, reports[1]
     assert reports[0]["pages_held_back"] > 0 and reports[1]["pages_held_back"] == 0, reports
+
+
+def test_a_pool_whose_heads_span_the_processes_stores_each_processs_heads_under_its_rank(tmp_path):
+    single = run_with_devices(
+        ["-m", "tests.mesh.test_multihost_storage", str(tmp_path / "single"), "single", "2"], devices=2
+    )
+    reports = assert_all_ok(
+        run_group(["-m", "tests.mesh.test_multihost_storage", str(tmp_path), "group", "2"], devices=1, timeout=180)
+    )
+    assert single["prefetched_tokens"] > 0 and single["stored_ranks"] == [0, 1], single
+    for process, r in enumerate(reports):
+        assert r["outputs"] == single["outputs"]
+        assert r["leak_free"] and r["host_balanced"] and r["digest_checks"] > 0, r
+        assert r["prefetched_tokens"] == single["prefetched_tokens"], (r, single)  # every page back
+        assert r["stored_ranks"] == [process], r  # its own device's head only
 
 
 class Delayed:
@@ -95,7 +114,7 @@ class ScriptedStore:
         return self.inner.write(*args, **kwargs)
 
 
-def _serve(root: str, mode: str) -> dict:
+def _serve(root: str, mode: str, tp: int = 1) -> dict:
     group = None
     if mode == "group":
         args, _ = parse_group_args(sys.argv[3:])
@@ -123,6 +142,8 @@ def _serve(root: str, mode: str) -> dict:
     def serve_round(name: str, scripted: bool) -> Any:
         cache = demo_cache(
             spec=spec,
+            group=group if tp > 1 else None,  # tp 1: each process on its own device
+            tp_size=tp,
             page_size=PAGE,
             max_total_tokens=512,
             enable_hierarchical_cache=True,
@@ -136,7 +157,9 @@ def _serve(root: str, mode: str) -> dict:
         store = None
         if scripted:  # the tier opens the scripted store instead of the folder
             store = ScriptedStore(ts.KvStore.open({"driver": "file", "path": folder + "/"}).result())
-            link.storage = StorageTier(store, key=link.storage.storage_key, shards=link.storage.shards)
+            tier = link.storage
+            partial = tier.partial_shards
+            link.storage = StorageTier(store, key=tier.storage_key, shards=tier.shards, partial_shards=partial)
         agreement = None if group is None else group.agreement()
         sched = Scheduler(spec, cache, params, max_batch_size=MAX_BATCH, agreement=agreement)
         front = MultiProcessFront(sched, channel, check_agreement=True)
@@ -151,14 +174,24 @@ def _serve(root: str, mode: str) -> dict:
         return link, store
 
     serve_round("write", False)
-    link, store = serve_round("read", group is not None and group.process_id == 1)
+    link, store = serve_round("read", tp == 1 and group is not None and group.process_id == 1)
     report.update(
         prefetched_tokens=link.prefetched_tokens,
         pages_held_back=link.pages_held_back,
         script=dict(store.script) if store is not None else {},
+        stored_ranks=sorted(_stored_ranks(folder)),
     )
     return report
 
 
+def _stored_ranks(folder: str) -> set[int]:
+    """The TP ranks whose entries the store folder holds (each key's ``key.json`` record)."""
+    import glob
+
+    return {json.load(open(path))["tp_rank"] for path in glob.glob(f"{folder}/*/key.json")}
+
+
 if __name__ == "__main__":
-    print(json.dumps(_serve(sys.argv[1], sys.argv[2])))
+    root, mode, *rest = sys.argv[1:]
+    tp = int(rest[0]) if rest and not rest[0].startswith("-") else 1
+    print(json.dumps(_serve(root, mode, tp)))

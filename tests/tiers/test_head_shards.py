@@ -109,3 +109,40 @@ def test_a_host_pool_writes_one_dcp_ranks_rows_only():
     assert (page[:, :, :2] == 0).all() and (page[:, :, :, :2] == 0).all() and (page[:, :, :, 4:] == 0).all()
     with pytest.raises(ValueError, match="want"):
         pool.write_pages(slots, rank_1, heads=slice(2, 4), rows=slice(0, 4))
+
+
+class _Device:
+    """A device of process ``process_index`` (what ``HeadShards.on_process`` reads)."""
+
+    def __init__(self, index: int, process_index: int) -> None:
+        self.index, self.process_index = index, process_index
+
+    def __repr__(self) -> str:
+        return f"d{self.index}@p{self.process_index}"
+
+
+class _SplitOverProcesses(_Split):
+    """``_Split`` whose devices belong to ``processes`` processes, in order (as a pod's mesh)."""
+
+    def __init__(self, blocks: int, processes: int) -> None:
+        super().__init__(blocks)
+        per = blocks // processes
+        self.devices = [_Device(d, d // per) for d in range(blocks)]
+
+    def devices_indices_map(self, shape):
+        return {self.devices[d]: index for d, index in super().devices_indices_map(shape).items()}
+
+
+def test_each_process_backs_up_the_host_blocks_its_own_devices_hold():
+    # tp 8 over 2 processes x 4 devices, 2 model KV heads: each head on 4 ranks, one process's.
+    shards = HeadShards.of(_SplitOverProcesses(8, 2), (5, 4, 16, 16), host_heads=4, replicas=4)
+    assert [c.device.index for c in shards.sources] == [0, 4]
+    for process, first in ((0, 0), (1, 4)):
+        local = shards.on_process(process)
+        assert all(c.device.process_index == process for c in local.copies) and len(local.copies) == 4
+        assert [c.device.index for c in local.sources] == [first]  # its head, read once
+        assert local.host_blocks == ((slice(None), slice(2 * process, 2 * process + 2)),)
+    # heads split finer than the processes: each process holds two of the four host blocks
+    finer = HeadShards.of(_SplitOverProcesses(4, 2), SHAPE, host_heads=8, replicas=1)
+    assert [h for _, h in finer.on_process(1).host_blocks] == [slice(4, 6), slice(6, 8)]
+    assert finer.on_process(2).copies == ()  # a process holding none of the pool

@@ -162,3 +162,23 @@ def test_pages_of_a_sharded_pool_are_one_entry_per_rank_under_keys_with_the_rank
     assert tier.backup(hashes, pages).skipped == 2  # only page 1 is written again (both entries)
     with pytest.raises(ConfigError, match="shards"):
         StorageTier(store, key=key, shards=((0, slice(0, 1)), (0, slice(1, 2))))
+
+
+def test_each_process_stores_and_reads_only_its_own_ranks_heads_of_a_page():
+    # Two processes over one sharded pool: process 0's devices hold head pair 0, process 1's pair 1.
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    key = _key(page_shape=(2, 4, 2, 8), tp_size=2)
+    mine = StorageTier(store, key=key, shards=((1, slice(1, 2)),), partial_shards=True)  # process 1
+    hashes = page_hashes(list(range(12)), 4)
+    pages = _pages(len(hashes))
+    assert mine.backup(hashes, pages).wait() == len(hashes)
+    whole = StorageTier(store, key=key, shards=((0, slice(0, 1)), (1, slice(1, 2))))
+    assert whole.leading_hits(hashes) == 0, "rank 0's entries were never written by process 1"
+    again = StorageTier(store, key=key, shards=((1, slice(1, 2)),), partial_shards=True)
+    assert again.leading_hits(hashes) == len(hashes)
+    np.testing.assert_array_equal(again.get(hashes)[:, :, :, 1:2], pages[:, :, :, 1:2])  # its heads, exact
+    for bad in (((1, slice(1, 3)),), ((0, slice(1, 2)), (1, slice(0, 1)))):  # past the axis; out of order
+        with pytest.raises(ConfigError, match="shards"):
+            StorageTier(store, key=key, shards=bad, partial_shards=True)
+    with pytest.raises(ConfigError, match="tiling"):
+        StorageTier(store, key=key, shards=((1, slice(1, 2)),))  # a part only where the whole is due
