@@ -53,7 +53,6 @@ from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
-from kvjax.tiers.host_pool import create_host_pool_over_shards
 
 KV_HEAD_MESH_AXIS = KV_HEAD_AXIS
 # Structures remembered by ``KVCache`` (one per compiled step shape; more only clears the memo).
@@ -393,11 +392,11 @@ def _create_pools(
         if kind.group_builder is not None:  # built together below, under the kind's name
             groups.setdefault(kind.name, []).append(pool)
             continue
+        built = kind.create(pool, context)
         if pool.kind == HOST_TIER_POOL.name and mesh is not None:
-            # One host pool per device pool, each distinct KV head once (``tiers/head_shards.py``).
-            built = create_host_pool_over_shards(pool, context, plan.target.kv_head_replicas)
-        else:
-            built = kind.create(pool, context)
+            # One host pool per device pool, each distinct KV head once as planned
+            # (``plan/pool_plans.py``); the transfer engine maps each device's heads into it.
+            built.kv_head_replicas = plan.target.kv_head_replicas
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):

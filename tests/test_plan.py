@@ -457,6 +457,24 @@ def test_the_host_page_under_decode_context_parallelism_holds_every_ranks_rows()
     assert host.nbytes == host.shape[0] * 64 * per_token
 
 
+def test_the_host_pool_of_heads_split_over_tp_holds_every_distinct_head_once():
+    """A device holds one rank's KV heads; the one host pool of the process keeps every distinct
+    head (replicated heads once), so the plan's host bytes and its host-memory check count them all."""
+    spec = ModelSpec.preset("llama-3-8b")  # 8 KV heads
+    host = {
+        tp: plan(spec, tp_size=tp, enable_hierarchical_cache=True, hicache_size=4).pool("host_kv") for tp in (1, 8, 16)
+    }
+    for tp in (8, 16):  # heads split over 8 ranks; over 16, each head on two ranks
+        assert host[tp].shape[2] == host[1].shape[2] == 2 * 8
+        assert host[tp].bytes_per_token == host[1].bytes_per_token
+        assert host[tp].nbytes // host[tp].shape[0] == host[1].nbytes // host[1].shape[0]
+    # hicache_size is per rank, as SGLang's (each TP rank's host pool): 8 ranks' 4 GB is 32 GB here
+    config = CacheConfig(memory_budget_bytes=GiB, tp_size=8, enable_hierarchical_cache=True, hicache_size=4)
+    with pytest.raises(ConfigError, match=r"host tier needs 29\.\d\d GiB"):
+        plan_kv_cache(spec, config, host_memory_bytes=20 * GiB)
+    assert plan_kv_cache(spec, dataclasses.replace(config, tp_size=1), host_memory_bytes=20 * GiB).attach_host_tier
+
+
 def test_tree_settings_passed_through():
     p = plan(dense(), radix_eviction_policy="lfu", enable_kv_cache_events=True, speculative_algorithm="EAGLE3")
     assert p.radix_eviction_policy == "lfu" and p.enable_kv_cache_events and p.is_eagle

@@ -35,8 +35,27 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
             pools += cache_kind.state_pools(target, sizes)
     pools = [p for p in pools if p.memory == "device"] + [p for p in pools if p.memory != "device"]
     if host.host_pool_tokens and pools[0].memory == "device" and pools[0].layer_ids:
-        pools += [_striped_host_page(p, sizes) for p in _host_pools(kinds, target, sizes, host.host_pool_tokens)]
+        host_pools = _host_pools(kinds, target, sizes, host.host_pool_tokens)
+        pools += [_every_head_shard(_striped_host_page(p, sizes), target) for p in host_pools]
     return tuple(pools)
+
+
+def _every_head_shard(pool: PoolPlan, target: Target) -> PoolPlan:
+    """``pool`` (a host pool planned from one rank's layout) holding every distinct KV head once:
+    the device pool's heads split over ``attn_tp_size`` ranks, ``kv_head_replicas`` of them per
+    head, make ``attn_tp_size // kv_head_replicas`` distinct shards, and the one host pool of the
+    process keeps them all (``kvjax.tiers.head_shards``), so its bytes are that many times one
+    rank's. A row without a head axis (MLA's latent, replicated over the ranks) is kept once."""
+    shards = max(1, target.attn_tp_size // target.kv_head_replicas)
+    if shards == 1 or len(pool.shape) != 4:
+        return pool
+    pages, rows, heads, dim = pool.shape
+    return dataclasses.replace(
+        pool,
+        shape=(pages, rows, heads * shards, dim),
+        nbytes=pool.nbytes * shards,
+        bytes_per_token=pool.bytes_per_token * shards,
+    )
 
 
 def _striped_host_page(pool: PoolPlan, sizes: Sizes) -> PoolPlan:

@@ -24,7 +24,8 @@ class PoolPlan:
         memory: ``"device"`` or ``"host"``.
         built: False when the capability that would build it is not implemented yet.
         bytes_per_token: bytes one token costs in this pool, summed over its layers, per rank
-            (0 for pools not sized in tokens: recurrent state, the request table).
+            (the host pool of a pool sharded over KV heads: over every distinct head, as it is
+            built; 0 for pools not sized in tokens: recurrent state, the request table).
         layer_ids: global ids of the model layers this pool serves (empty when not per layer).
         layout: the kind's layout record (shape rules and dims), or None.
     """

@@ -178,46 +178,17 @@ class HostKVPool:
             raise InvalidSlotError("host slots are not allocated in this host pool")
 
 
-def over_head_shards(pool: Any, shards: int) -> Any:
-    """The host ``PoolPlan`` ``pool`` (one rank's heads per page, as the plan sizes it) widened to
-    hold ``shards`` distinct tensor-parallel head shards per page (``C * shards`` on the head
-    axis): the one host pool of a device pool sharded over KV heads, every distinct head once
-    (``kvjax.tiers.head_shards``). ``pool`` as is for one shard or a row without a head axis."""
-    import dataclasses
-
-    if shards < 1:
-        raise ValueError(f"shards={shards}: need >= 1 distinct head shard")
-    if shards == 1 or len(pool.shape) != 4:
-        return pool
-    pages, page_size, heads, dim = pool.shape
-    return dataclasses.replace(pool, shape=(pages, page_size, heads * shards, dim))
-
-
 def create_host_pool(pool: Any, context: Any) -> HostKVPool:
     """The pool registry's builder for ``"host_tier"``: the host pool a ``PoolPlan`` describes.
 
     The plan's host pool lists ``shape[0]`` host pages (every one usable) of
     ``shape[1:] = (page_size, C, D)`` per layer, ``count`` layers, in the storage dtype; the
-    layout is ``context.host_layout``. Over a tensor-parallel mesh the build passes the plan
-    through :func:`over_head_shards` first.
+    layout is ``context.host_layout``. Over a tensor-parallel mesh the plan's row already holds
+    every distinct head shard once (``kvjax.plan.pool_plans``); the build records
+    ``kv_head_replicas`` on the pool for the transfer engine.
     """
     from kvjax.pools import storage
 
     pages, *row = pool.shape
     itemsize = storage.itemsize(pool.layout.dtype) if hasattr(pool.layout, "dtype") else np.dtype(pool.dtype).itemsize
     return HostKVPool(pages * row[0], pool.count, tuple(row), itemsize, getattr(context, "host_layout", "layer_first"))
-
-
-def create_host_pool_over_shards(pool: Any, context: Any, kv_head_replicas: int) -> HostKVPool:
-    """The host pool of a device pool sharded over ``context.tp_size`` tensor-parallel ranks
-    (``context.mesh`` set): the plan's per-rank page row widened to every distinct head shard
-    (``tp_size // kv_head_replicas`` of them; :func:`over_head_shards`), each head once, with
-    ``kv_head_replicas`` (the plan's ``target.kv_head_replicas``) recorded for the transfer engine.
-    A row without a head axis (MLA's latent, replicated over the ranks) is kept once as planned.
-    Over DCP ranks the plan's host page already holds every rank's rows of a striped page."""
-    if kv_head_replicas < 1:
-        raise ValueError(f"kv_head_replicas={kv_head_replicas}: need >= 1")
-    shards = max(1, int(context.tp_size) // kv_head_replicas)
-    host = create_host_pool(over_head_shards(pool, shards), context)
-    host.kv_head_replicas = kv_head_replicas
-    return host

@@ -63,10 +63,9 @@ def rank_shards(
     None: every block): across processes each stores and reads only its own ranks' entries."""
     if config.attn_tp_size == 1 or len(host_pool.page_row) != 3:
         return ()
-    host_plan = next(p for p in plan.pools if p.name == "host_kv")
-    width = int(host_plan.shape[2])  # one rank's heads (the plan sizes a rank)
-    shards = host_pool.page_row[1] // width
     replicas = host_pool.kv_head_replicas
+    shards = max(1, config.attn_tp_size // replicas)  # distinct head shards, each once in the host page
+    width = host_pool.page_row[1] // shards
     every = tuple((i * replicas, slice(i * width, (i + 1) * width)) for i in range(shards))
     if local_heads is None:
         return every

@@ -88,6 +88,8 @@ def test_llama_host_tier_loads_back_per_shard_pages(tp, llama):
     kv_heads = model.spec.num_kv_heads
     # Each distinct KV head once: K and V of every model head, whatever the replication over ranks.
     assert host_pool.page_row[1] == 2 * kv_heads and host_pool.kv_head_replicas == max(1, tp // kv_heads)
+    planned = sched.cache.plan.pool("host_kv")  # the plan counts the host pool as it is built
+    assert planned.shape[2] == host_pool.page_row[1] and planned.nbytes == host_pool.nbytes
     done = serve_with_host_loads(sched, MAX_NEW)
     assert_sharded(sched, tp)
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
