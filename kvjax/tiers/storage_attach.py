@@ -53,7 +53,7 @@ def storage_key(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: Cach
 
 
 def rank_shards(
-    plan: CachePlan, host_pool: HostKVPool, config: CacheConfig, local_heads: Sequence[slice] | None = None
+    host_pool: HostKVPool, config: CacheConfig, local_heads: Sequence[slice] | None = None
 ) -> tuple[tuple[int, slice], ...]:
     """The per-rank entries of a page (``StorageTier(shards=)``) for a pool sharded over
     ``config.attn_tp_size`` ranks: one per distinct head shard of the host page, keyed with the
@@ -99,7 +99,7 @@ def open_storage_tier(plan: CachePlan, host_pool: HostKVPool, pools: Any, config
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
     key = storage_key(plan, host_pool, pools, config)
     local = local_head_blocks(pools, host_pool)
-    shards = rank_shards(plan, host_pool, config, local)
+    shards = rank_shards(host_pool, config, local)
     store = StorageTier(location, key=key, shards=shards, partial_shards=local is not None)
     return StorageOptions(
         store,
