@@ -32,8 +32,11 @@ every DP step to completion before any rank forms its next batch.
 Determinism: each rank's host work is its own scheduler's on its own objects, the ranks are
 stepped in rank order and the DP step's input is the ranks' batches in rank order, so two runs
 of the same stream route, batch and sample alike. Overlap changes when a rank learns of a stop
-token (one round later), so which requests share a step may differ from ``overlap=False``; the
-tokens do not (every step is the single-rank step on the rank's inputs). Per-rank timing statistics
+token (one round later): the ranks' loads the router reads count such a request one round longer,
+so a request submitted meanwhile may be routed, hence batched, otherwise than with
+``overlap=False``; the tokens are the same (every step is the single-rank step on the rank's
+inputs). Across processes the stacked outputs are replicated (``host_sharding``), as the next DP
+step takes its ``prev_tokens``: overlap runs there unchanged. Per-rank timing statistics
 (``ServeStats.step_seconds``) of a rank include the host work of the ranks nested in its step.
 
 Each rank's scheduler holds a ``RankKVCache`` (``kvjax.dp.rank_cache``): the rank's host
