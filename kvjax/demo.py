@@ -220,7 +220,7 @@ def serve(
     ``dp_size`` above 1 (in ``config_kwargs``, with ``tp_size``): DP attention over
     ``make_serving_mesh``'s ``("data", "tp")`` mesh of the local devices (with ``group``, of
     every process's: ``group_dp_mesh``), served by a ``LockstepDPScheduler`` routing with
-    ``dp_routing`` (no overlap scheduling).
+    ``dp_routing`` (with ``overlap``: overlap scheduling in every rank).
     ``draft``: decode speculatively with this STANDALONE draft (``speculative_num_steps`` per round).
     ``group``: serve as one process of a multi-process run (``kvjax.multihost``): the mesh spans
     every process, requests enter on process 0, completions are agreed.
@@ -243,7 +243,7 @@ def serve(
     server: Scheduler | LockstepDPScheduler
     front: Any
     if config_kwargs.get("dp_size", 1) > 1:
-        server = front = _dp_server(spec, serving, weights, dp_routing, config_kwargs, group)
+        server = front = _dp_server(spec, serving, weights, dp_routing, overlap, config_kwargs, group)
         trees: list[Any] = [s.tree for s in server.schedulers]
     elif config_kwargs.get("pp_size", 1) > 1:
         server = front = _pipeline_server(spec, serving, weights, overlap, config_kwargs)
@@ -300,11 +300,13 @@ def _dp_server(
     serving: ModelSpec | ModelConfig,
     weights: Any,
     routing: str,
+    overlap: bool,
     config_kwargs: dict[str, Any],
     group: ProcessGroup | None,
 ) -> LockstepDPScheduler:
     """The lockstep DP front of ``serve`` over the local devices, or with ``group`` over every
-    process's (``group_dp_mesh``: every process runs this same front, every rank's scheduler);
+    process's (``group_dp_mesh``: every process runs this same front, every rank's scheduler),
+    with overlap scheduling unless ``overlap`` is False;
     ``ConfigError`` naming ``tp_size`` when there are fewer than ``tp_size`` (nothing is built)."""
     import jax
 
@@ -320,6 +322,7 @@ def _dp_server(
         policy=routing,
         max_batch_size=MAX_BATCH,
         model_config=serving if isinstance(serving, ModelConfig) else None,
+        overlap=overlap,
     )
 
 

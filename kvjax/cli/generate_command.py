@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         if dp_attention:
             for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)
                 options.pop(refused)
-            result, _ = generate_dp(model, prompts, dp_routing=args.dp_routing, **common, **options)
+            overlap = not args.disable_overlap_schedule
+            result, _ = generate_dp(model, prompts, dp_routing=args.dp_routing, overlap=overlap, **common, **options)
         else:
             overlap = not args.disable_overlap_schedule and not speculative
             result, _ = generate(model, prompts, overlap=overlap, **common, **options, **speculative)

@@ -80,7 +80,7 @@ def add_serving_arguments(
         default=1,
         help="DP attention ranks (SGLang's --dp M --enable-dp-attention): the --tp devices split into M ranks, "
         "each with its own radix tree, pool slice (--max-total-tokens each) and batch, all ranks in one step "
-        "(no overlap scheduling); M must divide --tp",
+        "(overlap scheduling unless --disable-overlap-schedule); M must divide --tp",
     )
     parser.add_argument(
         "--dp-routing",

@@ -3,9 +3,9 @@
 SGLang's DP attention runs the DP ranks in lockstep: every rank forms its own batch from its own
 queue, tree and allocator, then one forward runs all of them (attention per rank over its own
 pool slice; ranks with nothing to run join with an idle batch). Here each rank keeps a kvjax
-``Scheduler`` for the host side (admission, matching, allocation, metadata, finishing, without
-overlap scheduling, with the serving extensions of its cache kinds), over a ``KVCache`` that
-shares the rank's host objects of a ``DPKVCache`` and holds the stacked pools of all ranks.
+``Scheduler`` for the host side (admission, matching, allocation, metadata, finishing, overlap
+scheduling, with the serving extensions of its cache kinds), over a ``KVCache`` that shares the
+rank's host objects of a ``DPKVCache`` and holds the stacked pools of all ranks.
 
 One round, on one thread, no waiting: the front steps the first rank with work. A rank
 scheduler's step function does not run the model: it records the rank's packed batch, then steps
@@ -16,9 +16,27 @@ batches (an idle batch for the other ranks), runs the one DP step (``make_dp_ste
 rank's cache the new pools, and each step function returns its rank's sampled tokens (and
 logits) to its scheduler, which finishes its step.
 
+Overlap scheduling (``overlap=True``, the default; the ``Scheduler``'s rules, module docstring of
+``kvjax.serve.scheduler``): every rank's scheduler runs with overlap, so a rank's decode batch
+reads its input ids from the output of the step it launched last, still on the device. The
+rank's step function takes that reference (``_RankTokens``: a rank's row of a DP step's stacked
+``next_tokens``) with its ``token_src``; the DP step gathers ``prev_tokens[r, token_src[r, i]]``
+on the device (``make_dp_step``). A rank's last launched step is always the previous DP step: a
+rank with a step in flight is not idle, so it steps in the next round, and a round in which it
+launches nothing resolves it. The host of a rank reads its row of the previous DP step (waits
+for it) only after the next DP step is dispatched, or earlier where its rules say so (before
+admitting a prefill, before retracting, when ``can_run_ahead`` says no). A stop token is found
+one step late and the speculative token dropped, as with one scheduler. ``overlap=False`` runs
+every DP step to completion before any rank forms its next batch.
+
 Determinism: each rank's host work is its own scheduler's on its own objects, the ranks are
 stepped in rank order and the DP step's input is the ranks' batches in rank order, so two runs
-of the same stream route, batch and sample alike. Per-rank timing statistics
+of the same stream route, batch and sample alike. Overlap changes when a rank learns of a stop
+token (one round later): the ranks' loads the router reads count such a request one round longer,
+so a request submitted meanwhile may be routed, hence batched, otherwise than with
+``overlap=False``; the tokens are the same (every step is the single-rank step on the rank's
+inputs). Across processes the stacked outputs are replicated (``host_sharding``), as the next DP
+step takes its ``prev_tokens``: overlap runs there unchanged. Per-rank timing statistics
 (``ServeStats.step_seconds``) of a rank include the host work of the ranks nested in its step.
 
 Each rank's scheduler holds a ``RankKVCache`` (``kvjax.dp.rank_cache``): the rank's host
@@ -64,11 +82,12 @@ rank's slice (``kvjax.dp.rank_state``)."""
 
 
 class _Round:
-    """One lockstep round: the active ranks in order, the batches handed in, the step's outputs."""
+    """One lockstep round: the active ranks in order, the batches handed in (tokens, metadata and,
+    with overlap, the future-token reference and ``token_src``), the step's outputs."""
 
     def __init__(self, active: list[int]) -> None:
         self.active = active
-        self.inputs: dict[int, tuple[np.ndarray, Any]] = {}
+        self.inputs: dict[int, tuple[np.ndarray, Any, Any, np.ndarray | None]] = {}
         self.outputs: tuple[Any, ...] | None = None
         self.done: dict[int, list[ServingReq]] = {}
 
@@ -81,18 +100,60 @@ class _RankStep:
         self.front = front
         self.rank = rank
 
-    def __call__(self, pools: Any, params: Any, tokens: np.ndarray, meta: Any) -> tuple[Any, ...]:
+    def __call__(
+        self,
+        pools: Any,
+        params: Any,
+        tokens: np.ndarray,
+        meta: Any,
+        prev_tokens: Any = None,
+        token_src: np.ndarray | None = None,
+    ) -> tuple[Any, ...]:
         round_ = self.front._round
         if round_ is None:
             raise RuntimeError(f"rank {self.rank} stepped outside a lockstep round: step the LockstepDPScheduler")
         if self.rank in round_.inputs:
             raise RuntimeError(f"rank {self.rank} ran two batches in one lockstep round")
-        round_.inputs[self.rank] = (tokens, meta)
+        round_.inputs[self.rank] = (tokens, meta, prev_tokens, token_src)
         self.front._step_ranks(round_, round_.active.index(self.rank) + 1)
         if round_.outputs is None:
             raise RuntimeError(f"rank {self.rank}: the round ended without a DP step")
-        new_pools, next_tokens, *logits = round_.outputs
-        return (new_pools, next_tokens[self.rank], *(x[self.rank] for x in logits))
+        new_pools, *rest = round_.outputs
+        if self.front.overlap:  # references to the rank's rows, on the device until read
+            return (new_pools, *(_RankTokens(x, self.rank) for x in rest))
+        return (new_pools, *(x.host()[self.rank] for x in rest))
+
+
+class _StackedOutput:
+    """One DP step's stacked output (``next_tokens [dp, S]`` or ``logits``), on the device, read
+    to the host once for every rank that asks (``host``)."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+        self._host: np.ndarray | None = None
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            self._host = np.asarray(self.array)
+        return self._host
+
+
+class _RankTokens:
+    """Overlap: rank ``rank``'s row of a DP step's stacked output, as a rank's scheduler holds its
+    in-flight step's tokens. ``np.asarray`` reads it (blocking until the step is done); the next
+    DP step takes ``stacked.array`` as its ``prev_tokens`` and gathers the row on the device."""
+
+    def __init__(self, stacked: _StackedOutput, rank: int) -> None:
+        self.stacked = stacked
+        self.rank = rank
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        row = self.stacked.host()[self.rank]
+        return row if dtype is None else row.astype(dtype)
+
+    def copy_to_host_async(self) -> None:
+        """Start the stacked output's copy to the host (an accelerator's early copy at launch)."""
+        self.stacked.array.copy_to_host_async()
 
 
 class LockstepDPScheduler(DPScheduler):
@@ -115,6 +176,13 @@ class LockstepDPScheduler(DPScheduler):
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
     ) -> None:
         super().__init__(schedulers, policy=policy, max_load_gap_tokens=max_load_gap_tokens)
+        modes = {s.overlap for s in schedulers}
+        if len(modes) != 1:
+            raise ValueError(
+                f"the rank schedulers' overlap settings {[s.overlap for s in schedulers]} differ: "
+                "build every rank's Scheduler with the same overlap"
+            )
+        self.overlap = modes.pop()
         self.cache = cache
         self._dp_step = step_fn
         self._params = params
@@ -137,13 +205,15 @@ class LockstepDPScheduler(DPScheduler):
         record_logits: bool = False,
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
         model_config: ModelConfig | None = None,
+        overlap: bool = True,
     ) -> LockstepDPScheduler:
         """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
         ``(dp_size, tp_size / dp_size)`` devices), a host scheduler per rank (``max_batch_size``,
         ``chunked_prefill_size``, ``record_logits`` as ``Scheduler`` takes them) and the DP step,
         the weights split over each rank's ``"tp"`` devices (``place_params``). ``model_config``:
         the served model's config when it is not the spec's family default (a checkpoint's,
-        ``LoadedModel.config``).
+        ``LoadedModel.config``). ``overlap``: overlap scheduling in every rank (module docstring;
+        False: SGLang's ``--disable-overlap-schedule``).
 
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
@@ -165,7 +235,7 @@ class LockstepDPScheduler(DPScheduler):
                 max_batch_size=max_batch_size,
                 chunked_prefill_size=chunked_prefill_size,
                 record_logits=record_logits,
-                overlap=False,
+                overlap=overlap,
             )
             for extension in scheduler.extensions:
                 if isinstance(extension, RecurrentStateExtension):
@@ -210,17 +280,38 @@ class LockstepDPScheduler(DPScheduler):
     def _run_dp_step(self, round_: _Round) -> None:
         """Stack the handed-in batches (an idle one for every other rank), run the DP step and
         hand every rank's cache the new pools."""
-        tokens, metas = [], []
+        tokens, metas, srcs = [], [], []
+        prev: _StackedOutput | None = None
         for r, scheduler in enumerate(self.schedulers):
-            t, m = round_.inputs[r] if r in round_.inputs else _idle_batch(scheduler)
+            if r in round_.inputs:
+                t, m, ref, src = round_.inputs[r]
+            else:
+                (t, m), ref, src = _idle_batch(scheduler), None, None
             tokens.append(t)
             metas.append(m)
+            srcs.append(src)
+            if src is not None and bool((src >= 0).any()):
+                if not isinstance(ref, _RankTokens):
+                    raise RuntimeError(f"rank {r} reads future tokens of no DP step (got {type(ref).__name__})")
+                if prev is not None and ref.stacked is not prev:
+                    raise RuntimeError(f"rank {r} reads future tokens of another DP step than an earlier rank")
+                if ref.rank != r:
+                    raise RuntimeError(f"rank {r} reads future tokens of rank {ref.rank}'s row")
+                prev = ref.stacked
         stacked_tokens, stacked_meta = stack_rank_inputs(tokens, metas)
-        outputs = self._dp_step(self.cache.pools, self._params, stacked_tokens, stacked_meta)
+        future: tuple[Any, ...] = ()
+        if prev is not None:
+            width = stacked_tokens.shape[1]
+            stacked_src = np.full((len(srcs), width), -1, np.int32)
+            for r, src in enumerate(srcs):
+                if src is not None:
+                    stacked_src[r, : src.shape[0]] = src
+            future = (prev.array, stacked_src)
+        outputs = self._dp_step(self.cache.pools, self._params, stacked_tokens, stacked_meta, *future)
         self.dp_steps += 1
         pools = outputs[0]
         self.schedulers[0].cache.set_pools(pools)  # a RankKVCache: every rank's view and the DP cache
-        round_.outputs = (pools, *(np.asarray(x) for x in outputs[1:]))
+        round_.outputs = (pools, *(_StackedOutput(x) for x in outputs[1:]))
 
 
 def _idle_batch(scheduler: Scheduler) -> tuple[np.ndarray, Any]:

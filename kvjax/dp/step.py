@@ -22,6 +22,14 @@ goes through the model in one program over the ``("data", "tp")`` mesh:
   with no data moved), at the cost of one all-gather over ``"data"`` of the sampled tokens (and
   logits) per step.
 
+Future tokens (overlap scheduling, ``LockstepDPScheduler``): ``step(pools, params, tokens, meta,
+prev_tokens, token_src)`` takes input ids that the previous DP step sampled and the host has not
+read yet, as ``kvjax.serve.step`` does for one rank: ``prev_tokens`` is that step's stacked
+``next_tokens`` (``[dp, S]``, on the device), ``token_src`` int32 ``[dp, T]``: where
+``token_src[r, i] >= 0`` the input id of rank ``r``'s token ``i`` is
+``prev_tokens[r, token_src[r, i]]`` (a row of the rank's own slice: nothing crosses ``"data"``),
+else ``tokens[r, i]``.
+
 A rank's tokens, logits and pools are those of the single-rank step on its inputs alone (one
 device per rank: bit for bit; ``attn_tp_size`` devices: those of ``make_sharded_step`` over the
 rank's ``("tp",)`` mesh).
@@ -65,8 +73,9 @@ def place_params(model: ModelSpec | ModelConfig, params: Any, layout: DPLayout) 
 
 
 def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logits: bool = False) -> Callable[..., Any]:
-    """``step(pools, params, tokens [dp, T], meta) -> (pools, next_tokens [dp, S])`` (with
-    ``with_logits``: also ``logits [dp, S, vocab]`` float32), jitted over ``layout.mesh`` with
+    """``step(pools, params, tokens [dp, T], meta[, prev_tokens [dp, S], token_src [dp, T]]) ->
+    (pools, next_tokens [dp, S])`` (with ``with_logits``: also ``logits [dp, S, vocab]``
+    float32; the future tokens as the module docstring says), jitted over ``layout.mesh`` with
     explicit shardings and the pools donated (module docstring). ``params`` as ``place_params``
     lays them out. ``step.jitted`` is the jitted function (for ``.lower(...)``)."""
     config = as_model_config(model)
@@ -76,27 +85,39 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
     rank_def = layout.rank_pools
 
     def per_rank(
-        pools: CachePools, params: Any, tokens: jax.Array, meta: AttentionMetadata
+        pools: CachePools, params: Any, tokens: jax.Array, meta: AttentionMetadata, *future: jax.Array
     ) -> tuple[CachePools, jax.Array, jax.Array]:
         leaves, stacked_def = jax.tree_util.tree_flatten(pools)
         mine = rank_view(leaves, rank_def)
         tokens, meta = jax.tree.map(lambda x: x[0], (tokens, meta))
+        if future:  # overlap: (prev_tokens, token_src), this rank's rows
+            prev, src = future[0][0], future[1][0]
+            tokens = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], tokens)
         logits, new_pools = module.apply({"params": params}, tokens, mine, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         new_leaves = [x[None] for x in jax.tree_util.tree_leaves(new_pools)]
         return jax.tree_util.tree_unflatten(stacked_def, new_leaves), next_tokens[None], logits[None]
 
-    def step(pools: CachePools, params: Any, tokens: jax.Array, meta: AttentionMetadata) -> tuple[Any, ...]:
+    def step(
+        pools: CachePools,
+        params: Any,
+        tokens: jax.Array,
+        meta: AttentionMetadata,
+        prev_tokens: jax.Array | None = None,
+        token_src: jax.Array | None = None,
+    ) -> tuple[Any, ...]:
         meta_specs = jax.tree.map(lambda _: rows, meta)
+        future = () if prev_tokens is None or token_src is None else (prev_tokens, token_src)
         run = jax.shard_map(
             per_rank,
             mesh=mesh,
-            in_specs=(rows, P(), rows, meta_specs),  # "tp" stays automatic: the pools keep their head split
+            # "tp" stays automatic: the pools keep their head split
+            in_specs=(rows, P(), rows, meta_specs, *(rows for _ in future)),
             out_specs=(rows, rows, rows),
             axis_names={DATA_MESH_AXIS},
             check_vma=False,
         )
-        new_pools, next_tokens, logits = run(pools, params, tokens, meta)
+        new_pools, next_tokens, logits = run(pools, params, tokens, meta, *future)
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
 
     pool_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.pool_specs, is_leaf=_is_spec)
@@ -107,13 +128,24 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
     )
     by_rank = host_sharding(mesh)
     outs = (pool_shardings, by_rank, by_rank) if with_logits else (pool_shardings, by_rank)
-    # tokens and meta (a prefix: every leaf) by rank (replicated over several processes).
+    # tokens, meta (a prefix: every leaf), prev_tokens, token_src by rank (replicated over several
+    # processes); prev_tokens is laid out as the step's own next_tokens, so it moves no data.
     jitted = jax.jit(
-        step, in_shardings=(pool_shardings, weights, by_rank, by_rank), out_shardings=outs, donate_argnums=0
+        step,
+        in_shardings=(pool_shardings, weights, by_rank, by_rank, by_rank, by_rank),
+        out_shardings=outs,
+        donate_argnums=0,
     )
 
-    def dp_step(pools: CachePools, params: Any, tokens: Any, meta: AttentionMetadata) -> tuple[Any, ...]:
-        return jitted(pools, params, tokens, meta)
+    def dp_step(
+        pools: CachePools,
+        params: Any,
+        tokens: Any,
+        meta: AttentionMetadata,
+        prev_tokens: jax.Array | None = None,
+        token_src: Any = None,
+    ) -> tuple[Any, ...]:
+        return jitted(pools, params, tokens, meta, prev_tokens, token_src)  # every argument positional
 
     dp_step.jitted = jitted  # type: ignore[attr-defined]
     return dp_step

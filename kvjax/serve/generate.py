@@ -217,14 +217,15 @@ def generate_dp(
     max_batch_size: int = 16,
     stop_token_ids: Sequence[int] | None = None,
     record_logits: bool = False,
+    overlap: bool = True,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
     (``make_serving_mesh``), each with its own tree, request table, allocator and a pool of
     ``max_total_tokens`` (default: room for every prompt); every prompt is routed by
     ``dp_routing`` (``kvjax.serve.dp_router``) when the one before it has been prefilled, and
-    every round runs one device step for all ranks (``LockstepDPScheduler``, no overlap
-    scheduling). The result's counts and ``stats`` are totals over the ranks.
+    every round runs one device step for all ranks (``LockstepDPScheduler``, with overlap
+    scheduling unless ``overlap`` is False). The result's counts and ``stats`` are totals over the ranks.
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
     ``tp_size`` and ``tp_size`` when there are fewer local devices; nothing is built then.
@@ -248,6 +249,7 @@ def generate_dp(
         chunked_prefill_size=chunked_prefill_size,
         record_logits=record_logits,
         model_config=model.config,
+        overlap=overlap,
     )
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
     _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]])

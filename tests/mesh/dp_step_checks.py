@@ -98,7 +98,7 @@ def main(dp: int, tp: int) -> dict:
     }
     if tp > 1:
         facts["collectives"] = collectives(
-            dp_step.jitted.lower(cache.pools, dp_params, tokens, meta).compile().as_text()
+            dp_step.jitted.lower(cache.pools, dp_params, tokens, meta, None, None).compile().as_text()
         )
         facts["collectives"]["layers"] = as_model_config(spec).num_hidden_layers
         facts["collectives"]["hidden"] = as_model_config(spec).hidden_size

@@ -1,7 +1,8 @@
 """``generate --dp M`` and ``demo --dp M`` (with ``--tp N``: SGLang's ``--dp M
 --enable-dp-attention``) serve DP attention over a ``("data", "tp")`` mesh of the local devices:
-the single-device tokens, a leak-free demo with cold == warm whose report names the routing
-policy and each rank's hit rate; bad combinations are one clear error naming the flag and the fix.
+the single-device tokens (with overlap scheduling and without), a leak-free demo with cold == warm
+whose report names the routing policy and each rank's hit rate; bad combinations are one clear
+error naming the flag and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def test_generate_at_dp_2_tp_4_gives_the_single_device_tokens(capsys):
     assert dp["outputs"] == single["outputs"]
     assert dp["prompt_tokens"] == single["prompt_tokens"]
     assert dp["cached_tokens"] == 0  # round robin: the second prompt goes to the other rank's empty tree
+    # overlap scheduling (the default) off in every rank: the same tokens
+    assert main([*GENERATE, "--tp", "4", "--dp", "2", "--disable-overlap-schedule"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"] == single["outputs"]
 
 
 def test_demo_at_dp_2_reports_each_rank_and_the_routing_policy(capsys):

@@ -9,7 +9,11 @@ device step for both ranks. The two rounds of ``parity_harness`` are routed by e
 reused, prompts prefill in chunks, the trees evict and the schedulers retract (each asserted).
 Tokens must equal Transformers' greedy ``generate`` and logits agree within 1e-4 (float32);
 both ranks serve requests and end leak free; the same stream served cold (radix cache off)
-gives the warm run's tokens (Llama and DeepSeek-V2, cache-aware). Qwen3 and DeepSeek-V2 run
+gives the warm run's tokens (Llama and DeepSeek-V2, cache-aware).
+
+Every case runs with overlap scheduling (the lockstep default) except Llama round robin, and the
+cold runs of Llama (cache-aware) and Qwen3-Next run without it: the tokens are the same both
+ways. Every rank's memory balance is checked after every round (``tests.mesh.dp_balance``). Qwen3 and DeepSeek-V2 run
 cache-aware only (DeepSeek-V2's MLA latent pool: a slice per rank, replicated over the rank's
 ``"tp"`` devices, the query heads split over them), and Gemma 3's sliding-window pools (hybrid
 SWA, a serving extension per rank) serve the same way.
@@ -38,6 +42,7 @@ from kvjax.pools import MLAKVPool
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import ServingReq
+from tests.mesh.dp_balance import BalancedFront
 from tests.mesh.qwen3_next_tp import HEADS as QWEN3_NEXT_HEADS
 from tests.mesh.qwen3_next_tp import LAYERS as QWEN3_NEXT_LAYERS
 from tests.serve import random_workloads, swa_parity
@@ -88,7 +93,7 @@ def _checkpoint(name: str, checkpoints: dict, tmp_path_factory) -> tuple[Any, Lo
     return checkpoints[name]
 
 
-def _front(model: LoadedModel, policy: str, **cache_config: Any) -> LockstepDPScheduler:
+def _front(model: LoadedModel, policy: str, *, overlap: bool = True, **cache_config: Any) -> LockstepDPScheduler:
     settings: dict[str, Any] = dict(
         context_length=CONTEXT_LENGTH,
         chunked_prefill_size=CHUNK,
@@ -111,7 +116,13 @@ def _front(model: LoadedModel, policy: str, **cache_config: Any) -> LockstepDPSc
         chunked_prefill_size=CHUNK,
         record_logits=True,
         model_config=model.config,
+        overlap=overlap,
     )
+
+
+def _serve(front: LockstepDPScheduler, max_new: int) -> dict[str, ServingReq]:
+    """``serve_two_rounds`` on ``front``, every rank's balance checked after every round."""
+    return serve_two_rounds(BalancedFront(front), max_new)  # type: ignore[arg-type]
 
 
 def _assert_served_by_both_ranks_leak_free(front: LockstepDPScheduler) -> None:
@@ -134,8 +145,9 @@ def _outputs(done: dict[str, ServingReq]) -> dict[str, list[int]]:
 )
 def test_reuse_chunked_prefill_eviction_and_retraction(family, policy, checkpoints, tmp_path_factory):
     hf, model = _checkpoint(family, checkpoints, tmp_path_factory)
-    front = _front(model, policy)
-    done = serve_two_rounds(front, MAX_NEW)
+    front = _front(model, policy, overlap=(family, policy) != ("llama", "round_robin"))
+    done = _serve(front, MAX_NEW)
+    assert [s.overlap for s in front.schedulers] == [front.overlap] * DP
     _assert_served_by_both_ranks_leak_free(front)
     if family == "deepseek_v2":  # the MLA latent: a slice per rank, whole on each of the rank's devices
         kv = front.cache.pools.kv
@@ -148,8 +160,8 @@ def test_reuse_chunked_prefill_eviction_and_retraction(family, policy, checkpoin
     assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
     if policy == "cache_aware" and family in ("llama", "deepseek_v2"):  # cold == warm (each run compiles the step)
-        cold = _front(model, policy, disable_radix_cache=True)
-        cold_done = serve_two_rounds(cold, MAX_NEW)
+        cold = _front(model, policy, overlap=family != "llama", disable_radix_cache=True)
+        cold_done = _serve(cold, MAX_NEW)
         assert cold.cached_tokens == 0
         assert _outputs(cold_done) == _outputs(done)
         assert [s.leak_free() for s in cold.schedulers] == [True, True]
@@ -158,17 +170,19 @@ def test_reuse_chunked_prefill_eviction_and_retraction(family, policy, checkpoin
 def test_gemma3_sliding_window_pools(checkpoints, tmp_path_factory):
     hf, model = _checkpoint("gemma3", checkpoints, tmp_path_factory)
     front = _front(model, "cache_aware", max_total_tokens=64)
-    done = serve_two_rounds(front, swa_parity.MAX_NEW)
+    done = _serve(front, swa_parity.MAX_NEW)
     _assert_served_by_both_ranks_leak_free(front)
     assert front.cached_tokens > 0
     assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
 
 
-def _serve_recurrent(model: LoadedModel, **cache_config: Any) -> tuple[LockstepDPScheduler, dict[str, ServingReq]]:
+def _serve_recurrent(
+    model: LoadedModel, *, overlap: bool = True, **cache_config: Any
+) -> tuple[LockstepDPScheduler, dict[str, ServingReq]]:
     """The two rounds on a recurrent-state model over ``RECURRENT_POOLS``; asserts both ranks
     served, the state pool's layout, no state slot leaked and the tree sane on each rank."""
-    front = _front(model, "cache_aware", **RECURRENT_POOLS, **cache_config)
-    done = serve_two_rounds(front, MAX_NEW)
+    front = _front(model, "cache_aware", overlap=overlap, **RECURRENT_POOLS, **cache_config)
+    done = _serve(front, MAX_NEW)
     _assert_served_by_both_ranks_leak_free(front)
     state = front.cache.pools.recurrent
     assert all(a.sharding.spec[0] == "data" and a.sharding.spec[3] == "tp" for a in (*state.conv, state.ssm))
@@ -198,7 +212,7 @@ def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
     front, done = _serve_recurrent(model)
     _assert_reused_evicted_retracted(front, done)
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
-    cold, cold_done = _serve_recurrent(model, disable_radix_cache=True)
+    cold, cold_done = _serve_recurrent(model, overlap=False, disable_radix_cache=True)
     assert cold.cached_tokens == 0
     assert _outputs(cold_done) == _outputs(done)
 
