@@ -60,6 +60,7 @@ from kvjax.pools.cache_pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_partition_specs, shard_params
+from kvjax.serve.step import future_tokens, positional_step
 from kvjax.spec import ModelSpec
 
 __all__ = ["host_sharding", "make_dp_step", "place_params", "rank_view"]
@@ -92,7 +93,7 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         tokens, meta = jax.tree.map(lambda x: x[0], (tokens, meta))
         if future:  # overlap: (prev_tokens, token_src), this rank's rows
             prev, src = future[0][0], future[1][0]
-            tokens = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], tokens)
+            tokens = future_tokens(tokens, prev, src)
         logits, new_pools = module.apply({"params": params}, tokens, mine, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         new_leaves = [x[None] for x in jax.tree_util.tree_leaves(new_pools)]
@@ -137,18 +138,7 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         donate_argnums=0,
     )
 
-    def dp_step(
-        pools: CachePools,
-        params: Any,
-        tokens: Any,
-        meta: AttentionMetadata,
-        prev_tokens: jax.Array | None = None,
-        token_src: Any = None,
-    ) -> tuple[Any, ...]:
-        return jitted(pools, params, tokens, meta, prev_tokens, token_src)  # every argument positional
-
-    dp_step.jitted = jitted  # type: ignore[attr-defined]
-    return dp_step
+    return positional_step(jitted)
 
 
 def host_sharding(mesh: Mesh) -> NamedSharding:

@@ -77,7 +77,7 @@ def _step_body(module: Any, with_logits: bool) -> Callable[..., tuple[Any, ...]]
         token_src: jax.Array | None = None,
     ) -> tuple[Any, ...]:
         if token_src is not None and prev_tokens is not None:
-            tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
+            tokens = future_tokens(tokens, prev_tokens, token_src)
         logits, new_pools = module.apply({"params": params}, tokens, pools, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
@@ -163,6 +163,20 @@ def _jit_sharded(
     outs = (pools, rep, rep) if with_logits else (pools, rep)
     # tokens, meta (a prefix: every leaf), prev_tokens, token_src: replicated.
     jitted = jax.jit(body, in_shardings=(pools, weights, rep, rep, rep, rep), out_shardings=outs, donate_argnums=0)
+    return positional_step(jitted)
+
+
+def future_tokens(tokens: jax.Array, prev_tokens: jax.Array, token_src: jax.Array) -> jax.Array:
+    """The step's input ids under overlap scheduling (inside jit): ``prev_tokens[token_src[i]]``
+    where ``token_src[i] >= 0`` (the previous step's output, still on the device), else
+    ``tokens[i]`` (a host id)."""
+    return jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], tokens)
+
+
+def positional_step(jitted: Any) -> StepFn:
+    """``step(pools, params, tokens, meta, prev_tokens=None, token_src=None)`` over a jitted
+    program of those six arguments, each passed positionally (the in-shardings are positional);
+    ``step.jitted`` is the program, for ``.lower(...)`` (six arguments)."""
 
     def step(
         pools: CachePools,
@@ -172,7 +186,7 @@ def _jit_sharded(
         prev_tokens: jax.Array | None = None,
         token_src: Any = None,
     ) -> tuple[Any, ...]:
-        return jitted(pools, params, tokens, meta, prev_tokens, token_src)  # every argument positional
+        return jitted(pools, params, tokens, meta, prev_tokens, token_src)
 
-    step.jitted = jitted  # type: ignore[attr-defined]  # for .lower(...) (six arguments)
+    step.jitted = jitted  # type: ignore[attr-defined]
     return step
