@@ -184,7 +184,14 @@ def replay(ops: TreeOps, stream: list[Request], *, capacity: int, page_size: int
 
 
 def kvjax_ops(tree) -> TreeOps:
-    """`TreeOps` for a kvjax ``RadixCache`` (DESIGN §2 names)."""
+    """`TreeOps` for a kvjax ``RadixCache`` (DESIGN §2 names).
+
+    Keys are inserted with ``donate_key=True``: like SGLang's and sglang-jax's ``insert``, which
+    keep the caller's key object as a new node's edge, the tree may keep the list instead of
+    copying it (and may cut it later). ``prepare_tokens`` therefore gives every call a list of
+    its own (the stream's lists are replayed again), as SGLang's gets an ``array('q')`` of its
+    own; the copies are made before the clock starts and share the stream's token objects.
+    """
 
     def match(tokens):
         m = tree.match_prefix(tokens)
@@ -197,7 +204,8 @@ def kvjax_ops(tree) -> TreeOps:
         match=match,
         lock=tree.inc_lock_ref,
         unlock=unlock,
-        insert=lambda tokens, values: tree.insert(tokens, values),
+        insert=lambda tokens, values: tree.insert(tokens, values, donate_key=True),
         evict=tree.evict,
         cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+        prepare_tokens=list,
     )

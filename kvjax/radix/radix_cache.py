@@ -266,10 +266,18 @@ class RadixCache(TieredTree):
         chunked: bool = False,
         inserted_len: int = 0,
         payloads: Mapping[str, Any] | None = None,
+        donate_key: bool = False,
     ) -> int:
         """Cache ``token_ids`` → ``indices`` (one KV slot per token); return the length that was
         already cached (key elements). The caller owns — and must free — its slots for that
         already-cached part when they differ from the tree's.
+
+        ``donate_key=True`` hands a ``list`` key over to the tree, as a donated buffer is handed
+        to a jitted call: when none of it was cached, the new node keeps the list itself as its
+        edge instead of a copy (cutting off a partial page in place), and a later split cuts it
+        in place. The caller must not read or change the list afterwards. SGLang's and
+        sglang-jax's trees always keep the caller's key object this way; kvjax copies unless
+        asked, and its request lifecycle donates the keys it builds itself.
 
         Only the page-aligned part is cached (one element fewer with bigram keys). Priority is
         propagated as a max along the path. ``indices=None`` (standalone trees only) caches
@@ -302,6 +310,7 @@ class RadixCache(TieredTree):
             token_ids = list(token_ids)
             n_tok = len(token_ids)
             is_bytes = False
+            donate_key = True  # the list was built here
         if indices is None:
             if self._full.allocator is not None:
                 raise ValueError(
@@ -342,6 +351,7 @@ class RadixCache(TieredTree):
                 _NO_HITS if chunked else inserted_len,
                 False,
                 payloads,
+                donate_key,
             )
         self.last_insert_node = node
         if self._extra:
@@ -413,6 +423,7 @@ class RadixCache(TieredTree):
                 req.cache_inserted_len,
                 True,
                 payloads,
+                True,  # ``tokens_fn`` built the list for this call: the tree may keep it
             )
         finally:
             self._walk_dups = None

@@ -33,24 +33,26 @@ def _expected(edge: list[int], query: list[int], ps: int, eagle: bool) -> int:
 tokens = st.lists(st.integers(0, 2), min_size=2, max_size=70)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     edge=tokens,
     query=tokens,
     shared=st.integers(0, 60),
-    ps=st.sampled_from([1, 4]),
+    ps=st.sampled_from([1, 4, 16]),
     eagle=st.booleans(),
+    donate=st.booleans(),
 )
-def test_match_and_insert_stop_at_the_first_difference(edge, query, shared, ps, eagle):
+def test_match_and_insert_stop_at_the_first_difference(edge, query, shared, ps, eagle, donate):
     # Give the two lists a common start of random length; a 3-token vocabulary makes the tokens
-    # after the first difference agree often, so the probe search guesses wrong at times.
+    # after the first difference agree often, so the probe search guesses wrong at times (pages
+    # are probed on their last token).
     query = edge[:shared] + query
     tree = RadixCache(page_size=ps, is_eagle=eagle)
-    tree.insert(edge)
+    tree.insert(list(edge), donate_key=donate)
     want = _expected(edge, query, ps, eagle)
     assert tree.match_prefix(list(query)).prefix_len == want
     tree.sanity_check()
-    assert tree.insert(list(query)) == want
+    assert tree.insert(list(query), donate_key=donate) == want
     tree.sanity_check()
     # Both keys are still found whole after the splits.
     for key in (edge, query):

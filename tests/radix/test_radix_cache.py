@@ -432,6 +432,62 @@ def test_reset_frees_slots_into_the_allocator():
     assert alloc.available_size() == cap and sorted(alloc.take()) == [1, 2, 3]
 
 
+def test_a_donated_key_becomes_the_edge_and_a_copied_one_stays_the_callers():
+    key = list(range(100, 140))  # 40 tokens: two 16-token pages and a partial one
+    t = RadixCache(page_size=16)
+    assert t.insert(key, np.arange(16, 56, dtype=np.int32), donate_key=True) == 0
+    (leaf,) = t.root.children.values()
+    assert leaf.klist is key and key == list(range(100, 132))  # kept, partial page cut off
+    # A match that ends inside the edge splits it; the donated list is the upper part now.
+    m = t.match_prefix(list(range(100, 116)) + [7] * 16)
+    assert m.prefix_len == 16 and m.last_node.klist is key and key == list(range(100, 116))
+    assert [n.token_ids() for n in m.last_node.children.values()] == [list(range(116, 132))]
+    t.sanity_check()
+
+    kept = list(range(200, 240))
+    t.insert(kept, np.arange(64, 104, dtype=np.int32))
+    assert kept == list(range(200, 240))  # copied: the caller's list is untouched
+    t.match_prefix(list(range(200, 216)) + [7] * 16)
+    assert kept == list(range(200, 240))
+    assert all(n.klist is not kept for n in t._nodes())
+    t.sanity_check()
+
+
+def test_donation_matches_copying_on_a_random_stream():
+    rng = np.random.default_rng(3)
+    system = [int(x) for x in rng.integers(1000, 9000, 64)]
+    trees = {d: RadixCache(page_size=4) for d in (False, True)}
+    for i in range(60):
+        key = system[: int(rng.integers(0, 64))] + [int(x) for x in rng.integers(0, 50, int(rng.integers(1, 40)))]
+        slots = np.arange(4 + 200 * i, 4 + 200 * i + len(key), dtype=np.int32)
+        prompt = key[: int(rng.integers(1, len(key) + 1))]
+        got = []
+        for donate, t in trees.items():
+            m = t.match_prefix(list(prompt))
+            receipt = t.inc_lock_ref(m.last_node)
+            got.append((m.prefix_len, t.insert(list(key), slots, donate_key=donate)))
+            t.dec_lock_ref(receipt)
+            t.evict(max(0, t.total_size() - 300))
+            t.sanity_check()
+        assert got[0] == got[1]
+    snap = {d: sorted((n.depth, tuple(n.token_ids()), n.value.tolist()) for n in t._nodes()) for d, t in trees.items()}
+    assert snap[False] == snap[True]
+
+
+def test_the_lifecycle_never_cuts_a_requests_own_token_lists():
+    """The request lifecycle donates the keys it builds itself, never the request's lists."""
+    h = Harness(page_size=4, size=128)
+    a = h.start(list(range(1, 21)))
+    h.decode(a, [50, 51, 52, 53])
+    inp, out = list(a.origin_input_ids), list(a.output_ids)
+    h.finish(a)
+    b = h.start(list(range(1, 9)) + [99] * 8)  # splits the cached path inside a's first edge
+    h.finish(b)
+    assert a.origin_input_ids == inp and a.output_ids == out
+    assert h.tree.match_prefix(inp + out).prefix_len == 24
+    h.check()
+
+
 # ------------------------------------------------------------------------- request lifecycle (exact ids)
 
 
