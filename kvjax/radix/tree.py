@@ -111,19 +111,16 @@ class RadixTree(PathLocks):
                 node.heap_seq = seq
                 heappush(heap, (cur, seq, node))
                 continue
-            klen = node.klen
-            evicted += klen
+            evicted += node.klen
             num_nodes += 1
             parent = node.parent
             ck = node.ckey
             del parent.children[ck]
             if by_first and (parent is not root or node.extra_key is None):
                 first = parent.first
-                c0 = ck[0]
-                if first.get(c0) is node:
-                    del first[c0]
+                if first.get(ck[0]) is node:
+                    del first[ck[0]]
             leaves.discard(node)
-            self._evictable -= klen
             if free is not None:
                 free(node.value)
             node.value = None
@@ -136,8 +133,10 @@ class RadixTree(PathLocks):
                 evq.seq = seq = evq.seq + 1
                 parent.heap_seq = seq
                 heappush(heap, (prio(parent), seq, parent))
-        self.stats.evicted_tokens += evicted
-        self.stats.num_evictions += num_nodes
+        self._evictable -= evicted  # every evicted node was an unlocked (evictable) leaf
+        stats = self.stats
+        stats.evicted_tokens += evicted
+        stats.num_evictions += num_nodes
         return evicted
 
     def _evict_generic(self, num_tokens: int) -> int:
