@@ -283,12 +283,14 @@ class MambaRadixCache(RadixCache):
         chunked: bool = False,
         inserted_len: int = 0,
         payloads: Mapping[str, Any] | None = None,
+        donate_key: bool = False,
     ) -> MambaInsertResult:
         """Insert ``token_ids`` -> ``indices`` with the checkpoint ``mamba_value`` (the state after
         the key's last page-aligned token) for the end node.
 
         The end node keeps a checkpoint it already has: ``result.mamba_exist`` is then True and
         the caller frees ``mamba_value``. ``mamba_value=None`` caches the KV without a checkpoint.
+        ``donate_key``: as :meth:`RadixCache.insert`.
         Raises (tree unchanged): ``InvalidSlotError`` for a ``mamba_value`` that is not a live slot
         or is already a checkpoint here; otherwise as :meth:`RadixCache.insert`.
         """
@@ -296,7 +298,14 @@ class MambaRadixCache(RadixCache):
         if mamba_value is not None:
             merged["mamba"] = self._check_donated(mamba_value)
         matched = super().insert(
-            token_ids, indices, extra_key, priority, chunked=chunked, inserted_len=inserted_len, payloads=merged or None
+            token_ids,
+            indices,
+            extra_key,
+            priority,
+            chunked=chunked,
+            inserted_len=inserted_len,
+            payloads=merged or None,
+            donate_key=donate_key,
         )
         if self.disable:
             return MambaInsertResult(0, self.root, {"mamba": merged.get("mamba")})

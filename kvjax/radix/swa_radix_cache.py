@@ -159,6 +159,7 @@ class SWARadixCache(RadixCache):
         prev_prefix_len: int = 0,
         chunked: bool = False,
         inserted_len: int = 0,
+        donate_key: bool = False,
     ) -> int:
         """Cache ``token_ids`` → ``indices`` (full slot ids); returns the length already cached.
 
@@ -167,7 +168,7 @@ class SWARadixCache(RadixCache):
         part already freed is skipped), as SGLang's SWA cache does: the caller frees nothing.
         ``swa_evicted_seqlen``: positions ``[0, e)`` of the key hold no SWA slots (page aligned,
         0 or below the page-aligned key length); new nodes there are tombstones and tombstones
-        there stay.
+        there stay. ``donate_key``: as :meth:`RadixCache.insert`.
 
         Raises (tree unchanged): ValueError for a bad ``swa_evicted_seqlen`` or
         ``prev_prefix_len``, and what :meth:`RadixCache.insert` raises.
@@ -196,6 +197,7 @@ class SWARadixCache(RadixCache):
                 chunked=chunked,
                 inserted_len=inserted_len,
                 payloads={"swa": payload},
+                donate_key=donate_key,
             )
         finally:
             self._walk_dups = None

@@ -453,6 +453,22 @@ def test_a_donated_key_becomes_the_edge_and_a_copied_one_stays_the_callers():
     t.sanity_check()
 
 
+def test_the_hybrid_trees_take_a_donated_key_too():
+    from kvjax.radix import MambaRadixCache, SWARadixCache
+
+    swa = SWARadixCache(page_size=1, sliding_window_size=4, eviction_policy="lru")
+    key = list(range(1, 13))
+    swa.insert(key, swa_evicted_seqlen=8, donate_key=True)
+    assert swa.match_prefix(list(range(1, 13))).prefix_len == 12
+    mamba = MambaRadixCache(page_size=1, mamba_pool_size=8)
+    slot = int(mamba.mamba_allocator.alloc(1)[0])
+    key = [1, 2, 3, 4, 5, 6, 7]
+    assert mamba.insert(key, mamba_value=slot, donate_key=True).prefix_len == 0
+    (leaf,) = mamba.root.children.values()
+    assert leaf.klist is key
+    assert mamba.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).prefix_len == 7
+
+
 def test_donation_matches_copying_on_a_random_stream():
     rng = np.random.default_rng(3)
     system = [int(x) for x in rng.integers(1000, 9000, 64)]
