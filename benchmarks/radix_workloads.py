@@ -206,6 +206,6 @@ def kvjax_ops(tree) -> TreeOps:
         unlock=unlock,
         insert=lambda tokens, values: tree.insert(tokens, values, donate_key=True),
         evict=tree.evict,
-        cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+        cached_size=tree.total_size,  # evictable + protected, O(1) (SGLang's total_size walks the tree)
         prepare_tokens=list,
     )
