@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import machine, median_seconds
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ``python benchmarks/recurrent_state.py``
+
+from benchmarks._common import machine, median_seconds  # noqa: E402
 from benchmarks.radix_workloads import Request, TreeOps, kvjax_ops, multi_turn, replay, workloads
 from kvjax.alloc.state_slots import StateSlotAllocator
 from kvjax.radix import MambaRadixCache, RadixCache
@@ -125,7 +129,7 @@ def mamba_ops(tree: MambaRadixCache, states: StateSlotAllocator) -> TreeOps:
 
     def insert(tokens: Any, values: Any) -> int:
         slot = _state_slot(tree, states)
-        result = tree.insert(tokens, values, mamba_value=slot)
+        result = tree.insert(tokens, values, mamba_value=slot, donate_key=True)
         if result.mamba_exist:
             states.free([slot])
         return result.prefix_len
@@ -137,6 +141,7 @@ def mamba_ops(tree: MambaRadixCache, states: StateSlotAllocator) -> TreeOps:
         insert=insert,
         evict=lambda n: int(tree.evict(num_tokens=n)),
         cached_size=lambda: tree.evictable_size() + tree.protected_size(),
+        prepare_tokens=list,  # keys donated, as ``kvjax_ops`` does for the full tree beside it
     )
 
 

@@ -49,9 +49,10 @@ def swa_ops(tree: SWARadixCache) -> wl.TreeOps:
         match=match,
         lock=tree.inc_lock_ref,
         unlock=lambda _node, receipt: tree.dec_lock_ref(receipt),
-        insert=lambda tokens, values: tree.insert(tokens, values),
+        insert=lambda tokens, values: tree.insert(tokens, values, donate_key=True),
         evict=tree.evict if pure else lambda n: tree.evict(n, 0)[0],
         cached_size=lambda: tree.total_size() if pure else tree.full_evictable_size() + tree.full_protected_size(),
+        prepare_tokens=list,  # keys donated, as ``kvjax_ops`` does for the full tree beside it
     )
 
 
