@@ -34,7 +34,7 @@ from kvjax.serve.causal_lm import PipelineStage, StackNames, stage_params
 from kvjax.serve.model import build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_shardings
-from kvjax.serve.step import StepFn, _flat_shardings, _jit_sharded, place_on_mesh, pool_shardings
+from kvjax.serve.step import StepFn, _flat_shardings, _jit_sharded, future_tokens, place_on_mesh, pool_shardings
 
 __all__ = ["make_stage_step", "place_stage", "stage_module"]
 
@@ -95,7 +95,7 @@ def _stage_body(module: Any, stage: PipelineStage, with_logits: bool) -> Callabl
         token_src: jax.Array | None = None,
     ) -> tuple[Any, ...]:
         if stage.first and token_src is not None and prev_tokens is not None:
-            x = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], x)
+            x = future_tokens(x, prev_tokens, token_src)
         out, new_pools = module.apply({"params": params}, x, pools, meta)
         if not stage.last:
             return new_pools, out
