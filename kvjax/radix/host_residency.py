@@ -24,6 +24,8 @@ from kvjax.radix.tree_state import TreeState
 class HostResidency(TreeState):
     """The tree layer that moves nodes between device, host-only and deleted (module docstring)."""
 
+    __slots__ = ()
+
     def _has_device_child(self, node: TreeNode) -> bool:
         """Whether ``node`` has a device-resident child (any child, while no node is host-only)."""
         if not self._host_only:

@@ -20,6 +20,8 @@ from kvjax.radix.walk import TreeWalk
 class PathLocks(TreeWalk):
     """The tree layer of lock counts (module docstring)."""
 
+    __slots__ = ()
+
     def _check_node(self, node: Any, what: str) -> None:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{what}: expected a TreeNode or LockReceipt, got {type(node).__name__}")

@@ -108,7 +108,17 @@ class RadixCache(TieredTree):
     # ``_walk_dups`` is (first position whose incoming slots are the caller's, SWA-evicted
     # positions) while such a walk runs.
     _dups_in_walk = False
-    _walk_dups: tuple[int, int] | None = None
+
+    __slots__ = (
+        "disable",
+        "last_insert_node",
+        "_last_insert_results",
+        "enable_metrics",
+        "req_to_token_pool",
+        "token_to_kv_pool_allocator",
+        "_slot_limit",
+        "_walk_dups",
+    )
 
     def __init__(
         self,
@@ -152,6 +162,7 @@ class RadixCache(TieredTree):
         alloc = token_to_kv_pool_allocator
         # Slot ids live in [0, size + page_size): page 0 is the trash page.
         self._slot_limit = None if alloc is None else int(alloc.size) + int(alloc.page_size)
+        self._walk_dups: tuple[int, int] | None = None
 
     def is_chunk_cache(self) -> bool:
         """True when disabled (a disabled tree behaves like a chunk cache)."""

@@ -89,6 +89,8 @@ class TieredTree(RadixTree):
             ``host_pages``; see :func:`make_host_tier`).
     """
 
+    __slots__ = ("host", "storage")
+
     def __init__(
         self,
         *args: Any,

@@ -28,6 +28,8 @@ class RadixTree(PathLocks):
     """The tree core. See ``RadixCache`` for the public, checked API, and :class:`TreeState`
     (``tree_state.py``) for the constructor's arguments."""
 
+    __slots__ = ()
+
     # ------------------------------------------------------------------ eviction
 
     @overload

@@ -40,6 +40,8 @@ _PRIORITY_MAX = 2**63 - 1
 class TreeWalk(HostResidency):
     """The tree layer that walks keys, splits edges and adds nodes (module docstring)."""
 
+    __slots__ = ()
+
     def _common(self, node: TreeNode, src: Any, is_bytes: bool, off: int, lim: int) -> int:
         """Page-aligned count of leading key elements shared by ``node``'s edge and ``src``
         from element ``off``, at most ``lim`` (itself page-aligned).
