@@ -51,7 +51,12 @@ def check_core_invariants(tree: RadixTree) -> None:
             if child.owner is not tree._owner or child.residency == DELETED:
                 fail(f"node {child.id} is deleted or stale but still linked")
             if child.key is None and child.klist is None:
-                fail(f"node {child.id} has no key")
+                if child.kshare is None:
+                    fail(f"node {child.id} has no key")
+                elif len(child.kshare) - child.kshare_from != child.klen + ex:
+                    fail(f"node {child.id}: its shared key list holds {len(child.kshare) - child.kshare_from} tokens")
+            elif child.kshare is not None:
+                fail(f"node {child.id} keeps a shared key list beside its own key")
             if child.key is not None and child.klist is not None and decode_tokens(child.key) != list(child.klist):
                 fail(f"node {child.id}: its two key forms differ")
             expect = tree._node_child_key(child)

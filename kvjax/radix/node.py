@@ -4,12 +4,17 @@ Key representation (measured, see ``keys.py``): a node's edge is kept in up to t
 each built once, lazily, from the other: ``klist`` (a ``list[int]``, what list inputs compare
 against with one C-level list compare) and ``key`` (native int32 ``bytes``, what numpy inputs
 compare against with a memcmp). Requests are never copied; they are walked by offsets and only
-the window of one edge is sliced out per node.
+the window of one edge is sliced out per node. A leaf added by an insert whose key was donated
+and partly cached may hold neither form yet, only ``kshare``: the donated list, whose tail from
+``kshare_from`` is the edge; the list form is cut from it when first needed (most such leaves
+are evicted unread, and not copying their tokens spares touching every token object twice: a
+copy and a release, each a cache miss per token on a request that arrives cold).
 
 Invariants (checked by ``RadixCache.sanity_check``):
   * ``klen`` is a multiple of the page size and ``len(value) == klen`` while cached;
   * with bigram (EAGLE) keys the edge covers ``klen + 1`` tokens (element ``i`` is the pair of
-    tokens ``i, i + 1``); otherwise ``klen`` tokens; at least one of ``key`` / ``klist`` is set;
+    tokens ``i, i + 1``); otherwise ``klen`` tokens; ``key`` or ``klist`` is set, or else
+    ``kshare`` (None while either is set) with ``kshare[kshare_from:]`` the edge;
   * ``depth`` = key elements from the root through the end of this node;
   * ``parent.children[ckey] is self``; ``ckey`` is SGLang's child key: the first token for
     page size 1, else the tuple of the first page's tokens (bigram: the ``page + 1`` tokens the
@@ -61,6 +66,9 @@ class TreeNode:
             hashing a page tuple, then its edge compare confirms the whole page.
         key: native int32 bytes of this edge's tokens, or None until first needed.
         klist: this edge's tokens as a list, or None until first needed.
+        kshare: a donated key list holding this edge from ``kshare_from`` to its end, kept
+            instead of ``klist`` and ``key`` until either is needed; else None.
+        kshare_from: where the edge starts in ``kshare`` (set with it; unset otherwise).
         ckey: this node's key in ``parent.children``.
         klen: key elements (= KV slots) on this edge.
         depth: key elements from the root to the end of this edge.
@@ -89,6 +97,8 @@ class TreeNode:
         "first",
         "key",
         "klist",
+        "kshare",
+        "kshare_from",
         "ckey",
         "klen",
         "depth",
@@ -111,6 +121,8 @@ class TreeNode:
     parent: TreeNode
     # SGLang's child key: a token (page size 1) or a tuple of tokens, ``(extra_key, ...)`` at the root.
     ckey: Any
+    # Set together with ``kshare`` (read only while ``kshare`` is set).
+    kshare_from: int
 
     def __init__(
         self,
@@ -134,6 +146,7 @@ class TreeNode:
         self.first: dict[int, Any] | None = None
         self.key = key
         self.klist = klist
+        self.kshare: list | None = None
         self.ckey = None
         self.klen = klen
         self.depth = depth
@@ -167,9 +180,18 @@ class TreeNode:
         return self.residency == HOST_ONLY
 
     def token_ids(self) -> list[int]:
-        """The tokens of this edge (``klen`` tokens, ``klen + 1`` with bigram keys)."""
+        """The tokens of this edge (``klen`` tokens, ``klen + 1`` with bigram keys), a copy."""
         if self.klist is not None:
             return list(self.klist)
+        return self.edge()
+
+    def edge(self) -> list[int]:
+        """The tokens of this edge: the node's own list when it has one (read it, never change
+        it), else a new one."""
+        if self.klist is not None:
+            return self.klist
+        if self.kshare is not None:
+            return self.kshare[self.kshare_from :]
         return np.frombuffer(self.key or b"", dtype=np.int32).tolist()
 
     def __lt__(self, other: TreeNode) -> bool:

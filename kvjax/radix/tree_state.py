@@ -246,6 +246,11 @@ class TreeState:
     def _klist(self, node: TreeNode) -> list:
         kl = node.klist
         if kl is None:
+            shared = node.kshare
+            if shared is not None:  # the edge is the tail of a donated list: cut it out now
+                kl = node.klist = shared[node.kshare_from :]
+                node.kshare = None
+                return kl
             key = node.key
             assert key is not None, "a node keeps at least one form of its key"
             kl = node.klist = decode_tokens(key)
@@ -254,8 +259,7 @@ class TreeState:
     def _kbytes(self, node: TreeNode) -> bytes:
         kb = node.key
         if kb is None:
-            kl = node.klist
-            assert kl is not None, "a node keeps at least one form of its key"
+            kl = self._klist(node)
             kb = node.key = _pack(f"{len(kl)}i", *kl)
         return kb
 
@@ -271,9 +275,9 @@ class TreeState:
 
     def _node_child_key(self, node: TreeNode) -> Any:
         """The child key of ``node``'s own edge (without the root namespace)."""
-        if node.klist is not None:
-            return self._child_key(node.klist, False, 0)
-        return self._child_key(node.key, True, 0)
+        if node.key is not None:
+            return self._child_key(node.key, True, 0)
+        return self._child_key(self._klist(node), False, 0)
 
     # ------------------------------------------------------------------ events
 
@@ -389,7 +393,7 @@ class TreeState:
         stack = [(c, 1) for c in reversed(list(self.root.children.values()))]
         while stack:
             node, depth = stack.pop()
-            toks = node.klist[:10] if node.klist is not None else decode_tokens((node.key or b"")[: 10 * 4])
+            toks = node.edge()[:10]
             more = "..." if node.klen + self._ex > 10 else ""
             ek = "" if node.extra_key is None or node.parent is not self.root else f" extra_key={node.extra_key!r}"
             res = "" if node.residency == DEVICE else f" {RESIDENCY_NAMES[node.residency]}"

@@ -33,6 +33,9 @@ from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 # ``node.first`` value for a first token that several children's edges begin with: the walk
 # then looks the child up by its full child key.
 SHARED_FIRST = object()
+# A donated key whose head is cached is kept whole by the new leaf (``TreeNode.kshare``) while
+# that head is at most this many times the leaf's own edge.
+SHARE_MAX_HEAD = 8
 # SGLang clamps the prompt re-insert's ``priority + 1`` to int64.
 _PRIORITY_MAX = 2**63 - 1
 
@@ -147,6 +150,8 @@ class TreeWalk(HostResidency):
         ex = self._ex
         self._clock += 1
         parent = child.parent
+        if child.kshare is not None:
+            self._klist(child)  # the edge of a shared list becomes the node's own first
         kl = child.klist
         if kl is not None:
             # The upper part keeps the list, cut in place: only the lower part is copied (a
@@ -241,8 +246,9 @@ class TreeWalk(HostResidency):
         ``on_insert_overlap`` with their ``payloads`` (by name). ``values[i]`` is the slot of
         element ``i`` (None: synthesize ids, simulation only); a host-only node on the path
         becomes device-resident from the incoming slots and counts as already cached.
-        ``donated``: a list ``src`` is the caller's to give away; a new leaf for the whole of
-        it (nothing matched) keeps ``src`` itself, its tail past ``n`` cut off, not a copy.
+        ``donated``: a list ``src`` is the caller's to give away; the new leaf keeps ``src``
+        itself, its tail past ``n`` cut off, not a copy: as its edge when nothing matched,
+        else as ``kshare`` (the edge is its tail; see ``SHARE_MAX_HEAD``).
         """
         node = start
         root = self.root
@@ -343,14 +349,21 @@ class TreeWalk(HostResidency):
             leaf = TreeNode(self._owner, self._clock, node, None, kb, klen, depth, v, priority, hits, extra_key)
             ck = self._child_key(kb, True, 0)
         else:
-            if donated and not off:
-                kl = src  # the caller's list, given away: no copy (an insert's costliest step)
-                if len(kl) > n + ex:
-                    del kl[n + ex :]
+            if donated and off <= SHARE_MAX_HEAD * klen:
+                # The caller's list, given away: no copy (an insert's costliest step). Its part
+                # past the key is cut off; a cached head stays, and the leaf holds the list as
+                # ``kshare`` until its own list is first needed (bounded: the head is at most
+                # SHARE_MAX_HEAD times the edge, so held keys stay O(cached tokens)).
+                if len(src) > n + ex:
+                    del src[n + ex :]
+                kl = None if off else src
             else:
                 kl = src[off : n + ex]
             leaf = TreeNode(self._owner, self._clock, node, kl, None, klen, depth, v, priority, hits, extra_key)
-            ck = kl[0] if simple else tuple(kl[:ckl])
+            if kl is None:
+                leaf.kshare = src
+                leaf.kshare_from = off
+            ck = src[off] if simple else tuple(src[off : off + ckl])
         self._link_child(node, leaf, ck, extra_key)
         self._evictable += klen
         leaves = self._leaves

@@ -57,7 +57,7 @@ def cached_prefix_len(tree: Any, tokens: Sequence[int] | np.ndarray, extra_key: 
         child = node.children.get(key)
         if child is None or child.value is None:  # not cached, or host-only: the device match ends
             break
-        edge = child.klist if child.klist is not None else np.frombuffer(child.key, dtype=np.int32).tolist()
+        edge = child.edge()
         limit = min(int(child.klen), n - off)
         shared = _shared_elements(edge, src, off, limit, ex)
         shared -= shared % page

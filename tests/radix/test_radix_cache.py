@@ -469,17 +469,66 @@ def test_the_hybrid_trees_take_a_donated_key_too():
     assert mamba.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).prefix_len == 7
 
 
-def test_donation_matches_copying_on_a_random_stream():
+def test_a_donated_key_with_a_cached_head_is_kept_whole_until_its_edge_is_needed():
+    system = list(range(1000, 1032))  # two 16-token pages
+    t = RadixCache(page_size=16)
+    t.insert(list(system), np.arange(16, 48, dtype=np.int32))
+    key = system + list(range(2000, 2040))  # 40 new tokens: two pages and a partial one
+    assert t.insert(key, np.arange(48, 120, dtype=np.int32), donate_key=True) == 32
+    leaf = t.last_insert_node
+    # Neither form of the edge was built: the leaf holds the donated list, cut to whole pages.
+    assert leaf.klist is None and leaf.key is None and leaf.kshare is key and leaf.kshare_from == 32
+    assert key == system + list(range(2000, 2032)) and leaf.token_ids() == list(range(2000, 2032))
+    t.sanity_check()
+    # A numpy match reads the edge's bytes, a list match its list; both are cut from the tail.
+    m = t.match_prefix(np.array(system + list(range(2000, 2016)) + [7], dtype=np.int32))
+    assert m.prefix_len == 48 and m.indices.tolist() == list(range(16, 48)) + list(range(80, 96))
+    assert leaf.kshare is None and leaf.token_ids() == list(range(2016, 2032))  # split: the lower part
+    assert leaf.parent.token_ids() == list(range(2000, 2016))
+    assert t.match_prefix(key + [5]).prefix_len == 64
+    t.sanity_check()
+
+
+def test_a_donated_key_with_a_long_cached_head_is_copied():
+    """The donated list is kept only while its cached head is at most SHARE_MAX_HEAD times the
+    new edge, so the keys a tree holds stay proportional to the tokens it caches."""
+    from kvjax.radix.walk import SHARE_MAX_HEAD
+
+    head = list(range(1000, 1000 + 4 * (SHARE_MAX_HEAD + 1)))
+    t = RadixCache(page_size=4)
+    t.insert(list(head), np.arange(4, 4 + len(head), dtype=np.int32))
+    key = head + [1, 2, 3, 4]
+    t.insert(key, np.arange(100, 100 + len(key), dtype=np.int32), donate_key=True)
+    leaf = t.last_insert_node
+    assert leaf.kshare is None and leaf.klist == [1, 2, 3, 4]
+    t.sanity_check()
+
+
+def test_a_shared_edge_splits_and_evicts_like_its_own():
+    t = RadixCache(page_size=4, eviction_policy="lru")
+    t.insert([9, 9, 9, 9], np.arange(4, 8, dtype=np.int32))
+    t.insert([9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8], np.arange(8, 20, dtype=np.int32), donate_key=True)
+    # An insert that diverges inside the shared edge splits it there.
+    t.insert([9, 9, 9, 9, 1, 2, 3, 4, 0, 0, 0, 0], np.arange(20, 32, dtype=np.int32), donate_key=True)
+    t.sanity_check()
+    assert sorted(n.token_ids() for n in t._nodes()) == [[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    assert t.evict(4) == 4 and t.evict(100) == 12
+    t.sanity_check()
+
+
+@pytest.mark.parametrize(("page_size", "is_eagle"), [(4, False), (1, False), (4, True)])
+def test_donation_matches_copying_on_a_random_stream(page_size, is_eagle):
     rng = np.random.default_rng(3)
     system = [int(x) for x in rng.integers(1000, 9000, 64)]
-    trees = {d: RadixCache(page_size=4) for d in (False, True)}
+    trees = {d: RadixCache(page_size=page_size, is_eagle=is_eagle) for d in (False, True)}
     for i in range(60):
         key = system[: int(rng.integers(0, 64))] + [int(x) for x in rng.integers(0, 50, int(rng.integers(1, 40)))]
         slots = np.arange(4 + 200 * i, 4 + 200 * i + len(key), dtype=np.int32)
         prompt = key[: int(rng.integers(1, len(key) + 1))]
+        as_array = bool(rng.integers(0, 2))  # numpy matches read the edges' bytes
         got = []
         for donate, t in trees.items():
-            m = t.match_prefix(list(prompt))
+            m = t.match_prefix(np.array(prompt, dtype=np.int32) if as_array else list(prompt))
             receipt = t.inc_lock_ref(m.last_node)
             got.append((m.prefix_len, t.insert(list(key), slots, donate_key=donate)))
             t.dec_lock_ref(receipt)
