@@ -115,10 +115,6 @@ class HostResidency(TreeState):
         their data on it (counted as cascade in an ``evict({...})`` call)."""
         parent = node.parent
         del parent.children[node.ckey]
-        if self._by_first and (parent is not self.root or node.extra_key is None):
-            idx = parent.first
-            if idx is not None and idx.get(node.ckey[0]) is node:
-                del idx[node.ckey[0]]
         if node.residency == HOST_ONLY:
             self._host_only -= 1
         node.residency = DELETED

@@ -13,7 +13,6 @@ import numpy as np
 
 from kvjax.radix.keys import decode_tokens
 from kvjax.radix.node import DELETED, DEVICE
-from kvjax.radix.walk import SHARED_FIRST
 
 if TYPE_CHECKING:
     from kvjax.radix.tree import RadixTree
@@ -59,10 +58,7 @@ def check_core_invariants(tree: RadixTree) -> None:
                 fail(f"node {child.id} keeps a shared key list beside its own key")
             if child.key is not None and child.klist is not None and decode_tokens(child.key) != list(child.klist):
                 fail(f"node {child.id}: its two key forms differ")
-            expect = tree._node_child_key(child)
-            if node is tree.root and child.extra_key is not None:
-                expect = (child.extra_key, expect)
-            if ck != expect or child.ckey != ck:
+            if ck != tree._child_key(node, child) or child.ckey != ck:
                 fail(f"node {child.id} is filed under a wrong child key")
             if child.klen <= 0 or child.klen % ps:
                 fail(f"node {child.id}: klen {child.klen}, page {ps}")
@@ -102,22 +98,8 @@ def check_core_invariants(tree: RadixTree) -> None:
             stack.append(child)
         if node is not tree.root and node.residency == DEVICE and not node.lock_ref and not device_children:
             leaves.add(node)
-        if tree._by_first and (node.children or node.first):
-            idx = node.first or {}
-            # Root children of a namespace (``(extra_key, page)`` keys) are not indexed.
-            indexed = [ck for ck, c in node.children.items() if node is not tree.root or c.extra_key is None]
-            for ck in indexed:
-                child = node.children[ck]
-                entry = idx.get(ck[0])
-                if entry is not child and entry is not SHARED_FIRST:
-                    fail(f"node {node.id}: child {child.id} is missing from the first-token index")
-            for tok, entry in idx.items():
-                if entry is SHARED_FIRST:
-                    continue
-                if entry.parent is not node or node.children.get(entry.ckey) is not entry or entry.ckey[0] != tok:
-                    fail(f"node {node.id}: first-token index entry {tok} is not a child starting with it")
-                if sum(1 for ck in indexed if ck[0] == tok) > 1:
-                    fail(f"node {node.id}: first token {tok} is shared but indexed as one child")
+        if node.clash is not None and tree._simple_ck:
+            fail(f"node {node.id}: first tokens clash at page size 1")
         if node is not tree.root and node.lock_ref < child_locks:
             fail(f"node {node.id}: lock_ref {node.lock_ref} < its children's {child_locks}")
     if evictable != tree._evictable or protected != tree._protected:

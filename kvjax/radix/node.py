@@ -16,12 +16,11 @@ Invariants (checked by ``RadixCache.sanity_check``):
     tokens ``i, i + 1``); otherwise ``klen`` tokens; ``key`` or ``klist`` is set, or else
     ``kshare`` (None while either is set) with ``kshare[kshare_from:]`` the edge;
   * ``depth`` = key elements from the root through the end of this node;
-  * ``parent.children[ckey] is self``; ``ckey`` is SGLang's child key: the first token for
-    page size 1, else the tuple of the first page's tokens (bigram: the ``page + 1`` tokens the
-    first page's pairs cover), as ``(extra_key, ckey)`` under the root when ``extra_key`` is set;
-  * with tuple child keys, ``first`` maps the first token of each child's edge to that child,
-    or to the tree's shared-first-token marker when several children (now or earlier) began
-    with it; the root indexes only its children of the default namespace (``extra_key`` None);
+  * ``parent.children[ckey] is self``. ``ckey``, the child key: the first token of the edge,
+    except where several children of the parent began with that token (it is in
+    ``parent.clash``): then the tuple of the tokens the first page covers (SGLang's key for page
+    sizes above 1; ``page + 1`` tokens with bigram keys). Under the root a child of a namespace
+    (``extra_key`` set) is filed under ``(extra_key, SGLang's key)``, SGLang's own key;
   * ``parent.lock_ref >= sum(child.lock_ref for child in children)``;
   * residency (``residency``): ``DEVICE`` — in the tree, ``value`` holds its device slots;
     ``HOST_ONLY`` — in the tree with its device copy gone (``value is None``) because a component
@@ -61,9 +60,10 @@ class TreeNode:
         id: unique, increasing id (for printing and stable tie-breaking).
         parent: the parent node (None for the root and for evicted nodes).
         children: child nodes by child key (see module docstring).
-        first: children by the first token of their edge (tuple child keys only; None until
-            the node has a child): a walk finds the candidate child without building and
-            hashing a page tuple, then its edge compare confirms the whole page.
+        clash: first tokens that several children began with (None until one did): children
+            beginning with them are keyed by their first page (module docstring), the others
+            by their first token alone, which a walk looks up without building and hashing a
+            page tuple; its edge compare then confirms the whole page.
         key: native int32 bytes of this edge's tokens, or None until first needed.
         klist: this edge's tokens as a list, or None until first needed.
         kshare: a donated key list holding this edge from ``kshare_from`` to its end, kept
@@ -94,7 +94,7 @@ class TreeNode:
         "id",
         "parent",
         "children",
-        "first",
+        "clash",
         "key",
         "klist",
         "kshare",
@@ -143,7 +143,7 @@ class TreeNode:
         self.id = next(_ids)
         self.parent = parent  # type: ignore[assignment]
         self.children: dict[Any, TreeNode] = {}
-        self.first: dict[int, Any] | None = None
+        self.clash: set[int] | None = None
         self.key = key
         self.klist = klist
         self.kshare: list | None = None

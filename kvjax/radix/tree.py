@@ -97,7 +97,6 @@ class RadixTree(PathLocks):
             return self._evict_generic(num_tokens)
         heappop = heapq.heappop
         heappush = heapq.heappush
-        by_first = self._by_first
         root = self.root
         free = self._full.free if self._full.allocator is not None else None
         emit = self._events.emit if self._events is not None else None
@@ -116,12 +115,7 @@ class RadixTree(PathLocks):
             evicted += node.klen
             num_nodes += 1
             parent = node.parent
-            ck = node.ckey
-            del parent.children[ck]
-            if by_first and (parent is not root or node.extra_key is None):
-                first = parent.first
-                if first.get(ck[0]) is node:
-                    del first[ck[0]]
+            del parent.children[node.ckey]
             leaves.discard(node)
             if free is not None:
                 free(node.value)

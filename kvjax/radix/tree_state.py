@@ -26,8 +26,9 @@ Costs (n = key elements of the call, d = depth of the path, L = evictable leaves
   * lock / unlock: O(d). evict: O(k log L) for k evicted nodes, plus the heap pushes queued
     since the last eviction for leaves that are still evictable (a persistent heap, see
     ``eviction_heap.py``), never a rebuild over all leaves per call.
-  * below the root (and for the default namespace at the root) a list walk finds a child by
-    its first token (``TreeNode.first``), not by building and hashing a page tuple.
+  * a child is found by its first token (outside the root's namespaces), not by building and
+    hashing a page tuple; only first tokens that several children began with are keyed by page
+    (``TreeNode.clash``).
   * sizes: O(1) counters with ``evictable + protected == total``, per component.
 
 With no component beside FULL the hot paths call no hook. Host-only nodes (a component kept a
@@ -100,8 +101,8 @@ class TreeState:
         "_ex",
         "_ck_len",
         "_simple_ck",
-        "_by_first",
         "_ck_struct",
+        "_first_struct",
         "policy",
         "eviction_policy",
         "_prio",
@@ -148,14 +149,14 @@ class TreeState:
         self.page_size = int(page_size)
         self.is_eagle = bool(is_eagle)
         self._ex = 1 if self.is_eagle else 0
-        # A child key covers the first page's tokens (one more token for bigram pages); for
-        # page size 1 without bigrams it is the bare first token, as in SGLang.
+        # SGLang's child key covers the first page's tokens (one more token for bigram pages);
+        # for page size 1 without bigrams it is the bare first token. kvjax files children by
+        # their first token, and by that page key only where first tokens clash (``TreeNode``):
+        # a 16-token page tuple costs ~175 ns to build and hash, on every lookup, link and unlink.
         self._ck_len = self.page_size + self._ex
         self._simple_ck = self._ck_len == 1
-        # Tuple child keys cost ~175 ns to build and hash per lookup (16-token pages); walks
-        # of list keys find children by first token instead (see ``TreeNode.first``).
-        self._by_first = not self._simple_ck
         self._ck_struct = struct.Struct(f"{self._ck_len}i")
+        self._first_struct = struct.Struct("i")
         self.policy = get_eviction_policy(eviction_policy, **(eviction_policy_config or {}))
         self.eviction_policy = self.policy.name
         self._prio = priority_function(self.policy)
@@ -263,21 +264,43 @@ class TreeState:
             kb = node.key = _pack(f"{len(kl)}i", *kl)
         return kb
 
-    def _child_key(self, src: Any, is_bytes: bool, off: int) -> Any:
-        """SGLang's child key of the page starting at key element ``off`` of ``src``."""
+    def _page_key(self, src: Any, is_bytes: bool, off: int) -> Any:
+        """SGLang's child key of the page starting at key element ``off`` of ``src``: the token
+        at page size 1 without bigrams, else the tuple of the tokens the page covers."""
         if is_bytes:
             if self._simple_ck:
-                return self._ck_struct.unpack_from(src, off * 4)[0]
+                return self._first_struct.unpack_from(src, off * 4)[0]
             return self._ck_struct.unpack_from(src, off * 4)
         if self._simple_ck:
             return src[off]
         return tuple(src[off : off + self._ck_len])
 
-    def _node_child_key(self, node: TreeNode) -> Any:
-        """The child key of ``node``'s own edge (without the root namespace)."""
-        if node.key is not None:
-            return self._child_key(node.key, True, 0)
-        return self._child_key(self._klist(node), False, 0)
+    def _node_page_key(self, node: TreeNode) -> Any:
+        """SGLang's child key of ``node``'s own edge (without the root namespace)."""
+        if node.klist is not None:
+            return self._page_key(node.klist, False, 0)
+        if node.kshare is not None:
+            return self._page_key(node.kshare, False, node.kshare_from)
+        return self._page_key(node.key, True, 0)
+
+    def _node_first_token(self, node: TreeNode) -> int:
+        """The first token of ``node``'s edge."""
+        if node.klist is not None:
+            return node.klist[0]
+        if node.kshare is not None:
+            return node.kshare[node.kshare_from]
+        return self._first_struct.unpack_from(self._kbytes(node), 0)[0]
+
+    def _child_key(self, parent: TreeNode, node: TreeNode) -> Any:
+        """The key ``node`` is filed under in ``parent.children`` (see ``TreeNode``): its
+        namespaced page key under the root when it has an ``extra_key``, else its first token,
+        or its page key when that token is in ``parent.clash``."""
+        if parent is self.root and node.extra_key is not None:
+            return (node.extra_key, self._node_page_key(node))
+        tok = self._node_first_token(node)
+        if parent.clash is not None and tok in parent.clash:
+            return self._node_page_key(node)
+        return tok
 
     # ------------------------------------------------------------------ events
 

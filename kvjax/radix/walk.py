@@ -2,7 +2,7 @@
 
 A walk starts at a node (the root, or a request's locked node for a resumed insert) and, per
 node on the path, looks the next child up (the only child lookup of the tree: by the page's
-child key, or for list keys below the root by its first token, ``TreeNode.first``), compares
+first token, by its page key where first tokens clash or in a namespace at the root), compares
 the child's edge with the request's window in one C-level compare, and on a partial match finds
 the page-aligned shared length (``_common``) and splits the child there (``_split``). What it
 does per node differs by purpose:
@@ -13,9 +13,8 @@ does per node differs by purpose:
 * insert: stamps access times, raises priorities, counts hits, lets host-only nodes and
   components see the overlap (``_overlap``), then adds the unmatched remainder as one new leaf.
 
-Invariants kept: edges are whole pages; a node's ``children`` maps each child's child key (with
-the namespace at the root) to it; ``first`` maps a first token to the only child starting with
-it, or to ``SHARED_FIRST`` when several do (root children of a namespace are not indexed).
+Invariants kept: edges are whole pages; a node's ``children`` maps each child's child key to it
+(``TreeNode``: its first token, its page key for tokens in ``clash``, namespaced at the root).
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ from kvjax.radix.host_residency import HostResidency
 from kvjax.radix.keys import INT32, NO_COPY_COMPARE_MIN, list_starts_with
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 
-# ``node.first`` value for a first token that several children's edges begin with: the walk
-# then looks the child up by its full child key.
-SHARED_FIRST = object()
 # A donated key whose head is cached is kept whole by the new leaf (``TreeNode.kshare``) while
 # that head is at most this many times the leaf's own edge.
 SHARE_MAX_HEAD = 8
@@ -186,23 +182,15 @@ class TreeWalk(HostResidency):
             new.residency = HOST_ONLY
             self._host_only += 1
         new.lock_ref = child.lock_ref
-        pck = new.ckey = child.ckey
-        parent.children[pck] = new
+        new.ckey = child.ckey  # the same first page: the same key
+        parent.children[child.ckey] = new
         child.klen -= k
-        # The lower part's child key (``_node_child_key``, inlined).
+        # The lower part is its new parent's only child: filed by its first token.
         lower = child.klist
-        if lower is not None:
-            ck = lower[0] if self._simple_ck else tuple(lower[: self._ck_len])
-        else:
-            ck = self._child_key(child.key, True, 0)
+        ck = lower[0] if lower is not None else self._first_struct.unpack_from(self._kbytes(child), 0)[0]
         child.ckey = ck
         child.parent = new
         new.children = {ck: child}
-        if self._by_first:
-            idx = parent.first
-            if (parent is not self.root or new.extra_key is None) and idx is not None and idx.get(pck[0]) is child:
-                idx[pck[0]] = new
-            new.first = {ck[0]: child}
         if child.hashes is not None:
             p = k // self.page_size
             new.hashes = child.hashes[:p]
@@ -255,28 +243,21 @@ class TreeWalk(HostResidency):
         off = 0
         vals: list = []
         ex = self._ex
-        simple = self._simple_ck
-        ckl = self._ck_len
+        first = self._first_struct  # (a bound ``unpack_from`` here would be allocated per walk)
         touch = inserting or not self._extra
         slow = inserting and (bool(self._extra) or self._host_only > 0)
         keep = collect or not inserting
         while True:
-            # The child lookup. A call per node costs ~80 ns, so it is written out here once.
-            if is_bytes:
-                ck = self._ck_struct.unpack_from(src, off * 4)
-                if simple:
-                    ck = ck[0]
-                child = node.children.get((extra_key, ck) if extra_key is not None and node is root else ck)
-            elif simple:
-                child = node.children.get((extra_key, src[off]) if extra_key is not None and node is root else src[off])
-            elif extra_key is not None and node is root:
-                child = node.children.get((extra_key, tuple(src[off : off + ckl])))
+            # The child lookup (``TreeNode``'s child keys). A call per node costs ~80 ns, so it
+            # is written out here once. A child found by its first token may still differ later
+            # in its first page, which the compare below finds.
+            if extra_key is not None and node is root:
+                child = node.children.get((extra_key, self._page_key(src, is_bytes, off)))
             else:
-                # By first token; the first page may still differ, which the compare below finds.
-                idx = node.first
-                child = idx.get(src[off]) if idx is not None else None
-                if child is SHARED_FIRST:
-                    child = node.children.get(tuple(src[off : off + ckl]))
+                tok = first.unpack_from(src, off * 4)[0] if is_bytes else src[off]
+                child = node.children.get(tok)
+                if child is None and node.clash is not None and tok in node.clash:
+                    child = node.children.get(self._page_key(src, is_bytes, off))
             if child is None:
                 break
             m = child.klen
@@ -347,7 +328,7 @@ class TreeWalk(HostResidency):
         if is_bytes:
             kb = src[off * 4 : (n + ex) * 4]
             leaf = TreeNode(self._owner, self._clock, node, None, kb, klen, depth, v, priority, hits, extra_key)
-            ck = self._child_key(kb, True, 0)
+            tok = first.unpack_from(kb, 0)[0]
         else:
             if donated and off <= SHARE_MAX_HEAD * klen:
                 # The caller's list, given away: no copy (an insert's costliest step). Its part
@@ -363,8 +344,8 @@ class TreeWalk(HostResidency):
             if kl is None:
                 leaf.kshare = src
                 leaf.kshare_from = off
-            ck = src[off] if simple else tuple(src[off : off + ckl])
-        self._link_child(node, leaf, ck, extra_key)
+            tok = src[off]
+        self._link_child(node, leaf, tok, extra_key)
         self._evictable += klen
         leaves = self._leaves
         leaves.discard(node)  # it has a child now
@@ -383,24 +364,32 @@ class TreeWalk(HostResidency):
                 c.on_new_node(leaf, payloads.get(c.name) if payloads else None)
         return leaf, off, vals
 
-    def _link_child(self, parent: TreeNode, child: TreeNode, ck: Any, extra_key: Hashable) -> None:
-        """File the new ``child`` under ``parent`` by child key ``ck`` (namespaced at the root)
-        and in the first-token index."""
+    def _link_child(self, parent: TreeNode, child: TreeNode, tok: int, extra_key: Hashable) -> None:
+        """File the new ``child``, whose edge begins with token ``tok``, in ``parent.children``
+        (``TreeNode``'s child keys). A second child beginning with ``tok`` puts it in
+        ``parent.clash``: both are keyed by their first page from then on."""
+        children = parent.children
         if parent is self.root and extra_key is not None:
-            ck = (extra_key, ck)
-            child.ckey = ck
-            parent.children[ck] = child
-            return
-        child.ckey = ck
-        parent.children[ck] = child
-        if self._by_first:
-            idx = parent.first
-            if idx is None:
-                parent.first = {ck[0]: child}
+            ck: Any = (extra_key, self._node_page_key(child))
+        else:
+            clash = parent.clash
+            if clash is not None and tok in clash:
+                ck = self._node_page_key(child)
             else:
-                # A second child with this first token: walks fall back to the full key.
-                c0 = ck[0]
-                idx[c0] = SHARED_FIRST if c0 in idx else child
+                other = children.get(tok)
+                if other is None:
+                    ck = tok
+                else:
+                    del children[tok]
+                    ok = other.ckey = self._node_page_key(other)
+                    children[ok] = other
+                    if clash is None:
+                        parent.clash = {tok}
+                    else:
+                        clash.add(tok)
+                    ck = self._node_page_key(child)
+        child.ckey = ck
+        children[ck] = child
 
     def _overlap(
         self,
@@ -476,8 +465,8 @@ class TreeWalk(HostResidency):
             )
         if parent is not self.root and extra_key != parent.extra_key:
             raise ValueError(f"add_host_only_leaf: extra_key {extra_key!r} differs from the parent's")
-        ck: Any = toks[0] if self._simple_ck else tuple(toks[: self._ck_len])
-        if (ck if parent is not self.root or extra_key is None else (extra_key, ck)) in parent.children:
+        other = self.find_child(parent, toks, 0, extra_key)
+        if other is not None and self._node_page_key(other) == self._page_key(toks, False, 0):
             raise ValueError(f"add_host_only_leaf: node {parent.id} already has a child with this first page")
         self._clock += 1
         leaf = TreeNode(self._owner, self._clock)
@@ -489,9 +478,23 @@ class TreeWalk(HostResidency):
         leaf.residency = HOST_ONLY
         leaf.extra_key = extra_key
         leaf.last_access = self._tick()
-        self._link_child(parent, leaf, ck, extra_key)
+        self._link_child(parent, leaf, toks[0], extra_key)
         self._host_only += 1
         return leaf
+
+    def find_child(
+        self, node: TreeNode, tokens: list[int], off: int = 0, extra_key: Hashable = None
+    ) -> TreeNode | None:
+        """The child of ``node`` that the page at ``tokens[off:]`` (key elements) would continue
+        into, or None. It begins with the page's first token; the rest of its first page may
+        differ (compare its edge to know). Changes nothing."""
+        if node is self.root and extra_key is not None:
+            return node.children.get((extra_key, self._page_key(tokens, False, off)))
+        tok = tokens[off]
+        child = node.children.get(tok)
+        if child is None and node.clash is not None and tok in node.clash:
+            child = node.children.get(self._page_key(tokens, False, off))
+        return child
 
     def split_node(self, node: TreeNode, k: int) -> TreeNode:
         """Cut ``node`` after ``k`` key elements (``0 < k < node.klen``, a page multiple); returns

@@ -48,13 +48,10 @@ def cached_prefix_len(tree: Any, tokens: Sequence[int] | np.ndarray, extra_key: 
     n -= n % page
     if n <= 0:
         return 0
-    child_key_len = page + ex
     node = tree.root
     off = 0
     while off < n:
-        first_page = src[off] if child_key_len == 1 else tuple(src[off : off + child_key_len])
-        key = (extra_key, first_page) if extra_key is not None and node is tree.root else first_page
-        child = node.children.get(key)
+        child = tree.find_child(node, src, off, extra_key)
         if child is None or child.value is None:  # not cached, or host-only: the device match ends
             break
         edge = child.edge()

@@ -137,13 +137,40 @@ def test_extra_key_isolation():
     t.sanity_check()
 
 
-def test_child_keys_follow_sglang():
+def test_child_keys_are_first_tokens_and_pages_where_first_tokens_clash():
     t1 = RadixCache(page_size=1)
     t1.insert([7, 8, 9], arr(1, 2, 3))
-    assert list(t1.root.children) == [7]
+    assert list(t1.root.children) == [7]  # page size 1: SGLang's key
     t4 = RadixCache(page_size=4)
     t4.insert([1, 2, 3, 4, 5, 6, 7, 8], np.arange(10, 18), extra_key="lora")
-    assert list(t4.root.children) == [("lora", (1, 2, 3, 4))]
+    assert list(t4.root.children) == [("lora", (1, 2, 3, 4))]  # a namespace: SGLang's key
+    t4.insert([1, 2, 3, 4, 5, 6, 7, 8], np.arange(20, 28))
+    assert list(t4.root.children)[1:] == [1]  # below: the first token alone
+    # A second child beginning with token 1 files both by their first page from then on.
+    t4.insert([1, 9, 9, 9], np.arange(30, 34))
+    assert t4.root.clash == {1} and sorted(k for k in t4.root.children if isinstance(k, tuple) and k[0] == 1) == [
+        (1, 2, 3, 4),
+        (1, 9, 9, 9),
+    ]
+    t4.sanity_check()
+    for key, expect in [
+        ([1, 2, 3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25, 26, 27]),
+        ([1, 9, 9, 9, 0], [30, 31, 32, 33]),
+    ]:
+        assert t4.match_prefix(key).indices.tolist() == expect
+        assert t4.match_prefix(np.array(key, dtype=np.int32)).indices.tolist() == expect
+    assert t4.match_prefix([1, 5, 5, 5]).prefix_len == 0
+    t4.match_prefix([1, 2, 3, 4, 5, 6, 7, 8], extra_key="lora")
+    t4.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])  # [1, 9, 9, 9] is now the least recent leaf
+    # The clash stays after one of them leaves; a third child with that token is paged too.
+    assert t4.evict(4) == 4 and list(k for k in t4.root.children if k != ("lora", (1, 2, 3, 4))) == [(1, 2, 3, 4)]
+    t4.insert([1, 7, 7, 7], np.arange(40, 44))
+    assert (1, 7, 7, 7) in t4.root.children and t4.match_prefix([1, 7, 7, 7]).prefix_len == 4
+    # Splits keep the upper part under the same key; the lower part is its only child.
+    t4.insert([1, 2, 3, 4, 0, 0, 0, 0], np.arange(50, 58))
+    upper = t4.root.children[(1, 2, 3, 4)]
+    assert upper.klen == 4 and sorted(upper.children) == [0, 5]
+    t4.sanity_check()
 
 
 # ------------------------------------------------------------------------- locks
@@ -303,7 +330,7 @@ def test_bigram_keys_are_one_shorter():
     assert t.match_prefix([1]).prefix_len == 0
     assert t.insert([1, 2, 3, 5, 6], arr(10, 20, 35, 50, 60)) == 2
     assert t.match_prefix(np.array([1, 2, 3, 5, 6])).indices.tolist() == [10, 20, 35, 50]
-    assert list(t.root.children) == [(1, 2)]
+    assert list(t.root.children) == [1]  # filed by first token; (1, 2) is SGLang's key
     t.sanity_check()
 
 
@@ -332,7 +359,7 @@ def test_stats_and_force_miss():
     assert m.prefix_len == 0 and m.last_node is t.root and t.stats.hit_tokens == 4
     # The walk still ran: a match ending inside a node still splits it.
     t.match_prefix([1, 2, 7, 7])
-    assert t.root.children[(1, 2)].klen == 2
+    assert t.root.children[1].klen == 2
     assert t.insert([1, 2, 3, 4], arr(20, 21, 22, 23)) == 4  # inserts still see the cache
     t.force_miss = False
     assert t.match_prefix([1, 2, 3, 4]).prefix_len == 4
