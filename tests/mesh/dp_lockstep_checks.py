@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import json
 
-import jax
-
-from kvjax import ModelSpec
 from kvjax.demo_config import MAX_BATCH
 from kvjax.dp.lockstep import LockstepDPScheduler
-from kvjax.serve.model import init_params
 from kvjax.serve.workload import run_workload
-from tests.serve.dp_serving import dp2_config, single_scheduler_outputs
+from tests.serve.dp_serving import dp2_config, tiny_dp2_setup
 from tests.workloads import SMALL_THREE_GROUPS as WORKLOAD
 
 
 def main() -> dict:
-    spec = ModelSpec.preset("tiny")
-    params = init_params(spec, seed=0)
-    expected = single_scheduler_outputs(spec, params, WORKLOAD)
-    mesh = jax.make_mesh((2, 1), ("data", "tp"))
+    spec, params, expected, mesh = tiny_dp2_setup(WORKLOAD)
     result: dict = {}
     outputs = {}
     for label, radix_off in (("cold", True), ("warm", False)):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from kvjax import CacheConfig, ModelSpec
 from kvjax.demo import demo_cache
 from kvjax.demo_config import MAX_BATCH, demo_config
-from kvjax.serve.model import Params
+from kvjax.serve.model import Params, init_params
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.workload import Workload, run_workload
 
@@ -24,6 +26,16 @@ def single_scheduler_outputs(spec: ModelSpec, params: Params, workload: Workload
     """Each request's output tokens, by name, served by one ``Scheduler`` over one cache."""
     cache = demo_cache(max_total_tokens=POOL_TOKENS, context_length=CONTEXT_LENGTH)
     return run_workload(Scheduler(spec, cache, params, max_batch_size=MAX_BATCH), workload)
+
+
+def tiny_dp2_setup(workload: Workload) -> tuple[ModelSpec, Params, dict[str, list[int]], jax.sharding.Mesh]:
+    """What the lockstep DP checks start from: the tiny model, its weights (seed 0), one
+    scheduler's outputs for ``workload`` (``single_scheduler_outputs``) and the ``("data", "tp")``
+    mesh of 2 x 1 host devices."""
+    spec = ModelSpec.preset("tiny")
+    params = init_params(spec, seed=0)
+    expected = single_scheduler_outputs(spec, params, workload)
+    return spec, params, expected, jax.make_mesh((2, 1), ("data", "tp"))
 
 
 def dp2_config(**changes: Any) -> CacheConfig:
