@@ -284,9 +284,11 @@ class RadixCache(TieredTree):
         already-cached part when they differ from the tree's.
 
         ``donate_key=True`` hands a ``list`` key over to the tree, as a donated buffer is handed
-        to a jitted call: when none of it was cached, the new node keeps the list itself as its
-        edge instead of a copy (cutting off a partial page in place), and a later split cuts it
-        in place. The caller must not read or change the list afterwards. SGLang's and
+        to a jitted call: the new node keeps the list itself instead of a copy (cutting off a
+        partial page in place): as its edge when none of it was cached (a later split cuts it in
+        place), else while the cached head is at most ``walk.SHARE_MAX_HEAD`` times the new
+        edge, as the list its edge is the tail of (``TreeNode.kshare``). The caller must not
+        read or change the list afterwards. SGLang's and
         sglang-jax's trees always keep the caller's key object this way; kvjax copies unless
         asked, and its request lifecycle donates the keys it builds itself.
 
