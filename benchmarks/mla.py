@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import machine, median_seconds  # noqa: E402
 from benchmarks.mla_roofline import layer_roofline  # noqa: E402
+from kvjax.layout.mha import MHALayout  # noqa: E402
+from kvjax.layout.mla import MLALayout  # noqa: E402
 from kvjax.pools import MLAKVPool  # noqa: E402
-from kvjax.pools.mha_layout import MHALayout  # noqa: E402
-from kvjax.pools.mla_layout import MLALayout  # noqa: E402
 from pallas_kernels.mla_ragged_paged_attention import (  # noqa: E402
     mla_ragged_paged_attention,
     mla_ragged_paged_attention_reference,

@@ -39,6 +39,7 @@ from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.kinds.swa import SWA_HOST_POOL_NAME
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.mesh_check import DCP_AXIS, KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
@@ -46,7 +47,6 @@ from kvjax.plan.dcp import check_dcp_plan_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.forwarded import Forwarded
 from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache

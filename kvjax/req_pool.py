@@ -23,7 +23,7 @@ from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
 if TYPE_CHECKING:
     import jax
 
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.pools.registry import BuildContext
 
 __all__ = ["ReqToTokenPool", "create_pool"]

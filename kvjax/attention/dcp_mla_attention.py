@@ -24,6 +24,7 @@ from kvjax.attention.dcp_merge import partial_softmax
 from kvjax.attention.dcp_striped_layer import StripedKeys, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide
+from kvjax.mesh_check import KV_HEAD_AXIS
 from kvjax.pools import MLAKVPool
 
 __all__ = ["dcp_mla_attention", "striped_partial_mla_attention"]
@@ -98,18 +99,16 @@ def dcp_mla_attention(
     axis = pool.context_axis
     if mesh is None or axis is None:
         raise ValueError(f"MLA layer {layer_id}'s pool is not striped over a mesh's DCP axis; use mla_attention")
-    from kvjax.build import KV_HEAD_MESH_AXIS as heads_axis
-
     meta = meta.as_device_arrays()
     index = pool.layer_index(layer_id)
     dcp = int(mesh.shape[axis])
     scale = pool.scale[index]
     row = jnp.concatenate([jnp.asarray(c_kv, jnp.float32), jnp.asarray(k_pe, jnp.float32)], axis=1)
     packed = pool._quantise(row, scale)
-    check_heads_divide(f"MLA layer {layer_id}'s query", q_latent.shape[1], mesh, heads_axis)
+    check_heads_divide(f"MLA layer {layer_id}'s query", q_latent.shape[1], mesh, KV_HEAD_AXIS)
 
     attend_stripe = partial(striped_partial_mla_attention, dcp=dcp, sm_scale=sm_scale)
-    queries, heads = (q_latent, q_rope), P(None, heads_axis, None)
+    queries, heads = (q_latent, q_rope), P(None, KV_HEAD_AXIS, None)
     metadata = (meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
     return run_striped_layer(
         pool, index, mesh, attend_stripe, packed, meta.out_loc, queries, heads, metadata, {"kv_scale": scale}

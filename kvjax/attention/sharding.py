@@ -2,7 +2,7 @@
 
 Pallas kernels are not partitioned automatically: over a mesh, a kernel runs inside
 ``jax.shard_map`` on each device's slice. The query's head axis and the pool's combined K/V head
-axis are sharded over the mesh's KV-head axis (``"tp"``, ``kvjax.build.KV_HEAD_MESH_AXIS``); the
+axis are sharded over the mesh's KV-head axis (``"tp"``, ``kvjax.mesh_check.KV_HEAD_AXIS``); the
 metadata and scales are replicated. Each device holds whole KV heads (K and V of head ``h`` are
 adjacent, ``kvjax.pools.mha``) and the query heads of a GQA group are contiguous
 (``q head i`` reads ``kv head i // group``), so contiguous blocks of both line up. With no mesh
@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from kvjax.mesh_check import KV_HEAD_AXIS
 
 __all__ = [
     "check_heads_divide",
@@ -82,9 +84,7 @@ def head_axis(pool: Any) -> str:
     axis = getattr(pool, "kv_head_axis", None)
     if axis is not None:
         return str(axis)
-    from kvjax.build import KV_HEAD_MESH_AXIS
-
-    return KV_HEAD_MESH_AXIS
+    return KV_HEAD_AXIS
 
 
 def check_heads_divide(what: str, heads: int, mesh: Mesh, axis: str) -> None:

@@ -43,9 +43,9 @@ from kvjax.build import KV_HEAD_MESH_AXIS, device_memory_limit_bytes, plan_alloc
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.kinds import CacheKind, cache_kinds_of
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext, pool_kind
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache

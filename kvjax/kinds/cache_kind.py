@@ -28,12 +28,12 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.kinds.host_tier import TransferContext
     from kvjax.kinds.planning import AttentionChoice, OwnTree, TokenSplit
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes, StageLayers, Target
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.plan.tree_options import TreeOptions
     from kvjax.protocols import AllocatorProtocol
     from kvjax.radix.tree_inputs import TreeInputs
-    from kvjax.radix.tree_options import TreeOptions
     from kvjax.req_pool import ReqToTokenPool
     from kvjax.serve.extension import ServingExtension
     from kvjax.spec import ModelSpec

@@ -17,12 +17,12 @@ from kvjax.kinds.pool_kind import PoolKind
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.kinds.planning import AttentionChoice
+    from kvjax.layout.mha import MHALayout
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan.records import Sizes, Target
-    from kvjax.pools.mha_layout import MHALayout
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.plan.tree_options import TreeOptions
     from kvjax.radix import ChunkCache, RadixCache
     from kvjax.radix.tree_inputs import TreeInputs
-    from kvjax.radix.tree_options import TreeOptions
     from kvjax.spec import ModelSpec
 
 POOL = PoolKind("mha", "device", "the full-attention paged K/V pool", "kvjax.pools.mha:create_pool")
@@ -37,8 +37,8 @@ def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dty
     """The paged K/V layout with the model's KV heads split over the attention-TP ranks as SGLang
     splits them (each replicated when the ranks outnumber the heads)."""
     from kvjax.kinds.planning import AttentionChoice
+    from kvjax.layout.mha import MHALayout
     from kvjax.plan.target import kv_heads_per_rank
-    from kvjax.pools.mha_layout import MHALayout
 
     attn_tp = config.attn_tp_size
     heads, replicas = kv_heads_per_rank(spec.num_kv_heads, attn_tp)
@@ -63,7 +63,7 @@ def layout_pool(layout: MHALayout, name: str, num_pages: int, layer_ids: tuple[i
 
 def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     """``"kv"`` over the stage's attention layers (none without one)."""
-    from kvjax.pools.mha_layout import MHALayout
+    from kvjax.layout.mha import MHALayout
 
     stage = sizes.stage
     if not stage.kv_layers:

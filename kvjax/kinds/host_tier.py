@@ -20,9 +20,9 @@ from kvjax.kinds.pool_kind import PoolKind
 if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.device_updates import PendingDeviceUpdates
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes
-    from kvjax.pools.pool_plan import PoolPlan
     from kvjax.protocols import AllocatorProtocol
     from kvjax.serve.extension import ServingExtension
 
@@ -65,7 +65,7 @@ def host_pool_plan(device: PoolPlan, name: str) -> PoolPlan:
 def host_kv_pool(layout: Any, num_pages: int, name: str, layer_ids: tuple[int, ...]) -> PoolPlan:
     """The host pool ``name`` of ``num_pages`` pages (+ the trash page) over ``layer_ids``, in the
     attention ``layout`` (a latent layout: its latent row, without indexer keys)."""
-    from kvjax.pools.mla_layout import MLALayout
+    from kvjax.layout.mla import MLALayout
 
     if isinstance(layout, MLALayout):
         device = layout.pool_plans(num_pages=num_pages, layer_ids=layer_ids, built=False)[0]

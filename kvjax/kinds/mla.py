@@ -20,10 +20,10 @@ if TYPE_CHECKING:
     from kvjax.attention.options import AttentionOptions
     from kvjax.config import CacheConfig
     from kvjax.kinds.planning import AttentionChoice
+    from kvjax.layout.mla import MLALayout
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan.records import Sizes, Target
     from kvjax.pools import MLAKVPool
-    from kvjax.pools.mla_layout import MLALayout
-    from kvjax.pools.pool_plan import PoolPlan
     from kvjax.spec import ModelSpec
 
 POOL = PoolKind(
@@ -46,7 +46,7 @@ def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dty
     """The latent row (and, for DSA, the indexer keys): one latent "head", replicated on every
     attention-TP rank."""
     from kvjax.kinds.planning import AttentionChoice
-    from kvjax.pools.mla_layout import MLALayout
+    from kvjax.layout.mla import MLALayout
 
     assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None  # ModelSpec checks it
     mla = MLALayout.for_platform(
@@ -70,7 +70,7 @@ def layout_pool(layout: MLALayout, name: str, num_pages: int, layer_ids: tuple[i
 
 def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     """The latent pool (and the DSA indexer keys) over the stage's attention layers."""
-    from kvjax.pools.mla_layout import MLALayout
+    from kvjax.layout.mla import MLALayout
 
     layer_ids = tuple(sorted(sizes.stage.full + sizes.stage.swa))
     if not layer_ids:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.layout.pool_plan import PoolPlan
 
 __all__ = ["BuildContext", "PoolKind", "resolve"]
 

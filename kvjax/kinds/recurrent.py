@@ -26,12 +26,12 @@ from kvjax.kinds.pool_kind import PoolKind
 if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.config import CacheConfig
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes, Target
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.plan.tree_options import TreeOptions
     from kvjax.radix import MambaRadixCache
     from kvjax.radix.tree_inputs import TreeInputs
-    from kvjax.radix.tree_options import TreeOptions
     from kvjax.req_pool import ReqToTokenPool
     from kvjax.serve.extension import ServingExtension
     from kvjax.spec import ModelSpec

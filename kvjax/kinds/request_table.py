@@ -11,9 +11,9 @@ from kvjax.kinds.pool_kind import PoolKind
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes, Target
-    from kvjax.pools.pool_plan import PoolPlan
     from kvjax.spec import ModelSpec
 
 POOL = PoolKind("request_table", "host", "the request -> token-slot table", "kvjax.req_pool:create_pool")
@@ -33,7 +33,7 @@ def applies(spec: ModelSpec, config: CacheConfig) -> bool:
 
 def state_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     """The table: ``max_running_requests`` rows of ``req_to_token_width`` int32 slots, on the host."""
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.layout.pool_plan import PoolPlan
 
     rows, width = sizes.max_running_requests, sizes.req_to_token_width
     return (

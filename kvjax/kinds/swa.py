@@ -31,12 +31,12 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.kinds.host_tier import TransferContext
     from kvjax.kinds.planning import OwnTree, TokenSplit
+    from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan import CachePlan
     from kvjax.plan.records import Sizes, StageLayers, Target
-    from kvjax.pools.pool_plan import PoolPlan
+    from kvjax.plan.tree_options import TreeOptions
     from kvjax.radix import PureSWAChunkCache, PureSWARadixCache, SWAChunkCache, SWARadixCache
     from kvjax.radix.tree_inputs import TreeInputs
-    from kvjax.radix.tree_options import TreeOptions
     from kvjax.serve.extension import ServingExtension
     from kvjax.spec import ModelSpec
 
@@ -95,7 +95,7 @@ def split_tokens(
 def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...] | None:
     """``"kv_full"`` (the full layers; none when pure) and ``"kv_swa"``, built together as one
     ``SWAKVPool``; None over a latent layout (the MLA kind plans every layer in one pool)."""
-    from kvjax.pools.mha_layout import MHALayout
+    from kvjax.layout.mha import MHALayout
 
     attention, stage, ps = target.attention, sizes.stage, sizes.alloc_page_size
     if not isinstance(attention, MHALayout):

@@ -48,12 +48,12 @@ is SGLang's "disabled tree": it never matches, like a chunk cache.
 
 from __future__ import annotations
 
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.cache_plan import CachePlan
 from kvjax.plan.pipeline import plan_kv_cache
 from kvjax.plan.records import HostTier, ModelKind, Sizes, StageLayers, Target, TreeChoice
 from kvjax.plan.render import fmt_bytes
 from kvjax.plan.sizing import DEFAULT_MEM_FRACTION_STATIC, REQ_TABLE_EXTRA_TOKENS
-from kvjax.pools.pool_plan import PoolPlan
 
 __all__ = [
     "DEFAULT_MEM_FRACTION_STATIC",

@@ -13,12 +13,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.draft import DraftModel
 from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target, TreeChoice
 from kvjax.plan.tree import tree_options
-from kvjax.pools.pool_plan import PoolPlan
-from kvjax.radix.tree_options import TreeOptions
+from kvjax.plan.tree_options import TreeOptions
 
 FLAT_FIELDS = (
     "model",

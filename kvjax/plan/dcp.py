@@ -29,8 +29,8 @@ from __future__ import annotations
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.kinds.planning import kinds_named
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.records import ModelKind
-from kvjax.pools.pool_plan import PoolPlan
 
 __all__ = ["check_dcp_config", "check_dcp_plan_buildable"]
 

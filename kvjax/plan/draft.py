@@ -39,10 +39,10 @@ from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.host_tier import host_kv_pool
 from kvjax.kinds.planning import kv_pool_kind_owner, layout_kind
 from kvjax.kinds.registry import cache_kind, cache_kinds
+from kvjax.layout.mha import MHALayout
+from kvjax.layout.mla import MLALayout
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.records import ModelKind, Target
-from kvjax.pools.mha_layout import MHALayout
-from kvjax.pools.mla_layout import MLALayout
-from kvjax.pools.pool_plan import PoolPlan
 from kvjax.spec import LayerKind, ModelSpec
 
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")

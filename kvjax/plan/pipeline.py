@@ -8,13 +8,13 @@ from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.plan.cache_plan import CachePlan
 from kvjax.plan.dcp import check_dcp_config
 from kvjax.plan.draft import decide_draft, draft_pool_plans
+from kvjax.plan.host_sizing import check_host_memory, validate_retraction_host_capacity
 from kvjax.plan.model_kind import decide_model_kind
 from kvjax.plan.pool_plans import plan_pools
 from kvjax.plan.sizing import decide_sizes
 from kvjax.plan.target import check_pipeline_stages, decide_target
 from kvjax.plan.tree import decide_host_tier, decide_retraction_backup, decide_tree
 from kvjax.spec import ModelSpec
-from kvjax.tiers.host_sizing import check_host_memory, validate_retraction_host_capacity
 
 
 def plan_kv_cache(

@@ -22,8 +22,8 @@ import dataclasses
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
 from kvjax.kinds.planning import by_priority, kinds_named
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target
-from kvjax.pools.pool_plan import PoolPlan
 
 
 def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) -> tuple[PoolPlan, ...]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvjax.pools.mha_layout import MHALayout
-from kvjax.pools.mla_layout import MLALayout
-from kvjax.pools.recurrent_layout import RecurrentLayout
+from kvjax.layout.mha import MHALayout
+from kvjax.layout.mla import MLALayout
+from kvjax.layout.recurrent import RecurrentLayout
 
 
 @dataclass(frozen=True)

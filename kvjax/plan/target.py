@@ -24,10 +24,10 @@ import dataclasses
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.kinds.planning import layout_kind
+from kvjax.layout import storage
+from kvjax.layout.alignment import tpu_packing
+from kvjax.layout.recurrent import RecurrentLayout
 from kvjax.plan.records import ModelKind, Target
-from kvjax.pools import storage
-from kvjax.pools.alignment import tpu_packing
-from kvjax.pools.recurrent_layout import RecurrentLayout
 from kvjax.spec import ModelSpec
 
 DEFAULT_PLATFORM = "tpu"

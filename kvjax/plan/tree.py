@@ -10,10 +10,10 @@ from kvjax.errors import ConfigError
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.planning import kinds_named
 from kvjax.plan.draft import DRAFT_MODEL_ALGORITHMS
+from kvjax.plan.host_sizing import host_pool_tokens
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
-from kvjax.radix.tree_options import TreeOptions
+from kvjax.plan.tree_options import TreeOptions
 from kvjax.spec import ModelSpec
-from kvjax.tiers.host_sizing import host_pool_tokens
 
 logger = logging.getLogger("kvjax.plan")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.lazy import lazy_getattr
-from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import POOL_KINDS, BuildContext, PoolKind, pool_kind
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """`DSAIndexerKeyPool`: the DeepSeek sparse-attention (DSA, V3.2) indexer's key cache, paged like the
 latent pool it rides along with, as an immutable pytree.
 
-One uint8 array per layer in SGLang's NSA page layout (``kvjax.pools.mla_layout``)::
+One uint8 array per layer in SGLang's NSA page layout (``kvjax.layout.mla``)::
 
     index_k[layer] : [num_pages + 1, page_size * (D + D // 128 * 4)]   D = index_head_dim
 
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from kvjax.layout.mla import INDEXER_SCALE_BLOCK, INDEXER_SCALE_BYTES
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
-from kvjax.pools.mla_layout import INDEXER_SCALE_BLOCK, INDEXER_SCALE_BYTES
 
 #: Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0

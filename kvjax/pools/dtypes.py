@@ -8,7 +8,7 @@ integer of the same width and bit-cast on every read and write:
 * fp8 is stored as uint8 on CPU for the same reason (SGLang does the same on GPU because
   ``index_put`` lacks fp8).
 
-Which dtype is stored where is decided by name in ``kvjax.pools.storage`` (jax-free, for the
+Which dtype is stored where is decided by name in ``kvjax.layout.storage`` (jax-free, for the
 planner); this module only turns those names into jax dtypes. Bit-casting between types of the
 same width is free in XLA (no data movement).
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.pools import storage
-from kvjax.pools.storage import is_fp8
+from kvjax.layout import storage
+from kvjax.layout.storage import is_fp8
 
 __all__ = ["from_storage", "is_fp8", "logical_dtype", "storage_dtype", "to_storage"]
 

@@ -1,7 +1,7 @@
 """`MHAKVPool`: the paged K/V pool of full-attention (MHA/GQA/MQA) layers, as an immutable pytree.
 
 Layout (one array per layer, tpu-inference's ragged-paged-attention layout; the shape and the
-padding rule are written once, in ``kvjax.pools.mha_layout`` and ``kvjax.pools.alignment``)::
+padding rule are written once, in ``kvjax.layout.mha`` and ``kvjax.layout.alignment``)::
 
     kv[layer] : [num_pages + 1, page_size, 2 * num_kv_heads, head_dim_padded]   (storage dtype)
 
@@ -32,11 +32,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kvjax.layout.mha import MHALayout
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools import dtypes
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
-from kvjax.pools.mha_layout import MHALayout
 from kvjax.pools.planned import planned_layers, planned_layout
-from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.kv_write import write_kv
@@ -115,7 +115,7 @@ class MHAKVPool(PagedLayers, StripedOverContext, Pool):
     ) -> MHAKVPool:
         """Allocate a zeroed pool of ``num_pages`` allocatable pages (plus the trash page).
 
-        ``head_dim_alignment`` defaults to the platform's (``kvjax.pools.alignment``: 128 on TPU,
+        ``head_dim_alignment`` defaults to the platform's (``kvjax.layout.alignment``: 128 on TPU,
         1 elsewhere). Each layer is created
         directly on its device(s) (no host staging), one at a time. With a ``mesh``, the combined
         K/V head axis is sharded over its ``kv_head_axis`` (each device holds whole heads, K and V

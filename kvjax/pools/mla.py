@@ -6,7 +6,7 @@ MLA caches one latent row per token and layer instead of K and V per head (SGLan
     kv[layer] : [num_pages + 1, page_size, row_padded]   (storage dtype)
     row = kv_lora_rank (compressed KV, "k_nope") + qk_rope_head_dim (rotated key, "k_rope"), zero-padded
 
-(the layout is written once, in ``kvjax.pools.mla_layout``). K is the whole row and V is its first
+(the layout is written once, in ``kvjax.layout.mla``). K is the whole row and V is its first
 ``kv_lora_rank`` elements: attention in the absorbed form reads the row once for both
 (``pallas_kernels.mla_ragged_paged_attention``).
 
@@ -43,11 +43,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kvjax.layout.mla import MLALayout
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools import dtypes
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
-from kvjax.pools.mla_layout import MLALayout
 from kvjax.pools.planned import planned_layers, planned_layout
-from kvjax.pools.pool_plan import PoolPlan
 from kvjax.pools.registry import BuildContext
 from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.validate import check_kv_scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from kvjax.pools.pool_plan import PoolPlan
+from kvjax.layout.pool_plan import PoolPlan
 
 __all__ = ["planned_layers", "planned_layout"]
 

@@ -1,7 +1,7 @@
 """`RecurrentStatePool`: the per-request recurrent state of hybrid SSM / linear-attention models
 (SGLang's ``MambaPool`` state), as an immutable pytree.
 
-Layout (the shapes are planned once, in ``kvjax.pools.recurrent_layout``), one array per tensor
+Layout (the shapes are planned once, in ``kvjax.layout.recurrent``), one array per tensor
 kind over all recurrent layers of the stage::
 
     conv[i] : [num_layers, num_slots + 1, *conv_state_shapes[i]]   (conv dtype, storage form)
@@ -38,11 +38,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.errors import InvalidSlotError
+from kvjax.layout.pool_plan import PoolPlan
+from kvjax.layout.recurrent import RecurrentLayout
 from kvjax.pools import dtypes
 from kvjax.pools.base import LayerStack, Pool, check_slots, is_traced, route_to_trash, static_field
 from kvjax.pools.planned import planned_layout
-from kvjax.pools.pool_plan import PoolPlan
-from kvjax.pools.recurrent_layout import RecurrentLayout
 from kvjax.pools.registry import BuildContext
 from pallas_kernels import validate
 from pallas_kernels.state_slots import copy_state_slots, zero_slots

@@ -8,6 +8,7 @@ components (``TreeComponent``; see ``component.py``). Importing this package imp
 jax nor the Pallas kernels.
 """
 
+from kvjax.plan.tree_options import TreeOptions
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
@@ -31,7 +32,6 @@ from kvjax.radix.swa_chunk_cache import PureSWAChunkCache, SWAChunkCache
 from kvjax.radix.swa_component import SWAComponent, SWAInsertPayload, SWALockPart
 from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.radix.tree import RadixTree, TreeInvariantError
-from kvjax.radix.tree_options import TreeOptions
 
 __all__ = [
     "AllBlocksCleared",

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvjax.errors import ConfigError
 from kvjax.kinds.cache_kind import CacheKind
 from kvjax.kinds.registry import cache_kinds
+from kvjax.plan.tree_options import TreeOptions
 from kvjax.radix.events import EventSink
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.radix.tree_inputs import TreeInputs
-from kvjax.radix.tree_options import TreeOptions
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol

@@ -7,11 +7,11 @@ double) are host-side; ``kvjax.tiers.transfer`` (the device engine) and
 ``kvjax.tiers.device_pages`` import jax when they are imported.
 """
 
+from kvjax.plan.host_sizing import check_host_memory, host_pool_tokens
 from kvjax.tiers.copy_engine import CopyEngine, CopyError, TransferStatus
 from kvjax.tiers.host_allocator import HostSlotAllocator
 from kvjax.tiers.host_layout import HOST_LAYOUTS, HostLayout
 from kvjax.tiers.host_pool import HostKVPool
-from kvjax.tiers.host_sizing import check_host_memory, host_pool_tokens
 from kvjax.tiers.simulated_copy import SimulatedCopyEngine
 
 __all__ = [

@@ -187,7 +187,7 @@ def create_host_pool(pool: Any, context: Any) -> HostKVPool:
     every distinct head shard once (``kvjax.plan.pool_plans``); the build records
     ``kv_head_replicas`` on the pool for the transfer engine.
     """
-    from kvjax.pools import storage
+    from kvjax.layout import storage
 
     pages, *row = pool.shape
     itemsize = storage.itemsize(pool.layout.dtype) if hasattr(pool.layout, "dtype") else np.dtype(pool.dtype).itemsize

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvjax.pools.storage import is_fp8, logical_dtype_name
+from kvjax.layout.storage import is_fp8, logical_dtype_name
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.tiers.device_pages import page_layers
 from kvjax.tiers.head_shards import HeadShards

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.kinds import BuildContext, CacheKind, PoolKind
-from kvjax.pools.pool_plan import PoolPlan
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.serve.extension import ServingExtension, StepBatch
 
 MODEL_NAME = "toy-counter"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvjax import ConfigError
-from kvjax.pools.alignment import head_dim_alignment, tpu_packing
-from kvjax.pools.mha_layout import MHALayout
-from kvjax.pools.mla_layout import MLALayout
-from kvjax.pools.recurrent_layout import RecurrentLayout
-from kvjax.pools.storage import storage_dtype_name
+from kvjax.layout.alignment import head_dim_alignment, tpu_packing
+from kvjax.layout.mha import MHALayout
+from kvjax.layout.mla import MLALayout
+from kvjax.layout.recurrent import RecurrentLayout
+from kvjax.layout.storage import storage_dtype_name
 from kvjax.spec import RecurrentStateSpec
 
 

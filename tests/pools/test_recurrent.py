@@ -148,7 +148,7 @@ def test_fork_from_or_into_a_free_slot_is_refused_by_the_allocator():
 
 
 def test_registry_builds_one_pool_from_the_planned_tensors():
-    from kvjax.pools.recurrent_layout import RecurrentLayout
+    from kvjax.layout.recurrent import RecurrentLayout
     from kvjax.pools.registry import BuildContext, pool_kind
     from kvjax.spec import RecurrentStateSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvjax import ConfigError
-from kvjax.pools.mha_layout import MHALayout
+from kvjax.layout.mha import MHALayout
 from kvjax.pools.registry import POOL_KINDS, BuildContext, PoolKind, is_built, pool_kind
 
 

@@ -11,12 +11,12 @@ from kvjax import CacheConfig, ModelSpec, build_kv_cache
 from kvjax.demo_config import demo_config
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
+from kvjax.plan.host_sizing import validate_retraction_host_capacity
 from kvjax.pools import CachePools, MHAKVPool
 from kvjax.radix import HiRadixCache
 from kvjax.serve.model import init_params
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.tiers import SimulatedCopyEngine
-from kvjax.tiers.host_sizing import validate_retraction_host_capacity
 from kvjax.tiers.retraction_backup import RetractionBackup
 
 

@@ -19,8 +19,8 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax.layout.mla import MLALayout
 from kvjax.pools import DSAIndexerKeyPool, MLAKVPool
-from kvjax.pools.mla_layout import MLALayout
 
 PAGE, RANK, ROPE, LAYERS, TOKENS, INDEX_DIM = 64, 512, 64, 2, 256, 128
 

@@ -11,7 +11,7 @@ head axis there would pad every token to a whole tile; with ``page_size`` as the
 page is one dense ``[page_size, row_padded]`` tile block, which the MLA attention kernel fetches
 with one DMA and multiplies as it is. Element ``[:kv_lora_rank]`` of a row is the compressed KV
 (``k_nope``), ``[kv_lora_rank:row]`` the rotated ``k_rope``, the rest zero. ``row_padded`` is the
-row rounded up to the platform's alignment (``kvjax.pools.alignment``: 576 -> 640 on TPU).
+row rounded up to the platform's alignment (``kvjax.layout.alignment``: 576 -> 640 on TPU).
 
 DSA indexer, one uint8 array per layer, SGLang's NSA page layout::
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvjax.pools import storage
-from kvjax.pools.alignment import head_dim_alignment, round_up
-from kvjax.pools.pool_plan import PoolPlan
+from kvjax.layout import storage
+from kvjax.layout.alignment import head_dim_alignment, round_up
+from kvjax.layout.pool_plan import PoolPlan
 
 INDEXER_SCALE_BLOCK = 128
 INDEXER_SCALE_BYTES = 4

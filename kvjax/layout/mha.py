@@ -7,16 +7,16 @@ One array per layer::
 
 Page 0 is the trash page. Along the combined head axis, index ``2h`` is K of KV head ``h`` and
 ``2h + 1`` its V. ``head_dim_padded`` is ``max(head_dim, v_head_dim)`` rounded up to the platform's
-alignment (``kvjax.pools.alignment``): tpu-inference's ragged-paged-attention layout.
+alignment (``kvjax.layout.alignment``): tpu-inference's ragged-paged-attention layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvjax.pools import storage
-from kvjax.pools.alignment import head_dim_alignment, round_up
-from kvjax.pools.pool_plan import PoolPlan
+from kvjax.layout import storage
+from kvjax.layout.alignment import head_dim_alignment, round_up
+from kvjax.layout.pool_plan import PoolPlan
 
 
 @dataclass(frozen=True)

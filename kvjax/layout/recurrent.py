@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 
 from kvjax.errors import ConfigError
-from kvjax.pools import storage
-from kvjax.pools.pool_plan import PoolPlan
+from kvjax.layout import storage
+from kvjax.layout.pool_plan import PoolPlan
 from kvjax.spec import RecurrentStateSpec
 
 
