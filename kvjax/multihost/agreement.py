@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from kvjax.multihost.channel import Channel
 from kvjax.multihost.errors import DivergenceError
-from kvjax.tiers.copy_engine import TransferStatus
+from kvjax.transfer_status import TRANSFER_STATUS_RANK, TransferStatus
 
 __all__ = ["Agreement", "LocalAgreement", "ProcessAgreement", "agree_statuses"]
 
@@ -76,9 +76,8 @@ class ProcessAgreement:
         return agreed
 
 
-# PENDING < FAILED < DONE: the minimum is pending while any process waits, failed if any failed.
-_RANK = {TransferStatus.PENDING: 0, TransferStatus.FAILED: 1, TransferStatus.DONE: 2}
-_STATUS = {rank: status for status, rank in _RANK.items()}
+# The agreed minimum rank back to its status (PENDING < FAILED < DONE: kvjax.transfer_status).
+_STATUS_OF_RANK = {rank: status for status, rank in TRANSFER_STATUS_RANK.items()}
 
 
 def agree_statuses(agreement: Agreement, tag: str, statuses: Sequence[TransferStatus]) -> list[TransferStatus]:
@@ -86,4 +85,5 @@ def agree_statuses(agreement: Agreement, tag: str, statuses: Sequence[TransferSt
     failed on any, DONE only when done everywhere."""
     if agreement.is_local:
         return list(statuses)
-    return [_STATUS[r] for r in agreement.agree_min(tag, [_RANK[s] for s in statuses])]
+    ranks = agreement.agree_min(tag, [TRANSFER_STATUS_RANK[s] for s in statuses])
+    return [_STATUS_OF_RANK[r] for r in ranks]

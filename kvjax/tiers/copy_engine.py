@@ -17,20 +17,20 @@ Contract of an engine:
 * ``poll(handle, wait=False)``: PENDING, DONE (the bytes landed) or FAILED (a backup that did
   not land: the host slots hold garbage). ``wait=True`` blocks until it is not PENDING.
 * ``cancel(handle)``: the transfer must never land (its slots are about to be reused).
+
+`TransferStatus` is defined in the core module ``kvjax.transfer_status`` (so the multi-process
+agreement orders statuses without importing the host tier) and re-exported here.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from kvjax.transfer_status import TransferStatus
 
-class TransferStatus(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
+__all__ = ["CopyEngine", "CopyError", "TransferStatus"]
 
 
 class CopyError(RuntimeError):
