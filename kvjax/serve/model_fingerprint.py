@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.version import __version__
+
 CHECKPOINT_PREFIX = "ckpt-"
 RANDOM_PREFIX = "random-"
 _DIGEST_HEX = 32  # 128 bits
@@ -62,10 +64,9 @@ class WeightsHasher:
 def random_weights_fingerprint(model: Any, seed: int) -> str:
     """``"random-"`` and 32 hex digits: the fingerprint of ``init_params(model, seed=seed)``'s
     weights (``model``: a ``ModelSpec`` or ``ModelConfig``)."""
-    import kvjax
     from kvjax.serve.model import as_model_config
 
-    record = {"config": repr(as_model_config(model)), "seed": int(seed), "kvjax": kvjax.__version__}
+    record = {"config": repr(as_model_config(model)), "seed": int(seed), "kvjax": __version__}
     return RANDOM_PREFIX + _digest(record)
 
 
