@@ -8,8 +8,9 @@ its kind: device pools (zeros, created directly on their devices, sharded over t
 given) and the request→token table; then the token allocator and the tree cache
 (``kvjax.radix.create_tree_cache`` picks it from the plan). Whatever depends on the kind of
 cached state (pools a kind adds, the request table's wrapper, the allocator, the host tier's
-transfer engine) comes from the cache kinds the plan uses (``kvjax.kinds.cache_kinds_of``), in
-their registry order; this module names no kind.
+transfer engine) comes from the cache kinds the plan uses (``kvjax.plan.kinds.planner_kinds_of``),
+in the kinds' order, through each kind's registration in its layer (``kvjax.radix.kinds``,
+``kvjax.pools.registry``, ``kvjax.tiers.transfer_engines``); this module names no kind.
 
 Ownership of device state: the owner of the step (the serving scheduler, or a user's own loop)
 owns the current device state; a ``KVCache`` holds what the owner last handed in
@@ -36,9 +37,6 @@ from kvjax.attention.sharding import serving_mesh
 from kvjax.config import CacheConfig
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
-from kvjax.kinds import CacheKind, cache_kinds_of
-from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
-from kvjax.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.mesh_check import DCP_AXIS, KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -46,10 +44,14 @@ from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.dcp import check_dcp_plan_buildable
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.forwarded import Forwarded
+from kvjax.plan.kinds import PlannerKind, planner_kinds_of
+from kvjax.plan.kinds.host_tier import HOST_KV
+from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.registry import BuildContext, pool_kind
+from kvjax.pools.registry import BuildContext, create_pool, create_pool_group, is_grouped, require_builder
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
+from kvjax.radix.kinds import HOST_KINDS
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
@@ -285,7 +287,7 @@ def build_kv_cache(
         spec, config, device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory, draft_spec=draft_spec
     )
     for pool in plan.pools:
-        pool_kind(pool.kind).require_built(plan.model)
+        require_builder(pool.kind, plan.model)
     check_host_tier_buildable(plan)
     check_dcp_plan_buildable(config, plan.pools)
     check_draft_buildable(plan, config)
@@ -293,12 +295,12 @@ def build_kv_cache(
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
         _check_sharded_host_pools(plan, config)
 
-    kinds = cache_kinds_of(plan)
+    kinds = planner_kinds_of(plan)
     plan, device, req_to_token_pool, host_pools = _create_pools(plan, config, mesh, kinds, device_only=False)
     if req_to_token_pool is None or not device:
         raise AssertionError(f"plan {plan.model} lists no request table or no device pool: {plan.pools}")
     assert isinstance(req_to_token_pool, ReqToTokenPoolProtocol)
-    host_pool = host_pools.get("host_kv")
+    host_pool = host_pools.get(HOST_KV)
     allocator = plan_allocator(plan, kinds)
     pools = CachePools(device)
     pending = PendingDeviceUpdates(pools)
@@ -354,24 +356,20 @@ def build_stage_pools(
         device_memory_bytes = device_memory_limit_bytes(devices[0])
     plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
     for pool in plan.pools:
-        pool_kind(pool.kind).require_built(plan.model)
+        require_builder(pool.kind, plan.model)
     if mesh is not None:
         mesh = serving_mesh(mesh)
-    plan, device, _, _ = _create_pools(plan, config, mesh, cache_kinds_of(plan), device_only=True)
+    plan, device, _, _ = _create_pools(plan, config, mesh, planner_kinds_of(plan), device_only=True)
     return plan, CachePools(device)
 
 
 def _create_pools(
-    plan: CachePlan, config: CacheConfig, mesh: Mesh | None, kinds: tuple[CacheKind, ...], *, device_only: bool
+    plan: CachePlan, config: CacheConfig, mesh: Mesh | None, kinds: tuple[PlannerKind, ...], *, device_only: bool
 ) -> tuple[CachePlan, dict[str, Any], ReqToTokenPool | None, dict[str, Any]]:
     """Allocate the plan's pools (with those its kinds add): ``(plan with the added pools, device
     pools by name, the request table, host pools by name)``; ``device_only``: the device pools
     alone (the table None, no host pool)."""
-    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
-    if extra:  # pools a kind adds beyond the planner's (small per-request state)
-        for pool in extra:
-            pool_kind(pool.kind).require_built(plan.model)
-        plan = dataclasses.replace(plan, pools=plan.pools + extra)
+    plan = with_extra_pools(plan, kinds)
     context = BuildContext(
         platform=plan.platform,
         mesh=mesh,
@@ -380,6 +378,7 @@ def _create_pools(
         host_layout=plan.hicache_mem_layout,
         context_axis=DCP_AXIS if config.dcp_enabled else None,
         dcp_size=config.dcp_size,
+        kv_head_replicas=plan.target.kv_head_replicas,
     )
     device: dict[str, Any] = {}
     req_to_token_pool: ReqToTokenPool | None = None
@@ -388,15 +387,10 @@ def _create_pools(
     for pool in plan.pools:
         if device_only and pool.memory != "device":
             continue
-        kind = pool_kind(pool.kind)
-        if kind.group_builder is not None:  # built together below, under the kind's name
-            groups.setdefault(kind.name, []).append(pool)
+        if is_grouped(pool.kind):  # built together below, under the pool kind's name
+            groups.setdefault(pool.kind, []).append(pool)
             continue
-        built = kind.create(pool, context)
-        if pool.kind == HOST_TIER_POOL.name and mesh is not None:
-            # One host pool per device pool, each distinct KV head once as planned
-            # (``plan/pool_plans.py``); the transfer engine maps each device's heads into it.
-            built.kv_head_replicas = plan.target.kv_head_replicas
+        built = create_pool(pool, context)
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
@@ -404,12 +398,29 @@ def _create_pools(
         else:
             host_pools[pool.name] = built
     for name, members in groups.items():
-        device[name] = pool_kind(name).create_group(tuple(members), context)
-    if not device_only:
-        for cache_kind in kinds:  # per-request state around the table (recurrent state slots)
-            if req_to_token_pool is not None and cache_kind.request_table is not None:
-                req_to_token_pool = cache_kind.request_table(req_to_token_pool, plan)
+        device[name] = create_pool_group(name, tuple(members), context)
+    if not device_only and req_to_token_pool is not None:
+        req_to_token_pool = plan_request_table(req_to_token_pool, plan, kinds)
     return plan, device, req_to_token_pool, host_pools
+
+
+def with_extra_pools(plan: CachePlan, kinds: tuple[PlannerKind, ...]) -> CachePlan:
+    """``plan`` with the pools its kinds add beyond the planner's (``PlannerKind.extra_pools``:
+    small per-request state), each checked to be buildable first."""
+    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
+    for pool in extra:
+        require_builder(pool.kind, plan.model)
+    return dataclasses.replace(plan, pools=plan.pools + extra) if extra else plan
+
+
+def plan_request_table(table: ReqToTokenPool, plan: CachePlan, kinds: tuple[PlannerKind, ...]) -> ReqToTokenPool:
+    """The request table with the per-request state the kinds keep around it
+    (``HostKind.request_table``: recurrent state slots), in the kinds' order."""
+    for kind in kinds:
+        wrap = HOST_KINDS[kind.name].request_table
+        if wrap is not None:
+            table = wrap(table, plan)
+    return table
 
 
 def _host_transfer_engine(
@@ -421,20 +432,20 @@ def _host_transfer_engine(
     ``pending.owner_pools``, reads device data for backups through ``pending.read`` (the pools the
     owner last handed in) and records its loads in ``pending`` for the owner to apply
     (``KVCache.apply_pending``). The draft pool's engine rides along when there is one."""
-    from kvjax.kinds.host_tier import TransferContext, make_transfer_engine
+    from kvjax.tiers.transfer_engines import TransferContext, make_transfer_engine
 
     engine = make_transfer_engine(TransferContext(plan, pending, host_pools, allocator))
     return with_draft_transfers(engine, host_pools.get(DRAFT_HOST_POOL_NAME))
 
 
-def plan_allocator(plan: CachePlan, kinds: tuple[CacheKind, ...]) -> AllocatorProtocol:
-    """The token allocator of the first kind of ``kinds`` that decides it (``CacheKind.allocator``),
+def plan_allocator(plan: CachePlan, kinds: tuple[PlannerKind, ...]) -> AllocatorProtocol:
+    """The token allocator of the first kind of ``kinds`` that decides it (``HostKind.allocator``),
     else the plain one for the plan's ``max_total_tokens`` (``make_allocator``)."""
     for kind in kinds:
-        if kind.allocator is not None:
-            allocator = kind.allocator(plan)
-            if allocator is not None:
-                return allocator
+        decide = HOST_KINDS[kind.name].allocator
+        allocator = decide(plan) if decide is not None else None
+        if allocator is not None:
+            return allocator
     return make_allocator(plan.max_total_tokens, plan.alloc_page_size, need_sort=plan.need_sort)
 
 

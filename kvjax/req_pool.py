@@ -23,8 +23,8 @@ from kvjax.errors import ConfigError, DoubleFreeError, InvalidSlotError
 if TYPE_CHECKING:
     import jax
 
+    from kvjax.layout.build_context import BuildContext
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.pools.registry import BuildContext
 
 __all__ = ["ReqToTokenPool", "create_pool"]
 

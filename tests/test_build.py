@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -241,13 +242,23 @@ def test_build_makes_one_device_pool_per_planned_device_pool():
 
 
 def test_not_built_kinds_raise_from_their_registry_entry_before_allocating(monkeypatch):
-    from kvjax.pools import registry
+    from kvjax.plan.kinds import PLANNER_KINDS, pool_kind
 
-    unbuilt = registry.PoolKind("mla", "device", "a latent pool without a builder")
-    monkeypatch.setitem(registry.POOL_KINDS, "mla", unbuilt)
+    mla_kind = next(k for k in PLANNER_KINDS if "mla" in {p.name for p in k.pool_kinds})
+    unbuilt = dataclasses.replace(pool_kind("mla"), capability="a latent pool without a builder", built=False)
+    monkeypatch.setitem(PLANNER_KINDS._entries, mla_kind.name, dataclasses.replace(mla_kind, pool_kinds=(unbuilt,)))
     with pytest.raises(NotImplementedError, match=r"pool kind 'mla'") as e:
         build_kv_cache(mla(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
     assert unbuilt.capability in str(e.value)
+
+
+def test_a_pool_kind_without_a_registered_builder_is_refused_before_allocating(monkeypatch):
+    from kvjax.pools.registry import POOL_BUILDERS
+
+    full = next(k for k in POOL_BUILDERS if "mha" in k.builders)
+    monkeypatch.setitem(POOL_BUILDERS._entries, full.name, dataclasses.replace(full, builders={}))
+    with pytest.raises(NotImplementedError, match=r"pool kind 'mha'.*register_pool_builders"):
+        build_kv_cache(dense(), CacheConfig(max_total_tokens=1024, max_running_requests=4, context_length=256))
 
 
 def test_build_hybrid_ssm_state_pool_and_request_table():
@@ -356,13 +367,21 @@ def test_set_pools_checks_each_compiled_steps_structure_once(monkeypatch):
 def test_build_refuses_the_host_tier_of_a_recurrent_model_before_allocating(monkeypatch):
     """The plan describes SGLang's host tier for a hybrid SSM model; kvjax has no host copies of
     recurrent-state checkpoints, so the build refuses it by name before any pool is created."""
+    from kvjax import build
     from kvjax.pools import registry
 
     config = small_config(enable_hierarchical_cache=True)
     assert kvjax.plan_kv_cache(ssm(), config).attach_host_tier
     created: list[str] = []
-    original = registry.PoolKind.create
-    monkeypatch.setattr(registry.PoolKind, "create", lambda self, *a: created.append(self.name) or original(self, *a))
+    original, original_group = registry.create_pool, registry.create_pool_group
+    monkeypatch.setattr(
+        build, "create_pool", lambda pool, context: created.append(pool.kind) or original(pool, context)
+    )
+    monkeypatch.setattr(
+        build,
+        "create_pool_group",
+        lambda kind, pools, context: created.append(kind) or original_group(kind, pools, context),
+    )
     with pytest.raises(NotImplementedError, match="recurrent-state checkpoints are not built"):
         build_kv_cache(ssm(), config)
     assert created == []

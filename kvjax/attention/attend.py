@@ -1,9 +1,9 @@
 """`attend`: one layer's write-then-attend, with the pool and the function picked from the layer's kind.
 
 The kind of a layer is read from the pools, not from the model: the pool that lists the layer
-decides, and its cache kind's ``attention`` function runs (``CacheKind.attention``, found through
-the kind's ``attention_pool`` entry and ``pool_type``; registry order, so a kind registered outside
-kvjax is dispatched the same way):
+decides, and its cache kind's ``attention`` function runs (``AttentionKind.attention``,
+``kvjax.attention.kinds``, found through the kind's ``pool`` entry and ``pool_type``; in the kinds'
+order, so a kind registered outside kvjax is dispatched the same way):
 
 ==========================================  ===========================================================
 pool holding ``layer_id`` (kind)            what ``attend`` does
@@ -33,11 +33,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from kvjax.attention.kinds import ATTENTION_KINDS, AttentionKind
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.options import AttentionOptions
 from kvjax.errors import InvalidSlotError
-from kvjax.kinds import CacheKind, cache_kinds
-from kvjax.kinds.pool_kind import resolve
 from kvjax.pools import CachePools, MLAKVPool
 
 __all__ = ["attend", "attend_mla", "pool_layers"]
@@ -45,11 +44,11 @@ __all__ = ["attend", "attend_mla", "pool_layers"]
 
 def pool_layers(pool: Any) -> tuple[int, ...]:
     """The global layer ids a pool holds (any kvjax pool; empty for a pool without layers): the
-    ``attention_layers`` of the cache kind whose ``pool_type`` it is, else its ``layer_ids`` or its
+    ``layers`` of the cache kind whose ``pool_type`` it is, else its ``layer_ids`` or its
     consecutive layers."""
-    for kind in cache_kinds():
-        if kind.attention_layers is not None and kind.pool_type is not None and _is_kinds_pool(kind, pool):
-            return kind.attention_layers(pool)
+    for kind in ATTENTION_KINDS:
+        if kind.layers is not None and kind.pool_type is not None and kind.owns(pool):
+            return kind.layers(pool)
     ids = getattr(pool, "layer_ids", None)
     if ids is not None:
         return tuple(ids)
@@ -57,21 +56,16 @@ def pool_layers(pool: Any) -> tuple[int, ...]:
     return tuple(range(start, start + count))
 
 
-def _is_kinds_pool(kind: CacheKind, pool: Any) -> bool:
-    """Whether ``pool`` is of ``kind``'s pool type (any pool when the kind names none)."""
-    return kind.pool_type is None or isinstance(pool, resolve(kind.pool_type))
-
-
-def _holder(pools: CachePools, layer_id: int) -> tuple[CacheKind, str] | None:
-    """The cache kind and the ``pools`` entry that hold ``layer_id`` (registry order), or None."""
-    for kind in cache_kinds():
-        name = kind.attention_pool_name
+def _holder(pools: CachePools, layer_id: int) -> tuple[AttentionKind, str] | None:
+    """The cache kind and the ``pools`` entry that hold ``layer_id`` (the kinds' order), or None."""
+    for kind in ATTENTION_KINDS:
+        name = kind.pool
         if name is None or name not in pools:
             continue
         pool = pools[name]
-        if not _is_kinds_pool(kind, pool):
+        if not kind.owns(pool):
             continue
-        layers = kind.attention_layers(pool) if kind.attention_layers is not None else pool_layers(pool)
+        layers = kind.layers(pool) if kind.layers is not None else pool_layers(pool)
         if layer_id in layers:
             return kind, name
     return None
@@ -135,7 +129,7 @@ def attend(
     if kind.attention is None:
         message = kind.not_attention or f"layer_id={{layer_id}} is in pools.{name}, of a kind without attention"
         raise InvalidSlotError(message.format(layer_id=layer_id))
-    out, pool = resolve(kind.attention)(pools[name], layer_id, q, k, v, meta, **options)
+    out, pool = kind.attention(pools[name], layer_id, q, k, v, meta, **options)
     return out, pools.replace(**{name: pool})
 
 

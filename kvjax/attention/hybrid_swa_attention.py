@@ -13,7 +13,7 @@ The layer's kind comes from the pool (``full_layer_ids`` / ``swa_layer_ids``):
 
 from __future__ import annotations
 
-from typing import Unpack
+from typing import Any, Unpack
 
 import jax
 
@@ -22,7 +22,7 @@ from kvjax.attention.options import AttentionOptions
 from kvjax.attention.paged_attention import paged_attention, single_query
 from kvjax.pools import SWAKVPool
 
-__all__ = ["hybrid_swa_attention"]
+__all__ = ["hybrid_swa_attention", "swa_pool_layers"]
 
 
 def hybrid_swa_attention(
@@ -68,3 +68,8 @@ def hybrid_swa_attention(
         sub, local_id, q, k, v, meta, out_loc=swa.out_loc, page_indices=swa.page_indices, **options
     )
     return out, pool.replace(swa=sub)
+
+
+def swa_pool_layers(pool: Any) -> tuple[int, ...]:
+    """The global layer ids of both sides of an ``SWAKVPool``."""
+    return tuple(sorted((*pool.full_layer_ids, *pool.swa_layer_ids)))

@@ -15,7 +15,7 @@ Parts, one per kind of pool beyond full attention:
 
 Each part class names its field in ``AttentionMetadata`` (``FIELD``), so a producer (a serving
 extension's ``step_metadata`` hook) returns a part and the builder places it without a branch on
-the kind. A kind registered outside kvjax (``kvjax.kinds.register_cache_kind``) brings its own
+the kind. A kind registered outside kvjax (``kvjax.serve.kinds.register_serving_kind``) brings its own
 part class (any pytree with a ``FIELD`` naming the kind: the ``MetadataPart`` protocol); it is
 placed in ``AttentionMetadata.extra`` under that name and read back with ``meta.part(name)``.
 """

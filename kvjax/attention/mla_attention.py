@@ -12,17 +12,20 @@ striped over decode-context-parallel ranks goes to ``dcp_mla_attention``.
 
 from __future__ import annotations
 
+from typing import Any, Unpack
+
 import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.dcp_mla_attention import dcp_mla_attention
 from kvjax.attention.metadata import AttentionMetadata
+from kvjax.attention.options import AttentionOptions
 from kvjax.attention.sharding import check_heads_divide, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MLAKVPool
 from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention
 
-__all__ = ["mla_attention"]
+__all__ = ["attend_latent", "mla_attention"]
 
 
 def mla_attention(
@@ -85,3 +88,27 @@ def mla_attention(
     heads = P(None, axis, None)
     specs = (heads, heads, P(), P(), P(), P(), P(), P())
     return sharded_over_heads(attend, mesh, specs, heads)(*args), pool
+
+
+def attend_latent(
+    pool: MLAKVPool,
+    layer_id: int,
+    q: Any,
+    k: jax.Array,
+    v: jax.Array,
+    meta: AttentionMetadata,
+    **options: Unpack[AttentionOptions],
+) -> tuple[jax.Array, MLAKVPool]:
+    """``attend``'s uniform signature over ``mla_attention``: ``q = (q_latent, q_rope)``,
+    ``k = c_kv``, ``v = k_pe``; ``sm_scale`` required; soft cap, sinks and window refused."""
+    if not isinstance(q, tuple) or len(q) != 2:
+        raise ValueError(
+            f"layer {layer_id} is an MLA layer: pass q=(q_latent [T, heads, kv_lora_rank], "
+            "q_rope [T, heads, qk_rope_head_dim]), k=c_kv, v=k_pe"
+        )
+    sm_scale = options.get("sm_scale")
+    if sm_scale is None:
+        raise ValueError(f"layer {layer_id} is an MLA layer: pass the model's sm_scale")
+    if any(options.get(name) is not None for name in ("soft_cap", "sinks", "sliding_window")):
+        raise ValueError(f"layer {layer_id} is an MLA layer: soft_cap, sinks and sliding_window do not apply")
+    return mla_attention(pool, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=options.get("mesh"))

@@ -1,9 +1,10 @@
 """`AttentionOptions`: the keyword options of the uniform attention signature.
 
 ``attend`` runs the attention function of the cache kind whose pool holds a layer
-(``CacheKind.attention``) as ``function(pool, layer_id, q, k, v, meta, **options)`` and expects
-``(out, pool)`` back. Every such function takes these options (a kind's function refuses those
-that do not apply to it, naming them); ``attend`` passes all five.
+(``AttentionKind.attention``, ``kvjax.attention.kinds``) as
+``function(pool, layer_id, q, k, v, meta, **options)`` and expects ``(out, pool)`` back. Every
+such function takes these options (a kind's function refuses those that do not apply to it,
+naming them); ``attend`` passes all five.
 """
 
 from __future__ import annotations

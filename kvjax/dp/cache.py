@@ -39,14 +39,20 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.sharding import serving_mesh
-from kvjax.build import KV_HEAD_MESH_AXIS, device_memory_limit_bytes, plan_allocator
+from kvjax.build import (
+    KV_HEAD_MESH_AXIS,
+    device_memory_limit_bytes,
+    plan_allocator,
+    plan_request_table,
+    with_extra_pools,
+)
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.registry import BuildContext, pool_kind
+from kvjax.pools.registry import BuildContext, create_pool, create_pool_group, is_grouped, require_builder
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
 from kvjax.spec import ModelSpec
@@ -177,11 +183,10 @@ def build_dp_kv_cache(
         device_memory_bytes = device_memory_limit_bytes(devices[0])
     _refuse_unbuilt_tiers(config)
     plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
-    kinds = cache_kinds_of(plan)
-    extra = tuple(pool for kind in kinds if kind.extra_pools is not None for pool in kind.extra_pools(plan))
-    plan = dataclasses.replace(plan, pools=plan.pools + extra) if extra else plan
+    kinds = planner_kinds_of(plan)
+    plan = with_extra_pools(plan, kinds)
     for pool in plan.pools:
-        pool_kind(pool.kind).require_built(plan.model)
+        require_builder(pool.kind, plan.model)
 
     device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
     one_device = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
@@ -262,13 +267,12 @@ def _device_pools(plans: tuple[PoolPlan, ...], context: BuildContext) -> CachePo
     device: dict[str, Any] = {}
     groups: dict[str, list[PoolPlan]] = {}
     for pool in plans:
-        kind = pool_kind(pool.kind)
-        if kind.group_builder is not None:
-            groups.setdefault(kind.name, []).append(pool)
+        if is_grouped(pool.kind):
+            groups.setdefault(pool.kind, []).append(pool)
         else:
-            device[pool.name] = kind.create(pool, context)
+            device[pool.name] = create_pool(pool, context)
     for name, members in groups.items():
-        device[name] = pool_kind(name).create_group(tuple(members), context)
+        device[name] = create_pool_group(name, tuple(members), context)
     return CachePools(device)
 
 
@@ -300,16 +304,15 @@ def _build_over_mesh(make: Callable[[], CachePools], mesh: Mesh, specs: Any) -> 
     return pools
 
 
-def _rank_host_state(rank: int, plan: CachePlan, kinds: tuple[CacheKind, ...]) -> DPRank:
+def _rank_host_state(rank: int, plan: CachePlan, kinds: tuple[PlannerKind, ...]) -> DPRank:
     """Rank ``rank``'s request table, allocator and tree, as ``build_kv_cache`` builds them."""
     context = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
     table: Any = None
     for pool in plan.pools:
         if pool.memory != "device":
-            table = pool_kind(pool.kind).create(pool, context)
-    for kind in kinds:
-        if table is not None and kind.request_table is not None:
-            table = kind.request_table(table, plan)
+            table = create_pool(pool, context)
+    if table is not None:
+        table = plan_request_table(table, plan, kinds)
     if not isinstance(table, ReqToTokenPoolProtocol):
         raise AssertionError(f"plan {plan.model} lists no request table: {plan.pools}")
     allocator = plan_allocator(plan, kinds)

@@ -1,37 +1,25 @@
-"""Cache kinds: one bundle (``CacheKind``) per kind of cached state, registered in one place.
+"""Cache kinds: the names that join each kind's registrations across the layers.
 
-Each built-in kind is one module: ``full`` (MHA/GQA), ``mla``, ``swa`` (sliding window),
-``recurrent`` (SSM / linear-attention state), ``host_tier`` (HiCache host pools),
-``request_table`` and ``retraction`` (the ``cpu_tensor`` decode retraction backup). A new kind
-is a ``CacheKind`` passed to ``register_cache_kind`` (see ``docs/architecture.md``, "Adding a
-cache kind"). Importing this package is jax-free.
+A cache kind (full attention, MLA, sliding window, recurrent state, the host tier, the request
+table, the retraction backup) registers one record per layer, in that layer's own package:
+planner hooks in ``kvjax.plan.kinds``, tree builders, allocator and request table in
+``kvjax.radix.kinds``, pool builders in ``kvjax.pools.registry``, attention in
+``kvjax.attention.kinds``, serving hooks in ``kvjax.serve.kinds``. This package keeps only the
+names (``names``) and the registry each layer's records live in (``registry``): it imports no
+other kvjax layer, and nothing here imports jax.
 """
 
 from __future__ import annotations
 
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.pool_kind import BuildContext, PoolKind
-from kvjax.kinds.registry import (
-    POOL_KINDS,
-    cache_kind,
-    cache_kinds,
-    cache_kinds_of,
-    is_built,
-    pool_kind,
-    register_cache_kind,
-    unregister_cache_kind,
-)
+from kvjax.kinds.names import BUILTIN_KINDS
+from kvjax.kinds.registry import LAYERS, KindRegistry, incomplete_kinds, kind_names, registries, unregister_kind
 
 __all__ = [
-    "POOL_KINDS",
-    "BuildContext",
-    "CacheKind",
-    "PoolKind",
-    "cache_kind",
-    "cache_kinds",
-    "cache_kinds_of",
-    "is_built",
-    "pool_kind",
-    "register_cache_kind",
-    "unregister_cache_kind",
+    "BUILTIN_KINDS",
+    "LAYERS",
+    "KindRegistry",
+    "incomplete_kinds",
+    "kind_names",
+    "registries",
+    "unregister_kind",
 ]

@@ -1,108 +1,139 @@
-"""The cache kind registry: every kind of cached state kvjax serves, in one fixed order.
+"""`KindRegistry`: one layer's registrations of the cache kinds, keyed by the kind's name.
 
-``register_cache_kind`` adds a kind and its pool kinds; ``cache_kinds_of(plan)`` lists the kinds
-a plan uses, in registration order (the built-in kinds first: request table, full attention,
-MLA, sliding window, recurrent state, host tier, retraction backup; then kinds registered later,
-in the order they were). ``build_kv_cache`` and the serving scheduler call the hooks of those
-kinds in that order (the default serving extensions are theirs, in that order).
+A cache kind is registered once per layer that acts on cached state, each time with a record
+of that layer's own (bottom to top, ``LAYERS``):
 
-``POOL_KINDS`` maps each pool kind name (``PoolPlan.kind``) to its ``PoolKind``; the planner
-tags pools with these names (``kvjax.pools.registry`` re-exports them).
+========== ======================================== =================================================
+layer      record (where)                           what it says
+========== ======================================== =================================================
+plan       ``PlannerKind`` (``kvjax.plan.kinds``)    whether a model needs it, its pools and sizes, its
+                                                    trees' names, its refusals
+host       ``HostKind`` (``kvjax.radix.kinds``)      its trees' builders, allocator and request table
+pools      ``PoolBuilders`` (``kvjax.pools.registry``) how its pools are built; the host tier's engine
+attention  ``AttentionKind`` (``kvjax.attention.kinds``) what ``attend`` runs for a layer of its pools
+serving    ``ServingKind`` (``kvjax.serve.kinds``)   its serving hooks (``ServingExtension``)
+========== ======================================== =================================================
+
+A layer looks a kind up by name (``registry[name]``), so no layer imports another's record and
+the name is the only thing they share. The kinds are kept in one order, the order in which their
+names were first registered in any layer (the built-in kinds first, ``names.BUILTIN_KINDS``);
+every registry lists its entries in that order. A kind is complete when every layer has
+registered it: ``registry[name]`` raises ``ConfigError`` naming the kind, the layer and how to
+register it when that layer has not, and ``incomplete_kinds()`` lists what is missing in the
+layers loaded so far.
+
+Invariants: a name is registered at most once per layer; ``unregister_kind(name)`` removes it from
+every layer (and from the order) at once.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from kvjax.errors import ConfigError
-from kvjax.kinds import full, host_tier, mla, recurrent, request_table, retraction, swa
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.pool_kind import PoolKind
 
-if TYPE_CHECKING:
-    from kvjax.plan import CachePlan
+__all__ = ["LAYERS", "KindRegistry", "incomplete_kinds", "kind_names", "registries", "unregister_kind"]
 
-_CACHE_KINDS: dict[str, CacheKind] = {}
-POOL_KINDS: dict[str, PoolKind] = {}
-_OWNER: dict[str, str] = {}  # pool kind name -> the cache kind that registered it
+LAYERS = ("plan", "host", "pools", "attention", "serving")
+"""The layers a cache kind registers in, bottom to top."""
+
+T = TypeVar("T")
+
+_ORDER: dict[str, None] = {}  # every registered kind's name, in first-registration order
+_REGISTRIES: dict[str, KindRegistry] = {}  # layer -> its registry (those imported so far)
 
 
-def register_cache_kind(kind: CacheKind) -> CacheKind:
-    """Add ``kind`` (after every kind registered so far) and its pool kinds; returns it.
+class KindRegistry(Generic[T]):
+    """The ``layer``'s record for each registered cache kind (``registry[name]``).
 
-    Raises ``ConfigError`` (the registry unchanged) when its name, or one of its pool kinds'
-    names, is taken already.
+    ``how``: the function a kind calls to register in this layer (named in the error for a
+    missing registration).
     """
-    if not isinstance(kind, CacheKind):
-        raise TypeError(f"register_cache_kind: expected a CacheKind, got {type(kind).__name__}")
-    if kind.name in _CACHE_KINDS:
-        raise ConfigError("cache kind", kind.name, f"the name is registered; pick another than {sorted(_CACHE_KINDS)}")
-    names = [p.name for p in kind.pool_kinds]
-    taken = sorted({n for n in names if n in POOL_KINDS} | {n for n in names if names.count(n) > 1})
-    if taken:
-        raise ConfigError(
-            "pool kind",
-            taken[0],
-            f"cache kind {kind.name!r}: pool kinds {taken} are registered (by {[_OWNER.get(n) for n in taken]}) "
-            "or repeated; give the kind's pools names of their own",
-        )
-    _CACHE_KINDS[kind.name] = kind
-    for pool in kind.pool_kinds:
-        POOL_KINDS[pool.name] = pool
-        _OWNER[pool.name] = kind.name
-    return kind
+
+    def __init__(self, layer: str, how: str) -> None:
+        if layer not in LAYERS:
+            raise ValueError(f"layer {layer!r} is not one of {LAYERS}")
+        if layer in _REGISTRIES:
+            raise ValueError(f"the {layer} layer has a kind registry already")
+        self.layer = layer
+        self.how = how
+        self._entries: dict[str, T] = {}
+        _REGISTRIES[layer] = self
+
+    def register(self, name: str, entry: T) -> T:
+        """Add ``entry`` as kind ``name``'s record of this layer; returns it.
+
+        Raises ``ConfigError`` (nothing changed) when ``name`` is registered in this layer already.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError("cache kind", name, "a kind's name is a non-empty string")
+        if name in self._entries:
+            raise ConfigError(
+                "cache kind",
+                name,
+                f"the name is registered in the {self.layer} layer; pick another than {self.names()}",
+            )
+        self._entries[name] = entry
+        _ORDER.setdefault(name, None)
+        return entry
+
+    def __getitem__(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except KeyError:
+            if name in _ORDER:
+                raise ConfigError(
+                    "cache kind",
+                    name,
+                    f"the kind has no registration in the {self.layer} layer; register one with {self.how}",
+                ) from None
+            raise ConfigError("cache kind", name, f"use one of {kind_names()}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> T | None:
+        """Kind ``name``'s record of this layer, or None."""
+        return self._entries.get(name)
+
+    def names(self) -> list[str]:
+        """The kinds registered in this layer, in the kinds' order."""
+        return [name for name in _ORDER if name in self._entries]
+
+    def entries(self) -> tuple[T, ...]:
+        """This layer's records, in the kinds' order."""
+        return tuple(self._entries[name] for name in self.names())
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.entries())
+
+    def _drop(self, name: str) -> T | None:
+        return self._entries.pop(name, None)
 
 
-def unregister_cache_kind(name: str) -> CacheKind:
-    """Remove the kind ``name`` and its pool kinds (``ConfigError`` naming the kinds when unknown);
-    returns it. For kinds registered by the caller (a test, a plugin being reloaded)."""
-    kind = cache_kind(name)
-    del _CACHE_KINDS[name]
-    for pool in kind.pool_kinds:
-        POOL_KINDS.pop(pool.name, None)
-        _OWNER.pop(pool.name, None)
-    return kind
+def kind_names() -> list[str]:
+    """Every kind registered in any layer, in the kinds' order."""
+    return list(_ORDER)
 
 
-def cache_kind(name: str) -> CacheKind:
-    """The kind registered as ``name`` (``ConfigError`` naming the registered kinds otherwise)."""
-    try:
-        return _CACHE_KINDS[name]
-    except KeyError:
-        raise ConfigError("cache kind", name, f"use one of {list(_CACHE_KINDS)}") from None
+def registries() -> dict[str, KindRegistry]:
+    """The layers' registries loaded so far, bottom to top."""
+    return {layer: _REGISTRIES[layer] for layer in LAYERS if layer in _REGISTRIES}
 
 
-def cache_kinds() -> tuple[CacheKind, ...]:
-    """Every registered kind, in registration order."""
-    return tuple(_CACHE_KINDS.values())
+def incomplete_kinds() -> dict[str, list[str]]:
+    """``{kind: [layers without its registration]}`` over the layers loaded so far (empty: every
+    kind is complete in every loaded layer)."""
+    missing = {name: [layer for layer, reg in registries().items() if name not in reg] for name in _ORDER}
+    return {name: layers for name, layers in missing.items() if layers}
 
 
-def cache_kinds_of(plan: CachePlan) -> tuple[CacheKind, ...]:
-    """The kinds ``plan`` uses (``CacheKind.used_by``), in registration order."""
-    return tuple(kind for kind in _CACHE_KINDS.values() if kind.used_by(plan))
-
-
-def pool_kind(name: str) -> PoolKind:
-    """The pool kind ``name`` (``ConfigError`` naming the pool kinds otherwise)."""
-    try:
-        return POOL_KINDS[name]
-    except KeyError:
-        raise ConfigError("pool kind", name, f"use one of {sorted(POOL_KINDS)}") from None
-
-
-def is_built(kind: str) -> bool:
-    """True when kvjax can build pools of ``kind`` today."""
-    return pool_kind(kind).built
-
-
-for _builtin in (
-    request_table.KIND,
-    full.KIND,
-    mla.KIND,
-    swa.KIND,
-    recurrent.KIND,
-    host_tier.KIND,
-    retraction.KIND,
-):
-    register_cache_kind(_builtin)
-del _builtin
+def unregister_kind(name: str) -> None:
+    """Remove kind ``name`` from every layer and from the order (a kind registered by a test or a
+    plugin being reloaded). ``ConfigError`` naming the kinds when ``name`` is not registered."""
+    if name not in _ORDER:
+        raise ConfigError("cache kind", name, f"use one of {kind_names()}")
+    for registry in _REGISTRIES.values():
+        registry._drop(name)
+    del _ORDER[name]

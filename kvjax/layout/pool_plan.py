@@ -20,7 +20,8 @@ class PoolPlan:
 
     Attributes:
         name: unique within a plan (``"kv"``, ``"kv_full"``, ``"ssm_state"``, ``"req_to_token"``, ...).
-        kind: the registry key of the pool kind that builds it (``kvjax.pools.registry.POOL_KINDS``).
+        kind: the pool kind (``kvjax.plan.kinds.pool_kinds()``), whose builder
+            ``kvjax.pools.registry`` looks up.
         memory: ``"device"`` or ``"host"``.
         built: False when the capability that would build it is not implemented yet.
         bytes_per_token: bytes one token costs in this pool, summed over its layers, per rank

@@ -5,7 +5,7 @@ The package is a short pipeline of pure decisions, one module each, over the sma
 ``tree`` (retraction backup, radix on/off, tree kind, host tier) -> ``pool_plans`` (asked of the
 pool kinds' layouts) -> ``CachePlan`` (``cache_plan``; printed by ``render``). No jax is imported.
 What differs per kind of cached state is asked of the cache kinds the model needs (the planner
-hooks of ``kvjax.kinds.CacheKind``); no module here names a kind.
+hooks of ``kvjax.plan.kinds.PlannerKind``); no module here names a kind.
 
 The planner is a pure function of ``(ModelSpec, CacheConfig, device_memory_bytes)``: no globals,
 no environment reads, no devices touched. Equal inputs give equal plans. It ports the decisions of

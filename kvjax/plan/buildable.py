@@ -8,14 +8,14 @@ allocates anything, and the command line calls it before it imports jax.
 
 from __future__ import annotations
 
-from kvjax.kinds.registry import cache_kinds_of
 from kvjax.plan.cache_plan import CachePlan
+from kvjax.plan.kinds.registry import planner_kinds_of
 
 
 def check_host_tier_buildable(plan: CachePlan) -> None:
     """Raise ``NotImplementedError`` naming the pool when ``plan`` attaches a host tier over a pool
     kvjax keeps no host copies of: the DSA indexer keys, or a kind's state it has no host copy of
-    (``CacheKind.no_host_copy``: recurrent-state checkpoints)."""
+    (``PlannerKind.no_host_copy``: recurrent-state checkpoints)."""
     if not plan.attach_host_tier:
         return
     if any(p.name == "index_k" for p in plan.pools):
@@ -23,7 +23,7 @@ def check_host_tier_buildable(plan: CachePlan) -> None:
             f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
             "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
         )
-    for kind in cache_kinds_of(plan):
+    for kind in planner_kinds_of(plan):
         if kind.no_host_copy is not None:
             raise NotImplementedError(
                 f"kvjax cannot build the host tier for {plan.model} yet: host copies of its {kind.no_host_copy} "

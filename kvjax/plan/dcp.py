@@ -13,7 +13,7 @@ Refused, each by name, with what to do:
 * DP attention and pipeline parallelism with DCP (kvjax's mesh is ``("dcp", "tp")``);
 * a speculative draft model (its pool is not striped);
 * the storage tier (L3) with DCP, as in SGLang;
-* a cache kind that says why it cannot be striped (``CacheKind.dcp_refusal``): the hybrid
+* a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``): the hybrid
   sliding-window pool (its second allocator is not striped: serve the model with one full-size
   pool, ``disable_hybrid_swa_memory``, where the window is a mask on global positions) and
   recurrent state (per request, not per token).
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds.planning import kinds_named
 from kvjax.layout.pool_plan import PoolPlan
+from kvjax.plan.kinds.planning import kinds_named
 from kvjax.plan.records import ModelKind
 
 __all__ = ["check_dcp_config", "check_dcp_plan_buildable"]

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.host_tier import host_kv_pool
-from kvjax.kinds.planning import kv_pool_kind_owner, layout_kind
-from kvjax.kinds.registry import cache_kind, cache_kinds
 from kvjax.layout.mha import MHALayout
 from kvjax.layout.mla import MLALayout
 from kvjax.layout.pool_plan import PoolPlan
+from kvjax.plan.kinds.host_tier import host_kv_pool
+from kvjax.plan.kinds.planner_kind import PlannerKind
+from kvjax.plan.kinds.planning import kv_pool_kind_owner, layout_kind
+from kvjax.plan.kinds.registry import planner_kind, planner_kinds
 from kvjax.plan.records import ModelKind, Target
 from kvjax.spec import LayerKind, ModelSpec
 
@@ -64,7 +64,7 @@ class DraftModel:
     attention: MHALayout | MLALayout
     layer_ids: tuple[int, ...]
     on_this_stage: bool
-    layout_kind: str = "full"  # the cache kind of the layout (``CacheKind.layout_pool`` plans the pool)
+    layout_kind: str = "full"  # the cache kind of the layout (``PlannerKind.layout_pool`` plans the pool)
 
     @property
     def num_layers(self) -> int:
@@ -130,14 +130,14 @@ def draft_model_spec(
     return _one_layer_draft(spec, algorithm, attention, 1)
 
 
-def layout_layer_kind(layout: CacheKind) -> LayerKind:
-    """The layer kind the target's layout kind caches (``CacheKind.layer_kind``)."""
+def layout_layer_kind(layout: PlannerKind) -> LayerKind:
+    """The layer kind the target's layout kind caches (``PlannerKind.layer_kind``)."""
     if layout.layer_kind is None:
         raise ValueError(f"cache kind {layout.name!r} lays out the attention cache but names no layer_kind; set it")
     return LayerKind(layout.layer_kind)
 
 
-def check_draft_attention(draft: ModelSpec, layout: CacheKind) -> None:
+def check_draft_attention(draft: ModelSpec, layout: PlannerKind) -> None:
     """The draft pool is of the target's layout kind: every draft layer must cache that attention."""
     want = layout_layer_kind(layout)
     other = sorted({k.value for k in draft.layer_kinds if k is not want})
@@ -162,7 +162,7 @@ def draft_pool_plans(draft: DraftModel | None, num_pages: int, host_pages: int |
     host pool's page count (host slots one to one with the target's)."""
     if draft is None or not draft.on_this_stage:
         return ()
-    layout_pool = cache_kind(draft.layout_kind).layout_pool
+    layout_pool = planner_kind(draft.layout_kind).layout_pool
     assert layout_pool is not None  # the draft's layout kind lays out the target's attention
     pools = [layout_pool(draft.attention, DRAFT_POOL_NAME, num_pages, draft.layer_ids)]
     if host_pages is not None:
@@ -186,7 +186,7 @@ def decide_draft(
             return None, ("speculative_algorithm='STANDALONE' without a draft_spec: no draft KV pool is planned",)
         return None, ()
     if not kv_pool_kind_owner(kind).plans_draft_pools or spec.is_dsa:
-        planned = ", ".join(k.kv_pool_kind for k in cache_kinds() if k.kv_pool_kind and k.plans_draft_pools)
+        planned = ", ".join(k.kv_pool_kind for k in planner_kinds() if k.kv_pool_kind and k.plans_draft_pools)
         return None, (
             f"draft KV pools for a {'DSA' if spec.is_dsa else repr(kind.kv_pool_kind)} target are not planned "
             f"(kvjax plans them for {planned} targets without DSA indexer keys); "

@@ -1,6 +1,6 @@
 """Step 1 of the planner: what kind of model this is, asked of the cache kinds (pure).
 
-Each registered kind says whether the model needs it (``CacheKind.applies``) and which of
+Each registered kind says whether the model needs it (``PlannerKind.applies``) and which of
 SGLang's flags that sets (``model_flags``); the kind of the highest ``kv_pool_priority`` among
 them names the KV pool kind. No kind is named here.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.config import CacheConfig
-from kvjax.kinds.planning import by_priority, kinds_for_model
+from kvjax.plan.kinds.planning import by_priority, kinds_for_model
 from kvjax.plan.records import ModelKind
 from kvjax.spec import ModelSpec
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from kvjax.config import CacheConfig
-from kvjax.kinds.host_tier import HOST_KV
-from kvjax.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.plan.cache_plan import CachePlan
 from kvjax.plan.dcp import check_dcp_config
 from kvjax.plan.draft import decide_draft, draft_pool_plans
 from kvjax.plan.host_sizing import check_host_memory, validate_retraction_host_capacity
+from kvjax.plan.kinds.host_tier import HOST_KV
+from kvjax.plan.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.plan.model_kind import decide_model_kind
 from kvjax.plan.pool_plans import plan_pools
 from kvjax.plan.sizing import decide_sizes

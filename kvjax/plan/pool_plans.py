@@ -1,7 +1,7 @@
 """Step 8 of the planner: the buffers to allocate, asked of the cache kinds the model needs (pure).
 
 * attention pools: asked of the kinds in descending ``kv_pool_priority``; the first that answers
-  (``CacheKind.attention_pools`` not None) plans them, with the pool kind's layout;
+  (``PlannerKind.attention_pools`` not None) plans them, with the pool kind's layout;
 * further pools (the request table, recurrent state): every kind's ``state_pools``, in registry
   order;
 * the host tier, when it is attached: the first kind's (descending priority) own host pools
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
-from kvjax.kinds.planning import by_priority, kinds_named
 from kvjax.layout.pool_plan import PoolPlan
+from kvjax.plan.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
+from kvjax.plan.kinds.planner_kind import PlannerKind
+from kvjax.plan.kinds.planning import by_priority, kinds_named
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target
 
 
@@ -68,7 +68,7 @@ def _striped_host_page(pool: PoolPlan, sizes: Sizes) -> PoolPlan:
     return dataclasses.replace(pool, shape=(pages, striped, *row), nbytes=pool.nbytes * striped // rows)
 
 
-def _attention_pools(kinds: tuple[CacheKind, ...], target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
+def _attention_pools(kinds: tuple[PlannerKind, ...], target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     """The attention pools of the first kind (descending priority) that plans them; none else."""
     for cache_kind in by_priority(kinds):
         if cache_kind.attention_pools is not None:
@@ -78,7 +78,7 @@ def _attention_pools(kinds: tuple[CacheKind, ...], target: Target, sizes: Sizes)
     return ()
 
 
-def _host_pools(kinds: tuple[CacheKind, ...], target: Target, sizes: Sizes, host_tokens: int) -> tuple[PoolPlan, ...]:
+def _host_pools(kinds: tuple[PlannerKind, ...], target: Target, sizes: Sizes, host_tokens: int) -> tuple[PoolPlan, ...]:
     """The host tier's pools: the first a kind plans (descending priority), else one host pool
     over every KV layer."""
     for cache_kind in by_priority(kinds):

@@ -22,9 +22,9 @@ class ModelKind:
 
     ``kv_pool_kind``: ``"mha"``, ``"mla"``, ``"swa"`` (full + sliding pools) or ``"hybrid_linear"``
     (KV + recurrent state), named by the cache kind that applies with the highest priority.
-    ``cache_kinds``: the registered cache kinds the model needs (``CacheKind.applies``), in
+    ``cache_kinds``: the registered cache kinds the model needs (``PlannerKind.applies``), in
     registry order; the later steps ask their planner hooks. The flags are set by those kinds
-    (``CacheKind.model_flags``).
+    (``PlannerKind.model_flags``).
     """
 
     kv_pool_kind: str

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds.planning import TokenSplit, kinds_named
+from kvjax.plan.kinds.planning import TokenSplit, kinds_named
 from kvjax.plan.records import ModelKind, Sizes, StageLayers, Target
 from kvjax.spec import LayerKind, ModelSpec
 
@@ -139,7 +139,7 @@ def _common_split(
     max_total: int,
     budget: int | None,
 ) -> TokenSplit:
-    """The kind's token split (``CacheKind.split_tokens``), the same on every pipeline stage, so
+    """The kind's token split (``PlannerKind.split_tokens``), the same on every pipeline stage, so
     one allocator's slots mean the same on all of them: each stage's own split, then the smallest
     of each part (never more than any stage's own). A stage of sliding layers only is planned as
     part of a hybrid model when another stage has full layers (no request window then). With one

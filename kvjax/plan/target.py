@@ -23,10 +23,10 @@ import dataclasses
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds.planning import layout_kind
 from kvjax.layout import storage
 from kvjax.layout.alignment import tpu_packing
 from kvjax.layout.recurrent import RecurrentLayout
+from kvjax.plan.kinds.planning import layout_kind
 from kvjax.plan.records import ModelKind, Target
 from kvjax.spec import ModelSpec
 
@@ -128,7 +128,7 @@ def check_tpu_page_size(page_size: int, kv_dtype: str) -> None:
 
 def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Target:
     """The dtype, heads per rank and padded layout of each pool, for ``config.platform`` (TPU by
-    default); the attention layout is the model's layout kind's (``CacheKind.attention_layout``)."""
+    default); the attention layout is the model's layout kind's (``PlannerKind.attention_layout``)."""
     platform = config.platform or DEFAULT_PLATFORM
     kv_dtype = spec.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     laid_out_by = layout_kind(kind)

@@ -7,10 +7,10 @@ import logging
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.planning import kinds_named
 from kvjax.plan.draft import DRAFT_MODEL_ALGORITHMS
 from kvjax.plan.host_sizing import host_pool_tokens
+from kvjax.plan.kinds.planner_kind import PlannerKind
+from kvjax.plan.kinds.planning import kinds_named
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
 from kvjax.plan.tree_options import TreeOptions
 from kvjax.spec import ModelSpec
@@ -30,7 +30,7 @@ MULTIMODAL_TRANSFORMERS_WARNING = (
 
 def decide_retraction_backup(config: CacheConfig, kind: ModelKind, sizes: Sizes) -> tuple[str, float]:
     """SGLang's ``resolve_decode_retraction_backup`` and the ``hicache_ratio`` default: ``host_pool``
-    only where every kind the model needs supports it (``CacheKind.supports_host_pool_backup``)."""
+    only where every kind the model needs supports it (``PlannerKind.supports_host_pool_backup``)."""
     supports_host_pool = all(
         k.supports_host_pool_backup(sizes) for k in kinds_named(kind.cache_kinds) if k.supports_host_pool_backup
     )
@@ -53,10 +53,14 @@ def decide_retraction_backup(config: CacheConfig, kind: ModelKind, sizes: Sizes)
 
 
 def _tree_cache_kind(
-    kinds: tuple[CacheKind, ...], sizes: Sizes, disable_radix_cache: bool, backup: str, chunked_prefill_size: int | None
+    kinds: tuple[PlannerKind, ...],
+    sizes: Sizes,
+    disable_radix_cache: bool,
+    backup: str,
+    chunked_prefill_size: int | None,
 ) -> tuple[str, tuple[str, ...]]:
     """The decision table of the ``kvjax.plan`` docstring: the tree and its components. A kind's
-    own tree (``CacheKind.own_tree``) replaces the chunk cache or the unified tree."""
+    own tree (``PlannerKind.own_tree``) replaces the chunk cache or the unified tree."""
     unified = (UNIFIED, tuple(dict.fromkeys(c for k in kinds for c in k.tree_components)))
     if disable_radix_cache and backup == "host_pool":
         return unified

@@ -43,12 +43,12 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from kvjax.layout.build_context import BuildContext
 from kvjax.layout.mla import MLALayout
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools import dtypes
 from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
 from kvjax.pools.planned import planned_layers, planned_layout
-from kvjax.pools.registry import BuildContext
 from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.validate import check_kv_scale
 

@@ -38,12 +38,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.errors import InvalidSlotError
+from kvjax.layout.build_context import BuildContext
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.layout.recurrent import RecurrentLayout
 from kvjax.pools import dtypes
 from kvjax.pools.base import LayerStack, Pool, check_slots, is_traced, route_to_trash, static_field
 from kvjax.pools.planned import planned_layout
-from kvjax.pools.registry import BuildContext
 from pallas_kernels import validate
 from pallas_kernels.state_slots import copy_state_slots, zero_slots
 

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import InvalidSlotError
+from kvjax.layout.build_context import BuildContext
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools.base import Pool, check_slots, static_field
 from kvjax.pools.mha import MHAKVPool, pool_from_plan
-from kvjax.pools.registry import BuildContext
 
 __all__ = ["SWAKVPool", "create_pool_group", "translate_full_to_swa"]
 

@@ -3,9 +3,10 @@
 Mirrors SGLang's newest default chain (everything is one tree with components), restricted to
 what is built: the plan's typed :class:`TreeOptions` pick the tree, and everything the tree
 holds (allocators, the host tier's transfer engine, the storage tier) is passed to its
-constructor. The cache kinds own the trees (``CacheKind.tree_builders``, ``kvjax.kinds``): a
+constructor. The cache kinds own the trees (``HostKind.tree_builders``, ``kvjax.radix.kinds``): a
 ``tree_cache_kind`` of a kind's own tree, or the unified tree's components joined with ``"+"``,
-maps to the builder that kind registered; this module names none of them. Components no kind
+maps to the builder that kind registered; the components and their labels are the kinds'
+planner registrations' (``PlannerKind.tree_components``); this module names none of them. Components no kind
 builds together raise ``NotImplementedError`` naming them, never a silent fallback.
 
 =====================  ==========================================================
@@ -34,14 +35,13 @@ swa + mamba            NotImplementedError (no kind builds both in one tree)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvjax.errors import ConfigError
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.registry import cache_kinds
+from kvjax.plan.kinds import PlannerKind, planner_kinds
 from kvjax.plan.tree_options import TreeOptions
 from kvjax.radix.events import EventSink
+from kvjax.radix.kinds import HOST_KINDS, TreeBuilder
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.radix.tree_inputs import TreeInputs
 
@@ -52,12 +52,10 @@ if TYPE_CHECKING:
 UNIFIED = "unified"
 COMPONENT_SEPARATOR = "+"  # the unified tree's builder key: its components joined
 
-TreeBuilder = Callable[[TreeOptions, TreeInputs], Any]
-
 
 def _builders() -> dict[str, TreeBuilder]:
     """Every registered kind's tree builders by key (registry order; keys are unique)."""
-    return {key: build for kind in cache_kinds() for key, build in kind.tree_builders.items()}
+    return {key: build for kind in HOST_KINDS for key, build in kind.tree_builders.items()}
 
 
 def tree_cache_kinds() -> tuple[str, ...]:
@@ -67,7 +65,7 @@ def tree_cache_kinds() -> tuple[str, ...]:
 
 def _components() -> tuple[str, ...]:
     """Every tree component a registered kind contributes, each once, in registry order."""
-    return tuple(dict.fromkeys(c for kind in cache_kinds() for c in kind.tree_components))
+    return tuple(dict.fromkeys(c for kind in planner_kinds() for c in kind.tree_components))
 
 
 class HasTreeOptions(Protocol):
@@ -156,6 +154,6 @@ def _create(o: TreeOptions, inputs: TreeInputs) -> TreeCacheProtocol:
     return build(o, inputs)
 
 
-def _owner(component: str) -> CacheKind:
+def _owner(component: str) -> PlannerKind:
     """The first registered kind that contributes ``component`` to the unified tree."""
-    return next(kind for kind in cache_kinds() if component in kind.tree_components)
+    return next(kind for kind in planner_kinds() if component in kind.tree_components)

@@ -40,7 +40,7 @@ def kv_tokens_needed(req: ServingReq, page_size: int) -> int:
 def check_fits_pool(req: ServingReq, alloc: AllocatorProtocol, page_size: int, *, windowed: bool = False) -> None:
     """Raise ``ConfigError`` (option ``max_total_tokens``) when ``req`` alone can never fit the
     full-attention pool; nothing when a request holds only about one window of KV whatever its
-    length (``windowed``: a pure sliding-window cache, ``CacheKind.windowed_request_kv``)."""
+    length (``windowed``: a pure sliding-window cache, ``PlannerKind.windowed_request_kv``)."""
     if windowed:
         return
     need = kv_tokens_needed(req, page_size)

@@ -161,3 +161,10 @@ def state_copies_update(copies: list[tuple[int, int]]) -> DeviceUpdate:
 
     destinations = np.asarray([dst for _, dst in copies], np.int64)
     return DeviceUpdate("state fork", "recurrent", destinations, copy_states)
+
+
+def holds_state(cache: Any) -> bool:
+    """Whether ``cache`` holds recurrent state on this rank (a pipeline stage may not)."""
+    from kvjax.plan.kinds.recurrent import POOL
+
+    return POOL.name in cache.pools

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvjax.kinds import cache_kinds_of
+from kvjax.plan.kinds import planner_kinds_of
 from kvjax.serve.extension import ServingExtension
 from kvjax.tiers.retraction_backup import RetractionBackup
 
@@ -135,7 +135,7 @@ def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
     if plan.decode_retraction_backup != "cpu_tensor" or not plan.decode_retraction_active:
         return []
     # The copies are of the "kv" pool's pages: every kind of the cache must keep its state there.
-    if "kv" not in cache.pools or not all(kind.page_backup for kind in cache_kinds_of(plan)):
+    if "kv" not in cache.pools or not all(kind.page_backup for kind in planner_kinds_of(plan)):
         return []
     from kvjax.tiers.device_pages import page_layers
 

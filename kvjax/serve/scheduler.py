@@ -101,11 +101,12 @@ from kvjax.attention import MetadataBuilder, MetadataPart
 from kvjax.attention.sharding import pools_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
-from kvjax.kinds import CacheKind, cache_kinds_of
 from kvjax.multihost.agreement import Agreement, LocalAgreement
+from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
 from kvjax.serve.extension import ServingExtension, StepBatch
+from kvjax.serve.kinds import default_extensions
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
@@ -234,9 +235,9 @@ class Scheduler:
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
-        # The cache's kinds (``kvjax.kinds``), in registry order. A kind whose requests hold about
-        # one window of KV whatever their length (pure sliding window) lifts the submission check.
-        self.kinds: tuple[CacheKind, ...] = cache_kinds_of(cache.plan)
+        # The cache's kinds (``kvjax.plan.kinds``), in the kinds' order. A kind whose requests hold
+        # about one window of KV whatever their length (pure sliding window) lifts the submission check.
+        self.kinds: tuple[PlannerKind, ...] = planner_kinds_of(cache.plan)
         self._windowed = any(
             k.windowed_request_kv is not None and k.windowed_request_kv(cache.plan) for k in self.kinds
         )
@@ -950,19 +951,6 @@ class _RunningBatch:
     page_table: np.ndarray | None = None
     outputs: np.ndarray | None = None
     max_new: np.ndarray | None = None
-
-
-def default_extensions(cache: KVCache) -> list[ServingExtension]:
-    """The serving hooks of the cache's kinds (``CacheKind.serving_extension``), in the kinds'
-    registry order (built in: sliding window, recurrent state, host tier, retraction backup; none
-    for full attention)."""
-    extensions: list[ServingExtension] = []
-    for kind in cache_kinds_of(cache.plan):
-        if kind.serving_extension is not None:
-            extension = kind.serving_extension(cache)
-            if extension is not None:
-                extensions.append(extension)
-    return extensions
 
 
 def _row(req: Req) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 
 from kvjax.alloc.swa import SWATokenToKVPoolAllocator
 from kvjax.attention import PageTables, SWAMetadata, swa_metadata
-from kvjax.kinds.swa import is_pure_swa
+from kvjax.plan.kinds.swa import is_pure_swa
 from kvjax.radix.swa_component import SWALockPart
 from kvjax.radix.swa_radix_cache import SWARadixCache
 from kvjax.serve.extension import ServingExtension, StepBatch

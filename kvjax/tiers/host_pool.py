@@ -184,11 +184,14 @@ def create_host_pool(pool: Any, context: Any) -> HostKVPool:
     The plan's host pool lists ``shape[0]`` host pages (every one usable) of
     ``shape[1:] = (page_size, C, D)`` per layer, ``count`` layers, in the storage dtype; the
     layout is ``context.host_layout``. Over a tensor-parallel mesh the plan's row already holds
-    every distinct head shard once (``kvjax.plan.pool_plans``); the build records
-    ``kv_head_replicas`` on the pool for the transfer engine.
+    every distinct head shard once (``kvjax.plan.pool_plans``); the pool records the context's
+    ``kv_head_replicas`` for the transfer engine.
     """
     from kvjax.layout import storage
 
     pages, *row = pool.shape
     itemsize = storage.itemsize(pool.layout.dtype) if hasattr(pool.layout, "dtype") else np.dtype(pool.dtype).itemsize
-    return HostKVPool(pages * row[0], pool.count, tuple(row), itemsize, getattr(context, "host_layout", "layer_first"))
+    built = HostKVPool(pages * row[0], pool.count, tuple(row), itemsize, getattr(context, "host_layout", "layer_first"))
+    if getattr(context, "mesh", None) is not None:
+        built.kv_head_replicas = context.kv_head_replicas
+    return built

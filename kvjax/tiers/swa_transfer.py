@@ -23,14 +23,19 @@ last handed in); a transfer is DONE when both halves are, FAILED when either fai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.device_updates import PendingDeviceUpdates
+from kvjax.plan.kinds.swa import POOL as SWA_POOL
+from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.host_pool import HostKVPool
 from kvjax.tiers.transfer import PageTransferEngine
+
+if TYPE_CHECKING:
+    from kvjax.tiers.transfer_engines import TransferContext
 
 __all__ = ["SWAPageTransferEngine"]
 
@@ -109,3 +114,14 @@ class SWAPageTransferEngine:
         self.full.cancel(handle.full)
         if handle.swa is not None:
             self.swa.cancel(handle.swa)
+
+
+def transfer_engine(context: TransferContext) -> SWAPageTransferEngine | None:
+    """The engine moving both sides' pages, when the host tier has the sliding side's pool
+    (``"host_kv_swa"``); None otherwise (the plain engine)."""
+    swa_host_pool = context.host_pools.get(SWA_HOST_POOL_NAME)
+    if swa_host_pool is None:
+        return None
+    return SWAPageTransferEngine(
+        context.pending, context.host_pool, swa_host_pool, context.allocator, pool_name=SWA_POOL.name
+    )

@@ -1,5 +1,5 @@
-"""The built-in cache kinds: each is found for the plans that use it, decides what it owns, and
-the build and the scheduler name none of them."""
+"""The built-in cache kinds: each is registered in every layer, found for the plans that use it,
+decides what it owns, and the shared build, planning and serving modules name none of them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,23 @@ from pathlib import Path
 import pytest
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
+from kvjax.attention.kinds import ATTENTION_KINDS
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds import CacheKind, PoolKind, cache_kind, cache_kinds, cache_kinds_of, register_cache_kind
+from kvjax.kinds import BUILTIN_KINDS, LAYERS, incomplete_kinds, registries
 from kvjax.plan import plan_kv_cache
-from kvjax.pools.registry import POOL_KINDS
+from kvjax.plan.kinds import (
+    PlannerKind,
+    PoolKind,
+    planner_kind,
+    planner_kinds,
+    planner_kinds_of,
+    pool_kinds,
+    register_planner_kind,
+)
+from kvjax.pools.registry import require_builder
+from kvjax.radix.kinds import HOST_KINDS
+from kvjax.serve.kinds import SERVING_KINDS
 from tests.specs import F, S, dense, mla, ssm, swa
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +42,7 @@ def plan(spec, **kw):
 
 
 def names(p) -> list[str]:
-    return [k.name for k in cache_kinds_of(p)]
+    return [k.name for k in planner_kinds_of(p)]
 
 
 @pytest.mark.parametrize(
@@ -47,7 +59,7 @@ def names(p) -> list[str]:
 def test_each_plan_uses_its_kinds_in_registry_order(spec, kinds):
     p = plan(spec)
     assert names(p) == kinds
-    kv_kinds = [k for k in cache_kinds_of(p) if k.kv_pool_kind is not None]
+    kv_kinds = [k for k in planner_kinds_of(p) if k.kv_pool_kind is not None]
     assert p.kv_pool_kind in {k.kv_pool_kind for k in kv_kinds}
 
 
@@ -57,14 +69,23 @@ def test_host_tier_and_retraction_backup_kinds_follow_the_config():
     assert "retraction" not in names(plan(dense()))  # resolved but not active outside decode
 
 
-def test_every_pool_kind_belongs_to_one_cache_kind():
-    owned = [p.name for k in cache_kinds() for p in k.pool_kinds]
-    assert sorted(owned) == sorted(POOL_KINDS) and len(owned) == len(set(owned))
+def test_every_builtin_kind_is_registered_in_every_layer_in_one_order():
+    assert list(registries()) == list(LAYERS)  # every layer's registry is loaded by these imports
+    assert incomplete_kinds() == {}
+    for layer, registry in registries().items():
+        assert tuple(registry.names()[: len(BUILTIN_KINDS)]) == BUILTIN_KINDS, layer
+
+
+def test_every_pool_kind_belongs_to_one_cache_kind_and_has_a_builder():
+    owned = [p.name for k in planner_kinds() for p in k.pool_kinds]
+    assert sorted(owned) == sorted(pool_kinds()) and len(owned) == len(set(owned))
+    for name in owned:
+        require_builder(name, "any model")
 
 
 def test_the_sliding_window_kind_decides_the_allocator_only_for_hybrid_plans():
     hybrid = plan(swa(), page_size=16)
-    allocator = cache_kind("swa").allocator
+    allocator = HOST_KINDS["swa"].allocator
     assert allocator is not None
     made = allocator(hybrid)
     assert isinstance(made, SWATokenToKVPoolAllocator) and made.size_full == hybrid.full_tokens_per_layer
@@ -72,27 +93,27 @@ def test_the_sliding_window_kind_decides_the_allocator_only_for_hybrid_plans():
 
 
 def test_only_pure_sliding_window_requests_are_windowed():
-    windowed = cache_kind("swa").windowed_request_kv
+    windowed = planner_kind("swa").windowed_request_kv
     assert windowed is not None
     assert windowed(plan(swa((S, S, S, S)))) and not windowed(plan(swa((S, S, S, F))))
 
 
-def test_attention_references_are_module_function_strings():
-    for kind in cache_kinds():
-        if kind.attention is not None:
-            module, sep, function = kind.attention.partition(":")
-            assert sep and module.startswith("kvjax.") and function, kind.name
+def test_a_kind_with_a_pool_has_attention_or_says_why_not():
+    for kind in ATTENTION_KINDS:
+        if kind.pool is not None:
+            assert callable(kind.attention) or kind.not_attention, kind.name
+    assert all(SERVING_KINDS[name].name == name for name in BUILTIN_KINDS)
 
 
 def test_registering_a_taken_name_or_pool_kind_is_refused_and_changes_nothing():
-    before = (cache_kinds(), dict(POOL_KINDS))
+    before = (planner_kinds(), pool_kinds())
     with pytest.raises(ConfigError, match="'full'"):
-        register_cache_kind(CacheKind(name="full"))
+        register_planner_kind(PlannerKind(name="full"))
     with pytest.raises(ConfigError, match="'mha'"):
-        register_cache_kind(CacheKind(name="other", pool_kinds=(PoolKind("mha", "device", "again"),)))
-    assert (cache_kinds(), dict(POOL_KINDS)) == before
+        register_planner_kind(PlannerKind(name="other", pool_kinds=(PoolKind("mha", "device", "again"),)))
+    assert (planner_kinds(), pool_kinds()) == before
     with pytest.raises(ConfigError, match="cache kind"):
-        cache_kind("no-such-kind")
+        planner_kind("no-such-kind")
 
 
 @pytest.mark.parametrize("path", ["kvjax/build.py", "kvjax/serve/scheduler.py"])
@@ -114,7 +135,7 @@ FLAG_BRANCH = re.compile(
     "path", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax" / "plan").glob("*.py")) + ["kvjax/build.py"]
 )
 def test_the_planner_and_the_build_name_no_kind(path):
-    """The planner asks the kinds' planner hooks (``CacheKind``) and names none of them."""
+    """The planner asks the kinds' planner hooks (``PlannerKind``) and names none of them."""
     source = _code((ROOT / path).read_text())
     for name in PLANNER_KIND_NAMES:
         assert name not in source, f"{path} names {name}"

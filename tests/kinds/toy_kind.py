@@ -1,5 +1,8 @@
 """A toy cache kind defined entirely outside kvjax: a per-request token counter on the device.
 
+It registers once in each layer (``register()``): the planner's ``PlannerKind``, the host side's
+(empty) ``HostKind``, the pool builder, the attention and the serving hooks.
+
 * pool ``"token_counter"`` (kind ``"token_counter"``): int32 ``[rows + 1]``, one counter per
   request-table row and a spare entry that padded sequence rows write to; added to the plan by
   the kind (``extra_pools``), built by :func:`create_counter_pool`;
@@ -26,11 +29,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.kinds import BuildContext, CacheKind, PoolKind
+from kvjax.attention.kinds import AttentionKind, register_attention_kind
+from kvjax.layout.build_context import BuildContext
 from kvjax.layout.pool_plan import PoolPlan
+from kvjax.plan.kinds import PlannerKind, PoolKind, register_planner_kind
+from kvjax.pools.registry import PoolBuilders, register_pool_builders
+from kvjax.radix.kinds import HostKind, register_host_kind
 from kvjax.serve.extension import ServingExtension, StepBatch
+from kvjax.serve.kinds import ServingKind, register_serving_kind
 
 MODEL_NAME = "toy-counter"
+KIND_NAME = "token_counter"
 POOL_NAME = "token_counter"
 VOCAB = 97
 COUNTER_LAYER = 1000  # the layer id attend runs the counter for (no model layer has it)
@@ -38,7 +47,7 @@ DECODE_RADIX_REFUSAL = (
     "the token counter restarts with each request, so a decode-side radix cache cannot share prefixes; turn it off"
 )
 
-POOL = PoolKind(POOL_NAME, "device", "a per-request token counter (toy kind)", f"{__name__}:create_counter_pool")
+POOL = PoolKind(POOL_NAME, "device", "a per-request token counter (toy kind)")
 
 
 def uses(plan: Any) -> bool:
@@ -108,18 +117,28 @@ def serving_extension(cache: Any) -> ServingExtension:
     return CounterExtension(cache)
 
 
-KIND = CacheKind(
-    name="token_counter",
+PLANNER = PlannerKind(
+    name=KIND_NAME,
     pool_kinds=(POOL,),
-    attention=f"{__name__}:count_tokens",
-    attention_layers=counter_layers,
     uses=uses,
     extra_pools=extra_pools,
-    serving_extension=serving_extension,
     page_backup=False,
     applies=applies,
     decode_radix_refusal=DECODE_RADIX_REFUSAL,
 )
+HOST = HostKind(KIND_NAME)  # the plain allocator, request table and trees
+POOLS = PoolBuilders(KIND_NAME, builders={POOL_NAME: create_counter_pool})
+ATTENTION = AttentionKind(KIND_NAME, attention=count_tokens, pool=POOL_NAME, layers=counter_layers)
+SERVING = ServingKind(KIND_NAME, serving_extension=serving_extension)
+
+
+def register() -> None:
+    """Register the kind in every layer (``kvjax.kinds.unregister_kind(KIND_NAME)`` removes it)."""
+    register_planner_kind(PLANNER)
+    register_host_kind(HOST)
+    register_pool_builders(POOLS)
+    register_attention_kind(ATTENTION)
+    register_serving_kind(SERVING)
 
 
 class CounterModel(nn.Module):

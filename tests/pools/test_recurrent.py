@@ -149,7 +149,7 @@ def test_fork_from_or_into_a_free_slot_is_refused_by_the_allocator():
 
 def test_registry_builds_one_pool_from_the_planned_tensors():
     from kvjax.layout.recurrent import RecurrentLayout
-    from kvjax.pools.registry import BuildContext, pool_kind
+    from kvjax.pools.registry import BuildContext, create_pool_group
     from kvjax.spec import RecurrentStateSpec
 
     layout = RecurrentLayout.per_rank(
@@ -159,7 +159,7 @@ def test_registry_builds_one_pool_from_the_planned_tensors():
         1,
     )
     plans = layout.pool_plans(num_slots=5, layer_ids=(0, 2), built=True)
-    pool = pool_kind("recurrent").create_group(plans, BuildContext(platform="cpu"))
+    pool = create_pool_group("recurrent", plans, BuildContext(platform="cpu"))
     assert isinstance(pool, RecurrentStatePool)
     assert pool.nbytes() == sum(p.nbytes for p in plans)
     assert pool.layer_ids == (0, 2) and pool.num_slots == 5

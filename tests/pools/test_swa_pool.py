@@ -12,7 +12,7 @@ from kvjax import CacheConfig, InvalidSlotError, build_kv_cache
 from kvjax.alloc import SWATokenToKVPoolAllocator
 from kvjax.plan import plan_kv_cache
 from kvjax.pools import SWAKVPool
-from kvjax.pools.registry import BuildContext, pool_kind
+from kvjax.pools.registry import BuildContext, create_pool_group
 from kvjax.radix import SWARadixCache
 from tests.specs import swa
 
@@ -23,7 +23,7 @@ CONFIG = CacheConfig(max_total_tokens=64, max_running_requests=4, context_length
 def make_pool() -> tuple[SWAKVPool, object]:
     plan = plan_kv_cache(swa(window=8), CONFIG.replace(platform="cpu"))
     members = tuple(p for p in plan.pools if p.kind == "swa")
-    return pool_kind("swa").create_group(members, BuildContext(platform="cpu")), plan
+    return create_pool_group("swa", members, BuildContext(platform="cpu")), plan
 
 
 def kv(n: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:

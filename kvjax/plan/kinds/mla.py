@@ -1,37 +1,27 @@
-"""The MLA kind (``kv_pool_kind="mla"``): the latent KV pool ``"kv"`` (and, for DSA models, the
-indexer keys ``"index_k"``). Allocator, request table and tree component are the defaults.
+"""The MLA kind's planning (``kv_pool_kind="mla"``): the latent KV pool ``"kv"`` (and, for DSA
+models, the indexer keys ``"index_k"``).
 
 It applies to a model with MLA layers (SGLang's ``is_mla``) and plans the latent pools over every
-per-token attention layer of the stage (a latent layout has no separate sliding pool). ``attend``
-runs the DeepSeek-V2 family's absorbed form (``attend_latent``) for a layer of an ``MLAKVPool``.
+per-token attention layer of the stage (a latent layout has no separate sliding pool); the latent
+row is replicated on every attention-TP rank, so tensor parallelism does not split it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any
 
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.pool_kind import PoolKind
+from kvjax.kinds.names import MLA
+from kvjax.plan.kinds.planner_kind import PlannerKind, PoolKind
 
 if TYPE_CHECKING:
-    import jax
-
-    from kvjax.attention.metadata import AttentionMetadata
-    from kvjax.attention.options import AttentionOptions
     from kvjax.config import CacheConfig
-    from kvjax.kinds.planning import AttentionChoice
     from kvjax.layout.mla import MLALayout
     from kvjax.layout.pool_plan import PoolPlan
+    from kvjax.plan.kinds.planning import AttentionChoice
     from kvjax.plan.records import Sizes, Target
-    from kvjax.pools import MLAKVPool
     from kvjax.spec import ModelSpec
 
-POOL = PoolKind(
-    "mla",
-    "device",
-    "the MLA latent KV pool (kv_pool_kind='mla', with the DSA indexer keys)",
-    "kvjax.pools.mla:create_pool",
-)
+POOL = PoolKind("mla", "device", "the MLA latent KV pool (kv_pool_kind='mla', with the DSA indexer keys)")
 
 
 def applies(spec: ModelSpec, config: CacheConfig) -> bool:
@@ -45,8 +35,8 @@ def model_flags(spec: ModelSpec) -> dict[str, Any]:
 def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dtype: str) -> AttentionChoice:
     """The latent row (and, for DSA, the indexer keys): one latent "head", replicated on every
     attention-TP rank."""
-    from kvjax.kinds.planning import AttentionChoice
     from kvjax.layout.mla import MLALayout
+    from kvjax.plan.kinds.planning import AttentionChoice
 
     assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None  # ModelSpec checks it
     mla = MLALayout.for_platform(
@@ -84,40 +74,11 @@ def no_host_pool_backup(sizes: Sizes) -> bool:
     return False
 
 
-def attend_latent(
-    pool: MLAKVPool,
-    layer_id: int,
-    q: Any,
-    k: jax.Array,
-    v: jax.Array,
-    meta: AttentionMetadata,
-    **options: Unpack[AttentionOptions],
-) -> tuple[jax.Array, MLAKVPool]:
-    """``attend``'s uniform signature over ``mla_attention``: ``q = (q_latent, q_rope)``,
-    ``k = c_kv``, ``v = k_pe``; ``sm_scale`` required; soft cap, sinks and window refused."""
-    from kvjax.attention.mla_attention import mla_attention
-
-    if not isinstance(q, tuple) or len(q) != 2:
-        raise ValueError(
-            f"layer {layer_id} is an MLA layer: pass q=(q_latent [T, heads, kv_lora_rank], "
-            "q_rope [T, heads, qk_rope_head_dim]), k=c_kv, v=k_pe"
-        )
-    sm_scale = options.get("sm_scale")
-    if sm_scale is None:
-        raise ValueError(f"layer {layer_id} is an MLA layer: pass the model's sm_scale")
-    if any(options.get(name) is not None for name in ("soft_cap", "sinks", "sliding_window")):
-        raise ValueError(f"layer {layer_id} is an MLA layer: soft_cap, sinks and sliding_window do not apply")
-    return mla_attention(pool, layer_id, q[0], q[1], k, v, meta, sm_scale=sm_scale, mesh=options.get("mesh"))
-
-
-KIND = CacheKind(
-    name="mla",
+KIND = PlannerKind(
+    name=MLA,
     pool_kinds=(POOL,),
     kv_pool_kind="mla",
     tree_components=("full",),
-    attention=f"{__name__}:attend_latent",
-    attention_pool="kv",
-    pool_type="kvjax.pools.mla:MLAKVPool",
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=1,

@@ -1,24 +1,22 @@
-"""The request table (``"req_to_token"``, host memory): every plan has one; the request -> token
-slot table of SGLang's ``ReqToTokenPool``. Kinds that keep per-request state wrap it
-(``CacheKind.request_table``)."""
+"""The request table's planning (``"req_to_token"``, host memory): every plan has one, the
+request -> token-slot table of SGLang's ``ReqToTokenPool``, ``max_running_requests`` rows of
+``req_to_token_width`` int32 slots."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.pool_kind import PoolKind
+from kvjax.kinds.names import REQUEST_TABLE
+from kvjax.plan.kinds.planner_kind import PlannerKind, PoolKind
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.plan import CachePlan
+    from kvjax.plan.cache_plan import CachePlan
     from kvjax.plan.records import Sizes, Target
     from kvjax.spec import ModelSpec
 
-POOL = PoolKind("request_table", "host", "the request -> token-slot table", "kvjax.req_pool:create_pool")
-
-
+POOL = PoolKind("request_table", "host", "the request -> token-slot table")
 POOL_NAME = "req_to_token"
 ITEMSIZE = 4  # int32 slot ids
 
@@ -43,4 +41,4 @@ def state_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     )
 
 
-KIND = CacheKind(name="request_table", pool_kinds=(POOL,), uses=uses, applies=applies, state_pools=state_pools)
+KIND = PlannerKind(name=REQUEST_TABLE, pool_kinds=(POOL,), uses=uses, applies=applies, state_pools=state_pools)

@@ -1,31 +1,27 @@
-"""The full-attention kind (``kv_pool_kind="mha"``): the paged K/V pool ``"kv"`` of MHA/GQA layers.
+"""The full-attention kind's planning (``kv_pool_kind="mha"``): the paged K/V pool ``"kv"`` of
+MHA/GQA layers.
 
 Every model needs it (``applies``), at the lowest priority: a kind of a higher ``kv_pool_priority``
 that applies names the KV pool kind and plans the attention pools instead. It plans ``"kv"`` over
-every per-token attention layer of the stage; the plain allocator, request table, the tree's
-``"full"`` component and no serving extension are every kind's defaults. ``attend`` runs
-``paged_attention`` for a layer of an ``MHAKVPool``.
+every per-token attention layer of the stage, and the tree's ``"full"`` component.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvjax.kinds.cache_kind import CacheKind
-from kvjax.kinds.pool_kind import PoolKind
+from kvjax.kinds.names import FULL
+from kvjax.plan.kinds.planner_kind import PlannerKind, PoolKind
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
-    from kvjax.kinds.planning import AttentionChoice
     from kvjax.layout.mha import MHALayout
     from kvjax.layout.pool_plan import PoolPlan
+    from kvjax.plan.kinds.planning import AttentionChoice
     from kvjax.plan.records import Sizes, Target
-    from kvjax.plan.tree_options import TreeOptions
-    from kvjax.radix import ChunkCache, RadixCache
-    from kvjax.radix.tree_inputs import TreeInputs
     from kvjax.spec import ModelSpec
 
-POOL = PoolKind("mha", "device", "the full-attention paged K/V pool", "kvjax.pools.mha:create_pool")
+POOL = PoolKind("mha", "device", "the full-attention paged K/V pool")
 POOL_NAME = "kv"  # the plan's and the cache's name of the pool
 
 
@@ -36,8 +32,8 @@ def applies(spec: ModelSpec, config: CacheConfig) -> bool:
 def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dtype: str) -> AttentionChoice:
     """The paged K/V layout with the model's KV heads split over the attention-TP ranks as SGLang
     splits them (each replicated when the ranks outnumber the heads)."""
-    from kvjax.kinds.planning import AttentionChoice
     from kvjax.layout.mha import MHALayout
+    from kvjax.plan.kinds.planning import AttentionChoice
     from kvjax.plan.target import kv_heads_per_rank
 
     attn_tp = config.attn_tp_size
@@ -72,47 +68,14 @@ def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     return (layout_pool(target.attention, POOL_NAME, sizes.num_pages, stage.full),)
 
 
-def chunk_cache(o: TreeOptions, inputs: TreeInputs) -> ChunkCache:
-    """``tree_cache_kind="chunk"``: chunked prefill with the radix cache off."""
-    from kvjax.radix import ChunkCache
-
-    return ChunkCache(**inputs.chunk)
-
-
-def radix_tree(o: TreeOptions, inputs: TreeInputs) -> RadixCache:
-    """The unified tree over ``"full"``: ``RadixCache`` (disabled: SGLang's disabled tree), or with
-    the host tier ``HiRadixCache``."""
-    from kvjax.radix import HiRadixCache, RadixCache
-
-    if o.attach_host_tier:
-        return HiRadixCache(
-            page_size=inputs.page_size,
-            token_to_kv_pool_allocator=inputs.token_to_kv_pool_allocator,
-            disable=bool(o.disable_radix_cache),
-            storage=inputs.storage,
-            **inputs.host_tier,
-            **inputs.common,
-        )
-    return RadixCache(
-        page_size=inputs.page_size,
-        token_to_kv_pool_allocator=inputs.token_to_kv_pool_allocator,
-        disable=bool(o.disable_radix_cache),
-        **inputs.common,
-    )
-
-
-KIND = CacheKind(
-    name="full",
+KIND = PlannerKind(
+    name=FULL,
     pool_kinds=(POOL,),
     kv_pool_kind="mha",
     tree_components=("full",),
-    attention="kvjax.attention.paged_attention:paged_attention",
-    attention_pool=POOL_NAME,
-    pool_type="kvjax.pools.mha:MHAKVPool",
     applies=applies,
     attention_layout=attention_layout,
     layer_kind="full_attention",
     layout_pool=layout_pool,
     attention_pools=attention_pools,
-    tree_builders={"chunk": chunk_cache, "full": radix_tree},
 )
