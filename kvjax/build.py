@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from kvjax.alloc import make_allocator
 from kvjax.attention.sharding import serving_mesh
 from kvjax.config import CacheConfig
+from kvjax.device_state import DeviceState
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
@@ -57,8 +58,6 @@ from kvjax.spec import ModelSpec
 from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
 
 KV_HEAD_MESH_AXIS = KV_HEAD_AXIS
-# Structures remembered by ``KVCache`` (one per compiled step shape; more only clears the memo).
-_MAX_CHECKED_ORIGINS = 64
 
 
 class KVCache:
@@ -82,9 +81,7 @@ class KVCache:
 
     __slots__ = (
         "_pending",
-        "_pools",
-        "_pools_structure",
-        "_checked_origins",
+        "_state",
         "draft_host_pool",
         "host_pool",
         "swa_host_pool",
@@ -106,6 +103,7 @@ class KVCache:
         draft_host_pool: Any = None,
         swa_host_pool: Any = None,
         pending: PendingDeviceUpdates | None = None,
+        state: DeviceState | None = None,
     ) -> None:
         self.plan = plan
         self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
@@ -116,17 +114,16 @@ class KVCache:
         self.swa_host_pool = swa_host_pool
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
-        self._pools = pools
+        # The device state: this holder's own, or a group's shared with other views (a DP rank's).
+        if state is None:
+            state = DeviceState(pools)
+        elif pools is not state.pools:
+            raise ValueError("KVCache: pools must be the shared state's current pools")
+        self._state = state
         # Device updates recorded by the host side (transfers, restores, forks), shared with the
         # transfer engines built over this cache; the owner of the step applies them.
         self._pending = PendingDeviceUpdates(pools) if pending is None else pending
-        self._pending.hand_in(pools)
-        # Fixed for the holder's life (set_pools only accepts the same structure): computed once,
-        # so the check on every serving step flattens only the new pools.
-        self._pools_structure: Any = jax.tree_util.tree_structure(pools)
-        # Origins (``CachePools.origin``) of pools that passed the structure check, by identity;
-        # the values keep the tuples alive so that an id is never reused while it is a key.
-        self._checked_origins: dict[int, tuple[str, ...]] = {}
+        state.attach(self._pending)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
@@ -137,7 +134,12 @@ class KVCache:
     def pools(self) -> CachePools:
         """The device state the owner last handed in (a pytree; apply :meth:`apply_pending` to
         it, donate it into a step, then :meth:`set_pools`). No other kvjax call replaces it."""
-        return self._pools
+        return self._state.pools
+
+    @property
+    def state(self) -> DeviceState:
+        """The holder of :attr:`pools` (``kvjax.device_state``), shared by every view of the group."""
+        return self._state
 
     @property
     def pending(self) -> PendingDeviceUpdates:
@@ -152,9 +154,7 @@ class KVCache:
         Raises ``TypeError`` (the cache unchanged) unless ``pools`` is a ``CachePools`` with the
         same pools and array structure as the current state.
         """
-        self._check_same_structure(pools, "set_pools")
-        self._pools = pools
-        self._pending.hand_in(pools)
+        self._state.store(pools, "set_pools")
 
     def apply_pending(self, pools: CachePools | None = None) -> CachePools:
         """Apply the pending device updates to ``pools`` (default :attr:`pools`), in the order
@@ -167,8 +167,8 @@ class KVCache:
         structure.
         """
         if pools is None:
-            pools = self._pools
-        elif pools is not self._pools:
+            pools = self._state.pools
+        elif pools is not self._state.pools:
             self.set_pools(pools)
         if not self._pending.count:
             return pools
@@ -179,7 +179,7 @@ class KVCache:
     def with_pools(self, pools: CachePools) -> KVCache:
         """A new holder of ``pools`` sharing this cache's plan and host objects (functional form
         of :meth:`set_pools`; this holder is left as it is)."""
-        self._check_same_structure(pools, "with_pools")
+        self._state.check_structure(pools, "with_pools")
         return KVCache(
             plan=self.plan,
             pools=pools,
@@ -191,31 +191,6 @@ class KVCache:
             swa_host_pool=self.swa_host_pool,
             pending=self._pending,
         )
-
-    def _check_same_structure(self, pools: Any, what: str) -> None:
-        """Raise ``TypeError`` unless ``pools`` has the cache's tree structure.
-
-        Run once per structure, not once per step: pools JAX rebuilt from a treedef (a compiled
-        step's outputs) carry that treedef's names tuple as their ``origin``, and every object
-        rebuilt from it has its structure. An origin whose pools passed the full check once is
-        accepted by identity afterwards (an attribute read and a dict lookup); anything else
-        (pools built by hand, the first output of each compiled step) is flattened and compared.
-        """
-        if not isinstance(pools, CachePools):
-            raise TypeError(f"{what}: expected CachePools, got {type(pools).__name__}")
-        origin = pools.origin
-        if origin is not None and self._checked_origins.get(id(origin)) is origin:
-            return
-        # PyTreeDefs are equal iff same structure and static metadata (names, page size, dtype, ...).
-        if jax.tree_util.tree_structure(pools) != self._pools_structure:
-            raise TypeError(
-                f"{what}: the new pools {pools.names} do not have the structure of the cache's {self._pools.names} "
-                "(pass what the step returned for cache.pools)"
-            )
-        if origin is not None:
-            if len(self._checked_origins) >= _MAX_CHECKED_ORIGINS:
-                self._checked_origins.clear()  # bounded: one entry per compiled step shape
-            self._checked_origins[id(origin)] = origin
 
     # --- SGLang's KVCacheBuildResult names --------------------------------------------------------
 
@@ -233,7 +208,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (
-            f"KVCache(model={self.plan.model!r}, pools={self._pools!r}, tokens={self.plan.max_total_tokens}, "
+            f"KVCache(model={self.plan.model!r}, pools={self.pools!r}, tokens={self.plan.max_total_tokens}, "
             f"tree={type(self.tree_cache).__name__})"
         )
 

@@ -76,6 +76,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "kvjax.pools",
             "kvjax.device_updates",
+            "kvjax.device_state",
             "kvjax.attention",
             # the device half of the host tier
             "kvjax.tiers.transfer",

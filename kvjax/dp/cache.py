@@ -47,6 +47,7 @@ from kvjax.build import (
     with_extra_pools,
 )
 from kvjax.config import CacheConfig
+from kvjax.device_state import DeviceState
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -119,41 +120,36 @@ class DPKVCache:
     """The DP-attention KV cache: one set of device pools over all ranks, host state per rank.
 
     Device state follows ``KVCache``'s rule: the owner of the step donates :attr:`pools` into
-    its step and hands the result back with :meth:`set_pools`.
+    its step and hands the result back with :meth:`set_pools`. The pools live in one
+    ``DeviceState`` (:attr:`state`), which the ranks' views (``kvjax.dp.rank_cache``) share.
     """
 
-    __slots__ = ("_pools", "layout", "plan", "ranks")
+    __slots__ = ("layout", "plan", "ranks", "state")
 
     def __init__(self, *, plan: CachePlan, pools: CachePools, layout: DPLayout, ranks: tuple[DPRank, ...]) -> None:
         self.plan = plan
-        self._pools = pools
+        self.state = DeviceState(pools)
         self.layout = layout
         self.ranks = ranks
 
     @property
     def pools(self) -> CachePools:
         """The pools of every rank (leading rank axis; module docstring)."""
-        return self._pools
+        return self.state.pools
 
     @property
     def dp_size(self) -> int:
         return len(self.ranks)
 
     def set_pools(self, pools: CachePools) -> None:
-        """Hand in the pools a (donated) step returned. Raises ``TypeError`` (nothing changed)
-        for pools of another structure."""
-        current: Any = jax.tree_util.tree_structure(self._pools)
-        if jax.tree_util.tree_structure(pools) != current:
-            raise TypeError(
-                f"set_pools: the new pools {getattr(pools, 'names', type(pools).__name__)} do not have the "
-                f"structure of the cache's {self._pools.names} (pass what the step returned for cache.pools)"
-            )
-        self._pools = pools
+        """Hand in the pools a (donated) step returned (every rank's view reads them from now on).
+        Raises ``TypeError`` (nothing changed) for pools of another structure."""
+        self.state.store(pools, "set_pools")
 
     def __repr__(self) -> str:
         return (
             f"DPKVCache(model={self.plan.model!r}, dp={self.dp_size}, attn_tp={self.layout.attn_tp_size}, "
-            f"pools={self._pools!r})"
+            f"pools={self.pools!r})"
         )
 
 

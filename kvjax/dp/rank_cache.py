@@ -5,20 +5,18 @@ needs a ``KVCache``. A rank's view holds the rank's plan, request table, allocat
 ``DPRank``), its own queue of pending device updates (its extensions' state copies), and, as
 its device state, the ``DPKVCache``'s stacked pools of all ranks.
 
-Invariant: every rank's view and the ``DPKVCache`` hold the same pools. Handing pools to one view
-(``set_pools``, also what ``apply_pending`` does after applying the rank's updates) hands them to
-the DP cache and to every view of the group (and to their pending queues, for reads), so a rank
-that applies its updates never leaves another rank holding donated arrays. A rank's pending
+Invariant: every rank's view and the ``DPKVCache`` hold one ``DeviceState`` (``kvjax.device_state``),
+so they hold the same pools. Handing pools to one view (``set_pools``, also what ``apply_pending``
+does after applying the rank's updates) stores them in that state, which every view and every
+rank's pending queue reads, so a rank that applies its updates never leaves another rank holding
+donated arrays. A rank's pending
 updates write only its own slice (``kvjax.dp.rank_state``), so the ranks' queues commute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from kvjax.build import KVCache
 from kvjax.dp.cache import DPKVCache, DPRank
-from kvjax.pools.cache_pools import CachePools
 
 __all__ = ["RankKVCache", "rank_caches"]
 
@@ -38,25 +36,12 @@ class RankKVCache(KVCache):
             req_to_token_pool=rank.req_to_token_pool,  # type: ignore[arg-type]
             token_to_kv_pool_allocator=rank.allocator,
             tree_cache=rank.tree_cache,
+            state=dp_cache.state,  # one device state for the DP cache and every view
         )
         self.dp_cache = dp_cache
         self.rank = rank.rank
-        self._group: tuple[RankKVCache, ...] = (self,)
-
-    def set_pools(self, pools: CachePools) -> None:
-        """Hand ``pools`` to the DP cache and every view of the group. Raises ``TypeError``
-        (nothing changed) for pools of another structure."""
-        self._check_same_structure(pools, "set_pools")
-        self.dp_cache.set_pools(pools)
-        for view in self._group:
-            view._pools = pools
-            view._pending.hand_in(pools)
 
 
 def rank_caches(dp_cache: DPKVCache) -> list[RankKVCache]:
-    """A view per rank of ``dp_cache``, in rank order, sharing its pools (module docstring)."""
-    views = [RankKVCache(dp_cache, rank) for rank in dp_cache.ranks]
-    group: Sequence[RankKVCache] = tuple(views)
-    for view in views:
-        view._group = tuple(group)
-    return views
+    """A view per rank of ``dp_cache``, in rank order, sharing its device state (module docstring)."""
+    return [RankKVCache(dp_cache, rank) for rank in dp_cache.ranks]

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache, build_kv_cache, build_stage_pools, device_memory_limit_bytes
 from kvjax.config import CacheConfig
+from kvjax.device_state import DeviceState
 from kvjax.errors import ConfigError
 from kvjax.mesh_check import KV_HEAD_AXIS
 from kvjax.pipeline_check import check_pipeline_config
@@ -80,8 +81,9 @@ class PipelineCache:
 
     ``cache``: stage 0's ``KVCache``, whose request table, allocator and tree drive every stage
     (its ``pools`` are stage 0's). ``stages[s]``: the layers of stage ``s``; ``meshes[s]`` its
-    devices; ``plans[s]`` its plan (the same token slots on every stage). The owner of the step
-    (``kvjax.serve.pipeline_scheduler``) hands each stage's new pools back with :meth:`set_pools`.
+    devices; ``plans[s]`` its plan (the same token slots on every stage); ``states[s]`` its device
+    state (``kvjax.device_state``; stage 0's is ``cache.state``). The owner of the step
+    (``kvjax.serve.pipeline_stepping``) hands each stage's new pools back with :meth:`set_pools`.
     """
 
     def __init__(
@@ -95,8 +97,7 @@ class PipelineCache:
         if not len(stage_pools) == len(plans) == len(stages) == len(meshes):
             raise ValueError("PipelineCache: one pool set, plan, stage and mesh per stage")
         self.cache = cache
-        self._pools: list[CachePools] = list(stage_pools)
-        self._pools[0] = cache.pools
+        self.states: tuple[DeviceState, ...] = (cache.state, *(DeviceState(p) for p in stage_pools[1:]))
         self.plans = tuple(plans)
         self.stages = tuple(stages)
         self.meshes = tuple(meshes)
@@ -107,22 +108,16 @@ class PipelineCache:
 
     def pools(self, stage: int) -> CachePools:
         """Stage ``stage``'s current device state (stage 0's is ``cache.pools``)."""
-        return self.cache.pools if stage == 0 else self._pools[stage]
+        return self.states[stage].pools
 
     def set_pools(self, stage: int, pools: CachePools) -> None:
         """Hand in stage ``stage``'s new pools (a donated step's result); ``TypeError`` (nothing
         changed) for pools of another structure than the stage's."""
-        if stage == 0:
-            self.cache.set_pools(pools)
-            return
-        expected: Any = jax.tree_util.tree_structure(self._pools[stage])
-        if jax.tree_util.tree_structure(pools) != expected:
-            raise TypeError(f"set_pools: the new pools of stage {stage} do not have the stage's structure")
-        self._pools[stage] = pools
+        self.states[stage].store(pools, f"set_pools (stage {stage})")
 
     def device_bytes(self, stage: int) -> int:
         """Bytes of stage ``stage``'s device pools (over all its devices)."""
-        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self.pools(stage)))
+        return self.states[stage].nbytes()
 
 
 def build_pipeline_cache(
