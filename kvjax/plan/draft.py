@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.kinds import names
 from kvjax.layout.mha import MHALayout
 from kvjax.layout.mla import MLALayout
 from kvjax.layout.pool_plan import PoolPlan
@@ -64,7 +65,7 @@ class DraftModel:
     attention: MHALayout | MLALayout
     layer_ids: tuple[int, ...]
     on_this_stage: bool
-    layout_kind: str = "full"  # the cache kind of the layout (``PlannerKind.layout_pool`` plans the pool)
+    layout_kind: str = names.FULL  # the cache kind of the layout (``PlannerKind.layout_pool`` plans the pool)
 
     @property
     def num_layers(self) -> int:

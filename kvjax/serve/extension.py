@@ -100,6 +100,15 @@ class ServingExtension:
         hands to the tree on release must not have advanced; say False when it would have."""
         return True
 
+    def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
+        """Adapt this extension to DP rank ``rank`` of lockstep DP serving (``kvjax.dp.lockstep``:
+        every rank's pools stacked in one array over ``layout``, ``kvjax.dp.cache.DPLayout``), and
+        say whether it runs there. ``shared``: one dict for every extension of every rank (where
+        the ranks' extensions keep what they share). Default False: an extension that records
+        device updates must write only its rank's slice; one whose work is all on the host says
+        True."""
+        return False
+
 
 def required_part(part: Any, kind: type[CachePart], extension: str) -> CachePart:
     """``part`` of the cache an extension is built from (its tree, request table, ...) when it is a

@@ -150,6 +150,19 @@ class RecurrentStateExtension(ServingExtension):
         (Requests that end on ``max_new_tokens`` never get a speculative step.)"""
         return not any(req.stop_token_ids for req in reqs)
 
+    def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
+        """Under lockstep DP the state copies write rank ``rank``'s slice of the stacked pool
+        (``kvjax.dp.rank_state``; one ``RankStateCopies`` shared by the ranks)."""
+        import functools
+
+        from kvjax.dp.rank_state import RankStateCopies
+
+        copies = shared.get(RankStateCopies.__name__)
+        if copies is None:
+            copies = shared[RankStateCopies.__name__] = RankStateCopies(layout)
+        self.copies_update = functools.partial(copies.update, rank)
+        return True
+
 
 def state_copies_update(copies: list[tuple[int, int]]) -> DeviceUpdate:
     """The state copies ``(src slot, dst slot)``, applied in order to ``pools.recurrent`` (donated),

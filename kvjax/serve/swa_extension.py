@@ -144,3 +144,7 @@ class SWAServing(ServingExtension):
         part: Any = receipt.parts[0]
         if isinstance(part, SWALockPart) and not part.released and part.locked and part.uuid is not None:
             tree.dec_swa_lock_only(receipt)
+
+    def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
+        """Lockstep DP runs it per rank as it is: its work (metadata, window freeing) is on the host."""
+        return True

@@ -72,6 +72,7 @@ KIND = PlannerKind(
     name=FULL,
     pool_kinds=(POOL,),
     kv_pool_kind="mha",
+    speculative_rollback=True,
     tree_components=("full",),
     applies=applies,
     attention_layout=attention_layout,

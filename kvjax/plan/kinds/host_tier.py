@@ -40,4 +40,4 @@ def host_pages(sizes: Sizes, host_tokens: int) -> int:
     return host_tokens // sizes.alloc_page_size - 1
 
 
-KIND = PlannerKind(name=HOST_TIER, pool_kinds=(POOL,))
+KIND = PlannerKind(name=HOST_TIER, pool_kinds=(POOL,), speculative_rollback=True)

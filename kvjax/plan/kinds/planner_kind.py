@@ -69,6 +69,9 @@ class PlannerKind:
         page_backup: whether the decode retraction backup (``cpu_tensor``, page copies of the
             ``"kv"`` pool) covers this kind's device state (recurrent state, the sliding-window
             pair: False).
+        speculative_rollback: whether freeing the rejected draft tokens' slots rolls this kind's
+            state back, so speculative decoding serves it (full attention, the request table, the
+            host tier: True; False by default, so a new kind is refused until it says so).
         applies: ``(spec, config) -> bool``, planner step 1: whether the model needs this kind
             (None: never by the model; such a kind is found by ``uses`` on the plan).
         model_flags: ``(spec) -> {field: value}``, the ``ModelKind`` fields (SGLang's flags:
@@ -117,6 +120,7 @@ class PlannerKind:
     extra_pools: Callable[[CachePlan], tuple[PoolPlan, ...]] | None = None
     windowed_request_kv: Callable[[CachePlan], bool] | None = None
     page_backup: bool = True
+    speculative_rollback: bool = False
     applies: Callable[[ModelSpec, CacheConfig], bool] | None = None
     model_flags: Callable[[ModelSpec], Mapping[str, Any]] | None = None
     kv_pool_priority: int = 0

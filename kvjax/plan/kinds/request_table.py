@@ -41,4 +41,11 @@ def state_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     )
 
 
-KIND = PlannerKind(name=REQUEST_TABLE, pool_kinds=(POOL,), uses=uses, applies=applies, state_pools=state_pools)
+KIND = PlannerKind(
+    name=REQUEST_TABLE,
+    pool_kinds=(POOL,),
+    uses=uses,
+    applies=applies,
+    state_pools=state_pools,
+    speculative_rollback=True,
+)
