@@ -128,7 +128,7 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
     from kvjax import build_kv_cache
     from kvjax.serve.model import init_params
     from kvjax.serve.pipeline_cache import build_pipeline_cache
-    from kvjax.serve.pipeline_scheduler import PipelineScheduler
+    from kvjax.serve.pipeline_stepping import pipeline_scheduler
     from kvjax.serve.scheduler import Scheduler, ServingReq
     from kvjax.serve.tp_mesh import tp_mesh
 
@@ -151,7 +151,7 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
             sched = Scheduler(spec, build_kv_cache(spec, _config(1, tp), mesh=tp_mesh(tp)), params, max_batch_size=4)
         else:
             pipe = build_pipeline_cache(spec, _config(pp), devices=jax.devices("cpu"))
-            sched = PipelineScheduler(spec, pipe, params, micro_batches=micro, max_batch_size=4)
+            sched = pipeline_scheduler(spec, pipe, params, micro_batches=micro, max_batch_size=4)
         outputs: list[list[int]] = []
         wall = 0.0
         start_steps = start_seconds = 0.0

@@ -149,13 +149,13 @@ def _decode_run(
         return step_fn(pools, params, *inputs)
 
     sched.step_fn = recording_step
-    read_arrays = sched._read_arrays
+    read_arrays = sched.read_arrays
 
     def annotated_read(tokens: Any, logits: Any) -> tuple:
         with jax.profiler.TraceAnnotation(READ_EVENT):
             return read_arrays(tokens, logits)
 
-    sched._read_arrays = annotated_read  # type: ignore[method-assign]
+    sched.read_arrays = annotated_read  # type: ignore[method-assign]
     sched.submit([ServingReq(i, p, max_new_tokens=decode_tokens) for i, p in enumerate(prompts)])
     while sched.waiting or sched.chunked is not None:
         sched.step()

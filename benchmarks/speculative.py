@@ -39,7 +39,7 @@ from kvjax import CacheConfig, ModelSpec, build_kv_cache  # noqa: E402
 from kvjax.serve.model import init_params  # noqa: E402
 from kvjax.serve.model_config import model_config_from_spec  # noqa: E402
 from kvjax.serve.scheduler import Scheduler, ServingReq  # noqa: E402
-from kvjax.serve.speculative import SpeculativeScheduler  # noqa: E402
+from kvjax.serve.speculative import DraftDecoding, speculative_scheduler  # noqa: E402
 
 PAGE_SIZE = 16
 CONTEXT = 256
@@ -98,11 +98,11 @@ def run(steps: int, new_tokens: int) -> dict[str, Any]:
             ),
             draft_spec=draft_spec,
         )
-        sched = SpeculativeScheduler(
+        sched = speculative_scheduler(
             config, cache, params, draft=draft_config, draft_params=draft_params, num_steps=steps
         )
         assert _serve(sched, prompts, new_tokens) == expected, f"{name}: tokens differ from the plain loop"
-        sp = sched.spec_stats
+        sp = _draft(sched).stats
         target_steps = sched.stats.prefill_steps + sched.stats.decode_steps
         report[name] = {
             "acceptance_rate": round(sp.acceptance_rate, 4),
@@ -130,3 +130,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _draft(sched: Scheduler) -> DraftDecoding:
+    """The scheduler's draft-model proposer."""
+    assert isinstance(sched.proposer, DraftDecoding)
+    return sched.proposer

@@ -278,12 +278,12 @@ def _single_server(
 ) -> Scheduler:
     """The one scheduler of ``serve`` over ``cache``: a plain one (agreeing its host tier's
     completions through ``agreement`` when several processes serve), or with ``draft`` a
-    ``SpeculativeScheduler`` proposing ``num_steps`` tokens per round."""
+    scheduler proposing ``num_steps`` tokens per round."""
     if draft is None:
         return Scheduler(serving, cache, weights, max_batch_size=MAX_BATCH, overlap=overlap, agreement=agreement)
-    from kvjax.serve.speculative import SpeculativeScheduler
+    from kvjax.serve.speculative import speculative_scheduler
 
-    return SpeculativeScheduler(
+    return speculative_scheduler(
         serving,
         cache,
         weights,
@@ -336,11 +336,11 @@ def _pipeline_server(
     """The pipeline-parallel scheduler of ``serve``: ``pp_size`` stages of ``tp_size`` local
     devices (``kvjax.serve.pipeline_cache``), two micro-batches a step."""
     from kvjax.serve.pipeline_cache import build_pipeline_cache
-    from kvjax.serve.pipeline_scheduler import PipelineScheduler
+    from kvjax.serve.pipeline_stepping import pipeline_scheduler
 
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     pipeline = build_pipeline_cache(spec, demo_config(**config_kwargs))
-    return PipelineScheduler(
+    return pipeline_scheduler(
         serving, pipeline, weights, micro_batches=PP_MICRO_BATCHES, max_batch_size=MAX_BATCH, overlap=overlap
     )
 
@@ -525,10 +525,11 @@ def _dp_report(
 
 
 def _speculative_counters(scheduler: Scheduler) -> dict | None:
-    """A speculative run's counters (``SpeculativeScheduler.speculative_report``), else None."""
-    from kvjax.serve.speculative import SpeculativeScheduler
+    """A speculative run's counters (``DraftDecoding.report``), else None."""
+    from kvjax.serve.speculative import DraftDecoding
 
-    return scheduler.speculative_report() if isinstance(scheduler, SpeculativeScheduler) else None
+    proposer = scheduler.proposer
+    return proposer.report() if isinstance(proposer, DraftDecoding) else None
 
 
 def outputs_fingerprint(outputs: dict[str, list[int]]) -> str:

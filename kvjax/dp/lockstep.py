@@ -52,33 +52,26 @@ record device updates between steps (a host tier's loads) are refused.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
 from kvjax.attention.metadata_builder import MetadataBuilder
+from kvjax.attention.sharding import pools_mesh
 from kvjax.config import CacheConfig
 from kvjax.dp.attention import stack_rank_inputs
 from kvjax.dp.cache import DPKVCache, build_dp_kv_cache
 from kvjax.dp.rank_cache import rank_caches
-from kvjax.dp.rank_state import RankStateCopies
 from kvjax.dp.scheduler import DPScheduler
 from kvjax.dp.step import make_dp_step, place_params
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.recurrent_extension import RecurrentStateExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.swa_extension import SWAServing
+from kvjax.serve.stepping import OneMesh
 from kvjax.spec import ModelSpec
 
 __all__ = ["LockstepDPScheduler"]
-
-_LOCKSTEP_EXTENSIONS = (SWAServing, RecurrentStateExtension)
-"""Serving extensions lockstep serving runs per rank: ``SWAServing``'s work is all on the host
-(metadata and window freeing); ``RecurrentStateExtension``'s state copies are set to write the
-rank's slice (``kvjax.dp.rank_state``)."""
 
 
 class _Round:
@@ -92,34 +85,42 @@ class _Round:
         self.done: dict[int, list[ServingReq]] = {}
 
 
-class _RankStep:
-    """A rank scheduler's step function: record the batch, step the ranks after it (the last one
-    runs the DP step), return this rank's sampled tokens."""
+class LockstepRank(OneMesh):
+    """The stepping of one rank's scheduler under lockstep DP (``kvjax.serve.stepping``): it packs
+    the rank's batch as ``OneMesh`` does, then records it in the front's round and steps the ranks
+    after it (the last one runs the DP step), and returns this rank's sampled tokens. The front
+    joins it when it is built (:meth:`join`); the DP step's pools are stored by the front."""
 
-    def __init__(self, front: LockstepDPScheduler, rank: int) -> None:
-        self.front = front
+    def __init__(self, rank: int) -> None:
+        super().__init__()
         self.rank = rank
+        self.front: LockstepDPScheduler | None = None
 
-    def __call__(
-        self,
-        pools: Any,
-        params: Any,
-        tokens: np.ndarray,
-        meta: Any,
-        prev_tokens: Any = None,
-        token_src: np.ndarray | None = None,
-    ) -> tuple[Any, ...]:
-        round_ = self.front._round
-        if round_ is None:
+    def join(self, front: LockstepDPScheduler) -> None:
+        """Step this rank's batches in ``front``'s rounds."""
+        self.front = front
+
+    def setup(self, scheduler: Scheduler, spec: ModelSpec | ModelConfig, model: Any) -> None:
+        """Nothing to lay out or compile: the DP step (the front's) runs every rank's batch; the
+        mesh is the DP mesh (the future tokens of a first step are replicated over it)."""
+        self._state = scheduler.cache.state
+        self.mesh = pools_mesh(scheduler.cache.pools)
+
+    def launch(self, scheduler: Scheduler, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        front = self.front
+        round_ = front._round if front is not None else None
+        if front is None or round_ is None:
             raise RuntimeError(f"rank {self.rank} stepped outside a lockstep round: step the LockstepDPScheduler")
         if self.rank in round_.inputs:
             raise RuntimeError(f"rank {self.rank} ran two batches in one lockstep round")
+        tokens, meta, *future = inputs
+        prev_tokens, token_src = future if future else (None, None)
         round_.inputs[self.rank] = (tokens, meta, prev_tokens, token_src)
-        self.front._step_ranks(round_, round_.active.index(self.rank) + 1)
+        front._step_ranks(round_, round_.active.index(self.rank) + 1)
         if round_.outputs is None:
             raise RuntimeError(f"rank {self.rank}: the round ended without a DP step")
         new_pools, *rest = round_.outputs
-        if self.front.overlap:  # references to the rank's rows, on the device until read
+        if front.overlap:  # references to the rank's rows, on the device until read
             return (new_pools, *(_RankTokens(x, self.rank) for x in rest))
         return (new_pools, *(x.host()[self.rank] for x in rest))
 
@@ -189,7 +190,12 @@ class LockstepDPScheduler(DPScheduler):
         self._round: _Round | None = None
         self.dp_steps = 0
         for rank, scheduler in enumerate(schedulers):
-            scheduler.step_fn = _RankStep(self, rank)
+            stepping = scheduler.stepping
+            if not isinstance(stepping, LockstepRank) or stepping.rank != rank:
+                raise ValueError(
+                    f"rank {rank}'s scheduler is not stepped as lockstep rank {rank}: give it LockstepRank"
+                )
+            stepping.join(self)
 
     @classmethod
     def build_lockstep(
@@ -226,7 +232,7 @@ class LockstepDPScheduler(DPScheduler):
         step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
         placed = place_params(served, params, cache.layout)
         schedulers = []
-        state_copies: RankStateCopies | None = None
+        shared: dict[str, Any] = {}  # what the ranks' extensions share (ServingExtension.in_lockstep)
         for view in rank_caches(cache):
             scheduler = Scheduler(
                 served,
@@ -236,12 +242,11 @@ class LockstepDPScheduler(DPScheduler):
                 chunked_prefill_size=chunked_prefill_size,
                 record_logits=record_logits,
                 overlap=overlap,
+                stepping=LockstepRank(view.rank),
             )
-            for extension in scheduler.extensions:
-                if isinstance(extension, RecurrentStateExtension):
-                    state_copies = state_copies or RankStateCopies(cache.layout)
-                    extension.copies_update = functools.partial(state_copies.update, view.rank)
-            device_side = [type(e).__name__ for e in scheduler.extensions if not isinstance(e, _LOCKSTEP_EXTENSIONS)]
+            device_side = [
+                type(e).__name__ for e in scheduler.extensions if not e.in_lockstep(cache.layout, view.rank, shared)
+            ]
             if device_side:
                 raise NotImplementedError(
                     f"lockstep DP serving of a cache with serving extensions {device_side} (they record device "
@@ -267,7 +272,7 @@ class LockstepDPScheduler(DPScheduler):
 
     def _step_ranks(self, round_: _Round, first: int) -> None:
         """Step the active ranks from position ``first`` on. A rank whose step hands in a batch
-        steps the rest itself (``_RankStep``), so this returns after that rank's step; past the
+        steps the rest itself (``LockstepRank.launch``), so this returns after that rank's step; past the
         last active rank, run the DP step."""
         for position in range(first, len(round_.active)):
             rank = round_.active[position]
@@ -310,7 +315,7 @@ class LockstepDPScheduler(DPScheduler):
         outputs = self._dp_step(self.cache.pools, self._params, stacked_tokens, stacked_meta, *future)
         self.dp_steps += 1
         pools = outputs[0]
-        self.schedulers[0].cache.set_pools(pools)  # a RankKVCache: every rank's view and the DP cache
+        self.schedulers[0].store_pools(pools)  # the DP cache's device state: every rank's view reads it
         round_.outputs = (pools, *(_StackedOutput(x) for x in outputs[1:]))
 
 

@@ -148,7 +148,7 @@ def generate(
     ``draft``: decode speculatively with this STANDALONE draft model, ``speculative_num_steps``
     tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``). ``pp_size`` above 1:
     the layers split into that many pipeline stages of ``tp_size`` local devices each, two
-    micro-batches a step (``kvjax.serve.pipeline_scheduler``).
+    micro-batches a step (``kvjax.serve.pipeline_stepping``).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
@@ -168,11 +168,11 @@ def generate(
     scheduler: Scheduler
     if pp_size > 1:
         from kvjax.serve.pipeline_cache import build_pipeline_cache
-        from kvjax.serve.pipeline_scheduler import PipelineScheduler
+        from kvjax.serve.pipeline_stepping import pipeline_scheduler
 
         pipeline = build_pipeline_cache(model.spec, config)
         micro = min(PP_MICRO_BATCHES, max_batch_size)
-        scheduler = PipelineScheduler(
+        scheduler = pipeline_scheduler(
             model.config, pipeline, model.params, micro_batches=micro, overlap=overlap, **options
         )
     else:
@@ -191,14 +191,14 @@ def scheduler_for(
     model: LoadedModel, cache: KVCache, *, draft: LoadedModel | None = None, num_steps: int = 3, **options: Any
 ) -> Scheduler:
     """The scheduler serving ``model`` over ``cache``: a ``Scheduler``, or with a STANDALONE
-    ``draft`` model a ``SpeculativeScheduler`` drafting ``num_steps`` tokens a round (the cache
+    ``draft`` model a scheduler drafting ``num_steps`` tokens a round (the cache
     built with ``draft_spec=draft.spec`` and the speculative fields set). ``options`` go to the
     scheduler (``max_batch_size``, ``chunked_prefill_size``, ``record_logits``, ``overlap``, ...)."""
     if draft is None:
         return Scheduler(model.config, cache, model.params, **options)
-    from kvjax.serve.speculative import SpeculativeScheduler
+    from kvjax.serve.speculative import speculative_scheduler
 
-    return SpeculativeScheduler(
+    return speculative_scheduler(
         model.config, cache, model.params, draft=draft.config, draft_params=draft.params, num_steps=num_steps, **options
     )
 
@@ -372,7 +372,8 @@ def _speculative_config(draft: LoadedModel | None, num_steps: int) -> dict:
 
 
 def _speculative_counters(scheduler: Scheduler) -> dict | None:
-    """A speculative run's counters (``SpeculativeScheduler.speculative_report``), else None."""
-    from kvjax.serve.speculative import SpeculativeScheduler
+    """A speculative run's counters (``DraftDecoding.report``), else None."""
+    from kvjax.serve.speculative import DraftDecoding
 
-    return scheduler.speculative_report() if isinstance(scheduler, SpeculativeScheduler) else None
+    proposer = scheduler.proposer
+    return proposer.report() if isinstance(proposer, DraftDecoding) else None

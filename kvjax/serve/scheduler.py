@@ -98,7 +98,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention import MetadataBuilder, MetadataPart
-from kvjax.attention.sharding import pools_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError, OutOfMemoryError
 from kvjax.multihost.agreement import Agreement, LocalAgreement
@@ -112,7 +111,7 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.serving_front import serve_to_completion
 from kvjax.serve.serving_req import ServingReq
-from kvjax.serve.step import make_module_step, make_sharded_step, make_step, place_on_mesh
+from kvjax.serve.stepping import OneMesh, PackedStep, Proposer, Stepping, StepRows
 from kvjax.spec import ModelSpec
 
 __all__ = ["Scheduler", "ServeStats", "ServingReq"]
@@ -180,6 +179,12 @@ class Scheduler:
         agreement: how timing-dependent completions (host-tier transfers) are agreed with the
             other processes of a multi-process run before they change the tree
             (``kvjax.multihost``); default: one process, the identity.
+        stepping: how a batch is stepped on the devices (``kvjax.serve.stepping``): ``OneMesh``
+            (the default: the cache's device or mesh), ``PipelineStages``
+            (``kvjax.serve.pipeline_stepping``), or a lockstep DP rank (``kvjax.dp.lockstep``).
+        proposer: how decode tokens are proposed (``kvjax.serve.stepping.Proposer``): None, one
+            token per request per step; ``DraftDecoding`` (``kvjax.serve.speculative``), a draft
+            model's ``k`` tokens verified by the target.
     """
 
     def __init__(
@@ -195,6 +200,8 @@ class Scheduler:
         overlap: bool = True,
         model: Any = None,
         agreement: Agreement | None = None,
+        stepping: Stepping | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
@@ -209,10 +216,13 @@ class Scheduler:
         self.page_size = self.alloc.page_size
         self.max_batch_size = min(max_batch_size, self.rows.size)
         self.budget = chunked_prefill_size or cache.plan.chunked_prefill_size or 2048
-        self._metadata = MetadataBuilder(self.rows, self.page_size, self.max_batch_size)
-        self.pages_per_seq = self._metadata.pages_per_seq
+        self.metadata = MetadataBuilder(self.rows, self.page_size, self.max_batch_size)
+        self.pages_per_seq = self.metadata.pages_per_seq
         self.record_logits = record_logits
-        self._setup_step(spec, model)
+        self.overlap = bool(overlap)
+        self.stepping: Stepping = OneMesh() if stepping is None else stepping
+        self.stepping.setup(self, spec, model)
+        self.mesh = self.stepping.mesh
         self.waiting: collections.deque[ServingReq] = collections.deque()
         self.running: list[ServingReq] = []
         self.chunked: ServingReq | None = None
@@ -222,16 +232,15 @@ class Scheduler:
         self._last_logits: np.ndarray | None = None
         # The decode's running arrays, kept for the running requests (``_running_arrays``).
         self._running_cache: _RunningBatch | None = None
-        self._step_page_table: np.ndarray | None = None  # the page table of the last step packed
-        self.overlap = bool(overlap)
+        self.step_page_table: np.ndarray | None = None  # the page table of the last step packed
         self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
         # "previous tokens" of a first step (replicated over the mesh, as every step's tokens are)
-        self._no_tokens = jax.device_put(
+        self.no_tokens = jax.device_put(
             np.zeros(self.max_batch_size, np.int32), None if self.mesh is None else NamedSharding(self.mesh, P())
         )
         # Overlap on an accelerator: start each step's token copy to the host at launch. Not on CPU,
         # where the array already is host memory and the extra copy only costs host time.
-        self._copy_ahead = self.overlap and next(iter(self._no_tokens.devices())).platform != "cpu"
+        self._copy_ahead = self.overlap and next(iter(self.no_tokens.devices())).platform != "cpu"
         self.extensions: tuple[ServingExtension, ...] = tuple(
             default_extensions(cache) if extensions is None else extensions
         )
@@ -247,25 +256,18 @@ class Scheduler:
         self.agreement: Agreement = agreement if agreement is not None else LocalAgreement()
         for ext in self.extensions:
             ext.attach(self)
+        self.proposer = proposer
+        if proposer is not None:
+            proposer.attach(self)
 
-    def _setup_step(self, spec: ModelSpec | ModelConfig, model: Any) -> None:
-        """Set ``mesh`` and ``step_fn`` and lay the state out for them. Tensor parallelism: the
-        mesh the pools are sharded over (``build_kv_cache(..., mesh=)``); the pools and weights
-        are laid out over it and the step is jitted with their shardings."""
-        cache, record_logits = self.cache, self.record_logits
-        self.mesh = pools_mesh(cache.pools)
-        if self.mesh is None:
-            self.step_fn = (
-                make_step(self.model_config, with_logits=record_logits)
-                if self.model_config is not None
-                else make_module_step(model, with_logits=record_logits)
-            )
-        else:
-            pools, self.params = place_on_mesh(self.model_config, cache.pools, self.params, self.mesh)
-            cache.set_pools(pools)
-            self.step_fn = make_sharded_step(
-                self.model_config or spec, self.mesh, pools, with_logits=record_logits, module=model, params=self.params
-            )
+    @property
+    def step_fn(self) -> Any:
+        """The compiled step the stepping launches (``OneMesh``: replace it to wrap the step)."""
+        return self.stepping.step_fn  # type: ignore[attr-defined]
+
+    @step_fn.setter
+    def step_fn(self, step_fn: Any) -> None:
+        self.stepping.step_fn = step_fn  # type: ignore[attr-defined]
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -283,6 +285,7 @@ class Scheduler:
         """Raise ``ConfigError`` for the first request this scheduler can never serve: longer than
         the context (naming ``context_length``), or whose KV can never fit the pool (naming
         ``max_total_tokens``). Changes nothing."""
+        reqs = list(reqs)
         for req in reqs:
             if req.seqlen() + req.max_new_tokens > self.rows.max_context_len:
                 raise ConfigError(
@@ -292,6 +295,8 @@ class Scheduler:
                     "context; shorten the request or raise context_length (up to the model's)",
                 )
             check_fits_pool(req, self.alloc, self.page_size, windowed=self._windowed)
+        if self.proposer is not None:
+            self.proposer.check_servable(self, reqs)
 
     @property
     def idle(self) -> bool:
@@ -383,7 +388,7 @@ class Scheduler:
 
     # --- memory -----------------------------------------------------------------------------------
 
-    def _make_room(self, tokens: int) -> bool:
+    def make_room(self, tokens: int) -> bool:
         """Evict until ``tokens`` slots are free; True when they are (the allocator asks the tree
         for what it lacks: a hybrid-SWA allocator for each side by its own need)."""
         if tokens > self.alloc.available_size():
@@ -407,8 +412,8 @@ class Scheduler:
             batch.append((req, start, end))
             need += self._pages_needed(start, end)
             self.chunked = None
-            if not self._make_room(need):
-                self._retract(req)
+            if not self.make_room(need):
+                self.retract(req)
                 return False
             budget -= end - start
         while self.waiting and budget > 0 and len(batch) + len(self.running) < self.max_batch_size:
@@ -434,7 +439,7 @@ class Scheduler:
                 start = req.cache_protected_len if req.kv_committed_len is None else req.kv_committed_len
             end = min(req.seqlen(), start + budget)
             extra = self._pages_needed(start, end)
-            if not self._make_room(need + extra):
+            if not self.make_room(need + extra):
                 self._unadmit(req)
                 break
             self.waiting.popleft()
@@ -459,7 +464,7 @@ class Scheduler:
             ]
         )
         slots = self.alloc.alloc_extend(prefix, seq, last)
-        if slots is None:  # _make_room guaranteed the pages; this is a bookkeeping bug
+        if slots is None:  # make_room guaranteed the pages; this is a bookkeeping bug
             raise RuntimeError(f"alloc_extend failed with {self.alloc.available_size()} free tokens for {need}")
         offsets = np.concatenate([[0], np.cumsum(seq - prefix)])
         for i, (row, (_, s, _)) in enumerate(zip(batch_rows, batch, strict=True)):
@@ -562,6 +567,9 @@ class Scheduler:
         return batch
 
     def _decode(self, done: list[ServingReq]) -> None:
+        if self.proposer is not None:
+            self.proposer.decode(self, done)
+            return
         ps = self.page_size
         if self._inflight is not None and not all(ext.can_run_ahead(self.running) for ext in self.extensions):
             self._resolve_and_poll(done)
@@ -571,11 +579,11 @@ class Scheduler:
             batch = self._running_arrays()
             kv_len, rows = batch.kv_len, batch.rows
             need = int(np.count_nonzero(kv_len % ps == 0)) * ps
-            if self._make_room(need):
+            if self.make_room(need):
                 break
             if self._resolve_and_poll(done):  # retraction depends on which requests continue: read them first
                 continue
-            self._retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
+            self.retract(self.running.pop(int(np.argmax([r.admitted_at for r in self.running]))))
         for ext in self.extensions:
             ext.before_decode(self.running)
         last = self.rows.req_to_token[rows, kv_len - 1]
@@ -599,7 +607,7 @@ class Scheduler:
         tokens = batch.tokens
         assert tokens is not None
         launched = self._forward(tokens, kv_len, slots, rows, new_len, self.running, page_table=table)
-        page_table = self._step_page_table
+        page_table = self.step_page_table
         next_tokens = self._read(launched, len(tokens))
         st = self.stats
         st.decode_steps += 1
@@ -609,7 +617,7 @@ class Scheduler:
         keep = []
         # Finished requests return their slots in one allocator call (SGLang's free group), and
         # their rows in one request-table call.
-        with self._finish_group() as freed_rows:
+        with self.finish_group() as freed_rows:
             for i, (req, n, token) in enumerate(zip(running, new_len.tolist(), next_tokens.tolist(), strict=True)):
                 req.kv_committed_len = n
                 out = req.output_ids
@@ -620,7 +628,7 @@ class Scheduler:
                     self.running.append(req)
                     keep.append(i)
                 else:
-                    self._finish(req, done, freed_rows)
+                    self.finish(req, done, freed_rows)
         if len(keep) == len(running):
             self._running_cache = _RunningBatch(
                 tuple(self.running), new_len, rows, next_tokens.astype(np.int32), page_table
@@ -672,7 +680,7 @@ class Scheduler:
         tokens, src = self._input_tokens(running)
         rows = batch.rows
         out = self._forward(tokens, batch.kv_len, slots, rows, new_len, running, token_src=src, page_table=page_table)
-        table = self._step_page_table
+        table = self.step_page_table
         self.stats.decode_steps += 1
         for req, length in zip(running, new_len.tolist(), strict=True):
             req.kv_committed_len = length
@@ -707,7 +715,7 @@ class Scheduler:
         """Read ``step``'s tokens and process them: append, finish on ``max_new_tokens`` or a
         stop token. ``after``: the step launched since, whose token for a request finished here is
         speculative: dropped, and its slot released with the request (module docstring)."""
-        tokens, logits = self._read_arrays(step.next_tokens, step.logits)
+        tokens, logits = self.read_arrays(step.next_tokens, step.logits)
         st = self.stats
         ps = self.page_size
         received = tokens[step.out_rows].tolist()  # one Python int per request
@@ -728,7 +736,7 @@ class Scheduler:
         if not finishing:
             return
         spec = after.index() if after is not None else {}
-        with self._finish_group() as freed_rows:
+        with self.finish_group() as freed_rows:
             for req, _ in finishing:
                 extra = None
                 if id(req) in spec:
@@ -738,12 +746,12 @@ class Scheduler:
                     pos = req.kv_committed_len
                     if pos % ps == 0:  # it opened a page of its own; else its page is the tail's
                         extra = self.rows.req_to_token[_row(req), pos : pos + 1].copy()
-                self._finish(req, done, freed_rows)
+                self.finish(req, done, freed_rows)
                 if extra is not None:
                     self.alloc.free(extra)
         self.running = [r for r in self.running if not r.finished]
 
-    def _retract(self, req: ServingReq) -> None:
+    def retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
         if self._inflight is not None:  # its output and which requests continue must be known
             raise RuntimeError(f"retracting {req.rid!r} with a step in flight: resolve() first")
@@ -767,15 +775,20 @@ class Scheduler:
         self.stats.generated_tokens += 1
         if len(out) < req.max_new_tokens and token not in req.stop_token_ids:
             return False
-        self._finish(req, done)
+        self.finish(req, done)
         return True
 
-    def _finish_group(self) -> _FinishGroup:
+    def forget_running_arrays(self) -> None:
+        """Drop the running requests' kept decode arrays (the next decode step rebuilds them): after
+        a step that changed the running requests' lengths by other means (a speculative round)."""
+        self._running_cache = None
+
+    def finish_group(self) -> _FinishGroup:
         """Finish a batch's requests together (``_finish(..., freed_rows)`` inside the ``with``):
         see ``_FinishGroup``."""
         return _FinishGroup(self.alloc, self.rows, self.stats)
 
-    def _finish(self, req: ServingReq, done: list[ServingReq], freed_rows: list[int] | None = None) -> None:
+    def finish(self, req: ServingReq, done: list[ServingReq], freed_rows: list[int] | None = None) -> None:
         """Cache a done request's prompt and output in the tree, unlock it, free its row (or, with
         ``freed_rows``, leave the row to the caller's one ``free`` call for the whole batch)."""
         start = time.perf_counter()
@@ -807,56 +820,90 @@ class Scheduler:
         token_src: np.ndarray | None = None,
         page_table: np.ndarray | None = None,
     ) -> tuple[jax.Array, jax.Array | None]:
-        """Dispatch the jitted step on the batch and store the new pools in the cache; return the
-        sampled tokens and (``record_logits``) the logits, still on the device. ``token_src``
-        (overlap, decode): per sequence, the row of the in-flight step's output holding its input
-        id, or -1 for the host's ``tokens``. ``page_table``: the rows' padded page table when the
-        caller knows it is unchanged since a step it was built for (else it is built here); the
-        table the step reads is left in ``_step_page_table``. Page-table and packing time go to
-        ``pack_seconds``, the dispatch to ``step_seconds`` (``_read`` adds the wait for the
-        tokens)."""
-        start = time.perf_counter()
+        """Run the batch on the devices (the stepping's ``forward``, which stores the new pools);
+        return the sampled tokens and (``record_logits``) the logits, still on the device. The
+        arguments are a ``StepRows``'s (``kvjax.serve.stepping``)."""
+        return self.stepping.forward(
+            self, StepRows(tokens, starts, slots, rows, seq_lens, reqs, token_src=token_src, page_table=page_table)
+        )
+
+    # --- for the stepping (``kvjax.serve.stepping``) ----------------------------------------------
+
+    def pack(
+        self,
+        builder: MetadataBuilder,
+        step: StepRows,
+        a: int,
+        b: int,
+        *,
+        page_table: np.ndarray | None = None,
+    ) -> PackedStep:
+        """Rows ``a:b`` of ``step`` packed by ``builder`` (its ``max_seqs`` rows): the extensions'
+        metadata parts for them and, with overlap, the future-token sources. ``page_table``: the
+        rows' table when unchanged since the step it was built for."""
+        starts = np.asarray(step.starts)
+        rows, seq_lens = step.rows[a:b], step.seq_lens[a:b]
+        if a == 0 and b == len(step.rows):
+            slots = step.slots
+        else:
+            offsets = np.concatenate([[0], np.cumsum(np.asarray(step.seq_lens) - starts)])
+            slots = step.slots[offsets[a] : offsets[b]]
         batch = None
         parts: list[MetadataPart | None] = []
         if self.extensions:
             batch = StepBatch(
                 rows=rows,
-                starts=np.asarray(starts),
+                starts=starts[a:b],
                 seq_lens=seq_lens,
                 slots=slots,
-                reqs=list(reqs),
-                max_seqs=self.max_batch_size,
-                is_decode=isinstance(tokens, np.ndarray),
+                reqs=list(step.reqs[a:b]),
+                max_seqs=builder.max_seqs,
+                is_decode=step.is_decode,
             )
             parts = [ext.step_metadata(batch) for ext in self.extensions]
-        flat, meta = self._metadata.build(
-            tokens=tokens, starts=starts, slots=slots, rows=rows, seq_lens=seq_lens, parts=parts, page_table=page_table
+        flat, meta = builder.build(
+            tokens=step.tokens[a:b],
+            starts=starts[a:b],
+            slots=slots,
+            rows=rows,
+            seq_lens=seq_lens,
+            parts=parts,
+            page_table=page_table,
         )
-        self._step_page_table = np.asarray(meta.page_indices)  # numpy: built on the host
+        src = None
         if self.overlap:
             src = np.full(flat.shape[0], -1, np.int32)
-            if token_src is not None:
-                src[: token_src.shape[0]] = token_src
-            prev = self._inflight.next_tokens if self._inflight is not None else self._no_tokens
-        packed = time.perf_counter()
-        # Loads, restores and forks recorded since the last step land before this step reads them.
-        pools = self.cache.apply_pending()
-        if self.overlap:
-            out = self.step_fn(pools, self.params, flat, meta, prev, src)
-        else:
-            out = self.step_fn(pools, self.params, flat, meta)
-        end = time.perf_counter()
-        if self._copy_ahead:
-            out[1].copy_to_host_async()  # the tokens leave the device as soon as the step ends
-        _store_pools(self.cache, out[0])  # host bookkeeping: counted outside the step's time
-        if batch is not None:
-            for ext in self.extensions:
-                ext.after_step(batch)
-        self.stats.pack_seconds += packed - start
-        self.stats.step_seconds += end - packed
-        return out[1], (out[2] if self.record_logits else None)
+            if step.token_src is not None:
+                src[: b - a] = step.token_src[a:b]
+        return PackedStep(flat, meta, src, batch)
 
-    def _read_arrays(self, tokens: jax.Array, logits: jax.Array | None) -> tuple[np.ndarray, np.ndarray | None]:
+    def previous_tokens(self, first: jax.Array) -> jax.Array:
+        """Overlap: the in-flight step's sampled tokens (the next step gathers its input ids from
+        them), or ``first`` (zeros in the step's shape) when no step is in flight."""
+        return self._inflight.next_tokens if self._inflight is not None else first
+
+    def store_pools(self, pools: Any, stage: int = 0) -> None:
+        """Hand ``pools`` (a step's result) in as the current device state of the stepping's group
+        ``stage`` (what backups read from now on). The scheduler owns the step: this is the one
+        place the serving loop writes device state."""
+        self.stepping.states[stage].store(pools, "a step's pools")
+
+    def after_forward(
+        self, packed: Sequence[PackedStep], next_tokens: jax.Array, start: float, launched: float, end: float
+    ) -> None:
+        """Close a launched step: start the tokens' copy to the host (overlap on an accelerator),
+        run the extensions' ``after_step`` for each packed batch and count the host time (packing
+        from ``start`` to ``launched``, the dispatch to ``end``; ``_read`` adds the wait)."""
+        if self._copy_ahead:
+            next_tokens.copy_to_host_async()  # the tokens leave the device as soon as the step ends
+        for part in packed:
+            if part.batch is not None:
+                for ext in self.extensions:
+                    ext.after_step(part.batch)
+        self.stats.pack_seconds += launched - start
+        self.stats.step_seconds += end - launched
+
+    def read_arrays(self, tokens: jax.Array, logits: jax.Array | None) -> tuple[np.ndarray, np.ndarray | None]:
         """Block until a step's tokens (and logits) are on the host; the wait counts as step time.
 
         ``np.asarray`` rather than ``jax.device_get``: on CPU, ``device_get`` first schedules a host
@@ -874,7 +921,7 @@ class Scheduler:
 
     def _read(self, out: tuple[jax.Array, jax.Array | None], n: int) -> np.ndarray:
         """Without overlap: the step's first ``n`` sampled tokens (logits kept for ``_record_logits``)."""
-        tokens, logits = self._read_arrays(*out)
+        tokens, logits = self.read_arrays(*out)
         self._last_logits = None if logits is None else logits[:n]
         return tokens[:n]
 
@@ -882,7 +929,7 @@ class Scheduler:
 class _FinishGroup:
     """The context of finishing a batch's requests together (``with ... as freed_rows``): entering
     opens the allocator's free group (SGLang's ``free_group_begin``), so the slots the finished
-    requests release go back in one allocator call when it closes; ``_finish`` appends their
+    requests release go back in one allocator call when it closes; ``finish`` appends their
     request-table rows to ``freed_rows``, freed on leaving in one request-table call (timed into
     ``stats.finish_seconds``). Leaving closes the group also when the body raises.
 
@@ -958,9 +1005,3 @@ def _row(req: Req) -> int:
     if req.req_pool_idx is None:
         raise RuntimeError(f"request {req.rid!r} has no request-table row; it is not admitted")
     return req.req_pool_idx
-
-
-def _store_pools(cache: KVCache, pools: Any) -> None:
-    """Hand ``pools`` (a step's result) to the cache as the current device state (what backups
-    read from now on); the scheduler owns the step, so this is the one place it changes."""
-    cache.set_pools(pools)

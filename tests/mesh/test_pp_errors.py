@@ -4,7 +4,7 @@ before anything is allocated (``jax.live_arrays()`` unchanged).
 More stages than layers, more ``pp_size * tp_size`` devices than there are, and what pipelining
 does not serve (DCP, DP attention, the host tier, the retraction backup, recurrent layers, a
 ``pp_rank`` other than 0) are refused by ``build_pipeline_cache``; a micro-batch count the batch
-cannot be split into by ``PipelineScheduler``.
+cannot be split into by ``pipeline_scheduler``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvjax import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.serve.model import init_params
 from kvjax.serve.pipeline_cache import build_pipeline_cache
-from kvjax.serve.pipeline_scheduler import PipelineScheduler
+from kvjax.serve.pipeline_stepping import pipeline_scheduler
 from kvjax.spec import ModelSpec
 
 TINY = ModelSpec.preset("tiny")  # 2 layers, 2 KV heads
@@ -62,4 +62,4 @@ def test_refused_before_anything_is_allocated(case):
 def test_micro_batches_outside_the_batch_are_refused(micro_batches):
     pipeline = build_pipeline_cache(TINY, config(pp_size=2), devices=jax.devices())
     with pytest.raises(ConfigError, match="micro_batches"):
-        PipelineScheduler(TINY, pipeline, init_params(TINY), micro_batches=micro_batches, max_batch_size=4)
+        pipeline_scheduler(TINY, pipeline, init_params(TINY), micro_batches=micro_batches, max_batch_size=4)

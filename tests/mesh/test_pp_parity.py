@@ -19,7 +19,8 @@ from kvjax import CacheConfig
 from kvjax.plan.sizing import stage_bounds
 from kvjax.pools import SWAKVPool
 from kvjax.serve.pipeline_cache import build_pipeline_cache
-from kvjax.serve.pipeline_scheduler import PipelineScheduler
+from kvjax.serve.pipeline_stepping import PipelineStages, pipeline_scheduler
+from kvjax.serve.scheduler import Scheduler
 from tests.mesh.tp_serving import family_checkpoint
 from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
 
@@ -37,7 +38,7 @@ def gemma3(tmp_path_factory):
     return family_checkpoint("gemma3", tmp_path_factory)
 
 
-def pipeline_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, overlap: bool = True, **cache_config):
+def stage_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, overlap: bool = True, **cache_config):
     """A logits-recording scheduler over ``pp`` stages of ``tp`` devices (small cache: the rounds
     reuse, chunk, evict and retract; ``overlap``: overlap scheduling)."""
     cache_config = {"max_total_tokens": 64, "max_running_requests": 8, **cache_config}
@@ -45,7 +46,7 @@ def pipeline_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, over
         context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, pp_size=pp, tp_size=tp, **cache_config
     )
     pipeline = build_pipeline_cache(model.spec, config, devices=jax.devices())
-    return PipelineScheduler(
+    return pipeline_scheduler(
         model.config,
         pipeline,
         model.params,
@@ -57,21 +58,23 @@ def pipeline_scheduler(model, pp: int, tp: int = 1, micro_batches: int = 1, over
     )
 
 
-def assert_stages_hold_their_own(sched: PipelineScheduler, num_layers: int) -> None:
+def assert_stages_hold_their_own(sched: Scheduler, num_layers: int) -> None:
     """Each stage's pool arrays and weights lie on its devices only, and its pools serve its layers."""
-    pipe = sched.pipeline
+    stepping = sched.stepping
+    assert isinstance(stepping, PipelineStages)
+    pipe = stepping.pipeline
     seen: set = set()
     for s, mesh in enumerate(pipe.meshes):
         devices = set(mesh.devices.flat)
         assert not devices & seen, "stages share devices"
         seen |= devices
-        for leaf in jax.tree.leaves(pipe.pools(s)) + jax.tree.leaves(sched.stage_params[s]):
+        for leaf in jax.tree.leaves(pipe.pools(s)) + jax.tree.leaves(stepping.stage_params[s]):
             assert leaf.sharding.device_set == devices, f"stage {s}: an array off its devices"
         start, end = stage_bounds(num_layers, pipe.pp_size, s)
         pools = pipe.pools(s)
         served = sorted(i for name in pools.names for i in _layer_ids(pools[name]))
         assert served == list(range(start, end)), f"stage {s} pools serve layers {served}, not [{start}, {end})"
-        layers = {k for k in sched.stage_params[s]["model"] if k.startswith("layers_")}
+        layers = {k for k in stepping.stage_params[s]["model"] if k.startswith("layers_")}
         assert layers == {f"layers_{i}" for i in range(start, end)}, f"stage {s} holds weights {sorted(layers)}"
 
 
@@ -90,7 +93,7 @@ def _layer_ids(pool) -> list[int]:
 @pytest.mark.parametrize(("pp", "tp", "micro", "overlap"), [(2, 1, 2, True), (4, 1, 2, True), (2, 2, 1, False)])
 def test_llama_reuse_chunked_prefill_eviction_and_retraction(pp, tp, micro, overlap, llama):
     hf, model = llama
-    sched = pipeline_scheduler(model, pp, tp, micro, overlap)
+    sched = stage_scheduler(model, pp, tp, micro, overlap)
     done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
     assert_stages_hold_their_own(sched, 4)
     st = sched.stats
@@ -102,7 +105,7 @@ def test_cold_equals_warm(llama):
     """Without the radix cache (cold: every prompt computed) the stages serve Transformers' tokens
     too, so cold == warm (the warm runs above share prefixes)."""
     hf, model = llama
-    sched = pipeline_scheduler(model, 2, disable_radix_cache=True)
+    sched = stage_scheduler(model, 2, disable_radix_cache=True)
     done = serve_two_rounds(sched, MAX_NEW)
     assert sched.stats.cached_tokens == 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
@@ -111,7 +114,7 @@ def test_cold_equals_warm(llama):
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gemma3_hybrid_sliding_window_over_stages(pp, gemma3):
     hf, model = gemma3
-    sched = pipeline_scheduler(model, pp, micro_batches=2)
+    sched = stage_scheduler(model, pp, micro_batches=2)
     done = serve_two_rounds(sched, MAX_NEW)
     assert_stages_hold_their_own(sched, 4)
     st = sched.stats

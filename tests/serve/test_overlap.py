@@ -173,7 +173,7 @@ def test_a_steady_decode_step_reuses_the_page_table_it_would_build(tiny, overlap
     reqs[0].stop_token_ids = frozenset({first.output_ids[9]})  # stops on its 10th token (or before)
     then = [ServingReq(4 + i, p, max_new_tokens=12) for i, p in enumerate(prompts[4:])]
     sched = Scheduler(spec, demo_cache(page_size=16), params, max_batch_size=4, overlap=overlap)
-    builder = sched._metadata
+    builder = sched.metadata
     build = builder.build
     kept = []
 

@@ -23,7 +23,7 @@ from kvjax.errors import ConfigError
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
 from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.speculative import SpeculativeScheduler
+from kvjax.serve.speculative import DraftDecoding, speculative_scheduler
 from kvjax.serve.speculative.acceptance import accepted_lengths, limit_accepted
 from kvjax.serve.speculative.rollback import rejected_slots
 from tests.serve.random_workloads import CONTEXT, check_end, draw_workload, drive
@@ -66,11 +66,11 @@ def spec_cache(draft: ModelSpec, *, page_size: int, pool: int, **config: Any) ->
     return build_kv_cache(SPEC, CacheConfig(**{**settings, **config}), draft_spec=draft)
 
 
-def spec_scheduler(draft: str, *, page_size: int, pool: int, **config: Any) -> SpeculativeScheduler:
+def spec_scheduler(draft: str, *, page_size: int, pool: int, **config: Any) -> Scheduler:
     _, config_t, params = models()["target"]
     dspec, dconfig, dparams = models()[draft]
     cache = spec_cache(dspec, page_size=page_size, pool=pool, **config)
-    return SpeculativeScheduler(
+    return speculative_scheduler(
         config_t,
         cache,
         params,
@@ -140,7 +140,7 @@ def test_rounds_give_the_plain_loops_tokens_with_accounting_after_every_step(pag
     check_end(sched)
     sched.cache.tree_cache.sanity_check()
     assert got == expected
-    sp = sched.spec_stats
+    sp = _draft(sched).stats
     assert 0 < sp.accepted_tokens < sp.proposed_tokens, "rounds should mix accepted and rejected drafts"
     assert sp.rolled_back_slots > 0
     assert sched.stats.cached_tokens > 0
@@ -166,12 +166,12 @@ def test_a_draft_equal_to_the_target_accepts_everything_and_an_unrelated_one_sti
     expected = serve(plain)
     same = spec_scheduler("target", page_size=1, pool=512)
     assert serve(same) == expected
-    assert same.spec_stats.acceptance_rate == 1.0
+    assert _draft(same).stats.acceptance_rate == 1.0
     # every round but a request's last yields k + 1 tokens
     assert same.stats.decode_steps < plain.stats.decode_steps
     unrelated = spec_scheduler("unrelated", page_size=1, pool=512)
     assert serve(unrelated) == expected
-    assert unrelated.spec_stats.acceptance_rate < 0.2
+    assert _draft(unrelated).stats.acceptance_rate < 0.2
 
 
 def test_stop_tokens_end_a_request_inside_a_round():
@@ -194,20 +194,26 @@ def test_refusals_name_the_value():
     dspec, dconfig, dparams = models()["first-layer"]
     cache = spec_cache(dspec, page_size=1, pool=256)
     with pytest.raises(ConfigError, match="overlap"):
-        SpeculativeScheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=K, overlap=True)
+        speculative_scheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=K, overlap=True)
     with pytest.raises(ConfigError, match="speculative_num_steps"):
-        SpeculativeScheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=0)
+        speculative_scheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=0)
     with pytest.raises(ConfigError, match="layers"):
-        SpeculativeScheduler(config, cache, params, draft=config, draft_params=params, num_steps=K)
+        speculative_scheduler(config, cache, params, draft=config, draft_params=params, num_steps=K)
     other_vocab = dconfig.replace(vocab_size=512)
     with pytest.raises(ConfigError, match="vocab_size"):
-        SpeculativeScheduler(config, cache, params, draft=other_vocab, draft_params=dparams, num_steps=K)
+        speculative_scheduler(config, cache, params, draft=other_vocab, draft_params=dparams, num_steps=K)
     plain_cache = build_kv_cache(SPEC, PLAIN)
     with pytest.raises(ConfigError, match="no draft pool"):
-        SpeculativeScheduler(config, plain_cache, params, draft=dconfig, draft_params=dparams, num_steps=K)
+        speculative_scheduler(config, plain_cache, params, draft=dconfig, draft_params=dparams, num_steps=K)
     small = spec_cache(dspec, page_size=1, pool=106)
-    sched = SpeculativeScheduler(config, small, params, draft=dconfig, draft_params=dparams, num_steps=K)
+    sched = speculative_scheduler(config, small, params, draft=dconfig, draft_params=dparams, num_steps=K)
     sched.submit([ServingReq("fits", list(range(1, 100)), max_new_tokens=5)])  # a last round of 106 tokens
     with pytest.raises(ConfigError, match="max_total_tokens"):  # the plain loop would fit it, not its last round
         sched.submit([ServingReq("long", list(range(1, 101)), max_new_tokens=5)])
     assert [r.rid for r in sched.waiting] == ["fits"]
+
+
+def _draft(sched: Scheduler) -> DraftDecoding:
+    """The scheduler's draft-model proposer."""
+    assert isinstance(sched.proposer, DraftDecoding)
+    return sched.proposer

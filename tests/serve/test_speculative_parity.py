@@ -29,7 +29,8 @@ from kvjax.radix import HiRadixCache
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.generate import scheduler_for
 from kvjax.serve.host_tier import HostTierExtension
-from kvjax.serve.speculative import SpeculativeScheduler
+from kvjax.serve.scheduler import Scheduler
+from kvjax.serve.speculative import DraftDecoding
 from kvjax.tiers.transfer import PageTransferEngine
 from tests.serve.parity_harness import (
     CHUNK,
@@ -80,7 +81,7 @@ def family(request, tmp_path_factory) -> tuple[str, Any, LoadedModel, LoadedMode
 
 def _serve(
     target: LoadedModel, draft: LoadedModel, *, page_size: int, max_total_tokens: int, **config: Any
-) -> tuple[SpeculativeScheduler, dict[str, Any]]:
+) -> tuple[Scheduler, dict[str, Any]]:
     cache = build_kv_cache(
         target.spec,
         CacheConfig(
@@ -99,7 +100,7 @@ def _serve(
     sched = scheduler_for(
         target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
     )
-    assert isinstance(sched, SpeculativeScheduler)
+    assert isinstance(sched.proposer, DraftDecoding)
     done = serve_two_rounds(sched, MAX_NEW)
     sched.cache.tree_cache.sanity_check()
     return sched, done
@@ -109,7 +110,7 @@ def test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill(family):
     _, hf, target, draft, _ = family
     sched, done = _serve(target, draft, page_size=16, max_total_tokens=2048)
     assert sched.stats.cached_tokens > 0 and (done["d"].first_cached_tokens or 0) >= 16
-    sp = sched.spec_stats
+    sp = _draft(sched).stats
     assert 0 < sp.accepted_tokens < sp.proposed_tokens, f"rounds should mix accepted and rejected drafts: {sp}"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
@@ -118,7 +119,7 @@ def test_page_1_with_a_pool_small_enough_to_evict_and_retract(family):
     _, hf, target, draft, _ = family
     sched, done = _serve(target, draft, page_size=1, max_total_tokens=64)
     assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
-    assert sched.spec_stats.rolled_back_slots > 0
+    assert _draft(sched).stats.rolled_back_slots > 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
@@ -141,7 +142,7 @@ def test_host_tier_loads_the_drafts_pages_with_the_targets(family, monkeypatch):
     tree = sched.cache.tree_cache
     assert isinstance(tree, HiRadixCache) and sched.cache.draft_host_pool is not None
     assert ext.loaded_tokens > 0, "a prefix should have been loaded back from the host"
-    assert sched.spec_stats.acceptance_rate == 1.0, "a draft KV page did not follow the target's"
+    assert _draft(sched).stats.acceptance_rate == 1.0, "a draft KV page did not follow the target's"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
     tree.check_transfers(wait=True)
     assert ext.host_balanced()
@@ -154,3 +155,9 @@ def test_host_tier_loads_the_drafts_pages_with_the_targets(family, monkeypatch):
         ours = np.asarray(pools["kv"].kv_buffer(layer))[np.asarray(slots)]
         draft = np.asarray(pools["kv_draft"].kv_buffer(layer))[np.asarray(slots)]
         np.testing.assert_allclose(draft, ours, atol=1e-5, rtol=0)
+
+
+def _draft(sched: Scheduler) -> DraftDecoding:
+    """The scheduler's draft-model proposer."""
+    assert isinstance(sched.proposer, DraftDecoding)
+    return sched.proposer

@@ -4,11 +4,12 @@ One concept per module: ``draft_view`` (the draft's pool as the draft model sees
 ``proposer`` (the draft's ``k + 1`` decode steps), ``verifier`` (the target's forward over the
 round, greedy at every position), ``acceptance`` (greedy acceptance, pure numpy), ``rollback``
 (the rejected tail's slots, target and draft at once), ``steps`` (the jitted steps) and
-``scheduler`` (the loop: `SpeculativeScheduler`).
+``draft_decoding`` (`DraftDecoding`, the way a `Scheduler` proposes tokens with a draft model,
+and `speculative_scheduler`, a scheduler given one).
 """
 
 from __future__ import annotations
 
-from kvjax.serve.speculative.scheduler import SpeculativeScheduler, SpeculativeStats
+from kvjax.serve.speculative.draft_decoding import DraftDecoding, SpeculativeStats, speculative_scheduler
 
-__all__ = ["SpeculativeScheduler", "SpeculativeStats"]
+__all__ = ["DraftDecoding", "SpeculativeStats", "speculative_scheduler"]

@@ -1,0 +1,342 @@
+"""`DraftDecoding`: speculative decoding with a draft model (SGLang's STANDALONE algorithm: a
+separate, smaller draft model of the target's family, greedy verification), as the way a
+`kvjax.serve.scheduler.Scheduler` proposes tokens (``Scheduler(..., proposer=DraftDecoding(...))``;
+``speculative_scheduler`` builds one).
+
+The scheduler's admission, chunked prefill, eviction, retraction and tree caching are the plain
+loop's; two things differ:
+
+* **prefill** runs the paired step (``steps.make_paired_prefill_step``): the draft model prefills
+  the same tokens into its pool ``"kv_draft"`` at the same slots as the target's;
+* **decode** is a speculative *round* per running request: allocate the slots of positions
+  ``L .. L + k`` (``L``: the committed KV length, ``k``: ``num_steps``, SGLang's
+  ``--speculative-num-steps``), let the draft propose ``k`` tokens and the target verify them in
+  one jitted dispatch (``steps.make_round_step``), accept the longest agreeing prefix plus the
+  target's own next token (``acceptance``), cut at ``max_new_tokens`` and stop tokens, then roll
+  back: free the slots of the rejected positions (``rollback``; whole pages only: a partial page
+  stays with its request). Requests that end finish as in the plain loop (their tokens cached in
+  the tree, one free group).
+
+Invariants (the plain loop's, held after every step): the draft's KV is valid wherever the
+target's is (every slot either model writes, both write, with the same token), so the tree's
+prefixes serve both models on a match; ``available + evictable + protected + held == capacity``
+with ``held = ceil(kv_len / page_size) * page_size - cache_protected_len`` per live request; tokens
+are exactly the target's greedy tokens alone (verification is greedy and the target computes every
+kept token's logits over the same KV).
+
+The draft's pool shares the target's allocator, request table and tree (``kvjax.plan.draft``), so
+insert, match, eviction and retraction move both; with the host tier the draft's host pool is the
+sidecar of the target's (``kvjax.tiers.draft_pools``): every backup and load-back copies both.
+
+Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
+mode, as SGLang disables it for several speculative modes), a mesh, a retraction backup (it would
+restore the target's KV only), sliding-window and recurrent-state caches, a draft whose vocabulary
+differs from the target's, and EAGLE / EAGLE3 / NEXTN drafts (they read the target's hidden states).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvjax.build import KVCache
+from kvjax.errors import ConfigError
+from kvjax.serve.model import as_model_config
+from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.retraction_extension import RetractionBackupExtension
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.speculative.acceptance import accepted_lengths, limit_accepted
+from kvjax.serve.speculative.proposer import draft_metadata
+from kvjax.serve.speculative.rollback import rejected_slots
+from kvjax.serve.speculative.steps import make_paired_prefill_step, make_round_step
+from kvjax.serve.speculative.verifier import verify_metadata
+from kvjax.spec import ModelSpec
+
+__all__ = ["DraftDecoding", "SpeculativeStats", "speculative_scheduler"]
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counters of the speculative rounds (``ServeStats.decode_steps`` counts the rounds too).
+
+    ``proposed_tokens``: draft tokens proposed (``k`` per request per round); ``accepted_tokens``:
+    those the target agreed with (before the cut at a request's end); ``round_tokens``: tokens the
+    rounds added to outputs; ``request_rounds``: requests summed over rounds; ``rolled_back_slots``:
+    slots freed for rejected tokens; ``rollback_seconds``: host time spent choosing and freeing them.
+    """
+
+    rounds: int = 0
+    request_rounds: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    round_tokens: int = 0
+    rolled_back_slots: int = 0
+    rollback_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed draft tokens."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per request per target verify step (SGLang's accept length, bonus token included)."""
+        return self.round_tokens / self.request_rounds if self.request_rounds else 0.0
+
+
+def speculative_scheduler(
+    spec: ModelSpec | ModelConfig,
+    cache: KVCache,
+    params: dict,
+    *,
+    draft: ModelSpec | ModelConfig,
+    draft_params: dict,
+    num_steps: int,
+    overlap: bool = False,
+    **scheduler_args: Any,
+) -> Scheduler:
+    """A ``Scheduler`` that decodes speculatively with a STANDALONE draft model (``DraftDecoding``).
+
+    Args:
+        spec: the target model (its spec or serving `ModelConfig`), as for `Scheduler`.
+        cache: built with ``CacheConfig(speculative_algorithm="STANDALONE", ...)`` and
+            ``draft_spec`` = the draft's spec, so it has the pool ``"kv_draft"``; its request table
+            must be wide enough for ``k + 1`` tokens past a request's end
+            (``speculative_num_draft_tokens >= k + 1``; checked at submission).
+        params: the target's weights.
+        draft: the draft model's spec or serving config (``num_hidden_layers`` equal to the draft
+            pool's layers, the target's vocabulary size).
+        draft_params: the draft's weights.
+        num_steps: ``k``, draft tokens proposed per request per round (>= 1).
+        overlap: must be False (speculative rounds run to completion before the next).
+        scheduler_args: ``max_batch_size``, ``chunked_prefill_size``, ``record_logits`` (the
+            target's logits of every kept token), ``extensions``: as for `Scheduler`.
+    """
+    proposer = DraftDecoding(draft, draft_params, num_steps)
+    if overlap:
+        raise proposer.overlap_refusal(overlap)
+    proposer.check_cache(spec, cache)
+    return Scheduler(as_model_config(spec), cache, params, overlap=False, proposer=proposer, **scheduler_args)
+
+
+class DraftDecoding:
+    """Proposes ``num_steps`` tokens per request per round with a draft model and verifies them
+    with the target (module docstring); the ``proposer`` a ``Scheduler`` is given.
+
+    Args:
+        draft: the draft model's spec or serving config.
+        draft_params: the draft's weights.
+        num_steps: ``k``, draft tokens proposed per request per round (>= 1).
+
+    Attributes (after ``attach``): ``stats`` (``SpeculativeStats``), ``draft_config``.
+    """
+
+    def __init__(self, draft: ModelSpec | ModelConfig, draft_params: dict, num_steps: int) -> None:
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+            raise ConfigError("speculative_num_steps", num_steps, "give the draft tokens per round, an integer >= 1")
+        self.num_steps = num_steps
+        self.draft_config = as_model_config(draft)
+        self.draft_params = draft_params
+        self.stats = SpeculativeStats()
+
+    @staticmethod
+    def overlap_refusal(overlap: object) -> ConfigError:
+        return ConfigError(
+            "overlap",
+            overlap,
+            "speculative decoding runs without overlap scheduling in kvjax (SGLang also disables it for "
+            "several speculative modes); pass overlap=False (--disable-overlap-schedule)",
+        )
+
+    def check_cache(self, spec: ModelSpec | ModelConfig, cache: KVCache) -> None:
+        """``ConfigError`` / ``NotImplementedError`` naming what does not fit: a cache without the
+        draft's pool, a draft algorithm other than STANDALONE, a draft of another vocabulary or of
+        another layer count than the pool's."""
+        plan_draft = cache.plan.draft
+        if plan_draft is None or "kv_draft" not in cache.pools:
+            raise ConfigError(
+                "draft_spec",
+                None,
+                "the cache has no draft pool: build it with CacheConfig(speculative_algorithm='STANDALONE', ...) "
+                "and build_kv_cache(..., draft_spec=<the draft's ModelSpec>)",
+            )
+        if plan_draft.algorithm != "STANDALONE":
+            raise NotImplementedError(
+                f"speculative_algorithm={plan_draft.algorithm!r}: kvjax serves STANDALONE drafts only "
+                "(EAGLE-style drafts read the target's hidden states, not served yet)"
+            )
+        draft_config, target_config = self.draft_config, as_model_config(spec)
+        if draft_config.vocab_size != target_config.vocab_size:
+            raise ConfigError(
+                "draft",
+                draft_config.vocab_size,
+                f"the draft's vocab_size must be the target's ({target_config.vocab_size}): a draft of the "
+                "same family and tokenizer",
+            )
+        if draft_config.num_hidden_layers != plan_draft.num_layers:
+            raise ConfigError(
+                "draft",
+                draft_config.num_hidden_layers,
+                f"the draft has {draft_config.num_hidden_layers} layers and the cache's draft pool "
+                f"{plan_draft.num_layers}: build the cache with this draft's spec",
+            )
+
+    def attach(self, scheduler: Scheduler) -> None:
+        """Check the scheduler can decode speculatively and compile the paired prefill step (the
+        scheduler's step from now on) and the round step."""
+        if scheduler.overlap:
+            raise self.overlap_refusal(scheduler.overlap)
+        target_config = scheduler.model_config
+        if target_config is None:
+            raise ConfigError(
+                "model", "a model of the caller's own", "speculative decoding serves the built-in families"
+            )
+        self.check_cache(target_config, scheduler.cache)
+        if scheduler.mesh is not None:
+            raise NotImplementedError("speculative decoding over a mesh (tp_size > 1) is not served yet; use tp 1")
+        other = sorted(k.name for k in scheduler.kinds if not k.speculative_rollback)
+        if other:
+            raise NotImplementedError(
+                f"speculative decoding of a cache with {other} state is not served yet (rolling it back "
+                "is not implemented); serve a full-attention model"
+            )
+        if any(isinstance(ext, RetractionBackupExtension) for ext in scheduler.extensions):
+            raise ConfigError(
+                "disaggregation_decode_retraction_backup",
+                "set",
+                "a retraction backup restores the target's KV only, not the draft's; leave it unset",
+            )
+        with_logits = scheduler.record_logits
+        scheduler.step_fn = make_paired_prefill_step(
+            target_config, self.draft_config, self.draft_params, with_logits=with_logits
+        )
+        self._round = make_round_step(target_config, self.draft_config, with_logits=with_logits)
+
+    def report(self) -> dict[str, Any]:
+        """The rounds' counters (``SpeculativeStats``), ``num_steps``, ``acceptance_rate`` and
+        ``accept_length``, as plain values (for JSON reports)."""
+        stats = self.stats
+        return dict(
+            dataclasses.asdict(stats),
+            num_steps=self.num_steps,
+            acceptance_rate=round(stats.acceptance_rate, 4),
+            accept_length=round(stats.accept_length, 3),
+        )
+
+    def check_servable(self, scheduler: Scheduler, reqs: Sequence[ServingReq]) -> None:
+        """Room for a request's last round: it writes up to position ``seqlen + max_new_tokens - 2
+        + k``, which must fit the request table (``ConfigError`` naming
+        ``speculative_num_draft_tokens``) and the pool (naming ``max_total_tokens``)."""
+        width = scheduler.rows.req_to_token.shape[1]
+        ps = scheduler.page_size
+        for req in reqs:
+            last = req.seqlen() + req.max_new_tokens - 2 + self.num_steps
+            if last >= width:
+                raise ConfigError(
+                    "speculative_num_draft_tokens",
+                    width,
+                    f"request {req.rid!r}: a round writes position {last}, past the request table's {width} "
+                    f"columns; build the cache with speculative_num_draft_tokens >= {self.num_steps + 1}",
+                )
+            peak = -(-(last + 1) // ps) * ps
+            if peak > scheduler.alloc.size:
+                raise ConfigError(
+                    "max_total_tokens",
+                    scheduler.alloc.size,
+                    f"request {req.rid!r}: its last round holds {peak} tokens of KV (prompt, output and "
+                    f"{self.num_steps} draft tokens), more than the pool; raise max_total_tokens or shorten it",
+                )
+
+    # --- decode: one speculative round --------------------------------------------------------
+
+    def decode(self, s: Scheduler, done: list[ServingReq]) -> None:
+        """One speculative round of every running request (module docstring)."""
+        k, ps = self.num_steps, s.page_size
+        width = k + 1
+        while True:
+            if not s.running:
+                return
+            kv_len = np.fromiter((r.kv_committed_len for r in s.running), np.int64, len(s.running))
+            need = int(((kv_len + width + ps - 1) // ps - (kv_len + ps - 1) // ps).sum()) * ps
+            if s.make_room(need):
+                break
+            s.retract(s.running.pop(int(np.argmax([r.admitted_at for r in s.running]))))
+        for ext in s.extensions:
+            ext.before_decode(s.running)
+        running = s.running
+        n = len(running)
+        rows = np.fromiter((r.req_pool_idx for r in running), np.int64, n)
+        table = s.rows.req_to_token
+        last = table[rows, kv_len - 1]
+        flat = s.alloc.alloc_extend(kv_len, kv_len + width, last)
+        if flat is None:  # make_room guaranteed the pages; this is a bookkeeping bug
+            raise RuntimeError(f"alloc_extend failed with {s.alloc.available_size()} free tokens for {need}")
+        slots = np.asarray(flat).reshape(n, width)
+        table[rows[:, None], kv_len[:, None] + np.arange(width)] = slots
+
+        start = time.perf_counter()
+        first = np.zeros(s.max_batch_size, np.int32)
+        first[:n] = [r.output_ids[-1] for r in running]
+        draft_metas = draft_metadata(s.metadata, kv_len, rows, slots, width)
+        _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, s.max_batch_size)
+        packed = time.perf_counter()
+        pools = s.cache.apply_pending()  # recorded loads land before the round reads them
+        out = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)
+        dispatched = time.perf_counter()
+        s.store_pools(out[0])
+        logits_out = out[3] if s.record_logits else None
+        greedy, logits = s.read_arrays(out[2], logits_out)
+        proposals = np.asarray(out[1])
+        s.stats.pack_seconds += packed - start
+        s.stats.step_seconds += dispatched - packed
+        s.stats.decode_steps += 1
+        self._settle_round(s, running, kv_len, proposals[:n], greedy[:n], logits, done)
+
+    def _settle_round(
+        self,
+        s: Scheduler,
+        running: list[ServingReq],
+        kv_len: np.ndarray,
+        proposals: np.ndarray,
+        greedy: np.ndarray,
+        logits: np.ndarray | None,
+        done: list[ServingReq],
+    ) -> None:
+        """Accept, cut, roll back and finish (module docstring), in one free group."""
+        k, ps = self.num_steps, s.page_size
+        accepted = accepted_lengths(proposals, greedy)
+        sp, st = self.stats, s.stats
+        sp.rounds += 1
+        sp.request_rounds += len(running)
+        sp.proposed_tokens += k * len(running)
+        sp.accepted_tokens += int(accepted.sum())
+        table = s.rows.req_to_token
+        s.running = []
+        with s.finish_group() as freed_rows:
+            for i, req in enumerate(running):
+                kept = limit_accepted(
+                    greedy[i, : accepted[i] + 1], req.max_new_tokens - len(req.output_ids), req.stop_token_ids
+                )
+                start_len = int(kv_len[i])
+                new_len = start_len + len(kept)
+                begin = time.perf_counter()
+                rejected = rejected_slots(table[req.req_pool_idx], start_len, new_len, start_len + k + 1, ps)
+                if rejected.size:
+                    s.alloc.free(rejected)
+                sp.rolled_back_slots += int(rejected.size)
+                sp.rollback_seconds += time.perf_counter() - begin
+                req.kv_committed_len = new_len
+                req.output_ids.extend(kept)
+                if logits is not None:
+                    req.logits.extend(logits[i, : len(kept)])
+                sp.round_tokens += len(kept)
+                st.generated_tokens += len(kept)
+                if req.done:
+                    s.finish(req, done, freed_rows)
+                else:
+                    s.running.append(req)
+        s.forget_running_arrays()
