@@ -37,11 +37,14 @@ def _run(code: str) -> str:
     return out.stdout
 
 
-def test_the_guide_has_its_two_programs():
+def test_the_guide_has_its_three_programs():
     blocks = _python_blocks()
-    assert len(blocks) == 2, "docs/integration.md: (b) your own loop with attend, (a) your own model in the scheduler"
+    assert len(blocks) == 3, (
+        "docs/integration.md: (b) your own loop with attend, (a) your own model in the scheduler, (c) a cache kind"
+    )
     assert "attend(pools, layer, q, k, v, meta)" in blocks[0]
     assert "Scheduler(spec, cache, params, model=model" in blocks[1]
+    assert "register_planner_kind(" in blocks[2] and "register_serving_kind(" in blocks[2]
 
 
 def test_your_own_loop_with_attend_runs():
@@ -54,3 +57,9 @@ def test_your_own_model_in_the_scheduler_runs():
     code = _with_checks(_python_blocks()[1])
     assert "assert (scheduler.stats.cached_tokens) == 64" in code
     assert _run(code).strip().splitlines()[-1] == "64"
+
+
+def test_a_cache_kind_of_your_own_runs():
+    code = _with_checks(_python_blocks()[2])
+    assert "assert (int(cache.pools[NAME][0])) == 11" in code
+    assert _run(code).strip().splitlines()[-1] == "11"
