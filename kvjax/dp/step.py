@@ -50,7 +50,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,7 +59,7 @@ from kvjax.pools.cache_pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_partition_specs, shard_params
-from kvjax.serve.step import future_tokens, positional_step
+from kvjax.serve.step import positional_step, step_body
 from kvjax.spec import ModelSpec
 
 __all__ = ["host_sharding", "make_dp_step", "place_params", "rank_view"]
@@ -91,11 +90,8 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         leaves, stacked_def = jax.tree_util.tree_flatten(pools)
         mine = rank_view(leaves, rank_def)
         tokens, meta = jax.tree.map(lambda x: x[0], (tokens, meta))
-        if future:  # overlap: (prev_tokens, token_src), this rank's rows
-            prev, src = future[0][0], future[1][0]
-            tokens = future_tokens(tokens, prev, src)
-        logits, new_pools = module.apply({"params": params}, tokens, mine, meta)
-        next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        prev, src = (future[0][0], future[1][0]) if future else (None, None)  # overlap: this rank's rows
+        new_pools, next_tokens, logits = step_body(module, mine, params, tokens, meta, prev, src, with_logits=True)
         new_leaves = [x[None] for x in jax.tree_util.tree_leaves(new_pools)]
         return jax.tree_util.tree_unflatten(stacked_def, new_leaves), next_tokens[None], logits[None]
 

@@ -82,8 +82,9 @@ class PipelineCache:
     ``cache``: stage 0's ``KVCache``, whose request table, allocator and tree drive every stage
     (its ``pools`` are stage 0's). ``stages[s]``: the layers of stage ``s``; ``meshes[s]`` its
     devices; ``plans[s]`` its plan (the same token slots on every stage); ``states[s]`` its device
-    state (``kvjax.device_state``; stage 0's is ``cache.state``). The owner of the step
-    (``kvjax.serve.pipeline_stepping``) hands each stage's new pools back with :meth:`set_pools`.
+    state (``kvjax.device_state``; stage 0's is ``cache.state``). The owner of the step (the
+    scheduler, stepped by ``kvjax.serve.pipeline_stepping``) stores each stage's new pools
+    (``Scheduler.store_pools(pools, stage)``).
     """
 
     def __init__(
@@ -109,11 +110,6 @@ class PipelineCache:
     def pools(self, stage: int) -> CachePools:
         """Stage ``stage``'s current device state (stage 0's is ``cache.pools``)."""
         return self.states[stage].pools
-
-    def set_pools(self, stage: int, pools: CachePools) -> None:
-        """Hand in stage ``stage``'s new pools (a donated step's result); ``TypeError`` (nothing
-        changed) for pools of another structure than the stage's."""
-        self.states[stage].store(pools, f"set_pools (stage {stage})")
 
     def device_bytes(self, stage: int) -> int:
         """Bytes of stage ``stage``'s device pools (over all its devices)."""

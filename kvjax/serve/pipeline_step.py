@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from kvjax.attention import AttentionMetadata
@@ -34,7 +33,7 @@ from kvjax.serve.causal_lm import PipelineStage, StackNames, stage_params
 from kvjax.serve.model import build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_shardings
-from kvjax.serve.step import StepFn, _flat_shardings, _jit_sharded, future_tokens, place_on_mesh, pool_shardings
+from kvjax.serve.step import StepFn, _flat_shardings, _jit_sharded, place_on_mesh, pool_shardings, step_body
 
 __all__ = ["make_stage_step", "place_stage", "stage_module"]
 
@@ -94,12 +93,7 @@ def _stage_body(module: Any, stage: PipelineStage, with_logits: bool) -> Callabl
         prev_tokens: jax.Array | None = None,
         token_src: jax.Array | None = None,
     ) -> tuple[Any, ...]:
-        if stage.first and token_src is not None and prev_tokens is not None:
-            x = future_tokens(x, prev_tokens, token_src)
-        out, new_pools = module.apply({"params": params}, x, pools, meta)
-        if not stage.last:
-            return new_pools, out
-        next_tokens = jnp.argmax(out, axis=-1).astype(jnp.int32)
-        return (new_pools, next_tokens, out) if with_logits else (new_pools, next_tokens)
+        future = (prev_tokens, token_src) if stage.first else (None, None)  # the ids enter at stage 0
+        return step_body(module, pools, params, x, meta, *future, sample=stage.last, with_logits=with_logits)
 
     return step

@@ -65,8 +65,39 @@ def make_module_step(module: Any, *, with_logits: bool = False) -> StepFn:
     return jax.jit(_step_body(module, with_logits), donate_argnums=0)
 
 
+def step_body(
+    module: Any,
+    pools: CachePools,
+    params: Any,
+    tokens: jax.Array,
+    meta: AttentionMetadata,
+    prev_tokens: jax.Array | None = None,
+    token_src: jax.Array | None = None,
+    *,
+    sample: bool = True,
+    with_logits: bool = False,
+) -> tuple[Any, ...]:
+    """The one serving step body (inside jit), every step builder's: the future input ids
+    gathered (overlap: ``future_tokens``, when ``prev_tokens`` and ``token_src`` are given),
+    ``module`` applied to ``(tokens, pools, meta)`` and, with ``sample``, greedy sampling.
+
+    Returns ``(new_pools, next_tokens [S])`` (``with_logits``: ``(new_pools, next_tokens,
+    logits)``), or without ``sample`` ``(new_pools, out)`` with the module's output as it is (a
+    pipeline stage's hidden states). The single-rank step, every DP rank inside the DP step, each
+    pipeline stage and the speculative paired prefill run this body.
+    """
+    if token_src is not None and prev_tokens is not None:
+        tokens = future_tokens(tokens, prev_tokens, token_src)
+    out, new_pools = module.apply({"params": params}, tokens, pools, meta)
+    if not sample:
+        return new_pools, out
+    next_tokens = jnp.argmax(out, axis=-1).astype(jnp.int32)
+    return (new_pools, next_tokens, out) if with_logits else (new_pools, next_tokens)
+
+
 def _step_body(module: Any, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
-    """The step as a plain function (not jitted) of ``module``."""
+    """The step as a plain function (not jitted) of ``module``: ``step_body`` with positional
+    arguments, as the jitted programs take them."""
 
     def step(
         pools: CachePools,
@@ -76,11 +107,7 @@ def _step_body(module: Any, with_logits: bool) -> Callable[..., tuple[Any, ...]]
         prev_tokens: jax.Array | None = None,
         token_src: jax.Array | None = None,
     ) -> tuple[Any, ...]:
-        if token_src is not None and prev_tokens is not None:
-            tokens = future_tokens(tokens, prev_tokens, token_src)
-        logits, new_pools = module.apply({"params": params}, tokens, pools, meta)
-        next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
+        return step_body(module, pools, params, tokens, meta, prev_tokens, token_src, with_logits=with_logits)
 
     return step
 

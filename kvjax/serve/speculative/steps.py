@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from kvjax.attention import AttentionMetadata
 from kvjax.pools import CachePools
@@ -27,6 +26,7 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.speculative.draft_view import draft_view, with_draft
 from kvjax.serve.speculative.proposer import propose
 from kvjax.serve.speculative.verifier import round_tokens, verify
+from kvjax.serve.step import step_body
 
 __all__ = ["make_paired_prefill_step", "make_round_step"]
 
@@ -54,11 +54,9 @@ def _paired_prefill(target_config: ModelConfig, draft_config: ModelConfig, with_
     def body(
         pools: CachePools, params: Any, draft_params: Any, tokens: jax.Array, meta: AttentionMetadata
     ) -> tuple[Any, ...]:
-        logits, pools = target.apply({"params": params}, tokens, pools, meta)
-        _, mirrored = draft.apply({"params": draft_params}, tokens, draft_view(pools), meta)
-        pools = with_draft(pools, mirrored["kv"])
-        next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return (pools, next_tokens, logits) if with_logits else (pools, next_tokens)
+        pools, *sampled = step_body(target, pools, params, tokens, meta, with_logits=with_logits)
+        mirrored, _ = step_body(draft, draft_view(pools), draft_params, tokens, meta, sample=False)
+        return (with_draft(pools, mirrored["kv"]), *sampled)
 
     return jax.jit(body, donate_argnums=0)
 
