@@ -86,7 +86,8 @@ class PackedStep:
 class Stepping(Protocol):
     """How a batch is stepped (module docstring). ``mesh``: the devices the first step's inputs
     live on (None: the default device); ``states``: the device state of each group it steps
-    (one per pipeline stage; one otherwise), what ``Scheduler.store_pools`` writes."""
+    (one per pipeline stage; one otherwise), what ``Scheduler.store_pools`` writes. A stepping
+    belongs to one scheduler (``setup`` binds it): give each scheduler its own."""
 
     mesh: Mesh | None
 
