@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -47,7 +48,6 @@ from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
-from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.registry import BuildContext, create_pool, create_pool_group, is_grouped, require_builder
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
@@ -83,8 +83,8 @@ class KVCache:
         "_pending",
         "_state",
         "draft_host_pool",
+        "host_pools",
         "host_pool",
-        "swa_host_pool",
         "plan",
         "req_to_token_pool",
         "token_to_kv_pool_allocator",
@@ -101,7 +101,7 @@ class KVCache:
         tree_cache: TreeCacheProtocol,
         host_pool: Any = None,
         draft_host_pool: Any = None,
-        swa_host_pool: Any = None,
+        host_pools: Mapping[str, Any] | None = None,
         pending: PendingDeviceUpdates | None = None,
         state: DeviceState | None = None,
     ) -> None:
@@ -109,9 +109,9 @@ class KVCache:
         self.host_pool = host_pool  # the host tier's HostKVPool (None without a host tier)
         # The draft model's host pool, host slots one to one with host_pool's (None without one).
         self.draft_host_pool = draft_host_pool
-        # A hybrid-SWA cache's second host pool (the sliding layers), host slots one to one with
-        # host_pool's (the full layers); None otherwise.
-        self.swa_host_pool = swa_host_pool
+        # Every host pool by its plan name (a kind's own beside ``host_pool``: the sliding layers'
+        # of a hybrid-SWA cache, host slots one to one with host_pool's); empty without the tier.
+        self.host_pools: Mapping[str, Any] = dict(host_pools or {})
         if not isinstance(pools, CachePools):
             raise TypeError(f"KVCache: expected CachePools, got {type(pools).__name__}")
         # The device state: this holder's own, or a group's shared with other views (a DP rank's).
@@ -188,7 +188,7 @@ class KVCache:
             tree_cache=self.tree_cache,
             host_pool=self.host_pool,
             draft_host_pool=self.draft_host_pool,
-            swa_host_pool=self.swa_host_pool,
+            host_pools=self.host_pools,
             pending=self._pending,
         )
 
@@ -304,7 +304,7 @@ def build_kv_cache(
         tree_cache=tree_cache,
         host_pool=host_pool,
         draft_host_pool=host_pools.get(DRAFT_HOST_POOL_NAME),
-        swa_host_pool=host_pools.get(SWA_HOST_POOL_NAME),
+        host_pools=host_pools,
         pending=pending,
     )
     return cache

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvjax.alloc import SWATokenToKVPoolAllocator
+from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.radix import SWARadixCache
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.scheduler import Scheduler, ServingReq
@@ -146,7 +147,8 @@ def host_tier_load_back(hf: Any, model: LoadedModel) -> None:
     cache = sched.cache
     tree = cache.tree_cache
     assert isinstance(tree, HiSWARadixCache) and isinstance(tree.host.engine, SWAPageTransferEngine)
-    assert cache.swa_host_pool is not None and cache.swa_host_pool.size == cache.host_pool.size
+    swa_host_pool = cache.host_pools.get(SWA_HOST_POOL_NAME)
+    assert swa_host_pool is not None and swa_host_pool.size == cache.host_pool.size
     host = next(e for e in sched.extensions if isinstance(e, HostTierExtension))
     p = prompts()
     done: dict[str, ServingReq] = {}
