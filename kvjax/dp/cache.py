@@ -120,9 +120,9 @@ class DPKVCache:
     """The DP-attention KV cache: one set of device pools over all ranks, host state per rank.
 
     Device state follows ``KVCache``'s rule: the owner of the step donates :attr:`pools` into
-    its step and hands the result back. The pools live in one ``DeviceState`` (:attr:`state`),
-    which the ranks' views (``kvjax.dp.rank_cache``) share: hand them in through a view
-    (``RankKVCache.set_pools``) or the serving loop (``Scheduler.store_pools``).
+    its step and hands the result back (:meth:`set_pools` in a loop of the caller's own; the
+    serving loop's ``Scheduler.store_pools``). The pools live in one ``DeviceState``
+    (:attr:`state`), which the ranks' views (``kvjax.dp.rank_cache``) share.
     """
 
     __slots__ = ("layout", "plan", "ranks", "state")
@@ -141,6 +141,11 @@ class DPKVCache:
     @property
     def dp_size(self) -> int:
         return len(self.ranks)
+
+    def set_pools(self, pools: CachePools) -> None:
+        """Hand in the pools a (donated) step returned (every rank's view reads them from now on).
+        Raises ``TypeError`` (nothing changed) for pools of another structure."""
+        self.state.store(pools, "set_pools")
 
     def __repr__(self) -> str:
         return (
