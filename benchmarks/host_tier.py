@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.pools import CachePools, MHAKVPool
     from kvjax.tiers import HostKVPool, TransferStatus
-    from kvjax.tiers.transfer import PageTransferEngine, default_staging
+    from kvjax.transfers.transfer import PageTransferEngine, default_staging
 
     n = args.pages
     pool = MHAKVPool.create(

@@ -73,9 +73,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks._common import machine
     from kvjax import CacheConfig, build_kv_cache
     from kvjax.multihost.digest import serving_digest
-    from kvjax.multihost.front import MultiProcessFront
-    from kvjax.multihost.mesh import group_tp_mesh
     from kvjax.serve.model import init_params
+    from kvjax.serve.multihost.front import MultiProcessFront
+    from kvjax.serve.multihost.mesh import group_tp_mesh
     from kvjax.serve.scheduler import Scheduler
     from kvjax.serve.serving_req import ServingReq
     from kvjax.spec import ModelSpec
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = _worker(args)
         print(json.dumps(result), flush=True)
         return result
-    from kvjax.multihost.launcher import free_port
+    from kvjax.serve.multihost.launcher import free_port
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)

@@ -10,7 +10,7 @@ given) and the request→token table; then the token allocator and the tree cach
 cached state (pools a kind adds, the request table's wrapper, the allocator, the host tier's
 transfer engine) comes from the cache kinds the plan uses (``kvjax.plan.kinds.planner_kinds_of``),
 in the kinds' order, through each kind's registration in its layer (``kvjax.radix.kinds``,
-``kvjax.pools.registry``, ``kvjax.tiers.transfer_engines``); this module names no kind.
+``kvjax.pools.registry``, ``kvjax.transfers.transfer_engines``); this module names no kind.
 
 Ownership of device state: the owner of the step (the serving scheduler, or a user's own loop)
 owns the current device state; a ``KVCache`` holds what the owner last handed in
@@ -55,7 +55,7 @@ from kvjax.radix import create_tree_cache
 from kvjax.radix.kinds import HOST_KINDS
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
-from kvjax.tiers.draft_pools import check_draft_buildable, with_draft_transfers
+from kvjax.transfers.draft_pools import check_draft_buildable, with_draft_transfers
 
 KV_HEAD_MESH_AXIS = KV_HEAD_AXIS
 
@@ -284,7 +284,7 @@ def build_kv_cache(
     if host_pool is not None:
         host_engine = _host_transfer_engine(plan, pending, host_pools, allocator)
         if config.hicache_storage_backend is not None:
-            from kvjax.tiers.storage_attach import open_storage_tier
+            from kvjax.transfers.storage_attach import open_storage_tier
 
             storage = open_storage_tier(plan, host_pool, pools, config)
     tree_cache = create_tree_cache(
@@ -407,7 +407,7 @@ def _host_transfer_engine(
     ``pending.owner_pools``, reads device data for backups through ``pending.read`` (the pools the
     owner last handed in) and records its loads in ``pending`` for the owner to apply
     (``KVCache.apply_pending``). The draft pool's engine rides along when there is one."""
-    from kvjax.tiers.transfer_engines import TransferContext, make_transfer_engine
+    from kvjax.transfers.transfer_engines import TransferContext, make_transfer_engine
 
     engine = make_transfer_engine(TransferContext(plan, pending, host_pools, allocator))
     return with_draft_transfers(engine, host_pools.get(DRAFT_HOST_POOL_NAME))

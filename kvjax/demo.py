@@ -26,13 +26,13 @@ from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo,
 from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.mesh_check import make_serving_mesh
 from kvjax.multihost.agreement import Agreement
-from kvjax.multihost.front import MultiProcessFront
-from kvjax.multihost.mesh import group_dp_mesh, group_tp_mesh
 from kvjax.multihost.process_group import ProcessGroup
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
+from kvjax.serve.multihost.front import MultiProcessFront
+from kvjax.serve.multihost.mesh import group_dp_mesh, group_tp_mesh
 from kvjax.serve.scheduler import Scheduler, ServeStats
 from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.serve.workload import Workload, run_workload
@@ -188,7 +188,7 @@ def demo_cache(
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
     devices (``kvjax.serve.tp_mesh``; times ``dcp_size`` under decode context parallelism), or
-    with ``group`` over every process's devices (``kvjax.multihost.mesh``); ``draft_spec``: a
+    with ``group`` over every process's devices (``kvjax.serve.multihost.mesh``); ``draft_spec``: a
     speculative draft model's pool too."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))

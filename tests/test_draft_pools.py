@@ -10,7 +10,7 @@ import pytest
 
 from kvjax import CacheConfig, ConfigError, ModelSpec, build_kv_cache
 from kvjax.tiers.copy_engine import TransferStatus
-from kvjax.tiers.draft_pools import PairedCopyEngine
+from kvjax.transfers.draft_pools import PairedCopyEngine
 from tests.specs import dense, swa
 
 # --- build --------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_build_refuses_a_standalone_draft_without_its_spec_and_an_swa_targets_dr
 
 
 def test_host_pool_retraction_backup_restores_the_draft_pool_too():
-    from kvjax.tiers.retraction_backup import RetractionBackup
+    from kvjax.transfers.retraction_backup import RetractionBackup
 
     cache = eagle_cache(disaggregation_decode_retraction_backup="host_pool")
     assert cache.plan.draft_host_pools and cache.draft_host_pool.size == cache.host_pool.size

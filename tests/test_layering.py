@@ -33,7 +33,7 @@ HEAVY = ("jax", "jaxlib", "pallas_kernels", "flax")
 
 #: The layers, bottom to top: a module may refer to modules of its own layer and the layers below.
 #: Each entry names a module and, by prefix, its submodules; the longest entry that names a module
-#: decides its layer (``kvjax.tiers.transfer`` is device although ``kvjax.tiers`` is host). The
+#: decides its layer (``kvjax.transfers.transfer`` is device although ``kvjax.tiers`` is host). The
 #: root package ``kvjax`` names only its own ``__init__``.
 LAYERS: list[tuple[str, list[str]]] = [
     (
@@ -49,51 +49,18 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvjax.layer_kinds",
             "kvjax.mesh_check",
             "kvjax.transfer_status",
-            "kvjax.multihost.errors",
-            "kvjax.multihost.channel",
-            "kvjax.multihost.socket_channel",
-            "kvjax.multihost.process_group",
-            "kvjax.multihost.digest",
-            "kvjax.multihost.agreement",
+            "kvjax.page_hash",
+            "kvjax.multihost",  # the channel, the process group, the agreement
         ],
     ),
     ("model", ["kvjax.hf", "kvjax.spec", "kvjax.hf_config", "kvjax.presets"]),
     ("records", ["kvjax.kinds", "kvjax.layout"]),
     ("plan", ["kvjax.plan", "kvjax.pipeline_check"]),
-    (
-        "host",
-        [
-            "kvjax.alloc",
-            "kvjax.req_pool",
-            "kvjax.hybrid_req_pool",
-            "kvjax.radix",
-            "kvjax.tiers",
-            "kvjax.multihost.agreed_copy_engine",
-        ],
-    ),
-    (
-        "device",
-        [
-            "kvjax.pools",
-            "kvjax.device_updates",
-            "kvjax.device_state",
-            "kvjax.attention",
-            # the device half of the host tier
-            "kvjax.tiers.transfer",
-            "kvjax.tiers.transfer_engines",
-            "kvjax.tiers.swa_transfer",
-            "kvjax.tiers.device_pages",
-            "kvjax.tiers.retraction_backup",
-            "kvjax.tiers.draft_pools",
-            "kvjax.tiers.storage_attach",
-        ],
-    ),
+    ("host", ["kvjax.alloc", "kvjax.req_pool", "kvjax.hybrid_req_pool", "kvjax.radix", "kvjax.tiers"]),
+    ("device", ["kvjax.pools", "kvjax.device_updates", "kvjax.device_state", "kvjax.attention", "kvjax.transfers"]),
     ("build", ["kvjax.build"]),
-    ("serving", ["kvjax.serve", "kvjax.dp", "kvjax.multihost"]),
-    (
-        "app",
-        ["kvjax", "kvjax.__main__", "kvjax.cli", "kvjax.demo", "kvjax.demo_config", "kvjax.multihost.cli_flags"],
-    ),
+    ("serving", ["kvjax.serve", "kvjax.dp"]),
+    ("app", ["kvjax", "kvjax.__main__", "kvjax.cli", "kvjax.demo", "kvjax.demo_config"]),
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
 ROOT_PACKAGE = "kvjax"

@@ -17,6 +17,7 @@ from pathlib import Path
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
+from kvjax.cli.multihost_flags import add_process_arguments, join_group
 from kvjax.cli.serving_args import (
     SERVING_FLAGS,
     add_serving_arguments,
@@ -26,7 +27,6 @@ from kvjax.cli.serving_args import (
 )
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
-from kvjax.multihost.cli_flags import add_process_arguments, join_group
 from kvjax.multihost.errors import CoordinatorError, DivergenceError, ProcessLostError
 from kvjax.serve.workload import Workload
 

@@ -1,5 +1,5 @@
 """``python -m kvjax launch --processes N -- demo ...``: one command as N local processes of one
-``jax.distributed`` run (``kvjax.multihost.launcher``); for trying multi-process serving on one
+``jax.distributed`` run (``kvjax.serve.multihost.launcher``); for trying multi-process serving on one
 machine. On a TPU pod every host runs the command itself with ``--distributed``."""
 
 from __future__ import annotations
@@ -38,6 +38,6 @@ def run(args: argparse.Namespace) -> int:
             f"launch runs {', '.join(MULTI_PROCESS_COMMANDS)} across processes, got {given}; "
             "e.g. python -m kvjax launch --processes 2 -- demo --tp 8"
         )
-    from kvjax.multihost.launcher import launch
+    from kvjax.serve.multihost.launcher import launch
 
     return launch(command, args.processes, cpu_devices=args.cpu_devices_per_process, port=args.port)

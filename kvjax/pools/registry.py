@@ -24,8 +24,8 @@ from kvjax.plan.kinds import pool_kind
 
 if TYPE_CHECKING:
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.tiers.device_pages import PageAccess
-    from kvjax.tiers.transfer_engines import TransferContext
+    from kvjax.transfers.device_pages import PageAccess
+    from kvjax.transfers.transfer_engines import TransferContext
 
 __all__ = [
     "POOL_BUILDERS",
@@ -55,10 +55,10 @@ class PoolBuilders:
             the pool kind's name.
         transfer_engine: ``(TransferContext) -> engine | None``, the host tier's page transfer
             engine over this kind's pools when the plain one does not fit them (the sliding-window
-            pair moves both sides; ``kvjax.tiers.transfer_engines``).
+            pair moves both sides; ``kvjax.transfers.transfer_engines``).
         page_access: ``{pool type: (layers, with_layers)}``, how the host tier and the retraction
             backup reach a paged pool's per-layer page arrays (``layers(pool)``) and put new ones
-            back (``with_layers(pool, layers)``); ``kvjax.tiers.device_pages``.
+            back (``with_layers(pool, layers)``); ``kvjax.transfers.device_pages``.
     """
 
     name: str
@@ -140,7 +140,8 @@ _kv_layers: PageAccess = (lambda pool: pool.kv, lambda pool, layers: pool.replac
 def _register_builtin_kinds() -> None:
     from kvjax import req_pool
     from kvjax.pools import mha, mla, recurrent, swa
-    from kvjax.tiers import host_pool, swa_transfer
+    from kvjax.tiers import host_pool
+    from kvjax.transfers import swa_transfer
 
     for kind in (
         PoolBuilders(names.REQUEST_TABLE, builders={"request_table": req_pool.create_pool}),

@@ -8,10 +8,11 @@ components (``TreeComponent``; see ``component.py``). Importing this package imp
 jax nor the Pallas kernels.
 """
 
+from kvjax.page_hash import PageHasher
 from kvjax.plan.tree_options import TreeOptions
 from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
-from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, PageHasher
+from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
 from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.hiswa_radix_cache import HiSWARadixCache

@@ -4,7 +4,7 @@
 Standalone for simulation: ``HiRadixCache(page_size=4, host_pool_tokens=132)`` (slot ids are
 synthesized, copies simulated by :class:`~kvjax.tiers.SimulatedCopyEngine`); in serving, give it
 the device allocator and request table as to :class:`RadixCache`, a host allocator (the host
-pool's) and a copy engine (``kvjax.tiers.transfer.PageTransferEngine``).
+pool's) and a copy engine (``kvjax.transfers.transfer.PageTransferEngine``).
 
 The scheduler's polling step is :meth:`check_transfers` (``writing_check`` + ``loading_check``);
 after a match, :meth:`init_load_back` brings a host hit back to the device. The rules are in

@@ -6,7 +6,7 @@ window. kvjax does the same on the SWA component and the host component:
 
 * **Host copies.** A backup copies a node's full-layer KV (always) and its sliding-layer KV when
   the node is SWA-live at that moment; the two host pools share host slot ids, one to one (the
-  host component allocates them; the transfer engine is ``kvjax.tiers.swa_transfer``). The SWA
+  host component allocates them; the transfer engine is ``kvjax.transfers.swa_transfer``). The SWA
   component records which host copies carry SWA (``SWAComponent.host_copy_live``).
 * **Device eviction** of a backed-up node demotes it: its full slots (and the SWA slots paired
   with them) are freed, its SWA data forgotten (``SWAComponent.on_demote``).

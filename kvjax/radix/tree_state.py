@@ -46,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.page_hash import PageHasher
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
-from kvjax.radix.events import BlockStored, EventQueue, EventSink, PageHasher
+from kvjax.radix.events import BlockStored, EventQueue, EventSink
 from kvjax.radix.eviction import EvictionPolicy, get_eviction_policy, priority_function
 from kvjax.radix.eviction_heap import EvictionHeap
 from kvjax.radix.keys import INT32, decode_tokens

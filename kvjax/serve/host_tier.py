@@ -3,7 +3,7 @@
 * ``poll`` (once per scheduler step, before the batch): SGLang's ``writing_check`` and
   ``loading_check``; backups and loads that landed unlock their nodes. With several processes
   (the scheduler's ``agreement`` is not local), the host pool's copy engine is wrapped in
-  ``kvjax.multihost.agreed_copy_engine.AgreedCopyEngine``: ``poll`` first agrees every pending
+  ``kvjax.tiers.agreed_copy_engine.AgreedCopyEngine``: ``poll`` first agrees every pending
   transfer's status with the other processes (MIN, as SGLang), so every tree completes the same
   transfers at the same step; the storage tier's hits and prefetched pages are agreed the same
   way (``kvjax.radix.storage_link``). The step never waits for a
@@ -36,11 +36,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvjax.multihost.agreed_copy_engine import AgreedCopyEngine
 from kvjax.radix import HiRadixCache
 from kvjax.serve.extension import ServingExtension, required_part
 from kvjax.serve.retraction_extension import RetractionBackupExtension
-from kvjax.tiers.retraction_backup import RetractionBackup
+from kvjax.tiers.agreed_copy_engine import AgreedCopyEngine
+from kvjax.transfers.retraction_backup import RetractionBackup
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache

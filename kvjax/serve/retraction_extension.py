@@ -5,7 +5,7 @@ next tokens) has its KV ``[0, kv_len)`` copied aside before its slots are freed
 (``before_release``); when it is admitted again (``after_admit``, after the tree match and any
 host load-back), the part past its new tree prefix is copied into fresh pages within the batch's
 quota and ``req.kv_committed_len`` is set to the old ``kv_len``, so its prefill starts there
-instead of recomputing it. The copy is :class:`~kvjax.tiers.retraction_backup.RetractionBackup`,
+instead of recomputing it. The copy is :class:`~kvjax.transfers.retraction_backup.RetractionBackup`,
 in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
 
 * ``cpu_tensor`` (this module builds it, :func:`retraction_extensions`): the pages of every layer
@@ -34,7 +34,7 @@ import numpy as np
 
 from kvjax.plan.kinds import planner_kinds_of
 from kvjax.serve.extension import ServingExtension
-from kvjax.tiers.retraction_backup import RetractionBackup
+from kvjax.transfers.retraction_backup import RetractionBackup
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 def _page_copy(pool: Any, slots: np.ndarray) -> list[np.ndarray]:
     """``cpu_tensor`` backup: per-layer numpy copies ``[tokens, ...]`` of whole-page ``slots``."""
-    from kvjax.tiers.device_pages import page_layers
-    from kvjax.tiers.transfer import device_pages, pages_to_numpy
+    from kvjax.transfers.device_pages import page_layers
+    from kvjax.transfers.transfer import device_pages, pages_to_numpy
 
     layers = page_layers(pool)
     page_size = layers[0].shape[1]
@@ -54,8 +54,8 @@ def _page_copy(pool: Any, slots: np.ndarray) -> list[np.ndarray]:
 
 def _page_load(pool: Any, copy: list[np.ndarray], slots: np.ndarray) -> Any:
     """``cpu_tensor`` restore: write :func:`_page_copy`'s copies into whole-page ``slots`` (in place)."""
-    from kvjax.tiers.device_pages import page_layers, with_page_layers
-    from kvjax.tiers.transfer import device_pages, pages_from_numpy
+    from kvjax.transfers.device_pages import page_layers, with_page_layers
+    from kvjax.transfers.transfer import device_pages, pages_from_numpy
 
     layers = page_layers(pool)
     page_size = layers[0].shape[1]
@@ -137,7 +137,7 @@ def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
     # The copies are of the "kv" pool's pages: every kind of the cache must keep its state there.
     if "kv" not in cache.pools or not all(kind.page_backup for kind in planner_kinds_of(plan)):
         return []
-    from kvjax.tiers.device_pages import page_layers
+    from kvjax.transfers.device_pages import page_layers
 
     try:
         page_layers(cache.pools["kv"])

@@ -1,10 +1,9 @@
-"""The host-memory tier (SGLang's HiCache L2): host pools, their slot allocator, sizing, and the
-asynchronous page transfers between a device pool and its host pool.
+"""The host-memory tier (SGLang's HiCache L2) and the storage tier (L3), host side: host pools,
+their slot allocator, sizing, the copy-engine protocol (with its simulated test double), the
+agreed copy engine of several processes and the storage tier's store.
 
-Importing this package imports neither jax nor the Pallas kernels: the allocator, the sizing
-rule, the host pool's numpy storage and the copy-engine protocol (with its simulated test
-double) are host-side; ``kvjax.tiers.transfer`` (the device engine) and
-``kvjax.tiers.device_pages`` import jax when they are imported.
+Importing this package imports neither jax nor the Pallas kernels. The device side, the page
+transfers between a device pool and its host pool, is ``kvjax.transfers``.
 """
 
 from kvjax.plan.host_sizing import check_host_memory, host_pool_tokens

@@ -3,7 +3,7 @@
 It holds, in host (numpy) memory, the pages of every layer of one device pool, in a
 :class:`HostLayout`, with a :class:`HostSlotAllocator` over its slots. It does not know the device
 pool's kind: any device pool whose layers are ``[pages + 1, page_size, C, D]`` arrays of one
-shape (the page gather/scatter kernels' contract, see ``kvjax.tiers.device_pages``) gets a host
+shape (the page gather/scatter kernels' contract, see ``kvjax.transfers.device_pages``) gets a host
 pool from its page row and layer count. MHA is registered today; SWA and MLA pools need one
 entry each in ``device_pages``.
 
@@ -11,7 +11,7 @@ Why numpy storage. A jax array cannot be written in place page by page from the 
 pool's *storage* is numpy; it is allocated on a 64-byte boundary (:data:`HOST_ALIGNMENT`) so
 that on the CPU backend the transfer engine's direct path can put host pages on the device
 without a copy. How pages move (staged through ``pinned_host`` or numpy, or directly) is the
-transfer engine's choice, measured by ``benchmarks/host_tier.py`` (``kvjax.tiers.transfer``,
+transfer engine's choice, measured by ``benchmarks/host_tier.py`` (``kvjax.transfers.transfer``,
 figures in ``docs/architecture.md``).
 
 Bytes are kept as unsigned integers of the device dtype's width (bf16 as uint16, fp8 as

@@ -1,6 +1,6 @@
 """The storage tier (SGLang's HiCache L3): KV pages kept outside the host, keyed by chained page hashes.
 
-A page's key is its chained hash (``kvjax.radix.events.PageHasher``: page ``j`` of a sequence
+A page's key is its chained hash (``kvjax.page_hash.PageHasher``: page ``j`` of a sequence
 hashes ``(hash of page j-1, page tokens)`` from a seed mixed with the key's namespace), the same
 hash the tree's KV events carry, so any process with the same seed finds the same pages. A page's
 value is one entry (``kvjax.tiers.storage_entry``): a header naming its key and page, one page of
@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvjax.errors import ConfigError
+from kvjax.page_hash import PageHasher
 from kvjax.tiers.storage_entry import check_header, decode_entry, encode_entry
 from kvjax.tiers.storage_key import StorageKey
 
@@ -71,8 +72,6 @@ def page_hashes(
     prefix); None starts the chain at the namespace root of ``extra_key``. Equal to the hashes the
     tree's KV events carry for the same pages with the same ``seed`` (page keys, not bigrams).
     """
-    from kvjax.radix.events import PageHasher  # here: kvjax.radix imports this module
-
     if page_size < 1:
         raise ConfigError("page_size", page_size, "use an integer >= 1")
     n_pages = len(tokens) // page_size
@@ -111,7 +110,7 @@ class StorageTier:
             Empty: one entry per page under ``key``.
         partial_shards: ``shards`` may cover part of the head axis (in order, not overlapping):
             across processes each one stores and reads only its own devices' heads of a page
-            (``kvjax.tiers.storage_attach.local_head_blocks``); the other heads of a page it reads
+            (``kvjax.transfers.storage_attach.local_head_blocks``); the other heads of a page it reads
             are left unset (that process never reads them). False: they must tile it.
 
     Counters: ``pages_written``, ``pages_read`` (pages served), ``rejected`` (entries refused,

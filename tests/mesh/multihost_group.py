@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvjax.multihost.launcher import free_port
+from kvjax.serve.multihost.launcher import free_port
 from tests.mesh.subprocess_run import ROOT
 
 

@@ -69,8 +69,8 @@ def test_a_backup_keeps_each_ranks_rows_where_the_stripe_puts_them_and_a_load_wr
     equal the backed-up ones, every other page is untouched, each device's layer buffer is reused
     (donated) and the compiled scatter has no collective."""
     from kvjax.tiers.copy_engine import TransferStatus
-    from kvjax.tiers.device_pages import page_layers
-    from kvjax.tiers.transfer import _scatter_per_shard
+    from kvjax.transfers.device_pages import page_layers
+    from kvjax.transfers.transfer import _scatter_per_shard
 
     cache = _engine_cache(dcp, tp, name)
     stripe = DCPStripe(PAGE, dcp)
@@ -113,8 +113,8 @@ def test_a_backup_keeps_each_ranks_rows_where_the_stripe_puts_them_and_a_load_wr
 def test_a_retraction_backup_restores_every_ranks_rows_at_dcp_2_tp_2():
     """The ``host_pool`` retraction backup over striped pages: a request's pages go to held host
     slots and come back into fresh pages, every rank's rows equal."""
-    from kvjax.tiers.device_pages import page_layers
-    from kvjax.tiers.retraction_backup import RetractionBackup
+    from kvjax.transfers.device_pages import page_layers
+    from kvjax.transfers.retraction_backup import RetractionBackup
 
     cache = _engine_cache(2, 2, "tiny")
     before = _fill(cache, seed=3)

@@ -50,12 +50,12 @@ def _scenario(mode: str) -> dict:
     args, rest = parse_group_args()
     group = join(args)
     from kvjax.alloc import make_allocator
-    from kvjax.multihost.agreed_copy_engine import AgreedCopyEngine
     from kvjax.multihost.agreement import LocalAgreement
     from kvjax.multihost.digest import allocator_digest, compare_digests, tree_digest
     from kvjax.multihost.errors import DivergenceError
     from kvjax.radix import HiRadixCache
     from kvjax.tiers import SimulatedCopyEngine
+    from kvjax.tiers.agreed_copy_engine import AgreedCopyEngine
 
     alloc = make_allocator(48, 1)
     engine = SimulatedCopyEngine(polls_to_finish=DELAY_POLLS[group.process_id])

@@ -71,10 +71,10 @@ def _serve(directory: str) -> dict:
     group = join(args)
     from kvjax import CacheConfig
     from kvjax.dp import LockstepDPScheduler
-    from kvjax.multihost.front import MultiProcessFront
-    from kvjax.multihost.mesh import group_dp_mesh
     from kvjax.radix.mamba_radix_cache import MambaRadixCache
     from kvjax.serve.checkpoint import load_checkpoint
+    from kvjax.serve.multihost.front import MultiProcessFront
+    from kvjax.serve.multihost.mesh import group_dp_mesh
 
     model = load_checkpoint(directory)
     config = CacheConfig(

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kvjax.cli import main
-from kvjax.multihost.launcher import free_port
+from kvjax.serve.multihost.launcher import free_port
 from tests.mesh.multihost_group import child_env, join, parse_group_args, run_group
 from tests.mesh.subprocess_run import ROOT
 

@@ -4,7 +4,7 @@ one process with 8 devices; the digests are equal at every step, every process e
 with a balanced host pool.
 
 The host tier moves the sharded pools' pages shard by shard (``kvjax.tiers.head_shards``); the
-delay is injected under the agreed copy engine (``kvjax.multihost.agreed_copy_engine``).
+delay is injected under the agreed copy engine (``kvjax.tiers.agreed_copy_engine``).
 
 Run as a program (``python -m tests.mesh.test_multihost_host_tier DIR MODE``; MODE ``group`` or
 ``single``) it serves the workload as one process of the group, or alone on 8 devices.
@@ -77,7 +77,7 @@ class DelayedEngine:
 
 def _serve(directory: str, mode: str, tp: int = TP) -> dict:
     from kvjax.multihost.channel import LoopbackChannel
-    from kvjax.multihost.front import MultiProcessFront
+    from kvjax.serve.multihost.front import MultiProcessFront
 
     group = None
     if mode == "group":

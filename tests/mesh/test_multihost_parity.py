@@ -90,9 +90,9 @@ def _serve(directory: str, tp: int, max_new: int) -> dict:
     args, _ = parse_group_args()
     group = join(args)
     from kvjax import CacheConfig, build_kv_cache
-    from kvjax.multihost.front import MultiProcessFront
-    from kvjax.multihost.mesh import group_tp_mesh
     from kvjax.serve.checkpoint import load_checkpoint
+    from kvjax.serve.multihost.front import MultiProcessFront
+    from kvjax.serve.multihost.mesh import group_tp_mesh
     from kvjax.serve.scheduler import Scheduler
 
     model = load_checkpoint(directory)

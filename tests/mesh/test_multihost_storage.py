@@ -123,9 +123,9 @@ def _serve(root: str, mode: str, tp: int = 1) -> dict:
 
     from kvjax.demo import MAX_BATCH, demo_cache
     from kvjax.multihost.channel import LoopbackChannel
-    from kvjax.multihost.front import MultiProcessFront
     from kvjax.serve.host_tier import HostTierExtension
     from kvjax.serve.model import init_params
+    from kvjax.serve.multihost.front import MultiProcessFront
     from kvjax.serve.scheduler import Scheduler
     from kvjax.serve.serving_req import ServingReq
     from kvjax.spec import ModelSpec

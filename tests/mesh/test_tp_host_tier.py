@@ -1,7 +1,7 @@
 """The host tier (HiCache L2) and the storage tier (L3) over pools sharded over tensor-parallel ranks.
 
 Each device's shard of the pool (its KV heads) is backed up into its heads of the host pages and
-loaded back from them (``kvjax.tiers.head_shards``, ``kvjax.tiers.transfer``): the serving tests
+loaded back from them (``kvjax.tiers.head_shards``, ``kvjax.transfers.transfer``): the serving tests
 run Transformers' tiny checkpoints (``tests/serve`` parity configs) at tp 2 and tp 4 (the tiny
 models' 2 KV heads replicated over 4 ranks: the host keeps each head once) with device pools small
 enough that prefixes are evicted to the host and loaded back, and retracted requests restored from
@@ -120,7 +120,7 @@ def test_llama_retraction_backups_into_the_host_pool_at_tp_2(llama):
 
 
 def test_gemma3_sliding_window_host_pools_at_tp_2(tmp_path_factory):
-    from kvjax.tiers.swa_transfer import SWAPageTransferEngine
+    from kvjax.transfers.swa_transfer import SWAPageTransferEngine
 
     hf, model = tiny_checkpoint(transformers.Gemma3TextConfig(**GEMMA3), tmp_path_factory, "gemma3")
     sched = build_scheduler(
@@ -153,7 +153,7 @@ def _engine_cache(tp: int, name: str = "tiny") -> Any:
 
 def _fill(cache: Any, seed: int) -> list[np.ndarray]:
     """Random pages in every layer (equal copies of each replicated head); the new pools handed in."""
-    from kvjax.tiers.device_pages import page_layers, with_page_layers
+    from kvjax.transfers.device_pages import page_layers, with_page_layers
 
     pool = cache.pools.kv
     layers = page_layers(pool)
@@ -184,8 +184,8 @@ def test_a_load_writes_each_shard_in_place(tp, name):
     """Backup of 2 pages, load into 2 others: the pages equal, every other page untouched, each
     device's layer buffer reused (donated), and the compiled scatter has no collective."""
     from kvjax.tiers.copy_engine import TransferStatus
-    from kvjax.tiers.device_pages import page_layers
-    from kvjax.tiers.transfer import _scatter_per_shard
+    from kvjax.transfers.device_pages import page_layers
+    from kvjax.transfers.transfer import _scatter_per_shard
 
     cache = _engine_cache(tp, name)
     engine = cache.tree_cache.host.engine
@@ -216,7 +216,7 @@ def test_a_load_writes_each_shard_in_place(tp, name):
 def load_buffer(layers: Any, engine: Any) -> jax.ShapeDtypeStruct:
     from jax.sharding import NamedSharding
 
-    from kvjax.tiers.transfer import _buffer_spec
+    from kvjax.transfers.transfer import _buffer_spec
 
     x = layers[0]
     shape = (len(layers), 2, *x.shape[1:])
@@ -226,8 +226,8 @@ def load_buffer(layers: Any, engine: Any) -> jax.ShapeDtypeStruct:
 def test_a_retraction_backup_restores_every_shard_at_tp_4():
     """The ``host_pool`` retraction backup over replicated heads: a request's pages go to held host
     slots and come back into fresh pages, every shard equal."""
-    from kvjax.tiers.device_pages import page_layers
-    from kvjax.tiers.retraction_backup import RetractionBackup
+    from kvjax.transfers.device_pages import page_layers
+    from kvjax.transfers.retraction_backup import RetractionBackup
 
     cache = _engine_cache(4)
     before = _fill(cache, seed=7)

@@ -98,7 +98,7 @@ def test_swa_transfer_engine_round_trips_both_pools():
     from kvjax.pools.mha import MHAKVPool
     from kvjax.pools.swa import SWAKVPool
     from kvjax.tiers import HostKVPool, TransferStatus
-    from kvjax.tiers.swa_transfer import SWAPageTransferEngine
+    from kvjax.transfers.swa_transfer import SWAPageTransferEngine
 
     ps = 2
 

@@ -133,7 +133,7 @@ def through_generate(hf: Any, model: LoadedModel) -> None:
 def host_tier_load_back(hf: Any, model: LoadedModel) -> None:
     from kvjax.radix import HiSWARadixCache
     from kvjax.serve.host_tier import HostTierExtension
-    from kvjax.tiers.swa_transfer import SWAPageTransferEngine
+    from kvjax.transfers.swa_transfer import SWAPageTransferEngine
 
     sched = build_scheduler(
         model,

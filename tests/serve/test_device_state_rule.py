@@ -19,7 +19,7 @@ import numpy as np
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
 from kvjax.radix import HiRadixCache
-from kvjax.tiers.retraction_backup import RetractionBackup
+from kvjax.transfers.retraction_backup import RetractionBackup
 
 ROWS = 64  # slots written and read per user step (padded: one compiled shape)
 VOCAB = 97

@@ -31,7 +31,7 @@ from kvjax.serve.generate import scheduler_for
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.speculative import DraftDecoding
-from kvjax.tiers.transfer import PageTransferEngine
+from kvjax.transfers.transfer import PageTransferEngine
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,

@@ -17,7 +17,7 @@ from kvjax.radix import HiRadixCache
 from kvjax.serve.model import init_params
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.tiers import SimulatedCopyEngine
-from kvjax.tiers.retraction_backup import RetractionBackup
+from kvjax.transfers.retraction_backup import RetractionBackup
 
 
 def test_cpu_tensor_backup_restores_into_new_pages_from_the_new_prefix():

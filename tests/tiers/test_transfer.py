@@ -11,7 +11,7 @@ from kvjax.device_updates import PendingDeviceUpdates, PendingWriteError, StaleD
 from kvjax.errors import InvalidSlotError
 from kvjax.pools import CachePools, MHAKVPool
 from kvjax.tiers import CopyError, HostKVPool, SimulatedCopyEngine, TransferStatus
-from kvjax.tiers.transfer import PageTransferEngine
+from kvjax.transfers.transfer import PageTransferEngine
 
 
 def _updates(pool):

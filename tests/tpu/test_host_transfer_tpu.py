@@ -1,6 +1,6 @@
 """The host tier's staged transfers compiled for TPU without a TPU: the backup's page gather
 (output in ``pinned_host`` memory) and the load's scatter are the Pallas kernels, the scatter in
-place (``kvjax.tiers.transfer``; the CPU backend takes the direct path instead)."""
+place (``kvjax.transfers.transfer``; the CPU backend takes the direct path instead)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.tiers.transfer import _gather_to, _scatter
+from kvjax.transfers.transfer import _gather_to, _scatter
 from pallas_kernels.page_gather import PINNED_HOST
 
 PAGE, KV_HEADS, HEAD_DIM, LAYERS, PAGES, MOVED = 16, 8, 128, 2, 4095, 64
@@ -41,7 +41,7 @@ def test_per_shard_backup_gather_and_load_scatter_over_8_chips(topology: str) ->
     """A pool sharded over 8 chips' KV heads: each chip gathers and scatters its own heads with
     the Pallas kernels, the scatter in place on every chip, no collective, temporaries of the
     moved pages only (``_gather_per_shard`` / ``_scatter_per_shard``)."""
-    from kvjax.tiers.transfer import _buffer_spec, _gather_per_shard, _scatter_per_shard
+    from kvjax.transfers.transfer import _buffer_spec, _gather_per_shard, _scatter_per_shard
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     mesh = Mesh(np.array(topo.devices), ("tp",))

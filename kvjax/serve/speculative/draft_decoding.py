@@ -26,7 +26,7 @@ kept token's logits over the same KV).
 
 The draft's pool shares the target's allocator, request table and tree (``kvjax.plan.draft``), so
 insert, match, eviction and retraction move both; with the host tier the draft's host pool is the
-sidecar of the target's (``kvjax.tiers.draft_pools``): every backup and load-back copies both.
+sidecar of the target's (``kvjax.transfers.draft_pools``): every backup and load-back copies both.
 
 Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
 mode, as SGLang disables it for several speculative modes), a mesh, a retraction backup (it would

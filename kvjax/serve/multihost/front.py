@@ -29,7 +29,7 @@ from typing import Any
 from kvjax.multihost.channel import Channel
 from kvjax.multihost.digest import compare_digests, serving_digest
 from kvjax.multihost.errors import DivergenceError
-from kvjax.multihost.request_broadcast import RequestSpec, StepMessage
+from kvjax.serve.multihost.request_broadcast import RequestSpec, StepMessage
 from kvjax.serve.serving_front import serve_to_completion
 from kvjax.serve.serving_req import ServingReq
 

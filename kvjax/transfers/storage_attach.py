@@ -10,10 +10,10 @@ import numpy as np
 
 from kvjax.layout.storage import is_fp8, logical_dtype_name
 from kvjax.radix.storage_link import StorageOptions
-from kvjax.tiers.device_pages import page_layers
 from kvjax.tiers.head_shards import HeadShards
 from kvjax.tiers.storage import StorageTier
 from kvjax.tiers.storage_key import StorageKey
+from kvjax.transfers.device_pages import page_layers
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig

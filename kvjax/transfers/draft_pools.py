@@ -102,7 +102,7 @@ def with_draft_transfers(engine: Any, draft_host_pool: Any) -> Any:
     device updates (``engine.pending``), so the draft's loads are applied with the target's."""
     if draft_host_pool is None:
         return engine
-    from kvjax.tiers.transfer import PageTransferEngine
+    from kvjax.transfers.transfer import PageTransferEngine
 
     if draft_host_pool.size != engine.host_pool.size:
         raise AssertionError(

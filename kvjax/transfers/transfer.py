@@ -71,10 +71,10 @@ from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.errors import InvalidSlotError
 from kvjax.pools.cache_pools import CachePools
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
-from kvjax.tiers.device_pages import page_layers, with_page_layers
 from kvjax.tiers.head_shards import ROW_AXIS, HeadShards
 from kvjax.tiers.host_pool import HostKVPool, aligned_empty
 from kvjax.tiers.page_runs import copy_pages, page_runs
+from kvjax.transfers.device_pages import page_layers, with_page_layers
 from pallas_kernels.page_gather import PINNED_HOST, gather_pages, has_memory_kind, scatter_pages
 
 #: The staging ``"auto"`` picks, by platform, measured by ``benchmarks/host_tier.py`` (figures in

@@ -14,7 +14,7 @@ pool.
   slots the caller paired with an SWA slot (the tree unpairs those whose SWA it does not restore
   before the load starts).
 
-Each half is a :class:`~kvjax.tiers.transfer.PageTransferEngine` over one part of the pool (same
+Each half is a :class:`~kvjax.transfers.transfer.PageTransferEngine` over one part of the pool (same
 staging, same asynchrony, same device-state rule: loads are recorded as pending device updates of
 ``"swa.full"`` / ``"swa.swa"`` for the owner of the step to apply, backups read the pools the owner
 last handed in); a transfer is DONE when both halves are, FAILED when either failed.
@@ -32,10 +32,10 @@ from kvjax.plan.kinds.swa import POOL as SWA_POOL
 from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.host_pool import HostKVPool
-from kvjax.tiers.transfer import PageTransferEngine
+from kvjax.transfers.transfer import PageTransferEngine
 
 if TYPE_CHECKING:
-    from kvjax.tiers.transfer_engines import TransferContext
+    from kvjax.transfers.transfer_engines import TransferContext
 
 __all__ = ["SWAPageTransferEngine"]
 
@@ -51,7 +51,7 @@ class SWAPageTransferEngine:
 
     Args:
         pending: the cache's pending device updates (``KVCache.pending``; see
-            :class:`~kvjax.tiers.transfer.PageTransferEngine`).
+            :class:`~kvjax.transfers.transfer.PageTransferEngine`).
         full_host: the full layers' host pool.
         swa_host: the sliding layers' host pool (as many slots as ``full_host``).
         allocator: the ``SWATokenToKVPoolAllocator`` whose mapping pairs full and SWA slots.

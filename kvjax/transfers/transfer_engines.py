@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvjax.plan.kinds import planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
 from kvjax.pools.registry import POOL_BUILDERS
-from kvjax.tiers.transfer import PageTransferEngine
+from kvjax.transfers.transfer import PageTransferEngine
 
 if TYPE_CHECKING:
     from kvjax.device_updates import PendingDeviceUpdates
