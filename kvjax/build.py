@@ -49,7 +49,14 @@ from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
 from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.registry import BuildContext, create_pool, create_pool_group, is_grouped, require_builder
+from kvjax.pools.registry import (
+    POOL_BUILDERS,
+    BuildContext,
+    create_pool,
+    create_pool_group,
+    is_grouped,
+    require_builder,
+)
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
 from kvjax.radix.kinds import HOST_KINDS
@@ -407,9 +414,17 @@ def _host_transfer_engine(
     ``pending.owner_pools``, reads device data for backups through ``pending.read`` (the pools the
     owner last handed in) and records its loads in ``pending`` for the owner to apply
     (``KVCache.apply_pending``). The draft pool's engine rides along when there is one."""
-    from kvjax.transfers.transfer_engines import TransferContext, make_transfer_engine
+    from kvjax.transfers.transfer_engines import TransferContext, default_transfer_engine
 
-    engine = make_transfer_engine(TransferContext(plan, pending, host_pools, allocator))
+    context = TransferContext(plan, pending, host_pools, allocator)
+    engine = None
+    for kind in planner_kinds_of(plan):  # the first engine a kind of the plan offers, in the kinds' order
+        offer = POOL_BUILDERS[kind.name].transfer_engine
+        engine = offer(context) if offer is not None else None
+        if engine is not None:
+            break
+    if engine is None:
+        engine = default_transfer_engine(context)
     return with_draft_transfers(engine, host_pools.get(DRAFT_HOST_POOL_NAME))
 
 

@@ -68,7 +68,7 @@ from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.stepping import OneMesh
+from kvjax.serve.stepping import OneMesh, StepOwner
 from kvjax.spec import ModelSpec
 
 __all__ = ["LockstepDPScheduler"]
@@ -100,13 +100,13 @@ class LockstepRank(OneMesh):
         """Step this rank's batches in ``front``'s rounds."""
         self.front = front
 
-    def setup(self, scheduler: Scheduler, spec: ModelSpec | ModelConfig, model: Any) -> None:
+    def setup(self, scheduler: StepOwner, spec: ModelSpec | ModelConfig, model: Any) -> None:
         """Nothing to lay out or compile: the DP step (the front's) runs every rank's batch; the
         mesh is the DP mesh (the future tokens of a first step are replicated over it)."""
         self._state = scheduler.cache.state
         self.mesh = pools_mesh(scheduler.cache.pools)
 
-    def launch(self, scheduler: Scheduler, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def launch(self, scheduler: StepOwner, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         front = self.front
         round_ = front._round if front is not None else None
         if front is None or round_ is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvjax.errors import ConfigError
 from kvjax.layout import storage
 from kvjax.layout.alignment import head_dim_alignment, round_up
 from kvjax.layout.pool_plan import PoolPlan
@@ -104,3 +105,28 @@ class MHALayout:
             memory=memory,
             built=built,
         )
+
+
+def kv_heads_per_rank(num_kv_heads: int, attn_tp: int) -> tuple[int, int]:
+    """``(heads per rank, replicas per head)`` as SGLang splits KV heads over ``attn_tp`` ranks.
+
+    Raises ``ConfigError`` on ``tp_size`` for a split SGLang refuses.
+    """
+    refusal = kv_heads_refusal(num_kv_heads, attn_tp)
+    if refusal is not None:
+        raise ConfigError("tp_size", attn_tp, refusal)
+    if attn_tp <= num_kv_heads:
+        return num_kv_heads // attn_tp, 1
+    return 1, attn_tp // num_kv_heads
+
+
+def kv_heads_refusal(num_kv_heads: int, attn_tp: int) -> str | None:
+    """Why SGLang refuses to split ``num_kv_heads`` KV heads over ``attn_tp`` ranks, or None."""
+    if attn_tp <= num_kv_heads and num_kv_heads % attn_tp:
+        return f"the model's {num_kv_heads} KV heads cannot be split evenly over {attn_tp} ranks"
+    if attn_tp > num_kv_heads and attn_tp % num_kv_heads:
+        return (
+            f"{attn_tp} ranks exceed the model's {num_kv_heads} KV heads, so each head is replicated and the TP "
+            f"size must be a multiple of {num_kv_heads}"
+        )
+    return None

@@ -3,7 +3,7 @@
 The package is a short pipeline of pure decisions, one module each, over the small records of
 ``kvjax.plan.records``: ``model_kind`` -> ``target`` (layout, TP and page checks) -> ``sizing`` ->
 ``tree`` (retraction backup, radix on/off, tree kind, host tier) -> ``pool_plans`` (asked of the
-pool kinds' layouts) -> ``CachePlan`` (``cache_plan``; printed by ``render``). No jax is imported.
+pool kinds' layouts) -> ``CachePlan`` (``cache_plan``, which also prints it). No jax is imported.
 What differs per kind of cached state is asked of the cache kinds the model needs (the planner
 hooks of ``kvjax.plan.kinds.PlannerKind``); no module here names a kind.
 
@@ -49,10 +49,9 @@ is SGLang's "disabled tree": it never matches, like a chunk cache.
 from __future__ import annotations
 
 from kvjax.layout.pool_plan import PoolPlan
-from kvjax.plan.cache_plan import CachePlan
+from kvjax.plan.cache_plan import CachePlan, fmt_bytes
 from kvjax.plan.pipeline import plan_kv_cache
 from kvjax.plan.records import HostTier, ModelKind, Sizes, StageLayers, Target, TreeChoice
-from kvjax.plan.render import fmt_bytes
 from kvjax.plan.sizing import DEFAULT_MEM_FRACTION_STATIC, REQ_TABLE_EXTRA_TOKENS
 
 __all__ = [

@@ -31,51 +31,20 @@ SGLang's ``get_draft_kv_pool`` returns None on other stages).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.kinds import names
-from kvjax.layout.mha import MHALayout
-from kvjax.layout.mla import MLALayout
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.kinds.host_tier import host_kv_pool
 from kvjax.plan.kinds.planner_kind import PlannerKind
 from kvjax.plan.kinds.planning import kv_pool_kind_owner, layout_kind
 from kvjax.plan.kinds.registry import planner_kind, planner_kinds
-from kvjax.plan.records import ModelKind, Target
+from kvjax.plan.records import DraftModel, ModelKind, Target
 from kvjax.spec import LayerKind, ModelSpec
 
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 DRAFT_POOL_NAME = "kv_draft"
 DRAFT_HOST_POOL_NAME = "host_kv_draft"
-
-
-@dataclass(frozen=True)
-class DraftModel:
-    """What the draft model caches, per rank.
-
-    ``attention``: the draft pool's layout (the target's pool kind); ``layer_ids``: the draft's
-    layer ids (see the module docstring); ``on_this_stage``: this pipeline rank holds the draft
-    (the last one); ``layout_kind``: the cache kind of that layout.
-    """
-
-    algorithm: str
-    spec_name: str
-    attention: MHALayout | MLALayout
-    layer_ids: tuple[int, ...]
-    on_this_stage: bool
-    layout_kind: str = names.FULL  # the cache kind of the layout (``PlannerKind.layout_pool`` plans the pool)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_ids)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of one token over every draft layer, on the stage that holds the draft (the last:
-        every stage's sizing needs it, since the token count is the minimum over stages)."""
-        return self.num_layers * self.attention.bytes_per_token_per_layer
 
 
 def _one_layer_draft(spec: ModelSpec, algorithm: str, kind: LayerKind, layers: int) -> ModelSpec:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvjax.kinds.names import FULL
 from kvjax.layout.mha import MHALayout
 from kvjax.layout.mla import MLALayout
 from kvjax.layout.recurrent import RecurrentLayout
@@ -145,3 +146,30 @@ class HostTier:
     # Whether retracted requests are backed up at all: SGLang backs them up on a decode server
     # (``disaggregation_mode == "decode"``) only; kvjax also when the backup was set explicitly.
     decode_retraction_active: bool = False
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """What the draft model caches, per rank.
+
+    ``attention``: the draft pool's layout (the target's pool kind); ``layer_ids``: the draft's
+    layer ids (see the module docstring); ``on_this_stage``: this pipeline rank holds the draft
+    (the last one); ``layout_kind``: the cache kind of that layout.
+    """
+
+    algorithm: str
+    spec_name: str
+    attention: MHALayout | MLALayout
+    layer_ids: tuple[int, ...]
+    on_this_stage: bool
+    layout_kind: str = FULL  # the cache kind of the layout (``PlannerKind.layout_pool`` plans the pool)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token over every draft layer, on the stage that holds the draft (the last:
+        every stage's sizing needs it, since the token count is the minimum over stages)."""
+        return self.num_layers * self.attention.bytes_per_token_per_layer

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.plan.kinds.planning import TokenSplit, kinds_named
+from kvjax.plan.kinds.choices import TokenSplit
+from kvjax.plan.kinds.planning import kinds_named
 from kvjax.plan.records import ModelKind, Sizes, StageLayers, Target
 from kvjax.spec import LayerKind, ModelSpec
 

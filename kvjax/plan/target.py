@@ -25,6 +25,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.layout import storage
 from kvjax.layout.alignment import tpu_packing
+from kvjax.layout.mha import kv_heads_refusal
 from kvjax.layout.recurrent import RecurrentLayout
 from kvjax.plan.kinds.planning import layout_kind
 from kvjax.plan.records import ModelKind, Target
@@ -37,37 +38,13 @@ DEFAULT_PLATFORM = "tpu"
 MAX_SUGGESTED_TP = 64
 
 
-def kv_heads_per_rank(num_kv_heads: int, attn_tp: int) -> tuple[int, int]:
-    """``(heads per rank, replicas per head)`` as SGLang splits KV heads over ``attn_tp`` ranks.
-
-    Raises ``ConfigError`` on ``tp_size`` for a split SGLang refuses.
-    """
-    refusal = _kv_heads_refusal(num_kv_heads, attn_tp)
-    if refusal is not None:
-        raise ConfigError("tp_size", attn_tp, refusal)
-    if attn_tp <= num_kv_heads:
-        return num_kv_heads // attn_tp, 1
-    return 1, attn_tp // num_kv_heads
-
-
-def _kv_heads_refusal(num_kv_heads: int, attn_tp: int) -> str | None:
-    if attn_tp <= num_kv_heads and num_kv_heads % attn_tp:
-        return f"the model's {num_kv_heads} KV heads cannot be split evenly over {attn_tp} ranks"
-    if attn_tp > num_kv_heads and attn_tp % num_kv_heads:
-        return (
-            f"{attn_tp} ranks exceed the model's {num_kv_heads} KV heads, so each head is replicated and the TP "
-            f"size must be a multiple of {num_kv_heads}"
-        )
-    return None
-
-
 def _tp_refusal(spec: ModelSpec, splits_kv_heads: bool, attn_tp: int, tp: int) -> str | None:
     """Why SGLang refuses ``attn_tp`` attention ranks (``tp`` in all) for this model, or None."""
     heads = spec.num_attention_heads
     if heads > 0 and heads % attn_tp:
         return f"the model's {heads} attention heads cannot be split evenly over {attn_tp} ranks"
     if splits_kv_heads and spec.num_kv_heads > 0:
-        refusal = _kv_heads_refusal(spec.num_kv_heads, attn_tp)
+        refusal = kv_heads_refusal(spec.num_kv_heads, attn_tp)
         if refusal is not None:
             return refusal
     if spec.recurrent is not None:

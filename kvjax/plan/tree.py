@@ -12,7 +12,6 @@ from kvjax.plan.host_sizing import host_pool_tokens
 from kvjax.plan.kinds.planner_kind import PlannerKind
 from kvjax.plan.kinds.planning import kinds_named
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
-from kvjax.plan.tree_options import TreeOptions
 from kvjax.spec import ModelSpec
 
 logger = logging.getLogger("kvjax.plan")
@@ -160,25 +159,4 @@ def decide_host_tier(
         hicache_mem_layout=config.hicache_mem_layout,
         decode_retraction_active=config.disaggregation_mode == "decode"
         or config.disaggregation_decode_retraction_backup is not None,
-    )
-
-
-def tree_options(kind: ModelKind, tree: TreeChoice, host: HostTier) -> TreeOptions:
-    """The typed record ``kvjax.radix.create_tree_cache`` builds the tree from: the tree choice,
-    the model's sliding window, and the host tier's attachment, size and write policy."""
-    return TreeOptions(
-        tree_cache_kind=tree.tree_cache_kind,
-        tree_components=tree.tree_components,
-        tree_page_size=tree.tree_page_size,
-        radix_eviction_policy=tree.radix_eviction_policy,
-        disable_radix_cache=tree.disable_radix_cache,
-        is_eagle=tree.is_eagle,
-        enable_kv_cache_events=tree.enable_kv_cache_events,
-        enable_metrics=tree.enable_metrics,
-        sliding_window_size=kind.sliding_window_size,
-        enable_mamba_extra_buffer=tree.enable_mamba_extra_buffer,
-        mamba_max_states_per_path=tree.mamba_max_states_per_path,
-        attach_host_tier=host.attach_host_tier,
-        host_pool_tokens=host.host_pool_tokens,
-        hicache_write_policy=host.hicache_write_policy,
     )

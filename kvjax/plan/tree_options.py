@@ -8,6 +8,10 @@ names are the plan's. Jax-free, like the rest of ``kvjax.radix``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvjax.plan.records import HostTier, ModelKind, TreeChoice
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,24 @@ class TreeOptions:
     attach_host_tier: bool = False
     host_pool_tokens: int = 0
     hicache_write_policy: str = "write_through"
+
+
+def tree_options(kind: ModelKind, tree: TreeChoice, host: HostTier) -> TreeOptions:
+    """The typed record ``kvjax.radix.create_tree_cache`` builds the tree from: the tree choice,
+    the model's sliding window, and the host tier's attachment, size and write policy."""
+    return TreeOptions(
+        tree_cache_kind=tree.tree_cache_kind,
+        tree_components=tree.tree_components,
+        tree_page_size=tree.tree_page_size,
+        radix_eviction_policy=tree.radix_eviction_policy,
+        disable_radix_cache=tree.disable_radix_cache,
+        is_eagle=tree.is_eagle,
+        enable_kv_cache_events=tree.enable_kv_cache_events,
+        enable_metrics=tree.enable_metrics,
+        sliding_window_size=kind.sliding_window_size,
+        enable_mamba_extra_buffer=tree.enable_mamba_extra_buffer,
+        mamba_max_states_per_path=tree.mamba_max_states_per_path,
+        attach_host_tier=host.attach_host_tier,
+        host_pool_tokens=host.host_pool_tokens,
+        hicache_write_policy=host.hicache_write_policy,
+    )

@@ -109,6 +109,9 @@ class PagedLayers(LayerStack):
     ``num_pages + 1`` pages (page 0 the trash page), each page ``page_size`` token slots."""
 
     LAYERS_FIELD: ClassVar[str] = "kv"
+    HOST_COPYABLE: ClassVar[bool] = False
+    """Whether the host tier and the retraction backup copy this pool's pages
+    (``kvjax.transfers.device_pages``): each page a host pool's page row."""
     page_size: int
 
     @property

@@ -24,7 +24,7 @@ to the trash page on the device, never clamped onto a live slot.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,8 @@ class MHAKVPool(PagedLayers, StripedOverContext, Pool):
     Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays), ``k_scale`` and ``v_scale``
     (f32 ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
     """
+
+    HOST_COPYABLE: ClassVar[bool] = True
 
     DCP_ATTENTION = "kvjax.attention.dcp_attention"
 

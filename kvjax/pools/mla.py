@@ -35,7 +35,7 @@ slots outside the pool (and the trash page) are dropped on the device, never cla
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,8 @@ class MLAKVPool(PagedLayers, StripedOverContext, Pool):
     Data fields (pytree leaves): ``kv`` (tuple of per-layer arrays) and ``scale`` (f32
     ``[num_layers]``; 1.0 unless fp8). Meta fields are static under ``jit``.
     """
+
+    HOST_COPYABLE: ClassVar[bool] = True
 
     DCP_ATTENTION = "kvjax.attention.dcp_mla_attention"
 

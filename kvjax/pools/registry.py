@@ -24,7 +24,6 @@ from kvjax.plan.kinds import pool_kind
 
 if TYPE_CHECKING:
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.transfers.device_pages import PageAccess
     from kvjax.transfers.transfer_engines import TransferContext
 
 __all__ = [
@@ -56,16 +55,12 @@ class PoolBuilders:
         transfer_engine: ``(TransferContext) -> engine | None``, the host tier's page transfer
             engine over this kind's pools when the plain one does not fit them (the sliding-window
             pair moves both sides; ``kvjax.transfers.transfer_engines``).
-        page_access: ``{pool type: (layers, with_layers)}``, how the host tier and the retraction
-            backup reach a paged pool's per-layer page arrays (``layers(pool)``) and put new ones
-            back (``with_layers(pool, layers)``); ``kvjax.transfers.device_pages``.
     """
 
     name: str
     builders: Mapping[str, PoolBuilder] = field(default_factory=dict)
     group_builders: Mapping[str, GroupBuilder] = field(default_factory=dict)
     transfer_engine: Callable[[TransferContext], Any] | None = None
-    page_access: Mapping[type, PageAccess] = field(default_factory=dict)
 
 
 POOL_BUILDERS: KindRegistry[PoolBuilders] = KindRegistry("pools", "kvjax.pools.registry.register_pool_builders")
@@ -132,11 +127,6 @@ def create_pool_group(kind: str, pools: tuple[PoolPlan, ...], context: BuildCont
     return make(pools, context)
 
 
-# MHA's and MLA's page layers are the pool's ``kv`` tuple (MLA's latent layers are
-# ``[pages + 1, page_size, row]``: the transfers add the head axis inside their jitted functions).
-_kv_layers: PageAccess = (lambda pool: pool.kv, lambda pool, layers: pool.replace(kv=layers))
-
-
 def _register_builtin_kinds() -> None:
     from kvjax import req_pool
     from kvjax.pools import mha, mla, recurrent, swa
@@ -145,8 +135,8 @@ def _register_builtin_kinds() -> None:
 
     for kind in (
         PoolBuilders(names.REQUEST_TABLE, builders={"request_table": req_pool.create_pool}),
-        PoolBuilders(names.FULL, builders={"mha": mha.create_pool}, page_access={mha.MHAKVPool: _kv_layers}),
-        PoolBuilders(names.MLA, builders={"mla": mla.create_pool}, page_access={mla.MLAKVPool: _kv_layers}),
+        PoolBuilders(names.FULL, builders={"mha": mha.create_pool}),
+        PoolBuilders(names.MLA, builders={"mla": mla.create_pool}),
         PoolBuilders(
             names.SWA, group_builders={"swa": swa.create_pool_group}, transfer_engine=swa_transfer.transfer_engine
         ),

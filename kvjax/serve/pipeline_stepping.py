@@ -41,7 +41,7 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pipeline_cache import PipelineCache
 from kvjax.serve.pipeline_step import make_stage_step, place_stage
 from kvjax.serve.scheduler import Scheduler
-from kvjax.serve.stepping import StepRows
+from kvjax.serve.stepping import StepOwner, StepRows
 from kvjax.spec import ModelSpec
 
 __all__ = ["PipelineStages", "pipeline_scheduler"]
@@ -99,7 +99,7 @@ class PipelineStages:
         """Stage 0's compiled step."""
         return self.stage_steps[0]
 
-    def setup(self, scheduler: Scheduler, spec: ModelSpec | ModelConfig, model: Any) -> None:
+    def setup(self, scheduler: StepOwner, spec: ModelSpec | ModelConfig, model: Any) -> None:
         """Lay each stage's pools and weights out over its sub-mesh and compile its step; the
         scheduler's ``params`` become stage 0's weights."""
         config = as_model_config(spec)
@@ -123,7 +123,7 @@ class PipelineStages:
             jax.device_put(np.zeros((self.micro_rows, vocab), np.float32), last) if scheduler.record_logits else None
         )
 
-    def forward(self, scheduler: Scheduler, step: StepRows) -> tuple[jax.Array, jax.Array | None]:
+    def forward(self, scheduler: StepOwner, step: StepRows) -> tuple[jax.Array, jax.Array | None]:
         """The step over the stages, micro-batch by micro-batch (module docstring).
 
         Each micro-batch builds its own page table, so a kept ``page_table`` is not reused here,

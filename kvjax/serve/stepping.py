@@ -36,12 +36,13 @@ from kvjax.serve.extension import StepBatch
 from kvjax.serve.step import StepFn, make_module_step, make_sharded_step, make_step, place_on_mesh
 
 if TYPE_CHECKING:
+    from kvjax.attention import MetadataBuilder
+    from kvjax.build import KVCache
     from kvjax.serve.model_config import ModelConfig
-    from kvjax.serve.scheduler import Scheduler
     from kvjax.serve.serving_req import ServingReq
     from kvjax.spec import ModelSpec
 
-__all__ = ["OneMesh", "PackedStep", "Proposer", "Stepping", "StepRows"]
+__all__ = ["OneMesh", "PackedStep", "Proposer", "StepOwner", "Stepping", "StepRows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,35 @@ class PackedStep:
     batch: StepBatch | None
 
 
+class StepOwner(Protocol):
+    """What a stepping reads and calls of the scheduler it steps for (``Scheduler`` is one): the
+    cache and weights, the step's settings, the packing and closing of a step and the one writer
+    of device state. Declared here so that this module needs nothing of the scheduler's."""
+
+    cache: KVCache
+    params: Any
+    model_config: ModelConfig | None
+    record_logits: bool
+    overlap: bool
+    metadata: MetadataBuilder
+    no_tokens: jax.Array
+    step_page_table: np.ndarray | None
+    rows: Any
+    page_size: int
+
+    def pack(
+        self, builder: MetadataBuilder, step: StepRows, a: int, b: int, *, page_table: np.ndarray | None = None
+    ) -> PackedStep: ...
+
+    def previous_tokens(self, first: jax.Array) -> jax.Array: ...
+
+    def store_pools(self, pools: Any, stage: int = 0) -> None: ...
+
+    def after_forward(
+        self, packed: Sequence[PackedStep], next_tokens: jax.Array, start: float, launched: float, end: float
+    ) -> None: ...
+
+
 class Stepping(Protocol):
     """How a batch is stepped (module docstring). ``mesh``: the devices the first step's inputs
     live on (None: the default device); ``states``: the device state of each group it steps
@@ -94,11 +124,11 @@ class Stepping(Protocol):
     @property
     def states(self) -> tuple[DeviceState, ...]: ...
 
-    def setup(self, scheduler: Scheduler, spec: ModelSpec | ModelConfig, model: Any) -> None:
+    def setup(self, scheduler: StepOwner, spec: ModelSpec | ModelConfig, model: Any) -> None:
         """Lay ``scheduler``'s device state and weights out and compile the step(s); set ``mesh``."""
         ...
 
-    def forward(self, scheduler: Scheduler, step: StepRows) -> tuple[jax.Array, jax.Array | None]:
+    def forward(self, scheduler: StepOwner, step: StepRows) -> tuple[jax.Array, jax.Array | None]:
         """Run ``step`` and store the new pools; the sampled tokens (``[max_seqs]``, on the device)
         and, with ``record_logits``, the logits."""
         ...
@@ -107,18 +137,20 @@ class Stepping(Protocol):
 class Proposer(Protocol):
     """How decode tokens are proposed, when not one per request per step (the scheduler's
     default): the scheduler admits, prefills, evicts, retracts and caches as always, and hands
-    each decode step to its proposer (``DraftDecoding``, ``kvjax.serve.speculative``)."""
+    each decode step to its proposer (``DraftDecoding``, ``kvjax.serve.speculative``). Its methods
+    take the ``Scheduler`` itself (typed ``Any`` here: a proposer reads the scheduler's running
+    batch, allocator and finishing, more than ``StepOwner`` says)."""
 
-    def attach(self, scheduler: Scheduler) -> None:
+    def attach(self, scheduler: Any) -> None:
         """Check ``scheduler`` can decode this way (refusing by name what it cannot) and compile
         what it needs; may replace the prefill step (``scheduler.step_fn``)."""
         ...
 
-    def check_servable(self, scheduler: Scheduler, reqs: Sequence[ServingReq]) -> None:
+    def check_servable(self, scheduler: Any, reqs: Sequence[ServingReq]) -> None:
         """``ConfigError`` for a request this way of decoding can never serve (after the plain checks)."""
         ...
 
-    def decode(self, scheduler: Scheduler, done: list[ServingReq]) -> None:
+    def decode(self, scheduler: Any, done: list[ServingReq]) -> None:
         """One decode step of ``scheduler.running``: allocate, run, store the pools
         (``Scheduler.store_pools``), settle and finish (appending to ``done``)."""
         ...
@@ -145,7 +177,7 @@ class OneMesh:
             raise RuntimeError("OneMesh: set up by a Scheduler first")
         return (self._state,)
 
-    def setup(self, scheduler: Scheduler, spec: ModelSpec | ModelConfig, model: Any) -> None:
+    def setup(self, scheduler: StepOwner, spec: ModelSpec | ModelConfig, model: Any) -> None:
         cache, with_logits = scheduler.cache, scheduler.record_logits
         self._state = cache.state
         self.mesh = pools_mesh(cache.pools)
@@ -170,7 +202,7 @@ class OneMesh:
             params=scheduler.params,
         )
 
-    def forward(self, scheduler: Scheduler, step: StepRows) -> tuple[jax.Array, jax.Array | None]:
+    def forward(self, scheduler: StepOwner, step: StepRows) -> tuple[jax.Array, jax.Array | None]:
         """Pack ``step`` whole, apply the pending device updates, launch the step with the pools
         donated and store its pools. The page table the step reads is left in
         ``scheduler.step_page_table`` (reused by the next decode step when unchanged)."""
@@ -189,7 +221,7 @@ class OneMesh:
         scheduler.after_forward([packed], out[1], start, launched, end)
         return out[1], (out[2] if scheduler.record_logits else None)
 
-    def launch(self, scheduler: Scheduler, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def launch(self, scheduler: StepOwner, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         """Run the compiled step on ``pools`` (donated) and the packed ``inputs``:
         ``(new pools, next_tokens[, logits])``."""
         assert self.step_fn is not None, "OneMesh: set up by a Scheduler first"

@@ -3,8 +3,8 @@ memory, in place under donation.
 
 ``transfer`` (``PageTransferEngine``: the host tier's copy engine over one device pool; the page
 gather/scatter kernels), ``swa_transfer`` (both sides of a sliding-window pair), ``device_pages``
-(how a pool kind's page arrays are reached: each kind's ``PoolBuilders.page_access``),
-``transfer_engines`` (the engine a cache's kinds offer, made before the tree),
+(a paged pool's page arrays, for the pools whose class says ``HOST_COPYABLE``),
+``transfer_engines`` (what an engine is made from, and the default one),
 ``retraction_backup`` (the ``cpu_tensor`` decode retraction backup's copies), ``draft_pools`` (the
 draft model's host pool beside the target's) and ``storage_attach`` (the storage tier over the
 host pool). The host side (host pools, their allocator, the copy-engine protocol, the storage

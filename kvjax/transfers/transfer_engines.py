@@ -1,6 +1,7 @@
-"""The host tier's page transfer engine for a cache: the one a kind of the plan offers
-(``PoolBuilders.transfer_engine``: the sliding-window pair moves both sides), else
-``PageTransferEngine`` over the first device pool.
+"""What the host tier's page transfer engine of a cache is made from (`TransferContext`) and the
+engine of a cache none of whose kinds offers one (``default_transfer_engine``); a kind's own
+(``PoolBuilders.transfer_engine``: the sliding-window pair moves both sides) is asked first, by
+the build (``kvjax.build``).
 
 The engine is made before the tree (which takes it at construction): it holds no cache, only the
 pending device updates its loads are recorded in (``kvjax.device_updates``) and the host pools.
@@ -12,9 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvjax.plan.kinds import planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
-from kvjax.pools.registry import POOL_BUILDERS
 from kvjax.transfers.transfer import PageTransferEngine
 
 if TYPE_CHECKING:
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
     from kvjax.plan.cache_plan import CachePlan
     from kvjax.protocols import AllocatorProtocol
 
-__all__ = ["TransferContext", "make_transfer_engine"]
+__all__ = ["TransferContext", "default_transfer_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +44,8 @@ class TransferContext:
         return self.host_pools[HOST_KV]
 
 
-def make_transfer_engine(context: TransferContext) -> Any:
-    """The page transfer engine between the device pools and the host pool ``host_kv``: the first
-    a kind of the plan offers, else ``PageTransferEngine`` over the first device pool."""
-    for kind in planner_kinds_of(context.plan):
-        offer = POOL_BUILDERS[kind.name].transfer_engine
-        engine = offer(context) if offer is not None else None
-        if engine is not None:
-            return engine
+def default_transfer_engine(context: TransferContext) -> PageTransferEngine:
+    """``PageTransferEngine`` between the first device pool and the host pool ``host_kv``: the
+    engine of a cache none of whose kinds offers its own."""
     device_pool = next(p.name for p in context.plan.pools if p.memory == "device")
     return PageTransferEngine(context.pending, context.host_pool, pool_name=device_pool)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvjax.kinds.names import FULL
+from kvjax.layout.mha import MHALayout, kv_heads_per_rank
+from kvjax.plan.kinds.choices import AttentionChoice
 from kvjax.plan.kinds.planner_kind import PlannerKind, PoolKind
 
 if TYPE_CHECKING:
     from kvjax.config import CacheConfig
-    from kvjax.layout.mha import MHALayout
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.plan.kinds.planning import AttentionChoice
     from kvjax.plan.records import Sizes, Target
     from kvjax.spec import ModelSpec
 
@@ -32,10 +32,6 @@ def applies(spec: ModelSpec, config: CacheConfig) -> bool:
 def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dtype: str) -> AttentionChoice:
     """The paged K/V layout with the model's KV heads split over the attention-TP ranks as SGLang
     splits them (each replicated when the ranks outnumber the heads)."""
-    from kvjax.layout.mha import MHALayout
-    from kvjax.plan.kinds.planning import AttentionChoice
-    from kvjax.plan.target import kv_heads_per_rank
-
     attn_tp = config.attn_tp_size
     heads, replicas = kv_heads_per_rank(spec.num_kv_heads, attn_tp)
     mha = MHALayout.for_platform(
@@ -59,7 +55,6 @@ def layout_pool(layout: MHALayout, name: str, num_pages: int, layer_ids: tuple[i
 
 def attention_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     """``"kv"`` over the stage's attention layers (none without one)."""
-    from kvjax.layout.mha import MHALayout
 
     stage = sizes.stage
     if not stage.kv_layers:

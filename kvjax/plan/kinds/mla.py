@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.layout.mla import MLALayout
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.plan.kinds.planning import AttentionChoice
+    from kvjax.plan.kinds.choices import AttentionChoice
     from kvjax.plan.records import Sizes, Target
     from kvjax.spec import ModelSpec
 
@@ -36,7 +36,7 @@ def attention_layout(spec: ModelSpec, config: CacheConfig, platform: str, kv_dty
     """The latent row (and, for DSA, the indexer keys): one latent "head", replicated on every
     attention-TP rank."""
     from kvjax.layout.mla import MLALayout
-    from kvjax.plan.kinds.planning import AttentionChoice
+    from kvjax.plan.kinds.choices import AttentionChoice
 
     assert spec.kv_lora_rank is not None and spec.qk_rope_head_dim is not None  # ModelSpec checks it
     mla = MLALayout.for_platform(

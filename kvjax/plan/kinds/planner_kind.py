@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan.cache_plan import CachePlan
-    from kvjax.plan.kinds.planning import AttentionChoice, OwnTree, TokenSplit
+    from kvjax.plan.kinds.choices import AttentionChoice, OwnTree, TokenSplit
     from kvjax.plan.records import Sizes, StageLayers, Target
     from kvjax.spec import ModelSpec
 

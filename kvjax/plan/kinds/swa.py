@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan.cache_plan import CachePlan
-    from kvjax.plan.kinds.planning import OwnTree, TokenSplit
+    from kvjax.plan.kinds.choices import OwnTree, TokenSplit
     from kvjax.plan.records import Sizes, StageLayers, Target
     from kvjax.spec import ModelSpec
 
@@ -49,7 +49,7 @@ def split_tokens(
     of a full layer (never more bytes than before). ``ConfigError`` when a pool is left without a
     page."""
     from kvjax.errors import ConfigError
-    from kvjax.plan.kinds.planning import TokenSplit
+    from kvjax.plan.kinds.choices import TokenSplit
 
     ps, ratio = config.alloc_page_size, config.swa_full_tokens_ratio
     if not stage.full:
@@ -115,7 +115,7 @@ def supports_host_pool_backup(sizes: Sizes) -> bool:
 def own_tree(sizes: Sizes, chunked: bool) -> OwnTree | None:
     """The SWA chunk caches (pure or not) for chunked prefill without the radix cache; the pure
     SWA radix tree for a pure cache; else None (the unified tree with the ``"swa"`` component)."""
-    from kvjax.plan.kinds.planning import OwnTree
+    from kvjax.plan.kinds.choices import OwnTree
 
     pure = not sizes.full_tokens_per_layer
     if chunked:
