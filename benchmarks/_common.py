@@ -83,3 +83,27 @@ def in_place_figures(donated: dict[int, float], copied: dict[int, float], *, tar
         "not_donated_us": {str(n): round(t * 1e6, 1) for n, t in copied.items()},
         "not_donated_ratio_large_over_small": round(copied[large] / copied[small], 3),
     }
+
+
+def warm_decode_run(sched: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[list[list[int]], dict]:
+    """Serve ``prompts`` twice through ``sched`` (the first run compiles; the tree is reset after
+    each, so the second run is as cold as the first) and return the second run's output ids and
+    its figures: ``decode_step_seconds`` (mean per decode step) and ``warm_run_seconds``."""
+    from kvjax.serve.scheduler import ServingReq
+
+    outputs: list[list[int]] = []
+    wall = start_steps = start_seconds = 0.0
+    for _ in range(2):
+        start_steps, start_seconds = sched.stats.decode_steps, sched.stats.decode_step_seconds
+        start = time.perf_counter()
+        reqs = [ServingReq(f"r{i}", p, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)]
+        sched.run(reqs)
+        wall = time.perf_counter() - start
+        sched.cache.tree_cache.reset()
+        outputs = [r.output_ids for r in reqs]
+    steps = sched.stats.decode_steps - start_steps
+    figures = {
+        "decode_step_seconds": round((sched.stats.decode_step_seconds - start_seconds) / max(steps, 1), 5),
+        "warm_run_seconds": round(wall, 3),
+    }
+    return outputs, figures

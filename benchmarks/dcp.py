@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine  # noqa: E402
+from benchmarks._common import machine, warm_decode_run  # noqa: E402
 from kvjax import CacheConfig  # noqa: E402
 from kvjax.chips import tpu_chip  # noqa: E402
 from kvjax.plan import plan_kv_cache  # noqa: E402
@@ -132,7 +131,7 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
     from kvjax import build_kv_cache
     from kvjax.mesh_check import make_serving_mesh
     from kvjax.serve.model import init_params
-    from kvjax.serve.scheduler import Scheduler, ServingReq
+    from kvjax.serve.scheduler import Scheduler
 
     spec = ModelSpec.preset("tiny")
     params = init_params(spec)
@@ -143,23 +142,10 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
         config = CacheConfig(page_size=4, max_total_tokens=2048, max_running_requests=8, tp_size=2, dcp_size=dcp)
         mesh = make_serving_mesh(2, dcp_size=dcp, devices=jax.devices("cpu"))
         sched = Scheduler(spec, build_kv_cache(spec, config, mesh=mesh), params, max_batch_size=4)
-        outputs = []
-        for _ in range(2):  # the first run compiles
-            start_steps, start_seconds = sched.stats.decode_steps, sched.stats.decode_step_seconds
-            start = time.perf_counter()
-            reqs = [ServingReq(f"r{i}", p, max_new_tokens=new) for i, p in enumerate(prompts)]
-            sched.run(reqs)
-            wall = time.perf_counter() - start
-            sched.cache.tree_cache.reset()
-            outputs.append([r.output_ids for r in reqs])
-        steps = sched.stats.decode_steps - start_steps
-        out[f"dcp{dcp}_tp2"] = {
-            "decode_step_seconds": round((sched.stats.decode_step_seconds - start_seconds) / max(steps, 1), 5),
-            "warm_run_seconds": round(wall, 3),
-            "devices": 2 * dcp,
-        }
-        out.setdefault("tokens", outputs[-1])
-        assert outputs[-1] == out["tokens"], "every layout generates the same tokens"
+        tokens, figures = warm_decode_run(sched, prompts, new)
+        out[f"dcp{dcp}_tp2"] = {**figures, "devices": 2 * dcp}
+        out.setdefault("tokens", tokens)
+        assert tokens == out["tokens"], "every layout generates the same tokens"
     out.pop("tokens")
     base = out["dcp1_tp2"]["decode_step_seconds"]
     for key in ("dcp2_tp2", "dcp4_tp2"):

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine  # noqa: E402
+from benchmarks._common import machine, warm_decode_run  # noqa: E402
 from kvjax import CacheConfig  # noqa: E402
 from kvjax.plan import plan_kv_cache  # noqa: E402
 from kvjax.spec import ModelSpec  # noqa: E402
@@ -129,7 +128,7 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
     from kvjax.serve.model import init_params
     from kvjax.serve.pipeline_cache import build_pipeline_cache
     from kvjax.serve.pipeline_stepping import pipeline_scheduler
-    from kvjax.serve.scheduler import Scheduler, ServingReq
+    from kvjax.serve.scheduler import Scheduler
     from kvjax.serve.tp_mesh import tp_mesh
 
     spec = four_layer_tiny()
@@ -152,25 +151,10 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
         else:
             pipe = build_pipeline_cache(spec, _config(pp), devices=jax.devices("cpu"))
             sched = pipeline_scheduler(spec, pipe, params, micro_batches=micro, max_batch_size=4)
-        outputs: list[list[int]] = []
-        wall = 0.0
-        start_steps = start_seconds = 0.0
-        for _ in range(2):  # the first run compiles
-            start_steps, start_seconds = sched.stats.decode_steps, sched.stats.decode_step_seconds
-            start = time.perf_counter()
-            reqs = [ServingReq(f"r{i}", p, max_new_tokens=new) for i, p in enumerate(prompts)]
-            sched.run(reqs)
-            wall = time.perf_counter() - start
-            sched.cache.tree_cache.reset()
-            outputs = [r.output_ids for r in reqs]
+        outputs, figures = warm_decode_run(sched, prompts, new)
         reference = reference or outputs
         assert outputs == reference, f"{name} generates other tokens"
-        steps = sched.stats.decode_steps - start_steps
-        out[name] = {
-            "devices": pp * tp,
-            "decode_step_seconds": round((sched.stats.decode_step_seconds - start_seconds) / max(steps, 1), 5),
-            "warm_run_seconds": round(wall, 3),
-        }
+        out[name] = {"devices": pp * tp, **figures}
     for pp in stages:
         base = out[f"tp{pp}"]["decode_step_seconds"]
         for m in (1, 2):

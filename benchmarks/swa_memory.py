@@ -56,27 +56,9 @@ def planned() -> dict:
 
 
 def tiny_spec() -> ModelSpec:
+    """The shipped tiny Gemma 3 with six layers, five of them sliding (Gemma 3's 5:1 pattern)."""
     types = ["sliding_attention"] * 5 + ["full_attention"]
-    return ModelSpec.from_hf_config(
-        dict(
-            model_type="gemma3_text",
-            architectures=["Gemma3ForCausalLM"],
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=6,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=1024,
-            sliding_window=16,
-            layer_types=types,
-            query_pre_attn_scalar=16,
-            torch_dtype="float32",
-            tie_word_embeddings=True,
-        ),
-        name="gemma3-scaled-down",
-    )
+    return ModelSpec.preset("gemma3-tiny", num_hidden_layers=6, layer_types=types)
 
 
 def measured(quick: bool) -> dict:

@@ -197,13 +197,19 @@ class ModelSpec:
         return cls.from_hf_config(config, name=stem or None)
 
     @classmethod
-    def preset(cls, name: str) -> ModelSpec:
-        """A shipped preset by name (``ModelSpec.presets()`` lists them)."""
+    def preset(cls, name: str, **overrides: Any) -> ModelSpec:
+        """A shipped preset by name (``ModelSpec.presets()`` lists them).
+
+        ``overrides`` replace keys of the preset's Hugging Face ``config.json`` (Hugging Face's
+        names: ``num_hidden_layers``, ``num_key_value_heads``, ``layer_types``, ...) before it is
+        read, for a variant of a shipped model: ``ModelSpec.preset("gemma3-tiny",
+        num_hidden_layers=6, layer_types=[...])``. The variant is named ``"<name>-custom"``.
+        """
         names = cls.presets()
         if name not in names:
             raise ConfigError("model", name, f"use a preset name from {list(names)} or a path to a config.json")
-        text = resources.files("kvjax.presets").joinpath(f"{name}.json").read_text()
-        return cls.from_hf_config(json.loads(text), name=name)
+        config = json.loads(resources.files("kvjax.presets").joinpath(f"{name}.json").read_text())
+        return cls.from_hf_config({**config, **overrides}, name=f"{name}-custom" if overrides else name)
 
     @staticmethod
     def presets() -> tuple[str, ...]:

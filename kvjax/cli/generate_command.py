@@ -19,20 +19,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvjax.cli import serving_args
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.serving_args import (
-    SERVING_FLAGS,
-    add_serving_arguments,
-    cache_options,
-    dp_attention_config,
-    speculative_options,
-)
 from kvjax.errors import ConfigError
 
 OPTION_FLAGS = {
-    **SERVING_FLAGS,
+    **serving_args.SERVING_FLAGS,
     "max_new_tokens": "--max-new-tokens",
     "max_batch_size": "--max-batch-size",
     "max_running_requests": "--max-batch-size",
@@ -72,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-batch-size", type=positive_int, default=16, help="requests decoded together")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    add_serving_arguments(
+    serving_args.add_serving_arguments(
         gen,
         dtype_help="serve in this dtype",
         max_total_tokens=None,
@@ -125,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         for i, (kind, text) in enumerate(raw_prompts)
     ]
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
-    speculative = speculative_options(args, spec.vocab_size)
-    dp_attention = bool(dp_attention_config(args))
+    speculative = serving_args.speculative_options(args, spec.vocab_size)
+    dp_attention = bool(serving_args.dp_attention_config(args))
 
     # Every argument is checked: now jax and the model.
     from kvjax.serve.generate import generate, generate_dp, resolve_model
@@ -134,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, dtype=args.dtype)
     if speculative:
         speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
-    options = cache_options(args)
+    options = serving_args.cache_options(args)
     common = dict(
         max_new_tokens=args.max_new_tokens,
         max_batch_size=args.max_batch_size,

@@ -33,6 +33,7 @@ from kvjax.device_updates import DeviceUpdate
 from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
 from kvjax.dp.step import host_sharding, rank_view
 from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.recurrent import independent_copy_groups
 
 __all__ = ["RankStateCopies"]
 
@@ -80,7 +81,7 @@ class RankStateCopies:
         for a rank outside ``[0, dp_size)``."""
         if not 0 <= rank < self.layout.dp_size:
             raise ValueError(f"rank {rank} is not one of the {self.layout.dp_size} DP ranks")
-        groups = _independent_groups(copies)
+        groups = independent_copy_groups(copies)
 
         def copy_states(pools: CachePools) -> CachePools:
             state = pools.recurrent
@@ -99,24 +100,3 @@ class RankStateCopies:
         rows[0, rank, : len(src)] = src
         rows[1, rank, : len(dst)] = dst
         return rows[0], rows[1]
-
-
-def _independent_groups(copies: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``copies`` split into consecutive groups whose copies can run at once: no destination
-    repeats and none is another copy's source (``apply_state_copies``' rule); ``src == dst``
-    skipped."""
-    groups: list[tuple[np.ndarray, np.ndarray]] = []
-    srcs: list[int] = []
-    dsts: list[int] = []
-    for src, dst in copies:
-        src, dst = int(src), int(dst)
-        if src == dst:
-            continue
-        if dst in dsts or dst in srcs or src in dsts:
-            groups.append((np.asarray(srcs, np.int32), np.asarray(dsts, np.int32)))
-            srcs, dsts = [], []
-        srcs.append(src)
-        dsts.append(dst)
-    if srcs:
-        groups.append((np.asarray(srcs, np.int32), np.asarray(dsts, np.int32)))
-    return groups

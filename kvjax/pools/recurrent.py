@@ -47,7 +47,13 @@ from kvjax.pools.planned import planned_layout
 from pallas_kernels import validate
 from pallas_kernels.state_slots import copy_state_slots, zero_slots
 
-__all__ = ["RecurrentStatePool", "apply_state_copies", "create_pool_group", "fork_live_slots"]
+__all__ = [
+    "RecurrentStatePool",
+    "apply_state_copies",
+    "create_pool_group",
+    "fork_live_slots",
+    "independent_copy_groups",
+]
 
 
 class RecurrentStatePool(LayerStack, Pool):
@@ -308,15 +314,12 @@ def fork_live_slots(pool: RecurrentStatePool, allocator: Any, src: Any, dst: Any
     return pool.fork(src, dst)
 
 
-def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) -> RecurrentStatePool:
-    """Apply queued slot copies ``(src, dst)`` in order (a tree's ``take_state_copies``: forks of
-    matched checkpoints into request slots, request states into new checkpoint slots).
-
-    Consecutive copies are batched into one :meth:`RecurrentStatePool.fork` while no destination
-    repeats and none is read or written by another copy of the batch, so the result equals the
-    copies done one by one. ``src == dst`` is skipped. Donate the pool for in-place copies.
-    """
-    out = pool
+def independent_copy_groups(copies: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``copies`` ``(src, dst)`` split, in order, into consecutive groups ``(srcs, dsts)`` (int32
+    slot ids) whose copies can run at once: within a group no destination repeats and none is read
+    or written by another copy of it, so applying the groups one after another equals the copies
+    done one by one. ``src == dst`` is skipped."""
+    groups: list[tuple[np.ndarray, np.ndarray]] = []
     srcs: list[int] = []
     dsts: list[int] = []
     for src, dst in copies:
@@ -324,13 +327,24 @@ def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) 
         if src == dst:
             continue
         if dst in dsts or dst in srcs or src in dsts:
-            out = out.fork(np.asarray(srcs, np.int32), np.asarray(dsts, np.int32))
+            groups.append((np.asarray(srcs, np.int32), np.asarray(dsts, np.int32)))
             srcs, dsts = [], []
         srcs.append(src)
         dsts.append(dst)
     if srcs:
-        out = out.fork(np.asarray(srcs, np.int32), np.asarray(dsts, np.int32))
-    return out
+        groups.append((np.asarray(srcs, np.int32), np.asarray(dsts, np.int32)))
+    return groups
+
+
+def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) -> RecurrentStatePool:
+    """Apply queued slot copies ``(src, dst)`` in order (a tree's ``take_state_copies``: forks of
+    matched checkpoints into request slots, request states into new checkpoint slots), one
+    :meth:`RecurrentStatePool.fork` per :func:`independent_copy_groups` group. Donate the pool for
+    in-place copies.
+    """
+    for srcs, dsts in independent_copy_groups(copies):
+        pool = pool.fork(srcs, dsts)
+    return pool
 
 
 _LANES = 128  # TPU lane width: the last axis of a lane-dense conv state

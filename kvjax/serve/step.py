@@ -96,20 +96,10 @@ def step_body(
 
 
 def _step_body(module: Any, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
-    """The step as a plain function (not jitted) of ``module``: ``step_body`` with positional
-    arguments, as the jitted programs take them."""
-
-    def step(
-        pools: CachePools,
-        params: dict,
-        tokens: jax.Array,
-        meta: AttentionMetadata,
-        prev_tokens: jax.Array | None = None,
-        token_src: jax.Array | None = None,
-    ) -> tuple[Any, ...]:
-        return step_body(module, pools, params, tokens, meta, prev_tokens, token_src, with_logits=with_logits)
-
-    return step
+    """The step as a plain function (not jitted) of ``module``: ``step_body`` taking ``(pools,
+    params, tokens, meta, prev_tokens=None, token_src=None)`` positionally, as the jitted programs
+    take them."""
+    return functools.partial(step_body, module, with_logits=with_logits)
 
 
 def pool_shardings(pools: CachePools, mesh: Mesh) -> Any:

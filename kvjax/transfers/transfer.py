@@ -56,6 +56,7 @@ load) in ``pinned_host`` memory (the backend must have it), ``"numpy"`` copies t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
@@ -405,14 +406,7 @@ class PageTransferEngine:
         handle = _Load((jax.device_put(data),))
         buffer, dst_pages = handle.sources[0], jnp.asarray(dst)
 
-        def scatter(pools: CachePools) -> CachePools:
-            pool = self.ref.get(pools)
-            handle.arrays = _scatter(page_layers(pool), buffer, dst_pages)
-            handle.applied = True
-            return self.ref.put(pools, with_page_layers(pool, handle.arrays))
-
-        self.pending.record(DeviceUpdate("host load", self.ref.target, pages, scatter))
-        return handle
+        return self._record_scatter(handle, pages, lambda layers: _scatter(layers, buffer, dst_pages))
 
     def _load_per_shard(self, host_slots: np.ndarray, pages: np.ndarray) -> _Load:
         """The load over a sharded pool: the host pages read once by runs into one padded buffer,
@@ -444,14 +438,7 @@ class PageTransferEngine:
         buffer, dst_pages = handle.sources[0], jnp.asarray(dst)
         scatter_fn = _scatter_per_shard(self._mesh, self._specs)
 
-        def scatter(pools: CachePools) -> CachePools:
-            pool = self.ref.get(pools)
-            handle.arrays = scatter_fn(page_layers(pool), buffer, dst_pages)
-            handle.applied = True
-            return self.ref.put(pools, with_page_layers(pool, handle.arrays))
-
-        self.pending.record(DeviceUpdate("host load", self.ref.target, pages, scatter))
-        return handle
+        return self._record_scatter(handle, pages, lambda layers: scatter_fn(layers, buffer, dst_pages))
 
     def _load_direct(self, host_slots: np.ndarray, host_pages: np.ndarray, pages: np.ndarray) -> _Load:
         """The direct load: per-layer host views put on the device without a copy; their scatter
@@ -478,9 +465,18 @@ class PageTransferEngine:
         handle = _Load(tuple(jax.device_put(src.view(self.dtype), sharding, may_alias=True) for src in sources))
         dst_pages = jnp.asarray(dst)
 
+        return self._record_scatter(handle, pages, lambda layers: _scatter_each(layers, handle.sources, dst_pages))
+
+    def _record_scatter(
+        self, handle: _Load, pages: np.ndarray, scatter_layers: Callable[[tuple[Any, ...]], tuple[Any, ...]]
+    ) -> _Load:
+        """Record the load's scatter (``scatter_layers``: the pool's page layers, donated, to the
+        layers with the loaded ``pages`` written) as a pending device update for the owner to
+        apply; the applied layers land on ``handle`` (``poll`` waits on them)."""
+
         def scatter(pools: CachePools) -> CachePools:
             pool = self.ref.get(pools)
-            handle.arrays = _scatter_each(page_layers(pool), handle.sources, dst_pages)
+            handle.arrays = scatter_layers(page_layers(pool))
             handle.applied = True
             return self.ref.put(pools, with_page_layers(pool, handle.arrays))
 
