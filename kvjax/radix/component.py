@@ -69,17 +69,17 @@ extra components' hooks only when there are some (``tree.has_components``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol
+    from kvjax.radix.lock import LockReceipt
     from kvjax.radix.match import ComponentMatchResult
     from kvjax.radix.node import TreeNode
-    from kvjax.radix.tree import RadixTree
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,38 @@ class ComponentSizes:
         return self.evictable + self.protected
 
 
+class ComponentTree(Protocol):
+    """What a component reaches of the tree it is attached to (``kvjax.radix.tree.RadixTree``
+    is one): the structure, FULL's locks, sizes and eviction, and the node surgery a component's
+    own eviction needs. Sizes are in cached units (tokens for KV, states for state slots)."""
+
+    root: TreeNode
+    page_size: int
+    is_eagle: bool
+    hash_seed: int | bytes | str
+
+    @property
+    def evictable_leaves(self) -> Set[TreeNode]: ...
+
+    def nodes(self) -> Iterator[TreeNode]: ...
+    def split_node(self, node: TreeNode, k: int) -> TreeNode: ...
+    def delete_leaf(self, node: TreeNode) -> None: ...
+    def revive_node(self, node: TreeNode, values: np.ndarray) -> None: ...
+    def add_host_only_leaf(self, parent: TreeNode, tokens: Sequence[int], extra_key: Hashable = None) -> TreeNode: ...
+    def inc_lock_ref(self, node: Any) -> LockReceipt: ...
+    def dec_lock_ref(self, node_or_receipt: Any) -> int: ...
+    def synthesize_slots(self, n: int) -> np.ndarray: ...
+    def evictable_size(self, component: str = "full") -> int: ...
+    def protected_size(self, component: str = "full") -> int: ...
+    def evict_full(self, num_tokens: int) -> int: ...
+    @overload
+    def evict(self, num_tokens: int) -> int: ...
+    @overload
+    def evict(self, num_tokens: Mapping[str, int]) -> dict[str, int]: ...
+    def check_full_invariants(self) -> None: ...
+    def pretty_print(self) -> str: ...
+
+
 class TreeComponent:
     """Base class; every hook is a no-op (see the module docstring for when each is called).
 
@@ -107,7 +139,7 @@ class TreeComponent:
 
     name: str = "component"
 
-    def attach(self, tree: RadixTree) -> None:
+    def attach(self, tree: ComponentTree) -> None:
         """Called once by the tree that owns this component."""
         self.tree = tree
 

@@ -15,14 +15,14 @@ from kvjax.radix.keys import decode_tokens
 from kvjax.radix.node import DELETED, DEVICE
 
 if TYPE_CHECKING:
-    from kvjax.radix.tree import RadixTree
+    from kvjax.radix.tree_state import TreeState
 
 
 class TreeInvariantError(RuntimeError):
     """``sanity_check`` found the tree inconsistent (a bug, never bad input)."""
 
 
-def check_core_invariants(tree: RadixTree) -> None:
+def check_core_invariants(tree: TreeState) -> None:
     """Walk the whole tree and check the core's and FULL's invariants (O(tree)).
 
     Checks: parent/child links and child keys, page-aligned edges with one slot per key
