@@ -39,6 +39,9 @@ class MetadataPart(Protocol):
     """A kind-specific part of ``AttentionMetadata``: a pytree (e.g. a dataclass registered with
     ``jax.tree_util.register_dataclass``) whose class names where it goes (``FIELD``: ``"swa"``
     and ``"state"`` are the built-in fields; any other name lands in ``AttentionMetadata.extra``).
+
+    A part may also name its per-token fields (``TOKEN_FIELDS``, arrays ``[T]`` padded with the
+    batch's tokens, e.g. its own ``out_loc``); the default is none.
     """
 
     FIELD: ClassVar[str]
@@ -58,6 +61,7 @@ class SWAMetadata:
     """
 
     FIELD: ClassVar[str] = "swa"
+    TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("out_loc",)
 
     out_loc: jax.Array
     page_indices: jax.Array
@@ -137,6 +141,11 @@ class AttentionMetadata:
         if extra:
             changes["extra"] = {**self.extra, **extra}
         return dataclasses.replace(self, **changes) if changes else self
+
+    def parts(self) -> tuple[MetadataPart, ...]:
+        """Every kind part present: the built-in fields set, then ``extra``'s in key order."""
+        built_in = (getattr(self, name) for name in sorted(_BUILT_IN_PARTS))
+        return (*(p for p in built_in if p is not None), *(self.extra[k] for k in sorted(self.extra)))
 
     def part(self, name: str) -> Any:
         """The part of the kind registered outside kvjax as ``name`` (``KeyError`` naming the

@@ -153,6 +153,9 @@ def _pad_tokens(meta: AttentionMetadata, width: int) -> AttentionMetadata:
         return np.pad(x, (0, width - x.shape[0]))
 
     changes: dict[str, Any] = {name: pad(getattr(meta, name)) for name in _TOKEN_FIELDS}
-    if meta.swa is not None:
-        changes["swa"] = dataclasses.replace(meta.swa, out_loc=pad(meta.swa.out_loc))
-    return dataclasses.replace(meta, **changes)
+    parts: list[Any] = list(meta.parts())  # dataclass parts (``MetadataPart``)
+    parts = [
+        dataclasses.replace(part, **{name: pad(getattr(part, name)) for name in getattr(part, "TOKEN_FIELDS", ())})
+        for part in parts
+    ]
+    return dataclasses.replace(meta, **changes).with_parts(*parts)
