@@ -37,7 +37,7 @@ from kvjax.alloc import make_allocator
 from kvjax.attention.sharding import serving_mesh
 from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
-from kvjax.device_updates import PendingDeviceUpdates
+from kvjax.device_updates import PendingDeviceUpdates, StaleDeviceStateError
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.mesh_check import DCP_AXIS, KV_HEAD_AXIS, MeshFacts, check_mesh
@@ -140,8 +140,20 @@ class KVCache:
     @property
     def pools(self) -> CachePools:
         """The device state the owner last handed in (a pytree; apply :meth:`apply_pending` to
-        it, donate it into a step, then :meth:`set_pools`). No other kvjax call replaces it."""
-        return self._state.pools
+        it, donate it into a step, then :meth:`set_pools`). No other kvjax call replaces it.
+
+        Raises ``StaleDeviceStateError`` when those pools were donated into a step whose result
+        was not handed back (``cache.set_pools(new_pools)``): their arrays are deleted, and
+        reading them would fail later with a message that does not say why.
+        """
+        pools = self._state.pools
+        first = next(iter(jax.tree_util.tree_leaves(pools)), None)
+        if first is not None and first.is_deleted():
+            raise StaleDeviceStateError(
+                "cache.pools were donated into a step and not handed back: after `pools, out = step(pools, ...)` "
+                "call cache.set_pools(pools) (or keep using the pools your step returned)"
+            )
+        return pools
 
     @property
     def state(self) -> DeviceState:
@@ -255,6 +267,14 @@ def build_kv_cache(
             "striping each request's KV over DCP ranks needs a mesh with a 'dcp' axis: pass "
             f"mesh=kvjax.mesh_check.make_serving_mesh({config.tp_size}, dcp_size={config.dcp_size})",
         )
+    elif config.attn_tp_size > 1:
+        raise ConfigError(
+            "tp_size",
+            config.tp_size,
+            f"sharding the KV heads over {config.attn_tp_size} ranks needs a mesh with a 'tp' axis of that many "
+            f"devices: pass mesh=kvjax.mesh_check.make_serving_mesh({config.attn_tp_size}) (without one, only one "
+            "rank's share of the heads would be built, on one device); or build with tp_size=1",
+        )
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
@@ -330,6 +350,14 @@ def build_stage_pools(
     """
     if mesh is not None:
         check_mesh(MeshFacts.of(mesh), config)
+    elif config.attn_tp_size > 1:
+        raise ConfigError(
+            "tp_size",
+            config.tp_size,
+            f"sharding the KV heads over {config.attn_tp_size} ranks needs a mesh with a 'tp' axis of that many "
+            f"devices: pass mesh=kvjax.mesh_check.make_serving_mesh({config.attn_tp_size}) (without one, only one "
+            "rank's share of the heads would be built, on one device); or build with tp_size=1",
+        )
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)

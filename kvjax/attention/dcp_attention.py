@@ -135,7 +135,7 @@ def dcp_paged_attention(
     dcp = int(mesh.shape[axis])
     k = expand_kv_heads(k, pool.num_kv_heads, f"layer {layer_id}'s k")
     v = expand_kv_heads(v, pool.num_kv_heads, f"layer {layer_id}'s v")
-    packed = pool._pack(jnp.asarray(k), jnp.asarray(v), pool.k_scale[index], pool.v_scale[index])
+    packed = pool._pack(jnp.asarray(k), jnp.asarray(v), pool.k_scale[index], pool.v_scale[index], loc.shape[0])
     check_heads_divide(f"layer {layer_id}'s KV", pool.num_kv_heads, mesh, heads_axis)
     check_heads_divide(f"layer {layer_id}'s query", q.shape[1], mesh, heads_axis)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvjax.attention.metadata import AttentionMetadata, MetadataPart, SWAMetadata, place_parts
 from kvjax.attention.page_table import PageTables, SlotTranslation
+from kvjax.errors import InvalidSlotError
 
 __all__ = ["MIN_TOKEN_BUCKET", "MetadataBuilder", "build_attention_metadata", "swa_metadata", "token_bucket"]
 
@@ -129,15 +130,33 @@ class MetadataBuilder:
             ``max_context_len``).
         page_size: tokens per page of the full-attention pool.
         max_seqs: the step's padded row count.
+        num_slots: the full-attention pool's slot count (``(pages + 1) * page_size``, the trash
+            page included), or None. When given, :meth:`build` validates on the host what a
+            jitted step cannot report (``InvalidSlotError`` naming the value, nothing built): the
+            batch's slots lie in ``[page_size, num_slots)`` (the allocator's, never the trash
+            page), the rows exist, and each row of the request table holds its sequence's new
+            slots at ``[start, seq_len)`` (the table the page table is read from). The scheduler
+            leaves it None; :meth:`for_cache` sets it.
 
     Attributes:
         page_tables: the request table's ``PageTables`` (also used for other pools' tables,
             through a slot translation: ``swa_metadata``).
     """
 
-    def __init__(self, req_to_token_pool: Any, page_size: int, max_seqs: int) -> None:
+    def __init__(self, req_to_token_pool: Any, page_size: int, max_seqs: int, *, num_slots: int | None = None) -> None:
         self.page_tables = PageTables(req_to_token_pool, page_size)
         self.max_seqs = int(max_seqs)
+        self.num_slots = None if num_slots is None else int(num_slots)
+        self._rows = req_to_token_pool
+        self._page_size = int(page_size)
+
+    @classmethod
+    def for_cache(cls, cache: Any, max_seqs: int) -> MetadataBuilder:
+        """A validating builder over a built ``KVCache``'s request table and allocator."""
+        alloc = cache.token_to_kv_pool_allocator
+        page_size = int(alloc.page_size)
+        full_slots = int(getattr(alloc, "size_full", alloc.size))  # a hybrid allocator's full side
+        return cls(cache.req_to_token_pool, page_size, max_seqs, num_slots=full_slots + page_size)
 
     @property
     def pages_per_seq(self) -> int:
@@ -170,6 +189,8 @@ class MetadataBuilder:
         """
         if len(rows) > self.max_seqs:
             raise ValueError(f"{len(rows)} sequences in one batch; the step is compiled for at most {self.max_seqs}")
+        if self.num_slots is not None:
+            self._validate(starts, slots, rows, seq_lens)
         if page_table is not None:
             if page_table.shape != (self.max_seqs, self.pages_per_seq) or page_table.dtype != np.int32:
                 raise ValueError(
@@ -182,6 +203,36 @@ class MetadataBuilder:
         return build_attention_metadata(
             tokens=tokens, starts=starts, slots=slots, page_table=table, max_seqs=self.max_seqs, parts=parts
         )
+
+    def _validate(self, starts: np.ndarray, slots: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        """The host checks of ``num_slots`` (class docstring); raises ``InvalidSlotError``."""
+        assert self.num_slots is not None
+        starts, seq_lens = np.asarray(starts, np.int64), np.asarray(seq_lens, np.int64)
+        rows, slots = np.asarray(rows, np.int64), np.asarray(slots)
+        if slots.dtype.kind not in "iu":
+            raise InvalidSlotError(f"slots must be integer slot ids, got dtype {slots.dtype}")
+        new = seq_lens - starts
+        if (new < 0).any() or slots.size != int(new.sum()):
+            raise InvalidSlotError(
+                f"{slots.size} slots for {new.tolist()} new tokens (seq_lens - starts): give one slot per new token"
+            )
+        outside = (slots < self._page_size) | (slots >= self.num_slots)
+        if outside.any():
+            raise InvalidSlotError(
+                f"slot ids {slots[outside][:8].tolist()} are outside [{self._page_size}, {self.num_slots}) (page 0 is "
+                "the trash page): pass slots the cache's allocator handed out"
+            )
+        table = self._rows.req_to_token
+        bad_rows = (rows < 0) | (rows >= table.shape[0])
+        if bad_rows.any():
+            raise InvalidSlotError(f"rows {rows[bad_rows].tolist()} are not rows of the request table")
+        offsets = np.concatenate([[0], np.cumsum(new)])
+        for i, (row, start, end) in enumerate(zip(rows.tolist(), starts.tolist(), seq_lens.tolist(), strict=True)):
+            if not np.array_equal(table[row, start:end], slots[offsets[i] : offsets[i + 1]]):
+                raise InvalidSlotError(
+                    f"request-table row {row} does not hold sequence {i}'s slots at [{start}, {end}): write them "
+                    "first (req_to_token_pool.write(row, start, slots)); the page table is read from the row"
+                )
 
 
 def swa_metadata(

@@ -21,8 +21,10 @@ from jax.sharding import PartitionSpec as P
 from kvjax.attention.dcp_mla_attention import dcp_mla_attention
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.options import AttentionOptions
+from kvjax.attention.query_checks import check_query
 from kvjax.attention.sharding import check_heads_divide, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MLAKVPool
+from kvjax.pools.base import check_slots
 from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention
 
 __all__ = ["attend_latent", "mla_attention"]
@@ -58,10 +60,13 @@ def mla_attention(
         ``(latent_out [T, heads, kv_lora_rank] in q_latent's dtype, the pool with the rows
         written)``; multiply by ``W_UV`` for the heads' values.
     """
+    check_query("q_latent", q_latent, layer_id, pool.kv_lora_rank)
+    check_query("q_rope", q_rope, layer_id, pool.qk_rope_head_dim, tokens=q_latent.shape[0])
     if pool.context_axis is not None:  # striped over DCP ranks: each attends its stripe, merged by LSE
         return dcp_mla_attention(pool, layer_id, q_latent, q_rope, c_kv, k_pe, meta, sm_scale=sm_scale, mesh=mesh)
     meta = meta.as_device_arrays()
     pool = pool.set_mla_kv_buffer(layer_id, meta.out_loc, c_kv, k_pe)
+    check_slots(meta.page_indices, pool.num_pages + 1, name="page_indices (page ids)")
     scale = pool.scale[pool.layer_index(layer_id)]
     mesh = pool_mesh(pool, mesh)
 

@@ -20,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.dcp_attention import dcp_paged_attention
 from kvjax.attention.metadata import AttentionMetadata
+from kvjax.attention.query_checks import check_query
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MHAKVPool
+from kvjax.pools.base import check_slots
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 __all__ = ["paged_attention", "single_query"]
@@ -75,6 +77,12 @@ def paged_attention(
         tokens' outputs are 0.
     """
     q = single_query(q, layer_id)
+    check_query("q", q, layer_id, pool.head_dim, tokens=k.shape[0] if hasattr(k, "shape") else None)
+    if q.shape[1] % max(k.shape[1], 1):
+        raise ValueError(
+            f"layer {layer_id}: q has {q.shape[1]} heads and k {k.shape[1]}; the query heads must be a multiple "
+            "of the KV heads (grouped-query attention)"
+        )
     if pool.context_axis is not None:  # striped over DCP ranks: each attends its stripe, merged by LSE
         return dcp_paged_attention(
             pool,
@@ -94,6 +102,7 @@ def paged_attention(
     meta = meta.as_device_arrays()
     loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
     table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)
+    check_slots(table, pool.num_pages + 1, name="page_indices (page ids)")
     mesh = pool_mesh(pool, mesh)
     if mesh is not None:  # heads replicated over more ranks than the model has: repeat them
         k = expand_kv_heads(k, pool.num_kv_heads, f"layer {layer_id}'s k")

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Self, dataclass_transform
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -178,11 +179,23 @@ def is_traced(x: Any) -> bool:
 
 
 def check_slots(loc: Any, num_slots: int, *, name: str = "loc") -> None:
-    """Reject concrete slot ids outside ``[0, num_slots)`` on the host; traced ids pass through.
+    """Reject concrete slot ids outside ``[0, num_slots)`` on the host.
+
+    Traced ids (inside the caller's ``jit``) cannot raise here; they get a
+    ``checkify.debug_check``, a no-op unless the caller runs the step under
+    ``jax.experimental.checkify.checkify``, where an id out of range is reported (``err.throw()``
+    raises naming it) instead of being routed to the trash page and dropped. Padding ids 0 pass.
 
     Raises ``InvalidSlotError`` naming the first offending ids and how many there are.
     """
     if is_traced(loc):
+        traced = jnp.asarray(loc)
+        outside = (traced < 0) | (traced >= num_slots)
+        checkify.debug_check(
+            ~jnp.any(outside),
+            f"{name}: slot id {{}} is outside [0, {num_slots}); pass slot ids from this pool's allocator",
+            traced.ravel()[jnp.argmax(outside.ravel())],
+        )
         return
     ids = np.asarray(loc)
     if ids.dtype.kind not in "iu":
@@ -192,6 +205,21 @@ def check_slots(loc: Any, num_slots: int, *, name: str = "loc") -> None:
         raise InvalidSlotError(
             f"{name}: {bad.size} slot id(s) outside [0, {num_slots}): {bad[:8].tolist()}"
             f"{' ...' if bad.size > 8 else ''}; pass slot ids from this pool's allocator"
+        )
+
+
+def check_float_input(name: str, x: Any, pool_dtype: str = "dtype") -> None:
+    """Refuse K/V (or a query) that is not floating point: a float of another width is cast to the
+    pool's dtype (bfloat16 or float16 into a float32 pool and back are fine), but integer values
+    written as KV are a caller's bug (token ids, slot ids), never silently cast.
+
+    Raises ``TypeError`` naming ``name``, its dtype and the pool's.
+    """
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{name} has dtype {dtype}; K/V and queries must be floating point (bfloat16, float16, float32 "
+            f"are cast to the pool's {pool_dtype}): an integer array here is not activations"
         )
 
 

@@ -36,7 +36,15 @@ from kvjax.layout.build_context import BuildContext
 from kvjax.layout.mha import MHALayout
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools import dtypes
-from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
+from kvjax.pools.base import (
+    PagedLayers,
+    Pool,
+    check_float_input,
+    check_slots,
+    route_to_trash,
+    static_field,
+    zeroed_layers,
+)
 from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.kv_write import write_kv
@@ -169,9 +177,13 @@ class MHAKVPool(PagedLayers, StripedOverContext, Pool):
 
     # --- writes ---------------------------------------------------------------------------------
 
-    def _pack(self, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array) -> jax.Array:
-        """``[n, H, Dk]`` and ``[n, H, Dv]`` -> interleaved, padded, quantised ``[n, 2H, Dp]`` storage."""
-        n = k.shape[0]
+    def _pack(self, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_scale: jax.Array, n: int) -> jax.Array:
+        """``[n, H, Dk]`` and ``[n, H, Dv]`` (``n``: the slots written) -> interleaved, padded,
+        quantised ``[n, 2H, Dp]`` storage."""
+        check_float_input("k", k, self.dtype)
+        check_float_input("v", v, self.dtype)
+        if k.ndim and v.ndim and k.shape[0] == v.shape[0] != n:
+            raise ValueError(f"loc has shape ({n},); k and v have {k.shape[0]} tokens: give one slot per token")
         want_k = (n, self.num_kv_heads, self.head_dim)
         want_v = (n, self.num_kv_heads, self.v_head_dim)
         if k.shape != want_k:
@@ -209,10 +221,10 @@ class MHAKVPool(PagedLayers, StripedOverContext, Pool):
         check_slots(loc, self.num_slots)
         ks = self.k_scale[index] if k_scale is None else jnp.asarray(k_scale, jnp.float32)
         vs = self.v_scale[index] if v_scale is None else jnp.asarray(v_scale, jnp.float32)
-        packed = self._pack(jnp.asarray(k), jnp.asarray(v), ks, vs)
         slots = route_to_trash(loc, self.num_slots)
-        if slots.shape != (packed.shape[0],):
-            raise ValueError(f"loc has shape {slots.shape}; expected ({packed.shape[0]},), one slot per token")
+        if slots.ndim != 1:
+            raise ValueError(f"loc has shape {slots.shape}; expected [tokens], one slot per token")
+        packed = self._pack(jnp.asarray(k), jnp.asarray(v), ks, vs, slots.shape[0])
         write = _write_slots
         if self.mesh is not None:
             axis = self.kv_head_axis

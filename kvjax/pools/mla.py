@@ -47,7 +47,15 @@ from kvjax.layout.build_context import BuildContext
 from kvjax.layout.mla import MLALayout
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools import dtypes
-from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
+from kvjax.pools.base import (
+    PagedLayers,
+    Pool,
+    check_float_input,
+    check_slots,
+    route_to_trash,
+    static_field,
+    zeroed_layers,
+)
 from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.validate import check_kv_scale
@@ -105,6 +113,7 @@ def scatter_rows(layer: jax.Array, rows: jax.Array, loc: jax.Array) -> jax.Array
 def _as_rows(name: str, x: jax.Array, width: int) -> jax.Array:
     """``[n, width]`` or SGLang's ``[n, 1, width]`` -> ``[n, width]``; a clear error otherwise."""
     x = jnp.asarray(x)
+    check_float_input(name, x)
     if x.ndim == 3 and x.shape[1] == 1:
         x = x[:, 0]
     if x.ndim != 2 or x.shape[1] != width:
