@@ -268,6 +268,10 @@ class BaseTokenToKVPoolAllocator:
         self._release = self._free_list_cls(num_pages)
         self._is_free = np.zeros(num_pages + 1, bool)
         self._is_pending = np.zeros(num_pages + 1, bool)
+        # Pages the prefix tree holds (``hold_for_tree``): ``free`` refuses them; the tree
+        # releases them with ``free_from_tree``. ``_tree_held_pages`` counts them (0: no check).
+        self._tree_held = np.zeros(num_pages + 1, bool)
+        self._tree_held_pages = 0
         # Scratch for O(n) duplicate detection; only entries just written are ever read.
         self._scratch = np.zeros(num_pages + 1, np.int32)
         self._offsets = np.arange(page_size, dtype=np.int32)
@@ -321,6 +325,8 @@ class BaseTokenToKVPoolAllocator:
         self._is_free[:] = True
         self._is_free[0] = False
         self._is_pending[:] = False
+        self._tree_held[:] = False
+        self._tree_held_pages = 0
         self._group = None
         self._group_segments = []
         self._num_used = 0
@@ -628,6 +634,60 @@ class BaseTokenToKVPoolAllocator:
         if np.count_nonzero(bad):
             what = "slots" if self.page_size == 1 else "pages"
             raise DoubleFreeError(f"free: {what} already free (double free): {format_ids(pages[bad])}")
+        if self._tree_held_pages:
+            held = self._tree_held.take(pages)
+            if np.count_nonzero(held):
+                what = "slots" if self.page_size == 1 else "pages"
+                raise InvalidSlotError(
+                    f"free: {what} {format_ids(pages[held])} hold a cached prefix of the tree (tree_cache): the tree "
+                    "frees them itself (evict, or cache_finished_req of the request that inserted them); free only "
+                    "slots you allocated and did not insert"
+                )
+
+    # ------------------------------------------------------------------ slots the tree holds
+
+    def hold_for_tree(self, slots: Any) -> None:
+        """The prefix tree now holds ``slots`` (a node's device value: whole pages, in use):
+        :meth:`free` and :meth:`free_segment` refuse them until the tree releases them with
+        :meth:`free_from_tree`. Called by the tree, never by a request's owner."""
+        pages = self._validate_slots(as_index_array(slots, "hold_for_tree"))
+        if pages.size:
+            new = ~self._tree_held.take(pages)
+            self._tree_held[pages] = True
+            self._tree_held_pages += int(np.count_nonzero(new[self._one_of_each(pages)]))
+
+    def free_from_tree(self, slots: Any, *, segment: bool = True) -> None:
+        """The tree frees ``slots`` it holds (an evicted node's value, or everything at reset):
+        they stop being held and are freed, as one row segment (``segment``) or a plain free.
+        Atomic: when the free raises, the pages are held again and nothing changed."""
+        idx = as_index_array(slots, "free_from_tree")
+        if idx.size == 0:
+            return
+        pages = self._validate_slots(idx)
+        held = self._tree_held.take(pages)
+        self._tree_held[pages] = False
+        released = int(np.count_nonzero(held[self._one_of_each(pages)]))
+        self._tree_held_pages -= released
+        try:
+            if segment:
+                self.free_segment(idx, start_pos=0)
+            else:
+                self.free(idx)
+        except BaseException:
+            self._tree_held[pages[held]] = True
+            self._tree_held_pages += released
+            raise
+
+    @property
+    def tree_held_mask(self) -> np.ndarray:
+        """``[num_pages + 1]`` bool: the pages the prefix tree holds (:meth:`hold_for_tree`). A copy."""
+        return self._tree_held.copy()
+
+    def _one_of_each(self, pages: np.ndarray) -> np.ndarray:
+        """Mask of exactly one occurrence of each distinct page of ``pages`` (O(n))."""
+        pos = self._token_arange(pages.size)
+        self._scratch[pages] = pos
+        return self._scratch[pages] == pos
 
     def _has_duplicates(self, pages: np.ndarray) -> np.ndarray:
         """Mask of the entries of ``pages`` that repeat an earlier-or-later entry (O(n))."""
@@ -788,6 +848,10 @@ class BaseTokenToKVPoolAllocator:
             fail(f"used counter {self._num_used} != pages not free {self.num_pages - free.size - release.size}")
         if self.available_size() + self.used_size() != self.size:
             fail(f"available {self.available_size()} + used {self.used_size()} != size {self.size}")
+        if int(np.count_nonzero(self._tree_held)) != self._tree_held_pages:
+            fail(f"tree-held counter {self._tree_held_pages} != pages marked {int(np.count_nonzero(self._tree_held))}")
+        if (self._tree_held & (self._is_free | self._is_pending)).any():
+            fail(f"pages held by the tree are free: {format_ids(np.flatnonzero(self._tree_held & self._is_free))}")
 
     def __repr__(self) -> str:
         return (

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import numpy as np
 
@@ -253,12 +253,25 @@ class FullKVComponent(TreeComponent):
 
     def __init__(self, allocator: AllocatorProtocol | None = None) -> None:
         self.allocator = allocator
+        # An allocator that tracks the tree's slots (``hold_for_tree`` / ``free_from_tree``, the
+        # paged and token allocators) refuses a request owner's ``free`` of them; a hybrid one
+        # does not track them, and FULL frees through its ``free_segment``.
+        self.tracks = allocator is not None and hasattr(allocator, "hold_for_tree")
+
+    def hold(self, value: np.ndarray) -> None:
+        """A node's device slots became the tree's (an insert's new leaf, a revived node)."""
+        if self.tracks and value.size:
+            cast(Any, self.allocator).hold_for_tree(value)
 
     def free(self, value: np.ndarray | None) -> None:
         """Free one node's device slots as one row segment (no-op without an allocator or for
-        None/empty)."""
+        None/empty). Raises what the allocator raises, freeing nothing (call it before changing
+        the node, so a refused free leaves the tree as it was)."""
         if self.allocator is not None and value is not None and value.size:
-            self.allocator.free_segment(value, start_pos=0)
+            if self.tracks:
+                cast(Any, self.allocator).free_from_tree(value)
+            else:
+                self.allocator.free_segment(value, start_pos=0)
 
     def evict(self, amount: int) -> int:
         return self.tree.evict_full(amount)
@@ -272,7 +285,10 @@ class FullKVComponent(TreeComponent):
             return
         arr = values[0] if len(values) == 1 else np.concatenate(values)
         if arr.size:
-            self.allocator.free(arr)
+            if self.tracks:
+                cast(Any, self.allocator).free_from_tree(arr, segment=False)
+            else:
+                self.allocator.free(arr)
 
     def sizes(self) -> ComponentSizes:
         return ComponentSizes(self.tree.evictable_size("full"), self.tree.protected_size("full"))

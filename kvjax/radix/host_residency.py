@@ -40,6 +40,7 @@ class HostResidency(TreeState):
             self._sim_next += k
         else:
             v = values[off : off + k].copy()
+            self._full.hold(v)
         node.value = v
         node.residency = DEVICE
         self._host_only -= 1
@@ -80,11 +81,11 @@ class HostResidency(TreeState):
 
     def _drop_device_copy(self, node: TreeNode) -> None:
         """Free a device node's slots (FULL) and take it out of FULL's sizes and candidates."""
-        self._leaves.discard(node)
         if node.lock_ref:
             raise LockError(f"node {node.id} is locked; a locked node's device copy cannot be dropped")
+        self._full.free(node.value)  # first: a refused free leaves the node as it was
+        self._leaves.discard(node)
         self._evictable -= node.klen
-        self._full.free(node.value)
         node.value = None
         node.heap_seq = -1
         if self._events is not None:

@@ -112,13 +112,18 @@ class RadixTree(PathLocks):
                 node.heap_seq = seq
                 heappush(heap, (cur, seq, node))
                 continue
+            if free is not None:
+                try:
+                    free(node.value)  # first: a refused free leaves this node and the counters consistent
+                except BaseException:
+                    heappush(heap, (p, seq, node))  # still a candidate
+                    self._evictable -= evicted
+                    raise
             evicted += node.klen
             num_nodes += 1
             parent = node.parent
             del parent.children[node.ckey]
             leaves.discard(node)
-            if free is not None:
-                free(node.value)
             node.value = None
             node.residency = DELETED
             node.heap_seq = -1
@@ -145,9 +150,13 @@ class RadixTree(PathLocks):
             node = pop()
             if node is None:
                 break
+            try:
+                self._evict_device_leaf(node)
+            except BaseException:  # a refused free (the node unchanged): it stays a candidate
+                self._evq.defer_push(node)
+                raise
             evicted += node.klen
             num_nodes += 1
-            self._evict_device_leaf(node)
         self.stats.evicted_tokens += evicted
         self.stats.num_evictions += num_nodes
         return evicted

@@ -322,6 +322,7 @@ class TreeWalk(HostResidency):
             self._sim_next += klen
         else:
             v = values[off:n].copy()
+            self._full.hold(v)
         self._clock += 1
         depth = node.depth + klen
         hits = 1 if depth > hit_from else 0

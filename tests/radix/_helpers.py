@@ -29,7 +29,8 @@ def machine_settings(examples: int) -> settings:
 
 class RecordingAllocator:
     """Forwards to a real allocator of ``size`` slots and ``page_size`` and records each
-    non-empty ``free`` / ``free_segment`` call's ids (``freed``: one list per call)."""
+    non-empty ``free`` / ``free_segment`` / ``free_from_tree`` call's ids (``freed``: one list
+    per call)."""
 
     def __init__(self, size: int, page_size: int) -> None:
         self.inner = make_allocator(size, page_size)
@@ -44,6 +45,13 @@ class RecordingAllocator:
     def free_segment(self, idx, *, start_pos: int) -> None:
         ids = np.asarray(idx).reshape(-1).tolist()
         self.inner.free_segment(idx, start_pos=start_pos)
+        if ids:
+            self.freed.append(ids)
+
+    def free_from_tree(self, idx, *, segment: bool = True) -> None:
+        """The tree's own frees of the slots it holds (recorded as a ``free`` / ``free_segment``)."""
+        ids = np.asarray(idx).reshape(-1).tolist()
+        self.inner.free_from_tree(idx, segment=segment)
         if ids:
             self.freed.append(ids)
 
