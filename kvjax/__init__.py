@@ -2,7 +2,8 @@
 
 The public names (stable; ``README.md`` shows them in use): ``ModelSpec``, ``CacheConfig``,
 ``plan_kv_cache`` -> ``CachePlan``, ``build_kv_cache`` -> ``KVCache``, and the errors
-``ConfigError``, ``InvalidSlotError``, ``DoubleFreeError``, ``OutOfMemoryError``.
+``ConfigError``, ``InvalidSlotError``, ``DoubleFreeError``, ``OutOfMemoryError``; for a serving
+loop of your own, ``OwnLoop`` (``docs/integration.md``).
 
 This package's ``__init__`` is the top (application) layer of the package's layers
 (``docs/architecture.md``), and Python runs it before any submodule. So it imports only core
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from kvjax.plan import CachePlan, PoolPlan, plan_kv_cache
     from kvjax.pools.cache_pools import CachePools
     from kvjax.pools.mha import MHAKVPool
+    from kvjax.serve.own_loop import LoopBatch, LoopRequest, OwnLoop
     from kvjax.spec import LayerKind, ModelSpec, RecurrentStateSpec
 
 __all__ = [
@@ -37,9 +39,12 @@ __all__ = [
     "InvalidSlotError",
     "KVCache",
     "LayerKind",
+    "LoopBatch",
+    "LoopRequest",
     "MHAKVPool",
     "ModelSpec",
     "OutOfMemoryError",
+    "OwnLoop",
     "PoolPlan",
     "RecurrentStateSpec",
     "build_kv_cache",
@@ -64,6 +69,9 @@ _LAZY = {
     "build_kv_cache": "kvjax.build",
     "CachePools": "kvjax.pools.cache_pools",
     "MHAKVPool": "kvjax.pools.mha",
+    "OwnLoop": "kvjax.serve.own_loop",
+    "LoopRequest": "kvjax.serve.own_loop",
+    "LoopBatch": "kvjax.serve.own_loop",
 }
 
 
