@@ -37,29 +37,44 @@ def _run(code: str) -> str:
     return out.stdout
 
 
-def test_the_guide_has_its_three_programs():
+def test_the_guide_has_its_five_programs():
     blocks = _python_blocks()
-    assert len(blocks) == 3, (
-        "docs/integration.md: (b) your own loop with attend, (a) your own model in the scheduler, (c) a cache kind"
+    assert len(blocks) == 5, (
+        "docs/integration.md: your own loop, your own model's spec, on a mesh, your own model in the scheduler, "
+        "a cache kind"
     )
-    assert "attend(pools, layer, q, k, v, meta)" in blocks[0]
-    assert "Scheduler(spec, cache, params, model=model" in blocks[1]
-    assert "register_planner_kind(" in blocks[2] and "register_serving_kind(" in blocks[2]
+    assert "attend(pools, layer, q, k, v, meta)" in blocks[0] and "loop.admit(prompt)" in blocks[0]
+    assert "ModelSpec.from_hf_config(" in blocks[1]
+    assert "make_serving_mesh(2)" in blocks[2]
+    assert "Scheduler(spec, cache, params, model=model" in blocks[3]
+    assert "register_planner_kind(" in blocks[4] and "register_serving_kind(" in blocks[4]
 
 
-def test_your_own_loop_with_attend_runs():
+def test_your_own_loop_runs():
     code = _with_checks(_python_blocks()[0])
     assert "assert (reused) == 32" in code
     assert _run(code).strip().splitlines()[-1] == "32"
 
 
-def test_your_own_model_in_the_scheduler_runs():
+def test_your_own_model_spec_runs():
     code = _with_checks(_python_blocks()[1])
+    assert "assert (deeper.num_hidden_layers) == 4" in code
+    assert _run(code).strip().splitlines()[-1] == "4"
+
+
+def test_your_own_loop_on_a_mesh_runs():
+    code = _with_checks(_python_blocks()[2])
+    assert "assert (req.computed) == 19" in code
+    assert _run(code).strip().splitlines()[-2:] == ["2", "19"]
+
+
+def test_your_own_model_in_the_scheduler_runs():
+    code = _with_checks(_python_blocks()[3])
     assert "assert (scheduler.stats.cached_tokens) == 64" in code
     assert _run(code).strip().splitlines()[-1] == "64"
 
 
 def test_a_cache_kind_of_your_own_runs():
-    code = _with_checks(_python_blocks()[2])
+    code = _with_checks(_python_blocks()[4])
     assert "assert (int(cache.pools[NAME][0])) == 11" in code
     assert _run(code).strip().splitlines()[-1] == "11"
