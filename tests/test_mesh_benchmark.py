@@ -5,25 +5,14 @@ time, the place of the TPU collectives, and cache-aware DP routing's hit rate ag
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_runs import run_tiny
 
 
 @pytest.mark.timeout(400)
 def test_mesh_benchmark_tiny_mode() -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "benchmarks/mesh.py", "--tiny"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=360
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout)
+    result = run_tiny("benchmarks/mesh.py")
 
     llama = result["pool_bytes_per_device"]["planned"]["llama-3-8b"]["by_tp"]
     for tp in (1, 2, 4, 8):

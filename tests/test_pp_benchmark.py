@@ -5,25 +5,14 @@ figure for PP 2 against TP 2 (the layouts generating the same tokens)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_runs import run_tiny
 
 
 @pytest.mark.timeout(400)
 def test_pp_benchmark_tiny_mode() -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run(
-        [sys.executable, "benchmarks/pp.py", "--tiny"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=360
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout)
+    result = run_tiny("benchmarks/pp.py")
 
     planned = result["planned"]
     for pp in (1, 2, 4, 8):

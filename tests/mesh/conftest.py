@@ -16,6 +16,8 @@ from collections import Counter
 import jax
 import pytest
 
+from tests.mesh.tp_serving import family_checkpoint
+
 DEVICES = 8
 
 # The files whose tests take longest (a minute or more each on a quiet 2-core machine for the first
@@ -59,3 +61,10 @@ def eight_devices() -> None:
             f"the mesh tests need {DEVICES} CPU devices and jax has {len(jax.devices())}: run tests/mesh in a "
             'process of its own (python -m pytest -o addopts="" -m mesh tests/mesh)'
         )
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object]:
+    """``(hf, model)`` of the tiny parity Llama (``tp_serving.family_checkpoint("llama")``), built
+    once per test module that asks for it (a module's own ``llama`` fixture takes its place)."""
+    return family_checkpoint("llama", tmp_path_factory)

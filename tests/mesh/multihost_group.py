@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvjax.serve.multihost.launcher import free_port
 from tests.mesh.subprocess_run import ROOT
 
@@ -151,3 +153,41 @@ def join(args: argparse.Namespace, *, timeout_s: float = 30.0, check_agreement: 
             join_timeout_s=60.0,
         )
     )
+
+
+def join_and_load(directory: str) -> tuple[Any, Any]:
+    """In a group's program: join the group from the flags ``run_group`` appends, then load the
+    checkpoint saved in ``directory``; returns ``(group, LoadedModel)``."""
+    args, _ = parse_group_args()
+    group = join(args)
+    from kvjax.serve.checkpoint import load_checkpoint
+
+    return group, load_checkpoint(directory)
+
+
+def request_records(finished: Sequence[Any]) -> dict[str, dict[str, list]]:
+    """The JSON of a process's finished requests by name: each one's prompt, output and logits
+    (``finished_requests`` reads them back)."""
+    return {
+        str(r.rid): {
+            "prompt": [int(t) for t in r.origin_input_ids],
+            "output": list(r.output_ids),
+            "logits": [np.asarray(row).tolist() for row in r.logits],
+        }
+        for r in finished
+    }
+
+
+def finished_requests(report: dict, max_new: int) -> dict[str, Any]:
+    """The finished requests of one process's report (``request_records``), with their tokens and
+    logits, by name; asserts they are the parity rounds' six."""
+    from kvjax.serve.serving_req import ServingReq
+
+    done = {}
+    for rid, item in report["requests"].items():
+        req = ServingReq(rid, item["prompt"], max_new_tokens=max_new)
+        req.output_ids.extend(item["output"])
+        req.logits = [np.asarray(row, np.float32) for row in item["logits"]]
+        done[rid] = req
+    assert sorted(done) == ["a", "b", "c", "chat1", "chat2", "d"]
+    return done

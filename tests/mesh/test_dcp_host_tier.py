@@ -27,9 +27,9 @@ from kvjax.alloc.dcp import DCPStripe
 from kvjax.cli import main
 from kvjax.mesh_check import make_serving_mesh
 from kvjax.serve.host_tier import HostTierExtension
-from tests.mesh.test_tp_host_tier import _fill, load_buffer, serve_with_host_loads
-from tests.mesh.tp_serving import family_checkpoint
-from tests.serve.parity_harness import assert_matches_transformers, build_scheduler, serve_two_rounds
+from tests.caches import host_tier_cache
+from tests.mesh import sharded_host_tier
+from tests.serve.parity_harness import assert_matches_transformers, host_tier_scheduler, serve_two_rounds
 
 MAX_NEW = 6
 ATOL = 1e-4
@@ -37,17 +37,7 @@ PAGE = 2  # rows per rank and page in the engine tests (the striped page is PAGE
 
 
 def _engine_cache(dcp: int, tp: int, name: str) -> Any:
-    from kvjax import CacheConfig, ModelSpec, build_kv_cache
-
-    config = CacheConfig(
-        tp_size=tp,
-        dcp_size=dcp,
-        page_size=PAGE,
-        max_total_tokens=64,
-        context_length=64,
-        enable_hierarchical_cache=True,
-    )
-    return build_kv_cache(ModelSpec.preset(name), config, mesh=make_serving_mesh(tp, dcp_size=dcp))
+    return host_tier_cache(name, mesh=make_serving_mesh(tp, dcp_size=dcp), tp_size=tp, dcp_size=dcp, page_size=PAGE)
 
 
 def _rank_rows(layer: jax.Array, page: int) -> dict[int, np.ndarray]:
@@ -68,20 +58,15 @@ def test_a_backup_keeps_each_ranks_rows_where_the_stripe_puts_them_and_a_load_wr
     logical token ``o``, read from rank ``o % dcp``'s local row ``o // dcp``; the loaded pages
     equal the backed-up ones, every other page is untouched, each device's layer buffer is reused
     (donated) and the compiled scatter has no collective."""
-    from kvjax.tiers.copy_engine import TransferStatus
     from kvjax.transfers.device_pages import page_layers
-    from kvjax.transfers.transfer import _scatter_per_shard
 
     cache = _engine_cache(dcp, tp, name)
     stripe = DCPStripe(PAGE, dcp)
     big = stripe.alloc_page_size
     host_pool = cache.host_pool
     assert host_pool.page_size == big == cache.plan.tree_page_size, "the host page is the striped page"
-    engine = cache.tree_cache.host.engine
-    before = _fill(cache, seed=dcp * 10 + tp)
-    host_slots = host_pool.allocator.alloc(2 * big)
-    backup = engine.start_backup(np.arange(2 * big, 4 * big), host_slots)
-    assert engine.poll(backup, wait=True) is TransferStatus.DONE
+    before = sharded_host_tier.fill(cache, seed=dcp * 10 + tp)
+    host_slots = sharded_host_tier.back_up_pages_2_and_3(cache, big)
 
     host = host_pool.read_pages(host_slots, np.float32)  # [layers, 2 pages, big, ...]
     for layer, array in enumerate(page_layers(cache.pools.kv)):
@@ -91,66 +76,24 @@ def test_a_backup_keeps_each_ranks_rows_where_the_stripe_puts_them_and_a_load_wr
                 rank, row = int(stripe.owner(offset)), offset // dcp
                 np.testing.assert_array_equal(host[layer, i, stripe.page_row(offset)], local[rank][row])
 
-    pointers = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in page_layers(cache.pools.kv)]
-    load = engine.start_load(host_slots, np.arange(5 * big, 7 * big))
-    pools = cache.apply_pending(cache.pools)
-    assert engine.poll(load, wait=True) is TransferStatus.DONE
-    after = page_layers(pools.kv)
-    assert [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in after] == pointers
-    for old, new in zip(before, after, strict=True):
-        new = np.asarray(new)
-        np.testing.assert_array_equal(new[5:7], old[2:4])
-        np.testing.assert_array_equal(np.delete(new, [5, 6], axis=0), np.delete(old, [5, 6], axis=0))
-    text = (
-        _scatter_per_shard(engine._mesh, engine._specs)
-        .lower(after, load_buffer(after, engine), np.zeros(2, np.int32))
-        .compile()
-        .as_text()
-    )
-    assert not any(op in text for op in ("all-gather", "all-reduce", "collective-permute", "all-to-all"))
+    sharded_host_tier.assert_a_load_writes_in_place(cache, host_slots, before, big)
 
 
 def test_a_retraction_backup_restores_every_ranks_rows_at_dcp_2_tp_2():
     """The ``host_pool`` retraction backup over striped pages: a request's pages go to held host
     slots and come back into fresh pages, every rank's rows equal."""
-    from kvjax.transfers.device_pages import page_layers
-    from kvjax.transfers.retraction_backup import RetractionBackup
-
     cache = _engine_cache(2, 2, "tiny")
-    before = _fill(cache, seed=3)
-    big = cache.plan.tree_page_size
-    retraction = RetractionBackup("host_pool", big, host=cache.tree_cache.host)
-    assert retraction.backup("q", np.arange(big, 3 * big), 0, 2 * big)
-    assert retraction.restore("q", np.arange(8 * big, 10 * big))
-    pools = cache.apply_pending(cache.pools)
-    retraction.poll(wait=True)
-    assert retraction.restored == 1 and retraction.held == 0
-    for old, new in zip(before, page_layers(pools.kv), strict=True):
-        np.testing.assert_array_equal(np.asarray(new)[8:10], old[1:3])
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return family_checkpoint("llama", tmp_path_factory)
+    before = sharded_host_tier.fill(cache, seed=3)
+    sharded_host_tier.assert_a_retraction_backup_restores(cache, before, cache.plan.tree_page_size)
 
 
 @pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (2, 2)])
 def test_llama_loads_back_striped_pages_from_the_host_with_transformers_tokens(dcp, tp, llama):
     hf, model = llama
-    sched = build_scheduler(
-        model,
-        mesh=make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices()),
-        tp_size=tp,
-        dcp_size=dcp,
-        max_batch_size=2,
-        page_size=1,
-        max_total_tokens=64,
-        max_running_requests=8,
-        enable_hierarchical_cache=True,
-        hicache_ratio=8.0,
-    )
+    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
+    sched = host_tier_scheduler(model, mesh=mesh, tp_size=tp, dcp_size=dcp, max_batch_size=2)
     assert sched.cache.pools.kv.context_axis == "dcp" and sched.cache.host_pool.page_size == dcp
-    done = serve_with_host_loads(sched, MAX_NEW)  # loads > 0, leak free, host and device balanced
+    done = sharded_host_tier.serve_with_host_loads(sched, MAX_NEW)  # loads > 0, leak free, host and device balanced
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
@@ -159,17 +102,9 @@ def test_llama_retracted_requests_restored_from_the_host_pool_at_tp_2_dcp_2(llam
     retract requests, back them up into held host slots and restore them (not recompute), a
     prefix also comes back from the host, and the tokens are Transformers'."""
     hf, model = llama
-    sched = build_scheduler(
-        model,
-        mesh=make_serving_mesh(2, dcp_size=2, devices=jax.devices()),
-        tp_size=2,
-        dcp_size=2,
-        page_size=1,
-        max_total_tokens=64,
-        max_running_requests=8,
-        enable_hierarchical_cache=True,
-        hicache_ratio=8.0,
-        disaggregation_decode_retraction_backup="host_pool",
+    mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
+    sched = host_tier_scheduler(
+        model, mesh=mesh, tp_size=2, dcp_size=2, disaggregation_decode_retraction_backup="host_pool"
     )
     done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
     host = next(e for e in sched.extensions if isinstance(e, HostTierExtension))

@@ -28,17 +28,30 @@ PAGE = 1
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return family_checkpoint("llama", tmp_path_factory)
+def deepseek_v2(tmp_path_factory):
+    return family_checkpoint("deepseek_v2", tmp_path_factory)
+
+
+def _scheduler(model, dcp: int, tp: int):
+    """``build_scheduler`` over a ``dcp`` x ``tp`` mesh, on a pool small enough (64 tokens of pages
+    of ``PAGE`` rows per rank, 8 running requests) that the two rounds evict and retract."""
+    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
+    return build_scheduler(
+        model, mesh=mesh, tp_size=tp, dcp_size=dcp, page_size=PAGE, max_total_tokens=64, max_running_requests=8
+    )
+
+
+def _assert_reused_evicted_retracted_as_transformers(hf, sched, done) -> None:
+    """The rounds reused prefixes, evicted and retracted; the tokens and logits are Transformers'."""
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
 @pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (4, 1), (2, 2)])
 def test_llama_reuse_chunked_prefill_eviction_and_retraction(dcp, tp, llama):
     hf, model = llama
-    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
-    sched = build_scheduler(
-        model, mesh=mesh, tp_size=tp, dcp_size=dcp, page_size=PAGE, max_total_tokens=64, max_running_requests=8
-    )
+    sched = _scheduler(model, dcp, tp)
     pool = sched.cache.pools.kv
     assert isinstance(pool, MHAKVPool) and pool.context_axis == "dcp"
     assert sched.alloc.page_size == PAGE * dcp and sched.cache.plan.tree_page_size == PAGE * dcp
@@ -47,31 +60,19 @@ def test_llama_reuse_chunked_prefill_eviction_and_retraction(dcp, tp, llama):
     layer = sched.cache.pools.kv.kv[0]
     assert len(layer.sharding.device_set) == dcp * tp
     assert {shard.data.shape[1] for shard in layer.addressable_shards} == {PAGE}, "a device holds its rank's rows"
-    st = sched.stats
-    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
-    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
-
-
-@pytest.fixture(scope="module")
-def deepseek_v2(tmp_path_factory):
-    return family_checkpoint("deepseek_v2", tmp_path_factory)
+    _assert_reused_evicted_retracted_as_transformers(hf, sched, done)
 
 
 @pytest.mark.parametrize(("dcp", "tp"), [(2, 1), (4, 1), (2, 2)])
 def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(dcp, tp, deepseek_v2):
     hf, model = deepseek_v2
-    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
-    sched = build_scheduler(
-        model, mesh=mesh, tp_size=tp, dcp_size=dcp, page_size=PAGE, max_total_tokens=64, max_running_requests=8
-    )
+    sched = _scheduler(model, dcp, tp)
     done = serve_two_rounds(sched, MAX_NEW)
     pool = sched.cache.pools.kv
     assert isinstance(pool, MLAKVPool) and pool.context_axis == "dcp"
     assert len(pool.kv[0].sharding.device_set) == dcp * tp
     assert {shard.data.shape[1] for shard in pool.kv[0].addressable_shards} == {PAGE}
-    st = sched.stats
-    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
-    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    _assert_reused_evicted_retracted_as_transformers(hf, sched, done)
 
 
 def test_gemma3_sliding_window_on_a_full_size_pool_masks_global_positions(tmp_path_factory):

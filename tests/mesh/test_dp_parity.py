@@ -51,18 +51,13 @@ from tests.serve.parity_harness import (
     CONTEXT_LENGTH,
     TINY_CONFIG,
     assert_matches_transformers,
-    assert_no_near_tie,
     serve_two_rounds,
     tiny_checkpoint,
-    torch,
     transformers,
 )
-from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
 from tests.serve.test_parity_deepseek_v2 import CONFIG as DEEPSEEK_V2
 from tests.serve.test_parity_gemma3 import CONFIG as GEMMA3
-from tests.serve.test_parity_nemotron_h import LOGIT_ATOL as NEMOTRON_H_LOGIT_ATOL
-from tests.serve.test_parity_nemotron_h import MIN_MARGIN as NEMOTRON_H_MIN_MARGIN
-from tests.serve.test_parity_nemotron_h import MODEL_SEED as NEMOTRON_H_SEED
+from tests.serve.test_parity_nemotron_h import assert_matches_full_forward, nemotron_h_checkpoint
 from tests.serve.test_parity_qwen3_next import MODEL_SEED as QWEN3_NEXT_SEED
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
@@ -220,21 +215,10 @@ def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
 def test_nemotron_h_mamba2_state_per_rank(tmp_path_factory):
     """Mamba2 mixers (two B/C groups) per rank, head parallel over its devices: Transformers'
     greedy tokens, logits against its full forward over prompt + output (as the tp test)."""
-    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
-    hf, model = tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=NEMOTRON_H_SEED)
+    hf, model = nemotron_h_checkpoint(tmp_path_factory, "nemotron_h")
     front, done = _serve_recurrent(model)
     _assert_reused_evicted_retracted(front, done)
-    for name, req in done.items():
-        prompt = list(req.origin_input_ids)
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
-            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
-        logits = full[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
-        assert_no_near_tie(name, logits, NEMOTRON_H_MIN_MARGIN)
-        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
-        np.testing.assert_allclose(
-            np.stack(req.logits), logits, atol=NEMOTRON_H_LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits"
-        )
+    assert_matches_full_forward(hf, done, max_new=MAX_NEW)
 
 
 def test_rank_state_copies_write_only_their_rank_slice():

@@ -19,19 +19,16 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
-
-from tests.mesh.multihost_group import assert_all_ok, join, parse_group_args, run_group
+from tests.mesh.multihost_group import assert_all_ok, finished_requests, join_and_load, request_records, run_group
 from tests.mesh.qwen3_next_tp import HEADS as QWEN3_NEXT_HEADS
 from tests.mesh.qwen3_next_tp import LAYERS as QWEN3_NEXT_LAYERS
 from tests.mesh.test_dp_parity import DP, MAX_NEW, RECURRENT_POOLS, TP
 from tests.serve.parity_harness import (
     CHUNK,
-    CONTEXT_LENGTH,
     TINY_CONFIG,
     assert_matches_transformers,
-    random_transformers_model,
-    save_pretrained,
+    parity_cache_config,
+    saved_transformers_model,
     serve_two_rounds,
     transformers,
 )
@@ -41,12 +38,9 @@ ATOL = 1e-4
 
 
 def test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers(tmp_path_factory):
-    from kvjax.serve.serving_req import ServingReq
-
     config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT_LAYERS, **QWEN3_NEXT_HEADS[TP])
-    hf = random_transformers_model(config, MODEL_SEED)
-    directory = str(save_pretrained(hf, tmp_path_factory, "qwen3_next"))
-    args = ["-m", "tests.mesh.test_multihost_dp_recurrent", directory]
+    hf, directory = saved_transformers_model(config, tmp_path_factory, "qwen3_next", seed=MODEL_SEED)
+    args = ["-m", "tests.mesh.test_multihost_dp_recurrent", str(directory)]
     reports = assert_all_ok(run_group(args, devices=TP, timeout=300))
     assert reports[0]["outputs"] == reports[1]["outputs"]
     assert reports[0]["rank_of"] == reports[1]["rank_of"]
@@ -56,36 +50,17 @@ def test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers(tmp_pat
         assert r["leak_free"] and r["state_slots_balanced"] and r["digest_checks"] > 0, r
         assert r["state_copies_applied"] > 0, r  # checkpoint forks and copies ran on the ranks' slices
         assert r["cached_tokens"] > 0 and r["evicted_tokens"] > 0 and r["retractions"] > 0, r
-    done = {}
-    for rid, item in reports[0]["requests"].items():
-        req = ServingReq(rid, item["prompt"], max_new_tokens=MAX_NEW)
-        req.output_ids.extend(item["output"])
-        req.logits = [np.asarray(row, np.float32) for row in item["logits"]]
-        done[rid] = req
-    assert sorted(done) == ["a", "b", "c", "chat1", "chat2", "d"]
-    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
 
 
 def _serve(directory: str) -> dict:
-    args, _ = parse_group_args()
-    group = join(args)
-    from kvjax import CacheConfig
+    group, model = join_and_load(directory)
     from kvjax.dp import LockstepDPScheduler
     from kvjax.radix.mamba_radix_cache import MambaRadixCache
-    from kvjax.serve.checkpoint import load_checkpoint
     from kvjax.serve.multihost.front import MultiProcessFront
     from kvjax.serve.multihost.mesh import group_dp_mesh
 
-    model = load_checkpoint(directory)
-    config = CacheConfig(
-        context_length=CONTEXT_LENGTH,
-        chunked_prefill_size=CHUNK,
-        page_size=1,
-        tp_size=DP * TP,
-        dp_size=DP,
-        enable_dp_attention=True,
-        **RECURRENT_POOLS,
-    )
+    config = parity_cache_config(page_size=1, tp_size=DP * TP, dp_size=DP, enable_dp_attention=True, **RECURRENT_POOLS)
     mesh = group_dp_mesh(DP * TP, DP)
     lockstep = LockstepDPScheduler.build_lockstep(
         model.spec,
@@ -107,14 +82,7 @@ def _serve(directory: str) -> dict:
     stats = [s.stats for s in lockstep.schedulers]
     return {
         "outputs": {str(r.rid): list(r.output_ids) for r in front.finished},
-        "requests": {
-            str(r.rid): {
-                "prompt": [int(t) for t in r.origin_input_ids],
-                "output": list(r.output_ids),
-                "logits": [np.asarray(row).tolist() for row in r.logits],
-            }
-            for r in front.finished
-        },
+        "requests": request_records(front.finished),
         "rank_of": {str(rid): rank for rid, rank in lockstep.rank_of.items()},
         "rank_processes": [[d.process_index for d in row] for row in mesh.devices],
         "leak_free": front.leak_free(),

@@ -19,18 +19,16 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import pytest
 
-from tests.mesh.multihost_group import assert_all_ok, join, parse_group_args, run_group
+from tests.mesh.multihost_group import assert_all_ok, finished_requests, join_and_load, request_records, run_group
 from tests.mesh.tp_serving import family_config
 from tests.serve import swa_parity
 from tests.serve.parity_harness import (
     CHUNK,
-    CONTEXT_LENGTH,
     assert_matches_transformers,
-    random_transformers_model,
-    save_pretrained,
+    parity_cache_config,
+    saved_transformers_model,
     serve_two_rounds,
 )
 
@@ -40,24 +38,23 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def llama8(tmp_path_factory) -> tuple[object, str]:
-    hf = random_transformers_model(family_config("llama", num_attention_heads=8))
-    return hf, str(save_pretrained(hf, tmp_path_factory, "llama8"))
+    hf, directory = saved_transformers_model(family_config("llama", num_attention_heads=8), tmp_path_factory, "llama8")
+    return hf, str(directory)
 
 
 def test_llama_at_tp_8_over_two_processes_matches_transformers(llama8):
     hf, directory = llama8
     reports = _serve_over_two_processes(directory, tp=8, max_new=MAX_NEW)
     assert all(r["tree"] == "RadixCache" for r in reports), reports
-    assert_matches_transformers(hf, _finished(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
+    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
 
 
 def test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers(tmp_path_factory):
-    hf = random_transformers_model(family_config("gemma3"))
-    directory = str(save_pretrained(hf, tmp_path_factory, "gemma3"))
+    hf, directory = saved_transformers_model(family_config("gemma3"), tmp_path_factory, "gemma3")
     max_new = swa_parity.MAX_NEW
-    reports = _serve_over_two_processes(directory, tp=4, max_new=max_new)
+    reports = _serve_over_two_processes(str(directory), tp=4, max_new=max_new)
     assert all(r["tree"] == "SWARadixCache" for r in reports), reports
-    assert_matches_transformers(hf, _finished(reports[0], max_new), max_new=max_new, atol=swa_parity.LOGIT_ATOL)
+    assert_matches_transformers(hf, finished_requests(reports[0], max_new), max_new=max_new, atol=swa_parity.LOGIT_ATOL)
 
 
 def _serve_over_two_processes(directory: str, *, tp: int, max_new: int) -> list[dict]:
@@ -72,38 +69,14 @@ def _serve_over_two_processes(directory: str, *, tp: int, max_new: int) -> list[
     return reports
 
 
-def _finished(report: dict, max_new: int) -> dict:
-    """The finished requests of one process's report, with their tokens and logits, by name."""
-    from kvjax.serve.serving_req import ServingReq
-
-    done = {}
-    for rid, item in report["requests"].items():
-        req = ServingReq(rid, item["prompt"], max_new_tokens=max_new)
-        req.output_ids.extend(item["output"])
-        req.logits = [np.asarray(row, np.float32) for row in item["logits"]]
-        done[rid] = req
-    assert sorted(done) == ["a", "b", "c", "chat1", "chat2", "d"]
-    return done
-
-
 def _serve(directory: str, tp: int, max_new: int) -> dict:
-    args, _ = parse_group_args()
-    group = join(args)
-    from kvjax import CacheConfig, build_kv_cache
-    from kvjax.serve.checkpoint import load_checkpoint
+    group, model = join_and_load(directory)
+    from kvjax import build_kv_cache
     from kvjax.serve.multihost.front import MultiProcessFront
     from kvjax.serve.multihost.mesh import group_tp_mesh
     from kvjax.serve.scheduler import Scheduler
 
-    model = load_checkpoint(directory)
-    config = CacheConfig(
-        context_length=CONTEXT_LENGTH,
-        chunked_prefill_size=CHUNK,
-        tp_size=tp,
-        page_size=1,
-        max_total_tokens=64,
-        max_running_requests=8,
-    )
+    config = parity_cache_config(tp_size=tp, page_size=1, max_total_tokens=64, max_running_requests=8)
     cache = build_kv_cache(model.spec, config, mesh=group_tp_mesh(tp))
     sched = Scheduler(
         model.config,
@@ -119,14 +92,7 @@ def _serve(directory: str, tp: int, max_new: int) -> dict:
     st = sched.stats
     return {
         "outputs": {str(r.rid): list(r.output_ids) for r in front.finished},
-        "requests": {
-            str(r.rid): {
-                "prompt": [int(t) for t in r.origin_input_ids],
-                "output": list(r.output_ids),
-                "logits": [np.asarray(row).tolist() for row in r.logits],
-            }
-            for r in front.finished
-        },
+        "requests": request_records(front.finished),
         "tree": type(cache.tree_cache).__name__,
         "leak_free": front.leak_free(),
         "digest_checks": front.digest_checks,

@@ -11,20 +11,11 @@ the state pool, and one all-reduce sums ``out_proj``'s partial products.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.mesh.tp_serving import serve_recurrent_over_tp
-from tests.serve.parity_harness import (
-    TINY_CONFIG,
-    assert_no_near_tie,
-    tiny_checkpoint,
-    torch,
-    transformers,
-)
-from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
-from tests.serve.test_parity_nemotron_h import LOGIT_ATOL, MIN_MARGIN, MODEL_SEED
+from tests.serve.test_parity_nemotron_h import assert_matches_full_forward, nemotron_h_checkpoint
 
 MAX_NEW = 6
 TP = 2
@@ -32,8 +23,7 @@ TP = 2
 
 @pytest.mark.timeout(600)  # ~2 min on a quiet machine; shared CPUs stretch it
 def test_head_parallel_mamba2_reuse_eviction_and_retraction(tmp_path_factory):
-    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
-    hf, model = tiny_checkpoint(config, tmp_path_factory, "nemotron_h_tp", seed=MODEL_SEED)
+    hf, model = nemotron_h_checkpoint(tmp_path_factory, "nemotron_h_tp")
     sched, done = serve_recurrent_over_tp(model, MAX_NEW, TP)
     mixer = sched.params["backbone"]["layers_0"]["mixer"]
     assert mixer["in_proj"]["weight"].sharding.spec == P("tp", None)
@@ -42,12 +32,4 @@ def test_head_parallel_mamba2_reuse_eviction_and_retraction(tmp_path_factory):
     assert mixer["norm"]["weight"].sharding.spec == P("tp") and mixer["D"].sharding.spec == P("tp")
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
-    for name, req in done.items():
-        prompt = list(req.origin_input_ids)
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
-            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
-        logits = full[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
-        assert_no_near_tie(name, logits, MIN_MARGIN)
-        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
-        np.testing.assert_allclose(np.stack(req.logits), logits, atol=LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits")
+    assert_matches_full_forward(hf, done, max_new=MAX_NEW)

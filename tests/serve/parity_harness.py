@@ -90,25 +90,38 @@ def random_transformers_model(config: Any, seed: int = 0) -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def saved_transformers_model(
+    config: Any, tmp_path_factory: pytest.TempPathFactory, name: str, *, seed: int = 0
+) -> tuple[Any, Path]:
+    """``(hf, directory)``: ``random_transformers_model(config, seed)`` and the new temporary
+    directory ``name`` its checkpoint is saved into (for a program of its own to load)."""
+    hf = random_transformers_model(config, seed)
+    return hf, save_pretrained(hf, tmp_path_factory, name)
+
+
 def tiny_checkpoint(
     config: Any, tmp_path_factory: pytest.TempPathFactory, name: str, *, seed: int = 0
 ) -> tuple[Any, LoadedModel]:
     """``(hf, model)``: ``random_transformers_model(config, seed)`` and kvjax's load of its checkpoint,
     saved into a new temporary directory ``name``."""
-    hf = random_transformers_model(config, seed)
-    return hf, load_checkpoint(save_pretrained(hf, tmp_path_factory, name))
+    hf, directory = saved_transformers_model(config, tmp_path_factory, name, seed=seed)
+    return hf, load_checkpoint(directory)
+
+
+def parity_cache_config(**fields: Any) -> CacheConfig:
+    """The parity tests' ``CacheConfig``: context ``CONTEXT_LENGTH``, chunked prefill of ``CHUNK``,
+    and ``fields`` (the other ``CacheConfig`` fields)."""
+    return CacheConfig(context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, **fields)
 
 
 def build_scheduler(
     model: LoadedModel, *, max_batch_size: int = 4, overlap: bool = True, mesh: Any = None, **cache_config: Any
 ) -> Scheduler:
-    """A scheduler recording logits over a new cache of ``model`` (context ``CONTEXT_LENGTH``,
-    chunked prefill of ``CHUNK``; ``overlap``: overlap scheduling, the scheduler's default;
-    ``mesh``: the mesh the pools are sharded over, with ``tp_size`` in ``cache_config``;
-    ``cache_config``: the other ``CacheConfig`` fields)."""
-    cache = build_kv_cache(
-        model.spec, CacheConfig(context_length=CONTEXT_LENGTH, chunked_prefill_size=CHUNK, **cache_config), mesh=mesh
-    )
+    """A scheduler recording logits over a new cache of ``model`` (``parity_cache_config``: context
+    ``CONTEXT_LENGTH``, chunked prefill of ``CHUNK``; ``overlap``: overlap scheduling, the
+    scheduler's default; ``mesh``: the mesh the pools are sharded over, with ``tp_size`` in
+    ``cache_config``; ``cache_config``: the other ``CacheConfig`` fields)."""
+    cache = build_kv_cache(model.spec, parity_cache_config(**cache_config), mesh=mesh)
     return Scheduler(
         model.config,
         cache,
@@ -134,6 +147,39 @@ def serve_two_rounds(sched: Scheduler, max_new: int, *, seed: int = PROMPT_SEED)
     sched.run(second)
     done.update((str(r.rid), r) for r in second)
     assert sched.leak_free()
+    return done
+
+
+def host_tier_scheduler(model: LoadedModel, **extra: Any) -> Scheduler:
+    """``build_scheduler`` with the host tier (8x the device pool) over a device pool small enough
+    (page size 1, 64 tokens, 8 running requests) that ``serve_batches_through_the_host`` evicts
+    prefixes to the host; ``extra``: more ``build_scheduler`` arguments (a mesh and its sizes,
+    ``max_batch_size``, a retraction backup)."""
+    return build_scheduler(
+        model,
+        page_size=1,
+        max_total_tokens=64,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+        **extra,
+    )
+
+
+def serve_batches_through_the_host(sched: Scheduler, max_new: int) -> dict[str, ServingReq]:
+    """Serve the parity prompts in three batches (``a`` and ``chat1``, ``b`` and ``c``, ``d``; on a
+    ``host_tier_scheduler`` each evicts the one before to the host), then the chat's second turn
+    (its first turn's prefix then comes back from the host), ``max_new`` tokens each; return the
+    requests by name."""
+    p = prompts()
+    done: dict[str, ServingReq] = {}
+    for names in (("a", "chat1"), ("b", "c"), ("d",)):
+        batch = [ServingReq(n, p[n], max_new_tokens=max_new) for n in names]
+        sched.run(batch)
+        done.update((str(r.rid), r) for r in batch)
+    chat2 = ServingReq("chat2", p["chat1"] + done["chat1"].output_ids + p["chat2_new"], max_new_tokens=max_new)
+    sched.run([chat2])
+    done["chat2"] = chat2
     return done
 
 

@@ -38,7 +38,9 @@ from tests.serve.parity_harness import (
     assert_matches_transformers,
     build_scheduler,
     hf_greedy,
+    host_tier_scheduler,
     prompts,
+    serve_batches_through_the_host,
     serve_two_rounds,
 )
 
@@ -135,30 +137,14 @@ def host_tier_load_back(hf: Any, model: LoadedModel) -> None:
     from kvjax.serve.host_tier import HostTierExtension
     from kvjax.transfers.swa_transfer import SWAPageTransferEngine
 
-    sched = build_scheduler(
-        model,
-        max_batch_size=2,
-        page_size=1,
-        max_total_tokens=64,
-        max_running_requests=8,
-        enable_hierarchical_cache=True,
-        hicache_ratio=8.0,
-    )
+    sched = host_tier_scheduler(model, max_batch_size=2)
     cache = sched.cache
     tree = cache.tree_cache
     assert isinstance(tree, HiSWARadixCache) and isinstance(tree.host.engine, SWAPageTransferEngine)
     swa_host_pool = cache.host_pools.get(SWA_HOST_POOL_NAME)
     assert swa_host_pool is not None and swa_host_pool.size == cache.host_pool.size
     host = next(e for e in sched.extensions if isinstance(e, HostTierExtension))
-    p = prompts()
-    done: dict[str, ServingReq] = {}
-    for names in (("a", "chat1"), ("b", "c"), ("d",)):
-        batch = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in names]
-        sched.run(batch)
-        done.update((str(r.rid), r) for r in batch)
-    chat2 = ServingReq("chat2", p["chat1"] + done["chat1"].output_ids + p["chat2_new"], max_new_tokens=MAX_NEW)
-    sched.run([chat2])
-    done["chat2"] = chat2
+    done = serve_batches_through_the_host(sched, MAX_NEW)
     tree.check_transfers(wait=True)
     assert host.loads > 0 and host.loaded_tokens > 0, "a prefix should come back from the host"
     assert any(tree.swa.is_tombstone(n) for n in tree.nodes() if n.value is not None)

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import CacheConfig, ModelSpec, build_kv_cache
+from kvjax import CacheConfig, build_kv_cache
 from kvjax.radix import HiRadixCache
 from kvjax.transfers.retraction_backup import RetractionBackup
+from tests.caches import host_tier_cache
 
 ROWS = 64  # slots written and read per user step (padded: one compiled shape)
 VOCAB = 97
@@ -81,21 +82,10 @@ class UserLoop:
         return out
 
 
-def _host_tier_cache():
-    config = CacheConfig(
-        page_size=4,
-        max_total_tokens=64,
-        max_running_requests=4,
-        context_length=64,
-        enable_hierarchical_cache=True,
-        hicache_ratio=4.0,
-        disaggregation_decode_retraction_backup="host_pool",
-    )
-    return build_kv_cache(ModelSpec.preset("tiny"), config)
-
-
 def test_a_users_loop_never_holds_a_donated_or_stale_array_through_load_back_and_restore():
-    cache = _host_tier_cache()
+    cache = host_tier_cache(
+        page_size=4, max_running_requests=4, hicache_ratio=4.0, disaggregation_decode_retraction_backup="host_pool"
+    )
     tree, alloc = cache.tree_cache, cache.allocator
     assert isinstance(tree, HiRadixCache)
     loop = UserLoop(cache)

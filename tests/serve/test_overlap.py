@@ -4,6 +4,8 @@ retraction and the host tier under overlap. The memory balance is checked after 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -37,6 +39,14 @@ def _assert_balanced(sched: Scheduler) -> None:
     assert sched.rows.available_size() + sum(r.req_pool_idx is not None for r in live) == sched.rows.size
 
 
+def _run_balanced(sched: Scheduler, batch: Sequence[ServingReq]) -> None:
+    """Submit ``batch`` and step ``sched`` until it is idle, checking the balance after every step."""
+    sched.submit(batch)
+    while not sched.idle:
+        sched.step()
+        _assert_balanced(sched)
+
+
 def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, then=(), **config) -> Scheduler:
     """Serve ``reqs``, then (once they are done) ``then``, checking the balance after every step
     and the leaks and the tree after each batch."""
@@ -50,10 +60,7 @@ def _serve(spec, params, reqs, *, overlap: bool, page_size: int = 16, then=(), *
         overlap=overlap,
     )
     for batch in (reqs, then):
-        sched.submit(batch)
-        while not sched.idle:
-            sched.step()
-            _assert_balanced(sched)
+        _run_balanced(sched, batch)
         assert sched.leak_free()
         sched.tree.sanity_check()
     return sched
@@ -187,10 +194,7 @@ def test_a_steady_decode_step_reuses_the_page_table_it_would_build(tiny, overlap
 
     builder.build = checked_build
     for batch in (reqs, then):
-        sched.submit(batch)
-        while not sched.idle:
-            sched.step()
-            _assert_balanced(sched)
+        _run_balanced(sched, batch)
     assert sched.leak_free()
     assert len(reqs[0].output_ids) <= 10 and reqs[0].output_ids[-1] in reqs[0].stop_token_ids
     # Pages of 16 tokens: most decode steps start no page and keep the table.

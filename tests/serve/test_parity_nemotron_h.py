@@ -15,10 +15,13 @@ initialisation bound ``time_step_min`` and its decode path not at all; the parit
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from kvjax.serve.checkpoint import LoadedModel
+from kvjax.serve.scheduler import ServingReq
 from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_no_near_tie,
@@ -35,10 +38,31 @@ MAX_NEW = 6
 MODEL_SEED = 0
 
 
+def nemotron_h_checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Any, LoadedModel]:
+    """``(hf, model)`` of the tiny Nemotron-H of the module docstring (weights of ``MODEL_SEED``),
+    its checkpoint saved into a new temporary directory ``name``."""
+    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
+    return tiny_checkpoint(config, tmp_path_factory, name, seed=MODEL_SEED)
+
+
+def assert_matches_full_forward(hf: Any, done: dict[str, ServingReq], *, max_new: int) -> None:
+    """Each request's ``max_new`` tokens equal Transformers' greedy ``generate`` on its prompt, and
+    its logits agree within ``LOGIT_ATOL`` with Transformers' full forward over prompt + output,
+    no step a near tie (a top-2 margin of at least ``MIN_MARGIN``)."""
+    for name, req in done.items():
+        prompt = list(req.origin_input_ids)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)[0, len(prompt) :]
+            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
+        logits = full[len(prompt) - 1 : len(prompt) - 1 + max_new]
+        assert_no_near_tie(name, logits, MIN_MARGIN)
+        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
+        np.testing.assert_allclose(np.stack(req.logits), logits, atol=LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits")
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> tuple[object, LoadedModel]:
-    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
-    return tiny_checkpoint(config, tmp_path_factory, "nemotron_h", seed=MODEL_SEED)
+    return nemotron_h_checkpoint(tmp_path_factory, "nemotron_h")
 
 
 @pytest.mark.slow  # the suite's time budget: the second CI stage runs it
@@ -46,15 +70,7 @@ def test_prefix_reuse_from_checkpoints_multi_turn_and_chunked_prefill(model):
     hf, loaded = model
     _, done = serve_recurrent(loaded, MAX_NEW, max_total_tokens=1024, max_running_requests=4, max_mamba_cache_size=32)
     assert all((done[n].first_cached_tokens or 0) >= 16 for n in ("b", "c", "d"))
-    for name, req in done.items():
-        prompt = list(req.origin_input_ids)
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
-            full = hf(torch.tensor([prompt + req.output_ids])).logits[0].numpy()
-        logits = full[len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
-        assert_no_near_tie(name, logits, MIN_MARGIN)
-        assert req.output_ids == want.tolist(), f"{name}: kvjax {req.output_ids} != transformers {want.tolist()}"
-        np.testing.assert_allclose(np.stack(req.logits), logits, atol=LOGIT_ATOL, rtol=0, err_msg=f"{name}: logits")
+    assert_matches_full_forward(hf, done, max_new=MAX_NEW)
 
 
 def test_transformers_5_block_names_and_conv_dtype_are_read():

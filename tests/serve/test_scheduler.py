@@ -3,6 +3,8 @@ and a step that updates the pool in place."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,18 +15,10 @@ from kvjax.radix import RadixCache
 from kvjax.serve.model import init_params
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.step import make_step
-from kvjax.serve.workload import Workload
+from tests.workloads import SMALL
 
-REUSE = Workload(
-    groups=2,
-    prompts_per_group=4,
-    system_tokens=80,
-    question_tokens=8,
-    chats=2,
-    turns=3,
-    turn_tokens=12,
-    output_tokens=6,
-)
+# ``SMALL`` with more reuse: 4 prompts a group over a longer system prompt, chats of 3 turns.
+REUSE = dataclasses.replace(SMALL, prompts_per_group=4, system_tokens=80, turns=3, turn_tokens=12, output_tokens=6)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
