@@ -232,6 +232,30 @@ class KVCache:
         )
 
 
+def check_placement(config: CacheConfig, mesh: Mesh | None) -> None:
+    """Refuse a ``mesh`` that does not fit ``config`` (``kvjax.mesh_check``), and the sharded
+    configurations that need one but got none (DCP; KV heads over ``attn_tp_size > 1`` ranks,
+    which without a mesh would build one rank's share of the heads on one device). Raises
+    ``ConfigError`` naming the mesh to pass; changes nothing."""
+    if mesh is not None:
+        check_mesh(MeshFacts.of(mesh), config)
+    elif config.dcp_enabled:
+        raise ConfigError(
+            "dcp_size",
+            config.dcp_size,
+            "striping each request's KV over DCP ranks needs a mesh with a 'dcp' axis: pass "
+            f"mesh=kvjax.mesh_check.make_serving_mesh({config.tp_size}, dcp_size={config.dcp_size})",
+        )
+    elif config.attn_tp_size > 1:
+        raise ConfigError(
+            "tp_size",
+            config.tp_size,
+            f"sharding the KV heads over {config.attn_tp_size} ranks needs a mesh with a 'tp' axis of that many "
+            f"devices: pass mesh=kvjax.mesh_check.make_serving_mesh({config.attn_tp_size}) (without one, only one "
+            "rank's share of the heads would be built, on one device); or build with tp_size=1",
+        )
+
+
 def build_kv_cache(
     spec: ModelSpec,
     config: CacheConfig,
@@ -258,23 +282,7 @@ def build_kv_cache(
     whose capability is not built yet, before
     allocating anything.
     """
-    if mesh is not None:  # before anything is planned or allocated
-        check_mesh(MeshFacts.of(mesh), config)
-    elif config.dcp_enabled:
-        raise ConfigError(
-            "dcp_size",
-            config.dcp_size,
-            "striping each request's KV over DCP ranks needs a mesh with a 'dcp' axis: pass "
-            f"mesh=kvjax.mesh_check.make_serving_mesh({config.tp_size}, dcp_size={config.dcp_size})",
-        )
-    elif config.attn_tp_size > 1:
-        raise ConfigError(
-            "tp_size",
-            config.tp_size,
-            f"sharding the KV heads over {config.attn_tp_size} ranks needs a mesh with a 'tp' axis of that many "
-            f"devices: pass mesh=kvjax.mesh_check.make_serving_mesh({config.attn_tp_size}) (without one, only one "
-            "rank's share of the heads would be built, on one device); or build with tp_size=1",
-        )
+    check_placement(config, mesh)  # before anything is planned or allocated
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)
@@ -348,16 +356,7 @@ def build_stage_pools(
     ``mesh``: the stage's own devices (KV heads over its ``"tp"`` axis), else the default device.
     Raises ``ConfigError`` / ``NotImplementedError`` as ``build_kv_cache`` does, before allocating.
     """
-    if mesh is not None:
-        check_mesh(MeshFacts.of(mesh), config)
-    elif config.attn_tp_size > 1:
-        raise ConfigError(
-            "tp_size",
-            config.tp_size,
-            f"sharding the KV heads over {config.attn_tp_size} ranks needs a mesh with a 'tp' axis of that many "
-            f"devices: pass mesh=kvjax.mesh_check.make_serving_mesh({config.attn_tp_size}) (without one, only one "
-            "rank's share of the heads would be built, on one device); or build with tp_size=1",
-        )
+    check_placement(config, mesh)
     devices = mesh.devices.flatten().tolist() if mesh is not None else jax.devices()[:1]
     if config.platform is None:
         config = config.replace(platform=devices[0].platform)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvjax.pools.base import check_float_input
+from kvjax.pools.input_checks import check_float_input
 
 __all__ = ["check_query"]
 

@@ -208,21 +208,6 @@ def check_slots(loc: Any, num_slots: int, *, name: str = "loc") -> None:
         )
 
 
-def check_float_input(name: str, x: Any, pool_dtype: str = "dtype") -> None:
-    """Refuse K/V (or a query) that is not floating point: a float of another width is cast to the
-    pool's dtype (bfloat16 or float16 into a float32 pool and back are fine), but integer values
-    written as KV are a caller's bug (token ids, slot ids), never silently cast.
-
-    Raises ``TypeError`` naming ``name``, its dtype and the pool's.
-    """
-    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{name} has dtype {dtype}; K/V and queries must be floating point (bfloat16, float16, float32 "
-            f"are cast to the pool's {pool_dtype}): an integer array here is not activations"
-        )
-
-
 def route_to_trash(loc: Any, num_slots: int) -> jax.Array:
     """Device-side guard: ``loc`` as int32 with every id outside ``[0, num_slots)`` set to 0 (the
     trash page, or the padding slot of a state pool)."""

@@ -36,15 +36,8 @@ from kvjax.layout.build_context import BuildContext
 from kvjax.layout.mha import MHALayout
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.pools import dtypes
-from kvjax.pools.base import (
-    PagedLayers,
-    Pool,
-    check_float_input,
-    check_slots,
-    route_to_trash,
-    static_field,
-    zeroed_layers,
-)
+from kvjax.pools.base import PagedLayers, Pool, check_slots, route_to_trash, static_field, zeroed_layers
+from kvjax.pools.input_checks import check_float_input
 from kvjax.pools.planned import planned_layers, planned_layout
 from kvjax.pools.striped import StripedOverContext
 from pallas_kernels.kv_write import write_kv
