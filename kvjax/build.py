@@ -148,7 +148,7 @@ class KVCache:
         """
         pools = self._state.pools
         first = next(iter(jax.tree_util.tree_leaves(pools)), None)
-        if first is not None and first.is_deleted():
+        if first is not None and not isinstance(first, jax.core.Tracer) and first.is_deleted():
             raise StaleDeviceStateError(
                 "cache.pools were donated into a step and not handed back: after `pools, out = step(pools, ...)` "
                 "call cache.set_pools(pools) (or keep using the pools your step returned)"
