@@ -449,8 +449,7 @@ def run_demo(
         if hicache_storage is not None:
             host["storage_prefetched_tokens"] = ext.prefetched_tokens
     return DemoReport(
-        model=DEMO_MODEL if model is None else model.name,
-        platform=warm.cache.plan.platform,
+        **_run_fields(warm, cold, warm_out, cold_out, seconds, model, group),
         requests=len(warm_out),
         prompt_tokens=stats.prompt_tokens,
         cached_tokens=stats.cached_tokens,
@@ -463,17 +462,34 @@ def run_demo(
         pool_tokens=warm.alloc.size,
         evicted_tokens=stats.evicted_tokens,
         retractions=stats.retractions,
+        tree_text=_tree_text(warm.cache.tree_cache),
+        speculative=_speculative_counters(warm),
+        **host,
+    )
+
+
+def _run_fields(
+    warm: Scheduler | LockstepDPScheduler,
+    cold: Scheduler | LockstepDPScheduler,
+    warm_out: dict,
+    cold_out: dict,
+    seconds: float,
+    model: LoadedModel | None,
+    group: ProcessGroup | None,
+) -> dict[str, Any]:
+    """The report's fields of any run: the model and platform, the cold/warm checks, the time,
+    the plan, and with ``group`` this process's place and the digests compared."""
+    return dict(
+        model=DEMO_MODEL if model is None else model.name,
+        platform=warm.cache.plan.platform,
         leak_free=warm.leak_free() and cold.leak_free(),
         cold_equals_warm=cold_out == warm_out,
         outputs_fingerprint=outputs_fingerprint(warm_out),
         seconds=round(seconds, 2),
         plan_text=str(warm.cache.plan),
-        tree_text=_tree_text(warm.cache.tree_cache),
-        speculative=_speculative_counters(warm),
         processes=1 if group is None else group.num_processes,
         process_id=0 if group is None else group.process_id,
         digest_checks=None if group is None or not group.check_agreement else group.digest_checks,
-        **host,
     )
 
 
@@ -494,8 +510,7 @@ def _dp_report(
     generated = sum(st.generated_tokens for st in ranks)
     trees = [f"rank {r}:\n{_tree_text(s.tree)}" for r, s in enumerate(warm.schedulers)]
     return DemoReport(
-        model=DEMO_MODEL if model is None else model.name,
-        platform=warm.cache.plan.platform,
+        **_run_fields(warm, cold, warm_out, cold_out, seconds, model, group),
         requests=len(routed),
         prompt_tokens=warm.prompt_tokens,
         cached_tokens=warm.cached_tokens,
@@ -508,19 +523,11 @@ def _dp_report(
         pool_tokens=sum(s.alloc.size for s in warm.schedulers),
         evicted_tokens=sum(st.evicted_tokens for st in ranks),
         retractions=sum(st.retractions for st in ranks),
-        leak_free=warm.leak_free() and cold.leak_free(),
-        cold_equals_warm=cold_out == warm_out,
-        outputs_fingerprint=outputs_fingerprint(warm_out),
-        seconds=round(seconds, 2),
-        plan_text=str(warm.cache.plan),
         tree_text="\n".join(trees),
         dp_size=warm.dp_size,
         dp_routing=routing,
         rank_requests=[routed.count(r) for r in range(warm.dp_size)],
         rank_hit_rates=[round(st.hit_rate, 4) for st in ranks],
-        processes=1 if group is None else group.num_processes,
-        process_id=0 if group is None else group.process_id,
-        digest_checks=None if group is None or not group.check_agreement else group.digest_checks,
     )
 
 
