@@ -40,7 +40,8 @@ class HostResidency(TreeState):
             self._sim_next += k
         else:
             v = values[off : off + k].copy()
-            self._full.hold(v)
+            if self._full.tracks:  # an allocator that refuses others' frees of the tree's slots
+                self._full.hold(v)
         node.value = v
         node.residency = DEVICE
         self._host_only -= 1

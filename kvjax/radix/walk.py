@@ -322,7 +322,8 @@ class TreeWalk(HostResidency):
             self._sim_next += klen
         else:
             v = values[off:n].copy()
-            self._full.hold(v)
+            if self._full.tracks:  # an allocator that refuses others' frees of the tree's slots
+                self._full.hold(v)
         self._clock += 1
         depth = node.depth + klen
         hits = 1 if depth > hit_from else 0
