@@ -650,33 +650,43 @@ class BaseTokenToKVPoolAllocator:
         """The prefix tree now holds ``slots`` (a node's device value: whole pages, in use):
         :meth:`free` and :meth:`free_segment` refuse them until the tree releases them with
         :meth:`free_from_tree`. Called by the tree, never by a request's owner."""
-        pages = self._validate_slots(as_index_array(slots, "hold_for_tree"))
+        pages = self._distinct_pages(_ids(slots, "hold_for_tree"))
         if pages.size:
-            new = ~self._tree_held.take(pages)
+            self._tree_held_pages += pages.size - int(np.count_nonzero(self._tree_held.take(pages)))
             self._tree_held[pages] = True
-            self._tree_held_pages += int(np.count_nonzero(new[self._one_of_each(pages)]))
 
     def free_from_tree(self, slots: Any, *, segment: bool = True) -> None:
         """The tree frees ``slots`` it holds (an evicted node's value, or everything at reset):
         they stop being held and are freed, as one row segment (``segment``) or a plain free.
         Atomic: when the free raises, the pages are held again and nothing changed."""
-        idx = as_index_array(slots, "free_from_tree")
+        idx = _ids(slots, "free_from_tree")
         if idx.size == 0:
             return
-        pages = self._validate_slots(idx)
-        held = self._tree_held.take(pages)
-        self._tree_held[pages] = False
-        released = int(np.count_nonzero(held[self._one_of_each(pages)]))
-        self._tree_held_pages -= released
+        pages = self._distinct_pages(idx)
+        held = pages[self._tree_held.take(pages)]
+        self._tree_held[held] = False
+        self._tree_held_pages -= held.size
         try:
             if segment:
                 self.free_segment(idx, start_pos=0)
             else:
                 self.free(idx)
         except BaseException:
-            self._tree_held[pages[held]] = True
-            self._tree_held_pages += released
+            self._tree_held[held] = True
+            self._tree_held_pages += held.size
             raise
+
+    def _distinct_pages(self, idx: np.ndarray) -> np.ndarray:
+        """The distinct pages of a tree's slot ids ``idx`` (range-checked). A tree's values are
+        whole pages in row order (page-aligned edges, each page's slots together: the tree's
+        invariants), so the first id of every ``page_size`` names each page once: O(pages), one
+        contiguous array. Input of another length takes the general O(n) path."""
+        ps = self.page_size
+        if ps > 1 and idx.size % ps == 0:
+            firsts = np.ascontiguousarray(idx[::ps])
+            return self._validate_slots(firsts) if firsts.size else firsts
+        pages = self._validate_slots(idx) if idx.size else idx
+        return pages[self._one_of_each(pages)] if pages.size > 1 else pages
 
     @property
     def tree_held_mask(self) -> np.ndarray:
@@ -858,3 +868,11 @@ class BaseTokenToKVPoolAllocator:
             f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "
             f"available={self.available_size()}, need_sort={self.need_sort})"
         )
+
+
+def _ids(ids: Any, what: str) -> np.ndarray:
+    """``ids`` as a 1-D integer array: a native int32 / int64 array as it is (the tree's node
+    values: no conversion pass), anything else through ``as_index_array``."""
+    if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype in _NATIVE_IDS:
+        return ids
+    return as_index_array(ids, what)
