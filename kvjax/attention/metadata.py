@@ -121,6 +121,7 @@ class AttentionMetadata:
         state: the rows' recurrent-state slots, or None.
         extra: the parts of kinds registered outside kvjax, by their ``FIELD`` (empty for
             kvjax's own kinds); read one with :meth:`part`.
+        checked: static: the step checks its slot and page ids inside ``jit`` (:meth:`with_checks`).
     """
 
     positions: jax.Array
@@ -133,6 +134,15 @@ class AttentionMetadata:
     swa: SWAMetadata | None = None
     state: StateMetadata | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    checked: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def with_checks(self) -> AttentionMetadata:
+        """This metadata, asking the step to check its slot and page ids inside ``jit``: run the
+        step under ``jax.experimental.checkify.checkify`` and ``err.throw()`` names an id outside
+        the pool, which a plain step routes to the trash page and drops. Off by default: a check
+        is a JAX effect, and a jitted function with one loses JAX's fast dispatch path. The flag
+        is static (part of the jit cache key), so checked and plain steps compile apart."""
+        return dataclasses.replace(self, checked=True)
 
     def with_parts(self, *parts: MetadataPart | None) -> AttentionMetadata:
         """A copy with each kind part placed at its field (``None`` parts are skipped): a

@@ -24,7 +24,7 @@ from kvjax.attention.options import AttentionOptions
 from kvjax.attention.query_checks import check_query
 from kvjax.attention.sharding import check_heads_divide, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MLAKVPool
-from kvjax.pools.base import check_slots
+from kvjax.pools.base import check_slots, check_traced_ids
 from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention
 
 __all__ = ["attend_latent", "mla_attention"]
@@ -67,6 +67,9 @@ def mla_attention(
     meta = meta.as_device_arrays()
     pool = pool.set_mla_kv_buffer(layer_id, meta.out_loc, c_kv, k_pe)
     check_slots(meta.page_indices, pool.num_pages + 1, name="page_indices (page ids)")
+    if meta.checked:
+        check_traced_ids(meta.out_loc, pool.num_slots, "out_loc (slot ids)")
+        check_traced_ids(meta.page_indices, pool.num_pages + 1, "page_indices (page ids)")
     scale = pool.scale[pool.layer_index(layer_id)]
     mesh = pool_mesh(pool, mesh)
 

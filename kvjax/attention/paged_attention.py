@@ -23,7 +23,7 @@ from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.query_checks import check_query
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads, head_axis, pool_mesh, sharded_over_heads
 from kvjax.pools import MHAKVPool
-from kvjax.pools.base import check_slots
+from kvjax.pools.base import check_slots, check_traced_ids
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 __all__ = ["paged_attention", "single_query"]
@@ -103,6 +103,9 @@ def paged_attention(
     loc = meta.out_loc if out_loc is None else jnp.asarray(out_loc)
     table = meta.page_indices if page_indices is None else jnp.asarray(page_indices)
     check_slots(table, pool.num_pages + 1, name="page_indices (page ids)")
+    if meta.checked:
+        check_traced_ids(loc, pool.num_slots, "out_loc (slot ids)")
+        check_traced_ids(table, pool.num_pages + 1, "page_indices (page ids)")
     mesh = pool_mesh(pool, mesh)
     if mesh is not None:  # heads replicated over more ranks than the model has: repeat them
         k = expand_kv_heads(k, pool.num_kv_heads, f"layer {layer_id}'s k")

@@ -111,9 +111,12 @@ def test_slots_outside_the_pool_are_refused_on_the_host_and_reported_inside_jit(
         return attend(pools, 0, q, k, v, meta)
 
     q, k, v = _qkv(tokens.shape[0])
-    err, _ = jax.jit(checkify.checkify(step))(_cache().pools, q, k, v, meta)
-    with pytest.raises(Exception, match=rf"loc: slot id {num_slots + 7} is outside \[0, {num_slots}\)"):
+    err, _ = jax.jit(checkify.checkify(step))(_cache().pools, q, k, v, meta.with_checks())
+    with pytest.raises(Exception, match=rf"out_loc \(slot ids\): id {num_slots + 7} is outside \[0, {num_slots}\)"):
         err.throw()
+    # Without with_checks the step has no effect: JAX's fast dispatch path stays.
+    assert not jax.make_jaxpr(step)(_cache().pools, q, k, v, meta).effects
+    assert jax.make_jaxpr(step)(_cache().pools, q, k, v, meta.with_checks()).effects
 
 
 def test_the_allocator_refuses_to_free_slots_the_tree_holds():
