@@ -860,8 +860,9 @@ class BaseTokenToKVPoolAllocator:
             fail(f"available {self.available_size()} + used {self.used_size()} != size {self.size}")
         if int(np.count_nonzero(self._tree_held)) != self._tree_held_pages:
             fail(f"tree-held counter {self._tree_held_pages} != pages marked {int(np.count_nonzero(self._tree_held))}")
-        if (self._tree_held & (self._is_free | self._is_pending)).any():
-            fail(f"pages held by the tree are free: {format_ids(np.flatnonzero(self._tree_held & self._is_free))}")
+        held_free = self._tree_held & (self._is_free | self._is_pending)
+        if held_free.any():
+            fail(f"pages held by the tree are free or pending: {format_ids(np.flatnonzero(held_free))}")
 
     def __repr__(self) -> str:
         return (

@@ -147,8 +147,6 @@ class MetadataBuilder:
         self.page_tables = PageTables(req_to_token_pool, page_size)
         self.max_seqs = int(max_seqs)
         self.num_slots = None if num_slots is None else int(num_slots)
-        self._rows = req_to_token_pool
-        self._page_size = int(page_size)
 
     @classmethod
     def for_cache(cls, cache: Any, max_seqs: int) -> MetadataBuilder:
@@ -216,13 +214,14 @@ class MetadataBuilder:
             raise InvalidSlotError(
                 f"{slots.size} slots for {new.tolist()} new tokens (seq_lens - starts): give one slot per new token"
             )
-        outside = (slots < self._page_size) | (slots >= self.num_slots)
+        page_size = self.page_tables.page_size
+        outside = (slots < page_size) | (slots >= self.num_slots)
         if outside.any():
             raise InvalidSlotError(
-                f"slot ids {slots[outside][:8].tolist()} are outside [{self._page_size}, {self.num_slots}) (page 0 is "
+                f"slot ids {slots[outside][:8].tolist()} are outside [{page_size}, {self.num_slots}) (page 0 is "
                 "the trash page): pass slots the cache's allocator handed out"
             )
-        table = self._rows.req_to_token
+        table = self.page_tables.rows.req_to_token
         bad_rows = (rows < 0) | (rows >= table.shape[0])
         if bad_rows.any():
             raise InvalidSlotError(f"rows {rows[bad_rows].tolist()} are not rows of the request table")

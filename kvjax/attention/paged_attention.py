@@ -77,7 +77,7 @@ def paged_attention(
         tokens' outputs are 0.
     """
     q = single_query(q, layer_id)
-    check_query("q", q, layer_id, pool.head_dim, tokens=k.shape[0] if hasattr(k, "shape") else None)
+    check_query("q", q, layer_id, pool.head_dim, tokens=k.shape[0])
     if q.shape[1] % max(k.shape[1], 1):
         raise ValueError(
             f"layer {layer_id}: q has {q.shape[1]} heads and k {k.shape[1]}; the query heads must be a multiple "

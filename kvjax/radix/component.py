@@ -259,9 +259,10 @@ class FullKVComponent(TreeComponent):
         self.tracks = allocator is not None and hasattr(allocator, "hold_for_tree")
 
     def hold(self, value: np.ndarray) -> None:
-        """A node's device slots became the tree's (an insert's new leaf, a revived node)."""
-        if self.tracks and value.size:
-            cast(Any, self.allocator).hold_for_tree(value)
+        """A node's device slots became the tree's (an insert's new leaf, a revived node). Only
+        where :attr:`tracks` (the callers test it first: the insert's hot path pays no call
+        otherwise)."""
+        cast(Any, self.allocator).hold_for_tree(value)
 
     def free(self, value: np.ndarray | None) -> None:
         """Free one node's device slots as one row segment (no-op without an allocator or for

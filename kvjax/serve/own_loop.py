@@ -317,13 +317,9 @@ class OwnLoop:
     def leak_free(self) -> bool:
         """Every slot is free or owned (``owners``): allocated slots equal the owned ones."""
         alloc = self.allocator
-        owned = len(self.owners())
-        used = alloc.size - alloc.available_size()
         ps = int(alloc.page_size)
-        if ps == 1:
-            return used == owned
-        pages = {s // ps for s in self.owners()}
-        return used == len(pages) * ps
+        owned_pages = {s // ps for s in self.owners()}  # a request's last page may be partly owned
+        return alloc.size - alloc.available_size() == len(owned_pages) * ps
 
     # --- internals ------------------------------------------------------------------------------
 
