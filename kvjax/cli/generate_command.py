@@ -1,9 +1,13 @@
-"""``python -m kvjax generate``: greedy generation from a checkpoint directory or a small preset.
+"""``python -m kvjax generate``: greedy generation from a checkpoint directory, a GGUF file (or an
+installed GGUF model such as ``smollm2``) or a small preset.
 
-Prompts are given as token ids (``--prompt-ids 1,2,3``) or, when the directory has a
-``tokenizer.json``, as text (``--prompt TEXT``); repeat either flag for several prompts, served as
-one workload on one cache in the order given (later prompts reuse earlier prefixes). ``--json``
-prints ``{"outputs": [[ids per prompt], ...], "cached_tokens": n, "prompt_tokens": n}``.
+Prompts are given as token ids (``--prompt-ids 1,2,3``) or, when the model has a tokenizer
+(``tokenizer.json``, or a GGUF file's own), as text (``--prompt TEXT``); repeat either flag for
+several prompts, served as one workload on one cache in the order given (later prompts reuse
+earlier prefixes). ``--chat`` applies the model's chat template to each text prompt (one user
+turn, the assistant's turn opened). Text is streamed as it is generated, prompt by prompt
+(``kvjax.cli.text_stream``). ``--json`` prints ``{"outputs": [[ids per prompt], ...],
+"cached_tokens": n, "prompt_tokens": n}`` (and ``"texts"`` with a tokenizer) at the end instead.
 
 Bad input (a missing directory, no ``config.json`` or weights, a family kvjax cannot serve, a
 missing or mis-shaped tensor, ``--prompt`` without a tokenizer, ids outside the vocabulary, a
@@ -16,14 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from kvjax.cli import serving_args
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
+from kvjax.cli.text_stream import PromptTextStream
 from kvjax.errors import ConfigError
+from kvjax.text import TextTokenizer, text_tokenizer
 
 OPTION_FLAGS = {
     **serving_args.SERVING_FLAGS,
@@ -50,7 +55,11 @@ class _AppendPrompt(argparse.Action):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``generate`` sub-command."""
     gen = sub.add_parser("generate", help="greedy generation through the whole stack (plan, build, radix cache)")
-    gen.add_argument("--model", required=True, help="a Hugging Face checkpoint directory, or a preset such as tiny")
+    gen.add_argument(
+        "--model",
+        required=True,
+        help="a Hugging Face checkpoint directory, a .gguf file, an installed GGUF model (smollm2), or a preset (tiny)",
+    )
     gen.add_argument(
         "--prompt-ids", action=_AppendPrompt, const="ids", dest="prompts", metavar="IDS", help="comma-separated ids"
     )
@@ -60,7 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         const="text",
         dest="prompts",
         metavar="TEXT",
-        help="text (needs tokenizer.json)",
+        help="text (needs the model's tokenizer)",
+    )
+    gen.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to each --prompt (one user turn)"
     )
     gen.add_argument("--max-new-tokens", type=positive_int, default=16)
     gen.add_argument("--max-batch-size", type=positive_int, default=16, help="requests decoded together")
@@ -92,32 +104,42 @@ def parse_ids(text: str, index: int, vocab_size: int | None = None) -> list[int]
     return ids
 
 
-def _tokenizer_file(model: str) -> Path | None:
-    path = Path(model) / "tokenizer.json"
-    return path if path.is_file() else None
-
-
-def run(args: argparse.Namespace) -> int:
+def _prompt_ids(args: argparse.Namespace, spec_vocab: int, tokenizer: TextTokenizer | None) -> list[list[int]]:
+    """Every prompt's ids, in command-line order: ``--prompt-ids`` parsed, ``--prompt`` encoded
+    (under the chat template with ``--chat``). `UsageError` for text without a tokenizer, and for
+    ``--chat`` with only ids or without a template."""
     raw_prompts: list[tuple[str, str]] = args.prompts or []
     if not raw_prompts:
         raise UsageError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
-    spec = model_spec(args.model)
-    tokenizer_file = _tokenizer_file(args.model)
-    if any(kind == "text" for kind, _ in raw_prompts) and tokenizer_file is None:
-        text = next(text for kind, text in raw_prompts if kind == "text")
+    texts = [text for kind, text in raw_prompts if kind == "text"]
+    if texts and tokenizer is None:
         raise UsageError(
-            f"--prompt {text[:40]!r}: {args.model} has no tokenizer.json; pass token ids with --prompt-ids, "
-            "or add the model's tokenizer.json to the directory"
+            f"--prompt {texts[0][:40]!r}: {args.model} has no tokenizer.json; pass token ids with "
+            "--prompt-ids, or add the model's tokenizer.json to the directory"
         )
-    tokenizer = None
-    if tokenizer_file is not None:
-        from tokenizers import Tokenizer
+    if args.chat and (not texts or tokenizer is None or tokenizer.chat_template is None):
+        why = "applies to --prompt TEXT" if not texts else f"needs a chat template, and {args.model} has none"
+        raise UsageError(f"--chat {why}; drop --chat or pass a model with a chat template")
+    prompts = []
+    for i, (kind, text) in enumerate(raw_prompts):
+        if kind == "ids":
+            prompts.append(parse_ids(text, i + 1, spec_vocab))
+        elif args.chat:
+            prompts.append(tokenizer.encode_chat(text))  # type: ignore[union-attr]
+        else:
+            prompts.append(tokenizer.encode(text))  # type: ignore[union-attr]
+    return prompts
 
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    prompts = [
-        parse_ids(text, i + 1, spec.vocab_size) if kind == "ids" else tokenizer.encode(text).ids  # type: ignore[union-attr]
-        for i, (kind, text) in enumerate(raw_prompts)
-    ]
+
+def run(args: argparse.Namespace) -> int:
+    spec = model_spec(args.model)
+    try:
+        tokenizer = text_tokenizer(args.model)
+    except ConfigError:
+        if any(kind == "text" for kind, _ in args.prompts or []):
+            raise
+        tokenizer = None  # ids in, ids out: a tokenizer kvjax cannot build is not needed
+    prompts = _prompt_ids(args, spec.vocab_size, tokenizer)
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
     speculative = serving_args.speculative_options(args, spec.vocab_size)
     dp_attention = bool(serving_args.dp_attention_config(args))
@@ -129,10 +151,12 @@ def run(args: argparse.Namespace) -> int:
     if speculative:
         speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
     options = serving_args.cache_options(args)
+    stream = None if args.json or tokenizer is None else PromptTextStream(tokenizer, [len(p) for p in prompts])
     common = dict(
         max_new_tokens=args.max_new_tokens,
         max_batch_size=args.max_batch_size,
         stop_token_ids=() if args.ignore_eos else None,
+        on_step=stream,
     )
     try:
         if dp_attention:
@@ -146,12 +170,16 @@ def run(args: argparse.Namespace) -> int:
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None
     if args.json:
-        print(json.dumps(result.to_dict()))
-        return 0
-    for i, (prompt, output) in enumerate(zip(prompts, result.outputs, strict=True)):
-        print(f"prompt {i + 1}: {len(prompt)} tokens -> {len(output)} generated: {output}")
+        report = result.to_dict()
         if tokenizer is not None:
-            print(f"  text: {tokenizer.decode(output)!r}")
+            report["texts"] = [tokenizer.decode(output) for output in result.outputs]
+        print(json.dumps(report))
+        return 0
+    if stream is not None:
+        stream.finish(result.outputs)
+    else:
+        for i, (prompt, output) in enumerate(zip(prompts, result.outputs, strict=True)):
+            print(f"prompt {i + 1}: {len(prompt)} tokens -> {len(output)} generated: {output}")
     hit = result.cached_tokens / result.prompt_tokens if result.prompt_tokens else 0.0
     print(f"cached tokens {result.cached_tokens} of {result.prompt_tokens} prompt tokens ({hit:.1%})")
     if result.speculative is not None:

@@ -1,4 +1,5 @@
-"""``--model`` of ``demo`` and ``generate``: a checkpoint directory or a preset, read without jax."""
+"""``--model`` of ``demo`` and ``generate``: a checkpoint directory, a GGUF file (or an installed
+GGUF model's name, such as ``smollm2``) or a preset, read without jax."""
 
 from __future__ import annotations
 
@@ -7,13 +8,22 @@ from pathlib import Path
 from kvjax.cli.messages import UsageError
 from kvjax.spec import ModelSpec
 
-_WHAT = "pass a checkpoint directory (config.json and *.safetensors) or a preset such as tiny"
+_WHAT = "pass a checkpoint directory (config.json and *.safetensors), a .gguf file or a preset such as tiny"
 
 
 def model_spec(model: str) -> ModelSpec:
     """The `ModelSpec` of ``--model``: a directory's ``config.json``, or a preset. A `UsageError`
     says whether the directory is missing, is a file or has no ``config.json``, before jax is
-    imported or a weight is read."""
+    imported or a weight is read. A GGUF file's spec comes from its metadata (``kvjax.gguf``)."""
+    from kvjax.gguf.locate import gguf_path
+
+    gguf = gguf_path(model)  # a ConfigError for an uninstalled model package or several files
+    if gguf is not None:
+        from kvjax.gguf.config import hf_config
+        from kvjax.gguf.locate import model_name
+        from kvjax.gguf.reader import read_gguf
+
+        return ModelSpec.from_hf_config(hf_config(read_gguf(gguf)), name=model_name(gguf))
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():

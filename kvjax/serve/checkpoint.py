@@ -25,7 +25,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -146,11 +146,11 @@ def _weight_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def _stop_token_ids(path: Path, config: Mapping[str, Any]) -> tuple[int, ...]:
+def _stop_token_ids(path: Path | None, config: Mapping[str, Any]) -> tuple[int, ...]:
     ids: list[int] = []
     sources = [config]
-    gen = path / "generation_config.json"
-    if gen.is_file():
+    gen = None if path is None else path / "generation_config.json"
+    if gen is not None and gen.is_file():
         with contextlib.suppress(OSError, json.JSONDecodeError):  # an unreadable one adds nothing
             sources.append(json.loads(gen.read_text()))
     for source in sources:
@@ -161,70 +161,128 @@ def _stop_token_ids(path: Path, config: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+class TensorSource(Protocol):
+    """Where a checkpoint's tensors come from, by Hugging Face name: safetensors files
+    (`SafetensorsTensors`) or a GGUF file (``kvjax.gguf.tensors.GGUFTensors``). ``shape`` reads no
+    data; ``get`` returns the tensor as stored (or, for GGUF, dequantised to float32)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+class SafetensorsTensors:
+    """The tensors of a directory's ``*.safetensors`` files (``_weight_files``), each file opened
+    once while the source is used as a context manager."""
+
+    def __init__(self, path: Path) -> None:
+        self.files = _weight_files(path)
+        self._safe_open = _safe_open()
+        self._stack = contextlib.ExitStack()
+        self._open: dict[Path, Any] = {}
+
+    def __enter__(self) -> SafetensorsTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def _file(self, name: str) -> Any:
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(self._safe_open(str(file), framework="np"))
+        return self._open[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file(name).get_tensor(name)
+
+
 def load_checkpoint(directory: str | Path, *, dtype: str | None = None) -> LoadedModel:
-    """Read ``directory`` (see the module docstring) into a `LoadedModel`.
+    """Read ``directory`` (see the module docstring) into a `LoadedModel`; a GGUF file, or a
+    directory holding one, is read through ``kvjax.gguf`` (`load_gguf`).
 
     ``dtype``: serve in this dtype (``float32``, ``bfloat16``, ``float16``) instead of the
     checkpoint's. Raises `ConfigError` (nothing is kept) for a missing ``config.json`` or weights,
     a family kvjax cannot serve, and a missing or mis-shaped tensor.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, f"use one of {list(DTYPES)}")
+    from kvjax.gguf.locate import gguf_path
+
+    gguf = gguf_path(directory)
+    if gguf is not None:
+        return load_gguf(gguf, dtype=dtype)
     path, raw = read_config(directory)
-    spec = ModelSpec.from_hf_config(raw, name=path.name)
-    if dtype is not None:
-        spec = dataclasses.replace(spec, dtype=dtype)
-    config = model_config_from_spec(spec)
-    files = _weight_files(path)
-    safe_open = _safe_open()
-
-    expected = dict(_flatten(param_shapes(config)))
-    by_file: dict[Path, list[tuple[str, ...]]] = {}
-    for param_path, want in expected.items():
-        name = param_name(param_path)
-        if name not in files:
-            raise ConfigError(
-                "tensor",
-                name,
-                f"missing from {path} (expected shape {tuple(want.shape)}); the weights do not match config.json",
-            )
-        by_file.setdefault(files[name], []).append(param_path)
-
-    # Check every shape before reading any data.
-    for file, paths in by_file.items():
-        with safe_open(str(file), framework="np") as f:
-            for param_path in paths:
-                name = param_name(param_path)
-                got = tuple(f.get_slice(name).get_shape())
-                want = tuple(expected[param_path].shape)
-                if got != want:
-                    raise ConfigError(
-                        "tensor",
-                        name,
-                        f"has shape {got} in {file.name} but config.json implies {want}; "
-                        "the weights do not match config.json",
-                    )
-
-    target = jnp.dtype(config.dtype)
-    params: dict[str, Any] = {}
-    fingerprint = WeightsHasher(raw, config.dtype)
-    for file, paths in by_file.items():
-        with safe_open(str(file), framework="np") as f:
-            for param_path in paths:
-                name = param_name(param_path)
-                tensor = f.get_tensor(name)
-                fingerprint.add(name, tensor)
-                _set(params, param_path, jnp.asarray(tensor, dtype=target))
+    with SafetensorsTensors(path) as tensors:
+        model = _load(raw, path.name, tensors, where=str(path), config_name="config.json", dtype=dtype)
     tokenizer = path / "tokenizer.json"
-    return LoadedModel(
-        name=path.name,
-        spec=spec,
-        config=config,
-        params=params,
-        fingerprint=fingerprint.hexdigest(),
+    return dataclasses.replace(
+        model,
         stop_token_ids=_stop_token_ids(path, raw),
         tokenizer_file=tokenizer if tokenizer.is_file() else None,
     )
+
+
+def load_gguf(file: str | Path, *, dtype: str | None = None) -> LoadedModel:
+    """Read a GGUF file (``kvjax.gguf``: config from its metadata, tensors dequantised to float32)
+    into a `LoadedModel`, served in float32 unless ``dtype`` says otherwise. `ConfigError` as
+    `load_checkpoint`, and for an architecture, tensor type or tensor name kvjax does not read."""
+    from kvjax.gguf.config import hf_config
+    from kvjax.gguf.locate import model_name
+    from kvjax.gguf.reader import read_gguf
+    from kvjax.gguf.tensors import GGUFTensors
+
+    parsed = read_gguf(file)
+    raw = hf_config(parsed)
+    family(raw["model_type"])
+    tensors = GGUFTensors(parsed, heads=raw["num_attention_heads"], kv_heads=raw["num_key_value_heads"])
+    model = _load(raw, model_name(parsed.path), tensors, where=str(file), config_name="its metadata", dtype=dtype)
+    return dataclasses.replace(model, stop_token_ids=_stop_token_ids(None, raw))
+
+
+def _load(
+    raw: dict[str, Any], name: str, tensors: TensorSource, *, where: str, config_name: str, dtype: str | None
+) -> LoadedModel:
+    """The model of config ``raw`` with every expected tensor from ``tensors``: all names and
+    shapes are checked before any data is read."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, f"use one of {list(DTYPES)}")
+    spec = ModelSpec.from_hf_config(raw, name=name)
+    if dtype is not None:
+        spec = dataclasses.replace(spec, dtype=dtype)
+    config = model_config_from_spec(spec)
+    expected = dict(_flatten(param_shapes(config)))
+    for param_path, want in expected.items():
+        tensor_name = param_name(param_path)
+        if tensor_name not in tensors:
+            raise ConfigError(
+                "tensor",
+                tensor_name,
+                f"missing from {where} (expected shape {tuple(want.shape)}); the weights do not match {config_name}",
+            )
+        got, shape = tensors.shape(tensor_name), tuple(want.shape)
+        if got != shape:
+            raise ConfigError(
+                "tensor",
+                tensor_name,
+                f"has shape {got} in {where} but {config_name} implies {shape}; the weights do not match {config_name}",
+            )
+    target = jnp.dtype(config.dtype)
+    params: dict[str, Any] = {}
+    fingerprint = WeightsHasher(raw, config.dtype)
+    for param_path in expected:
+        tensor_name = param_name(param_path)
+        tensor = tensors.get(tensor_name)
+        fingerprint.add(tensor_name, tensor)
+        _set(params, param_path, jnp.asarray(tensor, dtype=target))
+    return LoadedModel(name=name, spec=spec, config=config, params=params, fingerprint=fingerprint.hexdigest())
 
 
 def save_checkpoint(directory: str | Path, spec: ModelSpec, params: Params) -> Path:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
-from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
+from kvjax.serve.checkpoint import LoadedModel, load_checkpoint, load_gguf
 from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
@@ -32,6 +32,10 @@ from kvjax.spec import ModelSpec
 if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.dp.lockstep import LockstepDPScheduler
+
+#: Called after every scheduling step with every request of the workload (prompt order): how
+#: ``generate`` streams (``ServingReq.output_ids`` holds the tokens so far, ``finished`` says done).
+StepCallback = Callable[[Sequence[ServingReq]], None]
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint
 CONTEXT_ROUNDING = 64  # context (and so the page table) rounded up to this many tokens: fewer compiles
@@ -53,16 +57,22 @@ class GenerateResult:
 
 
 def resolve_model(model: str, *, dtype: str | None = None) -> LoadedModel:
-    """A checkpoint directory, or a preset name (random weights from seed 0, small presets only)."""
+    """A checkpoint directory, a GGUF file (or an installed GGUF model's name, ``kvjax.gguf.locate``),
+    or a preset name (random weights from seed 0, small presets only)."""
+    from kvjax.gguf.locate import INSTALLED_MODELS, gguf_path
+
     path = Path(model)
+    gguf = gguf_path(model)
+    if gguf is not None:
+        return load_gguf(gguf, dtype=dtype)
     if path.is_dir():
         return load_checkpoint(path, dtype=dtype)
     if model not in ModelSpec.presets():
         raise ConfigError(
             "model",
             model,
-            f"is neither a checkpoint directory nor a preset; pass a directory with config.json and "
-            f"*.safetensors, or one of {list(ModelSpec.presets())}",
+            f"is neither a checkpoint directory, a GGUF file nor a preset; pass a directory with config.json and "
+            f"*.safetensors, a .gguf file, or one of {[*ModelSpec.presets(), *INSTALLED_MODELS]}",
         )
     spec = ModelSpec.preset(model)
     if dtype is not None:
@@ -135,6 +145,7 @@ def generate(
     speculative_num_steps: int = 3,
     dcp_size: int = 1,
     pp_size: int = 1,
+    on_step: StepCallback | None = None,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -148,7 +159,8 @@ def generate(
     ``draft``: decode speculatively with this STANDALONE draft model, ``speculative_num_steps``
     tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``). ``pp_size`` above 1:
     the layers split into that many pipeline stages of ``tp_size`` local devices each, two
-    micro-batches a step (``kvjax.serve.pipeline_stepping``).
+    micro-batches a step (``kvjax.serve.pipeline_stepping``). ``on_step``: called after every
+    step with every request (`StepCallback`; the command line streams text through it).
     Returns the result and the scheduler (its cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
@@ -183,7 +195,7 @@ def generate(
             model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options
         )
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
-    _serve_in_order(scheduler, reqs, lambda req: scheduler)
+    _serve_in_order(scheduler, reqs, lambda req: scheduler, on_step)
     return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
 
 
@@ -218,6 +230,7 @@ def generate_dp(
     stop_token_ids: Sequence[int] | None = None,
     record_logits: bool = False,
     overlap: bool = True,
+    on_step: StepCallback | None = None,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
@@ -225,7 +238,8 @@ def generate_dp(
     ``max_total_tokens`` (default: room for every prompt); every prompt is routed by
     ``dp_routing`` (``kvjax.serve.dp_router``) when the one before it has been prefilled, and
     every round runs one device step for all ranks (``LockstepDPScheduler``, with overlap
-    scheduling unless ``overlap`` is False). The result's counts and ``stats`` are totals over the ranks.
+    scheduling unless ``overlap`` is False; ``on_step`` as ``generate``'s). The result's counts
+    and ``stats`` are totals over the ranks.
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
     ``tp_size`` and ``tp_size`` when there are fewer local devices; nothing is built then.
@@ -252,7 +266,7 @@ def generate_dp(
         overlap=overlap,
     )
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
-    _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]])
+    _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]], on_step)
     return _result(reqs, _summed([s.stats for s in front.schedulers])), front
 
 
@@ -276,17 +290,29 @@ def _requests(
     return [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
 
 
-def _serve_in_order(front: _Front, reqs: list[ServingReq], scheduler_of: Callable[[ServingReq], Scheduler]) -> None:
+def _serve_in_order(
+    front: _Front,
+    reqs: list[ServingReq],
+    scheduler_of: Callable[[ServingReq], Scheduler],
+    on_step: StepCallback | None = None,
+) -> None:
     """Submit the requests one at a time, each once the one before it is prefilled (no longer
     waiting nor the chunked request of ``scheduler_of(req)``, the scheduler it went to), so each
-    sees the tree its predecessors left; then step ``front`` until it is idle."""
+    sees the tree its predecessors left; then step ``front`` until it is idle. ``on_step`` sees
+    every request after every step (their ``output_ids`` so far)."""
+
+    def step() -> None:
+        front.step()
+        if on_step is not None:
+            on_step(reqs)
+
     for req in reqs:
         front.submit([req])
         scheduler = scheduler_of(req)
         while scheduler.waiting or scheduler.chunked is not None:
-            front.step()
+            step()
     while not front.idle:
-        front.step()
+        step()
 
 
 def _checked_prompts(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
