@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "kvjax.multihost",  # the channel, the process group, the agreement
         ],
     ),
-    ("model", ["kvjax.hf", "kvjax.spec", "kvjax.hf_config", "kvjax.presets"]),
+    ("model", ["kvjax.hf", "kvjax.spec", "kvjax.hf_config", "kvjax.presets", "kvjax.gguf", "kvjax.text"]),
     ("records", ["kvjax.kinds", "kvjax.layout"]),
     ("plan", ["kvjax.plan", "kvjax.pipeline_check"]),
     ("host", ["kvjax.alloc", "kvjax.req_pool", "kvjax.hybrid_req_pool", "kvjax.radix", "kvjax.tiers"]),
