@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("host", ["kvjax.alloc", "kvjax.req_pool", "kvjax.hybrid_req_pool", "kvjax.radix", "kvjax.tiers"]),
     ("device", ["kvjax.pools", "kvjax.device_updates", "kvjax.device_state", "kvjax.attention", "kvjax.transfers"]),
     ("build", ["kvjax.build"]),
-    ("serving", ["kvjax.serve", "kvjax.dp"]),
+    ("serving", ["kvjax.serve", "kvjax.dp", "kvjax.replay"]),  # replay: trees + the DP router, host-only
     ("app", ["kvjax", "kvjax.__main__", "kvjax.cli", "kvjax.demo", "kvjax.demo_config"]),
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
@@ -327,6 +327,8 @@ JAX_FREE_MODULES = [
     "kvjax.cli",
     "kvjax.cli.demo_command",
     "kvjax.cli.generate_command",
+    "kvjax.replay",
+    "kvjax.cli.replay_command",
     "kvjax.demo_config",
     "kvjax.pipeline_check",
 ]

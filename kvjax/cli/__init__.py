@@ -31,12 +31,14 @@ COMMANDS: dict[str, ModuleType | str] = {
     "demo": "kvjax.cli.demo_command",
     "generate": "kvjax.cli.generate_command",
     "launch": "kvjax.cli.launch_command",
+    "replay": "kvjax.cli.replay_command",
 }
 _SUMMARIES = {
     "plan": "plan a KV cache: tokens that fit, per-pool bytes, decisions",
     "demo": "serve a reuse-heavy workload with the tiny model, cold and warm",
     "generate": "greedy generation with a model directory or preset",
     "launch": "run a command as N local processes of one jax.distributed run",
+    "replay": "replay a request trace through the radix tree (no device), against the offline optimum",
 }
 # What `python -m kvjax --help` says: for users, not about this module.
 _DESCRIPTION = """\
