@@ -59,7 +59,7 @@ class ReplayRank:
         capacity_tokens: device KV slots (rounded down to whole pages).
         page_size: tokens per page (>= 1).
         eviction_policy: a policy name of ``kvjax.radix.eviction`` or a policy object.
-        host_capacity_tokens: host tier slots; 0: no host tier.
+        host_capacity_tokens: host tier slots (rounded down to whole pages); 0: no host tier.
         max_request_tokens: the longest prompt + output the trace holds (the request row's width).
 
     Attributes:
@@ -85,7 +85,7 @@ class ReplayRank:
             self.tree = HiRadixCache(
                 page_size,
                 eviction_policy,  # type: ignore[arg-type]  # a policy object is accepted as by RadixCache
-                host_pool_tokens=host_capacity_tokens,
+                host_pool_tokens=host_capacity_tokens - host_capacity_tokens % page_size,
                 copy_engine=self.engine,
                 token_to_kv_pool_allocator=self.allocator,
                 req_to_token_pool=self.req_pool,

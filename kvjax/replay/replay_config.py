@@ -44,7 +44,8 @@ class ReplayConfig:
         capacity_tokens: device KV slots per rank (>= page_size; rounded down to whole pages).
         page_size: tokens per page (>= 1).
         eviction_policy: one of `POLICIES`.
-        host_capacity_tokens: host tier slots per rank (0: no host tier; else >= page_size).
+        host_capacity_tokens: host tier slots per rank (0: no host tier; else >= page_size;
+            rounded down to whole pages).
         dp_size: DP ranks, each with its own tree and allocator (>= 1).
         dp_routing: ``"cache_aware"`` or ``"round_robin"`` (``kvjax.serve.dp_router``).
         dp_load_window_ms: a request counts in its rank's load (its prompt + output tokens) for

@@ -74,7 +74,7 @@ def replay_trace(
         policy=config.eviction_policy,
         page_size=config.page_size,
         capacity_tokens=ranks[0].allocator.size,
-        host_capacity_tokens=config.host_capacity_tokens,
+        host_capacity_tokens=config.host_capacity_tokens - config.host_capacity_tokens % config.page_size,
         dp_size=config.dp_size,
         dp_routing=config.dp_routing if config.dp_size > 1 else None,
         per_rank_requests=[0] * config.dp_size,
