@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.errors import ConfigError
-from kvjax.replay.mooncake import parse_json_line, whole_number
+from kvjax.replay.mooncake import arrival_ms, json_records, whole_number
 from kvjax.replay.trace import Trace, TraceRequest
 
 __all__ = ["read_token_trace"]
@@ -42,29 +42,21 @@ def read_token_trace(path: str | Path, limit: int | None = None) -> Trace:
     name = str(path)
     prefix_ids: dict[tuple[int, int], int] = {}  # (parent prefix id, token) -> prefix id; root: -1
     requests: list[tuple[float, int, TraceRequest]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            record = parse_json_line(name, lineno, line)
-            timestamp = record.get("timestamp", float(len(requests)))
-            if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
-                raise ConfigError("trace", name, f"line {lineno}: 'timestamp' is {timestamp!r}; use ms >= 0")
-            tokens = record.get("input_ids")
-            if (
-                not isinstance(tokens, list)
-                or not tokens
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
-            ):
-                raise ConfigError("trace", name, f"line {lineno}: 'input_ids' must be a non-empty list of integers")
-            output_length = whole_number(record, "output_length", name, lineno)
-            ids = np.empty(len(tokens), dtype=np.int64)
-            parent = -1
-            for i, token in enumerate(tokens):
-                parent = prefix_ids.setdefault((parent, token), len(prefix_ids))
-                ids[i] = parent
-            requests.append((float(timestamp), lineno, TraceRequest(float(timestamp), ids, len(tokens), output_length)))
+    for lineno, record in json_records(path, limit):
+        timestamp = arrival_ms(record, name, lineno, default=float(len(requests)))
+        tokens = record.get("input_ids")
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+        ):
+            raise ConfigError("trace", name, f"line {lineno}: 'input_ids' must be a non-empty list of integers")
+        output_length = whole_number(record, "output_length", name, lineno)
+        ids = np.empty(len(tokens), dtype=np.int64)
+        parent = -1
+        for i, token in enumerate(tokens):
+            parent = prefix_ids.setdefault((parent, token), len(prefix_ids))
+            ids[i] = parent
+        requests.append((float(timestamp), lineno, TraceRequest(float(timestamp), ids, len(tokens), output_length)))
     requests.sort(key=lambda item: (item[0], item[1]))
     return Trace([r for _, _, r in requests], 1, name)
