@@ -1,4 +1,4 @@
-"""The command line: ``python -m kvjax plan|demo|generate``.
+"""The command line: ``python -m kvjax plan|demo|generate|launch|replay``.
 
 Each sub-command is one module with ``add_parser(subparsers)``, ``option_flags(args)`` (which
 flag sets which ``CacheConfig`` option, for error messages) and ``run(args) -> exit code``. Only

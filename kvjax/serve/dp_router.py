@@ -62,10 +62,10 @@ __all__ = [
 RoutingPolicy = Literal["round_robin", "cache_aware"]
 ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "cache_aware")
 DEFAULT_MAX_LOAD_GAP_TOKENS = 4096
-DEFAULT_ROUTED_TOKENS = 1 << 16
-"""Default size of the router's record of routed prompts, per rank (tokens)."""
 """Default overload margin: a rank holding more than this many tokens above the least loaded
 rank is skipped by cache-aware routing (about one long prompt of work)."""
+DEFAULT_ROUTED_TOKENS = 1 << 16
+"""Default size of the router's record of routed prompts, per rank (tokens)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,7 @@ LLAMA = dict(
     pad_token_id=None,
 )
 QWEN3 = dict(LLAMA, model_type="qwen3", tie_word_embeddings=True)
+QWEN2 = dict(LLAMA, model_type="qwen2", use_sliding_window=False)
 
 
 def _random_weights(config: dict) -> dict[str, np.ndarray]:
@@ -77,16 +78,21 @@ def test_every_supported_type_reads_exactly_as_transformers_reads_it(tensor_type
             np.testing.assert_array_equal(value, llama_weights[name], err_msg=name)
 
 
-def test_a_qwen3_file_keeps_its_rows_and_ties_its_head(tmp_path):
-    weights = _random_weights(QWEN3)
-    file = write_gguf(tmp_path / "qwen3.gguf", QWEN3, weights)
+@pytest.mark.parametrize(
+    ("config", "own_tensor"),
+    [(QWEN3, "model.layers.0.self_attn.q_norm.weight"), (QWEN2, "model.layers.0.self_attn.q_proj.bias")],
+    ids=["qwen3", "qwen2"],
+)
+def test_qwen_files_keep_their_rows_norms_and_biases(config, own_tensor, tmp_path):
+    weights = _random_weights(config)
+    file = write_gguf(tmp_path / f"{config['model_type']}.gguf", config, weights)
     parsed = read_gguf(file)
-    config = hf_config(parsed)
-    assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
-    assert "output.weight" not in parsed.tensors
+    hf = hf_config(parsed)
+    assert hf["model_type"] == config["model_type"] and hf["tie_word_embeddings"] is config["tie_word_embeddings"]
+    assert ("output.weight" in parsed.tensors) is not config["tie_word_embeddings"]
     ours = _params(load_gguf(file))
-    assert "model.layers.0.self_attn.q_norm.weight" in ours
-    for name, value in ours.items():
+    assert own_tensor in ours
+    for name, value in ours.items():  # no permutation outside llama files
         np.testing.assert_array_equal(value, weights[name], err_msg=name)
 
 
