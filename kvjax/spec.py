@@ -191,6 +191,10 @@ class ModelSpec:
             raise ConfigError(
                 "model", str(path), f"not valid JSON (line {e.lineno}: {e.msg}); pass a Hugging Face config.json"
             ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                "model", str(path), "not a text file; pass a Hugging Face config.json or a .gguf file"
+            ) from None
         if not isinstance(config, dict):
             raise ConfigError("model", str(path), "the file holds no JSON object; pass a Hugging Face config.json")
         stem = path.parent.name if path.name == "config.json" else path.stem
@@ -219,14 +223,27 @@ class ModelSpec:
 
     @classmethod
     def resolve(cls, model: str) -> ModelSpec:
-        """A preset name or a path to a ``config.json`` (what the command line accepts)."""
+        """A preset name, a path to a ``config.json``, or a GGUF model (a ``.gguf`` file, a directory
+        holding one, an installed model's name: ``kvjax.gguf.locate``; its metadata read, no
+        tensor): what the command line accepts."""
+        from kvjax.gguf.locate import gguf_path
+
         if model in cls.presets():
             return cls.preset(model)
+        gguf = gguf_path(model)
+        if gguf is not None:
+            from kvjax.gguf.config import hf_config
+            from kvjax.gguf.locate import model_name
+            from kvjax.gguf.reader import read_gguf
+
+            return cls.from_hf_config(hf_config(read_gguf(gguf)), name=model_name(gguf))
         path = Path(model)
         if path.exists() or path.suffix == ".json" or len(path.parts) > 1:
             return cls.from_json_file(path)
         raise ConfigError(
-            "model", model, f"no such preset or file; use a preset from {list(cls.presets())} or a config.json path"
+            "model",
+            model,
+            f"no such preset or file; use a preset from {list(cls.presets())}, a config.json path or a .gguf file",
         )
 
     def to_dict(self) -> dict[str, Any]:

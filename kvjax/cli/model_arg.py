@@ -17,13 +17,8 @@ def model_spec(model: str) -> ModelSpec:
     imported or a weight is read. A GGUF file's spec comes from its metadata (``kvjax.gguf``)."""
     from kvjax.gguf.locate import gguf_path
 
-    gguf = gguf_path(model)  # a ConfigError for an uninstalled model package or several files
-    if gguf is not None:
-        from kvjax.gguf.config import hf_config
-        from kvjax.gguf.locate import model_name
-        from kvjax.gguf.reader import read_gguf
-
-        return ModelSpec.from_hf_config(hf_config(read_gguf(gguf)), name=model_name(gguf))
+    if gguf_path(model) is not None:  # a ConfigError for an uninstalled model package or several files
+        return ModelSpec.resolve(model)
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -212,3 +212,15 @@ def test_chat_without_text_or_template_is_one_error_line(extra, needle, llama_we
     assert main(["generate", "--model", str(file), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_plan_reads_a_gguf_model_from_its_metadata_and_refuses_binary_configs(llama_weights, tmp_path, capsys):
+    file = write_gguf(tmp_path / "tiny.gguf", LLAMA, llama_weights, tensor_type="Q8_0")
+    assert main(["plan", "--model", str(file), "--memory", "16MiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == "tiny" and plan["num_kv_layers"] == 2 and plan["max_total_tokens"] > 0
+    binary = tmp_path / "config.bin"
+    binary.write_bytes(bytes(range(256)))
+    assert main(["plan", "--model", str(binary), "--memory", "16MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a text file" in err[0], err
