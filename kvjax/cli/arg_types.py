@@ -62,12 +62,24 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def fraction(text: str) -> float:
-    """A share of a chip's memory, in (0, 1]."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (seconds, milliseconds, a share)."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number > 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share of a chip's memory, in (0, 1]."""
+    value = _number(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"{text!r}: a fraction of the chip's memory must be in (0, 1]")
     return value

@@ -13,22 +13,12 @@ import argparse
 import os
 from typing import Any
 
-from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.arg_types import non_negative_int, positive_float, positive_int
 
 __all__ = ["CHECK_AGREEMENT_ENV", "add_process_arguments", "join_group", "process_flags"]
 
 #: Set to 1 to compare every process's state digest at every step (a divergence stops the run).
 CHECK_AGREEMENT_ENV = "KVJAX_CHECK_AGREEMENT"
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-    return value
 
 
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +34,7 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=non_negative_int, default=None, help="this process's id (0: coordinator)")
     group.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's coordination service")
     group.add_argument("--local-cpu-devices", type=positive_int, default=None, help="CPU devices of this process")
-    group.add_argument("--process-timeout", type=_seconds, default=60.0, help="bound of every wait, seconds (60)")
+    group.add_argument("--process-timeout", type=positive_float, default=60.0, help="bound of every wait, seconds (60)")
 
 
 def process_flags(args: argparse.Namespace) -> Any:

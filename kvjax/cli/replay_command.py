@@ -18,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.arg_types import non_negative_int, positive_float, positive_int
 from kvjax.cli.messages import UsageError, config_error_line
 from kvjax.errors import ConfigError
 
@@ -51,16 +51,6 @@ def cli_message(error: ConfigError, args: argparse.Namespace) -> str:
     return config_error_line(error, OPTION_FLAGS, args)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number > 0")
-    return value
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``replay`` sub-command."""
     from kvjax.replay.formats import TRACE_FORMATS
@@ -79,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     size.add_argument("--capacity-tokens", type=positive_int, metavar="N", help="device KV tokens per rank")
     size.add_argument(
         "--capacity-fraction",
-        type=_positive_float,
+        type=positive_float,
         metavar="F",
         help="device KV per rank as a share of the trace's distinct prompt tokens (default 0.3)",
     )
@@ -98,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp-routing", choices=ROUTING_POLICIES, default="cache_aware", help="how requests pick a rank")
     p.add_argument(
         "--dp-load-window-ms",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_LOAD_WINDOW_MS,
         help=f"how long a request counts in its rank's load (default {DEFAULT_LOAD_WINDOW_MS:g} ms)",
     )

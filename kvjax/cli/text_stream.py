@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any, TextIO
 
 from kvjax.text import IncrementalText, TextTokenizer
@@ -46,9 +47,4 @@ class PromptTextStream:
 
     def finish(self, outputs: Sequence[Sequence[int]]) -> None:
         """Print the rest of every prompt's text from the final ``outputs``."""
-
-        class _Done:
-            def __init__(self, ids: Sequence[int]) -> None:
-                self.output_ids, self.finished = list(ids), True
-
-        self([_Done(ids) for ids in outputs])
+        self([SimpleNamespace(output_ids=list(ids), finished=True) for ids in outputs])

@@ -15,6 +15,7 @@ the file and what is wrong with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 from collections.abc import Mapping
@@ -166,10 +167,23 @@ class _Cursor:
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse ``path``'s header, metadata and tensor directory (no tensor data is read).
 
-    Raises `ConfigError` for a file that is missing, not GGUF, of an unknown version, truncated,
-    or names a tensor type ggml does not define.
+    A command reads one file up to three times (its spec, its tokenizer, its weights), so the
+    last few parses are kept, keyed by the resolved path, size and modification time (a changed
+    file is parsed again). Raises `ConfigError` for a file that is missing, not GGUF, of an
+    unknown version, truncated, or names a tensor type ggml does not define.
     """
     file = Path(path)
+    try:
+        stat = file.stat()
+    except OSError as e:
+        raise ConfigError("model", str(path), f"cannot be read ({e}); pass a readable .gguf file") from None
+    return _parse(file.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(file: Path, size: int, mtime_ns: int) -> GGUFFile:
+    """`read_gguf`'s parse of ``file`` as it was at ``size`` bytes and ``mtime_ns``."""
+    path = file
     try:
         raw = np.memmap(file, dtype=np.uint8, mode="r")
     except (OSError, ValueError) as e:

@@ -22,36 +22,27 @@ from kvjax.gguf.tensors import DEQUANTISED, GGUFTensors
 from kvjax.serve.checkpoint import _flatten, load_checkpoint, load_gguf, param_name
 from kvjax.text import text_tokenizer
 from tests.gguf.gguf_files import gguf, write_gguf
+from tests.serve.parity_harness import TINY_CONFIG, random_transformers_model, torch, transformers  # noqa: E402
+from tests.serve.random_workloads import TINY_LAYER_SIZES  # noqa: E402
 
-torch = pytest.importorskip("torch", reason="the GGUF reference is Transformers' loader (the parity extra)")
-transformers = pytest.importorskip("transformers", reason="the GGUF reference is Transformers' loader")
-
+# The parity tests' tiny Llama (float32, initializer_range 0.2, no special tokens), with a vocabulary
+# of 320 so that the test tokenizer's byte alphabet fits (`tiny_vocabulary`).
 LLAMA = dict(
+    TINY_CONFIG,
+    **TINY_LAYER_SIZES,
     model_type="llama",
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
     num_hidden_layers=2,
     vocab_size=320,
-    max_position_embeddings=256,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     tie_word_embeddings=False,
-    initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
 )
 QWEN3 = dict(LLAMA, model_type="qwen3", tie_word_embeddings=True)
 QWEN2 = dict(LLAMA, model_type="qwen2", use_sliding_window=False)
 
 
 def _random_weights(config: dict) -> dict[str, np.ndarray]:
-    hf_config_ = transformers.AutoConfig.for_model(**config)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config_, dtype=torch.float32)
+    model = random_transformers_model(transformers.AutoConfig.for_model(**config))
     return {name: tensor.numpy() for name, tensor in model.state_dict().items()}
 
 
