@@ -34,6 +34,7 @@ Invariants (checked by ``RadixCache.sanity_check``):
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Hashable
 from typing import Any
 
@@ -193,6 +194,15 @@ class TreeNode:
         if self.kshare is not None:
             return self.kshare[self.kshare_from :]
         return np.frombuffer(self.key or b"", dtype=np.int32).tolist()
+
+    def token_at(self, i: int) -> int:
+        """Token ``i`` of this edge (``0 <= i`` < the edge's length), read in place from whichever
+        form the node holds (no list is built)."""
+        if self.klist is not None:
+            return int(self.klist[i])
+        if self.kshare is not None:
+            return int(self.kshare[self.kshare_from + i])
+        return int.from_bytes((self.key or b"")[4 * i : 4 * i + 4], sys.byteorder, signed=True)
 
     def __lt__(self, other: TreeNode) -> bool:
         # SGLang orders nodes by access time for heap tie-breaks; kept for compatibility.

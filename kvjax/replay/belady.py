@@ -19,7 +19,6 @@ check it against every online policy on real traces, and against libcachesim on 
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 from kvjax.radix.eviction import EvictionPolicy
@@ -56,13 +55,7 @@ class BeladyPolicy(EvictionPolicy):
 
     def first_page_token(self, node: TreeNode) -> int:
         """The last token of ``node``'s first page (which names the page and its prefix)."""
-        i = self.page_size - 1
-        if node.klist is not None:
-            return int(node.klist[i])
-        if node.kshare is not None:
-            return int(node.kshare[node.kshare_from + i])
-        key = node.key or b""
-        return int.from_bytes(key[4 * i : 4 * i + 4], sys.byteorder, signed=True)
+        return node.token_at(self.page_size - 1)
 
     def priority(self, node: TreeNode) -> tuple[int, int]:
         return (-self.uses.next_use(self.first_page_token(node), self.now), node.last_access)
