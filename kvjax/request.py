@@ -8,6 +8,7 @@ O(chunk), not O(request).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -27,6 +28,26 @@ def _concat(a: Any, b: Any) -> Any:
     return list(a) + list(b)
 
 
+def check_retention_seconds(value: Any, what: str = "retention_seconds") -> float | None:
+    """``value`` as seconds (float), or None for no retention.
+
+    Raises ValueError naming ``what`` and the value for a bool, a non-number, a NaN, an infinity
+    or a negative number.
+    """
+    if value is None:
+        return None
+    hint = "give a finite number of seconds >= 0, or None for no retention"
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"{what}={value!r}: {hint}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}={value!r}: {hint}") from exc
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what}={value!r}: {hint}")
+    return seconds
+
+
 class Req:
     """A request, as far as the KV cache is concerned.
 
@@ -38,6 +59,11 @@ class Req:
             extra keys never share cached prefixes. None: the default namespace.
         priority: scheduling/eviction priority; the tree keeps, per node, the max priority of
             the requests that inserted through it (``priority`` eviction policy).
+        retention_seconds: ask the tree to keep this request's prefix: every node it inserts
+            through is retained for this many seconds of the tree's retention clock, at
+            ``priority``; retained nodes are evicted last, never pinned
+            (``kvjax.radix.retention``). None (the default) or 0: no retention. A finite
+            number >= 0.
         req_pool_idx: this request's row in ``ReqToTokenPool.req_to_token`` (None until one
             is allocated). Row entry ``i`` is the KV slot of token ``i``.
         prefix_indices: int32 KV slots of the cached prefix the request starts from (from
@@ -88,6 +114,7 @@ class Req:
         *,
         extra_key: Hashable = None,
         priority: int = 0,
+        retention_seconds: float | None = None,
         req_pool_idx: int | None = None,
         prefix_indices: np.ndarray | None = None,
         last_node: Any = None,
@@ -105,6 +132,7 @@ class Req:
         self.output_ids = [] if output_ids is None else output_ids
         self.extra_key = extra_key
         self.priority = 0 if priority is None else int(priority)
+        self.retention_seconds = check_retention_seconds(retention_seconds, f"request {rid!r}: retention_seconds")
         self.req_pool_idx = req_pool_idx
         self.prefix_indices = np.empty(0, np.int32) if prefix_indices is None else prefix_indices
         self.last_node = last_node

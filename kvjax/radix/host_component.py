@@ -68,6 +68,7 @@ import numpy as np
 from kvjax.radix.component import ComponentSizes, TreeComponent
 from kvjax.radix.lock import LockReceipt
 from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
+from kvjax.radix.retention import retention_key
 from kvjax.tiers.copy_engine import CopyEngine, CopyError, TransferStatus
 from kvjax.tiers.host_allocator import HostSlotAllocator
 from kvjax.tiers.simulated_copy import SimulatedCopyEngine
@@ -439,24 +440,27 @@ class HostTierComponent(TreeComponent):
         """Free host copies until ``num_tokens`` host slots are freed or none is left; returns
         the host slots freed. Under write_back, host copies of device nodes go first
         (:meth:`_reclaim_duplicates`); then, under every policy, host-only leaves, least
-        recently used first (a parent left a childless host-only node joins them). Under the
+        recently used first, retained ones last (a parent left a childless host-only node joins them). Under the
         write-through policies a device node's host copy is never freed here."""
         if num_tokens <= 0:
             return 0
         freed = self._reclaim_duplicates(num_tokens) if self.write_policy == "write_back" else 0
         if freed >= num_tokens:
             return freed
-        heap = [(n.last_access, n.id, n) for n in self._holders if self._host_evictable_leaf(n)]
+        # Least recent first; host copies of nodes retained at the retention clock last, the
+        # lowest retention priority first (``retention.py``: a demoted node keeps its retention).
+        now = self.tree.retention_now
+        heap = [(retention_key(n, now), n.last_access, n.id, n) for n in self._holders if self._host_evictable_leaf(n)]
         heapq.heapify(heap)
         while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[3]
             if not self._host_evictable_leaf(node):
                 continue
             parent = node.parent
             freed += self._drop(node)
             self.tree.delete_leaf(node)
             if parent is not self.tree.root and self._host_evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                heapq.heappush(heap, (retention_key(parent, now), parent.last_access, parent.id, parent))
         return freed
 
     def _host_evictable_leaf(self, node: TreeNode) -> bool:

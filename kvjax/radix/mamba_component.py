@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvjax.errors import ConfigError
 from kvjax.radix.invariants import TreeInvariantError
+from kvjax.radix.retention import retained_last
 from kvjax.radix.slot_component import NodeSlot, NodeSlotComponent
 
 if TYPE_CHECKING:
@@ -208,12 +209,14 @@ class MambaComponent(NodeSlotComponent):
 
     def evict(self, amount: int) -> int:
         freed = 0
-        while freed < amount:
-            # The least recent unlocked checkpoint (no copy of the LRU: it changes as we drop).
-            node = next((n for n in self._lru if not self.data(n).lock_ref), None)
-            if node is None:
+        # Least recent first, checkpoints of nodes retained at the retention clock last
+        # (``retention.py``); a node whose checkpoint a deletion dropped meanwhile is skipped.
+        for node in retained_last(self._lru, self.tree.retention_now):
+            if freed >= amount:
                 break
             data = self.data(node)
+            if data is None or data.lock_ref:
+                continue
             self._drop(node, data)
             freed += 1
             if not node.children and not node.lock_ref:

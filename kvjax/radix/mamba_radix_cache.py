@@ -284,6 +284,7 @@ class MambaRadixCache(RadixCache):
         inserted_len: int = 0,
         payloads: Mapping[str, Any] | None = None,
         donate_key: bool = False,
+        retention_seconds: float | None = None,
     ) -> MambaInsertResult:
         """Insert ``token_ids`` -> ``indices`` with the checkpoint ``mamba_value`` (the state after
         the key's last page-aligned token) for the end node.
@@ -306,6 +307,7 @@ class MambaRadixCache(RadixCache):
             inserted_len=inserted_len,
             payloads=merged or None,
             donate_key=donate_key,
+            retention_seconds=retention_seconds,
         )
         if self.disable:
             return MambaInsertResult(0, self.root, {"mamba": merged.get("mamba")})

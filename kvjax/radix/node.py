@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.radix.retention import NO_RETENTION
+
 _ids = itertools.count()
 
 # ``TreeNode.residency`` values.
@@ -82,6 +84,10 @@ class TreeNode:
         creation: logical time the node was created.
         hit_count: inserts that reused this node (SGLang counts at insert, not chunked).
         priority: max priority over the requests that inserted through this node.
+        retain_priority / retain_until: the node's retention (``retention.py``): retained while
+            ``retain_until`` (seconds on the tree's retention clock) is after the clock's
+            reading, at priority ``retain_priority``; ``retention.NO_RETENTION`` when never
+            retained.
         extra_key: the namespace (LoRA id, cache salt) of the key; None for the default one.
         hashes: per-page chained block hashes (int64), computed when KV events are on.
         heap_seq: sequence number of this node's live entry in the eviction heap (-1: none,
@@ -110,6 +116,8 @@ class TreeNode:
         "creation",
         "hit_count",
         "priority",
+        "retain_priority",
+        "retain_until",
         "extra_key",
         "hashes",
         "heap_seq",
@@ -158,6 +166,8 @@ class TreeNode:
         self.creation = t
         self.hit_count = hit_count
         self.priority = priority
+        self.retain_priority = 0
+        self.retain_until = NO_RETENTION
         self.extra_key = extra_key
         self.hashes: list[int] | None = None
         self.heap_seq = -1

@@ -53,6 +53,7 @@ from kvjax.radix.keys import INT32, as_slot_array, encode_tokens
 from kvjax.radix.lock import LockReceipt
 from kvjax.radix.match import ComponentMatchResult, MatchResult
 from kvjax.radix.node import TreeNode
+from kvjax.radix.retention import check_retention_seconds
 from kvjax.radix.tiered_tree import TieredTree
 
 if TYPE_CHECKING:
@@ -278,10 +279,14 @@ class RadixCache(TieredTree):
         inserted_len: int = 0,
         payloads: Mapping[str, Any] | None = None,
         donate_key: bool = False,
+        retention_seconds: float | None = None,
     ) -> int:
         """Cache ``token_ids`` → ``indices`` (one KV slot per token); return the length that was
         already cached (key elements). The caller owns — and must free — its slots for that
         already-cached part when they differ from the tree's.
+
+        ``retention_seconds``: retain every node of the inserted path for that long from the
+        retention clock's reading, at ``priority`` (``retention.py``; None or 0: no retention).
 
         ``donate_key=True`` hands a ``list`` key over to the tree, as a donated buffer is handed
         to a jitted call: the new node keeps the list itself instead of a copy (cutting off a
@@ -301,9 +306,12 @@ class RadixCache(TieredTree):
         :attr:`last_insert_node` is the node the insert ended at.
 
         Raises (tree unchanged): ValueError for indices of the wrong length, shape or dtype,
-        or None with an allocator attached, or a payload for an unknown component;
+        or None with an allocator attached, a payload for an unknown component, or a
+        ``retention_seconds`` that is not a finite number >= 0;
         ``kvjax.InvalidSlotError`` for negative slots or slots >= allocator size + page size.
         """
+        if retention_seconds is not None:
+            retention_seconds = check_retention_seconds(retention_seconds)
         if self.disable:
             return 0
         if payloads:
@@ -367,6 +375,8 @@ class RadixCache(TieredTree):
                 donate_key,
             )
         self.last_insert_node = node
+        if retention_seconds:
+            self.retain_path(node, int(priority) if priority else 0, retention_seconds)
         if self._extra:
             self._last_insert_results = self._commit(node, payloads)
         return matched
@@ -526,6 +536,14 @@ class RadixCache(TieredTree):
                 node.last_access = stamp
             node = node.parent
 
+    def _retain_req(self, req: Req, node: TreeNode) -> None:
+        """A request with ``retention_seconds`` retains the path it inserted through, ending at
+        ``node`` (``retention.py``). Requests without one (or another record type without the
+        field) change nothing."""
+        seconds = getattr(req, "retention_seconds", None)
+        if seconds:
+            self.retain_path(node, req.priority, seconds)
+
     def _write_row(self, req: Req, start: int, values: np.ndarray) -> None:
         pool = self.req_to_token_pool
         if pool is None:
@@ -579,6 +597,7 @@ class RadixCache(TieredTree):
             else:
                 self._split_prompt(req, last, n, prompt_len, t_prompt)
             self._touch_path(start, t, req.priority, inserted_before, prompt_len, t_prompt)
+            self._retain_req(req, last)
             if kv_len > n:
                 self._free_row_segment(row[n:kv_len].copy(), n, self._row_evicted(req))
             if self._extra:
@@ -634,6 +653,7 @@ class RadixCache(TieredTree):
             if inserted_before <= prompt_len:
                 # The key passes the prompt for the first time (before, it ended at or above it).
                 self._split_prompt(req, node, n, prompt_len, t_prompt)
+        self._retain_req(req, node)
         req.lock_receipt = receipt = self._move_lock(self._lock_of(req), node)
         receipt.touch = (t, t_prompt, prompt_len)
         req.last_node = node

@@ -53,6 +53,7 @@ from kvjax.radix.component import ComponentSizes, TreeComponent
 from kvjax.radix.invariants import TreeInvariantError
 from kvjax.radix.lock import LockError
 from kvjax.radix.recency import RecencyList
+from kvjax.radix.retention import retained_last
 
 if TYPE_CHECKING:
     from kvjax.alloc.swa import SWATokenToKVPoolAllocator
@@ -458,7 +459,8 @@ class SWAComponent(TreeComponent):
         tree = self.tree
         candidates = tree.evictable_leaves
         freed = 0
-        for node in list(self._lru):
+        # The window LRU, nodes retained at the retention clock last (``retention.py``).
+        for node in retained_last(self._lru, tree.retention_now):
             if freed >= amount:
                 break
             data = self.data(node)

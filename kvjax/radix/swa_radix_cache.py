@@ -160,6 +160,7 @@ class SWARadixCache(RadixCache):
         chunked: bool = False,
         inserted_len: int = 0,
         donate_key: bool = False,
+        retention_seconds: float | None = None,
     ) -> int:
         """Cache ``token_ids`` → ``indices`` (full slot ids); returns the length already cached.
 
@@ -198,6 +199,7 @@ class SWARadixCache(RadixCache):
                 inserted_len=inserted_len,
                 payloads={"swa": payload},
                 donate_key=donate_key,
+                retention_seconds=retention_seconds,
             )
         finally:
             self._walk_dups = None

@@ -75,7 +75,9 @@ class RadixTree(PathLocks):
 
     def evict_full(self, num_tokens: int) -> int:
         """FULL eviction: unlocked device leaves, most evictable first by the policy, until at
-        least ``num_tokens`` tokens are freed or none is left.
+        least ``num_tokens`` tokens are freed or none is left. Leaves retained at the retention
+        clock (``retention.py``) go only once no unretained leaf is left, the lowest retention
+        priority first, then by the policy.
 
         Each evicted node's slot ids go to the allocator in one ``free_segment`` (pages in row
         order), node by node in eviction order (as SGLang 0.5.23). A leaf some component keeps (or with host-only
@@ -90,11 +92,16 @@ class RadixTree(PathLocks):
         evq = self._evq
         if evq.pending:
             evq.flush()
-        heap = evq.heap
-        prio = self._prio
         # Host-only nodes need a component that keeps them: without components, none appear.
         if self._extra or self._host_only > 0:
             return self._evict_generic(num_tokens)
+        expiries = evq.expiries
+        now = evq.now
+        if expiries and expiries[0][0] <= now:
+            evq.expire()
+        heap = evq.heap
+        retained = evq.retained
+        prio = self._prio
         heappop = heapq.heappop
         heappush = heapq.heappush
         root = self.root
@@ -102,21 +109,37 @@ class RadixTree(PathLocks):
         emit = self._events.emit if self._events is not None else None
         evicted = 0
         num_nodes = 0
-        while evicted < num_tokens and heap:
-            p, seq, node = heappop(heap)
-            if node.heap_seq != seq or node not in leaves:
-                continue  # dead entry: node changed state or was re-pushed since
-            cur = prio(node)
-            if cur != p:  # stale (monotone policies only grow): requeue at its true place
-                evq.seq = seq = evq.seq + 1
-                node.heap_seq = seq
-                heappush(heap, (cur, seq, node))
-                continue
+        while evicted < num_tokens:
+            if heap:
+                p, seq, node = heappop(heap)
+                if node.heap_seq != seq or node not in leaves:
+                    continue  # dead entry: node changed state or was re-pushed since
+                if node.retain_until > now:  # retained since its push: to the retained tier
+                    evq.push(node)
+                    continue
+                cur = prio(node)
+                if cur != p:  # stale (monotone policies only grow): requeue at its true place
+                    evq.seq = seq = evq.seq + 1
+                    node.heap_seq = seq
+                    heappush(heap, (cur, seq, node))
+                    continue
+                tier = heap
+            elif retained:
+                # Nothing unretained is left: the retained tier (module docstring of eviction_heap).
+                p, seq, node = heappop(retained)
+                if node.heap_seq != seq or node not in leaves:
+                    continue
+                if node.retain_until <= now or p != (node.retain_priority, prio(node)):
+                    evq.push(node)  # lapsed, or its retention or priority grew: its true place
+                    continue
+                tier = retained
+            else:
+                break
             if free is not None:
                 try:
                     free(node.value)  # first: a refused free leaves this node and the counters consistent
                 except BaseException:
-                    heappush(heap, (p, seq, node))  # still a candidate
+                    heappush(tier, (p, seq, node))  # still a candidate
                     self._evictable -= evicted
                     raise
             evicted += node.klen
@@ -131,9 +154,12 @@ class RadixTree(PathLocks):
                 emit(BlockRemoved(block_hashes=list(node.hashes or ())))
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 leaves.add(parent)
-                evq.seq = seq = evq.seq + 1
-                parent.heap_seq = seq
-                heappush(heap, (prio(parent), seq, parent))
+                if parent.retain_until > now:
+                    evq.push(parent)
+                else:
+                    evq.seq = seq = evq.seq + 1
+                    parent.heap_seq = seq
+                    heappush(heap, (prio(parent), seq, parent))
         self._evictable -= evicted  # every evicted node was an unlocked (evictable) leaf
         stats = self.stats
         stats.evicted_tokens += evicted

@@ -53,6 +53,7 @@ from kvjax.radix.eviction import EvictionPolicy, get_eviction_policy, priority_f
 from kvjax.radix.eviction_heap import EvictionHeap
 from kvjax.radix.keys import INT32, decode_tokens
 from kvjax.radix.node import DEVICE, RESIDENCY_NAMES, TreeNode
+from kvjax.radix.retention import check_clock_reading
 from kvjax.radix.stats import CacheStats
 
 if TYPE_CHECKING:
@@ -238,6 +239,28 @@ class TreeState:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    # ------------------------------------------------------------------ retention clock
+
+    @property
+    def retention_now(self) -> float:
+        """The retention clock's reading (seconds; ``retention.py``): what the serving loop last
+        gave :meth:`advance_retention_clock` (0.0 until then)."""
+        return self._evq.now
+
+    def advance_retention_clock(self, now: float) -> float:
+        """Set the retention clock to ``now`` (seconds, logical: the serving loop's agreed
+        reading). The clock never runs backwards: an earlier reading is ignored. Retentions whose
+        expiry the clock reached are ordinary nodes from now on (the eviction heap moves them at
+        the next eviction). Returns the clock's reading.
+
+        Raises ValueError (clock unchanged) for a reading that is not a finite number.
+        """
+        reading = check_clock_reading(now)
+        evq = self._evq
+        if reading > evq.now:
+            evq.now = reading
+        return evq.now
 
     # ------------------------------------------------------------------ key forms
     #

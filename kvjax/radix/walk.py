@@ -28,6 +28,7 @@ from kvjax.radix.eviction_heap import PENDING
 from kvjax.radix.host_residency import HostResidency
 from kvjax.radix.keys import INT32, NO_COPY_COMPARE_MIN, list_starts_with
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
+from kvjax.radix.retention import merge_retention
 
 # A donated key whose head is cached is kept whole by the new leaf (``TreeNode.kshare``) while
 # that head is at most this many times the leaf's own edge.
@@ -139,7 +140,7 @@ class TreeWalk(HostResidency):
         """Cut ``child`` after ``k`` key elements; returns the new parent holding them.
 
         Sizes do not change (tokens move between two nodes with the same lock count), the
-        new parent inherits lock_ref, priority, hit_count and residency, and page hashes are cut
+        new parent inherits lock_ref, priority, retention, hit_count and residency, and page hashes are cut
         at the page boundary so they stay what they were. Components redistribute their data
         in ``on_split``.
         """
@@ -182,6 +183,8 @@ class TreeWalk(HostResidency):
             new.residency = HOST_ONLY
             self._host_only += 1
         new.lock_ref = child.lock_ref
+        new.retain_priority = child.retain_priority  # both halves were inserted through
+        new.retain_until = child.retain_until
         new.ckey = child.ckey  # the same first page: the same key
         parent.children[child.ckey] = new
         child.klen -= k
@@ -443,6 +446,25 @@ class TreeWalk(HostResidency):
                     node.priority = priority
             if node.depth > hit_from:
                 node.hit_count += 1
+            node = node.parent
+
+    def retain_path(self, node: TreeNode, priority: int, seconds: float | None) -> None:
+        """Retain ``node`` and its ancestors for ``seconds`` from the retention clock's reading at
+        ``priority`` (``retention.py``: max priority, latest expiry). None or 0 seconds retain
+        nothing. A candidate whose retention priority went down (a lapsed one renewed lower) is
+        re-queued in the eviction heap. O(depth)."""
+        if not seconds:
+            return
+        evq = self._evq
+        now = evq.now
+        until = now + seconds
+        if until <= now:
+            return
+        root = self.root
+        leaves = self._leaves
+        while node is not root and node.residency != DELETED:
+            if merge_retention(node, priority, until, now) and node in leaves:
+                evq.defer_push(node)
             node = node.parent
 
     def add_host_only_leaf(self, parent: TreeNode, tokens: Sequence[int], extra_key: Hashable = None) -> TreeNode:
