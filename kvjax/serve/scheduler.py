@@ -89,7 +89,7 @@ import collections
 import dataclasses
 import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -109,6 +109,7 @@ from kvjax.serve.kinds import default_extensions
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
+from kvjax.serve.retention_clock import RetentionClock
 from kvjax.serve.serving_front import serve_to_completion
 from kvjax.serve.serving_req import ServingReq
 from kvjax.serve.stepping import OneMesh, PackedStep, Proposer, Stepping, StepRows
@@ -185,6 +186,9 @@ class Scheduler:
         proposer: how decode tokens are proposed (``kvjax.serve.stepping.Proposer``): None, one
             token per request per step; ``DraftDecoding`` (``kvjax.serve.speculative``), a draft
             model's ``k`` tokens verified by the target.
+        retention_clock: seconds for the tree's retention clock (``kvjax.serve.retention_clock``;
+            default ``time.monotonic``), read once per step once a request asked for
+            ``retention_seconds``; agreed across processes by ``agreement``.
     """
 
     def __init__(
@@ -202,6 +206,7 @@ class Scheduler:
         agreement: Agreement | None = None,
         stepping: Stepping | None = None,
         proposer: Proposer | None = None,
+        retention_clock: Callable[[], float] | None = None,
     ) -> None:
         if cache.tree_cache is None:
             raise ValueError("the cache has no tree cache: build it with build_kv_cache")
@@ -254,6 +259,10 @@ class Scheduler:
         # that take memory at admission, such as a host tier's load-back, must leave them free).
         self.reserved_tokens = 0
         self.agreement: Agreement = agreement if agreement is not None else LocalAgreement()
+        # Read once per step from the first request with retention on, agreed before the step
+        # changes the tree (``retention_clock.py``); a tree without retention is never given one.
+        self.retention_clock = RetentionClock(retention_clock, self.agreement)
+        self._retaining = False
         for ext in self.extensions:
             ext.attach(self)
         self.proposer = proposer
@@ -278,6 +287,8 @@ class Scheduler:
         reqs = list(reqs)
         self.check_servable(reqs)
         for req in reqs:
+            if req.retention_seconds:
+                self._retaining = True
             self.stats.prompt_tokens += req.seqlen()
             self.waiting.append(req)
 
@@ -331,6 +342,8 @@ class Scheduler:
         step_before, pack_before, finish_before = st.step_seconds, st.pack_seconds, st.finish_seconds
         wait_before = st.wait_seconds
         ran = decoded = False
+        if self._retaining and hasattr(self.tree, "advance_retention_clock"):
+            self.tree.advance_retention_clock(self.retention_clock.read())
         if self.chunked is not None or self.waiting:
             self.resolve(done)  # admission sees what the in-flight step finishes (module docstring)
         self.cache.apply_pending()  # updates recorded since the last launch land before polling

@@ -15,7 +15,10 @@ from kvjax.request import Req
 
 
 class ServingReq(Req):
-    """A request of the serving loop: a ``Req`` plus its generation limit and bookkeeping."""
+    """A request of the serving loop: a ``Req`` plus its generation limit and bookkeeping.
+
+    ``priority`` and ``retention_seconds``: as ``Req``'s (a retained prefix is evicted last,
+    ``kvjax.radix.retention``)."""
 
     __slots__ = ("max_new_tokens", "stop_token_ids", "admitted_at", "first_cached_tokens", "retracted", "logits")
 
@@ -27,12 +30,14 @@ class ServingReq(Req):
         max_new_tokens: int,
         extra_key: Any = None,
         stop_token_ids: Iterable[int] = (),
+        priority: int = 0,
+        retention_seconds: float | None = None,
     ) -> None:
         if max_new_tokens <= 0:
             raise ValueError(f"request {rid!r}: max_new_tokens={max_new_tokens} must be positive")
         if len(prompt) == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
-        super().__init__(rid, list(prompt), extra_key=extra_key)
+        super().__init__(rid, list(prompt), extra_key=extra_key, priority=priority, retention_seconds=retention_seconds)
         self.max_new_tokens = int(max_new_tokens)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.admitted_at = -1
