@@ -77,6 +77,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from kvjax.protocols import AllocatorProtocol
+    from kvjax.radix.events import BlockStored, KVEvent
     from kvjax.radix.lock import LockReceipt
     from kvjax.radix.match import ComponentMatchResult
     from kvjax.radix.node import TreeNode
@@ -107,12 +108,16 @@ class ComponentTree(Protocol):
     page_size: int
     is_eagle: bool
     hash_seed: int | bytes | str
+    enable_kv_cache_events: bool
 
     @property
     def evictable_leaves(self) -> Set[TreeNode]: ...
 
     @property
     def retention_now(self) -> float: ...
+
+    def emit_event(self, event: KVEvent) -> None: ...
+    def stored_event(self, node: TreeNode, medium: str) -> BlockStored: ...
 
     def nodes(self) -> Iterator[TreeNode]: ...
     def split_node(self, node: TreeNode, k: int) -> TreeNode: ...

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.radix.component import ComponentSizes, TreeComponent
+from kvjax.radix.events import BlockRemoved
 from kvjax.radix.lock import LockReceipt
 from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
 from kvjax.radix.retention import retention_key
@@ -79,20 +80,24 @@ if TYPE_CHECKING:
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 LOAD_BACK_THRESHOLD = 10
+#: The medium of the host tier's KV events (``kvjax.radix.events``).
+HOST_MEDIUM = "host"
 
 
 class HostData:
     """A node's host copy: ``slots`` (int32 host slot ids, one per key element), the pending
-    backup writing them (None once landed), the pending load reading them (None when none), and
-    how many load-backs or prefetches in preparation protect it."""
+    backup writing them (None once landed), the pending load reading them (None when none), how
+    many load-backs or prefetches in preparation protect it, and whether a KV event reported it
+    (``announced``: its ``BlockStored`` in medium "host" went out; its removal is reported then)."""
 
-    __slots__ = ("slots", "transfer", "loading", "host_ref")
+    __slots__ = ("slots", "transfer", "loading", "host_ref", "announced")
 
     def __init__(self, slots: np.ndarray, transfer: PendingTransfer | None = None) -> None:
         self.slots = slots
         self.transfer = transfer
         self.loading: PendingTransfer | None = None
         self.host_ref = 0
+        self.announced = False
 
 
 class PendingTransfer:
@@ -189,13 +194,25 @@ class HostTierComponent(TreeComponent):
             self._holders.add(node)
 
     def _drop(self, node: TreeNode) -> int:
-        """Free ``node``'s host copy; returns the host slots freed."""
+        """Free ``node``'s host copy; returns the host slots freed. A reported copy's pages are
+        reported removed from the host (KV events)."""
         data = self.data(node)
         if data is None:
             return 0
         self._set(node, None)
         self.host_allocator.free(data.slots)
+        if data.announced:
+            self.tree.emit_event(BlockRemoved(block_hashes=list(node.hashes or ()), medium=HOST_MEDIUM))
         return int(data.slots.size)
+
+    def _announce(self, node: TreeNode) -> None:
+        """With KV events on, report ``node``'s landed host copy (``BlockStored`` in medium
+        "host"), once: a load-back or a revive keeps the copy and reports nothing more."""
+        data = self.data(node)
+        if data is None or data.announced or not self.tree.enable_kv_cache_events:
+            return
+        data.announced = True
+        self.tree.emit_event(self.tree.stored_event(node, HOST_MEDIUM))
 
     # -- write_back: host copies of device nodes ------------------------------------------------
 
@@ -272,6 +289,7 @@ class HostTierComponent(TreeComponent):
             raise ValueError(f"adopt_held: node {node.id} is not a host-only node without a host copy of {slots.size}")
         self.held_tokens -= int(slots.size)
         self._set(node, HostData(np.asarray(slots, dtype=np.int32)))
+        self._announce(node)
 
     # -- backups --------------------------------------------------------------------------------
 
@@ -350,6 +368,7 @@ class HostTierComponent(TreeComponent):
         if status is not TransferStatus.DONE:
             return self._backup_failed(slots)
         self._set(node, HostData(slots))
+        self._announce(node)
         self._track_duplicate(node)  # stale once the caller demotes it; kept for its place
         if self.on_backup_landed is not None:
             self.on_backup_landed(node)
@@ -377,6 +396,7 @@ class HostTierComponent(TreeComponent):
         part = HostData(data.slots[:k], data.transfer)
         part.host_ref = data.host_ref
         part.loading = data.loading  # loading_check walks up from the load's last node to it
+        part.announced = data.announced  # page hashes are cut at the page boundary too
         data.slots = data.slots[k:]
         if data.transfer is not None:
             data.transfer.nodes.append(parent)
@@ -475,6 +495,7 @@ class HostTierComponent(TreeComponent):
 
     def on_reset(self) -> None:
         for node in list(self._holders):
+            self.data(node).announced = False  # the reset's AllBlocksCleared covers the host too
             self._drop(node)
         self._hits.clear()
         self._duplicates.clear()
@@ -511,7 +532,9 @@ class HostTierComponent(TreeComponent):
                 data.transfer = None
                 if not ok:
                     self._drop(node)
-                elif self.on_backup_landed is not None:
+                    continue
+                self._announce(node)
+                if self.on_backup_landed is not None:
                     self.on_backup_landed(node)
             self.tree.dec_lock_ref(p.receipt)
         self._writes = still

@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.errors import ConfigError
-from kvjax.page_hash import PageHasher
+from kvjax.page_hash import BlockHasher, PageHasher
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
-from kvjax.radix.events import BlockStored, EventQueue, EventSink
+from kvjax.radix.events import BlockStored, EventQueue, EventSink, KVEvent
 from kvjax.radix.eviction import EvictionPolicy, get_eviction_policy, priority_function
 from kvjax.radix.eviction_heap import EvictionHeap
 from kvjax.radix.keys import INT32, decode_tokens
@@ -181,7 +181,7 @@ class TreeState:
         events_on = bool(enable_kv_cache_events) or event_sink is not None
         self.enable_kv_cache_events = events_on
         self._events: EventQueue | None = EventQueue(event_sink) if events_on else None
-        self._hasher = PageHasher(hash_seed)
+        self._hasher: BlockHasher = PageHasher(hash_seed)
         self.hash_seed = hash_seed  # the page hashes' seed (events, a storage tier's keys)
         self.stats = CacheStats()
         # Measurement switch: every match walks (and splits) as usual but reports no hit.
@@ -328,28 +328,82 @@ class TreeState:
 
     # ------------------------------------------------------------------ events
 
-    def _emit_stored(self, leaf: TreeNode) -> None:
+    def _hash_pages(self, node: TreeNode) -> int | None:
+        """Compute and store ``node.hashes`` (its pages' chained hashes, from its parent's last);
+        returns the parent's last hash (None below the root)."""
         ps = self.page_size
-        parent = leaf.parent
+        parent = node.parent
+        hasher = self._hasher
         if parent is self.root:
-            prior = self._hasher.root(leaf.extra_key)
             parent_hash = None
         else:
             assert parent.hashes is not None, "with events on, every node has its page hashes"
             parent_hash = parent.hashes[-1]
-            prior = PageHasher.as_bytes(parent_hash)
-        kb = self._kbytes(leaf)
-        leaf.hashes = self._hasher.chain(prior, kb, self._ck_len * 4, ps * 4, leaf.klen // ps)
-        assert self._events is not None
+        if type(hasher) is PageHasher:  # the default: the packed key, no token list
+            prior = hasher.root(node.extra_key) if parent_hash is None else PageHasher.as_bytes(parent_hash)
+            node.hashes = hasher.chain(prior, self._kbytes(node), self._ck_len * 4, ps * 4, node.klen // ps)
+        else:
+            node.hashes = hasher.page_hashes(parent_hash, node.token_ids()[: node.klen], ps, node.extra_key)
+        return parent_hash
+
+    def _emit_stored(self, leaf: TreeNode) -> None:
+        parent_hash = self._hash_pages(leaf)
+        assert self._events is not None and leaf.hashes is not None
         self._events.emit(
             BlockStored(
                 block_hashes=list(leaf.hashes),
                 parent_block_hash=parent_hash,
                 token_ids=leaf.token_ids(),
-                block_size=ps,
+                block_size=self.page_size,
                 extra_key=leaf.extra_key,
             )
         )
+
+    def stored_event(self, node: TreeNode, medium: str) -> BlockStored:
+        """The ``BlockStored`` of ``node``'s pages (its hashes, computed when it was created) in
+        ``medium`` ("device", "host", "storage"); for components that report another tier."""
+        if node.hashes is None:  # host-only leaves a storage prefetch made: hashed top-down
+            chain = []
+            n = node
+            while n is not self.root and n.hashes is None:
+                chain.append(n)
+                n = n.parent
+            for n in reversed(chain):
+                self._hash_pages(n)
+        parent = node.parent
+        parent_hash = None if parent is self.root or not parent.hashes else parent.hashes[-1]
+        return BlockStored(
+            block_hashes=list(node.hashes or ()),
+            parent_block_hash=parent_hash,
+            token_ids=node.token_ids(),
+            block_size=self.page_size,
+            extra_key=node.extra_key,
+            medium=medium,
+        )
+
+    def emit_event(self, event: KVEvent) -> None:
+        """Emit ``event`` to the tree's sink (a component's tier event); nothing while events are off."""
+        if self._events is not None:
+            self._events.emit(event)
+
+    def start_events(self, sink: EventSink | None = None, hasher: BlockHasher | None = None) -> None:
+        """Turn KV events on (to ``sink``, else queued for ``take_events``), the pages hashed by
+        ``hasher`` (default: the tree's ``PageHasher`` of ``hash_seed``), before anything is
+        cached: node hashes are computed when nodes are made.
+
+        Raises ValueError (nothing changed) when the tree already holds a node.
+        """
+        if self.root.children:
+            raise ValueError("start_events: the tree already caches prefixes; turn events on before serving")
+        self._events = EventQueue(sink)
+        self.enable_kv_cache_events = True
+        if hasher is not None:
+            self._hasher = hasher
+
+    @property
+    def block_hasher(self) -> BlockHasher:
+        """The hash the tree's events carry (``PageHasher`` of ``hash_seed`` unless given)."""
+        return self._hasher
 
     def take_events(self) -> list:
         """Drain queued KV events (those not delivered to a sink)."""
