@@ -56,7 +56,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("model", ["kvjax.hf", "kvjax.spec", "kvjax.hf_config", "kvjax.presets", "kvjax.gguf", "kvjax.text"]),
     ("records", ["kvjax.kinds", "kvjax.layout"]),
     ("plan", ["kvjax.plan", "kvjax.pipeline_check"]),
-    ("host", ["kvjax.alloc", "kvjax.req_pool", "kvjax.hybrid_req_pool", "kvjax.radix", "kvjax.tiers"]),
+    (
+        "host",
+        # kv_events: the wire format of the trees' events (msgspec, pyzmq: imported when used)
+        ["kvjax.alloc", "kvjax.req_pool", "kvjax.hybrid_req_pool", "kvjax.radix", "kvjax.tiers", "kvjax.kv_events"],
+    ),
     ("device", ["kvjax.pools", "kvjax.device_updates", "kvjax.device_state", "kvjax.attention", "kvjax.transfers"]),
     ("build", ["kvjax.build"]),
     ("serving", ["kvjax.serve", "kvjax.dp", "kvjax.replay"]),  # replay: trees + the DP router, host-only
@@ -324,6 +328,7 @@ JAX_FREE_MODULES = [
     "kvjax.pools",
     "kvjax.req_pool",
     "kvjax.tiers",
+    "kvjax.kv_events",
     "kvjax.cli",
     "kvjax.cli.demo_command",
     "kvjax.cli.generate_command",
