@@ -27,7 +27,8 @@ from kvjax.cli.serving_args import (
 )
 from kvjax.config import EVICTION_POLICIES
 from kvjax.errors import ConfigError, OutOfMemoryError
-from kvjax.multihost.errors import CoordinatorError, DivergenceError, ProcessLostError
+from kvjax.multihost.errors import AuthenticationError, CoordinatorError, DivergenceError, ProcessLostError
+from kvjax.multihost.wire import WireError
 from kvjax.serve.workload import Workload
 
 # CacheConfig and Workload options -> this command's flags (error messages name these).
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None
-    except (ProcessLostError, DivergenceError) as e:
+    except (ProcessLostError, DivergenceError, AuthenticationError, WireError) as e:
         print(f"python -m kvjax demo: error: {e}", file=sys.stderr)
         return 1
     if args.json:

@@ -13,6 +13,10 @@ scheduler can use the agreement without importing the rest):
 * ``agreement``: ``Agreement`` (MIN over processes; the host tier's agreed transfer completions
   are ``kvjax.tiers.agreed_copy_engine``, the storage tier's page counts ``kvjax.radix.storage_link``);
 * ``digest``: per-step state digests and their comparison;
+* ``wire``: the typed, versioned messages (strict JSON) that are all that crosses a process
+  boundary; ``cluster_secret``: the run's shared secret (``KVJAX_CLUSTER_SECRET``);
+  ``handshake``: the socket rendezvous's challenge-response; ``frame_auth``: every frame's HMAC;
+  ``socket_io``: bounded socket reads and writes;
 * ``errors``: the group's errors.
 
 The serving side lives with the serving loop (``kvjax.serve.multihost``: the front, the request

@@ -8,7 +8,8 @@ processes: a transfer counts as done only once it is done everywhere, a prefetch
 the pages every process received. Every process then makes the same change.
 
 * `LocalAgreement`: one process; the identity (what single-process serving uses).
-* `ProcessAgreement`: over a channel (``channel.Channel``); one exchange per call, elementwise MIN.
+* `ProcessAgreement`: over a channel (``channel.Channel``); one exchange per call, elementwise MIN;
+  the values travel as an `AgreedValues` message (``wire``: a tuple of ints, nothing else).
 
 Invariant: callers ask in the same order with the same number of values on every process (their
 state agrees, so their pending transfers do); a mismatch in length is a divergence and raises.
@@ -17,13 +18,23 @@ state agrees, so their pending transfers do); a mismatch in length is a divergen
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvjax.multihost.channel import Channel
+from kvjax.multihost.channel import Channel, all_gather_message
 from kvjax.multihost.errors import DivergenceError
+from kvjax.multihost.wire import wire_message
 from kvjax.transfer_status import TRANSFER_STATUS_RANK, TransferStatus
 
-__all__ = ["Agreement", "LocalAgreement", "ProcessAgreement", "agree_statuses"]
+__all__ = ["AgreedValues", "Agreement", "LocalAgreement", "ProcessAgreement", "agree_statuses"]
+
+
+@wire_message("agree", version=1)
+@dataclass(frozen=True)
+class AgreedValues:
+    """One process's values in one agreement: integers, in the caller's order."""
+
+    values: tuple[int, ...]
 
 
 @runtime_checkable
@@ -62,7 +73,7 @@ class ProcessAgreement:
 
     def agree_min(self, tag: str, values: Sequence[int]) -> list[int]:
         mine = [int(v) for v in values]
-        gathered = self.channel.all_gather_object(f"agree:{tag}", mine)
+        gathered = [m.values for m in all_gather_message(self.channel, f"agree:{tag}", AgreedValues(tuple(mine)))]
         lengths = {len(v) for v in gathered}
         if len(lengths) > 1:
             raise DivergenceError(

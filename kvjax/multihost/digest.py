@@ -17,7 +17,8 @@ Under DP attention every rank's scheduler gives these parts, and ``routing`` say
 each request went to.
 
 Invariant: equal states give equal digests on every process (no object ids, no addresses, no
-wall-clock time enters a digest).
+wall-clock time enters a digest). Digests travel as text (``dict[str, str]``) inside typed
+messages (``wire``): the step message's ``digest`` field, or a `StateDigest` of their own.
 """
 
 from __future__ import annotations
@@ -25,15 +26,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvjax.multihost.errors import DivergenceError
+from kvjax.multihost.wire import wire_message
 
-__all__ = ["PARTS", "compare_digests", "serving_digest"]
+__all__ = ["PARTS", "StateDigest", "compare_digests", "serving_digest"]
 
 PARTS = ("tree", "allocator", "request_table", "requests")
+
+
+@wire_message("digest", version=1)
+@dataclass(frozen=True)
+class StateDigest:
+    """One process's digest as it travels on its own: each part's hash, by part name."""
+
+    parts: dict[str, str]
 
 
 def _hasher() -> Any:

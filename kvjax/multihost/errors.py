@@ -1,10 +1,11 @@
-"""The errors of multi-process serving: a process that stopped answering, and processes whose
-state diverged. Both stop the run on the process that raises them; the message names the other
-process and what it was waiting for (or what differs)."""
+"""The errors of multi-process serving: a process that stopped answering, processes whose state
+diverged, a group that could not form, and a peer or frame that failed authentication. Each stops
+the run on the process that raises it; the message names the other process (or the address of
+the connection) and what it was waiting for (or what differs)."""
 
 from __future__ import annotations
 
-__all__ = ["CoordinatorError", "DivergenceError", "ProcessLostError"]
+__all__ = ["AuthenticationError", "CoordinatorError", "DivergenceError", "ProcessLostError"]
 
 
 class ProcessLostError(RuntimeError):
@@ -31,3 +32,18 @@ class DivergenceError(RuntimeError):
 class CoordinatorError(RuntimeError):
     """The processes could not form their group: the coordinator was unreachable within the
     initialization timeout, or the group's flags are inconsistent."""
+
+
+class AuthenticationError(CoordinatorError):
+    """A peer or a frame failed authentication against the group's secret
+    (``kvjax.multihost.cluster_secret``): process 0's rendezvous answer did not prove it holds the
+    secret, or a frame of an exchange was altered, replayed or not sealed with the group's key.
+    The connection it came over is closed; nothing it carried is used.
+
+    Attributes:
+        peer: who sent it: ``"process Q"`` or the connection's address (``host:port``).
+    """
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer

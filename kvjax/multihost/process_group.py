@@ -14,16 +14,23 @@ coordination service; ``transport="kv"``: ``ProcessChannel``, through its key-va
 and JAX's heartbeat, which ends every process of the group when one of them dies (twice the
 timeout, at least ``MIN_HEARTBEAT_S``, so that a process waiting in an exchange names the silent
 process first; JAX's own message names the task it lost).
+
+Authentication: a group of several processes needs the same ``ClusterSecret`` in each
+(``ProcessFlags.secret``, else the environment's ``KVJAX_CLUSTER_SECRET``; ``python -m kvjax
+launch`` sets it for the processes it starts). Without one ``initialize`` refuses before it
+contacts anything (``MissingSecretError``); with one, every peer of the channel is authenticated
+and every frame sealed (``socket_channel``, ``channel``).
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvjax.multihost.agreement import ProcessAgreement
 from kvjax.multihost.channel import DEFAULT_TIMEOUT_S, Channel, ProcessChannel
+from kvjax.multihost.cluster_secret import ClusterSecret, SecretLike
 from kvjax.multihost.errors import CoordinatorError
 from kvjax.multihost.socket_channel import SocketChannel
 
@@ -44,7 +51,9 @@ class ProcessFlags:
     ``cpu_devices``: CPU devices per process (None: the platform's own); ``timeout_s``: the
     bound of every wait (seconds); ``check_agreement``: compare every process's state digest at
     every step (``kvjax.multihost.digest``); ``join_timeout_s``: the bound on joining (reaching
-    the coordinator, every process registering), when it differs from ``timeout_s``.
+    the coordinator, every process registering), when it differs from ``timeout_s``;
+    ``secret``: the group's ``ClusterSecret`` (or its bytes or hex text; None: the environment's
+    ``KVJAX_CLUSTER_SECRET``), never shown in the flags' repr.
     """
 
     coordinator_address: str | None = None
@@ -55,6 +64,7 @@ class ProcessFlags:
     check_agreement: bool = False
     join_timeout_s: float | None = None
     transport: str = "socket"
+    secret: SecretLike | None = field(default=None, repr=False, compare=False)
 
     @property
     def join_bound_s(self) -> float:
@@ -93,9 +103,14 @@ def initialize(flags: ProcessFlags) -> ProcessGroup:
     use in the process.
 
     Raises:
+        MissingSecretError: the group may have several processes and no secret was given
+            (``flags.secret`` or ``KVJAX_CLUSTER_SECRET``); nothing was contacted.
         CoordinatorError: the coordinator did not answer within ``flags.timeout_s`` (probed
             before JAX joins, which would abort the process instead of raising).
+        AuthenticationError: process 0's rendezvous answer failed authentication (the
+            processes' secrets differ).
     """
+    secret = None if flags.num_processes == 1 else ClusterSecret.resolve(flags.secret)
     if flags.coordinator_address is not None and flags.process_id not in (None, 0):
         wait_for_coordinator(flags.coordinator_address, flags.join_bound_s)
     import jax
@@ -114,9 +129,9 @@ def initialize(flags: ProcessFlags) -> ProcessGroup:
     )
     channel: Channel
     if flags.transport == "kv":
-        channel = ProcessChannel.from_jax(timeout_s=flags.timeout_s)
+        channel = ProcessChannel.from_jax(secret=secret, timeout_s=flags.timeout_s)
     else:
-        channel = SocketChannel.from_jax(timeout_s=flags.timeout_s, join_timeout_s=flags.join_bound_s)
+        channel = SocketChannel.from_jax(secret=secret, timeout_s=flags.timeout_s, join_timeout_s=flags.join_bound_s)
     return ProcessGroup(jax.process_index(), jax.process_count(), channel, flags.check_agreement)
 
 

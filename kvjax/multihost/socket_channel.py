@@ -1,5 +1,6 @@
 """`SocketChannel`: the serving loop's exchanges over direct TCP connections between process 0 and
-every other process (a star), found once through the coordination service, each wait bounded.
+every other process (a star), found once through the coordination service, every peer
+authenticated and every frame sealed, each wait bounded.
 
 The same primitive and invariants as ``channel.ProcessChannel``: ``all_gather(tag, payload) ->
 [payload of process 0, 1, ...]``, every process making the same exchanges in the same order,
@@ -17,38 +18,44 @@ itself: on a mismatch every process raises. A process that dies closes its conne
 process reading from it names it at once rather than at the deadline; one that hangs is named at
 the deadline.
 
-Frame: ``<exchange u64><tag length u32><payload length u32><tag utf-8><payload>``, little endian.
+Frame: ``<exchange u64><tag length u32><payload length u32><tag utf-8><payload><tag MAC>``,
+little endian; the MAC (``frame_auth``, 32 bytes) seals the frame with the connection's key, its
+direction and its place in that direction's sequence, so a frame altered, replayed or not sealed
+by the peer is refused: the connection is closed, logged with its address and process, and an
+``AuthenticationError`` stops the run. Process 0 reseals each frame it relays for the
+connection it goes out on. Payloads are opaque bytes; what the serving loop sends in them is
+``wire``'s typed messages, never a pickle.
 
 Rendezvous (``connect``): process 0 listens on the address its host reaches the coordinator from
 (``reachable_host``), posts ``host:port`` under ``<namespace>/socket`` in the coordination
-service's key-value store, and accepts one connection from each other process, which first sends
-its process id; every step is bounded by the join timeout. Process 0 deletes the key afterwards.
+service's key-value store, and accepts connections until one from each other process passed the
+challenge-response of ``handshake`` (both ends prove they hold the group's ``ClusterSecret``,
+fresh nonces on each side). A connection that fails it (not a hello, a wrong or replayed proof,
+an id out of range or taken, silence) is closed and logged with its address (logger
+``kvjax.multihost``), never served, and process 0 goes on waiting for the real peers. Every step
+is bounded by the join timeout; process 0 deletes the key afterwards.
 """
 
 from __future__ import annotations
 
-import pickle
+import logging
 import socket
 import struct
 import time
 from collections.abc import Mapping
-from typing import Any
 
 from kvjax.multihost.channel import DEFAULT_TIMEOUT_S, KeyValueClient
-from kvjax.multihost.errors import DivergenceError, ProcessLostError
+from kvjax.multihost.cluster_secret import ClusterSecret, SecretLike
+from kvjax.multihost.errors import AuthenticationError, DivergenceError, ProcessLostError
+from kvjax.multihost.frame_auth import MAC_SIZE, FrameOpener, FrameSealer
+from kvjax.multihost.handshake import HANDSHAKE_TIMEOUT_S, Refused, accept_peer, join_process_zero
+from kvjax.multihost.socket_io import ConnectionLost, read_exact, send_all
 
 __all__ = ["SocketChannel", "reachable_host"]
 
+logger = logging.getLogger("kvjax.multihost")
+
 _HEADER = struct.Struct("<QII")
-_HELLO = struct.Struct("<I")
-
-
-class _Lost(Exception):
-    """A read or write on a peer's connection failed: ``reason`` says how."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class SocketChannel:
@@ -57,6 +64,8 @@ class SocketChannel:
     Args:
         peers: the open connections: on process 0, one per other process (by process id); on
             any other process, ``{0: connection to process 0}``.
+        keys: each connection's frame key (the handshake's; both ends hold the same), by the
+            same process ids as ``peers``.
         timeout_s: the longest wait for another process's message, in seconds.
 
     Attributes:
@@ -69,6 +78,7 @@ class SocketChannel:
         process_id: int,
         num_processes: int,
         *,
+        keys: Mapping[int, bytes],
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not 0 <= process_id < num_processes:
@@ -81,10 +91,14 @@ class SocketChannel:
                 f"process {process_id} of {num_processes} needs connections to processes {sorted(expected)}, "
                 f"got {sorted(peers)}"
             )
+        if set(keys) != set(peers):
+            raise ValueError(f"keys for processes {sorted(keys)} where the connections are to {sorted(peers)}")
         self.process_id = process_id
         self.num_processes = num_processes
         self.timeout_s = float(timeout_s)
         self.peers = dict(peers)
+        self._sealers = {q: FrameSealer(k, process_id, q) for q, k in keys.items()}
+        self._openers = {q: FrameOpener(k, q, process_id) for q, k in keys.items()}
         for sock in self.peers.values():
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go out at once
@@ -100,56 +114,67 @@ class SocketChannel:
         num_processes: int,
         *,
         host: str,
+        secret: SecretLike | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         join_timeout_s: float | None = None,
         namespace: str = "kvjax",
     ) -> SocketChannel:
-        """Open the star of connections (module docstring). ``host``: the address process 0
-        listens on (the others ignore it). Raises ``ProcessLostError`` naming the process that
-        did not connect within ``join_timeout_s`` (default ``timeout_s``)."""
+        """Open the star of authenticated connections (module docstring). ``host``: the address
+        process 0 listens on (the others ignore it); ``secret``: the group's (None: the
+        environment's ``KVJAX_CLUSTER_SECRET``; ``cluster_secret``).
+
+        Raises:
+            MissingSecretError: several processes and no secret.
+            ProcessLostError: a process did not connect (or process 0 did not answer) within
+                ``join_timeout_s`` (default ``timeout_s``), named.
+            AuthenticationError: on a process other than 0, process 0's answer failed
+                authentication (the secrets differ).
+        """
         bound = timeout_s if join_timeout_s is None else join_timeout_s
-        key = f"{namespace}/socket"
-        deadline = time.monotonic() + bound
-        peers: dict[int, socket.socket] = {}
         if num_processes == 1:
-            return cls(peers, process_id, num_processes, timeout_s=timeout_s)
+            return cls({}, process_id, num_processes, keys={}, timeout_s=timeout_s)
+        group_secret = ClusterSecret.resolve(secret)
+        deadline = time.monotonic() + bound
+        key = f"{namespace}/socket"
         if process_id == 0:
-            with socket.create_server((host, 0)) as server:
-                client.key_value_set_bytes(key, f"{host}:{server.getsockname()[1]}".encode())
-                while len(peers) < num_processes - 1:
-                    server.settimeout(max(deadline - time.monotonic(), 1e-3))
-                    try:
-                        conn, _ = server.accept()
-                        (peer,) = _HELLO.unpack(_read_exact(conn, _HELLO.size, deadline))
-                    except (OSError, _Lost):
-                        missing = sorted(set(range(1, num_processes)) - set(peers))
-                        raise ProcessLostError(
-                            missing[0],
-                            f"processes {missing} did not connect to process 0 within {bound:g} s; they died or "
-                            "cannot reach its address",
-                        ) from None
-                    peers[peer] = conn
+            peers, keys = _serve_rendezvous(client, key, group_secret, num_processes, host, deadline, bound)
             client.key_value_delete(key)
-        else:
-            try:
-                address = client.blocking_key_value_get_bytes(key, int(bound * 1000)).decode()
-            except Exception as e:  # noqa: BLE001  deadline exceeded, or the coordinator is gone
-                raise ProcessLostError(
-                    0, f"process 0 posted no address within {bound:g} s ({str(e).splitlines()[0] if str(e) else e})"
-                ) from None
-            addr_host, _, port = address.rpartition(":")
-            try:
-                conn = socket.create_connection((addr_host, int(port)), timeout=max(deadline - time.monotonic(), 1e-3))
-                conn.sendall(_HELLO.pack(process_id))
-            except OSError as e:
-                reason = f"process {process_id} could not connect to process 0 at {address}: {e}"
-                raise ProcessLostError(0, reason) from None
-            peers[0] = conn
-        return cls(peers, process_id, num_processes, timeout_s=timeout_s)
+            return cls(peers, process_id, num_processes, keys=keys, timeout_s=timeout_s)
+        try:
+            address = client.blocking_key_value_get_bytes(key, int(bound * 1000)).decode()
+        except Exception as e:  # noqa: BLE001  deadline exceeded, or the coordinator is gone
+            raise ProcessLostError(
+                0, f"process 0 posted no address within {bound:g} s ({str(e).splitlines()[0] if str(e) else e})"
+            ) from None
+        addr_host, _, port = address.rpartition(":")
+        try:
+            conn = socket.create_connection((addr_host, int(port)), timeout=max(deadline - time.monotonic(), 1e-3))
+        except OSError as e:
+            raise ProcessLostError(
+                0, f"process {process_id} could not connect to process 0 at {address}: {e}"
+            ) from None
+        try:
+            frame_key = join_process_zero(conn, group_secret, process_id, address, deadline)
+        except AuthenticationError:
+            conn.close()
+            raise
+        except ConnectionLost as e:
+            conn.close()
+            raise ProcessLostError(
+                0,
+                f"process 0 at {address} did not accept process {process_id} within {bound:g} s ({e.reason}); it "
+                "refused this process (see its log) or stopped",
+            ) from None
+        return cls({0: conn}, process_id, num_processes, keys={0: frame_key}, timeout_s=timeout_s)
 
     @classmethod
     def from_jax(
-        cls, *, timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None, namespace: str = "kvjax"
+        cls,
+        *,
+        secret: SecretLike | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        join_timeout_s: float | None = None,
+        namespace: str = "kvjax",
     ) -> SocketChannel:
         """The channel of the running ``jax.distributed`` group (``kvjax.multihost.initialize``
         first). Raises RuntimeError when jax.distributed is not initialized."""
@@ -164,6 +189,7 @@ class SocketChannel:
             jax.process_index(),
             jax.process_count(),
             host=reachable_host(distributed.global_state.coordinator_address),
+            secret=secret,
             timeout_s=timeout_s,
             join_timeout_s=join_timeout_s,
             namespace=namespace,
@@ -184,6 +210,7 @@ class SocketChannel:
             ProcessLostError: a process sent nothing within ``timeout_s`` or closed its
                 connection (named, with the exchange and the tag).
             DivergenceError: a process sent another tag (the programs diverged).
+            AuthenticationError: a frame failed authentication (its connection is closed).
         """
         n = self.exchanges
         if self.num_processes == 1:
@@ -198,11 +225,11 @@ class SocketChannel:
                 their_tag, their_payload, frame = self._receive(q, n, tag, deadline)
                 frames.append((their_tag, their_payload))
                 raw.append(frame)
-            everything = b"".join(raw)
             for q in range(1, self.num_processes):
-                self._send(q, everything, n, tag, deadline)
+                sealer = self._sealers[q]
+                self._send(q, b"".join(f + sealer.seal(f) for f in raw), n, tag, deadline)
         else:
-            self._send(0, mine, n, tag, deadline)
+            self._send(0, mine + self._sealers[0].seal(mine), n, tag, deadline)
             frames = [self._receive(0, n, tag, deadline)[:2] for _ in range(self.num_processes)]
         for q, (their_tag, _) in enumerate(frames):
             if their_tag != tag:
@@ -218,33 +245,42 @@ class SocketChannel:
         """Process 0's ``payload`` on every process (the others' ``payload`` is ignored)."""
         return self.all_gather(tag, payload if self.process_id == 0 else b"")[0]
 
-    def all_gather_object(self, tag: str, value: Any) -> list[Any]:
-        """``all_gather`` of a picklable value."""
-        return [pickle.loads(b) for b in self.all_gather(tag, pickle.dumps(value))]
-
     def _receive(self, peer: int, n: int, tag: str, deadline: float) -> tuple[str, bytes, bytes]:
-        """One frame from ``peer`` (the connection to process 0 on the others): its tag, payload
-        and raw bytes. The frame's sender is ``peer`` on process 0; elsewhere any process."""
+        """One authenticated frame from ``peer`` (the connection to process 0 on the others): its
+        tag, payload and bytes without the MAC. The frame's sender is ``peer`` on process 0;
+        elsewhere any process (relayed)."""
         sock = self.peers[peer]
         try:
-            header = _read_exact(sock, _HEADER.size, deadline)
+            header = read_exact(sock, _HEADER.size, deadline)
             exchange, tag_len, payload_len = _HEADER.unpack(header)
-            body = _read_exact(sock, tag_len + payload_len, deadline)
-        except _Lost as e:
+            rest = read_exact(sock, tag_len + payload_len + MAC_SIZE, deadline)
+        except ConnectionLost as e:
             raise self._lost(peer, n, tag, e.reason) from None
+        body, mac = rest[:-MAC_SIZE], rest[-MAC_SIZE:]
+        if not self._openers[peer].verify(mac, header, body):
+            address = _address(sock)
+            sock.close()
+            reason = (
+                f"a frame from process {peer} ({address}) at exchange {n} ({tag!r}) failed authentication: altered, "
+                f"replayed or not sealed with the group's key; process {self.process_id} closed the connection"
+            )
+            logger.warning("%s", reason)
+            raise AuthenticationError(f"process {peer}", reason)
         if exchange != n:
             raise DivergenceError(
                 n, f"process {peer} sent exchange {exchange} while process {self.process_id} is at exchange {n}"
             )
-        return body[:tag_len].decode(), body[tag_len:], header + body
+        try:
+            their_tag = body[:tag_len].decode()
+        except UnicodeDecodeError:
+            raise DivergenceError(n, f"process {peer} sent a tag that is not UTF-8 at exchange {n}") from None
+        return their_tag, body[tag_len:], header + body
 
     def _send(self, peer: int, data: bytes, n: int, tag: str, deadline: float) -> None:
-        sock = self.peers[peer]
         try:
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            sock.sendall(data)
-        except OSError as e:
-            raise self._lost(peer, n, tag, f"sending failed: {e}") from None
+            send_all(self.peers[peer], data, deadline)
+        except ConnectionLost as e:
+            raise self._lost(peer, n, tag, e.reason) from None
 
     def _lost(self, peer: int, n: int, tag: str, reason: str) -> ProcessLostError:
         return ProcessLostError(
@@ -254,32 +290,75 @@ class SocketChannel:
         )
 
 
+def _serve_rendezvous(
+    client: KeyValueClient,
+    key: str,
+    secret: ClusterSecret,
+    num_processes: int,
+    host: str,
+    deadline: float,
+    bound: float,
+) -> tuple[dict[int, socket.socket], dict[int, bytes]]:
+    """Process 0's side of the rendezvous (module docstring): the accepted connections and their
+    frame keys, by process id. Refused connections are closed and logged; the wait goes on until
+    ``deadline``, then ``ProcessLostError`` names the processes missing (and the refusals)."""
+    peers: dict[int, socket.socket] = {}
+    keys: dict[int, bytes] = {}
+    refused: list[str] = []
+    try:
+        with socket.create_server((host, 0)) as server:
+            client.key_value_set_bytes(key, f"{host}:{server.getsockname()[1]}".encode())
+            while len(peers) < num_processes - 1:
+                try:
+                    server.settimeout(max(deadline - time.monotonic(), 1e-3))
+                    conn, where = server.accept()
+                except OSError:
+                    missing = sorted(set(range(1, num_processes)) - set(peers))
+                    also = f"; refused {len(refused)} connection(s) from {', '.join(refused)}" if refused else ""
+                    raise ProcessLostError(
+                        missing[0],
+                        f"processes {missing} did not connect to process 0 within {bound:g} s; they died or cannot "
+                        f"reach its address{also}",
+                    ) from None
+                address = _format_address(where)
+                try:
+                    handshake_deadline = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+                    peer, frame_key = accept_peer(conn, secret, num_processes, peers, handshake_deadline)
+                except Refused as e:
+                    conn.close()
+                    refused.append(address)
+                    logger.warning(
+                        "process 0 refused the connection from %s during the rendezvous and closed it: %s",
+                        address,
+                        e.reason,
+                    )
+                    continue
+                peers[peer] = conn
+                keys[peer] = frame_key
+    except BaseException:
+        for conn in peers.values():
+            conn.close()
+        raise
+    return peers, keys
+
+
+def _format_address(where: object) -> str:
+    """``host:port`` of a socket address (``([host], port, ...)``), else its text."""
+    if isinstance(where, tuple) and len(where) >= 2:
+        return f"{where[0]}:{where[1]}"
+    return str(where) or "a local socket"
+
+
+def _address(sock: socket.socket) -> str:
+    try:
+        return _format_address(sock.getpeername())
+    except OSError:
+        return "a closed connection"
+
+
 def _frame(n: int, tag: str, payload: bytes) -> bytes:
     encoded = tag.encode()
     return _HEADER.pack(n, len(encoded), len(payload)) + encoded + payload
-
-
-def _read_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
-    """``size`` bytes from ``sock`` before ``deadline`` (``time.monotonic()``); ``_Lost`` when the
-    connection closed, failed or the deadline passed."""
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _Lost("timed out")
-        try:
-            sock.settimeout(remaining)
-            count = sock.recv_into(view[got:])
-        except TimeoutError:
-            raise _Lost("timed out") from None
-        except OSError as e:
-            raise _Lost(f"connection failed: {e}") from None
-        if count == 0:
-            raise _Lost("its connection closed")
-        got += count
-    return bytes(buf)
 
 
 def reachable_host(coordinator_address: str | None) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.multihost.cluster_secret import CLUSTER_SECRET_ENV, ClusterSecret
 from kvjax.serve.multihost.launcher import free_port
 from tests.mesh.subprocess_run import ROOT
 
@@ -43,8 +44,14 @@ class ProcessResult:
         return json.loads(self.stdout.strip().splitlines()[-1])
 
 
-def child_env(devices: int | None = None) -> dict[str, str]:
+def child_env(devices: int | None = None, secret: str | None = None) -> dict[str, str]:
+    """The environment of a group's process: CPU platform, ``devices`` host devices, the repository
+    importable, and the group's cluster secret (``secret``, hex; None leaves it unset: the
+    launcher draws its own)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop(CLUSTER_SECRET_ENV, None)
+    if secret is not None:
+        env[CLUSTER_SECRET_ENV] = secret
     env.pop("XLA_FLAGS", None)
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -77,6 +84,7 @@ def _run_group(
     kill_on_failure: bool,
 ) -> list[ProcessResult]:
     port = free_port()
+    env = child_env(secret=ClusterSecret.generate().hex())  # one secret for the group's processes
     procs = []
     # Output goes to files, never pipes: a pipe nobody reads until the end fills and blocks its writer.
     files = [(stack.enter_context(_temp()), stack.enter_context(_temp())) for _ in range(processes)]
@@ -85,7 +93,7 @@ def _run_group(
         argv = [sys.executable, *python_args, "--coordinator", f"127.0.0.1:{port}"]
         argv += ["--process-id", str(i), "--num-processes", str(processes), "--devices", str(devices)]
         out, err = files[i]
-        procs.append(subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=out, stderr=err, text=True))
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, text=True))
     ended: dict[int, float] = {}
     while len(ended) < processes:
         for i, p in enumerate(procs):

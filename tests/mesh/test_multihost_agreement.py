@@ -51,7 +51,8 @@ def _scenario(mode: str) -> dict:
     group = join(args)
     from kvjax.alloc import make_allocator
     from kvjax.multihost.agreement import LocalAgreement
-    from kvjax.multihost.digest import allocator_digest, compare_digests, tree_digest
+    from kvjax.multihost.channel import all_gather_message
+    from kvjax.multihost.digest import StateDigest, allocator_digest, compare_digests, tree_digest
     from kvjax.multihost.errors import DivergenceError
     from kvjax.radix import HiRadixCache
     from kvjax.tiers import SimulatedCopyEngine
@@ -97,7 +98,8 @@ def _scenario(mode: str) -> dict:
         }
         digests.append(digest["tree"])
         try:
-            compare_digests(step, group.channel.all_gather_object("digest", digest))
+            gathered = all_gather_message(group.channel, "digest", StateDigest(digest))
+            compare_digests(step, [d.parts for d in gathered])
         except DivergenceError as e:
             report.update(diverged_at=e.step, message=str(e))
             break

@@ -5,6 +5,7 @@ loopback."""
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -13,49 +14,30 @@ from typing import Any
 
 import pytest
 
-from kvjax.multihost.agreement import LocalAgreement, ProcessAgreement, agree_statuses
-from kvjax.multihost.channel import DELETE_BLOCK, ProcessChannel
+from kvjax.multihost.agreement import AgreedValues, LocalAgreement, ProcessAgreement, agree_statuses
+from kvjax.multihost.channel import DELETE_BLOCK, ProcessChannel, all_gather_message
 from kvjax.multihost.digest import compare_digests
 from kvjax.multihost.errors import DivergenceError, ProcessLostError
 from kvjax.multihost.socket_channel import SocketChannel
 from kvjax.tiers.copy_engine import TransferStatus
-
-
-class MemoryStore:
-    """The coordination service's key-value calls the channel makes, in memory."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.cond = threading.Condition()
-
-    def key_value_set_bytes(self, key: str, value: bytes) -> None:
-        with self.cond:
-            assert key not in self.data, f"{key} set twice"
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout=timeout_in_ms / 1000):
-                raise TimeoutError("DEADLINE_EXCEEDED")
-            return self.data[key]
-
-    def key_value_delete(self, key: str) -> None:
-        with self.cond:
-            for k in [k for k in self.data if k == key or k.startswith(key + "/")]:
-                del self.data[k]
+from tests.multihost.memory_store import SECRET, MemoryStore
 
 
 def kv_channels(timeout_s: float, store: MemoryStore | None = None) -> list[Any]:
     """Processes 0 and 1's channels over one in-memory key-value store."""
     store = store if store is not None else MemoryStore()
-    return [ProcessChannel(store, i, 2, timeout_s=timeout_s) for i in range(2)]
+    return [ProcessChannel(store, i, 2, secret=SECRET, timeout_s=timeout_s) for i in range(2)]
 
 
 def socket_channels(timeout_s: float) -> list[Any]:
-    """Processes 0 and 1's channels over a connected socket pair."""
+    """Processes 0 and 1's channels over a connected socket pair (one frame key, as a handshake
+    gives both ends)."""
     a, b = socket.socketpair()
-    return [SocketChannel({1: a}, 0, 2, timeout_s=timeout_s), SocketChannel({0: b}, 1, 2, timeout_s=timeout_s)]
+    key = secrets.token_bytes(32)
+    return [
+        SocketChannel({1: a}, 0, 2, keys={1: key}, timeout_s=timeout_s),
+        SocketChannel({0: b}, 1, 2, keys={0: key}, timeout_s=timeout_s),
+    ]
 
 
 TRANSPORTS = {"kv": kv_channels, "socket": socket_channels}
@@ -164,7 +146,7 @@ def test_the_socket_rendezvous_connects_every_process_through_the_store():
     channels: list[Any] = [None] * 3
 
     def join(i: int) -> None:
-        channels[i] = SocketChannel.connect(store, i, 3, host="127.0.0.1", timeout_s=5)
+        channels[i] = SocketChannel.connect(store, i, 3, host="127.0.0.1", secret=SECRET, timeout_s=5)
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(3)]
     for t in threads:
@@ -175,21 +157,21 @@ def test_the_socket_rendezvous_connects_every_process_through_the_store():
     results: list[Any] = [None] * 3
 
     def gather(i: int) -> None:
-        results[i] = channels[i].all_gather_object("ids", i * 10)
+        results[i] = all_gather_message(channels[i], "ids", AgreedValues((i * 10,)))
 
     threads = [threading.Thread(target=gather, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert results == [[0, 10, 20]] * 3
+    assert results == [[AgreedValues((0,)), AgreedValues((10,)), AgreedValues((20,))]] * 3
     for ch in channels:
         ch.close()
 
 
 def test_a_process_that_never_connects_is_named():
     with pytest.raises(ProcessLostError, match=r"processes \[1\] did not connect to process 0 within 0.3 s"):
-        SocketChannel.connect(MemoryStore(), 0, 2, host="127.0.0.1", timeout_s=0.3)
+        SocketChannel.connect(MemoryStore(), 0, 2, host="127.0.0.1", secret=SECRET, timeout_s=0.3)
 
 
 def test_compare_digests_names_the_step_process_and_parts():

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from kvjax.cli import main
+from kvjax.multihost.cluster_secret import CLUSTER_SECRET_ENV, ClusterSecret
 from kvjax.serve.multihost.launcher import free_port
 from tests.mesh.multihost_group import child_env, join, parse_group_args, run_group
 from tests.mesh.subprocess_run import ROOT
@@ -64,7 +65,8 @@ def test_a_dead_or_hung_process_is_named_by_the_others_within_the_bound(mode):
     assert report["waited_s"] < TIMEOUT_S + 2, report
 
 
-def test_an_unreachable_coordinator_is_one_clear_error(capsys):
+def test_an_unreachable_coordinator_is_one_clear_error(capsys, monkeypatch):
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, ClusterSecret.generate().hex())
     port = free_port()
     argv = ["demo", "--num-processes", "2", "--process-id", "1", "--coordinator", f"127.0.0.1:{port}"]
     assert main([*argv, "--process-timeout", "1"]) == 2

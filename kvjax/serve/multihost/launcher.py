@@ -7,6 +7,11 @@ Each process ``i`` runs ``python -m kvjax COMMAND ... --coordinator 127.0.0.1:PO
 status the others are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the launcher
 returns that status; it never waits on a dead process's peers. On a TPU pod there is no
 launcher: every host runs the command itself (``--distributed``).
+
+Each launch draws a fresh cluster secret (``ClusterSecret.generate``) and gives it to its
+processes in their environment only (``KVJAX_CLUSTER_SECRET``, replacing any inherited value):
+never on a command line, never in a log line. The processes authenticate each other with it
+(``kvjax.multihost.handshake``); nothing outside the launch knows it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import IO
+
+from kvjax.multihost.cluster_secret import CLUSTER_SECRET_ENV, ClusterSecret
 
 __all__ = ["free_port", "launch"]
 
@@ -61,6 +68,7 @@ def launch(
     log = log or sys.stderr
     address = f"127.0.0.1:{port or free_port()}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env[CLUSTER_SECRET_ENV] = ClusterSecret.generate().hex()  # this launch's processes only
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
     threads: list[threading.Thread] = []
