@@ -1,6 +1,8 @@
 """``python -m kvjax launch --processes N -- demo ...``: one command as N local processes of one
 ``jax.distributed`` run (``kvjax.serve.multihost.launcher``); for trying multi-process serving on one
-machine. On a TPU pod every host runs the command itself with ``--distributed``."""
+machine. Each launch gives its processes a fresh cluster secret in their environment
+(``KVJAX_CLUSTER_SECRET``), with which they authenticate each other. On a TPU pod every host runs
+the command itself with ``--distributed`` and the same exported ``KVJAX_CLUSTER_SECRET``."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@
 passes each process it starts), or ``--distributed`` alone on a TPU pod, where JAX detects all
 three itself. ``--process-timeout`` bounds every wait (seconds). Whether every step's state
 digests are compared is the environment's ``KVJAX_CHECK_AGREEMENT=1``, read here (the command
-line) only and passed down.
+line) only and passed down. The group's secret is never a flag (a command line is visible to
+every user of the host): ``KVJAX_CLUSTER_SECRET`` in the environment, which ``launch`` sets and
+``kvjax.multihost.process_group.initialize`` reads (``kvjax.multihost.cluster_secret``).
 """
 
 from __future__ import annotations

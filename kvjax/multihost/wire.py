@@ -205,7 +205,7 @@ def encode(message: Any) -> bytes:
     """
     cls = _message_type(message)
     plain = _to_plain(message, cls, cls.__name__)
-    return json.dumps(plain, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode()
+    return json.dumps(plain, separators=(",", ":"), allow_nan=False).encode()  # ASCII: any str travels
 
 
 # --- decoding --------------------------------------------------------------------------------------

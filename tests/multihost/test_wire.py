@@ -40,6 +40,7 @@ def decode_step(obj: dict) -> StepMessage:
         StepMessage(3, (spec(), spec(rid=12, extra_key=None, priority=-2), spec(extra_key=99, stop_token_ids=()))),
         StepMessage(0, (), {"tree": "0f", "allocator": "aa"}),
         StepMessage(2**40, (spec(prompt=tuple(range(1000))),), {}),
+        StepMessage(1, (spec(rid="r\u00e9\ud800", extra_key="t\u00e9nant"),)),  # any str, lone surrogates too
     ],
 )
 def test_step_messages_round_trip(message):
