@@ -91,6 +91,9 @@ class DemoReport:
     rank_hit_rates: list[float] | None = None
     # With a draft model (--speculative-algorithm STANDALONE): the warm run's acceptance counters.
     speculative: dict | None = None
+    # With --kv-events-config: the KV events and batches the warm run published (every rank's).
+    kv_events_published: int | None = None
+    kv_event_batches_published: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -125,7 +128,13 @@ class DemoReport:
             + self._agreement_lines()
             + self._host_lines(check)
             + self._speculative_lines()
+            + self._kv_events_lines()
         )
+
+    def _kv_events_lines(self) -> list[str]:
+        if self.kv_events_published is None:
+            return []
+        return [f"KV events: {self.kv_events_published:,} published in {self.kv_event_batches_published:,} batches"]
 
     def _dp_lines(self) -> list[str]:
         if self.rank_hit_rates is None or self.rank_requests is None:
@@ -209,6 +218,7 @@ def serve(
     draft: LoadedModel | None = None,
     speculative_num_steps: int = 3,
     group: ProcessGroup | None = None,
+    kv_events: Any = None,
     **config_kwargs,
 ) -> tuple[Scheduler | LockstepDPScheduler, dict]:
     """Build a fresh cache, run ``workload`` through a scheduler; return it and the outputs by request.
@@ -224,6 +234,9 @@ def serve(
     ``draft``: decode speculatively with this STANDALONE draft (``speculative_num_steps`` per round).
     ``group``: serve as one process of a multi-process run (``kvjax.multihost``): the mesh spans
     every process, requests enter on process 0, completions are agreed.
+    ``kv_events``: a ``KVEventsConfig``: the trees' KV events published on the wire
+    (``kvjax.serve.kv_events``; one stream per DP rank; by process 0 only of a multi-process
+    run), closed when the workload is done; the server's ``kv_event_streams`` holds them.
     """
     serving: ModelSpec | ModelConfig
     if model is None:
@@ -257,11 +270,21 @@ def serve(
         front = MultiProcessFront(server, group.channel, check_agreement=group.check_agreement)
     for tree in trees:  # RadixCache and ChunkCache both have force_miss
         tree.force_miss = force_miss
+    streams = None
+    if kv_events is not None and (group is None or group.process_id == 0):
+        from kvjax.serve.kv_events import attach_kv_events
+
+        streams = attach_kv_events(server, kv_events)
     bar = _Progress(
         progress, workload.num_requests, "radix off" if config_kwargs.get("disable_radix_cache") else "radix on"
     )
-    outputs = run_workload(front, workload, on_finish=lambda _: bar.advance())
+    try:
+        outputs = run_workload(front, workload, on_finish=lambda _: bar.advance())
+    finally:
+        if streams is not None:
+            streams.close()
     bar.close()
+    server.kv_event_streams = streams  # type: ignore[union-attr]
     if isinstance(front, MultiProcessFront) and group is not None:
         group.digest_checks += front.digest_checks
     return server, outputs
@@ -365,6 +388,7 @@ def run_demo(
     dcp_size: int = 1,
     group: ProcessGroup | None = None,
     pp_size: int = 1,
+    kv_events: Any = None,
 ) -> DemoReport:
     """Serve the workload cold then warm and compare; see the module docstring. ``model``: a
     loaded checkpoint instead of the tiny model. ``enable_hierarchical_cache``: the warm run has a
@@ -380,7 +404,8 @@ def run_demo(
     ``group``: this process's part of a multi-process run (``kvjax.multihost``; the mesh spans
     every process; the same scheduler, or DP front, on every process; tensor parallel or DP
     attention). ``pp_size`` above 1: every run over that many pipeline stages of ``tp_size`` local
-    devices each (``_pipeline_server``)."""
+    devices each (``_pipeline_server``). ``kv_events``: a ``KVEventsConfig``: the warm run publishes
+    its trees' KV events (``serve``); the report counts them."""
     workload = workload or Workload()
     if pp_size > 1 and (dp_size > 1 or group is not None):
         raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
@@ -430,10 +455,15 @@ def run_demo(
     storage: dict[str, Any] = {}
     if hicache_storage is not None:
         storage = dict(hicache_storage_backend="file", hicache_storage_dir=hicache_storage)
-    warm, warm_out = serve(workload, enable_hierarchical_cache=enable_hierarchical_cache, **storage, **settings)
+    warm, warm_out = serve(
+        workload, enable_hierarchical_cache=enable_hierarchical_cache, kv_events=kv_events, **storage, **settings
+    )
     seconds = time.perf_counter() - start
+    events = _kv_event_counts(warm)
     if isinstance(warm, LockstepDPScheduler) and isinstance(cold, LockstepDPScheduler):
-        return _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group)
+        return dataclasses.replace(
+            _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group), **events
+        )
     if not isinstance(warm, Scheduler) or not isinstance(cold, Scheduler):
         raise AssertionError("one rank: every run has one Scheduler")
     stats: ServeStats = warm.stats
@@ -465,7 +495,16 @@ def run_demo(
         tree_text=_tree_text(warm.cache.tree_cache),
         speculative=_speculative_counters(warm),
         **host,
+        **events,
     )
+
+
+def _kv_event_counts(server: Any) -> dict[str, Any]:
+    """The report's KV event fields of a run that published them (``serve(kv_events=...)``)."""
+    streams = getattr(server, "kv_event_streams", None)
+    if streams is None:
+        return {}
+    return {"kv_events_published": streams.published_events, "kv_event_batches_published": streams.published_batches}
 
 
 def _run_fields(

@@ -23,6 +23,7 @@ from kvjax.cli.serving_args import (
     add_serving_arguments,
     cache_options,
     dp_attention_config,
+    kv_events_options,
     speculative_options,
 )
 from kvjax.config import EVICTION_POLICIES
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             dp_routing=args.dp_routing,
             **cache_options(args),
             **speculative,
+            **kv_events_options(args),
         )
     except OutOfMemoryError as e:
         raise ConfigError("max_total_tokens", args.max_total_tokens, str(e)) from None

@@ -5,6 +5,7 @@ cache options they set (``cache_options``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -28,6 +29,7 @@ SERVING_FLAGS = {
     "draft": "--speculative-draft-model-path",
     "dcp_size": "--dcp",
     "pp_size": "--pp",
+    "kv_events_config": "--kv-events-config",
 }
 
 
@@ -96,6 +98,38 @@ def add_serving_arguments(
     )
     parser.add_argument("--speculative-draft-model-path", metavar="DIR", help="the draft: a checkpoint or a preset")
     parser.add_argument("--speculative-num-steps", type=positive_int, help="draft tokens per round (default 3)")
+    parser.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        type=kv_events_config,
+        help="publish the radix cache's KV events for fleet routers (SGLang's flag, vLLM's wire format), e.g. "
+        '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\'; '
+        'add "block_hash": "sha256_cbor" for vLLM\'s block hashes (seeded by PYTHONHASHSEED or "hash_seed"); '
+        "with --dp, rank r publishes at each port + r",
+    )
+
+
+def kv_events_config(text: str) -> Any:
+    """``--kv-events-config``: the parsed ``KVEventsConfig`` (jax-free, no msgspec), its
+    ``sha256_cbor`` seed taken from ``PYTHONHASHSEED`` when the JSON gives none (as vLLM seeds its
+    hash); an ``argparse`` error naming the bad field otherwise."""
+    from kvjax.errors import ConfigError
+    from kvjax.kv_events.config import KVEventsConfig
+
+    try:
+        config = KVEventsConfig.from_json(text).with_seed(os.environ.get("PYTHONHASHSEED"))
+        if config.publishes and config.block_hash == "sha256_cbor" and config.hash_seed is None:
+            raise ConfigError("hash_seed", None, 'sha256_cbor needs a seed: set PYTHONHASHSEED or give "hash_seed"')
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return config
+
+
+def kv_events_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``--kv-events-config`` adds to the serving entry points' arguments: ``{"kv_events":
+    config}``, or nothing without the flag (or with a configuration that publishes nothing)."""
+    config = getattr(args, "kv_events_config", None)
+    return {"kv_events": config} if config is not None and config.publishes else {}
 
 
 def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dict[str, Any]:

@@ -127,12 +127,14 @@ class Mirror:
         finally:
             req.close(linger=0)
 
-    def drain(self, timeout_ms: int = 200) -> None:
-        """Receive until the stream is quiet for ``timeout_ms``, replaying over any gap; then ask
-        the replay socket for anything after the last batch seen (a subscriber that joined late
-        saw none of the batches sent before its subscription reached the publisher)."""
+    def drain(self, timeout_ms: int = 200, *, replay_tail: bool = True) -> None:
+        """Receive until the stream is quiet for ``timeout_ms``, replaying over any gap; then
+        (``replay_tail``) ask the replay socket for anything after the last batch seen (a
+        subscriber that joined late saw none of the batches sent before its subscription
+        reached the publisher)."""
         self._receive(timeout_ms)
-        self.replay_from(self.last_seq + 1)
+        if replay_tail:
+            self.replay_from(self.last_seq + 1)
 
     def _receive(self, timeout_ms: int) -> None:
         while self.sub.poll(timeout_ms):

@@ -1,0 +1,65 @@
+"""The serving loop publishes its KV events: the demo's ``serve`` over the tiny model (a real
+``Scheduler``, the host tier, a pool small enough to evict) with ``--kv-events-config``'s
+configuration, a real subscriber rebuilding the tree's cached blocks from the stream; and the
+command line's flag refuses a bad configuration naming the field, before jax starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from kvjax.kv_events.blocks import cached_blocks  # noqa: E402
+from kvjax.kv_events.config import KVEventsConfig  # noqa: E402
+from tests.kv_events.vllm_layout import Mirror  # noqa: E402
+from tests.workloads import SMALL  # noqa: E402
+
+# Whole pages beyond the shared prompts (questions and turns of 24 tokens at page 16), a pool of
+# 160 tokens that cannot hold them all: device eviction, backups to the host and load-backs.
+WORKLOAD = dataclasses.replace(SMALL, groups=3, question_tokens=24, turns=3, turn_tokens=24, output_tokens=8)
+
+
+def test_the_demo_server_publishes_what_its_tree_caches(tmp_path):
+    from kvjax.demo import serve
+    from kvjax.serve.scheduler import Scheduler
+
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    config = KVEventsConfig(publisher="zmq", endpoint=pub, replay_endpoint=replay, topic="kv")
+    mirror = Mirror(pub, replay, topic="kv")
+    try:
+        server, _ = serve(
+            WORKLOAD,
+            page_size=16,
+            max_total_tokens=160,
+            enable_hierarchical_cache=True,
+            overlap=True,
+            kv_events=config,
+        )
+        assert isinstance(server, Scheduler)
+        # serve closed the publisher (no replay now): the stream must have arrived whole, live
+        mirror.drain(1000, replay_tail=False)
+        assert mirror.replayed == 0 and mirror.last_seq == mirror.batches - 1
+        assert mirror.blocks == cached_blocks(server.tree)
+        assert {m for m, _ in mirror.blocks} == {"GPU", "CPU_TIER1"}
+        assert server.stats.evicted_tokens > 0
+        streams = getattr(server, "kv_event_streams")  # noqa: B009 - set by serve
+        assert streams.published_batches == mirror.batches > 1
+    finally:
+        mirror.close()
+
+
+def test_the_command_line_refuses_a_bad_configuration_by_field():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax", "demo", "--kv-events-config", '{"publisher": "zmq", "buffer_step": 5}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "--kv-events-config" in out.stderr and "buffer_step=5" in out.stderr and "buffer_steps" in out.stderr
