@@ -18,7 +18,7 @@ ranks step in rank order: two runs of the same stream route and serve alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from kvjax.build import build_kv_cache
@@ -58,6 +58,8 @@ class DPScheduler:
         self.router = DPRouter(trees, policy, max_load_gap_tokens=max_load_gap_tokens)
         self.rank_of: dict[Any, int] = {}
         self.finished: list[ServingReq] = []
+        # Open sessions: (the rank their first turn was routed to, None before it; namespace).
+        self._sessions: dict[str, tuple[int | None, Hashable]] = {}
 
     @classmethod
     def build(
@@ -106,18 +108,89 @@ class DPScheduler:
     def check_servable(self, reqs: Iterable[ServingReq]) -> None:
         """``ConfigError`` naming the first request no rank can serve (longer than the context,
         or whose KV can never fit a rank's pool); nothing changes. Every rank has the same plan:
-        one rank's limits are every rank's."""
-        self.schedulers[0].check_servable(reqs)
+        one rank's limits are every rank's. A turn of a session already on a rank is checked by
+        that rank (with its history); a session turn that cannot be taken is a ``ValueError``."""
+        reqs = list(reqs)
+        fresh: list[ServingReq] = []
+        by_rank: dict[int, list[ServingReq]] = {}
+        seen: set[str] = set()
+        for req in reqs:
+            sid = req.session_id
+            if sid is None:
+                fresh.append(req)
+                continue
+            if sid not in self._sessions:
+                raise KeyError(f"request {req.rid!r}: no open session {sid!r}; open it with open_session first")
+            if sid in seen:
+                raise ValueError(
+                    f"request {req.rid!r}: session {sid!r} has a turn earlier in this submission; a session "
+                    "takes one turn at a time: submit the next after it finishes"
+                )
+            seen.add(sid)
+            rank, extra_key = self._sessions[sid]
+            if req.extra_key is not None and req.extra_key != extra_key:
+                raise ValueError(
+                    f"request {req.rid!r}: extra_key {req.extra_key!r} differs from its session's "
+                    f"({extra_key!r}); a session's turns share one cache namespace"
+                )
+            if rank is None:
+                fresh.append(req)
+            else:
+                by_rank.setdefault(rank, []).append(req)
+        if fresh:
+            self.schedulers[0].check_servable([r for r in fresh if r.session_id is None])
+            for req in fresh:
+                if req.session_id is not None:  # a first turn: no history yet
+                    self.schedulers[0].check_servable([_without_session(req)])
+        for rank, turns in by_rank.items():
+            self.schedulers[rank].check_servable(turns)
 
     def submit(self, reqs: Iterable[ServingReq]) -> None:
         """Route and queue requests, in order. All or none: a request no rank can serve
-        (``check_servable``) raises ``ConfigError`` before any is routed."""
+        (``check_servable``) raises ``ConfigError`` before any is routed. A session's turns go to
+        the rank its first turn was routed to (its KV is there)."""
         reqs = list(reqs)
         self.check_servable(reqs)
         for req in reqs:
-            rank = self.router.route(req.origin_input_ids, self.loads(), req.extra_key)
+            sid = req.session_id
+            rank = self._sessions[sid][0] if sid is not None else None
+            if rank is None:
+                rank = self.router.route(req.origin_input_ids, self.loads(), req.extra_key)
+                if sid is not None:
+                    extra_key = self._sessions[sid][1]
+                    self.schedulers[rank].open_session(sid, extra_key)
+                    self._sessions[sid] = (rank, extra_key)
             self.rank_of[req.rid] = rank
             self.schedulers[rank].submit([req])
+
+    def open_session(self, session_id: str | None = None, extra_key: Hashable = None) -> str:
+        """Open a session (``kvjax.serve.sessions``); its first turn is routed like any request,
+        and every later turn goes to the same rank. Returns its id."""
+        if session_id is None:
+            n = len(self._sessions)
+            while f"session-{n}" in self._sessions:
+                n += 1
+            session_id = f"session-{n}"
+        elif not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id={session_id!r}: give a non-empty string")
+        elif session_id in self._sessions:
+            raise ValueError(f"session {session_id!r} is already open; close it first or choose another id")
+        self._sessions[session_id] = (None, extra_key)
+        return session_id
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session on its rank (``Scheduler.close_session``; ValueError while a turn of
+        it is queued or running, KeyError for one not open)."""
+        if session_id not in self._sessions:
+            raise KeyError(f"no open session {session_id!r}; open it with open_session first")
+        rank = self._sessions[session_id][0]
+        if rank is not None:
+            self.schedulers[rank].close_session(session_id)
+        del self._sessions[session_id]
+
+    def session_rank(self, session_id: str) -> int | None:
+        """The rank serving the session (None before its first turn)."""
+        return self._sessions[session_id][0]
 
     @property
     def idle(self) -> bool:
@@ -152,3 +225,8 @@ class DPScheduler:
     def hit_rate(self) -> float:
         """Cached prompt tokens over prompt tokens, all ranks together."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _without_session(req: ServingReq) -> ServingReq:
+    """A stand-in of a session's first turn for checking limits on a rank where it is not open."""
+    return ServingReq(req.rid, req.origin_input_ids, max_new_tokens=req.max_new_tokens, extra_key=req.extra_key)

@@ -68,7 +68,13 @@ class StepBatch:
 
 
 class ServingExtension:
-    """Base class of the per-kind serving hooks (see the module docstring); every hook is a no-op."""
+    """Base class of the per-kind serving hooks (see the module docstring); every hook is a no-op.
+
+    ``keeps_session_kv``: a session's finished turn may keep its row and KV for the next turn
+    with this kind in the cache (``kvjax.serve.sessions``): the kind keeps no per-request state
+    that the hold would leave stale. False unless the kind says so."""
+
+    keeps_session_kv: bool = False
 
     def attach(self, scheduler: Any) -> None:
         """Called once by the scheduler that runs this extension (before any other hook)."""

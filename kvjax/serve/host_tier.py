@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 class HostTierExtension(ServingExtension):
     """See the module docstring. ``loaded_tokens``: key elements loaded back from the host."""
 
+    # A session's held KV is ordinary locked tree KV: it is backed up to the host when released
+    # and evicted, and a resumed turn needs no load-back.
+    keeps_session_kv = True
+
     def __init__(self, cache: KVCache) -> None:
         tree = required_part(cache.tree_cache, HiRadixCache, "the host tier extension")
         self.cache = cache
@@ -122,7 +126,11 @@ class HostTierExtension(ServingExtension):
         match = tree.match_prefix(req.token_range(0, n), req.extra_key)
         if getattr(match, "host_hit_length", 0) < max(tree.host.load_back_threshold, 1):
             return
-        loaded = tree.init_load_back(match, mem_quota=self._quota(req, match))
+        quota = self._quota(req, match)
+        sessions = getattr(self.scheduler, "sessions", None)
+        while quota < match.host_hit_length and sessions is not None and sessions.release_one():
+            quota = self._quota(req, match)  # a released session's KV is evictable: room to load into
+        loaded = tree.init_load_back(match, mem_quota=quota)
         if loaded.prefix_len <= req.cache_protected_len:
             return
         lock = tree.inc_lock_ref(loaded.last_node)

@@ -89,7 +89,7 @@ import collections
 import dataclasses
 import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -112,6 +112,7 @@ from kvjax.serve.pool_fit import check_fits_pool, no_progress_error
 from kvjax.serve.retention_clock import RetentionClock
 from kvjax.serve.serving_front import serve_to_completion
 from kvjax.serve.serving_req import ServingReq
+from kvjax.serve.sessions import SessionTable
 from kvjax.serve.stepping import OneMesh, PackedStep, Proposer, Stepping, StepRows
 from kvjax.spec import ModelSpec
 
@@ -268,6 +269,7 @@ class Scheduler:
         self.proposer = proposer
         if proposer is not None:
             proposer.attach(self)
+        self.sessions = SessionTable(self)
 
     @property
     def step_fn(self) -> Any:
@@ -283,21 +285,39 @@ class Scheduler:
     def submit(self, reqs: Iterable[ServingReq]) -> None:
         """Queue requests (arrival order is admission order). All or none: a request longer than
         the context (``ConfigError`` naming ``context_length``) or whose KV can never fit the pool
-        (``ConfigError`` naming ``max_total_tokens``) is refused before any is queued."""
+        (``ConfigError`` naming ``max_total_tokens``), or a session turn that cannot be taken
+        (``ValueError``: ``kvjax.serve.sessions``), is refused before any is queued. A session's
+        turn gets its history prepended here."""
         reqs = list(reqs)
         self.check_servable(reqs)
         for req in reqs:
             if req.retention_seconds:
                 self._retaining = True
+            if req.session_id is not None:
+                self.sessions.begin(req)
             self.stats.prompt_tokens += req.seqlen()
             self.waiting.append(req)
+
+    def open_session(self, session_id: str | None = None, extra_key: Hashable = None) -> str:
+        """Open a session (``kvjax.serve.sessions``): its turns keep their KV between them.
+        Returns its id (``session_id``, else a new one); ``extra_key``: its cache namespace."""
+        return self.sessions.open(session_id, extra_key)
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session: its KV is released to the tree (unlocked: evictable, still matchable),
+        its row freed. ValueError while a turn of it is queued or running."""
+        self.sessions.close(session_id)
 
     def check_servable(self, reqs: Iterable[ServingReq]) -> None:
         """Raise ``ConfigError`` for the first request this scheduler can never serve: longer than
         the context (naming ``context_length``), or whose KV can never fit the pool (naming
-        ``max_total_tokens``). Changes nothing."""
+        ``max_total_tokens``); ``ValueError`` for a session turn that cannot be taken. A session
+        turn is checked with its history. Changes nothing."""
         reqs = list(reqs)
+        self.sessions.check_turns(reqs)
         for req in reqs:
+            if req.session_id is not None:
+                req = self.sessions.as_submitted(req)
             if req.seqlen() + req.max_new_tokens > self.rows.max_context_len:
                 raise ConfigError(
                     "context_length",
@@ -329,7 +349,8 @@ class Scheduler:
         live: dict[int, ServingReq] = {}
         inflight = self._inflight.reqs if self._inflight is not None else ()
         chunked = (self.chunked,) if self.chunked is not None else ()
-        for req in (*self.running, *self.waiting, *chunked, *inflight):
+        held = self.sessions.held_requests()
+        for req in (*self.running, *self.waiting, *chunked, *inflight, *held):
             if req.req_pool_idx is not None or req.mamba_pool_idx is not None:
                 live[id(req)] = req
         return list(live.values())
@@ -396,17 +417,33 @@ class Scheduler:
 
     def leak_free(self) -> bool:
         """With no request left: ``available + evictable + protected == capacity`` and every row free
-        (``allocator.leak_free``: a hybrid-SWA cache checks the full and the SWA side each)."""
+        (``allocator.leak_free``: a hybrid-SWA cache checks the full and the SWA side each). An
+        open session that holds its KV counts as a request left: close it first."""
         return self.idle and self.alloc.leak_free(self.tree) and self.rows.available_size() == self.rows.size
 
     # --- memory -----------------------------------------------------------------------------------
 
     def make_room(self, tokens: int) -> bool:
         """Evict until ``tokens`` slots are free; True when they are (the allocator asks the tree
-        for what it lacks: a hybrid-SWA allocator for each side by its own need)."""
-        if tokens > self.alloc.available_size():
-            self.stats.evicted_tokens += self.alloc.evict_to_free_tokens(self.tree, tokens)
-        return self.alloc.available_size() >= tokens
+        for what it lacks: a hybrid-SWA allocator for each side by its own need). When eviction
+        is not enough, sessions' held KV is released, one session at a time, and evicted in turn
+        (before any running request is retracted: ``kvjax.serve.sessions``)."""
+        while True:
+            if tokens > self.alloc.available_size():
+                self.stats.evicted_tokens += self.alloc.evict_to_free_tokens(self.tree, tokens)
+            if self.alloc.available_size() >= tokens:
+                return True
+            if not self.sessions.release_one():
+                return False
+
+    def _alloc_row(self) -> int | None:
+        """A free row of the request table, releasing sessions' held rows when none is free."""
+        while True:
+            rows = self.rows.alloc(1)
+            if rows is not None:
+                return int(rows[0])
+            if not self.sessions.release_one():
+                return None
 
     def _pages_needed(self, prefix_len: int, seq_len: int) -> int:
         ps = self.page_size
@@ -431,29 +468,36 @@ class Scheduler:
             budget -= end - start
         while self.waiting and budget > 0 and len(batch) + len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            rows = self.rows.alloc(1)
-            if rows is None:
-                break
-            req.req_pool_idx = rows[0]
-            req.kv_committed_len = None
-            start = self._match_and_lock(req)
+            resumed = self.sessions.resume(req)
+            if resumed is not None:
+                start = resumed  # the session's held KV, taken over as it is: no match
+            else:
+                row = self._alloc_row()
+                if row is None:
+                    break
+                req.req_pool_idx = row
+                req.kv_committed_len = None
+                start = self._match_and_lock(req)
             self.reserved_tokens = need
             try:
-                for ext in self.extensions:
+                for ext in self.extensions if resumed is None else ():
                     ext.after_admit(req)
             except OutOfMemoryError:  # per-request state (recurrent-state slots) is short
                 self._unadmit(req)
                 if batch or self.running:
                     break  # it frees up as they finish: wait, as for KV
                 raise  # nothing will free it: the caller sees what is short; the request stays queued
-            if self.extensions:
+            if self.extensions and resumed is None:
                 # An extension may lengthen the match (host load-back) or restore the request's
                 # own KV (retraction backup: ``kv_committed_len`` set past the tree's prefix).
                 start = req.cache_protected_len if req.kv_committed_len is None else req.kv_committed_len
             end = min(req.seqlen(), start + budget)
             extra = self._pages_needed(start, end)
             if not self.make_room(need + extra):
-                self._unadmit(req)
+                if resumed is not None:
+                    self.sessions.unresume(req, start)
+                else:
+                    self._unadmit(req)
                 break
             self.waiting.popleft()
             if req.first_cached_tokens is None:
@@ -807,13 +851,16 @@ class Scheduler:
         start = time.perf_counter()
         for ext in self.extensions:
             ext.before_release(req, True)
-        self.tree.cache_finished_req(req)
-        if freed_rows is None:
-            self.rows.free(_row(req))
+        if req.session_id is not None and self.sessions.finish(req):
+            pass  # its session holds its KV and row for the next turn
         else:
-            freed_rows.append(_row(req))
+            self.tree.cache_finished_req(req)
+            if freed_rows is None:
+                self.rows.free(_row(req))
+            else:
+                freed_rows.append(_row(req))
+            req.req_pool_idx = None
         self.stats.finish_seconds += time.perf_counter() - start
-        req.req_pool_idx = None
         req.finished = True
         self.stats.requests_finished += 1
         done.append(req)
