@@ -78,6 +78,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-batch-size", type=positive_int, default=16, help="requests decoded together")
     gen.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--cache-salt",
+        action="append",
+        metavar="SALT",
+        help="the tenant's cache namespace: once for every prompt, or once per prompt in order "
+        "(prompts of different salts share no cached page)",
+    )
     serving_args.add_serving_arguments(
         gen,
         dtype_help="serve in this dtype",
@@ -140,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         tokenizer = None  # ids in, ids out: a tokenizer kvjax cannot build is not needed
     prompts = _prompt_ids(args, spec.vocab_size, tokenizer)
+    salts = _cache_salts(args.cache_salt, len(prompts))
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
     speculative = serving_args.speculative_options(args, spec.vocab_size)
     dp_attention = bool(serving_args.dp_attention_config(args))
@@ -157,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         stop_token_ids=() if args.ignore_eos else None,
         on_step=stream,
+        cache_salts=salts,
     )
     try:
         if dp_attention:
@@ -189,6 +198,24 @@ def run(args: argparse.Namespace) -> int:
             f"({sp['acceptance_rate']:.1%}), {sp['accept_length']:.2f} tokens per target step"
         )
     return 0
+
+
+def _cache_salts(salts: list[str] | None, prompts: int) -> list[str | None] | None:
+    """Each prompt's ``--cache-salt``: one for all, one per prompt, or none (`UsageError` for
+    another count or an empty salt)."""
+    if not salts:
+        return None
+    if any(not salt for salt in salts):
+        raise UsageError("--cache-salt '' is empty; give the tenant's name, e.g. --cache-salt tenant-a")
+    each: list[str | None] = list(salts)
+    if len(each) == 1:
+        return each * prompts
+    if len(each) != prompts:
+        raise UsageError(
+            f"--cache-salt is given {len(each)} times for {prompts} prompts; give it once (every prompt) or once "
+            "per prompt"
+        )
+    return each
 
 
 def _check_room(args: argparse.Namespace, context_length: int, longest_prompt: int) -> None:

@@ -146,6 +146,7 @@ def generate(
     dcp_size: int = 1,
     pp_size: int = 1,
     on_step: StepCallback | None = None,
+    cache_salts: Sequence[str | None] | None = None,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -161,9 +162,12 @@ def generate(
     the layers split into that many pipeline stages of ``tp_size`` local devices each, two
     micro-batches a step (``kvjax.serve.pipeline_stepping``). ``on_step``: called after every
     step with every request (`StepCallback`; the command line streams text through it).
-    Returns the result and the scheduler (its cache, tree and stats) for inspection.
+    ``cache_salts``: each prompt's tenant (``ServingReq``'s ``cache_salt``; prompts of different
+    salts share no cached page). Returns the result and the scheduler (its cache, tree and stats)
+    for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
+    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts)  # checked before building
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(
         model,
@@ -194,7 +198,6 @@ def generate(
         scheduler = scheduler_for(
             model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options
         )
-    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
     _serve_in_order(scheduler, reqs, lambda req: scheduler, on_step)
     return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
 
@@ -231,6 +234,7 @@ def generate_dp(
     record_logits: bool = False,
     overlap: bool = True,
     on_step: StepCallback | None = None,
+    cache_salts: Sequence[str | None] | None = None,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
@@ -238,7 +242,7 @@ def generate_dp(
     ``max_total_tokens`` (default: room for every prompt); every prompt is routed by
     ``dp_routing`` (``kvjax.serve.dp_router``) when the one before it has been prefilled, and
     every round runs one device step for all ranks (``LockstepDPScheduler``, with overlap
-    scheduling unless ``overlap`` is False; ``on_step`` as ``generate``'s). The result's counts
+    scheduling unless ``overlap`` is False; ``on_step`` and ``cache_salts`` as ``generate``'s). The result's counts
     and ``stats`` are totals over the ranks.
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
@@ -250,6 +254,7 @@ def generate_dp(
     from kvjax.mesh_check import make_serving_mesh
 
     prompts = _checked_prompts(model, prompts, max_new_tokens)
+    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts)  # checked before building
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(model, prompts, max_new_tokens, *sizes).replace(dp_size=dp_size, enable_dp_attention=True)
     mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
@@ -265,7 +270,6 @@ def generate_dp(
         model_config=model.config,
         overlap=overlap,
     )
-    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids)
     _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]], on_step)
     return _result(reqs, _summed([s.stats for s in front.schedulers])), front
 
@@ -282,12 +286,22 @@ class _Front(Protocol):
 
 
 def _requests(
-    model: LoadedModel, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] | None
+    model: LoadedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None,
+    cache_salts: Sequence[str | None] | None = None,
 ) -> list[ServingReq]:
     """One request per prompt, ids in prompt order, stopping at ``stop_token_ids`` (default: the
-    model's stop tokens)."""
+    model's stop tokens), each in its tenant's namespace (``cache_salts``: one per prompt, or none)."""
     stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
-    return [ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops) for i, p in enumerate(prompts)]
+    salts = [None] * len(prompts) if cache_salts is None else list(cache_salts)
+    if len(salts) != len(prompts):
+        raise ConfigError("cache_salts", len(salts), f"give one cache salt per prompt ({len(prompts)}), or none")
+    return [
+        ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops, cache_salt=salt)
+        for i, (p, salt) in enumerate(zip(prompts, salts, strict=True))
+    ]
 
 
 def _serve_in_order(

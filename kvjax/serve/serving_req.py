@@ -17,19 +17,34 @@ from kvjax.request import Req
 class ServingReq(Req):
     """A request of the serving loop: a ``Req`` plus its generation limit and bookkeeping.
 
+    ``cache_salt``: the tenant's cache namespace (vLLM's name for SGLang's ``extra_key``, which it
+    sets): requests with different salts never share a cached page, at any tier, and their pages
+    hash differently in the KV events and the storage tier's keys.
+    ``session_id``: the open session this request is a turn of (``kvjax.serve.sessions``): its
+    prompt holds the turn's new tokens only, the session prepends its history at submission.
     ``priority`` and ``retention_seconds``: as ``Req``'s (a retained prefix is evicted last,
     ``kvjax.radix.retention``)."""
 
-    __slots__ = ("max_new_tokens", "stop_token_ids", "admitted_at", "first_cached_tokens", "retracted", "logits")
+    __slots__ = (
+        "max_new_tokens",
+        "stop_token_ids",
+        "session_id",
+        "admitted_at",
+        "first_cached_tokens",
+        "retracted",
+        "logits",
+    )
 
     def __init__(
         self,
         rid: Any,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | np.ndarray,
         *,
         max_new_tokens: int,
         extra_key: Any = None,
         stop_token_ids: Iterable[int] = (),
+        session_id: str | None = None,
+        cache_salt: str | None = None,
         priority: int = 0,
         retention_seconds: float | None = None,
     ) -> None:
@@ -37,9 +52,19 @@ class ServingReq(Req):
             raise ValueError(f"request {rid!r}: max_new_tokens={max_new_tokens} must be positive")
         if len(prompt) == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError(f"request {rid!r}: cache_salt={cache_salt!r}: give a non-empty string")
+            if extra_key is not None and extra_key != cache_salt:
+                raise ValueError(
+                    f"request {rid!r}: cache_salt={cache_salt!r} and extra_key={extra_key!r} differ; they name "
+                    "the same cache namespace: give one"
+                )
+            extra_key = cache_salt
         super().__init__(rid, list(prompt), extra_key=extra_key, priority=priority, retention_seconds=retention_seconds)
         self.max_new_tokens = int(max_new_tokens)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.session_id = session_id
         self.admitted_at = -1
         self.first_cached_tokens: int | None = None
         self.retracted = 0
