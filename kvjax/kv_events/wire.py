@@ -2,16 +2,18 @@
 NVIDIA Dynamo's KV router decode (needs ``msgspec``: the ``events`` extra).
 
 A message's payload is a `KVEventBatch` encoded with ``msgspec.msgpack``. Every struct is
-``array_like`` (encoded as a msgpack array of its fields, in declaration order) and
-``omit_defaults`` (trailing fields still at their default are left out); events are tagged, so
-an event is ``[tag, field, ...]`` with the class name as the tag::
+declared as vLLM declares it, ``array_like`` (a msgpack array of its fields, in declaration
+order; msgspec writes every field of an array-like struct, defaults included, whatever
+``omit_defaults`` says) and tagged for events, so an event is ``[tag, field, ...]`` with the class
+name as the tag::
 
-    [ts, [["BlockStored", [h0, h1], parent, [t0, ...], block_size, lora_id, medium, lora_name], ...], dp_rank]
+    [ts, [["BlockStored", [h0, h1], parent, [t0, ...], block_size, lora_id, medium, lora_name,
+           extra_keys, group_idx], ["BlockRemoved", [h0], medium, group_idx], ...], dp_rank]
 
 Field order is vLLM's: ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium, lora_name, extra_keys, group_idx)``; a decoder that declares fewer fields (the
 older six-field ``BlockStored`` of vLLM's example subscriber, SGLang's five) ignores the trailing
-ones, and ``lora_name`` has no default so that decoders declaring it required read it. Block
+ones (msgspec's array decoding), and a decoder declaring more fields with defaults reads them. Block
 hashes are ints (kvjax's int64, or vLLM's ``sha256_cbor`` as the unsigned low 64 bits of the
 digest) or bytes (the whole digest), as vLLM's ``ExternalBlockHash``.
 
