@@ -240,3 +240,28 @@ def test_dp2_sessions_stick_to_their_rank(model, policy):
         front.close_session(sid)
     assert front.leak_free()
     _assert_exact(hf, done)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_session_reuses_its_kv_with_the_radix_cache_off(page_size):
+    """With ``disable_radix_cache`` (a ``ChunkCache``) nothing is shared between requests, but a
+    session's hold still carries its KV to the next turn (SGLang's streaming session), with the
+    tokens of the radix tree."""
+    from kvjax import ModelSpec
+    from kvjax.demo import demo_cache
+    from kvjax.serve.model import init_params
+
+    spec = ModelSpec.preset("tiny")
+    params = init_params(spec)
+    outputs = {}
+    for disable in (True, False):
+        sched = Scheduler(spec, demo_cache(page_size=page_size, disable_radix_cache=disable), params)
+        sid = sched.open_session()
+        turns = [ServingReq(f"t{t}", [5 + t, 6, 7], max_new_tokens=3, session_id=sid) for t in range(4)]
+        for req in turns:
+            sched.run([req])
+        assert [len(r.origin_input_ids) - r.first_cached_tokens for r in turns] == [3, 4, 4, 4]
+        sched.close_session(sid)
+        assert sched.leak_free()
+        outputs[disable] = [r.output_ids for r in turns]
+    assert outputs[True] == outputs[False]
