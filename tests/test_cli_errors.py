@@ -31,6 +31,12 @@ CASES = [
     (["generate", "--model", "tiny", "--prompt-ids", "1,256"], ["token id 256 is out of range", "[0, 256)"]),
     (["generate", "--model", "tiny", "--prompt-ids", "1,x"], ["--prompt-ids 1,x", "comma-separated integers"]),
     (["generate", "--model", "tiny"], ["give at least one prompt", "--prompt-ids"]),
+    (["generate", "--model", "tiny", "--prompt-ids", "1", "--retention-seconds", "-1"], ["--retention-seconds", "-1"]),
+    (["generate", "--model", "tiny", "--prompt-ids", "1", "--retention-seconds", "nan"], ["retention-seconds", "nan"]),
+    (
+        ["generate", "--model", "tiny", "--prompt-ids", "1", "--prompt-ids", "2", *["--priority", "1"] * 3],
+        ["--priority is given 3 times for 2 prompts"],
+    ),
     (["generate", "--model", "./missing-dir", "--prompt", "hello"], ["--model ./missing-dir", "no such directory"]),
     (["generate", "--model", "no-such-preset", "--prompt-ids", "1"], ["--model no-such-preset", "no such preset"]),
     (["generate", "--model", "README.md", "--prompt-ids", "1"], ["--model README.md", "is a file"]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from kvjax.cli import serving_args
@@ -85,6 +86,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the tenant's cache namespace: once for every prompt, or once per prompt in order "
         "(prompts of different salts share no cached page)",
     )
+    gen.add_argument(
+        "--priority",
+        action="append",
+        type=int,
+        metavar="N",
+        help="the request's priority (eviction under --radix-eviction-policy priority, and of its "
+        "retention): once for every prompt, or once per prompt in order",
+    )
+    gen.add_argument(
+        "--retention-seconds",
+        action="append",
+        type=_seconds,
+        metavar="S",
+        help="keep the prefix the prompt inserts: evicted after every unretained prefix until S seconds "
+        "have passed (a bias, never a pin); once for every prompt, or once per prompt in order (0: none)",
+    )
     serving_args.add_serving_arguments(
         gen,
         dtype_help="serve in this dtype",
@@ -148,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = None  # ids in, ids out: a tokenizer kvjax cannot build is not needed
     prompts = _prompt_ids(args, spec.vocab_size, tokenizer)
     salts = _cache_salts(args.cache_salt, len(prompts))
+    priorities = _each_prompt(args.priority, len(prompts), "--priority")
+    retention = _each_prompt(args.retention_seconds, len(prompts), "--retention-seconds")
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
     speculative = serving_args.speculative_options(args, spec.vocab_size)
     dp_attention = bool(serving_args.dp_attention_config(args))
@@ -166,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         stop_token_ids=() if args.ignore_eos else None,
         on_step=stream,
         cache_salts=salts,
+        priorities=priorities,
+        retention_seconds=retention,
     )
     try:
         if dp_attention:
@@ -216,6 +237,31 @@ def _cache_salts(salts: list[str] | None, prompts: int) -> list[str | None] | No
             "per prompt"
         )
     return each
+
+
+def _each_prompt(values: list[Any] | None, prompts: int, flag: str) -> list[Any] | None:
+    """A flag given once for every prompt or once per prompt, as one value per prompt (None when
+    not given; `UsageError` naming ``flag`` for another count)."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values * prompts
+    if len(values) != prompts:
+        raise UsageError(
+            f"{flag} is given {len(values)} times for {prompts} prompts; give it once (every prompt) or once per prompt"
+        )
+    return list(values)
+
+
+def _seconds(text: str) -> float:
+    """``--retention-seconds``: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds >= 0")
+    return value
 
 
 def _check_room(args: argparse.Namespace, context_length: int, longest_prompt: int) -> None:

@@ -147,6 +147,8 @@ def generate(
     pp_size: int = 1,
     on_step: StepCallback | None = None,
     cache_salts: Sequence[str | None] | None = None,
+    priorities: Sequence[int] | None = None,
+    retention_seconds: Sequence[float | None] | None = None,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -163,11 +165,14 @@ def generate(
     micro-batches a step (``kvjax.serve.pipeline_stepping``). ``on_step``: called after every
     step with every request (`StepCallback`; the command line streams text through it).
     ``cache_salts``: each prompt's tenant (``ServingReq``'s ``cache_salt``; prompts of different
-    salts share no cached page). Returns the result and the scheduler (its cache, tree and stats)
-    for inspection.
+    salts share no cached page). ``priorities`` / ``retention_seconds``: each prompt's priority and
+    retention (``ServingReq``'s; a retained prefix is evicted last until its retention expires,
+    ``kvjax.radix.retention``), one per prompt or None. Returns the result and the scheduler (its
+    cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
-    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts)  # checked before building
+    retained = _per_prompt(prompts, priorities, retention_seconds)
+    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(
         model,
@@ -235,6 +240,8 @@ def generate_dp(
     overlap: bool = True,
     on_step: StepCallback | None = None,
     cache_salts: Sequence[str | None] | None = None,
+    priorities: Sequence[int] | None = None,
+    retention_seconds: Sequence[float | None] | None = None,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
@@ -242,8 +249,9 @@ def generate_dp(
     ``max_total_tokens`` (default: room for every prompt); every prompt is routed by
     ``dp_routing`` (``kvjax.serve.dp_router``) when the one before it has been prefilled, and
     every round runs one device step for all ranks (``LockstepDPScheduler``, with overlap
-    scheduling unless ``overlap`` is False; ``on_step`` and ``cache_salts`` as ``generate``'s). The result's counts
-    and ``stats`` are totals over the ranks.
+    scheduling unless ``overlap`` is False; ``on_step``, ``cache_salts``, ``priorities`` and
+    ``retention_seconds`` as ``generate``'s). The result's counts and ``stats`` are totals over
+    the ranks.
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
     ``tp_size`` and ``tp_size`` when there are fewer local devices; nothing is built then.
@@ -254,7 +262,8 @@ def generate_dp(
     from kvjax.mesh_check import make_serving_mesh
 
     prompts = _checked_prompts(model, prompts, max_new_tokens)
-    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts)  # checked before building
+    retained = _per_prompt(prompts, priorities, retention_seconds)
+    reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(model, prompts, max_new_tokens, *sizes).replace(dp_size=dp_size, enable_dp_attention=True)
     mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
@@ -291,17 +300,44 @@ def _requests(
     max_new_tokens: int,
     stop_token_ids: Sequence[int] | None,
     cache_salts: Sequence[str | None] | None = None,
+    retained: Sequence[tuple[int, float | None]] | None = None,
 ) -> list[ServingReq]:
     """One request per prompt, ids in prompt order, stopping at ``stop_token_ids`` (default: the
-    model's stop tokens), each in its tenant's namespace (``cache_salts``: one per prompt, or none)."""
+    model's stop tokens), each in its tenant's namespace (``cache_salts``: one per prompt, or none)
+    with its ``(priority, retention_seconds)`` (``retained``: one per prompt, or none)."""
     stops = model.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
     salts = [None] * len(prompts) if cache_salts is None else list(cache_salts)
     if len(salts) != len(prompts):
         raise ConfigError("cache_salts", len(salts), f"give one cache salt per prompt ({len(prompts)}), or none")
+    keep = [(0, None)] * len(prompts) if retained is None else list(retained)
     return [
-        ServingReq(i, p, max_new_tokens=max_new_tokens, stop_token_ids=stops, cache_salt=salt)
-        for i, (p, salt) in enumerate(zip(prompts, salts, strict=True))
+        ServingReq(
+            i,
+            p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stops,
+            cache_salt=salt,
+            priority=priority,
+            retention_seconds=seconds,
+        )
+        for i, (p, salt, (priority, seconds)) in enumerate(zip(prompts, salts, keep, strict=True))
     ]
+
+
+def _per_prompt(
+    prompts: Sequence[Sequence[int]],
+    priorities: Sequence[int] | None,
+    retention_seconds: Sequence[float | None] | None,
+) -> list[tuple[int, float | None]] | None:
+    """Each prompt's ``(priority, retention_seconds)`` (None: neither given). Raises
+    ``ConfigError`` naming the argument given for another number of prompts."""
+    if priorities is None and retention_seconds is None:
+        return None
+    n = len(prompts)
+    for name, values in (("priorities", priorities), ("retention_seconds", retention_seconds)):
+        if values is not None and len(values) != n:
+            raise ConfigError(name, len(values), f"give one value per prompt ({n}), or none")
+    return list(zip(priorities or [0] * n, retention_seconds or [None] * n, strict=True))
 
 
 def _serve_in_order(

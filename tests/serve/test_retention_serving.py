@@ -7,9 +7,12 @@ then a flood of unrelated prompts (several pools' worth of tokens), then a probe
 system prompt and a new question. With retention the probe's prompt hits the whole system prompt;
 without, it misses. The tokens of every request are the same either way (retention changes only
 what is evicted). The scheduler's retention clock is a callable the test advances by hand.
+``generate --retention-seconds`` does the same from the command line.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -127,3 +130,29 @@ def test_the_clock_is_agreed_as_the_minimum_over_the_processes():
 def test_a_serving_request_with_bad_retention_is_refused_naming_the_value(bad):
     with pytest.raises(ValueError, match=f"request 'r': retention_seconds={bad!r}"):
         ServingReq("r", [1, 2, 3], max_new_tokens=2, retention_seconds=bad)
+
+
+def _generate_cached_tokens(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, list[list[int]]]:
+    """``generate --json`` on the tiny model: a 48-token system prompt with a question, four
+    unrelated prompts that fill the 160-token pool, then the system prompt with another question,
+    one request at a time; returns (cached prompt tokens, outputs)."""
+    from kvjax.cli import main
+
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 100, 48).tolist()
+    prompts = [system + [200, 201]] + [rng.integers(100, 256, 48).tolist() for _ in range(4)] + [system + [210, 211]]
+    argv = ["generate", "--model", "tiny", "--max-new-tokens", "4", "--ignore-eos", "--json"]
+    argv += ["--max-total-tokens", "160", "--page-size", "16", "--max-batch-size", "1", *flags]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    return report["cached_tokens"], report["outputs"]
+
+
+def test_generate_retention_seconds_keeps_the_first_prompts_prefix(capsys):
+    keep = ["--retention-seconds", "600", *["--retention-seconds", "0"] * 5, "--priority", "1"]
+    cached, outputs = _generate_cached_tokens(capsys, *keep)
+    plain_cached, plain_outputs = _generate_cached_tokens(capsys)
+    assert outputs == plain_outputs
+    assert (cached, plain_cached) == (48, 0)  # the last prompt hit the retained system prompt's 3 pages
