@@ -4,7 +4,7 @@ wire form of a request.
 
 Requests enter on process 0 (SGLang's and sglang-jax's multi-host schedulers receive on rank 0
 and broadcast). Only what a fresh request is made of travels (id, prompt, generation limit, stop
-ids, extra key (the tenant's cache salt), priority), so every process builds an equal, unadmitted
+ids, extra key (the tenant's cache salt), priority, retention), so every process builds an equal, unadmitted
 ``ServingReq`` and admits it at the same step, in the same order.
 
 Both are typed, versioned messages (``kvjax.multihost.wire``): strict JSON whose decoding
@@ -28,7 +28,7 @@ from kvjax.serve.serving_req import ServingReq
 __all__ = ["REQUEST_VERSION", "STEP_VERSION", "RequestSpec", "StepMessage"]
 
 #: The wire versions of the two messages (raise one when its fields change).
-REQUEST_VERSION = 1
+REQUEST_VERSION = 2
 STEP_VERSION = 1
 
 #: The wire form of a message with nothing but its step (the steady decode loop's): 8 bytes.
@@ -43,7 +43,8 @@ class RequestSpec:
     ``rid``: the request's id; ``prompt``: its token ids; ``max_new_tokens``: its generation
     limit (tokens); ``stop_token_ids``: sorted; ``extra_key``: the cache salt (SGLang's
     ``extra_key``: requests of different keys never share a cached page); ``priority``: its
-    scheduling and eviction priority (higher is kept longer).
+    scheduling and eviction priority (higher is kept longer); ``retention_seconds``: how long its
+    prefix is retained (``kvjax.radix.retention``; None: not), on the agreed retention clock.
     """
 
     rid: str | int
@@ -52,6 +53,7 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...] = ()
     extra_key: str | int | None = None
     priority: int = 0
+    retention_seconds: float | None = None
 
     @classmethod
     def of(cls, req: ServingReq) -> RequestSpec:
@@ -73,6 +75,7 @@ class RequestSpec:
             tuple(sorted(req.stop_token_ids)),
             extra_key,
             int(getattr(req, "priority", 0) or 0),
+            getattr(req, "retention_seconds", None),
         )
         try:
             wire.check(spec)
@@ -89,8 +92,9 @@ class RequestSpec:
             max_new_tokens=self.max_new_tokens,
             extra_key=self.extra_key,
             stop_token_ids=self.stop_token_ids,
+            priority=self.priority,
+            retention_seconds=self.retention_seconds,
         )
-        req.priority = self.priority
         return req
 
 
