@@ -156,3 +156,27 @@ def test_generate_retention_seconds_keeps_the_first_prompts_prefix(capsys):
     plain_cached, plain_outputs = _generate_cached_tokens(capsys)
     assert outputs == plain_outputs
     assert (cached, plain_cached) == (48, 0)  # the last prompt hit the retained system prompt's 3 pages
+
+
+def test_retention_never_blocks_an_allocation_when_every_prefix_is_retained():
+    """Every request retained for longer than the run, in a pool that holds a few of them: the
+    scheduler evicts retained prefixes when nothing else is left (no deadlock, no refused
+    allocation, no retraction that eviction could have spared), with the same tokens."""
+    _, _, floods = _prompts()
+    outputs = []
+    for retention in (1e6, None):
+        spec = ModelSpec.preset("tiny")
+        sched = Scheduler(spec, demo_cache(page_size=16, max_total_tokens=POOL), init_params(spec), max_batch_size=2)
+        reqs = [
+            ServingReq(f"r{i}", p, max_new_tokens=NEW, priority=i % 3, retention_seconds=retention)
+            for i, p in enumerate(floods[0] + floods[1])
+        ]
+        done = sched.run(reqs)
+        assert len(done) == len(reqs) and sched.leak_free()
+        assert sched.stats.evicted_tokens > POOL
+        sched.tree.sanity_check()
+        outputs.append(({r.rid: r.output_ids for r in done}, sched.stats.retractions))
+        if retention:
+            retained = [n for n in sched.tree.nodes() if n.retain_until > sched.tree.retention_now]
+            assert retained and sched.tree.total_size() <= POOL
+    assert outputs[0] == outputs[1]  # the same tokens and the same retractions as without retention
