@@ -6,6 +6,7 @@ has vLLM's ``sha256_cbor``, the one routers recompute from token ids)."""
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
@@ -62,13 +63,16 @@ class PageHasher:
         """Hashes of ``n_pages`` pages of ``data``; page ``j`` is
         ``data[j * stride_bytes : j * stride_bytes + page_bytes]`` (``page_bytes`` exceeds the
         stride by one token for bigram keys). Returns int64 hashes."""
-        out = []
+        priors = []
+        append = priors.append
         sha = hashlib.sha256
-        for j in range(n_pages):
-            s = j * stride_bytes
+        s = 0
+        for _ in range(n_pages):
             prior = sha(prior + data[s : s + page_bytes]).digest()[:8]
-            out.append(_to_int64(prior))
-        return out
+            append(prior)
+            s += stride_bytes
+        # int64 little-endian, all at once (_to_int64 of each)
+        return list(struct.unpack(f"<{n_pages}q", b"".join(priors)))
 
     name = "kvjax"
 

@@ -108,21 +108,22 @@ class Sha256CborHasher:
         """The digests of the ``len(tokens) // page_size`` whole pages of ``tokens``, chained
         from ``parent`` (a digest; None: a sequence's start, ``NONE_HASH``, with ``extra_key`` as
         the first block's cache salt)."""
-        ints = _INT_CODES
         sha = hashlib.sha256
+        join = b"".join
         n_pages = len(tokens) // page_size
         prior = self.none_hash if parent is None else parent
-        salt = None
-        if parent is None and extra_key is not None and extra_key != "":
-            salt = canonical_cbor((extra_key,))
-        out = []
+        codes = list(map(_INT_CODES.__getitem__, tokens[: n_pages * page_size]))
         page_head = _head(4, page_size)
+        none = b"\xf6"
+        # the cache salt is the extra key of a sequence's first block only
+        extra = canonical_cbor((extra_key,)) if parent is None and extra_key is not None and extra_key != "" else none
+        out = []
         for j in range(n_pages):
-            page = tokens[j * page_size : (j + 1) * page_size]
-            extra = b"\xf6" if salt is None or j else salt
-            # (prior, tuple(page), extra): an array of three, written piece by piece.
-            prior = sha(b"\x83\x58\x20" + prior + page_head + b"".join([ints[t] for t in page]) + extra).digest()
+            body = join(codes[j * page_size : (j + 1) * page_size])
+            # (prior, tuple(page), extra keys): an array of three, written piece by piece.
+            prior = sha(b"\x83\x58\x20" + prior + page_head + body + extra).digest()
             out.append(prior)
+            extra = none
         return out
 
     def wire_hash(self, stored: bytes) -> int | bytes:

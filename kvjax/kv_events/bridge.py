@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvjax.kv_events.wire import WIRE_MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvjax.page_hash import BlockHasher
+from kvjax.page_hash import BlockHasher, PageHasher
 from kvjax.radix import events as tree_events
 
 __all__ = ["EventBridge"]
@@ -56,6 +56,7 @@ class EventBridge:
         self.data_parallel_rank = data_parallel_rank
         self.clock = clock
         self.pending: list[tree_events.KVEvent] = []
+        self._same = getattr(hasher, "wire_hash", None) is PageHasher.wire_hash
         self.published_events = 0
         self.published_batches = 0
 
@@ -78,16 +79,20 @@ class EventBridge:
     def convert(self, event: tree_events.KVEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
         """One in-process event as its wire struct."""
         wire_hash = self.hasher.wire_hash
+        same = self._same  # the stored hashes are the wire's: the event's lists are sent as they are
         if isinstance(event, tree_events.BlockStored):
             n = len(event.block_hashes)
             parent = event.parent_block_hash
             extra = None
             if parent is None and event.extra_key is not None and event.extra_key != "":
                 extra = [(event.extra_key,)] + [None] * (n - 1)
+            tokens = event.token_ids
+            if len(tokens) != n * event.block_size:  # a bigram key's extra token
+                tokens = tokens[: n * event.block_size]
             return BlockStored(
-                block_hashes=[wire_hash(h) for h in event.block_hashes],
-                parent_block_hash=None if parent is None else wire_hash(parent),
-                token_ids=list(event.token_ids[: n * event.block_size]),
+                block_hashes=list(event.block_hashes) if same else [wire_hash(h) for h in event.block_hashes],
+                parent_block_hash=parent if parent is None or same else wire_hash(parent),
+                token_ids=tokens,
                 block_size=event.block_size,
                 lora_id=None,
                 medium=WIRE_MEDIUM.get(event.medium, event.medium),
@@ -96,7 +101,7 @@ class EventBridge:
             )
         if isinstance(event, tree_events.BlockRemoved):
             return BlockRemoved(
-                block_hashes=[wire_hash(h) for h in event.block_hashes],
+                block_hashes=list(event.block_hashes) if same else [wire_hash(h) for h in event.block_hashes],
                 medium=WIRE_MEDIUM.get(event.medium, event.medium),
             )
         return AllBlocksCleared()

@@ -11,14 +11,14 @@ Wire protocol:
   ``(sequence number, payload)`` message per buffered batch from that number on, in order, then
   the end marker ``(-1 as 8 bytes, b"")``. The buffer keeps the last ``buffer_steps`` batches.
 
-Threads: ``publish`` (the scheduler's thread) only puts the batch on a bounded queue, waiting at
-most ``PUT_TIMEOUT`` seconds when the queue is full, then dropping it (counted in
+Threads: ``publish`` (the scheduler's thread) only appends the batch to a deque (no lock, no
+wake-up, never a wait); with ``max_queue_size`` batches waiting it drops it instead (counted in
 ``dropped_batches``, before it got a sequence number: subscribers see no gap and miss it). One
-background thread owns both sockets: it encodes, numbers, sends and buffers each batch, and
-answers replay requests between batches; its every wait is bounded (``POLL_SECONDS``).
-``close()`` lets the thread send what is queued (at most ``CLOSE_TIMEOUT`` seconds), then closes
-the sockets (messages already sent may still leave for ``LINGER_MS``) and the publisher's own
-ZMQ context.
+background thread owns both sockets: every ``POLL_SECONDS`` (or at once when a replay request
+comes) it encodes, numbers, sends and buffers what is queued, in order, and answers replay
+requests between batches; its every wait is bounded. ``close()`` lets the thread send what is
+queued (at most ``CLOSE_TIMEOUT`` seconds), then closes the sockets (messages already sent may
+still leave for ``LINGER_MS``) and the publisher's own ZMQ context.
 
 DP: publisher ``data_parallel_rank`` stamps every batch with it (when the batch has none) and
 publishes at ``offset_endpoint(endpoint, rank)``: the tcp port plus the rank, or the address
@@ -27,9 +27,7 @@ plus ``_dp{rank}`` (vLLM's rule for inproc; kvjax applies it to ipc as well, whe
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -96,8 +94,7 @@ class ZmqEventPublisher:
     (in use, malformed); nothing is left open then.
     """
 
-    PUT_TIMEOUT = 1.0
-    POLL_SECONDS = 0.05
+    POLL_SECONDS = 0.005
     CLOSE_TIMEOUT = 2.0
     LINGER_MS = 200  # how long close() lets sent messages still leave
 
@@ -116,7 +113,8 @@ class ZmqEventPublisher:
         self.endpoint = offset_endpoint(endpoint, self.data_parallel_rank)
         self.replay_endpoint = offset_endpoint(replay_endpoint, self.data_parallel_rank)
         self._topic = topic.encode("utf-8")
-        self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._queue: deque[EventBatch] = deque()  # appended here, popped by the thread (atomic)
+        self._max_queue = max_queue_size
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
         self._pub: Any = None
@@ -151,18 +149,18 @@ class ZmqEventPublisher:
     # --- the scheduler's side ---------------------------------------------------------------------
 
     def publish(self, batch: EventBatch) -> None:
-        """Queue ``batch`` for sending (stamped with this publisher's DP rank when it has none);
-        waits at most ``PUT_TIMEOUT`` seconds for room, then drops it (``dropped_batches``).
-        Raises RuntimeError after ``close()``."""
+        """Queue ``batch`` for sending (stamped with this publisher's DP rank when it has none),
+        never waiting: with ``max_queue_size`` batches queued already it is dropped instead
+        (``dropped_batches``). Raises RuntimeError after ``close()``."""
         if not self._running:
             raise RuntimeError("publish: the KV event publisher is closed")
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.data_parallel_rank
-        try:
-            self._queue.put(batch, timeout=self.PUT_TIMEOUT)
-        except queue.Full:
+        if len(self._queue) >= self._max_queue:
             self.dropped_batches += 1
             log.warning("KV events: publisher queue full; a batch of %d events dropped", len(batch.events))
+            return
+        self._queue.append(batch)
 
     def close(self) -> None:
         """Send what is queued (at most ``CLOSE_TIMEOUT`` seconds), stop the thread, close the
@@ -170,9 +168,7 @@ class ZmqEventPublisher:
         if not self._running:
             return
         self._running = False
-        with contextlib.suppress(queue.Full):  # full: the thread sees ``_running`` drop, drains, stops
-            self._queue.put_nowait(None)
-        self._thread.join(self.CLOSE_TIMEOUT)
+        self._thread.join(self.CLOSE_TIMEOUT + 1.0)
         if self._thread.is_alive():
             log.warning("KV events: publisher thread still busy after %.1f s; closing its sockets", self.CLOSE_TIMEOUT)
         self._close_sockets()
@@ -193,33 +189,34 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
+        pending = self._queue
         deadline: float | None = None
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
-            try:
-                batch = self._queue.get(timeout=self.POLL_SECONDS)
-            except queue.Empty:
-                if not self._running:
+            if self._replay is not None:
+                # the thread's one wait: a replay request, or POLL_SECONDS for batches to gather
+                if self._replay.poll(0 if pending else int(self.POLL_SECONDS * 1000)):
+                    self._serve_replay()
+            elif not pending:
+                time.sleep(self.POLL_SECONDS)
+            if not self._running:
+                if not pending:
                     return
-                continue
-            if batch is None:
-                return
-            if not self._running:  # closing: drain, but within the time close() waits
                 deadline = deadline or time.monotonic() + self.CLOSE_TIMEOUT
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline:  # closing: drain, but within the time close() waits
                     return
-            try:
-                payload = encode(batch)
-                seq = self._next_seq
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big", signed=True), payload), copy=False)
-                self._next_seq = seq + 1
-                self._buffer.append((seq, payload))
-                self.published_batches += 1
-                self.published_events += len(batch.events)
-            except (zmq.ZMQError, msgspec.EncodeError, TypeError) as e:
-                self.dropped_batches += 1
-                log.error("KV events: a batch could not be sent: %s", e)
+            while pending:
+                batch = pending.popleft()
+                try:
+                    payload = encode(batch)
+                    seq = self._next_seq
+                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big", signed=True), payload), copy=False)
+                    self._next_seq = seq + 1
+                    self._buffer.append((seq, payload))
+                    self.published_batches += 1
+                    self.published_events += len(batch.events)
+                except (zmq.ZMQError, msgspec.EncodeError, TypeError) as e:
+                    self.dropped_batches += 1
+                    log.error("KV events: a batch could not be sent: %s", e)
 
     def _serve_replay(self) -> None:
         """Answer one replay request: the buffered batches from its sequence number, then the end."""

@@ -111,7 +111,6 @@ def test_three_frames_sequence_numbers_and_replay(tmp_path):
 
 def test_a_full_queue_drops_instead_of_blocking_and_close_is_bounded(tmp_path):
     pub = ZmqEventPublisher(f"ipc://{tmp_path}/q", max_queue_size=1)
-    pub.PUT_TIMEOUT = 0.05
     gate = threading.Event()
     real = pub._pub.send_multipart
     pub._pub.send_multipart = lambda *a, **k: (gate.wait(1.0), real(*a, **k))  # a slow network
