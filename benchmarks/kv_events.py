@@ -248,7 +248,7 @@ def bench_routing(workload: Workload, policy: str, ranks: int, page_size: int, t
         base = f"ipc://{tmp}/route-{tag}"
         for r in range(ranks):
             publishers.append(ZmqEventPublisher(base, data_parallel_rank=r))
-            subscribers.append(EventSubscriber(publishers[-1].endpoint))
+            subscribers.append(EventSubscriber(str(publishers[-1].endpoint)))
         time.sleep(0.3)
     servers = [_Rank(page_size, 16_384, publishers[r] if publishers else None) for r in range(ranks)]
     hasher = Sha256CborHasher(SEED)

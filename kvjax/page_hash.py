@@ -63,7 +63,7 @@ class PageHasher:
         """Hashes of ``n_pages`` pages of ``data``; page ``j`` is
         ``data[j * stride_bytes : j * stride_bytes + page_bytes]`` (``page_bytes`` exceeds the
         stride by one token for bigram keys). Returns int64 hashes."""
-        priors = []
+        priors: list[bytes] = []
         append = priors.append
         sha = hashlib.sha256
         s = 0
