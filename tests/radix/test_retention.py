@@ -25,6 +25,7 @@ import pytest
 from kvjax.alloc import TokenToKVPoolAllocator, make_allocator
 from kvjax.hybrid_req_pool import HybridReqToTokenPool
 from kvjax.radix import HiRadixCache, MambaRadixCache, RadixCache, SWARadixCache
+from kvjax.radix.component import TreeComponent
 from kvjax.radix.retention import NO_RETENTION, retained_last, retention_key
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.request import Req
@@ -97,11 +98,21 @@ class _Reference:
         return out
 
 
+class _Listener(TreeComponent):
+    """A component that keeps nothing: with it attached, FULL eviction takes the tree's generic
+    path (``pop_candidate``) instead of the inlined one."""
+
+    name = "listener"
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_the_lazy_heaps_match_a_rebuilt_reference(policy, page_size):
+@pytest.mark.parametrize("path", ["inlined", "generic"])
+def test_the_lazy_heaps_match_a_rebuilt_reference(policy, page_size, path):
     rng = random.Random(hash(("retention", policy, page_size)) & 0xFFFF)
-    t = RadixCache(page_size=page_size, eviction_policy=policy)
+    components = [_Listener()] if path == "generic" else []
+    t = RadixCache(page_size=page_size, eviction_policy=policy, components=components)
+    assert t.has_components == (path == "generic")
     ref = _Reference(t)
     locks = []
     slot = page_size
