@@ -196,7 +196,9 @@ def test_a_lapsed_retention_renewed_lower_is_ordered_by_its_new_priority():
     tree = RadixCache()
     tree.insert([1], priority=9, retention_seconds=5)
     tree.insert([2], priority=4, retention_seconds=50)
-    tree.evict(0)  # flushes the queued pushes: [1] sits in the retained tier at priority 9
+    tree.insert([3])
+    tree.evict(1)  # [3]; the queued pushes are flushed: [1] sits in the retained tier at priority 9
+    assert _leaf_tokens(tree) == {1, 2}
     tree.advance_retention_clock(10)  # [1] lapsed; no eviction has moved it yet
     tree.insert([1], priority=1, retention_seconds=50)  # a fresh retention, lower
     node = tree.match_prefix([1]).last_node
