@@ -193,10 +193,26 @@ def run(args: argparse.Namespace) -> int:
             for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)
                 options.pop(refused)
             overlap = not args.disable_overlap_schedule
-            result, _ = generate_dp(model, prompts, dp_routing=args.dp_routing, overlap=overlap, **common, **options)
+            result, _ = generate_dp(
+                model,
+                prompts,
+                dp_routing=args.dp_routing,
+                overlap=overlap,
+                **common,
+                **options,
+                **serving_args.kv_events_options(args),
+            )
         else:
             overlap = not args.disable_overlap_schedule and not speculative
-            result, _ = generate(model, prompts, overlap=overlap, **common, **options, **speculative)
+            result, _ = generate(
+                model,
+                prompts,
+                overlap=overlap,
+                **common,
+                **options,
+                **serving_args.kv_events_options(args),
+                **speculative,
+            )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None
     if args.json:

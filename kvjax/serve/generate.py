@@ -149,6 +149,7 @@ def generate(
     cache_salts: Sequence[str | None] | None = None,
     priorities: Sequence[int] | None = None,
     retention_seconds: Sequence[float | None] | None = None,
+    kv_events: Any = None,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -167,8 +168,9 @@ def generate(
     ``cache_salts``: each prompt's tenant (``ServingReq``'s ``cache_salt``; prompts of different
     salts share no cached page). ``priorities`` / ``retention_seconds``: each prompt's priority and
     retention (``ServingReq``'s; a retained prefix is evicted last until its retention expires,
-    ``kvjax.radix.retention``), one per prompt or None. Returns the result and the scheduler (its
-    cache, tree and stats) for inspection.
+    ``kvjax.radix.retention``), one per prompt or None. ``kv_events``: a ``KVEventsConfig``: the
+    tree's KV events published while serving (``kvjax.serve.kv_events``). Returns the result and
+    the scheduler (its cache, tree and stats) for inspection.
     """
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
@@ -203,7 +205,7 @@ def generate(
         scheduler = scheduler_for(
             model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options
         )
-    _serve_in_order(scheduler, reqs, lambda req: scheduler, on_step)
+    _serve_with_events(scheduler, kv_events, lambda: _serve_in_order(scheduler, reqs, lambda req: scheduler, on_step))
     return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
 
 
@@ -242,6 +244,7 @@ def generate_dp(
     cache_salts: Sequence[str | None] | None = None,
     priorities: Sequence[int] | None = None,
     retention_seconds: Sequence[float | None] | None = None,
+    kv_events: Any = None,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
@@ -279,8 +282,29 @@ def generate_dp(
         model_config=model.config,
         overlap=overlap,
     )
-    _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]], on_step)
+    _serve_with_events(
+        front,
+        kv_events,
+        lambda: _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]], on_step),
+    )
     return _result(reqs, _summed([s.stats for s in front.schedulers])), front
+
+
+def _serve_with_events(server: Any, kv_events: Any, serve: Callable[[], None]) -> None:
+    """Run ``serve`` with ``server``'s KV events published per ``kv_events`` (a
+    ``KVEventsConfig``, ``--kv-events-config``; None: none), closed when it ends;
+    ``server.kv_event_streams`` keeps the streams (their counts)."""
+    if kv_events is None:
+        serve()
+        return
+    from kvjax.serve.kv_events import attach_kv_events
+
+    streams = attach_kv_events(server, kv_events)
+    server.kv_event_streams = streams
+    try:
+        serve()
+    finally:
+        streams.close()
 
 
 class _Front(Protocol):
