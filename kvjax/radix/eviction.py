@@ -14,6 +14,10 @@ access makes a node more urgent), so it is marked ``monotone = False`` and the t
 fresh entry every time it touches an evictable leaf; older entries are discarded by sequence
 number. ``fifo``/``filo`` never change after creation; ``lru``, ``lfu``, ``priority`` and
 ``slru`` only grow (access time, hit count and per-node priority only increase).
+
+Retention (``retention.py``) is a tier above every policy, not a policy: nodes a request retained
+are evicted after every other candidate until the retention clock passes their expiry; the heap
+keeps the tiers (``eviction_heap.py``).
 """
 
 from __future__ import annotations
