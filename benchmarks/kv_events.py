@@ -9,7 +9,8 @@
   encoding thread running) with a subscriber connected: the tree's page hashing, the bridge's
   conversion and the publisher's queueing and encoding all count. Per workload, page size (1, 16)
   and block hash (``kvjax``, ``sha256_cbor``): µs per request off and on and
-  ``overhead = on / off - 1`` (goal: at most 0.05). Most requests of these streams are cached
+  ``overhead = on / off - 1`` (goal: at most 0.05), and the tree's own part of "on" (page
+  hashes and in-process events into a list, nothing converted or sent). Most requests of these streams are cached
   (a hit on their system prompt or earlier turns): ``cached_request_share`` says how many.
 * ``throughput``: events per second from ``publish`` to a subscriber that decoded them all (one
   publisher, ipc, batches of one request's events, the encoding thread and the decoding
@@ -21,10 +22,12 @@
   rate (cached prompt tokens over prompt tokens) of: round robin; ``EventRouter``, which knows
   the ranks only from their event streams (a real ZMQ subscription per rank, ``sha256_cbor``
   hashes recomputed from token ids) and sends each request to the rank holding its longest
-  hashed prefix; and ``DPRouter``'s ``cache_aware``, which reads the ranks' trees directly (the
-  in-process upper reference). Outputs are drawn from a seeded generator; before each routing
-  decision the router reads its subscriptions until they hold every batch published so far (the
-  benchmark waits for the network, the decision uses only the streams).
+  hashed prefix (ties: the rank given the fewest requests); and ``DPRouter``'s ``cache_aware``,
+  which reads the ranks' trees directly (the in-process reference; its load is the prompt tokens
+  each rank was given so far, as requests finish at once here). Outputs are drawn from a seeded
+  generator; before each routing decision the router reads its subscriptions until they hold
+  every batch published so far (the benchmark waits for the network, the decision uses only the
+  streams).
 
 CPU figures on a shared 2-core machine; compare ratios, not absolute numbers across machines.
 """
@@ -109,13 +112,17 @@ def _hasher(name: str) -> Any:
 
 def bench_cost(stream: list[Any], page_size: int, block_hash: str, repeats: int, tmp: str) -> dict:
     prepared = _prepared(stream, page_size)
-    off, on = [], []
+    off, on, hashing = [], [], []
     events = batches = 0
     cached = hits = 0
     for r in range(repeats):
         tree = RadixCache(page_size=page_size)
         elapsed, cached, hits = _replay(tree, prepared, CAPACITY, None)
         off.append(elapsed)
+        tree = RadixCache(page_size=page_size)
+        sink: list = []
+        tree.start_events(sink, _hasher(block_hash))  # events made, never converted nor sent
+        hashing.append(_replay(tree, prepared, CAPACITY, sink.clear)[0])
         address = f"ipc://{tmp}/cost-{page_size}-{block_hash}-{r}"
         publisher = ZmqEventPublisher(address, max_queue_size=100_000)
         subscriber = EventSubscriber(address)
@@ -140,6 +147,8 @@ def bench_cost(stream: list[Any], page_size: int, block_hash: str, repeats: int,
         "us_per_request_events_off": round(best_off, 2),
         "us_per_request_events_on": round(best_on, 2),
         "overhead": round(best_on / best_off - 1, 4),
+        # of which the tree's own part: page hashes and in-process events, nothing published
+        "us_per_request_tree_events_only": round(min(hashing) / n * 1e6, 2),
     }
 
 
@@ -258,6 +267,7 @@ def bench_routing(workload: Workload, policy: str, ranks: int, page_size: int, t
     queue = collections.deque(first)
     prompt_tokens = cached = 0
     rank_of: list[int] = []
+    routed_tokens = [0] * ranks  # the tree-reading router's load: prompt tokens given so far
     rr = 0
     while queue:
         rid, prompt = queue.popleft()
@@ -271,8 +281,9 @@ def bench_routing(workload: Workload, policy: str, ranks: int, page_size: int, t
         elif policy == "round_robin":
             rank, rr = rr, (rr + 1) % ranks
         else:
-            rank = dp_router.route(prompt, [RankLoad(0, 0)] * ranks)
+            rank = dp_router.route(prompt, [RankLoad(routed_tokens[r], rank_of.count(r)) for r in range(ranks)])
         rank_of.append(rank)
+        routed_tokens[rank] += len(prompt)
         output = [out_rng.randrange(workload.vocab_size) for _ in range(workload.output_tokens)]
         prompt_tokens += len(prompt)
         cached += servers[rank].serve(prompt, output)
