@@ -124,11 +124,12 @@ class HostTierExtension(ServingExtension):
         if n <= 0:
             return
         match = tree.match_prefix(req.token_range(0, n), req.extra_key)
-        if getattr(match, "host_hit_length", 0) < max(tree.host.load_back_threshold, 1):
+        host_hit = int(getattr(match, "host_hit_length", 0))
+        if host_hit < max(tree.host.load_back_threshold, 1):
             return
         quota = self._quota(req, match)
         sessions = getattr(self.scheduler, "sessions", None)
-        while quota < match.host_hit_length and sessions is not None and sessions.release_one():
+        while quota < host_hit and sessions is not None and sessions.release_one():
             quota = self._quota(req, match)  # a released session's KV is evictable: room to load into
         loaded = tree.init_load_back(match, mem_quota=quota)
         if loaded.prefix_len <= req.cache_protected_len:
