@@ -3,7 +3,7 @@ kv-cache-manager and NVIDIA Dynamo's KV router consume); see ``docs/kv_events.md
 
 * ``config``: `KVEventsConfig`, SGLang's ``--kv-events-config`` JSON;
 * ``wire``: the msgspec structs (``KVEventBatch``, ``BlockStored``, ``BlockRemoved``,
-  ``AllBlocksCleared``) and the media's wire names;
+  ``AllBlocksCleared``); ``media``: the media's wire names;
 * ``block_hash``: `Sha256CborHasher`, vLLM's ``sha256_cbor`` chained block hash;
 * ``publisher``: `ZmqEventPublisher` (PUB + replay ROUTER), one per DP rank;
 * ``bridge``: `EventBridge`, a tree's in-process events as one batch per scheduler step;

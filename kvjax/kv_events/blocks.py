@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvjax.kv_events.wire import WIRE_MEDIUM
+from kvjax.kv_events.media import WIRE_MEDIUM
 
 __all__ = ["cached_blocks"]
 

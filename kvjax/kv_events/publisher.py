@@ -33,8 +33,11 @@ import time
 from collections import deque
 from typing import Any
 
-import msgspec
-import zmq
+try:
+    import msgspec
+    import zmq
+except ImportError as e:  # pragma: no cover - the events extra is missing
+    raise ImportError("KV events on the wire need msgspec and pyzmq: pip install 'kvjax[events]'") from e
 
 from kvjax.errors import ConfigError
 from kvjax.kv_events.config import KVEventsConfig

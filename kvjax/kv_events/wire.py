@@ -26,7 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
+try:
+    import msgspec
+except ImportError as e:  # pragma: no cover - the events extra is missing
+    raise ImportError("KV events on the wire need msgspec and pyzmq: pip install 'kvjax[events]'") from e
+
+from kvjax.kv_events.media import WIRE_MEDIUM
 
 __all__ = [
     "WIRE_MEDIUM",
@@ -37,10 +42,6 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
 ]
-
-#: kvjax's medium (``kvjax.radix.events``) -> the medium on the wire (SGLang's names; vLLM's
-#: ``MEDIUM_GPU`` is ``"GPU"`` too).
-WIRE_MEDIUM = {"device": "GPU", "host": "CPU_TIER1", "storage": "CPU_TIER2"}
 
 BlockHash = int | bytes
 
