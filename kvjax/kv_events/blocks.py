@@ -2,9 +2,11 @@
 subscriber of the tree's event stream must hold (jax-free; the tests' and the benchmark's
 reference).
 
-A page counts in medium ``"device"`` while its node holds device slots, and in ``"host"`` while
-its node's host copy has landed and been reported (``HostData.announced``; a pending backup is
-not on the host yet). Hashes are the wire form (``hasher.wire_hash``).
+A page counts in medium ``"device"`` while its node holds device slots, in ``"host"`` while its
+node's host copy has landed and been reported (``HostData.announced``; a pending backup is not on
+the host yet), and in ``"storage"`` once a storage write of it landed (``StorageLink.
+reported_pages``; the store keeps pages past the tree's nodes, until a reset). Hashes are the wire
+form (``hasher.wire_hash``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ def cached_blocks(tree: Any, *, wire_media: bool = True) -> set[tuple[str, int |
         host = tree.component("host")
     except KeyError:
         host = None
-    device_name, host_name = ("device", "host") if not wire_media else (WIRE_MEDIUM["device"], WIRE_MEDIUM["host"])
+    names = {m: (WIRE_MEDIUM[m] if wire_media else m) for m in ("device", "host", "storage")}
+    device_name, host_name = names["device"], names["host"]
     out: set[tuple[str, int | bytes]] = set()
+    storage = getattr(tree, "storage", None)
+    out.update((names["storage"], wire(h)) for h in getattr(storage, "reported_pages", ()))
     for node in tree.nodes():
         hashes = [wire(h) for h in node.hashes or ()]
         if node.value is not None:

@@ -7,7 +7,10 @@ Rules (``sglang-semantics.md`` §1.14, ``sglang-0.5.23-hybrid-trees.md``, host t
   (``page_first`` order: one page of every layer) and written to the storage tier under their
   chained page hashes (pages the store holds already are skipped). The hashes are those of the
   node's path from the root in its namespace (``extra_key``) with the tree's ``hash_seed``: the
-  hashes the tree's KV events carry for the same pages.
+  hashes the tree's KV events carry for the same pages with the default hash. With KV events on,
+  a write whose every page landed is reported at the polling step that sees it finish
+  (``BlockStored`` in medium "storage", with the tree's event hashes; ``reported_pages``); the
+  store removes nothing, and a reset forgets what was reported (its ``AllBlocksCleared``).
 * **prefetch on a match miss.** :meth:`start_prefetch` hashes the key beyond the device + host
   match page by page and asks the store how many of them it holds, from the first. A leading run
   of at least ``prefetch_threshold`` tokens is prefetched: host slots are taken for it (evicting
@@ -54,6 +57,7 @@ import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.multihost.agreement import Agreement, LocalAgreement
+from kvjax.radix.events import BlockStored
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 from kvjax.tiers.storage import PREFETCH_POLICIES, Prefetch, StorageTier, StorageWrite, page_hashes
 
@@ -62,6 +66,10 @@ if TYPE_CHECKING:
     from kvjax.radix.match import MatchResult
 
 PREFETCH_THRESHOLD = 256  # SGLang's default, tokens
+
+
+#: The medium of the storage tier's KV events (``kvjax.radix.events``).
+STORAGE_MEDIUM = "storage"
 
 
 class HostPages(Protocol):
@@ -140,6 +148,10 @@ class StorageLink:
         self.threshold = int(prefetch_threshold)
         self.page_size = tree.page_size
         self._writes: list[StorageWrite] = []
+        # KV events: writes whose landing is reported (medium "storage"), with their event; the
+        # page hashes reported since the last reset (the store keeps pages; nothing removes them).
+        self._reported: list[tuple[StorageWrite, BlockStored]] = []
+        self.reported_pages: set[Any] = set()
         self._ops: dict[Any, PrefetchOp] = {}
         self.pages_backed_up = 0
         self.prefetched_tokens = 0
@@ -175,6 +187,8 @@ class StorageLink:
         write = self.storage.backup(self.node_hashes(node), np.swapaxes(buf, 0, 1))
         self.pages_backed_up += len(write.futures)
         self._writes.append(write)
+        if self.tree.enable_kv_cache_events:
+            self._reported.append((write, self.tree.stored_event(node, STORAGE_MEDIUM)))
 
     def check_writes(self, wait: bool = False) -> int:
         """Forget the storage writes that finished (all of them, waiting, with ``wait``);
@@ -185,7 +199,28 @@ class StorageLink:
         still = [w for w in self._writes if not w.done()]
         done = len(self._writes) - len(still)
         self._writes = still
+        if self._reported:
+            self._report_landed()
         return done
+
+    def _report_landed(self) -> None:
+        """KV events: a ``BlockStored`` in medium "storage" for each finished write whose every
+        page landed (pages stored before count as landed; a write with a failed page reports
+        nothing, so a router never counts a page the store lacks)."""
+        pending = []
+        for write, event in self._reported:
+            if not write.done():
+                pending.append((write, event))
+            elif write.wait() == len(write.futures):  # done: no wait, failures counted out
+                self.reported_pages.update(event.block_hashes)
+                self.tree.emit_event(event)
+        self._reported = pending
+
+    def forget_reported(self) -> None:
+        """The tree was reset (its ``AllBlocksCleared`` covers the storage medium): nothing is
+        reported any more, though the store keeps its pages."""
+        self._reported = []
+        self.reported_pages.clear()
 
     @property
     def pending_writes(self) -> int:

@@ -198,6 +198,7 @@ class TieredTree(RadixTree):
         self.check_transfers(wait=True)
         if self.storage is not None:
             self.storage.cancel_all()
+            self.storage.forget_reported()  # the reset's AllBlocksCleared covers storage too
         if self.protected_size():
             raise LockError(f"reset: {self.protected_size()} device tokens are locked by requests; release them first")
         self.host.on_reset()
