@@ -1,11 +1,12 @@
 """The serving loop publishes its KV events: the demo's ``serve`` over the tiny model (a real
-``Scheduler``, the host tier, a pool small enough to evict) with ``--kv-events-config``'s
+``Scheduler``, the host tier, a pool small enough to evict and retract) with ``--kv-events-config``'s
 configuration, a real subscriber rebuilding the tree's cached blocks from the stream; and the
 command line's flag refuses a bad configuration naming the field, before jax starts."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -19,9 +20,10 @@ from kvjax.kv_events.config import KVEventsConfig  # noqa: E402
 from tests.kv_events.vllm_layout import Mirror  # noqa: E402
 from tests.workloads import SMALL  # noqa: E402
 
-# Whole pages beyond the shared prompts (questions and turns of 24 tokens at page 16), a pool of
-# 160 tokens that cannot hold them all: device eviction, backups to the host and load-backs.
-WORKLOAD = dataclasses.replace(SMALL, groups=3, question_tokens=24, turns=3, turn_tokens=24, output_tokens=8)
+# Whole pages beyond the shared prompts (questions and turns of 24 tokens at page 16, 40 output
+# tokens), a pool of 192 tokens that cannot hold them all: device eviction, backups to the host,
+# load-backs, and decode retractions.
+WORKLOAD = dataclasses.replace(SMALL, groups=3, question_tokens=24, turns=3, turn_tokens=24, output_tokens=40)
 
 
 def test_the_demo_server_publishes_what_its_tree_caches(tmp_path):
@@ -35,7 +37,7 @@ def test_the_demo_server_publishes_what_its_tree_caches(tmp_path):
         server, _ = serve(
             WORKLOAD,
             page_size=16,
-            max_total_tokens=160,
+            max_total_tokens=192,
             enable_hierarchical_cache=True,
             overlap=True,
             kv_events=config,
@@ -46,20 +48,31 @@ def test_the_demo_server_publishes_what_its_tree_caches(tmp_path):
         assert mirror.replayed == 0 and mirror.last_seq == mirror.batches - 1
         assert mirror.blocks == cached_blocks(server.tree)
         assert {m for m, _ in mirror.blocks} == {"GPU", "CPU_TIER1"}
-        assert server.stats.evicted_tokens > 0
+        assert server.stats.evicted_tokens > 0 and server.stats.retractions > 0
         streams = getattr(server, "kv_event_streams")  # noqa: B009 - set by serve
         assert streams.published_batches == mirror.batches > 1
     finally:
         mirror.close()
 
 
-def test_the_command_line_refuses_a_bad_configuration_by_field():
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ('{"publisher": "zmq", "buffer_step": 5}', ["buffer_step=5", "buffer_steps"]),
+        ('{"publisher": "zmq", "block_hash": "sha256_cbor"}', ["hash_seed=None", "PYTHONHASHSEED"]),
+    ],
+    ids=["unknown-field", "sha256_cbor-without-a-seed"],
+)
+def test_the_command_line_refuses_a_bad_configuration_by_field(config, expected):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     out = subprocess.run(
-        [sys.executable, "-m", "kvjax", "demo", "--kv-events-config", '{"publisher": "zmq", "buffer_step": 5}'],
+        [sys.executable, "-m", "kvjax", "demo", "--kv-events-config", config],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
     assert out.returncode == 2
-    assert "--kv-events-config" in out.stderr and "buffer_step=5" in out.stderr and "buffer_steps" in out.stderr
+    assert "--kv-events-config" in out.stderr and all(e in out.stderr for e in expected), out.stderr
+    assert "Traceback" not in out.stderr
