@@ -1,14 +1,19 @@
 """KV cache events for cache-aware routers: ``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared`` (the vLLM/SGLang event vocabulary), and the chained page hash.
 
-Block hashes. Page ``j`` of a path hashes ``(hash of page j-1, page tokens)`` with SHA-256,
-truncated to a signed int64. The chain starts from a seed mixed with the key's namespace
-(``extra_key``), so equal tokens under different namespaces hash differently, and a page's hash
-depends on its position in the sequence. A node stores its pages' hashes when it is created;
-a split cuts that list at the page boundary, so hashes never change across splits.
+Block hashes. Page ``j`` of a path hashes ``(hash of page j-1, page tokens)``: by default with
+SHA-256 truncated to a signed int64 (``kvjax.page_hash.PageHasher``), the chain starting from a
+seed mixed with the key's namespace (``extra_key``), so equal tokens under different namespaces
+hash differently, and a page's hash depends on its position in the sequence. A tree may carry
+another chained hash instead (``tree.start_events(sink, hasher)``: vLLM's ``sha256_cbor``, whose
+stored hashes are 32-byte digests; ``kvjax.kv_events``). A node stores its pages' hashes when it
+is created; a split cuts that list at the page boundary, so hashes never change across splits.
 
 One ``BlockStored`` is emitted per new node and carries all of its pages (``block_hashes``,
 ``token_ids`` of ``block_size * len(block_hashes)`` tokens); one ``BlockRemoved`` per evicted node.
+``medium`` says which copy: ``"device"`` (the tree core), ``"host"`` (the host tier's landed copies
+and their eviction) or ``"storage"`` (the storage tier's landed writes). ``kvjax.kv_events`` puts
+them on the wire for fleet routers.
 """
 
 from __future__ import annotations
@@ -20,19 +25,20 @@ from typing import Any
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Pages newly cached on the device.
+    """Pages newly cached in ``medium``.
 
     Attributes:
-        block_hashes: one chained hash per page, in order.
+        block_hashes: one chained hash per page, in order (the tree hasher's stored form).
         parent_block_hash: hash of the page before the first one (None at the start of a key).
         token_ids: the pages' tokens (key elements; bigram keys list the covered tokens).
         block_size: tokens per page.
         extra_key: the key namespace (LoRA id / cache salt), None for the default one.
-        medium: where the blocks live ("GPU" in SGLang's vocabulary; "device" here).
+        medium: where the blocks live: "device", "host" or "storage" (SGLang's "GPU",
+            "CPU_TIER1", "CPU_TIER2" on the wire).
     """
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[Any]
+    parent_block_hash: Any
     token_ids: list[int]
     block_size: int
     extra_key: Hashable = None
@@ -41,9 +47,9 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Pages evicted from the device (their hashes, as stored)."""
+    """Pages no longer cached in ``medium`` (their hashes, as stored)."""
 
-    block_hashes: list[int]
+    block_hashes: list[Any]
     medium: str = "device"
 
 
