@@ -3,15 +3,18 @@
     python benchmarks/kv_events.py [--quick] [--repeats N]
 
 * ``cost``: the radix benchmark's per-request loop (``radix_workloads``: ``match_prefix(prompt)``
-  -> lock -> ``insert(prompt + output)`` -> unlock -> evict to capacity) with KV events off and on,
+  -> lock -> ``insert(prompt + output)`` -> unlock; no eviction) with KV events off and on,
   in one run, best of ``--repeats`` fresh trees each, alternating. "On" publishes every request's
   events as one batch (a scheduler step's worth) through a real ``ZmqEventPublisher`` (ipc, its
   encoding thread running) with a subscriber connected: the tree's page hashing, the bridge's
   conversion and the publisher's queueing and encoding all count. Per workload, page size (1, 16)
   and block hash (``kvjax``, ``sha256_cbor``): µs per request off and on and
   ``overhead = on / off - 1`` (goal: at most 0.05), and the tree's own part of "on" (page
-  hashes and in-process events into a list, nothing converted or sent). Most requests of these streams are cached
-  (a hit on their system prompt or earlier turns): ``cached_request_share`` says how many.
+  hashes and in-process events into a list, nothing converted or sent), the cost per new page,
+  and ``repeat_fully_cached``: the same requests again on the warm tree, every page of every
+  request cached (no new page, no event: the cost of events for a fully cached request; best of
+  three passes per tree). In the first pass most requests are cached too (a hit on their system
+  prompt or earlier turns, ``cached_request_share``), but each adds its question and output.
 * ``throughput``: events per second from ``publish`` to a subscriber that decoded them all (one
   publisher, ipc, batches of one request's events, the encoding thread and the decoding
   subscriber on this machine's two cores).
@@ -64,6 +67,7 @@ from kvjax.serve.dp_router import DPRouter, RankLoad  # noqa: E402
 from kvjax.serve.workload import Workload  # noqa: E402
 
 CAPACITY = 200_000
+NO_EVICTION = 1 << 40  # the cost runs keep every page: a repeat pass is then fully cached
 SEED = "0"
 
 
@@ -113,16 +117,18 @@ def _hasher(name: str) -> Any:
 def bench_cost(stream: list[Any], page_size: int, block_hash: str, repeats: int, tmp: str) -> dict:
     prepared = _prepared(stream, page_size)
     off, on, hashing = [], [], []
+    again_off, again_on = [], []
     events = batches = 0
     cached = hits = 0
     for r in range(repeats):
         tree = RadixCache(page_size=page_size)
-        elapsed, cached, hits = _replay(tree, prepared, CAPACITY, None)
+        elapsed, cached, hits = _replay(tree, prepared, NO_EVICTION, None)
         off.append(elapsed)
+        again_off.append(min(_replay(tree, prepared, NO_EVICTION, None)[0] for _ in range(3)))
         tree = RadixCache(page_size=page_size)
         sink: list = []
         tree.start_events(sink, _hasher(block_hash))  # events made, never converted nor sent
-        hashing.append(_replay(tree, prepared, CAPACITY, sink.clear)[0])
+        hashing.append(_replay(tree, prepared, NO_EVICTION, sink.clear)[0])
         address = f"ipc://{tmp}/cost-{page_size}-{block_hash}-{r}"
         publisher = ZmqEventPublisher(address, max_queue_size=100_000)
         subscriber = EventSubscriber(address)
@@ -130,13 +136,15 @@ def bench_cost(stream: list[Any], page_size: int, block_hash: str, repeats: int,
         tree = RadixCache(page_size=page_size)
         bridge = EventBridge(publisher, _hasher(block_hash))
         tree.start_events(bridge, bridge.hasher)
-        elapsed, cached_on, hits_on = _replay(tree, prepared, CAPACITY, bridge.flush)
+        elapsed, cached_on, hits_on = _replay(tree, prepared, NO_EVICTION, bridge.flush)
         on.append(elapsed)
+        again_on.append(min(_replay(tree, prepared, NO_EVICTION, bridge.flush)[0] for _ in range(3)))
         assert (cached_on, hits_on) == (cached, hits), "events change nothing the tree does"
         publisher.close()
         subscriber.close()
         events, batches = bridge.published_events, bridge.published_batches
     n = len(stream)
+    new_pages = sum(len(k) for _, k, _ in prepared) // page_size - hits // page_size
     best_off, best_on = min(off) / n * 1e6, min(on) / n * 1e6
     return {
         "requests": n,
@@ -149,6 +157,13 @@ def bench_cost(stream: list[Any], page_size: int, block_hash: str, repeats: int,
         "overhead": round(best_on / best_off - 1, 4),
         # of which the tree's own part: page hashes and in-process events, nothing published
         "us_per_request_tree_events_only": round(min(hashing) / n * 1e6, 2),
+        "us_per_new_page_events_on": round((best_on - best_off) / max(new_pages / n, 1e-9), 2),
+        # the same requests again on the warm tree: every page cached, no new page, no event
+        "repeat_fully_cached": {
+            "us_per_request_events_off": round(min(again_off) / n * 1e6, 2),
+            "us_per_request_events_on": round(min(again_on) / n * 1e6, 2),
+            "overhead": round(min(again_on) / min(again_off) - 1, 4),
+        },
     }
 
 

@@ -76,3 +76,37 @@ def test_the_command_line_refuses_a_bad_configuration_by_field(config, expected)
     assert out.returncode == 2
     assert "--kv-events-config" in out.stderr and all(e in out.stderr for e in expected), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_dp_ranks_of_a_real_server_publish_one_stream_each(tmp_path):
+    """Two DP ranks (``DPScheduler``: a scheduler and a cache per rank, the demo's settings),
+    each publishing at the configured address plus ``_dp{rank}``, every batch stamped with its
+    rank; each rank's subscriber rebuilds that rank's tree."""
+    from kvjax.dp.scheduler import DPScheduler
+    from kvjax.serve.kv_events import attach_kv_events
+    from kvjax.serve.model import init_params
+    from kvjax.serve.workload import run_workload
+    from kvjax.spec import ModelSpec
+    from tests.serve.dp_serving import dp2_config
+
+    spec = ModelSpec.preset("tiny")
+    config = dp2_config().replace(max_total_tokens=192)
+    front = DPScheduler.build(spec, config, init_params(spec, seed=0), policy="round_robin")
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    events = KVEventsConfig(
+        publisher="zmq", endpoint=pub, replay_endpoint=replay, block_hash="sha256_cbor", hash_seed="0"
+    )
+    mirrors = [Mirror(f"{pub}_dp{r}" if r else pub, f"{replay}_dp{r}" if r else replay) for r in range(2)]
+    streams = attach_kv_events(front, events)
+    try:
+        run_workload(front, WORKLOAD)
+        streams.flush()
+        for rank, (mirror, scheduler) in enumerate(zip(mirrors, front.schedulers, strict=True)):
+            mirror.drain()
+            assert mirror.ranks == {rank}
+            assert mirror.blocks == cached_blocks(scheduler.tree)
+            assert scheduler.stats.evicted_tokens > 0
+    finally:
+        streams.close()
+        for m in mirrors:
+            m.close()
