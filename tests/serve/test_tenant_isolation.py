@@ -9,7 +9,8 @@ tier       same tenant                                    other tenant
 device     the prefix is matched in the tree               nothing matched
 host       the prefix is loaded back from the host tier   nothing loaded, nothing matched
 storage    the prefix is prefetched from storage          nothing prefetched, nothing matched
-events     the pages' hashes are the ones already stored  every page hashes differently
+events     the pages' hashes are the ones already stored  every page hashes differently (kvjax's
+                                                          hash and vLLM's sha256_cbor alike)
 router     the DP router sees the prefix on its rank       no rank holds any of it
 =========  =============================================  ====================================
 
@@ -52,9 +53,16 @@ def params():
     return init_params(SPEC)
 
 
-def test_device_tier_hits_for_the_same_tenant_only(params):
+@pytest.mark.parametrize("block_hash", ["kvjax", "sha256_cbor"])
+def test_device_tier_hits_for_the_same_tenant_only(params, block_hash):
     system, (q0, q1, q2) = _prompts()
-    sched = Scheduler(SPEC, demo_cache(page_size=PAGE, max_total_tokens=512, enable_kv_cache_events=True), params)
+    sched = Scheduler(SPEC, demo_cache(page_size=PAGE, max_total_tokens=512), params)
+    hasher = None
+    if block_hash == "sha256_cbor":  # vLLM's, which a router recomputes from token ids and the salt
+        from kvjax.kv_events.block_hash import Sha256CborHasher
+
+        hasher = Sha256CborHasher("0")
+    sched.tree.start_events(None, hasher)
     first = _req("a0", system + q0, "a")
     same = _req("a1", system + q1, "a")
     other = _req("b1", system + q1, "b")
@@ -71,6 +79,10 @@ def test_device_tier_hits_for_the_same_tenant_only(params):
     for event in stored:
         by_tenant[str(event.extra_key)].update(event.block_hashes)
     assert by_tenant["a"] and by_tenant["b"] and not by_tenant["a"] & by_tenant["b"]
+    if hasher is not None:  # a router holding only the tokens and the salt computes the same hashes
+        for salt in ("a", "b"):
+            recomputed = {hasher.page_hashes(None, system + q1, PAGE, salt)[i] for i in range(SYSTEM // PAGE)}
+            assert recomputed <= by_tenant[salt]
     assert sched.leak_free()
 
 
