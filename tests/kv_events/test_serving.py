@@ -26,7 +26,8 @@ from tests.workloads import SMALL  # noqa: E402
 WORKLOAD = dataclasses.replace(SMALL, groups=3, question_tokens=24, turns=3, turn_tokens=24, output_tokens=40)
 
 
-def test_the_demo_server_publishes_what_its_tree_caches(tmp_path):
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_demo_server_publishes_what_its_tree_caches(tmp_path, page_size):
     from kvjax.demo import serve
     from kvjax.serve.scheduler import Scheduler
 
@@ -36,7 +37,7 @@ def test_the_demo_server_publishes_what_its_tree_caches(tmp_path):
     try:
         server, _ = serve(
             WORKLOAD,
-            page_size=16,
+            page_size=page_size,
             max_total_tokens=192,
             enable_hierarchical_cache=True,
             overlap=True,
