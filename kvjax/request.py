@@ -28,6 +28,21 @@ def _concat(a: Any, b: Any) -> Any:
     return list(a) + list(b)
 
 
+def finite_seconds(value: Any, what: str, hint: str, *, minimum: float = -math.inf) -> float:
+    """``value`` as a finite float of seconds, at least ``minimum``. Raises ValueError naming
+    ``what`` and the value (then ``hint``) for a bool, a string, a non-number, a NaN, an infinity
+    or a number below ``minimum``."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"{what}={value!r}: {hint}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}={value!r}: {hint}") from exc
+    if not math.isfinite(seconds) or seconds < minimum:
+        raise ValueError(f"{what}={value!r}: {hint}")
+    return seconds
+
+
 def check_retention_seconds(value: Any, what: str = "retention_seconds") -> float | None:
     """``value`` as seconds (float), or None for no retention.
 
@@ -36,16 +51,7 @@ def check_retention_seconds(value: Any, what: str = "retention_seconds") -> floa
     """
     if value is None:
         return None
-    hint = "give a finite number of seconds >= 0, or None for no retention"
-    if isinstance(value, (bool, str, bytes)):
-        raise ValueError(f"{what}={value!r}: {hint}")
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what}={value!r}: {hint}") from exc
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what}={value!r}: {hint}")
-    return seconds
+    return finite_seconds(value, what, "give a finite number of seconds >= 0, or None for no retention", minimum=0.0)
 
 
 class Req:

@@ -32,11 +32,10 @@ must be finite and >= 0 (0 retains nothing).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvjax.request import check_retention_seconds
+from kvjax.request import check_retention_seconds, finite_seconds
 
 if TYPE_CHECKING:
     from kvjax.radix.node import TreeNode
@@ -56,16 +55,7 @@ NO_RETENTION = float("-inf")
 
 def check_clock_reading(value: Any) -> float:
     """A retention clock reading as a finite float. Raises ValueError naming the value otherwise."""
-    hint = "give a finite number of seconds"
-    if isinstance(value, (bool, str, bytes)):
-        raise ValueError(f"retention clock reading {value!r}: {hint}")
-    try:
-        reading = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"retention clock reading {value!r}: {hint}") from exc
-    if not math.isfinite(reading):
-        raise ValueError(f"retention clock reading {value!r}: {hint}")
-    return reading
+    return finite_seconds(value, "retention clock reading", "give a finite number of seconds")
 
 
 def merge_retention(node: TreeNode, priority: int, until: float, now: float) -> bool:

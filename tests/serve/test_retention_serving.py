@@ -120,7 +120,7 @@ def test_the_clock_is_agreed_as_the_minimum_over_the_processes():
     clock = RetentionClock(lambda: 20.0, agreement)
     assert clock.read() == 12.5 and agreement.tags == ["retention_clock"]
     assert RetentionClock(lambda: 20.25, LocalAgreement()).read() == 20.25
-    with pytest.raises(ValueError, match="retention clock reading nan"):
+    with pytest.raises(ValueError, match="retention clock reading=nan"):
         RetentionClock(lambda: float("nan")).read()
     with pytest.raises(ValueError, match="retention clock 5"):
         RetentionClock(5)  # type: ignore[arg-type]
