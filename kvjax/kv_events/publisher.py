@@ -198,7 +198,10 @@ class ZmqEventPublisher:
             if self._replay is not None:
                 # the thread's one wait: a replay request, or POLL_SECONDS for batches to gather
                 if self._replay.poll(0 if pending else int(self.POLL_SECONDS * 1000)):
-                    self._serve_replay()
+                    try:
+                        self._serve_replay()
+                    except zmq.ZMQError as e:  # a client gone mid-answer: the stream goes on
+                        log.warning("KV events: a replay request failed: %s", e)
             elif not pending:
                 time.sleep(self.POLL_SECONDS)
             if not self._running:
