@@ -58,8 +58,17 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("plan", ["kvjax.plan", "kvjax.pipeline_check"]),
     (
         "host",
-        # kv_events: the wire format of the trees' events (msgspec, pyzmq: imported when used)
-        ["kvjax.alloc", "kvjax.req_pool", "kvjax.hybrid_req_pool", "kvjax.radix", "kvjax.tiers", "kvjax.kv_events"],
+        # kv_events: the wire format of the trees' events (msgspec, pyzmq: imported when used);
+        # multimodal: items' content hashes, the encoder-output cache, pad values
+        [
+            "kvjax.alloc",
+            "kvjax.req_pool",
+            "kvjax.hybrid_req_pool",
+            "kvjax.radix",
+            "kvjax.tiers",
+            "kvjax.kv_events",
+            "kvjax.multimodal",
+        ],
     ),
     ("device", ["kvjax.pools", "kvjax.device_updates", "kvjax.device_state", "kvjax.attention", "kvjax.transfers"]),
     ("build", ["kvjax.build"]),
@@ -329,6 +338,7 @@ JAX_FREE_MODULES = [
     "kvjax.req_pool",
     "kvjax.tiers",
     "kvjax.kv_events",
+    "kvjax.multimodal",
     "kvjax.cli",
     "kvjax.cli.demo_command",
     "kvjax.cli.generate_command",
