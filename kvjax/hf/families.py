@@ -24,7 +24,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvjax.hf import attention, gemma, mla, recurrent
+from kvjax.hf import attention, gemma, llava, mla, recurrent
 from kvjax.hf.keys import Fields
 from kvjax.layer_kinds import LayerKind
 
@@ -159,6 +159,7 @@ FAMILY_RECORDS: tuple[Family, ...] = (
     Family("phi3", attention.parse_mistral, ("Phi3ForCausalLM",)),
     Family("gemma2", gemma.parse_gemma2, ("Gemma2ForCausalLM",)),
     Family("gemma3", gemma.parse_gemma3, ("Gemma3ForConditionalGeneration",)),
+    Family("llava", llava.parse_llava, ("LlavaForConditionalGeneration",)),
     Family("deepseek_v3", mla.parse_deepseek_mla, ("DeepseekV3ForCausalLM",)),
     Family("deepseek_v32", mla.parse_deepseek_mla, ("DeepseekV32ForCausalLM",)),
     Family("falcon_h1", recurrent.parse_falcon_h1, ("FalconH1ForCausalLM",)),
