@@ -84,8 +84,9 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def read_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint directory and its parsed ``config.json``; `ConfigError` if either is unusable."""
+def read_config(directory: str | Path, *, servable: bool = True) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory and its parsed ``config.json``; `ConfigError` if either is unusable
+    (with ``servable``, also when kvjax does not serve its ``model_type``)."""
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError("model", str(directory), "not a directory; pass a checkpoint directory or a preset name")
@@ -102,7 +103,8 @@ def read_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
         raise ConfigError("model", str(config_file), f"is not readable JSON ({e}); re-download config.json") from None
     if not isinstance(config, dict):
         raise ConfigError("model", str(config_file), "must hold a JSON object; re-download config.json")
-    family(config.get("model_type"))  # a ConfigError naming the servable families
+    if servable:
+        family(config.get("model_type"))  # a ConfigError naming the servable families
     return path, config
 
 
