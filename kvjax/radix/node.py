@@ -40,7 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.radix.retention import NO_RETENTION
+#: ``TreeNode.retain_until`` of a node that was never retained (before any clock reading;
+#: ``kvjax.radix.retention`` re-exports it).
+NO_RETENTION = float("-inf")
 
 _ids = itertools.count()
 

@@ -33,12 +33,10 @@ must be finite and >= 0 (0 retains nothing).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvjax.radix.node import NO_RETENTION, TreeNode
 from kvjax.request import check_retention_seconds, finite_seconds
-
-if TYPE_CHECKING:
-    from kvjax.radix.node import TreeNode
 
 __all__ = [
     "NO_RETENTION",
@@ -48,9 +46,6 @@ __all__ = [
     "retained_last",
     "retention_key",
 ]
-
-NO_RETENTION = float("-inf")
-"""``TreeNode.retain_until`` of a node that was never retained (before any clock reading)."""
 
 
 def check_clock_reading(value: Any) -> float:

@@ -38,18 +38,34 @@ Invariant: a held request is in ``held_requests()`` (the scheduler's ``live_requ
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
+from kvjax.protocols import ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.serve.serving_req import ServingReq
 
-if TYPE_CHECKING:
-    from kvjax.serve.scheduler import Scheduler
+__all__ = ["Session", "SessionHost", "SessionTable"]
 
-__all__ = ["Session", "SessionTable"]
+
+class SessionHost(Protocol):
+    """What a session table needs of its scheduler: the tree its holds live in, the request table
+    their rows come from, and what decides whether a turn can hold (the serving extensions, each
+    with ``keeps_session_kv``, and the speculative proposer, None without one)."""
+
+    @property
+    def tree(self) -> TreeCacheProtocol: ...
+
+    @property
+    def rows(self) -> ReqToTokenPoolProtocol: ...
+
+    @property
+    def extensions(self) -> Sequence[Any]: ...
+
+    @property
+    def proposer(self) -> Any: ...
 
 
 @dataclass
@@ -78,7 +94,7 @@ class Session:
 class SessionTable:
     """A scheduler's open sessions and their holds (module docstring)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SessionHost) -> None:
         self._sched = scheduler
         self._sessions: dict[str, Session] = {}
         self._clock = itertools.count(1)
