@@ -59,6 +59,11 @@ class Family:
         qkv_bias: q/k/v projections always carry biases and ``o_proj`` none, whatever
             ``attention_bias`` says (Qwen2); otherwise all four follow ``attention_bias``.
         mlp_bias: the MLP projections follow the config's ``mlp_bias`` (Llama); otherwise none.
+        text_config: the key of ``config.json`` holding the language model's config (a
+            vision-language model's ``text_config``), which the serving config is read from; None:
+            the top level.
+        checkpoint_prefix: what the checkpoint's tensor names put before the served model's
+            (LLaVA's ``language_model.``); empty for a plain causal LM.
     """
 
     name: str
@@ -72,6 +77,8 @@ class Family:
     yarn_rope: bool = False
     qkv_bias: bool = False
     mlp_bias: bool = False
+    text_config: str | None = None
+    checkpoint_prefix: str = ""
 
     @property
     def servable(self) -> bool:
@@ -148,6 +155,16 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         "deepseek_v2:DeepseekV2ForCausalLM",
         layer_kinds=frozenset({LayerKind.MLA}),
     ),
+    _served(
+        "llava",
+        llava.parse_llava,
+        "LlavaForConditionalGeneration",
+        "llava:LlavaLanguageModel",
+        layer_kinds=_FULL_OR_SLIDING,
+        mlp_bias=True,
+        text_config="text_config",
+        checkpoint_prefix="language_model.",
+    ),
     # Planned, not served.
     Family("olmo2", attention.parse_llama, ("Olmo2ForCausalLM",)),
     Family("glm4", attention.parse_llama, ("Glm4ForCausalLM",)),
@@ -159,7 +176,6 @@ FAMILY_RECORDS: tuple[Family, ...] = (
     Family("phi3", attention.parse_mistral, ("Phi3ForCausalLM",)),
     Family("gemma2", gemma.parse_gemma2, ("Gemma2ForCausalLM",)),
     Family("gemma3", gemma.parse_gemma3, ("Gemma3ForConditionalGeneration",)),
-    Family("llava", llava.parse_llava, ("LlavaForConditionalGeneration",)),
     Family("deepseek_v3", mla.parse_deepseek_mla, ("DeepseekV3ForCausalLM",)),
     Family("deepseek_v32", mla.parse_deepseek_mla, ("DeepseekV32ForCausalLM",)),
     Family("falcon_h1", recurrent.parse_falcon_h1, ("FalconH1ForCausalLM",)),

@@ -18,6 +18,10 @@ A forward takes one flat ragged batch (``T`` tokens of up to ``S`` sequence rows
 returns ``(logits [S, vocab] float32, new pools)``: the logits of each row's last token
 (``meta.logits_indices``) only, soft-capped when the family sets a cap.
 
+A vision-language family's language model sets ``multimodal``: ids outside the vocabulary (image
+pad values) are clamped before the embedding lookup, and the rows the step's
+``MultimodalMetadata`` flags are replaced by image embeddings (``kvjax.serve.multimodal_metadata``).
+
 Pipeline parallelism: a model built with ``stage=PipelineStage(start, end, num_layers)`` runs only
 its layers ``[start, end)`` (global ids, so each layer finds its pool and weights as in the whole
 model). The first stage takes the tokens and embeds them, any other stage takes the hidden states
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 from kvjax.pools import CachePools
 from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.multimodal_metadata import merge_image_rows, safe_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +108,7 @@ class DecoderStack(nn.Module):
     scale_embedding: bool
     tied_head: bool
     stage: PipelineStage | None = None
+    multimodal: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
@@ -114,7 +120,10 @@ class DecoderStack(nn.Module):
             embed = Embedding(c.vocab_size, c.hidden_size, dt, name=self.names.embed)
         if stage.first:
             assert embed is not None
-            x = embed(tokens)
+            if self.multimodal:  # pad values never looked up; image rows from the step's part
+                x = merge_image_rows(embed(safe_token_ids(tokens, c.vocab_size)), meta)
+            else:
+                x = embed(tokens)
             if self.scale_embedding:  # Gemma: sqrt(hidden), the scale cast to the weights' dtype
                 x = x * jnp.asarray(c.hidden_size**0.5, jnp.float32).astype(x.dtype)
         else:  # the hidden states of the stage before
@@ -142,6 +151,9 @@ class CausalLM(nn.Module):
     scale_embedding: bool = False
     # Pipeline parallelism: the layers this module runs (module docstring); None: all of them.
     stage: PipelineStage | None = None
+    # A vision-language model's language model: image rows merged after the embedding
+    # (``kvjax.serve.multimodal_metadata``).
+    multimodal: bool = False
 
     @nn.nowrap
     def final_norm_eps(self) -> float:
@@ -165,6 +177,7 @@ class CausalLM(nn.Module):
             self.scale_embedding,
             c.tie_word_embeddings,
             self.stage,
+            self.multimodal,
             name=self.names.stack,
         )
         x, pools = stack(tokens, pools, meta)

@@ -8,7 +8,9 @@ names the file of every tensor). Optional: ``tokenizer.json`` (prompts as text) 
 Loading is checked before anything is built: the family must be servable, and every tensor the
 model expects (``kvjax.serve.model.param_shapes``) must be present with its exact shape. Tensor
 names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``); the parameter path is the
-name split at dots, with a list item ``name.N`` (``layers.N``, ``experts.N``) as ``name_N``.
+name split at dots, with a list item ``name.N`` (``layers.N``, ``experts.N``) as ``name_N``, after
+the family's ``checkpoint_prefix`` (LLaVA's language model: ``language_model.``; its vision side
+is read by ``kvjax.serve.image_encoder``).
 Tensors the model does not use (e.g. old ``rotary_emb.inv_freq`` buffers, or ``lm_head.weight``
 when the head is tied) are ignored.
 
@@ -261,8 +263,9 @@ def _load(
         spec = dataclasses.replace(spec, dtype=dtype)
     config = model_config_from_spec(spec)
     expected = dict(_flatten(param_shapes(config)))
+    prefix = family(spec.model_type).checkpoint_prefix  # LLaVA: the language model's tensors
     for param_path, want in expected.items():
-        tensor_name = param_name(param_path)
+        tensor_name = prefix + param_name(param_path)
         if tensor_name not in tensors:
             raise ConfigError(
                 "tensor",
@@ -280,7 +283,7 @@ def _load(
     params: dict[str, Any] = {}
     fingerprint = WeightsHasher(raw, config.dtype)
     for param_path in expected:
-        tensor_name = param_name(param_path)
+        tensor_name = prefix + param_name(param_path)
         tensor = tensors.get(tensor_name)
         fingerprint.add(tensor_name, tensor)
         _set(params, param_path, jnp.asarray(tensor, dtype=target))

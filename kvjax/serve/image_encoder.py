@@ -92,6 +92,17 @@ class ImageEncoder:
     def hidden_size(self) -> int:
         return self.settings.text_hidden_size
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """``(channels, image_size, image_size)``: one image's pixel values."""
+        v = self.settings.vision
+        return (v.num_channels, v.image_size, v.image_size)
+
+    @property
+    def placeholder_token_id(self) -> int:
+        """The prompt's image placeholder id (``image_token_id``)."""
+        return self.settings.image_token_id
+
     def __call__(self, pixel_values: np.ndarray) -> np.ndarray:
         """``[N, C, H, W] -> float32 [N, tokens_per_image, text hidden]``.
 

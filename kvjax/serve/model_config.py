@@ -266,6 +266,9 @@ def model_config_from_spec(spec: ModelSpec, *, dtype: str | None = None) -> Mode
     """
     raw: Mapping[str, Any] = spec.extra
     entry = family(spec.model_type)
+    if entry.text_config is not None:  # a vision-language model: its language model's config
+        text = raw.get(entry.text_config)
+        raw = text if isinstance(text, Mapping) else {}
     unsupported = sorted({kind.value for kind in spec.layer_kinds} - {kind.value for kind in entry.layer_kinds})
     if unsupported:
         if unsupported == [LayerKind.SLIDING.value]:

@@ -8,7 +8,9 @@ biases, which the record's flags put in ``ModelConfig``, and sliding windows: Mi
 layer, a pure sliding-window model); ``qwen3`` adds RMSNorms on q and k; ``gemma3_text`` runs
 sliding-window and full layers over the hybrid-SWA pools; ``gpt_oss`` too, with attention sinks,
 YaRN RoPE and its fused-expert MoE; ``deepseek_v2`` runs MLA over the latent pool and sparse-MoE
-layers; ``nemotron_h`` and ``qwen3_next`` run recurrent mixers over the recurrent-state pool.
+layers; ``nemotron_h`` and ``qwen3_next`` run recurrent mixers over the recurrent-state pool; ``llava`` is
+Llama's stack with image rows merged after the embedding (its vision side, ``clip_vision`` and the
+projector, runs outside the step: ``kvjax.serve.image_encoder``).
 
 Adding a family is one model module and the serving fields of its record: the module's flax class
 (a ``CausalLM``) takes ``(tokens [T], pools: CachePools, meta: AttentionMetadata)`` and returns

@@ -12,6 +12,12 @@ Llama-family language model.
   selection, then ``multi_modal_projector`` (``linear_1``, the activation, ``linear_2``).
   Parameter paths ``vision_tower.*`` and ``multi_modal_projector.*`` (the names under which
   Transformers saves them; ``kvjax.serve.image_encoder`` reads them).
+* `LlavaLanguageModel`: the served model, the Llama family's stack with one change: after the
+  token embedding, the rows the step's ``MultimodalMetadata`` flags are the images' embeddings
+  (``kvjax.serve.multimodal_metadata``; pad ids above the vocabulary are clamped before the
+  lookup). Its config is ``text_config`` and its tensors are ``language_model.*`` (the family
+  record's ``text_config`` and ``checkpoint_prefix``); a ``llama`` or ``mistral`` language model
+  is served (a ``qwen2`` one, whose projection biases the record does not say, is refused).
 """
 
 from __future__ import annotations
@@ -24,11 +30,46 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import KindMetadata
 from kvjax.errors import ConfigError
+from kvjax.pools import CachePools
+from kvjax.serve.families import llama
 from kvjax.serve.families.clip_vision import ClipVisionConfig, ClipVisionTower, activation
+from kvjax.serve.families.llama import LlamaWindows
 from kvjax.serve.layers import Linear
+from kvjax.serve.model_config import ModelConfig
+from kvjax.spec import ModelSpec
 
-__all__ = ["LlavaImageEncoder", "LlavaProjector", "LlavaSettings"]
+__all__ = ["LlavaImageEncoder", "LlavaLanguageModel", "LlavaProjector", "LlavaSettings", "read_config", "trace_state"]
+
+#: The language model families served inside LLaVA.
+TEXT_FAMILIES = ("llama", "mistral")
+
+
+def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> LlamaWindows | None:
+    """The language model's family config (``raw``: ``text_config``): Llama's sliding layers, or
+    None; `ConfigError` for a language model family kvjax does not serve inside LLaVA."""
+    text_type = raw.get("model_type") or "llama"
+    if text_type not in TEXT_FAMILIES:
+        raise ConfigError(
+            "text_config.model_type",
+            text_type,
+            f"kvjax serves LLaVA with a {' or '.join(TEXT_FAMILIES)} language model",
+        )
+    return llama.read_config(spec, raw)
+
+
+def trace_state(config: ModelConfig) -> tuple[CachePools, KindMetadata | None]:
+    """Llama's: the pools of the language model's kinds."""
+    return llama.trace_state(config)
+
+
+class LlavaLanguageModel(llama.LlamaForCausalLM):
+    """``(tokens [T], pools, metadata) -> (logits [S, vocab] float32, new pools)``, image rows
+    merged after the embedding (module docstring)."""
+
+    multimodal: bool = True
+
 
 SELECT_STRATEGIES = ("default", "full")
 
