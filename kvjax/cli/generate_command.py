@@ -9,6 +9,14 @@ turn, the assistant's turn opened). Text is streamed as it is generated, prompt 
 (``kvjax.cli.text_stream``). ``--json`` prints ``{"outputs": [[ids per prompt], ...],
 "cached_tokens": n, "prompt_tokens": n}`` (and ``"texts"`` with a tokenizer) at the end instead.
 
+Images (a LLaVA checkpoint): ``--image FILE``, repeated, fills the prompts' image placeholders in
+order (one placeholder id per image is expanded to the model's tokens per image); each file is
+preprocessed as the checkpoint's ``preprocessor_config.json`` says (``kvjax.serve.image_files``)
+and encoded through an embedding cache of ``--vlm-cache-size-mb`` MiB, whose counters are printed
+(``"multimodal"`` with ``--json``). An unreadable file, an image count that does not match the
+placeholders, a vision tower kvjax does not serve or a model that takes no images is one
+``error:`` line, before the cache is built.
+
 Bad input (a missing directory, no ``config.json`` or weights, a family kvjax cannot serve, a
 missing or mis-shaped tensor, ``--prompt`` without a tokenizer, ids outside the vocabulary, a
 pool too small for the longest request) exits 2 with one line naming the problem and the fix.
@@ -24,7 +32,7 @@ import math
 from typing import Any
 
 from kvjax.cli import serving_args
-from kvjax.cli.arg_types import positive_int
+from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
 from kvjax.cli.text_stream import PromptTextStream
@@ -33,6 +41,7 @@ from kvjax.text import TextTokenizer, text_tokenizer
 
 OPTION_FLAGS = {
     **serving_args.SERVING_FLAGS,
+    "vlm_cache_size_mb": "--vlm-cache-size-mb",
     "max_new_tokens": "--max-new-tokens",
     "max_batch_size": "--max-batch-size",
     "max_running_requests": "--max-batch-size",
@@ -42,6 +51,14 @@ OPTION_FLAGS = {
 def option_flags(args: argparse.Namespace) -> dict[str, str]:
     """Which flag of ``generate`` sets which option."""
     return OPTION_FLAGS
+
+
+def cli_message(error: ConfigError, args: argparse.Namespace) -> str | None:
+    """One image's error as ``--image FILE: fix`` (the file, not every ``--image``); None for
+    the others (the shared rendering)."""
+    if error.option == "image":
+        return f"--image {error.value}: {error.render_fix(OPTION_FLAGS)}"
+    return None
 
 
 class _AppendPrompt(argparse.Action):
@@ -101,6 +118,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="keep the prefix the prompt inserts: evicted after every unretained prefix until S seconds "
         "have passed (a bias, never a pin); once for every prompt, or once per prompt in order (0: none)",
+    )
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image for the prompts' image placeholders (a LLaVA checkpoint), in order; repeat for several",
+    )
+    gen.add_argument(
+        "--vlm-cache-size-mb",
+        type=non_negative_int,
+        default=None,
+        metavar="MB",
+        help="the image-embedding cache's size in MiB (default 100, SGLang's SGLANG_VLM_CACHE_SIZE_MB)",
     )
     serving_args.add_serving_arguments(
         gen,
@@ -174,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     # Every argument is checked: now jax and the model.
     from kvjax.serve.generate import generate, generate_dp, resolve_model
 
+    vision = _image_options(args, spec.model_type) if args.image else {}
     model = resolve_model(args.model, dtype=args.dtype)
     if speculative:
         speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
@@ -188,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
         priorities=priorities,
         retention_seconds=retention,
     )
+    if args.vlm_cache_size_mb is not None:
+        common["vlm_cache_size_mb"] = args.vlm_cache_size_mb
+    if vision and dp_attention:
+        raise UsageError("--image with --dp: images are served on one mesh; drop --dp")
     try:
         if dp_attention:
             for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)
@@ -212,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
                 **options,
                 **serving_args.kv_events_options(args),
                 **speculative,
+                **vision,
             )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None
@@ -228,6 +264,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"prompt {i + 1}: {len(prompt)} tokens -> {len(output)} generated: {output}")
     hit = result.cached_tokens / result.prompt_tokens if result.prompt_tokens else 0.0
     print(f"cached tokens {result.cached_tokens} of {result.prompt_tokens} prompt tokens ({hit:.1%})")
+    if result.multimodal is not None:
+        mm = result.multimodal
+        print(
+            f"images: {mm['images_encoded']} encoded in {mm['encoder_runs']} encoder runs; embedding cache "
+            f"{mm['hits']} hits, {mm['misses']} misses, {mm['evictions']} evictions, {mm['bytes_used']} of "
+            f"{mm['max_bytes']} bytes"
+        )
     if result.speculative is not None:
         sp = result.speculative
         print(
@@ -235,6 +278,31 @@ def run(args: argparse.Namespace) -> int:
             f"({sp['acceptance_rate']:.1%}), {sp['accept_length']:.2f} tokens per target step"
         )
     return 0
+
+
+def _image_options(args: argparse.Namespace, model_type: str) -> dict[str, Any]:
+    """``generate``'s image arguments from ``--image``: the checkpoint's vision settings checked
+    (a tower kvjax does not serve is refused), every file read and preprocessed as its
+    ``preprocessor_config.json`` says, then the encoder's weights loaded. `ConfigError` naming the
+    model or the file; nothing of the cache is built before."""
+    if model_type != "llava":
+        raise ConfigError(
+            "image", args.image[0], f"{args.model} ({model_type}) takes no images; give a LLaVA checkpoint directory"
+        )
+    from kvjax.serve.checkpoint import read_config
+    from kvjax.serve.families.llava import LlavaSettings
+    from kvjax.serve.image_encoder import load_image_encoder
+    from kvjax.serve.image_files import ImagePreprocessing, read_image
+
+    _, raw = read_config(args.model, servable=False)
+    settings = LlavaSettings.from_config(raw)
+    preprocessing = ImagePreprocessing.from_directory(args.model, settings.vision.image_size)
+    pixels = [read_image(path, preprocessing) for path in args.image]
+    return dict(
+        images=pixels,
+        image_encoder=load_image_encoder(args.model, dtype=args.dtype),
+        image_preprocessing=preprocessing.settings(),
+    )
 
 
 def _cache_salts(salts: list[str] | None, prompts: int) -> list[str | None] | None:

@@ -50,10 +50,20 @@ class GenerateResult:
     prompt_tokens: int
     stats: ServeStats
     speculative: dict | None = None  # with a draft model: acceptance counters (``SpeculativeStats``)
+    # with images: the embedding cache's counters and the encoder's runs (``MultimodalExtension.stats``)
+    multimodal: dict | None = None
 
     def to_dict(self) -> dict:
-        out = {"outputs": self.outputs, "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
-        return out if self.speculative is None else {**out, "speculative": self.speculative}
+        out: dict[str, Any] = {
+            "outputs": self.outputs,
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+        }
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
+        if self.multimodal is not None:
+            out["multimodal"] = self.multimodal
+        return out
 
 
 def resolve_model(model: str, *, dtype: str | None = None) -> LoadedModel:
@@ -150,6 +160,10 @@ def generate(
     priorities: Sequence[int] | None = None,
     retention_seconds: Sequence[float | None] | None = None,
     kv_events: Any = None,
+    images: Sequence[Any] | None = None,
+    image_encoder: Any = None,
+    image_preprocessing: dict[str, Any] | None = None,
+    vlm_cache_size_mb: int | None = None,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -169,9 +183,15 @@ def generate(
     salts share no cached page). ``priorities`` / ``retention_seconds``: each prompt's priority and
     retention (``ServingReq``'s; a retained prefix is evicted last until its retention expires,
     ``kvjax.radix.retention``), one per prompt or None. ``kv_events``: a ``KVEventsConfig``: the
-    tree's KV events published while serving (``kvjax.serve.kv_events``). Returns the result and
-    the scheduler (its cache, tree and stats) for inspection.
+    tree's KV events published while serving (``kvjax.serve.kv_events``). ``images``: pixel values
+    ``[C, H, W]`` for the prompts' image placeholders, in order, encoded by ``image_encoder`` (an
+    ``ImageEncoder``) through an embedding cache of ``vlm_cache_size_mb`` MiB (default the
+    ``CacheConfig``'s), hashed with ``image_preprocessing`` (``kvjax.serve.image_prompts``; one
+    mesh, no draft model). Returns the result and the scheduler (its cache, tree and stats) for
+    inspection.
     """
+    if images is not None:
+        prompts = _expanded_prompts(prompts, image_encoder, draft is not None or pp_size > 1)
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
@@ -185,9 +205,20 @@ def generate(
         dcp_size=dcp_size,
         extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
     ).replace(**_speculative_config(draft, speculative_num_steps), pp_size=pp_size)
+    if vlm_cache_size_mb is not None:
+        config = config.replace(vlm_cache_size_mb=vlm_cache_size_mb)
     options: dict[str, Any] = dict(
         max_batch_size=max_batch_size, chunked_prefill_size=chunked_prefill_size, record_logits=record_logits
     )
+    mm = None
+    if images is not None:
+        from kvjax.multimodal import EmbeddingCache
+        from kvjax.serve.image_prompts import image_requests
+
+        cache_of_images: EmbeddingCache[Any] = EmbeddingCache.from_config(config)
+        mm, reqs = image_requests(
+            reqs, images, image_encoder, cache_of_images, model.config.vocab_size, preprocessing=image_preprocessing
+        )
     scheduler: Scheduler
     if pp_size > 1:
         from kvjax.serve.pipeline_cache import build_pipeline_cache
@@ -202,11 +233,31 @@ def generate(
         cache = build_kv_cache(
             model.spec, config, mesh=tp_mesh(tp_size, dcp_size), draft_spec=None if draft is None else draft.spec
         )
+        if mm is not None:
+            from kvjax.serve.kinds import default_extensions
+
+            options["extensions"] = [*default_extensions(cache), mm]
         scheduler = scheduler_for(
             model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options
         )
     _serve_with_events(scheduler, kv_events, lambda: _serve_in_order(scheduler, reqs, lambda req: scheduler, on_step))
-    return _result(reqs, scheduler.stats, _speculative_counters(scheduler)), scheduler
+    result = _result(reqs, scheduler.stats, _speculative_counters(scheduler))
+    result.multimodal = None if mm is None else mm.stats()
+    return result, scheduler
+
+
+def _expanded_prompts(prompts: Sequence[Sequence[int]], encoder: Any, refused: bool) -> list[list[int]]:
+    """The prompts with lone image placeholders expanded (``image_prompts.expand_placeholders``);
+    `ConfigError` without an encoder, or with a draft model or pipeline stages (``refused``)."""
+    if encoder is None:
+        raise ConfigError("image", "given", "images need the model's image encoder (load_image_encoder)")
+    if refused:
+        raise ConfigError(
+            "image", "given", "images are served on one mesh without a draft model; drop --pp / the draft"
+        )
+    from kvjax.serve.image_prompts import expand_placeholders
+
+    return [expand_placeholders(p, encoder.placeholder_token_id, encoder.tokens_per_image)[0] for p in prompts]
 
 
 def scheduler_for(
