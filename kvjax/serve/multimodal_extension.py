@@ -19,7 +19,9 @@ path over kvjax's host pieces (``kvjax.multimodal``).
   prefilled again, through the same path).
 
 Counters: the encoder's ``runs`` / ``images_encoded`` and the embedding cache's ``stats()``
-(`stats`). The extension's work is on the host; its cache is the caller's object, sized from the
+(`stats`); the scheduler it is attached to counts this scheduler's share in its ``ServeStats``
+(``images_encoded``, ``encoder_runs``, ``image_cache_hits``, ``image_cache_misses``,
+``image_cache_evictions``). The extension's work is on the host; its cache is the caller's object, sized from the
 plan (``EmbeddingCache.from_plan``: ``vlm_cache_size_mb``).
 """
 
@@ -101,6 +103,7 @@ class MultimodalExtension(ServingExtension):
         self.tokens_per_image = int(encoder.tokens_per_image)
         self._images: dict[int, tuple[ServingReq, _Images]] = {}
         self._empty: dict[int, MultimodalMetadata] = {}
+        self._stats: Any = None  # the attached scheduler's ServeStats
 
     @classmethod
     def for_encoder(
@@ -189,6 +192,29 @@ class MultimodalExtension(ServingExtension):
 
     # --- hooks ------------------------------------------------------------------------------------
 
+    def attach(self, scheduler: Any) -> None:
+        """Count this scheduler's image work in its ``ServeStats`` (``images_encoded``,
+        ``encoder_runs``, ``image_cache_hits`` / ``_misses`` / ``_evictions``)."""
+        self._stats = getattr(scheduler, "stats", None)
+
+    def _counters(self) -> tuple[int, ...]:
+        c = self.cache
+        enc = self.encoder
+        return (
+            int(getattr(enc, "images_encoded", 0)),
+            int(getattr(enc, "runs", 0)),
+            c.hits,
+            c.misses,
+            c.evictions,
+        )
+
+    def _count(self, before: tuple[int, ...]) -> None:
+        if self._stats is None:
+            return
+        names = ("images_encoded", "encoder_runs", "image_cache_hits", "image_cache_misses", "image_cache_evictions")
+        for name, old, new in zip(names, before, self._counters(), strict=True):
+            setattr(self._stats, name, getattr(self._stats, name) + new - old)
+
     def step_metadata(self, batch: StepBatch) -> MultimodalMetadata:
         tokens = token_bucket(int(np.asarray(batch.slots).shape[0]))
         if batch.is_decode or not self._images:
@@ -197,6 +223,7 @@ class MultimodalExtension(ServingExtension):
             return self._empty[tokens]
         rows = np.zeros((tokens, self.hidden_size), np.float32)
         mask = np.zeros(tokens, bool)
+        before = self._counters()
         at = 0
         for req, start, end in zip(batch.reqs, np.asarray(batch.starts), np.asarray(batch.seq_lens), strict=True):
             held = self._images.get(id(req))
@@ -212,6 +239,7 @@ class MultimodalExtension(ServingExtension):
                     rows[at + offset : at + offset + piece.shape[0]] = piece
                     mask[at + offset : at + offset + piece.shape[0]] = True
             at += int(end - start)
+        self._count(before)
         part: Any = MultimodalMetadata
         return part(rows, mask)
 

@@ -134,6 +134,12 @@ class ServeStats:
     evicted_tokens: int = 0
     retractions: int = 0
     dropped_tokens: int = 0  # overlap: speculative tokens of requests found finished one step late
+    # images (``MultimodalExtension``): encoder calls and images encoded, embedding-cache lookups
+    images_encoded: int = 0
+    encoder_runs: int = 0
+    image_cache_hits: int = 0
+    image_cache_misses: int = 0
+    image_cache_evictions: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
     step_seconds: float = 0.0

@@ -141,6 +141,8 @@ def test_images_served_as_transformers(llava, page_size):
     assert done["a"][0].output_ids != c.output_ids or not np.allclose(done["a"][0].logits, c.logits)
     stats = mm.stats()
     assert stats["bytes_used"] <= stats["max_bytes"] and stats["images_encoded"] >= 2
+    served = sched.stats
+    assert (served.images_encoded, served.image_cache_misses) == (2, 2) and served.image_cache_hits >= 1
     assert sched.stats.cached_tokens > 0
 
 
