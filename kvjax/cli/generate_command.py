@@ -54,10 +54,15 @@ def option_flags(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cli_message(error: ConfigError, args: argparse.Namespace) -> str | None:
-    """One image's error as ``--image FILE: fix`` (the file, not every ``--image``); None for
-    the others (the shared rendering)."""
+    """One image's error as ``--image FILE: fix`` (the file, not every ``--image``), the images'
+    as ``--image given N times: fix`` or ``--image: fix``; None for the others (the shared
+    rendering)."""
+    fix = error.render_fix(OPTION_FLAGS)
     if error.option == "image":
-        return f"--image {error.value}: {error.render_fix(OPTION_FLAGS)}"
+        return f"--image {error.value}: {fix}"
+    if error.option == "images":
+        count = error.value
+        return f"--image given {count} times: {fix}" if isinstance(count, int) else f"--image: {fix}"
     return None
 
 
@@ -222,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vlm_cache_size_mb is not None:
         common["vlm_cache_size_mb"] = args.vlm_cache_size_mb
     if vision and dp_attention:
-        raise UsageError("--image with --dp: images are served on one mesh; drop --dp")
+        raise UsageError("--image with --dp: images are served on one device; drop --dp")
     try:
         if dp_attention:
             for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)

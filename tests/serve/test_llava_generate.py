@@ -78,7 +78,7 @@ def test_generate_with_images(checkpoint, capsys):
     ("case", "expect"),
     [
         ("broken", "--image .*broken.png.*cannot be read as an image"),
-        ("count", "images=2: the prompts name 1 image"),
+        ("count", "--image given 2 times: the prompts name 1 image"),
         ("tower", "vision_config.model_type='siglip_vision_model'.*CLIP"),
     ],
 )
