@@ -14,8 +14,10 @@ the same prompt and pixel values (``LOGIT_ATOL``, with the near-tie guard). Roun
    (cached tokens cover it) and the encoder does not run.
 
 Each distinct image is encoded once in all (an image split by chunked prefill included).
-A last test serves the same rounds through a pool of 72 tokens (page size 1, 3 running requests):
-prefixes are evicted and a request is retracted, and every output still equals Transformers'.
+The same rounds through a pool of 72 tokens (page size 1, 3 running requests) evict prefixes and
+retract a request, and through an embedding cache of one image's bytes evict embeddings; every
+output still equals Transformers'. The embedding cache's bytes stay within its bound after every
+step.
 """
 
 from __future__ import annotations
@@ -87,11 +89,22 @@ def hf_greedy(hf: Any, prompt: list[int], image_ids: list[int]) -> tuple[list[in
 
 
 def serve_rounds(
-    model: LoadedModel, encoder: ImageEncoder, *, max_batch_size: int = 4, **cache_config: Any
+    model: LoadedModel,
+    encoder: ImageEncoder,
+    *,
+    max_batch_size: int = 4,
+    image_cache_bytes: int | None = None,
+    **cache_config: Any,
 ) -> tuple[Scheduler, MultimodalExtension, dict[str, tuple[ServingReq, list[int], list[int]]]]:
+    """The rounds of the module docstring on a new cache (``image_cache_bytes``: the embedding
+    cache's size, default the plan's); the embedding cache's bytes are checked against its bound
+    after every step."""
     cache_config.setdefault("max_total_tokens", 1024)
     cache = build_kv_cache(model.spec, CacheConfig(context_length=124, chunked_prefill_size=CHUNK, **cache_config))
-    mm = MultimodalExtension.for_encoder(encoder, EmbeddingCache.from_plan(cache.plan), model.config.vocab_size)
+    images_cache: EmbeddingCache[Any] = (
+        EmbeddingCache.from_plan(cache.plan) if image_cache_bytes is None else EmbeddingCache(image_cache_bytes)
+    )
+    mm = MultimodalExtension.for_encoder(encoder, images_cache, model.config.vocab_size)
     sched = Scheduler(
         model.config,
         cache,
@@ -101,6 +114,14 @@ def serve_rounds(
         record_logits=True,
         extensions=[*default_extensions(cache), mm],
     )
+    step = sched.step
+
+    def checked_step() -> list[ServingReq]:
+        finished = step()
+        assert images_cache.bytes_used <= images_cache.max_bytes
+        return finished
+
+    sched.step = checked_step  # type: ignore[method-assign]
     done: dict[str, tuple[ServingReq, list[int], list[int]]] = {}
     first = {n: mm.request(n, p, PIXELS[ids], max_new_tokens=MAX_NEW) for n, (p, ids) in ROUND_1.items()}
     sched.run(first.values())
@@ -110,7 +131,8 @@ def serve_rounds(
     runs = encoder.runs
     a2 = mm.request("a2", prompt_a2, PIXELS[[0]], max_new_tokens=MAX_NEW)
     sched.run([a2])
-    assert encoder.runs == runs, "the repeated image was encoded again"
+    if image_cache_bytes is None:
+        assert encoder.runs == runs, "the repeated image was encoded again"
     done["a2"] = (a2, prompt_a2, [0])
     assert sched.leak_free()
     assert mm.registered == 0
@@ -150,6 +172,18 @@ def test_eviction_and_retraction(llava):
     hf, model, encoder = llava
     sched, _, done = serve_rounds(model, encoder, page_size=1, max_total_tokens=72, max_running_requests=3)
     assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
+    assert_matches(hf, done)
+
+
+def test_an_embedding_cache_of_one_image(llava):
+    """The embedding cache holds one image's embedding (16 x 64 float32 = 4096 bytes): the two
+    images evict each other and are encoded again when their KV is not in the tree; outputs stay
+    Transformers'."""
+    hf, model, encoder = llava
+    size = TOKENS_PER_IMAGE * model.config.hidden_size * 4
+    sched, mm, done = serve_rounds(model, encoder, page_size=16, image_cache_bytes=size)
+    assert mm.cache.evictions > 0 and sched.stats.image_cache_evictions > 0
+    assert sched.stats.images_encoded > 2
     assert_matches(hf, done)
 
 
