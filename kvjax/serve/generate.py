@@ -187,11 +187,11 @@ def generate(
     ``[C, H, W]`` for the prompts' image placeholders, in order, encoded by ``image_encoder`` (an
     ``ImageEncoder``) through an embedding cache of ``vlm_cache_size_mb`` MiB (default the
     ``CacheConfig``'s), hashed with ``image_preprocessing`` (``kvjax.serve.image_prompts``; one
-    device, no draft model). Returns the result and the scheduler (its cache, tree and stats) for
+    device or a tp mesh, no draft model). Returns the result and the scheduler (its cache, tree and stats) for
     inspection.
     """
     if images is not None:
-        refused = draft is not None or pp_size > 1 or tp_size > 1 or dcp_size > 1
+        refused = draft is not None or pp_size > 1 or dcp_size > 1
         prompts = _expanded_prompts(prompts, image_encoder, refused)
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
@@ -249,15 +249,15 @@ def generate(
 
 def _expanded_prompts(prompts: Sequence[Sequence[int]], encoder: Any, refused: bool) -> list[list[int]]:
     """The prompts with lone image placeholders expanded (``image_prompts.expand_placeholders``);
-    `ConfigError` without an encoder, or with a draft model, pipeline stages or more than one
-    device (``refused``: not served with images yet)."""
+    `ConfigError` without an encoder, or with a draft model, pipeline stages or decode context
+    parallelism (``refused``: not served with images yet)."""
     if encoder is None:
         raise ConfigError("images", "given", "images need the model's image encoder (load_image_encoder)")
     if refused:
         raise ConfigError(
             "images",
             "given",
-            "images are served on one device without a draft model; drop --tp, --dcp, --pp and the draft",
+            "images are served on one device or a tp mesh, without a draft model; drop --dcp, --pp and the draft",
         )
     from kvjax.serve.image_prompts import expand_placeholders
 

@@ -94,13 +94,16 @@ def serve_rounds(
     *,
     max_batch_size: int = 4,
     image_cache_bytes: int | None = None,
+    mesh: Any = None,
     **cache_config: Any,
 ) -> tuple[Scheduler, MultimodalExtension, dict[str, tuple[ServingReq, list[int], list[int]]]]:
     """The rounds of the module docstring on a new cache (``image_cache_bytes``: the embedding
-    cache's size, default the plan's); the embedding cache's bytes are checked against its bound
-    after every step."""
+    cache's size, default the plan's; ``mesh``: the mesh the cache is built over, with ``tp_size``
+    in ``cache_config``); the embedding cache's bytes are checked against its bound after every
+    step."""
     cache_config.setdefault("max_total_tokens", 1024)
-    cache = build_kv_cache(model.spec, CacheConfig(context_length=124, chunked_prefill_size=CHUNK, **cache_config))
+    config = CacheConfig(context_length=124, chunked_prefill_size=CHUNK, **cache_config)
+    cache = build_kv_cache(model.spec, config, mesh=mesh)
     images_cache: EmbeddingCache[Any] = (
         EmbeddingCache.from_plan(cache.plan) if image_cache_bytes is None else EmbeddingCache(image_cache_bytes)
     )
