@@ -10,7 +10,8 @@ model expects (``kvjax.serve.model.param_shapes``) must be present with its exac
 names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``); the parameter path is the
 name split at dots, with a list item ``name.N`` (``layers.N``, ``experts.N``) as ``name_N``, after
 the family's ``checkpoint_prefix`` (LLaVA's language model: ``language_model.``; its vision side
-is read by ``kvjax.serve.image_encoder``).
+is read by ``kvjax.serve.image_encoder``, and its tensors are hashed into the fingerprint too: the
+image positions' KV depends on them).
 Tensors the model does not use (e.g. old ``rotary_emb.inv_freq`` buffers, or ``lm_head.weight``
 when the head is tied) are ignored.
 
@@ -287,6 +288,10 @@ def _load(
         tensor = tensors.get(tensor_name)
         fingerprint.add(tensor_name, tensor)
         _set(params, param_path, jnp.asarray(tensor, dtype=target))
+    if prefix:  # a vision-language model: its vision weights decide the image positions' KV too
+        for name in sorted(getattr(tensors, "files", ())):
+            if not name.startswith(prefix):
+                fingerprint.add(name, tensors.get(name))
     return LoadedModel(name=name, spec=spec, config=config, params=params, fingerprint=fingerprint.hexdigest())
 
 

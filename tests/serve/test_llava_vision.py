@@ -52,3 +52,24 @@ def test_refusals(tmp_path_factory):
     with pytest.raises(ValueError, match=r"pixel_values of shape \(1, 3, 32, 32\)"):
         encoder(np.zeros((1, 3, 32, 32), np.float32))
     assert encoder.runs == 0
+
+
+def test_the_fingerprint_covers_the_vision_weights(tmp_path_factory, tmp_path):
+    """Two checkpoints that differ only in a vision tensor have different fingerprints (the storage
+    tier keys pages by it, and the image positions' KV depends on the vision weights)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from kvjax.serve.checkpoint import load_checkpoint
+
+    _, directory = tiny_llava(tmp_path_factory, "llava_fingerprint")
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    tensors = load_file(str(other / "model.safetensors"))
+    name = next(n for n in sorted(tensors) if "class_embedding" in n)
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    first, second = load_checkpoint(directory), load_checkpoint(other)
+    assert first.fingerprint != second.fingerprint
+    assert load_checkpoint(directory).fingerprint == first.fingerprint
