@@ -122,14 +122,6 @@ class ImageEncoder:
         self.images_encoded += pixels.shape[0]
         return np.asarray(jax.device_get(out), np.float32)
 
-    @classmethod
-    def random(cls, settings: LlavaSettings, *, seed: int = 0, dtype: str = "float32") -> ImageEncoder:
-        """An encoder with random weights drawn from ``seed`` (for tests and presets)."""
-        v = settings.vision
-        pixels = jnp.zeros((1, v.num_channels, v.image_size, v.image_size), jnp.float32)
-        params = LlavaImageEncoder(settings, jnp.dtype(dtype)).init(jax.random.key(seed), pixels)["params"]
-        return cls(settings, params, dtype)
-
 
 def _prefix(tensors: SafetensorsTensors, part: str, probe: str, where: str) -> str:
     for prefix in PREFIXES[part]:
