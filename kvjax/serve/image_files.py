@@ -163,7 +163,9 @@ def read_image(path: str | Path, preprocessing: ImagePreprocessing) -> np.ndarra
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise ConfigError("image", str(path), "reading images needs Pillow: pip install pillow") from None
+        raise ConfigError(
+            "image", str(path), "reading images needs Pillow: pip install pillow (kvjax's 'vision' extra)"
+        ) from None
     try:
         with Image.open(path) as opened:
             opened.load()
