@@ -16,8 +16,8 @@ the same prompt and pixel values (``LOGIT_ATOL``, with the near-tie guard). Roun
 Each distinct image is encoded once in all (an image split by chunked prefill included).
 The same rounds through a pool of 72 tokens (page size 1, 3 running requests) evict prefixes and
 retract a request, and through an embedding cache of one image's bytes evict embeddings; every
-output still equals Transformers'. The embedding cache's bytes stay within its bound after every
-step.
+output still equals Transformers'. With the radix cache off (cold) the tokens are the warm run's.
+The embedding cache's bytes stay within its bound after every step.
 """
 
 from __future__ import annotations
@@ -169,6 +169,19 @@ def test_images_served_as_transformers(llava, page_size):
     served = sched.stats
     assert (served.images_encoded, served.image_cache_misses) == (2, 2) and served.image_cache_hits >= 1
     assert sched.stats.cached_tokens > 0
+
+
+def test_cold_equals_warm(llava):
+    """The rounds with the radix cache off (a chunk cache: nothing shared, every image encoded
+    for each request that holds it) give the warm run's tokens, leak free."""
+    _, model, encoder = llava
+    _, _, warm = serve_rounds(model, encoder, page_size=16)
+    before = encoder.images_encoded
+    cold_sched, _, cold = serve_rounds(model, encoder, page_size=16, disable_radix_cache=True)
+    assert cold_sched.stats.cached_tokens == 0
+    assert {n: r.output_ids for n, (r, _, _) in cold.items()} == {n: r.output_ids for n, (r, _, _) in warm.items()}
+    # The embedding cache still spares the encoder what it holds: each distinct image once.
+    assert encoder.images_encoded - before == 2
 
 
 def test_eviction_and_retraction(llava):
