@@ -27,3 +27,6 @@ def test_tiny_report():
                 r["embedding_hits"] + r["embedding_misses"] + r["items_reused_from_the_tree"]
                 == loop["images_in_prompts"]
             )
+            # the encoder time left and saved add up to encoding every image of every prompt
+            every = loop["images_in_prompts"] * one["encoder_ms"] / 1000
+            assert abs(r["encoder_seconds"] + r["encoder_seconds_saved"] - every) < 0.02
