@@ -176,6 +176,40 @@ class MultimodalExtension(ServingExtension):
         held = self._images.get(id(req))
         return held[1].items if held is not None else ()
 
+    def image_hashes(self, images: Sequence[np.ndarray] | np.ndarray) -> list[int]:
+        """The content hash ``request`` gives each of ``images`` (pixel values ``[C, H, W]``, with
+        this extension's ``preprocessing``); registers nothing.
+
+        Raises:
+            ValueError: an image of the wrong shape or dtype (as ``request``).
+        """
+        return [hash_item(p, preprocessing=self.preprocessing) for p in self._pixels(images)]
+
+    def request_images(self, req: ServingReq) -> tuple[list[int], tuple[np.ndarray, ...]] | None:
+        """What ``request`` was given for ``req``, to make an equal request elsewhere: the
+        unpadded prompt (each item's positions back to ``placeholder_token_id``) and the kept
+        pixel values (float32 ``[C, H, W]``, one per item, in prompt order; not copies: read
+        them, never change them). None for a request this extension holds no images of.
+
+        Invariant: ``request(rid, *request_images(req), ...)`` with ``req``'s other fields gives
+        a request whose padded prompt and items equal ``req``'s.
+        """
+        held = self._images.get(id(req))
+        if held is None or held[0] is not req:
+            return None
+        images = held[1]
+        prompt = [int(t) for t in req.origin_input_ids]
+        for item in images.items:
+            prompt[item.start : item.end] = [self.placeholder_token_id] * (item.end - item.start)
+        return prompt, tuple(images.pixels[item.hash] for item in images.items)
+
+    def discard(self, req: ServingReq) -> None:
+        """Drop ``req``'s images (a request that will never be served here, e.g. one submitted
+        on a process other than 0 of multi-process serving); nothing for an unknown request."""
+        held = self._images.get(id(req))
+        if held is not None and held[0] is req:
+            del self._images[id(req)]
+
     @property
     def registered(self) -> int:
         """Requests whose images are held (until they finish)."""

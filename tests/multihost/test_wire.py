@@ -61,6 +61,7 @@ def test_the_steady_step_is_eight_bytes_and_requests_are_json():
         "extra_key": "tenant-1",
         "priority": 0,
         "retention_seconds": None,
+        "images": [],
     }
 
 
@@ -73,7 +74,7 @@ def test_a_request_spec_carries_the_request_and_builds_an_equal_one():
     req = ServingReq(17, [5, 6], max_new_tokens=3, extra_key="salt", stop_token_ids=[9, 4], retention_seconds=30)
     req.priority = 2
     sent = RequestSpec.of(req)
-    assert sent == RequestSpec(17, (5, 6), 3, (4, 9), "salt", 2, 30.0)
+    assert sent == RequestSpec(17, (5, 6), 3, (4, 9), "salt", 2, 30.0, ())
     got = StepMessage.decode(StepMessage(0, (sent,)).encode()).requests[0].build()
     assert (got.rid, list(got.origin_input_ids), got.max_new_tokens) == (17, [5, 6], 3)
     assert (got.extra_key, got.stop_token_ids, got.priority) == ("salt", frozenset({4, 9}), 2)
