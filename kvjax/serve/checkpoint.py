@@ -73,15 +73,17 @@ def param_name(path: tuple[str, ...]) -> str:
     return ".".join(_LIST_ITEM.sub(r"\1.\2", p) for p in path)
 
 
-def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+def flatten_params(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """``(path, leaf)`` for every leaf of a nested mapping of parameters (or their shapes), depth first."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            yield from _flatten(value, (*prefix, key))
+            yield from flatten_params(value, (*prefix, key))
         else:
             yield (*prefix, key), value
 
 
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+def set_param(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in the nested dict ``tree``, making the dicts on the way."""
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
@@ -263,7 +265,7 @@ def _load(
     if dtype is not None:
         spec = dataclasses.replace(spec, dtype=dtype)
     config = model_config_from_spec(spec)
-    expected = dict(_flatten(param_shapes(config)))
+    expected = dict(flatten_params(param_shapes(config)))
     prefix = family(spec.model_type).checkpoint_prefix  # LLaVA: the language model's tensors
     for param_path, want in expected.items():
         tensor_name = prefix + param_name(param_path)
@@ -287,7 +289,7 @@ def _load(
         tensor_name = prefix + param_name(param_path)
         tensor = tensors.get(tensor_name)
         fingerprint.add(tensor_name, tensor)
-        _set(params, param_path, jnp.asarray(tensor, dtype=target))
+        set_param(params, param_path, jnp.asarray(tensor, dtype=target))
     if prefix:  # a vision-language model: its vision weights decide the image positions' KV too
         for name in sorted(getattr(tensors, "files", ())):
             if not name.startswith(prefix):
@@ -305,6 +307,6 @@ def save_checkpoint(directory: str | Path, spec: ModelSpec, params: Params) -> P
     config = dict(spec.extra)
     config.setdefault("torch_dtype", spec.dtype)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = {param_name(p): np.asarray(jax.device_get(v)) for p, v in _flatten(params)}
+    tensors = {param_name(p): np.asarray(jax.device_get(v)) for p, v in flatten_params(params)}
     save_file(tensors, str(path / "model.safetensors"))
     return path

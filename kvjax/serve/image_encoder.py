@@ -16,7 +16,7 @@ can tell an image served from the embedding cache from one encoded again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.errors import ConfigError
-from kvjax.serve.checkpoint import SafetensorsTensors, read_config
+from kvjax.serve.checkpoint import SafetensorsTensors, flatten_params, read_config, set_param
 from kvjax.serve.families.llava import LlavaImageEncoder, LlavaSettings
 from kvjax.serve.model_config import DTYPES
 
@@ -47,20 +47,6 @@ def tensor_name(path: tuple[str, ...]) -> str:
     """A parameter path below a part's prefix as the checkpoint's name: ``layers_3`` ->
     ``layers.3`` (the encoder's list), every other part as it is (``linear_1`` stays)."""
     return ".".join(f"layers.{p[len('layers_') :]}" if p.startswith("layers_") else p for p in path)
-
-
-def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from _flatten(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 @dataclasses.dataclass
@@ -162,7 +148,7 @@ def load_image_encoder(directory: str | Path, *, dtype: str | None = None) -> Im
             "multi_modal_projector": _prefix(tensors, "multi_modal_projector", "linear_1.weight", where),
         }
         names = {}
-        for param_path, want in _flatten(shapes):
+        for param_path, want in flatten_params(shapes):
             name = prefixes[param_path[0]] + tensor_name(param_path[1:])
             if name not in tensors:
                 raise ConfigError("tensor", name, f"missing from {where} (expected shape {tuple(want.shape)})")
@@ -175,5 +161,5 @@ def load_image_encoder(directory: str | Path, *, dtype: str | None = None) -> Im
             names[param_path] = name
         params: dict[str, Any] = {}
         for param_path, name in names.items():
-            _set(params, param_path, jnp.asarray(tensors.get(name), dtype=jnp.dtype(dtype)))
+            set_param(params, param_path, jnp.asarray(tensors.get(name), dtype=jnp.dtype(dtype)))
     return ImageEncoder(settings, params, dtype)

@@ -19,7 +19,7 @@ from kvjax.gguf import locate
 from kvjax.gguf.config import hf_config
 from kvjax.gguf.reader import read_gguf
 from kvjax.gguf.tensors import DEQUANTISED, GGUFTensors
-from kvjax.serve.checkpoint import _flatten, load_checkpoint, load_gguf, param_name
+from kvjax.serve.checkpoint import flatten_params, load_checkpoint, load_gguf, param_name
 from kvjax.text import text_tokenizer
 from tests.gguf.gguf_files import gguf, write_gguf
 from tests.serve.parity_harness import TINY_CONFIG, random_transformers_model, torch, transformers  # noqa: E402
@@ -52,7 +52,7 @@ def llama_weights() -> dict[str, np.ndarray]:
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {param_name(path): np.asarray(value) for path, value in _flatten(model.params)}
+    return {param_name(path): np.asarray(value) for path, value in flatten_params(model.params)}
 
 
 @pytest.mark.parametrize("tensor_type", DEQUANTISED)
