@@ -120,6 +120,7 @@ class ZmqEventPublisher:
         self._max_queue = max_queue_size
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, self.LINGER_MS)  # a publisher never closed never blocks its collection
         self._pub: Any = None
         self._replay: Any = None
         try:
@@ -164,6 +165,17 @@ class ZmqEventPublisher:
             log.warning("KV events: publisher queue full; a batch of %d events dropped", len(batch.events))
             return
         self._queue.append(batch)
+
+    def wait_sent(self, timeout: float = CLOSE_TIMEOUT) -> bool:
+        """Wait (at most ``timeout`` seconds) until the thread has sent every batch queued so far
+        (each is then in the replay buffer too); True when it has. For tests and an orderly hand-over:
+        ``publish`` itself never waits."""
+        deadline = time.monotonic() + timeout
+        while self._queue:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return not self._queue
+            time.sleep(self.POLL_SECONDS)
+        return True
 
     def close(self) -> None:
         """Send what is queued (at most ``CLOSE_TIMEOUT`` seconds), stop the thread, close the

@@ -45,6 +45,7 @@ class EventSubscriber:
         replay_timeout: float = 2.0,
     ) -> None:
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # closing (or collecting) never waits on a gone publisher
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
         self._sub.connect(endpoint)
@@ -104,5 +105,4 @@ class EventSubscriber:
 
     def close(self) -> None:
         """Close the socket and the subscriber's context."""
-        self._sub.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)

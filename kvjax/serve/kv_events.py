@@ -54,6 +54,11 @@ class KVEventStreams:
     def published_batches(self) -> int:
         return sum(b.published_batches for b in self.bridges)
 
+    def wait_sent(self, timeout: float = 5.0) -> bool:
+        """Wait (at most ``timeout`` seconds per rank) until every rank's publisher has sent what
+        it was handed (publishers without ``wait_sent`` count as sent); True when all have."""
+        return all(getattr(b.publisher, "wait_sent", lambda t: True)(timeout) for b in self.bridges)
+
     def close(self) -> None:
         """Publish what is pending, then close every rank's publisher."""
         for b in self.bridges:

@@ -80,14 +80,19 @@ def test_a_dropped_subscriber_catches_up_through_the_replay_socket(tmp_path):
         first.sub.close(linger=0)  # the subscriber drops; the server goes on
         run_workload(server, dataclasses.replace(DEMO, groups=0, seed=1))
         streams.flush()
+        # Everything sent before the subscriber comes back: what it missed is only in the replay
+        # buffer (a batch still queued would reach the new subscription live instead).
+        assert streams.wait_sent()
         back = Mirror(pub, replay, topic="kv")
         back.blocks, back.last_seq = first.blocks, first.last_seq  # what it knew when it dropped
-        first.ctx.term()
-        back.replay_from(back.last_seq + 1)
-        back.drain()
-        assert back.replayed > 0
-        assert back.blocks == cached_blocks(server.tree)
-        back.close()
+        first.close()
+        try:
+            back.replay_from(back.last_seq + 1)
+            back.drain()
+            assert back.replayed > 0
+            assert back.blocks == cached_blocks(server.tree)
+        finally:
+            back.close()
     finally:
         streams.close()
 

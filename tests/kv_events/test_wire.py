@@ -84,6 +84,7 @@ def test_three_frames_sequence_numbers_and_replay(tmp_path):
     pub_addr, replay_addr = f"ipc://{tmp_path}/p", f"ipc://{tmp_path}/r"
     with ZmqEventPublisher(pub_addr, replay_addr, topic="kv", buffer_steps=3) as pub:
         ctx = zmq.Context()
+        ctx.setsockopt(zmq.LINGER, 0)  # a failed check never leaves a context that blocks when collected
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(pub_addr)

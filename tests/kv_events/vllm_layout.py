@@ -80,6 +80,9 @@ class Mirror:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "") -> None:
         self.ctx = zmq.Context()
+        # Every socket of this context drops what it still has to send when closed (a subscription
+        # to a publisher that is gone included), so closing, or collecting, it never blocks.
+        self.ctx.setsockopt(zmq.LINGER, 0)
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(endpoint)
@@ -149,5 +152,4 @@ class Mirror:
             self.last_seq = seq
 
     def close(self) -> None:
-        self.sub.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
