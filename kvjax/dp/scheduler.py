@@ -27,6 +27,7 @@ from kvjax.errors import ConfigError
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS, DPRouter, RankLoad
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.serving_front import serve_to_completion
+from kvjax.serve.sessions import check_turn, new_session_id
 from kvjax.spec import ModelSpec
 
 __all__ = ["DPScheduler"]
@@ -121,18 +122,9 @@ class DPScheduler:
                 continue
             if sid not in self._sessions:
                 raise KeyError(f"request {req.rid!r}: no open session {sid!r}; open it with open_session first")
-            if sid in seen:
-                raise ValueError(
-                    f"request {req.rid!r}: session {sid!r} has a turn earlier in this submission; a session "
-                    "takes one turn at a time: submit the next after it finishes"
-                )
-            seen.add(sid)
             rank, extra_key = self._sessions[sid]
-            if req.extra_key is not None and req.extra_key != extra_key:
-                raise ValueError(
-                    f"request {req.rid!r}: extra_key {req.extra_key!r} differs from its session's "
-                    f"({extra_key!r}); a session's turns share one cache namespace"
-                )
+            # a turn in flight on its rank is the rank's to refuse (below, with its history)
+            check_turn(req, extra_key, None, seen)
             if rank is None:
                 fresh.append(req)
             else:
@@ -166,15 +158,7 @@ class DPScheduler:
     def open_session(self, session_id: str | None = None, extra_key: Hashable = None) -> str:
         """Open a session (``kvjax.serve.sessions``); its first turn is routed like any request,
         and every later turn goes to the same rank. Returns its id."""
-        if session_id is None:
-            n = len(self._sessions)
-            while f"session-{n}" in self._sessions:
-                n += 1
-            session_id = f"session-{n}"
-        elif not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id={session_id!r}: give a non-empty string")
-        elif session_id in self._sessions:
-            raise ValueError(f"session {session_id!r} is already open; close it first or choose another id")
+        session_id = new_session_id(session_id, self._sessions)
         self._sessions[session_id] = (None, extra_key)
         return session_id
 

@@ -857,9 +857,8 @@ class Scheduler:
         start = time.perf_counter()
         for ext in self.extensions:
             ext.before_release(req, True)
-        if req.session_id is not None and self.sessions.finish(req):
-            pass  # its session holds its KV and row for the next turn
-        else:
+        # A session turn that holds keeps its KV and row for the next turn; any other is released.
+        if req.session_id is None or not self.sessions.finish(req):
             self.tree.cache_finished_req(req)
             if freed_rows is None:
                 self.rows.free(_row(req))

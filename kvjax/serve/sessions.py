@@ -38,7 +38,7 @@ Invariant: a held request is in ``held_requests()`` (the scheduler's ``live_requ
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +47,40 @@ import numpy as np
 from kvjax.protocols import ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.serve.serving_req import ServingReq
 
-__all__ = ["Session", "SessionHost", "SessionTable"]
+__all__ = ["Session", "SessionHost", "SessionTable", "check_turn", "new_session_id"]
+
+
+def new_session_id(session_id: str | None, open_ids: Container[str]) -> str:
+    """The id a new session gets: ``session_id``, else the first ``"session-N"`` not in
+    ``open_ids``. ValueError naming an id that is not a non-empty string or is open already."""
+    if session_id is None:
+        return next(f"session-{n}" for n in itertools.count() if f"session-{n}" not in open_ids)
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"session_id={session_id!r}: give a non-empty string")
+    if session_id in open_ids:
+        raise ValueError(f"session {session_id!r} is already open; close it first or choose another id")
+    return session_id
+
+
+def check_turn(req: ServingReq, extra_key: Hashable, in_flight: Any, seen: set[str]) -> None:
+    """ValueError when ``req`` cannot be its session's next turn: a turn of it in flight
+    (``in_flight``: that request, else None) or earlier in this submission (``seen``: the session
+    ids met so far, to which ``req``'s is added), or a cache namespace other than the session's
+    ``extra_key``."""
+    sid = req.session_id
+    assert sid is not None
+    if in_flight is not None or sid in seen:
+        other = in_flight.rid if in_flight is not None else "one earlier in this submission"
+        raise ValueError(
+            f"request {req.rid!r}: session {sid!r} has a turn in flight ({other!r}); a session takes one "
+            "turn at a time: submit the next after it finishes"
+        )
+    if req.extra_key is not None and req.extra_key != extra_key:
+        raise ValueError(
+            f"request {req.rid!r}: extra_key {req.extra_key!r} differs from its session's "
+            f"({extra_key!r}); a session's turns share one cache namespace"
+        )
+    seen.add(sid)
 
 
 class SessionHost(Protocol):
@@ -98,7 +131,6 @@ class SessionTable:
         self._sched = scheduler
         self._sessions: dict[str, Session] = {}
         self._clock = itertools.count(1)
-        self._names = itertools.count()
         self.released = 0  # holds released under memory pressure (not by close)
 
     @property
@@ -129,12 +161,7 @@ class SessionTable:
     def open(self, session_id: str | None = None, extra_key: Hashable = None) -> str:
         """Open a session; returns its id (``session_id`` or a new ``"session-N"``). ValueError
         naming an id already open."""
-        if session_id is None:
-            session_id = next(f"session-{n}" for n in self._names if f"session-{n}" not in self._sessions)
-        elif not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id={session_id!r}: give a non-empty string")
-        elif session_id in self._sessions:
-            raise ValueError(f"session {session_id!r} is already open; close it first or choose another id")
+        session_id = new_session_id(session_id, self._sessions)
         self._sessions[session_id] = Session(session_id, extra_key, np.empty(0, np.int32), used=next(self._clock))
         return session_id
 
@@ -157,22 +184,9 @@ class SessionTable:
         flight, two turns of one session in ``reqs``, another cache namespace); changes nothing."""
         seen: set[str] = set()
         for req in reqs:
-            sid = req.session_id
-            if sid is None:
-                continue
-            session = self.get(sid)
-            if session.pending is not None or sid in seen:
-                other = session.pending.rid if session.pending is not None else "one earlier in this submission"
-                raise ValueError(
-                    f"request {req.rid!r}: session {sid!r} has a turn in flight ({other!r}); a session takes one "
-                    "turn at a time: submit the next after it finishes"
-                )
-            if req.extra_key is not None and req.extra_key != session.extra_key:
-                raise ValueError(
-                    f"request {req.rid!r}: extra_key {req.extra_key!r} differs from its session's "
-                    f"({session.extra_key!r}); a session's turns share one cache namespace"
-                )
-            seen.add(sid)
+            if req.session_id is not None:
+                session = self.get(req.session_id)
+                check_turn(req, session.extra_key, session.pending, seen)
 
     def as_submitted(self, req: ServingReq) -> ServingReq:
         """A stand-in for checking limits: a request like ``req`` whose prompt is the session's
