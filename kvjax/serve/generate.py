@@ -5,6 +5,14 @@ preset with random weights). ``generate`` serves several prompts as one workload
 prompt ``i + 1`` arrives once prompt ``i`` has been prefilled (its prompt is then in the radix
 tree), so later prompts reuse the prefixes of earlier ones while all of them decode together.
 
+Both serve as one process of a multi-process run when given its ``group``
+(``kvjax.multihost``): the mesh spans every process's devices (``kvjax.serve.multihost.mesh``),
+every process runs the same scheduler (or DP front) behind a ``MultiProcessFront``, the prompts
+enter on process 0 and reach every process with the step they arrive at, so every process
+serves them in the same steps and ends with the same outputs. Every process is given the same
+prompts (the same command): before anything is built the processes compare a digest of their
+requests (`PromptsDigest`), and any difference is a ``DivergenceError`` on every process.
+
 Every check happens before the cache is built: prompts must be non-empty, their ids inside the
 vocabulary, and prompt plus output inside the model's context; each failure is a `ConfigError`
 naming the prompt, the value and the fix.
@@ -13,6 +21,8 @@ naming the prompt, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.multihost.wire import wire_message
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint, load_gguf
 from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
@@ -32,10 +43,23 @@ from kvjax.spec import ModelSpec
 if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.dp.lockstep import LockstepDPScheduler
+    from kvjax.multihost.process_group import ProcessGroup
 
 #: Called after every scheduling step with every request of the workload (prompt order): how
 #: ``generate`` streams (``ServingReq.output_ids`` holds the tokens so far, ``finished`` says done).
 StepCallback = Callable[[Sequence[ServingReq]], None]
+
+
+@wire_message("generate_prompts", version=1)
+@dataclasses.dataclass(frozen=True)
+class PromptsDigest:
+    """What each process of a multi-process ``generate`` was asked to serve: the number of
+    requests and a sha256 of them (prompt ids, generation limit, stop ids, salt, priority,
+    retention, in prompt order)."""
+
+    requests: int
+    sha256: str
+
 
 MAX_RANDOM_PARAMS = 200_000_000  # presets get random weights; beyond this, ask for a checkpoint
 CONTEXT_ROUNDING = 64  # context (and so the page table) rounded up to this many tokens: fewer compiles
@@ -164,6 +188,7 @@ def generate(
     image_encoder: Any = None,
     image_preprocessing: dict[str, Any] | None = None,
     vlm_cache_size_mb: int | None = None,
+    group: ProcessGroup | None = None,
 ) -> tuple[GenerateResult, Scheduler]:
     """Greedy-generate up to ``max_new_tokens`` per prompt (see the module docstring).
 
@@ -187,15 +212,25 @@ def generate(
     ``[C, H, W]`` for the prompts' image placeholders, in order, encoded by ``image_encoder`` (an
     ``ImageEncoder``) through an embedding cache of ``vlm_cache_size_mb`` MiB (default the
     ``CacheConfig``'s), hashed with ``image_preprocessing`` (``kvjax.serve.image_prompts``; one
-    device or a tp mesh, no draft model). Returns the result and the scheduler (its cache, tree and stats) for
+    device or a tp mesh, no draft model). ``group``: serve as one process of a multi-process run
+    (module docstring): ``tp_size`` devices taken evenly from every process (``group_tp_mesh``),
+    host-tier completions agreed, KV events published by process 0 only, ``on_step`` called on
+    process 0 only; not with a draft model, pipeline stages, decode context parallelism or images
+    (``NotImplementedError``). Returns the result and the scheduler (its cache, tree and stats) for
     inspection.
     """
+    if group is not None and (draft is not None or pp_size > 1 or dcp_size > 1 or images is not None):
+        raise NotImplementedError(
+            "several processes serve tensor parallel and DP attention only for now: drop the draft model, "
+            "pp_size, dcp_size and the images"
+        )
     if images is not None:
         refused = draft is not None or pp_size > 1 or dcp_size > 1
         prompts = _expanded_prompts(prompts, image_encoder, refused)
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
+    _agree_on_requests(reqs, group)
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(
         model,
@@ -231,18 +266,24 @@ def generate(
             model.config, pipeline, model.params, micro_batches=micro, overlap=overlap, **options
         )
     else:
-        cache = build_kv_cache(
-            model.spec, config, mesh=tp_mesh(tp_size, dcp_size), draft_spec=None if draft is None else draft.spec
-        )
+        mesh = tp_mesh(tp_size, dcp_size) if group is None else _group_tp_mesh(tp_size)
+        cache = build_kv_cache(model.spec, config, mesh=mesh, draft_spec=None if draft is None else draft.spec)
         if mm is not None:
             from kvjax.serve.kinds import default_extensions
 
             options["extensions"] = [*default_extensions(cache), mm]
+        if group is not None:
+            options["agreement"] = group.agreement()  # the host tier's completions, agreed
         scheduler = scheduler_for(
             model, cache, draft=draft, num_steps=speculative_num_steps, overlap=overlap, **options
         )
-    _serve_with_events(scheduler, kv_events, lambda: _serve_in_order(scheduler, reqs, lambda req: scheduler, on_step))
-    result = _result(reqs, scheduler.stats, _speculative_counters(scheduler))
+    front = _front(scheduler, group)
+    _serve_with_events(
+        scheduler,
+        _events_here(kv_events, group),
+        lambda: _serve_in_order(front, reqs, lambda req: scheduler, _steps_here(on_step, group), group is not None),
+    )
+    result = _result(_served(front, reqs, group), scheduler.stats, _speculative_counters(scheduler))
     result.multimodal = None if mm is None else mm.stats()
     return result, scheduler
 
@@ -300,6 +341,7 @@ def generate_dp(
     priorities: Sequence[int] | None = None,
     retention_seconds: Sequence[float | None] | None = None,
     kv_events: Any = None,
+    group: ProcessGroup | None = None,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
@@ -309,7 +351,8 @@ def generate_dp(
     every round runs one device step for all ranks (``LockstepDPScheduler``, with overlap
     scheduling unless ``overlap`` is False; ``on_step``, ``cache_salts``, ``priorities`` and
     ``retention_seconds`` as ``generate``'s). The result's counts and ``stats`` are totals over
-    the ranks.
+    the ranks. ``group``: as ``generate``'s, over every process's devices (``group_dp_mesh``,
+    ranks in process order; every process runs every rank's scheduler).
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
     ``tp_size`` and ``tp_size`` when there are fewer local devices; nothing is built then.
@@ -322,10 +365,16 @@ def generate_dp(
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
+    _agree_on_requests(reqs, group)
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(model, prompts, max_new_tokens, *sizes).replace(dp_size=dp_size, enable_dp_attention=True)
-    mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
-    front = LockstepDPScheduler.build_lockstep(
+    if group is None:
+        mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
+    else:
+        from kvjax.serve.multihost.mesh import group_dp_mesh
+
+        mesh = group_dp_mesh(tp_size, dp_size)
+    server = LockstepDPScheduler.build_lockstep(
         model.spec,
         config,
         model.params,
@@ -337,12 +386,87 @@ def generate_dp(
         model_config=model.config,
         overlap=overlap,
     )
+    front = _front(server, group)
     _serve_with_events(
-        front,
-        kv_events,
-        lambda: _serve_in_order(front, reqs, lambda req: front.schedulers[front.rank_of[req.rid]], on_step),
+        server,
+        _events_here(kv_events, group),
+        lambda: _serve_in_order(
+            front,
+            reqs,
+            lambda req: server.schedulers[server.rank_of[req.rid]],
+            _steps_here(on_step, group),
+            group is not None,
+        ),
     )
-    return _result(reqs, _summed([s.stats for s in front.schedulers])), front
+    return _result(_served(front, reqs, group), _summed([s.stats for s in server.schedulers])), server
+
+
+def _agree_on_requests(reqs: list[ServingReq], group: ProcessGroup | None) -> None:
+    """With ``group``: compare every process's `PromptsDigest` of ``reqs`` (one exchange);
+    ``DivergenceError`` (step 0) on every process naming the first process whose requests differ
+    from process 0's (only process 0's are served, and every process must make the same calls)."""
+    if group is None:
+        return
+    from kvjax.multihost.channel import all_gather_message
+    from kvjax.multihost.errors import DivergenceError
+
+    fields = [
+        [list(r.origin_input_ids), r.max_new_tokens, sorted(r.stop_token_ids), r.extra_key, r.priority]
+        + [r.retention_seconds]
+        for r in reqs
+    ]
+    sha256 = hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()
+    digests = all_gather_message(group.channel, "generate prompts", PromptsDigest(len(reqs), sha256))
+    for q, digest in enumerate(digests):
+        if digest != digests[0]:
+            what = (
+                f"{digest.requests} prompt(s) and process 0 {digests[0].requests}"
+                if digest.requests != digests[0].requests
+                else "other prompts (or generation flags) than process 0"
+            )
+            raise DivergenceError(
+                0,
+                f"process {q} was given {what}; every process of a multi-process generate runs the same "
+                "command (the same prompts and generation flags)",
+            )
+
+
+def _group_tp_mesh(tp_size: int) -> Any:
+    """``group_tp_mesh`` (imported when a group serves)."""
+    from kvjax.serve.multihost.mesh import group_tp_mesh
+
+    return group_tp_mesh(tp_size)
+
+
+def _front(server: Any, group: ProcessGroup | None) -> Any:
+    """What serves the requests: ``server`` itself, or with ``group`` a ``MultiProcessFront``
+    over it (every process's digests compared with the group's ``check_agreement``)."""
+    if group is None:
+        return server
+    from kvjax.serve.multihost.front import MultiProcessFront
+
+    return MultiProcessFront(server, group.channel, check_agreement=group.check_agreement)
+
+
+def _events_here(kv_events: Any, group: ProcessGroup | None) -> Any:
+    """``kv_events`` where this process publishes them: alone, or as process 0 of a group."""
+    return kv_events if group is None or group.process_id == 0 else None
+
+
+def _steps_here(on_step: StepCallback | None, group: ProcessGroup | None) -> StepCallback | None:
+    """``on_step`` where the requests given are the ones served: alone, or on process 0."""
+    return on_step if group is None or group.process_id == 0 else None
+
+
+def _served(front: Any, reqs: list[ServingReq], group: ProcessGroup | None) -> list[ServingReq]:
+    """The requests as served, in prompt order: ``reqs`` alone or on process 0 (the front
+    submitted them); elsewhere the ones made from process 0's broadcast, found by id. With a
+    group, adds the front's digest checks to the group's."""
+    if group is None:
+        return reqs
+    group.digest_checks += front.digest_checks
+    finished = {req.rid: req for req in front.finished}
+    return [finished[req.rid] for req in reqs]
 
 
 def _serve_with_events(server: Any, kv_events: Any, serve: Callable[[], None]) -> None:
@@ -424,11 +548,15 @@ def _serve_in_order(
     reqs: list[ServingReq],
     scheduler_of: Callable[[ServingReq], Scheduler],
     on_step: StepCallback | None = None,
+    broadcast: bool = False,
 ) -> None:
     """Submit the requests one at a time, each once the one before it is prefilled (no longer
     waiting nor the chunked request of ``scheduler_of(req)``, the scheduler it went to), so each
     sees the tree its predecessors left; then step ``front`` until it is idle. ``on_step`` sees
-    every request after every step (their ``output_ids`` so far)."""
+    every request after every step (their ``output_ids`` so far). ``broadcast``: ``front`` is a
+    ``MultiProcessFront``, whose submissions reach the schedulers at the next step's exchange, so
+    each submission is followed by one step (the single-process loop steps there too: the
+    request is waiting), and every process makes the same calls."""
 
     def step() -> None:
         front.step()
@@ -437,6 +565,8 @@ def _serve_in_order(
 
     for req in reqs:
         front.submit([req])
+        if broadcast:
+            step()
         scheduler = scheduler_of(req)
         while scheduler.waiting or scheduler.chunked is not None:
             step()
