@@ -17,6 +17,16 @@ and encoded through an embedding cache of ``--vlm-cache-size-mb`` MiB, whose cou
 placeholders, a vision tower kvjax does not serve or a model that takes no images is one
 ``error:`` line, before the cache is built.
 
+Several processes (``python -m kvjax launch --processes N -- generate ...``, or on a pod every
+host with ``--distributed``; ``kvjax.cli.multihost_flags``): the prompts are served over one mesh
+spanning every process's devices (``--tp`` over all of them, ``--dp`` ranks in process order),
+every process scheduling the same requests (process 0's, broadcast with the step they arrive
+at), so the tokens are those of one process. Process 0 prints the outputs as above; every other
+process prints one status line on standard error (its count of generated tokens and a digest of
+its outputs). A process that is lost, diverges or fails authentication is one ``error:`` line
+(exit status 1), as for ``demo``. Not across processes yet: ``--image``, ``--pp``, ``--dcp`` and
+speculative decoding (refused before jax starts).
+
 Bad input (a missing directory, no ``config.json`` or weights, a family kvjax cannot serve, a
 missing or mis-shaped tensor, ``--prompt`` without a tokenizer, ids outside the vocabulary, a
 pool too small for the longest request) exits 2 with one line naming the problem and the fix.
@@ -27,16 +37,21 @@ imported or a weight is read.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import sys
 from typing import Any
 
 from kvjax.cli import serving_args
 from kvjax.cli.arg_types import non_negative_int, positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
+from kvjax.cli.multihost_flags import add_process_arguments, join_group, joins_group
 from kvjax.cli.text_stream import PromptTextStream
 from kvjax.errors import ConfigError
+from kvjax.multihost.errors import AuthenticationError, CoordinatorError, DivergenceError, ProcessLostError
+from kvjax.multihost.wire import WireError
 from kvjax.text import TextTokenizer, text_tokenizer
 
 OPTION_FLAGS = {
@@ -137,6 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="MB",
         help="the image-embedding cache's size in MiB (default 100, SGLang's SGLANG_VLM_CACHE_SIZE_MB)",
     )
+    add_process_arguments(gen)
     serving_args.add_serving_arguments(
         gen,
         dtype_help="serve in this dtype",
@@ -205,8 +221,14 @@ def run(args: argparse.Namespace) -> int:
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
     speculative = serving_args.speculative_options(args, spec.vocab_size)
     dp_attention = bool(serving_args.dp_attention_config(args))
+    if joins_group(args):
+        _check_across_processes(args, speculative)
 
-    # Every argument is checked: now jax and the model.
+    # Every argument is checked: now jax (joining a multi-process run first) and the model.
+    try:
+        group = join_group(args)
+    except CoordinatorError as e:
+        raise UsageError(str(e)) from None
     from kvjax.serve.generate import generate, generate_dp, resolve_model
 
     vision = _image_options(args, spec.model_type) if args.image else {}
@@ -214,7 +236,10 @@ def run(args: argparse.Namespace) -> int:
     if speculative:
         speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
     options = serving_args.cache_options(args)
-    stream = None if args.json or tokenizer is None else PromptTextStream(tokenizer, [len(p) for p in prompts])
+    prints = group is None or group.process_id == 0  # the outputs: process 0's alone
+    stream = None
+    if prints and not args.json and tokenizer is not None:
+        stream = PromptTextStream(tokenizer, [len(p) for p in prompts])
     common = dict(
         max_new_tokens=args.max_new_tokens,
         max_batch_size=args.max_batch_size,
@@ -223,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         cache_salts=salts,
         priorities=priorities,
         retention_seconds=retention,
+        group=group,
     )
     if args.vlm_cache_size_mb is not None:
         common["vlm_cache_size_mb"] = args.vlm_cache_size_mb
@@ -256,6 +282,12 @@ def run(args: argparse.Namespace) -> int:
             )
     except NotImplementedError as e:
         raise ConfigError("model", args.model, f"kvjax cannot serve it yet: {e}") from None
+    except (ProcessLostError, DivergenceError, AuthenticationError, WireError) as e:
+        print(f"python -m kvjax generate: error: {e}", file=sys.stderr)
+        return 1
+    if not prints:
+        _print_status(group, result.outputs)
+        return 0
     if args.json:
         report = result.to_dict()
         if tokenizer is not None:
@@ -283,6 +315,32 @@ def run(args: argparse.Namespace) -> int:
             f"({sp['acceptance_rate']:.1%}), {sp['accept_length']:.2f} tokens per target step"
         )
     return 0
+
+
+def _check_across_processes(args: argparse.Namespace, speculative: dict[str, Any]) -> None:
+    """A `UsageError` for what several processes do not serve yet (before jax starts)."""
+    refused = [
+        *([f"--image {args.image[0]}"] if args.image else []),
+        *([f"--pp {args.pp}"] if args.pp > 1 else []),
+        *([f"--dcp {args.dcp}"] if args.dcp > 1 else []),
+        *(["--speculative-algorithm"] if speculative else []),
+    ]
+    if refused:
+        raise UsageError(
+            f"{refused[0]} across processes: several processes serve generate with --tp and --dp only for now; "
+            f"drop {refused[0].split()[0]}, or serve it in one process"
+        )
+
+
+def _print_status(group: Any, outputs: list[list[int]]) -> None:
+    """A process other than 0: one line on standard error (process 0 prints the outputs)."""
+    digest = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
+    print(
+        f"python -m kvjax generate: process {group.process_id} of {group.num_processes} served {len(outputs)} "
+        f"prompt(s) in step with process 0: {sum(map(len, outputs))} tokens generated, outputs sha256 {digest} "
+        "(process 0 prints them)",
+        file=sys.stderr,
+    )
 
 
 def _image_options(args: argparse.Namespace, model_type: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The command-line flags of a multi-process run (``demo``), and the group they join.
+"""The command-line flags of a multi-process run (``demo``, ``generate``), and the group they join.
 
 ``--num-processes N --process-id I --coordinator HOST:PORT`` (what ``python -m kvjax launch``
 passes each process it starts), or ``--distributed`` alone on a TPU pod, where JAX detects all
@@ -17,7 +17,7 @@ from typing import Any
 
 from kvjax.cli.arg_types import non_negative_int, positive_float, positive_int
 
-__all__ = ["CHECK_AGREEMENT_ENV", "add_process_arguments", "join_group", "process_flags"]
+__all__ = ["CHECK_AGREEMENT_ENV", "add_process_arguments", "join_group", "joins_group", "process_flags"]
 
 #: Set to 1 to compare every process's state digest at every step (a divergence stops the run).
 CHECK_AGREEMENT_ENV = "KVJAX_CHECK_AGREEMENT"
@@ -39,12 +39,17 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-timeout", type=positive_float, default=60.0, help="bound of every wait, seconds (60)")
 
 
+def joins_group(args: argparse.Namespace) -> bool:
+    """Whether the flags ask to join a multi-process run (checked without jax)."""
+    given = (args.num_processes, args.process_id, args.coordinator)
+    return bool(args.distributed) or any(v is not None for v in given)
+
+
 def process_flags(args: argparse.Namespace) -> Any:
     """The `ProcessFlags` the flags ask for, or None for a single-process run."""
     from kvjax.multihost.process_group import ProcessFlags
 
-    given = (args.num_processes, args.process_id, args.coordinator)
-    if not args.distributed and all(v is None for v in given):
+    if not joins_group(args):
         return None
     return ProcessFlags(
         coordinator_address=args.coordinator,

@@ -76,8 +76,8 @@ def test_an_unreachable_coordinator_is_one_clear_error(capsys, monkeypatch):
 
 
 def test_launch_refuses_a_command_that_does_not_join_a_group(capsys):
-    assert main(["launch", "--processes", "2", "--", "generate", "--model", "tiny"]) == 2
-    assert "launch runs demo across processes, got generate" in capsys.readouterr().err
+    assert main(["launch", "--processes", "2", "--", "plan", "--model", "tiny"]) == 2
+    assert "launch runs demo or generate across processes, got plan" in capsys.readouterr().err
 
 
 def _exchange_until_lost(mode: str) -> None:
