@@ -34,6 +34,7 @@ __all__ = [
     "create_pool_group",
     "is_grouped",
     "register_pool_builders",
+    "request_kv_of",
     "require_builder",
 ]
 
@@ -55,12 +56,15 @@ class PoolBuilders:
         transfer_engine: ``(TransferContext) -> engine | None``, the host tier's page transfer
             engine over this kind's pools when the plain one does not fit them (the sliding-window
             pair moves both sides; ``kvjax.transfers.transfer_engines``).
+        request_kv: ``{pool kind: RequestKV}``, how a request's share of each of its pools moves
+            between servers (prefill/decode disaggregation; ``kvjax.transfers.request_kv``).
     """
 
     name: str
     builders: Mapping[str, PoolBuilder] = field(default_factory=dict)
     group_builders: Mapping[str, GroupBuilder] = field(default_factory=dict)
     transfer_engine: Callable[[TransferContext], Any] | None = None
+    request_kv: Mapping[str, Any] = field(default_factory=dict)
 
 
 POOL_BUILDERS: KindRegistry[PoolBuilders] = KindRegistry("pools", "kvjax.pools.registry.register_pool_builders")
@@ -81,6 +85,17 @@ def register_pool_builders(kind: PoolBuilders) -> PoolBuilders:
             "pool kind", clash[0], f"cache kind {kind.name!r}: its builder is registered by {taken.get(clash[0])!r}"
         )
     return POOL_BUILDERS.register(kind.name, kind)
+
+
+def request_kv_of(kind: str) -> Any:
+    """The ``RequestKV`` registered for pool kind ``kind``; ``NotImplementedError`` naming it when
+    no cache kind says how its pools move between servers."""
+    for entry in POOL_BUILDERS:
+        if kind in entry.request_kv:
+            return entry.request_kv[kind]
+    raise NotImplementedError(
+        f"pools of kind {kind!r} cannot move between servers: no cache kind registered how (PoolBuilders.request_kv)"
+    )
 
 
 def _builder(kind: str) -> tuple[PoolBuilder | None, GroupBuilder | None]:
@@ -132,15 +147,23 @@ def _register_builtin_kinds() -> None:
     from kvjax.pools import mha, mla, recurrent, swa
     from kvjax.tiers import host_pool
     from kvjax.transfers import swa_transfer
+    from kvjax.transfers.request_kv import PagedRequestKV, RecurrentRequestKV, SWARequestKV
 
     for kind in (
         PoolBuilders(names.REQUEST_TABLE, builders={"request_table": req_pool.create_pool}),
-        PoolBuilders(names.FULL, builders={"mha": mha.create_pool}),
-        PoolBuilders(names.MLA, builders={"mla": mla.create_pool}),
+        PoolBuilders(names.FULL, builders={"mha": mha.create_pool}, request_kv={"mha": PagedRequestKV()}),
+        PoolBuilders(names.MLA, builders={"mla": mla.create_pool}, request_kv={"mla": PagedRequestKV()}),
         PoolBuilders(
-            names.SWA, group_builders={"swa": swa.create_pool_group}, transfer_engine=swa_transfer.transfer_engine
+            names.SWA,
+            group_builders={"swa": swa.create_pool_group},
+            transfer_engine=swa_transfer.transfer_engine,
+            request_kv={"swa": SWARequestKV()},
         ),
-        PoolBuilders(names.RECURRENT, group_builders={"recurrent": recurrent.create_pool_group}),
+        PoolBuilders(
+            names.RECURRENT,
+            group_builders={"recurrent": recurrent.create_pool_group},
+            request_kv={"recurrent": RecurrentRequestKV()},
+        ),
         PoolBuilders(names.HOST_TIER, builders={"host_tier": host_pool.create_host_pool}),
         PoolBuilders(names.RETRACTION),
     ):

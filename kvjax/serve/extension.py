@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 CachePart = TypeVar("CachePart")
 
 
+class RequestAborted(Exception):
+    """Raised by an extension's ``after_admit`` to end the request unserved (a disaggregated
+    decode server whose prefill side failed): the scheduler releases what the admission took
+    (its lock and row; the extension frees what it took itself first), sets the request's
+    ``abort_reason`` to the message and returns it finished from the step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One step's sequences as the scheduler packs them (``n`` live rows, in batch order).

@@ -90,7 +90,7 @@ class RetractionBackupExtension(ServingExtension):
             self._restore(req)
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
-        if finished or req.req_pool_idx is None:
+        if finished or req.req_pool_idx is None or req.abort_reason is not None:
             self.retraction.discard(req.rid)
             return
         end = req.kv_len()

@@ -104,7 +104,7 @@ from kvjax.multihost.agreement import Agreement, LocalAgreement
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.request import Req
-from kvjax.serve.extension import ServingExtension, StepBatch
+from kvjax.serve.extension import RequestAborted, ServingExtension, StepBatch
 from kvjax.serve.kinds import default_extensions
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
@@ -127,6 +127,7 @@ class ServeStats:
     reading sampled tokens; ``decode_*`` the same over scheduler steps that launched a decode)."""
 
     requests_finished: int = 0
+    requests_aborted: int = 0  # ended unserved by an extension (``RequestAborted``)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prefill_tokens_computed: int = 0
@@ -493,6 +494,10 @@ class Scheduler:
                 if batch or self.running:
                     break  # it frees up as they finish: wait, as for KV
                 raise  # nothing will free it: the caller sees what is short; the request stays queued
+            except RequestAborted as e:  # an extension ended it (a disaggregated prefill that failed)
+                self.waiting.popleft()
+                self._abort(req, str(e), done)
+                continue
             if self.extensions and resumed is None:
                 # An extension may lengthen the match (host load-back) or restore the request's
                 # own KV (retraction backup: ``kv_committed_len`` set past the tree's prefix).
@@ -588,6 +593,25 @@ class Scheduler:
         if len(match.indices):
             self.rows.write(_row(req), 0, match.indices)
         return len(match.indices)
+
+    def _abort(self, req: ServingReq, reason: str, done: list[ServingReq]) -> None:
+        """End an admitted request unserved (``RequestAborted``): nothing of its own was computed,
+        so its prefix is unlocked and nothing freed or inserted; its row is freed."""
+        req.abort_reason = reason
+        req.kv_committed_len = req.cache_protected_len
+        for ext in self.extensions:
+            ext.before_release(req, False)
+        self.tree.cache_finished_req(req, is_insert=False)
+        self._reset(req)
+        req.finished = True
+        self.stats.requests_aborted += 1
+        done.append(req)
+
+    def add_extension(self, extension: ServingExtension) -> None:
+        """Run ``extension``'s hooks too, after the others (a disaggregated server's transfers);
+        it is attached now."""
+        self.extensions = (*self.extensions, extension)
+        extension.attach(self)
 
     def _unadmit(self, req: ServingReq) -> None:
         """Undo an admission that found no memory: unlock, free the row, leave it queued."""

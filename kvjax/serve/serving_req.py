@@ -33,6 +33,7 @@ class ServingReq(Req):
         "first_cached_tokens",
         "retracted",
         "logits",
+        "abort_reason",
     )
 
     def __init__(
@@ -69,6 +70,7 @@ class ServingReq(Req):
         self.first_cached_tokens: int | None = None
         self.retracted = 0
         self.logits: list[np.ndarray] = []  # one float32 [vocab] row per output token, with record_logits
+        self.abort_reason: str | None = None  # why it ended unserved (``RequestAborted``), else None
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,425 @@
+"""`DecodeServer`: the decode side of disaggregated serving (SGLang's ``--disaggregation-mode decode``).
+
+It runs a scheduler of its own over its own cache, with its own radix tree (and host tier, when
+the cache has one), linked to one or more prefill servers (``link``, authenticated; the handshake
+compares the model fingerprints and the caches' signatures and refuses a mismatch by name). Per
+request (``messages``):
+
+1. :meth:`DecodeServer.submit` sends the prompt to a prefill server (``PrefillOrder``; the router
+   picks which, ``router.py``) and keeps the request aside;
+2. ``Prefilled`` brings the first token: the request is queued on the scheduler with it as its
+   first output token (a request done with it, ``max_new_tokens`` 1 or a stop token, is finished
+   at once);
+3. admitted (:class:`DecodeTransfers`, the last serving extension: after the tree's match and the
+   host tier's load-back), the request's prefix already held here is kept (**decode-side prefix
+   reuse**: only tokens ``[prefix, prompt)`` are asked for, ``PullOrder``), slots are allocated
+   for the rest, the prefill side offers them (``Offered``), they are pulled through the transfer
+   servers straight into device arrays and written into the pools in place (a pending device
+   update the scheduler applies before the step), and the request continues from the prompt's
+   end: its next step is a decode step;
+4. ``Release`` lets the prefill side drop its snapshot.
+
+Faults: a prefill server that closes the link, stalls past ``timeout_s`` (no ``Prefilled``,
+``Offered`` or landed pull within it), or offers pieces other than this cache's, fails the request:
+every slot it took here is freed, the prefill side is told to release, the request ends with
+``abort_reason`` set (``failed`` lists it) and nothing hangs past the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvjax.device_updates import DeviceUpdate
+from kvjax.disaggregation.kv_transfer import CacheMovers, KVTransferServer, TransferTimeout, transfer_sharding
+from kvjax.disaggregation.link import LinkError, PDLink, connect_link
+from kvjax.disaggregation.messages import Hello, Offered, Prefilled, PrefillOrder, PullOrder, Refusal, Release, Welcome
+from kvjax.errors import OutOfMemoryError
+from kvjax.multihost.cluster_secret import ClusterSecret
+from kvjax.serve.extension import RequestAborted, ServingExtension
+from kvjax.serve.serving_req import ServingReq
+from kvjax.transfers.request_kv import RequestSpan
+
+__all__ = ["DecodeServer", "DecodeTransfers", "PDRefused", "PrefillPeer", "Room"]
+
+log = logging.getLogger("kvjax.disaggregation")
+
+
+class PDRefused(Exception):
+    """A prefill server refused this decode server at the handshake (``reason`` says why)."""
+
+
+@dataclasses.dataclass
+class PrefillPeer:
+    """A linked prefill server: its link, transfer address and facts from the handshake."""
+
+    address: str
+    link: PDLink
+    name: str
+    transfer_address: str
+    head_shards: int
+    page_size: int
+    alive: bool = True
+    inbox: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Room:
+    """One request on its way: ``state`` is ``"prefilling"``, ``"queued"`` (on the scheduler,
+    waiting for admission and its pull) or ``"pulled"``; times in ``time.perf_counter`` seconds."""
+
+    req: ServingReq
+    peer: PrefillPeer
+    deadline: float
+    state: str = "prefilling"
+    first_token: int = -1
+    prompt: int = 0
+    ordered_at: float = 0.0
+    prefilled_at: float = 0.0
+    pulled_at: float = 0.0
+    pulled_tokens: int = 0
+    reused_tokens: int = 0
+
+
+class DecodeServer:
+    """The decode side (see the module docstring).
+
+    Args:
+        scheduler: the scheduler over this server's cache and model.
+        fingerprint: the model's fingerprint (must equal the prefill servers').
+        prefill: the prefill servers' bootstrap addresses (``host:port``).
+        secret: the cluster secret (default: ``KVJAX_CLUSTER_SECRET``).
+        timeout_s: the longest a request waits on its prefill server at each stage.
+        name: this server's name in messages.
+        kv_heads: distinct KV heads per pool name (default: the plan's).
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        *,
+        fingerprint: str,
+        prefill: Sequence[str],
+        secret: ClusterSecret | str | bytes | None = None,
+        timeout_s: float = 30.0,
+        name: str = "decode",
+        kv_heads: dict[str, int] | None = None,
+    ) -> None:
+        if not prefill:
+            raise ValueError("a decode server needs at least one prefill server's bootstrap address")
+        self.scheduler = scheduler
+        self.cache = scheduler.cache
+        self.fingerprint = fingerprint
+        self.secret = ClusterSecret.resolve(secret)
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self.movers = CacheMovers(self.cache, kv_heads)
+        self.signature = self.movers.signature()
+        self.shards = self.movers.head_shards()
+        self.window = int(self.cache.sliding_window_size or 0)
+        self.transfer = KVTransferServer()
+        self.peers = [self._connect(address) for address in prefill]
+        self.rooms: dict[Any, Room] = {}  # by the request's id
+        self.failed: list[ServingReq] = []
+        self.finished: list[ServingReq] = []
+        self.pulled_tokens = 0
+        self.reused_tokens = 0
+        self.pulls = 0
+        self.transfer_seconds = 0.0
+        self._next_peer = itertools.cycle(range(len(self.peers)))
+        scheduler.add_extension(DecodeTransfers(self))
+
+    def _connect(self, address: str) -> PrefillPeer:
+        link = connect_link(address, self.secret)
+        link.send(Hello(self.fingerprint, self.signature, self.shards, self.name))
+        reply = link.receive(self.timeout_s)
+        if isinstance(reply, Refusal):
+            link.close()
+            raise PDRefused(reply.reason)
+        if not isinstance(reply, Welcome):
+            link.close()
+            raise LinkError(address, f"it answered the hello with a {type(reply).__name__}")
+        return PrefillPeer(address, link, reply.name, reply.transfer_address, reply.head_shards, reply.page_size)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def submit(self, reqs: Iterable[ServingReq], prefill: int | None = None) -> None:
+        """Send each request's prompt to a prefill server (``prefill``: its index in the addresses
+        given; default round robin) and keep the request until its first token comes back."""
+        for req in reqs:
+            if req.rid in self.rooms:
+                raise ValueError(f"request {req.rid!r} is already on its way; request ids must be unique")
+            if req.session_id is not None:
+                raise ValueError(f"request {req.rid!r}: sessions are not served across disaggregated servers yet")
+            self.scheduler.check_servable([req])
+            peer = self._pick(prefill)
+            room = Room(req, peer, time.monotonic() + self.timeout_s, ordered_at=time.perf_counter())
+            self.rooms[req.rid] = room
+            order = PrefillOrder(str(req.rid), tuple(int(t) for t in req.origin_input_ids), _salt(req.extra_key))
+            try:
+                peer.link.send(order)
+            except LinkError as e:
+                self._peer_lost(peer, str(e))
+
+    def _pick(self, prefill: int | None) -> PrefillPeer:
+        if prefill is not None:
+            if not 0 <= prefill < len(self.peers):
+                raise ValueError(f"prefill={prefill}: give an index into the {len(self.peers)} prefill servers")
+            return self.peers[prefill]
+        for _ in range(len(self.peers)):
+            peer = self.peers[next(self._next_peer)]
+            if peer.alive:
+                return peer
+        return self.peers[0]  # every one is gone: the request fails at the next step
+
+    @property
+    def idle(self) -> bool:
+        return not self.rooms and self.scheduler.idle
+
+    def step(self) -> list[ServingReq]:
+        """Take what the prefill servers sent, fail what waited too long, run one scheduler step;
+        return the requests that ended (finished, or failed with ``abort_reason``)."""
+        done: list[ServingReq] = []
+        for peer in self.peers:
+            self._read(peer, done)
+        now = time.monotonic()
+        for room in [r for r in self.rooms.values() if r.state == "prefilling" and r.deadline < now]:
+            self._fail(room, f"prefill server {room.peer.name} sent no first token within {self.timeout_s:g} s", done)
+        if not self.scheduler.idle:
+            for req in self.scheduler.step():
+                self.rooms.pop(req.rid, None)
+                if req.abort_reason is not None:
+                    self.failed.append(req)
+                done.append(req)
+        if not done and not self.scheduler.idle:
+            return done
+        if not done and self.rooms:
+            time.sleep(0.002)  # only waiting on prefill servers: do not spin
+        self.finished.extend(r for r in done if r.abort_reason is None)
+        return done
+
+    def run(self, reqs: Iterable[ServingReq] = (), prefill: int | None = None) -> list[ServingReq]:
+        """Submit ``reqs`` and step until every request ended; return them in ending order."""
+        self.submit(reqs, prefill)
+        done: list[ServingReq] = []
+        while not self.idle:
+            done += self.step()
+        return done
+
+    def leak_free(self) -> bool:
+        return self.idle and self.scheduler.leak_free()
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.link.close()
+
+    # --- messages -------------------------------------------------------------------------------
+
+    def _read(self, peer: PrefillPeer, done: list[ServingReq]) -> None:
+        while peer.inbox:
+            self._handle(peer, peer.inbox.pop(0), done)
+        while peer.alive and peer.link.ready():
+            try:
+                message = peer.link.receive(self.timeout_s)
+            except LinkError as e:
+                self._peer_lost(peer, str(e), done)
+                return
+            self._handle(peer, message, done)
+
+    def _handle(self, peer: PrefillPeer, message: Any, done: list[ServingReq]) -> None:
+        if not isinstance(message, Prefilled):
+            log.warning("decode %s: %s sent an unexpected %s", self.name, peer.address, type(message).__name__)
+            return
+        room = self._room(message.room)
+        if room is None or room.peer is not peer or room.state != "prefilling":
+            return
+        if message.error is not None:
+            self._fail(room, message.error, done)
+            return
+        req = room.req
+        room.first_token, room.prompt = int(message.first_token), int(message.prompt_tokens)
+        room.prefilled_at = time.perf_counter()
+        if room.prompt != len(req.origin_input_ids):
+            self._fail(
+                room,
+                f"prefill server {peer.name} computed {room.prompt} prompt tokens, not {len(req.origin_input_ids)}",
+                done,
+            )
+            return
+        req.output_ids.append(room.first_token)
+        if req.max_new_tokens <= 1 or room.first_token in req.stop_token_ids:
+            self._send(peer, Release(str(req.rid)))
+            req.finished = True
+            self.rooms.pop(req.rid)
+            done.append(req)
+            return
+        room.state = "queued"
+        self.scheduler.submit([req])
+
+    def _room(self, name: str) -> Room | None:
+        for rid, room in self.rooms.items():
+            if str(rid) == name:
+                return room
+        return None
+
+    def _send(self, peer: PrefillPeer, message: Any) -> None:
+        if not peer.alive:
+            return
+        try:
+            peer.link.send(message)
+        except LinkError as e:
+            self._peer_lost(peer, str(e))
+
+    def _peer_lost(self, peer: PrefillPeer, why: str, done: list[ServingReq] | None = None) -> None:
+        if peer.alive:
+            log.warning("decode %s: lost prefill server %s: %s", self.name, peer.address, why)
+        peer.alive = False
+        peer.link.close()
+        for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
+            room.deadline = 0.0  # failed at the next step, with the reason below
+            room.state = "prefilling"
+        if done is not None:
+            for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
+                self._fail(room, f"prefill server {peer.name} at {peer.address} was lost: {why}", done)
+
+    def _fail(self, room: Room, reason: str, done: list[ServingReq]) -> None:
+        req = room.req
+        self.rooms.pop(req.rid, None)
+        self._send(room.peer, Release(str(req.rid)))
+        req.abort_reason = reason
+        req.finished = True
+        self.failed.append(req)
+        done.append(req)
+
+    def await_offer(self, room: Room, deadline: float) -> Offered:
+        """The prefill server's answer to a pull order for ``room`` (others that arrive meanwhile
+        are kept for the next step); ``LinkError`` or ``TimeoutError`` past ``deadline``."""
+        peer = room.peer
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"prefill server {peer.name} offered nothing within {self.timeout_s:g} s")
+            if not peer.link.ready(min(remaining, 0.05)):
+                continue
+            message = peer.link.receive(remaining)
+            if isinstance(message, Offered) and message.room == str(room.req.rid):
+                return message
+            peer.inbox.append(message)
+
+
+class DecodeTransfers(ServingExtension):
+    """Pulls an admitted disaggregated request's KV (see the module docstring, step 3)."""
+
+    def __init__(self, server: DecodeServer) -> None:
+        self.server = server
+        self.scheduler: Any = None
+
+    def attach(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def after_admit(self, req: ServingReq) -> None:
+        server = self.server
+        room = server.rooms.get(req.rid)
+        if room is None or room.state != "queued":
+            return
+        cache, sched = server.cache, self.scheduler
+        prefix, prompt = int(req.cache_protected_len), room.prompt
+        room.reused_tokens = min(prefix, prompt)
+        if prefix >= prompt:  # the whole prompt is held here already
+            room.state = "pulled"
+            server._send(room.peer, Release(str(req.rid)))
+            server.reused_tokens += prompt
+            return
+        alloc = cache.token_to_kv_pool_allocator
+        ps = alloc.page_size
+        need = -(-(prompt - prefix) // ps) * ps
+        if not sched.make_room(sched.reserved_tokens + need + ps):
+            raise OutOfMemoryError(
+                f"no room for the {need} pulled tokens of request {req.rid!r} on decode server {server.name}"
+            )
+        slots = alloc.alloc(need)
+        if slots is None:
+            raise OutOfMemoryError(
+                f"no room for the {need} pulled tokens of request {req.rid!r} on decode server {server.name}"
+            )
+        try:
+            self._pull(room, req, prefix, prompt, slots)
+        except (LinkError, TimeoutError, TransferTimeout, ValueError, RuntimeError) as e:
+            alloc.free(slots)
+            if isinstance(e, LinkError):
+                server._peer_lost(room.peer, str(e))
+            server._send(room.peer, Release(str(req.rid)))
+            server.rooms.pop(req.rid, None)
+            raise RequestAborted(f"the KV of request {req.rid!r} could not be moved: {e}") from None
+        cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: prompt - prefix])
+        req.kv_committed_len = prompt
+        room.state = "pulled"
+        room.pulled_at = time.perf_counter()
+        room.pulled_tokens = prompt - prefix
+        server.pulled_tokens += prompt - prefix
+        server.reused_tokens += prefix
+        server.pulls += 1
+        server._send(room.peer, Release(str(req.rid)))
+
+    def _pull(self, room: Room, req: ServingReq, prefix: int, prompt: int, slots: np.ndarray) -> None:
+        server = self.server
+        deadline = time.monotonic() + server.timeout_s
+        peer = room.peer
+        if not peer.alive:
+            raise LinkError(peer.address, "the link is closed")
+        peer.link.send(PullOrder(str(req.rid), prefix, server.window))
+        offered = server.await_offer(room, deadline)
+        if offered.error is not None:
+            raise RuntimeError(f"prefill server {peer.name}: {offered.error}")
+        if (offered.start, offered.end) != (prefix, prompt):
+            raise ValueError(f"offered tokens [{offered.start}, {offered.end}), asked for [{prefix}, {prompt})")
+        span = _decode_span(server.cache, req, prefix, prompt, offered.window_start, slots)
+        mine = server.movers.pieces(span)
+        theirs = [(p.pool, p.name, tuple(p.shape), p.dtype) for p in offered.pieces]
+        if theirs != [(pool, s.name, tuple(s.shape), s.dtype) for pool, s in mine]:
+            raise ValueError(
+                f"the offered pieces {theirs} are not this cache's "
+                f"{[(pool, s.name, s.shape, s.dtype) for pool, s in mine]}"
+            )
+        structs = [
+            spec.struct(transfer_sharding(spec.shape, spec.head_axis, piece.shards))
+            for (_, spec), piece in zip(mine, offered.pieces, strict=True)
+        ]
+        started = time.perf_counter()
+        arrays = server.transfer.pull(
+            peer.transfer_address, offered.transfer_id, structs, max(deadline - time.monotonic(), 0.1)
+        )
+        server.transfer_seconds += time.perf_counter() - started
+        movers = server.movers
+
+        def write(pools: Any) -> Any:
+            return movers.scatter(pools, arrays, span)
+
+        pages = np.unique(np.asarray(slots) // server.cache.token_to_kv_pool_allocator.page_size)
+        server.cache.pending.record(DeviceUpdate("disaggregated pull", movers.movers[0].name, pages, write))
+
+
+def _decode_span(
+    cache: Any, req: ServingReq, start: int, end: int, window_start: int, slots: np.ndarray
+) -> RequestSpan:
+    """The decode side's span: the fresh ``slots`` for tokens ``[start, end)``."""
+    own = np.asarray(slots[: end - start], np.int32)
+    alloc = cache.token_to_kv_pool_allocator
+    swa = None
+    if hasattr(alloc, "translate_loc_from_full_to_swa"):
+        swa = np.asarray(alloc.translate_loc_from_full_to_swa(own[window_start - start :]), np.int32)
+    return RequestSpan(start, end, own, window_start, swa, req.mamba_pool_idx)
+
+
+def _salt(extra_key: Any) -> str | None:
+    if extra_key is None:
+        return None
+    if not isinstance(extra_key, str):
+        raise ValueError(f"extra_key={extra_key!r}: a disaggregated request's namespace is a string (a cache salt)")
+    return extra_key

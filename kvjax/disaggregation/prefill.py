@@ -1,0 +1,337 @@
+"""`PrefillServer`: the prefill side of disaggregated serving (SGLang's ``--disaggregation-mode
+prefill``).
+
+It serves a scheduler of its own (its pools, its radix tree: prompts share prefixes here as on any
+server) and a bootstrap endpoint (``--disaggregation-bootstrap-port``) where decode servers connect
+(``link``: authenticated). Per request, in order (``messages``):
+
+1. a ``PrefillOrder`` is queued as a request with ``max_new_tokens=1``;
+2. when its prompt is computed, the request is finishing: :class:`PrefillSnapshots` (a serving
+   extension, called before the request's KV goes to the tree) gathers the request's pieces of
+   every pool (``kv_transfer.CacheMovers``) into a snapshot of its own (device arrays, a copy:
+   the pool's pages go to the tree and may be evicted at once), and ``Prefilled`` tells the decode
+   side its first token;
+3. a ``PullOrder`` for tokens ``[start, prompt)`` offers that part of the snapshot on the transfer
+   server (on the device, in the agreed sharding) under the decode side's transfer id;
+4. ``Release`` (or the snapshot's time to live, ``snapshot_ttl_s``) drops the snapshot and the
+   offer.
+
+Everything runs on the caller's thread (:meth:`serve_once` / :meth:`serve`): reads of the
+sockets are bounded, a decode server that misbehaves is disconnected and named in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvjax.disaggregation.kv_transfer import (
+    CacheMovers,
+    KVTransferServer,
+    agreed_shards,
+    piece_message,
+    transfer_sharding,
+)
+from kvjax.disaggregation.link import LinkError, PDLink, accept_link, listen
+from kvjax.disaggregation.messages import (
+    Hello,
+    Offered,
+    Prefilled,
+    PrefillOrder,
+    PullOrder,
+    Refusal,
+    Release,
+    Welcome,
+)
+from kvjax.multihost.cluster_secret import ClusterSecret
+from kvjax.serve.extension import ServingExtension
+from kvjax.serve.serving_req import ServingReq
+from kvjax.transfers.request_kv import PieceSpec, RequestSpan
+
+__all__ = ["PrefillServer", "PrefillSnapshots", "Snapshot"]
+
+log = logging.getLogger("kvjax.disaggregation")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A computed prompt's pieces (tokens ``[0, prompt)``; window pieces from ``window_start``)."""
+
+    prompt: int
+    window_start: int
+    specs: list[tuple[str, PieceSpec]]
+    arrays: list[jax.Array]
+    first_token: int = -1
+    expires: float = 0.0
+    transfer_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def request_span(cache: Any, req: ServingReq, start: int, end: int, window_start: int) -> RequestSpan:
+    """Where tokens ``[start, end)`` of ``req`` live in ``cache`` (its row, the SWA mapping, its
+    state slot)."""
+    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+    slots = np.asarray(row[start:end], np.int32).copy()
+    alloc = cache.token_to_kv_pool_allocator
+    window_start = max(window_start, start)
+    swa_slots = None
+    if hasattr(alloc, "translate_loc_from_full_to_swa"):
+        swa_slots = np.asarray(alloc.translate_loc_from_full_to_swa(row[window_start:end]), np.int32)
+    return RequestSpan(start, end, slots, window_start, swa_slots, req.mamba_pool_idx)
+
+
+class PrefillSnapshots(ServingExtension):
+    """Takes the snapshot of each disaggregated request as its prompt is done (``before_release``
+    of a finished request): see the module docstring."""
+
+    def __init__(self, server: PrefillServer) -> None:
+        self.server = server
+
+    def before_release(self, req: ServingReq, finished: bool) -> None:
+        server = self.server
+        key = req.rid
+        if not finished or key not in server.orders:
+            return
+        cache = server.cache
+        prompt = len(req.origin_input_ids)
+        window = cache.sliding_window_size or 0
+        window_start = max(0, int(req.swa_evicted_seqlen), prompt - window) if window else 0
+        span = request_span(cache, req, 0, prompt, window_start)
+        pools = cache.pending.read(server.movers.movers[0].name) if cache.pending is not None else cache.pools
+        server.snapshots[key] = Snapshot(
+            prompt, span.window_start, server.movers.pieces(span), server.movers.gather(pools, span)
+        )
+
+
+class PrefillServer:
+    """The prefill side (see the module docstring).
+
+    Args:
+        scheduler: the scheduler over this server's cache and model.
+        fingerprint: the model's fingerprint (``kvjax.serve.model_fingerprint``); a decode server
+            with another is refused.
+        secret: the cluster secret both sides hold (default: ``KVJAX_CLUSTER_SECRET``).
+        host, port: the bootstrap endpoint (port 0: a free one; ``address`` says which).
+        snapshot_ttl_s: how long a computed prompt waits for its pull before it is dropped.
+        name: this server's name in messages.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        *,
+        fingerprint: str,
+        secret: ClusterSecret | str | bytes | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        snapshot_ttl_s: float = 60.0,
+        name: str = "prefill",
+        kv_heads: dict[str, int] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.cache = scheduler.cache
+        self.fingerprint = fingerprint
+        self.secret = ClusterSecret.resolve(secret)
+        self.name = name
+        self.snapshot_ttl_s = float(snapshot_ttl_s)
+        self.movers = CacheMovers(self.cache, kv_heads)
+        self.signature = self.movers.signature()
+        self.shards = self.movers.head_shards()
+        self.listener: socket.socket = listen(host, port)
+        self.address = f"{host}:{self.listener.getsockname()[1]}"
+        self.transfer = KVTransferServer(host)
+        self.links: list[PDLink] = []
+        self._welcomed: dict[int, int] = {}  # id(link) -> the decode side's head shards
+        self.orders: dict[tuple[int, str], PDLink] = {}  # (id(link), room) -> link
+        self.snapshots: dict[tuple[int, str], Snapshot] = {}
+        self.prefilled = 0
+        self._next_transfer = secrets.randbelow(1 << 30) << 16  # fresh per server, then counted
+        self.offered_tokens = 0
+        #: test and fault hooks: seconds to sleep before answering a pull (a stalled server)
+        self.stall_pull_s = 0.0
+        scheduler.add_extension(PrefillSnapshots(self))
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def serve(self, stop: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> None:
+        """Serve until ``stop()`` says so (checked between steps)."""
+        while not stop():
+            self.serve_once(poll_s)
+
+    def serve_once(self, poll_s: float = 0.0) -> None:
+        """Read what arrived (waiting up to ``poll_s`` when there is nothing to compute), run one
+        scheduler step if any request is queued, answer what finished, drop expired snapshots."""
+        import select
+
+        busy = not self.scheduler.idle
+        sockets: list[Any] = [self.listener, *self.links]
+        readable, _, _ = select.select(sockets, [], [], 0.0 if busy else poll_s)
+        for ready in readable:
+            if ready is self.listener:
+                self._accept()
+            else:
+                self._read(ready)
+        if not self.scheduler.idle:
+            for req in self.scheduler.step():
+                self._prefilled(req)
+        self._expire()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.links.clear()
+        self.listener.close()
+
+    # --- messages -------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            self.links.append(accept_link(self.listener, self.secret))
+        except LinkError as e:
+            log.warning("prefill %s: refused a connection: %s", self.name, e)
+
+    def _drop_link(self, link: PDLink, why: str) -> None:
+        log.warning("prefill %s: %s", self.name, why)
+        link.close()
+        if link in self.links:
+            self.links.remove(link)
+        self._welcomed.pop(id(link), None)
+        for key in [k for k in self.snapshots if k[0] == id(link)]:
+            self._release(key)
+        for key in [k for k in self.orders if k[0] == id(link)]:
+            self.orders.pop(key)
+
+    def _read(self, link: PDLink) -> None:
+        try:
+            message = link.receive(timeout_s=5.0)
+        except LinkError as e:
+            self._drop_link(link, str(e))
+            return
+        try:
+            if isinstance(message, Hello):
+                self._hello(link, message)
+            elif id(link) not in self._welcomed:
+                self._drop_link(link, f"{link.peer} sent {type(message).__name__} before its hello")
+            elif isinstance(message, PrefillOrder):
+                self._order(link, message)
+            elif isinstance(message, PullOrder):
+                self._pull(link, message)
+            elif isinstance(message, Release):
+                self._release((id(link), message.room))
+            else:
+                self._drop_link(link, f"{link.peer} sent a {type(message).__name__}, which a decode server never sends")
+        except LinkError as e:
+            self._drop_link(link, str(e))
+
+    def _hello(self, link: PDLink, hello: Hello) -> None:
+        reason = None
+        if hello.fingerprint != self.fingerprint:
+            reason = f"model fingerprint {hello.fingerprint!r} differs from this server's {self.fingerprint!r}"
+        elif hello.signature != self.signature:
+            theirs, mine = set(hello.signature), set(self.signature)
+            reason = (
+                f"the caches differ: the decode side has {sorted(theirs - mine)} and lacks {sorted(mine - theirs)} "
+                "(layers, dtypes or KV heads)"
+            )
+        if reason is not None:
+            link.send(Refusal(f"prefill server {self.name}: {reason}"))
+            self._drop_link(link, f"refused decode server {hello.name!r} at {link.peer}: {reason}")
+            return
+        self._welcomed[id(link)] = int(hello.head_shards)
+        link.send(
+            Welcome(self.name, self.transfer.address, self.shards, int(self.cache.token_to_kv_pool_allocator.page_size))
+        )
+
+    def _order(self, link: PDLink, order: PrefillOrder) -> None:
+        key = (id(link), order.room)
+        if key in self.orders or key in self.snapshots:
+            link.send(Prefilled(order.room, error=f"room {order.room!r} is already in use on this link"))
+            return
+        req = ServingReq(key, np.asarray(order.input_ids, np.int32), max_new_tokens=1, extra_key=order.extra_key)
+        try:
+            self.scheduler.submit([req])
+        except Exception as e:  # refused before queueing (too long, never fits)
+            link.send(Prefilled(order.room, error=f"prefill server {self.name} refused the prompt: {e}"))
+            return
+        self.orders[key] = link
+
+    def _prefilled(self, req: ServingReq) -> None:
+        key: tuple[int, str] = req.rid  # type: ignore[assignment]  # this server's requests' ids
+        link = self.orders.pop(key, None)
+        if link is None:
+            return
+        snapshot = self.snapshots.get(key)
+        if snapshot is None:
+            link.send(Prefilled(key[1], error=f"prefill server {self.name}: no snapshot of the prompt was taken"))
+            return
+        snapshot.first_token = int(req.output_ids[0])
+        snapshot.expires = time.monotonic() + self.snapshot_ttl_s
+        self.prefilled += 1
+        try:
+            link.send(Prefilled(key[1], snapshot.first_token, snapshot.prompt))
+        except LinkError as e:
+            self._drop_link(link, str(e))
+
+    def _pull(self, link: PDLink, order: PullOrder) -> None:
+        key = (id(link), order.room)
+        snapshot = self.snapshots.get(key)
+        if snapshot is None:
+            link.send(Offered(order.room, -1, error=f"room {order.room!r} holds no computed prompt"))
+            return
+        transfer_id = self._next_transfer
+        self._next_transfer += 1
+        if self.stall_pull_s:
+            time.sleep(self.stall_pull_s)
+        start, end = int(order.start), snapshot.prompt
+        window_start = max(start, snapshot.window_start)
+        if order.window:
+            needed = max(start, end - int(order.window))
+            if needed < snapshot.window_start:
+                link.send(
+                    Offered(
+                        order.room,
+                        transfer_id,
+                        error=f"the window from token {needed} was freed here (kept from {snapshot.window_start})",
+                    )
+                )
+                return
+        if not 0 <= start <= end:
+            link.send(Offered(order.room, transfer_id, error=f"start {start} is outside the prompt of {end}"))
+            return
+        theirs = self._welcomed[id(link)]
+        arrays, messages = [], []
+        for (pool, spec), array in zip(snapshot.specs, snapshot.arrays, strict=True):
+            if spec.token_axis is not None:
+                first = (window_start - snapshot.window_start) if spec.window else start
+                index = [slice(None)] * len(spec.shape)
+                index[spec.token_axis] = slice(first, None)
+                array = array[tuple(index)]
+            spec = dataclasses.replace(spec, shape=tuple(array.shape))
+            shards = agreed_shards(spec, self.shards, theirs)
+            arrays.append(jax.device_put(array, transfer_sharding(spec.shape, spec.head_axis, shards)))
+            messages.append(piece_message(pool, spec, shards))
+        self.transfer.offer(transfer_id, arrays)
+        snapshot.transfer_ids.append(transfer_id)
+        self.offered_tokens += end - start
+        link.send(Offered(order.room, transfer_id, start, end, window_start, tuple(messages)))
+
+    def _release(self, key: tuple[int, str]) -> None:
+        snapshot = self.snapshots.pop(key, None)
+        if snapshot is not None:
+            for transfer_id in snapshot.transfer_ids:
+                self.transfer.drop(transfer_id)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, s in self.snapshots.items() if s.first_token >= 0 and s.expires < now]:
+            log.warning(
+                "prefill %s: room %r was not pulled within %g s; dropped", self.name, key[1], self.snapshot_ttl_s
+            )
+            self._release(key)
