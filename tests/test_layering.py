@@ -72,7 +72,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("device", ["kvjax.pools", "kvjax.device_updates", "kvjax.device_state", "kvjax.attention", "kvjax.transfers"]),
     ("build", ["kvjax.build"]),
-    ("serving", ["kvjax.serve", "kvjax.dp", "kvjax.replay", "kvjax.disaggregation"]),  # replay: trees + the DP router, host-only
+    # replay: trees + the DP router, host-only; disaggregation: prefill and decode servers
+    ("serving", ["kvjax.serve", "kvjax.dp", "kvjax.replay", "kvjax.disaggregation"]),
     ("app", ["kvjax", "kvjax.__main__", "kvjax.cli", "kvjax.demo", "kvjax.demo_config"]),
 ]
 LAYER_NAMES = [name for name, _ in LAYERS]
