@@ -1,0 +1,140 @@
+"""One side of a disaggregated pair, as a program of its own (the two-process tests start two).
+
+    python -m tests.mesh.pd_process prefill --checkpoint DIR --tp 4 --page-size 4 [--stall-pull S]
+        prints ``{"address": HOST:PORT}`` and serves until its standard input closes; then prints
+        ``{"prefilled": N, "leak_free": bool, "snapshots": N, "offered_tokens": N}``.
+    python -m tests.mesh.pd_process decode --checkpoint DIR --tp 2 --page-size 8 --prefill ADDR
+        --requests FILE
+        serves the rounds of ``FILE`` (JSON: a list of rounds, each a list of ``{"rid", "prompt",
+        "max_new", "extra_key"?}``; a round starts when the one before it ended) and prints one
+        JSON line: outputs, logits (float32, one row per decode-side token), failed requests with
+        their reasons, per-request pulled / reused tokens, the counters and ``leak_free``.
+
+Both build a scheduler recording logits over a cache of the checkpoint (``--max-total-tokens``,
+``--overlap``), over a ``"tp"`` mesh of their first ``--tp`` devices. The cluster secret comes
+from ``KVJAX_CLUSTER_SECRET``; ``--fingerprint`` replaces the model's (a mismatch test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvjax import CacheConfig, build_kv_cache
+from kvjax.serve.checkpoint import load_checkpoint
+from kvjax.serve.scheduler import Scheduler, ServingReq
+
+
+def scheduler(args: argparse.Namespace) -> tuple[Scheduler, str]:
+    model = load_checkpoint(args.checkpoint)
+    mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[: args.tp]) if args.tp > 1 else None
+    config = CacheConfig(
+        context_length=256,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=32,
+        tp_size=args.tp,
+        disaggregation_mode=args.role,
+        disaggregation_decode_enable_radix_cache=args.role == "decode" and not args.no_decode_radix,
+    )
+    cache = build_kv_cache(model.spec, config, mesh=mesh)
+    sched = Scheduler(
+        model.config,
+        cache,
+        model.params,
+        max_batch_size=4,
+        chunked_prefill_size=32,
+        record_logits=True,
+        overlap=not args.no_overlap,
+    )
+    return sched, args.fingerprint or model.fingerprint
+
+
+def serve_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    from kvjax.disaggregation.prefill import PrefillServer
+
+    sched, fingerprint = scheduler(args)
+    server = PrefillServer(sched, fingerprint=fingerprint)
+    server.stall_pull_s = args.stall_pull
+    print(json.dumps({"address": server.address}), flush=True)
+    closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    server.serve(closed.is_set)
+    while not sched.idle:  # let what is queued finish
+        server.serve_once()
+    report = {
+        "prefilled": server.prefilled,
+        "leak_free": sched.leak_free(),
+        "snapshots": len(server.snapshots),
+        "offered_tokens": server.offered_tokens,
+    }
+    server.close()
+    return report
+
+
+def serve_decode(args: argparse.Namespace) -> dict[str, Any]:
+    from kvjax.disaggregation.decode import DecodeServer
+
+    sched, fingerprint = scheduler(args)
+    with open(args.requests) as f:
+        rounds = json.load(f)
+    server = DecodeServer(sched, fingerprint=fingerprint, prefill=args.prefill.split(","), timeout_s=args.timeout)
+    outputs, logits, failed, pulled, reused = {}, {}, {}, {}, {}
+    for round_ in rounds:
+        reqs = [
+            ServingReq(r["rid"], r["prompt"], max_new_tokens=r["max_new"], extra_key=r.get("extra_key")) for r in round_
+        ]
+        rooms = {}
+        server.submit(reqs)
+        rooms.update({rid: room for rid, room in server.rooms.items()})
+        while not server.idle:
+            server.step()
+        for req in reqs:
+            if req.abort_reason is not None:
+                failed[req.rid] = req.abort_reason
+            outputs[req.rid] = list(req.output_ids)
+            logits[req.rid] = np.asarray(req.logits, np.float32).tolist()
+            room = rooms[req.rid]
+            pulled[req.rid] = room.pulled_tokens
+            reused[req.rid] = room.reused_tokens
+    report = {
+        "outputs": outputs,
+        "logits": logits,
+        "failed": failed,
+        "pulled": pulled,
+        "reused": reused,
+        "pulled_tokens": server.pulled_tokens,
+        "reused_tokens": server.reused_tokens,
+        "leak_free": server.leak_free(),
+    }
+    server.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--no-decode-radix", action="store_true", help="decode: SGLang's default tree (no radix cache)")
+    p.add_argument("--fingerprint", default="")
+    p.add_argument("--stall-pull", type=float, default=0.0)
+    p.add_argument("--prefill", default="")
+    p.add_argument("--requests", default="")
+    p.add_argument("--timeout", type=float, default=30.0)
+    args = p.parse_args(argv)
+    report = serve_prefill(args) if args.role == "prefill" else serve_decode(args)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
