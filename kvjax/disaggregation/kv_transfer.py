@@ -79,10 +79,18 @@ class CacheMovers:
         return [(m.name, p) for m in self.movers for p in m.mover.pieces(pools[m.name], span, m.kv_heads)]
 
     def signature(self) -> tuple[str, ...]:
-        """Each piece's pool, name, per-token shape (token axis 1) and dtype: what both sides of a
-        link must agree on (the handshake compares them)."""
+        """Each piece's pool, name, per-token shape (token axis 1) and dtype, and each pool's
+        layout facts (``RequestKV.layout``, when its kind has one: the recurrent state's TP split):
+        what both sides of a link must agree on (the handshake compares them)."""
         span = RequestSpan(0, 1, np.zeros(1, np.int32), 0, np.zeros(1, np.int32), 1)
-        return tuple(f"{pool}.{p.name}{list(p.shape)}:{p.dtype}" for pool, p in self.pieces(span))
+        pieces = tuple(f"{pool}.{p.name}{list(p.shape)}:{p.dtype}" for pool, p in self.pieces(span))
+        facts = tuple(
+            f"{m.name}: {fact}"
+            for m in self.movers
+            if hasattr(m.mover, "layout")
+            for fact in m.mover.layout(self.cache.pools[m.name])
+        )
+        return pieces + facts
 
     def head_shards(self) -> int:
         """Devices the cache's KV heads are split over (the handshake's fact)."""

@@ -238,7 +238,7 @@ class PrefillServer:
             theirs, mine = set(hello.signature), set(self.signature)
             reason = (
                 f"the caches differ: the decode side has {sorted(theirs - mine)} and lacks {sorted(mine - theirs)} "
-                "(layers, dtypes or KV heads)"
+                "(layers, dtypes, KV heads or the recurrent state's TP split)"
             )
         if reason is not None:
             link.send(Refusal(f"prefill server {self.name}: {reason}"))

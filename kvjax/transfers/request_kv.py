@@ -17,7 +17,8 @@ range and where those tokens live on this side) into *pieces*: device arrays in 
 not depend on the side's page size or tensor-parallel size, and writes pieces into the other
 side's pool at that side's slots. Layout of the pieces (``PieceSpec`` says each one's shape):
 
-* paged layers: ``[layers, tokens, C, D]`` in the storage dtype; for MHA ``C = 2 * kv_heads``
+* paged layers: ``[layers, tokens, *row]`` in the storage dtype (MLA's latent: ``row = [width]``,
+  replicated over a mesh); for MHA ``row = [C, D]``, ``C = 2 * kv_heads``
   with each distinct KV head once (a pool whose TP size exceeds the model's KV heads holds each
   head on several ranks: its copies are dropped on the way out and made again on the way in),
   and the fp8 scales ``[layers]`` f32;
@@ -44,6 +45,11 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax.errors import InvalidSlotError
+from kvjax.pools import dtypes
+from kvjax.pools.base import route_to_trash
+from kvjax.pools.mla import scatter_rows
+from kvjax.pools.recurrent import _STATE_SPEC
 from pallas_kernels.kv_write import write_kv
 
 __all__ = [
@@ -176,16 +182,28 @@ def _expand_heads(rows: jax.Array, replicas: int) -> jax.Array:
     return jnp.broadcast_to(pairs, (n, c // 2, replicas, 2, d)).reshape(n, c * replicas, d)
 
 
+def _head_axis(pool: Any) -> str | None:
+    """The mesh axis the pool's head axis (axis 2 of each layer) is split over, or None (no mesh,
+    or every layer replicated over it: the MLA latent)."""
+    if getattr(pool, "mesh", None) is None or getattr(pool, "num_kv_heads", None) is None:
+        return None
+    axis: str | None = getattr(pool, "kv_head_axis", None)
+    return axis
+
+
 def _row_writer(pool: Any) -> Any:
-    """``write(layer, rows [n, C, D], slots) -> layer`` for one layer array of ``pool`` (per device
-    under ``shard_map`` when the pool's heads are split over a mesh)."""
-    mesh = getattr(pool, "mesh", None)
-    axis = getattr(pool, "kv_head_axis", None)
-    if mesh is None:
+    """``write(layer, rows [n, *row], slots) -> layer`` for one layer array of ``pool``: the KV
+    write of ``[pages, page_size, C, D]`` layers (per device under ``shard_map`` when the pool's
+    heads are split over a mesh), the row scatter of ``[pages, page_size, row]`` ones (the MLA
+    latent, replicated)."""
+    if pool.layer_arrays[0].ndim == 3:
+        return scatter_rows
+    axis = _head_axis(pool)
+    if axis is None:
         return write_kv
     layer_spec = P(None, None, axis, None)
     return jax.shard_map(
-        write_kv, mesh=mesh, in_specs=(layer_spec, P(None, axis, None), P()), out_specs=layer_spec, check_vma=False
+        write_kv, mesh=pool.mesh, in_specs=(layer_spec, P(None, axis, None), P()), out_specs=layer_spec, check_vma=False
     )
 
 
@@ -195,8 +213,9 @@ def _layer_sharding(pool: Any) -> Any:
     mesh = getattr(pool, "mesh", None)
     if mesh is None:
         return SingleDeviceSharding(next(iter(layer.devices())))
-    axis = getattr(pool, "kv_head_axis", None)
-    return NamedSharding(mesh, P(None, None, axis, None))
+    parts: list[str | None] = [None] * layer.ndim
+    parts[2] = _head_axis(pool)
+    return NamedSharding(mesh, P(*parts))
 
 
 @functools.partial(jax.jit, static_argnames=("writer", "replicas"), donate_argnums=(0,))
@@ -229,12 +248,13 @@ class PagedRequestKV:
     def pieces(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[PieceSpec, ...]:
         _refuse_striped(pool)
         layer = pool.layer_arrays[0]
-        c, d = layer.shape[2:]
+        row = list(layer.shape[2:])
         has_heads = getattr(pool, "num_kv_heads", None) is not None
-        c //= _replicas(pool, kv_heads)
+        if has_heads:
+            row[0] //= _replicas(pool, kv_heads)
         n = span.window_tokens if self.window else span.tokens
         rows = PieceSpec(
-            "rows", (len(pool.layer_arrays), n, c, d), str(layer.dtype), 2 if has_heads else None, 1, self.window
+            "rows", (len(pool.layer_arrays), n, *row), str(layer.dtype), 2 if has_heads else None, 1, self.window
         )
         scales = tuple(PieceSpec(f, tuple(getattr(pool, f).shape), "float32") for f in self._scales(pool))
         return (rows, *scales)
@@ -318,42 +338,117 @@ def _pure_window(span: RequestSpan) -> RequestSpan:
 
 class RecurrentRequestKV:
     """``RequestKV`` of a ``RecurrentStatePool``: the request's state slot, every tensor
-    (``conv.<i>`` and ``ssm``), in the logical shapes."""
+    (``conv.<i>`` and ``ssm``) of every layer, in the logical shapes and dtypes.
+
+    Read and written in one jitted call each over all layers (the write donates the pool's arrays:
+    in place, O(one slot)); over a mesh the write runs per device under ``shard_map`` on the
+    pool's own sharding (``_STATE_SPEC``: the channel / head axis split), and lane-dense conv
+    storage (TPU) is converted on the way in and out.
+
+    A sharded pool's global conv channel axis is its ranks' channels concatenated (each rank's
+    projection groups, rank-major), so its order depends on the TP size: :meth:`layout` says it,
+    and the handshake refuses two sides whose recurrent state is split over different TP sizes
+    (the SSM tensor's head axis would move, the conv tensors' could not without the model's
+    channel groups)."""
 
     def _names(self, pool: Any) -> list[str]:
         return [*(f"conv.{i}" for i in range(len(pool.conv))), "ssm"]
 
-    def _slot(self, span: RequestSpan) -> int:
+    def _slot(self, pool: Any, span: RequestSpan) -> np.ndarray:
         if span.state_slot is None:
             raise ValueError("the request holds no recurrent-state slot to move")
-        return int(span.state_slot)
+        slot = int(span.state_slot)
+        if not 1 <= slot <= pool.num_slots:
+            raise InvalidSlotError(f"state slot {slot} is outside [1, {pool.num_slots}] (the pool's slots)")
+        return np.asarray([slot], np.int32)
 
-    def _read(self, pool: Any, slot: int) -> list[jax.Array]:
-        out = []
-        for index, layer_id in enumerate(pool.layer_ids):
-            conv, ssm = pool.get_states(layer_id, jnp.asarray([slot], jnp.int32))
-            if index == 0:
-                out = [[c] for c in conv] + [[ssm]]
-            else:
-                for acc, value in zip(out, (*conv, ssm), strict=True):
-                    acc.append(value)
-        return [jnp.stack(values) for values in out]
+    def layout(self, pool: Any) -> tuple[str, ...]:
+        """What both sides must share beyond the pieces' shapes: the TP size the state's channel
+        and head axes are split over (it orders the global conv channels)."""
+        ranks = 1 if pool.mesh is None else int(pool.mesh.shape[pool.state_axis])
+        return (f"recurrent state split over tp={ranks}",)
 
     def pieces(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[PieceSpec, ...]:
-        arrays = jax.eval_shape(lambda p: self._read(p, 1), pool)
-        return tuple(PieceSpec(n, tuple(a.shape), str(a.dtype)) for n, a in zip(self._names(pool), arrays, strict=True))
+        layers = pool.num_layers
+        shapes = [*pool.conv_state_shapes, pool.ssm_state_shape]
+        logical = pool._logical_dtypes()
+        return tuple(
+            PieceSpec(n, (layers, 1, *shape), str(jnp.dtype(dt)))
+            for n, shape, dt in zip(self._names(pool), shapes, logical, strict=True)
+        )
 
     def gather(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[jax.Array, ...]:
-        return tuple(self._read(pool, self._slot(span)))
+        slot = self._slot(pool, span)
+        out = _read_slot(pool.arrays(), jnp.asarray(slot), pool._logical_dtypes())
+        conv = tuple(_conv_from_storage(pool, i, x) for i, x in enumerate(out[:-1]))
+        return (*conv, out[-1])
 
     def scatter(self, pool: Any, pieces: Sequence[jax.Array], span: RequestSpan, kv_heads: int) -> Any:
-        slot = jnp.asarray([self._slot(span)], jnp.int32)
-        first = next(iter(pool.ssm.devices()))
-        pieces = [jax.device_put(p, SingleDeviceSharding(first)) if pool.mesh is None else p for p in pieces]
-        for index, layer_id in enumerate(pool.layer_ids):
-            conv = tuple(p[index] for p in pieces[:-1])
-            pool = pool.set_states(layer_id, slot, conv, pieces[-1][index])
-        return pool
+        slot = self._slot(pool, span)
+        specs = self.pieces(pool, span, kv_heads)
+        if len(pieces) != len(specs):
+            raise ValueError(f"{len(pieces)} recurrent-state pieces given; this pool takes {len(specs)}")
+        for spec, piece in zip(specs, pieces, strict=True):
+            if tuple(piece.shape) != spec.shape:
+                raise ValueError(
+                    f"recurrent-state piece {spec.name!r} has shape {tuple(piece.shape)}; expected {spec.shape}"
+                )
+        new = [_conv_to_storage(pool, i, p) for i, p in enumerate(pieces[:-1])] + [pieces[-1]]
+        arrays = pool.arrays()
+        new = [jax.device_put(x, a.sharding) for x, a in zip(new, arrays, strict=True)]
+        slots = jax.device_put(slot, _replicated(arrays[0]))
+        write = _slot_writer(pool.mesh, pool.state_axis, len(arrays))
+        return pool._with_arrays(_write_slot(arrays, slots, tuple(new), pool._logical_dtypes(), write))
+
+
+def _conv_to_storage(pool: Any, i: int, x: jax.Array) -> jax.Array:
+    """``[layers, 1, *logical]`` -> conv tensor ``i``'s stored form (lane-dense: flat, padded)."""
+    if pool.conv_shapes is None:
+        return x
+    rows, lanes = pool.conv[i].shape[2:]
+    flat = jnp.asarray(x).reshape(x.shape[0], -1)
+    flat = jnp.pad(flat, ((0, 0), (0, rows * lanes - flat.shape[1])))
+    return flat.reshape(x.shape[0], 1, rows, lanes)
+
+
+def _conv_from_storage(pool: Any, i: int, x: jax.Array) -> jax.Array:
+    if pool.conv_shapes is None:
+        return x
+    shape = pool.conv_shapes[i]
+    return x.reshape(x.shape[0], -1)[:, : math.prod(shape)].reshape(x.shape[0], 1, *shape)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _read_slot(arrays: tuple[jax.Array, ...], slot: jax.Array, logical: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+    """Every layer's state of ``slot`` (``[1]``), ``[layers, 1, *stored]`` per tensor, logical dtype."""
+    loc = route_to_trash(slot, arrays[0].shape[1])
+    return tuple(dtypes.from_storage(a[:, loc], dt) for a, dt in zip(arrays, logical, strict=True))
+
+
+def _write_one(arrays: tuple[jax.Array, ...], slot: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    loc = route_to_trash(slot, arrays[0].shape[1])
+    return tuple(a.at[:, loc].set(x) for a, x in zip(arrays, new, strict=True))
+
+
+@functools.cache
+def _slot_writer(mesh: Any, axis: str | None, count: int) -> Any:
+    """``write(arrays, slot, new)``: per device under ``shard_map`` over a sharded pool."""
+    if mesh is None:
+        return _write_one
+    specs = tuple(_STATE_SPEC(axis) for _ in range(count))
+    return jax.shard_map(_write_one, mesh=mesh, in_specs=(specs, P(), specs), out_specs=specs)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(0,))
+def _write_slot(
+    arrays: tuple[jax.Array, ...], slot: jax.Array, new: tuple[jax.Array, ...], logical: tuple[Any, ...], write: Any
+) -> tuple[jax.Array, ...]:
+    """``arrays`` with ``new`` (``[layers, 1, *stored]`` each, cast to the logical dtype, stored as
+    the storage dtype) in slot ``slot`` of every layer; the arrays are donated (in place)."""
+    stored = tuple(
+        dtypes.to_storage(jnp.asarray(x).astype(dt), a.dtype) for a, x, dt in zip(arrays, new, logical, strict=True)
+    )
+    return write(arrays, slot, stored)
 
 
 def piece_bytes(specs: Sequence[PieceSpec]) -> int:
