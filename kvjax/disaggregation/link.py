@@ -89,6 +89,10 @@ class PDLink:
     def send(self, message: Any, timeout_s: float = 10.0) -> None:
         """Send one message (a type of ``messages.KINDS``) before ``timeout_s``."""
         body = bytes([_KIND_OF[type(message)]]) + encode(message)
+        if len(body) > MAX_FRAME:  # the peer would refuse it: refuse it here, the link intact
+            raise LinkError(
+                self.peer, f"a {type(message).__name__} of {len(body)} bytes (a frame is at most {MAX_FRAME})"
+            )
         frame = struct.pack("<I", len(body)) + body
         try:
             send_all(self.sock, frame + self._sealer.seal(body), time.monotonic() + timeout_s)
