@@ -28,8 +28,11 @@ The draft's pool shares the target's allocator, request table and tree (``kvjax.
 insert, match, eviction and retraction move both; with the host tier the draft's host pool is the
 sidecar of the target's (``kvjax.transfers.draft_pools``): every backup and load-back copies both.
 
+Over a mesh (tensor parallelism), the draft's weights are split as the target's are and both steps
+are jitted with the mesh's shardings (``steps``); the draft's pool is laid out as the target's.
+
 Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
-mode, as SGLang disables it for several speculative modes), a mesh, a retraction backup (it would
+mode, as SGLang disables it for several speculative modes), a retraction backup (it would
 restore the target's KV only), sliding-window and recurrent-state caches, a draft whose vocabulary
 differs from the target's, and EAGLE / EAGLE3 / NEXTN drafts (they read the target's hidden states).
 """
@@ -43,10 +46,12 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.param_sharding import shard_params
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.acceptance import accepted_lengths, limit_accepted
@@ -196,8 +201,6 @@ class DraftDecoding:
                 "model", "a model of the caller's own", "speculative decoding serves the built-in families"
             )
         self.check_cache(target_config, scheduler.cache)
-        if scheduler.mesh is not None:
-            raise NotImplementedError("speculative decoding over a mesh (tp_size > 1) is not served yet; use tp 1")
         other = sorted(k.name for k in scheduler.kinds if not k.speculative_rollback)
         if other:
             raise NotImplementedError(
@@ -211,10 +214,15 @@ class DraftDecoding:
                 "a retraction backup restores the target's KV only, not the draft's; leave it unset",
             )
         with_logits = scheduler.record_logits
+        mesh = scheduler.mesh
+        pools = None
+        if mesh is not None:  # tensor parallel: the draft's weights split as the target's are
+            pools = scheduler.cache.pools
+            self.draft_params = shard_params(self.draft_params, self.draft_config, serving_mesh(mesh))
         scheduler.step_fn = make_paired_prefill_step(
-            target_config, self.draft_config, self.draft_params, with_logits=with_logits
+            target_config, self.draft_config, self.draft_params, with_logits=with_logits, mesh=mesh, pools=pools
         )
-        self._round = make_round_step(target_config, self.draft_config, with_logits=with_logits)
+        self._round = make_round_step(target_config, self.draft_config, with_logits=with_logits, mesh=mesh, pools=pools)
 
     def report(self) -> dict[str, Any]:
         """The rounds' counters (``SpeculativeStats``), ``num_steps``, ``acceptance_rate`` and

@@ -9,6 +9,11 @@
   (``verifier.verify``); returns ``(pools, proposals int32 [S, k], greedy int32 [S, k + 1])`` and,
   with logits, the target's float32 logits ``[S, k + 1, vocab]``. ``k`` and the token buckets are
   read from the metadata's shapes (one compile per batch shape).
+
+Over a mesh (tensor parallelism: ``mesh`` and the pools as laid out, ``place_on_mesh``) both are
+jitted with explicit shardings, as the plain sharded step is (``step.make_sharded_step``): the
+pools in and out as they are laid out (donated, in place), the target's and the draft's weights
+split Megatron style (``param_sharding``), everything else replicated.
 """
 
 from __future__ import annotations
@@ -18,15 +23,19 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.attention import AttentionMetadata
+from kvjax.attention.sharding import serving_mesh
 from kvjax.pools import CachePools
-from kvjax.serve.model import build_model
+from kvjax.serve.model import build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.param_sharding import param_shardings
 from kvjax.serve.speculative.draft_view import draft_view, with_draft
 from kvjax.serve.speculative.proposer import propose
 from kvjax.serve.speculative.verifier import round_tokens, verify
-from kvjax.serve.step import step_body
+from kvjax.serve.step import pool_shardings, step_body
 
 __all__ = ["make_paired_prefill_step", "make_round_step"]
 
@@ -34,11 +43,18 @@ StepFn = Callable[..., tuple[Any, ...]]
 
 
 def make_paired_prefill_step(
-    target: ModelConfig, draft: ModelConfig, draft_params: Any, *, with_logits: bool
+    target: ModelConfig,
+    draft: ModelConfig,
+    draft_params: Any,
+    *,
+    with_logits: bool,
+    mesh: Mesh | None = None,
+    pools: CachePools | None = None,
 ) -> StepFn:
     """The scheduler's prefill step running the ``target`` model then the ``draft`` model (their
-    serving configs; ``draft_params`` bound) on one batch."""
-    jitted = _paired_prefill(target, draft, with_logits)
+    serving configs; ``draft_params`` bound) on one batch; over ``mesh`` with ``pools``' layout
+    (module docstring)."""
+    jitted = _paired_prefill(target, draft, with_logits, *_layout(mesh, pools))
 
     def step(pools: CachePools, params: Any, tokens: Any, meta: AttentionMetadata) -> tuple[Any, ...]:
         return jitted(pools, params, draft_params, tokens, meta)
@@ -46,8 +62,50 @@ def make_paired_prefill_step(
     return step
 
 
+def _layout(mesh: Mesh | None, pools: CachePools | None) -> tuple[Any, Any, tuple[NamedSharding, ...]]:
+    """``(mesh, pool tree, pool shardings)`` (hashable: the steps are cached by them), or Nones."""
+    if mesh is None:
+        return None, None, ()
+    if pools is None:
+        raise ValueError("a speculative step over a mesh needs the pools as laid out (place_on_mesh)")
+    mesh = serving_mesh(mesh)
+    leaves, treedef = jax.tree.flatten(pool_shardings(pools, mesh))
+    return mesh, treedef, tuple(leaves)
+
+
+def _jit(
+    body: Callable[..., tuple[Any, ...]],
+    configs: tuple[ModelConfig, ...],
+    outputs: int,
+    inputs: int,
+    mesh: Mesh | None,
+    pool_def: Any,
+    pool_leaves: tuple[NamedSharding, ...],
+) -> Any:
+    """``body(pools, *weights of configs, *inputs)`` jitted with the pools donated; over ``mesh``
+    with the pools' layout, each model's weights split by its rules, the rest replicated."""
+    if mesh is None:
+        return jax.jit(body, donate_argnums=0)
+    pools = jax.tree.unflatten(pool_def, pool_leaves)
+    weights = tuple(param_shardings(param_shapes(c), c, mesh) for c in configs)
+    rep = NamedSharding(mesh, P())
+    return jax.jit(
+        body,
+        in_shardings=(pools, *weights, *(rep,) * inputs),
+        out_shardings=(pools, *(rep,) * outputs),
+        donate_argnums=0,
+    )
+
+
 @functools.lru_cache(maxsize=8)
-def _paired_prefill(target_config: ModelConfig, draft_config: ModelConfig, with_logits: bool) -> Any:
+def _paired_prefill(
+    target_config: ModelConfig,
+    draft_config: ModelConfig,
+    with_logits: bool,
+    mesh: Mesh | None = None,
+    pool_def: Any = None,
+    pool_leaves: tuple[NamedSharding, ...] = (),
+) -> Any:
     target: Any = build_model(target_config)
     draft: Any = build_model(draft_config)
 
@@ -58,17 +116,33 @@ def _paired_prefill(target_config: ModelConfig, draft_config: ModelConfig, with_
         mirrored, _ = step_body(draft, draft_view(pools), draft_params, tokens, meta, sample=False)
         return (with_draft(pools, mirrored["kv"]), *sampled)
 
-    return jax.jit(body, donate_argnums=0)
+    outputs = 2 if with_logits else 1
+    return _jit(body, (target_config, draft_config), outputs, 2, mesh, pool_def, pool_leaves)
 
 
-def make_round_step(target: ModelConfig, draft: ModelConfig, *, with_logits: bool) -> Any:
+def make_round_step(
+    target: ModelConfig,
+    draft: ModelConfig,
+    *,
+    with_logits: bool,
+    mesh: Mesh | None = None,
+    pools: CachePools | None = None,
+) -> Any:
     """``round(pools, params, draft_params, first_tokens [S], draft_metas, verify_meta)``: the
-    module docstring's round, jitted with the pools donated (cached per pair of models)."""
-    return _round_step(target, draft, with_logits)
+    module docstring's round, jitted with the pools donated (cached per pair of models and
+    layout); over ``mesh`` with ``pools``' layout."""
+    return _round_step(target, draft, with_logits, *_layout(mesh, pools))
 
 
 @functools.lru_cache(maxsize=8)
-def _round_step(target_config: ModelConfig, draft_config: ModelConfig, with_logits: bool) -> Any:
+def _round_step(
+    target_config: ModelConfig,
+    draft_config: ModelConfig,
+    with_logits: bool,
+    mesh: Mesh | None = None,
+    pool_def: Any = None,
+    pool_leaves: tuple[NamedSharding, ...] = (),
+) -> Any:
     target, draft = build_model(target_config), build_model(draft_config)
 
     def body(
@@ -87,4 +161,5 @@ def _round_step(target_config: ModelConfig, draft_config: ModelConfig, with_logi
         out = (pools, proposals[:k].T, greedy)
         return (*out, logits) if with_logits else out
 
-    return jax.jit(body, donate_argnums=0)
+    outputs = 3 if with_logits else 2
+    return _jit(body, (target_config, draft_config), outputs, 3, mesh, pool_def, pool_leaves)
