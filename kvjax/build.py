@@ -303,7 +303,6 @@ def build_kv_cache(
     check_draft_buildable(plan, config)
     if mesh is not None:
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
-        _check_sharded_host_pools(plan, config)
 
     kinds = planner_kinds_of(plan)
     plan, device, req_to_token_pool, host_pools = _create_pools(plan, config, mesh, kinds, device_only=False)
@@ -399,7 +398,7 @@ def _create_pools(
         if is_grouped(pool.kind):  # built together below, under the pool kind's name
             groups.setdefault(pool.kind, []).append(pool)
             continue
-        built = create_pool(pool, context)
+        built = create_pool(pool, _draft_context(plan, context) if pool.name == DRAFT_HOST_POOL_NAME else context)
         if pool.memory == "device":
             device[pool.name] = built
         elif isinstance(built, ReqToTokenPool):
@@ -482,15 +481,12 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def _check_sharded_host_pools(plan: CachePlan, config: CacheConfig) -> None:
-    """Host pools over KV heads sharded over ``tp`` ranks are built (per-shard pages), except the
-    draft model's host pool: ``NotImplementedError`` for it before anything is allocated."""
-    if config.attn_tp_size == 1 or not any(pool.name == DRAFT_HOST_POOL_NAME for pool in plan.pools):
-        return
-    raise NotImplementedError(
-        f"the draft model's host pool with KV heads sharded over tp_size={config.tp_size} ranks is not built "
-        "yet; serve the draft with tp_size=1, or without enable_hierarchical_cache"
-    )
+def _draft_context(plan: CachePlan, context: BuildContext) -> BuildContext:
+    """The build context of the draft model's host pool: the draft's own KV-head replicas (its
+    host pool holds each distinct head once, as the target's does)."""
+    if plan.draft is None:
+        return context
+    return dataclasses.replace(context, kv_head_replicas=plan.draft.kv_head_replicas)
 
 
 def device_memory_limit_bytes(device: jax.Device) -> int:

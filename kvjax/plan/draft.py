@@ -35,7 +35,7 @@ import dataclasses
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
-from kvjax.plan.kinds.host_tier import host_kv_pool
+from kvjax.plan.kinds.host_tier import host_kv_pool, with_every_head_shard
 from kvjax.plan.kinds.planner_kind import PlannerKind
 from kvjax.plan.kinds.planning import kv_pool_kind_owner, layout_kind
 from kvjax.plan.kinds.registry import planner_kind, planner_kinds
@@ -136,7 +136,8 @@ def draft_pool_plans(draft: DraftModel | None, num_pages: int, host_pages: int |
     assert layout_pool is not None  # the draft's layout kind lays out the target's attention
     pools = [layout_pool(draft.attention, DRAFT_POOL_NAME, num_pages, draft.layer_ids)]
     if host_pages is not None:
-        pools.append(host_kv_pool(draft.attention, host_pages - 1, DRAFT_HOST_POOL_NAME, draft.layer_ids))
+        host = host_kv_pool(draft.attention, host_pages - 1, DRAFT_HOST_POOL_NAME, draft.layer_ids)
+        pools.append(with_every_head_shard(host, draft.host_head_shards))
     return tuple(pools)
 
 
@@ -173,6 +174,8 @@ def decide_draft(
             layer_ids=draft_layer_ids(spec, config, draft),
             on_this_stage=config.pp_rank == config.pp_size - 1,
             layout_kind=layout.name,
+            host_head_shards=max(1, target.attn_tp_size // target.kv_head_replicas),
+            kv_head_replicas=target.kv_head_replicas,
         ),
         (),
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.layout.pool_plan import PoolPlan
-from kvjax.plan.kinds.host_tier import HOST_KV, host_kv_pool, host_pages
+from kvjax.plan.kinds.host_tier import HOST_KV, host_kv_pool, host_pages, with_every_head_shard
 from kvjax.plan.kinds.planner_kind import PlannerKind
 from kvjax.plan.kinds.planning import by_priority, kinds_named
 from kvjax.plan.records import HostTier, ModelKind, Sizes, Target
@@ -43,19 +43,8 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
 def _every_head_shard(pool: PoolPlan, target: Target) -> PoolPlan:
     """``pool`` (a host pool planned from one rank's layout) holding every distinct KV head once:
     the device pool's heads split over ``attn_tp_size`` ranks, ``kv_head_replicas`` of them per
-    head, make ``attn_tp_size // kv_head_replicas`` distinct shards, and the one host pool of the
-    process keeps them all (``kvjax.tiers.head_shards``), so its bytes are that many times one
-    rank's. A row without a head axis (MLA's latent, replicated over the ranks) is kept once."""
-    shards = max(1, target.attn_tp_size // target.kv_head_replicas)
-    if shards == 1 or len(pool.shape) != 4:
-        return pool
-    pages, rows, heads, dim = pool.shape
-    return dataclasses.replace(
-        pool,
-        shape=(pages, rows, heads * shards, dim),
-        nbytes=pool.nbytes * shards,
-        bytes_per_token=pool.bytes_per_token * shards,
-    )
+    head, make ``attn_tp_size // kv_head_replicas`` distinct shards (``with_every_head_shard``)."""
+    return with_every_head_shard(pool, max(1, target.attn_tp_size // target.kv_head_replicas))
 
 
 def _striped_host_page(pool: PoolPlan, sizes: Sizes) -> PoolPlan:

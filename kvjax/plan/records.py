@@ -154,7 +154,9 @@ class DraftModel:
 
     ``attention``: the draft pool's layout (the target's pool kind); ``layer_ids``: the draft's
     layer ids (see the module docstring); ``on_this_stage``: this pipeline rank holds the draft
-    (the last one); ``layout_kind``: the cache kind of that layout.
+    (the last one); ``layout_kind``: the cache kind of that layout; ``kv_head_replicas``: ranks
+    holding each of the draft's KV heads and ``host_head_shards`` the distinct shards they make (its
+    host pool holds each head once).
     """
 
     algorithm: str
@@ -163,6 +165,8 @@ class DraftModel:
     layer_ids: tuple[int, ...]
     on_this_stage: bool
     layout_kind: str = FULL  # the cache kind of the layout (``PlannerKind.layout_pool`` plans the pool)
+    host_head_shards: int = 1  # distinct KV-head shards over the ranks (its ``attn_tp_size // kv_head_replicas``)
+    kv_head_replicas: int = 1  # ranks holding each of the draft's KV heads (its own ``Target.kv_head_replicas``)
 
     @property
     def num_layers(self) -> int:

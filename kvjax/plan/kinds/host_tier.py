@@ -35,6 +35,22 @@ def host_kv_pool(layout: Any, num_pages: int, name: str, layer_ids: tuple[int, .
     return host_pool_plan(device, name)
 
 
+def with_every_head_shard(pool: PoolPlan, shards: int) -> PoolPlan:
+    """Host pool ``pool`` (planned from one rank's layout) holding ``shards`` distinct KV-head
+    shards (``attn_tp_size // kv_head_replicas``: the ranks' heads, each distinct head once;
+    ``kvjax.tiers.head_shards``), so its bytes are that many times one rank's. A row without a
+    head axis (MLA's latent, replicated over the ranks) is kept once."""
+    if shards <= 1 or len(pool.shape) != 4:
+        return pool
+    pages, rows, heads, dim = pool.shape
+    return dataclasses.replace(
+        pool,
+        shape=(pages, rows, heads * shards, dim),
+        nbytes=pool.nbytes * shards,
+        bytes_per_token=pool.bytes_per_token * shards,
+    )
+
+
 def host_pages(sizes: Sizes, host_tokens: int) -> int:
     """Pages of a host pool of ``host_tokens`` tokens, less its trash page."""
     return host_tokens // sizes.alloc_page_size - 1
