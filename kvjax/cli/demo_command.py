@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.disaggregation_flags import add_disaggregation_arguments, cache_mode, check_disaggregation, disaggregated
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.cli.multihost_flags import add_process_arguments, join_group
+from kvjax.cli.multihost_flags import add_process_arguments, join_group, joins_group
 from kvjax.cli.serving_args import (
     SERVING_FLAGS,
     add_serving_arguments,
@@ -76,6 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "are written there and prefetched back on a miss",
     )
     add_process_arguments(demo)
+    add_disaggregation_arguments(demo)
     add_serving_arguments(
         demo,
         dtype_help="serve the checkpoint in this dtype",
@@ -132,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     speculative = speculative_options(args, spec.vocab_size)
+    check_disaggregation(args, command="demo", speculative=bool(speculative), processes=joins_group(args))
     storage, create = storage_dir(args.hicache_storage, host_tier=args.enable_hierarchical_cache)
     check_demo(
         spec,
@@ -139,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         eviction_policy=args.radix_eviction_policy,
         **cache_options(args),
         **dp_attention_config(args),
+        **cache_mode(args),
         **({} if storage is None else {"hicache_storage_backend": "file", "hicache_storage_dir": str(storage)}),
     )
     if storage is not None and create:
@@ -159,6 +163,11 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, dtype=args.dtype) if args.model else None
     if speculative:
         speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
+    if disaggregated(args):  # a prefill or a decode server (kvjax.cli.disaggregation_run)
+        from kvjax.cli.disaggregation_run import demo_disaggregated
+
+        options = dict(cache_options(args), eviction_policy=args.radix_eviction_policy)
+        return demo_disaggregated(args, workload, model, options)
     try:
         report = run_demo(
             group=group,

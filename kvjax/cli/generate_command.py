@@ -27,6 +27,12 @@ its outputs). A process that is lost, diverges or fails authentication is one ``
 (exit status 1), as for ``demo``. Not across processes yet: ``--image``, ``--pp``, ``--dcp`` and
 speculative decoding (refused before jax starts).
 
+Prefill/decode disaggregation (``--disaggregation-mode``; ``kvjax.cli.disaggregation_flags``):
+``prefill`` takes no prompts and serves decode servers' until SIGINT or SIGTERM, after one line
+``prefill server listening on HOST:PORT``; ``decode`` prints what a colocated run prints, each
+prompt computed on a ``--disaggregation-prefill-addr`` server, with the decode server's counters
+(``"disaggregation"`` with ``--json``); a request that failed is an ``error:`` line (exit status 1).
+
 Bad input (a missing directory, no ``config.json`` or weights, a family kvjax cannot serve, a
 missing or mis-shaped tensor, ``--prompt`` without a tokenizer, ids outside the vocabulary, a
 pool too small for the longest request) exits 2 with one line naming the problem and the fix.
@@ -45,6 +51,7 @@ from typing import Any
 
 from kvjax.cli import serving_args
 from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.disaggregation_flags import add_disaggregation_arguments, check_disaggregation, failed_requests
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
 from kvjax.cli.multihost_flags import add_process_arguments, join_group, joins_group
@@ -153,6 +160,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the image-embedding cache's size in MiB (default 100, SGLang's SGLANG_VLM_CACHE_SIZE_MB)",
     )
     add_process_arguments(gen)
+    add_disaggregation_arguments(gen)
     serving_args.add_serving_arguments(
         gen,
         dtype_help="serve in this dtype",
@@ -208,6 +216,13 @@ def _prompt_ids(args: argparse.Namespace, spec_vocab: int, tokenizer: TextTokeni
 
 def run(args: argparse.Namespace) -> int:
     spec = model_spec(args.model)
+    check_disaggregation(
+        args, command="generate", speculative=bool(args.speculative_algorithm), processes=joins_group(args)
+    )
+    if args.disaggregation_mode == "prefill":  # serves decode servers' prompts (kvjax.cli.disaggregation_run)
+        from kvjax.cli.disaggregation_run import generate_prefill
+
+        return generate_prefill(args)
     try:
         tokenizer = text_tokenizer(args.model)
     except ConfigError:
@@ -255,7 +270,11 @@ def run(args: argparse.Namespace) -> int:
     if vision and dp_attention:
         raise UsageError("--image with --dp: images are served on one device; drop --dp")
     try:
-        if dp_attention:
+        if args.disaggregation_mode == "decode":  # each prompt prefilled on a prefill server
+            from kvjax.cli.disaggregation_run import generate_decode
+
+            result = generate_decode(args, model, prompts, common)
+        elif dp_attention:
             for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)
                 options.pop(refused)
             overlap = not args.disable_overlap_schedule
@@ -293,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is not None:
             report["texts"] = [tokenizer.decode(output) for output in result.outputs]
         print(json.dumps(report))
-        return 0
+        return failed_requests("generate", result.disaggregation)
     if stream is not None:
         stream.finish(result.outputs)
     else:
@@ -314,7 +333,11 @@ def run(args: argparse.Namespace) -> int:
             f"speculative: {sp['accepted_tokens']} of {sp['proposed_tokens']} draft tokens accepted "
             f"({sp['acceptance_rate']:.1%}), {sp['accept_length']:.2f} tokens per target step"
         )
-    return 0
+    if result.disaggregation is not None:
+        from kvjax.cli.disaggregation_run import disaggregation_line
+
+        print(disaggregation_line(result.disaggregation))
+    return failed_requests("generate", result.disaggregation)
 
 
 def _check_across_processes(args: argparse.Namespace, speculative: dict[str, Any]) -> None:

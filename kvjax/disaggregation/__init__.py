@@ -10,4 +10,6 @@ a decode server's pools through JAX's transfer server, decoded there (SGLang's
 * ``prefill``: the prefill server (bootstrap endpoint, snapshots of finished prompts).
 * ``decode``: the decode server (its own radix tree: only what it lacks is pulled).
 * ``router``: the mini load balancer pairing each request with one prefill and one decode server.
+* ``serving``: the command line's runs (a prefill server built as ``generate`` builds its cache,
+  ``generate``'s prompts through a decode server).
 """

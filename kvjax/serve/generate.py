@@ -76,6 +76,8 @@ class GenerateResult:
     speculative: dict | None = None  # with a draft model: acceptance counters (``SpeculativeStats``)
     # with images: the embedding cache's counters and the encoder's runs (``MultimodalExtension.stats``)
     multimodal: dict | None = None
+    # served disaggregated (a decode server): its counters (``disaggregation.serving.decode_generate``)
+    disaggregation: dict | None = None
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {
@@ -87,6 +89,8 @@ class GenerateResult:
             out["speculative"] = self.speculative
         if self.multimodal is not None:
             out["multimodal"] = self.multimodal
+        if self.disaggregation is not None:
+            out["disaggregation"] = self.disaggregation
         return out
 
 
