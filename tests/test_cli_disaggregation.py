@@ -123,3 +123,19 @@ def test_every_case_is_refused_before_jax_is_imported():
     seen = json.loads(out.stdout)
     assert [argv for argv, code, _ in seen if code != 2] == []
     assert [argv for argv, _, jax_loaded in seen if jax_loaded] == []
+
+
+def test_each_failed_request_is_an_error_line_and_exit_1(capsys):
+    from kvjax.cli.disaggregation_flags import failed_requests
+
+    assert failed_requests("generate", None) == 0
+    assert failed_requests("generate", {"failed": []}) == 0
+    failed = [
+        {"prompt": 2, "reason": "prefill server p sent no first token within 5 s"},
+        {"request": "c0.1", "reason": "x"},
+    ]
+    assert failed_requests("generate", {"failed": failed}) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m kvjax generate: error: prompt 2 failed: prefill server p sent no first token within 5 s",
+        "python -m kvjax generate: error: request c0.1 failed: x",
+    ]
