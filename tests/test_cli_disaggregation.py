@@ -67,6 +67,7 @@ CASES = [
 @pytest.mark.parametrize("argv, words", CASES, ids=[" ".join(a[2:] if a[0] == "generate" else a) for a, _ in CASES])
 def test_bad_disaggregation_flags_are_one_error_line(argv, words, capsys, monkeypatch):
     monkeypatch.setenv("KVJAX_CLUSTER_SECRET", SECRET)
+    code: int | str | None
     try:
         code = main(argv)
     except SystemExit as e:  # argparse's own errors

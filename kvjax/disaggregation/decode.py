@@ -67,6 +67,13 @@ class PrefillPeer:
     page_size: int
     alive: bool = True
     inbox: list[Any] = dataclasses.field(default_factory=list)
+    lost: str = ""  # why the link failed (once not alive)
+
+    def failure(self, timeout_s: float) -> str:
+        """Why a request prefilling here failed: the server was lost, or sent nothing in time."""
+        if not self.alive:
+            return f"prefill server {self.name} at {self.address} was lost: {self.lost}"
+        return f"prefill server {self.name} at {self.address} sent no first token within {timeout_s:g} s"
 
 
 @dataclasses.dataclass
@@ -190,7 +197,7 @@ class DecodeServer:
             self._read(peer, done)
         now = time.monotonic()
         for room in [r for r in self.rooms.values() if r.state == "prefilling" and r.deadline < now]:
-            self._fail(room, f"prefill server {room.peer.name} sent no first token within {self.timeout_s:g} s", done)
+            self._fail(room, room.peer.failure(self.timeout_s), done)
         if not self.scheduler.idle:
             for req in self.scheduler.step():
                 self.rooms.pop(req.rid, None)
@@ -279,6 +286,7 @@ class DecodeServer:
     def _peer_lost(self, peer: PrefillPeer, why: str, done: list[ServingReq] | None = None) -> None:
         if peer.alive:
             log.warning("decode %s: lost prefill server %s: %s", self.name, peer.address, why)
+            peer.lost = why
         peer.alive = False
         peer.link.close()
         for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
@@ -286,7 +294,7 @@ class DecodeServer:
             room.state = "prefilling"
         if done is not None:
             for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
-                self._fail(room, f"prefill server {peer.name} at {peer.address} was lost: {why}", done)
+                self._fail(room, peer.failure(self.timeout_s), done)
 
     def _fail(self, room: Room, reason: str, done: list[ServingReq]) -> None:
         req = room.req
@@ -356,7 +364,10 @@ class DecodeTransfers(ServingExtension):
                 server._peer_lost(room.peer, str(e))
             server._send(room.peer, Release(str(req.rid)))
             server.rooms.pop(req.rid, None)
-            raise RequestAborted(f"the KV of request {req.rid!r} could not be moved: {e}") from None
+            raise RequestAborted(
+                f"the KV of request {req.rid!r} could not be moved from prefill server {room.peer.name} at "
+                f"{room.peer.address}: {e}"
+            ) from None
         cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: prompt - prefix])
         req.kv_committed_len = prompt
         room.state = "pulled"

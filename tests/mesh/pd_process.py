@@ -1,14 +1,23 @@
 """One side of a disaggregated pair, as a program of its own (the two-process tests start two).
 
     python -m tests.mesh.pd_process prefill --checkpoint DIR --tp 4 --page-size 4 [--stall-pull S]
+        [--die-on-pull order|offer] [--warmup N]
         prints ``{"address": HOST:PORT}`` and serves until its standard input closes; then prints
-        ``{"prefilled": N, "leak_free": bool, "snapshots": N, "offered_tokens": N}``.
+        ``{"prefilled": N, "leak_free": bool, "snapshots": N, "offered_tokens": N,
+        "dropped_with_link": N}`` (snapshots still held when their decode server's link closed:
+        0 when every one was released or expired first). Fault hooks: ``--stall-pull S`` sleeps
+        S seconds before answering each pull; ``--die-on-pull order`` exits the process at once
+        (``os._exit(3)``) when the first pull order arrives, ``offer`` right after offering it;
+        ``--warmup N`` prefills one N-token prompt before listening (compiled before any deadline).
     python -m tests.mesh.pd_process decode --checkpoint DIR --tp 2 --page-size 8 --prefill ADDR
         --requests FILE
         serves the rounds of ``FILE`` (JSON: a list of rounds, each a list of ``{"rid", "prompt",
         "max_new", "extra_key"?}``; a round starts when the one before it ended) and prints one
         JSON line: outputs, logits (float32, one row per decode-side token), failed requests with
-        their reasons, per-request pulled / reused tokens, the counters and ``leak_free``.
+        their reasons, per-request pulled / reused tokens, seconds from the prefill order to the
+        request's end (``elapsed``) and from its first token (or order, when none came) to its end
+        (``waited``), the counters and ``leak_free``. Refused at the handshake, it prints
+        ``{"refused": "ErrorType: message"}`` instead (before any request).
 
 Both build a scheduler recording logits over a cache of the checkpoint (``--max-total-tokens``,
 ``--overlap``), over a ``"tp"`` mesh of their first ``--tp`` devices. The cluster secret comes
@@ -19,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -60,19 +71,43 @@ def serve_prefill(args: argparse.Namespace) -> dict[str, Any]:
     from kvjax.disaggregation.prefill import PrefillServer
 
     sched, fingerprint = scheduler(args)
+    if args.warmup:
+        sched.submit([ServingReq("warmup", np.arange(args.warmup, dtype=np.int32) % 7, max_new_tokens=1)])
+        while not sched.idle:
+            sched.step()
     server = PrefillServer(sched, fingerprint=fingerprint)
     server.stall_pull_s = args.stall_pull
+    dropped_with_link = 0
+    drop_link, pull = server._drop_link, server._pull
+
+    def counted_drop(link: Any, why: str) -> None:
+        nonlocal dropped_with_link
+        dropped_with_link += sum(key[0] == id(link) for key in server.snapshots)
+        drop_link(link, why)
+
+    def dying_pull(link: Any, order: Any) -> None:
+        if args.die_on_pull == "offer":
+            pull(link, order)
+        os._exit(3)
+
+    server._drop_link = counted_drop  # type: ignore[method-assign]
+    if args.die_on_pull:
+        server._pull = dying_pull  # type: ignore[method-assign]
     print(json.dumps({"address": server.address}), flush=True)
     closed = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
     server.serve(closed.is_set)
-    while not sched.idle:  # let what is queued finish
+    # let what is queued finish and read what the decode servers sent (a Release sent while this
+    # server stalled), until each link closed or the bound
+    deadline = time.monotonic() + 30
+    while not sched.idle or (any(link.ready() for link in server.links) and time.monotonic() < deadline):
         server.serve_once()
     report = {
         "prefilled": server.prefilled,
         "leak_free": sched.leak_free(),
         "snapshots": len(server.snapshots),
         "offered_tokens": server.offered_tokens,
+        "dropped_with_link": dropped_with_link,
     }
     server.close()
     return report
@@ -84,8 +119,14 @@ def serve_decode(args: argparse.Namespace) -> dict[str, Any]:
     sched, fingerprint = scheduler(args)
     with open(args.requests) as f:
         rounds = json.load(f)
-    server = DecodeServer(sched, fingerprint=fingerprint, prefill=args.prefill.split(","), timeout_s=args.timeout)
-    outputs, logits, failed, pulled, reused = {}, {}, {}, {}, {}
+    from kvjax.disaggregation.decode import PDRefused
+    from kvjax.disaggregation.link import LinkError
+
+    try:
+        server = DecodeServer(sched, fingerprint=fingerprint, prefill=args.prefill.split(","), timeout_s=args.timeout)
+    except (PDRefused, LinkError) as e:
+        return {"refused": f"{type(e).__name__}: {e}"}
+    outputs, logits, failed, pulled, reused, elapsed, waited = {}, {}, {}, {}, {}, {}, {}
     for round_ in rounds:
         reqs = [
             ServingReq(r["rid"], r["prompt"], max_new_tokens=r["max_new"], extra_key=r.get("extra_key")) for r in round_
@@ -93,8 +134,10 @@ def serve_decode(args: argparse.Namespace) -> dict[str, Any]:
         rooms = {}
         server.submit(reqs)
         rooms.update({rid: room for rid, room in server.rooms.items()})
+        ended = {}
         while not server.idle:
-            server.step()
+            for req in server.step():
+                ended[req.rid] = time.perf_counter()
         for req in reqs:
             if req.abort_reason is not None:
                 failed[req.rid] = req.abort_reason
@@ -103,12 +146,16 @@ def serve_decode(args: argparse.Namespace) -> dict[str, Any]:
             room = rooms[req.rid]
             pulled[req.rid] = room.pulled_tokens
             reused[req.rid] = room.reused_tokens
+            elapsed[req.rid] = ended[req.rid] - room.ordered_at
+            waited[req.rid] = ended[req.rid] - (room.prefilled_at or room.ordered_at)
     report = {
         "outputs": outputs,
         "logits": logits,
         "failed": failed,
         "pulled": pulled,
         "reused": reused,
+        "elapsed": elapsed,
+        "waited": waited,
         "pulled_tokens": server.pulled_tokens,
         "reused_tokens": server.reused_tokens,
         "leak_free": server.leak_free(),
@@ -128,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-decode-radix", action="store_true", help="decode: SGLang's default tree (no radix cache)")
     p.add_argument("--fingerprint", default="")
     p.add_argument("--stall-pull", type=float, default=0.0)
+    p.add_argument("--die-on-pull", choices=("order", "offer"), default=None)
+    p.add_argument("--warmup", type=int, default=0, help="prefill: tokens of a prompt prefilled before listening")
     p.add_argument("--prefill", default="")
     p.add_argument("--requests", default="")
     p.add_argument("--timeout", type=float, default=30.0)

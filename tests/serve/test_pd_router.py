@@ -33,7 +33,7 @@ def _scheduler(params, page_size: int, mode: str = "null") -> Scheduler:
         max_total_tokens=512,
         chunked_prefill_size=64,
         disaggregation_mode=mode,
-        **({"disaggregation_decode_retraction_backup": "cpu_tensor"} if mode == "decode" else {}),
+        disaggregation_decode_retraction_backup="cpu_tensor" if mode == "decode" else None,
     )
     return Scheduler(SPEC, build_kv_cache(SPEC, config), params, max_batch_size=4)
 
