@@ -1,0 +1,57 @@
+"""``decode_generate`` (what ``generate --disaggregation-mode decode`` runs) against a prefill
+server built as ``generate --disaggregation-mode prefill`` builds it, serving in a thread: the
+tokens of a colocated ``generate``, the decode server's counters, and a request whose KV cannot be
+moved in time ends failed with its reason (the server leak free)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import pytest
+
+from kvjax.disaggregation.serving import decode_generate, prefill_config, prefill_server
+from kvjax.serve.generate import generate, resolve_model
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9, 9, 9]]
+
+
+@pytest.mark.timeout(240)
+def test_decode_generate_gives_generate_tokens_and_fails_a_stalled_pull():
+    secret = secrets.token_hex(32)
+    model = resolve_model("tiny")
+    prefill = prefill_server(model, prefill_config(model, page_size=4, max_total_tokens=512), port=0, secret=secret)
+    stop = threading.Event()
+    thread = threading.Thread(target=prefill.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+    try:
+        colocated, _ = generate(model, PROMPTS, max_new_tokens=4, page_size=8, stop_token_ids=())
+        result, server = decode_generate(
+            model, PROMPTS, prefill=[prefill.address], max_new_tokens=4, page_size=8, stop_token_ids=(), secret=secret
+        )
+        assert result.outputs == colocated.outputs
+        assert result.cached_tokens == colocated.cached_tokens == 8  # the second prompt's first page of 8
+        assert result.prompt_tokens == colocated.prompt_tokens == 25
+        pd = result.disaggregation
+        assert pd is not None and pd["failed"] == [] and pd["failed_requests"] == 0, pd
+        assert (pd["pulled_tokens"], pd["reused_tokens"], pd["pulls"]) == (17, 8, 3), pd
+        assert server.leak_free()
+
+        prefill.stall_pull_s = 2.0
+        stalled, server = decode_generate(
+            model,
+            [[5, 6, 7, 8, 9]],
+            prefill=[prefill.address],
+            max_new_tokens=4,
+            page_size=8,
+            timeout_s=0.5,
+            secret=secret,
+        )
+        pd = stalled.disaggregation
+        assert pd is not None and pd["failed_requests"] == 1 and [f["prompt"] for f in pd["failed"]] == [1], pd
+        assert "0.5 s" in pd["failed"][0]["reason"], pd
+        assert server.leak_free()
+    finally:
+        stop.set()
+        thread.join(10)
+        prefill.close()
