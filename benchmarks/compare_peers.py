@@ -519,7 +519,7 @@ def lifecycle_check(sglang_path: str, seeds: int) -> dict:
     """``{policy/page: {"streams": n, "same": n, "first_difference": ...}}`` for every policy."""
     out = {}
     for policy in ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru"):
-        for page_size in (1, 4):
+        for page_size in (1, 4, 16):
             diffs = [d for d in (_lifecycle_stream(sglang_path, policy, page_size, seed) for seed in range(seeds)) if d]
             entry: dict[str, object] = {"streams": seeds, "same": seeds - len(diffs)}
             if diffs:

@@ -19,7 +19,20 @@ Kinds (``--only``), each over several configurations:
   tails by ``free_segment`` (SGLang's tree frees) and by ``free`` (sorted per page), free groups.
   At page 1 SGLang's scheduler takes ``alloc(extend_tokens)`` / ``alloc(batch)`` from the token
   allocator where kvjax calls ``alloc_extend`` / ``alloc_decode``; that is what is compared.
-* ``full``: FULL trees at pages 1, 4, 16 over the real allocators, two namespaces (``extra_key``).
+* ``full``: FULL trees at pages 1, 4, 16 over the real allocators, two namespaces (``extra_key``);
+  then once per eviction policy both have (lru, lfu, fifo, mru, filo, priority, slru; SGLang's
+  tlru is not in kvjax), each request inserting with a priority of 0 to 2.
+* ``lifecycle``: the request lifecycle (admission: match, lock, ``alloc_extend``, a chunked
+  checkpoint and one of the whole prompt; decode checkpoints one ``alloc_extend`` token at a
+  time; finishes, retractions, evictions, and the scheduler's eviction under allocation pressure
+  through the allocator's ``evict_to_free_tokens``) of SGLang 0.5.23's ``RadixCache`` driven as
+  its ``mem_cache/common.py`` drives it (``checkpoint`` / ``release_kv_cache``), and of its
+  ``UnifiedRadixCache`` (FULL), over its real token / paged allocator, next to kvjax's
+  ``RadixCache`` lifecycle (``match_and_lock``, ``cache_unfinished_req``,
+  ``cache_finished_req``) over kvjax's allocator: every eviction policy, pages 1, 4, 16,
+  requests with priorities -1 to 2 in two namespaces. Compared after every op: the slots handed
+  out (in order), matches, evicted counts, free slots, evictable and protected sizes; at the
+  end the trees (boundaries, slots, priorities, hit counts) and the whole free list's order.
 * ``swa``: FULL + SWA trees, pages 1, 2, 4, windows 4 to 8, early SWA lock release.
 * ``mamba``: FULL + MAMBA trees, pages 1 and 4 (page 4 with the extra buffer), with no cap and
   ``mamba_max_states_per_path`` 1 and 2.
@@ -50,8 +63,13 @@ ops that led to it.
 
 Prints JSON: per configuration the streams and ops run, the streams identical, and the first
 difference. Last full runs (10 streams of 2,000 ops, seeds 1 and 2): every stream of every
-configuration identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). ``--self-test``
-replays the fixed cases of issue 19 (former differences and the host tier's known cases) and
+configuration identical (6 allocator, 3 FULL, 9 SWA, 6 Mamba, 12 host-tier configurations). With
+the eviction policies (issue 35; 10 streams of 1,000 ops, seed 0): every ``lifecycle`` stream on
+SGLang's ``RadixCache`` identical under all 7 policies at pages 1, 4, 16 (210 streams), and on its
+``UnifiedRadixCache`` and in the ``full`` kind under lru, lfu, mru, priority and slru; fifo and
+filo differ on ``UnifiedRadixCache`` only: its split gives the new parent the child's
+``creation_time``, where its ``RadixCache`` (and kvjax) gives the parent a new one. ``--self-test``
+replays the fixed cases of issues 19 and 35 (former differences and the host tier's known cases) and
 says which differ. ``--sorted-frees`` (SGLang's ``free_segment`` as its sorted ``free``) is kept
 to hide a free-order difference should one come back, so that the others show. Each stream is
 seeded: ``--seed``.
@@ -81,7 +99,7 @@ sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import numpy as np  # noqa: E402
-from compare_peers import _import_peer, _module_file  # type: ignore[import-not-found]  # noqa: E402
+from compare_peers import _import_peer, _module_file, _SgRows  # type: ignore[import-not-found]  # noqa: E402
 
 _M = "sglang.srt.mem_cache."
 _SGLANG_REAL = {_M + m for m in (
@@ -101,6 +119,8 @@ TRACE_KEEP, TRACE_SHOWN = 12, 8  # ops remembered / shown before a difference
 # Pools of the tree streams: FULL slots (per page), SWA slots (half: eviction under pressure comes
 # from the SWA side too) and Mamba state slots, small enough that allocations run short.
 STATE_SLOTS = 8
+# The eviction policies kvjax and SGLang 0.5.23 both have (SGLang's tlru is not in kvjax).
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 
 
 class _CpuPlatform:
@@ -508,7 +528,9 @@ class _TreeSide:
 class _SgTree(_TreeSide):
     """SGLang's ``UnifiedRadixCache`` with its real allocators."""
 
-    def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
+    def __init__(
+        self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False, policy="lru"
+    ):
         sg = _sg()
         self.sg, self.t, self.kind, self.page = sg, sg.torch, kind, page
         ct = sg.ct
@@ -544,6 +566,7 @@ class _SgTree(_TreeSide):
                 page_size=page,
                 tree_components=comps,
                 tree_core_backend="python",
+                eviction_policy=policy,
                 **kw,
             )
         )
@@ -581,24 +604,28 @@ class _SgTree(_TreeSide):
         idx = _ids(self.tree.tree_core.collect_full_device_indices(node, self.tree.root_node_handle(ns)))
         return (int(m.device_prefix_len), idx[: int(m.device_prefix_len)], int(m.full_kv_hit_length)), node
 
-    def insert(self, key, ns, values, prev, mamba_value=None):
+    def insert(self, key, ns, values, prev, mamba_value=None, priority=0):
         p = self.sg.bp.InsertParams(
             key=self._key(key, ns),
             value=self.t.tensor(values, dtype=self.t.int64),
             prev_prefix_len=prev,
+            priority=priority,
         )
         if mamba_value is not None:
             p.mamba_value = self.t.tensor([mamba_value], dtype=self.t.int64)
         r = self.tree.insert(p)
         return int(r.prefix_len), bool(getattr(r, "mamba_exist", False))
 
-    def checkpoint(self, key, ns, values, prev):
+    def checkpoint(self, key, ns, values, prev, priority=0):
         """SGLang 0.5.23's ``checkpoint_into_tree``: insert, then protect the whole inserted
         path from the node the insert ended on (a match there can stop short at SWA
         tombstones); returns ((prefix_len, the path's slots), that node)."""
         r = self.tree.insert(
             self.sg.bp.InsertParams(
-                key=self._key(key, ns), value=self.t.tensor(values, dtype=self.t.int64), prev_prefix_len=prev
+                key=self._key(key, ns),
+                value=self.t.tensor(values, dtype=self.t.int64),
+                prev_prefix_len=prev,
+                priority=priority,
             )
         )
         node = r.last_device_node
@@ -635,7 +662,9 @@ class _SgTree(_TreeSide):
 class _KvTree(_TreeSide):
     """kvjax's tree of the same kind with its allocators."""
 
-    def __init__(self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False):
+    def __init__(
+        self, kind: str, page: int, size: int, window: int = 0, max_states: int = -1, need_sort=False, policy="lru"
+    ):
         from kvjax.alloc import PagedTokenToKVPoolAllocator, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
         from kvjax.radix import MambaRadixCache, RadixCache, SWARadixCache
 
@@ -659,7 +688,7 @@ class _KvTree(_TreeSide):
             )
             self.mamba = self.tree.mamba_allocator
         else:
-            self.tree = RadixCache(page_size=page, token_to_kv_pool_allocator=self.alloc)
+            self.tree = RadixCache(page_size=page, token_to_kv_pool_allocator=self.alloc, eviction_policy=policy)
 
     def alloc_tokens(self, n, prefix=0, last=-1):
         if self.kind == "swa" and self.page > 1:
@@ -689,14 +718,14 @@ class _KvTree(_TreeSide):
         m = self.tree.match_prefix(list(key), extra_key=ns)
         return (int(m.prefix_len), _ids(m.indices), int(m.full_kv_hit_length)), m.last_node
 
-    def insert(self, key, ns, values, prev, mamba_value=None):
+    def insert(self, key, ns, values, prev, mamba_value=None, priority=0):
         if self.kind == "swa":  # SWARadixCache frees the duplicates past prev itself, as SGLang's
             return int(self.tree.insert(list(key), np.asarray(values, np.int64), ns, prev_prefix_len=prev)), False
         if self.kind == "mamba":
             r = self.tree.insert(list(key), np.asarray(values, np.int64), ns, mamba_value=mamba_value)
             got, exist = int(r.prefix_len if hasattr(r, "prefix_len") else r[0]), bool(r.mamba_exist)
         else:
-            got, exist = int(self.tree.insert(list(key), np.asarray(values, np.int64), ns)), False
+            got, exist = int(self.tree.insert(list(key), np.asarray(values, np.int64), ns, priority)), False
         # The caller's slots of the already-cached part past what it matched are duplicates: kvjax's
         # lifecycle (cache_finished_req) frees them with the tree's _free_duplicates, node by node
         # from the top, as SGLang's unified tree does inside insert.
@@ -705,10 +734,10 @@ class _KvTree(_TreeSide):
             self.tree._free_duplicates(self.tree.last_insert_node, vals[prev:got], prev, got, 0)
         return got, exist
 
-    def checkpoint(self, key, ns, values, prev):
+    def checkpoint(self, key, ns, values, prev, priority=0):
         """kvjax's ``cache_unfinished_req`` step: insert (duplicates freed as in :meth:`insert`),
         then the node the insert ended on and its root path's slots."""
-        got, _ = self.insert(key, ns, values, prev)
+        got, _ = self.insert(key, ns, values, prev, priority=priority)
         node = self.tree.last_insert_node
         parts = []
         walk = node
@@ -815,12 +844,18 @@ class _TreePair:
 
 
 def tree_stream(
-    kind: str, page: int, seed: int, ops: int, window: int = 0, max_states: int = -1
+    kind: str, page: int, seed: int, ops: int, window: int = 0, max_states: int = -1, policy: str | None = None
 ) -> tuple[int, str | None]:
-    """One random request stream through both trees; returns (ops run, first difference or None)."""
+    """One random request stream through both trees; returns (ops run, first difference or None).
+    ``policy``: both trees' eviction policy (None: lru, and requests without priorities); with a
+    policy every admitted request draws a priority (0 to 2) that its inserts carry."""
     rng = random.Random(seed)
     size = (48 * page if page > 1 else 64) if kind != "mamba" else (24 * page if page > 1 else 32)
-    pair = _TreePair(_SgTree(kind, page, size, window, max_states), _KvTree(kind, page, size, window, max_states))
+    pol = policy or "lru"
+    pair = _TreePair(
+        _SgTree(kind, page, size, window, max_states, policy=pol),
+        _KvTree(kind, page, size, window, max_states, policy=pol),
+    )
     vocab = 3
     prompts = [[rng.randrange(vocab) for _ in range(page * rng.randrange(1, 4))] for _ in range(4)]
     live: list[dict] = []
@@ -853,13 +888,18 @@ def tree_stream(
             if state is not None:
                 pair.step(f"free_state({state})", lambda s: s.free_state(state), lambda r: None)
             return
-        live.append({"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": locks, "state": state})
+        prio = rng.randrange(3) if policy is not None else 0
+        live.append(
+            {"key": key, "ns": ns, "hit": hit, "values": idx + new, "locks": locks, "state": state, "prio": prio}
+        )
 
     def finish(req):
         key, ns, vals, hit = req["key"], req["ns"], req["values"], req["hit"]
+        prio = req["prio"]
         r, _ = pair.step(
-            f"insert(key={_short(key)}, ns={ns}, value={_short(vals)}, prev_prefix_len={hit})",
-            lambda s: s.insert(key, ns, vals, hit, req["state"]),
+            f"insert(key={_short(key)}, ns={ns}, value={_short(vals)}, prev_prefix_len={hit}"
+            + (f", priority={prio})" if prio else ")"),
+            lambda s: s.insert(key, ns, vals, hit, req["state"], prio),
         )
         if req["state"] is not None and r[1]:
             pair.step(
@@ -880,7 +920,12 @@ def tree_stream(
         one can stop short at SWA tombstones and leave slots of the row unprotected, which a
         later revival frees under the request.)"""
         part, ns, part_vals, hit, label = _checkpoint_cut(req, rng, page)
-        (m, node_sg), (_, node_kv) = pair.step(label, lambda s: s.checkpoint(part, ns, part_vals, hit), lambda r: r[0])
+        prio = req["prio"]
+        if prio:
+            label = label.replace(") (checkpoint)", f", priority={prio}) (checkpoint)")
+        (m, node_sg), (_, node_kv) = pair.step(
+            label, lambda s: s.checkpoint(part, ns, part_vals, hit, prio), lambda r: r[0]
+        )
         pair.unlock("unlock(request)", req["locks"])
         req["locks"] = pair.lock("lock(the inserted node)", (node_sg, node_kv))
         req["values"] = m[1] + req["values"][len(m[1]) :]
@@ -908,6 +953,232 @@ def tree_stream(
             pair.step(f"match(key={_short(key)}, ns={ns})", lambda s: s.match(key, ns)[0], lambda r: r)
 
     return pair.run(ops, one_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# The request lifecycle over real allocators: SGLang 0.5.23's ``RadixCache`` (or its
+# ``UnifiedRadixCache`` with FULL alone) driven as its ``mem_cache/common.py`` drives it
+# (``checkpoint`` / ``release_kv_cache``) over its real token or paged allocator, next to kvjax's
+# ``RadixCache`` lifecycle over kvjax's allocator, under every eviction policy, with request
+# priorities.
+
+
+def lifecycle_stream(
+    policy: str, page: int, seed: int, ops: int, unified: bool = False, size: int = 0, live_max: int = 4
+) -> tuple[int, str | None]:
+    """One random request stream through both lifecycles: admissions with a priority (-1 to 2;
+    match, lock, ``alloc_extend`` of the rest, a chunked checkpoint, a checkpoint of the whole
+    prompt), decodes (``alloc_extend`` of one token, a checkpoint after each), finishes,
+    retractions, evictions of 1 to 16 pages, and the scheduler's eviction under allocation
+    pressure (the allocator's ``evict_to_free_tokens``, then a second try). After every op the
+    slots ``alloc_extend`` handed out (in order), the match, the evicted counts, the free slots
+    and the tree's evictable / protected sizes must be equal; at the end the trees (node
+    boundaries, slots, priorities, hit counts), then everything evicted and the whole pool
+    allocated (the free list's order). ``unified``: SGLang's side is its ``UnifiedRadixCache``
+    (FULL, the Python tree core) instead of its ``RadixCache``. ``size``: the pool's slots
+    (default 128 at page 1, 32 pages above). Odd seeds draw the prompts' tails and the decoded
+    tokens from 3 values (requests share pages, outputs included), even seeds from 50. Returns
+    (ops run, the first difference or None)."""
+    from kvjax.radix import RadixCache
+    from kvjax.req_pool import ReqToTokenPool
+    from kvjax.request import Req
+
+    sg_mod = _sg()
+    torch, rc, bp = sg_mod.torch, sg_mod.rc, sg_mod.bp
+    rng = random.Random(seed)
+    rows, width = 2 * live_max, 512
+    size = size or (128 if page == 1 else 32 * page)
+    vocab = 3 if seed % 2 else 50
+    sg_alloc, kv_alloc = _SgAlloc(size, page, False), _KvAlloc(size, page, False)
+    sg_rows = _SgRows(rows, width)
+    kv_rows = ReqToTokenPool(rows, width)
+    params = sg_mod.params(
+        disable=False,
+        req_to_token_pool=sg_rows,
+        token_to_kv_pool_allocator=sg_alloc.a,
+        page_size=page,
+        eviction_policy=policy,
+        **({"tree_components": (sg_mod.ct.FULL,), "tree_core_backend": "python"} if unified else {}),
+    )
+    sg = sg_mod.urc.UnifiedRadixCache(params) if unified else rc.RadixCache(params)
+    kv = RadixCache(
+        page_size=page, eviction_policy=policy, token_to_kv_pool_allocator=kv_alloc.a, req_to_token_pool=kv_rows
+    )
+    trace: list[str] = []
+    n_ops = [0]
+
+    def step(label: str, got_sg: Any, got_kv: Any) -> None:
+        n_ops[0] += 1
+        label = f"#{n_ops[0]} {label}"
+        trace.append(f"{label} -> {_short(got_sg)}")
+        del trace[:-TRACE_KEEP]
+        if got_sg != got_kv:
+            raise Mismatch(f"{label}: SGLang {_short(got_sg)}, kvjax {_short(got_kv)}")
+        s_sg = (int(sg_alloc.a.available_size()), int(sg.evictable_size()), int(sg.protected_size()))
+        s_kv = (int(kv_alloc.a.available_size()), int(kv.evictable_size()), int(kv.protected_size()))
+        if s_sg != s_kv:
+            raise Mismatch(f"{label}; (free, evictable, protected) after it: SGLang {s_sg}, kvjax {s_kv}")
+
+    def evict(n: int, label: str) -> None:
+        got_sg = int(sg.evict(bp.EvictParams(num_tokens=n)).num_tokens_evicted)
+        step(label, got_sg, int(kv.evict(n)))
+
+    def extend(prefix: int, seq: int, last_sg: int, last_kv: int) -> tuple[list[int], list[int]] | None:
+        """``alloc_extend`` of positions ``[prefix, seq)``; when short, the scheduler's eviction of
+        the shortfall and a second try. None when still short."""
+        label = f"alloc_extend(prefix={prefix}, seq={seq})"
+        for again in (False, True):
+            got_sg = sg_alloc.alloc_extend([prefix], [seq], [last_sg])
+            got_kv = kv_alloc.alloc_extend([prefix], [seq], [last_kv])
+            step(label + (" after eviction" if again else ""), got_sg, got_kv)
+            if got_sg is not None:
+                return got_sg, got_kv
+            if again:
+                return None
+            need = (-(-seq // page) - -(-prefix // page)) * page
+            # The scheduler's eviction before an allocation: the allocator hook (SGLang:
+            # ``evict_for_alloc`` of the shortfall; kvjax: ``evict`` of it).
+            sg_alloc.a.evict_to_free_tokens(sg, need)
+            kv_alloc.a.evict_to_free_tokens(kv, need)
+            step(f"evict_to_free_tokens({need})", None, None)
+        return None
+
+    def checkpoint(s: Any, up_to: int) -> None:
+        s.full_untruncated_fill_ids = array("q", s.tokens[:up_to])
+        sg.checkpoint(s, up_to=up_to)
+
+    def release(s: Any, k: Any, insert: bool) -> None:
+        n = len(s.tokens)
+        s.done = True
+        if insert:
+            checkpoint(s, n)
+        start = s.kv.cache_protected_len
+        sg_alloc.free_segment(sg_rows.req_to_token[s.kv.req_pool_idx][start:n].tolist(), start)
+        sg.unlock(s.lock)
+        kv.cache_finished_req(k, is_insert=insert)
+        kv_rows.free(k.req_pool_idx)
+        step(f"{'finish' if insert else 'retract'}({k.rid})", None, None)
+
+    systems = [[rng.randrange(50) for _ in range(rng.choice([8, 16, 24]))] for _ in range(3)]
+    live: list[tuple[Any, Any]] = []
+    serial = 0
+
+    def one_op() -> None:
+        nonlocal serial
+        r = rng.random()
+        if r < 0.1:
+            n = rng.choice([1, page, 4 * page, 16 * page])
+            evict(n, f"evict({n})")
+        elif live and (r < 0.45 or len(live) >= live_max):
+            s, k = live[rng.randrange(len(live))]
+            act = rng.random()
+            if act < 0.5:  # decode 1-3 tokens, a checkpoint after each
+                for _ in range(rng.randrange(1, 4)):
+                    n = len(s.tokens)
+                    row_sg = sg_rows.req_to_token[s.kv.req_pool_idx]
+                    got = extend(n, n + 1, int(row_sg[n - 1]), int(kv_rows.req_to_token[k.req_pool_idx, n - 1]))
+                    if got is None:
+                        return
+                    tok = rng.randrange(vocab)
+                    s.tokens.append(tok)
+                    k.output_ids.append(tok)
+                    row_sg[n] = got[0][0]
+                    kv_rows.req_to_token[k.req_pool_idx, n] = got[1][0]
+                    checkpoint(s, n + 1)
+                    k.kv_committed_len = n + 1
+                    kv.cache_unfinished_req(k)
+                    step(f"decode checkpoint({k.rid}, {n + 1})", None, None)
+            else:  # finish (insert) or retract
+                live.remove((s, k))
+                release(s, k, insert=act < 0.9)
+        else:
+            serial += 1
+            prompt = rng.choice(systems) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
+            priority = rng.randrange(-1, 3)
+            ns = rng.choice([None, None, "ns"])
+            got_rows = kv_rows.alloc(1)
+            assert got_rows is not None, "the request table has a row for every live request"
+            row = int(got_rows[0])
+            m = sg.match_prefix(bp.MatchPrefixParams(key=rc.RadixKey(array("q", prompt[:-1]), extra_key=ns)))
+            hit = int(m.device_prefix_len)
+            k = Req(f"r{serial}", list(prompt), req_pool_idx=row, priority=priority, extra_key=ns)
+            km = kv.match_and_lock(k)
+            prefix = sg.path_device_indices(m.last_device_node)
+            s = types.SimpleNamespace(
+                tokens=list(prompt),
+                origin_input_ids=array("q", prompt) if unified else list(prompt),
+                extra_key=ns,
+                cache_salt=None,
+                priority=priority,
+                kv=types.SimpleNamespace(
+                    req_pool_idx=row, cache_inserted_len=0, cache_protected_len=hit, swa_evict_floor=0
+                ),
+                lock=sg.lock(m.last_device_node),
+                last_node=m.last_device_node,
+                rid=k.rid,
+                session=None,
+                session_id=None,
+                kv_rotation_base=None,
+                done=False,
+            )
+            s.finished = lambda s=s: s.done
+            step(
+                f"match and lock({k.rid}, {len(prompt)} tokens)",
+                (hit, prefix.tolist()),
+                (km.prefix_len, _ids(km.indices)),
+            )
+            last_sg = int(prefix[-1]) if hit else -1
+            last_kv = int(km.indices[-1]) if hit else -1
+            got = extend(hit, len(prompt), last_sg, last_kv)
+            if got is None:  # the scheduler leaves it waiting: give its lock and row back
+                sg.unlock(s.lock)
+                kv.dec_lock_ref(k.lock_receipt)
+                kv_rows.free(row)
+                step(f"retract({k.rid}) (no room)", None, None)
+                return
+            sg_rows.req_to_token[row, :hit] = prefix
+            sg_rows.req_to_token[row, hit : len(prompt)] = torch.tensor(got[0])
+            kv_rows.write(row, 0, km.indices)
+            kv_rows.write(row, hit, np.array(got[1], np.int32))
+            cut = rng.randrange(hit, len(prompt)) + 1  # a chunked-prefill checkpoint, then the rest
+            checkpoint(s, cut)
+            k.fill_ids = list(prompt[:cut])
+            kv.cache_unfinished_req(k)
+            k.fill_ids = None
+            k.kv_committed_len = len(prompt)
+            checkpoint(s, len(prompt))
+            kv.cache_unfinished_req(k)
+            step(f"admit({k.rid}, priority={priority}, checkpoints at {cut}, {len(prompt)})", None, None)
+            live.append((s, k))
+
+    try:
+        while n_ops[0] < ops:
+            one_op()
+        while live:
+            s, k = live.pop()
+            release(s, k, insert=True)
+
+        def sg_nodes(node: Any, depth: int, out: list) -> list:
+            for c in node.children.values():
+                value = c.component_data[sg_mod.ct.FULL].value if unified else c.value
+                out.append((depth + len(c.key), len(c.key), c.priority, c.hit_count, tuple(value.tolist())))
+                sg_nodes(c, depth + len(c.key), out)
+            return out
+
+        theirs = sorted(sg_nodes(sg.root_node, 0, []))
+        ours = sorted(
+            (n.depth, n.klen, n.priority, n.hit_count, tuple(np.asarray(n.value).tolist())) for n in kv.nodes()
+        )
+        if theirs != ours:
+            only_sg, only_kv = sorted(set(theirs) - set(ours))[:3], sorted(set(ours) - set(theirs))[:3]
+            raise Mismatch(f"final trees differ: SGLang only {only_sg}, kvjax only {only_kv}")
+        evict(1 << 30, "evict(everything)")
+        step("alloc(everything)", sg_alloc.alloc(size), kv_alloc.alloc(size))
+    except Mismatch as e:
+        return n_ops[0], f"{e}\n  ops before it: " + " | ".join(trace[:-1][-TRACE_SHOWN:])
+    except Exception as e:
+        return n_ops[0], _crash(e, n_ops[0], trace)
+    return n_ops[0], None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1314,6 +1585,18 @@ def configurations(quick: bool) -> list[tuple[str, dict]]:
             )
     for page in (1, 4, 16):
         out.append((f"full/page_{page}", {"kind": "full", "page": page}))
+    for policy in EVICTION_POLICIES:
+        for page in (1, 4, 16):
+            out.append((f"full/{policy}/page_{page}", {"kind": "full", "page": page, "policy": policy}))
+    for tree in ("radix", "unified"):
+        for policy in EVICTION_POLICIES:
+            for page in (1, 4, 16):
+                out.append(
+                    (
+                        f"lifecycle/{tree}/{policy}/page_{page}",
+                        {"kind": "lifecycle", "page": page, "policy": policy, "tree": tree},
+                    )
+                )
     for page in (1, 2, 4):
         for window in (4, 6, 8) if not quick else (4, 8):
             out.append((f"swa/page_{page}/window_{window}", {"kind": "swa", "page": page, "window": window}))
@@ -1343,7 +1626,17 @@ def run_config(args: dict, seed: int, ops: int) -> tuple[int, str | None]:
         return hicache_stream(args["page"], pages, args["ratio"], args["policy"], seed, ops)
     if args["kind"] == "alloc":
         return alloc_stream(args["page"], args["need_sort"], seed, ops)
-    return tree_stream(args["kind"], args["page"], seed, ops, args.get("window", 0), args.get("max_states", -1))
+    if args["kind"] == "lifecycle":
+        return lifecycle_stream(args["policy"], args["page"], seed, ops, args.get("tree") == "unified")
+    return tree_stream(
+        args["kind"],
+        args["page"],
+        seed,
+        ops,
+        args.get("window", 0),
+        args.get("max_states", -1),
+        args.get("policy"),
+    )
 
 
 def compare(sglang_path: str, streams: int, ops: int, only: set[str] | None = None, seed: int = 0, quick=False) -> dict:
@@ -1368,8 +1661,99 @@ def compare(sglang_path: str, streams: int, ops: int, only: set[str] | None = No
     return out
 
 
+# Issue 35's case: three requests (priorities 2, 1, 0) with a one-page prompt and a decoded page
+# each, their pages chosen through the free list; ``evict(12)`` under the priority policy at page 4.
+_PRIORITY_CASE = (([1, 2, 3, 4], 2, 100, 99), ([5, 6, 7, 8], 1, 101, 15), ([9, 10, 11, 12], 0, 151, 131))
+
+
+def priority_eviction_case() -> dict:
+    """Both lifecycles (SGLang 0.5.23's ``RadixCache`` and kvjax's, page 4, 160-page pools, the
+    ``priority`` policy) on :data:`_PRIORITY_CASE`: every page taken, then each request's prompt
+    page and output page freed just before it allocates them, a checkpoint after every decoded
+    token, a finish; then ``evict(12)`` and one ``alloc_extend`` of 12 tokens. Returns each
+    side's evicted count and the slots handed out, and whether they differ."""
+    from kvjax.radix import RadixCache
+    from kvjax.req_pool import ReqToTokenPool
+    from kvjax.request import Req
+
+    sg_mod = _sg()
+    torch, rc, bp = sg_mod.torch, sg_mod.rc, sg_mod.bp
+    page, size, output = 4, 640, [20, 21, 22, 23]
+
+    def slots(p: int) -> list[int]:
+        return list(range(p * page, (p + 1) * page))
+
+    a = _SgAlloc(size, page, False)
+    a.alloc(int(a.a.available_size()))  # every page taken: the frees below pick them
+    rows = _SgRows(4, 64)
+    sg = rc.RadixCache(
+        sg_mod.params(
+            disable=False,
+            req_to_token_pool=rows,
+            token_to_kv_pool_allocator=a.a,
+            page_size=page,
+            eviction_policy="priority",
+        )
+    )
+    for i, (prompt, priority, prompt_page, output_page) in enumerate(_PRIORITY_CASE):
+        m = sg.match_prefix(bp.MatchPrefixParams(key=rc.RadixKey(array("q", prompt[:-1]))))
+        s = types.SimpleNamespace(
+            tokens=list(prompt),
+            origin_input_ids=list(prompt),
+            extra_key=None,
+            cache_salt=None,
+            priority=priority,
+            kv=types.SimpleNamespace(req_pool_idx=i, cache_inserted_len=0, cache_protected_len=0, swa_evict_floor=0),
+            lock=sg.lock(m.last_device_node),
+            last_node=m.last_device_node,
+        )
+        a.free_segment(slots(prompt_page), 0)
+        rows.req_to_token[i, :4] = torch.tensor(a.alloc_extend([0], [4], [-1]))
+        s.full_untruncated_fill_ids = array("q", s.tokens)
+        sg.checkpoint(s, up_to=4)
+        a.free_segment(slots(output_page), 0)
+        for n, tok in enumerate(output, start=4):
+            rows.req_to_token[i, n] = a.alloc_extend([n], [n + 1], [int(rows.req_to_token[i, n - 1])])[0]
+            s.tokens.append(tok)
+            s.full_untruncated_fill_ids = array("q", s.tokens)
+            sg.checkpoint(s, up_to=n + 1)
+        sg.checkpoint(s, up_to=len(s.tokens))  # the finish (release_kv_cache with a checkpoint)
+        start = s.kv.cache_protected_len
+        a.free_segment(rows.req_to_token[i][start : len(s.tokens)].tolist(), start)
+        sg.unlock(s.lock)
+    theirs = (int(sg.evict(bp.EvictParams(num_tokens=12)).num_tokens_evicted), a.alloc_extend([0], [12], [-1]))
+
+    k = _KvAlloc(size, page, False)
+    k.alloc(int(k.a.available_size()))
+    kv_rows = ReqToTokenPool(4, 64)
+    kv = RadixCache(
+        page_size=page, eviction_policy="priority", token_to_kv_pool_allocator=k.a, req_to_token_pool=kv_rows
+    )
+    for prompt, priority, prompt_page, output_page in _PRIORITY_CASE:
+        got_rows = kv_rows.alloc(1)
+        assert got_rows is not None
+        row = int(got_rows[0])
+        req = Req(f"p{priority}", list(prompt), req_pool_idx=row, priority=priority)
+        kv.match_and_lock(req)
+        k.free_segment(slots(prompt_page), 0)
+        kv_rows.write(row, 0, np.asarray(k.alloc_extend([0], [4], [-1])))
+        req.kv_committed_len = 4
+        kv.cache_unfinished_req(req)
+        k.free_segment(slots(output_page), 0)
+        for n, tok in enumerate(output, start=4):
+            kv_rows.req_to_token[row, n] = k.alloc_extend([n], [n + 1], [int(kv_rows.req_to_token[row, n - 1])])[0]
+            req.output_ids.append(tok)
+            req.kv_committed_len = n + 1
+            kv.cache_unfinished_req(req)
+        kv.cache_finished_req(req)
+        kv_rows.free(row)
+    ours = (int(kv.evict(12)), k.alloc_extend([0], [12], [-1]))
+    res = [{"evict(12)": r[0], "alloc_extend(12) after": r[1]} for r in (theirs, ours)]
+    return {"sglang": res[0], "kvjax": res[1], "differ": res[0] != res[1]}
+
+
 def known_cases() -> dict[str, dict]:
-    """The fixed cases of issue 19 the harness must tell apart (its self-test): for each, both
+    """The fixed cases of issues 19 and 35 the harness must tell apart (its self-test): for each, both
     results and whether they differ. Cases 3, 4 (SWA/Mamba recency) show in the random
     ``swa`` / ``mamba`` streams."""
     out: dict[str, dict] = {}
@@ -1488,6 +1872,10 @@ def known_cases() -> dict[str, dict]:
         "kvjax": res[1],
         "differ": res[0] != res[1],
     }
+
+    # 12 (issue 35, page 4, priority policy): a priority eviction frees leaf by leaf in eviction
+    # order, each leaf's pages in row order; the next alloc_extend hands them out from the last.
+    out["12_priority_eviction_free_order"] = priority_eviction_case()
     return out
 
 

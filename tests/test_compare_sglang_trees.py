@@ -81,6 +81,7 @@ def test_known_cases_run_on_both_sides(harness):
         "9_swa_release_of_root_lock",
         "10_hicache_write_back_loaded_copy_reclaimed",
         "11_hicache_write_back_duplicate_reclaimed_for_backup",
+        "12_priority_eviction_free_order",
     }
     one = cases["1_tree_free_row_order"]
     # SGLang's own answer for the case of issue 19 (kvjax's depends on whether it is fixed).
@@ -91,6 +92,8 @@ def test_known_cases_run_on_both_sides(harness):
     assert cases["10_hicache_write_back_loaded_copy_reclaimed"]["sglang"]["evict_host(100)"] == 12
     eleven = cases["11_hicache_write_back_duplicate_reclaimed_for_backup"]["sglang"]
     assert eleven["host free"] == 9 and eleven["match(20..27)"] == (0, [], 8, 8)
+    twelve = cases["12_priority_eviction_free_order"]["sglang"]
+    assert twelve["alloc_extend(12) after"] == [604, 605, 606, 607, 60, 61, 62, 63, 524, 525, 526, 527]
     for case in cases.values():
         assert case["differ"] == (case["sglang"] != case["kvjax"])
 
@@ -129,3 +132,31 @@ def test_the_stream_of_the_unprotected_checkpoint_is_identical(harness):
     ran, diff = harness.run_config({"kind": "swa", "page": 2, "window": 4}, 1008, 1300)
     assert diff is None, diff
     assert ran >= 1300
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"])
+def test_lifecycle_under_every_policy_is_identical(harness, policy, page):
+    """The request lifecycle (``lifecycle`` kind: SGLang 0.5.23's ``RadixCache`` over its real
+    allocator) under every eviction policy both have, with priorities: the slots every
+    ``alloc_extend`` hands out after evictions, the sizes, the final tree and free list agree
+    (issue 35). Seeds 0 and 1: tokens from 50 values, then from 3."""
+    for seed in range(2):
+        ran, diff = harness.run_config(
+            {"kind": "lifecycle", "page": page, "policy": policy, "tree": "radix"}, seed, 250
+        )
+        assert diff is None, diff
+        assert ran >= 250
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_priority_policy_on_the_unified_tree_is_identical(harness, page):
+    """The ``full`` kind and the lifecycle on SGLang's ``UnifiedRadixCache`` under the priority
+    policy (requests with priorities)."""
+    for seed in range(2):
+        for args in (
+            {"kind": "full", "page": page, "policy": "priority"},
+            {"kind": "lifecycle", "page": page, "policy": "priority", "tree": "unified"},
+        ):
+            ran, diff = harness.run_config(args, seed, 250)
+            assert diff is None, diff
