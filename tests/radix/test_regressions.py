@@ -9,6 +9,8 @@ import pytest
 import kvjax
 from kvjax.alloc import make_allocator
 from kvjax.radix import LockError, RadixCache
+from kvjax.req_pool import ReqToTokenPool
+from kvjax.request import Req
 from tests.radix._helpers import Harness, RecordingAllocator, sizes
 
 
@@ -194,3 +196,58 @@ def test_retracted_request_frees_its_pages_in_row_order():
     assert h.alloc.free_pages.tolist()[:3] == [3, 1, 2]  # free() would have sorted them: 1, 2, 3
     h.free_row(r)
     h.check()
+
+
+def test_priority_eviction_frees_leaves_in_policy_order_each_in_row_order():
+    """Issue 35: under the ``priority`` policy at page 4, the pages an eviction frees go back
+    leaf by leaf in eviction order (lowest ``(priority, last access)`` first), each leaf's pages
+    in row order at the head of the free list, so the next ``alloc_extend`` hands out the last
+    evicted leaf's pages first. SGLang 0.5.23 (its ``RadixCache`` over its paged allocator,
+    driven by ``checkpoint`` / ``release_kv_cache``) gives ``604-607, 60-63, 524-527`` for this
+    sequence (checked with ``benchmarks/compare_sglang_trees.py``, known case 12); the reverse
+    order is the difference the issue reported.
+
+    Three requests (priorities 2, 1, 0) each get a one-page prompt (pages 100, 101, 151) and
+    decode one page of output (pages 99, 15, 131), a checkpoint after every token, then finish:
+    each prompt node has priority + 1, each output leaf its request's priority. ``evict(12)``
+    takes r2's output (0), r1's output (1, older than r2's prompt) and r2's prompt (1)."""
+    page = 4
+    alloc = make_allocator(640, page)
+    assert alloc.alloc(alloc.available_size()) is not None  # every page taken: frees pick them
+    rows = ReqToTokenPool(4, 64)
+    tree = RadixCache(
+        page_size=page, eviction_policy="priority", token_to_kv_pool_allocator=alloc, req_to_token_pool=rows
+    )
+
+    def page_slots(p: int) -> np.ndarray:
+        return np.arange(p * page, (p + 1) * page)
+
+    for prompt, priority, prompt_page, output_page in (
+        ([1, 2, 3, 4], 2, 100, 99),
+        ([5, 6, 7, 8], 1, 101, 15),
+        ([9, 10, 11, 12], 0, 151, 131),
+    ):
+        got_rows = rows.alloc(1)
+        assert got_rows is not None
+        row = got_rows[0]
+        req = Req(f"p{priority}", prompt, req_pool_idx=row, priority=priority)
+        tree.match_and_lock(req)
+        alloc.free_segment(page_slots(prompt_page), start_pos=0)
+        rows.write(row, 0, alloc.alloc_extend([0], [4], [-1]))
+        req.kv_committed_len = 4
+        tree.cache_unfinished_req(req)
+        alloc.free_segment(page_slots(output_page), start_pos=0)
+        for n, tok in enumerate([20, 21, 22, 23], start=4):
+            got = alloc.alloc_extend([n], [n + 1], [int(rows.req_to_token[row, n - 1])])
+            assert got is not None
+            rows.req_to_token[row, n] = got[0]
+            req.output_ids.append(tok)
+            req.kv_committed_len = n + 1
+            tree.cache_unfinished_req(req)
+        tree.cache_finished_req(req)
+        rows.free(row)
+    assert tree.evict(12) == 12
+    got = alloc.alloc_extend([0], [12], [-1])
+    assert got is not None
+    assert got.tolist() == [604, 605, 606, 607, 60, 61, 62, 63, 524, 525, 526, 527]
+    alloc.check_invariants()
