@@ -90,6 +90,7 @@ class Room:
     ordered_at: float = 0.0
     prefilled_at: float = 0.0
     pulled_at: float = 0.0
+    decoded_at: float = 0.0  # when its first decode step's token was read
     pulled_tokens: int = 0
     reused_tokens: int = 0
 
@@ -199,7 +200,12 @@ class DecodeServer:
         for room in [r for r in self.rooms.values() if r.state == "prefilling" and r.deadline < now]:
             self._fail(room, room.peer.failure(self.timeout_s), done)
         if not self.scheduler.idle:
-            for req in self.scheduler.step():
+            ended = self.scheduler.step()
+            now = time.perf_counter()
+            for room in self.rooms.values():
+                if room.state == "pulled" and not room.decoded_at and len(room.req.output_ids) > 1:
+                    room.decoded_at = now
+            for req in ended:
                 self.rooms.pop(req.rid, None)
                 if req.abort_reason is not None:
                     self.failed.append(req)
@@ -341,6 +347,7 @@ class DecodeTransfers(ServingExtension):
         room.reused_tokens = min(prefix, prompt)
         if prefix >= prompt:  # the whole prompt is held here already
             room.state = "pulled"
+            room.pulled_at = time.perf_counter()
             server._send(room.peer, Release(str(req.rid)))
             server.reused_tokens += prompt
             return
