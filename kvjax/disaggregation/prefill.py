@@ -87,6 +87,19 @@ def request_span(cache: Any, req: ServingReq, start: int, end: int, window_start
     return RequestSpan(start, end, slots, window_start, swa_slots, req.mamba_pool_idx)
 
 
+def _window_kept_from(cache: Any, req: ServingReq, first: int) -> int:
+    """The first token of ``[first, prompt)`` from which every token still has its sliding-window
+    slot. ``req.swa_evicted_seqlen`` does not say it: it starts at the tree's protected prefix,
+    whose window slots the tree still holds (locked) after a chunked prefill inserted it; a freed
+    slot is unpaired (0) in the allocator's mapping, or 0 in the row of a pure sliding-window cache."""
+    prompt = len(req.origin_input_ids)
+    row = cache.req_to_token_pool.req_to_token[req.req_pool_idx][first:prompt]
+    alloc = cache.token_to_kv_pool_allocator
+    slots = alloc.translate_loc_from_full_to_swa(row) if hasattr(alloc, "translate_loc_from_full_to_swa") else row
+    freed = np.flatnonzero(np.asarray(slots) <= 0)
+    return first if freed.size == 0 else first + int(freed[-1]) + 1
+
+
 class PrefillSnapshots(ServingExtension):
     """Takes the snapshot of each disaggregated request as its prompt is done (``before_release``
     of a finished request): see the module docstring."""
@@ -102,7 +115,7 @@ class PrefillSnapshots(ServingExtension):
         cache = server.cache
         prompt = len(req.origin_input_ids)
         window = cache.sliding_window_size or 0
-        window_start = max(0, int(req.swa_evicted_seqlen), prompt - window) if window else 0
+        window_start = _window_kept_from(cache, req, max(0, prompt - window)) if window else 0
         span = request_span(cache, req, 0, prompt, window_start)
         pools = cache.pending.read(server.movers.movers[0].name) if cache.pending is not None else cache.pools
         server.snapshots[key] = Snapshot(

@@ -18,9 +18,13 @@
         request's end (``elapsed``) and from its first token (or order, when none came) to its end
         (``waited``), the counters and ``leak_free``. Refused at the handshake, it prints
         ``{"refused": "ErrorType: message"}`` instead (before any request).
+    python -m tests.mesh.pd_process colocated --checkpoint DIR --tp 2 --requests FILE
+        serves the same rounds on one ordinary server (no disaggregation; the reference) and prints
+        its outputs, logits (one row per token) and ``leak_free``; ``serve_colocated`` runs it in
+        the caller's process.
 
 Both build a scheduler recording logits over a cache of the checkpoint (``--max-total-tokens``,
-``--overlap``), over a ``"tp"`` mesh of their first ``--tp`` devices. The cluster secret comes
+``--overlap``, ``--kv-cache-dtype``), over a ``"tp"`` mesh of their first ``--tp`` devices. The cluster secret comes
 from ``KVJAX_CLUSTER_SECRET``; ``--fingerprint`` replaces the model's (a mismatch test).
 """
 
@@ -51,8 +55,12 @@ def scheduler(args: argparse.Namespace) -> tuple[Scheduler, str]:
         max_total_tokens=args.max_total_tokens,
         chunked_prefill_size=32,
         tp_size=args.tp,
-        disaggregation_mode=args.role,
+        kv_cache_dtype=args.kv_cache_dtype,
+        disaggregation_mode="null" if args.role == "colocated" else args.role,
         disaggregation_decode_enable_radix_cache=args.role == "decode" and not args.no_decode_radix,
+        # SGLang's decode server without its radix cache runs with the radix cache disabled
+        disable_radix_cache=args.role == "decode" and args.no_decode_radix,
+        disaggregation_decode_retraction_backup=args.retraction_backup if args.role == "decode" else None,
     )
     cache = build_kv_cache(model.spec, config, mesh=mesh)
     sched = Scheduler(
@@ -159,20 +167,41 @@ def serve_decode(args: argparse.Namespace) -> dict[str, Any]:
         "pulled_tokens": server.pulled_tokens,
         "reused_tokens": server.reused_tokens,
         "leak_free": server.leak_free(),
+        "signature": list(server.signature),
     }
     server.close()
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
+def serve_colocated(args: argparse.Namespace) -> dict[str, Any]:
+    sched, _ = scheduler(args)
+    with open(args.requests) as f:
+        rounds = json.load(f)
+    outputs, logits = {}, {}
+    for round_ in rounds:
+        reqs = [
+            ServingReq(r["rid"], r["prompt"], max_new_tokens=r["max_new"], extra_key=r.get("extra_key")) for r in round_
+        ]
+        sched.submit(reqs)
+        while not sched.idle:
+            sched.step()
+        for req in reqs:
+            outputs[req.rid] = list(req.output_ids)
+            logits[req.rid] = np.asarray(req.logits, np.float32).tolist()
+    return {"outputs": outputs, "logits": logits, "leak_free": sched.leak_free()}
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("role", choices=("prefill", "decode", "colocated"))
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--no-decode-radix", action="store_true", help="decode: SGLang's default tree (no radix cache)")
+    p.add_argument("--retraction-backup", default=None, help="decode: cpu_tensor or host_pool (default: SGLang's)")
     p.add_argument("--fingerprint", default="")
     p.add_argument("--stall-pull", type=float, default=0.0)
     p.add_argument("--die-on-pull", choices=("order", "offer"), default=None)
@@ -180,8 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", default="")
     p.add_argument("--requests", default="")
     p.add_argument("--timeout", type=float, default=30.0)
-    args = p.parse_args(argv)
-    report = serve_prefill(args) if args.role == "prefill" else serve_decode(args)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    serve = {"prefill": serve_prefill, "decode": serve_decode, "colocated": serve_colocated}[args.role]
+    report = serve(args)
     print(json.dumps(report), flush=True)
 
 

@@ -1,0 +1,222 @@
+"""Prefill/decode disaggregation of every cache kind across two processes on loopback (issue 36).
+
+``test_pd_llama`` proves full attention; this file moves the other kinds' caches, each prefill
+server and decode server a process of its own on 4 CPU devices (``pd_pair``), at different page
+sizes on the two sides:
+
+* Gemma 3 (sliding-window and full layers, window 8; prefill tp 2 -> decode tp 1): prompts longer
+  than the window, so the window side moves only the window's tokens while the full side moves
+  every token; the decode side's windows then slide past the prompt;
+* Qwen3-Next (gated delta net + full attention; tp 2 -> tp 2): the request's recurrent-state slot
+  moves with its full-attention rows. Two sides whose state is split over different TP sizes are
+  refused by the handshake's signature (the conv channels' order depends on the split);
+* DeepSeek-V2 (MLA; tp 4 -> tp 2): the latent rows, replicated over each side's mesh; and the same
+  with an fp8 latent cache (its scale moves with the rows; compared with colocated fp8 serving).
+
+Each: greedy tokens equal Transformers' and the decode side's logits within the family's parity
+tolerance (its first token comes from the prefill server, every later one from a decode step over
+the pulled cache), equal to one colocated server's (same tokens, logits within the tolerance), and
+both sides leak free. SGLang refuses the decode-side radix cache for SWA and Mamba models, so
+those decode servers run without one (``--no-decode-radix``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.mesh.pd_pair import PrefillProcess, pd_env, run_decode
+
+pytestmark = pytest.mark.mesh
+
+MAX_NEW = 6
+FP8_ATOL = 1e-4  # fp8 disaggregated against fp8 colocated: the same stored bytes, the same math
+
+
+def _rounds(vocab: int, seed: int) -> list[list[dict[str, Any]]]:
+    """Three prompts of 17 to 37 tokens, two sharing a 16-token prefix (reused on the prefill side)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, 16).tolist()
+    prompts = {
+        "a": shared + rng.integers(0, vocab, 9).tolist(),
+        "b": shared + rng.integers(0, vocab, 1).tolist(),
+        "c": rng.integers(0, vocab, 37).tolist(),
+    }
+    return [[{"rid": rid, "prompt": p, "max_new": MAX_NEW} for rid, p in prompts.items()]]
+
+
+def _serve_pair(
+    checkpoint: Path, tmp: Path, rounds: Any, prefill: list[str], decode: list[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The decode side's and the prefill side's reports of ``rounds`` served disaggregated."""
+    env = pd_env()
+    server = PrefillProcess(checkpoint, env, *prefill)
+    try:
+        report = run_decode(checkpoint, env, rounds, tmp, *decode, "--prefill", server.address)
+    finally:
+        prefill_report = server.stop() if server.proc.poll() is None else {}
+    return report, prefill_report
+
+
+def _colocated(checkpoint: Path, tmp: Path, rounds: Any, *args: str) -> dict[str, Any]:
+    """The same rounds on one ordinary server, in this process (its first devices)."""
+    import json
+
+    from tests.mesh import pd_process
+
+    requests = tmp / "colocated.json"
+    requests.write_text(json.dumps(rounds))
+    return pd_process.serve_colocated(
+        pd_process.parser().parse_args(
+            ["colocated", "--checkpoint", str(checkpoint), "--requests", str(requests), *args]
+        )
+    )
+
+
+def _check(
+    hf: Any,
+    rounds: Any,
+    report: dict[str, Any],
+    prefill_report: dict[str, Any],
+    colocated: dict[str, Any],
+    atol: float,
+) -> None:
+    from tests.serve.parity_harness import MARGIN_FACTOR, assert_no_near_tie, hf_greedy
+
+    assert report["failed"] == {}
+    requests = [r for round_ in rounds for r in round_]
+    for r in requests:
+        rid, tokens = r["rid"], report["outputs"][r["rid"]]
+        ours = np.asarray(report["logits"][rid], np.float32)
+        assert ours.shape == (MAX_NEW - 1, len(colocated["logits"][rid][0])), f"{rid}: {ours.shape} decode-side logits"
+        if hf is not None:
+            want, want_logits = hf_greedy(hf, r["prompt"], MAX_NEW)
+            assert_no_near_tie(rid, want_logits, MARGIN_FACTOR * atol)
+            assert tokens == want, f"{rid}: disaggregated {tokens} != transformers {want}"
+            np.testing.assert_allclose(ours, want_logits[1:], atol=atol, rtol=0, err_msg=f"{rid}: logits")
+        assert tokens == colocated["outputs"][rid], f"{rid}: disaggregated {tokens} != colocated"
+        np.testing.assert_allclose(
+            ours, np.asarray(colocated["logits"][rid])[1:], atol=atol, rtol=0, err_msg=f"{rid}: colocated logits"
+        )
+    assert report["leak_free"], "decode side: slots, rows or state slots left"
+    assert colocated["leak_free"]
+    assert prefill_report == {**prefill_report, "leak_free": True, "snapshots": 0, "prefilled": len(requests)}
+    assert report["pulled_tokens"] == sum(len(r["prompt"]) for r in requests) - report["reused_tokens"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    from tests.mesh.tp_serving import family_config
+    from tests.serve.parity_harness import saved_transformers_model
+
+    return saved_transformers_model(family_config("gemma3"), tmp_path_factory, "pd-gemma3")
+
+
+def test_gemma3_sliding_window_moves_tp2_to_tp1(gemma3, tmp_path):
+    from tests.serve.swa_parity import LOGIT_ATOL
+    from tests.serve.test_parity_gemma3 import WINDOW
+
+    hf, checkpoint = gemma3
+    rounds = _rounds(hf.config.vocab_size, seed=21)
+    assert all(len(r["prompt"]) > WINDOW for r in rounds[0])
+    report, prefill_report = _serve_pair(
+        checkpoint,
+        tmp_path,
+        rounds,
+        ["--tp", "2", "--page-size", "4"],
+        # kvjax builds no host tier over a disabled sliding-window tree: the CPU-tensor backup
+        ["--tp", "1", "--page-size", "2", "--no-decode-radix", "--retraction-backup", "cpu_tensor"],
+    )
+    colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "1", "--page-size", "2")
+    _check(hf, rounds, report, prefill_report, colocated, LOGIT_ATOL)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    from tests.mesh.qwen3_next_tp import HEADS, LAYERS
+    from tests.serve.parity_harness import TINY_CONFIG, saved_transformers_model, transformers
+    from tests.serve.test_parity_qwen3_next import MODEL_SEED
+
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **LAYERS, **HEADS[2])
+    return saved_transformers_model(config, tmp_path_factory, "pd-qwen3-next", seed=MODEL_SEED)
+
+
+def test_qwen3_next_recurrent_state_moves_tp2_to_tp2(qwen3_next, tmp_path):
+    from tests.mesh.qwen3_next_tp import ATOL
+
+    hf, checkpoint = qwen3_next
+    rounds = _rounds(hf.config.vocab_size, seed=22)
+    report, prefill_report = _serve_pair(
+        checkpoint,
+        tmp_path,
+        rounds,
+        ["--tp", "2", "--page-size", "1"],
+        ["--tp", "2", "--page-size", "4", "--no-decode-radix"],
+    )
+    # a colocated recurrent-state tree takes page size 1 (larger pages need the extra buffer)
+    colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "1")
+    _check(hf, rounds, report, prefill_report, colocated, ATOL)
+
+
+def test_recurrent_states_split_over_different_tp_sizes_are_refused_by_the_signature(qwen3_next):
+    from kvjax import CacheConfig, build_kv_cache
+    from kvjax.disaggregation.kv_transfer import CacheMovers
+    from kvjax.serve.checkpoint import load_checkpoint
+    from tests.mesh.tp_serving import mesh_of
+
+    _, checkpoint = qwen3_next
+    spec = load_checkpoint(checkpoint).spec
+
+    def signature(tp: int, role: str) -> set[str]:
+        config = CacheConfig(
+            context_length=256,
+            max_total_tokens=512,
+            page_size=1,
+            tp_size=tp,
+            disaggregation_mode=role,
+            disable_radix_cache=role == "decode",
+        )
+        return set(CacheMovers(build_kv_cache(spec, config, mesh=mesh_of(tp) if tp > 1 else None)).signature())
+
+    prefill, decode = signature(2, "prefill"), signature(1, "decode")
+    assert prefill - decode == {"recurrent: recurrent state split over tp=2"}
+    assert decode - prefill == {"recurrent: recurrent state split over tp=1"}
+    assert signature(2, "decode") == prefill
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    from tests.mesh.tp_serving import family_config
+    from tests.serve.parity_harness import saved_transformers_model
+
+    return saved_transformers_model(family_config("deepseek_v2"), tmp_path_factory, "pd-deepseek-v2")
+
+
+def test_deepseek_v2_mla_latent_moves_tp4_to_tp2(deepseek_v2, tmp_path):
+    from tests.serve.test_parity_deepseek_v2 import LOGIT_ATOL
+
+    hf, checkpoint = deepseek_v2
+    rounds = _rounds(hf.config.vocab_size, seed=23)
+    report, prefill_report = _serve_pair(
+        checkpoint, tmp_path, rounds, ["--tp", "4", "--page-size", "4"], ["--tp", "2", "--page-size", "8"]
+    )
+    colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "8")
+    _check(hf, rounds, report, prefill_report, colocated, LOGIT_ATOL)
+
+
+def test_deepseek_v2_fp8_latent_and_its_scale_move(deepseek_v2, tmp_path):
+    """An fp8 latent cache: the rows move as stored (1 byte each) with the per-layer scale; the
+    tokens and logits equal one colocated fp8 server's (Transformers has no fp8 cache to compare)."""
+    _, checkpoint = deepseek_v2
+    rounds = _rounds(128, seed=24)
+    fp8 = ("--kv-cache-dtype", "fp8_e4m3")
+    report, prefill_report = _serve_pair(
+        checkpoint, tmp_path, rounds, ["--tp", "2", "--page-size", "4", *fp8], ["--tp", "2", "--page-size", "8", *fp8]
+    )
+    assert any(".scale[" in s for s in report["signature"]), report["signature"]
+    assert any(".rows[" in s and s.endswith(":uint8") for s in report["signature"]), report["signature"]
+    colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "8", *fp8)
+    _check(None, rounds, report, prefill_report, colocated, FP8_ATOL)
