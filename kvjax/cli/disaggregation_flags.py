@@ -80,6 +80,12 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode: a prefill server's bootstrap address; repeat for several",
     )
     group.add_argument(
+        "--disaggregation-decode-enable-radix-cache",
+        action="store_true",
+        help="decode: keep a radix tree here and pull only what it lacks (SGLang's flag; off: the decode "
+        "server's radix cache is disabled, as in SGLang)",
+    )
+    group.add_argument(
         "--disaggregation-timeout",
         type=positive_float,
         default=None,
@@ -134,6 +140,11 @@ def check_disaggregation(args: argparse.Namespace, *, command: str, speculative:
             f"--disaggregation-bootstrap-port {args.disaggregation_bootstrap_port} is a prefill server's; add "
             "--disaggregation-mode prefill or drop it"
         )
+    if args.disaggregation_decode_enable_radix_cache and mode != "decode":
+        raise UsageError(
+            "--disaggregation-decode-enable-radix-cache is a decode server's; add --disaggregation-mode decode "
+            "or drop it"
+        )
     if args.disaggregation_timeout is not None and mode != "decode":
         raise UsageError(
             f"--disaggregation-timeout {args.disaggregation_timeout:g} bounds a decode server's waits; add "
@@ -186,7 +197,10 @@ def _check_secret() -> None:
 
 def cache_mode(args: argparse.Namespace) -> dict[str, Any]:
     """``CacheConfig``'s ``disaggregation_mode`` as the flag sets it (empty when null)."""
-    return {} if args.disaggregation_mode == "null" else {"disaggregation_mode": args.disaggregation_mode}
+    if args.disaggregation_mode == "null":
+        return {}
+    radix = {"disaggregation_decode_enable_radix_cache": True} if args.disaggregation_decode_enable_radix_cache else {}
+    return {"disaggregation_mode": args.disaggregation_mode, **radix}
 
 
 def failed_requests(command: str, counters: dict[str, Any] | None) -> int:

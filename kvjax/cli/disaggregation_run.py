@@ -95,6 +95,7 @@ def generate_decode(args: argparse.Namespace, model: Any, prompts: list[list[int
             prompts,
             prefill=args.disaggregation_prefill_addr,
             timeout_s=timeout_s(args),
+            decode_radix_cache=args.disaggregation_decode_enable_radix_cache,
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
             chunked_prefill_size=args.chunked_prefill_size,
@@ -170,7 +171,10 @@ def _demo_decode(
     cold, cold_out = serve(workload, model=served, overlap=overlap, disable_radix_cache=True, **cache)
     if not isinstance(cold, Scheduler):
         raise AssertionError("a disaggregated demo serves one rank: its cold run has one Scheduler")
-    kv = demo_cache(spec=model.spec, **cache, disaggregation_mode="decode")
+    radix = args.disaggregation_decode_enable_radix_cache
+    kv = demo_cache(
+        spec=model.spec, **cache, disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=radix
+    )
     scheduler = Scheduler(model.config, kv, model.params, max_batch_size=MAX_BATCH, overlap=overlap)
     with _prefill_servers_reached():
         server = DecodeServer(

@@ -98,6 +98,7 @@ def decode_generate(
     prefill: Sequence[str],
     max_new_tokens: int,
     timeout_s: float = 30.0,
+    decode_radix_cache: bool = False,
     page_size: int = 16,
     max_total_tokens: int | None = None,
     chunked_prefill_size: int = 512,
@@ -136,6 +137,7 @@ def decode_generate(
         # tensors (the decode default, a host pool, would need a host tier sized for a context)
         disaggregation_mode="decode",
         disaggregation_decode_retraction_backup="cpu_tensor",
+        disaggregation_decode_enable_radix_cache=decode_radix_cache,
     )
     cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size))
     scheduler = Scheduler(

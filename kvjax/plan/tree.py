@@ -27,6 +27,12 @@ MULTIMODAL_TRANSFORMERS_WARNING = (
 )
 
 
+DECODE_RADIX_OFF_WARNING = (
+    "Radix cache is disabled for decode server (as in SGLang); "
+    "--disaggregation-decode-enable-radix-cache turns on decode-side prefix reuse"
+)
+
+
 def decide_retraction_backup(config: CacheConfig, kind: ModelKind, sizes: Sizes) -> tuple[str, float]:
     """SGLang's ``resolve_decode_retraction_backup`` and the ``hicache_ratio`` default: ``host_pool``
     only where every kind the model needs supports it (``PlannerKind.supports_host_pool_backup``)."""
@@ -75,10 +81,17 @@ def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Si
     """Radix cache on or off, the decode-side radix checks, the tree kind, its components and page."""
     warnings: list[str] = []
     mm_on_transformers = spec.is_multimodal and config.model_impl == "transformers"
-    disable_radix_cache = config.disable_radix_cache or mm_on_transformers
-    if disable_radix_cache and not config.disable_radix_cache:
+    # SGLang 0.5.23 (``pd_disaggregation_hook``): a decode server's radix cache is off unless
+    # --disaggregation-decode-enable-radix-cache turns it on.
+    decode_without_radix = (
+        config.disaggregation_mode == "decode" and not config.disaggregation_decode_enable_radix_cache
+    )
+    disable_radix_cache = config.disable_radix_cache or mm_on_transformers or decode_without_radix
+    if mm_on_transformers and not config.disable_radix_cache:
         logger.warning(MULTIMODAL_TRANSFORMERS_WARNING)
         warnings.append(MULTIMODAL_TRANSFORMERS_WARNING)
+    if decode_without_radix and not config.disable_radix_cache:
+        warnings.append(DECODE_RADIX_OFF_WARNING)
     chunked_prefill_size = None if mm_on_transformers else config.chunked_prefill_size
 
     kinds = kinds_named(kind.cache_kinds)

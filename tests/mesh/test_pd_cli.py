@@ -72,7 +72,13 @@ def test_generate_decode_over_a_prefill_process_gives_the_colocated_tokens(tmp_p
         assert colocated.returncode == 0, colocated.stderr[-3000:]
         expected = json.loads(colocated.stdout)
         address = _address(prefill, time.monotonic() + ADDRESS_WAIT_S)
-        decode_argv = ["--disaggregation-mode", "decode", "--disaggregation-prefill-addr", address]
+        decode_argv = [
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-prefill-addr",
+            address,
+            "--disaggregation-decode-enable-radix-cache",  # its own tree: the shared page is not pulled
+        ]
         decode = subprocess.run(
             _kvjax("generate", "--model", "tiny", "--page-size", "8", *decode_argv, *PROMPTS, *FLAGS),
             capture_output=True,

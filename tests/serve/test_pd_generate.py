@@ -27,7 +27,14 @@ def test_decode_generate_gives_generate_tokens_and_fails_a_stalled_pull():
     try:
         colocated, _ = generate(model, PROMPTS, max_new_tokens=4, page_size=8, stop_token_ids=())
         result, server = decode_generate(
-            model, PROMPTS, prefill=[prefill.address], max_new_tokens=4, page_size=8, stop_token_ids=(), secret=secret
+            model,
+            PROMPTS,
+            prefill=[prefill.address],
+            max_new_tokens=4,
+            page_size=8,
+            stop_token_ids=(),
+            secret=secret,
+            decode_radix_cache=True,
         )
         assert result.outputs == colocated.outputs
         assert result.cached_tokens == colocated.cached_tokens == 8  # the second prompt's first page of 8
