@@ -211,7 +211,9 @@ class PrefillServer:
             log.warning("prefill %s: refused a connection: %s", self.name, e)
 
     def _drop_link(self, link: PDLink, why: str) -> None:
-        log.warning("prefill %s: %s", self.name, why)
+        # a decode server that went away is routine; anything else (a refusal, a bad frame) is not
+        level = logging.INFO if why.endswith("its connection closed") else logging.WARNING
+        log.log(level, "prefill %s: %s", self.name, why)
         link.close()
         if link in self.links:
             self.links.remove(link)
