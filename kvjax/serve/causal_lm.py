@@ -22,6 +22,10 @@ A vision-language family's language model sets ``multimodal``: ids outside the v
 pad values) are clamped before the embedding lookup, and the rows the step's
 ``MultimodalMetadata`` flags are replaced by image embeddings (``kvjax.serve.multimodal_metadata``).
 
+Hidden states (speculative drafts of the EAGLE kind read them): a model built with
+``return_hidden=True`` returns ``(logits, new pools, hidden [T, hidden])``: every token's hidden
+state after the final norm (what SGLang's logits processor captures for an EAGLE / MTP draft).
+
 Pipeline parallelism: a model built with ``stage=PipelineStage(start, end, num_layers)`` runs only
 its layers ``[start, end)`` (global ids, so each layer finds its pool and weights as in the whole
 model). The first stage takes the tokens and embeds them, any other stage takes the hidden states
@@ -33,7 +37,7 @@ model's restricted to what it runs (``stage_params``).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -97,7 +101,8 @@ class DecoderStack(nn.Module):
     """Embedding, decoder layers and final norm (``{names.stack}.*`` in checkpoints).
 
     Returns the final-normed hidden states of each row's last token, ``[S, hidden]``, or, with
-    ``tied_head``, their logits through the embedding (``[S, vocab]``, the weights' dtype).
+    ``tied_head``, their logits through the embedding (``[S, vocab]``, the weights' dtype); with
+    ``return_hidden`` the pair ``(that, every token's final-normed hidden state [T, hidden])``.
     """
 
     config: ModelConfig
@@ -109,9 +114,10 @@ class DecoderStack(nn.Module):
     tied_head: bool
     stage: PipelineStage | None = None
     multimodal: bool = False
+    return_hidden: bool = False
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[Any, CachePools]:
         c = self.config
         dt = jnp.dtype(c.dtype)
         stage = self.stage or PipelineStage(0, c.num_hidden_layers, c.num_hidden_layers)
@@ -132,8 +138,15 @@ class DecoderStack(nn.Module):
             x, pools = self.decoder_layer(c, i, name=f"layers_{i}")(x, pools, meta)
         if not stage.last:
             return x, pools
-        x = self.final_norm(self.final_norm_eps, dt, name=self.names.norm)(x[meta.logits_indices])
-        return (embed.attend(x) if self.tied_head and embed is not None else x), pools
+        norm = self.final_norm(self.final_norm_eps, dt, name=self.names.norm)
+        hidden = None
+        if self.return_hidden:  # every token normed (per token: the rows' values are the same)
+            hidden = norm(x)
+            x = hidden[meta.logits_indices]
+        else:
+            x = norm(x[meta.logits_indices])
+        head = embed.attend(x) if self.tied_head and embed is not None else x
+        return ((head, hidden) if self.return_hidden else head), pools
 
 
 class CausalLM(nn.Module):
@@ -154,6 +167,8 @@ class CausalLM(nn.Module):
     # A vision-language model's language model: image rows merged after the embedding
     # (``kvjax.serve.multimodal_metadata``).
     multimodal: bool = False
+    # Also return every token's final-normed hidden state (module docstring).
+    return_hidden: bool = False
 
     @nn.nowrap
     def final_norm_eps(self) -> float:
@@ -166,7 +181,7 @@ class CausalLM(nn.Module):
         return None
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[jax.Array, CachePools]:
+    def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[Any, ...]:
         c = self.config
         stack = DecoderStack(
             c,
@@ -178,17 +193,21 @@ class CausalLM(nn.Module):
             c.tie_word_embeddings,
             self.stage,
             self.multimodal,
+            self.return_hidden and (self.stage is None or self.stage.last),
             name=self.names.stack,
         )
         x, pools = stack(tokens, pools, meta)
         if self.stage is not None and not self.stage.last:
             return x, pools  # hidden states for the next stage
+        hidden = None
+        if self.return_hidden:
+            x, hidden = x
         logits = x if c.tie_word_embeddings else Linear(c.vocab_size, False, jnp.dtype(c.dtype), name="lm_head")(x)
         logits = logits.astype(jnp.float32)
         cap = self.logit_softcap()
         if cap is not None:
             logits = cap * jnp.tanh(logits / cap)
-        return logits, pools
+        return (logits, pools, hidden) if self.return_hidden else (logits, pools)
 
 
 class LayerMixer(nn.Module):

@@ -78,6 +78,8 @@ KIND = PlannerKind(
     name=MLA,
     pool_kinds=(POOL,),
     kv_pool_kind="mla",
+    # a latent row per token slot: freeing a rejected draft token's slot rolls it back, as for MHA
+    speculative_rollback=True,
     tree_components=("full",),
     applies=applies,
     model_flags=model_flags,

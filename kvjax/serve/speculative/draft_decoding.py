@@ -193,6 +193,22 @@ class DraftDecoding:
     def attach(self, scheduler: Scheduler) -> None:
         """Check the scheduler can decode speculatively and compile the paired prefill step (the
         scheduler's step from now on) and the round step."""
+        target_config = self.check_scheduler(scheduler)
+        with_logits = scheduler.record_logits
+        mesh = scheduler.mesh
+        pools = None
+        if mesh is not None:  # tensor parallel: the draft's weights split as the target's are
+            pools = scheduler.cache.pools
+            self.draft_params = shard_params(self.draft_params, self.draft_config, serving_mesh(mesh))
+        scheduler.step_fn = make_paired_prefill_step(
+            target_config, self.draft_config, self.draft_params, with_logits=with_logits, mesh=mesh, pools=pools
+        )
+        self._round = make_round_step(target_config, self.draft_config, with_logits=with_logits, mesh=mesh, pools=pools)
+
+    def check_scheduler(self, scheduler: Scheduler) -> ModelConfig:
+        """The target's serving config, once ``scheduler`` is checked to decode speculatively
+        (refusing by name overlap, a model of the caller's own, a cache that does not fit, state
+        that cannot roll back and a retraction backup)."""
         if scheduler.overlap:
             raise self.overlap_refusal(scheduler.overlap)
         target_config = scheduler.model_config
@@ -213,16 +229,7 @@ class DraftDecoding:
                 "set",
                 "a retraction backup restores the target's KV only, not the draft's; leave it unset",
             )
-        with_logits = scheduler.record_logits
-        mesh = scheduler.mesh
-        pools = None
-        if mesh is not None:  # tensor parallel: the draft's weights split as the target's are
-            pools = scheduler.cache.pools
-            self.draft_params = shard_params(self.draft_params, self.draft_config, serving_mesh(mesh))
-        scheduler.step_fn = make_paired_prefill_step(
-            target_config, self.draft_config, self.draft_params, with_logits=with_logits, mesh=mesh, pools=pools
-        )
-        self._round = make_round_step(target_config, self.draft_config, with_logits=with_logits, mesh=mesh, pools=pools)
+        return target_config
 
     def report(self) -> dict[str, Any]:
         """The rounds' counters (``SpeculativeStats``), ``num_steps``, ``acceptance_rate`` and

@@ -1,0 +1,213 @@
+"""DeepSeek's multi-token-prediction (MTP, "NextN") layer as an EAGLE-style draft model.
+
+DeepSeek-V3 checkpoints (``num_nextn_predict_layers: 1``) carry one more layer after the decoder
+stack, ``model.layers.{num_hidden_layers}``: ``enorm`` and ``hnorm`` (RMSNorms), ``eh_proj``
+(``[hidden, 2 * hidden]``), one decoder layer of the target's kind (MLA, and the sparse MoE when
+the target has routed experts: its id is past ``first_k_dense_replace``) and ``shared_head.norm``.
+Its embedding and LM head are the target's (the checkpoint's copies, ``embed_tokens`` and
+``shared_head.head``, are not read), as SGLang's ``deepseek_nextn.py`` shares them.
+
+A draft step at position ``p`` takes the token there and a hidden state ``h`` (the target's at
+``p - 1``, or the draft's own output of the step before: EAGLE's chain)::
+
+    x = eh_proj([enorm(embed(token)), hnorm(h)])
+    x = decoder_layer(x)                  # writes the draft's KV at p (pool "kv_draft")
+    h' = shared_head.norm(x)              # the draft's output hidden state
+    logits = lm_head(h')                  # the proposal for p + 1
+
+``h`` is the target's final-normed hidden state (``CausalLM(return_hidden=True)``), the one
+SGLang's logits processor captures for the MTP draft.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.errors import ConfigError
+from kvjax.pools import CachePools
+from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm
+from kvjax.serve.model import build_model
+from kvjax.serve.model_config import ModelConfig
+
+__all__ = ["NEXTN_FAMILIES", "NextNDraft", "nextn_draft", "nextn_param_shapes", "nextn_params", "nextn_tensor_names"]
+
+NEXTN_FAMILIES = ("deepseek_v2",)
+"""The families whose checkpoints kvjax reads an MTP layer from."""
+
+_OWN = ("enorm", "hnorm", "eh_proj", "shared_head")  # the NextN layer's own weights, besides the decoder layer's
+_SHARED = ("embed_tokens", "lm_head")  # the target's
+
+
+class _SharedHead(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return RMSNorm(self.eps, self.dtype, name="norm")(x)
+
+
+class NextNDraft(nn.Module):
+    """``(tokens [T], hidden [T, hidden], draft pools, meta) -> (logits [S, vocab] float32 at
+    ``meta.logits_indices``, every token's output hidden state [T, hidden], new pools)``.
+
+    ``config``: the target's serving config; ``layer_id``: the MTP layer's global id (the target's
+    ``num_hidden_layers``: the draft pool's layer); ``decoder_layer``: the target's decoder layer class.
+    """
+
+    config: ModelConfig
+    layer_id: int
+    decoder_layer: type[nn.Module]
+
+    @nn.compact
+    def __call__(
+        self, tokens: jax.Array, hidden: jax.Array, pools: CachePools, meta: BatchMetadata
+    ) -> tuple[jax.Array, jax.Array, CachePools]:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        eps = c.rms_norm_eps
+        embed = Embedding(c.vocab_size, c.hidden_size, dt, name="embed_tokens")
+        e = RMSNorm(eps, dt, name="enorm")(embed(tokens))
+        h = RMSNorm(eps, dt, name="hnorm")(hidden.astype(dt))
+        x = Linear(c.hidden_size, False, dt, name="eh_proj")(jnp.concatenate([e, h], axis=-1))
+        x, pools = self.decoder_layer(c, self.layer_id, name="decoder")(x, pools, meta)
+        out = _SharedHead(eps, dt, name="shared_head")(x)
+        picked = out[meta.logits_indices]
+        if c.tie_word_embeddings:
+            logits = embed.attend(picked)
+        else:
+            logits = Linear(c.vocab_size, False, dt, name="lm_head")(picked)
+        return logits.astype(jnp.float32), out, pools
+
+
+def nextn_draft(target: ModelConfig) -> NextNDraft:
+    """The MTP draft module of ``target`` (``ConfigError`` for a family without one in kvjax)."""
+    if target.family not in NEXTN_FAMILIES:
+        raise ConfigError(
+            "speculative_algorithm",
+            "NEXTN",
+            f"kvjax reads MTP (NextN) layers from {list(NEXTN_FAMILIES)} checkpoints, not {target.family!r}",
+        )
+    return NextNDraft(target, target.num_hidden_layers, build_model(target).decoder_layer)
+
+
+def _trace_pools(target: ModelConfig) -> CachePools:
+    """A one-page latent pool holding only the MTP layer (for tracing the weights)."""
+    from kvjax.pools import MLAKVPool
+
+    f = target.family_config
+    kv = MLAKVPool.create(
+        num_pages=1,
+        page_size=1,
+        num_layers=1,
+        kv_lora_rank=f.kv_lora_rank,
+        qk_rope_head_dim=f.qk_rope_head_dim,
+        dtype=target.dtype,
+        start_layer=target.num_hidden_layers,
+    )
+    return CachePools(kv=kv)
+
+
+def nextn_param_shapes(target: ModelConfig) -> Any:
+    """The draft's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+    from kvjax.attention import trace_metadata
+
+    module = nextn_draft(target)
+    args = (
+        jnp.zeros((1,), jnp.int32),
+        jnp.zeros((1, target.hidden_size), jnp.dtype(target.dtype)),
+        _trace_pools(target),
+        trace_metadata(None),
+    )
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), *args))["params"]
+
+
+def nextn_tensor_names(target: ModelConfig) -> dict[tuple[str, ...], str]:
+    """The checkpoint tensor of every parameter of the MTP layer's own (not the shared embedding
+    and head): ``model.layers.{num_hidden_layers}.<name>``, the decoder layer's weights at that
+    layer's top level, as DeepSeek saves them."""
+    from kvjax.serve.checkpoint import flatten_params, param_name
+
+    prefix = f"model.layers.{target.num_hidden_layers}."
+    names = {}
+    for path, _ in flatten_params(nextn_param_shapes(target)):
+        if path[0] in _SHARED:
+            continue
+        names[path] = prefix + param_name(path[1:] if path[0] == "decoder" else path)
+    return names
+
+
+def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dict[str, Any]:
+    """The draft's weights: the MTP layer's from the checkpoint in ``directory`` (shapes checked
+    before any data is read), the embedding and head the target's own arrays (``target_params``).
+
+    ``ConfigError`` naming ``speculative_algorithm`` when the checkpoint has no MTP layer
+    (``num_nextn_predict_layers`` 0, or its tensors missing), naming the tensor when one has
+    another shape."""
+    from kvjax.serve.checkpoint import SafetensorsTensors, read_config, set_param
+
+    path, raw = read_config(directory)
+    layers = int(raw.get("num_nextn_predict_layers") or 0)
+    if layers != 1:
+        raise ConfigError(
+            "speculative_algorithm",
+            "NEXTN",
+            f"{path} has num_nextn_predict_layers={layers}: kvjax drafts with exactly one MTP layer; "
+            "serve a checkpoint with its MTP layer, or drop --speculative-algorithm",
+        )
+    names = nextn_tensor_names(target)
+    shapes = dict(_flat(nextn_param_shapes(target)))
+    params: dict[str, Any] = {}
+    with SafetensorsTensors(path) as tensors:
+        missing = [n for n in names.values() if n not in tensors]
+        if missing:
+            raise ConfigError(
+                "speculative_algorithm",
+                "NEXTN",
+                f"{path} has no MTP layer weights ({len(missing)} tensors missing, e.g. {missing[0]!r}); "
+                "serve a checkpoint that keeps them (DeepSeek-V3's model.layers.{num_hidden_layers}.*)",
+            )
+        for param_path, name in names.items():
+            want = tuple(shapes[param_path].shape)
+            if tensors.shape(name) != want:
+                raise ConfigError(
+                    "tensor", name, f"has shape {tensors.shape(name)} in {path} but the MTP layer needs {want}"
+                )
+        dt = jnp.dtype(target.dtype)
+        for param_path, name in names.items():
+            set_param(params, param_path, jnp.asarray(tensors.get(name), dtype=dt))
+    return with_shared_weights(params, target, target_params)
+
+
+def with_shared_weights(own: dict[str, Any], target: ModelConfig, target_params: Any) -> dict[str, Any]:
+    """The MTP layer's own weights ``own`` with the target's embedding (and untied head) added."""
+    stack = target_params["model"]
+    out = dict(own, embed_tokens=stack["embed_tokens"])
+    if not target.tie_word_embeddings:
+        out["lm_head"] = target_params["lm_head"]
+    return out
+
+
+def _flat(tree: Any) -> Any:
+    from kvjax.serve.checkpoint import flatten_params
+
+    return flatten_params(tree)
+
+
+def check_draft_fits(target: ModelConfig, draft_params: Any) -> None:
+    """``ConfigError`` naming ``speculative_draft_model_path`` when the draft's weights do not fit
+    the target (vocabulary or hidden size, read off its shapes)."""
+    shapes = {p: tuple(v.shape) for p, v in _flat(draft_params)}
+    for path, want in _flat(nextn_param_shapes(target)):
+        got = shapes.get(path)
+        if got != tuple(want.shape):
+            raise ConfigError(
+                "speculative_draft_model_path",
+                "/".join(path),
+                f"the draft's weight has shape {got}, the target (vocab {target.vocab_size}, hidden "
+                f"{target.hidden_size}) needs {tuple(want.shape)}: a draft of this target's vocabulary and hidden size",
+            )
