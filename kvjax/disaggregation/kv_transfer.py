@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.disaggregation.messages import PieceMessage
+from kvjax.plan.draft import DRAFT_POOL_NAME
 from kvjax.pools.registry import request_kv_of
 from kvjax.transfers.request_kv import PieceSpec, RequestSpan, head_shards
 
@@ -57,9 +58,10 @@ class PoolMover:
 class CacheMovers:
     """Every device pool of ``cache`` with its pool kind's ``RequestKV`` (in the pools' name order).
 
-    ``kv_heads``: the model's distinct KV heads per pool name (default: the plan's, for every
-    pool; a draft model's pool ``kv_draft`` takes the draft's). ``NotImplementedError`` names a
-    pool whose kind cannot move (nothing registered)."""
+    ``kv_heads``: the model's distinct KV heads per pool name (default: the plan's target's for
+    every pool but a draft model's pool ``kv_draft``, which takes the draft's: its pool's heads over
+    the draft's own ``kv_head_replicas``). ``NotImplementedError`` names a pool whose kind cannot
+    move (nothing registered)."""
 
     def __init__(self, cache: Any, kv_heads: Mapping[str, int] | None = None) -> None:
         plan = cache.plan
@@ -71,7 +73,11 @@ class CacheMovers:
         for name in cache.pools.names:
             kind = kinds.get(name, name)  # grouped pool kinds are stored under the kind's name
             mover = request_kv_of(kind)
-            self.movers.append(PoolMover(name, kind, mover, int((kv_heads or {}).get(name, heads))))
+            default = heads
+            if name == DRAFT_POOL_NAME and plan.draft is not None:
+                held = getattr(cache.pools[name], "num_kv_heads", None)
+                default = heads if held is None else max(1, int(held) // max(1, plan.draft.kv_head_replicas))
+            self.movers.append(PoolMover(name, kind, mover, int((kv_heads or {}).get(name, default))))
 
     def pieces(self, span: RequestSpan) -> list[tuple[str, PieceSpec]]:
         """``(pool name, piece)`` of every pool for ``span``, in order."""

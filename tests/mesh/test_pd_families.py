@@ -11,7 +11,10 @@ sizes on the two sides:
   moves with its full-attention rows. Two sides whose state is split over different TP sizes are
   refused by the handshake's signature (the conv channels' order depends on the split);
 * DeepSeek-V2 (MLA; tp 4 -> tp 2): the latent rows, replicated over each side's mesh; and the same
-  with an fp8 latent cache (its scale moves with the rows; compared with colocated fp8 serving).
+  with an fp8 latent cache (its scale moves with the rows; compared with colocated fp8 serving);
+* a speculative cache's draft pool ``kv_draft`` (in process: kvjax serves no speculative decode
+  server yet, its retraction backup restores the target's KV only): it moves with the target's, each
+  of the draft's own KV heads once, between tp 2 and tp 1.
 
 Each: greedy tokens equal Transformers' and the decode side's logits within the family's parity
 tolerance (its first token comes from the prefill server, every later one from a decode step over
@@ -220,3 +223,66 @@ def test_deepseek_v2_fp8_latent_and_its_scale_move(deepseek_v2, tmp_path):
     assert any(".rows[" in s and s.endswith(":uint8") for s in report["signature"]), report["signature"]
     colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "8", *fp8)
     _check(None, rounds, report, prefill_report, colocated, FP8_ATOL)
+
+
+def test_a_draft_models_pool_moves_with_its_own_heads_across_tp_sizes():
+    """A speculative cache's ``kv_draft`` (a one-layer draft of 1 KV head, held twice at tp 2)
+    moves each of the draft's heads once: the signatures of tp 2 and tp 1 caches agree, and a
+    request's target and draft rows gathered at tp 2 land unchanged in a tp 1 cache."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax import CacheConfig, ModelSpec, build_kv_cache
+    from kvjax.disaggregation.kv_transfer import CacheMovers
+    from kvjax.transfers.request_kv import RequestSpan
+    from tests.mesh.tp_serving import mesh_of
+
+    spec = ModelSpec.preset("tiny")
+    draft = dataclasses.replace(
+        spec, name="tiny-draft", num_hidden_layers=1, layer_kinds=spec.layer_kinds[:1], num_kv_heads=1
+    )
+
+    def cache(tp: int, page_size: int) -> Any:
+        config = CacheConfig(
+            page_size=page_size,
+            context_length=64,
+            max_total_tokens=128,
+            tp_size=tp,
+            speculative_algorithm="STANDALONE",
+            speculative_num_steps=2,
+            speculative_num_draft_tokens=3,
+        )
+        return build_kv_cache(spec, config, mesh=mesh_of(tp) if tp > 1 else None, draft_spec=draft)
+
+    src, dst = cache(2, 4), cache(1, 1)
+    movers, theirs = CacheMovers(src), CacheMovers(dst)
+    assert {m.name: m.kv_heads for m in movers.movers} == {"kv": 2, "kv_draft": 1}
+    assert src.pools["kv_draft"].num_kv_heads == 2, "at tp 2 the draft's one head is held twice"
+    assert movers.signature() == theirs.signature()
+    rng = np.random.default_rng(9)
+    pools = src.pools
+    for name in ("kv", "kv_draft"):
+        pool = pools[name]
+        # one head's copies hold the same values: draw per distinct head, then repeat
+        layers = []
+        for a in pool.kv:
+            replicas = pool.num_kv_heads // {"kv": 2, "kv_draft": 1}[name]
+            pages, ps, c, d = a.shape
+            once = rng.standard_normal((pages, ps, c // (2 * replicas), 1, 2, d)).astype(np.float32)
+            full = np.broadcast_to(once, (pages, ps, c // (2 * replicas), replicas, 2, d)).reshape(a.shape)
+            layers.append(jax.device_put(jnp.asarray(full, a.dtype), a.sharding))
+        pools = pools.replace(**{name: pool.replace(kv=tuple(layers))})
+    here = np.asarray([4, 5, 6, 7, 8, 9], np.int32)
+    there = np.asarray([3, 1, 2, 7, 5, 6], np.int32)
+    out = theirs.scatter(dst.pools, movers.gather(pools, RequestSpan(0, 6, here)), RequestSpan(0, 6, there))
+    for name in ("kv", "kv_draft"):
+        replicas = pools[name].num_kv_heads // {"kv": 2, "kv_draft": 1}[name]
+        for mine, got in zip(pools[name].kv, out[name].kv, strict=True):
+            want = np.asarray(mine).reshape(-1, mine.shape[2] // (2 * replicas), replicas, 2, mine.shape[3])[here][
+                :, :, 0
+            ]
+            np.testing.assert_array_equal(
+                np.asarray(got).reshape(-1, *got.shape[2:])[there], want.reshape(6, -1, mine.shape[3]), err_msg=name
+            )

@@ -8,6 +8,8 @@ errors name the offending value."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -239,3 +241,43 @@ def test_errors_name_the_offending_value():
         recurrent.scatter(pool, [*pieces[:-1], pieces[-1][..., 0]], _span(0, [1], state_slot=2), 1)
     with pytest.raises(ValueError, match="2 recurrent-state pieces given; this pool takes 3"):
         recurrent.scatter(pool, pieces[:2], _span(0, [1], state_slot=2), 1)
+
+
+def test_cache_movers_move_the_draft_models_pool_with_the_targets():
+    """A speculative cache's ``kv_draft`` (a draft of 1 KV head beside a target of 2) moves with
+    ``kv``, each pool's rows at the other cache's slots, each with its own heads."""
+    import dataclasses
+
+    from kvjax import CacheConfig, ModelSpec, build_kv_cache
+    from kvjax.disaggregation.kv_transfer import CacheMovers
+
+    spec = ModelSpec.preset("tiny")
+    draft = dataclasses.replace(
+        spec, name="tiny-draft", num_hidden_layers=1, layer_kinds=spec.layer_kinds[:1], num_kv_heads=1
+    )
+
+    def cache(page_size: int) -> Any:
+        config = CacheConfig(
+            page_size=page_size,
+            context_length=64,
+            max_total_tokens=128,
+            speculative_algorithm="STANDALONE",
+            speculative_num_steps=2,
+            speculative_num_draft_tokens=3,
+        )
+        return build_kv_cache(spec, config, draft_spec=draft)
+
+    src, dst = cache(1), cache(4)
+    rng = np.random.default_rng(8)
+    noise = {
+        n: tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in src.pools[n].kv)
+        for n in ("kv", "kv_draft")
+    }
+    src_pools = src.pools.replace(**{n: src.pools[n].replace(kv=v) for n, v in noise.items()})
+    movers = CacheMovers(src)
+    assert {m.name: m.kv_heads for m in movers.movers} == {"kv": 2, "kv_draft": 1}
+    assert movers.signature() == CacheMovers(dst).signature()
+    here, there = _span(0, [3, 9, 4, 11, 12]), _span(0, [8, 9, 10, 11, 12])
+    out = CacheMovers(dst).scatter(dst.pools, movers.gather(src_pools, here), there)
+    for name in ("kv", "kv_draft"):
+        np.testing.assert_array_equal(_rows(out[name], there.slots), _rows(src_pools[name], here.slots), err_msg=name)
