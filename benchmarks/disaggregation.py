@@ -6,7 +6,9 @@
   (``KVTransferServer``: two in this process, one offering, one pulling over loopback TCP onto
   the second CPU device) against a device-to-device copy of the same array in this process
   (``jax.device_put`` to the second CPU device), per size (median of ``--repeats`` pulls, each
-  from a fresh offer; ``offer_ms`` is the offering side's own cost, not in the pull's time).
+  from a fresh offer, and the fastest; ``offer_ms`` is the offering side's own cost, not in the
+  pull's time). Small arrays measure the pull's fixed cost (a round trip and a thread), large
+  ones its bandwidth.
 * ``reuse``: the demo's multi-turn chats (``Workload()``'s 4 chats x 3 turns of 48 new tokens and
   16 output tokens; ``--quick``: 2 x 2) served by a `DecodeServer` linked to a `PrefillServer`
   (the tiny model, random weights, pages of 16 tokens), with decode-side prefix reuse on
@@ -19,7 +21,8 @@
   timestamps, into ``prefill`` (prefill order sent -> ``Prefilled`` read: queueing and compute on
   the prefill server and the link), ``transfer`` (``Prefilled`` -> the pull landed: admission on
   the decode side, the pull order, the offer and the pull) and ``first_decode`` (pull landed ->
-  the first decode step's token read); medians over the requests of a measured run (a first run
+  the first decode step's token read: with the overlap scheduler, one step after it was
+  launched); medians over the requests of a measured run (a first run
   compiles every shape). ``pull_only_ms``: the pulls' own time, per pull.
 
 CPU figures on a shared 2-core machine, both servers in one process (the prefill server serving
@@ -99,6 +102,8 @@ def transfer_figures(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any
                 "pull_ms": round(pull * 1e3, 3),
                 "offer_ms": round(statistics.median(offers) * 1e3, 3),
                 "device_put_ms": round(copy * 1e3, 3),
+                "pull_ms_min": round(min(pulls) * 1e3, 3),
+                "device_put_ms_min": round(min(copies) * 1e3, 3),
                 "pull_mb_per_s": round(size / pull / 1e6, 1),
                 "device_put_mb_per_s": round(size / copy / 1e6, 1),
                 "pull_over_device_put_time": round(pull / copy, 2),
