@@ -28,7 +28,9 @@ side's pool at that side's slots. Layout of the pieces (``PieceSpec`` says each 
 Invariants: ``gather`` reads only the request's slots and ``scatter`` writes only them, each
 O(tokens moved) (the pool is donated to the jitted write: in place, ``pallas_kernels.kv_write``);
 pieces carry no page structure, so page sizes may differ between the sides; a pool whose token
-rows are striped over a decode-context-parallel axis is refused (``NotImplementedError``).
+rows are striped over a decode-context-parallel axis is refused (``NotImplementedError``). A kind
+whose pieces' layout depends on more than their shapes says so in an optional ``layout(pool)``
+(strings both sides' signatures carry: the recurrent state's TP split).
 """
 
 from __future__ import annotations
