@@ -382,6 +382,9 @@ class RecurrentRequestKV:
     def gather(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[jax.Array, ...]:
         slot = self._slot(pool, span)
         out = _read_slot(pool.arrays(), jnp.asarray(slot), pool._logical_dtypes())
+        if pool.mesh is not None:  # one slot: whole, on one device (the pieces travel so)
+            first = SingleDeviceSharding(pool.mesh.devices.flat[0])
+            out = tuple(jax.device_put(x, first) for x in out)
         conv = tuple(_conv_from_storage(pool, i, x) for i, x in enumerate(out[:-1]))
         return (*conv, out[-1])
 

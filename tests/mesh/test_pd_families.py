@@ -286,3 +286,48 @@ def test_a_draft_models_pool_moves_with_its_own_heads_across_tp_sizes():
             np.testing.assert_array_equal(
                 np.asarray(got).reshape(-1, *got.shape[2:])[there], want.reshape(6, -1, mine.shape[3]), err_msg=name
             )
+
+
+@pytest.mark.parametrize("lane_dense", [False, True])
+def test_the_recurrent_slot_write_over_a_mesh_is_in_place_on_the_pools_sharding(lane_dense):
+    """The recurrent state's write over a tp 2 mesh: each device's shard written where it lies
+    (the pool's sharding kept), the old buffers donated; lane-dense storage (TPU's) too."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.pools.recurrent import RecurrentStatePool
+    from kvjax.transfers.request_kv import RecurrentRequestKV, RequestSpan
+    from tests.mesh.tp_serving import mesh_of
+
+    def pool(seed: int | None = None) -> RecurrentStatePool:
+        made = RecurrentStatePool.create(
+            num_slots=4,
+            layer_ids=(0, 1),
+            conv_state_shapes=((64, 2),),  # one rank's: 128 elements, whole lanes
+            ssm_state_shape=(2, 4, 4),
+            conv_dtype="float32",
+            mesh=mesh_of(2),
+            lane_dense=lane_dense,
+        )
+        if seed is None:
+            return made
+        rng = np.random.default_rng(seed)
+        return made.replace(
+            conv=tuple(
+                jax.device_put(jnp.asarray(rng.standard_normal(a.shape), a.dtype), a.sharding) for a in made.conv
+            ),
+            ssm=jax.device_put(jnp.asarray(rng.standard_normal(made.ssm.shape), made.ssm.dtype), made.ssm.sharding),
+        )
+
+    mover = RecurrentRequestKV()
+    src, dst = pool(10), pool()
+    pieces = mover.gather(src, RequestSpan(0, 1, np.asarray([1], np.int32), state_slot=3), 1)
+    assert [tuple(p.shape) for p in pieces] == [(2, 1, 128, 2), (2, 1, 4, 4, 4)]
+    old = list(dst.arrays())
+    out = mover.scatter(dst, pieces, RequestSpan(0, 1, np.asarray([1], np.int32), state_slot=2), 1)
+    assert all(a.is_deleted() for a in old), "the state pool was copied, not written in place"
+    assert all(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in zip(out.arrays(), old, strict=True))
+    for layer in (0, 1):
+        got, want = out.get_states(layer, np.asarray([2])), src.get_states(layer, np.asarray([3]))
+        for g, w in zip((*got[0], got[1]), (*want[0], want[1]), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
