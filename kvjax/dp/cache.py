@@ -16,21 +16,29 @@ SGLang builds one scheduler per rank; kvjax builds:
   mesh): inside ``jax.shard_map`` over ``("data", "tp")`` each device sees exactly such a pool
   with a leading axis of 1 (``kvjax.dp.attention`` strips it and runs the unsharded kernels).
 * **host state per rank** (``DPKVCache.ranks[r]``, a ``DPRank``): request table, allocator and
-  tree built from the rank's plan as ``build_kv_cache`` builds them. Their slot and page ids are
-  the rank's own (local: page ``p`` of rank ``r`` is ``pools...[r, p]``); ids of two ranks
-  never meet.
+  tree built from the rank's plan as ``build_kv_cache`` builds them, and the rank's queue of
+  pending device updates. Their slot and page ids are the rank's own (local: page ``p`` of rank
+  ``r`` is ``pools...[r, p]``); ids of two ranks never meet.
+* **the host tier per rank** (``enable_hierarchical_cache``, or the ``host_pool`` retraction
+  backup), as SGLang gives each DP rank its own host pool and cache controller: the rank's host
+  pool is built from its plan over the rank's ``("tp",)`` devices as ``build_kv_cache`` builds it
+  (every distinct KV head of the rank once), its tree is a ``HiRadixCache`` and its transfers go
+  through a ``kvjax.dp.rank_transfer.RankPageTransferEngine``, which reads and writes only the
+  rank's slice of the stacked pools (in place, O(pages moved)) and records its loads on the
+  rank's queue. Every rank's host pool together must fit the host's memory.
 
 Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_shape`` is the
 shape ``build_kv_cache`` gives that array over a ``("tp",)`` mesh of ``attn_tp_size`` devices;
 ``layout.pool_specs`` is the matching pytree of ``PartitionSpec`` (first entry ``"data"``).
-Not built yet under DP attention (refused before anything is allocated): the host tier, the
-storage tier, the retraction backup to host memory and a speculative draft pool.
+Not built yet under DP attention (refused before anything is allocated): the storage tier, the
+host tier of a kind with its own transfer engine (the sliding-window pair) and a speculative
+draft pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -42,23 +50,37 @@ from kvjax.attention.sharding import serving_mesh
 from kvjax.build import (
     KV_HEAD_MESH_AXIS,
     device_memory_limit_bytes,
+    host_memory_bytes,
     plan_allocator,
     plan_request_table,
     with_extra_pools,
 )
 from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
+from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan import CachePlan, plan_kv_cache
+from kvjax.plan.buildable import check_host_tier_buildable
+from kvjax.plan.host_sizing import check_host_memory
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
+from kvjax.plan.kinds.host_tier import HOST_KV
+from kvjax.plan.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.registry import BuildContext, create_pool, create_pool_group, is_grouped, require_builder
+from kvjax.pools.registry import (
+    POOL_BUILDERS,
+    BuildContext,
+    create_pool,
+    create_pool_group,
+    is_grouped,
+    require_builder,
+)
 from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCacheProtocol
 from kvjax.radix import create_tree_cache
+from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 
-__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache"]
+__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "rank_devices"]
 
 DATA_MESH_AXIS = "data"
 """The mesh axis DP ranks are laid out over (sglang-jax's name)."""
@@ -101,7 +123,11 @@ class DPRank:
         plan: the rank's plan (every rank's is the same).
         req_to_token_pool: its request table.
         token_to_kv_pool_allocator: its slot allocator.
-        tree_cache: its prefix tree.
+        tree_cache: its prefix tree (a ``HiRadixCache`` over the rank's host pool with the host tier).
+        pending: the rank's queue of pending device updates over the stacked pools (its tree's
+            host loads and its extensions' copies record there; the rank's ``RankKVCache`` holds it).
+        host_pool: the rank's host pool (``HostKVPool``) with the host tier, else None.
+        host_pools: every host pool of the rank by its plan name (empty without the host tier).
     """
 
     rank: int
@@ -109,6 +135,9 @@ class DPRank:
     req_to_token_pool: ReqToTokenPoolProtocol
     token_to_kv_pool_allocator: AllocatorProtocol
     tree_cache: TreeCacheProtocol
+    pending: PendingDeviceUpdates | None = None
+    host_pool: Any = None
+    host_pools: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def allocator(self) -> AllocatorProtocol:
@@ -184,10 +213,11 @@ def build_dp_kv_cache(
     plan = with_extra_pools(plan, kinds)
     for pool in plan.pools:
         require_builder(pool.kind, plan.model)
+    _check_rank_host_tiers(plan, kinds, config.dp_size)
 
     device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
     one_device = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
-    rank_mesh = Mesh(_rank_devices(mesh, 0), (KV_HEAD_MESH_AXIS,))
+    rank_mesh = Mesh(rank_devices(mesh, 0), (KV_HEAD_MESH_AXIS,))
     one_rank = dataclasses.replace(one_device, mesh=rank_mesh, tp_size=config.attn_tp_size)
     local = jax.eval_shape(lambda: _device_pools(device_plans, one_device))
     ranked = jax.eval_shape(lambda: _device_pools(device_plans, one_rank))
@@ -200,7 +230,7 @@ def build_dp_kv_cache(
         [_rank_spec(a.shape, b.shape, config.attn_tp_size) for a, b in zip(local_leaves, rank_leaves, strict=True)],
     )
     pools = _build_over_mesh(lambda: _device_pools(device_plans, one_device), mesh, specs)
-    ranks = tuple(_rank_host_state(r, plan, kinds) for r in range(config.dp_size))
+    ranks = tuple(_rank_host_state(r, plan, kinds, pools, mesh, config) for r in range(config.dp_size))
     layout = DPLayout(mesh, specs, jax.tree_util.tree_structure(ranked))
     return DPKVCache(plan=plan, pools=pools, layout=layout, ranks=ranks)
 
@@ -240,9 +270,7 @@ def check_dp_mesh(mesh: Mesh, config: CacheConfig) -> None:
 
 def _refuse_unbuilt_tiers(config: CacheConfig) -> None:
     unbuilt = {
-        "enable_hierarchical_cache": config.enable_hierarchical_cache,
         "hicache_storage_backend": config.hicache_storage_backend is not None,
-        "disaggregation_decode_retraction_backup": config.disaggregation_decode_retraction_backup == "host_pool",
         "speculative_algorithm": config.speculative_algorithm is not None,
     }
     for option, on in unbuilt.items():
@@ -253,8 +281,8 @@ def _refuse_unbuilt_tiers(config: CacheConfig) -> None:
             )
 
 
-def _rank_devices(mesh: Mesh, rank: int) -> np.ndarray:
-    """The devices of DP rank ``rank``, in ``"tp"`` order."""
+def rank_devices(mesh: Mesh, rank: int) -> np.ndarray:
+    """The devices of DP rank ``rank`` of ``mesh``, in ``"tp"`` order."""
     return np.take(mesh.devices, rank, axis=tuple(mesh.axis_names).index(DATA_MESH_AXIS)).reshape(-1)
 
 
@@ -301,17 +329,70 @@ def _build_over_mesh(make: Callable[[], CachePools], mesh: Mesh, specs: Any) -> 
     return pools
 
 
-def _rank_host_state(rank: int, plan: CachePlan, kinds: tuple[PlannerKind, ...]) -> DPRank:
-    """Rank ``rank``'s request table, allocator and tree, as ``build_kv_cache`` builds them."""
-    context = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
+def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], dp_size: int) -> None:
+    """Before anything is allocated: the host tier (or the ``host_pool`` retraction backup) is
+    built per rank only over the device pool the default engine copies (MHA, MLA: a kind with
+    its own engine, the sliding-window pair, is refused), and every rank's host pool together
+    must fit the host's memory (SGLang's check, on ``dp_size`` host pools)."""
+    host_bytes = sum(p.nbytes for p in plan.pools if p.kind == HOST_TIER_POOL.name)
+    if not host_bytes:
+        return
+    check_host_tier_buildable(plan)
+    own = [kind.name for kind in kinds if POOL_BUILDERS[kind.name].transfer_engine is not None]
+    if own:
+        raise NotImplementedError(
+            f"kvjax cannot build the host tier under DP attention for a cache of kinds {own} yet (their own "
+            "transfer engines copy one rank's pools); build without it or with build_kv_cache (one rank)"
+        )
+    available = host_memory_bytes()
+    if available is not None:
+        check_host_memory(dp_size * host_bytes, available)
+
+
+def _rank_host_state(
+    rank: int, plan: CachePlan, kinds: tuple[PlannerKind, ...], pools: CachePools, mesh: Mesh, config: CacheConfig
+) -> DPRank:
+    """Rank ``rank``'s request table, allocator, host pools and tree, as ``build_kv_cache`` builds
+    them (the host pools for the rank's ``("tp",)`` devices), and its queue of pending device
+    updates over ``pools``; with a host pool, its tree's transfers go through a
+    ``RankPageTransferEngine`` over the rank's slice of ``pools``."""
+    rank_mesh = Mesh(rank_devices(mesh, rank), (KV_HEAD_MESH_AXIS,))
+    context = BuildContext(
+        platform=plan.platform,
+        mesh=rank_mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
+        tp_size=config.attn_tp_size,
+        host_layout=plan.hicache_mem_layout,
+        kv_head_replicas=plan.target.kv_head_replicas,
+    )
     table: Any = None
+    host_pools: dict[str, Any] = {}
     for pool in plan.pools:
-        if pool.memory != "device":
-            table = create_pool(pool, context)
+        if pool.memory == "device":
+            continue
+        built = create_pool(pool, context)
+        if isinstance(built, ReqToTokenPool):
+            table = built
+        else:
+            host_pools[pool.name] = built
     if table is not None:
         table = plan_request_table(table, plan, kinds)
     if not isinstance(table, ReqToTokenPoolProtocol):
         raise AssertionError(f"plan {plan.model} lists no request table: {plan.pools}")
     allocator = plan_allocator(plan, kinds)
-    tree = create_tree_cache(plan.tree_options, req_to_token_pool=table, token_to_kv_pool_allocator=allocator)
-    return DPRank(rank, plan, table, allocator, tree)
+    pending = PendingDeviceUpdates(pools)
+    host_pool = host_pools.get(HOST_KV)
+    engine = None
+    if host_pool is not None:
+        from kvjax.dp.rank_transfer import RankPageTransferEngine
+
+        device_pool = next(p.name for p in plan.pools if p.memory == "device")
+        engine = RankPageTransferEngine(pending, host_pool, rank, pool_name=device_pool)
+    tree = create_tree_cache(
+        plan.tree_options,
+        req_to_token_pool=table,
+        token_to_kv_pool_allocator=allocator,
+        host_allocator=None if host_pool is None else host_pool.allocator,
+        host_engine=engine,
+    )
+    return DPRank(rank, plan, table, allocator, tree, pending, host_pool, host_pools)

@@ -2,15 +2,17 @@
 
 Lockstep DP serving (``kvjax.dp.lockstep``) gives each rank a kvjax ``Scheduler``; that scheduler
 needs a ``KVCache``. A rank's view holds the rank's plan, request table, allocator and tree (a
-``DPRank``), its own queue of pending device updates (its extensions' state copies), and, as
-its device state, the ``DPKVCache``'s stacked pools of all ranks.
+``DPRank``), its host pools (with the host tier), its own queue of pending device updates (its
+extensions' state copies, its tree's host loads and retraction restores), and, as its device
+state, the ``DPKVCache``'s stacked pools of all ranks.
 
 Invariant: every rank's view and the ``DPKVCache`` hold one ``DeviceState`` (``kvjax.device_state``),
 so they hold the same pools. Handing pools to one view (``set_pools``, also what ``apply_pending``
 does after applying the rank's updates) stores them in that state, which every view and every
 rank's pending queue reads, so a rank that applies its updates never leaves another rank holding
 donated arrays. A rank's pending
-updates write only its own slice (``kvjax.dp.rank_state``), so the ranks' queues commute.
+updates write only its own slice (``kvjax.dp.rank_state``, ``kvjax.dp.rank_transfer``), so the
+ranks' queues commute.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class RankKVCache(KVCache):
             req_to_token_pool=rank.req_to_token_pool,  # type: ignore[arg-type]
             token_to_kv_pool_allocator=rank.allocator,
             tree_cache=rank.tree_cache,
+            host_pool=rank.host_pool,
+            host_pools=rank.host_pools,
+            pending=rank.pending,  # the rank's queue, which its tree's host transfers record into
             state=dp_cache.state,  # one device state for the DP cache and every view
         )
         self.dp_cache = dp_cache

@@ -36,7 +36,17 @@ def refusals() -> dict:
         "dp_size": (dp_config(4, 1, tp_size=4), mesh),
         "tp_size": (dp_config(2, 1), mesh),
         "axes": (dp_config(2, 2), jax.make_mesh((2, 2), ("dp", "tp"))),
-        "host_tier": (dp_config(2, 2, enable_hierarchical_cache=True), mesh),
+        "storage_tier": (
+            dp_config(
+                2,
+                2,
+                enable_hierarchical_cache=True,
+                hicache_storage_backend="file",
+                hicache_storage_dir="unused",
+                hicache_storage_model_fingerprint="unused",
+            ),
+            mesh,
+        ),
     }
     out = {}
     for name, (config, m) in cases.items():
