@@ -46,8 +46,13 @@ applies its queue hands the result to every rank and to the DP cache.
 Scope: full attention, MLA, sliding window (Gemma 3, hybrid or pure; host-side serving
 extensions) and recurrent state (Qwen3-Next, Nemotron-H: the ``RecurrentStateExtension`` of each
 rank records its tree's state copies as updates of its own slice, ``kvjax.dp.rank_state``; the
-mixers run head parallel over the rank's ``"tp"`` devices inside the DP step). Other kinds that
-record device updates between steps (a host tier's loads) are refused.
+mixers run head parallel over the rank's ``"tp"`` devices inside the DP step), the host tier
+(HiCache: each rank's own host pool, ``HiRadixCache`` and ``RankPageTransferEngine``, whose
+backups read and loads write only the rank's slice, ``kvjax.dp.rank_transfer``; its loads are
+recorded on the rank's own queue) and the retraction backups (``host_pool`` through the rank's
+engine, ``cpu_tensor`` through the same per-rank copies). Timing-dependent completions (a host
+transfer landing) are agreed per rank through ``agreement``, as one scheduler agrees them. Other
+extensions that record device updates between steps are refused.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from kvjax.dp.cache import DPKVCache, build_dp_kv_cache
 from kvjax.dp.rank_cache import rank_caches
 from kvjax.dp.scheduler import DPScheduler
 from kvjax.dp.step import make_dp_step, place_params
+from kvjax.multihost.agreement import Agreement
 from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model_config import ModelConfig
@@ -212,6 +218,7 @@ class LockstepDPScheduler(DPScheduler):
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
         model_config: ModelConfig | None = None,
         overlap: bool = True,
+        agreement: Agreement | None = None,
     ) -> LockstepDPScheduler:
         """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
         ``(dp_size, tp_size / dp_size)`` devices), a host scheduler per rank (``max_batch_size``,
@@ -219,13 +226,15 @@ class LockstepDPScheduler(DPScheduler):
         the weights split over each rank's ``"tp"`` devices (``place_params``). ``model_config``:
         the served model's config when it is not the spec's family default (a checkpoint's,
         ``LoadedModel.config``). ``overlap``: overlap scheduling in every rank (module docstring;
-        False: SGLang's ``--disable-overlap-schedule``).
+        False: SGLang's ``--disable-overlap-schedule``). ``agreement``: given to every rank's
+        ``Scheduler`` (with several processes, each rank's host transfers complete at the same step
+        on every process, as one scheduler's do; default: this process alone).
 
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
                 ``NotImplementedError`` for a serving extension that records device updates other
-                than recurrent-state copies (module docstring), once the first rank's scheduler
-                lists its extensions (nothing served).
+                than recurrent-state copies, the host tier's and the retraction backups' (module
+                docstring), once the first rank's scheduler lists its extensions (nothing served).
         """
         served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         cache = build_dp_kv_cache(spec, config, mesh)
@@ -243,6 +252,7 @@ class LockstepDPScheduler(DPScheduler):
                 record_logits=record_logits,
                 overlap=overlap,
                 stepping=LockstepRank(view.rank),
+                agreement=agreement,
             )
             device_side = [
                 type(e).__name__ for e in scheduler.extensions if not e.in_lockstep(cache.layout, view.rank, shared)

@@ -162,6 +162,16 @@ class HostTierExtension(ServingExtension):
         rest = (-(-max(rest, 0) // ps) + 1) * ps
         return alloc.available_size() + self.tree.evictable_size() - reserved - rest
 
+    def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
+        """Lockstep DP (``kvjax.dp.lockstep``): runs when the tree's transfers are DP rank
+        ``rank``'s own (``kvjax.dp.rank_transfer.RankPageTransferEngine``, what ``build_dp_kv_cache``
+        gives each rank): its loads and retraction restores then write only the rank's slice of
+        the stacked pools, on the rank's queue. Not with a storage tier (not built under DP)."""
+        from kvjax.dp.rank_transfer import RankPageTransferEngine
+
+        engine = self._agreed.engine if self._agreed is not None else self.tree.host.engine
+        return isinstance(engine, RankPageTransferEngine) and engine.rank == rank and self.tree.storage is None
+
     def host_balanced(self) -> bool:
         """``available + evictable + protected + held == capacity`` for the host pool."""
         host = self.tree.host_allocator

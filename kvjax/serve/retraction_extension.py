@@ -14,6 +14,8 @@ in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
   the backup is active (``plan.decode_retraction_active``: a decode server, or the backup set
   explicitly; SGLang re-prefills retracted requests outside decode mode), for pools the page
   kernels copy (MHA, MLA) without recurrent state; otherwise retracted requests are recomputed.
+  Under lockstep DP attention (``in_lockstep``) the copies are the rank's own
+  (``kvjax.dp.rank_transfer``: its pages of the stacked pool, written back into its slice only).
 * ``host_pool``: the host tier's extension (``host_tier.py``) owns one of these over the host
   tier's pool, so the restore logic lives here once.
 
@@ -88,6 +90,19 @@ class RetractionBackupExtension(ServingExtension):
     def after_admit(self, req: ServingReq) -> None:
         if req.rid in self.retraction:
             self._restore(req)
+
+    def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
+        """Lockstep DP (``kvjax.dp.lockstep``): the ``cpu_tensor`` copies become DP rank ``rank``'s
+        (``kvjax.dp.rank_transfer.rank_page_copy`` / ``rank_page_load``: its pages of the stacked
+        pool to numpy and back into its slice only, in place). A ``host_pool`` backup copies
+        through the host tier's engine: its extension says (``HostTierExtension.in_lockstep``)."""
+        if self.retraction.mode != "cpu_tensor":
+            return False
+        from kvjax.dp.rank_transfer import rank_page_copy, rank_page_load
+
+        self.retraction.get_copy = rank_page_copy(rank)
+        self.retraction.load_copy = rank_page_load(rank)
+        return True
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
         if finished or req.req_pool_idx is None or req.abort_reason is not None:
