@@ -1,0 +1,756 @@
+"""The combination matrix: every pair of serving features, per cache kind, constructed (issue 35).
+
+``construct(kind, a, b)`` builds what a user would build for the cache kind ``kind`` with the two
+features ``a`` and ``b`` (``a == b``: that feature alone) through kvjax's own public paths, without
+serving a request: first the command line's own jax-free flag checks (``python -m kvjax
+generate``'s, for the features it has a flag for: ``kvjax.cli.serving_args``,
+``kvjax.cli.multihost_flags``, ``kvjax.cli.disaggregation_flags`` and the command's check across
+processes), then the cache and its scheduler as ``kvjax.serve.generate`` builds them (``CacheConfig``,
+``build_kv_cache`` over ``tp_mesh``, ``scheduler_for`` / the speculative scheduler,
+``build_pipeline_cache`` + ``pipeline_scheduler``, ``LockstepDPScheduler.build_lockstep`` over a
+``("data", "tp")`` mesh), with small pools and nothing compiled. It returns `SERVED` or the
+refusal (``"ExceptionType: message"``). Several processes cannot be joined here: their cell is the
+command line's check across processes and then the one-process construction (a multi-process run
+builds the same scheduler over a mesh spanning the processes).
+
+``CELLS`` is the curated table: for every cell its expected status and its evidence, a test that
+serves it end to end (checked to exist), or for a refusal SGLang 0.5.23's own check (file and
+condition) or ``kvjax: not built yet``. ``tests/mesh/test_combination_matrix.py`` computes every
+cell, fails on any that disagrees with ``CELLS``, and checks ``docs/combinations.md`` is
+``render()``; ``python -m tests.combinations --write`` regenerates it (8 CPU devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "combinations.md"
+DEVICES = 8
+SERVED = "served"
+
+#: The cache kinds, each with the model constructed for it (a preset, or a tiny recurrent config
+#: of ``tests.serve.random_workloads``).
+KINDS: dict[str, str] = {
+    "full": "tiny",
+    "swa": "gemma3-tiny",
+    "mla": "deepseek-tiny",
+    "recurrent": "qwen3-next-tiny",
+}
+KIND_TITLES = {
+    "full": "Full attention (`tiny`)",
+    "swa": "Sliding window, interleaved with full attention (`gemma3-tiny`)",
+    "mla": "MLA (`deepseek-tiny`)",
+    "recurrent": "Recurrent state with full attention (Qwen3-Next, tiny: `tests/serve/random_workloads.py`)",
+}
+
+#: The features, each as constructed: its settings and the command line's flags (when it has one).
+FEATURES: dict[str, str] = {
+    "tp": "tp 2 (`--tp 2`; `--tp 4` with DP attention)",
+    "dp": "DP attention, 2 ranks (`--dp 2`)",
+    "dcp": "DCP 2 (`--dcp 2`)",
+    "pp": "pp 2 (`--pp 2`)",
+    "standalone": "STANDALONE draft (`--speculative-algorithm STANDALONE`; the target as its own draft, a "
+    "full-attention `tiny` of its vocabulary for a recurrent target)",
+    "eagle": "EAGLE (`speculative_algorithm='EAGLE'`; no command-line choice)",
+    "host": "host tier (`--enable-hierarchical-cache`)",
+    "storage": "storage tier (`hicache_storage_backend='memory'`, with the host tier)",
+    "retraction": "retraction backup (`disaggregation_decode_retraction_backup='cpu_tensor'`)",
+    "overlap": "overlap scheduling (on unless `--disable-overlap-schedule`)",
+    "processes": "several processes (`--num-processes 2`)",
+}
+SHORT = {
+    "tp": "tp",
+    "dp": "DP attn",
+    "dcp": "DCP",
+    "pp": "pp",
+    "standalone": "STANDALONE",
+    "eagle": "EAGLE",
+    "host": "host tier",
+    "storage": "storage",
+    "retraction": "retraction",
+    "overlap": "overlap",
+    "processes": "processes",
+}
+
+
+#: Two values of one option (``speculative_algorithm``), not a pair of features.
+ONE_FLAG = {"standalone", "eagle"}
+
+
+def cells() -> list[tuple[str, str, str]]:
+    """Every cell ``(kind, a, b)``: each feature alone (``a == b``) and every pair, in ``FEATURES`` order."""
+    names = list(FEATURES)
+    pairs = [(a, a) for a in names] + [pair for pair in itertools.combinations(names, 2) if set(pair) != ONE_FLAG]
+    return [(kind, a, b) for kind in KINDS for a, b in pairs]
+
+
+# --- construction -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _model(kind: str) -> Any:
+    """The kind's ``LoadedModel`` (random weights, seed 0; cached)."""
+    from kvjax.serve.checkpoint import LoadedModel
+    from kvjax.serve.model_fingerprint import random_weights_fingerprint
+    from tests.serve.random_workloads import model
+
+    spec, config, params = model(KINDS[kind])
+    return LoadedModel(
+        name=KINDS[kind], spec=spec, config=config, params=params, fingerprint=random_weights_fingerprint(config, 0)
+    )
+
+
+@functools.cache
+def _draft(kind: str) -> Any:
+    """The STANDALONE draft: the target itself, or (a target with recurrent layers, whose draft
+    must be of the pool's attention layers) the full-attention ``tiny`` with the target's vocabulary."""
+    target = _model(kind)
+    if not target.spec.recurrent_layer_ids():
+        return target
+    from kvjax.serve.checkpoint import LoadedModel
+    from kvjax.serve.model import init_params
+    from kvjax.serve.model_config import model_config_from_spec
+    from kvjax.spec import ModelSpec
+
+    spec = dataclasses.replace(ModelSpec.preset("tiny"), vocab_size=target.spec.vocab_size)
+    config = model_config_from_spec(spec)
+    return LoadedModel(name="tiny", spec=spec, config=config, params=init_params(config), fingerprint="draft")
+
+
+def _cli_argv(kind: str, features: set[str]) -> list[str]:
+    """``python -m kvjax generate``'s arguments for the features it has a flag for."""
+    preset = KINDS[kind] if KINDS[kind] != "qwen3-next-tiny" else "tiny"  # a flag check needs a preset's name
+    argv = ["generate", "--model", preset, "--prompt-ids", "1,2,3"]
+    tp = 4 if {"tp", "dp"} <= features else 2 if features & {"tp", "dp"} else 1
+    argv += ["--tp", str(tp)] if tp > 1 else []
+    argv += ["--dp", "2"] if "dp" in features else []
+    argv += ["--dcp", "2"] if "dcp" in features else []
+    argv += ["--pp", "2"] if "pp" in features else []
+    argv += ["--enable-hierarchical-cache"] if features & {"host", "storage"} else []
+    if "standalone" in features:
+        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", preset]
+    argv += [] if "overlap" in features else ["--disable-overlap-schedule"]
+    if "processes" in features:
+        argv += ["--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"]
+    return argv
+
+
+def _cli_checks(kind: str, features: set[str]) -> None:
+    """The jax-free checks ``generate`` makes before jax starts (``generate_command.run``'s order)."""
+    import contextlib
+    import io
+
+    from kvjax.cli import _parser, serving_args
+    from kvjax.cli import generate_command as gen
+    from kvjax.cli.disaggregation_flags import check_disaggregation
+    from kvjax.cli.model_arg import model_spec
+    from kvjax.cli.multihost_flags import joins_group
+
+    args = _parser("generate").parse_args(_cli_argv(kind, features))
+    check_disaggregation(
+        args, command="generate", speculative=bool(args.speculative_algorithm), processes=joins_group(args)
+    )
+    with contextlib.redirect_stderr(io.StringIO()):  # the note that overlap is off for speculation
+        speculative = serving_args.speculative_options(args, model_spec(args.model).vocab_size)
+    serving_args.dp_attention_config(args)
+    if joins_group(args):
+        gen._check_across_processes(args, speculative)
+
+
+def _config(kind: str, features: set[str]) -> Any:
+    from kvjax.config import CacheConfig
+
+    model = _model(kind)
+    options: dict[str, Any] = dict(
+        page_size=4,
+        max_total_tokens=256,
+        max_running_requests=4,
+        context_length=64,
+        chunked_prefill_size=32,
+    )
+    if kind == "recurrent":  # a state per page boundary needs pages of one token (or the extra buffer)
+        options.update(page_size=1, max_mamba_cache_size=8)
+    if "dp" in features:
+        options.update(dp_size=2, enable_dp_attention=True, tp_size=4 if "tp" in features else 2)
+    elif "tp" in features:
+        options.update(tp_size=2)
+    if "dcp" in features:
+        options.update(dcp_size=2)
+    if "pp" in features:
+        options.update(pp_size=2)
+    if features & {"host", "storage"}:
+        options.update(enable_hierarchical_cache=True, hicache_ratio=2.0)
+    if "storage" in features:
+        options.update(hicache_storage_backend="memory", hicache_storage_model_fingerprint=model.fingerprint)
+    if "retraction" in features:
+        options.update(disaggregation_decode_retraction_backup="cpu_tensor")
+    algorithm = "STANDALONE" if "standalone" in features else "EAGLE" if "eagle" in features else None
+    if algorithm is not None:
+        options.update(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_num_draft_tokens=4)
+    return CacheConfig(**options)
+
+
+def _construct(kind: str, features: set[str]) -> list[Any]:
+    """Build the cache and its scheduler as ``kvjax.serve.generate`` does (module docstring)."""
+    import jax
+
+    from kvjax.serve.generate import PP_MICRO_BATCHES, scheduler_for
+
+    _cli_checks(kind, features)
+    model = _model(kind)
+    config = _config(kind, features)
+    overlap = "overlap" in features
+    drafted = bool(features & {"standalone", "eagle"})
+    options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
+    if config.pp_size > 1:
+        from kvjax.serve.pipeline_cache import build_pipeline_cache
+        from kvjax.serve.pipeline_stepping import pipeline_scheduler
+
+        pipeline = build_pipeline_cache(model.spec, config)
+        return [
+            pipeline_scheduler(
+                model.config, pipeline, model.params, micro_batches=PP_MICRO_BATCHES, overlap=overlap, **options
+            )
+        ]
+    elif config.enable_dp_attention:
+        from kvjax.dp.lockstep import LockstepDPScheduler
+        from kvjax.mesh_check import make_serving_mesh
+
+        dp_mesh = make_serving_mesh(config.tp_size, config.dp_size, True, devices=jax.local_devices())
+        server = LockstepDPScheduler.build_lockstep(
+            model.spec, config, model.params, dp_mesh, model_config=model.config, overlap=overlap, **options
+        )
+        return list(server.schedulers)
+    else:
+        from kvjax.build import build_kv_cache
+        from kvjax.serve.tp_mesh import tp_mesh
+
+        tp = tp_mesh(config.tp_size, config.dcp_size)
+        draft = _draft(kind) if drafted else None  # EAGLE: what a caller would pass; refused by name
+        draft_spec = draft.spec if "standalone" in features and draft is not None else None
+        cache = build_kv_cache(model.spec, config, mesh=tp, draft_spec=draft_spec)
+        return [scheduler_for(model, cache, draft=draft, num_steps=3, overlap=overlap, **options)]
+
+
+def construct(kind: str, a: str, b: str) -> str:
+    """`SERVED`, or the refusal as ``"ExceptionType: message"`` (module docstring)."""
+    from kvjax.cli.messages import UsageError
+    from kvjax.errors import ConfigError
+
+    features = {a, b}
+    try:
+        schedulers = _construct(kind, features)
+    except (ConfigError, NotImplementedError, UsageError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return _dropped(features, schedulers) or SERVED
+
+
+def _dropped(features: set[str], schedulers: list[Any]) -> str | None:
+    """``"dropped: ..."`` when a feature asked for is accepted but not in effect in what was built
+    (the plan drops the host tier; no retraction backup is attached; overlap turned off)."""
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+
+    for scheduler in schedulers:
+        plan = scheduler.cache.plan
+        if features & {"host", "storage"} and not plan.attach_host_tier:
+            return "dropped: the plan attaches no host tier"
+        if "retraction" in features and not any(
+            isinstance(ext, RetractionBackupExtension) for ext in scheduler.extensions
+        ):
+            return "dropped: no retraction backup is attached (retracted requests are recomputed)"
+        if "overlap" in features and not scheduler.overlap:
+            return "dropped: the scheduler runs without overlap"
+    return None
+
+
+# --- the curated table ------------------------------------------------------------------------------
+
+#: A refusal kvjax shares with SGLang 0.5.23: its own check, file and condition (what it says).
+SGL_STANDALONE_DP = (
+    'sglang/srt/arg_groups/speculative_hook.py (_handle_eagle_family): speculative_algorithm == "STANDALONE" and '
+    'attn_dp_enabled_of(...) ("Currently standalone speculative decoding does not support dp attention.")'
+)
+SGL_PP_SPEC = (
+    "sglang/srt/arg_groups/validation_hook.py (check_pipeline_parallel_compat, pp_size > 1): speculative_algorithm "
+    'is not None and not (speculative_algorithm.upper() == "EAGLE" and not enable_multi_layer_eagle) ("Pipeline '
+    'parallelism currently only supports EAGLE (non-multi-layer) speculative decoding")'
+)
+SGL_HICACHE_DCP_MHA = (
+    "sglang/srt/arg_groups/hicache_hook.py (resolve_hicache_dcp_compatibility): dcp_size > 1 and "
+    'enable_hierarchical_cache and not use_mla_backend(server_args) ("HiCache with --dcp-size > 1 is only '
+    'supported for MLA models"; kvjax serves the host tier over DCP, and refuses the storage tier under it)'
+)
+
+#: What kvjax does not build yet, where no SGLang 0.5.23 check refuses it.
+GAP = "kvjax: not built yet"
+GAP_CLI_SPEC_TP = (
+    f"{GAP}: the command line refuses --tp with a draft (the library serves it: tests/mesh/test_tp_speculative.py)"
+)
+GAP_EAGLE = f"{GAP}: EAGLE drafts (they read the target's hidden states)"
+GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
+GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('dcp', 'tp'))"
+GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
+GAP_DP_HOST = f"{GAP}: the host tier under DP attention"
+GAP_DP_RETRACTION = f"{GAP}: the retraction backup under lockstep DP attention"
+GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
+GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
+GAP_DCP_STORAGE_MLA = (
+    f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP; kvjax's refusal says 'as in SGLang')"
+)
+GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
+GAP_PP_HOST = f"{GAP}: the host tier over pipeline stages (its loads would reach the first stage only)"
+GAP_PP_RETRACTION = f"{GAP}: the retraction backup over pipeline stages"
+GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
+GAP_SPEC_ROLLBACK = f"{GAP}: rolling back this state after rejected draft tokens"
+GAP_SPEC_OVERLAP = f"{GAP}: overlap scheduling with speculative decoding (SGLang's spec v2 overlaps)"
+GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
+GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
+GAP_SWA_STORAGE = f"{GAP}: the storage tier under the hybrid sliding-window tree"
+GAP_SWA_DRAFT = f"{GAP}: a draft model's pools for a sliding-window target"
+GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
+GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
+GAP_RECURRENT_HOST = f"{GAP}: host copies of recurrent-state checkpoints"
+GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """A cell's expected status: served (``proof``: the test ``path::name`` that serves it end to
+    end; None: it constructs, unproven), refused (``reason``: SGLang's check or a kvjax gap), or
+    ``dropped`` (accepted, but the feature is not in effect; ``reason`` as for a refusal)."""
+
+    proof: str | None = None
+    reason: str | None = None
+    dropped: bool = False
+
+    @property
+    def outcome(self) -> str:
+        """What ``construct`` must give: ``served``, ``refused`` or ``dropped``."""
+        return "dropped" if self.dropped else "refused" if self.reason is not None else SERVED
+
+    @property
+    def status(self) -> str:
+        """The documented status: served, constructs (unproven), refused/dropped as SGLang, a kvjax gap."""
+        if self.reason is not None:
+            verb = "dropped" if self.dropped else "refused"
+            return f"{verb}, as in SGLang" if self.reason.startswith("sglang/") else f"{verb}: kvjax gap"
+        return SERVED if self.proof is not None else "constructs, unproven"
+
+
+def refused(reason: str) -> Cell:
+    return Cell(reason=reason)
+
+
+def dropped(reason: str) -> Cell:
+    return Cell(reason=reason, dropped=True)
+
+
+#: The served cells and the test serving each end to end (both features on; a pair of one
+#: feature with itself is that feature alone).
+PROOFS: dict[tuple[str, str, str], str] = {
+    # Full attention.
+    ("full", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gqa_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "dp", "dp"): "tests/mesh/test_dp_lockstep.py::test_lockstep_dp2_serves_the_single_scheduler_tokens",
+    ("full", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "pp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "standalone", "standalone"): (
+        "tests/serve/test_speculative_parity.py::test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill"
+    ),
+    ("full", "host", "host"): (
+        "tests/serve/test_host_tier_serving.py::test_host_tier_serves_evicted_prefixes_from_host_with_the_same_tokens"
+    ),
+    ("full", "storage", "storage"): (
+        "tests/serve/test_storage_tier_serving.py::test_storage_serves_prefixes_evicted_from_device_and_host_with_cold_tokens"
+    ),
+    ("full", "retraction", "retraction"): (
+        "tests/serve/test_retraction_cpu_tensor.py::test_decode_retraction_restores_cpu_tensor_copies_with_the_same_tokens"
+    ),
+    ("full", "overlap", "overlap"): (
+        "tests/serve/test_overlap.py::test_retraction_and_eviction_under_overlap_give_the_same_tokens"
+    ),
+    ("full", "processes", "processes"): (
+        "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
+    ),
+    ("full", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_llama_host_tier_loads_back_per_shard_pages",
+    ("full", "tp", "storage"): (
+        "tests/mesh/test_tp_host_tier.py::test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp"
+    ),
+    ("full", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gqa_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "tp", "processes"): (
+        "tests/mesh/test_multihost_parity.py::test_llama_at_tp_8_over_two_processes_matches_transformers"
+    ),
+    (
+        "full",
+        "dp",
+        "overlap",
+    ): "tests/mesh/test_dp_overlap.py::test_lockstep_overlap_serves_the_tokens_of_the_loop_without_it",
+    ("full", "dp", "processes"): (
+        "tests/mesh/test_multihost_dp.py::test_demo_at_dp_2_tp_4_over_two_processes_gives_the_single_process_tokens"
+    ),
+    ("full", "dcp", "host"): (
+        "tests/mesh/test_dcp_host_tier.py::test_llama_loads_back_striped_pages_from_the_host_with_transformers_tokens"
+    ),
+    (
+        "full",
+        "dcp",
+        "overlap",
+    ): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "pp", "overlap"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "standalone", "host"): (
+        "tests/serve/test_speculative_parity.py::test_host_tier_loads_the_drafts_pages_with_the_targets"
+    ),
+    ("full", "host", "storage"): (
+        "tests/serve/test_storage_tier_serving.py::test_storage_serves_prefixes_evicted_from_device_and_host_with_cold_tokens"
+    ),
+    ("full", "host", "overlap"): "tests/serve/test_overlap.py::test_host_tier_under_overlap_gives_the_same_tokens",
+    ("full", "host", "processes"): (
+        "tests/mesh/test_multihost_host_tier.py::test_host_tier_with_a_delayed_process_gives_the_single_process_tokens"
+    ),
+    ("full", "storage", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
+    ("full", "storage", "processes"): (
+        "tests/mesh/test_multihost_storage.py::test_storage_hits_and_prefetches_are_agreed_with_a_short_store_on_one_process"
+    ),
+    ("full", "retraction", "overlap"): (
+        "tests/serve/test_parity_transformers.py::test_page_1_small_pool_restoring_retracted_requests_from_cpu_tensor_copies"
+    ),
+    ("full", "overlap", "processes"): (
+        "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
+    ),
+    # Sliding window (Gemma 3: sliding layers interleaved with full attention).
+    ("swa", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "pp", "pp"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
+    (
+        "swa",
+        "host",
+        "host",
+    ): "tests/serve/test_parity_gemma3.py::test_host_tier_loads_evicted_prefixes_back_with_the_last_window",
+    ("swa", "overlap", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
+    ("swa", "processes", "processes"): (
+        "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
+    ),
+    ("swa", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_gemma3_sliding_window_host_pools_at_tp_2",
+    ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "tp", "processes"): (
+        "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
+    ),
+    ("swa", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "pp", "overlap"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
+    ("swa", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
+    # MLA (DeepSeek-V2's latent pool).
+    ("mla", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_deepseek_v2_mla_latent_replicated_heads_split",
+    ("mla", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
+    ("mla", "host", "host"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
+    ("mla", "overlap", "overlap"): (
+        "tests/serve/test_parity_deepseek_v2.py::test_page_1_with_a_pool_small_enough_to_evict_and_retract"
+    ),
+    ("mla", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("mla", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
+    ("mla", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_deepseek_v2_mla_latent_replicated_heads_split",
+    ("mla", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("mla", "dcp", "overlap"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
+    ("mla", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
+    # Recurrent state (Qwen3-Next: gated delta net layers and a full-attention layer).
+    ("recurrent", "tp", "tp"): (
+        "tests/mesh/test_tp_parity_qwen3_next.py::test_head_parallel_gated_delta_net_reuse_eviction_and_retraction"
+    ),
+    ("recurrent", "overlap", "overlap"): (
+        "tests/serve/test_parity_qwen3_next.py::test_eviction_of_kv_and_checkpoints_and_retraction"
+    ),
+    ("recurrent", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "tp", "overlap"): (
+        "tests/mesh/test_tp_parity_qwen3_next.py::test_head_parallel_gated_delta_net_reuse_eviction_and_retraction"
+    ),
+    ("recurrent", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "dp", "processes"): (
+        "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers"
+    ),
+}
+
+#: The refused (and dropped) cells, each with its reason.
+REFUSED: dict[tuple[str, str, str], Cell] = {
+    ("full", "eagle", "eagle"): refused(GAP_EAGLE),
+    ("full", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
+    ("full", "tp", "eagle"): refused(GAP_EAGLE),
+    ("full", "dp", "dcp"): refused(GAP_DP_DCP),
+    ("full", "dp", "pp"): refused(GAP_DP_PP),
+    ("full", "dp", "standalone"): refused(SGL_STANDALONE_DP),
+    ("full", "dp", "eagle"): refused(GAP_DP_SPEC),
+    ("full", "dp", "host"): refused(GAP_DP_HOST),
+    ("full", "dp", "storage"): refused(GAP_DP_HOST),
+    ("full", "dcp", "pp"): refused(GAP_DCP_PP),
+    ("full", "dcp", "standalone"): refused(GAP_DCP_SPEC),
+    ("full", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
+    ("full", "dcp", "processes"): refused(GAP_PROCESSES),
+    ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
+    ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("full", "pp", "host"): refused(GAP_PP_HOST),
+    ("full", "pp", "storage"): refused(GAP_PP_HOST),
+    ("full", "pp", "retraction"): refused(GAP_PP_RETRACTION),
+    ("full", "pp", "processes"): refused(GAP_PROCESSES),
+    ("full", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
+    ("full", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("full", "standalone", "processes"): refused(GAP_PROCESSES),
+    ("full", "eagle", "host"): refused(GAP_EAGLE),
+    ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
+    ("full", "eagle", "retraction"): refused(GAP_EAGLE),
+    ("full", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("full", "eagle", "processes"): refused(GAP_EAGLE),
+    ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
+    ("swa", "standalone", "standalone"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "eagle"): refused(GAP_SWA_DRAFT),
+    ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
+    ("swa", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
+    ("swa", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
+    ("swa", "tp", "eagle"): refused(GAP_SWA_DRAFT),
+    ("swa", "tp", "storage"): refused(GAP_SWA_STORAGE),
+    ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("swa", "dp", "dcp"): refused(GAP_DP_DCP),
+    ("swa", "dp", "pp"): refused(GAP_DP_PP),
+    ("swa", "dp", "standalone"): refused(SGL_STANDALONE_DP),
+    ("swa", "dp", "eagle"): refused(GAP_DP_SPEC),
+    ("swa", "dp", "host"): refused(GAP_DP_HOST),
+    ("swa", "dp", "storage"): refused(GAP_DP_HOST),
+    ("swa", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("swa", "dcp", "pp"): refused(GAP_DCP_PP),
+    ("swa", "dcp", "standalone"): refused(GAP_DCP_SPEC),
+    ("swa", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("swa", "dcp", "host"): refused(GAP_SWA_DCP),
+    ("swa", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
+    ("swa", "dcp", "retraction"): refused(GAP_SWA_DCP),
+    ("swa", "dcp", "overlap"): refused(GAP_SWA_DCP),
+    ("swa", "dcp", "processes"): refused(GAP_PROCESSES),
+    ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
+    ("swa", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("swa", "pp", "host"): refused(GAP_PP_HOST),
+    ("swa", "pp", "storage"): refused(GAP_PP_HOST),
+    ("swa", "pp", "retraction"): refused(GAP_PP_RETRACTION),
+    ("swa", "pp", "processes"): refused(GAP_PROCESSES),
+    ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT),
+    ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT),
+    ("swa", "standalone", "retraction"): refused(GAP_SWA_DRAFT),
+    ("swa", "standalone", "overlap"): refused(GAP_SWA_DRAFT),
+    ("swa", "standalone", "processes"): refused(GAP_PROCESSES),
+    ("swa", "eagle", "host"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "storage"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "retraction"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "overlap"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "processes"): refused(GAP_SWA_DRAFT),
+    ("swa", "host", "storage"): refused(GAP_SWA_STORAGE),
+    ("swa", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("swa", "storage", "retraction"): refused(GAP_SWA_STORAGE),
+    ("swa", "storage", "overlap"): refused(GAP_SWA_STORAGE),
+    ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
+    ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
+    ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
+    ("mla", "eagle", "eagle"): refused(GAP_EAGLE),
+    ("mla", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
+    ("mla", "tp", "eagle"): refused(GAP_EAGLE),
+    ("mla", "dp", "dcp"): refused(GAP_DP_DCP),
+    ("mla", "dp", "pp"): refused(GAP_DP_PP),
+    ("mla", "dp", "standalone"): refused(SGL_STANDALONE_DP),
+    ("mla", "dp", "eagle"): refused(GAP_DP_SPEC),
+    ("mla", "dp", "host"): refused(GAP_DP_HOST),
+    ("mla", "dp", "storage"): refused(GAP_DP_HOST),
+    ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
+    ("mla", "dcp", "standalone"): refused(GAP_DCP_SPEC),
+    ("mla", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("mla", "dcp", "storage"): refused(GAP_DCP_STORAGE_MLA),
+    ("mla", "dcp", "processes"): refused(GAP_PROCESSES),
+    ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
+    ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("mla", "pp", "host"): refused(GAP_PP_HOST),
+    ("mla", "pp", "storage"): refused(GAP_PP_HOST),
+    ("mla", "pp", "retraction"): refused(GAP_PP_RETRACTION),
+    ("mla", "pp", "processes"): refused(GAP_PROCESSES),
+    ("mla", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
+    ("mla", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("mla", "standalone", "processes"): refused(GAP_PROCESSES),
+    ("mla", "eagle", "host"): refused(GAP_EAGLE),
+    ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
+    ("mla", "eagle", "retraction"): refused(GAP_EAGLE),
+    ("mla", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("mla", "eagle", "processes"): refused(GAP_EAGLE),
+    ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "standalone", "standalone"): refused(GAP_SPEC_ROLLBACK),
+    ("recurrent", "eagle", "eagle"): refused(GAP_EAGLE),
+    ("recurrent", "host", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
+    ("recurrent", "tp", "eagle"): refused(GAP_EAGLE),
+    ("recurrent", "tp", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("recurrent", "dp", "dcp"): refused(GAP_DP_DCP),
+    ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
+    ("recurrent", "dp", "standalone"): refused(SGL_STANDALONE_DP),
+    ("recurrent", "dp", "eagle"): refused(GAP_DP_SPEC),
+    ("recurrent", "dp", "host"): refused(GAP_DP_HOST),
+    ("recurrent", "dp", "storage"): refused(GAP_DP_HOST),
+    ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
+    ("recurrent", "dcp", "standalone"): refused(GAP_DCP_SPEC),
+    ("recurrent", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("recurrent", "dcp", "host"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
+    ("recurrent", "dcp", "retraction"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "dcp", "overlap"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "dcp", "processes"): refused(GAP_PROCESSES),
+    ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
+    ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("recurrent", "pp", "host"): refused(GAP_PP_HOST),
+    ("recurrent", "pp", "storage"): refused(GAP_PP_HOST),
+    ("recurrent", "pp", "retraction"): refused(GAP_PP_RETRACTION),
+    ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
+    ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
+    ("recurrent", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("recurrent", "standalone", "processes"): refused(GAP_PROCESSES),
+    ("recurrent", "eagle", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "eagle", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),
+    ("recurrent", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("recurrent", "eagle", "processes"): refused(GAP_EAGLE),
+    ("recurrent", "host", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "host", "retraction"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "host", "overlap"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "storage", "retraction"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "storage", "overlap"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "storage", "processes"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
+    ("recurrent", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
+}
+
+
+def expected(kind: str, a: str, b: str) -> Cell:
+    """The curated cell: refused or dropped (``REFUSED``), served (``PROOFS``), else constructs, unproven."""
+    key = (kind, a, b)
+    if key in REFUSED:
+        return REFUSED[key]
+    return Cell(proof=PROOFS.get(key))
+
+
+def computed_outcome(result: str) -> str:
+    """``construct``'s result as an outcome: ``served``, ``dropped`` or ``refused``."""
+    return SERVED if result == SERVED else "dropped" if result.startswith("dropped:") else "refused"
+
+
+# --- the document -------------------------------------------------------------------------------
+
+SYMBOLS = {
+    SERVED: "✓",
+    "constructs, unproven": "○",
+    "refused, as in SGLang": "S",
+    "refused: kvjax gap": "✗",
+    "dropped, as in SGLang": "s",
+    "dropped: kvjax gap": "d",
+}
+
+
+def render(results: dict[tuple[str, str, str], str]) -> str:
+    """``docs/combinations.md``: per cache kind a grid and every cell's evidence; ``results``:
+    ``construct``'s result per cell (the refusals quoted)."""
+    lines = [
+        "# Combination matrix",
+        "",
+        "<!-- Generated: python -m tests.combinations --write (tests/mesh/test_combination_matrix.py checks it). -->",
+        "",
+        "Every pair of serving features, for each cache kind, as kvjax constructs it: the command line's",
+        "own flag checks (`python -m kvjax generate`), then the cache and its scheduler as",
+        "`kvjax.serve.generate` builds them (tiny pools, nothing compiled, no request served).",
+        "`tests/mesh/test_combination_matrix.py` constructs every cell and fails when one disagrees with",
+        "the curated table in `tests/combinations.py`, or when this page is not that table rendered.",
+        "",
+        "A cell is **served** (✓, with the test that serves it end to end), **constructs, unproven** (○:",
+        "kvjax builds it, no test serves it yet), **refused** as SGLang 0.5.23 refuses it (S, its own check",
+        "cited) or as a kvjax gap (✗: SGLang has no check refusing it), or **dropped** (d: accepted, but the",
+        "feature is not in effect). Several processes are checked as the command line checks them, then",
+        "constructed in one process (a run over processes builds the same scheduler over a wider mesh).",
+        "",
+        "Features:",
+        "",
+    ]
+    lines += [f"- **{SHORT[f]}**: {FEATURES[f]}" for f in FEATURES]
+    lines += ["", "STANDALONE and EAGLE are two values of one option, not a pair.", ""]
+    counts: dict[str, int] = {}
+    for kind in KINDS:
+        for c in [c for c in cells() if c[0] == kind]:
+            status = expected(*c).status
+            counts[status] = counts.get(status, 0) + 1
+    lines += ["Totals over every kind: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", ""]
+    names = list(FEATURES)
+    for kind in KINDS:
+        lines += [f"## {KIND_TITLES[kind]}", ""]
+        lines += ["| | " + " | ".join(SHORT[f] for f in names) + " |", "|---" * (len(names) + 1) + "|"]
+        for i, a in enumerate(names):
+            row = []
+            for j, b in enumerate(names):
+                pair = (a, b) if i <= j else (b, a)
+                if set(pair) == ONE_FLAG or j < i:
+                    row.append("")
+                else:
+                    row.append(SYMBOLS[expected(kind, *pair).status])
+            lines.append(f"| **{SHORT[a]}** | " + " | ".join(row) + " |")
+        lines += ["", "| features | status | evidence | kvjax's refusal |", "|---|---|---|---|"]
+        for _, a, b in [c for c in cells() if c[0] == kind]:
+            cell = expected(kind, a, b)
+            what = SHORT[a] if a == b else f"{SHORT[a]} + {SHORT[b]}"
+            evidence = f"`{cell.proof}`" if cell.proof else (_escape(cell.reason) if cell.reason else "")
+            result = results[(kind, a, b)]
+            said = "" if result == SERVED else _escape(result)
+            lines.append(f"| {what} | {cell.status} | {evidence} | {said} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def compute() -> dict[tuple[str, str, str], str]:
+    """``construct`` of every cell."""
+    return {c: construct(*c) for c in cells()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.combinations", description=__doc__)
+    parser.add_argument("--write", action="store_true", help=f"regenerate {DOC.relative_to(ROOT)}")
+    parser.add_argument("--kind", choices=list(KINDS), action="append", help="only these kinds (print)")
+    args = parser.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", DEVICES)
+    if args.write:
+        DOC.write_text(render(compute()) + "\n")
+        print(f"wrote {DOC.relative_to(ROOT)}")
+        return 0
+    for kind, a, b in cells():
+        if args.kind and kind not in args.kind:
+            continue
+        print(f"{kind}\t{a}\t{b}\t{construct(kind, a, b)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())
