@@ -6,7 +6,8 @@ sizes on the two sides:
 
 * Gemma 3 (sliding-window and full layers, window 8; prefill tp 2 -> decode tp 1): prompts longer
   than the window, so the window side moves only the window's tokens while the full side moves
-  every token; the decode side's windows then slide past the prompt;
+  every token; the decode side's windows then slide past the prompt; and Mistral with a window on
+  every layer (one pool, tp 1 -> tp 2: only the prompt's last window moves);
 * Qwen3-Next (gated delta net + full attention; tp 2 -> tp 2): the request's recurrent-state slot
   moves with its full-attention rows. Two sides whose state is split over different TP sizes are
   refused by the handshake's signature (the conv channels' order depends on the split);
@@ -134,6 +135,28 @@ def test_gemma3_sliding_window_moves_tp2_to_tp1(gemma3, tmp_path):
         ["--tp", "1", "--page-size", "2", "--no-decode-radix", "--retraction-backup", "cpu_tensor"],
     )
     colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "1", "--page-size", "2")
+    _check(hf, rounds, report, prefill_report, colocated, LOGIT_ATOL)
+
+
+def test_pure_sliding_window_mistral_moves_only_its_window_tp1_to_tp2(tmp_path_factory, tmp_path):
+    """Mistral with a window on every layer: one pool under a plain allocator, the request table
+    holding window slots (zeros once freed); only the prompt's last window moves."""
+    from tests.serve.parity_harness import saved_transformers_model, transformers
+    from tests.serve.test_parity_mistral_swa import CONFIG, LOGIT_ATOL, WINDOW
+
+    hf, checkpoint = saved_transformers_model(transformers.MistralConfig(**CONFIG), tmp_path_factory, "pd-mistral")
+    rounds = _rounds(hf.config.vocab_size, seed=25)
+    assert all(len(r["prompt"]) > WINDOW for r in rounds[0])
+    report, prefill_report = _serve_pair(
+        checkpoint,
+        tmp_path,
+        rounds,
+        ["--tp", "1", "--page-size", "4"],
+        ["--tp", "2", "--page-size", "1", "--no-decode-radix", "--retraction-backup", "cpu_tensor"],
+    )
+    assert any(s.startswith("swa.swa.rows") for s in report["signature"]), report["signature"]
+    assert not any(s.startswith("swa.full.") for s in report["signature"]), report["signature"]
+    colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "1")
     _check(hf, rounds, report, prefill_report, colocated, LOGIT_ATOL)
 
 
