@@ -10,7 +10,8 @@ sizes on the two sides:
   every layer (one pool, tp 1 -> tp 2: only the prompt's last window moves);
 * Qwen3-Next (gated delta net + full attention; tp 2 -> tp 2): the request's recurrent-state slot
   moves with its full-attention rows. Two sides whose state is split over different TP sizes are
-  refused by the handshake's signature (the conv channels' order depends on the split);
+  refused by the handshake's signature (the conv channels' order depends on the split); and
+  Nemotron-H's Mamba2 state (two groups, tp 2 -> tp 2);
 * DeepSeek-V2 (MLA; tp 4 -> tp 2): the latent rows, replicated over each side's mesh; and the same
   with an fp8 latent cache (its scale moves with the rows; compared with colocated fp8 serving);
 * a speculative cache's draft pool ``kv_draft`` (in process: kvjax serves no speculative decode
@@ -185,6 +186,35 @@ def test_qwen3_next_recurrent_state_moves_tp2_to_tp2(qwen3_next, tmp_path):
     # a colocated recurrent-state tree takes page size 1 (larger pages need the extra buffer)
     colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "1")
     _check(hf, rounds, report, prefill_report, colocated, ATOL)
+
+
+def test_nemotron_h_mamba2_state_moves_tp2_to_tp2(tmp_path_factory, tmp_path):
+    """Nemotron-H (Mamba2 mixers of two groups, one attention block): the Mamba2 conv and SSM
+    state moves with the attention rows. Its parity test compares logits with Transformers' full
+    forward (its cached generate differs), so here: Transformers' greedy tokens, and the logits of
+    colocated serving (which that test holds to Transformers)."""
+    import torch
+
+    from tests.serve.parity_harness import TINY_CONFIG, saved_transformers_model, transformers
+    from tests.serve.random_workloads import NEMOTRON_H_BLOCKS, TINY_LAYER_SIZES
+    from tests.serve.test_parity_nemotron_h import LOGIT_ATOL, MODEL_SEED
+
+    config = transformers.NemotronHConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, **NEMOTRON_H_BLOCKS)
+    hf, checkpoint = saved_transformers_model(config, tmp_path_factory, "pd-nemotron-h", seed=MODEL_SEED)
+    rounds = _rounds(hf.config.vocab_size, seed=26)
+    report, prefill_report = _serve_pair(
+        checkpoint,
+        tmp_path,
+        rounds,
+        ["--tp", "2", "--page-size", "1"],
+        ["--tp", "2", "--page-size", "2", "--no-decode-radix"],
+    )
+    colocated = _colocated(checkpoint, tmp_path, rounds, "--tp", "2", "--page-size", "1")
+    _check(None, rounds, report, prefill_report, colocated, LOGIT_ATOL)
+    for r in rounds[0]:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([r["prompt"]]), max_new_tokens=MAX_NEW, do_sample=False)
+        assert report["outputs"][r["rid"]] == want[0, len(r["prompt"]) :].tolist(), r["rid"]
 
 
 def test_recurrent_states_split_over_different_tp_sizes_are_refused_by_the_signature(qwen3_next):
