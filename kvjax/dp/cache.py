@@ -25,14 +25,19 @@ SGLang builds one scheduler per rank; kvjax builds:
   (every distinct KV head of the rank once), its tree is a ``HiRadixCache`` and its transfers go
   through a ``kvjax.dp.rank_transfer.RankPageTransferEngine``, which reads and writes only the
   rank's slice of the stacked pools (in place, O(pages moved)) and records its loads on the
-  rank's queue. Every rank's host pool together must fit the host's memory.
+  rank's queue. Every rank's host pool together must fit the host's memory. With a storage tier
+  (``hicache_storage_backend``) each rank opens its own store behind its host pool
+  (``kvjax.transfers.storage_attach.open_storage_tier``), under the key a one-rank cache of the
+  rank's plan uses: the pages are content addressed and the rank's host page is what that cache
+  holds, so ranks (and a one-rank cache of the same attention TP) read each other's pages; one
+  process only, not with an fp8 KV cache (the key carries the pool's scales, one set per rank).
 
 Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_shape`` is the
 shape ``build_kv_cache`` gives that array over a ``("tp",)`` mesh of ``attn_tp_size`` devices;
 ``layout.pool_specs`` is the matching pytree of ``PartitionSpec`` (first entry ``"data"``).
-Not built yet under DP attention (refused before anything is allocated): the storage tier, the
-host tier of a kind with its own transfer engine (the sliding-window pair) and a speculative
-draft pool.
+Not built yet under DP attention (refused before anything is allocated): the storage tier over
+several processes or an fp8 KV cache, the host tier of a kind with its own transfer engine (the
+sliding-window pair) and a speculative draft pool.
 """
 
 from __future__ import annotations
@@ -269,8 +274,10 @@ def check_dp_mesh(mesh: Mesh, config: CacheConfig) -> None:
 
 
 def _refuse_unbuilt_tiers(config: CacheConfig) -> None:
+    storage = config.hicache_storage_backend is not None
     unbuilt = {
-        "hicache_storage_backend": config.hicache_storage_backend is not None,
+        "hicache_storage_backend over several processes": storage and jax.process_count() > 1,
+        "hicache_storage_backend with an fp8 KV cache": storage and config.kv_cache_dtype.startswith("fp8"),
         "speculative_algorithm": config.speculative_algorithm is not None,
     }
     for option, on in unbuilt.items():
@@ -383,16 +390,23 @@ def _rank_host_state(
     pending = PendingDeviceUpdates(pools)
     host_pool = host_pools.get(HOST_KV)
     engine = None
+    storage = None
     if host_pool is not None:
         from kvjax.dp.rank_transfer import RankPageTransferEngine
 
         device_pool = next(p.name for p in plan.pools if p.memory == "device")
         engine = RankPageTransferEngine(pending, host_pool, rank, pool_name=device_pool)
+        if config.hicache_storage_backend is not None:
+            from kvjax.transfers.storage_attach import open_storage_tier
+
+            # The key reads the device pool only for fp8 scales and other processes' heads (both refused).
+            storage = open_storage_tier(plan, host_pool, pools, config)
     tree = create_tree_cache(
         plan.tree_options,
         req_to_token_pool=table,
         token_to_kv_pool_allocator=allocator,
         host_allocator=None if host_pool is None else host_pool.allocator,
         host_engine=engine,
+        storage=storage,
     )
     return DPRank(rank, plan, table, allocator, tree, pending, host_pool, host_pools)

@@ -44,6 +44,7 @@ def refusals() -> dict:
                 hicache_storage_backend="file",
                 hicache_storage_dir="unused",
                 hicache_storage_model_fingerprint="unused",
+                kv_cache_dtype="fp8_e4m3",
             ),
             mesh,
         ),

@@ -43,7 +43,8 @@ def test_mismatched_meshes_and_configs_are_refused_before_allocating(checks):
     assert errors["dp_size"].startswith("ConfigError: dp_size=4") and "'data' axis has 2" in errors["dp_size"]
     assert errors["tp_size"].startswith("ConfigError: tp_size=2") and "'tp' axis has 2" in errors["tp_size"]
     assert errors["axes"].startswith("ConfigError: mesh=('dp', 'tp')")
-    # the host tier is built per rank (tests/mesh/test_dp_host_tier.py); the storage tier is not yet
+    # the host and storage tiers are built per rank (tests/mesh/test_dp_host_tier.py), the storage
+    # tier not yet with an fp8 KV cache
     storage = errors["storage_tier"]
     assert storage.startswith("NotImplementedError") and "hicache_storage_backend" in storage
 

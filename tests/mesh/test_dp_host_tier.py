@@ -1,4 +1,4 @@
-"""The host tier (HiCache) and the retraction backups under lockstep DP attention, dp 2 x tp 2.
+"""The host tier (HiCache), its storage tier and the retraction backups under lockstep DP attention, dp 2 x tp 2.
 
 Each DP rank has its own host pool, ``HiRadixCache`` and ``RankPageTransferEngine``
 (``kvjax.dp.rank_transfer``): a backup gathers the rank's pages of its slice of the stacked pools
@@ -16,7 +16,9 @@ load counter > 0); every request's greedy tokens equal Transformers' and its log
 within 1e-4; every rank ends leak free with its device and host accounting balanced (device
 balance checked after every round, ``tests.mesh.dp_balance``). The retraction backups
 (``host_pool`` with the host tier, ``cpu_tensor`` without it) back up retracted requests and
-restore them when they are admitted again, with the same tokens.
+restore them when they are admitted again, with the same tokens. The storage tier: each rank
+writes its pages behind its host pool, and a cold server's ranks prefetch the pages the other
+rank wrote, with the same tokens.
 """
 
 from __future__ import annotations
@@ -268,12 +270,45 @@ def test_retraction_copies_of_a_rank_restore_only_its_slice():
         np.testing.assert_array_equal(np.asarray(new), want)
 
 
-def test_the_storage_tier_is_still_refused_under_dp_attention():
-    with pytest.raises(NotImplementedError, match="hicache_storage_backend under DP attention"):
-        _engine_cache(
-            2,
-            "tiny",
-            hicache_storage_backend="file",
-            hicache_storage_dir="unused",
-            hicache_storage_model_fingerprint="unused",
-        )
+def _storage_front(model: LoadedModel, directory: Any) -> LockstepDPScheduler:
+    return _front(
+        model,
+        "round_robin",
+        max_total_tokens=96,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(directory),
+        hicache_storage_model_fingerprint=model.fingerprint,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_prefetch_threshold=8,
+    )
+
+
+def test_llama_storage_tier_per_rank_read_back_by_a_cold_dp_server(llama, tmp_path):
+    """Each rank writes its pages to the storage tier behind its host pool (``x0`` from rank 0,
+    ``y0`` from rank 1); a cold server of the same layout routes the follow-ups the other way
+    round (``y0+`` to rank 0, ``x0+`` to rank 1), and each rank prefetches the pages the other
+    rank wrote (one key for every rank: the pages are content addressed), with Transformers'
+    tokens, leak free."""
+    hf, model = llama
+    p = _rank_prompts()
+    first = _storage_front(model, tmp_path)
+    written = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("x0", "y0")]
+    first.run(written)
+    for scheduler in first.schedulers:
+        tree = scheduler.cache.tree_cache
+        tree.check_transfers(wait=True)
+        tree.storage.check_writes(wait=True)
+        tree.storage.storage.flush()
+    assert [first.rank_of[n] for n in ("x0", "y0")] == [0, 1]
+    assert any(tmp_path.glob("*/key.json")), "the ranks should write pages to storage"
+
+    cold = _storage_front(model, tmp_path)
+    again = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in ("y0+", "x0+")]
+    cold.run(again)
+    assert [cold.rank_of[n] for n in ("y0+", "x0+")] == [0, 1]
+    hosts = _host_extensions(cold)
+    assert [h.prefetched_tokens > 0 for h in hosts] == [True, True], [h.prefetched_tokens for h in hosts]
+    assert all(s.stats.cached_tokens > 0 for s in cold.schedulers)
+    _assert_leak_free_and_balanced(cold)
+    assert_matches_transformers(hf, {str(r.rid): r for r in [*written, *again]}, max_new=MAX_NEW, atol=ATOL)
