@@ -9,7 +9,7 @@ processes), then the cache and its scheduler as ``kvjax.serve.generate`` builds 
 ``build_kv_cache`` over ``tp_mesh``, ``scheduler_for`` / the speculative scheduler,
 ``build_pipeline_cache`` + ``pipeline_scheduler``, ``LockstepDPScheduler.build_lockstep`` over a
 ``("data", "tp")`` mesh), with small pools and nothing compiled. It returns `SERVED` or the
-refusal (``"ExceptionType: message"``). Several processes cannot be joined here: their cell is the
+refusal (``"ExceptionType (stage): message"``). Several processes cannot be joined here: their cell is the
 command line's check across processes and then the one-process construction (a multi-process run
 builds the same scheduler over a mesh spanning the processes).
 
@@ -198,15 +198,22 @@ def _config(kind: str, features: set[str]) -> Any:
     return CacheConfig(**options)
 
 
-def _construct(kind: str, features: set[str]) -> list[Any]:
+#: The stage of a refusal raised once the cache is allocated (not "before anything is allocated").
+AFTER_BUILD = "the scheduler, after the cache was built"
+
+
+def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     """Build the cache and its scheduler as ``kvjax.serve.generate`` does (module docstring)."""
     import jax
 
     from kvjax.serve.generate import PP_MICRO_BATCHES, scheduler_for
 
+    stage[:] = ["the command line"]
     _cli_checks(kind, features)
+    stage[:] = ["CacheConfig"]
     model = _model(kind)
     config = _config(kind, features)
+    stage[:] = ["the cache's build"]
     overlap = "overlap" in features
     drafted = bool(features & {"standalone", "eagle"})
     options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
@@ -215,6 +222,7 @@ def _construct(kind: str, features: set[str]) -> list[Any]:
         from kvjax.serve.pipeline_stepping import pipeline_scheduler
 
         pipeline = build_pipeline_cache(model.spec, config)
+        stage[:] = [AFTER_BUILD]
         return [
             pipeline_scheduler(
                 model.config, pipeline, model.params, micro_batches=PP_MICRO_BATCHES, overlap=overlap, **options
@@ -225,6 +233,7 @@ def _construct(kind: str, features: set[str]) -> list[Any]:
         from kvjax.mesh_check import make_serving_mesh
 
         dp_mesh = make_serving_mesh(config.tp_size, config.dp_size, True, devices=jax.local_devices())
+        stage[:] = ["build_lockstep (the DP cache, then each rank's scheduler)"]
         server = LockstepDPScheduler.build_lockstep(
             model.spec, config, model.params, dp_mesh, model_config=model.config, overlap=overlap, **options
         )
@@ -237,19 +246,24 @@ def _construct(kind: str, features: set[str]) -> list[Any]:
         draft = _draft(kind) if drafted else None  # EAGLE: what a caller would pass; refused by name
         draft_spec = draft.spec if "standalone" in features and draft is not None else None
         cache = build_kv_cache(model.spec, config, mesh=tp, draft_spec=draft_spec)
+        stage[:] = [AFTER_BUILD]
         return [scheduler_for(model, cache, draft=draft, num_steps=3, overlap=overlap, **options)]
 
 
 def construct(kind: str, a: str, b: str) -> str:
-    """`SERVED`, or the refusal as ``"ExceptionType: message"`` (module docstring)."""
+    """`SERVED`, ``"dropped: ..."`` or the refusal as ``"ExceptionType (stage): message"``, the stage
+    being where it was raised: the command line's checks, ``CacheConfig``, the cache's build (its
+    checks run before anything is allocated), ``build_lockstep``, or the scheduler's construction
+    once the cache was built (module docstring)."""
     from kvjax.cli.messages import UsageError
     from kvjax.errors import ConfigError
 
     features = {a, b}
+    stage: list[str] = []  # where a refusal is raised
     try:
-        schedulers = _construct(kind, features)
+        schedulers = _construct(kind, features, stage)
     except (ConfigError, NotImplementedError, UsageError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__} ({stage[0]}): {e}"
     return _dropped(features, schedulers) or SERVED
 
 
@@ -686,6 +700,9 @@ def render(results: dict[tuple[str, str, str], str]) -> str:
         "cited) or as a kvjax gap (✗: SGLang has no check refusing it), or **dropped** (d: accepted, but the",
         "feature is not in effect). Several processes are checked as the command line checks them, then",
         "constructed in one process (a run over processes builds the same scheduler over a wider mesh).",
+        "The last column quotes kvjax's refusal and where it is raised: the command line's checks and",
+        "the cache's build refuse before anything is allocated; a refusal from the scheduler comes after",
+        "the cache was built.",
         "",
         "Features:",
         "",
@@ -711,7 +728,7 @@ def render(results: dict[tuple[str, str, str], str]) -> str:
                 else:
                     row.append(SYMBOLS[expected(kind, *pair).status])
             lines.append(f"| **{SHORT[a]}** | " + " | ".join(row) + " |")
-        lines += ["", "| features | status | evidence | kvjax's refusal |", "|---|---|---|---|"]
+        lines += ["", "| features | status | evidence | kvjax's refusal (where) |", "|---|---|---|---|"]
         for _, a, b in [c for c in cells() if c[0] == kind]:
             cell = expected(kind, a, b)
             what = SHORT[a] if a == b else f"{SHORT[a]} + {SHORT[b]}"
