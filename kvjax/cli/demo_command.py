@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     speculative = speculative_options(args, spec.vocab_size)
+    if speculative.get("speculative_algorithm"):  # EAGLE / NEXTN
+        raise UsageError(
+            f"--speculative-algorithm {args.speculative_algorithm}: the MTP draft is served by generate; demo runs "
+            "STANDALONE drafts"
+        )
     check_disaggregation(args, command="demo", speculative=bool(speculative), processes=joins_group(args))
     storage, create = storage_dir(args.hicache_storage, host_tier=args.enable_hierarchical_cache)
     check_demo(

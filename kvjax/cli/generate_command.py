@@ -244,12 +244,15 @@ def run(args: argparse.Namespace) -> int:
         group = join_group(args)
     except CoordinatorError as e:
         raise UsageError(str(e)) from None
-    from kvjax.serve.generate import generate, generate_dp, resolve_model
+    from kvjax.serve.generate import generate, generate_dp, resolve_draft, resolve_model
 
     vision = _image_options(args, spec.model_type) if args.image else {}
     model = resolve_model(args.model, dtype=args.dtype)
-    if speculative:
-        speculative["draft"] = resolve_model(speculative.pop("draft_path"), dtype=args.dtype)
+    if speculative:  # STANDALONE: a model of its own; EAGLE / NEXTN: the checkpoint's MTP layer
+        algorithm = speculative.pop("speculative_algorithm", "STANDALONE")
+        speculative["draft"] = resolve_draft(
+            speculative.pop("draft_path"), model, algorithm=algorithm, dtype=args.dtype
+        )
     options = serving_args.cache_options(args)
     prints = group is None or group.process_id == 0  # the outputs: process 0's alone
     stream = None

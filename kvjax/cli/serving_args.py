@@ -26,6 +26,8 @@ SERVING_FLAGS = {
     "dp_size": "--dp",
     "speculative_algorithm": "--speculative-algorithm",
     "speculative_num_steps": "--speculative-num-steps",
+    "speculative_eagle_topk": "--speculative-eagle-topk",
+    "speculative_num_draft_tokens": "--speculative-num-draft-tokens",
     "draft": "--speculative-draft-model-path",
     "dcp_size": "--dcp",
     "pp_size": "--pp",
@@ -40,7 +42,8 @@ def add_serving_arguments(
     ``--chunked-prefill-size`` (512), ``--enable-hierarchical-cache``,
     ``--disable-overlap-schedule``, ``--tp`` (1), ``--dcp`` (1), ``--pp`` (1), ``--dp`` (1), ``--dp-routing``
     (cache_aware) and the speculative flags (``--speculative-algorithm``,
-    ``--speculative-draft-model-path``, ``--speculative-num-steps``: SGLang's names) to ``parser``."""
+    ``--speculative-draft-model-path``, ``--speculative-num-steps``, ``--speculative-eagle-topk``,
+    ``--speculative-num-draft-tokens``: SGLang's names) to ``parser``."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=dtype_help)
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--max-total-tokens", type=positive_int, default=max_total_tokens, help=max_total_tokens_help)
@@ -93,11 +96,26 @@ def add_serving_arguments(
     )
     parser.add_argument(
         "--speculative-algorithm",
-        choices=["STANDALONE"],
-        help="speculative decoding: a separate small draft model proposes, the target verifies (greedy)",
+        choices=["STANDALONE", "EAGLE", "NEXTN"],
+        help="speculative decoding, the target verifying greedily: STANDALONE, a separate small draft model "
+        "proposes; EAGLE (NEXTN, SGLang's alias for DeepSeek's MTP), the checkpoint's MTP layer proposes from "
+        "the target's hidden states",
     )
-    parser.add_argument("--speculative-draft-model-path", metavar="DIR", help="the draft: a checkpoint or a preset")
+    parser.add_argument(
+        "--speculative-draft-model-path",
+        metavar="DIR",
+        help="the draft: a checkpoint or a preset (STANDALONE); the checkpoint whose MTP layer drafts "
+        "(EAGLE / NEXTN; default --model)",
+    )
     parser.add_argument("--speculative-num-steps", type=positive_int, help="draft tokens per round (default 3)")
+    parser.add_argument(
+        "--speculative-eagle-topk", type=positive_int, help="EAGLE candidates per step: 1 (one chain) is served"
+    )
+    parser.add_argument(
+        "--speculative-num-draft-tokens",
+        type=positive_int,
+        help="tokens the target verifies per round: --speculative-num-steps + 1 (the default) with topk 1",
+    )
     parser.add_argument(
         "--kv-events-config",
         metavar="JSON",
@@ -137,10 +155,25 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
     ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
     steps without an algorithm, or ``--tp`` above 1). Prints a note when overlap scheduling, on by
     default, is turned off for it."""
+    topk = getattr(args, "speculative_eagle_topk", None)
+    draft_tokens = getattr(args, "speculative_num_draft_tokens", None)
     if args.speculative_algorithm is None:
-        if args.speculative_draft_model_path or args.speculative_num_steps:
-            raise UsageError("--speculative-draft-model-path/--speculative-num-steps need --speculative-algorithm")
+        if args.speculative_draft_model_path or args.speculative_num_steps or topk or draft_tokens:
+            raise UsageError(
+                "--speculative-draft-model-path/--speculative-num-steps/--speculative-eagle-topk/"
+                "--speculative-num-draft-tokens need --speculative-algorithm"
+            )
         return {}
+    steps = args.speculative_num_steps or 3
+    if draft_tokens is not None and draft_tokens != steps + 1:
+        raise UsageError(
+            f"--speculative-num-draft-tokens {draft_tokens}: one chain of {steps} draft tokens is verified as "
+            f"{steps + 1} tokens; give {steps + 1} or drop it"
+        )
+    if args.speculative_algorithm in ("EAGLE", "NEXTN"):
+        return _eagle_options(args, topk, steps, target_vocab_size)
+    if topk is not None:
+        raise UsageError(f"--speculative-eagle-topk {topk}: only EAGLE / NEXTN take it; drop it")
     if not args.speculative_draft_model_path:
         raise UsageError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (or a preset)")
     path = args.speculative_draft_model_path
@@ -158,7 +191,47 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
         raise UsageError(f"{flags}: speculative decoding is served on one device; drop {flags}")
     if not args.disable_overlap_schedule:
         print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
-    return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": args.speculative_num_steps or 3}
+    return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": steps}
+
+
+def _eagle_options(args: argparse.Namespace, topk: int | None, steps: int, target_vocab_size: int) -> dict[str, Any]:
+    """``speculative_options`` for EAGLE / NEXTN: the MTP layer of ``--speculative-draft-model-path``
+    (default ``--model``, which must then be a checkpoint directory), ``--speculative-eagle-topk`` 1
+    only, one device (jax-free checks)."""
+    if topk is not None and topk != 1:
+        raise UsageError(
+            f"--speculative-eagle-topk {topk}: kvjax drafts one chain per request (greedy verification of a "
+            "chain, no token tree); give 1 or drop it"
+        )
+    path = args.speculative_draft_model_path or getattr(args, "model", None)
+    if not path:
+        raise UsageError(
+            f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path DIR (or "
+            "--model DIR): a checkpoint with an MTP layer"
+        )
+    flag = "--speculative-draft-model-path" if args.speculative_draft_model_path else "--model"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(
+            f"{flag} {path}: --speculative-algorithm {args.speculative_algorithm} reads the MTP layer from a "
+            "checkpoint directory (config.json and *.safetensors with model.layers.<num_hidden_layers>.*)"
+        )
+    spec = model_spec(path)
+    if spec.num_nextn_predict_layers != 1:
+        raise UsageError(
+            f"--speculative-algorithm {args.speculative_algorithm}: {flag} {path} has num_nextn_predict_layers="
+            f"{spec.num_nextn_predict_layers}; kvjax drafts with a checkpoint's one MTP layer (DeepSeek-V3's)"
+        )
+    if spec.vocab_size != target_vocab_size:
+        raise UsageError(
+            f"{flag} {path}: vocab_size {spec.vocab_size}, the target's is {target_vocab_size}; its MTP layer "
+            "shares the target's embedding and head"
+        )
+    if args.tp > 1:
+        flags = f"--tp {args.tp}" + (f" --dp {args.dp}" if args.dp > 1 else "")
+        raise UsageError(f"{flags}: speculative decoding is served on one device; drop {flags}")
+    if not args.disable_overlap_schedule:
+        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
+    return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": "NEXTN"}
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
 from kvjax.serve.model_fingerprint import random_weights_fingerprint
 from kvjax.serve.scheduler import Scheduler, ServeStats, ServingReq
+from kvjax.serve.speculative.nextn import NextNDraftModel
 from kvjax.serve.tp_mesh import tp_mesh
 from kvjax.spec import ModelSpec
 
@@ -179,7 +180,7 @@ def generate(
     enable_hierarchical_cache: bool = False,
     overlap: bool = True,
     tp_size: int = 1,
-    draft: LoadedModel | None = None,
+    draft: LoadedModel | NextNDraftModel | None = None,
     speculative_num_steps: int = 3,
     dcp_size: int = 1,
     pp_size: int = 1,
@@ -203,7 +204,8 @@ def generate(
     ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
     ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``);
     ``dcp_size``: each request's KV striped over that many times as many (``tp_mesh``).
-    ``draft``: decode speculatively with this STANDALONE draft model, ``speculative_num_steps``
+    ``draft``: decode speculatively with this STANDALONE draft model, or with the target's MTP
+    layer (a ``NextNDraftModel``, ``resolve_draft``: EAGLE / NEXTN), ``speculative_num_steps``
     tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``). ``pp_size`` above 1:
     the layers split into that many pipeline stages of ``tp_size`` local devices each, two
     micro-batches a step (``kvjax.serve.pipeline_stepping``). ``on_step``: called after every
@@ -271,7 +273,7 @@ def generate(
         )
     else:
         mesh = tp_mesh(tp_size, dcp_size) if group is None else _group_tp_mesh(tp_size)
-        cache = build_kv_cache(model.spec, config, mesh=mesh, draft_spec=None if draft is None else draft.spec)
+        cache = build_kv_cache(model.spec, config, mesh=mesh, draft_spec=_draft_spec(draft))
         if mm is not None:
             from kvjax.serve.kinds import default_extensions
 
@@ -310,14 +312,27 @@ def _expanded_prompts(prompts: Sequence[Sequence[int]], encoder: Any, refused: b
 
 
 def scheduler_for(
-    model: LoadedModel, cache: KVCache, *, draft: LoadedModel | None = None, num_steps: int = 3, **options: Any
+    model: LoadedModel,
+    cache: KVCache,
+    *,
+    draft: LoadedModel | NextNDraftModel | None = None,
+    num_steps: int = 3,
+    **options: Any,
 ) -> Scheduler:
     """The scheduler serving ``model`` over ``cache``: a ``Scheduler``, or with a STANDALONE
     ``draft`` model a scheduler drafting ``num_steps`` tokens a round (the cache
-    built with ``draft_spec=draft.spec`` and the speculative fields set). ``options`` go to the
-    scheduler (``max_batch_size``, ``chunked_prefill_size``, ``record_logits``, ``overlap``, ...)."""
+    built with ``draft_spec=draft.spec`` and the speculative fields set), or with the target's MTP
+    layer (a ``NextNDraftModel``; the cache built with ``speculative_algorithm="NEXTN"``) an
+    EAGLE-style one. ``options`` go to the scheduler (``max_batch_size``, ``chunked_prefill_size``,
+    ``record_logits``, ``overlap``, ...)."""
     if draft is None:
         return Scheduler(model.config, cache, model.params, **options)
+    if isinstance(draft, NextNDraftModel):
+        from kvjax.serve.speculative.eagle import eagle_scheduler
+
+        return eagle_scheduler(
+            model.config, cache, model.params, draft_params=draft.params, num_steps=num_steps, **options
+        )
     from kvjax.serve.speculative import speculative_scheduler
 
     return speculative_scheduler(
@@ -651,17 +666,46 @@ def _summed(per_rank: list[ServeStats]) -> ServeStats:
     return total
 
 
-def _speculative_config(draft: LoadedModel | None, num_steps: int) -> dict:
-    """The ``CacheConfig`` fields of a STANDALONE draft (none without one)."""
+def _speculative_config(draft: LoadedModel | NextNDraftModel | None, num_steps: int) -> dict:
+    """The ``CacheConfig`` fields of a STANDALONE draft or the target's MTP layer (NEXTN: its pool
+    holds the layer after the target's); none without one."""
     if draft is None:
         return {}
+    algorithm = "NEXTN" if isinstance(draft, NextNDraftModel) else "STANDALONE"
     return dict(
-        speculative_algorithm="STANDALONE", speculative_num_steps=num_steps, speculative_num_draft_tokens=num_steps + 1
+        speculative_algorithm=algorithm, speculative_num_steps=num_steps, speculative_num_draft_tokens=num_steps + 1
     )
 
 
+def _draft_spec(draft: LoadedModel | NextNDraftModel | None) -> ModelSpec | None:
+    """The draft's spec for ``build_kv_cache``: a STANDALONE draft's own (the MTP layer's pool is
+    planned from the target's spec)."""
+    return draft.spec if isinstance(draft, LoadedModel) else None
+
+
+def resolve_draft(
+    path: str | None, target: LoadedModel, *, algorithm: str = "STANDALONE", dtype: str | None = None
+) -> LoadedModel | NextNDraftModel:
+    """The draft of ``--speculative-algorithm``: STANDALONE a separate model (``resolve_model``);
+    EAGLE or NEXTN the MTP layer of the checkpoint at ``path`` (the command line passes the
+    target's own directory unless the flag names another), with the target's embedding and head
+    (``speculative.nextn.load_nextn_draft``: `ConfigError` naming the flag or the value that does
+    not fit)."""
+    if algorithm == "STANDALONE":
+        if path is None:
+            raise ConfigError("speculative_draft_model_path", None, "STANDALONE needs a draft model")
+        return resolve_model(path, dtype=dtype)
+    from kvjax.serve.speculative.nextn import load_nextn_draft
+
+    if path is None:
+        raise ConfigError(
+            "speculative_draft_model_path", None, f"{algorithm} reads the MTP layer from a checkpoint directory"
+        )
+    return load_nextn_draft(path, target)
+
+
 def _speculative_counters(scheduler: Scheduler) -> dict | None:
-    """A speculative run's counters (``DraftDecoding.report``), else None."""
+    """A speculative run's counters (``DraftDecoding.report``, EAGLE's too), else None."""
     from kvjax.serve.speculative import DraftDecoding
 
     proposer = scheduler.proposer

@@ -28,7 +28,15 @@ CASES = [
         ["--speculative-draft-model-path ./no-such-draft", "no such directory"],
     ),
     (GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--tp", "2"], ["--tp 2"]),
-    (GEN + ["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm", "STANDALONE"]),
+    (GEN + ["--speculative-algorithm", "EAGLE"], ["--model tiny", "checkpoint directory"]),
+    (GEN + ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "2"], ["--speculative-eagle-topk 2"]),
+    (GEN + ["--speculative-eagle-topk", "1"], ["--speculative-algorithm"]),
+    (GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--speculative-eagle-topk", "1"], ["EAGLE / NEXTN"]),
+    (
+        GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--speculative-num-draft-tokens", "5"],
+        ["--speculative-num-draft-tokens 5", "give 4"],
+    ),
+    (["demo", "--speculative-algorithm", "EAGLE"], ["--speculative-draft-model-path", "MTP layer"]),
     (["demo"] + SPEC, ["--speculative-draft-model-path"]),
 ]
 

@@ -207,3 +207,27 @@ def test_refusals_name_the_flag(deepseek):
     without = ModelSpec.from_hf_config(dict(CONFIG, num_nextn_predict_layers=0), name="no-mtp")
     with pytest.raises(ConfigError, match="speculative_algorithm.*no MTP layers"):
         build_kv_cache(without, CacheConfig(context_length=64, speculative_algorithm="NEXTN"))
+
+
+def test_generate_with_the_mtp_layer_gives_the_plain_tokens(deepseek, capsys):
+    from kvjax.cli import main
+
+    _, plain, directory, _ = deepseek
+    argv = ["generate", "--model", str(directory), "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "1,2,3,4,5,6,7"]
+    argv += ["--max-new-tokens", "6", "--ignore-eos", "--page-size", "1", "--json"]
+    assert main(argv) == 0
+    alone = json.loads(capsys.readouterr().out)
+    flags = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1"]
+    assert main([*argv, *flags, "--speculative-num-draft-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    drafted = json.loads(out)
+    assert drafted["outputs"] == alone["outputs"]
+    assert drafted["speculative"]["num_steps"] == 2 and drafted["speculative"]["topk"] == 1
+    assert "without overlap scheduling" in err
+    # the checkpoint's config says one MTP layer, its weights have none: one error line naming it
+    try:
+        code = main(["generate", "--model", str(plain), "--prompt-ids", "1,2", "--speculative-algorithm", "EAGLE"])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    _, err = capsys.readouterr()
+    assert code == 2 and "--speculative-algorithm EAGLE" in err and "no MTP layer weights" in err, err

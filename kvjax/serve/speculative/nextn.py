@@ -21,6 +21,8 @@ SGLang's logits processor captures for the MTP draft.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -33,7 +35,16 @@ from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model import build_model
 from kvjax.serve.model_config import ModelConfig
 
-__all__ = ["NEXTN_FAMILIES", "NextNDraft", "nextn_draft", "nextn_param_shapes", "nextn_params", "nextn_tensor_names"]
+__all__ = [
+    "NEXTN_FAMILIES",
+    "NextNDraft",
+    "NextNDraftModel",
+    "load_nextn_draft",
+    "nextn_draft",
+    "nextn_param_shapes",
+    "nextn_params",
+    "nextn_tensor_names",
+]
 
 NEXTN_FAMILIES = ("deepseek_v2",)
 """The families whose checkpoints kvjax reads an MTP layer from."""
@@ -169,7 +180,7 @@ def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dic
                 "speculative_algorithm",
                 "NEXTN",
                 f"{path} has no MTP layer weights ({len(missing)} tensors missing, e.g. {missing[0]!r}); "
-                "serve a checkpoint that keeps them (DeepSeek-V3's model.layers.{num_hidden_layers}.*)",
+                f"serve a checkpoint that keeps them (model.layers.{target.num_hidden_layers}.*, as DeepSeek-V3's)",
             )
         for param_path, name in names.items():
             want = tuple(shapes[param_path].shape)
@@ -211,3 +222,31 @@ def check_draft_fits(target: ModelConfig, draft_params: Any) -> None:
                 f"the draft's weight has shape {got}, the target (vocab {target.vocab_size}, hidden "
                 f"{target.hidden_size}) needs {tuple(want.shape)}: a draft of this target's vocabulary and hidden size",
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class NextNDraftModel:
+    """A target's MTP layer ready to draft (``kvjax.serve.generate``'s ``draft`` for EAGLE /
+    NEXTN): ``params`` as `nextn_params` returns them, read from ``path``."""
+
+    name: str
+    params: dict[str, Any]
+    path: Path
+
+
+def load_nextn_draft(directory: str | Path, target: Any) -> NextNDraftModel:
+    """The MTP layer of the checkpoint in ``directory`` as the draft of ``target`` (a
+    ``LoadedModel``; normally the same checkpoint), with the target's embedding and head.
+    ``ConfigError`` naming ``speculative_draft_model_path`` for a directory that is not a
+    checkpoint, or a layer that does not fit the target; as `nextn_params` otherwise."""
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            "speculative_draft_model_path",
+            str(directory),
+            "EAGLE / NEXTN read the MTP layer from a checkpoint directory (the target's own, by default); "
+            "a preset or GGUF file has none",
+        )
+    params = nextn_params(target.config, target.params, path)
+    check_draft_fits(target.config, params)
+    return NextNDraftModel(name=f"{path.name} (MTP layer)", params=params, path=path)
