@@ -18,7 +18,8 @@ not depend on the side's page size or tensor-parallel size, and writes pieces in
 side's pool at that side's slots. Layout of the pieces (``PieceSpec`` says each one's shape):
 
 * paged layers: ``[layers, tokens, *row]`` in the storage dtype (MLA's latent: ``row = [width]``,
-  replicated over a mesh); for MHA ``row = [C, D]``, ``C = 2 * kv_heads``
+  replicated over a mesh; the DSA indexer keys: ``row = [D + D // 128 * 4]`` uint8, each token's fp8
+  key bytes then its scales' bytes); for MHA ``row = [C, D]``, ``C = 2 * kv_heads``
   with each distinct KV head once (a pool whose TP size exceeds the model's KV heads holds each
   head on several ranks: its copies are dropped on the way out and made again on the way in),
   and the fp8 scales ``[layers]`` f32;
@@ -215,9 +216,10 @@ def _layer_sharding(pool: Any) -> Any:
     mesh = getattr(pool, "mesh", None)
     if mesh is None:
         return SingleDeviceSharding(next(iter(layer.devices())))
-    parts: list[str | None] = [None] * layer.ndim
-    parts[2] = _head_axis(pool)
-    return NamedSharding(mesh, P(*parts))
+    axis = _head_axis(pool)
+    if axis is None:
+        return NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(None, None, axis, None))
 
 
 @functools.partial(jax.jit, static_argnames=("writer", "replicas"), donate_argnums=(0,))
@@ -250,6 +252,9 @@ class PagedRequestKV:
     def pieces(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[PieceSpec, ...]:
         _refuse_striped(pool)
         layer = pool.layer_arrays[0]
+        if _is_indexer(pool):  # each token's key bytes, then its scale bytes
+            n = span.window_tokens if self.window else span.tokens
+            return (PieceSpec("rows", (pool.num_layers, n, pool.bytes_per_token_per_layer), "uint8", None, 1),)
         row = list(layer.shape[2:])
         has_heads = getattr(pool, "num_kv_heads", None) is not None
         if has_heads:
@@ -263,6 +268,8 @@ class PagedRequestKV:
 
     def gather(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[jax.Array, ...]:
         _refuse_striped(pool)
+        if _is_indexer(pool):
+            return (_gather_index_k(pool, jnp.asarray(self._slots(span))),)
         rows = _gather_rows(tuple(pool.layer_arrays), jnp.asarray(self._slots(span)), _replicas(pool, kv_heads))
         # the scales are copied: the pool's own arrays are donated into the next step
         return (rows, *(jnp.copy(getattr(pool, f)) for f in self._scales(pool)))
@@ -272,12 +279,46 @@ class PagedRequestKV:
         rows, *scales = pieces
         rows = jax.device_put(rows, _layer_sharding(pool))
         slots = jax.device_put(self._slots(span), _replicated(rows))
+        if _is_indexer(pool):
+            return _scatter_index_k(pool, rows, slots)
         layers = _scatter_rows(tuple(pool.layer_arrays), rows, slots, _row_writer(pool), _replicas(pool, kv_heads))
         updates = {pool.LAYERS_FIELD: layers}
         for name, value in zip(self._scales(pool), scales, strict=True):
             old = getattr(pool, name)
             updates[name] = jax.device_put(value, old.sharding)
         return pool.replace(**updates)
+
+
+def _is_indexer(pool: Any) -> bool:
+    """A DSA indexer key pool (``DSAIndexerKeyPool``): each page's bytes hold its tokens' fp8 keys,
+    then their scales, so a token's row is not a slice of the layer."""
+    return hasattr(pool, "get_index_k_and_scale")
+
+
+def _layer_id(pool: Any, index: int) -> int:
+    ids = getattr(pool, "layer_ids", None)
+    return int(ids[index]) if ids is not None else int(pool.start_layer) + index
+
+
+@jax.jit
+def _gather_index_k(pool: Any, slots: jax.Array) -> jax.Array:
+    """``[layers, n, D + D // 128 * 4]`` uint8: each token's key bytes, then its scales' bytes."""
+    out = []
+    for i in range(pool.num_layers):
+        keys, scale = pool.get_index_k_and_scale(_layer_id(pool, i), slots)
+        scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(keys.shape[0], -1)
+        out.append(jnp.concatenate([keys.view(jnp.uint8), scale_bytes], axis=1))
+    return jnp.stack(out)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_index_k(pool: Any, rows: jax.Array, slots: jax.Array) -> Any:
+    """``pool`` with ``rows`` (:func:`_gather_index_k`'s layout) at ``slots`` (the pool donated)."""
+    d, n = pool.index_head_dim, rows.shape[1]
+    for i in range(pool.num_layers):
+        scale = jax.lax.bitcast_convert_type(rows[i][:, d:].reshape(n, -1, 4), jnp.float32)
+        pool = pool.set_index_k_and_scale(_layer_id(pool, i), slots, rows[i][:, :d], scale)
+    return pool
 
 
 def _replicated(like: jax.Array) -> Any:

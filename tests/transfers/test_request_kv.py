@@ -281,3 +281,27 @@ def test_cache_movers_move_the_draft_models_pool_with_the_targets():
     out = CacheMovers(dst).scatter(dst.pools, movers.gather(src_pools, here), there)
     for name in ("kv", "kv_draft"):
         np.testing.assert_array_equal(_rows(out[name], there.slots), _rows(src_pools[name], here.slots), err_msg=name)
+
+
+def test_dsa_indexer_keys_move_with_their_scales_between_page_sizes():
+    """The DSA indexer pool's pages hold their tokens' fp8 keys, then the keys' scales: a token's
+    row is gathered from both and written back into both, at another page size."""
+    from kvjax.pools.dsa_indexer import DSAIndexerKeyPool
+
+    mover = PagedRequestKV()
+    src = DSAIndexerKeyPool.create(num_pages=8, page_size=4, num_layers=LAYERS, index_head_dim=128)
+    keys = jnp.asarray(np.random.default_rng(11).standard_normal((LAYERS, 3, 128)), jnp.float32)
+    for layer in range(LAYERS):
+        src = src.set_index_k(layer, jnp.asarray([5, 6, 9], jnp.int32), keys[layer])
+    (spec,) = mover.pieces(src, _span(0, [5, 6, 9]), 1)
+    assert (spec.shape, spec.dtype, spec.head_axis) == ((LAYERS, 3, 128 + 4), "uint8", None)
+    dst = DSAIndexerKeyPool.create(num_pages=16, page_size=1, num_layers=LAYERS, index_head_dim=128)
+    old = list(dst.index_k)
+    out = mover.scatter(dst, mover.gather(src, _span(0, [5, 6, 9]), 1), _span(0, [3, 1, 12]), 1)
+    assert _donated(old)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(
+            np.asarray(out.get_index_k(layer, jnp.asarray([3, 1, 12], jnp.int32))),
+            np.asarray(src.get_index_k(layer, jnp.asarray([5, 6, 9], jnp.int32))),
+        )
+    assert np.abs(np.asarray(out.get_index_k(0, jnp.asarray([3], jnp.int32))) - np.asarray(keys[0, :1])).max() < 0.2
