@@ -412,6 +412,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "dp", "processes"): (
         "tests/mesh/test_multihost_dp.py::test_demo_at_dp_2_tp_4_over_two_processes_gives_the_single_process_tokens"
     ),
+    ("full", "dp", "retraction"): "tests/mesh/test_dp_host_tier.py::test_llama_retraction_backups_per_rank",
     ("full", "dcp", "host"): (
         "tests/mesh/test_dcp_host_tier.py::test_llama_loads_back_striped_pages_from_the_host_with_transformers_tokens"
     ),
