@@ -312,7 +312,10 @@ GAP_EAGLE = f"{GAP}: EAGLE drafts (they read the target's hidden states)"
 GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
 GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('dcp', 'tp'))"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
-GAP_DP_HOST = f"{GAP}: the host tier under DP attention"
+GAP_DP_HOST = (
+    f"{GAP}: the command line refuses --dp with --enable-hierarchical-cache (build_lockstep serves the host and "
+    "storage tiers per rank: tests/mesh/test_dp_host_tier.py)"
+)
 GAP_DP_RETRACTION = f"{GAP}: the retraction backup under lockstep DP attention"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
