@@ -14,6 +14,11 @@ tokens whatever the draft proposes, so any draft weights prove exactness.
   its logits are the target's logits at the position before, so each proposal is the round's last
   token exactly when the draft is fed the target's hidden state of the right position (checked
   round by round; this target never repeats a token, so none is accepted).
+* a draft made to agree: the target made a bigram model (every attention ``o_proj`` and MLP
+  ``down_proj`` zeroed in the checkpoint, Transformers' model loaded from it) and an MTP layer that
+  passes the normed embedding alone and adds nothing: it computes the target's next-token
+  function, so the rounds accept (nearly) every proposal, and tokens and logits still equal
+  Transformers'.
 * refusals, naming the flag, before anything is allocated: ``topk`` above 1, a checkpoint without
   MTP weights, a draft whose vocabulary or hidden size is not the target's.
 """
@@ -62,9 +67,16 @@ CONFIG = dict(
 )
 
 
-def add_mtp_layer(directory: Path, model: LoadedModel, *, repeat: bool = False, seed: int = 0) -> None:
+def _silent(name: str) -> bool:
+    return name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+
+
+def add_mtp_layer(
+    directory: Path, model: LoadedModel, *, repeat: bool = False, bigram: bool = False, seed: int = 0
+) -> None:
     """Write the MTP layer's tensors into ``directory``'s ``model.safetensors``: random (norms 1),
-    or the "repeat" layer (module docstring)."""
+    or the "repeat" layer, or (``bigram``) the embedding layer with the target's layers silenced
+    (module docstring)."""
     from safetensors.numpy import load_file, save_file
 
     shapes = dict(flatten_params(nextn_param_shapes(model.config)))
@@ -72,37 +84,55 @@ def add_mtp_layer(directory: Path, model: LoadedModel, *, repeat: bool = False, 
     file = directory / "model.safetensors"
     tensors = load_file(str(file))
     hidden = model.config.hidden_size
+    if bigram:
+        tensors = {name: np.zeros_like(t) if _silent(name) else t for name, t in tensors.items()}
     for path, name in nextn_tensor_names(model.config).items():
         shape = tuple(shapes[path].shape)
         value = np.ones(shape) if name.endswith("norm.weight") else rng.normal(0.0, 0.2, shape)
-        if repeat and name.endswith("eh_proj.weight"):
-            value = np.concatenate([np.zeros((hidden, hidden)), np.eye(hidden)], axis=1)
-        if repeat and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
+        if (repeat or bigram) and name.endswith("eh_proj.weight"):
+            halves = [np.eye(hidden), np.zeros((hidden, hidden))]
+            value = np.concatenate(halves[::-1] if repeat else halves, axis=1)
+        if (repeat or bigram) and _silent(name):
             value = np.zeros(shape)
         tensors[name] = value.astype(np.float32)
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 @functools.cache
-def _checkpoints(root: str) -> tuple[Any, Path, Path, Path]:
-    """(Transformers' target, its checkpoint without MTP weights, with random ones, with the repeat layer)."""
+def _checkpoints(root: str) -> tuple[Any, Path, Path, Path, Path]:
+    """(Transformers' target, its checkpoint without MTP weights, with random ones, with the repeat
+    layer, the bigram target's with the embedding layer)."""
     hf = random_transformers_model(transformers.DeepseekV2Config(**CONFIG))
     plain = Path(root) / "plain"
     hf.save_pretrained(plain)
     assert json.loads((plain / "config.json").read_text())["num_nextn_predict_layers"] == 1
     model = load_checkpoint(plain)
     dirs = []
-    for name, repeat in (("random", False), ("repeat", True)):
+    for name in ("random", "repeat", "bigram"):
         directory = Path(root) / name
         shutil.copytree(plain, directory)
-        add_mtp_layer(directory, model, repeat=repeat)
+        add_mtp_layer(directory, model, repeat=name == "repeat", bigram=name == "bigram")
         dirs.append(directory)
-    return hf, plain, dirs[0], dirs[1]
+    return hf, plain, dirs[0], dirs[1], dirs[2]
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory) -> tuple[Any, Path, Path, Path]:
+def checkpoints(tmp_path_factory) -> tuple[Any, Path, Path, Path, Path]:
     return _checkpoints(str(tmp_path_factory.mktemp("deepseek_mtp")))
+
+
+@pytest.fixture(scope="module")
+def deepseek(checkpoints) -> tuple[Any, Path, Path, Path]:
+    """(Transformers' target, its checkpoint without MTP weights, with random ones, with the repeat layer)."""
+    return checkpoints[:4]
+
+
+@pytest.fixture(scope="module")
+def bigram(checkpoints) -> tuple[Any, Path]:
+    """(Transformers' bigram target loaded from its checkpoint, the checkpoint with the embedding MTP layer)."""
+    directory = checkpoints[4]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return hf, directory
 
 
 def _cache(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> Any:
@@ -186,6 +216,16 @@ def test_the_draft_reads_the_targets_hidden_state_of_the_position_before(deepsee
     for last, proposals in rounds:  # the repeat layer proposes the round's last token, k times
         np.testing.assert_array_equal(proposals, np.repeat(np.asarray(last)[:, None], K, axis=1))
     print("repeat MTP layer:", _proposer(sched).report())
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_a_draft_made_to_agree_is_accepted(bigram):
+    hf, directory = bigram
+    sched, done = _serve(directory, page_size=16, max_total_tokens=2048)
+    stats = _proposer(sched).stats
+    print("embedding MTP layer, bigram target:", _proposer(sched).report())
+    # every round accepts all k; fewer tokens only at a request's end (MAX_NEW)
+    assert stats.acceptance_rate >= 0.9 and stats.accept_length >= 2.5, stats
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
