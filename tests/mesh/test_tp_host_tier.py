@@ -156,18 +156,27 @@ def test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp(llam
     assert other_ext.prefetched_tokens == 0 and other.stats.cached_tokens == 0
 
 
-def test_a_draft_models_host_pool_over_sharded_heads_is_refused_before_anything_is_built():
+def test_a_draft_models_host_pool_over_sharded_heads_holds_every_distinct_head_once():
+    """The draft's host pool over a TP mesh: every distinct head shard of the draft once (its own
+    replicas), one host slot per target host slot (serving: ``test_tp_speculative.py``)."""
     from kvjax import CacheConfig, ModelSpec, build_kv_cache
 
     config = CacheConfig(
-        speculative_algorithm="EAGLE",
+        speculative_algorithm="STANDALONE",
+        speculative_num_steps=2,
+        speculative_num_draft_tokens=3,
         tp_size=2,
         max_total_tokens=256,
         context_length=64,
         enable_hierarchical_cache=True,
     )
-    with pytest.raises(NotImplementedError, match="draft model's host pool .* tp_size=2"):
-        build_kv_cache(ModelSpec.preset("tiny"), config, mesh=mesh_of(2))
+    spec = ModelSpec.preset("tiny")
+    cache = build_kv_cache(spec, config, mesh=mesh_of(2), draft_spec=ModelSpec.preset("tiny", num_key_value_heads=1))
+    draft_host, target_host = cache.draft_host_pool, cache.host_pool
+    assert draft_host is not None and draft_host.size == target_host.size
+    # the draft's 1 KV head is held by both ranks: its host page holds it once (K and V)
+    assert draft_host.kv_head_replicas == 2 and draft_host.page_row[-2] == 2
+    assert target_host.kv_head_replicas == 1 and target_host.page_row[-2] == 2 * spec.num_kv_heads
 
 
 class _BalancedEachStep:
