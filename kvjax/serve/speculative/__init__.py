@@ -5,11 +5,14 @@ One concept per module: ``draft_view`` (the draft's pool as the draft model sees
 round, greedy at every position), ``acceptance`` (greedy acceptance, pure numpy), ``rollback``
 (the rejected tail's slots, target and draft at once), ``steps`` (the jitted steps) and
 ``draft_decoding`` (`DraftDecoding`, the way a `Scheduler` proposes tokens with a draft model,
-and `speculative_scheduler`, a scheduler given one).
+and `speculative_scheduler`, a scheduler given one); EAGLE / NEXTN drafts with DeepSeek's MTP
+layer: ``nextn`` (the layer), ``eagle_steps`` (its jitted steps) and ``eagle`` (`EagleDecoding`,
+`eagle_scheduler`).
 """
 
 from __future__ import annotations
 
 from kvjax.serve.speculative.draft_decoding import DraftDecoding, SpeculativeStats, speculative_scheduler
+from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
 
-__all__ = ["DraftDecoding", "SpeculativeStats", "speculative_scheduler"]
+__all__ = ["DraftDecoding", "EagleDecoding", "SpeculativeStats", "eagle_scheduler", "speculative_scheduler"]

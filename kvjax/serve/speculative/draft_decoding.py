@@ -34,7 +34,9 @@ are jitted with the mesh's shardings (``steps``); the draft's pool is laid out a
 Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
 mode, as SGLang disables it for several speculative modes), a retraction backup (it would
 restore the target's KV only), sliding-window and recurrent-state caches, a draft whose vocabulary
-differs from the target's, and EAGLE / EAGLE3 / NEXTN drafts (they read the target's hidden states).
+differs from the target's, and a cache planned for EAGLE / EAGLE3 / NEXTN (drafts that read the
+target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding`` serves EAGLE / NEXTN with
+the checkpoint's MTP layer).
 """
 
 from __future__ import annotations
