@@ -16,6 +16,7 @@ pool's own sharding (a device-to-device copy) and written in place (``RequestKV.
 from __future__ import annotations
 
 import math
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "CacheMovers",
     "KVTransferServer",
     "TransferTimeout",
+    "TransferUnreachable",
     "agreed_shards",
     "piece_message",
     "transfer_sharding",
@@ -43,6 +45,10 @@ __all__ = [
 
 class TransferTimeout(Exception):
     """A pull did not land before its deadline."""
+
+
+class TransferUnreachable(RuntimeError):
+    """The transfer server to pull from refuses connections (its process is gone)."""
 
 
 @dataclass(frozen=True)
@@ -184,8 +190,10 @@ class KVTransferServer:
         self, address: str, transfer_id: int, structs: Sequence[jax.ShapeDtypeStruct], timeout_s: float
     ) -> list[jax.Array]:
         """Pull offer ``transfer_id`` from the transfer server at ``address`` into ``structs``'
-        shardings; ``TransferTimeout`` when it has not landed within ``timeout_s`` (the pull is
+        shardings; ``TransferUnreachable`` at once when nothing listens at ``address`` (no pull
+        started), ``TransferTimeout`` when it has not landed within ``timeout_s`` (the pull is
         left to a daemon thread), any other failure as raised."""
+        _reachable(address, min(timeout_s, 2.0))
         connection = self._connections.get(address)
         if connection is None:
             connection = self._connections[address] = self._server.connect(address)
@@ -210,3 +218,20 @@ class KVTransferServer:
         arrays = list(result["arrays"])
         self.bytes_pulled += sum(int(a.nbytes) for a in arrays)
         return arrays
+
+
+def _reachable(address: str, timeout_s: float) -> None:
+    """``TransferUnreachable`` when nothing accepts a connection at ``address`` (``host:port``).
+
+    Checked before each pull: a pull from a transfer server that is gone does not fail, it retries
+    its connection until the deadline, and the thread left waiting in it aborts the process when
+    the interpreter exits (``terminate called ...``, the runtime tearing the transfer library down
+    under it). A server that dies after this check can still leave such a thread."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=max(timeout_s, 0.01)):
+            pass
+    except OSError as e:
+        raise TransferUnreachable(
+            f"the transfer server at {address} cannot be reached ({e}): its process is gone"
+        ) from None

@@ -7,7 +7,8 @@
         "dropped_with_link": N}`` (snapshots still held when their decode server's link closed:
         0 when every one was released or expired first). Fault hooks: ``--stall-pull S`` sleeps
         S seconds before answering each pull; ``--die-on-pull order`` exits the process at once
-        (``os._exit(3)``) when the first pull order arrives, ``offer`` right after offering it;
+        (``os._exit(3)``) when the first pull order arrives, ``offer`` right after offering the
+        second (the first is served: the decode side's transfer connection is open);
         ``--warmup N`` prefills one N-token prompt before listening (compiled before any deadline).
     python -m tests.mesh.pd_process decode --checkpoint DIR --tp 2 --page-size 8 --prefill ADDR
         --requests FILE
@@ -93,9 +94,15 @@ def serve_prefill(args: argparse.Namespace) -> dict[str, Any]:
         dropped_with_link += sum(key[0] == id(link) for key in server.snapshots)
         drop_link(link, why)
 
+    pulls = 0
+
     def dying_pull(link: Any, order: Any) -> None:
+        nonlocal pulls
+        pulls += 1
         if args.die_on_pull == "offer":
             pull(link, order)
+            if pulls == 1:
+                return
         os._exit(3)
 
     server._drop_link = counted_drop  # type: ignore[method-assign]
