@@ -409,10 +409,6 @@ def run_demo(
     workload = workload or Workload()
     if pp_size > 1 and (dp_size > 1 or group is not None):
         raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
-    if dp_size > 1 and enable_hierarchical_cache:
-        raise NotImplementedError(
-            "the host tier is not built under DP attention yet: serve with dp_size 1, or without it"
-        )
     if dp_size > 1 and draft is not None:
         raise NotImplementedError("speculative decoding is served on one device: serve it with dp_size 1")
     if group is not None and (dcp_size > 1 or draft is not None):
@@ -448,9 +444,9 @@ def run_demo(
     host: dict[str, Any] = {}
     if enable_hierarchical_cache and dropped is None:
         plain, _ = serve(workload, **settings)
-        if not isinstance(plain, Scheduler):
-            raise AssertionError("a host tier serves one rank: the run has one Scheduler")
-        host["cached_tokens_without_host_tier"] = plain.stats.cached_tokens
+        host["cached_tokens_without_host_tier"] = (
+            plain.stats.cached_tokens if isinstance(plain, Scheduler) else plain.cached_tokens
+        )
     start = time.perf_counter()
     storage: dict[str, Any] = {}
     if hicache_storage is not None:
@@ -461,8 +457,10 @@ def run_demo(
     seconds = time.perf_counter() - start
     events = _kv_event_counts(warm)
     if isinstance(warm, LockstepDPScheduler) and isinstance(cold, LockstepDPScheduler):
+        if enable_hierarchical_cache and dropped is None:
+            host.update(_dp_host_fields(warm, hicache_storage is not None))
         return dataclasses.replace(
-            _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group), **events
+            _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group), **host, **events
         )
     if not isinstance(warm, Scheduler) or not isinstance(cold, Scheduler):
         raise AssertionError("one rank: every run has one Scheduler")
@@ -568,6 +566,20 @@ def _dp_report(
         rank_requests=[routed.count(r) for r in range(warm.dp_size)],
         rank_hit_rates=[round(st.hit_rate, 4) for st in ranks],
     )
+
+
+def _dp_host_fields(warm: LockstepDPScheduler, storage: bool) -> dict[str, Any]:
+    """The host tier's report fields of a DP-attention run: every rank's own host tier, summed
+    (balanced: on every rank)."""
+    exts = [_host_extension(s) for s in warm.schedulers]
+    fields: dict[str, Any] = dict(
+        host_loaded_tokens=sum(e.loaded_tokens for e in exts),
+        host_pool_tokens=sum(s.cache.plan.host_pool_tokens for s in warm.schedulers),
+        host_balanced=all(e.host_balanced() for e in exts),
+    )
+    if storage:
+        fields["storage_prefetched_tokens"] = sum(e.prefetched_tokens for e in exts)
+    return fields
 
 
 def _speculative_counters(scheduler: Scheduler) -> dict | None:

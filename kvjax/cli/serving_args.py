@@ -267,9 +267,4 @@ def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
             f"--dp {args.dp} with --dcp {args.dcp}: decode context parallelism is not built under DP attention; "
             "drop one of the two flags"
         )
-    if args.enable_hierarchical_cache:
-        raise UsageError(
-            f"--dp {args.dp} with --enable-hierarchical-cache: the host tier is not built under DP attention yet; "
-            "drop one of the two flags"
-        )
     return {"enable_dp_attention": True}

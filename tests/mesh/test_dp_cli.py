@@ -60,7 +60,6 @@ def test_demo_at_dp_2_reports_each_rank_and_the_routing_policy(capsys):
     [
         (["--tp", "4", "--dp", "3"], ["--dp 3", "does not divide --tp 4", "use --dp 1, 2 or 4"]),
         (["--dp", "2"], ["--dp 2", "does not divide --tp 1", "or a --tp that 2 divides"]),
-        (["--tp", "2", "--dp", "2", "--enable-hierarchical-cache"], ["--dp 2 with --enable-hierarchical-cache"]),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "demo"])
@@ -70,6 +69,21 @@ def test_bad_dp_flags_name_the_flag_and_the_fix(command, flags, says, capsys):
     err = capsys.readouterr().err
     for text in says:
         assert text in err, err
+
+
+def test_dp_attention_with_the_host_tier(capsys):
+    """Every DP rank has its own host tier (``kvjax.dp.rank_transfer``): generate gives the tokens it
+    gives without one; the demo's cold and warm runs agree and every rank's host pool balances."""
+    argv = [*GENERATE, "--tp", "4", "--dp", "2", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--enable-hierarchical-cache"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"] == plain["outputs"]
+    demo = ["demo", "--tp", "4", "--dp", "2", "--enable-hierarchical-cache", "--system-tokens", "32"]
+    assert main([*demo, "--output-tokens", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["leak_free"] and report["cold_equals_warm"] and report["host_balanced"], report
+    assert report["dp_size"] == 2 and report["host_pool_tokens"] > 0
 
 
 def test_more_devices_than_local_names_tp(capsys):
