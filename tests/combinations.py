@@ -59,7 +59,8 @@ FEATURES: dict[str, str] = {
     "pp": "pp 2 (`--pp 2`)",
     "standalone": "STANDALONE draft (`--speculative-algorithm STANDALONE`; the target as its own draft, a "
     "full-attention `tiny` of its vocabulary for a recurrent target)",
-    "eagle": "EAGLE (`speculative_algorithm='EAGLE'`; no command-line choice)",
+    "eagle": "EAGLE (`--speculative-algorithm EAGLE`: the checkpoint's MTP layer drafts, DeepSeek's; a checkpoint "
+    "directory with `num_nextn_predict_layers: 1` for MLA, the kind's own config for the others)",
     "host": "host tier (`--enable-hierarchical-cache`)",
     "storage": "storage tier (`hicache_storage_backend='memory'`, with the host tier)",
     "retraction": "retraction backup (`disaggregation_decode_retraction_backup='cpu_tensor'`)",
@@ -125,10 +126,58 @@ def _draft(kind: str) -> Any:
     return LoadedModel(name="tiny", spec=spec, config=config, params=init_params(config), fingerprint="draft")
 
 
+@functools.cache
+def _checkpoint_dir(kind: str, mtp: bool) -> str:
+    """A directory holding the kind's ``config.json`` (what the command line's checks read of a
+    checkpoint; no weights), with DeepSeek's one MTP layer (``num_nextn_predict_layers: 1``) when
+    ``mtp``; removed when the process exits."""
+    import atexit
+    import json
+    import shutil
+    import tempfile
+
+    spec = _model(kind).spec
+    config = dict(spec.extra, torch_dtype=spec.dtype, **({"num_nextn_predict_layers": 1} if mtp else {}))
+    directory = tempfile.mkdtemp(prefix=f"kvjax-combinations-{kind}-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    Path(directory, "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _mtp(kind: str) -> bool:
+    """Whether the kind's checkpoint carries an MTP layer (DeepSeek's, the EAGLE draft kvjax reads)."""
+    return _model(kind).spec.extra.get("model_type") in ("deepseek_v2", "deepseek_v3")
+
+
+@functools.cache
+def _eagle(kind: str) -> tuple[Any, Any]:
+    """``(target, draft)`` for EAGLE: the kind's model as the checkpoint with its MTP layer would
+    load (``num_nextn_predict_layers: 1`` where the family has one) and the MTP draft
+    (``NextNDraftModel``, zero weights of ``nextn_param_shapes``: ``ConfigError`` for a family
+    kvjax reads no MTP layer from)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.serve.checkpoint import LoadedModel
+    from kvjax.serve.speculative.nextn import NextNDraftModel, nextn_param_shapes
+    from kvjax.spec import ModelSpec
+
+    model = _model(kind)
+    extra = dict(model.spec.extra, num_nextn_predict_layers=1) if _mtp(kind) else dict(model.spec.extra)
+    spec = dataclasses.replace(ModelSpec.from_hf_config(extra, name=model.spec.name), dtype=model.spec.dtype)
+    target = LoadedModel(
+        name=model.name, spec=spec, config=model.config, params=model.params, fingerprint=model.fingerprint
+    )
+    shapes = nextn_param_shapes(model.config)
+    params = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
+    return target, NextNDraftModel(name=model.name, params=params, path=Path(_checkpoint_dir(kind, True)))
+
+
 def _cli_argv(kind: str, features: set[str]) -> list[str]:
-    """``python -m kvjax generate``'s arguments for the features it has a flag for."""
-    preset = KINDS[kind] if KINDS[kind] != "qwen3-next-tiny" else "tiny"  # a flag check needs a preset's name
-    argv = ["generate", "--model", preset, "--prompt-ids", "1,2,3"]
+    """``python -m kvjax generate``'s arguments for the features it has a flag for, ``--model`` a
+    directory of the kind's ``config.json`` (``_checkpoint_dir``)."""
+    checkpoint = _checkpoint_dir(kind, "eagle" in features and _mtp(kind))
+    argv = ["generate", "--model", checkpoint, "--prompt-ids", "1,2,3"]
     tp = 4 if {"tp", "dp"} <= features else 2 if features & {"tp", "dp"} else 1
     argv += ["--tp", str(tp)] if tp > 1 else []
     argv += ["--dp", "2"] if "dp" in features else []
@@ -136,7 +185,9 @@ def _cli_argv(kind: str, features: set[str]) -> list[str]:
     argv += ["--pp", "2"] if "pp" in features else []
     argv += ["--enable-hierarchical-cache"] if features & {"host", "storage"} else []
     if "standalone" in features:
-        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", preset]
+        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", checkpoint]
+    if "eagle" in features:  # the draft: the MTP layer of --model's checkpoint
+        argv += ["--speculative-algorithm", "EAGLE"]
     argv += [] if "overlap" in features else ["--disable-overlap-schedule"]
     if "processes" in features:
         argv += ["--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"]
@@ -192,7 +243,8 @@ def _config(kind: str, features: set[str]) -> Any:
         options.update(hicache_storage_backend="memory", hicache_storage_model_fingerprint=model.fingerprint)
     if "retraction" in features:
         options.update(disaggregation_decode_retraction_backup="cpu_tensor")
-    algorithm = "STANDALONE" if "standalone" in features else "EAGLE" if "eagle" in features else None
+    # EAGLE: the cache of the MTP layer's draft, as generate builds it (speculative_algorithm NEXTN).
+    algorithm = "STANDALONE" if "standalone" in features else "NEXTN" if "eagle" in features else None
     if algorithm is not None:
         options.update(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_num_draft_tokens=4)
     return CacheConfig(**options)
@@ -210,12 +262,14 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
 
     stage[:] = ["the command line"]
     _cli_checks(kind, features)
+    model, draft = _model(kind), _draft(kind) if "standalone" in features else None
+    if "eagle" in features:  # resolve_draft: the MTP layer, read before the cache is built
+        stage[:] = ["the draft model"]
+        model, draft = _eagle(kind)
     stage[:] = ["CacheConfig"]
-    model = _model(kind)
     config = _config(kind, features)
     stage[:] = ["the cache's build"]
     overlap = "overlap" in features
-    drafted = bool(features & {"standalone", "eagle"})
     options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
     if config.pp_size > 1:
         from kvjax.serve.pipeline_cache import build_pipeline_cache
@@ -243,7 +297,7 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
         from kvjax.serve.tp_mesh import tp_mesh
 
         tp = tp_mesh(config.tp_size, config.dcp_size)
-        draft = _draft(kind) if drafted else None  # EAGLE: what a caller would pass; refused by name
+        # STANDALONE: the draft's own spec; the MTP layer's pool is planned from the target's.
         draft_spec = draft.spec if "standalone" in features and draft is not None else None
         cache = build_kv_cache(model.spec, config, mesh=tp, draft_spec=draft_spec)
         stage[:] = [AFTER_BUILD]
@@ -263,8 +317,15 @@ def construct(kind: str, a: str, b: str) -> str:
     try:
         schedulers = _construct(kind, features, stage)
     except (ConfigError, NotImplementedError, UsageError, ValueError) as e:
-        return f"{type(e).__name__} ({stage[0]}): {e}"
+        return _without_directories(kind, f"{type(e).__name__} ({stage[0]}): {e}")
     return _dropped(features, schedulers) or SERVED
+
+
+def _without_directories(kind: str, text: str) -> str:
+    """``text`` with this run's checkpoint directories (temporary) written as ``DIR``."""
+    for mtp in (False, True):
+        text = text.replace(_checkpoint_dir(kind, mtp), "DIR")
+    return text
 
 
 def _dropped(features: set[str], schedulers: list[Any]) -> str | None:
@@ -308,15 +369,12 @@ GAP = "kvjax: not built yet"
 GAP_CLI_SPEC_TP = (
     f"{GAP}: the command line refuses --tp with a draft (the library serves it: tests/mesh/test_tp_speculative.py)"
 )
-GAP_EAGLE = f"{GAP}: EAGLE drafts (they read the target's hidden states)"
+GAP_CLI_EAGLE_TP = f"{GAP}: EAGLE over a tp mesh (the command line refuses --tp with a draft)"
+GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's)"
 GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
 GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('dcp', 'tp'))"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
-GAP_DP_HOST = (
-    f"{GAP}: the command line refuses --dp with --enable-hierarchical-cache (build_lockstep serves the host and "
-    "storage tiers per rank: tests/mesh/test_dp_host_tier.py)"
-)
-GAP_DP_RETRACTION = f"{GAP}: the retraction backup under lockstep DP attention"
+GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
 GAP_DCP_STORAGE_MLA = (
@@ -415,6 +473,12 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "dp", "processes"): (
         "tests/mesh/test_multihost_dp.py::test_demo_at_dp_2_tp_4_over_two_processes_gives_the_single_process_tokens"
     ),
+    ("full", "dp", "host"): "tests/mesh/test_dp_host_tier.py::test_llama_host_tier_loads_prefixes_back_on_both_ranks",
+    (
+        "full",
+        "dp",
+        "storage",
+    ): "tests/mesh/test_dp_host_tier.py::test_llama_storage_tier_per_rank_read_back_by_a_cold_dp_server",
     ("full", "dp", "retraction"): "tests/mesh/test_dp_host_tier.py::test_llama_retraction_backups_per_rank",
     ("full", "dcp", "host"): (
         "tests/mesh/test_dcp_host_tier.py::test_llama_loads_back_striped_pages_from_the_host_with_transformers_tokens"
@@ -468,6 +532,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("swa", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
     # MLA (DeepSeek-V2's latent pool).
     ("mla", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_deepseek_v2_mla_latent_replicated_heads_split",
+    (
+        "mla",
+        "eagle",
+        "eagle",
+    ): "tests/serve/test_speculative_eagle.py::test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill",
     ("mla", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "host", "host"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
     ("mla", "overlap", "overlap"): (
@@ -504,16 +573,14 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dp", "dcp"): refused(GAP_DP_DCP),
     ("full", "dp", "pp"): refused(GAP_DP_PP),
     ("full", "dp", "standalone"): refused(SGL_STANDALONE_DP),
-    ("full", "dp", "eagle"): refused(GAP_DP_SPEC),
-    ("full", "dp", "host"): refused(GAP_DP_HOST),
-    ("full", "dp", "storage"): refused(GAP_DP_HOST),
+    ("full", "dp", "eagle"): refused(GAP_EAGLE),
     ("full", "dcp", "pp"): refused(GAP_DCP_PP),
     ("full", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("full", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("full", "dcp", "eagle"): refused(GAP_EAGLE),
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("full", "dcp", "processes"): refused(GAP_PROCESSES),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("full", "pp", "eagle"): refused(GAP_EAGLE),
     ("full", "pp", "host"): refused(GAP_PP_HOST),
     ("full", "pp", "storage"): refused(GAP_PP_HOST),
     ("full", "pp", "retraction"): refused(GAP_PP_RETRACTION),
@@ -522,37 +589,37 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("full", "standalone", "processes"): refused(GAP_PROCESSES),
     ("full", "eagle", "host"): refused(GAP_EAGLE),
-    ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
+    ("full", "eagle", "storage"): refused(GAP_EAGLE),
     ("full", "eagle", "retraction"): refused(GAP_EAGLE),
-    ("full", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("full", "eagle", "overlap"): refused(GAP_EAGLE),
     ("full", "eagle", "processes"): refused(GAP_EAGLE),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "standalone", "standalone"): refused(GAP_SWA_DRAFT),
-    ("swa", "eagle", "eagle"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
-    ("swa", "tp", "eagle"): refused(GAP_SWA_DRAFT),
+    ("swa", "tp", "eagle"): refused(GAP_EAGLE),
     ("swa", "tp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dp", "dcp"): refused(GAP_DP_DCP),
     ("swa", "dp", "pp"): refused(GAP_DP_PP),
     ("swa", "dp", "standalone"): refused(SGL_STANDALONE_DP),
-    ("swa", "dp", "eagle"): refused(GAP_DP_SPEC),
+    ("swa", "dp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "host"): refused(GAP_DP_HOST),
     ("swa", "dp", "storage"): refused(GAP_DP_HOST),
     ("swa", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dcp", "pp"): refused(GAP_DCP_PP),
     ("swa", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("swa", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("swa", "dcp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dcp", "host"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("swa", "dcp", "retraction"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "overlap"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "processes"): refused(GAP_PROCESSES),
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("swa", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("swa", "pp", "eagle"): refused(GAP_EAGLE),
     ("swa", "pp", "host"): refused(GAP_PP_HOST),
     ("swa", "pp", "storage"): refused(GAP_PP_HOST),
     ("swa", "pp", "retraction"): refused(GAP_PP_RETRACTION),
@@ -562,11 +629,11 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "standalone", "retraction"): refused(GAP_SWA_DRAFT),
     ("swa", "standalone", "overlap"): refused(GAP_SWA_DRAFT),
     ("swa", "standalone", "processes"): refused(GAP_PROCESSES),
-    ("swa", "eagle", "host"): refused(GAP_SWA_DRAFT),
-    ("swa", "eagle", "storage"): refused(GAP_SWA_DRAFT),
-    ("swa", "eagle", "retraction"): refused(GAP_SWA_DRAFT),
-    ("swa", "eagle", "overlap"): refused(GAP_SWA_DRAFT),
-    ("swa", "eagle", "processes"): refused(GAP_SWA_DRAFT),
+    ("swa", "eagle", "host"): refused(GAP_EAGLE),
+    ("swa", "eagle", "storage"): refused(GAP_EAGLE),
+    ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
+    ("swa", "eagle", "overlap"): refused(GAP_EAGLE),
+    ("swa", "eagle", "processes"): refused(GAP_EAGLE),
     ("swa", "host", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "storage", "retraction"): refused(GAP_SWA_STORAGE),
@@ -574,15 +641,12 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
-    ("mla", "eagle", "eagle"): refused(GAP_EAGLE),
     ("mla", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
-    ("mla", "tp", "eagle"): refused(GAP_EAGLE),
+    ("mla", "tp", "eagle"): refused(GAP_CLI_EAGLE_TP),
     ("mla", "dp", "dcp"): refused(GAP_DP_DCP),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("mla", "dp", "eagle"): refused(GAP_DP_SPEC),
-    ("mla", "dp", "host"): refused(GAP_DP_HOST),
-    ("mla", "dp", "storage"): refused(GAP_DP_HOST),
     ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
     ("mla", "dcp", "standalone"): refused(GAP_DCP_SPEC),
     ("mla", "dcp", "eagle"): refused(GAP_DCP_SPEC),
@@ -597,11 +661,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
     ("mla", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("mla", "standalone", "processes"): refused(GAP_PROCESSES),
-    ("mla", "eagle", "host"): refused(GAP_EAGLE),
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
-    ("mla", "eagle", "retraction"): refused(GAP_EAGLE),
+    ("mla", "eagle", "retraction"): refused(GAP_SPEC_ROLLBACK),
     ("mla", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("mla", "eagle", "processes"): refused(GAP_EAGLE),
+    ("mla", "eagle", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "standalone", "standalone"): refused(GAP_SPEC_ROLLBACK),
@@ -619,20 +682,20 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dp", "dcp"): refused(GAP_DP_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
     ("recurrent", "dp", "standalone"): refused(SGL_STANDALONE_DP),
-    ("recurrent", "dp", "eagle"): refused(GAP_DP_SPEC),
-    ("recurrent", "dp", "host"): refused(GAP_DP_HOST),
-    ("recurrent", "dp", "storage"): refused(GAP_DP_HOST),
+    ("recurrent", "dp", "eagle"): refused(GAP_EAGLE),
+    ("recurrent", "dp", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
     ("recurrent", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("recurrent", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("recurrent", "dcp", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "dcp", "host"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("recurrent", "dcp", "retraction"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "overlap"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
+    ("recurrent", "pp", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "pp", "host"): refused(GAP_PP_HOST),
     ("recurrent", "pp", "storage"): refused(GAP_PP_HOST),
     ("recurrent", "pp", "retraction"): refused(GAP_PP_RETRACTION),
@@ -643,10 +706,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("recurrent", "standalone", "processes"): refused(GAP_PROCESSES),
-    ("recurrent", "eagle", "host"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "eagle", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "eagle", "host"): refused(GAP_EAGLE),
+    ("recurrent", "eagle", "storage"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),
-    ("recurrent", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("recurrent", "eagle", "overlap"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "processes"): refused(GAP_EAGLE),
     ("recurrent", "host", "storage"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "host", "retraction"): refused(GAP_RECURRENT_HOST),
