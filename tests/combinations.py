@@ -13,11 +13,13 @@ refusal (``"ExceptionType (stage): message"``). Several processes cannot be join
 command line's check across processes and then the one-process construction (a multi-process run
 builds the same scheduler over a mesh spanning the processes).
 
-``CELLS`` is the curated table: for every cell its expected status and its evidence, a test that
-serves it end to end (checked to exist), or for a refusal SGLang 0.5.23's own check (file and
-condition) or ``kvjax: not built yet``. ``tests/mesh/test_combination_matrix.py`` computes every
-cell, fails on any that disagrees with ``CELLS``, and checks ``docs/combinations.md`` is
-``render()``; ``python -m tests.combinations --write`` regenerates it (8 CPU devices).
+The curated table (``expected``): ``REFUSED`` lists every refused or dropped cell with its reason,
+SGLang 0.5.23's own check (file and condition) or ``kvjax: not built yet`` (where no SGLang check
+refusing it was found); ``PROOFS`` the served cells, each with the test that serves it end to end
+(checked to exist); every other cell constructs, unproven. When a refusal is lifted, its cell moves
+from ``REFUSED`` to ``PROOFS`` (with its test) or to neither. ``tests/mesh/test_combination_matrix.py``
+computes every cell, fails on any that disagrees with the table, and checks ``docs/combinations.md``
+is ``render()``; ``python -m tests.combinations --write`` regenerates it (8 CPU devices).
 """
 
 from __future__ import annotations

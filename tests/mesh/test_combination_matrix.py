@@ -32,8 +32,9 @@ def test_every_cell_constructs_or_is_refused_as_the_table_says():
         want = expected(*cell)
         if computed_outcome(result) != want.outcome:
             wrong.append(f"{cell}: the table says {want.status}, the code gives {result}")
-    assert not wrong, "cells whose status and the code disagree (update CELLS in tests/combinations.py):\n" + "\n".join(
-        wrong
+    assert not wrong, (
+        "cells whose status and the code disagree (update REFUSED / PROOFS in tests/combinations.py, then "
+        "python -m tests.combinations --write):\n" + "\n".join(wrong)
     )
 
 
