@@ -49,7 +49,6 @@ __all__ = [
 NEXTN_FAMILIES = ("deepseek_v2",)
 """The families whose checkpoints kvjax reads an MTP layer from."""
 
-_OWN = ("enorm", "hnorm", "eh_proj", "shared_head")  # the NextN layer's own weights, besides the decoder layer's
 _SHARED = ("embed_tokens", "lm_head")  # the target's
 
 
