@@ -410,7 +410,9 @@ def run_demo(
     if pp_size > 1 and (dp_size > 1 or group is not None):
         raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
     if dp_size > 1 and draft is not None:
-        raise NotImplementedError("speculative decoding is served on one device: serve it with dp_size 1")
+        raise NotImplementedError(
+            "speculative decoding under DP attention is not built yet: serve it with dp_size 1 (any tp_size)"
+        )
     if group is not None and (dcp_size > 1 or draft is not None):
         raise NotImplementedError(
             "several processes serve tensor parallel and DP attention only for now: drop dcp_size and the draft model"

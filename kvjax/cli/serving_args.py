@@ -153,7 +153,7 @@ def kv_events_options(args: argparse.Namespace) -> dict[str, Any]:
 def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dict[str, Any]:
     """The speculative flags, checked without jax: ``{}`` without ``--speculative-algorithm``, else
     ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
-    steps without an algorithm, or ``--tp`` above 1). Prints a note when overlap scheduling, on by
+    steps without an algorithm, or ``--dp`` above 1). Prints a note when overlap scheduling, on by
     default, is turned off for it."""
     topk = getattr(args, "speculative_eagle_topk", None)
     draft_tokens = getattr(args, "speculative_num_draft_tokens", None)
@@ -186,9 +186,11 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
             f"--speculative-draft-model-path {args.speculative_draft_model_path}: vocab_size {draft.vocab_size}, "
             f"the target's is {target_vocab_size}; give a draft of the same family and tokenizer"
         )
-    if args.tp > 1:
-        flags = f"--tp {args.tp}" + (f" --dp {args.dp}" if args.dp > 1 else "")
-        raise UsageError(f"{flags}: speculative decoding is served on one device; drop {flags}")
+    if args.dp > 1:
+        raise UsageError(
+            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: speculative decoding under "
+            "DP attention is not built yet (SGLang serves it); drop --dp (any --tp is served)"
+        )
     if not args.disable_overlap_schedule:
         print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
     return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": steps}
@@ -197,7 +199,7 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
 def _eagle_options(args: argparse.Namespace, topk: int | None, steps: int, target_vocab_size: int) -> dict[str, Any]:
     """``speculative_options`` for EAGLE / NEXTN: the MTP layer of ``--speculative-draft-model-path``
     (default ``--model``, which must then be a checkpoint directory), ``--speculative-eagle-topk`` 1
-    only, one device (jax-free checks)."""
+    only, no DP attention (jax-free checks)."""
     if topk is not None and topk != 1:
         raise UsageError(
             f"--speculative-eagle-topk {topk}: kvjax drafts one chain per request (greedy verification of a "
@@ -226,9 +228,11 @@ def _eagle_options(args: argparse.Namespace, topk: int | None, steps: int, targe
             f"{flag} {path}: vocab_size {spec.vocab_size}, the target's is {target_vocab_size}; its MTP layer "
             "shares the target's embedding and head"
         )
-    if args.tp > 1:
-        flags = f"--tp {args.tp}" + (f" --dp {args.dp}" if args.dp > 1 else "")
-        raise UsageError(f"{flags}: speculative decoding is served on one device; drop {flags}")
+    if args.dp > 1:
+        raise UsageError(
+            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: speculative decoding under "
+            "DP attention is not built yet (SGLang serves it); drop --dp (any --tp is served)"
+        )
     if not args.disable_overlap_schedule:
         print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
     return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": "NEXTN"}

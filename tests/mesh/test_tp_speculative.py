@@ -88,3 +88,19 @@ def test_tp2_host_tier_brings_the_drafts_pages_back(family):
     assert ext.loaded_tokens > 0, "a prefix should have come back from the host"
     assert sched.proposer.stats.acceptance_rate == 1.0, "a draft page did not follow the target's"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_generate_decodes_speculatively_at_tp_2(capsys):
+    """``generate --tp 2`` with a STANDALONE draft gives the tokens of ``generate`` without one."""
+    import json
+
+    from kvjax.cli import main
+
+    argv = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3,4,5,6,7,8,9", "--max-new-tokens", "6", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    spec = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny", "--tp", "2"]
+    assert main([*argv, *spec]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["outputs"] == plain["outputs"]
+    assert report["speculative"]["acceptance_rate"] == 1.0  # the target as its own draft

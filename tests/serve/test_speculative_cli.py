@@ -27,7 +27,10 @@ CASES = [
         GEN + SPEC + ["--speculative-draft-model-path", "./no-such-draft"],
         ["--speculative-draft-model-path ./no-such-draft", "no such directory"],
     ),
-    (GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--tp", "2"], ["--tp 2"]),
+    (
+        GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--tp", "2", "--dp", "2"],
+        ["--dp 2 with --speculative-algorithm STANDALONE", "not built yet"],
+    ),
     (GEN + ["--speculative-algorithm", "EAGLE"], ["--model tiny", "checkpoint directory"]),
     (GEN + ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "2"], ["--speculative-eagle-topk 2"]),
     (GEN + ["--speculative-eagle-topk", "1"], ["--speculative-algorithm"]),
