@@ -368,10 +368,6 @@ SGL_HICACHE_DCP_MHA = (
 
 #: What kvjax does not build yet, where no SGLang 0.5.23 check refuses it.
 GAP = "kvjax: not built yet"
-GAP_CLI_SPEC_TP = (
-    f"{GAP}: the command line refuses --tp with a draft (the library serves it: tests/mesh/test_tp_speculative.py)"
-)
-GAP_CLI_EAGLE_TP = f"{GAP}: EAGLE over a tp mesh (the command line refuses --tp with a draft)"
 GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's)"
 GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
 GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('dcp', 'tp'))"
@@ -459,6 +455,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
     ("full", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_llama_host_tier_loads_back_per_shard_pages",
     ("full", "tp", "storage"): (
         "tests/mesh/test_tp_host_tier.py::test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp"
@@ -570,7 +567,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
 #: The refused (and dropped) cells, each with its reason.
 REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "eagle", "eagle"): refused(GAP_EAGLE),
-    ("full", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
     ("full", "tp", "eagle"): refused(GAP_EAGLE),
     ("full", "dp", "dcp"): refused(GAP_DP_DCP),
     ("full", "dp", "pp"): refused(GAP_DP_PP),
@@ -601,7 +597,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
-    ("swa", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
+    ("swa", "tp", "standalone"): refused(GAP_SWA_DRAFT),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
     ("swa", "tp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
@@ -643,8 +639,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
-    ("mla", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
-    ("mla", "tp", "eagle"): refused(GAP_CLI_EAGLE_TP),
     ("mla", "dp", "dcp"): refused(GAP_DP_DCP),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "dp", "standalone"): refused(SGL_STANDALONE_DP),
@@ -676,7 +670,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "tp", "standalone"): refused(GAP_CLI_SPEC_TP),
+    ("recurrent", "tp", "standalone"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "tp", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "tp", "host"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_HOST),
