@@ -1,5 +1,6 @@
 """The ``cpu_tensor`` decode retraction backup's planning: a plan uses it when it resolves
-``decode_retraction_backup == "cpu_tensor"`` and the backup is active. It plans no pool (the
+``decode_retraction_backup == "cpu_tensor"``, the backup is active and there is no draft model (its
+pool is not copied: a speculative server recomputes retracted requests). It plans no pool (the
 copies live in host memory the serving loop holds); it attaches only where every kind of the
 cache allows page copies (``PlannerKind.page_backup``)."""
 
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
 
 
 def uses(plan: CachePlan) -> bool:
-    return plan.decode_retraction_backup == "cpu_tensor" and bool(plan.decode_retraction_active)
+    # A draft model's pool is not copied (the copies are the target's "kv" pages): a speculative
+    # server recomputes its retracted requests (the host_pool backup copies both pools).
+    return plan.decode_retraction_backup == "cpu_tensor" and bool(plan.decode_retraction_active) and plan.draft is None
 
 
 KIND = PlannerKind(name=RETRACTION, uses=uses)
