@@ -391,6 +391,10 @@ GAP_SWA_DRAFT = f"{GAP}: a draft model's pools for a sliding-window target"
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
 GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
 GAP_RECURRENT_HOST = f"{GAP}: host copies of recurrent-state checkpoints"
+GAP_SPEC_RETRACTION_DROPPED = (
+    f"{GAP}: the cpu_tensor backup with a draft model (it copies the target's pool only; accepted, retracted "
+    "requests recomputed)"
+)
 GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
 
 
@@ -583,7 +587,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "storage"): refused(GAP_PP_HOST),
     ("full", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
-    ("full", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
+    ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("full", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("full", "standalone", "processes"): refused(GAP_PROCESSES),
     ("full", "eagle", "host"): refused(GAP_EAGLE),
@@ -654,11 +658,11 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "storage"): refused(GAP_PP_HOST),
     ("mla", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
-    ("mla", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
+    ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("mla", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("mla", "standalone", "processes"): refused(GAP_PROCESSES),
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
-    ("mla", "eagle", "retraction"): refused(GAP_SPEC_ROLLBACK),
+    ("mla", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("mla", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("mla", "eagle", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
