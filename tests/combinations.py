@@ -376,7 +376,7 @@ GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
 GAP_DCP_STORAGE_MLA = (
-    f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP; kvjax's refusal says 'as in SGLang')"
+    f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 )
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PP_HOST = f"{GAP}: the host tier over pipeline stages (its loads would reach the first stage only)"

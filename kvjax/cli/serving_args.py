@@ -188,8 +188,9 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
         )
     if args.dp > 1:
         raise UsageError(
-            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: speculative decoding under "
-            "DP attention is not built yet (SGLang serves it); drop --dp (any --tp is served)"
+            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: a STANDALONE draft under DP "
+            "attention is refused, as in SGLang (speculative_hook: _handle_eagle_family); drop --dp (any --tp is "
+            "served)"
         )
     if not args.disable_overlap_schedule:
         print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
@@ -230,8 +231,8 @@ def _eagle_options(args: argparse.Namespace, topk: int | None, steps: int, targe
         )
     if args.dp > 1:
         raise UsageError(
-            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: speculative decoding under "
-            "DP attention is not built yet (SGLang serves it); drop --dp (any --tp is served)"
+            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: an EAGLE draft under DP "
+            "attention is not built in kvjax yet (SGLang serves it); drop --dp (any --tp is served)"
         )
     if not args.disable_overlap_schedule:
         print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)

@@ -57,7 +57,8 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str) -> None:
             config.hicache_storage_backend is not None,
             "hicache_storage_backend",
             config.hicache_storage_backend,
-            f"the storage tier (L3) is refused with {{dcp_size}} {dcp}, as in SGLang; drop {{hicache_storage_backend}}",
+            f"the storage tier (L3) is not built with {{dcp_size}} {dcp} (SGLang refuses it for models without MLA, "
+            "hicache_hook: resolve_hicache_dcp_compatibility); drop {hicache_storage_backend}",
         ),
         (
             config.speculative_algorithm is not None,
