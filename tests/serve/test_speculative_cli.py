@@ -29,7 +29,7 @@ CASES = [
     ),
     (
         GEN + SPEC + ["--speculative-draft-model-path", "tiny", "--tp", "2", "--dp", "2"],
-        ["--dp 2 with --speculative-algorithm STANDALONE", "not built yet"],
+        ["--dp 2 with --speculative-algorithm STANDALONE", "as in SGLang"],
     ),
     (GEN + ["--speculative-algorithm", "EAGLE"], ["--model tiny", "checkpoint directory"]),
     (GEN + ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "2"], ["--speculative-eagle-topk 2"]),
