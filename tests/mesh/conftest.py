@@ -21,11 +21,18 @@ from tests.mesh.tp_serving import family_checkpoint
 DEVICES = 8
 
 # The files whose tests take longest (a minute or more each on a quiet 2-core machine for the first
-# three; then the multi-process and DP parity files), heaviest first.
+# five: the disaggregated pairs spawn two processes per test; then the speculative, multi-process
+# and DP parity files), heaviest first.
 HEAVIEST_FIRST = (
+    "test_pd_families.py",
+    "test_pd_faults.py",
     "test_tp_parity_qwen3_next_tp4.py",
     "test_tp_parity_qwen3_next.py",
     "test_tp_parity_nemotron_h.py",
+    "test_tp_speculative.py",
+    "test_pd_speculative.py",
+    "test_multihost_generate.py",
+    "test_pd_llama.py",
     "test_multihost_host_tier.py",
     "test_dp_parity.py",
     "test_multihost_serving.py",
