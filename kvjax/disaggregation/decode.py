@@ -134,6 +134,7 @@ class DecodeServer:
         self.transfer = KVTransferServer()
         self.peers = [self._connect(address) for address in prefill]
         self.rooms: dict[Any, Room] = {}  # by the request's id
+        self._names: dict[str, Any] = {}  # a room's name on the link (the id as text) -> the id
         self.failed: list[ServingReq] = []
         self.finished: list[ServingReq] = []
         self.pulled_tokens = 0
@@ -161,14 +162,15 @@ class DecodeServer:
         """Send each request's prompt to a prefill server (``prefill``: its index in the addresses
         given; default round robin) and keep the request until its first token comes back."""
         for req in reqs:
-            if req.rid in self.rooms:
-                raise ValueError(f"request {req.rid!r} is already on its way; request ids must be unique")
+            if req.rid in self.rooms or str(req.rid) in self._names:
+                raise ValueError(f"request {req.rid!r} is already on its way; request ids must be unique (as text)")
             if req.session_id is not None:
                 raise ValueError(f"request {req.rid!r}: sessions are not served across disaggregated servers yet")
             self.scheduler.check_servable([req])
             peer = self._pick(prefill)
             room = Room(req, peer, time.monotonic() + self.timeout_s, ordered_at=time.perf_counter())
             self.rooms[req.rid] = room
+            self._names[str(req.rid)] = req.rid
             order = PrefillOrder(str(req.rid), tuple(int(t) for t in req.origin_input_ids), _salt(req.extra_key))
             try:
                 peer.link.send(order)
@@ -206,13 +208,11 @@ class DecodeServer:
                 if room.state == "pulled" and not room.decoded_at and len(room.req.output_ids) > 1:
                     room.decoded_at = now
             for req in ended:
-                self.rooms.pop(req.rid, None)
+                self._end(req.rid)
                 if req.abort_reason is not None:
                     self.failed.append(req)
                 done.append(req)
-        if not done and not self.scheduler.idle:
-            return done
-        if not done and self.rooms:
+        if not done and self.rooms and self.scheduler.idle:
             time.sleep(0.002)  # only waiting on prefill servers: do not spin
         self.finished.extend(r for r in done if r.abort_reason is None)
         return done
@@ -269,17 +269,21 @@ class DecodeServer:
         if req.max_new_tokens <= 1 or room.first_token in req.stop_token_ids:
             self._send(peer, Release(str(req.rid)))
             req.finished = True
-            self.rooms.pop(req.rid)
+            self._end(req.rid)
             done.append(req)
             return
         room.state = "queued"
         self.scheduler.submit([req])
 
+    def _end(self, rid: Any) -> None:
+        """Forget request ``rid``'s room (it ended, or failed)."""
+        self.rooms.pop(rid, None)
+        self._names.pop(str(rid), None)
+
     def _room(self, name: str) -> Room | None:
-        for rid, room in self.rooms.items():
-            if str(rid) == name:
-                return room
-        return None
+        """The room a message names (request ids travel as their text)."""
+        rid = self._names.get(name)
+        return None if rid is None else self.rooms.get(rid)
 
     def _send(self, peer: PrefillPeer, message: Any) -> None:
         if not peer.alive:
@@ -296,15 +300,14 @@ class DecodeServer:
         peer.alive = False
         peer.link.close()
         for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
-            room.deadline = 0.0  # failed at the next step, with the reason below
-            room.state = "prefilling"
+            room.deadline = 0.0  # failed at the next step, with the peer's reason
         if done is not None:
             for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
                 self._fail(room, peer.failure(self.timeout_s), done)
 
     def _fail(self, room: Room, reason: str, done: list[ServingReq]) -> None:
         req = room.req
-        self.rooms.pop(req.rid, None)
+        self._end(req.rid)
         self._send(room.peer, Release(str(req.rid)))
         req.abort_reason = reason
         req.finished = True
@@ -370,7 +373,7 @@ class DecodeTransfers(ServingExtension):
             if isinstance(e, LinkError):
                 server._peer_lost(room.peer, str(e))
             server._send(room.peer, Release(str(req.rid)))
-            server.rooms.pop(req.rid, None)
+            server._end(req.rid)
             raise RequestAborted(
                 f"the KV of request {req.rid!r} could not be moved from prefill server {room.peer.name} at "
                 f"{room.peer.address}: {e}"
