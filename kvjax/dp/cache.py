@@ -47,7 +47,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -63,6 +62,7 @@ from kvjax.build import (
 from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
 from kvjax.device_updates import PendingDeviceUpdates
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS, rank_devices
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan import CachePlan, plan_kv_cache
@@ -86,9 +86,6 @@ from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 
 __all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "rank_devices"]
-
-DATA_MESH_AXIS = "data"
-"""The mesh axis DP ranks are laid out over (sglang-jax's name)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -286,11 +283,6 @@ def _refuse_unbuilt_tiers(config: CacheConfig) -> None:
                 f"kvjax cannot build {option} under DP attention yet; build without it or with "
                 "build_kv_cache (one rank)"
             )
-
-
-def rank_devices(mesh: Mesh, rank: int) -> np.ndarray:
-    """The devices of DP rank ``rank`` of ``mesh``, in ``"tp"`` order."""
-    return np.take(mesh.devices, rank, axis=tuple(mesh.axis_names).index(DATA_MESH_AXIS)).reshape(-1)
 
 
 def _device_pools(plans: tuple[PoolPlan, ...], context: BuildContext) -> CachePools:

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.build import KV_HEAD_MESH_AXIS
 from kvjax.device_updates import PendingDeviceUpdates
-from kvjax.dp.cache import DATA_MESH_AXIS, rank_devices
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding, rank_devices
 from kvjax.errors import InvalidSlotError
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.head_shards import ROW_AXIS, HeadShards
@@ -94,7 +94,6 @@ def _rank_scatter(layers: tuple[jax.Array, ...], buffer: jax.Array, pages: jax.A
 
 @functools.lru_cache(maxsize=16)
 def _gather_program(mesh: Mesh, layer_specs: tuple[P, ...], memory_kind: str | None) -> Any:
-    from kvjax.dp.step import host_sharding
 
     spec = _buffer_spec(layer_specs[0])
     body = jax.shard_map(
@@ -110,7 +109,6 @@ def _gather_program(mesh: Mesh, layer_specs: tuple[P, ...], memory_kind: str | N
 
 @functools.lru_cache(maxsize=16)
 def _scatter_program(mesh: Mesh, layer_specs: tuple[P, ...]) -> Any:
-    from kvjax.dp.step import host_sharding
 
     spec = _buffer_spec(layer_specs[0])
     body = jax.shard_map(

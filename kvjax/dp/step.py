@@ -50,11 +50,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
+from kvjax.dp.cache import DPLayout
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding
 from kvjax.pools.cache_pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
@@ -135,17 +136,6 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
     )
 
     return positional_step(jitted)
-
-
-def host_sharding(mesh: Mesh) -> NamedSharding:
-    """How the DP programs take host inputs with a leading rank axis (and give their per-rank
-    outputs): by rank over ``"data"`` when this process holds every device of ``mesh``;
-    replicated when the mesh spans several processes, each of which runs every rank's scheduler
-    (a host array of every rank's rows is what every process has, and a by-rank array over
-    another process's devices could be neither passed nor read here)."""
-    if all(d.process_index == jax.process_index() for d in mesh.devices.flat):
-        return NamedSharding(mesh, P(DATA_MESH_AXIS))
-    return NamedSharding(mesh, P())
 
 
 def _param_specs(config: ModelConfig, layout: DPLayout) -> Any:
