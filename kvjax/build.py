@@ -48,6 +48,7 @@ from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
 from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
+from kvjax.plan.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.registry import (
     POOL_BUILDERS,
@@ -369,6 +370,47 @@ def build_stage_pools(
         mesh = serving_mesh(mesh)
     plan, device, _, _ = _create_pools(plan, config, mesh, planner_kinds_of(plan), device_only=True)
     return plan, CachePools(device)
+
+
+def build_stage_host_engine(
+    plan: CachePlan,
+    config: CacheConfig,
+    pools: CachePools,
+    host_allocator: Any,
+    allocator: Any,
+    *,
+    mesh: Mesh | None = None,
+) -> tuple[PendingDeviceUpdates, Any]:
+    """Pipeline stage ``config.pp_rank``'s part of the host tier: host pools of its layers (as
+    ``plan`` lists them) whose slot allocator is ``host_allocator`` (the tree's, stage 0's: one
+    host slot id per token on every stage), a queue of pending device updates over ``pools``
+    (the stage's device state) and the transfer engine recording into it, over ``allocator``
+    (the device token allocator, stage 0's): ``(pending, engine)``. Raises ``AssertionError``
+    when a host pool has another size than ``host_allocator``."""
+    if mesh is not None:
+        mesh = serving_mesh(mesh)
+    context = BuildContext(
+        platform=plan.platform,
+        mesh=mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
+        tp_size=config.attn_tp_size,
+        host_layout=plan.hicache_mem_layout,
+        kv_head_replicas=plan.target.kv_head_replicas,
+    )
+    host_pools: dict[str, Any] = {}
+    for pool in plan.pools:
+        if pool.memory == "device" or pool.kind != HOST_TIER_POOL.name:
+            continue
+        built = create_pool(pool, context)
+        if host_allocator.size != built.allocator.size:
+            raise AssertionError(
+                f"stage {config.pp_rank}'s host pool {pool.name} of {built.allocator.size} slots, stage 0's of "
+                f"{host_allocator.size}"
+            )
+        built.allocator = host_allocator
+        host_pools[pool.name] = built
+    pending = PendingDeviceUpdates(pools)
+    return pending, _host_transfer_engine(plan, pending, host_pools, allocator)
 
 
 def _create_pools(

@@ -2,11 +2,15 @@
 
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
-process serves every stage); DCP, DP attention, speculative decoding, the host tier and the
-retraction backup together with stages; and models with recurrent layers. The host tier, the
-retraction backup and recurrent state change device state through updates recorded on one cache
-(``KVCache.pending``), which would reach the first stage's layers only; DCP, DP attention and
-speculative decoding are other layouts of the step that are not combined with stages.
+process serves every stage); DCP, DP attention, speculative decoding, the storage tier, a host
+tier sized by ``hicache_size`` and the retraction backup together with stages; and models with
+recurrent layers. The retraction backup and recurrent state
+change device state through updates recorded on one cache (``KVCache.pending``), which would reach
+the first stage's layers only; DCP, DP attention and speculative decoding are other layouts of
+the step that are not combined with stages. The host tier is served: each stage copies its own
+layers (``kvjax.serve.pipeline_cache``), with one host slot id per token on every stage, so every
+stage's host pool has the same slots (``hicache_ratio``: a size in bytes would give each stage its
+own); the storage tier would store stage 0's layers only.
 """
 
 from __future__ import annotations
@@ -44,11 +48,18 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
             "speculative decoding with pipeline stages is not served; leave it unset or use {pp_size} 1",
         ),
         (
-            config.enable_hierarchical_cache,
-            "enable_hierarchical_cache",
-            True,
-            "the host tier with pipeline stages is not served (its loads would reach the first stage's layers "
-            "only); leave it off or use {pp_size} 1",
+            config.enable_hierarchical_cache and config.hicache_storage_backend is not None,
+            "hicache_storage_backend",
+            config.hicache_storage_backend,
+            "the storage tier with pipeline stages is not served (it would store the first stage's layers only); "
+            "leave it unset or use {pp_size} 1",
+        ),
+        (
+            config.enable_hierarchical_cache and config.hicache_size > 0,
+            "hicache_size",
+            config.hicache_size,
+            "a host tier sized in bytes with pipeline stages is not served (every stage's host pool must have "
+            "the same slots); size it with hicache_ratio or use {pp_size} 1",
         ),
         (
             config.disaggregation_decode_retraction_backup is not None,

@@ -379,7 +379,7 @@ GAP_DCP_STORAGE_MLA = (
     f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 )
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
-GAP_PP_HOST = f"{GAP}: the host tier over pipeline stages (its loads would reach the first stage only)"
+GAP_PP_STORAGE = f"{GAP}: the storage tier over pipeline stages (it would store the first stage's layers only)"
 GAP_PP_RETRACTION = f"{GAP}: the retraction backup over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
 GAP_SPEC_ROLLBACK = f"{GAP}: rolling back this state after rejected draft tokens"
@@ -461,6 +461,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
     ("full", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_llama_host_tier_loads_back_per_shard_pages",
+    ("full", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
     ("full", "tp", "storage"): (
         "tests/mesh/test_tp_host_tier.py::test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp"
     ),
@@ -526,6 +527,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("swa", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_gemma3_sliding_window_host_pools_at_tp_2",
+    ("swa", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
     ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "tp", "processes"): (
         "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
@@ -583,8 +585,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dcp", "processes"): refused(GAP_PROCESSES),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_EAGLE),
-    ("full", "pp", "host"): refused(GAP_PP_HOST),
-    ("full", "pp", "storage"): refused(GAP_PP_HOST),
+    ("full", "pp", "storage"): refused(GAP_PP_STORAGE),
     ("full", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
@@ -622,8 +623,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "dcp", "processes"): refused(GAP_PROCESSES),
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("swa", "pp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "pp", "host"): refused(GAP_PP_HOST),
-    ("swa", "pp", "storage"): refused(GAP_PP_HOST),
+    ("swa", "pp", "storage"): refused(GAP_PP_STORAGE),
     ("swa", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("swa", "pp", "processes"): refused(GAP_PROCESSES),
     ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT),
@@ -654,8 +654,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "dcp", "processes"): refused(GAP_PROCESSES),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
-    ("mla", "pp", "host"): refused(GAP_PP_HOST),
-    ("mla", "pp", "storage"): refused(GAP_PP_HOST),
+    ("mla", "pp", "storage"): refused(GAP_PP_STORAGE),
     ("mla", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
@@ -696,8 +695,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dcp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("recurrent", "pp", "eagle"): refused(GAP_EAGLE),
-    ("recurrent", "pp", "host"): refused(GAP_PP_HOST),
-    ("recurrent", "pp", "storage"): refused(GAP_PP_HOST),
+    ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "pp", "storage"): refused(GAP_PP_STORAGE),
     ("recurrent", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),

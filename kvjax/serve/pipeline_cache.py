@@ -17,6 +17,14 @@ layers behind it differ.
 Refused by name before anything is allocated: what ``kvjax.pipeline_check.check_pipeline_config``
 refuses (more stages than layers, and what pipelining does not serve), then more
 ``pp_size * tp_size`` devices than there are (``pipeline_meshes``).
+
+The host tier (HiCache) covers every stage's layers, as SGLang's per-stage cache controllers do:
+each stage has host pools of its own layers, whose slot allocators are stage 0's (one host slot
+id per token on every stage), and a transfer engine recording its loads in a queue of pending
+device updates of its own (``pending[s]``, reading stage ``s``'s state); the tree drives one
+engine, which starts every stage's copy of the same slots and reports a transfer done once every
+stage's landed (``kvjax.transfers.draft_pools.PairedCopyEngine``). The owner of the step applies
+each stage's queue before that stage's step.
 """
 
 from __future__ import annotations
@@ -29,9 +37,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kvjax.attention.sharding import serving_mesh
-from kvjax.build import KVCache, build_kv_cache, build_stage_pools, device_memory_limit_bytes
+from kvjax.build import (
+    KVCache,
+    build_kv_cache,
+    build_stage_host_engine,
+    build_stage_pools,
+    device_memory_limit_bytes,
+)
 from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
+from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
 from kvjax.mesh_check import KV_HEAD_AXIS
 from kvjax.pipeline_check import check_pipeline_config
@@ -40,6 +55,7 @@ from kvjax.plan.sizing import stage_bounds
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import PipelineStage
 from kvjax.spec import ModelSpec
+from kvjax.transfers.draft_pools import PairedCopyEngine
 
 __all__ = ["PipelineCache", "build_pipeline_cache", "pipeline_meshes", "pipeline_stages"]
 
@@ -82,8 +98,11 @@ class PipelineCache:
     ``cache``: stage 0's ``KVCache``, whose request table, allocator and tree drive every stage
     (its ``pools`` are stage 0's). ``stages[s]``: the layers of stage ``s``; ``meshes[s]`` its
     devices; ``plans[s]`` its plan (the same token slots on every stage); ``states[s]`` its device
-    state (``kvjax.device_state``; stage 0's is ``cache.state``). The owner of the step (the
-    scheduler, stepped by ``kvjax.serve.pipeline_stepping``) stores each stage's new pools
+    state (``kvjax.device_state``; stage 0's is ``cache.state``); ``pending[s]`` its queue of
+    pending device updates (stage 0's is ``cache.pending``; the others' record the host tier's
+    loads into their layers, and are empty without the host tier). The owner of the step (the
+    scheduler, stepped by ``kvjax.serve.pipeline_stepping``) applies each stage's queue before its
+    step (:meth:`apply_pending`) and stores each stage's new pools
     (``Scheduler.store_pools(pools, stage)``).
     """
 
@@ -94,11 +113,19 @@ class PipelineCache:
         plans: Sequence[CachePlan],
         stages: Sequence[PipelineStage],
         meshes: Sequence[Mesh],
+        pending: Sequence[PendingDeviceUpdates] | None = None,
     ) -> None:
         if not len(stage_pools) == len(plans) == len(stages) == len(meshes):
             raise ValueError("PipelineCache: one pool set, plan, stage and mesh per stage")
         self.cache = cache
         self.states: tuple[DeviceState, ...] = (cache.state, *(DeviceState(p) for p in stage_pools[1:]))
+        if pending is None:
+            pending = [PendingDeviceUpdates(p) for p in stage_pools[1:]]
+        if len(pending) != len(stage_pools) - 1:
+            raise ValueError("PipelineCache: one queue of pending device updates per stage after the first")
+        self.pending: tuple[PendingDeviceUpdates, ...] = (cache.pending, *pending)
+        for state, queue in zip(self.states[1:], self.pending[1:], strict=True):
+            state.attach(queue)
         self.plans = tuple(plans)
         self.stages = tuple(stages)
         self.meshes = tuple(meshes)
@@ -110,6 +137,15 @@ class PipelineCache:
     def pools(self, stage: int) -> CachePools:
         """Stage ``stage``'s current device state (stage 0's is ``cache.pools``)."""
         return self.states[stage].pools
+
+    def apply_pending(self, stage: int, pools: CachePools) -> CachePools:
+        """Stage ``stage``'s pending device updates applied to ``pools`` (its current state), in
+        the order recorded; ``pools`` itself when none is pending (the arrays replaced are
+        donated: use only what this returns)."""
+        if stage == 0:
+            return self.cache.apply_pending(pools)
+        queue = self.pending[stage]
+        return queue.apply(pools) if queue.count else pools
 
     def device_bytes(self, stage: int) -> int:
         """Bytes of stage ``stage``'s device pools (over all its devices)."""
@@ -143,7 +179,23 @@ def build_pipeline_cache(
             raise AssertionError(f"stage {s} plans slots {_slots(plan)}, stage 0 {_slots(cache.plan)}")
         plans.append(plan)
         pools.append(stage_pools)
-    return PipelineCache(cache, pools, plans, stages, meshes)
+    pending: list[PendingDeviceUpdates] = []
+    if cache.host_pool is not None:  # every stage's layers backed up and loaded with the same slots
+        engines = []
+        for s in range(1, config.pp_size):
+            queue, engine = build_stage_host_engine(
+                plans[s],
+                config.replace(pp_rank=s),
+                pools[s],
+                cache.host_pool.allocator,
+                cache.token_to_kv_pool_allocator,
+                mesh=meshes[s],
+            )
+            pending.append(queue)
+            engines.append(engine)
+        host = cache.tree_cache.host  # type: ignore[attr-defined]
+        host.engine = PairedCopyEngine(host.engine, *engines)
+    return PipelineCache(cache, pools, plans, stages, meshes, pending or None)
 
 
 def _slots(plan: CachePlan) -> tuple[int, int | None, int | None, int]:

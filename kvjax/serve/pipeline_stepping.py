@@ -138,8 +138,8 @@ class PipelineStages:
             prev = jax.device_put(scheduler.previous_tokens(self.no_tokens), self.stage_replicated[0])
         launched = time.perf_counter()
         pipe = self.pipeline
-        pools = [pipe.pools(s) for s in range(pipe.pp_size)]
-        pools[0] = scheduler.cache.apply_pending()  # nothing is pending under pipelining (pipeline_cache)
+        # Each stage's pending device updates (the host tier's loads into its layers) land first.
+        pools = [pipe.apply_pending(s, pipe.pools(s)) for s in range(pipe.pp_size)]
         outs: list[tuple[Any, ...]] = []
         for group in packed:
             x: Any = group.tokens

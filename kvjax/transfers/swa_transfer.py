@@ -42,7 +42,7 @@ __all__ = ["SWAPageTransferEngine"]
 
 @dataclass
 class _Pair:
-    full: Any
+    full: Any  # None for a pool without full layers (a pipeline stage of sliding layers only)
     swa: Any  # None when no slot of the transfer had SWA to copy
 
 
@@ -52,7 +52,10 @@ class SWAPageTransferEngine:
     Args:
         pending: the cache's pending device updates (``KVCache.pending``; see
             :class:`~kvjax.transfers.transfer.PageTransferEngine`).
-        full_host: the full layers' host pool.
+        full_host: the full layers' host pool; ``None`` for an ``SWAKVPool`` without full layers
+            (a pipeline stage of sliding layers only, ``kvjax.serve.pipeline_cache``): only the
+            sliding side is copied, with the host slots the tree gives (another stage's full
+            layers' host slots).
         swa_host: the sliding layers' host pool (as many slots as ``full_host``).
         allocator: the ``SWATokenToKVPoolAllocator`` whose mapping pairs full and SWA slots.
         pool_name: the ``SWAKVPool`` in the pools (``"swa"``).
@@ -62,20 +65,22 @@ class SWAPageTransferEngine:
     def __init__(
         self,
         pending: PendingDeviceUpdates,
-        full_host: HostKVPool,
+        full_host: HostKVPool | None,
         swa_host: HostKVPool,
         allocator: Any,
         pool_name: str = "swa",
         staging: str = "auto",
     ) -> None:
-        if swa_host.size != full_host.size:
+        if full_host is not None and swa_host.size != full_host.size:
             raise ValueError(f"SWA host pool of {swa_host.size} slots for a full host pool of {full_host.size}")
-        if pending.owner_pools[pool_name].full is None:
+        if (pending.owner_pools[pool_name].full is None) != (full_host is None):
             raise ValueError("a pure sliding-window pool has no host tier (SGLang builds none for it)")
-        self.full = PageTransferEngine(pending, full_host, pool_name, staging, part="full")
+        self.full = (
+            None if full_host is None else PageTransferEngine(pending, full_host, pool_name, staging, part="full")
+        )
         self.swa = PageTransferEngine(pending, swa_host, pool_name, staging, part="swa")
         self.allocator = allocator
-        self.staging = self.full.staging
+        self.staging = self.swa.staging
 
     def _paired(self, device_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         swa = self.allocator.full_to_swa_index_mapping[np.asarray(device_slots, dtype=np.int64)]
@@ -84,11 +89,12 @@ class SWAPageTransferEngine:
 
     def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _Pair:
         swa_slots, live = self._paired(device_slots)
-        full = self.full.start_backup(device_slots, host_slots)
+        full = None if self.full is None else self.full.start_backup(device_slots, host_slots)
         try:
             swa = self.swa.start_backup(swa_slots, np.asarray(host_slots)[live]) if swa_slots.size else None
         except Exception:
-            self.full.cancel(full)
+            if self.full is not None:
+                self.full.cancel(full)
             raise
         return _Pair(full, swa)
 
@@ -98,12 +104,12 @@ class SWAPageTransferEngine:
             self.swa.host_pool.pages_of(np.asarray(host_slots)[live])
         except Exception as e:
             raise CopyError(f"load cannot start: {e}") from e
-        full = self.full.start_load(host_slots, device_slots)
+        full = None if self.full is None else self.full.start_load(host_slots, device_slots)
         swa = self.swa.start_load(np.asarray(host_slots)[live], swa_slots) if swa_slots.size else None
         return _Pair(full, swa)
 
     def poll(self, handle: _Pair, wait: bool = False) -> TransferStatus:
-        states = [self.full.poll(handle.full, wait)]
+        states = [] if self.full is None else [self.full.poll(handle.full, wait)]
         if handle.swa is not None:
             states.append(self.swa.poll(handle.swa, wait))
         if TransferStatus.PENDING in states:
@@ -111,16 +117,24 @@ class SWAPageTransferEngine:
         return TransferStatus.FAILED if TransferStatus.FAILED in states else TransferStatus.DONE
 
     def cancel(self, handle: _Pair) -> None:
-        self.full.cancel(handle.full)
+        if self.full is not None:
+            self.full.cancel(handle.full)
         if handle.swa is not None:
             self.swa.cancel(handle.swa)
 
 
 def transfer_engine(context: TransferContext) -> SWAPageTransferEngine | None:
     """The engine moving both sides' pages, when the host tier has the sliding side's pool
-    (``"host_kv_swa"``); None otherwise (the plain engine)."""
+    (``"host_kv_swa"``); the sliding side's alone for an ``SWAKVPool`` without full layers (a
+    pipeline stage of sliding layers only, whose host pool ``"host_kv"`` holds those layers);
+    None otherwise (the plain engine)."""
     swa_host_pool = context.host_pools.get(SWA_HOST_POOL_NAME)
     if swa_host_pool is None:
+        pools = context.pending.owner_pools
+        if SWA_POOL.name in pools.names and pools[SWA_POOL.name].full is None:
+            return SWAPageTransferEngine(
+                context.pending, None, context.host_pool, context.allocator, pool_name=SWA_POOL.name
+            )
         return None
     return SWAPageTransferEngine(
         context.pending, context.host_pool, swa_host_pool, context.allocator, pool_name=SWA_POOL.name

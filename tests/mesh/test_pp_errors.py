@@ -2,9 +2,10 @@
 before anything is allocated (``jax.live_arrays()`` unchanged).
 
 More stages than layers, more ``pp_size * tp_size`` devices than there are, and what pipelining
-does not serve (DCP, DP attention, the host tier, the retraction backup, recurrent layers, a
-``pp_rank`` other than 0) are refused by ``build_pipeline_cache``; a micro-batch count the batch
-cannot be split into by ``pipeline_scheduler``.
+does not serve (DCP, DP attention, the storage tier, a host tier sized by ``hicache_size``,
+the retraction backup, recurrent layers, a ``pp_rank`` other than 0) are refused by
+``build_pipeline_cache``; a micro-batch count the batch cannot be split into by
+``pipeline_scheduler``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,23 @@ CASES = {
         "enable_dp_attention",
         "DP attention",
     ),
-    "host_tier": (TINY, config(pp_size=2, enable_hierarchical_cache=True), "enable_hierarchical_cache", "host tier"),
+    "storage_tier": (
+        TINY,
+        config(
+            pp_size=2,
+            enable_hierarchical_cache=True,
+            hicache_storage_backend="memory",
+            hicache_storage_model_fingerprint="tiny",
+        ),
+        "hicache_storage_backend",
+        "storage tier",
+    ),
+    "host_tier_sized_in_bytes": (
+        TINY,
+        config(pp_size=2, enable_hierarchical_cache=True, hicache_size=1),
+        "hicache_size",
+        "hicache_ratio",
+    ),
     "recurrent_layers": (
         ModelSpec.preset("qwen3-next-80b-a3b"),
         config(pp_size=2, memory_budget_bytes=1 << 30),
