@@ -375,9 +375,7 @@ GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
-GAP_DCP_STORAGE_MLA = (
-    f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
-)
+GAP_DCP_STORAGE_MLA = f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PP_STORAGE = f"{GAP}: the storage tier over pipeline stages (it would store the first stage's layers only)"
 GAP_PP_RETRACTION = f"{GAP}: the retraction backup over pipeline stages"
