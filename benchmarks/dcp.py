@@ -5,25 +5,29 @@ ranks instead of replicated, and what the striped step costs. Prints one JSON ob
 
 Sections:
 
+DCP divides the TP group, as in SGLang (``--tp T --dcp D``: the same ``T`` chips, KV heads over
+``T / D`` of them, tokens striped over ``D``, weights split over all ``T``).
+
 * ``planned_v5e_8``: Llama-3-70B (8 KV heads) and DeepSeek-V3 (MLA: one latent, replicated over
   TP) planned for a v5e-8 (8 chips x 16 GiB, ``mem_fraction_static`` 0.9, pages of 16 rows per
-  device) at DCP 1/2/4/8 with TP = 8 / DCP. ``pool_tokens`` is the allocator's (striped) pool,
+  device) at TP 8 with DCP 1/2/4/8. ``pool_tokens`` is the allocator's (striped) pool,
   ``rows_per_device`` one device's share; ``ratio`` is the pool against DCP 1, and ``goal`` the
   stripe's full factor (DCP) where TP alone would replicate the KV (the latent, or KV heads fewer
   than the TP ranks), else 1 (the KV heads already split over the chips: DCP trades the head
-  split for the token split at equal bytes). The weights are not subtracted (neither model's
-  weights fit a v5e-8 alone); under DCP they are split over TP only, so DCP D holds D times the
-  TP-8 share of them per chip: the figures are the KV side of that trade.
+  split for the token split at equal bytes). The weights are not subtracted here (neither model's
+  weights fit a v5e-8; ``benchmarks/dcp_plan.py`` subtracts a given checkpoint size); they are
+  split over the 8 chips at every DCP size, so they cost the same at every row.
 * ``built_cpu``: what is built on the CPU mesh: the tiny preset (2 KV heads, 4 query heads) and
-  the tiny DeepSeek (MLA) with the same per-device byte budget at (DCP, TP) = (1, 4), (2, 2),
-  (4, 1), (8, 1): the allocator's tokens, one device's rows and pool bytes, and the ratio of
-  tokens to TP 4 alone (goal: the DCP factor times the KV heads a device holds at TP 4 over
-  those it holds here; TP 4 stores each KV head twice, which DCP 2 x TP 2 turns into twice the
-  tokens; the latent is stored on every TP rank, so the goal is the DCP factor).
-* ``step_cpu``: seconds per decode step of the tiny model served by the scheduler on the CPU mesh,
-  TP 2 alone against DCP 2 x TP 2 and DCP 4 x TP 2 (a CPU figure: the host devices share this
-  machine's cores, so it shows the overhead of the striped program and its merge, not a TPU
-  speed-up).
+  the tiny DeepSeek (MLA) with the same per-device byte budget at TP 4 with DCP 1, 2 and 4: the
+  allocator's tokens, one device's rows and pool bytes, and the ratio of tokens to DCP 1 (goal:
+  the DCP factor times the KV heads a device holds at DCP 1 over those it holds here; TP 4 stores
+  each of the 2 KV heads twice, which DCP 2 turns into twice the tokens, and DCP 4 too (each
+  device then holds both heads of a quarter of the tokens); the latent is stored on every TP
+  rank, so its goal is the DCP factor).
+* ``step_cpu``: seconds per decode step of the tiny model served by the scheduler on 4 CPU
+  devices, TP 4 alone against TP 4 with DCP 2 and DCP 4 (a CPU figure: the host devices share
+  this machine's cores, so it shows the overhead of the striped program, its query gather and its
+  merge, not a TPU speed-up).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from kvjax.spec import ModelSpec  # noqa: E402
 CHIPS = 8
 DCP_SIZES = (1, 2, 4, 8)
 PLANNED = ("llama-3-70b", "deepseek-v3")
-BUILT_LAYOUTS = ((1, 4), (2, 2), (4, 1), (8, 1))  # (DCP, TP) of the tiny presets (4 query heads: TP <= 4)
+BUILT_LAYOUTS = ((1, 4), (2, 4), (4, 4))  # (DCP, TP) of the tiny presets (4 query heads: TP <= 4)
 BUILT_MODELS = {
     "tiny": "2 KV heads (TP 4 stores each twice)",
     "deepseek-tiny": "MLA latent (replicated over TP)",
@@ -56,7 +60,7 @@ BUILT_MODELS = {
 
 
 def planned_v5e_8() -> dict[str, Any]:
-    """The plan of each model at DCP 1/2/4/8 x TP 8 / DCP on a v5e-8 (module docstring)."""
+    """The plan of each model at TP 8 with DCP 1/2/4/8 on a v5e-8 (module docstring)."""
     hbm = tpu_chip("v5e").hbm_bytes
     out: dict[str, Any] = {"chip_hbm_bytes": hbm, "mem_fraction_static": 0.9, "page_size_per_device": 16}
     for model in PLANNED:
@@ -64,7 +68,7 @@ def planned_v5e_8() -> dict[str, Any]:
         rows: dict[str, Any] = {}
         base = None
         for dcp in DCP_SIZES:
-            tp = CHIPS // dcp
+            tp = CHIPS
             config = CacheConfig(page_size=16, mem_fraction_static=0.9, tp_size=tp, dcp_size=dcp, platform="tpu")
             plan = plan_kv_cache(spec, config, device_memory_bytes=hbm)
             base = plan.max_total_tokens if base is None else base
@@ -116,7 +120,7 @@ def built_cpu(budget: int) -> dict[str, Any]:
                 "kv_heads_per_device": heads,
                 "device_pool_bytes": per_device,
                 "ratio": round(tokens / base[0], 4),
-                # The stripe's factor, less what a device pays for holding more heads than at TP 4.
+                # The stripe's factor, less what a device pays for holding more heads than at DCP 1.
                 "goal": dcp * base[1] / heads,
             }
         out[model] = {"kv": kv, "by_dcp": rows}
@@ -124,7 +128,7 @@ def built_cpu(budget: int) -> dict[str, Any]:
 
 
 def step_cpu(tiny: bool) -> dict[str, Any]:
-    """Seconds per decode step of the tiny model on the CPU mesh, TP 2 against DCP x TP 2."""
+    """Seconds per decode step of the tiny model on 4 CPU devices, TP 4 against TP 4 with DCP 2 and 4."""
     import jax
     import numpy as np
 
@@ -139,17 +143,17 @@ def step_cpu(tiny: bool) -> dict[str, Any]:
     new = 8 if tiny else 32
     out: dict[str, Any] = {"note": "CPU figure: the host devices share this machine's cores; not a TPU speed-up"}
     for dcp in (1, 2, 4):
-        config = CacheConfig(page_size=4, max_total_tokens=2048, max_running_requests=8, tp_size=2, dcp_size=dcp)
-        mesh = make_serving_mesh(2, dcp_size=dcp, devices=jax.devices("cpu"))
+        config = CacheConfig(page_size=4, max_total_tokens=2048, max_running_requests=8, tp_size=4, dcp_size=dcp)
+        mesh = make_serving_mesh(4, dcp_size=dcp, devices=jax.devices("cpu"))
         sched = Scheduler(spec, build_kv_cache(spec, config, mesh=mesh), params, max_batch_size=4)
         tokens, figures = warm_decode_run(sched, prompts, new)
-        out[f"dcp{dcp}_tp2"] = {**figures, "devices": 2 * dcp}
+        out[f"dcp{dcp}_tp4"] = {**figures, "devices": 4}
         out.setdefault("tokens", tokens)
         assert tokens == out["tokens"], "every layout generates the same tokens"
     out.pop("tokens")
-    base = out["dcp1_tp2"]["decode_step_seconds"]
-    for key in ("dcp2_tp2", "dcp4_tp2"):
-        out[key]["ratio_to_tp2"] = round(out[key]["decode_step_seconds"] / base, 3)
+    base = out["dcp1_tp4"]["decode_step_seconds"]
+    for key in ("dcp2_tp4", "dcp4_tp4"):
+        out[key]["ratio_to_tp4"] = round(out[key]["decode_step_seconds"] / base, 3)
     return out
 
 

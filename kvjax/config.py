@@ -217,6 +217,14 @@ class CacheConfig:
             raise ConfigError(
                 "dp_size", self.dp_size, f"with enable_dp_attention, dp_size must divide tp_size={self.tp_size}"
             )
+        if self.tp_size % self.dcp_size:
+            raise ConfigError(
+                "dcp_size",
+                self.dcp_size,
+                f"decode context parallelism divides the TP group, and {self.dcp_size} does not divide "
+                f"{{tp_size}} {self.tp_size}; use a {{dcp_size}} that divides {{tp_size}}, or a {{tp_size}} that "
+                f"{self.dcp_size} divides",
+            )
         if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
             raise ConfigError(
                 "disaggregation_decode_enable_radix_cache",
@@ -238,8 +246,12 @@ class CacheConfig:
 
     @property
     def attn_tp_size(self) -> int:
-        """Attention tensor-parallel size: ``tp_size / dp_size`` under DP attention, else ``tp_size``."""
-        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+        """The ranks KV heads are split over (the mesh's ``"tp"`` axis): ``tp_size / dp_size`` under DP
+        attention, ``tp_size / dcp_size`` under decode context parallelism (SGLang's DCP divides the TP
+        group: KV heads over ``tp / dcp`` ranks, tokens striped over ``dcp``), else ``tp_size``."""
+        if self.enable_dp_attention:
+            return self.tp_size // self.dp_size
+        return self.tp_size // self.dcp_size
 
     @property
     def priority_preemption(self) -> bool:

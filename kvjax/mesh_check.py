@@ -9,11 +9,13 @@ kvjax serves on a mesh of at most two named axes, as sglang-jax does:
   (``tp_size / dp_size`` under DP attention, else ``tp_size``). KV heads, query heads and the
   recurrent state's heads are sharded over it; a latent (MLA) pool is replicated over it.
 * ``"dcp"`` (``DCP_AXIS``), under decode context parallelism only (``dcp_size > 1``, instead of
-  ``"data"``): the ranks each request's KV is striped over (``kvjax.alloc.dcp``); the mesh is
-  ``("dcp", "tp")`` of ``dcp_size * tp_size`` devices. ``"tp"`` is innermost, as in sglang-jax's
-  ``("data", "tensor")``: its collectives (two all-reduces of the hidden state per layer) run
-  between neighbouring chips, while DCP adds one log-sum-exp merge per attention layer. Weights
-  are split over ``"tp"`` and replicated over ``"dcp"``.
+  ``"data"``). As in SGLang, DCP divides the TP group and uses its chips: the mesh is
+  ``("tp", "dcp")`` of ``tp_size`` devices, ``tp_size / dcp_size`` on ``"tp"`` (the KV heads,
+  ``attn_tp_size``) and ``dcp_size`` on ``"dcp"`` (the ranks each request's KV is striped over,
+  ``kvjax.alloc.dcp``), ``"dcp"`` innermost so that its per-layer collectives (the query heads'
+  all-gather and the log-sum-exp merge) run between neighbouring chips. Weights and query heads
+  are split over both axes jointly (``("tp", "dcp")``, tp-major: the query heads a ``"tp"`` rank's
+  KV heads serve are the union of its ``"dcp"`` row's, ``kvjax.serve.param_sharding``).
 
 Every check here runs before anything is allocated and raises one ``ConfigError`` naming the
 option (``tp_size`` / ``dp_size`` / ``mesh``), the value and the fix; the command line renders the
@@ -107,31 +109,25 @@ def check_parallel_sizes(tp_size: int, dp_size: int, enable_dp_attention: bool) 
 
 
 def check_dcp_sizes(dcp_size: int, tp_size: int, enable_dp_attention: bool = False, devices: int | None = None) -> None:
-    """Refuse a DCP size that cannot form the ``("dcp", "tp")`` mesh: below 1, with DP attention,
-    or (``devices``: the devices the mesh has, or this process sees) not dividing them or needing
-    more than there are with ``tp_size`` ranks on ``"tp"``."""
+    """Refuse a DCP size that cannot divide the TP group: below 1, with DP attention, or not
+    dividing ``tp_size`` (SGLang's DCP carves its ranks out of the TP group: ``tp_size`` chips in
+    all). ``devices`` is unused (the TP size is checked against the devices by
+    :func:`check_local_devices`); it is kept for callers that pass it."""
+    del devices
     if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
         raise ConfigError("dcp_size", dcp_size, "the decode-context-parallel size must be an integer of 1 or more")
     if dcp_size == 1:
         return
     if enable_dp_attention:
         raise ConfigError(
-            "dcp_size", dcp_size, "DCP with DP attention is not served (the mesh is ('dcp', 'tp')); turn one off"
+            "dcp_size", dcp_size, "DCP with DP attention is not served (the mesh is ('tp', 'dcp')); turn one off"
         )
-    if devices is None:
-        return
-    if devices % dcp_size:
+    if tp_size % dcp_size:
         raise ConfigError(
             "dcp_size",
             dcp_size,
-            f"{dcp_size} DCP ranks do not divide the {devices} devices; use {{dcp_size}} {_divisors(devices)}",
-        )
-    if dcp_size * tp_size > devices:
-        raise ConfigError(
-            "tp_size",
-            tp_size,
-            f"{{dcp_size}} {dcp_size} x {{tp_size}} {tp_size} needs {dcp_size * tp_size} devices and there are "
-            f"{devices}; use {{tp_size}} {devices // dcp_size} or less, or a smaller {{dcp_size}}",
+            f"decode context parallelism divides the TP group, and {dcp_size} does not divide {{tp_size}} {tp_size}; "
+            f"use {{dcp_size}} {_divisors(tp_size)}, or a {{tp_size}} that {dcp_size} divides",
         )
 
 
@@ -139,14 +135,14 @@ def serving_mesh_shape(
     tp_size: int, dp_size: int = 1, enable_dp_attention: bool = False, dcp_size: int = 1
 ) -> dict[str, int]:
     """The mesh kvjax serves on, axis name -> size: ``{"data": dp, "tp": tp / dp}`` under DP
-    attention, ``{"dcp": dcp, "tp": tp}`` under DCP, else ``{"tp": tp}``. Raises ``ConfigError``
+    attention, ``{"tp": tp / dcp, "dcp": dcp}`` under DCP (``tp`` devices), else ``{"tp": tp}``. Raises ``ConfigError``
     as :func:`check_parallel_sizes` and :func:`check_dcp_sizes`."""
     check_parallel_sizes(tp_size, dp_size, enable_dp_attention)
     check_dcp_sizes(dcp_size, tp_size, enable_dp_attention)
     if enable_dp_attention and dp_size > 1:
         return {DATA_AXIS: dp_size, KV_HEAD_AXIS: tp_size // dp_size}
     if dcp_size > 1:
-        return {DCP_AXIS: dcp_size, KV_HEAD_AXIS: tp_size}
+        return {KV_HEAD_AXIS: tp_size // dcp_size, DCP_AXIS: dcp_size}
     return {KV_HEAD_AXIS: tp_size}
 
 
@@ -215,16 +211,19 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
         )
     dcp_axis = facts.size(DCP_AXIS)
     if dcp_axis != config.dcp_size:
+        kv_ranks = config.tp_size // config.dcp_size
         raise ConfigError(
             "dcp_size",
             config.dcp_size,
             f"the mesh's {DCP_AXIS!r} axis has {dcp_axis} device(s) but KV is striped over {config.dcp_size} DCP "
-            f"rank(s); build the mesh as jax.make_mesh(({config.dcp_size}, {config.tp_size}), ('dcp', 'tp')) "
+            f"rank(s); build the mesh as jax.make_mesh(({kv_ranks}, {config.dcp_size}), ('tp', 'dcp')) "
             "(kvjax.mesh_check.make_serving_mesh makes it), or set {dcp_size} to match the mesh",
         )
     tp_axis = facts.size(KV_HEAD_AXIS)
     if tp_axis != config.attn_tp_size:
         under_dp = f" (tp_size {config.tp_size} / dp_size {config.dp_size})" if config.enable_dp_attention else ""
+        if config.dcp_enabled:
+            under_dp = f" (tp_size {config.tp_size} / dcp_size {config.dcp_size})"
         raise ConfigError(
             "tp_size",
             config.tp_size,
@@ -242,12 +241,12 @@ def make_serving_mesh(
     dcp_size: int = 1,
 ) -> Mesh:
     """The mesh kvjax serves ``tp_size`` ranks on (:func:`serving_mesh_shape`), over the first
-    ``tp_size`` (``dcp_size * tp_size`` under DCP) of ``devices`` (default: this process's
-    devices of the default platform).
+    ``tp_size`` of ``devices`` (default: this process's devices of the default platform); under
+    DCP the same ``tp_size`` devices, laid out ``("tp", "dcp")``.
 
     Raises ``ConfigError`` before creating anything: ``dp_size`` not dividing ``tp_size`` under DP
-    attention, more TP ranks than devices, a DCP size that does not divide the devices or needs
-    more of them with ``tp_size``, devices of more than one platform.
+    attention, ``dcp_size`` not dividing ``tp_size``, more TP ranks than devices, devices of more
+    than one platform.
     """
     import jax
     import numpy as np
@@ -262,8 +261,6 @@ def make_serving_mesh(
             tuple(platforms),
             f"the devices are of {len(platforms)} platforms ({', '.join(platforms)}); pass one platform's devices",
         )
-    check_dcp_sizes(dcp_size, tp_size, enable_dp_attention, len(devices))
     check_local_devices(tp_size, len(devices), platforms[0] if platforms else "no")
-    used = tp_size * (dcp_size if DCP_AXIS in shape else 1)
-    grid = np.array(devices[:used], dtype=object).reshape(tuple(shape.values()))
+    grid = np.array(devices[:tp_size], dtype=object).reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape))

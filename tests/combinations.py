@@ -57,7 +57,7 @@ KIND_TITLES = {
 FEATURES: dict[str, str] = {
     "tp": "tp 2 (`--tp 2`; `--tp 4` with DP attention)",
     "dp": "DP attention, 2 ranks (`--dp 2`)",
-    "dcp": "DCP 2 (`--dcp 2`)",
+    "dcp": "DCP 2, dividing tp (`--tp 2 --dcp 2`; `--tp 4 --dcp 2` with tp)",
     "pp": "pp 2 (`--pp 2`)",
     "standalone": "STANDALONE draft (`--speculative-algorithm STANDALONE`; the target as its own draft, a "
     "full-attention `tiny` of its vocabulary for a recurrent target)",
@@ -180,7 +180,7 @@ def _cli_argv(kind: str, features: set[str]) -> list[str]:
     directory of the kind's ``config.json`` (``_checkpoint_dir``)."""
     checkpoint = _checkpoint_dir(kind, "eagle" in features and _mtp(kind))
     argv = ["generate", "--model", checkpoint, "--prompt-ids", "1,2,3"]
-    tp = 4 if {"tp", "dp"} <= features else 2 if features & {"tp", "dp"} else 1
+    tp = 4 if {"tp", "dp"} <= features or {"tp", "dcp"} <= features else 2 if features & {"tp", "dp", "dcp"} else 1
     argv += ["--tp", str(tp)] if tp > 1 else []
     argv += ["--dp", "2"] if "dp" in features else []
     argv += ["--dcp", "2"] if "dcp" in features else []
@@ -235,8 +235,8 @@ def _config(kind: str, features: set[str]) -> Any:
         options.update(dp_size=2, enable_dp_attention=True, tp_size=4 if "tp" in features else 2)
     elif "tp" in features:
         options.update(tp_size=2)
-    if "dcp" in features:
-        options.update(dcp_size=2)
+    if "dcp" in features:  # DCP divides the TP group: tp 2 (tp 4 with the tp feature), its KV striped over 2
+        options.update(dcp_size=2, tp_size=4 if "tp" in features else 2)
     if "pp" in features:
         options.update(pp_size=2)
     if features & {"host", "storage"}:
@@ -370,7 +370,7 @@ SGL_HICACHE_DCP_MHA = (
 GAP = "kvjax: not built yet"
 GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's)"
 GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
-GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('dcp', 'tp'))"
+GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('tp', 'dcp'))"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"

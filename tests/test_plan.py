@@ -271,7 +271,7 @@ def test_retraction_backup_host_pool_for_plain_decode_server():
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(dcp_size=2),
+        dict(tp_size=2, dcp_size=2),
         dict(disaggregation_decode_enable_radix_cache=True),
         dict(disaggregation_decode_enable_offload_kvcache=True),
         dict(enable_priority_scheduling=True),
@@ -438,7 +438,7 @@ def test_session_radix_cache_requires_unified_tree():
 
 
 def test_tree_page_size_under_decode_context_parallelism():
-    p = plan(dense(), page_size=16, dcp_size=4)
+    p = plan(dense(), page_size=16, tp_size=4, dcp_size=4)
     assert p.alloc_page_size == 64 and p.tree_page_size == 64
     assert p.max_total_tokens % 64 == 0
     assert plan(dense(), page_size=16).tree_page_size == 16
@@ -448,7 +448,7 @@ def test_the_host_page_under_decode_context_parallelism_holds_every_ranks_rows()
     """A device pool holds one rank's 16 rows of each striped page; the host page is the tree's
     page of 64 rows (every rank's, once), so the host tier's bytes count all of them."""
     one = plan(dense(), page_size=16, enable_hierarchical_cache=True, max_total_tokens=1024)
-    four = plan(dense(), page_size=16, dcp_size=4, enable_hierarchical_cache=True, max_total_tokens=1024)
+    four = plan(dense(), page_size=16, tp_size=4, dcp_size=4, enable_hierarchical_cache=True, max_total_tokens=1024)
     assert four.pool("kv").shape[1] == 16 and four.pool("host_kv").shape[1] == 64
     assert one.pool("host_kv").shape[1] == 16
     host = four.pool("host_kv")

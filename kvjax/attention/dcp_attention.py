@@ -1,19 +1,22 @@
 """Write-then-attend over a paged K/V pool striped over decode-context-parallel (DCP) ranks.
 
-The pool (``MHAKVPool`` with ``context_axis``) holds, on each device of the ``"dcp"`` mesh axis,
-its rank's rows of every striped page (``kvjax.alloc.dcp``: token ``i`` of a request on rank
-``i % dcp`` at local row ``(i % (page_size * dcp)) // dcp`` of the same page id). One layer runs
-inside one ``jax.shard_map`` over the mesh (KV and query heads over ``"tp"`` as in
-``kvjax.attention.sharding``; the batch's tokens, K/V and metadata replicated over ``"dcp"``):
+Under DCP the mesh is ``("tp", "dcp")`` of the TP group's devices (``kvjax.mesh_check``). The pool
+(``MHAKVPool`` with ``context_axis``) holds, on each device, its ``"tp"`` rank's KV heads
+(replicated when the heads are fewer than the ``"tp"`` ranks) and its ``"dcp"`` rank's rows of
+every striped page (``kvjax.alloc.dcp``: token ``i`` of a request on rank ``i % dcp`` at local row
+``(i % (page_size * dcp)) // dcp`` of the same page id). The query heads are split over both axes
+jointly, tp-major. One layer runs inside one ``jax.shard_map`` over the mesh (the batch's K/V
+over ``"tp"``, the metadata replicated; ``kvjax.attention.dcp_striped_layer``):
 
 1. write: each rank writes the tokens it owns at their local slots; the others go to the trash
    page (dropped), so every token is stored once, on its owner;
-2. attend: each rank attends every query over its own stripe (``striped_partial_attention``), with
+2. gather: the query heads of the rank's KV heads, all-gathered over ``"dcp"``;
+3. attend: each rank attends those heads over its own stripe (``striped_partial_attention``), with
    the causal and sliding-window masks on the keys' *global* positions (local key ``l`` of rank
    ``r`` is position ``l * dcp + r``); it returns the normalised partial output and its
    log-sum-exp;
-3. merge: the partials are merged exactly over ``"dcp"`` (``kvjax.attention.dcp_merge``: one
-   ``pmax`` and two ``psum``), so every rank ends with the attention over the whole sequence.
+4. merge: the partials are merged exactly over ``"dcp"`` (``kvjax.attention.dcp_merge``: one
+   ``pmax`` and two reduce-scatters), each rank keeping its own heads' slice.
 
 Sliding windows are served (the mask is on global positions); attention sinks join the merge once.
 The partial attention is jnp (the ragged Pallas kernel returns no log-sum-exp); on TPU it is
@@ -31,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.dcp_merge import partial_softmax
-from kvjax.attention.dcp_striped_layer import StripedKeys, run_striped_layer
+from kvjax.attention.dcp_striped_layer import StripedKeys, check_query_heads, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads
 from kvjax.pools import MHAKVPool
@@ -137,7 +140,7 @@ def dcp_paged_attention(
     v = expand_kv_heads(v, pool.num_kv_heads, f"layer {layer_id}'s v")
     packed = pool._pack(jnp.asarray(k), jnp.asarray(v), pool.k_scale[index], pool.v_scale[index], loc.shape[0])
     check_heads_divide(f"layer {layer_id}'s KV", pool.num_kv_heads, mesh, heads_axis)
-    check_heads_divide(f"layer {layer_id}'s query", q.shape[1], mesh, heads_axis)
+    check_query_heads(f"layer {layer_id}'s query", q.shape[1], mesh, axis)
 
     attend_stripe = partial(
         striped_partial_attention, dcp=dcp, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
@@ -145,5 +148,4 @@ def dcp_paged_attention(
     metadata = (meta.kv_lens, table, meta.cu_q_lens, meta.num_seqs)
     scales = {"k_scale": pool.k_scale[index], "v_scale": pool.v_scale[index]}
     sink = None if sinks is None else (jnp.asarray(sinks, jnp.float32), P(heads_axis))
-    heads = P(None, heads_axis, None)
-    return run_striped_layer(pool, index, mesh, attend_stripe, packed, loc, (q,), heads, metadata, scales, sink)
+    return run_striped_layer(pool, index, mesh, attend_stripe, packed, loc, (q,), metadata, scales, sink)

@@ -13,6 +13,8 @@ denominator once. Everything is float32.
 :func:`partial_softmax` gives one rank's ``(probabilities, lse)``; :func:`merge_over_axis` runs
 inside ``jax.shard_map`` and merges over a mesh axis with one ``pmax`` and two ``psum``
 collectives (of ``[T, heads]`` and ``[T, heads, head_dim]``; XLA combines the two ``psum``);
+:func:`merge_scattered_over_axis` is the same merge ending in reduce-scatters over the head axis
+(each rank keeps its own block of heads, as under DCP carved out of the TP group);
 :func:`merge_stacked` merges partials stacked on a leading axis on one device (the same
 arithmetic: what the single-device tests compare against).
 """
@@ -24,7 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["merge_over_axis", "merge_stacked", "partial_softmax"]
+__all__ = ["merge_over_axis", "merge_scattered_over_axis", "merge_stacked", "partial_softmax"]
 
 _Reduce = Callable[[jax.Array], jax.Array]
 
@@ -81,6 +83,39 @@ def merge_over_axis(out: jax.Array, lse: jax.Array, axis: str, *, sinks: jax.Arr
         lambda x: jax.lax.pmax(x, axis),
         lambda x: jax.lax.psum(x, axis),
     )
+
+
+def merge_scattered_over_axis(
+    out: jax.Array, lse: jax.Array, axis: str, *, sinks: jax.Array | None = None
+) -> jax.Array:
+    """:func:`merge_over_axis` where each rank keeps only its block of the heads: rank ``r`` of the
+    ``n`` along ``axis`` gets heads ``r * heads / n ..`` of the merged output, through one
+    ``pmax`` of ``[T, heads]`` and two reduce-scatters (``psum_scatter``) instead of ``psum``.
+
+    Args:
+        out, lse: as :func:`merge_over_axis` (every rank the same ``heads``; ``n`` divides them).
+        axis: the mesh axis the ranks lie along (``"dcp"``).
+        sinks: float32 ``[heads]`` attention-sink logits of all the heads, or None.
+
+    Returns:
+        float32 ``[T, heads / n, head_dim]``: this rank's heads of the attention over all keys.
+    """
+    ranks = jax.lax.axis_size(axis)
+    heads = out.shape[1]
+    own = heads // ranks
+    start = jax.lax.axis_index(axis) * own
+    peak = jax.lax.pmax(lse, axis)
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks[None, :])
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # no key anywhere (padding): weights all 0
+    weight = jnp.where(jnp.isfinite(lse), jnp.exp(lse - peak), 0.0)
+    numer = jax.lax.psum_scatter(weight[..., None] * out, axis, scatter_dimension=1, tiled=True)
+    denom = jax.lax.psum_scatter(weight, axis, scatter_dimension=1, tiled=True)
+    if sinks is not None:
+        own_peak = jax.lax.dynamic_slice_in_dim(peak, start, own, axis=1)
+        own_sinks = jax.lax.dynamic_slice_in_dim(sinks, start, own, axis=0)
+        denom = denom + jnp.exp(own_sinks[None, :] - own_peak)
+    return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def merge_stacked(out: jax.Array, lse: jax.Array, *, sinks: jax.Array | None = None) -> jax.Array:

@@ -1,14 +1,17 @@
 """Write-then-attend for absorbed MLA over a latent pool striped over decode-context-parallel ranks.
 
-The latent pool (``MLAKVPool`` with ``context_axis``) holds, on each device of the ``"dcp"`` mesh
-axis, its rank's rows of every striped page (``kvjax.alloc.dcp``); the latent is not split over
-``"tp"`` (one shared row per token), the query heads are. One layer runs inside one
-``jax.shard_map``, as ``kvjax.attention.dcp_attention`` does for K/V: each rank writes the rows
-it owns (the others go to its trash page), attends every query over its stripe with the causal
-mask on global positions (``logits = (q_latent . c_kv + q_rope . k_pe) * sm_scale``, values the
-``c_kv`` part of the row, dequantised by the layer's scale), and the partials are merged exactly
-over ``"dcp"`` with their log-sum-exp (``kvjax.attention.dcp_merge``). jnp, compiled by XLA on
-TPU (the MLA Pallas kernel returns no log-sum-exp).
+Under DCP the mesh is ``("tp", "dcp")`` of the TP group's devices (``kvjax.mesh_check``). The
+latent pool (``MLAKVPool`` with ``context_axis``) holds, on each device, its ``"dcp"`` rank's rows
+of every striped page (``kvjax.alloc.dcp``); the latent is one shared row per token, replicated
+over ``"tp"`` (the latent TP would replicate on every rank is what DCP stripes). The query heads
+are split over both axes jointly. One layer runs inside one ``jax.shard_map``, as
+``kvjax.attention.dcp_attention`` does for K/V: each rank writes the rows it owns (the others go
+to its trash page), gathers its ``"tp"`` rank's query heads over ``"dcp"``, attends them over its
+stripe with the causal mask on global positions (``logits = (q_latent . c_kv + q_rope . k_pe) *
+sm_scale``, values the ``c_kv`` part of the row, dequantised by the layer's scale), and the
+partials are merged exactly over ``"dcp"`` with their log-sum-exp, each rank keeping its own
+heads (``kvjax.attention.dcp_merge``). jnp, compiled by XLA on TPU (the MLA Pallas kernel
+returns no log-sum-exp).
 """
 
 from __future__ import annotations
@@ -18,13 +21,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.dcp_merge import partial_softmax
-from kvjax.attention.dcp_striped_layer import StripedKeys, run_striped_layer
+from kvjax.attention.dcp_striped_layer import StripedKeys, check_query_heads, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.attention.sharding import check_heads_divide
-from kvjax.mesh_check import KV_HEAD_AXIS
 from kvjax.pools import MLAKVPool
 
 __all__ = ["dcp_mla_attention", "striped_partial_mla_attention"]
@@ -94,7 +94,7 @@ def dcp_mla_attention(
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, MLAKVPool]:
     """``mla_attention`` for a latent pool striped over DCP ranks (module docstring); same
-    arguments and result. Query heads are split over the mesh's ``"tp"`` axis."""
+    arguments and result. Query heads are split over the mesh's ``("tp", "dcp")`` axes jointly."""
     mesh = mesh if mesh is not None else pool.mesh
     axis = pool.context_axis
     if mesh is None or axis is None:
@@ -105,11 +105,10 @@ def dcp_mla_attention(
     scale = pool.scale[index]
     row = jnp.concatenate([jnp.asarray(c_kv, jnp.float32), jnp.asarray(k_pe, jnp.float32)], axis=1)
     packed = pool._quantise(row, scale)
-    check_heads_divide(f"MLA layer {layer_id}'s query", q_latent.shape[1], mesh, KV_HEAD_AXIS)
+    check_query_heads(f"MLA layer {layer_id}'s query", q_latent.shape[1], mesh, axis)
 
     attend_stripe = partial(striped_partial_mla_attention, dcp=dcp, sm_scale=sm_scale)
-    queries, heads = (q_latent, q_rope), P(None, KV_HEAD_AXIS, None)
     metadata = (meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
     return run_striped_layer(
-        pool, index, mesh, attend_stripe, packed, meta.out_loc, queries, heads, metadata, {"kv_scale": scale}
+        pool, index, mesh, attend_stripe, packed, meta.out_loc, (q_latent, q_rope), metadata, {"kv_scale": scale}
     )

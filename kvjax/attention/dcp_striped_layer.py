@@ -1,6 +1,10 @@
 """One layer's write-then-attend over a pool striped over decode-context-parallel (DCP) ranks.
 
-What ``dcp_attention`` (K/V pages) and ``dcp_mla_attention`` (latent rows) share:
+Under DCP the mesh is ``("tp", "dcp")`` (``kvjax.mesh_check``: DCP divides the TP group): the
+pool's KV heads (or its whole latent row) lie over ``"tp"``, each request's tokens are striped over
+``"dcp"``, and the query heads over both axes jointly, tp-major (``query_spec``), as the weights
+that make them (``kvjax.serve.param_sharding``). What ``dcp_attention`` (K/V pages) and
+``dcp_mla_attention`` (latent rows) share:
 
 * ``StripedKeys``: where each query token stands and which of one rank's local key rows it sees.
   Local key ``l`` of rank ``r`` is the sequence's global position ``l * dcp + r``; a key is
@@ -8,8 +12,9 @@ What ``dcp_attention`` (K/V pages) and ``dcp_mla_attention`` (latent rows) share
   pool page of the table, and the query token is live.
 * ``run_striped_layer``: one ``jax.shard_map`` over the mesh in which each rank writes the rows it
   owns (``DCPStripe.owner``; the others go to its trash page, so every token is stored once),
-  attends every query over its stripe, and merges the partials exactly over the DCP axis with
-  their log-sum-exp (``dcp_merge.merge_over_axis``).
+  all-gathers over ``"dcp"`` the query heads of its ``"tp"`` rank's KV heads, attends them over its
+  stripe, and merges the partials exactly over ``"dcp"`` with their log-sum-exp, each rank keeping
+  its own heads (``dcp_merge.merge_scattered_over_axis``: reduce-scatters).
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvjax.alloc.dcp import DCPStripe
-from kvjax.attention.dcp_merge import merge_over_axis
+from kvjax.attention.dcp_merge import merge_scattered_over_axis
+from kvjax.mesh_check import KV_HEAD_AXIS
 from kvjax.pools import MHAKVPool, MLAKVPool, dtypes
 from kvjax.pools.base import route_to_trash
 from kvjax.pools.mla import scatter_rows
 from pallas_kernels import _ragged_attention as ra
 from pallas_kernels.kv_write import write_kv
 
-__all__ = ["StripedKeys", "run_striped_layer"]
+__all__ = ["StripedKeys", "check_query_heads", "query_spec", "run_striped_layer"]
 
 StripedPool = TypeVar("StripedPool", MHAKVPool, MLAKVPool)
 RowWriter = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, rows, local slots) -> layer
@@ -106,6 +112,23 @@ class StripedKeys:
         return jax.lax.map(attend, xs, batch_size=min(token_batch, int(queries.shape[0])))
 
 
+def query_spec(axis: str) -> P:
+    """The spec of a ``[T, heads, dim]`` query under DCP over mesh axis ``axis``: heads over
+    ``("tp", axis)`` jointly, tp-major (the weights' split)."""
+    return P(None, (KV_HEAD_AXIS, axis), None)
+
+
+def check_query_heads(what: str, heads: int, mesh: Mesh, axis: str) -> None:
+    """``ValueError`` naming ``what`` when ``heads`` do not split over the ``"tp"`` and ``axis``
+    devices jointly (the whole TP group)."""
+    missing = [name for name in (KV_HEAD_AXIS, axis) if name not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}; DCP attention shards over ('tp', {axis!r})")
+    ranks = int(mesh.shape[KV_HEAD_AXIS]) * int(mesh.shape[axis])
+    if heads % ranks:
+        raise ValueError(f"{what}: {heads} heads do not split over the mesh's {ranks} devices (the TP group)")
+
+
 def _layer_layout(pool: MHAKVPool | MLAKVPool, axis: str) -> tuple[RowWriter, P, P]:
     """``(write_rows, layer_spec, packed_spec)`` of a striped pool's layer: K/V pages split over
     the DCP axis (rows) and the KV-head axis, written as K/V pairs; or latent rows split over the
@@ -124,7 +147,6 @@ def run_striped_layer(
     packed: jax.Array,
     out_loc: jax.Array,
     queries: tuple[jax.Array, ...],
-    heads_spec: P,
     metadata: tuple[jax.Array, ...],
     scales: dict[str, jax.Array],
     sinks: tuple[jax.Array, P] | None = None,
@@ -138,11 +160,12 @@ def run_striped_layer(
             logical dtype (``striped_partial_attention``, ``striped_partial_mla_attention``).
         packed: the batch's rows to write, in storage form ``[T, ...]``.
         out_loc: int32 ``[T]`` global (striped) slots of ``packed``; invalid ones go to the trash.
-        queries, heads_spec: the query arrays, split over the heads as ``heads_spec``; the output
-            has the first one's dtype and this spec.
+        queries: the query arrays ``[T, heads, ...]``, their heads split over ``("tp", axis)``
+            (``query_spec``); the output has the first one's dtype and the same split.
         metadata, scales: the batch's metadata in global terms and the layer's dequantisation
             scales, on every rank.
-        sinks: float32 attention-sink logits and their spec, joined to the merge once; or None.
+        sinks: float32 attention-sink logits of every query head and their spec over ``"tp"``
+            (the heads a ``"tp"`` rank gathers), joined to the merge once; or None.
 
     Returns:
         ``(out, pool)``: the attention over the whole sequence, and the pool with the batch's rows
@@ -154,6 +177,7 @@ def run_striped_layer(
     dcp = int(mesh.shape[axis])
     stripe = DCPStripe(pool.page_size // dcp, dcp)
     write_rows, layer_spec, packed_spec = _layer_layout(pool, axis)
+    heads_spec = query_spec(axis)
     sink_args = () if sinks is None else (sinks[0],)
     specs = (layer_spec, packed_spec, P(), heads_spec, P(), P(), *(() if sinks is None else (sinks[1],)))
 
@@ -170,8 +194,10 @@ def run_striped_layer(
         owned = jnp.where(stripe.owner(slots) == rank, stripe.local_slot(slots), 0)  # others: the trash page
         layer = write_rows(layer, packed, owned)
         kv = dtypes.from_storage(layer, pool.logical_dtype)
-        out, lse = attend_stripe(*queries, kv, *metadata, rank=rank, **scales)
-        return layer, merge_over_axis(out, lse, axis, sinks=sink[0] if sink else None).astype(queries[0].dtype)
+        gathered = tuple(jax.lax.all_gather(q, axis, axis=1, tiled=True) for q in queries)  # the tp rank's heads
+        out, lse = attend_stripe(*gathered, kv, *metadata, rank=rank, **scales)
+        merged = merge_scattered_over_axis(out, lse, axis, sinks=sink[0] if sink else None)
+        return layer, merged.astype(queries[0].dtype)
 
     run = jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(layer_spec, heads_spec), check_vma=False)
     slots = route_to_trash(out_loc, pool.num_slots)

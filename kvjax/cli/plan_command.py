@@ -10,7 +10,8 @@ Sizing, one of:
 
 Parallelism: --tp N (KV heads split over N ranks, replicated when N exceeds them), --dp M (DP
 attention: M ranks of N/M attention-TP ranks, each with its own pools), --pp P, --dcp D (decode
-context parallelism: each request's KV striped over D ranks, D x N chips; the pool counts the
+context parallelism, dividing --tp as in SGLang: on the same N chips the KV heads go over N/D ranks
+and each request's KV is striped over D, the weights staying split over all N; the pool counts the
 striped tokens, the device holds 1/D of them). Tokens and bytes are per device.
 
 Answers: --context N (how many requests of N tokens fit), --concurrency M (the longest context
@@ -111,7 +112,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--dcp",
         type=positive_int,
         default=1,
-        help="decode-context-parallel size: each request's KV striped over D ranks (dcp x tp chips)",
+        help="decode-context-parallel size, dividing --tp: KV heads over tp/D ranks, each request's KV "
+        "striped over D (the same tp chips; weights split over all of them)",
     )
     plan.add_argument("--context-length", type=positive_int, default=None)
     plan.add_argument("--max-running-requests", type=positive_int, default=None)
@@ -140,7 +142,7 @@ class Sizing:
 
 
 def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
-    model_parallel = tp * args.pp * args.dcp  # chips one replica spans; weights split over tp x pp
+    model_parallel = tp * args.pp  # chips one replica spans (DCP divides tp); weights split over tp x pp
     chips = args.chips if args.chips is not None else model_parallel
     if args.tpu is None:
         for flag, value in (("--chips", args.chips), ("--weights-bytes", args.weights_bytes)):
@@ -160,9 +162,7 @@ def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
         raise UsageError(f"--memory {args.memory} and --tpu {args.tpu} both set the budget; give one of them")
     if chips % model_parallel:
         raise UsageError(
-            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp}"
-            + (f" x --dcp {args.dcp}" if args.dcp > 1 else "")
-            + f" = {model_parallel}; "
+            f"--chips {chips}: not a multiple of --tp {tp} x --pp {args.pp} = {model_parallel}; "
             "use a chip count that the model-parallel group divides"
         )
     chip = tpu_chip(args.tpu)
@@ -174,7 +174,7 @@ def _sizing(args: argparse.Namespace, tp: int) -> Sizing:
         weights = f"minus weights {_gib(share)} per chip ({_gib(args.weights_bytes)} over {tp * args.pp} chips)"
     note = (
         f"{chip.slice_name(chips)}: {chips} chips x {_gib(chip.hbm_bytes)} HBM; tp {tp} x pp {args.pp}"
-        + (f" x dcp {args.dcp}" if args.dcp > 1 else "")
+        + (f" (dcp {args.dcp} of the tp ranks)" if args.dcp > 1 else "")
         + ", "
         f"{chips // model_parallel} replica(s); budget per chip = {_gib(chip.hbm_bytes)} x {fraction}, {weights}"
     )
@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         rows = _sweep_rows(spec, args, plan_kv_cache)
         print(json.dumps({"model": spec.name, "rows": rows}) if args.json else _sweep_table(rows, args))
         return 0
-    tp = args.tp if args.tp is not None else max(1, (args.chips or 1) // (args.pp * args.dcp)) if args.tpu else 1
+    tp = args.tp if args.tp is not None else max(1, (args.chips or 1) // args.pp) if args.tpu else 1
     sizing = _sizing(args, tp)
     config = _config(args, page_size=args.page_size, kv_dtype=args.kv_cache_dtype, tp=tp)
     plan = plan_kv_cache(spec, config, device_memory_bytes=sizing.device_memory_bytes)

@@ -69,8 +69,8 @@ def add_serving_arguments(
         "--dcp",
         type=positive_int,
         default=1,
-        help="decode-context-parallel size: each request's KV striped over N ranks (a (dcp, tp) mesh of "
-        "dcp x tp local devices)",
+        help="decode-context-parallel size: divides --tp; the TP group's KV heads over tp/N ranks and each "
+        "request's KV striped over N (a (tp/N, N) mesh of the --tp devices, weights split over all of them)",
     )
     parser.add_argument(
         "--pp",

@@ -330,7 +330,8 @@ def _render(plan: CachePlan) -> str:
     dcp = plan.alloc_page_size // plan.sizes.page_size
     if dcp > 1:
         lines.append(
-            f"  decode context parallel: dcp {dcp} x tp {target.tp_size}; each request's KV striped over {dcp} ranks: "
+            f"  decode context parallel: tp {target.tp_size} (dcp {dcp}): KV over {target.attn_tp_size} head rank(s), "
+            f"each request's KV striped over {dcp} ranks: "
             f"{plan.max_total_tokens // dcp:,} token rows per device (pages of {plan.sizes.page_size} rows); "
             "bytes below are per device"
         )

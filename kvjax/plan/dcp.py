@@ -2,15 +2,27 @@
 model's kind before anything is sized (``ConfigError``), and on a plan before anything is built
 (``NotImplementedError`` for what kvjax plans but does not build under DCP).
 
-Under DCP each request's KV is striped over ``dcp_size`` ranks (``kvjax.alloc.dcp``): the
-allocator's and the tree's page is ``page_size * dcp_size``, the pools hold ``page_size`` rows
+DCP means what it means in SGLang: ``--dcp D`` divides ``--tp T`` and uses the TP group's own
+``T`` chips. The weights (and the query heads) stay split over all ``T``; the KV heads are split
+over ``T / D`` ranks (``CacheConfig.attn_tp_size``), and the KV that TP would replicate (MLA's
+latent row, or KV heads fewer than the ranks) is striped by token over the ``D`` ranks instead
+(``kvjax.alloc.dcp``): token ``i`` of a request on DCP rank ``i % D``. The mesh is ``("tp",
+"dcp")`` = ``(T / D, D)`` (``kvjax.mesh_check``). Per chip, the weights are ``1 / T`` of the
+checkpoint whatever ``D`` is, and the pool holds ``D`` times the tokens of one device's rows: for
+DeepSeek-V3 at tp 8 the latent pool grows ``D``-fold on the same chips. For a model whose KV heads
+already split over ``T`` ranks, DCP gives no more tokens (each device holds ``D`` times the heads
+of ``1 / D`` of the tokens), as in SGLang.
+
+The allocator's and the tree's page is ``page_size * dcp_size``, the pools hold ``page_size`` rows
 of each striped page per device, and ``max_total_tokens`` counts the allocator's (striped) slots,
 ``dcp_size`` times one device's rows. Every ``page_size`` tiles the stripe (the striped page is
 defined as ``page_size * dcp_size``); a pool that holds no striped page is refused by the sizing.
 
 Refused, each by name, with what to do:
 
-* DP attention and pipeline parallelism with DCP (kvjax's mesh is ``("dcp", "tp")``);
+* a ``dcp_size`` that does not divide ``tp_size`` (``CacheConfig``), and query heads that do not
+  split over the ``tp_size`` ranks;
+* DP attention and pipeline parallelism with DCP (kvjax's mesh is ``("tp", "dcp")``);
 * a speculative draft model (its pool is not striped);
 * the storage tier (L3) with DCP, as in SGLang;
 * a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``): the hybrid
@@ -35,17 +47,28 @@ from kvjax.plan.records import ModelKind
 __all__ = ["check_dcp_config", "check_dcp_plan_buildable"]
 
 
-def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str) -> None:
-    """Refuse a combination DCP does not serve (module docstring), before anything is sized."""
+def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str, num_attention_heads: int = 0) -> None:
+    """Refuse a combination DCP does not serve (module docstring), before anything is sized;
+    ``num_attention_heads``: the model's query heads (0: not checked), split over all
+    ``tp_size`` ranks under DCP."""
     if not config.dcp_enabled:
         return
     dcp = config.dcp_size
+    tp = config.tp_size
     refusals: tuple[tuple[bool, str, object, str], ...] = (
+        (
+            num_attention_heads > 0 and num_attention_heads % tp != 0,
+            "tp_size",
+            tp,
+            f"{model}: under {{dcp_size}} {dcp} the query heads stay split over all {tp} TP ranks, and its "
+            f"{num_attention_heads} attention heads do not split over {tp}; use a {{tp_size}} that divides "
+            f"{num_attention_heads}",
+        ),
         (
             config.enable_dp_attention,
             "enable_dp_attention",
             True,
-            f"DP attention with {{dcp_size}} {dcp} is not served: kvjax's DCP mesh is ('dcp', 'tp'); turn one off",
+            f"DP attention with {{dcp_size}} {dcp} is not served: kvjax's DCP mesh is ('tp', 'dcp'); turn one off",
         ),
         (
             config.pp_size > 1,

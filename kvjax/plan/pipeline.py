@@ -37,7 +37,7 @@ def plan_kv_cache(
     sizes -> retraction backup -> tree -> host tier -> pools.
     """
     kind = decide_model_kind(spec, config)
-    check_dcp_config(config, kind, spec.name)
+    check_dcp_config(config, kind, spec.name, spec.num_attention_heads)
     check_pipeline_stages(spec, config.pp_size)  # the target's layers; a draft sits on the last stage
     target = decide_target(spec, config, kind)
     draft, draft_warnings = decide_draft(spec, config, kind, draft_spec)

@@ -70,6 +70,14 @@ B, C, dt]``) and the conv channels (``[x, B, C]``) are re-laid out rank-major at
 by its input columns. tp must divide ``n_groups`` (a single group, replicated over the ranks as
 SGLang does, is refused by the model).
 
+Decode context parallelism (a mesh with a ``"dcp"`` axis, ``kvjax.mesh_check``): as in SGLang,
+DCP divides the TP group, so the weights stay split over all ``tp_size`` chips: every rule splits
+over the two axes jointly, ``("tp", "dcp")`` tp-major (``weight_axes``). Device ``(t, d)`` then
+holds query heads block ``t * dcp + d``, and the union of its ``"dcp"`` row's blocks is exactly
+the query heads of the KV heads its ``"tp"`` rank holds: attention gathers them over ``"dcp"``
+(``kvjax.attention.dcp_striped_layer``). KV heads split over more ranks than the pool's ``"tp"``
+axis (``tp / dcp``) reach the attention through one all-gather over ``"dcp"`` (GSPMD's).
+
 The entry point other code calls is ``shard_params(params, config, mesh)`` (re-layout, then
 placement);
 ``param_shardings`` gives the ``NamedSharding`` tree without moving anything (for ``jax.jit``'s
@@ -104,10 +112,31 @@ __all__ = [
     "rank_major_order",
     "relayout_params",
     "shard_params",
+    "weight_axes",
 ]
 
 TP_AXIS = "tp"
 """The mesh axis weights are split over (the pools' KV-head axis, ``kvjax.build.KV_HEAD_MESH_AXIS``)."""
+
+
+DCP_AXIS = "dcp"
+"""Under decode context parallelism, the mesh axis that joins ``"tp"`` in splitting the weights."""
+
+Axes = str | tuple[str, ...]
+
+
+def weight_axes(mesh: Mesh) -> Axes:
+    """The mesh axes weights are split over: ``("tp", "dcp")`` (jointly, tp-major) on a mesh with
+    a ``"dcp"`` axis, else ``"tp"`` (module docstring)."""
+    return (TP_AXIS, DCP_AXIS) if DCP_AXIS in mesh.axis_names else TP_AXIS
+
+
+def _ranks(mesh: Mesh, axis: Axes) -> int:
+    names = (axis,) if isinstance(axis, str) else axis
+    missing = [name for name in names if name not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}; weights are split over {axis!r}")
+    return int(np.prod([mesh.shape[name] for name in names]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,13 +258,13 @@ def _splits(rule: ParamRule, config: ModelConfig, ranks: int) -> bool:
     return ranks > 1 and unit > 0 and unit % ranks == 0
 
 
-def param_spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, *, axis: str = TP_AXIS) -> P:
+def param_spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, *, axis: Axes = TP_AXIS) -> P:
     """The ``PartitionSpec`` of the weight at ``path`` (``/``-joined parameter names; the rules
     match its end) of ``shape`` for ``ranks`` tensor-parallel ranks (module docstring)."""
     return _spec(path, tuple(shape), config, ranks, axis)
 
 
-def _spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, axis: str) -> P:
+def _spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, axis: Axes) -> P:
     rule = _rule(path)
     if ranks == 1 or rule is None or not _splits(rule, config, ranks):
         return P()
@@ -250,7 +279,7 @@ def _spec(path: str, shape: tuple[int, ...], config: ModelConfig, ranks: int, ax
     return P(*(axis if i == dim else None for i in range(len(shape))))
 
 
-def param_partition_specs(params: Any, config: ModelConfig, ranks: int, *, axis: str = TP_AXIS) -> Any:
+def param_partition_specs(params: Any, config: ModelConfig, ranks: int, *, axis: Axes = TP_AXIS) -> Any:
     """The ``PartitionSpec`` of every weight (a tree shaped like ``params``; leaves may be arrays
     or ``jax.ShapeDtypeStruct``) for ``ranks`` tensor-parallel ranks over mesh axis ``axis``."""
     if ranks < 1:
@@ -260,12 +289,12 @@ def param_partition_specs(params: Any, config: ModelConfig, ranks: int, *, axis:
     )
 
 
-def param_shardings(params: Any, config: ModelConfig, mesh: Mesh, *, axis: str = TP_AXIS) -> Any:
-    """``NamedSharding``s over ``mesh`` of every weight (module docstring); ``mesh`` must have
-    ``axis`` (``ValueError`` naming the mesh's axes otherwise)."""
-    if axis not in mesh.axis_names:
-        raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}; weights are split over {axis!r}")
-    specs = param_partition_specs(params, config, int(mesh.shape[axis]), axis=axis)
+def param_shardings(params: Any, config: ModelConfig, mesh: Mesh, *, axis: Axes | None = None) -> Any:
+    """``NamedSharding``s over ``mesh`` of every weight (module docstring), split over ``axis``
+    (default ``weight_axes(mesh)``); ``mesh`` must have it (``ValueError`` naming the mesh's axes
+    otherwise)."""
+    axis = weight_axes(mesh) if axis is None else axis
+    specs = param_partition_specs(params, config, _ranks(mesh, axis), axis=axis)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -289,14 +318,16 @@ def relayout_params(params: Any, config: ModelConfig, ranks: int) -> Any:
     return jax.tree_util.tree_map_with_path(relayout, params)
 
 
-def shard_params(params: Any, config: ModelConfig, mesh: Mesh, *, axis: str = TP_AXIS) -> Any:
+def shard_params(params: Any, config: ModelConfig, mesh: Mesh, *, axis: Axes | None = None) -> Any:
     """``params`` (Transformers' layout) re-laid out (``relayout_params``) and placed on ``mesh``
-    Megatron style (module docstring): the tree other code passes to a sharded step
-    (``kvjax.serve.step.make_sharded_step``). Idempotent: weights already placed as the rules say
-    (the output of an earlier call) are kept as they are, not re-laid out twice."""
+    Megatron style (module docstring; over ``axis``, default ``weight_axes(mesh)``): the tree
+    other code passes to a sharded step (``kvjax.serve.step.make_sharded_step``). Idempotent:
+    weights already placed as the rules say (the output of an earlier call) are kept as they are,
+    not re-laid out twice."""
+    axis = weight_axes(mesh) if axis is None else axis
     shardings = param_shardings(params, config, mesh, axis=axis)
     placed = zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
     if all(getattr(w, "sharding", None) == s for w, s in placed):
         return params
-    params = relayout_params(params, config, int(mesh.shape[axis]))
+    params = relayout_params(params, config, _ranks(mesh, axis))
     return jax.device_put(params, shardings)

@@ -19,11 +19,13 @@ __all__ = ["tp_mesh"]
 
 def tp_mesh(tp_size: int, dcp_size: int = 1) -> Mesh | None:
     """A ``("tp",)`` mesh of the first ``tp_size`` local devices (``Auto`` axes), or None for 1;
-    with ``dcp_size`` above 1, the ``("dcp", "tp")`` mesh of ``dcp_size * tp_size`` devices
-    (decode context parallelism, ``kvjax.mesh_check``).
+    with ``dcp_size`` above 1, the same ``tp_size`` devices laid out ``("tp", "dcp")``,
+    ``(tp_size / dcp_size, dcp_size)`` (decode context parallelism divides the TP group,
+    ``kvjax.mesh_check``).
 
     Raises ``ConfigError`` on ``tp_size`` when it is below 1 or more than the local devices (the
-    message says how many there are and how to get more on a CPU host); nothing is built.
+    message says how many there are and how to get more on a CPU host), and on ``dcp_size`` when
+    it does not divide ``tp_size``; nothing is built.
     """
     if tp_size < 1:
         raise ConfigError("tp_size", tp_size, "the tensor-parallel size must be 1 or more")

@@ -7,8 +7,10 @@ pool of pages of ``PAGE * dcp`` tokens (the reference), and by DCP:
 
 * stacked: the reference pool's rows split by rank (``kvjax.alloc.dcp``), each rank's partial
   attention computed on one device and merged with ``merge_stacked``;
-* over a ``("dcp", "tp")`` mesh: ``paged_attention`` on a pool striped over ``"dcp"``, which
-  writes each token on its owner only and merges with collectives.
+* over a ``("tp", "dcp")`` mesh of the TP group's devices (DCP divides it): ``paged_attention`` on
+  a pool striped over ``"dcp"`` with its KV heads over ``"tp"`` and the query heads over both
+  axes, which writes each token on its owner only, gathers the query heads over ``"dcp"`` and
+  merges with collectives, each device keeping its own heads.
 
 Both match the reference within float32 rounding, and every device of the mesh holds exactly its
 rank's rows.
@@ -140,11 +142,11 @@ def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
     np.testing.assert_allclose(np.asarray(merged), np.asarray(outs[1]), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("dcp", "tp"), [(4, 1), (2, 2)])
-def test_striped_pool_over_a_mesh_matches_one_device(dcp, tp):
-    options = OPTIONS["soft_cap_and_sinks"] if tp == 2 else OPTIONS["window"]
+@pytest.mark.parametrize(("tp", "dcp"), [(4, 4), (4, 2)])
+def test_striped_pool_over_a_mesh_matches_one_device(tp, dcp):
+    options = OPTIONS["soft_cap_and_sinks"] if dcp == 2 else OPTIONS["window"]
     outs, pool = _reference(dcp, options)
-    mesh = serving_mesh(jax.make_mesh((dcp, tp), ("dcp", "tp"), devices=jax.devices()[: dcp * tp]))
+    mesh = serving_mesh(jax.make_mesh((tp // dcp, dcp), ("tp", "dcp"), devices=jax.devices()[:tp]))
     striped = MHAKVPool.create(
         num_pages=PAGES,
         page_size=PAGE * dcp,
@@ -170,3 +172,5 @@ def test_striped_pool_over_a_mesh_matches_one_device(dcp, tp):
     np.testing.assert_array_equal(flat_got[stripe.global_row(live)], flat_want[live])
     shard = striped.kv[0].addressable_shards[0]
     assert shard.data.shape[1] == PAGE, "each device holds its rank's rows of every page"
+    assert shard.data.shape[2] == 2 * KV_HEADS // (tp // dcp), "and its tp rank's KV heads"
+    assert len(striped.kv[0].sharding.device_set) == tp, "the TP group's devices, no more"

@@ -1,10 +1,12 @@
 """Serving under decode context parallelism from the entry points, and DCP's bad input.
 
-``generate --dcp 4`` gives the single-device tokens; ``demo --tp 2 --dcp 2`` is leak free with
-cold == warm; KV events carry the striped page as their block size. A DCP size that does not
-divide the devices, that needs more devices with ``tp``, that disagrees with the mesh, or that
-comes without a mesh is one ``ConfigError`` naming the option and the fix, raised before
-anything is allocated; combinations DCP does not serve are refused by name.
+DCP divides the TP group (``--tp T --dcp D``: ``T`` devices, ``("tp", "dcp")`` = ``(T / D, D)``).
+``generate --tp 4 --dcp 4`` gives the single-device tokens; ``demo --tp 2 --dcp 2`` is leak free
+with cold == warm; KV events carry the striped page as their block size. A DCP size that does not
+divide the TP size, a TP size beyond the devices, a DCP size that disagrees with the mesh, or one
+that comes without a mesh is one ``ConfigError`` naming the options and the fix, raised before
+anything is allocated; combinations DCP does not serve are refused by name. ``plan`` at tp 8 x
+dcp 8 on a v5e-8 holds 8 times the tokens of tp 8 with the weights split over the 8 chips.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ GENERATE = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3,4,5,6,7,8,9", 
 def test_generate_under_dcp_gives_the_single_device_tokens(capsys):
     assert main([*GENERATE, "--page-size", "2"]) == 0
     single = json.loads(capsys.readouterr().out)["outputs"]
-    assert main([*GENERATE, "--page-size", "2", "--dcp", "4"]) == 0
+    assert main([*GENERATE, "--page-size", "2", "--tp", "4", "--dcp", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["outputs"] == single
 
 
@@ -43,9 +45,11 @@ def test_demo_at_tp_2_dcp_2_is_leak_free_and_cold_equals_warm(capsys):
 def test_kv_events_use_the_striped_page_as_their_block_size():
     spec = ModelSpec.preset("tiny")
     events: list = []
-    config = CacheConfig(max_total_tokens=256, max_running_requests=4, page_size=2, dcp_size=2, context_length=128)
+    config = CacheConfig(
+        max_total_tokens=256, max_running_requests=4, page_size=2, tp_size=2, dcp_size=2, context_length=128
+    )
     cache = build_kv_cache(
-        spec, config, mesh=make_serving_mesh(1, dcp_size=2, devices=jax.devices()), event_sink=events
+        spec, config, mesh=make_serving_mesh(2, dcp_size=2, devices=jax.devices()), event_sink=events
     )
     sched = Scheduler(spec, cache, init_params(spec), max_batch_size=2)
     sched.run([ServingReq("a", list(range(1, 11)), max_new_tokens=2)])
@@ -62,23 +66,27 @@ def _refused(error: type[Exception], match: str, make) -> None:
     assert len(jax.live_arrays()) == before, "nothing is allocated before the error"
 
 
-def test_dcp_that_does_not_divide_the_devices_or_needs_more_of_them_is_one_clear_error():
+def test_dcp_that_does_not_divide_tp_or_a_tp_beyond_the_devices_is_one_clear_error():
     _refused(
         ConfigError,
-        r"dcp_size=3: 3 DCP ranks do not divide the 8 devices; use dcp_size 1, 2, 4 or 8",
-        lambda: make_serving_mesh(1, dcp_size=3),
+        r"dcp_size=3: decode context parallelism divides the TP group, and 3 does not divide tp_size 4; "
+        r"use dcp_size 1, 2 or 4, or a tp_size that 3 divides",
+        lambda: make_serving_mesh(4, dcp_size=3),
     )
     _refused(
         ConfigError,
-        r"tp_size=4: dcp_size 4 x tp_size 4 needs 16 devices and there are 8; use tp_size 2",
-        lambda: make_serving_mesh(4, dcp_size=4),
+        r"dcp_size=8: .* 8 does not divide tp_size 4",
+        lambda: CacheConfig(tp_size=4, dcp_size=8),
     )
+    _refused(ConfigError, r"tp_size=16: only 8 cpu device\(s\)", lambda: make_serving_mesh(16, dcp_size=8))
+    mesh = make_serving_mesh(8, dcp_size=8)
+    assert dict(mesh.shape) == {"tp": 1, "dcp": 8} and mesh.devices.size == 8
 
 
 def test_dcp_that_disagrees_with_the_mesh_or_has_none_is_refused_before_allocating():
     tiny = ModelSpec.preset("tiny")
-    config = CacheConfig(max_total_tokens=256, max_running_requests=4, dcp_size=4)
-    two = make_serving_mesh(1, dcp_size=2, devices=jax.devices())
+    config = CacheConfig(max_total_tokens=256, max_running_requests=4, tp_size=4, dcp_size=4)
+    two = make_serving_mesh(4, dcp_size=2, devices=jax.devices())
     _refused(
         ConfigError,
         r"the mesh's 'dcp' axis has 2 device\(s\) but KV is striped over 4",
@@ -92,8 +100,8 @@ def test_dcp_that_disagrees_with_the_mesh_or_has_none_is_refused_before_allocati
 
 
 def test_what_dcp_does_not_serve_is_refused_by_name():
-    mesh = make_serving_mesh(1, dcp_size=2, devices=jax.devices())
-    base = dict(max_total_tokens=512, max_running_requests=4, dcp_size=2)
+    mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
+    base = dict(max_total_tokens=512, max_running_requests=4, tp_size=2, dcp_size=2)
     gemma = ModelSpec.preset("gemma3-tiny")
     _refused(ConfigError, "disable_hybrid_swa_memory", lambda: build_kv_cache(gemma, CacheConfig(**base), mesh=mesh))
     tiny = ModelSpec.preset("tiny")
@@ -116,14 +124,15 @@ def test_what_dcp_does_not_serve_is_refused_by_name():
 
 
 def test_the_command_line_names_the_flag(capsys):
-    assert main([*GENERATE, "--dcp", "3"]) == 2
+    assert main([*GENERATE, "--tp", "4", "--dcp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--dcp 3" in err and "use --dcp 1, 2, 4 or 8" in err, err
+    assert "--dcp 3" in err and "does not divide --tp 4" in err, err
     np.testing.assert_equal(len(jax.devices()), 8)
 
 
 def test_plan_dcp_prints_the_striped_pool_and_each_devices_rows(capsys):
-    argv = ["plan", "--model", "deepseek-v3", "--tpu", "v5e", "--chips", "8", "--page-size", "16"]
+    argv = ["plan", "--model", "deepseek-v3", "--tpu", "v5e", "--chips", "8", "--tp", "8", "--page-size", "16"]
+    argv += ["--weights-bytes", "20GB"]
     assert main([*argv, "--json"]) == 0
     alone = json.loads(capsys.readouterr().out)["max_total_tokens"]
     assert main([*argv, "--dcp", "8", "--json"]) == 0
@@ -131,6 +140,8 @@ def test_plan_dcp_prints_the_striped_pool_and_each_devices_rows(capsys):
     assert striped["max_total_tokens"] == 8 * alone and striped["alloc_page_size"] == 128
     assert main([*argv, "--dcp", "8", "--context", "100000"]) == 0
     text = capsys.readouterr().out
-    assert f"{alone:,} token rows per device" in text and "dcp 8 x tp 1" in text
+    assert f"{alone:,} token rows per device" in text and "tp 8 (dcp 8)" in text, text
+    assert "over 8 chips" in text and "1 replica" in text, text
     assert main([*argv, "--dcp", "3"]) == 2
-    assert "--dcp 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--dcp 3" in err and "--tp 8" in err, err

@@ -30,7 +30,7 @@ def config(**fields) -> CacheConfig:
 CASES = {
     "more_stages_than_layers": (TINY, config(pp_size=3), "pp_size", "at most 2 pipeline stages"),
     "more_devices_than_there_are": (TINY, config(pp_size=2, tp_size=8), "pp_size", "need 16 devices"),
-    "dcp": (TINY, config(pp_size=2, dcp_size=2), "dcp_size", "use dcp_size 1 or pp_size 1"),
+    "dcp": (TINY, config(pp_size=2, tp_size=2, dcp_size=2), "dcp_size", "use dcp_size 1 or pp_size 1"),
     "dp_attention": (
         TINY,
         config(pp_size=2, tp_size=2, dp_size=2, enable_dp_attention=True),
