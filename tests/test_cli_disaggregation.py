@@ -45,8 +45,8 @@ CASES = [
         [*GEN, *DECODE, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny"],
         ["--speculative-algorithm", "not served disaggregated yet"],
     ),
-    (
-        [*GEN, *DECODE, "--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1234"],
+    (  # generate serves either side as several processes; demo does not
+        ["demo", *DECODE, "--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1234"],
         ["--num-processes", "not served disaggregated yet"],
     ),
     ([*GEN, "--disaggregation-mode", "prefill"], ["takes no prompts"]),

@@ -160,7 +160,7 @@ def check_disaggregation(args: argparse.Namespace, *, command: str, speculative:
     for address in addresses:
         parse_address(address)
     refused = [
-        *(["--num-processes/--process-id/--coordinator/--distributed"] if processes else []),
+        *(["--num-processes/--process-id/--coordinator/--distributed"] if processes and command != "generate" else []),
         *([f"--dp {args.dp}"] if args.dp > 1 else []),
         *([f"--pp {args.pp}"] if args.pp > 1 else []),
         *([f"--dcp {args.dcp}"] if args.dcp > 1 else []),
@@ -170,8 +170,8 @@ def check_disaggregation(args: argparse.Namespace, *, command: str, speculative:
     ]
     if refused:
         raise UsageError(
-            f"--disaggregation-mode {mode} with {refused[0]}: not served disaggregated yet (one process, --tp "
-            f"only); drop {refused[0].split()[0]}, or serve it with --disaggregation-mode null"
+            f"--disaggregation-mode {mode} with {refused[0]}: not served disaggregated yet (--tp only; several "
+            f"processes with generate); drop {refused[0].split()[0]}, or serve it with --disaggregation-mode null"
         )
     if mode == "prefill" and command == "generate" and args.prompts:
         raise UsageError(

@@ -29,7 +29,8 @@ __all__ = ["demo_disaggregated", "generate_decode", "generate_prefill", "serve_p
 
 def serve_prefill(command: str, build: Any, port: int) -> int:
     """Start the prefill server ``build(port)`` returns, print its address line, serve until
-    SIGINT or SIGTERM; 0."""
+    SIGINT or SIGTERM; 0. A group's process 0 prints (and decides when to stop); the others
+    follow it."""
     try:
         server = build(port)
     except OSError as e:
@@ -37,7 +38,9 @@ def serve_prefill(command: str, build: Any, port: int) -> int:
             f"--disaggregation-bootstrap-port {port}: cannot listen there ({e.strerror or e}); give another port, "
             "or 0 for a free one"
         ) from None
-    print(f"prefill server listening on {server.address}", flush=True)
+    first = server.process == 0
+    if first:
+        print(f"prefill server listening on {server.address}", flush=True)
     received: list[int] = []
 
     def stop(signum: int, frame: Any) -> None:
@@ -51,6 +54,8 @@ def serve_prefill(command: str, build: Any, port: int) -> int:
             signal.signal(sig, handler)
         server.close()
     name = signal.Signals(received[0]).name if received else "stop"
+    if not first:
+        return 0
     print(
         f"python -m kvjax {command}: prefill server {server.address} stopped ({name}): {server.prefilled} prompts "
         f"prefilled, {server.offered_tokens} tokens offered",
@@ -59,8 +64,9 @@ def serve_prefill(command: str, build: Any, port: int) -> int:
     return 0
 
 
-def generate_prefill(args: argparse.Namespace) -> int:
-    """``generate --disaggregation-mode prefill``."""
+def generate_prefill(args: argparse.Namespace, group: Any = None) -> int:
+    """``generate --disaggregation-mode prefill`` (``group``: this process's `ProcessGroup` when
+    the server is several processes, else None)."""
     from kvjax.disaggregation.serving import prefill_config, prefill_server
     from kvjax.serve.generate import resolve_model
 
@@ -77,7 +83,9 @@ def generate_prefill(args: argparse.Namespace) -> int:
     overlap = not args.disable_overlap_schedule
 
     def build(port: int) -> Any:
-        return prefill_server(model, config, port=port, max_batch_size=args.max_batch_size, overlap=overlap)
+        return prefill_server(
+            model, config, port=port, max_batch_size=args.max_batch_size, overlap=overlap, group=group
+        )
 
     return serve_prefill("generate", build, bootstrap_port(args))
 
@@ -88,7 +96,7 @@ def generate_decode(args: argparse.Namespace, model: Any, prompts: list[list[int
     keyword arguments."""
     from kvjax.disaggregation.serving import decode_generate
 
-    given = {k: v for k, v in common.items() if k not in ("group", "vlm_cache_size_mb")}
+    given = {k: v for k, v in common.items() if k != "vlm_cache_size_mb"}
     with _prefill_servers_reached():
         result, _ = decode_generate(
             model,

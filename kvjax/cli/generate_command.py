@@ -222,7 +222,11 @@ def run(args: argparse.Namespace) -> int:
     if args.disaggregation_mode == "prefill":  # serves decode servers' prompts (kvjax.cli.disaggregation_run)
         from kvjax.cli.disaggregation_run import generate_prefill
 
-        return generate_prefill(args)
+        try:
+            prefill_group = join_group(args)
+        except CoordinatorError as e:
+            raise UsageError(str(e)) from None
+        return generate_prefill(args, prefill_group)
     try:
         tokenizer = text_tokenizer(args.model)
     except ConfigError:

@@ -37,10 +37,32 @@ from typing import Any
 import numpy as np
 
 from kvjax.device_updates import DeviceUpdate
-from kvjax.disaggregation.kv_transfer import CacheMovers, KVTransferServer, TransferTimeout, transfer_sharding
+from kvjax.disaggregation.kv_transfer import (
+    CacheMovers,
+    KVTransferServer,
+    TransferTimeout,
+    TransferUnreachable,
+    pull_units,
+)
 from kvjax.disaggregation.link import LinkError, PDLink, connect_link
-from kvjax.disaggregation.messages import Hello, Offered, Prefilled, PrefillOrder, PullOrder, Refusal, Release, Welcome
+from kvjax.disaggregation.messages import (
+    DecodeEvent,
+    DecodeEvents,
+    Hello,
+    LinkedPeers,
+    Offered,
+    Prefilled,
+    PrefillOrder,
+    PullOrder,
+    PullOutcome,
+    Refusal,
+    Release,
+    Welcome,
+)
+from kvjax.disaggregation.piece_units import PieceUnits, SideLayout, pool_devices
 from kvjax.errors import OutOfMemoryError
+from kvjax.multihost import wire
+from kvjax.multihost.channel import Channel, LoopbackChannel
 from kvjax.multihost.cluster_secret import ClusterSecret
 from kvjax.serve.extension import RequestAborted, ServingExtension
 from kvjax.serve.serving_req import ServingReq
@@ -57,14 +79,16 @@ class PDRefused(Exception):
 
 @dataclasses.dataclass
 class PrefillPeer:
-    """A linked prefill server: its link, transfer address and facts from the handshake."""
+    """A linked prefill server: its link (process 0's; None on the other processes of a group),
+    the transfer address of each of its processes, its layout and facts from the handshake."""
 
     address: str
-    link: PDLink
+    link: PDLink | None
     name: str
-    transfer_address: str
+    transfer_addresses: tuple[str, ...]
     head_shards: int
     page_size: int
+    layout: SideLayout
     alive: bool = True
     inbox: list[Any] = dataclasses.field(default_factory=list)
     lost: str = ""  # why the link failed (once not alive)
@@ -93,6 +117,7 @@ class Room:
     decoded_at: float = 0.0  # when its first decode step's token was read
     pulled_tokens: int = 0
     reused_tokens: int = 0
+    tried: list[int] = dataclasses.field(default_factory=list)  # prefill servers (indices) given up on
 
 
 class DecodeServer:
@@ -106,6 +131,9 @@ class DecodeServer:
         timeout_s: the longest a request waits on its prefill server at each stage.
         name: this server's name in messages.
         kv_heads: distinct KV heads per pool name (default: the plan's).
+        channel: the group's channel when this server is a group of processes (each calls with
+            its own scheduler over the group's mesh, and makes the same ``submit`` calls; see the
+            module docstring); None: one process.
     """
 
     def __init__(
@@ -118,6 +146,7 @@ class DecodeServer:
         timeout_s: float = 30.0,
         name: str = "decode",
         kv_heads: dict[str, int] | None = None,
+        channel: Channel | None = None,
     ) -> None:
         if not prefill:
             raise ValueError("a decode server needs at least one prefill server's bootstrap address")
@@ -131,8 +160,13 @@ class DecodeServer:
         self.signature = self.movers.signature()
         self.shards = self.movers.head_shards()
         self.window = int(self.cache.sliding_window_size or 0)
+        self.channel: Channel = channel if channel is not None else LoopbackChannel()
+        self.process = int(self.channel.process_id)
+        self.devices = pool_devices(self.cache)
+        self.layout = SideLayout.of(self.devices)
         self.transfer = KVTransferServer()
-        self.peers = [self._connect(address) for address in prefill]
+        self._queued: list[DecodeEvent] = []  # process 0: events for the next exchange
+        self.peers = self._link(list(prefill))
         self.rooms: dict[Any, Room] = {}  # by the request's id
         self._names: dict[str, Any] = {}  # a room's name on the link (the id as text) -> the id
         self.failed: list[ServingReq] = []
@@ -140,13 +174,48 @@ class DecodeServer:
         self.pulled_tokens = 0
         self.reused_tokens = 0
         self.pulls = 0
+        self.retried = 0  # prompts sent again to another prefill server (theirs was lost or silent)
         self.transfer_seconds = 0.0
         self._next_peer = itertools.cycle(range(len(self.peers)))
         scheduler.add_extension(DecodeTransfers(self))
 
+    def _link(self, addresses: list[str]) -> list[PrefillPeer]:
+        """Process 0 links to every prefill server; a group's other processes learn the peers
+        (or the failure, raised the same way) from it."""
+        if self.process != 0:
+            raw = self.channel.broadcast("pd decode peers")
+            linked = wire.decode(raw, LinkedPeers)
+            if linked.error_kind == "refused":
+                raise PDRefused(linked.error)
+            if linked.error_kind:
+                raise LinkError(linked.addresses[0] if linked.addresses else "?", linked.error)
+            return [_peer(a, None, w) for a, w in zip(linked.addresses, linked.welcomes, strict=True)]
+        peers: list[PrefillPeer] = []
+        try:
+            for address in addresses:
+                peers.append(self._connect(address))
+        except (PDRefused, LinkError) as e:
+            for peer in peers:
+                assert peer.link is not None
+                peer.link.close()
+            if self.channel.num_processes > 1:
+                refused = isinstance(e, PDRefused)
+                error = str(e) if refused else e.reason  # type: ignore[union-attr]
+                where = () if refused else (e.peer,)  # type: ignore[union-attr]
+                self.channel.broadcast(
+                    "pd decode peers", wire.encode(LinkedPeers(where, (), error, "refused" if refused else "link"))
+                )
+            raise
+        if self.channel.num_processes > 1:
+            welcomes = tuple(
+                Welcome(p.name, p.transfer_addresses, p.head_shards, p.page_size, p.layout.processes) for p in peers
+            )
+            self.channel.broadcast("pd decode peers", wire.encode(LinkedPeers(tuple(addresses), welcomes)))
+        return peers
+
     def _connect(self, address: str) -> PrefillPeer:
         link = connect_link(address, self.secret)
-        link.send(Hello(self.fingerprint, self.signature, self.shards, self.name))
+        link.send(Hello(self.fingerprint, self.signature, self.shards, self.name, self.layout.processes))
         reply = link.receive(self.timeout_s)
         if isinstance(reply, Refusal):
             link.close()
@@ -154,7 +223,7 @@ class DecodeServer:
         if not isinstance(reply, Welcome):
             link.close()
             raise LinkError(address, f"it answered the hello with a {type(reply).__name__}")
-        return PrefillPeer(address, link, reply.name, reply.transfer_address, reply.head_shards, reply.page_size)
+        return _peer(address, link, reply)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -172,10 +241,7 @@ class DecodeServer:
             self.rooms[req.rid] = room
             self._names[str(req.rid)] = req.rid
             order = PrefillOrder(str(req.rid), tuple(int(t) for t in req.origin_input_ids), _salt(req.extra_key))
-            try:
-                peer.link.send(order)
-            except LinkError as e:
-                self._peer_lost(peer, str(e))
+            self._send(peer, order)
 
     def _pick(self, prefill: int | None) -> PrefillPeer:
         if prefill is not None:
@@ -196,11 +262,21 @@ class DecodeServer:
         """Take what the prefill servers sent, fail what waited too long, run one scheduler step;
         return the requests that ended (finished, or failed with ``abort_reason``)."""
         done: list[ServingReq] = []
-        for peer in self.peers:
-            self._read(peer, done)
-        now = time.monotonic()
-        for room in [r for r in self.rooms.values() if r.state == "prefilling" and r.deadline < now]:
-            self._fail(room, room.peer.failure(self.timeout_s), done)
+        events: list[DecodeEvent] = []
+        if self.process == 0:
+            for i, peer in enumerate(self.peers):
+                self._read(i, peer)
+            now = time.monotonic()
+            for room in [r for r in self.rooms.values() if r.state == "prefilling" and r.deadline < now]:
+                self._queued.append(
+                    DecodeEvent("fail", room=str(room.req.rid), error=room.peer.failure(self.timeout_s))
+                )
+            events, self._queued = self._queued, []
+        if self.channel.num_processes > 1:
+            raw = self.channel.broadcast("pd decode events", wire.encode(DecodeEvents(tuple(events))))
+            events = list(wire.decode(raw, DecodeEvents).events)
+        for event in events:
+            self._apply(event, done)
         if not self.scheduler.idle:
             ended = self.scheduler.step()
             now = time.perf_counter()
@@ -230,25 +306,43 @@ class DecodeServer:
 
     def close(self) -> None:
         for peer in self.peers:
-            peer.link.close()
+            if peer.link is not None:
+                peer.link.close()
 
     # --- messages -------------------------------------------------------------------------------
 
-    def _read(self, peer: PrefillPeer, done: list[ServingReq]) -> None:
+    def _read(self, index: int, peer: PrefillPeer) -> None:
+        """Process 0: what prefill server ``index`` sent, as events for the next exchange."""
         while peer.inbox:
-            self._handle(peer, peer.inbox.pop(0), done)
-        while peer.alive and peer.link.ready():
+            self._queued.append(_prefilled_event(index, peer.inbox.pop(0)))
+        while peer.alive and peer.link is not None and peer.link.ready():
             try:
                 message = peer.link.receive(self.timeout_s)
             except LinkError as e:
-                self._peer_lost(peer, str(e), done)
+                self._peer_lost(peer, str(e))
                 return
-            self._handle(peer, message, done)
+            if isinstance(message, Prefilled):
+                self._queued.append(_prefilled_event(index, message))
+            else:
+                log.warning("decode %s: %s sent an unexpected %s", self.name, peer.address, type(message).__name__)
 
-    def _handle(self, peer: PrefillPeer, message: Any, done: list[ServingReq]) -> None:
-        if not isinstance(message, Prefilled):
-            log.warning("decode %s: %s sent an unexpected %s", self.name, peer.address, type(message).__name__)
+    def _apply(self, event: DecodeEvent, done: list[ServingReq]) -> None:
+        """Every process: one event process 0 read (``DecodeEvent``)."""
+        if event.kind == "lost":
+            peer = self.peers[event.peer]
+            peer.alive, peer.lost = False, event.error or ""
+            for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
+                self._retry_or_fail(room, peer.failure(self.timeout_s), done)
             return
+        if event.kind == "fail":
+            failing = self._room(event.room)
+            if failing is not None and failing.state == "prefilling":
+                self._retry_or_fail(failing, event.error or "failed", done)
+            return
+        peer = self.peers[event.peer]
+        self._handle(peer, Prefilled(event.room, event.first_token, event.prompt_tokens, event.error), done)
+
+    def _handle(self, peer: PrefillPeer, message: Prefilled, done: list[ServingReq]) -> None:
         room = self._room(message.room)
         if room is None or room.peer is not peer or room.state != "prefilling":
             return
@@ -286,24 +380,56 @@ class DecodeServer:
         return None if rid is None else self.rooms.get(rid)
 
     def _send(self, peer: PrefillPeer, message: Any) -> None:
-        if not peer.alive:
+        """Process 0: send ``message`` to ``peer`` (a link that fails loses the peer, at the next
+        exchange); elsewhere nothing (process 0 holds the links)."""
+        if not peer.alive or peer.link is None:
             return
         try:
             peer.link.send(message)
         except LinkError as e:
             self._peer_lost(peer, str(e))
 
-    def _peer_lost(self, peer: PrefillPeer, why: str, done: list[ServingReq] | None = None) -> None:
-        if peer.alive:
-            log.warning("decode %s: lost prefill server %s: %s", self.name, peer.address, why)
-            peer.lost = why
-        peer.alive = False
+    def _peer_lost(self, peer: PrefillPeer, why: str) -> None:
+        """Process 0: ``peer``'s link failed: close it; every process marks the peer lost (and
+        fails the requests prefilling there) at the next exchange."""
+        if peer.link is None:
+            return
+        log.warning("decode %s: lost prefill server %s: %s", self.name, peer.address, why)
         peer.link.close()
-        for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
-            room.deadline = 0.0  # failed at the next step, with the peer's reason
-        if done is not None:
-            for room in [r for r in self.rooms.values() if r.peer is peer and r.state == "prefilling"]:
-                self._fail(room, peer.failure(self.timeout_s), done)
+        peer.link = None
+        self._queued.append(DecodeEvent("lost", self.peers.index(peer), error=why))
+
+    def _retry_or_fail(self, room: Room, reason: str, done: list[ServingReq]) -> None:
+        """A prompt whose prefill server was lost or silent past the bound: sent to the next live
+        prefill server not tried yet (in the addresses' order after this one), or failed with
+        ``reason`` when there is none. Every process decides alike (the peers' states are agreed)."""
+        here = self.peers.index(room.peer)
+        room.tried.append(here)
+        count = len(self.peers)
+        order = [(here + k) % count for k in range(1, count)]
+        other = next((i for i in order if i not in room.tried and self.peers[i].alive), None)
+        if other is None:
+            if len(room.tried) > 1:
+                names = ", ".join(self.peers[i].name + " at " + self.peers[i].address for i in room.tried[:-1])
+                reason = f"{reason} (after {names})"
+            self._fail(room, reason, done)
+            return
+        req = room.req
+        self._send(room.peer, Release(str(req.rid)))  # what it may still compute is not wanted
+        log.warning(
+            "decode %s: request %r retried on prefill server %s: %s",
+            self.name,
+            req.rid,
+            self.peers[other].address,
+            reason,
+        )
+        room.peer = self.peers[other]
+        room.deadline = time.monotonic() + self.timeout_s
+        room.ordered_at = time.perf_counter()
+        self.retried += 1
+        self._send(
+            room.peer, PrefillOrder(str(req.rid), tuple(int(t) for t in req.origin_input_ids), _salt(req.extra_key))
+        )
 
     def _fail(self, room: Room, reason: str, done: list[ServingReq]) -> None:
         req = room.req
@@ -318,6 +444,8 @@ class DecodeServer:
         """The prefill server's answer to a pull order for ``room`` (others that arrive meanwhile
         are kept for the next step); ``LinkError`` or ``TimeoutError`` past ``deadline``."""
         peer = room.peer
+        if peer.link is None:
+            raise LinkError(peer.address, "the link is closed")
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -371,7 +499,13 @@ class DecodeTransfers(ServingExtension):
         except (LinkError, TimeoutError, TransferTimeout, ValueError, RuntimeError) as e:
             alloc.free(slots)
             if isinstance(e, LinkError):
-                server._peer_lost(room.peer, str(e))
+                room.peer.alive, room.peer.lost = False, e.reason  # on every process alike
+                if room.peer.link is not None:
+                    room.peer.link.close()
+                    room.peer.link = None
+                for other in server.rooms.values():  # those waiting for their first token fail next step
+                    if other.peer is room.peer and other.state == "prefilling":
+                        other.deadline = 0.0
             server._send(room.peer, Release(str(req.rid)))
             server._end(req.rid)
             raise RequestAborted(
@@ -388,16 +522,41 @@ class DecodeTransfers(ServingExtension):
         server.pulls += 1
         server._send(room.peer, Release(str(req.rid)))
 
+    def _offer(self, room: Room, req: ServingReq, prefix: int, deadline: float) -> Offered:
+        """The prefill server's answer to the pull order for ``room`` (process 0 asks; a group's
+        other processes learn it from process 0). ``LinkError`` when the link failed (the peer is
+        lost on every process), ``TimeoutError`` past ``deadline``, ``RuntimeError`` for an offer
+        the prefill server refused."""
+        server = self.server
+        peer = room.peer
+        if server.process == 0:
+            try:
+                if not peer.alive or peer.link is None:
+                    raise LinkError(peer.address, "the link is closed")
+                peer.link.send(PullOrder(str(req.rid), prefix, server.window))
+                outcome = PullOutcome((server.await_offer(room, deadline),))
+            except LinkError as e:
+                outcome = PullOutcome(error=e.reason, lost=True)
+            except TimeoutError as e:
+                outcome = PullOutcome(error=str(e))
+        else:
+            outcome = PullOutcome()
+        if server.channel.num_processes > 1:
+            outcome = wire.decode(server.channel.broadcast("pd decode offer", wire.encode(outcome)), PullOutcome)
+        if outcome.lost:
+            raise LinkError(peer.address, outcome.error)
+        if outcome.error:
+            raise TimeoutError(outcome.error)
+        offered = outcome.offered[0]
+        if offered.error is not None:
+            raise RuntimeError(f"prefill server {peer.name}: {offered.error}")
+        return offered
+
     def _pull(self, room: Room, req: ServingReq, prefix: int, prompt: int, slots: np.ndarray) -> None:
         server = self.server
         deadline = time.monotonic() + server.timeout_s
         peer = room.peer
-        if not peer.alive:
-            raise LinkError(peer.address, "the link is closed")
-        peer.link.send(PullOrder(str(req.rid), prefix, server.window))
-        offered = server.await_offer(room, deadline)
-        if offered.error is not None:
-            raise RuntimeError(f"prefill server {peer.name}: {offered.error}")
+        offered = self._offer(room, req, prefix, deadline)
         if (offered.start, offered.end) != (prefix, prompt):
             raise ValueError(f"offered tokens [{offered.start}, {offered.end}), asked for [{prefix}, {prompt})")
         span = _decode_span(server.cache, req, prefix, prompt, offered.window_start, slots)
@@ -408,14 +567,31 @@ class DecodeTransfers(ServingExtension):
                 f"the offered pieces {theirs} are not this cache's "
                 f"{[(pool, s.name, s.shape, s.dtype) for pool, s in mine]}"
             )
-        structs = [
-            spec.struct(transfer_sharding(spec.shape, spec.head_axis, piece.shards))
-            for (_, spec), piece in zip(mine, offered.pieces, strict=True)
-        ]
+        plan = PieceUnits(tuple(spec for _, spec in mine), peer.layout, server.layout)
+        units = [plan.units(i) for i in range(len(mine))]
+        if [p.units for p in offered.pieces] != units:
+            raise ValueError(f"the offer cuts the pieces into {[p.units for p in offered.pieces]} units, not {units}")
         started = time.perf_counter()
-        arrays = server.transfer.pull(
-            peer.transfer_address, offered.transfer_id, structs, max(deadline - time.monotonic(), 0.1)
-        )
+        error = ""
+        try:
+            arrays = pull_units(
+                server.transfer,
+                offered.transfer_id,
+                plan,
+                peer.transfer_addresses,
+                server.devices,
+                server.process,
+                deadline,
+            )
+        except (TransferTimeout, TransferUnreachable, RuntimeError, ValueError) as e:
+            error = (
+                f"{type(e).__name__}: {e}" if server.channel.num_processes == 1 else f"process {server.process}: {e}"
+            )
+        if server.channel.num_processes > 1:  # every process's pull landed, or none writes
+            errors = [raw.decode() for raw in server.channel.all_gather("pd decode pulled", error.encode())]
+            error = next((e for e in errors if e), "")
+        if error:
+            raise RuntimeError(error)
         server.transfer_seconds += time.perf_counter() - started
         movers = server.movers
 
@@ -424,6 +600,22 @@ class DecodeTransfers(ServingExtension):
 
         pages = np.unique(np.asarray(slots) // server.cache.token_to_kv_pool_allocator.page_size)
         server.cache.pending.record(DeviceUpdate("disaggregated pull", movers.movers[0].name, pages, write))
+
+
+def _peer(address: str, link: PDLink | None, welcome: Welcome) -> PrefillPeer:
+    return PrefillPeer(
+        address,
+        link,
+        welcome.name,
+        tuple(welcome.transfer_addresses),
+        welcome.head_shards,
+        welcome.page_size,
+        SideLayout(tuple(welcome.device_processes)),
+    )
+
+
+def _prefilled_event(peer: int, message: Prefilled) -> DecodeEvent:
+    return DecodeEvent("prefilled", peer, message.room, message.first_token, message.prompt_tokens, message.error)
 
 
 def _decode_span(

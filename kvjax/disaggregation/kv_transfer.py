@@ -2,32 +2,37 @@
 
 ``CacheMovers`` walks a cache's device pools and asks each one's pool kind how a request's share
 of it moves (its registered ``RequestKV``, ``kvjax.pools.registry.request_kv_of``): there is no
-branch per kind here. ``KVTransferServer`` wraps ``jax.experimental.transfer``: the prefill side
-offers arrays under a transfer id (``await_pull``), the decode side pulls them into its own
-devices with the same shard count (``connect(address).pull``), every pull bounded by a deadline.
+branch per kind here. ``KVTransferServer`` wraps ``jax.experimental.transfer``: a process of the
+prefill side offers arrays under a transfer id (``await_pull``), a process of the decode side
+pulls them into its own devices (``connect(address).pull``), every pull bounded by a deadline.
+Each process of a side runs a transfer server of its own.
 
-The shard count of a piece is agreed from facts both sides exchanged in the handshake
-(:func:`agreed_shards`: the greatest common divisor of both sides' head shards and the piece's
-head axis), so each side computes the same sharding without another message; a piece without a
-head axis moves whole, on one device. On the decode side the pulled pieces are laid onto the
-pool's own sharding (a device-to-device copy) and written in place (``RequestKV.scatter``).
+How the pieces are cut on the way (``piece_units``): a piece's heads travel in units that lie
+within one device block on either side, each offered by the one sending process that holds it
+(:func:`offer_units`) and pulled by every receiving process that holds it
+(:func:`pull_units`), so the two sides may differ in tensor-parallel size and in number of
+processes; both sides plan the same units from the layouts and specs exchanged (no message per
+unit). On the decode side the pulled units make global arrays, laid onto the pool's own sharding
+(a device-to-device copy) and written in place (``RequestKV.scatter``).
 """
 
 from __future__ import annotations
 
-import math
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from jax import lax
+from jax.sharding import SingleDeviceSharding
 
 from kvjax.disaggregation.messages import PieceMessage
+from kvjax.disaggregation.piece_units import PieceUnits
 from kvjax.plan.draft import DRAFT_POOL_NAME
 from kvjax.pools.registry import request_kv_of
 from kvjax.transfers.request_kv import PieceSpec, RequestSpan, head_shards
@@ -36,10 +41,11 @@ __all__ = [
     "CacheMovers",
     "KVTransferServer",
     "TransferTimeout",
+    "TRANSFER_ID_STRIDE",
     "TransferUnreachable",
-    "agreed_shards",
+    "offer_units",
     "piece_message",
-    "transfer_sharding",
+    "pull_units",
 ]
 
 
@@ -124,36 +130,106 @@ class CacheMovers:
         return pools.replace(**updates)
 
 
-def agreed_shards(spec: PieceSpec, mine: int, theirs: int) -> int:
-    """Devices piece ``spec`` is split over on the way (both sides compute the same)."""
-    if spec.head_axis is None:
-        return 1
-    return math.gcd(math.gcd(int(mine), int(theirs)), int(spec.shape[spec.head_axis]))
-
-
-def transfer_sharding(shape: Sequence[int], head_axis: int | None, shards: int) -> Any:
-    """The sharding a piece travels in: split over this process's first ``shards`` devices along
-    ``head_axis``, or whole on its first device."""
-    devices = jax.local_devices()
-    if head_axis is None or shards <= 1:
-        return SingleDeviceSharding(devices[0])
-    if shards > len(devices):
-        raise ValueError(f"a piece split over {shards} devices; this process has {len(devices)}")
-    mesh = Mesh(np.asarray(devices[:shards]), ("transfer",))
-    parts: list[str | None] = [None] * len(shape)
-    parts[head_axis] = "transfer"
-    return NamedSharding(mesh, P(*parts))
-
-
-def piece_message(pool: str, spec: PieceSpec, shards: int) -> PieceMessage:
+def piece_message(pool: str, spec: PieceSpec, units: int) -> PieceMessage:
     return PieceMessage(
         pool,
         spec.name,
         tuple(int(s) for s in spec.shape),
         spec.dtype,
         -1 if spec.head_axis is None else spec.head_axis,
-        shards,
+        units,
     )
+
+
+#: Transfer ids of one offer: ``base + receiving process`` (a base is fresh per offer, a multiple of this).
+TRANSFER_ID_STRIDE = 1 << 8
+
+
+def offer_units(
+    transfer: KVTransferServer,
+    transfer_id: int,
+    plan: PieceUnits,
+    arrays: Sequence[jax.Array],
+    devices: Sequence[Any],
+    process: int,
+) -> int:
+    """Offer the units of ``arrays`` (``plan.specs``' pieces, global arrays over the sending
+    side's ``devices``) that sending process ``process`` owns: to each receiving process the ones
+    it needs (``PieceUnits.offered``), under ``transfer_id + receiving process``. Every sending
+    process calls it with the same arguments (the pieces are laid onto the side's layout
+    sharding, a collective); returns the bytes this process offered."""
+    laid = [jax.device_put(a, plan.sender.sharding(devices, spec)) for a, spec in zip(arrays, plan.specs, strict=True)]
+    shards = [{s.device.id: s.data for s in a.addressable_shards} for a in laid]
+    offered = 0
+    for receiver in plan.receiver.process_ids:
+        wanted = plan.offered(process, receiver)
+        if not wanted:
+            continue
+        units = []
+        for piece, unit in wanted:
+            block = shards[piece][devices[plan.owner_position(piece, unit)].id]
+            axis = plan.specs[piece].head_axis
+            lo, hi = plan.unit_range(piece, unit, plan.sender)
+            units.append(
+                block if axis is None or hi - lo == block.shape[axis] else lax.slice_in_dim(block, lo, hi, axis=axis)
+            )
+        transfer.offer(transfer_id + receiver, units)
+        offered += sum(int(u.nbytes) for u in units)
+    return offered
+
+
+def pull_units(
+    transfer: KVTransferServer,
+    transfer_id: int,
+    plan: PieceUnits,
+    addresses: Sequence[str],
+    devices: Sequence[Any],
+    process: int,
+    deadline: float,
+) -> list[jax.Array]:
+    """Pull what receiving process ``process`` needs of offer ``transfer_id`` from every sending
+    process (``addresses``: each one's transfer server, by process id), each unit onto the first
+    of this process's devices holding its block, and make each piece a global array over the
+    receiving side's ``devices`` in its layout sharding (``SideLayout.sharding``). Every
+    receiving process calls it; ``TransferTimeout`` / ``TransferUnreachable`` as ``pull``."""
+    local = [i for i, d in enumerate(devices) if d.process_index == process]
+    target: dict[tuple[int, int], Any] = {}
+    for piece, spec in enumerate(plan.specs):
+        for unit in range(plan.units(piece)):
+            held = plan.receiver.block_devices(spec, plan.receiver_block(piece, unit))
+            mine = [i for i in held if i in local]
+            if mine:
+                target[(piece, unit)] = devices[mine[0]]
+    pulled: dict[tuple[int, int], jax.Array] = {}
+    for sender in plan.sender.process_ids:
+        wanted = plan.offered(sender, process)
+        if not wanted:
+            continue
+        structs = [
+            jax.ShapeDtypeStruct(
+                plan.unit_shape(piece),
+                jnp.dtype(plan.specs[piece].dtype),
+                sharding=SingleDeviceSharding(target[(piece, unit)]),
+            )
+            for piece, unit in wanted
+        ]
+        arrays = transfer.pull(addresses[sender], transfer_id + process, structs, max(deadline - time.monotonic(), 0.1))
+        pulled.update(zip(wanted, arrays, strict=True))
+    out: list[jax.Array] = []
+    for piece, spec in enumerate(plan.specs):
+        per_block = plan.units(piece) // plan.receiver.blocks(spec)
+        blocks: dict[int, jax.Array] = {}
+        per_device = []
+        for position in local:
+            block = position // (plan.receiver.devices // plan.receiver.blocks(spec))
+            if block not in blocks:
+                parts = [pulled[(piece, u)] for u in range(block * per_block, (block + 1) * per_block)]
+                axis = spec.head_axis
+                blocks[block] = parts[0] if len(parts) == 1 or axis is None else jnp.concatenate(parts, axis=axis)
+            per_device.append(jax.device_put(blocks[block], devices[position]))
+        sharding = plan.receiver.sharding(devices, spec)
+        out.append(jax.make_array_from_single_device_arrays(tuple(spec.shape), sharding, per_device))
+    return out
 
 
 class KVTransferServer:

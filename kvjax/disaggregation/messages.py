@@ -21,11 +21,17 @@ from kvjax.multihost.wire import wire_message
 
 __all__ = [
     "KINDS",
+    "DecodeEvent",
+    "DecodeEvents",
     "Hello",
+    "LinkedPeers",
     "Offered",
     "PieceMessage",
+    "PrefillEvent",
+    "PrefillEvents",
     "PrefillOrder",
     "Prefilled",
+    "PullOutcome",
     "PullOrder",
     "Refusal",
     "Release",
@@ -33,30 +39,34 @@ __all__ = [
 ]
 
 
-@wire_message("pd.hello", 1)
+@wire_message("pd.hello", 2)
 @dataclass(frozen=True)
 class Hello:
     """Decode -> prefill, first: what the decode side serves. ``fingerprint``: the model's
     (``kvjax.serve.model_fingerprint``); ``signature``: each moved piece's name, per-token shape
     and dtype (``kv_transfer.cache_signature``); ``head_shards``: devices its KV heads are split
-    over; ``name``: the decode server's name (for messages)."""
+    over; ``name``: the decode server's name (for messages); ``device_processes``: its
+    ``SideLayout`` (the process of each of its pools' devices, ``piece_units``)."""
 
     fingerprint: str
     signature: tuple[str, ...]
     head_shards: int
     name: str
+    device_processes: tuple[int, ...] = (0,)
 
 
-@wire_message("pd.welcome", 1)
+@wire_message("pd.welcome", 2)
 @dataclass(frozen=True)
 class Welcome:
-    """Prefill -> decode: the hello matched. ``transfer_address``: the prefill's transfer server;
-    ``head_shards``: devices its KV heads are split over; ``page_size``: its page size (facts)."""
+    """Prefill -> decode: the hello matched. ``transfer_addresses``: the transfer server of each
+    of the prefill side's processes, by process id; ``head_shards``: devices its KV heads are
+    split over; ``page_size``: its page size (facts); ``device_processes``: its ``SideLayout``."""
 
     name: str
-    transfer_address: str
+    transfer_addresses: tuple[str, ...]
     head_shards: int
     page_size: int
+    device_processes: tuple[int, ...] = (0,)
 
 
 @wire_message("pd.refusal", 1)
@@ -101,18 +111,18 @@ class PullOrder:
     window: int = 0
 
 
-@wire_message("pd.piece", 1)
+@wire_message("pd.piece", 2)
 @dataclass(frozen=True)
 class PieceMessage:
-    """One offered array: ``pool``'s piece ``name`` of ``shape`` and ``dtype``, split over
-    ``shards`` devices along ``head_axis`` (-1: whole, on one device)."""
+    """One offered piece: ``pool``'s piece ``name`` of ``shape`` and ``dtype``, cut into
+    ``units`` along ``head_axis`` (-1: one unit, whole; ``piece_units``)."""
 
     pool: str
     name: str
     shape: tuple[int, ...]
     dtype: str
     head_axis: int
-    shards: int
+    units: int
 
 
 @wire_message("pd.offered", 1)
@@ -137,6 +147,80 @@ class Release:
     """The decode side is done with room ``room`` (pulled, or gave up)."""
 
     room: str
+
+
+# --- between the processes of one side (its group's channel; process 0 holds the links) ---------------
+
+
+@wire_message("pd.prefill_event", 1)
+@dataclass(frozen=True)
+class PrefillEvent:
+    """What process 0 of a prefill side read from its links, for every process to apply in
+    order: ``kind`` ``"welcome"`` (link ``link`` matched: the decode side's ``device_processes``),
+    ``"order"`` (room ``room``'s prompt ``input_ids`` in ``extra_key``), ``"pull"`` (tokens from
+    ``start``, ``window``), ``"release"`` (room ``room``), ``"drop"`` (link ``link`` is gone),
+    ``"stop"`` (the server stops)."""
+
+    kind: str
+    link: int = -1
+    room: str = ""
+    input_ids: tuple[int, ...] = ()
+    extra_key: str | None = None
+    start: int = 0
+    window: int = 0
+    device_processes: tuple[int, ...] = ()
+
+
+@wire_message("pd.prefill_events", 1)
+@dataclass(frozen=True)
+class PrefillEvents:
+    events: tuple[PrefillEvent, ...] = ()
+
+
+@wire_message("pd.decode_event", 1)
+@dataclass(frozen=True)
+class DecodeEvent:
+    """What process 0 of a decode side learned, for every process to apply in order: ``kind``
+    ``"prefilled"`` (prefill server ``peer``'s ``Prefilled`` for room ``room``: ``first_token``,
+    ``prompt_tokens``, ``error``), ``"fail"`` (room ``room`` failed: ``error``), ``"lost"``
+    (prefill server ``peer`` is gone: ``error``)."""
+
+    kind: str
+    peer: int = -1
+    room: str = ""
+    first_token: int = -1
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+@wire_message("pd.decode_events", 1)
+@dataclass(frozen=True)
+class DecodeEvents:
+    events: tuple[DecodeEvent, ...] = ()
+
+
+@wire_message("pd.peers", 1)
+@dataclass(frozen=True)
+class LinkedPeers:
+    """Process 0 of a decode side to the others: the prefill servers it linked (``welcomes``, by
+    ``addresses``), or why it could not (``error`` of type ``error_kind``: ``"refused"`` or
+    ``"link"``)."""
+
+    addresses: tuple[str, ...] = ()
+    welcomes: tuple[Welcome, ...] = ()
+    error: str = ""
+    error_kind: str = ""
+
+
+@wire_message("pd.pull_outcome", 1)
+@dataclass(frozen=True)
+class PullOutcome:
+    """Process 0 of a decode side to the others: the prefill server's answer to a pull order
+    (``offered``: none or one), or why there is none (``error``; ``lost``: its link failed)."""
+
+    offered: tuple[Offered, ...] = ()
+    error: str = ""
+    lost: bool = False
 
 
 #: Frame kind byte -> message class (the closed table a frame is decoded through).

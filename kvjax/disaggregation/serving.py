@@ -20,12 +20,14 @@ from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
 from kvjax.disaggregation.decode import DecodeServer
 from kvjax.disaggregation.prefill import PrefillServer
+from kvjax.multihost.process_group import ProcessGroup
 from kvjax.serve.checkpoint import LoadedModel
 from kvjax.serve.generate import (
     GenerateResult,
     StepCallback,
     _checked_prompts,
     _config,
+    _events_here,
     _per_prompt,
     _requests,
     _result,
@@ -76,10 +78,13 @@ def prefill_server(
     max_batch_size: int = 16,
     overlap: bool = True,
     secret: Any = None,
+    group: ProcessGroup | None = None,
 ) -> PrefillServer:
     """A `PrefillServer` for ``model`` over a cache built from ``config`` (``--tp``: over the
-    first ``tp_size`` local devices), its bootstrap endpoint on ``host:port`` (0: a free port)."""
-    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(config.tp_size))
+    first ``tp_size`` local devices; with ``group``, ``tp_size`` devices taken evenly from every
+    process of the group, one server of several processes), its bootstrap endpoint on
+    ``host:port`` (0: a free port; process 0's)."""
+    cache = build_kv_cache(model.spec, config, mesh=_mesh(config.tp_size, group))
     scheduler = Scheduler(
         model.config,
         cache,
@@ -87,8 +92,24 @@ def prefill_server(
         max_batch_size=max_batch_size,
         chunked_prefill_size=config.chunked_prefill_size,
         overlap=overlap,
+        **_agreement(group),
     )
-    return PrefillServer(scheduler, fingerprint=model.fingerprint, secret=secret, host=host, port=port)
+    channel = None if group is None else group.channel
+    return PrefillServer(scheduler, fingerprint=model.fingerprint, secret=secret, host=host, port=port, channel=channel)
+
+
+def _mesh(tp_size: int, group: ProcessGroup | None) -> Any:
+    """The side's mesh: ``tp_size`` local devices, or over the group's processes."""
+    if group is None:
+        return tp_mesh(tp_size)
+    from kvjax.serve.multihost.mesh import group_tp_mesh
+
+    return group_tp_mesh(tp_size)
+
+
+def _agreement(group: ProcessGroup | None) -> dict[str, Any]:
+    """The scheduler's agreement over a group (its asynchronous completions agreed), or nothing."""
+    return {} if group is None else {"agreement": group.agreement()}
 
 
 def decode_generate(
@@ -113,9 +134,12 @@ def decode_generate(
     retention_seconds: Sequence[float | None] | None = None,
     kv_events: Any = None,
     secret: Any = None,
+    group: ProcessGroup | None = None,
 ) -> tuple[GenerateResult, DecodeServer]:
     """``generate``'s run with every prompt computed on one of the ``prefill`` servers (bootstrap
-    addresses; round robin) and decoded here (see the module docstring). A request that failed
+    addresses; round robin) and decoded here (see the module docstring); with ``group``, by a
+    decode server of several processes (every process of the group calls it with the same
+    arguments; ``tp_size`` devices taken evenly from each). A request that failed
     (its prefill server lost, silent past ``timeout_s``, or its KV not moved) ends with
     ``abort_reason`` set and the tokens it had; the server's ``failed`` lists them. Raises what
     connecting raises (``LinkError``, ``PDRefused``) before anything is served."""
@@ -139,7 +163,7 @@ def decode_generate(
         disaggregation_decode_retraction_backup="cpu_tensor",
         disaggregation_decode_enable_radix_cache=decode_radix_cache,
     )
-    cache = build_kv_cache(model.spec, config, mesh=tp_mesh(tp_size))
+    cache = build_kv_cache(model.spec, config, mesh=_mesh(tp_size, group))
     scheduler = Scheduler(
         model.config,
         cache,
@@ -147,12 +171,19 @@ def decode_generate(
         max_batch_size=max_batch_size,
         chunked_prefill_size=chunked_prefill_size,
         overlap=overlap,
+        **_agreement(group),
     )
     server = DecodeServer(
-        scheduler, fingerprint=model.fingerprint, prefill=list(prefill), secret=secret, timeout_s=timeout_s
+        scheduler,
+        fingerprint=model.fingerprint,
+        prefill=list(prefill),
+        secret=secret,
+        timeout_s=timeout_s,
+        channel=None if group is None else group.channel,
     )
     try:
-        _serve_with_events(scheduler, kv_events, lambda: _serve_in_order(server, reqs, on_step))
+        events = kv_events if group is None else _events_here(kv_events, group)  # a group: process 0's
+        _serve_with_events(scheduler, events, lambda: _serve_in_order(server, reqs, on_step))
     finally:
         server.close()
     result = _result(reqs, scheduler.stats)
@@ -184,12 +215,14 @@ def _serve_in_order(server: DecodeServer, reqs: list[ServingReq], on_step: StepC
 
 def disaggregation_counters(servers: Sequence[DecodeServer]) -> dict[str, Any]:
     """What decode servers report: tokens pulled from prefill servers, tokens their own trees
-    held already, KV pulls and their seconds, the requests that failed."""
+    held already, KV pulls and their seconds, the prompts sent again to another prefill server,
+    the requests that failed."""
     return dict(
         prefill_servers=len({p.address for s in servers for p in s.peers}),
         pulled_tokens=sum(s.pulled_tokens for s in servers),
         reused_tokens=sum(s.reused_tokens for s in servers),
         pulls=sum(s.pulls for s in servers),
         transfer_seconds=round(sum(s.transfer_seconds for s in servers), 4),
+        retried_requests=sum(s.retried for s in servers),
         failed_requests=sum(len(s.failed) for s in servers),
     )

@@ -89,14 +89,14 @@ def serve_prefill(args: argparse.Namespace) -> dict[str, Any]:
     dropped_with_link = 0
     drop_link, pull = server._drop_link, server._pull
 
-    def counted_drop(link: Any, why: str) -> None:
+    def counted_drop(link: int, why: str) -> None:
         nonlocal dropped_with_link
-        dropped_with_link += sum(key[0] == id(link) for key in server.snapshots)
+        dropped_with_link += sum(key[0] == link for key in server.snapshots)
         drop_link(link, why)
 
     pulls = 0
 
-    def dying_pull(link: Any, order: Any) -> None:
+    def dying_pull(link: int, order: Any) -> None:
         nonlocal pulls
         pulls += 1
         if args.die_on_pull == "offer":
@@ -115,7 +115,7 @@ def serve_prefill(args: argparse.Namespace) -> dict[str, Any]:
     # let what is queued finish and read what the decode servers sent (a Release sent while this
     # server stalled), until each link closed or the bound
     deadline = time.monotonic() + 30
-    while not sched.idle or (any(link.ready() for link in server.links) and time.monotonic() < deadline):
+    while not sched.idle or (any(link.ready() for link in server.links.values()) and time.monotonic() < deadline):
         server.serve_once()
     report = {
         "prefilled": server.prefilled,

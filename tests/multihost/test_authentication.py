@@ -273,7 +273,7 @@ def test_the_secret_never_shows():
     assert repr(SECRET) == "ClusterSecret(<hidden>)"
 
 
-def test_the_launcher_hands_each_launch_a_fresh_secret_through_the_environment_only(monkeypatch):
+def test_the_launcher_hands_each_launch_its_secret_through_the_environment_only(monkeypatch):
     started: list[tuple[list[str], dict[str, str]]] = []
 
     class Done:
@@ -288,14 +288,17 @@ def test_the_launcher_hands_each_launch_a_fresh_secret_through_the_environment_o
             return 0
 
     monkeypatch.setattr(launcher.subprocess, "Popen", Done)
-    monkeypatch.setenv(CLUSTER_SECRET_ENV, "00" * 32)  # an inherited value is replaced
+    monkeypatch.delenv(CLUSTER_SECRET_ENV, raising=False)
     log = io.StringIO()
     assert launcher.launch(["demo"], 2, log=log) == 0
     assert launcher.launch(["demo"], 2, log=log) == 0
     secrets_seen = [env[CLUSTER_SECRET_ENV] for _, env in started]
     assert secrets_seen[0] == secrets_seen[1] != secrets_seen[2] == secrets_seen[3]  # one per launch
-    assert "00" * 32 not in secrets_seen
     assert all(ClusterSecret.from_hex(s) for s in secrets_seen)
+    # an exported secret is the launch's (a side of a disaggregated pair shares it with the other side)
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, "ab" * 32)
+    assert launcher.launch(["demo"], 2, log=log) == 0
+    assert [env[CLUSTER_SECRET_ENV] for _, env in started[4:]] == ["ab" * 32] * 2
     for argv, env in started:
         assert not any(env[CLUSTER_SECRET_ENV] in arg for arg in argv)
         assert env[CLUSTER_SECRET_ENV] not in log.getvalue()

@@ -62,3 +62,41 @@ def test_decode_generate_gives_generate_tokens_and_fails_a_stalled_pull():
         stop.set()
         thread.join(10)
         prefill.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_prompt_whose_prefill_server_is_lost_is_retried_on_the_next_one():
+    secret = secrets.token_hex(32)
+    model = resolve_model("tiny")
+    config = prefill_config(model, page_size=4, max_total_tokens=512)
+    lost, kept = (prefill_server(model, config, port=0, secret=secret) for _ in range(2))
+    # the first server closes the link of the first prompt it is sent (a server that went away)
+    lost._order = lambda link, order: lost._drop_link(link, "test: the server went away")  # type: ignore[method-assign]
+    stop = threading.Event()
+    threads = [threading.Thread(target=s.serve, args=(stop.is_set,), daemon=True) for s in (lost, kept)]
+    for thread in threads:
+        thread.start()
+    try:
+        colocated, _ = generate(model, PROMPTS, max_new_tokens=4, page_size=8, stop_token_ids=())
+        result, server = decode_generate(
+            model,
+            PROMPTS,
+            prefill=[lost.address, kept.address],
+            max_new_tokens=4,
+            page_size=8,
+            stop_token_ids=(),
+            secret=secret,
+        )
+        assert result.outputs == colocated.outputs
+        pd = result.disaggregation
+        assert pd is not None and pd["failed"] == [] and pd["prefill_servers"] == 2, pd
+        # the first prompt went to the lost server and was sent again; the others skip it
+        assert pd["retried_requests"] == 1 and kept.prefilled == 3 and lost.prefilled == 0, pd
+        assert not server.peers[0].alive and server.peers[1].alive
+        assert server.leak_free() and kept.scheduler.leak_free() and not kept.snapshots
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        lost.close()
+        kept.close()

@@ -8,10 +8,16 @@ status the others are stopped (SIGTERM, then SIGKILL after ``grace_s``) and the 
 returns that status; it never waits on a dead process's peers. On a TPU pod there is no
 launcher: every host runs the command itself (``--distributed``).
 
-Each launch draws a fresh cluster secret (``ClusterSecret.generate``) and gives it to its
-processes in their environment only (``KVJAX_CLUSTER_SECRET``, replacing any inherited value):
-never on a command line, never in a log line. The processes authenticate each other with it
-(``kvjax.multihost.handshake``); nothing outside the launch knows it.
+Each launch gives its processes a cluster secret in their environment only
+(``KVJAX_CLUSTER_SECRET``): never on a command line, never in a log line. The processes
+authenticate each other with it (``kvjax.multihost.handshake``). It is the launcher's own
+environment's secret when one is exported (a side of a disaggregated pair authenticates the other
+side with it: both sides must hold the same), else a fresh one (``ClusterSecret.generate``) that
+nothing outside the launch knows.
+
+SIGTERM to the launcher is passed to every process, and the launcher returns once they all ended
+(0 when each exited 0: a server that stops on SIGTERM, as a prefill server does, ends cleanly);
+those still alive after ``grace_s`` are killed.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ def launch(
     log = log or sys.stderr
     address = f"127.0.0.1:{port or free_port()}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env[CLUSTER_SECRET_ENV] = ClusterSecret.generate().hex()  # this launch's processes only
+    if not env.get(CLUSTER_SECRET_ENV):
+        env[CLUSTER_SECRET_ENV] = ClusterSecret.generate().hex()  # this launch's processes only
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
     threads: list[threading.Thread] = []
@@ -87,15 +94,30 @@ def launch(
             t.start()
             threads.append(t)
     failed: tuple[int, int] | None = None
+    terminated: list[float] = []  # when SIGTERM came (then passed to every process)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(time.monotonic()))
+    passed = False
     try:
         while True:
             codes = [p.poll() for p in procs]  # every process, every time (poll reaps)
             failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None or all(c == 0 for c in codes):
                 break
+            if terminated and not passed:
+                passed = True
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+            if terminated and time.monotonic() - terminated[0] > grace_s:
+                _stop(procs, 0.0)
             time.sleep(0.05)
     except KeyboardInterrupt:
         failed = (-1, 130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if failed is not None:
         _stop(procs, grace_s)
     for t in threads:

@@ -1,0 +1,136 @@
+"""Prefill/decode disaggregation where a side is several processes (``jax.distributed``), from the
+command line: ``python -m kvjax launch --processes 2 --cpu-devices-per-process 2 -- generate
+--tp 4 --disaggregation-mode prefill|decode ...``.
+
+A prefill side of two processes (tp 4, two devices each, pages of 4) serves a decode server of one
+process (tp 2, pages of 8) and a decode side of two processes (tp 4, pages of 8); a prefill
+server of one process (tp 2) serves a decode side of two processes. The tiny model has 2 KV
+heads: each side holds each head on two devices, one head block per process, so every pull
+moves units between different processes on both sides (``kvjax.disaggregation.piece_units``).
+Every decode run prints the tokens a colocated ``generate --json`` prints, its own tree reuses
+the shared prefix, and no request fails; SIGTERM to the launcher stops a prefill group cleanly
+(every process exits 0, process 0's summary counts what was prefilled and offered).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.mesh.multihost_group import child_env
+from tests.mesh.subprocess_run import ROOT
+
+pytestmark = pytest.mark.mesh
+
+SHARED = ",".join(str(t) for t in range(1, 13))  # 12 tokens, shared by the first two prompts
+PROMPTS = ["--prompt-ids", SHARED, "--prompt-ids", f"{SHARED},13,14,15", "--prompt-ids", "40,41,42"]
+FLAGS = ["--max-new-tokens", "4", "--ignore-eos", "--json"]
+GROUP = ["launch", "--processes", "2", "--cpu-devices-per-process", "2", "--"]
+ADDRESS_WAIT_S = 120
+
+
+def _kvjax(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "kvjax", *argv]
+
+
+def _start_prefill(argv: list[str], env: dict[str, str], log: Any) -> tuple[subprocess.Popen, str]:
+    """A prefill server (``argv`` after ``python -m kvjax``) and the address it printed."""
+    process = subprocess.Popen(_kvjax(*argv), stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+    assert process.stdout is not None
+    deadline = time.monotonic() + ADDRESS_WAIT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if "prefill server listening on " in line:
+                return process, line.split()[-1]
+            assert line, f"the prefill server exited with status {process.wait(10)}"
+        assert process.poll() is None, f"the prefill server exited with status {process.returncode}"
+    raise AssertionError(f"the prefill server printed no address within {ADDRESS_WAIT_S} s")
+
+
+def _stop(process: subprocess.Popen, log: Any) -> str:
+    """SIGTERM ``process``; its log, once it exited 0."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+        raise
+    log.seek(0)
+    text = log.read()
+    assert code == 0, text[-3000:]
+    return text
+
+
+def _json_line(stdout: str) -> Any:
+    """The JSON report in ``stdout`` (process 0's under a launch: its ``[0] `` prefix dropped)."""
+    lines = [line.removeprefix("[0] ") for line in stdout.splitlines()]
+    return json.loads(next(line for line in lines if line.startswith("{")))
+
+
+def _decode(argv: list[str], address: str, env: dict[str, str]) -> Any:
+    flags = ["--disaggregation-mode", "decode", "--disaggregation-prefill-addr", address]
+    flags += ["--disaggregation-decode-enable-radix-cache"]
+    run = subprocess.run(
+        _kvjax(*argv, *flags, *PROMPTS, *FLAGS), capture_output=True, text=True, env=env, cwd=ROOT, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _json_line(run.stdout)
+
+
+@pytest.mark.timeout(900)
+def test_sides_of_several_processes_give_the_colocated_tokens(tmp_path):
+    env = child_env(devices=4, secret=secrets.token_hex(32))
+    prefill = ["generate", "--model", "tiny", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"]
+    group_log = (tmp_path / "group-prefill.err").open("w+")
+    single_log = (tmp_path / "single-prefill.err").open("w+")
+    group, group_address = _start_prefill([*GROUP, *prefill, "--tp", "4", "--page-size", "4"], env, group_log)
+    try:
+        single, single_address = _start_prefill([*prefill, "--tp", "2", "--page-size", "4"], env, single_log)
+        try:
+            colocated = subprocess.run(
+                _kvjax("generate", "--model", "tiny", "--page-size", "8", *PROMPTS, *FLAGS),
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=ROOT,
+                timeout=120,
+            )
+            assert colocated.returncode == 0, colocated.stderr[-3000:]
+            expected = json.loads(colocated.stdout)
+            runs = {
+                "one decode process <- a prefill group": _decode(
+                    ["generate", "--model", "tiny", "--tp", "2", "--page-size", "8"], group_address, env
+                ),
+                "a decode group <- a prefill group": _decode(
+                    [*GROUP, "generate", "--model", "tiny", "--tp", "4", "--page-size", "8"], group_address, env
+                ),
+                "a decode group <- one prefill process": _decode(
+                    [*GROUP, "generate", "--model", "tiny", "--tp", "4", "--page-size", "8"], single_address, env
+                ),
+            }
+        finally:
+            _stop(single, single_log)
+    finally:
+        log = _stop(group, group_log)
+    for what, got in runs.items():
+        assert got["outputs"] == expected["outputs"], (what, got, expected)
+        pd = got["disaggregation"]
+        assert pd["failed_requests"] == 0 and pd["prefill_servers"] == 1, (what, pd)
+        # the decode side's own tree holds the shared page: the second prompt pulls the rest only
+        assert pd["pulled_tokens"] + pd["reused_tokens"] == got["prompt_tokens"] == 30, (what, got)
+        assert pd["reused_tokens"] == expected["cached_tokens"] == 8, (what, pd, expected)
+    # two decode runs were served by the prefill group: 6 prompts, 2 * 22 tokens offered
+    summary = [line for line in log.splitlines() if "stopped (SIGTERM)" in line]
+    assert len(summary) == 1 and summary[0].startswith("[0] python -m kvjax generate: prefill server"), log[-3000:]
+    assert summary[0].endswith("6 prompts prefilled, 44 tokens offered"), summary
