@@ -44,7 +44,7 @@ from kvjax.mesh_check import DCP_AXIS, KV_HEAD_AXIS, MeshFacts, check_mesh
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.dcp import check_dcp_plan_buildable
-from kvjax.plan.draft import DRAFT_HOST_POOL_NAME
+from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, check_draft_host_tier_buildable
 from kvjax.plan.forwarded import Forwarded
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
@@ -300,6 +300,7 @@ def build_kv_cache(
     for pool in plan.pools:
         require_builder(pool.kind, plan.model)
     check_host_tier_buildable(plan)
+    check_draft_host_tier_buildable(plan)
     check_dcp_plan_buildable(config, plan.pools)
     check_draft_buildable(plan, config)
     if mesh is not None:

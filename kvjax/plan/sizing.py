@@ -133,19 +133,22 @@ def stage_layers(spec: ModelSpec, config: CacheConfig, rank: int) -> StageLayers
 
 
 def _common_split(
-    split: Callable[[ModelSpec, CacheConfig, StageLayers, int, int | None], TokenSplit],
+    split: Callable[..., TokenSplit],
     spec: ModelSpec,
     config: CacheConfig,
     stages: list[StageLayers],
     max_total: int,
     budget: int | None,
+    draft_layers: float = 0.0,
 ) -> TokenSplit:
     """The kind's token split (``PlannerKind.split_tokens``), the same on every pipeline stage, so
     one allocator's slots mean the same on all of them: each stage's own split, then the smallest
     of each part (never more than any stage's own). A stage of sliding layers only is planned as
     part of a hybrid model when another stage has full layers (no request window then). With one
-    stage, that stage's split."""
-    parts = [split(spec, config, layers, max_total, budget) for layers in stages]
+    stage, that stage's split. ``draft_layers``: the draft model's pool in target layers (passed
+    to the split only when not 0; every stage's split counts it, the smallest wins)."""
+    extra = {"draft_layers": draft_layers} if draft_layers else {}
+    parts = [split(spec, config, layers, max_total, budget, **extra) for layers in stages]
     if len(parts) == 1:
         return parts[0]
     hybrid = [p for p, layers in zip(parts, stages, strict=True) if layers.full]
@@ -278,7 +281,10 @@ def decide_sizes(
     request_window: int | None = None
     split = next((k.split_tokens for k in kinds_named(kind.cache_kinds) if k.split_tokens is not None), None)
     if split is not None:  # a kind splits the tokens between its pools (the sliding window)
-        parts = _common_split(split, spec, config, [s.layers for s in sized], max_total, budget)
+        # the draft's pool (as many tokens as the allocator's slots) re-split with the budget's tokens
+        per_layer = target.attention_bytes_per_token_per_layer
+        draft_layers = draft_bytes_per_token / per_layer if budget is not None and per_layer else 0.0
+        parts = _common_split(split, spec, config, [s.layers for s in sized], max_total, budget, draft_layers)
         full_tokens, swa_tokens = parts.full_tokens_per_layer, parts.swa_tokens_per_layer
         max_total, request_window = parts.max_total_tokens, parts.request_window
     pages = max_total // ps

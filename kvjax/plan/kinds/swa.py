@@ -8,6 +8,12 @@ layers), built together as one pool under ``"swa"`` (pure SWA, every layer slidi
 ``host_pool`` retraction default; names its own trees (the SWA chunk caches, and for pure SWA the
 ``pure_swa_radix`` tree; else the unified tree's ``"swa"`` component). A pure cache holds about
 one window of KV per request; the ``cpu_tensor`` retraction backup does not cover the pair.
+
+Speculative decoding (``speculative_rollback``): freeing a rejected draft token's slot frees its
+SWA slot with it (the allocator's ``free`` unpairs the full→SWA mapping), so the kind serves it.
+A STANDALONE draft's pool ``"kv_draft"`` is planned as for a full-attention target
+(``kvjax.plan.draft``), indexed by the allocator's slots, and counted in the split
+(``split_tokens``' ``draft_layers``).
 """
 
 from __future__ import annotations
@@ -42,12 +48,24 @@ def model_flags(spec: ModelSpec) -> dict[str, Any]:
 
 
 def split_tokens(
-    spec: ModelSpec, config: CacheConfig, stage: StageLayers, max_total: int, budget: int | None
+    spec: ModelSpec,
+    config: CacheConfig,
+    stage: StageLayers,
+    max_total: int,
+    budget: int | None,
+    draft_layers: float = 0.0,
 ) -> TokenSplit:
     """SGLang's ``set_num_tokens_hybrid_swa``: the budget counted every KV layer at ``max_total``
     tokens; it is re-split so that each SWA layer holds ``swa_full_tokens_ratio`` times the tokens
     of a full layer (never more bytes than before). ``ConfigError`` when a pool is left without a
-    page."""
+    page.
+
+    ``draft_layers``: a speculative draft's pool (``"kv_draft"``, indexed by the full pool's slots,
+    so as many tokens as a full layer), in units of one target layer's bytes per token; the budget
+    counted it at ``max_total`` tokens too, and it is re-split with the full layers (SGLang sizes
+    the draft's pool to the target's full token count after this split, ``draft_runner_cache_size``,
+    from memory left over; kvjax keeps the draft inside the budget). A pure sliding-window cache
+    is unchanged: its draft shares the SWA slots."""
     from kvjax.errors import ConfigError
     from kvjax.plan.kinds.choices import TokenSplit
 
@@ -55,8 +73,8 @@ def split_tokens(
     if not stage.full:
         full, swa = 0, max_total // ps * ps
     else:
-        total = max_total * stage.kv_layers
-        full_raw = int(total / (ratio * len(stage.swa) + len(stage.full)))
+        total = max_total * (stage.kv_layers + draft_layers)
+        full_raw = int(total / (ratio * len(stage.swa) + len(stage.full) + draft_layers))
         full, swa = full_raw // ps * ps, int(full_raw * ratio) // ps * ps
     if (stage.full and full <= 0) or (stage.swa and swa <= 0):
         raise ConfigError(
@@ -143,7 +161,8 @@ KIND = PlannerKind(
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=2,
-    plans_draft_pools=False,
+    plans_draft_pools=False,  # EAGLE-style drafts; a STANDALONE draft is planned (kvjax.plan.draft)
+    speculative_rollback=True,
     attention_pools=attention_pools,
     host_pools=host_pools,
     split_tokens=split_tokens,

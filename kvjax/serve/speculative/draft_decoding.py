@@ -31,9 +31,17 @@ sidecar of the target's (``kvjax.transfers.draft_pools``): every backup and load
 Over a mesh (tensor parallelism), the draft's weights are split as the target's are and both steps
 are jitted with the mesh's shardings (``steps``); the draft's pool is laid out as the target's.
 
+Sliding-window targets (hybrid SWA pools, a separate SWA allocator; or every layer sliding): the
+draft's pool is indexed by the allocator's slots (``kvjax.plan.draft``), so the draft's own sliding
+layers attend over it masked on global positions. The verify forward gets the extensions' step
+inputs (the SWA page table and slots, translated through the full→SWA mapping) as a prefill chunk
+would; the rollback's ``free`` returns each rejected slot's SWA slot with it and unpairs it; window
+freeing runs before each round (``before_decode``) from the committed length, which a round only
+ever moves forward, so no slot a query of the round can see (``L - W`` onwards) is freed.
+
 Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
 mode, as SGLang disables it for several speculative modes), a retraction backup (it would
-restore the target's KV only), sliding-window and recurrent-state caches, a draft whose vocabulary
+restore the target's KV only), recurrent-state caches, a draft whose vocabulary
 differs from the target's, and a cache planned for EAGLE / EAGLE3 / NEXTN (drafts that read the
 target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding`` serves EAGLE / NEXTN with
 the checkpoint's MTP layer).
@@ -51,9 +59,11 @@ import numpy as np
 from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
+from kvjax.serve.extension import StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import shard_params
+from kvjax.serve.pool_fit import full_pool_tokens
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.acceptance import accepted_lengths, limit_accepted
@@ -223,7 +233,7 @@ class DraftDecoding:
         if other:
             raise NotImplementedError(
                 f"speculative decoding of a cache with {other} state is not served yet (rolling it back "
-                "is not implemented); serve a full-attention model"
+                "is not implemented); serve a full-attention or sliding-window model"
             )
         if any(isinstance(ext, RetractionBackupExtension) for ext in scheduler.extensions):
             raise ConfigError(
@@ -250,6 +260,11 @@ class DraftDecoding:
         ``speculative_num_draft_tokens``) and the pool (naming ``max_total_tokens``)."""
         width = scheduler.rows.req_to_token.shape[1]
         ps = scheduler.page_size
+        pool = full_pool_tokens(scheduler.alloc)
+        # a pure sliding-window cache holds about one window per request, whatever its length
+        windowed = any(
+            k.windowed_request_kv is not None and k.windowed_request_kv(scheduler.cache.plan) for k in scheduler.kinds
+        )
         for req in reqs:
             last = req.seqlen() + req.max_new_tokens - 2 + self.num_steps
             if last >= width:
@@ -260,10 +275,10 @@ class DraftDecoding:
                     f"columns; build the cache with speculative_num_draft_tokens >= {self.num_steps + 1}",
                 )
             peak = -(-(last + 1) // ps) * ps
-            if peak > scheduler.alloc.size:
+            if peak > pool and not windowed:
                 raise ConfigError(
                     "max_total_tokens",
-                    scheduler.alloc.size,
+                    pool,
                     f"request {req.rid!r}: its last round holds {peak} tokens of KV (prompt, output and "
                     f"{self.num_steps} draft tokens), more than the pool; raise max_total_tokens or shorten it",
                 )
@@ -299,7 +314,19 @@ class DraftDecoding:
         first = np.zeros(s.max_batch_size, np.int32)
         first[:n] = [r.output_ids[-1] for r in running]
         draft_metas = draft_metadata(s.metadata, kv_len, rows, slots, width)
-        _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, s.max_batch_size)
+        parts = []
+        if s.extensions:  # the kinds' step inputs of the verify forward (the SWA page table and slots)
+            batch = StepBatch(
+                rows=rows,
+                starts=kv_len,
+                seq_lens=kv_len + width,
+                slots=np.asarray(flat),
+                reqs=running,
+                max_seqs=s.max_batch_size,
+                is_decode=False,
+            )
+            parts = [ext.step_metadata(batch) for ext in s.extensions]
+        _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, s.max_batch_size, parts)
         packed = time.perf_counter()
         pools = s.cache.apply_pending()  # recorded loads land before the round reads them
         out = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)

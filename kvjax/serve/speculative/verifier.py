@@ -12,20 +12,26 @@ round's slots, as a chunked prefill would) and returns its greedy token after ea
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import AttentionMetadata, MetadataBuilder
+from kvjax.attention import AttentionMetadata, MetadataBuilder, MetadataPart
 from kvjax.pools import CachePools
 
 __all__ = ["round_tokens", "verify", "verify_metadata"]
 
 
 def verify_metadata(
-    builder: MetadataBuilder, kv_len: np.ndarray, rows: np.ndarray, slots: np.ndarray, max_seqs: int
+    builder: MetadataBuilder,
+    kv_len: np.ndarray,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    max_seqs: int,
+    parts: Sequence[MetadataPart | None] = (),
 ) -> tuple[int, AttentionMetadata]:
     """``(token bucket, metadata)`` of the verify forward (numpy).
 
@@ -35,10 +41,14 @@ def verify_metadata(
         rows: int ``[n]``: request-table rows.
         slots: int ``[n, k + 1]``: the slots of positions ``L .. L + k``.
         max_seqs: the step's padded row count ``S``.
+        parts: the serving extensions' parts for this batch (a sliding-window cache's
+            ``SWAMetadata``), as a prefill chunk of ``k + 1`` tokens per row gets them.
     """
     n, width = slots.shape
     dummy = [np.zeros(width, np.int32)] * n
-    flat, meta = builder.build(tokens=dummy, starts=kv_len, slots=slots.reshape(-1), rows=rows, seq_lens=kv_len + width)
+    flat, meta = builder.build(
+        tokens=dummy, starts=kv_len, slots=slots.reshape(-1), rows=rows, seq_lens=kv_len + width, parts=parts
+    )
     every = np.zeros(max_seqs * width, np.int32)
     every[: n * width] = np.arange(n * width, dtype=np.int32)  # rows are uniform: row s starts at s * width
     # numpy like every packed field (the jitted call copies it to the device)
