@@ -53,8 +53,9 @@ def test_units_are_the_lcm_of_both_sides_blocks_and_tile_each_block():
     # receiving process q holds devices 2q, 2q + 1: head block q, so unit q
     assert [plan.offered(0, q) for q in range(4)] == [[(0, 0)], [(0, 1)], [(0, 2)], [(0, 3)]]
     back = PieceUnits((ROWS, SCALES), LAYOUTS["tp 4 over 2 processes"], LAYOUTS["one device"])
-    # the scales (no head axis) come from the first device's process; each process its own heads
-    assert back.offered(0, 0) == [(0, 0), (1, 0)] and back.offered(1, 0) == [(0, 1)]
+    # four units of one row, two on each sending process; the scales (no head axis) come from the
+    # first device's process
+    assert back.offered(0, 0) == [(0, 0), (0, 1), (1, 0)] and back.offered(1, 0) == [(0, 2), (0, 3)]
 
 
 def test_a_head_count_that_no_device_count_divides_is_cut_by_common_divisors():
