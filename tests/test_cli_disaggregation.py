@@ -33,6 +33,11 @@ CASES = [
     ),
     ([*GEN, "--disaggregation-bootstrap-port", "9000"], ["--disaggregation-bootstrap-port 9000", "prefill"]),
     ([*GEN, "--disaggregation-timeout", "5"], ["--disaggregation-timeout 5", "decode"]),
+    ([*GEN, "--host", "0.0.0.0"], ["--host 0.0.0.0", "--disaggregation-mode prefill or decode"]),
+    (
+        ["generate", "--model", "tiny", "--disaggregation-mode", "prefill", "--host", "203.0.113.7"],
+        ["--host 203.0.113.7", "cannot listen there", "an address of this host"],  # TEST-NET-3: not here
+    ),
     (
         [*GEN, "--disaggregation-mode", "decode", "--disaggregation-prefill-addr", "localhost"],
         ["localhost", "HOST:PORT"],

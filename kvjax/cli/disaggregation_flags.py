@@ -28,8 +28,10 @@ from kvjax.cli.messages import UsageError
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
+    "DEFAULT_HOST",
     "DEFAULT_TIMEOUT_S",
     "add_disaggregation_arguments",
+    "bind_host",
     "bootstrap_port",
     "check_disaggregation",
     "disaggregated",
@@ -40,6 +42,8 @@ __all__ = [
 
 #: SGLang's default ``--disaggregation-bootstrap-port``.
 DEFAULT_BOOTSTRAP_PORT = 8998
+#: The interface a disaggregated server binds to unless ``--host`` says otherwise (loopback only).
+DEFAULT_HOST = "127.0.0.1"
 #: The default ``--disaggregation-timeout``, seconds.
 DEFAULT_TIMEOUT_S = 30.0
 MODES = ("null", "prefill", "decode")
@@ -86,6 +90,13 @@ def add_disaggregation_arguments(parser: argparse.ArgumentParser) -> None:
         "server's radix cache is disabled, as in SGLang)",
     )
     group.add_argument(
+        "--host",
+        default=None,
+        metavar="HOST",
+        help=f"prefill or decode: the address of this host its bootstrap endpoint and KV transfer servers bind "
+        f"to and advertise, one the other side reaches (default {DEFAULT_HOST}, loopback only; SGLang's --host)",
+    )
+    group.add_argument(
         "--disaggregation-timeout",
         type=positive_float,
         default=None,
@@ -109,6 +120,11 @@ def parse_address(text: str) -> tuple[str, int]:
             "(a port in [1, 65535]), e.g. 127.0.0.1:8998"
         )
     return host, int(port)
+
+
+def bind_host(args: argparse.Namespace) -> str:
+    """The interface the server binds to (``--host`` or loopback)."""
+    return DEFAULT_HOST if args.host is None else str(args.host)
 
 
 def bootstrap_port(args: argparse.Namespace) -> int:
@@ -145,6 +161,11 @@ def check_disaggregation(args: argparse.Namespace, *, command: str, speculative:
             "--disaggregation-decode-enable-radix-cache is a decode server's; add --disaggregation-mode decode "
             "or drop it"
         )
+    if args.host is not None and mode == "null":
+        raise UsageError(
+            f"--host {args.host} is the interface a prefill or decode server binds to; add --disaggregation-mode "
+            "prefill or decode, or drop it"
+        )
     if args.disaggregation_timeout is not None and mode != "decode":
         raise UsageError(
             f"--disaggregation-timeout {args.disaggregation_timeout:g} bounds a decode server's waits; add "
@@ -159,6 +180,8 @@ def check_disaggregation(args: argparse.Namespace, *, command: str, speculative:
         )
     for address in addresses:
         parse_address(address)
+    if args.host is not None:
+        _check_host(args.host)
     refused = [
         *(["--num-processes/--process-id/--coordinator/--distributed"] if processes and command != "generate" else []),
         *([f"--dp {args.dp}"] if args.dp > 1 else []),
@@ -178,6 +201,19 @@ def check_disaggregation(args: argparse.Namespace, *, command: str, speculative:
             "--disaggregation-mode prefill takes no prompts (decode servers send them); drop --prompt/--prompt-ids"
         )
     _check_secret()
+
+
+def _check_host(host: str) -> None:
+    """``--host`` names an interface of this host (a socket binds there; checked without jax)."""
+    import socket
+
+    try:
+        socket.create_server((host, 0)).close()
+    except OSError as e:
+        raise UsageError(
+            f"--host {host}: cannot listen there ({e.strerror or e}); give an address of this host that the "
+            f"other side reaches (default {DEFAULT_HOST}, loopback)"
+        ) from None
 
 
 def _check_secret() -> None:

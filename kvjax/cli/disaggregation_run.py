@@ -20,14 +20,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from kvjax.cli.disaggregation_flags import bootstrap_port, failed_requests, timeout_s
+from kvjax.cli.disaggregation_flags import bind_host, bootstrap_port, failed_requests, timeout_s
 from kvjax.cli.messages import UsageError
 from kvjax.cli.serving_args import kv_events_options
 
 __all__ = ["demo_disaggregated", "generate_decode", "generate_prefill", "serve_prefill"]
 
 
-def serve_prefill(command: str, build: Any, port: int) -> int:
+def serve_prefill(command: str, build: Any, port: int, host: str) -> int:
     """Start the prefill server ``build(port)`` returns, print its address line, serve until
     SIGINT or SIGTERM; 0. A group's process 0 prints (and decides when to stop); the others
     follow it."""
@@ -35,8 +35,8 @@ def serve_prefill(command: str, build: Any, port: int) -> int:
         server = build(port)
     except OSError as e:
         raise UsageError(
-            f"--disaggregation-bootstrap-port {port}: cannot listen there ({e.strerror or e}); give another port, "
-            "or 0 for a free one"
+            f"--host {host} --disaggregation-bootstrap-port {port}: cannot listen there ({e.strerror or e}); give "
+            "another port (0 for a free one), or an interface of this host"
         ) from None
     first = server.process == 0
     if first:
@@ -84,10 +84,16 @@ def generate_prefill(args: argparse.Namespace, group: Any = None) -> int:
 
     def build(port: int) -> Any:
         return prefill_server(
-            model, config, port=port, max_batch_size=args.max_batch_size, overlap=overlap, group=group
+            model,
+            config,
+            port=port,
+            host=bind_host(args),
+            max_batch_size=args.max_batch_size,
+            overlap=overlap,
+            group=group,
         )
 
-    return serve_prefill("generate", build, bootstrap_port(args))
+    return serve_prefill("generate", build, bootstrap_port(args), bind_host(args))
 
 
 def generate_decode(args: argparse.Namespace, model: Any, prompts: list[list[int]], common: dict[str, Any]) -> Any:
@@ -103,6 +109,7 @@ def generate_decode(args: argparse.Namespace, model: Any, prompts: list[list[int
             prompts,
             prefill=args.disaggregation_prefill_addr,
             timeout_s=timeout_s(args),
+            host=bind_host(args),
             decode_radix_cache=args.disaggregation_decode_enable_radix_cache,
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
@@ -139,7 +146,9 @@ def demo_disaggregated(args: argparse.Namespace, workload: Any, model: Any, cach
         served = model
     overlap = not args.disable_overlap_schedule
     if args.disaggregation_mode == "prefill":
-        return serve_prefill("demo", lambda port: _demo_prefill(model, cache, port, overlap), bootstrap_port(args))
+        host = bind_host(args)
+        build = lambda port: _demo_prefill(model, cache, port, host, overlap)  # noqa: E731
+        return serve_prefill("demo", build, bootstrap_port(args), host)
     report, counters = _demo_decode(args, workload, model, served, cache, overlap)
     if args.json:
         print(json.dumps({**report.to_dict(), "disaggregation": counters}))
@@ -150,14 +159,14 @@ def demo_disaggregated(args: argparse.Namespace, workload: Any, model: Any, cach
     return failed_requests("demo", counters) or code
 
 
-def _demo_prefill(model: Any, cache: dict[str, Any], port: int, overlap: bool) -> Any:
+def _demo_prefill(model: Any, cache: dict[str, Any], port: int, host: str, overlap: bool) -> Any:
     from kvjax.demo import MAX_BATCH, demo_cache
     from kvjax.disaggregation.prefill import PrefillServer
     from kvjax.serve.scheduler import Scheduler
 
     kv = demo_cache(spec=model.spec, **cache, disaggregation_mode="prefill")
     scheduler = Scheduler(model.config, kv, model.params, max_batch_size=MAX_BATCH, overlap=overlap)
-    return PrefillServer(scheduler, fingerprint=model.fingerprint, port=port)
+    return PrefillServer(scheduler, fingerprint=model.fingerprint, host=host, port=port)
 
 
 def _demo_decode(
@@ -190,6 +199,7 @@ def _demo_decode(
             fingerprint=model.fingerprint,
             prefill=args.disaggregation_prefill_addr,
             timeout_s=timeout_s(args),
+            host=bind_host(args),
         )
     start = time.perf_counter()
     try:

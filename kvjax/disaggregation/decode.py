@@ -134,6 +134,7 @@ class DecodeServer:
         channel: the group's channel when this server is a group of processes (each calls with
             its own scheduler over the group's mesh, and makes the same ``submit`` calls; see the
             module docstring); None: one process.
+        host: the interface this server's transfer servers bind to (loopback by default).
     """
 
     def __init__(
@@ -147,6 +148,7 @@ class DecodeServer:
         name: str = "decode",
         kv_heads: dict[str, int] | None = None,
         channel: Channel | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         if not prefill:
             raise ValueError("a decode server needs at least one prefill server's bootstrap address")
@@ -164,7 +166,7 @@ class DecodeServer:
         self.process = int(self.channel.process_id)
         self.devices = pool_devices(self.cache)
         self.layout = SideLayout.of(self.devices)
-        self.transfer = KVTransferServer()
+        self.transfer = KVTransferServer(host)
         self._queued: list[DecodeEvent] = []  # process 0: events for the next exchange
         self.peers = self._link(list(prefill))
         self.rooms: dict[Any, Room] = {}  # by the request's id

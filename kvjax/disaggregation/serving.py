@@ -135,12 +135,14 @@ def decode_generate(
     kv_events: Any = None,
     secret: Any = None,
     group: ProcessGroup | None = None,
+    host: str = "127.0.0.1",
 ) -> tuple[GenerateResult, DecodeServer]:
     """``generate``'s run with every prompt computed on one of the ``prefill`` servers (bootstrap
     addresses; round robin) and decoded here (see the module docstring); with ``group``, by a
     decode server of several processes (every process of the group calls it with the same
-    arguments; ``tp_size`` devices taken evenly from each). A request that failed
-    (its prefill server lost, silent past ``timeout_s``, or its KV not moved) ends with
+    arguments; ``tp_size`` devices taken evenly from each); ``host``: the interface its transfer
+    servers bind to. A request that failed (its prefill server lost (after the next prefill
+    server, if any, was tried), silent past ``timeout_s``, or its KV not moved) ends with
     ``abort_reason`` set and the tokens it had; the server's ``failed`` lists them. Raises what
     connecting raises (``LinkError``, ``PDRefused``) before anything is served."""
     prompts = _checked_prompts(model, prompts, max_new_tokens)
@@ -180,6 +182,7 @@ def decode_generate(
         secret=secret,
         timeout_s=timeout_s,
         channel=None if group is None else group.channel,
+        host=host,
     )
     try:
         events = kv_events if group is None else _events_here(kv_events, group)  # a group: process 0's
