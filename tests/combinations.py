@@ -385,7 +385,7 @@ GAP_SPEC_OVERLAP = f"{GAP}: overlap scheduling with speculative decoding (SGLang
 GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
 GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
 GAP_SWA_STORAGE = f"{GAP}: the storage tier under the hybrid sliding-window tree"
-GAP_SWA_DRAFT = f"{GAP}: a draft model's pools for a sliding-window target"
+GAP_SWA_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the sliding-window host pools"
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
 GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
 GAP_RECURRENT_HOST = f"{GAP}: host copies of recurrent-state checkpoints"
@@ -513,6 +513,12 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     # Sliding window (Gemma 3: sliding layers interleaved with full attention).
     ("swa", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "standalone", "standalone"): (
+        "tests/serve/test_speculative_swa.py::test_the_target_as_its_own_draft_accepts_everything_and_warm_gives_the_cold_tokens"
+    ),
+    ("swa", "tp", "standalone"): (
+        "tests/mesh/test_tp_speculative_swa.py::test_tp2_a_partly_agreeing_draft_evicts_retracts_and_rolls_back"
+    ),
     ("swa", "pp", "pp"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
     (
         "swa",
@@ -595,12 +601,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "eagle", "overlap"): refused(GAP_EAGLE),
     ("full", "eagle", "processes"): refused(GAP_EAGLE),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
-    ("swa", "standalone", "standalone"): refused(GAP_SWA_DRAFT),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
-    ("swa", "tp", "standalone"): refused(GAP_SWA_DRAFT),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
     ("swa", "tp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
@@ -624,10 +628,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "pp", "storage"): refused(GAP_PP_STORAGE),
     ("swa", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("swa", "pp", "processes"): refused(GAP_PROCESSES),
-    ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT),
-    ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT),
-    ("swa", "standalone", "retraction"): refused(GAP_SWA_DRAFT),
-    ("swa", "standalone", "overlap"): refused(GAP_SWA_DRAFT),
+    ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT_HOST),
+    ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
+    ("swa", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
+    ("swa", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("swa", "standalone", "processes"): refused(GAP_PROCESSES),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
     ("swa", "eagle", "storage"): refused(GAP_EAGLE),
