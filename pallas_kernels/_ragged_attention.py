@@ -142,16 +142,19 @@ def block_schedule(
     block_q: int,
     block_kv_pages: int,
     rows_per_token: int,
+    key_stride: int = 1,
 ) -> BlockSchedule:
     """The schedule of ``num_blocks`` q blocks of ``block_q`` tokens (see ``BlockSchedule``).
 
     ``kv_pages_shape``: the pool layer's shape, ``[num_pages + 1, page_size, ...]``;
     ``block_kv_pages``: pages per KV block; ``rows_per_token``: query rows per token in a q block
-    (the query heads a kernel stacks per token).
+    (the query heads a kernel stacks per token). ``key_stride``: the pool holds every
+    ``key_stride``-th key of each sequence (one rank of a token stripe), so ``kv_lens`` (whole
+    sequences) are clamped to ``key_stride`` times the table's capacity.
     """
     num_pool_pages, page_size = kv_pages_shape[0], kv_pages_shape[1]
     max_seqs, pages_per_seq = page_indices.shape
-    max_kv = pages_per_seq * page_size
+    max_kv = pages_per_seq * page_size * key_stride
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, max_kv)
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     padded_pages = round_up(pages_per_seq, block_kv_pages)

@@ -36,6 +36,20 @@ Semantics (kernel and reference agree):
   outputs 0.
 * ``kv_lens`` is clamped to ``[0, pages_per_seq * page_size]``.
 
+One rank of a token stripe (decode context parallelism, ``kvjax.alloc.dcp``): with ``key_stride``
+``n`` (static) and ``key_offset`` ``r`` (an int32 scalar, traced inside ``shard_map``), the pool
+holds every ``n``-th key of each sequence, from position ``r``: its local key ``l`` (page
+``l // page_size``, row ``l % page_size`` of the sequence's table) is the sequence's key at
+position ``l * n + r``. ``kv_lens``, the queries' positions and both masks stay in the sequences'
+own (global) positions; ``kv_lens`` is clamped to ``n`` times the table's capacity. With ``n = 1``
+and ``r = 0`` (the default) this is the plain pool.
+
+``return_lse``: also return the log-sum-exp of each query's visible logits, f32
+``[T, num_q_heads]`` (``-inf`` where no key is visible); the output is then normalised over
+those keys alone, the two together being what merging partial attentions over disjoint key sets
+needs (``kvjax.attention.dcp_merge``). Not with ``sinks`` (a sink belongs to no key set: the merge
+adds it once).
+
 Kernel design (``_rpa_kernel``; the pieces shared with the MLA kernel are in ``_ragged_attention``):
 
 * The wrapper regroups queries per KV head: ``[T, Hq, D] -> [Hkv, T * G, Dp]`` (``G`` query heads
@@ -224,8 +238,12 @@ def ragged_paged_attention_reference(
     v_scale: float | jax.Array | None = None,
     sinks: jax.Array | None = None,
     token_batch: int = 8,
-) -> jax.Array:
-    """Pure-jnp ragged paged attention (module docstring); returns ``[T, num_q_heads, head_dim]``.
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Pure-jnp ragged paged attention (module docstring); returns ``[T, num_q_heads, head_dim]``
+    (and, with ``return_lse``, the f32 log-sum-exp ``[T, num_q_heads]``).
 
     The pool's K and V are dequantised first (``k * k_scale``, ``v * v_scale`` in f32), so this is
     dense attention on the dequantised K/V: the spec the kernel is held to.
@@ -237,23 +255,30 @@ def ragged_paged_attention_reference(
     cache.) V is read at q's head_dim: ``v_head_dim == head_dim`` is assumed, as in the kernel.
     """
     num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    _check_stripe(key_stride, return_lse, sinks)
     total, num_q_heads, head_dim = q.shape
     num_pool_pages, page_size, _, dim_padded = kv_pages.shape
     max_kv = pages_per_seq * page_size
     scale = _default_sm_scale(head_dim, sm_scale)
     k_dequant, v_dequant = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
     if total == 0:
-        return jnp.zeros_like(q)
+        return (jnp.zeros_like(q), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else jnp.zeros_like(q)
 
     tokens = ra.token_rows(
-        kv_lens, page_indices, cu_q_lens, num_seqs, total=total, num_pool_pages=num_pool_pages, page_size=page_size
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        total=total,
+        num_pool_pages=num_pool_pages,
+        page_size=page_size * key_stride,  # positions and the clamp are the sequences' own
     )
     page_ok, safe_pages = tokens.page_ok, tokens.safe_pages
     q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
-    key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+    key_pos = jnp.arange(max_kv, dtype=jnp.int32) * key_stride + jnp.asarray(key_offset, jnp.int32)
     sink = None if sinks is None else _check_sinks(sinks, num_q_heads).reshape(num_kv_heads, group, 1)
 
-    def attend(xs: tuple[jax.Array, ...]) -> jax.Array:
+    def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         qt, seq, pos, is_live = xs  # [H, G, D], scalars
         pages = kv_pages[safe_pages[seq]].reshape(max_kv, 2 * num_kv_heads, dim_padded)
         k = pages[:, 0::2, :head_dim].astype(jnp.float32) * k_dequant  # [L, Hkv, D]
@@ -274,10 +299,24 @@ def ragged_paged_attention_reference(
         if sink is not None:
             denom = denom + jnp.exp(sink - peak)
         out = jnp.einsum("hgl,lhd->hgd", weights, jnp.where(visible[:, None, None], v, 0.0))
-        return out / jnp.where(denom > 0, denom, 1.0)
+        lse = jnp.where(denom > 0, peak + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+        return out / jnp.where(denom > 0, denom, 1.0), lse[..., 0]
 
-    out = jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
-    return out.reshape(total, num_q_heads, head_dim).astype(q.dtype)
+    xs = (q32, tokens.seq, tokens.pos, tokens.live)
+    out, lse = jax.lax.map(attend, xs, batch_size=min(token_batch, total))
+    out = out.reshape(total, num_q_heads, head_dim).astype(q.dtype)
+    return (out, lse.reshape(total, num_q_heads)) if return_lse else out
+
+
+def _check_stripe(key_stride: int, return_lse: bool, sinks: Any) -> None:
+    """``key_stride`` a positive int; ``return_lse`` without ``sinks`` (module docstring)."""
+    if isinstance(key_stride, bool) or not isinstance(key_stride, int) or key_stride < 1:
+        raise ValueError(f"key_stride={key_stride!r}: give the number of ranks the keys are striped over (>= 1)")
+    if return_lse and sinks is not None:
+        raise ValueError(
+            "return_lse with sinks: a sink belongs to no rank's keys; merge the partials first and add the sink once "
+            "(kvjax.attention.dcp_merge)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,6 +385,7 @@ def _rpa_kernel(
     cu_q_lens_ref: Any,  # i32[S + 1]
     seq_lo_ref: Any,  # i32[num_q_blocks]: first sequence overlapping each q block
     seq_hi_ref: Any,  # i32[num_q_blocks]: one past the last
+    key_offset_ref: Any,  # i32[1]: the position of local key 0 (a stripe's rank; 0 for a plain pool)
     # inputs
     row_token_ref: Any,  # VMEM i32[R, 1]: token of row r within the block (r // G)
     q_ref: Any,  # VMEM [Hkv, R, Dp], R = block_q * G
@@ -353,6 +393,7 @@ def _rpa_kernel(
     sink_ref: Any,  # VMEM f32[Hkv, R, 1]: the attention sink logit of each row's query head
     # outputs
     o_ref: Any,  # VMEM [Hkv, R, Dp]
+    lse_ref: Any,  # VMEM f32[Hkv, R, 1] (with return_lse; else None)
     # scratch
     kv_buf: Any,  # VMEM [2, block_kv, 2 * Hkv, Dp]: double buffer of KV blocks
     sems: Any,  # DMA semaphores [2], one per buffer half
@@ -370,19 +411,37 @@ def _rpa_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     has_sinks: bool,
+    key_stride: int = 1,
 ) -> None:
-    """One grid step: all query rows of token block ``b`` against the KV of every overlapping sequence."""
+    """One grid step: all query rows of token block ``b`` against the KV of every overlapping sequence.
+
+    ``key_stride`` above 1: the pool is one rank of a token stripe (module docstring): local key
+    ``l`` is at position ``l * key_stride + key_offset``; the key ranges (``kv_start``,
+    ``kv_end``, the KV blocks) are in local keys, the masks compare positions."""
     step = ra.start_grid_step(block_q, block_kv_pages * page_size, row_token_ref, m_ref, l_ref, acc_ref)
+    key_offset = key_offset_ref[0] if key_stride > 1 else None
+
+    def before_pos(position: Any) -> Any:
+        """The local keys at positions before ``position``: all of them up to it on a plain pool;
+        on a stripe, ``ceil((position - key_offset) / key_stride)``, at least 0."""
+        if key_offset is None:
+            return position
+        ahead = jnp.maximum(position - key_offset + (key_stride - 1), 0)
+        return jax.lax.div(ahead, jnp.int32(key_stride))  # lax.div: see view()
+
+    def key_position(local: Any) -> Any:
+        """The position of each local key."""
+        return local if key_offset is None else local * key_stride + key_offset
 
     def view(s: Any) -> _SeqView:
         """What this q block needs of sequence ``s`` (``s < max_seqs``)."""
         # The rows of this block that belong to sequence s: tokens [t_lo, t_hi), t_lo at first_pos.
         t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, step.start, step.end)
         last_pos = first_pos + (t_hi - 1 - t_lo)
-        # Keys visible to any of these rows: [kv_start, kv_end).
-        kv_end = jnp.clip(last_pos + 1, 0, kv_len)
+        # Keys visible to any of these rows: [kv_start, kv_end) (local keys: before_pos).
+        kv_end = jnp.clip(before_pos(last_pos + 1), 0, before_pos(kv_len))
         window_start = None if sliding_window is None else first_pos - sliding_window + 1
-        kv_start = jnp.int32(0) if window_start is None else jnp.clip(window_start, 0, kv_end)
+        kv_start = jnp.int32(0) if window_start is None else jnp.clip(before_pos(window_start), 0, kv_end)
         # lax.div, not //: floor division of signed scalars lowers through sign(), which the
         # interpreters only run with a TPU device kind. All operands are >= 0 here.
         k_lo = jax.lax.div(kv_start, step.block_kv)
@@ -423,6 +482,7 @@ def _rpa_kernel(
         col_ok, col_pos = key_mask(seq, k, (1, step.block_kv), 1)  # [1, bkv]
         v_ok, _ = key_mask(seq, k, (step.block_kv, 1), 0)  # [bkv, 1]: the same mask along sublanes
         row_pos, row_ok = step.rows_of(seq)  # [R, 1]
+        col_pos = key_position(col_pos)
         mask = row_ok & col_ok & (col_pos <= row_pos)
         if sliding_window is not None:
             mask = mask & (col_pos > row_pos - sliding_window)
@@ -456,6 +516,8 @@ def _rpa_kernel(
     for h in range(num_kv_heads):
         denom = l_ref[h]
         acc = acc_ref[h]
+        if lse_ref is not None:  # over the keys alone (no sinks with return_lse)
+            lse_ref[h] = jnp.where(denom > 0.0, m_ref[h] + jnp.log(jnp.where(denom > 0.0, denom, 1.0)), -jnp.inf)
         if has_sinks:  # one more logit per row with a zero value, folded into the final state
             sink = sink_ref[h]
             m_new = jnp.maximum(m_ref[h], sink)
@@ -503,7 +565,10 @@ def ragged_paged_attention_kernel(
     block_kv_pages: int | None = None,
     interpret: Interpret = False,
     sinks: jax.Array | None = None,
-) -> jax.Array:
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The Pallas kernel (compiled when ``interpret`` is False: TPU only). Same contract as the reference.
 
     ``block_q``: tokens per grid step (a multiple of 8); ``block_kv_pages``: pages per KV block.
@@ -516,13 +581,14 @@ def ragged_paged_attention_kernel(
     f32 softmax state and an f32 output, cast to q's dtype at the end.
     """
     num_kv_heads, group, pages_per_seq = _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    _check_stripe(key_stride, return_lse, sinks)
     total, num_q_heads, head_dim = q.shape
     _, page_size, combined, dim_padded = kv_pages.shape
     max_seqs = page_indices.shape[0]
     scale = _default_sm_scale(head_dim, sm_scale)
     k_dequant, v_dequant = _scale("k_scale", k_scale), _scale("v_scale", v_scale)
     if total == 0:
-        return jnp.zeros_like(q)
+        return (jnp.zeros_like(q), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else jnp.zeros_like(q)
     out_dtype = q.dtype
     compute = _kernel_compute_dtype(kv_pages.dtype)
     q = (q.astype(jnp.float32) * k_dequant).astype(compute)
@@ -542,20 +608,32 @@ def ragged_paged_attention_kernel(
 
     max_kv = pages_per_seq * page_size
     schedule = ra.block_schedule(
-        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages, group
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        kv_pages.shape,
+        num_blocks,
+        block_q,
+        block_kv_pages,
+        group,
+        key_stride,
     )
+    offset = jnp.asarray(key_offset, jnp.int32).reshape(1)
     # Row r of a block is query head h * G + r % G: its sink, per KV head (zeros when unused).
     sink_heads = jnp.zeros((num_q_heads,), jnp.float32) if sinks is None else _check_sinks(sinks, num_q_heads)
     sink_rows = jnp.tile(sink_heads.reshape(num_kv_heads, group), (1, block_q)).reshape(num_kv_heads, rows, 1)
 
     kernel = functools.partial(
-        _rpa_kernel,
+        _rpa_kernel_refs,
+        return_lse=return_lse,
         **schedule.tiling,
         num_kv_heads=num_kv_heads,
         sm_scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
         has_sinks=sinks is not None,
+        key_stride=key_stride,
     )
     block_kv = block_kv_pages * page_size
     itemsize = jnp.dtype(q.dtype).itemsize
@@ -593,12 +671,19 @@ def ragged_paged_attention_kernel(
     # and every DMA is in bounds by construction: page ids were clamped into [0, num_pages] above
     # (0 is never fetched) and a destination is page j < block_kv_pages of its buffer half. The
     # TPU interpreter still checks every DMA in the tests.
-    out = pl.pallas_call(
+    # Inside shard_map the outputs vary over the same mesh axes as the queries.
+    manual = jax.typeof(qp).manual_axis_type
+    out_shape: Any = jax.ShapeDtypeStruct(qp.shape, jnp.float32, manual_axis_type=manual)
+    out_specs: Any = q_block
+    if return_lse:
+        lse_shape = (num_kv_heads, total_padded * group, 1)
+        out_shape = (out_shape, jax.ShapeDtypeStruct(lse_shape, jnp.float32, manual_axis_type=manual))
+        out_specs = (q_block, pl.BlockSpec((num_kv_heads, rows, 1), lambda b, *_: (0, b, 0)))
+    result = pl.pallas_call(
         kernel,
-        # Inside shard_map the output varies over the same mesh axes as the queries.
-        out_shape=jax.ShapeDtypeStruct(qp.shape, jnp.float32, manual_axis_type=jax.typeof(qp).manual_axis_type),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(num_blocks,),
             in_specs=[
                 pl.BlockSpec((rows, 1), lambda b, *_: (0, 0)),
@@ -606,7 +691,7 @@ def ragged_paged_attention_kernel(
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec((num_kv_heads, rows, 1), lambda b, *_: (0, 0, 0)),
             ],
-            out_specs=q_block,
+            out_specs=out_specs,
             scratch_shapes=[
                 pltpu.VMEM((2, block_kv, combined, dim_padded), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
@@ -622,11 +707,24 @@ def ragged_paged_attention_kernel(
         cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*schedule.prefetch, schedule.row_token, qp, kv_pages, sink_rows)
+    )(*schedule.prefetch, offset, schedule.row_token, qp, kv_pages, sink_rows)
 
+    out = result[0] if return_lse else result
     out = out.reshape(num_kv_heads, total_padded, group, dim_padded).transpose(1, 0, 2, 3)
     out = out.reshape(total_padded, num_q_heads, dim_padded)[:total, :, :head_dim]
-    return (out * v_dequant).astype(out_dtype)
+    out = (out * v_dequant).astype(out_dtype)
+    if not return_lse:
+        return out
+    lse = result[1].reshape(num_kv_heads, total_padded, group).transpose(1, 0, 2)
+    return out, lse.reshape(total_padded, num_q_heads)[:total]
+
+
+def _rpa_kernel_refs(*refs: Any, return_lse: bool, **static: Any) -> None:
+    """``_rpa_kernel`` with its optional log-sum-exp output: the refs as ``pallas_call`` passes
+    them (6 scalar prefetch, 4 inputs, 1 or 2 outputs, the scratch)."""
+    inputs, rest = refs[:10], refs[10:]
+    outputs, scratch = (rest[:2], rest[2:]) if return_lse else ((rest[0], None), rest[1:])
+    _rpa_kernel(*inputs, *outputs, *scratch, **static)
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,6 +749,8 @@ def ragged_paged_attention(
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = None,
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over the paged KV pool (see the module docstring).
 
@@ -671,35 +771,134 @@ def ragged_paged_attention(
       interpret: ``None`` (default) or ``False``: compiled kernel when lowering for TPU, the jnp
         reference elsewhere. ``True``: the kernel under the HLO interpreter.
         ``pltpu.InterpretParams(...)``: the kernel under the TPU interpreter.
+      key_stride, key_offset: the pool is one rank of a token stripe (module docstring): local
+        key ``l`` is the sequences' key at position ``l * key_stride + key_offset`` (``key_offset``
+        an int32 scalar, traced or not). Default: a plain pool.
 
     Returns:
       ``[total_q_tokens, num_q_heads, head_dim]`` in q's dtype (the compute dtype); padding tokens are 0.
     """
-    _engine.check_interpret(interpret)
+    return _attention(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+        interpret=interpret,
+        key_stride=key_stride,
+        key_offset=key_offset,
+    )
 
-    def reference(*a: jax.Array) -> jax.Array:
+
+def ragged_paged_attention_with_lse(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = None,
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """``ragged_paged_attention`` (same arguments, no sinks) that also returns each query's
+    log-sum-exp: ``(out, lse)``, ``out`` normalised over the keys the query sees in this pool
+    (0 where none), ``lse`` f32 ``[total_q_tokens, num_q_heads]`` (``-inf`` where none). With
+    ``key_stride``/``key_offset`` over one rank of a token stripe, the partials of every rank
+    merge exactly (``kvjax.attention.dcp_merge``). Same dispatch: compiled kernel on TPU, the
+    reference elsewhere, an interpreter when asked."""
+    out, lse = _attention(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+        interpret=interpret,
+        key_stride=key_stride,
+        key_offset=key_offset,
+        return_lse=True,
+    )
+    return out, lse
+
+
+def _attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+    sinks: jax.Array | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = None,
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+    return_lse: bool = False,
+) -> Any:
+    """``ragged_paged_attention`` and ``ragged_paged_attention_with_lse`` (their docstrings)."""
+    _engine.check_interpret(interpret)
+    _check_stripe(key_stride, return_lse, sinks)
+    stripe: dict[str, Any] = dict(key_stride=key_stride, return_lse=return_lse)
+
+    def reference(*a: jax.Array) -> Any:
         return ragged_paged_attention_reference(
             *a[:6],
             k_scale=a[6],
             v_scale=a[7],
-            sinks=a[8] if len(a) > 8 else None,
+            key_offset=a[8],
+            sinks=a[9] if len(a) > 9 else None,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            **stripe,
         )
 
-    def kernel(*a: jax.Array, interpret: Interpret) -> jax.Array:
+    def kernel(*a: jax.Array, interpret: Interpret) -> Any:
         return ragged_paged_attention_kernel(
             *a[:6],
             k_scale=a[6],
             v_scale=a[7],
+            key_offset=a[8],
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             block_q=block_q,
             block_kv_pages=block_kv_pages,
             interpret=interpret,
-            sinks=a[8] if len(a) > 8 else None,
+            sinks=a[9] if len(a) > 9 else None,
+            **stripe,
         )
 
     _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
@@ -712,6 +911,7 @@ def ragged_paged_attention(
         num_seqs,
         _scale("k_scale", k_scale),
         _scale("v_scale", v_scale),
+        jnp.asarray(key_offset, jnp.int32).reshape(()),
     )
     if sinks is not None:
         args = (*args, _check_sinks(sinks, q.shape[1]))

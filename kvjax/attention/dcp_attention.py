@@ -19,13 +19,14 @@ over ``"tp"``, the metadata replicated; ``kvjax.attention.dcp_striped_layer``):
    ``pmax`` and two reduce-scatters), each rank keeping its own heads' slice.
 
 Sliding windows are served (the mask is on global positions); attention sinks join the merge once.
-The partial attention is jnp (the ragged Pallas kernel returns no log-sum-exp); on TPU it is
-compiled by XLA, not a Pallas kernel.
+The partial attention is the ragged paged attention Pallas kernel over the rank's rows
+(``key_stride``/``key_offset``: local key ``l`` at global position ``l * dcp + rank``), returning
+its log-sum-exp (``pallas_kernels.ragged_paged_attention.ragged_paged_attention_with_lse``):
+compiled on TPU, its jnp reference elsewhere.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -33,11 +34,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kvjax.attention.dcp_merge import partial_softmax
-from kvjax.attention.dcp_striped_layer import StripedKeys, check_query_heads, run_striped_layer
+from kvjax.attention.dcp_striped_layer import check_query_heads, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.attention.sharding import check_heads_divide, expand_kv_heads
 from kvjax.pools import MHAKVPool
+from pallas_kernels._engine import Interpret
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_with_lse
 
 __all__ = ["dcp_paged_attention", "striped_partial_attention"]
 
@@ -57,9 +59,12 @@ def striped_partial_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | float = 1.0,
     v_scale: jax.Array | float = 1.0,
-    token_batch: int = 8,
+    interpret: Interpret = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention of a ragged batch over one DCP rank's stripe of the keys.
+    """Attention of a ragged batch over one DCP rank's stripe of the keys: the ragged paged
+    attention kernel over the rank's rows (``ragged_paged_attention_with_lse`` with
+    ``key_stride=dcp``, ``key_offset=rank``: compiled Pallas on TPU, its jnp reference elsewhere,
+    an interpreter when ``interpret`` asks).
 
     Args:
         q: ``[T, heads, head_dim]`` (compute dtype).
@@ -79,34 +84,23 @@ def striped_partial_attention(
         keys this rank sees (0 where it sees none, padding tokens included), and float32
         ``[T, heads]``, the log-sum-exp of those logits (``-inf`` where none).
     """
-    total, num_q_heads, head_dim = q.shape
-    num_pool_pages, rows, combined, dim_padded = kv_pages.shape
-    num_kv_heads = combined // 2
-    group = num_q_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    keys = StripedKeys.of(kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, total=total, dcp=dcp, rank=rank)
-    q32 = q.astype(jnp.float32).reshape(total, num_kv_heads, group, head_dim)
-    k_dequant = jnp.asarray(k_scale, jnp.float32)
-    v_dequant = jnp.asarray(v_scale, jnp.float32)
-
-    def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        qt, seq, pos, is_live = xs
-        pages = kv_pages[keys.tokens.safe_pages[seq]].reshape(keys.local_len, combined, dim_padded)
-        k = pages[:, 0::2, :head_dim].astype(jnp.float32) * k_dequant  # [L, Hkv, D]
-        v = pages[:, 1::2, :head_dim].astype(jnp.float32) * v_dequant
-        logits = jnp.einsum("hgd,lhd->hgl", qt, k) * scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        visible = keys.visible(seq, pos, is_live)
-        if sliding_window is not None:
-            visible &= keys.key_pos > pos - sliding_window
-        probs, lse = partial_softmax(logits, visible)
-        return jnp.einsum("hgl,lhd->hgd", probs, jnp.where(visible[:, None, None], v, 0.0)), lse
-
-    if total == 0:
-        return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
-    out, lse = keys.map_tokens(attend, q32, token_batch)
-    return out.reshape(total, num_q_heads, head_dim), lse.reshape(total, num_q_heads)
+    out, lse = ragged_paged_attention_with_lse(
+        q.astype(jnp.float32),  # the kernel multiplies in the pool's compute dtype; the partial stays f32
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        key_stride=dcp,
+        key_offset=rank,
+        interpret=interpret,
+    )
+    return out, lse
 
 
 def dcp_paged_attention(

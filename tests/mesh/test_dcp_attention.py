@@ -6,7 +6,9 @@ pages of ``PAGE * dcp`` slots is served twice: on one device by ``paged_attentio
 pool of pages of ``PAGE * dcp`` tokens (the reference), and by DCP:
 
 * stacked: the reference pool's rows split by rank (``kvjax.alloc.dcp``), each rank's partial
-  attention computed on one device and merged with ``merge_stacked``;
+  attention (the ragged paged attention kernel over the rank's rows with its log-sum-exp: its
+  jnp reference, and the Pallas kernel under the HLO interpreter) computed on one device and
+  merged with ``merge_stacked``;
 * over a ``("tp", "dcp")`` mesh of the TP group's devices (DCP divides it): ``paged_attention`` on
   a pool striped over ``"dcp"`` with its KV heads over ``"tp"`` and the query heads over both
   axes, which writes each token on its owner only, gathers the query heads over ``"dcp"`` and
@@ -108,8 +110,9 @@ def _jitted(options: dict) -> Any:
     return jax.jit(lambda pool, q, k, v, meta: paged_attention(pool, 0, q, k, v, meta, **options))
 
 
+@pytest.mark.parametrize("interpret", [None, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize(("dcp", "name"), [(2, "window"), (4, "soft_cap_and_sinks")])
-def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
+def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name, interpret):
     options = OPTIONS[name]
     outs, pool = _reference(dcp, options)
     _, meta = _batches(dcp)[1]
@@ -117,7 +120,7 @@ def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
     layer = pool.kv_buffer(0)
     n, big, combined, dim = layer.shape
     by_rank = layer.reshape(n, PAGE, dcp, combined, dim)  # slot offset m * dcp + r -> [m, r]
-    partial = jax.jit(striped_partial_attention, static_argnames=("dcp", "sliding_window", "soft_cap"))
+    partial = jax.jit(striped_partial_attention, static_argnames=("dcp", "sliding_window", "soft_cap", "interpret"))
     partials = [
         partial(
             q,
@@ -130,6 +133,7 @@ def test_stacked_partials_merge_to_whole_sequence_attention(dcp, name):
             dcp=dcp,
             sliding_window=options.get("sliding_window"),
             soft_cap=options.get("soft_cap"),
+            interpret=interpret,
         )
         for r in range(dcp)
     ]

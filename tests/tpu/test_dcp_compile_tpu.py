@@ -13,7 +13,9 @@ DeepSeek-V3's MLA latent (512 + 64, padded to 640, replicated over ``"tp"``) thr
   softmax weights (all-reduces of ``tokens x 8`` float32) and the reduce-scatter of the partial
   outputs, each chip keeping its own 2 heads; nothing else moves between chips (the pool is never gathered or
   resharded, each chip writes its own rows);
-* the pool is updated in place: the aliased bytes cover its per-chip shard.
+* the pool is updated in place: the aliased bytes cover its per-chip shard;
+* the GQA layer's partial attention is the ragged paged attention Pallas kernel (a Mosaic custom
+  call), with its log-sum-exp.
 """
 
 from __future__ import annotations
@@ -148,6 +150,13 @@ def test_the_query_gather_and_the_merge_run_over_the_dcp_ranks_and_nothing_else_
     width = HEAD_DIM if layer == "mha" else LATENT  # the output per head: V, or the latent
     scattered = sum(_f32_elements(op.split(" reduce-scatter")[0]) for kind, op in ops if kind == "reduce-scatter")
     assert scattered == TOKENS * (HEADS // TP) * width, f"{layer}: {scattered} floats kept after the reduce-scatter"
+
+
+def test_the_mha_partial_attention_is_the_pallas_kernel() -> None:
+    """Each chip's partial attention over its stripe is the ragged paged attention kernel (with its
+    log-sum-exp), not XLA's: the compiled step calls a Mosaic kernel."""
+    _mesh, text, _memory = _compiled("mha")
+    assert 'custom_call_target="tpu_custom_call"' in text
 
 
 @pytest.mark.parametrize("layer", LAYERS)
