@@ -7,7 +7,8 @@ The host tier moves the sharded pools' pages shard by shard (``kvjax.tiers.head_
 delay is injected under the agreed copy engine (``kvjax.tiers.agreed_copy_engine``).
 
 Run as a program (``python -m tests.mesh.test_multihost_host_tier DIR MODE``; MODE ``group`` or
-``single``) it serves the workload as one process of the group, or alone on 8 devices.
+``single``) it serves the workload as one process of the group, or alone on 8 devices (the test
+serves the single-process run in its own process, which has 8 devices).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 import pytest
 
 from tests.mesh.multihost_group import assert_all_ok, join, parse_group_args, run_group
-from tests.mesh.subprocess_run import run_with_devices
 from tests.serve.parity_harness import random_transformers_model, save_pretrained, transformers
 from tests.serve.test_parity_transformers import COMMON, FAMILIES
 
@@ -37,7 +37,8 @@ def llama8(tmp_path_factory) -> str:
 
 
 def test_host_tier_with_a_delayed_process_gives_the_single_process_tokens(llama8):
-    single = run_with_devices(["-m", "tests.mesh.test_multihost_host_tier", llama8, "single"], timeout=300)
+    # one process with 8 devices: this one (the mesh stage's), as the report a program prints
+    single = json.loads(json.dumps(_serve(llama8, "single")))
     reports = assert_all_ok(
         run_group(["-m", "tests.mesh.test_multihost_host_tier", llama8, "group"], devices=4, timeout=300)
     )

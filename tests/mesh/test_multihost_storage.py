@@ -18,7 +18,8 @@ own device's head, under its own rank's key in its own folder, and both serve th
 process with two devices, with as many pages from storage.
 
 Run as a program (``python -m tests.mesh.test_multihost_storage DIR MODE [TP]``; MODE ``group`` or
-``single``) it serves both rounds as one process of the group, or alone.
+``single``) it serves both rounds as one process of the group, or alone (the tests serve the
+single-process runs in their own process).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from tests.mesh.multihost_group import assert_all_ok, join, parse_group_args, run_group
-from tests.mesh.subprocess_run import run_with_devices
 
 PAGE = 4
 PROMPTS = 4
@@ -40,10 +40,14 @@ PROMPT_TOKENS = 41  # 10 whole pages before the last token (a match never covers
 DELAY_S = 0.02  # process 1's reads land this late
 
 
+def _single(tmp_path: Any, tp: int) -> dict:
+    """Both rounds served by one process alone at ``tp`` (this one: the mesh stage's devices), its
+    report as the program prints it."""
+    return json.loads(json.dumps(_serve(str(tmp_path / "single"), "single", tp)))
+
+
 def test_storage_hits_and_prefetches_are_agreed_with_a_short_store_on_one_process(tmp_path):
-    single = run_with_devices(
-        ["-m", "tests.mesh.test_multihost_storage", str(tmp_path / "single"), "single"], devices=1
-    )
+    single = _single(tmp_path, tp=1)
     reports = assert_all_ok(
         run_group(["-m", "tests.mesh.test_multihost_storage", str(tmp_path), "group"], devices=1, timeout=120)
     )
@@ -60,9 +64,7 @@ def test_storage_hits_and_prefetches_are_agreed_with_a_short_store_on_one_proces
 
 
 def test_a_pool_whose_heads_span_the_processes_stores_each_processs_heads_under_its_rank(tmp_path):
-    single = run_with_devices(
-        ["-m", "tests.mesh.test_multihost_storage", str(tmp_path / "single"), "single", "2"], devices=2
-    )
+    single = _single(tmp_path, tp=2)
     reports = assert_all_ok(
         run_group(["-m", "tests.mesh.test_multihost_storage", str(tmp_path), "group", "2"], devices=1, timeout=180)
     )
