@@ -212,10 +212,10 @@ def _cli_checks(kind: str, features: set[str]) -> None:
         args, command="generate", speculative=bool(args.speculative_algorithm), processes=joins_group(args)
     )
     with contextlib.redirect_stderr(io.StringIO()):  # the note that overlap is off for speculation
-        speculative = serving_args.speculative_options(args, model_spec(args.model).vocab_size)
+        serving_args.speculative_options(args, model_spec(args.model).vocab_size)
     serving_args.dp_attention_config(args)
     if joins_group(args):
-        gen._check_across_processes(args, speculative)
+        gen._check_across_processes(args)
 
 
 def _config(kind: str, features: set[str]) -> Any:
@@ -451,6 +451,13 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "overlap", "overlap"): (
         "tests/serve/test_overlap.py::test_retraction_and_eviction_under_overlap_give_the_same_tokens"
     ),
+    ("full", "standalone", "processes"): (
+        "tests/mesh/test_multihost_speculative.py::"
+        "test_standalone_over_two_processes_accepts_every_proposal_of_the_model_as_its_own_draft"
+    ),
+    ("mla", "eagle", "processes"): (
+        "tests/mesh/test_multihost_speculative.py::test_eagle_over_two_processes_gives_transformers_tokens"
+    ),
     ("full", "processes", "processes"): (
         "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
     ),
@@ -594,7 +601,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("full", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("full", "standalone", "processes"): refused(GAP_PROCESSES),
     ("full", "eagle", "host"): refused(GAP_EAGLE),
     ("full", "eagle", "storage"): refused(GAP_EAGLE),
     ("full", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -632,7 +638,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("swa", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("swa", "standalone", "processes"): refused(GAP_PROCESSES),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
     ("swa", "eagle", "storage"): refused(GAP_EAGLE),
     ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -661,11 +666,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("mla", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("mla", "standalone", "processes"): refused(GAP_PROCESSES),
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("mla", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("mla", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("mla", "eagle", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "standalone", "standalone"): refused(GAP_SPEC_ROLLBACK),
@@ -706,7 +709,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("recurrent", "standalone", "processes"): refused(GAP_PROCESSES),
+    ("recurrent", "standalone", "processes"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "eagle", "host"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),

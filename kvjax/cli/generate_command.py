@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     speculative = serving_args.speculative_options(args, spec.vocab_size)
     dp_attention = bool(serving_args.dp_attention_config(args))
     if joins_group(args):
-        _check_across_processes(args, speculative)
+        _check_across_processes(args)
 
     # Every argument is checked: now jax (joining a multi-process run first) and the model.
     try:
@@ -347,17 +347,17 @@ def run(args: argparse.Namespace) -> int:
     return failed_requests("generate", result.disaggregation)
 
 
-def _check_across_processes(args: argparse.Namespace, speculative: dict[str, Any]) -> None:
+def _check_across_processes(args: argparse.Namespace) -> None:
     """A `UsageError` for what several processes do not serve yet (before jax starts)."""
     refused = [
         *([f"--image {args.image[0]}"] if args.image else []),
         *([f"--pp {args.pp}"] if args.pp > 1 else []),
         *([f"--dcp {args.dcp}"] if args.dcp > 1 else []),
-        *(["--speculative-algorithm"] if speculative else []),
     ]
     if refused:
         raise UsageError(
-            f"{refused[0]} across processes: several processes serve generate with --tp and --dp only for now; "
+            f"{refused[0]} across processes: several processes serve generate with --tp, --dp and speculative "
+            "decoding only for now; "
             f"drop {refused[0].split()[0]}, or serve it in one process"
         )
 

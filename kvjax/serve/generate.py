@@ -221,13 +221,14 @@ def generate(
     device or a tp mesh, no draft model). ``group``: serve as one process of a multi-process run
     (module docstring): ``tp_size`` devices taken evenly from every process (``group_tp_mesh``),
     host-tier completions agreed, KV events published by process 0 only, ``on_step`` called on
-    process 0 only; not with a draft model, pipeline stages, decode context parallelism or images
-    (``NotImplementedError``). Returns the result and the scheduler (its cache, tree and stats) for
+    process 0 only; a draft model's rounds run in step on every process like any other step; not
+    with pipeline stages, decode context parallelism or images (``NotImplementedError``). Returns the
+    result and the scheduler (its cache, tree and stats) for
     inspection.
     """
-    if group is not None and (draft is not None or pp_size > 1 or dcp_size > 1 or images is not None):
+    if group is not None and (pp_size > 1 or dcp_size > 1 or images is not None):
         raise NotImplementedError(
-            "several processes serve tensor parallel and DP attention only for now: drop the draft model, "
+            "several processes serve tensor parallel, DP attention and speculative decoding only for now: drop "
             "pp_size, dcp_size and the images"
         )
     if images is not None:

@@ -133,4 +133,4 @@ def test_what_several_processes_do_not_serve_is_refused_before_jax(flags, named,
     group = ["--num-processes", "2", "--process-id", "0", "--coordinator", f"127.0.0.1:{free_port()}"]
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", *flags, *group]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and named in err and "--tp and --dp only" in err, err
+    assert err.count("\n") == 1 and named in err and "--tp, --dp and speculative decoding only" in err, err
