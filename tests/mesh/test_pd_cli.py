@@ -123,3 +123,43 @@ def test_generate_decode_over_a_prefill_process_gives_the_colocated_tokens(tmp_p
     lines = gone.stderr.strip().splitlines()
     assert lines[-1].startswith("python -m kvjax generate: error: --disaggregation-prefill-addr"), gone.stderr[-2000:]
     assert address in lines[-1] and "cannot connect" in lines[-1], lines[-1]
+
+
+@pytest.mark.timeout(300)
+def test_demo_decode_over_a_demo_prefill_process_serves_the_demo_workload(tmp_path):
+    """The demo's own workload (its built-in model and chats) through a decode server: its warm run
+    served disaggregated gives the cold run's tokens (served here, colocated: ``ok``), its own tree
+    reuses the chats' earlier turns, and no request fails."""
+    env = child_env(devices=4, secret=secrets.token_hex(32))
+    prefill_log = (tmp_path / "prefill.err").open("w+")
+    prefill = subprocess.Popen(
+        _kvjax("demo", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0", "--tp", "2"),
+        stdout=subprocess.PIPE,
+        stderr=prefill_log,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        address = _address(prefill, time.monotonic() + ADDRESS_WAIT_S)
+        argv = ["demo", "--disaggregation-mode", "decode", "--disaggregation-prefill-addr", address]
+        decode = subprocess.run(
+            _kvjax(*argv, "--disaggregation-decode-enable-radix-cache", "--json"),
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=180,
+        )
+        assert decode.returncode == 0, decode.stderr[-3000:]
+        report = json.loads(decode.stdout)
+        # the warm (disaggregated) run's tokens are the cold run's; nothing leaked on the decode side
+        assert report["cold_equals_warm"] and report["leak_free"], report
+        pd = report["disaggregation"]
+        assert pd["failed_requests"] == 0 and pd["failed"] == [] and pd["pulls"] > 0, pd
+        assert pd["reused_tokens"] > 0 and pd["pulled_tokens"] + pd["reused_tokens"] == report["prompt_tokens"], pd
+    finally:
+        prefill.send_signal(signal.SIGTERM)
+        code = prefill.wait(timeout=30)
+    prefill_log.seek(0)
+    assert code == 0, prefill_log.read()[-3000:]
