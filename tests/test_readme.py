@@ -18,6 +18,12 @@ benchmark commands are checked to resolve as written (the script's or module's i
 with kvjax installed but the repository root not on the path); running them takes minutes each,
 so their bodies are not run. Marked slow (``python -m pytest -m slow``): the ``demo`` commands,
 each compiles the serving step for several batch shapes (about half a minute on 2 cores).
+
+A command another test runs as written, with more checks, is not run here a second time
+(`RUN_BY`): the DP attention ``launch`` across two processes, which the mesh stage runs (it needs
+8 CPU devices for the single-process run it is compared with) with ``--json`` and compares with
+one process's tokens, evictions and retractions. That test finds the command with
+`readme_command`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ SKIPPED = {
     "mkdocs ": "the documentation build: CI's docs step runs it (needs the docs extra)",
 }
 SLOW = ("python -m kvjax demo", "python -m kvjax generate", "python -m kvjax launch")
+#: README commands (by their start) that another test runs as written, with ``--json`` and more
+#: checks: that test's file.
+RUN_BY = {
+    "python -m kvjax launch --processes 2 --cpu-devices-per-process 4 -- demo --tp 8 --dp 2": (
+        "tests/mesh/test_multihost_dp.py"
+    ),
+}
 BENCHMARK = re.compile(r"^python (benchmarks/\w+\.py|-m benchmarks\.\w+)\b")
 
 
@@ -120,15 +133,39 @@ def _as_argv(command: str) -> list[str]:
     return [sys.executable, *words[1:]]
 
 
+def _run_by(command: str) -> str | None:
+    return next((test for start, test in RUN_BY.items() if command.startswith(start)), None)
+
+
 COMMANDS = _commands()
-KVJAX_COMMANDS = [c for c in COMMANDS if _split_env(c)[1].startswith("python -m kvjax") and not _skip_reason(c)]
+KVJAX_COMMANDS = [
+    c for c in COMMANDS if _split_env(c)[1].startswith("python -m kvjax") and not _skip_reason(c) and not _run_by(c)
+]
 BENCHMARK_COMMANDS = [c for c in COMMANDS if BENCHMARK.match(c)]
+
+
+def readme_command(start: str) -> str:
+    """The README's one command that starts with ``start`` (for a test that runs it as written)."""
+    found = [c for c in COMMANDS if c.startswith(start)]
+    assert len(found) == 1, (start, found)
+    return found[0]
 
 
 def test_the_readme_blocks_are_all_classified():
     assert len(_blocks("python")) >= 3 and len(KVJAX_COMMANDS) >= 6 and len(BENCHMARK_COMMANDS) >= 10
-    unclassified = [c for c in COMMANDS if not (_skip_reason(c) or c in KVJAX_COMMANDS or c in BENCHMARK_COMMANDS)]
+    unclassified = [
+        c for c in COMMANDS if not (_skip_reason(c) or _run_by(c) or c in KVJAX_COMMANDS or c in BENCHMARK_COMMANDS)
+    ]
     assert unclassified == []
+
+
+@pytest.mark.parametrize("start", RUN_BY)
+def test_a_command_run_by_another_test_is_in_the_readme_and_that_test_runs_it(start):
+    """Each `RUN_BY` command is one README command, and the test named runs it through
+    `readme_command` (so it runs the README's words, not a copy)."""
+    readme_command(start)
+    source = (ROOT / RUN_BY[start]).read_text()
+    assert "readme_command(" in source and f'"{start}"' in source, RUN_BY[start]
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if _skip_reason(c)])

@@ -9,31 +9,39 @@ to 4); each rank's ``"tp"`` devices are one process's (``group_dp_mesh``). The p
 per rank) are small enough that the runs evict and retract. The digest of a DP front (checked on
 its own) has every rank's parts and the routing, and a divergence names the rank, the part and
 the routing.
+
+The launch is the README's DP attention command, run as written (``readme_command``) with
+``--json`` for the reports: the README test leaves it to this one.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
 from kvjax.cli import main
 from tests.mesh.test_multihost_serving import launch, process_reports
+from tests.test_readme import readme_command
 
-WORKLOAD = ["--groups", "1", "--prompts-per-group", "3", "--chats", "1", "--turns", "2"]
-WORKLOAD += ["--system-tokens", "32", "--output-tokens", "3", "--max-total-tokens", "128"]
-DP = ["--tp", "8", "--dp", "2"]
+#: The README's command: ``launch`` over 2 processes x 4 devices of ``demo --tp 8 --dp 2`` and the
+#: workload (a pool of 128 tokens per rank: the runs evict and retract).
+README = readme_command("python -m kvjax launch --processes 2 --cpu-devices-per-process 4 -- demo --tp 8 --dp 2")
+LAUNCH = shlex.split(README)[4:]  # after ``python -m kvjax launch``
+DEMO = LAUNCH[LAUNCH.index("--") + 1 :]
 SAME = ("rank_requests", "cached_tokens", "prefill_tokens_computed", "evicted_tokens", "retractions")
 
 
 def test_demo_at_dp_2_tp_4_over_two_processes_gives_the_single_process_tokens(capsys):
-    assert main(["demo", *DP, *WORKLOAD, "--json"]) == 0
+    assert DEMO[:5] == ["demo", "--tp", "8", "--dp", "2"], README
+    assert main([*DEMO, "--json"]) == 0
     single = json.loads(capsys.readouterr().out)
     assert single["dp_size"] == 2 and single["processes"] == 1, single
     assert min(single["rank_requests"]) > 0, single  # both ranks serve
     assert single["evicted_tokens"] > 0 and single["retractions"] > 0, single
 
-    out = launch(["--processes", "2", "--cpu-devices-per-process", "4", "--", "demo", *DP, *WORKLOAD, "--json"])
+    out = launch([*LAUNCH, "--json"])
     assert out.returncode == 0, out.stderr[-4000:]
     reports = process_reports(out.stdout)
     assert sorted(reports) == [0, 1], out.stdout[-2000:]
