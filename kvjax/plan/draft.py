@@ -30,7 +30,7 @@ the target's ``max_total_num_tokens`` after ``set_num_tokens_hybrid_swa`` (the f
 and a draft that is itself hybrid builds its own ``SWAKVPool`` over the shared SWA allocator's
 mapping. A pure sliding-window target (every layer sliding) hands out SWA slots that window
 freeing returns and the allocator hands out again: its draft must slide on every layer with a
-window no wider than the target's (``check_pure_swa_draft``). In the budget the draft's pool is
+window no wider than the target's (``kvjax.plan.kinds.swa.standalone_draft``). In the budget the draft's pool is
 re-split with the full layers (``kvjax.plan.kinds.swa.split_tokens``). EAGLE-style drafts of a
 sliding-window target are not planned yet.
 
@@ -57,7 +57,7 @@ from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.kinds.host_tier import host_kv_pool, with_every_head_shard
 from kvjax.plan.kinds.planner_kind import PlannerKind
 from kvjax.plan.kinds.planning import kv_pool_kind_owner, layout_kind
-from kvjax.plan.kinds.registry import planner_kind, planner_kinds
+from kvjax.plan.kinds.registry import planner_kind, planner_kinds, planner_kinds_of
 from kvjax.plan.records import DraftModel, ModelKind, Target
 from kvjax.spec import LayerKind, ModelSpec
 
@@ -129,21 +129,12 @@ def layout_layer_kind(layout: PlannerKind) -> LayerKind:
     return LayerKind(layout.layer_kind)
 
 
-def check_draft_attention(draft: ModelSpec, layout: PlannerKind, target: ModelSpec | None = None) -> None:
-    """The draft pool is of the target's layout kind: every draft layer must cache that attention.
-
-    Over a sliding-window target (``target`` given: its hybrid SWA pools are on) the draft's
-    sliding layers are allowed too: ``"kv_draft"`` is one pool of the target's layout indexed by
-    the allocator's slots, and a sliding layer masks it on global positions (as one full-size pool
-    serves a sliding model with ``disable_hybrid_swa_memory``). A pure sliding-window target (every
-    layer sliding) hands out SWA slots that are freed once they leave the window: its draft must
-    slide on every layer, with a window no wider than the target's (``check_pure_swa_draft``)."""
+def check_draft_attention(draft: ModelSpec, layout: PlannerKind, also: tuple[str, ...] = ()) -> None:
+    """The draft pool is of the target's layout kind: every draft layer must cache that attention,
+    or be of a layer kind in ``also`` (what the target's kind allows beside it: a sliding-window
+    target's draft may slide, ``PlannerKind.standalone_draft``)."""
     want = layout_layer_kind(layout)
-    allowed = {want}
-    if target is not None:
-        allowed.add(LayerKind.SLIDING)
-        if all(k is LayerKind.SLIDING for k in target.layer_kinds):
-            check_pure_swa_draft(draft, target)
+    allowed = {want, *(LayerKind(k) for k in also)}
     other = sorted({k.value for k in draft.layer_kinds if k not in allowed})
     if other or draft.recurrent is not None or draft.is_dsa:
         pool = layout.pool_kinds[0].name
@@ -152,23 +143,6 @@ def check_draft_attention(draft: ModelSpec, layout: PlannerKind, target: ModelSp
             draft.name,
             f"the draft shares the target's slots in a {pool!r} pool, whose layers are all {want.value!r}, and "
             f"this draft has {other or ['DSA indexer keys']} layers; give a draft of {want.value!r} layers only",
-        )
-
-
-def check_pure_swa_draft(draft: ModelSpec, target: ModelSpec) -> None:
-    """A pure sliding-window target's draft: every layer sliding, its window at most the target's
-    (the request table's slots past the target's window are freed and handed out again, so the
-    draft's KV there is gone as the target's is). ``ConfigError`` naming the draft otherwise."""
-    window = int(target.sliding_window or 0)
-    full = [i for i, k in enumerate(draft.layer_kinds) if k is not LayerKind.SLIDING]
-    if full or not draft.sliding_window or int(draft.sliding_window) > window:
-        what = f"full-attention layers {full}" if full else f"a sliding window of {draft.sliding_window}"
-        raise ConfigError(
-            "draft_spec",
-            draft.name,
-            f"{target.name} slides on every layer (window {window}), so its pool keeps only the last window of "
-            f"each request and the draft's pool shares those slots; this draft has {what}: give a draft whose "
-            f"every layer slides with a window of at most {window}, or set disable_hybrid_swa_memory",
         )
 
 
@@ -193,16 +167,17 @@ def draft_pool_plans(draft: DraftModel | None, num_pages: int, host_pages: int |
 
 
 def check_draft_host_tier_buildable(plan: CachePlan) -> None:
-    """``NotImplementedError`` for a host tier over a sliding-window target with a draft pool: the
-    draft's host pool is the sidecar of the one ``"host_kv"``, and a hybrid SWA host tier has two
-    (full layers, sliding layers) moved by their own engine; not built yet. ``build_kv_cache``
-    calls it before it allocates anything."""
-    if plan.draft is not None and plan.draft.on_this_stage and plan.is_hybrid_swa and plan.attach_host_tier:
-        raise NotImplementedError(
-            f"kvjax cannot build the host tier of {plan.model} (a sliding-window target) with a "
-            f"{plan.draft.algorithm} draft yet: the draft's host pool beside the sliding-window host pools is not "
-            "built; turn off enable_hierarchical_cache (or speculative decoding)"
-        )
+    """``NotImplementedError`` for a host tier with a draft pool over a kind whose host pools the
+    draft's is not built beside (``PlannerKind.draft_host_refusal``: the sliding-window pair).
+    ``build_kv_cache`` calls it before it allocates anything."""
+    if plan.draft is None or not plan.draft.on_this_stage or not plan.attach_host_tier:
+        return
+    for kind in planner_kinds_of(plan):
+        if kind.draft_host_refusal is not None:
+            raise NotImplementedError(
+                f"kvjax cannot build the host tier of {plan.model} with a {plan.draft.algorithm} draft yet: "
+                f"{kind.draft_host_refusal}; turn off enable_hierarchical_cache (or speculative decoding)"
+            )
 
 
 def decide_draft(
@@ -220,17 +195,17 @@ def decide_draft(
         if algorithm == "STANDALONE":
             return None, ("speculative_algorithm='STANDALONE' without a draft_spec: no draft KV pool is planned",)
         return None, ()
-    # A sliding-window target's STANDALONE draft gets a pool of the target's layout, indexed by the
-    # allocator's slots (the module docstring); EAGLE-style drafts of it are not planned yet.
-    standalone_over_windows = algorithm == "STANDALONE" and kind.is_hybrid_swa
-    if not (kv_pool_kind_owner(kind).plans_draft_pools or standalone_over_windows) or spec.is_dsa:
+    owner = kv_pool_kind_owner(kind)
+    # a kind may plan a STANDALONE draft's pool only (the sliding window: the module docstring)
+    standalone = owner.standalone_draft if algorithm == "STANDALONE" else None
+    if not (owner.plans_draft_pools or standalone is not None) or spec.is_dsa:
         planned = ", ".join(k.kv_pool_kind for k in planner_kinds() if k.kv_pool_kind and k.plans_draft_pools)
         return None, (
             f"draft KV pools for a {'DSA' if spec.is_dsa else repr(kind.kv_pool_kind)} target are not planned "
             f"(kvjax plans them for {planned} targets without DSA indexer keys, and STANDALONE drafts of "
             "sliding-window targets); build_kv_cache refuses this configuration",
         )
-    check_draft_attention(draft, layout, spec if kind.is_hybrid_swa else None)
+    check_draft_attention(draft, layout, standalone(spec, draft) if standalone is not None else ())
     draft_kind = ModelKind(str(layout.kv_pool_kind), cache_kinds=(layout.name,))
     target: Target = decide_target(draft, config, draft_kind)
     return (

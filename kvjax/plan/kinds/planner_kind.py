@@ -89,6 +89,13 @@ class PlannerKind:
             layout (the draft model's ``"kv_draft"``).
         plans_draft_pools: whether a draft model's pools are planned for a target whose
             ``kv_pool_kind`` this kind names.
+        standalone_draft: ``(target, draft) -> tuple[str, ...]``, for a target whose
+            ``kv_pool_kind`` this kind names: a STANDALONE draft's pool is planned (even where
+            ``plans_draft_pools`` is False) once this refuses (``ConfigError``) a draft the kind's
+            slots cannot serve; returns the ``LayerKind`` values the draft may have beyond its
+            layout's (``kvjax.plan.draft``). None: only ``plans_draft_pools`` decides.
+        draft_host_refusal: why the build refuses a host tier over this kind's pools with a draft
+            model's pool (its host pool is not built beside the kind's); None: it is built.
         attention_pools: ``(target, sizes) -> tuple[PoolPlan, ...] | None``, the device pools of
             the attention layers; asked in descending ``kv_pool_priority``, the first answer that
             is not None is the plan's.
@@ -136,6 +143,8 @@ class PlannerKind:
     supports_host_pool_backup: Callable[[Sizes], bool] | None = None
     host_pool_backup_refusal: str | None = None
     no_host_copy: str | None = None
+    standalone_draft: Callable[[ModelSpec, ModelSpec], tuple[str, ...]] | None = None
+    draft_host_refusal: str | None = None
     dcp_refusal: str | None = None
     decode_radix_refusal: str | None = None
     own_tree: Callable[[Sizes, bool], OwnTree | None] | None = None

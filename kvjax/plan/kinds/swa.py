@@ -12,8 +12,10 @@ one window of KV per request; the ``cpu_tensor`` retraction backup does not cove
 Speculative decoding (``speculative_rollback``): freeing a rejected draft token's slot frees its
 SWA slot with it (the allocator's ``free`` unpairs the full→SWA mapping), so the kind serves it.
 A STANDALONE draft's pool ``"kv_draft"`` is planned as for a full-attention target
-(``kvjax.plan.draft``), indexed by the allocator's slots, and counted in the split
-(``split_tokens``' ``draft_layers``).
+(``kvjax.plan.draft``), indexed by the allocator's slots, its layers checked here
+(``standalone_draft``: sliding layers allowed; a pure target's draft slides on every layer) and
+counted in the split (``split_tokens``' ``draft_layers``); a host tier with it is refused
+(``draft_host_refusal``).
 """
 
 from __future__ import annotations
@@ -141,6 +143,31 @@ def own_tree(sizes: Sizes, chunked: bool) -> OwnTree | None:
     return OwnTree("pure_swa_radix", ("swa",)) if pure else None
 
 
+def standalone_draft(target: ModelSpec, draft: ModelSpec) -> tuple[str, ...]:
+    """A STANDALONE draft of a sliding-window target (``PlannerKind.standalone_draft``): its pool
+    ``"kv_draft"`` is indexed by the allocator's slots, and its sliding layers mask it on global
+    positions, so it may slide. A pure sliding-window target (every layer sliding) hands out SWA
+    slots that window freeing returns and the allocator hands out again, so the draft's KV past the
+    target's window is gone as the target's is: its draft must slide on every layer with a window
+    of at most the target's (``ConfigError`` naming the draft otherwise)."""
+    from kvjax.errors import ConfigError
+    from kvjax.spec import LayerKind
+
+    if all(k is LayerKind.SLIDING for k in target.layer_kinds):
+        window = int(target.sliding_window or 0)
+        full = [i for i, k in enumerate(draft.layer_kinds) if k is not LayerKind.SLIDING]
+        if full or not draft.sliding_window or int(draft.sliding_window) > window:
+            what = f"full-attention layers {full}" if full else f"a sliding window of {draft.sliding_window}"
+            raise ConfigError(
+                "draft_spec",
+                draft.name,
+                f"{target.name} slides on every layer (window {window}), so its pool keeps only the last window "
+                f"of each request and the draft's pool shares those slots; this draft has {what}: give a draft "
+                f"whose every layer slides with a window of at most {window}, or set disable_hybrid_swa_memory",
+            )
+    return (LayerKind.SLIDING.value,)
+
+
 def is_pure_swa(plan: CachePlan) -> bool:
     """Every layer sliding: one SWA pool under a plain allocator (no full-attention tokens)."""
     return bool(plan.is_hybrid_swa and not plan.full_tokens_per_layer)
@@ -161,7 +188,11 @@ KIND = PlannerKind(
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=2,
-    plans_draft_pools=False,  # EAGLE-style drafts; a STANDALONE draft is planned (kvjax.plan.draft)
+    plans_draft_pools=False,  # EAGLE-style drafts; a STANDALONE draft's pool is planned (standalone_draft)
+    standalone_draft=standalone_draft,
+    draft_host_refusal=(
+        "the draft's host pool beside the sliding-window host pools (full layers, sliding layers) is not built"
+    ),
     speculative_rollback=True,
     attention_pools=attention_pools,
     host_pools=host_pools,
