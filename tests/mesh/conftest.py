@@ -20,24 +20,36 @@ from tests.mesh.tp_serving import family_checkpoint
 
 DEVICES = 8
 
-# The files whose tests take longest (a minute or more each on a quiet 2-core machine for the first
-# five: the disaggregated pairs spawn two processes per test; then the speculative, multi-process
-# and DP parity files), heaviest first.
+# The files that take longest (seconds on a 2-core machine running both workers, rounded), heaviest
+# first: the disaggregated pairs spawn two processes per test, the multi-process files a group of
+# processes each, the real model loads it twice (kvjax, Transformers). Every file of 10 s or more
+# is listed: a file left to xdist's order by test count runs near the end, and a heavy one there
+# leaves the other worker idle.
 HEAVIEST_FIRST = (
-    "test_pd_families.py",
-    "test_pd_faults.py",
-    "test_tp_parity_qwen3_next_tp4.py",
-    "test_tp_parity_qwen3_next.py",
-    "test_tp_parity_nemotron_h.py",
-    "test_tp_speculative.py",
-    "test_pd_speculative.py",
-    "test_multihost_generate.py",
-    "test_pd_llama.py",
-    "test_multihost_host_tier.py",
-    "test_dp_parity.py",
-    "test_multihost_serving.py",
-    "test_multihost_parity.py",
-    "test_tp_parity.py",
+    "test_pd_families.py",  # 100
+    "test_pd_faults.py",  # 80
+    "test_multihost_storage.py",  # 35
+    "test_multihost_dp.py",  # 33
+    "test_real_model_tp.py",  # 32
+    "test_pd_speculative.py",  # 29
+    "test_multihost_generate.py",  # 27
+    "test_multihost_parity.py",  # 26
+    "test_pd_llama.py",  # 25
+    "test_dp_parity.py",  # 25
+    "test_tp_speculative.py",  # 24
+    "test_multihost_host_tier.py",  # 22
+    "test_tp_parity_qwen3_next_tp4.py",  # 20
+    "test_tp_eagle.py",  # 20
+    "test_tp_parity_qwen3_next.py",  # 18
+    "test_pd_cli.py",  # 18
+    "test_multihost_dp_recurrent.py",  # 18
+    "test_dp_overlap.py",  # 18
+    "test_tp_parity_nemotron_h.py",  # 17
+    "test_combination_matrix.py",  # 17
+    "test_multihost_serving.py",  # 14
+    "test_multihost_llava.py",  # 13
+    "test_tp_parity.py",  # 13
+    "test_multihost_agreement.py",  # 11
 )
 
 jax.config.update("jax_num_cpu_devices", DEVICES)
