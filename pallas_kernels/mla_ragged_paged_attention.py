@@ -44,8 +44,15 @@ Kernel design (the MHA kernel's plan, ``ragged_paged_attention``; shared pieces 
 * dtypes: bf16 and f32 pools are multiplied as they are; fp8 blocks are widened once per block to
   bf16 (exact) and multiplied in bf16.
 
-Public entry point ``mla_ragged_paged_attention``: compiled Pallas when lowering for TPU, the jnp
-reference (``mla_ragged_paged_attention_reference``) elsewhere, or an interpreter with ``interpret=``.
+One rank of a token stripe and the log-sum-exp (decode context parallelism), as in
+``ragged_paged_attention``: with ``key_stride`` ``n`` and ``key_offset`` ``r`` (a scalar-prefetch
+operand, traced inside ``shard_map``) local latent row ``l`` is the sequence's token at position
+``l * n + r``; ``mla_ragged_paged_attention_with_lse`` also returns each query's log-sum-exp
+(f32 ``[T, H]``, ``-inf`` where no key is visible), the output normalised over those keys.
+
+Public entry points ``mla_ragged_paged_attention`` and ``mla_ragged_paged_attention_with_lse``:
+compiled Pallas when lowering for TPU, the jnp reference (``mla_ragged_paged_attention_reference``)
+elsewhere, or an interpreter with ``interpret=``.
 """
 
 from __future__ import annotations
@@ -127,10 +134,16 @@ def mla_ragged_paged_attention_reference(
     sm_scale: float,
     kv_scale: float | jax.Array | None = None,
     token_batch: int = 8,
-) -> jax.Array:
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+    return_lse: bool = False,
+) -> Any:
     """Pure-jnp MLA attention (module docstring): per query token, gather its sequence's latent rows,
-    dequantise (``* kv_scale``), masked softmax in f32. Returns ``[T, H, kv_lora_rank]``."""
+    dequantise (``* kv_scale``), masked softmax in f32. Returns ``[T, H, kv_lora_rank]`` (and with
+    ``return_lse`` the f32 log-sum-exp ``[T, H]``); ``key_stride``/``key_offset``: one rank of a
+    token stripe (module docstring)."""
     _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    _check_stride(key_stride)
     total, heads, rank = ql_nope.shape
     rope = q_pe.shape[2]
     num_pool_pages, page_size, row_padded = kv_pages.shape
@@ -138,15 +151,22 @@ def mla_ragged_paged_attention_reference(
     max_kv = pages_per_seq * page_size
     dequant = _scale(kv_scale)
     if total == 0:
-        return jnp.zeros_like(ql_nope)
+        empty = jnp.zeros_like(ql_nope)
+        return (empty, jnp.full((0, heads), -jnp.inf, jnp.float32)) if return_lse else empty
     tokens = ra.token_rows(
-        kv_lens, page_indices, cu_q_lens, num_seqs, total=total, num_pool_pages=num_pool_pages, page_size=page_size
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        total=total,
+        num_pool_pages=num_pool_pages,
+        page_size=page_size * key_stride,  # positions and the clamp are the sequences' own
     )
     page_ok, safe_pages = tokens.page_ok, tokens.safe_pages
-    key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+    key_pos = jnp.arange(max_kv, dtype=jnp.int32) * key_stride + jnp.asarray(key_offset, jnp.int32)
     q32 = jnp.concatenate([ql_nope, q_pe], axis=-1).astype(jnp.float32)
 
-    def attend(xs: tuple[jax.Array, ...]) -> jax.Array:
+    def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         qt, seq, pos, is_live = xs  # [H, rank + rope], scalars
         rows = kv_pages[safe_pages[seq]].reshape(max_kv, row_padded)[:, : rank + rope]
         rows = rows.astype(jnp.float32) * dequant
@@ -158,10 +178,17 @@ def mla_ragged_paged_attention_reference(
         weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)
         denom = jnp.sum(weights, axis=-1, keepdims=True)
         out = weights @ jnp.where(visible[:, None], rows[:, :rank], 0.0)
-        return out / jnp.where(denom > 0, denom, 1.0)
+        lse = jnp.where(denom > 0, peak + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+        return out / jnp.where(denom > 0, denom, 1.0), lse[:, 0]
 
-    out = jax.lax.map(attend, (q32, tokens.seq, tokens.pos, tokens.live), batch_size=min(token_batch, total))
-    return out.astype(ql_nope.dtype)
+    xs = (q32, tokens.seq, tokens.pos, tokens.live)
+    out, lse = jax.lax.map(attend, xs, batch_size=min(token_batch, total))
+    return (out.astype(ql_nope.dtype), lse) if return_lse else out.astype(ql_nope.dtype)
+
+
+def _check_stride(key_stride: int) -> None:
+    if isinstance(key_stride, bool) or not isinstance(key_stride, int) or key_stride < 1:
+        raise ValueError(f"key_stride={key_stride!r}: give the number of ranks the keys are striped over (>= 1)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,10 +213,12 @@ def _mla_kernel(
     cu_q_lens_ref: Any,  # SMEM i32[S + 1]
     seq_lo_ref: Any,  # SMEM i32[num_q_blocks]
     seq_hi_ref: Any,  # SMEM i32[num_q_blocks]
+    key_offset_ref: Any,  # SMEM i32[1]: the position of local key 0 (a stripe's rank; 0 for a plain pool)
     row_token_ref: Any,  # VMEM i32[R, 1]: r // H
     q_ref: Any,  # VMEM [R, Dp]
     kv_hbm_ref: Any,  # ANY [num_pages + 1, page_size, Dp]
     o_ref: Any,  # VMEM f32[R, rank]
+    lse_ref: Any,  # VMEM f32[R, 1] (with return_lse; else None)
     kv_buf: Any,  # VMEM [2, bkv, Dp]
     sems: Any,  # DMA semaphores [2]
     m_ref: Any,  # VMEM f32[R, 1]
@@ -202,12 +231,20 @@ def _mla_kernel(
     padded_pages_per_seq: int,
     rank: int,
     sm_scale: float,
+    key_stride: int = 1,
 ) -> None:
     step = ra.start_grid_step(block_q, block_kv_pages * page_size, row_token_ref, m_ref, l_ref, acc_ref)
+    key_offset = key_offset_ref[0] if key_stride > 1 else None
+
+    def before_pos(position: Any) -> Any:
+        """The local keys at positions before ``position`` (a stripe: ``ceil((position - offset) / stride)``)."""
+        if key_offset is None:
+            return position
+        return jax.lax.div(jnp.maximum(position - key_offset + (key_stride - 1), 0), jnp.int32(key_stride))
 
     def view(s: Any) -> _SeqView:
         t_lo, t_hi, first_pos, kv_len = ra.sequence_rows(cu_q_lens_ref, kv_lens_ref, s, step.start, step.end)
-        kv_end = jnp.clip(first_pos + (t_hi - t_lo), 0, kv_len)  # last visible key + 1
+        kv_end = jnp.clip(before_pos(first_pos + (t_hi - t_lo)), 0, before_pos(kv_len))  # last visible key + 1
         k_hi = jax.lax.div(kv_end + step.block_kv - 1, step.block_kv)  # lax.div: operands >= 0 (see the MHA kernel)
         return _SeqView(
             t_lo, t_hi, first_pos, kv_end, jnp.int32(0), k_hi, s * padded_pages_per_seq, (t_lo < t_hi) & (k_hi > 0)
@@ -234,6 +271,8 @@ def _mla_kernel(
         col_ok, col_pos = key_ok(seq, k, (1, step.block_kv), 1)
         v_ok, _ = key_ok(seq, k, (step.block_kv, 1), 0)
         row_pos, row_ok = step.rows_of(seq)  # [R, 1]
+        if key_offset is not None:
+            col_pos = col_pos * key_stride + key_offset
         mask = row_ok & col_ok & (col_pos <= row_pos)
         rows = kv_buf[slot]  # [bkv, Dp]
         if jnp.dtype(rows.dtype).itemsize == 1:
@@ -246,6 +285,16 @@ def _mla_kernel(
     ra.walk_sequences(seq_lo_ref[step.index], seq_hi_ref[step.index], kv_lens_ref.shape[0], view, fetch, compute)
     denom = l_ref[...]
     o_ref[...] = acc_ref[...] / jnp.where(denom > 0.0, denom, 1.0)
+    if lse_ref is not None:
+        lse_ref[...] = jnp.where(denom > 0.0, m_ref[...] + jnp.log(jnp.where(denom > 0.0, denom, 1.0)), -jnp.inf)
+
+
+def _mla_kernel_refs(*refs: Any, return_lse: bool, **static: Any) -> None:
+    """``_mla_kernel`` with its optional log-sum-exp output: the refs as ``pallas_call`` passes them
+    (6 scalar prefetch, 3 inputs, 1 or 2 outputs, the scratch)."""
+    inputs, rest = refs[:9], refs[9:]
+    outputs, scratch = (rest[:2], rest[2:]) if return_lse else ((rest[0], None), rest[1:])
+    _mla_kernel(*inputs, *outputs, *scratch, **static)
 
 
 def default_block_sizes(
@@ -276,15 +325,20 @@ def mla_ragged_paged_attention_kernel(
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = False,
-) -> jax.Array:
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+    return_lse: bool = False,
+) -> Any:
     """The Pallas kernel (compiled when ``interpret`` is False: TPU only); the reference's contract."""
     _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    _check_stride(key_stride)
     total, heads, rank = ql_nope.shape
     _, page_size, dim_padded = kv_pages.shape
     max_seqs, pages_per_seq = page_indices.shape
     dequant = _scale(kv_scale)
     if total == 0:
-        return jnp.zeros_like(ql_nope)
+        empty = jnp.zeros_like(ql_nope)
+        return (empty, jnp.full((0, heads), -jnp.inf, jnp.float32)) if return_lse else empty
     defaults = default_block_sizes(total, max_seqs, heads, page_size, pages_per_seq)
     block_q, block_kv_pages = ra.resolve_block_sizes(block_q, block_kv_pages, defaults)
     pool_dtype = jnp.dtype(kv_pages.dtype)
@@ -301,9 +355,26 @@ def mla_ragged_paged_attention_kernel(
 
     max_kv = pages_per_seq * page_size
     schedule = ra.block_schedule(
-        kv_lens, page_indices, cu_q_lens, num_seqs, kv_pages.shape, num_blocks, block_q, block_kv_pages, heads
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        kv_pages.shape,
+        num_blocks,
+        block_q,
+        block_kv_pages,
+        heads,
+        key_stride,
     )
-    kernel = functools.partial(_mla_kernel, **schedule.tiling, rank=rank, sm_scale=float(sm_scale))
+    offset = jnp.asarray(key_offset, jnp.int32).reshape(1)
+    kernel = functools.partial(
+        _mla_kernel_refs,
+        return_lse=return_lse,
+        **schedule.tiling,
+        rank=rank,
+        sm_scale=float(sm_scale),
+        key_stride=key_stride,
+    )
     block_kv = block_kv_pages * page_size
     kv_bytes = max_seqs * max_kv * dim_padded * pool_dtype.itemsize
     cost = pl.CostEstimate(
@@ -319,20 +390,24 @@ def mla_ragged_paged_attention_kernel(
         + rows * (rank + 2 * 128) * 4
         + 4 * rows * block_kv * 4
     )
-    out = pl.pallas_call(
+    manual = jax.typeof(q).manual_axis_type
+    out_shape: Any = jax.ShapeDtypeStruct((total_padded * heads, rank), jnp.float32, manual_axis_type=manual)
+    out_specs: Any = pl.BlockSpec((rows, rank), lambda b, *_: (b, 0))
+    if return_lse:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((total_padded * heads, 1), jnp.float32, manual_axis_type=manual))
+        out_specs = (out_specs, pl.BlockSpec((rows, 1), lambda b, *_: (b, 0)))
+    result = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(
-            (total_padded * heads, rank), jnp.float32, manual_axis_type=jax.typeof(q).manual_axis_type
-        ),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(num_blocks,),
             in_specs=[
                 pl.BlockSpec((rows, 1), lambda b, *_: (0, 0)),
                 pl.BlockSpec((rows, dim_padded), lambda b, *_: (b, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=pl.BlockSpec((rows, rank), lambda b, *_: (b, 0)),
+            out_specs=out_specs,
             scratch_shapes=[
                 pltpu.VMEM((2, block_kv, dim_padded), kv_pages.dtype),
                 pltpu.SemaphoreType.DMA((2,)),
@@ -347,9 +422,11 @@ def mla_ragged_paged_attention_kernel(
         cost_estimate=cost,
         interpret=interpret,
         name="mla_ragged_paged_attention",
-    )(*schedule.prefetch, schedule.row_token, q, kv_pages)
-    out = out.reshape(total_padded, heads, rank)[:total] * dequant
-    return out.astype(ql_nope.dtype)
+    )(*schedule.prefetch, offset, schedule.row_token, q, kv_pages)
+    out = (result[0] if return_lse else result).reshape(total_padded, heads, rank)[:total] * dequant
+    if not return_lse:
+        return out.astype(ql_nope.dtype)
+    return out.astype(ql_nope.dtype), result[1].reshape(total_padded, heads)[:total]
 
 
 def mla_ragged_paged_attention(
@@ -366,28 +443,116 @@ def mla_ragged_paged_attention(
     block_q: int | None = None,
     block_kv_pages: int | None = None,
     interpret: Interpret = None,
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
 ) -> jax.Array:
     """Absorbed MLA attention of a ragged batch over the latent pool (module docstring).
 
     ``interpret``: ``None``/``False``: the compiled kernel when lowering for TPU, the jnp reference
     elsewhere; ``True``: the HLO interpreter; ``pltpu.InterpretParams(...)``: the TPU interpreter.
+    ``key_stride``/``key_offset``: one rank of a token stripe (module docstring).
     Returns ``[total_q_tokens, num_heads, kv_lora_rank]`` in ql_nope's dtype.
     """
+    out: jax.Array = _attention(
+        ql_nope,
+        q_pe,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        kv_scale=kv_scale,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+        interpret=interpret,
+        key_stride=key_stride,
+        key_offset=key_offset,
+        return_lse=False,
+    )
+    return out
+
+
+def mla_ragged_paged_attention_with_lse(
+    ql_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    kv_scale: float | jax.Array | None = None,
+    block_q: int | None = None,
+    block_kv_pages: int | None = None,
+    interpret: Interpret = None,
+    key_stride: int = 1,
+    key_offset: int | jax.Array = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """``mla_ragged_paged_attention`` that also returns each query's log-sum-exp: ``(out, lse)``,
+    ``out`` normalised over the keys the query sees in this pool (0 where none), ``lse`` f32
+    ``[total_q_tokens, num_heads]`` (``-inf`` where none): one DCP rank's partial attention when
+    ``key_stride``/``key_offset`` describe its stripe (``kvjax.attention.dcp_merge`` merges them)."""
+    out, lse = _attention(
+        ql_nope,
+        q_pe,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        kv_scale=kv_scale,
+        block_q=block_q,
+        block_kv_pages=block_kv_pages,
+        interpret=interpret,
+        key_stride=key_stride,
+        key_offset=key_offset,
+        return_lse=True,
+    )
+    return out, lse
+
+
+def _attention(
+    ql_nope: jax.Array,
+    q_pe: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    kv_scale: float | jax.Array | None,
+    block_q: int | None,
+    block_kv_pages: int | None,
+    interpret: Interpret,
+    key_stride: int,
+    key_offset: int | jax.Array,
+    return_lse: bool,
+) -> Any:
+    """The two public entry points' dispatch (their docstrings)."""
     _engine.check_interpret(interpret)
     _check_args(ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    args = (ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, _scale(kv_scale))
+    _check_stride(key_stride)
+    offset = jnp.asarray(key_offset, jnp.int32).reshape(())
+    args = (ql_nope, q_pe, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, _scale(kv_scale), offset)
+    stripe: dict[str, Any] = dict(key_stride=key_stride, return_lse=return_lse)
 
-    def reference(*a: jax.Array) -> jax.Array:
-        return mla_ragged_paged_attention_reference(*a[:7], kv_scale=a[7], sm_scale=sm_scale)
+    def reference(*a: jax.Array) -> Any:
+        return mla_ragged_paged_attention_reference(*a[:7], kv_scale=a[7], key_offset=a[8], sm_scale=sm_scale, **stripe)
 
-    def kernel(*a: jax.Array, interpret: Interpret) -> jax.Array:
+    def kernel(*a: jax.Array, interpret: Interpret) -> Any:
         return mla_ragged_paged_attention_kernel(
             *a[:7],
             kv_scale=a[7],
+            key_offset=a[8],
             sm_scale=sm_scale,
             block_q=block_q,
             block_kv_pages=block_kv_pages,
             interpret=interpret,
+            **stripe,
         )
 
     return _engine.dispatch(kernel, reference, *args, interpret=interpret)

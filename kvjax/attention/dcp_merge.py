@@ -10,7 +10,7 @@ attention over all keys is exactly
 ``s`` (gpt-oss) belongs to no rank: it joins the maximum and adds ``exp(s - m)`` to the
 denominator once. Everything is float32.
 
-:func:`partial_softmax` gives one rank's ``(probabilities, lse)``; :func:`merge_over_axis` runs
+:func:`merge_over_axis` runs
 inside ``jax.shard_map`` and merges over a mesh axis with one ``pmax`` and two ``psum``
 collectives (of ``[T, heads]`` and ``[T, heads, head_dim]``; XLA combines the two ``psum``);
 :func:`merge_scattered_over_axis` is the same merge ending in reduce-scatters over the head axis
@@ -26,24 +26,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["merge_over_axis", "merge_scattered_over_axis", "merge_stacked", "partial_softmax"]
+__all__ = ["merge_over_axis", "merge_scattered_over_axis", "merge_stacked"]
 
 _Reduce = Callable[[jax.Array], jax.Array]
-
-
-def partial_softmax(logits: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One rank's softmax over the keys it sees: ``logits [..., L]`` float32 and ``visible`` (bool,
-    broadcastable) -> ``(probabilities [..., L], lse [...])``: the probabilities over the visible
-    keys (all 0 where none is) and the log-sum-exp of their logits (``-inf`` where none is)."""
-    logits = jnp.where(visible, logits, -jnp.inf)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
-    safe_peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.where(visible, jnp.exp(logits - safe_peak), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    seen = denom > 0
-    safe_denom = jnp.where(seen, denom, 1.0)
-    lse = jnp.where(seen, safe_peak + jnp.log(safe_denom), -jnp.inf)
-    return weights / safe_denom, lse[..., 0]
 
 
 def _merge(

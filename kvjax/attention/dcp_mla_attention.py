@@ -10,8 +10,10 @@ to its trash page), gathers its ``"tp"`` rank's query heads over ``"dcp"``, atte
 stripe with the causal mask on global positions (``logits = (q_latent . c_kv + q_rope . k_pe) *
 sm_scale``, values the ``c_kv`` part of the row, dequantised by the layer's scale), and the
 partials are merged exactly over ``"dcp"`` with their log-sum-exp, each rank keeping its own
-heads (``kvjax.attention.dcp_merge``). jnp, compiled by XLA on TPU (the MLA Pallas kernel
-returns no log-sum-exp).
+heads (``kvjax.attention.dcp_merge``). The partial attention is the MLA ragged paged attention
+Pallas kernel over the rank's rows, returning its log-sum-exp
+(``pallas_kernels.mla_ragged_paged_attention.mla_ragged_paged_attention_with_lse``): compiled on
+TPU, its jnp reference elsewhere.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from kvjax.attention.dcp_merge import partial_softmax
-from kvjax.attention.dcp_striped_layer import StripedKeys, check_query_heads, run_striped_layer
+from kvjax.attention.dcp_striped_layer import check_query_heads, run_striped_layer
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.pools import MLAKVPool
+from pallas_kernels._engine import Interpret
+from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention_with_lse
 
 __all__ = ["dcp_mla_attention", "striped_partial_mla_attention"]
 
@@ -43,9 +46,12 @@ def striped_partial_mla_attention(
     dcp: int,
     sm_scale: float,
     kv_scale: jax.Array | float = 1.0,
-    token_batch: int = 8,
+    interpret: Interpret = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed MLA of a ragged batch over one DCP rank's stripe of the latent rows.
+    """Absorbed MLA of a ragged batch over one DCP rank's stripe of the latent rows: the MLA
+    ragged paged attention kernel over the rank's rows (``mla_ragged_paged_attention_with_lse``
+    with ``key_stride=dcp``, ``key_offset=rank``: compiled Pallas on TPU, its jnp reference
+    elsewhere, an interpreter when ``interpret`` asks).
 
     Args:
         q_latent: ``[T, heads, kv_lora_rank]``; q_rope: ``[T, heads, qk_rope_head_dim]``.
@@ -60,25 +66,21 @@ def striped_partial_mla_attention(
         ``(out [T, heads, kv_lora_rank], lse [T, heads])`` float32: the normalised output over
         the rows this rank sees (0 where none) and the log-sum-exp of their logits (``-inf``).
     """
-    total, heads, latent = q_latent.shape
-    rope = q_rope.shape[2]
-    num_pool_pages, rows, row_padded = kv_pages.shape
-    keys = StripedKeys.of(kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, total=total, dcp=dcp, rank=rank)
-    q32 = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
-    dequant = jnp.asarray(kv_scale, jnp.float32)
-
-    def attend(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        qt, seq, pos, is_live = xs  # [H, latent + rope], scalars
-        rows_of_seq = kv_pages[keys.tokens.safe_pages[seq]].reshape(keys.local_len, row_padded)
-        latent_rows = rows_of_seq[:, : latent + rope].astype(jnp.float32) * dequant
-        logits = jnp.einsum("hd,ld->hl", qt, latent_rows) * sm_scale
-        visible = keys.visible(seq, pos, is_live)
-        probs, lse = partial_softmax(logits, visible)
-        return probs @ jnp.where(visible[:, None], latent_rows[:, :latent], 0.0), lse
-
-    if total == 0:
-        return jnp.zeros(q_latent.shape, jnp.float32), jnp.full((total, heads), -jnp.inf, jnp.float32)
-    return keys.map_tokens(attend, q32, token_batch)
+    out, lse = mla_ragged_paged_attention_with_lse(
+        q_latent.astype(jnp.float32),  # the kernel multiplies in the pool's compute dtype; the partial stays f32
+        q_rope.astype(jnp.float32),
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=sm_scale,
+        kv_scale=kv_scale,
+        key_stride=dcp,
+        key_offset=rank,
+        interpret=interpret,
+    )
+    return out, lse
 
 
 def dcp_mla_attention(

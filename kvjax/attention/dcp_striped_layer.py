@@ -6,10 +6,10 @@ pool's KV heads (or its whole latent row) lie over ``"tp"``, each request's toke
 that make them (``kvjax.serve.param_sharding``). What ``dcp_attention`` (K/V pages) and
 ``dcp_mla_attention`` (latent rows) share:
 
-* ``StripedKeys``: where each query token stands and which of one rank's local key rows it sees.
-  Local key ``l`` of rank ``r`` is the sequence's global position ``l * dcp + r``; a key is
-  visible when it is at or before the query (causal), inside the sequence's ``kv_len``, on a
-  pool page of the table, and the query token is live.
+* the partial attention each rank runs over its rows (given by the caller): the ragged paged
+  attention kernels with ``key_stride=dcp`` and ``key_offset=rank`` (local key ``l`` of rank ``r``
+  is the sequence's position ``l * dcp + r``), returning their log-sum-exp;
+* ``query_spec`` / ``check_query_heads``: the query heads over ``("tp", "dcp")``;
 * ``run_striped_layer``: one ``jax.shard_map`` over the mesh in which each rank writes the rows it
   owns (``DCPStripe.owner``; the others go to its trash page, so every token is stored once),
   all-gathers over ``"dcp"`` the query heads of its ``"tp"`` rank's KV heads, attends them over its
@@ -20,7 +20,6 @@ that make them (``kvjax.serve.param_sharding``). What ``dcp_attention`` (K/V pag
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import jax
@@ -34,82 +33,12 @@ from kvjax.mesh_check import KV_HEAD_AXIS
 from kvjax.pools import MHAKVPool, MLAKVPool, dtypes
 from kvjax.pools.base import route_to_trash
 from kvjax.pools.mla import scatter_rows
-from pallas_kernels import _ragged_attention as ra
 from pallas_kernels.kv_write import write_kv
 
-__all__ = ["StripedKeys", "check_query_heads", "query_spec", "run_striped_layer"]
+__all__ = ["check_query_heads", "query_spec", "run_striped_layer"]
 
 StripedPool = TypeVar("StripedPool", MHAKVPool, MLAKVPool)
 RowWriter = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, rows, local slots) -> layer
-
-
-@dataclass(frozen=True)
-class StripedKeys:
-    """The query tokens of a ragged batch and one DCP rank's local key rows.
-
-    ``tokens``: each token's sequence, global position and liveness, and the table's valid pages
-    (``ra.TokenRows``); ``kv_len_of``: int32 ``[S]``, each sequence's KV length in global tokens,
-    clamped to the table's capacity; ``key_pos``: int32 ``[pages_per_seq * rows]``, the global
-    position of each local key row; ``rows``: rows per rank and page.
-    """
-
-    tokens: ra.TokenRows
-    kv_len_of: jax.Array
-    key_pos: jax.Array
-    rows: int
-
-    @classmethod
-    def of(
-        cls,
-        kv_pages: jax.Array,
-        kv_lens: jax.Array,
-        page_indices: jax.Array,
-        cu_q_lens: jax.Array,
-        num_seqs: jax.Array,
-        *,
-        total: int,
-        dcp: int,
-        rank: jax.Array | int,
-    ) -> StripedKeys:
-        """The keys rank ``rank`` of ``dcp`` sees for a batch of ``total`` query tokens, with the
-        batch's metadata in global terms (whole sequences, striped page ids) over the rank's rows
-        of one layer, ``kv_pages`` ``[pages + 1, rows, ...]`` (trash page included)."""
-        num_pool_pages, rows = kv_pages.shape[:2]
-        local_len = page_indices.shape[1] * rows
-        tokens = ra.token_rows(
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            num_seqs,
-            total=total,
-            num_pool_pages=num_pool_pages,
-            page_size=rows * dcp,
-        )
-        kv_len_of = jnp.clip(kv_lens.astype(jnp.int32), 0, local_len * dcp)
-        key_pos = jnp.arange(local_len, dtype=jnp.int32) * dcp + jnp.asarray(rank, jnp.int32)
-        return cls(tokens, kv_len_of, key_pos, rows)
-
-    @property
-    def local_len(self) -> int:
-        """Local key rows per sequence: ``pages_per_seq * rows``."""
-        return int(self.key_pos.shape[0])
-
-    def visible(self, seq: jax.Array, pos: jax.Array, is_live: jax.Array) -> jax.Array:
-        """bool ``[local_len]``: the local keys a query of sequence ``seq`` at global position
-        ``pos`` sees (causal, inside the sequence, on a valid page; none for a padding token)."""
-        in_sequence = (self.key_pos <= pos) & (self.key_pos < self.kv_len_of[seq])
-        return in_sequence & jnp.repeat(self.tokens.page_ok[seq], self.rows) & is_live
-
-    def map_tokens(
-        self,
-        attend: Callable[[tuple[jax.Array, ...]], tuple[jax.Array, jax.Array]],
-        queries: jax.Array,
-        token_batch: int,
-    ) -> tuple[jax.Array, jax.Array]:
-        """``attend((query, seq, pos, is_live))`` for each token, ``token_batch`` tokens at a time
-        (``jax.lax.map``); ``queries`` has the tokens on its leading axis and at least one."""
-        xs = (queries, self.tokens.seq, self.tokens.pos, self.tokens.live)
-        return jax.lax.map(attend, xs, batch_size=min(token_batch, int(queries.shape[0])))
 
 
 def query_spec(axis: str) -> P:

@@ -14,8 +14,8 @@ DeepSeek-V3's MLA latent (512 + 64, padded to 640, replicated over ``"tp"``) thr
   outputs, each chip keeping its own 2 heads; nothing else moves between chips (the pool is never gathered or
   resharded, each chip writes its own rows);
 * the pool is updated in place: the aliased bytes cover its per-chip shard;
-* the GQA layer's partial attention is the ragged paged attention Pallas kernel (a Mosaic custom
-  call), with its log-sum-exp.
+* each chip's partial attention is the ragged paged attention Pallas kernel (GQA) or the MLA one
+  (a Mosaic custom call), with its log-sum-exp.
 """
 
 from __future__ import annotations
@@ -152,10 +152,11 @@ def test_the_query_gather_and_the_merge_run_over_the_dcp_ranks_and_nothing_else_
     assert scattered == TOKENS * (HEADS // TP) * width, f"{layer}: {scattered} floats kept after the reduce-scatter"
 
 
-def test_the_mha_partial_attention_is_the_pallas_kernel() -> None:
-    """Each chip's partial attention over its stripe is the ragged paged attention kernel (with its
-    log-sum-exp), not XLA's: the compiled step calls a Mosaic kernel."""
-    _mesh, text, _memory = _compiled("mha")
+@pytest.mark.parametrize("layer", LAYERS)
+def test_the_partial_attention_is_the_pallas_kernel(layer: str) -> None:
+    """Each chip's partial attention over its stripe is the ragged paged attention kernel (MHA or
+    MLA, with its log-sum-exp), not XLA's: the compiled step calls a Mosaic kernel."""
+    _mesh, text, _memory = _compiled(layer)
     assert 'custom_call_target="tpu_custom_call"' in text
 
 

@@ -8,6 +8,9 @@ Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, bf16, 2k conte
 TPU must select the Pallas kernel (a ``tpu_custom_call``), Mosaic must accept it, the outputs are
 the queries' shape and one f32 per query head and token, and the pool is never copied.
 
+The MLA kernel the same way at DeepSeek-V3's shapes (16 query heads per chip, the latent row of
+512 + 64 padded to 640), ``mla_ragged_paged_attention_with_lse``.
+
 Run it in a process of its own (``.ci/tpu_compile.sh``: libtpu locks a file per process).
 """
 
@@ -75,3 +78,43 @@ def test_a_ranks_partial_attention_with_lse_compiles(topology: str, shape: str) 
     assert q_bytes + lse_bytes <= memory.output_size_in_bytes <= q_bytes + 4 * lse_bytes, memory.output_size_in_bytes
     pool_bytes = (num_pages + 1) * RANK_PAGE * 2 * KV_HEADS * HEAD_DIM * 2  # one chip's rows
     assert memory.temp_size_in_bytes < pool_bytes // 16, (memory.temp_size_in_bytes, pool_bytes)
+
+
+# DeepSeek-V3's absorbed MLA at tp 8 (16 query heads per chip): kv_lora_rank 512, rope 64, the
+# latent row padded to 640 lanes.
+MLA_HEADS, LATENT, ROPE, ROW = 16, 512, 64, 640
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_a_ranks_partial_mla_with_lse_compiles(topology: str) -> None:
+    from pallas_kernels.mla_ragged_paged_attention import mla_ragged_paged_attention_with_lse
+
+    max_seqs, tokens = 64, 64
+    devices = np.asarray(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices).reshape(-1)
+    mesh = Mesh(devices[:DCP], ("dcp",))
+    pages_per_seq = CONTEXT // (RANK_PAGE * DCP)
+    num_pages = max_seqs * pages_per_seq
+    shapes = [
+        ((tokens, MLA_HEADS, LATENT), jnp.bfloat16, P()),
+        ((tokens, MLA_HEADS, ROPE), jnp.bfloat16, P()),
+        ((num_pages + 1, RANK_PAGE * DCP, ROW), jnp.bfloat16, P(None, "dcp", None)),
+        ((max_seqs,), jnp.int32, P()),
+        ((max_seqs, pages_per_seq), jnp.int32, P()),
+        ((max_seqs + 1,), jnp.int32, P()),
+        ((1,), jnp.int32, P()),
+    ]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec)) for s, d, spec in shapes]
+
+    def partial(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        rank = jax.lax.axis_index("dcp")
+        out, lse = mla_ragged_paged_attention_with_lse(*a, sm_scale=0.1, key_stride=DCP, key_offset=rank)
+        return out[None], lse[None]
+
+    specs = tuple(spec for *_, spec in shapes)
+    fn = jax.shard_map(partial, mesh=mesh, in_specs=specs, out_specs=(P("dcp"), P("dcp")), check_vma=False)
+    lowered = jax.jit(fn).trace(*args).lower()
+    assert "tpu_custom_call" in lowered.as_text()
+    compiled = lowered.compile()
+    assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
+    pool_bytes = (num_pages + 1) * RANK_PAGE * ROW * 2  # one chip's rows
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 16
