@@ -554,6 +554,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "eagle",
     ): "tests/serve/test_speculative_eagle.py::test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill",
     ("mla", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
+    ("mla", "tp", "eagle"): "tests/mesh/test_tp_eagle.py::test_tp2_page_16_reuse_multi_turn_chunked",
+    ("mla", "eagle", "host"): (
+        "tests/serve/test_eagle_host_tier.py::test_the_mtp_layers_pool_goes_to_the_host_and_back_with_the_targets"
+    ),
     ("mla", "host", "host"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
     ("mla", "overlap", "overlap"): (
         "tests/serve/test_parity_deepseek_v2.py::test_page_1_with_a_pool_small_enough_to_evict_and_retract"
