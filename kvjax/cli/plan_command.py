@@ -278,7 +278,8 @@ def _answer_lines(answers: dict[str, int], args: argparse.Namespace, sizing: Siz
 
 def _sweep_rows(spec: ModelSpec, args: argparse.Namespace, plan_fn: Callable[..., Any]) -> list[dict[str, Any]]:
     rows = []
-    tps: Iterable[int] = (args.tp,) if args.tp is not None else SWEEP_TP_SIZES
+    # Under --dcp D only the TP sizes D divides (DCP divides the TP group).
+    tps: Iterable[int] = (args.tp,) if args.tp is not None else [tp for tp in SWEEP_TP_SIZES if tp % args.dcp == 0]
     for tp in tps:
         for page in SWEEP_PAGE_SIZES:
             for dtype in SWEEP_KV_DTYPES:

@@ -145,3 +145,9 @@ def test_plan_dcp_prints_the_striped_pool_and_each_devices_rows(capsys):
     assert main([*argv, "--dcp", "3"]) == 2
     err = capsys.readouterr().err
     assert "--dcp 3" in err and "--tp 8" in err, err
+
+
+def test_plan_sweep_under_dcp_lists_the_tp_sizes_it_divides(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--memory", "16GiB", "--dcp", "4", "--sweep", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {row["tp"] for row in rows} == {4, 8} and not any("refused" in row for row in rows)
