@@ -196,7 +196,8 @@ def demo_cache(
 ) -> KVCache:
     """The cache the demo builds (``demo_config`` settings) for ``spec`` (default: the tiny
     model), for notebooks and tests; with ``tp_size`` above 1, sharded over that many local
-    devices (``kvjax.serve.tp_mesh``; times ``dcp_size`` under decode context parallelism), or
+    devices (``kvjax.serve.tp_mesh``; the same devices under decode context parallelism, which
+    divides them), or
     with ``group`` over every process's devices (``kvjax.serve.multihost.mesh``); ``draft_spec``: a
     speculative draft model's pool too."""
     spec = spec or ModelSpec.preset(DEMO_MODEL)
@@ -396,8 +397,8 @@ def run_demo(
     the plan drops the host tier, as for a pure sliding-window tree, the report says so instead).
     ``hicache_storage``: a directory for the warm run's storage tier (L3, with the host tier).
     ``overlap``: overlap scheduling in every run (False: each step runs to completion first).
-    ``tp_size``: every run tensor-parallel over that many local devices; ``dcp_size``: and each
-    request's KV striped over that many more (decode context parallelism). ``dp_size`` above 1:
+    ``tp_size``: every run tensor-parallel over that many local devices; ``dcp_size``: decode
+    context parallelism dividing them (each request's KV striped over ``dcp_size`` of them). ``dp_size`` above 1:
     DP attention, the ``tp_size`` devices split into ``dp_size`` ranks (``serve``), requests
     routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
     run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False).

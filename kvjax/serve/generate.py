@@ -203,7 +203,8 @@ def generate(
     ``enable_hierarchical_cache``: add the host tier (evicted prefixes kept in host memory).
     ``overlap``: overlap scheduling (``Scheduler``'s; False: each step runs to completion first).
     ``tp_size``: tensor parallelism over the first ``tp_size`` local devices (``tp_mesh``);
-    ``dcp_size``: each request's KV striped over that many times as many (``tp_mesh``).
+    ``dcp_size``: decode context parallelism dividing ``tp_size``: the KV heads over ``tp_size /
+    dcp_size`` of those devices, each request's KV striped over ``dcp_size`` (``tp_mesh``).
     ``draft``: decode speculatively with this STANDALONE draft model, or with the target's MTP
     layer (a ``NextNDraftModel``, ``resolve_draft``: EAGLE / NEXTN), ``speculative_num_steps``
     tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``). ``pp_size`` above 1:
