@@ -6,8 +6,9 @@ kvjax serves on a mesh of at most two named axes, as sglang-jax does:
   ``enable_dp_attention``; absent or of size 1 otherwise). Each rank owns its own tree,
   allocator, request table and pools.
 * ``"tp"`` (``KV_HEAD_AXIS``): the attention tensor-parallel ranks, ``attn_tp_size`` of them
-  (``tp_size / dp_size`` under DP attention, else ``tp_size``). KV heads, query heads and the
-  recurrent state's heads are sharded over it; a latent (MLA) pool is replicated over it.
+  (``tp_size / dp_size`` under DP attention, ``tp_size / dcp_size`` under DCP, else ``tp_size``).
+  KV heads, query heads and the recurrent state's heads are sharded over it (under DCP the query
+  heads over ``("tp", "dcp")`` jointly); a latent (MLA) pool is replicated over it.
 * ``"dcp"`` (``DCP_AXIS``), under decode context parallelism only (``dcp_size > 1``, instead of
   ``"data"``). As in SGLang, DCP divides the TP group and uses its chips: the mesh is
   ``("tp", "dcp")`` of ``tp_size`` devices, ``tp_size / dcp_size`` on ``"tp"`` (the KV heads,
@@ -108,12 +109,10 @@ def check_parallel_sizes(tp_size: int, dp_size: int, enable_dp_attention: bool) 
         )
 
 
-def check_dcp_sizes(dcp_size: int, tp_size: int, enable_dp_attention: bool = False, devices: int | None = None) -> None:
+def check_dcp_sizes(dcp_size: int, tp_size: int, enable_dp_attention: bool = False) -> None:
     """Refuse a DCP size that cannot divide the TP group: below 1, with DP attention, or not
     dividing ``tp_size`` (SGLang's DCP carves its ranks out of the TP group: ``tp_size`` chips in
-    all). ``devices`` is unused (the TP size is checked against the devices by
-    :func:`check_local_devices`); it is kept for callers that pass it."""
-    del devices
+    all; :func:`check_local_devices` checks those against the devices)."""
     if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
         raise ConfigError("dcp_size", dcp_size, "the decode-context-parallel size must be an integer of 1 or more")
     if dcp_size == 1:
@@ -135,8 +134,8 @@ def serving_mesh_shape(
     tp_size: int, dp_size: int = 1, enable_dp_attention: bool = False, dcp_size: int = 1
 ) -> dict[str, int]:
     """The mesh kvjax serves on, axis name -> size: ``{"data": dp, "tp": tp / dp}`` under DP
-    attention, ``{"tp": tp / dcp, "dcp": dcp}`` under DCP (``tp`` devices), else ``{"tp": tp}``. Raises ``ConfigError``
-    as :func:`check_parallel_sizes` and :func:`check_dcp_sizes`."""
+    attention, ``{"tp": tp / dcp, "dcp": dcp}`` under DCP (``tp`` devices), else ``{"tp": tp}``.
+    Raises ``ConfigError`` as :func:`check_parallel_sizes` and :func:`check_dcp_sizes`."""
     check_parallel_sizes(tp_size, dp_size, enable_dp_attention)
     check_dcp_sizes(dcp_size, tp_size, enable_dp_attention)
     if enable_dp_attention and dp_size > 1:
@@ -170,7 +169,7 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
     ``enable_dp_attention``, else 1); a ``"tp"`` axis whose size is not ``config.attn_tp_size``.
     """
     check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
-    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention)  # the axis sizes: below
+    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention)
     unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
     if unknown:
         shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention, config.dcp_size)
