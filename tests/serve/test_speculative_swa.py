@@ -330,7 +330,7 @@ def test_a_host_tier_over_a_sliding_window_target_with_a_draft_is_refused_by_nam
 # --- the command line ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["gemma3-tiny", "mistral-swa-tiny"])
+@pytest.mark.parametrize("preset", ["gemma3-tiny", pytest.param("mistral-swa-tiny", marks=pytest.mark.slow)])
 def test_generate_decodes_a_sliding_window_preset_speculatively_with_the_plain_tokens(preset, capsys):
     """``generate`` with a STANDALONE draft (the preset itself) over prompts longer than the window
     gives the tokens of ``generate`` without one (hybrid pools for Gemma 3, one SWA pool for the
