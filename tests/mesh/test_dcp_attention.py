@@ -15,7 +15,8 @@ pool of pages of ``PAGE * dcp`` tokens (the reference), and by DCP:
   merges with collectives, each device keeping its own heads.
 
 Both match the reference within float32 rounding, and every device of the mesh holds exactly its
-rank's rows.
+rank's rows; so does one KV head at tp 4 x dcp 2, replicated over the ``"tp"`` ranks as TP would
+and striped over the DCP ranks.
 """
 
 from __future__ import annotations
@@ -178,3 +179,29 @@ def test_striped_pool_over_a_mesh_matches_one_device(tp, dcp):
     assert shard.data.shape[1] == PAGE, "each device holds its rank's rows of every page"
     assert shard.data.shape[2] == 2 * KV_HEADS // (tp // dcp), "and its tp rank's KV heads"
     assert len(striped.kv[0].sharding.device_set) == tp, "the TP group's devices, no more"
+
+
+def test_kv_heads_fewer_than_the_tp_ranks_are_replicated_and_still_striped(monkeypatch):
+    """One KV head at tp 4 x dcp 2: the head is stored on both ``"tp"`` ranks (the pool's head axis
+    holds 2 copies), each rank's copy striped over its 2 DCP ranks, and the output is one device's."""
+    monkeypatch.setitem(globals(), "KV_HEADS", 1)  # the batches' K/V and the reference pool: one head
+    tp, dcp = 4, 2
+    options = OPTIONS["soft_cap_and_sinks"]
+    outs, _ = _reference(dcp, options)
+    mesh = serving_mesh(jax.make_mesh((tp // dcp, dcp), ("tp", "dcp"), devices=jax.devices()[:tp]))
+    striped = MHAKVPool.create(
+        num_pages=PAGES,
+        page_size=PAGE * dcp,
+        num_layers=1,
+        num_kv_heads=tp // dcp,  # the one head, once per "tp" rank
+        head_dim=HEAD_DIM,
+        dtype="float32",
+        mesh=mesh,
+        context_axis="dcp",
+    )
+    attend = _jitted(options)
+    for step, (_, meta) in enumerate(_batches(dcp)):
+        q, k, v = _qkv(len(meta.positions), step)
+        out, striped = attend(striped, q, k, v, meta)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[step]), atol=2e-6, rtol=1e-5)
+    assert {shard.data.shape[1:3] for shard in striped.kv[0].addressable_shards} == {(PAGE, 2)}
