@@ -92,7 +92,8 @@ def _decode(argv: list[str], address: str, env: dict[str, str]) -> Any:
 @pytest.mark.timeout(900)
 def test_sides_of_several_processes_give_the_colocated_tokens(tmp_path):
     env = child_env(devices=4, secret=secrets.token_hex(32))
-    prefill = ["generate", "--model", "tiny", "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"]
+    prefill = ["generate", "--model", "tiny", "--disaggregation-mode", "prefill"]
+    prefill += ["--disaggregation-bootstrap-port", "0"]
     group_log = (tmp_path / "group-prefill.err").open("w+")
     single_log = (tmp_path / "single-prefill.err").open("w+")
     group, group_address = _start_prefill([*GROUP, *prefill, "--tp", "4", "--page-size", "4"], env, group_log)
