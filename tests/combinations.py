@@ -380,7 +380,6 @@ GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PP_STORAGE = f"{GAP}: the storage tier over pipeline stages (it would store the first stage's layers only)"
 GAP_PP_RETRACTION = f"{GAP}: the retraction backup over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
-GAP_SPEC_ROLLBACK = f"{GAP}: rolling back this state after rejected draft tokens"
 GAP_SPEC_OVERLAP = f"{GAP}: overlap scheduling with speculative decoding (SGLang's spec v2 overlaps)"
 GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
 GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
@@ -457,6 +456,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("mla", "eagle", "processes"): (
         "tests/mesh/test_multihost_speculative.py::test_eagle_over_two_processes_gives_transformers_tokens"
+    ),
+    ("recurrent", "standalone", "standalone"): (
+        "tests/serve/test_speculative_recurrent.py::"
+        "test_rejected_drafts_roll_the_state_back_with_reuse_multi_turn_and_chunked_prefill"
     ),
     ("full", "processes", "processes"): (
         "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
@@ -675,14 +678,12 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "standalone", "standalone"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "eagle", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "host", "host"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "tp", "standalone"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "tp", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "tp", "host"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_HOST),
@@ -710,10 +711,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "standalone", "retraction"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
-    ("recurrent", "standalone", "processes"): refused(GAP_SPEC_ROLLBACK),
     ("recurrent", "eagle", "host"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),

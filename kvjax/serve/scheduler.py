@@ -916,6 +916,21 @@ class Scheduler:
             self, StepRows(tokens, starts, slots, rows, seq_lens, reqs, token_src=token_src, page_table=page_table)
         )
 
+    def replay_forward(
+        self,
+        tokens: list[np.ndarray],
+        starts: np.ndarray,
+        slots: np.ndarray,
+        rows: np.ndarray,
+        seq_lens: np.ndarray,
+        reqs: Sequence[ServingReq],
+    ) -> None:
+        """Run the target over tokens already decided (a speculative round's kept tokens, replayed
+        over the recurrent state restored from before the round: ``kvjax.serve.speculative
+        .state_replay``): the step writes their KV and state like any extend and stores its pools;
+        what it samples is dropped and no request changes. The arguments are ``_forward``'s."""
+        self._forward(tokens, starts, slots, rows, seq_lens, reqs)
+
     # --- for the stepping (``kvjax.serve.stepping``) ----------------------------------------------
 
     def pack(

@@ -72,6 +72,9 @@ class PlannerKind:
         speculative_rollback: whether freeing the rejected draft tokens' slots rolls this kind's
             state back, so speculative decoding serves it (full attention, the request table, the
             host tier: True; False by default, so a new kind is refused until it says so).
+        speculative_replay: whether this kind's state is rolled back by restoring its state from
+            before the round and replaying the kept tokens (``kvjax.serve.speculative.state_replay``:
+            the recurrent state, one slot per request that a round advances over every token).
         applies: ``(spec, config) -> bool``, planner step 1: whether the model needs this kind
             (None: never by the model; such a kind is found by ``uses`` on the plan).
         model_flags: ``(spec) -> {field: value}``, the ``ModelKind`` fields (SGLang's flags:
@@ -128,6 +131,7 @@ class PlannerKind:
     windowed_request_kv: Callable[[CachePlan], bool] | None = None
     page_backup: bool = True
     speculative_rollback: bool = False
+    speculative_replay: bool = False
     applies: Callable[[ModelSpec, CacheConfig], bool] | None = None
     model_flags: Callable[[ModelSpec], Mapping[str, Any]] | None = None
     kv_pool_priority: int = 0

@@ -63,6 +63,7 @@ KIND = PlannerKind(
     tree_components=("mamba",),
     uses=uses,
     page_backup=False,
+    speculative_replay=True,
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=3,

@@ -39,9 +39,13 @@ would; the rollback's ``free`` returns each rejected slot's SWA slot with it and
 freeing runs before each round (``before_decode``) from the committed length, which a round only
 ever moves forward, so no slot a query of the round can see (``L - W`` onwards) is freed.
 
+Recurrent-state targets (Qwen3-Next, Nemotron-H, with a full-attention draft): the state slot is
+rolled back by restoring it from before the round and replaying the kept tokens
+(``state_replay``), before any request of the round finishes.
+
 Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
 mode, as SGLang disables it for several speculative modes), a retraction backup (it would
-restore the target's KV only), recurrent-state caches, a draft whose vocabulary
+restore the target's KV only), the recurrent state's extra buffer, a draft whose vocabulary
 differs from the target's, and a cache planned for EAGLE / EAGLE3 / NEXTN (drafts that read the
 target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding`` serves EAGLE / NEXTN with
 the checkpoint's MTP layer).
@@ -69,6 +73,7 @@ from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.acceptance import accepted_lengths, limit_accepted
 from kvjax.serve.speculative.proposer import draft_metadata
 from kvjax.serve.speculative.rollback import rejected_slots
+from kvjax.serve.speculative.state_replay import restore_states, snapshot_states
 from kvjax.serve.speculative.steps import make_paired_prefill_step, make_round_step
 from kvjax.serve.speculative.verifier import verify_metadata
 from kvjax.spec import ModelSpec
@@ -83,7 +88,9 @@ class SpeculativeStats:
     ``proposed_tokens``: draft tokens proposed (``k`` per request per round); ``accepted_tokens``:
     those the target agreed with (before the cut at a request's end); ``round_tokens``: tokens the
     rounds added to outputs; ``request_rounds``: requests summed over rounds; ``rolled_back_slots``:
-    slots freed for rejected tokens; ``rollback_seconds``: host time spent choosing and freeing them.
+    slots freed for rejected tokens; ``rollback_seconds``: host time spent choosing and freeing them;
+    ``replayed_requests`` / ``replayed_tokens``: requests whose recurrent state was restored and
+    the tokens replayed for them (``state_replay``; zero without recurrent state).
     """
 
     rounds: int = 0
@@ -93,6 +100,8 @@ class SpeculativeStats:
     round_tokens: int = 0
     rolled_back_slots: int = 0
     rollback_seconds: float = 0.0
+    replayed_requests: int = 0
+    replayed_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -159,6 +168,7 @@ class DraftDecoding:
         self.draft_config = as_model_config(draft)
         self.draft_params = draft_params
         self.stats = SpeculativeStats()
+        self.replays_state = False  # the cache holds recurrent state (``check_scheduler`` says)
 
     @staticmethod
     def overlap_refusal(overlap: object) -> ConfigError:
@@ -229,11 +239,19 @@ class DraftDecoding:
                 "model", "a model of the caller's own", "speculative decoding serves the built-in families"
             )
         self.check_cache(target_config, scheduler.cache)
-        other = sorted(k.name for k in scheduler.kinds if not k.speculative_rollback)
+        other = sorted(k.name for k in scheduler.kinds if not (k.speculative_rollback or k.speculative_replay))
         if other:
             raise NotImplementedError(
                 f"speculative decoding of a cache with {other} state is not served yet (rolling it back "
                 "is not implemented); serve a full-attention or sliding-window model"
+            )
+        self.replays_state = any(k.speculative_replay for k in scheduler.kinds)
+        if self.replays_state and getattr(scheduler.cache.req_to_token_pool, "enable_mamba_extra_buffer", False):
+            raise ConfigError(
+                "enable_mamba_extra_buffer",
+                True,
+                "speculative decoding of recurrent state does not track states at page boundaries in kvjax yet "
+                "(a round's tracked state may be of rejected tokens); turn the extra buffer off or use page_size 1",
             )
         if any(isinstance(ext, RetractionBackupExtension) for ext in scheduler.extensions):
             raise ConfigError(
@@ -329,6 +347,9 @@ class DraftDecoding:
         _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, s.max_batch_size, parts)
         packed = time.perf_counter()
         pools = s.cache.apply_pending()  # recorded loads land before the round reads them
+        saved = None
+        if self.replays_state:  # the state before the round, for the requests that reject drafts
+            saved = snapshot_states(pools.recurrent, self._state_slots(running))
         out = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)
         dispatched = time.perf_counter()
         s.store_pools(out[0])
@@ -338,7 +359,36 @@ class DraftDecoding:
         s.stats.pack_seconds += packed - start
         s.stats.step_seconds += dispatched - packed
         s.stats.decode_steps += 1
-        self._settle_round(s, running, kv_len, proposals[:n], greedy[:n], logits, done)
+        self._settle_round(s, running, kv_len, proposals[:n], greedy[:n], logits, done, saved)
+
+    def _state_slots(self, reqs: Sequence[ServingReq]) -> np.ndarray:
+        return np.asarray([r.mamba_pool_idx for r in reqs], np.int32)
+
+    def _replay(
+        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
+    ) -> None:
+        """Restore the state of each request that kept fewer than ``k + 1`` tokens and replay its
+        consumed ones (``state_replay``), before any request is finished (its state is what the
+        tree checkpoints)."""
+        width = self.num_steps + 1
+        which = [i for i, tokens in enumerate(kept) if len(tokens) < width]
+        if not which:
+            return
+        reqs = [running[i] for i in which]
+        pools = s.cache.pools
+        s.store_pools(
+            pools.replace(recurrent=restore_states(pools.recurrent, self._state_slots(reqs), saved, np.asarray(which)))
+        )
+        table = s.rows.req_to_token
+        starts = kv_len[which].astype(np.int64)
+        # the consumed tokens: the round's first token, then the accepted drafts
+        tokens = [np.asarray([req.output_ids[-1], *kept[i][:-1]], np.int32) for i, req in zip(which, reqs, strict=True)]
+        ends = starts + np.asarray([len(t) for t in tokens])
+        rows = np.asarray([r.req_pool_idx for r in reqs], np.int64)
+        slots = np.concatenate([table[row, a:b] for row, a, b in zip(rows, starts, ends, strict=True)])
+        s.replay_forward(tokens, starts, slots, rows, ends, reqs)
+        self.stats.replayed_requests += len(reqs)
+        self.stats.replayed_tokens += int((ends - starts).sum())
 
     def _settle_round(
         self,
@@ -349,8 +399,10 @@ class DraftDecoding:
         greedy: np.ndarray,
         logits: np.ndarray | None,
         done: list[ServingReq],
+        saved: Any = None,
     ) -> None:
-        """Accept, cut, roll back and finish (module docstring), in one free group."""
+        """Accept, cut, roll back (the recurrent state replayed first, when the cache holds it)
+        and finish (module docstring), in one free group."""
         k, ps = self.num_steps, s.page_size
         accepted = accepted_lengths(proposals, greedy)
         sp, st = self.stats, s.stats
@@ -359,12 +411,16 @@ class DraftDecoding:
         sp.proposed_tokens += k * len(running)
         sp.accepted_tokens += int(accepted.sum())
         table = s.rows.req_to_token
+        kept_all = [
+            limit_accepted(greedy[i, : accepted[i] + 1], req.max_new_tokens - len(req.output_ids), req.stop_token_ids)
+            for i, req in enumerate(running)
+        ]
+        if saved is not None:
+            self._replay(s, running, kv_len, kept_all, saved)
         s.running = []
         with s.finish_group() as freed_rows:
             for i, req in enumerate(running):
-                kept = limit_accepted(
-                    greedy[i, : accepted[i] + 1], req.max_new_tokens - len(req.output_ids), req.stop_token_ids
-                )
+                kept = kept_all[i]
                 start_len = int(kv_len[i])
                 new_len = start_len + len(kept)
                 begin = time.perf_counter()
