@@ -225,6 +225,15 @@ class CacheConfig:
                 f"{{tp_size}} {self.tp_size}; use a {{dcp_size}} that divides {{tp_size}}, or a {{tp_size}} that "
                 f"{self.dcp_size} divides",
             )
+        group = self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+        if self.enable_dp_attention and not self.tp_size % self.dp_size and group % self.dcp_size:
+            raise ConfigError(
+                "dcp_size",
+                self.dcp_size,
+                f"under DP attention decode context parallelism divides each DP rank's attention TP group of "
+                f"{{tp_size}} {self.tp_size} / {{dp_size}} {self.dp_size} = {group} chips, and {self.dcp_size} "
+                f"does not divide {group}; use a {{dcp_size}} that divides {group}",
+            )
         if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
             raise ConfigError(
                 "disaggregation_decode_enable_radix_cache",
@@ -248,9 +257,10 @@ class CacheConfig:
     def attn_tp_size(self) -> int:
         """The ranks KV heads are split over (the mesh's ``"tp"`` axis): ``tp_size / dp_size`` under DP
         attention, ``tp_size / dcp_size`` under decode context parallelism (SGLang's DCP divides the TP
-        group: KV heads over ``tp / dcp`` ranks, tokens striped over ``dcp``), else ``tp_size``."""
+        group: KV heads over ``tp / dcp`` ranks, tokens striped over ``dcp``), ``tp_size / dp_size /
+        dcp_size`` under both (DCP divides each DP rank's group), else ``tp_size``."""
         if self.enable_dp_attention:
-            return self.tp_size // self.dp_size
+            return self.tp_size // self.dp_size // self.dcp_size
         return self.tp_size // self.dcp_size
 
     @property

@@ -1,6 +1,6 @@
 """Mesh validation: the one place that decides whether a device mesh fits a ``CacheConfig``.
 
-kvjax serves on a mesh of at most two named axes, as sglang-jax does:
+kvjax serves on a mesh of at most three named axes:
 
 * ``"data"`` (``DATA_AXIS``): the DP-attention ranks (``dp_size`` of them with
   ``enable_dp_attention``; absent or of size 1 otherwise). Each rank owns its own tree,
@@ -9,14 +9,17 @@ kvjax serves on a mesh of at most two named axes, as sglang-jax does:
   (``tp_size / dp_size`` under DP attention, ``tp_size / dcp_size`` under DCP, else ``tp_size``).
   KV heads, query heads and the recurrent state's heads are sharded over it (under DCP the query
   heads over ``("tp", "dcp")`` jointly); a latent (MLA) pool is replicated over it.
-* ``"dcp"`` (``DCP_AXIS``), under decode context parallelism only (``dcp_size > 1``, instead of
-  ``"data"``). As in SGLang, DCP divides the TP group and uses its chips: the mesh is
+* ``"dcp"`` (``DCP_AXIS``), under decode context parallelism only (``dcp_size > 1``). As in
+  SGLang, DCP divides the TP group and uses its chips: the mesh is
   ``("tp", "dcp")`` of ``tp_size`` devices, ``tp_size / dcp_size`` on ``"tp"`` (the KV heads,
   ``attn_tp_size``) and ``dcp_size`` on ``"dcp"`` (the ranks each request's KV is striped over,
   ``kvjax.alloc.dcp``), ``"dcp"`` innermost so that its per-layer collectives (the query heads'
   all-gather and the log-sum-exp merge) run between neighbouring chips. Weights and query heads
   are split over both axes jointly (``("tp", "dcp")``, tp-major: the query heads a ``"tp"`` rank's
   KV heads serve are the union of its ``"dcp"`` row's, ``kvjax.serve.param_sharding``).
+  Under DP attention DCP divides each DP rank's attention TP group (SGLang: ``attn_tp_size %
+  dcp_size == 0``): the mesh is ``("data", "tp", "dcp")`` = ``(dp, tp / dp / dcp, dcp)``, each
+  ``"data"`` row one rank's ``("tp", "dcp")`` group.
 
 Every check here runs before anything is allocated and raises one ``ConfigError`` naming the
 option (``tp_size`` / ``dp_size`` / ``mesh``), the value and the fix; the command line renders the
@@ -109,17 +112,23 @@ def check_parallel_sizes(tp_size: int, dp_size: int, enable_dp_attention: bool) 
         )
 
 
-def check_dcp_sizes(dcp_size: int, tp_size: int, enable_dp_attention: bool = False) -> None:
-    """Refuse a DCP size that cannot divide the TP group: below 1, with DP attention, or not
-    dividing ``tp_size`` (SGLang's DCP carves its ranks out of the TP group: ``tp_size`` chips in
-    all; :func:`check_local_devices` checks those against the devices)."""
+def check_dcp_sizes(dcp_size: int, tp_size: int, enable_dp_attention: bool = False, dp_size: int = 1) -> None:
+    """Refuse a DCP size that cannot divide the TP group: below 1, or not dividing ``tp_size``
+    (SGLang's DCP carves its ranks out of the TP group: ``tp_size`` chips in all;
+    :func:`check_local_devices` checks those against the devices); under DP attention, not
+    dividing a DP rank's attention TP group of ``tp_size / dp_size`` chips."""
     if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
         raise ConfigError("dcp_size", dcp_size, "the decode-context-parallel size must be an integer of 1 or more")
     if dcp_size == 1:
         return
-    if enable_dp_attention:
+    if enable_dp_attention and dp_size > 1 and not tp_size % dp_size and (tp_size // dp_size) % dcp_size:
+        group = tp_size // dp_size
         raise ConfigError(
-            "dcp_size", dcp_size, "DCP with DP attention is not served (the mesh is ('tp', 'dcp')); turn one off"
+            "dcp_size",
+            dcp_size,
+            f"under DP attention decode context parallelism divides each DP rank's attention TP group of "
+            f"{{tp_size}} {tp_size} / {{dp_size}} {dp_size} = {group} chips, and {dcp_size} does not divide "
+            f"{group}; use {{dcp_size}} {_divisors(group)}",
         )
     if tp_size % dcp_size:
         raise ConfigError(
@@ -134,10 +143,13 @@ def serving_mesh_shape(
     tp_size: int, dp_size: int = 1, enable_dp_attention: bool = False, dcp_size: int = 1
 ) -> dict[str, int]:
     """The mesh kvjax serves on, axis name -> size: ``{"data": dp, "tp": tp / dp}`` under DP
-    attention, ``{"tp": tp / dcp, "dcp": dcp}`` under DCP (``tp`` devices), else ``{"tp": tp}``.
-    Raises ``ConfigError`` as :func:`check_parallel_sizes` and :func:`check_dcp_sizes`."""
+    attention, ``{"tp": tp / dcp, "dcp": dcp}`` under DCP (``tp`` devices), ``{"data": dp, "tp":
+    tp / dp / dcp, "dcp": dcp}`` under both, else ``{"tp": tp}``. Raises ``ConfigError`` as
+    :func:`check_parallel_sizes` and :func:`check_dcp_sizes`."""
     check_parallel_sizes(tp_size, dp_size, enable_dp_attention)
-    check_dcp_sizes(dcp_size, tp_size, enable_dp_attention)
+    check_dcp_sizes(dcp_size, tp_size, enable_dp_attention, dp_size)
+    if enable_dp_attention and dp_size > 1 and dcp_size > 1:
+        return {DATA_AXIS: dp_size, KV_HEAD_AXIS: tp_size // dp_size // dcp_size, DCP_AXIS: dcp_size}
     if enable_dp_attention and dp_size > 1:
         return {DATA_AXIS: dp_size, KV_HEAD_AXIS: tp_size // dp_size}
     if dcp_size > 1:
@@ -169,7 +181,7 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
     ``enable_dp_attention``, else 1); a ``"tp"`` axis whose size is not ``config.attn_tp_size``.
     """
     check_parallel_sizes(config.tp_size, config.dp_size, config.enable_dp_attention)
-    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention)
+    check_dcp_sizes(config.dcp_size, config.tp_size, config.enable_dp_attention, config.dp_size)
     unknown = [name for name in facts.axis_names if name not in KNOWN_AXES]
     if unknown:
         shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention, config.dcp_size)
@@ -210,19 +222,20 @@ def check_mesh(facts: MeshFacts, config: CacheConfig) -> None:
         )
     dcp_axis = facts.size(DCP_AXIS)
     if dcp_axis != config.dcp_size:
-        kv_ranks = config.tp_size // config.dcp_size
+        shape = serving_mesh_shape(config.tp_size, config.dp_size, config.enable_dp_attention, config.dcp_size)
         raise ConfigError(
             "dcp_size",
             config.dcp_size,
             f"the mesh's {DCP_AXIS!r} axis has {dcp_axis} device(s) but KV is striped over {config.dcp_size} DCP "
-            f"rank(s); build the mesh as jax.make_mesh(({kv_ranks}, {config.dcp_size}), ('tp', 'dcp')) "
+            f"rank(s); build the mesh as jax.make_mesh({tuple(shape.values())}, {tuple(shape)}) "
             "(kvjax.mesh_check.make_serving_mesh makes it), or set {dcp_size} to match the mesh",
         )
     tp_axis = facts.size(KV_HEAD_AXIS)
     if tp_axis != config.attn_tp_size:
-        under_dp = f" (tp_size {config.tp_size} / dp_size {config.dp_size})" if config.enable_dp_attention else ""
-        if config.dcp_enabled:
-            under_dp = f" (tp_size {config.tp_size} / dcp_size {config.dcp_size})"
+        parts = [f"tp_size {config.tp_size}"]
+        parts += [f"dp_size {config.dp_size}"] if config.enable_dp_attention else []
+        parts += [f"dcp_size {config.dcp_size}"] if config.dcp_enabled else []
+        under_dp = f" ({' / '.join(parts)})" if len(parts) > 1 else ""
         raise ConfigError(
             "tp_size",
             config.tp_size,

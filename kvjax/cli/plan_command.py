@@ -205,7 +205,7 @@ def _config(args: argparse.Namespace, *, page_size: int, kv_dtype: str, tp: int)
     reserved = 0
     if args.tpu is not None and args.weights_bytes is not None:
         reserved = weights_per_chip(args.weights_bytes, tp * args.pp)
-    check_dcp_sizes(args.dcp, tp, args.dp > 1)
+    check_dcp_sizes(args.dcp, tp, args.dp > 1, args.dp)
     return CacheConfig(
         page_size=page_size,
         kv_cache_dtype=kv_dtype,

@@ -24,6 +24,7 @@ from kvjax.attention.attend import attend
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.build import KV_HEAD_MESH_AXIS
 from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
+from kvjax.mesh_check import DCP_AXIS
 from kvjax.pools.cache_pools import CachePools
 
 __all__ = ["dp_attend", "laid_out", "stack_rank_inputs"]
@@ -65,7 +66,13 @@ def dp_attend(
     Raises:
         ValueError: inputs without the leading rank axis, or heads that do not split over
             ``"tp"``.
+        NotImplementedError: pools striped over a ``"dcp"`` axis (the DP step attends them).
     """
+    if DCP_AXIS in layout.mesh.axis_names:
+        raise NotImplementedError(
+            "dp_attend over pools striped over decode-context-parallel ranks is not built; the DP step "
+            "(kvjax.dp.step.make_dp_step) runs their DCP attention per rank"
+        )
     dp, tp = layout.dp_size, layout.attn_tp_size
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4 or x.shape[0] != dp:

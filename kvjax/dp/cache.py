@@ -32,8 +32,14 @@ SGLang builds one scheduler per rank; kvjax builds:
   holds, so ranks (and a one-rank cache of the same attention TP) read each other's pages; one
   process only, not with an fp8 KV cache (the key carries the pool's scales, one set per rank).
 
+Under decode context parallelism (``dcp_size > 1``, DCP dividing each rank's attention TP group:
+``kvjax.plan.dcp``) the mesh is ``("data", "tp", "dcp")`` and each rank's slice is the pool
+``build_kv_cache`` builds over the rank's ``("tp", "dcp")`` group: page rows striped over
+``"dcp"`` (``kvjax.alloc.dcp``), KV heads over ``"tp"``; each rank's allocator and tree use the
+striped page (``page_size * dcp_size``). Not with a host pool yet (``NotImplementedError``).
+
 Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_shape`` is the
-shape ``build_kv_cache`` gives that array over a ``("tp",)`` mesh of ``attn_tp_size`` devices;
+shape ``build_kv_cache`` gives that array over the rank's ``("tp",)`` (or ``("tp", "dcp")``) mesh;
 ``layout.pool_specs`` is the matching pytree of ``PartitionSpec`` (first entry ``"data"``).
 Not built yet under DP attention (refused before anything is allocated): the storage tier over
 several processes or an fp8 KV cache, the host tier of a kind with its own transfer engine (the
@@ -62,9 +68,10 @@ from kvjax.build import (
 from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
 from kvjax.device_updates import PendingDeviceUpdates
-from kvjax.dp.rank_mesh import DATA_MESH_AXIS, rank_devices
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS, rank_devices, rank_mesh
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
+from kvjax.mesh_check import DCP_AXIS
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
 from kvjax.plan.host_sizing import check_host_memory
@@ -193,7 +200,9 @@ def build_dp_kv_cache(
     Args:
         spec: the model.
         config: with ``enable_dp_attention`` set; ``dp_size`` ranks of ``attn_tp_size`` devices.
-        mesh: axes ``("data", "tp")`` of sizes ``(dp_size, attn_tp_size)``.
+        mesh: axes ``("data", "tp")`` of sizes ``(dp_size, attn_tp_size)``; under decode context
+            parallelism ``("data", "tp", "dcp")``, the last of ``dcp_size`` (each rank's pools
+            striped over its ``"dcp"`` devices, as ``build_kv_cache`` stripes one rank's).
         device_memory_bytes: per-device memory, only needed with ``mem_fraction_static`` (default:
             what the device reports).
 
@@ -215,21 +224,27 @@ def build_dp_kv_cache(
     plan = with_extra_pools(plan, kinds)
     for pool in plan.pools:
         require_builder(pool.kind, plan.model)
-    _check_rank_host_tiers(plan, kinds, config.dp_size)
+    _check_rank_host_tiers(plan, kinds, config)
 
     device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
     one_device = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
-    rank_mesh = Mesh(rank_devices(mesh, 0), (KV_HEAD_MESH_AXIS,))
-    one_rank = dataclasses.replace(one_device, mesh=rank_mesh, tp_size=config.attn_tp_size)
+    one_rank = _rank_context(one_device, rank_mesh(mesh, 0), config)
+    # the rank's pools over its "tp" devices alone (not striped): which axes "tp" splits
+    heads_mesh = Mesh(rank_devices(mesh, 0)[:: config.dcp_size], (KV_HEAD_MESH_AXIS,))
+    headed = dataclasses.replace(one_device, mesh=heads_mesh, tp_size=config.attn_tp_size)
     local = jax.eval_shape(lambda: _device_pools(device_plans, one_device))
+    over_heads = jax.tree_util.tree_leaves(jax.eval_shape(lambda: _device_pools(device_plans, headed)))
     ranked = jax.eval_shape(lambda: _device_pools(device_plans, one_rank))
     local_leaves, structure = jax.tree_util.tree_flatten(local)
     rank_leaves = jax.tree_util.tree_leaves(ranked)  # same arrays, other static fields (heads, mesh)
-    if len(rank_leaves) != len(local_leaves):
+    if not len(rank_leaves) == len(over_heads) == len(local_leaves):
         raise AssertionError(f"one rank's pools have {len(rank_leaves)} arrays; one device's {len(local_leaves)}")
     specs = jax.tree_util.tree_unflatten(
         structure,
-        [_rank_spec(a.shape, b.shape, config.attn_tp_size) for a, b in zip(local_leaves, rank_leaves, strict=True)],
+        [
+            _rank_spec(a.shape, h.shape, b.shape, config.attn_tp_size, config.dcp_size)
+            for a, h, b in zip(local_leaves, over_heads, rank_leaves, strict=True)
+        ],
     )
     pools = _build_over_mesh(lambda: _device_pools(device_plans, one_device), mesh, specs)
     ranks = tuple(_rank_host_state(r, plan, kinds, pools, mesh, config) for r in range(config.dp_size))
@@ -239,18 +254,26 @@ def build_dp_kv_cache(
 
 def check_dp_mesh(mesh: Mesh, config: CacheConfig) -> None:
     """``ConfigError`` unless DP attention is on and ``mesh`` is ``("data", "tp")`` of sizes
-    ``(dp_size, attn_tp_size)`` over devices of one platform."""
+    ``(dp_size, attn_tp_size)`` (under decode context parallelism ``("data", "tp", "dcp")``, the
+    last of ``dcp_size``) over devices of one platform."""
     if not config.enable_dp_attention:
         raise ConfigError(
             "enable_dp_attention", False, "set it: a DP cache builds one tree, allocator and pool slice per DP rank"
         )
     names = tuple(mesh.axis_names)
-    if sorted(names) != sorted((DATA_MESH_AXIS, KV_HEAD_MESH_AXIS)):
+    expected = (DATA_MESH_AXIS, KV_HEAD_MESH_AXIS, *((DCP_AXIS,) if config.dcp_enabled else ()))
+    if sorted(names) != sorted(expected):
+        striped = f", each rank's tokens striped over {DCP_AXIS!r}" if config.dcp_enabled else ""
         raise ConfigError(
             "mesh",
             names,
-            f"name the axes ({DATA_MESH_AXIS!r}, {KV_HEAD_MESH_AXIS!r}): DP ranks over {DATA_MESH_AXIS!r}, "
-            f"KV heads over {KV_HEAD_MESH_AXIS!r}",
+            f"name the axes {expected}: DP ranks over {DATA_MESH_AXIS!r}, KV heads over {KV_HEAD_MESH_AXIS!r}{striped}",
+        )
+    if config.dcp_enabled and mesh.shape[DCP_AXIS] != config.dcp_size:
+        raise ConfigError(
+            "dcp_size",
+            config.dcp_size,
+            f"the mesh's {DCP_AXIS!r} axis has {mesh.shape[DCP_AXIS]} devices; make them equal",
         )
     if mesh.shape[DATA_MESH_AXIS] != config.dp_size:
         raise ConfigError(
@@ -300,20 +323,40 @@ def _device_pools(plans: tuple[PoolPlan, ...], context: BuildContext) -> CachePo
     return CachePools(device)
 
 
-def _rank_spec(local: tuple[int, ...], ranked: tuple[int, ...], attn_tp: int) -> P:
-    """The spec of one array: rank axis over ``"data"``, and over ``"tp"`` the axis where one
-    rank's array (``ranked``) is ``attn_tp`` times one device's (``local``)."""
-    if len(local) != len(ranked):
+def _rank_spec(local: tuple[int, ...], headed: tuple[int, ...], ranked: tuple[int, ...], attn_tp: int, dcp: int) -> P:
+    """The spec of one array: rank axis over ``"data"``; over ``"tp"`` the axis where the rank's
+    array over its ``"tp"`` devices alone (``headed``) is ``attn_tp`` times one device's
+    (``local``); over ``"dcp"`` the axis where the rank's striped array (``ranked``) is ``dcp``
+    times ``headed`` (its page rows, under decode context parallelism)."""
+    if not len(local) == len(headed) == len(ranked):
         raise AssertionError(f"a pool array of shape {ranked} over a rank has shape {local} on one device")
     axes: list[str | None] = []
-    for a, b in zip(local, ranked, strict=True):
-        if a == b:
+    for a, h, b in zip(local, headed, ranked, strict=True):
+        if a == h == b:
             axes.append(None)
-        elif b == a * attn_tp and KV_HEAD_MESH_AXIS not in axes:
+        elif h == a * attn_tp and b == h and KV_HEAD_MESH_AXIS not in axes:
             axes.append(KV_HEAD_MESH_AXIS)
+        elif a == h and b == h * dcp and DCP_AXIS not in axes:
+            axes.append(DCP_AXIS)
         else:
-            raise AssertionError(f"a pool array of shape {ranked} over {attn_tp} devices has shape {local} on one")
+            raise AssertionError(
+                f"a pool array of shape {ranked} over {attn_tp} x {dcp} devices has shape {local} on one"
+            )
     return P(DATA_MESH_AXIS, *axes)
+
+
+def _rank_context(context: BuildContext, mesh: Mesh, config: CacheConfig) -> BuildContext:
+    """``context`` over one rank's ``mesh`` (``rank_mesh``): the rank's KV heads over its
+    ``attn_tp_size`` ``"tp"`` devices, its pages striped over ``"dcp"`` under decode context
+    parallelism (as ``build_kv_cache`` builds a one-rank cache over that mesh)."""
+    return dataclasses.replace(
+        context,
+        mesh=mesh,
+        kv_head_axis=KV_HEAD_MESH_AXIS,
+        tp_size=config.attn_tp_size,
+        context_axis=DCP_AXIS if config.dcp_enabled else None,
+        dcp_size=config.dcp_size,
+    )
 
 
 def _build_over_mesh(make: Callable[[], CachePools], mesh: Mesh, specs: Any) -> CachePools:
@@ -328,14 +371,21 @@ def _build_over_mesh(make: Callable[[], CachePools], mesh: Mesh, specs: Any) -> 
     return pools
 
 
-def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], dp_size: int) -> None:
+def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], config: CacheConfig) -> None:
     """Before anything is allocated: the host tier (or the ``host_pool`` retraction backup) is
     built per rank only over the device pool the default engine copies (MHA, MLA: a kind with
     its own engine, the sliding-window pair, is refused), and every rank's host pool together
-    must fit the host's memory (SGLang's check, on ``dp_size`` host pools)."""
+    must fit the host's memory (SGLang's check, on ``dp_size`` host pools). Not with decode
+    context parallelism yet (the ranks' transfer engines copy unstriped slices)."""
     host_bytes = sum(p.nbytes for p in plan.pools if p.kind == HOST_TIER_POOL.name)
     if not host_bytes:
         return
+    if config.dcp_enabled:
+        raise NotImplementedError(
+            f"kvjax cannot build the host tier (or the host_pool retraction backup) under DP attention with "
+            f"dcp_size={config.dcp_size} yet (each rank's host transfers copy unstriped pages); build without it "
+            "(decode_retraction_backup='cpu_tensor'), with dcp_size=1, or with build_kv_cache (one rank)"
+        )
     check_host_tier_buildable(plan)
     own = [kind.name for kind in kinds if POOL_BUILDERS[kind.name].transfer_engine is not None]
     if own:
@@ -345,7 +395,7 @@ def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], dp_s
         )
     available = host_memory_bytes()
     if available is not None:
-        check_host_memory(dp_size * host_bytes, available)
+        check_host_memory(config.dp_size * host_bytes, available)
 
 
 def _rank_host_state(
@@ -355,14 +405,14 @@ def _rank_host_state(
     them (the host pools for the rank's ``("tp",)`` devices), and its queue of pending device
     updates over ``pools``; with a host pool, its tree's transfers go through a
     ``RankPageTransferEngine`` over the rank's slice of ``pools``."""
-    rank_mesh = Mesh(rank_devices(mesh, rank), (KV_HEAD_MESH_AXIS,))
-    context = BuildContext(
-        platform=plan.platform,
-        mesh=rank_mesh,
-        kv_head_axis=KV_HEAD_MESH_AXIS,
-        tp_size=config.attn_tp_size,
-        host_layout=plan.hicache_mem_layout,
-        kv_head_replicas=plan.target.kv_head_replicas,
+    context = _rank_context(
+        BuildContext(
+            platform=plan.platform,
+            host_layout=plan.hicache_mem_layout,
+            kv_head_replicas=plan.target.kv_head_replicas,
+        ),
+        rank_mesh(mesh, rank),
+        config,
     )
     table: Any = None
     host_pools: dict[str, Any] = {}

@@ -221,7 +221,8 @@ class LockstepDPScheduler(DPScheduler):
         agreement: Agreement | None = None,
     ) -> LockstepDPScheduler:
         """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
-        ``(dp_size, tp_size / dp_size)`` devices), a host scheduler per rank (``max_batch_size``,
+        ``(dp_size, tp_size / dp_size)`` devices; ``("data", "tp", "dcp")`` with ``dcp_size``),
+        a host scheduler per rank (``max_batch_size``,
         ``chunked_prefill_size``, ``record_logits`` as ``Scheduler`` takes them) and the DP step,
         the weights split over each rank's ``"tp"`` devices (``place_params``). ``model_config``:
         the served model's config when it is not the spec's family default (a checkpoint's,

@@ -7,6 +7,10 @@ goes through the model in one program over the ``("data", "tp")`` mesh:
   automatic: inside, each DP rank sees its own tokens, metadata and slice of the pools, viewed
   as one rank's pools (``DPLayout.rank_pools``: the rank's KV heads over its ``attn_tp_size``
   devices), and runs the family's forward on them, then greedy sampling.
+* Under decode context parallelism (a ``("data", "tp", "dcp")`` mesh) "tp" and "dcp" stay
+  automatic: each rank's weights split over both jointly and its pools striped over "dcp", as
+  the single-rank DCP step over the rank's ``("tp", "dcp")`` group (the pools' DCP attention,
+  ``kvjax.attention.dcp_striped_layer``, nests its ``shard_map`` in the rank's).
 * Within a rank the forward is tensor parallel exactly as the single-rank sharded step
   (``kvjax.serve.step.make_sharded_step``): weights split Megatron style over ``"tp"``
   (``kvjax.serve.param_sharding``, replicated over ``"data"``), the attention kernels per device
@@ -59,7 +63,7 @@ from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding
 from kvjax.pools.cache_pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
-from kvjax.serve.param_sharding import param_partition_specs, shard_params
+from kvjax.serve.param_sharding import param_shardings, shard_params
 from kvjax.serve.step import positional_step, step_body
 from kvjax.spec import ModelSpec
 
@@ -119,11 +123,7 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
 
     pool_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.pool_specs, is_leaf=_is_spec)
-    weights = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec),
-        _param_specs(config, layout),
-        is_leaf=_is_spec,
-    )
+    weights = _param_shardings(config, layout)
     by_rank = host_sharding(mesh)
     outs = (pool_shardings, by_rank, by_rank) if with_logits else (pool_shardings, by_rank)
     # tokens, meta (a prefix: every leaf), prev_tokens, token_src by rank (replicated over several
@@ -138,10 +138,11 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
     return positional_step(jitted)
 
 
-def _param_specs(config: ModelConfig, layout: DPLayout) -> Any:
-    """The weights' ``PartitionSpec`` tree over ``layout.mesh`` (``param_sharding``'s rules over
-    ``"tp"``), from the model's parameter shapes (no weights needed)."""
-    return param_partition_specs(param_shapes(config), config, layout.attn_tp_size)
+def _param_shardings(config: ModelConfig, layout: DPLayout) -> Any:
+    """The weights' ``NamedSharding`` tree over ``layout.mesh`` (``param_sharding``'s rules over
+    ``"tp"``, or ``("tp", "dcp")`` jointly under decode context parallelism; as ``place_params``
+    lays them out), from the model's parameter shapes (no weights needed)."""
+    return param_shardings(param_shapes(config), config, layout.mesh)
 
 
 def _is_spec(x: Any) -> bool:

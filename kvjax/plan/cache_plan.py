@@ -321,16 +321,18 @@ def _render(plan: CachePlan) -> str:
         f"head dim {plan.head_dim_padded}",
     ]
     target = plan.target
+    dcp = plan.alloc_page_size // plan.sizes.page_size
+    group = target.attn_tp_size * dcp  # a DP rank's attention TP group (DCP divides it)
     if target.tp_size > 1:
-        dp = f"dp {target.dp_size} x attention tp {target.attn_tp_size}" if target.dp_size > 1 else "attention tp"
+        dp = f"dp {target.dp_size} x attention tp {group}" if target.dp_size > 1 else "attention tp"
         lines.append(
             f"  parallel: tp {target.tp_size} ({dp}); tokens and bytes below are per device"
             + (", each DP rank with its own pools" if target.dp_size > 1 else "")
         )
-    dcp = plan.alloc_page_size // plan.sizes.page_size
     if dcp > 1:
+        tp = f"attention tp {group}" if target.dp_size > 1 else f"tp {target.tp_size}"
         lines.append(
-            f"  decode context parallel: tp {target.tp_size} (dcp {dcp}): KV over {target.attn_tp_size} head rank(s), "
+            f"  decode context parallel: {tp} (dcp {dcp}): KV over {target.attn_tp_size} head rank(s), "
             f"each request's KV striped over {dcp} ranks: "
             f"{plan.max_total_tokens // dcp:,} token rows per device (pages of {plan.sizes.page_size} rows); "
             "bytes below are per device"

@@ -13,6 +13,12 @@ DeepSeek-V3 at tp 8 the latent pool grows ``D``-fold on the same chips. For a mo
 already split over ``T`` ranks, DCP gives no more tokens (each device holds ``D`` times the heads
 of ``1 / D`` of the tokens), as in SGLang.
 
+Under DP attention (``--dp N --tp T --dcp D``, SGLang: ``attn_tp_size % dcp_size == 0``) DCP
+divides each DP rank's attention TP group of ``T / N`` chips: the rank's KV heads over ``T / N /
+D`` ranks, its tokens striped over ``D``, its weights and query heads over all ``T / N``; the mesh
+is ``("data", "tp", "dcp")`` = ``(N, T / N / D, D)`` and each rank's plan is the one above for
+its group (``kvjax.dp``).
+
 The allocator's and the tree's page is ``page_size * dcp_size``, the pools hold ``page_size`` rows
 of each striped page per device, and ``max_total_tokens`` counts the allocator's (striped) slots,
 ``dcp_size`` times one device's rows. Every ``page_size`` tiles the stripe (the striped page is
@@ -22,7 +28,7 @@ Refused, each by name, with what to do:
 
 * a ``dcp_size`` that does not divide ``tp_size`` (``CacheConfig``), and query heads that do not
   split over the ``tp_size`` ranks;
-* DP attention and pipeline parallelism with DCP (kvjax's mesh is ``("tp", "dcp")``);
+* pipeline parallelism with DCP;
 * a speculative draft model (its pool is not striped);
 * the storage tier (L3) with DCP, as in SGLang;
 * a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``): the hybrid
@@ -54,21 +60,15 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str, num_atten
     if not config.dcp_enabled:
         return
     dcp = config.dcp_size
-    tp = config.tp_size
+    tp = config.tp_size // config.dp_size if config.enable_dp_attention else config.tp_size  # a DP rank's group
     refusals: tuple[tuple[bool, str, object, str], ...] = (
         (
             num_attention_heads > 0 and num_attention_heads % tp != 0,
             "tp_size",
             tp,
-            f"{model}: under {{dcp_size}} {dcp} the query heads stay split over all {tp} TP ranks, and its "
-            f"{num_attention_heads} attention heads do not split over {tp}; use a {{tp_size}} that divides "
-            f"{num_attention_heads}",
-        ),
-        (
-            config.enable_dp_attention,
-            "enable_dp_attention",
-            True,
-            f"DP attention with {{dcp_size}} {dcp} is not served: kvjax's DCP mesh is ('tp', 'dcp'); turn one off",
+            f"{model}: under {{dcp_size}} {dcp} the query heads stay split over all {tp} (attention) TP ranks, and "
+            f"its {num_attention_heads} attention heads do not split over {tp}; use a {{tp_size}} that divides "
+            f"{num_attention_heads}" + (" per DP rank" if config.enable_dp_attention else ""),
         ),
         (
             config.pp_size > 1,
