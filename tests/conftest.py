@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import Counter
+from pathlib import Path
 
 import jax
+import pytest
 
 _CACHE_DIR = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kvjax-test-xla-cache")
@@ -17,3 +20,49 @@ _CACHE_DIR = os.environ.setdefault(
 _MIN_COMPILE_SECS = float(os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
 jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", _MIN_COMPILE_SECS)
+
+
+# The main suite's files that take longest (seconds of one worker in CI's suite stage, rounded),
+# heaviest first. CI runs the suite with ``--no-loadscope-reorder``, so xdist hands files to its
+# two workers in this order (``--dist loadfile``) instead of by their number of tests, which left
+# heavy files of few tests (the real model, the pipeline benchmark) to the end, one worker serving
+# them while the other had nothing left; the rest follow, those with more tests first (xdist's own
+# order). tests/mesh orders its own stage (tests/mesh/conftest.py).
+SUITE_HEAVIEST_FIRST = (
+    "tests/test_readme.py",  # 140
+    "tests/serve/test_real_model.py",  # 90
+    "tests/serve/test_random_workloads.py",  # 70
+    "tests/serve/test_speculative_swa.py",  # 40
+    "tests/test_demo.py",  # 37
+    "tests/serve/test_overlap.py",  # 34
+    "tests/serve/test_parity_transformers.py",  # 22
+    "tests/kernels/test_ragged_paged_attention.py",  # 20
+    "tests/serve/test_speculative_cli.py",  # 13
+    "tests/kv_events/test_serving.py",  # 12
+    "tests/test_pp_benchmark.py",  # 10
+    "tests/radix/test_state_machine.py",  # 10
+    "tests/serve/test_sessions.py",  # 9
+    "tests/kernels/test_pk_page_copy.py",  # 9
+    "tests/serve/test_speculative_eagle.py",  # 8
+    "tests/serve/test_speculative_parity.py",  # 8
+    "tests/gguf/test_gguf_checkpoint.py",  # 8
+    "tests/serve/test_speculative.py",  # 7
+)
+_ROOT = Path(__file__).resolve().parent.parent
+_MESH = _ROOT / "tests" / "mesh"
+
+
+def _suite_rank(item: pytest.Item, tests_per_file: Counter[Path]) -> tuple[int, int]:
+    name = item.path.relative_to(_ROOT).as_posix() if item.path.is_relative_to(_ROOT) else ""
+    if name in SUITE_HEAVIEST_FIRST:
+        return (SUITE_HEAVIEST_FIRST.index(name), 0)
+    return (len(SUITE_HEAVIEST_FIRST), -tests_per_file[item.path])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The main suite's files in `SUITE_HEAVIEST_FIRST`'s order, then by their number of tests (a
+    stable sort: each file's tests keep their order); a run with tests/mesh in it is left alone."""
+    if any(item.path.is_relative_to(_MESH) for item in items):
+        return
+    tests_per_file = Counter(item.path for item in items)
+    items.sort(key=lambda item: _suite_rank(item, tests_per_file))
