@@ -334,8 +334,11 @@ def _dp_server(
     ``ConfigError`` naming ``tp_size`` when there are fewer than ``tp_size`` (nothing is built)."""
     import jax
 
-    tp, dp = config_kwargs.get("tp_size", 1), config_kwargs["dp_size"]
-    mesh = make_serving_mesh(tp, dp, True, devices=jax.local_devices()) if group is None else group_dp_mesh(tp, dp)
+    tp, dp, dcp = config_kwargs.get("tp_size", 1), config_kwargs["dp_size"], config_kwargs.get("dcp_size", 1)
+    if group is not None and dcp > 1:
+        raise NotImplementedError("decode context parallelism under DP attention across processes is not built yet")
+    local = jax.local_devices()
+    mesh = make_serving_mesh(tp, dp, True, devices=local, dcp_size=dcp) if group is None else group_dp_mesh(tp, dp)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     config = demo_config(**config_kwargs, enable_dp_attention=True)
     return LockstepDPScheduler.build_lockstep(

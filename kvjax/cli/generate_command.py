@@ -282,8 +282,7 @@ def run(args: argparse.Namespace) -> int:
 
             result = generate_decode(args, model, prompts, common)
         elif dp_attention:
-            for refused in ("enable_hierarchical_cache", "dcp_size"):  # with --dp (dp_attention_config)
-                options.pop(refused)
+            options.pop("enable_hierarchical_cache")  # with --dp (dp_attention_config)
             overlap = not args.disable_overlap_schedule
             result, _ = generate_dp(
                 model,

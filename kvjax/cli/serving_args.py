@@ -12,7 +12,7 @@ from typing import Any
 from kvjax.cli.arg_types import positive_int
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
-from kvjax.mesh_check import check_parallel_sizes
+from kvjax.mesh_check import check_dcp_sizes, check_parallel_sizes
 
 #: CacheConfig / model options -> the shared flag that sets them (error messages name these).
 SERVING_FLAGS = {
@@ -260,16 +260,18 @@ def cache_options(args: argparse.Namespace) -> dict[str, Any]:
 def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
     """What ``--dp`` above 1 adds to ``cache_options`` for the jax-free checks that plan the cache
     (``enable_dp_attention``; the serving entry points set it themselves), after checking, before
-    jax starts, that ``--dp`` divides ``--tp`` (``ConfigError`` naming ``dp_size``) and that no
+    jax starts, that ``--dp`` divides ``--tp`` (``ConfigError`` naming ``dp_size``), that ``--dcp`` divides
+    each DP rank's ``--tp / --dp`` chips (naming ``dcp_size``) and that no
     flag asks for what DP attention does not serve with yet (`UsageError`)."""
     if args.dp == 1:
         return {}
     check_parallel_sizes(args.tp, args.dp, True)
     if args.pp > 1:
         raise UsageError(f"--dp {args.dp} with --pp {args.pp}: pipeline stages are not served under DP attention")
-    if args.dcp > 1:
+    check_dcp_sizes(args.dcp, args.tp, True, args.dp)
+    if args.dcp > 1 and args.enable_hierarchical_cache:
         raise UsageError(
-            f"--dp {args.dp} with --dcp {args.dcp}: decode context parallelism is not built under DP attention; "
-            "drop one of the two flags"
+            f"--dp {args.dp} with --dcp {args.dcp} and --enable-hierarchical-cache: a host tier per DP rank over pools "
+            "striped over DCP ranks is not built in kvjax yet; drop --enable-hierarchical-cache, --dcp or --dp"
         )
     return {"enable_dp_attention": True}

@@ -350,6 +350,7 @@ def generate_dp(
     dp_size: int,
     tp_size: int,
     dp_routing: str = "cache_aware",
+    dcp_size: int = 1,
     page_size: int = 16,
     max_total_tokens: int | None = None,
     chunked_prefill_size: int = 512,
@@ -375,8 +376,12 @@ def generate_dp(
     the ranks. ``group``: as ``generate``'s, over every process's devices (``group_dp_mesh``,
     ranks in process order; every process runs every rank's scheduler).
 
+    ``dcp_size``: decode context parallelism dividing each rank's ``tp_size / dp_size`` devices (the
+    mesh ``("data", "tp", "dcp")``: each rank's KV striped over ``dcp_size`` of them; one process).
+
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
-    ``tp_size`` and ``tp_size`` when there are fewer local devices; nothing is built then.
+    ``tp_size``, ``dcp_size`` when it does not divide ``tp_size / dp_size``, and ``tp_size`` when there are
+    fewer local devices; nothing is built then.
     """
     import jax
 
@@ -388,9 +393,13 @@ def generate_dp(
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
     _agree_on_requests(reqs, group)
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
-    config = _config(model, prompts, max_new_tokens, *sizes).replace(dp_size=dp_size, enable_dp_attention=True)
+    config = _config(model, prompts, max_new_tokens, *sizes, dcp_size=dcp_size).replace(
+        dp_size=dp_size, enable_dp_attention=True
+    )
     if group is None:
-        mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices())
+        mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices(), dcp_size=dcp_size)
+    elif dcp_size > 1:
+        raise NotImplementedError("decode context parallelism under DP attention across processes is not built yet")
     else:
         from kvjax.serve.multihost.mesh import group_dp_mesh
 

@@ -10,7 +10,8 @@ the tiny Llama (2 KV heads over ``"tp"``, tokens striped over ``"dcp"``) are ser
 rank's balance checked after every round, ``tests.mesh.dp_balance``) on pools small enough that
 prefixes are reused, prompts prefill in chunks, the trees evict and the schedulers retract (each
 asserted); tokens equal Transformers' greedy ``generate`` and logits agree within 1e-4; both ranks
-serve and end leak free.
+serve and end leak free. ``generate --dp 2 --tp 8 --dcp 2`` gives the one-device tokens, and a
+``--dcp`` that does not divide a rank's ``--tp / --dp`` chips is one error line naming the flags.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import pytest
 
 from kvjax import CacheConfig
+from kvjax.cli import main
 from kvjax.dp import LockstepDPScheduler
 from kvjax.mesh_check import make_serving_mesh
 from kvjax.pools import MHAKVPool, MLAKVPool
@@ -77,3 +79,15 @@ def test_reuse_chunked_prefill_eviction_and_retraction(family, tmp_path_factory)
     assert sum(st.retractions for st in stats) > 0, stats
     assert sum(st.prefill_steps for st in stats) > len(done), "prompts longer than a chunk prefill in chunks"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_generate_gives_the_one_device_tokens_and_names_the_flags(capsys):
+    argv = ["generate", "--model", "deepseek-tiny", "--prompt-ids", "1,2,3,4,5,6,7,8,9", "--prompt-ids", "1,2,3,4,5"]
+    argv += ["--max-new-tokens", "4", "--page-size", "2", "--json"]
+    assert main(argv) == 0
+    one_device = capsys.readouterr().out
+    assert main([*argv, "--dp", "2", "--tp", "8", "--dcp", "2"]) == 0
+    assert capsys.readouterr().out == one_device
+    assert main([*argv, "--dp", "2", "--tp", "4", "--dcp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--dcp 4" in err and "--tp 4 / --dp 2 = 2 chips" in err, err
