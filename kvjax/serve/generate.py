@@ -232,6 +232,10 @@ def generate(
             "several processes serve tensor parallel, DP attention and speculative decoding only for now: drop "
             "pp_size, dcp_size and the images"
         )
+    if draft is not None and overlap:  # the speculative scheduler's refusal, before anything is built
+        from kvjax.serve.speculative.draft_decoding import DraftDecoding
+
+        raise DraftDecoding.overlap_refusal(overlap)
     if images is not None:
         refused = draft is not None or pp_size > 1 or dcp_size > 1
         prompts = _expanded_prompts(prompts, image_encoder, refused)
@@ -357,6 +361,7 @@ def generate_dp(
     max_batch_size: int = 16,
     stop_token_ids: Sequence[int] | None = None,
     record_logits: bool = False,
+    enable_hierarchical_cache: bool = False,
     overlap: bool = True,
     on_step: StepCallback | None = None,
     cache_salts: Sequence[str | None] | None = None,
@@ -372,9 +377,10 @@ def generate_dp(
     ``dp_routing`` (``kvjax.serve.dp_router``) when the one before it has been prefilled, and
     every round runs one device step for all ranks (``LockstepDPScheduler``, with overlap
     scheduling unless ``overlap`` is False; ``on_step``, ``cache_salts``, ``priorities`` and
-    ``retention_seconds`` as ``generate``'s). The result's counts and ``stats`` are totals over
-    the ranks. ``group``: as ``generate``'s, over every process's devices (``group_dp_mesh``,
-    ranks in process order; every process runs every rank's scheduler).
+    ``retention_seconds`` as ``generate``'s; ``enable_hierarchical_cache``: a host tier per
+    rank). The result's counts and ``stats`` are totals over the ranks. ``group``: as
+    ``generate``'s, over every process's devices (``group_dp_mesh``, ranks in process order;
+    every process runs every rank's scheduler).
 
     ``dcp_size``: decode context parallelism dividing each rank's ``tp_size / dp_size`` devices (the
     mesh ``("data", "tp", "dcp")``: each rank's KV striped over ``dcp_size`` of them; one process).
@@ -393,9 +399,9 @@ def generate_dp(
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
     _agree_on_requests(reqs, group)
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
-    config = _config(model, prompts, max_new_tokens, *sizes, dcp_size=dcp_size).replace(
-        dp_size=dp_size, enable_dp_attention=True
-    )
+    config = _config(
+        model, prompts, max_new_tokens, *sizes, enable_hierarchical_cache=enable_hierarchical_cache, dcp_size=dcp_size
+    ).replace(dp_size=dp_size, enable_dp_attention=True)
     if group is None:
         mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices(), dcp_size=dcp_size)
     elif dcp_size > 1:
