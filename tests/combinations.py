@@ -64,7 +64,8 @@ FEATURES: dict[str, str] = {
     "eagle": "EAGLE (`--speculative-algorithm EAGLE`: the checkpoint's MTP layer drafts, DeepSeek's; a checkpoint "
     "directory with `num_nextn_predict_layers: 1` for MLA, the kind's own config for the others)",
     "host": "host tier (`--enable-hierarchical-cache`)",
-    "storage": "storage tier (`hicache_storage_backend='memory'`, with the host tier)",
+    "storage": "storage tier (`hicache_storage_backend='memory'`, with the host tier; `demo`'s `--hicache-storage "
+    "DIR`)",
     "retraction": "retraction backup (`disaggregation_decode_retraction_backup='cpu_tensor'`)",
     "overlap": "overlap scheduling (on unless `--disable-overlap-schedule`)",
     "processes": "several processes (`--num-processes 2`)",
@@ -180,7 +181,8 @@ def _cli_argv(kind: str, features: set[str]) -> list[str]:
     directory of the kind's ``config.json`` (``_checkpoint_dir``)."""
     checkpoint = _checkpoint_dir(kind, "eagle" in features and _mtp(kind))
     argv = ["generate", "--model", checkpoint, "--prompt-ids", "1,2,3"]
-    tp = 4 if {"tp", "dp"} <= features or {"tp", "dcp"} <= features else 2 if features & {"tp", "dp", "dcp"} else 1
+    pairs = ({"tp", "dp"}, {"tp", "dcp"}, {"dp", "dcp"})
+    tp = 4 if any(p <= features for p in pairs) else 2 if features & {"tp", "dp", "dcp"} else 1
     argv += ["--tp", str(tp)] if tp > 1 else []
     argv += ["--dp", "2"] if "dp" in features else []
     argv += ["--dcp", "2"] if "dcp" in features else []
@@ -198,11 +200,9 @@ def _cli_argv(kind: str, features: set[str]) -> list[str]:
 
 def _cli_checks(kind: str, features: set[str]) -> None:
     """The jax-free checks ``generate`` makes before jax starts (``generate_command.run``'s order)."""
-    import contextlib
-    import io
-
     from kvjax.cli import _parser, serving_args
     from kvjax.cli import generate_command as gen
+    from kvjax.cli.combination_flags import check_combinations
     from kvjax.cli.disaggregation_flags import check_disaggregation
     from kvjax.cli.model_arg import model_spec
     from kvjax.cli.multihost_flags import joins_group
@@ -211,9 +211,12 @@ def _cli_checks(kind: str, features: set[str]) -> None:
     check_disaggregation(
         args, command="generate", speculative=bool(args.speculative_algorithm), processes=joins_group(args)
     )
-    with contextlib.redirect_stderr(io.StringIO()):  # the note that overlap is off for speculation
-        serving_args.speculative_options(args, model_spec(args.model).vocab_size)
+    spec = model_spec(args.model)
+    serving_args.speculative_options(args, spec.vocab_size, spec.hidden_size)
     serving_args.dp_attention_config(args)
+    if "storage" in features:  # demo's --hicache-storage DIR (generate has no flag for the storage tier)
+        args.hicache_storage = "DIR"
+    check_combinations(args, spec)
     if joins_group(args):
         gen._check_across_processes(args)
 
@@ -235,8 +238,8 @@ def _config(kind: str, features: set[str]) -> Any:
         options.update(dp_size=2, enable_dp_attention=True, tp_size=4 if "tp" in features else 2)
     elif "tp" in features:
         options.update(tp_size=2)
-    if "dcp" in features:  # DCP divides the TP group: tp 2 (tp 4 with the tp feature), its KV striped over 2
-        options.update(dcp_size=2, tp_size=4 if "tp" in features else 2)
+    if "dcp" in features:  # DCP divides the (DP rank's) TP group: tp 2 (4 with tp or dp), its KV striped over 2
+        options.update(dcp_size=2, tp_size=4 if features & {"tp", "dp"} else 2)
     if "pp" in features:
         options.update(pp_size=2)
     if features & {"host", "storage"}:
@@ -271,7 +274,9 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     stage[:] = ["CacheConfig"]
     config = _config(kind, features)
     stage[:] = ["the cache's build"]
-    overlap = "overlap" in features
+    # The command line turns overlap scheduling off for speculative decoding, with a note (the
+    # speculative scheduler refuses overlap=True).
+    overlap = "overlap" in features and not features & ONE_FLAG
     options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
     if config.pp_size > 1:
         from kvjax.serve.pipeline_cache import build_pipeline_cache
@@ -288,7 +293,8 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
         from kvjax.dp.lockstep import LockstepDPScheduler
         from kvjax.mesh_check import make_serving_mesh
 
-        dp_mesh = make_serving_mesh(config.tp_size, config.dp_size, True, devices=jax.local_devices())
+        devices = jax.local_devices()
+        dp_mesh = make_serving_mesh(config.tp_size, config.dp_size, True, devices=devices, dcp_size=config.dcp_size)
         stage[:] = ["build_lockstep (the DP cache, then each rank's scheduler)"]
         server = LockstepDPScheduler.build_lockstep(
             model.spec, config, model.params, dp_mesh, model_config=model.config, overlap=overlap, **options
@@ -370,7 +376,6 @@ SGL_HICACHE_DCP_MHA = (
 GAP = "kvjax: not built yet"
 GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's)"
 GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
-GAP_DP_DCP = f"{GAP}: DCP under DP attention (kvjax's DCP mesh is ('tp', 'dcp'))"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
@@ -380,7 +385,10 @@ GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PP_STORAGE = f"{GAP}: the storage tier over pipeline stages (it would store the first stage's layers only)"
 GAP_PP_RETRACTION = f"{GAP}: the retraction backup over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
-GAP_SPEC_OVERLAP = f"{GAP}: overlap scheduling with speculative decoding (SGLang's spec v2 overlaps)"
+GAP_SPEC_OVERLAP = (
+    f"{GAP}: overlap scheduling with speculative decoding (SGLang's spec v2 overlaps; the command line turns it "
+    "off with a note, generate and the speculative scheduler refuse overlap=True)"
+)
 GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
 GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
 GAP_SWA_STORAGE = f"{GAP}: the storage tier under the hybrid sliding-window tree"
@@ -485,6 +493,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "dp", "processes"): (
         "tests/mesh/test_multihost_dp.py::test_demo_at_dp_2_tp_4_over_two_processes_gives_the_single_process_tokens"
     ),
+    ("full", "dp", "dcp"): "tests/mesh/test_dp_dcp.py::test_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "dp", "host"): "tests/mesh/test_dp_host_tier.py::test_llama_host_tier_loads_prefixes_back_on_both_ranks",
     (
         "full",
@@ -569,6 +578,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("mla", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_deepseek_v2_mla_latent_replicated_heads_split",
     ("mla", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("mla", "dp", "dcp"): "tests/mesh/test_dp_dcp.py::test_reuse_chunked_prefill_eviction_and_retraction",
     ("mla", "dcp", "overlap"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
     # Recurrent state (Qwen3-Next: gated delta net layers and a full-attention layer).
@@ -592,7 +602,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
 REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "eagle", "eagle"): refused(GAP_EAGLE),
     ("full", "tp", "eagle"): refused(GAP_EAGLE),
-    ("full", "dp", "dcp"): refused(GAP_DP_DCP),
     ("full", "dp", "pp"): refused(GAP_DP_PP),
     ("full", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("full", "dp", "eagle"): refused(GAP_EAGLE),
@@ -607,7 +616,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("full", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("full", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("full", "eagle", "host"): refused(GAP_EAGLE),
     ("full", "eagle", "storage"): refused(GAP_EAGLE),
     ("full", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -621,7 +630,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
     ("swa", "tp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("swa", "dp", "dcp"): refused(GAP_DP_DCP),
+    ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "dp", "pp"): refused(GAP_DP_PP),
     ("swa", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
@@ -644,7 +653,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("swa", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("swa", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
     ("swa", "eagle", "storage"): refused(GAP_EAGLE),
     ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -657,7 +666,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
-    ("mla", "dp", "dcp"): refused(GAP_DP_DCP),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("mla", "dp", "eagle"): refused(GAP_DP_SPEC),
@@ -672,10 +680,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("mla", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("mla", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("mla", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("mla", "eagle", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("mla", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "eagle", "eagle"): refused(GAP_EAGLE),
@@ -688,7 +696,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "tp", "host"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("recurrent", "dp", "dcp"): refused(GAP_DP_DCP),
+    ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
     ("recurrent", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("recurrent", "dp", "eagle"): refused(GAP_EAGLE),
@@ -713,7 +721,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_HOST),
     ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "standalone", "overlap"): refused(GAP_SPEC_OVERLAP),
+    ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("recurrent", "eagle", "host"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -777,7 +785,10 @@ def render(results: dict[tuple[str, str, str], str]) -> str:
         "constructed in one process (a run over processes builds the same scheduler over a wider mesh).",
         "The last column quotes kvjax's refusal and where it is raised: the command line's checks and",
         "the cache's build refuse before anything is allocated; a refusal from the scheduler comes after",
-        "the cache was built.",
+        "the cache was built. Every refusal a `generate` or `demo` command line can reach is the command",
+        "line's own (`kvjax/cli/combination_flags.py` and the flag checks before it: one `error:` line",
+        "naming both flags, before jax is imported); the library keeps the same checks for its callers.",
+        "The retraction backup has no flag: its refusals stay the cache's build's.",
         "",
         "Features:",
         "",

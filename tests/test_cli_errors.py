@@ -20,6 +20,11 @@ from kvjax.cli.demo_command import storage_dir
 ROOT = Path(__file__).resolve().parent.parent
 ERROR_LINE = re.compile(r"^python -m kvjax( (plan|demo|generate))?: error: \S")
 
+GEN = ["--model", "tiny", "--prompt-ids", "1,2"]
+HOST = "--enable-hierarchical-cache"
+STANDALONE = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny"]
+STANDALONE_SWA = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "gemma3-tiny"]
+
 # (argv, words the error line must contain). Each is refused before jax is imported.
 CASES = [
     # generate
@@ -49,7 +54,48 @@ CASES = [
         ["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "30", "--max-total-tokens", "16"],
         ["--max-total-tokens 16", "--max-total-tokens 48 or more"],
     ),
+    # generate: refused combinations (kvjax.cli.combination_flags), both flags named, SGLang's check where it has one
+    (["generate", *GEN, "--tp", "2", "--dcp", "2", "--pp", "2"], ["--dcp 2 with --pp 2", "not built in kvjax yet"]),
+    (["generate", *GEN, "--tp", "2", "--dcp", "2", *STANDALONE], ["--dcp 2 with --speculative-algorithm STANDALONE"]),
+    (
+        ["generate", *GEN, "--pp", "2", *STANDALONE],
+        ["--pp 2 with --speculative-algorithm", "check_pipeline_parallel_compat"],
+    ),
+    (["generate", *GEN, "--tp", "2", "--dcp", "3"], ["--dcp 3", "--tp 2"]),
+    (["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--tp", "2", "--dcp", "2"], ["--dcp 2 with --model"]),
+    (["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", "--pp", "2"], ["--pp 2 with --model"]),
+    (
+        ["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", "--enable-hierarchical-cache"],
+        ["--enable-hierarchical-cache with --model qwen3-next-80b-a3b", "recurrent-state checkpoints"],
+    ),
+    (
+        ["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--enable-hierarchical-cache", *STANDALONE_SWA],
+        ["--enable-hierarchical-cache with --speculative-algorithm STANDALONE", "--model gemma3-tiny"],
+    ),
+    (
+        ["generate", "--model", "mistral-swa-tiny", "--prompt-ids", "1", *["--tp", "2", "--dp", "2"], HOST],
+        ["--dp 2 with --enable-hierarchical-cache", "--model mistral-swa-tiny", "sliding-window"],
+    ),
+    (["generate", *GEN, "--tp", "2", "--dp", "2", "--image", "x.png"], ["--image x.png with --dp 2"]),
+    (
+        ["generate", *GEN, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "llama-3-8b"],
+        ["--speculative-draft-model-path llama-3-8b", "vocab_size 128256", "the target's is 256"],
+    ),
     # demo
+    (["demo", "--tp", "2", "--dcp", "2", "--pp", "2"], ["--dcp 2 with --pp 2"]),
+    (["demo", "--pp", "2", *STANDALONE], ["--pp 2 with --speculative-algorithm STANDALONE", "SGLang"]),
+    (
+        ["demo", "--tp", "2", "--dcp", "2", "--enable-hierarchical-cache", "--hicache-storage", "store"],
+        ["--dcp 2 with --hicache-storage store", "resolve_hicache_dcp_compatibility"],
+    ),
+    (
+        ["demo", "--pp", "2", "--enable-hierarchical-cache", "--hicache-storage", "store"],
+        ["--pp 2 with --hicache-storage store"],
+    ),
+    (
+        ["demo", "--model", "gemma3-tiny", "--enable-hierarchical-cache", "--hicache-storage", "store"],
+        ["--hicache-storage store with --model gemma3-tiny"],
+    ),
     (["demo", "--output-tokens", "0"], ["--output-tokens", "'0'", ">= 1"]),
     (["demo", "--system-tokens", "-5"], ["--system-tokens", "'-5'", ">= 0"]),
     (["demo", "--seed", "-1"], ["--seed", ">= 0"]),
@@ -132,6 +178,22 @@ def test_every_case_is_refused_before_jax_is_imported():
     seen = json.loads(out.stdout)
     assert [argv for argv, code, _ in seen if code != 2] == []
     assert [argv for argv, _, jax_loaded in seen if jax_loaded] == []
+
+
+def test_an_mtp_draft_of_another_hidden_size_is_refused_from_its_config(tmp_path, capsys):
+    """EAGLE with another checkpoint's MTP layer: its config.json alone says the hidden size does
+    not fit the target's (one line naming the flag and both sizes; no weights there to read)."""
+    from kvjax.spec import ModelSpec
+
+    spec = ModelSpec.preset("deepseek-tiny")
+    config = dict(spec.extra, torch_dtype=spec.dtype, num_nextn_predict_layers=1, hidden_size=2 * spec.hidden_size)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["generate", "--model", "deepseek-tiny", "--prompt-ids", "1", "--speculative-algorithm", "EAGLE"]
+    assert _run([*argv, "--speculative-draft-model-path", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and ERROR_LINE.match(err), err
+    want = f"--speculative-draft-model-path {tmp_path}: hidden_size {2 * spec.hidden_size}, the target's is "
+    assert want + str(spec.hidden_size) in err, err
 
 
 # --- the storage directory (--hicache-storage) ------------------------------------------------------

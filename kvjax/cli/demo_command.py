@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.combination_flags import check_combinations
 from kvjax.cli.disaggregation_flags import add_disaggregation_arguments, cache_mode, check_disaggregation, disaggregated
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
@@ -25,6 +26,7 @@ from kvjax.cli.serving_args import (
     cache_options,
     dp_attention_config,
     kv_events_options,
+    overlap_note,
     speculative_options,
 )
 from kvjax.config import EVICTION_POLICIES
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
-    speculative = speculative_options(args, spec.vocab_size)
+    speculative = speculative_options(args, spec.vocab_size, spec.hidden_size)
     if speculative.get("speculative_algorithm"):  # EAGLE / NEXTN
         raise UsageError(
             f"--speculative-algorithm {args.speculative_algorithm}: the MTP draft is served by generate; demo runs "
@@ -141,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         )
     check_disaggregation(args, command="demo", speculative=bool(speculative), processes=joins_group(args))
     storage, create = storage_dir(args.hicache_storage, host_tier=args.enable_hierarchical_cache)
+    check_combinations(args, spec, model=DEMO_MODEL)
     check_demo(
         spec,
         workload,
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--hicache-storage {storage}: cannot create it ({e.strerror})") from None
         print(f"python -m kvjax demo: created the --hicache-storage directory {storage}", file=sys.stderr)
 
+    overlap_note(args)
     # Every argument is checked: now jax (joining a multi-process run first) and the model.
     try:
         group = join_group(args)

@@ -51,6 +51,7 @@ from typing import Any
 
 from kvjax.cli import serving_args
 from kvjax.cli.arg_types import non_negative_int, positive_int
+from kvjax.cli.combination_flags import check_combinations
 from kvjax.cli.disaggregation_flags import add_disaggregation_arguments, check_disaggregation, failed_requests
 from kvjax.cli.messages import UsageError
 from kvjax.cli.model_arg import model_spec
@@ -238,11 +239,15 @@ def run(args: argparse.Namespace) -> int:
     priorities = _each_prompt(args.priority, len(prompts), "--priority")
     retention = _each_prompt(args.retention_seconds, len(prompts), "--retention-seconds")
     _check_room(args, spec.context_length, max(len(p) for p in prompts))
-    speculative = serving_args.speculative_options(args, spec.vocab_size)
+    speculative = serving_args.speculative_options(args, spec.vocab_size, spec.hidden_size)
     dp_attention = bool(serving_args.dp_attention_config(args))
+    check_combinations(args, spec)
+    if args.image and dp_attention:
+        raise UsageError(f"--image {args.image[0]} with --dp {args.dp}: images are served on one device; drop --dp")
     if joins_group(args):
         _check_across_processes(args)
 
+    serving_args.overlap_note(args)
     # Every argument is checked: now jax (joining a multi-process run first) and the model.
     try:
         group = join_group(args)
@@ -274,15 +279,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.vlm_cache_size_mb is not None:
         common["vlm_cache_size_mb"] = args.vlm_cache_size_mb
-    if vision and dp_attention:
-        raise UsageError("--image with --dp: images are served on one device; drop --dp")
     try:
         if args.disaggregation_mode == "decode":  # each prompt prefilled on a prefill server
             from kvjax.cli.disaggregation_run import generate_decode
 
             result = generate_decode(args, model, prompts, common)
         elif dp_attention:
-            options.pop("enable_hierarchical_cache")  # with --dp (dp_attention_config)
             overlap = not args.disable_overlap_schedule
             result, _ = generate_dp(
                 model,

@@ -150,11 +150,14 @@ def kv_events_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"kv_events": config} if config is not None and config.publishes else {}
 
 
-def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dict[str, Any]:
+def speculative_options(
+    args: argparse.Namespace, target_vocab_size: int, target_hidden_size: int | None = None
+) -> dict[str, Any]:
     """The speculative flags, checked without jax: ``{}`` without ``--speculative-algorithm``, else
     ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
-    steps without an algorithm, or ``--dp`` above 1). Prints a note when overlap scheduling, on by
-    default, is turned off for it."""
+    steps without an algorithm, or ``--dp`` above 1; an MTP draft's ``hidden_size`` is checked
+    against ``target_hidden_size`` when given, a STANDALONE draft's is its own). ``overlap_note``
+    says, once every flag is checked, that overlap scheduling is off for it."""
     topk = getattr(args, "speculative_eagle_topk", None)
     draft_tokens = getattr(args, "speculative_num_draft_tokens", None)
     if args.speculative_algorithm is None:
@@ -171,7 +174,7 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
             f"{steps + 1} tokens; give {steps + 1} or drop it"
         )
     if args.speculative_algorithm in ("EAGLE", "NEXTN"):
-        return _eagle_options(args, topk, steps, target_vocab_size)
+        return _eagle_options(args, topk, steps, target_vocab_size, target_hidden_size)
     if topk is not None:
         raise UsageError(f"--speculative-eagle-topk {topk}: only EAGLE / NEXTN take it; drop it")
     if not args.speculative_draft_model_path:
@@ -192,12 +195,20 @@ def speculative_options(args: argparse.Namespace, target_vocab_size: int) -> dic
             "attention is refused, as in SGLang (speculative_hook: _handle_eagle_family); drop --dp (any --tp is "
             "served)"
         )
-    if not args.disable_overlap_schedule:
-        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
     return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": steps}
 
 
-def _eagle_options(args: argparse.Namespace, topk: int | None, steps: int, target_vocab_size: int) -> dict[str, Any]:
+def overlap_note(args: argparse.Namespace) -> None:
+    """With ``--speculative-algorithm`` and overlap scheduling on (the default), a note on standard
+    error that speculative decoding runs without it (printed after every check, so a refused
+    command line prints its one error line alone)."""
+    if args.speculative_algorithm is not None and not args.disable_overlap_schedule:
+        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
+
+
+def _eagle_options(
+    args: argparse.Namespace, topk: int | None, steps: int, target_vocab_size: int, target_hidden_size: int | None
+) -> dict[str, Any]:
     """``speculative_options`` for EAGLE / NEXTN: the MTP layer of ``--speculative-draft-model-path``
     (default ``--model``, which must then be a checkpoint directory), ``--speculative-eagle-topk`` 1
     only, no DP attention (jax-free checks)."""
@@ -229,13 +240,16 @@ def _eagle_options(args: argparse.Namespace, topk: int | None, steps: int, targe
             f"{flag} {path}: vocab_size {spec.vocab_size}, the target's is {target_vocab_size}; its MTP layer "
             "shares the target's embedding and head"
         )
+    if target_hidden_size is not None and spec.hidden_size != target_hidden_size:
+        raise UsageError(
+            f"{flag} {path}: hidden_size {spec.hidden_size}, the target's is {target_hidden_size}; its MTP layer "
+            "reads the target's hidden states: give the target's own checkpoint (or one of the same hidden size)"
+        )
     if args.dp > 1:
         raise UsageError(
             f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: an EAGLE draft under DP "
             "attention is not built in kvjax yet (SGLang serves it); drop --dp (any --tp is served)"
         )
-    if not args.disable_overlap_schedule:
-        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
     return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": "NEXTN"}
 
 
@@ -267,7 +281,10 @@ def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     check_parallel_sizes(args.tp, args.dp, True)
     if args.pp > 1:
-        raise UsageError(f"--dp {args.dp} with --pp {args.pp}: pipeline stages are not served under DP attention")
+        raise UsageError(
+            f"--dp {args.dp} with --pp {args.pp}: pipeline stages under DP attention are not built in kvjax yet; drop "
+            "--dp or --pp"
+        )
     check_dcp_sizes(args.dcp, args.tp, True, args.dp)
     if args.dcp > 1 and args.enable_hierarchical_cache:
         raise UsageError(

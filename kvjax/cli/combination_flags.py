@@ -1,0 +1,142 @@
+"""The serving flags' combinations kvjax refuses, checked before jax is imported (issue 35's matrix,
+``docs/combinations.md``).
+
+``check_combinations(args, spec)`` runs in ``demo`` and ``generate`` after each flag's own checks
+and raises one `UsageError` for the first refused pair: ``--flagA X with --flagB Y: why; what to
+do``, the why being SGLang 0.5.23's reason and check (file: function) where SGLang refuses the pair
+too, else ``not built in kvjax yet``. A refusal that depends on the model's cache kinds (the
+sliding-window pair, recurrent state) names ``--model`` as the second flag. It reads the flags and
+the model's ``config.json`` (its `ModelSpec`) only: nothing is loaded or allocated first.
+
+The library keeps its own checks for callers of the API (``kvjax.plan.dcp``,
+``kvjax.pipeline_check``, ``kvjax.plan.buildable``, ``kvjax.plan.draft``, the DP cache's build);
+this module says the same refusals in the command line's words, early.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvjax.cli.messages import UsageError
+from kvjax.config import CacheConfig
+from kvjax.errors import ConfigError
+from kvjax.mesh_check import check_dcp_sizes
+from kvjax.plan.kinds import PlannerKind
+from kvjax.plan.kinds.planning import kinds_for_model
+from kvjax.spec import ModelSpec
+
+__all__ = ["check_combinations"]
+
+#: Where the flags of the fixes the library's kind refusals name come from (``{dcp_size}``).
+_FLAGS = {"dcp_size": "--dcp", "pp_size": "--pp", "enable_hierarchical_cache": "--enable-hierarchical-cache"}
+#: Cache kinds whose pools have a transfer engine of their own, which copies one rank's pools: the
+#: DP cache's build refuses a host tier over them (``kvjax.dp.cache``).
+_OWN_TRANSFER_ENGINE = ("swa",)
+_GAP = "not built in kvjax yet"
+#: What a cache kind's ``dcp_refusal`` says, in the command line's words (it names library options).
+_DCP_WHY = {
+    "swa": "the sliding layers' pool striped over DCP ranks (it has an allocator of its own)",
+    "recurrent": "recurrent state striped over DCP ranks (it is per request, not per token)",
+}
+_SGL_PP_SPEC = (
+    "refused, as in SGLang (validation_hook.py: check_pipeline_parallel_compat: pipeline parallelism supports "
+    "EAGLE (non-multi-layer) speculative decoding only)"
+)
+_SGL_DCP_HICACHE = (
+    "refused, as in SGLang for a model without MLA (hicache_hook.py: resolve_hicache_dcp_compatibility: HiCache "
+    "with --dcp-size > 1 is only supported for MLA models; kvjax serves the host tier over DCP)"
+)
+
+
+def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str | None = None) -> None:
+    """A `UsageError` for the first refused combination of ``args``' serving flags (module
+    docstring); ``spec``: the target's (``--model``'s, or ``model``'s where ``--model`` is unset)."""
+    if args.dp == 1:  # under DP attention: dp_attention_config's checks
+        check_dcp_sizes(args.dcp, args.tp)  # a ConfigError naming --dcp and --tp
+    model = getattr(args, "model", None) or model or spec.name
+    kinds = kinds_for_model(spec, CacheConfig())
+    dcp, pp = args.dcp, args.pp
+    algorithm = args.speculative_algorithm
+    storage = getattr(args, "hicache_storage", None)
+    spec_flag = f"--speculative-algorithm {algorithm}"
+    refusals: list[tuple[bool, str]] = [
+        (
+            dcp > 1 and pp > 1,
+            f"--dcp {dcp} with --pp {pp}: decode context parallelism over pipeline stages is {_GAP}; drop --dcp or "
+            "--pp",
+        ),
+        (
+            dcp > 1 and algorithm is not None,
+            f"--dcp {dcp} with {spec_flag}: a draft model's pool striped over DCP ranks is {_GAP}; drop --dcp or "
+            "the speculative flags",
+        ),
+        (
+            pp > 1 and algorithm == "STANDALONE",
+            f"--pp {pp} with {spec_flag}: {_SGL_PP_SPEC}; drop --pp or the speculative flags",
+        ),
+        (
+            pp > 1 and algorithm in ("EAGLE", "NEXTN"),
+            f"--pp {pp} with {spec_flag}: the MTP draft over pipeline stages is {_GAP} (SGLang serves it); drop --pp "
+            "or the speculative flags",
+        ),
+        (
+            dcp > 1 and storage is not None,
+            f"--dcp {dcp} with --hicache-storage {storage}: "
+            + (
+                f"the storage tier (L3) over DCP is {_GAP} (SGLang stores MLA pages under DCP)"
+                if any(k.name == "mla" for k in kinds)
+                else _SGL_DCP_HICACHE
+            )
+            + "; drop --hicache-storage or --dcp",
+        ),
+        (
+            algorithm in ("EAGLE", "NEXTN") and storage is not None,
+            f"--hicache-storage {storage} with {spec_flag}: the storage tier with bigram (EAGLE) keys is {_GAP}; drop "
+            "one of the two",
+        ),
+        (
+            pp > 1 and storage is not None,
+            f"--pp {pp} with --hicache-storage {storage}: the storage tier over pipeline stages is {_GAP} (it would "
+            "store the first stage's layers only); drop --hicache-storage or --pp",
+        ),
+    ]
+    for refused, line in refusals:
+        if refused:
+            raise UsageError(line)
+    for kind in kinds:
+        _check_kind(kind, model, args, storage)
+
+
+def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage: str | None) -> None:
+    """The refusals of a cache kind the model needs (the sliding-window pair, recurrent state),
+    each naming ``--model`` and the flag it is refused with."""
+    algorithm = args.speculative_algorithm
+    if args.dcp > 1 and kind.dcp_refusal is not None:
+        why = _DCP_WHY.get(kind.name) or ConfigError("dcp_size", args.dcp, kind.dcp_refusal).render_fix(_FLAGS)
+        raise UsageError(f"--dcp {args.dcp} with --model {model}: {why} is {_GAP}; drop --dcp")
+    if args.pp > 1 and kind.name == "recurrent":
+        raise UsageError(
+            f"--pp {args.pp} with --model {model}: recurrent state over pipeline stages is {_GAP} (its forks and "
+            "checkpoints); drop --pp"
+        )
+    if args.enable_hierarchical_cache and kind.no_host_copy is not None:
+        raise UsageError(
+            f"--enable-hierarchical-cache with --model {model}: host copies of its {kind.no_host_copy} are {_GAP}; "
+            "drop --enable-hierarchical-cache"
+        )
+    if args.enable_hierarchical_cache and algorithm is not None and kind.draft_host_refusal is not None:
+        raise UsageError(
+            f"--enable-hierarchical-cache with --speculative-algorithm {algorithm}: for --model {model}, "
+            f"{kind.draft_host_refusal.removesuffix(' is not built')} is {_GAP}; drop one of the two"
+        )
+    if args.enable_hierarchical_cache and args.dp > 1 and kind.name in _OWN_TRANSFER_ENGINE:
+        raise UsageError(
+            f"--dp {args.dp} with --enable-hierarchical-cache: for --model {model}, the host tier of the "
+            f"sliding-window pools under DP attention is {_GAP} (their transfer engine copies one rank's pools); "
+            "drop one of the two"
+        )
+    if storage is not None and kind.name == "swa":
+        raise UsageError(
+            f"--hicache-storage {storage} with --model {model}: the storage tier under the hybrid sliding-window "
+            f"tree is {_GAP} (its page format holds one pool); drop --hicache-storage"
+        )
