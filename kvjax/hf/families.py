@@ -156,6 +156,13 @@ FAMILY_RECORDS: tuple[Family, ...] = (
         layer_kinds=frozenset({LayerKind.MLA}),
     ),
     _served(
+        "deepseek_v3",
+        mla.parse_deepseek_mla,
+        "DeepseekV3ForCausalLM",
+        "deepseek_v2:DeepseekV2ForCausalLM",
+        layer_kinds=frozenset({LayerKind.MLA}),
+    ),
+    _served(
         "llava",
         llava.parse_llava,
         "LlavaForConditionalGeneration",
@@ -176,7 +183,6 @@ FAMILY_RECORDS: tuple[Family, ...] = (
     Family("phi3", attention.parse_mistral, ("Phi3ForCausalLM",)),
     Family("gemma2", gemma.parse_gemma2, ("Gemma2ForCausalLM",)),
     Family("gemma3", gemma.parse_gemma3, ("Gemma3ForConditionalGeneration",)),
-    Family("deepseek_v3", mla.parse_deepseek_mla, ("DeepseekV3ForCausalLM",)),
     Family("deepseek_v32", mla.parse_deepseek_mla, ("DeepseekV32ForCausalLM",)),
     Family("falcon_h1", recurrent.parse_falcon_h1, ("FalconH1ForCausalLM",)),
     Family("minimax", recurrent.parse_minimax, ("MiniMaxForCausalLM",)),

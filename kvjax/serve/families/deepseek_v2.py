@@ -31,8 +31,17 @@ added). Transformers 5.24's DeepSeek-V2 router ignores ``norm_topk_prob``, and s
 (DeepSeek's released V2 configs set it false anyway). ``moe_layer_freq`` is ignored as in
 Transformers.
 
+DeepSeek-V3 (``DeepseekV3ForCausalLM``, ``model_type`` ``deepseek_v3``) is served by the same model:
+its attention and checkpoint names are V2's, and Transformers rotates its RoPE pairs the same way
+when ``rope_interleave`` is true (the released configs; false is refused). Its router differs and is
+read from the model type, as Transformers hard-codes it (V3's ``config.json`` names no
+``topk_method``): sigmoid scores, ``noaux_tc`` (choice scores with ``gate.e_score_correction_bias``,
+groups scored by their two best), weights normalised when ``norm_topk_prob`` (default true) and
+scaled by ``routed_scaling_factor``. Its MTP layer (``num_nextn_predict_layers``) drafts as V2's does
+(``kvjax.serve.speculative.nextn``).
+
 Refused by name (``ConfigError``): RoPE types other than the default (YaRN's mscale is not built),
-an activation other than SiLU (``model_config``).
+an activation other than SiLU (``model_config``), DeepSeek-V3 with ``rope_interleave`` false.
 """
 
 from __future__ import annotations
@@ -84,6 +93,18 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> DeepseekV2Config:
     if rope.rope_type != "default":
         raise ConfigError("rope_scaling.rope_type", rope.rope_type, "kvjax's DeepSeek-V2 serves the default RoPE only")
     q_lora = raw.get("q_lora_rank")
+    v3 = raw.get("model_type") == "deepseek_v3"
+    if v3 and not raw.get("rope_interleave", True):
+        raise ConfigError(
+            "rope_interleave", False, "kvjax's DeepSeek-V3 rotates interleaved RoPE pairs only (the released configs)"
+        )
+    router: dict[str, Any] = {"topk_method": str(raw.get("topk_method", "greedy"))}
+    if v3:  # Transformers' DeepseekV3TopkRouter: sigmoid, noaux_tc, normalised unless said
+        router = {
+            "topk_method": "noaux_tc",
+            "scoring": "sigmoid",
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        }
     moe = None
     experts = raw.get("n_routed_experts")
     if experts:
@@ -93,7 +114,7 @@ def read_config(spec: ModelSpec, raw: Mapping[str, Any]) -> DeepseekV2Config:
             num_experts=keys.integer(raw, "n_routed_experts", _TYPE),
             top_k=keys.integer(raw, "num_experts_per_tok", _TYPE),
             moe_intermediate_size=keys.integer(raw, "moe_intermediate_size", _TYPE),
-            topk_method=str(raw.get("topk_method", "greedy")),
+            **router,
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
             n_group=keys.integer(raw, "n_group", _TYPE, 1),
             topk_group=keys.integer(raw, "topk_group", _TYPE, 1),

@@ -46,7 +46,7 @@ __all__ = [
     "nextn_tensor_names",
 ]
 
-NEXTN_FAMILIES = ("deepseek_v2",)
+NEXTN_FAMILIES = ("deepseek_v2", "deepseek_v3")
 """The families whose checkpoints kvjax reads an MTP layer from."""
 
 _SHARED = ("embed_tokens", "lm_head")  # the target's
