@@ -56,7 +56,7 @@ from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.plan.kinds.host_tier import host_kv_pool, with_every_head_shard
 from kvjax.plan.kinds.planner_kind import PlannerKind
-from kvjax.plan.kinds.planning import kv_pool_kind_owner, layout_kind
+from kvjax.plan.kinds.planning import kinds_named, kv_pool_kind_owner, layout_kind
 from kvjax.plan.kinds.registry import planner_kind, planner_kinds, planner_kinds_of
 from kvjax.plan.records import DraftModel, ModelKind, Target
 from kvjax.spec import LayerKind, ModelSpec
@@ -180,6 +180,22 @@ def check_draft_host_tier_buildable(plan: CachePlan) -> None:
             )
 
 
+def check_replay_tracking(config: CacheConfig, kind: ModelKind) -> None:
+    """``ConfigError`` for speculative decoding of a kind whose state is replayed after a round
+    (``PlannerKind.speculative_replay``: recurrent state) with the extra buffer's tracking at page
+    boundaries (the speculative scheduler refuses it too, after the cache is built)."""
+    if config.speculative_algorithm is None or not config.enable_mamba_extra_buffer:
+        return
+    if any(k.speculative_replay for k in kinds_named(kind.cache_kinds)):
+        raise ConfigError(
+            "enable_mamba_extra_buffer",
+            True,
+            "speculative decoding of recurrent state does not track states at page boundaries in kvjax yet (a "
+            "round's tracked state may be of rejected tokens); turn the extra buffer off (with {page_size} 1) or "
+            "leave {speculative_algorithm} unset",
+        )
+
+
 def decide_draft(
     spec: ModelSpec, config: CacheConfig, kind: ModelKind, draft_spec: ModelSpec | None
 ) -> tuple[DraftModel | None, tuple[str, ...]]:
@@ -191,6 +207,7 @@ def decide_draft(
     layout = layout_kind(kind)
     draft = draft_model_spec(spec, config, draft_spec, layout_layer_kind(layout))
     algorithm = config.speculative_algorithm
+    check_replay_tracking(config, kind)
     if draft is None:
         if algorithm == "STANDALONE":
             return None, ("speculative_algorithm='STANDALONE' without a draft_spec: no draft KV pool is planned",)

@@ -120,8 +120,7 @@ def test_a_pool_small_enough_to_evict_and_retract(models):
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
-def test_the_extra_buffer_is_refused_by_name(models):
+def test_the_extra_buffer_is_refused_by_name_before_the_cache_is_built(models):
     _, target, draft = models
-    cache = _cache(target, draft, max_total_tokens=2048, page_size=4, enable_mamba_extra_buffer=True)
-    with pytest.raises(ConfigError, match="enable_mamba_extra_buffer"):
-        scheduler_for(target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK)
+    with pytest.raises(ConfigError, match="enable_mamba_extra_buffer"):  # the plan's check (kvjax.plan.draft)
+        _cache(target, draft, max_total_tokens=2048, page_size=4, enable_mamba_extra_buffer=True)
