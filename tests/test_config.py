@@ -114,7 +114,7 @@ def test_derived_facts():
         enable_priority_scheduling=True,
     )
     assert config.dcp_enabled and config.alloc_page_size == 64
-    assert config.attn_tp_size == 4
+    assert config.attn_tp_size == 1  # KV-head ranks: tp 8 / dp 2 / dcp 4 (DCP divides each DP rank's group)
     assert config.need_sort and config.priority_preemption
 
 
