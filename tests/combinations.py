@@ -147,6 +147,24 @@ def _checkpoint_dir(kind: str, mtp: bool) -> str:
     return directory
 
 
+@functools.cache
+def _draft_dir(kind: str) -> str:
+    """The STANDALONE draft's directory for the command line: the kind's checkpoint (the target as
+    its own draft), or ``_draft``'s ``config.json`` (removed when the process exits)."""
+    import atexit
+    import json
+    import shutil
+    import tempfile
+
+    draft = _draft(kind)
+    if draft is _model(kind):
+        return _checkpoint_dir(kind, False)
+    directory = tempfile.mkdtemp(prefix=f"kvjax-combinations-{kind}-draft-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    Path(directory, "config.json").write_text(json.dumps(dict(draft.spec.extra, vocab_size=draft.spec.vocab_size)))
+    return directory
+
+
 def _mtp(kind: str) -> bool:
     """Whether the kind's checkpoint carries an MTP layer (DeepSeek's, the EAGLE draft kvjax reads)."""
     return _model(kind).spec.extra.get("model_type") in ("deepseek_v2", "deepseek_v3")
@@ -189,7 +207,7 @@ def _cli_argv(kind: str, features: set[str]) -> list[str]:
     argv += ["--pp", "2"] if "pp" in features else []
     argv += ["--enable-hierarchical-cache"] if features & {"host", "storage"} else []
     if "standalone" in features:
-        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", checkpoint]
+        argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", _draft_dir(kind)]
     if "eagle" in features:  # the draft: the MTP layer of --model's checkpoint
         argv += ["--speculative-algorithm", "EAGLE"]
     argv += [] if "overlap" in features else ["--disable-overlap-schedule"]
@@ -333,7 +351,7 @@ def _without_directories(kind: str, text: str) -> str:
     """``text`` with this run's checkpoint directories (temporary) written as ``DIR``."""
     for mtp in (False, True):
         text = text.replace(_checkpoint_dir(kind, mtp), "DIR")
-    return text
+    return text.replace(_draft_dir(kind), "DRAFT")
 
 
 def _dropped(features: set[str], schedulers: list[Any]) -> str | None:

@@ -81,6 +81,10 @@ CASES = [
         ["generate", *GEN, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "llama-3-8b"],
         ["--speculative-draft-model-path llama-3-8b", "vocab_size 128256", "the target's is 256"],
     ),
+    (
+        ["generate", *GEN, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "deepseek-tiny"],
+        ["--speculative-draft-model-path deepseek-tiny with --model tiny", "['mla'] layers"],
+    ),
     # demo
     (["demo", "--tp", "2", "--dcp", "2", "--pp", "2"], ["--dcp 2 with --pp 2"]),
     (["demo", "--pp", "2", *STANDALONE], ["--pp 2 with --speculative-algorithm STANDALONE", "SGLang"]),

@@ -105,6 +105,24 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             raise UsageError(line)
     for kind in kinds:
         _check_kind(kind, model, args, storage)
+    if algorithm == "STANDALONE" and args.speculative_draft_model_path:
+        _check_draft_fits(args.speculative_draft_model_path, spec, model)
+
+
+def _check_draft_fits(path: str, spec: ModelSpec, model: str) -> None:
+    """The STANDALONE draft at ``path`` (its ``config.json`` or preset) fits the target's draft
+    pool, as the plan decides (``kvjax.plan.draft``: its layers of the target pool's attention):
+    a `UsageError` naming both flags, before a weight is read."""
+    from kvjax.cli.model_arg import model_spec
+    from kvjax.plan.draft import decide_draft
+    from kvjax.plan.model_kind import decide_model_kind
+
+    config = CacheConfig(speculative_algorithm="STANDALONE")
+    try:
+        decide_draft(spec, config, decide_model_kind(spec, config), model_spec(path))
+    except ConfigError as e:
+        why = e.render_fix(_FLAGS)
+        raise UsageError(f"--speculative-draft-model-path {path} with --model {model}: {why}") from None
 
 
 def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage: str | None) -> None:
