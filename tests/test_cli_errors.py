@@ -200,6 +200,17 @@ def test_an_mtp_draft_of_another_hidden_size_is_refused_from_its_config(tmp_path
     assert want + str(spec.hidden_size) in err, err
 
 
+def test_a_standalone_draft_for_a_target_without_draft_pools_is_refused_from_its_config(tmp_path, capsys):
+    """DeepSeek-V3.2 (DSA indexer keys): no draft pool is planned for it, so a STANDALONE draft is
+    one line naming both flags, from config.json alone (no weights there)."""
+    (tmp_path / "config.json").write_text((ROOT / "tests/data/hf_configs/deepseek-v3.2.json").read_text())
+    argv = ["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--speculative-algorithm", "STANDALONE"]
+    assert _run([*argv, "--speculative-draft-model-path", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and ERROR_LINE.match(err), err
+    assert f"--speculative-draft-model-path {tmp_path} with --model {tmp_path}: draft KV pools for a DSA" in err, err
+
+
 # --- the storage directory (--hicache-storage) ------------------------------------------------------
 
 

@@ -119,10 +119,13 @@ def _check_draft_fits(path: str, spec: ModelSpec, model: str) -> None:
 
     config = CacheConfig(speculative_algorithm="STANDALONE")
     try:
-        decide_draft(spec, config, decide_model_kind(spec, config), model_spec(path))
+        draft, warnings = decide_draft(spec, config, decide_model_kind(spec, config), model_spec(path))
     except ConfigError as e:
         why = e.render_fix(_FLAGS)
         raise UsageError(f"--speculative-draft-model-path {path} with --model {model}: {why}") from None
+    if draft is None and warnings:  # no draft pool planned for this target: the build refuses it
+        why = warnings[0].removesuffix("; build_kv_cache refuses this configuration")
+        raise UsageError(f"--speculative-draft-model-path {path} with --model {model}: {why}; {_GAP}")
 
 
 def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage: str | None) -> None:
