@@ -38,6 +38,7 @@ SUITE_HEAVIEST_FIRST = (
     "tests/serve/test_parity_transformers.py",  # 22
     "tests/kernels/test_ragged_paged_attention.py",  # 20
     "tests/serve/test_speculative_cli.py",  # 13
+    "tests/serve/test_speculative_recurrent.py",  # 13
     "tests/kv_events/test_serving.py",  # 12
     "tests/test_pp_benchmark.py",  # 10
     "tests/radix/test_state_machine.py",  # 10
@@ -47,6 +48,8 @@ SUITE_HEAVIEST_FIRST = (
     "tests/serve/test_speculative_parity.py",  # 8
     "tests/gguf/test_gguf_checkpoint.py",  # 8
     "tests/serve/test_speculative.py",  # 7
+    "tests/serve/test_eagle_host_tier.py",  # 7
+    "tests/serve/test_parity_deepseek_v3.py",  # 7
 )
 _ROOT = Path(__file__).resolve().parent.parent
 _MESH = _ROOT / "tests" / "mesh"
