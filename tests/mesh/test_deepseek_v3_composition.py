@@ -9,8 +9,9 @@ Every request's tokens equal Transformers' greedy ``generate`` and its logits (t
 the verify forwards) agree within 1e-4; on every process the run ends leak free with a balanced
 host pool, pages came back from the host, proposals were rejected and rolled back.
 
-Not in this composition yet (refused by name, see ``docs/combinations.md``): DP attention with a
-draft model, and overlap scheduling with speculative decoding.
+Not in this composition yet (see ``docs/combinations.md``): DP attention with a draft model (refused
+by name), and overlap scheduling with speculative decoding (the command line turns overlap off with
+a note; the library refuses ``overlap=True`` by name).
 
 Run as a program (``python -m tests.mesh.test_deepseek_v3_composition DIR`` with the flags
 ``run_group`` appends) it serves the rounds as one process of the group.
