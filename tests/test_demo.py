@@ -192,7 +192,8 @@ def test_a_pool_too_small_for_a_request_is_one_error_line(capsys):
 
 def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys):
     """``demo --model QWEN3_NEXT_DIR --enable-hierarchical-cache`` ended in ``NotImplementedError``
-    (no host copies of recurrent-state checkpoints yet): now one ``error:`` line, before serving."""
+    (no host copies of recurrent-state checkpoints yet): now one ``error:`` line naming both flags,
+    before anything is built."""
     from kvjax.cli import main
     from kvjax.serve.checkpoint import save_checkpoint
     from tests.serve.random_workloads import model
@@ -212,5 +213,7 @@ def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
+    # the command line's combination check: both flags named, before anything is built
+    assert "--enable-hierarchical-cache with --model" in err[0], err
     assert "recurrent-state checkpoints are not built" in err[0]
-    assert "turn off enable_hierarchical_cache" in err[0]
+    assert "drop --enable-hierarchical-cache" in err[0]
