@@ -125,7 +125,7 @@ def test_processes_given_different_prompts_stop_with_one_error_line_each():
     ("flags", "named"),
     [
         (["--pp", "2"], "--pp 2 across processes"),
-        (["--dcp", "2"], "--dcp 2 across processes"),
+        (["--tp", "2", "--dcp", "2"], "--dcp 2 across processes"),
         (["--image", "missing.png"], "--image missing.png across processes"),
     ],
 )
