@@ -86,7 +86,6 @@ class PrefillPeer:
     link: PDLink | None
     name: str
     transfer_addresses: tuple[str, ...]
-    head_shards: int
     page_size: int
     layout: SideLayout
     alive: bool = True
@@ -160,7 +159,6 @@ class DecodeServer:
         self.name = name
         self.movers = CacheMovers(self.cache, kv_heads)
         self.signature = self.movers.signature()
-        self.shards = self.movers.head_shards()
         self.window = int(self.cache.sliding_window_size or 0)
         self.channel: Channel = channel if channel is not None else LoopbackChannel()
         self.process = int(self.channel.process_id)
@@ -196,28 +194,30 @@ class DecodeServer:
         try:
             for address in addresses:
                 peers.append(self._connect(address))
-        except (PDRefused, LinkError) as e:
-            for peer in peers:
-                assert peer.link is not None
-                peer.link.close()
-            if self.channel.num_processes > 1:
-                refused = isinstance(e, PDRefused)
-                error = str(e) if refused else e.reason  # type: ignore[union-attr]
-                where = () if refused else (e.peer,)  # type: ignore[union-attr]
-                self.channel.broadcast(
-                    "pd decode peers", wire.encode(LinkedPeers(where, (), error, "refused" if refused else "link"))
-                )
+        except PDRefused as e:
+            self._unlink(peers, LinkedPeers((), (), str(e), "refused"))
             raise
-        if self.channel.num_processes > 1:
-            welcomes = tuple(
-                Welcome(p.name, p.transfer_addresses, p.head_shards, p.page_size, p.layout.processes) for p in peers
-            )
-            self.channel.broadcast("pd decode peers", wire.encode(LinkedPeers(tuple(addresses), welcomes)))
+        except LinkError as e:
+            self._unlink(peers, LinkedPeers((e.peer,), (), e.reason, "link"))
+            raise
+        welcomes = tuple(Welcome(p.name, p.transfer_addresses, p.page_size, p.layout.processes) for p in peers)
+        self._tell_group(LinkedPeers(tuple(addresses), welcomes))
         return peers
+
+    def _unlink(self, peers: list[PrefillPeer], failure: LinkedPeers) -> None:
+        """Process 0 could not link every prefill server: close the links made, tell the group."""
+        for peer in peers:
+            if peer.link is not None:
+                peer.link.close()
+        self._tell_group(failure)
+
+    def _tell_group(self, linked: LinkedPeers) -> None:
+        if self.channel.num_processes > 1:
+            self.channel.broadcast("pd decode peers", wire.encode(linked))
 
     def _connect(self, address: str) -> PrefillPeer:
         link = connect_link(address, self.secret)
-        link.send(Hello(self.fingerprint, self.signature, self.shards, self.name, self.layout.processes))
+        link.send(Hello(self.fingerprint, self.signature, self.name, self.layout.processes))
         reply = link.receive(self.timeout_s)
         if isinstance(reply, Refusal):
             link.close()
@@ -610,7 +610,6 @@ def _peer(address: str, link: PDLink | None, welcome: Welcome) -> PrefillPeer:
         link,
         welcome.name,
         tuple(welcome.transfer_addresses),
-        welcome.head_shards,
         welcome.page_size,
         SideLayout(tuple(welcome.device_processes)),
     )

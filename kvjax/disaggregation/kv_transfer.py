@@ -35,7 +35,7 @@ from kvjax.disaggregation.messages import PieceMessage
 from kvjax.disaggregation.piece_units import PieceUnits
 from kvjax.plan.draft import DRAFT_POOL_NAME
 from kvjax.pools.registry import request_kv_of
-from kvjax.transfers.request_kv import PieceSpec, RequestSpan, head_shards
+from kvjax.transfers.request_kv import PieceSpec, RequestSpan
 
 __all__ = [
     "CacheMovers",
@@ -110,10 +110,6 @@ class CacheMovers:
         )
         return pieces + facts
 
-    def head_shards(self) -> int:
-        """Devices the cache's KV heads are split over (the handshake's fact)."""
-        return max((head_shards(getattr(self.cache.pools[m.name], "mesh", None), "tp") for m in self.movers), default=1)
-
     def gather(self, pools: Any, span: RequestSpan) -> list[jax.Array]:
         """Every pool's pieces of ``span`` from ``pools`` (read only), in :meth:`pieces` order."""
         return [a for m in self.movers for a in m.mover.gather(pools[m.name], span, m.kv_heads)]
@@ -152,15 +148,14 @@ def offer_units(
     arrays: Sequence[jax.Array],
     devices: Sequence[Any],
     process: int,
-) -> int:
+) -> None:
     """Offer the units of ``arrays`` (``plan.specs``' pieces, global arrays over the sending
     side's ``devices``) that sending process ``process`` owns: to each receiving process the ones
     it needs (``PieceUnits.offered``), under ``transfer_id + receiving process``. Every sending
     process calls it with the same arguments (the pieces are laid onto the side's layout
-    sharding, a collective); returns the bytes this process offered."""
+    sharding, a collective); the transfer server counts the bytes (``bytes_offered``)."""
     laid = [jax.device_put(a, plan.sender.sharding(devices, spec)) for a, spec in zip(arrays, plan.specs, strict=True)]
     shards = [{s.device.id: s.data for s in a.addressable_shards} for a in laid]
-    offered = 0
     for receiver in plan.receiver.process_ids:
         wanted = plan.offered(process, receiver)
         if not wanted:
@@ -174,8 +169,6 @@ def offer_units(
                 block if axis is None or hi - lo == block.shape[axis] else lax.slice_in_dim(block, lo, hi, axis=axis)
             )
         transfer.offer(transfer_id + receiver, units)
-        offered += sum(int(u.nbytes) for u in units)
-    return offered
 
 
 def pull_units(

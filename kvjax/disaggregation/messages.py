@@ -44,29 +44,27 @@ __all__ = [
 class Hello:
     """Decode -> prefill, first: what the decode side serves. ``fingerprint``: the model's
     (``kvjax.serve.model_fingerprint``); ``signature``: each moved piece's name, per-token shape
-    and dtype (``kv_transfer.cache_signature``); ``head_shards``: devices its KV heads are split
-    over; ``name``: the decode server's name (for messages); ``device_processes``: its
-    ``SideLayout`` (the process of each of its pools' devices, ``piece_units``)."""
+    and dtype (``kv_transfer.cache_signature``); ``name``: the decode server's name (for
+    messages); ``device_processes``: its ``SideLayout`` (the process of each of its pools'
+    devices, ``piece_units``: how the pieces are cut follows from both sides' layouts)."""
 
     fingerprint: str
     signature: tuple[str, ...]
-    head_shards: int
     name: str
-    device_processes: tuple[int, ...] = (0,)
+    device_processes: tuple[int, ...]
 
 
 @wire_message("pd.welcome", 2)
 @dataclass(frozen=True)
 class Welcome:
     """Prefill -> decode: the hello matched. ``transfer_addresses``: the transfer server of each
-    of the prefill side's processes, by process id; ``head_shards``: devices its KV heads are
-    split over; ``page_size``: its page size (facts); ``device_processes``: its ``SideLayout``."""
+    of the prefill side's processes, by process id; ``page_size``: its page size (a fact);
+    ``device_processes``: its ``SideLayout``."""
 
     name: str
     transfer_addresses: tuple[str, ...]
-    head_shards: int
     page_size: int
-    device_processes: tuple[int, ...] = (0,)
+    device_processes: tuple[int, ...]
 
 
 @wire_message("pd.refusal", 1)

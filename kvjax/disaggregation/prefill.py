@@ -177,7 +177,6 @@ class PrefillServer:
         self.process = int(self.channel.process_id)
         self.movers = CacheMovers(self.cache, kv_heads)
         self.signature = self.movers.signature()
-        self.shards = self.movers.head_shards()
         self.devices = pool_devices(self.cache)
         self.layout = SideLayout.of(self.devices)
         self.listener: socket.socket | None = listen(host, port) if self.process == 0 else None
@@ -317,7 +316,7 @@ class PrefillServer:
         self._greeted.add(link)
         self._queued.append(PrefillEvent("welcome", link, device_processes=tuple(hello.device_processes)))
         page_size = int(self.cache.token_to_kv_pool_allocator.page_size)
-        self._send(link, Welcome(self.name, self.transfer_addresses, self.shards, page_size, self.layout.processes))
+        self._send(link, Welcome(self.name, self.transfer_addresses, page_size, self.layout.processes))
 
     def _send(self, link: int, message: Any) -> None:
         """Process 0: send ``message`` on link ``link`` (a link that fails is dropped); elsewhere

@@ -62,7 +62,6 @@ __all__ = [
     "RequestKV",
     "RequestSpan",
     "SWARequestKV",
-    "head_shards",
 ]
 
 
@@ -131,11 +130,6 @@ class RequestKV(Protocol):
     def scatter(self, pool: Any, pieces: Sequence[jax.Array], span: RequestSpan, kv_heads: int) -> Any:
         """``pool`` with ``pieces`` written at ``span``'s slots (the pool is donated)."""
         ...
-
-
-def head_shards(mesh: Any, axis: str | None) -> int:
-    """Devices a pool's head axis is split over (1 without a mesh)."""
-    return 1 if mesh is None or axis is None else int(mesh.shape[axis])
 
 
 def _refuse_striped(pool: Any) -> None:
