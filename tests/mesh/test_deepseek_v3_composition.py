@@ -34,12 +34,11 @@ from tests.mesh.multihost_group import (
     request_records,
     run_group,
 )
-from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
+from tests.serve.parity_harness import CHUNK, assert_matches_transformers, serve_two_rounds
 
 pytestmark = pytest.mark.mesh
 
 TP = 8
-K = 3
 MAX_NEW = 6
 LOGIT_ATOL = 1e-4
 POOL_TOKENS = 48  # small: the rounds evict to the host and load prefixes back (at tp 8 two loads)
@@ -76,30 +75,18 @@ def test_tp_8_over_two_processes_with_mtp_and_the_host_tier_under_pressure(deeps
 
 def _serve(directory: str) -> dict[str, Any]:
     group, model = join_and_load(directory)
-    from kvjax import CacheConfig, build_kv_cache
+    from kvjax import build_kv_cache
     from kvjax.serve.host_tier import HostTierExtension
     from kvjax.serve.multihost.front import MultiProcessFront
     from kvjax.serve.multihost.mesh import group_tp_mesh
     from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
     from kvjax.serve.speculative.nextn import nextn_params
+    from tests.serve.test_speculative_eagle import K, nextn_config
 
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(
-            context_length=CONTEXT_LENGTH,
-            chunked_prefill_size=CHUNK,
-            page_size=1,
-            max_total_tokens=POOL_TOKENS,
-            max_running_requests=8,
-            speculative_algorithm="NEXTN",
-            speculative_num_steps=K,
-            speculative_num_draft_tokens=K + 1,
-            enable_hierarchical_cache=True,
-            hicache_ratio=8.0,
-            tp_size=TP,
-        ),
-        mesh=group_tp_mesh(TP),
+    config = nextn_config(
+        page_size=1, max_total_tokens=POOL_TOKENS, enable_hierarchical_cache=True, hicache_ratio=8.0, tp_size=TP
     )
+    cache = build_kv_cache(model.spec, config, mesh=group_tp_mesh(TP))
     sched = eagle_scheduler(
         model.config,
         cache,

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.mesh
 SHARED = ",".join(str(t) for t in range(1, 13))  # 12 tokens, shared by the first two prompts
 PROMPTS = ["--prompt-ids", SHARED, "--prompt-ids", f"{SHARED},13,14,15", "--prompt-ids", "40,41,42"]
 FLAGS = ["--max-new-tokens", "4", "--ignore-eos", "--json"]
-ADDRESS_WAIT_S = 90
+ADDRESS_WAIT_S = 120  # a launched group joins before it listens
 
 
 def _kvjax(*argv: str) -> list[str]:
@@ -33,14 +33,16 @@ def _kvjax(*argv: str) -> list[str]:
 
 
 def _address(process: subprocess.Popen, deadline: float) -> str:
-    """The prefill server's ``prefill server listening on HOST:PORT`` line (bounded wait)."""
+    """The address of the prefill server's ``prefill server listening on HOST:PORT`` line (bounded
+    wait; a launched group's process 0 prints it behind its ``[0] `` prefix, after other lines)."""
     assert process.stdout is not None
     while time.monotonic() < deadline:
         ready, _, _ = select.select([process.stdout], [], [], 0.5)
         if ready:
             line = process.stdout.readline()
-            assert line.startswith("prefill server listening on "), line
-            return line.split()[-1]
+            if "prefill server listening on " in line:
+                return line.split()[-1]
+            assert line, f"the prefill server exited with status {process.wait(10)}"
         assert process.poll() is None, f"the prefill server exited with status {process.returncode}"
     raise AssertionError(f"the prefill server printed no address within {ADDRESS_WAIT_S} s")
 

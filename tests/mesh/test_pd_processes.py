@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import secrets
-import select
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -28,6 +26,7 @@ import pytest
 
 from tests.mesh.multihost_group import child_env
 from tests.mesh.subprocess_run import ROOT
+from tests.mesh.test_pd_cli import ADDRESS_WAIT_S, _address, _kvjax
 
 pytestmark = pytest.mark.mesh
 
@@ -35,27 +34,12 @@ SHARED = ",".join(str(t) for t in range(1, 13))  # 12 tokens, shared by the firs
 PROMPTS = ["--prompt-ids", SHARED, "--prompt-ids", f"{SHARED},13,14,15", "--prompt-ids", "40,41,42"]
 FLAGS = ["--max-new-tokens", "4", "--ignore-eos", "--json"]
 GROUP = ["launch", "--processes", "2", "--cpu-devices-per-process", "2", "--"]
-ADDRESS_WAIT_S = 120
-
-
-def _kvjax(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "kvjax", *argv]
 
 
 def _start_prefill(argv: list[str], env: dict[str, str], log: Any) -> tuple[subprocess.Popen, str]:
     """A prefill server (``argv`` after ``python -m kvjax``) and the address it printed."""
     process = subprocess.Popen(_kvjax(*argv), stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
-    assert process.stdout is not None
-    deadline = time.monotonic() + ADDRESS_WAIT_S
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 0.5)
-        if ready:
-            line = process.stdout.readline()
-            if "prefill server listening on " in line:
-                return process, line.split()[-1]
-            assert line, f"the prefill server exited with status {process.wait(10)}"
-        assert process.poll() is None, f"the prefill server exited with status {process.returncode}"
-    raise AssertionError(f"the prefill server printed no address within {ADDRESS_WAIT_S} s")
+    return process, _address(process, time.monotonic() + ADDRESS_WAIT_S)
 
 
 def _stop(process: subprocess.Popen, log: Any) -> str:

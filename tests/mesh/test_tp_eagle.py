@@ -18,13 +18,13 @@ from typing import Any
 import jax
 import pytest
 
-from kvjax import CacheConfig, build_kv_cache
+from kvjax import build_kv_cache
 from kvjax.serve.checkpoint import load_checkpoint
 from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
 from kvjax.serve.speculative.nextn import nextn_params
 from tests.mesh.tp_serving import assert_sharded, mesh_of
-from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
-from tests.serve.test_speculative_eagle import LOGIT_ATOL, MAX_NEW, K
+from tests.serve.parity_harness import CHUNK, assert_matches_transformers, serve_two_rounds
+from tests.serve.test_speculative_eagle import LOGIT_ATOL, MAX_NEW, K, nextn_config
 from tests.serve.test_speculative_eagle import bigram as bigram  # noqa: F401, PLC0414  (the fixtures)
 from tests.serve.test_speculative_eagle import checkpoints as checkpoints  # noqa: F401, PLC0414
 from tests.serve.test_speculative_eagle import deepseek as deepseek  # noqa: F401, PLC0414
@@ -34,21 +34,8 @@ pytestmark = pytest.mark.mesh
 
 def _serve(directory: Any, tp: int, *, page_size: int, max_total_tokens: int) -> Any:
     model = load_checkpoint(directory)
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(
-            context_length=CONTEXT_LENGTH,
-            chunked_prefill_size=CHUNK,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            max_running_requests=8,
-            speculative_algorithm="NEXTN",
-            speculative_num_steps=K,
-            speculative_num_draft_tokens=K + 1,
-            tp_size=tp,
-        ),
-        mesh=mesh_of(tp),
-    )
+    config = nextn_config(page_size=page_size, max_total_tokens=max_total_tokens, tp_size=tp)
+    cache = build_kv_cache(model.spec, config, mesh=mesh_of(tp))
     sched = eagle_scheduler(
         model.config,
         cache,

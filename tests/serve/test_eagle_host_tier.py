@@ -14,15 +14,15 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from kvjax import CacheConfig, build_kv_cache
+from kvjax import build_kv_cache
 from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.serve.checkpoint import load_checkpoint
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
 from kvjax.serve.speculative.nextn import nextn_params
 from kvjax.transfers.transfer import PageTransferEngine
-from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
-from tests.serve.test_speculative_eagle import LOGIT_ATOL, MAX_NEW, K
+from tests.serve.parity_harness import CHUNK, assert_matches_transformers, serve_two_rounds
+from tests.serve.test_speculative_eagle import LOGIT_ATOL, MAX_NEW, K, nextn_config
 from tests.serve.test_speculative_eagle import checkpoints as checkpoints  # noqa: F401, PLC0414  (the fixture)
 from tests.serve.test_speculative_eagle import deepseek as deepseek  # noqa: F401, PLC0414
 
@@ -38,21 +38,8 @@ def test_the_mtp_layers_pool_goes_to_the_host_and_back_with_the_targets(deepseek
 
     monkeypatch.setattr(PageTransferEngine, "start_load", counting)
     model = load_checkpoint(directory)
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(
-            context_length=CONTEXT_LENGTH,
-            chunked_prefill_size=CHUNK,
-            page_size=1,
-            max_total_tokens=64,
-            max_running_requests=8,
-            speculative_algorithm="NEXTN",
-            speculative_num_steps=K,
-            speculative_num_draft_tokens=K + 1,
-            enable_hierarchical_cache=True,
-            hicache_ratio=8.0,
-        ),
-    )
+    config = nextn_config(page_size=1, max_total_tokens=64, enable_hierarchical_cache=True, hicache_ratio=8.0)
+    cache = build_kv_cache(model.spec, config)
     sched = eagle_scheduler(
         model.config,
         cache,

@@ -135,20 +135,22 @@ def bigram(checkpoints) -> tuple[Any, Path]:
     return hf, directory
 
 
-def _cache(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> Any:
-    return build_kv_cache(
-        model.spec,
-        CacheConfig(
-            context_length=CONTEXT_LENGTH,
-            chunked_prefill_size=CHUNK,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            max_running_requests=8,
-            speculative_algorithm="NEXTN",
-            speculative_num_steps=K,
-            speculative_num_draft_tokens=K + 1,
-        ),
+def nextn_config(**changes: Any) -> CacheConfig:
+    """The parity rounds' cache (context, chunks, 8 running requests) planned for NEXTN with ``K``
+    draft tokens per round; ``changes``: page size, pool size, tiers, tp."""
+    return CacheConfig(
+        context_length=CONTEXT_LENGTH,
+        chunked_prefill_size=CHUNK,
+        max_running_requests=8,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=K,
+        speculative_num_draft_tokens=K + 1,
+        **changes,
     )
+
+
+def _cache(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> Any:
+    return build_kv_cache(model.spec, nextn_config(page_size=page_size, max_total_tokens=max_total_tokens))
 
 
 def _serve(directory: Path, *, page_size: int, max_total_tokens: int) -> tuple[Scheduler, dict[str, ServingReq]]:
