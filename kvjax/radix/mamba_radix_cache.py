@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from kvjax.hybrid_req_pool import HybridReqToTokenPool
     from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol
     from kvjax.radix.events import EventSink
+    from kvjax.radix.host_component import HostTierComponent
+    from kvjax.radix.storage_link import StorageOptions
     from kvjax.request import Req
 
 __all__ = ["CheckpointPolicy", "MambaEvictResult", "MambaInsertResult", "MambaRadixCache"]
@@ -113,6 +115,8 @@ class MambaRadixCache(RadixCache):
         checkpoint_policy: where the lifecycle donates checkpoints (default: everywhere, SGLang).
         req_to_token_pool, disable, enable_kv_cache_events, event_sink, enable_metrics,
         hash_seed, eviction_policy_config: as for :class:`RadixCache`.
+        host, storage: the host tier and the storage tier behind it (given by
+            :class:`~kvjax.radix.himamba_radix_cache.HiMambaRadixCache`; None: none).
     """
 
     def __init__(
@@ -134,6 +138,8 @@ class MambaRadixCache(RadixCache):
         enable_metrics: bool = False,
         hash_seed: int | bytes | str = 0,
         eviction_policy_config: dict | None = None,
+        host: HostTierComponent | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         token_alloc = one_token_allocator(allocator, token_to_kv_pool_allocator)
         state_alloc: StateSlotAllocator | None
@@ -143,7 +149,7 @@ class MambaRadixCache(RadixCache):
             state_alloc = StateSlotAllocator(mamba_pool_size)
         else:
             state_alloc = getattr(req_to_token_pool, "mamba_allocator", None)
-        component = MambaComponent(
+        component = self._make_component(
             state_alloc,
             page_size=page_size,
             enable_mamba_extra_buffer=enable_mamba_extra_buffer,
@@ -162,12 +168,18 @@ class MambaRadixCache(RadixCache):
             hash_seed=hash_seed,
             eviction_policy_config=eviction_policy_config,
             components=(component,),
+            host=host,
+            storage=storage,
         )
         self.mamba = component
         self.mamba_allocator = state_alloc
         self.enable_mamba_extra_buffer = bool(enable_mamba_extra_buffer)
         self.checkpoint_policy = checkpoint_policy
         self._copies: list[tuple[int, int]] = []
+
+    def _make_component(self, allocator: StateSlotAllocator | None, **options: Any) -> MambaComponent:
+        """The MAMBA component over ``allocator`` (a preset with a host tier makes its own)."""
+        return MambaComponent(allocator, **options)
 
     def supports_mamba(self) -> bool:
         return True

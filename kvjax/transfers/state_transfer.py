@@ -1,0 +1,215 @@
+"""`StateTransferEngine`: the host tier's copies of recurrent-state checkpoints (device state slot
+<-> host state slot), SGLang's ``MambaPoolHost`` transfers.
+
+A :class:`~kvjax.tiers.copy_engine.CopyEngine` over the recurrent pool (``pools.recurrent``) and
+its :class:`~kvjax.tiers.host_state_pool.HostStatePool`; slots are state slots (one per checkpoint),
+not token slots.
+
+Device state (``docs/architecture.md``, "Device state: who changes it"): the engine holds no device
+state. Both directions are recorded as pending device updates (``kvjax.device_updates``) that the
+owner of the step applies, in order, before its next step:
+
+* **backup** ``(device slots, host slots)``: the update gathers the slots' rows of every layer and
+  array (a copy O(slots), the pool unchanged) and starts their copy to the host
+  (``copy_to_host_async``); ``poll`` writes them into the host pool once they are ready and reports
+  DONE. A checkpoint the tree donated this step is written by a state copy the tree queued
+  (``MambaRadixCache.take_state_copies``) that is not recorded yet: :meth:`record_copies` records
+  those copies first, so the gather reads the state they write (the order of the queue is the
+  order of the device's writes). Unlike the KV engine, a backup cannot read "now": the state it
+  reads may still be a queued copy. ``poll(wait=True)`` of a backup whose update is not applied
+  yet reports PENDING (nothing can apply it but the owner); the tree keeps the node locked.
+* **load** ``(host slots, device slots)``: the host rows are read when it starts (so the host slots
+  may be reused at once) and the update scatters them into the device slots (the pool's arrays
+  donated: in place, O(slots)). ``poll`` reports PENDING until the update is applied, then DONE once
+  the written arrays are ready. A load that started completes.
+
+Cancelled transfers never land: a cancelled backup's update gathers nothing and its poll reports
+FAILED.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
+from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.recurrent import apply_state_copies
+from kvjax.tiers.copy_engine import CopyError, TransferStatus
+from kvjax.tiers.host_state_pool import HostStatePool
+
+if TYPE_CHECKING:
+    from kvjax.transfers.transfer_engines import TransferContext
+
+__all__ = ["StateTransferEngine", "state_copies_update", "transfer_engine"]
+
+#: The device pool of recurrent state and the plan name of its host pool.
+STATE_POOL = "recurrent"
+HOST_STATE_POOL = "host_state"
+
+
+def state_copies_update(copies: list[tuple[int, int]], pool_name: str = STATE_POOL) -> DeviceUpdate:
+    """The state copies ``(src slot, dst slot)``, applied in order to ``pools[pool_name]`` (donated),
+    as a pending device update (pages: the destination slots)."""
+    copies = list(copies)
+
+    def copy_states(pools: CachePools) -> CachePools:
+        return pools.replace(**{pool_name: apply_state_copies(pools[pool_name], copies)})
+
+    destinations = np.asarray([dst for _, dst in copies], np.int64)
+    return DeviceUpdate("state fork", pool_name, destinations, copy_states)
+
+
+@jax.jit
+def _gather(arrays: tuple[jax.Array, ...], slots: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(a[:, slots] for a in arrays)
+
+
+@functools.lru_cache(maxsize=8)
+def _scatter_to(shardings: tuple[Any, ...]) -> Any:
+    def scatter(arrays: tuple[jax.Array, ...], slots: jax.Array, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        return tuple(a.at[:, slots].set(r.astype(a.dtype)) for a, r in zip(arrays, rows, strict=True))
+
+    return jax.jit(scatter, donate_argnums=(0,), out_shardings=shardings)
+
+
+@dataclass(eq=False)
+class _StateBackup:
+    host_slots: np.ndarray
+    applied: bool = False
+    cancelled: bool = False
+    buffers: tuple[Any, ...] = ()
+    status: TransferStatus = TransferStatus.PENDING
+
+
+@dataclass(eq=False)
+class _StateLoad:
+    applied: bool = False
+    arrays: tuple[Any, ...] = field(default=())
+    status: TransferStatus = TransferStatus.PENDING
+
+
+class StateTransferEngine:
+    """See the module docstring.
+
+    Args:
+        pending: the cache's pending device updates (``KVCache.pending``).
+        host_pool: the host state pool; its arrays must match the device pool's (layers, rows,
+            storage dtypes), else ValueError naming both.
+        pool_name: the recurrent pool in the pools (``"recurrent"``).
+    """
+
+    def __init__(self, pending: PendingDeviceUpdates, host_pool: HostStatePool, pool_name: str = STATE_POOL) -> None:
+        device = pending.owner_pools[pool_name]
+        arrays = device.arrays()
+        want = tuple((tuple(int(d) for d in a.shape[2:]), str(a.dtype)) for a in arrays)
+        have = tuple((tuple(h.shape[2:]), str(h.dtype)) for h in host_pool.arrays)
+        if want != have or host_pool.num_layers != int(arrays[0].shape[0]):
+            raise ValueError(
+                f"host state pool rows {have} over {host_pool.num_layers} layers for a device state pool of {want} "
+                f"over {arrays[0].shape[0]} layers; plan both from the same layout"
+            )
+        self.pending = pending
+        self.host_pool = host_pool
+        self.pool_name = pool_name
+        self.num_slots = int(arrays[0].shape[1]) - 1  # allocatable device slots (slot 0 pads)
+
+    def _device_slots(self, slots: Any) -> np.ndarray:
+        ids = np.asarray(slots, dtype=np.int64).ravel()
+        bad = ids[(ids < 1) | (ids > self.num_slots)]
+        if bad.size:
+            raise CopyError(f"device state slots {bad.tolist()} out of range [1, {self.num_slots}]")
+        return ids
+
+    def record_copies(self, copies: list[tuple[int, int]]) -> None:
+        """Record the tree's queued state copies ``(src, dst)`` as one pending device update, ahead
+        of a backup that reads what they write."""
+        if copies:
+            self.pending.record(state_copies_update(copies, self.pool_name))
+
+    def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _StateBackup:
+        slots = self._device_slots(device_slots)
+        host = self.host_pool.check_slots(host_slots)
+        if slots.size != host.size:
+            raise CopyError(f"backup of {slots.size} state slots into {host.size} host slots")
+        handle = _StateBackup(host)
+        ids = jnp.asarray(slots, jnp.int32)
+
+        def gather(pools: CachePools) -> CachePools:
+            if not handle.cancelled:
+                handle.buffers = _gather(pools[self.pool_name].arrays(), ids)
+                for buf in handle.buffers:
+                    buf.copy_to_host_async()
+            handle.applied = True
+            return pools
+
+        self.pending.record(DeviceUpdate("state backup", self.pool_name, np.empty(0, np.int64), gather))
+        return handle
+
+    def start_load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> _StateLoad:
+        try:
+            slots = self._device_slots(device_slots)
+            rows = self.host_pool.read(host_slots)  # read now: the host slots may be reused at once
+        except Exception as e:
+            raise CopyError(f"state load cannot start: {e}") from e
+        if rows[0].shape[1] != slots.size:
+            raise CopyError(f"load of {rows[0].shape[1]} host state slots into {slots.size} device slots")
+        handle = _StateLoad()
+        ids = jnp.asarray(slots, jnp.int32)
+
+        def scatter(pools: CachePools) -> CachePools:
+            pool = pools[self.pool_name]
+            arrays = pool.arrays()
+            new = _scatter_to(tuple(a.sharding for a in arrays))(arrays, ids, tuple(jnp.asarray(r) for r in rows))
+            handle.arrays = tuple(new)
+            handle.applied = True
+            return pools.replace(**{self.pool_name: pool.replace(conv=tuple(new[:-1]), ssm=new[-1])})
+
+        self.pending.record(DeviceUpdate("host state load", self.pool_name, slots, scatter))
+        return handle
+
+    def poll(self, handle: Any, wait: bool = False) -> TransferStatus:
+        if handle.status is not TransferStatus.PENDING:
+            return handle.status
+        if isinstance(handle, _StateLoad):
+            if not handle.applied:
+                return TransferStatus.PENDING
+            live = [a for a in handle.arrays if not a.is_deleted()]
+            if wait:
+                jax.block_until_ready(live)
+            elif not all(a.is_ready() for a in live):
+                return TransferStatus.PENDING
+            handle.status = TransferStatus.DONE
+            handle.arrays = ()
+            return handle.status
+        if handle.cancelled:
+            handle.status = TransferStatus.FAILED
+            return handle.status
+        if not handle.applied:
+            return TransferStatus.PENDING
+        if not wait and not all(b.is_ready() for b in handle.buffers):
+            return TransferStatus.PENDING
+        try:
+            self.host_pool.write(handle.host_slots, tuple(np.asarray(b) for b in handle.buffers))
+            handle.status = TransferStatus.DONE
+        except Exception:  # a backup that did not land: the tree keeps the node without a host state
+            handle.status = TransferStatus.FAILED
+        handle.buffers = ()
+        return handle.status
+
+    def cancel(self, handle: Any) -> None:
+        if isinstance(handle, _StateBackup):
+            handle.cancelled = True
+
+
+def transfer_engine(context: TransferContext) -> StateTransferEngine | None:
+    """The state engine when the plan built a host state pool (``"host_state"``), else None."""
+    host = context.host_pools.get(HOST_STATE_POOL)
+    if host is None or STATE_POOL not in context.pending.owner_pools.names:
+        return None
+    return StateTransferEngine(context.pending, host)

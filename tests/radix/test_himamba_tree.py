@@ -1,0 +1,194 @@
+"""HiMambaRadixCache (FULL + MAMBA + host) standalone with simulated copy engines, and the state
+transfer engine over a real recurrent pool: which checkpoints are copied at backup, what a
+demotion frees, the host hit (it ends at a node with a state, on the device or the host), the
+all-or-nothing load-back, bad input, and leak-free accounting."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.device_updates import PendingDeviceUpdates
+from kvjax.pools.cache_pools import CachePools
+from kvjax.pools.recurrent import RecurrentStatePool
+from kvjax.radix import HiRadixCache
+from kvjax.radix.himamba_radix_cache import HiMambaRadixCache
+from kvjax.tiers.copy_engine import CopyError, TransferStatus
+from kvjax.tiers.host_state_pool import HostStatePool, host_state_slots
+from kvjax.tiers.simulated_copy import SimulatedCopyEngine
+from kvjax.transfers.state_transfer import StateTransferEngine
+
+
+def tree(states: int = 4, host_states: int = 8) -> tuple[HiMambaRadixCache, SimulatedCopyEngine]:
+    eng = SimulatedCopyEngine()
+    t = HiMambaRadixCache(
+        page_size=1, host_pool_tokens=64, mamba_pool_size=states, host_state_slots=host_states, state_engine=eng
+    )
+    return t, eng
+
+
+def state(t: HiMambaRadixCache, eng: SimulatedCopyEngine, label: str) -> int:
+    slot = int(t.mamba_allocator.alloc(1)[0])
+    eng.device[slot] = label
+    return slot
+
+
+def balanced(t: HiMambaRadixCache) -> bool:
+    t.sanity_check()
+    m = t.mamba.sizes()
+    return (
+        t.mamba_allocator.available_size() + m.evictable + m.protected == t.mamba_allocator.size and t.host_balanced()
+    )
+
+
+def test_demote_then_load_back_brings_kv_and_checkpoint_back():
+    t, eng = tree()
+    s = state(t, eng, "A")
+    t.insert(list(range(1, 13)), mamba_value=s)
+    assert t.mamba.pending_transfers == 1  # the new leaf's checkpoint is copied with its KV
+    t.check_transfers(wait=True)
+    assert t.mamba.backups == 1 and t.mamba.landed_host_slot(t.last_insert_node) is not None
+    assert t.evict(12) == 12  # demoted: KV and device checkpoint freed, both host copies kept
+    assert t.mamba_allocator.available_size() == 4 and t.host_only_states == 1
+    assert balanced(t)
+    m = t.match_prefix(list(range(1, 14)))
+    assert (m.prefix_len, m.host_hit_length) == (0, 12)
+    loaded = t.init_load_back(m)
+    assert loaded.prefix_len == 12
+    new = t.mamba.slot_of(loaded.last_node)
+    assert new is not None and eng.device[new] == "A"  # the host copy came back into a new slot
+    t.check_transfers(wait=True)
+    again = t.match_prefix(list(range(1, 14)))
+    assert (again.prefix_len, again.extras["mamba"].slot, again.host_hit_length) == (12, new, 0)
+    assert t.mamba.landed_host_slot(loaded.last_node) is not None  # the host copy is kept
+    assert balanced(t)
+
+
+def test_checkpoint_evicted_from_the_device_is_a_host_hit_loaded_alone():
+    t, eng = tree()
+    a = state(t, eng, "A")
+    t.insert(list(range(1, 9)), mamba_value=a)
+    t.insert(list(range(1, 13)), mamba_value=state(t, eng, "B"))
+    t.check_transfers(wait=True)
+    assert t.evict(0, mamba_num=1).mamba_num_evicted == 1  # the older, internal one: a tombstone
+    m = t.match_prefix([*range(1, 9), 99])
+    assert (m.prefix_len, m.host_hit_length) == (0, 8)  # its KV is on the device, its state on the host
+    kv_loads = len(t.host.engine.log)  # type: ignore[attr-defined]
+    loaded = t.init_load_back(m)
+    assert loaded.prefix_len == 8 and len(t.host.engine.log) == kv_loads  # type: ignore[attr-defined]
+    assert eng.device[t.mamba.slot_of(loaded.last_node)] == "A"
+    t.check_transfers(wait=True)
+    assert balanced(t)
+
+
+def test_a_host_hit_ends_at_a_node_with_a_state():
+    t, eng = tree()
+    t.insert([1, 2, 3, 4])  # no checkpoint
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    t.check_transfers(wait=True)
+    t.evict(8)
+    assert t.match_prefix([1, 2, 3, 4, 99]).host_hit_length == 0  # [1..4] has no state anywhere
+    assert t.match_prefix(list(range(1, 10))).host_hit_length == 8
+    t.host.evict_host(4)  # the host KV of [5..8] goes (and with its node, its state)
+    assert t.match_prefix(list(range(1, 10))).host_hit_length == 0
+    assert t.mamba.host_slot == {} and balanced(t)
+
+
+def test_incremental_backup_of_a_checkpoint_given_to_a_backed_up_node():
+    t, eng = tree()
+    t.insert(list(range(1, 9)))
+    t.check_transfers(wait=True)  # KV backed up, no state
+    node = t.last_insert_node
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    assert t.mamba.pending_transfers == 1
+    t.check_transfers(wait=True)
+    assert eng.host[t.mamba.landed_host_slot(node)] == "A"
+    assert balanced(t)
+
+
+def test_full_host_state_pool_evicts_host_only_states_then_skips():
+    t, eng = tree(states=4, host_states=1)
+    t.insert([1, 2, 3], mamba_value=state(t, eng, "A"))
+    t.check_transfers(wait=True)
+    t.insert([7, 8, 9], mamba_value=state(t, eng, "B"))
+    assert t.mamba.skipped_backups == 1  # no free host slot, and A's copy is not evictable (A is on the device)
+    t.check_transfers(wait=True)
+    t.evict(0, mamba_num=1)  # A's device checkpoint goes: its node is a demoted leaf, its state host-only
+    t.insert([4, 5, 6], mamba_value=state(t, eng, "C"))  # takes A's host slot
+    t.check_transfers(wait=True)
+    assert t.mamba.host_evicted == 1 and t.match_prefix([1, 2, 3, 4]).host_hit_length == 0
+    assert balanced(t)
+
+
+def test_load_back_is_all_or_nothing_when_no_state_slot_can_be_freed():
+    t, eng = tree(states=1)
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    t.check_transfers(wait=True)
+    t.evict(8)
+    held = int(t.mamba_allocator.alloc(1)[0])  # a request holds the only state slot
+    m = t.match_prefix(list(range(1, 9)))
+    assert t.init_load_back(m) is m  # nothing changed: recompute
+    assert t.match_prefix(list(range(1, 9))).host_hit_length == 8 and t.host_only_count == 1
+    t.mamba_allocator.free([held])
+    assert balanced(t)
+
+
+def test_bad_input_and_unbuilt_options_are_named():
+    t, _ = tree()
+    other, _ = tree()
+    other.insert([1, 2, 3])
+    with pytest.raises(ValueError, match="not a node of this tree"):
+        t.load_back(other.last_insert_node)
+    with pytest.raises(NotImplementedError, match="write_back"):
+        HiMambaRadixCache(host_pool_tokens=64, mamba_pool_size=2, write_policy="write_back")
+    with pytest.raises(NotImplementedError, match="storage tier"):
+        HiMambaRadixCache(host_pool_tokens=64, mamba_pool_size=2, storage=object())
+    assert isinstance(t, HiRadixCache)
+
+
+def test_reset_frees_everything_with_copies_in_flight():
+    t, eng = tree()
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    t.insert([20, 21], mamba_value=state(t, eng, "B"))
+    t.reset()
+    assert t.mamba_allocator.available_size() == 4
+    assert t.host_state_allocator.available_size() == 8 and balanced(t)
+
+
+def test_host_state_slots_follow_sglangs_sizing():
+    assert host_state_slots(10, hicache_ratio=2.0) == 21
+    assert host_state_slots(10, hicache_ratio=2.0, hicache_size_gb=1e-6, state_share=0.5, bytes_per_state=100) == 6
+
+
+def _pool(slots: int = 4) -> RecurrentStatePool:
+    return RecurrentStatePool.create(
+        num_slots=slots, layer_ids=(0, 2), conv_state_shapes=((3, 2),), ssm_state_shape=(2, 2, 2)
+    )
+
+
+def test_state_engine_round_trips_a_checkpoint_after_the_queued_copy():
+    pools = CachePools(recurrent=_pool())
+    pending = PendingDeviceUpdates(pools)
+    host = HostStatePool(3, 2, tuple((tuple(a.shape[2:]), str(a.dtype)) for a in pools.recurrent.arrays()))
+    eng = StateTransferEngine(pending, host)
+    conv = (jnp.arange(6, dtype=jnp.float32).reshape(1, 3, 2),)
+    ssm = jnp.full((1, 2, 2, 2), 7.0)
+    rec = pools.recurrent.set_states(2, np.array([1]), conv, ssm)
+    pools = pools.replace(recurrent=rec)
+    pending.hand_in(pools)
+    eng.record_copies([(1, 2)])  # the tree's queued copy: the backup of slot 2 reads it
+    backup = eng.start_backup(np.array([2]), np.array([0]))
+    assert eng.poll(backup, wait=True) is TransferStatus.PENDING  # only the owner applies it
+    pools = pending.apply(pools)
+    assert eng.poll(backup, wait=True) is TransferStatus.DONE
+    load = eng.start_load(np.array([0]), np.array([4]))
+    pools = pending.apply(pools)
+    assert eng.poll(load, wait=True) is TransferStatus.DONE
+    got_conv, got_ssm = pools.recurrent.get_states(2, np.array([4]))
+    np.testing.assert_array_equal(np.asarray(got_conv[0], np.float32), np.asarray(conv[0]))
+    np.testing.assert_array_equal(np.asarray(got_ssm), np.asarray(ssm))
+    with pytest.raises(CopyError, match="out of range"):
+        eng.start_load(np.array([0]), np.array([9]))
+    with pytest.raises(ValueError, match="plan both from the same layout"):
+        StateTransferEngine(pending, HostStatePool(3, 1, host.rows))
