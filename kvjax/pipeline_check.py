@@ -2,15 +2,18 @@
 
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
-process serves every stage); DCP, DP attention, speculative decoding, the storage tier, a host
-tier sized by ``hicache_size`` and the retraction backup together with stages; and models with
-recurrent layers. The retraction backup and recurrent state
-change device state through updates recorded on one cache (``KVCache.pending``), which would reach
-the first stage's layers only; DCP, DP attention and speculative decoding are other layouts of
-the step that are not combined with stages. The host tier is served: each stage copies its own
-layers (``kvjax.serve.pipeline_cache``), with one host slot id per token on every stage, so every
-stage's host pool has the same slots (``hicache_ratio``: a size in bytes would give each stage its
-own); the storage tier would store stage 0's layers only.
+process serves every stage); DCP, DP attention and speculative decoding together with stages; and
+models with recurrent layers, whose state forks and checkpoints change device state through updates
+recorded on one cache (``KVCache.pending``), which would reach the first stage's layers only. DCP,
+DP attention and speculative decoding are other layouts of the step that are not combined with
+stages (SGLang 0.5.23 serves DP attention and EAGLE over stages: kvjax has not built them).
+
+Served over stages (nothing refused here): the host tier, each stage copying its own layers with
+one host slot id per token on every stage (``kvjax.serve.pipeline_cache``; a host tier sized in
+bytes, ``hicache_size``, gets the largest stage's slots on every stage, as SGLang's
+``sync_fixed_hicache_size``); the storage tier, one stored page of every stage's layers
+(``kvjax.serve.pipeline_storage``); and the retraction backup, every stage's pools copied aside and
+restored (``kvjax.serve.pipeline_retraction``).
 """
 
 from __future__ import annotations
@@ -39,33 +42,14 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
             config.enable_dp_attention,
             "enable_dp_attention",
             True,
-            "DP attention with pipeline stages is not served; leave it off or use {pp_size} 1",
+            "DP attention with pipeline stages is not built in kvjax (SGLang 0.5.23 serves it); leave it off or use "
+            "{pp_size} 1",
         ),
         (
             config.speculative_algorithm is not None,
             "speculative_algorithm",
             config.speculative_algorithm,
             "speculative decoding with pipeline stages is not served; leave it unset or use {pp_size} 1",
-        ),
-        (
-            config.enable_hierarchical_cache and config.hicache_storage_backend is not None,
-            "hicache_storage_backend",
-            config.hicache_storage_backend,
-            "the storage tier with pipeline stages is not served (it would store the first stage's layers only); "
-            "leave it unset or use {pp_size} 1",
-        ),
-        (
-            config.enable_hierarchical_cache and config.hicache_size > 0,
-            "hicache_size",
-            config.hicache_size,
-            "a host tier sized in bytes with pipeline stages is not served (every stage's host pool must have "
-            "the same slots); size it with hicache_ratio or use {pp_size} 1",
-        ),
-        (
-            config.disaggregation_decode_retraction_backup is not None,
-            "disaggregation_decode_retraction_backup",
-            config.disaggregation_decode_retraction_backup,
-            "the retraction backup with pipeline stages is not served; leave it unset or use {pp_size} 1",
         ),
         (
             bool(spec.recurrent_layer_ids()),

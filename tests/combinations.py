@@ -400,8 +400,6 @@ GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
 GAP_DCP_STORAGE_MLA = f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
-GAP_PP_STORAGE = f"{GAP}: the storage tier over pipeline stages (it would store the first stage's layers only)"
-GAP_PP_RETRACTION = f"{GAP}: the retraction backup over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
 GAP_SPEC_OVERLAP = (
     f"{GAP}: overlap scheduling with speculative decoding (SGLang's spec v2 overlaps; the command line turns it "
@@ -496,6 +494,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
     ("full", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_llama_host_tier_loads_back_per_shard_pages",
     ("full", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
+    ("full", "pp", "storage"): "tests/mesh/test_pp_tiers.py::test_llama_storage_tier_stores_every_stages_layers",
+    ("full", "pp", "retraction"): (
+        "tests/mesh/test_pp_tiers.py::test_llama_cpu_tensor_retraction_backup_restores_every_stage"
+    ),
     ("full", "tp", "storage"): (
         "tests/mesh/test_tp_host_tier.py::test_storage_entries_per_rank_read_back_by_a_cold_server_of_the_same_tp"
     ),
@@ -630,8 +632,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dcp", "processes"): refused(GAP_PROCESSES),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_EAGLE),
-    ("full", "pp", "storage"): refused(GAP_PP_STORAGE),
-    ("full", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("full", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
@@ -665,8 +665,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "dcp", "processes"): refused(GAP_PROCESSES),
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("swa", "pp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "pp", "storage"): refused(GAP_PP_STORAGE),
-    ("swa", "pp", "retraction"): refused(GAP_PP_RETRACTION),
+    ("swa", "pp", "storage"): refused(GAP_SWA_STORAGE),
+    ("swa", "pp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "pp", "processes"): refused(GAP_PROCESSES),
     ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
@@ -694,8 +694,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "dcp", "processes"): refused(GAP_PROCESSES),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
-    ("mla", "pp", "storage"): refused(GAP_PP_STORAGE),
-    ("mla", "pp", "retraction"): refused(GAP_PP_RETRACTION),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("mla", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
@@ -732,8 +730,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("recurrent", "pp", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "pp", "storage"): refused(GAP_PP_STORAGE),
-    ("recurrent", "pp", "retraction"): refused(GAP_PP_RETRACTION),
+    ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "pp", "retraction"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_HOST),

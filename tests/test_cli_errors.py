@@ -93,10 +93,6 @@ CASES = [
         ["--dcp 2 with --hicache-storage store", "resolve_hicache_dcp_compatibility"],
     ),
     (
-        ["demo", "--pp", "2", "--enable-hierarchical-cache", "--hicache-storage", "store"],
-        ["--pp 2 with --hicache-storage store"],
-    ),
-    (
         ["demo", "--model", "gemma3-tiny", "--enable-hierarchical-cache", "--hicache-storage", "store"],
         ["--hicache-storage store with --model gemma3-tiny"],
     ),

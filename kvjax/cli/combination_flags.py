@@ -94,11 +94,6 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             f"--hicache-storage {storage} with {spec_flag}: the storage tier with bigram (EAGLE) keys is {_GAP}; drop "
             "one of the two",
         ),
-        (
-            pp > 1 and storage is not None,
-            f"--pp {pp} with --hicache-storage {storage}: the storage tier over pipeline stages is {_GAP} (it would "
-            "store the first stage's layers only); drop --hicache-storage or --pp",
-        ),
     ]
     for refused, line in refusals:
         if refused:

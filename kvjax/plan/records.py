@@ -109,6 +109,10 @@ class Sizes:
     need_sort: bool
     warnings: tuple[str, ...] = ()
     draft_bytes_per_token: int = 0  # the draft model's pool, counted in the budget (kvjax.plan.draft)
+    # The largest bytes_per_token of the pipeline stages (bytes_per_token with one stage): a host
+    # tier sized in bytes (hicache_size) gives every stage the slots of the largest, as SGLang's
+    # sync_fixed_hicache_size takes the stages' minimum token capacity.
+    host_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)

@@ -337,4 +337,5 @@ def decide_sizes(
         need_sort=config.need_sort,
         warnings=tuple(warnings),
         draft_bytes_per_token=draft_bytes_per_token if config.pp_rank == last else 0,
+        host_bytes_per_token=max(s.bytes_per_token for s in sized),
     )

@@ -159,7 +159,7 @@ def decide_host_tier(
             ps,
             hicache_ratio=hicache_ratio,
             hicache_size_gb=config.hicache_size,
-            bytes_per_token=sizes.bytes_per_token,
+            bytes_per_token=sizes.host_bytes_per_token or sizes.bytes_per_token,  # every stage's slots alike
         )
     return HostTier(
         decode_retraction_backup=backup,

@@ -24,7 +24,11 @@ id per token on every stage), and a transfer engine recording its loads in a que
 device updates of its own (``pending[s]``, reading stage ``s``'s state); the tree drives one
 engine, which starts every stage's copy of the same slots and reports a transfer done once every
 stage's landed (``kvjax.transfers.draft_pools.PairedCopyEngine``). The owner of the step applies
-each stage's queue before that stage's step.
+each stage's queue before that stage's step. Sized in bytes (``hicache_size``), every stage's host
+pool gets the slots of the stage with the most bytes per token (the planner's
+``Sizes.host_bytes_per_token``). With a storage tier (L3), stage 0's cache is built without it and
+the store is linked behind the tree once every stage's host pools exist, a stored page holding
+every stage's layers (``kvjax.serve.pipeline_storage``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.sizing import stage_bounds
 from kvjax.pools import CachePools
 from kvjax.serve.causal_lm import PipelineStage
+from kvjax.serve.pipeline_storage import link_staged_storage
 from kvjax.spec import ModelSpec
 from kvjax.transfers.draft_pools import PairedCopyEngine
 
@@ -170,7 +175,10 @@ def build_pipeline_cache(
         memory = device_memory_limit_bytes(first_device)
     for s in range(config.pp_size):  # every stage's plan passes before any is allocated
         plan_kv_cache(spec, config.replace(pp_rank=s), device_memory_bytes=memory)
-    cache = build_kv_cache(spec, config, mesh=meshes[0], event_sink=event_sink)
+    # The storage tier is linked once every stage's host pools exist (kvjax.serve.pipeline_storage).
+    storage = config.enable_hierarchical_cache and config.hicache_storage_backend is not None
+    stage0 = config.replace(hicache_storage_backend=None) if storage else config
+    cache = build_kv_cache(spec, stage0, mesh=meshes[0], event_sink=event_sink)
     plans: list[CachePlan] = [cache.plan]
     pools: list[CachePools] = [cache.pools]
     for s in range(1, config.pp_size):
@@ -182,6 +190,7 @@ def build_pipeline_cache(
     pending: list[PendingDeviceUpdates] = []
     if cache.host_pool is not None:  # every stage's layers backed up and loaded with the same slots
         engines = []
+        host_pools: list[Any] = [cache.host_pool]
         for s in range(1, config.pp_size):
             queue, engine = build_stage_host_engine(
                 plans[s],
@@ -193,8 +202,12 @@ def build_pipeline_cache(
             )
             pending.append(queue)
             engines.append(engine)
+            if storage:  # a kind the storage tier serves (its page engine: the host pool of its layers)
+                host_pools.append(engine.host_pool)
         host = cache.tree_cache.host  # type: ignore[attr-defined]
         host.engine = PairedCopyEngine(host.engine, *engines)
+        if storage:
+            link_staged_storage(cache.tree_cache, config, plans, pools, host_pools)
     return PipelineCache(cache, pools, plans, stages, meshes, pending or None)
 
 

@@ -39,6 +39,7 @@ from kvjax.errors import ConfigError
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pipeline_cache import PipelineCache
+from kvjax.serve.pipeline_retraction import staged_extensions
 from kvjax.serve.pipeline_step import make_stage_step, place_stage
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.stepping import StepOwner, StepRows
@@ -60,8 +61,9 @@ def pipeline_scheduler(
     ``params``: the whole model's weights; each stage keeps (on its devices) only what it runs
     (``stepping.stage_params[s]``; the scheduler's ``params`` are stage 0's). ``micro_batches``:
     how many row groups a step's batch is split into (1 to ``max_batch_size``). The other
-    arguments are ``Scheduler``'s; a model of the caller's own (``model=``) is not served over
-    stages (``ConfigError``).
+    arguments are ``Scheduler``'s (its ``extensions`` default to
+    ``pipeline_retraction.staged_extensions``: a ``cpu_tensor`` retraction backup copies every
+    stage); a model of the caller's own (``model=``) is not served over stages (``ConfigError``).
     """
     if scheduler_args.get("model") is not None:
         raise ConfigError("model", "a model of the caller's own", "pipeline stages serve the built-in families")
@@ -71,6 +73,8 @@ def pipeline_scheduler(
             "micro_batches", micro_batches, f"split the batch of {max_batch} rows into 1 to {max_batch} groups"
         )
     stepping = PipelineStages(pipeline, micro_batches, -(-max_batch // micro_batches))
+    if scheduler_args.get("extensions") is None:  # the retraction backup copies every stage
+        scheduler_args["extensions"] = staged_extensions(pipeline)
     return Scheduler(spec, pipeline.cache, params, stepping=stepping, **scheduler_args)
 
 

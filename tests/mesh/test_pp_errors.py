@@ -2,8 +2,7 @@
 before anything is allocated (``jax.live_arrays()`` unchanged).
 
 More stages than layers, more ``pp_size * tp_size`` devices than there are, and what pipelining
-does not serve (DCP, DP attention, the storage tier, a host tier sized by ``hicache_size``,
-the retraction backup, recurrent layers, a ``pp_rank`` other than 0) are refused by
+does not serve (DCP, DP attention, recurrent layers, a ``pp_rank`` other than 0) are refused by
 ``build_pipeline_cache``; a micro-batch count the batch cannot be split into by
 ``pipeline_scheduler``.
 """
@@ -36,23 +35,6 @@ CASES = {
         config(pp_size=2, tp_size=2, dp_size=2, enable_dp_attention=True),
         "enable_dp_attention",
         "DP attention",
-    ),
-    "storage_tier": (
-        TINY,
-        config(
-            pp_size=2,
-            enable_hierarchical_cache=True,
-            hicache_storage_backend="memory",
-            hicache_storage_model_fingerprint="tiny",
-        ),
-        "hicache_storage_backend",
-        "storage tier",
-    ),
-    "host_tier_sized_in_bytes": (
-        TINY,
-        config(pp_size=2, enable_hierarchical_cache=True, hicache_size=1),
-        "hicache_size",
-        "hicache_ratio",
     ),
     "recurrent_layers": (
         ModelSpec.preset("qwen3-next-80b-a3b"),
