@@ -11,7 +11,8 @@ program for every rank. Requests are routed to ranks by ``kvjax.serve.dp_router`
 ``kvjax.dp.scheduler`` serves a request stream over ranks with one scheduler per rank, each
 stepping on its own; ``kvjax.dp.lockstep`` serves it as DP attention does, one device step for
 every rank's batch, each rank's scheduler over a ``kvjax.dp.rank_cache`` view of the shared pools
-and its recurrent-state copies written into its own slice (``kvjax.dp.rank_state``).
+and its recurrent-state copies written into its own slice (``kvjax.dp.rank_state``);
+``kvjax.dp.speculative`` adds speculative decoding (STANDALONE, EAGLE / NEXTN) to lockstep serving.
 
 Modules import jax; the router does not.
 """
@@ -22,6 +23,7 @@ from kvjax.dp.lockstep import LockstepDPScheduler
 from kvjax.dp.rank_cache import RankKVCache, rank_caches
 from kvjax.dp.rank_state import RankStateCopies
 from kvjax.dp.scheduler import DPScheduler
+from kvjax.dp.speculative import DPSpeculation, RankDraft, make_dp_paired_prefill_step, make_dp_round_step
 from kvjax.dp.step import make_dp_step, place_params
 
 __all__ = [
@@ -30,11 +32,15 @@ __all__ = [
     "DPLayout",
     "DPRank",
     "DPScheduler",
+    "DPSpeculation",
     "LockstepDPScheduler",
     "RankKVCache",
+    "RankDraft",
     "RankStateCopies",
     "build_dp_kv_cache",
     "dp_attend",
+    "make_dp_paired_prefill_step",
+    "make_dp_round_step",
     "make_dp_step",
     "rank_caches",
     "place_params",

@@ -42,8 +42,15 @@ Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_
 shape ``build_kv_cache`` gives that array over the rank's ``("tp",)`` (or ``("tp", "dcp")``) mesh;
 ``layout.pool_specs`` is the matching pytree of ``PartitionSpec`` (first entry ``"data"``).
 Not built yet under DP attention (refused before anything is allocated): the storage tier over
-several processes or an fp8 KV cache, the host tier of a kind with its own transfer engine (the
-sliding-window pair) and a speculative draft pool.
+several processes or an fp8 KV cache and the host tier of a kind with its own transfer engine (the
+sliding-window pair).
+
+Speculative decoding (``speculative_algorithm``; STANDALONE with ``draft_spec``): the draft's pool
+``"kv_draft"`` is one more device pool of the plan, stacked per rank and laid out as the target's
+(its KV heads over ``"tp"``, an MLA latent whole); with the host tier each rank's draft host pool
+is built beside its target host pool (host slots one to one) and the rank's engine copies both
+(``PairedCopyEngine`` of two ``RankPageTransferEngine``: ``kvjax.transfers.draft_pools``).
+EAGLE's hidden-state store is built with the DP programs (``kvjax.dp.speculative``).
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from kvjax.layout.pool_plan import PoolPlan
 from kvjax.mesh_check import DCP_AXIS
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
+from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, DRAFT_POOL_NAME, check_draft_host_tier_buildable
 from kvjax.plan.host_sizing import check_host_memory
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
@@ -91,6 +99,7 @@ from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCache
 from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
+from kvjax.transfers.draft_pools import PairedCopyEngine, check_draft_buildable
 
 __all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "rank_devices"]
 
@@ -137,6 +146,8 @@ class DPRank:
             host loads and its extensions' copies record there; the rank's ``RankKVCache`` holds it).
         host_pool: the rank's host pool (``HostKVPool``) with the host tier, else None.
         host_pools: every host pool of the rank by its plan name (empty without the host tier).
+        draft_host_pool: the speculative draft's host pool with the host tier (host slots one to
+            one with ``host_pool``'s, copied with it: ``kvjax.transfers.draft_pools``), else None.
     """
 
     rank: int
@@ -147,6 +158,7 @@ class DPRank:
     pending: PendingDeviceUpdates | None = None
     host_pool: Any = None
     host_pools: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    draft_host_pool: Any = None
 
     @property
     def allocator(self) -> AllocatorProtocol:
@@ -193,7 +205,12 @@ class DPKVCache:
 
 
 def build_dp_kv_cache(
-    spec: ModelSpec, config: CacheConfig, mesh: Mesh, *, device_memory_bytes: int | None = None
+    spec: ModelSpec,
+    config: CacheConfig,
+    mesh: Mesh,
+    *,
+    device_memory_bytes: int | None = None,
+    draft_spec: ModelSpec | None = None,
 ) -> DPKVCache:
     """Plan one DP rank, then build every rank's pools (once, over ``mesh``) and host state.
 
@@ -205,6 +222,9 @@ def build_dp_kv_cache(
             striped over its ``"dcp"`` devices, as ``build_kv_cache`` stripes one rank's).
         device_memory_bytes: per-device memory, only needed with ``mem_fraction_static`` (default:
             what the device reports).
+        draft_spec: a STANDALONE speculative draft model (``kvjax.plan.draft``), as
+            ``build_kv_cache`` takes it: its pool ``"kv_draft"`` is stacked per rank like the
+            target's (with NEXTN the draft pool holds the target's MTP layer, no spec needed).
 
     Raises:
         ConfigError: DP attention off, a mesh whose axes or sizes do not match the config, or
@@ -219,11 +239,12 @@ def build_dp_kv_cache(
     if device_memory_bytes is None and config.mem_fraction_static is not None and config.memory_budget_bytes is None:
         device_memory_bytes = device_memory_limit_bytes(devices[0])
     _refuse_unbuilt_tiers(config)
-    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes)
+    plan = plan_kv_cache(spec, config, device_memory_bytes=device_memory_bytes, draft_spec=draft_spec)
     kinds = planner_kinds_of(plan)
     plan = with_extra_pools(plan, kinds)
     for pool in plan.pools:
         require_builder(pool.kind, plan.model)
+    check_draft_buildable(plan, config)
     _check_rank_host_tiers(plan, kinds, config)
 
     device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
@@ -298,7 +319,6 @@ def _refuse_unbuilt_tiers(config: CacheConfig) -> None:
     unbuilt = {
         "hicache_storage_backend over several processes": storage and jax.process_count() > 1,
         "hicache_storage_backend with an fp8 KV cache": storage and config.kv_cache_dtype.startswith("fp8"),
-        "speculative_algorithm": config.speculative_algorithm is not None,
     }
     for option, on in unbuilt.items():
         if on:
@@ -387,6 +407,7 @@ def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], conf
             "(decode_retraction_backup='cpu_tensor'), with dcp_size=1, or with build_kv_cache (one rank)"
         )
     check_host_tier_buildable(plan)
+    check_draft_host_tier_buildable(plan)
     own = [kind.name for kind in kinds if POOL_BUILDERS[kind.name].transfer_engine is not None]
     if own:
         raise NotImplementedError(
@@ -396,6 +417,14 @@ def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], conf
     available = host_memory_bytes()
     if available is not None:
         check_host_memory(config.dp_size * host_bytes, available)
+
+
+def _draft_context(plan: CachePlan, context: BuildContext) -> BuildContext:
+    """The build context of the draft's host pool: the draft's own KV-head replicas (its host
+    pool holds each distinct head once, as the target's does), as ``build_kv_cache`` builds it."""
+    if plan.draft is None:
+        return context
+    return dataclasses.replace(context, kv_head_replicas=plan.draft.kv_head_replicas)
 
 
 def _rank_host_state(
@@ -419,7 +448,7 @@ def _rank_host_state(
     for pool in plan.pools:
         if pool.memory == "device":
             continue
-        built = create_pool(pool, context)
+        built = create_pool(pool, _draft_context(plan, context) if pool.name == DRAFT_HOST_POOL_NAME else context)
         if isinstance(built, ReqToTokenPool):
             table = built
         else:
@@ -431,13 +460,17 @@ def _rank_host_state(
     allocator = plan_allocator(plan, kinds)
     pending = PendingDeviceUpdates(pools)
     host_pool = host_pools.get(HOST_KV)
-    engine = None
+    engine: Any = None
     storage = None
     if host_pool is not None:
         from kvjax.dp.rank_transfer import RankPageTransferEngine
 
         device_pool = next(p.name for p in plan.pools if p.memory == "device")
         engine = RankPageTransferEngine(pending, host_pool, rank, pool_name=device_pool)
+        draft_host = host_pools.get(DRAFT_HOST_POOL_NAME)
+        if draft_host is not None:  # the draft's pages ride with the target's (same slots, one tree)
+            draft = RankPageTransferEngine(pending, draft_host, rank, pool_name=DRAFT_POOL_NAME, staging=engine.staging)
+            engine = PairedCopyEngine(engine, draft)
         if config.hicache_storage_backend is not None:
             from kvjax.transfers.storage_attach import open_storage_tier
 
@@ -451,4 +484,6 @@ def _rank_host_state(
         host_engine=engine,
         storage=storage,
     )
-    return DPRank(rank, plan, table, allocator, tree, pending, host_pool, host_pools)
+    return DPRank(
+        rank, plan, table, allocator, tree, pending, host_pool, host_pools, host_pools.get(DRAFT_HOST_POOL_NAME)
+    )

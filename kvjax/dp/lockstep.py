@@ -53,11 +53,18 @@ recorded on the rank's own queue) and the retraction backups (``host_pool`` thro
 engine, ``cpu_tensor`` through the same per-rank copies). Timing-dependent completions (a host
 transfer landing) are agreed per rank through ``agreement``, as one scheduler agrees them. Other
 extensions that record device updates between steps are refused.
+
+Speculative decoding (``draft``: ``kvjax.dp.speculative``, without overlap): each rank's scheduler
+has its proposer, the DP step is every rank's paired prefill (target + draft) and a rank's decode
+hands in its speculative round (``LockstepRank.launch_round``), run with every other rank's in one
+DP round; a lockstep round in which some ranks prefill and others draft runs the DP step, then the
+DP round, on the pools the step left (``mixed_rounds`` counts them). With the host tier the
+draft's pages ride with the target's through each rank's engines. Recurrent targets are refused.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -74,21 +81,32 @@ from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.speculative.draft_decoding import DraftDecoding
 from kvjax.serve.stepping import OneMesh, StepOwner
 from kvjax.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from kvjax.dp.speculative import DPSpeculation, RankDraft
 
 __all__ = ["LockstepDPScheduler"]
 
 
 class _Round:
     """One lockstep round: the active ranks in order, the batches handed in (tokens, metadata and,
-    with overlap, the future-token reference and ``token_src``), the step's outputs."""
+    with overlap, the future-token reference and ``token_src``), the speculative rounds handed in
+    (``kvjax.dp.speculative``), the programs' outputs (each with the pools after both)."""
 
     def __init__(self, active: list[int]) -> None:
         self.active = active
         self.inputs: dict[int, tuple[np.ndarray, Any, Any, np.ndarray | None]] = {}
+        self.rounds: dict[int, tuple[Any, ...]] = {}
         self.outputs: tuple[Any, ...] | None = None
+        self.round_outputs: tuple[Any, ...] | None = None
+        self.ran = False
         self.done: dict[int, list[ServingReq]] = {}
+
+    def handed_in(self, rank: int) -> bool:
+        return rank in self.inputs or rank in self.rounds
 
 
 class LockstepRank(OneMesh):
@@ -112,13 +130,29 @@ class LockstepRank(OneMesh):
         self._state = scheduler.cache.state
         self.mesh = pools_mesh(scheduler.cache.pools)
 
-    def launch(self, scheduler: StepOwner, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _current(self) -> tuple[LockstepDPScheduler, _Round]:
         front = self.front
         round_ = front._round if front is not None else None
         if front is None or round_ is None:
             raise RuntimeError(f"rank {self.rank} stepped outside a lockstep round: step the LockstepDPScheduler")
-        if self.rank in round_.inputs:
+        if round_.handed_in(self.rank):
             raise RuntimeError(f"rank {self.rank} ran two batches in one lockstep round")
+        return front, round_
+
+    def launch_round(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Speculative decoding (``kvjax.dp.speculative``): record the rank's round ``(first_tokens,
+        draft_metas, verify_meta)``, step the ranks after it (the last runs the DP programs) and
+        return ``(pools, proposals [S, k], greedy [S, k + 1][, logits])`` of this rank, on the host."""
+        front, round_ = self._current()
+        round_.rounds[self.rank] = inputs
+        front._step_ranks(round_, round_.active.index(self.rank) + 1)
+        if round_.round_outputs is None:
+            raise RuntimeError(f"rank {self.rank}: the round ended without a DP round")
+        new_pools, *rest = round_.round_outputs
+        return (new_pools, *(x.host()[self.rank] for x in rest))
+
+    def launch(self, scheduler: StepOwner, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        front, round_ = self._current()
         tokens, meta, *future = inputs
         prev_tokens, token_src = future if future else (None, None)
         round_.inputs[self.rank] = (tokens, meta, prev_tokens, token_src)
@@ -169,7 +203,11 @@ class LockstepDPScheduler(DPScheduler):
 
     Attributes:
         cache: the ``DPKVCache`` (its ``pools`` are every rank's current device state).
-        dp_steps: device steps run.
+        speculation: speculative decoding's device side (``kvjax.dp.speculative.DPSpeculation``:
+            the paired prefill is the DP step, every rank's rounds one DP round), else None.
+        dp_steps: device programs run (DP steps and DP rounds).
+        mixed_rounds: lockstep rounds in which some ranks prefilled and others ran a speculative
+            round (both programs ran, one after the other).
     """
 
     def __init__(
@@ -181,6 +219,7 @@ class LockstepDPScheduler(DPScheduler):
         *,
         policy: str = "cache_aware",
         max_load_gap_tokens: int = DEFAULT_MAX_LOAD_GAP_TOKENS,
+        speculation: DPSpeculation | None = None,
     ) -> None:
         super().__init__(schedulers, policy=policy, max_load_gap_tokens=max_load_gap_tokens)
         modes = {s.overlap for s in schedulers}
@@ -194,7 +233,9 @@ class LockstepDPScheduler(DPScheduler):
         self._dp_step = step_fn
         self._params = params
         self._round: _Round | None = None
+        self.speculation = speculation
         self.dp_steps = 0
+        self.mixed_rounds = 0
         for rank, scheduler in enumerate(schedulers):
             stepping = scheduler.stepping
             if not isinstance(stepping, LockstepRank) or stepping.rank != rank:
@@ -219,6 +260,7 @@ class LockstepDPScheduler(DPScheduler):
         model_config: ModelConfig | None = None,
         overlap: bool = True,
         agreement: Agreement | None = None,
+        draft: RankDraft | None = None,
     ) -> LockstepDPScheduler:
         """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
         ``(dp_size, tp_size / dp_size)`` devices; ``("data", "tp", "dcp")`` with ``dcp_size``),
@@ -229,7 +271,10 @@ class LockstepDPScheduler(DPScheduler):
         ``LoadedModel.config``). ``overlap``: overlap scheduling in every rank (module docstring;
         False: SGLang's ``--disable-overlap-schedule``). ``agreement``: given to every rank's
         ``Scheduler`` (with several processes, each rank's host transfers complete at the same step
-        on every process, as one scheduler's do; default: this process alone).
+        on every process, as one scheduler's do; default: this process alone). ``draft``: decode
+        speculatively on every rank (``kvjax.dp.speculative``: a STANDALONE draft model with its
+        spec, or the target's MTP layer; ``config`` planned with the matching
+        ``speculative_algorithm``); ``overlap`` must then be False.
 
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
@@ -238,8 +283,17 @@ class LockstepDPScheduler(DPScheduler):
                 docstring), once the first rank's scheduler lists its extensions (nothing served).
         """
         served: ModelSpec | ModelConfig = spec if model_config is None else model_config
-        cache = build_dp_kv_cache(spec, config, mesh)
-        step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
+        speculation = None
+        if draft is not None and overlap:  # the speculative scheduler's refusal, before anything is built
+            raise DraftDecoding.overlap_refusal(overlap)
+        cache = build_dp_kv_cache(spec, config, mesh, draft_spec=None if draft is None else draft.spec)
+        if draft is not None:
+            from kvjax.dp.speculative import DPSpeculation
+
+            speculation = DPSpeculation.build(served, cache, draft, with_logits=record_logits)
+            step_fn: Any = speculation.prefill  # every prefill (a chunk) is the paired prefill
+        else:
+            step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
         placed = place_params(served, params, cache.layout)
         schedulers = []
         shared: dict[str, Any] = {}  # what the ranks' extensions share (ServingExtension.in_lockstep)
@@ -254,6 +308,7 @@ class LockstepDPScheduler(DPScheduler):
                 overlap=overlap,
                 stepping=LockstepRank(view.rank),
                 agreement=agreement,
+                proposer=None if speculation is None else speculation.proposer(),
             )
             device_side = [
                 type(e).__name__ for e in scheduler.extensions if not e.in_lockstep(cache.layout, view.rank, shared)
@@ -264,7 +319,15 @@ class LockstepDPScheduler(DPScheduler):
                     "updates between steps); serve it with build_kv_cache and one Scheduler per rank (DPScheduler)"
                 )
             schedulers.append(scheduler)
-        return cls(cache, schedulers, step_fn, placed, policy=policy, max_load_gap_tokens=max_load_gap_tokens)
+        return cls(
+            cache,
+            schedulers,
+            step_fn,
+            placed,
+            policy=policy,
+            max_load_gap_tokens=max_load_gap_tokens,
+            speculation=speculation,
+        )
 
     def step(self) -> list[ServingReq]:
         """One lockstep round: every rank with work forms its batch, one DP step runs them all;
@@ -288,10 +351,38 @@ class LockstepDPScheduler(DPScheduler):
         for position in range(first, len(round_.active)):
             rank = round_.active[position]
             round_.done[rank] = self.schedulers[rank].step()
-            if rank in round_.inputs:
+            if round_.handed_in(rank):
                 return  # its step function stepped the ranks after it and ran the DP step
-        if round_.outputs is None and round_.inputs:
-            self._run_dp_step(round_)
+        if not round_.ran and (round_.inputs or round_.rounds):
+            round_.ran = True
+            if round_.inputs and round_.rounds:
+                self.mixed_rounds += 1
+            if round_.inputs:
+                self._run_dp_step(round_)
+            if round_.rounds:
+                self._run_dp_round(round_)
+            if round_.outputs is not None and round_.round_outputs is not None:  # both ran: the pools after both
+                round_.outputs = (round_.round_outputs[0], *round_.outputs[1:])
+
+    def _run_dp_round(self, round_: _Round) -> None:
+        """Speculative decoding: every rank's handed-in round (an idle one for every other rank) in
+        one DP round (``DPSpeculation.round``), on the pools the DP step (if any) left; hand every
+        rank's cache the new pools."""
+        speculation = self.speculation
+        if speculation is None:
+            raise RuntimeError(f"ranks {sorted(round_.rounds)} handed in speculative rounds to a front without a draft")
+        from kvjax.dp.speculative import idle_round
+
+        k = speculation.draft.num_steps
+        rounds = [
+            round_.rounds[r] if r in round_.rounds else idle_round(scheduler, k)
+            for r, scheduler in enumerate(self.schedulers)
+        ]
+        outputs = speculation.round(self.cache.pools, self._params, rounds)
+        self.dp_steps += 1
+        pools = outputs[0]
+        self.schedulers[0].store_pools(pools)
+        round_.round_outputs = (pools, *(_StackedOutput(x) for x in outputs[1:]))
 
     def _run_dp_step(self, round_: _Round) -> None:
         """Stack the handed-in batches (an idle one for every other rank), run the DP step and

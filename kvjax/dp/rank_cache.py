@@ -39,6 +39,7 @@ class RankKVCache(KVCache):
             token_to_kv_pool_allocator=rank.allocator,
             tree_cache=rank.tree_cache,
             host_pool=rank.host_pool,
+            draft_host_pool=rank.draft_host_pool,
             host_pools=rank.host_pools,
             pending=rank.pending,  # the rank's queue, which its tree's host transfers record into
             state=dp_cache.state,  # one device state for the DP cache and every view

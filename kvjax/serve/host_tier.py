@@ -166,11 +166,14 @@ class HostTierExtension(ServingExtension):
         """Lockstep DP (``kvjax.dp.lockstep``): runs when the tree's transfers are DP rank
         ``rank``'s own (``kvjax.dp.rank_transfer.RankPageTransferEngine``, what ``build_dp_kv_cache``
         gives each rank): its loads and retraction restores then write only the rank's slice of
-        the stacked pools, on the rank's queue. A storage tier's prefetches write host pages only."""
+        the stacked pools, on the rank's queue (with a speculative draft, every engine the pair
+        copies through: ``kvjax.transfers.draft_pools.PairedCopyEngine``). A storage tier's
+        prefetches write host pages only."""
         from kvjax.dp.rank_transfer import RankPageTransferEngine
 
         engine = self._agreed.engine if self._agreed is not None else self.tree.host.engine
-        return isinstance(engine, RankPageTransferEngine) and engine.rank == rank
+        engines = getattr(engine, "engines", (engine,))
+        return all(isinstance(e, RankPageTransferEngine) and e.rank == rank for e in engines)
 
     def host_balanced(self) -> bool:
         """``available + evictable + protected + held == capacity`` for the host pool."""

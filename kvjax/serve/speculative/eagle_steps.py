@@ -46,7 +46,14 @@ from kvjax.serve.speculative.proposer import place_row_tokens
 from kvjax.serve.speculative.steps import _layout
 from kvjax.serve.speculative.verifier import round_tokens
 
-__all__ = ["make_eagle_prefill_step", "make_eagle_round_step", "previous_hidden", "store_hidden"]
+__all__ = [
+    "eagle_prefill_body",
+    "eagle_round_body",
+    "make_eagle_prefill_step",
+    "make_eagle_round_step",
+    "previous_hidden",
+    "store_hidden",
+]
 
 
 def store_hidden(store: jax.Array, meta: AttentionMetadata, hidden: jax.Array) -> jax.Array:
@@ -135,6 +142,14 @@ def _eagle_prefill(
     pool_def: Any = None,
     pool_leaves: tuple[NamedSharding, ...] = (),
 ) -> Any:
+    body = eagle_prefill_body(target_config, with_logits=with_logits)
+    return _jit(body, target_config, 2 if with_logits else 1, 2, mesh, pool_def, pool_leaves)
+
+
+def eagle_prefill_body(target_config: ModelConfig, *, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
+    """The prefill un-jitted: ``body(pools, store, params, draft_params, tokens, meta) -> (pools,
+    store, next_tokens[, logits])`` (module docstring), for a caller that wraps it in a program of
+    its own (DP attention's ``shard_map`` over the ranks, ``kvjax.dp.speculative``)."""
     target, draft = _target_with_hidden(target_config), nextn_draft_module(target_config)
 
     def body(
@@ -146,7 +161,7 @@ def _eagle_prefill(
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (pools, store, next_tokens, logits) if with_logits else (pools, store, next_tokens)
 
-    return _jit(body, target_config, 2 if with_logits else 1, 2, mesh, pool_def, pool_leaves)
+    return body
 
 
 def make_eagle_round_step(
@@ -166,6 +181,14 @@ def _eagle_round(
     pool_def: Any = None,
     pool_leaves: tuple[NamedSharding, ...] = (),
 ) -> Any:
+    body = eagle_round_body(target_config, with_logits=with_logits)
+    return _jit(body, target_config, 3 if with_logits else 2, 3, mesh, pool_def, pool_leaves)
+
+
+def eagle_round_body(target_config: ModelConfig, *, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
+    """The round un-jitted: ``body(pools, store, params, draft_params, first_tokens, draft_metas,
+    verify_meta) -> (pools, store, proposals, greedy[, logits])`` (module docstring), for a caller
+    that wraps it in a program of its own (``kvjax.dp.speculative``)."""
     target, draft = _target_with_hidden(target_config), nextn_draft_module(target_config)
 
     def body(
@@ -204,4 +227,4 @@ def _eagle_round(
         out = (pools, store, proposals.T, greedy)
         return (*out, logits.reshape(-1, k + 1, logits.shape[-1])) if with_logits else out
 
-    return _jit(body, target_config, 3 if with_logits else 2, 3, mesh, pool_def, pool_leaves)
+    return body

@@ -37,7 +37,7 @@ from kvjax.serve.speculative.proposer import propose
 from kvjax.serve.speculative.verifier import round_tokens, verify
 from kvjax.serve.step import pool_shardings, step_body
 
-__all__ = ["make_paired_prefill_step", "make_round_step"]
+__all__ = ["make_paired_prefill_step", "make_round_step", "paired_prefill_body", "round_body"]
 
 StepFn = Callable[..., tuple[Any, ...]]
 
@@ -106,6 +106,15 @@ def _paired_prefill(
     pool_def: Any = None,
     pool_leaves: tuple[NamedSharding, ...] = (),
 ) -> Any:
+    outputs = 2 if with_logits else 1
+    body = paired_prefill_body(target_config, draft_config, with_logits=with_logits)
+    return _jit(body, (target_config, draft_config), outputs, 2, mesh, pool_def, pool_leaves)
+
+
+def paired_prefill_body(target_config: ModelConfig, draft_config: ModelConfig, *, with_logits: bool) -> StepFn:
+    """The paired prefill un-jitted: ``body(pools, params, draft_params, tokens, meta) -> (pools,
+    next_tokens[, logits])`` (module docstring), for a caller that wraps it in a program of its
+    own (DP attention's ``shard_map`` over the ranks, ``kvjax.dp.speculative``)."""
     target: Any = build_model(target_config)
     draft: Any = build_model(draft_config)
 
@@ -116,8 +125,7 @@ def _paired_prefill(
         mirrored, _ = step_body(draft, draft_view(pools), draft_params, tokens, meta, sample=False)
         return (with_draft(pools, mirrored["kv"]), *sampled)
 
-    outputs = 2 if with_logits else 1
-    return _jit(body, (target_config, draft_config), outputs, 2, mesh, pool_def, pool_leaves)
+    return body
 
 
 def make_round_step(
@@ -143,6 +151,15 @@ def _round_step(
     pool_def: Any = None,
     pool_leaves: tuple[NamedSharding, ...] = (),
 ) -> Any:
+    outputs = 3 if with_logits else 2
+    body = round_body(target_config, draft_config, with_logits=with_logits)
+    return _jit(body, (target_config, draft_config), outputs, 3, mesh, pool_def, pool_leaves)
+
+
+def round_body(target_config: ModelConfig, draft_config: ModelConfig, *, with_logits: bool) -> StepFn:
+    """The round un-jitted: ``body(pools, params, draft_params, first_tokens, draft_metas,
+    verify_meta) -> (pools, proposals, greedy[, logits])`` (module docstring), for a caller that
+    wraps it in a program of its own (``kvjax.dp.speculative``)."""
     target, draft = build_model(target_config), build_model(draft_config)
 
     def body(
@@ -161,5 +178,4 @@ def _round_step(
         out = (pools, proposals[:k].T, greedy)
         return (*out, logits) if with_logits else out
 
-    outputs = 3 if with_logits else 2
-    return _jit(body, (target_config, draft_config), outputs, 3, mesh, pool_def, pool_leaves)
+    return body
