@@ -24,6 +24,7 @@ from typing import Any
 from kvjax.build import KVCache, build_kv_cache
 from kvjax.demo_config import CONTEXT_LENGTH, DEMO_MODEL, MAX_BATCH, check_demo, demo_config, demo_context_length
 from kvjax.dp.lockstep import LockstepDPScheduler
+from kvjax.dp.speculative import RankDraft, rank_reports
 from kvjax.mesh_check import make_serving_mesh
 from kvjax.multihost.agreement import Agreement
 from kvjax.multihost.process_group import ProcessGroup
@@ -257,7 +258,9 @@ def serve(
     server: Scheduler | LockstepDPScheduler
     front: Any
     if config_kwargs.get("dp_size", 1) > 1:
-        server = front = _dp_server(spec, serving, weights, dp_routing, overlap, config_kwargs, group)
+        server = front = _dp_server(
+            spec, serving, weights, dp_routing, overlap, config_kwargs, group, draft, speculative_num_steps
+        )
         trees: list[Any] = [s.tree for s in server.schedulers]
     elif config_kwargs.get("pp_size", 1) > 1:
         server = front = _pipeline_server(spec, serving, weights, overlap, config_kwargs)
@@ -327,10 +330,13 @@ def _dp_server(
     overlap: bool,
     config_kwargs: dict[str, Any],
     group: ProcessGroup | None,
+    draft: LoadedModel | None = None,
+    num_steps: int = 3,
 ) -> LockstepDPScheduler:
     """The lockstep DP front of ``serve`` over the local devices, or with ``group`` over every
     process's (``group_dp_mesh``: every process runs this same front, every rank's scheduler),
-    with overlap scheduling unless ``overlap`` is False;
+    with overlap scheduling unless ``overlap`` is False; with ``draft`` every rank proposes
+    ``num_steps`` tokens per round (``kvjax.dp.speculative``);
     ``ConfigError`` naming ``tp_size`` when there are fewer than ``tp_size`` (nothing is built)."""
     import jax
 
@@ -350,6 +356,7 @@ def _dp_server(
         max_batch_size=MAX_BATCH,
         model_config=serving if isinstance(serving, ModelConfig) else None,
         overlap=overlap,
+        draft=None if draft is None else RankDraft(draft.params, num_steps, spec=draft.spec, config=draft.config),
     )
 
 
@@ -413,10 +420,6 @@ def run_demo(
     workload = workload or Workload()
     if pp_size > 1 and (dp_size > 1 or group is not None):
         raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
-    if dp_size > 1 and draft is not None:
-        raise NotImplementedError(
-            "speculative decoding under DP attention is not built yet: serve it with dp_size 1 (any tp_size)"
-        )
     if group is not None and (dcp_size > 1 or draft is not None):
         raise NotImplementedError(
             "several processes serve tensor parallel and DP attention only for now: drop dcp_size and the draft model"
@@ -466,7 +469,10 @@ def run_demo(
         if enable_hierarchical_cache and dropped is None:
             host.update(_dp_host_fields(warm, hicache_storage is not None))
         return dataclasses.replace(
-            _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group), **host, **events
+            _dp_report(warm, cold, warm_out, cold_out, seconds, model, dp_routing, group),
+            **host,
+            **events,
+            speculative=_speculative_counters(warm),
         )
     if not isinstance(warm, Scheduler) or not isinstance(cold, Scheduler):
         raise AssertionError("one rank: every run has one Scheduler")
@@ -588,10 +594,13 @@ def _dp_host_fields(warm: LockstepDPScheduler, storage: bool) -> dict[str, Any]:
     return fields
 
 
-def _speculative_counters(scheduler: Scheduler) -> dict | None:
-    """A speculative run's counters (``DraftDecoding.report``), else None."""
+def _speculative_counters(scheduler: Scheduler | LockstepDPScheduler) -> dict | None:
+    """A speculative run's counters (``DraftDecoding.report``; under DP attention the ranks'
+    summed, ``rank_reports``), else None."""
     from kvjax.serve.speculative import DraftDecoding
 
+    if isinstance(scheduler, LockstepDPScheduler):
+        return rank_reports(scheduler.schedulers)
     proposer = scheduler.proposer
     return proposer.report() if isinstance(proposer, DraftDecoding) else None
 

@@ -145,6 +145,12 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
             f"--enable-hierarchical-cache with --speculative-algorithm {algorithm}: for --model {model}, "
             f"{kind.draft_host_refusal.removesuffix(' is not built')} is {_GAP}; drop one of the two"
         )
+    if args.dp > 1 and algorithm is not None and kind.name == "recurrent":
+        raise UsageError(
+            f"--dp {args.dp} with --speculative-algorithm {algorithm}: for --model {model}, the rollback of "
+            f"recurrent state under DP attention is {_GAP} (it replays kept tokens with a step of one rank); drop "
+            "one of the two"
+        )
     if args.enable_hierarchical_cache and args.dp > 1 and kind.name in _OWN_TRANSFER_ENGINE:
         raise UsageError(
             f"--dp {args.dp} with --enable-hierarchical-cache: for --model {model}, the host tier of the "

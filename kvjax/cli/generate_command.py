@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
 
             result = generate_decode(args, model, prompts, common)
         elif dp_attention:
-            overlap = not args.disable_overlap_schedule
+            overlap = not args.disable_overlap_schedule and not speculative
             result, _ = generate_dp(
                 model,
                 prompts,
@@ -294,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
                 **common,
                 **options,
                 **serving_args.kv_events_options(args),
+                **speculative,
             )
         else:
             overlap = not args.disable_overlap_schedule and not speculative

@@ -154,8 +154,8 @@ def speculative_options(
     args: argparse.Namespace, target_vocab_size: int, target_hidden_size: int | None = None
 ) -> dict[str, Any]:
     """The speculative flags, checked without jax: ``{}`` without ``--speculative-algorithm``, else
-    ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft,
-    steps without an algorithm, or ``--dp`` above 1; an MTP draft's ``hidden_size`` is checked
+    ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft
+    or steps without an algorithm; an MTP draft's ``hidden_size`` is checked
     against ``target_hidden_size`` when given, a STANDALONE draft's is its own). ``overlap_note``
     says, once every flag is checked, that overlap scheduling is off for it."""
     topk = getattr(args, "speculative_eagle_topk", None)
@@ -189,12 +189,6 @@ def speculative_options(
             f"--speculative-draft-model-path {args.speculative_draft_model_path}: vocab_size {draft.vocab_size}, "
             f"the target's is {target_vocab_size}; give a draft of the same family and tokenizer"
         )
-    if args.dp > 1:
-        raise UsageError(
-            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: a STANDALONE draft under DP "
-            "attention is refused, as in SGLang (speculative_hook: _handle_eagle_family); drop --dp (any --tp is "
-            "served)"
-        )
     return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": steps}
 
 
@@ -211,7 +205,7 @@ def _eagle_options(
 ) -> dict[str, Any]:
     """``speculative_options`` for EAGLE / NEXTN: the MTP layer of ``--speculative-draft-model-path``
     (default ``--model``, which must then be a checkpoint directory), ``--speculative-eagle-topk`` 1
-    only, no DP attention (jax-free checks)."""
+    only (jax-free checks)."""
     if topk is not None and topk != 1:
         raise UsageError(
             f"--speculative-eagle-topk {topk}: kvjax drafts one chain per request (greedy verification of a "
@@ -244,11 +238,6 @@ def _eagle_options(
         raise UsageError(
             f"{flag} {path}: hidden_size {spec.hidden_size}, the target's is {target_hidden_size}; its MTP layer "
             "reads the target's hidden states: give the target's own checkpoint (or one of the same hidden size)"
-        )
-    if args.dp > 1:
-        raise UsageError(
-            f"--dp {args.dp} with --speculative-algorithm {args.speculative_algorithm}: an EAGLE draft under DP "
-            "attention is not built in kvjax yet (SGLang serves it); drop --dp (any --tp is served)"
         )
     return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": "NEXTN"}
 

@@ -369,6 +369,8 @@ def generate_dp(
     retention_seconds: Sequence[float | None] | None = None,
     kv_events: Any = None,
     group: ProcessGroup | None = None,
+    draft: LoadedModel | NextNDraftModel | None = None,
+    speculative_num_steps: int = 3,
 ) -> tuple[GenerateResult, LockstepDPScheduler]:
     """``generate`` under DP attention (SGLang's ``--dp M --enable-dp-attention``): the first
     ``tp_size`` local devices as a ``("data", "tp")`` mesh of ``dp_size`` ranks
@@ -384,6 +386,9 @@ def generate_dp(
 
     ``dcp_size``: decode context parallelism dividing each rank's ``tp_size / dp_size`` devices (the
     mesh ``("data", "tp", "dcp")``: each rank's KV striped over ``dcp_size`` of them; one process).
+    ``draft`` / ``speculative_num_steps``: as ``generate``'s: every rank decodes speculatively
+    (``kvjax.dp.speculative``: each rank's rounds and paired prefills in one DP program per kind of
+    step; needs ``overlap=False``); the result's counters are summed over the ranks.
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
     ``tp_size``, ``dcp_size`` when it does not divide ``tp_size / dp_size``, and ``tp_size`` when there are
@@ -394,14 +399,24 @@ def generate_dp(
     from kvjax.dp.lockstep import LockstepDPScheduler
     from kvjax.mesh_check import make_serving_mesh
 
+    if draft is not None and overlap:  # the speculative scheduler's refusal, before anything is built
+        from kvjax.serve.speculative.draft_decoding import DraftDecoding
+
+        raise DraftDecoding.overlap_refusal(overlap)
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building
     _agree_on_requests(reqs, group)
     sizes = (page_size, max_total_tokens, chunked_prefill_size, max_batch_size, tp_size)
     config = _config(
-        model, prompts, max_new_tokens, *sizes, enable_hierarchical_cache=enable_hierarchical_cache, dcp_size=dcp_size
-    ).replace(dp_size=dp_size, enable_dp_attention=True)
+        model,
+        prompts,
+        max_new_tokens,
+        *sizes,
+        enable_hierarchical_cache=enable_hierarchical_cache,
+        dcp_size=dcp_size,
+        extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
+    ).replace(dp_size=dp_size, enable_dp_attention=True, **_speculative_config(draft, speculative_num_steps))
     if group is None:
         mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices(), dcp_size=dcp_size)
     elif dcp_size > 1:
@@ -421,6 +436,7 @@ def generate_dp(
         record_logits=record_logits,
         model_config=model.config,
         overlap=overlap,
+        draft=_rank_draft(draft, speculative_num_steps),
     )
     front = _front(server, group)
     _serve_with_events(
@@ -434,7 +450,10 @@ def generate_dp(
             group is not None,
         ),
     )
-    return _result(_served(front, reqs, group), _summed([s.stats for s in server.schedulers])), server
+    from kvjax.dp.speculative import rank_reports
+
+    counters = rank_reports(server.schedulers)
+    return _result(_served(front, reqs, group), _summed([s.stats for s in server.schedulers]), counters), server
 
 
 def _agree_on_requests(reqs: list[ServingReq], group: ProcessGroup | None) -> None:
@@ -719,6 +738,17 @@ def resolve_draft(
             "speculative_draft_model_path", None, f"{algorithm} reads the MTP layer from a checkpoint directory"
         )
     return load_nextn_draft(path, target)
+
+
+def _rank_draft(draft: LoadedModel | NextNDraftModel | None, num_steps: int) -> Any:
+    """What every DP rank drafts with (``kvjax.dp.speculative.RankDraft``), or None."""
+    if draft is None:
+        return None
+    from kvjax.dp.speculative import RankDraft
+
+    if isinstance(draft, NextNDraftModel):
+        return RankDraft(draft.params, num_steps)
+    return RankDraft(draft.params, num_steps, spec=draft.spec, config=draft.config)
 
 
 def _speculative_counters(scheduler: Scheduler) -> dict | None:
