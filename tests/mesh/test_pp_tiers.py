@@ -7,7 +7,8 @@ prefill in chunks, evict and retract (each asserted):
 * the ``cpu_tensor`` retraction backup: every stage's pages copied aside and written back into the
   same fresh slots (``kvjax.serve.pipeline_retraction``), restored requests counted;
 * the ``host_pool`` retraction backup with the host tier: every stage's pages backed up into the
-  same held host slots and loaded back (the stages' paired copy engine);
+  same held host slots and loaded back (the stages' paired copy engine); both backups' restores
+  also checked page by page on every stage's pool;
 * the storage tier: a server at pp 2 stores pages of every stage's layers (its key lists layers
   0-3), and cold servers at pp 2 and at pp 1 serve the prompts again from storage (storage ->
   host -> every stage's devices);
@@ -23,16 +24,18 @@ from __future__ import annotations
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from kvjax import CacheConfig
 from kvjax.plan import plan_kv_cache
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.pipeline_cache import build_pipeline_cache
-from kvjax.serve.pipeline_retraction import StagedRetractionBackup
+from kvjax.serve.pipeline_retraction import StagedRetractionBackup, staged_cpu_tensor_backup
 from kvjax.serve.pipeline_stepping import pipeline_scheduler
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.transfers.retraction_backup import RetractionBackup
 from tests.mesh import sharded_host_tier
 from tests.mesh.tp_serving import family_checkpoint
 from tests.serve.parity_harness import (
@@ -85,6 +88,47 @@ def host_extension(sched: Scheduler) -> HostTierExtension:
 def assert_retracted_and_evicted(sched: Scheduler) -> None:
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+
+
+def _fill_every_stage(pipeline, seed: int) -> list[list[np.ndarray]]:
+    """Random values in every layer of every stage's KV pool (handed in as its state); per stage,
+    the layers' values."""
+    from kvjax.transfers.device_pages import page_layers, with_page_layers
+
+    rng = np.random.default_rng(seed)
+    values = []
+    for s in range(pipeline.pp_size):
+        pools = pipeline.pools(s)
+        layers = page_layers(pools.kv)
+        new = [rng.standard_normal(x.shape).astype(np.float32) for x in layers]
+        placed = tuple(jax.device_put(v, x.sharding) for v, x in zip(new, layers, strict=True))
+        pipeline.states[s].store(pools.replace(kv=with_page_layers(pools.kv, placed)))
+        values.append(new)
+    return values
+
+
+@pytest.mark.parametrize("mode", ["cpu_tensor", "host_pool"])
+def test_a_retraction_backup_restores_every_stages_pages(mode, llama):
+    """A request's device pages 1 and 2 backed up (every stage's layers) and restored into pages 8
+    and 9: on every stage, pages 8 and 9 then hold what pages 1 and 2 held, nothing is held."""
+    from kvjax.transfers.device_pages import page_layers
+
+    _, model = llama
+    config = CacheConfig(context_length=CONTEXT_LENGTH, pp_size=2, enable_hierarchical_cache=True, **SMALL)
+    pipeline = build_pipeline_cache(model.spec, config, devices=jax.devices())
+    before = _fill_every_stage(pipeline, seed=5)
+    if mode == "host_pool":
+        backup = RetractionBackup("host_pool", 1, host=pipeline.cache.tree_cache.host)
+    else:
+        backup = staged_cpu_tensor_backup(pipeline)
+    assert backup.backup("q", np.arange(1, 3), 0, 2)
+    assert backup.restore("q", np.arange(8, 10))
+    after = [pipeline.apply_pending(s, pipeline.pools(s)) for s in range(2)]
+    backup.poll(wait=True)
+    assert backup.restored == 1 and backup.held == 0
+    for s, pools in enumerate(after):
+        for old, new in zip(before[s], page_layers(pools.kv), strict=True):
+            np.testing.assert_array_equal(np.asarray(new)[8:10], old[1:3], err_msg=f"stage {s}")
 
 
 def test_llama_cpu_tensor_retraction_backup_restores_every_stage(llama):
