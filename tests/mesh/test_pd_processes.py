@@ -34,12 +34,12 @@ SHARED = ",".join(str(t) for t in range(1, 13))  # 12 tokens, shared by the firs
 PROMPTS = ["--prompt-ids", SHARED, "--prompt-ids", f"{SHARED},13,14,15", "--prompt-ids", "40,41,42"]
 FLAGS = ["--max-new-tokens", "4", "--ignore-eos", "--json"]
 GROUP = ["launch", "--processes", "2", "--cpu-devices-per-process", "2", "--"]
+DECODE_WAIT_S = 240  # both decode runs end within this (seconds)
 
 
-def _start_prefill(argv: list[str], env: dict[str, str], log: Any) -> tuple[subprocess.Popen, str]:
-    """A prefill server (``argv`` after ``python -m kvjax``) and the address it printed."""
-    process = subprocess.Popen(_kvjax(*argv), stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
-    return process, _address(process, time.monotonic() + ADDRESS_WAIT_S)
+def _start_prefill(argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
+    """A prefill server (``argv`` after ``python -m kvjax``), started; `_address` waits for its address."""
+    return subprocess.Popen(_kvjax(*argv), stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
 
 
 def _stop(process: subprocess.Popen, log: Any) -> str:
@@ -63,14 +63,30 @@ def _json_line(stdout: str) -> Any:
     return json.loads(next(line for line in lines if line.startswith("{")))
 
 
-def _decode(argv: list[str], address: str, env: dict[str, str]) -> Any:
+def _start_decode(argv: list[str], address: str, env: dict[str, str]) -> subprocess.Popen:
+    """A decode run (``argv`` after ``python -m kvjax``) over the prefill server at ``address``, started."""
     flags = ["--disaggregation-mode", "decode", "--disaggregation-prefill-addr", address]
     flags += ["--disaggregation-decode-enable-radix-cache"]
-    run = subprocess.run(
-        _kvjax(*argv, *flags, *PROMPTS, *FLAGS), capture_output=True, text=True, env=env, cwd=ROOT, timeout=240
+    return subprocess.Popen(
+        _kvjax(*argv, *flags, *PROMPTS, *FLAGS),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return _json_line(run.stdout)
+
+
+def _report(process: subprocess.Popen, deadline: float) -> Any:
+    """The JSON report of a decode run, once it exited 0 (killed past ``deadline``)."""
+    try:
+        out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate(timeout=10)
+        raise
+    assert process.returncode == 0, err[-3000:]
+    return _json_line(out)
 
 
 @pytest.mark.timeout(900)
@@ -80,9 +96,11 @@ def test_sides_of_several_processes_give_the_colocated_tokens(tmp_path):
     prefill += ["--disaggregation-bootstrap-port", "0"]
     group_log = (tmp_path / "group-prefill.err").open("w+")
     single_log = (tmp_path / "single-prefill.err").open("w+")
-    group, group_address = _start_prefill([*GROUP, *prefill, "--tp", "4", "--page-size", "4"], env, group_log)
+    # the two prefill sides start side by side, the colocated reference runs while they start, and
+    # the two decode runs (each over its own prefill side) run side by side: every wait bounded
+    group = _start_prefill([*GROUP, *prefill, "--tp", "4", "--page-size", "4"], env, group_log)
     try:
-        single, single_address = _start_prefill([*prefill, "--tp", "2", "--page-size", "4"], env, single_log)
+        single = _start_prefill([*prefill, "--tp", "2", "--page-size", "4"], env, single_log)
         try:
             colocated = subprocess.run(
                 _kvjax("generate", "--model", "tiny", "--page-size", "8", *PROMPTS, *FLAGS),
@@ -94,14 +112,24 @@ def test_sides_of_several_processes_give_the_colocated_tokens(tmp_path):
             )
             assert colocated.returncode == 0, colocated.stderr[-3000:]
             expected = json.loads(colocated.stdout)
-            runs = {
-                "one decode process <- a prefill group": _decode(
+            deadline = time.monotonic() + ADDRESS_WAIT_S
+            group_address, single_address = _address(group, deadline), _address(single, deadline)
+            decodes = {
+                "one decode process <- a prefill group": _start_decode(
                     ["generate", "--model", "tiny", "--tp", "2", "--page-size", "8"], group_address, env
                 ),
-                "a decode group <- one prefill process": _decode(
+                "a decode group <- one prefill process": _start_decode(
                     [*GROUP, "generate", "--model", "tiny", "--tp", "4", "--page-size", "8"], single_address, env
                 ),
             }
+            deadline = time.monotonic() + DECODE_WAIT_S
+            try:
+                runs = {what: _report(process, deadline) for what, process in decodes.items()}
+            finally:
+                for process in decodes.values():
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait(10)
         finally:
             _stop(single, single_log)
     finally:
