@@ -364,24 +364,20 @@ def test_set_pools_checks_each_compiled_steps_structure_once(monkeypatch):
     assert cache.pools is by_hand
 
 
-def test_build_refuses_the_host_tier_of_a_recurrent_model_before_allocating(monkeypatch):
-    """The plan describes SGLang's host tier for a hybrid SSM model; kvjax has no host copies of
-    recurrent-state checkpoints, so the build refuses it by name before any pool is created."""
-    from kvjax import build
-    from kvjax.pools import registry
+def test_build_plans_and_builds_the_host_tier_of_a_recurrent_model():
+    """The host tier of a hybrid SSM model: the KV's host pool and the checkpoints' host pool
+    (``"host_state"``, SGLang's ``MambaPoolHost`` sizing: ``int(slots * hicache_ratio) + 1``), the
+    tree ``HiMambaRadixCache`` with the state engine beside the KV's."""
+    from kvjax.radix.himamba_radix_cache import HiMambaRadixCache
+    from kvjax.tiers.host_state_pool import HostStatePool
 
-    config = small_config(enable_hierarchical_cache=True)
-    assert kvjax.plan_kv_cache(ssm(), config).attach_host_tier
-    created: list[str] = []
-    original, original_group = registry.create_pool, registry.create_pool_group
-    monkeypatch.setattr(
-        build, "create_pool", lambda pool, context: created.append(pool.kind) or original(pool, context)
-    )
-    monkeypatch.setattr(
-        build,
-        "create_pool_group",
-        lambda kind, pools, context: created.append(kind) or original_group(kind, pools, context),
-    )
-    with pytest.raises(NotImplementedError, match="recurrent-state checkpoints are not built"):
-        build_kv_cache(ssm(), config)
-    assert created == []
+    config = small_config(enable_hierarchical_cache=True, hicache_ratio=3.0, page_size=1, platform="cpu")
+    plan = kvjax.plan_kv_cache(ssm(), config)
+    [state] = [p for p in plan.pools if p.name == "host_state"]
+    assert state.memory == "host" and state.shape[0] == int(plan.max_mamba_cache_size * 3.0) + 1
+    cache = build_kv_cache(ssm(), config)
+    tree = cache.tree_cache
+    assert isinstance(tree, HiMambaRadixCache)
+    assert isinstance(cache.host_pools["host_state"], HostStatePool)
+    assert tree.host_state_allocator is cache.host_pools["host_state"].allocator
+    assert tree.mamba.engine.host_pool is cache.host_pools["host_state"]

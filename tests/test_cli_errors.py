@@ -65,8 +65,12 @@ CASES = [
     (["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--tp", "2", "--dcp", "2"], ["--dcp 2 with --model"]),
     (["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", "--pp", "2"], ["--pp 2 with --model"]),
     (
-        ["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", "--enable-hierarchical-cache"],
-        ["--enable-hierarchical-cache with --model qwen3-next-80b-a3b", "recurrent-state checkpoints"],
+        ["demo", "--model", "qwen3-next-80b-a3b", "--enable-hierarchical-cache", "--hicache-storage", "store"],
+        ["--hicache-storage store with --model qwen3-next-80b-a3b", "recurrent-state tree"],
+    ),
+    (
+        ["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", *["--tp", "2", "--dp", "2"], HOST],
+        ["--dp 2 with --enable-hierarchical-cache", "recurrent-state checkpoints"],
     ),
     (
         ["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--enable-hierarchical-cache", *STANDALONE_SWA],

@@ -190,10 +190,10 @@ def test_a_pool_too_small_for_a_request_is_one_error_line(capsys):
     assert "use --max-total-tokens 304 or more" in err[0]
 
 
-def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys):
-    """``demo --model QWEN3_NEXT_DIR --enable-hierarchical-cache`` ended in ``NotImplementedError``
-    (no host copies of recurrent-state checkpoints yet): now one ``error:`` line naming both flags,
-    before anything is built."""
+def test_a_recurrent_model_with_the_storage_tier_is_one_error_line(tmp_path, capsys):
+    """``demo --model QWEN3_NEXT_DIR --enable-hierarchical-cache --hicache-storage DIR``: the host tier
+    over recurrent state is built (``HiMambaRadixCache``), the storage tier behind it is not: one
+    ``error:`` line naming both flags, before anything is built."""
     from kvjax.cli import main
     from kvjax.serve.checkpoint import save_checkpoint
     from tests.serve.random_workloads import model
@@ -205,6 +205,8 @@ def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys
         "--model",
         str(directory),
         "--enable-hierarchical-cache",
+        "--hicache-storage",
+        str(tmp_path / "store"),
         "--page-size",
         "1",
         "--system-tokens",
@@ -214,6 +216,6 @@ def test_a_recurrent_model_with_the_host_tier_is_one_error_line(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     # the command line's combination check: both flags named, before anything is built
-    assert "--enable-hierarchical-cache with --model" in err[0], err
-    assert "recurrent-state checkpoints are not built" in err[0]
-    assert "drop --enable-hierarchical-cache" in err[0]
+    assert "--hicache-storage" in err[0] and "with --model" in err[0], err
+    assert "recurrent-state tree is not built in kvjax yet" in err[0]
+    assert "drop --hicache-storage" in err[0]

@@ -15,7 +15,8 @@ from kvjax.plan.kinds.registry import planner_kinds_of
 def check_host_tier_buildable(plan: CachePlan) -> None:
     """Raise ``NotImplementedError`` naming the pool when ``plan`` attaches a host tier over a pool
     kvjax keeps no host copies of: the DSA indexer keys, or a kind's state it has no host copy of
-    (``PlannerKind.no_host_copy``: recurrent-state checkpoints)."""
+    (``PlannerKind.no_host_copy``; no built-in kind sets it: the recurrent-state checkpoints have
+    their host pool, ``"host_state"``)."""
     if not plan.attach_host_tier:
         return
     if any(p.name == "index_k" for p in plan.pools):

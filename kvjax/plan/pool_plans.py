@@ -37,6 +37,9 @@ def plan_pools(kind: ModelKind, target: Target, sizes: Sizes, host: HostTier) ->
     if host.host_pool_tokens and pools[0].memory == "device" and pools[0].layer_ids:
         host_pools = _host_pools(kinds, target, sizes, host.host_pool_tokens)
         pools += [_every_head_shard(_striped_host_page(p, sizes), target) for p in host_pools]
+        for cache_kind in kinds:  # host copies of per-request state (recurrent checkpoints)
+            if cache_kind.host_state_pools is not None:
+                pools += cache_kind.host_state_pools(target, sizes, host)
     return tuple(pools)
 
 

@@ -147,6 +147,7 @@ class HostTier:
     mm_embedding_cache_bytes: int
     hicache_write_policy: str = "write_through"
     hicache_mem_layout: str = "layer_first"
+    hicache_size_gb: float = 0.0  # the host tier's size in GB (0: hicache_ratio sizes it)
     # Whether retracted requests are backed up at all: SGLang backs them up on a decode server
     # (``disaggregation_mode == "decode"``) only; kvjax also when the backup was set explicitly.
     decode_retraction_active: bool = False

@@ -170,6 +170,7 @@ def decide_host_tier(
         mm_embedding_cache_bytes=config.vlm_cache_size_mb * 1024 * 1024,
         hicache_write_policy=config.hicache_write_policy,
         hicache_mem_layout=config.hicache_mem_layout,
+        hicache_size_gb=float(config.hicache_size or 0),
         decode_retraction_active=config.disaggregation_mode == "decode"
         or config.disaggregation_decode_retraction_backup is not None,
     )

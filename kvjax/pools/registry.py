@@ -145,8 +145,8 @@ def create_pool_group(kind: str, pools: tuple[PoolPlan, ...], context: BuildCont
 def _register_builtin_kinds() -> None:
     from kvjax import req_pool
     from kvjax.pools import mha, mla, recurrent, swa
-    from kvjax.tiers import host_pool
-    from kvjax.transfers import swa_transfer
+    from kvjax.tiers import host_pool, host_state_pool
+    from kvjax.transfers import state_transfer, swa_transfer
     from kvjax.transfers.request_kv import PagedRequestKV, RecurrentRequestKV, SWARequestKV
 
     for kind in (
@@ -161,7 +161,9 @@ def _register_builtin_kinds() -> None:
         ),
         PoolBuilders(
             names.RECURRENT,
+            builders={"host_state": host_state_pool.create_host_state_pool},
             group_builders={"recurrent": recurrent.create_pool_group},
+            transfer_engine=state_transfer.transfer_engine,
             request_kv={"recurrent": RecurrentRequestKV()},
         ),
         PoolBuilders(names.HOST_TIER, builders={"host_tier": host_pool.create_host_pool}),

@@ -243,7 +243,6 @@ class HiMambaComponent(MambaComponent):
         if hslot is None or self.data(node) is not None:
             raise CopyError(f"node {node.id} has no checkpoint on the host only")
         handle = self.engine.start_load(np.asarray([hslot], np.int32), np.asarray([slot]))
-        self._host_only.pop(node, None)
         self._hold(node, MambaData(slot))
         self._held[slot] = node
         self._loads.append(_StateTransfer(handle, node, self.tree.inc_lock_ref(node)))
@@ -256,6 +255,10 @@ class HiMambaComponent(MambaComponent):
         if self.data(node) is not None and node not in self.host_slot and self.kv_backed_up(node):
             self.backup_state(node)  # the incremental backup of a backed-up node's new checkpoint
         return out
+
+    def _hold(self, node: TreeNode, data: NodeSlot) -> None:
+        super()._hold(node, data)
+        self._host_only.pop(node, None)  # on the device again: its host copy is not host-only
 
     def _drop(self, node: TreeNode, data: NodeSlot) -> None:
         super()._drop(node, data)

@@ -24,7 +24,8 @@ plan                   tree (the kind that builds it)
                        :class:`HiSWARadixCache` (swa)
 ``unified`` + mamba    :class:`MambaRadixCache` (state slots from the request table's
                        ``mamba_allocator``; extra buffer and per-path cap from the plan);
-                       with the host tier: NotImplementedError (recurrent)
+                       with the host tier :class:`HiMambaRadixCache` (the state engine
+                       beside the KV's from the build) (recurrent)
 swa + mamba            NotImplementedError (no kind builds both in one tree)
 ``swa_chunk``          :class:`SWAChunkCache` (needs the SWA allocator) (swa)
 ``pure_swa_chunk``     :class:`PureSWAChunkCache` (swa)

@@ -21,7 +21,10 @@
   are not affected. The load's scatter is recorded as a pending device update
   (``cache.pending``) that the scheduler applies right before the prefill step that reads the
   prefix: this extension never swaps ``cache.pools`` (``docs/architecture.md``, "Device state:
-  who changes it").
+  who changes it"). Over recurrent state (``HiMambaRadixCache``) a host hit ends at a checkpoint
+  whose copy is on the host only (the node's KV may be on the device): it is loaded at any length
+  (a load carrying a state is not held back by the threshold, as in SGLang), and the request's
+  state slot then forks the loaded checkpoint (a queued state copy, behind the load).
 * with ``decode_retraction_backup == "host_pool"``: the retraction backup's hooks
   (``retraction_extension.RetractionBackupExtension`` over the host pool: backup at retraction,
   restore at re-admission after the load-back, held slots freed at ``poll``).
@@ -118,7 +121,8 @@ class HostTierExtension(ServingExtension):
 
     def _load_back(self, req: ServingReq) -> None:
         tree = self.tree
-        if not tree.host_only_count or req.req_pool_idx is None:
+        # A host hit needs a host-only node, or (recurrent state) a checkpoint on the host only.
+        if not (tree.host_only_count or getattr(tree, "host_only_states", 0)) or req.req_pool_idx is None:
             return
         n = req.seqlen() - 1
         if n <= 0:
@@ -143,6 +147,9 @@ class HostTierExtension(ServingExtension):
         req.prefix_indices = loaded.indices
         req.cache_protected_len = loaded.prefix_len
         self.cache.req_to_token_pool.write(req.req_pool_idx, 0, loaded.indices)
+        fork = getattr(tree, "fork_into_request", None)
+        if fork is not None:  # recurrent state: continue from the loaded checkpoint (HiMambaRadixCache)
+            fork(req, loaded.last_node)
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
         if self.tree.storage is not None:

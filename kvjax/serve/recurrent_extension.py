@@ -37,10 +37,9 @@ from kvjax.attention import StateMetadata
 from kvjax.device_updates import DeviceUpdate
 from kvjax.errors import OutOfMemoryError
 from kvjax.hybrid_req_pool import HybridReqToTokenPool
-from kvjax.pools.cache_pools import CachePools
-from kvjax.pools.recurrent import apply_state_copies
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.extension import ServingExtension, StepBatch, required_part
+from kvjax.transfers.state_transfer import state_copies_update
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
@@ -162,18 +161,6 @@ class RecurrentStateExtension(ServingExtension):
             copies = shared[RankStateCopies.__name__] = RankStateCopies(layout)
         self.copies_update = functools.partial(copies.update, rank)
         return True
-
-
-def state_copies_update(copies: list[tuple[int, int]]) -> DeviceUpdate:
-    """The state copies ``(src slot, dst slot)``, applied in order to ``pools.recurrent`` (donated),
-    as a pending device update (target ``"recurrent"``, pages: the destination slots)."""
-    copies = list(copies)
-
-    def copy_states(pools: CachePools) -> CachePools:
-        return pools.replace(recurrent=apply_state_copies(pools.recurrent, copies))
-
-    destinations = np.asarray([dst for _, dst in copies], np.int64)
-    return DeviceUpdate("state fork", "recurrent", destinations, copy_states)
 
 
 def holds_state(cache: Any) -> bool:

@@ -11,10 +11,8 @@ one host slot per checkpoint (a page of one slot, as SGLang's ``page_size = 1``)
 reserved slot. Rows are stored bit for bit as the device stores them (16-bit floats as their
 bit pattern on CPU, lane-dense conv rows on TPU), so a copy is a plain move of bytes.
 
-Sizing (:func:`host_state_slots`, SGLang's ``MambaPoolHost.__init__``): with ``hicache_size`` (GB)
-the share of it the state pool gets (SGLang's ``_split_hicache_size``: the host bytes split over the
-device pools in proportion to their bytes) divided by one state's bytes; otherwise
-``int(device_slots * hicache_ratio)``; then one more slot (``size // 1 + 1``).
+Its size is planned (``kvjax.plan.kinds.recurrent.host_state_slots``, SGLang's
+``MambaPoolHost.__init__`` sizing).
 
 Slots come from a :class:`~kvjax.tiers.host_allocator.HostSlotAllocator` of page size 1
 (``allocator``). Units: slots are states; bytes are host bytes.
@@ -30,35 +28,10 @@ import numpy as np
 from kvjax.errors import ConfigError, InvalidSlotError
 from kvjax.tiers.host_allocator import HostSlotAllocator
 
-__all__ = ["HostStatePool", "create_host_state_pool", "host_state_slots", "state_rows"]
+__all__ = ["HostStatePool", "create_host_state_pool", "state_rows"]
 
 #: The lane width of a lane-dense conv row (``RecurrentStatePool``'s TPU storage).
 _LANES = 128
-
-
-def host_state_slots(
-    device_slots: int,
-    *,
-    hicache_ratio: float,
-    hicache_size_gb: float = 0,
-    state_share: float = 1.0,
-    bytes_per_state: int = 0,
-) -> int:
-    """Host state slots for a device pool of ``device_slots`` checkpoint slots (module docstring).
-
-    ``state_share``: the fraction of ``hicache_size`` the state pool gets (its device bytes over
-    every device pool's). Raises ConfigError for a negative device size or a ``hicache_size``
-    without ``bytes_per_state``.
-    """
-    if device_slots < 0:
-        raise ConfigError("max_mamba_cache_size", device_slots, "use a size >= 0")
-    if hicache_size_gb > 0:
-        if bytes_per_state <= 0:
-            raise ConfigError("bytes_per_state", bytes_per_state, "hicache_size needs the bytes one state costs")
-        slots = int(hicache_size_gb * state_share * 1e9 // bytes_per_state)
-    else:
-        slots = int(device_slots * hicache_ratio)
-    return slots + 1
 
 
 def state_rows(layout: Any, platform: str) -> tuple[tuple[tuple[int, ...], str], ...]:

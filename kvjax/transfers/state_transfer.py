@@ -40,13 +40,13 @@ import numpy as np
 from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import apply_state_copies
-from kvjax.tiers.copy_engine import CopyError, TransferStatus
+from kvjax.tiers.copy_engine import CopyEngine, CopyError, TransferStatus
 from kvjax.tiers.host_state_pool import HostStatePool
 
 if TYPE_CHECKING:
     from kvjax.transfers.transfer_engines import TransferContext
 
-__all__ = ["StateTransferEngine", "state_copies_update", "transfer_engine"]
+__all__ = ["KVAndStateEngine", "StateTransferEngine", "state_copies_update", "transfer_engine"]
 
 #: The device pool of recurrent state and the plan name of its host pool.
 STATE_POOL = "recurrent"
@@ -207,9 +207,35 @@ class StateTransferEngine:
             handle.cancelled = True
 
 
-def transfer_engine(context: TransferContext) -> StateTransferEngine | None:
-    """The state engine when the plan built a host state pool (``"host_state"``), else None."""
+class KVAndStateEngine:
+    """The host tier's engines of a recurrent-state cache: a :class:`CopyEngine` over the KV pages
+    (``kv``: what the host component copies through; every call goes to it) with the state engine
+    beside it (``state``: what the tree's checkpoint copies go through)."""
+
+    def __init__(self, kv: CopyEngine, state: StateTransferEngine) -> None:
+        self.kv = kv
+        self.state = state
+        self.staging = getattr(kv, "staging", None)
+
+    def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> Any:
+        return self.kv.start_backup(device_slots, host_slots)
+
+    def start_load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> Any:
+        return self.kv.start_load(host_slots, device_slots)
+
+    def poll(self, handle: Any, wait: bool = False) -> TransferStatus:
+        return self.kv.poll(handle, wait)
+
+    def cancel(self, handle: Any) -> None:
+        self.kv.cancel(handle)
+
+
+def transfer_engine(context: TransferContext) -> KVAndStateEngine | None:
+    """The KV pages' plain engine with the state engine beside it, when the plan built a host
+    state pool (``"host_state"``); None otherwise (the plain engine)."""
+    from kvjax.transfers.transfer_engines import default_transfer_engine
+
     host = context.host_pools.get(HOST_STATE_POOL)
     if host is None or STATE_POOL not in context.pending.owner_pools.names:
         return None
-    return StateTransferEngine(context.pending, host)
+    return KVAndStateEngine(default_transfer_engine(context), StateTransferEngine(context.pending, host))

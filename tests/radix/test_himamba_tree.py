@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from kvjax.device_updates import PendingDeviceUpdates
+from kvjax.plan.kinds.recurrent import host_state_slots
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import RecurrentStatePool
 from kvjax.radix import HiRadixCache
 from kvjax.radix.himamba_radix_cache import HiMambaRadixCache
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
-from kvjax.tiers.host_state_pool import HostStatePool, host_state_slots
+from kvjax.tiers.host_state_pool import HostStatePool
 from kvjax.tiers.simulated_copy import SimulatedCopyEngine
 from kvjax.transfers.state_transfer import StateTransferEngine
 
@@ -104,6 +105,18 @@ def test_incremental_backup_of_a_checkpoint_given_to_a_backed_up_node():
     assert t.mamba.pending_transfers == 1
     t.check_transfers(wait=True)
     assert eng.host[t.mamba.landed_host_slot(node)] == "A"
+    assert balanced(t)
+
+
+def test_a_new_checkpoint_on_a_node_whose_state_is_on_the_host_only():
+    t, eng = tree()
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    t.check_transfers(wait=True)
+    t.evict(0, mamba_num=1)  # a leaf backed up: demoted, its state on the host only
+    assert t.host_only_states == 1
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A2"))  # recomputed and cached again
+    assert t.host_only_states == 0 and t.mamba.landed_host_slot(t.last_insert_node) is not None
+    assert t.match_prefix(list(range(1, 10))).prefix_len == 8
     assert balanced(t)
 
 

@@ -57,6 +57,13 @@ def test_unified_full_gives_radix_cache_with_plan_settings():
     assert len(sink) == 1
 
 
+def test_recurrent_tree_with_the_host_tier_is_the_himamba_tree():
+    from kvjax.radix.himamba_radix_cache import HiMambaRadixCache
+
+    t = create_tree_cache(plan(tree_components=("full", "mamba"), attach_host_tier=True, host_pool_tokens=64))
+    assert isinstance(t, HiMambaRadixCache) and t.host_allocator.size == 64
+
+
 def test_disabled_unified_tree_behaves_like_chunk_cache():
     t = create_tree_cache(plan(disable_radix_cache=True))
     assert isinstance(t, RadixCache) and t.disable and t.is_chunk_cache()
@@ -67,7 +74,10 @@ def test_disabled_unified_tree_behaves_like_chunk_cache():
     "kw,name",
     [
         (dict(tree_components=("full", "swa", "mamba")), "SWA \\+ Mamba tree"),
-        (dict(tree_components=("full", "mamba"), attach_host_tier=True), "host copy of recurrent-state"),
+        (
+            dict(tree_components=("full", "mamba"), attach_host_tier=True, disable_radix_cache=True),
+            "disabled recurrent-state tree",
+        ),
         (dict(tree_cache_kind="pure_swa_radix", attach_host_tier=True, sliding_window_size=4), "pure-SWA tree"),
     ],
 )

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan.cache_plan import CachePlan
     from kvjax.plan.kinds.choices import AttentionChoice, OwnTree, TokenSplit
-    from kvjax.plan.records import Sizes, StageLayers, Target
+    from kvjax.plan.records import HostTier, Sizes, StageLayers, Target
     from kvjax.spec import ModelSpec
 
 __all__ = ["PlannerKind", "PoolKind"]
@@ -104,6 +104,9 @@ class PlannerKind:
             is not None is the plan's.
         host_pools: ``(target, sizes, host_tokens) -> tuple[PoolPlan, ...] | None``, the host
             tier's pools when the kind plans its own (no answer: one host pool ``"host_kv"``).
+        host_state_pools: ``(target, sizes, host) -> tuple[PoolPlan, ...]``, host pools of the
+            kind's per-request state beside the KV's, when the host tier is attached (the
+            recurrent-state checkpoints' host copies), sized from the ``HostTier``.
         state_pools: ``(target, sizes) -> tuple[PoolPlan, ...]``, further planned pools (request
             table, recurrent state), in kind order after the attention pools; in the budget.
         split_tokens: ``(spec, config, stage, max_total, budget) -> TokenSplit``, the per-layer
@@ -142,6 +145,7 @@ class PlannerKind:
     plans_draft_pools: bool = True
     attention_pools: Callable[[Target, Sizes], tuple[PoolPlan, ...] | None] | None = None
     host_pools: Callable[[Target, Sizes, int], tuple[PoolPlan, ...] | None] | None = None
+    host_state_pools: Callable[[Target, Sizes, HostTier], tuple[PoolPlan, ...]] | None = None
     state_pools: Callable[[Target, Sizes], tuple[PoolPlan, ...]] | None = None
     split_tokens: Callable[[ModelSpec, CacheConfig, StageLayers, int, int | None], TokenSplit] | None = None
     supports_host_pool_backup: Callable[[Sizes], bool] | None = None

@@ -4,9 +4,16 @@
 Applies to a model with recurrent state (SGLang's ``is_hybrid_ssm``), names the KV pool kind
 first of all kinds; plans the state pools (``max_mamba_cache_size`` slots, sized by
 ``kvjax.plan.sizing``), built together as one pool under ``"recurrent"``; adds the unified tree's
-``"mamba"`` component; refuses the decode-side radix cache, the ``host_pool`` retraction backup,
-a host tier over its checkpoints and DCP. The ``cpu_tensor`` retraction backup does not cover
-the state.
+``"mamba"`` component; refuses the decode-side radix cache, the ``host_pool`` retraction backup
+and DCP. The ``cpu_tensor`` retraction backup does not cover the state.
+
+With the host tier (``enable_hierarchical_cache``) it plans the host copies of the checkpoints
+beside the KV's host pool (SGLang's ``MambaPoolHost``): ``"host_state"``, one slot per state
+(every TP rank's share, as the host KV pool holds every head), sized as SGLang sizes it
+(:func:`host_state_slots`): ``int(max_mamba_cache_size * hicache_ratio) + 1``,
+or with ``hicache_size`` the state pool's byte share of it (its device bytes over the KV's and its
+own, SGLang's ``_split_hicache_size``) over one state's bytes. Where kvjax differs: the KV host
+pool is sized from the whole ``hicache_size`` (SGLang gives it the rest of the split).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.layout.pool_plan import PoolPlan
     from kvjax.plan.cache_plan import CachePlan
-    from kvjax.plan.records import Sizes, Target
+    from kvjax.plan.records import HostTier, Sizes, Target
     from kvjax.spec import ModelSpec
 
 POOL = PoolKind(
@@ -28,6 +35,7 @@ POOL = PoolKind(
     "device",
     "the recurrent-state pool of hybrid SSM / linear-attention models (kv_pool_kind='hybrid_linear')",
 )
+HOST_STATE_POOL = PoolKind("host_state", "host", "the host copies of recurrent-state checkpoints (HiCache)")
 
 
 def applies(spec: ModelSpec, config: CacheConfig) -> bool:
@@ -48,6 +56,72 @@ def state_pools(target: Target, sizes: Sizes) -> tuple[PoolPlan, ...]:
     )
 
 
+def host_state_slots(
+    device_slots: int,
+    *,
+    hicache_ratio: float,
+    hicache_size_gb: float = 0,
+    state_share: float = 1.0,
+    bytes_per_state: int = 0,
+) -> int:
+    """Host state slots for a device pool of ``device_slots`` checkpoint slots (SGLang's
+    ``MambaPoolHost.__init__``): with ``hicache_size`` (GB) the state pool's share of it
+    (``state_share``: its device bytes over every device pool's, SGLang's ``_split_hicache_size``)
+    over one state's bytes, else ``int(device_slots * hicache_ratio)``; then one more slot
+    (``size // 1 + 1``: page size 1, no reserved slot).
+
+    Raises ConfigError for a negative device size or a ``hicache_size`` without ``bytes_per_state``.
+    """
+    from kvjax.errors import ConfigError
+
+    if device_slots < 0:
+        raise ConfigError("max_mamba_cache_size", device_slots, "use a size >= 0")
+    if hicache_size_gb > 0:
+        if bytes_per_state <= 0:
+            raise ConfigError("bytes_per_state", bytes_per_state, "hicache_size needs the bytes one state costs")
+        slots = int(hicache_size_gb * state_share * 1e9 // bytes_per_state)
+    else:
+        slots = int(device_slots * hicache_ratio)
+    return slots + 1
+
+
+def host_state_pools(target: Target, sizes: Sizes, host: HostTier) -> tuple[PoolPlan, ...]:
+    """The host state pool ``"host_state"`` (module docstring): ``shape[0]`` host state slots over
+    the stage's recurrent layers, its ``layout`` the device pool's; none on a stage without one."""
+    from kvjax.layout.pool_plan import PoolPlan
+
+    layout = target.recurrent
+    if layout is None or not sizes.stage.recurrent:
+        return ()
+    layers = sizes.stage.recurrent
+    device_slots = int(sizes.max_mamba_cache_size or 0)
+    per_rank = len(layers) * layout.bytes_per_slot_per_layer
+    state_bytes = device_slots * per_rank
+    kv_bytes = sizes.max_total_tokens * sizes.bytes_per_token
+    slots = host_state_slots(
+        device_slots,
+        hicache_ratio=host.hicache_ratio,
+        hicache_size_gb=host.hicache_size_gb,
+        state_share=state_bytes / max(state_bytes + kv_bytes, 1),
+        bytes_per_state=per_rank * layout.tp_size,
+    )
+    bytes_per_state = per_rank * layout.tp_size
+    return (
+        PoolPlan(
+            "host_state",
+            HOST_STATE_POOL.name,
+            (slots, bytes_per_state),
+            "uint8",
+            1,
+            slots * bytes_per_state,
+            memory="host",
+            built=HOST_STATE_POOL.built,
+            layer_ids=layers,
+            layout=layout,
+        ),
+    )
+
+
 def no_host_pool_backup(sizes: Sizes) -> bool:
     return False
 
@@ -58,7 +132,7 @@ def uses(plan: CachePlan) -> bool:
 
 KIND = PlannerKind(
     name=RECURRENT,
-    pool_kinds=(POOL,),
+    pool_kinds=(POOL, HOST_STATE_POOL),
     kv_pool_kind="hybrid_linear",
     tree_components=("mamba",),
     uses=uses,
@@ -68,11 +142,10 @@ KIND = PlannerKind(
     model_flags=model_flags,
     kv_pool_priority=3,
     state_pools=state_pools,
+    host_state_pools=host_state_pools,
     supports_host_pool_backup=no_host_pool_backup,
     host_pool_backup_refusal="host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
-    # SGLang 0.5.23 keeps host copies of the recurrent-state checkpoints (its Mamba host
-    # component); kvjax has no host copy of them yet, so the build refuses before allocating.
-    no_host_copy="recurrent-state checkpoints",
+    draft_host_refusal="a draft model's host pool beside the recurrent-state checkpoints' host copies is not built",
     dcp_refusal="recurrent state is per request, not per token, so it cannot be striped; use {dcp_size} 1",
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; turn it off for this model"
