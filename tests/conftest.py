@@ -4,12 +4,21 @@ subprocesses it starts (``python -m kvjax ...``), so a step compiled once is not
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-import jax
-import pytest
+# Transformers' references (torch) compute on one thread: the tensors of the tiny models are small,
+# and on a machine whose cores the two test workers (and the processes the tests start) keep busy,
+# torch's default of a thread per core waits at every operation's barrier for a core, which made a
+# tiny model's greedy ``generate`` many times slower (1.4-3.8 s against 0.2 s for 24 tokens of the
+# gpt-oss parity model on 2 busy cores). Set before torch (or numpy's BLAS) reads it; inherited by
+# the processes the tests start. An explicit setting is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 _CACHE_DIR = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kvjax-test-xla-cache")
@@ -60,6 +69,13 @@ def _suite_rank(item: pytest.Item, tests_per_file: Counter[Path]) -> tuple[int, 
     if name in SUITE_HEAVIEST_FIRST:
         return (SUITE_HEAVIEST_FIRST.index(name), 0)
     return (len(SUITE_HEAVIEST_FIRST), -tests_per_file[item.path])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """torch imported before this file (by a plugin) read its thread count already: set it here."""
+    torch = sys.modules.get("torch")
+    if torch is not None and os.environ["OMP_NUM_THREADS"] == "1":
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
