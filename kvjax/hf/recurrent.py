@@ -103,7 +103,9 @@ def parse_qwen3_next(config: Mapping[str, Any], family: str) -> Fields:
             conv_dtype=fields["dtype"] if fields["dtype"] in _CONV_DTYPES else RECURRENT_CONV_DTYPE,
             ssm_dtype=_ssm_dtype(config, "mamba_ssm_dtype"),
         )
-    fields["num_nextn_predict_layers"] = keys.integer(config, "num_nextn_predict_layers", family, 0, minimum=0)
+    # Qwen3-Next names its MTP layer count ``mtp_num_hidden_layers`` (the ``mtp.*`` tensors)
+    mtp = keys.integer(config, "mtp_num_hidden_layers", family, 0, minimum=0)
+    fields["num_nextn_predict_layers"] = keys.integer(config, "num_nextn_predict_layers", family, mtp, minimum=0)
     return fields
 
 

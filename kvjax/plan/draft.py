@@ -12,7 +12,11 @@ Which draft:
   target's attention layout (heads, head dims, dtype; an MLA target gets one MLA layer);
 * ``NEXTN``: the target's own ``num_nextn_predict_layers`` MTP layers, with the target's
   attention layout (SGLang's draft cell size uses ``num_nextn_predict_layers``); a ``draft_spec``
-  is refused (the layers are the target's);
+  is refused (the layers are the target's). DeepSeek's MTP layer is an MLA layer; Qwen3-Next's
+  (``mtp_num_hidden_layers``, read into ``num_nextn_predict_layers``) is a full-attention layer,
+  so a hybrid recurrent target's draft pool is one MHA layer of its full pool's layout beside the
+  recurrent state pools (the MTP layer has no state of its own: only the target's state is
+  restored and replayed after a round);
 * ``STANDALONE``: a separate model, ``draft_spec`` (required to build; the plan without it
   lists no draft pool and says so in its warnings).
 

@@ -286,14 +286,22 @@ def _local_mixer(
 
 
 class Qwen3NextDecoderLayer(DecoderLayer):
-    """A gated delta net or gated attention, then a dense or sparse-MoE MLP; ``(1 + w)`` RMSNorms."""
+    """A gated delta net or gated attention, then a dense or sparse-MoE MLP; ``(1 + w)`` RMSNorms.
+
+    A layer id past the stack (``>= num_hidden_layers``) is the MTP layer
+    (``kvjax.serve.speculative.qwen3_next_mtp``): gated full attention, and the sparse MoE whenever
+    the model has experts (SGLang builds every Qwen3-Next layer sparse, the MTP layer included)."""
 
     norm = OffsetRMSNorm
 
     @nn.nowrap
+    def _is_mtp(self) -> bool:
+        return self.layer_id >= len(_family(self.config).layer_types)
+
+    @nn.nowrap
     def mixer(self) -> nn.Module:
         c = self.config
-        if _family(c).layer_types[self.layer_id] == LINEAR:
+        if not self._is_mtp() and _family(c).layer_types[self.layer_id] == LINEAR:
             return Qwen3NextGatedDeltaNet(c, self.layer_id, name="linear_attn")
         return Qwen3NextAttention(c, self.layer_id, name="self_attn")
 
@@ -301,7 +309,7 @@ class Qwen3NextDecoderLayer(DecoderLayer):
     def mlp(self) -> nn.Module:
         c = self.config
         fc = _family(c)
-        if fc.moe is not None and self.layer_id in fc.moe_layers:
+        if fc.moe is not None and (self.layer_id in fc.moe_layers or self._is_mtp()):
             return SparseMoE(fc.moe, jnp.dtype(c.dtype), name="mlp")
         return MLP(c, name="mlp")
 

@@ -1,4 +1,5 @@
-"""DeepSeek's multi-token-prediction (MTP, "NextN") layer as an EAGLE-style draft model.
+"""A checkpoint's multi-token-prediction (MTP, "NextN") layer as an EAGLE-style draft model:
+DeepSeek's (here) and Qwen3-Next's (``qwen3_next_mtp``; the same call, its own names and layer).
 
 DeepSeek-V3 checkpoints (``num_nextn_predict_layers: 1``) carry one more layer after the decoder
 stack, ``model.layers.{num_hidden_layers}``: ``enorm`` and ``hnorm`` (RMSNorms), ``eh_proj``
@@ -17,6 +18,11 @@ A draft step at position ``p`` takes the token there and a hidden state ``h`` (t
 
 ``h`` is the target's final-normed hidden state (``CausalLM(return_hidden=True)``), the one
 SGLang's logits processor captures for the MTP draft.
+
+Per family (``NEXTN_FAMILIES``): the draft module, the one-page pool its weights are traced over,
+where its tensors live in the checkpoint and the config key that counts MTP layers
+(``num_nextn_predict_layers``; Qwen3-Next's ``mtp_num_hidden_layers``, read into the spec's
+``num_nextn_predict_layers``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ from kvjax.pools import CachePools
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model import build_model
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.speculative.qwen3_next_mtp import (
+    QWEN3_NEXT_FAMILY,
+    Qwen3NextMTPDraft,
+    mtp_tensor_name,
+    mtp_trace_pools,
+)
 
 __all__ = [
     "NEXTN_FAMILIES",
@@ -46,7 +58,7 @@ __all__ = [
     "nextn_tensor_names",
 ]
 
-NEXTN_FAMILIES = ("deepseek_v2", "deepseek_v3")
+NEXTN_FAMILIES = ("deepseek_v2", "deepseek_v3", QWEN3_NEXT_FAMILY)
 """The families whose checkpoints kvjax reads an MTP layer from."""
 
 _SHARED = ("embed_tokens", "lm_head")  # the target's
@@ -94,20 +106,27 @@ class NextNDraft(nn.Module):
         return logits.astype(jnp.float32), out, pools
 
 
-def nextn_draft(target: ModelConfig) -> NextNDraft:
-    """The MTP draft module of ``target`` (``ConfigError`` for a family without one in kvjax)."""
+def nextn_draft(target: ModelConfig) -> nn.Module:
+    """The MTP draft module of ``target`` (``ConfigError`` for a family without one in kvjax):
+    ``NextNDraft`` for DeepSeek, ``Qwen3NextMTPDraft`` for Qwen3-Next, both called alike."""
     if target.family not in NEXTN_FAMILIES:
         raise ConfigError(
             "speculative_algorithm",
             "NEXTN",
             f"kvjax reads MTP (NextN) layers from {list(NEXTN_FAMILIES)} checkpoints, not {target.family!r}",
         )
+    if target.family == QWEN3_NEXT_FAMILY:
+        return Qwen3NextMTPDraft(target, target.num_hidden_layers)
     return NextNDraft(target, target.num_hidden_layers, build_model(target).decoder_layer)
 
 
 def _trace_pools(target: ModelConfig) -> CachePools:
-    """A one-page latent pool holding only the MTP layer (for tracing the weights)."""
+    """A one-page pool of the MTP layer's attention (DeepSeek: latent; Qwen3-Next: MHA) holding
+    only that layer (for tracing the weights)."""
     from kvjax.pools import MLAKVPool
+
+    if target.family == QWEN3_NEXT_FAMILY:
+        return mtp_trace_pools(target)
 
     f = target.family_config
     kv = MLAKVPool.create(
@@ -138,8 +157,8 @@ def nextn_param_shapes(target: ModelConfig) -> Any:
 
 def nextn_tensor_names(target: ModelConfig) -> dict[tuple[str, ...], str]:
     """The checkpoint tensor of every parameter of the MTP layer's own (not the shared embedding
-    and head): ``model.layers.{num_hidden_layers}.<name>``, the decoder layer's weights at that
-    layer's top level, as DeepSeek saves them."""
+    and head): DeepSeek's ``model.layers.{num_hidden_layers}.<name>`` (the decoder layer's weights
+    at that layer's top level), Qwen3-Next's ``mtp.*`` (``qwen3_next_mtp.mtp_tensor_name``)."""
     from kvjax.serve.checkpoint import flatten_params, param_name
 
     prefix = f"model.layers.{target.num_hidden_layers}."
@@ -147,8 +166,26 @@ def nextn_tensor_names(target: ModelConfig) -> dict[tuple[str, ...], str]:
     for path, _ in flatten_params(nextn_param_shapes(target)):
         if path[0] in _SHARED:
             continue
-        names[path] = prefix + param_name(path[1:] if path[0] == "decoder" else path)
+        if target.family == QWEN3_NEXT_FAMILY:
+            names[path] = mtp_tensor_name(path, param_name)
+        else:
+            names[path] = prefix + param_name(path[1:] if path[0] == "decoder" else path)
     return names
+
+
+def mtp_layer_count(target: ModelConfig, raw: dict[str, Any]) -> tuple[str, int]:
+    """The config key that counts ``target``'s MTP layers and its value in ``raw`` (0 when absent):
+    ``num_nextn_predict_layers``, or for Qwen3-Next ``mtp_num_hidden_layers`` when that is not given."""
+    key = "num_nextn_predict_layers"
+    if target.family == QWEN3_NEXT_FAMILY and raw.get(key) is None:
+        key = "mtp_num_hidden_layers"
+    return key, int(raw.get(key) or 0)
+
+
+def _where(target: ModelConfig) -> str:
+    if target.family == QWEN3_NEXT_FAMILY:
+        return "mtp.*, as Qwen3-Next's"
+    return f"model.layers.{target.num_hidden_layers}.*, as DeepSeek-V3's"
 
 
 def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dict[str, Any]:
@@ -161,12 +198,12 @@ def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dic
     from kvjax.serve.checkpoint import SafetensorsTensors, read_config, set_param
 
     path, raw = read_config(directory)
-    layers = int(raw.get("num_nextn_predict_layers") or 0)
+    key, layers = mtp_layer_count(target, raw)
     if layers != 1:
         raise ConfigError(
             "speculative_algorithm",
             "NEXTN",
-            f"{path} has num_nextn_predict_layers={layers}: kvjax drafts with exactly one MTP layer; "
+            f"{path} has {key}={layers}: kvjax drafts with exactly one MTP layer; "
             "serve a checkpoint with its MTP layer, or drop --speculative-algorithm",
         )
     names = nextn_tensor_names(target)
@@ -179,7 +216,7 @@ def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dic
                 "speculative_algorithm",
                 "NEXTN",
                 f"{path} has no MTP layer weights ({len(missing)} tensors missing, e.g. {missing[0]!r}); "
-                f"serve a checkpoint that keeps them (model.layers.{target.num_hidden_layers}.*, as DeepSeek-V3's)",
+                f"serve a checkpoint that keeps them ({_where(target)})",
             )
         for param_path, name in names.items():
             want = tuple(shapes[param_path].shape)
