@@ -411,7 +411,9 @@ GAP_SWA_STORAGE = f"{GAP}: the storage tier under the hybrid sliding-window tree
 GAP_SWA_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the sliding-window host pools"
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
 GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
-GAP_RECURRENT_HOST = f"{GAP}: host copies of recurrent-state checkpoints"
+GAP_RECURRENT_STORAGE = f"{GAP}: the storage tier under the recurrent-state tree (its pages hold no state)"
+GAP_RECURRENT_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the recurrent-state checkpoints' host copies"
+GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
 GAP_SPEC_RETRACTION_DROPPED = (
     f"{GAP}: the cpu_tensor backup with a draft model (it copies the target's pool only; accepted, retracted "
     "requests recomputed)"
@@ -609,6 +611,12 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_parity_qwen3_next.py::test_eviction_of_kv_and_checkpoints_and_retraction"
     ),
     ("recurrent", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "host", "host"): (
+        "tests/serve/test_recurrent_host_tier.py::test_qwen3_next_prefixes_and_checkpoints_come_back_from_the_host"
+    ),
+    ("recurrent", "host", "overlap"): (
+        "tests/serve/test_recurrent_host_tier.py::test_qwen3_next_retraction_and_evicted_checkpoints_with_the_host_tier"
+    ),
     ("recurrent", "tp", "overlap"): (
         "tests/mesh/test_tp_parity_qwen3_next.py::test_head_parallel_gated_delta_net_reuse_eviction_and_retraction"
     ),
@@ -703,21 +711,19 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "eagle", "eagle"): refused(GAP_EAGLE),
-    ("recurrent", "host", "host"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "tp", "eagle"): refused(GAP_EAGLE),
-    ("recurrent", "tp", "host"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
     ("recurrent", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("recurrent", "dp", "eagle"): refused(GAP_EAGLE),
-    ("recurrent", "dp", "host"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "dp", "host"): refused(GAP_DP_HOST),
+    ("recurrent", "dp", "storage"): refused(GAP_DP_HOST),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
     ("recurrent", "dcp", "standalone"): refused(GAP_DCP_SPEC),
@@ -734,22 +740,21 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "pp", "retraction"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
-    ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("recurrent", "eagle", "host"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "overlap"): refused(GAP_EAGLE),
     ("recurrent", "eagle", "processes"): refused(GAP_EAGLE),
-    ("recurrent", "host", "storage"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "host", "retraction"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "host", "overlap"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "storage", "retraction"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "storage", "overlap"): refused(GAP_RECURRENT_HOST),
-    ("recurrent", "storage", "processes"): refused(GAP_RECURRENT_HOST),
+    ("recurrent", "host", "storage"): refused(GAP_RECURRENT_STORAGE),
+    ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),
+    ("recurrent", "storage", "retraction"): refused(GAP_RECURRENT_STORAGE),
+    ("recurrent", "storage", "overlap"): refused(GAP_RECURRENT_STORAGE),
+    ("recurrent", "storage", "processes"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
 }

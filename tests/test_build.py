@@ -381,3 +381,5 @@ def test_build_plans_and_builds_the_host_tier_of_a_recurrent_model():
     assert isinstance(cache.host_pools["host_state"], HostStatePool)
     assert tree.host_state_allocator is cache.host_pools["host_state"].allocator
     assert tree.mamba.engine.host_pool is cache.host_pools["host_state"]
+    with pytest.raises(NotImplementedError, match="write_back"):
+        build_kv_cache(ssm(), config.replace(hicache_write_policy="write_back"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from kvjax.cli.messages import UsageError
+from kvjax.cli.multihost_flags import joins_group
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.mesh_check import check_dcp_sizes
@@ -161,6 +162,12 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
         raise UsageError(
             f"--hicache-storage {storage} with --model {model}: the storage tier under the hybrid sliding-window "
             f"tree is {_GAP} (its page format holds one pool); drop --hicache-storage"
+        )
+    if args.enable_hierarchical_cache and kind.name == "recurrent" and joins_group(args):
+        raise UsageError(
+            f"--enable-hierarchical-cache across processes: for --model {model}, the host copies of recurrent-state "
+            f"checkpoints over several processes are {_GAP} (each process would copy its own devices' shards); "
+            "drop --enable-hierarchical-cache or serve in one process"
         )
     if storage is not None and kind.name == "recurrent":
         raise UsageError(

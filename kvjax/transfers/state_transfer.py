@@ -11,8 +11,9 @@ owner of the step applies, in order, before its next step:
 
 * **backup** ``(device slots, host slots)``: the update gathers the slots' rows of every layer and
   array (a copy O(slots), the pool unchanged) and starts their copy to the host
-  (``copy_to_host_async``); ``poll`` writes them into the host pool once they are ready and reports
-  DONE. A checkpoint the tree donated this step is written by a state copy the tree queued
+  (``copy_to_host_async``); the first ``poll`` after the update was applied writes them into the
+  host pool (waiting for the few rows if they are not there yet) and reports DONE. A checkpoint
+  the tree donated this step is written by a state copy the tree queued
   (``MambaRadixCache.take_state_copies``) that is not recorded yet: :meth:`record_copies` records
   those copies first, so the gather reads the state they write (the order of the queue is the
   order of the device's writes). Unlike the KV engine, a backup cannot read "now": the state it
@@ -20,8 +21,12 @@ owner of the step applies, in order, before its next step:
   yet reports PENDING (nothing can apply it but the owner); the tree keeps the node locked.
 * **load** ``(host slots, device slots)``: the host rows are read when it starts (so the host slots
   may be reused at once) and the update scatters them into the device slots (the pool's arrays
-  donated: in place, O(slots)). ``poll`` reports PENDING until the update is applied, then DONE once
-  the written arrays are ready. A load that started completes.
+  donated: in place, O(slots)). ``poll`` reports PENDING until the update is applied, then DONE (it
+  waits for the written arrays). A load that started completes.
+
+A transfer's status thus depends only on whether the owner applied its update, never on timing:
+every process of a multi-process run would see it land at the same step. The pool must be fully
+addressable by this process (one process: ``NotImplementedError`` otherwise).
 
 Cancelled transfers never land: a cancelled backup's update gathers nothing and its poll reports
 FAILED.
@@ -114,6 +119,11 @@ class StateTransferEngine:
                 f"host state pool rows {have} over {host_pool.num_layers} layers for a device state pool of {want} "
                 f"over {arrays[0].shape[0]} layers; plan both from the same layout"
             )
+        if not all(a.is_fully_addressable for a in arrays):
+            raise NotImplementedError(
+                "host copies of recurrent-state checkpoints across processes are not built (each process would copy "
+                "its own devices' shards); serve the host tier of this model in one process"
+            )
         self.pending = pending
         self.host_pool = host_pool
         self.pool_name = pool_name
@@ -179,11 +189,7 @@ class StateTransferEngine:
         if isinstance(handle, _StateLoad):
             if not handle.applied:
                 return TransferStatus.PENDING
-            live = [a for a in handle.arrays if not a.is_deleted()]
-            if wait:
-                jax.block_until_ready(live)
-            elif not all(a.is_ready() for a in live):
-                return TransferStatus.PENDING
+            jax.block_until_ready([a for a in handle.arrays if not a.is_deleted()])
             handle.status = TransferStatus.DONE
             handle.arrays = ()
             return handle.status
@@ -191,8 +197,6 @@ class StateTransferEngine:
             handle.status = TransferStatus.FAILED
             return handle.status
         if not handle.applied:
-            return TransferStatus.PENDING
-        if not wait and not all(b.is_ready() for b in handle.buffers):
             return TransferStatus.PENDING
         try:
             self.host_pool.write(handle.host_slots, tuple(np.asarray(b) for b in handle.buffers))
