@@ -24,9 +24,12 @@ def pd_env(devices: int = 4, secret: str | None = None) -> dict[str, str]:
 
 
 class PrefillProcess:
-    """``pd_process prefill ...`` running; ``address`` once it listens."""
+    """``pd_process prefill ...`` running; ``address`` once it listens (``wait=False``: once
+    `wait_address` returned, so that several servers start side by side)."""
 
-    def __init__(self, checkpoint: Path, env: dict[str, str], *args: str, timeout: float = 180) -> None:
+    def __init__(
+        self, checkpoint: Path, env: dict[str, str], *args: str, timeout: float = 180, wait: bool = True
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.mesh.pd_process", "prefill", "--checkpoint", str(checkpoint), *args],
             stdin=subprocess.PIPE,
@@ -36,10 +39,16 @@ class PrefillProcess:
             env=env,
             cwd=ROOT,
         )
+        self.deadline = time.monotonic() + timeout
+        self.address = ""
+        if wait:
+            self.wait_address()
+
+    def wait_address(self) -> str:
+        """The address the server printed once it listens (bounded by the start's ``timeout``)."""
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
         line = ""
-        while time.monotonic() < deadline and not line:
+        while time.monotonic() < self.deadline and not line:
             line = self.proc.stdout.readline()
             if not line and self.proc.poll() is not None:
                 break
@@ -48,7 +57,8 @@ class PrefillProcess:
             raise AssertionError(
                 f"the prefill server did not start:\n{self.proc.stderr.read()[-4000:] if self.proc.stderr else ''}"
             )
-        self.address: str = json.loads(line)["address"]
+        self.address = json.loads(line)["address"]
+        return self.address
 
     def stop(self, timeout: float = 60) -> dict[str, Any]:
         """Close its input (it finishes what is queued and reports); its report."""

@@ -76,8 +76,10 @@ def test_a_prefill_server_dying_at_the_pull_fails_only_its_requests(llama, tmp_p
     hf, checkpoint = llama
     env = pd_env()
     timeout = 20.0
-    dying = PrefillProcess(checkpoint, env, *SIDE, "--die-on-pull", when)
+    # the two servers start side by side
+    dying = PrefillProcess(checkpoint, env, *SIDE, "--die-on-pull", when, wait=False)
     live = PrefillProcess(checkpoint, env, *SIDE)
+    dying.wait_address()
     try:
         requests = _requests(hf.config.vocab_size, "abcd")
         report = run_decode(
