@@ -383,3 +383,8 @@ def test_build_plans_and_builds_the_host_tier_of_a_recurrent_model():
     assert tree.mamba.engine.host_pool is cache.host_pools["host_state"]
     with pytest.raises(NotImplementedError, match="write_back"):
         build_kv_cache(ssm(), config.replace(hicache_write_policy="write_back"))
+    # the host memory check counts both host pools (10 GiB are kept free, as SGLang keeps them)
+    host = sum(p.nbytes for p in plan.pools if p.memory == "host" and p.kind in ("host_tier", "host_state"))
+    kvjax.plan_kv_cache(ssm(), config, host_memory_bytes=10 * (1 << 30) + host)
+    with pytest.raises(kvjax.ConfigError, match="hicache_ratio"):
+        kvjax.plan_kv_cache(ssm(), config, host_memory_bytes=10 * (1 << 30) + host - 1)

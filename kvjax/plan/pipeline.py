@@ -9,6 +9,7 @@ from kvjax.plan.draft import decide_draft, draft_pool_plans
 from kvjax.plan.host_sizing import check_host_memory, validate_retraction_host_capacity
 from kvjax.plan.kinds.host_tier import HOST_KV
 from kvjax.plan.kinds.host_tier import POOL as HOST_TIER_POOL
+from kvjax.plan.kinds.registry import planner_kinds
 from kvjax.plan.model_kind import decide_model_kind
 from kvjax.plan.pool_plans import plan_pools
 from kvjax.plan.sizing import decide_sizes
@@ -63,7 +64,11 @@ def plan_kv_cache(
         + tuple(p for p in pools if p.memory != "device")
         + tuple(p for p in drafts if p.memory != "device")
     )
-    host_tier_bytes = sum(p.nbytes for p in pools if p.kind == HOST_TIER_POOL.name)
+    # The host tier's pools: the KV's and those of a kind's per-request state (``host_state_pools``).
+    state_kinds = {k.name for c in planner_kinds() if c.host_state_pools is not None for k in c.pool_kinds}
+    host_tier_bytes = sum(
+        p.nbytes for p in pools if p.memory == "host" and p.kind in {HOST_TIER_POOL.name, *state_kinds}
+    )
     if host_tier_bytes and host_memory_bytes is not None:
         check_host_memory(host_tier_bytes, host_memory_bytes)
     if backup == "host_pool" and host.attach_host_tier:
