@@ -61,8 +61,9 @@ FEATURES: dict[str, str] = {
     "pp": "pp 2 (`--pp 2`)",
     "standalone": "STANDALONE draft (`--speculative-algorithm STANDALONE`; the target as its own draft, a "
     "full-attention `tiny` of its vocabulary for a recurrent target)",
-    "eagle": "EAGLE (`--speculative-algorithm EAGLE`: the checkpoint's MTP layer drafts, DeepSeek's; a checkpoint "
-    "directory with `num_nextn_predict_layers: 1` for MLA, the kind's own config for the others)",
+    "eagle": "EAGLE (`--speculative-algorithm EAGLE`: the checkpoint's MTP layer drafts, DeepSeek's or Qwen3-Next's; "
+    "a checkpoint directory with `num_nextn_predict_layers: 1` for MLA, `mtp_num_hidden_layers: 1` for the "
+    "recurrent kind, the kind's own config for the others)",
     "host": "host tier (`--enable-hierarchical-cache`)",
     "storage": "storage tier (`hicache_storage_backend='memory'`, with the host tier; `demo`'s `--hicache-storage "
     "DIR`)",
@@ -132,15 +133,15 @@ def _draft(kind: str) -> Any:
 @functools.cache
 def _checkpoint_dir(kind: str, mtp: bool) -> str:
     """A directory holding the kind's ``config.json`` (what the command line's checks read of a
-    checkpoint; no weights), with DeepSeek's one MTP layer (``num_nextn_predict_layers: 1``) when
-    ``mtp``; removed when the process exits."""
+    checkpoint; no weights), with its one MTP layer when ``mtp`` (``_mtp_key``); removed when the
+    process exits."""
     import atexit
     import json
     import shutil
     import tempfile
 
     spec = _model(kind).spec
-    config = dict(spec.extra, torch_dtype=spec.dtype, **({"num_nextn_predict_layers": 1} if mtp else {}))
+    config = dict(spec.extra, torch_dtype=spec.dtype, **({_mtp_key(kind): 1} if mtp else {}))
     directory = tempfile.mkdtemp(prefix=f"kvjax-combinations-{kind}-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     Path(directory, "config.json").write_text(json.dumps(config))
@@ -166,14 +167,24 @@ def _draft_dir(kind: str) -> str:
 
 
 def _mtp(kind: str) -> bool:
-    """Whether the kind's checkpoint carries an MTP layer (DeepSeek's, the EAGLE draft kvjax reads)."""
-    return _model(kind).spec.extra.get("model_type") in ("deepseek_v2", "deepseek_v3")
+    """Whether the kind's checkpoint carries an MTP layer (DeepSeek's or Qwen3-Next's, the EAGLE
+    drafts kvjax reads)."""
+    return _model(kind).spec.extra.get("model_type") in ("deepseek_v2", "deepseek_v3", "qwen3_next")
+
+
+def _mtp_key(kind: str) -> str:
+    """The config key that counts the kind's MTP layers (Qwen3-Next's ``mtp_num_hidden_layers``)."""
+    return (
+        "mtp_num_hidden_layers"
+        if _model(kind).spec.extra.get("model_type") == "qwen3_next"
+        else "num_nextn_predict_layers"
+    )
 
 
 @functools.cache
 def _eagle(kind: str) -> tuple[Any, Any]:
     """``(target, draft)`` for EAGLE: the kind's model as the checkpoint with its MTP layer would
-    load (``num_nextn_predict_layers: 1`` where the family has one) and the MTP draft
+    load (``_mtp_key``: 1 where the family has one) and the MTP draft
     (``NextNDraftModel``, zero weights of ``nextn_param_shapes``: ``ConfigError`` for a family
     kvjax reads no MTP layer from)."""
     import jax
@@ -184,7 +195,7 @@ def _eagle(kind: str) -> tuple[Any, Any]:
     from kvjax.spec import ModelSpec
 
     model = _model(kind)
-    extra = dict(model.spec.extra, num_nextn_predict_layers=1) if _mtp(kind) else dict(model.spec.extra)
+    extra = dict(model.spec.extra, **{_mtp_key(kind): 1}) if _mtp(kind) else dict(model.spec.extra)
     spec = dataclasses.replace(ModelSpec.from_hf_config(extra, name=model.spec.name), dtype=model.spec.dtype)
     target = LoadedModel(
         name=model.name, spec=spec, config=model.config, params=model.params, fingerprint=model.fingerprint
@@ -281,7 +292,7 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     """Build the cache and its scheduler as ``kvjax.serve.generate`` does (module docstring)."""
     import jax
 
-    from kvjax.serve.generate import PP_MICRO_BATCHES, scheduler_for
+    from kvjax.serve.generate import PP_MICRO_BATCHES, _rank_draft, scheduler_for
 
     stage[:] = ["the command line"]
     _cli_checks(kind, features)
@@ -314,8 +325,17 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
         devices = jax.local_devices()
         dp_mesh = make_serving_mesh(config.tp_size, config.dp_size, True, devices=devices, dcp_size=config.dcp_size)
         stage[:] = ["build_lockstep (the DP cache, then each rank's scheduler)"]
+        # Every rank drafts: a STANDALONE draft with its spec, or the MTP layer (generate's draft).
+        rank_draft = None if draft is None else _rank_draft(draft, 3)
         server = LockstepDPScheduler.build_lockstep(
-            model.spec, config, model.params, dp_mesh, model_config=model.config, overlap=overlap, **options
+            model.spec,
+            config,
+            model.params,
+            dp_mesh,
+            model_config=model.config,
+            overlap=overlap,
+            draft=rank_draft,
+            **options,
         )
         return list(server.schedulers)
     else:
@@ -375,10 +395,6 @@ def _dropped(features: set[str], schedulers: list[Any]) -> str | None:
 # --- the curated table ------------------------------------------------------------------------------
 
 #: A refusal kvjax shares with SGLang 0.5.23: its own check, file and condition (what it says).
-SGL_STANDALONE_DP = (
-    'sglang/srt/arg_groups/speculative_hook.py (_handle_eagle_family): speculative_algorithm == "STANDALONE" and '
-    'attn_dp_enabled_of(...) ("Currently standalone speculative decoding does not support dp attention.")'
-)
 SGL_PP_SPEC = (
     "sglang/srt/arg_groups/validation_hook.py (check_pipeline_parallel_compat, pp_size > 1): speculative_algorithm "
     'is not None and not (speculative_algorithm.upper() == "EAGLE" and not enable_multi_layer_eagle) ("Pipeline '
@@ -392,8 +408,8 @@ SGL_HICACHE_DCP_MHA = (
 
 #: What kvjax does not build yet, where no SGLang 0.5.23 check refuses it.
 GAP = "kvjax: not built yet"
-GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's)"
-GAP_DP_SPEC = f"{GAP}: a draft model under DP attention"
+GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's or Qwen3-Next's)"
+GAP_DP_SPEC_RECURRENT = f"{GAP}: the rollback of recurrent state under DP attention (a replay step of one rank)"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
@@ -491,6 +507,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
     ),
     ("full", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    # STANDALONE under DP attention: SGLang 0.5.23 refuses it (speculative_hook.py, _handle_eagle_family:
+    # "Currently standalone speculative decoding does not support dp attention."); kvjax serves it.
+    ("full", "dp", "standalone"): (
+        "tests/mesh/test_dp_speculative.py::test_standalone_reuse_chunked_eviction_retraction_and_rollback"
+    ),
     ("full", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
@@ -589,6 +610,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ): "tests/serve/test_speculative_eagle.py::test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill",
     ("mla", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "tp", "eagle"): "tests/mesh/test_tp_eagle.py::test_tp2_page_16_reuse_multi_turn_chunked",
+    ("mla", "dp", "eagle"): "tests/mesh/test_dp_speculative.py::test_eagle_mtp_layer_page_1_evicts_and_retracts",
     ("mla", "eagle", "host"): (
         "tests/serve/test_eagle_host_tier.py::test_the_mtp_layers_pool_goes_to_the_host_and_back_with_the_targets"
     ),
@@ -611,6 +633,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_parity_qwen3_next.py::test_eviction_of_kv_and_checkpoints_and_retraction"
     ),
     ("recurrent", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "eagle", "eagle"): (
+        "tests/serve/test_qwen3_next_mtp.py::test_reuse_multi_turn_chunked_prefill_and_the_mtp_layers_own_proposals"
+    ),
     ("recurrent", "host", "host"): (
         "tests/serve/test_recurrent_host_tier.py::test_qwen3_next_prefixes_and_checkpoints_come_back_from_the_host"
     ),
@@ -631,7 +656,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "eagle", "eagle"): refused(GAP_EAGLE),
     ("full", "tp", "eagle"): refused(GAP_EAGLE),
     ("full", "dp", "pp"): refused(GAP_DP_PP),
-    ("full", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("full", "dp", "eagle"): refused(GAP_EAGLE),
     ("full", "dcp", "pp"): refused(GAP_DCP_PP),
     ("full", "dcp", "standalone"): refused(GAP_DCP_SPEC),
@@ -658,7 +682,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "dp", "pp"): refused(GAP_DP_PP),
-    ("swa", "dp", "standalone"): refused(SGL_STANDALONE_DP),
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "host"): refused(GAP_DP_HOST),
     ("swa", "dp", "storage"): refused(GAP_DP_HOST),
@@ -693,8 +716,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
-    ("mla", "dp", "standalone"): refused(SGL_STANDALONE_DP),
-    ("mla", "dp", "eagle"): refused(GAP_DP_SPEC),
     ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
     ("mla", "dcp", "standalone"): refused(GAP_DCP_SPEC),
     ("mla", "dcp", "eagle"): refused(GAP_DCP_SPEC),
@@ -710,31 +731,29 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "eagle", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "tp", "eagle"): refused(GAP_EAGLE),
     ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
-    ("recurrent", "dp", "standalone"): refused(SGL_STANDALONE_DP),
-    ("recurrent", "dp", "eagle"): refused(GAP_EAGLE),
+    ("recurrent", "dp", "standalone"): refused(GAP_DP_SPEC_RECURRENT),
+    ("recurrent", "dp", "eagle"): refused(GAP_DP_SPEC_RECURRENT),
     ("recurrent", "dp", "host"): refused(GAP_DP_HOST),
     ("recurrent", "dp", "storage"): refused(GAP_DP_HOST),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
     ("recurrent", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("recurrent", "dcp", "eagle"): refused(GAP_EAGLE),
+    ("recurrent", "dcp", "eagle"): refused(GAP_DCP_SPEC),
     ("recurrent", "dcp", "host"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("recurrent", "dcp", "retraction"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "overlap"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("recurrent", "pp", "eagle"): refused(GAP_EAGLE),
+    ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "retraction"): refused(GAP_RECURRENT_PP),
@@ -744,11 +763,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
-    ("recurrent", "eagle", "host"): refused(GAP_EAGLE),
-    ("recurrent", "eagle", "storage"): refused(GAP_EAGLE),
-    ("recurrent", "eagle", "retraction"): refused(GAP_EAGLE),
-    ("recurrent", "eagle", "overlap"): refused(GAP_EAGLE),
-    ("recurrent", "eagle", "processes"): refused(GAP_EAGLE),
+    ("recurrent", "eagle", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
+    ("recurrent", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
+    ("recurrent", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
+    ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("recurrent", "host", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),

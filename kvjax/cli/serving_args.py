@@ -221,13 +221,15 @@ def _eagle_options(
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(
             f"{flag} {path}: --speculative-algorithm {args.speculative_algorithm} reads the MTP layer from a "
-            "checkpoint directory (config.json and *.safetensors with model.layers.<num_hidden_layers>.*)"
+            "checkpoint directory (config.json and *.safetensors with DeepSeek-V3's model.layers.<num_hidden_layers>.* "
+            "or Qwen3-Next's mtp.*)"
         )
     spec = model_spec(path)
     if spec.num_nextn_predict_layers != 1:
         raise UsageError(
             f"--speculative-algorithm {args.speculative_algorithm}: {flag} {path} has num_nextn_predict_layers="
-            f"{spec.num_nextn_predict_layers}; kvjax drafts with a checkpoint's one MTP layer (DeepSeek-V3's)"
+            f"{spec.num_nextn_predict_layers}; kvjax drafts with a checkpoint's one MTP layer (DeepSeek-V3's, or "
+            "Qwen3-Next's mtp.* with mtp_num_hidden_layers 1)"
         )
     if spec.vocab_size != target_vocab_size:
         raise UsageError(
