@@ -17,7 +17,8 @@ state engine ``kvjax.transfers.state_transfer``).
   MAMBA rule). Below it, the walk's nodes whose KV is on the device or loadable from the host
   (host-only with a host copy, contiguously) count up to the deepest one whose checkpoint has a
   host copy: ``host_hit_length`` is its depth less the device match, ``last_host_node`` that node.
-  A match must end at a node with a state, on the device or on the host.
+  A match must end at a node with a state, on the device or on the host. ``branching_seqlen``
+  (``extras["mamba"]``) is then measured past that boundary, as 0.5.23's.
 * **Load-back** (``init_load_back`` / ``load_back``, all or nothing): a device state slot for the
   node (one unlocked checkpoint evicted when none is free), then the KV of its host-only chain
   (``HostTierComponent.load_back``: device slots, evicting device leaves when short), then the
@@ -46,6 +47,7 @@ from kvjax.errors import OutOfMemoryError
 from kvjax.radix.himamba_component import HiMambaComponent
 from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.host_component import HostMatch, HostTierComponent
+from kvjax.radix.mamba_component import MambaMatch
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.radix.match import MatchResult
 from kvjax.radix.node import DEVICE, HOST_ONLY, TreeNode
@@ -179,6 +181,13 @@ class HiMambaRadixCache(MambaRadixCache):
                 best = n
         hit = 0 if best is None else best.depth - m.prefix_len
         m.extras["host"] = HostMatch(hit, best if best is not None else m.last_node)
+        mm = m.extras.get("mamba")
+        if isinstance(mm, MambaMatch):
+            # 0.5.23's branching point: over FULL KV on the device or the host (the host component adds
+            # the host part after MAMBA's finalize), past the state boundary (device match + host hit).
+            grid = comp.checkpoint_grid
+            aligned = m.full_kv_hit_length // grid * grid
+            m.extras["mamba"] = MambaMatch(mm.slot, aligned if aligned > m.prefix_len + hit else None)
         return m
 
     # ------------------------------------------------------------------ load back

@@ -55,6 +55,7 @@ def test_demote_then_load_back_brings_kv_and_checkpoint_back():
     assert balanced(t)
     m = t.match_prefix(list(range(1, 14)))
     assert (m.prefix_len, m.host_hit_length) == (0, 12)
+    assert m.extras["mamba"].branching_seqlen is None  # no KV past the host checkpoint
     loaded = t.init_load_back(m)
     assert loaded.prefix_len == 12
     new = t.mamba.slot_of(loaded.last_node)
@@ -87,9 +88,14 @@ def test_a_host_hit_ends_at_a_node_with_a_state():
     t, eng = tree()
     t.insert([1, 2, 3, 4])  # no checkpoint
     t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    t.insert(list(range(1, 13)))  # KV past the checkpoint, no state
     t.check_transfers(wait=True)
-    t.evict(8)
-    assert t.match_prefix([1, 2, 3, 4, 99]).host_hit_length == 0  # [1..4] has no state anywhere
+    t.evict(12)
+    m4 = t.match_prefix([1, 2, 3, 4, 99])
+    assert m4.host_hit_length == 0 and m4.extras["mamba"].branching_seqlen == 4  # [1..4] has no state anywhere
+    m = t.match_prefix(list(range(1, 14)))
+    assert m.host_hit_length == 8 and m.extras["mamba"].branching_seqlen == 12  # past the host checkpoint
+    t.host.evict_host(4)  # [9..12]'s host KV goes
     assert t.match_prefix(list(range(1, 10))).host_hit_length == 8
     t.host.evict_host(4)  # the host KV of [5..8] goes (and with its node, its state)
     assert t.match_prefix(list(range(1, 10))).host_hit_length == 0

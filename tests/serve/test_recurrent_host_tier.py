@@ -19,6 +19,7 @@ from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from tests.serve.parity_harness import (
     assert_matches_transformers,
+    build_scheduler,
     host_tier_scheduler,
     prompts,
     serve_batches_through_the_host,
@@ -95,6 +96,29 @@ def test_qwen3_next_retraction_and_evicted_checkpoints_with_the_host_tier(qwen3_
     ext = _host_tier(sched)
     assert sched.stats.retractions > 0 and sched.stats.evicted_tokens > 0
     assert ext.loads > 0 and sched.cache.tree_cache.mamba.loads > 0
+    assert_leak_free(sched)
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=2e-4)
+
+
+@pytest.mark.slow  # the suite's time budget: the second CI stage runs it
+def test_qwen3_next_page_4_with_the_extra_buffer_through_the_host(qwen3_next):
+    """Page 4 with the extra buffer: checkpoints are tracked ping-pong slots donated at page
+    boundaries (no queued copy), backed up and loaded back the same way."""
+    hf, loaded = qwen3_next
+    sched = build_scheduler(
+        loaded,
+        max_batch_size=2,
+        page_size=4,
+        enable_mamba_extra_buffer=True,
+        max_mamba_cache_size=16,
+        max_total_tokens=64,
+        max_running_requests=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+    )
+    done = serve_batches_through_the_host(sched, MAX_NEW)
+    assert _host_tier(sched).loads > 0 and sched.cache.tree_cache.mamba.loads > 0
+    assert (done["chat2"].first_cached_tokens or 0) >= 16
     assert_leak_free(sched)
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=2e-4)
 
