@@ -9,7 +9,10 @@ one device), so it counts what XLA will run, whatever the program was lowered fr
   ``all-to-all`` or ``collective-permute`` (an async pair counted once, at its ``-start``); its
   bytes are those of its result on one device; its ``op_name`` is the jax operation it came from
   (``.../layers_3/mlp/down_proj/dot_general``), and its layer the ``layers_N`` in that name
-  (None outside the decoder layers: the embedding, the final norm, the LM head, sampling);
+  (None outside the decoder layers: the embedding, the final norm, the LM head, sampling); its
+  group size the number of chips in each of its replica groups (``replica_groups`` listed,
+  iota ``[groups, size]<=[...]``, or ``mesh[...] {axes}``: the product of the named axes' sizes);
+  and whether it sits in a loop's body (``/while/body/`` in its name: it runs once per trip);
 * an entry parameter's name is its ``op_name`` (``pools[0].kv[1]``, ``params['model']...``,
   ``meta.out_loc``), the path jax gives each leaf of the jitted function's arguments;
 * ``input_output_alias`` lists the parameters whose buffer the program's output reuses.
@@ -36,6 +39,7 @@ __all__ = [
     "entry_parameters",
     "megatron_all_reduce_bytes_per_layer",
     "mosaic_kernels",
+    "replica_group_size",
 ]
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
@@ -49,6 +53,10 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _LAYER = re.compile(r"/layers_(\d+)/")
 _PARAMETER = re.compile(r"\bparameter\((\d+)\).*?" + _OP_NAME.pattern)
 _ALIAS = re.compile(r"\{[\d,\s]*\}:\s*\((\d+),")
+_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +68,8 @@ class Collective:
     nbytes: int
     op_name: str
     layer: int | None
+    group_size: int = 0
+    in_loop: bool = False
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -77,8 +87,34 @@ def collectives(hlo_text: str) -> list[Collective]:
         name = _OP_NAME.search(line)
         op_name = name.group(1) if name else ""
         layer = _LAYER.search(op_name)
-        found.append(Collective(match.group("op"), nbytes, op_name, int(layer.group(1)) if layer else None))
+        found.append(
+            Collective(
+                match.group("op"),
+                nbytes,
+                op_name,
+                int(layer.group(1)) if layer else None,
+                group_size=replica_group_size(line),
+                in_loop="/while/body/" in op_name,
+            )
+        )
     return found
+
+
+def replica_group_size(instruction: str) -> int:
+    """Chips in each replica group of a collective instruction's text (module docstring); 0 when
+    its ``replica_groups`` is in none of the forms read here."""
+    listed = _GROUPS_LISTED.search(instruction)
+    if listed is not None:
+        return len([g for g in listed.group(1).split(",") if g])
+    iota = _GROUPS_IOTA.search(instruction)
+    if iota is not None:
+        return int(iota.group(1).split(",")[-1])
+    mesh = _GROUPS_MESH.search(instruction)
+    if mesh is not None:
+        sizes = {name: int(size) for name, size in _MESH_AXIS.findall(mesh.group(1))}
+        named = re.findall(r"'([^']+)'", mesh.group(2))
+        return math.prod(sizes[name] for name in named) if named and all(n in sizes for n in named) else 0
+    return 0
 
 
 def entry_parameters(hlo_text: str) -> dict[int, str]:
