@@ -287,6 +287,8 @@ class HiMambaComponent(MambaComponent):
                 core._evict_device_leaf(node)
                 if core._tracker is not None:
                     core._tracker["full"] += tokens
+                core.stats.evicted_tokens += tokens
+                core.stats.num_evictions += 1
             else:
                 tree.delete_leaf(node)
         return freed

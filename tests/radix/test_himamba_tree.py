@@ -211,3 +211,72 @@ def test_state_engine_round_trips_a_checkpoint_after_the_queued_copy():
         eng.start_load(np.array([0]), np.array([9]))
     with pytest.raises(ValueError, match="plan both from the same layout"):
         StateTransferEngine(pending, HostStatePool(3, 1, host.rows))
+
+
+def _path(t: HiMambaRadixCache, node) -> tuple[int, ...]:
+    out: list[int] = []
+    while node is not t.root:
+        out[:0] = node.token_ids()
+        node = node.parent
+    return tuple(out)
+
+
+def _check_labels(t: HiMambaRadixCache, eng: SimulatedCopyEngine) -> None:
+    """Every device checkpoint holds its node's state, every landed host copy too."""
+    for node in t.nodes():
+        if node is t.root:
+            continue
+        slot = t.mamba.slot_of(node)
+        if slot is not None:
+            assert eng.device[slot] == _path(t, node), node
+        hslot = t.mamba.landed_host_slot(node)
+        if hslot is not None:
+            assert eng.host[hslot] == _path(t, node), node
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_keep_states_with_their_nodes_and_leak_nothing(seed):
+    """Random inserts (with and without a state), matches with load-backs, FULL, state and host
+    evictions and polling steps on small pools: after every operation the tree is sane, every
+    checkpoint on the device and on the host holds the state of its own prefix (the simulated
+    engines move labels), and the device state slots and both host pools balance."""
+    rng = np.random.default_rng(seed)
+    eng = SimulatedCopyEngine()
+    t = HiMambaRadixCache(page_size=1, host_pool_tokens=48, mamba_pool_size=5, host_state_slots=8, state_engine=eng)
+    alloc = t.mamba_allocator
+    inserted: list[list[int]] = []
+    loads = 0
+    for _ in range(150):
+        key = [int(x) for x in rng.integers(1, 4, size=int(rng.integers(2, 9)))]
+        op = rng.integers(0, 6)
+        if op == 2 and inserted:  # mostly a prefix inserted before, with a token more
+            key = [*inserted[int(rng.integers(0, len(inserted)))], 9]
+        if op <= 1:
+            inserted.append(key)
+            slot = None
+            if rng.random() < 0.7 and alloc.available_size():
+                slot = int(alloc.alloc(1)[0])
+                eng.device[slot] = tuple(key)
+            r = t.insert(key, mamba_value=slot)
+            if slot is not None and r.mamba_exist:
+                alloc.free([slot])
+        elif op == 2:
+            m = t.match_prefix(key)
+            loaded = t.init_load_back(m)
+            if loaded is not m:
+                assert loaded.prefix_len == m.prefix_len + m.host_hit_length
+                loads += 1
+        elif op == 3:
+            t.evict(int(rng.integers(1, 6)))
+        elif op == 4:
+            t.evict(0, mamba_num=int(rng.integers(1, 3)))
+        else:
+            t.check_transfers(wait=bool(rng.integers(0, 2)))
+        t.sanity_check()
+        _check_labels(t, eng)
+        assert balanced(t)
+    assert loads >= 3 and t.mamba.host_evicted > 0, (loads, t.mamba.host_evicted)
+    t.check_transfers(wait=True)
+    t.reset()
+    assert alloc.available_size() == alloc.size and balanced(t)
+    assert t.host_state_allocator.available_size() == 8
