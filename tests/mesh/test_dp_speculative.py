@@ -19,6 +19,10 @@ prefill runs in one DP program and every rank's speculative round in another, th
 Each: tokens equal Transformers' greedy ``generate``, the target's logits agree within 1e-4,
 both ranks serve requests, every rank's memory balance holds after every round
 (``tests.mesh.dp_balance``) and every rank ends leak free.
+
+* the command line: ``generate --dp 2 --tp 4 --speculative-algorithm EAGLE`` gives Transformers'
+  tokens, its counters summed over the ranks;
+* overlap scheduling with a draft is refused by name before the DP cache is built (as on one rank).
 """
 
 from __future__ import annotations
@@ -207,3 +211,34 @@ def test_generate_serves_eagle_at_dp_2_tp_4(deepseek, capsys):
     assert report["outputs"] == [hf_greedy(hf, p[n], EAGLE_MAX_NEW)[0] for n in names]
     counters = report["speculative"]
     assert counters["proposed_tokens"] > 0 and counters["algorithm"] == "EAGLE (NEXTN)", counters
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_overlap_with_a_draft_is_refused_by_name_before_anything_is_built(family, monkeypatch):
+    """Overlap scheduling stays off with speculation under DP attention, as on one rank: one
+    ``ConfigError`` naming ``overlap``, raised before the DP cache is built."""
+    import kvjax.dp.lockstep as lockstep
+    from kvjax.errors import ConfigError
+
+    _, _, target, draft, _ = family
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the DP cache was built before the refusal")
+
+    monkeypatch.setattr(lockstep, "build_dp_kv_cache", never)
+    with pytest.raises(ConfigError, match="overlap"):
+        LockstepDPScheduler.build_lockstep(
+            target.spec,
+            CacheConfig(
+                context_length=CONTEXT_LENGTH,
+                speculative_algorithm="STANDALONE",
+                tp_size=DP * TP,
+                dp_size=DP,
+                enable_dp_attention=True,
+            ),
+            target.params,
+            jax.make_mesh((DP, TP), ("data", "tp"), devices=jax.devices()[: DP * TP]),
+            model_config=target.config,
+            overlap=True,
+            draft=RankDraft(draft.params, K, spec=draft.spec, config=draft.config),
+        )
