@@ -280,3 +280,18 @@ def test_random_operations_keep_states_with_their_nodes_and_leak_nothing(seed):
     t.reset()
     assert alloc.available_size() == alloc.size and balanced(t)
     assert t.host_state_allocator.available_size() == 8
+
+
+def test_write_through_selective_backs_the_checkpoint_up_with_its_node_at_the_second_hit():
+    eng = SimulatedCopyEngine()
+    t = HiMambaRadixCache(
+        host_pool_tokens=64, mamba_pool_size=4, state_engine=eng, write_policy="write_through_selective"
+    )
+    t.insert(list(range(1, 9)), mamba_value=state(t, eng, "A"))
+    assert t.mamba.pending_transfers == 0 and t.host.pending_backups == 0  # one hit: nothing yet
+    slot = state(t, eng, "A again")
+    assert t.insert(list(range(1, 9)), mamba_value=slot).mamba_exist  # the node keeps its own state
+    t.mamba_allocator.free([slot])
+    assert t.mamba.pending_transfers == 1 and t.host.pending_backups == 1  # KV and state together
+    t.check_transfers(wait=True)
+    assert eng.host[t.mamba.landed_host_slot(t.last_insert_node)] == "A" and balanced(t)
