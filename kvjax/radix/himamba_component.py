@@ -45,6 +45,7 @@ import numpy as np
 from kvjax.radix.component import ComponentSizes
 from kvjax.radix.invariants import TreeInvariantError
 from kvjax.radix.mamba_component import MambaComponent, MambaData
+from kvjax.radix.retention import retained_last
 from kvjax.tiers.copy_engine import CopyEngine, CopyError, TransferStatus
 
 if TYPE_CHECKING:
@@ -134,9 +135,10 @@ class HiMambaComponent(MambaComponent):
 
     def evict_host_states(self, num: int) -> int:
         """Free up to ``num`` host copies of checkpoints no longer on the device, least recently
-        they left it first, skipping those a load-back in preparation reads; returns how many."""
+        they left it first (those of nodes retained at the retention clock last), skipping those a
+        load-back in preparation reads; returns how many."""
         freed = 0
-        for node in list(self._host_only):
+        for node in retained_last(self._host_only, self.tree.retention_now):  # retained nodes' copies last
             if freed >= num:
                 break
             if node in self._guarded:
@@ -269,7 +271,8 @@ class HiMambaComponent(MambaComponent):
         tree = self.tree
         leaves = tree.evictable_leaves
         freed = 0
-        for node in list(self._lru):
+        # Least recent first, checkpoints of nodes retained at the retention clock last (as MAMBA).
+        for node in retained_last(self._lru, tree.retention_now):
             if freed >= amount:
                 break
             data = self.data(node)

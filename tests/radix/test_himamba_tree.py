@@ -295,3 +295,17 @@ def test_write_through_selective_backs_the_checkpoint_up_with_its_node_at_the_se
     assert t.mamba.pending_transfers == 1 and t.host.pending_backups == 1  # KV and state together
     t.check_transfers(wait=True)
     assert eng.host[t.mamba.landed_host_slot(t.last_insert_node)] == "A" and balanced(t)
+
+
+def test_retained_checkpoints_are_evicted_last_on_the_device_and_the_host():
+    t, eng = tree(host_states=2)
+    t.insert([1, 2, 3], mamba_value=state(t, eng, "A"), retention_seconds=100.0)
+    kept = t.last_insert_node
+    t.insert([4, 5, 6], mamba_value=state(t, eng, "B"))
+    t.check_transfers(wait=True)
+    t.evict(0, mamba_num=1)  # B's, though A's is older: A is retained
+    assert t.mamba.slot_of(kept) is not None and t.host_only_states == 1
+    t.evict(0, mamba_num=1)  # now A's: both host-only
+    t.insert([7, 8, 9], mamba_value=state(t, eng, "C"))  # its backup evicts B's host copy, not A's
+    assert t.mamba.landed_host_slot(kept) is not None and t.mamba.host_evicted == 1
+    assert balanced(t)
