@@ -592,6 +592,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
     ),
     ("swa", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "dp", "standalone"): "tests/mesh/test_dp_speculative.py::test_standalone_sliding_window_pools",
     ("swa", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_gemma3_sliding_window_host_pools_at_tp_2",
     ("swa", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
     ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",

@@ -13,6 +13,9 @@ prefill runs in one DP program and every rank's speculative round in another, th
 * STANDALONE with the host tier per rank, the target as its own draft: every proposal is
   accepted, also after prefixes came back from a rank's host pool (the draft's pages ride with
   the target's: ``PairedCopyEngine`` over two ``RankPageTransferEngine``).
+* STANDALONE over Gemma 3's hybrid sliding-window pools with its one-layer draft (``test_speculative_swa``'s
+  checkpoints: the windows slide past the prompts while rounds roll back; both sides' accounting
+  checked on every rank at the end).
 * EAGLE / NEXTN: the tiny DeepSeek-V2 of ``tests/serve/test_speculative_eagle`` with one random MTP
   layer (proposals mostly rejected), page size 1 and a small pool per rank.
 
@@ -50,6 +53,9 @@ from tests.serve.test_speculative_eagle import checkpoints as checkpoints  # noq
 from tests.serve.test_speculative_eagle import deepseek as deepseek  # noqa: F401, PLC0414
 from tests.serve.test_speculative_parity import LOGIT_ATOL, MAX_NEW, K
 from tests.serve.test_speculative_parity import family as family  # noqa: F401, PLC0414
+from tests.serve.test_speculative_swa import MAX_NEW as SWA_MAX_NEW
+from tests.serve.test_speculative_swa import check_accounting
+from tests.serve.test_speculative_swa import family as swa_family  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.mesh
 
@@ -168,6 +174,28 @@ def test_standalone_host_tier_per_rank_brings_the_drafts_pages_back(family):
         assert scheduler.leak_free() and host.host_balanced()
         scheduler.cache.tree_cache.sanity_check()
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+@pytest.mark.parametrize("swa_family", ["gemma3"], indirect=True)
+def test_standalone_sliding_window_pools(swa_family):  # noqa: F811  (the fixture)
+    """Gemma 3's hybrid sliding-window pools (a serving extension per rank: its SWA page table in
+    the verify forward, window freeing before each round, rollback unpairing the SWA slots) with
+    its one-layer draft: 12 tokens a request, so every window slides past its prompt."""
+    hf, target, draft = swa_family["hf"], swa_family["target"], swa_family["first-layer"]
+    front = _front(
+        target,
+        RankDraft(draft.params, K, spec=draft.spec, config=draft.config),
+        "STANDALONE",
+        page_size=1,
+        max_total_tokens=96,
+    )
+    done = _serve(front, SWA_MAX_NEW)
+    for scheduler in front.schedulers:
+        check_accounting(scheduler)
+    proposed, accepted = _summed(front, "proposed_tokens", "proposer"), _summed(front, "accepted_tokens", "proposer")
+    assert 0 < accepted < proposed, f"rounds should mix accepted and rejected proposals: {accepted} of {proposed}"
+    assert _summed(front, "cached_tokens") > 0
+    assert_matches_transformers(hf, done, max_new=SWA_MAX_NEW, atol=LOGIT_ATOL)
 
 
 def test_eagle_mtp_layer_page_1_evicts_and_retracts(deepseek):
