@@ -14,6 +14,8 @@ from kvjax.radix.chunk_cache import ChunkCache
 from kvjax.radix.component import ComponentSizes, FullKVComponent, TreeComponent
 from kvjax.radix.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvjax.radix.eviction import EVICTION_POLICIES, EvictionPolicy, get_eviction_policy
+from kvjax.radix.himamba_component import HiMambaComponent
+from kvjax.radix.himamba_radix_cache import HiMambaRadixCache
 from kvjax.radix.hiradix_cache import HiRadixCache
 from kvjax.radix.hiswa_radix_cache import HiSWARadixCache
 from kvjax.radix.host_component import HostTierComponent
@@ -46,6 +48,8 @@ __all__ = [
     "EvictionPolicy",
     "FullKVComponent",
     "HiRadixCache",
+    "HiMambaComponent",
+    "HiMambaRadixCache",
     "HiSWARadixCache",
     "HostTierComponent",
     "InsertResult",
