@@ -383,6 +383,17 @@ def test_build_plans_and_builds_the_host_tier_of_a_recurrent_model():
     assert tree.mamba.engine.host_pool is cache.host_pools["host_state"]
     with pytest.raises(NotImplementedError, match="write_back"):
         build_kv_cache(ssm(), config.replace(hicache_write_policy="write_back"))
+    # hicache_size split over the two host pools by their device bytes (SGLang's _split_hicache_size)
+    sized = kvjax.plan_kv_cache(ssm(), config.replace(hicache_size=0.002))
+    kv = sized.max_total_tokens * sized.bytes_per_token
+    states = (
+        sized.max_mamba_cache_size * [p for p in plan.pools if p.kind == "recurrent"][0].layout.bytes_per_slot_per_layer
+    )
+    states *= len(state.layer_ids)
+    share = kv / (kv + states)
+    assert sized.host_pool_tokens == int(0.002 * share * 1e9 // sized.bytes_per_token) + 1
+    [sized_state] = [p for p in sized.pools if p.name == "host_state"]
+    assert sized_state.shape[0] == int(0.002 * (1 - share) * 1e9 // sized_state.shape[1]) + 1
     # the host memory check counts both host pools (10 GiB are kept free, as SGLang keeps them)
     host = sum(p.nbytes for p in plan.pools if p.memory == "host" and p.kind in ("host_tier", "host_state"))
     kvjax.plan_kv_cache(ssm(), config, host_memory_bytes=10 * (1 << 30) + host)

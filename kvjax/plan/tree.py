@@ -142,6 +142,15 @@ def _attaches_host_tier(config: CacheConfig, tree_kind: str, backup: str) -> boo
     return tree_kind == UNIFIED and (config.enable_hierarchical_cache or backup == "host_pool")
 
 
+def kv_host_share(sizes: Sizes) -> float:
+    """The KV's share of ``hicache_size`` when recurrent-state checkpoints get a host pool beside it
+    (SGLang's ``_split_hicache_size``: the host bytes split over the device pools in proportion to
+    their bytes; the state pool takes the rest, ``plan/kinds/recurrent.py``); 1 without state."""
+    state = (sizes.max_mamba_cache_size or 0) * sizes.mamba_state_bytes_per_req
+    kv = sizes.max_total_tokens * sizes.bytes_per_token
+    return kv / (kv + state) if state and kv else 1.0
+
+
 def decide_host_tier(
     config: CacheConfig, sizes: Sizes, tree: TreeChoice, backup: str, hicache_ratio: float
 ) -> HostTier:
@@ -158,7 +167,7 @@ def decide_host_tier(
             device_tokens or 0,
             ps,
             hicache_ratio=hicache_ratio,
-            hicache_size_gb=config.hicache_size,
+            hicache_size_gb=config.hicache_size * kv_host_share(sizes),
             bytes_per_token=sizes.host_bytes_per_token or sizes.bytes_per_token,  # every stage's slots alike
         )
     return HostTier(

@@ -12,8 +12,8 @@ beside the KV's host pool (SGLang's ``MambaPoolHost``): ``"host_state"``, one sl
 (every TP rank's share, as the host KV pool holds every head), sized as SGLang sizes it
 (:func:`host_state_slots`): ``int(max_mamba_cache_size * hicache_ratio) + 1``,
 or with ``hicache_size`` the state pool's byte share of it (its device bytes over the KV's and its
-own, SGLang's ``_split_hicache_size``) over one state's bytes. Where kvjax differs: the KV host
-pool is sized from the whole ``hicache_size`` (SGLang gives it the rest of the split).
+own, SGLang's ``_split_hicache_size``; the KV host pool gets the rest: ``plan.tree.kv_host_share``)
+over one state's bytes.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def host_state_pools(target: Target, sizes: Sizes, host: HostTier) -> tuple[Pool
     """The host state pool ``"host_state"`` (module docstring): ``shape[0]`` host state slots over
     the stage's recurrent layers, its ``layout`` the device pool's; none on a stage without one."""
     from kvjax.layout.pool_plan import PoolPlan
+    from kvjax.plan.tree import kv_host_share
 
     layout = target.recurrent
     if layout is None or not sizes.stage.recurrent:
@@ -96,13 +97,11 @@ def host_state_pools(target: Target, sizes: Sizes, host: HostTier) -> tuple[Pool
     layers = sizes.stage.recurrent
     device_slots = int(sizes.max_mamba_cache_size or 0)
     per_rank = len(layers) * layout.bytes_per_slot_per_layer
-    state_bytes = device_slots * per_rank
-    kv_bytes = sizes.max_total_tokens * sizes.bytes_per_token
     slots = host_state_slots(
         device_slots,
         hicache_ratio=host.hicache_ratio,
         hicache_size_gb=host.hicache_size_gb,
-        state_share=state_bytes / max(state_bytes + kv_bytes, 1),
+        state_share=1.0 - kv_host_share(sizes),
         bytes_per_state=per_rank * layout.tp_size,
     )
     bytes_per_state = per_rank * layout.tp_size
