@@ -23,7 +23,9 @@ state engine ``kvjax.transfers.state_transfer``).
   node (one unlocked checkpoint evicted when none is free), then the KV of its host-only chain
   (``HostTierComponent.load_back``: device slots, evicting device leaves when short), then the
   state copy into the new slot; the node holds it as its device checkpoint and keeps its host
-  copy. Any step that cannot be done undoes the earlier ones. As in SGLang, a load carrying a
+  copy. Without a state slot or the chain's device slots nothing changes (recompute); a state copy
+  that cannot start (the engine refuses its slots) leaves the loaded KV on the device without
+  the state, a shorter match and nothing leaked. As in SGLang, a load carrying a
   state is not held back by the load-back threshold (10 tokens): every host hit of this tree ends
   at a state, so the threshold never applies. A request then forks the loaded checkpoint into its
   own state slot (:meth:`fork_into_request`, a queued device copy; SGLang writes the request's
