@@ -309,3 +309,21 @@ def test_retained_checkpoints_are_evicted_last_on_the_device_and_the_host():
     t.insert([7, 8, 9], mamba_value=state(t, eng, "C"))  # its backup evicts B's host copy, not A's
     assert t.mamba.landed_host_slot(kept) is not None and t.mamba.host_evicted == 1
     assert balanced(t)
+
+
+def test_a_state_copy_that_cannot_start_leaves_the_kv_loaded_and_leaks_nothing():
+    t, eng = tree()
+    t.insert(list(range(1, 13)), mamba_value=state(t, eng, "A"))
+    t.check_transfers(wait=True)
+    t.evict(12)
+    m = t.match_prefix(list(range(1, 13)))
+    eng.fail_loads = 1  # the state engine refuses the next load
+    assert t.init_load_back(m) is m
+    t.check_transfers(wait=True)
+    assert t.host_only_count == 0 and t.host_only_states == 1  # the KV came back, the state did not
+    assert t.mamba_allocator.available_size() == 4  # the state slot taken for it went back
+    again = t.match_prefix(list(range(1, 13)))
+    assert (again.prefix_len, again.host_hit_length) == (0, 12)  # a later load brings the state
+    assert t.init_load_back(again).prefix_len == 12 and eng.device[t.mamba.slot_of(again.last_host_node)] == "A"
+    t.check_transfers(wait=True)
+    assert balanced(t)
