@@ -620,6 +620,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_parity_deepseek_v2.py::test_page_1_with_a_pool_small_enough_to_evict_and_retract"
     ),
     ("mla", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("mla", "dp", "standalone"): "tests/mesh/test_dp_speculative.py::test_standalone_mla_target_as_its_own_draft",
     ("mla", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_deepseek_v2_mla_latent_replicated_heads_split",
     ("mla", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",

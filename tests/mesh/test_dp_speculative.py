@@ -16,6 +16,7 @@ prefill runs in one DP program and every rank's speculative round in another, th
 * STANDALONE over Gemma 3's hybrid sliding-window pools with its one-layer draft (``test_speculative_swa``'s
   checkpoints: the windows slide past the prompts while rounds roll back; both sides' accounting
   checked on every rank at the end).
+* STANDALONE over DeepSeek-V2's MLA latent pools, the target as its own draft: every proposal accepted.
 * EAGLE / NEXTN: the tiny DeepSeek-V2 of ``tests/serve/test_speculative_eagle`` with one random MTP
   layer (proposals mostly rejected), page size 1 and a small pool per rank.
 
@@ -217,6 +218,27 @@ def test_eagle_mtp_layer_page_1_evicts_and_retracts(deepseek):
     # each rank's slice of the store is that rank's: the store rows differ between the ranks
     store = np.asarray(speculation.hidden)
     assert np.abs(store[0]).sum() > 0 and np.abs(store[1]).sum() > 0
+
+
+def test_standalone_mla_target_as_its_own_draft(deepseek):
+    """DeepSeek-V2's MLA latent pools (target's and draft's, each rank's slice whole on its ``"tp"``
+    devices, the query heads split) with the target as its own STANDALONE draft: every proposal
+    accepted, Transformers' tokens and logits."""
+    hf, plain, _, _ = deepseek
+    model = load_checkpoint(plain)
+    front = _front(
+        model,
+        RankDraft(model.params, K, spec=model.spec, config=model.config),
+        "STANDALONE",
+        page_size=16,
+        max_total_tokens=512,
+    )
+    kv_draft = front.cache.pools["kv_draft"]
+    assert all(a.sharding.shard_shape(a.shape) == (1, *a.shape[1:]) for a in jax.tree.leaves(kv_draft))
+    done = _serve(front, EAGLE_MAX_NEW)
+    proposed, accepted = _summed(front, "proposed_tokens", "proposer"), _summed(front, "accepted_tokens", "proposer")
+    assert accepted == proposed > 0, f"the target as its own draft accepts everything: {accepted} of {proposed}"
+    assert_matches_transformers(hf, done, max_new=EAGLE_MAX_NEW, atol=EAGLE_ATOL)
 
 
 def test_generate_serves_eagle_at_dp_2_tp_4(deepseek, capsys):
