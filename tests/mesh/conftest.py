@@ -30,7 +30,10 @@ HEAVIEST_FIRST = (
     "test_pd_faults.py",  # 80
     "test_tp_speculative_swa.py",  # 80
     "test_multihost_speculative.py",  # 60
+    "test_dp_speculative.py",  # 35
     "test_multihost_storage.py",  # 35
+    "test_deepseek_v3_composition.py",  # 35
+    "test_pp_tiers.py",  # 30
     "test_multihost_dp.py",  # 33
     "test_real_model_tp.py",  # 32
     "test_pd_speculative.py",  # 29
@@ -38,7 +41,6 @@ HEAVIEST_FIRST = (
     "test_multihost_parity.py",  # 26
     "test_pd_llama.py",  # 25
     "test_dp_parity.py",  # 25
-    "test_deepseek_v3_composition.py",  # 25
     "test_tp_speculative.py",  # 24
     "test_dp_dcp.py",  # 24
     "test_pd_processes.py",  # 22
