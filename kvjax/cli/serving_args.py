@@ -5,6 +5,7 @@ cache options they set (``cache_options``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -204,8 +205,9 @@ def _eagle_options(
     args: argparse.Namespace, topk: int | None, steps: int, target_vocab_size: int, target_hidden_size: int | None
 ) -> dict[str, Any]:
     """``speculative_options`` for EAGLE / NEXTN: the MTP layer of ``--speculative-draft-model-path``
-    (default ``--model``, which must then be a checkpoint directory), ``--speculative-eagle-topk`` 1
-    only (jax-free checks)."""
+    (default ``--model``, which must then be a checkpoint directory), or the EAGLE head there (its
+    ``config.json`` names ``LlamaForCausalLMEagle``: the cache is then planned for ``EAGLE``, one
+    draft layer), ``--speculative-eagle-topk`` 1 only (jax-free checks)."""
     if topk is not None and topk != 1:
         raise UsageError(
             f"--speculative-eagle-topk {topk}: kvjax drafts one chain per request (greedy verification of a "
@@ -225,11 +227,13 @@ def _eagle_options(
             "or Qwen3-Next's mtp.*)"
         )
     spec = model_spec(path)
-    if spec.num_nextn_predict_layers != 1:
+    head = _names_eagle_head(path)
+    if not head and spec.num_nextn_predict_layers != 1:
         raise UsageError(
             f"--speculative-algorithm {args.speculative_algorithm}: {flag} {path} has num_nextn_predict_layers="
             f"{spec.num_nextn_predict_layers}; kvjax drafts with a checkpoint's one MTP layer (DeepSeek-V3's, or "
-            "Qwen3-Next's mtp.* with mtp_num_hidden_layers 1)"
+            "Qwen3-Next's mtp.* with mtp_num_hidden_layers 1), or for a Llama target with an EAGLE head "
+            "(--speculative-draft-model-path DIR of a LlamaForCausalLMEagle checkpoint)"
         )
     if spec.vocab_size != target_vocab_size:
         raise UsageError(
@@ -241,7 +245,19 @@ def _eagle_options(
             f"{flag} {path}: hidden_size {spec.hidden_size}, the target's is {target_hidden_size}; its MTP layer "
             "reads the target's hidden states: give the target's own checkpoint (or one of the same hidden size)"
         )
-    return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": "NEXTN"}
+    algorithm = "EAGLE" if head else "NEXTN"  # a head's cache plans one draft layer; an MTP layer's, NEXTN
+    return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": algorithm}
+
+
+def _names_eagle_head(path: str) -> bool:
+    """Whether the checkpoint ``path``'s ``config.json`` names an EAGLE head's architecture
+    (``LlamaForCausalLMEagle``: ``kvjax.serve.speculative.eagle_head``; read here without jax)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "LlamaForCausalLMEagle" in (raw.get("architectures") or [])
 
 
 def cache_options(args: argparse.Namespace) -> dict[str, Any]:

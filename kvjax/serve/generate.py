@@ -707,7 +707,7 @@ def _speculative_config(draft: LoadedModel | NextNDraftModel | None, num_steps: 
     holds the layer after the target's); none without one."""
     if draft is None:
         return {}
-    algorithm = "NEXTN" if isinstance(draft, NextNDraftModel) else "STANDALONE"
+    algorithm = draft.algorithm if isinstance(draft, NextNDraftModel) else "STANDALONE"  # NEXTN, or EAGLE (a head)
     return dict(
         speculative_algorithm=algorithm, speculative_num_steps=num_steps, speculative_num_draft_tokens=num_steps + 1
     )

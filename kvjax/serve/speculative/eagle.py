@@ -34,7 +34,7 @@ from kvjax.serve.param_sharding import shard_params
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.speculative.draft_decoding import DraftDecoding, SpeculativeStats
 from kvjax.serve.speculative.eagle_steps import make_eagle_prefill_step, make_eagle_round_step
-from kvjax.serve.speculative.nextn import NEXTN_FAMILIES, check_draft_fits
+from kvjax.serve.speculative.nextn import DRAFT_FAMILIES, check_draft_fits, draft_algorithm, draft_layer_ids
 from kvjax.spec import ModelSpec
 
 __all__ = ["EAGLE_ALGORITHMS", "EagleDecoding", "eagle_scheduler"]
@@ -106,18 +106,20 @@ class EagleDecoding(DraftDecoding):
                 None,
                 "the cache has no draft pool: build it with CacheConfig(speculative_algorithm='NEXTN', ...)",
             )
-        if plan_draft.algorithm != "NEXTN" or tuple(plan_draft.layer_ids) != (target.num_hidden_layers,):
+        if target.family not in DRAFT_FAMILIES:
             raise ConfigError(
                 "speculative_algorithm",
                 plan_draft.algorithm,
-                f"the EAGLE draft is the target's one MTP layer (layer {target.num_hidden_layers}); build the cache "
-                f"with speculative_algorithm='NEXTN' (its draft pool holds layers {list(plan_draft.layer_ids)})",
+                f"kvjax drafts EAGLE for {list(DRAFT_FAMILIES)} targets (an MTP layer or a Llama EAGLE head), "
+                f"not {target.family!r}",
             )
-        if target.family not in NEXTN_FAMILIES:
+        want, layers = draft_algorithm(target), draft_layer_ids(target)  # MTP: NEXTN; a Llama EAGLE head: EAGLE
+        if plan_draft.algorithm != want or tuple(plan_draft.layer_ids) != layers:
             raise ConfigError(
                 "speculative_algorithm",
                 plan_draft.algorithm,
-                f"kvjax reads MTP layers from {list(NEXTN_FAMILIES)} checkpoints, not {target.family!r}",
+                f"the EAGLE draft's pool holds layers {list(layers)}; build the cache with "
+                f"speculative_algorithm={want!r} (its draft pool holds layers {list(plan_draft.layer_ids)})",
             )
         check_draft_fits(target, self.draft_params)
 

@@ -19,6 +19,11 @@ A draft step at position ``p`` takes the token there and a hidden state ``h`` (t
 ``h`` is the target's final-normed hidden state (``CausalLM(return_hidden=True)``), the one
 SGLang's logits processor captures for the MTP draft.
 
+A full-attention Llama target has no MTP layer; its EAGLE draft is a separate one-layer head
+(``eagle_head``: SGLang's ``LlamaForCausalLMEagle``, read from ``--speculative-draft-model-path``),
+called the same way, whose pool is the draft layer 0 of a cache planned for ``EAGLE``
+(``draft_layer_ids``, ``draft_algorithm``).
+
 Per family (``NEXTN_FAMILIES``): the draft module, the one-page pool its weights are traced over,
 where its tensors live in the checkpoint and the config key that counts MTP layers
 (``num_nextn_predict_layers``; Qwen3-Next's ``mtp_num_hidden_layers``, read into the spec's
@@ -40,6 +45,14 @@ from kvjax.pools import CachePools
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model import build_model
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.speculative.eagle_head import (
+    EAGLE_HEAD_ARCHITECTURE,
+    EAGLE_HEAD_FAMILIES,
+    LlamaEagleHead,
+    check_head_config,
+    eagle_head_trace_pools,
+    is_eagle_head,
+)
 from kvjax.serve.speculative.qwen3_next_mtp import (
     QWEN3_NEXT_FAMILY,
     Qwen3NextMTPDraft,
@@ -48,9 +61,12 @@ from kvjax.serve.speculative.qwen3_next_mtp import (
 )
 
 __all__ = [
+    "DRAFT_FAMILIES",
     "NEXTN_FAMILIES",
     "NextNDraft",
     "NextNDraftModel",
+    "draft_algorithm",
+    "draft_layer_ids",
     "load_nextn_draft",
     "nextn_draft",
     "nextn_param_shapes",
@@ -60,6 +76,9 @@ __all__ = [
 
 NEXTN_FAMILIES = ("deepseek_v2", "deepseek_v3", QWEN3_NEXT_FAMILY)
 """The families whose checkpoints kvjax reads an MTP layer from."""
+
+DRAFT_FAMILIES = NEXTN_FAMILIES + EAGLE_HEAD_FAMILIES
+"""The target families ``EagleDecoding`` drafts for: an MTP layer, or an EAGLE head (Llama)."""
 
 _SHARED = ("embed_tokens", "lm_head")  # the target's
 
@@ -108,7 +127,10 @@ class NextNDraft(nn.Module):
 
 def nextn_draft(target: ModelConfig) -> nn.Module:
     """The MTP draft module of ``target`` (``ConfigError`` for a family without one in kvjax):
-    ``NextNDraft`` for DeepSeek, ``Qwen3NextMTPDraft`` for Qwen3-Next, both called alike."""
+    ``NextNDraft`` for DeepSeek, ``Qwen3NextMTPDraft`` for Qwen3-Next, both called alike; for a
+    Llama target its EAGLE head (``LlamaEagleHead``)."""
+    if target.family in EAGLE_HEAD_FAMILIES:
+        return LlamaEagleHead(target, draft_layer_ids(target)[0])
     if target.family not in NEXTN_FAMILIES:
         raise ConfigError(
             "speculative_algorithm",
@@ -127,6 +149,8 @@ def _trace_pools(target: ModelConfig) -> CachePools:
 
     if target.family == QWEN3_NEXT_FAMILY:
         return mtp_trace_pools(target)
+    if target.family in EAGLE_HEAD_FAMILIES:
+        return eagle_head_trace_pools(target)
 
     f = target.family_config
     kv = MLAKVPool.create(
@@ -168,6 +192,8 @@ def nextn_tensor_names(target: ModelConfig) -> dict[tuple[str, ...], str]:
             continue
         if target.family == QWEN3_NEXT_FAMILY:
             names[path] = mtp_tensor_name(path, param_name)
+        elif target.family in EAGLE_HEAD_FAMILIES:  # the head's own checkpoint, no "model." prefix
+            names[path] = param_name(path)
         else:
             names[path] = prefix + param_name(path[1:] if path[0] == "decoder" else path)
     return names
@@ -182,7 +208,21 @@ def mtp_layer_count(target: ModelConfig, raw: dict[str, Any]) -> tuple[str, int]
     return key, int(raw.get(key) or 0)
 
 
+def draft_layer_ids(target: ModelConfig) -> tuple[int, ...]:
+    """The draft pool's layer ids of ``target``'s EAGLE draft: the MTP layer's
+    (``num_hidden_layers``, planned by NEXTN) or the EAGLE head's (0, planned by EAGLE)."""
+    return (0,) if target.family in EAGLE_HEAD_FAMILIES else (target.num_hidden_layers,)
+
+
+def draft_algorithm(target: ModelConfig) -> str:
+    """The ``speculative_algorithm`` ``target``'s EAGLE draft's cache is planned with: ``NEXTN`` for
+    an MTP layer (the target's own), ``EAGLE`` for an EAGLE head (one layer of the target's layout)."""
+    return "EAGLE" if target.family in EAGLE_HEAD_FAMILIES else "NEXTN"
+
+
 def _where(target: ModelConfig) -> str:
+    if target.family in EAGLE_HEAD_FAMILIES:
+        return f"fc.* and layers.0.*, as an {EAGLE_HEAD_ARCHITECTURE} checkpoint's"
     if target.family == QWEN3_NEXT_FAMILY:
         return "mtp.*, as Qwen3-Next's"
     return f"model.layers.{target.num_hidden_layers}.*, as DeepSeek-V3's"
@@ -198,14 +238,23 @@ def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dic
     from kvjax.serve.checkpoint import SafetensorsTensors, read_config, set_param
 
     path, raw = read_config(directory)
-    key, layers = mtp_layer_count(target, raw)
-    if layers != 1:
-        raise ConfigError(
-            "speculative_algorithm",
-            "NEXTN",
-            f"{path} has {key}={layers}: kvjax drafts with exactly one MTP layer; "
-            "serve a checkpoint with its MTP layer, or drop --speculative-algorithm",
-        )
+    if target.family in EAGLE_HEAD_FAMILIES:
+        if not is_eagle_head(path):
+            raise ConfigError(
+                "speculative_draft_model_path",
+                str(path),
+                f"a {target.family} target has no MTP layer: its EAGLE draft is a head whose config.json names "
+                f"{EAGLE_HEAD_ARCHITECTURE}; give --speculative-draft-model-path such a checkpoint",
+            )
+    else:
+        key, layers = mtp_layer_count(target, raw)
+        if layers != 1:
+            raise ConfigError(
+                "speculative_algorithm",
+                "NEXTN",
+                f"{path} has {key}={layers}: kvjax drafts with exactly one MTP layer; "
+                "serve a checkpoint with its MTP layer, or drop --speculative-algorithm",
+            )
     names = nextn_tensor_names(target)
     shapes = dict(_flat(nextn_param_shapes(target)))
     params: dict[str, Any] = {}
@@ -215,19 +264,23 @@ def nextn_params(target: ModelConfig, target_params: Any, directory: Any) -> dic
             raise ConfigError(
                 "speculative_algorithm",
                 "NEXTN",
-                f"{path} has no MTP layer weights ({len(missing)} tensors missing, e.g. {missing[0]!r}); "
+                f"{path} has no {_what(target)} weights ({len(missing)} tensors missing, e.g. {missing[0]!r}); "
                 f"serve a checkpoint that keeps them ({_where(target)})",
             )
         for param_path, name in names.items():
             want = tuple(shapes[param_path].shape)
             if tensors.shape(name) != want:
                 raise ConfigError(
-                    "tensor", name, f"has shape {tensors.shape(name)} in {path} but the MTP layer needs {want}"
+                    "tensor", name, f"has shape {tensors.shape(name)} in {path} but the {_what(target)} needs {want}"
                 )
         dt = jnp.dtype(target.dtype)
         for param_path, name in names.items():
             set_param(params, param_path, jnp.asarray(tensors.get(name), dtype=dt))
     return with_shared_weights(params, target, target_params)
+
+
+def _what(target: ModelConfig) -> str:
+    return "EAGLE head" if target.family in EAGLE_HEAD_FAMILIES else "MTP layer"
 
 
 def with_shared_weights(own: dict[str, Any], target: ModelConfig, target_params: Any) -> dict[str, Any]:
@@ -268,6 +321,8 @@ class NextNDraftModel:
     name: str
     params: dict[str, Any]
     path: Path
+    algorithm: str = "NEXTN"
+    """The ``speculative_algorithm`` its cache is planned with (`draft_algorithm`)."""
 
 
 def load_nextn_draft(directory: str | Path, target: Any) -> NextNDraftModel:
@@ -275,6 +330,8 @@ def load_nextn_draft(directory: str | Path, target: Any) -> NextNDraftModel:
     ``LoadedModel``; normally the same checkpoint), with the target's embedding and head.
     ``ConfigError`` naming ``speculative_draft_model_path`` for a directory that is not a
     checkpoint, or a layer that does not fit the target; as `nextn_params` otherwise."""
+    from kvjax.serve.checkpoint import read_config
+
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -283,6 +340,10 @@ def load_nextn_draft(directory: str | Path, target: Any) -> NextNDraftModel:
             "EAGLE / NEXTN read the MTP layer from a checkpoint directory (the target's own, by default); "
             "a preset or GGUF file has none",
         )
-    params = nextn_params(target.config, target.params, path)
-    check_draft_fits(target.config, params)
-    return NextNDraftModel(name=f"{path.name} (MTP layer)", params=params, path=path)
+    config = target.config
+    if config.family in EAGLE_HEAD_FAMILIES and is_eagle_head(path):
+        check_head_config(config, read_config(path)[1], dict(target.spec.extra), path)
+    params = nextn_params(config, target.params, path)
+    check_draft_fits(config, params)
+    algorithm = draft_algorithm(config)
+    return NextNDraftModel(name=f"{path.name} ({_what(config)})", params=params, path=path, algorithm=algorithm)
