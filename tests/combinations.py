@@ -63,7 +63,8 @@ FEATURES: dict[str, str] = {
     "full-attention `tiny` of its vocabulary for a recurrent target)",
     "eagle": "EAGLE (`--speculative-algorithm EAGLE`: the checkpoint's MTP layer drafts, DeepSeek's or Qwen3-Next's; "
     "a checkpoint directory with `num_nextn_predict_layers: 1` for MLA, `mtp_num_hidden_layers: 1` for the "
-    "recurrent kind, the kind's own config for the others)",
+    "recurrent kind; for the full-attention kind an EAGLE head, `--speculative-draft-model-path` a "
+    "`LlamaForCausalLMEagle` config of the target's shapes; the kind's own config for the others)",
     "host": "host tier (`--enable-hierarchical-cache`)",
     "storage": "storage tier (`hicache_storage_backend='memory'`, with the host tier; `demo`'s `--hicache-storage "
     "DIR`)",
@@ -181,6 +182,30 @@ def _mtp_key(kind: str) -> str:
     )
 
 
+def _head(kind: str) -> bool:
+    """Whether the kind's EAGLE draft is an EAGLE head (``LlamaForCausalLMEagle``: a Llama target)."""
+    from kvjax.serve.speculative.eagle_head import EAGLE_HEAD_FAMILIES
+
+    return _model(kind).config.family in EAGLE_HEAD_FAMILIES and _model(kind).config.family_config is None
+
+
+@functools.cache
+def _head_dir(kind: str) -> str:
+    """The EAGLE head's directory for the command line: the kind's ``config.json`` naming
+    ``LlamaForCausalLMEagle`` with one layer (removed when the process exits)."""
+    import atexit
+    import json
+    import shutil
+    import tempfile
+
+    spec = _model(kind).spec
+    config = dict(spec.extra, torch_dtype=spec.dtype, architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    directory = tempfile.mkdtemp(prefix=f"kvjax-combinations-{kind}-head-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    Path(directory, "config.json").write_text(json.dumps(config))
+    return directory
+
+
 @functools.cache
 def _eagle(kind: str) -> tuple[Any, Any]:
     """``(target, draft)`` for EAGLE: the kind's model as the checkpoint with its MTP layer would
@@ -202,6 +227,8 @@ def _eagle(kind: str) -> tuple[Any, Any]:
     )
     shapes = nextn_param_shapes(model.config)
     params = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
+    if _head(kind):  # the EAGLE head's checkpoint, planned for EAGLE
+        return target, NextNDraftModel(name=model.name, params=params, path=Path(_head_dir(kind)), algorithm="EAGLE")
     return target, NextNDraftModel(name=model.name, params=params, path=Path(_checkpoint_dir(kind, True)))
 
 
@@ -219,8 +246,9 @@ def _cli_argv(kind: str, features: set[str]) -> list[str]:
     argv += ["--enable-hierarchical-cache"] if features & {"host", "storage"} else []
     if "standalone" in features:
         argv += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", _draft_dir(kind)]
-    if "eagle" in features:  # the draft: the MTP layer of --model's checkpoint
+    if "eagle" in features:  # the draft: the MTP layer of --model's checkpoint, or an EAGLE head
         argv += ["--speculative-algorithm", "EAGLE"]
+        argv += ["--speculative-draft-model-path", _head_dir(kind)] if _head(kind) else []
     argv += [] if "overlap" in features else ["--disable-overlap-schedule"]
     if "processes" in features:
         argv += ["--num-processes", "2", "--process-id", "0", "--coordinator", "127.0.0.1:1"]
@@ -278,7 +306,8 @@ def _config(kind: str, features: set[str]) -> Any:
     if "retraction" in features:
         options.update(disaggregation_decode_retraction_backup="cpu_tensor")
     # EAGLE: the cache of the MTP layer's draft, as generate builds it (speculative_algorithm NEXTN).
-    algorithm = "STANDALONE" if "standalone" in features else "NEXTN" if "eagle" in features else None
+    eagle = "EAGLE" if _head(kind) else "NEXTN"  # an EAGLE head's cache plans one draft layer
+    algorithm = "STANDALONE" if "standalone" in features else eagle if "eagle" in features else None
     if algorithm is not None:
         options.update(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_num_draft_tokens=4)
     return CacheConfig(**options)
@@ -371,6 +400,8 @@ def _without_directories(kind: str, text: str) -> str:
     """``text`` with this run's checkpoint directories (temporary) written as ``DIR``."""
     for mtp in (False, True):
         text = text.replace(_checkpoint_dir(kind, mtp), "DIR")
+    if _head(kind):
+        text = text.replace(_head_dir(kind), "HEAD")
     return text.replace(_draft_dir(kind), "DRAFT")
 
 
@@ -408,7 +439,10 @@ SGL_HICACHE_DCP_MHA = (
 
 #: What kvjax does not build yet, where no SGLang 0.5.23 check refuses it.
 GAP = "kvjax: not built yet"
-GAP_EAGLE = f"{GAP}: an EAGLE draft model (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's or Qwen3-Next's)"
+GAP_EAGLE = (
+    f"{GAP}: an EAGLE draft model for this kind (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's or "
+    "Qwen3-Next's, or a Llama EAGLE head for a full-attention Llama)"
+)
 GAP_DP_SPEC_RECURRENT = f"{GAP}: the rollback of recurrent state under DP attention (a replay step of one rank)"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
@@ -507,6 +541,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
     ),
     ("full", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "eagle", "eagle"): (
+        "tests/serve/test_eagle_head.py::test_reuse_chunked_prefill_eviction_retraction_and_the_heads_own_proposals"
+    ),
     # STANDALONE under DP attention: SGLang 0.5.23 refuses it (speculative_hook.py, _handle_eagle_family:
     # "Currently standalone speculative decoding does not support dp attention."); kvjax serves it.
     ("full", "dp", "standalone"): (
@@ -655,25 +692,20 @@ PROOFS: dict[tuple[str, str, str], str] = {
 
 #: The refused (and dropped) cells, each with its reason.
 REFUSED: dict[tuple[str, str, str], Cell] = {
-    ("full", "eagle", "eagle"): refused(GAP_EAGLE),
-    ("full", "tp", "eagle"): refused(GAP_EAGLE),
     ("full", "dp", "pp"): refused(GAP_DP_PP),
-    ("full", "dp", "eagle"): refused(GAP_EAGLE),
     ("full", "dcp", "pp"): refused(GAP_DCP_PP),
     ("full", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("full", "dcp", "eagle"): refused(GAP_EAGLE),
+    ("full", "dcp", "eagle"): refused(GAP_DCP_SPEC),
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("full", "dcp", "processes"): refused(GAP_PROCESSES),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("full", "pp", "eagle"): refused(GAP_EAGLE),
+    ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("full", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
-    ("full", "eagle", "host"): refused(GAP_EAGLE),
-    ("full", "eagle", "storage"): refused(GAP_EAGLE),
-    ("full", "eagle", "retraction"): refused(GAP_EAGLE),
-    ("full", "eagle", "overlap"): refused(GAP_EAGLE),
-    ("full", "eagle", "processes"): refused(GAP_EAGLE),
+    ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
+    ("full", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
+    ("full", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
