@@ -250,3 +250,37 @@ def test_generate_with_the_mtp_layer_gives_the_plain_tokens(checkpoints, capsys)
         code = int(e.code or 0)
     _, err = capsys.readouterr()
     assert code == 2 and "--speculative-algorithm EAGLE" in err and "mtp" in err.lower(), err
+
+
+def test_a_sparse_moe_models_mtp_layer_has_the_sparse_moe_under_sglangs_names():
+    """With experts, the MTP layer's MLP is the family's sparse MoE (SGLang builds every Qwen3-Next
+    layer sparse), its tensors ``mtp.layers.0.mlp.*`` as Qwen3-Next checkpoints name them."""
+    from kvjax import ModelSpec
+    from kvjax.serve.model_config import model_config_from_spec
+    from tests.serve.random_workloads import QWEN3_NEXT_TINY
+
+    moe = dict(
+        QWEN3_NEXT_TINY,
+        mlp_only_layers=[],
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        mtp_num_hidden_layers=1,
+    )
+    spec = ModelSpec.from_hf_config(moe, name="qwen3-next-moe")
+    assert spec.num_nextn_predict_layers == 1
+    config = model_config_from_spec(spec)
+    named = nextn_tensor_names(config)
+    names = set(named.values())
+    shapes = {named[p]: tuple(s.shape) for p, s in flatten_params(nextn_param_shapes(config)) if p in named}
+    hidden = spec.hidden_size
+    assert shapes["mtp.fc.weight"] == (hidden, 2 * hidden)
+    assert shapes["mtp.layers.0.mlp.gate.weight"] == (4, hidden)
+    assert shapes["mtp.layers.0.mlp.experts.3.down_proj.weight"] == (hidden, 24)
+    assert shapes["mtp.layers.0.mlp.shared_expert.up_proj.weight"] == (40, hidden)
+    assert shapes["mtp.layers.0.mlp.shared_expert_gate.weight"] == (1, hidden)
+    assert {"mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"} <= names
+    assert "mtp.layers.0.self_attn.q_proj.weight" in names and not any("linear_attn" in n for n in names)
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)  # the target's, shared
