@@ -447,7 +447,6 @@ GAP_DP_SPEC_RECURRENT = f"{GAP}: the rollback of recurrent state under DP attent
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
-GAP_DCP_SPEC = f"{GAP}: a draft model's pool striped over DCP ranks"
 GAP_DCP_STORAGE_MLA = f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
@@ -584,6 +583,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "dcp", "host"): (
         "tests/mesh/test_dcp_host_tier.py::test_llama_loads_back_striped_pages_from_the_host_with_transformers_tokens"
     ),
+    ("full", "dcp", "standalone"): (
+        "tests/mesh/test_dcp_speculative.py::test_llama_standalone_draft_at_tp2_dcp2_accepts_every_proposal"
+    ),
     (
         "full",
         "dcp",
@@ -663,6 +665,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("mla", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
     ("mla", "dp", "dcp"): "tests/mesh/test_dp_dcp.py::test_reuse_chunked_prefill_eviction_and_retraction",
     ("mla", "dcp", "overlap"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
+    ("mla", "dcp", "eagle"): "tests/mesh/test_dcp_speculative.py::test_deepseek_v2_mtp_layer_at_tp4_dcp2",
     ("mla", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
     # Recurrent state (Qwen3-Next: gated delta net layers and a full-attention layer).
     ("recurrent", "tp", "tp"): (
@@ -694,8 +697,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
 REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dp", "pp"): refused(GAP_DP_PP),
     ("full", "dcp", "pp"): refused(GAP_DCP_PP),
-    ("full", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("full", "dcp", "eagle"): refused(GAP_DCP_SPEC),
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("full", "dcp", "processes"): refused(GAP_PROCESSES),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
@@ -721,7 +722,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "dp", "storage"): refused(GAP_DP_HOST),
     ("swa", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dcp", "pp"): refused(GAP_DCP_PP),
-    ("swa", "dcp", "standalone"): refused(GAP_DCP_SPEC),
+    ("swa", "dcp", "standalone"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dcp", "host"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
@@ -751,8 +752,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
-    ("mla", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("mla", "dcp", "eagle"): refused(GAP_DCP_SPEC),
     ("mla", "dcp", "storage"): refused(GAP_DCP_STORAGE_MLA),
     ("mla", "dcp", "processes"): refused(GAP_PROCESSES),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
@@ -779,8 +778,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dp", "storage"): refused(GAP_DP_HOST),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
-    ("recurrent", "dcp", "standalone"): refused(GAP_DCP_SPEC),
-    ("recurrent", "dcp", "eagle"): refused(GAP_DCP_SPEC),
+    ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "dcp", "eagle"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "host"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("recurrent", "dcp", "retraction"): refused(GAP_RECURRENT_DCP),

@@ -56,7 +56,6 @@ CASES = [
     ),
     # generate: refused combinations (kvjax.cli.combination_flags), both flags named, SGLang's check where it has one
     (["generate", *GEN, "--tp", "2", "--dcp", "2", "--pp", "2"], ["--dcp 2 with --pp 2", "not built in kvjax yet"]),
-    (["generate", *GEN, "--tp", "2", "--dcp", "2", *STANDALONE], ["--dcp 2 with --speculative-algorithm STANDALONE"]),
     (
         ["generate", *GEN, "--pp", "2", *STANDALONE],
         ["--pp 2 with --speculative-algorithm", "check_pipeline_parallel_compat"],

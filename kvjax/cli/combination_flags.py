@@ -67,11 +67,6 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             "--pp",
         ),
         (
-            dcp > 1 and algorithm is not None,
-            f"--dcp {dcp} with {spec_flag}: a draft model's pool striped over DCP ranks is {_GAP}; drop --dcp or "
-            "the speculative flags",
-        ),
-        (
             pp > 1 and algorithm == "STANDALONE",
             f"--pp {pp} with {spec_flag}: {_SGL_PP_SPEC}; drop --pp or the speculative flags",
         ),

@@ -29,7 +29,6 @@ Refused, each by name, with what to do:
 * a ``dcp_size`` that does not divide ``tp_size`` (``CacheConfig``), and query heads that do not
   split over the ``tp_size`` ranks;
 * pipeline parallelism with DCP;
-* a speculative draft model (its pool is not striped);
 * the storage tier (L3) with DCP, as in SGLang;
 * a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``): the hybrid
   sliding-window pool (its second allocator is not striped: serve the model with one full-size
@@ -38,7 +37,14 @@ Refused, each by name, with what to do:
 
 Served: the host tier (L1 host pool, L2 load-back) and the ``host_pool`` retraction backup over
 a striped pool: the host page is the striped page, every rank's rows once, rank-major, and each
-device moves its own rows of the pages (``kvjax.tiers.head_shards``). Not built yet
+device moves its own rows of the pages (``kvjax.tiers.head_shards``).
+
+Served with a speculative draft model (STANDALONE, EAGLE/NEXTN's MTP layer): the draft's pool
+``kv_draft`` is planned and built as the target's (``kvjax.plan.draft``, ``build_kv_cache``), so it
+is striped by token over the same ``D`` ranks at the same slots (``page_size * dcp_size`` allocator
+pages), and the draft's layers attend it through the same DCP attention path (the pool's
+``context_axis``); EAGLE's hidden-state store is indexed by those (global, striped) slots,
+``[kv_draft slots, hidden]``, replicated over the mesh. Not built yet
 (``NotImplementedError`` at build): the DSA indexer keys.
 """
 
@@ -82,12 +88,6 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str, num_atten
             config.hicache_storage_backend,
             f"the storage tier (L3) is not built with {{dcp_size}} {dcp} (SGLang refuses it for models without MLA, "
             "hicache_hook: resolve_hicache_dcp_compatibility); drop {hicache_storage_backend}",
-        ),
-        (
-            config.speculative_algorithm is not None,
-            "speculative_algorithm",
-            config.speculative_algorithm,
-            f"a draft model's pool is not striped over {{dcp_size}} {dcp} ranks; serve without speculation",
         ),
     )
     for refused, option, value, why in refusals:
