@@ -7,10 +7,8 @@ layer ``layers.0.*`` without ``input_layernorm``; its embedding and head are the
 are the target's greedy tokens whatever the head proposes, so a random head proves exactness.
 
 * served through the two rounds of ``parity_harness`` (prefix reuse, a multi-turn chat, chunked
-  prefill) at page size 1 with a pool small enough to evict and retract: tokens equal
-  Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``, leak-free (one run: each
-  serving configuration costs its own compilations on CPU; the EAGLE steps' page-16 paths are
-  ``test_speculative_eagle``'s).
+  prefill) at page size 1 with a pool small enough to evict and retract, and at page size 16:
+  tokens equal Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``, leak-free.
 * the draft is SGLang's EAGLE head: every round's ``k`` proposals equal those of the head computed
   directly in torch (Transformers' ``LlamaDecoderLayer`` loaded with ``layers.0`` and its input norm
   removed, ``fc`` of the embedding and Transformers' hidden state of the position before, the
@@ -80,7 +78,7 @@ def write_eagle_head(directory: Path, target_dir: Path, model: LoadedModel, *, s
 @functools.cache
 def _checkpoints(root: str) -> tuple[Any, Path, Path]:
     """(Transformers' target, its checkpoint, the EAGLE head's checkpoint)."""
-    config = transformers.LlamaConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, rope_parameters=ROPE)
+    config = transformers.LlamaConfig(**TINY_CONFIG, **TINY_LAYER_SIZES, num_hidden_layers=2, rope_parameters=ROPE)
     hf = random_transformers_model(config, seed=1)
     target = Path(root) / "target"
     hf.save_pretrained(target)
@@ -205,6 +203,14 @@ def test_reuse_chunked_prefill_eviction_retraction_and_the_heads_own_proposals(c
             assert list(proposals[row]) == direct.proposals(sequence, K), (sequence, proposals[row])
             checked += 1
     assert checked >= 6
+
+
+def test_page_16_with_prefix_reuse(checkpoints):
+    hf, target, head = checkpoints
+    sched, done = _serve(target, head, page_size=16, max_total_tokens=2048)
+    assert sched.stats.cached_tokens > 0 and (done["d"].first_cached_tokens or 0) >= 16
+    assert _proposer(sched).stats.proposed_tokens > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
 def test_heads_that_do_not_fit_are_refused_by_name(checkpoints, tmp_path):
