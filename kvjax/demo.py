@@ -411,7 +411,8 @@ def run_demo(
     context parallelism dividing them (each request's KV striped over ``dcp_size`` of them). ``dp_size`` above 1:
     DP attention, the ``tp_size`` devices split into ``dp_size`` ranks (``serve``), requests
     routed by ``dp_routing``; the report adds each rank's requests and hit rate. ``draft``: every
-    run decodes speculatively with this STANDALONE draft model (``overlap`` must then be False).
+    run decodes speculatively with this STANDALONE draft model (its rounds overlapped with ``overlap``,
+    except under DP attention, where ``overlap`` must then be False).
     ``group``: this process's part of a multi-process run (``kvjax.multihost``; the mesh spans
     every process; the same scheduler, or DP front, on every process; tensor parallel or DP
     attention). ``pp_size`` above 1: every run over that many pipeline stages of ``tp_size`` local

@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
             hicache_storage=args.hicache_storage,
             progress=not args.json,
             model=model,
-            overlap=not args.disable_overlap_schedule and not speculative,
+            # speculative rounds overlap, except under DP attention (its lockstep rounds do not)
+            overlap=not args.disable_overlap_schedule and not (speculative and args.dp > 1),
             dp_routing=args.dp_routing,
             **cache_options(args),
             **speculative,

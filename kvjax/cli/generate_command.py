@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
                 **speculative,
             )
         else:
-            overlap = not args.disable_overlap_schedule and not speculative
+            overlap = not args.disable_overlap_schedule  # speculative rounds overlap too
             result, _ = generate(
                 model,
                 prompts,

@@ -194,11 +194,12 @@ def speculative_options(
 
 
 def overlap_note(args: argparse.Namespace) -> None:
-    """With ``--speculative-algorithm`` and overlap scheduling on (the default), a note on standard
-    error that speculative decoding runs without it (printed after every check, so a refused
-    command line prints its one error line alone)."""
-    if args.speculative_algorithm is not None and not args.disable_overlap_schedule:
-        print("note: speculative decoding runs without overlap scheduling", file=sys.stderr)
+    """With ``--speculative-algorithm``, ``--dp`` above 1 and overlap scheduling on (the default), a
+    note on standard error that speculative decoding under DP attention runs without it (printed
+    after every check, so a refused command line prints its one error line alone). Without DP
+    attention the rounds are overlapped (``kvjax.serve.speculative.overlap``)."""
+    if args.speculative_algorithm is not None and not args.disable_overlap_schedule and args.dp > 1:
+        print("note: speculative decoding under DP attention runs without overlap scheduling", file=sys.stderr)
 
 
 def _eagle_options(

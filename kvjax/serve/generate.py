@@ -207,7 +207,7 @@ def generate(
     dcp_size`` of those devices, each request's KV striped over ``dcp_size`` (``tp_mesh``).
     ``draft``: decode speculatively with this STANDALONE draft model, or with the target's MTP
     layer (a ``NextNDraftModel``, ``resolve_draft``: EAGLE / NEXTN), ``speculative_num_steps``
-    tokens per round (``kvjax.serve.speculative``; needs ``overlap=False``). ``pp_size`` above 1:
+    tokens per round (``kvjax.serve.speculative``; rounds overlapped with ``overlap``). ``pp_size`` above 1:
     the layers split into that many pipeline stages of ``tp_size`` local devices each, two
     micro-batches a step (``kvjax.serve.pipeline_stepping``). ``on_step``: called after every
     step with every request (`StepCallback`; the command line streams text through it).
@@ -232,10 +232,6 @@ def generate(
             "several processes serve tensor parallel, DP attention and speculative decoding only for now: drop "
             "pp_size, dcp_size and the images"
         )
-    if draft is not None and overlap:  # the speculative scheduler's refusal, before anything is built
-        from kvjax.serve.speculative.draft_decoding import DraftDecoding
-
-        raise DraftDecoding.overlap_refusal(overlap)
     if images is not None:
         refused = draft is not None or pp_size > 1 or dcp_size > 1
         prompts = _expanded_prompts(prompts, image_encoder, refused)

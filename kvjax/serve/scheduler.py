@@ -79,6 +79,10 @@ request's token one step late. Consequences, and the rules that keep them exact:
   ``after_step``, caching a prefilled prompt, window freeing, the host tier's ``poll``) runs
   as without overlap, in the same order relative to the device steps.
 
+A proposer's speculative rounds overlap the same way, one round ahead
+(``kvjax.serve.speculative.overlap``): the launched round is ``inflight_round``, read by
+``resolve`` like a step, and live, resolved and retracted by the same rules.
+
 Tokens are the same with and without overlap. ``overlap=False`` runs each step to completion
 (dispatch, read the tokens, then process them) before forming the next.
 """
@@ -90,7 +94,7 @@ import dataclasses
 import operator
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -247,6 +251,8 @@ class Scheduler:
         self._running_cache: _RunningBatch | None = None
         self.step_page_table: np.ndarray | None = None  # the page table of the last step packed
         self._inflight: _Launched | None = None  # overlap: the launched step whose tokens are unread
+        # Overlap with a proposer: its launched round whose result is unread (``RoundInFlight``).
+        self.inflight_round: RoundInFlight | None = None
         # "previous tokens" of a first step (replicated over the mesh, as every step's tokens are)
         self.no_tokens = jax.device_put(
             np.zeros(self.max_batch_size, np.int32), None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -338,13 +344,14 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked or self._inflight is not None)
+        return not (self.waiting or self.running or self.chunked or self.in_flight)
 
     @property
     def in_flight(self) -> bool:
         """Whether a launched step's tokens are still unread (overlap scheduling: the next
-        ``step``, ``resolve`` or ``run`` reads them). Always False without overlap."""
-        return self._inflight is not None
+        ``step``, ``resolve`` or ``run`` reads them), or a proposer's round (``inflight_round``).
+        Always False without overlap."""
+        return self._inflight is not None or self.inflight_round is not None
 
     def live_requests(self) -> list[ServingReq]:
         """Every request that holds a row of the request table or a recurrent-state slot, each
@@ -354,7 +361,9 @@ class Scheduler:
         page-rounded, including a speculative step's slot until it is found finished: so
         ``available + evictable + protected + held == capacity`` after every step."""
         live: dict[int, ServingReq] = {}
-        inflight = self._inflight.reqs if self._inflight is not None else ()
+        inflight: tuple[ServingReq, ...] = tuple(self._inflight.reqs) if self._inflight is not None else ()
+        if self.inflight_round is not None:
+            inflight = (*inflight, *self.inflight_round.reqs)
         chunked = (self.chunked,) if self.chunked is not None else ()
         held = self.sessions.held_requests()
         for req in (*self.running, *self.waiting, *chunked, *inflight, *held):
@@ -406,10 +415,20 @@ class Scheduler:
 
     def resolve(self, done: list[ServingReq] | None = None) -> bool:
         """Overlap: read the in-flight step's tokens now and process them (finished requests are
-        appended to ``done`` and to ``finished``); False when no step is in flight."""
+        appended to ``done`` and to ``finished``); False when no step is in flight. A proposer's
+        round in flight (``inflight_round``) is read and settled the same way."""
         launched = self._inflight
         if launched is None:
-            return False
+            round_ = self.inflight_round
+            if round_ is None:
+                return False
+            self.inflight_round = None
+            finished_round: list[ServingReq] = [] if done is None else done
+            before_round = len(finished_round)
+            round_.resolve(finished_round)
+            if done is None:
+                self.finished.extend(finished_round[before_round:])
+            return True
         self._inflight = None
         finished: list[ServingReq] = [] if done is None else done
         before = len(finished)
@@ -840,7 +859,7 @@ class Scheduler:
 
     def retract(self, req: ServingReq) -> None:
         """Release a running request's KV and requeue it (with its output) at the front."""
-        if self._inflight is not None:  # its output and which requests continue must be known
+        if self._inflight is not None or self.inflight_round is not None:  # which requests continue must be known
             raise RuntimeError(f"retracting {req.rid!r} with a step in flight: resolve() first")
         for ext in self.extensions:
             ext.before_release(req, False)
@@ -1059,6 +1078,17 @@ class _FinishGroup:
             start = time.perf_counter()
             self._rows.free(self.freed_rows)
             self._stats.finish_seconds += time.perf_counter() - start
+
+
+class RoundInFlight(Protocol):
+    """Overlap with a proposer (``kvjax.serve.speculative.overlap``): a launched speculative round
+    whose result the host has not read. ``reqs``: its requests (live until it is read);
+    ``resolve(done)`` reads and settles it (finished requests appended to ``done``)."""
+
+    @property
+    def reqs(self) -> Sequence[ServingReq]: ...
+
+    def resolve(self, done: list[ServingReq]) -> None: ...
 
 
 @dataclasses.dataclass

@@ -193,8 +193,10 @@ def test_refusals_name_the_value():
     _, config, params = models()["target"]
     dspec, dconfig, dparams = models()["first-layer"]
     cache = spec_cache(dspec, page_size=1, pool=256)
-    with pytest.raises(ConfigError, match="overlap"):
-        speculative_scheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=K, overlap=True)
+    overlapped = speculative_scheduler(
+        config, cache, params, draft=dconfig, draft_params=dparams, num_steps=K, overlap=True
+    )
+    assert overlapped.overlap and _draft(overlapped).chains  # rounds overlap (test_speculative_overlap)
     with pytest.raises(ConfigError, match="speculative_num_steps"):
         speculative_scheduler(config, cache, params, draft=dconfig, draft_params=dparams, num_steps=0)
     with pytest.raises(ConfigError, match="layers"):

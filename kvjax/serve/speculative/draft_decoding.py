@@ -43,8 +43,14 @@ Recurrent-state targets (Qwen3-Next, Nemotron-H, with a full-attention draft): t
 rolled back by restoring it from before the round and replaying the kept tokens
 (``state_replay``), before any request of the round finishes.
 
-Not supported (refused when the scheduler is built, naming the value): overlap scheduling (off in this
-mode, as SGLang disables it for several speculative modes), a retraction backup (it would
+Overlap scheduling (``Scheduler(overlap=True)``): round ``N + 1`` is launched before the host reads
+round ``N`` (``overlap``: the first tokens and the offsets by round ``N``'s accepted counts stay on
+the device; each request in flight is allocated up to its host-known length plus ``2 (k + 1)``, and
+the rollback frees only what the round in flight cannot use). The host reads the round in flight
+first before admitting a prefill and before retracting; recurrent-state and sliding-window targets
+run their rounds without overlap (each read before the next).
+
+Not supported (refused when the scheduler is built, naming the value): a retraction backup (it would
 restore the target's KV only), the recurrent state's extra buffer, a draft whose vocabulary
 differs from the target's, and a cache planned for EAGLE / EAGLE3 / NEXTN (drafts that read the
 target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding`` serves EAGLE / NEXTN with
@@ -63,6 +69,7 @@ import numpy as np
 from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
+from kvjax.kinds.names import FULL, HOST_TIER, MLA, REQUEST_TABLE
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
@@ -71,6 +78,7 @@ from kvjax.serve.pool_fit import full_pool_tokens
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.acceptance import accepted_lengths, limit_accepted
+from kvjax.serve.speculative.overlap import chain_round_inputs, no_previous_round
 from kvjax.serve.speculative.proposer import draft_metadata
 from kvjax.serve.speculative.rollback import rejected_slots
 from kvjax.serve.speculative.state_replay import restore_states, snapshot_states
@@ -79,6 +87,9 @@ from kvjax.serve.speculative.verifier import verify_metadata
 from kvjax.spec import ModelSpec
 
 __all__ = ["DraftDecoding", "SpeculativeStats", "speculative_scheduler"]
+
+# The kinds whose caches chain rounds under overlap: no step inputs beyond the base metadata.
+_CHAINED_KINDS = frozenset({FULL, MLA, REQUEST_TABLE, HOST_TIER})
 
 
 @dataclasses.dataclass
@@ -90,7 +101,11 @@ class SpeculativeStats:
     rounds added to outputs; ``request_rounds``: requests summed over rounds; ``rolled_back_slots``:
     slots freed for rejected tokens; ``rollback_seconds``: host time spent choosing and freeing them;
     ``replayed_requests`` / ``replayed_tokens``: requests whose recurrent state was restored and
-    the tokens replayed for them (``state_replay``; zero without recurrent state).
+    the tokens replayed for them (``state_replay``; zero without recurrent state);
+    ``overlapped_rounds``: rounds launched before the host read the round before them, continuing
+    at least one request of it on the device (``overlap``); ``dropped_request_rounds``: requests'
+    rounds whose result was dropped because the round before finished the request (overlap; not
+    counted in ``request_rounds`` nor ``proposed_tokens``).
     """
 
     rounds: int = 0
@@ -102,6 +117,8 @@ class SpeculativeStats:
     rollback_seconds: float = 0.0
     replayed_requests: int = 0
     replayed_tokens: int = 0
+    overlapped_rounds: int = 0
+    dropped_request_rounds: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -127,6 +144,7 @@ def speculative_scheduler(
 ) -> Scheduler:
     """A ``Scheduler`` that decodes speculatively with a STANDALONE draft model (``DraftDecoding``).
 
+
     Args:
         spec: the target model (its spec or serving `ModelConfig`), as for `Scheduler`.
         cache: built with ``CacheConfig(speculative_algorithm="STANDALONE", ...)`` and
@@ -138,15 +156,14 @@ def speculative_scheduler(
             pool's layers, the target's vocabulary size).
         draft_params: the draft's weights.
         num_steps: ``k``, draft tokens proposed per request per round (>= 1).
-        overlap: must be False (speculative rounds run to completion before the next).
+        overlap: overlap scheduling of the rounds (``kvjax.serve.speculative.overlap``: round
+            ``N + 1`` launched before the host reads round ``N``); False runs each to completion.
         scheduler_args: ``max_batch_size``, ``chunked_prefill_size``, ``record_logits`` (the
             target's logits of every kept token), ``extensions``: as for `Scheduler`.
     """
     proposer = DraftDecoding(draft, draft_params, num_steps)
-    if overlap:
-        raise proposer.overlap_refusal(overlap)
     proposer.check_cache(spec, cache)
-    return Scheduler(as_model_config(spec), cache, params, overlap=False, proposer=proposer, **scheduler_args)
+    return Scheduler(as_model_config(spec), cache, params, overlap=overlap, proposer=proposer, **scheduler_args)
 
 
 class DraftDecoding:
@@ -169,14 +186,19 @@ class DraftDecoding:
         self.draft_params = draft_params
         self.stats = SpeculativeStats()
         self.replays_state = False  # the cache holds recurrent state (``check_scheduler`` says)
+        self.chains = False  # overlap: rounds chained on the device (``check_scheduler`` says)
+        self._alloc_end: dict[int, int] = {}  # overlap: allocated positions past the committed length
+        self._no_prev: tuple[Any, Any] | None = None
 
     @staticmethod
     def overlap_refusal(overlap: object) -> ConfigError:
+        """The refusal of overlap scheduling where speculative rounds are not overlapped in kvjax
+        (DP attention's lockstep rounds)."""
         return ConfigError(
             "overlap",
             overlap,
-            "speculative decoding runs without overlap scheduling in kvjax (SGLang also disables it for "
-            "several speculative modes); pass overlap=False (--disable-overlap-schedule)",
+            "speculative decoding under DP attention runs without overlap scheduling in kvjax; "
+            "pass overlap=False (--disable-overlap-schedule)",
         )
 
     def check_cache(self, spec: ModelSpec | ModelConfig, cache: KVCache) -> None:
@@ -231,8 +253,6 @@ class DraftDecoding:
         """The target's serving config, once ``scheduler`` is checked to decode speculatively
         (refusing by name overlap, a model of the caller's own, a cache that does not fit, state
         that cannot roll back and a retraction backup)."""
-        if scheduler.overlap:
-            raise self.overlap_refusal(scheduler.overlap)
         target_config = scheduler.model_config
         if target_config is None:
             raise ConfigError(
@@ -253,6 +273,13 @@ class DraftDecoding:
                 "speculative decoding of recurrent state does not track states at page boundaries in kvjax yet "
                 "(a round's tracked state may be of rejected tokens); turn the extra buffer off or use page_size 1",
             )
+        # Overlap: rounds are chained on the device only over full-attention metadata; recurrent
+        # state (the replay needs the accepted counts on the host) and sliding-window step inputs
+        # resolve the round before launching the next (``overlap``).
+        self.chains = (
+            scheduler.overlap and not self.replays_state and all(k.name in _CHAINED_KINDS for k in scheduler.kinds)
+        )
+        self._alloc_end = {}
         if any(isinstance(ext, RetractionBackupExtension) for ext in scheduler.extensions):
             raise ConfigError(
                 "disaggregation_decode_retraction_backup",
@@ -304,7 +331,20 @@ class DraftDecoding:
     # --- decode: one speculative round --------------------------------------------------------
 
     def decode(self, s: Scheduler, done: list[ServingReq]) -> None:
-        """One speculative round of every running request (module docstring)."""
+        """One speculative round of every running request (module docstring); with overlap,
+        launched before the round in flight is read (``overlap``)."""
+        if not s.overlap:
+            self._decode_round(s, done)
+            return
+        if s.in_flight and not self.chains:  # not chained: read what is in flight first (module docstring)
+            s.resolve(done)
+        if not self.chains:
+            self._decode_round(s, done)
+            return
+        self._decode_ahead(s, done)
+
+    def _decode_round(self, s: Scheduler, done: list[ServingReq]) -> None:
+        """One round of every running request, run to completion (no overlap)."""
         k, ps = self.num_steps, s.page_size
         width = k + 1
         while True:
@@ -440,3 +480,196 @@ class DraftDecoding:
                 else:
                     s.running.append(req)
         s.forget_running_arrays()
+
+    # --- overlap: rounds chained on the device (``overlap``) -----------------------------------
+
+    def allocated_len(self, req: ServingReq) -> int:
+        """Positions of ``req``'s request-table row that hold slots it owns: its committed length,
+        or (overlap) more, up to the reserve of the round in flight (``overlap``). The request holds
+        ``ceil(allocated_len / page_size)`` pages beyond its protected prefix."""
+        committed = req.kv_len()
+        return max(committed, getattr(self, "_alloc_end", {}).get(id(req), committed))
+
+    def _trim(self, s: Scheduler, req: ServingReq, need: int) -> None:
+        """Free ``req``'s slots in whole pages past position ``need`` (what the round in flight can
+        still use, or its committed length), inside the caller's free group."""
+        end = self._alloc_end.get(id(req))
+        if end is None:
+            return
+        ps = s.page_size
+        keep = -(-need // ps) * ps
+        if end > keep:
+            begin = time.perf_counter()
+            freed = np.asarray(s.rows.req_to_token[req.req_pool_idx, keep:end], np.int32)
+            s.alloc.free(freed)
+            self.stats.rolled_back_slots += int(freed.size)
+            self.stats.rollback_seconds += time.perf_counter() - begin
+            end = keep
+        if end <= req.kv_len():
+            del self._alloc_end[id(req)]  # nothing past the committed length: the plain accounting
+        else:
+            self._alloc_end[id(req)] = end
+
+    def _decode_ahead(self, s: Scheduler, done: list[ServingReq]) -> None:
+        """Overlap: launch the next round of the running requests before reading the round in
+        flight, then read and settle that one (``overlap`` module docstring). A request the round
+        in flight surely finishes (one token left) is left out; memory that eviction cannot give
+        resolves the round in flight first, then retracts (the plain loop's order)."""
+        k, ps = self.num_steps, s.page_size
+        width = k + 1
+        if s.in_flight and s.inflight_round is None:
+            s.resolve(done)  # a prefill's first tokens: a round continues rounds only
+        prev = s.inflight_round
+        assert prev is None or isinstance(prev, _Round)
+        while True:
+            if not s.running:
+                return
+            index: dict[int, int] = prev.index if prev is not None else {}
+            reqs = [r for r in s.running if not (id(r) in index and r.max_new_tokens - len(r.output_ids) <= 1)]
+            if not reqs:
+                s.resolve(done)
+                prev = None
+                continue
+            n = len(reqs)
+            kv_len = np.fromiter((r.kv_committed_len for r in reqs), np.int64, n)
+            have = np.fromiter((self.allocated_len(r) for r in reqs), np.int64, n)
+            in_prev = np.fromiter((id(r) in index for r in reqs), bool, n)
+            cap = np.fromiter((r.seqlen() - len(r.output_ids) + r.max_new_tokens - 1 + k for r in reqs), np.int64, n)
+            end = np.maximum(np.minimum(kv_len + np.where(in_prev, 2 * width, width), cap), have)
+            need = int(((end + ps - 1) // ps - (have + ps - 1) // ps).sum()) * ps
+            if s.make_room(need):
+                break
+            if prev is not None:  # which requests continue decides the retraction: read them first
+                s.resolve(done)
+                prev = None
+                continue
+            s.retract(s.running.pop(int(np.argmax([r.admitted_at for r in s.running]))))
+        for ext in s.extensions:
+            ext.before_decode(reqs)
+        rows = np.fromiter((r.req_pool_idx for r in reqs), np.int64, n)
+        table = s.rows.req_to_token
+        grow = np.flatnonzero(end > have)
+        if grow.size:
+            start_at, end_at = have[grow], end[grow]
+            flat = s.alloc.alloc_extend(start_at, end_at, table[rows[grow], start_at - 1])
+            if flat is None:  # make_room guaranteed the pages; this is a bookkeeping bug
+                raise RuntimeError(f"alloc_extend failed with {s.alloc.available_size()} free tokens for {need}")
+            flat = np.asarray(flat)
+            offsets = np.concatenate([[0], np.cumsum(end_at - start_at)])
+            for j, i in enumerate(grow.tolist()):
+                table[rows[i], start_at[j] : end_at[j]] = flat[offsets[j] : offsets[j + 1]]
+                self._alloc_end[id(reqs[i])] = int(end_at[j])
+
+        start = time.perf_counter()
+        S = s.max_batch_size
+        src = np.full(S, -1, np.int32)
+        src[:n] = [index.get(id(r), -1) for r in reqs]
+        room = np.zeros(S, np.int32)
+        room[:n] = [r.max_new_tokens - len(r.output_ids) - 1 for r in reqs]
+        host_first = np.zeros(S, np.int32)
+        host_first[:n] = [r.output_ids[-1] if src[i] < 0 else 0 for i, r in enumerate(reqs)]
+        slots = table[rows[:, None], kv_len[:, None] + np.arange(width)]
+        page_table = s.metadata.page_tables.build(rows, end, S)
+        draft_metas = draft_metadata(s.metadata, kv_len, rows, slots, width, page_table)
+        _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, S, page_table=page_table)
+        if prev is None:
+            if self._no_prev is None:
+                self._no_prev = no_previous_round(S, k)
+            prev_proposals, prev_greedy = self._no_prev
+        else:
+            prev_proposals, prev_greedy = prev.proposals, prev.greedy
+        packed = time.perf_counter()
+        pools = s.cache.apply_pending()  # recorded loads land before the round reads them
+        first, draft_metas, verify_meta = chain_round_inputs(
+            prev_proposals, prev_greedy, src, host_first, room, draft_metas, verify_meta, page_size=ps
+        )
+        out = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)
+        s.store_pools(out[0])
+        launched = _Round(self, s, reqs, out[1], out[2], out[3] if s.record_logits else None)
+        if s._copy_ahead:  # the result leaves the device as soon as the round ends
+            for array in (out[1], out[2]):
+                array.copy_to_host_async()
+        dispatched = time.perf_counter()
+        s.stats.pack_seconds += packed - start
+        s.stats.step_seconds += dispatched - packed
+        s.stats.decode_steps += 1
+        if (src >= 0).any():
+            self.stats.overlapped_rounds += 1
+        s.inflight_round = launched
+        s.forget_running_arrays()
+        if prev is not None:
+            self._settle_ahead(s, prev, done, launched)
+
+    def _settle_ahead(self, s: Scheduler, launched: _Round, done: list[ServingReq], after: _Round | None) -> None:
+        """Overlap: read round ``launched`` and settle it as ``_settle_round`` does (accept, cut,
+        finish), its requests starting at their host-known committed lengths. A request finished
+        by the round before was continued by this one on the device: its result is dropped. Each
+        request keeps the slots ``after`` (the round launched since, or None) can use, and only
+        those: ``L' + k + 1`` positions if ``after`` continues it, else its committed ``L'``; a
+        finished request's extra slots go back with it (one free group)."""
+        greedy, logits = s.read_arrays(launched.greedy, launched.logits)
+        reqs = launched.reqs
+        n = len(reqs)
+        proposals = np.asarray(launched.proposals)[:n]
+        greedy = greedy[:n]
+        k = self.num_steps
+        accepted = accepted_lengths(proposals, greedy)
+        sp, st = self.stats, s.stats
+        following = after.index if after is not None else {}
+        with s.finish_group() as freed_rows:
+            for i, req in enumerate(reqs):
+                if req.finished:
+                    sp.dropped_request_rounds += 1
+                    continue
+                room = req.max_new_tokens - len(req.output_ids)
+                kept = limit_accepted(greedy[i, : accepted[i] + 1], room, req.stop_token_ids)
+                sp.request_rounds += 1
+                sp.proposed_tokens += k
+                sp.accepted_tokens += int(accepted[i])
+                sp.round_tokens += len(kept)
+                st.generated_tokens += len(kept)
+                assert req.kv_committed_len is not None
+                new_len = req.kv_committed_len + len(kept)
+                req.kv_committed_len = new_len
+                req.output_ids.extend(kept)
+                if logits is not None:
+                    req.logits.extend(logits[i, : len(kept)])
+                if req.done:
+                    self._trim(s, req, new_len)
+                    self._alloc_end.pop(id(req), None)
+                    s.finish(req, done, freed_rows)
+                else:
+                    self._trim(s, req, new_len + k + 1 if id(req) in following else new_len)
+        sp.rounds += 1
+        s.running = [r for r in s.running if not r.finished]
+        s.forget_running_arrays()
+
+
+class _Round:
+    """Overlap: a launched round whose result the host has not read (the scheduler's
+    ``inflight_round``). ``reqs[i]``'s proposals and greedy tokens are row ``i`` of ``proposals``
+    (int32 ``[B, k]``) and ``greedy`` (int32 ``[S, k + 1]``), on the device; ``logits`` likewise,
+    with ``record_logits``; ``index``: row by request identity."""
+
+    __slots__ = ("greedy", "index", "logits", "proposals", "proposer", "reqs", "scheduler")
+
+    def __init__(
+        self,
+        proposer: DraftDecoding,
+        scheduler: Scheduler,
+        reqs: list[ServingReq],
+        proposals: Any,
+        greedy: Any,
+        logits: Any,
+    ) -> None:
+        self.proposer = proposer
+        self.scheduler = scheduler
+        self.reqs = reqs
+        self.proposals = proposals
+        self.greedy = greedy
+        self.logits = logits
+        self.index = {id(r): i for i, r in enumerate(reqs)}
+
+    def resolve(self, done: list[ServingReq]) -> None:
+        """Read and settle the round, nothing launched after it (``Scheduler.resolve``)."""
+        self.proposer._settle_ahead(self.scheduler, self, done, None)

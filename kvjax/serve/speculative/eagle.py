@@ -58,13 +58,12 @@ def eagle_scheduler(
 
     ``cache``: built with ``CacheConfig(speculative_algorithm="NEXTN", ...)`` (the draft pool holds
     the MTP layer, id ``num_hidden_layers``); ``draft_params``: ``nextn.nextn_params``;
-    ``num_steps``: ``k``; ``topk``: 1 (one chain). The rest as `speculative_scheduler`.
+    ``num_steps``: ``k``; ``topk``: 1 (one chain); ``overlap``: rounds overlapped (``overlap.py``).
+    The rest as `speculative_scheduler`.
     """
     proposer = EagleDecoding(draft_params, num_steps, topk=topk)
-    if overlap:
-        raise proposer.overlap_refusal(overlap)
     proposer.check_cache(spec, cache)
-    return Scheduler(as_model_config(spec), cache, params, overlap=False, proposer=proposer, **scheduler_args)
+    return Scheduler(as_model_config(spec), cache, params, overlap=overlap, proposer=proposer, **scheduler_args)
 
 
 class EagleDecoding(DraftDecoding):
@@ -93,6 +92,10 @@ class EagleDecoding(DraftDecoding):
         self.draft_config = None  # type: ignore[assignment]  # the draft is built from the target's config
         self.stats = SpeculativeStats()
         self.hidden: jax.Array | None = None
+        self.replays_state = False
+        self.chains = False  # overlap (``DraftDecoding.check_scheduler``)
+        self._alloc_end: dict[int, int] = {}
+        self._no_prev: tuple[Any, Any] | None = None
 
     def check_cache(self, spec: ModelSpec | ModelConfig, cache: KVCache) -> None:
         """``ConfigError`` naming what does not fit: a cache without the MTP layer's pool, a target
@@ -140,7 +143,8 @@ class EagleDecoding(DraftDecoding):
         prefill = make_eagle_prefill_step(target, with_logits=with_logits, mesh=mesh, pools=pools)
         round_step = make_eagle_round_step(target, with_logits=with_logits, mesh=mesh, pools=pools)
 
-        def step(pools: CachePools, params: Any, tokens: Any, meta: Any) -> tuple[Any, ...]:
+        def step(pools: CachePools, params: Any, tokens: Any, meta: Any, *overlap: Any) -> tuple[Any, ...]:
+            # ``overlap``: the plain overlap inputs, unread: a prefill's tokens all come from the host
             out = prefill(pools, self.hidden, params, self.draft_params, tokens, meta)
             self.hidden = out[1]
             return (out[0], *out[2:])

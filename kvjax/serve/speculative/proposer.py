@@ -29,7 +29,12 @@ __all__ = ["draft_metadata", "place_row_tokens", "propose"]
 
 
 def draft_metadata(
-    builder: MetadataBuilder, kv_len: np.ndarray, rows: np.ndarray, slots: np.ndarray, steps: int
+    builder: MetadataBuilder,
+    kv_len: np.ndarray,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    steps: int,
+    page_table: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """The ``steps`` decode steps' metadata, stacked on a leading axis (numpy; the steps' token
     bucket is ``positions.shape[1]``).
@@ -40,11 +45,21 @@ def draft_metadata(
         rows: int ``[n]``: request-table rows.
         slots: int ``[n, steps]``: the slots of positions ``L .. L + steps - 1``.
         steps: ``k + 1``.
+        page_table: int32 ``[max_seqs, pages_per_seq]``: the rows' table for every step, or None
+            (each step's built at its length). Overlap (``overlap``): the table of the rows'
+            allocated pages, so the device can move the round past the host-known lengths.
     """
     metas = []
     zeros = np.zeros(len(kv_len), np.int32)
     for j in range(steps):
-        _, meta = builder.build(tokens=zeros, starts=kv_len + j, slots=slots[:, j], rows=rows, seq_lens=kv_len + j + 1)
+        _, meta = builder.build(
+            tokens=zeros,
+            starts=kv_len + j,
+            slots=slots[:, j],
+            rows=rows,
+            seq_lens=kv_len + j + 1,
+            page_table=page_table,
+        )
         metas.append(meta)
     return jax.tree.map(lambda *leaves: np.stack(leaves), *metas)
 

@@ -56,7 +56,9 @@ def make_paired_prefill_step(
     (module docstring)."""
     jitted = _paired_prefill(target, draft, with_logits, *_layout(mesh, pools))
 
-    def step(pools: CachePools, params: Any, tokens: Any, meta: AttentionMetadata) -> tuple[Any, ...]:
+    def step(pools: CachePools, params: Any, tokens: Any, meta: AttentionMetadata, *overlap: Any) -> tuple[Any, ...]:
+        # ``overlap``: the plain overlap inputs (previous tokens, token sources); a prefill's tokens
+        # all come from the host (every source -1), so they are not read.
         return jitted(pools, params, draft_params, tokens, meta)
 
     return step

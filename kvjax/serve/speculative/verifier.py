@@ -32,6 +32,7 @@ def verify_metadata(
     slots: np.ndarray,
     max_seqs: int,
     parts: Sequence[MetadataPart | None] = (),
+    page_table: np.ndarray | None = None,
 ) -> tuple[int, AttentionMetadata]:
     """``(token bucket, metadata)`` of the verify forward (numpy).
 
@@ -43,11 +44,18 @@ def verify_metadata(
         max_seqs: the step's padded row count ``S``.
         parts: the serving extensions' parts for this batch (a sliding-window cache's
             ``SWAMetadata``), as a prefill chunk of ``k + 1`` tokens per row gets them.
+        page_table: the rows' table as ``proposer.draft_metadata`` takes it, or None (built here).
     """
     n, width = slots.shape
     dummy = [np.zeros(width, np.int32)] * n
     flat, meta = builder.build(
-        tokens=dummy, starts=kv_len, slots=slots.reshape(-1), rows=rows, seq_lens=kv_len + width, parts=parts
+        tokens=dummy,
+        starts=kv_len,
+        slots=slots.reshape(-1),
+        rows=rows,
+        seq_lens=kv_len + width,
+        parts=parts,
+        page_table=page_table,
     )
     every = np.zeros(max_seqs * width, np.int32)
     every[: n * width] = np.arange(n * width, dtype=np.int32)  # rows are uniform: row s starts at s * width
