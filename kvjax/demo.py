@@ -204,7 +204,8 @@ def demo_cache(
     spec = spec or ModelSpec.preset(DEMO_MODEL)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     tp_size = config_kwargs.get("tp_size", 1)
-    mesh = tp_mesh(tp_size, config_kwargs.get("dcp_size", 1)) if group is None else group_tp_mesh(tp_size)
+    dcp_size = config_kwargs.get("dcp_size", 1)
+    mesh = tp_mesh(tp_size, dcp_size) if group is None else group_tp_mesh(tp_size, dcp_size)
     return build_kv_cache(spec, demo_config(**config_kwargs), mesh=mesh, draft_spec=draft_spec)
 
 
@@ -341,10 +342,8 @@ def _dp_server(
     import jax
 
     tp, dp, dcp = config_kwargs.get("tp_size", 1), config_kwargs["dp_size"], config_kwargs.get("dcp_size", 1)
-    if group is not None and dcp > 1:
-        raise NotImplementedError("decode context parallelism under DP attention across processes is not built yet")
     local = jax.local_devices()
-    mesh = make_serving_mesh(tp, dp, True, devices=local, dcp_size=dcp) if group is None else group_dp_mesh(tp, dp)
+    mesh = make_serving_mesh(tp, dp, True, devices=local, dcp_size=dcp) if group is None else group_dp_mesh(tp, dp, dcp)
     config_kwargs.setdefault("context_length", demo_context_length(spec))
     config = demo_config(**config_kwargs, enable_dp_attention=True)
     return LockstepDPScheduler.build_lockstep(
@@ -415,15 +414,17 @@ def run_demo(
     except under DP attention, where ``overlap`` must then be False).
     ``group``: this process's part of a multi-process run (``kvjax.multihost``; the mesh spans
     every process; the same scheduler, or DP front, on every process; tensor parallel or DP
-    attention). ``pp_size`` above 1: every run over that many pipeline stages of ``tp_size`` local
-    devices each (``_pipeline_server``). ``kv_events``: a ``KVEventsConfig``: the warm run publishes
-    its trees' KV events (``serve``); the report counts them."""
+    attention, with decode context parallelism or without). ``pp_size`` above 1: every run over
+    that many pipeline stages of ``tp_size`` local devices each (``_pipeline_server``).
+    ``kv_events``: a ``KVEventsConfig``: the warm run publishes its trees' KV events (``serve``);
+    the report counts them."""
     workload = workload or Workload()
     if pp_size > 1 and (dp_size > 1 or group is not None):
         raise NotImplementedError("pipeline stages are served by one process without DP attention: drop dp_size")
-    if group is not None and (dcp_size > 1 or draft is not None):
+    if group is not None and draft is not None:
         raise NotImplementedError(
-            "several processes serve tensor parallel and DP attention only for now: drop dcp_size and the draft model"
+            "several processes serve tensor parallel, DP attention and decode context parallelism only for now: drop "
+            "the draft model"
         )
     # The cache every run and the up-front check share.
     cache: dict[str, Any] = dict(

@@ -586,6 +586,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "dcp", "standalone"): (
         "tests/mesh/test_dcp_speculative.py::test_llama_standalone_draft_at_tp2_dcp2_accepts_every_proposal"
     ),
+    ("full", "dcp", "processes"): (
+        "tests/mesh/test_multihost_dcp.py::test_generate_with_dcp_over_two_processes_gives_the_single_process_tokens"
+    ),
     (
         "full",
         "dcp",
@@ -698,7 +701,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dp", "pp"): refused(GAP_DP_PP),
     ("full", "dcp", "pp"): refused(GAP_DCP_PP),
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
-    ("full", "dcp", "processes"): refused(GAP_PROCESSES),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
@@ -728,7 +730,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("swa", "dcp", "retraction"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "overlap"): refused(GAP_SWA_DCP),
-    ("swa", "dcp", "processes"): refused(GAP_PROCESSES),
+    ("swa", "dcp", "processes"): refused(GAP_SWA_DCP),
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("swa", "pp", "eagle"): refused(GAP_EAGLE),
     ("swa", "pp", "storage"): refused(GAP_SWA_STORAGE),
@@ -753,7 +755,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
     ("mla", "dcp", "storage"): refused(GAP_DCP_STORAGE_MLA),
-    ("mla", "dcp", "processes"): refused(GAP_PROCESSES),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
@@ -784,7 +785,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("recurrent", "dcp", "retraction"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "overlap"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dcp", "processes"): refused(GAP_PROCESSES),
+    ("recurrent", "dcp", "processes"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP),

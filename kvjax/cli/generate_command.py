@@ -24,8 +24,9 @@ every process scheduling the same requests (process 0's, broadcast with the step
 at), so the tokens are those of one process. Process 0 prints the outputs as above; every other
 process prints one status line on standard error (its count of generated tokens and a digest of
 its outputs). A process that is lost, diverges or fails authentication is one ``error:`` line
-(exit status 1), as for ``demo``. Not across processes yet: ``--image``, ``--pp``, ``--dcp`` and
-speculative decoding (refused before jax starts).
+(exit status 1), as for ``demo``. ``--dcp`` divides the mesh spanning the processes
+(``group_tp_mesh``, ``group_dp_mesh``). Not across processes yet: ``--image`` and ``--pp``
+(refused before jax starts).
 
 Prefill/decode disaggregation (``--disaggregation-mode``; ``kvjax.cli.disaggregation_flags``):
 ``prefill`` takes no prompts and serves decode servers' until SIGINT or SIGTERM, after one line
@@ -354,12 +355,11 @@ def _check_across_processes(args: argparse.Namespace) -> None:
     refused = [
         *([f"--image {args.image[0]}"] if args.image else []),
         *([f"--pp {args.pp}"] if args.pp > 1 else []),
-        *([f"--dcp {args.dcp}"] if args.dcp > 1 else []),
     ]
     if refused:
         raise UsageError(
-            f"{refused[0]} across processes: several processes serve generate with --tp, --dp and speculative "
-            "decoding only for now; "
+            f"{refused[0]} across processes: several processes serve generate with --tp, --dp, --dcp and "
+            "speculative decoding only for now; "
             f"drop {refused[0].split()[0]}, or serve it in one process"
         )
 

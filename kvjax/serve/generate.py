@@ -222,15 +222,17 @@ def generate(
     device or a tp mesh, no draft model). ``group``: serve as one process of a multi-process run
     (module docstring): ``tp_size`` devices taken evenly from every process (``group_tp_mesh``),
     host-tier completions agreed, KV events published by process 0 only, ``on_step`` called on
-    process 0 only; a draft model's rounds run in step on every process like any other step; not
-    with pipeline stages, decode context parallelism or images (``NotImplementedError``). Returns the
+    process 0 only; a draft model's rounds run in step on every process like any other step;
+    with ``dcp_size`` the ``("tp", "dcp")`` mesh of those devices (``group_tp_mesh``: a
+    ``"dcp"`` row within one process when ``dcp_size`` divides a process's share); not with
+    pipeline stages or images (``NotImplementedError``). Returns the
     result and the scheduler (its cache, tree and stats) for
     inspection.
     """
-    if group is not None and (pp_size > 1 or dcp_size > 1 or images is not None):
+    if group is not None and (pp_size > 1 or images is not None):
         raise NotImplementedError(
-            "several processes serve tensor parallel, DP attention and speculative decoding only for now: drop "
-            "pp_size, dcp_size and the images"
+            "several processes serve tensor parallel, DP attention, decode context parallelism and speculative "
+            "decoding only for now: drop pp_size and the images"
         )
     if images is not None:
         refused = draft is not None or pp_size > 1 or dcp_size > 1
@@ -274,7 +276,7 @@ def generate(
             model.config, pipeline, model.params, micro_batches=micro, overlap=overlap, **options
         )
     else:
-        mesh = tp_mesh(tp_size, dcp_size) if group is None else _group_tp_mesh(tp_size)
+        mesh = tp_mesh(tp_size, dcp_size) if group is None else _group_tp_mesh(tp_size, dcp_size)
         cache = build_kv_cache(model.spec, config, mesh=mesh, draft_spec=_draft_spec(draft))
         if mm is not None:
             from kvjax.serve.kinds import default_extensions
@@ -381,7 +383,8 @@ def generate_dp(
     every process runs every rank's scheduler).
 
     ``dcp_size``: decode context parallelism dividing each rank's ``tp_size / dp_size`` devices (the
-    mesh ``("data", "tp", "dcp")``: each rank's KV striped over ``dcp_size`` of them; one process).
+    mesh ``("data", "tp", "dcp")``: each rank's KV striped over ``dcp_size`` of them; with ``group``
+    over every process's devices, ``group_dp_mesh``).
     ``draft`` / ``speculative_num_steps``: as ``generate``'s: every rank decodes speculatively
     (``kvjax.dp.speculative``: each rank's rounds and paired prefills in one DP program per kind of
     step; needs ``overlap=False``); the result's counters are summed over the ranks.
@@ -415,12 +418,10 @@ def generate_dp(
     ).replace(dp_size=dp_size, enable_dp_attention=True, **_speculative_config(draft, speculative_num_steps))
     if group is None:
         mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices(), dcp_size=dcp_size)
-    elif dcp_size > 1:
-        raise NotImplementedError("decode context parallelism under DP attention across processes is not built yet")
     else:
         from kvjax.serve.multihost.mesh import group_dp_mesh
 
-        mesh = group_dp_mesh(tp_size, dp_size)
+        mesh = group_dp_mesh(tp_size, dp_size, dcp_size)
     server = LockstepDPScheduler.build_lockstep(
         model.spec,
         config,
@@ -482,11 +483,11 @@ def _agree_on_requests(reqs: list[ServingReq], group: ProcessGroup | None) -> No
             )
 
 
-def _group_tp_mesh(tp_size: int) -> Any:
+def _group_tp_mesh(tp_size: int, dcp_size: int = 1) -> Any:
     """``group_tp_mesh`` (imported when a group serves)."""
     from kvjax.serve.multihost.mesh import group_tp_mesh
 
-    return group_tp_mesh(tp_size)
+    return group_tp_mesh(tp_size, dcp_size)
 
 
 def _front(server: Any, group: ProcessGroup | None) -> Any:

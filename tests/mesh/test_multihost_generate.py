@@ -125,7 +125,6 @@ def test_processes_given_different_prompts_stop_with_one_error_line_each():
     ("flags", "named"),
     [
         (["--pp", "2"], "--pp 2 across processes"),
-        (["--tp", "2", "--dcp", "2"], "--dcp 2 across processes"),
         (["--image", "missing.png"], "--image missing.png across processes"),
     ],
 )
@@ -133,4 +132,4 @@ def test_what_several_processes_do_not_serve_is_refused_before_jax(flags, named,
     group = ["--num-processes", "2", "--process-id", "0", "--coordinator", f"127.0.0.1:{free_port()}"]
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", *flags, *group]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and named in err and "--tp, --dp and speculative decoding only" in err, err
+    assert err.count("\n") == 1 and named in err and "--tp, --dp, --dcp and speculative decoding only" in err, err
