@@ -6,6 +6,7 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   rounds on a device pool small enough to retract (the retracted requests restored from their
   copies, not recomputed) and then served in batches that evict prefixes to the host and load them
   back (each shard's pages).
+  Overlap scheduling is on (the scheduler's default) throughout.
 * Qwen3-Next's gated delta net at tp 2 (head parallel, ``tests/mesh/qwen3_next_tp.py``) with the
   host tier: KV and state checkpoints evicted to the host and loaded back, requests retracted.
 """
@@ -53,7 +54,7 @@ def test_tp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tmp_path_fa
     )
     retraction = _extension(sched, RetractionBackupExtension).retraction  # type: ignore[attr-defined]
     host = _extension(sched, HostTierExtension)
-    assert retraction.mode == "cpu_tensor"
+    assert retraction.mode == "cpu_tensor" and sched.overlap
     done = serve_two_rounds(sched, MAX_NEW)
     assert sched.stats.retractions > 0 and retraction.restored > 0, "retracted requests should be restored"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)

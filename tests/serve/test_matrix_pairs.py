@@ -1,0 +1,96 @@
+"""Pairs (and triples) of the combination matrix (``tests/combinations.py``) served on one device
+with Transformers' greedy tokens and logits (1e-4), each feature asserted in effect, for full
+attention (the tiny parity Llama) and MLA (the tiny parity DeepSeek-V2's latent pool).
+
+The storage tier (``hicache_storage_backend='memory'``, behind a host tier too small to keep the
+prefixes), with the ``cpu_tensor`` retraction backup and overlap scheduling: the parity rounds
+first, on the same small pool (requests retracted and restored from their copies), then system
+prompts served one at a time, twice round, so that every second-round prefix was evicted from the
+device and the host and comes back from storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvjax.serve.host_tier import HostTierExtension
+from kvjax.serve.retraction_extension import RetractionBackupExtension
+from kvjax.serve.scheduler import Scheduler, ServingReq
+from tests.mesh.tp_serving import family_checkpoint
+from tests.serve.parity_harness import (
+    VOCAB,
+    assert_matches_transformers,
+    build_scheduler,
+    serve_two_rounds,
+)
+
+MAX_NEW = 4
+ATOL = 1e-4
+SYSTEMS = 6  # more system prompts than the host pool holds
+PROMPT_SEED = 11
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v2"])
+def family(request, tmp_path_factory) -> tuple[Any, Any]:
+    return family_checkpoint(request.param, tmp_path_factory)
+
+
+def _storage(model: Any, **config: Any) -> dict[str, Any]:
+    """A device pool of 48 tokens (pages of 4), a host pool of twice that, the storage tier."""
+    return dict(
+        page_size=4,
+        max_total_tokens=48,
+        max_running_requests=4,
+        enable_hierarchical_cache=True,
+        hicache_ratio=2.0,
+        hicache_storage_backend="memory",
+        hicache_storage_model_fingerprint=model.fingerprint,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_prefetch_threshold=8,
+        **config,
+    )
+
+
+def _twice_round(sched: Scheduler) -> dict[str, ServingReq]:
+    """``SYSTEMS`` 24-token system prompts, each with 3 question tokens, twice round, one request at a
+    time; returns them by name after checking every second-round prefix came back from storage."""
+    rng = np.random.default_rng(PROMPT_SEED)
+    systems = [[int(t) for t in rng.integers(0, VOCAB, 24)] for _ in range(SYSTEMS)]
+    done: dict[str, ServingReq] = {}
+    for rnd in range(2):
+        for i, system in enumerate(systems):
+            req = ServingReq(
+                f"s{rnd}-{i}", system + [int(t) for t in rng.integers(0, VOCAB, 3)], max_new_tokens=MAX_NEW
+            )
+            sched.run([req])
+            done[str(req.rid)] = req
+    host = _host(sched)
+    tree = sched.cache.tree_cache
+    tree.check_transfers(wait=True)
+    assert host.prefetched_tokens >= SYSTEMS * 24 and host.loaded_tokens > 0, "prefixes should come from storage"
+    assert all((done[f"s1-{i}"].first_cached_tokens or 0) >= 24 for i in range(SYSTEMS))
+    assert tree.storage.pending_prefetches == 0
+    assert sched.leak_free() and host.host_balanced()
+    tree.sanity_check()
+    return done
+
+
+def _host(sched: Scheduler) -> HostTierExtension:
+    [host] = [e for e in sched.extensions if isinstance(e, HostTierExtension)]
+    return host
+
+
+def test_storage_with_the_cpu_tensor_retraction_backup_under_overlap(family):
+    hf, model = family
+    sched = build_scheduler(model, **_storage(model, disaggregation_decode_retraction_backup="cpu_tensor"))
+    [backup] = [e for e in sched.extensions if type(e) is RetractionBackupExtension]
+    assert backup.retraction.mode == "cpu_tensor" and sched.overlap
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert sched.stats.retractions > 0 and backup.retraction.restored > 0, "retracted requests should be restored"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    done = _twice_round(sched)
+    assert backup.retraction.held == 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
