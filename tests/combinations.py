@@ -332,9 +332,9 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     stage[:] = ["CacheConfig"]
     config = _config(kind, features)
     stage[:] = ["the cache's build"]
-    # The command line turns overlap scheduling off for speculative decoding, with a note (the
-    # speculative scheduler refuses overlap=True).
-    overlap = "overlap" in features and not features & ONE_FLAG
+    # Speculative rounds overlap too (kvjax.serve.speculative.overlap); only DP attention's lockstep
+    # rounds run without it, a pair no cell holds with overlap.
+    overlap = "overlap" in features
     options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
     if config.pp_size > 1:
         from kvjax.serve.pipeline_cache import build_pipeline_cache
@@ -420,6 +420,8 @@ def _dropped(features: set[str], schedulers: list[Any]) -> str | None:
             return "dropped: no retraction backup is attached (retracted requests are recomputed)"
         if "overlap" in features and not scheduler.overlap:
             return "dropped: the scheduler runs without overlap"
+        if "overlap" in features and features & ONE_FLAG and not getattr(scheduler.proposer, "chains", False):
+            return "dropped: the speculative rounds run without overlap (each read before the next)"
     return None
 
 
@@ -450,9 +452,13 @@ GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_DCP_STORAGE_MLA = f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
-GAP_SPEC_OVERLAP = (
-    f"{GAP}: overlap scheduling with speculative decoding (SGLang's spec v2 overlaps; the command line turns it "
-    "off with a note, generate and the speculative scheduler refuse overlap=True)"
+GAP_SPEC_OVERLAP_SWA = (
+    f"{GAP}: speculative rounds chained on the device over sliding-window step inputs (SGLang's spec v2 overlaps; "
+    "kvjax reads each round of a hybrid sliding-window pool before launching the next)"
+)
+GAP_SPEC_OVERLAP_RECURRENT = (
+    f"{GAP}: speculative rounds of recurrent state overlapped (the state replay needs the accepted counts on the "
+    "host; kvjax reads each round before launching the next)"
 )
 GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
 GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
@@ -595,6 +601,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "overlap",
     ): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "pp", "overlap"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "standalone", "overlap"): (
+        "tests/serve/test_speculative_overlap.py::test_standalone_page_16_equals_transformers_and_the_run_without_overlap"
+    ),
     ("full", "standalone", "host"): (
         "tests/serve/test_speculative_parity.py::test_host_tier_loads_the_drafts_pages_with_the_targets"
     ),
@@ -653,6 +662,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ): "tests/serve/test_speculative_eagle.py::test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill",
     ("mla", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "tp", "eagle"): "tests/mesh/test_tp_eagle.py::test_tp2_page_16_reuse_multi_turn_chunked",
+    ("mla", "eagle", "overlap"): (
+        "tests/serve/test_speculative_overlap.py::test_eagle_page_16_equals_transformers_and_the_run_without_overlap"
+    ),
     ("mla", "dp", "eagle"): "tests/mesh/test_dp_speculative.py::test_eagle_mtp_layer_page_1_evicts_and_retracts",
     ("mla", "eagle", "host"): (
         "tests/serve/test_eagle_host_tier.py::test_the_mtp_layers_pool_goes_to_the_host_and_back_with_the_targets"
@@ -705,10 +717,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("full", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("full", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("full", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
@@ -739,7 +749,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("swa", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
+    ("swa", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_SWA),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
     ("swa", "eagle", "storage"): refused(GAP_EAGLE),
     ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -759,10 +769,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("mla", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("mla", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("mla", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_STORAGE),
@@ -796,11 +804,11 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_HOST),
-    ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP),
+    ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
     ("recurrent", "eagle", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("recurrent", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP),
+    ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
     ("recurrent", "host", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),
