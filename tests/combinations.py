@@ -510,6 +510,13 @@ def dropped(reason: str) -> Cell:
 
 #: The served cells and the test serving each end to end (both features on; a pair of one
 #: feature with itself is that feature alone).
+#: The cpu_tensor retraction backup with the host tier at tp 2 (Llama and DeepSeek-V2, overlap on).
+MATRIX_PAIRS_RETRACTION = "tests/mesh/test_matrix_pairs.py::test_tp2_cpu_tensor_retraction_backup_with_the_host_tier"
+#: The storage tier with the cpu_tensor retraction backup (Llama and DeepSeek-V2, overlap on).
+MATRIX_PAIRS_STORAGE = (
+    "tests/serve/test_matrix_pairs.py::test_storage_with_the_cpu_tensor_retraction_backup_under_overlap"
+)
+
 PROOFS: dict[tuple[str, str, str], str] = {
     # Full attention.
     ("full", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gqa_reuse_chunked_prefill_eviction_and_retraction",
@@ -624,6 +631,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "overlap", "processes"): (
         "tests/mesh/test_multihost_serving.py::test_demo_at_tp_8_over_two_processes_gives_the_single_process_tokens"
     ),
+    # The cpu_tensor retraction backup with the host tier at tp 2 (Llama).
+    **dict.fromkeys([("full", "tp", "retraction"), ("full", "host", "retraction")], MATRIX_PAIRS_RETRACTION),
+    ("full", "storage", "retraction"): MATRIX_PAIRS_STORAGE,
     # Sliding window (Gemma 3: sliding layers interleaved with full attention).
     ("swa", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "standalone", "standalone"): (
@@ -653,6 +663,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("swa", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "pp", "overlap"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
     ("swa", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
+    ("swa", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "overlap", "processes"): (
+        "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
+    ),
     # MLA (DeepSeek-V2's latent pool).
     ("mla", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_deepseek_v2_mla_latent_replicated_heads_split",
     (
@@ -682,6 +696,42 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("mla", "dcp", "overlap"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "dcp", "eagle"): "tests/mesh/test_dcp_speculative.py::test_deepseek_v2_mtp_layer_at_tp4_dcp2",
     ("mla", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload_sweep",
+    ("mla", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_reuse_chunked_prefill_eviction_and_retraction",
+    ("mla", "standalone", "standalone"): (
+        "tests/mesh/test_dp_speculative.py::test_standalone_mla_target_as_its_own_draft"
+    ),
+    # The cpu_tensor retraction backup with the host tier at tp 2, overlap on (DeepSeek-V2).
+    **dict.fromkeys(
+        [
+            ("mla", "retraction", "retraction"),
+            ("mla", "tp", "host"),
+            ("mla", "tp", "retraction"),
+            ("mla", "host", "retraction"),
+            ("mla", "retraction", "overlap"),
+        ],
+        MATRIX_PAIRS_RETRACTION,
+    ),
+    # The storage tier behind the host tier with the cpu_tensor retraction backup, overlap on (DeepSeek-V2).
+    **dict.fromkeys(
+        [
+            ("mla", "storage", "storage"),
+            ("mla", "host", "storage"),
+            ("mla", "storage", "retraction"),
+            ("mla", "storage", "overlap"),
+        ],
+        MATRIX_PAIRS_STORAGE,
+    ),
+    # DeepSeek-V3 (MLA, its MTP layer drafting): dp 2 x tp 4 over two processes with the host tier.
+    **dict.fromkeys(
+        [
+            ("mla", "processes", "processes"),
+            ("mla", "dp", "host"),
+            ("mla", "dp", "processes"),
+            ("mla", "host", "processes"),
+        ],
+        "tests/mesh/test_deepseek_v3_composition.py::"
+        "test_dp_2_tp_4_over_two_processes_with_mtp_and_the_host_tier_under_pressure",
+    ),
     # Recurrent state (Qwen3-Next: gated delta net layers and a full-attention layer).
     ("recurrent", "tp", "tp"): (
         "tests/mesh/test_tp_parity_qwen3_next.py::test_head_parallel_gated_delta_net_reuse_eviction_and_retraction"
@@ -705,6 +755,12 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("recurrent", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
     ("recurrent", "dp", "processes"): (
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers"
+    ),
+    ("recurrent", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "tp", "host"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_tp2_with_the_host_tier",
+    **dict.fromkeys(
+        [("recurrent", "processes", "processes"), ("recurrent", "overlap", "processes")],
+        "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers",
     ),
 }
 
