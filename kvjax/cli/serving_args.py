@@ -294,9 +294,4 @@ def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
             "--dp or --pp"
         )
     check_dcp_sizes(args.dcp, args.tp, True, args.dp)
-    if args.dcp > 1 and args.enable_hierarchical_cache:
-        raise UsageError(
-            f"--dp {args.dp} with --dcp {args.dcp} and --enable-hierarchical-cache: a host tier per DP rank over pools "
-            "striped over DCP ranks is not built in kvjax yet; drop --enable-hierarchical-cache, --dcp or --dp"
-        )
     return {"enable_dp_attention": True}

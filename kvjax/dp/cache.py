@@ -36,7 +36,10 @@ Under decode context parallelism (``dcp_size > 1``, DCP dividing each rank's att
 ``kvjax.plan.dcp``) the mesh is ``("data", "tp", "dcp")`` and each rank's slice is the pool
 ``build_kv_cache`` builds over the rank's ``("tp", "dcp")`` group: page rows striped over
 ``"dcp"`` (``kvjax.alloc.dcp``), KV heads over ``"tp"``; each rank's allocator and tree use the
-striped page (``page_size * dcp_size``). Not with a host pool yet (``NotImplementedError``).
+striped page (``page_size * dcp_size``). A rank's host pool (the host tier, or the ``host_pool``
+retraction backup) is the one ``build_kv_cache`` builds over the rank's group: the host page is the
+striped page, every ``"dcp"`` rank's rows once, rank-major (``kvjax.tiers.head_shards``), and the
+rank's ``RankPageTransferEngine`` moves each device's rows of the rank's slice in place.
 
 Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_shape`` is the
 shape ``build_kv_cache`` gives that array over the rank's ``("tp",)`` (or ``("tp", "dcp")``) mesh;
@@ -395,17 +398,10 @@ def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], conf
     """Before anything is allocated: the host tier (or the ``host_pool`` retraction backup) is
     built per rank only over the device pool the default engine copies (MHA, MLA: a kind with
     its own engine, the sliding-window pair, is refused), and every rank's host pool together
-    must fit the host's memory (SGLang's check, on ``dp_size`` host pools). Not with decode
-    context parallelism yet (the ranks' transfer engines copy unstriped slices)."""
+    must fit the host's memory (SGLang's check, on ``dp_size`` host pools)."""
     host_bytes = sum(p.nbytes for p in plan.pools if p.kind == HOST_TIER_POOL.name)
     if not host_bytes:
         return
-    if config.dcp_enabled:
-        raise NotImplementedError(
-            f"kvjax cannot build the host tier (or the host_pool retraction backup) under DP attention with "
-            f"dcp_size={config.dcp_size} yet (each rank's host transfers copy unstriped pages); build without it "
-            "(decode_retraction_backup='cpu_tensor'), with dcp_size=1, or with build_kv_cache (one rank)"
-        )
     check_host_tier_buildable(plan)
     check_draft_host_tier_buildable(plan)
     own = [kind.name for kind in kinds if POOL_BUILDERS[kind.name].transfer_engine is not None]

@@ -44,9 +44,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.build import KV_HEAD_MESH_AXIS
 from kvjax.device_updates import PendingDeviceUpdates
-from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding, rank_devices
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding, rank_devices, rank_mesh
 from kvjax.errors import InvalidSlotError
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.head_shards import ROW_AXIS, HeadShards
@@ -149,8 +148,9 @@ class _RankPages:
         self.dtype = stacked.dtype
         devices = rank_devices(self.mesh, rank)
         self.devices = set(devices.tolist())
-        # The rank's arrays laid out over its own devices, as one rank's pool is over a ("tp",) mesh.
-        self.rank_sharding = NamedSharding(Mesh(devices, (KV_HEAD_MESH_AXIS,)), P(*self.specs[0][1:]))
+        # The rank's arrays laid out over its own devices, as one rank's pool is over a ("tp",) mesh
+        # (("tp", "dcp") under decode context parallelism: its page rows striped over "dcp").
+        self.rank_sharding = NamedSharding(rank_mesh(self.mesh, rank), P(*self.specs[0][1:]))
 
     def rows(self, pages: np.ndarray) -> tuple[np.ndarray, int]:
         """``[dp, bucket]`` page ids: the rank's row ``pages`` padded with the trash page, the
