@@ -9,20 +9,35 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   Overlap scheduling is on (the scheduler's default) throughout.
 * Qwen3-Next's gated delta net at tp 2 (head parallel, ``tests/mesh/qwen3_next_tp.py``) with the
   host tier: KV and state checkpoints evicted to the host and loaded back, requests retracted.
+* EAGLE at tp 2: Qwen3-Next's MTP layer (``tests/serve/test_qwen3_next_mtp.py``'s checkpoint) on a
+  pool small enough to evict and retract (the recurrent state replayed); Llama's EAGLE head
+  (``tests/serve/test_eagle_head.py``'s) with the host tier, the head's pool loaded back from the
+  host with the target's, slot for slot.
 """
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
+import jax
 import pytest
 
+from kvjax import build_kv_cache
+from kvjax.serve.checkpoint import load_checkpoint
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler
+from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
+from kvjax.serve.speculative.nextn import load_nextn_draft
+from kvjax.transfers.transfer import PageTransferEngine
 from tests.mesh.qwen3_next_tp import qwen3_next_checkpoint
 from tests.mesh.tp_serving import assert_sharded, family_checkpoint, mesh_of
 from tests.serve.parity_harness import (
+    CHUNK,
     assert_matches_transformers,
     build_scheduler,
+    parity_cache_config,
     serve_batches_through_the_host,
     serve_recurrent,
     serve_two_rounds,
@@ -91,3 +106,92 @@ def test_qwen3_next_tp2_with_the_host_tier(tmp_path_factory):
     assert_sharded(sched, TP)
     assert all(a.sharding.spec[2] == "tp" for a in (*sched.cache.pools.recurrent.conv, sched.cache.pools.recurrent.ssm))
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def _eagle(model: Any, draft_params: Any, **config: Any) -> Scheduler:
+    """An EAGLE scheduler over a tp 2 mesh (``config``: the other ``CacheConfig`` fields), its
+    weights and the draft's split over the ranks."""
+    from tests.serve.test_eagle_head import K
+
+    cache = build_kv_cache(
+        model.spec,
+        parity_cache_config(
+            page_size=1,
+            max_running_requests=8,
+            tp_size=TP,
+            speculative_num_steps=K,
+            speculative_num_draft_tokens=K + 1,
+            **config,
+        ),
+        mesh=mesh_of(TP),
+    )
+    sched = eagle_scheduler(
+        model.config,
+        cache,
+        model.params,
+        draft_params=draft_params,
+        num_steps=K,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+    )
+    assert isinstance(sched.proposer, EagleDecoding)
+    assert_sharded(sched, TP)
+    draft_weights = jax.tree.leaves(sched.proposer.draft_params)
+    assert any(not a.sharding.is_fully_replicated for a in draft_weights), "the draft's heads should be split"
+    return sched
+
+
+def test_qwen3_next_mtp_layer_at_tp2_evicts_retracts_and_replays(tmp_path_factory):
+    from kvjax.serve.speculative.nextn import nextn_params
+    from tests.serve.test_qwen3_next_mtp import LOGIT_ATOL, _checkpoints
+
+    hf, _, directory = _checkpoints(str(tmp_path_factory.mktemp("qwen3_next_mtp")))
+    model = load_checkpoint(directory)
+    draft = nextn_params(model.config, model.params, directory)
+    sched = _eagle(model, draft, max_total_tokens=64, speculative_algorithm="NEXTN")
+    done = serve_two_rounds(sched, MAX_NEW)
+    tree = sched.cache.tree_cache
+    tree.sanity_check()
+    table = sched.cache.req_to_token_pool
+    held = tree.mamba_evictable_size() + tree.mamba_protected_size()  # type: ignore[attr-defined]
+    assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
+    stats = sched.proposer.stats  # type: ignore[union-attr]
+    assert stats.proposed_tokens > 0 and stats.replayed_requests > 0, stats
+    assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0 and sched.stats.cached_tokens > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_llama_eagle_head_at_tp2_with_the_host_tier(tmp_path_factory, monkeypatch):
+    from tests.serve.test_eagle_head import LOGIT_ATOL, _checkpoints
+
+    loaded: collections.Counter[str] = collections.Counter()  # slots loaded back, by pool
+    start_load = PageTransferEngine.start_load
+
+    def counting(engine: Any, host_slots: Any, device_slots: Any) -> Any:
+        loaded[str(engine.pool_name)] += len(device_slots)
+        return start_load(engine, host_slots, device_slots)
+
+    monkeypatch.setattr(PageTransferEngine, "start_load", counting)
+    hf, target_dir, head_dir = _checkpoints(str(tmp_path_factory.mktemp("eagle_head")))
+    model = load_checkpoint(target_dir)
+    draft = load_nextn_draft(head_dir, model)
+    sched = _eagle(
+        model,
+        draft.params,
+        max_total_tokens=64,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+        speculative_algorithm="EAGLE",
+    )
+    assert sched.cache.draft_host_pool is not None
+    done = serve_batches_through_the_host(sched, MAX_NEW)
+    tree = sched.cache.tree_cache
+    tree.check_transfers(wait=True)
+    host = _extension(sched, HostTierExtension)
+    assert host.loaded_tokens > 0, "a prefix should come back from the host"  # type: ignore[attr-defined]
+    assert loaded["kv_draft"] > 0 and len(loaded) == 2 and len(set(loaded.values())) == 1, loaded
+    assert sched.proposer.stats.proposed_tokens > 0  # type: ignore[union-attr]
+    assert sched.leak_free() and host.host_balanced()  # type: ignore[attr-defined]
+    tree.sanity_check()
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
