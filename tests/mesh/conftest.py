@@ -31,6 +31,9 @@ HEAVIEST_FIRST = (
     "test_tp_speculative_swa.py",  # 80
     "test_multihost_speculative.py",  # 60
     "test_dp_speculative.py",  # 35
+    "test_dcp_speculative.py",  # 45
+    "test_multihost_dcp.py",  # 45
+    "test_dp_dcp_host_tier.py",  # 25
     "test_multihost_storage.py",  # 35
     "test_deepseek_v3_composition.py",  # 35
     "test_pp_tiers.py",  # 30
