@@ -634,6 +634,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     # The cpu_tensor retraction backup with the host tier at tp 2 (Llama).
     **dict.fromkeys([("full", "tp", "retraction"), ("full", "host", "retraction")], MATRIX_PAIRS_RETRACTION),
     ("full", "storage", "retraction"): MATRIX_PAIRS_STORAGE,
+    # Llama's EAGLE head at tp 2 with the host tier.
+    **dict.fromkeys(
+        [("full", "tp", "eagle"), ("full", "eagle", "host")],
+        "tests/mesh/test_matrix_pairs.py::test_llama_eagle_head_at_tp2_with_the_host_tier",
+    ),
     # Sliding window (Gemma 3: sliding layers interleaved with full attention).
     ("swa", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "standalone", "standalone"): (
@@ -758,6 +763,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("recurrent", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
     ("recurrent", "tp", "host"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_tp2_with_the_host_tier",
+    ("recurrent", "tp", "eagle"): (
+        "tests/mesh/test_matrix_pairs.py::test_qwen3_next_mtp_layer_at_tp2_evicts_retracts_and_replays"
+    ),
     **dict.fromkeys(
         [("recurrent", "processes", "processes"), ("recurrent", "overlap", "processes")],
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers",
