@@ -195,3 +195,68 @@ def test_llama_eagle_head_at_tp2_with_the_host_tier(tmp_path_factory, monkeypatc
     assert sched.leak_free() and host.host_balanced()  # type: ignore[attr-defined]
     tree.sanity_check()
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_deepseek_v2_standalone_at_tp2_with_the_host_tier(tmp_path_factory, monkeypatch):
+    from kvjax.serve.generate import scheduler_for
+    from kvjax.serve.speculative import DraftDecoding
+    from tests.serve.test_eagle_head import K
+
+    loaded: collections.Counter[str] = collections.Counter()  # slots loaded back, by pool
+    start_load = PageTransferEngine.start_load
+
+    def counting(engine: Any, host_slots: Any, device_slots: Any) -> Any:
+        loaded[str(engine.pool_name)] += len(device_slots)
+        return start_load(engine, host_slots, device_slots)
+
+    monkeypatch.setattr(PageTransferEngine, "start_load", counting)
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    cache = build_kv_cache(
+        model.spec,
+        parity_cache_config(
+            page_size=1,
+            max_total_tokens=64,
+            max_running_requests=8,
+            tp_size=TP,
+            enable_hierarchical_cache=True,
+            hicache_ratio=8.0,
+            speculative_algorithm="STANDALONE",
+            speculative_num_steps=K,
+            speculative_num_draft_tokens=K + 1,
+        ),
+        draft_spec=model.spec,
+        mesh=mesh_of(TP),
+    )
+    sched = scheduler_for(
+        model, cache, draft=model, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
+    )
+    assert isinstance(sched.proposer, DraftDecoding) and sched.cache.draft_host_pool is not None
+    assert_sharded(sched, TP)
+    done = serve_batches_through_the_host(sched, MAX_NEW)
+    tree = sched.cache.tree_cache
+    tree.check_transfers(wait=True)
+    host = _extension(sched, HostTierExtension)
+    assert host.loaded_tokens > 0, "a prefix should come back from the host"  # type: ignore[attr-defined]
+    assert loaded["kv_draft"] > 0 and len(loaded) == 2 and len(set(loaded.values())) == 1, loaded
+    stats = sched.proposer.stats
+    assert stats.proposed_tokens > 0 and stats.acceptance_rate == 1.0, "a draft page did not follow the target's"
+    assert sched.leak_free() and host.host_balanced()  # type: ignore[attr-defined]
+    tree.sanity_check()
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank(tmp_path_factory):
+    from tests.mesh.dp_balance import BalancedFront
+    from tests.mesh.test_dp_parity import DP, _front
+
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    front = _front(model, "cache_aware", disaggregation_decode_retraction_backup="cpu_tensor")
+    done = serve_two_rounds(BalancedFront(front), MAX_NEW)  # type: ignore[arg-type]
+    backups = [_extension(s, RetractionBackupExtension).retraction for s in front.schedulers]  # type: ignore[attr-defined]
+    assert all(b.mode == "cpu_tensor" for b in backups)
+    assert sum(s.stats.retractions for s in front.schedulers) > 0
+    assert sum(b.restored for b in backups) > 0, "a re-admitted request should be restored"
+    assert all(b.held == 0 for b in backups)
+    assert [s.leak_free() for s in front.schedulers] == [True] * DP
+    assert sorted(set(front.rank_of.values())) == [0, 1]
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
