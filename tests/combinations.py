@@ -611,6 +611,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "standalone", "overlap"): (
         "tests/serve/test_speculative_overlap.py::test_standalone_page_16_equals_transformers_and_the_run_without_overlap"
     ),
+    ("full", "eagle", "overlap"): (
+        "tests/serve/test_speculative_overlap.py::test_llama_eagle_head_page_1_evicts_and_retracts"
+    ),
     ("full", "standalone", "host"): (
         "tests/serve/test_speculative_parity.py::test_host_tier_loads_the_drafts_pages_with_the_targets"
     ),
@@ -725,6 +728,14 @@ PROOFS: dict[tuple[str, str, str], str] = {
             ("mla", "storage", "overlap"),
         ],
         MATRIX_PAIRS_STORAGE,
+    ),
+    # DeepSeek-V2 as its own STANDALONE draft at tp 2 with the host tier.
+    **dict.fromkeys(
+        [("mla", "tp", "standalone"), ("mla", "standalone", "host")],
+        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_standalone_at_tp2_with_the_host_tier",
+    ),
+    ("mla", "dp", "retraction"): (
+        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank"
     ),
     # DeepSeek-V3 (MLA, its MTP layer drafting): dp 2 x tp 4 over two processes with the host tier.
     **dict.fromkeys(

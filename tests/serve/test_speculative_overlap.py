@@ -4,7 +4,8 @@ Transformers and against the same run without overlap.
 Two targets, as in ``test_speculative_parity`` and ``test_speculative_eagle``: a tiny Llama with a
 STANDALONE draft (one layer with the target's embedding, first layer and head: it agrees part of
 the time, so acceptance varies per request and per round) and the tiny DeepSeek-V2 with a random
-MTP layer (EAGLE / NEXTN). Each is served with overlap on through the two rounds of
+MTP layer (EAGLE / NEXTN); and a tiny Llama with a random EAGLE head (``test_eagle_head``), at page
+size 1 under eviction and retraction. Each is served with overlap on through the two rounds of
 ``parity_harness`` (prefix reuse, a multi-turn chat, chunked prefill) at page size 16, and at page
 size 1 with a pool small enough to evict and retract; then requests with stop tokens met inside a
 round. After every step the token accounting holds with each request's allocated length (the
@@ -26,7 +27,7 @@ from kvjax.serve.checkpoint import LoadedModel, load_checkpoint
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative import DraftDecoding, speculative_scheduler
 from kvjax.serve.speculative.eagle import eagle_scheduler
-from kvjax.serve.speculative.nextn import nextn_params
+from kvjax.serve.speculative.nextn import NextNDraftModel, load_nextn_draft, nextn_params
 from tests.serve.parity_harness import (
     CHUNK,
     CONTEXT_LENGTH,
@@ -40,6 +41,7 @@ from tests.serve.parity_harness import (
     transformers,
 )
 from tests.serve.random_workloads import TINY_LAYER_SIZES
+from tests.serve.test_eagle_head import _checkpoints as eagle_head_checkpoints
 from tests.serve.test_speculative_eagle import _checkpoints, nextn_config
 from tests.serve.test_speculative_parity import FAMILIES, _first_layer_draft
 
@@ -223,6 +225,45 @@ def test_eagle_page_1_evicts_and_retracts(deepseek):
     hf, directory = deepseek
     sched = _eagle(directory, page_size=1, pool=64, overlap=True)
     done = serve_two_rounds(sched, MAX_NEW)
+    assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
+    assert _proposer(sched).stats.overlapped_rounds > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+# --- Llama with an EAGLE head -------------------------------------------------------------------------
+
+
+def test_llama_eagle_head_page_1_evicts_and_retracts(tmp_path_factory):
+    hf, target_dir, head_dir = eagle_head_checkpoints(str(tmp_path_factory.mktemp("eagle_head_overlap")))
+    model = load_checkpoint(target_dir)
+    draft = load_nextn_draft(head_dir, model)
+    assert isinstance(draft, NextNDraftModel) and draft.algorithm == "EAGLE"
+    cache = build_kv_cache(
+        model.spec,
+        CacheConfig(
+            context_length=CONTEXT_LENGTH,
+            chunked_prefill_size=CHUNK,
+            page_size=1,
+            max_total_tokens=64,
+            max_running_requests=8,
+            speculative_algorithm="EAGLE",
+            speculative_num_steps=K,
+            speculative_num_draft_tokens=K + 1,
+        ),
+    )
+    sched = eagle_scheduler(
+        model.config,
+        cache,
+        model.params,
+        draft_params=draft.params,
+        num_steps=K,
+        overlap=True,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+    )
+    done = serve_two_rounds(checked(sched), MAX_NEW)
+    sched.cache.tree_cache.sanity_check()
     assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
     assert _proposer(sched).stats.overlapped_rounds > 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
