@@ -34,6 +34,7 @@ HEAVIEST_FIRST = (
     "test_dcp_speculative.py",  # 45
     "test_multihost_dcp.py",  # 45
     "test_dp_dcp_host_tier.py",  # 25
+    "test_tp_speculative_overlap.py",  # 24
     "test_multihost_storage.py",  # 35
     "test_deepseek_v3_composition.py",  # 35
     "test_pp_tiers.py",  # 30
