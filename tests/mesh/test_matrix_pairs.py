@@ -18,6 +18,8 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
 from __future__ import annotations
 
 import collections
+import json
+import sys
 from typing import Any
 
 import jax
@@ -260,3 +262,66 @@ def test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank(tmp_path_factory):
     assert [s.leak_free() for s in front.schedulers] == [True] * DP
     assert sorted(set(front.rank_of.values())) == [0, 1]
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the cpu_tensor copy of a retracted request's pages (retraction_extension._page_copy, "
+    "transfers.transfer.pages_to_numpy) fetches the whole pool array, which spans the other process's "
+    "devices: RuntimeError at the first retraction",
+)
+def test_llama_cpu_tensor_retraction_backup_over_two_processes(tmp_path_factory):
+    from tests.mesh.multihost_group import assert_all_ok, finished_requests, run_group
+    from tests.mesh.tp_serving import family_config
+    from tests.serve.parity_harness import saved_transformers_model
+
+    hf, directory = saved_transformers_model(family_config("llama"), tmp_path_factory, "llama")
+    reports = assert_all_ok(run_group(["-m", "tests.mesh.test_matrix_pairs", str(directory)], devices=1, timeout=300))
+    assert reports[0]["outputs"] == reports[1]["outputs"]
+    for r in reports:
+        assert r["leak_free"] and r["digest_checks"] > 0 and r["overlap"], r
+        assert r["retractions"] > 0 and r["restored"] > 0 and r["held"] == 0, r
+    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
+
+
+def _serve_over_processes(directory: str) -> dict[str, Any]:
+    from tests.mesh.multihost_group import join_and_load, request_records
+
+    group, model = join_and_load(directory)
+    from kvjax.serve.multihost.front import MultiProcessFront
+    from kvjax.serve.multihost.mesh import group_tp_mesh
+
+    config = parity_cache_config(
+        tp_size=TP,
+        page_size=1,
+        max_total_tokens=48,
+        max_running_requests=8,
+        disaggregation_decode_retraction_backup="cpu_tensor",
+    )
+    cache = build_kv_cache(model.spec, config, mesh=group_tp_mesh(TP))
+    sched = Scheduler(
+        model.config,
+        cache,
+        model.params,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        agreement=group.agreement(),
+    )
+    front = MultiProcessFront(sched, group.channel, check_agreement=True)
+    serve_two_rounds(front, MAX_NEW)  # type: ignore[arg-type]  # a front serves like a scheduler
+    retraction = _extension(sched, RetractionBackupExtension).retraction  # type: ignore[attr-defined]
+    return {
+        "outputs": {str(r.rid): list(r.output_ids) for r in front.finished},
+        "requests": request_records(front.finished),
+        "leak_free": front.leak_free(),
+        "digest_checks": front.digest_checks,
+        "overlap": sched.overlap,
+        "retractions": sched.stats.retractions,
+        "restored": retraction.restored,
+        "held": retraction.held,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(_serve_over_processes(sys.argv[1])))
