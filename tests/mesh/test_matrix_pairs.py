@@ -7,6 +7,8 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   copies, not recomputed) and then served in batches that evict prefixes to the host and load them
   back (each shard's pages).
   Overlap scheduling is on (the scheduler's default) throughout.
+* The same over DCP (the pages striped over the DCP ranks): Llama at tp 2 x dcp 2, DeepSeek-V2's
+  latent pool at tp 4 x dcp 2.
 * Qwen3-Next's gated delta net at tp 2 (head parallel, ``tests/mesh/qwen3_next_tp.py``) with the
   host tier: KV and state checkpoints evicted to the host and loaded back, requests retracted.
 * EAGLE at tp 2: Qwen3-Next's MTP layer (``tests/serve/test_qwen3_next_mtp.py``'s checkpoint) on a
@@ -55,19 +57,19 @@ def _extension(sched: Scheduler, cls: type) -> object:
     return ext
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
-def test_tp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tmp_path_factory):
+def _retraction_backup_with_the_host_tier(family: str, tmp_path_factory: Any, **mesh: Any) -> None:
+    """The parity rounds on a 48-token pool (retracted requests restored from their cpu_tensor
+    copies), then the rounds through the host tier, over ``mesh`` (a mesh and its sizes)."""
     hf, model = family_checkpoint(family, tmp_path_factory)
     sched = build_scheduler(
         model,
-        mesh=mesh_of(TP),
-        tp_size=TP,
         page_size=1,
         max_total_tokens=48,  # small enough that retracted requests come back before their prefix is in the tree
         max_running_requests=8,
         enable_hierarchical_cache=True,
         hicache_ratio=8.0,
         disaggregation_decode_retraction_backup="cpu_tensor",
+        **mesh,
     )
     retraction = _extension(sched, RetractionBackupExtension).retraction  # type: ignore[attr-defined]
     host = _extension(sched, HostTierExtension)
@@ -82,8 +84,27 @@ def test_tp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tmp_path_fa
     assert sched.stats.evicted_tokens > 0
     assert sched.leak_free() and host.host_balanced() and retraction.held == 0  # type: ignore[attr-defined]
     tree.sanity_check()
-    assert_sharded(sched, TP)
+    tp, dcp = mesh["tp_size"], mesh.get("dcp_size", 1)
+    if dcp == 1:
+        assert_sharded(sched, tp)
+    else:  # the pages striped over the DCP ranks of the ("tp", "dcp") mesh
+        assert dict(sched.mesh.shape) == {"tp": tp // dcp, "dcp": dcp}
+        assert sched.cache.pools.kv.context_axis == "dcp"
+        assert all(len(a.sharding.device_set) == tp for a in jax.tree.leaves(sched.cache.pools))
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+def test_tp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tmp_path_factory):
+    _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh_of(TP), tp_size=TP)
+
+
+@pytest.mark.parametrize(("family", "tp"), [("llama", 2), ("deepseek_v2", 4)])
+def test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tp, tmp_path_factory):
+    from kvjax.mesh_check import make_serving_mesh
+
+    mesh = make_serving_mesh(tp, dcp_size=2, devices=jax.devices())
+    _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh, tp_size=tp, dcp_size=2)
 
 
 def test_qwen3_next_tp2_with_the_host_tier(tmp_path_factory):
