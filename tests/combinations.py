@@ -512,6 +512,10 @@ def dropped(reason: str) -> Cell:
 #: feature with itself is that feature alone).
 #: The cpu_tensor retraction backup with the host tier at tp 2 (Llama and DeepSeek-V2, overlap on).
 MATRIX_PAIRS_RETRACTION = "tests/mesh/test_matrix_pairs.py::test_tp2_cpu_tensor_retraction_backup_with_the_host_tier"
+#: The same over DCP (Llama at tp 2 x dcp 2, DeepSeek-V2 at tp 4 x dcp 2).
+MATRIX_PAIRS_DCP_RETRACTION = (
+    "tests/mesh/test_matrix_pairs.py::test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier"
+)
 #: The storage tier with the cpu_tensor retraction backup (Llama and DeepSeek-V2, overlap on).
 MATRIX_PAIRS_STORAGE = (
     "tests/serve/test_matrix_pairs.py::test_storage_with_the_cpu_tensor_retraction_backup_under_overlap"
@@ -637,6 +641,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     # The cpu_tensor retraction backup with the host tier at tp 2 (Llama).
     **dict.fromkeys([("full", "tp", "retraction"), ("full", "host", "retraction")], MATRIX_PAIRS_RETRACTION),
     ("full", "storage", "retraction"): MATRIX_PAIRS_STORAGE,
+    ("full", "dcp", "retraction"): MATRIX_PAIRS_DCP_RETRACTION,
     # Llama's EAGLE head at tp 2 with the host tier.
     **dict.fromkeys(
         [("full", "tp", "eagle"), ("full", "eagle", "host")],
@@ -729,6 +734,8 @@ PROOFS: dict[tuple[str, str, str], str] = {
         ],
         MATRIX_PAIRS_STORAGE,
     ),
+    # The cpu_tensor retraction backup with the host tier at tp 4 x dcp 2 (DeepSeek-V2).
+    **dict.fromkeys([("mla", "dcp", "host"), ("mla", "dcp", "retraction")], MATRIX_PAIRS_DCP_RETRACTION),
     # DeepSeek-V2 as its own STANDALONE draft at tp 2 with the host tier.
     **dict.fromkeys(
         [("mla", "tp", "standalone"), ("mla", "standalone", "host")],
