@@ -9,6 +9,8 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   Overlap scheduling is on (the scheduler's default) throughout.
 * The same over DCP (the pages striped over the DCP ranks): Llama at tp 2 x dcp 2, DeepSeek-V2's
   latent pool at tp 4 x dcp 2.
+* The storage tier at tp 2 on MLA (``tests/serve/test_matrix_pairs.py``'s workload: every
+  second-round prefix evicted from the device and the host comes back from storage).
 * Qwen3-Next's gated delta net at tp 2 (head parallel, ``tests/mesh/qwen3_next_tp.py``) with the
   host tier: KV and state checkpoints evicted to the host and loaded back, requests retracted.
 * EAGLE at tp 2: Qwen3-Next's MTP layer (``tests/serve/test_qwen3_next_mtp.py``'s checkpoint) on a
@@ -105,6 +107,17 @@ def test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tp, tmp_pa
 
     mesh = make_serving_mesh(tp, dcp_size=2, devices=jax.devices())
     _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh, tp_size=tp, dcp_size=2)
+
+
+def test_deepseek_v2_storage_tier_at_tp2(tmp_path_factory):
+    from tests.serve.test_matrix_pairs import MAX_NEW as STORAGE_MAX_NEW
+    from tests.serve.test_matrix_pairs import _storage, _twice_round
+
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    sched = build_scheduler(model, mesh=mesh_of(TP), tp_size=TP, **_storage(model))
+    done = _twice_round(sched)  # every second-round prefix back from storage, leak free, balanced
+    assert_sharded(sched, TP)
+    assert_matches_transformers(hf, done, max_new=STORAGE_MAX_NEW, atol=ATOL)
 
 
 def test_qwen3_next_tp2_with_the_host_tier(tmp_path_factory):
