@@ -233,6 +233,43 @@ def test_llama_eagle_head_at_tp2_with_the_host_tier(tmp_path_factory, monkeypatc
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
+def test_qwen3_next_standalone_at_tp2_evicts_retracts_and_replays(tmp_path_factory):
+    from kvjax.serve.generate import scheduler_for
+    from kvjax.serve.speculative import DraftDecoding
+    from tests.serve.test_speculative_recurrent import LOGIT_ATOL, K
+    from tests.serve.test_speculative_recurrent import models as recurrent_models
+
+    hf, target, draft = recurrent_models.__wrapped__(tmp_path_factory)  # type: ignore[attr-defined]
+    cache = build_kv_cache(
+        target.spec,
+        parity_cache_config(
+            page_size=1,
+            max_total_tokens=64,
+            max_running_requests=8,
+            tp_size=TP,
+            speculative_algorithm="STANDALONE",
+            speculative_num_steps=K,
+            speculative_num_draft_tokens=K + 1,
+        ),
+        draft_spec=draft.spec,
+        mesh=mesh_of(TP),
+    )
+    sched = scheduler_for(
+        target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
+    )
+    assert isinstance(sched.proposer, DraftDecoding)
+    assert_sharded(sched, TP)
+    done = serve_two_rounds(sched, MAX_NEW)
+    tree, table = sched.cache.tree_cache, sched.cache.req_to_token_pool
+    tree.sanity_check()
+    held = tree.mamba_evictable_size() + tree.mamba_protected_size()  # type: ignore[attr-defined]
+    assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
+    stats = sched.proposer.stats
+    assert stats.replayed_requests > 0 and stats.accepted_tokens < stats.proposed_tokens, stats
+    assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0 and sched.stats.cached_tokens > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
 def test_deepseek_v2_standalone_at_tp2_with_the_host_tier(tmp_path_factory, monkeypatch):
     from kvjax.serve.generate import scheduler_for
     from kvjax.serve.speculative import DraftDecoding
