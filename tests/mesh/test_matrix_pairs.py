@@ -335,6 +335,34 @@ def test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank(tmp_path_factory):
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
+def test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server(tmp_path_factory, tmp_path):
+    from kvjax.serve.scheduler import ServingReq
+    from tests.mesh import test_dp_host_tier as dp
+
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    p = dp._rank_prompts()
+    first = dp._storage_front(model, tmp_path)
+    written = [ServingReq(n, p[n], max_new_tokens=dp.MAX_NEW) for n in ("x0", "y0")]
+    first.run(written)
+    for scheduler in first.schedulers:
+        tree = scheduler.cache.tree_cache
+        tree.check_transfers(wait=True)
+        tree.storage.check_writes(wait=True)
+        tree.storage.storage.flush()
+    assert [first.rank_of[n] for n in ("x0", "y0")] == [0, 1]
+    assert any(tmp_path.glob("*/key.json")), "the ranks should write pages to storage"
+    cold = dp._storage_front(model, tmp_path)
+    again = [ServingReq(n, p[n], max_new_tokens=dp.MAX_NEW) for n in ("y0+", "x0+")]
+    cold.run(again)
+    assert [cold.rank_of[n] for n in ("y0+", "x0+")] == [0, 1]
+    hosts = dp._host_extensions(cold)
+    assert [h.prefetched_tokens > 0 for h in hosts] == [True, True], [h.prefetched_tokens for h in hosts]
+    assert all(s.stats.cached_tokens > 0 for s in cold.schedulers)
+    dp._assert_leak_free_and_balanced(cold)
+    done = {str(r.rid): r for r in [*written, *again]}
+    assert_matches_transformers(hf, done, max_new=dp.MAX_NEW, atol=ATOL)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="the cpu_tensor copy of a retracted request's pages (retraction_extension._page_copy, "
