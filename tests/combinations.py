@@ -735,6 +735,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         MATRIX_PAIRS_STORAGE,
     ),
     ("mla", "tp", "storage"): "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_at_tp2",
+    ("mla", "dp", "storage"): (
+        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server"
+    ),
     # The cpu_tensor retraction backup with the host tier at tp 4 x dcp 2 (DeepSeek-V2).
     **dict.fromkeys([("mla", "dcp", "host"), ("mla", "dcp", "retraction")], MATRIX_PAIRS_DCP_RETRACTION),
     # DeepSeek-V2 as its own STANDALONE draft at tp 2 with the host tier.
