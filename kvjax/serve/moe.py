@@ -17,7 +17,7 @@
    Then, if ``norm_topk_prob``, the weights are divided by their sum (``+ 1e-20`` for
    ``noaux_tc``, as DeepSeek-V3 does), and multiplied by ``routed_scaling_factor``.
 3. Experts: SwiGLU MLPs ``down(silu(gate(x)) * up(x))`` of ``moe_intermediate_size``, combined
-   with the routing weights (0 for experts not chosen).
+   with the routing weights (0 for experts not chosen): ``sum_e w[t, e] * down_e(h_e[t])``.
 4. Shared experts (``shared_intermediate_size > 0``): one SwiGLU MLP of that size, always added
    (DeepSeek's ``shared_experts``, whose size is ``n_shared_experts * moe_intermediate_size``), or
    gated by ``sigmoid(shared_expert_gate(x))`` (``shared_expert_gated``: Qwen2-MoE, Qwen3-Next's
@@ -29,11 +29,36 @@ for DeepseekV2 with 5.24): ``gate.weight`` ``[E, H]``, ``gate.e_score_correction
 ``[H, I]``, ``{shared_name}.gate_proj|up_proj|down_proj.weight``, ``shared_expert_gate.weight`` ``[1, H]``.
 (Flax names ``experts_{e}``; ``kvjax.serve.checkpoint`` maps them to ``experts.{e}``.)
 
+Order of operations (what makes tensor parallelism need one all-reduce): the routing weight is
+linear in the down projection, so it is folded into the hidden activations *before* it:
+``h[t, e, i] = silu(x @ gate_e.T) * (x @ up_e.T)`` (in the weights' dtype), then
+``h'[t, e, i] = h[t, e, i] * w[t, e]`` (the product in float32, rounded once to the activations'
+dtype for the matmul), then ``y[t, :] = sum_{e, i} h'[t, e, i] * down[e, :, i]``: one contraction over
+experts and the intermediate dimension together, accumulated in float32 inside the dot and rounded
+once to the activations' dtype (a float32 model: float32 throughout). With the experts split Megatron
+style over ``"tp"`` (``kvjax.serve.param_sharding``: ``gate_proj``/``up_proj`` by rows, ``down_proj``
+by columns, each rank a slice of every expert's ``moe_intermediate_size``), ``h'`` is sharded over
+``i`` and this contraction ends in one partial sum ``[T, H]`` per rank; the shared experts' (split
+the same way) and the routed experts' partial sums are added before the sum over ranks, so the
+block costs one all-reduce of ``[T, H]``, as a dense MLP does, not one of every expert's output
+``[T, E, H]``. For that sum to be one contraction (one dot, which XLA's partitioner ends in one
+all-reduce; two dots added end in two), a shared expert whose size is ``k`` times the routed
+experts' ``I`` (DeepSeek's ``n_shared_experts * moe_intermediate_size``, Qwen3-Next's) joins the
+contraction as ``k`` more experts of weight 1 (a gated shared expert: its gate
+``sigmoid(x @ gate.T)``, folded in like a routing weight), its ``k * I`` units laid ``I``-major
+(``with_shared_as_experts``: a contiguous split of them over ranks that divide ``I`` is each rank's
+slice of the routed experts' ``I``). A shared size the routed size does not divide keeps its own
+down projection (its gate folded in before it) and partial sum, added after (two all-reduces
+under tensor parallelism where XLA does not reassociate them).
+
 Compute choice: every token runs through every expert (dense: one batched matmul over the
 stacked expert weights, ``O(T * E * I * H)``) and the routing weights zero the unchosen ones. It is
 exact, has static shapes and no gather/scatter, and is the fastest on CPU at the tiny sizes kvjax
 serves for its tests; it wastes ``E / top_k`` times the work of a sparse dispatch, so a real-size
 model wants a grouped-matmul (megablox-style) dispatch instead, which this module does not have.
+The per-expert weights (the checkpoint's layout) are stacked into ``[E, I, H]`` / ``[E, H, I]`` per
+call: under ``jax.jit`` that is a copy of the block's experts per step (of each rank's slice under
+tensor parallelism: ``1 / tp`` of the experts), live while the block runs.
 """
 
 from __future__ import annotations
@@ -132,6 +157,45 @@ def combine_experts(expert_out: jax.Array, dense: jax.Array, dtype: jnp.dtype) -
     return jnp.einsum("teh,te->th", expert_out.astype(jnp.float32), dense).astype(dtype)
 
 
+def routed_down(hidden: jax.Array, dense: jax.Array, down: jax.Array) -> jax.Array:
+    """The routed experts' down projections combined with the routing weights, in one contraction
+    (module docstring, order of operations): ``hidden [T, E, I]`` (every expert's SwiGLU
+    activations), ``dense [T, E]`` float32 combine weights (``dense_combine_weights``),
+    ``down [E, H, I]`` (stacked ``down_proj`` weights) -> ``sum_{e, i} (hidden * dense)[t, e, i] *
+    down[e, h, i]``: ``[T, H]`` in the activations' dtype (the product ``hidden * dense`` taken in
+    float32 and rounded once to it), accumulated in float32 in the dot. With ``I`` split over
+    tensor-parallel ranks the result is one ``[T, H]`` partial sum per rank."""
+    weighted = (hidden.astype(jnp.float32) * dense[:, :, None]).astype(hidden.dtype)
+    return jnp.einsum("tei,ehi->th", weighted, down)  # a bfloat16 dot accumulates in float32
+
+
+def with_shared_as_experts(
+    hidden: jax.Array,
+    dense: jax.Array,
+    down: jax.Array,
+    shared: jax.Array,
+    weight: jax.Array,
+    shared_down: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The shared expert appended to the routed ones as ``k = I_shared / I`` more experts of the
+    routed experts' intermediate size ``I``, so that ``routed_down`` contracts both at once
+    (module docstring): ``hidden [T, E, I]``, ``dense [T, E]``, ``down [E, H, I]`` plus the shared
+    expert's activations ``shared [T, k * I]``, its per-token weight ``weight [T, 1]`` float32 (1,
+    or its sigmoid gate) and ``shared_down [H, k * I]`` -> ``[T, E + k, I]``, ``[T, E + k]``,
+    ``[E + k, H, I]``. Shared unit ``j`` goes to ``[j // k, j % k]`` (``I``-major), so a
+    contiguous split of ``k * I`` over ranks that divide ``I`` is a split of ``I``: each rank's
+    slice of the shared expert lands on its slice of the routed experts, and nothing moves."""
+    tokens, inter = hidden.shape[0], hidden.shape[2]
+    k = shared.shape[1] // inter
+    shared_hidden = shared.reshape(tokens, inter, k).transpose(0, 2, 1)  # [T, k, I]
+    shared_down = shared_down.reshape(shared_down.shape[0], inter, k).transpose(2, 0, 1)  # [k, H, I]
+    return (
+        jnp.concatenate([hidden, shared_hidden.astype(hidden.dtype)], axis=1),
+        jnp.concatenate([dense, jnp.broadcast_to(weight, (tokens, k))], axis=1),
+        jnp.concatenate([down, shared_down.astype(down.dtype)], axis=0),
+    )
+
+
 class Weight(nn.Module):
     """A named parameter ``weight`` of ``shape`` (Hugging Face's ``nn.Linear.weight`` layout)."""
 
@@ -159,11 +223,6 @@ class _SwiGLUWeights(nn.Module):
             Weight((i, h), dt, name="up_proj")(),
             Weight((h, i), dt, name="down_proj")(),
         )
-
-
-def _swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` for ``x: [T, H]`` and one expert's weights."""
-    return (jax.nn.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
 class _Router(nn.Module):
@@ -204,13 +263,22 @@ class SparseMoE(nn.Module):
         up = jnp.stack([w[1] for w in experts])
         down = jnp.stack([w[2] for w in experts])  # [E, H, I]
         hidden = jax.nn.silu(jnp.einsum("th,eih->tei", x, gate)) * jnp.einsum("th,eih->tei", x, up)
-        out = jnp.einsum("tei,ehi->teh", hidden, down)  # every expert on every token (documented)
-        y = combine_experts(out, dense, x.dtype)
+        shared_down = None
         if c.shared_intermediate_size:
-            shared = _SwiGLUWeights(c.hidden_size, c.shared_intermediate_size, self.dtype, name=c.shared_name)()
-            shared_out = _swiglu(x, *shared)
+            gate_proj, up_proj, shared_down = _SwiGLUWeights(
+                c.hidden_size, c.shared_intermediate_size, self.dtype, name=c.shared_name
+            )()
+            shared = jax.nn.silu(x @ gate_proj.T) * (x @ up_proj.T)  # [T, I_shared]
+            weight = jnp.ones((x.shape[0], 1), jnp.float32)
             if c.shared_expert_gated:
                 gate_weight = Weight((1, c.hidden_size), self.dtype, name="shared_expert_gate")()
-                shared_out = jax.nn.sigmoid(x @ gate_weight.T) * shared_out
-            y = y + shared_out
-        return y
+                weight = jax.nn.sigmoid((x @ gate_weight.T).astype(jnp.float32))
+            if c.shared_intermediate_size % c.moe_intermediate_size == 0:  # as more experts (docstring)
+                hidden, dense, down = with_shared_as_experts(hidden, dense, down, shared, weight, shared_down)
+                shared_down = None
+            else:
+                shared = (shared.astype(jnp.float32) * weight).astype(shared.dtype)
+        y = routed_down(hidden, dense, down)  # every expert on every token (documented)
+        if shared_down is not None:  # a size the experts' does not divide: its own partial sum
+            y = y + shared @ shared_down.T
+        return y.astype(x.dtype)

@@ -12,6 +12,9 @@ parameter (path ends with)                                   layout             
 ``self_attn/o_proj``                                         row: ``P(None, tp)``        query heads
 ``mlp/{gate_proj, up_proj}``, ``shared_experts/{...}``       column                      intermediate
 ``mlp/down_proj``, ``shared_experts/down_proj``              row                         intermediate
+(Qwen3-Next's single ``shared_expert``: the same rules)
+``experts_{e}/{gate_proj, up_proj}`` (routed experts)        column                      MoE intermediate
+``experts_{e}/down_proj`` (routed experts)                   row                         MoE intermediate
 (Nemotron-H names its blocks' attention and MLP ``mixer``: the same rules)
 ``linear_attn/{in_proj_qkvz, in_proj_ba}`` (gated delta net) column                      key heads
 ``linear_attn/conv1d`` (re-laid out at load, below)          column (channels)           key heads
@@ -21,9 +24,10 @@ parameter (path ends with)                                   layout             
 ``mixer/{A_log, dt_bias, D, norm}`` (Mamba2)                 column                      B/C groups
 ``mixer/out_proj`` (Mamba2)                                  row                         B/C groups
 everything else (embeddings, norms, LM head, MLA's latent    replicated: ``P()``
-``kv_a_proj_with_mqa`` and ``q_a_proj``, routers, experts,
-the gated delta net's ``norm`` (one ``[v_head_dim]`` weight
-shared by the heads))
+``kv_a_proj_with_mqa`` and ``q_a_proj``, MoE routers and
+``shared_expert_gate``, gpt-oss's fused experts, the gated
+delta net's ``norm`` (one ``[v_head_dim]`` weight shared by
+the heads))
 ===========================================================  ==========================  ===============
 
 A column-parallel bias is split with its rows; a row-parallel bias is replicated (added once, after
@@ -38,6 +42,17 @@ moving, and the row-parallel ``o_proj`` and ``down_proj`` end in partial sums: o
 ``[tokens, hidden]`` after attention and one after the MLP per layer, Megatron's minimum. Any
 layout gives the same numbers (XLA keeps the program's meaning whatever the shardings); the table
 only decides where data moves.
+
+Routed experts (``kvjax.serve.moe.SparseMoE``: DeepSeek-V2/V3, Qwen2-MoE, Qwen3-Next) are split as
+SGLang's ``FusedMoE`` splits them without expert parallelism: every rank holds every expert, and a
+``1 / tp`` slice of each expert's ``moe_intermediate_size`` (its rows of ``gate_proj``/``up_proj``,
+its columns of ``down_proj``), so a rank holds ``1 / tp`` of the experts' bytes (DeepSeek-V3: 21 GiB
+per MoE layer replicated, 1.3 GiB per chip at tp 16). The block folds its routing weights into the
+hidden activations before the down projection (``kvjax.serve.moe``, order of operations), so the
+experts' and the shared experts' down projections end in one ``[tokens, hidden]`` partial sum: one
+all-reduce after the MoE block, as after a dense MLP. They split only when ``moe_intermediate_size``
+divides over the ranks (else replicated). gpt-oss's fused, biased experts
+(``kvjax.serve.families.gpt_oss``) are not split.
 
 MLA (DeepSeek-V2/V3): the latent ``c_kv``/``k_pe`` is one shared row per token, not per head, so
 its projection (``kv_a_proj_with_mqa``) is replicated and every rank writes the same rows into its
@@ -165,6 +180,13 @@ def _intermediate(c: ModelConfig) -> int:
     return c.intermediate_size
 
 
+def _moe_intermediate(c: ModelConfig) -> int:
+    """The routed experts' ``moe_intermediate_size`` (0, never split, for a config without
+    ``kvjax.serve.moe`` experts)."""
+    moe = getattr(c.family_config, "moe", None)
+    return int(getattr(moe, "moe_intermediate_size", 0) or 0)
+
+
 def _linear_key_heads(c: ModelConfig) -> int:
     """The gated delta net's key heads (0, never split, for a config without them)."""
     return int(getattr(c.family_config, "num_k_heads", 0) or 0)
@@ -231,8 +253,10 @@ PARAM_RULES: tuple[ParamRule, ...] = (
     ParamRule(r"(self_attn|mixer)/(q_proj|q_b_proj|kv_b_proj)/(weight|bias)$", "column", _query_heads),
     ParamRule(r"(self_attn|mixer)/(k_proj|v_proj)/(weight|bias)$", "column", _kv_heads),
     ParamRule(r"(self_attn|mixer)/o_proj/(weight|bias)$", "row", _query_heads),
-    ParamRule(r"(^|/)(mlp|shared_experts|mixer)/(gate_proj|up_proj)/(weight|bias)$", "column", _intermediate),
-    ParamRule(r"(^|/)(mlp|shared_experts|mixer)/down_proj/(weight|bias)$", "row", _intermediate),
+    ParamRule(r"(^|/)(mlp|shared_experts?|mixer)/(gate_proj|up_proj)/(weight|bias)$", "column", _intermediate),
+    ParamRule(r"(^|/)(mlp|shared_experts?|mixer)/down_proj/(weight|bias)$", "row", _intermediate),
+    ParamRule(r"(^|/)experts_\d+/(gate_proj|up_proj)/weight$", "column", _moe_intermediate),
+    ParamRule(r"(^|/)experts_\d+/down_proj/weight$", "row", _moe_intermediate),
     ParamRule(r"linear_attn/(in_proj_qkvz|in_proj_ba)/weight$", "column", _linear_key_heads),
     ParamRule(r"linear_attn/conv1d/weight$", "column", _linear_key_heads, _gated_delta_conv_order),
     ParamRule(r"linear_attn/(A_log|dt_bias)$", "column", _linear_key_heads),

@@ -1,7 +1,8 @@
 """The sharded step's collectives, counted in its compiled program at tp 2 on CPU: Megatron's
 minimum, one all-reduce of the hidden state after attention (or after Qwen3-Next's head-parallel
-gated delta net) and one after the MLP per layer, and the pools updated in place (donated, aliased
-to the outputs, still sharded over KV heads / state heads).
+gated delta net) and one after the MLP per layer (a sparse-MoE layer's routed experts, split by
+their intermediate dimension, and its shared experts together: one), and the pools updated in
+place (donated, aliased to the outputs, still sharded over KV heads / state heads).
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
 from kvjax.attention import StateMetadata, build_attention_metadata
+from kvjax.attention.sharding import serving_mesh
 from kvjax.serve.model import as_model_config, init_params
+from kvjax.serve.moe import SparseMoE
 from kvjax.serve.param_sharding import (
     gated_delta_conv_channel_order,
     param_partition_specs,
@@ -23,7 +27,7 @@ from kvjax.serve.param_sharding import (
     shard_params,
 )
 from kvjax.serve.step import make_sharded_step, place_on_mesh
-from tests.serve.random_workloads import NEMOTRON_H_TINY, QWEN3_NEXT_TINY
+from tests.serve.random_workloads import NEMOTRON_H_TINY, QWEN3_NEXT_TINY, TINY_SIZES, VOCAB
 
 TP = 2
 TOKENS = 5
@@ -34,10 +38,49 @@ def _qwen3_next() -> ModelSpec:
     return ModelSpec.from_hf_config(QWEN3_NEXT_TINY, name="qwen3-next-tiny")
 
 
+# DeepSeek-V3's layers in small: MLA, a dense first layer, then sparse-MoE layers (4 routed experts
+# of intermediate 32, one shared expert).
+DEEPSEEK_V3_MOE_TINY: dict = dict(
+    TINY_SIZES,
+    model_type="deepseek_v3",
+    vocab_size=VOCAB,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    routed_scaling_factor=1.5,
+    rope_scaling=None,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+# Qwen3-Next with sparse-MoE layers (4 routed experts, a gated shared expert).
+QWEN3_NEXT_MOE_TINY: dict = dict(
+    QWEN3_NEXT_TINY,
+    mlp_only_layers=[],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,  # two experts' worth
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+)
+
 _SPECS = {
     "tiny": lambda: ModelSpec.preset("tiny"),
     "qwen3_next": _qwen3_next,
     "nemotron_h": lambda: ModelSpec.from_hf_config(NEMOTRON_H_TINY, name="nemotron-h-tiny"),
+    "deepseek_v3_moe": lambda: ModelSpec.from_hf_config(DEEPSEEK_V3_MOE_TINY, name="deepseek-v3-moe-tiny"),
+    "qwen3_next_moe": lambda: ModelSpec.from_hf_config(QWEN3_NEXT_MOE_TINY, name="qwen3-next-moe-tiny"),
 }
 
 
@@ -64,11 +107,16 @@ def _sharded_step_inputs(spec: ModelSpec | None = None) -> tuple:
     return spec, mesh, pools, params, tokens, meta
 
 
-@pytest.mark.parametrize(("model", "per_layer"), [("tiny", 2), ("qwen3_next", 2), ("nemotron_h", 1)])
+@pytest.mark.parametrize(
+    ("model", "per_layer"),
+    [("tiny", 2), ("qwen3_next", 2), ("nemotron_h", 1), ("deepseek_v3_moe", 2), ("qwen3_next_moe", 2)],
+)
 def test_one_all_reduce_after_attention_and_one_after_the_mlp_per_layer(model, per_layer):
     """Qwen3-Next: its gated-delta-net layers, head-parallel, need one all-reduce too (after
     ``out_proj``), its full-attention layer one, and every dense MLP one. Nemotron-H's blocks hold
-    one mixer each (a head-parallel Mamba2, attention or an MLP): one all-reduce per block."""
+    one mixer each (a head-parallel Mamba2, attention or an MLP): one all-reduce per block. A
+    sparse-MoE layer (DeepSeek-V3's, Qwen3-Next's with its gated shared expert) needs one too: its
+    routed experts' and shared experts' partial sums are added before the sum over ranks."""
     spec, mesh, pools, params, tokens, meta = _sharded_step_inputs(_SPECS[model]())
     step = make_sharded_step(spec, mesh, pools)
     compiled = step.jitted.lower(pools, params, tokens, meta, None, None).compile()
@@ -157,3 +205,39 @@ def test_gated_delta_net_weights_split_by_key_heads_and_conv_channels_relaid_ran
     np.testing.assert_array_equal(
         np.asarray(placed["model"]["layers_0"]["linear_attn"]["conv1d"]["weight"]), conv[want]
     )
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3_moe", "qwen3_next_moe"])
+def test_routed_experts_are_split_by_their_intermediate_dimension(model):
+    """Every routed expert's ``gate_proj``/``up_proj`` split by rows and ``down_proj`` by columns
+    (``moe_intermediate_size`` over the ranks), the shared experts likewise, the router and the
+    shared expert's gate replicated; placed so, each device holds ``1 / tp`` of every expert.
+    Replicated when ``moe_intermediate_size`` does not split (32 over 64 ranks)."""
+    spec = _SPECS[model]()
+    config = as_model_config(spec)
+    params = init_params(spec)
+    moe_layer = "layers_1" if model == "deepseek_v3_moe" else "layers_0"
+    mlp = param_partition_specs(params, config, TP)["model"][moe_layer]["mlp"]
+    experts = [name for name in mlp if name.startswith("experts_")]
+    assert len(experts) == 4
+    for name in experts:
+        assert mlp[name]["gate_proj"]["weight"] == P("tp", None), name
+        assert mlp[name]["up_proj"]["weight"] == P("tp", None), name
+        assert mlp[name]["down_proj"]["weight"] == P(None, "tp"), name
+    shared = "shared_experts" if model == "deepseek_v3_moe" else "shared_expert"
+    assert mlp[shared]["gate_proj"]["weight"] == P("tp", None) and mlp[shared]["down_proj"]["weight"] == P(None, "tp")
+    assert mlp["gate"]["weight"] == P()
+    if model == "qwen3_next_moe":
+        assert mlp["shared_expert_gate"]["weight"] == P()
+    wide = param_partition_specs(params, config, 64)["model"][moe_layer]["mlp"]
+    assert wide["experts_0"]["gate_proj"]["weight"] == P() and wide["experts_0"]["down_proj"]["weight"] == P()
+    mesh = serving_mesh(jax.make_mesh((TP,), ("tp",), devices=jax.devices()[:TP]))
+    placed = shard_params(params, config, mesh)["model"][moe_layer]["mlp"]
+    for name, shard in (("gate_proj", (16, 64)), ("up_proj", (16, 64)), ("down_proj", (64, 16))):
+        assert [s.data.shape for s in placed["experts_3"][name]["weight"].addressable_shards] == [shard] * TP, name
+    # the block over the split weights gives the unsplit block's output
+    block = SparseMoE(config.family_config.moe, jnp.float32)
+    x = np.random.default_rng(0).standard_normal((TOKENS, config.hidden_size)).astype(np.float32)
+    want = block.apply({"params": params["model"][moe_layer]["mlp"]}, x)
+    got = jax.jit(block.apply)({"params": placed}, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

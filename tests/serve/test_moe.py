@@ -1,6 +1,8 @@
 """kvjax.serve.moe.SparseMoE against the transformers MoE blocks it stands for, with random weights:
 DeepSeek-V2 (greedy and group-limited greedy), DeepSeek-V3 (noaux_tc, sigmoid scores, correction
-bias, normalised top-k), Qwen2-MoE and Qwen3-Next (gated shared expert, normalised top-k)."""
+bias, normalised top-k), Qwen2-MoE and Qwen3-Next (gated shared expert, normalised top-k). The
+shared experts run both ways (``kvjax.serve.moe``): as more experts in the routed experts'
+contraction (a multiple of their size) and on their own (12 units over experts of 8)."""
 
 from __future__ import annotations
 
@@ -93,8 +95,11 @@ def test_deepseek_v3_moe_noaux_tc() -> None:
     _compare(DeepseekV3MoE(cfg), ours, seed=2)
 
 
+@pytest.mark.parametrize("shared_size", [2 * I_EXPERT, 12])
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next"])
-def test_qwen_moe_with_gated_shared_expert(family: str) -> None:
+def test_qwen_moe_with_gated_shared_expert(family: str, shared_size: int) -> None:
+    """A shared expert of twice the experts' size joins their contraction as two more experts
+    weighted by its gate; one of 12 (not a multiple of 8) keeps its own down projection."""
     if family == "qwen2_moe":
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
 
@@ -104,8 +109,10 @@ def test_qwen_moe_with_gated_shared_expert(family: str) -> None:
 
         config_class = transformers.Qwen3NextConfig
     routing = {"norm_topk_prob": True}
-    cfg = config_class(**HF_BLOCK, **routing, num_experts=E, num_experts_per_tok=2, shared_expert_intermediate_size=12)
-    shared = {"shared_intermediate_size": 12, "shared_expert_gated": True, "shared_name": "shared_expert"}
+    cfg = config_class(
+        **HF_BLOCK, **routing, num_experts=E, num_experts_per_tok=2, shared_expert_intermediate_size=shared_size
+    )
+    shared = {"shared_intermediate_size": shared_size, "shared_expert_gated": True, "shared_name": "shared_expert"}
     ours = MoEConfig(**OUR_BLOCK, **routing, top_k=2, **shared)
     _compare(Block(cfg), ours, seed=3)
 
