@@ -17,6 +17,24 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   pool small enough to evict and retract (the recurrent state replayed); Llama's EAGLE head
   (``tests/serve/test_eagle_head.py``'s) with the host tier, the head's pool loaded back from the
   host with the target's, slot for slot.
+* STANDALONE at tp 2: on the recurrent kind, ``tests/serve/test_speculative_recurrent.py``'s Qwen3-Next
+  target and one-layer Qwen3 draft on a pool small enough to evict and retract (the rejected
+  drafts' state replayed); on MLA with the host tier, DeepSeek-V2 as its own draft accepting every
+  proposal, also on the prefixes loaded back from the host (the draft's latent pages with the
+  target's).
+* DP attention on MLA (dp 2 x tp 2): the ``cpu_tensor`` retraction backup per rank (each rank's
+  slice of the latent pool copied and restored); the storage tier per rank
+  (``tests/mesh/test_dp_host_tier.py``'s storage case: each rank writes its pages behind its host
+  pool, a cold server routes the follow-ups the other way round and each rank prefetches the pages
+  the other rank wrote).
+* MLA across processes: DeepSeek-V2 at tp 2 over 2 processes x 1 CPU device, overlap on, through
+  reuse, chunked prefill, eviction and retraction, both processes' digests compared at every step
+  (run as a program, ``python -m tests.mesh.test_matrix_pairs DIR BACKUP``, it is one process of
+  the group). The ``cpu_tensor`` retraction backup across processes, the same with Llama, is not
+  served yet: the copy fetches the pool array across processes (expected to fail, strict).
+
+Qwen3-Next's logits are compared within 2e-4 with a draft (its MTP and STANDALONE tests' tolerance:
+Transformers' chunked delta rule against the recurrence).
 """
 
 from __future__ import annotations
@@ -370,20 +388,42 @@ def test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server(tmp_pat
     "devices: RuntimeError at the first retraction",
 )
 def test_llama_cpu_tensor_retraction_backup_over_two_processes(tmp_path_factory):
-    from tests.mesh.multihost_group import assert_all_ok, finished_requests, run_group
+    from tests.mesh.multihost_group import finished_requests
     from tests.mesh.tp_serving import family_config
     from tests.serve.parity_harness import saved_transformers_model
 
     hf, directory = saved_transformers_model(family_config("llama"), tmp_path_factory, "llama")
-    reports = assert_all_ok(run_group(["-m", "tests.mesh.test_matrix_pairs", str(directory)], devices=1, timeout=300))
-    assert reports[0]["outputs"] == reports[1]["outputs"]
+    reports = _over_two_processes(str(directory), "cpu_tensor")
     for r in reports:
-        assert r["leak_free"] and r["digest_checks"] > 0 and r["overlap"], r
-        assert r["retractions"] > 0 and r["restored"] > 0 and r["held"] == 0, r
+        assert r["restored"] > 0 and r["held"] == 0, r
     assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
 
 
-def _serve_over_processes(directory: str) -> dict[str, Any]:
+def test_deepseek_v2_at_tp2_over_two_processes(tmp_path_factory):
+    from tests.mesh.multihost_group import finished_requests
+    from tests.mesh.tp_serving import family_config
+    from tests.serve.parity_harness import saved_transformers_model
+
+    hf, directory = saved_transformers_model(family_config("deepseek_v2"), tmp_path_factory, "deepseek_v2")
+    reports = _over_two_processes(str(directory), "none")
+    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
+
+
+def _over_two_processes(directory: str, backup: str) -> list[dict[str, Any]]:
+    """The parity rounds at tp 2 over 2 processes of 1 device; the reports, each checked: equal
+    outputs, digests compared, leak free, overlap on, reuse, evictions and retractions."""
+    from tests.mesh.multihost_group import assert_all_ok, run_group
+
+    args = ["-m", "tests.mesh.test_matrix_pairs", directory, backup]
+    reports = assert_all_ok(run_group(args, devices=1, timeout=300))
+    assert reports[0]["outputs"] == reports[1]["outputs"]
+    for r in reports:
+        assert r["leak_free"] and r["digest_checks"] > 0 and r["overlap"], r
+        assert r["cached_tokens"] > 0 and r["evicted_tokens"] > 0 and r["retractions"] > 0, r
+    return reports
+
+
+def _serve_over_processes(directory: str, backup: str) -> dict[str, Any]:
     from tests.mesh.multihost_group import join_and_load, request_records
 
     group, model = join_and_load(directory)
@@ -395,7 +435,7 @@ def _serve_over_processes(directory: str) -> dict[str, Any]:
         page_size=1,
         max_total_tokens=48,
         max_running_requests=8,
-        disaggregation_decode_retraction_backup="cpu_tensor",
+        disaggregation_decode_retraction_backup=None if backup == "none" else backup,
     )
     cache = build_kv_cache(model.spec, config, mesh=group_tp_mesh(TP))
     sched = Scheduler(
@@ -409,18 +449,20 @@ def _serve_over_processes(directory: str) -> dict[str, Any]:
     )
     front = MultiProcessFront(sched, group.channel, check_agreement=True)
     serve_two_rounds(front, MAX_NEW)  # type: ignore[arg-type]  # a front serves like a scheduler
-    retraction = _extension(sched, RetractionBackupExtension).retraction  # type: ignore[attr-defined]
+    backups = [e.retraction for e in sched.extensions if type(e) is RetractionBackupExtension]  # type: ignore[attr-defined]
     return {
         "outputs": {str(r.rid): list(r.output_ids) for r in front.finished},
         "requests": request_records(front.finished),
         "leak_free": front.leak_free(),
         "digest_checks": front.digest_checks,
         "overlap": sched.overlap,
+        "cached_tokens": sched.stats.cached_tokens,
+        "evicted_tokens": sched.stats.evicted_tokens,
         "retractions": sched.stats.retractions,
-        "restored": retraction.restored,
-        "held": retraction.held,
+        "restored": sum(b.restored for b in backups),
+        "held": sum(b.held for b in backups),
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(_serve_over_processes(sys.argv[1])))
+    print(json.dumps(_serve_over_processes(sys.argv[1], sys.argv[2])))
