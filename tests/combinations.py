@@ -748,6 +748,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("mla", "dp", "retraction"): (
         "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank"
     ),
+    # DeepSeek-V2 at tp 2 over two processes, overlap on.
+    **dict.fromkeys(
+        [("mla", "tp", "processes"), ("mla", "overlap", "processes")],
+        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_at_tp2_over_two_processes",
+    ),
     # DeepSeek-V3 (MLA, its MTP layer drafting): dp 2 x tp 4 over two processes with the host tier.
     **dict.fromkeys(
         [
