@@ -27,10 +27,11 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   (``tests/mesh/test_dp_host_tier.py``'s storage case: each rank writes its pages behind its host
   pool, a cold server routes the follow-ups the other way round and each rank prefetches the pages
   the other rank wrote).
-* MLA across processes: DeepSeek-V2 at tp 2 over 2 processes x 1 CPU device, overlap on, through
-  reuse, chunked prefill, eviction and retraction, both processes' digests compared at every step
-  (run as a program, ``python -m tests.mesh.test_matrix_pairs DIR BACKUP``, it is one process of
-  the group). The ``cpu_tensor`` retraction backup across processes, the same with Llama, is not
+* Across processes: DeepSeek-V2 (MLA) and Qwen3-Next (recurrent, its tp 2 model) at tp 2 over 2
+  processes x 1 CPU device, overlap on, through reuse, chunked prefill, eviction and retraction,
+  both processes' digests compared at every step (run as a program, ``python -m
+  tests.mesh.test_matrix_pairs DIR CONFIG``, it is one process of the group; ``CONFIG``: JSON of
+  more ``CacheConfig`` fields). The ``cpu_tensor`` retraction backup across processes, the same with Llama, is not
   served yet: the copy fetches the pool array across processes (expected to fail, strict).
 
 Qwen3-Next's logits are compared within 2e-4 with a draft (its MTP and STANDALONE tests' tolerance:
@@ -393,7 +394,7 @@ def test_llama_cpu_tensor_retraction_backup_over_two_processes(tmp_path_factory)
     from tests.serve.parity_harness import saved_transformers_model
 
     hf, directory = saved_transformers_model(family_config("llama"), tmp_path_factory, "llama")
-    reports = _over_two_processes(str(directory), "cpu_tensor")
+    reports = _over_two_processes(str(directory), disaggregation_decode_retraction_backup="cpu_tensor")
     for r in reports:
         assert r["restored"] > 0 and r["held"] == 0, r
     assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
@@ -405,16 +406,29 @@ def test_deepseek_v2_at_tp2_over_two_processes(tmp_path_factory):
     from tests.serve.parity_harness import saved_transformers_model
 
     hf, directory = saved_transformers_model(family_config("deepseek_v2"), tmp_path_factory, "deepseek_v2")
-    reports = _over_two_processes(str(directory), "none")
+    reports = _over_two_processes(str(directory))
     assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
 
 
-def _over_two_processes(directory: str, backup: str) -> list[dict[str, Any]]:
+def test_qwen3_next_at_tp2_over_two_processes(tmp_path_factory):
+    from tests.mesh.multihost_group import finished_requests
+    from tests.mesh.qwen3_next_tp import HEADS, LAYERS
+    from tests.serve.parity_harness import TINY_CONFIG, saved_transformers_model, transformers
+    from tests.serve.test_parity_qwen3_next import MODEL_SEED
+
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **LAYERS, **HEADS[TP])
+    hf, directory = saved_transformers_model(config, tmp_path_factory, "qwen3_next", seed=MODEL_SEED)
+    pools = dict(max_total_tokens=56, max_running_requests=4, max_mamba_cache_size=6)
+    reports = _over_two_processes(str(directory), **pools)
+    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
+
+
+def _over_two_processes(directory: str, **config: Any) -> list[dict[str, Any]]:
     """The parity rounds at tp 2 over 2 processes of 1 device; the reports, each checked: equal
     outputs, digests compared, leak free, overlap on, reuse, evictions and retractions."""
     from tests.mesh.multihost_group import assert_all_ok, run_group
 
-    args = ["-m", "tests.mesh.test_matrix_pairs", directory, backup]
+    args = ["-m", "tests.mesh.test_matrix_pairs", directory, json.dumps(config)]
     reports = assert_all_ok(run_group(args, devices=1, timeout=300))
     assert reports[0]["outputs"] == reports[1]["outputs"]
     for r in reports:
@@ -423,21 +437,15 @@ def _over_two_processes(directory: str, backup: str) -> list[dict[str, Any]]:
     return reports
 
 
-def _serve_over_processes(directory: str, backup: str) -> dict[str, Any]:
+def _serve_over_processes(directory: str, config: dict[str, Any]) -> dict[str, Any]:
     from tests.mesh.multihost_group import join_and_load, request_records
 
     group, model = join_and_load(directory)
     from kvjax.serve.multihost.front import MultiProcessFront
     from kvjax.serve.multihost.mesh import group_tp_mesh
 
-    config = parity_cache_config(
-        tp_size=TP,
-        page_size=1,
-        max_total_tokens=48,
-        max_running_requests=8,
-        disaggregation_decode_retraction_backup=None if backup == "none" else backup,
-    )
-    cache = build_kv_cache(model.spec, config, mesh=group_tp_mesh(TP))
+    settings: dict[str, Any] = dict(tp_size=TP, page_size=1, max_total_tokens=48, max_running_requests=8)
+    cache = build_kv_cache(model.spec, parity_cache_config(**{**settings, **config}), mesh=group_tp_mesh(TP))
     sched = Scheduler(
         model.config,
         cache,
@@ -465,4 +473,4 @@ def _serve_over_processes(directory: str, backup: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_serve_over_processes(sys.argv[1], sys.argv[2])))
+    print(json.dumps(_serve_over_processes(sys.argv[1], json.loads(sys.argv[2]))))
