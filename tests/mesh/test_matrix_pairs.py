@@ -30,9 +30,12 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
 * Across processes: DeepSeek-V2 (MLA) and Qwen3-Next (recurrent, its tp 2 model) at tp 2 over 2
   processes x 1 CPU device, overlap on, through reuse, chunked prefill, eviction and retraction,
   both processes' digests compared at every step (run as a program, ``python -m
-  tests.mesh.test_matrix_pairs DIR CONFIG``, it is one process of the group; ``CONFIG``: JSON of
-  more ``CacheConfig`` fields). The ``cpu_tensor`` retraction backup across processes, the same with Llama, is not
-  served yet: the copy fetches the pool array across processes (expected to fail, strict).
+  tests.mesh.test_matrix_pairs DIR CONFIG RUN``, it is one process of the group; ``CONFIG``: JSON
+  of more ``CacheConfig`` fields, ``RUN``: JSON of the workload and its tokens per request).
+  Gemma 3's sliding-window pools with the host tier the same way, the parity prompts in batches
+  that evict prefixes to every process's host pool and load them back. The ``cpu_tensor``
+  retraction backup across processes, the same with Llama, is not served yet: the copy fetches the
+  pool array across processes (expected to fail, strict).
 
 Qwen3-Next's logits are compared within 2e-4 with a draft (its MTP and STANDALONE tests' tolerance:
 Transformers' chunked delta rule against the recurrence).
@@ -423,21 +426,40 @@ def test_qwen3_next_at_tp2_over_two_processes(tmp_path_factory):
     assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
 
 
-def _over_two_processes(directory: str, **config: Any) -> list[dict[str, Any]]:
+def test_gemma3_host_tier_at_tp2_over_two_processes(tmp_path_factory):
+    from tests.mesh.multihost_group import finished_requests
+    from tests.mesh.tp_serving import family_config
+    from tests.serve import swa_parity
+    from tests.serve.parity_harness import saved_transformers_model
+
+    hf, directory = saved_transformers_model(family_config("gemma3"), tmp_path_factory, "gemma3")
+    tier = dict(enable_hierarchical_cache=True, hicache_ratio=8.0, max_total_tokens=64)
+    reports = _over_two_processes(str(directory), through_the_host=True, max_new=swa_parity.MAX_NEW, **tier)
+    for r in reports:
+        assert r["host_loaded_tokens"] > 0 and r["host_balanced"] and r["tree"] == "HiSWARadixCache", r
+    done = finished_requests(reports[0], swa_parity.MAX_NEW)
+    assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
+
+
+def _over_two_processes(
+    directory: str, *, through_the_host: bool = False, max_new: int = MAX_NEW, **config: Any
+) -> list[dict[str, Any]]:
     """The parity rounds at tp 2 over 2 processes of 1 device; the reports, each checked: equal
     outputs, digests compared, leak free, overlap on, reuse, evictions and retractions."""
     from tests.mesh.multihost_group import assert_all_ok, run_group
 
-    args = ["-m", "tests.mesh.test_matrix_pairs", directory, json.dumps(config)]
+    run = dict(through_the_host=through_the_host, max_new=max_new)
+    args = ["-m", "tests.mesh.test_matrix_pairs", directory, json.dumps(config), json.dumps(run)]
     reports = assert_all_ok(run_group(args, devices=1, timeout=300))
     assert reports[0]["outputs"] == reports[1]["outputs"]
     for r in reports:
         assert r["leak_free"] and r["digest_checks"] > 0 and r["overlap"], r
-        assert r["cached_tokens"] > 0 and r["evicted_tokens"] > 0 and r["retractions"] > 0, r
+        assert r["cached_tokens"] > 0 and r["evicted_tokens"] > 0, r
+        assert through_the_host or r["retractions"] > 0, r
     return reports
 
 
-def _serve_over_processes(directory: str, config: dict[str, Any]) -> dict[str, Any]:
+def _serve_over_processes(directory: str, config: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     from tests.mesh.multihost_group import join_and_load, request_records
 
     group, model = join_and_load(directory)
@@ -456,7 +478,13 @@ def _serve_over_processes(directory: str, config: dict[str, Any]) -> dict[str, A
         agreement=group.agreement(),
     )
     front = MultiProcessFront(sched, group.channel, check_agreement=True)
-    serve_two_rounds(front, MAX_NEW)  # type: ignore[arg-type]  # a front serves like a scheduler
+    if run["through_the_host"]:
+        serve_batches_through_the_host(front, run["max_new"])  # type: ignore[arg-type]
+    else:
+        serve_two_rounds(front, run["max_new"])  # type: ignore[arg-type]  # a front serves like a scheduler
+    hosts = [e for e in sched.extensions if isinstance(e, HostTierExtension)]
+    if hosts:
+        cache.tree_cache.check_transfers(wait=True)
     backups = [e.retraction for e in sched.extensions if type(e) is RetractionBackupExtension]  # type: ignore[attr-defined]
     return {
         "outputs": {str(r.rid): list(r.output_ids) for r in front.finished},
@@ -469,8 +497,11 @@ def _serve_over_processes(directory: str, config: dict[str, Any]) -> dict[str, A
         "retractions": sched.stats.retractions,
         "restored": sum(b.restored for b in backups),
         "held": sum(b.held for b in backups),
+        "tree": type(cache.tree_cache).__name__,
+        "host_loaded_tokens": sum(h.loaded_tokens for h in hosts),
+        "host_balanced": all(h.host_balanced() for h in hosts),
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(_serve_over_processes(sys.argv[1], json.loads(sys.argv[2]))))
+    print(json.dumps(_serve_over_processes(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))))
