@@ -677,6 +677,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("swa", "pp", "overlap"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
     ("swa", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
     ("swa", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "host", "processes"): "tests/mesh/test_matrix_pairs.py::test_gemma3_host_tier_at_tp2_over_two_processes",
     ("swa", "overlap", "processes"): (
         "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
     ),
