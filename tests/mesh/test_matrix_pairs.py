@@ -36,6 +36,9 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   that evict prefixes to every process's host pool and load them back. The ``cpu_tensor``
   retraction backup across processes, the same with Llama, is not served yet: the copy fetches the
   pool array across processes (expected to fail, strict).
+* MLA over pipeline stages: DeepSeek-V2 at pp 2 x tp 2 with overlap scheduling
+  (``tests/mesh/test_pp_parity.py``'s stages), through reuse, chunked prefill, eviction and
+  retraction, each stage holding only its layers' latent pools and weights.
 
 Qwen3-Next's logits are compared within 2e-4 with a draft (its MTP and STANDALONE tests' tolerance:
 Transformers' chunked delta rule against the recurrence).
@@ -129,6 +132,19 @@ def test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tp, tmp_pa
 
     mesh = make_serving_mesh(tp, dcp_size=2, devices=jax.devices())
     _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh, tp_size=tp, dcp_size=2)
+
+
+def test_deepseek_v2_over_two_pipeline_stages_at_tp2(tmp_path_factory):
+    from tests.mesh.test_pp_parity import assert_stages_hold_their_own, stage_scheduler
+
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    sched = stage_scheduler(model, 2, TP, 1, True)
+    assert sched.overlap
+    done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
+    assert_stages_hold_their_own(sched, model.spec.num_hidden_layers)
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
 def test_deepseek_v2_storage_tier_at_tp2(tmp_path_factory):
