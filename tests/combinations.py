@@ -736,6 +736,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
         MATRIX_PAIRS_STORAGE,
     ),
     ("mla", "tp", "storage"): "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_at_tp2",
+    **dict.fromkeys(
+        [("mla", "pp", "pp"), ("mla", "tp", "pp"), ("mla", "pp", "overlap")],
+        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_over_two_pipeline_stages_at_tp2",
+    ),
     ("mla", "dp", "storage"): (
         "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server"
     ),
