@@ -16,8 +16,9 @@ def check_host_tier_buildable(plan: CachePlan) -> None:
     """Raise ``NotImplementedError`` naming the pool when ``plan`` attaches a host tier over a pool
     kvjax keeps no host copies of: the DSA indexer keys, or a kind's state it has no host copy of
     (``PlannerKind.no_host_copy``; no built-in kind sets it: the recurrent-state checkpoints have
-    their host pool, ``"host_state"``), or the recurrent-state checkpoints' host copies under the
-    ``write_back`` policy (``HiMambaRadixCache`` builds the write-through policies)."""
+    their host pool, ``"host_state"``), or a kind's state under the ``write_back`` policy
+    (``PlannerKind.write_back_refusal``: the recurrent-state checkpoints, whose tree,
+    ``HiMambaRadixCache``, builds the write-through policies)."""
     if not plan.attach_host_tier:
         return
     if any(p.name == "index_k" for p in plan.pools):
@@ -25,13 +26,12 @@ def check_host_tier_buildable(plan: CachePlan) -> None:
             f"kvjax cannot build the host tier for {plan.model} yet: host copies of the DSA indexer keys "
             "(pool 'index_k') are not built; turn off enable_hierarchical_cache"
         )
-    if plan.is_hybrid_ssm and plan.hicache_write_policy == "write_back":
-        raise NotImplementedError(
-            f"kvjax cannot build the host tier for {plan.model} with hicache_write_policy='write_back' yet: a "
-            "recurrent-state checkpoint's host copy would have to land before its eviction; use write_through or "
-            "write_through_selective"
-        )
     for kind in planner_kinds_of(plan):
+        if plan.hicache_write_policy == "write_back" and kind.write_back_refusal is not None:
+            raise NotImplementedError(
+                f"kvjax cannot build the host tier for {plan.model} with hicache_write_policy='write_back' yet: "
+                f"{kind.write_back_refusal}"
+            )
         if kind.no_host_copy is not None:
             raise NotImplementedError(
                 f"kvjax cannot build the host tier for {plan.model} yet: host copies of its {kind.no_host_copy} "

@@ -12,7 +12,7 @@ from kvjax.pools.registry import BuildContext, create_pool, require_builder
 
 
 def test_every_planned_kind_has_an_entry():
-    assert set(pool_kinds()) == {"mha", "mla", "swa", "recurrent", "host_tier", "request_table"}
+    assert set(pool_kinds()) == {"mha", "mla", "swa", "recurrent", "host_tier", "host_state", "request_table"}
     for kind in pool_kinds().values():
         assert kind.capability and kind.memory in ("device", "host")
 

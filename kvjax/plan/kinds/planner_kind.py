@@ -116,6 +116,8 @@ class PlannerKind:
         host_pool_backup_refusal: the message refusing an explicit ``host_pool`` backup.
         no_host_copy: what of the kind's state the host tier keeps no copy of yet; the build
             (``kvjax.plan.buildable``) and the tree registry refuse a host tier over it, naming it.
+        write_back_refusal: why the build refuses the host tier's ``write_back`` policy over this
+            kind's state (``kvjax.plan.buildable``); None: every write policy is built.
         dcp_refusal: why the kind's state is not striped over decode-context-parallel ranks and
             what to do (options as ``{option}``); None: the kind serves DCP.
         decode_radix_refusal: the message refusing ``disaggregation_decode_enable_radix_cache``.
@@ -151,6 +153,7 @@ class PlannerKind:
     supports_host_pool_backup: Callable[[Sizes], bool] | None = None
     host_pool_backup_refusal: str | None = None
     no_host_copy: str | None = None
+    write_back_refusal: str | None = None
     standalone_draft: Callable[[ModelSpec, ModelSpec], tuple[str, ...]] | None = None
     draft_host_refusal: str | None = None
     dcp_refusal: str | None = None

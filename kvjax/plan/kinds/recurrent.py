@@ -145,6 +145,10 @@ KIND = PlannerKind(
     supports_host_pool_backup=no_host_pool_backup,
     host_pool_backup_refusal="host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
     draft_host_refusal="a draft model's host pool beside the recurrent-state checkpoints' host copies is not built",
+    write_back_refusal=(
+        "a recurrent-state checkpoint's host copy would have to land before its eviction; use write_through or "
+        "write_through_selective"
+    ),
     dcp_refusal="recurrent state is per request, not per token, so it cannot be striped; use {dcp_size} 1",
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; turn it off for this model"
