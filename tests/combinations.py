@@ -678,6 +678,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("swa", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
     ("swa", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "host", "processes"): "tests/mesh/test_matrix_pairs.py::test_gemma3_host_tier_at_tp2_over_two_processes",
+    ("swa", "tp", "pp"): "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ("swa", "overlap", "processes"): (
         "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
     ),
@@ -738,7 +739,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("mla", "tp", "storage"): "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_at_tp2",
     **dict.fromkeys(
         [("mla", "pp", "pp"), ("mla", "tp", "pp"), ("mla", "pp", "overlap")],
-        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_over_two_pipeline_stages_at_tp2",
+        "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ),
     ("mla", "dp", "storage"): (
         "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server"

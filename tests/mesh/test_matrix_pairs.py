@@ -36,9 +36,10 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   that evict prefixes to every process's host pool and load them back. The ``cpu_tensor``
   retraction backup across processes, the same with Llama, is not served yet: the copy fetches the
   pool array across processes (expected to fail, strict).
-* MLA over pipeline stages: DeepSeek-V2 at pp 2 x tp 2 with overlap scheduling
+* Over pipeline stages at pp 2 x tp 2 with overlap scheduling: DeepSeek-V2 (MLA) and Gemma 3 (sliding
+  window interleaved with full attention)
   (``tests/mesh/test_pp_parity.py``'s stages), through reuse, chunked prefill, eviction and
-  retraction, each stage holding only its layers' latent pools and weights.
+  retraction, each stage holding only its layers' pools and weights.
 
 Qwen3-Next's logits are compared within 2e-4 with a draft (its MTP and STANDALONE tests' tolerance:
 Transformers' chunked delta rule against the recurrence).
@@ -134,10 +135,11 @@ def test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tp, tmp_pa
     _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh, tp_size=tp, dcp_size=2)
 
 
-def test_deepseek_v2_over_two_pipeline_stages_at_tp2(tmp_path_factory):
+@pytest.mark.parametrize("family", ["deepseek_v2", "gemma3"])
+def test_over_two_pipeline_stages_at_tp2(family, tmp_path_factory):
     from tests.mesh.test_pp_parity import assert_stages_hold_their_own, stage_scheduler
 
-    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    hf, model = family_checkpoint(family, tmp_path_factory)
     sched = stage_scheduler(model, 2, TP, 1, True)
     assert sched.overlap
     done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
