@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -378,12 +378,22 @@ class DPSpeculation:
         return RankDraftDecoding(draft_config, self.draft_params, self.draft.num_steps)
 
 
+@runtime_checkable
+class RoundLauncher(Protocol):
+    """What runs a rank's speculative round under lockstep DP: ``kvjax.dp.lockstep.LockstepRank``
+    (the rank's stepping), which records the round and returns the rank's outputs of the DP round."""
+
+    def launch_round(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``(first_tokens, draft_metas, verify_meta)`` of the rank -> ``(pools, proposals,
+        greedy[, logits])`` of the rank, on the host."""
+        ...
+
+
 def _attach_to_rank(proposer: DraftDecoding, scheduler: Scheduler) -> None:
     """A rank's proposer attached: the single-rank checks (``check_scheduler``: overlap, the
     cache's draft pool, the kinds, a retraction backup), then its round's device work handed to
-    the lockstep front (``LockstepRank.launch_round``). The prefill step is the front's."""
-    from kvjax.dp.lockstep import LockstepRank
-
+    the lockstep front (a `RoundLauncher`: ``LockstepRank.launch_round``). The prefill step is
+    the front's."""
     proposer.check_scheduler(scheduler)
     if proposer.replays_state:
         raise NotImplementedError(
@@ -391,7 +401,7 @@ def _attach_to_rank(proposer: DraftDecoding, scheduler: Scheduler) -> None:
             "kept tokens with a step of one rank between rounds); serve it with dp_size 1 (any tp_size)"
         )
     stepping = scheduler.stepping
-    if not isinstance(stepping, LockstepRank):
+    if not isinstance(stepping, RoundLauncher):
         raise TypeError(f"a rank proposer runs under lockstep DP (LockstepRank), not {type(stepping).__name__}")
 
     def run_round(pools: Any, params: Any, draft_params: Any, *inputs: Any) -> tuple[Any, ...]:

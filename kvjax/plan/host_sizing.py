@@ -3,12 +3,18 @@
 ``hicache_size`` (GB) > 0: ``int(hicache_size * 1e9 // bytes_per_token)`` tokens; otherwise
 ``int(device_tokens * hicache_ratio)``. Then ``(tokens // page_size + 1) * page_size``: rounded
 down to pages plus one page (no slot is reserved on the host). 64 device tokens at ratio 2 give
-129 slots at page 1 and 132 at page 4.
+129 slots at page 1 and 132 at page 4. ``kv_host_share``: the KV's part of ``hicache_size`` when
+the recurrent-state checkpoints have a host pool beside it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvjax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvjax.plan.records import Sizes
 
 # SGLang keeps this much host RAM free for everything else when it checks the host pool's size.
 HOST_MEMORY_RESERVE_BYTES = 10 * (1 << 30)
@@ -63,3 +69,12 @@ def validate_retraction_host_capacity(host_tokens: int, context_length: int, pag
             f"the host_pool retraction backup needs room for one request of context_length {context_length} "
             f"({need} tokens at page {page_size}); raise hicache_ratio or hicache_size, or use 'cpu_tensor'",
         )
+
+
+def kv_host_share(sizes: Sizes) -> float:
+    """The KV's share of ``hicache_size`` when recurrent-state checkpoints get a host pool beside it
+    (SGLang's ``_split_hicache_size``: the host bytes split over the device pools in proportion to
+    their bytes; the state pool takes the rest, ``plan/kinds/recurrent.py``); 1 without state."""
+    state = (sizes.max_mamba_cache_size or 0) * sizes.mamba_state_bytes_per_req
+    kv = sizes.max_total_tokens * sizes.bytes_per_token
+    return kv / (kv + state) if state and kv else 1.0

@@ -8,7 +8,7 @@ import logging
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.plan.draft import DRAFT_MODEL_ALGORITHMS
-from kvjax.plan.host_sizing import host_pool_tokens
+from kvjax.plan.host_sizing import host_pool_tokens, kv_host_share
 from kvjax.plan.kinds.planner_kind import PlannerKind
 from kvjax.plan.kinds.planning import kinds_named
 from kvjax.plan.records import HostTier, ModelKind, Sizes, TreeChoice
@@ -140,15 +140,6 @@ def decide_tree(spec: ModelSpec, config: CacheConfig, kind: ModelKind, sizes: Si
 
 def _attaches_host_tier(config: CacheConfig, tree_kind: str, backup: str) -> bool:
     return tree_kind == UNIFIED and (config.enable_hierarchical_cache or backup == "host_pool")
-
-
-def kv_host_share(sizes: Sizes) -> float:
-    """The KV's share of ``hicache_size`` when recurrent-state checkpoints get a host pool beside it
-    (SGLang's ``_split_hicache_size``: the host bytes split over the device pools in proportion to
-    their bytes; the state pool takes the rest, ``plan/kinds/recurrent.py``); 1 without state."""
-    state = (sizes.max_mamba_cache_size or 0) * sizes.mamba_state_bytes_per_req
-    kv = sizes.max_total_tokens * sizes.bytes_per_token
-    return kv / (kv + state) if state and kv else 1.0
 
 
 def decide_host_tier(

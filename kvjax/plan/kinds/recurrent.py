@@ -12,7 +12,7 @@ beside the KV's host pool (SGLang's ``MambaPoolHost``): ``"host_state"``, one sl
 (every TP rank's share, as the host KV pool holds every head), sized as SGLang sizes it
 (:func:`host_state_slots`): ``int(max_mamba_cache_size * hicache_ratio) + 1``,
 or with ``hicache_size`` the state pool's byte share of it (its device bytes over the KV's and its
-own, SGLang's ``_split_hicache_size``; the KV host pool gets the rest: ``plan.tree.kv_host_share``)
+own, SGLang's ``_split_hicache_size``; the KV host pool gets the rest: ``plan.host_sizing.kv_host_share``)
 over one state's bytes.
 """
 
@@ -89,7 +89,7 @@ def host_state_pools(target: Target, sizes: Sizes, host: HostTier) -> tuple[Pool
     """The host state pool ``"host_state"`` (module docstring): ``shape[0]`` host state slots over
     the stage's recurrent layers, its ``layout`` the device pool's; none on a stage without one."""
     from kvjax.layout.pool_plan import PoolPlan
-    from kvjax.plan.tree import kv_host_share
+    from kvjax.plan.host_sizing import kv_host_share
 
     layout = target.recurrent
     if layout is None or not sizes.stage.recurrent:
