@@ -35,17 +35,17 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.errors import ConfigError
-from kvjax.pools import CachePools, MHAKVPool
+from kvjax.pools import CachePools
 from kvjax.serve.families.llama import LlamaAttention
 from kvjax.serve.layers import MLP, BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.speculative.draft_head import draft_logits
 
 __all__ = [
     "EAGLE_HEAD_ARCHITECTURE",
     "EAGLE_HEAD_FAMILIES",
     "LlamaEagleHead",
     "check_head_config",
-    "eagle_head_trace_pools",
     "is_eagle_head",
 ]
 
@@ -100,25 +100,7 @@ class LlamaEagleHead(nn.Module):
         embed = Embedding(c.vocab_size, c.hidden_size, dt, name="embed_tokens")
         x = Linear(c.hidden_size, True, dt, name="fc")(jnp.concatenate([embed(tokens), hidden.astype(dt)], axis=-1))
         out, pools = _EagleLayer(c, self.layer_id, name="layers_0")(x, pools, meta)
-        picked = out[meta.logits_indices]
-        if c.tie_word_embeddings:
-            logits = embed.attend(picked)
-        else:
-            logits = Linear(c.vocab_size, False, dt, name="lm_head")(picked)
-        return logits.astype(jnp.float32), out, pools
-
-
-def eagle_head_trace_pools(target: ModelConfig) -> CachePools:
-    """A one-page MHA pool of the target's layout holding only the head's layer 0 (for tracing)."""
-    kv = MHAKVPool.create(
-        num_pages=1,
-        page_size=1,
-        num_layers=1,
-        num_kv_heads=target.num_kv_heads,
-        head_dim=target.head_dim,
-        dtype=target.dtype,
-    )
-    return CachePools(kv=kv)
+        return draft_logits(c, embed, out, meta), out, pools
 
 
 def is_eagle_head(directory: str | Path) -> bool:

@@ -45,19 +45,18 @@ from kvjax.pools import CachePools
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model import build_model
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.speculative.draft_head import draft_logits, mha_trace_pools
 from kvjax.serve.speculative.eagle_head import (
     EAGLE_HEAD_ARCHITECTURE,
     EAGLE_HEAD_FAMILIES,
     LlamaEagleHead,
     check_head_config,
-    eagle_head_trace_pools,
     is_eagle_head,
 )
 from kvjax.serve.speculative.qwen3_next_mtp import (
     QWEN3_NEXT_FAMILY,
     Qwen3NextMTPDraft,
     mtp_tensor_name,
-    mtp_trace_pools,
 )
 
 __all__ = [
@@ -117,12 +116,7 @@ class NextNDraft(nn.Module):
         x = Linear(c.hidden_size, False, dt, name="eh_proj")(jnp.concatenate([e, h], axis=-1))
         x, pools = self.decoder_layer(c, self.layer_id, name="decoder")(x, pools, meta)
         out = _SharedHead(eps, dt, name="shared_head")(x)
-        picked = out[meta.logits_indices]
-        if c.tie_word_embeddings:
-            logits = embed.attend(picked)
-        else:
-            logits = Linear(c.vocab_size, False, dt, name="lm_head")(picked)
-        return logits.astype(jnp.float32), out, pools
+        return draft_logits(c, embed, out, meta), out, pools
 
 
 def nextn_draft(target: ModelConfig) -> nn.Module:
@@ -148,9 +142,9 @@ def _trace_pools(target: ModelConfig) -> CachePools:
     from kvjax.pools import MLAKVPool
 
     if target.family == QWEN3_NEXT_FAMILY:
-        return mtp_trace_pools(target)
+        return mha_trace_pools(target, target.num_hidden_layers)
     if target.family in EAGLE_HEAD_FAMILIES:
-        return eagle_head_trace_pools(target)
+        return mha_trace_pools(target, 0)
 
     f = target.family_config
     kv = MLAKVPool.create(

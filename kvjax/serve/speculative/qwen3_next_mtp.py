@@ -36,12 +36,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kvjax.pools import CachePools, MHAKVPool
+from kvjax.pools import CachePools
 from kvjax.serve.families.qwen3_next import Qwen3NextDecoderLayer
 from kvjax.serve.layers import BatchMetadata, Embedding, Linear, OffsetRMSNorm
 from kvjax.serve.model_config import ModelConfig
+from kvjax.serve.speculative.draft_head import draft_logits
 
-__all__ = ["QWEN3_NEXT_FAMILY", "Qwen3NextMTPDraft", "mtp_tensor_name", "mtp_trace_pools"]
+__all__ = ["QWEN3_NEXT_FAMILY", "Qwen3NextMTPDraft", "mtp_tensor_name"]
 
 QWEN3_NEXT_FAMILY = "qwen3_next"
 _PREFIX = "mtp."
@@ -73,26 +74,7 @@ class Qwen3NextMTPDraft(nn.Module):
         x = Linear(c.hidden_size, False, dt, name="fc")(jnp.concatenate([e, h], axis=-1))
         x, pools = Qwen3NextDecoderLayer(c, self.layer_id, name="decoder")(x, pools, meta)
         out = OffsetRMSNorm(eps, dt, name="norm")(x)
-        picked = out[meta.logits_indices]
-        if c.tie_word_embeddings:
-            logits = embed.attend(picked)
-        else:
-            logits = Linear(c.vocab_size, False, dt, name="lm_head")(picked)
-        return logits.astype(jnp.float32), out, pools
-
-
-def mtp_trace_pools(target: ModelConfig) -> CachePools:
-    """A one-page MHA pool holding only the MTP layer (id ``num_hidden_layers``), for tracing the weights."""
-    kv = MHAKVPool.create(
-        num_pages=1,
-        page_size=1,
-        num_layers=1,
-        num_kv_heads=target.num_kv_heads,
-        head_dim=target.head_dim,
-        dtype=target.dtype,
-        layer_ids=(target.num_hidden_layers,),
-    )
-    return CachePools(kv=kv)
+        return draft_logits(c, embed, out, meta), out, pools
 
 
 def mtp_tensor_name(path: tuple[str, ...], name: Any) -> str:
