@@ -796,7 +796,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("recurrent", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
     ("recurrent", "tp", "host"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_tp2_with_the_host_tier",
-    ("recurrent", "tp", "processes"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_at_tp2_over_two_processes",
     ("recurrent", "tp", "standalone"): (
         "tests/mesh/test_matrix_pairs.py::test_qwen3_next_standalone_at_tp2_evicts_retracts_and_replays"
     ),

@@ -29,6 +29,7 @@ HEAVIEST_FIRST = (
     "test_pd_families.py",  # 100
     "test_pd_faults.py",  # 80
     "test_tp_speculative_swa.py",  # 80
+    "test_matrix_pairs.py",  # 100
     "test_multihost_speculative.py",  # 60
     "test_dp_speculative.py",  # 35
     "test_dcp_speculative.py",  # 45
