@@ -173,6 +173,7 @@ def serve_decode(args: argparse.Namespace) -> dict[str, Any]:
         "waited": waited,
         "pulled_tokens": server.pulled_tokens,
         "reused_tokens": server.reused_tokens,
+        "retried": server.retried,
         "leak_free": server.leak_free(),
         "signature": list(server.signature),
     }

@@ -64,12 +64,15 @@ def _served(hf: Any, report: dict[str, Any], request: dict[str, Any]) -> None:
     assert report["outputs"][rid] == want, f"{rid}: {report['outputs'][rid]} != transformers {want}"
 
 
-@pytest.mark.parametrize(("when", "lost"), [("order", "ac"), ("offer", "c")])
-def test_a_prefill_server_dying_at_the_pull_fails_only_its_requests(llama, tmp_path, when, lost):
+@pytest.mark.parametrize(("when", "lost", "lost_or_retried"), [("order", "a", "c"), ("offer", "c", "")])
+def test_a_prefill_server_dying_at_the_pull_fails_only_its_requests(llama, tmp_path, when, lost, lost_or_retried):
     """Two prefill servers; the first exits hard (``os._exit``) at a pull order (``order``: the
     first, before answering; ``offer``: the second, right after offering the pieces, so that pull
     meets a transfer server dying under an open connection: a's pull landed). Round robin sends a
-    and c to it, b and d to the live one.
+    and c to it, b and d to the live one. A request whose pull met the death fails (``lost``); at
+    ``order``, c's first token may or may not have come before the death (its prefill may run in
+    a later batch than a's): if it had, c fails with a; if not, c is sent again to the live server
+    and served there (``lost_or_retried``).
 
     (Only a transfer server dying after offering but before the decode side's first connection to
     it can leave a pull waiting to the deadline: ``kv_transfer._reachable``.)"""
@@ -98,7 +101,10 @@ def test_a_prefill_server_dying_at_the_pull_fails_only_its_requests(llama, tmp_p
         live_report = live.stop() if live.proc.poll() is None else {}
         dying.proc.wait(30)
     assert dying.proc.returncode == 3, f"the dying prefill server exited with {dying.proc.returncode}"
+    retried = [rid for rid in lost_or_retried if rid not in report["failed"]]
+    lost += "".join(rid for rid in lost_or_retried if rid not in retried)
     assert sorted(report["failed"]) == list(lost), report["failed"]
+    assert report["retried"] == len(retried), (report["retried"], retried)
     for rid in lost:
         reason = report["failed"][rid]
         assert dying.address in reason, f"{rid}: the lost prefill server is not named: {reason}"
@@ -109,7 +115,9 @@ def test_a_prefill_server_dying_at_the_pull_fails_only_its_requests(llama, tmp_p
         if r["rid"] not in lost:
             _served(hf, report, r)
     assert report["leak_free"], "decode side: slots or rows left after the failed requests"
-    assert live_report == {**live_report, "leak_free": True, "snapshots": 0, "prefilled": 2, "dropped_with_link": 0}
+    prefilled = 2 + len(retried)  # b and d, and a retried request
+    want = {"leak_free": True, "snapshots": 0, "prefilled": prefilled, "dropped_with_link": 0}
+    assert live_report == {**live_report, **want}
 
 
 def test_a_stalled_prefill_server_fails_the_request_within_the_timeout(llama, tmp_path):
