@@ -642,6 +642,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     **dict.fromkeys([("full", "tp", "retraction"), ("full", "host", "retraction")], MATRIX_PAIRS_RETRACTION),
     ("full", "storage", "retraction"): MATRIX_PAIRS_STORAGE,
     ("full", "dcp", "retraction"): MATRIX_PAIRS_DCP_RETRACTION,
+    # The cpu_tensor retraction backup at tp 2 over two processes (each keeps its devices' blocks).
+    ("full", "retraction", "processes"): (
+        "tests/mesh/test_matrix_pairs.py::test_llama_cpu_tensor_retraction_backup_over_two_processes"
+    ),
     # Llama's EAGLE head at tp 2 with the host tier.
     **dict.fromkeys(
         [("full", "tp", "eagle"), ("full", "eagle", "host")],

@@ -10,11 +10,13 @@ in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
 
 * ``cpu_tensor`` (this module builds it, :func:`retraction_extensions`): the pages of every layer
   copied to numpy (the page gather, then ``device_get``) and written back by the page scatter
-  with the pool donated (in place, O(pages)). Attached when the plan resolves ``cpu_tensor`` and
-  the backup is active (``plan.decode_retraction_active``: a decode server, or the backup set
-  explicitly; SGLang re-prefills retracted requests outside decode mode), for pools the page
-  kernels copy (MHA, MLA) without recurrent state; otherwise retracted requests are recomputed.
-  Under lockstep DP attention (``in_lockstep``) the copies are the rank's own
+  with the pool donated (in place, O(pages)); a pool over a mesh is copied per shard, each
+  process keeping and restoring the blocks its own devices hold (``kvjax.transfers.page_copy``:
+  across processes nothing is fetched from another process's devices). Attached when the plan
+  resolves ``cpu_tensor`` and the backup is active (``plan.decode_retraction_active``: a decode
+  server, or the backup set explicitly; SGLang re-prefills retracted requests outside decode
+  mode), for pools the page kernels copy (MHA, MLA) without recurrent state; otherwise retracted
+  requests are recomputed. Under lockstep DP attention (``in_lockstep``) the copies are the rank's own
   (``kvjax.dp.rank_transfer``: its pages of the stacked pool, written back into its slice only).
 * ``host_pool``: the host tier's extension (``host_tier.py``) owns one of these over the host
   tier's pool, so the restore logic lives here once.
@@ -41,29 +43,31 @@ from kvjax.transfers.retraction_backup import RetractionBackup
 if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.serve.serving_req import ServingReq
+    from kvjax.transfers.page_copy import PageCopy
 
 
-def _page_copy(pool: Any, slots: np.ndarray) -> list[np.ndarray]:
-    """``cpu_tensor`` backup: per-layer numpy copies ``[tokens, ...]`` of whole-page ``slots``."""
+def _page_copy(pool: Any, slots: np.ndarray) -> PageCopy:
+    """``cpu_tensor`` backup: the numpy copy of whole-page ``slots`` of every layer, the blocks
+    this process's devices hold (``kvjax.transfers.page_copy``)."""
     from kvjax.transfers.device_pages import page_layers
-    from kvjax.transfers.transfer import device_pages, pages_to_numpy
+    from kvjax.transfers.page_copy import copy_pages
+    from kvjax.transfers.transfer import device_pages
 
     layers = page_layers(pool)
     page_size = layers[0].shape[1]
-    pages = device_pages(slots, page_size, layers[0].shape[0] * page_size)
-    return [np.ascontiguousarray(b.reshape(-1, *b.shape[2:])) for b in pages_to_numpy(layers, pages)]
+    return copy_pages(layers, device_pages(slots, page_size, layers[0].shape[0] * page_size))
 
 
-def _page_load(pool: Any, copy: list[np.ndarray], slots: np.ndarray) -> Any:
-    """``cpu_tensor`` restore: write :func:`_page_copy`'s copies into whole-page ``slots`` (in place)."""
+def _page_load(pool: Any, copy: PageCopy, slots: np.ndarray) -> Any:
+    """``cpu_tensor`` restore: write :func:`_page_copy`'s copy into whole-page ``slots`` (in place)."""
     from kvjax.transfers.device_pages import page_layers, with_page_layers
-    from kvjax.transfers.transfer import device_pages, pages_from_numpy
+    from kvjax.transfers.page_copy import load_pages
+    from kvjax.transfers.transfer import device_pages
 
     layers = page_layers(pool)
     page_size = layers[0].shape[1]
     pages = device_pages(slots, page_size, layers[0].shape[0] * page_size)
-    buffer = np.stack([c.reshape(pages.size, page_size, *c.shape[1:]) for c in copy])
-    return with_page_layers(pool, pages_from_numpy(layers, buffer, pages))
+    return with_page_layers(pool, load_pages(layers, copy, pages))
 
 
 def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:

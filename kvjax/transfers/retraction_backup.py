@@ -16,7 +16,10 @@ Modes (the plan's ``decode_retraction_backup``):
   may read the held slots in place until it lands, so they are freed by :meth:`poll` once it has
   (at once when it already has).
 * ``cpu_tensor``: ``get_cpu_copy`` / ``load_cpu_copy`` of the device pool (numpy copies), or the
-  ``get_copy`` / ``load_copy`` functions given (the serving extension's page copies, in place).
+  ``get_copy`` / ``load_copy`` functions given (the serving extension's page copies, in place). A
+  copy is a list of per-layer numpy arrays ``[tokens, ...]`` or a
+  :class:`~kvjax.transfers.page_copy.PageCopy` (the blocks this process holds); a restore from a
+  later token writes its :func:`copy_tail`.
 
 Device state (``docs/architecture.md``, "Device state: who changes it"): a restore never swaps
 the caller's pools. ``host_pool``: the copy engine records the load. ``cpu_tensor``: the copy aside
@@ -39,8 +42,17 @@ import numpy as np
 
 from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
+from kvjax.transfers.page_copy import PageCopy
 
 RETRACTION_BACKUPS = ("host_pool", "cpu_tensor")
+
+
+def copy_tail(copy: Any, tokens: int) -> Any:
+    """A ``cpu_tensor`` copy of its tokens from ``tokens`` (page-aligned) on: a :class:`PageCopy`'s
+    ``tail``, or each per-layer array of a list sliced."""
+    if isinstance(copy, PageCopy):
+        return copy.tail(tokens)
+    return [c[tokens:] for c in copy]
 
 
 @dataclass
@@ -52,7 +64,7 @@ class RetractedKV:
     num_pages: int
     host_slots: np.ndarray | None = None
     handle: Any = None
-    cpu_copy: list[np.ndarray] | None = None
+    cpu_copy: Any = None  # cpu_tensor: a list of per-layer numpy copies, or a PageCopy
 
 
 class RetractionBackup:
@@ -65,8 +77,8 @@ class RetractionBackup:
         pending: the cache's pending device updates (``cpu_tensor``; ``KVCache.pending``): the
             copy aside reads through it, the restore records into it.
         pool_name: the device pool copied (``cpu_tensor``).
-        get_copy: ``get_copy(pool, device_slots) -> list of per-layer numpy [tokens, ...]``
-            (``cpu_tensor``; default the pool's ``get_cpu_copy``).
+        get_copy: ``get_copy(pool, device_slots) -> copy`` (a list of per-layer numpy
+            ``[tokens, ...]`` or a ``PageCopy``; ``cpu_tensor``; default the pool's ``get_cpu_copy``).
         load_copy: ``load_copy(pool, copy, device_slots) -> new pool`` (``cpu_tensor``; default
             the pool's ``load_cpu_copy``).
 
@@ -81,8 +93,8 @@ class RetractionBackup:
         host: Any = None,
         pending: PendingDeviceUpdates | None = None,
         pool_name: str = "kv",
-        get_copy: Callable[[Any, np.ndarray], list[np.ndarray]] | None = None,
-        load_copy: Callable[[Any, list[np.ndarray], np.ndarray], Any] | None = None,
+        get_copy: Callable[[Any, np.ndarray], Any] | None = None,
+        load_copy: Callable[[Any, Any, np.ndarray], Any] | None = None,
     ):
         if mode not in RETRACTION_BACKUPS:
             raise ValueError(f"decode_retraction_backup={mode!r}: use one of {', '.join(RETRACTION_BACKUPS)}")
@@ -183,7 +195,7 @@ class RetractionBackup:
                 self.host.free_held(kept.host_slots)
         else:
             assert kept.cpu_copy is not None and self.pending is not None
-            self.pending.record(self._restore_update([c[skip:] for c in kept.cpu_copy], device_slots))
+            self.pending.record(self._restore_update(copy_tail(kept.cpu_copy, skip), device_slots))
         if ok:
             self.restored += 1
             self.restored_tokens += kept.end - kept.start - skip
@@ -191,7 +203,7 @@ class RetractionBackup:
             self.fallbacks += 1
         return ok
 
-    def _restore_update(self, copy: list[np.ndarray], device_slots: np.ndarray) -> DeviceUpdate:
+    def _restore_update(self, copy: Any, device_slots: np.ndarray) -> DeviceUpdate:
         """``cpu_tensor``: the write of ``copy`` into ``device_slots``, as a pending device update."""
         name, load_copy = self.pool_name, self.load_copy
         slots = np.asarray(device_slots).copy()

@@ -172,26 +172,6 @@ def _scatter_each(
     return tuple(x.at[dst].set(b, mode="drop") for x, b in zip(layers, buffers, strict=True))
 
 
-def pages_to_numpy(layers: tuple[jax.Array, ...], pages: np.ndarray) -> np.ndarray:
-    """The layer-first numpy copy ``[L, n, page_size, ...]`` of device ``pages`` of every layer
-    (the gather, padded to a power of two, then ``device_get``): O(pages), never O(pool)."""
-    pages = np.asarray(pages, np.int32)
-    padded = np.zeros(_bucket(pages.size), np.int32)  # padding reads the trash page
-    padded[: pages.size] = pages
-    return np.asarray(jax.device_get(_gather(layers, jnp.asarray(padded))))[:, : pages.size]
-
-
-def pages_from_numpy(layers: tuple[jax.Array, ...], buffer: np.ndarray, pages: np.ndarray) -> tuple[jax.Array, ...]:
-    """Write a :func:`pages_to_numpy` buffer into device ``pages``; ``layers`` are donated (in place)."""
-    pages = np.asarray(pages, np.int32)
-    n = _bucket(pages.size)
-    dst = np.zeros(n, np.int32)  # padding goes to the trash page, which the scatter drops
-    dst[: pages.size] = pages
-    data = np.zeros((buffer.shape[0], n, *buffer.shape[2:]), buffer.dtype)
-    data[:, : pages.size] = buffer
-    return _scatter(layers, jnp.asarray(data, layers[0].dtype), jnp.asarray(dst))
-
-
 @dataclass
 class _Backup:
     buffer: Any

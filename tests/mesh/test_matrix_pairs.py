@@ -403,12 +403,6 @@ def test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server(tmp_pat
     assert_matches_transformers(hf, done, max_new=dp.MAX_NEW, atol=ATOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the cpu_tensor copy of a retracted request's pages (retraction_extension._page_copy, "
-    "transfers.transfer.pages_to_numpy) fetches the whole pool array, which spans the other process's "
-    "devices: RuntimeError at the first retraction",
-)
 def test_llama_cpu_tensor_retraction_backup_over_two_processes(tmp_path_factory):
     from tests.mesh.multihost_group import finished_requests
     from tests.mesh.tp_serving import family_config
