@@ -332,8 +332,8 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     stage[:] = ["CacheConfig"]
     config = _config(kind, features)
     stage[:] = ["the cache's build"]
-    # Speculative rounds overlap too (kvjax.serve.speculative.overlap); only DP attention's lockstep
-    # rounds run without it, a pair no cell holds with overlap.
+    # Speculative rounds overlap too (kvjax.serve.speculative.overlap), under DP attention's lockstep
+    # rounds as on one rank (kvjax.dp.speculative).
     overlap = "overlap" in features
     options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
     if config.pp_size > 1:

@@ -26,7 +26,6 @@ from kvjax.cli.serving_args import (
     cache_options,
     dp_attention_config,
     kv_events_options,
-    overlap_note,
     speculative_options,
 )
 from kvjax.config import EVICTION_POLICIES
@@ -160,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--hicache-storage {storage}: cannot create it ({e.strerror})") from None
         print(f"python -m kvjax demo: created the --hicache-storage directory {storage}", file=sys.stderr)
 
-    overlap_note(args)
     # Every argument is checked: now jax (joining a multi-process run first) and the model.
     try:
         group = join_group(args)
@@ -185,8 +183,7 @@ def run(args: argparse.Namespace) -> int:
             hicache_storage=args.hicache_storage,
             progress=not args.json,
             model=model,
-            # speculative rounds overlap, except under DP attention (its lockstep rounds do not)
-            overlap=not args.disable_overlap_schedule and not (speculative and args.dp > 1),
+            overlap=not args.disable_overlap_schedule,
             dp_routing=args.dp_routing,
             **cache_options(args),
             **speculative,

@@ -248,7 +248,6 @@ def run(args: argparse.Namespace) -> int:
     if joins_group(args):
         _check_across_processes(args)
 
-    serving_args.overlap_note(args)
     # Every argument is checked: now jax (joining a multi-process run first) and the model.
     try:
         group = join_group(args)
@@ -286,23 +285,21 @@ def run(args: argparse.Namespace) -> int:
 
             result = generate_decode(args, model, prompts, common)
         elif dp_attention:
-            overlap = not args.disable_overlap_schedule and not speculative
             result, _ = generate_dp(
                 model,
                 prompts,
                 dp_routing=args.dp_routing,
-                overlap=overlap,
+                overlap=not args.disable_overlap_schedule,
                 **common,
                 **options,
                 **serving_args.kv_events_options(args),
                 **speculative,
             )
         else:
-            overlap = not args.disable_overlap_schedule  # speculative rounds overlap too
             result, _ = generate(
                 model,
                 prompts,
-                overlap=overlap,
+                overlap=not args.disable_overlap_schedule,
                 **common,
                 **options,
                 **serving_args.kv_events_options(args),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any
 
 from kvjax.cli.arg_types import positive_int
@@ -157,8 +156,7 @@ def speculative_options(
     """The speculative flags, checked without jax: ``{}`` without ``--speculative-algorithm``, else
     ``draft_path`` and ``speculative_num_steps`` (a `UsageError` for a missing or mismatched draft
     or steps without an algorithm; an MTP draft's ``hidden_size`` is checked
-    against ``target_hidden_size`` when given, a STANDALONE draft's is its own). ``overlap_note``
-    says, once every flag is checked, that overlap scheduling is off for it."""
+    against ``target_hidden_size`` when given, a STANDALONE draft's is its own)."""
     topk = getattr(args, "speculative_eagle_topk", None)
     draft_tokens = getattr(args, "speculative_num_draft_tokens", None)
     if args.speculative_algorithm is None:
@@ -191,15 +189,6 @@ def speculative_options(
             f"the target's is {target_vocab_size}; give a draft of the same family and tokenizer"
         )
     return {"draft_path": args.speculative_draft_model_path, "speculative_num_steps": steps}
-
-
-def overlap_note(args: argparse.Namespace) -> None:
-    """With ``--speculative-algorithm``, ``--dp`` above 1 and overlap scheduling on (the default), a
-    note on standard error that speculative decoding under DP attention runs without it (printed
-    after every check, so a refused command line prints its one error line alone). Without DP
-    attention the rounds are overlapped (``kvjax.serve.speculative.overlap``)."""
-    if args.speculative_algorithm is not None and not args.disable_overlap_schedule and args.dp > 1:
-        print("note: speculative decoding under DP attention runs without overlap scheduling", file=sys.stderr)
 
 
 def _eagle_options(

@@ -54,11 +54,13 @@ engine, ``cpu_tensor`` through the same per-rank copies). Timing-dependent compl
 transfer landing) are agreed per rank through ``agreement``, as one scheduler agrees them. Other
 extensions that record device updates between steps are refused.
 
-Speculative decoding (``draft``: ``kvjax.dp.speculative``, without overlap): each rank's scheduler
-has its proposer, the DP step is every rank's paired prefill (target + draft) and a rank's decode
-hands in its speculative round (``LockstepRank.launch_round``), run with every other rank's in one
-DP round; a lockstep round in which some ranks prefill and others draft runs the DP step, then the
-DP round, on the pools the step left (``mixed_rounds`` counts them). With the host tier the
+Speculative decoding (``draft``: ``kvjax.dp.speculative``): each rank's scheduler has its
+proposer, the DP step is every rank's paired prefill (target + draft) and a rank's decode hands in
+its speculative round (``LockstepRank.launch_round``), run with every other rank's in one DP
+round; a lockstep round in which some ranks prefill and others draft runs the DP step, then the
+DP round, on the pools the step left (``mixed_rounds`` counts them). With overlap a rank's round
+``N + 1`` is handed in before it reads round ``N``, with how it continues its row of the last DP
+round (``RoundChain``); the DP round chains every rank's on the device. With the host tier the
 draft's pages ride with the target's through each rank's engines. Recurrent targets are refused.
 """
 
@@ -81,12 +83,11 @@ from kvjax.serve.dp_router import DEFAULT_MAX_LOAD_GAP_TOKENS
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.scheduler import Scheduler, ServingReq
-from kvjax.serve.speculative.draft_decoding import DraftDecoding
 from kvjax.serve.stepping import OneMesh, StepOwner
 from kvjax.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from kvjax.dp.speculative import DPSpeculation, RankDraft
+    from kvjax.dp.speculative import DPSpeculation, RankDraft, RoundChain
 
 __all__ = ["LockstepDPScheduler"]
 
@@ -100,6 +101,7 @@ class _Round:
         self.active = active
         self.inputs: dict[int, tuple[np.ndarray, Any, Any, np.ndarray | None]] = {}
         self.rounds: dict[int, tuple[Any, ...]] = {}
+        self.chains: dict[int, RoundChain] = {}
         self.outputs: tuple[Any, ...] | None = None
         self.round_outputs: tuple[Any, ...] | None = None
         self.ran = False
@@ -139,16 +141,22 @@ class LockstepRank(OneMesh):
             raise RuntimeError(f"rank {self.rank} ran two batches in one lockstep round")
         return front, round_
 
-    def launch_round(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def launch_round(self, inputs: tuple[Any, ...], chain: RoundChain | None = None) -> tuple[Any, ...]:
         """Speculative decoding (``kvjax.dp.speculative``): record the rank's round ``(first_tokens,
-        draft_metas, verify_meta)``, step the ranks after it (the last runs the DP programs) and
-        return ``(pools, proposals [S, k], greedy [S, k + 1][, logits])`` of this rank, on the host."""
+        draft_metas, verify_meta)`` (with overlap, ``chain``: how it continues the rank's round in
+        flight on the device), step the ranks after it (the last runs the DP programs) and return
+        ``(pools, proposals [S, k], greedy [S, k + 1][, logits])`` of this rank: on the host, or
+        with overlap references to the rank's rows, on the device until read."""
         front, round_ = self._current()
         round_.rounds[self.rank] = inputs
+        if chain is not None:
+            round_.chains[self.rank] = chain
         front._step_ranks(round_, round_.active.index(self.rank) + 1)
         if round_.round_outputs is None:
             raise RuntimeError(f"rank {self.rank}: the round ended without a DP round")
         new_pools, *rest = round_.round_outputs
+        if front.overlap:
+            return (new_pools, *(_RankTokens(x, self.rank) for x in rest))
         return (new_pools, *(x.host()[self.rank] for x in rest))
 
     def launch(self, scheduler: StepOwner, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -180,9 +188,10 @@ class _StackedOutput:
 
 
 class _RankTokens:
-    """Overlap: rank ``rank``'s row of a DP step's stacked output, as a rank's scheduler holds its
-    in-flight step's tokens. ``np.asarray`` reads it (blocking until the step is done); the next
-    DP step takes ``stacked.array`` as its ``prev_tokens`` and gathers the row on the device."""
+    """Overlap: rank ``rank``'s row of a DP program's stacked output, as a rank's scheduler holds
+    its in-flight step's tokens (or round's proposals and greedy tokens). ``np.asarray`` reads it
+    (blocking until the program is done); the next DP step takes ``stacked.array`` as its
+    ``prev_tokens`` (the next DP round as its previous round's) and reads the row on the device."""
 
     def __init__(self, stacked: _StackedOutput, rank: int) -> None:
         self.stacked = stacked
@@ -274,7 +283,7 @@ class LockstepDPScheduler(DPScheduler):
         on every process, as one scheduler's do; default: this process alone). ``draft``: decode
         speculatively on every rank (``kvjax.dp.speculative``: a STANDALONE draft model with its
         spec, or the target's MTP layer; ``config`` planned with the matching
-        ``speculative_algorithm``); ``overlap`` must then be False.
+        ``speculative_algorithm``; with ``overlap`` the rounds are chained on the device).
 
         Raises:
             ConfigError, NotImplementedError: as ``build_dp_kv_cache`` raises them, and
@@ -284,8 +293,6 @@ class LockstepDPScheduler(DPScheduler):
         """
         served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         speculation = None
-        if draft is not None and overlap:  # the speculative scheduler's refusal, before anything is built
-            raise DraftDecoding.overlap_refusal(overlap)
         cache = build_dp_kv_cache(spec, config, mesh, draft_spec=None if draft is None else draft.spec)
         if draft is not None:
             from kvjax.dp.speculative import DPSpeculation
@@ -378,11 +385,37 @@ class LockstepDPScheduler(DPScheduler):
             round_.rounds[r] if r in round_.rounds else idle_round(scheduler, k)
             for r, scheduler in enumerate(self.schedulers)
         ]
-        outputs = speculation.round(self.cache.pools, self._params, rounds)
+        if round_.chains:  # overlap: the ranks' rounds continue the last DP round on the device
+            previous, src, room = self._round_chains(round_.chains)
+            outputs = speculation.chained_round(self.cache.pools, self._params, rounds, previous, src, room)
+        else:
+            outputs = speculation.round(self.cache.pools, self._params, rounds)
         self.dp_steps += 1
         pools = outputs[0]
         self.schedulers[0].store_pools(pools)
         round_.round_outputs = (pools, *(_StackedOutput(x) for x in outputs[1:]))
+
+    def _round_chains(self, chains: dict[int, RoundChain]) -> tuple[tuple[Any, Any] | None, np.ndarray, np.ndarray]:
+        """The chained DP round's ``(previous, src [dp, S], room [dp, S])`` from the ranks' chains
+        (a rank without one: ``src`` -1). Every rank that continues rows must continue its own row
+        of one and the same DP round (module docstring); ``RuntimeError`` otherwise."""
+        dp, width = len(self.schedulers), self.schedulers[0].max_batch_size
+        src = np.full((dp, width), -1, np.int32)
+        room = np.zeros((dp, width), np.int32)
+        previous: tuple[_StackedOutput, _StackedOutput] | None = None
+        for r, chain in chains.items():
+            src[r, : chain.src.shape[0]] = chain.src
+            room[r, : chain.room.shape[0]] = chain.room
+            if not bool((chain.src >= 0).any()):
+                continue
+            refs = (chain.proposals, chain.greedy)
+            if not all(isinstance(x, _RankTokens) and x.rank == r for x in refs):
+                raise RuntimeError(f"rank {r} continues a round that is not its row of a DP round")
+            stacked = (refs[0].stacked, refs[1].stacked)
+            if previous is not None and stacked != previous:
+                raise RuntimeError(f"rank {r} continues another DP round than an earlier rank")
+            previous = stacked
+        return (None if previous is None else (previous[0].array, previous[1].array)), src, room
 
     def _run_dp_step(self, round_: _Round) -> None:
         """Stack the handed-in batches (an idle one for every other rank), run the DP step and

@@ -35,9 +35,19 @@ padding: token 0 at position 0 on the trash page), the verify metadata as ``stac
 stacks a step's. Each rank's proposals, greedy tokens and logits are those of the single-rank
 round on its inputs alone (the padding tokens are read by no sequence).
 
-Not built (refused by name when the front is built): overlap scheduling (off with speculation,
-as on one rank), a recurrent-state target (its rollback replays the kept tokens with a step of
-one rank between rounds), a retraction backup (as on one rank).
+Overlap scheduling (``overlap=True``; ``kvjax.serve.speculative.overlap``): each rank's proposer
+launches its round ``N + 1`` before it reads round ``N`` as on one rank, but hands the chain's
+inputs (``src``, ``room``, its first tokens from the host) to the lockstep front with its round
+instead of chaining on its own; the DP round program (``make_dp_round_step(...,
+chained_page_size=...)``) runs ``chain_round_inputs`` per rank on the previous DP round's stacked
+proposals and greedy tokens, still on the device, then the rank's round. A rank's round in flight
+is always the last DP round's row (a rank with a round in flight steps in the next lockstep round
+and either continues it or reads it first); the front checks it. Sliding-window targets resolve
+each round before the next, as on one rank.
+
+Not built (refused by name when the front is built): a recurrent-state target (its rollback
+replays the kept tokens with a step of one rank between rounds), a retraction backup (as on one
+rank).
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from kvjax.serve.speculative.draft_decoding import DraftDecoding
 from kvjax.serve.speculative.eagle import EAGLE_ALGORITHMS, EagleDecoding
 from kvjax.serve.speculative.eagle_steps import eagle_prefill_body, eagle_round_body
 from kvjax.serve.speculative.nextn import nextn_param_shapes
+from kvjax.serve.speculative.overlap import chain_round_inputs
 from kvjax.serve.speculative.proposer import draft_metadata
 from kvjax.serve.speculative.steps import paired_prefill_body, round_body
 from kvjax.serve.speculative.verifier import verify_metadata
@@ -80,6 +91,8 @@ __all__ = [
     "RankDraft",
     "RankDraftDecoding",
     "RankEagleDecoding",
+    "RoundChain",
+    "RoundLauncher",
     "idle_round",
     "make_dp_paired_prefill_step",
     "make_dp_round_step",
@@ -209,8 +222,28 @@ def make_dp_paired_prefill_step(
     return _with_jitted(_dp_program(body, layout, weights, states=0, inputs=2, outputs=outputs))
 
 
+def _chained(body: Callable[..., tuple[Any, ...]], page_size: int) -> Callable[..., tuple[Any, ...]]:
+    """A rank's round ``body(pools, *head, first_tokens, draft_metas, verify_meta)`` whose inputs
+    are first continued from the rank's previous round on the device (``chain_round_inputs``): it
+    takes ``(..., host_first, draft_metas, verify_meta, prev_proposals, prev_greedy, src, room)``."""
+
+    def run(pools: Any, *args: Any) -> tuple[Any, ...]:
+        *head, host_first, draft_metas, verify_meta, prev_proposals, prev_greedy, src, room = args
+        first, draft_metas, verify_meta = chain_round_inputs(
+            prev_proposals, prev_greedy, src, host_first, room, draft_metas, verify_meta, page_size=page_size
+        )
+        return body(pools, *head, first, draft_metas, verify_meta)
+
+    return run
+
+
 def make_dp_round_step(
-    target: ModelSpec | ModelConfig, layout: DPLayout, *, with_logits: bool, draft: ModelConfig | None = None
+    target: ModelSpec | ModelConfig,
+    layout: DPLayout,
+    *,
+    with_logits: bool,
+    draft: ModelConfig | None = None,
+    chained_page_size: int | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
     """One speculative round of every rank in one program (module docstring). STANDALONE
     (``draft`` the draft's serving config): ``round(pools, params, draft_params, first_tokens [dp,
@@ -220,15 +253,26 @@ def make_dp_round_step(
     store, proposals, greedy[, logits])`` (``eagle_steps``' round per rank: the chain, the verify
     forward, the draft's re-run over the verified tokens). Pools (and the store) donated;
     ``round.jitted`` is the jitted program (for ``.lower(...)``); ``k`` and the token buckets are
-    read from the inputs' shapes."""
+    read from the inputs' shapes.
+
+    ``chained_page_size`` (the pools' page size; overlap scheduling, module docstring): every
+    rank's round continues its previous one on the device; four inputs follow ``verify_meta``:
+    ``prev_proposals [dp, S, k]`` and ``prev_greedy [dp, S, k + 1]`` (the previous DP round's
+    outputs, as they came out), ``src`` and ``room`` int32 ``[dp, S]`` (``chain_round_inputs``'
+    per rank; ``src`` -1: the row's first token is ``first_tokens``')."""
     config = as_model_config(target)
     outputs = 3 if with_logits else 2
     weights = _weights(config, draft, layout)
-    if draft is None:
-        body = eagle_round_body(config, with_logits=with_logits)
-        return _with_jitted(_dp_program(body, layout, weights, states=1, inputs=3, outputs=outputs))
-    body = round_body(config, draft, with_logits=with_logits)
-    return _with_jitted(_dp_program(body, layout, weights, states=0, inputs=3, outputs=outputs))
+    states = 1 if draft is None else 0
+    body = (
+        eagle_round_body(config, with_logits=with_logits)
+        if draft is None
+        else round_body(config, draft, with_logits=with_logits)
+    )
+    inputs = 3
+    if chained_page_size is not None:
+        body, inputs = _chained(body, chained_page_size), inputs + 4
+    return _with_jitted(_dp_program(body, layout, weights, states=states, inputs=inputs, outputs=outputs))
 
 
 def stack_rank_rounds(rounds: Sequence[RoundInputs]) -> tuple[np.ndarray, AttentionMetadata, AttentionMetadata]:
@@ -299,12 +343,15 @@ class DPSpeculation:
         prefill_step: Callable[..., tuple[Any, ...]],
         round_step: Callable[..., tuple[Any, ...]],
         hidden: jax.Array | None,
+        chained_round_step: Callable[..., tuple[Any, ...]] | None = None,
     ) -> None:
         self.draft = draft
         self.draft_params = draft_params
         self.prefill_step = prefill_step
         self.round_step = round_step
+        self.chained_round_step = chained_round_step
         self.hidden = hidden
+        self._no_previous: tuple[jax.Array, jax.Array] | None = None
 
     @classmethod
     def build(
@@ -334,6 +381,9 @@ class DPSpeculation:
         placed = shard_params(draft.params, config if draft_config is None else draft_config, layout.mesh)
         prefill = make_dp_paired_prefill_step(config, layout, with_logits=with_logits, draft=draft_config)
         round_step = make_dp_round_step(config, layout, with_logits=with_logits, draft=draft_config)
+        chained = make_dp_round_step(
+            config, layout, with_logits=with_logits, draft=draft_config, chained_page_size=cache.plan.alloc_page_size
+        )  # compiled at its first round (overlap scheduling only)
         hidden = None
         if eagle:
             slots = cache.pools[DRAFT_POOL_NAME].num_slots
@@ -341,7 +391,7 @@ class DPSpeculation:
                 jnp.zeros((layout.dp_size, slots, config.hidden_size), jnp.dtype(config.dtype)),
                 NamedSharding(layout.mesh, P(DATA_MESH_AXIS)),
             )
-        return cls(draft, placed, prefill, round_step, hidden)
+        return cls(draft, placed, prefill, round_step, hidden, chained)
 
     @property
     def draft_config(self) -> ModelConfig | None:
@@ -369,6 +419,45 @@ class DPSpeculation:
         self.hidden = out[1]
         return (out[0], *out[2:])
 
+    def chained_round(
+        self,
+        pools: Any,
+        params: Any,
+        rounds: Sequence[RoundInputs],
+        previous: tuple[jax.Array, jax.Array] | None,
+        src: np.ndarray,
+        room: np.ndarray,
+    ) -> tuple[Any, ...]:
+        """Overlap scheduling: every rank's round continued on the device from its row of
+        ``previous`` (the last DP round's ``(proposals [dp, S, k], greedy [dp, S, k + 1])``, unread;
+        None: no rank continues one), ``src`` / ``room`` int32 ``[dp, S]`` (``chain_round_inputs``';
+        ``rounds``' first tokens are the host's, read where ``src`` is -1). Outputs as :meth:`round`."""
+        if self.chained_round_step is None:
+            raise RuntimeError("this DPSpeculation was built without its chained round program")
+        first, draft_metas, verify_meta = stack_rank_rounds(rounds)
+        if previous is None:
+            previous = self._zero_previous(first.shape[0], first.shape[1])
+        chain = (*previous, np.asarray(src, np.int32), np.asarray(room, np.int32))
+        step = self.chained_round_step
+        if self.hidden is None:
+            return step(pools, params, self.draft_params, first, draft_metas, verify_meta, *chain)
+        out = step(pools, self.hidden, params, self.draft_params, first, draft_metas, verify_meta, *chain)
+        self.hidden = out[1]
+        return (out[0], *out[2:])
+
+    def _zero_previous(self, dp: int, max_seqs: int) -> tuple[jax.Array, jax.Array]:
+        """Zero ``(proposals [dp, S, k], greedy [dp, S, k + 1])`` for a round no rank continues, in
+        a DP round's output layout (one compiled program for both)."""
+        if self._no_previous is None:
+            k = self.draft.num_steps
+            mesh = jax.tree.leaves(self.draft_params)[0].sharding.mesh
+            by_rank = host_sharding(mesh)
+            self._no_previous = (
+                jax.device_put(np.zeros((dp, max_seqs, k), np.int32), by_rank),
+                jax.device_put(np.zeros((dp, max_seqs, k + 1), np.int32), by_rank),
+            )
+        return self._no_previous
+
     def proposer(self) -> DraftDecoding:
         """A rank's proposer (``RankDraftDecoding`` or ``RankEagleDecoding``), for its ``Scheduler``."""
         if self.draft.eagle:
@@ -383,10 +472,31 @@ class RoundLauncher(Protocol):
     """What runs a rank's speculative round under lockstep DP: ``kvjax.dp.lockstep.LockstepRank``
     (the rank's stepping), which records the round and returns the rank's outputs of the DP round."""
 
-    def launch_round(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def launch_round(self, inputs: tuple[Any, ...], chain: RoundChain | None = None) -> tuple[Any, ...]:
         """``(first_tokens, draft_metas, verify_meta)`` of the rank -> ``(pools, proposals,
-        greedy[, logits])`` of the rank, on the host."""
+        greedy[, logits])`` of the rank (on the host; with overlap scheduling, references to the
+        rank's rows, read with ``np.asarray``). ``chain``: the round continues the rank's round in
+        flight on the device (overlap scheduling, module docstring)."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundChain:
+    """How a rank's round continues the rank's round in flight on the device (overlap scheduling;
+    ``chain_round_inputs``' arguments of the rank).
+
+    Attributes:
+        src: int32 ``[S]``: each row's row in the round in flight, -1 for a row not in it.
+        room: int32 ``[S]``: ``chain_round_inputs``' ``room``.
+        proposals: the round in flight's proposals of the rank (its row of the last DP round's
+            stacked output, unread), or None when no row continues it.
+        greedy: likewise, its greedy tokens.
+    """
+
+    src: np.ndarray
+    room: np.ndarray
+    proposals: Any = None
+    greedy: Any = None
 
 
 def _attach_to_rank(proposer: DraftDecoding, scheduler: Scheduler) -> None:
@@ -411,12 +521,29 @@ def _attach_to_rank(proposer: DraftDecoding, scheduler: Scheduler) -> None:
     proposer._round = run_round
 
 
+def _launch_chained_rank(
+    scheduler: Scheduler, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
+) -> tuple[Any, ...]:
+    """Overlap scheduling: a rank's round handed to the lockstep front with how it continues the
+    rank's round in flight (``prev``, whose outputs are references to the rank's rows of the last
+    DP round); the DP round program chains it on the device (module docstring)."""
+    stepping = scheduler.stepping
+    assert isinstance(stepping, RoundLauncher)  # ``_attach_to_rank`` checked it
+    chain = RoundChain(src, room) if prev is None else RoundChain(src, room, prev.proposals, prev.greedy)
+    return stepping.launch_round(inputs, chain)
+
+
 class RankDraftDecoding(DraftDecoding):
     """`DraftDecoding` of one DP rank (STANDALONE): the rank's host side, its rounds run by the
     lockstep front's DP round (module docstring)."""
 
     def attach(self, scheduler: Scheduler) -> None:
         _attach_to_rank(self, scheduler)
+
+    def _launch_chained(
+        self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
+    ) -> tuple[Any, ...]:
+        return _launch_chained_rank(s, prev, inputs, src, room)
 
 
 class RankEagleDecoding(EagleDecoding):
@@ -426,6 +553,11 @@ class RankEagleDecoding(EagleDecoding):
 
     def attach(self, scheduler: Scheduler) -> None:
         _attach_to_rank(self, scheduler)
+
+    def _launch_chained(
+        self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
+    ) -> tuple[Any, ...]:
+        return _launch_chained_rank(s, prev, inputs, src, room)
 
 
 def rank_reports(schedulers: Sequence[Scheduler]) -> dict[str, Any] | None:

@@ -387,7 +387,8 @@ def generate_dp(
     over every process's devices, ``group_dp_mesh``).
     ``draft`` / ``speculative_num_steps``: as ``generate``'s: every rank decodes speculatively
     (``kvjax.dp.speculative``: each rank's rounds and paired prefills in one DP program per kind of
-    step; needs ``overlap=False``); the result's counters are summed over the ranks.
+    step; with ``overlap`` a rank's rounds are chained on the device); the result's counters are
+    summed over the ranks.
 
     Raises ``ConfigError`` as ``generate`` does, naming ``dp_size`` when it does not divide
     ``tp_size``, ``dcp_size`` when it does not divide ``tp_size / dp_size``, and ``tp_size`` when there are
@@ -398,10 +399,6 @@ def generate_dp(
     from kvjax.dp.lockstep import LockstepDPScheduler
     from kvjax.mesh_check import make_serving_mesh
 
-    if draft is not None and overlap:  # the speculative scheduler's refusal, before anything is built
-        from kvjax.serve.speculative.draft_decoding import DraftDecoding
-
-        raise DraftDecoding.overlap_refusal(overlap)
     prompts = _checked_prompts(model, prompts, max_new_tokens)
     retained = _per_prompt(prompts, priorities, retention_seconds)
     reqs = _requests(model, prompts, max_new_tokens, stop_token_ids, cache_salts, retained)  # checked before building

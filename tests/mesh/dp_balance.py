@@ -5,7 +5,8 @@
 ``Scheduler.live_requests`` promises: ``available + evictable + protected + held by live
 requests == capacity`` (a live request holds its pages ``[cache_protected_len, kv_len())``,
 page-rounded; with overlap this includes a speculative step's slot until the request is found
-finished) and every request-table row free or held by a live request. A rank that frees sliding
+finished, and with a speculative proposer its ``allocated_len``: up to the reserve of the round in
+flight) and every request-table row free or held by a live request. A rank that frees sliding
 windows (``SWAServing``) is not counted so (its requests hold less than that range); its leaks
 are checked when it is idle (``leak_free``).
 """
@@ -27,7 +28,8 @@ def assert_balanced(sched: Scheduler, rank: int) -> None:
         return
     ps = sched.page_size
     live = sched.live_requests()
-    held = sum(-(-r.kv_len() // ps) * ps - r.cache_protected_len for r in live if r.req_pool_idx is not None)
+    allocated = getattr(sched.proposer, "allocated_len", ServingReq.kv_len)
+    held = sum(-(-allocated(r) // ps) * ps - r.cache_protected_len for r in live if r.req_pool_idx is not None)
     tree = sched.tree
     terms = (sched.alloc.available_size(), tree.evictable_size(), tree.protected_size(), held)
     capacity = sched.alloc.size

@@ -6,15 +6,14 @@ speculatively with the MTP layer (EAGLE/NEXTN: ``kvjax.dp.speculative``), with a
 under memory pressure (page 1, a 48-token device pool per rank; the parity prompts in batches
 routed round robin, ``serve_batches_through_the_host``: rank 1 evicts the chat's first turn to its
 host pool and loads it back for the second turn, the MTP layer's latent pool with the target's),
-every process's state digest compared at every step.
+every process's state digest compared at every step, and overlap scheduling (SGLang's default):
+each rank's round ``N + 1`` is launched before its host reads round ``N``, chained on the device
+from its row of the DP round before (``kvjax.dp.speculative``).
 
 Every request's tokens equal Transformers' greedy ``generate`` and its logits (the target's, from
 the verify forwards) agree within 1e-4; on every process both ranks serve and every rank ends leak
 free with a balanced host pool; pages came back from a host pool, proposals were rejected and
-rolled back.
-
-Not in this composition yet: overlap scheduling with speculative decoding (the command line turns
-overlap off with a note; the library refuses ``overlap=True`` by name).
+rolled back; both ranks overlapped rounds.
 
 Run as a program (``python -m tests.mesh.test_deepseek_v3_composition DIR`` with the flags
 ``run_group`` appends) it serves the rounds as one process of the group.
@@ -73,6 +72,7 @@ def test_dp_2_tp_4_over_two_processes_with_mtp_and_the_host_tier_under_pressure(
         assert report["digest_checks"] > 0 and report["draft_host_pools"] == [True] * DP, report
         assert report["host_loaded_tokens"] > 0 and report["evicted_tokens"] > 0, report
         assert report["rolled_back_slots"] > 0, report
+        assert all(n > 0 for n in report["overlapped_rounds"]), report  # every rank chained rounds
         assert sorted(set(report["rank_of"].values())) == list(range(DP)), report["rank_of"]  # both ranks serve
     assert reports[0]["rank_processes"] == [[0] * TP, [1] * TP]  # each rank's "tp" devices one process's
     assert reports[0]["requests"] == reports[1]["requests"]
@@ -110,17 +110,18 @@ def _serve(directory: str) -> dict[str, Any]:
         chunked_prefill_size=CHUNK,
         record_logits=True,
         model_config=model.config,
-        overlap=False,
+        overlap=True,
         agreement=group.agreement(),  # each rank's host transfers complete at the same step everywhere
         draft=RankDraft(nextn_params(model.config, model.params, directory), K),
     )
     front = MultiProcessFront(lockstep, group.channel, check_agreement=True)
     serve_batches_through_the_host(front, MAX_NEW)  # type: ignore[arg-type]  # a front serves as a scheduler does
-    hosts, rolled_back = [], 0
+    hosts, rolled_back, overlapped = [], 0, []
     for scheduler in lockstep.schedulers:
         proposer = scheduler.proposer
         assert isinstance(proposer, RankEagleDecoding)
         rolled_back += proposer.stats.rolled_back_slots
+        overlapped.append(proposer.stats.overlapped_rounds)
         scheduler.cache.tree_cache.check_transfers(wait=True)
         hosts.append(next(e for e in scheduler.extensions if isinstance(e, HostTierExtension)))
     return {
@@ -133,6 +134,7 @@ def _serve(directory: str) -> dict[str, Any]:
         "host_loaded_tokens": sum(h.loaded_tokens for h in hosts),
         "evicted_tokens": sum(s.stats.evicted_tokens for s in lockstep.schedulers),
         "rolled_back_slots": rolled_back,
+        "overlapped_rounds": overlapped,
         "draft_host_pools": [s.cache.draft_host_pool is not None for s in lockstep.schedulers],
         "digest_checks": front.digest_checks,
     }

@@ -24,9 +24,14 @@ Each: tokens equal Transformers' greedy ``generate``, the target's logits agree 
 both ranks serve requests, every rank's memory balance holds after every round
 (``tests.mesh.dp_balance``) and every rank ends leak free.
 
+Overlap scheduling is on (the default) except where a test says otherwise: STANDALONE's and
+EAGLE's rounds are chained on the device, each rank's round ``N + 1`` continuing its row of DP
+round ``N`` before the host reads it (``overlapped_rounds`` counted on both ranks); the sliding-window
+target reads each round first (as on one rank); the MLA test runs without overlap (the plain DP
+round program).
+
 * the command line: ``generate --dp 2 --tp 4 --speculative-algorithm EAGLE`` gives Transformers'
-  tokens, its counters summed over the ranks;
-* overlap scheduling with a draft is refused by name before the DP cache is built (as on one rank).
+  tokens, its counters summed over the ranks, with overlap and with ``--disable-overlap-schedule``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,13 @@ DP, TP = 2, 2
 
 
 def _front(
-    model: Any, draft: RankDraft, algorithm: str, *, policy: str = "cache_aware", **cache_config: Any
+    model: Any,
+    draft: RankDraft,
+    algorithm: str,
+    *,
+    policy: str = "cache_aware",
+    overlap: bool = True,
+    **cache_config: Any,
 ) -> LockstepDPScheduler:
     config = CacheConfig(
         context_length=CONTEXT_LENGTH,
@@ -89,7 +100,7 @@ def _front(
         chunked_prefill_size=CHUNK,
         record_logits=True,
         model_config=model.config,
-        overlap=False,
+        overlap=overlap,
         draft=draft,
     )
 
@@ -109,6 +120,12 @@ def _serve(front: LockstepDPScheduler, max_new: int) -> dict[str, Any]:
 
 def _summed(front: LockstepDPScheduler, field: str, of: str = "stats") -> int:
     return sum(getattr((s.proposer if of == "proposer" else s).stats, field) for s in front.schedulers)
+
+
+def _assert_overlapped(front: LockstepDPScheduler) -> None:
+    """Both ranks chained rounds on the device (each launched before the round it continues was read)."""
+    overlapped = [s.proposer.stats.overlapped_rounds for s in front.schedulers]
+    assert all(n > 0 for n in overlapped), f"every rank should overlap its rounds: {overlapped}"
 
 
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
@@ -132,6 +149,7 @@ def test_standalone_reuse_chunked_eviction_retraction_and_rollback(family):
     assert _summed(front, "retractions") > 0
     assert _summed(front, "prefill_steps") > len(done), "prompts longer than a chunk prefill in chunks"
     assert front.mixed_rounds > 0, "some round should prefill on one rank and draft on the other"
+    _assert_overlapped(front)
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
@@ -214,6 +232,7 @@ def test_eagle_mtp_layer_page_1_evicts_and_retracts(deepseek):
     assert _summed(front, "evicted_tokens") > 0 and _summed(front, "retractions") > 0
     assert _summed(front, "cached_tokens") > 0
     assert _summed(front, "prefill_steps") > len(done), "prompts longer than a chunk prefill in chunks"
+    _assert_overlapped(front)
     assert_matches_transformers(hf, done, max_new=EAGLE_MAX_NEW, atol=EAGLE_ATOL)
     # each rank's slice of the store is that rank's: the store rows differ between the ranks
     store = np.asarray(speculation.hidden)
@@ -232,6 +251,7 @@ def test_standalone_mla_target_as_its_own_draft(deepseek):
         "STANDALONE",
         page_size=16,
         max_total_tokens=512,
+        overlap=False,
     )
     kv_draft = front.cache.pools["kv_draft"]
     assert all(a.sharding.shard_shape(a.shape) == (1, *a.shape[1:]) for a in jax.tree.leaves(kv_draft))
@@ -241,9 +261,11 @@ def test_standalone_mla_target_as_its_own_draft(deepseek):
     assert_matches_transformers(hf, done, max_new=EAGLE_MAX_NEW, atol=EAGLE_ATOL)
 
 
-def test_generate_serves_eagle_at_dp_2_tp_4(deepseek, capsys):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_generate_serves_eagle_at_dp_2_tp_4(deepseek, capsys, overlap):
     """``generate --dp 2 --tp 4 --speculative-algorithm EAGLE`` (the checkpoint's MTP layer) gives
-    Transformers' greedy tokens, its acceptance counters summed over the ranks."""
+    Transformers' greedy tokens, its acceptance counters summed over the ranks, with overlap
+    scheduling (rounds chained on the device) and without."""
     import json
 
     from kvjax.cli import main
@@ -255,40 +277,11 @@ def test_generate_serves_eagle_at_dp_2_tp_4(deepseek, capsys):
     ids = [",".join(str(t) for t in p[n]) for n in names]
     argv = ["generate", "--model", str(directory), "--max-new-tokens", str(EAGLE_MAX_NEW), "--json", "--page-size", "4"]
     argv += [arg for i in ids for arg in ("--prompt-ids", i)]
-    argv += ["--dp", "2", "--tp", "4", "--speculative-algorithm", "EAGLE", "--disable-overlap-schedule"]
+    argv += ["--dp", "2", "--tp", "4", "--speculative-algorithm", "EAGLE"]
+    argv += [] if overlap else ["--disable-overlap-schedule"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["outputs"] == [hf_greedy(hf, p[n], EAGLE_MAX_NEW)[0] for n in names]
     counters = report["speculative"]
     assert counters["proposed_tokens"] > 0 and counters["algorithm"] == "EAGLE (NEXTN)", counters
-
-
-@pytest.mark.parametrize("family", ["llama"], indirect=True)
-def test_overlap_with_a_draft_is_refused_by_name_before_anything_is_built(family, monkeypatch):
-    """Overlap scheduling stays off with speculation under DP attention, as on one rank: one
-    ``ConfigError`` naming ``overlap``, raised before the DP cache is built."""
-    import kvjax.dp.lockstep as lockstep
-    from kvjax.errors import ConfigError
-
-    _, _, target, draft, _ = family
-
-    def never(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the DP cache was built before the refusal")
-
-    monkeypatch.setattr(lockstep, "build_dp_kv_cache", never)
-    with pytest.raises(ConfigError, match="overlap"):
-        LockstepDPScheduler.build_lockstep(
-            target.spec,
-            CacheConfig(
-                context_length=CONTEXT_LENGTH,
-                speculative_algorithm="STANDALONE",
-                tp_size=DP * TP,
-                dp_size=DP,
-                enable_dp_attention=True,
-            ),
-            target.params,
-            jax.make_mesh((DP, TP), ("data", "tp"), devices=jax.devices()[: DP * TP]),
-            model_config=target.config,
-            overlap=True,
-            draft=RankDraft(draft.params, K, spec=draft.spec, config=draft.config),
-        )
+    assert (counters["overlapped_rounds"] > 0) == overlap, counters

@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax.attention import AttentionMetadata
 from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
@@ -189,17 +190,6 @@ class DraftDecoding:
         self.chains = False  # overlap: rounds chained on the device (``check_scheduler`` says)
         self._alloc_end: dict[int, int] = {}  # overlap: allocated positions past the committed length
         self._no_prev: tuple[Any, Any] | None = None
-
-    @staticmethod
-    def overlap_refusal(overlap: object) -> ConfigError:
-        """The refusal of overlap scheduling where speculative rounds are not overlapped in kvjax
-        (DP attention's lockstep rounds)."""
-        return ConfigError(
-            "overlap",
-            overlap,
-            "speculative decoding under DP attention runs without overlap scheduling in kvjax; "
-            "pass overlap=False (--disable-overlap-schedule)",
-        )
 
     def check_cache(self, spec: ModelSpec | ModelConfig, cache: KVCache) -> None:
         """``ConfigError`` / ``NotImplementedError`` naming what does not fit: a cache without the
@@ -572,18 +562,9 @@ class DraftDecoding:
         page_table = s.metadata.page_tables.build(rows, end, S)
         draft_metas = draft_metadata(s.metadata, kv_len, rows, slots, width, page_table)
         _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, S, page_table=page_table)
-        if prev is None:
-            if self._no_prev is None:
-                self._no_prev = no_previous_round(S, k)
-            prev_proposals, prev_greedy = self._no_prev
-        else:
-            prev_proposals, prev_greedy = prev.proposals, prev.greedy
         packed = time.perf_counter()
         pools = s.cache.apply_pending()  # recorded loads land before the round reads them
-        first, draft_metas, verify_meta = chain_round_inputs(
-            prev_proposals, prev_greedy, src, host_first, room, draft_metas, verify_meta, page_size=ps
-        )
-        out = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)
+        out = self._launch_chained(s, pools, prev, (host_first, draft_metas, verify_meta), src, room)
         s.store_pools(out[0])
         launched = _Round(self, s, reqs, out[1], out[2], out[3] if s.record_logits else None)
         if s._copy_ahead:  # the result leaves the device as soon as the round ends
@@ -599,6 +580,35 @@ class DraftDecoding:
         s.forget_running_arrays()
         if prev is not None:
             self._settle_ahead(s, prev, done, launched)
+
+    def _launch_chained(
+        self,
+        s: Scheduler,
+        pools: Any,
+        prev: _Round | None,
+        inputs: tuple[np.ndarray, AttentionMetadata, AttentionMetadata],
+        src: np.ndarray,
+        room: np.ndarray,
+    ) -> tuple[Any, ...]:
+        """Overlap: launch a round continued from ``prev`` (the round in flight, its result still on
+        the device; None: no round before it) and return the round step's outputs, unread.
+
+        ``inputs``: ``(host_first [S], draft_metas, verify_meta)`` built at the host-known lengths;
+        ``src`` and ``room``: ``chain_round_inputs``' (int32 ``[S]``). Here the inputs are
+        continued by ``chain_round_inputs`` and the round runs; a lockstep DP rank's proposer hands
+        both to the DP round program instead (``kvjax.dp.speculative``)."""
+        if prev is None:
+            if self._no_prev is None:
+                self._no_prev = no_previous_round(s.max_batch_size, self.num_steps)
+            prev_proposals, prev_greedy = self._no_prev
+        else:
+            prev_proposals, prev_greedy = prev.proposals, prev.greedy
+        host_first, draft_metas, verify_meta = inputs
+        first, draft_metas, verify_meta = chain_round_inputs(
+            prev_proposals, prev_greedy, src, host_first, room, draft_metas, verify_meta, page_size=s.page_size
+        )
+        out: tuple[Any, ...] = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)
+        return out
 
     def _settle_ahead(self, s: Scheduler, launched: _Round, done: list[ServingReq], after: _Round | None) -> None:
         """Overlap: read round ``launched`` and settle it as ``_settle_round`` does (accept, cut,
