@@ -9,7 +9,9 @@ chips of one topology (``v5p:2x2x4`` or ``v6e:4x4``, 16 chips):
   (``kvjax.serve.abstract_dp_step``): each rank decodes ``SEQS`` sequences of ``CONTEXT`` tokens;
 * ``"dp_eagle_round"``: the composed step, one MTP speculative round of every DP rank in one
   program (``kvjax.dp.speculative.make_dp_round_step``, ``NUM_STEPS`` draft tokens) at dp 2 x
-  tp 8 (``kvjax.serve.abstract_dp_round``): the round each decode step of the composition runs;
+  tp 8 (``kvjax.serve.abstract_dp_round``): the round each decode step of the composition runs,
+  with overlap scheduling (each rank's round continued on the device from the round before it,
+  ``chained``);
 * ``"eagle_round"``: the same round without DP attention, at tp 16 over the whole slice
   (``make_eagle_round_step``, ``kvjax.serve.abstract_eagle_round``), for comparison.
 
@@ -229,7 +231,7 @@ def _dp_round_part(topology: str) -> Built:
     config = _round_config().replace(dp_size=DP, enable_dp_attention=True)
     mesh = dp_topology_mesh(topology, DP, CHIPS // DP)
     inputs = abstract_dp_round_inputs(spec, config, mesh, DecodeBatch(seqs=SEQS, context=CONTEXT), NUM_STEPS)
-    compiled = lower_dp_round(spec, inputs).compile()
+    compiled = lower_dp_round(spec, inputs, chained=True).compile()  # overlap scheduling, the composition's
     model = as_model_config(spec)
     verify = _activation(inputs.verify_meta.positions.shape[1], model.hidden_size, model.dtype)
     draft = _activation(inputs.draft_metas.positions.shape[2], model.hidden_size, model.dtype)

@@ -19,6 +19,10 @@ arguments as ``jax.ShapeDtypeStruct`` leaves with the shardings it is jitted wit
   stacks them, by rank (``host_sharding``).
 
 :func:`lower_dp_round` lowers the DP round for them; ``.compile()`` gives one chip's program.
+With ``chained`` it lowers the round overlap scheduling runs (``make_dp_round_step(...,
+chained_page_size=...)``): every rank's round continued on the device from the previous DP
+round's proposals ``[dp, S, k]`` and greedy tokens ``[dp, S, k + 1]`` (``src`` and ``room``
+``[dp, S]`` beside them), laid out by rank as that round's outputs are.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class AbstractDPRoundInputs:
     first_tokens: jax.ShapeDtypeStruct
     draft_metas: AttentionMetadata
     verify_meta: AttentionMetadata
+    page_size: int
 
     @property
     def num_steps(self) -> int:
@@ -107,14 +112,27 @@ def abstract_dp_round_inputs(
         first_tokens=abstract(first),
         draft_metas=jax.tree.map(abstract, draft_metas),
         verify_meta=jax.tree.map(abstract, verify),
+        page_size=plan.alloc_page_size,
     )
 
 
-def lower_dp_round(spec: ModelSpec, inputs: AbstractDPRoundInputs, *, with_logits: bool = False) -> jax.stages.Lowered:
+def lower_dp_round(
+    spec: ModelSpec, inputs: AbstractDPRoundInputs, *, with_logits: bool = False, chained: bool = False
+) -> jax.stages.Lowered:
     """``make_dp_round_step(spec, inputs.layout)`` (the MTP layer drafting) lowered for
-    ``inputs``: every rank's round as the lockstep DP front jits it, ready to ``.compile()``."""
-    round_step = make_dp_round_step(spec, inputs.layout, with_logits=with_logits)
+    ``inputs``: every rank's round as the lockstep DP front jits it, ready to ``.compile()``;
+    ``chained``: the round overlap scheduling runs (module docstring)."""
+    page_size = inputs.page_size if chained else None
+    round_step = make_dp_round_step(spec, inputs.layout, with_logits=with_logits, chained_page_size=page_size)
     jitted: Any = round_step.jitted  # type: ignore[attr-defined]
+    chain: tuple[jax.ShapeDtypeStruct, ...] = ()
+    if chained:
+        dp, rows = inputs.first_tokens.shape
+        k, by_rank = inputs.num_steps, inputs.first_tokens.sharding
+        chain = tuple(
+            jax.ShapeDtypeStruct(shape, jnp.int32, sharding=by_rank)
+            for shape in ((dp, rows, k), (dp, rows, k + 1), (dp, rows), (dp, rows))
+        )
     return jitted.trace(
         inputs.pools,
         inputs.store,
@@ -123,4 +141,5 @@ def lower_dp_round(spec: ModelSpec, inputs: AbstractDPRoundInputs, *, with_logit
         inputs.first_tokens,
         inputs.draft_metas,
         inputs.verify_meta,
+        *chain,
     ).lower()
