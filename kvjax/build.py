@@ -303,6 +303,10 @@ def build_kv_cache(
     check_draft_host_tier_buildable(plan)
     check_dcp_plan_buildable(config, plan.pools)
     check_draft_buildable(plan, config)
+    if config.hicache_storage_backend is not None:
+        from kvjax.transfers.storage_attach import check_storage_buildable
+
+        check_storage_buildable(plan, config)
     if mesh is not None:
         mesh = serving_mesh(mesh)  # Auto axes: XLA places what the pools' layout does not fix
 
@@ -322,7 +326,7 @@ def build_kv_cache(
         if config.hicache_storage_backend is not None:
             from kvjax.transfers.storage_attach import open_storage_tier
 
-            storage = open_storage_tier(plan, host_pool, pools, config)
+            storage = open_storage_tier(plan, host_pool, pools, config, host_pools.get(DRAFT_HOST_POOL_NAME))
     tree_cache = create_tree_cache(
         plan.tree_options,
         req_to_token_pool=req_to_token_pool,

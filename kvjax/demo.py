@@ -250,7 +250,9 @@ def serve(
         spec, weights, serving, fingerprint = model.spec, model.params, model.config, model.fingerprint
         workload = dataclasses.replace(workload, vocab_size=min(workload.vocab_size, model.config.vocab_size))
     if config_kwargs.get("hicache_storage_backend") is not None:
-        config_kwargs.setdefault("hicache_storage_model_fingerprint", fingerprint)
+        # a stored page holds the draft's KV too (kvjax.transfers.storage_attach): key both weights
+        both = fingerprint if draft is None else f"{fingerprint}+draft:{draft.fingerprint}"
+        config_kwargs.setdefault("hicache_storage_model_fingerprint", both)
     if draft is not None:
         k = speculative_num_steps
         config_kwargs.update(

@@ -436,7 +436,7 @@ SGL_PP_SPEC = (
 SGL_HICACHE_DCP_MHA = (
     "sglang/srt/arg_groups/hicache_hook.py (resolve_hicache_dcp_compatibility): dcp_size > 1 and "
     'enable_hierarchical_cache and not use_mla_backend(server_args) ("HiCache with --dcp-size > 1 is only '
-    'supported for MLA models"; kvjax serves the host tier over DCP, and refuses the storage tier under it)'
+    'supported for MLA models"; kvjax serves the host tier over DCP, and the storage tier over it for MLA only)'
 )
 
 #: What kvjax does not build yet, where no SGLang 0.5.23 check refuses it.
@@ -447,15 +447,9 @@ GAP_EAGLE = (
 )
 GAP_DP_SPEC_RECURRENT = f"{GAP}: the rollback of recurrent state under DP attention (a replay step of one rank)"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
-GAP_DP_HOST = f"{GAP}: the host tier under DP attention for this kind's pools"
 GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
-GAP_DCP_STORAGE_MLA = f"{GAP}: the storage tier over DCP (SGLang stores MLA pages under DCP)"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
-GAP_SPEC_OVERLAP_SWA = (
-    f"{GAP}: speculative rounds chained on the device over sliding-window step inputs (SGLang's spec v2 overlaps; "
-    "kvjax reads each round of a hybrid sliding-window pool before launching the next)"
-)
 GAP_SPEC_OVERLAP_RECURRENT = (
     f"{GAP}: speculative rounds of recurrent state overlapped (the state replay needs the accepted counts on the "
     "host; kvjax reads each round before launching the next)"
@@ -469,10 +463,6 @@ GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
 GAP_RECURRENT_STORAGE = f"{GAP}: the storage tier under the recurrent-state tree (its pages hold no state)"
 GAP_RECURRENT_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the recurrent-state checkpoints' host copies"
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
-GAP_SPEC_RETRACTION_DROPPED = (
-    f"{GAP}: the cpu_tensor backup with a draft model (it copies the target's pool only; accepted, retracted "
-    "requests recomputed)"
-)
 GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
 
 
@@ -516,9 +506,18 @@ MATRIX_PAIRS_RETRACTION = "tests/mesh/test_matrix_pairs.py::test_tp2_cpu_tensor_
 MATRIX_PAIRS_DCP_RETRACTION = (
     "tests/mesh/test_matrix_pairs.py::test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier"
 )
+#: The cpu_tensor retraction backup with the target as its own STANDALONE draft (Llama and DeepSeek-V2).
+SPEC_RETRACTION_STANDALONE = (
+    "tests/serve/test_speculative_retraction.py::test_retracted_requests_are_restored_with_the_drafts_pages"
+)
 #: The storage tier with the cpu_tensor retraction backup (Llama and DeepSeek-V2, overlap on).
 MATRIX_PAIRS_STORAGE = (
     "tests/serve/test_matrix_pairs.py::test_storage_with_the_cpu_tensor_retraction_backup_under_overlap"
+)
+#: STANDALONE with the storage tier, the target as its own draft (Llama and DeepSeek-V2): every proposal
+#: accepted after the prefixes come back from storage (a stored page holds the draft's layers too).
+MATRIX_PAIRS_STANDALONE_STORAGE = (
+    "tests/serve/test_matrix_pairs.py::test_standalone_target_as_its_own_draft_accepts_everything_after_storage_hits"
 )
 
 PROOFS: dict[tuple[str, str, str], str] = {
@@ -624,6 +623,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "host", "storage"): (
         "tests/serve/test_storage_tier_serving.py::test_storage_serves_prefixes_evicted_from_device_and_host_with_cold_tokens"
     ),
+    ("full", "standalone", "storage"): MATRIX_PAIRS_STANDALONE_STORAGE,
     ("full", "host", "overlap"): "tests/serve/test_overlap.py::test_host_tier_under_overlap_gives_the_same_tokens",
     ("full", "host", "processes"): (
         "tests/mesh/test_multihost_host_tier.py::test_host_tier_with_a_delayed_process_gives_the_single_process_tokens"
@@ -645,6 +645,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     # The cpu_tensor retraction backup at tp 2 over two processes (each keeps its devices' blocks).
     ("full", "retraction", "processes"): (
         "tests/mesh/test_matrix_pairs.py::test_llama_cpu_tensor_retraction_backup_over_two_processes"
+    ),
+    # The cpu_tensor retraction backup with a draft: the draft's pages restored with the target's.
+    ("full", "standalone", "retraction"): SPEC_RETRACTION_STANDALONE,
+    ("full", "eagle", "retraction"): (
+        "tests/serve/test_eagle_head.py::test_the_cpu_tensor_backup_restores_the_heads_pages_with_the_targets"
     ),
     # Llama's EAGLE head at tp 2 with the host tier.
     **dict.fromkeys(
@@ -671,6 +676,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("swa", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "dp", "standalone"): "tests/mesh/test_dp_speculative.py::test_standalone_sliding_window_pools",
+    ("swa", "standalone", "overlap"): (
+        "tests/serve/test_speculative_swa.py::test_overlap_chains_rounds_over_the_sliding_window_pools"
+    ),
     ("swa", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_gemma3_sliding_window_host_pools_at_tp_2",
     ("swa", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
     ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
@@ -750,6 +758,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     # The cpu_tensor retraction backup with the host tier at tp 4 x dcp 2 (DeepSeek-V2).
     **dict.fromkeys([("mla", "dcp", "host"), ("mla", "dcp", "retraction")], MATRIX_PAIRS_DCP_RETRACTION),
+    # The storage tier over DCP at tp 2 x dcp 2 (DeepSeek-V2): an entry is the striped page, every rank's rows.
+    ("mla", "dcp", "storage"): (
+        "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_at_tp2_dcp2_stores_striped_pages"
+    ),
+    ("mla", "standalone", "storage"): MATRIX_PAIRS_STANDALONE_STORAGE,
     # DeepSeek-V2 as its own STANDALONE draft at tp 2 with the host tier.
     **dict.fromkeys(
         [("mla", "tp", "standalone"), ("mla", "standalone", "host")],
@@ -757,6 +770,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("mla", "dp", "retraction"): (
         "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank"
+    ),
+    # The cpu_tensor retraction backup with a draft: the draft's pages restored with the target's.
+    ("mla", "standalone", "retraction"): SPEC_RETRACTION_STANDALONE,
+    ("mla", "eagle", "retraction"): (
+        "tests/serve/test_speculative_eagle.py::test_the_cpu_tensor_backup_restores_the_mtp_layers_pages_with_the_targets"
     ),
     # DeepSeek-V2 at tp 2 over two processes, overlap on.
     **dict.fromkeys(
@@ -820,9 +838,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
-    ("full", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
-    ("full", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
@@ -852,8 +868,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "pp", "processes"): refused(GAP_PROCESSES),
     ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
-    ("swa", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
-    ("swa", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_SWA),
+    ("swa", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
     ("swa", "eagle", "storage"): refused(GAP_EAGLE),
     ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
@@ -868,13 +883,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
-    ("mla", "dcp", "storage"): refused(GAP_DCP_STORAGE_MLA),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
-    ("mla", "standalone", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
-    ("mla", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_STORAGE),
@@ -911,7 +923,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
     ("recurrent", "eagle", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
-    ("recurrent", "eagle", "retraction"): dropped(GAP_SPEC_RETRACTION_DROPPED),
+    ("recurrent", "eagle", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
     ("recurrent", "host", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),

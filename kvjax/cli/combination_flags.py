@@ -45,7 +45,8 @@ _SGL_PP_SPEC = (
 )
 _SGL_DCP_HICACHE = (
     "refused, as in SGLang for a model without MLA (hicache_hook.py: resolve_hicache_dcp_compatibility: HiCache "
-    "with --dcp-size > 1 is only supported for MLA models; kvjax serves the host tier over DCP)"
+    "with --dcp-size > 1 is only supported for MLA models; kvjax serves the host tier over DCP, the storage tier "
+    "over DCP for MLA)"
 )
 
 
@@ -76,14 +77,14 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             "or the speculative flags",
         ),
         (
-            dcp > 1 and storage is not None,
-            f"--dcp {dcp} with --hicache-storage {storage}: "
-            + (
-                f"the storage tier (L3) over DCP is {_GAP} (SGLang stores MLA pages under DCP)"
-                if any(k.name == "mla" for k in kinds)
-                else _SGL_DCP_HICACHE
-            )
-            + "; drop --hicache-storage or --dcp",
+            dcp > 1 and storage is not None and all(k.splits_kv_heads for k in kinds),
+            f"--dcp {dcp} with --hicache-storage {storage}: {_SGL_DCP_HICACHE}; drop --hicache-storage or --dcp",
+        ),
+        (
+            dcp > 1 and storage is not None and joins_group(args),
+            f"--dcp {dcp} with --hicache-storage {storage}: the storage tier over DCP across processes is {_GAP} (a "
+            "process's host page holds its own devices' rows of a striped page); drop --num-processes, "
+            "--hicache-storage or --dcp",
         ),
         (
             algorithm in ("EAGLE", "NEXTN") and storage is not None,

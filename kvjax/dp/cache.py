@@ -404,6 +404,10 @@ def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], conf
         return
     check_host_tier_buildable(plan)
     check_draft_host_tier_buildable(plan)
+    if config.hicache_storage_backend is not None:
+        from kvjax.transfers.storage_attach import check_storage_buildable
+
+        check_storage_buildable(plan, config)
     own = [kind.name for kind in kinds if POOL_BUILDERS[kind.name].transfer_engine is not None]
     if own:
         raise NotImplementedError(
@@ -471,7 +475,7 @@ def _rank_host_state(
             from kvjax.transfers.storage_attach import open_storage_tier
 
             # The key reads the device pool only for fp8 scales and other processes' heads (both refused).
-            storage = open_storage_tier(plan, host_pool, pools, config)
+            storage = open_storage_tier(plan, host_pool, pools, config, draft_host)
     tree = create_tree_cache(
         plan.tree_options,
         req_to_token_pool=table,

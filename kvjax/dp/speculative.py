@@ -42,8 +42,8 @@ instead of chaining on its own; the DP round program (``make_dp_round_step(...,
 chained_page_size=...)``) runs ``chain_round_inputs`` per rank on the previous DP round's stacked
 proposals and greedy tokens, still on the device, then the rank's round. A rank's round in flight
 is always the last DP round's row (a rank with a round in flight steps in the next lockstep round
-and either continues it or reads it first); the front checks it. Sliding-window targets resolve
-each round before the next, as on one rank.
+and either continues it or reads it first); the front checks it. A sliding-window pool's slots
+move with the full ones, as on one rank.
 
 Not built (refused by name when the front is built): a recurrent-state target (its rollback
 replays the kept tokens with a step of one rank between rounds), a retraction backup (as on one

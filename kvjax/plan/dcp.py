@@ -29,7 +29,10 @@ Refused, each by name, with what to do:
 * a ``dcp_size`` that does not divide ``tp_size`` (``CacheConfig``), and query heads that do not
   split over the ``tp_size`` ranks;
 * pipeline parallelism with DCP;
-* the storage tier (L3) with DCP, as in SGLang;
+* the storage tier (L3) with DCP for a kind whose KV heads TP splits (every kind but MLA's latent),
+  as in SGLang (``hicache_hook.py``: ``resolve_hicache_dcp_compatibility`` refuses HiCache under DCP
+  without ``use_mla_backend``; kvjax serves the host tier over DCP for every kind, the storage tier
+  for MLA);
 * a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``): the hybrid
   sliding-window pool (its second allocator is not striped: serve the model with one full-size
   pool, ``disable_hybrid_swa_memory``, where the window is a mask on global positions) and
@@ -38,6 +41,10 @@ Refused, each by name, with what to do:
 Served: the host tier (L1 host pool, L2 load-back) and the ``host_pool`` retraction backup over
 a striped pool: the host page is the striped page, every rank's rows once, rank-major, and each
 device moves its own rows of the pages (``kvjax.tiers.head_shards``).
+Served for MLA: the storage tier (L3) behind that host tier: a stored entry is the host page, one
+striped page of every rank's rows, rank-major, under a key that says so
+(``kvjax.transfers.storage_attach``); in one process only (across processes a process's host page
+holds its own devices' rows: ``NotImplementedError`` at build).
 
 Served with a speculative draft model (STANDALONE, EAGLE/NEXTN's MTP layer): the draft's pool
 ``kv_draft`` is planned and built as the target's (``kvjax.plan.draft``, ``build_kv_cache``), so it
@@ -83,11 +90,13 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str, num_atten
             f"pipeline parallelism with {{dcp_size}} {dcp} is not served; use {{pp_size}} 1 or {{dcp_size}} 1",
         ),
         (
-            config.hicache_storage_backend is not None,
+            config.hicache_storage_backend is not None
+            and all(k.splits_kv_heads for k in kinds_named(kind.cache_kinds)),
             "hicache_storage_backend",
             config.hicache_storage_backend,
-            f"the storage tier (L3) is not built with {{dcp_size}} {dcp} (SGLang refuses it for models without MLA, "
-            "hicache_hook: resolve_hicache_dcp_compatibility); drop {hicache_storage_backend}",
+            f"{model}: the storage tier (L3) with {{dcp_size}} {dcp} is served for an MLA latent only, as in SGLang "
+            "(hicache_hook: resolve_hicache_dcp_compatibility refuses HiCache under DCP without MLA); drop "
+            "{hicache_storage_backend}",
         ),
     )
     for refused, option, value, why in refusals:

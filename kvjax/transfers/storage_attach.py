@@ -1,5 +1,27 @@
 """The storage tier (L3) behind a cache's host tier, as ``CacheConfig.hicache_storage_*`` say: opened
-before the tree is built and passed to its constructor (``create_tree_cache(..., storage=...)``)."""
+before the tree is built and passed to its constructor (``create_tree_cache(..., storage=...)``).
+
+With a speculative draft model's host pool (``kvjax.transfers.draft_pools``: the same host slots
+as the target's, its pages copied with the target's on every backup and load), a stored page holds
+the draft's layers after the target's (``kvjax.tiers.stacked_pages``, the seam pipeline stages use
+for their layers), so a prefix that comes back from storage brings the draft's KV too and the
+draft proposes from it as it would have before the page left the device. SGLang 0.5.23 stores the
+draft pool as a pool of its own beside the target's (``PoolName.DRAFT``, keys with a ``draft``
+suffix); kvjax keeps one entry per page, so a prefetch never lands the target's page without the
+draft's. Its key is the target's and the draft's keys stacked (:func:`storage_key` of each), so a
+store written without a draft is not read with one (nor the other way round); the draft's weights
+are named by ``hicache_storage_model_fingerprint`` only if the caller folds them in (the demo does):
+pages of another draft of the same shape would only lower the acceptance (the target verifies every
+token), never change a token.
+
+Under decode context parallelism (MLA only: ``kvjax.plan.dcp``) a stored page is the host page, the
+striped page of ``page_size * dcp`` rows with every DCP rank's rows once, rank-major
+(``kvjax.tiers.head_shards``), and the key's layout names the stripe, so it is read only at the
+same ``dcp_size``. SGLang 0.5.23 writes each DCP rank's rows as an entry of its own
+(``hicache_storage.py``: the ``_tp{T}_dcp{r}_{D}_page{P}`` suffix); kvjax's one process holds every
+rank's rows in its host page and keeps the page whole. Across processes (a process holding its own
+devices' rows only) it is not built yet (:func:`check_storage_buildable`).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvjax.layout.storage import is_fp8, logical_dtype_name
+from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, DRAFT_POOL_NAME
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.tiers.head_shards import HeadShards
+from kvjax.tiers.stacked_pages import StackedHostPages, stacked_storage_key
 from kvjax.tiers.storage import StorageTier
 from kvjax.tiers.storage_key import StorageKey
 from kvjax.transfers.device_pages import page_layers
@@ -21,35 +45,76 @@ if TYPE_CHECKING:
     from kvjax.tiers.host_pool import HostKVPool
 
 
-def storage_key(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig) -> StorageKey:
-    """The key of the pages a cache of ``plan`` writes from ``host_pool``:
+def storage_key(
+    plan: CachePlan,
+    host_pool: HostKVPool,
+    pools: Any,
+    config: CacheConfig,
+    *,
+    host_pool_name: str = "host_kv",
+    device_pool: str = "kv",
+) -> StorageKey:
+    """The key of the pages a cache of ``plan`` writes from ``host_pool`` (the plan's pool
+    ``host_pool_name``, the host copy of device pool ``device_pool``):
     ``config.hicache_storage_model_fingerprint``, the host pool's page shape and stored dtype, the
-    plan's KV dtype, the device pool's fp8 scales (``pools.kv``; MHA: K then V per layer; MLA: the
-    latent's per layer; as they are now, so set them before the store is opened), the pool kind,
-    the TP size, this process's index as the rank (a pool sharded over TP ranks stores each rank's
-    heads under its own rank's key instead: :func:`rank_shards`), the host pool's layer ids, and
-    ``config.hicache_storage_namespace``.
+    plan's KV dtype, the device pool's fp8 scales (``pools[device_pool]``; MHA: K then V per
+    layer; MLA: the latent's per layer; as they are now, so set them before the store is opened),
+    the pool kind (and, under DCP, the stripe: a page's rows rank-major over ``dcp_size`` ranks,
+    ``kvjax.tiers.head_shards``), the TP size, this process's index as the rank (a pool sharded
+    over TP ranks stores each rank's heads under its own rank's key instead: :func:`rank_shards`),
+    the host pool's layer ids, and ``config.hicache_storage_namespace``.
     """
     import jax
 
     scales: tuple[float, ...] = ()
     if is_fp8(plan.kv_cache_dtype):
-        device_kv = pools.kv
+        device_kv = pools[device_pool]
         names = ("k_scale", "v_scale") if hasattr(device_kv, "k_scale") else ("scale",)  # MHA; MLA latent
         scales = tuple(s for name in names for s in np.asarray(getattr(device_kv, name), np.float32).tolist())
-    host_plan = next(p for p in plan.pools if p.name == "host_kv")
+    host_plan = next(p for p in plan.pools if p.name == host_pool_name)
     return StorageKey(
         model=str(config.hicache_storage_model_fingerprint or ""),
         page_shape=(host_pool.num_layers, *host_pool.page_row),
         store_dtype=host_pool.store_dtype.name,
         kv_dtype=logical_dtype_name(plan.kv_cache_dtype),
         kv_scales=scales,
-        layout=f"{plan.kind.kv_pool_kind}/page_first",
+        layout=f"{plan.kind.kv_pool_kind}/page_first" + (f"/dcp{config.dcp_size}" if config.dcp_enabled else ""),
         tp_rank=jax.process_index(),
         tp_size=config.tp_size,
         layers=tuple(host_plan.layer_ids),
         namespace=config.hicache_storage_namespace,
     )
+
+
+def check_storage_buildable(plan: CachePlan, config: CacheConfig) -> None:
+    """Before anything is allocated: the storage tier can be built over ``plan``'s host pools.
+
+    ``NotImplementedError`` naming what is not built: a draft model whose host page (tokens, KV
+    heads, head dim) or KV-head replicas over the TP ranks differ from the target's (one stored
+    entry stacks the two pools' layers, sharded over the ranks alike: module docstring); a pool
+    striped over DCP ranks across several processes (a stored entry is the whole striped page,
+    and a process's host page holds only its own devices' rows)."""
+    if config.hicache_storage_backend is None:
+        return
+    import jax
+
+    if config.dcp_enabled and jax.process_count() > 1:
+        raise NotImplementedError(
+            f"kvjax cannot build the storage tier over dcp_size={config.dcp_size} across {jax.process_count()} "
+            f"processes yet (each process's host page holds its own devices' rows); serve it in one process, or drop "
+            f"hicache_storage_backend={config.hicache_storage_backend!r}"
+        )
+    shapes = {p.name: p.shape for p in plan.pools if p.name in ("host_kv", DRAFT_HOST_POOL_NAME)}
+    if plan.draft is None or len(shapes) != 2:
+        return
+    target, draft = shapes["host_kv"], shapes[DRAFT_HOST_POOL_NAME]
+    if target != draft or plan.target.kv_head_replicas != plan.draft.kv_head_replicas:
+        raise NotImplementedError(
+            f"kvjax cannot store the draft model's pages with the target's yet when its host pages differ "
+            f"(draft {draft}, {plan.draft.kv_head_replicas} head replicas; target {target}, "
+            f"{plan.target.kv_head_replicas}): use a draft of the target's KV heads and head dim, or drop "
+            f"hicache_storage_backend={config.hicache_storage_backend!r}"
+        )
 
 
 def rank_shards(
@@ -91,19 +156,31 @@ def local_head_blocks(pools: Any, host_pool: HostKVPool) -> tuple[slice, ...] | 
     return tuple(heads for _, heads in local.host_blocks)
 
 
-def open_storage_tier(plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig) -> StorageOptions:
+def open_storage_tier(
+    plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig, draft_host_pool: HostKVPool | None = None
+) -> StorageOptions:
     """Open the store (``"memory"``, or the ``"file"`` backend in ``hicache_storage_dir``) over pages
     of ``host_pool``, under :func:`storage_key`, with the config's prefetch settings: what the
-    tree's constructor links behind its host tier.
+    tree's constructor links behind its host tier. ``draft_host_pool``: the draft model's host
+    pool (the same slots), whose layers each page holds after the target's (module docstring).
     """
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
     key = storage_key(plan, host_pool, pools, config)
+    pages: Any = host_pool
+    if draft_host_pool is not None:
+        if draft_host_pool.size != host_pool.size:
+            raise AssertionError(f"draft host pool of {draft_host_pool.size} slots, target's {host_pool.size}")
+        draft = storage_key(
+            plan, draft_host_pool, pools, config, host_pool_name=DRAFT_HOST_POOL_NAME, device_pool=DRAFT_POOL_NAME
+        )
+        key = stacked_storage_key([key, draft])
+        pages = StackedHostPages([host_pool, draft_host_pool])
     local = local_head_blocks(pools, host_pool)
     shards = rank_shards(host_pool, config, local)
     store = StorageTier(location, key=key, shards=shards, partial_shards=local is not None)
     return StorageOptions(
         store,
-        host_pool,
+        pages,
         prefetch_policy=config.hicache_storage_prefetch_policy,
         prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
         prefetch_threshold=config.hicache_storage_prefetch_threshold,

@@ -114,7 +114,7 @@ def test_what_dcp_does_not_serve_is_refused_by_name():
     )
     _refused(
         ConfigError,
-        r"the storage tier \(L3\) is not built with dcp_size 2",
+        r"the storage tier \(L3\) with dcp_size 2 is served for an MLA latent only, as in SGLang",
         lambda: build_kv_cache(tiny, storage, mesh=mesh),
     )
     hybrid = ModelSpec.preset("qwen3-next-80b-a3b")

@@ -26,9 +26,9 @@ both ranks serve requests, every rank's memory balance holds after every round
 
 Overlap scheduling is on (the default) except where a test says otherwise: STANDALONE's and
 EAGLE's rounds are chained on the device, each rank's round ``N + 1`` continuing its row of DP
-round ``N`` before the host reads it (``overlapped_rounds`` counted on both ranks); the sliding-window
-target reads each round first (as on one rank); the MLA test runs without overlap (the plain DP
-round program).
+round ``N`` before the host reads it (``overlapped_rounds`` counted on both ranks; the
+sliding-window target's SWA slots moved with the full ones); the MLA test runs without overlap (the
+plain DP round program).
 
 * the command line: ``generate --dp 2 --tp 4 --speculative-algorithm EAGLE`` gives Transformers'
   tokens, its counters summed over the ranks, with overlap and with ``--disable-overlap-schedule``.
@@ -211,6 +211,7 @@ def test_standalone_sliding_window_pools(swa_family):  # noqa: F811  (the fixtur
     done = _serve(front, SWA_MAX_NEW)
     for scheduler in front.schedulers:
         check_accounting(scheduler)
+    _assert_overlapped(front)
     proposed, accepted = _summed(front, "proposed_tokens", "proposer"), _summed(front, "accepted_tokens", "proposer")
     assert 0 < accepted < proposed, f"rounds should mix accepted and rejected proposals: {accepted} of {proposed}"
     assert _summed(front, "cached_tokens") > 0

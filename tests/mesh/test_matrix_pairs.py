@@ -135,6 +135,23 @@ def test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tp, tmp_pa
     _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh, tp_size=tp, dcp_size=2)
 
 
+def test_deepseek_v2_storage_tier_at_tp2_dcp2_stores_striped_pages(tmp_path_factory):
+    from kvjax.mesh_check import make_serving_mesh
+    from tests.serve.test_matrix_pairs import MAX_NEW as STORAGE_MAX_NEW
+    from tests.serve.test_matrix_pairs import _storage, _twice_round
+
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory)
+    mesh = make_serving_mesh(TP, dcp_size=2, devices=jax.devices())
+    sched = build_scheduler(model, mesh=mesh, tp_size=TP, dcp_size=2, **_storage(model))
+    store = sched.cache.tree_cache.storage.storage
+    # an entry is the striped page: every DCP rank's rows of the tree's page (page_size * dcp)
+    assert store.page_shape[1] == sched.cache.tree_cache.page_size == 2 * 4
+    assert store.storage_key.layout.endswith("/dcp2")
+    done = _twice_round(sched)  # every second-round prefix back from storage, leak free, balanced
+    assert dict(sched.mesh.shape) == {"tp": 1, "dcp": 2} and sched.cache.pools.kv.context_axis == "dcp"
+    assert_matches_transformers(hf, done, max_new=STORAGE_MAX_NEW, atol=ATOL)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "gemma3"])
 def test_over_two_pipeline_stages_at_tp2(family, tmp_path_factory):
     from tests.mesh.test_pp_parity import assert_stages_hold_their_own, stage_scheduler

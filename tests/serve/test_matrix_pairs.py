@@ -7,6 +7,10 @@ prefixes), with the ``cpu_tensor`` retraction backup and overlap scheduling: the
 first, on the same small pool (requests retracted and restored from their copies), then system
 prompts served one at a time, twice round, so that every second-round prefix was evicted from the
 device and the host and comes back from storage.
+
+STANDALONE speculative decoding with the storage tier, the target as its own draft: a stored page
+holds the draft pool's page with the target's (``kvjax.transfers.storage_attach``), so the
+second round's prefixes come back from storage into both pools and every proposal is accepted.
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvjax.build import build_kv_cache
+from kvjax.serve.generate import scheduler_for
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
+from kvjax.serve.speculative import DraftDecoding
 from tests.mesh.tp_serving import family_checkpoint
 from tests.serve.parity_harness import (
+    CHUNK,
     VOCAB,
     assert_matches_transformers,
     build_scheduler,
+    parity_cache_config,
     serve_two_rounds,
 )
 
@@ -93,4 +102,23 @@ def test_storage_with_the_cpu_tensor_retraction_backup_under_overlap(family):
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
     done = _twice_round(sched)
     assert backup.retraction.held == 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_standalone_target_as_its_own_draft_accepts_everything_after_storage_hits(family):
+    hf, model = family
+    config = parity_cache_config(
+        **_storage(model, speculative_algorithm="STANDALONE", speculative_num_steps=3, speculative_num_draft_tokens=4)
+    )
+    cache = build_kv_cache(model.spec, config, draft_spec=model.spec)
+    sched = scheduler_for(
+        model, cache, draft=model, num_steps=3, max_batch_size=2, chunked_prefill_size=CHUNK, record_logits=True
+    )
+    assert isinstance(sched.proposer, DraftDecoding) and cache.draft_host_pool is not None
+    store = sched.cache.tree_cache.storage.storage  # an entry holds the target's layers, then the draft's
+    assert store.page_shape[0] == 2 * model.spec.num_hidden_layers
+    done = _twice_round(sched)
+    stats = sched.proposer.stats
+    # every proposal accepted: the draft's pages of each stored prefix came back with the target's
+    assert stats.proposed_tokens > 0 and stats.acceptance_rate == 1.0, stats
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)

@@ -113,13 +113,15 @@ def mistral(tmp_path_factory) -> dict[str, Any]:
 
 def _held(sched: Scheduler, paired: Any) -> int:
     """Token slots the live requests hold of their own (page-rounded ``[cache_protected_len,
-    kv_len)``), counting only pages whose first slot ``paired(slots)`` says is still live."""
+    kv_len)``, or with overlap up to the proposer's ``allocated_len``), counting only pages whose
+    first slot ``paired(slots)`` says is still live."""
     ps, table = sched.page_size, sched.rows.req_to_token
+    allocated = getattr(sched.proposer, "allocated_len", ServingReq.kv_len)  # overlap: a round's reserve
     held = 0
     for req in sched.live_requests():
         if req.req_pool_idx is None:
             continue
-        end = -(-req.kv_len() // ps) * ps
+        end = -(-allocated(req) // ps) * ps
         slots = table[req.req_pool_idx, req.cache_protected_len : end : ps]
         held += int(np.count_nonzero(paired(slots))) * ps
     return held
@@ -180,11 +182,18 @@ def _count_evictions(sched: Scheduler) -> dict[str, int]:
 
 
 def spec_scheduler(
-    target: LoadedModel, draft: LoadedModel, *, page_size: int, max_total_tokens: int, mesh: Any = None, **extra: Any
+    target: LoadedModel,
+    draft: LoadedModel,
+    *,
+    page_size: int,
+    max_total_tokens: int,
+    mesh: Any = None,
+    overlap: bool = False,
+    **extra: Any,
 ) -> Scheduler:
     """A speculative scheduler (``k = K``) recording logits over a new sliding-window cache
     (``mesh``: the mesh its pools are sharded over, with ``tp_size`` in ``extra``, the other
-    ``CacheConfig`` fields), checking the accounting after every step."""
+    ``CacheConfig`` fields; ``overlap``: overlap scheduling), checking the accounting after every step."""
     config = parity_cache_config(
         page_size=page_size,
         max_total_tokens=max_total_tokens,
@@ -197,7 +206,14 @@ def spec_scheduler(
     cache = build_kv_cache(target.spec, config, draft_spec=draft.spec, mesh=mesh)
     assert cache.is_hybrid_swa and "kv_draft" in cache.pools
     sched = scheduler_for(
-        target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
+        target,
+        cache,
+        draft=draft,
+        num_steps=K,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        overlap=overlap,
     )
     assert isinstance(sched.extensions[0], SWAServing)
     _checked_every_step(sched)
@@ -263,6 +279,20 @@ def test_a_partly_agreeing_draft_with_pools_small_enough_to_evict_and_retract(fa
     assert_matches_transformers(family["hf"], done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
+def test_overlap_chains_rounds_over_the_sliding_window_pools(family):
+    """Overlap scheduling: round ``N + 1`` launched before round ``N`` is read, its SWA slots moved on
+    the device with the full ones (``overlap.shift_metadata``), through eviction on both sides and
+    retraction, with a partly agreeing draft: Transformers' tokens and logits, both sides' accounting
+    after every step (a request holding up to the round in flight's reserve)."""
+    sched, done, evicted = serve(family, "first-layer", page_size=1, max_total_tokens=64, overlap=True)
+    sp = _draft(sched).stats
+    assert sp.overlapped_rounds > 0, f"rounds should be chained on the device: {sp}"
+    assert 0 < sp.accepted_tokens < sp.proposed_tokens and sp.rolled_back_slots > 0, f"{sp}"
+    assert evicted["full"] > 0 and evicted["swa"] > 0, f"both pools should be evicted from, got {evicted}"
+    assert sched.stats.retractions > 0 and sched.stats.cached_tokens > 0
+    assert_matches_transformers(family["hf"], done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
 @pytest.mark.slow  # ~25 s: the partly agreeing draft above rejects too, in the default suite
 @pytest.mark.parametrize("family", ["gpt_oss"], indirect=True)  # Gemma 3's tied head: tiny models agree a lot
 def test_an_unrelated_draft_still_gives_the_exact_tokens(family):
@@ -272,11 +302,17 @@ def test_an_unrelated_draft_still_gives_the_exact_tokens(family):
     assert_matches_transformers(family["hf"], done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
-def test_pure_sliding_window_target_with_a_small_pool(mistral):
-    sched, done, _ = serve(mistral, "first-layer", page_size=1, max_total_tokens=48, seed=MISTRAL_PROMPT_SEED)
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_pure_sliding_window_target_with_a_small_pool(mistral, overlap):
+    """A window on every layer (the request table holds SWA slots, zeroed as windows pass), with
+    overlap scheduling (rounds chained on the device) and without."""
+    sched, done, _ = serve(
+        mistral, "first-layer", page_size=1, max_total_tokens=48, seed=MISTRAL_PROMPT_SEED, overlap=overlap
+    )
     assert not sched.cache.full_tokens_per_layer and isinstance(sched.tree, PureSWARadixCache)
     sp = _draft(sched).stats
     assert sp.accepted_tokens > 0 and sp.rolled_back_slots > 0
+    assert (sp.overlapped_rounds > 0) == overlap, f"{sp}"
     assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
     assert_matches_transformers(mistral["hf"], done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 

@@ -26,10 +26,15 @@ capped at its last round's positions, so whatever round ``N`` accepted, round ``
 are in the row (``DraftDecoding`` keeps the allocation; ``rollback`` frees only what the round in
 flight cannot use).
 
+A hybrid sliding-window pool's own inputs (``SWAMetadata``) move with them: its slots are read
+from the row's SWA page table at the new positions (a full slot's page and its SWA page are paired
+page for page, offsets kept: ``SWATokenToKVPoolAllocator``), the table built, as the full one, over
+the allocated pages. Window freeing before the round frees by the host-known length, which lags
+the true one: nothing a query of the round can see is freed.
+
 Invariant: a row with ``src < 0`` is unchanged (offset 0), so a round with no round before it is
-exactly the non-overlapped round. Only the base metadata fields are shifted: a cache whose kinds
-add step inputs of their own (a sliding-window pool's SWA slots, recurrent state) is not chained
-(``DraftDecoding`` resolves before its rounds).
+exactly the non-overlapped round. Recurrent state is not chained (its rollback replays the kept
+tokens on the host's count; ``DraftDecoding`` resolves before those rounds).
 """
 
 from __future__ import annotations
@@ -62,10 +67,11 @@ def shift_metadata(
     ``delta``: int32 ``[S]`` (0 for padding rows). Each live token's position, its row's KV length
     and its slot (from the row's page table at the new position) move; padding is untouched.
     ``trash``: bool ``[S]``, rows whose tokens write slot 0 (the trash page) instead. Requires the
-    page table to cover the new positions and no kind parts (``swa``, ``state``).
+    page tables (the base one and a sliding-window pool's, ``meta.swa``) to cover the new positions
+    and no other kind parts (``state``, ``extra``).
     """
-    if meta.swa is not None or meta.state is not None or meta.extra:
-        raise ValueError("a chained round's metadata has kind parts; only full-attention rounds are chained")
+    if meta.state is not None or meta.extra:
+        raise ValueError("a chained round's metadata has recurrent or other kind parts; those rounds are not chained")
     t = meta.positions.shape[0]
     rows = meta.page_indices.shape[0]
     index = jnp.arange(t, dtype=jnp.int32)
@@ -73,14 +79,28 @@ def shift_metadata(
     live = index < meta.cu_q_lens[meta.num_seqs[0]]
     moved = live & (delta[row] != 0)
     positions = jnp.where(moved, meta.positions + delta[row], meta.positions)
-    slots = meta.page_indices[row, positions // page_size] * page_size + positions % page_size
-    out_loc = jnp.where(moved, slots, meta.out_loc)
-    if trash is not None:
-        out_loc = jnp.where(live & trash[row], 0, out_loc)
-    out_loc = out_loc.astype(meta.out_loc.dtype)
+    trashed = None if trash is None else live & trash[row]
+
+    def moved_slots(page_indices: jax.Array, out_loc: jax.Array) -> jax.Array:
+        """``out_loc`` with each moved token's slot read from ``page_indices`` at its new position."""
+        slots = page_indices[row, positions // page_size] * page_size + positions % page_size
+        new = jnp.where(moved, slots, out_loc)
+        if trashed is not None:
+            new = jnp.where(trashed, 0, new)
+        return new.astype(out_loc.dtype)
+
+    swa = meta.swa
+    if swa is not None:
+        swa = dataclasses.replace(swa, out_loc=moved_slots(swa.page_indices, swa.out_loc))
     live_rows = jnp.arange(rows, dtype=jnp.int32) < meta.num_seqs[0]
     kv_lens = jnp.where(live_rows, meta.kv_lens + delta, meta.kv_lens).astype(meta.kv_lens.dtype)
-    return dataclasses.replace(meta, positions=positions.astype(meta.positions.dtype), out_loc=out_loc, kv_lens=kv_lens)
+    return dataclasses.replace(
+        meta,
+        positions=positions.astype(meta.positions.dtype),
+        out_loc=moved_slots(meta.page_indices, meta.out_loc),
+        kv_lens=kv_lens,
+        swa=swa,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))
