@@ -27,6 +27,7 @@ import numpy as np
 
 from kvjax.serve.kinds import default_extensions
 from kvjax.serve.retraction_extension import RetractionBackupExtension, _page_copy, _page_load
+from kvjax.transfers.draft_pools import with_draft_pool
 from kvjax.transfers.retraction_backup import RetractedKV, RetractionBackup
 
 if TYPE_CHECKING:
@@ -54,6 +55,11 @@ class StagedRetractionBackup:
 
     def __contains__(self, key: Any) -> bool:
         return key in self._first
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools each stage's backup copies (stage 0's)."""
+        return self._first.pool_names
 
     @property
     def held(self) -> int:
@@ -108,7 +114,14 @@ def staged_cpu_tensor_backup(pipeline: PipelineCache) -> StagedRetractionBackup:
     page_size = pipeline.cache.token_to_kv_pool_allocator.page_size
     return StagedRetractionBackup(
         [
-            RetractionBackup("cpu_tensor", page_size, pending=queue, get_copy=_page_copy, load_copy=_page_load)
+            RetractionBackup(
+                "cpu_tensor",
+                page_size,
+                pending=queue,
+                pool_names=with_draft_pool(("kv",), queue.owner_pools),
+                get_copy=_page_copy,
+                load_copy=_page_load,
+            )
             for queue in pipeline.pending
         ]
     )

@@ -16,7 +16,10 @@ in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
   resolves ``cpu_tensor`` and the backup is active (``plan.decode_retraction_active``: a decode
   server, or the backup set explicitly; SGLang re-prefills retracted requests outside decode
   mode), for pools the page kernels copy (MHA, MLA) without recurrent state; otherwise retracted
-  requests are recomputed. Under lockstep DP attention (``in_lockstep``) the copies are the rank's own
+  requests are recomputed. With a draft model the draft's pool ``"kv_draft"`` is copied and
+  restored at the same slots (``kvjax.transfers.draft_pools.with_draft_pool``), so a restored
+  request's draft KV is its own again (an EAGLE draft's hidden-state store is not copied: see
+  ``kvjax.serve.speculative.eagle``). Under lockstep DP attention (``in_lockstep``) the copies are the rank's own
   (``kvjax.dp.rank_transfer``: its pages of the stacked pool, written back into its slice only).
 * ``host_pool``: the host tier's extension (``host_tier.py``) owns one of these over the host
   tier's pool, so the restore logic lives here once.
@@ -38,6 +41,7 @@ import numpy as np
 
 from kvjax.plan.kinds import planner_kinds_of
 from kvjax.serve.extension import ServingExtension
+from kvjax.transfers.draft_pools import with_draft_pool
 from kvjax.transfers.retraction_backup import RetractionBackup
 
 if TYPE_CHECKING:
@@ -71,9 +75,17 @@ def _page_load(pool: Any, copy: PageCopy, slots: np.ndarray) -> Any:
 
 
 def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:
-    """A ``cpu_tensor`` :class:`RetractionBackup` of ``cache``'s ``"kv"`` pool through the page kernels."""
+    """A ``cpu_tensor`` :class:`RetractionBackup` of ``cache``'s ``"kv"`` pool, and the draft's
+    ``"kv_draft"`` at the same slots when there is one, through the page kernels."""
     page_size = cache.token_to_kv_pool_allocator.page_size
-    return RetractionBackup("cpu_tensor", page_size, pending=cache.pending, get_copy=_page_copy, load_copy=_page_load)
+    return RetractionBackup(
+        "cpu_tensor",
+        page_size,
+        pending=cache.pending,
+        pool_names=with_draft_pool(("kv",), cache.pools),
+        get_copy=_page_copy,
+        load_copy=_page_load,
+    )
 
 
 class RetractionBackupExtension(ServingExtension):
@@ -107,6 +119,12 @@ class RetractionBackupExtension(ServingExtension):
         self.retraction.get_copy = rank_page_copy(rank)
         self.retraction.load_copy = rank_page_load(rank)
         return True
+
+    def restores_pool(self, name: str) -> bool:
+        """Whether a restore writes pool ``name`` back: a ``cpu_tensor`` backup copies its
+        ``pool_names``; a ``host_pool`` one every pool the host tier's engine pairs
+        (``kvjax.transfers.draft_pools.with_draft_transfers``)."""
+        return self.retraction.mode != "cpu_tensor" or name in self.retraction.pool_names
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
         if finished or req.req_pool_idx is None or req.abort_reason is not None:
@@ -159,7 +177,8 @@ def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
     from kvjax.transfers.device_pages import page_layers
 
     try:
-        page_layers(cache.pools["kv"])
+        for name in with_draft_pool(("kv",), cache.pools):
+            page_layers(cache.pools[name])
     except NotImplementedError:
         return []
     return [RetractionBackupExtension(cache)]

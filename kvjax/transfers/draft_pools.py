@@ -7,7 +7,9 @@ the same pages of the draft pool. kvjax does the same with :class:`PairedCopyEng
 drives one engine, which starts a transfer of the draft pool's pages with every transfer of the
 target's (same device slots, same host slots; the draft host pool has no allocator of its own in
 use: the tree's host allocator is the target host pool's) and reports it DONE only when both
-landed, at the same polling step. Accounting is the target's: nothing is allocated twice.
+landed, at the same polling step. Accounting is the target's: nothing is allocated twice. The
+``cpu_tensor`` retraction backup copies the same way (:func:`with_draft_pool`: the draft's pool
+beside the target's, at the same slots).
 
 Errors: a backup reports FAILED when either copy failed (the tree then drops the host copy and
 recomputes, losing nothing). A load that cannot start raises ``CopyError`` with nothing recorded
@@ -96,10 +98,20 @@ class PairedCopyEngine:
             e.cancel(h)
 
 
-def with_draft_transfers(engine: Any, draft_host_pool: Any) -> Any:
-    """``engine`` (the target pool's ``PageTransferEngine``), paired with one over the draft pool
+def with_draft_pool(pool_names: tuple[str, ...], pools: Any) -> tuple[str, ...]:
+    """``pool_names`` (the target's pools a page copy moves), followed by the draft's pool
+    ``"kv_draft"`` when ``pools`` holds one: the draft's pages are indexed by the target's slots,
+    so a copy of target pages (the ``cpu_tensor`` retraction backup) copies the same pages of the
+    draft's, as the host tier's :class:`PairedCopyEngine` does."""
+    return (*pool_names, DRAFT_POOL_NAME) if DRAFT_POOL_NAME in pools else tuple(pool_names)
+
+
+def with_draft_transfers(engine: Any, draft_host_pool: Any, page_engine: Any = None) -> Any:
+    """``engine`` (the target pool's page engine), paired with one over the draft pool
     ``"kv_draft"`` and ``draft_host_pool`` when there is one, recording into the same pending
-    device updates (``engine.pending``), so the draft's loads are applied with the target's."""
+    device updates (``engine.pending``), so the draft's loads are applied with the target's.
+    ``page_engine``: makes the draft's engine (a ``TransferContext.page_engine``, e.g. a DP rank's);
+    ``None``: ``PageTransferEngine``."""
     if draft_host_pool is None:
         return engine
     from kvjax.transfers.transfer import PageTransferEngine
@@ -108,5 +120,6 @@ def with_draft_transfers(engine: Any, draft_host_pool: Any) -> Any:
         raise AssertionError(
             f"draft host pool of {draft_host_pool.size} slots, target's {engine.host_pool.size}: they must match"
         )
-    draft = PageTransferEngine(engine.pending, draft_host_pool, pool_name=DRAFT_POOL_NAME, staging=engine.staging)
+    make = page_engine if page_engine is not None else PageTransferEngine
+    draft = make(engine.pending, draft_host_pool, DRAFT_POOL_NAME, engine.staging)
     return PairedCopyEngine(engine, draft)

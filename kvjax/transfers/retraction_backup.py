@@ -19,7 +19,11 @@ Modes (the plan's ``decode_retraction_backup``):
   ``get_copy`` / ``load_copy`` functions given (the serving extension's page copies, in place). A
   copy is a list of per-layer numpy arrays ``[tokens, ...]`` or a
   :class:`~kvjax.transfers.page_copy.PageCopy` (the blocks this process holds); a restore from a
-  later token writes its :func:`copy_tail`.
+  later token writes its :func:`copy_tail`. Every pool of ``pool_names`` is copied at the same
+  slots: with a draft model the target's ``"kv"`` and the draft's ``"kv_draft"``
+  (``kvjax.transfers.draft_pools.with_draft_pool``: one slot id addresses a token in both), so a
+  restored request's draft KV is back with its target KV. (``host_pool`` copies both through the
+  host tier's paired engine.)
 
 Device state (``docs/architecture.md``, "Device state: who changes it"): a restore never swaps
 the caller's pools. ``host_pool``: the copy engine records the load. ``cpu_tensor``: the copy aside
@@ -64,7 +68,7 @@ class RetractedKV:
     num_pages: int
     host_slots: np.ndarray | None = None
     handle: Any = None
-    cpu_copy: Any = None  # cpu_tensor: a list of per-layer numpy copies, or a PageCopy
+    cpu_copy: dict[str, Any] | None = None  # cpu_tensor: by pool, per-layer numpy copies or a PageCopy
 
 
 class RetractionBackup:
@@ -76,7 +80,7 @@ class RetractionBackup:
         host: the host tier's component (``host_pool``): its host slots and copy engine.
         pending: the cache's pending device updates (``cpu_tensor``; ``KVCache.pending``): the
             copy aside reads through it, the restore records into it.
-        pool_name: the device pool copied (``cpu_tensor``).
+        pool_names: the device pools copied (``cpu_tensor``), each at the same slots.
         get_copy: ``get_copy(pool, device_slots) -> copy`` (a list of per-layer numpy
             ``[tokens, ...]`` or a ``PageCopy``; ``cpu_tensor``; default the pool's ``get_cpu_copy``).
         load_copy: ``load_copy(pool, copy, device_slots) -> new pool`` (``cpu_tensor``; default
@@ -92,7 +96,7 @@ class RetractionBackup:
         *,
         host: Any = None,
         pending: PendingDeviceUpdates | None = None,
-        pool_name: str = "kv",
+        pool_names: tuple[str, ...] = ("kv",),
         get_copy: Callable[[Any, np.ndarray], Any] | None = None,
         load_copy: Callable[[Any, Any, np.ndarray], Any] | None = None,
     ):
@@ -106,7 +110,7 @@ class RetractionBackup:
         self.page_size = int(page_size)
         self.host = host
         self.pending = pending
-        self.pool_name = pool_name
+        self.pool_names = tuple(pool_names)
         self.get_copy = get_copy or (lambda pool, slots: pool.get_cpu_copy(slots))
         self.load_copy = load_copy or (lambda pool, copy, slots: pool.load_cpu_copy(copy, slots))
         self._kept: dict[Any, RetractedKV] = {}
@@ -158,8 +162,9 @@ class RetractionBackup:
             kept.host_slots = host_slots
         else:
             assert self.pending is not None
-            pools = self.pending.read(self.pool_name, pages)
-            kept.cpu_copy = self.get_copy(pools[self.pool_name], device_slots)
+            kept.cpu_copy = {
+                name: self.get_copy(self.pending.read(name, pages)[name], device_slots) for name in self.pool_names
+            }
         self._kept[key] = kept
         self.backed_up += 1
         return True
@@ -195,7 +200,8 @@ class RetractionBackup:
                 self.host.free_held(kept.host_slots)
         else:
             assert kept.cpu_copy is not None and self.pending is not None
-            self.pending.record(self._restore_update(copy_tail(kept.cpu_copy, skip), device_slots))
+            for name, copy in kept.cpu_copy.items():
+                self.pending.record(self._restore_update(name, copy_tail(copy, skip), device_slots))
         if ok:
             self.restored += 1
             self.restored_tokens += kept.end - kept.start - skip
@@ -203,9 +209,9 @@ class RetractionBackup:
             self.fallbacks += 1
         return ok
 
-    def _restore_update(self, copy: Any, device_slots: np.ndarray) -> DeviceUpdate:
-        """``cpu_tensor``: the write of ``copy`` into ``device_slots``, as a pending device update."""
-        name, load_copy = self.pool_name, self.load_copy
+    def _restore_update(self, name: str, copy: Any, device_slots: np.ndarray) -> DeviceUpdate:
+        """``cpu_tensor``: the write of ``copy`` into ``device_slots`` of pool ``name``, as a pending device update."""
+        load_copy = self.load_copy
         slots = np.asarray(device_slots).copy()
 
         def write(pools: Any) -> Any:

@@ -8,7 +8,9 @@ are the target's greedy tokens whatever the head proposes, so a random head prov
 
 * served through the two rounds of ``parity_harness`` (prefix reuse, a multi-turn chat, chunked
   prefill) at page size 1 with a pool small enough to evict and retract, and at page size 16:
-  tokens equal Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``, leak-free.
+  tokens equal Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``, leak-free; the
+  small pool again with the ``cpu_tensor`` retraction backup: retracted requests restored (the
+  head's pages with the target's; counted, not recomputed) with the same tokens and logits.
 * the draft is SGLang's EAGLE head: every round's ``k`` proposals equal those of the head computed
   directly in torch (Transformers' ``LlamaDecoderLayer`` loaded with ``layers.0`` and its input norm
   removed, ``fc`` of the embedding and Transformers' hidden state of the position before, the
@@ -32,6 +34,7 @@ import pytest
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import LoadedModel, flatten_params, load_checkpoint
+from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.draft_decoding import DraftDecoding
 from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
@@ -93,7 +96,7 @@ def checkpoints(tmp_path_factory) -> tuple[Any, Path, Path]:
 
 
 def _serve(
-    target_dir: Path, head_dir: Path, *, page_size: int, max_total_tokens: int
+    target_dir: Path, head_dir: Path, *, page_size: int, max_total_tokens: int, **config: Any
 ) -> tuple[Scheduler, dict[str, ServingReq]]:
     model = load_checkpoint(target_dir)
     draft = load_nextn_draft(head_dir, model)
@@ -109,6 +112,7 @@ def _serve(
             speculative_algorithm="EAGLE",
             speculative_num_steps=K,
             speculative_num_draft_tokens=K + 1,
+            **config,
         ),
     )
     assert cache.plan.draft is not None and cache.plan.draft.layer_ids == (0,)
@@ -203,6 +207,18 @@ def test_reuse_chunked_prefill_eviction_retraction_and_the_heads_own_proposals(c
             assert list(proposals[row]) == direct.proposals(sequence, K), (sequence, proposals[row])
             checked += 1
     assert checked >= 6
+
+
+def test_the_cpu_tensor_backup_restores_the_heads_pages_with_the_targets(checkpoints):
+    hf, target, head = checkpoints
+    backed = dict(disaggregation_decode_retraction_backup="cpu_tensor")
+    sched, done = _serve(target, head, page_size=1, max_total_tokens=64, **backed)
+    [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+    backup = ext.retraction
+    assert backup.mode == "cpu_tensor" and backup.pool_names == ("kv", "kv_draft")
+    assert sched.stats.retractions > 0 and backup.restored > 0 and backup.restored_tokens > 0, "not recomputed"
+    assert backup.held == 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
 def test_page_16_with_prefix_reuse(checkpoints):

@@ -9,7 +9,9 @@ tokens whatever the draft proposes, so any draft weights prove exactness.
 * random MTP weights, served through the two rounds of ``parity_harness`` (prefix reuse, a
   multi-turn chat, chunked prefill) at page size 16, and at page size 1 with a pool small enough to
   evict and retract: tokens equal Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``;
-  the hidden-state store holds Transformers' final-normed hidden state at every slot the tree serves.
+  the hidden-state store holds Transformers' final-normed hidden state at every slot the tree serves;
+  the same small pool with the ``cpu_tensor`` retraction backup restores retracted requests (the
+  MTP layer's pages with the target's; counted, not recomputed) with the same tokens and logits.
 * a "repeat" MTP layer (``eh_proj`` takes the hidden state alone, the decoder layer adds nothing):
   its logits are the target's logits at the position before, so each proposal is the round's last
   token exactly when the draft is fed the target's hidden state of the right position (checked
@@ -37,6 +39,7 @@ import pytest
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import LoadedModel, flatten_params, load_checkpoint
+from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.draft_decoding import DraftDecoding
 from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
@@ -149,16 +152,18 @@ def nextn_config(**changes: Any) -> CacheConfig:
     )
 
 
-def _cache(model: LoadedModel, *, page_size: int, max_total_tokens: int) -> Any:
-    return build_kv_cache(model.spec, nextn_config(page_size=page_size, max_total_tokens=max_total_tokens))
+def _cache(model: LoadedModel, *, page_size: int, max_total_tokens: int, **config: Any) -> Any:
+    return build_kv_cache(model.spec, nextn_config(page_size=page_size, max_total_tokens=max_total_tokens, **config))
 
 
-def _serve(directory: Path, *, page_size: int, max_total_tokens: int) -> tuple[Scheduler, dict[str, ServingReq]]:
+def _serve(
+    directory: Path, *, page_size: int, max_total_tokens: int, **config: Any
+) -> tuple[Scheduler, dict[str, ServingReq]]:
     model = load_checkpoint(directory)
     draft = nextn_params(model.config, model.params, directory)
     sched = eagle_scheduler(
         model.config,
-        _cache(model, page_size=page_size, max_total_tokens=max_total_tokens),
+        _cache(model, page_size=page_size, max_total_tokens=max_total_tokens, **config),
         model.params,
         draft_params=draft,
         num_steps=K,
@@ -200,6 +205,19 @@ def test_page_1_with_a_pool_small_enough_to_evict_and_retract(deepseek):
     sched, done = _serve(directory, page_size=1, max_total_tokens=64)
     assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
     assert _proposer(sched).stats.rolled_back_slots > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_the_cpu_tensor_backup_restores_the_mtp_layers_pages_with_the_targets(deepseek):
+    hf, _, directory, _ = deepseek
+    sched, done = _serve(
+        directory, page_size=1, max_total_tokens=64, disaggregation_decode_retraction_backup="cpu_tensor"
+    )
+    [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+    backup = ext.retraction
+    assert backup.mode == "cpu_tensor" and backup.pool_names == ("kv", "kv_draft")
+    assert sched.stats.retractions > 0 and backup.restored > 0 and backup.restored_tokens > 0, "not recomputed"
+    assert backup.held == 0 and sched.leak_free()
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 

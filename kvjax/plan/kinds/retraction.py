@@ -1,7 +1,7 @@
 """The ``cpu_tensor`` decode retraction backup's planning: a plan uses it when it resolves
-``decode_retraction_backup == "cpu_tensor"``, the backup is active and there is no draft model (its
-pool is not copied: a speculative server recomputes retracted requests). It plans no pool (the
-copies live in host memory the serving loop holds); it attaches only where every kind of the
+``decode_retraction_backup == "cpu_tensor"`` and the backup is active (with a draft model too: its
+pool ``"kv_draft"`` is copied and restored at the same slots as the target's). It plans no pool
+(the copies live in host memory the serving loop holds); it attaches only where every kind of the
 cache allows page copies (``PlannerKind.page_backup``)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 
 def uses(plan: CachePlan) -> bool:
-    # A draft model's pool is not copied (the copies are the target's "kv" pages): a speculative
-    # server recomputes its retracted requests (the host_pool backup copies both pools).
-    return plan.decode_retraction_backup == "cpu_tensor" and bool(plan.decode_retraction_active) and plan.draft is None
+    return plan.decode_retraction_backup == "cpu_tensor" and bool(plan.decode_retraction_active)
 
 
-KIND = PlannerKind(name=RETRACTION, uses=uses)
+# No state of its own per slot: freeing a rejected draft token's slot rolls it back (a backup
+# copies a request's live slots only, taken at retraction, after the round's rollback).
+KIND = PlannerKind(name=RETRACTION, uses=uses, speculative_rollback=True)

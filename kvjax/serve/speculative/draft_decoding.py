@@ -50,11 +50,13 @@ the rollback frees only what the round in flight cannot use). The host reads the
 first before admitting a prefill and before retracting; recurrent-state and sliding-window targets
 run their rounds without overlap (each read before the next).
 
-Not supported (refused when the scheduler is built, naming the value): a retraction backup (it would
-restore the target's KV only), the recurrent state's extra buffer, a draft whose vocabulary
-differs from the target's, and a cache planned for EAGLE / EAGLE3 / NEXTN (drafts that read the
-target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding`` serves EAGLE / NEXTN with
-the checkpoint's MTP layer).
+A retraction backup copies and restores the draft's pages with the target's
+(``kvjax.serve.retraction_extension``); one made to restore the target's pool only is refused.
+
+Not supported (refused when the scheduler is built, naming the value): the recurrent state's extra
+buffer, a draft whose vocabulary differs from the target's, and a cache planned for EAGLE / EAGLE3
+/ NEXTN (drafts that read the target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding``
+serves EAGLE / NEXTN with the checkpoint's MTP layer).
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ class DraftDecoding:
     def check_scheduler(self, scheduler: Scheduler) -> ModelConfig:
         """The target's serving config, once ``scheduler`` is checked to decode speculatively
         (refusing by name overlap, a model of the caller's own, a cache that does not fit, state
-        that cannot roll back and a retraction backup)."""
+        that cannot roll back and a retraction backup that leaves the draft's pool out)."""
         target_config = scheduler.model_config
         if target_config is None:
             raise ConfigError(
@@ -270,11 +272,17 @@ class DraftDecoding:
             scheduler.overlap and not self.replays_state and all(k.name in _CHAINED_KINDS for k in scheduler.kinds)
         )
         self._alloc_end = {}
-        if any(isinstance(ext, RetractionBackupExtension) for ext in scheduler.extensions):
+        # The retraction backups restore the draft's pages with the target's (``cpu_tensor_backup``);
+        # one made to copy the target's pool alone would leave a restored request's draft KV stale.
+        if any(
+            isinstance(ext, RetractionBackupExtension) and not ext.restores_pool("kv_draft")
+            for ext in scheduler.extensions
+        ):
             raise ConfigError(
                 "disaggregation_decode_retraction_backup",
-                "set",
-                "a retraction backup restores the target's KV only, not the draft's; leave it unset",
+                "cpu_tensor",
+                "this retraction backup restores the target's KV only, not the draft's ('kv_draft'): build it "
+                "with retraction_extension.cpu_tensor_backup(cache), or leave the backup unset",
             )
         return target_config
 

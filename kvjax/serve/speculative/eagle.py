@@ -14,7 +14,13 @@ the draft with the target over each chunk, as STANDALONE does.
 Tokens are the target's greedy tokens whatever the draft proposes. The hidden-state store costs
 ``hidden_size`` values of the target's dtype per KV slot (outside the cache's planned budget); it
 is not copied by the host tier, so after a host load-back the draft's first position past the
-loaded prefix reads a stale state (fewer tokens accepted there, the same tokens).
+loaded prefix reads a stale state (fewer tokens accepted there, the same tokens). Nor by the
+retraction backup (kvjax's choice): a restored request's draft KV comes back with its target KV
+(``kvjax.serve.retraction_extension``), and of the store only the row of its last restored
+position is ever read again (by the draft's KV of the next position, written when the prefill
+resumes), so carrying the store would cost a copy of ``hidden_size`` values per backed-up token
+for one position's proposals; that position's draft KV comes from a stale state (fewer tokens
+accepted around it, the same tokens).
 """
 
 from __future__ import annotations
