@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
@@ -64,6 +64,9 @@ from kvjax.radix.kinds import HOST_KINDS
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
 from kvjax.transfers.draft_pools import check_draft_buildable, with_draft_transfers
+
+if TYPE_CHECKING:
+    from kvjax.transfers.transfer_engines import TransferContext
 
 KV_HEAD_MESH_AXIS = KV_HEAD_AXIS
 
@@ -481,24 +484,33 @@ def plan_request_table(table: ReqToTokenPool, plan: CachePlan, kinds: tuple[Plan
 def _host_transfer_engine(
     plan: CachePlan, pending: PendingDeviceUpdates, host_pools: dict[str, Any], allocator: AllocatorProtocol
 ) -> Any:
-    """The host tier's page transfer engine, made before the tree (which takes it at construction).
+    """The host tier's page transfer engine over the cache's own pools (:func:`host_transfer_engine`)."""
+    from kvjax.transfers.transfer_engines import TransferContext
+
+    return host_transfer_engine(TransferContext(plan, pending, host_pools, allocator))
+
+
+def host_transfer_engine(context: TransferContext) -> Any:
+    """The host tier's page transfer engine, made before the tree (which takes it at construction):
+    the first engine a kind of the plan offers (``PoolBuilders.transfer_engine``), else the default
+    one, each page or state engine in it made by the context's factories (a DP rank's give the
+    rank's engines: ``kvjax.dp.cache``).
 
     The engine holds no cache: it reads static facts (shapes, dtype, sharding) from
     ``pending.owner_pools``, reads device data for backups through ``pending.read`` (the pools the
     owner last handed in) and records its loads in ``pending`` for the owner to apply
     (``KVCache.apply_pending``). The draft pool's engine rides along when there is one."""
-    from kvjax.transfers.transfer_engines import TransferContext, default_transfer_engine
+    from kvjax.transfers.transfer_engines import default_transfer_engine
 
-    context = TransferContext(plan, pending, host_pools, allocator)
     engine = None
-    for kind in planner_kinds_of(plan):  # the first engine a kind of the plan offers, in the kinds' order
+    for kind in planner_kinds_of(context.plan):  # the first engine a kind of the plan offers, in the kinds' order
         offer = POOL_BUILDERS[kind.name].transfer_engine
         engine = offer(context) if offer is not None else None
         if engine is not None:
             break
     if engine is None:
         engine = default_transfer_engine(context)
-    return with_draft_transfers(engine, host_pools.get(DRAFT_HOST_POOL_NAME))
+    return with_draft_transfers(engine, context.host_pools.get(DRAFT_HOST_POOL_NAME), context.page_engine)
 
 
 def plan_allocator(plan: CachePlan, kinds: tuple[PlannerKind, ...]) -> AllocatorProtocol:

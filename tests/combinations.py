@@ -689,6 +689,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("swa", "pp", "overlap"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
     ("swa", "host", "overlap"): "tests/serve/test_random_workloads.py::test_random_workload",
     ("swa", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_gemma3_sliding_window_pools",
+    ("swa", "dp", "host"): "tests/mesh/test_dp_hybrid_host_tier.py::test_gemma3_sliding_window_host_pools_per_rank",
     ("swa", "host", "processes"): "tests/mesh/test_matrix_pairs.py::test_gemma3_host_tier_at_tp2_over_two_processes",
     ("swa", "tp", "pp"): "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ("swa", "overlap", "processes"): (
@@ -817,6 +818,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers"
     ),
     ("recurrent", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "dp", "host"): (
+        "tests/mesh/test_dp_hybrid_host_tier.py::test_qwen3_next_checkpoints_through_each_ranks_host"
+    ),
     ("recurrent", "tp", "host"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_tp2_with_the_host_tier",
     ("recurrent", "tp", "standalone"): (
         "tests/mesh/test_matrix_pairs.py::test_qwen3_next_standalone_at_tp2_evicts_retracts_and_replays"
@@ -850,8 +854,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "dp", "pp"): refused(GAP_DP_PP),
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "dp", "host"): refused(GAP_DP_HOST),
-    ("swa", "dp", "storage"): refused(GAP_DP_HOST),
+    ("swa", "dp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dcp", "pp"): refused(GAP_DCP_PP),
     ("swa", "dcp", "standalone"): refused(GAP_SWA_DCP),
@@ -899,8 +902,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
     ("recurrent", "dp", "standalone"): refused(GAP_DP_SPEC_RECURRENT),
     ("recurrent", "dp", "eagle"): refused(GAP_DP_SPEC_RECURRENT),
-    ("recurrent", "dp", "host"): refused(GAP_DP_HOST),
-    ("recurrent", "dp", "storage"): refused(GAP_DP_HOST),
+    ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
     ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP),

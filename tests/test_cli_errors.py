@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ERROR_LINE = re.compile(r"^python -m kvjax( (plan|demo|generate))?: error: \S")
 
 GEN = ["--model", "tiny", "--prompt-ids", "1,2"]
-HOST = "--enable-hierarchical-cache"
 STANDALONE = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny"]
 STANDALONE_SWA = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "gemma3-tiny"]
 
@@ -68,16 +67,8 @@ CASES = [
         ["--hicache-storage store with --model qwen3-next-80b-a3b", "recurrent-state tree"],
     ),
     (
-        ["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", *["--tp", "2", "--dp", "2"], HOST],
-        ["--dp 2 with --enable-hierarchical-cache", "recurrent-state checkpoints"],
-    ),
-    (
         ["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--enable-hierarchical-cache", *STANDALONE_SWA],
         ["--enable-hierarchical-cache with --speculative-algorithm STANDALONE", "--model gemma3-tiny"],
-    ),
-    (
-        ["generate", "--model", "mistral-swa-tiny", "--prompt-ids", "1", *["--tp", "2", "--dp", "2"], HOST],
-        ["--dp 2 with --enable-hierarchical-cache", "--model mistral-swa-tiny", "sliding-window"],
     ),
     (["generate", *GEN, "--tp", "2", "--dp", "2", "--image", "x.png"], ["--image x.png with --dp 2"]),
     (

@@ -30,9 +30,6 @@ __all__ = ["check_combinations"]
 
 #: Where the flags of the fixes the library's kind refusals name come from (``{dcp_size}``).
 _FLAGS = {"dcp_size": "--dcp", "pp_size": "--pp", "enable_hierarchical_cache": "--enable-hierarchical-cache"}
-#: Cache kinds whose pools have a transfer engine of their own, which copies one rank's pools: the
-#: DP cache's build refuses a host tier over them (``kvjax.dp.cache``).
-_OWN_TRANSFER_ENGINE = {"swa": "the sliding-window pools", "recurrent": "the recurrent-state checkpoints"}
 _GAP = "not built in kvjax yet"
 #: What a cache kind's ``dcp_refusal`` says, in the command line's words (it names library options).
 _DCP_WHY = {
@@ -147,12 +144,6 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
             f"--dp {args.dp} with --speculative-algorithm {algorithm}: for --model {model}, the rollback of "
             f"recurrent state under DP attention is {_GAP} (it replays kept tokens with a step of one rank); drop "
             "one of the two"
-        )
-    if args.enable_hierarchical_cache and args.dp > 1 and kind.name in _OWN_TRANSFER_ENGINE:
-        raise UsageError(
-            f"--dp {args.dp} with --enable-hierarchical-cache: for --model {model}, the host tier of "
-            f"{_OWN_TRANSFER_ENGINE[kind.name]} under DP attention is {_GAP} (their transfer engine copies one "
-            "rank's pools); drop one of the two"
         )
     if storage is not None and kind.name == "swa":
         raise UsageError(

@@ -23,9 +23,13 @@ SGLang builds one scheduler per rank; kvjax builds:
   backup), as SGLang gives each DP rank its own host pool and cache controller: the rank's host
   pool is built from its plan over the rank's ``("tp",)`` devices as ``build_kv_cache`` builds it
   (every distinct KV head of the rank once), its tree is a ``HiRadixCache`` and its transfers go
-  through a ``kvjax.dp.rank_transfer.RankPageTransferEngine``, which reads and writes only the
-  rank's slice of the stacked pools (in place, O(pages moved)) and records its loads on the
-  rank's queue. Every rank's host pool together must fit the host's memory. With a storage tier
+  through the engines a one-rank cache of the plan's kinds composes (``host_transfer_engine``),
+  each made by the rank's factories: a ``kvjax.dp.rank_transfer.RankPageTransferEngine`` per
+  page pool (the KV's; each half of the sliding-window pair, beside the rank's SWA host pool; the
+  draft's) and a ``kvjax.dp.rank_state_transfer.RankStateTransferEngine`` for recurrent-state
+  checkpoints (beside the rank's ``HostStatePool``; one process only). Each reads and writes only
+  the rank's slice of the stacked pools (in place, O(pages or slots moved)) and records its loads
+  on the rank's queue. Every rank's host pools together must fit the host's memory. With a storage tier
   (``hicache_storage_backend``) each rank opens its own store behind its host pool
   (``kvjax.transfers.storage_attach.open_storage_tier``), under the key a one-rank cache of the
   rank's plan uses: the pages are content addressed and the rank's host page is what that cache
@@ -45,14 +49,15 @@ Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_
 shape ``build_kv_cache`` gives that array over the rank's ``("tp",)`` (or ``("tp", "dcp")``) mesh;
 ``layout.pool_specs`` is the matching pytree of ``PartitionSpec`` (first entry ``"data"``).
 Not built yet under DP attention (refused before anything is allocated): the storage tier over
-several processes or an fp8 KV cache and the host tier of a kind with its own transfer engine (the
-sliding-window pair).
+several processes or an fp8 KV cache, and the host copies of recurrent-state checkpoints over
+several processes.
 
 Speculative decoding (``speculative_algorithm``; STANDALONE with ``draft_spec``): the draft's pool
 ``"kv_draft"`` is one more device pool of the plan, stacked per rank and laid out as the target's
 (its KV heads over ``"tp"``, an MLA latent whole); with the host tier each rank's draft host pool
 is built beside its target host pool (host slots one to one) and the rank's engine copies both
-(``PairedCopyEngine`` of two ``RankPageTransferEngine``: ``kvjax.transfers.draft_pools``).
+(``PairedCopyEngine`` of two ``RankPageTransferEngine``: ``kvjax.transfers.draft_pools``,
+``with_draft_transfers`` given the rank's page engine factory).
 EAGLE's hidden-state store is built with the DP programs (``kvjax.dp.speculative``).
 """
 
@@ -71,6 +76,7 @@ from kvjax.build import (
     KV_HEAD_MESH_AXIS,
     device_memory_limit_bytes,
     host_memory_bytes,
+    host_transfer_engine,
     plan_allocator,
     plan_request_table,
     with_extra_pools,
@@ -84,14 +90,13 @@ from kvjax.layout.pool_plan import PoolPlan
 from kvjax.mesh_check import DCP_AXIS
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.buildable import check_host_tier_buildable
-from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, DRAFT_POOL_NAME, check_draft_host_tier_buildable
+from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, check_draft_host_tier_buildable
 from kvjax.plan.host_sizing import check_host_memory
 from kvjax.plan.kinds import PlannerKind, planner_kinds_of
 from kvjax.plan.kinds.host_tier import HOST_KV
 from kvjax.plan.kinds.host_tier import POOL as HOST_TIER_POOL
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.registry import (
-    POOL_BUILDERS,
     BuildContext,
     create_pool,
     create_pool_group,
@@ -102,7 +107,8 @@ from kvjax.protocols import AllocatorProtocol, ReqToTokenPoolProtocol, TreeCache
 from kvjax.radix import create_tree_cache
 from kvjax.req_pool import ReqToTokenPool
 from kvjax.spec import ModelSpec
-from kvjax.transfers.draft_pools import PairedCopyEngine, check_draft_buildable
+from kvjax.transfers.draft_pools import check_draft_buildable
+from kvjax.transfers.transfer_engines import TransferContext
 
 __all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "rank_devices"]
 
@@ -271,8 +277,8 @@ def build_dp_kv_cache(
         ],
     )
     pools = _build_over_mesh(lambda: _device_pools(device_plans, one_device), mesh, specs)
-    ranks = tuple(_rank_host_state(r, plan, kinds, pools, mesh, config) for r in range(config.dp_size))
     layout = DPLayout(mesh, specs, jax.tree_util.tree_structure(ranked))
+    ranks = tuple(_rank_host_state(r, plan, kinds, pools, layout, config) for r in range(config.dp_size))
     return DPKVCache(plan=plan, pools=pools, layout=layout, ranks=ranks)
 
 
@@ -396,10 +402,14 @@ def _build_over_mesh(make: Callable[[], CachePools], mesh: Mesh, specs: Any) -> 
 
 def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], config: CacheConfig) -> None:
     """Before anything is allocated: the host tier (or the ``host_pool`` retraction backup) is
-    built per rank only over the device pool the default engine copies (MHA, MLA: a kind with
-    its own engine, the sliding-window pair, is refused), and every rank's host pool together
-    must fit the host's memory (SGLang's check, on ``dp_size`` host pools)."""
-    host_bytes = sum(p.nbytes for p in plan.pools if p.kind == HOST_TIER_POOL.name)
+    buildable as on one rank, the host copies of per-request state (recurrent-state checkpoints)
+    are in one process (their engine reads the rank's state whole), and every rank's host pools
+    together (the KV's, and a kind's state pool) must fit the host's memory (SGLang's check, on
+    ``dp_size`` sets of host pools)."""
+    state_kinds = {k.name for kind in kinds if kind.host_state_pools is not None for k in kind.pool_kinds}
+    host_bytes = sum(
+        p.nbytes for p in plan.pools if p.memory == "host" and p.kind in {HOST_TIER_POOL.name, *state_kinds}
+    )
     if not host_bytes:
         return
     check_host_tier_buildable(plan)
@@ -408,11 +418,11 @@ def _check_rank_host_tiers(plan: CachePlan, kinds: tuple[PlannerKind, ...], conf
         from kvjax.transfers.storage_attach import check_storage_buildable
 
         check_storage_buildable(plan, config)
-    own = [kind.name for kind in kinds if POOL_BUILDERS[kind.name].transfer_engine is not None]
-    if own:
+    states = [p.name for p in plan.pools if p.memory == "host" and p.kind in state_kinds]
+    if states and jax.process_count() > 1:
         raise NotImplementedError(
-            f"kvjax cannot build the host tier under DP attention for a cache of kinds {own} yet (their own "
-            "transfer engines copy one rank's pools); build without it or with build_kv_cache (one rank)"
+            f"kvjax cannot build the host tier's state pools {states} under DP attention over several processes "
+            "yet (each process would copy its own devices' shards of a rank's state); serve it in one process"
         )
     available = host_memory_bytes()
     if available is not None:
@@ -428,12 +438,15 @@ def _draft_context(plan: CachePlan, context: BuildContext) -> BuildContext:
 
 
 def _rank_host_state(
-    rank: int, plan: CachePlan, kinds: tuple[PlannerKind, ...], pools: CachePools, mesh: Mesh, config: CacheConfig
+    rank: int, plan: CachePlan, kinds: tuple[PlannerKind, ...], pools: CachePools, layout: DPLayout, config: CacheConfig
 ) -> DPRank:
     """Rank ``rank``'s request table, allocator, host pools and tree, as ``build_kv_cache`` builds
     them (the host pools for the rank's ``("tp",)`` devices), and its queue of pending device
-    updates over ``pools``; with a host pool, its tree's transfers go through a
-    ``RankPageTransferEngine`` over the rank's slice of ``pools``."""
+    updates over ``pools`` (laid out as ``layout``); with a host pool, its tree's transfers go
+    through the engines a one-rank cache of the plan's kinds composes, each over the rank's slice
+    of ``pools``: ``RankPageTransferEngine`` for pages (the KV's, each half of the sliding-window
+    pair, the draft's), ``RankStateTransferEngine`` for recurrent-state checkpoints."""
+    mesh = layout.mesh
     context = _rank_context(
         BuildContext(
             platform=plan.platform,
@@ -463,14 +476,21 @@ def _rank_host_state(
     engine: Any = None
     storage = None
     if host_pool is not None:
-        from kvjax.dp.rank_transfer import RankPageTransferEngine
+        from kvjax.dp.rank_state_transfer import rank_state_engine
+        from kvjax.dp.rank_transfer import rank_page_engine
 
-        device_pool = next(p.name for p in plan.pools if p.memory == "device")
-        engine = RankPageTransferEngine(pending, host_pool, rank, pool_name=device_pool)
+        # The engines a one-rank cache of the plan's kinds composes (the draft's pages riding with
+        # the target's, the sliding-window pair, the checkpoints' state engine), each the rank's own.
+        transfers = TransferContext(
+            plan,
+            pending,
+            host_pools,
+            allocator,
+            page_engine=rank_page_engine(rank),
+            state_engine=rank_state_engine(rank, layout),
+        )
+        engine = host_transfer_engine(transfers)
         draft_host = host_pools.get(DRAFT_HOST_POOL_NAME)
-        if draft_host is not None:  # the draft's pages ride with the target's (same slots, one tree)
-            draft = RankPageTransferEngine(pending, draft_host, rank, pool_name=DRAFT_POOL_NAME, staging=engine.staging)
-            engine = PairedCopyEngine(engine, draft)
         if config.hicache_storage_backend is not None:
             from kvjax.transfers.storage_attach import open_storage_tier
 

@@ -22,6 +22,7 @@ rank's ``RecurrentStateExtension`` records them as one pending device update, bu
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from kvjax.dp.step import rank_view
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import independent_copy_groups
 
-__all__ = ["RankStateCopies"]
+__all__ = ["RankStateCopies", "rank_state_copies"]
 
 
 class RankStateCopies:
@@ -101,3 +102,16 @@ class RankStateCopies:
         rows[0, rank, : len(src)] = src
         rows[1, rank, : len(dst)] = dst
         return rows[0], rows[1]
+
+
+_BY_LAYOUT: weakref.WeakKeyDictionary[DPLayout, RankStateCopies] = weakref.WeakKeyDictionary()
+
+
+def rank_state_copies(layout: DPLayout) -> RankStateCopies:
+    """The one ``RankStateCopies`` of the DP cache laid out as ``layout``: what every rank's
+    ``RecurrentStateExtension`` and host-tier state engine record their copies through (one set of
+    compiled copy programs for all of them)."""
+    copies = _BY_LAYOUT.get(layout)
+    if copies is None:
+        copies = _BY_LAYOUT[layout] = RankStateCopies(layout)
+    return copies

@@ -25,6 +25,12 @@ How a copy touches only the rank's slice, in place, O(pages moved):
   (``RankKVCache.pending``) for the rank's scheduler to apply before its next step. Polling,
   cancelling and the writer thread are ``PageTransferEngine``'s.
 
+A cache kind that composes page engines (the sliding-window pair: one over each part of the
+``SWAKVPool``, ``part="full"`` / ``"swa"``; a speculative draft's pair) gets the rank's through
+:func:`rank_page_engine` (``TransferContext.page_engine``, ``kvjax.transfers.transfer_engines``).
+:func:`rank_buffer` and :func:`rank_rows` are the rank-row layout of any stacked array (also the
+recurrent state's: ``kvjax.dp.rank_state_transfer``).
+
 :func:`rank_page_copy` and :func:`rank_page_load` are the same copies to and from numpy for the
 ``cpu_tensor`` retraction backup of one rank (``kvjax.serve.retraction_extension``).
 
@@ -65,9 +71,18 @@ from kvjax.transfers.transfer import (
     default_staging,
     device_pages,
 )
+from kvjax.transfers.transfer_engines import PageEngineFactory
 from pallas_kernels.page_gather import PINNED_HOST, has_memory_kind
 
-__all__ = ["RankPageTransferEngine", "rank_page_copy", "rank_page_load"]
+__all__ = [
+    "RankPageTransferEngine",
+    "rank_buffer",
+    "rank_page_copy",
+    "rank_page_engine",
+    "rank_page_load",
+    "rank_rows",
+    "rank_shards",
+]
 
 # Axes of a stacked transfer buffer ``[dp, L, n, page_size, C, D]``: the rank's row of pages, and the
 # page row and head axes of ``kvjax.tiers.head_shards`` (of a rank's ``[pages, page_size, C, D]``).
@@ -174,23 +189,46 @@ class _RankPages:
         devices holds ``piece(index)`` (``index``: its slices of the rank's ``[L, n, ...]``), every
         other device zeros."""
         shape = (self.dp_size, num_layers, n, *self.rank_shape[1:])
-
-        def callback(index: tuple[slice, ...] | None) -> np.ndarray:
-            if index is None:
-                index = tuple(slice(None) for _ in shape)
-            start, stop, _ = index[0].indices(self.dp_size)
-            if not start <= self.rank < stop:
-                return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)], self.dtype)
-            if stop - start != 1:
-                raise AssertionError(f"a device holds ranks {start}..{stop - 1} of a stacked DP buffer")
-            return np.asarray(piece(index[1:]))[None]
-
         sharding = NamedSharding(self.mesh, _buffer_spec(self.specs[0]))
-        return jax.make_array_from_callback(shape, sharding, callback)
+        return rank_buffer(sharding, self.rank, shape, self.dtype, piece)
 
     def rank_shards(self, buffer: jax.Array) -> dict[Any, Any]:
         """This process's shards of the rank's devices of a stacked buffer, by device."""
-        return {s.device: s for s in buffer.addressable_shards if s.device in self.devices}
+        return rank_shards(buffer, self.devices)
+
+
+def rank_buffer(sharding: NamedSharding, rank: int, shape: tuple[int, ...], dtype: Any, piece: Any) -> jax.Array:
+    """A stacked array of ``shape`` ``[dp, ...]`` laid out as ``sharding`` (rank axis over
+    ``"data"``) whose rank ``rank`` row is ``piece``'s: each of the rank's devices holds
+    ``piece(index)`` (``index``: its slices of the rank's ``shape[1:]``), every other device zeros
+    (O(the rank's rows) of host work; nothing is built for the other ranks but their zeros)."""
+    dp_size = shape[0]
+
+    def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+        if index is None:
+            index = tuple(slice(None) for _ in shape)
+        start, stop, _ = index[0].indices(dp_size)
+        if not start <= rank < stop:
+            return np.zeros([len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)], dtype)
+        if stop - start != 1:
+            raise AssertionError(f"a device holds ranks {start}..{stop - 1} of a stacked DP buffer")
+        return np.asarray(piece(index[1:]))[None]
+
+    return jax.make_array_from_callback(shape, sharding, callback)
+
+
+def rank_shards(buffer: jax.Array, devices: set[Any]) -> dict[Any, Any]:
+    """This process's shards of a stacked array on ``devices`` (a rank's), by device."""
+    return {s.device: s for s in buffer.addressable_shards if s.device in devices}
+
+
+def rank_rows(buffer: jax.Array, devices: set[Any]) -> np.ndarray:
+    """Rank row of a stacked array ``[dp, ...]``, assembled on the host from the shards of the
+    rank's ``devices`` (every one of them this process's): ``buffer``'s ``shape[1:]``."""
+    out = np.empty(buffer.shape[1:], buffer.dtype)
+    for shard in rank_shards(buffer, devices).values():
+        out[shard.index[1:]] = np.asarray(shard.data)[0]
+    return out
 
 
 class RankPageTransferEngine(PageTransferEngine):
@@ -205,6 +243,9 @@ class RankPageTransferEngine(PageTransferEngine):
         pool_name: the device pool in the pools (``"kv"``).
         staging: ``"auto"``, ``"pinned_host"`` or ``"numpy"`` (``PageTransferEngine``'s meaning;
             there is no direct path: the stacked pools span several devices).
+        part: ``"full"`` or ``"swa"``: the engine copies that part of the stacked ``SWAKVPool``
+            named ``pool_name`` (one half of the rank's sliding-window pair,
+            ``kvjax.transfers.swa_transfer``); ``None``: the pool itself.
     """
 
     def __init__(
@@ -214,6 +255,8 @@ class RankPageTransferEngine(PageTransferEngine):
         rank: int,
         pool_name: str = "kv",
         staging: str = "auto",
+        *,
+        part: str | None = None,
     ) -> None:
         # Not PageTransferEngine.__init__: the static facts are a rank's slice of stacked arrays.
         if staging not in STAGINGS:
@@ -225,7 +268,7 @@ class RankPageTransferEngine(PageTransferEngine):
         self.pending = pending
         self.host_pool = host_pool
         self.pool_name = pool_name
-        self.ref = PoolRef(pool_name)
+        self.ref = PoolRef(pool_name, part)
         layers = page_layers(self.ref.get(pending.owner_pools))
         self._pages = _RankPages(layers, rank)
         self.rank = rank
@@ -313,6 +356,24 @@ class RankPageTransferEngine(PageTransferEngine):
         return self._record_scatter(handle, pages, lambda layers: self._pages.scatter(layers, buffer, rows))
 
 
+def rank_page_engine(rank: int) -> PageEngineFactory:
+    """The page engine factory of rank ``rank`` (``TransferContext.page_engine``): every page
+    engine a cache kind composes (the plain one, each half of the sliding-window pair, the draft's)
+    is then a :class:`RankPageTransferEngine` of the rank over its pool's (or part's) slice."""
+
+    def make(
+        pending: PendingDeviceUpdates,
+        host_pool: Any,
+        pool_name: str = "kv",
+        staging: str = "auto",
+        *,
+        part: str | None = None,
+    ) -> RankPageTransferEngine:
+        return RankPageTransferEngine(pending, host_pool, rank, pool_name, staging, part=part)
+
+    return make
+
+
 def rank_page_copy(rank: int) -> Any:
     """``get_copy(pool, slots)`` of the ``cpu_tensor`` retraction backup of rank ``rank`` over a
     stacked pool: per-layer numpy copies ``[tokens, ...]`` of the rank's whole-page ``slots``
@@ -322,10 +383,7 @@ def rank_page_copy(rank: int) -> Any:
         layers = page_layers(pool)
         pages_of = _RankPages(layers, rank)
         pages = device_pages(slots, pages_of.page_size, pages_of.num_slots)
-        buffer = pages_of.gather(layers, pages)
-        out = np.empty((len(layers), _bucket(pages.size), *pages_of.rank_shape[1:]), pages_of.dtype)
-        for shard in pages_of.rank_shards(buffer).values():
-            out[shard.index[1:]] = np.asarray(shard.data)[0]
+        out = rank_rows(pages_of.gather(layers, pages), pages_of.devices)
         return [np.ascontiguousarray(b[: pages.size].reshape(-1, *b.shape[2:])) for b in out]
 
     return get_copy

@@ -170,17 +170,27 @@ class HostTierExtension(ServingExtension):
         return alloc.available_size() + self.tree.evictable_size() - reserved - rest
 
     def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
-        """Lockstep DP (``kvjax.dp.lockstep``): runs when the tree's transfers are DP rank
-        ``rank``'s own (``kvjax.dp.rank_transfer.RankPageTransferEngine``, what ``build_dp_kv_cache``
-        gives each rank): its loads and retraction restores then write only the rank's slice of
-        the stacked pools, on the rank's queue (with a speculative draft, every engine the pair
-        copies through: ``kvjax.transfers.draft_pools.PairedCopyEngine``). A storage tier's
-        prefetches write host pages only."""
+        """Lockstep DP (``kvjax.dp.lockstep``): runs when every engine the tree's transfers go
+        through is DP rank ``rank``'s own (what ``build_dp_kv_cache`` gives each rank:
+        ``kvjax.dp.rank_transfer.RankPageTransferEngine`` for pages,
+        ``kvjax.dp.rank_state_transfer.RankStateTransferEngine`` for recurrent-state checkpoints;
+        a composed engine, such as a speculative draft's pair or the sliding-window pair, lists its
+        members as ``engines``): its loads and retraction restores then write only the rank's slice
+        of the stacked pools, on the rank's queue. A storage tier's prefetches write host pages only."""
+        from kvjax.dp.rank_state_transfer import RankStateTransferEngine
         from kvjax.dp.rank_transfer import RankPageTransferEngine
 
         engine = self._agreed.engine if self._agreed is not None else self.tree.host.engine
-        engines = getattr(engine, "engines", (engine,))
-        return all(isinstance(e, RankPageTransferEngine) and e.rank == rank for e in engines)
+        pending, members = [engine], []
+        while pending:
+            e = pending.pop()
+            parts = getattr(e, "engines", None)
+            if parts is None:
+                members.append(e)
+            else:
+                pending.extend(parts)
+        own = (RankPageTransferEngine, RankStateTransferEngine)
+        return all(isinstance(e, own) and e.rank == rank for e in members)
 
     def host_balanced(self) -> bool:
         """``available + evictable + protected + held == capacity`` for the host pool."""

@@ -151,15 +151,13 @@ class RecurrentStateExtension(ServingExtension):
 
     def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
         """Under lockstep DP the state copies write rank ``rank``'s slice of the stacked pool
-        (``kvjax.dp.rank_state``; one ``RankStateCopies`` shared by the ranks)."""
+        (``kvjax.dp.rank_state``; one ``RankStateCopies`` shared by the ranks and their host-tier
+        state engines)."""
         import functools
 
-        from kvjax.dp.rank_state import RankStateCopies
+        from kvjax.dp.rank_state import rank_state_copies
 
-        copies = shared.get(RankStateCopies.__name__)
-        if copies is None:
-            copies = shared[RankStateCopies.__name__] = RankStateCopies(layout)
-        self.copies_update = functools.partial(copies.update, rank)
+        self.copies_update = functools.partial(rank_state_copies(layout).update, rank)
         return True
 
 

@@ -28,6 +28,12 @@ A transfer's status thus depends only on whether the owner applied its update, n
 every process of a multi-process run would see it land at the same step. The pool must be fully
 addressable by this process (one process: ``NotImplementedError`` otherwise).
 
+Where the rows come from and go to is three methods (``_gather_rows``, ``_host_rows``,
+``_scatter_rows``) and the recorded state copies one (``_copies_update``): here the whole pool's
+``[layers, slots + 1, *row]`` arrays; a DP rank's engine
+(``kvjax.dp.rank_state_transfer.RankStateTransferEngine``) overrides them to read and write only
+its slice of the stacked pool, everything else (validation, handles, polling) being this one's.
+
 Cancelled transfers never land: a cancelled backup's update gathers nothing and its poll reports
 FAILED.
 """
@@ -112,12 +118,13 @@ class StateTransferEngine:
     def __init__(self, pending: PendingDeviceUpdates, host_pool: HostStatePool, pool_name: str = STATE_POOL) -> None:
         device = pending.owner_pools[pool_name]
         arrays = device.arrays()
-        want = tuple((tuple(int(d) for d in a.shape[2:]), str(a.dtype)) for a in arrays)
+        shapes = self._copied_shapes(arrays)
+        want = tuple((shape[2:], str(a.dtype)) for shape, a in zip(shapes, arrays, strict=True))
         have = tuple((tuple(h.shape[2:]), str(h.dtype)) for h in host_pool.arrays)
-        if want != have or host_pool.num_layers != int(arrays[0].shape[0]):
+        if want != have or host_pool.num_layers != shapes[0][0]:
             raise ValueError(
                 f"host state pool rows {have} over {host_pool.num_layers} layers for a device state pool of {want} "
-                f"over {arrays[0].shape[0]} layers; plan both from the same layout"
+                f"over {shapes[0][0]} layers; plan both from the same layout"
             )
         if not all(a.is_fully_addressable for a in arrays):
             raise NotImplementedError(
@@ -127,7 +134,33 @@ class StateTransferEngine:
         self.pending = pending
         self.host_pool = host_pool
         self.pool_name = pool_name
-        self.num_slots = int(arrays[0].shape[1]) - 1  # allocatable device slots (slot 0 pads)
+        self.num_slots = shapes[0][1] - 1  # allocatable device slots (slot 0 pads)
+
+    # --- where the rows come from and go to (overridden per DP rank) ----------------------------
+
+    def _copied_shapes(self, arrays: tuple[jax.Array, ...]) -> tuple[tuple[int, ...], ...]:
+        """Per state array, the shape ``[layers, slots + 1, *row]`` this engine copies from."""
+        return tuple(tuple(int(d) for d in a.shape) for a in arrays)
+
+    def _gather_rows(self, arrays: tuple[jax.Array, ...], slots: np.ndarray) -> tuple[jax.Array, ...]:
+        """Device buffers holding ``slots``' rows of every array (dispatched, not awaited)."""
+        return _gather(arrays, jnp.asarray(slots, jnp.int32))
+
+    def _host_rows(self, buffers: tuple[jax.Array, ...], n: int) -> tuple[np.ndarray, ...]:
+        """:meth:`_gather_rows`' buffers on the host, per array ``[layers, n, *row]``."""
+        return tuple(np.asarray(b)[:, :n] for b in buffers)
+
+    def _scatter_rows(
+        self, arrays: tuple[jax.Array, ...], slots: np.ndarray, rows: tuple[np.ndarray, ...]
+    ) -> tuple[jax.Array, ...]:
+        """``arrays`` (donated: in place) with ``rows`` (per array ``[layers, n, *row]``) written
+        at ``slots``."""
+        ids = jnp.asarray(slots, jnp.int32)
+        return tuple(_scatter_to(tuple(a.sharding for a in arrays))(arrays, ids, tuple(jnp.asarray(r) for r in rows)))
+
+    def _copies_update(self, copies: list[tuple[int, int]]) -> DeviceUpdate:
+        """The device update applying the tree's state copies ``(src, dst)`` in order."""
+        return state_copies_update(copies, self.pool_name)
 
     def _device_slots(self, slots: Any) -> np.ndarray:
         ids = np.asarray(slots, dtype=np.int64).ravel()
@@ -140,7 +173,7 @@ class StateTransferEngine:
         """Record the tree's queued state copies ``(src, dst)`` as one pending device update, ahead
         of a backup that reads what they write."""
         if copies:
-            self.pending.record(state_copies_update(copies, self.pool_name))
+            self.pending.record(self._copies_update(copies))
 
     def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> _StateBackup:
         slots = self._device_slots(device_slots)
@@ -148,11 +181,10 @@ class StateTransferEngine:
         if slots.size != host.size:
             raise CopyError(f"backup of {slots.size} state slots into {host.size} host slots")
         handle = _StateBackup(host)
-        ids = jnp.asarray(slots, jnp.int32)
 
         def gather(pools: CachePools) -> CachePools:
             if not handle.cancelled:
-                handle.buffers = _gather(pools[self.pool_name].arrays(), ids)
+                handle.buffers = self._gather_rows(pools[self.pool_name].arrays(), slots)
                 for buf in handle.buffers:
                     buf.copy_to_host_async()
             handle.applied = True
@@ -170,12 +202,10 @@ class StateTransferEngine:
         if rows[0].shape[1] != slots.size:
             raise CopyError(f"load of {rows[0].shape[1]} host state slots into {slots.size} device slots")
         handle = _StateLoad()
-        ids = jnp.asarray(slots, jnp.int32)
 
         def scatter(pools: CachePools) -> CachePools:
             pool = pools[self.pool_name]
-            arrays = pool.arrays()
-            new = _scatter_to(tuple(a.sharding for a in arrays))(arrays, ids, tuple(jnp.asarray(r) for r in rows))
+            new = self._scatter_rows(pool.arrays(), slots, rows)
             handle.arrays = tuple(new)
             handle.applied = True
             return pools.replace(**{self.pool_name: pool.replace(conv=tuple(new[:-1]), ssm=new[-1])})
@@ -199,7 +229,7 @@ class StateTransferEngine:
         if not handle.applied:
             return TransferStatus.PENDING
         try:
-            self.host_pool.write(handle.host_slots, tuple(np.asarray(b) for b in handle.buffers))
+            self.host_pool.write(handle.host_slots, self._host_rows(handle.buffers, handle.host_slots.size))
             handle.status = TransferStatus.DONE
         except Exception:  # a backup that did not land: the tree keeps the node without a host state
             handle.status = TransferStatus.FAILED
@@ -221,6 +251,11 @@ class KVAndStateEngine:
         self.state = state
         self.staging = getattr(kv, "staging", None)
 
+    @property
+    def engines(self) -> tuple[Any, ...]:
+        """The engines this one copies through: the KV pages', then the state's."""
+        return (self.kv, self.state)
+
     def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> Any:
         return self.kv.start_backup(device_slots, host_slots)
 
@@ -236,10 +271,12 @@ class KVAndStateEngine:
 
 def transfer_engine(context: TransferContext) -> KVAndStateEngine | None:
     """The KV pages' plain engine with the state engine beside it, when the plan built a host
-    state pool (``"host_state"``); None otherwise (the plain engine)."""
+    state pool (``"host_state"``); None otherwise (the plain engine). Both are the context's
+    (``TransferContext.page_engine`` / ``state_engine``; by default over the cache's own pools)."""
     from kvjax.transfers.transfer_engines import default_transfer_engine
 
     host = context.host_pools.get(HOST_STATE_POOL)
     if host is None or STATE_POOL not in context.pending.owner_pools.names:
         return None
-    return KVAndStateEngine(default_transfer_engine(context), StateTransferEngine(context.pending, host))
+    make = context.state_engine if context.state_engine is not None else StateTransferEngine
+    return KVAndStateEngine(default_transfer_engine(context), make(context.pending, host))

@@ -17,7 +17,10 @@ pool.
 Each half is a :class:`~kvjax.transfers.transfer.PageTransferEngine` over one part of the pool (same
 staging, same asynchrony, same device-state rule: loads are recorded as pending device updates of
 ``"swa.full"`` / ``"swa.swa"`` for the owner of the step to apply, backups read the pools the owner
-last handed in); a transfer is DONE when both halves are, FAILED when either failed.
+last handed in); a transfer is DONE when both halves are, FAILED when either failed. Under DP
+attention each rank's pair is made of the rank's page engines (``page_engine``:
+``kvjax.dp.rank_transfer.RankPageTransferEngine`` over the part's slice of the stacked pool, the
+rank's own host pools and allocator), so each half reads and writes only the rank's slice.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from kvjax.tiers.host_pool import HostKVPool
 from kvjax.transfers.transfer import PageTransferEngine
 
 if TYPE_CHECKING:
-    from kvjax.transfers.transfer_engines import TransferContext
+    from kvjax.transfers.transfer_engines import PageEngineFactory, TransferContext
 
 __all__ = ["SWAPageTransferEngine"]
 
@@ -60,6 +63,8 @@ class SWAPageTransferEngine:
         allocator: the ``SWATokenToKVPoolAllocator`` whose mapping pairs full and SWA slots.
         pool_name: the ``SWAKVPool`` in the pools (``"swa"``).
         staging: as for :class:`PageTransferEngine`.
+        page_engine: makes each half's engine (``PageTransferEngine``'s arguments with ``part``);
+            ``None``: ``PageTransferEngine`` over the cache's own pools (module docstring).
     """
 
     def __init__(
@@ -70,17 +75,23 @@ class SWAPageTransferEngine:
         allocator: Any,
         pool_name: str = "swa",
         staging: str = "auto",
+        *,
+        page_engine: PageEngineFactory | None = None,
     ) -> None:
         if full_host is not None and swa_host.size != full_host.size:
             raise ValueError(f"SWA host pool of {swa_host.size} slots for a full host pool of {full_host.size}")
         if (pending.owner_pools[pool_name].full is None) != (full_host is None):
             raise ValueError("a pure sliding-window pool has no host tier (SGLang builds none for it)")
-        self.full = (
-            None if full_host is None else PageTransferEngine(pending, full_host, pool_name, staging, part="full")
-        )
-        self.swa = PageTransferEngine(pending, swa_host, pool_name, staging, part="swa")
+        make: PageEngineFactory = page_engine if page_engine is not None else PageTransferEngine
+        self.full = None if full_host is None else make(pending, full_host, pool_name, staging, part="full")
+        self.swa = make(pending, swa_host, pool_name, staging, part="swa")
         self.allocator = allocator
         self.staging = self.swa.staging
+
+    @property
+    def engines(self) -> tuple[Any, ...]:
+        """The page engines this pair copies through (the full half, if any, then the sliding one)."""
+        return (self.swa,) if self.full is None else (self.full, self.swa)
 
     def _paired(self, device_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         swa = self.allocator.full_to_swa_index_mapping[np.asarray(device_slots, dtype=np.int64)]
@@ -133,9 +144,19 @@ def transfer_engine(context: TransferContext) -> SWAPageTransferEngine | None:
         pools = context.pending.owner_pools
         if SWA_POOL.name in pools.names and pools[SWA_POOL.name].full is None:
             return SWAPageTransferEngine(
-                context.pending, None, context.host_pool, context.allocator, pool_name=SWA_POOL.name
+                context.pending,
+                None,
+                context.host_pool,
+                context.allocator,
+                pool_name=SWA_POOL.name,
+                page_engine=context.page_engine,
             )
         return None
     return SWAPageTransferEngine(
-        context.pending, context.host_pool, swa_host_pool, context.allocator, pool_name=SWA_POOL.name
+        context.pending,
+        context.host_pool,
+        swa_host_pool,
+        context.allocator,
+        pool_name=SWA_POOL.name,
+        page_engine=context.page_engine,
     )
