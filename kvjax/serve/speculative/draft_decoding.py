@@ -47,8 +47,9 @@ Overlap scheduling (``Scheduler(overlap=True)``): round ``N + 1`` is launched be
 round ``N`` (``overlap``: the first tokens and the offsets by round ``N``'s accepted counts stay on
 the device; each request in flight is allocated up to its host-known length plus ``2 (k + 1)``, and
 the rollback frees only what the round in flight cannot use). The host reads the round in flight
-first before admitting a prefill and before retracting; recurrent-state and sliding-window targets
-run their rounds without overlap (each read before the next).
+first before admitting a prefill and before retracting; a sliding-window pool's slots move on the
+device with the full ones; recurrent-state targets run their rounds without overlap (each read
+before the next: the state replay needs the accepted counts).
 
 A retraction backup copies and restores the draft's pages with the target's
 (``kvjax.serve.retraction_extension``); one made to restore the target's pool only is refused.
@@ -72,7 +73,7 @@ from kvjax.attention import AttentionMetadata
 from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
-from kvjax.kinds.names import FULL, HOST_TIER, MLA, REQUEST_TABLE
+from kvjax.kinds.names import FULL, HOST_TIER, MLA, REQUEST_TABLE, SWA
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
@@ -91,8 +92,9 @@ from kvjax.spec import ModelSpec
 
 __all__ = ["DraftDecoding", "SpeculativeStats", "speculative_scheduler"]
 
-# The kinds whose caches chain rounds under overlap: no step inputs beyond the base metadata.
-_CHAINED_KINDS = frozenset({FULL, MLA, REQUEST_TABLE, HOST_TIER})
+# The kinds whose caches chain rounds under overlap: their step inputs move on the device
+# (``overlap.shift_metadata``: the base metadata and a sliding-window pool's).
+_CHAINED_KINDS = frozenset({FULL, MLA, SWA, REQUEST_TABLE, HOST_TIER})
 
 
 @dataclasses.dataclass
@@ -265,9 +267,9 @@ class DraftDecoding:
                 "speculative decoding of recurrent state does not track states at page boundaries in kvjax yet "
                 "(a round's tracked state may be of rejected tokens); turn the extra buffer off or use page_size 1",
             )
-        # Overlap: rounds are chained on the device only over full-attention metadata; recurrent
-        # state (the replay needs the accepted counts on the host) and sliding-window step inputs
-        # resolve the round before launching the next (``overlap``).
+        # Overlap: rounds are chained on the device over full-attention, MLA and sliding-window
+        # metadata; recurrent state (the replay needs the accepted counts on the host) resolves the
+        # round before launching the next (``overlap``).
         self.chains = (
             scheduler.overlap and not self.replays_state and all(k.name in _CHAINED_KINDS for k in scheduler.kinds)
         )
@@ -569,7 +571,19 @@ class DraftDecoding:
         slots = table[rows[:, None], kv_len[:, None] + np.arange(width)]
         page_table = s.metadata.page_tables.build(rows, end, S)
         draft_metas = draft_metadata(s.metadata, kv_len, rows, slots, width, page_table)
-        _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, S, page_table=page_table)
+        parts = []
+        if s.extensions:  # the kinds' verify inputs (the SWA slots), their tables over the allocated pages
+            batch = StepBatch(
+                rows=rows,
+                starts=kv_len,
+                seq_lens=end,
+                slots=slots.reshape(-1),
+                reqs=reqs,
+                max_seqs=S,
+                is_decode=False,
+            )
+            parts = [ext.step_metadata(batch) for ext in s.extensions]
+        _, verify_meta = verify_metadata(s.metadata, kv_len, rows, slots, S, parts, page_table=page_table)
         packed = time.perf_counter()
         pools = s.cache.apply_pending()  # recorded loads land before the round reads them
         out = self._launch_chained(s, pools, prev, (host_first, draft_metas, verify_meta), src, room)
