@@ -29,8 +29,8 @@ SGLang builds one scheduler per rank; kvjax builds:
   draft's) and a ``kvjax.dp.rank_state_transfer.RankStateTransferEngine`` for recurrent-state
   checkpoints (beside the rank's ``HostStatePool``; one process only). Each reads and writes only
   the rank's slice of the stacked pools (in place, O(pages or slots moved)) and records its loads
-  on the rank's queue. Every rank's host pools together must fit the host's memory. With a storage tier
-  (``hicache_storage_backend``) each rank opens its own store behind its host pool
+  on the rank's queue. Every rank's host pools together must fit the host's memory. With a
+  storage tier (``hicache_storage_backend``) each rank opens its own store behind its host pool
   (``kvjax.transfers.storage_attach.open_storage_tier``), under the key a one-rank cache of the
   rank's plan uses: the pages are content addressed and the rank's host page is what that cache
   holds, so ranks (and a one-rank cache of the same attention TP) read each other's pages; one
