@@ -47,9 +47,12 @@ Scope: full attention, MLA, sliding window (Gemma 3, hybrid or pure; host-side s
 extensions) and recurrent state (Qwen3-Next, Nemotron-H: the ``RecurrentStateExtension`` of each
 rank records its tree's state copies as updates of its own slice, ``kvjax.dp.rank_state``; the
 mixers run head parallel over the rank's ``"tp"`` devices inside the DP step), the host tier
-(HiCache: each rank's own host pool, ``HiRadixCache`` and ``RankPageTransferEngine``, whose
-backups read and loads write only the rank's slice, ``kvjax.dp.rank_transfer``; its loads are
-recorded on the rank's own queue) and the retraction backups (``host_pool`` through the rank's
+(HiCache: each rank's own host pools and tree, with the engines a one-rank cache of its kinds
+composes, made over the rank's slice: ``RankPageTransferEngine`` for the KV pages, one per half
+of a sliding-window pair, and ``RankStateTransferEngine`` for recurrent-state checkpoints, whose
+backups read and loads write only the rank's slice, ``kvjax.dp.rank_transfer`` and
+``kvjax.dp.rank_state_transfer``; its loads are recorded on the rank's own queue) and the
+retraction backups (``host_pool`` through the rank's
 engine, ``cpu_tensor`` through the same per-rank copies). Timing-dependent completions (a host
 transfer landing) are agreed per rank through ``agreement``, as one scheduler agrees them. Other
 extensions that record device updates between steps are refused.
