@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 from kvjax.attention.attend import attend
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.build import KV_HEAD_MESH_AXIS
-from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
+from kvjax.dp.layout import DPLayout
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS
 from kvjax.mesh_check import DCP_AXIS
 from kvjax.pools.cache_pools import CachePools
 

@@ -84,6 +84,7 @@ from kvjax.build import (
 from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
 from kvjax.device_updates import PendingDeviceUpdates
+from kvjax.dp.layout import DPLayout
 from kvjax.dp.rank_mesh import DATA_MESH_AXIS, rank_devices, rank_mesh
 from kvjax.errors import ConfigError
 from kvjax.layout.pool_plan import PoolPlan
@@ -111,33 +112,6 @@ from kvjax.transfers.draft_pools import check_draft_buildable
 from kvjax.transfers.transfer_engines import TransferContext
 
 __all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "rank_devices"]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DPLayout:
-    """Where the DP pools live: the ``("data", "tp")`` mesh and each pool array's spec.
-
-    Attributes:
-        mesh: the mesh, ``dp_size`` devices along ``"data"`` and ``attn_tp_size`` along ``"tp"``,
-            with ``Auto`` axes (``kvjax.attention.sharding.serving_mesh``: the DP step partitions
-            each rank's model over ``"tp"`` with GSPMD).
-        pool_specs: a pytree of ``PartitionSpec`` with the structure of ``DPKVCache.pools``.
-        rank_pools: the pytree structure of **one rank's** pools (the same leaves, without the
-            rank axis; static fields of a pool built over the rank's ``("tp",)`` mesh: the rank's
-            KV heads over all its devices). The DP step views each rank's slice through it.
-    """
-
-    mesh: Mesh
-    pool_specs: Any
-    rank_pools: Any
-
-    @property
-    def dp_size(self) -> int:
-        return int(self.mesh.shape[DATA_MESH_AXIS])
-
-    @property
-    def attn_tp_size(self) -> int:
-        return int(self.mesh.shape[KV_HEAD_MESH_AXIS])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.device_updates import DeviceUpdate
-from kvjax.dp.cache import DATA_MESH_AXIS, DPLayout
-from kvjax.dp.rank_mesh import host_sharding
+from kvjax.dp.layout import DPLayout
+from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding
 from kvjax.dp.step import rank_view
 from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import independent_copy_groups

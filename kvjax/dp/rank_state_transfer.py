@@ -45,7 +45,7 @@ from kvjax.transfers.state_transfer import STATE_POOL, StateTransferEngine
 from kvjax.transfers.transfer import _bucket, _layer_spec
 
 if TYPE_CHECKING:
-    from kvjax.dp.cache import DPLayout
+    from kvjax.dp.layout import DPLayout
     from kvjax.dp.rank_state import RankStateCopies
     from kvjax.transfers.transfer_engines import StateEngineFactory
 

@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
-from kvjax.dp.cache import DPLayout
+from kvjax.dp.layout import DPLayout
 from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding
 from kvjax.pools.cache_pools import CachePools
 from kvjax.serve.model import as_model_config, build_model, param_shapes
