@@ -2,18 +2,19 @@
 
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
-process serves every stage); DCP, DP attention and speculative decoding together with stages; and
+process serves every stage); DP attention and speculative decoding together with stages; and
 models with recurrent layers, whose state forks and checkpoints change device state through updates
-recorded on one cache (``KVCache.pending``), which would reach the first stage's layers only. DCP,
-DP attention and speculative decoding are other layouts of the step that are not combined with
+recorded on one cache (``KVCache.pending``), which would reach the first stage's layers only. DP
+attention and speculative decoding are other layouts of the step that are not combined with
 stages (SGLang 0.5.23 serves DP attention and EAGLE over stages: kvjax has not built them).
 
 Served over stages (nothing refused here): the host tier, each stage copying its own layers with
 one host slot id per token on every stage (``kvjax.serve.pipeline_cache``; a host tier sized in
 bytes, ``hicache_size``, gets the largest stage's slots on every stage, as SGLang's
 ``sync_fixed_hicache_size``); the storage tier, one stored page of every stage's layers
-(``kvjax.serve.pipeline_storage``); and the retraction backup, every stage's pools copied aside and
-restored (``kvjax.serve.pipeline_retraction``).
+(``kvjax.serve.pipeline_storage``); the retraction backup, every stage's pools copied aside and
+restored (``kvjax.serve.pipeline_retraction``); and DCP, each stage a ``("tp", "dcp")`` group of
+its own (``kvjax.serve.pipeline_cache.pipeline_meshes``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,6 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
     check_pipeline_stages(spec, config.pp_size)
     refusals: tuple[tuple[bool, str, object, str], ...] = (
         (config.pp_rank != 0, "pp_rank", config.pp_rank, "one process serves every stage; leave {pp_rank} 0"),
-        (
-            config.dcp_size > 1,
-            "dcp_size",
-            config.dcp_size,
-            "decode context parallelism with pipeline stages is not served; use {dcp_size} 1 or {pp_size} 1",
-        ),
         (
             config.enable_dp_attention,
             "enable_dp_attention",

@@ -447,7 +447,6 @@ GAP_EAGLE = (
 )
 GAP_DP_SPEC_RECURRENT = f"{GAP}: the rollback of recurrent state under DP attention (a replay step of one rank)"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
-GAP_DCP_PP = f"{GAP}: DCP over pipeline stages"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
 GAP_SPEC_OVERLAP_RECURRENT = (
@@ -566,6 +565,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ),
     ("full", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
+    ("full", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
     ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
     ("full", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_llama_host_tier_loads_back_per_shard_pages",
     ("full", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
@@ -754,6 +754,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
         [("mla", "pp", "pp"), ("mla", "tp", "pp"), ("mla", "pp", "overlap")],
         "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ),
+    ("mla", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
     ("mla", "dp", "storage"): (
         "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server"
     ),
@@ -837,7 +838,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
 #: The refused (and dropped) cells, each with its reason.
 REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dp", "pp"): refused(GAP_DP_PP),
-    ("full", "dcp", "pp"): refused(GAP_DCP_PP),
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
@@ -856,7 +856,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("swa", "dcp", "pp"): refused(GAP_DCP_PP),
+    ("swa", "dcp", "pp"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "standalone"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dcp", "host"): refused(GAP_SWA_DCP),
@@ -885,7 +885,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
-    ("mla", "dcp", "pp"): refused(GAP_DCP_PP),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
@@ -904,7 +903,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dp", "eagle"): refused(GAP_DP_SPEC_RECURRENT),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("recurrent", "dcp", "pp"): refused(GAP_DCP_PP),
+    ("recurrent", "dcp", "pp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "eagle"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "host"): refused(GAP_RECURRENT_DCP),

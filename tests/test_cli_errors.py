@@ -54,7 +54,6 @@ CASES = [
         ["--max-total-tokens 16", "--max-total-tokens 48 or more"],
     ),
     # generate: refused combinations (kvjax.cli.combination_flags), both flags named, SGLang's check where it has one
-    (["generate", *GEN, "--tp", "2", "--dcp", "2", "--pp", "2"], ["--dcp 2 with --pp 2", "not built in kvjax yet"]),
     (
         ["generate", *GEN, "--pp", "2", *STANDALONE],
         ["--pp 2 with --speculative-algorithm", "check_pipeline_parallel_compat"],
@@ -80,7 +79,6 @@ CASES = [
         ["--speculative-draft-model-path deepseek-tiny with --model tiny", "['mla'] layers"],
     ),
     # demo
-    (["demo", "--tp", "2", "--dcp", "2", "--pp", "2"], ["--dcp 2 with --pp 2"]),
     (["demo", "--pp", "2", *STANDALONE], ["--pp 2 with --speculative-algorithm STANDALONE", "SGLang"]),
     (
         ["demo", "--tp", "2", "--dcp", "2", "--enable-hierarchical-cache", "--hicache-storage", "store"],

@@ -60,11 +60,6 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
     spec_flag = f"--speculative-algorithm {algorithm}"
     refusals: list[tuple[bool, str]] = [
         (
-            dcp > 1 and pp > 1,
-            f"--dcp {dcp} with --pp {pp}: decode context parallelism over pipeline stages is {_GAP}; drop --dcp or "
-            "--pp",
-        ),
-        (
             pp > 1 and algorithm == "STANDALONE",
             f"--pp {pp} with {spec_flag}: {_SGL_PP_SPEC}; drop --pp or the speculative flags",
         ),

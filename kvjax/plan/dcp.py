@@ -28,7 +28,6 @@ Refused, each by name, with what to do:
 
 * a ``dcp_size`` that does not divide ``tp_size`` (``CacheConfig``), and query heads that do not
   split over the ``tp_size`` ranks;
-* pipeline parallelism with DCP;
 * the storage tier (L3) with DCP for a kind whose KV heads TP splits (every kind but MLA's latent),
   as in SGLang (``hicache_hook.py``: ``resolve_hicache_dcp_compatibility`` refuses HiCache under DCP
   without ``use_mla_backend``; kvjax serves the host tier over DCP for every kind, the storage tier
@@ -82,12 +81,6 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str, num_atten
             f"{model}: under {{dcp_size}} {dcp} the query heads stay split over all {tp} (attention) TP ranks, and "
             f"its {num_attention_heads} attention heads do not split over {tp}; use a {{tp_size}} that divides "
             f"{num_attention_heads}" + (" per DP rank" if config.enable_dp_attention else ""),
-        ),
-        (
-            config.pp_size > 1,
-            "pp_size",
-            config.pp_size,
-            f"pipeline parallelism with {{dcp_size}} {dcp} is not served; use {{pp_size}} 1 or {{dcp_size}} 1",
         ),
         (
             config.hicache_storage_backend is not None

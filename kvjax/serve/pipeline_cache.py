@@ -52,7 +52,7 @@ from kvjax.config import CacheConfig
 from kvjax.device_state import DeviceState
 from kvjax.device_updates import PendingDeviceUpdates
 from kvjax.errors import ConfigError
-from kvjax.mesh_check import KV_HEAD_AXIS
+from kvjax.mesh_check import KV_HEAD_AXIS, make_serving_mesh
 from kvjax.pipeline_check import check_pipeline_config
 from kvjax.plan import CachePlan, plan_kv_cache
 from kvjax.plan.sizing import stage_bounds
@@ -61,6 +61,7 @@ from kvjax.serve.causal_lm import PipelineStage
 from kvjax.serve.pipeline_storage import link_staged_storage
 from kvjax.spec import ModelSpec
 from kvjax.transfers.draft_pools import PairedCopyEngine
+from kvjax.transfers.storage_attach import check_storage_buildable
 
 __all__ = ["PipelineCache", "build_pipeline_cache", "pipeline_meshes", "pipeline_stages"]
 
@@ -71,9 +72,13 @@ def pipeline_stages(num_layers: int, pp_size: int) -> tuple[PipelineStage, ...]:
     return tuple(PipelineStage(*stage_bounds(num_layers, pp_size, s), num_layers) for s in range(pp_size))
 
 
-def pipeline_meshes(pp_size: int, tp_size: int, devices: Sequence[Any] | None = None) -> tuple[Mesh, ...]:
+def pipeline_meshes(
+    pp_size: int, tp_size: int, devices: Sequence[Any] | None = None, dcp_size: int = 1
+) -> tuple[Mesh, ...]:
     """The stage sub-meshes: the first ``pp_size * tp_size`` of ``devices`` (default: the local
-    ones) as a ``("pp", "tp")`` grid, row ``s`` stage ``s``'s ``("tp",)`` mesh (``Auto`` axes).
+    ones) as a ``("pp", "tp")`` grid, row ``s`` stage ``s``'s ``("tp",)`` mesh (``Auto`` axes);
+    with ``dcp_size`` above 1 each row laid out ``("tp", "dcp")`` as one stage's TP group under
+    decode context parallelism (``make_serving_mesh``: ``(tp_size / dcp_size, dcp_size)``).
 
     Raises ``ConfigError`` naming ``pp_size`` when there are fewer devices than
     ``pp_size * tp_size`` (saying how to get more on a CPU host); creates nothing then.
@@ -94,6 +99,10 @@ def pipeline_meshes(pp_size: int, tp_size: int, devices: Sequence[Any] | None = 
             f"{platform} device(s) are visible; use {{pp_size}} {max(1, len(devices) // tp_size)} or fewer{more}",
         )
     grid = np.array(devices[:need], dtype=object).reshape(pp_size, tp_size)
+    if dcp_size > 1:
+        return tuple(
+            serving_mesh(make_serving_mesh(tp_size, devices=list(grid[s]), dcp_size=dcp_size)) for s in range(pp_size)
+        )
     return tuple(serving_mesh(Mesh(grid[s], (KV_HEAD_AXIS,))) for s in range(pp_size))
 
 
@@ -166,7 +175,7 @@ def build_pipeline_cache(
     Raises ``ConfigError`` (``check_pipeline_config``, ``pipeline_meshes``, then the planner's own
     refusals for every stage) before anything is allocated."""
     check_pipeline_config(spec, config)
-    meshes = pipeline_meshes(config.pp_size, config.tp_size, devices)
+    meshes = pipeline_meshes(config.pp_size, config.tp_size, devices, config.dcp_size)
     stages = pipeline_stages(spec.num_hidden_layers, config.pp_size)
     first_device = meshes[0].devices.flat[0]
     config = config.replace(platform=config.platform or first_device.platform)
@@ -174,7 +183,9 @@ def build_pipeline_cache(
     if config.mem_fraction_static is not None and config.memory_budget_bytes is None:
         memory = device_memory_limit_bytes(first_device)
     for s in range(config.pp_size):  # every stage's plan passes before any is allocated
-        plan_kv_cache(spec, config.replace(pp_rank=s), device_memory_bytes=memory)
+        stage_plan = plan_kv_cache(spec, config.replace(pp_rank=s), device_memory_bytes=memory)
+        if config.enable_hierarchical_cache and config.hicache_storage_backend is not None:
+            check_storage_buildable(stage_plan, config)
     # The storage tier is linked once every stage's host pools exist (kvjax.serve.pipeline_storage).
     storage = config.enable_hierarchical_cache and config.hicache_storage_backend is not None
     stage0 = config.replace(hicache_storage_backend=None) if storage else config

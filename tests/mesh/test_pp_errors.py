@@ -2,7 +2,7 @@
 before anything is allocated (``jax.live_arrays()`` unchanged).
 
 More stages than layers, more ``pp_size * tp_size`` devices than there are, and what pipelining
-does not serve (DCP, DP attention, recurrent layers, a ``pp_rank`` other than 0) are refused by
+does not serve (DP attention, recurrent layers, a ``pp_rank`` other than 0) are refused by
 ``build_pipeline_cache``; a micro-batch count the batch cannot be split into by
 ``pipeline_scheduler``.
 """
@@ -29,7 +29,6 @@ def config(**fields) -> CacheConfig:
 CASES = {
     "more_stages_than_layers": (TINY, config(pp_size=3), "pp_size", "at most 2 pipeline stages"),
     "more_devices_than_there_are": (TINY, config(pp_size=2, tp_size=8), "pp_size", "need 16 devices"),
-    "dcp": (TINY, config(pp_size=2, tp_size=2, dcp_size=2), "dcp_size", "use dcp_size 1 or pp_size 1"),
     "dp_attention": (
         TINY,
         config(pp_size=2, tp_size=2, dp_size=2, enable_dp_attention=True),
