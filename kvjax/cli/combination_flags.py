@@ -64,7 +64,12 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             f"--pp {pp} with {spec_flag}: {_SGL_PP_SPEC}; drop --pp or the speculative flags",
         ),
         (
-            pp > 1 and algorithm in ("EAGLE", "NEXTN"),
+            algorithm == "EAGLE3" and (args.tp > 1 or args.dp > 1),
+            f"{spec_flag} with --tp {args.tp} --dp {args.dp}: the EAGLE3 draft over several devices is {_GAP}; "
+            "serve it on one device (--tp 1 --dp 1)",
+        ),
+        (
+            pp > 1 and algorithm in ("EAGLE", "EAGLE3", "NEXTN"),
             f"--pp {pp} with {spec_flag}: the MTP draft over pipeline stages is {_GAP} (SGLang serves it); drop --pp "
             "or the speculative flags",
         ),
@@ -79,7 +84,7 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             "--hicache-storage or --dcp",
         ),
         (
-            algorithm in ("EAGLE", "NEXTN") and storage is not None,
+            algorithm in ("EAGLE", "EAGLE3", "NEXTN") and storage is not None,
             f"--hicache-storage {storage} with {spec_flag}: the storage tier with bigram (EAGLE) keys is {_GAP}; drop "
             "one of the two",
         ),

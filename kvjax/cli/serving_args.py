@@ -96,16 +96,16 @@ def add_serving_arguments(
     )
     parser.add_argument(
         "--speculative-algorithm",
-        choices=["STANDALONE", "EAGLE", "NEXTN"],
+        choices=["STANDALONE", "EAGLE", "EAGLE3", "NEXTN"],
         help="speculative decoding, the target verifying greedily: STANDALONE, a separate small draft model "
         "proposes; EAGLE (NEXTN, SGLang's alias for DeepSeek's MTP), the checkpoint's MTP layer proposes from "
-        "the target's hidden states",
+        "the target's hidden states; EAGLE3, a LlamaForCausalLMEagle3 draft reads three of the target's layers",
     )
     parser.add_argument(
         "--speculative-draft-model-path",
         metavar="DIR",
         help="the draft: a checkpoint or a preset (STANDALONE); the checkpoint whose MTP layer drafts "
-        "(EAGLE / NEXTN; default --model)",
+        "(EAGLE / NEXTN; default --model); the EAGLE3 draft's checkpoint (EAGLE3)",
     )
     parser.add_argument("--speculative-num-steps", type=positive_int, help="draft tokens per round (default 3)")
     parser.add_argument(
@@ -174,8 +174,10 @@ def speculative_options(
         )
     if args.speculative_algorithm in ("EAGLE", "NEXTN"):
         return _eagle_options(args, topk, steps, target_vocab_size, target_hidden_size)
+    if args.speculative_algorithm == "EAGLE3":
+        return _eagle3_options(args, topk, steps, target_vocab_size, target_hidden_size)
     if topk is not None:
-        raise UsageError(f"--speculative-eagle-topk {topk}: only EAGLE / NEXTN take it; drop it")
+        raise UsageError(f"--speculative-eagle-topk {topk}: only EAGLE / EAGLE3 / NEXTN take it; drop it")
     if not args.speculative_draft_model_path:
         raise UsageError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (or a preset)")
     path = args.speculative_draft_model_path
@@ -237,6 +239,49 @@ def _eagle_options(
         )
     algorithm = "EAGLE" if head else "NEXTN"  # a head's cache plans one draft layer; an MTP layer's, NEXTN
     return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": algorithm}
+
+
+def _eagle3_options(
+    args: argparse.Namespace, topk: int | None, steps: int, target_vocab_size: int, target_hidden_size: int | None
+) -> dict[str, Any]:
+    """``speculative_options`` for EAGLE3: the ``LlamaForCausalLMEagle3`` checkpoint of
+    ``--speculative-draft-model-path`` (required), its ``hidden_size`` and ``vocab_size`` the
+    target's, ``--speculative-eagle-topk`` 1 only (jax-free checks; the rest when it is loaded:
+    ``kvjax.serve.speculative.eagle3_checkpoint``)."""
+    if topk is not None and topk != 1:
+        raise UsageError(
+            f"--speculative-eagle-topk {topk}: kvjax drafts one chain per request (greedy verification of a "
+            "chain, no token tree); give 1 or drop it"
+        )
+    path = args.speculative_draft_model_path
+    if not path:
+        raise UsageError(
+            "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path DIR: a LlamaForCausalLMEagle3 "
+            "checkpoint"
+        )
+    raw = _draft_config(path)
+    if raw is None or "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
+        raise UsageError(
+            f"--speculative-draft-model-path {path}: --speculative-algorithm EAGLE3 reads a checkpoint directory whose "
+            "config.json names LlamaForCausalLMEagle3 (fc.*, midlayer.*, norm.*, lm_head.*, d2t in safetensors)"
+        )
+    for key, want in (("vocab_size", target_vocab_size), ("hidden_size", target_hidden_size)):
+        if want is not None and raw.get(key) is not None and raw[key] != want:
+            raise UsageError(
+                f"--speculative-draft-model-path {path}: {key} {raw[key]}, the target's is {want}; the EAGLE3 draft "
+                "shares the target's embedding and reads its hidden states: give a draft trained for this target"
+            )
+    return {"draft_path": path, "speculative_num_steps": steps, "speculative_algorithm": "EAGLE3"}
+
+
+def _draft_config(path: str) -> dict[str, Any] | None:
+    """The parsed ``config.json`` of the checkpoint ``path``, or None (no file, not a JSON object)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def _names_eagle_head(path: str) -> bool:

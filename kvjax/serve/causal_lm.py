@@ -25,6 +25,11 @@ pad values) are clamped before the embedding lookup, and the rows the step's
 Hidden states (speculative drafts of the EAGLE kind read them): a model built with
 ``return_hidden=True`` returns ``(logits, new pools, hidden [T, hidden])``: every token's hidden
 state after the final norm (what SGLang's logits processor captures for an EAGLE / MTP draft).
+Built also with ``capture_layers`` (EAGLE3's boundaries ``b`` in ``[0, num_hidden_layers]``), the
+hidden states returned are instead ``[T, len(capture_layers) * hidden]``: the residual stream
+entering layer ``b`` for each ``b`` in order (the output of layer ``b - 1``; ``b =
+num_hidden_layers``: the last layer's output before the final norm), as SGLang's models capture
+``layers_to_capture`` for an EAGLE3 draft.
 
 Pipeline parallelism: a model built with ``stage=PipelineStage(start, end, num_layers)`` runs only
 its layers ``[start, end)`` (global ids, so each layer finds its pool and weights as in the whole
@@ -115,6 +120,7 @@ class DecoderStack(nn.Module):
     stage: PipelineStage | None = None
     multimodal: bool = False
     return_hidden: bool = False
+    capture_layers: tuple[int, ...] = ()
 
     @nn.compact
     def __call__(self, tokens: jax.Array, pools: CachePools, meta: BatchMetadata) -> tuple[Any, CachePools]:
@@ -134,13 +140,20 @@ class DecoderStack(nn.Module):
                 x = x * jnp.asarray(c.hidden_size**0.5, jnp.float32).astype(x.dtype)
         else:  # the hidden states of the stage before
             x = tokens
+        captured: dict[int, jax.Array] = {}
         for i in range(stage.start, stage.end):
+            if i in self.capture_layers:
+                captured[i] = x
             x, pools = self.decoder_layer(c, i, name=f"layers_{i}")(x, pools, meta)
         if not stage.last:
             return x, pools
+        captured[stage.end] = x
         norm = self.final_norm(self.final_norm_eps, dt, name=self.names.norm)
         hidden = None
-        if self.return_hidden:  # every token normed (per token: the rows' values are the same)
+        if self.return_hidden and self.capture_layers:  # EAGLE3: the boundaries' residual streams
+            hidden = jnp.concatenate([captured[b] for b in self.capture_layers], axis=-1)
+            x = norm(x[meta.logits_indices])
+        elif self.return_hidden:  # every token normed (per token: the rows' values are the same)
             hidden = norm(x)
             x = hidden[meta.logits_indices]
         else:
@@ -169,6 +182,8 @@ class CausalLM(nn.Module):
     multimodal: bool = False
     # Also return every token's final-normed hidden state (module docstring).
     return_hidden: bool = False
+    # With return_hidden: the boundaries whose residual streams are returned instead (EAGLE3).
+    capture_layers: tuple[int, ...] = ()
 
     @nn.nowrap
     def final_norm_eps(self) -> float:
@@ -194,6 +209,7 @@ class CausalLM(nn.Module):
             self.stage,
             self.multimodal,
             self.return_hidden and (self.stage is None or self.stage.last),
+            self.capture_layers,
             name=self.names.stack,
         )
         x, pools = stack(tokens, pools, meta)

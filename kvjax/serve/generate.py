@@ -335,7 +335,13 @@ def scheduler_for(
         from kvjax.serve.speculative.eagle import eagle_scheduler
 
         return eagle_scheduler(
-            model.config, cache, model.params, draft_params=draft.params, num_steps=num_steps, **options
+            model.config,
+            cache,
+            model.params,
+            draft_params=draft.params,
+            num_steps=num_steps,
+            eagle3=draft.eagle3,
+            **options,
         )
     from kvjax.serve.speculative import speculative_scheduler
 
@@ -720,7 +726,8 @@ def resolve_draft(
     EAGLE or NEXTN the MTP layer of the checkpoint at ``path`` (the command line passes the
     target's own directory unless the flag names another), with the target's embedding and head
     (``speculative.nextn.load_nextn_draft``: `ConfigError` naming the flag or the value that does
-    not fit)."""
+    not fit); EAGLE3 the ``LlamaForCausalLMEagle3`` draft at ``path``
+    (``speculative.eagle3_checkpoint.load_eagle3_draft``)."""
     if algorithm == "STANDALONE":
         if path is None:
             raise ConfigError("speculative_draft_model_path", None, "STANDALONE needs a draft model")
@@ -731,6 +738,10 @@ def resolve_draft(
         raise ConfigError(
             "speculative_draft_model_path", None, f"{algorithm} reads the MTP layer from a checkpoint directory"
         )
+    if algorithm == "EAGLE3":
+        from kvjax.serve.speculative.eagle3_checkpoint import load_eagle3_draft
+
+        return load_eagle3_draft(path, target)
     return load_nextn_draft(path, target)
 
 

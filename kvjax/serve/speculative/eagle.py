@@ -11,6 +11,12 @@ target's verify forward returns its hidden states too, and the draft is run agai
 tokens with them, so its KV at every kept position comes from the target's states. Prefill pairs
 the draft with the target over each chunk, as STANDALONE does.
 
+EAGLE3 (``speculative_algorithm="EAGLE3"``, a separate ``LlamaForCausalLMEagle3`` draft given
+with its ``Eagle3Config``: ``eagle3_draft``, ``eagle3_checkpoint``): the same rounds, the target
+capturing three of its layers, the store keeping their projection by the draft's ``fc``, the
+draft's proposals mapped from its own vocabulary to the target's. Served on one device (no tensor
+parallel mesh, no DP attention yet: refused by name).
+
 Tokens are the target's greedy tokens whatever the draft proposes. The hidden-state store costs
 ``hidden_size`` values of the target's dtype per KV slot (outside the cache's planned budget); it
 is not copied by the host tier, so after a host load-back the draft's first position past the
@@ -39,6 +45,8 @@ from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import shard_params
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.speculative.draft_decoding import DraftDecoding, SpeculativeStats
+from kvjax.serve.speculative.eagle3_checkpoint import EAGLE3_FAMILIES, check_eagle3_fits
+from kvjax.serve.speculative.eagle3_draft import Eagle3Config
 from kvjax.serve.speculative.eagle_steps import make_eagle_prefill_step, make_eagle_round_step
 from kvjax.serve.speculative.nextn import DRAFT_FAMILIES, check_draft_fits, draft_algorithm, draft_layer_ids
 from kvjax.spec import ModelSpec
@@ -58,16 +66,18 @@ def eagle_scheduler(
     num_steps: int,
     topk: int = 1,
     overlap: bool = False,
+    eagle3: Eagle3Config | None = None,
     **scheduler_args: Any,
 ) -> Scheduler:
     """A ``Scheduler`` that decodes speculatively with the target's MTP layer (`EagleDecoding`).
 
     ``cache``: built with ``CacheConfig(speculative_algorithm="NEXTN", ...)`` (the draft pool holds
     the MTP layer, id ``num_hidden_layers``); ``draft_params``: ``nextn.nextn_params``;
-    ``num_steps``: ``k``; ``topk``: 1 (one chain); ``overlap``: rounds overlapped (``overlap.py``).
-    The rest as `speculative_scheduler`.
+    ``num_steps``: ``k``; ``topk``: 1 (one chain); ``overlap``: rounds overlapped (``overlap.py``);
+    ``eagle3``: an EAGLE3 draft's config (the cache built with ``speculative_algorithm="EAGLE3"``,
+    ``draft_params`` from ``eagle3_checkpoint.load_eagle3_draft``). The rest as `speculative_scheduler`.
     """
-    proposer = EagleDecoding(draft_params, num_steps, topk=topk)
+    proposer = EagleDecoding(draft_params, num_steps, topk=topk, eagle3=eagle3)
     proposer.check_cache(spec, cache)
     return Scheduler(as_model_config(spec), cache, params, overlap=overlap, proposer=proposer, **scheduler_args)
 
@@ -81,9 +91,13 @@ class EagleDecoding(DraftDecoding):
             (``nextn.nextn_params``).
         num_steps: ``k`` (SGLang's ``--speculative-num-steps``), >= 1.
         topk: SGLang's ``--speculative-eagle-topk``; only 1 (one chain) is served.
+        eagle3: an EAGLE3 draft's config (``draft_params`` its weights), None for an MTP layer or
+            an EAGLE head.
     """
 
-    def __init__(self, draft_params: dict, num_steps: int, *, topk: int = 1) -> None:
+    def __init__(
+        self, draft_params: dict, num_steps: int, *, topk: int = 1, eagle3: Eagle3Config | None = None
+    ) -> None:
         if topk != 1:
             raise ConfigError(
                 "speculative_eagle_topk",
@@ -96,6 +110,7 @@ class EagleDecoding(DraftDecoding):
         self.topk = topk
         self.draft_params = draft_params
         self.draft_config = None  # type: ignore[assignment]  # the draft is built from the target's config
+        self.eagle3 = eagle3
         self.stats = SpeculativeStats()
         self.hidden: jax.Array | None = None
         self.replays_state = False
@@ -115,6 +130,10 @@ class EagleDecoding(DraftDecoding):
                 None,
                 "the cache has no draft pool: build it with CacheConfig(speculative_algorithm='NEXTN', ...)",
             )
+        if self.eagle3 is not None:
+            self._check_eagle3_cache(target, plan_draft.algorithm, tuple(plan_draft.layer_ids))
+            check_eagle3_fits(self.eagle3, self.draft_params)
+            return
         if target.family not in DRAFT_FAMILIES:
             raise ConfigError(
                 "speculative_algorithm",
@@ -132,11 +151,33 @@ class EagleDecoding(DraftDecoding):
             )
         check_draft_fits(target, self.draft_params)
 
+    def _check_eagle3_cache(self, target: ModelConfig, algorithm: str, layers: tuple[int, ...]) -> None:
+        """``ConfigError`` for an EAGLE3 draft over a target family it is not served for, or a cache
+        not planned for it (one draft layer, id 0, ``speculative_algorithm="EAGLE3"``)."""
+        if target.family not in EAGLE3_FAMILIES:
+            raise ConfigError(
+                "speculative_algorithm",
+                "EAGLE3",
+                f"kvjax serves EAGLE3 drafts for {list(EAGLE3_FAMILIES)} targets, not {target.family!r}",
+            )
+        if algorithm != "EAGLE3" or layers != (0,):
+            raise ConfigError(
+                "speculative_algorithm",
+                algorithm,
+                f"the EAGLE3 draft's pool holds layer 0; build the cache with speculative_algorithm='EAGLE3' "
+                f"(its draft pool holds layers {list(layers)})",
+            )
+
     def attach(self, scheduler: Scheduler) -> None:
         """Check the scheduler (as `DraftDecoding`), allocate the hidden-state store and compile
         the paired prefill step (the scheduler's step from now on) and the round step."""
         target = self.check_scheduler(scheduler)
         mesh = scheduler.mesh
+        if self.eagle3 is not None and mesh is not None:
+            raise NotImplementedError(
+                "EAGLE3 under tensor parallelism is not served yet (the draft's own vocabulary and 2 * hidden "
+                "projections are not split); serve it on one device"
+            )
         pools = None
         draft_pool = scheduler.cache.pools["kv_draft"]
         store = jnp.zeros((draft_pool.num_slots, target.hidden_size), jnp.dtype(target.dtype))
@@ -146,8 +187,9 @@ class EagleDecoding(DraftDecoding):
             store = jax.device_put(store, jax.sharding.NamedSharding(serving_mesh(mesh), jax.sharding.PartitionSpec()))
         self.hidden = store
         with_logits = scheduler.record_logits
-        prefill = make_eagle_prefill_step(target, with_logits=with_logits, mesh=mesh, pools=pools)
-        round_step = make_eagle_round_step(target, with_logits=with_logits, mesh=mesh, pools=pools)
+        draft = self.eagle3
+        prefill = make_eagle_prefill_step(target, with_logits=with_logits, mesh=mesh, pools=pools, draft=draft)
+        round_step = make_eagle_round_step(target, with_logits=with_logits, mesh=mesh, pools=pools, draft=draft)
 
         def step(pools: CachePools, params: Any, tokens: Any, meta: Any, *overlap: Any) -> tuple[Any, ...]:
             # ``overlap``: the plain overlap inputs, unread: a prefill's tokens all come from the host
@@ -165,4 +207,5 @@ class EagleDecoding(DraftDecoding):
 
     def report(self) -> dict[str, Any]:
         """`DraftDecoding.report` with the algorithm and ``topk``."""
-        return dict(super().report(), algorithm="EAGLE (NEXTN)", topk=self.topk)
+        algorithm = "EAGLE (NEXTN)" if self.eagle3 is None else "EAGLE3"
+        return dict(super().report(), algorithm=algorithm, topk=self.topk)

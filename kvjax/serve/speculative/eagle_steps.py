@@ -20,6 +20,11 @@ prefix, as the KV is, so it is valid wherever the tree serves the slot. A draft 
   a function of the prefix, as after a prefill. Returns ``(pools, store, proposals [S, k], greedy
   [S, k + 1][, logits [S, k + 1, vocab]])``.
 
+EAGLE3 (``draft``: an ``Eagle3Config``, ``eagle3_draft``): the target returns its captured layers
+``[T, n * hidden]`` instead of its final hidden state, the draft's ``fc`` projects them to ``[T,
+hidden]`` and the store keeps that projection; the draft's argmax over its own vocabulary is mapped
+to target ids (``d2t``) before it is proposed. The round and the prefill are otherwise the same.
+
 Over a mesh both are jitted with the mesh's shardings: the pools as laid out (donated), both
 models' weights split by ``param_sharding``'s rules, the store and everything else replicated.
 """
@@ -41,6 +46,7 @@ from kvjax.serve.model import build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_shardings
 from kvjax.serve.speculative.draft_view import draft_view, with_draft
+from kvjax.serve.speculative.eagle3_draft import Eagle3Config, LlamaEagle3Draft, eagle3_param_shapes
 from kvjax.serve.speculative.nextn import nextn_draft, nextn_param_shapes
 from kvjax.serve.speculative.proposer import place_row_tokens
 from kvjax.serve.speculative.steps import _layout
@@ -89,6 +95,7 @@ def _jit(
     mesh: Mesh | None,
     pool_def: Any,
     pool_leaves: tuple[NamedSharding, ...],
+    draft_config: Eagle3Config | None = None,
 ) -> Any:
     """``body(pools, store, target weights, draft weights, *inputs)`` jitted with the pools and the
     store donated; over ``mesh``: the pools' layout, both models' weights split, the rest replicated."""
@@ -96,7 +103,10 @@ def _jit(
         return jax.jit(body, donate_argnums=(0, 1))
     pools = jax.tree.unflatten(pool_def, pool_leaves)
     target = param_shardings(param_shapes(target_config), target_config, mesh)
-    draft = param_shardings(nextn_param_shapes(target_config), target_config, mesh)
+    if draft_config is None:
+        draft = param_shardings(nextn_param_shapes(target_config), target_config, mesh)
+    else:
+        draft = param_shardings(eagle3_param_shapes(draft_config), draft_config.layer, mesh)
     rep = NamedSharding(mesh, P())
     return jax.jit(
         body,
@@ -106,13 +116,27 @@ def _jit(
     )
 
 
-def _target_with_hidden(config: ModelConfig) -> Any:
-    return build_model(config).clone(return_hidden=True)
+def _target_with_hidden(config: ModelConfig, draft: Eagle3Config | None = None) -> Any:
+    capture = () if draft is None else draft.capture  # EAGLE3: the captured layers
+    return build_model(config).clone(return_hidden=True, capture_layers=capture)
 
 
-def nextn_draft_module(config: ModelConfig) -> Any:
-    """The MTP draft module of ``config`` (typed ``Any``: flax's ``apply`` returns what ``__call__`` does)."""
-    return nextn_draft(config)
+def nextn_draft_module(config: ModelConfig, draft: Eagle3Config | None = None) -> Any:
+    """The MTP draft module of ``config``, or the EAGLE3 draft of ``draft`` (typed ``Any``: flax's
+    ``apply`` returns what ``__call__`` does)."""
+    return nextn_draft(config) if draft is None else LlamaEagle3Draft(draft)
+
+
+def _draft_input(draft: Any, draft_params: Any, hidden: jax.Array, eagle3: bool) -> jax.Array:
+    """What the store keeps of the target's hidden states: as they are, or (EAGLE3) projected by
+    the draft's ``fc``."""
+    return draft.apply({"params": draft_params}, hidden, method="project") if eagle3 else hidden
+
+
+def _proposed(draft: Any, draft_params: Any, logits: jax.Array, eagle3: bool) -> jax.Array:
+    """The draft's greedy tokens as target ids (EAGLE3: its vocabulary's ids mapped by ``d2t``)."""
+    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return draft.apply({"params": draft_params}, ids, method="target_ids") if eagle3 else ids
 
 
 def _draft_extend(
@@ -127,11 +151,16 @@ def _draft_extend(
 
 
 def make_eagle_prefill_step(
-    target: ModelConfig, *, with_logits: bool, mesh: Mesh | None = None, pools: CachePools | None = None
+    target: ModelConfig,
+    *,
+    with_logits: bool,
+    mesh: Mesh | None = None,
+    pools: CachePools | None = None,
+    draft: Eagle3Config | None = None,
 ) -> Any:
     """``prefill(pools, store, params, draft_params, tokens, meta) -> (pools, store, next_tokens[,
-    logits])`` (module docstring), cached per model and layout."""
-    return _eagle_prefill(target, with_logits, *_layout(mesh, pools))
+    logits])`` (module docstring; ``draft``: an EAGLE3 draft's config), cached per model and layout."""
+    return _eagle_prefill(target, with_logits, *_layout(mesh, pools), draft)
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,23 +170,27 @@ def _eagle_prefill(
     mesh: Mesh | None = None,
     pool_def: Any = None,
     pool_leaves: tuple[NamedSharding, ...] = (),
+    draft: Eagle3Config | None = None,
 ) -> Any:
-    body = eagle_prefill_body(target_config, with_logits=with_logits)
-    return _jit(body, target_config, 2 if with_logits else 1, 2, mesh, pool_def, pool_leaves)
+    body = eagle_prefill_body(target_config, with_logits=with_logits, draft=draft)
+    return _jit(body, target_config, 2 if with_logits else 1, 2, mesh, pool_def, pool_leaves, draft)
 
 
-def eagle_prefill_body(target_config: ModelConfig, *, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
+def eagle_prefill_body(
+    target_config: ModelConfig, *, with_logits: bool, draft: Eagle3Config | None = None
+) -> Callable[..., tuple[Any, ...]]:
     """The prefill un-jitted: ``body(pools, store, params, draft_params, tokens, meta) -> (pools,
     store, next_tokens[, logits])`` (module docstring), for a caller that wraps it in a program of
     its own (DP attention's ``shard_map`` over the ranks, ``kvjax.dp.speculative``)."""
-    target, draft = _target_with_hidden(target_config), nextn_draft_module(target_config)
+    eagle3 = draft is not None
+    target, module = _target_with_hidden(target_config, draft), nextn_draft_module(target_config, draft)
 
     def body(
         pools: CachePools, store: jax.Array, params: Any, draft_params: Any, tokens: jax.Array, meta: AttentionMetadata
     ) -> tuple[Any, ...]:
         logits, pools, hidden = target.apply({"params": params}, tokens, pools, meta)
-        store = store_hidden(store, meta, hidden)
-        pools = _draft_extend(draft, draft_params, pools, store, tokens, meta)
+        store = store_hidden(store, meta, _draft_input(module, draft_params, hidden, eagle3))
+        pools = _draft_extend(module, draft_params, pools, store, tokens, meta)
         next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (pools, store, next_tokens, logits) if with_logits else (pools, store, next_tokens)
 
@@ -165,12 +198,18 @@ def eagle_prefill_body(target_config: ModelConfig, *, with_logits: bool) -> Call
 
 
 def make_eagle_round_step(
-    target: ModelConfig, *, with_logits: bool, mesh: Mesh | None = None, pools: CachePools | None = None
+    target: ModelConfig,
+    *,
+    with_logits: bool,
+    mesh: Mesh | None = None,
+    pools: CachePools | None = None,
+    draft: Eagle3Config | None = None,
 ) -> Any:
     """``round(pools, store, params, draft_params, first_tokens [S], draft_metas, verify_meta)``
-    (module docstring); ``draft_metas`` are ``proposer.draft_metadata``'s ``k + 1`` steps, of which
-    the chain runs the first ``k``. Cached per model and layout."""
-    return _eagle_round(target, with_logits, *_layout(mesh, pools))
+    (module docstring; ``draft``: an EAGLE3 draft's config); ``draft_metas`` are
+    ``proposer.draft_metadata``'s ``k + 1`` steps, of which the chain runs the first ``k``. Cached
+    per model and layout."""
+    return _eagle_round(target, with_logits, *_layout(mesh, pools), draft)
 
 
 @functools.lru_cache(maxsize=8)
@@ -180,16 +219,20 @@ def _eagle_round(
     mesh: Mesh | None = None,
     pool_def: Any = None,
     pool_leaves: tuple[NamedSharding, ...] = (),
+    draft: Eagle3Config | None = None,
 ) -> Any:
-    body = eagle_round_body(target_config, with_logits=with_logits)
-    return _jit(body, target_config, 3 if with_logits else 2, 3, mesh, pool_def, pool_leaves)
+    body = eagle_round_body(target_config, with_logits=with_logits, draft=draft)
+    return _jit(body, target_config, 3 if with_logits else 2, 3, mesh, pool_def, pool_leaves, draft)
 
 
-def eagle_round_body(target_config: ModelConfig, *, with_logits: bool) -> Callable[..., tuple[Any, ...]]:
+def eagle_round_body(
+    target_config: ModelConfig, *, with_logits: bool, draft: Eagle3Config | None = None
+) -> Callable[..., tuple[Any, ...]]:
     """The round un-jitted: ``body(pools, store, params, draft_params, first_tokens, draft_metas,
     verify_meta) -> (pools, store, proposals, greedy[, logits])`` (module docstring), for a caller
     that wraps it in a program of its own (``kvjax.dp.speculative``)."""
-    target, draft = _target_with_hidden(target_config), nextn_draft_module(target_config)
+    eagle3 = draft is not None
+    target, module = _target_with_hidden(target_config, draft), nextn_draft_module(target_config, draft)
 
     def body(
         pools: CachePools,
@@ -211,8 +254,8 @@ def eagle_round_body(target_config: ModelConfig, *, with_logits: bool) -> Callab
             carry: tuple[Any, jax.Array, jax.Array], meta: AttentionMetadata
         ) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
             draft_pool, tokens, hidden = carry
-            logits, out, new = draft.apply({"params": draft_params}, tokens, hidden, CachePools(kv=draft_pool), meta)
-            proposed = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logits, out, new = module.apply({"params": draft_params}, tokens, hidden, CachePools(kv=draft_pool), meta)
+            proposed = _proposed(module, draft_params, logits, eagle3)
             next_hidden = _place_row_hidden(out[meta.logits_indices], width)
             return (new["kv"], place_row_tokens(proposed, width), next_hidden), proposed
 
@@ -221,8 +264,8 @@ def eagle_round_body(target_config: ModelConfig, *, with_logits: bool) -> Callab
         pools = with_draft(pools, draft_pool)
         tokens = round_tokens(first_tokens, proposals, verify_meta.positions.shape[0])
         logits, pools, hidden = target.apply({"params": params}, tokens, pools, verify_meta)
-        store = store_hidden(store, verify_meta, hidden)
-        pools = _draft_extend(draft, draft_params, pools, store, tokens, verify_meta)
+        store = store_hidden(store, verify_meta, _draft_input(module, draft_params, hidden, eagle3))
+        pools = _draft_extend(module, draft_params, pools, store, tokens, verify_meta)
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(-1, k + 1)
         out = (pools, store, proposals.T, greedy)
         return (*out, logits.reshape(-1, k + 1, logits.shape[-1])) if with_logits else out

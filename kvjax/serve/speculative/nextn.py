@@ -46,6 +46,7 @@ from kvjax.serve.layers import BatchMetadata, Embedding, Linear, RMSNorm
 from kvjax.serve.model import build_model
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.speculative.draft_head import draft_logits, mha_trace_pools
+from kvjax.serve.speculative.eagle3_draft import Eagle3Config
 from kvjax.serve.speculative.eagle_head import (
     EAGLE_HEAD_ARCHITECTURE,
     EAGLE_HEAD_FAMILIES,
@@ -316,7 +317,10 @@ class NextNDraftModel:
     params: dict[str, Any]
     path: Path
     algorithm: str = "NEXTN"
-    """The ``speculative_algorithm`` its cache is planned with (`draft_algorithm`)."""
+    """The ``speculative_algorithm`` its cache is planned with (`draft_algorithm`; ``EAGLE3``
+    for an EAGLE3 draft, ``eagle3_checkpoint.load_eagle3_draft``)."""
+    eagle3: Eagle3Config | None = None
+    """An EAGLE3 draft's shapes and switches (None for an MTP layer or an EAGLE head)."""
 
 
 def load_nextn_draft(directory: str | Path, target: Any) -> NextNDraftModel:
