@@ -329,7 +329,9 @@ def build_kv_cache(
         if config.hicache_storage_backend is not None:
             from kvjax.transfers.storage_attach import open_storage_tier
 
-            storage = open_storage_tier(plan, host_pool, pools, config, host_pools.get(DRAFT_HOST_POOL_NAME))
+            storage = open_storage_tier(
+                plan, host_pool, pools, config, host_pools.get(DRAFT_HOST_POOL_NAME), host_pools=host_pools
+            )
     tree_cache = create_tree_cache(
         plan.tree_options,
         req_to_token_pool=req_to_token_pool,

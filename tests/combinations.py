@@ -455,7 +455,10 @@ GAP_SPEC_OVERLAP_RECURRENT = (
 )
 GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
 GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
-GAP_SWA_STORAGE = f"{GAP}: the storage tier under the hybrid sliding-window tree"
+GAP_SWA_STORAGE = (
+    f"{GAP}: the storage tier under the hybrid sliding-window tree with DP attention, pipeline stages or several "
+    "processes (its sliding layers' pages are stored on one device or a TP mesh in one process)"
+)
 GAP_SWA_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the sliding-window host pools"
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
 GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
@@ -680,6 +683,12 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_speculative_swa.py::test_overlap_chains_rounds_over_the_sliding_window_pools"
     ),
     ("swa", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_gemma3_sliding_window_host_pools_at_tp_2",
+    # The storage tier under the sliding-window tree (with the host tier, overlap on): prefixes back
+    # from storage with the sliding layers' pages of their last window (Gemma 3, gpt-oss).
+    **dict.fromkeys(
+        [("swa", "storage", "storage"), ("swa", "host", "storage"), ("swa", "storage", "overlap")],
+        "tests/serve/test_swa_storage.py::test_prefixes_come_back_from_storage_with_their_last_window_and_transformers_tokens",
+    ),
     ("swa", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
     ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "tp", "processes"): (
@@ -845,11 +854,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
-    ("swa", "storage", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "tp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "dp", "pp"): refused(GAP_DP_PP),
@@ -877,10 +884,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
     ("swa", "eagle", "overlap"): refused(GAP_EAGLE),
     ("swa", "eagle", "processes"): refused(GAP_EAGLE),
-    ("swa", "host", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("swa", "storage", "retraction"): refused(GAP_SWA_STORAGE),
-    ("swa", "storage", "overlap"): refused(GAP_SWA_STORAGE),
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),

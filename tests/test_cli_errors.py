@@ -85,8 +85,8 @@ CASES = [
         ["--dcp 2 with --hicache-storage store", "resolve_hicache_dcp_compatibility"],
     ),
     (
-        ["demo", "--model", "gemma3-tiny", "--enable-hierarchical-cache", "--hicache-storage", "store"],
-        ["--hicache-storage store with --model gemma3-tiny"],
+        ["demo", "--model", "gemma3-tiny", "--pp", "2", "--enable-hierarchical-cache", "--hicache-storage", "store"],
+        ["--hicache-storage store with --model gemma3-tiny", "sliding-window tree with --pp 2"],
     ),
     (["demo", "--output-tokens", "0"], ["--output-tokens", "'0'", ">= 1"]),
     (["demo", "--system-tokens", "-5"], ["--system-tokens", "'-5'", ">= 0"]),

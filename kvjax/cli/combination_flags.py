@@ -145,10 +145,12 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
             f"recurrent state under DP attention is {_GAP} (it replays kept tokens with a step of one rank); drop "
             "one of the two"
         )
-    if storage is not None and kind.name == "swa":
+    if storage is not None and kind.name == "swa" and (args.dp > 1 or args.pp > 1 or joins_group(args)):
+        layout = f"--dp {args.dp}" if args.dp > 1 else f"--pp {args.pp}" if args.pp > 1 else "several processes"
         raise UsageError(
             f"--hicache-storage {storage} with --model {model}: the storage tier under the hybrid sliding-window "
-            f"tree is {_GAP} (its page format holds one pool); drop --hicache-storage"
+            f"tree with {layout} is {_GAP} (its sliding layers' pages are stored on one device or a TP mesh in one "
+            "process); drop --hicache-storage"
         )
     if args.enable_hierarchical_cache and kind.name == "recurrent" and joins_group(args):
         raise UsageError(

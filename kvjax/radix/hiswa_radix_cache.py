@@ -22,8 +22,15 @@ window. kvjax does the same on the SWA component and the host component:
   every node and SWA KV only for the window's nodes, which become SWA-live (``after_revive``); the
   others are SWA tombstones.
 
-The storage tier (L3) is not built for this tree (its page format is one pool's);
-``storage=...`` raises ``NotImplementedError``.
+* **Storage tier** (L3, ``storage=StorageOptions(..., window=WindowStore(...))``: both host pools'
+  pages). A landed host copy's full-layer pages are stored, and its sliding-layer pages beside
+  them when the host copy carries SWA (:meth:`host_copy_carries_window`). A prefetch brings the
+  full pages of the longest stored run whose last window's sliding pages are stored too, and
+  those sliding pages: the new host-only node is split at the window (:meth:`adopt_stored_window`),
+  the lower node's host copy carries SWA, the upper one is an SWA tombstone; the host hit then
+  loads it back like any host copy (rules: ``kvjax.radix.storage_window``). A storage tier
+  without the sliding pages' store is refused (NotImplementedError: its prefixes could never be
+  served).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class HiSWARadixCache(SWARadixCache):
     """
 
     host: HostTierComponent  # never None in this preset
+    #: a storage tier needs the sliding layers' store beside the full layers' (``storage_link``)
+    storage_window_required = True
 
     def __init__(
         self,
@@ -81,12 +90,6 @@ class HiSWARadixCache(SWARadixCache):
         token_to_kv_pool_allocator: SWATokenToKVPoolAllocator | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("storage") is not None:
-            raise NotImplementedError(
-                "a storage tier (L3) under the hybrid sliding-window tree is not built (its page format holds one "
-                "pool); drop hicache_storage_backend for this model"
-            )
-        kwargs.pop("storage", None)
         alloc = one_token_allocator(allocator, token_to_kv_pool_allocator)
         host, _ = make_host_tier(
             page_size,
@@ -167,6 +170,23 @@ class HiSWARadixCache(SWARadixCache):
         for n in chain:
             if n in restored:
                 self.swa.make_live(n)
+
+    # ------------------------------------------------------------------ the storage tier
+
+    def host_copy_carries_window(self, node: TreeNode) -> bool:
+        """Whether ``node``'s host copy holds its sliding layers' KV (it was SWA-live when its
+        backup started, or its window came from storage)."""
+        return self.swa.host_copy_live.get(node, False)
+
+    def adopt_stored_window(self, leaf: TreeNode, tokens: int) -> None:
+        """A storage prefetch wrote the sliding layers' KV of the last ``tokens`` key elements of
+        the host-only ``leaf`` (whole pages) into the SWA host pool: split ``leaf`` there; the lower
+        node's host copy carries SWA, the upper node's does not (an SWA tombstone)."""
+        if leaf.residency != HOST_ONLY or leaf.children or not 0 < tokens <= leaf.klen or tokens % self.page_size:
+            raise ValueError(f"adopt_stored_window: {tokens} window tokens for host-only leaf {leaf!r}")
+        if tokens < leaf.klen:
+            self.split_node(leaf, leaf.klen - tokens)  # ``leaf`` keeps the lower part
+        self.swa.host_copy_live[leaf] = True
 
     # ------------------------------------------------------------------ match
 

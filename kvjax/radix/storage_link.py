@@ -45,6 +45,12 @@ asked synchronously how many pages it holds (SGLang asks in its prefetch thread)
 pages become one host-only node (SGLang inserts them through its host insert path, with the same
 result); bigram (EAGLE) keys are not supported (their pages hash token windows of
 ``page_size + 1``; ValueError).
+
+A tree whose prefixes need a windowed pool's KV too (the hybrid sliding-window tree: its sliding
+layers' pages, valid for the last window only) is given that pool's store (``StorageOptions.window``):
+its pages are stored beside the full layers' and a prefetch's hit and node follow the window
+(``kvjax.radix.storage_window``). Such a tree (``storage_window_required``) refuses a storage
+tier without it (NotImplementedError naming the tree).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from kvjax.errors import ConfigError
 from kvjax.multihost.agreement import Agreement, LocalAgreement
 from kvjax.radix.events import BlockStored
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
+from kvjax.radix.storage_window import StorageWindow, WindowRead, WindowStore
 from kvjax.tiers.storage import PREFETCH_POLICIES, Prefetch, StorageTier, StorageWrite, page_hashes
 
 if TYPE_CHECKING:
@@ -91,6 +98,7 @@ class PrefetchOp:
     slots: np.ndarray
     prefetch: Prefetch
     started: float
+    window: WindowRead | None = None
 
 
 class StorageLink:
@@ -104,6 +112,8 @@ class StorageLink:
         prefetch_timeout_s: the ``timeout`` policy's wait, seconds (None: SGLang's 1 s + 0.25 s
             per 1024 prefetched tokens).
         prefetch_threshold: runs of fewer stored tokens are not prefetched (SGLang: 256).
+        window: the windowed pool's store and host pool (module docstring); None: the tree
+            needs none (NotImplementedError for a tree with ``storage_window_required``).
 
     Counters: ``pages_backed_up`` (pages handed to the store, skipped ones excluded),
     ``prefetched_tokens`` (tokens inserted from storage), ``prefetches`` (prefetches started),
@@ -123,6 +133,7 @@ class StorageLink:
         prefetch_policy: str = "best_effort",
         prefetch_timeout_s: float | None = None,
         prefetch_threshold: int = PREFETCH_THRESHOLD,
+        window: WindowStore | None = None,
     ) -> None:
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ConfigError("prefetch_policy", prefetch_policy, f"use one of {list(PREFETCH_POLICIES)}")
@@ -139,6 +150,13 @@ class StorageLink:
                 storage.storage_key.page_size,
                 f"the store's key must have the tree's page size ({tree.page_size})",
             )
+        if window is None and getattr(tree, "storage_window_required", False):
+            raise NotImplementedError(
+                f"the storage tier under {type(tree).__name__} needs its sliding-window pages stored beside the full "
+                "layers' (StorageOptions.window), which kvjax builds through build_kv_cache on one device or a TP "
+                "mesh only; drop hicache_storage_backend for this layout"
+            )
+        self.window = None if window is None else StorageWindow(tree, window)
         self.host = host
         self.tree = tree
         self.storage = storage
@@ -184,9 +202,14 @@ class StorageLink:
         if data is None or node.residency == DELETED:
             return
         buf = self.pages.read_pages(data.slots, self.storage.dtype)
-        write = self.storage.backup(self.node_hashes(node), np.swapaxes(buf, 0, 1))
+        hashes = self.node_hashes(node)
+        write = self.storage.backup(hashes, np.swapaxes(buf, 0, 1))
         self.pages_backed_up += len(write.futures)
         self._writes.append(write)
+        if self.window is not None:
+            window_write = self.window.backup(node, data.slots, hashes)
+            if window_write is not None:
+                self._writes.append(window_write)
         if self.tree.enable_kv_cache_events:
             self._reported.append((write, self.tree.stored_event(node, STORAGE_MEDIUM)))
 
@@ -238,18 +261,26 @@ class StorageLink:
         ps = self.page_size
         hit = match.prefix_len + int(getattr(match, "host_hit_length", 0))
         anchor = getattr(match, "last_host_node", None) or match.last_node
+        if self.window is not None and match.walk_node is not self.tree.root:
+            # the tree holds every page above the deepest node walked (SWA tombstones included)
+            walked = match.walk_node
+            if int(walked.depth) > hit:
+                hit, anchor = int(walked.depth), walked
         whole = len(tokens) // ps * ps
         if whole - hit < max(self.threshold, ps):
             return 0
         hashes = page_hashes(tokens[:whole], ps, extra_key=extra_key, seed=self.tree.hash_seed)[hit // ps :]
         n = self._agreed_pages("storage hits", self.storage.leading_hits(hashes)) * ps
+        if self.window is not None and n:
+            n = self._agreed_pages("storage window hits", self.window.restorable(hashes[: n // ps])) * ps
         if n < max(self.threshold, ps):
             return 0
         slots = self._alloc_guarded(anchor, n)
         if slots is None:
             return 0
         prefetch = self.storage.prefetch(hashes[: n // ps])
-        self._ops[rid] = PrefetchOp(anchor, tokens[hit : hit + n], extra_key, slots, prefetch, time.monotonic())
+        window = None if self.window is None else self.window.start(hashes[: n // ps])
+        self._ops[rid] = PrefetchOp(anchor, tokens[hit : hit + n], extra_key, slots, prefetch, time.monotonic(), window)
         self.prefetches += 1
         return n
 
@@ -259,8 +290,9 @@ class StorageLink:
         op = self._ops.get(rid)
         if op is None:
             return True
-        waiting = self.policy == "wait_complete" and not op.prefetch.done()
-        if self.policy == "timeout" and not op.prefetch.done() and time.monotonic() - op.started < self._timeout(op):
+        done = op.prefetch.done() and (op.window is None or op.window.prefetch.done())
+        waiting = self.policy == "wait_complete" and not done
+        if self.policy == "timeout" and not done and time.monotonic() - op.started < self._timeout(op):
             waiting = True
         if not self._agreed("prefetch ready", int(not waiting)):
             return False
@@ -278,6 +310,8 @@ class StorageLink:
         if op is None:
             return
         op.prefetch.take("best_effort")  # cancels the reads in flight
+        if op.window is not None and self.window is not None:
+            self.window.cancel(op.window)
         self.host.free_held(op.slots)
 
     def cancel_all(self) -> None:
@@ -302,6 +336,7 @@ class StorageLink:
         pages = op.prefetch.take(policy, max(0.0, op.started + self._timeout(op) - time.monotonic()))
         pages = pages[: self._agreed_pages("prefetch pages", pages.shape[0])]
         n = pages.shape[0] * self.page_size
+        window_pages = self._take_window(op, policy, n == len(op.tokens))
         leaf = None
         if n and op.anchor.residency != DELETED:
             try:
@@ -313,10 +348,27 @@ class StorageLink:
         else:
             self.pages.write_pages(op.slots[:n], np.swapaxes(pages, 0, 1))
             self.host.adopt_held(leaf, op.slots[:n])
+            if self.window is not None and op.window is not None:
+                if window_pages is None:
+                    self.window.windows_dropped += 1
+                else:
+                    self.window.adopt(leaf, op.slots, op.window, window_pages)
         if n < op.slots.size:
             self.host.free_held(op.slots[n:])
         self.prefetched_tokens += n
         return n
+
+    def _take_window(self, op: PrefetchOp, policy: str, whole: bool) -> np.ndarray | None:
+        """The window pages of ``op`` when every full page of its run was taken (``whole``) and
+        every window page arrived (agreed over processes), else None (reads abandoned)."""
+        if self.window is None or op.window is None:
+            return None
+        if not whole:
+            self.window.cancel(op.window)
+            return None
+        remaining = max(0.0, op.started + self._timeout(op) - time.monotonic())
+        pages = self.window.take(op.window, policy, remaining)
+        return pages if self._agreed("storage window arrived", int(pages is not None)) else None
 
     def _agreed(self, tag: str, value: int) -> int:
         """``value`` (this process's) agreed with the other processes: their minimum."""
@@ -358,6 +410,8 @@ class StorageOptions:
         host_pages: the host pool holding the pages' bytes (None: the tree makes one of the
             store's page shape, ``page_first``, whose allocator becomes the host allocator).
         prefetch_policy, prefetch_timeout_s, prefetch_threshold: as for :class:`StorageLink`.
+        window: the windowed pool's store and host pool, for a tree that needs it (the hybrid
+            sliding-window tree's sliding layers; ``kvjax.radix.storage_window``).
     """
 
     store: StorageTier
@@ -365,3 +419,4 @@ class StorageOptions:
     prefetch_policy: str = "best_effort"
     prefetch_timeout_s: float | None = None
     prefetch_threshold: int = PREFETCH_THRESHOLD
+    window: WindowStore | None = None

@@ -113,6 +113,7 @@ class TieredTree(RadixTree):
                 prefetch_policy=storage.prefetch_policy,
                 prefetch_timeout_s=storage.prefetch_timeout_s,
                 prefetch_threshold=storage.prefetch_threshold,
+                window=storage.window,
             )
 
     def _require_host(self, what: str) -> HostTierComponent:

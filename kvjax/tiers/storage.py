@@ -251,6 +251,12 @@ class StorageTier:
         """Whether the store holds an entry of this key for ``page_hash`` (a blocking read)."""
         return self._present(page_hash, self._reads(page_hash))
 
+    def present(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether the store holds each of ``hashes`` (every shard's entry; reads issued together),
+        in order: holes included, unlike :meth:`leading_hits`."""
+        futures = [self._reads(h) for h in hashes]
+        return [self._present(h, future) for h, future in zip(hashes, futures, strict=True)]
+
     def leading_hits(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, the store holds (every shard's entry; reads
         issued together)."""

@@ -21,6 +21,14 @@ same ``dcp_size``. SGLang 0.5.23 writes each DCP rank's rows as an entry of its 
 (``hicache_storage.py``: the ``_tp{T}_dcp{r}_{D}_page{P}`` suffix); kvjax's one process holds every
 rank's rows in its host page and keeps the page whole. Across processes (a process holding its own
 devices' rows only) it is not built yet (:func:`check_storage_buildable`).
+
+Under the hybrid sliding-window tree (``HiSWARadixCache``: two host pools, the full layers' and
+the sliding layers', with the same host slot ids) the full layers' pages are the page store (the
+key of the full host pool, its layers) and the sliding layers' pages a second store beside it
+(the key of the SWA host pool, its layers; ``kvjax.radix.storage_window``), each sharded over TP
+ranks like its host page. SGLang 0.5.23 stores them the same way, the SWA pool as its own entries
+(``PoolName.SWA``) next to the KV pool's. Not built yet (:func:`check_storage_buildable`): under
+DP attention, over pipeline stages, and with a draft model's host pool (refused earlier as well).
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ import numpy as np
 
 from kvjax.layout.storage import is_fp8, logical_dtype_name
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, DRAFT_POOL_NAME
+from kvjax.plan.kinds.swa import POOL as SWA_POOL
+from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
 from kvjax.radix.storage_link import StorageOptions
+from kvjax.radix.storage_window import WindowStore
 from kvjax.tiers.head_shards import HeadShards
 from kvjax.tiers.stacked_pages import StackedHostPages, stacked_storage_key
 from kvjax.tiers.storage import StorageTier
@@ -40,6 +51,8 @@ from kvjax.tiers.storage_key import StorageKey
 from kvjax.transfers.device_pages import page_layers
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from kvjax.config import CacheConfig
     from kvjax.plan import CachePlan
     from kvjax.tiers.host_pool import HostKVPool
@@ -53,6 +66,7 @@ def storage_key(
     *,
     host_pool_name: str = "host_kv",
     device_pool: str = "kv",
+    device_kv: Any = None,
 ) -> StorageKey:
     """The key of the pages a cache of ``plan`` writes from ``host_pool`` (the plan's pool
     ``host_pool_name``, the host copy of device pool ``device_pool``):
@@ -62,13 +76,14 @@ def storage_key(
     the pool kind (and, under DCP, the stripe: a page's rows rank-major over ``dcp_size`` ranks,
     ``kvjax.tiers.head_shards``), the TP size, this process's index as the rank (a pool sharded
     over TP ranks stores each rank's heads under its own rank's key instead: :func:`rank_shards`),
-    the host pool's layer ids, and ``config.hicache_storage_namespace``.
+    the host pool's layer ids, and ``config.hicache_storage_namespace``. ``device_kv``: the device
+    pool itself, when it is a part of a pool (the sliding-window pool's ``full`` or ``swa``).
     """
     import jax
 
     scales: tuple[float, ...] = ()
     if is_fp8(plan.kv_cache_dtype):
-        device_kv = pools[device_pool]
+        device_kv = pools[device_pool] if device_kv is None else device_kv
         names = ("k_scale", "v_scale") if hasattr(device_kv, "k_scale") else ("scale",)  # MHA; MLA latent
         scales = tuple(s for name in names for s in np.asarray(getattr(device_kv, name), np.float32).tolist())
     host_plan = next(p for p in plan.pools if p.name == host_pool_name)
@@ -93,10 +108,25 @@ def check_storage_buildable(plan: CachePlan, config: CacheConfig) -> None:
     heads, head dim) or KV-head replicas over the TP ranks differ from the target's (one stored
     entry stacks the two pools' layers, sharded over the ranks alike: module docstring); a pool
     striped over DCP ranks across several processes (a stored entry is the whole striped page,
-    and a process's host page holds only its own devices' rows)."""
+    and a process's host page holds only its own devices' rows); the hybrid sliding-window tree's
+    stores under DP attention, over pipeline stages, across processes or with a draft's host pool."""
     if config.hicache_storage_backend is None:
         return
     import jax
+
+    refused = {
+        f"dp_size={config.dp_size} with enable_dp_attention": config.enable_dp_attention,
+        f"pp_size={config.pp_size}": config.pp_size > 1,
+        f"{jax.process_count()} processes": jax.process_count() > 1,
+        "a speculative draft model's host pool": plan.draft is not None,
+    }
+    layout = next((name for name, on in refused.items() if on), None)
+    if plan.is_hybrid_swa and layout is not None:
+        raise NotImplementedError(
+            f"kvjax cannot build the storage tier under the hybrid sliding-window tree with {layout} yet (its "
+            "sliding layers' pages are stored on one device or a TP mesh only); drop "
+            f"hicache_storage_backend={config.hicache_storage_backend!r} or serve it without that"
+        )
 
     if config.dcp_enabled and jax.process_count() > 1:
         raise NotImplementedError(
@@ -157,14 +187,27 @@ def local_head_blocks(pools: Any, host_pool: HostKVPool) -> tuple[slice, ...] | 
 
 
 def open_storage_tier(
-    plan: CachePlan, host_pool: HostKVPool, pools: Any, config: CacheConfig, draft_host_pool: HostKVPool | None = None
+    plan: CachePlan,
+    host_pool: HostKVPool,
+    pools: Any,
+    config: CacheConfig,
+    draft_host_pool: HostKVPool | None = None,
+    *,
+    host_pools: Mapping[str, HostKVPool] | None = None,
 ) -> StorageOptions:
     """Open the store (``"memory"``, or the ``"file"`` backend in ``hicache_storage_dir``) over pages
     of ``host_pool``, under :func:`storage_key`, with the config's prefetch settings: what the
     tree's constructor links behind its host tier. ``draft_host_pool``: the draft model's host
     pool (the same slots), whose layers each page holds after the target's (module docstring).
+    ``host_pools``: the plan's host pools by name; the sliding-window host pool among them gets a
+    store of its own beside the page store (module docstring).
     """
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
+    window_host_pool = None if host_pools is None else host_pools.get(SWA_HOST_POOL_NAME)
+    if window_host_pool is not None:
+        if draft_host_pool is not None:
+            raise NotImplementedError("the storage tier of a draft model's host pool beside the sliding-window pools")
+        return _open_window_storage(plan, host_pool, window_host_pool, pools, config, location)
     key = storage_key(plan, host_pool, pools, config)
     pages: Any = host_pool
     if draft_host_pool is not None:
@@ -184,4 +227,29 @@ def open_storage_tier(
         prefetch_policy=config.hicache_storage_prefetch_policy,
         prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
         prefetch_threshold=config.hicache_storage_prefetch_threshold,
+    )
+
+
+def _open_window_storage(
+    plan: CachePlan, host_pool: HostKVPool, window_host_pool: HostKVPool, pools: Any, config: CacheConfig, location: str
+) -> StorageOptions:
+    """The page store of the full layers' ``host_pool`` and, beside it, the store of the sliding
+    layers' ``window_host_pool`` (the same host slots; module docstring), each under its own
+    pool's key and sharded over TP ranks like its host page."""
+    if window_host_pool.size != host_pool.size:
+        raise AssertionError(f"SWA host pool of {window_host_pool.size} slots, full host pool's {host_pool.size}")
+    device = pools[SWA_POOL.name]
+    stores = []
+    for name, pool, part in ((None, host_pool, device.full), (SWA_HOST_POOL_NAME, window_host_pool, device.swa)):
+        names = {} if name is None else {"host_pool_name": name}
+        key = storage_key(plan, pool, pools, config, device_kv=part, **names)
+        stores.append(StorageTier(location, key=key, shards=rank_shards(pool, config, None)))
+    full, window = stores
+    return StorageOptions(
+        full,
+        host_pool,
+        prefetch_policy=config.hicache_storage_prefetch_policy,
+        prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
+        prefetch_threshold=config.hicache_storage_prefetch_threshold,
+        window=WindowStore(window, window_host_pool),
     )
