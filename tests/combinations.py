@@ -689,6 +689,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         [("swa", "storage", "storage"), ("swa", "host", "storage"), ("swa", "storage", "overlap")],
         "tests/serve/test_swa_storage.py::test_prefixes_come_back_from_storage_with_their_last_window_and_transformers_tokens",
     ),
+    ("swa", "tp", "storage"): (
+        "tests/mesh/test_swa_storage_tp.py::test_gemma3_storage_tier_at_tp_2_stores_each_ranks_heads"
+    ),
     ("swa", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
     ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "tp", "processes"): (

@@ -59,6 +59,7 @@ HEAVIEST_FIRST = (
     "test_tp_parity_nemotron_h.py",  # 17
     "test_combination_matrix.py",  # 17
     "test_dp_hybrid_host_tier.py",  # 16
+    "test_swa_storage_tp.py",  # 15
     "test_multihost_serving.py",  # 14
     "test_multihost_llava.py",  # 13
     "test_tp_parity.py",  # 13
