@@ -445,7 +445,6 @@ GAP_EAGLE = (
     f"{GAP}: an EAGLE draft model for this kind (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's or "
     "Qwen3-Next's, or a Llama EAGLE head for a full-attention Llama)"
 )
-GAP_DP_SPEC_RECURRENT = f"{GAP}: the rollback of recurrent state under DP attention (a replay step of one rank)"
 GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
@@ -841,6 +840,15 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("recurrent", "tp", "eagle"): (
         "tests/mesh/test_matrix_pairs.py::test_qwen3_next_mtp_layer_at_tp2_evicts_retracts_and_replays"
     ),
+    # Speculative decoding of recurrent state under DP attention: each rank's rejected rounds
+    # restored in its slice and replayed as a DP step of its batch (kvjax.dp.speculative).
+    ("recurrent", "dp", "standalone"): (
+        "tests/mesh/test_dp_speculative_recurrent.py::"
+        "test_standalone_replays_each_ranks_rejected_rounds_through_reuse_and_eviction"
+    ),
+    ("recurrent", "dp", "eagle"): (
+        "tests/mesh/test_dp_speculative_recurrent.py::test_eagle_mtp_layer_replays_each_ranks_rejected_rounds"
+    ),
     **dict.fromkeys(
         [("recurrent", "processes", "processes"), ("recurrent", "overlap", "processes")],
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers",
@@ -906,8 +914,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
-    ("recurrent", "dp", "standalone"): refused(GAP_DP_SPEC_RECURRENT),
-    ("recurrent", "dp", "eagle"): refused(GAP_DP_SPEC_RECURRENT),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_RECURRENT_DCP),

@@ -139,12 +139,6 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
             f"--enable-hierarchical-cache with --speculative-algorithm {algorithm}: for --model {model}, "
             f"{kind.draft_host_refusal.removesuffix(' is not built')} is {_GAP}; drop one of the two"
         )
-    if args.dp > 1 and algorithm is not None and kind.name == "recurrent":
-        raise UsageError(
-            f"--dp {args.dp} with --speculative-algorithm {algorithm}: for --model {model}, the rollback of "
-            f"recurrent state under DP attention is {_GAP} (it replays kept tokens with a step of one rank); drop "
-            "one of the two"
-        )
     if storage is not None and kind.name == "swa" and (args.dp > 1 or args.pp > 1 or joins_group(args)):
         layout = f"--dp {args.dp}" if args.dp > 1 else f"--pp {args.pp}" if args.pp > 1 else "several processes"
         raise UsageError(

@@ -64,11 +64,17 @@ round; a lockstep round in which some ranks prefill and others draft runs the DP
 DP round, on the pools the step left (``mixed_rounds`` counts them). With overlap a rank's round
 ``N + 1`` is handed in before it reads round ``N``, with how it continues its row of the last DP
 round (``RoundChain``); the DP round chains every rank's on the device. With the host tier the
-draft's pages ride with the target's through each rank's engines. Recurrent targets are refused.
+draft's pages ride with the target's through each rank's engines. A recurrent target's rank
+replays the kept tokens of its rejected drafts after its round (``kvjax.dp.speculative``): inside
+``LockstepRank.replaying`` its step runs at once as a DP step of its batch alone, the other ranks
+idle (``replay_step``), so a rank's step function returns the pools current when it returns, not
+those the round's programs left.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -124,6 +130,7 @@ class LockstepRank(OneMesh):
         super().__init__()
         self.rank = rank
         self.front: LockstepDPScheduler | None = None
+        self._replaying = False
 
     def join(self, front: LockstepDPScheduler) -> None:
         """Step this rank's batches in ``front``'s rounds."""
@@ -157,12 +164,29 @@ class LockstepRank(OneMesh):
         front._step_ranks(round_, round_.active.index(self.rank) + 1)
         if round_.round_outputs is None:
             raise RuntimeError(f"rank {self.rank}: the round ended without a DP round")
-        new_pools, *rest = round_.round_outputs
+        _, *rest = round_.round_outputs
+        # the pools now: a later rank may have replayed since the DP round (``replaying``)
         if front.overlap:
-            return (new_pools, *(_RankTokens(x, self.rank) for x in rest))
-        return (new_pools, *(x.host()[self.rank] for x in rest))
+            return (front.cache.pools, *(_RankTokens(x, self.rank) for x in rest))
+        return (front.cache.pools, *(x.host()[self.rank] for x in rest))
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Speculative decoding of a recurrent target (``kvjax.dp.speculative``): within it, the
+        rank's step (the replay of its kept tokens after its round, ``Scheduler.replay_forward``)
+        runs at once as a DP step of this rank's batch, every other rank joining with an idle batch
+        (``LockstepDPScheduler.replay_step``), instead of being recorded in the lockstep round."""
+        if self._replaying:
+            raise RuntimeError(f"rank {self.rank} is already replaying")
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
 
     def launch(self, scheduler: StepOwner, pools: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self._replaying:
+            return self._launch_replay(inputs)
         front, round_ = self._current()
         tokens, meta, *future = inputs
         prev_tokens, token_src = future if future else (None, None)
@@ -170,8 +194,23 @@ class LockstepRank(OneMesh):
         front._step_ranks(round_, round_.active.index(self.rank) + 1)
         if round_.outputs is None:
             raise RuntimeError(f"rank {self.rank}: the round ended without a DP step")
-        new_pools, *rest = round_.outputs
+        _, *rest = round_.outputs
+        # the pools now: a later rank may have replayed since the DP step (``replaying``)
         if front.overlap:  # references to the rank's rows, on the device until read
+            return (front.cache.pools, *(_RankTokens(x, self.rank) for x in rest))
+        return (front.cache.pools, *(x.host()[self.rank] for x in rest))
+
+    def _launch_replay(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The rank's replay step (``replaying``), run at once: ``(pools, next_tokens[, logits])``
+        of this rank, as :meth:`launch` returns them."""
+        front = self.front
+        if front is None or front._round is None:
+            raise RuntimeError(f"rank {self.rank} replayed outside a lockstep round: step the LockstepDPScheduler")
+        tokens, meta, *future = inputs
+        if future and future[1] is not None and bool((np.asarray(future[1]) >= 0).any()):
+            raise RuntimeError(f"rank {self.rank}'s replay reads tokens of a step in flight; its tokens are the host's")
+        new_pools, *rest = front.replay_step(self.rank, tokens, meta)
+        if front.overlap:
             return (new_pools, *(_RankTokens(x, self.rank) for x in rest))
         return (new_pools, *(x.host()[self.rank] for x in rest))
 
@@ -220,6 +259,8 @@ class LockstepDPScheduler(DPScheduler):
         dp_steps: device programs run (DP steps and DP rounds).
         mixed_rounds: lockstep rounds in which some ranks prefilled and others ran a speculative
             round (both programs ran, one after the other).
+        replay_steps: DP steps that replayed one rank's kept tokens after its speculative round
+            (recurrent targets; counted in ``dp_steps`` too).
     """
 
     def __init__(
@@ -248,6 +289,7 @@ class LockstepDPScheduler(DPScheduler):
         self.speculation = speculation
         self.dp_steps = 0
         self.mixed_rounds = 0
+        self.replay_steps = 0
         for rank, scheduler in enumerate(schedulers):
             stepping = scheduler.stepping
             if not isinstance(stepping, LockstepRank) or stepping.rank != rank:
@@ -421,13 +463,27 @@ class LockstepDPScheduler(DPScheduler):
         return (None if previous is None else (previous[0].array, previous[1].array)), src, room
 
     def _run_dp_step(self, round_: _Round) -> None:
-        """Stack the handed-in batches (an idle one for every other rank), run the DP step and
-        hand every rank's cache the new pools."""
+        """The DP step of the batches handed in to ``round_`` (``_dp_step_of``)."""
+        round_.outputs = self._dp_step_of(round_.inputs)
+
+    def replay_step(self, rank: int, tokens: Any, meta: Any) -> tuple[Any, ...]:
+        """Speculative decoding of a recurrent target: one DP step of rank ``rank``'s replay batch
+        (its kept tokens, ``LockstepRank.replaying``), every other rank joining with an idle batch;
+        its outputs as a DP step's (module docstring)."""
+        if self._round is None:
+            raise RuntimeError(f"rank {rank} replayed outside a lockstep round")
+        outputs = self._dp_step_of({rank: (tokens, meta, None, None)})
+        self.replay_steps += 1
+        return outputs
+
+    def _dp_step_of(self, inputs: dict[int, tuple[np.ndarray, Any, Any, np.ndarray | None]]) -> tuple[Any, ...]:
+        """Stack the ranks' batches ``inputs`` (an idle one for every other rank), run the DP step,
+        hand every rank's cache the new pools and return ``(pools, *stacked outputs)``."""
         tokens, metas, srcs = [], [], []
         prev: _StackedOutput | None = None
         for r, scheduler in enumerate(self.schedulers):
-            if r in round_.inputs:
-                t, m, ref, src = round_.inputs[r]
+            if r in inputs:
+                t, m, ref, src = inputs[r]
             else:
                 (t, m), ref, src = _idle_batch(scheduler), None, None
             tokens.append(t)
@@ -454,7 +510,7 @@ class LockstepDPScheduler(DPScheduler):
         self.dp_steps += 1
         pools = outputs[0]
         self.schedulers[0].store_pools(pools)  # the DP cache's device state: every rank's view reads it
-        round_.outputs = (pools, *(_StackedOutput(x) for x in outputs[1:]))
+        return (pools, *(_StackedOutput(x) for x in outputs[1:]))
 
 
 def _idle_batch(scheduler: Scheduler) -> tuple[np.ndarray, Any]:

@@ -45,15 +45,28 @@ is always the last DP round's row (a rank with a round in flight steps in the ne
 and either continues it or reads it first); the front checks it. A sliding-window pool's slots
 move with the full ones, as on one rank.
 
-Not built (refused by name when the front is built): a recurrent-state target (its rollback
-replays the kept tokens with a step of one rank between rounds), a retraction backup (as on one
-rank).
+Recurrent-state targets (Qwen3-Next with a full-attention STANDALONE draft or its MTP layer):
+a rank's proposer rolls back a round's state as `DraftDecoding` does on one rank
+(``state_replay``: snapshot before the round, restore and replay the kept tokens of the requests
+that rejected drafts, before any of them finishes), each step through the rank's seam: the
+snapshot and restore run on the rank's slice of the stacked state pool
+(``kvjax.dp.rank_state_replay``), and the replay forward (``Scheduler.replay_forward``) runs,
+inside ``LockstepRank.replaying``, at once as one DP step of the rank's batch, the other ranks
+joining with idle batches (``LockstepDPScheduler.replay_step``). One replay step per rejecting
+rank, not one for every rank's replays: a rank settles its round inside the lockstep round's
+nested steps (the last rank first) and finishes its requests right after its replay, whose
+state their checkpoints copy, so no point knows every rank's kept tokens before a rank has
+finished. Each replay depends on its rank's round alone and the ranks settle in their fixed
+order: every process decides the same. Overlap stays off for them, as on one rank.
+
+Not built (refused by name when the front is built): a retraction backup (as on one rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
@@ -65,7 +78,9 @@ from jax.sharding import PartitionSpec as P
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.dp.attention import _pad_tokens, stack_rank_inputs
 from kvjax.dp.cache import DPKVCache, DPLayout
+from kvjax.dp.rank_cache import RankKVCache
 from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding
+from kvjax.dp.rank_state_replay import RankStateReplay, rank_state_replay
 from kvjax.dp.step import rank_view
 from kvjax.errors import ConfigError
 from kvjax.plan.draft import DRAFT_POOL_NAME
@@ -84,7 +99,7 @@ from kvjax.serve.speculative.verifier import verify_metadata
 from kvjax.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from kvjax.serve.scheduler import Scheduler
+    from kvjax.serve.scheduler import Scheduler, ServingReq
 
 __all__ = [
     "DPSpeculation",
@@ -479,6 +494,11 @@ class RoundLauncher(Protocol):
         flight on the device (overlap scheduling, module docstring)."""
         ...
 
+    def replaying(self) -> AbstractContextManager[None]:
+        """Within it, the rank's steps are the replay of a recurrent target's kept tokens after its
+        round (module docstring): each runs at once as a DP step of the rank's batch alone."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class RoundChain:
@@ -503,13 +523,8 @@ def _attach_to_rank(proposer: DraftDecoding, scheduler: Scheduler) -> None:
     """A rank's proposer attached: the single-rank checks (``check_scheduler``: overlap, the
     cache's draft pool, the kinds, a retraction backup), then its round's device work handed to
     the lockstep front (a `RoundLauncher`: ``LockstepRank.launch_round``). The prefill step is
-    the front's."""
+    the front's; so is a recurrent target's replay (``_replay_on_rank``)."""
     proposer.check_scheduler(scheduler)
-    if proposer.replays_state:
-        raise NotImplementedError(
-            "speculative decoding of recurrent state under DP attention is not built yet (its rollback replays "
-            "kept tokens with a step of one rank between rounds); serve it with dp_size 1 (any tp_size)"
-        )
     stepping = scheduler.stepping
     if not isinstance(stepping, RoundLauncher):
         raise TypeError(f"a rank proposer runs under lockstep DP (LockstepRank), not {type(stepping).__name__}")
@@ -533,6 +548,30 @@ def _launch_chained_rank(
     return stepping.launch_round(inputs, chain)
 
 
+def _rank_of(scheduler: Scheduler) -> tuple[RoundLauncher, RankStateReplay, int]:
+    """A rank's launcher (its ``LockstepRank``), the DP cache's state snapshot and restore, and
+    the rank's index."""
+    stepping = scheduler.stepping
+    assert isinstance(stepping, RoundLauncher)  # ``_attach_to_rank`` checked it
+    cache = scheduler.cache
+    assert isinstance(cache, RankKVCache), type(cache).__name__
+    return stepping, rank_state_replay(cache.dp_cache.layout), cache.rank
+
+
+def _snapshot_rank_states(scheduler: Scheduler, pools: Any, slots: np.ndarray) -> Any:
+    """A recurrent target's state rows of the rank's ``slots`` before its round, out of the rank's
+    slice of the stacked pool (``RankStateReplay.snapshot``; module docstring)."""
+    _, replay, rank = _rank_of(scheduler)
+    return replay.snapshot(pools.recurrent, rank, slots)
+
+
+def _restore_rank_states(scheduler: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
+    """``pools`` (donated) with the rank's snapshot rows ``rows`` written back at its ``slots``, in
+    its slice only (``RankStateReplay.restore``)."""
+    _, replay, rank = _rank_of(scheduler)
+    return pools.replace(recurrent=replay.restore(pools.recurrent, rank, slots, saved, rows))
+
+
 class RankDraftDecoding(DraftDecoding):
     """`DraftDecoding` of one DP rank (STANDALONE): the rank's host side, its rounds run by the
     lockstep front's DP round (module docstring)."""
@@ -544,6 +583,18 @@ class RankDraftDecoding(DraftDecoding):
         self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
     ) -> tuple[Any, ...]:
         return _launch_chained_rank(s, prev, inputs, src, room)
+
+    def _snapshot_states(self, s: Scheduler, pools: Any, slots: np.ndarray) -> Any:
+        return _snapshot_rank_states(s, pools, slots)
+
+    def _restore_states(self, s: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
+        return _restore_rank_states(s, pools, slots, saved, rows)
+
+    def _replay(
+        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
+    ) -> None:
+        with _rank_of(s)[0].replaying():
+            super()._replay(s, running, kv_len, kept, saved)
 
 
 class RankEagleDecoding(EagleDecoding):
@@ -558,6 +609,18 @@ class RankEagleDecoding(EagleDecoding):
         self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
     ) -> tuple[Any, ...]:
         return _launch_chained_rank(s, prev, inputs, src, room)
+
+    def _snapshot_states(self, s: Scheduler, pools: Any, slots: np.ndarray) -> Any:
+        return _snapshot_rank_states(s, pools, slots)
+
+    def _restore_states(self, s: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
+        return _restore_rank_states(s, pools, slots, saved, rows)
+
+    def _replay(
+        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
+    ) -> None:
+        with _rank_of(s)[0].replaying():
+            super()._replay(s, running, kv_len, kept, saved)
 
 
 def rank_reports(schedulers: Sequence[Scheduler]) -> dict[str, Any] | None:

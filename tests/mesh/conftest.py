@@ -46,6 +46,7 @@ HEAVIEST_FIRST = (
     "test_multihost_parity.py",  # 26
     "test_pd_llama.py",  # 25
     "test_dp_parity.py",  # 25
+    "test_dp_speculative_recurrent.py",  # 25
     "test_tp_speculative.py",  # 24
     "test_dp_dcp.py",  # 24
     "test_pd_processes.py",  # 22

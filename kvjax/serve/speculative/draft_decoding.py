@@ -389,7 +389,7 @@ class DraftDecoding:
         pools = s.cache.apply_pending()  # recorded loads land before the round reads them
         saved = None
         if self.replays_state:  # the state before the round, for the requests that reject drafts
-            saved = snapshot_states(pools.recurrent, self._state_slots(running))
+            saved = self._snapshot_states(s, pools, self._state_slots(running))
         out = self._round(pools, s.params, self.draft_params, first, draft_metas, verify_meta)
         dispatched = time.perf_counter()
         s.store_pools(out[0])
@@ -404,6 +404,18 @@ class DraftDecoding:
     def _state_slots(self, reqs: Sequence[ServingReq]) -> np.ndarray:
         return np.asarray([r.mamba_pool_idx for r in reqs], np.int32)
 
+    def _snapshot_states(self, s: Scheduler, pools: Any, slots: np.ndarray) -> Any:
+        """The recurrent state at ``slots`` before a round (``state_replay.snapshot_states``; the
+        pools only read). A lockstep DP rank's proposer snapshots its own slice instead
+        (``kvjax.dp.speculative``)."""
+        return snapshot_states(pools.recurrent, slots)
+
+    def _restore_states(self, s: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
+        """``pools`` (donated) with rows ``rows`` of ``saved`` (a ``_snapshot_states``) written back
+        at ``slots`` (``state_replay.restore_states``); a lockstep DP rank's proposer writes its own
+        slice instead (``kvjax.dp.speculative``)."""
+        return pools.replace(recurrent=restore_states(pools.recurrent, slots, saved, rows))
+
     def _replay(
         self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
     ) -> None:
@@ -415,10 +427,7 @@ class DraftDecoding:
         if not which:
             return
         reqs = [running[i] for i in which]
-        pools = s.cache.pools
-        s.store_pools(
-            pools.replace(recurrent=restore_states(pools.recurrent, self._state_slots(reqs), saved, np.asarray(which)))
-        )
+        s.store_pools(self._restore_states(s, s.cache.pools, self._state_slots(reqs), saved, np.asarray(which)))
         table = s.rows.req_to_token
         starts = kv_len[which].astype(np.int64)
         # the consumed tokens: the round's first token, then the accepted drafts

@@ -45,15 +45,19 @@ def _restore(arrays: tuple[jax.Array, ...], slots: jax.Array, saved: tuple[jax.A
     return tuple(a.at[:, slots].set(s) for a, s in zip(arrays, saved, strict=True))
 
 
-def snapshot_states(pool: Any, slots: np.ndarray) -> tuple[jax.Array, ...]:
+def snapshot_states(pool: Any, slots: np.ndarray | jax.Array) -> tuple[jax.Array, ...]:
     """Every state tensor of ``pool`` (a ``RecurrentStatePool``) at ``slots`` (int ``[n]``), in the
     storage layout: ``[layers, n, ...]`` per tensor, conv tensors first (the pool is only read)."""
     return _snapshot(pool.arrays(), jnp.asarray(slots, jnp.int32))
 
 
-def restore_states(pool: Any, slots: np.ndarray, saved: tuple[jax.Array, ...], rows: np.ndarray) -> Any:
+def restore_states(
+    pool: Any, slots: np.ndarray | jax.Array, saved: tuple[jax.Array, ...], rows: np.ndarray | jax.Array
+) -> Any:
     """``pool`` with rows ``rows`` of a :func:`snapshot_states` result written back at ``slots``
-    (``slots[i]`` takes row ``rows[i]``); the pool's arrays are donated (in place)."""
+    (``slots[i]`` takes row ``rows[i]``); the pool's arrays are donated (in place). Both functions
+    also take traced ids: a DP rank runs them on its slice inside its own program
+    (``kvjax.dp.rank_state_replay``)."""
     picked = tuple(s[:, jnp.asarray(rows, jnp.int32)] for s in saved)
     arrays = _restore(pool.arrays(), jnp.asarray(slots, jnp.int32), picked)
     return pool.replace(conv=tuple(arrays[:-1]), ssm=arrays[-1])
