@@ -35,8 +35,10 @@ and a draft that is itself hybrid builds its own ``SWAKVPool`` over the shared S
 mapping. A pure sliding-window target (every layer sliding) hands out SWA slots that window
 freeing returns and the allocator hands out again: its draft must slide on every layer with a
 window no wider than the target's (``kvjax.plan.kinds.swa.standalone_draft``). In the budget the draft's pool is
-re-split with the full layers (``kvjax.plan.kinds.swa.split_tokens``). EAGLE-style drafts of a
-sliding-window target are not planned yet.
+re-split with the full layers (``kvjax.plan.kinds.swa.split_tokens``). Of the EAGLE-style drafts
+of a sliding-window target only EAGLE3's is planned, as a STANDALONE draft's pool: its one
+full-attention layer (the target's layout) over the allocator's slots (gpt-oss deployments serve
+EAGLE3; an MTP layer or an EAGLE head of a sliding-window target is not planned yet).
 
 Layer ids: a draft's layers are numbered as the draft model numbers them, ``0..n-1``; the NEXTN
 layers follow the target's (``num_hidden_layers..``), as DeepSeek numbers its MTP layers.
@@ -217,8 +219,8 @@ def decide_draft(
             return None, ("speculative_algorithm='STANDALONE' without a draft_spec: no draft KV pool is planned",)
         return None, ()
     owner = kv_pool_kind_owner(kind)
-    # a kind may plan a STANDALONE draft's pool only (the sliding window: the module docstring)
-    standalone = owner.standalone_draft if algorithm == "STANDALONE" else None
+    # a kind may plan a STANDALONE (or EAGLE3) draft's pool only (the sliding window: the module docstring)
+    standalone = owner.standalone_draft if algorithm in ("STANDALONE", "EAGLE3") else None
     if not (owner.plans_draft_pools or standalone is not None) or spec.is_dsa:
         planned = ", ".join(k.kv_pool_kind for k in planner_kinds() if k.kv_pool_kind and k.plans_draft_pools)
         return None, (

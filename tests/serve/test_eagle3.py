@@ -57,9 +57,11 @@ from tests.serve.parity_harness import (
     transformers,
 )
 from tests.serve.random_workloads import TINY_LAYER_SIZES
+from tests.serve.test_parity_gpt_oss import CONFIG as GPT_OSS_CONFIG
 
 LOGIT_ATOL = 1e-4
 MAX_NEW = 6
+GPT_OSS_NEW = 12  # past the window of 8 from every prompt
 K = 3
 LAYERS = 4
 CAPTURED = (0, 1, 2)  # eagle_aux_hidden_state_layer_ids: the outputs of these layers
@@ -136,13 +138,38 @@ def checkpoints(tmp_path_factory) -> tuple[Any, Path, Path]:
     return _checkpoints(str(tmp_path_factory.mktemp("eagle3")))
 
 
+@functools.cache
+def _gpt_oss_checkpoints(root: str) -> tuple[Any, Path, Path]:
+    """(Transformers' gpt-oss target, its checkpoint, an EAGLE3 draft's checkpoint listing layers
+    2, 0, 1: boundaries 1, 2, 3, captured in layer order)."""
+    hf = random_transformers_model(transformers.GptOssConfig(**GPT_OSS_CONFIG), seed=1)
+    target = Path(root) / "target"
+    hf.save_pretrained(target)
+    draft = Path(root) / "draft"
+    layers = {"eagle_aux_hidden_state_layer_ids": [2, 0, 1]}
+    write_eagle3_draft(draft, target, seed=2, eagle_config=layers, rope_parameters=ROPE, attention_bias=False)
+    return hf, target, draft
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> tuple[Any, Path, Path]:
+    return _gpt_oss_checkpoints(str(tmp_path_factory.mktemp("eagle3_gpt_oss")))
+
+
 def _serve(
-    target_dir: Path, draft_dir: Path, *, page_size: int, max_total_tokens: int, **config: Any
+    target_dir: Path,
+    draft_dir: Path,
+    *,
+    page_size: int,
+    max_total_tokens: int,
+    capture: tuple[int, ...] = tuple(i + 1 for i in CAPTURED),
+    max_new: int = MAX_NEW,
+    **config: Any,
 ) -> tuple[Scheduler, dict[str, ServingReq]]:
     model = load_checkpoint(target_dir)
     draft = load_eagle3_draft(draft_dir, model)
     assert draft.algorithm == "EAGLE3" and draft.eagle3 is not None
-    assert draft.eagle3.capture == tuple(i + 1 for i in CAPTURED) and draft.eagle3.layer.vocab_size == DRAFT_VOCAB
+    assert draft.eagle3.capture == capture and draft.eagle3.layer.vocab_size == DRAFT_VOCAB
     cache = build_kv_cache(
         model.spec,
         CacheConfig(
@@ -169,7 +196,7 @@ def _serve(
         chunked_prefill_size=CHUNK,
         record_logits=True,
     )
-    done = serve_two_rounds(sched, MAX_NEW)  # asserts the cache is leak free
+    done = serve_two_rounds(sched, max_new)  # asserts the cache is leak free
     sched.cache.tree_cache.sanity_check()
     return sched, done
 
@@ -192,9 +219,12 @@ class _TorchEagle3:
 
         self.t = load_file(str(directory / "model.safetensors"))
         self.hf = hf
-        c = hf.config
-        self.eps, self.hd = c.rms_norm_eps, c.head_dim
-        self.heads, self.kv = c.num_attention_heads, c.num_key_value_heads
+        c = json.loads((directory / "config.json").read_text())
+        self.capture = c.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+        self.eps, self.hd = c["rms_norm_eps"], c["head_dim"]
+        self.heads, self.kv = c["num_attention_heads"], c["num_key_value_heads"]
+        theta = c["rope_parameters"]["rope_theta"]
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd)
 
     def project(self, aux: Any) -> Any:
         return aux @ self.t["fc.weight"].T
@@ -212,9 +242,9 @@ class _TorchEagle3:
         q = (x @ m["midlayer.self_attn.q_proj.weight"].T).view(t, self.heads, self.hd).transpose(0, 1)[None]
         k = (x @ m["midlayer.self_attn.k_proj.weight"].T).view(t, self.kv, self.hd).transpose(0, 1)[None]
         v = (x @ m["midlayer.self_attn.v_proj.weight"].T).view(t, self.kv, self.hd).transpose(0, 1)[None]
-        positions = torch.arange(t)[None]
-        cos, sin = self.hf.model.rotary_emb(x[None], positions)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        angles = torch.arange(t, dtype=torch.float32)[:, None] * self.inv_freq[None]  # the draft's own RoPE
+        angles = torch.cat([angles, angles], dim=-1)[None]
+        q, k = apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
         rep = self.heads // self.kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-1, -2)) * self.hd**-0.5 + torch.full((t, t), float("-inf")).triu(1)
@@ -231,7 +261,9 @@ class _TorchEagle3:
         ``sequence[-1]``: earlier positions fed the projection of Transformers' captured layers at
         the position before (zeros at position 0), each later proposal the draft's own output."""
         states = self.hf.model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-        aux = torch.cat([states[i + 1][0] for i in CAPTURED], dim=-1)  # hidden_states[b]: entering layer b
+        layers = self.hf.config.num_hidden_layers
+        boundaries = sorted({i + 1 for i in self.capture} if self.capture else {2, layers // 2, layers - 3})
+        aux = torch.cat([states[b][0] for b in boundaries], dim=-1)  # hidden_states[b]: entering layer b
         projected = self.project(aux)
         hidden = torch.cat([torch.zeros_like(projected[:1]), projected[:-1]])
         tokens, out = list(sequence), []
@@ -245,8 +277,8 @@ class _TorchEagle3:
         return out
 
 
-def test_reuse_chunked_prefill_eviction_retraction_and_the_drafts_own_proposals(checkpoints, monkeypatch):
-    hf, target, draft = checkpoints
+def _record_rounds(monkeypatch: Any) -> list[tuple[list[list[int]], np.ndarray]]:
+    """Every round's rows (each request's tokens so far) and proposals, as the rounds settle."""
     rounds: list[tuple[list[list[int]], np.ndarray]] = []
     settle = DraftDecoding._settle_round
 
@@ -255,19 +287,21 @@ def test_reuse_chunked_prefill_eviction_retraction_and_the_drafts_own_proposals(
         return settle(self, s, running, kv_len, proposals, *rest)
 
     monkeypatch.setattr(DraftDecoding, "_settle_round", recording)
-    sched, done = _serve(target, draft, page_size=1, max_total_tokens=64)
+    return rounds
+
+
+def _check_rounds(name: str, sched: Scheduler, hf: Any, draft: Path, rounds: list[Any]) -> None:
+    """The counters of a random draft (most proposals rejected), printed with the target steps per
+    token, and the first rounds' proposals equal to the draft computed in torch."""
     proposer = _proposer(sched)
     stats = proposer.stats
     report = proposer.report()
     steps_per_token = stats.request_rounds / stats.round_tokens  # a row's verify forwards per token it decodes
-    print("Llama random EAGLE3 draft:", report, f"target steps per decoded token {steps_per_token:.3f}")
+    print(f"{name} random EAGLE3 draft:", report, f"target steps per decoded token {steps_per_token:.3f}")
     assert report["algorithm"] == "EAGLE3"
     assert stats.rounds > 0 and stats.proposed_tokens == K * stats.request_rounds
     assert stats.accepted_tokens < stats.proposed_tokens / 2, stats  # random: most proposals rejected
     assert stats.rolled_back_slots > 0
-    assert sched.stats.cached_tokens > 0  # later prompts reuse the tree's prefixes
-    assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
-    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
     direct = _TorchEagle3(hf, draft)
     hot = set((np.arange(DRAFT_VOCAB) + direct.t["d2t"].numpy()).tolist())
     checked = 0
@@ -277,6 +311,29 @@ def test_reuse_chunked_prefill_eviction_retraction_and_the_drafts_own_proposals(
             assert list(proposals[row]) == direct.proposals(sequence, K), (sequence, proposals[row])
             checked += 1
     assert checked >= 6
+
+
+def test_reuse_chunked_prefill_eviction_retraction_and_the_drafts_own_proposals(checkpoints, monkeypatch):
+    hf, target, draft = checkpoints
+    rounds = _record_rounds(monkeypatch)
+    sched, done = _serve(target, draft, page_size=1, max_total_tokens=64)
+    _check_rounds("Llama", sched, hf, draft, rounds)
+    assert sched.stats.cached_tokens > 0  # later prompts reuse the tree's prefixes
+    assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_gpt_oss_over_its_sliding_window_pools(gpt_oss, monkeypatch):
+    """A hybrid sliding-window target (sliding, full, sliding, full; window 8): the draft's one
+    full-attention layer over ``kv_draft`` indexed by the allocator's slots, the windows sliding
+    past the prompts, eviction and retraction."""
+    hf, target, draft = gpt_oss
+    rounds = _record_rounds(monkeypatch)
+    sched, done = _serve(target, draft, page_size=1, max_total_tokens=64, capture=(1, 2, 3), max_new=GPT_OSS_NEW)
+    assert sched.cache.is_hybrid_swa
+    _check_rounds("gpt-oss", sched, hf, draft, rounds)
+    assert sched.stats.cached_tokens > 0 and sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
+    assert_matches_transformers(hf, done, max_new=GPT_OSS_NEW, atol=LOGIT_ATOL)
 
 
 def test_page_16_with_prefix_reuse(checkpoints):
@@ -289,6 +346,13 @@ def test_page_16_with_prefix_reuse(checkpoints):
 
 def test_the_captured_layers_follow_sglangs_rule():
     assert capture_boundaries("llama", 32, {}, "d") == (2, 16, 29)  # layers 1, 15, 28
+    assert capture_boundaries("llama", 8, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 0, 3]}}, "d") == (
+        1,
+        4,
+        6,
+    )  # captured in layer order
+    with pytest.raises(ConfigError, match="speculative_draft_model_path.*fc reads 3 .* captures 2"):
+        capture_boundaries("llama", 4, {}, "d")  # SGLang's default (2, 2, 1): boundary 2 captured once
     named = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
     assert capture_boundaries("llama", 32, named, "d") == (2, 16, 29)
     ids = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 18, 36]}}
@@ -296,7 +360,7 @@ def test_the_captured_layers_follow_sglangs_rule():
     assert capture_boundaries("llama", 37, ids, "d") == (2, 19, 37)
     with pytest.raises(ConfigError, match="speculative_draft_model_path.*outside the target's 0..2"):
         capture_boundaries("llama", 2, {}, "d")  # SGLang's default needs 3 layers
-    with pytest.raises(ConfigError, match="num_aux_hidden_states=2"):
+    with pytest.raises(ConfigError, match="fc reads 2 hidden states"):
         capture_boundaries("llama", 8, {"num_aux_hidden_states": 2}, "d")
 
 

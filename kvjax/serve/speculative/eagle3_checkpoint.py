@@ -53,8 +53,11 @@ __all__ = [
 ]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-EAGLE3_FAMILIES = ("llama",)
-"""The target families EAGLE3 drafts are served for (full-attention Llama-like targets)."""
+EAGLE3_FAMILIES = ("llama", "gpt_oss")
+"""The target families EAGLE3 drafts are served for: full-attention Llama-like targets, and gpt-oss
+(hybrid sliding-window: the draft's one layer is full attention over ``kv_draft``, planned as a
+STANDALONE draft's pool over the allocator's slots, ``kvjax.plan.draft``)."""
+_WINDOWED_FAMILIES = ("gpt_oss",)  # served with their sliding windows
 
 _SHARED = ("embed_tokens",)  # the target's
 _LEGACY_FC_NORMS = ("aux_norm_low", "aux_norm_mid", "aux_norm_high")
@@ -79,11 +82,12 @@ def eagle3_config(
 ) -> Eagle3Config:
     """The `Eagle3Config` of the draft whose ``config.json`` is ``raw`` for ``target`` (whose own
     ``config.json`` is ``target_raw``); ``ConfigError`` for what does not fit (module docstring)."""
-    if target.family not in EAGLE3_FAMILIES or target.family_config is not None:
+    windows = target.family_config is not None and target.family not in _WINDOWED_FAMILIES
+    if target.family not in EAGLE3_FAMILIES or windows:
         raise _refuse(
             path,
-            f"EAGLE3 drafts ({EAGLE3_ARCHITECTURE}) are served for full-attention {list(EAGLE3_FAMILIES)} targets, "
-            f"not a {target.family!r} one{' with sliding windows' if target.family_config is not None else ''}",
+            f"EAGLE3 drafts ({EAGLE3_ARCHITECTURE}) are served for {list(EAGLE3_FAMILIES)} targets (Llama with full "
+            f"attention), not a {target.family!r} one{' with sliding windows' if windows else ''}",
         )
     layers = int(raw.get("num_hidden_layers") or 0)
     if layers != 1:
@@ -106,7 +110,9 @@ def eagle3_config(
                 path,
                 f"the EAGLE3 draft's {key} is {got}, the target's {want}: give a draft trained for this target",
             )
-    spec = ModelSpec.from_hf_config(dict(raw, model_type="llama", architectures=["LlamaForCausalLM"]))
+    # the draft's layer is a full-attention Llama layer whatever its config says of windows
+    unwindowed = dict(raw, sliding_window=None, layer_types=None, use_sliding_window=False)
+    spec = ModelSpec.from_hf_config(dict(unwindowed, model_type="llama", architectures=["LlamaForCausalLM"]))
     layer = model_config_from_spec(spec, dtype=target.dtype)
     if layer.head_dim != target.head_dim:
         raise _refuse(path, f"the EAGLE3 draft's head_dim is {layer.head_dim}, the target's {target.head_dim}")

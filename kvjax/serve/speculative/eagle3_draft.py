@@ -7,7 +7,11 @@ before the final norm), concatenated ``[T, n * target_hidden]`` (``CausalLM(capt
 Which boundaries (`capture_boundaries`): the draft's ``eagle_config.eagle_aux_hidden_state_layer_ids``
 ``ids`` give ``id + 1`` each (the output of layer ``id``; for gpt-oss, ids whose largest is
 ``num_hidden_layers`` are boundaries already, as SGLang's gpt-oss keeps them), else SGLang's default
-``(2, L // 2, L - 3)``: the outputs of layers ``1``, ``L / 2 - 1`` and ``L - 4``.
+``(2, L // 2, L - 3)``: the outputs of layers ``1``, ``L / 2 - 1`` and ``L - 4``. The target
+captures each boundary once, in layer order (SGLang's models test ``i in layers_to_capture`` as
+they pass layer ``i``), so the concatenation is in ascending boundary order whatever order the
+config lists, and a list that names a boundary twice (the default rule for fewer than 7 layers)
+captures fewer states than the draft's ``fc`` reads: refused.
 
 The draft (this module, weights in the checkpoint's names: ``fc``, ``midlayer.*``, ``norm``,
 ``lm_head``, ``d2t``; the token embedding is the target's, as SGLang's ``set_embed`` shares it)::
@@ -94,10 +98,10 @@ class Eagle3Config:
 
 
 def capture_boundaries(family: str, num_layers: int, raw: Mapping[str, Any], path: Any) -> tuple[int, ...]:
-    """The target's boundaries the draft reads (module docstring), from the draft's ``config.json``
-    ``raw``; ``ConfigError`` naming ``speculative_draft_model_path`` when one falls outside
-    ``[0, num_layers]`` (SGLang's default needs at least 3 target layers) or their count is not the
-    draft's ``num_aux_hidden_states``."""
+    """The target's boundaries the draft reads, ascending (module docstring), from the draft's
+    ``config.json`` ``raw``; ``ConfigError`` naming ``speculative_draft_model_path`` when one falls
+    outside ``[0, num_layers]`` or the distinct boundaries are fewer or more than the states the
+    draft's ``fc`` reads (``num_aux_hidden_states``, else one per listed layer, else 3)."""
     eagle_config = raw.get("eagle_config") or {}
     ids = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, Mapping) else None
     if ids:
@@ -116,14 +120,17 @@ def capture_boundaries(family: str, num_layers: int, raw: Mapping[str, Any], pat
             "layers of this target",
         )
     count = raw.get("num_aux_hidden_states")
-    if count is not None and int(count) != len(boundaries):
+    reads = int(count) if count is not None else len(boundaries)
+    captured = tuple(sorted(set(boundaries)))
+    if len(captured) != reads:
         raise ConfigError(
             "speculative_draft_model_path",
             str(path),
-            f"num_aux_hidden_states={count} but {len(boundaries)} target layers are captured "
-            f"({list(boundaries)}): make eagle_config.eagle_aux_hidden_state_layer_ids list {count} layers",
+            f"the draft's fc reads {reads} hidden states (num_aux_hidden_states) but the target captures "
+            f"{len(captured)} (boundaries {list(captured)} of {list(boundaries)}, each once): make "
+            f"eagle_config.eagle_aux_hidden_state_layer_ids list {reads} distinct layers of the target",
         )
-    return boundaries
+    return captured
 
 
 class _Eagle3Layer(nn.Module):
