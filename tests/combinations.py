@@ -465,6 +465,10 @@ GAP_RECURRENT_STORAGE = f"{GAP}: the storage tier under the recurrent-state tree
 GAP_RECURRENT_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the recurrent-state checkpoints' host copies"
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
 GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
+GAP_SWA_PP_RETRACTION = (
+    f"{GAP}: the cpu_tensor backup of the sliding-window pools over pipeline stages (accepted, retracted requests "
+    "recomputed)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,7 +511,11 @@ MATRIX_PAIRS_RETRACTION = "tests/mesh/test_matrix_pairs.py::test_tp2_cpu_tensor_
 MATRIX_PAIRS_DCP_RETRACTION = (
     "tests/mesh/test_matrix_pairs.py::test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier"
 )
-#: The cpu_tensor retraction backup with the target as its own STANDALONE draft (Llama and DeepSeek-V2).
+#: The cpu_tensor retraction backup at tp 2 over two processes (Llama and Gemma 3).
+MATRIX_PAIRS_RETRACTION_PROCESSES = (
+    "tests/mesh/test_matrix_pairs.py::test_cpu_tensor_retraction_backup_over_two_processes"
+)
+#: The cpu_tensor retraction backup with the target as its own STANDALONE draft (Llama, DeepSeek-V2, Gemma 3).
 SPEC_RETRACTION_STANDALONE = (
     "tests/serve/test_speculative_retraction.py::test_retracted_requests_are_restored_with_the_drafts_pages"
 )
@@ -645,9 +653,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "storage", "retraction"): MATRIX_PAIRS_STORAGE,
     ("full", "dcp", "retraction"): MATRIX_PAIRS_DCP_RETRACTION,
     # The cpu_tensor retraction backup at tp 2 over two processes (each keeps its devices' blocks).
-    ("full", "retraction", "processes"): (
-        "tests/mesh/test_matrix_pairs.py::test_llama_cpu_tensor_retraction_backup_over_two_processes"
-    ),
+    ("full", "retraction", "processes"): MATRIX_PAIRS_RETRACTION_PROCESSES,
     # The cpu_tensor retraction backup with a draft: the draft's pages restored with the target's.
     ("full", "standalone", "retraction"): SPEC_RETRACTION_STANDALONE,
     ("full", "eagle", "retraction"): (
@@ -659,6 +665,19 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_matrix_pairs.py::test_llama_eagle_head_at_tp2_with_the_host_tier",
     ),
     # Sliding window (Gemma 3: sliding layers interleaved with full attention).
+    # The cpu_tensor retraction backup: the full side and the window's sliding side restored.
+    ("swa", "retraction", "retraction"): (
+        "tests/serve/test_parity_gemma3.py::test_retracted_requests_are_restored_with_their_window"
+    ),
+    **dict.fromkeys(
+        [("swa", "tp", "retraction"), ("swa", "host", "retraction"), ("swa", "retraction", "overlap")],
+        MATRIX_PAIRS_RETRACTION,
+    ),
+    ("swa", "dp", "retraction"): (
+        "tests/mesh/test_matrix_pairs.py::test_gemma3_cpu_tensor_retraction_backup_per_dp_rank"
+    ),
+    ("swa", "standalone", "retraction"): SPEC_RETRACTION_STANDALONE,
+    ("swa", "retraction", "processes"): MATRIX_PAIRS_RETRACTION_PROCESSES,
     ("swa", "tp", "tp"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "standalone", "standalone"): (
         "tests/serve/test_speculative_swa.py::test_the_target_as_its_own_draft_accepts_everything_and_warm_gives_the_cold_tokens"
@@ -865,15 +884,12 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
-    ("swa", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "dp", "pp"): refused(GAP_DP_PP),
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "storage"): refused(GAP_SWA_STORAGE),
-    ("swa", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "dcp", "pp"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "standalone"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "eagle"): refused(GAP_EAGLE),
@@ -885,20 +901,16 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("swa", "pp", "eagle"): refused(GAP_EAGLE),
     ("swa", "pp", "storage"): refused(GAP_SWA_STORAGE),
-    ("swa", "pp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("swa", "pp", "retraction"): dropped(GAP_SWA_PP_RETRACTION),
     ("swa", "pp", "processes"): refused(GAP_PROCESSES),
     ("swa", "standalone", "host"): refused(GAP_SWA_DRAFT_HOST),
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_HOST),
-    ("swa", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
     ("swa", "eagle", "storage"): refused(GAP_EAGLE),
     ("swa", "eagle", "retraction"): refused(GAP_EAGLE),
     ("swa", "eagle", "overlap"): refused(GAP_EAGLE),
     ("swa", "eagle", "processes"): refused(GAP_EAGLE),
-    ("swa", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
-    ("swa", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
-    ("swa", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
     ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),

@@ -9,9 +9,9 @@ extensions' modules load only when a cache needs them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvjax.kinds import names
 from kvjax.kinds.registry import KindRegistry
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.serve.extension import ServingExtension
 
-__all__ = ["SERVING_KINDS", "ServingKind", "default_extensions", "register_serving_kind"]
+__all__ = ["SERVING_KINDS", "ServingKind", "default_extensions", "register_serving_kind", "retraction_parts"]
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,16 @@ class ServingKind:
         name: the cache kind's name.
         serving_extension: ``(cache) -> ServingExtension | None``, the kind's serving hooks for
             ``cache`` (None: none for this cache, e.g. a pipeline stage without the kind's pool).
+        retraction_parts: ``(cache) -> parts | None``, what the ``cpu_tensor`` retraction backup
+            copies of the kind's pools (``kvjax.transfers.retraction_backup.CopyPart`` s, or pool
+            names copied at the request's slots); ``None`` from it: the kind's state cannot be
+            backed up in ``cache`` (retracted requests recompute). No hook: the kind has no pool
+            of its own to copy.
     """
 
     name: str
     serving_extension: Callable[[KVCache], ServingExtension | None] | None = None
+    retraction_parts: Callable[[KVCache], Sequence[Any] | None] | None = None
 
 
 SERVING_KINDS: KindRegistry[ServingKind] = KindRegistry("serving", "kvjax.serve.kinds.register_serving_kind")
@@ -60,6 +66,31 @@ def default_extensions(cache: KVCache) -> list[ServingExtension]:
         if extension is not None:
             extensions.append(extension)
     return extensions
+
+
+def retraction_parts(cache: KVCache) -> list[Any] | None:
+    """What the ``cpu_tensor`` retraction backup copies of ``cache``: every used kind's
+    ``retraction_parts``, in the kinds' order; ``None`` when a kind's state cannot be backed up."""
+    parts: list[Any] = []
+    for kind in planner_kinds_of(cache.plan):
+        make = SERVING_KINDS[kind.name].retraction_parts
+        found = None if make is None else make(cache)
+        if make is not None and found is None:
+            return None
+        parts.extend(found or ())
+    return parts
+
+
+def _kv_pool(cache: KVCache) -> tuple[str, ...]:
+    """The attention pool ``"kv"``, copied at the request's slots (none of its own when another
+    kind's pool holds these layers: a hybrid sliding-window pool's full side)."""
+    return ("kv",) if "kv" in cache.pools else ()
+
+
+def _swa_parts(cache: KVCache) -> Sequence[Any] | None:
+    from kvjax.serve.swa_retraction import swa_retraction_parts
+
+    return swa_retraction_parts(cache)
 
 
 def _swa(cache: KVCache) -> ServingExtension:
@@ -92,9 +123,9 @@ def _retraction(cache: KVCache) -> ServingExtension | None:
 
 for _kind in (
     ServingKind(names.REQUEST_TABLE),
-    ServingKind(names.FULL),
-    ServingKind(names.MLA),
-    ServingKind(names.SWA, _swa),
+    ServingKind(names.FULL, retraction_parts=_kv_pool),
+    ServingKind(names.MLA, retraction_parts=_kv_pool),
+    ServingKind(names.SWA, _swa, _swa_parts),
     ServingKind(names.RECURRENT, _recurrent),
     ServingKind(names.HOST_TIER, _host_tier),
     ServingKind(names.RETRACTION, _retraction),

@@ -15,7 +15,9 @@ copy back into the same fresh slots. Both modes of ``kvjax.transfers.retraction_
   taken (else none is: the request recomputes), so the stages never disagree.
 
 ``staged_extensions(pipeline)`` are the default serving extensions of stage 0's cache with the
-``cpu_tensor`` backup's copies made every stage's. Units: tokens and slots.
+``cpu_tensor`` backup's copies made every stage's (the ``"kv"`` pool and a draft's; a cache whose
+kinds copy pools of their own, the sliding-window pair, recomputes its retracted requests over
+stages). Units: tokens and slots.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def staged_cpu_tensor_backup(pipeline: PipelineCache) -> StagedRetractionBackup:
                 "cpu_tensor",
                 page_size,
                 pending=queue,
-                pool_names=with_draft_pool(("kv",), queue.owner_pools),
+                parts=with_draft_pool(("kv",), queue.owner_pools),
                 get_copy=_page_copy,
                 load_copy=_page_load,
             )
@@ -133,5 +135,10 @@ def staged_extensions(pipeline: PipelineCache) -> list[ServingExtension]:
     extensions = default_extensions(pipeline.cache)
     for ext in extensions:
         if type(ext) is RetractionBackupExtension and ext.retraction.mode == "cpu_tensor":
+            if ext.retraction.pool_names != tuple(with_draft_pool(("kv",), pipeline.cache.pools)):
+                # A kind with pools of its own (the sliding-window pair) is not copied per stage
+                # yet: its retracted requests recompute.
+                extensions.remove(ext)
+                break
             ext.retraction = staged_cpu_tensor_backup(pipeline)  # type: ignore[assignment]  # its interface
     return extensions

@@ -39,10 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvjax.errors import ConfigError
 from kvjax.plan.kinds import planner_kinds_of
 from kvjax.serve.extension import ServingExtension
 from kvjax.transfers.draft_pools import with_draft_pool
-from kvjax.transfers.retraction_backup import RetractionBackup
+from kvjax.transfers.retraction_backup import CopyPart, RetractionBackup
+from kvjax.transfers.transfer import PoolRef
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
@@ -74,17 +76,33 @@ def _page_load(pool: Any, copy: PageCopy, slots: np.ndarray) -> Any:
     return with_page_layers(pool, load_pages(layers, copy, pages))
 
 
+def backup_parts(cache: KVCache) -> list[CopyPart] | None:
+    """What a ``cpu_tensor`` backup of ``cache`` copies: each kind's pools
+    (``kvjax.serve.kinds.retraction_parts``: ``"kv"``; a hybrid sliding-window pool's full side
+    and the window of its sliding side), then the draft's ``"kv_draft"`` at the request's slots
+    when there is one; ``None`` when a kind's state cannot be backed up."""
+    from kvjax.serve.kinds import retraction_parts
+
+    parts = retraction_parts(cache)
+    if parts is None:
+        return None
+    return [CopyPart(PoolRef(p)) if isinstance(p, str) else p for p in (*parts, *with_draft_pool((), cache.pools))]
+
+
 def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:
-    """A ``cpu_tensor`` :class:`RetractionBackup` of ``cache``'s ``"kv"`` pool, and the draft's
-    ``"kv_draft"`` at the same slots when there is one, through the page kernels."""
+    """A ``cpu_tensor`` :class:`RetractionBackup` of :func:`backup_parts` of ``cache`` through the
+    page kernels (``ConfigError`` naming the backup when a kind's state cannot be backed up)."""
+    parts = backup_parts(cache)
+    if not parts:
+        raise ConfigError(
+            "disaggregation_decode_retraction_backup",
+            "cpu_tensor",
+            f"the cpu_tensor backup cannot copy this cache's state ({cache.plan.model}); use host_pool or leave "
+            "it unset",
+        )
     page_size = cache.token_to_kv_pool_allocator.page_size
     return RetractionBackup(
-        "cpu_tensor",
-        page_size,
-        pending=cache.pending,
-        pool_names=with_draft_pool(("kv",), cache.pools),
-        get_copy=_page_copy,
-        load_copy=_page_load,
+        "cpu_tensor", page_size, pending=cache.pending, parts=parts, get_copy=_page_copy, load_copy=_page_load
     )
 
 
@@ -171,14 +189,15 @@ def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
     plan = cache.plan
     if plan.decode_retraction_backup != "cpu_tensor" or not plan.decode_retraction_active:
         return []
-    # The copies are of the "kv" pool's pages: every kind of the cache must keep its state there.
-    if "kv" not in cache.pools or not all(kind.page_backup for kind in planner_kinds_of(plan)):
+    # Every kind of the cache must keep its state in pages the backup copies.
+    parts = backup_parts(cache) if all(kind.page_backup for kind in planner_kinds_of(plan)) else None
+    if not parts:
         return []
     from kvjax.transfers.device_pages import page_layers
 
     try:
-        for name in with_draft_pool(("kv",), cache.pools):
-            page_layers(cache.pools[name])
-    except NotImplementedError:
+        for part in parts:
+            page_layers(part.ref.get(cache.pools))
+    except (NotImplementedError, KeyError):
         return []
     return [RetractionBackupExtension(cache)]

@@ -44,7 +44,13 @@ if TYPE_CHECKING:
     from kvjax.build import KVCache
     from kvjax.serve.serving_req import ServingReq
 
-__all__ = ["SWAServing", "swa_leak_free"]
+__all__ = ["SWAServing", "swa_leak_free", "swa_margin"]
+
+
+def swa_margin(window: int, page_size: int, tree: Any) -> int:
+    """Tokens behind a request's KV end whose SWA slots window freeing keeps: ``max(W, page_size)``
+    under a radix tree (its last inserted page keeps live SWA), ``W`` under a chunk cache."""
+    return max(window, page_size) if isinstance(tree, SWARadixCache) else window
 
 
 def swa_leak_free(alloc: SWATokenToKVPoolAllocator, tree: Any) -> bool:
@@ -78,7 +84,7 @@ class SWAServing(ServingExtension):
         self.window = int(window)
         self.page_size = alloc.page_size
         ps = self.page_size
-        self.margin = max(self.window, ps) if isinstance(self.tree, SWARadixCache) else self.window
+        self.margin = swa_margin(self.window, ps, self.tree)
         self.page_tables = PageTables(self.rows, ps)
         self.freed_swa_tokens = 0  # tokens whose SWA slots window freeing returned (a statistic)
 

@@ -19,11 +19,13 @@ Modes (the plan's ``decode_retraction_backup``):
   ``get_copy`` / ``load_copy`` functions given (the serving extension's page copies, in place). A
   copy is a list of per-layer numpy arrays ``[tokens, ...]`` or a
   :class:`~kvjax.transfers.page_copy.PageCopy` (the blocks this process holds); a restore from a
-  later token writes its :func:`copy_tail`. Every pool of ``pool_names`` is copied at the same
-  slots: with a draft model the target's ``"kv"`` and the draft's ``"kv_draft"``
-  (``kvjax.transfers.draft_pools.with_draft_pool``: one slot id addresses a token in both), so a
-  restored request's draft KV is back with its target KV. (``host_pool`` copies both through the
-  host tier's paired engine.)
+  later token writes its :func:`copy_tail`. Every :class:`CopyPart` of ``parts`` is copied: a
+  pool at the request's slots (with a draft model the target's ``"kv"`` and the draft's
+  ``"kv_draft"``, ``kvjax.transfers.draft_pools.with_draft_pool``: one slot id addresses a token
+  in both, so a restored request's draft KV is back with its target KV), or a pool indexed by
+  slots the request's slots map to, over the request's last positions only (a hybrid
+  sliding-window pool's sliding side: the slots paired with the request's, over its window).
+  (``host_pool`` copies through the host tier's engine, which pairs the pools it copies.)
 
 Device state (``docs/architecture.md``, "Device state: who changes it"): a restore never swaps
 the caller's pools. ``host_pool``: the copy engine records the load. ``cpu_tensor``: the copy aside
@@ -38,7 +40,7 @@ at retraction, or no device room within the admission's quota. Units: tokens and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ import numpy as np
 from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.transfers.page_copy import PageCopy
+from kvjax.transfers.transfer import PoolRef
 
 RETRACTION_BACKUPS = ("host_pool", "cpu_tensor")
 
@@ -68,7 +71,40 @@ class RetractedKV:
     num_pages: int
     host_slots: np.ndarray | None = None
     handle: Any = None
-    cpu_copy: dict[str, Any] | None = None  # cpu_tensor: by pool, per-layer numpy copies or a PageCopy
+    cpu_copy: dict[str, tuple[int, Any]] | None = None  # cpu_tensor: by part, (its first token, its copy)
+
+
+@dataclass(frozen=True)
+class CopyPart:
+    """One device pool (or part of one) a ``cpu_tensor`` backup copies.
+
+    Attributes:
+        ref: where its page arrays live in the pools (``PoolRef("kv")``, ``PoolRef("swa", "swa")``).
+        window: tokens: only the request's positions from ``page_floor(end - window)`` on are
+            copied (and restored); ``None``: all of them.
+        translate: ``translate(request slots) -> this pool's slots`` (whole pages to whole pages;
+            a slot it maps to 0 has nothing to copy, and the backup is not taken); ``None``: the
+            request's slots themselves. Read at the backup and again at the restore (fresh slots).
+    """
+
+    ref: PoolRef
+    window: int | None = None
+    translate: Callable[[np.ndarray], np.ndarray] | None = None
+
+    @property
+    def target(self) -> str:
+        """The name its pending updates and reads use (``"kv"``, ``"swa.swa"``)."""
+        return self.ref.target
+
+    def first_token(self, start: int, end: int, page_size: int) -> int:
+        """The first token of ``[start, end)`` it copies (page aligned)."""
+        if self.window is None:
+            return start
+        return max(start, max(0, end - self.window) // page_size * page_size)
+
+    def slots(self, request_slots: np.ndarray) -> np.ndarray:
+        """Its slots of whole-page ``request_slots``."""
+        return request_slots if self.translate is None else np.asarray(self.translate(request_slots)).astype(np.int32)
 
 
 class RetractionBackup:
@@ -80,7 +116,8 @@ class RetractionBackup:
         host: the host tier's component (``host_pool``): its host slots and copy engine.
         pending: the cache's pending device updates (``cpu_tensor``; ``KVCache.pending``): the
             copy aside reads through it, the restore records into it.
-        pool_names: the device pools copied (``cpu_tensor``), each at the same slots.
+        parts: what is copied (``cpu_tensor``): :class:`CopyPart` s, or pool names for pools copied
+            at the request's slots (default the ``"kv"`` pool).
         get_copy: ``get_copy(pool, device_slots) -> copy`` (a list of per-layer numpy
             ``[tokens, ...]`` or a ``PageCopy``; ``cpu_tensor``; default the pool's ``get_cpu_copy``).
         load_copy: ``load_copy(pool, copy, device_slots) -> new pool`` (``cpu_tensor``; default
@@ -96,7 +133,7 @@ class RetractionBackup:
         *,
         host: Any = None,
         pending: PendingDeviceUpdates | None = None,
-        pool_names: tuple[str, ...] = ("kv",),
+        parts: Sequence[CopyPart | str] = ("kv",),
         get_copy: Callable[[Any, np.ndarray], Any] | None = None,
         load_copy: Callable[[Any, Any, np.ndarray], Any] | None = None,
     ):
@@ -110,7 +147,7 @@ class RetractionBackup:
         self.page_size = int(page_size)
         self.host = host
         self.pending = pending
-        self.pool_names = tuple(pool_names)
+        self.parts = tuple(CopyPart(PoolRef(p)) if isinstance(p, str) else p for p in parts)
         self.get_copy = get_copy or (lambda pool, slots: pool.get_cpu_copy(slots))
         self.load_copy = load_copy or (lambda pool, copy, slots: pool.load_cpu_copy(copy, slots))
         self._kept: dict[Any, RetractedKV] = {}
@@ -162,9 +199,17 @@ class RetractionBackup:
             kept.host_slots = host_slots
         else:
             assert self.pending is not None
-            kept.cpu_copy = {
-                name: self.get_copy(self.pending.read(name, pages)[name], device_slots) for name in self.pool_names
-            }
+            kept.cpu_copy = {}
+            for part in self.parts:
+                first = part.first_token(start, end, self.page_size)
+                slots_of_part = part.slots(device_slots[first - start :])
+                if part.translate is not None and (not slots_of_part.size or slots_of_part.min() <= 0):
+                    # a position the translation maps nowhere has nothing to copy: no backup
+                    self.fallbacks += 1
+                    return False
+                part_pages = self._pages(slots_of_part)
+                pool = part.ref.get(self.pending.read(part.target, part_pages))
+                kept.cpu_copy[part.target] = (first, self.get_copy(pool, slots_of_part))
         self._kept[key] = kept
         self.backed_up += 1
         return True
@@ -200,8 +245,12 @@ class RetractionBackup:
                 self.host.free_held(kept.host_slots)
         else:
             assert kept.cpu_copy is not None and self.pending is not None
-            for name, copy in kept.cpu_copy.items():
-                self.pending.record(self._restore_update(name, copy_tail(copy, skip), device_slots))
+            begin = kept.start + skip
+            for part in self.parts:
+                first, copy = kept.cpu_copy[part.target]
+                at = max(first, begin)
+                slots_of_part = part.slots(np.asarray(device_slots)[at - begin :])
+                self.pending.record(self._restore_update(part.ref, copy_tail(copy, at - first), slots_of_part))
         if ok:
             self.restored += 1
             self.restored_tokens += kept.end - kept.start - skip
@@ -209,15 +258,20 @@ class RetractionBackup:
             self.fallbacks += 1
         return ok
 
-    def _restore_update(self, name: str, copy: Any, device_slots: np.ndarray) -> DeviceUpdate:
-        """``cpu_tensor``: the write of ``copy`` into ``device_slots`` of pool ``name``, as a pending device update."""
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools (or parts, ``"swa.swa"``) the ``cpu_tensor`` copies write back."""
+        return tuple(part.target for part in self.parts)
+
+    def _restore_update(self, ref: PoolRef, copy: Any, device_slots: np.ndarray) -> DeviceUpdate:
+        """``cpu_tensor``: the write of ``copy`` into ``device_slots`` of ``ref``, as a pending device update."""
         load_copy = self.load_copy
         slots = np.asarray(device_slots).copy()
 
         def write(pools: Any) -> Any:
-            return pools.replace(**{name: load_copy(pools[name], copy, slots)})
+            return ref.put(pools, load_copy(ref.get(pools), copy, slots))
 
-        return DeviceUpdate("retraction restore", name, self._pages(slots), write)
+        return DeviceUpdate("retraction restore", ref.target, self._pages(slots), write)
 
     def poll(self, wait: bool = False) -> int:
         """Free the held host slots of restores whose loads landed (all, waiting, with ``wait``);

@@ -1,8 +1,9 @@
 """Pairs (and triples) of the combination matrix (``tests/combinations.py``) served over a tp 2 mesh
 of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature asserted in effect.
 
-* The ``cpu_tensor`` retraction backup with the host tier at tp 2, for full attention (Llama) and
-  MLA (DeepSeek-V2's latent pool, replicated over the ranks, the query heads split): the parity
+* The ``cpu_tensor`` retraction backup with the host tier at tp 2, for full attention (Llama),
+  MLA (DeepSeek-V2's latent pool, replicated over the ranks, the query heads split) and Gemma 3's
+  sliding-window pools (the full side and the window's sliding side copied): the parity
   rounds on a device pool small enough to retract (the retracted requests restored from their
   copies, not recomputed) and then served in batches that evict prefixes to the host and load them
   back (each shard's pages).
@@ -23,7 +24,8 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   proposal, also on the prefixes loaded back from the host (the draft's latent pages with the
   target's).
 * DP attention on MLA (dp 2 x tp 2): the ``cpu_tensor`` retraction backup per rank (each rank's
-  slice of the latent pool copied and restored); the storage tier per rank
+  slice of the latent pool copied and restored; the same for Gemma 3's sliding-window pools); the
+  storage tier per rank
   (``tests/mesh/test_dp_host_tier.py``'s storage case: each rank writes its pages behind its host
   pool, a cold server routes the follow-ups the other way round and each rank prefetches the pages
   the other rank wrote).
@@ -34,8 +36,8 @@ of CPU devices with Transformers' greedy tokens and logits (1e-4), each feature 
   of more ``CacheConfig`` fields, ``RUN``: JSON of the workload and its tokens per request).
   Gemma 3's sliding-window pools with the host tier the same way, the parity prompts in batches
   that evict prefixes to every process's host pool and load them back. The ``cpu_tensor``
-  retraction backup across processes, the same with Llama, is not served yet: the copy fetches the
-  pool array across processes (expected to fail, strict).
+  retraction backup across processes, the same with Llama and Gemma 3: each process copies and
+  restores the blocks of the pages its own device holds (``kvjax.transfers.page_copy``).
 * Over pipeline stages at pp 2 x tp 2 with overlap scheduling: DeepSeek-V2 (MLA) and Gemma 3 (sliding
   window interleaved with full attention)
   (``tests/mesh/test_pp_parity.py``'s stages), through reuse, chunked prefill, eviction and
@@ -122,7 +124,7 @@ def _retraction_backup_with_the_host_tier(family: str, tmp_path_factory: Any, **
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2", "gemma3"])
 def test_tp2_cpu_tensor_retraction_backup_with_the_host_tier(family, tmp_path_factory):
     _retraction_backup_with_the_host_tier(family, tmp_path_factory, mesh=mesh_of(TP), tp_size=TP)
 
@@ -392,6 +394,23 @@ def test_deepseek_v2_cpu_tensor_retraction_backup_per_dp_rank(tmp_path_factory):
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
+def test_gemma3_cpu_tensor_retraction_backup_per_dp_rank(tmp_path_factory):
+    from tests.mesh.dp_balance import BalancedFront
+    from tests.mesh.test_dp_parity import DP, _front
+    from tests.serve import swa_parity
+
+    hf, model = family_checkpoint("gemma3", tmp_path_factory)
+    front = _front(model, "cache_aware", disaggregation_decode_retraction_backup="cpu_tensor")
+    done = serve_two_rounds(BalancedFront(front), swa_parity.MAX_NEW)  # type: ignore[arg-type]
+    backups = [_extension(s, RetractionBackupExtension).retraction for s in front.schedulers]  # type: ignore[attr-defined]
+    assert all(b.pool_names == ("swa.full", "swa.swa") for b in backups)
+    assert sum(s.stats.retractions for s in front.schedulers) > 0
+    assert sum(b.restored for b in backups) > 0, "a re-admitted request should be restored"
+    assert all(b.held == 0 for b in backups)
+    assert [s.leak_free() for s in front.schedulers] == [True] * DP
+    assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
+
+
 def test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server(tmp_path_factory, tmp_path):
     from kvjax.serve.scheduler import ServingReq
     from tests.mesh import test_dp_host_tier as dp
@@ -420,16 +439,19 @@ def test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server(tmp_pat
     assert_matches_transformers(hf, done, max_new=dp.MAX_NEW, atol=ATOL)
 
 
-def test_llama_cpu_tensor_retraction_backup_over_two_processes(tmp_path_factory):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cpu_tensor_retraction_backup_over_two_processes(family, tmp_path_factory):
     from tests.mesh.multihost_group import finished_requests
     from tests.mesh.tp_serving import family_config
+    from tests.serve import swa_parity
     from tests.serve.parity_harness import saved_transformers_model
 
-    hf, directory = saved_transformers_model(family_config("llama"), tmp_path_factory, "llama")
-    reports = _over_two_processes(str(directory), disaggregation_decode_retraction_backup="cpu_tensor")
+    hf, directory = saved_transformers_model(family_config(family), tmp_path_factory, family)
+    max_new = swa_parity.MAX_NEW if family == "gemma3" else MAX_NEW
+    reports = _over_two_processes(str(directory), max_new=max_new, disaggregation_decode_retraction_backup="cpu_tensor")
     for r in reports:
         assert r["restored"] > 0 and r["held"] == 0, r
-    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
+    assert_matches_transformers(hf, finished_requests(reports[0], max_new), max_new=max_new, atol=ATOL)
 
 
 def test_deepseek_v2_at_tp2_over_two_processes(tmp_path_factory):

@@ -8,6 +8,8 @@ Transformers model and kvjax's load of its checkpoint):
 * ``page_4_prefix_reuse``: page size 4, a roomy pool: prefix reuse across the window, SWA slots
   freed at decode, tombstones in the tree;
 * ``page_1_evict_and_retract``: page size 1, pools small enough to evict from both and to retract;
+* ``page_1_retract_and_restore``: the same with the ``cpu_tensor`` retraction backup: retracted
+  requests restored from copies of their full side and their window's sliding side;
 * ``full_size_pools``: ``disable_hybrid_swa_memory`` (one full-size pool, windowed attention);
 * ``through_generate``: the command's entry point;
 * ``host_tier_load_back``: page size 1, pools small enough to evict from both, with the host tier:
@@ -113,6 +115,21 @@ def page_1_evict_and_retract(hf: Any, model: LoadedModel) -> None:
     evicted = sched.evicted_per_pool  # type: ignore[attr-defined]
     assert evicted["full"] > 0 and evicted["swa"] > 0, f"both pools should be evicted from, got {evicted}"
     assert sched.stats.retractions > 0, "the pools should be small enough to force retraction"
+    _assert_matches_transformers(hf, done)
+
+
+def page_1_retract_and_restore(hf: Any, model: LoadedModel) -> None:
+    """``page_1_evict_and_retract`` with the ``cpu_tensor`` retraction backup: retracted requests
+    are restored (counted: not recomputed) from copies of their full side and of their window's
+    sliding side, with Transformers' tokens and logits."""
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+
+    sched, done = serve(model, page_size=1, max_total_tokens=64, disaggregation_decode_retraction_backup="cpu_tensor")
+    [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+    backup = ext.retraction
+    assert backup.mode == "cpu_tensor" and backup.pool_names == ("swa.full", "swa.swa")
+    assert sched.stats.retractions > 0 and backup.restored > 0 and backup.restored_tokens > 0, "not recomputed"
+    assert backup.held == 0
     _assert_matches_transformers(hf, done)
 
 

@@ -44,3 +44,7 @@ class TestGemma3(swa_parity.HybridSWAParityTests):
 @pytest.mark.slow  # ~40 s: the tree and the engine are covered in the default suite (tests/radix)
 def test_host_tier_loads_evicted_prefixes_back_with_the_last_window(swa_model):
     swa_parity.host_tier_load_back(*swa_model)
+
+
+def test_retracted_requests_are_restored_with_their_window(swa_model):
+    swa_parity.page_1_retract_and_restore(*swa_model)

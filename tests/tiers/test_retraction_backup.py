@@ -37,6 +37,39 @@ def test_cpu_tensor_backup_restores_into_new_pages_from_the_new_prefix():
     assert "r" not in rb and rb.restored_tokens == 3
 
 
+def test_a_windowed_part_copies_its_mapped_window_and_restores_past_the_new_prefix():
+    """A second pool indexed through a slot mapping, over the last 4 tokens only (as the sliding
+    side of a hybrid sliding-window pool): tokens [0, 10) on pages 1..5 of "kv"; the window
+    [6, 10) maps to pages 6, 7 of "win"; restored from token 8 into the fresh page 9 of "kv", which
+    maps to page 2 of "win": only the window's part past the new prefix comes back."""
+    from kvjax.transfers.retraction_backup import CopyPart
+    from kvjax.transfers.transfer import PoolRef
+
+    def filled(offset: int) -> MHAKVPool:
+        pool = MHAKVPool.create(num_pages=12, page_size=2, num_layers=1, num_kv_heads=1, head_dim=4)
+        return pool.replace(kv=tuple((jnp.arange(np.prod(a.shape)) + offset).reshape(a.shape) for a in pool.kv))
+
+    pools = CachePools(kv=filled(0), win=filled(10_000))
+    updates = PendingDeviceUpdates(pools)
+    mapping = np.zeros(32, np.int32)
+    mapping[8:12] = np.arange(12, 16)  # positions 6..9 (slots 8..11) -> "win" pages 6, 7; 0..5 unmapped
+    window = CopyPart(PoolRef("win"), window=4, translate=lambda slots: mapping[slots])
+    rb = RetractionBackup("cpu_tensor", 2, pending=updates, parts=("kv", window))
+    assert rb.pool_names == ("kv", "win")
+    assert rb.backup("r", np.arange(2, 12), 0, 10)  # "kv" pages 1..5; "win" pages 6, 7 (positions 6..9)
+    before_win = np.asarray(pools["win"].kv[0])
+    assert not rb.backup("x", np.arange(2, 6), 0, 4), "a window the mapping does not cover: no backup"
+    assert rb.pages_from("r", 8) == 1
+    mapping[18:20] = [4, 5]  # the fresh "kv" page 9 (positions 8, 9 past the new prefix) -> "win" page 2
+    assert rb.restore("r", np.arange(18, 20), from_token=8)
+    after = updates.apply(pools)
+    np.testing.assert_array_equal(np.asarray(after["kv"].kv[0])[9:10], np.asarray(pools["kv"].kv[0])[5:6])
+    win = np.asarray(after["win"].kv[0])
+    np.testing.assert_array_equal(win[2:3], before_win[7:8])  # position 8's page (its window page 7)
+    np.testing.assert_array_equal(win[[0, 1, 3, 4, 5, 6, 7]], before_win[[0, 1, 3, 4, 5, 6, 7]])
+    assert rb.restored_tokens == 2 and rb.fallbacks == 1
+
+
 def test_host_pool_backup_holds_host_slots_and_falls_back_on_a_failed_copy():
     tree = HiRadixCache(page_size=2, host_pool_tokens=8, copy_engine=SimulatedCopyEngine())
     host = tree.host

@@ -67,8 +67,9 @@ class PlannerKind:
             whatever its length (pure sliding window): the scheduler then does not refuse long
             requests for the pool's size.
         page_backup: whether the decode retraction backup (``cpu_tensor``, page copies of the
-            ``"kv"`` pool) covers this kind's device state (recurrent state, the sliding-window
-            pair: False).
+            pools the serving layer's ``ServingKind.retraction_parts`` name) covers this kind's
+            device state (recurrent state: False; the sliding-window pair: its full side and its
+            window).
         speculative_rollback: whether freeing the rejected draft tokens' slots rolls this kind's
             state back, so speculative decoding serves it (full attention, the request table, the
             host tier: True; False by default, so a new kind is refused until it says so).

@@ -184,7 +184,6 @@ KIND = PlannerKind(
     tree_components=("full", "swa"),
     uses=uses,
     windowed_request_kv=is_pure_swa,
-    page_backup=False,
     applies=applies,
     model_flags=model_flags,
     kv_pool_priority=2,
