@@ -1018,6 +1018,12 @@ def render(results: dict[tuple[str, str, str], str]) -> str:
     ]
     lines += [f"- **{SHORT[f]}**: {FEATURES[f]}" for f in FEATURES]
     lines += ["", "STANDALONE and EAGLE are two values of one option, not a pair.", ""]
+    lines += [
+        "EAGLE3 (`--speculative-algorithm EAGLE3`, a `LlamaForCausalLMEagle3` draft checkpoint) is not a column:",
+        "it is served on one device for full-attention Llama and gpt-oss targets (`tests/serve/test_eagle3.py`) and",
+        "refused with tp, DP attention and pp (not built yet) and with the storage tier (as EAGLE).",
+        "",
+    ]
     counts: dict[str, int] = {}
     for kind in KINDS:
         for c in [c for c in cells() if c[0] == kind]:

@@ -17,12 +17,17 @@ proves exactness.
   directly in torch from the checkpoint's tensors (Transformers' hidden states of layers 0, 1, 2
   concatenated and projected by ``fc``, the draft layer written out, its argmax mapped by ``d2t``,
   its un-normed output fed to the next step), and are all in the draft's vocabulary;
-* page size 16 with prefix reuse; the default capture rule (``(2, L // 2, L - 3)``) and its
-  refusal on a target too shallow for it;
+* gpt-oss (sliding, full, sliding, full; window 8) with a draft listing layers 2, 0, 1 (captured
+  in layer order): the same through its hybrid sliding-window pools, the draft's full-attention
+  layer over ``kv_draft``;
+* page size 16 with prefix reuse; the capture rule (SGLang's default ``(2, L // 2, L - 3)``, the
+  listed layers in layer order, gpt-oss's boundaries) and its refusals (outside the target, a
+  boundary named twice);
 * refusals naming the path before the cache is built: a draft of another hidden size, of another
-  vocabulary, a ``d2t`` outside the target's vocabulary, a missing tensor, a checkpoint that is
-  not an EAGLE3 draft; ``python -m kvjax generate --speculative-algorithm EAGLE3
-  --speculative-draft-model-path DRAFT`` gives Transformers' tokens.
+  vocabulary, a ``draft_vocab_size`` above it, layers outside the target, a ``d2t`` outside the
+  target's vocabulary, a missing tensor, a checkpoint that is not an EAGLE3 draft; ``python -m
+  kvjax generate --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT`` gives
+  Transformers' tokens, and with ``--tp 2`` is one error line.
 """
 
 from __future__ import annotations
@@ -412,3 +417,9 @@ def test_generate_with_the_eagle3_draft_gives_transformers_tokens(checkpoints, c
         code = int(e.code or 0)
     _, err = capsys.readouterr()
     assert code == 2 and "--speculative-draft-model-path" in err and "LlamaForCausalLMEagle3" in err, err
+    try:  # several devices: one error line naming both flags, before jax
+        code = main([*argv, *flags, "--tp", "2"])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    _, err = capsys.readouterr()
+    assert code == 2 and "--speculative-algorithm EAGLE3 with --tp 2" in err, err

@@ -57,7 +57,7 @@ A retraction backup copies and restores the draft's pages with the target's
 Not supported (refused when the scheduler is built, naming the value): the recurrent state's extra
 buffer, a draft whose vocabulary differs from the target's, and a cache planned for EAGLE / EAGLE3
 / NEXTN (drafts that read the target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding``
-serves EAGLE / NEXTN with the checkpoint's MTP layer).
+serves EAGLE / NEXTN with the checkpoint's MTP layer or an EAGLE head, and EAGLE3 with an EAGLE3 draft).
 """
 
 from __future__ import annotations
