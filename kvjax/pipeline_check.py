@@ -2,11 +2,11 @@
 
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
-process serves every stage); DP attention and speculative decoding together with stages; and
-models with recurrent layers, whose state forks and checkpoints change device state through updates
-recorded on one cache (``KVCache.pending``), which would reach the first stage's layers only. DP
-attention and speculative decoding are other layouts of the step that are not combined with
-stages (SGLang 0.5.23 serves DP attention and EAGLE over stages: kvjax has not built them).
+process serves every stage); speculative decoding together with stages (SGLang 0.5.23 serves
+EAGLE over stages: kvjax has not built it); and models with recurrent layers, whose state forks
+and checkpoints change device state through updates recorded on one cache (``KVCache.pending``),
+which would reach the first stage's layers only. DP attention over stages is built by the lockstep
+DP front (``kvjax.dp.pipeline``, which refuses more on top of these).
 
 Served over stages (nothing refused here): the host tier, each stage copying its own layers with
 one host slot id per token on every stage (``kvjax.serve.pipeline_cache``; a host tier sized in
@@ -33,13 +33,6 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
     check_pipeline_stages(spec, config.pp_size)
     refusals: tuple[tuple[bool, str, object, str], ...] = (
         (config.pp_rank != 0, "pp_rank", config.pp_rank, "one process serves every stage; leave {pp_rank} 0"),
-        (
-            config.enable_dp_attention,
-            "enable_dp_attention",
-            True,
-            "DP attention with pipeline stages is not built in kvjax (SGLang 0.5.23 serves it); leave it off or use "
-            "{pp_size} 1",
-        ),
         (
             config.speculative_algorithm is not None,
             "speculative_algorithm",

@@ -336,7 +336,7 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     # rounds as on one rank (kvjax.dp.speculative).
     overlap = "overlap" in features
     options: dict[str, Any] = dict(max_batch_size=2, chunked_prefill_size=config.chunked_prefill_size)
-    if config.pp_size > 1:
+    if config.pp_size > 1 and not config.enable_dp_attention:
         from kvjax.serve.pipeline_cache import build_pipeline_cache
         from kvjax.serve.pipeline_stepping import pipeline_scheduler
 
@@ -352,7 +352,13 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
         from kvjax.mesh_check import make_serving_mesh
 
         devices = jax.local_devices()
-        dp_mesh = make_serving_mesh(config.tp_size, config.dp_size, True, devices=devices, dcp_size=config.dcp_size)
+        dp_mesh: Any = make_serving_mesh(
+            config.tp_size, config.dp_size, True, devices=devices, dcp_size=config.dcp_size
+        )
+        if config.pp_size > 1:  # one ("data", "tp") mesh per stage (kvjax.dp.pipeline)
+            from kvjax.dp.pipeline import dp_stage_meshes
+
+            dp_mesh = dp_stage_meshes(config, devices)
         stage[:] = ["build_lockstep (the DP cache, then each rank's scheduler)"]
         # Every rank drafts: a STANDALONE draft with its spec, or the MTP layer (generate's draft).
         rank_draft = None if draft is None else _rank_draft(draft, 3)
@@ -445,7 +451,6 @@ GAP_EAGLE = (
     f"{GAP}: an EAGLE draft model for this kind (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's or "
     "Qwen3-Next's, or a Llama EAGLE head for a full-attention Llama)"
 )
-GAP_DP_PP = f"{GAP}: pipeline stages under DP attention"
 GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
 GAP_SPEC_OVERLAP_RECURRENT = (
@@ -576,6 +581,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "tp", "dcp"): "tests/mesh/test_dcp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
+    ("full", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
+    ("swa", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
+    ("mla", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
     ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
     ("full", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_llama_host_tier_loads_back_per_shard_pages",
     ("full", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
@@ -876,7 +884,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
 
 #: The refused (and dropped) cells, each with its reason.
 REFUSED: dict[tuple[str, str, str], Cell] = {
-    ("full", "dp", "pp"): refused(GAP_DP_PP),
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
@@ -887,7 +894,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
-    ("swa", "dp", "pp"): refused(GAP_DP_PP),
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "storage"): refused(GAP_SWA_STORAGE),
     ("swa", "dcp", "pp"): refused(GAP_SWA_DCP),
@@ -911,7 +917,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "eagle", "overlap"): refused(GAP_EAGLE),
     ("swa", "eagle", "processes"): refused(GAP_EAGLE),
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
-    ("mla", "dp", "pp"): refused(GAP_DP_PP),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
@@ -925,7 +930,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dp", "pp"): refused(GAP_DP_PP),
+    ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_RECURRENT_DCP),

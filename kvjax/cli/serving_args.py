@@ -318,14 +318,16 @@ def dp_attention_config(args: argparse.Namespace) -> dict[str, Any]:
     (``enable_dp_attention``; the serving entry points set it themselves), after checking, before
     jax starts, that ``--dp`` divides ``--tp`` (``ConfigError`` naming ``dp_size``), that ``--dcp`` divides
     each DP rank's ``--tp / --dp`` chips (naming ``dcp_size``) and that no
-    flag asks for what DP attention does not serve with yet (`UsageError`)."""
+    flag asks for what DP attention does not serve with yet (`UsageError`: the host tier over
+    pipeline stages)."""
     if args.dp == 1:
         return {}
     check_parallel_sizes(args.tp, args.dp, True)
-    if args.pp > 1:
+    if args.pp > 1 and args.enable_hierarchical_cache:
         raise UsageError(
-            f"--dp {args.dp} with --pp {args.pp}: pipeline stages under DP attention are not built in kvjax yet; drop "
-            "--dp or --pp"
+            f"--dp {args.dp} with --pp {args.pp} and --enable-hierarchical-cache: the host tier of pipeline stages "
+            "under DP attention is not built in kvjax yet (a rank's copies would reach stage 0's layers only); drop "
+            "--enable-hierarchical-cache, --dp or --pp"
         )
     check_dcp_sizes(args.dcp, args.tp, True, args.dp)
     return {"enable_dp_attention": True}

@@ -111,7 +111,7 @@ from kvjax.spec import ModelSpec
 from kvjax.transfers.draft_pools import check_draft_buildable
 from kvjax.transfers.transfer_engines import TransferContext
 
-__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "rank_devices"]
+__all__ = ["DATA_MESH_AXIS", "DPKVCache", "DPLayout", "DPRank", "build_dp_kv_cache", "build_dp_pools", "rank_devices"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -229,7 +229,17 @@ def build_dp_kv_cache(
         require_builder(pool.kind, plan.model)
     check_draft_buildable(plan, config)
     _check_rank_host_tiers(plan, kinds, config)
+    pools, layout = build_dp_pools(plan, config, mesh)
+    ranks = tuple(_rank_host_state(r, plan, kinds, pools, layout, config) for r in range(config.dp_size))
+    return DPKVCache(plan=plan, pools=pools, layout=layout, ranks=ranks)
 
+
+def build_dp_pools(plan: CachePlan, config: CacheConfig, mesh: Mesh) -> tuple[CachePools, DPLayout]:
+    """The device pools of ``plan`` for every DP rank, stacked over ``mesh``'s ``"data"`` axis, and
+    their layout (each rank's pools as one rank's build lays them out over its ``("tp",)``
+    devices, striped over ``"dcp"`` under DCP): what ``build_dp_kv_cache`` builds before the
+    ranks' host state, and all a pipeline stage after the first holds (``kvjax.dp.pipeline``).
+    ``mesh``: checked by the caller (``check_dp_mesh``), with ``Auto`` axes."""
     device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
     one_device = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
     one_rank = _rank_context(one_device, rank_mesh(mesh, 0), config)
@@ -251,9 +261,7 @@ def build_dp_kv_cache(
         ],
     )
     pools = _build_over_mesh(lambda: _device_pools(device_plans, one_device), mesh, specs)
-    layout = DPLayout(mesh, specs, jax.tree_util.tree_structure(ranked))
-    ranks = tuple(_rank_host_state(r, plan, kinds, pools, layout, config) for r in range(config.dp_size))
-    return DPKVCache(plan=plan, pools=pools, layout=layout, ranks=ranks)
+    return pools, DPLayout(mesh, specs, jax.tree_util.tree_structure(ranked))
 
 
 def check_dp_mesh(mesh: Mesh, config: CacheConfig) -> None:

@@ -317,7 +317,8 @@ class LockstepDPScheduler(DPScheduler):
         draft: RankDraft | None = None,
     ) -> LockstepDPScheduler:
         """The DP cache over ``mesh`` (``build_dp_kv_cache``: ``("data", "tp")`` of
-        ``(dp_size, tp_size / dp_size)`` devices; ``("data", "tp", "dcp")`` with ``dcp_size``),
+        ``(dp_size, tp_size / dp_size)`` devices; ``("data", "tp", "dcp")`` with ``dcp_size``;
+        with ``pp_size`` above 1 a sequence of one such mesh per stage, ``kvjax.dp.pipeline``),
         a host scheduler per rank (``max_batch_size``,
         ``chunked_prefill_size``, ``record_logits`` as ``Scheduler`` takes them) and the DP step,
         the weights split over each rank's ``"tp"`` devices (``place_params``). ``model_config``:
@@ -338,15 +339,23 @@ class LockstepDPScheduler(DPScheduler):
         """
         served: ModelSpec | ModelConfig = spec if model_config is None else model_config
         speculation = None
-        cache = build_dp_kv_cache(spec, config, mesh, draft_spec=None if draft is None else draft.spec)
-        if draft is not None:
-            from kvjax.dp.speculative import DPSpeculation
+        step_fn: Any
+        placed: Any
+        if config.pp_size > 1:  # every rank's batch through the stages (kvjax.dp.pipeline)
+            from kvjax.dp.pipeline import build_dp_stages
 
-            speculation = DPSpeculation.build(served, cache, draft, with_logits=record_logits)
-            step_fn: Any = speculation.prefill  # every prefill (a chunk) is the paired prefill
+            stages = build_dp_stages(spec, config, params, mesh, model_config=model_config, with_logits=record_logits)
+            cache, step_fn, placed = stages.cache, stages, stages.params
         else:
-            step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
-        placed = place_params(served, params, cache.layout)
+            cache = build_dp_kv_cache(spec, config, mesh, draft_spec=None if draft is None else draft.spec)
+            if draft is not None:
+                from kvjax.dp.speculative import DPSpeculation
+
+                speculation = DPSpeculation.build(served, cache, draft, with_logits=record_logits)
+                step_fn = speculation.prefill  # every prefill (a chunk) is the paired prefill
+            else:
+                step_fn = make_dp_step(served, cache.layout, with_logits=record_logits)
+            placed = place_params(served, params, cache.layout)
         schedulers = []
         shared: dict[str, Any] = {}  # what the ranks' extensions share (ServingExtension.in_lockstep)
         for view in rank_caches(cache):

@@ -61,6 +61,7 @@ from kvjax.attention.metadata import AttentionMetadata
 from kvjax.dp.layout import DPLayout
 from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding
 from kvjax.pools.cache_pools import CachePools
+from kvjax.serve.causal_lm import PipelineStage, StackNames, stage_params
 from kvjax.serve.model import as_model_config, build_model, param_shapes
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.param_sharding import param_shardings, shard_params
@@ -70,21 +71,34 @@ from kvjax.spec import ModelSpec
 __all__ = ["host_sharding", "make_dp_step", "place_params", "rank_view"]
 
 
-def place_params(model: ModelSpec | ModelConfig, params: Any, layout: DPLayout) -> Any:
+def place_params(
+    model: ModelSpec | ModelConfig, params: Any, layout: DPLayout, stage: PipelineStage | None = None
+) -> Any:
     """The model's weights on the DP mesh as the DP step takes them: split Megatron style over
     ``"tp"`` (``kvjax.serve.param_sharding``, re-laid out as its rules say), replicated over
-    ``"data"``."""
-    return shard_params(params, as_model_config(model), layout.mesh)
+    ``"data"``; with ``stage``, the stage's weights only (``stage_params``)."""
+    config = as_model_config(model)
+    if stage is not None:
+        params = stage_params(params, stage, _stack_names(config), config.tie_word_embeddings)
+    return shard_params(params, config, layout.mesh)
 
 
-def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logits: bool = False) -> Callable[..., Any]:
+def make_dp_step(
+    model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logits: bool = False, stage: PipelineStage | None = None
+) -> Callable[..., Any]:
     """``step(pools, params, tokens [dp, T], meta[, prev_tokens [dp, S], token_src [dp, T]]) ->
     (pools, next_tokens [dp, S])`` (with ``with_logits``: also ``logits [dp, S, vocab]``
     float32; the future tokens as the module docstring says), jitted over ``layout.mesh`` with
     explicit shardings and the pools donated (module docstring). ``params`` as ``place_params``
-    lays them out. ``step.jitted`` is the jitted function (for ``.lower(...)``)."""
+    lays them out. ``step.jitted`` is the jitted function (for ``.lower(...)``).
+
+    ``stage``: every rank's step over one pipeline stage's layers (``kvjax.dp.pipeline``), its
+    pools and weights (``stage_params``) those of the stage: the first takes the tokens (and the
+    future tokens), a later one the hidden states ``[dp, T, hidden]`` of the stage before it in
+    place of ``tokens``; a stage before the last returns ``(pools, hidden [dp, T, hidden])``."""
     config = as_model_config(model)
-    module = build_model(config)
+    module = build_model(config) if stage is None else build_model(config).clone(stage=stage)
+    sample = stage is None or stage.last
     mesh = layout.mesh
     rows = P(DATA_MESH_AXIS)
     rank_def = layout.rank_pools
@@ -96,7 +110,11 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
         mine = rank_view(leaves, rank_def)
         tokens, meta = jax.tree.map(lambda x: x[0], (tokens, meta))
         prev, src = (future[0][0], future[1][0]) if future else (None, None)  # overlap: this rank's rows
-        new_pools, next_tokens, logits = step_body(module, mine, params, tokens, meta, prev, src, with_logits=True)
+        if sample:
+            new_pools, next_tokens, logits = step_body(module, mine, params, tokens, meta, prev, src, with_logits=True)
+        else:  # a stage before the last: its hidden states (twice, for the one output structure)
+            new_pools, next_tokens = step_body(module, mine, params, tokens, meta, prev, src, sample=False)
+            logits = next_tokens
         new_leaves = [x[None] for x in jax.tree_util.tree_leaves(new_pools)]
         return jax.tree_util.tree_unflatten(stacked_def, new_leaves), next_tokens[None], logits[None]
 
@@ -120,12 +138,12 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
             check_vma=False,
         )
         new_pools, next_tokens, logits = run(pools, params, tokens, meta, *future)
-        return (new_pools, next_tokens, logits) if with_logits else (new_pools, next_tokens)
+        return (new_pools, next_tokens, logits) if with_logits and sample else (new_pools, next_tokens)
 
     pool_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.pool_specs, is_leaf=_is_spec)
-    weights = _param_shardings(config, layout)
+    weights = _param_shardings(config, layout, stage)
     by_rank = host_sharding(mesh)
-    outs = (pool_shardings, by_rank, by_rank) if with_logits else (pool_shardings, by_rank)
+    outs = (pool_shardings, by_rank, by_rank) if with_logits and sample else (pool_shardings, by_rank)
     # tokens, meta (a prefix: every leaf), prev_tokens, token_src by rank (replicated over several
     # processes); prev_tokens is laid out as the step's own next_tokens, so it moves no data.
     jitted = jax.jit(
@@ -138,11 +156,21 @@ def make_dp_step(model: ModelSpec | ModelConfig, layout: DPLayout, *, with_logit
     return positional_step(jitted)
 
 
-def _param_shardings(config: ModelConfig, layout: DPLayout) -> Any:
+def _param_shardings(config: ModelConfig, layout: DPLayout, stage: PipelineStage | None = None) -> Any:
     """The weights' ``NamedSharding`` tree over ``layout.mesh`` (``param_sharding``'s rules over
     ``"tp"``, or ``("tp", "dcp")`` jointly under decode context parallelism; as ``place_params``
-    lays them out), from the model's parameter shapes (no weights needed)."""
-    return param_shardings(param_shapes(config), config, layout.mesh)
+    lays them out), from the model's parameter shapes (no weights needed); with ``stage``, of the
+    stage's weights only (``stage_params``)."""
+    shapes = param_shapes(config)
+    if stage is not None:
+        shapes = stage_params(shapes, stage, _stack_names(config), config.tie_word_embeddings)
+    return param_shardings(shapes, config, layout.mesh)
+
+
+def _stack_names(config: ModelConfig) -> StackNames:
+    names = build_model(config).names
+    assert isinstance(names, StackNames)
+    return names
 
 
 def _is_spec(x: Any) -> bool:

@@ -359,6 +359,7 @@ def generate_dp(
     tp_size: int,
     dp_routing: str = "cache_aware",
     dcp_size: int = 1,
+    pp_size: int = 1,
     page_size: int = 16,
     max_total_tokens: int | None = None,
     chunked_prefill_size: int = 512,
@@ -390,7 +391,9 @@ def generate_dp(
 
     ``dcp_size``: decode context parallelism dividing each rank's ``tp_size / dp_size`` devices (the
     mesh ``("data", "tp", "dcp")``: each rank's KV striped over ``dcp_size`` of them; with ``group``
-    over every process's devices, ``group_dp_mesh``).
+    over every process's devices, ``group_dp_mesh``). ``pp_size`` above 1: the layers over that
+    many stages of ``tp_size`` local devices each, every stage's attention per rank
+    (``kvjax.dp.pipeline``; one process).
     ``draft`` / ``speculative_num_steps``: as ``generate``'s: every rank decodes speculatively
     (``kvjax.dp.speculative``: each rank's rounds and paired prefills in one DP program per kind of
     step; with ``overlap`` a rank's rounds are chained on the device); the result's counters are
@@ -418,8 +421,19 @@ def generate_dp(
         enable_hierarchical_cache=enable_hierarchical_cache,
         dcp_size=dcp_size,
         extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
-    ).replace(dp_size=dp_size, enable_dp_attention=True, **_speculative_config(draft, speculative_num_steps))
-    if group is None:
+    ).replace(
+        dp_size=dp_size, enable_dp_attention=True, pp_size=pp_size, **_speculative_config(draft, speculative_num_steps)
+    )
+    mesh: Any
+    if pp_size > 1:
+        if group is not None:
+            raise ConfigError(
+                "pp_size", pp_size, "pipeline stages are served in one process; drop pp_size or the group"
+            )
+        from kvjax.dp.pipeline import dp_stage_meshes
+
+        mesh = dp_stage_meshes(config)
+    elif group is None:
         mesh = make_serving_mesh(tp_size, dp_size, True, devices=jax.local_devices(), dcp_size=dcp_size)
     else:
         from kvjax.serve.multihost.mesh import group_dp_mesh

@@ -63,7 +63,7 @@ from kvjax.spec import ModelSpec
 from kvjax.transfers.draft_pools import PairedCopyEngine
 from kvjax.transfers.storage_attach import check_storage_buildable
 
-__all__ = ["PipelineCache", "build_pipeline_cache", "pipeline_meshes", "pipeline_stages"]
+__all__ = ["PipelineCache", "build_pipeline_cache", "pipeline_meshes", "pipeline_stages", "planned_slots"]
 
 
 def pipeline_stages(num_layers: int, pp_size: int) -> tuple[PipelineStage, ...]:
@@ -73,12 +73,13 @@ def pipeline_stages(num_layers: int, pp_size: int) -> tuple[PipelineStage, ...]:
 
 
 def pipeline_meshes(
-    pp_size: int, tp_size: int, devices: Sequence[Any] | None = None, dcp_size: int = 1
+    pp_size: int, tp_size: int, devices: Sequence[Any] | None = None, dcp_size: int = 1, dp_size: int = 1
 ) -> tuple[Mesh, ...]:
     """The stage sub-meshes: the first ``pp_size * tp_size`` of ``devices`` (default: the local
     ones) as a ``("pp", "tp")`` grid, row ``s`` stage ``s``'s ``("tp",)`` mesh (``Auto`` axes);
     with ``dcp_size`` above 1 each row laid out ``("tp", "dcp")`` as one stage's TP group under
-    decode context parallelism (``make_serving_mesh``: ``(tp_size / dcp_size, dcp_size)``).
+    decode context parallelism, with ``dp_size`` above 1 ``("data", "tp"[, "dcp"])`` as one
+    stage's DP attention ranks (``make_serving_mesh``).
 
     Raises ``ConfigError`` naming ``pp_size`` when there are fewer devices than
     ``pp_size * tp_size`` (saying how to get more on a CPU host); creates nothing then.
@@ -99,9 +100,10 @@ def pipeline_meshes(
             f"{platform} device(s) are visible; use {{pp_size}} {max(1, len(devices) // tp_size)} or fewer{more}",
         )
     grid = np.array(devices[:need], dtype=object).reshape(pp_size, tp_size)
-    if dcp_size > 1:
+    if dcp_size > 1 or dp_size > 1:
         return tuple(
-            serving_mesh(make_serving_mesh(tp_size, devices=list(grid[s]), dcp_size=dcp_size)) for s in range(pp_size)
+            serving_mesh(make_serving_mesh(tp_size, dp_size, dp_size > 1, devices=list(grid[s]), dcp_size=dcp_size))
+            for s in range(pp_size)
         )
     return tuple(serving_mesh(Mesh(grid[s], (KV_HEAD_AXIS,))) for s in range(pp_size))
 
@@ -175,6 +177,13 @@ def build_pipeline_cache(
     Raises ``ConfigError`` (``check_pipeline_config``, ``pipeline_meshes``, then the planner's own
     refusals for every stage) before anything is allocated."""
     check_pipeline_config(spec, config)
+    if config.enable_dp_attention:
+        raise ConfigError(
+            "enable_dp_attention",
+            True,
+            "DP attention over pipeline stages is built by kvjax.dp.LockstepDPScheduler.build_lockstep (its "
+            "stages: kvjax.dp.pipeline); build_pipeline_cache serves one rank's stages",
+        )
     meshes = pipeline_meshes(config.pp_size, config.tp_size, devices, config.dcp_size)
     stages = pipeline_stages(spec.num_hidden_layers, config.pp_size)
     first_device = meshes[0].devices.flat[0]
@@ -194,8 +203,8 @@ def build_pipeline_cache(
     pools: list[CachePools] = [cache.pools]
     for s in range(1, config.pp_size):
         plan, stage_pools = build_stage_pools(spec, config.replace(pp_rank=s), mesh=meshes[s])
-        if _slots(plan) != _slots(cache.plan):  # the planner sizes every stage alike
-            raise AssertionError(f"stage {s} plans slots {_slots(plan)}, stage 0 {_slots(cache.plan)}")
+        if planned_slots(plan) != planned_slots(cache.plan):  # the planner sizes every stage alike
+            raise AssertionError(f"stage {s} plans slots {planned_slots(plan)}, stage 0 {planned_slots(cache.plan)}")
         plans.append(plan)
         pools.append(stage_pools)
     pending: list[PendingDeviceUpdates] = []
@@ -222,6 +231,6 @@ def build_pipeline_cache(
     return PipelineCache(cache, pools, plans, stages, meshes, pending or None)
 
 
-def _slots(plan: CachePlan) -> tuple[int, int | None, int | None, int]:
+def planned_slots(plan: CachePlan) -> tuple[int, int | None, int | None, int]:
     """What every stage must agree on: the allocator's tokens, the sliding-window split, the rows."""
     return plan.max_total_tokens, plan.full_tokens_per_layer, plan.swa_tokens_per_layer, plan.max_running_requests
