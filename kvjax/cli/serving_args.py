@@ -177,7 +177,7 @@ def speculative_options(
     if args.speculative_algorithm == "EAGLE3":
         return _eagle3_options(args, topk, steps, target_vocab_size, target_hidden_size)
     if topk is not None:
-        raise UsageError(f"--speculative-eagle-topk {topk}: only EAGLE / EAGLE3 / NEXTN take it; drop it")
+        raise UsageError(f"--speculative-eagle-topk {topk}: only EAGLE / NEXTN / EAGLE3 take it; drop it")
     if not args.speculative_draft_model_path:
         raise UsageError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DIR (or a preset)")
     path = args.speculative_draft_model_path
