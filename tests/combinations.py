@@ -876,6 +876,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("recurrent", "dp", "eagle"): (
         "tests/mesh/test_dp_speculative_recurrent.py::test_eagle_mtp_layer_replays_each_ranks_rejected_rounds"
     ),
+    # Qwen3-Next's MTP layer at dp 2 x tp 2 over two processes, both replaying alike.
+    ("recurrent", "eagle", "processes"): (
+        "tests/mesh/test_multihost_dp_speculative_recurrent.py::"
+        "test_qwen3_next_mtp_at_dp_2_tp_2_over_two_processes_replays_alike"
+    ),
     **dict.fromkeys(
         [("recurrent", "processes", "processes"), ("recurrent", "overlap", "processes")],
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers",

@@ -44,6 +44,7 @@ HEAVIEST_FIRST = (
     "test_pd_speculative.py",  # 29
     "test_multihost_generate.py",  # 27
     "test_multihost_parity.py",  # 26
+    "test_multihost_dp_speculative_recurrent.py",  # 26
     "test_pd_llama.py",  # 25
     "test_dp_parity.py",  # 25
     "test_dp_speculative_recurrent.py",  # 25
