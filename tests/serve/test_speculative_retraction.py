@@ -3,7 +3,8 @@
 The target is its own draft (the tiny parity Llama: full attention; the tiny parity DeepSeek-V2:
 MLA; the tiny parity Gemma 3: sliding layers beside a full one, whose backup holds the full side
 and the window's sliding side), so it must accept every proposal. Served through the two rounds of ``parity_harness`` at
-page size 1 on a pool small enough to retract, with the backup set: retracted requests are
+page size 1 on a pool small enough to retract, with overlap scheduling (rounds chained on the
+device) and the backup set: retracted requests are
 restored from their copies (counted: not recomputed), and every proposal is still accepted, which
 holds only if their draft pages (``"kv_draft"``) came back with the target's; tokens equal
 Transformers' greedy ``generate``, logits within ``ATOL``, leak free. A backup made to copy the
@@ -46,7 +47,14 @@ def test_retracted_requests_are_restored_with_the_drafts_pages(name: str, tmp_pa
     )
     cache = build_kv_cache(model.spec, config, draft_spec=model.spec)
     sched = scheduler_for(
-        model, cache, draft=model, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
+        model,
+        cache,
+        draft=model,
+        num_steps=K,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        overlap=True,
     )
     done = serve_two_rounds(sched, MAX_NEW)  # asserts the cache is leak free
     [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
@@ -57,6 +65,7 @@ def test_retracted_requests_are_restored_with_the_drafts_pages(name: str, tmp_pa
     assert isinstance(sched.proposer, DraftDecoding)
     stats = sched.proposer.stats
     assert stats.proposed_tokens > 0 and stats.acceptance_rate == 1.0, f"a draft page did not come back: {stats}"
+    assert stats.overlapped_rounds > 0, "the rounds chain on the device with the backup on (overlap scheduling)"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 

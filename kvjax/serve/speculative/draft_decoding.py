@@ -73,7 +73,7 @@ from kvjax.attention import AttentionMetadata
 from kvjax.attention.sharding import serving_mesh
 from kvjax.build import KVCache
 from kvjax.errors import ConfigError
-from kvjax.kinds.names import FULL, HOST_TIER, MLA, REQUEST_TABLE, SWA
+from kvjax.kinds.names import FULL, HOST_TIER, MLA, REQUEST_TABLE, RETRACTION, SWA
 from kvjax.serve.extension import StepBatch
 from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
@@ -93,8 +93,9 @@ from kvjax.spec import ModelSpec
 __all__ = ["DraftDecoding", "SpeculativeStats", "speculative_scheduler"]
 
 # The kinds whose caches chain rounds under overlap: their step inputs move on the device
-# (``overlap.shift_metadata``: the base metadata and a sliding-window pool's).
-_CHAINED_KINDS = frozenset({FULL, MLA, SWA, REQUEST_TABLE, HOST_TIER})
+# (``overlap.shift_metadata``: the base metadata and a sliding-window pool's), or they add none
+# (the host tier, the retraction backup: host copies between rounds).
+_CHAINED_KINDS = frozenset({FULL, MLA, SWA, REQUEST_TABLE, HOST_TIER, RETRACTION})
 
 
 @dataclasses.dataclass
