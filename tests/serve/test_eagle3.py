@@ -12,7 +12,8 @@ proves exactness.
 
 * served through the two rounds of ``parity_harness`` (prefix reuse, a multi-turn chat, chunked
   prefill) at page size 1 with a pool small enough to evict and retract: tokens equal
-  Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``, leak-free;
+  Transformers' greedy ``generate``, logits within ``LOGIT_ATOL``, leak-free; again with the
+  ``cpu_tensor`` retraction backup (the draft's pages restored with the target's, not recomputed);
 * the draft is SGLang's EAGLE3: every round's ``k`` proposals equal those of the draft computed
   directly in torch from the checkpoint's tensors (Transformers' hidden states of layers 0, 1, 2
   concatenated and projected by ``fc``, the draft layer written out, its argmax mapped by ``d2t``,
@@ -44,6 +45,7 @@ import pytest
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import load_checkpoint
+from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.draft_decoding import DraftDecoding
 from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
@@ -325,6 +327,18 @@ def test_reuse_chunked_prefill_eviction_retraction_and_the_drafts_own_proposals(
     _check_rounds("Llama", sched, hf, draft, rounds)
     assert sched.stats.cached_tokens > 0  # later prompts reuse the tree's prefixes
     assert sched.stats.evicted_tokens > 0 and sched.stats.retractions > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_the_cpu_tensor_backup_restores_the_drafts_pages_with_the_targets(checkpoints):
+    hf, target, draft = checkpoints
+    backed = dict(disaggregation_decode_retraction_backup="cpu_tensor")
+    sched, done = _serve(target, draft, page_size=1, max_total_tokens=64, **backed)
+    [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+    backup = ext.retraction
+    assert backup.mode == "cpu_tensor" and backup.pool_names == ("kv", "kv_draft")
+    assert sched.stats.retractions > 0 and backup.restored > 0 and backup.restored_tokens > 0, "not recomputed"
+    assert backup.held == 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
