@@ -117,7 +117,7 @@ def _host_tier(cache: KVCache) -> ServingExtension | None:
 def _retraction(cache: KVCache) -> ServingExtension | None:
     from kvjax.serve.retraction_extension import retraction_extensions
 
-    found = retraction_extensions(cache)
+    found = retraction_extensions(cache, retraction_parts(cache))
     return found[0] if found else None
 
 

@@ -35,6 +35,7 @@ kept for a later admission). Units: tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,23 +77,22 @@ def _page_load(pool: Any, copy: PageCopy, slots: np.ndarray) -> Any:
     return with_page_layers(pool, load_pages(layers, copy, pages))
 
 
-def backup_parts(cache: KVCache) -> list[CopyPart] | None:
-    """What a ``cpu_tensor`` backup of ``cache`` copies: each kind's pools
-    (``kvjax.serve.kinds.retraction_parts``: ``"kv"``; a hybrid sliding-window pool's full side
-    and the window of its sliding side), then the draft's ``"kv_draft"`` at the request's slots
-    when there is one; ``None`` when a kind's state cannot be backed up."""
-    from kvjax.serve.kinds import retraction_parts
-
-    parts = retraction_parts(cache)
-    if parts is None:
+def backup_parts(cache: KVCache, kind_parts: Sequence[Any] | None) -> list[CopyPart] | None:
+    """What a ``cpu_tensor`` backup of ``cache`` copies: ``kind_parts``, what each kind copies of
+    its pools (``kvjax.serve.kinds.retraction_parts``: ``"kv"``; a hybrid sliding-window pool's
+    full side and the window of its sliding side; None when a kind's state cannot be backed up),
+    then the draft's ``"kv_draft"`` at the request's slots when there is one; ``None`` when a
+    kind's state cannot be backed up."""
+    if kind_parts is None:
         return None
-    return [CopyPart(PoolRef(p)) if isinstance(p, str) else p for p in (*parts, *with_draft_pool((), cache.pools))]
+    return [CopyPart(PoolRef(p)) if isinstance(p, str) else p for p in (*kind_parts, *with_draft_pool((), cache.pools))]
 
 
-def cpu_tensor_backup(cache: KVCache) -> RetractionBackup:
+def cpu_tensor_backup(cache: KVCache, kind_parts: Sequence[Any] | None) -> RetractionBackup:
     """A ``cpu_tensor`` :class:`RetractionBackup` of :func:`backup_parts` of ``cache`` through the
-    page kernels (``ConfigError`` naming the backup when a kind's state cannot be backed up)."""
-    parts = backup_parts(cache)
+    page kernels (``ConfigError`` naming the backup when a kind's state cannot be backed up);
+    ``kind_parts``: ``kvjax.serve.kinds.retraction_parts(cache)``."""
+    parts = backup_parts(cache, kind_parts)
     if not parts:
         raise ConfigError(
             "disaggregation_decode_retraction_backup",
@@ -110,9 +110,9 @@ class RetractionBackupExtension(ServingExtension):
     """See the module docstring. ``retraction``: the backups (its ``restored``, ``restored_tokens``,
     ``backed_up`` and ``fallbacks`` count what happened)."""
 
-    def __init__(self, cache: KVCache, retraction: RetractionBackup | None = None) -> None:
+    def __init__(self, cache: KVCache, retraction: RetractionBackup) -> None:
         self.cache = cache
-        self.retraction = cpu_tensor_backup(cache) if retraction is None else retraction
+        self.retraction = retraction
         self.scheduler: Any = None
 
     def attach(self, scheduler: Any) -> None:
@@ -183,14 +183,16 @@ class RetractionBackupExtension(ServingExtension):
         req.kv_committed_len = kept.end
 
 
-def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
+def retraction_extensions(cache: KVCache, kind_parts: Sequence[Any] | None) -> list[ServingExtension]:
     """The ``cpu_tensor`` retraction extension where the plan asks for it and the pool allows it
-    (see the module docstring), else none (``host_pool`` comes with the host tier's extension)."""
+    (see the module docstring), else none (``host_pool`` comes with the host tier's extension);
+    ``kind_parts``: what each kind copies (``kvjax.serve.kinds.retraction_parts``, which passes
+    them: the kinds' registry sits above this module)."""
     plan = cache.plan
     if plan.decode_retraction_backup != "cpu_tensor" or not plan.decode_retraction_active:
         return []
     # Every kind of the cache must keep its state in pages the backup copies.
-    parts = backup_parts(cache) if all(kind.page_backup for kind in planner_kinds_of(plan)) else None
+    parts = backup_parts(cache, kind_parts) if all(kind.page_backup for kind in planner_kinds_of(plan)) else None
     if not parts:
         return []
     from kvjax.transfers.device_pages import page_layers
@@ -200,4 +202,4 @@ def retraction_extensions(cache: KVCache) -> list[ServingExtension]:
             page_layers(part.ref.get(cache.pools))
     except (NotImplementedError, KeyError):
         return []
-    return [RetractionBackupExtension(cache)]
+    return [RetractionBackupExtension(cache, cpu_tensor_backup(cache, kind_parts))]

@@ -9,6 +9,7 @@ import pytest
 
 from kvjax import CacheConfig, ModelSpec, build_kv_cache
 from kvjax.errors import InvalidSlotError
+from kvjax.serve.kinds import retraction_parts
 from kvjax.serve.model import init_params
 from kvjax.serve.retraction_extension import RetractionBackupExtension, cpu_tensor_backup
 from kvjax.serve.scheduler import Scheduler, ServingReq
@@ -61,7 +62,7 @@ def test_cpu_tensor_copies_round_trip_pages_in_place_and_refuse_bad_slots():
     layers = cache.pools.kv.kv
     filled = tuple(np.arange(a.size, dtype=np.uint32).reshape(a.shape).astype(a.dtype) for a in layers)
     cache.set_pools(cache.pools.replace(kv=cache.pools.kv.replace(kv=tuple(jnp.asarray(a) for a in filled))))
-    backup = cpu_tensor_backup(cache)
+    backup = cpu_tensor_backup(cache, retraction_parts(cache))
     assert backup.backup("r", np.arange(4, 14), 0, 10)  # pages 1, 2, 3 (a partial last page)
     before = cache.pools.kv.kv[0]
     assert backup.restore("r", np.arange(20, 28), from_token=4)  # pages 2, 3 -> 5, 6

@@ -285,7 +285,8 @@ class DraftDecoding:
                 "disaggregation_decode_retraction_backup",
                 "cpu_tensor",
                 "this retraction backup restores the target's KV only, not the draft's ('kv_draft'): build it "
-                "with retraction_extension.cpu_tensor_backup(cache), or leave the backup unset",
+                "with retraction_extension.cpu_tensor_backup(cache, kinds.retraction_parts(cache)), or leave "
+                "the backup unset",
             )
         return target_config
 
