@@ -7,7 +7,8 @@ round, greedy at every position), ``acceptance`` (greedy acceptance, pure numpy)
 ``draft_decoding`` (`DraftDecoding`, the way a `Scheduler` proposes tokens with a draft model,
 and `speculative_scheduler`, a scheduler given one); EAGLE / NEXTN drafts with DeepSeek's MTP
 layer: ``nextn`` (the layer), ``eagle_steps`` (its jitted steps) and ``eagle`` (`EagleDecoding`,
-`eagle_scheduler`).
+`eagle_scheduler`); EAGLE3 through the same steps with ``eagle3_draft`` (the draft and the target's
+captured layers) and ``eagle3_checkpoint`` (reading a ``LlamaForCausalLMEagle3`` checkpoint).
 """
 
 from __future__ import annotations
