@@ -14,9 +14,9 @@ sizes on the two sides:
   Nemotron-H's Mamba2 state (two groups, tp 2 -> tp 2);
 * DeepSeek-V2 (MLA; tp 4 -> tp 2): the latent rows, replicated over each side's mesh; and the same
   with an fp8 latent cache (its scale moves with the rows; compared with colocated fp8 serving);
-* a speculative cache's draft pool ``kv_draft`` (in process: kvjax serves no speculative decode
-  server yet, its retraction backup restores the target's KV only): it moves with the target's, each
-  of the draft's own KV heads once, between tp 2 and tp 1.
+* a speculative cache's draft pool ``kv_draft`` (in process, the transfer alone; a speculative
+  decode server is served in ``test_pd_speculative``): it moves with the target's, each of the
+  draft's own KV heads once, between tp 2 and tp 1.
 
 Each: greedy tokens equal Transformers' and the decode side's logits within the family's parity
 tolerance (its first token comes from the prefill server, every later one from a decode step over
