@@ -59,7 +59,8 @@ state their checkpoints copy, so no point knows every rank's kept tokens before 
 finished. Each replay depends on its rank's round alone and the ranks settle in their fixed
 order: every process decides the same. Overlap stays off for them, as on one rank.
 
-Not built (refused by name when the front is built): a retraction backup (as on one rank).
+The ``cpu_tensor`` retraction backup copies and restores the draft's pages with the target's
+on the rank's slice (``RetractionBackupExtension.in_lockstep``), as on one rank.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ prefill runs in one DP program and every rank's speculative round in another, th
 * STANDALONE over DeepSeek-V2's MLA latent pools, the target as its own draft: every proposal accepted.
 * EAGLE / NEXTN: the tiny DeepSeek-V2 of ``tests/serve/test_speculative_eagle`` with one random MTP
   layer (proposals mostly rejected), page size 1 and a small pool per rank.
+* STANDALONE with the ``cpu_tensor`` retraction backup per rank, the target as its own draft:
+  retracted requests restored (target and draft pages) on their rank, every proposal accepted.
 
 Each: tokens equal Transformers' greedy ``generate``, the target's logits agree within 1e-4,
 both ranks serve requests, every rank's memory balance holds after every round
@@ -286,3 +288,30 @@ def test_generate_serves_eagle_at_dp_2_tp_4(deepseek, capsys, overlap):
     counters = report["speculative"]
     assert counters["proposed_tokens"] > 0 and counters["algorithm"] == "EAGLE (NEXTN)", counters
     assert (counters["overlapped_rounds"] > 0) == overlap, counters
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_the_cpu_tensor_backup_restores_each_ranks_drafts_pages(family):
+    """The ``cpu_tensor`` retraction backup per rank with a draft (overlap on): a retracted
+    request's target and draft pages are copied from the rank's slice and restored there on
+    re-admission (not recomputed); the target as its own draft still accepts every proposal."""
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+
+    _, hf, target, _, target_dir = family
+    same = load_checkpoint(target_dir)
+    front = _front(
+        target,
+        RankDraft(same.params, K, spec=same.spec, config=same.config),
+        "STANDALONE",
+        page_size=1,
+        max_total_tokens=64,
+        disaggregation_decode_retraction_backup="cpu_tensor",
+    )
+    done = _serve(front, MAX_NEW)
+    backups = [next(e for e in s.extensions if isinstance(e, RetractionBackupExtension)) for s in front.schedulers]
+    assert all(b.retraction.pool_names == ("kv", "kv_draft") for b in backups)
+    assert _summed(front, "retractions") > 0
+    assert sum(b.retraction.restored for b in backups) > 0, "retracted requests should be restored, not recomputed"
+    proposed, accepted = _summed(front, "proposed_tokens", "proposer"), _summed(front, "accepted_tokens", "proposer")
+    assert accepted == proposed > 0, f"a draft page did not come back: {accepted} of {proposed}"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
