@@ -27,11 +27,6 @@ CASES = [
         GEN + SPEC + ["--speculative-draft-model-path", "./no-such-draft"],
         ["--speculative-draft-model-path ./no-such-draft", "no such directory"],
     ),
-    (
-        ["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1,2,3", *SPEC]
-        + ["--speculative-draft-model-path", "qwen3-next-80b-a3b", "--tp", "2", "--dp", "2"],
-        ["--dp 2 with --speculative-algorithm STANDALONE", "--model qwen3-next-80b-a3b", "recurrent state"],
-    ),
     (GEN + ["--speculative-algorithm", "EAGLE"], ["--model tiny", "checkpoint directory"]),
     (GEN + ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "2"], ["--speculative-eagle-topk 2"]),
     (GEN + ["--speculative-eagle-topk", "1"], ["--speculative-algorithm"]),

@@ -210,8 +210,9 @@ class DraftDecoding:
             )
         if plan_draft.algorithm != "STANDALONE":
             raise NotImplementedError(
-                f"speculative_algorithm={plan_draft.algorithm!r}: kvjax serves STANDALONE drafts only "
-                "(EAGLE-style drafts read the target's hidden states, not served yet)"
+                f"speculative_algorithm={plan_draft.algorithm!r}: DraftDecoding drafts with a STANDALONE model; "
+                "drafts that read the target's hidden states (EAGLE, EAGLE3, NEXTN) are EagleDecoding's "
+                "(kvjax.serve.speculative.eagle_scheduler)"
             )
         draft_config, target_config = self.draft_config, as_model_config(spec)
         if draft_config.vocab_size != target_config.vocab_size:
