@@ -466,7 +466,10 @@ GAP_SWA_STORAGE = (
 GAP_SWA_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the sliding-window host pools"
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
 GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
-GAP_RECURRENT_STORAGE = f"{GAP}: the storage tier under the recurrent-state tree (its pages hold no state)"
+GAP_RECURRENT_STORAGE = (
+    f"{GAP}: the storage tier under the recurrent-state tree with DP attention (its checkpoints are stored on one "
+    "device or a TP mesh in one process)"
+)
 GAP_RECURRENT_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the recurrent-state checkpoints' host copies"
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
 GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
@@ -861,6 +864,15 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_dp_hybrid_host_tier.py::test_qwen3_next_checkpoints_through_each_ranks_host"
     ),
     ("recurrent", "tp", "host"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_tp2_with_the_host_tier",
+    # The storage tier under the recurrent-state tree (with the host tier, overlap on): prefixes back
+    # from storage with the state after them (Qwen3-Next; at tp 2 every rank's share of the state).
+    **dict.fromkeys(
+        [("recurrent", "storage", "storage"), ("recurrent", "host", "storage"), ("recurrent", "storage", "overlap")],
+        "tests/serve/test_recurrent_storage.py::test_prefixes_and_their_checkpoints_come_back_from_storage",
+    ),
+    ("recurrent", "tp", "storage"): (
+        "tests/mesh/test_recurrent_storage_tp.py::test_qwen3_next_storage_tier_at_tp_2_brings_back_every_ranks_state"
+    ),
     ("recurrent", "tp", "standalone"): (
         "tests/mesh/test_matrix_pairs.py::test_qwen3_next_standalone_at_tp2_evicts_retracts_and_replays"
     ),
@@ -928,11 +940,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "storage", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "tp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_PP),
@@ -961,12 +971,10 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("recurrent", "eagle", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
-    ("recurrent", "host", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),
-    ("recurrent", "storage", "retraction"): refused(GAP_RECURRENT_STORAGE),
-    ("recurrent", "storage", "overlap"): refused(GAP_RECURRENT_STORAGE),
-    ("recurrent", "storage", "processes"): refused(GAP_RECURRENT_STORAGE),
+    ("recurrent", "storage", "retraction"): dropped(GAP_RETRACTION_DROPPED),
+    ("recurrent", "storage", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),
     ("recurrent", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
 }

@@ -62,8 +62,19 @@ CASES = [
     (["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--tp", "2", "--dcp", "2"], ["--dcp 2 with --model"]),
     (["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", "--pp", "2"], ["--pp 2 with --model"]),
     (
-        ["demo", "--model", "qwen3-next-80b-a3b", "--enable-hierarchical-cache", "--hicache-storage", "store"],
-        ["--hicache-storage store with --model qwen3-next-80b-a3b", "recurrent-state tree"],
+        [
+            "demo",
+            "--model",
+            "qwen3-next-80b-a3b",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--enable-hierarchical-cache",
+            "--hicache-storage",
+            "store",
+        ],
+        ["--hicache-storage store with --model qwen3-next-80b-a3b", "recurrent-state tree with --dp 2"],
     ),
     (
         ["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--enable-hierarchical-cache", *STANDALONE_SWA],

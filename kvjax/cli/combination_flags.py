@@ -152,8 +152,10 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
             f"checkpoints over several processes are {_GAP} (each process would copy its own devices' shards); "
             "drop --enable-hierarchical-cache or serve in one process"
         )
-    if storage is not None and kind.name == "recurrent":
+    if storage is not None and kind.name == "recurrent" and (args.dp > 1 or joins_group(args)):
+        layout = f"--dp {args.dp}" if args.dp > 1 else "several processes"
         raise UsageError(
-            f"--hicache-storage {storage} with --model {model}: the storage tier under the recurrent-state tree is "
-            f"{_GAP} (its pages hold no state); drop --hicache-storage"
+            f"--hicache-storage {storage} with --model {model}: the storage tier under the recurrent-state tree with "
+            f"{layout} is {_GAP} (its checkpoints are stored on one device or a TP mesh in one process); drop "
+            "--hicache-storage"
         )

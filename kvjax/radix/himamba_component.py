@@ -24,6 +24,9 @@ a device checkpoint, a host copy, both, or neither. The rules (``sglang-0.5.23-h
 * **split**: a checkpoint is the state after a node's last token, so device checkpoint and host
   copy stay on the lower part (the same node object), as SGLang's ``redistribute_on_node_split``.
 * **deletion** frees the host copy with the device checkpoint.
+* **storage** (with the tree's storage tier): a landed host copy is handed to ``on_state_landed``
+  (the storage link stores it under the node's last page hash), and a checkpoint that came back
+  from storage becomes a host-only node's host copy (:meth:`adopt_host_copy`).
 * **load** (:meth:`attach_loaded`): a load-back gives a node whose checkpoint is only on the host
   a new device slot (the host copy is kept); the node is locked until the copy lands
   (:meth:`loading_check`).
@@ -103,6 +106,8 @@ class HiMambaComponent(MambaComponent):
         self.before_backup: Callable[[], None] | None = None
         # Whether a node's KV has a host copy (the host tier's data), for incremental backups.
         self.kv_backed_up: Callable[[TreeNode], bool] = lambda node: False
+        # Called with each node whose checkpoint's host copy just landed (a storage tier stores it).
+        self.on_state_landed: Callable[[TreeNode], None] | None = None
         self.backups = 0  # state copies landed
         self.failed_backups = 0
         self.skipped_backups = 0  # host state pool full even after host eviction
@@ -147,6 +152,21 @@ class HiMambaComponent(MambaComponent):
             freed += 1
         self.host_evicted += freed
         return freed
+
+    def adopt_host_copy(self, node: TreeNode) -> int | None:
+        """A new host slot (host copies of states no longer on the device evicted when none is
+        free) that is now ``node``'s landed host copy, its checkpoint on the host only; the caller
+        writes the state into it at once. None (nothing changed) when ``node`` has a checkpoint or
+        a host copy already, or no slot can be freed."""
+        if node in self.host_slot or self.data(node) is not None:
+            return None
+        hslot = self._alloc_host()
+        if hslot is None:
+            self.skipped_backups += 1
+            return None
+        self.host_slot[node] = hslot
+        self._host_only[node] = None
+        return hslot
 
     def protect(self, node: TreeNode, on: bool) -> None:
         """Keep (``on``) or stop keeping ``node``'s host copy out of host eviction."""
@@ -196,6 +216,8 @@ class HiMambaComponent(MambaComponent):
             self._writing.discard(t.node)
             if status is TransferStatus.DONE:
                 self.backups += 1
+                if self.on_state_landed is not None:
+                    self.on_state_landed(t.node)
             else:
                 self.failed_backups += 1
                 self._free_host(t.node)

@@ -35,9 +35,18 @@ Device state: every copy is a pending device update (``KVCache.pending``) the ow
 applies before its next step; state copies read the device after the tree's queued state copies
 (the component's ``before_backup`` records them first).
 
+* **Storage tier** (L3, ``storage=StorageOptions(..., checkpoints=CheckpointStore(...))``: the
+  KV pages and the host state pool). A landed KV host copy's pages are stored, and a landed
+  checkpoint copy under its node's last page hash. A prefetch brings the KV pages of the longest
+  stored run that ends at a stored state, and that state: the new host-only node's checkpoint is
+  on the host only (:meth:`adopt_stored_checkpoint`), so the host hit ends there and the load-back
+  brings KV and state to the device (rules: ``kvjax.radix.storage_checkpoint``). A storage tier
+  without the checkpoints' store is refused (NotImplementedError: its prefixes could never be
+  served).
+
 Not built here (refused by name): the ``write_back`` policy (SGLang backs a checkpoint up
 synchronously before a device eviction frees it; kvjax's state copies land only when the owner
-applies them) and the storage tier (L3).
+applies them).
 """
 
 from __future__ import annotations
@@ -86,6 +95,8 @@ class HiMambaRadixCache(MambaRadixCache):
     """
 
     host: HostTierComponent  # never None in this preset
+    #: a storage tier needs the checkpoints' store beside the KV pages (``storage_link``)
+    storage_checkpoints_required = True
     mamba: HiMambaComponent
 
     def __init__(
@@ -103,12 +114,6 @@ class HiMambaRadixCache(MambaRadixCache):
         token_to_kv_pool_allocator: Any = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("storage") is not None:
-            raise NotImplementedError(
-                "a storage tier (L3) under the recurrent-state tree is not built (its pages hold no state); drop "
-                "hicache_storage_backend for this model"
-            )
-        kwargs.pop("storage", None)
         if write_policy == "write_back":
             raise NotImplementedError(
                 "hicache_write_policy='write_back' for a recurrent-state model is not built (a checkpoint's host "
@@ -130,6 +135,8 @@ class HiMambaRadixCache(MambaRadixCache):
         comp = self.mamba
         host.on_backup = self._on_kv_backup
         comp.kv_backed_up = lambda node: host.data(node) is not None
+        if self.storage is not None:
+            comp.on_state_landed = self.storage.backup_checkpoint
         record = getattr(self._state_engine, "record_copies", None)
         if record is not None:
             comp.before_backup = lambda: record(self.take_state_copies())
@@ -156,6 +163,20 @@ class HiMambaRadixCache(MambaRadixCache):
     def host_only_states(self) -> int:
         """Nodes whose checkpoint is on the host only (a host hit can end there)."""
         return self.mamba.host_only_states()
+
+    # ------------------------------------------------------------------ the storage tier
+
+    def landed_checkpoint(self, node: TreeNode) -> int | None:
+        """The host state slot of ``node``'s landed checkpoint copy (None: none yet)."""
+        return self.mamba.landed_host_slot(node)
+
+    def adopt_stored_checkpoint(self, leaf: TreeNode) -> int | None:
+        """A storage prefetch brought the state after the host-only ``leaf``'s last token: a host
+        state slot for it (:meth:`HiMambaComponent.adopt_host_copy`), its checkpoint on the host
+        only; None when no host state slot can be freed."""
+        if leaf.residency != HOST_ONLY:
+            raise ValueError(f"adopt_stored_checkpoint: {leaf!r} is not host-only")
+        return self.mamba.adopt_host_copy(leaf)
 
     # ------------------------------------------------------------------ match
 

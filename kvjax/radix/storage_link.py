@@ -46,11 +46,16 @@ pages become one host-only node (SGLang inserts them through its host insert pat
 result); bigram (EAGLE) keys are not supported (their pages hash token windows of
 ``page_size + 1``; ValueError).
 
-A tree whose prefixes need a windowed pool's KV too (the hybrid sliding-window tree: its sliding
-layers' pages, valid for the last window only) is given that pool's store (``StorageOptions.window``):
-its pages are stored beside the full layers' and a prefetch's hit and node follow the window
-(``kvjax.radix.storage_window``). Such a tree (``storage_window_required``) refuses a storage
-tier without it (NotImplementedError naming the tree).
+A tree whose prefixes need more than the KV pages is given a second store beside the pages (SGLang's
+``TRAILING_PAGES`` pools): the hybrid sliding-window tree its sliding layers' pages, valid for the
+last window only (``StorageOptions.window``; ``kvjax.radix.storage_window``), the recurrent-state
+tree its checkpoints, one state after a node's last page (``StorageOptions.checkpoints``;
+``kvjax.radix.storage_checkpoint``). Their entries are stored beside the KV pages, and a
+prefetch's hit and node follow them: the hit ends where the second store makes the prefix
+servable, and its node carries what arrived of it. Such a tree (``storage_window_required`` /
+``storage_checkpoints_required``) refuses a storage tier without it (NotImplementedError naming
+the tree). For them a prefetch starts below the deepest node the match walked (the tree holds
+every page above it, and a node there may lack only what the second store brings).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from kvjax.errors import ConfigError
 from kvjax.multihost.agreement import Agreement, LocalAgreement
 from kvjax.radix.events import BlockStored
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
+from kvjax.radix.storage_checkpoint import CheckpointRead, CheckpointStore, StorageCheckpoints
 from kvjax.radix.storage_window import StorageWindow, WindowRead, WindowStore
 from kvjax.tiers.storage import PREFETCH_POLICIES, Prefetch, StorageTier, StorageWrite, page_hashes
 
@@ -98,7 +104,7 @@ class PrefetchOp:
     slots: np.ndarray
     prefetch: Prefetch
     started: float
-    window: WindowRead | None = None
+    trailing: WindowRead | CheckpointRead | None = None  # the second store's reads
 
 
 class StorageLink:
@@ -114,6 +120,8 @@ class StorageLink:
         prefetch_threshold: runs of fewer stored tokens are not prefetched (SGLang: 256).
         window: the windowed pool's store and host pool (module docstring); None: the tree
             needs none (NotImplementedError for a tree with ``storage_window_required``).
+        checkpoints: the checkpoints' store and host state pool (module docstring); None: the
+            tree needs none (NotImplementedError for a tree with ``storage_checkpoints_required``).
 
     Counters: ``pages_backed_up`` (pages handed to the store, skipped ones excluded),
     ``prefetched_tokens`` (tokens inserted from storage), ``prefetches`` (prefetches started),
@@ -134,6 +142,7 @@ class StorageLink:
         prefetch_timeout_s: float | None = None,
         prefetch_threshold: int = PREFETCH_THRESHOLD,
         window: WindowStore | None = None,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ConfigError("prefetch_policy", prefetch_policy, f"use one of {list(PREFETCH_POLICIES)}")
@@ -156,7 +165,17 @@ class StorageLink:
                 "layers' (StorageOptions.window), which kvjax builds through build_kv_cache on one device or a TP "
                 "mesh only; drop hicache_storage_backend for this layout"
             )
+        if checkpoints is None and getattr(tree, "storage_checkpoints_required", False):
+            raise NotImplementedError(
+                f"the storage tier under {type(tree).__name__} needs its recurrent-state checkpoints stored beside the "
+                "KV pages (StorageOptions.checkpoints), which kvjax builds through build_kv_cache in one process "
+                "only; drop hicache_storage_backend for this layout"
+            )
+        if window is not None and checkpoints is not None:
+            raise ValueError("a storage link takes a window store or a checkpoint store, not both")
         self.window = None if window is None else StorageWindow(tree, window)
+        self.checkpoints = None if checkpoints is None else StorageCheckpoints(tree, checkpoints)
+        self.trailing: StorageWindow | StorageCheckpoints | None = self.window or self.checkpoints
         self.host = host
         self.tree = tree
         self.storage = storage
@@ -206,12 +225,21 @@ class StorageLink:
         write = self.storage.backup(hashes, np.swapaxes(buf, 0, 1))
         self.pages_backed_up += len(write.futures)
         self._writes.append(write)
-        if self.window is not None:
-            window_write = self.window.backup(node, data.slots, hashes)
-            if window_write is not None:
-                self._writes.append(window_write)
         if self.tree.enable_kv_cache_events:
             self._reported.append((write, self.tree.stored_event(node, STORAGE_MEDIUM)))
+        if self.trailing is not None:
+            trailing_write = self.trailing.backup(node, data.slots, hashes)
+            if trailing_write is not None:
+                self._writes.append(trailing_write)
+
+    def backup_checkpoint(self, node: TreeNode) -> None:
+        """Write ``node``'s landed checkpoint copy to the checkpoint store, under the hash of its
+        last page (the recurrent-state tree calls this when the copy lands)."""
+        if self.checkpoints is None or node.residency == DELETED or node.klen < self.page_size:
+            return
+        write = self.checkpoints.backup_state(node, self.node_hashes(node)[-1])
+        if write is not None:
+            self._writes.append(write)
 
     def check_writes(self, wait: bool = False) -> int:
         """Forget the storage writes that finished (all of them, waiting, with ``wait``);
@@ -261,7 +289,7 @@ class StorageLink:
         ps = self.page_size
         hit = match.prefix_len + int(getattr(match, "host_hit_length", 0))
         anchor = getattr(match, "last_host_node", None) or match.last_node
-        if self.window is not None and match.walk_node is not self.tree.root:
+        if self.trailing is not None and match.walk_node is not self.tree.root:
             # the tree holds every page above the deepest node walked (SWA tombstones included)
             walked = match.walk_node
             if int(walked.depth) > hit:
@@ -271,16 +299,18 @@ class StorageLink:
             return 0
         hashes = page_hashes(tokens[:whole], ps, extra_key=extra_key, seed=self.tree.hash_seed)[hit // ps :]
         n = self._agreed_pages("storage hits", self.storage.leading_hits(hashes)) * ps
-        if self.window is not None and n:
-            n = self._agreed_pages("storage window hits", self.window.restorable(hashes[: n // ps])) * ps
+        if self.trailing is not None and n:
+            n = self._agreed_pages("storage trailing hits", self.trailing.restorable(hashes[: n // ps])) * ps
         if n < max(self.threshold, ps):
             return 0
         slots = self._alloc_guarded(anchor, n)
         if slots is None:
             return 0
         prefetch = self.storage.prefetch(hashes[: n // ps])
-        window = None if self.window is None else self.window.start(hashes[: n // ps])
-        self._ops[rid] = PrefetchOp(anchor, tokens[hit : hit + n], extra_key, slots, prefetch, time.monotonic(), window)
+        trailing = None if self.trailing is None else self.trailing.start(hashes[: n // ps])
+        self._ops[rid] = PrefetchOp(
+            anchor, tokens[hit : hit + n], extra_key, slots, prefetch, time.monotonic(), trailing
+        )
         self.prefetches += 1
         return n
 
@@ -290,7 +320,7 @@ class StorageLink:
         op = self._ops.get(rid)
         if op is None:
             return True
-        done = op.prefetch.done() and (op.window is None or op.window.prefetch.done())
+        done = op.prefetch.done() and (op.trailing is None or op.trailing.prefetch.done())
         waiting = self.policy == "wait_complete" and not done
         if self.policy == "timeout" and not done and time.monotonic() - op.started < self._timeout(op):
             waiting = True
@@ -310,8 +340,8 @@ class StorageLink:
         if op is None:
             return
         op.prefetch.take("best_effort")  # cancels the reads in flight
-        if op.window is not None and self.window is not None:
-            self.window.cancel(op.window)
+        if op.trailing is not None and self.trailing is not None:
+            self.trailing.cancel(op.trailing)  # type: ignore[arg-type]
         self.host.free_held(op.slots)
 
     def cancel_all(self) -> None:
@@ -336,7 +366,7 @@ class StorageLink:
         pages = op.prefetch.take(policy, max(0.0, op.started + self._timeout(op) - time.monotonic()))
         pages = pages[: self._agreed_pages("prefetch pages", pages.shape[0])]
         n = pages.shape[0] * self.page_size
-        window_pages = self._take_window(op, policy, n == len(op.tokens))
+        trailing = self._take_trailing(op, policy, n == len(op.tokens))
         leaf = None
         if n and op.anchor.residency != DELETED:
             try:
@@ -348,27 +378,27 @@ class StorageLink:
         else:
             self.pages.write_pages(op.slots[:n], np.swapaxes(pages, 0, 1))
             self.host.adopt_held(leaf, op.slots[:n])
-            if self.window is not None and op.window is not None:
-                if window_pages is None:
-                    self.window.windows_dropped += 1
+            if self.trailing is not None and op.trailing is not None:
+                if trailing is None:
+                    self.trailing.dropped()
                 else:
-                    self.window.adopt(leaf, op.slots, op.window, window_pages)
+                    self.trailing.adopt(leaf, op.slots, op.trailing, trailing)  # type: ignore[arg-type]
         if n < op.slots.size:
             self.host.free_held(op.slots[n:])
         self.prefetched_tokens += n
         return n
 
-    def _take_window(self, op: PrefetchOp, policy: str, whole: bool) -> np.ndarray | None:
-        """The window pages of ``op`` when every full page of its run was taken (``whole``) and
-        every window page arrived (agreed over processes), else None (reads abandoned)."""
-        if self.window is None or op.window is None:
+    def _take_trailing(self, op: PrefetchOp, policy: str, whole: bool) -> np.ndarray | None:
+        """The second store's pages of ``op`` when every KV page of its run was taken (``whole``)
+        and every one of them arrived (agreed over processes), else None (reads abandoned)."""
+        if self.trailing is None or op.trailing is None:
             return None
         if not whole:
-            self.window.cancel(op.window)
+            self.trailing.cancel(op.trailing)  # type: ignore[arg-type]
             return None
         remaining = max(0.0, op.started + self._timeout(op) - time.monotonic())
-        pages = self.window.take(op.window, policy, remaining)
-        return pages if self._agreed("storage window arrived", int(pages is not None)) else None
+        pages = self.trailing.take(op.trailing, policy, remaining)  # type: ignore[arg-type]
+        return pages if self._agreed("storage trailing arrived", int(pages is not None)) else None
 
     def _agreed(self, tag: str, value: int) -> int:
         """``value`` (this process's) agreed with the other processes: their minimum."""
@@ -412,6 +442,8 @@ class StorageOptions:
         prefetch_policy, prefetch_timeout_s, prefetch_threshold: as for :class:`StorageLink`.
         window: the windowed pool's store and host pool, for a tree that needs it (the hybrid
             sliding-window tree's sliding layers; ``kvjax.radix.storage_window``).
+        checkpoints: the checkpoints' store and host state pool, for a tree that needs it (the
+            recurrent-state tree; ``kvjax.radix.storage_checkpoint``).
     """
 
     store: StorageTier
@@ -420,3 +452,4 @@ class StorageOptions:
     prefetch_timeout_s: float | None = None
     prefetch_threshold: int = PREFETCH_THRESHOLD
     window: WindowStore | None = None
+    checkpoints: CheckpointStore | None = None

@@ -161,6 +161,10 @@ class StorageWindow:
         if read.prefetch.taken is None:
             read.prefetch.take("best_effort")
 
+    def dropped(self) -> None:
+        """A prefetch's node was inserted without its window."""
+        self.windows_dropped += 1
+
     def adopt(self, leaf: TreeNode, slots: np.ndarray, read: WindowRead, pages: np.ndarray) -> None:
         """Write the window ``pages`` into the window host pool at the host ``slots`` of the
         run's pages ``[read.first, ...)`` (``slots``: the run's, one per token) and tell the tree

@@ -114,6 +114,7 @@ class TieredTree(RadixTree):
                 prefetch_timeout_s=storage.prefetch_timeout_s,
                 prefetch_threshold=storage.prefetch_threshold,
                 window=storage.window,
+                checkpoints=storage.checkpoints,
             )
 
     def _require_host(self, what: str) -> HostTierComponent:

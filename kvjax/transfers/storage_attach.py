@@ -27,8 +27,13 @@ the sliding layers', with the same host slot ids) the full layers' pages are the
 key of the full host pool, its layers) and the sliding layers' pages a second store beside it
 (the key of the SWA host pool, its layers; ``kvjax.radix.storage_window``), each sharded over TP
 ranks like its host page. SGLang 0.5.23 stores them the same way, the SWA pool as its own entries
-(``PoolName.SWA``) next to the KV pool's. Not built yet (:func:`check_storage_buildable`): under
-DP attention, over pipeline stages, and with a draft model's host pool (refused earlier as well).
+(``PoolName.SWA``) next to the KV pool's. Under the recurrent-state tree (``HiMambaRadixCache``:
+the KV host pool and the host state pool, slot ids of its own) the KV pages are the page store and
+the checkpoints a second store beside it, one entry per state (every layer's rows of every state
+array as bytes; the key names the recurrent layers, the arrays' dtypes and the TP size:
+``kvjax.radix.storage_checkpoint``), as SGLang 0.5.23 stores its Mamba pool (``PoolName.MAMBA``).
+Not built yet for either tree (:func:`check_storage_buildable`): under DP attention, over
+pipeline stages, across processes, and with a draft model's host pool (refused earlier as well).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ import numpy as np
 
 from kvjax.layout.storage import is_fp8, logical_dtype_name
 from kvjax.plan.draft import DRAFT_HOST_POOL_NAME, DRAFT_POOL_NAME
+from kvjax.plan.kinds.recurrent import HOST_STATE_POOL
 from kvjax.plan.kinds.swa import POOL as SWA_POOL
 from kvjax.plan.kinds.swa import SWA_HOST_POOL_NAME
+from kvjax.radix.storage_checkpoint import CheckpointStore, state_page_shape
 from kvjax.radix.storage_link import StorageOptions
 from kvjax.radix.storage_window import WindowStore
 from kvjax.tiers.head_shards import HeadShards
@@ -56,6 +63,7 @@ if TYPE_CHECKING:
     from kvjax.config import CacheConfig
     from kvjax.plan import CachePlan
     from kvjax.tiers.host_pool import HostKVPool
+    from kvjax.tiers.host_state_pool import HostStatePool
 
 
 def storage_key(
@@ -108,8 +116,9 @@ def check_storage_buildable(plan: CachePlan, config: CacheConfig) -> None:
     heads, head dim) or KV-head replicas over the TP ranks differ from the target's (one stored
     entry stacks the two pools' layers, sharded over the ranks alike: module docstring); a pool
     striped over DCP ranks across several processes (a stored entry is the whole striped page,
-    and a process's host page holds only its own devices' rows); the hybrid sliding-window tree's
-    stores under DP attention, over pipeline stages, across processes or with a draft's host pool."""
+    and a process's host page holds only its own devices' rows); the hybrid sliding-window and the
+    recurrent-state trees' second stores under DP attention, over pipeline stages, across
+    processes or with a draft's host pool."""
     if config.hicache_storage_backend is None:
         return
     import jax
@@ -121,11 +130,13 @@ def check_storage_buildable(plan: CachePlan, config: CacheConfig) -> None:
         "a speculative draft model's host pool": plan.draft is not None,
     }
     layout = next((name for name, on in refused.items() if on), None)
-    if plan.is_hybrid_swa and layout is not None:
+    tree = "the hybrid sliding-window tree" if plan.is_hybrid_swa else "the recurrent-state tree"
+    second = "sliding layers' pages are" if plan.is_hybrid_swa else "checkpoints are"
+    if (plan.is_hybrid_swa or plan.is_hybrid_ssm) and layout is not None:
         raise NotImplementedError(
-            f"kvjax cannot build the storage tier under the hybrid sliding-window tree with {layout} yet (its "
-            "sliding layers' pages are stored on one device or a TP mesh only); drop "
-            f"hicache_storage_backend={config.hicache_storage_backend!r} or serve it without that"
+            f"kvjax cannot build the storage tier under {tree} with {layout} yet (its {second} stored on one "
+            f"device or a TP mesh only); drop hicache_storage_backend={config.hicache_storage_backend!r} or serve "
+            "it without that"
         )
 
     if config.dcp_enabled and jax.process_count() > 1:
@@ -193,14 +204,14 @@ def open_storage_tier(
     config: CacheConfig,
     draft_host_pool: HostKVPool | None = None,
     *,
-    host_pools: Mapping[str, HostKVPool] | None = None,
+    host_pools: Mapping[str, Any] | None = None,
 ) -> StorageOptions:
     """Open the store (``"memory"``, or the ``"file"`` backend in ``hicache_storage_dir``) over pages
     of ``host_pool``, under :func:`storage_key`, with the config's prefetch settings: what the
     tree's constructor links behind its host tier. ``draft_host_pool``: the draft model's host
     pool (the same slots), whose layers each page holds after the target's (module docstring).
-    ``host_pools``: the plan's host pools by name; the sliding-window host pool among them gets a
-    store of its own beside the page store (module docstring).
+    ``host_pools``: the plan's host pools by name; the sliding-window host pool or the host state
+    pool among them gets a store of its own beside the page store (module docstring).
     """
     location = "memory" if config.hicache_storage_backend == "memory" else str(config.hicache_storage_dir)
     window_host_pool = None if host_pools is None else host_pools.get(SWA_HOST_POOL_NAME)
@@ -208,6 +219,11 @@ def open_storage_tier(
         if draft_host_pool is not None:
             raise NotImplementedError("the storage tier of a draft model's host pool beside the sliding-window pools")
         return _open_window_storage(plan, host_pool, window_host_pool, pools, config, location)
+    state_host_pool = None if host_pools is None else host_pools.get(HOST_STATE_POOL.name)
+    if state_host_pool is not None:
+        if draft_host_pool is not None:
+            raise NotImplementedError("the storage tier of a draft model's host pool beside the host state pool")
+        return _open_checkpoint_storage(plan, host_pool, state_host_pool, pools, config, location)
     key = storage_key(plan, host_pool, pools, config)
     pages: Any = host_pool
     if draft_host_pool is not None:
@@ -252,4 +268,43 @@ def _open_window_storage(
         prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
         prefetch_threshold=config.hicache_storage_prefetch_threshold,
         window=WindowStore(window, window_host_pool),
+    )
+
+
+def checkpoint_storage_key(plan: CachePlan, state_pool: HostStatePool, config: CacheConfig) -> StorageKey:
+    """The key of the checkpoints a cache of ``plan`` writes from ``state_pool`` (the plan's host
+    state pool): ``config.hicache_storage_model_fingerprint``, one state's stored page
+    (``state_page_shape``, bytes), the state arrays' storage dtypes, the layout
+    (``recurrent-state/slot``), the TP size, this process's index as the rank, the recurrent layer
+    ids, and ``config.hicache_storage_namespace``."""
+    import jax
+
+    host_plan = next(p for p in plan.pools if p.name == HOST_STATE_POOL.name)
+    return StorageKey(
+        model=str(config.hicache_storage_model_fingerprint or ""),
+        page_shape=state_page_shape(state_pool),
+        store_dtype="uint8",
+        kv_dtype="+".join(dtype for _, dtype in state_pool.rows),
+        layout="recurrent-state/slot",
+        tp_rank=jax.process_index(),
+        tp_size=config.tp_size,
+        layers=tuple(host_plan.layer_ids),
+        namespace=config.hicache_storage_namespace,
+    )
+
+
+def _open_checkpoint_storage(
+    plan: CachePlan, host_pool: HostKVPool, state_pool: HostStatePool, pools: Any, config: CacheConfig, location: str
+) -> StorageOptions:
+    """The page store of the KV ``host_pool`` and, beside it, the store of the checkpoints in
+    ``state_pool`` (module docstring; one entry per state, the host pool's rows of every rank)."""
+    full = StorageTier(location, key=storage_key(plan, host_pool, pools, config), shards=rank_shards(host_pool, config))
+    states = StorageTier(location, key=checkpoint_storage_key(plan, state_pool, config))
+    return StorageOptions(
+        full,
+        host_pool,
+        prefetch_policy=config.hicache_storage_prefetch_policy,
+        prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
+        prefetch_threshold=config.hicache_storage_prefetch_threshold,
+        checkpoints=CheckpointStore(states, state_pool),
     )

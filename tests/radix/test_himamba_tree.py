@@ -15,9 +15,12 @@ from kvjax.pools.cache_pools import CachePools
 from kvjax.pools.recurrent import RecurrentStatePool
 from kvjax.radix import HiRadixCache
 from kvjax.radix.himamba_radix_cache import HiMambaRadixCache
+from kvjax.radix.storage_link import StorageOptions
 from kvjax.tiers.copy_engine import CopyError, TransferStatus
 from kvjax.tiers.host_state_pool import HostStatePool
 from kvjax.tiers.simulated_copy import SimulatedCopyEngine
+from kvjax.tiers.storage import StorageTier
+from kvjax.tiers.storage_key import StorageKey
 from kvjax.transfers.state_transfer import StateTransferEngine
 
 
@@ -161,8 +164,11 @@ def test_bad_input_and_unbuilt_options_are_named():
         t.load_back(other.last_insert_node)
     with pytest.raises(NotImplementedError, match="write_back"):
         HiMambaRadixCache(host_pool_tokens=64, mamba_pool_size=2, write_policy="write_back")
-    with pytest.raises(NotImplementedError, match="storage tier"):
-        HiMambaRadixCache(host_pool_tokens=64, mamba_pool_size=2, storage=object())
+    # a storage tier without the checkpoints' store (its prefixes could never end at a state)
+    key = StorageKey(model="m", page_shape=(1, 1, 2, 8), store_dtype="float32", kv_dtype="float32")
+    storage = StorageOptions(StorageTier("memory", key=key), object())  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="needs its recurrent-state checkpoints stored beside"):
+        HiMambaRadixCache(host_pool_tokens=64, mamba_pool_size=2, storage=storage)
     assert isinstance(t, HiRadixCache)
 
 
