@@ -31,7 +31,7 @@ HEAVIEST_FIRST = (
     "test_tp_speculative_swa.py",  # 80
     "test_matrix_pairs.py",  # 100
     "test_multihost_speculative.py",  # 60
-    "test_dp_speculative.py",  # 35
+    "test_dp_speculative.py",  # 55
     "test_dcp_speculative.py",  # 45
     "test_multihost_dcp.py",  # 45
     "test_dp_dcp_host_tier.py",  # 25
@@ -39,6 +39,7 @@ HEAVIEST_FIRST = (
     "test_multihost_storage.py",  # 35
     "test_deepseek_v3_composition.py",  # 35
     "test_pp_tiers.py",  # 30
+    "test_dp_pp.py",  # 30
     "test_multihost_dp.py",  # 33
     "test_real_model_tp.py",  # 32
     "test_pd_speculative.py",  # 29
