@@ -46,6 +46,9 @@ CASES = [
     # Hybrid sliding window (window 16): SWA and full pools, with and without the host tier.
     _case("gemma3-tiny", 8, page_size=4, pool=128, expect=(E, U)),
     _case("gemma3-tiny", 9, page_size=4, pool=128, policy="lfu", host=True, expect=(E, U, HOST)),
+    # ... with the storage tier: the sliding layers' pages of the last window stored beside the full
+    # layers' and prefetched with them (a pool of 96: prefixes leave the host).
+    _case("gemma3-tiny", 303, page_size=4, pool=96, host=True, storage=True, requests=24, expect=(L3,)),
     # Every layer sliding: one SWA pool, the pure-SWA tree.
     _case("mistral-swa-tiny", 10, page_size=4, pool=64, expect=(E, R, U)),
     # Recurrent state, page 4 with the extra buffer: checkpoints evicted, a request short of state
@@ -90,6 +93,21 @@ SLOW_CASES = (
         )
     ]
     + [Case("tiny", seed=300, pool=96, chunk=8, host=True, storage=True, requests=24, expect=frozenset({L3}))]
+    # the storage tier under the recurrent-state tree (a checkpoint beside the KV pages)
+    + [
+        Case(
+            "qwen3-next-tiny",
+            302,
+            pool=96,
+            chunk=8,
+            host=True,
+            storage=True,
+            requests=24,
+            states=12,
+            running=4,
+            expect=frozenset({L3}),
+        ),
+    ]
 )
 
 
