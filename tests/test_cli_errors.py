@@ -22,7 +22,6 @@ ERROR_LINE = re.compile(r"^python -m kvjax( (plan|demo|generate))?: error: \S")
 
 GEN = ["--model", "tiny", "--prompt-ids", "1,2"]
 STANDALONE = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny"]
-STANDALONE_SWA = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "gemma3-tiny"]
 
 # (argv, words the error line must contain). Each is refused before jax is imported.
 CASES = [
@@ -75,10 +74,6 @@ CASES = [
             "store",
         ],
         ["--hicache-storage store with --model qwen3-next-80b-a3b", "recurrent-state tree with --dp 2"],
-    ),
-    (
-        ["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--enable-hierarchical-cache", *STANDALONE_SWA],
-        ["--enable-hierarchical-cache with --speculative-algorithm STANDALONE", "--model gemma3-tiny"],
     ),
     (["generate", *GEN, "--tp", "2", "--dp", "2", "--image", "x.png"], ["--image x.png with --dp 2"]),
     (

@@ -11,6 +11,18 @@ landed, at the same polling step. Accounting is the target's: nothing is allocat
 ``cpu_tensor`` retraction backup copies the same way (:func:`with_draft_pool`: the draft's pool
 beside the target's, at the same slots).
 
+A kind's composed engine (:class:`TokenPagesComposition`) pairs the draft with the one engine in it
+that copies the pages the allocator's token slots index, never with the rest: the sliding-window
+pair's full half (the draft's pool is indexed by the full slots, ``kvjax.plan.draft``; the sliding
+half's SWA slots index nothing of the draft's), the recurrent kind's KV page engine (the checkpoints'
+state slots index nothing of the draft's, and the draft has no state of its own). SGLang 0.5.23
+does the same for the draft's full-attention pool: its hybrid pool assembler's ``PoolName.DRAFT``
+entry takes its host indices from the target's KV entry (``indices_from_pool=PoolName.KV``),
+beside the ``SWA`` / ``MAMBA`` entries copied by their own indices. Where kvjax differs: a
+sliding-window draft's sliding layers are in ``"kv_draft"`` too (indexed by the full slots, not
+windowed), so they ride with the full pages; SGLang gives them their own pool and host entry
+(``PoolName.DRAFT_SWA``, the target's SWA indices, its trailing pages).
+
 Errors: a backup reports FAILED when either copy failed (the tree then drops the host copy and
 recomputes, losing nothing). A load that cannot start raises ``CopyError`` with nothing recorded
 for the target pool: the draft's load is started first (its scatter recorded as a pending device
@@ -21,8 +33,9 @@ target's. Device state changes only when the owner of the step applies the pendi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -106,20 +119,38 @@ def with_draft_pool(pool_names: tuple[str, ...], pools: Any) -> tuple[str, ...]:
     return (*pool_names, DRAFT_POOL_NAME) if DRAFT_POOL_NAME in pools else tuple(pool_names)
 
 
+@runtime_checkable
+class TokenPagesComposition(Protocol):
+    """A kind's host-tier engine composed of several (the sliding-window pair, the recurrent KV
+    and state engines) that can pair another engine with the one of them copying the pages the
+    allocator's token slots index (the engine whose device and host slots a draft's pool shares)."""
+
+    def pair_token_pages(self, pair: Callable[[Any], Any]) -> Any:
+        """A copy of this engine whose token pages' engine ``e`` is ``pair(e)``; the others as they are."""
+        ...
+
+
 def with_draft_transfers(engine: Any, draft_host_pool: Any, page_engine: Any = None) -> Any:
-    """``engine`` (the target pool's page engine), paired with one over the draft pool
-    ``"kv_draft"`` and ``draft_host_pool`` when there is one, recording into the same pending
-    device updates (``engine.pending``), so the draft's loads are applied with the target's.
-    ``page_engine``: makes the draft's engine (a ``TransferContext.page_engine``, e.g. a DP rank's);
-    ``None``: ``PageTransferEngine``."""
+    """``engine`` (the host tier's engine of the target's pools), whose engine over the pages the
+    allocator's token slots index (``engine`` itself, or a :class:`TokenPagesComposition`'s part)
+    is paired with one over the draft pool ``"kv_draft"`` and ``draft_host_pool`` when there is
+    one, recording into the same pending device updates (that engine's ``pending``), so the
+    draft's loads are applied with the target's. ``page_engine``: makes the draft's engine (a
+    ``TransferContext.page_engine``, e.g. a DP rank's); ``None``: ``PageTransferEngine``.
+    ``AssertionError`` when the two host pools differ in size (the plan sizes them alike)."""
     if draft_host_pool is None:
         return engine
     from kvjax.transfers.transfer import PageTransferEngine
 
-    if draft_host_pool.size != engine.host_pool.size:
-        raise AssertionError(
-            f"draft host pool of {draft_host_pool.size} slots, target's {engine.host_pool.size}: they must match"
-        )
     make = page_engine if page_engine is not None else PageTransferEngine
-    draft = make(engine.pending, draft_host_pool, DRAFT_POOL_NAME, engine.staging)
-    return PairedCopyEngine(engine, draft)
+
+    def pair(pages: Any) -> PairedCopyEngine:
+        if draft_host_pool.size != pages.host_pool.size:
+            raise AssertionError(
+                f"draft host pool of {draft_host_pool.size} slots, target's {pages.host_pool.size}: they must match"
+            )
+        return PairedCopyEngine(pages, make(pages.pending, draft_host_pool, DRAFT_POOL_NAME, pages.staging))
+
+    if isinstance(engine, TokenPagesComposition):
+        return engine.pair_token_pages(pair)
+    return pair(engine)

@@ -36,11 +36,18 @@ its slice of the stacked pool, everything else (validation, handles, polling) be
 
 Cancelled transfers never land: a cancelled backup's update gathers nothing and its poll reports
 FAILED.
+
+A draft model's pool (``"kv_draft"``: a STANDALONE draft's, or Qwen3-Next's MTP layer's, indexed by
+the KV pool's token slots, with no state of its own) rides with the KV pages
+(:meth:`KVAndStateEngine.pair_token_pages`, ``kvjax.transfers.draft_pools``), never with the
+checkpoints: a prefix's draft pages go to the host and come back with its KV pages.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +262,13 @@ class KVAndStateEngine:
     def engines(self) -> tuple[Any, ...]:
         """The engines this one copies through: the KV pages', then the state's."""
         return (self.kv, self.state)
+
+    def pair_token_pages(self, pair: Callable[[Any], Any]) -> KVAndStateEngine:
+        """A copy of this engine whose KV engine is ``pair(kv)`` and whose state engine is this
+        one's (``kvjax.transfers.draft_pools.TokenPagesComposition``)."""
+        new = copy.copy(self)
+        new.kv = pair(self.kv)
+        return new
 
     def start_backup(self, device_slots: np.ndarray, host_slots: np.ndarray) -> Any:
         return self.kv.start_backup(device_slots, host_slots)

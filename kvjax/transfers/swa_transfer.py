@@ -21,10 +21,17 @@ last handed in); a transfer is DONE when both halves are, FAILED when either fai
 attention each rank's pair is made of the rank's page engines (``page_engine``:
 ``kvjax.dp.rank_transfer.RankPageTransferEngine`` over the part's slice of the stacked pool, the
 rank's own host pools and allocator), so each half reads and writes only the rank's slice.
+
+A draft model's pool (``"kv_draft"``, indexed by the full slots: ``kvjax.plan.draft``) rides with
+the full half (:meth:`SWAPageTransferEngine.pair_token_pages`, ``kvjax.transfers.draft_pools``):
+its pages are copied at the full slots and host slots of every transfer, whether the sliding side
+of those slots is copied or not.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +99,18 @@ class SWAPageTransferEngine:
     def engines(self) -> tuple[Any, ...]:
         """The page engines this pair copies through (the full half, if any, then the sliding one)."""
         return (self.swa,) if self.full is None else (self.full, self.swa)
+
+    def pair_token_pages(self, pair: Callable[[Any], Any]) -> SWAPageTransferEngine:
+        """A copy of this engine whose full half is ``pair(full half)`` (the allocator's slots
+        are the full slots; ``kvjax.transfers.draft_pools.TokenPagesComposition``).
+        ``NotImplementedError`` for an engine without a full half (a pipeline stage of sliding
+        layers only: a draft runs on the last stage, and speculative decoding over pipeline stages
+        is refused before this)."""
+        if self.full is None:
+            raise NotImplementedError("a draft model's host pool beside a pipeline stage of sliding layers only")
+        new = copy.copy(self)
+        new.full = pair(self.full)
+        return new
 
     def _paired(self, device_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         swa = self.allocator.full_to_swa_index_mapping[np.asarray(device_slots, dtype=np.int64)]

@@ -356,13 +356,6 @@ def test_a_pure_sliding_window_target_refuses_a_draft_that_sees_past_its_window(
         plan_kv_cache(target, _standalone(max_total_tokens=256), draft_spec=wider)
 
 
-def test_a_host_tier_over_a_sliding_window_target_with_a_draft_is_refused_by_name():
-    spec = ModelSpec.preset("gemma3-tiny")
-    config = _standalone(max_total_tokens=256, enable_hierarchical_cache=True)
-    with pytest.raises(NotImplementedError, match="host tier of gemma3-tiny.*STANDALONE draft"):
-        build_kv_cache(spec, config, draft_spec=spec)
-
-
 # --- the command line ---------------------------------------------------------------------------
 
 

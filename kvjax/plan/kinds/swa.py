@@ -14,8 +14,9 @@ SWA slot with it (the allocator's ``free`` unpairs the full→SWA mapping), so t
 A STANDALONE draft's pool ``"kv_draft"`` is planned as for a full-attention target
 (``kvjax.plan.draft``), indexed by the allocator's slots, its layers checked here
 (``standalone_draft``: sliding layers allowed; a pure target's draft slides on every layer) and
-counted in the split (``split_tokens``' ``draft_layers``); a host tier with it is refused
-(``draft_host_refusal``).
+counted in the split (``split_tokens``' ``draft_layers``); with the host tier its host pool
+``"host_kv_draft"`` has the full side's host slots and its pages ride with the full side's
+(``kvjax.transfers.swa_transfer``).
 """
 
 from __future__ import annotations
@@ -189,9 +190,6 @@ KIND = PlannerKind(
     kv_pool_priority=2,
     plans_draft_pools=False,  # EAGLE-style drafts; a STANDALONE draft's pool is planned (standalone_draft)
     standalone_draft=standalone_draft,
-    draft_host_refusal=(
-        "the draft's host pool beside the sliding-window host pools (full layers, sliding layers) is not built"
-    ),
     speculative_rollback=True,
     attention_pools=attention_pools,
     host_pools=host_pools,
