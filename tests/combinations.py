@@ -473,7 +473,10 @@ GAP_RECURRENT_STORAGE = (
     f"{GAP}: the storage tier under the recurrent-state tree with DP attention (its checkpoints are stored on one "
     "device or a TP mesh in one process)"
 )
-GAP_RECURRENT_DRAFT_HOST = f"{GAP}: a draft model's host pool beside the recurrent-state checkpoints' host copies"
+GAP_RECURRENT_DRAFT_STORAGE = (
+    f"{GAP}: the storage tier under the recurrent-state tree with a draft model's host pool (its pages are not "
+    "stored with the KV pages)"
+)
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
 GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
 GAP_SWA_PP_RETRACTION = (
@@ -855,6 +858,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("recurrent", "host", "host"): (
         "tests/serve/test_recurrent_host_tier.py::test_qwen3_next_prefixes_and_checkpoints_come_back_from_the_host"
     ),
+    ("recurrent", "standalone", "host"): (
+        "tests/serve/test_speculative_recurrent_host_tier.py::"
+        "test_the_drafts_pages_come_back_with_the_kv_and_acceptance_is_unchanged"
+    ),
     ("recurrent", "host", "overlap"): (
         "tests/serve/test_recurrent_host_tier.py::test_qwen3_next_retraction_and_evicted_checkpoints_with_the_host_tier"
     ),
@@ -968,11 +975,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "pp", "retraction"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
-    ("recurrent", "standalone", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
-    ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_HOST),
+    ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
-    ("recurrent", "eagle", "host"): refused(GAP_RECURRENT_DRAFT_HOST),
     ("recurrent", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("recurrent", "eagle", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),

@@ -174,8 +174,9 @@ def draft_pool_plans(draft: DraftModel | None, num_pages: int, host_pages: int |
 
 def check_draft_host_tier_buildable(plan: CachePlan) -> None:
     """``NotImplementedError`` for a host tier with a draft pool over a kind whose host pools the
-    draft's is not built beside (``PlannerKind.draft_host_refusal``: the sliding-window pair).
-    ``build_kv_cache`` calls it before it allocates anything."""
+    draft's is not built beside (``PlannerKind.draft_host_refusal``; every kind kvjax plans a
+    draft's pool for builds it now: the draft's pages ride with the pages the allocator's slots
+    index, ``kvjax.transfers.draft_pools``). ``build_kv_cache`` calls it before it allocates anything."""
     if plan.draft is None or not plan.draft.on_this_stage or not plan.attach_host_tier:
         return
     for kind in planner_kinds_of(plan):

@@ -144,7 +144,6 @@ KIND = PlannerKind(
     host_state_pools=host_state_pools,
     supports_host_pool_backup=no_host_pool_backup,
     host_pool_backup_refusal="host_pool retraction does not support Mamba/SSM models; use 'cpu_tensor'",
-    draft_host_refusal="a draft model's host pool beside the recurrent-state checkpoints' host copies is not built",
     write_back_refusal=(
         "a recurrent-state checkpoint's host copy would have to land before its eviction; use write_through or "
         "write_through_selective"
