@@ -862,6 +862,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_speculative_recurrent_host_tier.py::"
         "test_the_drafts_pages_come_back_with_the_kv_and_acceptance_is_unchanged"
     ),
+    ("recurrent", "eagle", "host"): (
+        "tests/serve/test_speculative_recurrent_host_tier.py::test_the_mtp_layers_pages_come_back_with_the_kv"
+    ),
     ("recurrent", "host", "overlap"): (
         "tests/serve/test_recurrent_host_tier.py::test_qwen3_next_retraction_and_evicted_checkpoints_with_the_host_tier"
     ),
