@@ -457,7 +457,6 @@ GAP_SPEC_OVERLAP_RECURRENT = (
     f"{GAP}: speculative rounds of recurrent state overlapped (the state replay needs the accepted counts on the "
     "host; kvjax reads each round before launching the next)"
 )
-GAP_EAGLE_STORAGE = f"{GAP}: the storage tier with bigram (EAGLE) keys"
 GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
 GAP_SWA_STORAGE = (
     f"{GAP}: the storage tier under the hybrid sliding-window tree with DP attention, pipeline stages or several "
@@ -591,6 +590,12 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
     ("full", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
+    ("full", "eagle", "storage"): (
+        "tests/serve/test_matrix_pairs.py::test_eagle_with_the_storage_tier_hashes_bigram_pages"
+    ),
+    ("mla", "eagle", "storage"): (
+        "tests/serve/test_matrix_pairs.py::test_eagle_with_the_storage_tier_hashes_bigram_pages"
+    ),
     ("swa", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
     ("mla", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
     ("full", "tp", "standalone"): "tests/mesh/test_tp_speculative.py::test_tp2_page_16_reuse_multi_turn_chunked",
@@ -921,7 +926,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
-    ("full", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
@@ -952,7 +956,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
-    ("mla", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
@@ -981,7 +984,7 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
-    ("recurrent", "eagle", "storage"): refused(GAP_EAGLE_STORAGE),
+    ("recurrent", "eagle", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
     ("recurrent", "eagle", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
     ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),

@@ -83,11 +83,6 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             "process's host page holds its own devices' rows of a striped page); drop --num-processes, "
             "--hicache-storage or --dcp",
         ),
-        (
-            algorithm in ("EAGLE", "EAGLE3", "NEXTN") and storage is not None,
-            f"--hicache-storage {storage} with {spec_flag}: the storage tier with bigram (EAGLE) keys is {_GAP}; drop "
-            "one of the two",
-        ),
     ]
     for refused, line in refusals:
         if refused:

@@ -43,8 +43,13 @@ got into the tree meanwhile (another request inserted them) or the node they han
 Where kvjax differs: the storage reads are asynchronous (tensorstore futures) but the store is
 asked synchronously how many pages it holds (SGLang asks in its prefetch thread); prefetched
 pages become one host-only node (SGLang inserts them through its host insert path, with the same
-result); bigram (EAGLE) keys are not supported (their pages hash token windows of
-``page_size + 1``; ValueError).
+result).
+
+Bigram (EAGLE) keys: key element ``i`` is the token pair ``(i, i + 1)``, so a page of
+``page_size`` elements covers ``page_size + 1`` tokens and is hashed over them (``page_hashes(...,
+bigram=True)``, SGLang's bigram page hash), and a prefetched node's edge starts at its anchor's
+last token (the tree's bigram edges overlap by one token). With a second store beside the pages
+(below) bigram keys are refused (ValueError): no tree with one takes them.
 
 A tree whose prefixes need more than the KV pages is given a second store beside the pages (SGLang's
 ``TRAILING_PAGES`` pools): the hybrid sliding-window tree its sliding layers' pages, valid for the
@@ -61,6 +66,7 @@ every page above it, and a node there may lack only what the second store brings
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,7 +102,8 @@ class HostPages(Protocol):
 
 @dataclass
 class PrefetchOp:
-    """One request's prefetch in flight: where its node will hang, its tokens, host slots and reads."""
+    """One request's prefetch in flight: where its node will hang, its tokens (the new edge's: one more
+    than its key elements with bigram keys), host slots and reads."""
 
     anchor: TreeNode
     tokens: list[int]
@@ -151,8 +158,8 @@ class StorageLink:
         if prefetch_threshold < 0:
             raise ConfigError("prefetch_threshold", prefetch_threshold, "use a token count >= 0")
         tree = host.tree
-        if tree.is_eagle:
-            raise ValueError("the storage tier does not support bigram (EAGLE) keys")
+        if tree.is_eagle and (window is not None or checkpoints is not None):
+            raise ValueError("a storage tier with a second store beside the pages takes no bigram (EAGLE) keys")
         if storage.storage_key.page_size != tree.page_size:
             raise ConfigError(
                 "storage page size",
@@ -200,17 +207,25 @@ class StorageLink:
     # -- hashes ---------------------------------------------------------------------------------
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
+        """The tokens from the root to ``node``'s end (with bigram keys each edge after the first
+        starts at its parent's last token: that overlap is counted once)."""
         parts = []
         n = node
         while n is not self.tree.root:
             parts.append(n.token_ids())
             n = n.parent
-        return [t for part in reversed(parts) for t in part]
+        overlap = int(self.tree.is_eagle)
+        ordered = list(reversed(parts))
+        return [t for i, part in enumerate(ordered) for t in (part if i == 0 else part[overlap:])]
+
+    def _hashes(self, tokens: Sequence[int], extra_key: Any) -> list[int]:
+        return page_hashes(
+            tokens, self.page_size, extra_key=extra_key, seed=self.tree.hash_seed, bigram=self.tree.is_eagle
+        )
 
     def node_hashes(self, node: TreeNode) -> list[int]:
         """The chained hashes of ``node``'s own pages."""
-        tokens = self._path_tokens(node)
-        hashes = page_hashes(tokens, self.page_size, extra_key=node.extra_key, seed=self.tree.hash_seed)
+        hashes = self._hashes(self._path_tokens(node), node.extra_key)
         return hashes[len(hashes) - node.klen // self.page_size :]
 
     # -- backup ---------------------------------------------------------------------------------
@@ -286,6 +301,7 @@ class StorageLink:
         if rid in self._ops:
             return 0
         tokens = [int(t) for t in key]
+        ex = int(self.tree.is_eagle)  # bigram keys: one token more than the key's elements
         ps = self.page_size
         hit = match.prefix_len + int(getattr(match, "host_hit_length", 0))
         anchor = getattr(match, "last_host_node", None) or match.last_node
@@ -294,10 +310,10 @@ class StorageLink:
             walked = match.walk_node
             if int(walked.depth) > hit:
                 hit, anchor = int(walked.depth), walked
-        whole = len(tokens) // ps * ps
+        whole = max(0, len(tokens) - ex) // ps * ps
         if whole - hit < max(self.threshold, ps):
             return 0
-        hashes = page_hashes(tokens[:whole], ps, extra_key=extra_key, seed=self.tree.hash_seed)[hit // ps :]
+        hashes = self._hashes(tokens[: whole + ex], extra_key)[hit // ps :]
         n = self._agreed_pages("storage hits", self.storage.leading_hits(hashes)) * ps
         if self.trailing is not None and n:
             n = self._agreed_pages("storage trailing hits", self.trailing.restorable(hashes[: n // ps])) * ps
@@ -309,7 +325,7 @@ class StorageLink:
         prefetch = self.storage.prefetch(hashes[: n // ps])
         trailing = None if self.trailing is None else self.trailing.start(hashes[: n // ps])
         self._ops[rid] = PrefetchOp(
-            anchor, tokens[hit : hit + n], extra_key, slots, prefetch, time.monotonic(), trailing
+            anchor, tokens[hit : hit + n + ex], extra_key, slots, prefetch, time.monotonic(), trailing
         )
         self.prefetches += 1
         return n
@@ -366,11 +382,12 @@ class StorageLink:
         pages = op.prefetch.take(policy, max(0.0, op.started + self._timeout(op) - time.monotonic()))
         pages = pages[: self._agreed_pages("prefetch pages", pages.shape[0])]
         n = pages.shape[0] * self.page_size
-        trailing = self._take_trailing(op, policy, n == len(op.tokens))
+        ex = int(self.tree.is_eagle)
+        trailing = self._take_trailing(op, policy, n + ex == len(op.tokens))
         leaf = None
         if n and op.anchor.residency != DELETED:
             try:
-                leaf = self.tree.add_host_only_leaf(op.anchor, op.tokens[:n], op.extra_key)
+                leaf = self.tree.add_host_only_leaf(op.anchor, op.tokens[: n + ex], op.extra_key)
             except ValueError:  # the tokens got into the tree meanwhile
                 leaf = None
         if leaf is None:

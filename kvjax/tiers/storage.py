@@ -65,22 +65,28 @@ def page_hashes(
     extra_key: Hashable = None,
     seed: int | bytes | str = 0,
     prior_hash: int | None = None,
+    bigram: bool = False,
 ) -> list[int]:
     """The chained hashes of the whole pages of ``tokens`` (a trailing partial page has none).
 
     ``prior_hash``: the hash of the page before ``tokens[0]`` (continue a chain from a matched
-    prefix); None starts the chain at the namespace root of ``extra_key``. Equal to the hashes the
-    tree's KV events carry for the same pages with the same ``seed`` (page keys, not bigrams).
+    prefix); None starts the chain at the namespace root of ``extra_key``. ``bigram``: EAGLE's
+    bigram keys, whose key element ``i`` is the token pair ``(i, i + 1)``: ``tokens`` hold one
+    token more than the elements, and page ``j`` hashes the ``page_size + 1`` tokens from
+    ``j * page_size`` (SGLang's bigram page hash). Equal to the hashes the tree's KV events carry
+    for the same pages with the same ``seed``.
     """
     if page_size < 1:
         raise ConfigError("page_size", page_size, "use an integer >= 1")
-    n_pages = len(tokens) // page_size
+    extra = int(bigram)
+    n_pages = max(0, len(tokens) - extra) // page_size
     if n_pages == 0:
         return []
     hasher = PageHasher(seed)
     prior = hasher.root(extra_key) if prior_hash is None else PageHasher.as_bytes(prior_hash)
-    data = struct.pack(f"{n_pages * page_size}i", *[int(t) for t in tokens[: n_pages * page_size]])
-    return hasher.chain(prior, data, page_size * 4, page_size * 4, n_pages)
+    count = n_pages * page_size + extra
+    data = struct.pack(f"{count}i", *[int(t) for t in tokens[:count]])
+    return hasher.chain(prior, data, (page_size + extra) * 4, page_size * 4, n_pages)
 
 
 def _kvstore_spec(location: str | dict[str, Any]) -> dict[str, Any]:

@@ -11,21 +11,27 @@ device and the host and comes back from storage.
 STANDALONE speculative decoding with the storage tier, the target as its own draft: a stored page
 holds the draft pool's page with the target's (``kvjax.transfers.storage_attach``), so the
 second round's prefixes come back from storage into both pools and every proposal is accepted.
+EAGLE with the storage tier: the tree's bigram keys hashed page by page over ``page_size + 1``
+tokens, the MTP layer's latent stored with the target's.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvjax.build import build_kv_cache
+from kvjax.serve.checkpoint import load_checkpoint
 from kvjax.serve.generate import scheduler_for
 from kvjax.serve.host_tier import HostTierExtension
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative import DraftDecoding
+from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
+from kvjax.serve.speculative.nextn import load_nextn_draft, nextn_params
 from tests.mesh.tp_serving import family_checkpoint
 from tests.serve.parity_harness import (
     CHUNK,
@@ -35,6 +41,8 @@ from tests.serve.parity_harness import (
     parity_cache_config,
     serve_two_rounds,
 )
+from tests.serve.test_speculative_eagle import checkpoints as checkpoints  # noqa: F401, PLC0414  (the fixtures)
+from tests.serve.test_speculative_eagle import deepseek as deepseek  # noqa: F401, PLC0414
 
 MAX_NEW = 4
 ATOL = 1e-4
@@ -79,8 +87,11 @@ def _twice_round(sched: Scheduler) -> dict[str, ServingReq]:
     host = _host(sched)
     tree = sched.cache.tree_cache
     tree.check_transfers(wait=True)
-    assert host.prefetched_tokens >= SYSTEMS * 24 and host.loaded_tokens > 0, "prefixes should come from storage"
-    assert all((done[f"s1-{i}"].first_cached_tokens or 0) >= 24 for i in range(SYSTEMS))
+    # with bigram (EAGLE) keys a prompt's last token pairs with the next one: its system's whole
+    # pages of pairs are those of its first 23 tokens
+    shared = (24 - int(tree.is_eagle)) // sched.page_size * sched.page_size
+    assert host.prefetched_tokens >= SYSTEMS * shared and host.loaded_tokens > 0, "prefixes should come from storage"
+    assert all((done[f"s1-{i}"].first_cached_tokens or 0) >= shared for i in range(SYSTEMS))
     assert tree.storage.pending_prefetches == 0
     assert sched.leak_free() and host.host_balanced()
     tree.sanity_check()
@@ -121,4 +132,49 @@ def test_standalone_target_as_its_own_draft_accepts_everything_after_storage_hit
     stats = sched.proposer.stats
     # every proposal accepted: the draft's pages of each stored prefix came back with the target's
     assert stats.proposed_tokens > 0 and stats.acceptance_rate == 1.0, stats
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory) -> tuple[Any, Path, Path]:
+    """(Transformers' Llama target, its checkpoint, an EAGLE head's checkpoint: ``test_eagle_head``'s)."""
+    from tests.serve.test_eagle_head import _checkpoints
+
+    return _checkpoints(str(tmp_path_factory.mktemp("eagle_head")))
+
+
+@pytest.mark.parametrize("draft", ["mtp", "head"])
+def test_eagle_with_the_storage_tier_hashes_bigram_pages(draft, request):
+    """EAGLE with the storage tier (DeepSeek-V2's MTP layer over MLA; a Llama EAGLE head over full
+    attention): the tree's keys are bigrams, so a stored page is hashed over its ``page_size + 1``
+    tokens and a prefetched node's edge starts at its anchor's last token; a stored page holds the
+    draft's layer after the target's. Every second-round prefix comes back from storage;
+    Transformers' tokens and logits."""
+    if draft == "mtp":
+        hf, _, directory, _ = request.getfixturevalue("deepseek")
+        model = load_checkpoint(directory)
+        algorithm, params = "NEXTN", nextn_params(model.config, model.params, directory)
+    else:
+        hf, target_dir, head_dir = request.getfixturevalue("eagle_head")
+        model = load_checkpoint(target_dir)
+        algorithm, params = "EAGLE", load_nextn_draft(head_dir, model).params
+    config = parity_cache_config(
+        **_storage(model, speculative_algorithm=algorithm, speculative_num_steps=3, speculative_num_draft_tokens=4)
+    )
+    cache = build_kv_cache(model.spec, config)
+    assert cache.tree_cache.is_eagle and cache.draft_host_pool is not None
+    sched = eagle_scheduler(
+        model.config,
+        cache,
+        model.params,
+        draft_params=params,
+        num_steps=3,
+        max_batch_size=2,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+    )
+    store = sched.cache.tree_cache.storage.storage  # an entry holds the target's layers, then the draft's
+    assert store.page_shape[0] == model.spec.num_hidden_layers + 1
+    done = _twice_round(sched)
+    assert isinstance(sched.proposer, EagleDecoding) and sched.proposer.stats.proposed_tokens > 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
