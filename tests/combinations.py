@@ -477,7 +477,10 @@ GAP_RECURRENT_DRAFT_STORAGE = (
     "stored with the KV pages)"
 )
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
-GAP_RETRACTION_DROPPED = f"{GAP}: the cpu_tensor backup of this kind's pools (accepted, retracted requests recomputed)"
+GAP_RETRACTION_DROPPED = (
+    f"{GAP}: the cpu_tensor backup of a DP rank's slice of the recurrent state (accepted, retracted requests "
+    "recomputed)"
+)
 GAP_SWA_PP_RETRACTION = (
     f"{GAP}: the cpu_tensor backup of the sliding-window pools over pipeline stages (accepted, retracted requests "
     "recomputed)"
@@ -885,6 +888,19 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_dp_hybrid_host_tier.py::test_qwen3_next_checkpoints_through_each_ranks_host"
     ),
     ("recurrent", "tp", "host"): "tests/mesh/test_matrix_pairs.py::test_qwen3_next_tp2_with_the_host_tier",
+    # The cpu_tensor retraction backup copies the request's state slot with its KV pages and
+    # restores it into its new slot (Qwen3-Next at page 1, overlap on; with the host tier; at tp 2).
+    **dict.fromkeys(
+        [("recurrent", "retraction", "retraction"), ("recurrent", "retraction", "overlap")],
+        "tests/serve/test_recurrent_retraction.py::test_qwen3_next_retracted_requests_are_restored_with_their_state",
+    ),
+    ("recurrent", "host", "retraction"): (
+        "tests/serve/test_recurrent_retraction.py::test_qwen3_next_restores_beside_the_host_tier"
+    ),
+    ("recurrent", "tp", "retraction"): (
+        "tests/mesh/test_recurrent_retraction_tp.py::"
+        "test_qwen3_next_tp2_restores_retracted_requests_state_beside_the_host_tier"
+    ),
     # The storage tier under the recurrent-state tree (with the host tier, overlap on): prefixes back
     # from storage with the state after them (Qwen3-Next; at tp 2 every rank's share of the state).
     **dict.fromkeys(
@@ -958,10 +974,8 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "retraction", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "tp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
@@ -981,18 +995,12 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "pp", "retraction"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
-    ("recurrent", "standalone", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
     ("recurrent", "eagle", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
-    ("recurrent", "eagle", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "eagle", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),
-    ("recurrent", "host", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "host", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),
-    ("recurrent", "storage", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "storage", "processes"): refused(GAP_RECURRENT_HOST_PROCESSES),
-    ("recurrent", "retraction", "overlap"): dropped(GAP_RETRACTION_DROPPED),
-    ("recurrent", "retraction", "processes"): dropped(GAP_RETRACTION_DROPPED),
 }
 
 

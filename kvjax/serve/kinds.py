@@ -34,7 +34,8 @@ class ServingKind:
             ``cache`` (None: none for this cache, e.g. a pipeline stage without the kind's pool).
         retraction_parts: ``(cache) -> parts | None``, what the ``cpu_tensor`` retraction backup
             copies of the kind's pools (``kvjax.transfers.retraction_backup.CopyPart`` s, or pool
-            names copied at the request's slots); ``None`` from it: the kind's state cannot be
+            names copied at the request's slots, or ``RowPart`` s: rows the request holds, its
+            recurrent state slot); ``None`` from it: the kind's state cannot be
             backed up in ``cache`` (retracted requests recompute). No hook: the kind has no pool
             of its own to copy.
     """
@@ -93,6 +94,12 @@ def _swa_parts(cache: KVCache) -> Sequence[Any] | None:
     return swa_retraction_parts(cache)
 
 
+def _recurrent_parts(cache: KVCache) -> Sequence[Any] | None:
+    from kvjax.serve.recurrent_retraction import recurrent_retraction_parts
+
+    return recurrent_retraction_parts(cache)
+
+
 def _swa(cache: KVCache) -> ServingExtension:
     from kvjax.serve.swa_extension import SWAServing
 
@@ -126,7 +133,7 @@ for _kind in (
     ServingKind(names.FULL, retraction_parts=_kv_pool),
     ServingKind(names.MLA, retraction_parts=_kv_pool),
     ServingKind(names.SWA, _swa, _swa_parts),
-    ServingKind(names.RECURRENT, _recurrent),
+    ServingKind(names.RECURRENT, _recurrent, _recurrent_parts),
     ServingKind(names.HOST_TIER, _host_tier),
     ServingKind(names.RETRACTION, _retraction),
 ):

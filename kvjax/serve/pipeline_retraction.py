@@ -83,10 +83,10 @@ class StagedRetractionBackup:
     def fallbacks(self) -> int:
         return self._first.fallbacks
 
-    def backup(self, key: Any, slots: np.ndarray, start: int, end: int) -> bool:
+    def backup(self, key: Any, slots: np.ndarray, start: int, end: int, request: Any = None) -> bool:
         """Every stage's copy of tokens ``[start, end)`` at ``slots``; all or none kept."""
         for s, stage in enumerate(self.stages):
-            if not stage.backup(key, slots, start, end):
+            if not stage.backup(key, slots, start, end, request):
                 for taken in self.stages[:s]:
                     taken.discard(key)
                 return False
@@ -98,10 +98,10 @@ class StagedRetractionBackup:
     def pages_from(self, key: Any, token: int) -> int:
         return self._first.pages_from(key, token)
 
-    def restore(self, key: Any, device_slots: np.ndarray, from_token: int | None = None) -> bool:
+    def restore(self, key: Any, device_slots: np.ndarray, from_token: int | None = None, request: Any = None) -> bool:
         """Every stage's copy from ``from_token`` on written into ``device_slots`` (recorded on each
         stage's queue); a ``cpu_tensor`` restore does not fail once taken."""
-        return all([stage.restore(key, device_slots, from_token) for stage in self.stages])
+        return all([stage.restore(key, device_slots, from_token, request) for stage in self.stages])
 
     def poll(self, wait: bool = False) -> int:
         return sum(stage.poll(wait) for stage in self.stages)

@@ -15,9 +15,11 @@ in the mode the plan resolved (SGLang's ``resolve_decode_retraction_backup``):
   across processes nothing is fetched from another process's devices). Attached when the plan
   resolves ``cpu_tensor`` and the backup is active (``plan.decode_retraction_active``: a decode
   server, or the backup set explicitly; SGLang re-prefills retracted requests outside decode
-  mode), for pools the page kernels copy (MHA, MLA) without recurrent state; otherwise retracted
-  requests are recomputed. With a draft model the draft's pool ``"kv_draft"`` is copied and
-  restored at the same slots (``kvjax.transfers.draft_pools.with_draft_pool``), so a restored
+  mode), for pools the page kernels copy (MHA, MLA, a hybrid sliding-window pair), with a
+  recurrent-state cache's state slot beside them (``kvjax.serve.recurrent_retraction``: a
+  ``RowPart`` restored into the request's new slot); otherwise retracted requests are
+  recomputed. With a draft model the draft's pool ``"kv_draft"`` is copied and restored at the
+  same slots (``kvjax.transfers.draft_pools.with_draft_pool``), so a restored
   request's draft KV is its own again (an EAGLE draft's hidden-state store is not copied: see
   ``kvjax.serve.speculative.eagle``). Under lockstep DP attention (``in_lockstep``) the copies are the rank's own
   (``kvjax.dp.rank_transfer``: its pages of the stacked pool, written back into its slice only).
@@ -44,7 +46,7 @@ from kvjax.errors import ConfigError
 from kvjax.plan.kinds import planner_kinds_of
 from kvjax.serve.extension import ServingExtension
 from kvjax.transfers.draft_pools import with_draft_pool
-from kvjax.transfers.retraction_backup import CopyPart, RetractionBackup
+from kvjax.transfers.retraction_backup import CopyPart, RetractionBackup, RowPart
 from kvjax.transfers.transfer import PoolRef
 
 if TYPE_CHECKING:
@@ -77,10 +79,11 @@ def _page_load(pool: Any, copy: PageCopy, slots: np.ndarray) -> Any:
     return with_page_layers(pool, load_pages(layers, copy, pages))
 
 
-def backup_parts(cache: KVCache, kind_parts: Sequence[Any] | None) -> list[CopyPart] | None:
+def backup_parts(cache: KVCache, kind_parts: Sequence[Any] | None) -> list[CopyPart | RowPart] | None:
     """What a ``cpu_tensor`` backup of ``cache`` copies: ``kind_parts``, what each kind copies of
     its pools (``kvjax.serve.kinds.retraction_parts``: ``"kv"``; a hybrid sliding-window pool's
-    full side and the window of its sliding side; None when a kind's state cannot be backed up),
+    full side and the window of its sliding side; a recurrent-state cache's state slot, a
+    ``RowPart``; None when a kind's state cannot be backed up),
     then the draft's ``"kv_draft"`` at the request's slots when there is one; ``None`` when a
     kind's state cannot be backed up."""
     if kind_parts is None:
@@ -150,7 +153,7 @@ class RetractionBackupExtension(ServingExtension):
             return
         end = req.kv_len()
         row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.retraction.backup(req.rid, row[:end], 0, end)
+        self.retraction.backup(req.rid, row[:end], 0, end, request=req)
 
     def _restore(self, req: ServingReq) -> None:
         """Bring a retracted request's own KV back when its tree prefix is the one it had."""
@@ -176,7 +179,7 @@ class RetractionBackupExtension(ServingExtension):
             # No room now: keep the backup for a later admission (this one will likely not fit
             # either; if it does, the request recomputes and its release replaces the backup).
             return
-        if not retraction.restore(req.rid, slots, prefix):
+        if not retraction.restore(req.rid, slots, prefix, request=req):
             alloc.free(slots)
             return
         self.cache.req_to_token_pool.write(req.req_pool_idx, prefix, slots[: kept.end - prefix])
@@ -199,7 +202,8 @@ def retraction_extensions(cache: KVCache, kind_parts: Sequence[Any] | None) -> l
 
     try:
         for part in parts:
-            page_layers(part.ref.get(cache.pools))
+            if not isinstance(part, RowPart):  # a row part copies through its own functions
+                page_layers(part.ref.get(cache.pools))
     except (NotImplementedError, KeyError):
         return []
     return [RetractionBackupExtension(cache, cpu_tensor_backup(cache, kind_parts))]

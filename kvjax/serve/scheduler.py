@@ -861,7 +861,9 @@ class Scheduler:
         """Release a running request's KV and requeue it (with its output) at the front."""
         if self._inflight is not None or self.inflight_round is not None:  # which requests continue must be known
             raise RuntimeError(f"retracting {req.rid!r} with a step in flight: resolve() first")
-        for ext in self.extensions:
+        # Last admitted, first released: a retraction backup (after the kinds) copies the request's
+        # state aside before a kind's hook frees it (the recurrent state slot without a tree).
+        for ext in reversed(self.extensions):
             ext.before_release(req, False)
         self.tree.cache_finished_req(req, is_insert=False)
         self._reset(req)

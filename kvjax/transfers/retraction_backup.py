@@ -26,6 +26,10 @@ Modes (the plan's ``decode_retraction_backup``):
   slots the request's slots map to, over the request's last positions only (a hybrid
   sliding-window pool's sliding side: the slots paired with the request's, over its window).
   (``host_pool`` copies through the host tier's engine, which pairs the pools it copies.)
+  A :class:`RowPart` is a pool indexed by rows the request holds rather than by its token slots
+  (a recurrent-state cache's state slot): its rows are copied whole at the backup (as they are
+  after token ``end``) and written at the restore into the rows the request holds then, whatever
+  its new tree prefix (the request resumes at ``end``, so no earlier state is of use).
 
 Device state (``docs/architecture.md``, "Device state: who changes it"): a restore never swaps
 the caller's pools. ``host_pool``: the copy engine records the load. ``cpu_tensor``: the copy aside
@@ -107,6 +111,42 @@ class CopyPart:
         return request_slots if self.translate is None else np.asarray(self.translate(request_slots)).astype(np.int32)
 
 
+@dataclass(frozen=True)
+class RowPart:
+    """A device pool indexed by rows the request holds, not by its token slots, that a
+    ``cpu_tensor`` backup copies whole (a recurrent-state pool at the request's state slot).
+
+    Attributes:
+        ref: where its arrays live in the pools (``PoolRef("recurrent")``).
+        rows: ``rows(request) -> row ids`` (``None`` or empty: the request holds none, and the
+            backup is not taken or, at the restore, the request recomputes). Read at the backup
+            and again at the restore (the rows it holds then).
+        get_copy: ``get_copy(pool, rows) -> copy`` (numpy, O(rows)).
+        load_copy: ``load_copy(pool, copy, rows) -> new pool`` (the pool's arrays donated: in place).
+        before_restore: called before the restore's write is recorded, to record first what was
+            queued elsewhere for the same rows and must land before it (``None``: nothing).
+    """
+
+    ref: PoolRef
+    rows: Callable[[Any], np.ndarray | None]
+    get_copy: Callable[[Any, np.ndarray], Any]
+    load_copy: Callable[[Any, Any, np.ndarray], Any]
+    before_restore: Callable[[], None] | None = None
+
+    @property
+    def target(self) -> str:
+        """The name its pending updates and reads use (``"recurrent"``); the rows are its "pages"."""
+        return self.ref.target
+
+    def rows_of(self, request: Any) -> np.ndarray | None:
+        """The request's rows (int64), or ``None`` when it holds none (or no request is given)."""
+        found = None if request is None else self.rows(request)
+        if found is None:
+            return None
+        rows = np.asarray(found, np.int64).reshape(-1)
+        return rows if rows.size and rows.min() > 0 else None
+
+
 class RetractionBackup:
     """Backups of retracted requests, by request id (see the module docstring).
 
@@ -117,7 +157,9 @@ class RetractionBackup:
         pending: the cache's pending device updates (``cpu_tensor``; ``KVCache.pending``): the
             copy aside reads through it, the restore records into it.
         parts: what is copied (``cpu_tensor``): :class:`CopyPart` s, or pool names for pools copied
-            at the request's slots (default the ``"kv"`` pool).
+            at the request's slots (default the ``"kv"`` pool), and :class:`RowPart` s (copied
+            through their own functions, at the rows the request given to :meth:`backup` and
+            :meth:`restore` holds).
         get_copy: ``get_copy(pool, device_slots) -> copy`` (a list of per-layer numpy
             ``[tokens, ...]`` or a ``PageCopy``; ``cpu_tensor``; default the pool's ``get_cpu_copy``).
         load_copy: ``load_copy(pool, copy, device_slots) -> new pool`` (``cpu_tensor``; default
@@ -133,7 +175,7 @@ class RetractionBackup:
         *,
         host: Any = None,
         pending: PendingDeviceUpdates | None = None,
-        parts: Sequence[CopyPart | str] = ("kv",),
+        parts: Sequence[CopyPart | RowPart | str] = ("kv",),
         get_copy: Callable[[Any, np.ndarray], Any] | None = None,
         load_copy: Callable[[Any, Any, np.ndarray], Any] | None = None,
     ):
@@ -175,10 +217,10 @@ class RetractionBackup:
         ps = self.page_size
         return (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1).astype(np.int32)
 
-    def backup(self, key: Any, slots: np.ndarray, start: int, end: int) -> bool:
+    def backup(self, key: Any, slots: np.ndarray, start: int, end: int, request: Any = None) -> bool:
         """Keep the KV of tokens ``[start, end)`` whose device slots are ``slots`` (the request's
-        own pages; ``start`` page-aligned). Starts the copy now, before the slots are freed.
-        Returns whether a backup was taken."""
+        own pages; ``start`` page-aligned), and the rows of each :class:`RowPart` ``request``
+        holds. Starts the copy now, before the slots are freed. Returns whether a backup was taken."""
         self.discard(key)
         if end <= start or start % self.page_size:
             return False
@@ -201,6 +243,14 @@ class RetractionBackup:
             assert self.pending is not None
             kept.cpu_copy = {}
             for part in self.parts:
+                if isinstance(part, RowPart):
+                    rows = part.rows_of(request)
+                    if rows is None:  # the request holds no rows to copy: no backup
+                        self.fallbacks += 1
+                        return False
+                    pool = part.ref.get(self.pending.read(part.target, rows))
+                    kept.cpu_copy[part.target] = (end, part.get_copy(pool, rows))
+                    continue
                 first = part.first_token(start, end, self.page_size)
                 slots_of_part = part.slots(device_slots[first - start :])
                 if part.translate is not None and (not slots_of_part.size or slots_of_part.min() <= 0):
@@ -222,10 +272,12 @@ class RetractionBackup:
         kept = self._kept[key]
         return kept.num_pages - (token - kept.start) // self.page_size
 
-    def restore(self, key: Any, device_slots: np.ndarray, from_token: int | None = None) -> bool:
+    def restore(self, key: Any, device_slots: np.ndarray, from_token: int | None = None, request: Any = None) -> bool:
         """Copy the backup of ``key``, from token ``from_token`` (page-aligned; default its start)
-        on, into ``device_slots`` (whole fresh pages, :meth:`pages_from` of them) and drop it.
-        Returns False (backup dropped: recompute) when its copy failed."""
+        on, into ``device_slots`` (whole fresh pages, :meth:`pages_from` of them), and each
+        :class:`RowPart`'s rows into those ``request`` holds now, and drop it. Returns False
+        (backup dropped, nothing recorded: recompute) when its copy failed or ``request`` holds
+        no rows of a :class:`RowPart`."""
         kept = self._kept.pop(key)
         skip = 0 if from_token is None else from_token - kept.start
         ok = True
@@ -246,7 +298,16 @@ class RetractionBackup:
         else:
             assert kept.cpu_copy is not None and self.pending is not None
             begin = kept.start + skip
-            for part in self.parts:
+            rows_now = {p.target: p.rows_of(request) for p in self.parts if isinstance(p, RowPart)}
+            ok = all(rows is not None for rows in rows_now.values())
+            for part in self.parts if ok else ():
+                if isinstance(part, RowPart):
+                    rows = rows_now[part.target]
+                    assert rows is not None
+                    if part.before_restore is not None:
+                        part.before_restore()
+                    self.pending.record(self._rows_update(part, kept.cpu_copy[part.target][1], rows))
+                    continue
                 first, copy = kept.cpu_copy[part.target]
                 at = max(first, begin)
                 slots_of_part = part.slots(np.asarray(device_slots)[at - begin :])
@@ -272,6 +333,17 @@ class RetractionBackup:
             return ref.put(pools, load_copy(ref.get(pools), copy, slots))
 
         return DeviceUpdate("retraction restore", ref.target, self._pages(slots), write)
+
+    @staticmethod
+    def _rows_update(part: RowPart, copy: Any, rows: np.ndarray) -> DeviceUpdate:
+        """``cpu_tensor``: the write of a :class:`RowPart`'s ``copy`` into ``rows``, as a pending device update."""
+        load_copy = part.load_copy
+        rows = rows.copy()
+
+        def write(pools: Any) -> Any:
+            return part.ref.put(pools, load_copy(part.ref.get(pools), copy, rows))
+
+        return DeviceUpdate("retraction restore", part.target, rows, write)
 
     def poll(self, wait: bool = False) -> int:
         """Free the held host slots of restores whose loads landed (all, waiting, with ``wait``);

@@ -64,7 +64,14 @@ from kvjax.tiers.host_state_pool import HostStatePool
 if TYPE_CHECKING:
     from kvjax.transfers.transfer_engines import TransferContext
 
-__all__ = ["KVAndStateEngine", "StateTransferEngine", "state_copies_update", "transfer_engine"]
+__all__ = [
+    "KVAndStateEngine",
+    "StateTransferEngine",
+    "copy_state_rows",
+    "load_state_rows",
+    "state_copies_update",
+    "transfer_engine",
+]
 
 #: The device pool of recurrent state and the plan name of its host pool.
 STATE_POOL = "recurrent"
@@ -110,6 +117,24 @@ class _StateLoad:
     applied: bool = False
     arrays: tuple[Any, ...] = field(default=())
     status: TransferStatus = TransferStatus.PENDING
+
+
+def copy_state_rows(pool: Any, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The numpy copy of state ``slots``' rows of every layer and array of recurrent ``pool``,
+    per array ``[layers, len(slots), *row]`` (the engine's row gather; O(slots), the pool
+    unchanged). The decode retraction backup's copy of a request's state
+    (``kvjax.serve.recurrent_retraction``). The pool must be fully addressable by this process."""
+    gathered = _gather(pool.arrays(), jnp.asarray(slots, jnp.int32))
+    return tuple(np.asarray(b) for b in jax.device_get(gathered))
+
+
+def load_state_rows(pool: Any, rows: tuple[np.ndarray, ...], slots: np.ndarray) -> Any:
+    """Recurrent ``pool`` with :func:`copy_state_rows`' ``rows`` written at state ``slots`` (the
+    engine's row scatter, the pool's arrays donated: in place, O(slots))."""
+    arrays = pool.arrays()
+    scatter = _scatter_to(tuple(a.sharding for a in arrays))
+    new = scatter(arrays, jnp.asarray(slots, jnp.int32), tuple(jnp.asarray(r) for r in rows))
+    return pool.replace(conv=tuple(new[:-1]), ssm=new[-1])
 
 
 class StateTransferEngine:

@@ -56,6 +56,7 @@ HEAVIEST_FIRST = (
     "test_tp_parity_qwen3_next_tp4.py",  # 20
     "test_tp_eagle.py",  # 20
     "test_recurrent_storage_tp.py",  # 20
+    "test_recurrent_retraction_tp.py",  # 20
     "test_tp_parity_qwen3_next.py",  # 18
     "test_pd_cli.py",  # 18
     "test_multihost_dp_recurrent.py",  # 18

@@ -68,8 +68,8 @@ class PlannerKind:
             requests for the pool's size.
         page_backup: whether the decode retraction backup (``cpu_tensor``, page copies of the
             pools the serving layer's ``ServingKind.retraction_parts`` name) covers this kind's
-            device state (recurrent state: False; the sliding-window pair: its full side and its
-            window).
+            device state (the sliding-window pair: its full side and its window; recurrent state:
+            the request's state slot with its KV pages).
         speculative_rollback: whether freeing the rejected draft tokens' slots rolls this kind's
             state back, so speculative decoding serves it (full attention, the request table, the
             host tier: True; False by default, so a new kind is refused until it says so).

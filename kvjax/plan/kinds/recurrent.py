@@ -5,7 +5,8 @@ Applies to a model with recurrent state (SGLang's ``is_hybrid_ssm``), names the 
 first of all kinds; plans the state pools (``max_mamba_cache_size`` slots, sized by
 ``kvjax.plan.sizing``), built together as one pool under ``"recurrent"``; adds the unified tree's
 ``"mamba"`` component; refuses the decode-side radix cache, the ``host_pool`` retraction backup
-and DCP. The ``cpu_tensor`` retraction backup does not cover the state.
+and DCP. The ``cpu_tensor`` retraction backup covers the state: the request's state slot is
+copied with its KV pages (``kvjax.serve.recurrent_retraction``).
 
 With the host tier (``enable_hierarchical_cache``) it plans the host copies of the checkpoints
 beside the KV's host pool (SGLang's ``MambaPoolHost``): ``"host_state"``, one slot per state
@@ -135,7 +136,6 @@ KIND = PlannerKind(
     kv_pool_kind="hybrid_linear",
     tree_components=("mamba",),
     uses=uses,
-    page_backup=False,
     speculative_replay=True,
     applies=applies,
     model_flags=model_flags,
