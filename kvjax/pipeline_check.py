@@ -3,10 +3,15 @@
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
 process serves every stage); speculative decoding together with stages (SGLang 0.5.23 serves
-EAGLE over stages: kvjax has not built it); and models with recurrent layers, whose state forks
-and checkpoints change device state through updates recorded on one cache (``KVCache.pending``),
-which would reach the first stage's layers only. DP attention over stages is built by the lockstep
-DP front (``kvjax.dp.pipeline``, which refuses more on top of these).
+EAGLE over stages: kvjax has not built it); and the host tier for a model with recurrent layers
+(its checkpoints' host copies are taken and loaded back by one state engine over stage 0's pools;
+one per stage is not built), so the storage tier, which sits behind it, too. DP attention over
+stages is built by the lockstep DP front (``kvjax.dp.pipeline``, which refuses more on top of
+these).
+
+Recurrent state is served over stages (``kvjax.serve.pipeline_state``): each stage holds its own
+recurrent layers' state slots (the planner gives every stage the same number), stage 0's state
+allocator drives all, and every state copy the tree records is applied on every stage's pool.
 
 Served over stages (nothing refused here): the host tier, each stage copying its own layers with
 one host slot id per token on every stage (``kvjax.serve.pipeline_cache``; a host tier sized in
@@ -40,11 +45,11 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
             "speculative decoding with pipeline stages is not served; leave it unset or use {pp_size} 1",
         ),
         (
-            bool(spec.recurrent_layer_ids()),
-            "pp_size",
-            config.pp_size,
-            f"{spec.name} has recurrent layers, whose state forks and checkpoints are not served over pipeline "
-            "stages; use {pp_size} 1",
+            bool(spec.recurrent_layer_ids()) and config.enable_hierarchical_cache and config.pp_size > 1,
+            "enable_hierarchical_cache",
+            True,
+            f"the host copies of {spec.name}'s recurrent-state checkpoints over pipeline stages are not built (one "
+            "state engine copies stage 0's pools only); leave it off or use {pp_size} 1",
         ),
     )
     for refused, option, value, fix in refusals:

@@ -467,7 +467,14 @@ GAP_SWA_DRAFT_STORAGE = (
     "stored with the full side's)"
 )
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
-GAP_RECURRENT_PP = f"{GAP}: recurrent state over pipeline stages"
+GAP_RECURRENT_PP_HOST = f"{GAP}: the host copies of recurrent-state checkpoints over pipeline stages"
+GAP_RECURRENT_DP_PP = f"{GAP}: DP attention's recurrent-state copies over pipeline stages"
+GAP_RECURRENT_PP_RETRACTION = (
+    f"{GAP}: the cpu_tensor backup of the recurrent state over pipeline stages (accepted, retracted requests "
+    "recomputed)"
+)
+#: Qwen3-Next over 2 stages (each holding recurrent layers), two micro-batches, overlap on.
+PP_RECURRENT = "tests/mesh/test_pp_recurrent.py::test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction"
 GAP_RECURRENT_STORAGE = (
     f"{GAP}: the storage tier under the recurrent-state tree with DP attention (its checkpoints are stored on one "
     "device or a TP mesh in one process)"
@@ -860,6 +867,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_parity_qwen3_next.py::test_eviction_of_kv_and_checkpoints_and_retraction"
     ),
     ("recurrent", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    # Every state fork and checkpoint applied on every stage's state pool (pp 2 and pp 2 x tp 2).
+    **dict.fromkeys(
+        [("recurrent", "pp", "pp"), ("recurrent", "tp", "pp"), ("recurrent", "pp", "overlap")], PP_RECURRENT
+    ),
     ("recurrent", "eagle", "eagle"): (
         "tests/serve/test_qwen3_next_mtp.py::test_reuse_multi_turn_chunked_prefill_and_the_mtp_layers_own_proposals"
     ),
@@ -973,11 +984,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "pp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "tp", "pp"): refused(GAP_RECURRENT_PP),
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_DP_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_RECURRENT_DCP),
@@ -990,10 +999,9 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dcp", "processes"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
-    ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "pp", "retraction"): refused(GAP_RECURRENT_PP),
-    ("recurrent", "pp", "overlap"): refused(GAP_RECURRENT_PP),
+    ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP_HOST),
+    ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP_HOST),
+    ("recurrent", "pp", "retraction"): dropped(GAP_RECURRENT_PP_RETRACTION),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),

@@ -119,11 +119,14 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
     if args.dcp > 1 and kind.dcp_refusal is not None:
         why = _DCP_WHY.get(kind.name) or ConfigError("dcp_size", args.dcp, kind.dcp_refusal).render_fix(_FLAGS)
         raise UsageError(f"--dcp {args.dcp} with --model {model}: {why} is {_GAP}; drop --dcp")
-    if args.pp > 1 and kind.name == "recurrent":
-        raise UsageError(
-            f"--pp {args.pp} with --model {model}: recurrent state over pipeline stages is {_GAP} (its forks and "
-            "checkpoints); drop --pp"
+    if args.pp > 1 and kind.name == "recurrent" and (args.enable_hierarchical_cache or args.dp > 1):
+        other = "--enable-hierarchical-cache" if args.enable_hierarchical_cache else f"--dp {args.dp}"
+        what = (
+            "the host copies of its recurrent-state checkpoints over pipeline stages"
+            if args.enable_hierarchical_cache
+            else "DP attention's per-rank recurrent-state copies over pipeline stages"
         )
+        raise UsageError(f"--pp {args.pp} with {other}: for --model {model}, {what} are {_GAP}; drop one of the two")
     if args.enable_hierarchical_cache and kind.no_host_copy is not None:
         raise UsageError(
             f"--enable-hierarchical-cache with --model {model}: host copies of its {kind.no_host_copy} are {_GAP}; "

@@ -25,8 +25,9 @@ does not yet.
 
 Refused by name before anything is allocated (``check_dp_pipeline_config``): the host tier and
 the retraction backups (their copies are recorded on a rank's queue of stage 0's pools, so later
-stages' layers would be left out), and what stages refuse without DP attention (speculative
-decoding, recurrent layers: ``kvjax.pipeline_check``).
+stages' layers would be left out), recurrent layers (a rank's state copies write its slice of
+stage 0's stacked pool only: ``kvjax.dp.rank_state``), and what stages refuse without DP
+attention (speculative decoding: ``kvjax.pipeline_check``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def check_dp_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
                 "DP attention over pipeline stages copies no stage's pages to the host in kvjax yet (a rank's "
                 "copies would reach stage 0's layers only); leave it unset, or serve without --pp or --dp",
             )
+    if spec.recurrent_layer_ids():
+        raise ConfigError(
+            "enable_dp_attention",
+            True,
+            f"{spec.name} has recurrent layers: DP attention over pipeline stages does not copy a rank's recurrent "
+            "state on every stage in kvjax yet (its forks would reach stage 0's layers only); serve it without "
+            "--dp or with {pp_size} 1",
+        )
 
 
 def dp_stage_meshes(config: CacheConfig, devices: Sequence[Any] | None = None) -> tuple[Mesh, ...]:

@@ -7,6 +7,10 @@ kvjax pays for both out of the budget, so ``plan.device_bytes <= plan.kv_budget_
 
 Rows: SGLang's default ``clamp(tokens / context * 512, 2048, 4096)``, then (kvjax) at most one per
 allocatable page, since every running request holds at least one page of its own.
+
+State slots over pipeline stages: each stage with recurrent layers sets its own share aside, and
+every stage is given the fewest slots any of them holds (a stage without recurrent layers too: its
+request table's state allocator drives every stage), so one slot id is a slot on every stage.
 """
 
 from __future__ import annotations
@@ -299,10 +303,12 @@ def decide_sizes(
             "can run at once (each holds a page of its own)"
         )
     with_state = [s for s in stages if s.layers.recurrent]
+    state_slots: int | None = None
     if target.recurrent is not None and with_state:
-        # Every stage runs the same requests: the stage with the fewest state slots caps the rows.
+        # Every stage runs the same requests with one state allocator (stage 0's): every stage
+        # gets the fewest state slots any stage holds, so a slot id is a slot on every stage.
         per_req = _mamba_states_per_request(config)
-        slots = min(s.mamba_slots for s in with_state)
+        slots = state_slots = min(s.mamba_slots for s in with_state)
         if slots // per_req <= 0:
             raise ConfigError(
                 "mamba_full_memory_ratio",
@@ -329,7 +335,7 @@ def decide_sizes(
         num_pages=pages,
         full_tokens_per_layer=full_tokens,
         swa_tokens_per_layer=swa_tokens,
-        max_mamba_cache_size=stage.mamba_slots if target.recurrent is not None else None,
+        max_mamba_cache_size=(state_slots or 0) if target.recurrent is not None else None,
         mamba_state_bytes_per_req=stage.mamba_bytes_per_req,
         max_running_requests=rows,
         context_length=context_length,

@@ -12,7 +12,9 @@ all-reduces MIN), so every stage has the same slots.
 One request table, one allocator and one tree drive every stage: those of stage 0's ``KVCache``
 (``cache``), built by ``build_kv_cache``; the other stages are device pools only
 (``kvjax.build.build_stage_pools``). A slot id means the same token on every stage; only the
-layers behind it differ.
+layers behind it differ. So does a recurrent-state slot id (every stage plans the same state
+slots, checked with the token slots: ``planned_slots``), each stage holding its own recurrent
+layers' state (``kvjax.serve.pipeline_state``).
 
 Refused by name before anything is allocated: what ``kvjax.pipeline_check.check_pipeline_config``
 refuses (more stages than layers, and what pipelining does not serve), then more
@@ -116,7 +118,8 @@ class PipelineCache:
     devices; ``plans[s]`` its plan (the same token slots on every stage); ``states[s]`` its device
     state (``kvjax.device_state``; stage 0's is ``cache.state``); ``pending[s]`` its queue of
     pending device updates (stage 0's is ``cache.pending``; the others' record the host tier's
-    loads into their layers, and are empty without the host tier). The owner of the step (the
+    loads into their layers and the recurrent-state copies of the tree, ``pipeline_state``, and
+    are empty without either). The owner of the step (the
     scheduler, stepped by ``kvjax.serve.pipeline_stepping``) applies each stage's queue before its
     step (:meth:`apply_pending`) and stores each stage's new pools
     (``Scheduler.store_pools(pools, stage)``).
@@ -231,6 +234,13 @@ def build_pipeline_cache(
     return PipelineCache(cache, pools, plans, stages, meshes, pending or None)
 
 
-def planned_slots(plan: CachePlan) -> tuple[int, int | None, int | None, int]:
-    """What every stage must agree on: the allocator's tokens, the sliding-window split, the rows."""
-    return plan.max_total_tokens, plan.full_tokens_per_layer, plan.swa_tokens_per_layer, plan.max_running_requests
+def planned_slots(plan: CachePlan) -> tuple[int, int | None, int | None, int, int | None]:
+    """What every stage must agree on: the allocator's tokens, the sliding-window split, the rows,
+    the recurrent-state slots (one state allocator, stage 0's, drives every stage)."""
+    return (
+        plan.max_total_tokens,
+        plan.full_tokens_per_layer,
+        plan.swa_tokens_per_layer,
+        plan.max_running_requests,
+        plan.max_mamba_cache_size,
+    )

@@ -40,6 +40,7 @@ from kvjax.serve.model import as_model_config
 from kvjax.serve.model_config import ModelConfig
 from kvjax.serve.pipeline_cache import PipelineCache
 from kvjax.serve.pipeline_retraction import staged_extensions
+from kvjax.serve.pipeline_state import staged_state_copies
 from kvjax.serve.pipeline_step import make_stage_step, place_stage
 from kvjax.serve.scheduler import Scheduler
 from kvjax.serve.stepping import StepOwner, StepRows
@@ -63,7 +64,10 @@ def pipeline_scheduler(
     how many row groups a step's batch is split into (1 to ``max_batch_size``). The other
     arguments are ``Scheduler``'s (its ``extensions`` default to
     ``pipeline_retraction.staged_extensions``: a ``cpu_tensor`` retraction backup copies every
-    stage); a model of the caller's own (``model=``) is not served over stages (``ConfigError``).
+    stage; given or not, their recurrent-state copies are recorded on every stage holding state:
+    ``pipeline_state.staged_state_copies``); a model of the caller's own (``model=``) is not
+    served over stages, nor the recurrent-state extra buffer (``enable_mamba_extra_buffer``) with
+    more than one micro-batch (``ConfigError``, nothing built).
     """
     if scheduler_args.get("model") is not None:
         raise ConfigError("model", "a model of the caller's own", "pipeline stages serve the built-in families")
@@ -72,9 +76,18 @@ def pipeline_scheduler(
         raise ConfigError(
             "micro_batches", micro_batches, f"split the batch of {max_batch} rows into 1 to {max_batch} groups"
         )
+    if micro_batches > 1 and pipeline.cache.plan.enable_mamba_extra_buffer:
+        raise ConfigError(
+            "micro_batches",
+            micro_batches,
+            "the recurrent-state extra buffer records its tracked states once per step, not per micro-batch; use "
+            "{micro_batches} 1 or leave enable_mamba_extra_buffer off",
+        )
     stepping = PipelineStages(pipeline, micro_batches, -(-max_batch // micro_batches))
     if scheduler_args.get("extensions") is None:  # the retraction backup copies every stage
         scheduler_args["extensions"] = staged_extensions(pipeline)
+    # The recurrent-state copies land on every stage holding state.
+    scheduler_args["extensions"] = staged_state_copies(pipeline, list(scheduler_args["extensions"]))
     return Scheduler(spec, pipeline.cache, params, stepping=stepping, **scheduler_args)
 
 
@@ -142,7 +155,8 @@ class PipelineStages:
             prev = jax.device_put(scheduler.previous_tokens(self.no_tokens), self.stage_replicated[0])
         launched = time.perf_counter()
         pipe = self.pipeline
-        # Each stage's pending device updates (the host tier's loads into its layers) land first.
+        # Each stage's pending device updates (the host tier's loads into its layers, the
+        # recurrent-state copies) land first.
         pools = [pipe.apply_pending(s, pipe.pools(s)) for s in range(pipe.pp_size)]
         outs: list[tuple[Any, ...]] = []
         for group in packed:

@@ -43,6 +43,7 @@ from kvjax.transfers.state_transfer import state_copies_update
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
+    from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.serve.serving_req import ServingReq
 
 __all__ = ["RecurrentStateExtension", "state_copies_update"]
@@ -57,11 +58,16 @@ class RecurrentStateExtension(ServingExtension):
             the tree's state copies ``(src slot, dst slot)`` in order (default
             :func:`state_copies_update`, over a cache's own pools). A cache whose pools hold
             several ranks' state (DP attention) sets one that writes only its rank's slice.
+        queues: the queues of pending device updates each batch of copies is recorded on, one
+            update per queue, each applied to its owner's pools (default: ``cache.pending``).
+            Over pipeline stages: every stage's that holds recurrent state
+            (``kvjax.serve.pipeline_state``).
     """
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.copies_update: Callable[[list[tuple[int, int]]], DeviceUpdate] = state_copies_update
+        self.queues: tuple[PendingDeviceUpdates, ...] = (cache.pending,)
         self.table = required_part(cache.req_to_token_pool, HybridReqToTokenPool, "a recurrent-state cache")
         tree = cache.tree_cache
         self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
@@ -123,10 +129,12 @@ class RecurrentStateExtension(ServingExtension):
 
     def _record_state_copies(self) -> None:
         """Record the tree's queued state copies (forks, new checkpoints) as one pending device
-        update, behind every update recorded before (the owner applies them before the step)."""
+        update on each of :attr:`queues`, behind every update recorded there before (the owner
+        applies them before the step)."""
         copies: list[tuple[int, int]] = self.tree.take_state_copies() if self.tree is not None else []
         if copies:
-            self.cache.pending.record(self.copies_update(copies))
+            for queue in self.queues:
+                queue.record(self.copies_update(copies))
 
     def after_step(self, batch: StepBatch) -> None:
         """With the extra buffer: the tracked states are written; record where (the caching that

@@ -34,6 +34,7 @@ HEAVIEST_FIRST = (
     "test_dp_speculative.py",  # 55
     "test_dcp_speculative.py",  # 45
     "test_multihost_dcp.py",  # 45
+    "test_pp_recurrent.py",  # 40
     "test_dp_dcp_host_tier.py",  # 25
     "test_tp_speculative_overlap.py",  # 24
     "test_multihost_storage.py",  # 35

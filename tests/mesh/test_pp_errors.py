@@ -2,7 +2,8 @@
 before anything is allocated (``jax.live_arrays()`` unchanged).
 
 More stages than layers, more ``pp_size * tp_size`` devices than there are, and what pipelining
-does not serve (DP attention, recurrent layers, a ``pp_rank`` other than 0) are refused by
+does not serve (DP attention, the host tier of a model with recurrent layers, a ``pp_rank``
+other than 0) are refused by
 ``build_pipeline_cache``; a micro-batch count the batch cannot be split into by
 ``pipeline_scheduler``.
 """
@@ -35,11 +36,11 @@ CASES = {
         "enable_dp_attention",
         "DP attention",
     ),
-    "recurrent_layers": (
+    "recurrent_layers_with_the_host_tier": (
         ModelSpec.preset("qwen3-next-80b-a3b"),
-        config(pp_size=2, memory_budget_bytes=1 << 30),
-        "pp_size",
-        "recurrent layers",
+        config(pp_size=2, memory_budget_bytes=1 << 30, enable_hierarchical_cache=True),
+        "enable_hierarchical_cache",
+        "recurrent-state checkpoints over pipeline stages",
     ),
     "pp_rank": (TINY, config(pp_size=2, pp_rank=1), "pp_rank", "leave pp_rank 0"),
 }
