@@ -912,6 +912,13 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_recurrent_retraction_tp.py::"
         "test_qwen3_next_tp2_restores_retracted_requests_state_beside_the_host_tier"
     ),
+    ("recurrent", "standalone", "retraction"): (
+        "tests/serve/test_recurrent_retraction.py::"
+        "test_qwen3_next_with_a_standalone_draft_restores_the_state_and_the_drafts_pages"
+    ),
+    ("recurrent", "eagle", "retraction"): (
+        "tests/serve/test_recurrent_retraction.py::test_qwen3_next_mtp_layer_restores_the_state_and_the_drafts_pages"
+    ),
     # The storage tier under the recurrent-state tree (with the host tier, overlap on): prefixes back
     # from storage with the state after them (Qwen3-Next; at tp 2 every rank's share of the state).
     **dict.fromkeys(

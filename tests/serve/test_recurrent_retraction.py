@@ -8,7 +8,9 @@ server's setting: the request's slot is freed at retraction, after its copy). Ea
 Transformers' greedy tokens and logits (2e-4, the family's tolerance); the backup restored
 requests (its counters); the KV, the state slots and the backup's copies balance afterwards. The
 same with the host tier (KV and checkpoints evicted to the host and loaded back beside the
-restores), and Nemotron-H (Mamba-2 state) against Transformers' full forward.
+restores), Nemotron-H (Mamba-2 state) against Transformers' full forward, and a STANDALONE
+draft (a one-layer Qwen3 beside the Qwen3-Next target: rejected rounds replayed, the draft's pages
+restored with the target's) and Qwen3-Next's MTP layer (EAGLE).
 """
 
 from __future__ import annotations
@@ -19,16 +21,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.build import build_kv_cache
 from kvjax.hybrid_req_pool import HybridReqToTokenPool
 from kvjax.radix.mamba_radix_cache import MambaRadixCache
+from kvjax.serve.checkpoint import load_checkpoint
+from kvjax.serve.generate import scheduler_for
 from kvjax.serve.kinds import retraction_parts
 from kvjax.serve.retraction_extension import RetractionBackupExtension, cpu_tensor_backup
 from kvjax.serve.scheduler import Scheduler
+from kvjax.serve.speculative import DraftDecoding
+from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
+from kvjax.serve.speculative.nextn import nextn_params
 from kvjax.transfers.retraction_backup import RowPart
-from tests.serve.parity_harness import assert_matches_transformers, build_scheduler, serve_recurrent
+from tests.serve.parity_harness import (
+    CHUNK,
+    assert_matches_transformers,
+    build_scheduler,
+    parity_cache_config,
+    serve_recurrent,
+    serve_two_rounds,
+)
 from tests.serve.test_parity_nemotron_h import assert_matches_full_forward, nemotron_h_checkpoint
 from tests.serve.test_parity_qwen3_next import _hf_model
+from tests.serve.test_qwen3_next_mtp import checkpoints  # noqa: F401 (the module's fixture)
 from tests.serve.test_recurrent_host_tier import assert_leak_free
+from tests.serve.test_speculative_recurrent import K, _cache, models  # noqa: F401 (the module's fixture)
 
 MAX_NEW = 6
 #: A pool the two rounds of the parity prompts overflow (retractions), with few state slots.
@@ -101,6 +118,51 @@ def test_nemotron_h_retracted_requests_are_restored_with_their_state(nemotron_h)
     sched, done = serve_recurrent(loaded, MAX_NEW, disaggregation_decode_retraction_backup="cpu_tensor", **SMALL)
     _assert_restored_and_leak_free(sched)
     assert_matches_full_forward(hf, done, max_new=MAX_NEW)
+
+
+def test_qwen3_next_with_a_standalone_draft_restores_the_state_and_the_drafts_pages(models):  # noqa: F811
+    hf, target, draft = models
+    cache = _cache(target, draft, max_total_tokens=64, disaggregation_decode_retraction_backup="cpu_tensor")
+    sched = scheduler_for(
+        target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
+    )
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert _backup(sched).retraction.pool_names == ("kv", "recurrent", "kv_draft")
+    _assert_restored_and_leak_free(sched)
+    assert isinstance(sched.proposer, DraftDecoding) and sched.proposer.stats.replayed_requests > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=2e-4)
+
+
+def test_qwen3_next_mtp_layer_restores_the_state_and_the_drafts_pages(checkpoints):  # noqa: F811
+    hf, _, directory = checkpoints
+    model = load_checkpoint(directory)
+    cache = build_kv_cache(
+        model.spec,
+        parity_cache_config(
+            page_size=1,
+            max_total_tokens=64,
+            max_running_requests=8,
+            speculative_algorithm="NEXTN",
+            speculative_num_steps=K,
+            speculative_num_draft_tokens=K + 1,
+            disaggregation_decode_retraction_backup="cpu_tensor",
+        ),
+    )
+    sched = eagle_scheduler(
+        model.config,
+        cache,
+        model.params,
+        draft_params=nextn_params(model.config, model.params, directory),
+        num_steps=K,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+    )
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert _backup(sched).retraction.pool_names == ("kv", "recurrent", "kv_draft")
+    _assert_restored_and_leak_free(sched)
+    assert isinstance(sched.proposer, EagleDecoding) and sched.proposer.stats.replayed_requests > 0
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=2e-4)
 
 
 def test_state_rows_round_trip_into_another_slot_in_place(qwen3_next):
