@@ -10,6 +10,10 @@ is small enough (56 tokens, 4 running requests, 6 state slots) that the two roun
 checkpoints and retract requests (each asserted). Tokens must equal Transformers' greedy
 ``generate`` and logits agree within 1e-4 (float32); no KV or state slot leaks; each stage's
 arrays lie on its own devices and serve its own layers; every stage plans the same state slots.
+
+Also: a first stage of full-attention layers only (no state of its own) gets the stages' state
+extension, recording on the stage that holds state; what is not served over stages (the host
+tier of these models, DP attention, the extra buffer with two micro-batches) is refused by name.
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ from kvjax.dp.pipeline import check_dp_pipeline_config
 from kvjax.errors import ConfigError
 from kvjax.plan import plan_kv_cache
 from kvjax.radix import MambaRadixCache
+from kvjax.serve.model import init_params
+from kvjax.serve.model_config import model_config_from_spec
 from kvjax.serve.pipeline_cache import build_pipeline_cache
 from kvjax.serve.pipeline_stepping import pipeline_scheduler
+from kvjax.serve.recurrent_extension import RecurrentStateExtension
 from kvjax.serve.scheduler import Scheduler
+from kvjax.spec import ModelSpec
 from tests.mesh.qwen3_next_tp import qwen3_next_checkpoint
 from tests.mesh.test_pp_parity import assert_stages_hold_their_own
 from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
+from tests.serve.random_workloads import QWEN3_NEXT_TINY
 
 MAX_NEW = 6
 ATOL = 1e-4
@@ -136,3 +145,19 @@ def test_the_extra_buffer_with_several_micro_batches_is_refused(checkpoint):
     pipeline = build_pipeline_cache(model.spec, config, devices=jax.devices())
     with pytest.raises(ConfigError, match="micro_batches"):
         pipeline_scheduler(model.config, pipeline, model.params, micro_batches=2, max_batch_size=4)
+
+
+def test_a_first_stage_without_recurrent_layers_records_the_copies_on_the_others():
+    """Stage 0 of full-attention layers holds no state, so its cache builds no state extension:
+    the stages' one is put first among the scheduler's extensions, over stage 0's request table
+    and tree, recording the tree's copies on the stage that holds state only."""
+    layers = ["full_attention", "full_attention", "linear_attention", "full_attention"]
+    spec = ModelSpec.from_hf_config(dict(QWEN3_NEXT_TINY, layer_types=layers), name="qwen3-next-full-first")
+    config = model_config_from_spec(spec)
+    pipeline = build_pipeline_cache(spec, _config(2, 1), devices=jax.devices())
+    assert "recurrent" not in pipeline.pools(0) and "recurrent" in pipeline.pools(1)
+    assert pipeline.cache.req_to_token_pool.mamba_pool_size == 6, "stage 0's table holds every stage's slots"
+    sched = pipeline_scheduler(config, pipeline, init_params(config), micro_batches=2, max_batch_size=4)
+    found = [e for e in sched.extensions if isinstance(e, RecurrentStateExtension)]
+    assert len(found) == 1 and sched.extensions[0] is found[0]
+    assert found[0].queues == (pipeline.pending[1],)
