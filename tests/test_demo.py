@@ -190,10 +190,13 @@ def test_a_pool_too_small_for_a_request_is_one_error_line(capsys):
     assert "use --max-total-tokens 304 or more" in err[0]
 
 
-def test_a_recurrent_model_with_the_storage_tier_is_one_error_line(tmp_path, capsys):
+def test_a_recurrent_model_with_the_storage_tier(tmp_path, capsys):
     """``demo --model QWEN3_NEXT_DIR --enable-hierarchical-cache --hicache-storage DIR``: the host tier
-    over recurrent state is built (``HiMambaRadixCache``), the storage tier behind it is not: one
-    ``error:`` line naming both flags, before anything is built."""
+    over recurrent state (``HiMambaRadixCache``) with the storage tier behind it, its checkpoints
+    stored beside the KV pages: served leak free, cold == warm, the report saying what came from
+    storage."""
+    import json
+
     from kvjax.cli import main
     from kvjax.serve.checkpoint import save_checkpoint
     from tests.serve.random_workloads import model
@@ -211,11 +214,9 @@ def test_a_recurrent_model_with_the_storage_tier_is_one_error_line(tmp_path, cap
         "1",
         "--system-tokens",
         "32",
+        "--json",
     ]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    # the command line's combination check: both flags named, before anything is built
-    assert "--hicache-storage" in err[0] and "with --model" in err[0], err
-    assert "recurrent-state tree is not built in kvjax yet" in err[0]
-    assert "drop --hicache-storage" in err[0]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["leak_free"] and report["cold_equals_warm"], report
+    assert report["storage_prefetched_tokens"] is not None, report
