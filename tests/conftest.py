@@ -80,17 +80,34 @@ def _suite_rank(item: pytest.Item, tests_per_file: Counter[Path]) -> tuple[int, 
     return (len(SUITE_HEAVIEST_FIRST), -tests_per_file[item.path])
 
 
+#: A worker's resident memory (MiB) above which JAX's in-memory caches are dropped after a file.
+RELEASE_ABOVE_MIB = 2048
+
+
+def _resident_mib() -> int:
+    """This process's resident memory in MiB (``VmRSS``; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return 0
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _release_programs_after_each_file() -> Iterator[None]:
-    """After each test file, JAX's in-memory caches are dropped (every traced and compiled program
-    is otherwise kept, per function object, for the worker's whole life: a worker grew by about
-    350 MB a file, and two late in the suite left the host too little memory for the host tier's
-    check, SGLang's 10 GiB reserve); programs a later file needs again come from the persistent
-    compilation cache. Measured on four speculative files in one process: 2.6 GB grown to 1.5 GB
-    flat, and no slower."""
+def _release_programs_after_heavy_files() -> Iterator[None]:
+    """After a test file, when the worker holds more than ``RELEASE_ABOVE_MIB``, JAX's in-memory
+    caches are dropped. Every traced and compiled program is otherwise kept, per function object,
+    for the worker's whole life: a serving file grew a worker by about 350 MB, and two such workers
+    late in the suite left the host too little memory for the host tier's check (SGLang's 10 GiB
+    reserve). Programs a later file needs again come from the persistent compilation cache
+    (retracing a small file's programs after every file cost about 8%, so only above the bound)."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _resident_mib() > RELEASE_ABOVE_MIB:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_configure(config: pytest.Config) -> None:
