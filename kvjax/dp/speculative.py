@@ -573,55 +573,41 @@ def _restore_rank_states(scheduler: Scheduler, pools: Any, slots: np.ndarray, sa
     return pools.replace(recurrent=replay.restore(pools.recurrent, rank, slots, saved, rows))
 
 
-class RankDraftDecoding(DraftDecoding):
+class _RankRounds(DraftDecoding):
+    """What makes a proposer one DP rank's (module docstring): its rounds (chained or not) and its
+    replays handed to the lockstep front, its recurrent states snapshot and restored in its slice.
+    The rank proposers below take it before their one-rank proposer."""
+
+    def attach(self, scheduler: Scheduler) -> None:
+        _attach_to_rank(self, scheduler)
+
+    def _launch_chained(
+        self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
+    ) -> tuple[Any, ...]:
+        return _launch_chained_rank(s, prev, inputs, src, room)
+
+    def _snapshot_states(self, s: Scheduler, pools: Any, slots: np.ndarray) -> Any:
+        return _snapshot_rank_states(s, pools, slots)
+
+    def _restore_states(self, s: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
+        return _restore_rank_states(s, pools, slots, saved, rows)
+
+    def _replay(
+        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
+    ) -> None:
+        with _rank_of(s)[0].replaying():
+            super()._replay(s, running, kv_len, kept, saved)
+
+
+class RankDraftDecoding(_RankRounds):
     """`DraftDecoding` of one DP rank (STANDALONE): the rank's host side, its rounds run by the
     lockstep front's DP round (module docstring)."""
 
-    def attach(self, scheduler: Scheduler) -> None:
-        _attach_to_rank(self, scheduler)
 
-    def _launch_chained(
-        self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
-    ) -> tuple[Any, ...]:
-        return _launch_chained_rank(s, prev, inputs, src, room)
-
-    def _snapshot_states(self, s: Scheduler, pools: Any, slots: np.ndarray) -> Any:
-        return _snapshot_rank_states(s, pools, slots)
-
-    def _restore_states(self, s: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
-        return _restore_rank_states(s, pools, slots, saved, rows)
-
-    def _replay(
-        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
-    ) -> None:
-        with _rank_of(s)[0].replaying():
-            super()._replay(s, running, kv_len, kept, saved)
-
-
-class RankEagleDecoding(EagleDecoding):
+class RankEagleDecoding(_RankRounds, EagleDecoding):
     """`EagleDecoding` of one DP rank (EAGLE / NEXTN): the rank's host side, its prefills and
     rounds run by the lockstep front's DP programs, its hidden states in the rank's slice of the
     front's store (``DPSpeculation.hidden``; module docstring)."""
-
-    def attach(self, scheduler: Scheduler) -> None:
-        _attach_to_rank(self, scheduler)
-
-    def _launch_chained(
-        self, s: Scheduler, pools: Any, prev: Any, inputs: RoundInputs, src: np.ndarray, room: np.ndarray
-    ) -> tuple[Any, ...]:
-        return _launch_chained_rank(s, prev, inputs, src, room)
-
-    def _snapshot_states(self, s: Scheduler, pools: Any, slots: np.ndarray) -> Any:
-        return _snapshot_rank_states(s, pools, slots)
-
-    def _restore_states(self, s: Scheduler, pools: Any, slots: np.ndarray, saved: Any, rows: np.ndarray) -> Any:
-        return _restore_rank_states(s, pools, slots, saved, rows)
-
-    def _replay(
-        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]], saved: Any
-    ) -> None:
-        with _rank_of(s)[0].replaying():
-            super()._replay(s, running, kv_len, kept, saved)
 
 
 def rank_reports(schedulers: Sequence[Scheduler]) -> dict[str, Any] | None:
