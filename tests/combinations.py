@@ -600,6 +600,8 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "tp", "pp"): "tests/mesh/test_pp_parity.py::test_llama_reuse_chunked_prefill_eviction_and_retraction",
     ("full", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
     ("full", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
+    ("full", "dp", "eagle"): "tests/mesh/test_dp_speculative.py::test_llama_eagle_head_under_dp_attention",
+    ("full", "dcp", "eagle"): "tests/mesh/test_dcp_speculative.py::test_llama_eagle_head_at_tp2_dcp2",
     ("full", "eagle", "storage"): (
         "tests/serve/test_matrix_pairs.py::test_eagle_with_the_storage_tier_hashes_bigram_pages"
     ),

@@ -17,8 +17,9 @@ laid out by the same slot ids, replicated over the mesh.
   KV heads TP would replicate): every proposal is accepted, so the draft's striped pool follows
   the target's through reuse, chunked prefill, eviction and retraction; tokens and logits as
   Transformers'.
+* A Llama EAGLE head at tp 2 x dcp 2 with overlap scheduling: its pool striped as the target's.
 
-Both leave the cache leak free and the tree sane.
+Each leaves the cache leak free and the tree sane.
 """
 
 from __future__ import annotations
@@ -134,4 +135,45 @@ def test_llama_standalone_draft_at_tp2_dcp2_accepts_every_proposal(family):
     assert sched.proposer.stats.acceptance_rate == 1.0, (
         f"a draft row did not follow the target's: {sched.proposer.stats}"
     )
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_llama_eagle_head_at_tp2_dcp2(tmp_path_factory):
+    """A Llama EAGLE head (SGLang's ``LlamaForCausalLMEagle``) at tp 2 x dcp 2, overlap on: its
+    pool striped as the target's, its rounds chained on the device; Transformers' tokens and logits
+    through reuse, chunked prefill, eviction and retraction."""
+    from kvjax.serve.speculative.nextn import load_nextn_draft
+    from tests.serve.test_eagle_head import _checkpoints
+
+    hf, target_dir, head_dir = _checkpoints(str(tmp_path_factory.mktemp("eagle_head")))
+    model = load_checkpoint(target_dir)
+    tp, dcp = 2, 2
+    mesh = make_serving_mesh(tp, dcp_size=dcp, devices=jax.devices())
+    config = CacheConfig(
+        context_length=CONTEXT_LENGTH,
+        chunked_prefill_size=CHUNK,
+        page_size=PAGE,
+        max_total_tokens=POOL_TOKENS,
+        max_running_requests=8,
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=K,
+        speculative_num_draft_tokens=K + 1,
+        tp_size=tp,
+        dcp_size=dcp,
+    )
+    sched = eagle_scheduler(
+        model.config,
+        build_kv_cache(model.spec, config, mesh=mesh),
+        model.params,
+        draft_params=load_nextn_draft(head_dir, model).params,
+        num_steps=K,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        overlap=True,
+    )
+    assert isinstance(sched.proposer, EagleDecoding)
+    _assert_both_pools_striped(sched, tp, dcp, MHAKVPool)
+    done = _served(sched)
+    assert sched.proposer.stats.overlapped_rounds > 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)

@@ -21,6 +21,7 @@ prefill runs in one DP program and every rank's speculative round in another, th
   layer (proposals mostly rejected), page size 1 and a small pool per rank.
 * STANDALONE with the ``cpu_tensor`` retraction backup per rank, the target as its own draft:
   retracted requests restored (target and draft pages) on their rank, every proposal accepted.
+* EAGLE with a Llama EAGLE head (``LlamaForCausalLMEagle``) over full attention, overlapped.
 
 Each: tokens equal Transformers' greedy ``generate``, the target's logits agree within 1e-4,
 both ranks serve requests, every rank's memory balance holds after every round
@@ -315,3 +316,21 @@ def test_the_cpu_tensor_backup_restores_each_ranks_drafts_pages(family):
     proposed, accepted = _summed(front, "proposed_tokens", "proposer"), _summed(front, "accepted_tokens", "proposer")
     assert accepted == proposed > 0, f"a draft page did not come back: {accepted} of {proposed}"
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_llama_eagle_head_under_dp_attention(tmp_path_factory):
+    """A full-attention Llama target with an EAGLE head (SGLang's ``LlamaForCausalLMEagle``) under
+    DP attention, overlap on: every rank's head rounds in one DP program, page size 1 and a pool
+    small enough to evict; Transformers' tokens and logits, both ranks chaining rounds."""
+    from kvjax.serve.speculative.nextn import load_nextn_draft
+    from tests.serve.test_eagle_head import _checkpoints
+
+    hf, target_dir, head_dir = _checkpoints(str(tmp_path_factory.mktemp("eagle_head")))
+    model = load_checkpoint(target_dir)
+    head = load_nextn_draft(head_dir, model)
+    front = _front(model, RankDraft(head.params, K), "EAGLE", page_size=1, max_total_tokens=64)
+    assert all(isinstance(s.proposer, RankEagleDecoding) for s in front.schedulers)
+    done = _serve(front, EAGLE_MAX_NEW)
+    assert _summed(front, "proposed_tokens", "proposer") > 0 and _summed(front, "evicted_tokens") > 0
+    _assert_overlapped(front)
+    assert_matches_transformers(hf, done, max_new=EAGLE_MAX_NEW, atol=EAGLE_ATOL)
