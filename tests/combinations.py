@@ -601,6 +601,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ("full", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
     ("full", "dp", "pp"): "tests/mesh/test_dp_pp.py::test_every_ranks_batch_through_both_stages",
     ("full", "dp", "eagle"): "tests/mesh/test_dp_speculative.py::test_llama_eagle_head_under_dp_attention",
+    # DeepSeek-V2 as its own STANDALONE draft with the retraction backup, rounds chained (overlap on).
+    ("mla", "standalone", "overlap"): (
+        "tests/serve/test_speculative_retraction.py::test_retracted_requests_are_restored_with_the_drafts_pages"
+    ),
     ("full", "dcp", "eagle"): "tests/mesh/test_dcp_speculative.py::test_llama_eagle_head_at_tp2_dcp2",
     ("full", "eagle", "storage"): (
         "tests/serve/test_matrix_pairs.py::test_eagle_with_the_storage_tier_hashes_bigram_pages"
