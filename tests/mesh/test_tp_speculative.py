@@ -19,16 +19,23 @@ import pytest
 
 from kvjax import CacheConfig, build_kv_cache
 from kvjax.serve.generate import scheduler_for
+from kvjax.serve.scheduler import ServingReq
 from kvjax.serve.speculative import DraftDecoding
 from tests.mesh.tp_serving import assert_sharded, mesh_of
-from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
+from tests.serve.parity_harness import (
+    CHUNK,
+    CONTEXT_LENGTH,
+    assert_matches_transformers,
+    prompts,
+    serve_two_rounds,
+)
 from tests.serve.test_speculative_parity import LOGIT_ATOL, MAX_NEW, K
 from tests.serve.test_speculative_parity import family as family  # noqa: F401, PLC0414  (the fixture)
 
 pytestmark = pytest.mark.mesh
 
 
-def _serve(target: Any, draft: Any, tp: int, *, page_size: int, max_total_tokens: int, **config: Any) -> Any:
+def _scheduler(target: Any, draft: Any, tp: int, *, page_size: int, max_total_tokens: int, **config: Any) -> Any:
     cache = build_kv_cache(
         target.spec,
         CacheConfig(
@@ -51,6 +58,11 @@ def _serve(target: Any, draft: Any, tp: int, *, page_size: int, max_total_tokens
     )
     assert isinstance(sched.proposer, DraftDecoding)
     assert_sharded(sched, tp)
+    return sched
+
+
+def _serve(target: Any, draft: Any, tp: int, *, page_size: int, max_total_tokens: int, **config: Any) -> Any:
+    sched = _scheduler(target, draft, tp, page_size=page_size, max_total_tokens=max_total_tokens, **config)
     done = serve_two_rounds(sched, MAX_NEW)
     sched.cache.tree_cache.sanity_check()
     assert sched.leak_free()
@@ -83,7 +95,23 @@ def test_tp2_host_tier_brings_the_drafts_pages_back(family):
 
     _, hf, target, _, target_dir = family
     same = load_checkpoint(target_dir)  # the target as its own draft: every proposal is accepted
-    sched, done = _serve(target, same, 2, page_size=1, max_total_tokens=64, enable_hierarchical_cache=True)
+    sched = _scheduler(
+        target, same, 2, page_size=1, max_total_tokens=64, enable_hierarchical_cache=True, hicache_ratio=8.0
+    )
+    # each batch evicts the one before to the host, its host copies landed first (no timing in the
+    # test); the chat's second turn then loads its first turn's prefix back
+    tree = sched.cache.tree_cache
+    p = prompts()
+    done: dict[str, ServingReq] = {}
+    for names in (("a", "chat1"), ("b", "c"), ("d",)):
+        batch = [ServingReq(n, p[n], max_new_tokens=MAX_NEW) for n in names]
+        sched.run(batch)
+        tree.check_transfers(wait=True)
+        done.update((str(r.rid), r) for r in batch)
+    chat2 = ServingReq("chat2", p["chat1"] + done["chat1"].output_ids + p["chat2_new"], max_new_tokens=MAX_NEW)
+    sched.run([chat2])
+    done["chat2"] = chat2
+    assert sched.leak_free()
     [ext] = [e for e in sched.extensions if isinstance(e, HostTierExtension)]
     assert ext.loaded_tokens > 0, "a prefix should have come back from the host"
     assert sched.proposer.stats.acceptance_rate == 1.0, "a draft page did not follow the target's"
