@@ -23,8 +23,9 @@ from abc import ABCMeta
 from typing import TYPE_CHECKING, Any
 
 from kvjax.radix.host_component import LOAD_BACK_THRESHOLD, HostTierComponent
+from kvjax.radix.host_pages import HostPages
 from kvjax.radix.radix_cache import RadixCache
-from kvjax.radix.storage_link import PREFETCH_THRESHOLD, HostPages, StorageOptions
+from kvjax.radix.storage_link import PREFETCH_THRESHOLD, StorageOptions
 from kvjax.radix.tiered_tree import make_host_tier
 from kvjax.tiers.copy_engine import CopyEngine
 from kvjax.tiers.host_allocator import HostSlotAllocator

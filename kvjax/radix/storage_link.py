@@ -68,13 +68,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvjax.errors import ConfigError
 from kvjax.multihost.agreement import Agreement, LocalAgreement
 from kvjax.radix.events import BlockStored
+from kvjax.radix.host_pages import HostPages
 from kvjax.radix.node import DELETED, HOST_ONLY, TreeNode
 from kvjax.radix.storage_checkpoint import CheckpointRead, CheckpointStore, StorageCheckpoints
 from kvjax.radix.storage_window import StorageWindow, WindowRead, WindowStore
@@ -89,15 +90,6 @@ PREFETCH_THRESHOLD = 256  # SGLang's default, tokens
 
 #: The medium of the storage tier's KV events (``kvjax.radix.events``).
 STORAGE_MEDIUM = "storage"
-
-
-class HostPages(Protocol):
-    """The host pool's page data (``kvjax.tiers.HostKVPool``): layer-first buffers
-    ``[num_layers, n, page_size, C, D]`` of the pages of host slots."""
-
-    def read_pages(self, host_slots: Any, dtype: Any = None) -> np.ndarray: ...
-
-    def write_pages(self, host_slots: Any, buffer: np.ndarray) -> None: ...
 
 
 @dataclass

@@ -47,8 +47,8 @@ import numpy as np
 from kvjax.tiers.storage import Prefetch, StorageTier, StorageWrite
 
 if TYPE_CHECKING:
+    from kvjax.radix.host_pages import HostPages
     from kvjax.radix.node import TreeNode
-    from kvjax.radix.storage_link import HostPages
 
 __all__ = ["StorageWindow", "WindowStore", "WindowedTree"]
 

@@ -35,7 +35,7 @@ __all__ = ["StackedHostPages", "stacked_storage_key"]
 
 
 class StackedHostPages:
-    """Host pools of the same slots as one page source (``storage_link.HostPages``): buffers
+    """Host pools of the same slots as one page source (``kvjax.radix.host_pages.HostPages``): buffers
     ``[layers of every pool, n, page_size, C, D]``, pool ``i``'s layers after those of the pools
     before it. ``pools``: the host pools, in order (the same slots on each, the same page row;
     ValueError otherwise)."""
