@@ -237,12 +237,20 @@ def open_storage_tier(
     local = local_head_blocks(pools, host_pool)
     shards = rank_shards(host_pool, config, local)
     store = StorageTier(location, key=key, shards=shards, partial_shards=local is not None)
+    return _storage_options(config, store, pages)
+
+
+def _storage_options(config: CacheConfig, store: StorageTier, pages: Any, **stores: Any) -> StorageOptions:
+    """The options linking ``store`` over host ``pages`` with the config's prefetch settings
+    (policy, timeout, threshold); ``stores``: the side stores a hybrid tree links beside it
+    (``window``, ``checkpoints``)."""
     return StorageOptions(
         store,
         pages,
         prefetch_policy=config.hicache_storage_prefetch_policy,
         prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
         prefetch_threshold=config.hicache_storage_prefetch_threshold,
+        **stores,
     )
 
 
@@ -261,14 +269,7 @@ def _open_window_storage(
         key = storage_key(plan, pool, pools, config, device_kv=part, **names)
         stores.append(StorageTier(location, key=key, shards=rank_shards(pool, config, None)))
     full, window = stores
-    return StorageOptions(
-        full,
-        host_pool,
-        prefetch_policy=config.hicache_storage_prefetch_policy,
-        prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
-        prefetch_threshold=config.hicache_storage_prefetch_threshold,
-        window=WindowStore(window, window_host_pool),
-    )
+    return _storage_options(config, full, host_pool, window=WindowStore(window, window_host_pool))
 
 
 def checkpoint_storage_key(plan: CachePlan, state_pool: HostStatePool, config: CacheConfig) -> StorageKey:
@@ -300,11 +301,4 @@ def _open_checkpoint_storage(
     ``state_pool`` (module docstring; one entry per state, the host pool's rows of every rank)."""
     full = StorageTier(location, key=storage_key(plan, host_pool, pools, config), shards=rank_shards(host_pool, config))
     states = StorageTier(location, key=checkpoint_storage_key(plan, state_pool, config))
-    return StorageOptions(
-        full,
-        host_pool,
-        prefetch_policy=config.hicache_storage_prefetch_policy,
-        prefetch_timeout_s=config.hicache_storage_prefetch_timeout_s,
-        prefetch_threshold=config.hicache_storage_prefetch_threshold,
-        checkpoints=CheckpointStore(states, state_pool),
-    )
+    return _storage_options(config, full, host_pool, checkpoints=CheckpointStore(states, state_pool))
