@@ -150,6 +150,57 @@ def serve_two_rounds(sched: Scheduler, max_new: int, *, seed: int = PROMPT_SEED)
     return done
 
 
+def serve_with_eagle_draft(
+    model: LoadedModel,
+    draft_params: Any,
+    algorithm: str,
+    *,
+    num_steps: int,
+    page_size: int,
+    max_total_tokens: int,
+    max_new: int,
+    scheduler_extra: dict[str, Any] | None = None,
+    **config: Any,
+) -> tuple[Scheduler, dict[str, ServingReq]]:
+    """Serve ``serve_two_rounds`` (``max_new`` tokens each) with an EAGLE-style draft of one layer
+    (``algorithm``: ``"EAGLE"`` for an MTP layer or an EAGLE head, ``"EAGLE3"``) proposing
+    ``num_steps`` tokens a round, on a cache of ``page_size`` and ``max_total_tokens`` (``config``:
+    more `CacheConfig` fields); ``scheduler_extra``: more ``eagle_scheduler`` arguments (EAGLE3's
+    ``eagle3``). Checks the draft pool holds the draft's one layer, the cache is leak free and the
+    tree sane after; returns the scheduler and the requests by name."""
+    from kvjax.serve.speculative.eagle import eagle_scheduler
+
+    cache = build_kv_cache(
+        model.spec,
+        CacheConfig(
+            context_length=CONTEXT_LENGTH,
+            chunked_prefill_size=CHUNK,
+            page_size=page_size,
+            max_total_tokens=max_total_tokens,
+            max_running_requests=8,
+            speculative_algorithm=algorithm,
+            speculative_num_steps=num_steps,
+            speculative_num_draft_tokens=num_steps + 1,
+            **config,
+        ),
+    )
+    assert cache.plan.draft is not None and cache.plan.draft.layer_ids == (0,)
+    sched = eagle_scheduler(
+        model.config,
+        cache,
+        model.params,
+        draft_params=draft_params,
+        num_steps=num_steps,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        **(scheduler_extra or {}),
+    )
+    done = serve_two_rounds(sched, max_new)  # asserts the cache is leak free
+    sched.cache.tree_cache.sanity_check()
+    return sched, done
+
+
 def host_tier_scheduler(model: LoadedModel, **extra: Any) -> Scheduler:
     """``build_scheduler`` with the host tier (8x the device pool) over a device pool small enough
     (page size 1, 64 tokens, 8 running requests) that ``serve_batches_through_the_host`` evicts

@@ -42,24 +42,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import load_checkpoint
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.draft_decoding import DraftDecoding
-from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
+from kvjax.serve.speculative.eagle import EagleDecoding
 from kvjax.serve.speculative.eagle3_checkpoint import load_eagle3_draft
 from kvjax.serve.speculative.eagle3_draft import capture_boundaries
 from tests.serve.parity_harness import (
-    CHUNK,
-    CONTEXT_LENGTH,
     TINY_CONFIG,
     VOCAB,
     assert_matches_transformers,
     hf_greedy,
     random_transformers_model,
-    serve_two_rounds,
+    serve_with_eagle_draft,
     torch,
     transformers,
 )
@@ -177,35 +174,17 @@ def _serve(
     draft = load_eagle3_draft(draft_dir, model)
     assert draft.algorithm == "EAGLE3" and draft.eagle3 is not None
     assert draft.eagle3.capture == capture and draft.eagle3.layer.vocab_size == DRAFT_VOCAB
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(
-            context_length=CONTEXT_LENGTH,
-            chunked_prefill_size=CHUNK,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            max_running_requests=8,
-            speculative_algorithm="EAGLE3",
-            speculative_num_steps=K,
-            speculative_num_draft_tokens=K + 1,
-            **config,
-        ),
-    )
-    assert cache.plan.draft is not None and cache.plan.draft.layer_ids == (0,)
-    sched = eagle_scheduler(
-        model.config,
-        cache,
-        model.params,
-        draft_params=draft.params,
+    return serve_with_eagle_draft(
+        model,
+        draft.params,
+        "EAGLE3",
         num_steps=K,
-        eagle3=draft.eagle3,
-        max_batch_size=4,
-        chunked_prefill_size=CHUNK,
-        record_logits=True,
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_new=max_new,
+        scheduler_extra={"eagle3": draft.eagle3},
+        **config,
     )
-    done = serve_two_rounds(sched, max_new)  # asserts the cache is leak free
-    sched.cache.tree_cache.sanity_check()
-    return sched, done
 
 
 def _proposer(sched: Scheduler) -> EagleDecoding:

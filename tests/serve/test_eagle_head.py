@@ -31,22 +31,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvjax import CacheConfig, build_kv_cache
 from kvjax.errors import ConfigError
 from kvjax.serve.checkpoint import LoadedModel, flatten_params, load_checkpoint
 from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler, ServingReq
 from kvjax.serve.speculative.draft_decoding import DraftDecoding
-from kvjax.serve.speculative.eagle import EagleDecoding, eagle_scheduler
+from kvjax.serve.speculative.eagle import EagleDecoding
 from kvjax.serve.speculative.nextn import NextNDraftModel, load_nextn_draft, nextn_param_shapes, nextn_tensor_names
 from tests.serve.parity_harness import (
-    CHUNK,
-    CONTEXT_LENGTH,
     TINY_CONFIG,
     assert_matches_transformers,
     hf_greedy,
     random_transformers_model,
-    serve_two_rounds,
+    serve_with_eagle_draft,
     torch,
     transformers,
 )
@@ -101,34 +98,16 @@ def _serve(
     model = load_checkpoint(target_dir)
     draft = load_nextn_draft(head_dir, model)
     assert isinstance(draft, NextNDraftModel) and draft.algorithm == "EAGLE"
-    cache = build_kv_cache(
-        model.spec,
-        CacheConfig(
-            context_length=CONTEXT_LENGTH,
-            chunked_prefill_size=CHUNK,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            max_running_requests=8,
-            speculative_algorithm="EAGLE",
-            speculative_num_steps=K,
-            speculative_num_draft_tokens=K + 1,
-            **config,
-        ),
-    )
-    assert cache.plan.draft is not None and cache.plan.draft.layer_ids == (0,)
-    sched = eagle_scheduler(
-        model.config,
-        cache,
-        model.params,
-        draft_params=draft.params,
+    return serve_with_eagle_draft(
+        model,
+        draft.params,
+        "EAGLE",
         num_steps=K,
-        max_batch_size=4,
-        chunked_prefill_size=CHUNK,
-        record_logits=True,
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_new=MAX_NEW,
+        **config,
     )
-    done = serve_two_rounds(sched, MAX_NEW)  # asserts the cache is leak free
-    sched.cache.tree_cache.sanity_check()
-    return sched, done
 
 
 def _proposer(sched: Scheduler) -> EagleDecoding:
