@@ -469,10 +469,6 @@ GAP_SWA_DRAFT_STORAGE = (
 GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
 GAP_RECURRENT_PP_HOST = f"{GAP}: the host copies of recurrent-state checkpoints over pipeline stages"
 GAP_RECURRENT_DP_PP = f"{GAP}: DP attention's recurrent-state copies over pipeline stages"
-GAP_RECURRENT_PP_RETRACTION = (
-    f"{GAP}: the cpu_tensor backup of the recurrent state over pipeline stages (accepted, retracted requests "
-    "recomputed)"
-)
 #: Qwen3-Next over 2 stages (each holding recurrent layers), two micro-batches, overlap on.
 PP_RECURRENT = "tests/mesh/test_pp_recurrent.py::test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction"
 GAP_RECURRENT_STORAGE = (
@@ -486,10 +482,6 @@ GAP_RECURRENT_DRAFT_STORAGE = (
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
 GAP_RETRACTION_DROPPED = (
     f"{GAP}: the cpu_tensor backup of a DP rank's slice of the recurrent state (accepted, retracted requests "
-    "recomputed)"
-)
-GAP_SWA_PP_RETRACTION = (
-    f"{GAP}: the cpu_tensor backup of the sliding-window pools over pipeline stages (accepted, retracted requests "
     "recomputed)"
 )
 
@@ -752,6 +744,8 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_swa_storage_tp.py::test_gemma3_storage_tier_at_tp_2_stores_each_ranks_heads"
     ),
     ("swa", "pp", "host"): "tests/mesh/test_pp_host_tier.py::test_host_tier_loads_back_every_stage",
+    # pp 4 with the cpu_tensor backup: every stage's sliding window pages and full pages restored.
+    ("swa", "pp", "retraction"): "tests/mesh/test_pp_parity.py::test_gemma3_hybrid_sliding_window_over_stages",
     ("swa", "tp", "overlap"): "tests/mesh/test_tp_parity.py::test_gemma3_sliding_window_pools",
     ("swa", "tp", "processes"): (
         "tests/mesh/test_multihost_parity.py::test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers"
@@ -873,9 +867,16 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_parity_qwen3_next.py::test_eviction_of_kv_and_checkpoints_and_retraction"
     ),
     ("recurrent", "tp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
-    # Every state fork and checkpoint applied on every stage's state pool (pp 2 and pp 2 x tp 2).
+    # Every state fork and checkpoint applied on every stage's state pool (pp 2 and pp 2 x tp 2; at
+    # pp 2 x tp 2 retracted requests restored from every stage's cpu_tensor backup of pages and state).
     **dict.fromkeys(
-        [("recurrent", "pp", "pp"), ("recurrent", "tp", "pp"), ("recurrent", "pp", "overlap")], PP_RECURRENT
+        [
+            ("recurrent", "pp", "pp"),
+            ("recurrent", "tp", "pp"),
+            ("recurrent", "pp", "overlap"),
+            ("recurrent", "pp", "retraction"),
+        ],
+        PP_RECURRENT,
     ),
     ("recurrent", "eagle", "eagle"): (
         "tests/serve/test_qwen3_next_mtp.py::test_reuse_multi_turn_chunked_prefill_and_the_mtp_layers_own_proposals"
@@ -984,7 +985,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("swa", "pp", "eagle"): refused(GAP_EAGLE),
     ("swa", "pp", "storage"): refused(GAP_SWA_STORAGE),
-    ("swa", "pp", "retraction"): dropped(GAP_SWA_PP_RETRACTION),
     ("swa", "pp", "processes"): refused(GAP_PROCESSES),
     ("swa", "standalone", "storage"): refused(GAP_SWA_DRAFT_STORAGE),
     ("swa", "eagle", "host"): refused(GAP_EAGLE),
@@ -1014,7 +1014,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP_HOST),
     ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP_HOST),
-    ("recurrent", "pp", "retraction"): dropped(GAP_RECURRENT_PP_RETRACTION),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "standalone", "storage"): refused(GAP_RECURRENT_DRAFT_STORAGE),
     ("recurrent", "standalone", "overlap"): dropped(GAP_SPEC_OVERLAP_RECURRENT),

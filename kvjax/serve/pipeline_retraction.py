@@ -14,29 +14,45 @@ copy back into the same fresh slots. Both modes of ``kvjax.transfers.retraction_
   stage's step (``PipelineStages.forward``). A backup is kept only when every stage's copy was
   taken (else none is: the request recomputes), so the stages never disagree.
 
+What stage ``s`` copies is what its kinds copy of its own pools (``kvjax.serve.kinds.retraction_parts``
+over :func:`stage_view`: stage ``s``'s plan, pools and queue behind stage 0's request table,
+allocator and tree): the ``"kv"`` pool where the stage has full-attention layers; a hybrid
+sliding-window pool's full side (where the stage has full layers) and the window of its sliding
+side, through stage 0's full-to-SWA slot mapping (one SWA slot id per token on every stage); a
+recurrent-state pool's rows at the request's state slot (where the stage has recurrent layers);
+a draft's pool where the stage holds it. The tree's queued state copies (a matched checkpoint
+forked into the request's new slot) are recorded on every stage holding state before the first
+stage's state restore, so every stage's restored state replaces the forked one, as on one device
+(``kvjax.serve.recurrent_retraction``). Where some stage's state cannot be backed up (DP
+attention's state slices) no backup is attached: retracted requests recompute.
+
 ``staged_extensions(pipeline)`` are the default serving extensions of stage 0's cache with the
-``cpu_tensor`` backup's copies made every stage's (the ``"kv"`` pool and a draft's; a cache whose
-kinds copy pools of their own, the sliding-window pair, recomputes its retracted requests over
-stages). Units: tokens and slots.
+``cpu_tensor`` backup made every stage's. Units: tokens and slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvjax.serve.kinds import default_extensions
-from kvjax.serve.retraction_extension import RetractionBackupExtension, _page_copy, _page_load
-from kvjax.transfers.draft_pools import with_draft_pool
-from kvjax.transfers.retraction_backup import RetractedKV, RetractionBackup
+from kvjax.plan.kinds.recurrent import POOL as STATE_POOL
+from kvjax.radix.mamba_radix_cache import MambaRadixCache
+from kvjax.serve.kinds import default_extensions, retraction_parts
+from kvjax.serve.pipeline_state import state_stages
+from kvjax.serve.retraction_extension import RetractionBackupExtension, copyable_backup
+from kvjax.transfers.retraction_backup import RetractedKV, RetractionBackup, RowPart
+from kvjax.transfers.state_transfer import state_copies_update
 
 if TYPE_CHECKING:
+    from kvjax.build import KVCache
+    from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.serve.extension import ServingExtension
     from kvjax.serve.pipeline_cache import PipelineCache
 
-__all__ = ["StagedRetractionBackup", "staged_cpu_tensor_backup", "staged_extensions"]
+__all__ = ["StagedRetractionBackup", "stage_view", "staged_cpu_tensor_backup", "staged_extensions"]
 
 
 class StagedRetractionBackup:
@@ -111,34 +127,78 @@ class StagedRetractionBackup:
             stage.discard(key)
 
 
-def staged_cpu_tensor_backup(pipeline: PipelineCache) -> StagedRetractionBackup:
-    """The ``cpu_tensor`` backup of every stage of ``pipeline`` through the page kernels."""
-    page_size = pipeline.cache.token_to_kv_pool_allocator.page_size
-    return StagedRetractionBackup(
-        [
-            RetractionBackup(
-                "cpu_tensor",
-                page_size,
-                pending=queue,
-                parts=with_draft_pool(("kv",), queue.owner_pools),
-                get_copy=_page_copy,
-                load_copy=_page_load,
-            )
-            for queue in pipeline.pending
-        ]
+def stage_view(pipeline: PipelineCache, stage: int) -> KVCache:
+    """Stage ``stage``'s pools, plan and queue of pending device updates behind stage 0's request
+    table, allocator and tree: the cache a kind's retraction parts are built over for that stage
+    (stage 0's cache itself for stage 0)."""
+    from kvjax.build import KVCache
+
+    if stage == 0:
+        return pipeline.cache
+    first = pipeline.cache
+    return KVCache(
+        plan=pipeline.plans[stage],
+        pools=pipeline.pools(stage),
+        req_to_token_pool=first.req_to_token_pool,
+        token_to_kv_pool_allocator=first.token_to_kv_pool_allocator,
+        tree_cache=first.tree_cache,
+        pending=pipeline.pending[stage],
+        state=pipeline.states[stage],
     )
 
 
+def staged_cpu_tensor_backup(pipeline: PipelineCache) -> StagedRetractionBackup | None:
+    """The ``cpu_tensor`` backup of every stage of ``pipeline`` through the page kernels: on each
+    stage what its kinds copy of its own pools (module docstring); ``None`` when a stage's state
+    cannot be backed up (retracted requests then recompute)."""
+    backups = []
+    for s in range(pipeline.pp_size):
+        view = stage_view(pipeline, s)
+        backup = copyable_backup(view, retraction_parts(view))
+        if backup is None:
+            return None
+        backups.append(backup)
+    _record_tree_copies_once(pipeline, backups)
+    return StagedRetractionBackup(backups)
+
+
+def _record_tree_copies_once(pipeline: PipelineCache, backups: Sequence[RetractionBackup]) -> None:
+    """The tree's queued state copies (a matched checkpoint forked into the restored request's new
+    slot among them) recorded on every stage holding state before the first stage's state
+    restore, once: each stage's row restore then lands behind them (``kvjax.serve.pipeline_state``)."""
+    queues = tuple(pipeline.pending[s] for s in state_stages(pipeline))
+    tree = pipeline.cache.tree_cache
+    first = True
+    for backup in backups:
+        parts = []
+        for part in backup.parts:
+            if isinstance(part, RowPart) and part.before_restore is not None:
+                part = replace(part, before_restore=_record_on(tree, queues) if first else None)
+                first = False
+            parts.append(part)
+        backup.parts = tuple(parts)
+
+
+def _record_on(tree: Any, queues: Sequence[PendingDeviceUpdates]) -> Callable[[], None]:
+    """Take the tree's queued state copies and record them as one update on each of ``queues``."""
+
+    def record() -> None:
+        copies = tree.take_state_copies() if isinstance(tree, MambaRadixCache) else []
+        if copies:
+            for queue in queues:
+                queue.record(state_copies_update(copies, STATE_POOL.name))
+
+    return record
+
+
 def staged_extensions(pipeline: PipelineCache) -> list[ServingExtension]:
-    """``default_extensions`` of stage 0's cache, its ``cpu_tensor`` retraction backup (if any)
-    copying every stage (module docstring)."""
-    extensions = default_extensions(pipeline.cache)
-    for ext in extensions:
-        if type(ext) is RetractionBackupExtension and ext.retraction.mode == "cpu_tensor":
-            if ext.retraction.pool_names != tuple(with_draft_pool(("kv",), pipeline.cache.pools)):
-                # A kind with pools of its own (the sliding-window pair) is not copied per stage
-                # yet: its retracted requests recompute.
-                extensions.remove(ext)
-                break
-            ext.retraction = staged_cpu_tensor_backup(pipeline)  # type: ignore[assignment]  # its interface
+    """``default_extensions`` of stage 0's cache, its ``cpu_tensor`` retraction backup (if the plan
+    asks for one) copying every stage (module docstring), or dropped where a stage's state cannot
+    be backed up."""
+    extensions = [e for e in default_extensions(pipeline.cache) if type(e) is not RetractionBackupExtension]
+    plan = pipeline.cache.plan
+    if plan.decode_retraction_backup == "cpu_tensor" and plan.decode_retraction_active:
+        backup = staged_cpu_tensor_backup(pipeline)
+        if backup is not None:
+            extensions.append(RetractionBackupExtension(pipeline.cache, backup))  # type: ignore[arg-type]
     return extensions

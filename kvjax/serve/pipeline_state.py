@@ -24,9 +24,8 @@ What changes a slot's state:
 
 Not served over stages (refused by name before anything is built): the host tier for these
 models (``kvjax.pipeline_check``: one state engine would take and load back stage 0's
-checkpoints only) and DP attention (``kvjax.dp.pipeline``). A ``cpu_tensor`` retraction backup
-that copies pools beyond ``"kv"`` is not kept over stages (``kvjax.serve.pipeline_retraction``):
-retracted requests recompute, which restores their state by prefilling again. The extra buffer
+checkpoints only) and DP attention (``kvjax.dp.pipeline``). The ``cpu_tensor`` retraction backup
+copies each stage's state rows at the request's slot (``kvjax.serve.pipeline_retraction``). The extra buffer
 (``enable_mamba_extra_buffer``) is served with one micro-batch only (``pipeline_scheduler``
 refuses more: its tracked states are recorded once per step).
 """

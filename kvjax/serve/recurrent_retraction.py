@@ -27,9 +27,13 @@ own state, donated at an earlier caching), the backup is dropped and the tree's 
 SGLang restores only the state slot, not the extra buffer's ping-pong slots; neither does this
 (the tracking starts again from the resumed length).
 
+Over pipeline stages each stage's backup copies its own recurrent layers' rows at the same slot
+(``kvjax.serve.pipeline_retraction``; a stage without recurrent layers copies none), and the tree's
+queued copies are recorded on every stage holding state before the first stage's restore.
+
 Not backed up (retracted requests recompute): a cache whose state pool is laid out over DP
 attention ranks (``plan.dp_size > 1``: the rank's slice of the stacked pool is not copied here),
-a pipeline stage without the state pool, and a pool not fully addressable by this process.
+and a pool not fully addressable by this process.
 """
 
 from __future__ import annotations
@@ -57,11 +61,13 @@ def _state_slot(request: Any) -> np.ndarray | None:
 
 
 def recurrent_retraction_parts(cache: KVCache) -> list[RowPart] | None:
-    """The request's state slot of ``cache``'s recurrent pool (module docstring); ``None`` where
-    the state cannot be backed up here (DP attention, no state pool on this stage, a pool other
-    processes hold part of)."""
-    if int(cache.plan.dp_size) > 1 or STATE_POOL.name not in cache.pools:
+    """The request's state slot of ``cache``'s recurrent pool (module docstring); none for a
+    pipeline stage without recurrent layers; ``None`` where the state cannot be backed up here (DP
+    attention, a pool other processes hold part of)."""
+    if int(cache.plan.dp_size) > 1:
         return None
+    if STATE_POOL.name not in cache.pools:  # a pipeline stage without recurrent layers: nothing to copy here
+        return []
     if not all(a.is_fully_addressable for a in cache.pools[STATE_POOL.name].arrays()):
         return None
     tree = cache.tree_cache

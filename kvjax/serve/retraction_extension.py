@@ -194,10 +194,20 @@ def retraction_extensions(cache: KVCache, kind_parts: Sequence[Any] | None) -> l
     plan = cache.plan
     if plan.decode_retraction_backup != "cpu_tensor" or not plan.decode_retraction_active:
         return []
+    backup = copyable_backup(cache, kind_parts)
+    return [] if backup is None else [RetractionBackupExtension(cache, backup)]
+
+
+def copyable_backup(cache: KVCache, kind_parts: Sequence[Any] | None) -> RetractionBackup | None:
+    """:func:`cpu_tensor_backup` of ``cache`` where every kind keeps its state in pages (or rows)
+    the backup copies and the page kernels read every pool it names, else ``None`` (retracted
+    requests recompute); ``kind_parts`` as for :func:`cpu_tensor_backup`."""
     # Every kind of the cache must keep its state in pages the backup copies.
-    parts = backup_parts(cache, kind_parts) if all(kind.page_backup for kind in planner_kinds_of(plan)) else None
+    if not all(kind.page_backup for kind in planner_kinds_of(cache.plan)):
+        return None
+    parts = backup_parts(cache, kind_parts)
     if not parts:
-        return []
+        return None
     from kvjax.transfers.device_pages import page_layers
 
     try:
@@ -205,5 +215,5 @@ def retraction_extensions(cache: KVCache, kind_parts: Sequence[Any] | None) -> l
             if not isinstance(part, RowPart):  # a row part copies through its own functions
                 page_layers(part.ref.get(cache.pools))
     except (NotImplementedError, KeyError):
-        return []
-    return [RetractionBackupExtension(cache, cpu_tensor_backup(cache, kind_parts))]
+        return None
+    return cpu_tensor_backup(cache, kind_parts)

@@ -55,5 +55,8 @@ def swa_retraction_parts(cache: KVCache) -> list[CopyPart] | None:
     def to_swa(slots: np.ndarray) -> np.ndarray:
         return alloc.full_to_swa_index_mapping[slots]
 
-    parts = [] if pool.full is None else [CopyPart(PoolRef(SWA_POOL.name, "full"))]
-    return [*parts, CopyPart(PoolRef(SWA_POOL.name, "swa"), window=margin, translate=to_swa)]
+    # A pipeline stage copies the sides it has layers of (kvjax.serve.pipeline_retraction).
+    parts = [CopyPart(PoolRef(SWA_POOL.name, "full"))] if pool.full is not None and pool.full_layer_ids else []
+    if pool.swa_layer_ids:
+        parts.append(CopyPart(PoolRef(SWA_POOL.name, "swa"), window=margin, translate=to_swa))
+    return parts

@@ -19,7 +19,9 @@ from kvjax import CacheConfig
 from kvjax.plan.sizing import stage_bounds
 from kvjax.pools import SWAKVPool
 from kvjax.serve.pipeline_cache import build_pipeline_cache
+from kvjax.serve.pipeline_retraction import StagedRetractionBackup
 from kvjax.serve.pipeline_stepping import PipelineStages, pipeline_scheduler
+from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler
 from tests.mesh.tp_serving import family_checkpoint
 from tests.serve.parity_harness import CHUNK, CONTEXT_LENGTH, assert_matches_transformers, serve_two_rounds
@@ -113,10 +115,22 @@ def test_cold_equals_warm(llama):
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gemma3_hybrid_sliding_window_over_stages(pp, gemma3):
+    """At pp 4 (one layer a stage) and pages of 4 tokens (room to restore in the small pool),
+    retracted requests are restored from the ``cpu_tensor`` backup of every stage: the sliding
+    stages' pages of the window, the full layer's stage's pages of every token."""
     hf, model = gemma3
-    sched = stage_scheduler(model, pp, micro_batches=2)
+    backup = {"disaggregation_decode_retraction_backup": "cpu_tensor", "page_size": 4} if pp == 4 else {}
+    sched = stage_scheduler(model, pp, micro_batches=2, **backup)
     done = serve_two_rounds(sched, MAX_NEW)
     assert_stages_hold_their_own(sched, 4)
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    if backup:
+        [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+        staged = ext.retraction
+        assert isinstance(staged, StagedRetractionBackup)
+        copied = [[p.target for p in b.parts] for b in staged.stages]
+        assert copied == [["swa.swa"], ["swa.swa"], ["swa.full"], ["swa.swa"]], "each stage copies its own side"
+        assert staged.restored > 0 and all(b.restored == staged.restored for b in staged.stages), st
+        assert staged.held == 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)

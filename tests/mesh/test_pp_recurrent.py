@@ -2,7 +2,9 @@
 
 The tiny random-weight Qwen3-Next of the tensor-parallel parity tests (gated delta net layers 0,
 1 and 3, full attention at layer 2; ``tests/mesh/qwen3_next_tp.py``) is served over 2 stages of
-one device and of 2 TP devices, with two micro-batches and overlap scheduling: stage 0 holds
+one device (retracted requests recomputed) and of 2 TP devices (retracted requests restored from
+the ``cpu_tensor`` backup of every stage's pages and state rows), with two micro-batches and
+overlap scheduling: stage 0 holds
 layers 0 and 1 (recurrent state only, no token pool), stage 1 layers 2 and 3 (KV and state), so
 every stage holds recurrent state and each state fork and checkpoint must reach both. The cache
 is small enough (56 tokens, 4 running requests, 6 state slots) that the two rounds of
@@ -31,8 +33,10 @@ from kvjax.radix import MambaRadixCache
 from kvjax.serve.model import init_params
 from kvjax.serve.model_config import model_config_from_spec
 from kvjax.serve.pipeline_cache import build_pipeline_cache
+from kvjax.serve.pipeline_retraction import StagedRetractionBackup
 from kvjax.serve.pipeline_stepping import pipeline_scheduler
 from kvjax.serve.recurrent_extension import RecurrentStateExtension
+from kvjax.serve.retraction_extension import RetractionBackupExtension
 from kvjax.serve.scheduler import Scheduler
 from kvjax.spec import ModelSpec
 from tests.mesh.qwen3_next_tp import qwen3_next_checkpoint
@@ -65,8 +69,8 @@ def _config(pp: int, tp: int, **fields: Any) -> CacheConfig:
     )
 
 
-def _serve(model: Any, pp: int, tp: int) -> tuple[Scheduler, dict[str, Any]]:
-    pipeline = build_pipeline_cache(model.spec, _config(pp, tp), devices=jax.devices())
+def _serve(model: Any, pp: int, tp: int, **fields: Any) -> tuple[Scheduler, dict[str, Any]]:
+    pipeline = build_pipeline_cache(model.spec, _config(pp, tp, **fields), devices=jax.devices())
     sched = pipeline_scheduler(
         model.config,
         pipeline,
@@ -89,10 +93,16 @@ def _assert_state_slots_leak_free(sched: Scheduler) -> None:
     tree.sanity_check()
 
 
-@pytest.mark.parametrize(("pp", "tp"), [(2, 1), (2, 2)])
-def test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction(pp, tp, checkpoint):
+@pytest.mark.parametrize(
+    ("pp", "tp", "backup"), [(2, 1, None), (2, 2, "cpu_tensor")], ids=["pp2-recompute", "pp2-tp2-cpu_tensor"]
+)
+def test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction(pp, tp, backup, checkpoint):
+    """``backup``: the retracted requests recompute (None) or are restored from the ``cpu_tensor``
+    backup of every stage, each stage's KV pages and state rows (the request's checkpoint forked
+    into its new slot first, then replaced by its own state)."""
     hf, model = checkpoint
-    sched, done = _serve(model, pp, tp)
+    fields = {} if backup is None else {"disaggregation_decode_retraction_backup": backup}
+    sched, done = _serve(model, pp, tp, **fields)
     _assert_state_slots_leak_free(sched)
     assert_stages_hold_their_own(sched, LAYERS)
     pipe = sched.stepping.pipeline  # type: ignore[attr-defined]
@@ -103,6 +113,14 @@ def test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction(pp, tp, checkp
     st = sched.stats
     assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
     assert (done["chat2"].first_cached_tokens or 0) > 0, "turn 2 starts from a forked checkpoint"
+    if backup is not None:
+        [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+        staged = ext.retraction
+        assert isinstance(staged, StagedRetractionBackup)
+        assert [p.target for p in staged.stages[0].parts] == ["recurrent"], "stage 0: state rows only"
+        assert [p.target for p in staged.stages[1].parts] == ["kv", "recurrent"]
+        assert staged.restored > 0 and all(b.restored == staged.restored for b in staged.stages), staged.stages
+        assert staged.held == 0
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
