@@ -480,10 +480,6 @@ GAP_RECURRENT_DRAFT_STORAGE = (
     "stored with the KV pages)"
 )
 GAP_RECURRENT_HOST_PROCESSES = f"{GAP}: host copies of recurrent-state checkpoints over several processes"
-GAP_RETRACTION_DROPPED = (
-    f"{GAP}: the cpu_tensor backup of a DP rank's slice of the recurrent state (accepted, retracted requests "
-    "recomputed)"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -902,6 +898,8 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers"
     ),
     ("recurrent", "dp", "dp"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    # Each rank's KV pages and state rows restored from the cpu_tensor backup, within its slices.
+    ("recurrent", "dp", "retraction"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
     ("recurrent", "dp", "host"): (
         "tests/mesh/test_dp_hybrid_host_tier.py::test_qwen3_next_checkpoints_through_each_ranks_host"
     ),
@@ -1001,7 +999,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_DP_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
-    ("recurrent", "dp", "retraction"): dropped(GAP_RETRACTION_DROPPED),
     ("recurrent", "dcp", "pp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "eagle"): refused(GAP_RECURRENT_DCP),

@@ -30,6 +30,7 @@ build refuses the host state pool over several processes before allocating).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -41,7 +42,7 @@ from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 from kvjax.dp.rank_mesh import DATA_MESH_AXIS, host_sharding, rank_devices
 from kvjax.dp.rank_transfer import rank_buffer, rank_rows
 from kvjax.tiers.host_state_pool import HostStatePool
-from kvjax.transfers.state_transfer import STATE_POOL, StateTransferEngine
+from kvjax.transfers.state_transfer import STATE_POOL, StateTransferEngine, with_state_arrays
 from kvjax.transfers.transfer import _bucket, _layer_spec
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from kvjax.dp.rank_state import RankStateCopies
     from kvjax.transfers.transfer_engines import StateEngineFactory
 
-__all__ = ["RankStateTransferEngine", "rank_state_engine"]
+__all__ = ["RankStateRows", "RankStateTransferEngine", "rank_state_engine", "rank_state_row_copies"]
 
 _RANKS = P(DATA_MESH_AXIS)  # every per-rank input and output: split over "data", the rest automatic
 
@@ -101,6 +102,61 @@ def _scatter_program(mesh: Mesh, specs: tuple[P, ...]) -> Any:
     )
 
 
+class RankStateRows:
+    """Rows of DP rank ``rank``'s slice of a stacked recurrent pool's ``arrays``: the gather, its
+    rows on the host, and the in-place scatter (module docstring). Shared by the rank's host-tier
+    state engine and its ``cpu_tensor`` retraction backup (``kvjax.serve.recurrent_retraction``).
+
+    Raises:
+        ValueError: a rank outside ``[0, dp_size)``.
+        NotImplementedError: arrays not laid out over a ``("data", ...)`` mesh.
+    """
+
+    def __init__(self, arrays: tuple[jax.Array, ...], rank: int) -> None:
+        sharding = arrays[0].sharding
+        if not isinstance(sharding, NamedSharding):
+            raise NotImplementedError(f"DP state pools laid out over a mesh (NamedSharding), not {type(sharding)}")
+        self.specs = tuple(_layer_spec(cast(NamedSharding, a.sharding), a.ndim) for a in arrays)
+        if self.specs[0][0] != DATA_MESH_AXIS:
+            raise NotImplementedError(f"stacked DP pools have their rank axis over {DATA_MESH_AXIS!r}: {self.specs}")
+        self.dp_size = int(arrays[0].shape[0])
+        if not 0 <= rank < self.dp_size:
+            raise ValueError(f"rank {rank} is not one of the {self.dp_size} DP ranks")
+        self.rank = rank
+        self.mesh = cast(Mesh, sharding.mesh)
+        self.devices = set(rank_devices(self.mesh, rank).tolist())
+
+    def _slot_rows(self, slots: np.ndarray, fill: int) -> np.ndarray:
+        """``[dp, bucket]`` slot ids: the rank's row ``slots`` padded with ``fill``, the others ``fill``."""
+        rows = np.full((self.dp_size, _bucket(slots.size)), fill, np.int32)
+        rows[self.rank, : slots.size] = slots
+        return rows
+
+    def gather(self, arrays: tuple[jax.Array, ...], slots: np.ndarray) -> tuple[jax.Array, ...]:
+        """The rank's ``slots`` of every array, as device buffers ``[dp, layers, bucket, *row]``."""
+        rows = self._slot_rows(slots, 0)  # padding reads the padding slot
+        return cast(tuple[jax.Array, ...], _gather_program(self.mesh, self.specs)(arrays, rows))
+
+    def host(self, buffers: tuple[jax.Array, ...], n: int) -> tuple[np.ndarray, ...]:
+        """:meth:`gather`'s buffers on the host: the rank's first ``n`` rows, ``[layers, n, *row]``."""
+        return tuple(rank_rows(b, self.devices)[:, :n] for b in buffers)
+
+    def scatter(
+        self, arrays: tuple[jax.Array, ...], slots: np.ndarray, rows: tuple[np.ndarray, ...]
+    ) -> tuple[jax.Array, ...]:
+        """``arrays`` (donated: in place) with ``rows`` written at the rank's ``slots``."""
+        ids = self._slot_rows(slots, int(arrays[0].shape[2]))  # past the last slot: dropped
+        n = ids.shape[1]
+        buffers = []
+        for r, spec in zip(rows, self.specs, strict=True):
+            padded = np.zeros((r.shape[0], n, *r.shape[2:]), r.dtype)
+            padded[:, : r.shape[1]] = r
+            shape = (self.dp_size, padded.shape[0], n, *padded.shape[2:])
+            piece = functools.partial(_piece, padded)
+            buffers.append(rank_buffer(NamedSharding(self.mesh, spec), self.rank, shape, padded.dtype, piece))
+        return cast(tuple[jax.Array, ...], _scatter_program(self.mesh, self.specs)(arrays, ids, tuple(buffers)))
+
+
 class RankStateTransferEngine(StateTransferEngine):
     """The state copy engine of DP rank ``rank`` (module docstring).
 
@@ -125,55 +181,46 @@ class RankStateTransferEngine(StateTransferEngine):
         copies: RankStateCopies,
         pool_name: str = STATE_POOL,
     ) -> None:
-        arrays = pending.owner_pools[pool_name].arrays()
-        sharding = arrays[0].sharding
-        if not isinstance(sharding, NamedSharding):
-            raise NotImplementedError(f"DP state pools laid out over a mesh (NamedSharding), not {type(sharding)}")
-        self._specs = tuple(_layer_spec(cast(NamedSharding, a.sharding), a.ndim) for a in arrays)
-        if self._specs[0][0] != DATA_MESH_AXIS:
-            raise NotImplementedError(f"stacked DP pools have their rank axis over {DATA_MESH_AXIS!r}: {self._specs}")
-        self.dp_size = int(arrays[0].shape[0])
-        if not 0 <= rank < self.dp_size:
-            raise ValueError(f"rank {rank} is not one of the {self.dp_size} DP ranks")
+        self._rows = RankStateRows(pending.owner_pools[pool_name].arrays(), rank)
+        self.dp_size = self._rows.dp_size
         self.rank = rank
-        self._mesh = cast(Mesh, sharding.mesh)
-        self._devices = set(rank_devices(self._mesh, rank).tolist())
         self._copies = copies
         super().__init__(pending, host_pool, pool_name)
 
     def _copied_shapes(self, arrays: tuple[jax.Array, ...]) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(int(d) for d in a.shape[1:]) for a in arrays)  # one rank's slice
 
-    def _slot_rows(self, slots: np.ndarray, fill: int) -> np.ndarray:
-        """``[dp, bucket]`` slot ids: the rank's row ``slots`` padded with ``fill``, the others ``fill``."""
-        rows = np.full((self.dp_size, _bucket(slots.size)), fill, np.int32)
-        rows[self.rank, : slots.size] = slots
-        return rows
-
     def _gather_rows(self, arrays: tuple[jax.Array, ...], slots: np.ndarray) -> tuple[jax.Array, ...]:
-        rows = self._slot_rows(slots, 0)  # padding reads the padding slot
-        return cast(tuple[jax.Array, ...], _gather_program(self._mesh, self._specs)(arrays, rows))
+        return self._rows.gather(arrays, slots)
 
     def _host_rows(self, buffers: tuple[jax.Array, ...], n: int) -> tuple[np.ndarray, ...]:
-        return tuple(rank_rows(b, self._devices)[:, :n] for b in buffers)
+        return self._rows.host(buffers, n)
 
     def _scatter_rows(
         self, arrays: tuple[jax.Array, ...], slots: np.ndarray, rows: tuple[np.ndarray, ...]
     ) -> tuple[jax.Array, ...]:
-        past = self.num_slots + 1  # past the last slot: dropped
-        ids = self._slot_rows(slots, past)
-        n = ids.shape[1]
-        buffers = []
-        for r, spec in zip(rows, self._specs, strict=True):
-            padded = np.zeros((r.shape[0], n, *r.shape[2:]), r.dtype)
-            padded[:, : r.shape[1]] = r
-            shape = (self.dp_size, padded.shape[0], n, *padded.shape[2:])
-            piece = functools.partial(_piece, padded)
-            buffers.append(rank_buffer(NamedSharding(self._mesh, spec), self.rank, shape, padded.dtype, piece))
-        return cast(tuple[jax.Array, ...], _scatter_program(self._mesh, self._specs)(arrays, ids, tuple(buffers)))
+        return self._rows.scatter(arrays, slots, rows)
 
     def _copies_update(self, copies: list[tuple[int, int]]) -> DeviceUpdate:
         return self._copies.update(self.rank, copies)
+
+
+def rank_state_row_copies(rank: int) -> tuple[Callable[[Any, np.ndarray], Any], Callable[[Any, Any, np.ndarray], Any]]:
+    """``(get_copy, load_copy)`` of DP rank ``rank``'s state rows for the ``cpu_tensor`` retraction
+    backup (a ``RowPart``'s, ``kvjax.serve.recurrent_retraction``): ``get_copy(pool, slots)`` the
+    numpy rows of the rank's ``slots`` (O(slots)); ``load_copy(pool, rows, slots)`` the stacked
+    pool with them written at the rank's ``slots`` (donated: in place), no other rank's slice
+    changed."""
+
+    def get_copy(pool: Any, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+        rows = RankStateRows(pool.arrays(), rank)
+        return rows.host(rows.gather(pool.arrays(), slots), int(slots.size))
+
+    def load_copy(pool: Any, copy: tuple[np.ndarray, ...], slots: np.ndarray) -> Any:
+        arrays = pool.arrays()
+        return with_state_arrays(pool, RankStateRows(arrays, rank).scatter(arrays, slots, copy))
+
+    return get_copy, load_copy
 
 
 def _piece(rows: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:

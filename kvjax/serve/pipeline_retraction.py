@@ -23,8 +23,8 @@ recurrent-state pool's rows at the request's state slot (where the stage has rec
 a draft's pool where the stage holds it. The tree's queued state copies (a matched checkpoint
 forked into the request's new slot) are recorded on every stage holding state before the first
 stage's state restore, so every stage's restored state replaces the forked one, as on one device
-(``kvjax.serve.recurrent_retraction``). Where some stage's state cannot be backed up (DP
-attention's state slices) no backup is attached: retracted requests recompute.
+(``kvjax.serve.recurrent_retraction``). Where some stage's state cannot be backed up (a
+pool other processes hold part of) no backup is attached: retracted requests recompute.
 
 ``staged_extensions(pipeline)`` are the default serving extensions of stage 0's cache with the
 ``cpu_tensor`` backup made every stage's. Units: tokens and slots.
@@ -32,23 +32,20 @@ attention's state slices) no backup is attached: retracted requests recompute.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvjax.plan.kinds.recurrent import POOL as STATE_POOL
-from kvjax.radix.mamba_radix_cache import MambaRadixCache
 from kvjax.serve.kinds import default_extensions, retraction_parts
 from kvjax.serve.pipeline_state import state_stages
+from kvjax.serve.recurrent_retraction import tree_copies_recorder
 from kvjax.serve.retraction_extension import RetractionBackupExtension, copyable_backup
 from kvjax.transfers.retraction_backup import RetractedKV, RetractionBackup, RowPart
-from kvjax.transfers.state_transfer import state_copies_update
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
-    from kvjax.device_updates import PendingDeviceUpdates
     from kvjax.serve.extension import ServingExtension
     from kvjax.serve.pipeline_cache import PipelineCache
 
@@ -173,22 +170,10 @@ def _record_tree_copies_once(pipeline: PipelineCache, backups: Sequence[Retracti
         parts = []
         for part in backup.parts:
             if isinstance(part, RowPart) and part.before_restore is not None:
-                part = replace(part, before_restore=_record_on(tree, queues) if first else None)
+                part = replace(part, before_restore=tree_copies_recorder(tree, queues) if first else None)
                 first = False
             parts.append(part)
         backup.parts = tuple(parts)
-
-
-def _record_on(tree: Any, queues: Sequence[PendingDeviceUpdates]) -> Callable[[], None]:
-    """Take the tree's queued state copies and record them as one update on each of ``queues``."""
-
-    def record() -> None:
-        copies = tree.take_state_copies() if isinstance(tree, MambaRadixCache) else []
-        if copies:
-            for queue in queues:
-                queue.record(state_copies_update(copies, STATE_POOL.name))
-
-    return record
 
 
 def staged_extensions(pipeline: PipelineCache) -> list[ServingExtension]:

@@ -31,13 +31,18 @@ Over pipeline stages each stage's backup copies its own recurrent layers' rows a
 (``kvjax.serve.pipeline_retraction``; a stage without recurrent layers copies none), and the tree's
 queued copies are recorded on every stage holding state before the first stage's restore.
 
-Not backed up (retracted requests recompute): a cache whose state pool is laid out over DP
-attention ranks (``plan.dp_size > 1``: the rank's slice of the stacked pool is not copied here),
-and a pool not fully addressable by this process.
+Under lockstep DP attention (``rank_state_part``, from the extension's ``in_lockstep``) the rows
+are the rank's own: copied from its slice of the stacked state pool and written back into it only
+(``kvjax.dp.rank_state_transfer``), the tree's queued copies recorded as the rank's copies.
+
+Not backed up (retracted requests recompute): a pool not fully addressable by this process
+(several processes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,8 +55,9 @@ from kvjax.transfers.transfer import PoolRef
 
 if TYPE_CHECKING:
     from kvjax.build import KVCache
+    from kvjax.device_updates import DeviceUpdate, PendingDeviceUpdates
 
-__all__ = ["recurrent_retraction_parts"]
+__all__ = ["rank_state_part", "recurrent_retraction_parts", "tree_copies_recorder"]
 
 
 def _state_slot(request: Any) -> np.ndarray | None:
@@ -62,31 +68,53 @@ def _state_slot(request: Any) -> np.ndarray | None:
 
 def recurrent_retraction_parts(cache: KVCache) -> list[RowPart] | None:
     """The request's state slot of ``cache``'s recurrent pool (module docstring); none for a
-    pipeline stage without recurrent layers; ``None`` where the state cannot be backed up here (DP
-    attention, a pool other processes hold part of)."""
-    if int(cache.plan.dp_size) > 1:
-        return None
+    pipeline stage without recurrent layers; ``None`` where the state cannot be backed up here (a
+    pool other processes hold part of)."""
     if STATE_POOL.name not in cache.pools:  # a pipeline stage without recurrent layers: nothing to copy here
         return []
     if not all(a.is_fully_addressable for a in cache.pools[STATE_POOL.name].arrays()):
         return None
-    tree = cache.tree_cache
-    pending = cache.pending
-
-    def record_tree_copies() -> None:
-        # The tree's queued state copies (the fork of a matched checkpoint into the request's new
-        # slot among them) land before the restore that replaces that slot's state.
-        if isinstance(tree, MambaRadixCache):
-            copies = tree.take_state_copies()
-            if copies:
-                pending.record(state_copies_update(copies, STATE_POOL.name))
-
     return [
         RowPart(
             PoolRef(STATE_POOL.name),
             rows=_state_slot,
             get_copy=copy_state_rows,
             load_copy=load_state_rows,
-            before_restore=record_tree_copies,
+            before_restore=tree_copies_recorder(cache.tree_cache, (cache.pending,)),
         )
     ]
+
+
+def tree_copies_recorder(
+    tree: Any,
+    queues: Sequence[PendingDeviceUpdates],
+    copies_update: Callable[[list[tuple[int, int]]], DeviceUpdate] = state_copies_update,
+) -> Callable[[], None]:
+    """A ``RowPart.before_restore``: the tree's queued state copies (the fork of a matched
+    checkpoint into the request's new slot among them) taken and recorded as one update
+    (``copies_update``) on each of ``queues``, so they land before the restore that replaces the
+    slot's state."""
+
+    def record() -> None:
+        copies = tree.take_state_copies() if isinstance(tree, MambaRadixCache) else []
+        if copies:
+            for queue in queues:
+                queue.record(copies_update(copies))
+
+    return record
+
+
+def rank_state_part(part: RowPart, cache: KVCache, layout: Any, rank: int) -> RowPart:
+    """``part`` (:func:`recurrent_retraction_parts`') made DP rank ``rank``'s under lockstep DP
+    attention: its rows copied from and written into the rank's slice of the stacked state pool
+    (``kvjax.dp.rank_state_transfer.rank_state_row_copies``), the tree's queued copies recorded
+    through the ranks' ``RankStateCopies`` (``kvjax.dp.rank_state``) on the rank's queue."""
+    import functools
+
+    from kvjax.dp.rank_state import rank_state_copies
+    from kvjax.dp.rank_state_transfer import rank_state_row_copies
+
+    get_copy, load_copy = rank_state_row_copies(rank)
+    update = functools.partial(rank_state_copies(layout).update, rank)
+    record = tree_copies_recorder(cache.tree_cache, (cache.pending,), update)
+    return replace(part, get_copy=get_copy, load_copy=load_copy, before_restore=record)

@@ -131,14 +131,19 @@ class RetractionBackupExtension(ServingExtension):
     def in_lockstep(self, layout: Any, rank: int, shared: dict[str, Any]) -> bool:
         """Lockstep DP (``kvjax.dp.lockstep``): the ``cpu_tensor`` copies become DP rank ``rank``'s
         (``kvjax.dp.rank_transfer.rank_page_copy`` / ``rank_page_load``: its pages of the stacked
-        pool to numpy and back into its slice only, in place). A ``host_pool`` backup copies
+        pool to numpy and back into its slice only, in place; a recurrent state's rows likewise,
+        ``kvjax.serve.recurrent_retraction.rank_state_part``). A ``host_pool`` backup copies
         through the host tier's engine: its extension says (``HostTierExtension.in_lockstep``)."""
         if self.retraction.mode != "cpu_tensor":
             return False
         from kvjax.dp.rank_transfer import rank_page_copy, rank_page_load
+        from kvjax.serve.recurrent_retraction import rank_state_part
 
         self.retraction.get_copy = rank_page_copy(rank)
         self.retraction.load_copy = rank_page_load(rank)
+        self.retraction.parts = tuple(
+            rank_state_part(p, self.cache, layout, rank) if isinstance(p, RowPart) else p for p in self.retraction.parts
+        )
         return True
 
     def restores_pool(self, name: str) -> bool:

@@ -133,8 +133,13 @@ def load_state_rows(pool: Any, rows: tuple[np.ndarray, ...], slots: np.ndarray) 
     engine's row scatter, the pool's arrays donated: in place, O(slots))."""
     arrays = pool.arrays()
     scatter = _scatter_to(tuple(a.sharding for a in arrays))
-    new = scatter(arrays, jnp.asarray(slots, jnp.int32), tuple(jnp.asarray(r) for r in rows))
-    return pool.replace(conv=tuple(new[:-1]), ssm=new[-1])
+    return with_state_arrays(pool, scatter(arrays, jnp.asarray(slots, jnp.int32), tuple(jnp.asarray(r) for r in rows)))
+
+
+def with_state_arrays(pool: Any, arrays: tuple[Any, ...]) -> Any:
+    """Recurrent ``pool`` with its arrays replaced by ``arrays``, in ``pool.arrays()``' order
+    (every conv state, then the temporal state)."""
+    return pool.replace(conv=tuple(arrays[:-1]), ssm=arrays[-1])
 
 
 class StateTransferEngine:
@@ -240,7 +245,7 @@ class StateTransferEngine:
             new = self._scatter_rows(pool.arrays(), slots, rows)
             handle.arrays = tuple(new)
             handle.applied = True
-            return pools.replace(**{self.pool_name: pool.replace(conv=tuple(new[:-1]), ssm=new[-1])})
+            return pools.replace(**{self.pool_name: with_state_arrays(pool, new)})
 
         self.pending.record(DeviceUpdate("host state load", self.pool_name, slots, scatter))
         return handle

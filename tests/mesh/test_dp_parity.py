@@ -201,11 +201,19 @@ def _assert_reused_evicted_retracted(front: LockstepDPScheduler, done: dict[str,
 
 def test_qwen3_next_recurrent_state_per_rank(tmp_path_factory):
     """Gated delta net layers: each rank's state slots in its slice of the stacked state pool
-    (state heads over the rank's ``"tp"`` devices); checkpoint forks and copies write that slice."""
+    (state heads over the rank's ``"tp"`` devices); checkpoint forks and copies write that slice.
+    Retracted requests are restored from the ``cpu_tensor`` backup: each rank's KV pages and state
+    rows copied from its slice and written back into it (the cold run recomputes them)."""
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+
     config = transformers.Qwen3NextConfig(**TINY_CONFIG, **QWEN3_NEXT_LAYERS, **QWEN3_NEXT_HEADS[TP])
     hf, model = tiny_checkpoint(config, tmp_path_factory, "qwen3_next", seed=QWEN3_NEXT_SEED)
-    front, done = _serve_recurrent(model)
+    front, done = _serve_recurrent(model, disaggregation_decode_retraction_backup="cpu_tensor")
     _assert_reused_evicted_retracted(front, done)
+    backups = [e.retraction for s in front.schedulers for e in s.extensions if isinstance(e, RetractionBackupExtension)]
+    assert [b.pool_names for b in backups] == [("kv", "recurrent")] * DP
+    assert sum(b.restored for b in backups) > 0, "a re-admitted request should be restored"
+    assert all(b.held == 0 for b in backups)
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
     cold, cold_done = _serve_recurrent(model, overlap=False, disable_radix_cache=True)
     assert cold.cached_tokens == 0

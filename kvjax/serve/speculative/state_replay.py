@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.transfers.state_transfer import with_state_arrays
+
 __all__ = ["restore_states", "snapshot_states"]
 
 
@@ -59,5 +61,4 @@ def restore_states(
     also take traced ids: a DP rank runs them on its slice inside its own program
     (``kvjax.dp.rank_state_replay``)."""
     picked = tuple(s[:, jnp.asarray(rows, jnp.int32)] for s in saved)
-    arrays = _restore(pool.arrays(), jnp.asarray(slots, jnp.int32), picked)
-    return pool.replace(conv=tuple(arrays[:-1]), ssm=arrays[-1])
+    return with_state_arrays(pool, _restore(pool.arrays(), jnp.asarray(slots, jnp.int32), picked))
