@@ -53,6 +53,7 @@ __all__ = [
     "create_pool_group",
     "fork_live_slots",
     "independent_copy_groups",
+    "state_axis_size",
 ]
 
 
@@ -72,7 +73,9 @@ class RecurrentStatePool(LayerStack, Pool):
     conv_dtype: str = static_field()
     ssm_dtype: str = static_field()
     mesh: Mesh | None = static_field(default=None)  # set when the state is sharded over TP ranks
-    state_axis: str | None = static_field(default=None)
+    # The mesh axis (or axes, jointly, major first) the heads are split over: "tp", or ("tp", "dcp")
+    # under decode context parallelism (the whole TP group, as the weights; ``create_pool_group``).
+    state_axis: str | tuple[str, ...] | None = static_field(default=None)
     # Lane-dense conv storage (TPU): the logical conv shapes, each stored flat as [rows, 128].
     conv_shapes: tuple[tuple[int, ...], ...] | None = static_field(default=None)
 
@@ -90,15 +93,16 @@ class RecurrentStatePool(LayerStack, Pool):
         ssm_dtype: str = "float32",
         platform: str = "cpu",
         mesh: Mesh | None = None,
-        state_axis: str = "tp",
+        state_axis: str | tuple[str, ...] = "tp",
         lane_dense: bool | None = None,
     ) -> RecurrentStatePool:
         """A zeroed pool of ``num_slots`` allocatable slots (plus the padding slot 0) per layer.
 
         With a ``mesh``, the shapes are one rank's (``RecurrentStateSpec.per_rank``) and the state
         is sharded as SGLang shards it: the channel axis of each conv tensor and the head axis of
-        the SSM tensor over ``state_axis`` (each device holds its rank's part, whole slots); zero and
-        fork then run per device under ``shard_map``.
+        the SSM tensor over ``state_axis`` (each device holds its rank's part, whole slots; a tuple
+        of axes splits over them jointly, major first); zero and fork then run per device under
+        ``shard_map``.
 
         ``lane_dense`` (default: on TPU) stores each conv tensor's state flat as ``[rows, 128]``
         (``rows = ceil(size / 128)``, zero-padded): a ``[channels, kernel - 1]`` window's last two
@@ -114,7 +118,7 @@ class RecurrentStatePool(LayerStack, Pool):
             raise ValueError(f"RecurrentStatePool: layer_ids must be distinct and non-empty, got {list(ids)}")
         rows = int(num_slots) + 1
 
-        ranks = 1 if mesh is None else int(mesh.shape[state_axis])
+        ranks = 1 if mesh is None else state_axis_size(mesh, state_axis)
         sharding = None if mesh is None else NamedSharding(mesh, _STATE_SPEC(state_axis))
 
         def zeros(shape: tuple[int, ...], name: str) -> jax.Array:
@@ -231,17 +235,13 @@ class RecurrentStatePool(LayerStack, Pool):
 
     def _per_device(self, op: Any) -> Any:
         """``op(arrays, *ids)``, per device under ``shard_map`` when the pool is sharded (a Mosaic
-        kernel is not partitioned automatically); the ids are replicated."""
+        kernel is not partitioned automatically); the ids are replicated. Over a mesh it is one
+        compiled program per ``(op, mesh, layout, number of id arrays)``, the arrays donated (in
+        place, O(slots)): an eager ``shard_map`` would be traced again at every call."""
         if self.mesh is None:
             return op
         specs = tuple(_STATE_SPEC(self.state_axis) for _ in self.arrays())
-
-        def run(arrays: tuple[jax.Array, ...], *ids: jax.Array) -> tuple[jax.Array, ...]:
-            return tuple(op(arrays, *ids))
-
-        return lambda arrays, *ids: jax.shard_map(
-            run, mesh=self.mesh, in_specs=(specs, *(P() for _ in ids)), out_specs=specs
-        )(arrays, *ids)
+        return lambda arrays, *ids: _per_device_program(op, self.mesh, specs, len(ids))(arrays, *ids)
 
     def set_states(
         self, layer_id: int, slots: Any, conv: tuple[jax.Array, ...] | list[jax.Array], ssm: jax.Array
@@ -336,6 +336,18 @@ def independent_copy_groups(copies: list[tuple[int, int]]) -> list[tuple[np.ndar
     return groups
 
 
+@functools.lru_cache(maxsize=64)
+def _per_device_program(op: Any, mesh: Mesh, specs: tuple[P, ...], num_ids: int) -> Any:
+    """``op(arrays, *ids)`` under ``shard_map`` over ``mesh`` (the arrays split as ``specs``, the
+    ``num_ids`` id arrays replicated), jitted with the arrays donated."""
+
+    def run(arrays: tuple[jax.Array, ...], *ids: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(op(arrays, *ids))
+
+    mapped = jax.shard_map(run, mesh=mesh, in_specs=(specs, *(P() for _ in range(num_ids))), out_specs=specs)
+    return jax.jit(mapped, donate_argnums=0)
+
+
 def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) -> RecurrentStatePool:
     """Apply queued slot copies ``(src, dst)`` in order (a tree's ``take_state_copies``: forks of
     matched checkpoints into request slots, request states into new checkpoint slots), one
@@ -350,7 +362,14 @@ def apply_state_copies(pool: RecurrentStatePool, copies: list[tuple[int, int]]) 
 _LANES = 128  # TPU lane width: the last axis of a lane-dense conv state
 
 
-def _STATE_SPEC(axis: str | None) -> P:  # noqa: N802 - reads as a constant spec
+def state_axis_size(mesh: Mesh, axis: str | tuple[str, ...]) -> int:
+    """The ranks the state's heads are split over: the size of ``axis`` on ``mesh`` (a tuple of
+    axes: the product of their sizes)."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    return math.prod(int(mesh.shape[name]) for name in names)
+
+
+def _STATE_SPEC(axis: str | tuple[str, ...] | None) -> P:  # noqa: N802 - reads as a constant spec
     """State arrays sharded over their channel / head axis (axis 2)."""
     return P(None, None, axis)
 
@@ -359,13 +378,20 @@ def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> Rec
     """The pool kind registry's group builder for ``"recurrent"``: the plan lists one
     ``PoolPlan`` per tensor (``conv_state_<i>``, ``ssm_state``), all carrying the same
     ``RecurrentLayout``; they become one pool (forks and zeroing touch every tensor at once). With a
-    mesh the state is sharded over its ``"tp"`` axis, which must have the layout's ``tp_size``."""
+    mesh the state is sharded over its ``"tp"`` axis, which must have the layout's ``tp_size``;
+    under decode context parallelism (``context.context_axis``) over ``("tp", "dcp")`` jointly,
+    tp-major: the whole TP group, as the gated delta net's weights are split
+    (``kvjax.serve.param_sharding``), so device ``(t, d)`` holds heads block ``t * dcp + d`` of every
+    slot. The state is per request, not per token: it is not striped (``kvjax.plan.dcp``)."""
     layout = planned_layout(pools[0], "recurrent", RecurrentLayout)
     mesh = context.mesh
-    if mesh is not None and int(mesh.shape[context.kv_head_axis]) != layout.tp_size:
+    axis: str | tuple[str, ...] = context.kv_head_axis
+    if mesh is not None and context.context_axis is not None and context.context_axis in mesh.axis_names:
+        axis = (context.kv_head_axis, context.context_axis)
+    if mesh is not None and state_axis_size(mesh, axis) != layout.tp_size:
         raise NotImplementedError(
             f"the recurrent state is planned for tp_size={layout.tp_size} ranks but the mesh's "
-            f"{context.kv_head_axis!r} axis has {mesh.shape[context.kv_head_axis]} devices (attention data "
+            f"{axis!r} axes have {state_axis_size(mesh, axis)} devices (attention data "
             "parallelism); a recurrent pool over such a mesh is not built yet"
         )
     return RecurrentStatePool.create(
@@ -377,5 +403,5 @@ def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> Rec
         ssm_dtype=layout.ssm_dtype,
         platform=context.platform,
         mesh=mesh,
-        state_axis=context.kv_head_axis,
+        state_axis=axis,
     )
