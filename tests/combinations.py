@@ -816,6 +816,11 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ),
     ("mla", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
+    # DeepSeek-V2 at pp 2: every stage's cpu_tensor backup restored; evicted to the host, stored, read back cold.
+    **dict.fromkeys(
+        [("mla", "pp", "host"), ("mla", "pp", "storage"), ("mla", "pp", "retraction")],
+        "tests/mesh/test_pp_tiers.py::test_deepseek_v2_cpu_tensor_backup_host_tier_and_storage_over_stages",
+    ),
     ("mla", "dp", "storage"): (
         "tests/mesh/test_matrix_pairs.py::test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server"
     ),

@@ -1,6 +1,7 @@
 """The retraction backup, the storage tier and a host tier sized in bytes over pipeline stages.
 
-The tiny random-weight Llama (4 layers) and Gemma 3 (4 layers, sliding and full) are served at
+The tiny random-weight Llama (4 layers), Gemma 3 (4 layers, sliding and full) and DeepSeek-V2
+(MLA's latent; the host tier, the storage tier and the ``cpu_tensor`` backup at once) are served at
 pp 2 through caches small enough (page size 1, 64 tokens) that the parity rounds reuse prefixes,
 prefill in chunks, evict and retract (each asserted):
 
@@ -204,6 +205,32 @@ def test_llama_storage_tier_stores_every_stages_layers(llama, tmp_path):
     # One stage reads the same pages: the key names the model's layers, not the stages.
     one = build_scheduler(model, max_batch_size=4, **SMALL, **storage, **fingerprint)
     _serve_again_from_storage(one, hf, names)
+
+
+def test_deepseek_v2_cpu_tensor_backup_host_tier_and_storage_over_stages(tmp_path_factory, tmp_path):
+    """MLA's latent over 2 stages: retracted requests restored from every stage's ``cpu_tensor``
+    backup; then with the host tier and the storage tier, prefixes evicted to the host and loaded
+    back, pages of every stage's layers stored, and a cold server at pp 2 serving the prompts
+    again from storage."""
+    hf, model = family_checkpoint("deepseek_v2", tmp_path_factory, label="deepseek_v2_pp_tiers")
+    sched = stages(model, disaggregation_decode_retraction_backup="cpu_tensor")
+    done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
+    assert_retracted_and_evicted(sched)
+    [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
+    backup = ext.retraction
+    assert isinstance(backup, StagedRetractionBackup) and backup.restored > 0
+    assert all(b.restored == backup.restored and b.held == 0 for b in backup.stages)
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+    storage = {**_storage(tmp_path), "hicache_storage_model_fingerprint": model.fingerprint}
+    first = stages(model, **storage)
+    done = sharded_host_tier.serve_with_host_loads(first, MAX_NEW)  # evicted to the host and back
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+    tree = first.cache.tree_cache
+    tree.storage.check_writes(wait=True)
+    tree.storage.storage.flush()
+    assert tree.storage.pages_backed_up > 0
+    _serve_again_from_storage(stages(model, **storage), hf, ("a", "chat1"))
 
 
 def _host_pools(pipeline) -> list:
