@@ -736,6 +736,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         [("swa", "storage", "storage"), ("swa", "host", "storage"), ("swa", "storage", "overlap")],
         "tests/serve/test_swa_storage.py::test_prefixes_come_back_from_storage_with_their_last_window_and_transformers_tokens",
     ),
+    ("swa", "storage", "retraction"): (
+        "tests/serve/test_swa_storage.py::test_retracted_requests_restore_their_window_beside_the_storage_tier"
+    ),
     ("swa", "tp", "storage"): (
         "tests/mesh/test_swa_storage_tp.py::test_gemma3_storage_tier_at_tp_2_stores_each_ranks_heads"
     ),
@@ -934,6 +937,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
     **dict.fromkeys(
         [("recurrent", "storage", "storage"), ("recurrent", "host", "storage"), ("recurrent", "storage", "overlap")],
         "tests/serve/test_recurrent_storage.py::test_prefixes_and_their_checkpoints_come_back_from_storage",
+    ),
+    ("recurrent", "storage", "retraction"): (
+        "tests/serve/test_recurrent_storage.py::test_retracted_requests_restore_their_state_beside_the_storage_tier"
     ),
     ("recurrent", "tp", "storage"): (
         "tests/mesh/test_recurrent_storage_tp.py::test_qwen3_next_storage_tier_at_tp_2_brings_back_every_ranks_state"

@@ -37,9 +37,9 @@ def qwen3_next(tmp_path_factory) -> tuple[Any, Any]:
 
 def storage_scheduler(model: Any, **extra: Any) -> Scheduler:
     """A device pool of 64 tokens (pages of 1) and 12 state slots, a host pool of twice that, the
-    storage tier in memory; ``extra``: more ``build_scheduler`` arguments (a mesh and its ``tp_size``)."""
-    return build_scheduler(
-        model,
+    storage tier in memory; ``extra``: more ``build_scheduler`` arguments (a mesh and its ``tp_size``)
+    or other values of these."""
+    settings: dict[str, Any] = dict(
         max_batch_size=2,
         page_size=1,
         max_total_tokens=64,
@@ -51,8 +51,8 @@ def storage_scheduler(model: Any, **extra: Any) -> Scheduler:
         hicache_storage_model_fingerprint=model.fingerprint,
         hicache_storage_prefetch_policy="wait_complete",
         hicache_storage_prefetch_threshold=8,
-        **extra,
     )
+    return build_scheduler(model, **{**settings, **extra})
 
 
 def _twice_round(sched: Scheduler) -> dict[str, ServingReq]:
@@ -96,3 +96,32 @@ def test_prefixes_and_their_checkpoints_come_back_from_storage(qwen3_next):
     sched = storage_scheduler(model)
     assert sched.overlap
     serve_from_storage(hf, sched)
+
+
+def test_retracted_requests_restore_their_state_beside_the_storage_tier(qwen3_next):
+    """With the ``cpu_tensor`` retraction backup too: the parity rounds (4 rows on a 56-token pool,
+    6 state slots) retract requests and restore them (their KV pages and state rows) while the
+    host tier writes pages and checkpoints through to storage."""
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+    from tests.serve.parity_harness import serve_two_rounds
+
+    hf, model = qwen3_next
+    sched = storage_scheduler(
+        model,
+        disaggregation_decode_retraction_backup="cpu_tensor",
+        max_batch_size=4,
+        max_total_tokens=56,
+        max_running_requests=4,
+        max_mamba_cache_size=6,
+        hicache_ratio=8.0,
+    )
+    [backup] = [e.retraction for e in sched.extensions if type(e) is RetractionBackupExtension]
+    done = serve_two_rounds(sched, MAX_NEW)
+    assert sched.stats.retractions > 0 and backup.restored > 0, "retracted requests should be restored"
+    tree = sched.cache.tree_cache
+    tree.check_transfers(wait=True)
+    assert tree.storage.pages_backed_up > 0 and tree.storage.checkpoints.states_backed_up > 0
+    assert backup.held == 0
+    assert_leak_free(sched)
+    tree.sanity_check()
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)

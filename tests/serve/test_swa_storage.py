@@ -54,9 +54,9 @@ def swa_model(request, tmp_path_factory) -> tuple[Any, Any]:
 
 def storage_scheduler(model: Any, **extra: Any) -> Scheduler:
     """A device pool of 64 full tokens (pages of 4), a host pool of twice that, the storage tier
-    in memory; ``extra``: more ``build_scheduler`` arguments (a mesh and its ``tp_size``)."""
-    return build_scheduler(
-        model,
+    in memory; ``extra``: more ``build_scheduler`` arguments (a mesh and its ``tp_size``) or other
+    values of these."""
+    settings: dict[str, Any] = dict(
         max_batch_size=2,
         page_size=PAGE,
         max_total_tokens=64,
@@ -67,8 +67,8 @@ def storage_scheduler(model: Any, **extra: Any) -> Scheduler:
         hicache_storage_model_fingerprint=model.fingerprint,
         hicache_storage_prefetch_policy="wait_complete",
         hicache_storage_prefetch_threshold=8,
-        **extra,
     )
+    return build_scheduler(model, **{**settings, **extra})
 
 
 def _twice_round(sched: Scheduler) -> dict[str, ServingReq]:
@@ -129,6 +129,29 @@ def test_prefixes_come_back_from_storage_with_their_last_window_and_transformers
     sched = storage_scheduler(model)
     assert sched.overlap
     serve_from_storage(hf, sched)
+
+
+def test_retracted_requests_restore_their_window_beside_the_storage_tier(tmp_path_factory):
+    """Gemma 3 with the ``cpu_tensor`` retraction backup too: the parity rounds (4 rows) retract
+    requests and restore them (their full pages and their window's sliding pages) while the host
+    tier writes both sides through to storage."""
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+    from tests.serve.parity_harness import serve_two_rounds
+
+    hf, model = swa_checkpoint("gemma3", tmp_path_factory)
+    sched = storage_scheduler(
+        model, disaggregation_decode_retraction_backup="cpu_tensor", max_batch_size=4, max_running_requests=4
+    )
+    [backup] = [e.retraction for e in sched.extensions if type(e) is RetractionBackupExtension]
+    done = serve_two_rounds(sched, MAX_NEW)
+    print("RETRACT", sched.stats.retractions, backup.backed_up, backup.restored, backup.fallbacks)
+    assert sched.stats.retractions > 0 and backup.restored > 0, "retracted requests should be restored"
+    tree = sched.cache.tree_cache
+    tree.check_transfers(wait=True)
+    assert tree.storage.pages_backed_up > 0 and backup.held == 0
+    assert sched.leak_free()
+    tree.sanity_check()
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
 def test_what_is_not_built_is_refused_before_allocating():
