@@ -6,8 +6,9 @@ state digest compared at every step (``KVJAX_CHECK_AGREEMENT=1``).
   random MTP layer (so most proposals are rejected and rolled back, on every process alike), the
   latent pools replicated over the 4 devices of the two processes, prefix reuse across prompts and
   chunked prefill (pages of 4, chunks of 8): Transformers' greedy tokens.
-* STANDALONE: the tiny preset as its own draft accepts every proposal across processes and gives
-  the tokens of one process without speculation.
+* STANDALONE: a tiny preset as its own draft (full attention, Gemma 3's sliding-window pools,
+  DeepSeek's MLA latent) accepts every proposal across processes and gives the tokens of one
+  process without speculation.
 """
 
 from __future__ import annotations
@@ -61,14 +62,15 @@ def test_eagle_over_two_processes_gives_transformers_tokens(deepseek):  # noqa: 
 
 
 @pytest.mark.timeout(600)
-def test_standalone_over_two_processes_accepts_every_proposal_of_the_model_as_its_own_draft(capsys):
+@pytest.mark.parametrize("model", ["tiny", "gemma3-tiny", "deepseek-tiny"])
+def test_standalone_over_two_processes_accepts_every_proposal_of_the_model_as_its_own_draft(model, capsys):
     from kvjax.cli import main
 
-    flags = ["--model", "tiny", "--page-size", "4", "--ignore-eos"]
+    flags = ["--model", model, "--page-size", "4", "--ignore-eos"]
     assert main(["generate", *flags, *_prompt_flags(), "--max-new-tokens", str(MAX_NEW), "--json"]) == 0
     single = json.loads(capsys.readouterr().out)
     report = _served(
-        [*flags, "--tp", "4", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "tiny"]
+        [*flags, "--tp", "4", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model]
     )
     report_spec = report.pop("speculative")
     assert report["outputs"] == single["outputs"]
