@@ -182,19 +182,37 @@ def eagle_prefill_body(
     """The prefill un-jitted: ``body(pools, store, params, draft_params, tokens, meta) -> (pools,
     store, next_tokens[, logits])`` (module docstring), for a caller that wraps it in a program of
     its own (DP attention's ``shard_map`` over the ranks, ``kvjax.dp.speculative``)."""
-    eagle3 = draft is not None
     target, module = _target_with_hidden(target_config, draft), nextn_draft_module(target_config, draft)
 
     def body(
         pools: CachePools, store: jax.Array, params: Any, draft_params: Any, tokens: jax.Array, meta: AttentionMetadata
     ) -> tuple[Any, ...]:
         logits, pools, hidden = target.apply({"params": params}, tokens, pools, meta)
-        store = store_hidden(store, meta, _draft_input(module, draft_params, hidden, eagle3))
-        pools = _draft_extend(module, draft_params, pools, store, tokens, meta)
-        next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return (pools, store, next_tokens, logits) if with_logits else (pools, store, next_tokens)
+        return after_target_prefill(module, draft_params, pools, store, tokens, meta, logits, hidden, with_logits)
 
     return body
+
+
+def after_target_prefill(
+    module: Any,
+    draft_params: Any,
+    pools: CachePools,
+    store: jax.Array,
+    tokens: jax.Array,
+    meta: AttentionMetadata,
+    logits: jax.Array,
+    hidden: jax.Array,
+    with_logits: bool,
+) -> tuple[Any, ...]:
+    """The prefill after the target's forward (inside jit): ``hidden`` stored at the tokens' slots,
+    the draft over ``tokens`` (its KV mirrored), greedy sampling of ``logits``: ``(pools, store,
+    next_tokens[, logits])``. ``module``: ``nextn_draft_module``'s (EAGLE3's projects ``hidden``
+    first). Shared with the last pipeline stage's prefill (``kvjax.serve.pipeline_eagle``)."""
+    eagle3 = isinstance(module, LlamaEagle3Draft)
+    store = store_hidden(store, meta, _draft_input(module, draft_params, hidden, eagle3))
+    pools = _draft_extend(module, draft_params, pools, store, tokens, meta)
+    next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return (pools, store, next_tokens, logits) if with_logits else (pools, store, next_tokens)
 
 
 def make_eagle_round_step(
@@ -231,7 +249,6 @@ def eagle_round_body(
     """The round un-jitted: ``body(pools, store, params, draft_params, first_tokens, draft_metas,
     verify_meta) -> (pools, store, proposals, greedy[, logits])`` (module docstring), for a caller
     that wraps it in a program of its own (``kvjax.dp.speculative``)."""
-    eagle3 = draft is not None
     target, module = _target_with_hidden(target_config, draft), nextn_draft_module(target_config, draft)
 
     def body(
@@ -243,31 +260,71 @@ def eagle_round_body(
         draft_metas: AttentionMetadata,
         verify_meta: AttentionMetadata,
     ) -> tuple[Any, ...]:
-        steps, width = draft_metas.positions.shape
-        k = steps - 1
-        chain = jax.tree.map(lambda leaf: leaf[:k], draft_metas)
-        page_size = pools["kv_draft"].page_size
-        first_meta = jax.tree.map(lambda leaf: leaf[0], draft_metas)
-        first_hidden = previous_hidden(store, first_meta, page_size)  # the target's at L - 1
-
-        def step(
-            carry: tuple[Any, jax.Array, jax.Array], meta: AttentionMetadata
-        ) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
-            draft_pool, tokens, hidden = carry
-            logits, out, new = module.apply({"params": draft_params}, tokens, hidden, CachePools(kv=draft_pool), meta)
-            proposed = _proposed(module, draft_params, logits, eagle3)
-            next_hidden = _place_row_hidden(out[meta.logits_indices], width)
-            return (new["kv"], place_row_tokens(proposed, width), next_hidden), proposed
-
-        start = (draft_view(pools)["kv"], place_row_tokens(first_tokens, width), first_hidden)
-        (draft_pool, _, _), proposals = jax.lax.scan(step, start, chain)
-        pools = with_draft(pools, draft_pool)
-        tokens = round_tokens(first_tokens, proposals, verify_meta.positions.shape[0])
+        inputs = (first_tokens, draft_metas, verify_meta)
+        pools, proposals, tokens = eagle_chain(module, draft_params, pools, store, *inputs)
         logits, pools, hidden = target.apply({"params": params}, tokens, pools, verify_meta)
-        store = store_hidden(store, verify_meta, _draft_input(module, draft_params, hidden, eagle3))
-        pools = _draft_extend(module, draft_params, pools, store, tokens, verify_meta)
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(-1, k + 1)
-        out = (pools, store, proposals.T, greedy)
-        return (*out, logits.reshape(-1, k + 1, logits.shape[-1])) if with_logits else out
+        k = proposals.shape[1]
+        verified = (tokens, verify_meta, logits, hidden, k, with_logits)
+        out = after_target_verify(module, draft_params, pools, store, *verified)
+        return (out[0], out[1], proposals, *out[2:])
 
     return body
+
+
+def eagle_chain(
+    module: Any,
+    draft_params: Any,
+    pools: CachePools,
+    store: jax.Array,
+    first_tokens: jax.Array,
+    draft_metas: AttentionMetadata,
+    verify_meta: AttentionMetadata,
+) -> tuple[CachePools, jax.Array, jax.Array]:
+    """The draft's ``k`` chained steps of a round (inside jit; module docstring): ``(pools with the
+    draft's pool written, proposals [S, k], the verify forward's tokens [T])`` (``T``: ``verify_meta``'s
+    token count; the store only read). Shared with the last pipeline stage (``kvjax.serve.pipeline_eagle``)."""
+    eagle3 = isinstance(module, LlamaEagle3Draft)
+    steps, width = draft_metas.positions.shape
+    k = steps - 1
+    chain = jax.tree.map(lambda leaf: leaf[:k], draft_metas)
+    page_size = pools["kv_draft"].page_size
+    first_meta = jax.tree.map(lambda leaf: leaf[0], draft_metas)
+    first_hidden = previous_hidden(store, first_meta, page_size)  # the target's at L - 1
+
+    def step(
+        carry: tuple[Any, jax.Array, jax.Array], meta: AttentionMetadata
+    ) -> tuple[tuple[Any, jax.Array, jax.Array], jax.Array]:
+        draft_pool, tokens, hidden = carry
+        logits, out, new = module.apply({"params": draft_params}, tokens, hidden, CachePools(kv=draft_pool), meta)
+        proposed = _proposed(module, draft_params, logits, eagle3)
+        next_hidden = _place_row_hidden(out[meta.logits_indices], width)
+        return (new["kv"], place_row_tokens(proposed, width), next_hidden), proposed
+
+    start = (draft_view(pools)["kv"], place_row_tokens(first_tokens, width), first_hidden)
+    (draft_pool, _, _), proposals = jax.lax.scan(step, start, chain)
+    tokens = round_tokens(first_tokens, proposals, verify_meta.positions.shape[0])
+    return with_draft(pools, draft_pool), proposals.T, tokens
+
+
+def after_target_verify(
+    module: Any,
+    draft_params: Any,
+    pools: CachePools,
+    store: jax.Array,
+    tokens: jax.Array,
+    verify_meta: AttentionMetadata,
+    logits: jax.Array,
+    hidden: jax.Array,
+    k: int,
+    with_logits: bool,
+) -> tuple[Any, ...]:
+    """A round after the target's verify forward over ``tokens`` (inside jit; module docstring):
+    its hidden states stored at the round's slots, the draft run again over ``tokens`` with them,
+    greedy sampling: ``(pools, store, greedy [S, k + 1][, logits [S, k + 1, vocab]])``. Shared with
+    the last pipeline stage (``kvjax.serve.pipeline_eagle``)."""
+    eagle3 = isinstance(module, LlamaEagle3Draft)
+    store = store_hidden(store, verify_meta, _draft_input(module, draft_params, hidden, eagle3))
+    pools = _draft_extend(module, draft_params, pools, store, tokens, verify_meta)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(-1, k + 1)
+    out = (pools, store, greedy)
+    return (*out, logits.reshape(-1, k + 1, logits.shape[-1])) if with_logits else out
