@@ -2,8 +2,9 @@
 
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
-process serves every stage); speculative decoding together with stages (SGLang 0.5.23 serves
-EAGLE over stages: kvjax has not built it); and the host tier for a model with recurrent layers
+process serves every stage); a STANDALONE draft with stages (SGLang 0.5.23 refuses it: EAGLE
+only), an EAGLE3 draft with stages, and the host tier with a draft over stages (not built); and
+the host tier for a model with recurrent layers
 (its checkpoints' host copies are taken and loaded back by one state engine over stage 0's pools;
 one per stage is not built), so the storage tier, which sits behind it, too. DP attention over
 stages is built by the lockstep DP front (``kvjax.dp.pipeline``, which refuses more on top of
@@ -13,7 +14,8 @@ Recurrent state is served over stages (``kvjax.serve.pipeline_state``): each sta
 recurrent layers' state slots (the planner gives every stage the same number), stage 0's state
 allocator drives all, and every state copy the tree records is applied on every stage's pool.
 
-Served over stages (nothing refused here): the host tier, each stage copying its own layers with
+Served over stages (nothing refused here): EAGLE / NEXTN speculative decoding, the draft on the
+last stage (``kvjax.serve.pipeline_eagle``); the host tier, each stage copying its own layers with
 one host slot id per token on every stage (``kvjax.serve.pipeline_cache``; a host tier sized in
 bytes, ``hicache_size``, gets the largest stage's slots on every stage, as SGLang's
 ``sync_fixed_hicache_size``); the storage tier, one stored page of every stage's layers
@@ -39,10 +41,24 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
     refusals: tuple[tuple[bool, str, object, str], ...] = (
         (config.pp_rank != 0, "pp_rank", config.pp_rank, "one process serves every stage; leave {pp_rank} 0"),
         (
-            config.speculative_algorithm is not None,
+            config.pp_size > 1 and config.speculative_algorithm == "STANDALONE",
             "speculative_algorithm",
             config.speculative_algorithm,
-            "speculative decoding with pipeline stages is not served; leave it unset or use {pp_size} 1",
+            "SGLang 0.5.23 serves EAGLE (non-multi-layer) only with pipeline parallelism (validation_hook.py: "
+            "check_pipeline_parallel_compat); use 'EAGLE' / 'NEXTN', leave it unset or use {pp_size} 1",
+        ),
+        (
+            config.pp_size > 1 and config.speculative_algorithm == "EAGLE3",
+            "speculative_algorithm",
+            config.speculative_algorithm,
+            "the EAGLE3 draft over several devices is not built in kvjax yet; leave it unset or use {pp_size} 1",
+        ),
+        (
+            config.pp_size > 1 and config.speculative_algorithm is not None and config.enable_hierarchical_cache,
+            "enable_hierarchical_cache",
+            True,
+            "the host tier with a draft over pipeline stages is not built in kvjax yet (the draft's host pool "
+            "beside the last stage's); leave it off, leave speculative_algorithm unset or use {pp_size} 1",
         ),
         (
             bool(spec.recurrent_layer_ids()) and config.enable_hierarchical_cache and config.pp_size > 1,

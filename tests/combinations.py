@@ -457,7 +457,6 @@ GAP_SPEC_OVERLAP_RECURRENT = (
     f"{GAP}: speculative rounds of recurrent state overlapped (the state replay needs the accepted counts on the "
     "host; kvjax reads each round before launching the next)"
 )
-GAP_SWA_DCP = f"{GAP}: the sliding-window pool striped over DCP ranks (disable_hybrid_swa_memory serves DCP)"
 GAP_SWA_STORAGE = (
     f"{GAP}: the storage tier under the hybrid sliding-window tree with DP attention, pipeline stages or several "
     "processes (its sliding layers' pages are stored on one device or a TP mesh in one process)"
@@ -519,6 +518,8 @@ def dropped(reason: str) -> Cell:
 #: The cpu_tensor retraction backup with the host tier at tp 2 (Llama and DeepSeek-V2, overlap on).
 MATRIX_PAIRS_RETRACTION = "tests/mesh/test_matrix_pairs.py::test_tp2_cpu_tensor_retraction_backup_with_the_host_tier"
 #: The same over DCP (Llama at tp 2 x dcp 2, DeepSeek-V2 at tp 4 x dcp 2).
+#: Gemma 3's hybrid sliding-window pools striped over DCP ranks, with each feature.
+SWA_DCP_TESTS = "tests/mesh/test_dcp_swa.py"
 MATRIX_PAIRS_DCP_RETRACTION = (
     "tests/mesh/test_matrix_pairs.py::test_dcp2_cpu_tensor_retraction_backup_with_the_host_tier"
 )
@@ -732,6 +733,18 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/serve/test_speculative_swa_host_tier.py::test_the_target_as_its_own_draft_accepts_everything_after_load_backs"
     ),
     ("swa", "tp", "host"): "tests/mesh/test_tp_host_tier.py::test_gemma3_sliding_window_host_pools_at_tp_2",
+    # Gemma 3's hybrid pools, both striped over DCP ranks (tests/mesh/test_dcp_swa.py).
+    **dict.fromkeys(
+        [("swa", "dcp", "dcp"), ("swa", "tp", "dcp"), ("swa", "dcp", "retraction"), ("swa", "dcp", "overlap")],
+        f"{SWA_DCP_TESTS}::test_gemma3_hybrid_pools_striped_reuse_chunk_evict_window_free_and_retract",
+    ),
+    ("swa", "dp", "dcp"): f"{SWA_DCP_TESTS}::test_gemma3_dp_attention_ranks_each_stripe_both_pools",
+    ("swa", "dcp", "pp"): f"{SWA_DCP_TESTS}::test_gemma3_pipeline_stages_each_stripe_their_pools",
+    ("swa", "dcp", "standalone"): f"{SWA_DCP_TESTS}::test_gemma3_standalone_draft_rolls_back_on_striped_pools",
+    ("swa", "dcp", "host"): f"{SWA_DCP_TESTS}::test_gemma3_host_tier_loads_striped_pages_of_both_pools_back",
+    ("swa", "dcp", "processes"): (
+        f"{SWA_DCP_TESTS}::test_generate_at_tp_2_dcp_2_and_over_two_processes_gives_the_single_device_tokens"
+    ),
     # The storage tier under the sliding-window tree (with the host tier, overlap on): prefixes back
     # from storage with the sliding layers' pages of their last window (Gemma 3, gpt-oss).
     **dict.fromkeys(
@@ -978,21 +991,12 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
-    ("swa", "dcp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
-    ("swa", "tp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "dp", "dcp"): refused(GAP_SWA_DCP),
     ("swa", "dp", "eagle"): refused(GAP_EAGLE),
     ("swa", "dp", "storage"): refused(GAP_SWA_STORAGE),
-    ("swa", "dcp", "pp"): refused(GAP_SWA_DCP),
-    ("swa", "dcp", "standalone"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "eagle"): refused(GAP_EAGLE),
-    ("swa", "dcp", "host"): refused(GAP_SWA_DCP),
     ("swa", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
-    ("swa", "dcp", "retraction"): refused(GAP_SWA_DCP),
-    ("swa", "dcp", "overlap"): refused(GAP_SWA_DCP),
-    ("swa", "dcp", "processes"): refused(GAP_SWA_DCP),
     ("swa", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("swa", "pp", "eagle"): refused(GAP_EAGLE),
     ("swa", "pp", "storage"): refused(GAP_SWA_STORAGE),

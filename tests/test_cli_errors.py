@@ -58,7 +58,6 @@ CASES = [
         ["--pp 2 with --speculative-algorithm", "check_pipeline_parallel_compat"],
     ),
     (["generate", *GEN, "--tp", "2", "--dcp", "3"], ["--dcp 3", "--tp 2"]),
-    (["generate", "--model", "gemma3-tiny", "--prompt-ids", "1", "--tp", "2", "--dcp", "2"], ["--dcp 2 with --model"]),
     (
         ["generate", "--model", "qwen3-next-80b-a3b", "--prompt-ids", "1", "--pp", "2", "--enable-hierarchical-cache"],
         ["--pp 2 with --enable-hierarchical-cache", "recurrent-state checkpoints over pipeline stages"],

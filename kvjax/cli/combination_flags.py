@@ -32,10 +32,7 @@ __all__ = ["check_combinations"]
 _FLAGS = {"dcp_size": "--dcp", "pp_size": "--pp", "enable_hierarchical_cache": "--enable-hierarchical-cache"}
 _GAP = "not built in kvjax yet"
 #: What a cache kind's ``dcp_refusal`` says, in the command line's words (it names library options).
-_DCP_WHY = {
-    "swa": "the sliding layers' pool striped over DCP ranks (it has an allocator of its own)",
-    "recurrent": "recurrent state striped over DCP ranks (it is per request, not per token)",
-}
+_DCP_WHY: dict[str, str] = {}
 _SGL_PP_SPEC = (
     "refused, as in SGLang (validation_hook.py: check_pipeline_parallel_compat: pipeline parallelism supports "
     "EAGLE (non-multi-layer) speculative decoding only)"
@@ -69,9 +66,14 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             "serve it on one device (--tp 1 --dp 1)",
         ),
         (
-            pp > 1 and algorithm in ("EAGLE", "EAGLE3", "NEXTN"),
-            f"--pp {pp} with {spec_flag}: the MTP draft over pipeline stages is {_GAP} (SGLang serves it); drop --pp "
-            "or the speculative flags",
+            pp > 1 and algorithm == "EAGLE3",
+            f"--pp {pp} with {spec_flag}: the EAGLE3 draft over pipeline stages is {_GAP}; drop --pp or the "
+            "speculative flags",
+        ),
+        (
+            pp > 1 and algorithm in ("EAGLE", "NEXTN") and getattr(args, "enable_hierarchical_cache", False),
+            f"--pp {pp} with {spec_flag} and --enable-hierarchical-cache: the host tier with a draft over pipeline "
+            f"stages is {_GAP}; drop one of them",
         ),
         (
             dcp > 1 and storage is not None and all(k.splits_kv_heads for k in kinds),

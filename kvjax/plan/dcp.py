@@ -32,10 +32,32 @@ Refused, each by name, with what to do:
   as in SGLang (``hicache_hook.py``: ``resolve_hicache_dcp_compatibility`` refuses HiCache under DCP
   without ``use_mla_backend``; kvjax serves the host tier over DCP for every kind, the storage tier
   for MLA);
-* a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``): the hybrid
-  sliding-window pool (its second allocator is not striped: serve the model with one full-size
-  pool, ``disable_hybrid_swa_memory``, where the window is a mask on global positions) and
-  recurrent state (per request, not per token).
+* a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``), or what it needs
+  beside DCP (``PlannerKind.dcp_config_refusal``): recurrent state without the extra buffer (its
+  tree's page is the striped page), under DP attention, or with speculative decoding (below).
+
+Served for the hybrid sliding-window kind (Gemma 3, gpt-oss): both of its pools striped alike,
+both allocators handing out striped pages, the full→SWA pairing keeping a slot's offset in its
+page and so its owner rank; the sliding layers mask the window on global positions and merge over
+the ranks as the full layers do (``kvjax.plan.kinds.swa``). SGLang 0.5.23 serves hybrid SWA under
+DCP on its default pools without widening the SWA allocator's ids (the pools then hold no more
+request tokens than without DCP); kvjax widens both, as for the full kind. A model with
+``disable_hybrid_swa_memory`` is served on one striped full-size pool, the window a mask on global
+positions.
+
+Served for recurrent state (Qwen3-Next, Nemotron-H: ``kvjax.plan.kinds.recurrent``), as SGLang
+serves its Mamba / linear-attention hybrids (``allocator/unified_mamba.py``: the full-attention
+allocator widened by ``dcp_size``, the mamba state slot-granular beside it): the full-attention
+layers' KV as for the full kind, and the state not striped, one slot per request and checkpoint,
+split by heads over the whole TP group of ``T`` chips as at tp ``T`` (``("tp", "dcp")`` jointly,
+tp-major, as the recurrent layers' weights: every device runs its heads' recurrence, nothing is
+replicated over ``"dcp"`` and nothing more crosses it than at tp ``T``). The tree's page is the
+striped page, so its checkpoints lie on that grid (SGLang's ``mamba_checkpoint_grid`` of the
+widened page) and only the extra buffer's tracking slots hold a state there:
+``enable_mamba_extra_buffer`` is required (SGLang's ``MambaComponent`` asserts a page of 1 without
+it, on the widened page; ``generate`` sets it). Not built yet, refused by name: recurrent state
+under DP attention with DCP, and speculative decoding of it under DCP (the extra buffer's states
+tracked in a round are not rolled back).
 
 Served: the host tier (L1 host pool, L2 load-back) and the ``host_pool`` retraction backup over
 a striped pool: the host page is the striped page, every rank's rows once, rank-major, and each

@@ -272,9 +272,23 @@ def generate(
 
         pipeline = build_pipeline_cache(model.spec, config)
         micro = min(PP_MICRO_BATCHES, max_batch_size)
-        scheduler = pipeline_scheduler(
-            model.config, pipeline, model.params, micro_batches=micro, overlap=overlap, **options
-        )
+        if isinstance(draft, NextNDraftModel):  # EAGLE / NEXTN: the draft on the last stage
+            from kvjax.serve.pipeline_eagle import pipeline_eagle_scheduler
+
+            scheduler = pipeline_eagle_scheduler(
+                model.config,
+                pipeline,
+                model.params,
+                draft_params=draft.params,
+                num_steps=speculative_num_steps,
+                micro_batches=micro,
+                overlap=overlap,
+                **options,
+            )
+        else:
+            scheduler = pipeline_scheduler(
+                model.config, pipeline, model.params, micro_batches=micro, overlap=overlap, **options
+            )
     else:
         mesh = tp_mesh(tp_size, dcp_size) if group is None else _group_tp_mesh(tp_size, dcp_size)
         cache = build_kv_cache(model.spec, config, mesh=mesh, draft_spec=_draft_spec(draft))

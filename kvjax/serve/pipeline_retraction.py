@@ -73,8 +73,9 @@ class StagedRetractionBackup:
 
     @property
     def pool_names(self) -> tuple[str, ...]:
-        """The pools each stage's backup copies (stage 0's)."""
-        return self._first.pool_names
+        """The pools the stages' backups copy (each stage's own; the draft's ``"kv_draft"`` is
+        the last stage's)."""
+        return tuple(dict.fromkeys(name for backup in self.stages for name in backup.pool_names))
 
     @property
     def held(self) -> int:

@@ -25,6 +25,7 @@ previous step's tokens are moved to stage 0's devices once per step).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -106,6 +107,9 @@ class PipelineStages:
         self.mesh: Mesh | None = pipeline.meshes[0]
         self.stage_steps: list[Any] = []
         self.stage_params: tuple[dict, ...] = ()
+        #: The last stage's step when a draft runs beside its head (``kvjax.serve.pipeline_eagle``):
+        #: ``(pools, params, hidden, tokens, meta) -> (pools, next_tokens[, logits])``; None: its plain step.
+        self.last_stage: Callable[..., tuple[Any, ...]] | None = None
 
     @property
     def states(self) -> tuple[DeviceState, ...]:
@@ -165,7 +169,10 @@ class PipelineStages:
             for s, stage_step in enumerate(self.stage_steps):
                 if s:
                     x = jax.device_put(x, self.stage_replicated[s])  # to the next stage's devices
-                    out = stage_step(pools[s], self.stage_params[s], x, group.meta)
+                    if s == pipe.pp_size - 1 and self.last_stage is not None:  # a draft beside the head
+                        out = self.last_stage(pools[s], self.stage_params[s], x, group.tokens, group.meta)
+                    else:
+                        out = stage_step(pools[s], self.stage_params[s], x, group.meta)
                 else:
                     out = stage_step(pools[0], self.stage_params[0], x, group.meta, prev, group.token_src)
                 pools[s], x = out[0], out[1]

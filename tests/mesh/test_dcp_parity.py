@@ -92,8 +92,8 @@ def test_deepseek_v2_latent_striped_over_dcp_heads_over_tp(tp, dcp, deepseek_v2)
 
 
 def test_gemma3_sliding_window_on_a_full_size_pool_masks_global_positions(tmp_path_factory):
-    """The window is a mask on global positions over the striped full-size pool (a hybrid SWA
-    pool is refused under DCP: ``disable_hybrid_swa_memory``)."""
+    """The window is a mask on global positions over the striped full-size pool
+    (``disable_hybrid_swa_memory``; the hybrid SWA pools striped: ``tests/mesh/test_dcp_swa.py``)."""
     hf, model = family_checkpoint("gemma3", tmp_path_factory)
     mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
     sched, done = swa_parity.serve(

@@ -17,6 +17,19 @@ A STANDALONE draft's pool ``"kv_draft"`` is planned as for a full-attention targ
 counted in the split (``split_tokens``' ``draft_layers``); with the host tier its host pool
 ``"host_kv_draft"`` has the full side's host slots and its pages ride with the full side's
 (``kvjax.transfers.swa_transfer``).
+
+Decode context parallelism (``dcp_size`` D > 1) stripes both sides as it stripes the full kind's
+pool (``kvjax.alloc.dcp``): the budget, the split and both pools count striped pages of
+``alloc_page_size = page_size * D`` slots (each device holds ``page_size`` rows of every page of
+both pools), and both allocators of ``SWATokenToKVPoolAllocator`` hand out such pages. Its pairing
+maps a full page whole onto one SWA page, offset to the same offset, so a token's sliding slot has
+the owner rank of its full slot (``offset % D``) and each rank writes its own tokens' rows on both
+sides; a sliding layer attends its rank's rows with the window masked on global positions and the
+ranks' partials merge by log-sum-exp (``kvjax.attention.dcp_attention``). Window freeing and
+tombstones free whole striped SWA pages (every rank's rows of them). SGLang 0.5.23 does not widen
+its SWA allocator under DCP (``kv_cache_configurator``: "SWA allocators never widen under DCP"), so
+there the hybrid pools hold no more request tokens with DCP than without; kvjax widens both sides,
+so each holds ``D`` times one device's rows, as the full kind's pool does.
 """
 
 from __future__ import annotations
@@ -195,10 +208,6 @@ KIND = PlannerKind(
     host_pools=host_pools,
     split_tokens=split_tokens,
     supports_host_pool_backup=supports_host_pool_backup,
-    dcp_refusal=(
-        "the sliding layers' pool has its own allocator, not striped over DCP ranks; set "
-        "{disable_hybrid_swa_memory} (one full-size pool, the window a mask on global positions) or {dcp_size} 1"
-    ),
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with sliding window attention (SWA) models; "
         "turn it off for this model"
