@@ -342,6 +342,16 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
 
         pipeline = build_pipeline_cache(model.spec, config)
         stage[:] = [AFTER_BUILD]
+        if "eagle" in features:  # EAGLE over pipeline stages: the draft on the last stage, as generate builds it
+            from kvjax.serve.pipeline_eagle import pipeline_eagle_scheduler
+
+            assert draft is not None
+            eagle_options = dict(micro_batches=PP_MICRO_BATCHES, overlap=overlap, **options)
+            return [
+                pipeline_eagle_scheduler(
+                    model.config, pipeline, model.params, draft_params=draft.params, num_steps=3, **eagle_options
+                )
+            ]
         return [
             pipeline_scheduler(
                 model.config, pipeline, model.params, micro_batches=PP_MICRO_BATCHES, overlap=overlap, **options
@@ -451,7 +461,6 @@ GAP_EAGLE = (
     f"{GAP}: an EAGLE draft model for this kind (kvjax drafts with a checkpoint's own MTP layer, DeepSeek's or "
     "Qwen3-Next's, or a Llama EAGLE head for a full-attention Llama)"
 )
-GAP_PP_EAGLE = f"{GAP}: EAGLE over pipeline stages"
 GAP_PROCESSES = f"{GAP}: across processes (one process serves it)"
 GAP_SPEC_OVERLAP_RECURRENT = (
     f"{GAP}: speculative rounds of recurrent state overlapped (the state replay needs the accepted counts on the "
@@ -783,6 +792,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
     ): "tests/serve/test_speculative_eagle.py::test_page_16_with_prefix_reuse_multi_turn_and_chunked_prefill",
     ("mla", "dcp", "dcp"): "tests/mesh/test_dcp_parity.py::test_deepseek_v2_latent_striped_over_dcp_heads_over_tp",
     ("mla", "tp", "eagle"): "tests/mesh/test_tp_eagle.py::test_tp2_page_16_reuse_multi_turn_chunked",
+    # EAGLE over pipeline stages: the draft on the last stage (kvjax.serve.pipeline_eagle).
+    ("mla", "pp", "eagle"): "tests/mesh/test_pp_eagle.py::test_deepseek_nextn_over_stages",
+    ("full", "pp", "eagle"): "tests/mesh/test_pp_eagle.py::test_llama_eagle_head_over_stages",
+    ("recurrent", "pp", "eagle"): "tests/mesh/test_pp_eagle.py::test_qwen3_next_mtp_over_stages",
     ("mla", "eagle", "overlap"): (
         "tests/serve/test_speculative_overlap.py::test_eagle_page_16_equals_transformers_and_the_run_without_overlap"
     ),
@@ -989,7 +1002,6 @@ PROOFS: dict[tuple[str, str, str], str] = {
 REFUSED: dict[tuple[str, str, str], Cell] = {
     ("full", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("full", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("full", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("full", "pp", "processes"): refused(GAP_PROCESSES),
     ("swa", "eagle", "eagle"): refused(GAP_EAGLE),
     ("swa", "tp", "eagle"): refused(GAP_EAGLE),
@@ -1009,7 +1021,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "eagle", "processes"): refused(GAP_EAGLE),
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("mla", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
     ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
@@ -1025,7 +1036,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dcp", "overlap"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "dcp", "processes"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
-    ("recurrent", "pp", "eagle"): refused(GAP_PP_EAGLE),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP_HOST),
     ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP_HOST),
     ("recurrent", "pp", "processes"): refused(GAP_PROCESSES),
