@@ -20,6 +20,12 @@ Invariants (:meth:`check_invariants`):
   exactly one full page;
 * ``available_size() == min(full_available_size(), swa_available_size())``.
 
+Under decode context parallelism (``kvjax.alloc.dcp``) ``page_size`` is the striped page
+(``page_size * dcp`` of one device's rows) on both sides. A token's owner rank is its slot's offset
+within the striped page modulo ``dcp``, and the pairing keeps the offset, so a full slot and its
+SWA slot lie on the same rank; freeing SWA pages (window, tombstones) frees every rank's rows of
+them.
+
 Every public call that raises, or returns None, leaves the allocator unchanged (both sides and the
 mapping).
 

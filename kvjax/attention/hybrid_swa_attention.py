@@ -9,6 +9,11 @@ The layer's kind comes from the pool (``full_layer_ids`` / ``swa_layer_ids``):
   pool (its own slots, translated from the request table by the metadata builder), and sees keys
   in ``(p - sliding_window, p]``. A pure sliding-window model (no full pool) is the same, its SWA
   metadata holding the request table's slots as they are.
+
+Sub-pools striped over decode-context-parallel ranks (``context_axis``) go through
+``paged_attention``'s DCP path with the same slots and page table (the allocator's striped ones;
+the SWA pairing keeps each token's owner rank): each rank writes its own tokens' rows, attends
+them with the window masked on global positions, and the ranks' partials merge by log-sum-exp.
 """
 
 from __future__ import annotations
