@@ -12,7 +12,8 @@ The tiny random-weight Gemma 3 (window 8, three sliding layers and one full one)
 the parity harness's two rounds on pools small enough to reuse prefixes, prefill in chunks, evict
 from both pools, free out-of-window sliding pages at decode and retract (each asserted), with
 overlap scheduling: at tp 2 x dcp 2, and at tp 4 x dcp 2 (KV heads over 2 ``"tp"`` ranks) with
-the ``cpu_tensor`` retraction backup restoring retracted requests from copies of both sides; and
+the ``cpu_tensor`` retraction backup restoring retracted requests from copies of both sides; with
+pages of 2 rows per rank on roomy pools (prefixes reused across the window, tombstones); and
 with the host tier at tp 2 x dcp 2, evicted prefixes going to the two host pools and coming back;
 with DP attention (``--dp 2 --tp 8 --dcp 2``: each rank's pools striped over its own ``"dcp"``
 pair); over 2 pipeline stages of tp 2 x dcp 2; with a STANDALONE draft whose pool is striped as
@@ -78,6 +79,20 @@ def test_gemma3_hybrid_pools_striped_reuse_chunk_evict_window_free_and_retract(t
 
         [ext] = [e for e in sched.extensions if isinstance(e, RetractionBackupExtension)]
         assert ext.retraction.restored > 0 and ext.retraction.held == 0, "retracted requests restored, not recomputed"
+    assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
+
+
+def test_gemma3_two_rows_per_rank_reuse_across_the_window_with_tombstones(gemma3):
+    """Pages of 2 rows per rank (striped pages of 4 slots) on roomy pools: prefixes reused across
+    the window, out-of-window sliding pages freed at decode and left as tombstones in the tree."""
+    hf, model = gemma3
+    mesh = make_serving_mesh(2, dcp_size=2, devices=jax.devices())
+    sched, done = swa_parity.serve(model, page_size=2, max_total_tokens=1024, mesh=mesh, tp_size=2, dcp_size=2)
+    assert sched.alloc.page_size == 4 and sched.cache.pools.swa.swa.page_size == 4
+    assert (done["chat2"].first_cached_tokens or 0) >= 16 and (done["d"].first_cached_tokens or 0) >= 16
+    assert sched.extensions[0].freed_swa_tokens > 0, "decode should free out-of-window sliding pages"
+    tree = sched.cache.tree_cache
+    assert any(tree.swa.is_tombstone(n) for n in tree.nodes()), "the tree should hold SWA tombstones"
     assert_matches_transformers(hf, done, max_new=swa_parity.MAX_NEW, atol=swa_parity.LOGIT_ATOL)
 
 
