@@ -3,7 +3,8 @@
 ``check_pipeline_config(spec, config)`` refuses, each with a ``ConfigError`` naming the option, the
 value and the change: more stages than layers (``pp_size``); a ``pp_rank`` other than 0 (one
 process serves every stage); a STANDALONE draft with stages (SGLang 0.5.23 refuses it: EAGLE
-only), an EAGLE3 draft with stages, and the host tier with a draft over stages (not built); and
+only), an EAGLE3 draft with stages, a draft under DP attention over stages and the host tier
+with a draft over stages (not built); and
 the host tier for a model with recurrent layers
 (its checkpoints' host copies are taken and loaded back by one state engine over stage 0's pools;
 one per stage is not built), so the storage tier, which sits behind it, too. DP attention over
@@ -52,6 +53,14 @@ def check_pipeline_config(spec: ModelSpec, config: CacheConfig) -> None:
             "speculative_algorithm",
             config.speculative_algorithm,
             "the EAGLE3 draft over several devices is not built in kvjax yet; leave it unset or use {pp_size} 1",
+        ),
+        (
+            config.pp_size > 1 and config.speculative_algorithm is not None and config.enable_dp_attention,
+            "speculative_algorithm",
+            config.speculative_algorithm,
+            "speculative decoding under DP attention over pipeline stages is not built in kvjax yet (the draft is "
+            "served over stages of one rank: kvjax.serve.pipeline_eagle); leave it unset, turn "
+            "{enable_dp_attention} off or use {pp_size} 1",
         ),
         (
             config.pp_size > 1 and config.speculative_algorithm is not None and config.enable_hierarchical_cache,

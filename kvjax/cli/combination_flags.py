@@ -71,6 +71,11 @@ def check_combinations(args: argparse.Namespace, spec: ModelSpec, *, model: str 
             "speculative flags",
         ),
         (
+            pp > 1 and algorithm in ("EAGLE", "NEXTN") and args.dp > 1,
+            f"--pp {pp} with {spec_flag} and --dp {args.dp}: the draft under DP attention over pipeline stages is "
+            f"{_GAP}; drop one of them",
+        ),
+        (
             pp > 1 and algorithm in ("EAGLE", "NEXTN") and getattr(args, "enable_hierarchical_cache", False),
             f"--pp {pp} with {spec_flag} and --enable-hierarchical-cache: the host tier with a draft over pipeline "
             f"stages is {_GAP}; drop one of them",

@@ -29,6 +29,7 @@ import pytest
 
 from kvjax import CacheConfig
 from kvjax.errors import ConfigError
+from kvjax.pipeline_check import check_pipeline_config
 from kvjax.serve.checkpoint import load_checkpoint
 from kvjax.serve.pipeline_cache import build_pipeline_cache
 from kvjax.serve.pipeline_eagle import PipelineEagleDecoding, pipeline_eagle_scheduler
@@ -242,6 +243,28 @@ def test_refusals_name_the_flag(deepseek):
             build_pipeline_cache(model.spec, nextn_config(pp_size=2).replace(speculative_algorithm=algorithm))
     with pytest.raises(ConfigError, match="enable_hierarchical_cache"):
         build_pipeline_cache(model.spec, nextn_config(pp_size=2, enable_hierarchical_cache=True))
+    with pytest.raises(ConfigError, match="speculative_algorithm.*DP attention over pipeline stages"):
+        check_pipeline_config(model.spec, nextn_config(pp_size=2, dp_size=2, enable_dp_attention=True, tp_size=2))
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--speculative-algorithm", "EAGLE", "--dp", "2", "--tp", "2"], "the draft under DP attention over pipeline"),
+        (["--speculative-algorithm", "EAGLE", "--enable-hierarchical-cache"], "the host tier with a draft over"),
+    ],
+    ids=["dp", "host-tier"],
+)
+def test_the_command_line_refuses_what_stages_do_not_serve_with_a_draft(deepseek, capsys, flags, says):
+    from kvjax.cli import main
+
+    argv = ["generate", "--model", str(deepseek[2]), "--prompt-ids", "1,2,3", "--pp", "2", *flags]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and f"--pp 2 with --speculative-algorithm {flags[1]}" in err and says in err, err
 
 
 def test_generate_over_stages_gives_the_plain_tokens(deepseek, capsys):
