@@ -20,6 +20,7 @@ interpreter's compile time, which the CPU test budget cares about more.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,25 @@ def check_interpret(interpret: Interpret) -> None:
 def uses_dynamic_dma(interpret: Interpret) -> bool:
     """Whether the kernel may issue dynamic-length DMAs (everywhere but the HLO interpreter)."""
     return interpret is not True
+
+
+def traced_once(fn: Callable[..., Any], **static: Any) -> Callable[..., Any]:
+    """``fn(*arrays, **static)`` as a jitted function made once per ``(fn, static)`` (module-level
+    ``fn``, hashable ``static`` values): inside a trace, calls with the same shapes reuse one
+    traced body, so a Pallas kernel is traced once per shape, not again at every layer of every
+    program that calls it. For read-only kernels (attention): a kernel that aliases its inputs
+    to its outputs is called directly, so the caller's donation reaches it."""
+    return _traced_once(fn, tuple(sorted(static.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _traced_once(fn: Callable[..., Any], static: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    kwargs = dict(static)
+
+    def bound(*args: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return jax.jit(bound)
 
 
 def dispatch(

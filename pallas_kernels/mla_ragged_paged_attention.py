@@ -544,15 +544,16 @@ def _attention(
         return mla_ragged_paged_attention_reference(*a[:7], kv_scale=a[7], key_offset=a[8], sm_scale=sm_scale, **stripe)
 
     def kernel(*a: jax.Array, interpret: Interpret) -> Any:
-        return mla_ragged_paged_attention_kernel(
-            *a[:7],
-            kv_scale=a[7],
-            key_offset=a[8],
-            sm_scale=sm_scale,
-            block_q=block_q,
-            block_kv_pages=block_kv_pages,
-            interpret=interpret,
-            **stripe,
-        )
+        static = dict(sm_scale=sm_scale, block_q=block_q, block_kv_pages=block_kv_pages, **stripe)
+        if interpret is False:  # the compiled kernel, traced once per shape (read only: nothing aliased)
+            return _engine.traced_once(_kernel_of_args, **static)(*a)
+        return _kernel_of_args(*a, interpret=interpret, **static)
 
     return _engine.dispatch(kernel, reference, *args, interpret=interpret)
+
+
+def _kernel_of_args(*a: jax.Array, **static: Any) -> Any:
+    """:func:`mla_ragged_paged_attention_kernel` of the dispatch's argument tuple (latent and rope
+    queries, pages, lengths, page table, query starts, sequence count, scale, key offset);
+    ``static``: its other options."""
+    return mla_ragged_paged_attention_kernel(*a[:7], kv_scale=a[7], key_offset=a[8], **static)

@@ -846,6 +846,15 @@ def ragged_paged_attention_with_lse(
     return out, lse
 
 
+def _kernel_of_args(*a: jax.Array, **static: Any) -> Any:
+    """:func:`ragged_paged_attention_kernel` of ``_attention``'s argument tuple (q, pages, lengths,
+    page table, query starts, sequence count, scales, key offset[, sinks]); ``static``: its other
+    options."""
+    return ragged_paged_attention_kernel(
+        *a[:6], k_scale=a[6], v_scale=a[7], key_offset=a[8], sinks=a[9] if len(a) > 9 else None, **static
+    )
+
+
 def _attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -886,20 +895,17 @@ def _attention(
         )
 
     def kernel(*a: jax.Array, interpret: Interpret) -> Any:
-        return ragged_paged_attention_kernel(
-            *a[:6],
-            k_scale=a[6],
-            v_scale=a[7],
-            key_offset=a[8],
+        static = dict(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             block_q=block_q,
             block_kv_pages=block_kv_pages,
-            interpret=interpret,
-            sinks=a[9] if len(a) > 9 else None,
             **stripe,
         )
+        if interpret is False:  # the compiled kernel, traced once per shape (read only: nothing aliased)
+            return _engine.traced_once(_kernel_of_args, **static)(*a)
+        return _kernel_of_args(*a, interpret=interpret, **static)
 
     _check_args(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     args: tuple[jax.Array, ...] = (
