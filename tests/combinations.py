@@ -114,6 +114,35 @@ def _model(kind: str) -> Any:
     )
 
 
+#: The recurrent kind's model where a cell splits its state over 4 devices of one group (``--tp 4
+#: --dcp 2``: the state's heads over all 4, ``kvjax.plan.kinds.recurrent``): ``qwen3-next-tiny`` with
+#: 4 key heads, as its own 2 do not split over 4 (SGLang refuses that split too).
+RECURRENT_4_HEADS: dict[str, Any] = dict(
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8
+)
+
+
+@functools.cache
+def _four_heads_model(kind: str) -> Any:
+    """``_model(kind)`` with ``RECURRENT_4_HEADS`` (the recurrent kind's), random weights, seed 0."""
+    from kvjax.serve.checkpoint import LoadedModel
+    from kvjax.serve.model import init_params
+    from kvjax.serve.model_config import model_config_from_spec
+    from kvjax.serve.model_fingerprint import random_weights_fingerprint
+    from kvjax.spec import ModelSpec
+
+    base = _model(kind)
+    spec = ModelSpec.from_hf_config(dict(base.spec.extra, **RECURRENT_4_HEADS), name=f"{base.name}-4-heads")
+    config = model_config_from_spec(spec)
+    return LoadedModel(
+        name=spec.name,
+        spec=spec,
+        config=config,
+        params=init_params(config),
+        fingerprint=random_weights_fingerprint(config, 0),
+    )
+
+
 @functools.cache
 def _draft(kind: str) -> Any:
     """The STANDALONE draft: the target itself, or (a target with recurrent layers, whose draft
@@ -291,6 +320,8 @@ def _config(kind: str, features: set[str]) -> Any:
     )
     if kind == "recurrent":  # a state per page boundary needs pages of one token (or the extra buffer)
         options.update(page_size=1, max_mamba_cache_size=8)
+        if "dcp" in features:  # the striped page (page_size * dcp_size): the extra buffer, as generate sets it
+            options.update(enable_mamba_extra_buffer=True, max_mamba_cache_size=10)
     if "dp" in features:
         options.update(dp_size=2, enable_dp_attention=True, tp_size=4 if "tp" in features else 2)
     elif "tp" in features:
@@ -326,6 +357,8 @@ def _construct(kind: str, features: set[str], stage: list[str]) -> list[Any]:
     stage[:] = ["the command line"]
     _cli_checks(kind, features)
     model, draft = _model(kind), _draft(kind) if "standalone" in features else None
+    if kind == "recurrent" and {"tp", "dcp"} <= features:  # --tp 4 --dcp 2: the state's heads over 4
+        model = _four_heads_model(kind)
     if "eagle" in features:  # resolve_draft: the MTP layer, read before the cache is built
         stage[:] = ["the draft model"]
         model, draft = _eagle(kind)
@@ -474,7 +507,16 @@ GAP_SWA_DRAFT_STORAGE = (
     f"{GAP}: the storage tier under the hybrid sliding-window tree with a draft model's host pool (its pages are not "
     "stored with the full side's)"
 )
-GAP_RECURRENT_DCP = f"{GAP}: recurrent state under DCP (per request, not striped)"
+GAP_RECURRENT_DP_DCP = (
+    f"{GAP}: recurrent state under DP attention with DCP (each rank's state split over its ('tp', 'dcp') group in "
+    "the stacked DP pools)"
+)
+GAP_RECURRENT_DCP_SPEC = (
+    f"{GAP}: speculative decoding of recurrent state under DCP (its checkpoints on the striped page need the extra "
+    "buffer, whose states tracked in a round kvjax does not roll back)"
+)
+#: Qwen3-Next under DCP (tests/mesh/test_dcp_recurrent.py): KV striped, the state split by heads over the group.
+DCP_RECURRENT = "tests/mesh/test_dcp_recurrent.py::"
 GAP_RECURRENT_PP_HOST = f"{GAP}: the host copies of recurrent-state checkpoints over pipeline stages"
 GAP_RECURRENT_DP_PP = f"{GAP}: DP attention's recurrent-state copies over pipeline stages"
 #: Qwen3-Next over 2 stages (each holding recurrent layers), two micro-batches, overlap on.
@@ -575,7 +617,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
     **dict.fromkeys(
         [("full", "standalone", "processes"), ("swa", "standalone", "processes"), ("mla", "standalone", "processes")],
         "tests/mesh/test_multihost_speculative.py::"
-        "test_standalone_over_two_processes_accepts_every_proposal_of_the_model_as_its_own_draft"
+        "test_standalone_over_two_processes_accepts_every_proposal_of_the_model_as_its_own_draft",
     ),
     ("mla", "eagle", "processes"): (
         "tests/mesh/test_multihost_speculative.py::test_eagle_over_two_processes_gives_transformers_tokens"
@@ -996,6 +1038,18 @@ PROOFS: dict[tuple[str, str, str], str] = {
         [("recurrent", "processes", "processes"), ("recurrent", "overlap", "processes")],
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers",
     ),
+    # Under DCP (the extra buffer's checkpoints on the striped page; at tp 2 x dcp 2 and tp 4 x dcp 2,
+    # overlap on): reuse, chunked prefill, eviction and retraction against Transformers.
+    **dict.fromkeys(
+        [("recurrent", "dcp", "dcp"), ("recurrent", "tp", "dcp"), ("recurrent", "dcp", "overlap")],
+        DCP_RECURRENT + "test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction",
+    ),
+    **dict.fromkeys(
+        [("recurrent", "dcp", "host"), ("recurrent", "dcp", "retraction")],
+        DCP_RECURRENT + "test_cpu_tensor_retraction_backup_beside_the_host_tier",
+    ),
+    ("recurrent", "dcp", "pp"): DCP_RECURRENT + "test_over_two_pipeline_stages_with_two_micro_batches",
+    ("recurrent", "dcp", "processes"): DCP_RECURRENT + "test_generate_at_tp4_dcp2_in_one_process_and_over_two",
 }
 
 #: The refused (and dropped) cells, each with its reason.
@@ -1022,19 +1076,12 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
-    ("recurrent", "dcp", "dcp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "tp", "dcp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DP_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_DP_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
-    ("recurrent", "dcp", "pp"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dcp", "eagle"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dcp", "host"): refused(GAP_RECURRENT_DCP),
+    ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP_SPEC),
+    ("recurrent", "dcp", "eagle"): refused(GAP_RECURRENT_DCP_SPEC),
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
-    ("recurrent", "dcp", "retraction"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dcp", "overlap"): refused(GAP_RECURRENT_DCP),
-    ("recurrent", "dcp", "processes"): refused(GAP_RECURRENT_DCP),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP_HOST),
     ("recurrent", "pp", "storage"): refused(GAP_RECURRENT_PP_HOST),

@@ -14,7 +14,8 @@ its own; the mixer's ``update`` turns the window, the row's state and the token'
 the new state and the token's output. Padding tokens (past the last sequence) change nothing.
 
 Over a mesh the pool holds each rank's heads (``RecurrentStatePool`` shards its state over
-``"tp"``: memory ``1 / tp`` per device). Two ways to run a mixer there:
+``"tp"``: memory ``1 / tp`` per device; under decode context parallelism over ``("tp", "dcp")``
+jointly, the whole TP group, as the weights). Two ways to run a mixer there:
 
 * ``recurrent_mixer_over_heads`` (head-parallel, Megatron style, as SGLang runs its recurrent
   layers): the whole mixer, from its column-parallel input projections to its row-parallel output
@@ -43,8 +44,16 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.attention.metadata import AttentionMetadata
 from kvjax.pools import CachePools
+from kvjax.pools.recurrent import state_axis_size
 
-__all__ = ["LocalMixer", "StateUpdate", "recurrent_mixer_over_heads", "recurrent_step", "state_ranks"]
+__all__ = [
+    "LocalMixer",
+    "StateUpdate",
+    "recurrent_mixer_over_heads",
+    "recurrent_step",
+    "state_mesh_axis",
+    "state_ranks",
+]
 
 StateUpdate = Callable[..., tuple[jax.Array, jax.Array]]
 """``update(window [conv_dim, K] f32, state f32, *token_inputs) -> (new state, output)``."""
@@ -132,7 +141,15 @@ projection (the caller sums it over the ranks)."""
 def state_ranks(pools: CachePools) -> int:
     """How many ranks the recurrent state's heads are split over (1: one device, no mesh)."""
     state = pools.recurrent
-    return 1 if state.mesh is None else int(state.mesh.shape[state.state_axis])
+    return 1 if state.mesh is None else state_axis_size(state.mesh, state.state_axis)
+
+
+def state_mesh_axis(pools: CachePools) -> str | tuple[str, ...]:
+    """The mesh axis (or axes, jointly) the recurrent state's heads are split over, which the
+    mixer's weights are given over too (``"tp"``; ``("tp", "dcp")`` under decode context
+    parallelism; ``"tp"`` without a mesh)."""
+    axis = pools.recurrent.state_axis
+    return "tp" if axis is None else axis
 
 
 def recurrent_mixer_over_heads(

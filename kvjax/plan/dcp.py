@@ -120,6 +120,9 @@ def check_dcp_config(config: CacheConfig, kind: ModelKind, model: str, num_atten
     for cache_kind in kinds_named(kind.cache_kinds):
         if cache_kind.dcp_refusal is not None:
             raise ConfigError("dcp_size", dcp, f"{model}: {cache_kind.dcp_refusal}")
+        needs = None if cache_kind.dcp_config_refusal is None else cache_kind.dcp_config_refusal(config)
+        if needs is not None:
+            raise ConfigError("dcp_size", dcp, f"{model}: {needs}")
 
 
 def check_dcp_plan_buildable(config: CacheConfig, pools: tuple[PoolPlan, ...]) -> None:

@@ -7,7 +7,8 @@ Refused as SGLang refuses them (``ConfigError`` naming the flag, the value and t
 * KV heads versus TP: with ``tp <= heads`` the heads must split evenly; with ``tp > heads`` each
   rank keeps one head and ``tp`` must be a multiple of the heads, each head replicated
   ``tp / heads`` times (SGLang's ``QKVParallelLinear``);
-* recurrent state that does not split over the attention-TP ranks (``RecurrentStateSpec.per_rank``);
+* recurrent state that does not split over the attention-TP ranks (``RecurrentStateSpec.per_rank``;
+  under decode context parallelism over the whole TP group, ``state_tp_size``);
 * more pipeline stages than layers (a stage without a layer).
 
 A refused TP size is answered with every size that passes all three TP checks, never one that
@@ -38,8 +39,17 @@ DEFAULT_PLATFORM = "tpu"
 MAX_SUGGESTED_TP = 64
 
 
-def _tp_refusal(spec: ModelSpec, splits_kv_heads: bool, attn_tp: int, tp: int) -> str | None:
-    """Why SGLang refuses ``attn_tp`` attention ranks (``tp`` in all) for this model, or None."""
+def state_tp_size(config: CacheConfig) -> int:
+    """The ranks recurrent state is split over by heads: the attention-TP group (``tp / dp`` under
+    DP attention), which decode context parallelism does not divide for it: the state is per
+    request, not per token, so it is not striped over the ``dcp`` ranks but split by heads over
+    all of the group's chips, as the recurrent layers' weights are (``kvjax.plan.dcp``)."""
+    return config.attn_tp_size * config.dcp_size
+
+
+def _tp_refusal(spec: ModelSpec, splits_kv_heads: bool, attn_tp: int, tp: int, dcp: int = 1) -> str | None:
+    """Why SGLang refuses ``attn_tp`` attention ranks (``tp`` in all; ``dcp``: the decode-context-
+    parallel ranks, which the recurrent state's heads split over too) for this model, or None."""
     heads = spec.num_attention_heads
     if heads > 0 and heads % attn_tp:
         return f"the model's {heads} attention heads cannot be split evenly over {attn_tp} ranks"
@@ -49,7 +59,7 @@ def _tp_refusal(spec: ModelSpec, splits_kv_heads: bool, attn_tp: int, tp: int) -
             return refusal
     if spec.recurrent is not None:
         try:
-            RecurrentLayout.per_rank(spec.recurrent, attn_tp)
+            RecurrentLayout.per_rank(spec.recurrent, attn_tp * dcp)
         except ConfigError as e:
             return e.render_fix()
     return None
@@ -66,7 +76,7 @@ def check_tensor_parallel(spec: ModelSpec, config: CacheConfig, splits_kv_heads:
     """Refuse a TP size SGLang cannot shard this model over, suggesting only sizes that plan
     (``splits_kv_heads``: the layout splits the KV heads over the ranks; a latent row does not)."""
     attn_tp = config.attn_tp_size
-    refusal = _tp_refusal(spec, splits_kv_heads, attn_tp, config.tp_size)
+    refusal = _tp_refusal(spec, splits_kv_heads, attn_tp, config.tp_size, config.dcp_size)
     if refusal is None:
         return
     fix = "no TP size splits this model"
@@ -120,8 +130,9 @@ def decide_target(spec: ModelSpec, config: CacheConfig, kind: ModelKind) -> Targ
         if config.mamba_ssm_dtype is not None:
             state = dataclasses.replace(state, ssm_dtype=config.mamba_ssm_dtype)
         # SGLang's mamba cache params shard the state over the attention-TP group
-        # (get_attention_tp_size: tp_size / dp_size under DP attention), like the KV heads.
-        recurrent = RecurrentLayout.per_rank(state, config.attn_tp_size)
+        # (get_attention_tp_size: tp_size / dp_size under DP attention), like the KV heads; DCP
+        # stripes tokens, not the per-request state, so its heads stay split over the whole group.
+        recurrent = RecurrentLayout.per_rank(state, state_tp_size(config))
     return Target(
         platform=platform,
         kv_cache_dtype=kv_dtype,

@@ -32,6 +32,7 @@ from kvjax.build import build_kv_cache
 from kvjax.config import CacheConfig
 from kvjax.errors import ConfigError
 from kvjax.multihost.wire import wire_message
+from kvjax.plan.sizing import MAMBA_EXTRA_BUFFER_STATES, MAMBA_STATES_PER_REQ_WITH_RADIX
 from kvjax.serve.checkpoint import LoadedModel, load_checkpoint, load_gguf
 from kvjax.serve.model import init_params, param_shapes
 from kvjax.serve.model_config import ModelConfig, model_config_from_spec
@@ -691,9 +692,19 @@ def _config(
     """The cache of a ``generate`` run: the context rounded up to fit the longest request, a pool
     of ``max_total_tokens`` (default: room for every prompt, its output and ``extra_tokens`` more
     per request, a speculative round's draft tokens past the last kept one, in whole pages of the
-    allocator: ``page_size * dcp_size`` tokens under decode context parallelism)."""
+    allocator: ``page_size * dcp_size`` tokens under decode context parallelism). A model with
+    recurrent state under decode context parallelism keeps its checkpoints in the extra buffer
+    (``enable_mamba_extra_buffer``: its tree's page is the striped page, ``kvjax.plan.kinds.recurrent``),
+    as SGLang's ``auto`` strategy picks ``extra_buffer`` for it."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     context = min(model.spec.context_length, -(-longest // CONTEXT_ROUNDING) * CONTEXT_ROUNDING)
+    running = max(2 * max_batch_size, 4)
+    extra_buffer = model.spec.uses_ssm_state and dcp_size > 1
+    # The state slots default to one per running request; with the extra buffer at least one
+    # request's (its slot, two ping-pong slots, checkpoints: kvjax.plan.sizing).
+    state_slots = (
+        max(running, MAMBA_STATES_PER_REQ_WITH_RADIX + MAMBA_EXTRA_BUFFER_STATES[False]) if extra_buffer else None
+    )
     if max_total_tokens is None:
         striped = page_size * dcp_size  # the allocator's page
         per_request = [-(-(len(p) + max_new_tokens + extra_tokens) // striped) * striped for p in prompts]
@@ -701,12 +712,14 @@ def _config(
     return CacheConfig(
         page_size=page_size,
         max_total_tokens=max_total_tokens,
-        max_running_requests=max(2 * max_batch_size, 4),
+        max_running_requests=running,
         context_length=context,
         chunked_prefill_size=chunked_prefill_size,
         enable_hierarchical_cache=enable_hierarchical_cache,
         tp_size=tp_size,
         dcp_size=dcp_size,
+        enable_mamba_extra_buffer=extra_buffer,
+        max_mamba_cache_size=state_slots,
     )
 
 

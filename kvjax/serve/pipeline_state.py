@@ -26,8 +26,8 @@ Not served over stages (refused by name before anything is built): the host tier
 models (``kvjax.pipeline_check``: one state engine would take and load back stage 0's
 checkpoints only) and DP attention (``kvjax.dp.pipeline``). The ``cpu_tensor`` retraction backup
 copies each stage's state rows at the request's slot (``kvjax.serve.pipeline_retraction``). The extra buffer
-(``enable_mamba_extra_buffer``) is served with one micro-batch only (``pipeline_scheduler``
-refuses more: its tracked states are recorded once per step).
+(``enable_mamba_extra_buffer``) is served with several micro-batches: its tracked states are
+recorded per packed batch (``RecurrentStateExtension.after_step``).
 """
 
 from __future__ import annotations

@@ -66,9 +66,9 @@ def pipeline_scheduler(
     arguments are ``Scheduler``'s (its ``extensions`` default to
     ``pipeline_retraction.staged_extensions``: a ``cpu_tensor`` retraction backup copies every
     stage; given or not, their recurrent-state copies are recorded on every stage holding state:
-    ``pipeline_state.staged_state_copies``); a model of the caller's own (``model=``) is not
-    served over stages, nor the recurrent-state extra buffer (``enable_mamba_extra_buffer``) with
-    more than one micro-batch (``ConfigError``, nothing built).
+    ``pipeline_state.staged_state_copies``; the extra buffer's tracked states are recorded per
+    micro-batch); a model of the caller's own (``model=``) is not served over stages
+    (``ConfigError``, nothing built).
     """
     if scheduler_args.get("model") is not None:
         raise ConfigError("model", "a model of the caller's own", "pipeline stages serve the built-in families")
@@ -76,13 +76,6 @@ def pipeline_scheduler(
     if not 1 <= micro_batches <= max_batch:
         raise ConfigError(
             "micro_batches", micro_batches, f"split the batch of {max_batch} rows into 1 to {max_batch} groups"
-        )
-    if micro_batches > 1 and pipeline.cache.plan.enable_mamba_extra_buffer:
-        raise ConfigError(
-            "micro_batches",
-            micro_batches,
-            "the recurrent-state extra buffer records its tracked states once per step, not per micro-batch; use "
-            "{micro_batches} 1 or leave enable_mamba_extra_buffer off",
         )
     stepping = PipelineStages(pipeline, micro_batches, -(-max_batch // micro_batches))
     if scheduler_args.get("extensions") is None:  # the retraction backup copies every stage

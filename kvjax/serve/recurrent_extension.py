@@ -72,7 +72,9 @@ class RecurrentStateExtension(ServingExtension):
         tree = cache.tree_cache
         self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
         self.page_size = int(cache.allocator.page_size)
-        self._tracked: list[tuple[ServingReq, int, int]] = []
+        # Per packed batch (a pipeline step packs one per micro-batch before their after_step),
+        # by identity: the batch itself is kept beside its tracked rows.
+        self._tracked: dict[int, tuple[StepBatch, list[tuple[ServingReq, int, int]]]] = {}
 
     def after_admit(self, req: ServingReq) -> None:
         need = self.table.state_slots_needed([req])
@@ -108,7 +110,7 @@ class RecurrentStateExtension(ServingExtension):
         keep[:n] = np.asarray(batch.starts) > 0
         track_slots = np.zeros(batch.max_seqs, np.int32)
         track_at = np.zeros(batch.max_seqs, np.int32)
-        self._tracked = []
+        tracked: list[tuple[ServingReq, int, int]] = []
         if self.table.enable_mamba_extra_buffer:
             page = self.page_size
             for i, (req, start, end) in enumerate(zip(batch.reqs, batch.starts, batch.seq_lens, strict=True)):
@@ -120,7 +122,9 @@ class RecurrentStateExtension(ServingExtension):
                 idx = 0 if last is None else self.table.get_mamba_ping_pong_other_idx(last)
                 track_slots[i] = int(pp[idx])
                 track_at[i] = aligned - int(start)
-                self._tracked.append((req, idx, aligned))
+                tracked.append((req, idx, aligned))
+            if tracked:
+                self._tracked[id(batch)] = (batch, tracked)
         make_part: Any = StateMetadata  # numpy leaves on the host (device arrays inside the step)
         part: StateMetadata = make_part(
             state_slots=slots, has_initial_state=keep, track_slots=track_slots, track_at=track_at
@@ -137,12 +141,15 @@ class RecurrentStateExtension(ServingExtension):
                 queue.record(self.copies_update(copies))
 
     def after_step(self, batch: StepBatch) -> None:
-        """With the extra buffer: the tracked states are written; record where (the caching that
-        follows donates the slot of the last one)."""
-        for req, idx, aligned in self._tracked:
+        """With the extra buffer: the tracked states of ``batch`` are written; record where (the
+        caching that follows donates the slot of the last one). Per packed batch: a pipeline step
+        packs each micro-batch before any of them is stepped."""
+        packed, tracked = self._tracked.pop(id(batch), (None, []))
+        if packed is not batch:
+            return
+        for req, idx, aligned in tracked:
             req.mamba_last_track_idx = idx
             req.mamba_last_track_seqlen = aligned
-        self._tracked = []
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
         if self.tree is None:

@@ -52,7 +52,7 @@ from kvjax.errors import InvalidSlotError
 from kvjax.pools import dtypes
 from kvjax.pools.base import route_to_trash
 from kvjax.pools.mla import scatter_rows
-from kvjax.pools.recurrent import _STATE_SPEC
+from kvjax.pools.recurrent import _STATE_SPEC, state_axis_size
 from pallas_kernels.kv_write import write_kv
 
 __all__ = [
@@ -402,7 +402,7 @@ class RecurrentRequestKV:
     def layout(self, pool: Any) -> tuple[str, ...]:
         """What both sides must share beyond the pieces' shapes: the TP size the state's channel
         and head axes are split over (it orders the global conv channels)."""
-        ranks = 1 if pool.mesh is None else int(pool.mesh.shape[pool.state_axis])
+        ranks = 1 if pool.mesh is None else state_axis_size(pool.mesh, pool.state_axis)
         return (f"recurrent state split over tp={ranks}",)
 
     def pieces(self, pool: Any, span: RequestSpan, kv_heads: int) -> tuple[PieceSpec, ...]:
@@ -471,7 +471,7 @@ def _write_one(arrays: tuple[jax.Array, ...], slot: jax.Array, new: tuple[jax.Ar
 
 
 @functools.cache
-def _slot_writer(mesh: Any, axis: str | None, count: int) -> Any:
+def _slot_writer(mesh: Any, axis: str | tuple[str, ...] | None, count: int) -> Any:
     """``write(arrays, slot, new)``: per device under ``shard_map`` over a sharded pool."""
     if mesh is None:
         return _write_one

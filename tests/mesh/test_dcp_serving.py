@@ -116,8 +116,10 @@ def test_what_dcp_does_not_serve_is_refused_by_name():
         lambda: build_kv_cache(tiny, storage, mesh=mesh),
     )
     hybrid = ModelSpec.preset("qwen3-next-80b-a3b")
-    _refused(
-        ConfigError, "recurrent state is per request", lambda: build_kv_cache(hybrid, CacheConfig(**base), mesh=mesh)
+    _refused(  # its tree's page is the striped page: recurrent checkpoints need the extra buffer
+        ConfigError,
+        "set enable_mamba_extra_buffer True",
+        lambda: build_kv_cache(hybrid, CacheConfig(**base), mesh=mesh),
     )
 
 

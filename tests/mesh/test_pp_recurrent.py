@@ -15,7 +15,9 @@ arrays lie on its own devices and serve its own layers; every stage plans the sa
 
 Also: a first stage of full-attention layers only (no state of its own) gets the stages' state
 extension, recording on the stage that holds state; what is not served over stages (the host
-tier of these models, DP attention, the extra buffer with two micro-batches) is refused by name.
+tier of these models, DP attention) is refused by name. The extra buffer with two micro-batches
+(its tracked states recorded per micro-batch) is served over stages under decode context
+parallelism: ``tests/mesh/test_dcp_recurrent.py``.
 """
 
 from __future__ import annotations
@@ -153,16 +155,6 @@ def test_what_is_not_served_over_stages_is_refused_by_name(fields, option, check
     with pytest.raises(ConfigError, match=option) as refused:
         check(model.spec, config)
     assert refused.value.option == option
-
-
-def test_the_extra_buffer_with_several_micro_batches_is_refused(checkpoint):
-    """The extra buffer's tracked states are recorded once per step: with two micro-batches the
-    scheduler is refused, naming ``micro_batches``."""
-    _, model = checkpoint
-    config = _config(2, 1, enable_mamba_extra_buffer=True).replace(page_size=4)
-    pipeline = build_pipeline_cache(model.spec, config, devices=jax.devices())
-    with pytest.raises(ConfigError, match="micro_batches"):
-        pipeline_scheduler(model.config, pipeline, model.params, micro_batches=2, max_batch_size=4)
 
 
 def test_a_first_stage_without_recurrent_layers_records_the_copies_on_the_others():

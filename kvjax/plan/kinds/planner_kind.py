@@ -121,6 +121,9 @@ class PlannerKind:
             kind's state (``kvjax.plan.buildable``); None: every write policy is built.
         dcp_refusal: why the kind's state is not striped over decode-context-parallel ranks and
             what to do (options as ``{option}``); None: the kind serves DCP.
+        dcp_config_refusal: ``(config) -> str | None``, why the kind does not serve DCP under
+            this config (a setting DCP needs beside it) and what to do (options as ``{option}``);
+            None: it does (asked only under DCP, after ``dcp_refusal``).
         decode_radix_refusal: the message refusing ``disaggregation_decode_enable_radix_cache``.
         own_tree: ``(sizes, chunked) -> OwnTree | None``, a tree of the kind's own instead of the
             default (the chunk cache of chunked prefill with the radix cache off, or the unified
@@ -158,6 +161,7 @@ class PlannerKind:
     standalone_draft: Callable[[ModelSpec, ModelSpec], tuple[str, ...]] | None = None
     draft_host_refusal: str | None = None
     dcp_refusal: str | None = None
+    dcp_config_refusal: Callable[[CacheConfig], str | None] | None = None
     decode_radix_refusal: str | None = None
     own_tree: Callable[[Sizes, bool], OwnTree | None] | None = None
 

@@ -4,9 +4,21 @@
 Applies to a model with recurrent state (SGLang's ``is_hybrid_ssm``), names the KV pool kind
 first of all kinds; plans the state pools (``max_mamba_cache_size`` slots, sized by
 ``kvjax.plan.sizing``), built together as one pool under ``"recurrent"``; adds the unified tree's
-``"mamba"`` component; refuses the decode-side radix cache, the ``host_pool`` retraction backup
-and DCP. The ``cpu_tensor`` retraction backup covers the state: the request's state slot is
+``"mamba"`` component; refuses the decode-side radix cache and the ``host_pool`` retraction
+backup. The ``cpu_tensor`` retraction backup covers the state: the request's state slot is
 copied with its KV pages (``kvjax.serve.recurrent_retraction``).
+
+Under decode context parallelism (``dcp_size`` D dividing ``tp_size`` T, ``kvjax.plan.dcp``) the
+full-attention layers' KV is striped over the D ranks as for the full kind, and the state is not:
+it is per request, one slot per request and checkpoint, split by heads over the whole TP group
+of T chips as at tp T (``kvjax.plan.target.state_tp_size``; the pool over ``("tp", "dcp")``
+jointly, ``kvjax.pools.recurrent``), as SGLang keeps its mamba pool slot-granular beside the
+widened full-attention allocator (``allocator/unified_mamba.py``). The tree's page is the striped
+page, ``page_size * D`` tokens, so a checkpoint depth lands on that grid (SGLang's
+``mamba_checkpoint_grid`` of the widened page) and its state exists only in the extra buffer's
+tracking slots: DCP needs ``enable_mamba_extra_buffer`` (:func:`dcp_config_refusal`; SGLang's
+``MambaComponent`` asserts a page of 1 without it on the widened page), unless the radix cache
+is off.
 
 With the host tier (``enable_hierarchical_cache``) it plans the host copies of the checkpoints
 beside the KV's host pool (SGLang's ``MambaPoolHost``): ``"host_state"``, one slot per state
@@ -122,6 +134,34 @@ def host_state_pools(target: Target, sizes: Sizes, host: HostTier) -> tuple[Pool
     )
 
 
+def dcp_config_refusal(config: CacheConfig) -> str | None:
+    """What DCP does not serve beside recurrent state yet, and the extra buffer it needs: the
+    tree's page is ``page_size * dcp_size`` tokens (more than one), so its checkpoints need the
+    extra buffer (module docstring), unless the radix cache keeps none."""
+    if config.enable_dp_attention:
+        return (
+            "recurrent state under DP attention with decode context parallelism (each rank's state split over "
+            "its ('tp', 'dcp') group in the stacked DP pools) is not built in kvjax yet; drop {dcp_size} or "
+            "{enable_dp_attention}"
+        )
+    if config.speculative_algorithm is not None and not config.disable_radix_cache:
+        return (
+            f"speculative decoding ({config.speculative_algorithm}) of recurrent state under decode context "
+            "parallelism is not built in kvjax yet: the tree's page is the striped page, so its checkpoints need the "
+            "extra buffer, whose states tracked in a round kvjax does not roll back; drop {dcp_size} or "
+            "{speculative_algorithm}"
+        )
+    if config.enable_mamba_extra_buffer or config.disable_radix_cache:
+        return None
+    page = config.page_size * config.dcp_size
+    return (
+        f"under {{dcp_size}} {config.dcp_size} the radix tree's page is the striped page of {{page_size}} "
+        f"{config.page_size} x {config.dcp_size} = {page} tokens, and a recurrent-state checkpoint at a page "
+        "boundary exists only in the extra buffer's tracking slots (SGLang's MambaComponent asserts a page of 1 "
+        "without it, on the page DCP widens); set {enable_mamba_extra_buffer} True (or {disable_radix_cache} True)"
+    )
+
+
 def no_host_pool_backup(sizes: Sizes) -> bool:
     return False
 
@@ -148,7 +188,7 @@ KIND = PlannerKind(
         "a recurrent-state checkpoint's host copy would have to land before its eviction; use write_through or "
         "write_through_selective"
     ),
-    dcp_refusal="recurrent state is per request, not per token, so it cannot be striped; use {dcp_size} 1",
+    dcp_config_refusal=dcp_config_refusal,
     decode_radix_refusal=(
         "--disaggregation-decode-enable-radix-cache is incompatible with Mamba/SSM models; turn it off for this model"
     ),

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import KindMetadata, attend, recurrent_step
-from kvjax.attention.recurrent_step import recurrent_mixer_over_heads, state_ranks
+from kvjax.attention.recurrent_step import recurrent_mixer_over_heads, state_mesh_axis, state_ranks
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output, project_qkv_heads
@@ -183,7 +183,8 @@ class Mamba2Mixer(LayerMixer):
                 f"the Mamba2 mixer's {fc.n_groups} B/C groups do not split over {ranks} ranks (each rank runs whole "
                 "groups with their heads); use a tp size that divides n_groups",
             )
-        specs = {name: param_spec(f"mixer/{name}", w.shape, c, ranks) for name, w in weights.items()}
+        axis = state_mesh_axis(pools)  # ("tp", "dcp") under DCP: the weights' own split
+        specs = {name: param_spec(f"mixer/{name}", w.shape, c, ranks, axis=axis) for name, w in weights.items()}
         mixer = functools.partial(_local_mixer, fc=fc, layer_id=self.layer_id, dtype=dt_)
         out, pools = recurrent_mixer_over_heads(pools, mixer, x, weights, specs, meta)
         return (out if out_b is None else out + out_b), pools  # the row-parallel bias: once, after the sum

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import KindMetadata, attend, recurrent_step
-from kvjax.attention.recurrent_step import recurrent_mixer_over_heads, state_ranks
+from kvjax.attention.recurrent_step import recurrent_mixer_over_heads, state_mesh_axis, state_ranks
 from kvjax.errors import ConfigError
 from kvjax.pools import CachePools
 from kvjax.serve.attention_block import project_output
@@ -225,8 +225,9 @@ class Qwen3NextGatedDeltaNet(LayerMixer):
                 f"the gated delta net's {hk} key heads do not split over {ranks} ranks (each rank runs whole key "
                 "heads with their value heads); use a tp size that divides linear_num_key_heads",
             )
+        axis = state_mesh_axis(pools)  # ("tp", "dcp") under DCP: the weights' own split
         specs = {
-            name: param_spec(f"linear_attn/{name}" + ("" if name in _BARE else "/weight"), w.shape, c, ranks)
+            name: param_spec(f"linear_attn/{name}" + ("" if name in _BARE else "/weight"), w.shape, c, ranks, axis=axis)
             for name, w in weights.items()
         }
         mixer = functools.partial(_local_mixer, fc=fc, layer_id=self.layer_id, eps=c.rms_norm_eps, dtype=dt)

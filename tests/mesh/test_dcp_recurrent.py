@@ -1,0 +1,276 @@
+"""Recurrent state under decode context parallelism over 8 CPU devices, against Transformers.
+
+The tiny random-weight Qwen3-Next of the tensor-parallel parity tests (gated delta net layers 0, 1
+and 3, full attention at layer 2; ``tests/mesh/qwen3_next_tp.py``) under ``--tp T --dcp D``: the
+full-attention layer's KV heads over ``T / D`` ranks and its tokens striped over ``D`` (the
+allocator's and the tree's page ``page_size * D``), as for the full kind; the recurrent state not
+striped but split by heads over the whole TP group of ``T`` devices, ``("tp", "dcp")`` jointly,
+as the gated delta net's weights are (``kvjax.plan.kinds.recurrent``). The tree's checkpoints sit
+on the striped page's grid, kept by the extra buffer's tracking slots (DCP needs it, as in SGLang).
+
+Served at tp 2 x dcp 2 (page 1 and page 2: trees of 2- and 4-token pages) and tp 4 x dcp 2 through
+one cache small enough that the two rounds of ``parity_harness`` start later prompts from
+checkpoints, prefill in chunks, evict KV and checkpoints and retract requests (each asserted);
+with the ``cpu_tensor`` retraction backup beside the host tier; over 2 pipeline stages of tp 2 x
+dcp 2 with two micro-batches; and from ``python -m kvjax generate --tp 4 --dcp 2``, in one process
+and over two. Tokens equal Transformers' greedy ``generate``, logits within 1e-4 (2e-4 with the
+host tier, as its tp test), no KV, state slot or host slot leaks; what DCP does not serve beside
+recurrent state is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from kvjax import CacheConfig, build_kv_cache
+from kvjax.cli import main
+from kvjax.errors import ConfigError
+from kvjax.mesh_check import make_serving_mesh
+from kvjax.plan import plan_kv_cache
+from kvjax.pools import MHAKVPool
+from kvjax.radix import MambaRadixCache
+from kvjax.serve.pipeline_cache import build_pipeline_cache
+from kvjax.serve.pipeline_stepping import pipeline_scheduler
+from tests.mesh.qwen3_next_tp import HEADS, LAYERS, qwen3_next_checkpoint
+from tests.mesh.test_multihost_generate import _lines
+from tests.mesh.test_multihost_serving import launch
+from tests.serve.parity_harness import (
+    CHUNK,
+    CONTEXT_LENGTH,
+    TINY_CONFIG,
+    assert_matches_transformers,
+    hf_greedy,
+    saved_transformers_model,
+    serve_recurrent,
+    serve_two_rounds,
+    transformers,
+)
+from tests.serve.test_parity_qwen3_next import MODEL_SEED
+from tests.serve.test_recurrent_host_tier import assert_leak_free
+from tests.serve.test_recurrent_retraction import MAX_NEW as RETRACTION_MAX_NEW
+from tests.serve.test_recurrent_retraction import SMALL, _assert_restored_and_leak_free
+
+pytestmark = pytest.mark.mesh
+
+MAX_NEW = 6
+ATOL = 1e-4
+DCP = 2
+#: A pool small enough to reuse, evict (KV and checkpoints) and retract; the extra buffer's slots.
+POOLS: dict[str, Any] = dict(
+    max_total_tokens=64, max_running_requests=4, max_mamba_cache_size=12, enable_mamba_extra_buffer=True
+)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The model of 2 key heads (tp 2): ``(Transformers model, kvjax's load)``."""
+    return qwen3_next_checkpoint(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The model of 4 key heads (tp 4)."""
+    return qwen3_next_checkpoint(4, tmp_path_factory)
+
+
+def _mesh(tp: int) -> Any:
+    return make_serving_mesh(tp, dcp_size=DCP, devices=jax.devices())
+
+
+def _checkpoint_depths(tree: MambaRadixCache) -> list[int]:
+    """The depth (tokens from the root) of every node holding a recurrent-state checkpoint."""
+    depths, stack = [], list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if tree.mamba.slot_of(node) is not None:
+            depths.append(int(node.depth))
+    return depths
+
+
+def _assert_striped_kv_and_state_over_the_group(sched: Any, tp: int, page: int) -> None:
+    """The KV striped over ``"dcp"`` (a device holds its rank's ``page`` rows of each striped
+    page), the allocator's and the tree's page the striped page, the recurrent state and the gated
+    delta net's weights split by heads over all ``tp`` devices (``("tp", "dcp")`` jointly)."""
+    assert sched.mesh is not None and dict(sched.mesh.shape) == {"tp": tp // DCP, "dcp": DCP}
+    pools = sched.cache.pools
+    assert isinstance(pools.kv, MHAKVPool) and pools.kv.context_axis == "dcp"
+    assert {shard.data.shape[1] for shard in pools.kv.kv[0].addressable_shards} == {page}
+    tree = sched.cache.tree_cache
+    assert isinstance(tree, MambaRadixCache)
+    assert sched.alloc.page_size == tree.page_size == tree.mamba.checkpoint_grid == page * DCP
+    state = pools.recurrent
+    assert state.state_axis == ("tp", "dcp")
+    for array in state.arrays():
+        assert array.sharding.spec == P(None, None, ("tp", "dcp")) and len(array.sharding.device_set) == tp
+        assert {shard.data.shape[2] for shard in array.addressable_shards} == {array.shape[2] // tp}
+    mixer = sched.params["model"]["layers_0"]["linear_attn"]
+    assert mixer["in_proj_qkvz"]["weight"].sharding.spec == P(("tp", "dcp"), None)
+    assert mixer["out_proj"]["weight"].sharding.spec == P(None, ("tp", "dcp"))
+
+
+@pytest.mark.parametrize(("tp", "page"), [(2, 1), (4, 1), (2, 2)], ids=["tp2-page1", "tp4-page1", "tp2-page2"])
+def test_qwen3_next_reuse_chunked_prefill_eviction_and_retraction(tp, page, request):
+    hf, model = request.getfixturevalue(f"tp{tp}")
+    sched, done = serve_recurrent(
+        model, MAX_NEW, mesh=_mesh(tp), tp_size=tp, dcp_size=DCP, page_size=page, **POOLS
+    )  # asserts no KV or state slot leaked and the tree's sanity
+    _assert_striped_kv_and_state_over_the_group(sched, tp, page)
+    tree = sched.cache.tree_cache
+    depths = _checkpoint_depths(tree)
+    assert depths and all(d % (page * DCP) == 0 for d in depths), depths  # the striped page's grid
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert tree.mamba.num_evicted > 0, "the state pool should be small enough to evict checkpoints"
+    assert all((done[n].first_cached_tokens or 0) >= 16 for n in ("b", "c", "d")), "from the system prompt's state"
+    assert (done["chat2"].first_cached_tokens or 0) >= 16, "turn 2 resumes from a tracked checkpoint of turn 1"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_cpu_tensor_retraction_backup_beside_the_host_tier(tp2):
+    """Retracted requests restored from their copies (every device's share of the state slot, the
+    striped pages' rows), prefixes and checkpoints evicted to the host and loaded back."""
+    hf, model = tp2
+    sched, done = serve_recurrent(
+        model,
+        RETRACTION_MAX_NEW,
+        mesh=_mesh(2),
+        tp_size=2,
+        dcp_size=DCP,
+        enable_mamba_extra_buffer=True,
+        disaggregation_decode_retraction_backup="cpu_tensor",
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+        **dict(SMALL, max_mamba_cache_size=10),
+    )
+    _assert_striped_kv_and_state_over_the_group(sched, 2, 1)
+    _assert_restored_and_leak_free(sched)
+    tree = sched.cache.tree_cache
+    assert sched.stats.evicted_tokens > 0 and tree.mamba.backups > 0 and tree.mamba.loads > 0
+    assert_leak_free(sched)  # the host pools too
+    assert_matches_transformers(hf, done, max_new=RETRACTION_MAX_NEW, atol=2e-4)
+
+
+def test_over_two_pipeline_stages_with_two_micro_batches(tp2):
+    """Each stage a tp 2 x dcp 2 group (stage 0: recurrent layers only; stage 1: the attention
+    layer, striped, and layer 3's state), the extra buffer's tracked states recorded per
+    micro-batch, retracted requests restored from every stage's ``cpu_tensor`` backup."""
+    hf, model = tp2
+    config = CacheConfig(
+        context_length=CONTEXT_LENGTH,
+        chunked_prefill_size=CHUNK,
+        page_size=1,
+        pp_size=2,
+        tp_size=2,
+        dcp_size=DCP,
+        disaggregation_decode_retraction_backup="cpu_tensor",
+        **POOLS,
+    )
+    pipeline = build_pipeline_cache(model.spec, config, devices=jax.devices())
+    sched = pipeline_scheduler(
+        model.config,
+        pipeline,
+        model.params,
+        micro_batches=2,
+        overlap=True,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+    )
+    done = serve_two_rounds(sched, MAX_NEW)  # asserts leak free
+    for s in range(2):
+        assert dict(pipeline.meshes[s].shape) == {"tp": 1, "dcp": DCP}
+        assert pipeline.pools(s).recurrent.state_axis == ("tp", "dcp")
+    assert pipeline.pools(1).kv.context_axis == "dcp" and sched.alloc.page_size == DCP
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert (done["chat2"].first_cached_tokens or 0) >= 16, "turn 2 resumes from a tracked checkpoint"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
+
+
+def test_generate_at_tp4_dcp2_in_one_process_and_over_two(tmp_path_factory, capsys):
+    """``generate --tp 4 --dcp 2`` on the checkpoint (its tree on the striped page: generate sets
+    the extra buffer) gives Transformers' greedy tokens, reusing the shared prompt's checkpoint;
+    over 2 processes of 2 devices (each ``"dcp"`` pair one process's, the state split over all 4)
+    the same tokens, every process's state digest compared at every step."""
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **LAYERS, **HEADS[4])
+    hf, directory = saved_transformers_model(config, tmp_path_factory, "qwen3_next_generate", seed=MODEL_SEED)
+    shared = list(range(1, 25))
+    prompts = [[*shared, 1, 2, 3], [*shared, 7, 8, 9, 10], [40, 41, 42]]
+    argv = ["generate", "--model", str(directory), "--tp", "4", "--dcp", "2"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    argv += ["--max-new-tokens", "4", "--ignore-eos", "--page-size", "1", "--chunked-prefill-size", "8", "--json"]
+    assert main(argv) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert single["cached_tokens"] >= 16, single  # the second prompt starts from the first one's checkpoint
+    assert single["outputs"] == [hf_greedy(hf, p, 4)[0] for p in prompts], single
+
+    out = launch(["--processes", "2", "--cpu-devices-per-process", "2", "--", *argv], timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    printed = _lines(out.stdout, 0)
+    assert len(printed) == 1 and json.loads(printed[0]) == single, out.stdout[-2000:]
+    digest = hashlib.sha256(json.dumps(single["outputs"]).encode()).hexdigest()[:16]
+    status = [line for line in _lines(out.stderr, 1) if "python -m kvjax generate:" in line]
+    assert status == [
+        "python -m kvjax generate: process 1 of 2 served 3 prompt(s) in step with process 0: 12 tokens "
+        f"generated, outputs sha256 {digest} (process 0 prints them)"
+    ], out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (
+            dict(enable_mamba_extra_buffer=False),
+            r"dcp_size=2: .*striped page of page_size 1 x 2 = 2 tokens.*set enable_mamba_extra_buffer True",
+        ),
+        (
+            dict(enable_mamba_extra_buffer=True, speculative_algorithm="NEXTN", speculative_num_steps=3),
+            r"dcp_size=2: .*speculative decoding \(NEXTN\) of recurrent state under decode context parallelism",
+        ),
+        (
+            dict(enable_mamba_extra_buffer=True, enable_dp_attention=True, dp_size=2, tp_size=4),
+            r"dcp_size=2: .*recurrent state under DP attention with decode context parallelism",
+        ),
+    ],
+    ids=["no-extra-buffer", "speculative", "dp-attention"],
+)
+def test_what_dcp_does_not_serve_beside_recurrent_state_is_refused_by_name(fields, match, tp2):
+    """Refused by the plan, before anything is allocated."""
+    _, model = tp2
+    config = CacheConfig(**{**dict(POOLS, tp_size=2, dcp_size=DCP, page_size=1, context_length=64), **fields})
+    with pytest.raises(ConfigError, match=match):
+        plan_kv_cache(model.spec, config)
+    if not config.enable_dp_attention:
+        before = len(jax.live_arrays())
+        with pytest.raises(ConfigError, match=match):
+            build_kv_cache(model.spec, config, mesh=_mesh(2))
+        assert len(jax.live_arrays()) == before, "nothing is allocated before the error"
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--speculative-algorithm", "EAGLE"], "--dcp 2 with --speculative-algorithm EAGLE"),
+        (["--dp", "2", "--tp", "4"], "--dcp 2 with --dp 2"),
+    ],
+)
+def test_the_command_line_names_both_flags(flags, named, tp2, tmp_path, capsys):
+    """Before jax loads a weight: ``UsageError`` naming ``--dcp`` and the other flag."""
+    from kvjax.serve.checkpoint import save_checkpoint
+
+    _, model = tp2
+    directory = save_checkpoint(tmp_path / "qwen3-next", model.spec, model.params)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=1)))  # its MTP layer
+    argv = ["generate", "--model", str(directory), "--prompt-ids", "1,2,3", "--tp", "2", "--dcp", "2", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "not built in kvjax yet" in err, err
