@@ -15,7 +15,8 @@ with the ``cpu_tensor`` retraction backup beside the host tier; over 2 pipeline 
 dcp 2 with two micro-batches; and from ``python -m kvjax generate --tp 4 --dcp 2``, in one process
 and over two. Tokens equal Transformers' greedy ``generate``, logits within 1e-4 (2e-4 with the
 host tier, as its tp test), no KV, state slot or host slot leaks; what DCP does not serve beside
-recurrent state is refused by name.
+recurrent state is refused by name. Nemotron-H's Mamba2 mixers are served the same way at tp 2 x
+dcp 2.
 """
 
 from __future__ import annotations
@@ -274,3 +275,20 @@ def test_the_command_line_names_both_flags(flags, named, tp2, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert named in err and "not built in kvjax yet" in err, err
+
+
+def test_nemotron_h_mamba2_at_tp2_dcp2(tmp_path_factory):
+    """Nemotron-H's Mamba2 mixers (two B/C groups) the same way: the state and the mixers' weights
+    split by groups over both devices, the attention layer's KV striped; tokens equal
+    Transformers', logits within 1e-4 of its full forward (``tests/serve/test_parity_nemotron_h.py``)."""
+    from tests.serve.test_parity_nemotron_h import assert_matches_full_forward, nemotron_h_checkpoint
+
+    hf, model = nemotron_h_checkpoint(tmp_path_factory, "nemotron_h_dcp")
+    sched, done = serve_recurrent(model, MAX_NEW, mesh=_mesh(2), tp_size=2, dcp_size=DCP, **POOLS)
+    assert sched.cache.pools.kv.context_axis == "dcp" and sched.cache.pools.recurrent.state_axis == ("tp", "dcp")
+    mixer = sched.params["backbone"]["layers_0"]["mixer"]
+    assert mixer["in_proj"]["weight"].sharding.spec == P(("tp", "dcp"), None)
+    assert mixer["out_proj"]["weight"].sharding.spec == P(None, ("tp", "dcp"))
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+    assert_matches_full_forward(hf, done, max_new=MAX_NEW)
