@@ -972,6 +972,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_tp_parity_qwen3_next.py::test_head_parallel_gated_delta_net_reuse_eviction_and_retraction"
     ),
     ("recurrent", "dp", "overlap"): "tests/mesh/test_dp_parity.py::test_qwen3_next_recurrent_state_per_rank",
+    ("recurrent", "tp", "processes"): (
+        "tests/mesh/test_multihost_parity.py::"
+        "test_qwen3_next_recurrent_state_at_tp_4_over_two_processes_matches_transformers"
+    ),
     ("recurrent", "dp", "processes"): (
         "tests/mesh/test_multihost_dp_recurrent.py::test_qwen3_next_at_dp_2_tp_2_over_two_processes_matches_transformers"
     ),

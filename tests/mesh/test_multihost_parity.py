@@ -5,7 +5,10 @@ rounds reuse prefixes, prefill in chunks, evict and retract:
   devices;
 * hybrid: the tiny Gemma 3 of ``test_parity_gemma3`` (sliding-window and full layers, a hybrid
   SWA cache: two pools, the SWA tree and its serving extension) at tp 4 over 2 processes x 2
-  devices (its 4 query heads split 4 ways, its 2 KV heads replicated to 4).
+  devices (its 4 query heads split 4 ways, its 2 KV heads replicated to 4);
+* recurrent: the tiny Qwen3-Next of ``tests/mesh/qwen3_next_tp.py`` (gated delta net layers, their
+  state split by key heads) at tp 4 over 2 processes x 2 devices, 6 state slots: checkpoints forked,
+  evicted and requests retracted on both processes alike.
 
 Each gives Transformers' greedy tokens and logits; both processes finish the same requests with
 the same tokens, compare state digests at every step, and end leak free.
@@ -57,6 +60,17 @@ def test_gemma3_hybrid_swa_at_tp_4_over_two_processes_matches_transformers(tmp_p
     assert_matches_transformers(hf, finished_requests(reports[0], max_new), max_new=max_new, atol=swa_parity.LOGIT_ATOL)
 
 
+def test_qwen3_next_recurrent_state_at_tp_4_over_two_processes_matches_transformers(tmp_path_factory):
+    from tests.mesh import qwen3_next_tp
+    from tests.serve.parity_harness import TINY_CONFIG, transformers
+
+    config = transformers.Qwen3NextConfig(**TINY_CONFIG, **qwen3_next_tp.LAYERS, **qwen3_next_tp.HEADS[4])
+    hf, directory = saved_transformers_model(config, tmp_path_factory, "qwen3_next4", seed=qwen3_next_tp.MODEL_SEED)
+    reports = _serve_over_two_processes(str(directory), tp=4, max_new=MAX_NEW)
+    assert all(r["tree"] == "MambaRadixCache" for r in reports), reports
+    assert_matches_transformers(hf, finished_requests(reports[0], MAX_NEW), max_new=MAX_NEW, atol=ATOL)
+
+
 def _serve_over_two_processes(directory: str, *, tp: int, max_new: int) -> list[dict]:
     """Serve the two rounds at ``tp`` over 2 processes of ``tp / 2`` devices; their reports, each
     checked: equal outputs, digests compared, leak free, reuse, evictions and retractions."""
@@ -76,7 +90,11 @@ def _serve(directory: str, tp: int, max_new: int) -> dict:
     from kvjax.serve.multihost.mesh import group_tp_mesh
     from kvjax.serve.scheduler import Scheduler
 
-    config = parity_cache_config(tp_size=tp, page_size=1, max_total_tokens=64, max_running_requests=8)
+    if model.spec.recurrent_layer_ids():  # small enough to evict checkpoints and retract (6 state slots)
+        sizes = dict(max_total_tokens=56, max_running_requests=4, max_mamba_cache_size=6)
+    else:
+        sizes = dict(max_total_tokens=64, max_running_requests=8)
+    config = parity_cache_config(tp_size=tp, page_size=1, **sizes)
     cache = build_kv_cache(model.spec, config, mesh=group_tp_mesh(tp))
     sched = Scheduler(
         model.config,
