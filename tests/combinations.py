@@ -889,6 +889,9 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ),
     ("mla", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
+    ("mla", "dcp", "processes"): (
+        "tests/mesh/test_multihost_dcp.py::test_mla_latent_striped_over_two_processes_gives_the_single_process_tokens"
+    ),
     # DeepSeek-V2 at pp 2: every stage's cpu_tensor backup restored; evicted to the host, stored, read back cold.
     **dict.fromkeys(
         [("mla", "pp", "host"), ("mla", "pp", "storage"), ("mla", "pp", "retraction")],
