@@ -889,6 +889,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
         "tests/mesh/test_matrix_pairs.py::test_over_two_pipeline_stages_at_tp2",
     ),
     ("mla", "dcp", "pp"): "tests/mesh/test_pp_dcp.py::test_striped_stages_reuse_chunk_evict_and_retract",
+    ("mla", "retraction", "processes"): MATRIX_PAIRS_RETRACTION_PROCESSES,
     ("mla", "dcp", "processes"): (
         "tests/mesh/test_multihost_dcp.py::test_mla_latent_striped_over_two_processes_gives_the_single_process_tokens"
     ),

@@ -439,7 +439,7 @@ def test_deepseek_v2_storage_tier_per_dp_rank_read_back_by_a_cold_server(tmp_pat
     assert_matches_transformers(hf, done, max_new=dp.MAX_NEW, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v2"])
 def test_cpu_tensor_retraction_backup_over_two_processes(family, tmp_path_factory):
     from tests.mesh.multihost_group import finished_requests
     from tests.mesh.tp_serving import family_config
