@@ -511,10 +511,6 @@ GAP_RECURRENT_DP_DCP = (
     f"{GAP}: recurrent state under DP attention with DCP (each rank's state split over its ('tp', 'dcp') group in "
     "the stacked DP pools)"
 )
-GAP_RECURRENT_DCP_SPEC = (
-    f"{GAP}: speculative decoding of recurrent state under DCP (its checkpoints on the striped page need the extra "
-    "buffer, whose states tracked in a round kvjax does not roll back)"
-)
 #: Qwen3-Next under DCP (tests/mesh/test_dcp_recurrent.py): KV striped, the state split by heads over the group.
 DCP_RECURRENT = "tests/mesh/test_dcp_recurrent.py::"
 GAP_RECURRENT_PP_HOST = f"{GAP}: the host copies of recurrent-state checkpoints over pipeline stages"
@@ -1057,6 +1053,10 @@ PROOFS: dict[tuple[str, str, str], str] = {
         DCP_RECURRENT + "test_cpu_tensor_retraction_backup_beside_the_host_tier",
     ),
     ("recurrent", "dcp", "pp"): DCP_RECURRENT + "test_over_two_pipeline_stages_with_two_micro_batches",
+    # Rejecting rounds restored and replayed, the extra buffer recording only states within the kept tokens.
+    ("recurrent", "dcp", "standalone"): DCP_RECURRENT
+    + "test_standalone_draft_at_tp2_dcp2_replays_and_tracks_the_kept_tokens",
+    ("recurrent", "dcp", "eagle"): DCP_RECURRENT + "test_mtp_layer_at_tp2_dcp2_replays_and_tracks_the_kept_tokens",
     ("recurrent", "dcp", "processes"): DCP_RECURRENT + "test_generate_at_tp4_dcp2_in_one_process_and_over_two",
 }
 
@@ -1087,8 +1087,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DP_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_DP_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
-    ("recurrent", "dcp", "standalone"): refused(GAP_RECURRENT_DCP_SPEC),
-    ("recurrent", "dcp", "eagle"): refused(GAP_RECURRENT_DCP_SPEC),
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),
     ("recurrent", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("recurrent", "pp", "host"): refused(GAP_RECURRENT_PP_HOST),

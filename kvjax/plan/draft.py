@@ -190,16 +190,19 @@ def check_draft_host_tier_buildable(plan: CachePlan) -> None:
 def check_replay_tracking(config: CacheConfig, kind: ModelKind) -> None:
     """``ConfigError`` for speculative decoding of a kind whose state is replayed after a round
     (``PlannerKind.speculative_replay``: recurrent state) with the extra buffer's tracking at page
-    boundaries (the speculative scheduler refuses it too, after the cache is built)."""
+    boundaries under DP attention or over pipeline stages: one scheduler records only the states a
+    round tracked within its kept tokens (``kvjax.serve.speculative.draft_decoding``); a DP rank's
+    and the stages' rounds are not built to."""
     if config.speculative_algorithm is None or not config.enable_mamba_extra_buffer:
         return
-    if any(k.speculative_replay for k in kinds_named(kind.cache_kinds)):
+    spread = "DP attention" if config.enable_dp_attention else "pipeline stages" if config.pp_size > 1 else None
+    if spread is not None and any(k.speculative_replay for k in kinds_named(kind.cache_kinds)):
         raise ConfigError(
             "enable_mamba_extra_buffer",
             True,
-            "speculative decoding of recurrent state does not track states at page boundaries in kvjax yet (a "
-            "round's tracked state may be of rejected tokens); turn the extra buffer off (with {page_size} 1) or "
-            "leave {speculative_algorithm} unset",
+            f"speculative decoding of recurrent state with the extra buffer under {spread} is not built in kvjax yet "
+            "(a round's states tracked at page boundaries are recorded on one scheduler only); turn the extra buffer "
+            "off (with {page_size} 1) or leave {speculative_algorithm} unset",
         )
 
 

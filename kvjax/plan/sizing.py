@@ -30,7 +30,9 @@ REQ_TABLE_EXTRA_TOKENS = 4
 DEFAULT_MAMBA_CACHE_SIZE = 512
 USUAL_PAGE_SIZE = 16  # what a refused page size is told to try instead
 MAMBA_STATES_PER_REQ_WITH_RADIX = 3
-MAMBA_EXTRA_BUFFER_STATES = {False: 2, True: 1}  # keyed by "speculative decoding on"
+# Ping-pong tracking slots per request with the extra buffer, keyed by "speculative decoding on":
+# kvjax's request table keeps 2 in both (HybridReqToTokenPool), speculative rounds included.
+MAMBA_EXTRA_BUFFER_STATES = {False: 2, True: 2}
 MIN_ROWS, MAX_ROWS, ROWS_PER_CONTEXT = 2048, 4096, 512
 
 

@@ -72,9 +72,9 @@ class RecurrentStateExtension(ServingExtension):
         tree = cache.tree_cache
         self.tree = tree if isinstance(tree, MambaRadixCache) and not tree.disable else None
         self.page_size = int(cache.allocator.page_size)
-        # Per packed batch (a pipeline step packs one per micro-batch before their after_step),
-        # by identity: the batch itself is kept beside its tracked rows.
-        self._tracked: dict[int, tuple[StepBatch, list[tuple[ServingReq, int, int]]]] = {}
+        # The state tracked for a request by the last batch packed with it (a pipeline step packs
+        # one per micro-batch before their after_step): (request, ping-pong index, length).
+        self._tracked: dict[int, tuple[ServingReq, int, int]] = {}
 
     def after_admit(self, req: ServingReq) -> None:
         need = self.table.state_slots_needed([req])
@@ -110,10 +110,10 @@ class RecurrentStateExtension(ServingExtension):
         keep[:n] = np.asarray(batch.starts) > 0
         track_slots = np.zeros(batch.max_seqs, np.int32)
         track_at = np.zeros(batch.max_seqs, np.int32)
-        tracked: list[tuple[ServingReq, int, int]] = []
         if self.table.enable_mamba_extra_buffer:
             page = self.page_size
             for i, (req, start, end) in enumerate(zip(batch.reqs, batch.starts, batch.seq_lens, strict=True)):
+                self._tracked.pop(id(req), None)  # a batch packed before and never stepped tracks nothing now
                 aligned = int(end) // page * page
                 pp = req.mamba_ping_pong_track_buffer
                 if aligned <= int(start) or pp is None:
@@ -122,9 +122,7 @@ class RecurrentStateExtension(ServingExtension):
                 idx = 0 if last is None else self.table.get_mamba_ping_pong_other_idx(last)
                 track_slots[i] = int(pp[idx])
                 track_at[i] = aligned - int(start)
-                tracked.append((req, idx, aligned))
-            if tracked:
-                self._tracked[id(batch)] = (batch, tracked)
+                self._tracked[id(req)] = (req, idx, aligned)
         make_part: Any = StateMetadata  # numpy leaves on the host (device arrays inside the step)
         part: StateMetadata = make_part(
             state_slots=slots, has_initial_state=keep, track_slots=track_slots, track_at=track_at
@@ -141,17 +139,22 @@ class RecurrentStateExtension(ServingExtension):
                 queue.record(self.copies_update(copies))
 
     def after_step(self, batch: StepBatch) -> None:
-        """With the extra buffer: the tracked states of ``batch`` are written; record where (the
-        caching that follows donates the slot of the last one). Per packed batch: a pipeline step
-        packs each micro-batch before any of them is stepped."""
-        packed, tracked = self._tracked.pop(id(batch), (None, []))
-        if packed is not batch:
-            return
-        for req, idx, aligned in tracked:
+        """With the extra buffer: the tracked states of ``batch``'s requests are written; record
+        where (the caching that follows donates the slot of the last one), each request's as its
+        last packed batch tracked it (a pipeline step packs each micro-batch before any of them is
+        stepped). A state tracked past a row's ``seq_lens`` is not recorded: a speculative round
+        reports the tokens it kept (``kvjax.serve.speculative.draft_decoding``), and a state tracked
+        after a rejected draft token is of no prefix (its ping-pong slot is written again later)."""
+        for req, end in zip(batch.reqs, batch.seq_lens, strict=True):
+            tracked = self._tracked.pop(id(req), None)
+            if tracked is None or tracked[0] is not req or tracked[2] > int(end):
+                continue
+            _, idx, aligned = tracked
             req.mamba_last_track_idx = idx
             req.mamba_last_track_seqlen = aligned
 
     def before_release(self, req: ServingReq, finished: bool) -> None:
+        self._tracked.pop(id(req), None)
         if self.tree is None:
             self.table.free_mamba_cache(req)
 

@@ -12,8 +12,10 @@ Served at tp 2 x dcp 2 (page 1 and page 2: trees of 2- and 4-token pages) and tp
 one cache small enough that the two rounds of ``parity_harness`` start later prompts from
 checkpoints, prefill in chunks, evict KV and checkpoints and retract requests (each asserted);
 with the ``cpu_tensor`` retraction backup beside the host tier; over 2 pipeline stages of tp 2 x
-dcp 2 with two micro-batches; and from ``python -m kvjax generate --tp 4 --dcp 2``, in one process
-and over two. Tokens equal Transformers' greedy ``generate``, logits within 1e-4 (2e-4 with the
+dcp 2 with two micro-batches; with a STANDALONE draft and with the checkpoint's MTP layer
+(rejecting rounds' state restored and replayed, the extra buffer recording a state a round tracked
+only within the tokens it keeps); and from ``python -m kvjax generate --tp 4 --dcp 2``, in one
+process and over two. Tokens equal Transformers' greedy ``generate``, logits within 1e-4 (2e-4 with the
 host tier, as its tp test), no KV, state slot or host slot leaks; what DCP does not serve beside
 recurrent state is refused by name. Nemotron-H's Mamba2 mixers are served the same way at tp 2 x
 dcp 2.
@@ -47,6 +49,7 @@ from tests.serve.parity_harness import (
     TINY_CONFIG,
     assert_matches_transformers,
     hf_greedy,
+    parity_cache_config,
     saved_transformers_model,
     serve_recurrent,
     serve_two_rounds,
@@ -233,15 +236,11 @@ def test_generate_at_tp4_dcp2_in_one_process_and_over_two(tmp_path_factory, caps
             r"dcp_size=2: .*striped page of page_size 1 x 2 = 2 tokens.*set enable_mamba_extra_buffer True",
         ),
         (
-            dict(enable_mamba_extra_buffer=True, speculative_algorithm="NEXTN", speculative_num_steps=3),
-            r"dcp_size=2: .*speculative decoding \(NEXTN\) of recurrent state under decode context parallelism",
-        ),
-        (
             dict(enable_mamba_extra_buffer=True, enable_dp_attention=True, dp_size=2, tp_size=4),
             r"dcp_size=2: .*recurrent state under DP attention with decode context parallelism",
         ),
     ],
-    ids=["no-extra-buffer", "speculative", "dp-attention"],
+    ids=["no-extra-buffer", "dp-attention"],
 )
 def test_what_dcp_does_not_serve_beside_recurrent_state_is_refused_by_name(fields, match, tp2):
     """Refused by the plan, before anything is allocated."""
@@ -256,25 +255,93 @@ def test_what_dcp_does_not_serve_beside_recurrent_state_is_refused_by_name(field
         assert len(jax.live_arrays()) == before, "nothing is allocated before the error"
 
 
-@pytest.mark.parametrize(
-    ("flags", "named"),
-    [
-        (["--speculative-algorithm", "EAGLE"], "--dcp 2 with --speculative-algorithm EAGLE"),
-        (["--dp", "2", "--tp", "4"], "--dcp 2 with --dp 2"),
-    ],
-)
-def test_the_command_line_names_both_flags(flags, named, tp2, tmp_path, capsys):
-    """Before jax loads a weight: ``UsageError`` naming ``--dcp`` and the other flag."""
+def test_the_command_line_names_both_flags(tp2, tmp_path, capsys):
+    """``--dcp`` with ``--dp``: before jax loads a weight, one ``UsageError`` naming both."""
     from kvjax.serve.checkpoint import save_checkpoint
 
     _, model = tp2
     directory = save_checkpoint(tmp_path / "qwen3-next", model.spec, model.params)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=1)))  # its MTP layer
-    argv = ["generate", "--model", str(directory), "--prompt-ids", "1,2,3", "--tp", "2", "--dcp", "2", *flags]
+    argv = ["generate", "--model", str(directory), "--prompt-ids", "1,2,3", "--tp", "4", "--dcp", "2", "--dp", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert named in err and "not built in kvjax yet" in err, err
+    assert "--dcp 2 with --dp 2" in err and "not built in kvjax yet" in err, err
+
+
+def _assert_replayed_and_leak_free(sched: Any) -> None:
+    tree, table = sched.cache.tree_cache, sched.cache.req_to_token_pool
+    tree.sanity_check()
+    held = tree.mamba_evictable_size() + tree.mamba_protected_size()
+    assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
+    stats = sched.proposer.stats
+    assert stats.proposed_tokens > 0 and stats.replayed_requests > 0, stats
+    st = sched.stats
+    assert st.cached_tokens > 0 and st.evicted_tokens > 0 and st.retractions > 0, st
+
+
+def test_standalone_draft_at_tp2_dcp2_replays_and_tracks_the_kept_tokens(tmp_path_factory):
+    """A one-layer Qwen3 draft (``tests/serve/test_speculative_recurrent.py``: most rounds reject):
+    its pool striped as the target's; each rejecting round's state restored and its kept tokens
+    replayed; the extra buffer records a state tracked in a round only within its kept tokens."""
+    from kvjax.serve.generate import scheduler_for
+    from tests.serve.test_speculative_recurrent import LOGIT_ATOL, K
+    from tests.serve.test_speculative_recurrent import models as recurrent_models
+
+    hf, target, draft = recurrent_models.__wrapped__(tmp_path_factory)  # type: ignore[attr-defined]
+    config = parity_cache_config(
+        page_size=1,
+        tp_size=2,
+        dcp_size=DCP,
+        speculative_algorithm="STANDALONE",
+        speculative_num_steps=K,
+        speculative_num_draft_tokens=K + 1,
+        **dict(POOLS, max_running_requests=8, max_mamba_cache_size=16),
+    )
+    cache = build_kv_cache(target.spec, config, draft_spec=draft.spec, mesh=_mesh(2))
+    assert cache.pools.kv_draft.context_axis == "dcp"
+    sched = scheduler_for(
+        target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
+    )
+    done = serve_two_rounds(sched, MAX_NEW)
+    _assert_replayed_and_leak_free(sched)
+    assert (done["chat2"].first_cached_tokens or 0) >= 16
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_mtp_layer_at_tp2_dcp2_replays_and_tracks_the_kept_tokens(tmp_path_factory):
+    """Qwen3-Next's own MTP layer (random, ``tests/serve/test_qwen3_next_mtp.py``) as the EAGLE /
+    NEXTN draft, its pool striped as the target's, the same way."""
+    from kvjax.serve.checkpoint import load_checkpoint
+    from kvjax.serve.speculative import eagle_scheduler
+    from kvjax.serve.speculative.nextn import nextn_params
+    from tests.serve.test_eagle_head import K
+    from tests.serve.test_qwen3_next_mtp import LOGIT_ATOL, _checkpoints
+
+    hf, _, directory = _checkpoints(str(tmp_path_factory.mktemp("qwen3_next_mtp_dcp")))
+    model = load_checkpoint(directory)
+    config = parity_cache_config(
+        page_size=1,
+        tp_size=2,
+        dcp_size=DCP,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=K,
+        speculative_num_draft_tokens=K + 1,
+        **dict(POOLS, max_running_requests=8),
+    )
+    cache = build_kv_cache(model.spec, config, mesh=_mesh(2))
+    assert cache.pools.kv_draft.context_axis == "dcp"
+    sched = eagle_scheduler(
+        model.config,
+        cache,
+        model.params,
+        draft_params=nextn_params(model.config, model.params, directory),
+        num_steps=K,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+    )
+    done = serve_two_rounds(sched, MAX_NEW)
+    _assert_replayed_and_leak_free(sched)
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
 def test_nemotron_h_mamba2_at_tp2_dcp2(tmp_path_factory):

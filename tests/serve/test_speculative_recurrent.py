@@ -6,9 +6,10 @@ vocabulary, embedding and head, so it agrees now and then and most rounds reject
 rejecting round's recurrent state is restored from before the round and the kept tokens replayed
 (``kvjax.serve.speculative.state_replay``). The two rounds of ``parity_harness`` (prefix reuse
 from the tree's state checkpoints, a multi-turn chat, chunked prefill) are served at page size 1
-with a roomy pool and with one small enough to evict and retract: every request's tokens equal
-Transformers' greedy ``generate``, its logits agree within ``LOGIT_ATOL``, and no KV or state
-slot leaked.
+with a roomy pool and with one small enough to evict and retract, and at page size 4 with the
+extra buffer (states tracked at page boundaries, recorded only within the tokens a round keeps):
+every request's tokens equal Transformers' greedy ``generate``, its logits agree within
+``LOGIT_ATOL``, and no KV or state slot leaked.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.serve.parity_harness import (
     CONTEXT_LENGTH,
     TINY_CONFIG,
     assert_matches_transformers,
+    prompts,
     random_transformers_model,
     save_pretrained,
     serve_two_rounds,
@@ -82,9 +84,9 @@ def _cache(target: LoadedModel, draft: LoadedModel, *, max_total_tokens: int, **
     )
 
 
-def _serve(models: Any, *, max_total_tokens: int) -> tuple[Scheduler, dict[str, Any]]:
+def _serve(models: Any, *, max_total_tokens: int, **config: Any) -> tuple[Scheduler, dict[str, Any]]:
     _, target, draft = models
-    cache = _cache(target, draft, max_total_tokens=max_total_tokens)
+    cache = _cache(target, draft, max_total_tokens=max_total_tokens, **config)
     sched = scheduler_for(
         target, cache, draft=draft, num_steps=K, max_batch_size=4, chunked_prefill_size=CHUNK, record_logits=True
     )
@@ -120,7 +122,19 @@ def test_a_pool_small_enough_to_evict_and_retract(models):
     assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
 
 
-def test_the_extra_buffer_is_refused_by_name_before_the_cache_is_built(models):
+def test_page_4_with_the_extra_buffer_records_the_states_the_rounds_keep(models):
+    """Each round's verify forward tracks the state at its page boundary; only a boundary within
+    the kept tokens is recorded (a rejecting round's replay tracks its own), so turn 2 resumes
+    from a checkpoint tracked while turn 1 decoded, and the tokens stay Transformers'."""
+    hf = models[0]
+    sched, done = _serve(models, max_total_tokens=2048, page_size=4, enable_mamba_extra_buffer=True)
+    assert sched.cache.tree_cache.page_size == 4 and _draft(sched).stats.replayed_requests > 0
+    assert (done["chat2"].first_cached_tokens or 0) > len(prompts()["chat1"]), "a checkpoint tracked in decode"
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=LOGIT_ATOL)
+
+
+def test_the_extra_buffer_over_pipeline_stages_is_refused_by_name(models):
+    """Its rounds' tracked states are recorded on one scheduler only (``kvjax.plan.draft``)."""
     _, target, draft = models
-    with pytest.raises(ConfigError, match="enable_mamba_extra_buffer"):  # the plan's check (kvjax.plan.draft)
-        _cache(target, draft, max_total_tokens=2048, page_size=4, enable_mamba_extra_buffer=True)
+    with pytest.raises(ConfigError, match="enable_mamba_extra_buffer=True: .* under pipeline stages"):
+        _cache(target, draft, max_total_tokens=2048, page_size=4, enable_mamba_extra_buffer=True, pp_size=2)

@@ -144,13 +144,6 @@ def dcp_config_refusal(config: CacheConfig) -> str | None:
             "its ('tp', 'dcp') group in the stacked DP pools) is not built in kvjax yet; drop {dcp_size} or "
             "{enable_dp_attention}"
         )
-    if config.speculative_algorithm is not None and not config.disable_radix_cache:
-        return (
-            f"speculative decoding ({config.speculative_algorithm}) of recurrent state under decode context "
-            "parallelism is not built in kvjax yet: the tree's page is the striped page, so its checkpoints need the "
-            "extra buffer, whose states tracked in a round kvjax does not roll back; drop {dcp_size} or "
-            "{speculative_algorithm}"
-        )
     if config.enable_mamba_extra_buffer or config.disable_radix_cache:
         return None
     page = config.page_size * config.dcp_size

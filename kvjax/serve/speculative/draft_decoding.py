@@ -41,7 +41,14 @@ ever moves forward, so no slot a query of the round can see (``L - W`` onwards) 
 
 Recurrent-state targets (Qwen3-Next, Nemotron-H, with a full-attention draft): the state slot is
 rolled back by restoring it from before the round and replaying the kept tokens
-(``state_replay``), before any request of the round finishes.
+(``state_replay``), before any request of the round finishes. With the extra buffer
+(``enable_mamba_extra_buffer``: pages of more than one token, decode context parallelism's striped
+page) the verify forward also tracks each request's state at the last page boundary among the
+round's ``k + 1`` positions into a ping-pong slot; that state is of the request's prefix only if
+the boundary lies within the tokens the round keeps, so after the replay the extensions are told
+the round's kept lengths (``after_step`` of a batch cut to them) and the recurrent-state extension
+records only such states. A request whose boundary lies past them is replayed, and the replay (a
+forward over its kept tokens) tracks the boundary among those, if any, itself.
 
 Overlap scheduling (``Scheduler(overlap=True)``): round ``N + 1`` is launched before the host reads
 round ``N`` (``overlap``: the first tokens and the offsets by round ``N``'s accepted counts stay on
@@ -54,8 +61,8 @@ before the next: the state replay needs the accepted counts).
 A retraction backup copies and restores the draft's pages with the target's
 (``kvjax.serve.retraction_extension``); one made to restore the target's pool only is refused.
 
-Not supported (refused when the scheduler is built, naming the value): the recurrent state's extra
-buffer, a draft whose vocabulary differs from the target's, and a cache planned for EAGLE / EAGLE3
+Not supported (refused when the scheduler is built, naming the value): a draft whose vocabulary
+differs from the target's, and a cache planned for EAGLE / EAGLE3
 / NEXTN (drafts that read the target's hidden states: ``kvjax.serve.speculative.eagle.EagleDecoding``
 serves EAGLE / NEXTN with the checkpoint's MTP layer or an EAGLE head, and EAGLE3 with an EAGLE3 draft).
 """
@@ -262,13 +269,6 @@ class DraftDecoding:
                 "is not implemented); serve a full-attention or sliding-window model"
             )
         self.replays_state = any(k.speculative_replay for k in scheduler.kinds)
-        if self.replays_state and getattr(scheduler.cache.req_to_token_pool, "enable_mamba_extra_buffer", False):
-            raise ConfigError(
-                "enable_mamba_extra_buffer",
-                True,
-                "speculative decoding of recurrent state does not track states at page boundaries in kvjax yet "
-                "(a round's tracked state may be of rejected tokens); turn the extra buffer off or use page_size 1",
-            )
         # Overlap: rounds are chained on the device over full-attention, MLA and sliding-window
         # metadata; recurrent state (the replay needs the accepted counts on the host) resolves the
         # round before launching the next (``overlap``).
@@ -442,6 +442,27 @@ class DraftDecoding:
         self.stats.replayed_requests += len(reqs)
         self.stats.replayed_tokens += int((ends - starts).sum())
 
+    def _kept_after_round(
+        self, s: Scheduler, running: list[ServingReq], kv_len: np.ndarray, kept: list[list[int]]
+    ) -> None:
+        """The extensions' ``after_step`` of the round's verify forward, as a decode batch cut to
+        the tokens each request keeps (module docstring: a state the round tracked past them is of
+        rejected tokens); after the replay, which tracked its own."""
+        if not s.extensions:
+            return
+        starts = np.asarray(kv_len, np.int64)
+        batch = StepBatch(
+            rows=np.asarray([r.req_pool_idx for r in running], np.int64),
+            starts=starts,
+            seq_lens=starts + np.asarray([len(k) for k in kept], np.int64),
+            slots=np.zeros(0, np.int32),
+            reqs=list(running),
+            max_seqs=s.max_batch_size,
+            is_decode=True,
+        )
+        for ext in s.extensions:
+            ext.after_step(batch)
+
     def _settle_round(
         self,
         s: Scheduler,
@@ -469,6 +490,7 @@ class DraftDecoding:
         ]
         if saved is not None:
             self._replay(s, running, kv_len, kept_all, saved)
+            self._kept_after_round(s, running, kv_len, kept_all)
         s.running = []
         with s.finish_group() as freed_rows:
             for i, req in enumerate(running):
