@@ -507,10 +507,6 @@ GAP_SWA_DRAFT_STORAGE = (
     f"{GAP}: the storage tier under the hybrid sliding-window tree with a draft model's host pool (its pages are not "
     "stored with the full side's)"
 )
-GAP_RECURRENT_DP_DCP = (
-    f"{GAP}: recurrent state under DP attention with DCP (each rank's state split over its ('tp', 'dcp') group in "
-    "the stacked DP pools)"
-)
 #: Qwen3-Next under DCP (tests/mesh/test_dcp_recurrent.py): KV striped, the state split by heads over the group.
 DCP_RECURRENT = "tests/mesh/test_dcp_recurrent.py::"
 GAP_RECURRENT_PP_HOST = f"{GAP}: the host copies of recurrent-state checkpoints over pipeline stages"
@@ -1053,6 +1049,7 @@ PROOFS: dict[tuple[str, str, str], str] = {
         DCP_RECURRENT + "test_cpu_tensor_retraction_backup_beside_the_host_tier",
     ),
     ("recurrent", "dcp", "pp"): DCP_RECURRENT + "test_over_two_pipeline_stages_with_two_micro_batches",
+    ("recurrent", "dp", "dcp"): DCP_RECURRENT + "test_dp_attention_each_rank_a_dcp_group",
     # Rejecting rounds restored and replayed, the extra buffer recording only states within the kept tokens.
     ("recurrent", "dcp", "standalone"): DCP_RECURRENT
     + "test_standalone_draft_at_tp2_dcp2_replays_and_tracks_the_kept_tokens",
@@ -1084,7 +1081,6 @@ REFUSED: dict[tuple[str, str, str], Cell] = {
     ("swa", "storage", "processes"): refused(GAP_SWA_STORAGE),
     ("mla", "pp", "standalone"): refused(SGL_PP_SPEC),
     ("mla", "pp", "processes"): refused(GAP_PROCESSES),
-    ("recurrent", "dp", "dcp"): refused(GAP_RECURRENT_DP_DCP),
     ("recurrent", "dp", "pp"): refused(GAP_RECURRENT_DP_PP),
     ("recurrent", "dp", "storage"): refused(GAP_RECURRENT_STORAGE),
     ("recurrent", "dcp", "storage"): refused(SGL_HICACHE_DCP_MHA),

@@ -126,11 +126,6 @@ def _check_kind(kind: PlannerKind, model: str, args: argparse.Namespace, storage
     if args.dcp > 1 and kind.dcp_refusal is not None:
         why = _DCP_WHY.get(kind.name) or ConfigError("dcp_size", args.dcp, kind.dcp_refusal).render_fix(_FLAGS)
         raise UsageError(f"--dcp {args.dcp} with --model {model}: {why} is {_GAP}; drop --dcp")
-    if args.dcp > 1 and kind.name == "recurrent" and args.dp > 1:  # kvjax.plan.kinds.recurrent.dcp_config_refusal
-        raise UsageError(
-            f"--dcp {args.dcp} with --dp {args.dp}: for --model {model}, recurrent state under DP attention with DCP "
-            f"is {_GAP}; drop one of the two"
-        )
     if args.pp > 1 and kind.name == "recurrent" and (args.enable_hierarchical_cache or args.dp > 1):
         other = "--enable-hierarchical-cache" if args.enable_hierarchical_cache else f"--dp {args.dp}"
         what = (

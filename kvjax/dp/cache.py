@@ -43,7 +43,10 @@ Under decode context parallelism (``dcp_size > 1``, DCP dividing each rank's att
 striped page (``page_size * dcp_size``). A rank's host pool (the host tier, or the ``host_pool``
 retraction backup) is the one ``build_kv_cache`` builds over the rank's group: the host page is the
 striped page, every ``"dcp"`` rank's rows once, rank-major (``kvjax.tiers.head_shards``), and the
-rank's ``RankPageTransferEngine`` moves each device's rows of the rank's slice in place.
+rank's ``RankPageTransferEngine`` moves each device's rows of the rank's slice in place. Recurrent
+state is not striped: a rank's slice of it is split by heads over the rank's whole ``("tp",
+"dcp")`` group (``P("data", None, None, ("tp", "dcp"))``, ``kvjax.plan.kinds.recurrent``), as
+``build_kv_cache`` builds it over that group.
 
 Invariants: ``pools`` leaves have shape ``(dp_size, *rank_shape)`` where ``rank_shape`` is the
 shape ``build_kv_cache`` gives that array over the rank's ``("tp",)`` (or ``("tp", "dcp")``) mesh;
@@ -243,8 +246,9 @@ def build_dp_pools(plan: CachePlan, config: CacheConfig, mesh: Mesh) -> tuple[Ca
     device_plans = tuple(pool for pool in plan.pools if pool.memory == "device")
     one_device = BuildContext(platform=plan.platform, host_layout=plan.hicache_mem_layout)
     one_rank = _rank_context(one_device, rank_mesh(mesh, 0), config)
-    # the rank's pools over its "tp" devices alone (not striped): which axes "tp" splits
-    heads_mesh = Mesh(rank_devices(mesh, 0)[:: config.dcp_size], (KV_HEAD_MESH_AXIS,))
+    # the rank's pools over its "tp" devices alone (not striped): which axes "tp" splits; under DCP
+    # over its ("tp", "dcp") group, not striped: recurrent state splits its heads over both
+    heads_mesh = rank_mesh(mesh, 0) if config.dcp_enabled else Mesh(rank_devices(mesh, 0), (KV_HEAD_MESH_AXIS,))
     headed = dataclasses.replace(one_device, mesh=heads_mesh, tp_size=config.attn_tp_size)
     local = jax.eval_shape(lambda: _device_pools(device_plans, one_device))
     over_heads = jax.tree_util.tree_leaves(jax.eval_shape(lambda: _device_pools(device_plans, headed)))
@@ -336,17 +340,21 @@ def _device_pools(plans: tuple[PoolPlan, ...], context: BuildContext) -> CachePo
 
 def _rank_spec(local: tuple[int, ...], headed: tuple[int, ...], ranked: tuple[int, ...], attn_tp: int, dcp: int) -> P:
     """The spec of one array: rank axis over ``"data"``; over ``"tp"`` the axis where the rank's
-    array over its ``"tp"`` devices alone (``headed``) is ``attn_tp`` times one device's
-    (``local``); over ``"dcp"`` the axis where the rank's striped array (``ranked``) is ``dcp``
-    times ``headed`` (its page rows, under decode context parallelism)."""
+    array over its ``"tp"`` devices alone (``headed``: under decode context parallelism over its
+    ``("tp", "dcp")`` group, not striped) is ``attn_tp`` times one device's (``local``); over
+    ``("tp", "dcp")`` jointly the axis where ``headed`` is ``attn_tp * dcp`` times ``local``
+    (recurrent state's heads, over the whole group); over ``"dcp"`` the axis where the rank's
+    striped array (``ranked``) is ``dcp`` times ``headed`` (its page rows)."""
     if not len(local) == len(headed) == len(ranked):
         raise AssertionError(f"a pool array of shape {ranked} over a rank has shape {local} on one device")
-    axes: list[str | None] = []
+    axes: list[str | tuple[str, str] | None] = []
     for a, h, b in zip(local, headed, ranked, strict=True):
         if a == h == b:
             axes.append(None)
         elif h == a * attn_tp and b == h and KV_HEAD_MESH_AXIS not in axes:
             axes.append(KV_HEAD_MESH_AXIS)
+        elif dcp > 1 and h == a * attn_tp * dcp and b == h and not {KV_HEAD_MESH_AXIS, DCP_AXIS} & set(axes):
+            axes.append((KV_HEAD_MESH_AXIS, DCP_AXIS))  # recurrent state: heads over the whole group
         elif a == h and b == h * dcp and DCP_AXIS not in axes:
             axes.append(DCP_AXIS)
         else:

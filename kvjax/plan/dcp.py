@@ -34,7 +34,7 @@ Refused, each by name, with what to do:
   for MLA);
 * a cache kind that says why it cannot be striped (``PlannerKind.dcp_refusal``), or what it needs
   beside DCP (``PlannerKind.dcp_config_refusal``): recurrent state without the extra buffer (its
-  tree's page is the striped page) or under DP attention (below).
+  tree's page is the striped page, below).
 
 Served for the hybrid sliding-window kind (Gemma 3, gpt-oss): both of its pools striped alike,
 both allocators handing out striped pages, the full→SWA pairing keeping a slot's offset in its
@@ -57,8 +57,9 @@ widened page) and only the extra buffer's tracking slots hold a state there:
 ``enable_mamba_extra_buffer`` is required (SGLang's ``MambaComponent`` asserts a page of 1 without
 it, on the widened page; ``generate`` sets it). Speculative decoding of it is served (a round's
 rejected tokens rolled back by the state replay, the extra buffer recording a state tracked in a
-round within its kept tokens only: ``kvjax.serve.speculative.draft_decoding``). Not built yet,
-refused by name: recurrent state under DP attention with DCP.
+round within its kept tokens only: ``kvjax.serve.speculative.draft_decoding``), and so is DP
+attention with it: a rank's slice of the state split by heads over the rank's ``("tp", "dcp")``
+group (``kvjax.dp.cache``).
 
 Served: the host tier (L1 host pool, L2 load-back) and the ``host_pool`` retraction backup over
 a striped pool: the host page is the striped page, every rank's rows once, rank-major, and each

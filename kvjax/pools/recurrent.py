@@ -41,6 +41,7 @@ from kvjax.errors import InvalidSlotError
 from kvjax.layout.build_context import BuildContext
 from kvjax.layout.pool_plan import PoolPlan
 from kvjax.layout.recurrent import RecurrentLayout
+from kvjax.mesh_check import DCP_AXIS
 from kvjax.pools import dtypes
 from kvjax.pools.base import LayerStack, Pool, check_slots, is_traced, route_to_trash, static_field
 from kvjax.pools.planned import planned_layout
@@ -386,8 +387,8 @@ def create_pool_group(pools: tuple[PoolPlan, ...], context: BuildContext) -> Rec
     layout = planned_layout(pools[0], "recurrent", RecurrentLayout)
     mesh = context.mesh
     axis: str | tuple[str, ...] = context.kv_head_axis
-    if mesh is not None and context.context_axis is not None and context.context_axis in mesh.axis_names:
-        axis = (context.kv_head_axis, context.context_axis)
+    if mesh is not None and DCP_AXIS in mesh.axis_names:  # the whole group, whether the KV is striped or not
+        axis = (context.kv_head_axis, DCP_AXIS)
     if mesh is not None and state_axis_size(mesh, axis) != layout.tp_size:
         raise NotImplementedError(
             f"the recurrent state is planned for tp_size={layout.tp_size} ranks but the mesh's "

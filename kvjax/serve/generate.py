@@ -435,6 +435,7 @@ def generate_dp(
         *sizes,
         enable_hierarchical_cache=enable_hierarchical_cache,
         dcp_size=dcp_size,
+        dp_size=dp_size,
         extra_tokens=0 if draft is None else speculative_num_steps,  # a round's draft tokens past the end
     ).replace(
         dp_size=dp_size, enable_dp_attention=True, pp_size=pp_size, **_speculative_config(draft, speculative_num_steps)
@@ -687,12 +688,14 @@ def _config(
     *,
     enable_hierarchical_cache: bool = False,
     dcp_size: int = 1,
+    dp_size: int = 1,
     extra_tokens: int = 0,
 ) -> CacheConfig:
     """The cache of a ``generate`` run: the context rounded up to fit the longest request, a pool
     of ``max_total_tokens`` (default: room for every prompt, its output and ``extra_tokens`` more
     per request, a speculative round's draft tokens past the last kept one, in whole pages of the
-    allocator: ``page_size * dcp_size`` tokens under decode context parallelism). A model with
+    allocator: ``page_size * dcp_size`` tokens under decode context parallelism; ``dp_size``: the
+    DP ranks, whose state slots are each a share of the cache's). A model with
     recurrent state under decode context parallelism keeps its checkpoints in the extra buffer
     (``enable_mamba_extra_buffer``: its tree's page is the striped page, ``kvjax.plan.kinds.recurrent``),
     as SGLang's ``auto`` strategy picks ``extra_buffer`` for it."""
@@ -701,10 +704,9 @@ def _config(
     running = max(2 * max_batch_size, 4)
     extra_buffer = model.spec.uses_ssm_state and dcp_size > 1
     # The state slots default to one per running request; with the extra buffer at least one
-    # request's (its slot, two ping-pong slots, checkpoints: kvjax.plan.sizing).
-    state_slots = (
-        max(running, MAMBA_STATES_PER_REQ_WITH_RADIX + MAMBA_EXTRA_BUFFER_STATES[False]) if extra_buffer else None
-    )
+    # request's (its slot, two ping-pong slots, checkpoints: kvjax.plan.sizing) per DP rank.
+    states = MAMBA_STATES_PER_REQ_WITH_RADIX + MAMBA_EXTRA_BUFFER_STATES[False]
+    state_slots = max(running, states) * dp_size if extra_buffer else None
     if max_total_tokens is None:
         striped = page_size * dcp_size  # the allocator's page
         per_request = [-(-(len(p) + max_new_tokens + extra_tokens) // striped) * striped for p in prompts]

@@ -215,6 +215,8 @@ def test_generate_at_tp4_dcp2_in_one_process_and_over_two(tmp_path_factory, caps
     single = json.loads(capsys.readouterr().out)
     assert single["cached_tokens"] >= 16, single  # the second prompt starts from the first one's checkpoint
     assert single["outputs"] == [hf_greedy(hf, p, 4)[0] for p in prompts], single
+    assert main([*argv, "--dp", "2", "--tp", "8"]) == 0  # DP attention: each rank a (2, 2) DCP group
+    assert json.loads(capsys.readouterr().out)["outputs"] == single["outputs"]
 
     out = launch(["--processes", "2", "--cpu-devices-per-process", "2", "--", *argv], timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -236,35 +238,77 @@ def test_generate_at_tp4_dcp2_in_one_process_and_over_two(tmp_path_factory, caps
             r"dcp_size=2: .*striped page of page_size 1 x 2 = 2 tokens.*set enable_mamba_extra_buffer True",
         ),
         (
-            dict(enable_mamba_extra_buffer=True, enable_dp_attention=True, dp_size=2, tp_size=4),
-            r"dcp_size=2: .*recurrent state under DP attention with decode context parallelism",
+            dict(enable_mamba_extra_buffer=True, speculative_algorithm="STANDALONE", pp_size=2),
+            r"enable_mamba_extra_buffer=True: speculative decoding of recurrent state with the extra buffer under "
+            r"pipeline stages",
         ),
     ],
-    ids=["no-extra-buffer", "dp-attention"],
+    ids=["no-extra-buffer", "speculative-over-stages"],
 )
 def test_what_dcp_does_not_serve_beside_recurrent_state_is_refused_by_name(fields, match, tp2):
     """Refused by the plan, before anything is allocated."""
     _, model = tp2
     config = CacheConfig(**{**dict(POOLS, tp_size=2, dcp_size=DCP, page_size=1, context_length=64), **fields})
     with pytest.raises(ConfigError, match=match):
-        plan_kv_cache(model.spec, config)
-    if not config.enable_dp_attention:
+        plan_kv_cache(model.spec, config, draft_spec=model.spec if config.speculative_algorithm else None)
+    if config.pp_size == 1:
         before = len(jax.live_arrays())
         with pytest.raises(ConfigError, match=match):
             build_kv_cache(model.spec, config, mesh=_mesh(2))
         assert len(jax.live_arrays()) == before, "nothing is allocated before the error"
 
 
-def test_the_command_line_names_both_flags(tp2, tmp_path, capsys):
-    """``--dcp`` with ``--dp``: before jax loads a weight, one ``UsageError`` naming both."""
-    from kvjax.serve.checkpoint import save_checkpoint
+def test_dp_attention_each_rank_a_dcp_group(tp4):
+    """``--dp 2 --tp 8 --dcp 2``: each DP rank a group of 4 chips, ``("tp", "dcp")`` = (2, 2), its
+    KV heads over ``"tp"`` and its tokens striped over ``"dcp"``, its slice of the stacked state
+    split by heads over all 4; the rank's checkpoint forks, copies and ``cpu_tensor`` backup write
+    that slice. Both ranks serve, reuse, evict and retract (restored), leak free."""
+    from kvjax.dp import LockstepDPScheduler
+    from kvjax.serve.retraction_extension import RetractionBackupExtension
+    from tests.mesh.dp_balance import BalancedFront
 
-    _, model = tp2
-    directory = save_checkpoint(tmp_path / "qwen3-next", model.spec, model.params)
-    argv = ["generate", "--model", str(directory), "--prompt-ids", "1,2,3", "--tp", "4", "--dcp", "2", "--dp", "2"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--dcp 2 with --dp 2" in err and "not built in kvjax yet" in err, err
+    hf, model = tp4
+    dp, tp = 2, 8
+    config = CacheConfig(
+        context_length=CONTEXT_LENGTH,
+        chunked_prefill_size=CHUNK,
+        page_size=1,
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=True,
+        dcp_size=DCP,
+        disaggregation_decode_retraction_backup="cpu_tensor",
+        **dict(POOLS, max_total_tokens=40, max_running_requests=8, max_mamba_cache_size=20),
+    )
+    mesh = make_serving_mesh(tp, dp, True, devices=jax.devices(), dcp_size=DCP)
+    front = LockstepDPScheduler.build_lockstep(
+        model.spec,
+        config,
+        model.params,
+        mesh,
+        max_batch_size=4,
+        chunked_prefill_size=CHUNK,
+        record_logits=True,
+        model_config=model.config,
+    )
+    done = serve_two_rounds(BalancedFront(front), MAX_NEW)  # type: ignore[arg-type]
+    state = front.cache.pools.recurrent
+    assert all(tuple(a.sharding.spec)[:4] == ("data", None, None, ("tp", "dcp")) for a in state.arrays())
+    rank_view = jax.tree_util.tree_unflatten(front.cache.layout.rank_pools, jax.tree.leaves(front.cache.pools))
+    assert rank_view.kv.context_axis == "dcp" and rank_view.recurrent.state_axis == ("tp", "dcp")
+    assert sorted(set(front.rank_of.values())) == [0, 1], front.rank_of
+    for scheduler in front.schedulers:
+        assert scheduler.leak_free() and scheduler.page_size == DCP
+        table, tree = scheduler.cache.req_to_token_pool, scheduler.cache.tree_cache
+        held = tree.mamba_evictable_size() + tree.mamba_protected_size()
+        assert table.mamba_allocator.available_size() + held == table.mamba_pool_size, "a state slot leaked"
+        tree.sanity_check()
+    stats = [s.stats for s in front.schedulers]
+    assert sum(st.cached_tokens for st in stats) > 0 and sum(st.evicted_tokens for st in stats) > 0, stats
+    assert sum(st.retractions for st in stats) > 0, stats
+    backups = [e.retraction for s in front.schedulers for e in s.extensions if isinstance(e, RetractionBackupExtension)]
+    assert sum(b.restored for b in backups) > 0 and all(b.held == 0 for b in backups), backups
+    assert_matches_transformers(hf, done, max_new=MAX_NEW, atol=ATOL)
 
 
 def _assert_replayed_and_leak_free(sched: Any) -> None:

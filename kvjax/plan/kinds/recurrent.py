@@ -135,15 +135,9 @@ def host_state_pools(target: Target, sizes: Sizes, host: HostTier) -> tuple[Pool
 
 
 def dcp_config_refusal(config: CacheConfig) -> str | None:
-    """What DCP does not serve beside recurrent state yet, and the extra buffer it needs: the
-    tree's page is ``page_size * dcp_size`` tokens (more than one), so its checkpoints need the
-    extra buffer (module docstring), unless the radix cache keeps none."""
-    if config.enable_dp_attention:
-        return (
-            "recurrent state under DP attention with decode context parallelism (each rank's state split over "
-            "its ('tp', 'dcp') group in the stacked DP pools) is not built in kvjax yet; drop {dcp_size} or "
-            "{enable_dp_attention}"
-        )
+    """The extra buffer DCP needs beside recurrent state: the tree's page is ``page_size *
+    dcp_size`` tokens (more than one), so its checkpoints need the extra buffer (module
+    docstring), unless the radix cache keeps none."""
     if config.enable_mamba_extra_buffer or config.disable_radix_cache:
         return None
     page = config.page_size * config.dcp_size
