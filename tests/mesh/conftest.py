@@ -30,7 +30,7 @@ HEAVIEST_FIRST = (
     "test_pd_faults.py",  # 80
     "test_tp_speculative_swa.py",  # 80
     "test_matrix_pairs.py",  # 100
-    "test_dcp_recurrent.py",  # 90 (60 with the persistent compilation cache warm)
+    "test_dcp_recurrent.py",  # 80 (35 with the persistent compilation cache warm)
     "test_multihost_speculative.py",  # 60
     "test_dp_speculative.py",  # 55
     "test_dcp_speculative.py",  # 45

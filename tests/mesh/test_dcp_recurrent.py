@@ -200,7 +200,8 @@ def test_over_two_pipeline_stages_with_two_micro_batches(tp2):
 
 def test_generate_at_tp4_dcp2_in_one_process_and_over_two(tmp_path_factory, capsys):
     """``generate --tp 4 --dcp 2`` on the checkpoint (its tree on the striped page: generate sets
-    the extra buffer) gives Transformers' greedy tokens, reusing the shared prompt's checkpoint;
+    the extra buffer) gives Transformers' greedy tokens, reusing the shared prompt's checkpoint, and
+    so do ``--tp 2 --dcp 2`` and ``--dp 2 --tp 8 --dcp 2``;
     over 2 processes of 2 devices (each ``"dcp"`` pair one process's, the state split over all 4)
     the same tokens, every process's state digest compared at every step."""
     config = transformers.Qwen3NextConfig(**TINY_CONFIG, **LAYERS, **HEADS[4])
@@ -215,8 +216,9 @@ def test_generate_at_tp4_dcp2_in_one_process_and_over_two(tmp_path_factory, caps
     single = json.loads(capsys.readouterr().out)
     assert single["cached_tokens"] >= 16, single  # the second prompt starts from the first one's checkpoint
     assert single["outputs"] == [hf_greedy(hf, p, 4)[0] for p in prompts], single
-    assert main([*argv, "--dp", "2", "--tp", "8"]) == 0  # DP attention: each rank a (2, 2) DCP group
-    assert json.loads(capsys.readouterr().out)["outputs"] == single["outputs"]
+    for flags in (["--tp", "2"], ["--dp", "2", "--tp", "8"]):  # tp 2 x dcp 2; DP ranks of (2, 2) groups
+        assert main([*argv, *flags]) == 0
+        assert json.loads(capsys.readouterr().out)["outputs"] == single["outputs"], flags
 
     out = launch(["--processes", "2", "--cpu-devices-per-process", "2", "--", *argv], timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
