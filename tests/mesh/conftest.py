@@ -28,14 +28,14 @@ DEVICES = 8
 HEAVIEST_FIRST = (
     "test_pd_families.py",  # 100
     "test_pd_faults.py",  # 80
-    "test_tp_speculative_swa.py",  # 80
     "test_matrix_pairs.py",  # 100
     "test_dcp_recurrent.py",  # 80 (35 with the persistent compilation cache warm)
-    "test_multihost_speculative.py",  # 60
+    "test_multihost_speculative.py",  # 100 (four launches of two processes)
+    "test_dcp_swa.py",  # 60
+    "test_pp_eagle.py",  # 55
     "test_dp_speculative.py",  # 55
     "test_dcp_speculative.py",  # 45
     "test_multihost_dcp.py",  # 45
-    "test_pp_recurrent.py",  # 40
     "test_dp_dcp_host_tier.py",  # 25
     "test_tp_speculative_overlap.py",  # 24
     "test_multihost_storage.py",  # 35
@@ -71,6 +71,8 @@ HEAVIEST_FIRST = (
     "test_multihost_llava.py",  # 13
     "test_tp_parity.py",  # 13
     "test_multihost_agreement.py",  # 11
+    "test_tp_speculative_swa.py",  # 14 (the attention kernels traced once per shape)
+    "test_pp_recurrent.py",  # 10 (the state forks one compiled program)
 )
 
 jax.config.update("jax_num_cpu_devices", DEVICES)
